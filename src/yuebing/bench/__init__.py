@@ -1,0 +1,1 @@
+"""yuebing.bench: see docs/structure.md."""

@@ -1,0 +1,1 @@
+"""The ``yuebing`` command. Each ``cmd_*.py`` module here contributes commands; see `main`."""

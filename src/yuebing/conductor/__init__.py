@@ -1,0 +1,1 @@
+"""yuebing.conductor: see docs/structure.md."""

@@ -1,0 +1,1 @@
+"""yuebing.conductor.policy: see docs/structure.md."""

@@ -1,0 +1,136 @@
+"""Inputs and outputs of the pure Conductor policies.
+
+Who builds what:
+- The simulator (`yuebing.sim`) and the live Conductor (`yuebing.conductor`) each build a
+  `RequestInfo` and a `ClusterView` for every arriving request and call
+  `yuebing.conductor.policy.decide(request, view, config)`.
+- The policy returns a `Route` (which prefill and decode instance, what prefix to reuse and from
+  where, the estimates) or a `Reject` (why, at which stage, when to retry). The adapter applies it.
+
+Everything here is frozen and free of I/O; ``now_s`` comes in the view, never from a clock.
+Per-request facts (how many leading blocks of *this* request each instance holds) are filled in
+by the adapter, which owns the caches and the global KV index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from yuebing.core.ids import BlockHash, InstanceId
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """One request as the Conductor sees it at arrival."""
+
+    request_id: str
+    arrival_s: float
+    input_tokens: int
+    block_keys: tuple[BlockHash, ...]
+    """Chained keys of the prompt's full blocks (trace ``hash_ids`` or `hash_blocks`)."""
+    expected_output_tokens: int
+    """Trace output length in the simulator; ``max_tokens`` (or a predictor) live."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillState:
+    """Snapshot of one prefill instance, specialised to the request being routed."""
+
+    instance_id: InstanceId
+    queue_s: float
+    """Predicted seconds until this instance could start a new request (work queued ahead)."""
+    queued_requests: int
+    local_prefix_blocks: int
+    """Leading blocks of this request already in this instance's own cache (DRAM/HBM)."""
+    node: str = ""
+    """Host the instance runs on (transfers between instances of one node are cheaper)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeState:
+    """Snapshot of one decode instance."""
+
+    instance_id: InstanceId
+    batch_size: int
+    context_tokens: int
+    """Sum of the context lengths of the running batch."""
+    kv_used_tokens: int
+    kv_capacity_tokens: int
+    waiting_requests: int = 0
+    """Requests whose KV arrived or is arriving but that are not yet in the batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixSource:
+    """Where the longest cached prefix of this request lives in the global pool."""
+
+    holder: InstanceId | str
+    """Instance (or store node) holding ``blocks`` leading blocks of the request."""
+    blocks: int
+    node: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PendingDecode:
+    """A request already routed that has not reached decode yet (for load forecasting)."""
+
+    expected_decode_start_s: float
+    expected_output_tokens: int
+    decode_id: InstanceId | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """Everything a policy may look at for one decision."""
+
+    now_s: float
+    prefills: tuple[PrefillState, ...]
+    decodes: tuple[DecodeState, ...]
+    best_prefix: PrefixSource | None = None
+    """Longest prefix of this request anywhere in the global KV index (None: nothing cached)."""
+    link_bandwidth_Bps: float = 100e9
+    """Bandwidth of one inter-node KV transfer, bytes/s."""
+    link_latency_s: float = 0.0
+    pending_decodes: tuple[PendingDecode, ...] = field(default=())
+    """Routed requests still in prefill/transfer (predictive early rejection uses these)."""
+
+
+class RejectStage(IntEnum):
+    """Where in a request's life the rejection happened (ordered by time)."""
+
+    ARRIVAL = 0
+    PREFILL = 1
+    DECODE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Decision to serve a request: the adapter queues it on ``prefill_id`` then ``decode_id``."""
+
+    prefill_id: InstanceId
+    decode_id: InstanceId
+    reused_blocks: int
+    """Leading blocks whose KV is reused (local or fetched) instead of recomputed."""
+    fetch_from: InstanceId | str | None
+    """Holder to copy the prefix from before prefill; None when the local prefix is used."""
+    fetch_blocks: int
+    est_transfer_s: float
+    est_queue_s: float
+    est_prefill_s: float
+    est_ttft_s: float
+    est_tbt_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """Decision to refuse a request now; the gateway answers 429 with ``Retry-After``."""
+
+    reason: str
+    stage: RejectStage
+    retry_after_s: float
+    est_ttft_s: float | None = None
+    est_tbt_s: float | None = None
+
+
+Decision = Route | Reject

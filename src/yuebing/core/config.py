@@ -1,0 +1,129 @@
+"""Config helpers shared by every component.
+
+Each component keeps a frozen dataclass config beside itself. Fields carry their help text in
+``field(metadata={"help": ...})``; `add_config_args` turns a config class into argparse flags
+and `config_from_args` builds the instance back, so the CLI is generated from the configs.
+Validation lives in each config's ``__post_init__`` and raises `ConfigError` via `require`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import types
+import typing
+from typing import Any, TypeVar
+
+from yuebing.core.errors import ConfigError
+
+C = TypeVar("C")
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """``"4GiB"`` → 4294967296, ``"64KiB"`` → 65536, ``"1e6"`` → 1000000, ``"512"`` → 512."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _SIZE_UNITS:
+        raise ConfigError(f"cannot parse size {text!r}; use e.g. 512, 64KiB, 4MiB, 2GiB, 1e6")
+    value = float(m.group(1)) * _SIZE_UNITS[unit]
+    if value != int(value):
+        raise ConfigError(f"size {text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def parse_size_list(text: str) -> list[int]:
+    """``"1MiB,4MiB"`` → [1048576, 4194304]."""
+    items = [t for t in text.split(",") if t.strip()]
+    if not items:
+        raise ConfigError(f"empty size list {text!r}")
+    return [parse_size(t) for t in items]
+
+
+def format_size(n: float) -> str:
+    """Human-readable binary size: 1048576 → ``"1MiB"``."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale and n % scale == 0:
+            return f"{int(n // scale)}{unit}"
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{int(n)}B"
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise `ConfigError(message)` unless ``condition``; use in ``__post_init__``."""
+    if not condition:
+        raise ConfigError(message)
+
+
+def _flag(prefix: str, name: str) -> str:
+    return "--" + (prefix + name).replace("_", "-")
+
+
+def _base_type(tp: Any) -> Any:
+    """Strip ``X | None`` to ``X``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return tp
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
+    """Add one ``--flag`` per field of dataclass ``cls`` (bools become ``--x/--no-x``).
+
+    Nested dataclass fields are skipped (compose them with their own prefix). Defaults are left
+    as ``None`` so `config_from_args` only overrides what the user typed.
+    """
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp = _base_type(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        flag = _flag(prefix, f.name)
+        dest = prefix + f.name
+        if tp is bool:
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+                                default=None, help=help_text)
+        elif tp in (int, float, str):
+            conv: Any = parse_size if (tp is int and f.metadata.get("size")) else tp
+            parser.add_argument(flag, dest=dest, type=conv, default=None, help=help_text)
+        elif typing.get_origin(tp) is tuple:
+            (item,) = {a for a in typing.get_args(tp) if a is not Ellipsis} or {str}
+            parser.add_argument(flag, dest=dest, default=None, help=help_text + " comma-separated",
+                                type=lambda s, item=item: tuple(item(x) for x in s.split(",") if x))
+        else:
+            parser.add_argument(flag, dest=dest, type=str, default=None, help=help_text)
+
+
+def config_from_args(cls: type[C], ns: argparse.Namespace, prefix: str = "", **base: Any) -> C:
+    """Build ``cls`` from parsed flags: ``base`` values, overridden by flags the user gave."""
+    values = dict(base)
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        v = getattr(ns, prefix + f.name, None)
+        if v is not None:
+            values[f.name] = v
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ConfigError(f"{cls.__name__}: {e}") from None
+
+
+def replace(cfg: C, **changes: Any) -> C:
+    """`dataclasses.replace` that re-runs validation (frozen configs validate in __post_init__)."""
+    return dataclasses.replace(cfg, **changes)  # type: ignore[type-var]

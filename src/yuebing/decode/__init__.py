@@ -1,0 +1,1 @@
+"""yuebing.decode: see docs/structure.md."""

@@ -1,0 +1,1 @@
+"""yuebing.engine: see docs/structure.md."""

@@ -1,0 +1,1 @@
+"""yuebing.prefill: see docs/structure.md."""

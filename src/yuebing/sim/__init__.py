@@ -1,0 +1,1 @@
+"""yuebing.sim: see docs/structure.md."""

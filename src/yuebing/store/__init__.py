@@ -1,0 +1,1 @@
+"""yuebing.store: see docs/structure.md."""

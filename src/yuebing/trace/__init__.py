@@ -1,0 +1,1 @@
+"""yuebing.trace: see docs/structure.md."""

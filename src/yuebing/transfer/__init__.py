@@ -1,0 +1,1 @@
+"""yuebing.transfer: see docs/structure.md."""
