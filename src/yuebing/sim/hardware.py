@@ -1,0 +1,245 @@
+"""Hardware cost models of the simulator: how long prefill, a decode step and a transfer take.
+
+Life cycle: the runner builds one `CostModel` per run (``roofline`` from the paper's Table 1,
+or ``fitted`` from a profile file written by ``yuebing profile``) and hands it to the simulated
+system; prefill/decode instances ask it for durations whenever they start work, and the policy
+predictors are fitted from samples of it. Cost models are pure functions of their arguments.
+
+Roofline (paper Table 1, LLaMA3-70B on one node of 8×A800):
+
+- prefill of ``n`` new tokens after ``c`` cached ones costs FLOPs(c+n) − FLOPs(c), with
+  FLOPs(x) = l·(a·x²·d + b·x·d²), run at ``gpus · gpu_flops · mfu``; the cached prefix is loaded
+  and the new KV stored layer by layer over the host link (``h2d_Bps``), overlapping compute, so
+  the time is max(compute, load, store) plus ``chunk_overhead_s`` per chunk of
+  ``chunk_tokens`` (chunked prefill);
+- a decode step reads the weights and the whole batch's KV once: bytes / (HBM bandwidth · mbu),
+  or the batch's matmul FLOPs if that is larger, plus ``step_overhead_s``;
+- a transfer of ``B`` bytes takes ``nic_latency_s + B / nic_Bps``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from yuebing.core.config import require
+from yuebing.core.errors import InputError
+from yuebing.core.registry import Registry
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The served model (defaults: LLaMA3-70B as in the paper's Table 1)."""
+
+    layers: int = field(default=80, metadata={"help": "transformer layers l"})
+    d_model: int = field(default=8192, metadata={"help": "hidden size d"})
+    flops_a: float = field(default=4.0, metadata={"help": "attention FLOPs coefficient a"})
+    flops_b: float = field(default=22.0, metadata={"help": "linear FLOPs coefficient b"})
+    params: float = field(default=70e9, metadata={"help": "parameter count"})
+    weight_bytes_per_param: int = field(default=2, metadata={"help": "bytes per weight (bf16: 2)"})
+    kv_bytes_per_token: int = field(default=327_680, metadata={
+        "help": "KV bytes per token over all layers (80 layers · 8 KV heads · 128 · 2 · 2 B)"})
+
+    def __post_init__(self) -> None:
+        require(self.layers > 0 and self.d_model > 0, "model layers and d_model must be > 0")
+        require(self.flops_a >= 0 and self.flops_b > 0, "flops_a must be >= 0 and flops_b > 0")
+        require(self.params > 0, "model params must be > 0")
+        require(self.weight_bytes_per_param > 0, "weight_bytes_per_param must be > 0")
+        require(self.kv_bytes_per_token > 0, "kv_bytes_per_token must be > 0")
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.weight_bytes_per_param
+
+    def flops(self, tokens: float) -> float:
+        """Paper Table 1: FLOPs(n) = l·(a·n²·d + b·n·d²) for a prefill of ``n`` tokens."""
+        d = self.d_model
+        return self.layers * (self.flops_a * tokens * tokens * d + self.flops_b * tokens * d * d)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One serving node (defaults: 8×A800 80GB, paper §5 / Table 1)."""
+
+    gpus: int = field(default=8, metadata={"help": "GPUs per node"})
+    gpu_flops: float = field(default=312e12, metadata={"help": "peak bf16 FLOP/s per GPU"})
+    mfu: float = field(default=0.55, metadata={"help": "prefill model-FLOPs utilisation"})
+    decode_mfu: float = field(default=0.3, metadata={"help": "decode matmul FLOPs utilisation"})
+    hbm_Bps: float = field(default=2.039e12, metadata={"help": "HBM bandwidth per GPU, B/s"})
+    mbu: float = field(default=0.7, metadata={"help": "decode memory-bandwidth utilisation"})
+    hbm_bytes: float = field(default=80e9, metadata={"help": "HBM capacity per GPU, bytes"})
+    hbm_usable: float = field(default=0.9, metadata={"help": "share of HBM usable for weights+KV"})
+    h2d_Bps: float = field(default=128e9, metadata={"help": "host<->device bandwidth, B/s"})
+    nic_Bps: float = field(default=100e9, metadata={"help": "node NIC bandwidth (4×200 Gbps), B/s"})
+    nic_latency_s: float = field(default=50e-6, metadata={"help": "per-transfer latency, s"})
+    chunk_tokens: int = field(default=8192, metadata={"help": "chunked-prefill chunk size"})
+    chunk_overhead_s: float = field(default=0.01, metadata={"help": "fixed cost per prefill chunk"})
+    step_overhead_s: float = field(default=0.005, metadata={"help": "fixed cost per decode step"})
+
+    def __post_init__(self) -> None:
+        require(self.gpus > 0, "gpus must be > 0")
+        for name in ("gpu_flops", "hbm_Bps", "hbm_bytes", "h2d_Bps", "nic_Bps"):
+            require(getattr(self, name) > 0, f"{name} must be > 0")
+        for name in ("mfu", "decode_mfu", "mbu", "hbm_usable"):
+            require(0 < getattr(self, name) <= 1, f"{name} must be in (0, 1]")
+        require(self.chunk_tokens > 0, "chunk_tokens must be > 0")
+        for name in ("nic_latency_s", "chunk_overhead_s", "step_overhead_s"):
+            require(getattr(self, name) >= 0, f"{name} must be >= 0")
+
+
+class CostModel(ABC):
+    """Durations of simulated work. Called by simulated instances (single simulation thread)
+    whenever they start a prefill, a decode step or a transfer, and by the runner to sample
+    training points for the policy predictors. Implementations are pure (no side effects)."""
+
+    kv_bytes_per_token: int
+    """KV bytes one token occupies (all layers)."""
+    decode_kv_capacity_tokens: int
+    """KV tokens that fit in one decode node's HBM next to the weights."""
+    link_Bps: float
+    link_latency_s: float
+
+    @abstractmethod
+    def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
+        """Seconds one node needs to prefill ``new_tokens`` after ``cached_tokens`` reused ones."""
+
+    @abstractmethod
+    def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
+        """Seconds of one decode iteration of ``batch_size`` requests holding ``context_tokens``."""
+
+    def transfer_time(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` between two nodes (0 bytes: free)."""
+        if nbytes <= 0:
+            return 0.0
+        return self.link_latency_s + nbytes / self.link_Bps
+
+
+COST_MODELS: Registry[type[CostModel]] = Registry("cost model")
+
+
+@COST_MODELS.register("roofline")
+class RooflineCostModel(CostModel):
+    """Analytic roofline from the paper's Table 1 (see the module docstring)."""
+
+    def __init__(self, model: ModelSpec | None = None, node: NodeSpec | None = None) -> None:
+        self.model = model or ModelSpec()
+        self.node = node or NodeSpec()
+        n, m = self.node, self.model
+        self._peak = n.gpus * n.gpu_flops
+        self._flops_rate = self._peak * n.mfu
+        self._hbm_rate = n.gpus * n.hbm_Bps * n.mbu
+        self.kv_bytes_per_token = m.kv_bytes_per_token
+        kv_bytes = n.gpus * n.hbm_bytes * n.hbm_usable - m.weight_bytes
+        require(kv_bytes > 0, "the model weights do not fit in the node's usable HBM; "
+                "raise gpus / hbm_bytes / hbm_usable")
+        self.decode_kv_capacity_tokens = int(kv_bytes // m.kv_bytes_per_token)
+        self.link_Bps = n.nic_Bps
+        self.link_latency_s = n.nic_latency_s
+
+    def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
+        if new_tokens <= 0:
+            return 0.0
+        m, n = self.model, self.node
+        flops = m.flops(cached_tokens + new_tokens) - m.flops(cached_tokens)
+        compute = flops / self._flops_rate
+        load = cached_tokens * m.kv_bytes_per_token / n.h2d_Bps
+        store = new_tokens * m.kv_bytes_per_token / n.h2d_Bps
+        chunks = math.ceil(new_tokens / n.chunk_tokens)
+        return max(compute, load, store) + chunks * n.chunk_overhead_s
+
+    def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
+        if batch_size <= 0:
+            return 0.0
+        m, n = self.model, self.node
+        memory = (m.weight_bytes + context_tokens * m.kv_bytes_per_token) / self._hbm_rate
+        compute = 2.0 * m.params * batch_size / (self._peak * n.decode_mfu)
+        return max(memory, compute) + n.step_overhead_s
+
+
+class _PrefillSample(msgspec.Struct, forbid_unknown_fields=True):
+    new_tokens: int
+    cached_tokens: int
+    seconds: float
+
+
+class _DecodeSample(msgspec.Struct, forbid_unknown_fields=True):
+    batch_size: int
+    context_tokens: int
+    seconds: float
+
+
+class ProfileFile(msgspec.Struct, forbid_unknown_fields=True):
+    """Profiling data (``yuebing profile`` output): measured durations of the real engine."""
+
+    kv_bytes_per_token: int
+    decode_kv_capacity_tokens: int
+    prefill: list[_PrefillSample]
+    decode: list[_DecodeSample]
+    link_Bps: float = 100e9
+    link_latency_s: float = 50e-6
+    version: int = 1
+
+
+def _features_prefill(n: np.ndarray, c: np.ndarray) -> np.ndarray:
+    return np.stack([np.ones_like(n), n, n * c, n * n], axis=1)
+
+
+def _features_decode(b: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+    return np.stack([np.ones_like(b), b, ctx], axis=1)
+
+
+@COST_MODELS.register("fitted")
+class FittedCostModel(CostModel):
+    """Least-squares fit of measured durations.
+
+    prefill(n, c) ≈ k0 + k1·n + k2·n·c + k3·n² (the roofline's shape: linear layers plus
+    attention over the cached and new tokens); decode(b, ctx) ≈ k0 + k1·b + k2·ctx. Predictions
+    are clipped at 0.
+    """
+
+    def __init__(self, profile: ProfileFile) -> None:
+        require(len(profile.prefill) >= 4, "profile needs >= 4 prefill samples to fit")
+        require(len(profile.decode) >= 3, "profile needs >= 3 decode samples to fit")
+        require(profile.kv_bytes_per_token > 0 and profile.decode_kv_capacity_tokens > 0,
+                "profile kv_bytes_per_token and decode_kv_capacity_tokens must be > 0")
+        require(profile.link_Bps > 0 and profile.link_latency_s >= 0,
+                "profile link_Bps must be > 0 and link_latency_s >= 0")
+        p = np.array([(s.new_tokens, s.cached_tokens, s.seconds) for s in profile.prefill], float)
+        d = np.array([(s.batch_size, s.context_tokens, s.seconds) for s in profile.decode], float)
+        self.prefill_coef = np.linalg.lstsq(_features_prefill(p[:, 0], p[:, 1]), p[:, 2],
+                                            rcond=None)[0]
+        self.decode_coef = np.linalg.lstsq(_features_decode(d[:, 0], d[:, 1]), d[:, 2],
+                                           rcond=None)[0]
+        self.kv_bytes_per_token = profile.kv_bytes_per_token
+        self.decode_kv_capacity_tokens = profile.decode_kv_capacity_tokens
+        self.link_Bps = profile.link_Bps
+        self.link_latency_s = profile.link_latency_s
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> FittedCostModel:
+        """Load a profile JSON file; a malformed file raises `InputError` naming the problem."""
+        try:
+            profile = msgspec.json.decode(Path(path).read_bytes(), type=ProfileFile)
+        except OSError as e:
+            raise InputError(f"cannot read profile {path}: {e}") from None
+        except msgspec.ValidationError as e:
+            raise InputError(f"{path}: invalid profile: {e}") from None
+        return cls(profile)
+
+    def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
+        if new_tokens <= 0:
+            return 0.0
+        k0, k1, k2, k3 = self.prefill_coef
+        n, c = float(new_tokens), float(cached_tokens)
+        return max(0.0, k0 + k1 * n + k2 * n * c + k3 * n * n)
+
+    def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
+        if batch_size <= 0:
+            return 0.0
+        k0, k1, k2 = self.decode_coef
+        return max(0.0, k0 + k1 * batch_size + k2 * context_tokens)

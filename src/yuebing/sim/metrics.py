@@ -1,0 +1,163 @@
+"""Per-request records and aggregate metrics of a simulation.
+
+Life cycle: the runner creates one `RequestRecord` per trace request before its arrival; the
+simulated system fills in its fields as the request moves (routing → prefill → transfer →
+decode, or rejection) and calls `finish_decode` with the request's token times when the last
+token is out. After the run, `summarize` turns the records into the report's aggregates.
+
+Definitions (pinned by tests):
+
+- TTFT = first token time − arrival. TBT (paper definition) = mean of the longest
+  ``ceil(10 %)`` of the request's token intervals; we also keep P90 and the plain mean. A
+  request with one output token has no interval and TBT 0.
+- A request *meets the SLO* at threshold ``x`` when it was not rejected, TTFT ≤ ``ttft_slo_s``
+  (30 s) and TBT ≤ ``x``. Effective request capacity = requests meeting the SLO / all requests
+  (rejected ones included, counting as misses).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from yuebing.conductor.policy.types import RejectStage
+
+TTFT_SLO_S = 30.0
+"""Paper §5: TTFT threshold of the effective request capacity."""
+TBT_THRESHOLDS_S = (0.1, 0.2, 0.3)
+"""Paper Figure 1: TBT thresholds 100/200/300 ms."""
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one request (times in simulated seconds since the trace start)."""
+
+    index: int
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    prefill_id: str = ""
+    decode_id: str = ""
+    hit_tokens: int = 0
+    """Prompt tokens whose KV was reused (local or fetched) instead of recomputed."""
+    fetched_tokens: int = 0
+    """Of ``hit_tokens``, those copied from another node's pool."""
+    prefill_start_s: float = math.nan
+    first_token_s: float = math.nan
+    """End of prefill: the first token is out."""
+    kv_ready_s: float = math.nan
+    """The full KV reached the decode instance."""
+    decode_start_s: float = math.nan
+    """Admitted into the decode batch."""
+    finish_s: float = math.nan
+    prefill_gpu_s: float = 0.0
+    """GPU-seconds spent on this request's prefill (summed over a pipeline group)."""
+    tbt_s: float = math.nan
+    tbt_p90_s: float = math.nan
+    tbt_mean_s: float = math.nan
+    rejected: RejectStage | None = None
+    reject_reason: str = ""
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def queue_s(self) -> float:
+        """Arrival → prefill start (queueing and waiting for a prefix fetch)."""
+        return self.prefill_start_s - self.arrival_s
+
+    @property
+    def prefill_s(self) -> float:
+        return self.first_token_s - self.prefill_start_s
+
+    @property
+    def transfer_s(self) -> float:
+        """First token → full KV on the decode instance (the non-overlapped tail)."""
+        return self.kv_ready_s - self.first_token_s
+
+    @property
+    def decode_wait_s(self) -> float:
+        """KV ready → admitted into the decode batch (waiting for HBM)."""
+        return self.decode_start_s - self.kv_ready_s
+
+    def meets_slo(self, tbt_threshold_s: float, ttft_slo_s: float = TTFT_SLO_S) -> bool:
+        return (self.rejected is None and not math.isnan(self.finish_s)
+                and self.ttft_s <= ttft_slo_s and self.tbt_s <= tbt_threshold_s)
+
+    def finish_decode(self, token_times: Sequence[float] | np.ndarray) -> None:
+        """Record the times of all output tokens (first token included) and compute TBT."""
+        times = np.asarray(token_times, dtype=float)
+        if times.size == 0:
+            raise ValueError("finish_decode needs at least the first token time")
+        self.finish_s = float(times[-1])
+        tbt, p90, mean = tbt_summary(np.diff(times))
+        self.tbt_s, self.tbt_p90_s, self.tbt_mean_s = tbt, p90, mean
+
+
+def tbt_summary(intervals: Sequence[float] | np.ndarray) -> tuple[float, float, float]:
+    """(mean of the longest ceil(10 %) intervals, P90, mean); all 0 for no intervals."""
+    x = np.asarray(intervals, dtype=float)
+    n = x.size
+    if n == 0:
+        return 0.0, 0.0, 0.0
+    k = math.ceil(n / 10)
+    longest = np.partition(x, n - k)[n - k:]
+    return float(longest.mean()), float(np.percentile(x, 90)), float(x.mean())
+
+
+def effective_capacity(records: Sequence[RequestRecord], tbt_threshold_s: float,
+                       ttft_slo_s: float = TTFT_SLO_S) -> float:
+    """Share of ``records`` meeting TTFT ≤ ``ttft_slo_s`` and TBT ≤ ``tbt_threshold_s``."""
+    if not records:
+        return 0.0
+    ok = sum(1 for r in records if r.meets_slo(tbt_threshold_s, ttft_slo_s))
+    return ok / len(records)
+
+
+def capacity_curve(records: Sequence[RequestRecord], thresholds_s: Iterable[float],
+                   ttft_slo_s: float = TTFT_SLO_S) -> list[tuple[float, float]]:
+    """Effective capacity at each TBT threshold: [(threshold_s, share), ...]."""
+    return [(t, effective_capacity(records, t, ttft_slo_s)) for t in thresholds_s]
+
+
+def _stats(values: np.ndarray) -> dict[str, float]:
+    if values.size == 0:
+        return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"mean": float(values.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def summarize(records: Sequence[RequestRecord]) -> dict[str, object]:
+    """Aggregates of a run: counts, latency stats, breakdown means, hit rate, capacities."""
+    done = [r for r in records if r.rejected is None and not math.isnan(r.finish_s)]
+    rejected = [r for r in records if r.rejected is not None]
+    by_stage: dict[str, int] = {}
+    by_reason: dict[str, int] = {}
+    for r in rejected:
+        assert r.rejected is not None
+        stage = r.rejected.name.lower()
+        by_stage[stage] = by_stage.get(stage, 0) + 1
+        by_reason[r.reject_reason] = by_reason.get(r.reject_reason, 0) + 1
+    ttft = np.array([r.ttft_s for r in done])
+    tbt = np.array([r.tbt_s for r in done])
+    served_input = sum(r.input_tokens for r in done)
+    return {
+        "requests": len(records),
+        "completed": len(done),
+        "rejected": len(rejected),
+        "rejected_by_stage": by_stage,
+        "rejected_by_reason": by_reason,
+        "ttft_s": _stats(ttft),
+        "tbt_s": _stats(tbt),
+        "breakdown_mean_s": {
+            name: float(np.mean([getattr(r, name) for r in done])) if done else math.nan
+            for name in ("queue_s", "prefill_s", "transfer_s", "decode_wait_s")},
+        "prefill_gpu_s": float(sum(r.prefill_gpu_s for r in records)),
+        "hit_rate": (sum(r.hit_tokens for r in done) / served_input) if served_input else 0.0,
+        "effective_capacity": {
+            str(round(t * 1000)): effective_capacity(records, t) for t in TBT_THRESHOLDS_S},
+    }

@@ -1,0 +1,109 @@
+"""What a simulated serving system is, and the configuration of one simulation run.
+
+Life cycle: the runner (`yuebing.sim.runner.simulate`) looks the system up by
+``SimConfig.system`` in `SYSTEMS`, builds it with a `SystemContext` (event loop, cost model,
+config), then for each trace request at its arrival time calls `SimSystem.on_arrival` with a
+fresh `RequestRecord`; the system schedules its own events and fills in the record. Every
+``sample_interval_s`` the runner calls `SimSystem.load` for the load time series; at the end
+it calls `SimSystem.extra` for system-specific outputs (e.g. hot-key replica counts).
+
+Systems: ``mooncake`` (`yuebing.sim.mooncake`) and the coupled vLLM-like baselines
+(`yuebing.sim.vllm`) register themselves here on import.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from yuebing.core.config import require
+from yuebing.core.registry import Registry
+from yuebing.sim.hardware import CostModel
+from yuebing.sim.loop import EventLoop
+from yuebing.sim.metrics import RequestRecord
+from yuebing.sim.workload import SimRequest
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulation run: which system, how many nodes, which policies, which workload."""
+
+    system: str = field(default="mooncake", metadata={
+        "help": "system to simulate: mooncake, vllm, vllm_prefix_caching, vllm_chunked_prefill"})
+    prefill_nodes: int = field(default=8, metadata={
+        "help": "prefill nodes (coupled baselines use prefill_nodes + decode_nodes instances)"})
+    decode_nodes: int = field(default=8, metadata={"help": "decode nodes"})
+    prefill_policy: str = field(default="global_cache_aware", metadata={
+        "help": "prefill selector: random, load_balance, local_cache_aware, global_cache_aware"})
+    admission: str = field(default="none", metadata={
+        "help": "admission: none, slo, early_rejection, predictive_early_rejection"})
+    cost_model: str = field(default="roofline", metadata={"help": "roofline or fitted"})
+    profile: str = field(default="", metadata={"help": "profile JSON for the fitted cost model"})
+    seed: int = field(default=0, metadata={"help": "seed of every random choice in the run"})
+    speed: float = field(default=1.0, metadata={"help": "trace replay speed (2 = twice as fast)"})
+    limit: int = field(default=0, metadata={"help": "replay only the first N requests (0: all)"})
+    dram_kv_tokens: int = field(default=2_000_000, metadata={
+        "help": "KV tokens each node's DRAM pool holds (LRU)"})
+    block_tokens: int = field(default=512, metadata={"help": "tokens per KV block (trace: 512)"})
+    balancing_threshold: float = field(default=1.3, metadata={
+        "help": "kvcache_balancing_threshold: fetch a remote prefix when best/local exceeds it"})
+    ttft_slo_s: float = field(default=30.0, metadata={"help": "TTFT SLO, s"})
+    tbt_slo_s: float = field(default=0.1, metadata={"help": "TBT SLO used by admission, s"})
+    cpp_threshold_tokens: int = field(default=65_536, metadata={
+        "help": "inputs with more uncached tokens use chunked pipeline parallelism"})
+    cpp_max_nodes: int = field(default=4, metadata={"help": "largest pipeline group"})
+    sample_interval_s: float = field(default=10.0, metadata={
+        "help": "period of load / replica samples, s"})
+
+    def __post_init__(self) -> None:
+        require(self.prefill_nodes >= 1, "prefill_nodes must be >= 1")
+        require(self.decode_nodes >= 1, "decode_nodes must be >= 1")
+        require(self.speed > 0, "speed must be > 0")
+        require(self.limit >= 0, "limit must be >= 0 (0 replays the whole trace)")
+        require(self.dram_kv_tokens >= self.block_tokens,
+                "dram_kv_tokens must hold at least one block")
+        require(self.block_tokens > 0, "block_tokens must be > 0")
+        require(self.balancing_threshold >= 1.0, "balancing_threshold must be >= 1")
+        require(self.ttft_slo_s > 0 and self.tbt_slo_s > 0, "SLOs must be > 0 s")
+        require(self.cpp_threshold_tokens > 0, "cpp_threshold_tokens must be > 0")
+        require(self.cpp_max_nodes >= 1, "cpp_max_nodes must be >= 1")
+        require(self.sample_interval_s > 0, "sample_interval_s must be > 0")
+        require(self.cost_model != "fitted" or bool(self.profile),
+                "cost_model 'fitted' needs --profile PATH")
+
+
+@dataclass(frozen=True)
+class SystemContext:
+    """What a system gets when it is built."""
+
+    loop: EventLoop
+    cost: CostModel
+    config: SimConfig
+
+
+class SimSystem(ABC):
+    """A simulated serving system. Built and driven by the runner, single-threaded, from
+    event callbacks; it mutates only its own state and the records it is given."""
+
+    def __init__(self, ctx: SystemContext) -> None:
+        self.loop = ctx.loop
+        self.cost = ctx.cost
+        self.config = ctx.config
+
+    @abstractmethod
+    def on_arrival(self, request: SimRequest, record: RequestRecord) -> None:
+        """Called at ``request.arrival_s``: route or reject it and schedule its work. The
+        system must eventually set ``record.rejected`` or call ``record.finish_decode``."""
+
+    @abstractmethod
+    def load(self) -> dict[str, float]:
+        """Called every sample interval: current load figures (same keys every call)."""
+
+    def extra(self) -> dict[str, object]:
+        """Called once after the run: system-specific outputs for the report."""
+        return {}
+
+
+SYSTEMS: Registry[Callable[[SystemContext], SimSystem]] = Registry("simulated system")
+"""name → factory. ``mooncake`` and the ``vllm*`` baselines register here."""
