@@ -1,0 +1,138 @@
+"""Frozen configs of the store roles: `MasterConfig`, `NodeConfig`, `ClientConfig`.
+
+The CLI (``yuebing store master|node``) is generated from these with `add_config_args`; every
+value is validated in ``__post_init__`` and a bad one raises `ConfigError` naming the flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from yuebing.core.config import require
+
+PLACEMENTS = ("random", "free_ratio", "local_first", "preferred")
+
+
+@dataclass(frozen=True)
+class MasterConfig:
+    """The metadata master (one leader, any number of standbys)."""
+
+    rpc_address: str = field(default="tcp://127.0.0.1:50151",
+                             metadata={"help": "ZeroMQ address the master RPC binds"})
+    events_address: str = field(default="", metadata={
+        "help": "ZeroMQ PUB address for the KV-event stream ('' = no stream)"})
+    admin_port: int = field(default=0, metadata={
+        "help": "admin HTTP port on 127.0.0.1 (/health /keys /segments /usage /metrics); 0 = off"})
+    client_ttl_s: float = field(default=10.0, metadata={
+        "help": "a session (client or node) silent this long is dead: its segments, replicas "
+                "and pending puts are dropped"})
+    lease_ttl_s: float = field(default=5.0, metadata={
+        "help": "read lease granted by get_replicas; leased objects are never evicted"})
+    put_timeout_s: float = field(default=30.0, metadata={
+        "help": "a put not ended within this many seconds is a zombie and reclaimed"})
+    high_watermark: float = field(default=0.95, metadata={
+        "help": "DRAM usage ratio above which LRU eviction starts"})
+    evict_ratio: float = field(default=0.05, metadata={
+        "help": "eviction frees down to high_watermark - evict_ratio"})
+    default_soft_pin_s: float = field(default=60.0, metadata={
+        "help": "TTL of a soft pin when the put asks for one without a TTL"})
+    placement: str = field(default="free_ratio", metadata={
+        "help": f"default replica placement: {', '.join(PLACEMENTS)}"})
+    alignment: int = field(default=64, metadata={"help": "allocation alignment in bytes"})
+    tick_s: float = field(default=0.1, metadata={
+        "help": "period of housekeeping (TTL sweep, zombie reclaim, watermark eviction)"})
+    etcd: str = field(default="", metadata={
+        "help": "etcd URL (http://host:port) for leader election; '' = single master"})
+    cluster: str = field(default="default", metadata={"help": "cluster name (etcd key prefix)"})
+    election_ttl_s: int = field(default=3, metadata={"help": "leader lease TTL in etcd (s)"})
+    sync_replication: bool = field(default=True, metadata={
+        "help": "hold replies of mutating calls until every standby acknowledged them"})
+    repl_timeout_s: float = field(default=2.0, metadata={
+        "help": "a standby that does not acknowledge within this is dropped from sync replication"})
+    seed: int = field(default=0, metadata={"help": "seed of the random placement"})
+
+    def __post_init__(self) -> None:
+        require(self.rpc_address.startswith(("tcp://", "ipc://", "inproc://")),
+                f"--rpc-address must be a ZeroMQ address like tcp://127.0.0.1:50151, "
+                f"got {self.rpc_address!r}")
+        require(self.client_ttl_s > 0, f"--client-ttl-s must be > 0, got {self.client_ttl_s}")
+        require(self.lease_ttl_s >= 0, f"--lease-ttl-s must be >= 0, got {self.lease_ttl_s}")
+        require(self.put_timeout_s > 0, f"--put-timeout-s must be > 0, got {self.put_timeout_s}")
+        require(0.0 < self.high_watermark <= 1.0,
+                f"--high-watermark must be in (0, 1], got {self.high_watermark}")
+        require(0.0 < self.evict_ratio < self.high_watermark,
+                f"--evict-ratio must be in (0, high_watermark), got {self.evict_ratio}")
+        require(self.placement in PLACEMENTS,
+                f"--placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        require(self.alignment >= 1 and self.alignment & (self.alignment - 1) == 0,
+                f"--alignment must be a power of two, got {self.alignment}")
+        require(self.tick_s > 0, f"--tick-s must be > 0, got {self.tick_s}")
+        require(0 <= self.admin_port < 65536, f"--admin-port out of range: {self.admin_port}")
+        require(self.election_ttl_s >= 1, f"--election-ttl-s must be >= 1, got {self.election_ttl_s}")
+        require(self.repl_timeout_s > 0, f"--repl-timeout-s must be > 0, got {self.repl_timeout_s}")
+        require(not self.etcd or self.etcd.startswith(("http://", "https://")),
+                f"--etcd must be an URL like http://127.0.0.1:2379, got {self.etcd!r}")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """A store client (also used by nodes for their master session)."""
+
+    master: str = field(default="tcp://127.0.0.1:50151", metadata={
+        "help": "master RPC address(es), comma-separated; the client follows the leader"})
+    client_id: str = field(default="", metadata={"help": "session id ('' = generated)"})
+    rpc_timeout_s: float = field(default=5.0, metadata={"help": "per-call RPC timeout"})
+    heartbeat_s: float = field(default=1.0, metadata={"help": "heartbeat period"})
+    replicas: int = field(default=1, metadata={"help": "default replica count of a put"})
+    placement: str = field(default="", metadata={
+        "help": "default placement strategy ('' = the master's)"})
+    preferred: tuple[str, ...] = field(default=(), metadata={
+        "help": "preferred segment names for placement"})
+    local_segment: str = field(default="", metadata={
+        "help": "segment name that local_first placement prefers"})
+    checksum: bool = field(default=True, metadata={
+        "help": "store a CRC32 with each value and verify it on read"})
+    transfer_timeout_s: float = field(default=30.0, metadata={"help": "data transfer timeout"})
+    failover_s: float = field(default=15.0, metadata={
+        "help": "how long a call keeps retrying other masters before giving up"})
+
+    def __post_init__(self) -> None:
+        require(bool(self.masters), "--master needs at least one address like tcp://127.0.0.1:50151")
+        require(self.rpc_timeout_s > 0, f"--rpc-timeout-s must be > 0, got {self.rpc_timeout_s}")
+        require(self.heartbeat_s > 0, f"--heartbeat-s must be > 0, got {self.heartbeat_s}")
+        require(self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}")
+        require(self.placement in ("", *PLACEMENTS),
+                f"--placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        require(self.transfer_timeout_s > 0, "--transfer-timeout-s must be > 0")
+        require(self.failover_s >= 0, "--failover-s must be >= 0")
+
+    @property
+    def masters(self) -> list[str]:
+        return [a.strip() for a in self.master.split(",") if a.strip()]
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """A storage node contributing a DRAM segment and optionally an SSD tier."""
+
+    dram: int = field(default=1 << 30, metadata={
+        "help": "DRAM segment size (shared memory), e.g. 4GiB", "size": True})
+    ssd: str = field(default="", metadata={
+        "help": "SSD tier as DIR:SIZE, e.g. /mnt/nvme/yuebing:100GiB ('' = none)"})
+    name: str = field(default="", metadata={"help": "segment name prefix ('' = generated)"})
+
+    def __post_init__(self) -> None:
+        require(self.dram > 0, f"--dram must be > 0, got {self.dram}")
+        if self.ssd:
+            require(":" in self.ssd, f"--ssd must be DIR:SIZE, got {self.ssd!r}")
+
+    @property
+    def ssd_dir_size(self) -> tuple[str, int] | None:
+        if not self.ssd:
+            return None
+        from yuebing.core.config import parse_size
+
+        path, _, size = self.ssd.rpartition(":")
+        n = parse_size(size)
+        require(bool(path) and n > 0, f"--ssd must be DIR:SIZE with SIZE > 0, got {self.ssd!r}")
+        return path, n

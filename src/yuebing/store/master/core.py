@@ -1,0 +1,369 @@
+"""The master's metadata core: a single-threaded state machine over plain dicts.
+
+Life of a value here: ``put_start`` validates the request, places replicas on distinct DRAM
+segments (`placement`), allocates their ranges (`allocator`) and records a PENDING object that
+no reader can see; the client writes the bytes through the transfer engine, then ``put_end``
+commits it (visible, immutable, a STORED event) or ``put_revoke`` frees it. ``get_replicas``
+returns the DRAM replicas and grants a read lease (an SSD-only value is first promoted into its
+owner's DRAM, the reply is deferred until then); probes (``exists``, ``prefix_match``) grant
+nothing. Removal is refused while leased or hard-pinned unless forced. Eviction, tiering and
+sessions live in `eviction` and `segments`; the RPC adapter is `service`.
+
+The core never does I/O: it reads time from a `Clock`, and leaves work for its adapter in
+``events`` (KV events), ``log`` (replication entries), ``outbox`` (node tasks) and ``ready``
+(deferred replies). Handlers return a reply message, or None when the reply is deferred.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from typing import Any
+
+from yuebing.core.clock import Clock, WallClock
+from yuebing.protocol import Message
+from yuebing.store import messages as m
+from yuebing.store.config import MasterConfig
+from yuebing.store.master import eviction, segments
+from yuebing.store.master.placement import PLACEMENTS, PlacementRequest
+from yuebing.store.master.state import Obj, ObjState, Seg, Session, Task
+
+log = logging.getLogger(__name__)
+
+C = m.Code
+MAX_KEY = 4096
+MAX_REPLICAS = 16
+COMMITTED = ObjState.COMMITTED
+PENDING = ObjState.PENDING
+
+
+def err(code: C, message: str) -> m.Err:
+    return m.Err(code=int(code), message=message)
+
+
+class MasterCore:
+    """All metadata of one store cluster. Not thread-safe: one caller at a time."""
+
+    def __init__(self, cfg: MasterConfig, clock: Clock | None = None) -> None:
+        self.cfg = cfg
+        self.clock = clock or WallClock()
+        self.rng = random.Random(cfg.seed)
+        self.objs: dict[str, Obj] = {}
+        self.pending: dict[str, float] = {}
+        self.segs: dict[int, Seg] = {}
+        self.seg_by_name: dict[str, int] = {}
+        self.sessions: dict[str, Session] = {}
+        self.tasks: dict[int, Task] = {}
+        self.next_seg = 1
+        self.next_task = 1
+        self.events: list[tuple[int, str, list[str]]] = []
+        self.log: list[list[Any]] | None = None
+        self.outbox: list[tuple[str, m.NodeTask]] = []
+        self.ready: list[tuple[object, Message]] = []
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("puts", "gets", "removes", "evictions", "offloads", "promotions", "zombies",
+             "dead_sessions", "no_space"), 0)
+        self.handlers: dict[type, Callable[..., Message | None]] = {
+            m.PutStart: self.put_start, m.PutEnd: self.put_end, m.PutRevoke: self.put_revoke,
+            m.BatchPutStart: self.batch_put_start, m.BatchPutEnd: self.batch_put_end,
+            m.BatchPutRevoke: self.batch_put_revoke, m.GetReplicas: self.get_replicas,
+            m.BatchGetReplicas: self.batch_get_replicas, m.Exists: self.exists,
+            m.BatchExists: self.batch_exists, m.PrefixMatch: self.prefix_match,
+            m.Remove: self.remove, m.BatchRemove: self.batch_remove,
+            m.RemovePrefix: self.remove_prefix, m.RemoveAll: self.remove_all, m.Pin: self.pin,
+            m.Mount: self.mount, m.Unmount: self.unmount, m.Drain: self.drain,
+            m.Heartbeat: self.heartbeat, m.TaskDone: self.task_done, m.GetStats: self.stats,
+        }
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, msg: Message, waiter: object = None, ident: bytes | None = None) -> Message | None:
+        """Apply one request. ``waiter`` identifies the caller for a deferred reply; ``ident`` is
+        its transport identity (kept for sessions so the master can push node tasks)."""
+        h = self.handlers.get(type(msg))
+        if h is None:
+            return err(C.BAD_REQUEST, f"{type(msg).__name__} is not a master request")
+        client = getattr(msg, "client", None)
+        if client is not None:
+            self.touch_session(client, ident)
+        if type(msg) is m.GetReplicas:
+            return self.get_replicas(msg, waiter)
+        return h(msg)
+
+    def touch_session(self, client: str, ident: bytes | None) -> Session:
+        s = self.sessions.get(client)
+        deadline = self.clock.now() + self.cfg.client_ttl_s
+        if s is None:
+            s = self.sessions[client] = Session(deadline, ident)
+        else:
+            s.deadline = deadline
+            if ident is not None:
+                s.ident = ident
+        return s
+
+    def _log(self, entry: list[Any]) -> None:
+        if self.log is not None:
+            self.log.append(entry)
+
+    # ------------------------------------------------------------------ put
+    def put_start(self, msg: m.PutStart) -> Message:
+        code, reps = self._put_one(msg.client, msg.item)
+        if code != C.OK:
+            return err(code, reps)  # type: ignore[arg-type]
+        return m.PutTargets(key=msg.item.key, replicas=reps)  # type: ignore[arg-type]
+
+    def batch_put_start(self, msg: m.BatchPutStart) -> Message:
+        codes: list[int] = []
+        out: list[list[m.Replica]] = []
+        for item in msg.items:
+            code, reps = self._put_one(msg.client, item)
+            codes.append(int(code))
+            out.append(reps if code == C.OK else [])  # type: ignore[arg-type]
+        return m.BatchPutTargets(codes=codes, replicas=out)
+
+    def _check_item(self, it: m.PutItem) -> str:
+        if not it.key or len(it.key) > MAX_KEY:
+            return f"key must be 1..{MAX_KEY} characters"
+        if it.size <= 0:
+            return f"size must be > 0, got {it.size}"
+        if not 1 <= it.replicas <= MAX_REPLICAS:
+            return f"replicas must be 1..{MAX_REPLICAS}, got {it.replicas}"
+        if it.strategy and it.strategy not in PLACEMENTS:
+            return f"unknown placement {it.strategy!r}; known: {', '.join(PLACEMENTS.names())}"
+        if it.soft_pin_s < 0:
+            return f"soft_pin_s must be >= 0, got {it.soft_pin_s}"
+        return ""
+
+    def _put_one(self, client: str, it: m.PutItem) -> tuple[C, list[m.Replica] | str]:
+        problem = self._check_item(it)
+        if problem:
+            return C.BAD_REQUEST, problem
+        if it.key in self.objs:
+            return C.EXISTS, f"key {it.key!r} exists (values are immutable)"
+        placed = self._place(client, it)
+        if not placed:
+            eviction.evict_for(self, it.size)
+            placed = self._place(client, it)
+        if not placed:
+            self.counters["no_space"] += 1
+            return C.NO_SPACE, f"no DRAM segment has {it.size} free bytes"
+        now = self.clock.now()
+        soft = now + (it.soft_pin_s or self.cfg.default_soft_pin_s) if it.soft_pin_s else 0.0
+        deadline = now + self.cfg.put_timeout_s
+        self.objs[it.key] = Obj(it.size, it.checksum, placed, client, deadline, it.hard_pin, soft)
+        self.pending[it.key] = deadline
+        self._log(["put", it.key, it.size, it.checksum, placed, client, it.hard_pin, soft])
+        segs = self.segs
+        return C.OK, [m.Replica(segment=segs[s].name, offset=o) for s, o in placed]
+
+    def _place(self, client: str, it: m.PutItem) -> list[tuple[int, int]]:
+        need = 0
+        cands: list[Seg] = []
+        for s in self.segs.values():
+            if s.tier == m.Tier.DRAM and s.state == 0 and s.alloc is not None:
+                need = need or s.alloc.rounded(it.size)
+                if s.alloc.largest_free >= need:
+                    cands.append(s)
+        if not cands:
+            return []
+        strategy = PLACEMENTS.get(it.strategy or self.cfg.placement)
+        ordered = strategy(cands, PlacementRequest(it.size, it.preferred, client), self.rng)
+        placed: list[tuple[int, int]] = []
+        for s in ordered:
+            off = s.alloc.alloc(it.size)  # type: ignore[union-attr]
+            if off is not None:
+                placed.append((s.id, off))
+                if len(placed) == it.replicas:
+                    break
+        return placed
+
+    def put_end(self, msg: m.PutEnd) -> Message:
+        code, text = self._end_one(msg.client, msg.key)
+        return m.Ok() if code == C.OK else err(code, text)
+
+    def batch_put_end(self, msg: m.BatchPutEnd) -> Message:
+        return m.Codes(codes=[int(self._end_one(msg.client, k)[0]) for k in msg.keys])
+
+    def _pending_of(self, client: str, key: str) -> tuple[Obj | None, str]:
+        o = self.objs.get(key)
+        if o is None or o.state != PENDING:
+            return None, f"no pending put of {key!r}"
+        if o.owner != client:
+            return None, f"pending put of {key!r} belongs to another client"
+        return o, ""
+
+    def _end_one(self, client: str, key: str) -> tuple[C, str]:
+        o, text = self._pending_of(client, key)
+        if o is None:
+            return C.NOT_PENDING, text
+        if not o.reps:
+            self._drop(key, o, event=False)
+            return C.NOT_FOUND, f"every segment written for {key!r} was lost; value discarded"
+        o.state = COMMITTED
+        o.owner = None
+        o.deadline = 0.0
+        del self.pending[key]
+        self._log(["commit", key])
+        self.events.append((m.EventKind.STORED, key, [self.segs[s].name for s, _ in o.reps]))
+        self.counters["puts"] += 1
+        return C.OK, ""
+
+    def put_revoke(self, msg: m.PutRevoke) -> Message:
+        code, text = self._revoke_one(msg.client, msg.key)
+        return m.Ok() if code == C.OK else err(code, text)
+
+    def batch_put_revoke(self, msg: m.BatchPutRevoke) -> Message:
+        return m.Codes(codes=[int(self._revoke_one(msg.client, k)[0]) for k in msg.keys])
+
+    def _revoke_one(self, client: str, key: str) -> tuple[C, str]:
+        o, text = self._pending_of(client, key)
+        if o is None:
+            return C.NOT_PENDING, text
+        self._drop(key, o, event=False)
+        return C.OK, ""
+
+    # ------------------------------------------------------------------ read
+    def get_replicas(self, msg: m.GetReplicas, waiter: object = None) -> Message | None:
+        key = msg.key
+        o = self.objs.get(key)
+        if o is None or o.state != COMMITTED:
+            return err(C.NOT_FOUND, f"no value for {key!r}")
+        self.counters["gets"] += 1
+        o.lease = self.clock.now() + self.cfg.lease_ttl_s
+        self.objs[key] = self.objs.pop(key)  # LRU: most recent at the end
+        reps = self._dram_reps(o)
+        if reps:
+            return m.ReplicaList(key=key, size=o.size, checksum=o.checksum, replicas=reps)
+        code, text = segments.promote(self, key, o, waiter)
+        return None if code == C.OK else err(code, text)
+
+    def _dram_reps(self, o: Obj) -> list[m.Replica]:
+        segs = self.segs
+        return [m.Replica(segment=segs[s].name, offset=off) for s, off in o.reps
+                if segs[s].tier == 0]
+
+    def batch_get_replicas(self, msg: m.BatchGetReplicas) -> Message:
+        codes: list[int] = []
+        sizes: list[int] = []
+        sums: list[int] = []
+        reps: list[list[m.Replica]] = []
+        for key in msg.keys:
+            r = self.get_replicas(m.GetReplicas(key=key), None)
+            if isinstance(r, m.ReplicaList):
+                codes.append(0)
+                sizes.append(r.size)
+                sums.append(r.checksum)
+                reps.append(r.replicas)
+            else:
+                codes.append(r.code if isinstance(r, m.Err) else int(C.PROMOTING))
+                sizes.append(0)
+                sums.append(-1)
+                reps.append([])
+        return m.BatchReplicaList(codes=codes, sizes=sizes, checksums=sums, replicas=reps)
+
+    def exists(self, msg: m.Exists) -> Message:
+        o = self.objs.get(msg.key)
+        return m.Bools(values=[o is not None and o.state == COMMITTED])
+
+    def batch_exists(self, msg: m.BatchExists) -> Message:
+        get = self.objs.get
+        return m.Bools(values=[(o := get(k)) is not None and o.state == COMMITTED for k in msg.keys])
+
+    def prefix_match(self, msg: m.PrefixMatch) -> Message:
+        n = 0
+        get = self.objs.get
+        for k in msg.keys:
+            o = get(k)
+            if o is None or o.state != COMMITTED:
+                break
+            n += 1
+        return m.Count(n=n)
+
+    # ------------------------------------------------------------------ remove / pin
+    def remove(self, msg: m.Remove) -> Message:
+        code, text = self._remove_one(msg.key, msg.force, self.clock.now())
+        return m.Ok() if code == C.OK else err(code, text)
+
+    def batch_remove(self, msg: m.BatchRemove) -> Message:
+        now = self.clock.now()
+        return m.Codes(codes=[int(self._remove_one(k, msg.force, now)[0]) for k in msg.keys])
+
+    def remove_prefix(self, msg: m.RemovePrefix) -> Message:
+        now = self.clock.now()
+        keys = [k for k, o in self.objs.items() if o.state == COMMITTED and k.startswith(msg.prefix)]
+        return m.Count(n=sum(self._remove_one(k, msg.force, now)[0] == C.OK for k in keys))
+
+    def remove_all(self, msg: m.RemoveAll) -> Message:
+        return self.remove_prefix(m.RemovePrefix(prefix="", force=msg.force))
+
+    def _remove_one(self, key: str, force: bool, now: float) -> tuple[C, str]:
+        o = self.objs.get(key)
+        if o is None or o.state != COMMITTED:
+            return C.NOT_FOUND, f"no value for {key!r}"
+        if not force and o.lease > now:
+            return C.LEASED, f"{key!r} is leased to a reader for {o.lease - now:.2f}s more"
+        if not force and o.pin:
+            return C.PINNED, f"{key!r} is hard-pinned (unpin it or force)"
+        self._drop(key, o)
+        self.counters["removes"] += 1
+        return C.OK, ""
+
+    def pin(self, msg: m.Pin) -> Message:
+        now = self.clock.now()
+        codes: list[int] = []
+        for k in msg.keys:
+            o = self.objs.get(k)
+            if o is None or o.state != COMMITTED:
+                codes.append(int(C.NOT_FOUND))
+                continue
+            if msg.unpin:
+                o.pin, o.soft = False, 0.0
+            elif msg.hard:
+                o.pin = True
+            else:
+                o.soft = now + (msg.soft_pin_s or self.cfg.default_soft_pin_s)
+            self._log(["pin", k, o.pin, o.soft])
+            codes.append(0)
+        return m.Codes(codes=codes)
+
+    def _drop(self, key: str, o: Obj, event: bool = True) -> None:
+        """Forget an object and free every range it holds."""
+        del self.objs[key]
+        self.pending.pop(key, None)
+        holders = []
+        for sid, off in o.reps:
+            s = self.segs.get(sid)
+            if s is not None:
+                holders.append(s.name)
+                if s.alloc is not None:
+                    s.alloc.free_range(off, o.size)
+        self._log(["del", key])
+        if event and o.state == COMMITTED:
+            self.events.append((m.EventKind.REMOVED, key, holders))
+
+    # ------------------------------------------------------------------ segments / sessions
+    def mount(self, msg: m.Mount) -> Message:
+        return segments.mount(self, msg)
+
+    def unmount(self, msg: m.Unmount) -> Message:
+        return segments.unmount(self, msg)
+
+    def drain(self, msg: m.Drain) -> Message:
+        return segments.drain(self, msg)
+
+    def heartbeat(self, msg: m.Heartbeat) -> Message:
+        segs = self.sessions[msg.client].segs
+        return m.HeartbeatReply(segments=[self.segs[s].name for s in segs])
+
+    def task_done(self, msg: m.TaskDone) -> Message:
+        segments.task_done(self, msg)
+        return m.Ok()
+
+    def tick(self) -> None:
+        """Housekeeping, called every ``tick_s`` by the adapter."""
+        segments.expire_sessions(self)
+        segments.reclaim_zombies(self)
+        eviction.watermark(self)
+
+    def stats(self, msg: m.GetStats | None = None) -> m.Stats:
+        return m.Stats(values=segments.usage(self))

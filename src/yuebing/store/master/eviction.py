@@ -1,0 +1,123 @@
+"""Approximate-LRU eviction of the master core.
+
+The object dict is kept in recency order (``get_replicas`` moves a key to the end), so the
+eviction scan walks from the least recently read. Leased, hard-pinned and moving objects are
+never evicted; soft-pinned objects (pin not yet expired) only in a second pass when the first
+freed too little. It is approximate because a scan visits at most ``SCAN_LIMIT`` objects and
+probes (exists, prefix_match) do not count as use.
+
+Two triggers: ``watermark`` (every tick: DRAM usage above ``high_watermark`` evicts down to
+``high_watermark - evict_ratio``; on a node with an SSD tier a victim is offloaded there
+instead of dropped, asynchronously) and ``evict_for`` (an allocation failed: drop at once).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from yuebing.store import messages as m
+from yuebing.store.master.segments import ssd_of, start_task
+from yuebing.store.master.state import ObjState
+
+if TYPE_CHECKING:
+    from yuebing.store.master.core import MasterCore
+
+log = logging.getLogger(__name__)
+SCAN_LIMIT = 200_000
+
+
+def watermark(core: MasterCore) -> int:
+    """Evict (offloading where possible) when DRAM usage passes the high watermark."""
+    cap = used = 0
+    for s in core.segs.values():
+        if s.tier == 0 and s.alloc is not None:
+            cap += s.alloc.capacity
+            used += s.alloc.used
+    in_flight = sum(t.size for t in core.tasks.values() if not t.promote)
+    if not cap or used - in_flight <= core.cfg.high_watermark * cap:
+        return 0
+    target = (core.cfg.high_watermark - core.cfg.evict_ratio) * cap
+    return evict_for(core, int(used - in_flight - target), offload=True)
+
+
+def evict_for(core: MasterCore, need: int, only: set[int] | None = None, tier: int = 0,
+              offload: bool = False) -> int:
+    """Free at least ``need`` bytes of ``tier`` (on segments ``only``, if given). Returns the
+    bytes freed or scheduled to be freed by offloads."""
+    freed = 0
+    for soft_ok in (False, True):
+        freed += _scan(core, need - freed, only, tier, offload, soft_ok)
+        if freed >= need:
+            break
+    if freed:
+        log.info("evicted %d bytes (needed %d, tier %d)", freed, need, tier)
+    return freed
+
+
+def _victims(core: MasterCore, only: set[int] | None, tier: int, soft_ok: bool):
+    now = core.clock.now()
+    segs = core.segs
+    for n, (key, o) in enumerate(core.objs.items()):
+        if n >= SCAN_LIMIT:
+            return
+        if (o.state != ObjState.COMMITTED or o.lease > now or o.pin or o.moving
+                or (not soft_ok and o.soft > now)):
+            continue
+        mine = [r for r in o.reps if segs[r[0]].tier == tier and (only is None or r[0] in only)]
+        if mine:
+            yield key, o, mine
+
+
+def _scan(core: MasterCore, need: int, only: set[int] | None, tier: int, offload: bool,
+          soft_ok: bool) -> int:
+    picked: list[tuple[str, int]] = []
+    total = 0
+    for key, o, mine in _victims(core, only, tier, soft_ok):
+        if total >= need:
+            break
+        picked.append((key, o.size))
+        total += o.size * len(mine)
+    freed = 0
+    segs = core.segs
+    for key, _ in picked:  # act after the scan: making SSD room mutates the object dict
+        o = core.objs.get(key)
+        if o is None or o.moving:
+            continue
+        mine = [r for r in o.reps if segs[r[0]].tier == tier and (only is None or r[0] in only)]
+        if not mine:
+            continue
+        if tier == 0 and offload and len(mine) == len(o.reps) and _offload(core, key, mine[0]):
+            freed += o.size
+            continue
+        _drop_replicas(core, key, mine)
+        freed += o.size * len(mine)
+    return freed
+
+
+def _offload(core: MasterCore, key: str, src: tuple[int, int]) -> bool:
+    o = core.objs[key]
+    dst = ssd_of(core, core.segs[src[0]].node, m.Tier.SSD)
+    if dst is None:
+        return False
+    if start_task(core, key, o, src, dst, promote=False):
+        return True
+    return _make_room(core, dst.id, o.size) and start_task(core, key, o, src, dst, promote=False)
+
+
+def _make_room(core: MasterCore, ssd_id: int, size: int) -> bool:
+    return evict_for(core, size, only={ssd_id}, tier=m.Tier.SSD) >= size
+
+
+def _drop_replicas(core: MasterCore, key: str, mine: list[tuple[int, int]]) -> None:
+    o = core.objs[key]
+    core.counters["evictions"] += 1
+    if len(mine) == len(o.reps):
+        core._drop(key, o)
+        return
+    for sid, off in mine:
+        alloc = core.segs[sid].alloc
+        if alloc is not None:
+            alloc.free_range(off, o.size)
+    o.reps = [r for r in o.reps if r not in mine]
+    core._log(["reps", key, o.reps])

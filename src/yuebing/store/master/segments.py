@@ -1,0 +1,229 @@
+"""Segments, sessions and tier tasks of the master core.
+
+A node mounts its DRAM segment (and optionally an SSD segment) under its session; the session
+lives while heartbeats arrive. When it expires, its segments are unmounted (objects lose those
+replicas; an object with none left is removed) and its pending puts are revoked. Zombie puts
+(never ended) are reclaimed after ``put_timeout_s``. Tier moves are node tasks: the master
+allocates the destination range, pushes a `NodeTask` to the segments' owner and, on `TaskDone`,
+swaps the replica (offload: DRAM -> SSD frees the DRAM range; promotion: SSD -> DRAM adds a DRAM
+replica and answers the readers that waited).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from yuebing.store import messages as m
+from yuebing.store.master.allocator import OffsetAllocator
+from yuebing.store.master.state import Obj, ObjState, Seg, SegState, Task
+
+if TYPE_CHECKING:
+    from yuebing.store.master.core import MasterCore
+
+log = logging.getLogger(__name__)
+C = m.Code
+
+
+def mount(core: MasterCore, msg: m.Mount) -> m.Message:
+    if not msg.segment or msg.size <= 0 or msg.tier not in (0, 1):
+        return m.Err(code=C.BAD_REQUEST, message="mount needs a segment name, size > 0, tier 0|1")
+    sid = core.seg_by_name.get(msg.segment)
+    if sid is not None:
+        s = core.segs[sid]
+        if s.client == msg.client and s.size == msg.size and s.tier == msg.tier:
+            return m.Ok()  # idempotent re-mount
+        return m.Err(code=C.EXISTS, message=f"segment {msg.segment!r} is mounted by {s.client!r}")
+    sid = core.next_seg
+    add_segment(core, sid, msg.segment, msg.size, msg.tier, msg.node or msg.client, msg.client,
+                OffsetAllocator(msg.size, core.cfg.alignment))
+    core._log(["mount", sid, msg.segment, msg.size, msg.tier, msg.node or msg.client, msg.client])
+    log.info("mounted %s (%d bytes, tier %d) for %s", msg.segment, msg.size, msg.tier, msg.client)
+    return m.Ok()
+
+
+def add_segment(core: MasterCore, sid: int, name: str, size: int, tier: int, node: str,
+                client: str, alloc: OffsetAllocator | None) -> Seg:
+    s = Seg(sid, name, size, tier, node, client, alloc)
+    core.segs[sid] = s
+    core.seg_by_name[name] = sid
+    core.next_seg = max(core.next_seg, sid + 1)
+    sess = core.sessions.get(client)
+    if sess is None:
+        sess = core.touch_session(client, None)
+    sess.segs.add(sid)
+    return s
+
+
+def _owned(core: MasterCore, msg: m.Unmount | m.Drain) -> Seg | m.Err:
+    sid = core.seg_by_name.get(msg.segment)
+    if sid is None:
+        return m.Err(code=C.UNKNOWN_SEGMENT, message=f"no segment {msg.segment!r} is mounted")
+    s = core.segs[sid]
+    if s.client != msg.client:
+        return m.Err(code=C.BAD_REQUEST, message=f"segment {msg.segment!r} belongs to {s.client!r}")
+    return s
+
+
+def unmount(core: MasterCore, msg: m.Unmount) -> m.Message:
+    s = _owned(core, msg)
+    if isinstance(s, m.Err):
+        return s
+    drop_segment(core, s.id)
+    return m.Ok()
+
+
+def drain(core: MasterCore, msg: m.Drain) -> m.Message:
+    s = _owned(core, msg)
+    if isinstance(s, m.Err):
+        return s
+    if s.state != SegState.DRAINING:
+        s.state = SegState.DRAINING
+        core._log(["drain", s.id])
+    return m.Count(n=sum(1 for o in core.objs.values() for sid, _ in o.reps if sid == s.id))
+
+
+def drop_segment(core: MasterCore, sid: int) -> None:
+    """Unmount: every object loses its replica there; objects left without one are removed."""
+    s = core.segs.pop(sid)
+    del core.seg_by_name[s.name]
+    sess = core.sessions.get(s.client)
+    if sess is not None:
+        sess.segs.discard(sid)
+    core._log(["unmount", sid])
+    dead: list[str] = []
+    for key, o in core.objs.items():
+        if any(r[0] == sid for r in o.reps):
+            o.reps = [r for r in o.reps if r[0] != sid]
+            if not o.reps and o.moving == 0 and o.state == ObjState.COMMITTED:
+                dead.append(key)  # a pending one stays until put_end/revoke/timeout says so
+    for key in dead:
+        o = core.objs[key]
+        core._drop(key, o, event=False)
+        core.events.append((m.EventKind.REMOVED, key, [s.name]))
+    for tid, t in list(core.tasks.items()):
+        if sid in (t.src[0], t.dst[0]):
+            _fail_task(core, tid, f"segment {s.name} was unmounted")
+    log.warning("segment %s dropped; %d objects lost their last replica", s.name, len(dead))
+
+
+def expire_sessions(core: MasterCore) -> None:
+    now = core.clock.now()
+    for client, sess in list(core.sessions.items()):
+        if sess.deadline < now:
+            log.warning("session %s expired; dropping its segments and pending puts", client)
+            core.counters["dead_sessions"] += 1
+            for sid in list(sess.segs):
+                drop_segment(core, sid)
+            for key in [k for k in core.pending if core.objs[k].owner == client]:
+                core._drop(key, core.objs[key], event=False)
+            del core.sessions[client]
+
+
+def reclaim_zombies(core: MasterCore) -> None:
+    now = core.clock.now()
+    for key in [k for k, d in core.pending.items() if d < now]:
+        core.counters["zombies"] += 1
+        log.warning("reclaiming zombie put %s", key)
+        core._drop(key, core.objs[key], event=False)
+
+
+# ---------------------------------------------------------------------- tier tasks
+def ssd_of(core: MasterCore, node: str, tier: int) -> Seg | None:
+    for s in core.segs.values():
+        if s.node == node and s.tier == tier and s.state == SegState.ACTIVE and s.alloc:
+            return s
+    return None
+
+
+def start_task(core: MasterCore, key: str, o: Obj, src: tuple[int, int], dst: Seg,
+               promote: bool) -> bool:
+    """Allocate on ``dst`` and push a copy task to its node; False when ``dst`` is full."""
+    assert dst.alloc is not None
+    off = dst.alloc.alloc(o.size)
+    if off is None:
+        return False
+    tid = core.next_task
+    core.next_task += 1
+    core.tasks[tid] = Task(key, src, (dst.id, off), o.size, promote)
+    o.moving = tid
+    core.outbox.append((dst.client, m.NodeTask(
+        task=tid, src_segment=core.segs[src[0]].name, src_offset=src[1],
+        dst_segment=dst.name, dst_offset=off, size=o.size)))
+    return True
+
+
+def promote(core: MasterCore, key: str, o: Obj, waiter: object) -> tuple[C, str]:
+    """Start (or join) the promotion of an SSD-only object into its owner's DRAM."""
+    if o.moving:
+        t = core.tasks[o.moving]
+        if t.promote:
+            if waiter is not None:
+                t.waiters.append(waiter)
+            return C.OK if waiter is not None else C.PROMOTING, "promotion in flight"
+    src = o.reps[0]
+    dram = ssd_of(core, core.segs[src[0]].node, m.Tier.DRAM)
+    if dram is None:
+        return C.NO_SPACE, f"the node holding {key!r} on SSD has no DRAM segment"
+    if not start_task(core, key, o, src, dram, promote=True):
+        from yuebing.store.master import eviction
+
+        eviction.evict_for(core, o.size, only={dram.id})
+        if not start_task(core, key, o, src, dram, promote=True):
+            return C.NO_SPACE, f"no DRAM free on {dram.name} to promote {key!r}"
+    core.counters["promotions"] += 1
+    if waiter is not None:
+        core.tasks[o.moving].waiters.append(waiter)
+        return C.OK, ""
+    return C.PROMOTING, "promotion started"
+
+
+def _fail_task(core: MasterCore, tid: int, why: str) -> None:
+    t = core.tasks.pop(tid)
+    s = core.segs.get(t.dst[0])
+    if s is not None and s.alloc is not None:
+        s.alloc.free_range(t.dst[1], t.size)
+    o = core.objs.get(t.key)
+    if o is not None and o.moving == tid:
+        o.moving = 0
+        if not o.reps:
+            core._drop(t.key, o)
+    for w in t.waiters:
+        core.ready.append((w, m.Err(code=C.INTERNAL, message=f"promotion failed: {why}")))
+
+
+def task_done(core: MasterCore, msg: m.TaskDone) -> None:
+    t = core.tasks.get(msg.task)
+    if t is None:
+        return
+    o = core.objs.get(t.key)
+    if not msg.ok or o is None or o.moving != msg.task:
+        _fail_task(core, msg.task, msg.message or "object changed")
+        return
+    del core.tasks[msg.task]
+    o.moving = 0
+    if t.promote:
+        o.reps = [t.dst, *o.reps]
+        o.lease = core.clock.now() + core.cfg.lease_ttl_s
+        reply = m.ReplicaList(key=t.key, size=o.size, checksum=o.checksum,
+                              replicas=core._dram_reps(o))
+        core.ready.extend((w, reply) for w in t.waiters)
+    else:  # offload: the DRAM source range is freed, the SSD copy replaces it
+        s = core.segs.get(t.src[0])
+        if s is not None and s.alloc is not None:
+            s.alloc.free_range(t.src[1], o.size)
+        o.reps = [r for r in o.reps if r != t.src] + [t.dst]
+        core.counters["offloads"] += 1
+    core._log(["reps", t.key, o.reps])
+
+
+def usage(core: MasterCore) -> dict[str, float]:
+    out: dict[str, float] = {"objects": len(core.objs), "pending": len(core.pending),
+                             "segments": len(core.segs), "sessions": len(core.sessions),
+                             "tasks": len(core.tasks)}
+    for tier, name in ((0, "dram"), (1, "ssd")):
+        segs = [s for s in core.segs.values() if s.tier == tier and s.alloc is not None]
+        out[f"{name}_capacity"] = sum(s.alloc.capacity for s in segs)  # type: ignore[union-attr]
+        out[f"{name}_used"] = sum(s.alloc.used for s in segs)  # type: ignore[union-attr]
+    out.update({k: float(v) for k, v in core.counters.items()})
+    return out

@@ -1,0 +1,85 @@
+"""Master metadata records: objects, segments, sessions. Plain ``__slots__`` classes in plain
+dicts keep the hot paths lean (see docs/benchmarks.md for bytes per object)."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from yuebing.store.master.allocator import OffsetAllocator
+
+
+class ObjState(IntEnum):
+    """An object's life: allocated and being written, then committed (immutable, visible)."""
+
+    PENDING = 0
+    COMMITTED = 1
+
+
+class SegState(IntEnum):
+    ACTIVE = 0
+    DRAINING = 1
+
+
+class Obj:
+    """One value. ``reps`` is a list of ``(segment id, offset)``; ``lease`` / ``soft`` are expiry
+    times (0.0 = none); ``owner``/``deadline`` are set only while PENDING; ``moving`` is the id of
+    an in-flight tier task (0 = none)."""
+
+    __slots__ = ("checksum", "deadline", "lease", "moving", "owner", "pin", "reps", "size",
+                 "soft", "state")
+
+    def __init__(self, size: int, checksum: int, reps: list[tuple[int, int]], owner: str | None,
+                 deadline: float, pin: bool, soft: float) -> None:
+        self.size = size
+        self.checksum = checksum
+        self.reps = reps
+        self.state = ObjState.PENDING
+        self.owner = owner
+        self.deadline = deadline
+        self.lease = 0.0
+        self.pin = pin
+        self.soft = soft
+        self.moving = 0
+
+
+class Seg:
+    """One mounted segment. The allocator is None on a standby (rebuilt at takeover)."""
+
+    __slots__ = ("alloc", "client", "id", "name", "node", "size", "state", "tier")
+
+    def __init__(self, sid: int, name: str, size: int, tier: int, node: str, client: str,
+                 alloc: OffsetAllocator | None) -> None:
+        self.id = sid
+        self.name = name
+        self.size = size
+        self.tier = tier
+        self.node = node
+        self.client = client
+        self.state = SegState.ACTIVE
+        self.alloc = alloc
+
+
+class Session:
+    """A client or node known to the master, alive until ``deadline``."""
+
+    __slots__ = ("deadline", "ident", "segs")
+
+    def __init__(self, deadline: float, ident: bytes | None) -> None:
+        self.deadline = deadline
+        self.ident = ident
+        self.segs: set[int] = set()
+
+
+class Task:
+    """An in-flight DRAM<->SSD copy run by the segments' node."""
+
+    __slots__ = ("dst", "key", "promote", "size", "src", "waiters")
+
+    def __init__(self, key: str, src: tuple[int, int], dst: tuple[int, int], size: int,
+                 promote: bool) -> None:
+        self.key = key
+        self.src = src
+        self.dst = dst
+        self.size = size
+        self.promote = promote
+        self.waiters: list[object] = []

@@ -1,0 +1,336 @@
+"""Wire messages of the store: master RPC requests/replies, node tasks, replication, KV events.
+
+Every message is a tagged msgspec struct (``yuebing.protocol``). A request gets exactly one reply:
+the typed reply named beside it, or `Err` (a `Code` and a message). Batch forms answer with one
+`Code` per key in request order, so one bad key never fails its neighbours.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from yuebing.protocol import Message, register_message
+
+
+class Code(IntEnum):
+    """Result of one operation on one key."""
+
+    OK = 0
+    NOT_FOUND = 1
+    EXISTS = 2
+    NO_SPACE = 3
+    LEASED = 4
+    NOT_PENDING = 5
+    BAD_REQUEST = 6
+    NOT_LEADER = 7
+    UNKNOWN_SEGMENT = 8
+    PROMOTING = 9
+    PINNED = 10
+    INTERNAL = 11
+
+
+class Tier(IntEnum):
+    DRAM = 0
+    SSD = 1
+
+
+# ---------------------------------------------------------------- shared pieces
+
+class Replica(Message, tag="store.replica"):
+    """Where one copy of a value lives: (segment, offset) in the transfer engine's address space."""
+
+    segment: str
+    offset: int
+    tier: int = Tier.DRAM
+
+
+class PutItem(Message, tag="store.put_item"):
+    key: str
+    size: int
+    checksum: int = -1
+    replicas: int = 1
+    strategy: str = ""
+    preferred: list[str] = []
+    hard_pin: bool = False
+    soft_pin_s: float = 0.0
+
+
+# ---------------------------------------------------------------- client -> master
+
+@register_message
+class PutStart(Message, tag="store.put_start"):
+    """Allocate space for a new value; reply `PutTargets`. The value is invisible until PutEnd."""
+
+    client: str
+    item: PutItem
+
+
+@register_message
+class PutEnd(Message, tag="store.put_end"):
+    """Commit a value whose bytes were written to every target; reply `Ok`."""
+
+    client: str
+    key: str
+
+
+@register_message
+class PutRevoke(Message, tag="store.put_revoke"):
+    """Abandon a pending put and free its space; reply `Ok`."""
+
+    client: str
+    key: str
+
+
+@register_message
+class BatchPutStart(Message, tag="store.batch_put_start"):
+    client: str
+    items: list[PutItem]
+
+
+@register_message
+class BatchPutEnd(Message, tag="store.batch_put_end"):
+    client: str
+    keys: list[str]
+
+
+@register_message
+class BatchPutRevoke(Message, tag="store.batch_put_revoke"):
+    client: str
+    keys: list[str]
+
+
+@register_message
+class GetReplicas(Message, tag="store.get_replicas"):
+    """Replicas of a committed value plus a read lease; reply `ReplicaList`."""
+
+    key: str
+
+
+@register_message
+class BatchGetReplicas(Message, tag="store.batch_get_replicas"):
+    keys: list[str]
+
+
+@register_message
+class Exists(Message, tag="store.exists"):
+    """Is the key committed? Reply `Bools` with one entry. A probe: grants no lease."""
+
+    key: str
+
+
+@register_message
+class BatchExists(Message, tag="store.batch_exists"):
+    keys: list[str]
+
+
+@register_message
+class PrefixMatch(Message, tag="store.prefix_match"):
+    """Length of the longest leading run of ``keys`` that are all committed; reply `Count`."""
+
+    keys: list[str]
+
+
+@register_message
+class Remove(Message, tag="store.remove"):
+    """Remove a committed value; refused with LEASED/PINNED unless ``force``; reply `Ok`."""
+
+    key: str
+    force: bool = False
+
+
+@register_message
+class BatchRemove(Message, tag="store.batch_remove"):
+    keys: list[str]
+    force: bool = False
+
+
+@register_message
+class RemovePrefix(Message, tag="store.remove_prefix"):
+    """Remove every committed key starting with ``prefix``; reply `Count` (how many removed)."""
+
+    prefix: str
+    force: bool = False
+
+
+@register_message
+class RemoveAll(Message, tag="store.remove_all"):
+    force: bool = False
+
+
+@register_message
+class Pin(Message, tag="store.pin"):
+    """Hard-pin, soft-pin (TTL ``soft_pin_s``) or, with ``unpin``, clear pins; reply `Codes`."""
+
+    keys: list[str]
+    hard: bool = False
+    soft_pin_s: float = 0.0
+    unpin: bool = False
+
+
+@register_message
+class Mount(Message, tag="store.mount"):
+    """A node contributes a segment (registered in the transfer engine under ``segment``)."""
+
+    client: str
+    segment: str
+    size: int
+    tier: int = Tier.DRAM
+    node: str = ""
+
+
+@register_message
+class Unmount(Message, tag="store.unmount"):
+    """Withdraw a segment at once: objects lose the replicas it held."""
+
+    client: str
+    segment: str
+
+
+@register_message
+class Drain(Message, tag="store.drain"):
+    """Stop placing new values on a segment; reply `Count` of objects it still holds."""
+
+    client: str
+    segment: str
+
+
+@register_message
+class Heartbeat(Message, tag="store.heartbeat"):
+    client: str
+
+
+@register_message
+class GetStats(Message, tag="store.get_stats"):
+    """Usage and counters; reply `Stats`."""
+
+
+# ---------------------------------------------------------------- master -> client replies
+
+@register_message
+class Ok(Message, tag="store.ok"):
+    pass
+
+
+@register_message
+class Err(Message, tag="store.err"):
+    code: int
+    message: str
+    leader: str = ""
+
+
+@register_message
+class PutTargets(Message, tag="store.put_targets"):
+    key: str
+    replicas: list[Replica]
+
+
+@register_message
+class BatchPutTargets(Message, tag="store.batch_put_targets"):
+    codes: list[int]
+    replicas: list[list[Replica]]
+
+
+@register_message
+class ReplicaList(Message, tag="store.replica_list"):
+    key: str
+    size: int
+    checksum: int
+    replicas: list[Replica]
+
+
+@register_message
+class BatchReplicaList(Message, tag="store.batch_replica_list"):
+    codes: list[int]
+    sizes: list[int]
+    checksums: list[int]
+    replicas: list[list[Replica]]
+
+
+@register_message
+class Bools(Message, tag="store.bools"):
+    values: list[bool]
+
+
+@register_message
+class Codes(Message, tag="store.codes"):
+    codes: list[int]
+
+
+@register_message
+class Count(Message, tag="store.count"):
+    n: int
+
+
+@register_message
+class HeartbeatReply(Message, tag="store.heartbeat_reply"):
+    segments: list[str]
+    """Segments the master holds for this client; a node re-mounts any that is missing."""
+
+
+@register_message
+class Stats(Message, tag="store.stats"):
+    values: dict[str, float]
+
+
+# ---------------------------------------------------------------- master <-> node tasks
+
+@register_message
+class NodeTask(Message, tag="store.node_task"):
+    """Master asks a node to copy ``size`` bytes between two of its own segments (DRAM<->SSD)."""
+
+    task: int
+    src_segment: str
+    src_offset: int
+    dst_segment: str
+    dst_offset: int
+    size: int
+
+
+@register_message
+class TaskDone(Message, tag="store.task_done"):
+    client: str
+    task: int
+    ok: bool
+    message: str = ""
+
+
+# ---------------------------------------------------------------- replication (leader <-> standby)
+
+@register_message
+class ReplSubscribe(Message, tag="store.repl_subscribe"):
+    standby: str
+
+
+@register_message
+class ReplSnapshot(Message, tag="store.repl_snapshot"):
+    seq: int
+    state: bytes
+
+
+@register_message
+class ReplEntries(Message, tag="store.repl_entries"):
+    first_seq: int
+    entries: list[list]
+
+
+@register_message
+class ReplAck(Message, tag="store.repl_ack"):
+    standby: str
+    seq: int
+
+
+# ---------------------------------------------------------------- KV event stream
+
+class EventKind(IntEnum):
+    STORED = 0
+    REMOVED = 1
+
+
+@register_message
+class KvEvents(Message, tag="store.kv_events"):
+    """One batch of the KV-event stream: for each event (kind, keys, holder segment names)."""
+
+    seq: int
+    kinds: list[int]
+    keys: list[str]
+    holders: list[list[str]]
