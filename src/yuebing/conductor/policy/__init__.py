@@ -1,1 +1,62 @@
-"""yuebing.conductor.policy: see docs/structure.md."""
+"""yuebing.conductor.policy: the pure Conductor scheduling policies (paper §4, arXiv §7).
+
+Build one `Policy(PolicyConfig(...), Predictors(...))` and call ``policy.decide(request, view)``
+(or the functional `decide`) for each arriving request; it returns a `Route` or a `Reject`.
+No I/O, no clock reads, no torch: the simulator and the live Conductor share this code.
+"""
+
+from yuebing.conductor.policy.admission import ADMISSIONS, RejectReason
+from yuebing.conductor.policy.config import PolicyConfig
+from yuebing.conductor.policy.decode import DECODE_SELECTORS, forecast_decode_load
+from yuebing.conductor.policy.policy import Policy, check_inputs, decide
+from yuebing.conductor.policy.predictors import (
+    BivariatePolynomial,
+    DecodePredictor,
+    Predictors,
+    PrefillPredictor,
+    TransferPredictor,
+    load_predictors,
+    save_predictors,
+)
+from yuebing.conductor.policy.prefill import PREFILL_SELECTORS
+from yuebing.conductor.policy.types import (
+    ClusterView,
+    Decision,
+    DecodeState,
+    PendingDecode,
+    PrefillState,
+    PrefixSource,
+    Reject,
+    RejectStage,
+    RequestInfo,
+    Route,
+)
+
+__all__ = [
+    "ADMISSIONS",
+    "DECODE_SELECTORS",
+    "PREFILL_SELECTORS",
+    "BivariatePolynomial",
+    "ClusterView",
+    "Decision",
+    "DecodePredictor",
+    "DecodeState",
+    "PendingDecode",
+    "Policy",
+    "PolicyConfig",
+    "Predictors",
+    "PrefillPredictor",
+    "PrefillState",
+    "PrefixSource",
+    "Reject",
+    "RejectReason",
+    "RejectStage",
+    "RequestInfo",
+    "Route",
+    "TransferPredictor",
+    "check_inputs",
+    "decide",
+    "forecast_decode_load",
+    "load_predictors",
+    "save_predictors",
+]

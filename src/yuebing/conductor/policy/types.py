@@ -59,6 +59,8 @@ class DecodeState:
     kv_capacity_tokens: int
     waiting_requests: int = 0
     """Requests whose KV arrived or is arriving but that are not yet in the batch."""
+    waiting_context_tokens: int = 0
+    """Sum of the context lengths of those waiting requests."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,9 @@ class PendingDecode:
     expected_decode_start_s: float
     expected_output_tokens: int
     decode_id: InstanceId | None = None
+    """Decode instance it was routed to; None spreads it evenly over all decode instances."""
+    context_tokens: int = 0
+    """Its prompt length (KV it will bring to decode)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +120,8 @@ class Route:
     fetch_from: InstanceId | str | None
     """Holder to copy the prefix from before prefill; None when the local prefix is used."""
     fetch_blocks: int
+    """Blocks to copy from ``fetch_from``: those after the instance's local prefix, up to
+    ``reused_blocks`` (copying them also replicates hot blocks, paper §4.2)."""
     est_transfer_s: float
     est_queue_s: float
     est_prefill_s: float
@@ -127,8 +134,11 @@ class Reject:
     """Decision to refuse a request now; the gateway answers 429 with ``Retry-After``."""
 
     reason: str
+    """A `yuebing.conductor.policy.RejectReason` value (adapters may add their own strings)."""
     stage: RejectStage
     retry_after_s: float
+    """Seconds after which the request would likely be accepted; ``math.inf`` when it can
+    never be served by this cluster (e.g. its KV exceeds every decode instance)."""
     est_ttft_s: float | None = None
     est_tbt_s: float | None = None
 

@@ -1,0 +1,130 @@
+"""Admission control: accept the planned route or reject at arrival, registered by name.
+
+Called by `Policy.decide` after prefill and decode selection with both plans; returns ``None``
+to accept or a `Reject` (reason, stage ``ARRIVAL``, computed ``retry_after_s``):
+
+- ``none``: accept everything (the adapter may still reject later, e.g. at decode).
+- ``slo`` (paper Algorithm 1): reject when the predicted TTFT exceeds its SLO (retry after the
+  excess has drained: ``TTFT - SLO``), when no decode instance has KV room, or when the
+  predicted TBT exceeds its SLO (retry when the decode forecast says the load is back ≤ 1).
+- ``early_rejection`` (arXiv §7.2): reject when ``max(prefill load, decode load)`` exceeds
+  ``early_rejection_threshold``; prefill load = predicted TTFT / TTFT SLO, decode load = the
+  chosen decode instance's load *now*.
+- ``predictive_early_rejection`` (arXiv §7.4): the same, but the decode load is forecast for the
+  moment this request would reach decode (now + predicted TTFT), counting routed requests still
+  in prefill (``view.pending_decodes``) and the decodes expected to finish by then.
+
+A request that cannot be served even by an idle cluster gets reason ``unservable`` and
+``retry_after_s = inf``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from yuebing.conductor.policy.decode import DecodePlan, forecast_decode_load
+from yuebing.conductor.policy.prefill import PrefillPlan
+from yuebing.conductor.policy.types import ClusterView, Reject, RejectStage, RequestInfo
+from yuebing.core.registry import Registry
+
+if TYPE_CHECKING:
+    from yuebing.conductor.policy.policy import Policy
+
+
+class RejectReason(StrEnum):
+    """Why a request was rejected (the ``reason`` of a `Reject`)."""
+
+    NO_INSTANCES = "no_instances"
+    UNSERVABLE = "unservable"
+    TTFT_SLO = "ttft_slo"
+    TBT_SLO = "tbt_slo"
+    KV_CAPACITY = "kv_capacity"
+    PREFILL_OVERLOAD = "prefill_overload"
+    DECODE_OVERLOAD = "decode_overload"
+
+
+Admission = Callable[["Policy", RequestInfo, ClusterView, PrefillPlan, DecodePlan], Reject | None]
+ADMISSIONS: Registry[Admission] = Registry("admission policy")
+
+
+def decode_retry_after(pol: Policy, req: RequestInfo, view: ClusterView, from_s: float,
+                       threshold: float) -> float:
+    """Seconds after ``from_s`` until the forecast decode load is ≤ ``threshold``.
+
+    Probes a doubling grid from ``min_retry_after_s`` up to twice the longest decode duration;
+    ``inf`` when even an idle instance could not take the request.
+    """
+    if _unservable(pol, req, view, threshold):
+        return math.inf
+    wait = max(pol.config.min_retry_after_s, 0.25)
+    horizon = 2.0 * pol.max_decode_duration_s
+    while wait < horizon:
+        if forecast_decode_load(pol, req, view, from_s + wait) <= threshold:
+            return wait
+        wait *= 2.0
+    return horizon
+
+
+def _unservable(pol: Policy, req: RequestInfo, view: ClusterView, threshold: float) -> bool:
+    need = req.input_tokens + req.expected_output_tokens
+    idle_tbt = pol.decode_time(1, req.input_tokens) / pol.config.tbt_slo_s
+    return idle_tbt > threshold or all(
+        need / d.kv_capacity_tokens > threshold for d in view.decodes)
+
+
+def _reject(reason: RejectReason, retry_s: float, pol: Policy, plan: PrefillPlan,
+            dplan: DecodePlan) -> Reject:
+    retry = retry_s if math.isinf(retry_s) else max(pol.config.min_retry_after_s, retry_s)
+    return Reject(str(reason), RejectStage.ARRIVAL, retry, plan.ttft_s, dplan.tbt_s)
+
+
+@ADMISSIONS.register("none")
+def admit_all(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPlan,
+              dplan: DecodePlan) -> Reject | None:
+    return None
+
+
+@ADMISSIONS.register("slo")
+def admit_slo(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPlan,
+              dplan: DecodePlan) -> Reject | None:
+    cfg = pol.config
+    if plan.ttft_s > cfg.ttft_slo_s:
+        return _reject(RejectReason.TTFT_SLO, plan.ttft_s - cfg.ttft_slo_s, pol, plan, dplan)
+    if dplan.kv_fits and dplan.tbt_s <= cfg.tbt_slo_s:
+        return None
+    retry = decode_retry_after(pol, req, view, view.now_s, 1.0)
+    if math.isinf(retry):
+        return _reject(RejectReason.UNSERVABLE, retry, pol, plan, dplan)
+    reason = RejectReason.TBT_SLO if dplan.kv_fits else RejectReason.KV_CAPACITY
+    return _reject(reason, retry, pol, plan, dplan)
+
+
+def _overload(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPlan,
+              dplan: DecodePlan, decode_load: float, decode_at_s: float) -> Reject | None:
+    threshold = pol.config.early_rejection_threshold
+    prefill_load = plan.ttft_s / pol.config.ttft_slo_s
+    if max(prefill_load, decode_load) <= threshold:
+        return None
+    if prefill_load >= decode_load:
+        excess_s = plan.ttft_s - threshold * pol.config.ttft_slo_s
+        return _reject(RejectReason.PREFILL_OVERLOAD, excess_s, pol, plan, dplan)
+    retry = decode_retry_after(pol, req, view, decode_at_s, threshold)
+    reason = RejectReason.UNSERVABLE if math.isinf(retry) else RejectReason.DECODE_OVERLOAD
+    return _reject(reason, retry, pol, plan, dplan)
+
+
+@ADMISSIONS.register("early_rejection")
+def admit_early_rejection(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPlan,
+                          dplan: DecodePlan) -> Reject | None:
+    return _overload(pol, req, view, plan, dplan, dplan.load, view.now_s)
+
+
+@ADMISSIONS.register("predictive_early_rejection")
+def admit_predictive(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPlan,
+                     dplan: DecodePlan) -> Reject | None:
+    at_s = view.now_s + plan.ttft_s
+    load = forecast_decode_load(pol, req, view, at_s)
+    return _overload(pol, req, view, plan, dplan, load, at_s)

@@ -1,0 +1,147 @@
+"""`Policy`: the single entry point of the Conductor's scheduling decisions.
+
+Life cycle: an adapter (the simulator or the live Conductor) builds one ``Policy(config,
+predictors)`` at start-up — resolving the registered selectors and precomputing the decode
+duration distribution — then, for every arriving request, builds a `RequestInfo` and a
+`ClusterView` snapshot and calls `Policy.decide`, which
+
+1. checks the inputs (a malformed view raises `InputError` and decides nothing),
+2. picks a prefill instance and a plan for the prefix (`yuebing.conductor.policy.prefill`),
+3. picks a decode instance (`yuebing.conductor.policy.decode`),
+4. runs admission control (`yuebing.conductor.policy.admission`),
+
+and returns a `Route` or a `Reject`. The policy holds no mutable state and reads no clock, so
+the same inputs always give the same decision. `decide` is the functional form.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+from yuebing.conductor.policy.admission import ADMISSIONS, RejectReason
+from yuebing.conductor.policy.config import PolicyConfig
+from yuebing.conductor.policy.decode import DECODE_SELECTORS
+from yuebing.conductor.policy.predictors import Predictors
+from yuebing.conductor.policy.prefill import PREFILL_SELECTORS
+from yuebing.conductor.policy.types import (
+    ClusterView,
+    Decision,
+    Reject,
+    RejectStage,
+    RequestInfo,
+    Route,
+)
+from yuebing.core.errors import InputError
+
+
+class Policy:
+    """Routing + admission for one `PolicyConfig` and one `Predictors` bundle (immutable)."""
+
+    __slots__ = ("config", "predictors", "max_decode_duration_s", "_prefill", "_decode",
+                 "_admission", "_durations", "_mean_duration", "_tail_sums", "_pp", "_dp", "_tp")
+
+    def __init__(self, config: PolicyConfig, predictors: Predictors) -> None:
+        self.config = config
+        self.predictors = predictors
+        self._prefill = PREFILL_SELECTORS.get(config.prefill_selector)
+        self._decode = DECODE_SELECTORS.get(config.decode_selector)
+        self._admission = ADMISSIONS.get(config.admission)
+        self._pp = predictors.prefill.predict
+        self._dp = predictors.decode.predict
+        self._tp = predictors.transfer.predict
+        self._durations = tuple(sorted(config.decode_durations_s))
+        self._mean_duration = sum(self._durations) / len(self._durations)
+        self.max_decode_duration_s = self._durations[-1]
+        # _tail_sums[k] = sum of durations[k:], for E[max(0, D - dt)] in O(log K)
+        tails = [0.0] * (len(self._durations) + 1)
+        for k in range(len(self._durations) - 1, -1, -1):
+            tails[k] = tails[k + 1] + self._durations[k]
+        self._tail_sums = tuple(tails)
+
+    # -- helpers the selectors and admission policies call ------------------------------------
+    def prefix_tokens(self, blocks: int, input_tokens: int) -> int:
+        """Tokens covered by ``blocks`` leading blocks (the last block may be partial)."""
+        return min(blocks * self.config.block_tokens, input_tokens)
+
+    def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
+        return self._pp(new_tokens, cached_tokens)
+
+    def decode_time(self, batch_size: float, context_tokens: float) -> float:
+        return self._dp(batch_size, context_tokens)
+
+    def transfer_time(self, nbytes: float, view: ClusterView) -> float:
+        return self._tp(nbytes, view.link_bandwidth_Bps, view.link_latency_s)
+
+    def survival(self, age_s: float) -> float:
+        """P(decode duration > ``age_s``) under the configured distribution."""
+        k = bisect.bisect_right(self._durations, age_s)
+        return (len(self._durations) - k) / len(self._durations)
+
+    def residual_survival(self, dt_s: float) -> float:
+        """P(a request decoding now still decodes ``dt_s`` later): E[max(0, D-dt)] / E[D]."""
+        k = bisect.bisect_right(self._durations, dt_s)
+        n = len(self._durations)
+        return (self._tail_sums[k] - (n - k) * dt_s) / n / self._mean_duration
+
+    # -- the decision ---------------------------------------------------------------------------
+    def decide(self, request: RequestInfo, view: ClusterView) -> Decision:
+        """Route ``request`` or reject it, given the snapshot ``view``."""
+        check_inputs(request, view, self.config.block_tokens)
+        if not view.prefills or not view.decodes:
+            return Reject(str(RejectReason.NO_INSTANCES), RejectStage.ARRIVAL,
+                          self.config.min_retry_after_s, None, None)
+        plan = self._prefill(self, request, view)
+        dplan = self._decode(self, request, view)
+        rejection = self._admission(self, request, view, plan, dplan)
+        if rejection is not None:
+            return rejection
+        src = view.best_prefix
+        return Route(
+            prefill_id=view.prefills[plan.index].instance_id,
+            decode_id=view.decodes[dplan.index].instance_id,
+            reused_blocks=plan.reused_blocks,
+            fetch_from=src.holder if plan.fetch_blocks and src is not None else None,
+            fetch_blocks=plan.fetch_blocks,
+            est_transfer_s=plan.transfer_s,
+            est_queue_s=plan.queue_s,
+            est_prefill_s=plan.prefill_s,
+            est_ttft_s=plan.ttft_s,
+            est_tbt_s=dplan.tbt_s,
+        )
+
+
+def decide(request: RequestInfo, view: ClusterView, config: PolicyConfig,
+           predictors: Predictors) -> Decision:
+    """Functional form of `Policy.decide` (builds the `Policy`; keep one for hot loops)."""
+    return Policy(config, predictors).decide(request, view)
+
+
+def check_inputs(req: RequestInfo, view: ClusterView, block_tokens: int) -> None:
+    """Raise `InputError` naming the field when the request or the view is inconsistent."""
+    nkeys = len(req.block_keys)
+    if req.input_tokens < 1 or req.expected_output_tokens < 0:
+        raise InputError(f"request {req.request_id}: input_tokens must be ≥ 1 and "
+                         f"expected_output_tokens ≥ 0, got {req.input_tokens}, "
+                         f"{req.expected_output_tokens}")
+    if (nkeys - 1) * block_tokens >= req.input_tokens:
+        raise InputError(f"request {req.request_id}: {nkeys} block keys of {block_tokens} "
+                         f"tokens cannot come from {req.input_tokens} input tokens")
+    if not (math.isfinite(view.now_s) and view.link_bandwidth_Bps > 0
+            and view.link_latency_s >= 0):
+        raise InputError("view: now_s must be finite, link_bandwidth_Bps > 0, "
+                         f"link_latency_s ≥ 0; got {view.now_s}, {view.link_bandwidth_Bps}, "
+                         f"{view.link_latency_s}")
+    for p in view.prefills:
+        if not (0 <= p.local_prefix_blocks <= nkeys) or not p.queue_s >= 0:
+            raise InputError(f"view: prefill {p.instance_id}: local_prefix_blocks must be in "
+                             f"0..{nkeys} and queue_s ≥ 0, got {p.local_prefix_blocks}, "
+                             f"{p.queue_s}")
+    for d in view.decodes:
+        if d.kv_capacity_tokens <= 0 or min(d.batch_size, d.context_tokens, d.kv_used_tokens,
+                                            d.waiting_requests, d.waiting_context_tokens) < 0:
+            raise InputError(f"view: decode {d.instance_id}: kv_capacity_tokens must be > 0 "
+                             "and counts ≥ 0")
+    if view.best_prefix is not None and not 0 <= view.best_prefix.blocks <= nkeys:
+        raise InputError(f"view: best_prefix.blocks must be in 0..{nkeys}, "
+                         f"got {view.best_prefix.blocks}")

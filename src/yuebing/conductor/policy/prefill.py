@@ -1,0 +1,126 @@
+"""Prefill instance selection (paper §4.1, Algorithm 1), registered by name.
+
+Called by `Policy.decide` once per arriving request with the request and the view; a selector
+returns a `PrefillPlan` for the chosen instance: which leading blocks it reuses, whether it first
+fetches a longer prefix from a remote holder, and the TTFT estimate
+``transfer + queue + prefill(new tokens, reused tokens)``. Every selector reuses the chosen
+instance's own cached prefix (engines always do); they differ in how they choose:
+
+- ``random``: a stable hash of (seed, request id) picks the instance.
+- ``load_balance``: least queued work (``queue_s``), then fewest queued requests.
+- ``local_cache_aware``: minimum estimated TTFT using each instance's own prefix.
+- ``global_cache_aware``: Algorithm 1: when ``best_len / local_len`` exceeds the balancing
+  threshold, plan to fetch the best prefix from its holder and charge the transfer; keep the
+  local prefix (recompute the rest) when the fetch would not win; choose the minimum TTFT.
+
+Ties always go to the instance listed first in the view, so decisions are deterministic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from yuebing.conductor.policy.types import ClusterView, RequestInfo
+from yuebing.core.registry import Registry
+
+if TYPE_CHECKING:
+    from yuebing.conductor.policy.policy import Policy
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """The chosen prefill instance and the TTFT estimate with its parts."""
+
+    index: int
+    """Position of the instance in ``view.prefills``."""
+    reused_blocks: int
+    fetch_blocks: int
+    """Blocks copied from ``view.best_prefix.holder`` first (0: local prefix only)."""
+    transfer_s: float
+    queue_s: float
+    prefill_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.transfer_s + self.queue_s + self.prefill_s
+
+
+PrefillSelector = Callable[["Policy", RequestInfo, ClusterView], PrefillPlan]
+PREFILL_SELECTORS: Registry[PrefillSelector] = Registry("prefill selector")
+
+
+def stable_index(seed: int, salt: str, request_id: str, n: int) -> int:
+    """Deterministic pseudo-random index in ``range(n)`` from (seed, salt, request id)."""
+    digest = hashlib.blake2b(f"{seed}:{salt}:{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % n
+
+
+def _local_plan(pol: Policy, req: RequestInfo, view: ClusterView, index: int) -> PrefillPlan:
+    p = view.prefills[index]
+    cached = pol.prefix_tokens(p.local_prefix_blocks, req.input_tokens)
+    prefill_s = pol.prefill_time(req.input_tokens - cached, cached)
+    return PrefillPlan(index, p.local_prefix_blocks, 0, 0.0, p.queue_s, prefill_s)
+
+
+@PREFILL_SELECTORS.register("random")
+def select_random(pol: Policy, req: RequestInfo, view: ClusterView) -> PrefillPlan:
+    index = stable_index(pol.config.seed, "prefill", req.request_id, len(view.prefills))
+    return _local_plan(pol, req, view, index)
+
+
+@PREFILL_SELECTORS.register("load_balance")
+def select_load_balance(pol: Policy, req: RequestInfo, view: ClusterView) -> PrefillPlan:
+    best, best_key = 0, (float("inf"), 0)
+    for i, p in enumerate(view.prefills):
+        key = (p.queue_s, p.queued_requests)
+        if key < best_key:
+            best, best_key = i, key
+    return _local_plan(pol, req, view, best)
+
+
+@PREFILL_SELECTORS.register("local_cache_aware")
+def select_local_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) -> PrefillPlan:
+    n, bt, predict = req.input_tokens, pol.config.block_tokens, pol.prefill_time
+    best, best_ttft = 0, float("inf")
+    for i, p in enumerate(view.prefills):
+        cached = min(p.local_prefix_blocks * bt, n)
+        ttft = p.queue_s + predict(n - cached, cached)
+        if ttft < best_ttft:
+            best, best_ttft = i, ttft
+    return _local_plan(pol, req, view, best)
+
+
+@PREFILL_SELECTORS.register("global_cache_aware")
+def select_global_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) -> PrefillPlan:
+    """Paper Algorithm 1 (prefill part)."""
+    src = view.best_prefix
+    best_blocks = src.blocks if src is not None else 0
+    n, bt, predict = req.input_tokens, pol.config.block_tokens, pol.prefill_time
+    threshold = pol.config.kvcache_balancing_threshold
+    best_tokens = min(best_blocks * bt, n)
+    remote_prefill_s = predict(n - best_tokens, best_tokens)
+    best: tuple[float, int, int] = (float("inf"), 0, 0)  # (ttft, index, fetch_blocks)
+    for i, p in enumerate(view.prefills):
+        local = p.local_prefix_blocks
+        cached = min(local * bt, n)
+        ttft = p.queue_s + predict(n - cached, cached)
+        fetch = 0
+        if best_blocks > local and (local == 0 or best_blocks / local > threshold) \
+                and src is not None and src.holder != p.instance_id:
+            transfer_s = pol.transfer_time((best_tokens - cached) * pol.config.kv_bytes_per_token,
+                                           view)
+            ttft_fetch = transfer_s + p.queue_s + remote_prefill_s
+            if ttft_fetch + pol.config.min_transfer_gain_s < ttft:
+                ttft, fetch = ttft_fetch, best_blocks - local
+        if ttft < best[0]:
+            best = (ttft, i, fetch)
+    _, index, fetch = best
+    if fetch == 0:
+        return _local_plan(pol, req, view, index)
+    p = view.prefills[index]
+    transfer_s = pol.transfer_time(
+        (best_tokens - min(p.local_prefix_blocks * bt, n)) * pol.config.kv_bytes_per_token, view)
+    return PrefillPlan(index, best_blocks, fetch, transfer_s, p.queue_s, remote_prefill_s)

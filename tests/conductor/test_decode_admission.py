@@ -1,0 +1,181 @@
+"""Decode selection, admission (SLO, early rejection, predictive) and input checks.
+
+Decode step = 10 ms + 10 ms per sequence + 1 µs per context token; TBT SLO 100 ms; decode
+durations are a fixed 10 s, so a request decoding now is still decoding Δ s later with
+probability 1 - Δ/10.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from policy_factories import PREDICTORS, config, decode, prefill, request, view
+
+from yuebing.conductor.policy import (
+    ClusterView,
+    PendingDecode,
+    Policy,
+    PrefixSource,
+    Reject,
+    RejectReason,
+    RejectStage,
+    Route,
+    decide,
+    forecast_decode_load,
+)
+from yuebing.core.errors import ConfigError, InputError
+from yuebing.core.ids import InstanceId
+
+P0 = (prefill("p0", 0.0),)  # ttft 1.0 s for the default 1000-token request
+
+
+def decide_with(v, **kw):
+    return Policy(config(**kw), PREDICTORS).decide(request(), v)
+
+
+def test_least_loaded_among_instances_within_tbt_slo_with_kv_room():
+    decodes = (
+        decode("d0", batch=5, ctx=10_000),                 # tbt .081, load .81
+        decode("d1", batch=2, ctx=50_000, kv=95_000, cap=100_000),  # tbt .091, KV does not fit
+        decode("d2", batch=8, ctx=10_000),                 # tbt .111 > SLO
+        decode("d3", batch=3, ctx=3_000),                  # tbt .054, load .54
+    )
+    r = decide_with(view(P0, decodes))
+    assert isinstance(r, Route)
+    assert r.decode_id == "d3"
+    assert r.est_tbt_s == pytest.approx(0.054, rel=1e-12)
+
+
+def test_waiting_requests_count_toward_the_batch():
+    busy = decode("d0", batch=1)
+    busy = type(busy)(busy.instance_id, 1, 0, 0, 1_000_000, waiting_requests=4,
+                      waiting_context_tokens=20_000)
+    r = decide_with(view(P0, (busy, decode("d1", batch=4))))
+    # d0: 6 seqs, 21000 ctx -> .091 ; d1: 5 seqs, 1000 ctx -> .061
+    assert (r.decode_id, r.est_tbt_s) == ("d1", pytest.approx(0.061, rel=1e-12))
+
+
+def test_fallbacks_when_no_instance_meets_the_slo():
+    over = (decode("d0", batch=12), decode("d1", batch=9), decode("d2", batch=1, kv=999_500))
+    assert decide_with(view(P0, over)).decode_id == "d1"  # KV fits, lowest load .111
+    full = (decode("d0", batch=3, kv=999_950), decode("d1", batch=1, kv=999_990))
+    assert decide_with(view(P0, full)).decode_id == "d0"  # nothing fits: least loaded
+
+
+def test_admission_none_routes_even_when_overloaded():
+    r = decide_with(view((prefill("p0", 100.0),), (decode("d0", batch=50),)))
+    assert isinstance(r, Route) and r.est_ttft_s == pytest.approx(101.0)
+
+
+def test_slo_rejects_ttft_with_retry_after_the_excess():
+    r = decide_with(view((prefill("p0", 40.0),)), admission="slo")
+    assert r == Reject("ttft_slo", RejectStage.ARRIVAL, pytest.approx(11.0), pytest.approx(41.0),
+                       pytest.approx(0.021))
+    small = decide_with(view((prefill("p0", 29.5),)), admission="slo")
+    assert small.reason == RejectReason.TTFT_SLO and small.retry_after_s == 1.0  # min retry
+
+
+def test_slo_rejects_tbt_with_retry_when_forecast_batch_has_shrunk():
+    # batch 10 -> tbt .121; the forecast batch 10(1-w/10) needs w >= 3.1 s; probes 1, 2, 4 s
+    r = decide_with(view(P0, (decode("d0", batch=10),)), admission="slo")
+    assert (r.reason, r.stage, r.retry_after_s) == ("tbt_slo", RejectStage.ARRIVAL, 4.0)
+    assert r.est_tbt_s == pytest.approx(0.121, rel=1e-12)
+
+
+def test_slo_rejects_full_kv_and_unservable_requests():
+    r = decide_with(view(P0, (decode("d0", batch=1, kv=999_000),)), admission="slo")
+    assert (r.reason, r.retry_after_s) == ("kv_capacity", 1.0)
+    huge = Policy(config(admission="slo"), PREDICTORS).decide(
+        request(1000, output=2_000_000), view(P0))
+    assert (huge.reason, huge.retry_after_s) == ("unservable", math.inf)
+
+
+def test_slo_accepts_within_both_slos():
+    assert isinstance(decide_with(view(P0, (decode("d0", batch=7),)), admission="slo"), Route)
+
+
+def test_early_rejection_on_prefill_load():
+    r = decide_with(view((prefill("p0", 44.0),)), admission="early_rejection")
+    assert (r.reason, r.retry_after_s) == ("prefill_overload", pytest.approx(15.0))
+    ok = decide_with(view((prefill("p0", 29.0),)), admission="early_rejection")
+    assert isinstance(ok, Route)
+
+
+# Scenario A: decode overloaded now (load 1.21) but the request reaches it after 6 s of
+# prefill queue + prefill, when the forecast batch is 10 * 0.4 = 4 (load .61).
+DRAINING = view((prefill("p0", 5.0),), (decode("d0", batch=10),))
+# Scenario B: decode idle now, but 10 routed requests reach it 1 s from now and are still
+# decoding when this request arrives at t+6 s (forecast batch 10, load 1.21).
+FILLING = ClusterView(
+    now_s=100.0, prefills=(prefill("p0", 5.0),), decodes=(decode("d0"),),
+    link_bandwidth_Bps=1e7,
+    pending_decodes=tuple(PendingDecode(101.0, 0, InstanceId("d0")) for _ in range(10)))
+
+
+def test_early_rejection_uses_current_decode_load():
+    r = decide_with(DRAINING, admission="early_rejection")
+    assert (r.reason, r.retry_after_s) == ("decode_overload", 4.0)
+    assert isinstance(decide_with(FILLING, admission="early_rejection"), Route)
+
+
+def test_predictive_early_rejection_forecasts_load_at_decode_arrival():
+    assert isinstance(decide_with(DRAINING, admission="predictive_early_rejection"), Route)
+    r = decide_with(FILLING, admission="predictive_early_rejection")
+    # pending requests all finish 11 s from now; probes at 6+1, 6+2, 6+4, 6+8 s
+    assert (r.reason, r.retry_after_s) == ("decode_overload", 8.0)
+
+
+def test_forecast_values():
+    pol = Policy(config(decode_durations_s=(10.0,)), PREDICTORS)
+    assert forecast_decode_load(pol, request(), DRAINING, 106.0) == pytest.approx(0.61)
+    assert forecast_decode_load(pol, request(), FILLING, 106.0) == pytest.approx(1.21)
+    assert forecast_decode_load(pol, request(), FILLING, 100.5) == pytest.approx(0.21)
+    # unassigned pending requests are spread evenly over the decode instances
+    spread = ClusterView(100.0, FILLING.prefills, (decode("d0"), decode("d1")),
+                         pending_decodes=tuple(PendingDecode(101.0, 0) for _ in range(10)))
+    assert forecast_decode_load(pol, request(), spread, 106.0) == pytest.approx(0.71)
+
+
+def test_survival_of_a_duration_distribution():
+    pol = Policy(config(decode_durations_s=(2.0, 4.0, 6.0, 8.0)), PREDICTORS)
+    assert [pol.survival(t) for t in (0.0, 2.0, 5.0, 8.0)] == [1.0, 0.75, 0.5, 0.0]
+    # E[max(0, D-3)] = (0+1+3+5)/4 = 2.25, E[D] = 5
+    assert pol.residual_survival(3.0) == pytest.approx(0.45, rel=1e-12)
+    assert pol.residual_survival(0.0) == 1.0 and pol.residual_survival(9.0) == 0.0
+
+
+def test_no_instances_rejects_and_decide_matches_policy():
+    r = decide(request(), view((), None), config(), PREDICTORS)
+    assert (r.reason, r.stage) == ("no_instances", RejectStage.ARRIVAL)
+    v = view(P0, best_prefix=PrefixSource("x", 3))
+    assert decide(request(), v, config(), PREDICTORS) == Policy(config(), PREDICTORS).decide(
+        request(), v)
+
+
+@pytest.mark.parametrize(("bad_view", "message"), [
+    (view((prefill("p0", 0.0, local=11),)), "prefill p0: local_prefix_blocks must be in 0..10"),
+    (view((prefill("p0", -1.0),)), "queue_s"),
+    (view(P0, (decode("d0", cap=0),)), "decode d0: kv_capacity_tokens"),
+    (view(P0, best_prefix=PrefixSource("h", 12)), "best_prefix.blocks must be in 0..10"),
+    (view(P0, bw=0.0), "link_bandwidth_Bps > 0"),
+])
+def test_bad_views_raise_precise_errors(bad_view, message):
+    with pytest.raises(InputError, match=message):
+        Policy(config(), PREDICTORS).decide(request(), bad_view)
+
+
+def test_bad_requests_and_configs():
+    pol = Policy(config(), PREDICTORS)
+    r = request()
+    with pytest.raises(InputError, match="12 block keys of 100 tokens cannot come from 1000"):
+        pol.decide(type(r)("r", 0.0, 1000, tuple(range(12)), 5), view(P0))
+    with pytest.raises(InputError, match="input_tokens must be ≥ 1"):
+        pol.decide(type(r)("r", 0.0, 0, (), 5), view(P0))
+    for kw, msg in [({"prefill_selector": "nope"}, "prefill_selector 'nope' unknown"),
+                    ({"kvcache_balancing_threshold": 0.5}, "kvcache_balancing_threshold"),
+                    ({"tbt_slo_s": 0.0}, "tbt_slo_s must be a positive"),
+                    ({"decode_durations_s": ()}, "decode_durations_s"),
+                    ({"block_tokens": 0}, "block_tokens must be ≥ 1")]:
+        with pytest.raises(ConfigError, match=msg):
+            config(**kw)

@@ -1,0 +1,112 @@
+"""Prefill selection on hand-built snapshots (see policy_factories for the round predictors)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from policy_factories import PREDICTORS, config, decode, prefill, request, view
+
+from yuebing.conductor.policy import Policy, PrefixSource, Route
+
+# input 1000 tokens = 10 blocks of 100; prefill costs 1 ms per new token
+FOUR = (prefill("p0", 0.5, local=0), prefill("p1", 0.2, local=2),
+        prefill("p2", 0.3, local=6), prefill("p3", 0.1, local=0, queued=3))
+
+
+def route(selector: str, v, **kw) -> Route:
+    r = Policy(config(prefill_selector=selector, **kw), PREDICTORS).decide(request(), v)
+    assert isinstance(r, Route)
+    return r
+
+
+def test_load_balance_picks_least_queued_work_and_reuses_its_local_prefix():
+    r = route("load_balance", view(FOUR))
+    assert (r.prefill_id, r.reused_blocks, r.fetch_from, r.fetch_blocks) == ("p3", 0, None, 0)
+    assert r.est_queue_s == 0.1
+    assert r.est_prefill_s == pytest.approx(1.0, rel=1e-12)
+    assert r.est_ttft_s == pytest.approx(1.1, rel=1e-12)
+
+
+def test_load_balance_ties_on_queue_go_to_fewer_requests_then_first_listed():
+    v = view((prefill("a", 0.2, queued=5), prefill("b", 0.2, queued=1), prefill("c", 0.2, queued=1)))
+    assert route("load_balance", v).prefill_id == "b"
+
+
+def test_local_cache_aware_minimises_queue_plus_prefill_of_uncached_suffix():
+    # ttft: p0 0.5+1.0, p1 0.2+0.8, p2 0.3+0.4, p3 0.1+1.0 -> p2
+    r = route("local_cache_aware", view(FOUR))
+    assert (r.prefill_id, r.reused_blocks, r.fetch_blocks) == ("p2", 6, 0)
+    assert r.est_ttft_s == pytest.approx(0.7, rel=1e-12)
+
+
+def test_global_cache_aware_fetches_best_prefix_and_charges_transfer():
+    # best prefix 8 blocks on a store node; transfer 0.1 ms/token for the missing part.
+    # p0: .08+.5+.2=.78  p1: .06+.2+.2=.46  p2: .02+.3+.2=.52  p3: .08+.1+.2=.38 -> p3
+    v = view(FOUR, best_prefix=PrefixSource("store7", 8))
+    r = route("global_cache_aware", v)
+    assert (r.prefill_id, r.reused_blocks, r.fetch_from, r.fetch_blocks) == ("p3", 8, "store7", 8)
+    assert r.est_transfer_s == pytest.approx(0.08, rel=1e-12)
+    assert r.est_prefill_s == pytest.approx(0.2, rel=1e-12)
+    assert r.est_ttft_s == pytest.approx(0.38, rel=1e-12)
+
+
+@pytest.mark.parametrize(("best", "threshold", "expected"), [
+    (6, 1.2, (5, None, 0, 0.5)),      # 6/5 == 1.2 is not > 1.2: use the local prefix
+    (7, 1.2, (7, "h", 2, 0.32)),      # 7/5 = 1.4 > 1.2: fetch 2 blocks (0.02 s) + 0.3 s
+    (6, 1.19, (6, "h", 1, 0.41)),     # 6/5 > 1.19: fetch 1 block (0.01 s) + 0.4 s
+])
+def test_algorithm1_balancing_threshold_boundary(best, threshold, expected):
+    v = view((prefill("p0", 0.0, local=5),), best_prefix=PrefixSource("h", best))
+    r = route("global_cache_aware", v, kvcache_balancing_threshold=threshold)
+    assert (r.reused_blocks, r.fetch_from, r.fetch_blocks) == expected[:3]
+    assert r.est_ttft_s == pytest.approx(expected[3], rel=1e-12)
+
+
+def test_global_prefers_recompute_when_remote_gain_is_small():
+    # 1 MB/s link: fetching costs 1 ms/token, the same as recomputing -> keep local prefix
+    v = view((prefill("p0", 0.0, local=5),), best_prefix=PrefixSource("h", 10), bw=1e6)
+    r = route("global_cache_aware", v)
+    assert (r.reused_blocks, r.fetch_from, r.est_transfer_s) == (5, None, 0.0)
+    # fast link but a required gain larger than the 0.45 s it would save
+    v = view((prefill("p0", 0.0, local=5),), best_prefix=PrefixSource("h", 10))
+    assert route("global_cache_aware", v, min_transfer_gain_s=0.46).fetch_from is None
+    assert route("global_cache_aware", v, min_transfer_gain_s=0.44).fetch_from == "h"
+
+
+def test_global_never_fetches_from_itself_and_equals_local_without_index():
+    v = view((prefill("p0", 0.0, local=8), prefill("p1", 0.0)), best_prefix=PrefixSource("p0", 8))
+    r = route("global_cache_aware", v)
+    assert (r.prefill_id, r.reused_blocks, r.fetch_from) == ("p0", 8, None)
+    assert route("global_cache_aware", view(FOUR)) == route("local_cache_aware", view(FOUR))
+
+
+def test_fully_cached_input_costs_no_prefill_tokens():
+    # 950 tokens -> 10 keys, the last block partial; holding all 10 covers all 950 tokens
+    r = Policy(config(prefill_selector="local_cache_aware"), PREDICTORS).decide(
+        request(950), view((prefill("p0", 0.25, local=10),)))
+    assert (r.reused_blocks, r.est_prefill_s, r.est_ttft_s) == (10, 0.0, 0.25)
+
+
+def test_random_is_a_stable_hash_of_seed_and_request_id():
+    def expected(seed: int, rid: str) -> int:
+        d = hashlib.blake2b(f"{seed}:prefill:{rid}".encode(), digest_size=8).digest()
+        return int.from_bytes(d, "little") % 4
+
+    pol = Policy(config(prefill_selector="random", seed=7), PREDICTORS)
+    counts = [0, 0, 0, 0]
+    for k in range(400):
+        rid = f"req-{k}"
+        r = pol.decide(request(rid=rid), view(FOUR))
+        assert r.prefill_id == f"p{expected(7, rid)}"
+        counts[int(r.prefill_id[1])] += 1
+    assert min(counts) >= 70, counts  # roughly uniform
+    other = Policy(config(prefill_selector="random", seed=8), PREDICTORS)
+    assert any(other.decide(request(rid=f"req-{k}"), view(FOUR)).prefill_id
+               != pol.decide(request(rid=f"req-{k}"), view(FOUR)).prefill_id for k in range(20))
+
+
+def test_decode_choice_is_independent_of_prefill_selector():
+    v = view(FOUR, decodes=(decode("d0", batch=3), decode("d1", batch=1)))
+    assert {route(s, v).decode_id for s in ("random", "load_balance", "local_cache_aware",
+                                             "global_cache_aware")} == {"d1"}
