@@ -107,6 +107,7 @@ def simulate(requests: Sequence[SimRequest], config: SimConfig, cost: CostModel 
     cost = cost or build_cost_model(config)
     loop = EventLoop(seed=config.seed, start_s=min(0.0, requests[0].arrival_s))
     system = factory(SystemContext(loop=loop, cost=cost, config=config))
+    system.prepare(requests)
     records = [RequestRecord(index=r.index, arrival_s=r.arrival_s, input_tokens=r.input_tokens,
                              output_tokens=r.output_tokens) for r in requests]
     driver = _Driver(loop, system, requests, records, config.sample_interval_s, progress)

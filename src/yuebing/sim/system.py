@@ -14,7 +14,7 @@ Systems: ``mooncake`` (`yuebing.sim.mooncake`) and the coupled vLLM-like baselin
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from yuebing.core.config import require
@@ -90,6 +90,11 @@ class SimSystem(ABC):
         self.loop = ctx.loop
         self.cost = ctx.cost
         self.config = ctx.config
+
+    def prepare(self, requests: Sequence[SimRequest]) -> None:
+        """Called once before the first arrival with the whole workload (e.g. to fit the
+        policy's decode-duration distribution or pick the hot keys to follow)."""
+        return None
 
     @abstractmethod
     def on_arrival(self, request: SimRequest, record: RequestRecord) -> None:

@@ -1,0 +1,210 @@
+"""The simulated Mooncake cluster: P prefill nodes + D decode nodes over a global KV pool.
+
+Life cycle of a request (paper §3-§4):
+
+1. Arrival: the Conductor looks up the request's prefix blocks in the global pool index, builds
+   a `ClusterView` (per prefill node: queued work and its own cached prefix; per decode node:
+   batch, context, KV use; the best prefix anywhere) and calls the shared policy
+   (`yuebing.conductor.policy.Policy.decide`). A `Reject` is recorded with its stage and reason.
+2. Route: the chosen prefill node refreshes its reused blocks; when the policy plans a fetch,
+   the missing prefix blocks are copied from the holder over both nodes' NICs (serialised per
+   NIC), which also replicates hot blocks. Prefill starts when the node (or, for inputs with
+   more than ``cpp_threshold_tokens`` new tokens, a chunked-pipeline-parallel group of up to
+   ``cpp_max_nodes`` nodes) is free and the fetch is done; nodes run prefills FIFO.
+3. Prefill end = first token. The new KV was stored layer by layer into the node's DRAM pool
+   while computing (inserted now) and streamed to the decode node layer by layer: the KV is
+   complete at max(prefill end + one layer's share, prefill start + whole transfer).
+4. Decode: continuous batching bounded by HBM (`yuebing.sim.decode.DecodeInstance`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+from yuebing.conductor.policy import (
+    ClusterView,
+    DecodeState,
+    PendingDecode,
+    Policy,
+    PrefillState,
+    PrefixSource,
+    Reject,
+    RequestInfo,
+)
+from yuebing.core.ids import BlockHash, InstanceId
+from yuebing.sim.decode import DecodeInstance, DecodeJob
+from yuebing.sim.kvpool import GlobalKVPool
+from yuebing.sim.loop import Priority
+from yuebing.sim.metrics import RequestRecord
+from yuebing.sim.predict import policy_for
+from yuebing.sim.system import SYSTEMS, SimSystem, SystemContext
+from yuebing.sim.workload import SimRequest
+
+HOT_KEYS = 10
+"""How many of the trace's most shared blocks the replica report follows."""
+
+
+class MooncakeSystem(SimSystem):
+    """Disaggregated prefill/decode with a global cache-aware Conductor (see module docstring)."""
+
+    def __init__(self, ctx: SystemContext) -> None:
+        super().__init__(ctx)
+        cfg = self.config
+        self.P, self.D = cfg.prefill_nodes, cfg.decode_nodes
+        self.pool = GlobalKVPool(self.P, cfg.dram_kv_tokens // cfg.block_tokens)
+        self.prefill_ids = [InstanceId(f"p{i}") for i in range(self.P)]
+        self.prefill_index = {pid: i for i, pid in enumerate(self.prefill_ids)}
+        self.decode_ids = [InstanceId(f"d{j}") for j in range(self.D)]
+        self.decode_index = {did: j for j, did in enumerate(self.decode_ids)}
+        self.free_at = [0.0] * self.P
+        self.queued = [0] * self.P
+        self.nic_free = [0.0] * self.P
+        self.decodes = [DecodeInstance(str(d), self.loop, self.cost) for d in self.decode_ids]
+        self.pending: dict[int, PendingDecode] = {}
+        self.policy: Policy | None = None
+        self.hot_keys: list[int] = []
+        self.replica_series: dict[str, list[int]] = {}
+        self._kvb = self.cost.kv_bytes_per_token
+        self._layers_share = 1.0 / 80
+
+    # -- set-up ----------------------------------------------------------------------------
+    def prepare(self, requests: Sequence[SimRequest]) -> None:
+        self.policy = policy_for(self.config, self.cost, requests)
+        counts = Counter(k for r in requests for k in r.block_keys)
+        self.hot_keys = [k for k, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+                         [:HOT_KEYS]]
+        self.replica_series = {str(k): [] for k in self.hot_keys}
+
+    # -- arrival and routing -------------------------------------------------------------------
+    def _view(self, request: SimRequest, lengths: list[int], best: int,
+              holder: int) -> ClusterView:
+        now = self.loop.now
+        prefills = tuple(
+            PrefillState(pid, max(0.0, self.free_at[i] - now), self.queued[i], lengths[i])
+            for i, pid in enumerate(self.prefill_ids))
+        decodes = tuple(
+            DecodeState(self.decode_ids[j], d.batch_size, d.context_tokens, d.kv_used,
+                        d.capacity, len(d.waiting), d.waiting_tokens)
+            for j, d in enumerate(self.decodes))
+        src = PrefixSource(self.prefill_ids[holder], best) if best > 0 else None
+        pending = (tuple(self.pending.values())
+                   if self.config.admission == "predictive_early_rejection" else ())
+        return ClusterView(now_s=now, prefills=prefills, decodes=decodes, best_prefix=src,
+                           link_bandwidth_Bps=self.cost.link_Bps,
+                           link_latency_s=self.cost.link_latency_s, pending_decodes=pending)
+
+    def on_arrival(self, request: SimRequest, record: RequestRecord) -> None:
+        assert self.policy is not None, "prepare() runs before the first arrival"
+        keys = request.block_keys
+        lengths, best, holder = self.pool.prefix_lengths(keys)
+        info = RequestInfo(str(request.index), request.arrival_s, request.input_tokens,
+                           tuple(BlockHash(k) for k in keys), request.output_tokens)
+        decision = self.policy.decide(info, self._view(request, lengths, best, holder))
+        if isinstance(decision, Reject):
+            record.rejected = decision.stage
+            record.reject_reason = decision.reason
+            return
+        i = self.prefill_index[decision.prefill_id]
+        j = self.decode_index[decision.decode_id]
+        bt = self.config.block_tokens
+        n_in = request.input_tokens
+        local = lengths[i]
+        reused = max(decision.reused_blocks, local)
+        ready = self.loop.now
+        if decision.fetch_from is not None and reused > local:
+            h = self.prefill_index[InstanceId(str(decision.fetch_from))]
+            fetched = min(reused * bt, n_in) - min(local * bt, n_in)
+            start = max(ready, self.nic_free[i], self.nic_free[h])
+            ready = start + self.cost.transfer_time(fetched * self._kvb)
+            self.nic_free[i] = self.nic_free[h] = ready
+            self.pool.touch(h, keys[local:reused])
+            self.pool.insert(i, keys[:reused])
+            record.fetched_tokens = fetched
+        else:
+            reused = local
+            self.pool.touch(i, keys[:local])
+        hit = min(reused * bt, n_in - 1)
+        record.hit_tokens = hit
+        record.prefill_id, record.decode_id = str(decision.prefill_id), str(decision.decode_id)
+        self._start_prefill(request, record, i, j, hit, ready)
+
+    def _group(self, i: int, new_tokens: int) -> list[int]:
+        cfg = self.config
+        if new_tokens <= cfg.cpp_threshold_tokens or cfg.cpp_max_nodes == 1 or self.P == 1:
+            return [i]
+        size = min(cfg.cpp_max_nodes, self.P, math.ceil(new_tokens / cfg.cpp_threshold_tokens))
+        others = heapq.nsmallest(size - 1, (k for k in range(self.P) if k != i),
+                                 key=lambda k: (self.free_at[k], k))
+        return [i, *others]
+
+    def _start_prefill(self, request: SimRequest, record: RequestRecord, i: int, j: int,
+                       hit: int, ready: float) -> None:
+        new = request.input_tokens - hit
+        group = self._group(i, new)
+        k = len(group)
+        duration = self.cost.prefill_time(new, hit)
+        if k > 1:  # pipeline over k nodes: 1/k of the layers each, bubbles of one chunk
+            chunks = math.ceil(new / self.cost_chunk_tokens())
+            duration = duration / k * (1.0 + (k - 1) / chunks)
+        start = max(ready, *(self.free_at[g] for g in group))
+        end = start + duration
+        for g in group:
+            self.free_at[g] = end
+            self.queued[g] += 1
+        record.prefill_start_s = start
+        record.prefill_gpu_s = duration * k
+        total_kv = request.input_tokens * self._kvb
+        kv_ready = max(end + self.cost.transfer_time(total_kv * self._layers_share),
+                       start + self.cost.transfer_time(total_kv))
+        if self.config.admission == "predictive_early_rejection":
+            self.pending[request.index] = PendingDecode(
+                kv_ready, request.output_tokens, self.decode_ids[j], request.input_tokens)
+        self.loop.at(end, Priority.COMPLETE, self._prefill_done, request, record, group, j,
+                     kv_ready)
+
+    def cost_chunk_tokens(self) -> int:
+        node = getattr(self.cost, "node", None)
+        return int(getattr(node, "chunk_tokens", 8192))
+
+    def _prefill_done(self, request: SimRequest, record: RequestRecord, group: list[int],
+                      j: int, kv_ready: float) -> None:
+        for g in group:
+            self.queued[g] -= 1
+        self.pool.insert(group[0], request.block_keys)
+        record.first_token_s = self.loop.now
+        if request.output_tokens < 2:
+            self.pending.pop(request.index, None)
+            record.kv_ready_s = record.decode_start_s = self.loop.now
+            record.finish_decode([self.loop.now])
+            return
+        self.loop.at(kv_ready, Priority.COMPLETE, self._kv_arrived, request, record, j)
+
+    def _kv_arrived(self, request: SimRequest, record: RequestRecord, j: int) -> None:
+        self.pending.pop(request.index, None)
+        record.kv_ready_s = self.loop.now
+        self.decodes[j].enqueue(DecodeJob(record, request.input_tokens, request.output_tokens))
+
+    # -- observation ---------------------------------------------------------------------------
+    def load(self) -> dict[str, float]:
+        now = self.loop.now
+        slo = self.config.ttft_slo_s
+        for k in self.hot_keys:
+            self.replica_series[str(k)].append(self.pool.replicas(k))
+        return {
+            "prefill_load": sum(max(0.0, f - now) for f in self.free_at) / self.P / slo,
+            "prefill_queued": float(sum(self.queued)),
+            "decode_load": sum(d.kv_used / d.capacity for d in self.decodes) / self.D,
+            "decode_batch": sum(d.batch_size for d in self.decodes) / self.D,
+            "decode_waiting": float(sum(len(d.waiting) for d in self.decodes)),
+        }
+
+    def extra(self) -> dict[str, object]:
+        return {"hot_key_replicas": self.replica_series, "pool_evictions": self.pool.evictions}
+
+
+@SYSTEMS.register("mooncake")
+def _build(ctx: SystemContext) -> SimSystem:
+    return MooncakeSystem(ctx)

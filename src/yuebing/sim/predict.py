@@ -1,0 +1,80 @@
+"""The simulator's bridge to the shared Conductor policy: predictors and policy config.
+
+Life cycle: a simulated system calls `policy_for` once before the run. The policy's latency
+predictors are fitted from samples of the run's cost model (exactly what ``yuebing profile``
+does against the real engine), so the policy code sees the same kind of inputs in the
+simulator as live; fits are cached per cost model object. The predictive-early-rejection
+decode-duration distribution is the deciles of the workload's output lengths times the decode
+step time at half the decode KV capacity (the arXiv §7.4 "fixed distribution").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from weakref import WeakKeyDictionary
+
+import numpy as np
+
+from yuebing.conductor.policy import (
+    DecodePredictor,
+    Policy,
+    PolicyConfig,
+    Predictors,
+    PrefillPredictor,
+    TransferPredictor,
+)
+from yuebing.sim.hardware import CostModel
+from yuebing.sim.system import SimConfig
+from yuebing.sim.workload import SimRequest
+
+_FITS: WeakKeyDictionary[CostModel, Predictors] = WeakKeyDictionary()
+
+
+def predictors_for(cost: CostModel) -> Predictors:
+    """Predictors fitted to ``cost`` (prefill over 0..128k new/cached tokens, decode over
+    batches up to 256 and contexts up to the decode KV capacity)."""
+    cached = _FITS.get(cost)
+    if cached is not None:
+        return cached
+    pred = Predictors(
+        prefill=PrefillPredictor.from_function(cost.prefill_time),
+        decode=DecodePredictor.from_function(
+            cost.decode_step_time, max_context_tokens=cost.decode_kv_capacity_tokens),
+        transfer=TransferPredictor(),
+        source=f"simulator cost model {type(cost).__name__}",
+    )
+    _FITS[cost] = pred
+    return pred
+
+
+def decode_durations(cost: CostModel, requests: Sequence[SimRequest]) -> tuple[float, ...]:
+    """Ten equally likely decode durations (s) for the predictive early rejection forecast."""
+    outputs = np.array([r.output_tokens for r in requests], dtype=float)
+    mean_ctx = float(np.mean([r.input_tokens + r.output_tokens / 2 for r in requests]))
+    half = cost.decode_kv_capacity_tokens / 2
+    batch = max(1, math.floor(half / mean_ctx))
+    step = cost.decode_step_time(batch, int(half))
+    qs = np.quantile(outputs, np.linspace(0.05, 0.95, 10)) * step
+    return tuple(float(max(q, 1e-3)) for q in qs)
+
+
+def policy_config(config: SimConfig, cost: CostModel,
+                  requests: Sequence[SimRequest]) -> PolicyConfig:
+    """The `PolicyConfig` a simulation run uses."""
+    return PolicyConfig(
+        prefill_selector=config.prefill_policy,
+        admission=config.admission,
+        block_tokens=config.block_tokens,
+        kv_bytes_per_token=cost.kv_bytes_per_token,
+        ttft_slo_s=config.ttft_slo_s,
+        tbt_slo_s=config.tbt_slo_s,
+        kvcache_balancing_threshold=config.balancing_threshold,
+        seed=config.seed,
+        decode_durations_s=decode_durations(cost, requests),
+    )
+
+
+def policy_for(config: SimConfig, cost: CostModel, requests: Sequence[SimRequest]) -> Policy:
+    """The shared Conductor `Policy` for this run."""
+    return Policy(policy_config(config, cost, requests), predictors_for(cost))
