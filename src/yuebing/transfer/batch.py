@@ -1,0 +1,165 @@
+"""Batch bookkeeping: requests cut into slices, per-request and per-batch status, completion.
+
+Life cycle: `TransferEngine.submit` validates the requests, builds a `Batch` of `RequestState`s
+and cuts each request into `Slice`s (`split_ranges`); transports complete slices from their own
+threads with `Slice.complete`. A request becomes TRANSFERRING when its first slice is handed to a
+transport, DONE when its last slice is acknowledged, FAILED on the first slice that fails for
+good (after the transport's retries), TIMEOUT when the batch deadline passes first (`expire`,
+called by the engine's reaper thread). When every request is terminal the batch's event is set
+and its callbacks (asyncio waiters) run. Status never moves backwards.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from yuebing.transfer.types import BatchId, BatchStatus, OpCode, RequestStatus, TransferStatus
+
+_PENDING, _TRANSFERRING, _DONE = TransferStatus.PENDING, TransferStatus.TRANSFERRING, TransferStatus.DONE
+
+
+def split_ranges(length: int, slice_size: int) -> list[tuple[int, int]]:
+    """Cut ``length`` bytes into (start, size) pieces of at most ``slice_size``, in order; the
+    last piece carries the remainder. ``split_ranges(10, 4) == [(0, 4), (4, 4), (8, 2)]``."""
+    if length <= 0 or slice_size <= 0:
+        raise ValueError(f"length and slice_size must be positive, got {length}, {slice_size}")
+    return [(start, min(slice_size, length - start)) for start in range(0, length, slice_size)]
+
+
+class RequestState:
+    """Mutable state of one request; mutated only under its batch's lock."""
+
+    __slots__ = ("length", "op", "status", "done_bytes", "slices_left", "error")
+
+    def __init__(self, op: OpCode, length: int, n_slices: int) -> None:
+        self.op = op
+        self.length = length
+        self.status = _PENDING
+        self.done_bytes = 0
+        self.slices_left = n_slices
+        self.error = ""
+
+
+class Slice:
+    """A piece of a request: ``length`` bytes between ``local`` and ``offset`` of ``segment``."""
+
+    __slots__ = ("batch", "index", "op", "local", "segment", "offset", "length", "attempts")
+
+    def __init__(self, batch: Batch, index: int, op: OpCode, local: memoryview, segment: str,
+                 offset: int) -> None:
+        self.batch = batch
+        self.index = index
+        self.op = op
+        self.local = local
+        self.segment = segment
+        self.offset = offset
+        self.length = local.nbytes
+        self.attempts = 0
+
+    @property
+    def live(self) -> bool:
+        """False once the request is terminal (failed, timed out): do not touch ``local``."""
+        return not self.batch.requests[self.index].status.terminal
+
+    @property
+    def deadline(self) -> float:
+        return self.batch.deadline
+
+    def complete(self, error: str | None = None) -> None:
+        """Called once by the transport when the slice is applied (``error`` None) or failed."""
+        self.batch.slice_done(self.index, self.length, error)
+
+
+class Batch:
+    """A submitted batch. Thread-safe; see the module docstring for the state rules."""
+
+    def __init__(self, batch_id: BatchId, requests: list[RequestState], deadline: float) -> None:
+        self.id = batch_id
+        self.requests = requests
+        self.deadline = deadline
+        self.event = threading.Event()
+        self._lock = threading.Lock()
+        self._open = sum(1 for r in requests if not r.status.terminal)
+        self._callbacks: list[Callable[[Batch], None]] = []
+        if self._open == 0:
+            self.event.set()
+
+    def started(self, index: int) -> None:
+        with self._lock:
+            r = self.requests[index]
+            if r.status == _PENDING:
+                r.status = _TRANSFERRING
+
+    def slice_done(self, index: int, nbytes: int, error: str | None) -> None:
+        with self._lock:
+            r = self.requests[index]
+            if r.status.terminal:
+                return
+            if error is not None:
+                r.status, r.error = TransferStatus.FAILED, error
+            else:
+                r.done_bytes += nbytes
+                r.slices_left -= 1
+                if r.slices_left > 0:
+                    r.status = _TRANSFERRING
+                    return
+                r.status = _DONE
+            finish = self._closed_one()
+        if finish:
+            self._finish()
+
+    def fail_all(self, error: str, status: TransferStatus = TransferStatus.FAILED) -> None:
+        """Mark every non-terminal request ``status`` (FAILED or TIMEOUT) with ``error``."""
+        with self._lock:
+            finish = False
+            for r in self.requests:
+                if not r.status.terminal:
+                    r.status, r.error = status, error
+                    finish = self._closed_one() or finish
+        if finish:
+            self._finish()
+
+    def expire(self, now: float) -> bool:
+        """Time the batch out if its deadline passed; True if that happened now."""
+        if now < self.deadline or self.event.is_set():
+            return False
+        self.fail_all(f"deadline passed ({now - self.deadline:.3f}s late) before completion",
+                      TransferStatus.TIMEOUT)
+        return True
+
+    def _closed_one(self) -> bool:
+        self._open -= 1
+        return self._open == 0
+
+    def _finish(self) -> None:
+        self.event.set()
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb(self)
+
+    def add_callback(self, cb: Callable[[Batch], None]) -> None:
+        """Run ``cb(batch)`` once the batch is terminal (at once if it already is)."""
+        with self._lock:
+            if not self.event.is_set():
+                self._callbacks.append(cb)
+                return
+        cb(self)
+
+    def snapshot(self) -> BatchStatus:
+        with self._lock:
+            reqs = tuple(RequestStatus(r.status, r.done_bytes, r.length, r.error)
+                         for r in self.requests)
+        return BatchStatus(self.id, _batch_status(reqs), reqs)
+
+
+def _batch_status(reqs: tuple[RequestStatus, ...]) -> TransferStatus:
+    states = [r.status for r in reqs]
+    if not all(s.terminal for s in states):
+        return min(s for s in states if not s.terminal)
+    if TransferStatus.TIMEOUT in states:
+        return TransferStatus.TIMEOUT
+    if TransferStatus.FAILED in states:
+        return TransferStatus.FAILED
+    return TransferStatus.DONE

@@ -1,0 +1,84 @@
+"""Configuration of one transfer engine (`TransferConfig`), validated on construction."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+from yuebing.core.config import require
+
+TRANSPORT_NAMES = ("shm", "tcp")
+
+
+def default_host_id() -> str:
+    """Identity of this machine's memory domain: hostname + kernel boot id, so two processes
+    agree on it exactly when they can map each other's /dev/shm files."""
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        pass
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Knobs of a `TransferEngine`; every field is also a ``yuebing`` CLI flag."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address the TCP listener binds"})
+    port: int = field(default=0, metadata={"help": "listener port (0 = any free port)"})
+    advertise_host: str = field(default="", metadata={
+        "help": "address peers use to reach this engine (default: --host)"})
+    host_id: str = field(default_factory=default_host_id, metadata={
+        "help": "machine identity; equal ids on both ends enable the shared-memory transport"})
+    transports: tuple[str, ...] = field(default=TRANSPORT_NAMES, metadata={
+        "help": "transports in order of preference (shm, tcp)"})
+    lanes: int = field(default=4, metadata={"help": "persistent TCP connections per peer"})
+    slice_size: int = field(default=1 << 20, metadata={
+        "help": "requests are cut into slices of at most this many bytes", "size": True})
+    timeout_s: float = field(default=30.0, metadata={"help": "default deadline of a batch"})
+    connect_timeout_s: float = field(default=3.0, metadata={"help": "TCP connect/handshake timeout"})
+    io_timeout_s: float = field(default=30.0, metadata={
+        "help": "a socket send/recv stalled this long fails its lane"})
+    max_retries: int = field(default=2, metadata={
+        "help": "times a failed slice is retried on another lane"})
+    retry_backoff_s: float = field(default=0.01, metadata={
+        "help": "first retry delay; doubles on each further retry"})
+    max_endpoints: int = field(default=64, metadata={
+        "help": "cap of open peer endpoints (SIEVE eviction beyond it)"})
+    socket_buffer: int = field(default=4 << 20, metadata={
+        "help": "SO_SNDBUF/SO_RCVBUF of every lane", "size": True})
+    shm_workers: int = field(default=1, metadata={"help": "copy threads per shared-memory peer"})
+    shm_dir: str = field(default="/dev/shm", metadata={"help": "directory of shm segment files"})
+    metadata: str = field(default="embedded", metadata={
+        "help": "segment directory: embedded | p2p | etcd://HOST:PORT[,HOST:PORT]"})
+    engine_id: str = field(default="", metadata={"help": "name of this engine (default: random)"})
+
+    def __post_init__(self) -> None:
+        require(bool(self.host), "host must not be empty (e.g. 127.0.0.1)")
+        require(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
+        require(bool(self.host_id), "host_id must not be empty")
+        require(len(self.transports) > 0 and all(t in TRANSPORT_NAMES for t in self.transports),
+                f"transports must be a non-empty subset of {TRANSPORT_NAMES}, got {self.transports}")
+        require(1 <= self.lanes <= 64, f"lanes must be in 1..64, got {self.lanes}")
+        require(4096 <= self.slice_size <= 1 << 30,
+                f"slice_size must be in 4KiB..1GiB, got {self.slice_size}")
+        for name in ("timeout_s", "connect_timeout_s", "io_timeout_s"):
+            v = getattr(self, name)
+            require(v > 0, f"{name} must be > 0 seconds, got {v}")
+        require(0 <= self.max_retries <= 16, f"max_retries must be in 0..16, got {self.max_retries}")
+        require(self.retry_backoff_s >= 0, f"retry_backoff_s must be >= 0, got {self.retry_backoff_s}")
+        require(self.max_endpoints >= 1, f"max_endpoints must be >= 1, got {self.max_endpoints}")
+        require(self.socket_buffer >= 65536,
+                f"socket_buffer must be >= 64KiB, got {self.socket_buffer}")
+        require(1 <= self.shm_workers <= 16, f"shm_workers must be in 1..16, got {self.shm_workers}")
+        require(os.path.isdir(self.shm_dir), f"shm_dir {self.shm_dir!r} is not a directory")
+        require(self.metadata in ("embedded", "p2p") or self.metadata.startswith("etcd://"),
+                f"metadata must be embedded, p2p or etcd://HOST:PORT, got {self.metadata!r}")
+        require("/" not in self.engine_id, f"engine_id must not contain '/', got {self.engine_id!r}")
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or self.host

@@ -1,0 +1,364 @@
+"""`TransferEngine`: the public face of the transfer engine, one per process (or more).
+
+Life cycle of a batch: the application registers memory (`register_segment`) — published to the
+metadata service so peers can address it as (segment, offset, length). To move bytes it calls
+`submit` with READ/WRITE `TransferRequest`s: every request is validated and every remote range
+checked against the segment's descriptor *before* anything moves (a bad batch raises and changes
+nothing); each request is cut into slices sized for the transport picked for its peer — this
+engine's own segments are copied in place, same-host shared-memory segments are copied directly
+into the peer's mapping, anything else goes over TCP lanes — and handed to an endpoint from the
+SIEVE-capped pool (opened lazily). The caller polls `status`, blocks in `wait`, or awaits
+`wait_async`; a reaper thread times out batches whose deadline passes; `free` forgets the batch.
+`transfer` / `transfer_async` do all three steps and raise `TransferError` on failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+from yuebing.core.errors import InputError, TransferError
+from yuebing.transfer.batch import Batch, RequestState, Slice, split_ranges
+from yuebing.transfer.config import TransferConfig
+from yuebing.transfer.messages import Hello, HelloReply, Notify, SegmentDescriptor
+from yuebing.transfer.metadata import (
+    DEFAULT_EMBEDDED,
+    EtcdMetadata,
+    MetadataService,
+    P2PMetadata,
+)
+from yuebing.transfer.pool import SieveCache
+from yuebing.transfer.segment import (
+    Segment,
+    SegmentTable,
+    check_range,
+    create_shm_segment,
+    sweep_stale_shm,
+    validate_name,
+    wrap_buffer_segment,
+)
+from yuebing.transfer.transport import shm as _shm  # noqa: F401 - registers shm, local
+from yuebing.transfer.transport import tcp_client as _tcp  # noqa: F401 - registers tcp
+from yuebing.transfer.transport.base import TRANSPORTS, Endpoint, LocalContext, Transport
+from yuebing.transfer.transport.tcp_client import NotifyOp, TcpEndpoint, open_socket
+from yuebing.transfer.transport.tcp_server import TcpServer
+from yuebing.transfer.types import (
+    BatchId,
+    BatchStatus,
+    Notification,
+    TransferRequest,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_NOTIFY_BYTES = 1 << 20
+NOTIFY_QUEUE = 65536
+
+
+class TransferEngine:
+    """Registered segments + batched READ/WRITE to any peer's segments. Thread-safe."""
+
+    def __init__(self, config: TransferConfig | None = None,
+                 metadata: MetadataService | None = None) -> None:
+        self.config = cfg = config or TransferConfig()
+        self.engine_id = cfg.engine_id or uuid.uuid4().hex[:12]
+        self.host_id = cfg.host_id
+        self._segments = SegmentTable()
+        self._ctx = LocalContext(self.engine_id, self.host_id, cfg, self._segments)
+        self._owns_metadata = metadata is None
+        self.metadata = metadata or self._default_metadata()
+        self._notify_q: queue.Queue[Notification] = queue.Queue(NOTIFY_QUEUE)
+        self._notify_cbs: list[Callable[[Notification], None]] = []
+        self._server = TcpServer(cfg, self._segments, self._hello, self._deliver)
+        self.address = self._server.address
+        self._transports: list[Transport] = [
+            TRANSPORTS.get(n)(self._ctx) for n in ("local", *cfg.transports)]
+        self._pool: SieveCache[tuple[str, str, str], Endpoint] = SieveCache(
+            cfg.max_endpoints, on_evict=lambda k, ep: ep.close(), evictable=lambda ep: not ep.busy)
+        self._descs: dict[str, SegmentDescriptor] = {}
+        self._batches: dict[BatchId, Batch] = {}
+        self._active: list[Batch] = []
+        self._ids = itertools.count(1)
+        self._cv = threading.Condition()
+        self._closed = False
+        self._reaper = threading.Thread(target=self._reap, name="tx-reaper", daemon=True)
+        self._reaper.start()
+        sweep_stale_shm(cfg.shm_dir)
+        log.info("transfer engine %s listening on %s", self.engine_id, self.address)
+
+    def _default_metadata(self) -> MetadataService:
+        m = self.config.metadata
+        if m == "embedded":
+            return DEFAULT_EMBEDDED
+        if m == "p2p":
+            return P2PMetadata(self._handshake)
+        return EtcdMetadata(m)
+
+    # ---- segments -------------------------------------------------------------------------
+
+    def register_segment(self, name: str, size: int | None = None, buffer: object = None,
+                         prefault: bool = False) -> Segment:
+        """Register memory under ``name`` and publish it. Give ``size`` for a new zero-filled
+        shared-memory segment (reachable by same-host peers without sockets), or ``buffer``
+        (numpy array, bytearray, torch CPU tensor...) to expose existing memory over TCP."""
+        validate_name(name)
+        if (size is None) == (buffer is None):
+            raise InputError("register_segment needs exactly one of size= or buffer=")
+        seg = (create_shm_segment(name, size, self.config.shm_dir, prefault) if size is not None
+               else wrap_buffer_segment(name, buffer))
+        try:
+            self._segments.add(seg)
+        except InputError:
+            seg.close()
+            raise
+        try:
+            self.metadata.publish(seg.descriptor(self.engine_id, self.host_id, self.address))
+        except TransferError:
+            self._segments.remove(name).close()
+            raise
+        return seg
+
+    def unregister_segment(self, name: str) -> None:
+        """Withdraw and release segment ``name``; later accesses to it are rejected."""
+        seg = self._segments.remove(name)
+        self.metadata.withdraw(name)
+        seg.close()
+
+    def segment(self, name: str) -> Segment:
+        seg = self._segments.get(name)
+        if seg is None:
+            raise InputError(f"segment {name!r} is not registered on this engine")
+        return seg
+
+    def segment_name(self, name: str) -> str:
+        """The name peers use for this engine's segment ``name`` (``host:port/name`` in p2p)."""
+        return f"{self.address}/{name}" if isinstance(self.metadata, P2PMetadata) else name
+
+    def _hello(self, hello: Hello) -> HelloReply:
+        segs = [s.descriptor(self.engine_id, self.host_id, self.address)
+                for s in self._segments.all()]
+        return HelloReply(engine_id=self.engine_id, host_id=self.host_id, segments=segs)
+
+    def _handshake(self, address: str) -> HelloReply:
+        sock, reply = open_socket(address, self._ctx, self.config.connect_timeout_s)
+        sock.close()
+        return reply
+
+    def describe(self, segment: str) -> SegmentDescriptor:
+        """The descriptor of ``segment`` (cached after the first lookup)."""
+        desc = self._descs.get(segment)
+        if desc is None:
+            desc = self.metadata.lookup(segment)
+            if desc is None:
+                raise TransferError(f"segment {segment!r} is not registered by any engine")
+            self._descs[segment] = desc
+        return desc
+
+    # ---- batches --------------------------------------------------------------------------
+
+    def submit(self, requests: Sequence[TransferRequest], timeout_s: float | None = None) -> BatchId:
+        """Start a batch and return its id at once. Raises `InputError` / `TransferError` for
+        malformed requests, unknown segments or out-of-range accesses — then nothing moves."""
+        if self._closed:
+            raise TransferError("transfer engine is closed")
+        if not requests:
+            raise InputError("a batch needs at least one request")
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        if timeout <= 0:
+            raise InputError(f"timeout_s must be > 0, got {timeout}")
+        plan = []
+        for i, r in enumerate(requests):
+            if not isinstance(r, TransferRequest):
+                raise InputError(f"request {i} is a {type(r).__name__}, not a TransferRequest")
+            local, length = r.resolve()
+            desc = self.describe(str(r.segment))
+            check_range(str(r.segment), desc.size, r.offset, length)
+            plan.append((r, local, desc))
+        states, work, failures = [], [], []
+        for i, (r, local, desc) in enumerate(plan):
+            try:
+                ep = self._endpoint(desc)
+            except TransferError as e:
+                states.append(RequestState(r.op, local.nbytes, 1))
+                failures.append((i, str(e)))
+                continue
+            pieces = split_ranges(local.nbytes, ep.slice_size or local.nbytes)
+            states.append(RequestState(r.op, local.nbytes, len(pieces)))
+            work.append((ep, desc, r, local, pieces, i))
+        batch = Batch(BatchId(next(self._ids)), states, time.monotonic() + timeout)
+        with self._cv:
+            self._batches[batch.id] = batch
+            self._active.append(batch)
+            self._cv.notify()
+        for i, err in failures:
+            batch.slice_done(i, 0, err)
+        for ep, desc, r, local, pieces, i in work:
+            ep.submit(desc, [Slice(batch, i, r.op, local[a:a + n], desc.name, r.offset + a)
+                             for a, n in pieces])
+        return batch.id
+
+    def _endpoint(self, desc: SegmentDescriptor) -> Endpoint:
+        for t in self._transports:
+            if t.can_reach(desc):
+                key = (t.name, desc.engine_id, desc.address)
+                ep = self._pool.get(key)
+                if ep is not None and not ep.alive:
+                    self._pool.pop(key)
+                    self._forget_engine(desc.engine_id)
+                    ep.close()
+                return self._pool.get_or_create(key, lambda t=t: t.connect(desc))
+        raise TransferError(f"no configured transport {self.config.transports} reaches "
+                            f"segment {desc.name!r}")
+
+    def _forget_engine(self, engine_id: str) -> None:
+        for name in [n for n, d in self._descs.items() if d.engine_id == engine_id]:
+            self._descs.pop(name, None)
+
+    def _batch(self, batch_id: BatchId) -> Batch:
+        batch = self._batches.get(batch_id)
+        if batch is None:
+            raise InputError(f"unknown batch id {batch_id} (never submitted or already freed)")
+        return batch
+
+    def status(self, batch_id: BatchId) -> BatchStatus:
+        """Poll: a snapshot of the batch and each request."""
+        return self._batch(batch_id).snapshot()
+
+    def wait(self, batch_id: BatchId, timeout_s: float | None = None) -> BatchStatus:
+        """Block until the batch is terminal (or ``timeout_s`` passes) and return its status."""
+        batch = self._batch(batch_id)
+        batch.event.wait(timeout_s)
+        return batch.snapshot()
+
+    async def wait_async(self, batch_id: BatchId) -> BatchStatus:
+        """Await the batch's terminal status without blocking the event loop."""
+        batch = self._batch(batch_id)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[BatchStatus] = loop.create_future()
+
+        def done(b: Batch) -> None:
+            snap = b.snapshot()
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(snap))
+
+        batch.add_callback(done)
+        return await fut
+
+    def free(self, batch_id: BatchId) -> None:
+        """Forget a terminal batch; freeing one still in flight is an `InputError`."""
+        batch = self._batch(batch_id)
+        if not batch.event.is_set():
+            raise InputError(f"batch {batch_id} is still in flight; wait for it before free")
+        self._batches.pop(batch_id, None)
+
+    def transfer(self, requests: Sequence[TransferRequest],
+                 timeout_s: float | None = None) -> BatchStatus:
+        """Submit, wait, free; raise `TransferError` unless every request is DONE."""
+        bid = self.submit(requests, timeout_s)
+        status = self.wait(bid)
+        self.free(bid)
+        status.raise_for_status()
+        return status
+
+    async def transfer_async(self, requests: Sequence[TransferRequest],
+                             timeout_s: float | None = None) -> BatchStatus:
+        bid = self.submit(requests, timeout_s)
+        status = await self.wait_async(bid)
+        self.free(bid)
+        status.raise_for_status()
+        return status
+
+    def _reap(self) -> None:
+        with self._cv:
+            while not self._closed:
+                now = time.monotonic()
+                self._active = [b for b in self._active if not b.event.is_set()]
+                for b in [b for b in self._active if b.deadline <= now]:
+                    b.expire(now)
+                pending = [b.deadline for b in self._active if not b.event.is_set()]
+                self._cv.wait(max(min(pending) - now, 0.001) if pending else None)
+
+    # ---- notifications --------------------------------------------------------------------
+
+    def notify(self, segment: str, topic: str, payload: bytes = b"",
+               timeout_s: float | None = None) -> None:
+        """Deliver a small message to the engine owning ``segment``; returns once it has been
+        handed to the peer's notify callback or queue. Raises `TransferError` otherwise."""
+        if len(payload) > MAX_NOTIFY_BYTES:
+            raise InputError(f"notify payload of {len(payload)} bytes exceeds {MAX_NOTIFY_BYTES}")
+        desc = self.describe(segment)
+        if desc.engine_id == self.engine_id:
+            self._deliver(Notify(id=0, sender=self.engine_id, topic=topic, payload=bytes(payload)))
+            return
+        key = ("tcp", desc.engine_id, desc.address)
+        ep = self._pool.get_or_create(key, lambda: TcpEndpoint(self._ctx, desc))
+        assert isinstance(ep, TcpEndpoint)
+        op = NotifyOp(self.engine_id, topic, bytes(payload))
+        ep.notify(op)
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        if not op.event.wait(timeout):
+            raise TransferError(f"notify to {desc.engine_id} not acknowledged within {timeout}s")
+        if op.error:
+            raise TransferError(f"notify to {desc.engine_id} failed: {op.error}")
+
+    def on_notify(self, callback: Callable[[Notification], None]) -> None:
+        """Call ``callback(notification)`` (from a lane thread) for each arriving notify,
+        instead of queueing it for `next_notify`."""
+        self._notify_cbs.append(callback)
+
+    def next_notify(self, timeout_s: float | None = None) -> Notification | None:
+        """The oldest queued notification, waiting up to ``timeout_s``; None if none came."""
+        try:
+            return self._notify_q.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def _deliver(self, msg: Notify) -> None:
+        note = Notification(msg.sender, msg.topic, msg.payload)
+        if self._notify_cbs:
+            for cb in list(self._notify_cbs):
+                cb(note)
+            return
+        try:
+            self._notify_q.put_nowait(note)
+        except queue.Full:
+            raise TransferError(f"notify queue of {self.engine_id} is full") from None
+
+    # ---- life cycle -----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        return {"endpoints": len(self._pool), "evictions": self._pool.evictions,
+                "batches": len(self._batches), "served_slices": self._server.served_slices,
+                "segments": len(self._segments.names())}
+
+    def close(self) -> None:
+        """Fail batches in flight, close endpoints, stop serving, withdraw and free segments."""
+        if self._closed:
+            return
+        with self._cv:
+            self._closed = True
+            active, self._active = self._active, []
+            self._cv.notify()
+        for b in active:
+            b.fail_all("transfer engine closed")
+        for _, ep in self._pool.drain():
+            ep.close()
+        self._server.close()
+        for seg in self._segments.all():
+            with contextlib.suppress(TransferError, InputError):
+                self.unregister_segment(seg.name)
+        if self._owns_metadata and self.metadata is not DEFAULT_EMBEDDED:
+            self.metadata.close()
+        self._reaper.join(timeout=2)
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

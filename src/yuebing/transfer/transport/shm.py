@@ -1,0 +1,243 @@
+"""Same-host transports: `ShmTransport` copies straight into (or out of) the peer's segment file
+mapped into this process; `LocalTransport` serves segments registered by this very engine.
+
+Life cycle of a shared-memory slice: on first use of a peer, `ShmEndpoint` opens one TCP control
+connection to it (handshake; its end-of-file is how a dead peer is noticed) and maps each of the
+peer's segment files on first access. `submit` queues slices for ``shm_workers`` copy threads; a
+worker re-checks the range against the published descriptor and copies with ``numpy.copyto``
+(which releases the GIL), then completes the slice. No kernel socket carries the bytes. When the
+control connection drops, queued slices fail with an error naming the peer and the maps close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import queue
+import threading
+
+import numpy as np
+
+from yuebing.core.errors import TransferError
+from yuebing.transfer.batch import Slice
+from yuebing.transfer.messages import SegmentDescriptor
+from yuebing.transfer.segment import check_range
+from yuebing.transfer.transport.base import TRANSPORTS, Endpoint, LocalContext, Transport
+from yuebing.transfer.transport.framing import IdleTimeout, recv_frame
+from yuebing.transfer.transport.tcp_client import open_socket
+from yuebing.transfer.types import OpCode
+
+log = logging.getLogger(__name__)
+
+
+def copy_slice(s: Slice, remote: np.ndarray) -> None:
+    """Copy one slice between its local buffer and ``remote`` (the segment's bytes)."""
+    local = np.frombuffer(s.local, dtype=np.uint8)
+    window = remote[s.offset:s.offset + s.length]
+    if s.op == OpCode.WRITE:
+        np.copyto(window, local)
+    else:
+        np.copyto(local, window)
+
+
+class _Worker:
+    """Copy threads draining a queue of (remote array, slice) items."""
+
+    def __init__(self, name: str, threads: int) -> None:
+        self.q: queue.SimpleQueue[tuple[np.ndarray, Slice] | None] = queue.SimpleQueue()
+        self.outstanding = 0
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            remote, s = item
+            error = None
+            if s.live:
+                try:
+                    copy_slice(s, remote)
+                except (ValueError, OSError) as e:
+                    error = f"shared-memory copy failed: {e}"
+            self.done()
+            s.complete(error)
+
+    def done(self) -> None:
+        with self._lock:
+            self.outstanding -= 1
+
+    def put(self, remote: np.ndarray, s: Slice) -> None:
+        with self._lock:
+            self.outstanding += 1
+        self.q.put((remote, s))
+
+    def stop(self) -> None:
+        for _ in self._threads:
+            self.q.put(None)
+
+
+class ShmEndpoint(Endpoint):
+    """Direct copies into a same-host peer's shared-memory segments."""
+
+    def __init__(self, ctx: LocalContext, desc: SegmentDescriptor) -> None:
+        self.ctx = ctx
+        self.address = desc.address
+        self.peer_engine = desc.engine_id
+        workers = ctx.config.shm_workers
+        self.slice_size = ctx.config.slice_size if workers > 1 else None
+        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+        self._lock = threading.Lock()
+        self._dead = ""
+        self._closed = False
+        self._control, _ = open_socket(self.address, ctx, ctx.config.connect_timeout_s)
+        self._control.settimeout(None)
+        self._worker = _Worker(f"tx-shm-{self.address}", workers)
+        threading.Thread(target=self._watch, name=f"tx-shm-watch-{self.address}",
+                         daemon=True).start()
+
+    def _watch(self) -> None:
+        """Block on the control connection; the peer never writes to it, so any return means
+        it closed (process exit) or broke."""
+        while True:
+            try:
+                recv_frame(self._control, idle_ok=True)
+            except IdleTimeout:
+                continue
+            except Exception as e:  # EOF, reset, or an unexpected frame: the peer is gone
+                self._mark_dead(f"peer {self.peer_engine} at {self.address} went away ({e})")
+                return
+
+    def _mark_dead(self, error: str) -> None:
+        self._dead = self._dead or error
+        if not self._closed:
+            log.info("shared-memory peer lost: %s", error)
+        while True:
+            try:
+                item = self._worker.q.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self._worker.done()
+                item[1].complete(self._dead)
+        self._worker.stop()
+
+    def _remote(self, desc: SegmentDescriptor) -> np.ndarray:
+        with self._lock:
+            entry = self._maps.get(desc.name)
+            if entry is not None and entry[1].nbytes == desc.size:
+                return entry[1]
+            try:
+                fd = os.open(desc.shm_path, os.O_RDWR)
+            except OSError as e:
+                raise TransferError(f"cannot open shared memory of segment {desc.name!r}: {e}") from None
+            try:
+                if os.fstat(fd).st_size < desc.size:
+                    raise TransferError(f"shared memory of segment {desc.name!r} is smaller than "
+                                        f"its descriptor says ({desc.size} bytes)")
+                m = mmap.mmap(fd, desc.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            arr = np.frombuffer(m, dtype=np.uint8)
+            self._maps[desc.name] = (m, arr)
+            return arr
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead and not self._closed
+
+    @property
+    def busy(self) -> bool:
+        return self._worker.outstanding > 0
+
+    def submit(self, desc: SegmentDescriptor, slices: list[Slice]) -> None:
+        try:
+            if self._dead:
+                raise TransferError(self._dead)
+            remote = self._remote(desc)
+        except TransferError as e:
+            for s in slices:
+                s.complete(str(e))
+            return
+        for s in slices:
+            try:
+                check_range(desc.name, desc.size, s.offset, s.length)
+            except TransferError as e:
+                s.complete(str(e))
+                continue
+            s.batch.started(s.index)
+            self._worker.put(remote, s)
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._control.close()
+        self._mark_dead(f"endpoint to {self.address} closed")
+        with self._lock:
+            self._maps.clear()  # the mmaps close when the last numpy view is collected
+
+
+@TRANSPORTS.register("shm")
+class ShmTransport(Transport):
+    """Shared memory: reaches shm-backed segments of other engines on the same host."""
+
+    name = "shm"
+
+    def can_reach(self, desc: SegmentDescriptor) -> bool:
+        return bool(desc.shm_path) and desc.host_id == self.ctx.host_id
+
+    def connect(self, desc: SegmentDescriptor) -> ShmEndpoint:
+        return ShmEndpoint(self.ctx, desc)
+
+
+class LocalEndpoint(Endpoint):
+    """Copies to and from this engine's own segments, in the submitting thread."""
+
+    slice_size = None
+
+    def __init__(self, ctx: LocalContext) -> None:
+        self.ctx = ctx
+
+    @property
+    def alive(self) -> bool:
+        return True
+
+    @property
+    def busy(self) -> bool:
+        return False
+
+    def submit(self, desc: SegmentDescriptor, slices: list[Slice]) -> None:
+        for s in slices:
+            try:
+                view = self.ctx.segments.resolve(s.segment, s.offset, s.length)
+            except TransferError as e:
+                s.complete(str(e))
+                continue
+            s.batch.started(s.index)
+            if s.op == OpCode.WRITE:
+                view[:] = s.local
+            else:
+                s.local[:] = view
+            s.complete()
+
+    def close(self) -> None:
+        pass
+
+
+@TRANSPORTS.register("local")
+class LocalTransport(Transport):
+    """This engine's own segments (any memory, shm or not)."""
+
+    name = "local"
+
+    def can_reach(self, desc: SegmentDescriptor) -> bool:
+        return desc.engine_id == self.ctx.engine_id
+
+    def connect(self, desc: SegmentDescriptor) -> LocalEndpoint:
+        return LocalEndpoint(self.ctx)

@@ -1,0 +1,325 @@
+"""The initiator side of TCP: `TcpTransport` opens a `TcpEndpoint` per peer engine, which keeps
+``lanes`` persistent connections (`Lane`), each with a sender and a receiver thread.
+
+Life cycle of a slice: `TcpEndpoint.submit` puts it on the lane with the fewest outstanding
+bytes; the lane's sender thread records it as pending and sends `WriteSlice` + payload (straight
+from the caller's buffer) or `ReadSlice`; the receiver thread matches the reply by id — `SliceAck`
+completes a write once the target applied it, `SliceData` is received with ``recv_into`` directly
+into the caller's buffer. When a lane breaks (reset, EOF, stall past ``io_timeout_s``) all its
+queued and pending slices are retried on another lane after a backoff that doubles per attempt
+(up to ``max_retries``); lanes are re-opened on demand, and if the peer no longer accepts
+connections every affected slice fails at once with an error naming the peer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import socket
+import threading
+
+from yuebing.core.errors import TransferError
+from yuebing.protocol import Message, ProtocolError
+from yuebing.transfer.batch import Slice
+from yuebing.transfer.messages import (
+    Hello,
+    HelloReply,
+    Notify,
+    ReadSlice,
+    SegmentDescriptor,
+    SliceAck,
+    SliceData,
+    WriteSlice,
+)
+from yuebing.transfer.transport.base import TRANSPORTS, Endpoint, LocalContext, Transport
+from yuebing.transfer.transport.framing import (
+    IdleTimeout,
+    drain,
+    recv_exact,
+    recv_frame,
+    send_frame,
+    tune_socket,
+)
+from yuebing.transfer.types import OpCode
+
+log = logging.getLogger(__name__)
+
+
+class NotifyOp:
+    """A notify travelling on a lane; completed when the peer acknowledges delivery."""
+
+    __slots__ = ("sender", "topic", "payload", "event", "error", "attempts", "length")
+    live = True
+
+    def __init__(self, sender: str, topic: str, payload: bytes) -> None:
+        self.sender, self.topic, self.payload = sender, topic, payload
+        self.event = threading.Event()
+        self.error: str | None = None
+        self.attempts = 0
+        self.length = 0
+
+    def complete(self, error: str | None = None) -> None:
+        self.error = error
+        self.event.set()
+
+
+Op = Slice | NotifyOp
+
+
+def open_socket(address: str, ctx: LocalContext, timeout_s: float) -> tuple[socket.socket, HelloReply]:
+    """Connect to ``host:port`` and run the Hello handshake; raises `TransferError`."""
+    host, _, port = address.rpartition(":")
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except (OSError, ValueError) as e:
+        raise TransferError(f"peer at {address} is unreachable: {e}") from None
+    try:
+        tune_socket(sock, ctx.config.socket_buffer, timeout_s)
+        send_frame(sock, Hello(engine_id=ctx.engine_id, host_id=ctx.host_id))
+        reply = recv_frame(sock)
+        if not isinstance(reply, HelloReply):
+            raise ProtocolError(f"expected hello reply, got {type(reply).__name__}")
+    except (OSError, ProtocolError) as e:
+        sock.close()
+        raise TransferError(f"handshake with peer at {address} failed: {e}") from None
+    return sock, reply
+
+
+class Lane:
+    """One persistent connection with a sender and a receiver thread."""
+
+    def __init__(self, endpoint: TcpEndpoint, sock: socket.socket, index: int) -> None:
+        self.endpoint = endpoint
+        self.sock = sock
+        self.index = index
+        self.outstanding = 0
+        self.dead = False
+        self._q: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
+        self._pending: dict[int, Op] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        sock.settimeout(endpoint.ctx.config.io_timeout_s)
+        name = f"tx-lane-{endpoint.address}-{index}"
+        threading.Thread(target=self._send_loop, name=name + "-tx", daemon=True).start()
+        threading.Thread(target=self._recv_loop, name=name + "-rx", daemon=True).start()
+
+    def enqueue(self, op: Op) -> bool:
+        with self._lock:
+            if self.dead:
+                return False
+            self.outstanding += op.length
+            self._q.put(op)
+            return True
+
+    def _send_loop(self) -> None:
+        while True:
+            op = self._q.get()
+            if op is None:
+                return
+            with self._lock:
+                dead = self.dead
+                if not dead:
+                    oid = next(self._ids)
+                    self._pending[oid] = op
+            if dead:
+                self.endpoint.lane_failed(self, [op], "lane closed")
+                continue
+            try:
+                self._send(oid, op)
+            except OSError as e:
+                self.fail(f"send to {self.endpoint.address} failed: {e}")
+                return
+
+    def _send(self, oid: int, op: Op) -> None:
+        if isinstance(op, NotifyOp):
+            send_frame(self.sock, Notify(id=oid, sender=op.sender, topic=op.topic,
+                                         payload=op.payload))
+        elif op.op == OpCode.WRITE:
+            send_frame(self.sock, WriteSlice(id=oid, segment=op.segment, offset=op.offset,
+                                             length=op.length), op.local)
+        else:
+            send_frame(self.sock, ReadSlice(id=oid, segment=op.segment, offset=op.offset,
+                                            length=op.length))
+
+    def _recv_loop(self) -> None:
+        while True:
+            try:
+                msg = recv_frame(self.sock, idle_ok=True)
+                self._on_reply(msg)
+            except IdleTimeout:
+                if self._pending:
+                    self.fail(f"peer {self.endpoint.address} sent nothing for "
+                              f"{self.endpoint.ctx.config.io_timeout_s}s")
+                    return
+            except (OSError, ProtocolError) as e:
+                self.fail(f"connection to {self.endpoint.address} broke: {e}")
+                return
+
+    def _on_reply(self, msg: Message) -> None:
+        op = self._pending.pop(getattr(msg, "id", -1), None)
+        if op is None:
+            raise ProtocolError(f"reply {type(msg).__name__} matches no pending request")
+        if isinstance(msg, SliceData):
+            if isinstance(op, NotifyOp) or msg.length != op.length:
+                raise ProtocolError(f"read reply of {msg.length} bytes, expected {op.length}")
+            if op.live:
+                recv_exact(self.sock, op.local)
+            else:
+                drain(self.sock, msg.length)
+            error = None
+        elif isinstance(msg, SliceAck):
+            error = f"target {self.endpoint.address} refused: {msg.error}" if msg.error else None
+        else:
+            raise ProtocolError(f"unexpected reply {type(msg).__name__}")
+        with self._lock:
+            self.outstanding -= op.length
+        op.complete(error)
+
+    def fail(self, error: str) -> None:
+        """Mark the lane dead, close it, and hand every unfinished op back to the endpoint."""
+        with self._lock:
+            if self.dead:
+                return
+            self.dead = True
+            ops = list(self._pending.values())
+            self._pending.clear()
+            while True:
+                try:
+                    op = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if op is not None:
+                    ops.append(op)
+            self._q.put(None)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        log.debug("lane %s/%d failed with %d ops: %s", self.endpoint.address, self.index,
+                  len(ops), error)
+        self.endpoint.lane_failed(self, ops, error)
+
+
+class TcpEndpoint(Endpoint):
+    """``lanes`` persistent connections to one peer engine, with retries across lanes."""
+
+    def __init__(self, ctx: LocalContext, desc: SegmentDescriptor) -> None:
+        self.ctx = ctx
+        self.address = desc.address
+        self.peer_engine = desc.engine_id
+        self.slice_size = ctx.config.slice_size
+        self._lock = threading.Lock()
+        self._lanes: list[Lane] = []
+        self._next_index = itertools.count()
+        self._retrying = 0
+        self._closed = False
+        self._dead = ""
+        for _ in range(ctx.config.lanes):
+            self._lanes.append(self._open_lane())
+
+    def _open_lane(self) -> Lane:
+        sock, reply = open_socket(self.address, self.ctx, self.ctx.config.connect_timeout_s)
+        if reply.engine_id != self.peer_engine:
+            sock.close()
+            raise TransferError(f"peer at {self.address} is engine {reply.engine_id!r}, expected "
+                                f"{self.peer_engine!r} (stale segment metadata?)")
+        return Lane(self, sock, next(self._next_index))
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and not self._dead
+
+    @property
+    def busy(self) -> bool:
+        return self._retrying > 0 or any(lane.outstanding for lane in self._lanes)
+
+    def submit(self, desc: SegmentDescriptor, slices: list[Slice]) -> None:
+        for s in slices:
+            s.batch.started(s.index)
+            self._dispatch(s)
+
+    def notify(self, op: NotifyOp) -> None:
+        self._dispatch(op)
+
+    def _dispatch(self, op: Op) -> None:
+        while True:
+            with self._lock:
+                lanes = [lane for lane in self._lanes if not lane.dead]
+            if not lanes:
+                try:
+                    lanes = [self._reopen()]
+                except TransferError as e:
+                    op.complete(str(e))
+                    return
+            lane = min(lanes, key=lambda ln: ln.outstanding)
+            if lane.enqueue(op):
+                return
+
+    def _reopen(self) -> Lane:
+        if self._closed:
+            raise TransferError(f"endpoint to {self.address} is closed")
+        try:
+            lane = self._open_lane()
+        except TransferError as e:
+            self._dead = str(e)
+            raise
+        with self._lock:
+            self._lanes.append(lane)
+        return lane
+
+    def lane_failed(self, lane: Lane, ops: list[Op], error: str) -> None:
+        """Called by a lane's thread: retry ``ops`` on other lanes after a backoff, or fail."""
+        with self._lock:
+            if lane in self._lanes:
+                self._lanes.remove(lane)
+        cfg = self.ctx.config
+        retry: list[Op] = []
+        for op in ops:
+            op.attempts += 1
+            if self._closed or self._dead or op.attempts > cfg.max_retries or not op.live:
+                op.complete(self._dead or f"{error} (attempt {op.attempts})")
+            else:
+                retry.append(op)
+        if retry:
+            delay = cfg.retry_backoff_s * 2 ** (min(op.attempts for op in retry) - 1)
+            with self._lock:
+                self._retrying += 1
+            timer = threading.Timer(delay, self._retry, args=(retry,))
+            timer.daemon = True
+            timer.start()
+
+    def _retry(self, ops: list[Op]) -> None:
+        try:
+            with self._lock:
+                have = sum(1 for ln in self._lanes if not ln.dead)
+            for _ in range(self.ctx.config.lanes - have):
+                try:
+                    self._reopen()
+                except TransferError:
+                    break
+            for op in ops:
+                self._dispatch(op)
+        finally:
+            with self._lock:
+                self._retrying -= 1
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            lanes, self._lanes = list(self._lanes), []
+        for lane in lanes:
+            lane.fail(f"endpoint to {self.address} closed")
+
+
+@TRANSPORTS.register("tcp")
+class TcpTransport(Transport):
+    """TCP lanes: reaches any peer whose listener address is reachable."""
+
+    name = "tcp"
+
+    def can_reach(self, desc: SegmentDescriptor) -> bool:
+        return bool(desc.address)
+
+    def connect(self, desc: SegmentDescriptor) -> TcpEndpoint:
+        return TcpEndpoint(self.ctx, desc)

@@ -1,0 +1,147 @@
+"""The target side of TCP lanes: a listener thread plus one thread per accepted connection.
+
+Life cycle of a frame arriving on a connection: the first frame must be `Hello`, answered with
+`HelloReply` (this engine's id and segment descriptors; P2P handshakes use exactly this). Then,
+in order: `WriteSlice` → the range is validated against the registered segment and the payload
+is received with ``recv_into`` directly into segment memory, then `SliceAck` (a rejected write's
+payload is drained into scratch, so nothing is written, and the ack carries the error);
+`ReadSlice` → validated, answered with `SliceData` + the bytes sent straight from the segment;
+`Notify` → handed to the engine's notify callback, then acked. A connection that breaks or
+stalls longer than ``io_timeout_s`` mid-frame is closed; the server keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable
+
+from yuebing.core.errors import TransferError
+from yuebing.protocol import Message, ProtocolError
+from yuebing.transfer.config import TransferConfig
+from yuebing.transfer.messages import (
+    Hello,
+    HelloReply,
+    Notify,
+    ReadSlice,
+    SliceAck,
+    SliceData,
+    WriteSlice,
+)
+from yuebing.transfer.segment import SegmentTable
+from yuebing.transfer.transport.framing import (
+    IdleTimeout,
+    drain,
+    recv_exact,
+    recv_frame,
+    send_frame,
+    tune_socket,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_SLICE = 1 << 30
+"""Largest slice a peer may send (`TransferConfig.slice_size` is at most this)."""
+
+
+class TcpServer:
+    """Serves this engine's segments to TCP lanes of peer engines."""
+
+    def __init__(self, config: TransferConfig, segments: SegmentTable,
+                 hello: Callable[[Hello], HelloReply],
+                 on_notify: Callable[[Notify], None]) -> None:
+        self._config = config
+        self._segments = segments
+        self._hello = hello
+        self._on_notify = on_notify
+        self._sock = socket.create_server((config.host, config.port), backlog=128)
+        self.port = int(self._sock.getsockname()[1])
+        self.address = f"{config.public_host}:{self.port}"
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name=f"tx-accept-{self.port}",
+                                        daemon=True)
+        self._thread.start()
+        self.served_slices = 0
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                break
+            tune_socket(conn, self._config.socket_buffer, self._config.io_timeout_s)
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    break
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
+                             name=f"tx-serve-{peer[1]}").start()
+
+    def _serve(self, conn: socket.socket, peer: object) -> None:
+        try:
+            first = recv_frame(conn)
+            if not isinstance(first, Hello):
+                raise ProtocolError(f"expected hello, got {type(first).__name__}")
+            send_frame(conn, self._hello(first))
+            while not self._closed:
+                try:
+                    msg = recv_frame(conn, idle_ok=True)
+                except IdleTimeout:
+                    continue
+                self._handle(conn, msg)
+        except (OSError, ProtocolError) as e:
+            if not self._closed:
+                log.debug("lane from %s closed: %s", peer, e)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _handle(self, conn: socket.socket, msg: Message) -> None:
+        if isinstance(msg, WriteSlice):
+            if not 0 < msg.length <= MAX_SLICE:
+                raise ProtocolError(f"write slice length {msg.length} outside 1..{MAX_SLICE}")
+            try:
+                view = self._segments.resolve(msg.segment, msg.offset, msg.length)
+            except TransferError as e:
+                drain(conn, msg.length)
+                send_frame(conn, SliceAck(id=msg.id, error=str(e)))
+                return
+            recv_exact(conn, view)
+            send_frame(conn, SliceAck(id=msg.id))
+        elif isinstance(msg, ReadSlice):
+            try:
+                view = self._segments.resolve(msg.segment, msg.offset, msg.length)
+            except TransferError as e:
+                send_frame(conn, SliceAck(id=msg.id, error=str(e)))
+                return
+            send_frame(conn, SliceData(id=msg.id, length=msg.length), view)
+        elif isinstance(msg, Notify):
+            error = ""
+            try:
+                self._on_notify(msg)
+            except Exception as e:  # the application's callback failed; tell the sender
+                log.warning("notify callback failed: %s", e)
+                error = f"notify handler failed: {e}"
+            send_frame(conn, SliceAck(id=msg.id, error=error))
+        else:
+            raise ProtocolError(f"unexpected frame {type(msg).__name__} on a lane")
+        self.served_slices += 1
+
+    def close(self) -> None:
+        """Stop accepting, break every open connection and wait for the listener to end."""
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=2)
