@@ -6,11 +6,28 @@ immutable `Trace`; transforms (`transform`, `synth`) return new traces; consumer
 timestamp order (`hitrate`, the simulator, the live bench with `prompts` token ids).
 """
 
-from yuebing.trace.hitrate import ROUTERS, HitRateResult, PrefixLRU, simulate_global, simulate_local
-from yuebing.trace.io import load_trace, write_trace
-from yuebing.trace.model import BLOCK_SIZE, Request, Trace
-from yuebing.trace.prompts import PromptSynthesizer
-from yuebing.trace.stats import TraceStats, trace_stats
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "BLOCK_SIZE": "model", "Request": "model", "Trace": "model",
+    "load_trace": "io", "write_trace": "io",
+    "TraceStats": "stats", "trace_stats": "stats",
+    "PromptSynthesizer": "prompts",
+    "ROUTERS": "hitrate", "HitRateResult": "hitrate", "PrefixLRU": "hitrate",
+    "simulate_global": "hitrate", "simulate_local": "hitrate",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Lazy re-exports, so importing one submodule (e.g. for CLI flags) stays cheap."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'yuebing.trace' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"yuebing.trace.{module}"), name)
+
 
 __all__ = [
     "BLOCK_SIZE",
