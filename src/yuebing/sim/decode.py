@@ -75,6 +75,10 @@ class DecodeInstance:
             self._admit()
             self._start_step()
 
+    def can_admit_now(self, job: DecodeJob) -> bool:
+        """Would ``job`` join the batch at the next iteration (nobody waiting, KV fits)?"""
+        return not self.waiting and self.kv_reserved + job.kv_tokens <= self.capacity
+
     @property
     def kv_used(self) -> int:
         """Reserved by the batch plus needed by the waiting jobs."""

@@ -13,7 +13,8 @@ Roofline (paper Table 1, LLaMA3-70B on one node of 8×A800):
   the time is max(compute, load, store) plus ``chunk_overhead_s`` per chunk of
   ``chunk_tokens`` (chunked prefill);
 - a decode step reads the weights and the whole batch's KV once: bytes / (HBM bandwidth · mbu),
-  or the batch's matmul FLOPs if that is larger, plus ``step_overhead_s``;
+  or the batch's matmul FLOPs if that is larger, plus ``step_overhead_s`` and
+  ``seq_overhead_s`` per sequence (sampling, attention launches, batch bookkeeping);
 - a transfer of ``B`` bytes takes ``nic_latency_s + B / nic_Bps``.
 """
 
@@ -80,6 +81,8 @@ class NodeSpec:
     chunk_tokens: int = field(default=8192, metadata={"help": "chunked-prefill chunk size"})
     chunk_overhead_s: float = field(default=0.01, metadata={"help": "fixed cost per prefill chunk"})
     step_overhead_s: float = field(default=0.005, metadata={"help": "fixed cost per decode step"})
+    seq_overhead_s: float = field(default=0.0004, metadata={
+        "help": "decode cost per sequence in the batch (sampling, attention launch, scheduling)"})
 
     def __post_init__(self) -> None:
         require(self.gpus > 0, "gpus must be > 0")
@@ -88,7 +91,7 @@ class NodeSpec:
         for name in ("mfu", "decode_mfu", "mbu", "hbm_usable"):
             require(0 < getattr(self, name) <= 1, f"{name} must be in (0, 1]")
         require(self.chunk_tokens > 0, "chunk_tokens must be > 0")
-        for name in ("nic_latency_s", "chunk_overhead_s", "step_overhead_s"):
+        for name in ("nic_latency_s", "chunk_overhead_s", "step_overhead_s", "seq_overhead_s"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0")
 
 
@@ -158,7 +161,7 @@ class RooflineCostModel(CostModel):
         m, n = self.model, self.node
         memory = (m.weight_bytes + context_tokens * m.kv_bytes_per_token) / self._hbm_rate
         compute = 2.0 * m.params * batch_size / (self._peak * n.decode_mfu)
-        return max(memory, compute) + n.step_overhead_s
+        return max(memory, compute) + n.step_overhead_s + batch_size * n.seq_overhead_s
 
 
 class _PrefillSample(msgspec.Struct, forbid_unknown_fields=True):

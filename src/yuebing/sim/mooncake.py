@@ -32,6 +32,7 @@ from yuebing.conductor.policy import (
     PrefillState,
     PrefixSource,
     Reject,
+    RejectStage,
     RequestInfo,
 )
 from yuebing.core.ids import BlockHash, InstanceId
@@ -185,7 +186,20 @@ class MooncakeSystem(SimSystem):
     def _kv_arrived(self, request: SimRequest, record: RequestRecord, j: int) -> None:
         self.pending.pop(request.index, None)
         record.kv_ready_s = self.loop.now
-        self.decodes[j].enqueue(DecodeJob(record, request.input_tokens, request.output_tokens))
+        job = DecodeJob(record, request.input_tokens, request.output_tokens)
+        d = self.decodes[j]
+        if self.config.decode_reject:
+            reason = ""
+            if not d.can_admit_now(job):
+                reason = "decode_kv_full"
+            elif self.cost.decode_step_time(d.batch_size + 1, d.context_tokens + job.input_tokens
+                                            + 1) > self.config.tbt_slo_s:
+                reason = "decode_tbt_slo"
+            if reason:
+                record.rejected = RejectStage.DECODE
+                record.reject_reason = reason
+                return
+        d.enqueue(job)
 
     # -- observation ---------------------------------------------------------------------------
     def load(self) -> dict[str, float]:

@@ -53,6 +53,9 @@ class SimConfig:
     cpp_threshold_tokens: int = field(default=65_536, metadata={
         "help": "inputs with more uncached tokens use chunked pipeline parallelism"})
     cpp_max_nodes: int = field(default=4, metadata={"help": "largest pipeline group"})
+    decode_reject: bool = field(default=False, metadata={
+        "help": "reject at decode when a request's KV arrives and cannot join the batch at once "
+                "(its prefill is wasted; the overload baseline)"})
     sample_interval_s: float = field(default=10.0, metadata={
         "help": "period of load / replica samples, s"})
 

@@ -1,0 +1,103 @@
+"""``yuebing sim run`` (one system, one configuration) and ``yuebing sim paper`` (the report).
+
+Both replay a Mooncake trace through the discrete-event simulator (`yuebing.sim`); flags of
+``sim run`` are generated from `yuebing.sim.system.SimConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from yuebing.cli.main import Command
+from yuebing.core.config import add_config_args, config_from_args
+
+_DEFAULT_TRACE = Path("..") / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+def _add_run(p: argparse.ArgumentParser) -> None:
+    from yuebing.sim.system import SimConfig
+
+    p.add_argument("trace", nargs="?", type=Path, default=_DEFAULT_TRACE,
+                   help=f"Mooncake JSONL trace (default: {_DEFAULT_TRACE})")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--records", type=Path, default=None,
+                   help="also write one JSON line per request to this file")
+    add_config_args(p, SimConfig)
+
+
+def _run(ns: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from yuebing.sim.paper.common import requests, run
+    from yuebing.sim.system import SimConfig
+
+    config = config_from_args(SimConfig, ns)
+    result = run(ns.trace, config)
+    reqs = requests(ns.trace, config.speed, config.limit)
+    out = {"config": asdict(config), "summary": result.summary, "events": result.events,
+           "wall_s": round(result.wall_s, 3), "events_per_s": round(result.events /
+                                                                    max(result.wall_s, 1e-9)),
+           "simulated_s": round(result.sim_end_s, 3), "requests": len(reqs)}
+    if ns.records is not None:
+        with ns.records.open("w") as fh:
+            for r in result.records:
+                fh.write(json.dumps({
+                    "index": r.index, "arrival_s": r.arrival_s, "ttft_s": r.ttft_s,
+                    "tbt_s": r.tbt_s, "tbt_p90_s": r.tbt_p90_s, "tbt_mean_s": r.tbt_mean_s,
+                    "queue_s": r.queue_s, "prefill_s": r.prefill_s, "transfer_s": r.transfer_s,
+                    "decode_wait_s": r.decode_wait_s, "hit_tokens": r.hit_tokens,
+                    "prefill_gpu_s": r.prefill_gpu_s, "prefill_id": r.prefill_id,
+                    "decode_id": r.decode_id,
+                    "rejected": None if r.rejected is None else r.rejected.name.lower(),
+                    "reject_reason": r.reject_reason}) + "\n")
+    if ns.json:
+        print(json.dumps(out, default=str))
+    else:
+        s = result.summary
+        print(f"{config.system}: {s['completed']}/{s['requests']} completed, "
+              f"{s['rejected']} rejected; mean TTFT {s['ttft_s']['mean']:.2f} s; "  # type: ignore[index]
+              f"effective capacity {s['effective_capacity']}; hit rate {s['hit_rate']:.3f}; "
+              f"{result.events} events in {result.wall_s:.2f} s")
+    return 0
+
+
+def _add_paper(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", type=Path, default=_DEFAULT_TRACE,
+                   help=f"conversation trace (default: {_DEFAULT_TRACE})")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for PNGs + report.json + report.md (default: reports/paper "
+                        "when no --figure is given)")
+    p.add_argument("--figure", default=None,
+                   help="run one figure: 1, 5, 8, 9, 10, 11, 15 or overload")
+    p.add_argument("--fast", action="store_true", help="replay only the first 2000 requests")
+    p.add_argument("--json", action="store_true", help="print the result(s) as JSON")
+
+
+def _paper(ns: argparse.Namespace) -> int:
+    from yuebing.sim.paper import common
+    from yuebing.sim.paper.report import FIGURES, run_figures, write_report
+
+    names = [ns.figure] if ns.figure else list(FIGURES)
+    out_dir = ns.out if ns.out is not None or ns.figure else Path("reports") / "paper"
+    common.SHOW_PROGRESS = sys.stderr.isatty()
+    report = run_figures(names, ns.trace, out_dir, ns.fast)
+    if out_dir is not None:
+        paths = write_report(report, out_dir, ns.fast)
+        if not ns.json:
+            print("wrote " + ", ".join(str(p) for p in paths))
+    if ns.json:
+        body = report[ns.figure]["ours"] if ns.figure else {k: v["ours"] for k, v in
+                                                               report.items()}
+        print(json.dumps(body, default=str))
+    elif ns.figure:
+        print(json.dumps(report[ns.figure]["ours"], default=str, indent=1))
+    return 0
+
+
+COMMANDS = [
+    Command(("sim", "run"), "simulate one system on a trace", _add_run, _run),
+    Command(("sim", "paper"), "reproduce the Mooncake paper's figures", _add_paper, _paper),
+]

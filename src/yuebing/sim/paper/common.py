@@ -1,0 +1,77 @@
+"""Shared plumbing of the figure modules: cached simulation runs, progress, plotting set-up.
+
+Life cycle: a figure's ``compute`` asks `run` for the `SimResult` of a `SimConfig` on a trace;
+runs are memoised per (trace, config) for the life of the process, so ``yuebing sim paper``
+simulates each distinct configuration once even when several figures use it. Long runs show a
+rich progress bar on stderr (only when it is a terminal or ``progress=True``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from yuebing.sim.runner import SimResult, simulate
+from yuebing.sim.system import SimConfig
+from yuebing.sim.workload import SimRequest, load_requests
+
+log = logging.getLogger(__name__)
+
+FAST_LIMIT = 2000
+"""Requests replayed in ``--fast`` mode (the trace's first ~10 minutes)."""
+
+_REQUESTS: dict[tuple[str, float, int], list[SimRequest]] = {}
+_RESULTS: dict[tuple[str, SimConfig], SimResult] = {}
+SHOW_PROGRESS: bool | None = None
+"""None: show progress when stderr is a terminal."""
+
+
+def requests(trace_path: str | Path, speed: float, limit: int) -> list[SimRequest]:
+    key = (str(trace_path), speed, limit)
+    if key not in _REQUESTS:
+        _REQUESTS[key] = load_requests(trace_path, speed=speed, limit=limit or None)
+    return _REQUESTS[key]
+
+
+def fast_config(config: SimConfig, fast: bool) -> SimConfig:
+    """``config`` limited to `FAST_LIMIT` requests in fast mode."""
+    return replace(config, limit=FAST_LIMIT) if fast and not config.limit else config
+
+
+def run(trace_path: str | Path, config: SimConfig) -> SimResult:
+    """The (memoised) result of simulating ``config`` on the trace."""
+    key = (str(trace_path), config)
+    cached = _RESULTS.get(key)
+    if cached is not None:
+        return cached
+    reqs = requests(trace_path, config.speed, config.limit)
+    label = f"{config.system}/{config.prefill_policy}/{config.admission} ×{config.speed:g}"
+    show = sys.stderr.isatty() if SHOW_PROGRESS is None else SHOW_PROGRESS
+    if show:
+        from rich.progress import Progress
+
+        with Progress(transient=True) as bar:
+            task = bar.add_task(label, total=len(reqs))
+            result = simulate(reqs, config, progress=lambda n: bar.update(task, completed=n))
+    else:
+        result = simulate(reqs, config)
+    log.info("%s: %d requests, %d events, %.1f s", label, len(reqs), result.events, result.wall_s)
+    _RESULTS[key] = result
+    return result
+
+
+def clear_cache() -> None:
+    _RESULTS.clear()
+    _REQUESTS.clear()
+
+
+def pyplot():  # type: ignore[no-untyped-def]
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

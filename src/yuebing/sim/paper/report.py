@@ -1,0 +1,129 @@
+"""``yuebing sim paper``: run every figure module and write PNGs, report.json and report.md.
+
+Life cycle: `run_figures` imports each requested figure module (see `FIGURES`), calls its
+``compute(trace, fast)`` (simulations are shared between figures through the memo in
+`yuebing.sim.paper.common`), then ``plot(result, out_dir)``; `write_report` stores
+``report.json`` ({figure: {"ours", "paper", "details"}}) and ``report.md`` (our numbers beside
+the paper's). A figure whose module is missing (e.g. Figure 9 before the trace toolkit lands)
+is reported as unavailable instead of failing the whole report.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from yuebing.core.errors import InputError
+
+log = logging.getLogger(__name__)
+
+FIGURES = {"1": "fig1", "5": "fig5", "8": "fig8", "9": "fig9", "10": "fig10", "11": "fig11",
+           "15": "fig15", "overload": "overload"}
+"""Figure name (as typed after ``--figure``) → module in `yuebing.sim.paper`."""
+DEFAULT_TRACE = Path("..") / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+def figure_module(name: str) -> ModuleType | None:
+    """The module of figure ``name``; None when it is not installed yet."""
+    if name not in FIGURES:
+        raise InputError(f"unknown figure {name!r}; choose one of {', '.join(FIGURES)}")
+    modname = f"yuebing.sim.paper.{FIGURES[name]}"
+    try:
+        return importlib.import_module(modname)
+    except ModuleNotFoundError as e:
+        if e.name != modname:
+            raise
+        return None
+
+
+def compute_figure(name: str, trace: Path, fast: bool) -> dict[str, Any]:
+    """{"ours": result, "paper": PAPER, "details": extra, "seconds": wall time}."""
+    mod = figure_module(name)
+    if mod is None:
+        return {"ours": None, "paper": None, "details": "figure module not available",
+                "seconds": 0.0}
+    t0 = time.perf_counter()
+    result = mod.compute(trace, fast=fast)
+    details: Any = None
+    if name == "overload":
+        details = mod.details(trace, fast=fast)
+    elif name == "5":
+        details = {"ratio_to_global": mod.ratios(result),
+                   "paper_ratio_to_global": mod.ratios(mod.PAPER)}
+    return {"ours": result, "paper": getattr(mod, "PAPER", None), "details": details,
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def plot_figure(name: str, entry: dict[str, Any], out_dir: Path, trace: Path,
+                fast: bool) -> list[Path]:
+    mod = figure_module(name)
+    if mod is None or entry["ours"] is None:
+        return []
+    if name == "overload":
+        return list(mod.plot(entry["ours"], out_dir, trace_path=trace, fast=fast))
+    return list(mod.plot(entry["ours"], out_dir))
+
+
+def run_figures(names: Sequence[str], trace: Path, out_dir: Path | None,
+                fast: bool) -> dict[str, dict[str, Any]]:
+    """Compute (and, with ``out_dir``, plot) each figure; returns the report entries."""
+    if not trace.exists():
+        raise InputError(f"trace {trace} not found; pass --trace PATH")
+    report: dict[str, dict[str, Any]] = {}
+    for name in names:
+        log.warning("figure %s ...", name)
+        entry = compute_figure(name, trace, fast)
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            entry["plots"] = [p.name for p in plot_figure(name, entry, out_dir, trace, fast)]
+        report[name] = entry
+    return report
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.3g}"
+    return str(v)
+
+
+def _rows(ours: Any, paper: Any, prefix: str = "") -> list[tuple[str, str, str]]:
+    if isinstance(ours, dict):
+        rows: list[tuple[str, str, str]] = []
+        for k, v in ours.items():
+            p = paper.get(k) if isinstance(paper, dict) else None
+            if isinstance(v, list) and len(v) > 12:
+                continue
+            rows.extend(_rows(v, p, f"{prefix}{k}."))
+        return rows
+    return [(prefix.rstrip("."), _fmt(paper), _fmt(ours))]
+
+
+def write_report(report: dict[str, dict[str, Any]], out_dir: Path, fast: bool) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "report.json"
+    json_path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    lines = ["# yuebing sim paper: reproduction of Mooncake (FAST'25) figures", "",
+             f"Mode: {'fast (first requests only)' if fast else 'full conversation trace'}. "
+             "See docs/reproduction.md for the set-up and every gap.", ""]
+    for name, entry in report.items():
+        lines += [f"## Figure {name}", ""]
+        if entry["ours"] is None:
+            lines += [f"Not available: {entry['details']}", ""]
+            continue
+        lines += ["| quantity | paper | yuebing sim |", "|---|---|---|"]
+        lines += [f"| {k} | {p} | {o} |" for k, p, o in _rows(entry["ours"], entry["paper"])]
+        if isinstance(entry.get("details"), dict):
+            lines += ["", "Details: `" + json.dumps(entry["details"], default=str)[:1500] + "`"]
+        lines += [""] + [f"![{p}]({p})" for p in entry.get("plots", [])] + [""]
+    md_path = out_dir / "report.md"
+    md_path.write_text("\n".join(lines) + "\n")
+    return [json_path, md_path]

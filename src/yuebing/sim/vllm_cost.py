@@ -1,0 +1,72 @@
+"""Iteration durations of a coupled (vLLM-like) instance, derived from the run's `CostModel`.
+
+Life cycle: `yuebing.sim.vllm.VllmSystem` builds one `CoupledCost` per run from the simulator's
+cost model; each `yuebing.sim.vllm_instance.CoupledInstance` asks it how long its next
+iteration takes: a prefill-only step, a decode-only step or a mixed (chunked-prefill) step.
+
+With the roofline cost model (paper Table 1) the steps follow the same roofline, adapted to a
+coupled engine whose prefix cache lives in HBM (no host-to-device load or store):
+
+- prefill step over parts ``(n new, c cached)``: Σ (FLOPs(c+n) − FLOPs(c)) / (G · mfu) plus one
+  ``chunk_overhead_s`` (a forward pass);
+- decode step: the cost model's own `decode_step_time`;
+- mixed step: weights and KV are read once for the whole batch, so
+  max(prefill FLOPs / (G · mfu) + decode FLOPs / (G · decode_mfu), (weights + KV read) /
+  (HBM bandwidth · mbu)) plus ``chunk_overhead_s``.
+
+Any other cost model (e.g. ``fitted``) only exposes prefill and decode times, so a prefill step
+is the sum of its parts' prefill times and a mixed step is prefill plus decode time (no overlap:
+an upper bound).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from yuebing.sim.hardware import CostModel, RooflineCostModel
+
+
+class CoupledCost:
+    """Durations of coupled-engine iterations (pure; one instance per run)."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        self._roofline = isinstance(cost, RooflineCostModel)
+        if isinstance(cost, RooflineCostModel):
+            m, n = cost.model, cost.node
+            peak = n.gpus * n.gpu_flops
+            self._prefill_rate = peak * n.mfu
+            self._decode_flops_per_seq = 2.0 * m.params / (peak * n.decode_mfu)
+            self._hbm_rate = n.gpus * n.hbm_Bps * n.mbu
+            self._weights = m.weight_bytes
+            self._kvb = m.kv_bytes_per_token
+            self._overhead = n.chunk_overhead_s
+            self._flops = m.flops
+
+    def _prefill_compute(self, parts: Sequence[tuple[int, int]]) -> float:
+        flops = self._flops
+        return sum(flops(c + n) - flops(c) for n, c in parts) / self._prefill_rate
+
+    def prefill_step(self, parts: Sequence[tuple[int, int]]) -> float:
+        """Seconds of one prefill-only iteration over ``parts`` = [(new, cached), ...]."""
+        if not self._roofline:
+            return sum(self.cost.prefill_time(n, c) for n, c in parts)
+        return self._prefill_compute(parts) + self._overhead
+
+    def decode_step(self, batch_size: int, context_tokens: int) -> float:
+        """Seconds of one decode-only iteration."""
+        return self.cost.decode_step_time(batch_size, context_tokens)
+
+    def mixed_step(self, parts: Sequence[tuple[int, int]], batch_size: int,
+                   context_tokens: int) -> float:
+        """Seconds of one iteration computing prompt ``parts`` and one token per sequence of a
+        ``batch_size`` decode batch holding ``context_tokens``."""
+        if not parts:
+            return self.decode_step(batch_size, context_tokens)
+        if not self._roofline:
+            return self.prefill_step(parts) + (
+                self.decode_step(batch_size, context_tokens) if batch_size else 0.0)
+        compute = self._prefill_compute(parts) + batch_size * self._decode_flops_per_seq
+        kv_read = context_tokens + sum(c + n for n, c in parts)
+        memory = (self._weights + kv_read * self._kvb) / self._hbm_rate
+        return max(compute, memory) + self._overhead
