@@ -18,6 +18,7 @@ total capacity — with every request served by one of them, chosen by a `Router
 
 from __future__ import annotations
 
+import logging
 import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -29,6 +30,8 @@ import numpy as np
 from yuebing.core.config import require
 from yuebing.core.registry import Registry
 from yuebing.trace.model import Trace
+
+log = logging.getLogger(__name__)
 
 UNBOUNDED = math.inf
 """Capacity meaning "never evict"."""
@@ -176,6 +179,7 @@ def simulate_global(trace: Trace, capacity_tokens: float) -> HitRateResult:
         hit += min(m * bs, r.input_length)
         total += r.input_length
         cache.access(ids, m)
+    log.debug("global cache of %s tokens: %d / %d tokens hit", capacity_tokens, hit, total)
     return HitRateResult(capacity_tokens, cache.capacity_blocks, 1, "global", len(trace),
                          total, hit, hit / total if total else 0.0, [len(trace)])
 
@@ -200,6 +204,8 @@ def simulate_local(trace: Trace, capacity_tokens: float, caches: int,
         total += r.input_length
         lrus[k].access(ids, m)
         loads[k] += 1
+    log.debug("%d local caches (%s), %s tokens in all: %d / %d tokens hit, loads %s",
+              caches, routing, capacity_tokens, hit, total, loads)
     return HitRateResult(capacity_tokens, lrus[0].capacity_blocks, caches, routing, len(trace),
                          total, hit, hit / total if total else 0.0, loads)
 

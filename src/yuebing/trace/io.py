@@ -11,7 +11,9 @@ compatibility). Decreasing timestamps are accepted here and reported by `trace_s
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from pathlib import Path
 
 import msgspec
@@ -19,6 +21,7 @@ import msgspec
 from yuebing.core.errors import InputError, TraceFormatError
 from yuebing.trace.model import BLOCK_SIZE, Request, Trace, blocks_needed
 
+log = logging.getLogger(__name__)
 _DECODER = msgspec.json.Decoder(Request)
 _ENCODER = msgspec.json.Encoder()
 _AT_RE = re.compile(r"^(?P<problem>.*?) - at `\$\.?(?P<field>[^`]*)`$")
@@ -77,6 +80,7 @@ def load_trace(path: str | Path, block_size: int = BLOCK_SIZE) -> Trace:
     for the first malformed line or for a file without any request.
     """
     p = Path(path)
+    t0 = time.perf_counter()
     try:
         data = p.read_bytes()
     except OSError as e:
@@ -84,6 +88,7 @@ def load_trace(path: str | Path, block_size: int = BLOCK_SIZE) -> Trace:
     requests = parse_lines(data, str(p), block_size)
     if not requests:
         raise TraceFormatError(str(p), 0, WHOLE_LINE, "the file holds no requests")
+    log.debug("loaded %d requests from %s in %.3f s", len(requests), p, time.perf_counter() - t0)
     return Trace(tuple(requests), block_size, str(p))
 
 
