@@ -1,0 +1,159 @@
+"""Paged attention over the KV pool, in plain torch.
+
+Called by `LlamaModel.forward` once per layer and step. A step's tokens are laid out flat:
+first one token per decoding sequence, then the chunk of each prefilling sequence. Each
+layer writes its new K/V into the pool at the tokens' slots (`write_kv`), then runs
+
+- **decode** for all decoding sequences at once: the context blocks of every sequence are
+  gathered with one ``index_select`` straight into ``[seq·kv_head, tokens, head_dim]`` (the
+  pool's per-layer layout ``[blocks, kv_heads, block_size, head_dim]`` makes that one copy) and
+  attention is two grouped batched matmuls (``grouped``), or ``scaled_dot_product_attention``
+  (``sdpa``); the engine picks one by measurement (`choose_decode_attention`);
+- **prefill** per sequence: its whole context (cached prefix + this chunk) gathered the same
+  way, causal mask offset by the cached length, SDPA with grouped-query heads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSlice:
+    """One prefilling sequence in a step: tokens ``[start, start+length)`` of the flat batch."""
+
+    start: int
+    length: int
+    context_len: int
+    """Tokens of context after this chunk (cached + earlier chunks + this chunk)."""
+    head_index: torch.Tensor
+    """Gather index into the per-layer pool viewed as ``[blocks·kv_heads, bs, hd]``."""
+    mask: torch.Tensor | None
+    """Boolean ``[length, context_len]`` (True = attend) or None for a causal start."""
+
+
+@dataclass
+class AttnMetadata:
+    """Where a step's tokens live in the pool and what they attend to (shared by all layers)."""
+
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
+    num_decode: int
+    decode_index: torch.Tensor | None
+    """``[D·kv_heads·max_blocks]`` gather index for the decoding sequences."""
+    decode_max_len: int
+    decode_bias: torch.Tensor | None
+    """Additive ``[D, 1, max_len]`` mask (0 / -inf) when context lengths differ, else None."""
+    prefills: list[PrefillSlice]
+
+
+def head_index(block_ids: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Rows ``block·kv_heads + head`` ordered (sequence, head, block) for the gather."""
+    heads = torch.arange(num_kv_heads, device=block_ids.device)
+    if block_ids.dim() == 1:
+        return (block_ids[None, :] * num_kv_heads + heads[:, None]).reshape(-1)
+    return (block_ids[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             meta: AttnMetadata) -> None:
+    """Store ``k``/``v`` ``[T, kv_heads, hd]`` at the tokens' slots of one layer's pool."""
+    k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
+    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    nb, kvh, bs, hd = cache.shape
+    return cache.view(nb * kvh, bs, hd).index_select(0, index)
+
+
+def decode_grouped(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttnMetadata, scale: float) -> torch.Tensor:
+    """``q [D, heads, hd]`` → ``[D, heads, hd]`` via grouped matmuls over gathered blocks."""
+    d, heads, hd = q.shape
+    kvh = k_cache.shape[1]
+    length = meta.decode_max_len
+    assert meta.decode_index is not None
+    k = _gather(k_cache, meta.decode_index).view(d * kvh, -1, hd)[:, :length]
+    v = _gather(v_cache, meta.decode_index).view(d * kvh, -1, hd)[:, :length]
+    qg = q.view(d * kvh, heads // kvh, hd)
+    scores = torch.bmm(qg, k.transpose(1, 2)).float()
+    scores.mul_(scale)
+    if meta.decode_bias is not None:
+        scores = scores.view(d, -1, length).add_(meta.decode_bias).view(d * kvh, -1, length)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.bmm(probs, v).view(d, heads, hd)
+
+
+def decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttnMetadata, scale: float) -> torch.Tensor:
+    """Same result as `decode_grouped` through ``scaled_dot_product_attention``."""
+    d, heads, hd = q.shape
+    kvh = k_cache.shape[1]
+    length = meta.decode_max_len
+    assert meta.decode_index is not None
+    k = _gather(k_cache, meta.decode_index).view(d, kvh, -1, hd)[:, :, :length]
+    v = _gather(v_cache, meta.decode_index).view(d, kvh, -1, hd)[:, :, :length]
+    mask = None if meta.decode_bias is None else meta.decode_bias[:, None].to(q.dtype)
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.view(d, heads, hd)
+
+
+DECODE_IMPLS: dict[str, Callable[..., torch.Tensor]] = {
+    "grouped": decode_grouped, "sdpa": decode_sdpa}
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      sl: PrefillSlice, scale: float) -> torch.Tensor:
+    """``q [n, heads, hd]`` of one sequence's chunk → ``[n, heads, hd]``."""
+    n, heads, hd = q.shape
+    kvh = k_cache.shape[1]
+    k = _gather(k_cache, sl.head_index).view(kvh, -1, hd)[None, :, :sl.context_len]
+    v = _gather(v_cache, sl.head_index).view(kvh, -1, hd)[None, :, :sl.context_len]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k, v, attn_mask=sl.mask, is_causal=sl.mask is None,
+        scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def causal_mask(length: int, context_len: int, device: torch.device) -> torch.Tensor | None:
+    """Chunk of ``length`` new tokens at the end of ``context_len``: query i sees keys ≤ i+off."""
+    if length == context_len:
+        return None
+    offset = context_len - length
+    rows = torch.arange(length, device=device)[:, None] + offset
+    return torch.arange(context_len, device=device)[None, :] <= rows
+
+
+def choose_decode_attention(num_kv_heads: int, num_heads: int, head_dim: int,
+                            dtype: torch.dtype, device: torch.device, batch: int = 8,
+                            context: int = 512, repeats: int = 5) -> tuple[str, dict[str, float]]:
+    """Time both decode paths on this device/dtype; return the faster name and the timings."""
+    bs = 16
+    blocks = batch * context // bs
+    k_cache = torch.randn(blocks, num_kv_heads, bs, head_dim, device=device).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.arange(blocks, device=device).view(batch, -1)
+    meta = AttnMetadata(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                        batch, head_index(table, num_kv_heads), context, None, [])
+    q = torch.randn(batch, num_heads, head_dim, device=device).to(dtype)
+    timings: dict[str, float] = {}
+    for name, fn in DECODE_IMPLS.items():
+        fn(q, k_cache, v_cache, meta, head_dim**-0.5)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn(q, k_cache, v_cache, meta, head_dim**-0.5)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        timings[name] = best
+    return min(timings, key=timings.__getitem__), timings

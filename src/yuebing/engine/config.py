@@ -1,0 +1,141 @@
+"""Configuration of the inference engine: the model's shape and the runtime's knobs.
+
+`ModelConfig` is read from the model files (GGUF metadata, ``config.json``) or given for dummy
+weights; `EngineConfig` is what an operator sets (model path, KV blocks, batching budget, dtype,
+device, threads). Both are frozen and validated on construction.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from yuebing.core.config import require
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION = ("auto", "grouped", "sdpa")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: ``kind`` is ``none``, ``linear`` or ``llama3``."""
+
+    kind: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        require(self.kind in ("none", "linear", "llama3"),
+                f"rope scaling {self.kind!r} is not supported; use none, linear or llama3")
+        require(self.factor > 0, f"rope scaling factor must be > 0, got {self.factor}")
+        require(self.high_freq_factor > self.low_freq_factor > 0,
+                "rope scaling needs high_freq_factor > low_freq_factor > 0")
+        require(self.original_max_position > 0, "original_max_position must be > 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a LLaMA-family decoder (Llama, SmolLM, Qwen2)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position: int = 8192
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    name: str = "llama"
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                  "intermediate_size", "max_position"):
+            require(getattr(self, f) > 0, f"model {f} must be > 0, got {getattr(self, f)}")
+        require(self.num_heads % self.num_kv_heads == 0,
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})")
+        if self.head_dim == 0:
+            require(self.hidden_size % self.num_heads == 0,
+                    f"hidden_size ({self.hidden_size}) must divide by num_heads "
+                    f"({self.num_heads}) or head_dim must be given")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        require(self.head_dim > 0 and self.head_dim % 2 == 0,
+                f"head_dim must be a positive even number, got {self.head_dim}")
+        require(self.rms_norm_eps > 0, "rms_norm_eps must be > 0")
+        require(self.rope_theta > 0, "rope_theta must be > 0")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers at 2 bytes per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+
+    @property
+    def num_params(self) -> int:
+        d, h = self.hidden_size, self.head_dim
+        attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
+        mlp = 3 * d * self.intermediate_size
+        emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.num_layers * (attn + mlp + 2 * d) + emb + d
+
+
+def default_threads() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Runtime knobs of one engine instance."""
+
+    model: str = field(default="smollm2", metadata={"help": "model: smollm2 (bundled GGUF), a "
+                       ".gguf file, a Hugging Face safetensors directory, or dummy[:k=v,...]"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    num_blocks: int = field(default=0, metadata={
+        "help": "KV blocks in the pool; 0 sizes it from kv_cache_bytes"})
+    kv_cache_bytes: int = field(default=1 << 30, metadata={
+        "help": "KV pool size when num_blocks is 0", "size": True})
+    max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one batch"})
+    max_batch_tokens: int = field(default=512, metadata={
+        "help": "token budget of one step (chunked prefill splits longer prompts)"})
+    max_model_len: int = field(default=0, metadata={
+        "help": "longest sequence (prompt + output); 0 = the model's context length"})
+    mixed_batches: bool = field(default=True, metadata={
+        "help": "mix prefill chunks and decode tokens in one step (coupled baseline)"})
+    prefix_caching: bool = field(default=True, metadata={"help": "reuse cached full KV blocks"})
+    dtype: str = field(default="auto", metadata={
+        "help": "auto (bf16 on CPUs with bf16 support and on CUDA), float32, bfloat16, float16"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = all usable cores"})
+    attention: str = field(default="auto", metadata={
+        "help": "decode attention: grouped (matmuls over gathered blocks), sdpa, or auto "
+                "(measured at start-up)"})
+    seed: int = field(default=0, metadata={"help": "seed of dummy weights"})
+
+    def __post_init__(self) -> None:
+        require(bool(self.model), "model must name a model (smollm2, a path, or dummy)")
+        require(1 <= self.block_size <= 4096, f"block_size must be in 1..4096, got {self.block_size}")
+        require(self.num_blocks >= 0, f"num_blocks must be >= 0, got {self.num_blocks}")
+        require(self.kv_cache_bytes > 0, "kv_cache_bytes must be > 0")
+        require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        require(self.max_batch_tokens >= 1,
+                f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+        require(self.max_batch_tokens >= self.max_num_seqs or not self.mixed_batches,
+                f"max_batch_tokens ({self.max_batch_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running sequence can decode in a mixed step")
+        require(self.max_model_len >= 0, "max_model_len must be >= 0")
+        require(self.dtype in DTYPES, f"dtype {self.dtype!r} unknown; use one of {DTYPES}")
+        require(self.device in DEVICES, f"device {self.device!r} unknown; use one of {DEVICES}")
+        require(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
+        require(self.attention in ATTENTION,
+                f"attention {self.attention!r} unknown; use one of {ATTENTION}")

@@ -1,0 +1,253 @@
+"""The inference engine: one model, one paged KV pool, a continuous batch.
+
+Life cycle of a request: `add_request` validates and tokenizes the prompt and queues a
+`Sequence`; every `step` asks the scheduler for a plan (decode tokens plus prefill chunks under
+the token budget, prefix-cache hits reused, preemption when KV runs out), runs one forward pass,
+samples a token for each sequence that reached the end of its tokens, applies stop conditions
+(stop ids / EOS, stop strings, max_tokens, context length) and returns a `RequestOutput` per
+sequence that produced something. `abort` ends a request at any time. Prefill and decode
+instances wrap an engine and move KV with `yuebing.engine.kv_transfer` (whole blocks or layer by
+layer through `add_layer_hook`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+
+import torch
+
+from yuebing.core.errors import InputError
+from yuebing.core.hashing import hash_blocks
+from yuebing.core.ids import BlockHash
+from yuebing.engine import runtime
+from yuebing.engine.attention import DECODE_IMPLS, choose_decode_attention
+from yuebing.engine.block_manager import BlockAllocator
+from yuebing.engine.config import EngineConfig
+from yuebing.engine.kv_cache import KVPool
+from yuebing.engine.model import LayerHook, LlamaModel
+from yuebing.engine.runner import ModelRunner
+from yuebing.engine.sampling import SamplingParams, make_generator, sample
+from yuebing.engine.scheduler import Scheduler
+from yuebing.engine.sequence import FinishReason, Phase, RequestOutput, Sequence
+from yuebing.engine.tokenizer import IncrementalDetokenizer, tokenizer_from_source
+from yuebing.engine.weights import LoadedWeights, load_weights
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Continuous-batching LLaMA-family engine over a paged KV cache."""
+
+    def __init__(self, config: EngineConfig, weights: LoadedWeights | None = None) -> None:
+        self.config = config
+        self.device, self.dtype = runtime.setup(config)
+        w = weights if weights is not None else load_weights(config.model, config.seed)
+        self.model_config = mc = w.config
+        self.fingerprint = w.fingerprint
+        self.tokenizer = tokenizer_from_source(w.tokenizer_source)
+        self.eos_token_ids = frozenset(w.eos_token_ids)
+        self.model = LlamaModel(mc, w.tensors, self.dtype, self.device)
+        self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
+        bs = config.block_size
+        nb = config.num_blocks or max(
+            1, config.kv_cache_bytes // KVPool.bytes_per_block(mc, bs, self.dtype))
+        self.pool = KVPool(mc, nb, bs, self.dtype, self.device)
+        self.allocator = BlockAllocator(nb, config.prefix_caching)
+        self.key_extra: tuple[object, ...] = (self.fingerprint,)
+        self.scheduler = Scheduler(self.allocator, bs, config.max_num_seqs,
+                                   config.max_batch_tokens, config.mixed_batches, self.key_extra)
+        self.runner = ModelRunner(self.model, self.pool)
+        self.attention, self.attention_timings = config.attention, {}
+        if config.attention == "auto":
+            self.attention, self.attention_timings = choose_decode_attention(
+                mc.num_kv_heads, mc.num_heads, mc.head_dim, self.dtype, self.device)
+        self.model.decode_impl = DECODE_IMPLS[self.attention]
+        self._ids = itertools.count()
+        self._arrival = itertools.count()
+        self._seqs: dict[str, Sequence] = {}
+        self.num_steps = 0
+        log.info("engine ready: %s, %s layers, %s KV blocks of %s tokens, attention=%s",
+                 mc.name, mc.num_layers, nb, bs, self.attention)
+
+    # ------------------------------------------------------------------------ requests
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def block_keys(self, token_ids: Seq[int]) -> list[BlockHash]:
+        """Keys of the full blocks of ``token_ids`` as this engine's prefix cache names them."""
+        return hash_blocks(list(token_ids), self.block_size, self.key_extra)
+
+    def encode_prompt(self, prompt: str | Seq[int] | list[dict[str, str]],
+                      chat: bool = False) -> list[int]:
+        """Token ids of a text prompt, chat messages, or ids given directly (validated)."""
+        if isinstance(prompt, str) or (chat and isinstance(prompt, list)):
+            if self.tokenizer is None:
+                raise InputError(f"model {self.model_config.name} has no tokenizer; pass "
+                                 "token ids instead of text")
+            if chat:
+                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) \
+                    else prompt
+                ids = self.tokenizer.encode_chat(messages)  # type: ignore[arg-type]
+            else:
+                ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)  # type: ignore[arg-type]
+        if not ids:
+            raise InputError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise InputError(f"prompt token ids must be integers in 0..{vocab - 1}")
+        if len(ids) >= self.max_model_len:
+            raise InputError(f"the prompt has {len(ids)} tokens but the context holds "
+                             f"{self.max_model_len} (prompt + output); shorten the prompt")
+        need = -(-(len(ids) + 1) // self.block_size)
+        if need > self.pool.num_blocks:
+            raise InputError(f"the prompt needs {need} KV blocks but the pool has "
+                             f"{self.pool.num_blocks}; raise --num-blocks/--kv-cache-bytes")
+        return ids
+
+    def add_request(self, prompt: str | Seq[int] | list[dict[str, str]],
+                    params: SamplingParams | None = None, request_id: str | None = None,
+                    chat: bool = False) -> str:
+        """Queue a request; returns its id. Bad input raises `InputError` and queues nothing."""
+        params = params if params is not None else SamplingParams()
+        ids = self.encode_prompt(prompt, chat)
+        seq = self._new_sequence(ids, params, request_id)
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def _new_sequence(self, ids: list[int], params: SamplingParams,
+                      request_id: str | None) -> Sequence:
+        if not isinstance(params, SamplingParams):
+            raise InputError("params must be a SamplingParams")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise InputError(f"request id {rid!r} is already in use")
+        seq = Sequence(rid, ids, params, next(self._arrival), generator=make_generator(params))
+        if self.tokenizer is not None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, ids)
+        self._seqs[rid] = seq
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV; False if it is unknown or already done."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.free(seq)
+        seq.phase, seq.finish = Phase.ABORTED, FinishReason.ABORT
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def add_layer_hook(self, hook: LayerHook) -> None:
+        """``hook(layer, meta)`` runs right after each layer wrote its K/V (every step)."""
+        self.model.hooks.append(hook)
+
+    def remove_layer_hook(self, hook: LayerHook) -> None:
+        self.model.hooks.remove(hook)
+
+    def get_sequence(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+    # ------------------------------------------------------------------------- stepping
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch step; returns outputs of requests that produced tokens or ended."""
+        outputs = [self._finish_now(s) for s in list(self._seqs.values())
+                   if s.params.max_tokens == 0 and s.phase == Phase.WAITING]
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return outputs
+        logits, sampled = self.runner.run(plan)
+        self.scheduler.commit(plan)
+        self.num_steps += 1
+        if sampled:
+            result = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+            for seq, tok, lp in zip(sampled, result.token_ids, result.logprobs, strict=True):
+                outputs.append(self._append(seq, tok, lp))
+        return outputs
+
+    def _finish_now(self, seq: Sequence) -> RequestOutput:
+        seq.finish = FinishReason.LENGTH
+        return self._output(seq, [], "")
+
+    def _append(self, seq: Sequence, token: int, lp: dict[int, float] | None) -> RequestOutput:
+        p = seq.params
+        seq.output_ids.append(token)
+        seq.logprobs.append(lp)
+        if isinstance(seq.detok, IncrementalDetokenizer):
+            seq.detok.add(token)
+            seq.text = seq.detok.text
+        n = len(seq.output_ids)
+        if n >= p.min_tokens:
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+                seq.finish = FinishReason.STOP
+            for stop in p.stop:
+                at = seq.text.find(stop, max(0, seq.emitted - len(stop)))
+                if at >= 0:
+                    seq.finish, seq.text = FinishReason.STOP, seq.text[:at]
+        if seq.finish == FinishReason.NONE and (
+                n >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            seq.finish = FinishReason.LENGTH
+        # hold back a tail that could still become a stop string
+        hold = 0 if seq.finish != FinishReason.NONE else max(map(len, p.stop), default=1) - 1
+        upto = max(seq.emitted, len(seq.text) - hold)
+        delta, seq.emitted = seq.text[seq.emitted:upto], upto
+        return self._output(seq, [token], delta)
+
+    def _output(self, seq: Sequence, new: list[int], delta: str) -> RequestOutput:
+        done = seq.finish != FinishReason.NONE
+        if done:
+            seq.phase = Phase.FINISHED
+            self.scheduler.free(seq)
+            self._seqs.pop(seq.request_id, None)
+        return RequestOutput(seq.request_id, new, delta, list(seq.output_ids), seq.text, done,
+                             seq.finish.label, len(seq.prompt_ids), seq.num_cached_tokens,
+                             seq.logprobs[-1:] if new else [])
+
+    # ------------------------------------------------------------------------ helpers
+
+    def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | None = None,
+                 chat: bool = False) -> list[RequestOutput]:
+        """Run ``prompts`` to completion together; final outputs in prompt order."""
+        rids = [self.add_request(p, params, chat=chat) for p in prompts]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(rids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in rids]
+
+    def stream(self, prompt: str | Seq[int] | list[dict[str, str]],
+               params: SamplingParams | None = None, chat: bool = False
+               ) -> Iterator[RequestOutput]:
+        """Yield this request's outputs as they come (other queued requests also advance)."""
+        rid = self.add_request(prompt, params, chat=chat)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    def stats(self) -> dict[str, float]:
+        a = self.allocator
+        return {"steps": self.num_steps, "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting), "free_blocks": a.num_free,
+                "total_blocks": a.num_blocks, "cached_blocks": a.num_cached,
+                "prefix_hit_blocks": a.stats.hit_blocks,
+                "prefix_queried_blocks": a.stats.queried_blocks,
+                "preemptions": self.scheduler.num_preemptions}
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One tiny forward pass so the first request does not pay one-time costs."""
+        self.generate([[0, 1, 2, 3][: max(1, min(4, self.max_model_len - 1))]],
+                      SamplingParams(max_tokens=2, temperature=0))

@@ -1,0 +1,108 @@
+"""The KV pool: one preallocated tensor holding every block's K and V for every layer.
+
+Layout ``[layers, 2 (K/V), blocks, kv_heads, block_size, head_dim]``. Each layer's K (and V) is a
+contiguous ``[blocks, kv_heads, block_size, head_dim]`` tensor, so decode attention gathers a
+batch's context with a single ``index_select`` straight into the matmul layout (measured the
+fastest on CPU). Consequences for moving KV between engines:
+
+- `layer_view` / `export_layer` — one layer of a run of blocks — are zero-copy views when the
+  blocks are consecutive (used by per-layer streaming while the next layer computes);
+- `export_blocks` packs whole blocks (all layers) into one contiguous buffer
+  ``[n, layers, 2, kv_heads, block_size, head_dim]`` (one copy; the unit the store keeps);
+- `import_blocks` / `import_layer` write such buffers into this pool.
+
+The engine owns the pool; the block allocator decides which block ids are in use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from yuebing.core.errors import EngineError
+from yuebing.engine.config import ModelConfig
+
+
+class KVPool:
+    """Preallocated paged K/V storage for all layers."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_layers = cfg.num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.dtype, self.device = dtype, device
+        self.data = torch.zeros(cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size,
+                                cfg.head_dim, dtype=dtype, device=device)
+        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty(0, dtype=dtype).element_size()
+        return cfg.num_layers * 2 * cfg.num_kv_heads * block_size * cfg.head_dim * elem
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block over all layers (the export unit)."""
+        return self.data[:, :, 0].numel() * self.data.element_size()
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    def _ids(self, blocks: Sequence[int]) -> torch.Tensor:
+        ids = torch.as_tensor(list(blocks), dtype=torch.long)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise EngineError(f"block ids {list(blocks)} out of range 0..{self.num_blocks - 1}")
+        return ids.to(self.device)
+
+    @staticmethod
+    def _run(blocks: Sequence[int]) -> slice | None:
+        """``slice(a, b)`` if ``blocks`` are consecutive ids a, a+1, ..., b-1."""
+        if blocks and all(b == blocks[0] + i for i, b in enumerate(blocks)):
+            return slice(blocks[0], blocks[0] + len(blocks))
+        return None
+
+    def layer_view(self, layer: int, blocks: Sequence[int]) -> torch.Tensor | None:
+        """Zero-copy ``[2, n, kv_heads, bs, hd]`` of consecutive ``blocks`` in one layer."""
+        run = self._run(list(blocks))
+        return None if run is None else self.data[layer, :, run]
+
+    def export_layer(self, layer: int, blocks: Sequence[int]) -> torch.Tensor:
+        """``[2, n, kv_heads, bs, hd]`` of one layer: a view if consecutive, else a copy."""
+        view = self.layer_view(layer, blocks)
+        return view if view is not None else self.data[layer].index_select(1, self._ids(blocks))
+
+    def import_layer(self, layer: int, blocks: Sequence[int], buf: torch.Tensor) -> None:
+        """Write ``buf [2, n, kv_heads, bs, hd]`` into one layer of ``blocks``."""
+        expect = (2, len(blocks), self.num_kv_heads, self.block_size, self.head_dim)
+        if tuple(buf.shape) != expect:
+            raise EngineError(f"layer KV buffer has shape {tuple(buf.shape)}, expected {expect}")
+        self.data[layer].index_copy_(1, self._ids(blocks), buf.to(self.device, self.dtype))
+
+    def export_blocks(self, blocks: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Whole blocks as one contiguous ``[n, layers, 2, kv_heads, bs, hd]`` buffer."""
+        ids = self._ids(blocks)
+        if out is None:
+            out = torch.empty((len(blocks), *self.block_shape), dtype=self.dtype,
+                              device=self.device)
+        elif tuple(out.shape) != (len(blocks), *self.block_shape) or not out.is_contiguous():
+            raise EngineError("export buffer must be contiguous with shape "
+                              f"{(len(blocks), *self.block_shape)}")
+        src = self.data.index_select(2, ids)  # [L, 2, n, kvh, bs, hd]
+        out.copy_(src.permute(2, 0, 1, 3, 4, 5))
+        return out
+
+    def import_blocks(self, blocks: Sequence[int], buf: torch.Tensor) -> None:
+        """Write whole-block buffers (as from `export_blocks`) into ``blocks``."""
+        expect = (len(blocks), *self.block_shape)
+        if tuple(buf.shape) != expect:
+            raise EngineError(f"KV buffer has shape {tuple(buf.shape)}, expected {expect}")
+        src = buf.to(self.device, self.dtype).permute(1, 2, 0, 3, 4, 5)
+        self.data.index_copy_(2, self._ids(blocks), src)
+
+    def zero_(self) -> None:
+        self.data.zero_()

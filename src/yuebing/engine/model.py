@@ -1,0 +1,142 @@
+"""LLaMA-family decoder in plain torch (Llama, SmolLM, Qwen2): RMSNorm, RoPE (with llama3 /
+linear scaling), grouped-query attention over the paged KV pool, SwiGLU, tied embeddings.
+
+Built once per engine from a `LoadedWeights` (Hugging Face tensor names): Q/K/V and gate/up are
+fused into one matrix each so a layer is four matmuls. `forward` is called by the model runner
+once per step with the flat batch of token ids and positions, the `AttnMetadata` and the
+per-layer KV pool; after each layer's K/V is written it calls the registered layer hooks (so a
+prefill instance can ship layer i while layer i+1 computes). It returns logits (float32) only for
+the rows the sampler needs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from yuebing.engine.attention import DECODE_IMPLS, AttnMetadata, prefill_attention, write_kv
+from yuebing.engine.config import ModelConfig, RopeScaling
+
+LayerHook = Callable[[int, AttnMetadata], None]
+
+
+def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse frequencies (float32) with the configured scaling, as Hugging Face computes them."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    sc: RopeScaling = cfg.rope_scaling
+    if freq_factors is not None:
+        return inv / freq_factors.float()
+    if sc.kind == "linear":
+        return inv / sc.factor
+    if sc.kind == "llama3":
+        low_wavelen = sc.original_max_position / sc.low_freq_factor
+        high_wavelen = sc.original_max_position / sc.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / sc.factor, inv)
+        smooth = (sc.original_max_position / wavelen - sc.low_freq_factor) / (
+            sc.high_freq_factor - sc.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / sc.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class LlamaModel:
+    """Weights on one device in one dtype, and the forward pass over a paged KV pool."""
+
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.hooks: list[LayerHook] = []
+        self.decode_impl = DECODE_IMPLS["grouped"]
+        self._scale = cfg.head_dim**-0.5
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                t = tensors[name]
+            except KeyError:
+                raise KeyError(f"weights lack tensor {name}") from None
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")
+        self.lm_head = self.embed if cfg.tie_embeddings else take("lm_head.weight")
+        self.norm = take("model.norm.weight")
+        self.layers: list[dict[str, torch.Tensor | None]] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([tensors[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+            bias = None
+            if cfg.qkv_bias:
+                bias = torch.cat([tensors[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+            gate_up = torch.cat([tensors[p + "mlp.gate_proj.weight"],
+                                 tensors[p + "mlp.up_proj.weight"]])
+            self.layers.append({
+                "ln1": take(p + "input_layernorm.weight"),
+                "ln2": take(p + "post_attention_layernorm.weight"),
+                "qkv": qkv.to(device=device, dtype=dtype).contiguous(),
+                "qkv_bias": None if bias is None else bias.to(device=device, dtype=dtype),
+                "o": take(p + "self_attn.o_proj.weight"),
+                "gate_up": gate_up.to(device=device, dtype=dtype).contiguous(),
+                "down": take(p + "mlp.down_proj.weight")})
+        inv = rope_inv_freq(cfg, tensors.get("rope_freqs"))
+        pos = torch.arange(cfg.max_position, dtype=torch.float32)
+        freqs = pos[:, None] * inv[None, :]
+        self._cos = freqs.cos().to(device=device, dtype=dtype)
+        self._sin = freqs.sin().to(device=device, dtype=dtype)
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return w * xf.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE on ``x [T, heads, hd]`` with ``cos/sin [T, 1, hd/2]``."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                logits_rows: torch.Tensor) -> torch.Tensor:
+        """Run all layers on the flat batch; return float32 logits of ``logits_rows``."""
+        cfg = self.cfg
+        h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cos = self._cos.index_select(0, positions)[:, None, :]
+        sin = self._sin.index_select(0, positions)[:, None, :]
+        x = F.embedding(input_ids, self.embed)
+        n = x.shape[0]
+        for i, layer in enumerate(self.layers):
+            y = self._rms(x, layer["ln1"])  # type: ignore[arg-type]
+            qkv = F.linear(y, layer["qkv"], layer["qkv_bias"])  # type: ignore[arg-type]
+            qk = self._rope(qkv[:, : (h + kvh) * hd].view(n, h + kvh, hd), cos, sin)
+            q, k = qk[:, :h], qk[:, h:]
+            v = qkv[:, (h + kvh) * hd:].view(n, kvh, hd)
+            k_cache, v_cache = kv[i]
+            write_kv(k_cache, v_cache, k, v, meta)
+            for hook in self.hooks:
+                hook(i, meta)
+            attn = self._attention(q, k_cache, v_cache, meta)
+            x = x + F.linear(attn.reshape(n, h * hd), layer["o"])  # type: ignore[arg-type]
+            y = self._rms(x, layer["ln2"])  # type: ignore[arg-type]
+            gu = F.linear(y, layer["gate_up"])  # type: ignore[arg-type]
+            gate, up = gu.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down"])  # type: ignore[arg-type]
+        x = self._rms(x.index_select(0, logits_rows), self.norm)
+        return F.linear(x, self.lm_head).float()
+
+    def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttnMetadata) -> torch.Tensor:
+        if not meta.prefills:
+            return self.decode_impl(q.contiguous(), k_cache, v_cache, meta, self._scale)
+        out = torch.empty_like(q)
+        d = meta.num_decode
+        if d:
+            out[:d] = self.decode_impl(q[:d].contiguous(), k_cache, v_cache, meta, self._scale)
+        for sl in meta.prefills:
+            out[sl.start:sl.start + sl.length] = prefill_attention(
+                q[sl.start:sl.start + sl.length], k_cache, v_cache, sl, self._scale)
+        return out

@@ -1,0 +1,99 @@
+"""Model runner: turns a `StepPlan` into the flat tensors of one forward pass.
+
+Called by the engine once per step. Decoding sequences come first (one token each), then each
+prefill chunk; for every token it computes the KV slot (block, offset) from the sequence's
+block table, builds the decode gather index / padding mask and per-chunk causal masks, runs
+`LlamaModel.forward` and returns the logits of the sequences that produce a token this step
+(every decode, and prefills whose chunk reaches the end of their tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from yuebing.engine.attention import AttnMetadata, PrefillSlice, causal_mask, head_index
+from yuebing.engine.kv_cache import KVPool
+from yuebing.engine.model import LlamaModel
+from yuebing.engine.scheduler import StepPlan
+from yuebing.engine.sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttnMetadata
+    logits_rows: torch.Tensor
+    sampled: list[Sequence]
+
+
+class ModelRunner:
+    """Executes steps of one model over one KV pool."""
+
+    def __init__(self, model: LlamaModel, pool: KVPool) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = model.device
+        self.block_size = pool.block_size
+
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        bs, kvh, dev = self.block_size, self.pool.num_kv_heads, self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_b: list[int] = []
+        rows: list[int] = []
+        sampled: list[Sequence] = []
+        lens: list[int] = []
+        for seq in plan.decodes:
+            p = seq.num_computed
+            ids.append(seq.all_ids[p])
+            pos.append(p)
+            slot_b.append(seq.blocks[p // bs])
+            rows.append(len(rows))
+            sampled.append(seq)
+            lens.append(p + 1)
+        num_decode = len(plan.decodes)
+        decode_index = bias = None
+        max_len = max(lens, default=0)
+        if num_decode:
+            max_blocks = -(-max_len // bs)
+            table = torch.zeros(num_decode, max_blocks, dtype=torch.long)
+            for r, seq in enumerate(plan.decodes):
+                nb = -(-lens[r] // bs)
+                table[r, :nb] = torch.as_tensor(seq.blocks[:nb])
+            decode_index = head_index(table, kvh).to(dev)
+            if min(lens) != max_len:
+                ar = torch.arange(max_len)
+                bias = torch.where(ar[None, :] < torch.as_tensor(lens)[:, None], 0.0,
+                                   float("-inf"))[:, None, :].to(dev)
+        slices: list[PrefillSlice] = []
+        positions = [torch.as_tensor(pos, dtype=torch.long)]
+        blocks_t = [torch.as_tensor(slot_b, dtype=torch.long)]
+        start = num_decode
+        for seq, n in plan.prefills:
+            nc = seq.num_computed
+            ids.extend(seq.all_ids[nc:nc + n])
+            p = torch.arange(nc, nc + n)
+            positions.append(p)
+            table = torch.as_tensor(seq.blocks[: -(-(nc + n) // bs)], dtype=torch.long)
+            blocks_t.append(table[p // bs])
+            slices.append(PrefillSlice(start, n, nc + n, head_index(table, kvh).to(dev),
+                                       causal_mask(n, nc + n, dev)))
+            if nc + n == seq.num_tokens:
+                rows.append(start + n - 1)
+                sampled.append(seq)
+            start += n
+        all_pos = torch.cat(positions)
+        meta = AttnMetadata(torch.cat(blocks_t).to(dev), (all_pos % bs).to(dev), num_decode,
+                            decode_index, max_len, bias, slices)
+        return StepInputs(torch.as_tensor(ids, dtype=torch.long).to(dev), all_pos.to(dev), meta,
+                          torch.as_tensor(rows, dtype=torch.long).to(dev), sampled)
+
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
+        """Forward pass of ``plan``; returns (logits of sampled rows, their sequences)."""
+        inputs = self.prepare(plan)
+        logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
+                                    self.pool.layers, inputs.logits_rows)
+        return logits, inputs.sampled

@@ -1,0 +1,81 @@
+"""Process-level runtime choices made once when an engine starts: device, dtype, CPU threads
+and the C allocator.
+
+- device ``auto`` → CUDA when available, else CPU (the same model code runs on both);
+- dtype ``auto`` → bfloat16 on CUDA and on CPUs with native bf16 instructions (AVX512-BF16 /
+  AMX; measured faster there, see docs/benchmarks.md), float32 otherwise;
+- threads: ``torch.set_num_threads`` is always set explicitly;
+- glibc malloc: large temporary tensors are otherwise returned to the OS and page-faulted back
+  in on every layer (measured up to 100× slower small ops on this VM), so the mmap/trim
+  thresholds are raised with ``mallopt`` (a no-op on other C libraries).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+import torch
+
+from yuebing.core.errors import ConfigError
+from yuebing.engine.config import EngineConfig, default_threads
+
+log = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_tuned = False
+
+
+def tune_malloc(threshold: int = 1 << 30) -> bool:
+    """Keep freed large blocks in the heap (glibc); returns whether it applied."""
+    global _tuned
+    if _tuned:
+        return True
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(
+            libc.mallopt(_M_TRIM_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
+    _tuned = ok
+    return ok
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda requested but torch sees no CUDA device; use --device cpu")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" or cpu_has_bf16() else "float32"
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}[name]
+
+
+def setup(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """Apply threads and allocator tuning; return the device and dtype to use."""
+    threads = cfg.threads or default_threads()
+    torch.set_num_threads(threads)
+    tune_malloc()
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    log.info("engine runtime: device=%s dtype=%s threads=%s", device, dtype, threads)
+    return device, dtype

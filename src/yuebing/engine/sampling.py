@@ -1,0 +1,120 @@
+"""Sampling: per-request parameters and the batched sampler.
+
+`SamplingParams` arrive with each request and are validated there (bad values raise
+`InputError` before anything is queued). After every model step the engine hands `sample` the
+float32 logits of the sequences that produce a token; greedy rows take the argmax, the others
+apply temperature, top-k and top-p and draw from a per-request seeded generator, so a seeded
+request gives the same tokens whatever else is in the batch. Optional logprobs are the
+log-softmax of the raw logits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from yuebing.core.errors import InputError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Return the chosen token's logprob and this many top alternatives (0 = chosen only)."""
+    min_tokens: int = 0
+    """Stop ids and strings are ignored until this many tokens were generated."""
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise InputError(msg)
+
+        check(isinstance(self.max_tokens, int) and self.max_tokens >= 0,
+              f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+        check(math.isfinite(self.temperature) and self.temperature >= 0,
+              f"temperature must be >= 0, got {self.temperature}")
+        check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        check(self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        check(self.logprobs is None or 0 <= self.logprobs <= 20,
+              f"logprobs must be in 0..20, got {self.logprobs}")
+        check(all(isinstance(s, str) and s for s in self.stop),
+              f"stop strings must be non-empty strings, got {self.stop!r}")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+              f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
+        check(0 <= self.min_tokens <= max(self.max_tokens, 0),
+              f"min_tokens must be in 0..max_tokens, got {self.min_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+    """Per row: {token id: logprob} with the chosen token first, or None."""
+
+
+def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k and top-p on one row of logits (returns a new tensor)."""
+    x = logits / p.temperature
+    if p.top_k and p.top_k < x.numel():
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        cum = torch.cumsum(probs, dim=-1)
+        drop = (cum - probs) >= p.top_p  # keep the smallest set whose mass reaches top_p
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
+    return x
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> SampleResult:
+    """One token per row of ``logits [B, vocab]`` (float32, on CPU or the model's device)."""
+    logits = logits.float()
+    greedy_ids = torch.argmax(logits, dim=-1).tolist()
+    tokens: list[int] = []
+    for row, p in enumerate(params):
+        if p.greedy:
+            tokens.append(int(greedy_ids[row]))
+            continue
+        probs = torch.softmax(_filter(logits[row], p), dim=-1)
+        gen = generators[row]
+        tok = torch.multinomial(probs.cpu(), 1, generator=gen) if gen is not None else \
+            torch.multinomial(probs.cpu(), 1)
+        tokens.append(int(tok))
+    logprobs: list[dict[int, float] | None] = [None] * len(params)
+    if any(p.logprobs is not None for p in params):
+        lp = torch.log_softmax(logits, dim=-1)
+        for row, p in enumerate(params):
+            if p.logprobs is None:
+                continue
+            entry = {tokens[row]: float(lp[row, tokens[row]])}
+            if p.logprobs:
+                top = torch.topk(lp[row], p.logprobs)
+                for v, i in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                    entry.setdefault(int(i), float(v))
+            logprobs[row] = entry
+    return SampleResult(tokens, logprobs)
+
+
+def make_generator(p: SamplingParams) -> torch.Generator | None:
+    """A CPU generator seeded from ``p.seed`` (None = the global RNG)."""
+    if p.seed is None or p.greedy:
+        return None
+    return torch.Generator().manual_seed(p.seed)

@@ -1,0 +1,195 @@
+"""Continuous-batching scheduler with chunked prefill, prefix caching and preemption.
+
+The engine calls `schedule` at the start of every step. Each step has a token budget
+(``max_batch_tokens``): every running decoding sequence gets one token, then prefilling
+sequences get chunks of their prompt — first those already started, then new ones admitted
+from the waiting queue (FIFO, up to ``max_num_seqs`` running) after a prefix-cache lookup.
+With ``mixed_batches`` off a step is either all prefill or all decode (prefill first).
+When a sequence needs a new KV block and none is free, the newest running sequence is
+preempted: its blocks are released and it goes back to the head of the queue to be recomputed
+(its full blocks usually survive in the prefix cache). After the forward pass the engine calls
+`commit` (publishes newly full blocks under their `hash_block` key) and `free` for finished or
+aborted sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from yuebing.core.hashing import hash_block, hash_blocks
+from yuebing.engine.block_manager import BlockAllocator
+from yuebing.engine.sequence import Phase, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepPlan:
+    """What one step computes: decoding sequences, then (sequence, new tokens) chunks."""
+
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch; allocates KV blocks for each step."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
+                 max_batch_tokens: int, mixed_batches: bool, key_extra: tuple[object, ...]):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.mixed_batches = mixed_batches
+        self.key_extra = key_extra
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_needed(self, seq: Sequence, new_tokens: int) -> int:
+        total = -(-(seq.num_computed + new_tokens) // self.block_size)
+        return max(0, total - len(seq.blocks))
+
+    def _grow(self, seq: Sequence, new_tokens: int) -> bool:
+        need = self._blocks_needed(seq, new_tokens)
+        if need > self.allocator.num_free:
+            return False
+        seq.blocks.extend(self.allocator.allocate_many(need))
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Release ``seq``'s KV and requeue it at the head of the waiting queue."""
+        self.running.remove(seq)
+        self.allocator.release_all(seq.blocks)
+        seq.blocks, seq.keys, seq.num_computed = [], [], 0
+        seq.phase = Phase.WAITING
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        log.info("preempted %s (%s tokens) for lack of KV blocks", seq.request_id, seq.num_tokens)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        if self.mixed_batches:
+            budget = self.max_batch_tokens - self._schedule_decodes(plan)
+            self._schedule_prefills(plan, budget)
+        else:
+            self._schedule_prefills(plan, self.max_batch_tokens)
+            if not plan.prefills:
+                self._schedule_decodes(plan)
+        return plan
+
+    def _schedule_decodes(self, plan: StepPlan) -> int:
+        for seq in list(self.running):
+            if seq.phase != Phase.RUNNING or seq.is_prefilling:
+                continue
+            while not self._grow(seq, 1):
+                victim = self.running[-1]
+                plan.preempted.append(victim)
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.phase == Phase.RUNNING:
+                plan.decodes.append(seq)
+        return len(plan.decodes)
+
+    def _schedule_prefills(self, plan: StepPlan, budget: int) -> None:
+        for seq in self.running:
+            if budget <= 0:
+                return
+            if not seq.is_prefilling:
+                continue
+            n = min(seq.num_pending, budget, self._fit(seq))
+            if n > 0 and self._grow(seq, n):
+                plan.prefills.append((seq, n))
+                budget -= n
+        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            n = min(seq.num_pending, budget, self._fit(seq))
+            if n <= 0 or not self._grow(seq, n):
+                self.allocator.release_all(seq.blocks)
+                seq.blocks, seq.keys, seq.num_computed, seq.num_cached_tokens = [], [], 0, 0
+                break
+            self.waiting.popleft()
+            seq.phase = Phase.RUNNING
+            self.running.append(seq)
+            plan.prefills.append((seq, n))
+            budget -= n
+
+    def _fit(self, seq: Sequence) -> int:
+        """Most new tokens ``seq`` can take with the blocks it has plus the free ones."""
+        capacity = (len(seq.blocks) + self.allocator.num_free) * self.block_size
+        return capacity - seq.num_computed
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Prefix-cache lookup for a new (or preempted) sequence; acquires the hit blocks."""
+        if seq.num_computed or seq.blocks:
+            return True  # KV already imported for it
+        ids = seq.all_ids
+        full = (len(ids) - 1) // self.block_size
+        if full and self.allocator.enable_prefix_cache:
+            bs = self.block_size
+            keys = hash_blocks(ids[: full * bs], bs, self.key_extra)
+            hits = self.allocator.match_prefix(keys, [ids[i * bs:(i + 1) * bs]
+                                                      for i in range(full)])
+            for b in hits:
+                self.allocator.acquire(b)
+            seq.blocks = hits
+            seq.keys = keys[: len(hits)]
+            seq.num_computed = len(hits) * bs
+        seq.num_cached_tokens = seq.num_computed
+        return True
+
+    def commit(self, plan: StepPlan) -> None:
+        """After the forward pass: advance ``num_computed`` and publish newly full blocks."""
+        for seq in plan.decodes:
+            seq.num_computed += 1
+            self.publish(seq)
+        for seq, n in plan.prefills:
+            seq.num_computed += n
+            self.publish(seq)
+
+    def publish(self, seq: Sequence) -> None:
+        bs = self.block_size
+        ids: list[int] | None = None
+        while len(seq.keys) < seq.num_computed // bs:
+            ids = ids if ids is not None else seq.all_ids
+            i = len(seq.keys)
+            tokens = ids[i * bs:(i + 1) * bs]
+            key = hash_block(seq.keys[-1] if seq.keys else None, tokens, self.key_extra)
+            self.allocator.register(seq.blocks[i], key, tokens)
+            seq.keys.append(key)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.release_all(seq.blocks)
+        seq.blocks = []
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in (*self.running, *self.waiting):
+            if seq.request_id == request_id:
+                return seq
+        return None
