@@ -30,6 +30,7 @@ def tr(*rs: Request) -> Trace:
 def test_refresh_matched_prefix_before_inserting_suffix() -> None:
     # Cache of 3 blocks holds [1, 2, 3] (LRU first). Request (1, 4, 5) reuses block 1; block 1
     # is refreshed first, so inserting 5 evicts 2 and inserting 4 evicts 3 — never block 1.
+    # (The end state equals the recency order of the touches either way; see hitrate docs.)
     cache = PrefixLRU(3)
     for ids in ((1,), (2,), (3,)):
         cache.access(ids, cache.match(ids))
@@ -45,6 +46,14 @@ def test_without_match_suffix_inserted_last_to_first_evicts_lru() -> None:
     assert cache.order() == [8, 7]
     cache.access((1,), 0)
     assert cache.order() == [7, 1]
+
+
+def test_request_longer_than_cache_keeps_its_prefix() -> None:
+    # last-to-first insertion into 2 blocks leaves (1, 2), so the next (1, 2, 9) reuses both;
+    # first-to-last insertion would leave (2, 3) and reuse nothing
+    t = tr(req(0, 1536, (1, 2, 3)), req(1, 1536, (1, 2, 9)))
+    r = simulate_global(t, 1024)
+    assert r.hit_tokens == 1024
 
 
 def test_leading_run_only() -> None:

@@ -11,6 +11,9 @@ Exact semantics (pinned by tests/trace/test_hitrate.py):
    all the request's blocks are inserted or touched from last to first, evicting the least
    recently used block whenever the cache is over capacity. So a prefix is always more recent
    than its suffix, and the reused prefix is never evicted to make room for its own suffix.
+   (An LRU's contents are the most recent distinct blocks of its touch sequence, so the refresh
+   changes only transient states, never a result: a request longer than the cache keeps its
+   leading blocks.)
 
 "Global" is one cache of C tokens. "Local" is N caches of floor(C / N) tokens each — the same
 total capacity — with every request served by one of them, chosen by a `Router`.
