@@ -1,0 +1,186 @@
+"""The engine benchmark's workload and measurement method, shared by every peer.
+
+Life cycle: ``benchmarks/engine_peers.py`` builds a :class:`Workload`, serializes it to JSON and
+starts one subprocess per peer (``run_vllm.py`` / ``run_transformers.py`` in the peers venv,
+``run_ours.py`` in the project venv). Each peer script wraps its runtime in a :class:`Backend`
+and calls :func:`measure`, which drives the *same* token-id prompts through it and writes one
+JSON result. Only the ``Backend.generate`` call differs between peers, so the method is identical.
+
+Method:
+- decode ms/step at batch B: B distinct prompts of ``decode_prompt_len`` tokens; time
+  ``generate(max_tokens=1)`` (prefill + first token) and ``generate(max_tokens=1+decode_steps)``
+  on fresh prompts of the same shape; per-step time = (T_long - T_short) / decode_steps.
+- prefill tokens/s at L: one fresh prompt of L tokens, ``generate(max_tokens=1)``; L / T.
+Every repeat uses new prompt tokens (so no peer's prefix cache can hit), every call checks that
+each sequence produced exactly ``max_tokens`` tokens (EOS ignored), and results are medians.
+
+Stdlib only: this module is imported from two different virtualenvs.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class WorkloadError(ValueError):
+    """A workload value is out of range (the message says which and what to use)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What to measure. Field defaults follow issue 5's targets."""
+
+    batches: tuple[int, ...] = (1, 8, 32)
+    decode_prompt_len: int = 128
+    decode_steps: int = 64
+    prefill_lens: tuple[int, ...] = (512, 2048)
+    repeats: int = 3
+    seed: int = 1234
+    token_low: int = 100  # lowest token id used (skips SmolLM2's special tokens 0..16)
+    token_high: int = 49000  # exclusive; SmolLM2's vocabulary has 49152 entries
+    dtype: str = "bfloat16"
+    threads: int = 2
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _need(len(self.batches) > 0 and all(b >= 1 for b in self.batches),
+              f"batches must be positive integers, got {self.batches}")
+        _need(self.decode_prompt_len >= 1, f"decode_prompt_len must be >= 1, got {self.decode_prompt_len}")
+        _need(self.decode_steps >= 1, f"decode_steps must be >= 1, got {self.decode_steps}")
+        _need(all(n >= 1 for n in self.prefill_lens), f"prefill_lens must be >= 1, got {self.prefill_lens}")
+        _need(self.repeats >= 1, f"repeats must be >= 1, got {self.repeats}")
+        _need(0 <= self.token_low < self.token_high,
+              f"need 0 <= token_low < token_high, got {self.token_low}, {self.token_high}")
+        _need(self.dtype in ("bfloat16", "float32"), f"dtype must be bfloat16 or float32, got {self.dtype!r}")
+        _need(self.threads >= 1, f"threads must be >= 1, got {self.threads}")
+
+    @property
+    def max_len(self) -> int:
+        """Longest sequence any call creates (prompt + generated tokens)."""
+        return max(max(self.prefill_lens) + 1, self.decode_prompt_len + 1 + self.decode_steps)
+
+    @property
+    def total_calls(self) -> int:
+        """Number of timed ``generate`` calls :func:`measure` makes (for progress bars)."""
+        return self.repeats * (2 * len(self.batches) + len(self.prefill_lens))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Workload:
+        raw = json.loads(text)
+        raw["batches"] = tuple(raw["batches"])
+        raw["prefill_lens"] = tuple(raw["prefill_lens"])
+        return cls(**raw)
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise WorkloadError(message)
+
+
+def make_prompts(w: Workload, count: int, length: int, tag: str) -> list[list[int]]:
+    """``count`` distinct prompts of ``length`` token ids, a pure function of (seed, tag)."""
+    rng = random.Random(f"{w.seed}:{tag}")
+    return [[rng.randrange(w.token_low, w.token_high) for _ in range(length)] for _ in range(count)]
+
+
+class Backend(abc.ABC):
+    """One runtime under test. :func:`measure` (in the peer's own subprocess) is the only caller."""
+
+    name: str = "?"
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
+        """Greedy-generate exactly ``max_tokens`` tokens for every prompt as one batch, ignoring
+        EOS; block until done; return the number of tokens generated per prompt."""
+
+    def describe(self) -> dict[str, Any]:
+        """Versions and settings recorded beside the numbers."""
+        return {}
+
+
+def progress(done: int, total: int, label: str) -> None:
+    """Tell the parent harness how far we are (one parseable stdout line)."""
+    print(f"PROGRESS {done} {total} {label}", flush=True)
+
+
+class _Timer:
+    def __init__(self, backend: Backend, total: int) -> None:
+        self.backend, self.total, self.done = backend, total, 0
+
+    def run(self, prompts: list[list[int]], max_tokens: int, label: str) -> float:
+        t0 = time.perf_counter()
+        counts = self.backend.generate(prompts, max_tokens)
+        elapsed = time.perf_counter() - t0
+        if list(counts) != [max_tokens] * len(prompts):
+            raise RuntimeError(
+                f"{self.backend.name}: asked for {max_tokens} tokens x {len(prompts)} prompts, "
+                f"got {list(counts)} (EOS not ignored?)")
+        self.done += 1
+        progress(self.done, self.total, label)
+        return elapsed
+
+
+def measure(backend: Backend, w: Workload) -> dict[str, Any]:
+    """Run the whole workload through ``backend``; return the result document."""
+    timer = _Timer(backend, w.total_calls)
+    load_before = os.getloadavg()
+    t_start = time.perf_counter()
+    # Warm-up (untimed): first calls allocate caches, pick kernels, compile.
+    backend.generate(make_prompts(w, 1, w.decode_prompt_len, "warm-d"), 4)
+    backend.generate(make_prompts(w, max(w.batches), w.decode_prompt_len, "warm-b"), 2)
+    backend.generate(make_prompts(w, 1, max(w.prefill_lens), "warm-p"), 1)
+    decode: dict[str, Any] = {}
+    for b in w.batches:
+        steps = []
+        for r in range(w.repeats):
+            short = timer.run(make_prompts(w, b, w.decode_prompt_len, f"d{b}s{r}"), 1, f"decode b={b}")
+            long = timer.run(make_prompts(w, b, w.decode_prompt_len, f"d{b}l{r}"),
+                             1 + w.decode_steps, f"decode b={b}")
+            steps.append(1000.0 * (long - short) / w.decode_steps)
+        med = statistics.median(steps)
+        decode[str(b)] = {"ms_per_step": med, "tokens_per_s": b * 1000.0 / med if med > 0 else None,
+                          "samples_ms": steps}
+    prefill: dict[str, Any] = {}
+    for n in w.prefill_lens:
+        rates = [n / timer.run(make_prompts(w, 1, n, f"p{n}r{r}"), 1, f"prefill {n}")
+                 for r in range(w.repeats)]
+        prefill[str(n)] = {"tokens_per_s": statistics.median(rates), "samples_tokens_per_s": rates}
+    return {
+        "peer": backend.name,
+        "info": backend.describe(),
+        "workload": json.loads(w.to_json()),
+        "decode": decode,
+        "prefill": prefill,
+        "wall_s": time.perf_counter() - t_start,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+    }
+
+
+def main(make_backend: Any) -> int:
+    """Entry point of a peer script: ``--workload JSON --out PATH [--model PATH]``."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", required=True, help="Workload as JSON (see workload.py)")
+    p.add_argument("--out", required=True, help="where to write the result JSON")
+    p.add_argument("--model", required=True, help="model path (HF dir, or GGUF for ours)")
+    ns = p.parse_args()
+    w = Workload.from_json(ns.workload)
+    backend = make_backend(ns.model, w)
+    result = measure(backend, w)
+    with open(ns.out, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    print(f"{backend.name}: done in {result['wall_s']:.0f}s", file=sys.stderr)
+    return 0
