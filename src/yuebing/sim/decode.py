@@ -1,19 +1,23 @@
 """A simulated decode instance: continuous batching bounded by HBM.
 
 Life cycle of a request here: its KV arrives (`DecodeInstance.enqueue`) and waits in FIFO
-order until its whole footprint (prompt + first token + remaining output, reserved up front
-so no running request is ever preempted) fits in the instance's KV capacity; it is then
-admitted at the next iteration boundary, produces one token per iteration, and leaves after
-its last token, freeing its KV. Each iteration takes ``cost.decode_step_time(batch, context)``
-where ``context`` is the batch's total KV tokens.
+order until its whole footprint (prompt + every output token, reserved up front so no running
+request is ever preempted) fits in the instance's KV capacity; it is then admitted at the next
+iteration boundary, produces one token per iteration, and leaves after its last token, freeing
+its KV. Each iteration takes ``cost.decode_step_time(batch, context)`` where ``context`` is the
+batch's total KV tokens (it grows by ``batch`` every iteration).
 
-For speed the instance keeps one list of iteration end times; a request remembers the index
-of its first iteration, and its token times are a slice of that list (no per-token events or
-per-token Python work), turned into TBT when it leaves.
+Speed: between two changes of the batch the iterations are fully determined, so the instance
+plans them all at once (appending their end times to ``step_ends``) and schedules one event at
+the boundary where the next request finishes. A request arriving mid-plan truncates the plan
+after the iteration in progress, so it joins at the very next boundary, exactly as with one
+event per iteration. A request's token times are a slice of ``step_ends``; no per-token events.
 """
 
 from __future__ import annotations
 
+import heapq
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +25,10 @@ from dataclasses import dataclass
 from yuebing.sim.hardware import CostModel
 from yuebing.sim.loop import EventLoop, Priority
 from yuebing.sim.metrics import RequestRecord
+
+MAX_PLAN_STEPS = 32
+"""Longest run of iterations planned in one event (bounds the work thrown away when an
+arrival truncates a plan)."""
 
 
 @dataclass(slots=True)
@@ -53,14 +61,37 @@ class DecodeInstance:
         self.waiting: deque[DecodeJob] = deque()
         self.waiting_tokens = 0
         """Sum of the prompt lengths of the waiting jobs."""
+        self.waiting_output = 0
         self.batch_size = 0
-        self.context_tokens = 0
+        self._ctx0 = 0
+        """Batch context at the start of the current plan."""
+        self._plan_start = 0
+        """Index in ``step_ends`` of the plan's first iteration."""
         self.kv_reserved = 0
         """KV tokens reserved by the running batch."""
         self.step_ends: list[float] = []
         self._finish_at: dict[int, list[DecodeJob]] = {}
+        self._finish_steps: list[int] = []
+        self._gen = 0
         self._running = False
 
+    # -- observation ---------------------------------------------------------------------------
+    @property
+    def context_tokens(self) -> int:
+        """KV tokens of the running batch now (prompts + tokens generated so far)."""
+        done = bisect_right(self.step_ends, self.loop.now, lo=self._plan_start) - self._plan_start
+        return self._ctx0 + self.batch_size * max(0, done)
+
+    @property
+    def kv_used(self) -> int:
+        """Reserved by the batch plus needed by the waiting jobs."""
+        return self.kv_reserved + self.waiting_tokens + self.waiting_output
+
+    def can_admit_now(self, job: DecodeJob) -> bool:
+        """Would ``job`` join the batch at the next iteration (nobody waiting, KV fits)?"""
+        return not self.waiting and self.kv_reserved + job.kv_tokens <= self.capacity
+
+    # -- input -----------------------------------------------------------------------------------
     def enqueue(self, job: DecodeJob) -> None:
         """The job's KV is here: wait for room, join the batch at the next iteration."""
         if job.output_tokens < 2:
@@ -71,18 +102,23 @@ class DecodeInstance:
                              f"tokens, more than the instance holds ({self.capacity})")
         self.waiting.append(job)
         self.waiting_tokens += job.input_tokens
+        self.waiting_output += job.output_tokens
         if not self._running:
             self._admit()
-            self._start_step()
+            self._plan()
+        elif self.kv_reserved + job.kv_tokens <= self.capacity and len(self.waiting) == 1:
+            self._truncate()
 
-    def can_admit_now(self, job: DecodeJob) -> bool:
-        """Would ``job`` join the batch at the next iteration (nobody waiting, KV fits)?"""
-        return not self.waiting and self.kv_reserved + job.kv_tokens <= self.capacity
-
-    @property
-    def kv_used(self) -> int:
-        """Reserved by the batch plus needed by the waiting jobs."""
-        return self.kv_reserved + self.waiting_tokens + sum(j.output_tokens for j in self.waiting)
+    # -- internals -------------------------------------------------------------------------------
+    def _truncate(self) -> None:
+        """End the plan at the first boundary at or after now (the iteration in progress)."""
+        ends = self.step_ends
+        m = bisect_left(ends, self.loop.now, lo=self._plan_start)
+        if m >= len(ends) - 1:
+            return  # the next boundary is already the plan's end
+        del ends[m + 1:]
+        self._gen += 1
+        self.loop.at(ends[m], Priority.COMPLETE, self._boundary, self._gen)
 
     def _admit(self) -> None:
         step = len(self.step_ends)
@@ -90,36 +126,51 @@ class DecodeInstance:
         while waiting and self.kv_reserved + waiting[0].kv_tokens <= self.capacity:
             job = waiting.popleft()
             self.waiting_tokens -= job.input_tokens
+            self.waiting_output -= job.output_tokens
             job.first_step = step
             job.record.decode_start_s = self.loop.now
             self.kv_reserved += job.kv_tokens
             self.batch_size += 1
-            self.context_tokens += job.input_tokens + 1
+            self._ctx0 += job.input_tokens + 1
             last = step + job.output_tokens - 2
             bucket = self._finish_at.get(last)
             if bucket is None:
                 self._finish_at[last] = [job]
+                heapq.heappush(self._finish_steps, last)
             else:
                 bucket.append(job)
 
-    def _start_step(self) -> None:
+    def _plan(self) -> None:
+        """Plan iterations up to the next finishing one; schedule its boundary."""
         if self.batch_size == 0:
             self._running = False
             return
         self._running = True
-        dt = self.cost.decode_step_time(self.batch_size, self.context_tokens)
-        self.loop.after(dt, Priority.COMPLETE, self._step_done)
-
-    def _step_done(self) -> None:
-        step = len(self.step_ends)
         ends = self.step_ends
-        ends.append(self.loop.now)
-        self.context_tokens += self.batch_size
-        done = self._finish_at.pop(step, None)
-        if done:
-            for job in done:
+        start = len(ends)
+        self._plan_start = start
+        steps = min(self._finish_steps[0] - start + 1, MAX_PLAN_STEPS)
+        b, ctx, t = self.batch_size, self._ctx0, self.loop.now
+        step_time = self.cost.decode_step_time
+        for _ in range(steps):
+            t += step_time(b, ctx)
+            ctx += b
+            ends.append(t)
+        self._gen += 1
+        self.loop.at(t, Priority.COMPLETE, self._boundary, self._gen)
+
+    def _boundary(self, gen: int) -> None:
+        if gen != self._gen:
+            return  # superseded by a truncated plan
+        ends = self.step_ends
+        step = len(ends) - 1
+        self._ctx0 += self.batch_size * (step - self._plan_start + 1)
+        self._plan_start = step + 1
+        if self._finish_steps and self._finish_steps[0] == step:
+            heapq.heappop(self._finish_steps)
+            for job in self._finish_at.pop(step):
                 self.batch_size -= 1
-                self.context_tokens -= job.input_tokens + job.output_tokens
+                self._ctx0 -= job.input_tokens + job.output_tokens
                 self.kv_reserved -= job.kv_tokens
                 rec = job.record
                 rec.finish_decode([rec.first_token_s, *ends[job.first_step:step + 1]])
@@ -127,4 +178,4 @@ class DecodeInstance:
                     self.on_finish(job)
         if self.waiting:
             self._admit()
-        self._start_step()
+        self._plan()

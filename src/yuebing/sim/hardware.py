@@ -143,6 +143,10 @@ class RooflineCostModel(CostModel):
         self.decode_kv_capacity_tokens = int(kv_bytes // m.kv_bytes_per_token)
         self.link_Bps = n.nic_Bps
         self.link_latency_s = n.nic_latency_s
+        # decode step = max(_w + ctx·_kv, batch·_mm) + step_overhead + batch·seq_overhead
+        self._w = m.weight_bytes / self._hbm_rate
+        self._kv = m.kv_bytes_per_token / self._hbm_rate
+        self._mm = 2.0 * m.params / (self._peak * n.decode_mfu)
 
     def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
         if new_tokens <= 0:
@@ -158,10 +162,11 @@ class RooflineCostModel(CostModel):
     def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
         if batch_size <= 0:
             return 0.0
-        m, n = self.model, self.node
-        memory = (m.weight_bytes + context_tokens * m.kv_bytes_per_token) / self._hbm_rate
-        compute = 2.0 * m.params * batch_size / (self._peak * n.decode_mfu)
-        return max(memory, compute) + n.step_overhead_s + batch_size * n.seq_overhead_s
+        memory = self._w + context_tokens * self._kv
+        compute = batch_size * self._mm
+        n = self.node
+        return ((memory if memory > compute else compute) + n.step_overhead_s
+                + batch_size * n.seq_overhead_s)
 
 
 class _PrefillSample(msgspec.Struct, forbid_unknown_fields=True):

@@ -99,14 +99,20 @@ class RequestRecord:
 
 
 def tbt_summary(intervals: Sequence[float] | np.ndarray) -> tuple[float, float, float]:
-    """(mean of the longest ceil(10 %) intervals, P90, mean); all 0 for no intervals."""
-    x = np.asarray(intervals, dtype=float)
+    """(mean of the longest ceil(10 %) intervals, P90, mean); all 0 for no intervals.
+
+    P90 is the linearly interpolated 90th percentile (numpy's default method).
+    """
+    x = np.sort(np.asarray(intervals, dtype=float))
     n = x.size
     if n == 0:
         return 0.0, 0.0, 0.0
     k = math.ceil(n / 10)
-    longest = np.partition(x, n - k)[n - k:]
-    return float(longest.mean()), float(np.percentile(x, 90)), float(x.mean())
+    pos = 0.9 * (n - 1)
+    lo = int(pos)
+    hi = min(lo + 1, n - 1)
+    p90 = float(x[lo] + (x[hi] - x[lo]) * (pos - lo))
+    return float(x[n - k:].mean()), p90, float(x.mean())
 
 
 def effective_capacity(records: Sequence[RequestRecord], tbt_threshold_s: float,

@@ -7,12 +7,12 @@ iteration takes: a prefill-only step, a decode-only step or a mixed (chunked-pre
 With the roofline cost model (paper Table 1) the steps follow the same roofline, adapted to a
 coupled engine whose prefix cache lives in HBM (no host-to-device load or store):
 
-- prefill step over parts ``(n new, c cached)``: Σ (FLOPs(c+n) − FLOPs(c)) / (G · mfu) plus one
-  ``chunk_overhead_s`` (a forward pass);
+- prefill step over parts ``(n new, c cached)``: compute-bound, Σ (FLOPs(c+n) − FLOPs(c)) /
+  (G · mfu) plus one ``chunk_overhead_s`` (one forward pass);
 - decode step: the cost model's own `decode_step_time`;
-- mixed step: weights and KV are read once for the whole batch, so
-  max(prefill FLOPs / (G · mfu) + decode FLOPs / (G · decode_mfu), (weights + KV read) /
-  (HBM bandwidth · mbu)) plus ``chunk_overhead_s``.
+- mixed step: an iteration is bounded below both by its decode work (weights and every KV
+  token read once, per-sequence overheads: ``decode_step_time(batch, context + prompt KV)``)
+  and by its prefill compute, and the two overlap: the maximum of the two.
 
 Any other cost model (e.g. ``fitted``) only exposes prefill and decode times, so a prefill step
 is the sum of its parts' prefill times and a mixed step is prefill plus decode time (no overlap:
@@ -33,15 +33,10 @@ class CoupledCost:
         self.cost = cost
         self._roofline = isinstance(cost, RooflineCostModel)
         if isinstance(cost, RooflineCostModel):
-            m, n = cost.model, cost.node
-            peak = n.gpus * n.gpu_flops
-            self._prefill_rate = peak * n.mfu
-            self._decode_flops_per_seq = 2.0 * m.params / (peak * n.decode_mfu)
-            self._hbm_rate = n.gpus * n.hbm_Bps * n.mbu
-            self._weights = m.weight_bytes
-            self._kvb = m.kv_bytes_per_token
+            n = cost.node
+            self._prefill_rate = n.gpus * n.gpu_flops * n.mfu
             self._overhead = n.chunk_overhead_s
-            self._flops = m.flops
+            self._flops = cost.model.flops
 
     def _prefill_compute(self, parts: Sequence[tuple[int, int]]) -> float:
         flops = self._flops
@@ -66,7 +61,7 @@ class CoupledCost:
         if not self._roofline:
             return self.prefill_step(parts) + (
                 self.decode_step(batch_size, context_tokens) if batch_size else 0.0)
-        compute = self._prefill_compute(parts) + batch_size * self._decode_flops_per_seq
         kv_read = context_tokens + sum(c + n for n, c in parts)
-        memory = (self._weights + kv_read * self._kvb) / self._hbm_rate
-        return max(compute, memory) + self._overhead
+        decode = self.decode_step(max(batch_size, 1), kv_read)
+        prefill = self._prefill_compute(parts) + self._overhead
+        return decode if decode > prefill else prefill

@@ -1,9 +1,10 @@
 """Requests as the simulator replays them.
 
-Life cycle: `load_requests` reads a Mooncake trace once (through `yuebing.trace` when it is
-installed, else directly with msgspec), applies the replay speed and an optional limit, and
-returns immutable `SimRequest`s sorted by arrival (stable); the runner feeds them to the
-simulated system one arrival event at a time.
+Life cycle: `load_requests` reads a Mooncake trace once through the trace toolkit
+(`yuebing.trace.load_trace`, which validates every line and names file, line and field on
+error), takes the requests in timestamp order (stable), applies the replay speed and an
+optional window, and returns immutable `SimRequest`s; the runner feeds them to the simulated
+system one arrival event at a time.
 """
 
 from __future__ import annotations
@@ -11,12 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
-
-from yuebing.core.errors import InputError, TraceFormatError
-
-TRACE_BLOCK_TOKENS = 512
-"""Tokens per ``hash_ids`` block in the released Mooncake traces."""
+from yuebing.core.errors import InputError
+from yuebing.trace.io import load_trace
+from yuebing.trace.model import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,32 +29,25 @@ class SimRequest:
     """Chained prefix-block keys (trace ``hash_ids``), one per 512 tokens (last may be partial)."""
 
 
-class _Line(msgspec.Struct):
-    timestamp: float
-    input_length: int
-    output_length: int
-    hash_ids: list[int]
+def from_trace_requests(reqs: list[Request], speed: float = 1.0) -> list[SimRequest]:
+    """Trace requests (already in time order) → `SimRequest`s, first arrival at 0 s.
 
-
-def _parse(path: Path) -> list[_Line]:
-    decoder = msgspec.json.Decoder(_Line)
-    lines: list[_Line] = []
-    try:
-        fh = path.open("rb")
-    except OSError as e:
-        raise InputError(f"cannot read trace {path}: {e}") from None
-    with fh:
-        for no, raw in enumerate(fh, 1):
-            if not raw.strip():
-                continue
-            try:
-                lines.append(decoder.decode(raw))
-            except msgspec.ValidationError as e:
-                field = str(e).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(e) else "?"
-                raise TraceFormatError(str(path), no, field, str(e)) from None
-            except msgspec.DecodeError as e:
-                raise TraceFormatError(str(path), no, "(line)", f"not JSON: {e}") from None
-    return lines
+    Requests with an empty prompt or no output cannot be served and raise `InputError`.
+    """
+    if not speed > 0:
+        raise InputError(f"replay speed must be > 0, got {speed!r}")
+    if not reqs:
+        raise InputError("no requests to replay")
+    t0 = reqs[0].timestamp
+    out = []
+    for k, r in enumerate(reqs):
+        if r.input_length <= 0 or r.output_length <= 0:
+            raise InputError(f"request {k} (timestamp {r.timestamp}): input_length and "
+                             f"output_length must be > 0 to simulate, got {r.input_length}, "
+                             f"{r.output_length}")
+        out.append(SimRequest(k, (r.timestamp - t0) / 1000.0 / speed, r.input_length,
+                              r.output_length, tuple(r.hash_ids)))
+    return out
 
 
 def load_requests(path: str | Path, speed: float = 1.0, limit: int | None = None,
@@ -65,25 +56,11 @@ def load_requests(path: str | Path, speed: float = 1.0, limit: int | None = None
 
     Arrival times are shifted so the first selected request arrives at 0 s.
     """
-    if not speed > 0:
-        raise InputError(f"replay speed must be > 0, got {speed!r}")
     if start < 0 or (limit is not None and limit <= 0):
         raise InputError(f"start must be >= 0 and limit > 0 (got start={start}, limit={limit})")
-    p = Path(path)
-    lines = _parse(p)
-    for no, ln in enumerate(lines, 1):
-        if ln.input_length <= 0 or ln.output_length <= 0 or ln.timestamp < 0:
-            raise TraceFormatError(str(p), no, "input_length/output_length/timestamp",
-                                   "lengths must be > 0 and timestamp >= 0")
-    order = sorted(range(len(lines)), key=lambda i: lines[i].timestamp)
-    stop = len(order) if limit is None else min(len(order), start + limit)
-    chosen = order[start:stop]
+    ordered = load_trace(path).in_time_order()
+    stop = len(ordered) if limit is None else min(len(ordered), start + limit)
+    chosen = ordered[start:stop]
     if not chosen:
-        raise InputError(f"{p}: no requests selected (start={start}, limit={limit})")
-    t0 = lines[chosen[0]].timestamp
-    return [
-        SimRequest(index=k, arrival_s=(lines[i].timestamp - t0) / 1000.0 / speed,
-                   input_tokens=lines[i].input_length, output_tokens=lines[i].output_length,
-                   block_keys=tuple(lines[i].hash_ids))
-        for k, i in enumerate(chosen)
-    ]
+        raise InputError(f"{path}: no requests selected (start={start}, limit={limit})")
+    return from_trace_requests(chosen, speed)
