@@ -95,8 +95,9 @@ def _add_hit_rate(p: argparse.ArgumentParser) -> None:
                    help="comma-separated total cache capacities in tokens, e.g. 1e6,3e6,inf")
     p.add_argument("--local", type=int, default=None, metavar="N",
                    help="N local caches of capacity/N tokens each instead of one global cache")
-    p.add_argument("--routing", default="cache_aware",
-                   help="routing rule for --local: round_robin, random, cache_aware")
+    p.add_argument("--routing", default="round_robin",
+                   help="routing rule for --local: round_robin, random, or cache_aware (longest "
+                        "prefix; ties to least loaded, lowest index)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random routing rule")
 
 

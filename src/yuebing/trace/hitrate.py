@@ -1,6 +1,6 @@
 """Prefix-cache hit rate of a trace vs cache capacity (`yuebing trace hit-rate`, Figure 9).
 
-Exact semantics (pinned by tests/trace/test_hitrate.py):
+Exact semantics (pinned by tests/trace/test_trace_hitrate.py and test_trace_hitrate_props.py):
 
 1. Requests are replayed in timestamp order; equal timestamps keep file order.
 2. A cache of C tokens holds floor(C / block_size) blocks (block_size = 512 for Mooncake).
