@@ -119,6 +119,25 @@ def test_cli_transforms_and_synth(tmp_path: Path, capsys: pytest.CaptureFixture[
     capsys.readouterr()
 
 
+def test_cli_prompts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from yuebing.trace.prompts import PromptSynthesizer
+
+    out = tmp_path / "p.jsonl"
+    assert main(["trace", "prompts", str(tiny(tmp_path)), "--out", str(out), "--limit", "2",
+                 "--low", "10", "--high", "20", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"out": str(out), "requests": 2}
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["index"], r["timestamp"], r["output_length"]) for r in rows] == [(0, 0, 3),
+                                                                               (1, 1000, 4)]
+    a, b = rows[0]["prompt_token_ids"], rows[1]["prompt_token_ids"]
+    assert (len(a), len(b)) == (1024, 600)
+    assert a[:512] == b[:512] == PromptSynthesizer(low=10, high=20).block(0)
+    assert a[512:600] != b[512:600]
+    assert main(["trace", "prompts", str(tiny(tmp_path)), "--out", str(tmp_path / "no/x"),
+                 "--limit", "1"]) == 2
+    assert "cannot write prompts" in capsys.readouterr().err
+
+
 def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.jsonl"

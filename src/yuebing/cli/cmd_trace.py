@@ -2,7 +2,9 @@
 
 Report commands (stats, hit-rate) print a rich table, or with ``--json`` one JSON object on
 stdout. Transform and generate commands (scale, retime, filter, synth) write a new JSONL trace
-to ``--out`` and print what they wrote (``--json``: ``{"out": path, "requests": n}``).
+to ``--out`` and print what they wrote (``--json``: ``{"out": path, "requests": n}``);
+``prompts`` writes one ``{"index", "timestamp", "output_length", "prompt_token_ids"}`` line per
+request (`yuebing.trace.prompts`), for replaying a trace against a real server.
 The ``hit-rate --json`` contract: an object mapping each capacity in tokens, as an integer
 string (``"1000000"``; ``"inf"`` for an unbounded cache), to the token-weighted hit rate.
 Bad input (unreadable or malformed trace, bad option values) exits with status 2 and a message
@@ -14,10 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 from yuebing.cli.main import Command
 from yuebing.core.config import add_config_args, config_from_args, parse_size, require
+from yuebing.core.errors import InputError
 
 
 def _trace_arg(p: argparse.ArgumentParser) -> None:
@@ -202,6 +206,48 @@ def _run_filter(ns: argparse.Namespace) -> int:
     return _report_written(ns, filter_trace(trace, rebase=ns.rebase, **kwargs))
 
 
+# --- prompts -----------------------------------------------------------------------------
+
+def _add_prompts(p: argparse.ArgumentParser) -> None:
+    from yuebing.trace.prompts import PromptSynthesizer
+
+    p.add_argument("trace", help="Mooncake JSONL trace file")
+    _out_arg(p)
+    p.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    add_config_args(p, PromptSynthesizer)
+
+
+def _run_prompts(ns: argparse.Namespace) -> int:
+    import msgspec
+
+    from yuebing.trace.io import load_trace
+    from yuebing.trace.prompts import PromptSynthesizer
+
+    require(ns.limit is None or ns.limit >= 0, f"--limit must be >= 0, got {ns.limit}")
+    synth = config_from_args(PromptSynthesizer, ns)
+    trace = load_trace(ns.trace)
+    require(synth.block_size == trace.block_size,
+            f"--block-size {synth.block_size} differs from the trace's {trace.block_size}")
+    requests = trace.requests[: ns.limit]
+    enc = msgspec.json.Encoder()
+    tmp = Path(ns.out + ".tmp")
+    try:
+        with tmp.open("wb") as f:
+            for i, r in enumerate(requests):
+                f.write(enc.encode({"index": i, "timestamp": r.timestamp,
+                                    "output_length": r.output_length,
+                                    "prompt_token_ids": synth.tokens(r, salt=i)}) + b"\n")
+        tmp.replace(ns.out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise InputError(f"cannot write prompts to {ns.out!r}: {e.strerror or e}") from None
+    if ns.json:
+        _print_json({"out": ns.out, "requests": len(requests)})
+    else:
+        print(f"wrote {len(requests):,} prompts to {ns.out}")
+    return 0
+
+
 # --- synth -------------------------------------------------------------------------------
 
 def _synth_command(kind: str, help_text: str) -> Command:
@@ -228,6 +274,8 @@ COMMANDS = [
     Command(("trace", "retime"), "give a trace seeded Poisson arrivals", _add_retime, _run_retime),
     Command(("trace", "filter"), "keep requests in a time window / length range",
             _add_filter, _run_filter),
+    Command(("trace", "prompts"), "token-id prompts realizing the trace's prefix sharing (JSONL)",
+            _add_prompts, _run_prompts),
     _synth_command("fixed", "fixed-length prompts with a shared-prefix fraction"),
     _synth_command("docqa", "long documents, each followed by many questions"),
 ]
