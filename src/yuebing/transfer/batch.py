@@ -44,10 +44,11 @@ class RequestState:
 class Slice:
     """A piece of a request: ``length`` bytes between ``local`` and ``offset`` of ``segment``."""
 
-    __slots__ = ("batch", "index", "op", "local", "segment", "offset", "length", "attempts")
+    __slots__ = ("batch", "index", "op", "local", "segment", "offset", "length", "attempts",
+                 "span")
 
     def __init__(self, batch: Batch, index: int, op: OpCode, local: memoryview, segment: str,
-                 offset: int) -> None:
+                 offset: int, span: tuple[int, int] | None = None) -> None:
         self.batch = batch
         self.index = index
         self.op = op
@@ -56,6 +57,8 @@ class Slice:
         self.offset = offset
         self.length = local.nbytes
         self.attempts = 0
+        self.span = span or (offset, self.length)
+        """The whole request's remote (offset, length), checked by the owner for every slice."""
 
     @property
     def live(self) -> bool:

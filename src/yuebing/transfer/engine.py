@@ -128,6 +128,7 @@ class TransferEngine:
     def unregister_segment(self, name: str) -> None:
         """Withdraw and release segment ``name``; later accesses to it are rejected."""
         seg = self._segments.remove(name)
+        self._descs.pop(name, None)
         self.metadata.withdraw(name)
         seg.close()
 
@@ -200,7 +201,8 @@ class TransferEngine:
         for i, err in failures:
             batch.slice_done(i, 0, err)
         for ep, desc, r, local, pieces, i in work:
-            ep.submit(desc, [Slice(batch, i, r.op, local[a:a + n], desc.name, r.offset + a)
+            span = (r.offset, local.nbytes)
+            ep.submit(desc, [Slice(batch, i, r.op, local[a:a + n], desc.name, r.offset + a, span)
                              for a, n in pieces])
         return batch.id
 

@@ -43,20 +43,26 @@ class HelloReply(Message, tag="transfer.hello_reply"):
 
 @register_message
 class WriteSlice(Message, tag="transfer.write"):
-    """Followed by ``length`` payload bytes to store at ``offset`` of ``segment``."""
+    """Followed by ``length`` payload bytes to store at ``offset`` of ``segment``. ``span`` is the
+    whole request's remote (offset, length): the target validates it, not just the slice, so a
+    request that is out of range anywhere is refused in every slice and nothing is written."""
 
     id: int
     segment: str
     offset: int
     length: int
+    span: tuple[int, int]
 
 
 @register_message
 class ReadSlice(Message, tag="transfer.read"):
+    """Asks for ``length`` bytes at ``offset``; ``span`` as in `WriteSlice`."""
+
     id: int
     segment: str
     offset: int
     length: int
+    span: tuple[int, int]
 
 
 @register_message

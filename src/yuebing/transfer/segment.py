@@ -153,10 +153,18 @@ class SegmentTable:
         with self._lock:
             return list(self._segments.values())
 
-    def resolve(self, name: str, offset: int, length: int) -> memoryview:
-        """The registered bytes [offset, offset+length) of ``name``, or `TransferError`."""
+    def resolve(self, name: str, offset: int, length: int,
+                span: tuple[int, int] | None = None) -> memoryview:
+        """The registered bytes [offset, offset+length) of ``name``, or `TransferError`. With
+        ``span`` (the whole request's range) that range is checked too, and must contain the
+        slice, so every slice of a partly out-of-range request is refused."""
         seg = self._segments.get(name)
         if seg is None:
             raise TransferError(f"segment {name!r} is not registered on the target")
+        if span is not None:
+            check_range(name, seg.size, span[0], span[1])
+            if offset < span[0] or offset + length > span[0] + span[1]:
+                raise TransferError(f"slice [{offset}, {offset + length}) lies outside its "
+                                    f"request [{span[0]}, {span[0] + span[1]})")
         check_range(name, seg.size, offset, length)
         return seg.view[offset:offset + length]

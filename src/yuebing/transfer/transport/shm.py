@@ -167,7 +167,7 @@ class ShmEndpoint(Endpoint):
             return
         for s in slices:
             try:
-                check_range(desc.name, desc.size, s.offset, s.length)
+                check_range(desc.name, desc.size, s.span[0], s.span[1])
             except TransferError as e:
                 s.complete(str(e))
                 continue
@@ -215,7 +215,7 @@ class LocalEndpoint(Endpoint):
     def submit(self, desc: SegmentDescriptor, slices: list[Slice]) -> None:
         for s in slices:
             try:
-                view = self.ctx.segments.resolve(s.segment, s.offset, s.length)
+                view = self.ctx.segments.resolve(s.segment, s.offset, s.length, s.span)
             except TransferError as e:
                 s.complete(str(e))
                 continue

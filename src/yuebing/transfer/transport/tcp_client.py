@@ -138,10 +138,10 @@ class Lane:
                                          payload=op.payload))
         elif op.op == OpCode.WRITE:
             send_frame(self.sock, WriteSlice(id=oid, segment=op.segment, offset=op.offset,
-                                             length=op.length), op.local)
+                                             length=op.length, span=op.span), op.local)
         else:
             send_frame(self.sock, ReadSlice(id=oid, segment=op.segment, offset=op.offset,
-                                            length=op.length))
+                                            length=op.length, span=op.span))
 
     def _recv_loop(self) -> None:
         while True:

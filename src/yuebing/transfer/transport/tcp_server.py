@@ -107,7 +107,7 @@ class TcpServer:
             if not 0 < msg.length <= MAX_SLICE:
                 raise ProtocolError(f"write slice length {msg.length} outside 1..{MAX_SLICE}")
             try:
-                view = self._segments.resolve(msg.segment, msg.offset, msg.length)
+                view = self._segments.resolve(msg.segment, msg.offset, msg.length, msg.span)
             except TransferError as e:
                 drain(conn, msg.length)
                 send_frame(conn, SliceAck(id=msg.id, error=str(e)))
@@ -116,7 +116,7 @@ class TcpServer:
             send_frame(conn, SliceAck(id=msg.id))
         elif isinstance(msg, ReadSlice):
             try:
-                view = self._segments.resolve(msg.segment, msg.offset, msg.length)
+                view = self._segments.resolve(msg.segment, msg.offset, msg.length, msg.span)
             except TransferError as e:
                 send_frame(conn, SliceAck(id=msg.id, error=str(e)))
                 return

@@ -1,0 +1,229 @@
+"""``yuebing bench transfer``: bandwidth and latency of the transfer engine between two processes.
+
+Life cycle: the initiator (this process) starts a target process (``python -m
+yuebing.transfer.bench BYTES``) that registers one pre-faulted shared-memory segment and serves it
+in P2P mode; for every cell (transport, op, size, batch, lanes) the initiator builds an engine
+restricted to that transport, warms the path up, then submits batches of ``batch`` requests of
+``size`` bytes back to back for ``duration_s`` and records each batch's latency. A cell's row:
+GB/s (1e9 payload bytes per wall second), p50/p99 batch latency in µs and the wall time per
+request. Single-thread memcpy of the same sizes is measured in the same run as the reference for
+shared memory.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from yuebing.core.config import require
+from yuebing.transfer.config import TransferConfig
+from yuebing.transfer.engine import TransferEngine
+from yuebing.transfer.types import OpCode, TransferRequest
+
+SEGMENT = "bench"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What `run_bench` measures."""
+
+    sizes: tuple[int, ...] = (64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+    batch: int = 16
+    lanes: tuple[int, ...] = (4,)
+    ops: tuple[str, ...] = ("write", "read")
+    transports: tuple[str, ...] = ("tcp", "shm")
+    duration_s: float = 1.0
+    max_inflight: int = 256 << 20
+    """Cap of bytes per batch: big sizes use fewer requests per batch (at least 1)."""
+    small_batch: int = 128
+    """Extra cell per transport and op: 64 KiB requests in batches of this many (0 = skip)."""
+    slice_size: int = 1 << 20
+    socket_buffer: int = 4 << 20
+    memcpy: bool = True
+
+    def __post_init__(self) -> None:
+        require(len(self.sizes) > 0 and all(s >= 4096 for s in self.sizes),
+                f"sizes must be >= 4KiB, got {self.sizes}")
+        require(self.batch >= 1, f"batch must be >= 1, got {self.batch}")
+        require(len(self.lanes) > 0 and all(1 <= n <= 64 for n in self.lanes),
+                f"lanes must be in 1..64, got {self.lanes}")
+        require(bool(self.ops) and set(self.ops) <= {"read", "write"},
+                f"ops must be read and/or write, got {self.ops}")
+        require(bool(self.transports) and set(self.transports) <= {"tcp", "shm"},
+                f"transports must be tcp and/or shm, got {self.transports}")
+        require(self.duration_s > 0, f"duration_s must be > 0, got {self.duration_s}")
+        require(self.small_batch >= 0, f"small_batch must be >= 0, got {self.small_batch}")
+        require(self.max_inflight >= max(self.sizes),
+                f"max_inflight ({self.max_inflight}) must be >= the largest size")
+
+    def batch_for(self, size: int) -> int:
+        return max(1, min(self.batch, self.max_inflight // size))
+
+    def cells(self) -> list[tuple[str, str, int, int, int]]:
+        """(transport, op, size, batch, lanes) in measuring order; shm has no lanes."""
+        out = []
+        for transport in self.transports:
+            lanes_list = self.lanes if transport == "tcp" else (1,)
+            for op in self.ops:
+                for lanes in lanes_list:
+                    out += [(transport, op, s, self.batch_for(s), lanes) for s in self.sizes]
+                if self.small_batch:
+                    out.append((transport, op, 64 << 10, self.small_batch, max(lanes_list)))
+        return out
+
+    def segment_bytes(self) -> int:
+        return max(max(s * self.batch_for(s) for s in self.sizes), (64 << 10) * self.small_batch)
+
+
+@dataclass
+class Row:
+    """One measured cell."""
+
+    transport: str
+    op: str
+    size_bytes: int
+    batch: int
+    lanes: int
+    gbps: float
+    p50_us: float
+    p99_us: float
+    per_request_us: float = 0.0
+    samples: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, object]:
+        d = asdict(self)
+        d.pop("extra")
+        d.update(self.extra)
+        return d
+
+
+def serve(segment_bytes: int) -> None:
+    """Body of the target process: serve one pre-faulted segment, print its P2P name on stdout,
+    and exit when stdin closes (the initiator finished or died)."""
+    engine = TransferEngine(TransferConfig(metadata="p2p"))
+    engine.register_segment(SEGMENT, size=segment_bytes, prefault=True)
+    print(engine.segment_name(SEGMENT), flush=True)
+    try:
+        sys.stdin.read()
+    finally:
+        engine.close()
+
+
+def start_target(segment_bytes: int) -> tuple[subprocess.Popen[str], str]:
+    """Start the target process; returns (process, P2P segment name)."""
+    proc = subprocess.Popen([sys.executable, "-m", "yuebing.transfer.bench", str(segment_bytes)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if not line:
+        proc.kill()
+        raise RuntimeError(f"bench target exited with {proc.wait()} before serving")
+    return proc, line
+
+
+def stop_target(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.close()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else 0.0
+
+
+def measure_cell(remote: str, transport: str, op: str, size: int, batch: int, lanes: int,
+                 cfg: BenchConfig, local: np.ndarray) -> Row:
+    """Run one cell against the target segment ``remote`` and return its row."""
+    engine = TransferEngine(TransferConfig(
+        metadata="p2p", transports=(transport,), lanes=lanes, slice_size=cfg.slice_size,
+        socket_buffer=cfg.socket_buffer))
+    try:
+        opcode = OpCode.WRITE if op == "write" else OpCode.READ
+        reqs = [TransferRequest(opcode, local[i * size:(i + 1) * size], remote, i * size)
+                for i in range(batch)]
+        for _ in range(2):
+            engine.transfer(reqs)
+        lat: list[float] = []
+        start = now = time.perf_counter()
+        while now < start + cfg.duration_s or len(lat) < 3:
+            t0 = time.perf_counter()
+            bid = engine.submit(reqs)
+            st = engine.wait(bid)
+            engine.free(bid)
+            st.raise_for_status()
+            now = time.perf_counter()
+            lat.append(now - t0)
+        elapsed = now - start
+        return Row(transport, op, size, batch, lanes, len(lat) * batch * size / elapsed / 1e9,
+                   _percentile(lat, 50) * 1e6, _percentile(lat, 99) * 1e6,
+                   elapsed / (len(lat) * batch) * 1e6, len(lat))
+    finally:
+        engine.close()
+
+
+def measure_memcpy(sizes: Iterable[int], duration_s: float, working_set: int) -> list[Row]:
+    """Single-thread ``numpy.copyto`` of each size through a warm working set (both buffers
+    touched first, so no page faults are timed); timed per pass over the working set."""
+    src = np.ones(working_set, np.uint8)
+    dst = np.ones(working_set, np.uint8)
+    rows = []
+    for size in sizes:
+        pieces = [(dst[i:i + size], src[i:i + size])
+                  for i in range(0, working_set - size + 1, size)]
+        passes: list[float] = []
+        start = time.perf_counter()
+        while time.perf_counter() - start < duration_s or len(passes) < 3:
+            t0 = time.perf_counter()
+            for d, s in pieces:
+                np.copyto(d, s)
+            passes.append(time.perf_counter() - t0)
+        per_copy = [p / len(pieces) for p in passes]
+        moved = len(passes) * len(pieces) * size
+        rows.append(Row("memcpy", "copy", size, 1, 1, moved / sum(passes) / 1e9,
+                        _percentile(per_copy, 50) * 1e6, _percentile(per_copy, 99) * 1e6,
+                        statistics.fmean(per_copy) * 1e6, len(passes) * len(pieces)))
+    return rows
+
+
+def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> list[Row]:
+    """Start the target process, measure memcpy and every cell, stop the target."""
+    proc, remote = start_target(cfg.segment_bytes())
+    rows: list[Row] = []
+    try:
+        local = np.ones(cfg.segment_bytes(), np.uint8)
+        if cfg.memcpy:
+            if progress is not None:
+                progress("memcpy reference")
+            rows += measure_memcpy(sorted(set(cfg.sizes)), cfg.duration_s,
+                                   min(cfg.segment_bytes(), 256 << 20))
+        for cell in cfg.cells():
+            if progress is not None:
+                progress(f"{cell[0]} {cell[1]} size={cell[2]} batch={cell[3]} lanes={cell[4]}")
+            rows.append(measure_cell(remote, *cell, cfg=cfg, local=local))
+    finally:
+        stop_target(proc)
+    add_ratios(rows)
+    return rows
+
+
+def add_ratios(rows: list[Row]) -> None:
+    """Shared-memory rows get ``vs_memcpy``: their GB/s over memcpy's at the same size."""
+    memcpy = {r.size_bytes: r.gbps for r in rows if r.transport == "memcpy"}
+    for r in rows:
+        if r.transport == "shm" and memcpy.get(r.size_bytes, 0) > 0:
+            r.extra["vs_memcpy"] = round(r.gbps / memcpy[r.size_bytes], 3)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))
