@@ -1,0 +1,121 @@
+"""Decode instance: continuous batching bounded by KV capacity, exact token times, and the
+macro-stepped plan agreeing with a naive one-event-per-iteration reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from yuebing.sim.decode import DecodeInstance, DecodeJob
+from yuebing.sim.hardware import CostModel
+from yuebing.sim.loop import EventLoop, Priority
+from yuebing.sim.metrics import RequestRecord
+
+
+class StepCost(CostModel):
+    """Decode iteration = 0.1 s + 1 ms per sequence + 1 µs per context token."""
+
+    def __init__(self, capacity: int) -> None:
+        self.kv_bytes_per_token = 1
+        self.decode_kv_capacity_tokens = capacity
+        self.link_Bps = 1e9
+        self.link_latency_s = 0.0
+
+    def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
+        return 0.0
+
+    def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
+        return 0.1 + 0.001 * batch_size + 1e-6 * context_tokens
+
+
+def _job(i: int, t: float, n_in: int, n_out: int) -> DecodeJob:
+    rec = RequestRecord(index=i, arrival_s=t, input_tokens=n_in, output_tokens=n_out)
+    rec.first_token_s = rec.kv_ready_s = t
+    return DecodeJob(rec, n_in, n_out)
+
+
+def test_small_batch_exact_times() -> None:
+    loop = EventLoop()
+    inst = DecodeInstance("d0", loop, StepCost(capacity=1000))
+    a, c, b = _job(0, 0.0, 100, 3), _job(1, 0.05, 10, 2), _job(2, 0.06, 850, 100)
+    for job in (a, c, b):
+        loop.at(job.record.arrival_s, Priority.COMPLETE, inst.enqueue, job)
+    loop.run()
+    s0 = 0.1 + 0.001 + 1e-6 * 101                  # A alone, context 100 + first token
+    s1 = 0.1 + 0.002 + 1e-6 * (102 + 11)           # C joined at the first boundary
+    assert a.record.decode_start_s == 0.0 and c.record.decode_start_s == pytest.approx(s0)
+    assert a.record.finish_s == pytest.approx(s0 + s1)
+    assert c.record.finish_s == pytest.approx(s0 + s1)
+    assert a.record.tbt_s == pytest.approx(max(s0, s1))
+    assert c.record.tbt_s == pytest.approx(s0 + s1 - 0.05)
+    # B (950 KV tokens) could not fit beside A (103) and C (12): it joins when both leave
+    assert b.record.decode_start_s == pytest.approx(s0 + s1)
+    assert b.record.finish_s > b.record.decode_start_s + 99 * 0.1
+    assert inst.batch_size == 0 and inst.kv_reserved == 0 and inst.kv_used == 0
+
+
+def test_refuses_jobs_it_can_never_hold() -> None:
+    inst = DecodeInstance("d0", EventLoop(), StepCost(capacity=100))
+    with pytest.raises(ValueError, match="more than the instance holds"):
+        inst.enqueue(_job(0, 0.0, 90, 20))
+    with pytest.raises(ValueError, match="no token to decode"):
+        inst.enqueue(_job(1, 0.0, 10, 1))
+    assert not inst.waiting
+
+
+def _reference(jobs: list[tuple[float, int, int]], capacity: int) -> list[list[float]]:
+    """One loop iteration at a time: admit FIFO at boundaries, everyone gets a token."""
+    cost = StepCost(capacity)
+    t, i, pending = 0.0, 0, sorted(range(len(jobs)), key=lambda k: (jobs[k][0], k))
+    waiting: list[int] = []
+    batch: dict[int, int] = {}
+    ctx, reserved = 0, 0
+    times: list[list[float]] = [[jobs[k][0]] for k in range(len(jobs))]
+    while i < len(pending) or waiting or batch:
+        while i < len(pending) and jobs[pending[i]][0] <= t:
+            waiting.append(pending[i])
+            i += 1
+        while waiting and reserved + jobs[waiting[0]][1] + jobs[waiting[0]][2] <= capacity:
+            k = waiting.pop(0)
+            batch[k] = jobs[k][2] - 1
+            reserved += jobs[k][1] + jobs[k][2]
+            ctx += jobs[k][1] + 1
+        if not batch:
+            t = jobs[pending[i]][0]
+            continue
+        t += cost.decode_step_time(len(batch), ctx)
+        ctx += len(batch)
+        for k in list(batch):
+            times[k].append(t)
+            batch[k] -= 1
+            if batch[k] == 0:
+                del batch[k]
+                reserved -= jobs[k][1] + jobs[k][2]
+                ctx -= jobs[k][1] + jobs[k][2]
+    return times
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_macro_steps_match_one_event_per_iteration(seed: int) -> None:
+    rng = random.Random(seed)
+    jobs = [(round(rng.uniform(0, 30), 3), rng.randint(10, 400), rng.randint(2, 120))
+            for _ in range(60)]
+    capacity = 3000
+    loop = EventLoop()
+    inst = DecodeInstance("d0", loop, StepCost(capacity))
+    made = [_job(k, t, n_in, n_out) for k, (t, n_in, n_out) in enumerate(jobs)]
+    for job in made:
+        loop.at(job.record.arrival_s, Priority.COMPLETE, inst.enqueue, job)
+    loop.run()
+    expected = _reference(jobs, capacity)
+    for job, times in zip(made, expected, strict=True):
+        assert job.record.finish_s == pytest.approx(times[-1], abs=1e-9)
+        assert job.record.tbt_s == pytest.approx(
+            _tbt(times), abs=1e-9), f"request {job.record.index}"
+
+
+def _tbt(times: list[float]) -> float:
+    gaps = sorted((b - a for a, b in zip(times, times[1:], strict=False)), reverse=True)
+    k = -(-len(gaps) // 10)
+    return sum(gaps[:k]) / k

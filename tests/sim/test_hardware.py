@@ -1,0 +1,82 @@
+"""Cost models: roofline numbers by hand from the paper's Table 1; fitted model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from yuebing.core.errors import ConfigError, InputError
+from yuebing.sim.hardware import FittedCostModel, ModelSpec, NodeSpec, RooflineCostModel
+
+
+def test_table1_flops() -> None:
+    m = ModelSpec()
+    # l·(a·n²·d + b·n·d²) with l=80, a=4, b=22, d=8192, n=8192: 80·26·8192³
+    assert m.flops(8192) == 80 * 26 * 8192**3
+    assert m.kv_bytes_per_token == 80 * 8 * 128 * 2 * 2
+
+
+def test_roofline_prefill_by_hand() -> None:
+    cost = RooflineCostModel()
+    compute = 80 * 26 * 8192**3 / (8 * 312e12 * 0.55)  # 0.8330 s
+    assert cost.prefill_time(8192, 0) == pytest.approx(compute + 0.01, rel=1e-12)
+    # incremental: FLOPs(c+n) - FLOPs(c); 2 chunks of 8192
+    inc = (ModelSpec().flops(16384 + 8192) - ModelSpec().flops(8192)) / (8 * 312e12 * 0.55)
+    assert cost.prefill_time(16384, 8192) == pytest.approx(inc + 2 * 0.01, rel=1e-12)
+    assert cost.prefill_time(0, 5000) == 0.0
+
+
+def test_roofline_prefill_bound_by_loading_a_huge_prefix() -> None:
+    cost = RooflineCostModel()
+    load = 1_000_000 * 327_680 / 128e9  # 2.56 s to bring the prefix to HBM
+    assert cost.prefill_time(1, 1_000_000) == pytest.approx(load + 0.01, rel=1e-12)
+
+
+def test_roofline_decode_and_capacity_by_hand() -> None:
+    cost = RooflineCostModel()
+    weights = 140e9 / (8 * 2.039e12 * 0.7)
+    assert cost.decode_step_time(1, 0) == pytest.approx(weights + 0.005 + 0.0004, rel=1e-12)
+    kv = (140e9 + 100_000 * 327_680) / (8 * 2.039e12 * 0.7)
+    assert cost.decode_step_time(10, 100_000) == pytest.approx(kv + 0.005 + 0.004, rel=1e-12)
+    assert cost.decode_step_time(0, 0) == 0.0
+    assert cost.decode_kv_capacity_tokens == int((8 * 80e9 * 0.9 - 140e9) // 327_680)
+    assert cost.transfer_time(1e9) == pytest.approx(50e-6 + 1e9 / 100e9)
+    assert cost.transfer_time(0) == 0.0
+
+
+def test_bad_specs_say_what_to_change() -> None:
+    with pytest.raises(ConfigError, match="mfu"):
+        NodeSpec(mfu=1.5)
+    with pytest.raises(ConfigError, match="weights do not fit"):
+        RooflineCostModel(node=NodeSpec(gpus=1))
+
+
+def _profile(tmp_path: Path) -> Path:
+    prefill = [{"new_tokens": n, "cached_tokens": c,
+                "seconds": 0.01 + 1e-4 * n + 1e-9 * n * c + 2e-9 * n * n}
+               for n in (128, 512, 2048, 8192) for c in (0, 1024, 4096)]
+    decode = [{"batch_size": b, "context_tokens": x, "seconds": 0.02 + 1e-4 * b + 1e-8 * x}
+              for b in (1, 8, 32) for x in (1000, 50_000, 200_000)]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"kv_bytes_per_token": 1024, "decode_kv_capacity_tokens": 500_000,
+                                "prefill": prefill, "decode": decode}))
+    return path
+
+
+def test_fitted_model_recovers_exact_coefficients(tmp_path: Path) -> None:
+    cost = FittedCostModel.from_file(_profile(tmp_path))
+    assert cost.prefill_time(1000, 2000) == pytest.approx(
+        0.01 + 0.1 + 1e-9 * 2e6 + 2e-9 * 1e6, rel=1e-6)
+    assert cost.decode_step_time(16, 100_000) == pytest.approx(0.02 + 16e-4 + 1e-3, rel=1e-6)
+    assert cost.kv_bytes_per_token == 1024 and cost.decode_kv_capacity_tokens == 500_000
+
+
+def test_fitted_model_rejects_bad_files(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"kv_bytes_per_token": 1}))
+    with pytest.raises(InputError, match="invalid profile"):
+        FittedCostModel.from_file(bad)
+    with pytest.raises(InputError, match="cannot read"):
+        FittedCostModel.from_file(tmp_path / "missing.json")

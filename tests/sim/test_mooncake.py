@@ -1,0 +1,109 @@
+"""Small Mooncake clusters with exact outcomes (hand-computed from a linear cost model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from yuebing.conductor.policy.types import RejectStage
+from yuebing.sim.hardware import CostModel
+from yuebing.sim.runner import simulate
+from yuebing.sim.system import SimConfig
+from yuebing.sim.workload import SimRequest
+
+
+class LinearCost(CostModel):
+    """Prefill 1 ms per new token, decode 50 ms per iteration, 1 kB of KV per token, 1 GB/s."""
+
+    def __init__(self, capacity: int = 1_000_000) -> None:
+        self.kv_bytes_per_token = 1000
+        self.decode_kv_capacity_tokens = capacity
+        self.link_Bps = 1e9
+        self.link_latency_s = 0.0
+
+    def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
+        return 1e-3 * new_tokens
+
+    def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
+        return 0.05 if batch_size else 0.0
+
+
+def _req(i: int, t: float, keys: list[int], n_in: int, n_out: int = 3) -> SimRequest:
+    return SimRequest(i, t, n_in, n_out, tuple(keys))
+
+
+def _config(**kw: object) -> SimConfig:
+    base: dict[str, object] = {"prefill_nodes": 2, "decode_nodes": 1,
+                               "prefill_policy": "global_cache_aware"}
+    base.update(kw)
+    return SimConfig(**base)  # type: ignore[arg-type]
+
+
+def test_local_prefix_reuse_and_timings() -> None:
+    reqs = [_req(0, 0.0, [1, 2, 3, 4], 2048), _req(1, 1.0, [1, 2, 3, 5], 2048, 2),
+            _req(2, 10.0, [1, 2, 3, 6], 2048), _req(3, 20.0, [1, 2, 3, 4], 2048)]
+    res = simulate(reqs, _config(), cost=LinearCost())
+    r0, r1, r2, r3 = res.records
+    assert (r0.prefill_id, r0.hit_tokens, r0.ttft_s) == ("p0", 0, pytest.approx(2.048))
+    # p0 is busy (and has not stored R0's blocks yet): R1 goes to the idle p1
+    assert (r1.prefill_id, r1.hit_tokens, r1.ttft_s) == ("p1", 0, pytest.approx(2.048))
+    # both hold 3 leading blocks now; the first listed wins the tie
+    assert (r2.prefill_id, r2.hit_tokens, r2.ttft_s) == ("p0", 1536, pytest.approx(0.512))
+    # whole prompt cached on p0: one token is still computed for the first output token
+    assert (r3.prefill_id, r3.hit_tokens, r3.ttft_s) == ("p0", 2047, pytest.approx(0.001))
+    # KV streams layer by layer: complete 1/80 of its transfer time after prefill ends
+    assert r0.kv_ready_s == pytest.approx(2.048 + 2048 * 1000 / 1e9 / 80)
+    assert r0.finish_s == pytest.approx(r0.kv_ready_s + 2 * 0.05)
+    assert r0.tbt_s == pytest.approx(0.05 + 2048e-6 / 80)
+    assert res.summary["completed"] == 4 and res.summary["rejected"] == 0
+
+
+def test_global_cache_aware_fetches_a_remote_prefix_and_replicates_it() -> None:
+    long_keys = list(range(100, 140))
+    reqs = [_req(0, 0.0, [1, 2, 3, 4], 2048), _req(1, 3.0, long_keys, 20_000),
+            _req(2, 4.0, [1, 2, 3, 4, 5], 2560)]
+    res = simulate(reqs, _config(), cost=LinearCost())
+    r2 = res.records[2]
+    assert res.records[1].prefill_id == "p0"       # p0 is now busy until 23 s
+    assert (r2.prefill_id, r2.fetched_tokens, r2.hit_tokens) == ("p1", 2048, 2048)
+    assert r2.first_token_s == pytest.approx(4.0 + 2048 * 1000 / 1e9 + 0.512)
+    assert r2.queue_s == pytest.approx(2048 * 1000 / 1e9)
+
+
+def test_local_cache_aware_waits_for_the_busy_holder_instead() -> None:
+    long_keys = list(range(100, 140))
+    reqs = [_req(0, 0.0, [1, 2, 3, 4], 2048), _req(1, 3.0, long_keys, 20_000),
+            _req(2, 4.0, [1, 2, 3, 4, 5], 2560)]
+    res = simulate(reqs, _config(prefill_policy="local_cache_aware"), cost=LinearCost())
+    r2 = res.records[2]
+    # p1 recomputes everything (2.56 s) rather than queueing 19 s behind the long prompt
+    assert (r2.prefill_id, r2.fetched_tokens, r2.hit_tokens) == ("p1", 0, 0)
+    assert r2.ttft_s == pytest.approx(2.56)
+
+
+def test_slo_admission_rejects_at_arrival_with_reason() -> None:
+    reqs = [_req(0, 0.0, list(range(40)), 20_000), _req(1, 0.5, list(range(100, 140)), 20_000),
+            _req(2, 25.0, list(range(200, 240)), 20_000)]
+    res = simulate(reqs, _config(admission="slo", prefill_nodes=1), cost=LinearCost())
+    r0, r1, r2 = res.records
+    # r1 would queue 19.5 s behind r0 and then prefill for 20 s: 39.5 s > the 30 s TTFT SLO
+    assert r1.rejected is RejectStage.ARRIVAL and r1.reject_reason == "ttft_slo"
+    assert r0.rejected is None and r2.rejected is None and r2.ttft_s == pytest.approx(20.0)
+    assert res.summary["rejected_by_reason"] == {"ttft_slo": 1}
+
+
+def test_chunked_pipeline_parallel_spreads_a_long_prompt() -> None:
+    reqs = [_req(0, 0.0, list(range(78)), 40_000)]
+    res = simulate(reqs, _config(prefill_nodes=4, cpp_threshold_tokens=10_000, cpp_max_nodes=4),
+                   cost=LinearCost())
+    r = res.records[0]
+    # 4 nodes, 5 chunks of 8192 tokens: 40 s / 4 · (1 + 3/5)
+    assert r.ttft_s == pytest.approx(40.0 / 4 * (1 + 3 / 5))
+    assert r.prefill_gpu_s == pytest.approx(4 * r.ttft_s)
+
+
+def test_same_seed_same_result() -> None:
+    reqs = [_req(i, i * 0.3, [i % 3, 10 + i], 1000, 5) for i in range(30)]
+    a = simulate(reqs, _config(prefill_policy="random", seed=3), cost=LinearCost())
+    b = simulate(reqs, _config(prefill_policy="random", seed=3), cost=LinearCost())
+    assert [r.prefill_id for r in a.records] == [r.prefill_id for r in b.records]
+    assert a.summary == b.summary
