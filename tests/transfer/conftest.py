@@ -17,8 +17,9 @@ PEER = Path(__file__).with_name("peer_proc.py")
 class Peer:
     """A running ``peer_proc.py``: ``name`` is how other engines address its segment."""
 
-    def __init__(self, size: int, metadata: str, name: str = "peer") -> None:
-        self.proc = subprocess.Popen([sys.executable, str(PEER), str(size), metadata, name],
+    def __init__(self, size: int, metadata: str, name: str = "peer", hammer: str = "") -> None:
+        args = [sys.executable, str(PEER), str(size), metadata, name] + ([hammer] if hammer else [])
+        self.proc = subprocess.Popen(args,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         self.name = self.proc.stdout.readline().strip()
@@ -41,12 +42,12 @@ class Peer:
 
 @pytest.fixture
 def spawn_peer() -> Iterator[Callable[..., Peer]]:
-    """``spawn_peer(size, metadata="p2p", name="peer")`` starts a peer process; all are stopped
-    at the end of the test."""
+    """``spawn_peer(size, metadata="p2p", name="peer", hammer="")`` starts a peer process (that
+    keeps writing to segment ``hammer`` if given); all are stopped at the end of the test."""
     peers: list[Peer] = []
 
-    def spawn(size: int, metadata: str = "p2p", name: str = "peer") -> Peer:
-        peers.append(Peer(size, metadata, name))
+    def spawn(size: int, metadata: str = "p2p", name: str = "peer", hammer: str = "") -> Peer:
+        peers.append(Peer(size, metadata, name, hammer))
         return peers[-1]
 
     yield spawn

@@ -1,0 +1,164 @@
+"""Robustness: dead peers fail promptly with a clear error, stalled peers time out, broken lanes
+are retried on another lane, and a process that lost a peer keeps serving the others."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from yuebing.transfer import (
+    EmbeddedMetadata,
+    OpCode,
+    SegmentDescriptor,
+    TransferConfig,
+    TransferEngine,
+    TransferRequest,
+    TransferStatus,
+)
+from yuebing.transfer.messages import HelloReply
+from yuebing.transfer.transport.framing import recv_frame, send_frame
+
+BIG = 256 << 20
+
+
+def _wait_in_flight(eng: TransferEngine, bid, limit_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        st = eng.status(bid)
+        if any(r.transferred for r in st.requests) or st.status.terminal:
+            return
+        time.sleep(0.001)
+
+
+def test_peer_killed_mid_transfer_fails_fast_and_survivor_serves(spawn_peer, make_engine) -> None:
+    victim = spawn_peer(BIG, name="victim")
+    other = spawn_peer(1 << 20, name="other")
+    eng: TransferEngine = make_engine(metadata="p2p", transports=("tcp",), lanes=2,
+                                      slice_size=1 << 20, retry_backoff_s=0.005)
+    eng.register_segment("reply", size=4096)
+    data = np.ones(BIG, np.uint8)
+    bid = eng.submit([TransferRequest(OpCode.WRITE, data[i << 24:(i + 1) << 24], victim.name,
+                                      i << 24) for i in range(16)], timeout_s=30)
+    _wait_in_flight(eng, bid)
+    t0 = time.monotonic()
+    victim.kill()
+    st = eng.wait(bid, 30)
+    elapsed = time.monotonic() - t0
+    assert st.status == TransferStatus.FAILED, st
+    assert elapsed < 5.0, f"dead peer noticed only after {elapsed:.1f}s"
+    address = victim.name.split("/")[0]
+    assert any(address in r.error for r in st.requests if r.error), st.errors
+    # the surviving process still moves data to, and serves traffic from, its other peers
+    payload = np.arange(1 << 20, dtype=np.uint8)
+    eng.transfer([TransferRequest(OpCode.WRITE, payload, other.name, 0)], timeout_s=10)
+    eng.notify(other.name, "sum", f"0 {1 << 20} {eng.segment_name('reply')}".encode())
+    note = eng.next_notify(10)
+    assert note is not None
+    assert note.payload.decode() == hashlib.blake2b(payload, digest_size=16).hexdigest()
+    # and a new request to the dead peer fails at once with the peer named
+    t0 = time.monotonic()
+    st = eng.wait(eng.submit([TransferRequest(OpCode.WRITE, payload, victim.name, 0)]), 10)
+    assert st.status == TransferStatus.FAILED and address in st.requests[0].error
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_initiator_killed_mid_write_target_keeps_serving(spawn_peer, make_engine) -> None:
+    target: TransferEngine = make_engine(metadata="p2p", engine_id="target")
+    seg = target.register_segment("victim", size=32 << 20)
+    writer = spawn_peer(4096, name="writer", hammer=target.segment_name("victim"))
+    deadline = time.monotonic() + 20
+    while seg.array[(32 << 20) - 1] != 5 and time.monotonic() < deadline:
+        time.sleep(0.005)  # wait until the writer's first full write has landed
+    assert seg.array[(32 << 20) - 1] == 5
+    writer.kill()  # SIGKILL, most likely in the middle of a 32 MiB payload
+    # the target keeps serving: another engine writes and reads back exactly
+    fresh: TransferEngine = make_engine(metadata="p2p", transports=("tcp",))
+    name = target.segment_name("victim")
+    fresh.transfer([TransferRequest(OpCode.WRITE, b"abc" * 100, name, 8)], timeout_s=10)
+    out = bytearray(300)
+    fresh.transfer([TransferRequest(OpCode.READ, out, name, 8)], timeout_s=10)
+    assert bytes(out) == b"abc" * 100 and bytes(seg.view[8:308]) == b"abc" * 100
+
+
+class StallingPeer:
+    """A fake peer (for testing the engine): completes the handshake, then never answers."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            recv_frame(conn)
+            send_frame(conn, HelloReply(engine_id="staller", host_id="elsewhere", segments=[]))
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_stalled_peer_times_out_within_deadline() -> None:
+    peer = StallingPeer()
+    meta = EmbeddedMetadata()
+    meta.publish(SegmentDescriptor(name="stuck", engine_id="staller", host_id="elsewhere",
+                                   address=f"127.0.0.1:{peer.port}", size=1 << 20))
+    with TransferEngine(TransferConfig(transports=("tcp",)), metadata=meta) as eng:
+        t0 = time.monotonic()
+        bid = eng.submit([TransferRequest(OpCode.READ, bytearray(4096), "stuck", 0)],
+                         timeout_s=0.3)
+        st = eng.wait(bid, 5)
+        elapsed = time.monotonic() - t0
+        assert st.status == TransferStatus.TIMEOUT
+        assert "deadline passed" in st.requests[0].error
+        assert 0.3 <= elapsed < 1.5
+    peer.close()
+
+
+def test_unreachable_peer_fails_at_once_with_its_address() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]  # closed again below: nothing listens there
+    meta = EmbeddedMetadata()
+    meta.publish(SegmentDescriptor(name="gone", engine_id="ghost", host_id="elsewhere",
+                                   address=f"127.0.0.1:{port}", size=1 << 20))
+    with TransferEngine(TransferConfig(transports=("tcp",)), metadata=meta) as eng:
+        st = eng.wait(eng.submit([TransferRequest(OpCode.WRITE, b"x" * 10, "gone", 0)]), 5)
+        assert st.status == TransferStatus.FAILED
+        assert f"peer at 127.0.0.1:{port} is unreachable" in st.requests[0].error
+
+
+def test_broken_lane_is_retried_on_another_lane(make_engine: Callable[..., TransferEngine]) -> None:
+    owner = make_engine(engine_id="owner-r")
+    seg = owner.register_segment("r", size=64 << 20)
+    eng = make_engine(transports=("tcp",), lanes=3, slice_size=256 << 10, retry_backoff_s=0.001)
+    data = np.random.default_rng(1).integers(0, 256, 64 << 20, dtype=np.uint8)
+    bid = eng.submit([TransferRequest(OpCode.WRITE, data, "r", 0)])
+    _wait_in_flight(eng, bid)
+    (ep,) = [e for _, e in eng._pool.drain()]  # the one TCP endpoint to the owner
+    eng._pool.get_or_create(("tcp", "owner-r", owner.address), lambda: ep)
+    ep._lanes[0].sock.shutdown(socket.SHUT_RDWR)  # break one lane mid-batch
+    st = eng.wait(bid, 30)
+    assert st.status == TransferStatus.DONE, st.errors
+    assert np.array_equal(seg.array, data)
+
+
+def test_pool_is_capped_with_sieve_eviction(make_engine: Callable[..., TransferEngine]) -> None:
+    owners = [make_engine(engine_id=f"o{i}") for i in range(3)]
+    for i, o in enumerate(owners):
+        o.register_segment(f"s{i}", size=4096)
+    eng = make_engine(transports=("tcp",), max_endpoints=2, lanes=1)
+    for i in (0, 1, 2, 0):
+        eng.transfer([TransferRequest(OpCode.WRITE, b"z", f"s{i}", 0)])
+    assert eng.stats()["endpoints"] == 2 and eng.stats()["evictions"] == 2
