@@ -58,16 +58,23 @@ def decode_plan(pol: Policy, req: RequestInfo, view: ClusterView, index: int) ->
 @DECODE_SELECTORS.register("least_loaded")
 def select_least_loaded(pol: Policy, req: RequestInfo, view: ClusterView) -> DecodePlan:
     slo = pol.config.tbt_slo_s
-    best: DecodePlan | None = None
-    best_key = (3, 0.0)
-    for i in range(len(view.decodes)):
-        plan = decode_plan(pol, req, view, i)
-        tier = 0 if plan.kv_fits and plan.tbt_s <= slo else (1 if plan.kv_fits else 2)
-        key = (tier, plan.load)
+    n_in = req.input_tokens
+    need = n_in + req.expected_output_tokens
+    decode_time = pol.decode_time
+    best, best_key = 0, (3, 0.0)
+    for i, d in enumerate(view.decodes):
+        tbt = decode_time(d.batch_size + d.waiting_requests + 1,
+                          d.context_tokens + d.waiting_context_tokens + n_in)
+        kv_after = d.kv_used_tokens + need
+        fits = kv_after <= d.kv_capacity_tokens
+        load = tbt / slo
+        kv_load = kv_after / d.kv_capacity_tokens
+        if kv_load > load:
+            load = kv_load
+        key = (0 if fits and tbt <= slo else (1 if fits else 2), load)
         if key < best_key:
-            best, best_key = plan, key
-    assert best is not None, "decide() checks that the view has decode instances"
-    return best
+            best, best_key = i, key
+    return decode_plan(pol, req, view, best)
 
 
 @DECODE_SELECTORS.register("random")

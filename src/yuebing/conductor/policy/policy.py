@@ -39,7 +39,8 @@ class Policy:
     """Routing + admission for one `PolicyConfig` and one `Predictors` bundle (immutable)."""
 
     __slots__ = ("config", "predictors", "max_decode_duration_s", "_prefill", "_decode",
-                 "_admission", "_durations", "_mean_duration", "_tail_sums", "_pp", "_dp", "_tp")
+                 "_admission", "_durations", "_mean_duration", "_tail_sums", "prefill_time",
+                 "decode_time", "_tp")
 
     def __init__(self, config: PolicyConfig, predictors: Predictors) -> None:
         self.config = config
@@ -47,8 +48,10 @@ class Policy:
         self._prefill = PREFILL_SELECTORS.get(config.prefill_selector)
         self._decode = DECODE_SELECTORS.get(config.decode_selector)
         self._admission = ADMISSIONS.get(config.admission)
-        self._pp = predictors.prefill.predict
-        self._dp = predictors.decode.predict
+        self.prefill_time = predictors.prefill.predict
+        """``prefill_time(new_tokens, cached_tokens)`` seconds (the prefill predictor)."""
+        self.decode_time = predictors.decode.predict
+        """``decode_time(batch_size, context_tokens)`` seconds per step (the decode predictor)."""
         self._tp = predictors.transfer.predict
         self._durations = tuple(sorted(config.decode_durations_s))
         self._mean_duration = sum(self._durations) / len(self._durations)
@@ -63,12 +66,6 @@ class Policy:
     def prefix_tokens(self, blocks: int, input_tokens: int) -> int:
         """Tokens covered by ``blocks`` leading blocks (the last block may be partial)."""
         return min(blocks * self.config.block_tokens, input_tokens)
-
-    def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
-        return self._pp(new_tokens, cached_tokens)
-
-    def decode_time(self, batch_size: float, context_tokens: float) -> float:
-        return self._dp(batch_size, context_tokens)
 
     def transfer_time(self, nbytes: float, view: ClusterView) -> float:
         return self._tp(nbytes, view.link_bandwidth_Bps, view.link_latency_s)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -45,6 +45,8 @@ class BivariatePolynomial:
 
     exponents: tuple[tuple[int, int], ...]
     coefficients: tuple[float, ...]
+    _terms: tuple[tuple[float, int, int], ...] = field(init=False, repr=False, compare=False)
+    _degree: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         require(len(self.exponents) > 0, "a polynomial needs at least one term")
@@ -56,11 +58,24 @@ class BivariatePolynomial:
                     f"exponent pair {e!r} must be two integers in 0..4")
         require(all(math.isfinite(c) for c in self.coefficients),
                 f"coefficients must be finite numbers, got {self.coefficients}")
+        terms = tuple((float(c), i, j) for (i, j), c in zip(self.exponents, self.coefficients,
+                                                            strict=True) if c != 0.0)
+        object.__setattr__(self, "_terms", terms)
+        object.__setattr__(self, "_degree", max(max(e) for e in self.exponents))
 
     def __call__(self, x: float, y: float) -> float:
+        if self._degree <= 1:
+            xp: tuple[float, ...] = (1.0, x)
+            yp: tuple[float, ...] = (1.0, y)
+        elif self._degree == 2:
+            xp = (1.0, x, x * x)
+            yp = (1.0, y, y * y)
+        else:
+            xp = tuple(x**k for k in range(self._degree + 1))
+            yp = tuple(y**k for k in range(self._degree + 1))
         total = 0.0
-        for (i, j), c in zip(self.exponents, self.coefficients, strict=True):
-            total += c * (x**i) * (y**j)
+        for c, i, j in self._terms:
+            total += c * xp[i] * yp[j]
         return total
 
     @classmethod
