@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 
 import torch
@@ -30,7 +30,7 @@ from yuebing.engine.kv_cache import KVPool
 from yuebing.engine.model import LayerHook, LlamaModel
 from yuebing.engine.runner import ModelRunner
 from yuebing.engine.sampling import SamplingParams, make_generator, sample
-from yuebing.engine.scheduler import Scheduler
+from yuebing.engine.scheduler import Scheduler, StepPlan
 from yuebing.engine.sequence import FinishReason, Phase, RequestOutput, Sequence
 from yuebing.engine.tokenizer import IncrementalDetokenizer, tokenizer_from_source
 from yuebing.engine.weights import LoadedWeights, load_weights
@@ -69,6 +69,10 @@ class LLMEngine:
         self._arrival = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self.num_steps = 0
+        self.current_plan: StepPlan | None = None
+        """The plan being executed (set during `step`, read by layer hooks)."""
+        self.logits_hook: Callable[[list[str], torch.Tensor], None] | None = None
+        """Called each step with the sampled requests' ids and float32 logits (tests, research)."""
         log.info("engine ready: %s, %s layers, %s KV blocks of %s tokens, attention=%s",
                  mc.name, mc.num_layers, nb, bs, self.attention)
 
@@ -165,9 +169,15 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return outputs
-        logits, sampled = self.runner.run(plan)
+        self.current_plan = plan
+        try:
+            logits, sampled = self.runner.run(plan)
+        finally:
+            self.current_plan = None
         self.scheduler.commit(plan)
         self.num_steps += 1
+        if sampled and self.logits_hook is not None:
+            self.logits_hook([s.request_id for s in sampled], logits)
         if sampled:
             result = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
             for seq, tok, lp in zip(sampled, result.token_ids, result.logprobs, strict=True):

@@ -121,9 +121,11 @@ def _from_gguf(reader: Any) -> Tokenizer:
         idx = _gguf_field(reader, key)
         return None if idx is None or not 0 <= int(idx) < len(tokens) else tokens[int(idx)]
 
+    # like transformers' GGUF loader, byte-level BPE vocabularies get no automatic BOS (llama.cpp
+    # would add it for SmolLM2, where BOS is <|im_start|>; the chat template adds its own)
     return Tokenizer(tok, _gguf_field(reader, "tokenizer.chat_template"),
                      name("tokenizer.ggml.bos_token_id"), name("tokenizer.ggml.eos_token_id"),
-                     bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token", False)))
+                     add_bos=False)
 
 
 def _from_hf_dir(path: Path) -> Tokenizer:

@@ -1,0 +1,172 @@
+"""Moving KV between engines: whole blocks, whole requests, or layer by layer.
+
+Used by prefill and decode instances (and the store client) around an `LLMEngine`:
+
+- `export_request` after a prefill: the KV of a request's computed tokens as one contiguous
+  ``[blocks, layers, 2, kv_heads, block_size, head_dim]`` buffer plus its tokens (`RequestKV`);
+  `import_request` on the decode side allocates blocks, writes the buffer, publishes the full
+  blocks in the prefix cache and queues the request to continue decoding where it stopped.
+- `export_prefix` / `import_prefix`: cached prefix blocks by token content, to put them into
+  the store and to load a reusable prefix from it before a request is scheduled.
+- `LayerStreamer`: a layer hook that hands each layer's freshly written KV of watched requests
+  to a callback while the next layer computes (the blocks of one layer are a zero-copy view
+  when consecutive).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from yuebing.core.errors import InputError
+from yuebing.core.ids import BlockHash
+from yuebing.engine.attention import AttnMetadata
+from yuebing.engine.engine import LLMEngine
+from yuebing.engine.sampling import SamplingParams
+from yuebing.engine.sequence import Sequence
+
+
+@dataclass
+class RequestKV:
+    """The KV of the first ``num_tokens`` of ``token_ids``, as whole blocks."""
+
+    token_ids: list[int]
+    num_tokens: int
+    block_size: int
+    fingerprint: str
+    data: torch.Tensor
+    keys: list[BlockHash] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def export_request(engine: LLMEngine, request_id: str) -> RequestKV:
+    """Snapshot a live request's KV (all tokens computed so far)."""
+    seq = engine.get_sequence(request_id)
+    if seq is None:
+        raise InputError(f"unknown or finished request {request_id!r}")
+    if seq.num_computed == 0:
+        raise InputError(f"request {request_id!r} has no computed KV yet; step the engine first")
+    n = -(-seq.num_computed // engine.block_size)
+    data = engine.pool.export_blocks(seq.blocks[:n])
+    return RequestKV(seq.all_ids, seq.num_computed, engine.block_size, engine.fingerprint, data,
+                     list(seq.keys))
+
+
+def _check(engine: LLMEngine, fingerprint: str, block_size: int) -> None:
+    if fingerprint != engine.fingerprint:
+        raise InputError(f"KV was computed by model {fingerprint!r}, this engine runs "
+                         f"{engine.fingerprint!r}")
+    if block_size != engine.block_size:
+        raise InputError(f"KV uses block size {block_size}, this engine {engine.block_size}")
+
+
+def import_request(engine: LLMEngine, kv: RequestKV, params: SamplingParams,
+                   request_id: str | None = None, prompt_len: int | None = None) -> str:
+    """Queue a request whose first ``kv.num_tokens`` tokens' KV is given; returns its id.
+
+    Tokens after ``prompt_len`` (default: all) count as already generated output.
+    """
+    _check(engine, kv.fingerprint, kv.block_size)
+    ids = engine.encode_prompt(kv.token_ids)
+    if not 0 < kv.num_tokens < len(ids):
+        raise InputError(f"KV covers {kv.num_tokens} of {len(ids)} tokens; it must leave at "
+                         "least the last token to compute")
+    n = -(-kv.num_tokens // engine.block_size)
+    if kv.data.shape[0] < n or tuple(kv.data.shape[1:]) != engine.pool.block_shape:
+        raise InputError(f"KV buffer shape {tuple(kv.data.shape)} does not hold {n} blocks of "
+                         f"{engine.pool.block_shape}")
+    split = len(ids) if prompt_len is None else prompt_len
+    if not 0 < split <= len(ids):
+        raise InputError(f"prompt_len must be in 1..{len(ids)}, got {prompt_len}")
+    blocks = engine.allocator.allocate_many(n)
+    engine.pool.import_blocks(blocks, kv.data[:n])
+    seq = engine._new_sequence(ids[:split], params, request_id)
+    seq.output_ids = ids[split:]
+    seq.blocks, seq.num_computed, seq.num_cached_tokens = blocks, kv.num_tokens, kv.num_tokens
+    engine.scheduler.publish(seq)
+    engine.scheduler.add(seq)
+    return seq.request_id
+
+
+def export_prefix(engine: LLMEngine, token_ids: Seq[int]) -> tuple[list[BlockHash], torch.Tensor]:
+    """Keys and KV of the longest cached run of full blocks of ``token_ids``."""
+    ids = list(token_ids)
+    keys = engine.block_keys(ids)
+    bs = engine.block_size
+    hits = engine.allocator.match_prefix(keys, [ids[i * bs:(i + 1) * bs]
+                                                for i in range(len(keys))])
+    return keys[: len(hits)], engine.pool.export_blocks(hits)
+
+
+def import_prefix(engine: LLMEngine, token_ids: Seq[int], data: torch.Tensor,
+                  fingerprint: str | None = None) -> int:
+    """Insert the KV of the first ``len(data)`` full blocks of ``token_ids`` into the prefix
+    cache (e.g. loaded from the store); returns how many blocks were new."""
+    _check(engine, fingerprint or engine.fingerprint, engine.block_size)
+    ids = list(token_ids)
+    keys = engine.block_keys(ids)
+    if data.shape[0] > len(keys) or tuple(data.shape[1:]) != engine.pool.block_shape:
+        raise InputError(f"prefix KV shape {tuple(data.shape)} does not fit {len(keys)} full "
+                         f"blocks of {engine.pool.block_shape}")
+    bs, alloc, added = engine.block_size, engine.allocator, 0
+    for i in range(data.shape[0]):
+        tokens = ids[i * bs:(i + 1) * bs]
+        if alloc.lookup(keys[i], tokens) is not None:
+            continue
+        block = alloc.allocate()
+        engine.pool.import_blocks([block], data[i:i + 1])
+        alloc.register(block, keys[i], tokens)
+        alloc.release(block)
+        added += 1
+    return added
+
+
+LayerSink = Callable[[str, int, list[int], torch.Tensor], None]
+"""``sink(request_id, layer, block_ids, kv [2, n, kv_heads, bs, hd])``."""
+
+
+class LayerStreamer:
+    """Layer hook shipping watched requests' KV of each layer as soon as it is written.
+
+    For every step, after layer i wrote its K/V, ``sink`` receives layer i of the blocks the
+    step touched for each watched request (a view when the blocks are consecutive). The sink
+    must copy what it keeps before returning if it wants the data of a view to stay fixed.
+    """
+
+    def __init__(self, engine: LLMEngine, sink: LayerSink) -> None:
+        self.engine = engine
+        self.sink = sink
+        self.watched: set[str] = set()
+        engine.add_layer_hook(self)
+
+    def watch(self, request_id: str) -> None:
+        self.watched.add(request_id)
+
+    def unwatch(self, request_id: str) -> None:
+        self.watched.discard(request_id)
+
+    def close(self) -> None:
+        self.engine.remove_layer_hook(self)
+
+    def _touched(self) -> list[tuple[Sequence, list[int]]]:
+        plan = self.engine.current_plan
+        if plan is None:
+            return []
+        bs = self.engine.block_size
+        work = [(s, 1) for s in plan.decodes] + list(plan.prefills)
+        out = []
+        for seq, n in work:
+            if seq.request_id in self.watched:
+                first, end = seq.num_computed // bs, -(-(seq.num_computed + n) // bs)
+                out.append((seq, seq.blocks[first:end]))
+        return out
+
+    def __call__(self, layer: int, meta: AttnMetadata) -> None:
+        for seq, blocks in self._touched():
+            self.sink(seq.request_id, layer, blocks, self.engine.pool.export_layer(layer, blocks))

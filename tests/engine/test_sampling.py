@@ -1,0 +1,82 @@
+"""Sampling parameters and the sampler."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from engine_factories import make_engine, prompts
+
+from yuebing.core.errors import InputError
+from yuebing.engine.sampling import SamplingParams, _filter, make_generator, sample
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"max_tokens": -1}, "max_tokens must be an integer >= 0"),
+    ({"temperature": -0.5}, "temperature must be >= 0"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ({"top_k": -2}, "top_k must be >= 0"),
+    ({"logprobs": 50}, "logprobs must be in 0..20"),
+    ({"stop": ("",)}, "stop strings must be non-empty"),
+    ({"stop_token_ids": (-1,)}, "stop_token_ids must be token ids"),
+])
+def test_bad_params_are_rejected(kwargs, match):
+    with pytest.raises(InputError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_top_k_and_top_p_filter_exactly():
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+    kept = torch.isfinite(_filter(logits, SamplingParams(top_k=2))).tolist()
+    assert kept == [True, True, False, False, False]
+    kept = torch.isfinite(_filter(logits, SamplingParams(top_p=0.8))).tolist()
+    assert kept == [True, True, True, False, False]  # 0.5+0.2 < 0.8 ≤ 0.5+0.2+0.15
+    kept = torch.isfinite(_filter(logits, SamplingParams(top_p=0.5))).tolist()
+    assert kept == [True, False, False, False, False]
+
+
+def test_seeded_sampling_is_reproducible_and_logprobs_are_exact():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.9, seed=7, logprobs=2),
+              SamplingParams(temperature=0), SamplingParams(top_k=1, logprobs=0)]
+    a = sample(logits, params, [make_generator(p) for p in params])
+    b = sample(logits, params, [make_generator(p) for p in params])
+    assert a.token_ids == b.token_ids
+    assert a.token_ids[1] == int(logits[1].argmax()) and a.token_ids[2] == int(logits[2].argmax())
+    lp = torch.log_softmax(logits, -1)
+    chosen = a.token_ids[0]
+    assert list(a.logprobs[0])[0] == chosen and len(a.logprobs[0]) in (2, 3)
+    assert math.isclose(a.logprobs[0][chosen], float(lp[0, chosen]), rel_tol=1e-6)
+    assert a.logprobs[1] is None and a.logprobs[2] == {a.token_ids[2]: float(lp[2].max())}
+
+
+def test_engine_sampling_seed_independent_of_batch(tiny_weights):
+    ps = prompts(4, seed=21)
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=123)
+    alone = make_engine(tiny_weights).generate([ps[0]], params)[0].output_token_ids
+    together = make_engine(tiny_weights).generate(ps, params)[0].output_token_ids
+    assert alone == together
+
+
+def _expected_stop(full: list[int], stop: int, min_tokens: int) -> list[int]:
+    for j, tok in enumerate(full):
+        if tok == stop and j + 1 >= min_tokens:
+            return full[:j + 1]
+    return full
+
+
+def test_stop_token_ids_and_min_tokens(tiny_weights):
+    engine = make_engine(tiny_weights)
+    p = prompts(1, seed=1)[0]
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    full = engine.generate([p], greedy)[0].output_token_ids
+    assert len(set(full)) >= 4, full
+    stop = full[2]
+    for min_tokens in (0, 4):
+        out = engine.generate([p], SamplingParams(max_tokens=12, temperature=0,
+                                                  min_tokens=min_tokens,
+                                                  stop_token_ids=(stop,)))[0]
+        expect = _expected_stop(full, stop, min_tokens)
+        assert out.output_token_ids == expect
+        assert out.finish_reason == ("stop" if expect[-1] == stop else "length")
