@@ -120,6 +120,8 @@ class NodeConfig:
     ssd: str = field(default="", metadata={
         "help": "SSD tier as DIR:SIZE, e.g. /mnt/nvme/yuebing:100GiB ('' = none)"})
     name: str = field(default="", metadata={"help": "segment name prefix ('' = generated)"})
+    prefault: bool = field(default=True, metadata={
+        "help": "touch every page of the DRAM segment at start (no page faults mid-transfer)"})
 
     def __post_init__(self) -> None:
         require(self.dram > 0, f"--dram must be > 0, got {self.dram}")

@@ -148,11 +148,11 @@ class MasterCore:
             self.counters["no_space"] += 1
             return C.NO_SPACE, f"no DRAM segment has {it.size} free bytes"
         now = self.clock.now()
-        soft = now + (it.soft_pin_s or self.cfg.default_soft_pin_s) if it.soft_pin_s else 0.0
+        soft = now + it.soft_pin_s if it.soft_pin_s else 0.0
         deadline = now + self.cfg.put_timeout_s
         self.objs[it.key] = Obj(it.size, it.checksum, placed, client, deadline, it.hard_pin, soft)
         self.pending[it.key] = deadline
-        self._log(["put", it.key, it.size, it.checksum, placed, client, it.hard_pin, soft])
+        self._log(["put", it.key, it.size, it.checksum, placed, client, it.hard_pin, it.soft_pin_s])
         segs = self.segs
         return C.OK, [m.Replica(segment=segs[s].name, offset=o) for s, o in placed]
 
@@ -322,7 +322,7 @@ class MasterCore:
                 o.pin = True
             else:
                 o.soft = now + (msg.soft_pin_s or self.cfg.default_soft_pin_s)
-            self._log(["pin", k, o.pin, o.soft])
+            self._log(["pin", k, o.pin, max(0.0, o.soft - now) if o.soft else 0.0])
             codes.append(0)
         return m.Codes(codes=codes)
 

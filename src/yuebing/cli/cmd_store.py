@@ -1,0 +1,107 @@
+"""``yuebing store master``, ``yuebing store node`` and ``yuebing bench store``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+
+from yuebing.cli.main import Command
+from yuebing.core.config import add_config_args, config_from_args
+from yuebing.store.config import ClientConfig, MasterConfig, NodeConfig
+
+
+def _on_term(stop: object) -> None:
+    def handler(signum: int, frame: object) -> None:
+        stop()  # type: ignore[operator]
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _write_ready(path: str, data: dict[str, object]) -> None:
+    if path:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+
+
+def _add_master(p: argparse.ArgumentParser) -> None:
+    add_config_args(p, MasterConfig)
+    p.add_argument("--ready-file", default="", help="write {address, events, admin} JSON here")
+
+
+def _run_master(ns: argparse.Namespace) -> int:
+    from yuebing.store.master.admin import AdminServer
+    from yuebing.store.master.service import MasterService
+
+    cfg = config_from_args(MasterConfig, ns)
+    svc = MasterService(cfg)
+    admin = AdminServer(svc, cfg.admin_port).start() if cfg.admin_port else None
+    _on_term(svc.stop)
+    _write_ready(ns.ready_file, {"address": svc.address, "events": svc.events_address,
+                                 "admin": admin.port if admin else 0, "pid": os.getpid()})
+    print(f"store master on {svc.address}" + (f", admin http://127.0.0.1:{admin.port}"
+                                               if admin else ""), flush=True)
+    try:
+        svc.serve()
+    finally:
+        if admin is not None:
+            admin.close()
+    return 0
+
+
+def _add_node(p: argparse.ArgumentParser) -> None:
+    from yuebing.transfer import TransferConfig
+
+    add_config_args(p, NodeConfig)
+    add_config_args(p, ClientConfig)
+    add_config_args(p, TransferConfig, prefix="tx_")
+    p.add_argument("--ready-file", default="", help="write {dram, ssd} segment names JSON here")
+
+
+def _run_node(ns: argparse.Namespace) -> int:
+    from yuebing.store.node.service import StorageNode
+    from yuebing.transfer import TransferConfig
+
+    node = StorageNode(config_from_args(NodeConfig, ns), config_from_args(ClientConfig, ns),
+                       config_from_args(TransferConfig, ns, prefix="tx_",
+                                        metadata=getattr(ns, "tx_metadata", None) or "p2p"))
+    _on_term(node.stop)
+    try:
+        node.mount()
+        _write_ready(ns.ready_file, {"dram": node.dram_name, "ssd": node.ssd_name,
+                                     "pid": os.getpid()})
+        print(f"store node {node.name}: {node.dram_name}"
+              + (f" + {node.ssd_name}" if node.ssd_name else ""), flush=True)
+        node.serve()
+    finally:
+        with contextlib.suppress(Exception):
+            node.drain(0.0)
+        node.close()
+    return 0
+
+
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    from yuebing.store.bench import add_bench_args
+
+    add_bench_args(p)
+
+
+def _run_bench(ns: argparse.Namespace) -> int:
+    from yuebing.store.bench import run_bench
+
+    return run_bench(ns)
+
+
+COMMANDS = [
+    Command(("store", "master"), "run a store master (metadata, allocation, HA)",
+            _add_master, _run_master),
+    Command(("store", "node"), "run a storage node contributing DRAM (and SSD) segments",
+            _add_node, _run_node),
+    Command(("bench", "store"), "benchmark the store (put/get/batch/zero-copy, metadata ops)",
+            _add_bench, _run_bench),
+]

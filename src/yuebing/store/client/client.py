@@ -1,0 +1,255 @@
+"""`StoreClient`: the blocking store API.
+
+Life of a put here: ``put_start`` at the master (placement + allocation) → WRITE of the bytes to
+every replica through the transfer engine (shared memory on one host, TCP otherwise) →
+``put_end`` (commit). A failed transfer revokes the put, so no reader ever sees a partial value.
+A get asks ``get_replicas`` (granting a read lease), READs one replica straight into the caller's
+buffer (``get_into``: zero-copy) and verifies the checksum. Batch forms do one master call and
+one transfer batch for many keys. A heartbeat thread keeps the session alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Sequence
+
+from yuebing.core.errors import InputError, StoreError, TransferError
+from yuebing.store import messages as m
+from yuebing.store.client import common as cm
+from yuebing.store.client.rpc import MasterConnection
+from yuebing.store.config import ClientConfig
+from yuebing.transfer import TransferConfig, TransferEngine, TransferStatus
+
+log = logging.getLogger(__name__)
+C = m.Code
+
+
+class StoreClient:
+    """Blocking client; one thread at a time (the heartbeat runs on its own connection)."""
+
+    def __init__(self, cfg: ClientConfig | None = None, engine: TransferEngine | None = None,
+                 heartbeat: bool = True) -> None:
+        self.cfg = cfg or ClientConfig()
+        self.client_id = self.cfg.client_id or f"client-{uuid.uuid4().hex[:10]}"
+        self._own_engine = engine is None
+        self.engine = engine or TransferEngine(TransferConfig(metadata="p2p"))
+        self.rpc = MasterConnection(self.cfg.masters, self.cfg.rpc_timeout_s, self.cfg.failover_s)
+        self._stop = threading.Event()
+        self._hb: threading.Thread | None = None
+        if heartbeat:
+            self._hb = threading.Thread(target=self._heartbeat, name="store-heartbeat", daemon=True)
+            self._hb.start()
+
+    def _heartbeat(self) -> None:
+        conn = MasterConnection(self.cfg.masters, self.cfg.rpc_timeout_s, self.cfg.failover_s)
+        try:
+            while not self._stop.wait(self.cfg.heartbeat_s):
+                try:
+                    conn.call(m.Heartbeat(client=self.client_id))
+                except StoreError as e:
+                    log.warning("heartbeat failed: %s", e)
+        finally:
+            conn.close()
+
+    def _transfer(self, reqs: list) -> TransferStatus:
+        bid = self.engine.submit(reqs, self.cfg.transfer_timeout_s)
+        status = self.engine.wait(bid)
+        self.engine.free(bid)
+        return status
+
+    # ------------------------------------------------------------------ put
+    def put(self, key: str, value: object, *, replicas: int | None = None,
+            strategy: str | None = None, preferred: Sequence[str] | None = None,
+            hard_pin: bool = False, soft_pin_s: float = 0.0) -> None:
+        """Store ``value`` (any contiguous buffer) under ``key``; values are immutable."""
+        mv = cm.view(value, writable=False)
+        item = cm.put_item(self.cfg, key, mv, replicas, strategy, preferred, hard_pin, soft_pin_s)
+        targets = self.rpc.call(m.PutStart(client=self.client_id, item=item))
+        assert isinstance(targets, m.PutTargets)
+        try:
+            self._transfer(cm.writes(mv, targets.replicas)).raise_for_status()
+        except (TransferError, InputError) as e:
+            self._revoke([key])
+            raise StoreError(f"writing {key!r} failed; put revoked: {e}") from e
+        self.rpc.call(m.PutEnd(client=self.client_id, key=key))
+
+    put_from = put
+    """Zero-copy put: the engine reads straight from the caller's (registered) buffer."""
+
+    def batch_put(self, keys: Sequence[str], values: Sequence[object], **kw: object) -> list[int]:
+        """Put many values with one master round trip per phase; returns a `Code` per key."""
+        if len(keys) != len(values):
+            raise InputError(f"{len(keys)} keys but {len(values)} values")
+        mvs = [cm.view(v, writable=False) for v in values]
+        items = [cm.put_item(self.cfg, k, mv, kw.get("replicas"), kw.get("strategy"),  # type: ignore[arg-type]
+                             kw.get("preferred"), bool(kw.get("hard_pin")),  # type: ignore[arg-type]
+                             float(kw.get("soft_pin_s") or 0.0)) for k, mv in zip(keys, mvs, strict=True)]
+        r = self.rpc.call(m.BatchPutStart(client=self.client_id, items=items))
+        assert isinstance(r, m.BatchPutTargets)
+        codes = list(r.codes)
+        reqs, owner = [], []
+        for i, (code, reps) in enumerate(zip(r.codes, r.replicas, strict=True)):
+            if code == C.OK:
+                for req in cm.writes(mvs[i], reps):
+                    reqs.append(req)
+                    owner.append(i)
+        failed: set[int] = set()
+        if reqs:
+            try:
+                st = self._transfer(reqs)
+                failed = {owner[j] for j, rs in enumerate(st.requests) if rs.status != 2}
+            except (TransferError, InputError) as e:
+                log.warning("batch put transfer failed: %s", e)
+                failed = set(owner)
+        ok = [keys[i] for i in range(len(keys)) if codes[i] == C.OK and i not in failed]
+        if failed:
+            self._revoke([keys[i] for i in sorted(failed)])
+            for i in failed:
+                codes[i] = int(C.INTERNAL)
+        if ok:
+            ends = self.rpc.call(m.BatchPutEnd(client=self.client_id, keys=ok))
+            it = iter(ends.codes)  # type: ignore[attr-defined]
+            codes = [next(it) if c == C.OK else c for c in codes]
+        return codes
+
+    batch_put_from = batch_put
+
+    def _revoke(self, keys: list[str]) -> None:
+        try:
+            self.rpc.call(m.BatchPutRevoke(client=self.client_id, keys=keys))
+        except StoreError as e:  # the master reclaims it as a zombie later
+            log.warning("revoking %d puts failed: %s", len(keys), e)
+
+    # ------------------------------------------------------------------ get
+    def get_into(self, key: str, buf: object) -> int:
+        """Read ``key`` straight into ``buf``; returns the value's size."""
+        mv = cm.view(buf, writable=True)
+        r = self.rpc.call(m.GetReplicas(key=key))
+        assert isinstance(r, m.ReplicaList)
+        self._read_one(key, mv, r.size, r.checksum, r.replicas)
+        return r.size
+
+    def _read_one(self, key: str, mv: memoryview, size: int, checksum: int,
+                  replicas: list[m.Replica]) -> None:
+        errors = []
+        for rep in replicas:
+            try:
+                self._transfer([cm.read(mv, key, size, rep)]).raise_for_status()
+            except TransferError as e:
+                errors.append(str(e))
+                continue
+            cm.verify(self.cfg, key, mv, size, checksum)
+            return
+        raise StoreError(f"no replica of {key!r} could be read: {'; '.join(errors)}")
+
+    def get(self, key: str) -> bytearray:
+        """The value of ``key`` in a new buffer; `NotFoundError` if absent."""
+        try:
+            r = self.rpc.call(m.GetReplicas(key=key))
+        except StoreError as e:
+            if getattr(e, "code", None) == C.NOT_FOUND:
+                raise cm.NotFoundError(f"no value for {key!r}") from None
+            raise
+        assert isinstance(r, m.ReplicaList)
+        out = bytearray(r.size)
+        self._read_one(key, memoryview(out), r.size, r.checksum, r.replicas)
+        return out
+
+    def batch_get_into(self, keys: Sequence[str], bufs: Sequence[object]) -> list[int]:
+        """Read many keys into their buffers with one master call and one transfer batch;
+        returns each value's size, or -1 where the key is absent or its read failed."""
+        if len(keys) != len(bufs):
+            raise InputError(f"{len(keys)} keys but {len(bufs)} buffers")
+        mvs = [cm.view(b, writable=True) for b in bufs]
+        r = self.rpc.call(m.BatchGetReplicas(keys=list(keys)))
+        assert isinstance(r, m.BatchReplicaList)
+        return self._batch_read(keys, mvs, r)
+
+    def _batch_read(self, keys: Sequence[str], mvs: list[memoryview],
+                    r: m.BatchReplicaList) -> list[int]:
+        sizes = [-1] * len(keys)
+        reqs, idx = [], []
+        for i, code in enumerate(r.codes):
+            if code == C.OK:
+                reqs.append(cm.read(mvs[i], keys[i], r.sizes[i], r.replicas[i][0]))
+                idx.append(i)
+            elif code == C.PROMOTING:
+                sizes[i] = self.get_into(keys[i], mvs[i])
+        if reqs:
+            st = self._transfer(reqs)
+            for j, rs in zip(idx, st.requests, strict=True):
+                if rs.status == TransferStatus.DONE:
+                    cm.verify(self.cfg, keys[j], mvs[j], r.sizes[j], r.checksums[j])
+                    sizes[j] = r.sizes[j]
+                else:  # fall back to the other replicas, one by one
+                    try:
+                        self._read_one(keys[j], mvs[j], r.sizes[j], r.checksums[j],
+                                       r.replicas[j][1:])
+                        sizes[j] = r.sizes[j]
+                    except StoreError as e:
+                        log.warning("reading %s failed: %s", keys[j], e)
+        return sizes
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytearray | None]:
+        """Values of many keys (None where absent or unreadable)."""
+        reps = self.rpc.call(m.BatchGetReplicas(keys=list(keys)))
+        assert isinstance(reps, m.BatchReplicaList)
+        promoted: dict[int, bytearray] = {}
+        for i, code in enumerate(reps.codes):
+            if code == C.PROMOTING:  # SSD-only: a single get waits for the promotion
+                promoted[i] = self.get(keys[i])
+                reps.codes[i] = int(C.NOT_FOUND)
+        bufs = [bytearray(max(s, 1)) for s in reps.sizes]
+        sizes = self._batch_read(keys, [memoryview(b) for b in bufs], reps)
+        out: list[bytearray | None] = [b if s == len(b) else (b[:s] if s >= 0 else None)
+                                       for b, s in zip(bufs, sizes, strict=True)]
+        for i, v in promoted.items():
+            out[i] = v
+        return out
+
+    # ------------------------------------------------------------------ queries / removal
+    def exists(self, key: str) -> bool:
+        return self.rpc.call(m.Exists(key=key)).values[0]  # type: ignore[attr-defined]
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        return self.rpc.call(m.BatchExists(keys=list(keys))).values  # type: ignore[attr-defined]
+
+    def prefix_match(self, keys: Sequence[str]) -> int:
+        """How many leading keys of ``keys`` are stored (the reusable prefix length in blocks)."""
+        return self.rpc.call(m.PrefixMatch(keys=list(keys))).n  # type: ignore[attr-defined]
+
+    def remove(self, key: str, force: bool = False) -> None:
+        self.rpc.call(m.Remove(key=key, force=force))
+
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
+        return self.rpc.call(m.BatchRemove(keys=list(keys), force=force)).codes  # type: ignore[attr-defined]
+
+    def remove_prefix(self, prefix: str, force: bool = False) -> int:
+        return self.rpc.call(m.RemovePrefix(prefix=prefix, force=force)).n  # type: ignore[attr-defined]
+
+    def remove_all(self, force: bool = False) -> int:
+        return self.rpc.call(m.RemoveAll(force=force)).n  # type: ignore[attr-defined]
+
+    def pin(self, keys: Sequence[str], hard: bool = False, soft_pin_s: float = 0.0,
+            unpin: bool = False) -> list[int]:
+        return self.rpc.call(m.Pin(keys=list(keys), hard=hard, soft_pin_s=soft_pin_s,
+                                   unpin=unpin)).codes  # type: ignore[attr-defined]
+
+    def stats(self) -> dict[str, float]:
+        return self.rpc.call(m.GetStats()).values  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._hb is not None:
+            self._hb.join(timeout=2 * self.cfg.heartbeat_s + self.cfg.rpc_timeout_s)
+        self.rpc.close()
+        if self._own_engine:
+            self.engine.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

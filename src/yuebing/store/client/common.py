@@ -1,0 +1,72 @@
+"""Logic shared by the sync and asyncio store clients: request building, replica choice,
+checksums and per-key result handling. No I/O here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import xxhash
+
+from yuebing.core.errors import InputError, StoreError
+from yuebing.store import messages as m
+from yuebing.store.config import ClientConfig
+from yuebing.transfer import OpCode, TransferRequest
+from yuebing.transfer.types import as_buffer
+
+C = m.Code
+
+
+class ChecksumError(StoreError):
+    """A value read back does not match the checksum stored with it."""
+
+
+class NotFoundError(StoreError, KeyError):
+    """No committed value under the key."""
+
+
+def checksum(buf: memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(buf)
+
+
+def view(value: object, writable: bool) -> memoryview:
+    return as_buffer(value, writable=writable)
+
+
+def put_item(cfg: ClientConfig, key: str, mv: memoryview, replicas: int | None,
+             strategy: str | None, preferred: Sequence[str] | None, hard_pin: bool,
+             soft_pin_s: float) -> m.PutItem:
+    if not isinstance(key, str) or not key:
+        raise InputError(f"key must be a non-empty str, got {key!r}")
+    if mv.nbytes == 0:
+        raise InputError(f"value of {key!r} is empty; the store keeps values of >= 1 byte")
+    pref = list(preferred) if preferred is not None else list(cfg.preferred)
+    strat = strategy if strategy is not None else cfg.placement
+    if not strat and cfg.local_segment:
+        strat, pref = "preferred", [cfg.local_segment, *pref]
+    return m.PutItem(key=key, size=mv.nbytes, checksum=checksum(mv) if cfg.checksum else -1,
+                     replicas=replicas or cfg.replicas, strategy=strat, preferred=pref,
+                     hard_pin=hard_pin, soft_pin_s=soft_pin_s)
+
+
+def writes(mv: memoryview, replicas: list[m.Replica]) -> list[TransferRequest]:
+    return [TransferRequest(OpCode.WRITE, mv, r.segment, r.offset, mv.nbytes) for r in replicas]
+
+
+def read(buf: memoryview, key: str, size: int, rep: m.Replica) -> TransferRequest:
+    if buf.nbytes < size:
+        raise InputError(f"buffer of {buf.nbytes} bytes is too small for {key!r} ({size} bytes)")
+    return TransferRequest(OpCode.READ, buf, rep.segment, rep.offset, size)
+
+
+def verify(cfg: ClientConfig, key: str, buf: memoryview, size: int, expect: int) -> None:
+    if cfg.checksum and expect >= 0:
+        got = checksum(buf[:size])
+        if got != expect:
+            raise ChecksumError(f"checksum mismatch reading {key!r}: stored {expect:#x}, "
+                                f"read {got:#x} (corrupted replica)")
+
+
+def raise_code(code: int, key: str) -> None:
+    if code == C.NOT_FOUND:
+        raise NotFoundError(f"no value for {key!r}")
+    raise StoreError(f"{C(code).name} for {key!r}")

@@ -1,0 +1,221 @@
+"""Connections from a store client (or node) to the master, following the leader.
+
+Frames are ``[request id, msgpack message]`` over TCP (`wire`); replies carry the same id, so a
+late reply to a call that already timed out is recognised and dropped. A reply
+``Err(NOT_LEADER, leader=X)`` moves the connection to X; a timeout moves it to the next address
+of the configured list; either way the call is retried until ``failover_s`` has passed. Pushes
+from the master (node tasks) arrive with an empty id and are handed to ``on_push``.
+`MasterConnection` is for one thread; `AsyncMasterConnection` multiplexes concurrent calls of
+one asyncio loop on one socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+
+from yuebing.core.errors import StoreError
+from yuebing.protocol import Message, ProtocolError, decode, encode
+from yuebing.store import messages as m
+from yuebing.store.wire import HEADER, FrameSocket, parse_address
+
+log = logging.getLogger(__name__)
+C = m.Code
+
+
+class StoreRpcError(StoreError):
+    """The master answered with an error (``code`` is a `messages.Code`)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code = C(code) if code in C._value2member_map_ else C.INTERNAL
+        super().__init__(f"{self.code.name}: {message}")
+
+
+class _Base:
+    def __init__(self, masters: list[str], timeout_s: float, failover_s: float) -> None:
+        if not masters:
+            raise StoreError("no master address given")
+        self.masters = list(masters)
+        self.timeout_s = timeout_s
+        self.failover_s = failover_s
+        self.current = 0
+        self._ids = itertools.count(1)
+
+    @property
+    def address(self) -> str:
+        return self.masters[self.current]
+
+    def _move(self, leader: str) -> None:
+        if leader:
+            if leader not in self.masters:
+                self.masters.append(leader)
+            self.current = self.masters.index(leader)
+        else:
+            self.current = (self.current + 1) % len(self.masters)
+        log.info("master connection moves to %s", self.address)
+
+
+
+class MasterConnection(_Base):
+    """Blocking request/reply to the leader master; not thread-safe."""
+
+    def __init__(self, masters: list[str], timeout_s: float = 5.0, failover_s: float = 15.0,
+                 on_push: Callable[[Message], None] | None = None) -> None:
+        super().__init__(masters, timeout_s, failover_s)
+        self.on_push = on_push
+        self.sock: FrameSocket | None = None
+
+    def _connect(self) -> FrameSocket:
+        self.close()
+        self.sock = FrameSocket(self.address, self.timeout_s)
+        return self.sock
+
+    def call(self, msg: Message) -> Message:
+        """Send ``msg`` and return the reply; `StoreRpcError` for an `Err` reply."""
+        payload = encode(msg)
+        deadline = time.monotonic() + self.failover_s
+        while True:
+            rid = next(self._ids)
+            try:
+                sock = self.sock or self._connect()
+                sock.send(rid, payload)
+                reply = self._wait(sock, rid)
+            except OSError as e:
+                log.info("master %s unreachable: %s", self.address, e)
+                reply = None
+            if reply is None:
+                if time.monotonic() >= deadline:
+                    raise StoreError(f"master {self.address} did not answer within "
+                                     f"{self.timeout_s}s (failover budget spent)")
+                self.close()
+                self._move("")
+                time.sleep(0.05)
+                continue
+            if type(reply) is m.Err:
+                if reply.code == C.NOT_LEADER and time.monotonic() < deadline:
+                    if not reply.leader:
+                        time.sleep(0.1)  # election in progress
+                    self.close()
+                    self._move(reply.leader)
+                    continue
+                raise StoreRpcError(reply.code, reply.message)
+            return reply
+
+    def _wait(self, sock: FrameSocket, rid: int) -> Message | None:
+        end = time.monotonic() + self.timeout_s
+        while True:
+            got = sock.recv(end - time.monotonic())
+            if got is None:
+                return None
+            if got[0] == rid:
+                return decode(got[1])
+            if got[0] == 0:
+                self._push(got[1])
+
+    def _push(self, payload: bytes) -> None:
+        try:
+            msg = decode(payload)
+        except ProtocolError as e:
+            log.error("bad push from master: %s", e)
+            return
+        if self.on_push is not None:
+            self.on_push(msg)
+
+    def poll_pushes(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for pushes and hand them to ``on_push``."""
+        if self.sock is None:
+            time.sleep(timeout_s)
+            return
+        try:
+            got = self.sock.recv(timeout_s)
+            while got is not None:
+                if got[0] == 0:
+                    self._push(got[1])
+                got = self.sock.recv(0.0) if self.sock.pending else None
+        except OSError:
+            self.close()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+class AsyncMasterConnection(_Base):
+    """asyncio request/reply: many concurrent calls share one connection and a reader task."""
+
+    def __init__(self, masters: list[str], timeout_s: float = 5.0, failover_s: float = 15.0) -> None:
+        super().__init__(masters, timeout_s, failover_s)
+        self._writer: asyncio.StreamWriter | None = None
+        self._waiters: dict[int, asyncio.Future[Message]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def _connect(self) -> asyncio.StreamWriter:
+        self.close()
+        host, port = parse_address(self.address)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
+                                                self.timeout_s)
+        self._writer = writer
+        self._reader = asyncio.get_running_loop().create_task(self._read(reader))
+        return writer
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                head = await reader.readexactly(HEADER.size)
+                length, rid = HEADER.unpack(head)
+                payload = await reader.readexactly(length)
+                fut = self._waiters.pop(rid, None)
+                if fut is not None and not fut.done():
+                    try:
+                        fut.set_result(decode(payload))
+                    except ProtocolError as e:
+                        fut.set_exception(StoreError(f"bad reply from master: {e}"))
+        except (asyncio.IncompleteReadError, OSError) as e:
+            for fut in self._waiters.values():
+                if not fut.done():
+                    fut.set_exception(ConnectionError(f"master connection lost: {e}"))
+            self._waiters.clear()
+
+    async def call(self, msg: Message) -> Message:
+        payload = encode(msg)
+        deadline = time.monotonic() + self.failover_s
+        while True:
+            rid = next(self._ids)
+            fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+            try:
+                writer = self._writer or await self._connect()
+                self._waiters[rid] = fut
+                writer.write(HEADER.pack(len(payload), rid) + payload)
+                reply: Message | None = await asyncio.wait_for(fut, self.timeout_s)
+            except (TimeoutError, OSError) as e:
+                log.info("master %s: %s", self.address, e)
+                self._waiters.pop(rid, None)
+                reply = None
+            if reply is None:
+                if time.monotonic() >= deadline:
+                    raise StoreError(f"master {self.address} did not answer in time")
+                self.close()
+                self._move("")
+                await asyncio.sleep(0.05)
+                continue
+            if type(reply) is m.Err:
+                if reply.code == C.NOT_LEADER and time.monotonic() < deadline:
+                    if not reply.leader:
+                        await asyncio.sleep(0.1)
+                    self.close()
+                    self._move(reply.leader)
+                    continue
+                raise StoreRpcError(reply.code, reply.message)
+            return reply
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

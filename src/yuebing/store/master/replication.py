@@ -1,0 +1,202 @@
+"""Metadata replication from the leader master to its standbys (better than the original, whose
+new leader starts empty).
+
+The leader's core appends an entry to ``core.log`` for every change of durable metadata
+(segments, puts, commits, deletions, replica moves, pins); leases and recency are not
+replicated. `ReplicationHub` (leader side) answers a `ReplSubscribe` with a `ReplSnapshot`, then
+streams `ReplEntries`; each standby answers `ReplAck`. With ``sync_replication`` the service holds
+the reply of every mutating call until all standbys acknowledged its entries, so a value whose
+``put_end`` returned OK is on every standby. A standby silent for ``repl_timeout_s`` is dropped
+(it re-subscribes and gets a fresh snapshot). `apply_entries` / `load_snapshot` (standby side)
+rebuild the same metadata without allocators; `take_over` rebuilds allocators from the replicas
+when a standby is elected. Entries carry no absolute times (clocks differ between hosts).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+from yuebing.store import messages as m
+from yuebing.store.master import segments
+from yuebing.store.master.allocator import OffsetAllocator
+from yuebing.store.master.core import MasterCore
+from yuebing.store.master.state import Obj, ObjState, SegState
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------ standby side
+def _apply_put(core: MasterCore, e: list[Any]) -> None:
+    _, key, size, checksum, reps, owner, pin, soft_s = e
+    now = core.clock.now()
+    o = Obj(size, checksum, [tuple(r) for r in reps], owner, now + core.cfg.put_timeout_s,
+            pin, now + soft_s if soft_s else 0.0)
+    core.objs[key] = o
+    core.pending[key] = o.deadline
+
+
+def _apply_commit(core: MasterCore, e: list[Any]) -> None:
+    o = core.objs[e[1]]
+    o.state, o.owner, o.deadline = ObjState.COMMITTED, None, 0.0
+    core.pending.pop(e[1], None)
+
+
+def _apply_del(core: MasterCore, e: list[Any]) -> None:
+    o = core.objs.get(e[1])
+    if o is not None:
+        core._drop(e[1], o, event=False)
+
+
+def _apply_reps(core: MasterCore, e: list[Any]) -> None:
+    core.objs[e[1]].reps = [tuple(r) for r in e[2]]
+
+
+def _apply_pin(core: MasterCore, e: list[Any]) -> None:
+    o = core.objs[e[1]]
+    o.pin, o.soft = e[2], core.clock.now() + e[3] if e[3] else 0.0
+
+
+def _apply_mount(core: MasterCore, e: list[Any]) -> None:
+    _, sid, name, size, tier, node, client = e
+    segments.add_segment(core, sid, name, size, tier, node, client, None)
+
+
+def _apply_unmount(core: MasterCore, e: list[Any]) -> None:
+    if e[1] in core.segs:
+        segments.drop_segment(core, e[1])
+
+
+def _apply_drain(core: MasterCore, e: list[Any]) -> None:
+    core.segs[e[1]].state = SegState.DRAINING
+
+
+_APPLY = {"put": _apply_put, "commit": _apply_commit, "del": _apply_del, "reps": _apply_reps,
+          "pin": _apply_pin, "mount": _apply_mount, "unmount": _apply_unmount,
+          "drain": _apply_drain}
+
+
+def apply_entries(core: MasterCore, entries: list[list[Any]]) -> None:
+    """Replay leader entries on a standby core (its ``log`` must be None)."""
+    for e in entries:
+        _APPLY[e[0]](core, e)
+    core.events.clear()
+
+
+def snapshot(core: MasterCore) -> bytes:
+    """Every durable record of ``core`` as one msgpack blob (times made relative)."""
+    now = core.clock.now()
+    segs = [[s.id, s.name, s.size, s.tier, s.node, s.client, int(s.state)]
+            for s in core.segs.values()]
+    objs = [[k, o.size, o.checksum, o.reps, int(o.state), o.owner, o.pin,
+             max(0.0, o.soft - now) if o.soft else 0.0] for k, o in core.objs.items()]
+    return msgspec.msgpack.encode({"segs": segs, "objs": objs, "next_seg": core.next_seg})
+
+
+def load_snapshot(core: MasterCore, blob: bytes) -> None:
+    """Replace a standby core's metadata with a leader snapshot."""
+    state = msgspec.msgpack.decode(blob)
+    core.objs.clear()
+    core.pending.clear()
+    core.segs.clear()
+    core.seg_by_name.clear()
+    core.sessions.clear()
+    core.tasks.clear()
+    for sid, name, size, tier, node, client, st in state["segs"]:
+        segments.add_segment(core, sid, name, size, tier, node, client, None).state = SegState(st)
+    for key, size, checksum, reps, st, owner, pin, soft_s in state["objs"]:
+        _apply_put(core, ["put", key, size, checksum, reps, owner, pin, soft_s])
+        if st == ObjState.COMMITTED:
+            _apply_commit(core, ["commit", key])
+    core.next_seg = max(core.next_seg, state["next_seg"])
+
+
+def take_over(core: MasterCore) -> None:
+    """Make a standby core authoritative: allocators from replicas, fresh session deadlines."""
+    used: dict[int, list[tuple[int, int]]] = {sid: [] for sid in core.segs}
+    for o in core.objs.values():
+        o.moving = 0
+        for sid, off in o.reps:
+            used[sid].append((off, o.size))
+    for sid, s in core.segs.items():
+        s.alloc = OffsetAllocator.rebuild(s.size, core.cfg.alignment, used[sid])
+    now = core.clock.now()
+    for sess in core.sessions.values():
+        sess.deadline = now + core.cfg.client_ttl_s
+    for key in core.pending:
+        core.objs[key].deadline = core.pending[key] = now + core.cfg.put_timeout_s
+    core.tasks.clear()
+    core.log = []
+    log.warning("took over as leader: %d objects, %d segments", len(core.objs), len(core.segs))
+
+
+# ------------------------------------------------------------------ leader side
+class _Standby:
+    __slots__ = ("acked", "ident", "since")
+
+    def __init__(self, ident: bytes, acked: int, now: float) -> None:
+        self.ident = ident
+        self.acked = acked
+        self.since = now
+
+
+class ReplicationHub:
+    """Leader side: standbys, sequence numbers and held replies."""
+
+    def __init__(self, core: MasterCore, timeout_s: float) -> None:
+        self.core = core
+        self.timeout_s = timeout_s
+        self.seq = 0
+        self.standbys: dict[str, _Standby] = {}
+        self.held: list[tuple[int, list[bytes]]] = []
+
+    def subscribe(self, name: str, ident: bytes) -> m.ReplSnapshot:
+        self.standbys[name] = _Standby(ident, self.seq, self.core.clock.now())
+        log.warning("standby %s subscribed at seq %d", name, self.seq)
+        return m.ReplSnapshot(seq=self.seq, state=snapshot(self.core))
+
+    def publish(self) -> list[tuple[bytes, m.ReplEntries]]:
+        """Take the core's new entries; returns the messages to send to standbys."""
+        entries = self.core.log
+        if not entries:
+            return []
+        self.core.log = []
+        first = self.seq + 1
+        now = self.core.clock.now()
+        for s in self.standbys.values():
+            if s.acked == self.seq:
+                s.since = now  # was idle and in sync: the ack clock starts now
+        self.seq += len(entries)
+        msg = m.ReplEntries(first_seq=first, entries=entries)
+        return [(s.ident, msg) for s in self.standbys.values()]
+
+    @property
+    def must_hold(self) -> bool:
+        return bool(self.standbys)
+
+    def hold(self, frames: list[bytes]) -> None:
+        self.held.append((self.seq, frames))
+
+    def ack(self, name: str, seq: int) -> None:
+        s = self.standbys.get(name)
+        if s is not None and seq > s.acked:
+            s.acked = seq
+            s.since = self.core.clock.now()
+
+    def releasable(self) -> list[list[bytes]]:
+        """Replies whose entries every standby has (drops standbys that stopped acking)."""
+        now = self.core.clock.now()
+        for name, s in list(self.standbys.items()):
+            if s.acked < self.seq and now - s.since > self.timeout_s:
+                log.error("standby %s stopped acknowledging (at %d of %d); dropped from sync "
+                          "replication", name, s.acked, self.seq)
+                del self.standbys[name]
+        if not self.held:
+            return []
+        floor = min((s.acked for s in self.standbys.values()), default=self.seq)
+        out = [f for seq, f in self.held if seq <= floor]
+        if out:
+            self.held = [(seq, f) for seq, f in self.held if seq > floor]
+        return out

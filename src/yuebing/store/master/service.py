@@ -1,0 +1,259 @@
+"""The master process: RPC adapter around `MasterCore`, plus HA roles.
+
+Life of a request here: a peer sends a frame ``[request id, msgpack message]`` over TCP
+(`wire`); the loop decodes it (a malformed message gets ``Err(BAD_REQUEST)`` and changes
+nothing; a malformed frame closes only that connection), applies it to the core and answers with
+the same request id — at once, or (sync replication) once every standby has acknowledged the
+entries the call produced, or (SSD promotion) when the node reports the copy. Pushes to nodes
+(tier tasks) and to standbys (replication entries) use request id 0. Between polls the loop
+runs the core's tick (TTL sweep, zombie reclaim, watermark eviction), publishes KV events on a
+ZeroMQ PUB socket and forwards replication entries.
+
+Roles: the `Elector` decides. A standby answers every call with ``Err(NOT_LEADER, leader=...)``
+and follows the leader (snapshot + entries); when elected it rebuilds allocators and serves
+(`replication.take_over`). A leader that loses its lease steps down and re-syncs as a standby.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+
+import zmq
+
+from yuebing.core.clock import Clock
+from yuebing.protocol import Message, ProtocolError, decode, encode
+from yuebing.store import messages as m
+from yuebing.store.config import MasterConfig
+from yuebing.store.master import replication
+from yuebing.store.master.core import MasterCore
+from yuebing.store.master.election import Elector, EtcdElector, SingleElector
+from yuebing.store.wire import FrameServer, FrameSocket
+
+log = logging.getLogger(__name__)
+C = m.Code
+
+
+def bind(sock: zmq.Socket, address: str) -> str:
+    """Bind ``address``; a tcp port 0 picks a free port. Returns the bound address."""
+    if address.startswith("tcp://") and address.endswith(":0"):
+        port = sock.bind_to_random_port(address[:-2])
+        return f"{address[:-2]}:{port}"
+    sock.bind(address)
+    return address
+
+
+class MasterService:
+    """One master process (leader or standby). `serve` runs the loop in the calling thread."""
+
+    def __init__(self, cfg: MasterConfig, clock: Clock | None = None,
+                 elector: Elector | None = None) -> None:
+        self.cfg = cfg
+        self.core = MasterCore(cfg, clock)
+        self.core.log = None
+        self.server = FrameServer(cfg.rpc_address, self._on_frame)
+        self.address = self.server.address
+        self.ctx: zmq.Context | None = None
+        self.pub: zmq.Socket | None = None
+        self.events_address = ""
+        if cfg.events_address:
+            self.ctx = zmq.Context()
+            self.pub = self.ctx.socket(zmq.PUB)
+            self.pub.setsockopt(zmq.LINGER, 0)
+            self.events_address = bind(self.pub, cfg.events_address)
+        self.elector = elector or (
+            EtcdElector(cfg.etcd, cfg.cluster, self.address, cfg.election_ttl_s) if cfg.etcd
+            else SingleElector(self.address))
+        self.hub = replication.ReplicationHub(self.core, cfg.repl_timeout_s)
+        self.name = f"master-{uuid.uuid4().hex[:8]}"
+        self.lock = threading.Lock()
+        self.leading = False
+        self.event_seq = 0
+        self._held: list[tuple[int, int, bytes]] = []
+        self._follow: FrameSocket | None = None
+        self._follow_addr = ""
+        self._follow_seq = 0
+        self._stop = threading.Event()
+
+    # ------------------------------------------------------------------ loop
+    def serve(self) -> None:
+        self.elector.start()
+        clock = self.core.clock
+        next_tick = clock.now()
+        log.warning("store master %s serving on %s", self.name, self.address)
+        try:
+            while not self._stop.is_set():
+                self._roles()
+                self.server.poll(min(0.1, max(0.0, next_tick - clock.now())))
+                if clock.now() >= next_tick:
+                    if self.leading:
+                        with self.lock:
+                            self.core.tick()
+                    next_tick = clock.now() + self.cfg.tick_s
+                self._flush()
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        self.elector.close()
+        self._unfollow()
+        self.server.close()
+        if self.pub is not None and self.ctx is not None:
+            self.pub.close(0)
+            self.ctx.term()
+
+    # ------------------------------------------------------------------ requests
+    def _on_frame(self, cid: int, rid: int, payload: bytes) -> None:
+        core = self.core
+        with self.lock:
+            before = len(core.log) if core.log is not None else 0
+            try:
+                msg = decode(payload)
+            except ProtocolError as e:
+                reply: Message | None = m.Err(code=C.BAD_REQUEST, message=str(e))
+            else:
+                reply = self._dispatch(msg, cid, rid)
+            if reply is None:
+                return
+            out = encode(reply)
+            if core.log is not None and len(core.log) > before and self.hub.must_hold \
+                    and self.cfg.sync_replication:
+                self._held.append((cid, rid, out))
+            else:
+                self.server.send(cid, rid, out)
+
+    def _dispatch(self, msg: Message, cid: int, rid: int) -> Message | None:
+        t = type(msg)
+        if t is m.ReplSubscribe or t is m.ReplAck:
+            if not self.leading:
+                return m.Err(code=C.NOT_LEADER, message="not the leader", leader=self._leader())
+            if t is m.ReplAck:
+                self.hub.ack(msg.standby, msg.seq)  # type: ignore[attr-defined]
+                return None
+            for ident, entries in self.hub.publish():  # entries already in the core go first
+                self.server.send(ident, 0, encode(entries))  # type: ignore[arg-type]
+            return self.hub.subscribe(msg.standby, cid)  # type: ignore[attr-defined, arg-type]
+        if not self.leading:
+            return m.Err(code=C.NOT_LEADER, message="this master is a standby",
+                         leader=self._leader())
+        try:
+            return self.core.handle(msg, (cid, rid), cid)  # type: ignore[arg-type]
+        except Exception as e:  # a bug must not take the master down
+            log.exception("handler of %s failed", t.__name__)
+            return m.Err(code=C.INTERNAL, message=f"{t.__name__} failed: {e}")
+
+    def _leader(self) -> str:
+        leader = self.elector.leader()
+        return "" if leader == self.address else leader
+
+    # ------------------------------------------------------------------ outputs
+    def _flush(self) -> None:
+        core, send = self.core, self.server.send
+        with self.lock:
+            if core.events:
+                self._send_events()
+            for client, task in core.outbox:
+                sess = core.sessions.get(client)
+                if sess is not None and sess.ident is not None and sess.ident in self.server.conns:
+                    send(sess.ident, 0, encode(task))  # type: ignore[arg-type]
+                else:
+                    core.handle(m.TaskDone(client=client, task=task.task, ok=False,
+                                           message=f"node {client} is not connected"))
+            core.outbox.clear()
+            if self.leading:
+                for ident, msg in self.hub.publish():
+                    send(ident, 0, encode(msg))  # type: ignore[arg-type]
+                for held in self._held:
+                    self.hub.hold(held)  # type: ignore[arg-type]
+                self._held.clear()
+            for (cid, rid), reply in core.ready:  # type: ignore[misc]
+                send(cid, rid, encode(reply))
+            core.ready.clear()
+            for cid, rid, out in self.hub.releasable():  # type: ignore[misc]
+                send(cid, rid, out)
+
+    def _send_events(self) -> None:
+        evs = self.core.events
+        self.core.events = []
+        if self.pub is None:
+            return
+        self.event_seq += 1
+        self.pub.send(encode(m.KvEvents(seq=self.event_seq, kinds=[int(e[0]) for e in evs],
+                                        keys=[e[1] for e in evs], holders=[e[2] for e in evs])))
+
+    # ------------------------------------------------------------------ roles
+    def _roles(self) -> None:
+        is_leader = self.elector.is_leader
+        if is_leader and not self.leading:
+            with self.lock:
+                self._unfollow()
+                replication.take_over(self.core)
+                self.leading = True
+        elif not is_leader and self.leading:
+            log.error("lost leadership; stepping down to standby")
+            with self.lock:
+                self.leading = False
+                self.core.log = None
+                self.hub = replication.ReplicationHub(self.core, self.cfg.repl_timeout_s)
+                for cid, rid, _ in self._held:
+                    self.server.send(cid, rid, encode(m.Err(code=C.NOT_LEADER,
+                                                            message="leader stepped down")))
+                self._held.clear()
+        if not self.leading:
+            leader = self.elector.leader()
+            if leader and leader != self.address and leader != self._follow_addr:
+                self._subscribe(leader)
+
+    def _subscribe(self, leader: str) -> None:
+        self._unfollow()
+        try:
+            s = FrameSocket(leader, self.cfg.repl_timeout_s)
+            s.send(1, encode(m.ReplSubscribe(standby=self.name)))
+        except OSError as e:
+            log.warning("cannot reach leader %s: %s", leader, e)
+            return
+        self._follow, self._follow_addr = s, leader
+        self.server.watch(s.sock, self._drain_follow)
+        log.warning("standby %s following leader %s", self.name, leader)
+
+    def _unfollow(self) -> None:
+        if self._follow is not None:
+            self.server.unwatch(self._follow.sock)
+            self._follow.close()
+        self._follow, self._follow_addr = None, ""
+
+    def _drain_follow(self) -> None:
+        assert self._follow is not None
+        try:
+            got = self._follow.recv(0.001)
+        except OSError as e:
+            log.warning("lost the leader %s: %s", self._follow_addr, e)
+            self._unfollow()
+            return
+        while got is not None:
+            self._apply_follow(decode(got[1]))
+            if self._follow is None:
+                return
+            got = self._follow.recv(0.0) if self._follow.pending else None
+
+    def _apply_follow(self, msg: Message) -> None:
+        assert self._follow is not None
+        with self.lock:
+            if isinstance(msg, m.ReplSnapshot):
+                replication.load_snapshot(self.core, msg.state)
+                self._follow_seq = msg.seq
+            elif isinstance(msg, m.ReplEntries):
+                if msg.first_seq != self._follow_seq + 1:
+                    log.error("replication gap (%d after %d); re-subscribing",
+                              msg.first_seq, self._follow_seq)
+                    self._subscribe(self._follow_addr)
+                    return
+                replication.apply_entries(self.core, msg.entries)
+                self._follow_seq += len(msg.entries)
+            else:
+                return
+        self._follow.send(2, encode(m.ReplAck(standby=self.name, seq=self._follow_seq)))
