@@ -12,7 +12,7 @@ and its callbacks (asyncio waiters) run. Status never moves backwards.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from yuebing.transfer.types import BatchId, BatchStatus, OpCode, RequestStatus, TransferStatus
 
@@ -89,10 +89,15 @@ class Batch:
             self.event.set()
 
     def started(self, index: int) -> None:
+        self.started_many((index,))
+
+    def started_many(self, indices: Iterable[int]) -> None:
+        """Requests ``indices`` have slices in a transport's hands: PENDING → TRANSFERRING."""
         with self._lock:
-            r = self.requests[index]
-            if r.status == _PENDING:
-                r.status = _TRANSFERRING
+            for index in indices:
+                r = self.requests[index]
+                if r.status == _PENDING:
+                    r.status = _TRANSFERRING
 
     def slice_done(self, index: int, nbytes: int, error: str | None) -> None:
         with self._lock:

@@ -49,7 +49,7 @@ class TransferConfig:
     max_endpoints: int = field(default=64, metadata={
         "help": "cap of open peer endpoints (SIEVE eviction beyond it)"})
     socket_buffer: int = field(default=4 << 20, metadata={
-        "help": "SO_SNDBUF/SO_RCVBUF of every lane", "size": True})
+        "help": "SO_SNDBUF/SO_RCVBUF of every lane (0 = kernel auto-tuning)", "size": True})
     shm_workers: int = field(default=1, metadata={"help": "copy threads per shared-memory peer"})
     shm_dir: str = field(default="/dev/shm", metadata={"help": "directory of shm segment files"})
     metadata: str = field(default="embedded", metadata={
@@ -71,8 +71,8 @@ class TransferConfig:
         require(0 <= self.max_retries <= 16, f"max_retries must be in 0..16, got {self.max_retries}")
         require(self.retry_backoff_s >= 0, f"retry_backoff_s must be >= 0, got {self.retry_backoff_s}")
         require(self.max_endpoints >= 1, f"max_endpoints must be >= 1, got {self.max_endpoints}")
-        require(self.socket_buffer >= 65536,
-                f"socket_buffer must be >= 64KiB, got {self.socket_buffer}")
+        require(self.socket_buffer == 0 or self.socket_buffer >= 65536,
+                f"socket_buffer must be 0 (auto) or >= 64KiB, got {self.socket_buffer}")
         require(1 <= self.shm_workers <= 16, f"shm_workers must be in 1..16, got {self.shm_workers}")
         require(os.path.isdir(self.shm_dir), f"shm_dir {self.shm_dir!r} is not a directory")
         require(self.metadata in ("embedded", "p2p") or self.metadata.startswith("etcd://"),

@@ -1,8 +1,11 @@
 """Frame I/O on a lane socket: ``[u32 header length][msgpack header][payload bytes]``.
 
 Used by both ends of a TCP lane (`tcp_client`, `tcp_server`) from their own threads. Payloads are
-never copied: writes go out with ``sendmsg`` straight from the caller's buffer, reads land with
-``recv_into`` straight in registered memory.
+not copied by Python: writes go out with ``sendmsg`` straight from the caller's buffer (several
+frames per call when slices are small, `send_parts`), and reads land with ``recv_into`` straight
+in registered memory. `FrameReader` reads headers with one ``recv`` of up to `PEEK` bytes, so a
+run of small frames (acks, small slices) costs one system call instead of two per frame; the
+few payload bytes that arrive in that read are copied out of its buffer.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from yuebing.protocol import Message, decode, encode
 _LEN = struct.Struct("<I")
 MAX_HEADER = 4 << 20
 _DRAIN_CHUNK = 1 << 20
+PEEK = 16 << 10
 
 
 class IdleTimeout(TimeoutError):
@@ -28,8 +32,9 @@ class PeerClosed(ConnectionError):
 def tune_socket(sock: socket.socket, buffer_bytes: int, timeout_s: float | None) -> None:
     """TCP_NODELAY, large kernel buffers, and an I/O timeout."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+    if buffer_bytes:  # 0 keeps the kernel's auto-tuning
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
     sock.settimeout(timeout_s)
 
 
@@ -88,3 +93,97 @@ def drain(sock: socket.socket, nbytes: int) -> None:
         k = min(nbytes, scratch.nbytes)
         recv_exact(sock, scratch[:k])
         nbytes -= k
+
+
+def frame_parts(msg: Message, payload: memoryview | None = None) -> list[memoryview]:
+    """The iovec pieces of one frame, for `send_parts`."""
+    head = memoryview(pack(msg))
+    return [head] if payload is None else [head, payload]
+
+
+def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+    """Send every piece, in order, with as few ``sendmsg`` calls as the kernel allows."""
+    i = 0
+    while i < len(parts):
+        sent = sock.sendmsg(parts[i:i + 512])
+        while i < len(parts) and sent >= parts[i].nbytes:
+            sent -= parts[i].nbytes
+            i += 1
+        if sent:
+            parts[i] = parts[i][sent:]
+
+
+class FrameReader:
+    """Buffered frame reader over one socket (used by one thread)."""
+
+    def __init__(self, sock: socket.socket, size: int = 4 * PEEK) -> None:
+        self.sock = sock
+        self._buf = bytearray(size)
+        self._mv = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    @property
+    def buffered(self) -> int:
+        return self._end - self._start
+
+    def has_frame(self) -> bool:
+        """Whether a complete header is already buffered (reading it will not block)."""
+        if self.buffered < 4:
+            return False
+        (n,) = _LEN.unpack_from(self._buf, self._start)
+        return self.buffered >= 4 + n
+
+    def _fill(self, need: int, idle_ok: bool) -> None:
+        if self._start + need > len(self._buf):
+            if need > len(self._buf):
+                self._mv.release()
+                self._buf = self._buf + bytearray(need)
+                self._mv = memoryview(self._buf)
+            n = self.buffered
+            self._buf[:n] = self._buf[self._start:self._end]
+            self._start, self._end = 0, n
+        while self._end - self._start < need:
+            room = min(len(self._buf) - self._end, max(PEEK, need - self.buffered))
+            try:
+                k = self.sock.recv_into(self._mv[self._end:self._end + room], room)
+            except TimeoutError:
+                if idle_ok and self._end == self._start:
+                    raise IdleTimeout("idle") from None
+                raise
+            if k == 0:
+                raise PeerClosed("peer closed the connection")
+            self._end += k
+
+    def _consume(self, n: int) -> None:
+        self._start += n
+        if self._start == self._end:
+            self._start = self._end = 0
+
+    def read(self, idle_ok: bool = False) -> Message:
+        """The next frame's header (its payload, if any, must be read next)."""
+        self._fill(4, idle_ok)
+        (n,) = _LEN.unpack_from(self._buf, self._start)
+        if n == 0 or n > MAX_HEADER:
+            raise ConnectionError(f"bad frame header length {n}")
+        self._fill(4 + n, False)
+        msg = decode(self._mv[self._start + 4:self._start + 4 + n])
+        self._consume(4 + n)
+        return msg
+
+    def read_into(self, view: memoryview) -> None:
+        """Fill ``view`` with the next payload bytes (buffered ones first, then straight from
+        the socket)."""
+        k = min(self.buffered, view.nbytes)
+        if k:
+            view[:k] = self._mv[self._start:self._start + k]
+            self._consume(k)
+        if k < view.nbytes:
+            recv_exact(self.sock, view[k:])
+
+    def skip(self, nbytes: int) -> None:
+        """Discard the next ``nbytes`` payload bytes."""
+        k = min(self.buffered, nbytes)
+        self._consume(k)
+        if k < nbytes:
+            drain(self.sock, nbytes - k)

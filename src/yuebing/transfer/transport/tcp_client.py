@@ -3,7 +3,8 @@
 
 Life cycle of a slice: `TcpEndpoint.submit` puts it on the lane with the fewest outstanding
 bytes; the lane's sender thread records it as pending and sends `WriteSlice` + payload (straight
-from the caller's buffer) or `ReadSlice`; the receiver thread matches the reply by id — `SliceAck`
+from the caller's buffer) or `ReadSlice` — small queued slices leave together in one
+``sendmsg``; the receiver thread matches the reply by id — `SliceAck`
 completes a write once the target applied it, `SliceData` is received with ``recv_into`` directly
 into the caller's buffer. When a lane breaks (reset, EOF, stall past ``io_timeout_s``) all its
 queued and pending slices are retried on another lane after a backoff that doubles per attempt
@@ -35,16 +36,21 @@ from yuebing.transfer.messages import (
 )
 from yuebing.transfer.transport.base import TRANSPORTS, Endpoint, LocalContext, Transport
 from yuebing.transfer.transport.framing import (
+    FrameReader,
     IdleTimeout,
-    drain,
-    recv_exact,
+    frame_parts,
     recv_frame,
     send_frame,
+    send_parts,
     tune_socket,
 )
 from yuebing.transfer.types import OpCode
 
 log = logging.getLogger(__name__)
+
+COALESCE_BYTES = 1 << 20
+COALESCE_OPS = 64
+"""A lane's sender sends queued frames together, up to this many payload bytes / frames."""
 
 
 class NotifyOp:
@@ -105,49 +111,64 @@ class Lane:
         threading.Thread(target=self._send_loop, name=name + "-tx", daemon=True).start()
         threading.Thread(target=self._recv_loop, name=name + "-rx", daemon=True).start()
 
-    def enqueue(self, op: Op) -> bool:
+    def enqueue(self, ops: list[Op]) -> bool:
+        """Queue ``ops`` for sending; False (nothing queued) if the lane is dead."""
         with self._lock:
             if self.dead:
                 return False
-            self.outstanding += op.length
-            self._q.put(op)
+            for op in ops:
+                self.outstanding += op.length
+                self._q.put(op)
             return True
 
     def _send_loop(self) -> None:
-        while True:
-            op = self._q.get()
-            if op is None:
-                return
+        stop = False
+        while not stop:
+            ops = [self._q.get()]
+            size = ops[0].length if ops[0] is not None else 0
+            while size < COALESCE_BYTES and len(ops) < COALESCE_OPS:
+                try:
+                    op = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                ops.append(op)
+                size += op.length if op is not None else 0
+            if None in ops:
+                stop = True
+                ops = [op for op in ops if op is not None]
             with self._lock:
                 dead = self.dead
+                ids = [] if dead else [next(self._ids) for _ in ops]
                 if not dead:
-                    oid = next(self._ids)
-                    self._pending[oid] = op
+                    self._pending.update(zip(ids, ops, strict=True))
             if dead:
-                self.endpoint.lane_failed(self, [op], "lane closed")
+                self.endpoint.lane_failed(self, ops, "lane closed")  # type: ignore[arg-type]
                 continue
+            parts: list[memoryview] = []
+            for oid, op in zip(ids, ops, strict=True):
+                parts += self._frame(oid, op)  # type: ignore[arg-type]
             try:
-                self._send(oid, op)
+                send_parts(self.sock, parts)
             except OSError as e:
                 self.fail(f"send to {self.endpoint.address} failed: {e}")
                 return
 
-    def _send(self, oid: int, op: Op) -> None:
+    def _frame(self, oid: int, op: Op) -> list[memoryview]:
         if isinstance(op, NotifyOp):
-            send_frame(self.sock, Notify(id=oid, sender=op.sender, topic=op.topic,
-                                         payload=op.payload))
-        elif op.op == OpCode.WRITE:
-            send_frame(self.sock, WriteSlice(id=oid, segment=op.segment, offset=op.offset,
-                                             length=op.length, span=op.span), op.local)
-        else:
-            send_frame(self.sock, ReadSlice(id=oid, segment=op.segment, offset=op.offset,
-                                            length=op.length, span=op.span))
+            return frame_parts(Notify(id=oid, sender=op.sender, topic=op.topic,
+                                      payload=op.payload))
+        if op.op == OpCode.WRITE:
+            return frame_parts(WriteSlice(id=oid, segment=op.segment, offset=op.offset,
+                                          length=op.length, span=op.span), op.local)
+        return frame_parts(ReadSlice(id=oid, segment=op.segment, offset=op.offset,
+                                     length=op.length, span=op.span))
 
     def _recv_loop(self) -> None:
+        reader = FrameReader(self.sock)
         while True:
             try:
-                msg = recv_frame(self.sock, idle_ok=True)
-                self._on_reply(msg)
+                msg = reader.read(idle_ok=True)
+                self._on_reply(reader, msg)
             except IdleTimeout:
                 if self._pending:
                     self.fail(f"peer {self.endpoint.address} sent nothing for "
@@ -157,7 +178,7 @@ class Lane:
                 self.fail(f"connection to {self.endpoint.address} broke: {e}")
                 return
 
-    def _on_reply(self, msg: Message) -> None:
+    def _on_reply(self, reader: FrameReader, msg: Message) -> None:
         op = self._pending.pop(getattr(msg, "id", -1), None)
         if op is None:
             raise ProtocolError(f"reply {type(msg).__name__} matches no pending request")
@@ -165,9 +186,9 @@ class Lane:
             if isinstance(op, NotifyOp) or msg.length != op.length:
                 raise ProtocolError(f"read reply of {msg.length} bytes, expected {op.length}")
             if op.live:
-                recv_exact(self.sock, op.local)
+                reader.read_into(op.local)
             else:
-                drain(self.sock, msg.length)
+                reader.skip(msg.length)
             error = None
         elif isinstance(msg, SliceAck):
             error = f"target {self.endpoint.address} refused: {msg.error}" if msg.error else None
@@ -235,26 +256,33 @@ class TcpEndpoint(Endpoint):
         return self._retrying > 0 or any(lane.outstanding for lane in self._lanes)
 
     def submit(self, desc: SegmentDescriptor, slices: list[Slice]) -> None:
-        for s in slices:
-            s.batch.started(s.index)
-            self._dispatch(s)
+        if slices:
+            slices[0].batch.started_many({s.index for s in slices})
+            self._dispatch(slices)  # type: ignore[arg-type]
 
     def notify(self, op: NotifyOp) -> None:
-        self._dispatch(op)
+        self._dispatch([op])
 
-    def _dispatch(self, op: Op) -> None:
-        while True:
+    def _dispatch(self, ops: list[Op]) -> None:
+        """Spread ``ops`` over the live lanes, each to the lane with the fewest bytes queued."""
+        while ops:
             with self._lock:
                 lanes = [lane for lane in self._lanes if not lane.dead]
             if not lanes:
                 try:
                     lanes = [self._reopen()]
                 except TransferError as e:
-                    op.complete(str(e))
+                    for op in ops:
+                        op.complete(str(e))
                     return
-            lane = min(lanes, key=lambda ln: ln.outstanding)
-            if lane.enqueue(op):
-                return
+            load = [lane.outstanding for lane in lanes]
+            groups: list[list[Op]] = [[] for _ in lanes]
+            for op in ops:
+                i = load.index(min(load))
+                groups[i].append(op)
+                load[i] += op.length + 1
+            ops = [op for lane, group in zip(lanes, groups, strict=True)
+                   if group and not lane.enqueue(group) for op in group]
 
     def _reopen(self) -> Lane:
         if self._closed:
@@ -298,8 +326,7 @@ class TcpEndpoint(Endpoint):
                     self._reopen()
                 except TransferError:
                     break
-            for op in ops:
-                self._dispatch(op)
+            self._dispatch(ops)
         finally:
             with self._lock:
                 self._retrying -= 1

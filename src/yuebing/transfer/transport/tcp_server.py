@@ -6,7 +6,8 @@ in order: `WriteSlice` → the range is validated against the registered segment
 is received with ``recv_into`` directly into segment memory, then `SliceAck` (a rejected write's
 payload is drained into scratch, so nothing is written, and the ack carries the error);
 `ReadSlice` → validated, answered with `SliceData` + the bytes sent straight from the segment;
-`Notify` → handed to the engine's notify callback, then acked. A connection that breaks or
+`Notify` → handed to the engine's notify callback, then acked. Replies are collected while more
+complete frames are already buffered and leave in one ``sendmsg``. A connection that breaks or
 stalls longer than ``io_timeout_s`` mid-frame is closed; the server keeps serving the others.
 """
 
@@ -32,11 +33,11 @@ from yuebing.transfer.messages import (
 )
 from yuebing.transfer.segment import SegmentTable
 from yuebing.transfer.transport.framing import (
+    FrameReader,
     IdleTimeout,
-    drain,
-    recv_exact,
-    recv_frame,
+    frame_parts,
     send_frame,
+    send_parts,
     tune_socket,
 )
 
@@ -83,17 +84,23 @@ class TcpServer:
                              name=f"tx-serve-{peer[1]}").start()
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
+        reader = FrameReader(conn)
+        out: list[memoryview] = []
         try:
-            first = recv_frame(conn)
+            first = reader.read()
             if not isinstance(first, Hello):
                 raise ProtocolError(f"expected hello, got {type(first).__name__}")
             send_frame(conn, self._hello(first))
             while not self._closed:
                 try:
-                    msg = recv_frame(conn, idle_ok=True)
+                    msg = reader.read(idle_ok=True)
                 except IdleTimeout:
                     continue
-                self._handle(conn, msg)
+                self._handle(reader, msg, out)
+                # replies go out together once no further complete frame is waiting
+                if out and (not reader.has_frame() or len(out) >= 64):
+                    send_parts(conn, out)
+                    out.clear()
         except (OSError, ProtocolError) as e:
             if not self._closed:
                 log.debug("lane from %s closed: %s", peer, e)
@@ -102,25 +109,26 @@ class TcpServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _handle(self, conn: socket.socket, msg: Message) -> None:
+    def _handle(self, reader: FrameReader, msg: Message, out: list[memoryview]) -> None:
+        """Apply one request frame; append the reply frame(s) to ``out``."""
         if isinstance(msg, WriteSlice):
             if not 0 < msg.length <= MAX_SLICE:
                 raise ProtocolError(f"write slice length {msg.length} outside 1..{MAX_SLICE}")
             try:
                 view = self._segments.resolve(msg.segment, msg.offset, msg.length, msg.span)
             except TransferError as e:
-                drain(conn, msg.length)
-                send_frame(conn, SliceAck(id=msg.id, error=str(e)))
+                reader.skip(msg.length)
+                out += frame_parts(SliceAck(id=msg.id, error=str(e)))
                 return
-            recv_exact(conn, view)
-            send_frame(conn, SliceAck(id=msg.id))
+            reader.read_into(view)
+            out += frame_parts(SliceAck(id=msg.id))
         elif isinstance(msg, ReadSlice):
             try:
                 view = self._segments.resolve(msg.segment, msg.offset, msg.length, msg.span)
             except TransferError as e:
-                send_frame(conn, SliceAck(id=msg.id, error=str(e)))
+                out += frame_parts(SliceAck(id=msg.id, error=str(e)))
                 return
-            send_frame(conn, SliceData(id=msg.id, length=msg.length), view)
+            out += frame_parts(SliceData(id=msg.id, length=msg.length), view)
         elif isinstance(msg, Notify):
             error = ""
             try:
@@ -128,7 +136,7 @@ class TcpServer:
             except Exception as e:  # the application's callback failed; tell the sender
                 log.warning("notify callback failed: %s", e)
                 error = f"notify handler failed: {e}"
-            send_frame(conn, SliceAck(id=msg.id, error=error))
+            out += frame_parts(SliceAck(id=msg.id, error=error))
         else:
             raise ProtocolError(f"unexpected frame {type(msg).__name__} on a lane")
         self.served_slices += 1

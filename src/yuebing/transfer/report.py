@@ -1,0 +1,83 @@
+"""Presenting `yuebing bench transfer` results: a rich table, JSON rows and PNG plots
+(bandwidth vs request size, bandwidth vs lanes), drawn with matplotlib's Agg backend."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from yuebing.core.config import format_size
+from yuebing.transfer.bench import Row
+
+
+def print_table(rows: list[Row], title: str = "yuebing bench transfer") -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("transport", "op", "size", "batch", "lanes", "GB/s", "p50 µs", "p99 µs",
+                "µs/request", "vs memcpy"):
+        table.add_column(col, justify="right" if col not in ("transport", "op") else "left")
+    for r in rows:
+        ratio = r.extra.get("vs_memcpy")
+        table.add_row(r.transport, r.op, format_size(r.size_bytes), str(r.batch), str(r.lanes),
+                      f"{r.gbps:.2f}", f"{r.p50_us:.0f}", f"{r.p99_us:.0f}",
+                      f"{r.per_request_us:.1f}", f"{ratio:.2f}" if ratio is not None else "")
+    Console(width=None if sys.stdout.isatty() else 132).print(table)
+
+
+def plot(rows: list[Row], out_dir: Path, batch: int) -> list[Path]:
+    """Write ``transfer_bw_vs_size.png`` and (with several lane counts) ``transfer_bw_vs_lanes.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    main = [r for r in rows if r.batch <= batch or r.transport == "memcpy"]
+    lanes_seen = sorted({r.lanes for r in main if r.transport == "tcp"})
+    best_lanes = max(lanes_seen) if lanes_seen else 1
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[str, list[Row]] = {}
+    for r in main:
+        if r.transport == "tcp" and r.lanes != best_lanes:
+            continue
+        label = "memcpy (1 thread)" if r.transport == "memcpy" else (
+            f"{r.transport} {r.op}" + (f" ({r.lanes} lanes)" if r.transport == "tcp" else ""))
+        series.setdefault(label, []).append(r)
+    for label, rs in series.items():
+        rs.sort(key=lambda r: r.size_bytes)
+        ax.plot([r.size_bytes for r in rs], [r.gbps for r in rs], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({r.size_bytes for r in main}),
+                  [format_size(s) for s in sorted({r.size_bytes for r in main})])
+    ax.set_xlabel("request size")
+    ax.set_ylabel("GB/s")
+    ax.set_title("transfer engine bandwidth vs request size (two processes)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "transfer_bw_vs_size.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    if len(lanes_seen) > 1:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for op in ("write", "read"):
+            for size in sorted({r.size_bytes for r in main if r.transport == "tcp"}):
+                rs = sorted((r for r in main if r.transport == "tcp" and r.op == op
+                             and r.size_bytes == size), key=lambda r: r.lanes)
+                if rs:
+                    ax.plot([r.lanes for r in rs], [r.gbps for r in rs], marker="o",
+                            label=f"tcp {op} {format_size(size)}")
+        ax.set_xlabel("TCP lanes per peer")
+        ax.set_ylabel("GB/s")
+        ax.set_xticks(lanes_seen)
+        ax.set_title("TCP bandwidth vs lanes (two processes)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        paths.append(out_dir / "transfer_bw_vs_lanes.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
