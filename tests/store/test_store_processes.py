@@ -1,0 +1,163 @@
+"""Multi-process store tests: real master and node processes, the client in this process."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from cluster import Proc, master, node
+
+from etcd_util import free_port
+from yuebing.core.errors import StoreError
+from yuebing.protocol import decode, encode
+from yuebing.store import messages as m
+from yuebing.store.client.client import StoreClient
+from yuebing.store.client.common import ChecksumError, NotFoundError
+from yuebing.store.config import ClientConfig
+from yuebing.store.wire import parse_address
+from yuebing.transfer import OpCode, TransferRequest
+
+TTL = "1.5"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[Proc, Proc, Proc]]:
+    mst = master("--client-ttl-s", TTL, "--events-address", "tcp://127.0.0.1:0",
+                 "--admin-port", str(free_port()))
+    a = node(mst.info["address"], "16MiB", "--name", "nodeA")
+    b = node(mst.info["address"], "16MiB", "--name", "nodeB")
+    yield mst, a, b
+    for p in (a, b, mst):
+        p.stop()
+
+
+@pytest.fixture()
+def client(cluster) -> Iterator[StoreClient]:
+    c = StoreClient(ClientConfig(master=cluster[0].info["address"], heartbeat_s=0.3))
+    yield c
+    c.remove_all(force=True)
+    c.close()
+
+
+def test_roundtrip_zero_copy_batch_and_queries(cluster, client: StoreClient) -> None:
+    rng = np.random.default_rng(1)
+    vals = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1, 4096, 1 << 20)]
+    for i, v in enumerate(vals):
+        client.put(f"blk/{i}", v, replicas=2)
+    for i, v in enumerate(vals):
+        assert client.get(f"blk/{i}") == v.tobytes()
+    out = np.zeros(1 << 20, dtype=np.uint8)
+    assert client.get_into("blk/2", out) == 1 << 20 and np.array_equal(out, vals[2])
+    codes = client.batch_put([f"b/{i}" for i in range(8)], [bytes([i]) * 1000 for i in range(8)])
+    assert codes == [0] * 8
+    bufs = [bytearray(1000) for _ in range(9)]
+    assert client.batch_get_into([f"b/{i}" for i in range(9)], bufs) == [1000] * 8 + [-1]
+    assert bufs[7] == bytes([7]) * 1000
+    assert client.batch_get(["b/1", "nope"]) == [bytes([1]) * 1000, None]
+    assert client.prefix_match(["blk/0", "blk/1", "x", "blk/2"]) == 2
+    assert client.batch_exists(["blk/0", "x"]) == [True, False]
+    with pytest.raises(NotFoundError):
+        client.get("x")
+    assert client.remove_prefix("b/", force=True) == 8
+    assert client.exists("b/0") is False
+
+
+def test_malformed_rpc_rejected_master_keeps_serving(cluster, client: StoreClient) -> None:
+    host, port = parse_address(cluster[0].info["address"])
+    s = socket.create_connection((host, port), timeout=5)
+    for payload in (b"\x93garbage", msgspec.msgpack.encode({"type": "store.put_start"}),
+                    msgspec.msgpack.encode({"type": "store.exists", "key": 5}),
+                    encode(m.Exists(key="k", v=99))):
+        s.sendall(struct.pack("<IQ", len(payload), 7) + payload)
+        length, rid = struct.unpack("<IQ", s.recv(12))
+        reply = decode(s.recv(length))
+        assert rid == 7 and isinstance(reply, m.Err) and reply.code == m.Code.BAD_REQUEST
+    s.sendall(struct.pack("<IQ", 0xFFFFFFFF, 1))  # absurd frame length: connection dropped
+    assert s.recv(12) == b""
+    client.put("still", b"serving")
+    assert client.get("still") == b"serving"
+
+
+def test_checksum_mismatch_detected(cluster, client: StoreClient) -> None:
+    client.put("sum", b"A" * 4096)
+    rep = client.rpc.call(m.GetReplicas(key="sum")).replicas[0]
+    client.engine.transfer([TransferRequest(OpCode.WRITE, b"B", rep.segment, rep.offset + 100)])
+    with pytest.raises(ChecksumError, match="checksum mismatch reading 'sum'"):
+        client.get("sum")
+
+
+def test_events_and_admin(cluster, client: StoreClient) -> None:
+    import json
+    import urllib.request
+
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(cluster[0].info["events"])
+    time.sleep(0.3)  # PUB/SUB join
+    client.put("ev/1", b"x" * 10, preferred=[], strategy="random")
+    assert sub.poll(5000)
+    ev = decode(sub.recv())
+    assert isinstance(ev, m.KvEvents) and ev.keys == ["ev/1"] and ev.kinds == [m.EventKind.STORED]
+    assert ev.holders[0][0].endswith(("nodeA.dram", "nodeB.dram"))
+    sub.close(0)
+    base = f"http://127.0.0.1:{cluster[0].info['admin']}"
+    health = json.load(urllib.request.urlopen(base + "/health"))
+    assert health["ok"] and health["leader"]
+    assert json.load(urllib.request.urlopen(base + "/keys?prefix=ev/")) == ["ev/1"]
+    segs = json.load(urllib.request.urlopen(base + "/segments"))
+    assert sorted(s["name"].split("/")[-1] for s in segs) == ["nodeA.dram", "nodeB.dram"]
+    metrics = urllib.request.urlopen(base + "/metrics").read().decode()
+    assert "yuebing_store_objects" in metrics and "yuebing_store_segment_used_bytes" in metrics
+
+
+def test_client_death_drops_its_replicas_only(cluster, client: StoreClient) -> None:
+    c = node(cluster[0].info["address"], "4MiB", "--name", "nodeC")
+    seg_c, seg_a = c.info["dram"], cluster[1].info["dram"]
+    client.put("on/c", b"c" * 100, strategy="preferred", preferred=[seg_c])
+    client.put("on/a", b"a" * 100, strategy="preferred", preferred=[seg_a])
+    client.put("on/both", b"b" * 100, replicas=2, strategy="preferred", preferred=[seg_c, seg_a])
+    c.kill()
+    time.sleep(float(TTL) + 0.6)
+    assert client.batch_exists(["on/c", "on/a", "on/both"]) == [False, True, True]
+    assert client.get("on/a") == b"a" * 100 and client.get("on/both") == b"b" * 100
+
+
+def test_storage_node_killed_mid_put_leaves_nothing(cluster, client: StoreClient) -> None:
+    d = node(cluster[0].info["address"], "4MiB", "--name", "nodeD")
+    seg_d = d.info["dram"]
+    d.kill()  # the master still believes in D: put_start places there, the write fails
+    with pytest.raises(StoreError, match="put revoked"):
+        client.put("half", b"h" * 100_000, strategy="preferred", preferred=[seg_d])
+    assert client.exists("half") is False
+    with pytest.raises(NotFoundError):
+        client.get("half")
+    assert client.stats()["pending"] == 0
+
+
+def test_ssd_offload_and_promotion(tmp_path) -> None:
+    mst = master("--high-watermark", "0.5", "--evict-ratio", "0.2", "--lease-ttl-s", "0.2")
+    n = node(mst.info["address"], "1MiB", "--name", "nodeS", "--ssd", f"{tmp_path}:4MiB")
+    c = StoreClient(ClientConfig(master=mst.info["address"]))
+    try:
+        vals = {f"s/{i}": bytes([i]) * 200_000 for i in range(4)}
+        for k, v in vals.items():
+            c.put(k, v)
+        end = time.monotonic() + 10
+        while c.stats()["offloads"] < 2 and time.monotonic() < end:
+            time.sleep(0.05)
+        st = c.stats()
+        assert st["offloads"] >= 2 and st["ssd_used"] >= 400_000 and st["dram_used"] <= 600_000
+        for k, v in vals.items():  # SSD-only values are promoted back on hit
+            assert c.get(k) == v
+        assert c.stats()["promotions"] >= 2
+    finally:
+        c.close()
+        n.stop()
+        mst.stop()
