@@ -1,0 +1,121 @@
+"""Compare `yuebing bench transfer` with Mooncake's transfer_engine_bench (TCP), run side by
+side by benchmarks/transfer_vs_mooncake.sh. Usage: ``python transfer_compare.py OUT``.
+
+Per round and cell the engines' own GB/s are read; each cell's value is the median over rounds.
+For every (op, size, batch) the best configuration of each engine is compared (Mooncake: 1 or 2
+initiator threads; yuebing: lanes), ratio = yuebing / Mooncake. Shared memory is compared with
+single-thread memcpy measured in the same yuebing run. Writes OUT/compare.md, OUT/compare.json
+and plots of the median yuebing rows to OUT/img/.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def load(out: Path) -> tuple[dict, dict]:
+    mc: dict[tuple, list[float]] = defaultdict(list)
+    for f in sorted(out.glob("mooncake_*/transfer_engine_bench.jsonl")):
+        for line in f.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("kind") == "run" and row.get("GBps") is not None:
+                mc[(row["op"], row["size"], row["batch"], row["threads"])].append(row["GBps"])
+    ours: dict[tuple, list[dict]] = defaultdict(list)
+    for f in sorted(out.glob("yuebing_*.json")):
+        for row in json.loads(f.read_text()):
+            key = (row["transport"], row["op"], row["size_bytes"], row["batch"], row["lanes"])
+            ours[key].append(row)
+    return mc, ours
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def fmt_size(n: int) -> str:
+    return f"{n >> 20}MiB" if n >= 1 << 20 else f"{n >> 10}KiB"
+
+
+def compare(mc: dict, ours: dict) -> tuple[list[dict], list[dict]]:
+    tcp, shm = [], []
+    cells = sorted({(op, size, batch) for (op, size, batch, _) in mc})
+    for op, size, batch in cells:
+        mc_cfg = {th: med(v) for (o, s, b, th), v in mc.items() if (o, s, b) == (op, size, batch)}
+        our_cfg = {lanes: med([r["gbps"] for r in rows])
+                   for (t, o, s, b, lanes), rows in ours.items()
+                   if (t, o, s, b) == ("tcp", op, size, batch)}
+        if not mc_cfg or not our_cfg:
+            continue
+        th, mc_best = max(mc_cfg.items(), key=lambda kv: kv[1])
+        lanes, our_best = max(our_cfg.items(), key=lambda kv: kv[1])
+        per_req = [r["per_request_us"] for (t, o, s, b, ln), rows in ours.items()
+                   if (t, o, s, b, ln) == ("tcp", op, size, batch, lanes) for r in rows]
+        tcp.append({"op": op, "size_bytes": size, "batch": batch, "mooncake_gbps": round(mc_best, 3),
+                    "mooncake_threads": th, "yuebing_gbps": round(our_best, 3),
+                    "yuebing_lanes": lanes, "ratio": round(our_best / mc_best, 2),
+                    "yuebing_per_request_us": round(med(per_req), 1),
+                    "mooncake_by_threads": {k: round(v, 3) for k, v in sorted(mc_cfg.items())},
+                    "yuebing_by_lanes": {k: round(v, 3) for k, v in sorted(our_cfg.items())}})
+    memcpy = {s: med([r["gbps"] for r in rows])
+              for (t, _, s, _, _), rows in ours.items() if t == "memcpy"}
+    for (t, op, size, batch, _), rows in sorted(ours.items()):
+        if t == "shm":
+            g = med([r["gbps"] for r in rows])
+            m = memcpy.get(size)
+            shm.append({"op": op, "size_bytes": size, "batch": batch, "shm_gbps": round(g, 3),
+                        "memcpy_gbps": round(m, 3) if m else None,
+                        "vs_memcpy": round(g / m, 2) if m else None})
+    return tcp, shm
+
+
+def markdown(tcp: list[dict], shm: list[dict]) -> str:
+    lines = ["| op | size | batch | Mooncake TE GB/s (threads) | yuebing GB/s (lanes) | ratio | "
+             "yuebing µs/request | Mooncake by threads | yuebing by lanes |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in tcp:
+        lines.append(f"| {r['op']} | {fmt_size(r['size_bytes'])} | {r['batch']} | "
+                     f"{r['mooncake_gbps']:.2f} ({r['mooncake_threads']}) | "
+                     f"{r['yuebing_gbps']:.2f} ({r['yuebing_lanes']}) | **{r['ratio']:.2f}×** | "
+                     f"{r['yuebing_per_request_us']} | {r['mooncake_by_threads']} | "
+                     f"{r['yuebing_by_lanes']} |")
+    lines += ["", "| shm op | size | batch | shm GB/s | memcpy GB/s (1 thread) | shm / memcpy |",
+              "|---|---|---|---|---|---|"]
+    for r in shm:
+        lines.append(f"| {r['op']} | {fmt_size(r['size_bytes'])} | {r['batch']} | "
+                     f"{r['shm_gbps']:.2f} | {r['memcpy_gbps']} | {r['vs_memcpy']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_medians(ours: dict, out: Path) -> None:
+    from yuebing.transfer.bench import Row
+    from yuebing.transfer.report import plot
+
+    rows = []
+    for (t, op, size, batch, lanes), rs in sorted(ours.items()):
+        rows.append(Row(t, op, size, batch, lanes, med([r["gbps"] for r in rs]),
+                        med([r["p50_us"] for r in rs]), med([r["p99_us"] for r in rs])))
+    for p in plot(rows, out / "img", batch=16):
+        print(f"# wrote {p}")
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    mc, ours = load(out)
+    if not mc or not ours:
+        print(f"no results under {out} (mooncake cells: {len(mc)}, yuebing cells: {len(ours)})")
+        return 1
+    tcp, shm = compare(mc, ours)
+    text = markdown(tcp, shm)
+    print(text)
+    (out / "compare.md").write_text(text)
+    (out / "compare.json").write_text(json.dumps({"tcp": tcp, "shm": shm}, indent=1))
+    plot_medians(ours, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
