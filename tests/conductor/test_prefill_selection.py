@@ -81,11 +81,11 @@ def test_global_never_fetches_from_itself_and_equals_local_without_index():
     assert route("global_cache_aware", view(FOUR)) == route("local_cache_aware", view(FOUR))
 
 
-def test_fully_cached_input_costs_no_prefill_tokens():
-    # 950 tokens -> 10 keys, the last block partial; holding all 10 covers all 950 tokens
+def test_fully_cached_input_still_recomputes_its_last_token():
+    # 950 tokens -> 10 keys, the last block partial; holding all 10 covers 949 reusable tokens
     r = Policy(config(prefill_selector="local_cache_aware"), PREDICTORS).decide(
         request(950), view((prefill("p0", 0.25, local=10),)))
-    assert (r.reused_blocks, r.est_prefill_s, r.est_ttft_s) == (10, 0.0, 0.25)
+    assert (r.reused_blocks, r.est_prefill_s, r.est_ttft_s) == (10, 0.001, 0.251)
 
 
 def test_random_is_a_stable_hash_of_seed_and_request_id():

@@ -64,8 +64,9 @@ class Policy:
 
     # -- helpers the selectors and admission policies call ------------------------------------
     def prefix_tokens(self, blocks: int, input_tokens: int) -> int:
-        """Tokens covered by ``blocks`` leading blocks (the last block may be partial)."""
-        return min(blocks * self.config.block_tokens, input_tokens)
+        """Prompt tokens reused from ``blocks`` cached leading blocks: the blocks' tokens (the
+        last block may be partial), but never the last prompt token, which is recomputed."""
+        return min(blocks * self.config.block_tokens, input_tokens - 1)
 
     def transfer_time(self, nbytes: float, view: ClusterView) -> float:
         return self._tp(nbytes, view.link_bandwidth_Bps, view.link_latency_s)

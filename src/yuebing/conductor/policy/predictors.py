@@ -29,7 +29,7 @@ import numpy as np
 from yuebing.core.config import require
 from yuebing.core.errors import InputError
 
-FORMAT = "yuebing-predictors"
+FORMAT: Literal["yuebing-predictors"] = "yuebing-predictors"
 VERSION = 1
 
 
@@ -79,8 +79,8 @@ class BivariatePolynomial:
         return total
 
     @classmethod
-    def fit(cls, xs: Sequence[float], ys: Sequence[float], zs: Sequence[float],
-            exponents: tuple[tuple[int, int], ...], relative: bool = True) -> BivariatePolynomial:
+    def fit(cls, xs: Sequence[float] | np.ndarray, ys: Sequence[float] | np.ndarray,
+            zs: Sequence[float] | np.ndarray, exponents: tuple[tuple[int, int], ...], relative: bool = True) -> BivariatePolynomial:
         """Least-squares fit; ``relative`` minimises relative rather than absolute error."""
         x, y, z = (np.asarray(v, dtype=np.float64) for v in (xs, ys, zs))
         if not (x.shape == y.shape == z.shape and x.ndim == 1):
@@ -102,7 +102,7 @@ class BivariatePolynomial:
         return cls(tuple(exponents), tuple(float(c) for c in coef / scale))
 
     def to_struct(self) -> PolyFile:
-        return PolyFile([list(e) for e in self.exponents], list(self.coefficients))
+        return PolyFile(list(self.exponents), list(self.coefficients))
 
 
 def _grid(limit: int, steps: int) -> list[int]:

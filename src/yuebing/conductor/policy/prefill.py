@@ -3,8 +3,9 @@
 Called by `Policy.decide` once per arriving request with the request and the view; a selector
 returns a `PrefillPlan` for the chosen instance: which leading blocks it reuses, whether it first
 fetches a longer prefix from a remote holder, and the TTFT estimate
-``transfer + queue + prefill(new tokens, reused tokens)``. Every selector reuses the chosen
-instance's own cached prefix (engines always do); they differ in how they choose:
+``transfer + queue + prefill(new tokens, reused tokens)``, where at least the last prompt token is
+always recomputed (its logits give the first token). Every selector reuses the chosen instance's
+own cached prefix (engines always do); they differ in how they choose:
 
 - ``random``: a stable hash of (seed, request id) picks the instance.
 - ``load_balance``: least queued work (``queue_s``), then fewest queued requests.
@@ -86,7 +87,7 @@ def select_local_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) -
     n, bt, predict = req.input_tokens, pol.config.block_tokens, pol.prefill_time
     best, best_ttft = 0, float("inf")
     for i, p in enumerate(view.prefills):
-        cached = min(p.local_prefix_blocks * bt, n)
+        cached = min(p.local_prefix_blocks * bt, n - 1)
         ttft = p.queue_s + predict(n - cached, cached)
         if ttft < best_ttft:
             best, best_ttft = i, ttft
@@ -100,12 +101,12 @@ def select_global_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) 
     best_blocks = src.blocks if src is not None else 0
     n, bt, predict = req.input_tokens, pol.config.block_tokens, pol.prefill_time
     threshold = pol.config.kvcache_balancing_threshold
-    best_tokens = min(best_blocks * bt, n)
+    best_tokens = min(best_blocks * bt, n - 1)
     remote_prefill_s = predict(n - best_tokens, best_tokens)
     best: tuple[float, int, int] = (float("inf"), 0, 0)  # (ttft, index, fetch_blocks)
     for i, p in enumerate(view.prefills):
         local = p.local_prefix_blocks
-        cached = min(local * bt, n)
+        cached = min(local * bt, n - 1)
         ttft = p.queue_s + predict(n - cached, cached)
         fetch = 0
         if best_blocks > local and (local == 0 or best_blocks / local > threshold) \
@@ -122,5 +123,5 @@ def select_global_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) 
         return _local_plan(pol, req, view, index)
     p = view.prefills[index]
     transfer_s = pol.transfer_time(
-        (best_tokens - min(p.local_prefix_blocks * bt, n)) * pol.config.kv_bytes_per_token, view)
+        (best_tokens - min(p.local_prefix_blocks * bt, n - 1)) * pol.config.kv_bytes_per_token, view)
     return PrefillPlan(index, best_blocks, fetch, transfer_s, p.queue_s, remote_prefill_s)
