@@ -88,8 +88,9 @@ class DecodeInstance:
         return self.kv_reserved + self.waiting_tokens + self.waiting_output
 
     def can_admit_now(self, job: DecodeJob) -> bool:
-        """Would ``job`` join the batch at the next iteration (nobody waiting, KV fits)?"""
-        return not self.waiting and self.kv_reserved + job.kv_tokens <= self.capacity
+        """Would ``job`` join the batch at the next iteration (it and every job already
+        waiting fit in the KV capacity)?"""
+        return self.kv_used + job.kv_tokens <= self.capacity
 
     # -- input -----------------------------------------------------------------------------------
     def enqueue(self, job: DecodeJob) -> None:

@@ -69,7 +69,7 @@ class NodeSpec:
 
     gpus: int = field(default=8, metadata={"help": "GPUs per node"})
     gpu_flops: float = field(default=312e12, metadata={"help": "peak bf16 FLOP/s per GPU"})
-    mfu: float = field(default=0.55, metadata={"help": "prefill model-FLOPs utilisation"})
+    mfu: float = field(default=0.6, metadata={"help": "prefill model-FLOPs utilisation"})
     decode_mfu: float = field(default=0.3, metadata={"help": "decode matmul FLOPs utilisation"})
     hbm_Bps: float = field(default=2.039e12, metadata={"help": "HBM bandwidth per GPU, B/s"})
     mbu: float = field(default=0.7, metadata={"help": "decode memory-bandwidth utilisation"})

@@ -10,11 +10,14 @@ Life cycle of a request (paper §3-§4):
    the missing prefix blocks are copied from the holder over both nodes' NICs (serialised per
    NIC), which also replicates hot blocks. Prefill starts when the node (or, for inputs with
    more than ``cpp_threshold_tokens`` new tokens, a chunked-pipeline-parallel group of up to
-   ``cpp_max_nodes`` nodes) is free and the fetch is done; nodes run prefills FIFO.
+   ``cpp_max_nodes`` nodes) is free and the fetch is done; nodes run prefills FIFO. With
+   ``prefill_reject`` a request whose prefill would end past its TTFT SLO is dropped here.
 3. Prefill end = first token. The new KV was stored layer by layer into the node's DRAM pool
    while computing (inserted now) and streamed to the decode node layer by layer: the KV is
    complete at max(prefill end + one layer's share, prefill start + whole transfer).
-4. Decode: continuous batching bounded by HBM (`yuebing.sim.decode.DecodeInstance`).
+4. Decode: continuous batching bounded by HBM (`yuebing.sim.decode.DecodeInstance`). With
+   ``decode_reject`` a request whose KV cannot join the batch at the next iteration (KV full)
+   or would push the iteration past the TBT SLO is rejected at decode (its prefill wasted).
 """
 
 from __future__ import annotations
@@ -152,6 +155,10 @@ class MooncakeSystem(SimSystem):
             duration = duration / k * (1.0 + (k - 1) / chunks)
         start = max(ready, *(self.free_at[g] for g in group))
         end = start + duration
+        if self.config.prefill_reject and end - request.arrival_s > self.config.ttft_slo_s:
+            record.rejected = RejectStage.PREFILL
+            record.reject_reason = "prefill_ttft_slo"
+            return
         for g in group:
             self.free_at[g] = end
             self.queued[g] += 1

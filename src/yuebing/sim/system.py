@@ -53,6 +53,8 @@ class SimConfig:
     cpp_threshold_tokens: int = field(default=65_536, metadata={
         "help": "inputs with more uncached tokens use chunked pipeline parallelism"})
     cpp_max_nodes: int = field(default=4, metadata={"help": "largest pipeline group"})
+    prefill_reject: bool = field(default=False, metadata={
+        "help": "reject at prefill when the request's prefill would end past its TTFT SLO"})
     decode_reject: bool = field(default=False, metadata={
         "help": "reject at decode when a request's KV arrives and cannot join the batch at once "
                 "(its prefill is wasted; the overload baseline)"})
