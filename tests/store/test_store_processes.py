@@ -161,3 +161,26 @@ def test_ssd_offload_and_promotion(tmp_path) -> None:
         c.close()
         n.stop()
         mst.stop()
+
+
+def test_async_client(cluster) -> None:
+    import asyncio
+
+    from yuebing.store.client.aio import AsyncStoreClient
+
+    async def main() -> None:
+        async with AsyncStoreClient(ClientConfig(master=cluster[0].info["address"])) as c:
+            keys = [f"as/{i}" for i in range(6)]
+            assert await c.batch_put(keys, [bytes([i]) * 5000 for i in range(6)]) == [0] * 6
+            got = await asyncio.gather(*(c.get(k) for k in keys))
+            assert got == [bytes([i]) * 5000 for i in range(6)]
+            buf = np.zeros(5000, dtype=np.uint8)
+            assert await c.get_into("as/3", buf) == 5000 and int(buf[0]) == 3
+            assert await c.batch_get_into(["as/1", "zz"], [bytearray(5000), bytearray(1)]) == [5000, -1]
+            assert await c.batch_exists(["as/0", "zz"]) == [True, False]
+            assert await c.prefix_match(keys + ["zz"]) == 6
+            with pytest.raises(NotFoundError):
+                await c.get("zz")
+            assert await c.remove_prefix("as/", force=True) == 6
+
+    asyncio.run(main())

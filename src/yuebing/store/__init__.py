@@ -1,1 +1,15 @@
-"""yuebing.store: see docs/structure.md."""
+"""yuebing.store — Mooncake Store: a replicated DRAM + SSD pool of KV blocks.
+
+Roles: the master (`master.service.MasterService`: metadata, allocation, leases, eviction, HA),
+storage nodes (`node.service.StorageNode`: DRAM segment + SSD tier), and clients
+(`StoreClient`, `AsyncStoreClient`: put/get/batch/zero-copy through the transfer engine).
+See docs/structure.md and README.md ("Store").
+"""
+
+from yuebing.store.client.client import StoreClient
+from yuebing.store.client.common import ChecksumError, NotFoundError
+from yuebing.store.client.rpc import StoreRpcError
+from yuebing.store.config import ClientConfig, MasterConfig, NodeConfig
+
+__all__ = ["ChecksumError", "ClientConfig", "MasterConfig", "NodeConfig", "NotFoundError",
+           "StoreClient", "StoreRpcError"]

@@ -152,9 +152,17 @@ class AsyncMasterConnection(_Base):
         self._writer: asyncio.StreamWriter | None = None
         self._waiters: dict[int, asyncio.Future[Message]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._lock: asyncio.Lock | None = None
 
     async def _connect(self) -> asyncio.StreamWriter:
-        self.close()
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:  # concurrent first calls share one connection
+            if self._writer is not None:
+                return self._writer
+            return await self._open()
+
+    async def _open(self) -> asyncio.StreamWriter:
         host, port = parse_address(self.address)
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
                                                 self.timeout_s)
