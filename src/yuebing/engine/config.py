@@ -120,7 +120,7 @@ class EngineConfig:
     attention: str = field(default="auto", metadata={
         "help": "decode attention: grouped (matmuls over gathered blocks), sdpa, or auto "
                 "(measured at start-up)"})
-    seed: int = field(default=0, metadata={"help": "seed of dummy weights"})
+    weights_seed: int = field(default=0, metadata={"help": "seed of dummy random weights"})
 
     def __post_init__(self) -> None:
         require(bool(self.model), "model must name a model (smollm2, a path, or dummy)")

@@ -44,7 +44,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, weights: LoadedWeights | None = None) -> None:
         self.config = config
         self.device, self.dtype = runtime.setup(config)
-        w = weights if weights is not None else load_weights(config.model, config.seed)
+        w = weights if weights is not None else load_weights(config.model, config.weights_seed)
         self.model_config = mc = w.config
         self.fingerprint = w.fingerprint
         self.tokenizer = tokenizer_from_source(w.tokenizer_source)

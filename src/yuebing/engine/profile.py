@@ -1,0 +1,153 @@
+"""Profiling the engine for the latency predictors (``yuebing profile``).
+
+Measures, on a live `LLMEngine`:
+
+- prefill: wall time from queueing a request of ``cached + new`` tokens (whose first ``cached``
+  tokens are already in the prefix cache) to its first token, over a grid of (new, cached);
+- decode: time of one decode step of ``batch`` sequences holding ``context`` tokens in all.
+
+Results are `ProfileSamples`, saved as JSON (format ``yuebing-profile-samples`` v1, documented
+in docs/engine.md) and fitted by the CLI with `yuebing.conductor.policy.predictors`. Every
+measurement uses fresh random tokens so only the intended prefix is cached.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+
+import msgspec
+import torch
+
+from yuebing.core.errors import InputError
+from yuebing.engine.engine import LLMEngine
+from yuebing.engine.sampling import SamplingParams
+
+SAMPLES_FORMAT = "yuebing-profile-samples"
+_ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+
+class PrefillSample(msgspec.Struct):
+    new_tokens: int
+    cached_tokens: int
+    seconds: float
+
+
+class DecodeSample(msgspec.Struct):
+    batch: int
+    context_tokens: int
+    seconds: float
+
+
+class ProfileSamples(msgspec.Struct):
+    """Raw measurements (seconds are medians over repeats)."""
+
+    format: str
+    version: int
+    model: str
+    device: str
+    dtype: str
+    threads: int
+    block_size: int
+    prefill: list[PrefillSample]
+    decode: list[DecodeSample]
+
+    def to_json(self) -> bytes:
+        return msgspec.json.format(msgspec.json.encode(self), indent=2)
+
+    @classmethod
+    def from_json(cls, data: bytes | str, origin: str = "<samples>") -> ProfileSamples:
+        try:
+            doc = msgspec.json.decode(data, type=cls)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise InputError(f"{origin}: invalid profile samples: {e}") from None
+        if doc.format != SAMPLES_FORMAT or doc.version != 1:
+            raise InputError(f"{origin}: not a {SAMPLES_FORMAT} v1 file")
+        return doc
+
+
+class _Tokens:
+    """Fresh random token ids (avoiding accidental prefix-cache hits)."""
+
+    def __init__(self, vocab: int, seed: int = 0) -> None:
+        self.vocab = vocab
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __call__(self, n: int) -> list[int]:
+        return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
+
+
+def _until_first_token(engine: LLMEngine, rid: str) -> int:
+    while True:
+        for out in engine.step():
+            if out.request_id == rid:
+                return out.num_cached_tokens
+
+
+def time_prefill(engine: LLMEngine, new: int, cached: int, tokens: _Tokens) -> float:
+    """Seconds to first token for ``new`` tokens on top of ``cached`` cached ones."""
+    bs = engine.block_size
+    if cached % bs:
+        raise InputError(f"cached tokens ({cached}) must be a multiple of the block size {bs}")
+    prompt = tokens(cached + new)
+    if cached:
+        engine.generate([prompt[:cached + 1]], _ONE)  # publishes the cached full blocks
+    t0 = time.perf_counter()
+    rid = engine.add_request(prompt, _ONE)
+    hit = _until_first_token(engine, rid)
+    seconds = time.perf_counter() - t0
+    if hit != cached:
+        raise InputError(f"expected {cached} cached tokens, the engine reused {hit}; is the "
+                         "KV pool large enough and prefix caching on?")
+    return seconds
+
+
+def time_decode(engine: LLMEngine, batch: int, context: int, tokens: _Tokens,
+                steps: int = 8) -> float:
+    """Median seconds of a decode step with ``batch`` sequences, ``context`` tokens in all."""
+    if batch > engine.config.max_num_seqs:
+        raise InputError(f"decode batch {batch} exceeds max_num_seqs "
+                         f"({engine.config.max_num_seqs}); raise --max-num-seqs")
+    per_seq = max(1, context // batch - steps // 2)
+    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    rids = [engine.add_request(tokens(per_seq), params) for _ in range(batch)]
+    while any(engine.get_sequence(r) is None or engine.get_sequence(r).is_prefilling
+              or engine.get_sequence(r).num_computed == 0 for r in rids):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    for r in rids:
+        engine.abort(r)
+    return statistics.median(times)
+
+
+def profile_engine(engine: LLMEngine, new_tokens: Iterable[int], cached_tokens: Iterable[int],
+                   batches: Iterable[int], contexts: Iterable[int], repeats: int = 3,
+                   progress: Callable[[str], None] | None = None) -> ProfileSamples:
+    """Measure the whole grid; ``progress(label)`` is called before each point."""
+    tokens = _Tokens(engine.model_config.vocab_size)
+    engine.warmup()
+    prefill: list[PrefillSample] = []
+    for n in new_tokens:
+        for c in cached_tokens:
+            if c + n >= engine.max_model_len:
+                continue
+            if progress:
+                progress(f"prefill new={n} cached={c}")
+            t = statistics.median(time_prefill(engine, n, c, tokens) for _ in range(repeats))
+            prefill.append(PrefillSample(n, c, t))
+    decode: list[DecodeSample] = []
+    for b in batches:
+        for ctx in contexts:
+            if ctx < b or ctx // b + 16 >= engine.max_model_len:
+                continue
+            if progress:
+                progress(f"decode batch={b} context={ctx}")
+            decode.append(DecodeSample(b, ctx, time_decode(engine, b, ctx, tokens)))
+    return ProfileSamples(SAMPLES_FORMAT, 1, engine.fingerprint, str(engine.device),
+                          str(engine.dtype).removeprefix("torch."), torch.get_num_threads(),
+                          engine.block_size, prefill, decode)

@@ -1,0 +1,88 @@
+"""The bundled SmolLM2-135M-Instruct GGUF: chat answer, tokenizer, stop strings, streaming.
+Parity with transformers' own GGUF loader is a slow test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from yuebing.engine.config import EngineConfig
+from yuebing.engine.engine import LLMEngine
+from yuebing.engine.sampling import SamplingParams
+from yuebing.engine.weights import bundled_model_path, load_weights
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0)
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def smol_weights():
+    try:
+        bundled_model_path()
+    except Exception as e:  # noqa: BLE001 - the package is installed by `make install`
+        pytest.skip(str(e))
+    return load_weights("smollm2")
+
+
+@pytest.fixture(scope="module")
+def smol(smol_weights) -> LLMEngine:
+    return LLMEngine(EngineConfig(num_blocks=128, threads=1), weights=smol_weights)
+
+
+def test_config_from_gguf(smol):
+    mc = smol.model_config
+    assert (mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim) == \
+        (30, 576, 9, 3, 64)
+    assert (mc.vocab_size, mc.intermediate_size, mc.rope_theta, mc.tie_embeddings) == \
+        (49152, 1536, 100000.0, True)
+    assert smol.eos_token_ids == frozenset({2})
+
+
+def test_chat_answer_is_paris(smol):
+    out = smol.generate([QUESTION], GREEDY, chat=True)[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop" and out.output_token_ids[-1] == 2
+
+
+def test_tokenizer_and_chat_template(smol):
+    tok = smol.tokenizer
+    ids = tok.encode("What is the capital of France? 12345 hello  world")
+    # reference ids from transformers' GGUF tokenizer for the same file
+    assert ids == [1780, 314, 260, 3575, 282, 4649, 47, 216, 33, 34, 35, 36, 37, 33662, 216, 905]
+    assert tok.decode(ids) == "What is the capital of France? 12345 hello  world"
+    text = tok.apply_chat_template([{"role": "user", "content": QUESTION}])
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                    "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?"
+                    "<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.encode_chat([{"role": "user", "content": "hi"}])[:1] == [1]
+
+
+def test_stop_string_and_streaming_deltas(smol):
+    deltas = []
+    for out in smol.stream(QUESTION, SamplingParams(max_tokens=16, temperature=0,
+                                                    stop=(" Paris",)), chat=True):
+        deltas.append(out.text_delta)
+    assert out.finished and out.finish_reason == "stop"
+    assert "".join(deltas) == out.text == "The capital of France is"
+
+
+@pytest.mark.slow
+def test_logits_match_transformers_gguf_loader(smol_weights):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    path = bundled_model_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    engine = LLMEngine(EngineConfig(dtype="float32", num_blocks=64, threads=1,
+                                    block_size=16), weights=smol_weights)
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": QUESTION}])
+    captured: list[torch.Tensor] = []
+    engine.logits_hook = lambda rids, logits: captured.append(logits[0].clone())
+    out = engine.generate([ids], SamplingParams(max_tokens=4, temperature=0))[0]
+    seq = list(ids)
+    with torch.no_grad():
+        for step, tok in enumerate(out.output_token_ids):
+            ref = hf(torch.tensor([seq])).logits[0, -1].float()
+            torch.testing.assert_close(captured[step], ref, rtol=1e-3, atol=1e-3)
+            assert int(ref.argmax()) == tok
+            seq.append(tok)
