@@ -1,0 +1,97 @@
+"""Replication: a standby core fed the leader's snapshot and entries ends with the same durable
+metadata, and after take-over its allocators never hand out a range a committed value uses."""
+
+from __future__ import annotations
+
+from yuebing.core.clock import VirtualClock
+from yuebing.store import messages as m
+from yuebing.store.config import MasterConfig
+from yuebing.store.master import replication
+from yuebing.store.master.core import MasterCore
+from yuebing.store.master.state import ObjState
+
+KiB = 1024
+
+
+def durable(core: MasterCore) -> tuple:
+    return ({k: (o.size, o.checksum, [tuple(r) for r in o.reps], int(o.state), o.pin)
+             for k, o in core.objs.items()},
+            {s.id: (s.name, s.size, s.tier, s.client, int(s.state)) for s in core.segs.values()})
+
+
+def leader_and_standby() -> tuple[MasterCore, MasterCore, replication.ReplicationHub]:
+    cfg = MasterConfig(alignment=1024)
+    leader = MasterCore(cfg, VirtualClock(10.0))
+    leader.log = []
+    standby = MasterCore(cfg, VirtualClock(5000.0))  # another host's clock
+    hub = replication.ReplicationHub(leader, 1.0)
+    return leader, standby, hub
+
+
+def ship(hub: replication.ReplicationHub, standby: MasterCore) -> None:
+    for _, msg in hub.publish():
+        replication.apply_entries(standby, msg.entries)
+
+
+def test_snapshot_then_entries_reproduce_durable_state() -> None:
+    leader, standby, hub = leader_and_standby()
+    leader.handle(m.Mount(client="n0", segment="s0", size=64 * KiB))
+    for i in range(3):
+        leader.handle(m.PutStart(client="c", item=m.PutItem(key=f"k{i}", size=KiB, checksum=i)))
+        leader.handle(m.PutEnd(client="c", key=f"k{i}"))
+    hub.publish()  # entries before the subscription are inside the snapshot
+    snap = hub.subscribe("sb", 1)
+    replication.load_snapshot(standby, snap.state)
+    assert durable(standby) == durable(leader)
+    leader.handle(m.Mount(client="n1", segment="s1", size=64 * KiB))
+    leader.handle(m.PutStart(client="c", item=m.PutItem(key="p", size=2 * KiB,
+                                                        strategy="preferred", preferred=["s1"])))
+    leader.handle(m.Remove(key="k1"))
+    leader.handle(m.Pin(keys=["k2"], hard=True))
+    ship(hub, standby)
+    assert durable(standby) == durable(leader)
+    assert standby.objs["p"].state == ObjState.PENDING and "p" in standby.pending
+    leader.handle(m.PutEnd(client="c", key="p"))
+    leader.handle(m.Unmount(client="n0", segment="s0"))
+    ship(hub, standby)
+    assert durable(standby) == durable(leader)
+    assert sorted(standby.objs) == ["p"]
+
+
+def test_take_over_rebuilds_allocators_without_overlap() -> None:
+    leader, standby, hub = leader_and_standby()
+    replication.load_snapshot(standby, hub.subscribe("sb", 1).state)
+    leader.handle(m.Mount(client="n0", segment="s0", size=8 * KiB))
+    for i in range(4):
+        leader.handle(m.PutStart(client="c", item=m.PutItem(key=f"k{i}", size=KiB)))
+        leader.handle(m.PutEnd(client="c", key=f"k{i}"))
+    leader.handle(m.Remove(key="k1"))
+    ship(hub, standby)
+    replication.take_over(standby)
+    used = {o.reps[0][1] for o in standby.objs.values()}
+    assert used == {0, 2 * KiB, 3 * KiB}
+    r = standby.handle(m.PutStart(client="c", item=m.PutItem(key="new", size=2 * KiB)))
+    assert r.replicas[0].offset == 4 * KiB  # best fit: the 4 KiB tail, never a used range
+    r = standby.handle(m.PutStart(client="c", item=m.PutItem(key="new2", size=KiB)))
+    assert r.replicas[0].offset == KiB  # the hole k1 left
+    assert standby.log == [["put", "new", 2 * KiB, -1, [(1, 4 * KiB)], "c", False, 0.0],
+                           ["put", "new2", KiB, -1, [(1, KiB)], "c", False, 0.0]]
+
+
+def test_sync_replication_holds_replies_until_acked_and_drops_silent_standby() -> None:
+    leader, _, hub = leader_and_standby()
+    hub.subscribe("sb", 7)
+    leader.handle(m.Mount(client="n0", segment="s0", size=8 * KiB))
+    (ident, msg), = hub.publish()
+    assert ident == 7 and msg.first_seq == 1 and len(msg.entries) == 1
+    hub.hold((1, 1, b"reply"))
+    assert hub.releasable() == []
+    hub.ack("sb", 1)
+    assert hub.releasable() == [(1, 1, b"reply")]
+    leader.handle(m.PutStart(client="c", item=m.PutItem(key="k", size=KiB)))
+    hub.publish()
+    hub.hold((1, 2, b"r2"))
+    leader.clock.advance_to(10.5)
+    assert hub.releasable() == []
+    leader.clock.advance_to(11.5)  # no ack for > repl_timeout_s: dropped, replies released
+    assert hub.releasable() == [(1, 2, b"r2")] and hub.standbys == {}
