@@ -16,7 +16,9 @@ from collections.abc import Callable, Iterable
 
 from yuebing.transfer.types import BatchId, BatchStatus, OpCode, RequestStatus, TransferStatus
 
-_PENDING, _TRANSFERRING, _DONE = TransferStatus.PENDING, TransferStatus.TRANSFERRING, TransferStatus.DONE
+# Plain-int copies of the states: the hot path compares ints, snapshots hand out the enum.
+_PENDING, _TRANSFERRING, _DONE = int(TransferStatus.PENDING), int(TransferStatus.TRANSFERRING), int(TransferStatus.DONE)
+_FAILED = int(TransferStatus.FAILED)
 
 
 def split_ranges(length: int, slice_size: int) -> list[tuple[int, int]]:
@@ -24,6 +26,8 @@ def split_ranges(length: int, slice_size: int) -> list[tuple[int, int]]:
     last piece carries the remainder. ``split_ranges(10, 4) == [(0, 4), (4, 4), (8, 2)]``."""
     if length <= 0 or slice_size <= 0:
         raise ValueError(f"length and slice_size must be positive, got {length}, {slice_size}")
+    if length <= slice_size:
+        return [(0, length)]
     return [(start, min(slice_size, length - start)) for start in range(0, length, slice_size)]
 
 
@@ -31,6 +35,9 @@ class RequestState:
     """Mutable state of one request; mutated only under its batch's lock."""
 
     __slots__ = ("length", "op", "status", "done_bytes", "slices_left", "error")
+
+    status: int
+    """A `TransferStatus` value as a plain int (cheap to compare on the hot path)."""
 
     def __init__(self, op: OpCode, length: int, n_slices: int) -> None:
         self.op = op
@@ -63,7 +70,7 @@ class Slice:
     @property
     def live(self) -> bool:
         """False once the request is terminal (failed, timed out): do not touch ``local``."""
-        return not self.batch.requests[self.index].status.terminal
+        return self.batch.requests[self.index].status < _DONE
 
     @property
     def deadline(self) -> float:
@@ -83,7 +90,7 @@ class Batch:
         self.deadline = deadline
         self.event = threading.Event()
         self._lock = threading.Lock()
-        self._open = sum(1 for r in requests if not r.status.terminal)
+        self._open = sum(1 for r in requests if r.status < _DONE)
         self._callbacks: list[Callable[[Batch], None]] = []
         if self._open == 0:
             self.event.set()
@@ -102,10 +109,10 @@ class Batch:
     def slice_done(self, index: int, nbytes: int, error: str | None) -> None:
         with self._lock:
             r = self.requests[index]
-            if r.status.terminal:
+            if r.status >= _DONE:
                 return
             if error is not None:
-                r.status, r.error = TransferStatus.FAILED, error
+                r.status, r.error = _FAILED, error
             else:
                 r.done_bytes += nbytes
                 r.slices_left -= 1
@@ -122,8 +129,8 @@ class Batch:
         with self._lock:
             finish = False
             for r in self.requests:
-                if not r.status.terminal:
-                    r.status, r.error = status, error
+                if r.status < _DONE:
+                    r.status, r.error = int(status), error
                     finish = self._closed_one() or finish
         if finish:
             self._finish()
@@ -157,17 +164,24 @@ class Batch:
 
     def snapshot(self) -> BatchStatus:
         with self._lock:
-            reqs = tuple(RequestStatus(r.status, r.done_bytes, r.length, r.error)
+            codes = [r.status for r in self.requests]
+            reqs = tuple(RequestStatus(_STATES[r.status], r.done_bytes, r.length, r.error)
                          for r in self.requests)
-        return BatchStatus(self.id, _batch_status(reqs), reqs)
+        return BatchStatus(self.id, _batch_status(codes), reqs)
 
 
-def _batch_status(reqs: tuple[RequestStatus, ...]) -> TransferStatus:
-    states = [r.status for r in reqs]
-    if not all(s.terminal for s in states):
-        return min(s for s in states if not s.terminal)
-    if TransferStatus.TIMEOUT in states:
+_STATES = tuple(TransferStatus)
+_TIMEOUT = int(TransferStatus.TIMEOUT)
+
+
+def _batch_status(codes: list[int]) -> TransferStatus:
+    """DONE if all are; TIMEOUT if any timed out, else FAILED if any failed (once all are
+    terminal); otherwise the least advanced in-flight state."""
+    in_flight = [c for c in codes if c < _DONE]
+    if in_flight:
+        return _STATES[min(in_flight)]
+    if _TIMEOUT in codes:
         return TransferStatus.TIMEOUT
-    if TransferStatus.FAILED in states:
+    if _FAILED in codes:
         return TransferStatus.FAILED
     return TransferStatus.DONE

@@ -87,6 +87,7 @@ class TransferEngine:
         self._active: list[Batch] = []
         self._ids = itertools.count(1)
         self._cv = threading.Condition()
+        self._wake_at = float("inf")
         self._closed = False
         self._reaper = threading.Thread(target=self._reap, name="tx-reaper", daemon=True)
         self._reaper.start()
@@ -174,6 +175,42 @@ class TransferEngine:
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
         if timeout <= 0:
             raise InputError(f"timeout_s must be > 0, got {timeout}")
+        plan = self._validate(requests)
+        states: list[RequestState] = []
+        groups: dict[tuple[int, str], tuple[Endpoint, SegmentDescriptor, list]] = {}
+        failures: list[tuple[int, str]] = []
+        endpoints: dict[str, Endpoint | str] = {}
+        for i, (r, local, desc) in enumerate(plan):
+            ep = endpoints.get(desc.name)
+            if ep is None:
+                try:
+                    ep = endpoints[desc.name] = self._endpoint(desc)
+                except TransferError as e:
+                    ep = endpoints[desc.name] = str(e)
+            if isinstance(ep, str):
+                states.append(RequestState(r.op, local.nbytes, 1))
+                failures.append((i, ep))
+                continue
+            pieces = split_ranges(local.nbytes, ep.slice_size or local.nbytes)
+            states.append(RequestState(r.op, local.nbytes, len(pieces)))
+            groups.setdefault((id(ep), desc.name), (ep, desc, []))[2].append((i, r, local, pieces))
+        batch = Batch(BatchId(next(self._ids)), states, time.monotonic() + timeout)
+        with self._cv:
+            self._batches[batch.id] = batch
+            self._active.append(batch)
+            if batch.deadline < self._wake_at:
+                self._cv.notify()
+        for i, err in failures:
+            batch.slice_done(i, 0, err)
+        for ep, desc, items in groups.values():
+            ep.submit(desc, [Slice(batch, i, r.op, local[a:a + n], desc.name, r.offset + a,
+                                   (r.offset, local.nbytes))
+                             for i, r, local, pieces in items for a, n in pieces])
+        return batch.id
+
+    def _validate(self, requests: Sequence[TransferRequest]
+                  ) -> list[tuple[TransferRequest, memoryview, SegmentDescriptor]]:
+        """Check every request and its remote range; raises before anything is sent."""
         plan = []
         for i, r in enumerate(requests):
             if not isinstance(r, TransferRequest):
@@ -182,29 +219,7 @@ class TransferEngine:
             desc = self.describe(str(r.segment))
             check_range(str(r.segment), desc.size, r.offset, length)
             plan.append((r, local, desc))
-        states, work, failures = [], [], []
-        for i, (r, local, desc) in enumerate(plan):
-            try:
-                ep = self._endpoint(desc)
-            except TransferError as e:
-                states.append(RequestState(r.op, local.nbytes, 1))
-                failures.append((i, str(e)))
-                continue
-            pieces = split_ranges(local.nbytes, ep.slice_size or local.nbytes)
-            states.append(RequestState(r.op, local.nbytes, len(pieces)))
-            work.append((ep, desc, r, local, pieces, i))
-        batch = Batch(BatchId(next(self._ids)), states, time.monotonic() + timeout)
-        with self._cv:
-            self._batches[batch.id] = batch
-            self._active.append(batch)
-            self._cv.notify()
-        for i, err in failures:
-            batch.slice_done(i, 0, err)
-        for ep, desc, r, local, pieces, i in work:
-            span = (r.offset, local.nbytes)
-            ep.submit(desc, [Slice(batch, i, r.op, local[a:a + n], desc.name, r.offset + a, span)
-                             for a, n in pieces])
-        return batch.id
+        return plan
 
     def _endpoint(self, desc: SegmentDescriptor) -> Endpoint:
         for t in self._transports:
@@ -277,6 +292,8 @@ class TransferEngine:
         return status
 
     def _reap(self) -> None:
+        """Reaper thread: time out batches whose deadline passed. It sleeps until the earliest
+        deadline (``_wake_at``); `submit` wakes it only for an earlier one."""
         with self._cv:
             while not self._closed:
                 now = time.monotonic()
@@ -284,7 +301,8 @@ class TransferEngine:
                 for b in [b for b in self._active if b.deadline <= now]:
                     b.expire(now)
                 pending = [b.deadline for b in self._active if not b.event.is_set()]
-                self._cv.wait(max(min(pending) - now, 0.001) if pending else None)
+                self._wake_at = min(pending) if pending else float("inf")
+                self._cv.wait(max(self._wake_at - now, 0.001) if pending else None)
 
     # ---- notifications --------------------------------------------------------------------
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import NewType
+from typing import NamedTuple, NewType
+
+import numpy as np
 
 from yuebing.core.errors import InputError, TransferError
 from yuebing.core.ids import SegmentName
@@ -43,6 +45,10 @@ class TransferStatus(IntEnum):
 def as_buffer(buf: object, *, writable: bool) -> memoryview:
     """A flat byte view of ``buf`` (bytes, bytearray, numpy array, torch CPU tensor via numpy,
     mmap, memoryview); raises `InputError` if it is not contiguous or, for reads, read-only."""
+    if type(buf) is np.ndarray and buf.flags.c_contiguous and buf.dtype == np.uint8:
+        if writable and not buf.flags.writeable:
+            raise InputError("READ needs a writable local buffer (got a read-only one)")
+        return memoryview(buf).cast("B") if buf.ndim != 1 else memoryview(buf)  # fast path
     if hasattr(buf, "numpy") and callable(buf.numpy) and not isinstance(buf, memoryview):
         buf = buf.numpy()  # torch CPU tensor → numpy view (no copy)
     try:
@@ -87,8 +93,7 @@ class TransferRequest:
         return mv[:length], length
 
 
-@dataclass(frozen=True, slots=True)
-class RequestStatus:
+class RequestStatus(NamedTuple):
     """Snapshot of one request: status, bytes confirmed so far, and the error if it failed."""
 
     status: TransferStatus

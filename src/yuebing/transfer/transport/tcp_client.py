@@ -102,7 +102,7 @@ class Lane:
         self.index = index
         self.outstanding = 0
         self.dead = False
-        self._q: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[list[Op] | None] = queue.SimpleQueue()
         self._pending: dict[int, Op] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -116,42 +116,63 @@ class Lane:
         with self._lock:
             if self.dead:
                 return False
-            for op in ops:
-                self.outstanding += op.length
-                self._q.put(op)
+            self.outstanding += sum(op.length for op in ops)
+            self._q.put(ops)
             return True
 
     def _send_loop(self) -> None:
-        stop = False
-        while not stop:
-            ops = [self._q.get()]
-            size = ops[0].length if ops[0] is not None else 0
-            while size < COALESCE_BYTES and len(ops) < COALESCE_OPS:
+        """Sender thread: take queued ops (lists put by `enqueue`), register them as pending,
+        and send their frames together. Ops it holds when the lane dies go back to the
+        endpoint for retry, so none is ever lost."""
+        carry: list[Op] = []
+        while True:
+            if not carry:
+                item = self._q.get()
+                if item is None:
+                    return
+                carry = item
+            ops, carry = self._take(carry)
+            stop = False
+            while not carry and len(ops) < COALESCE_OPS:
                 try:
-                    op = self._q.get_nowait()
+                    item = self._q.get_nowait()
                 except queue.Empty:
                     break
-                ops.append(op)
-                size += op.length if op is not None else 0
-            if None in ops:
-                stop = True
-                ops = [op for op in ops if op is not None]
+                if item is None:
+                    stop = True
+                    break
+                more, carry = self._take(item, COALESCE_OPS - len(ops))
+                ops += more
             with self._lock:
                 dead = self.dead
                 ids = [] if dead else [next(self._ids) for _ in ops]
                 if not dead:
                     self._pending.update(zip(ids, ops, strict=True))
             if dead:
-                self.endpoint.lane_failed(self, ops, "lane closed")  # type: ignore[arg-type]
-                continue
-            parts: list[memoryview] = []
-            for oid, op in zip(ids, ops, strict=True):
-                parts += self._frame(oid, op)  # type: ignore[arg-type]
+                self.endpoint.lane_failed(self, ops + carry, "lane closed")
+                return
             try:
-                send_parts(self.sock, parts)
+                send_parts(self.sock, [p for oid, op in zip(ids, ops, strict=True)
+                                       for p in self._frame(oid, op)])
             except OSError as e:
                 self.fail(f"send to {self.endpoint.address} failed: {e}")
+                stop = True
+            if stop:
+                if carry:
+                    self.endpoint.lane_failed(self, carry, "lane closed")
                 return
+
+    @staticmethod
+    def _take(ops: list[Op], limit: int = COALESCE_OPS) -> tuple[list[Op], list[Op]]:
+        """Split ``ops`` into what goes in one ``sendmsg`` (≤ ``limit`` frames, about
+        `COALESCE_BYTES` of payload) and the rest."""
+        size, n = 0, 0
+        for op in ops[:limit]:
+            n += 1
+            size += op.length
+            if size >= COALESCE_BYTES:
+                break
+        return ops[:n], ops[n:]
 
     def _frame(self, oid: int, op: Op) -> list[memoryview]:
         if isinstance(op, NotifyOp):
@@ -208,11 +229,11 @@ class Lane:
             self._pending.clear()
             while True:
                 try:
-                    op = self._q.get_nowait()
+                    item = self._q.get_nowait()
                 except queue.Empty:
                     break
-                if op is not None:
-                    ops.append(op)
+                if item is not None:
+                    ops += item
             self._q.put(None)
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
