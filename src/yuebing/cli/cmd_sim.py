@@ -97,7 +97,37 @@ def _paper(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", nargs="?", type=Path, default=_DEFAULT_TRACE,
+                   help=f"Mooncake JSONL trace (default: {_DEFAULT_TRACE})")
+    p.add_argument("--systems", default="mooncake,vllm,vllm_prefix_caching,vllm_chunked_prefill",
+                   help="comma-separated systems to time")
+    p.add_argument("--repeat", type=int, default=1, help="runs per system (fastest is kept)")
+    p.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG of wall time per system")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _bench(ns: argparse.Namespace) -> int:
+    from yuebing.sim.bench import plot_bench, run_bench
+
+    systems = [s for s in ns.systems.split(",") if s]
+    result = run_bench(ns.trace, systems, repeat=ns.repeat, limit=ns.limit)
+    if ns.plot is not None:
+        plot_bench(result, ns.plot)
+    if ns.json:
+        print(json.dumps(result))
+    else:
+        for name, r in result.items():
+            print(f"{name:22s} {r['wall_s']:7.2f} s  {r['events']:>9d} events  "
+                  f"{r['events_per_s']:>9.0f} events/s  {r['requests_per_s']:>6.0f} req/s  "
+                  f"{'OK' if r['meets_target'] else 'SLOWER THAN 20 s'}")
+    return 0
+
+
 COMMANDS = [
     Command(("sim", "run"), "simulate one system on a trace", _add_run, _run),
     Command(("sim", "paper"), "reproduce the Mooncake paper's figures", _add_paper, _paper),
+    Command(("bench", "sim"), "time the simulator on a whole trace, per system", _add_bench,
+            _bench),
 ]

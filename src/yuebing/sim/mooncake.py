@@ -223,7 +223,8 @@ class MooncakeSystem(SimSystem):
         }
 
     def extra(self) -> dict[str, object]:
-        return {"hot_key_replicas": self.replica_series, "pool_evictions": self.pool.evictions}
+        return {"hot_key_replicas": self.replica_series, "pool_evictions": self.pool.evictions,
+                "decode_iterations": sum(len(d.step_ends) for d in self.decodes)}
 
 
 @SYSTEMS.register("mooncake")

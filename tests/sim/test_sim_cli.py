@@ -1,0 +1,55 @@
+"""``yuebing sim run`` / ``yuebing sim paper``: JSON contracts and errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from yuebing.cli.main import main
+
+
+def test_sim_run_json(conversation_trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["sim", "run", str(conversation_trace), "--limit", "300", "--json",
+               "--prefill-policy", "load_balance"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests"] == 300
+    assert out["config"]["prefill_policy"] == "load_balance"
+    assert out["summary"]["completed"] + out["summary"]["rejected"] == 300
+    assert set(out["summary"]["effective_capacity"]) == {"100", "200", "300"}
+    assert out["events"] > 0 and out["events_per_s"] > 0
+
+
+def test_sim_paper_figure5_json_keys(conversation_trace: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["sim", "paper", "--trace", str(conversation_trace), "--figure", "5", "--json",
+               "--fast"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out) == ["random", "load_balance", "local_cache_aware", "global_cache_aware"]
+    assert all(isinstance(v, float) and v > 0 for v in out.values())
+
+
+def test_sim_paper_overload_json_keys(conversation_trace: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["sim", "paper", "--trace", str(conversation_trace), "--figure", "overload",
+               "--json", "--fast"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out) == ["baseline", "early_rejection", "predictive_early_rejection"]
+    assert all(isinstance(v, int) and v >= 0 for v in out.values())
+
+
+def test_bad_inputs_give_precise_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "paper", "--figure", "7", "--json"]) == 2
+    assert "unknown figure '7'" in capsys.readouterr().err
+    assert main(["sim", "run", str(tmp_path / "none.jsonl"), "--json"]) == 2
+    assert "none.jsonl" in capsys.readouterr().err
+    assert main(["sim", "run", str(tmp_path / "none.jsonl"), "--speed", "0"]) == 2
+    assert "speed must be > 0" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": "x", "output_length": 1, "hash_ids": []}\n')
+    assert main(["sim", "run", str(bad)]) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err
