@@ -7,10 +7,14 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from yuebing.cli.main import Command
 from yuebing.core.config import parse_size, parse_size_list
 from yuebing.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from yuebing.transfer.bench import BenchConfig, Row
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -69,7 +73,7 @@ def _run(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _measure(cfg):  # type: ignore[no-untyped-def]
+def _measure(cfg: BenchConfig) -> list[Row]:
     """Run the bench with a progress bar on stderr (stdout stays clean for ``--json``)."""
     from rich.console import Console
     from rich.progress import Progress

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import queue
@@ -230,7 +231,7 @@ class TransferEngine:
                     self._pool.pop(key)
                     self._forget_engine(desc.engine_id)
                     ep.close()
-                return self._pool.get_or_create(key, lambda t=t: t.connect(desc))
+                return self._pool.get_or_create(key, functools.partial(t.connect, desc))
         raise TransferError(f"no configured transport {self.config.transports} reaches "
                             f"segment {desc.name!r}")
 
@@ -260,9 +261,12 @@ class TransferEngine:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[BatchStatus] = loop.create_future()
 
+        def resolve(snap: BatchStatus) -> None:
+            if not fut.done():
+                fut.set_result(snap)
+
         def done(b: Batch) -> None:
-            snap = b.snapshot()
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(snap))
+            loop.call_soon_threadsafe(resolve, b.snapshot())
 
         batch.add_callback(done)
         return await fut

@@ -18,6 +18,7 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -133,12 +134,12 @@ class EtcdMetadata(MetadataService):
         self._ttl = ttl_s
         self._client = etcd3gw.Etcd3Client(host=host, port=int(port), timeout=timeout_s,
                                            api_path="/v3/")
-        self._lease = None
+        self._lease: Any = None  # etcd3gw.Lease once the first segment is published
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
 
-    def _lease_or_new(self):  # type: ignore[no-untyped-def]
+    def _lease_or_new(self) -> Any:
         with self._lock:
             if self._lease is None:
                 self._lease = self._client.lease(self._ttl)
@@ -156,7 +157,7 @@ class EtcdMetadata(MetadataService):
             except Exception as e:  # etcd unreachable for a moment: try again next period
                 log.warning("etcd lease refresh failed: %s", e)
 
-    def _call(self, what: str, fn: Callable[[], object]) -> object:
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except Exception as e:
@@ -175,13 +176,13 @@ class EtcdMetadata(MetadataService):
         if not values:
             return None
         try:
-            return msgspec.json.decode(values[0], type=SegmentDescriptor)  # type: ignore[index]
+            return msgspec.json.decode(values[0], type=SegmentDescriptor)
         except msgspec.DecodeError as e:
             raise TransferError(f"etcd holds a malformed descriptor for {name!r}: {e}") from None
 
     def names(self) -> list[str]:
         items = self._call("get prefix", lambda: self._client.get_prefix(self.prefix))
-        return sorted(meta["key"].decode()[len(self.prefix):] for _, meta in items)  # type: ignore[union-attr]
+        return sorted(meta["key"].decode()[len(self.prefix):] for _, meta in items)
 
     def close(self) -> None:
         self._stop.set()

@@ -48,7 +48,8 @@ def as_buffer(buf: object, *, writable: bool) -> memoryview:
     if type(buf) is np.ndarray and buf.flags.c_contiguous and buf.dtype == np.uint8:
         if writable and not buf.flags.writeable:
             raise InputError("READ needs a writable local buffer (got a read-only one)")
-        return memoryview(buf).cast("B") if buf.ndim != 1 else memoryview(buf)  # fast path
+        view = memoryview(buf)  # type: ignore[arg-type]  # ndarray exports the buffer protocol
+        return view.cast("B") if buf.ndim != 1 else view  # fast path
     if hasattr(buf, "numpy") and callable(buf.numpy) and not isinstance(buf, memoryview):
         buf = buf.numpy()  # torch CPU tensor → numpy view (no copy)
     try:

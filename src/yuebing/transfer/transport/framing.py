@@ -83,7 +83,7 @@ def recv_frame(sock: socket.socket, idle_ok: bool = False) -> Message:
         raise ConnectionError(f"bad frame header length {n}")
     header = bytearray(n)
     recv_exact(sock, memoryview(header))
-    return decode(header)
+    return decode(memoryview(header))
 
 
 def drain(sock: socket.socket, nbytes: int) -> None:
