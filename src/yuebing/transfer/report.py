@@ -27,21 +27,28 @@ def print_table(rows: list[Row], title: str = "yuebing bench transfer") -> None:
 
 
 def plot(rows: list[Row], out_dir: Path, batch: int) -> list[Path]:
-    """Write ``transfer_bw_vs_size.png`` and (with several lane counts) ``transfer_bw_vs_lanes.png``."""
+    """Write ``transfer_bw_vs_size.png`` and (with several lane counts) ``transfer_bw_vs_lanes.png``
+    from the rows with at most ``batch`` requests per batch (plus memcpy)."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
     main = [r for r in rows if r.batch <= batch or r.transport == "memcpy"]
     lanes_seen = sorted({r.lanes for r in main if r.transport == "tcp"})
-    best_lanes = max(lanes_seen) if lanes_seen else 1
+    paths = [_plot_vs_size(main, max(lanes_seen) if lanes_seen else 1,
+                           out_dir / "transfer_bw_vs_size.png")]
+    if len(lanes_seen) > 1:
+        paths.append(_plot_vs_lanes(main, lanes_seen, out_dir / "transfer_bw_vs_lanes.png"))
+    return paths
+
+
+def _plot_vs_size(rows: list[Row], lanes: int, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series: dict[str, list[Row]] = {}
-    for r in main:
-        if r.transport == "tcp" and r.lanes != best_lanes:
+    for r in rows:
+        if r.transport == "tcp" and r.lanes != lanes:
             continue
         label = "memcpy (1 thread)" if r.transport == "memcpy" else (
             f"{r.transport} {r.op}" + (f" ({r.lanes} lanes)" if r.transport == "tcp" else ""))
@@ -49,35 +56,38 @@ def plot(rows: list[Row], out_dir: Path, batch: int) -> list[Path]:
     for label, rs in series.items():
         rs.sort(key=lambda r: r.size_bytes)
         ax.plot([r.size_bytes for r in rs], [r.gbps for r in rs], marker="o", label=label)
+    sizes = sorted({r.size_bytes for r in rows})
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({r.size_bytes for r in main}),
-                  [format_size(s) for s in sorted({r.size_bytes for r in main})])
+    ax.set_xticks(sizes, [format_size(s) for s in sizes])
     ax.set_xlabel("request size")
     ax.set_ylabel("GB/s")
     ax.set_title("transfer engine bandwidth vs request size (two processes)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    paths.append(out_dir / "transfer_bw_vs_size.png")
-    fig.savefig(paths[-1], dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    if len(lanes_seen) > 1:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for op in ("write", "read"):
-            for size in sorted({r.size_bytes for r in main if r.transport == "tcp"}):
-                rs = sorted((r for r in main if r.transport == "tcp" and r.op == op
-                             and r.size_bytes == size), key=lambda r: r.lanes)
-                if rs:
-                    ax.plot([r.lanes for r in rs], [r.gbps for r in rs], marker="o",
-                            label=f"tcp {op} {format_size(size)}")
-        ax.set_xlabel("TCP lanes per peer")
-        ax.set_ylabel("GB/s")
-        ax.set_xticks(lanes_seen)
-        ax.set_title("TCP bandwidth vs lanes (two processes)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        paths.append(out_dir / "transfer_bw_vs_lanes.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
-    return paths
+    return path
+
+
+def _plot_vs_lanes(rows: list[Row], lanes_seen: list[int], path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for op in ("write", "read"):
+        for size in sorted({r.size_bytes for r in rows if r.transport == "tcp"}):
+            rs = sorted((r for r in rows if r.transport == "tcp" and r.op == op
+                         and r.size_bytes == size), key=lambda r: r.lanes)
+            if rs:
+                ax.plot([r.lanes for r in rs], [r.gbps for r in rs], marker="o",
+                        label=f"tcp {op} {format_size(size)}")
+    ax.set_xlabel("TCP lanes per peer")
+    ax.set_ylabel("GB/s")
+    ax.set_xticks(lanes_seen)
+    ax.set_title("TCP bandwidth vs lanes (two processes)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
