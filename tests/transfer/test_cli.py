@@ -23,7 +23,7 @@ def test_bench_transfer_json_rows_and_plots(tmp_path: Path) -> None:
     cells = {(r["transport"], r["op"], r["size_bytes"], r["batch"], r["lanes"]) for r in rows}
     expected = {("tcp", op, s, 2, n) for op in ("write", "read") for s in (65536, 131072)
                 for n in (1, 2)}
-    expected |= {("tcp", op, 65536, 4, 2) for op in ("write", "read")}
+    expected |= {("tcp", op, 65536, 4, n) for op in ("write", "read") for n in (1, 2)}
     expected |= {("shm", op, s, 2, 1) for op in ("write", "read") for s in (65536, 131072)}
     expected |= {("shm", op, 65536, 4, 1) for op in ("write", "read")}
     expected |= {("memcpy", "copy", s, 1, 1) for s in (65536, 131072)}

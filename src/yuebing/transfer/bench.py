@@ -42,7 +42,8 @@ class BenchConfig:
     max_inflight: int = 256 << 20
     """Cap of bytes per batch: big sizes use fewer requests per batch (at least 1)."""
     small_batch: int = 128
-    """Extra cell per transport and op: 64 KiB requests in batches of this many (0 = skip)."""
+    """Extra cells per transport, op and lane count: 64 KiB requests in batches of this many
+    (0 = skip)."""
     slice_size: int = 1 << 20
     socket_buffer: int = 4 << 20
     memcpy: bool = True
@@ -74,7 +75,7 @@ class BenchConfig:
                 for lanes in lanes_list:
                     out += [(transport, op, s, self.batch_for(s), lanes) for s in self.sizes]
                 if self.small_batch:
-                    out.append((transport, op, 64 << 10, self.small_batch, max(lanes_list)))
+                    out += [(transport, op, 64 << 10, self.small_batch, n) for n in lanes_list]
         return out
 
     def segment_bytes(self) -> int:
