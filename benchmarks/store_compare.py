@@ -3,7 +3,9 @@
 
     python benchmarks/store_compare.py OUTDIR [--img docs/img]
 
-OUTDIR holds yuebing_store.json and mc/mooncake_store_{remote_tcp,single_memcpy}.jsonl.
+OUTDIR holds one folder per value size (as store_vs_mooncake.sh writes), each with
+yuebing_store.json and mc/mooncake_store_{remote_tcp,single_memcpy}.jsonl; metadata-op cells
+come from the first folder that has them (both systems).
 Prints a markdown table (ours, original, ratio) and writes PNG plots.
 """
 
@@ -29,17 +31,25 @@ VARIANT = {"remote_tcp": "remote_tcp", "same_host": "single_memcpy"}
 
 def load_mc(out: Path) -> dict[tuple[str, str, int], dict]:
     cells: dict[tuple[str, str, int], dict] = {}
-    for path in sorted((out / "mc").glob("mooncake_store_*.jsonl")):
+    for path in sorted(out.glob("*/mc/mooncake_store_*.jsonl"), key=_size_order):
         for line in path.read_text().splitlines():
             if line.startswith("{"):
                 o = json.loads(line)
                 if o.get("kind") == "summary":
-                    cells[(o["variant"], o["op"], o["size"])] = o
+                    cells.setdefault((o["variant"], o["op"], o["size"]), o)
     return cells
 
 
+def _size_order(p: Path) -> int:
+    from yuebing.core.config import parse_size
+
+    folder = p.parts[len(p.parts) - 3] if p.name.endswith(".jsonl") else p.parent.name
+    return parse_size(folder)
+
+
 def rows(out: Path) -> list[dict]:
-    ours = json.loads((out / "yuebing_store.json").read_text())
+    ours = [r for p in sorted(out.glob("*/yuebing_store.json"), key=_size_order)
+            for r in json.loads(p.read_text())]
     mc = load_mc(out)
     table = []
     for r in ours:

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Side-by-side: yuebing store vs the original Mooncake Store (PyPI wheel, ../shared/peers/),
-# same sizes and methodology, one after the other in one invocation, then a comparison report.
+# same sizes and methodology, interleaved per value size (original, then ours) in one
+# invocation so both see the same machine load; then a comparison report with plots.
 #
 #   bash benchmarks/store_vs_mooncake.sh [OUTDIR]     (default ./storebench-out)
 #
-# Env: SIZES (64KiB,1MiB,4MiB,16MiB), RUNS (3), PEERS (../shared/peers).
+# Env: SIZES (64KiB,1MiB,4MiB,16MiB), RUNS (3), PEERS (../shared/peers), IMG (docs/img).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$HERE")"
@@ -12,11 +13,16 @@ OUT="${1:-./storebench-out}"
 SIZES="${SIZES:-64KiB,1MiB,4MiB,16MiB}"
 RUNS="${RUNS:-3}"
 PEERS="${PEERS:-$REPO/../shared/peers}"
-mkdir -p "$OUT/mc"
-echo "# yuebing bench store --sizes $SIZES --runs $RUNS" >&2
-"$REPO/.venv/bin/yuebing" bench store --sizes "$SIZES" --runs "$RUNS" --json \
-  --out "$OUT/yuebing_store.json" >/dev/null
-echo "# original: run_mooncake_store.sh (single_memcpy, remote_tcp)" >&2
-RUNS="$RUNS" SIZES="$SIZES" MC_VARIANTS="single_memcpy remote_tcp" SEGMENT=2GiB \
-  bash "$PEERS/run_mooncake_store.sh" "$OUT/mc" >&2
-"$REPO/.venv/bin/python" "$HERE/store_compare.py" "$OUT" --img "$REPO/docs/img"
+IMG="${IMG:-$REPO/docs/img}"
+first=1
+for S in ${SIZES//,/ }; do
+  mkdir -p "$OUT/$S/mc"
+  echo "# [$S] original: run_mooncake_store.sh (single_memcpy, remote_tcp)" >&2
+  RUNS="$RUNS" SIZES="$S" MC_VARIANTS="single_memcpy remote_tcp" SEGMENT=2GiB \
+    bash "$PEERS/run_mooncake_store.sh" "$OUT/$S/mc" >"$OUT/$S/mc.log" 2>&1
+  META=(--skip-meta); [[ $first == 1 ]] && META=(); first=0
+  echo "# [$S] yuebing bench store --sizes $S --runs $RUNS ${META[*]:-} --json" >&2
+  "$REPO/.venv/bin/yuebing" bench store --sizes "$S" --runs "$RUNS" "${META[@]}" --json \
+    --out "$OUT/$S/yuebing_store.json" >/dev/null
+done
+"$REPO/.venv/bin/python" "$HERE/store_compare.py" "$OUT" --img "$IMG"
