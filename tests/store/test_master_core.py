@@ -222,7 +222,7 @@ def test_offload_to_ssd_then_promotion_on_hit() -> None:
     owner, task = core.outbox.pop()
     assert (owner, task.src_segment, task.dst_segment, task.size) == ("n0", "n0/dram", "n0/ssd",
                                                                       4 * KiB)
-    assert core.handle(m.GetReplicas(key="a")).replicas == [m.Replica(segment="n0/dram", offset=0)]
+    assert exists(core, "a") == [True]  # still readable while the copy runs
     core.handle(m.TaskDone(client="n0", task=task.task, ok=True))
     assert [core.segs[s].tier for s, _ in core.objs["a"].reps] == [1]
     assert core.stats().values["dram_used"] == 4 * KiB and exists(core, "a") == [True]
@@ -244,3 +244,22 @@ def test_bad_requests_rejected() -> None:
     assert core.handle(m.Unmount(client="x", segment="zz")).code == C.UNKNOWN_SEGMENT
     with pytest.raises(ConfigError, match="high-watermark"):
         replace(MasterConfig(), high_watermark=1.5)
+
+
+def test_offload_of_a_value_read_meanwhile_keeps_dram_until_lease_ends() -> None:
+    core, clock = make(dram=8 * KiB, ssd=64 * KiB, high_watermark=0.6, evict_ratio=0.1)
+    put(core, "a")
+    put(core, "b")
+    core.tick()
+    (_, task), = core.outbox
+    core.outbox.clear()
+    assert core.handle(m.GetReplicas(key="a")).replicas == [m.Replica(segment="n0/dram", offset=0)]
+    core.handle(m.TaskDone(client="n0", task=task.task, ok=True))
+    assert [core.segs[s].tier for s, _ in core.objs["a"].reps] == [0, 1]  # reader still on DRAM
+    assert core.stats().values["dram_used"] == 8 * KiB
+    clock.advance_to(106.0)  # lease over; "b" is older than the re-read "a" -> offloaded first
+    core.tick()
+    assert [t.src_offset for _, t in core.outbox] == [4 * KiB]
+    assert core.handle(m.Remove(key="a")) == m.Ok()
+    usage = core.stats().values  # left: b in DRAM + the SSD range of b's copy in flight
+    assert (usage["dram_used"], usage["ssd_used"]) == (4 * KiB, 4 * KiB)

@@ -208,6 +208,9 @@ def task_done(core: MasterCore, msg: m.TaskDone) -> None:
         reply = m.ReplicaList(key=t.key, size=o.size, checksum=o.checksum,
                               replicas=core._dram_reps(o))
         core.ready.extend((w, reply) for w in t.waiters)
+    elif o.lease > core.clock.now():  # read while offloading: keep both copies for now;
+        o.reps = [*o.reps, t.dst]      # eviction drops the DRAM one once the lease is over
+        core.counters["offloads"] += 1
     else:  # offload: the DRAM source range is freed, the SSD copy replaces it
         s = core.segs.get(t.src[0])
         if s is not None and s.alloc is not None:
