@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from cluster import Proc, master, node
+from store_procs import Proc, master, node
 
 from etcd_util import free_port
 from yuebing.core.errors import StoreError

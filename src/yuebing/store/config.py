@@ -127,6 +127,7 @@ class NodeConfig:
         require(self.dram > 0, f"--dram must be > 0, got {self.dram}")
         if self.ssd:
             require(":" in self.ssd, f"--ssd must be DIR:SIZE, got {self.ssd!r}")
+            self.ssd_dir_size  # noqa: B018 - parses and validates SIZE
 
     @property
     def ssd_dir_size(self) -> tuple[str, int] | None:

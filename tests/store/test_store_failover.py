@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 import pytest
-from cluster import master, node
+from store_procs import master, node
 
 from etcd_util import EtcdServer, find_etcd
 from yuebing.store.client.client import StoreClient

@@ -263,3 +263,17 @@ def test_offload_of_a_value_read_meanwhile_keeps_dram_until_lease_ends() -> None
     assert core.handle(m.Remove(key="a")) == m.Ok()
     usage = core.stats().values  # left: b in DRAM + the SSD range of b's copy in flight
     assert (usage["dram_used"], usage["ssd_used"]) == (4 * KiB, 4 * KiB)
+
+
+def test_configs_reject_bad_values() -> None:
+    from yuebing.store.config import ClientConfig, NodeConfig
+
+    with pytest.raises(ConfigError, match="--ssd must be DIR:SIZE"):
+        NodeConfig(ssd="/tmp/x")
+    with pytest.raises(ConfigError, match="cannot parse size"):
+        NodeConfig(ssd="/tmp/x:lots")
+    assert NodeConfig(ssd="/tmp/x:1GiB").ssd_dir_size == ("/tmp/x", 1 << 30)
+    with pytest.raises(ConfigError, match="--master needs at least one address"):
+        ClientConfig(master=" , ")
+    with pytest.raises(ConfigError, match="--placement must be one of"):
+        MasterConfig(placement="closest")
