@@ -150,7 +150,7 @@ class MasterCore:
         now = self.clock.now()
         soft = now + it.soft_pin_s if it.soft_pin_s else 0.0
         deadline = now + self.cfg.put_timeout_s
-        self.objs[it.key] = Obj(it.size, it.checksum, placed, client, deadline, it.hard_pin, soft)
+        self.objs[it.key] = Obj(it.size, it.checksum, tuple(placed), client, it.hard_pin, soft)
         self.pending[it.key] = deadline
         self._log(["put", it.key, it.size, it.checksum, placed, client, it.hard_pin, it.soft_pin_s])
         segs = self.segs
@@ -201,7 +201,6 @@ class MasterCore:
             return C.NOT_FOUND, f"every segment written for {key!r} was lost; value discarded"
         o.state = COMMITTED
         o.owner = None
-        o.deadline = 0.0
         del self.pending[key]
         self._log(["commit", key])
         self.events.append((m.EventKind.STORED, key, [self.segs[s].name for s, _ in o.reps]))

@@ -119,5 +119,5 @@ def _drop_replicas(core: MasterCore, key: str, mine: list[tuple[int, int]]) -> N
         alloc = core.segs[sid].alloc
         if alloc is not None:
             alloc.free_range(off, o.size)
-    o.reps = [r for r in o.reps if r not in mine]
+    o.reps = tuple(r for r in o.reps if r not in mine)
     core._log(["reps", key, o.reps])

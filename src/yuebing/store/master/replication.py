@@ -32,15 +32,14 @@ log = logging.getLogger(__name__)
 def _apply_put(core: MasterCore, e: list[Any]) -> None:
     _, key, size, checksum, reps, owner, pin, soft_s = e
     now = core.clock.now()
-    o = Obj(size, checksum, [tuple(r) for r in reps], owner, now + core.cfg.put_timeout_s,
-            pin, now + soft_s if soft_s else 0.0)
-    core.objs[key] = o
-    core.pending[key] = o.deadline
+    core.objs[key] = Obj(size, checksum, tuple(tuple(r) for r in reps), owner, pin,
+                         now + soft_s if soft_s else 0.0)
+    core.pending[key] = now + core.cfg.put_timeout_s
 
 
 def _apply_commit(core: MasterCore, e: list[Any]) -> None:
     o = core.objs[e[1]]
-    o.state, o.owner, o.deadline = ObjState.COMMITTED, None, 0.0
+    o.state, o.owner = ObjState.COMMITTED, None
     core.pending.pop(e[1], None)
 
 
@@ -51,7 +50,7 @@ def _apply_del(core: MasterCore, e: list[Any]) -> None:
 
 
 def _apply_reps(core: MasterCore, e: list[Any]) -> None:
-    core.objs[e[1]].reps = [tuple(r) for r in e[2]]
+    core.objs[e[1]].reps = tuple(tuple(r) for r in e[2])
 
 
 def _apply_pin(core: MasterCore, e: list[Any]) -> None:
@@ -126,7 +125,7 @@ def take_over(core: MasterCore) -> None:
     for sess in core.sessions.values():
         sess.deadline = now + core.cfg.client_ttl_s
     for key in core.pending:
-        core.objs[key].deadline = core.pending[key] = now + core.cfg.put_timeout_s
+        core.pending[key] = now + core.cfg.put_timeout_s
     core.tasks.clear()
     core.log = []
     log.warning("took over as leader: %d objects, %d segments", len(core.objs), len(core.segs))

@@ -94,7 +94,7 @@ def drop_segment(core: MasterCore, sid: int) -> None:
     dead: list[str] = []
     for key, o in core.objs.items():
         if any(r[0] == sid for r in o.reps):
-            o.reps = [r for r in o.reps if r[0] != sid]
+            o.reps = tuple(r for r in o.reps if r[0] != sid)
             if not o.reps and o.moving == 0 and o.state == ObjState.COMMITTED:
                 dead.append(key)  # a pending one stays until put_end/revoke/timeout says so
     for key in dead:
@@ -203,19 +203,19 @@ def task_done(core: MasterCore, msg: m.TaskDone) -> None:
     del core.tasks[msg.task]
     o.moving = 0
     if t.promote:
-        o.reps = [t.dst, *o.reps]
+        o.reps = (t.dst, *o.reps)
         o.lease = core.clock.now() + core.cfg.lease_ttl_s
         reply = m.ReplicaList(key=t.key, size=o.size, checksum=o.checksum,
                               replicas=core._dram_reps(o))
         core.ready.extend((w, reply) for w in t.waiters)
     elif o.lease > core.clock.now():  # read while offloading: keep both copies for now;
-        o.reps = [*o.reps, t.dst]      # eviction drops the DRAM one once the lease is over
+        o.reps = (*o.reps, t.dst)      # eviction drops the DRAM one once the lease is over
         core.counters["offloads"] += 1
     else:  # offload: the DRAM source range is freed, the SSD copy replaces it
         s = core.segs.get(t.src[0])
         if s is not None and s.alloc is not None:
             s.alloc.free_range(t.src[1], o.size)
-        o.reps = [r for r in o.reps if r != t.src] + [t.dst]
+        o.reps = (*(r for r in o.reps if r != t.src), t.dst)
         core.counters["offloads"] += 1
     core._log(["reps", t.key, o.reps])
 

@@ -21,21 +21,19 @@ class SegState(IntEnum):
 
 
 class Obj:
-    """One value. ``reps`` is a list of ``(segment id, offset)``; ``lease`` / ``soft`` are expiry
-    times (0.0 = none); ``owner``/``deadline`` are set only while PENDING; ``moving`` is the id of
-    an in-flight tier task (0 = none)."""
+    """One value. ``reps`` is a tuple of ``(segment id, offset)``; ``lease`` / ``soft`` are expiry
+    times (0.0 = none); ``owner`` is set only while PENDING (its deadline lives in the core's
+    ``pending`` dict); ``moving`` is the id of an in-flight tier task (0 = none)."""
 
-    __slots__ = ("checksum", "deadline", "lease", "moving", "owner", "pin", "reps", "size",
-                 "soft", "state")
+    __slots__ = ("checksum", "lease", "moving", "owner", "pin", "reps", "size", "soft", "state")
 
-    def __init__(self, size: int, checksum: int, reps: list[tuple[int, int]], owner: str | None,
-                 deadline: float, pin: bool, soft: float) -> None:
+    def __init__(self, size: int, checksum: int, reps: tuple[tuple[int, int], ...],
+                 owner: str | None, pin: bool, soft: float) -> None:
         self.size = size
         self.checksum = checksum
         self.reps = reps
         self.state = ObjState.PENDING
         self.owner = owner
-        self.deadline = deadline
         self.lease = 0.0
         self.pin = pin
         self.soft = soft
