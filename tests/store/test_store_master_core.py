@@ -277,3 +277,22 @@ def test_configs_reject_bad_values() -> None:
         ClientConfig(master=" , ")
     with pytest.raises(ConfigError, match="--placement must be one of"):
         MasterConfig(placement="closest")
+
+
+def test_drain_stops_placement_and_empties_segment_once_leases_end() -> None:
+    core, clock = make(segs=2, lease_ttl_s=1.0)
+    r = core.handle(m.PutStart(client="c", item=m.PutItem(key="k", size=KiB, strategy="preferred",
+                                                           preferred=["n0/dram"])))
+    assert r.replicas[0].segment == "n0/dram"
+    core.handle(m.PutEnd(client="c", key="k"))
+    core.handle(m.GetReplicas(key="k"))
+    assert core.handle(m.Drain(client="n0", segment="n0/dram")) == m.Count(n=1)
+    r = core.handle(m.PutStart(client="c", item=m.PutItem(key="j", size=KiB, strategy="preferred",
+                                                           preferred=["n0/dram"])))
+    assert r.replicas[0].segment == "n1/dram"  # draining segments get no new values
+    core.tick()
+    assert exists(core, "k") == [True]  # leased: the reader finishes first
+    clock.advance_to(101.5)
+    core.tick()
+    assert exists(core, "k") == [False]
+    assert core.handle(m.Drain(client="n0", segment="n0/dram")) == m.Count(n=0)

@@ -61,6 +61,8 @@ def _add_node(p: argparse.ArgumentParser) -> None:
     add_config_args(p, ClientConfig)
     add_config_args(p, TransferConfig, prefix="tx_")
     p.add_argument("--ready-file", default="", help="write {dram, ssd} segment names JSON here")
+    p.add_argument("--drain-s", type=float, default=2.0,
+                   help="on SIGTERM: seconds to wait for readers to finish before unmounting")
 
 
 def _run_node(ns: argparse.Namespace) -> int:
@@ -80,7 +82,7 @@ def _run_node(ns: argparse.Namespace) -> int:
         node.serve()
     finally:
         with contextlib.suppress(Exception):
-            node.drain(0.0)
+            node.drain(ns.drain_s)
         node.close()
     return 0
 

@@ -363,6 +363,7 @@ class MasterCore:
         segments.expire_sessions(self)
         segments.reclaim_zombies(self)
         eviction.watermark(self)
+        eviction.drain(self)
 
     def stats(self, msg: m.GetStats | None = None) -> m.Stats:
         return m.Stats(values=segments.usage(self))

@@ -6,6 +6,8 @@ never evicted; soft-pinned objects (pin not yet expired) only in a second pass w
 freed too little. It is approximate because a scan visits at most ``SCAN_LIMIT`` objects and
 probes (exists, prefix_match) do not count as use.
 
+Draining segments are emptied the same way (``drain``: a node about to leave lets readers
+finish, then its replicas are dropped, each with a REMOVED event when it was the last one).
 Two triggers: ``watermark`` (every tick: DRAM usage above ``high_watermark`` evicts down to
 ``high_watermark - evict_ratio``; on a node with an SSD tier a victim is offloaded there
 instead of dropped, asynchronously) and ``evict_for`` (an allocation failed: drop at once).
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from yuebing.store import messages as m
 from yuebing.store.master.segments import ssd_of, start_task
-from yuebing.store.master.state import ObjState
+from yuebing.store.master.state import ObjState, SegState
 
 if TYPE_CHECKING:
     from yuebing.store.master.core import MasterCore
@@ -39,6 +41,15 @@ def watermark(core: MasterCore) -> int:
         return 0
     target = (core.cfg.high_watermark - core.cfg.evict_ratio) * cap
     return evict_for(core, int(used - in_flight - target), offload=True)
+
+
+def drain(core: MasterCore) -> int:
+    """Empty draining segments: their replicas go as soon as nobody leases or pins them."""
+    freed = 0
+    for s in list(core.segs.values()):
+        if s.state == SegState.DRAINING and s.alloc is not None and s.alloc.used:
+            freed += evict_for(core, s.alloc.used, only={s.id}, tier=s.tier)
+    return freed
 
 
 def evict_for(core: MasterCore, need: int, only: set[int] | None = None, tier: int = 0,
