@@ -179,3 +179,24 @@ def test_bad_requests_and_configs():
                     ({"block_tokens": 0}, "block_tokens must be ≥ 1")]:
         with pytest.raises(ConfigError, match=msg):
             config(**kw)
+
+
+def test_least_loaded_counts_routed_requests_still_in_prefill():
+    # both idle now, but three requests already routed to d0 will arrive: avoid herding
+    v = ClusterView(100.0, P0, (decode("d0"), decode("d1")), link_bandwidth_Bps=1e7,
+                    pending_decodes=tuple(PendingDecode(101.0, 100, InstanceId("d0"), 1000)
+                                          for _ in range(3)))
+    r = decide_with(v)
+    assert (r.decode_id, r.est_tbt_s) == ("d1", pytest.approx(0.021, rel=1e-12))
+    assert decide_with(view(P0, (decode("d0"), decode("d1")))).decode_id == "d0"
+
+
+def test_forecast_selector_picks_the_instance_that_will_be_least_loaded():
+    # at t+6 s: d0's batch 10 drains to 4; d1's 4 drain to 1.6 but 5 routed ones join -> 6.6
+    v = ClusterView(100.0, (prefill("p0", 5.0),), (decode("d0", batch=10), decode("d1", batch=4)),
+                    link_bandwidth_Bps=1e7,
+                    pending_decodes=tuple(PendingDecode(101.0, 0, InstanceId("d1"))
+                                          for _ in range(5)))
+    assert decide_with(v).decode_id == "d1"  # now: d0 10, d1 4 + 5 = 9
+    r = decide_with(v, decode_selector="forecast", admission="predictive_early_rejection")
+    assert (r.decode_id, r.est_tbt_s) == ("d0", pytest.approx(0.061, rel=1e-12))

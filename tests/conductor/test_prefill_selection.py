@@ -110,3 +110,19 @@ def test_decode_choice_is_independent_of_prefill_selector():
     v = view(FOUR, decodes=(decode("d0", batch=3), decode("d1", batch=1)))
     assert {route(s, v).decode_id for s in ("random", "load_balance", "local_cache_aware",
                                              "global_cache_aware")} == {"d1"}
+
+
+def test_long_prompts_are_estimated_as_chunked_pipeline_parallel():
+    # threshold 300 new tokens, chunks of 100: k = ceil(new / 300) stages (≤ 4), each 1/k of the
+    # layers plus (k-1)/chunks of bubble, starting when the k-1 least queued others are free too
+    kw = dict(cpp_threshold_tokens=300, cpp_max_nodes=4, cpp_chunk_tokens=100)
+    lb = route("load_balance", view(FOUR), **kw)  # p3, 1000 new: k=4, waits for p0 (0.5 s)
+    assert (lb.prefill_id, lb.est_queue_s) == ("p3", 0.5)
+    assert lb.est_prefill_s == pytest.approx(1.0 / 4 * (1 + 3 / 10), rel=1e-12)
+    # p0 .5+.325, p1 max(.2,.3)+.8/3*1.25, p2 max(.3,.1)+.4/2*1.25 = .55, p3 .5+.325 -> p2
+    local = route("local_cache_aware", view(FOUR), **kw)
+    assert (local.prefill_id, local.est_queue_s) == ("p2", 0.3)
+    assert local.est_prefill_s == pytest.approx(0.25, rel=1e-12)
+    assert route("global_cache_aware", view(FOUR), **kw) == local
+    small = route("local_cache_aware", view(FOUR), cpp_threshold_tokens=1000)
+    assert small == route("local_cache_aware", view(FOUR))  # 1000 new tokens: not above

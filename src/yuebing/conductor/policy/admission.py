@@ -9,10 +9,12 @@ to accept or a `Reject` (reason, stage ``ARRIVAL``, computed ``retry_after_s``):
   predicted TBT exceeds its SLO (retry when the decode forecast says the load is back ≤ 1).
 - ``early_rejection`` (arXiv §7.2): reject when ``max(prefill load, decode load)`` exceeds
   ``early_rejection_threshold``; prefill load = predicted TTFT / TTFT SLO, decode load = the
-  chosen decode instance's load *now*.
-- ``predictive_early_rejection`` (arXiv §7.4): the same, but the decode load is forecast for the
-  moment this request would reach decode (now + predicted TTFT), counting routed requests still
-  in prefill (``view.pending_decodes``) and the decodes expected to finish by then.
+  chosen decode instance's load *now* (running and waiting requests only).
+- ``predictive_early_rejection`` (arXiv §7.4): the same, but the decode load of the chosen
+  decode instance is forecast for the moment this request would reach decode (now + predicted
+  TTFT), counting routed requests still in prefill (``view.pending_decodes``) and the decodes
+  expected to finish by then (use it with the ``forecast`` decode selector, which chooses the
+  instance by that same forecast).
 
 A request that cannot be served even by an idle cluster gets reason ``unservable`` and
 ``retry_after_s = inf``.
@@ -25,7 +27,13 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from yuebing.conductor.policy.decode import DecodePlan, forecast_decode_load
+from yuebing.conductor.policy.decode import (
+    DecodePlan,
+    current_state,
+    forecast_decode_load,
+    forecast_state,
+    plan_on,
+)
 from yuebing.conductor.policy.prefill import PrefillPlan
 from yuebing.conductor.policy.types import ClusterView, Reject, RejectStage, RequestInfo
 from yuebing.core.registry import Registry
@@ -119,12 +127,18 @@ def _overload(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPla
 @ADMISSIONS.register("early_rejection")
 def admit_early_rejection(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPlan,
                           dplan: DecodePlan) -> Reject | None:
-    return _overload(pol, req, view, plan, dplan, dplan.load, view.now_s)
+    load = dplan.load
+    if view.pending_decodes or pol.config.decode_selector != "least_loaded":
+        load = plan_on(pol, req, view, current_state(view, with_pending=False), dplan.index).load
+    return _overload(pol, req, view, plan, dplan, load, view.now_s)
 
 
 @ADMISSIONS.register("predictive_early_rejection")
 def admit_predictive(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPlan,
                      dplan: DecodePlan) -> Reject | None:
     at_s = view.now_s + plan.ttft_s
-    load = forecast_decode_load(pol, req, view, at_s)
+    if pol.config.decode_selector == "forecast":
+        load = dplan.load
+    else:
+        load = plan_on(pol, req, view, forecast_state(pol, view, at_s), dplan.index).load
     return _overload(pol, req, view, plan, dplan, load, at_s)

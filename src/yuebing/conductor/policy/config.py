@@ -49,6 +49,12 @@ class PolicyConfig:
         "distribution the system-level forecast assumes)"))
     min_retry_after_s: float = field(default=1.0, metadata=_help(
         "smallest Retry-After a rejection suggests, seconds"))
+    cpp_threshold_tokens: int = field(default=0, metadata=_help(
+        "prefills with more new tokens than this run chunked-pipeline-parallel over a group of "
+        "prefill instances (0: never; must match the adapter)"))
+    cpp_max_nodes: int = field(default=4, metadata=_help("largest pipeline group"))
+    cpp_chunk_tokens: int = field(default=8192, metadata=_help(
+        "chunk size of the pipelined prefill (one chunk of pipeline bubble per extra node)"))
 
     def __post_init__(self) -> None:
         for name, registry in (("prefill_selector", PREFILL_SELECTORS),
@@ -69,6 +75,11 @@ class PolicyConfig:
         for name in ("min_transfer_gain_s", "min_retry_after_s"):
             v = getattr(self, name)
             require(math.isfinite(v) and v >= 0, f"{name} must be ≥ 0, got {v}")
+        require(self.cpp_threshold_tokens >= 0,
+                f"cpp_threshold_tokens must be ≥ 0 (0 disables), got {self.cpp_threshold_tokens}")
+        require(self.cpp_max_nodes >= 1 and self.cpp_chunk_tokens >= 1,
+                f"cpp_max_nodes and cpp_chunk_tokens must be ≥ 1, got {self.cpp_max_nodes}, "
+                f"{self.cpp_chunk_tokens}")
         require(len(self.decode_durations_s) >= 1
                 and all(math.isfinite(d) and d > 0 for d in self.decode_durations_s),
                 f"decode_durations_s must be one or more positive seconds, got "

@@ -2,18 +2,26 @@
 
 A decode instance's *load* for a request is ``max(predicted TBT / TBT SLO, KV after admission /
 KV capacity)``: 1.0 means it would sit exactly at the SLO or fill its KV memory. The predicted
-TBT is the decode step time with this request added: ``decode(batch + waiting + 1, context +
-waiting context + input tokens)``; the request reserves ``input + expected output`` tokens of KV.
+TBT is the decode step time with this request added, ``decode(batch + 1, context + input
+tokens)``; the request reserves ``input + expected output`` tokens of KV.
 
-Selectors (registered by name): ``least_loaded`` picks the least loaded instance among those
-whose predicted TBT holds and whose KV fits, falling back to the least loaded instance whose KV
-fits, then to the least loaded overall (admission decides whether to reject); ``random`` is a
-stable hash of (seed, request id).
+Selectors (registered by name) differ in which batch, context and KV they count, then pick the
+least loaded instance among those whose predicted TBT holds and whose KV fits, falling back to
+the least loaded instance whose KV fits, then to the least loaded overall (admission decides
+whether to reject); ties go to the instance listed first:
 
-`forecast_decode_load` is the system-level forecast of arXiv §7.4: decode durations follow one
-fixed distribution (``PolicyConfig.decode_durations_s``, equally likely values), so a request
-decoding now is still running Δ seconds later with the equilibrium residual-life probability
-``E[max(0, D - Δ)] / E[D]``, a waiting request or one reaching decode at ``s`` with ``P(D > age)``.
+- ``least_loaded``: the state now — running batch, requests waiting to join, and requests
+  already routed there that are still in prefill (``view.pending_decodes``, when the adapter
+  provides them; counting them keeps a burst of arrivals from herding onto one instance).
+- ``forecast``: the state forecast for the moment this request reaches decode (now + its
+  estimated TTFT), see below; pair it with ``predictive_early_rejection``.
+- ``random``: a stable hash of (seed, request id).
+
+The forecast is the system-level prediction of arXiv §7.4: decode durations follow one fixed
+distribution (``PolicyConfig.decode_durations_s``, equally likely values), so a request decoding
+now still decodes Δ seconds later with the equilibrium residual-life probability
+``E[max(0, D - Δ)] / E[D]``, and a waiting request, or a routed one reaching decode at ``s``,
+with ``P(D > age)``; routed requests reaching decode after the forecast instant are not counted.
 """
 
 from __future__ import annotations
@@ -40,32 +48,85 @@ class DecodePlan:
     load: float
 
 
-DecodeSelector = Callable[["Policy", RequestInfo, ClusterView], DecodePlan]
+DecodeSelector = Callable[["Policy", RequestInfo, ClusterView, float], DecodePlan]
+"""``(policy, request, view, at_s)``: ``at_s`` is when the request is expected to reach decode."""
 DECODE_SELECTORS: Registry[DecodeSelector] = Registry("decode selector")
 
-
-def decode_plan(pol: Policy, req: RequestInfo, view: ClusterView, index: int) -> DecodePlan:
-    """TBT, KV fit and load of putting ``req`` on ``view.decodes[index]`` now."""
-    d = view.decodes[index]
-    tbt = pol.decode_time(d.batch_size + d.waiting_requests + 1,
-                          d.context_tokens + d.waiting_context_tokens + req.input_tokens)
-    kv_after = d.kv_used_tokens + req.input_tokens + req.expected_output_tokens
-    kv_load = kv_after / d.kv_capacity_tokens
-    return DecodePlan(index, tbt, kv_after <= d.kv_capacity_tokens,
-                      max(tbt / pol.config.tbt_slo_s, kv_load))
+State = tuple[list[float], list[float], list[float]]
+"""Per decode instance: (batch, context tokens, KV tokens) before this request joins."""
 
 
-@DECODE_SELECTORS.register("least_loaded")
-def select_least_loaded(pol: Policy, req: RequestInfo, view: ClusterView) -> DecodePlan:
+def current_state(view: ClusterView, with_pending: bool = True) -> State:
+    """Running + waiting (+ routed-and-still-in-prefill at full weight, ``with_pending``)."""
+    batch = [float(d.batch_size + d.waiting_requests) for d in view.decodes]
+    ctx = [float(d.context_tokens + d.waiting_context_tokens) for d in view.decodes]
+    kv = [float(d.kv_used_tokens) for d in view.decodes]
+    if with_pending and view.pending_decodes:
+        _add_pending(view, None, None, batch, ctx, kv)
+    return batch, ctx, kv
+
+
+def forecast_state(pol: Policy, view: ClusterView, at_s: float) -> State:
+    """Expected state at ``at_s`` (≥ ``view.now_s``) under the decode-duration distribution."""
+    dt = max(0.0, at_s - view.now_s)
+    s_running = pol.residual_survival(dt)
+    s_waiting = pol.survival(dt)
+    batch, ctx, kv = [], [], []
+    for d in view.decodes:
+        running_kv = max(0, d.kv_used_tokens - d.waiting_context_tokens)
+        batch.append(d.batch_size * s_running + d.waiting_requests * s_waiting)
+        ctx.append(d.context_tokens * s_running + d.waiting_context_tokens * s_waiting)
+        kv.append(running_kv * s_running + (d.kv_used_tokens - running_kv) * s_waiting)
+    if view.pending_decodes:
+        _add_pending(view, pol, at_s, batch, ctx, kv)
+    return batch, ctx, kv
+
+
+def _add_pending(view: ClusterView, pol: Policy | None, at_s: float | None, batch: list[float],
+                 ctx: list[float], kv: list[float]) -> None:
+    """Add routed requests still in prefill: at full weight (``pol`` None), or weighted by the
+    probability that they reached decode by ``at_s`` and still decode then."""
+    index = {d.instance_id: k for k, d in enumerate(view.decodes)}
+    share = 1.0 / len(view.decodes)
+    for p in view.pending_decodes:
+        w = 1.0
+        if pol is not None and at_s is not None:
+            age = at_s - p.expected_decode_start_s
+            if age < 0:
+                continue
+            w = pol.survival(age)
+            if w == 0.0:
+                continue
+        k = index.get(p.decode_id) if p.decode_id is not None else None
+        if k is None:
+            w *= share
+        for t in (range(len(batch)) if k is None else (k,)):
+            batch[t] += w
+            ctx[t] += w * p.context_tokens
+            kv[t] += w * (p.context_tokens + p.expected_output_tokens)
+
+
+def plan_on(pol: Policy, req: RequestInfo, view: ClusterView, state: State,
+            index: int) -> DecodePlan:
+    """TBT, KV fit and load of ``req`` joining instance ``index`` in ``state``."""
+    batch, ctx, kv = state
+    cap = view.decodes[index].kv_capacity_tokens
+    tbt = pol.decode_time(batch[index] + 1, ctx[index] + req.input_tokens)
+    kv_after = kv[index] + req.input_tokens + req.expected_output_tokens
+    return DecodePlan(index, tbt, kv_after <= cap, max(tbt / pol.config.tbt_slo_s, kv_after / cap))
+
+
+def least_loaded_in(pol: Policy, req: RequestInfo, view: ClusterView, state: State) -> DecodePlan:
+    """The tiered least-loaded choice (see the module docstring) in ``state``."""
+    batch, ctx, kv = state
     slo = pol.config.tbt_slo_s
     n_in = req.input_tokens
     need = n_in + req.expected_output_tokens
     decode_time = pol.decode_time
     best, best_key = 0, (3, 0.0)
     for i, d in enumerate(view.decodes):
-        tbt = decode_time(d.batch_size + d.waiting_requests + 1,
-                          d.context_tokens + d.waiting_context_tokens + n_in)
-        kv_after = d.kv_used_tokens + need
+        tbt = decode_time(batch[i] + 1, ctx[i] + n_in)
+        kv_after = kv[i] + need
         fits = kv_after <= d.kv_capacity_tokens
         load = tbt / slo
         kv_load = kv_after / d.kv_capacity_tokens
@@ -74,58 +135,27 @@ def select_least_loaded(pol: Policy, req: RequestInfo, view: ClusterView) -> Dec
         key = (0 if fits and tbt <= slo else (1 if fits else 2), load)
         if key < best_key:
             best, best_key = i, key
-    return decode_plan(pol, req, view, best)
+    return plan_on(pol, req, view, state, best)
+
+
+@DECODE_SELECTORS.register("least_loaded")
+def select_least_loaded(pol: Policy, req: RequestInfo, view: ClusterView,
+                        at_s: float) -> DecodePlan:
+    return least_loaded_in(pol, req, view, current_state(view))
+
+
+@DECODE_SELECTORS.register("forecast")
+def select_forecast(pol: Policy, req: RequestInfo, view: ClusterView, at_s: float) -> DecodePlan:
+    return least_loaded_in(pol, req, view, forecast_state(pol, view, at_s))
 
 
 @DECODE_SELECTORS.register("random")
-def select_random(pol: Policy, req: RequestInfo, view: ClusterView) -> DecodePlan:
+def select_random(pol: Policy, req: RequestInfo, view: ClusterView, at_s: float) -> DecodePlan:
     index = stable_index(pol.config.seed, "decode", req.request_id, len(view.decodes))
-    return decode_plan(pol, req, view, index)
+    return plan_on(pol, req, view, current_state(view), index)
 
 
 def forecast_decode_load(pol: Policy, req: RequestInfo, view: ClusterView, at_s: float) -> float:
-    """Lowest load over decode instances for ``req`` joining at ``at_s`` (≥ ``view.now_s``)."""
-    dt = max(0.0, at_s - view.now_s)
-    s_running = pol.residual_survival(dt)
-    s_waiting = pol.survival(dt)
-    n_dec = len(view.decodes)
-    batch = [0.0] * n_dec
-    ctx = [0.0] * n_dec
-    kv = [0.0] * n_dec
-    for k, d in enumerate(view.decodes):
-        running_kv = max(0, d.kv_used_tokens - d.waiting_context_tokens)
-        batch[k] = d.batch_size * s_running + d.waiting_requests * s_waiting
-        ctx[k] = d.context_tokens * s_running + d.waiting_context_tokens * s_waiting
-        kv[k] = running_kv * s_running + (d.kv_used_tokens - running_kv) * s_waiting
-    if view.pending_decodes:
-        _add_pending(pol, view, at_s, batch, ctx, kv)
-    need = req.input_tokens + req.expected_output_tokens
-    slo = pol.config.tbt_slo_s
-    best = float("inf")
-    for k, d in enumerate(view.decodes):
-        tbt = pol.decode_time(batch[k] + 1, ctx[k] + req.input_tokens)
-        load = max(tbt / slo, (kv[k] + need) / d.kv_capacity_tokens)
-        best = min(best, load)
-    return best
-
-
-def _add_pending(pol: Policy, view: ClusterView, at_s: float, batch: list[float],
-                 ctx: list[float], kv: list[float]) -> None:
-    """Add routed requests that reach decode by ``at_s``, weighted by survival to ``at_s``."""
-    index = {d.instance_id: k for k, d in enumerate(view.decodes)}
-    share = 1.0 / len(view.decodes)
-    for p in view.pending_decodes:
-        age = at_s - p.expected_decode_start_s
-        if age < 0:
-            continue
-        w = pol.survival(age)
-        if w == 0.0:
-            continue
-        k = index.get(p.decode_id) if p.decode_id is not None else None
-        targets = range(len(batch)) if k is None else (k,)
-        if k is None:
-            w *= share
-        for t in targets:
-            batch[t] += w
-            ctx[t] += w * p.context_tokens
-            kv[t] += w * (p.context_tokens + p.expected_output_tokens)
+    """Lowest forecast load over decode instances for ``req`` joining at ``at_s``."""
+    state = forecast_state(pol, view, at_s)
+    return min(plan_on(pol, req, view, state, k).load for k in range(len(view.decodes)))

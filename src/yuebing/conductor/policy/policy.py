@@ -40,7 +40,7 @@ class Policy:
 
     __slots__ = ("config", "predictors", "max_decode_duration_s", "_prefill", "_decode",
                  "_admission", "_durations", "_mean_duration", "_tail_sums", "prefill_time",
-                 "decode_time", "_tp")
+                 "decode_time", "_tp", "cpp_threshold")
 
     def __init__(self, config: PolicyConfig, predictors: Predictors) -> None:
         self.config = config
@@ -53,6 +53,8 @@ class Policy:
         self.decode_time = predictors.decode.predict
         """``decode_time(batch_size, context_tokens)`` seconds per step (the decode predictor)."""
         self._tp = predictors.transfer.predict
+        self.cpp_threshold: float = float(config.cpp_threshold_tokens or math.inf)
+        """New-token count above which a prefill runs pipeline-parallel (inf: never)."""
         self._durations = tuple(sorted(config.decode_durations_s))
         self._mean_duration = sum(self._durations) / len(self._durations)
         self.max_decode_duration_s = self._durations[-1]
@@ -67,6 +69,29 @@ class Policy:
         """Prompt tokens reused from ``blocks`` cached leading blocks: the blocks' tokens (the
         last block may be partial), but never the last prompt token, which is recomputed."""
         return min(blocks * self.config.block_tokens, input_tokens - 1)
+
+    def prefill_estimate(self, view: ClusterView, index: int, new_tokens: int,
+                         cached_tokens: int) -> tuple[float, float]:
+        """(queue seconds, prefill seconds) of a prefill on ``view.prefills[index]``.
+
+        Above ``cpp_threshold_tokens`` new tokens the prefill is split over a pipeline group of
+        k = min(cpp_max_nodes, prefill instances, ceil(new / threshold)) instances: the chosen
+        one plus the k-1 least queued others. Each holds 1/k of the layers, plus one chunk of
+        pipeline bubble per extra stage: t = t₁ / k · (1 + (k-1) / chunks); it starts when the
+        whole group is free.
+        """
+        p = view.prefills[index]
+        single = self.prefill_time(new_tokens, cached_tokens)
+        cfg = self.config
+        if new_tokens <= self.cpp_threshold:
+            return p.queue_s, single
+        k = min(cfg.cpp_max_nodes, len(view.prefills),
+                -(-new_tokens // cfg.cpp_threshold_tokens))
+        if k <= 1:
+            return p.queue_s, single
+        chunks = -(-new_tokens // cfg.cpp_chunk_tokens)
+        others = sorted(q.queue_s for j, q in enumerate(view.prefills) if j != index)
+        return max(p.queue_s, others[k - 2]), single / k * (1.0 + (k - 1) / chunks)
 
     def transfer_time(self, nbytes: float, view: ClusterView) -> float:
         return self._tp(nbytes, view.link_bandwidth_Bps, view.link_latency_s)
@@ -90,7 +115,7 @@ class Policy:
             return Reject(str(RejectReason.NO_INSTANCES), RejectStage.ARRIVAL,
                           self.config.min_retry_after_s, None, None)
         plan = self._prefill(self, request, view)
-        dplan = self._decode(self, request, view)
+        dplan = self._decode(self, request, view, view.now_s + plan.ttft_s)
         rejection = self._admission(self, request, view, plan, dplan)
         if rejection is not None:
             return rejection

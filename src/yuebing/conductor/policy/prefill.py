@@ -14,6 +14,10 @@ own cached prefix (engines always do); they differ in how they choose:
   threshold, plan to fetch the best prefix from its holder and charge the transfer; keep the
   local prefix (recompute the rest) when the fetch would not win; choose the minimum TTFT.
 
+Long prompts (more new tokens than ``PolicyConfig.cpp_threshold_tokens``) are estimated as the
+adapter runs them: chunked pipeline parallel over a group of instances (paper §3.2), see
+`Policy.prefill_estimate`.
+
 Ties always go to the instance listed first in the view, so decisions are deterministic.
 """
 
@@ -62,8 +66,8 @@ def stable_index(seed: int, salt: str, request_id: str, n: int) -> int:
 def _local_plan(pol: Policy, req: RequestInfo, view: ClusterView, index: int) -> PrefillPlan:
     p = view.prefills[index]
     cached = pol.prefix_tokens(p.local_prefix_blocks, req.input_tokens)
-    prefill_s = pol.prefill_time(req.input_tokens - cached, cached)
-    return PrefillPlan(index, p.local_prefix_blocks, 0, 0.0, p.queue_s, prefill_s)
+    queue_s, prefill_s = pol.prefill_estimate(view, index, req.input_tokens - cached, cached)
+    return PrefillPlan(index, p.local_prefix_blocks, 0, 0.0, queue_s, prefill_s)
 
 
 @PREFILL_SELECTORS.register("random")
@@ -85,10 +89,14 @@ def select_load_balance(pol: Policy, req: RequestInfo, view: ClusterView) -> Pre
 @PREFILL_SELECTORS.register("local_cache_aware")
 def select_local_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) -> PrefillPlan:
     n, bt, predict = req.input_tokens, pol.config.block_tokens, pol.prefill_time
+    cpp = pol.cpp_threshold
     best, best_ttft = 0, float("inf")
     for i, p in enumerate(view.prefills):
         cached = min(p.local_prefix_blocks * bt, n - 1)
-        ttft = p.queue_s + predict(n - cached, cached)
+        if n - cached > cpp:
+            ttft = sum(pol.prefill_estimate(view, i, n - cached, cached))
+        else:
+            ttft = p.queue_s + predict(n - cached, cached)
         if ttft < best_ttft:
             best, best_ttft = i, ttft
     return _local_plan(pol, req, view, best)
@@ -100,20 +108,27 @@ def select_global_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) 
     src = view.best_prefix
     best_blocks = src.blocks if src is not None else 0
     n, bt, predict = req.input_tokens, pol.config.block_tokens, pol.prefill_time
-    threshold = pol.config.kvcache_balancing_threshold
+    threshold, cpp = pol.config.kvcache_balancing_threshold, pol.cpp_threshold
     best_tokens = min(best_blocks * bt, n - 1)
     remote_prefill_s = predict(n - best_tokens, best_tokens)
     best: tuple[float, int, int] = (float("inf"), 0, 0)  # (ttft, index, fetch_blocks)
     for i, p in enumerate(view.prefills):
         local = p.local_prefix_blocks
         cached = min(local * bt, n - 1)
-        ttft = p.queue_s + predict(n - cached, cached)
+        if n - cached > cpp:
+            ttft = sum(pol.prefill_estimate(view, i, n - cached, cached))
+        else:
+            ttft = p.queue_s + predict(n - cached, cached)
         fetch = 0
         if best_blocks > local and (local == 0 or best_blocks / local > threshold) \
                 and src is not None and src.holder != p.instance_id:
             transfer_s = pol.transfer_time((best_tokens - cached) * pol.config.kv_bytes_per_token,
                                            view)
-            ttft_fetch = transfer_s + p.queue_s + remote_prefill_s
+            if n - best_tokens > cpp:
+                ttft_fetch = transfer_s + sum(pol.prefill_estimate(view, i, n - best_tokens,
+                                                                   best_tokens))
+            else:
+                ttft_fetch = transfer_s + p.queue_s + remote_prefill_s
             if ttft_fetch + pol.config.min_transfer_gain_s < ttft:
                 ttft, fetch = ttft_fetch, best_blocks - local
         if ttft < best[0]:
@@ -124,4 +139,5 @@ def select_global_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) 
     p = view.prefills[index]
     transfer_s = pol.transfer_time(
         (best_tokens - min(p.local_prefix_blocks * bt, n - 1)) * pol.config.kv_bytes_per_token, view)
-    return PrefillPlan(index, best_blocks, fetch, transfer_s, p.queue_s, remote_prefill_s)
+    queue_s, prefill_s = pol.prefill_estimate(view, index, n - best_tokens, best_tokens)
+    return PrefillPlan(index, best_blocks, fetch, transfer_s, queue_s, prefill_s)
