@@ -87,23 +87,33 @@ def _add_pending(view: ClusterView, pol: Policy | None, at_s: float | None, batc
     """Add routed requests still in prefill: at full weight (``pol`` None), or weighted by the
     probability that they reached decode by ``at_s`` and still decode then."""
     index = {d.instance_id: k for k, d in enumerate(view.decodes)}
-    share = 1.0 / len(view.decodes)
+    spread_w = spread_ctx = spread_kv = 0.0
+    survival = pol.survival if pol is not None else None
+    horizon = at_s if at_s is not None else 0.0
     for p in view.pending_decodes:
         w = 1.0
-        if pol is not None and at_s is not None:
-            age = at_s - p.expected_decode_start_s
+        if survival is not None:
+            age = horizon - p.expected_decode_start_s
             if age < 0:
                 continue
-            w = pol.survival(age)
+            w = survival(age)
             if w == 0.0:
                 continue
         k = index.get(p.decode_id) if p.decode_id is not None else None
         if k is None:
-            w *= share
-        for t in (range(len(batch)) if k is None else (k,)):
-            batch[t] += w
-            ctx[t] += w * p.context_tokens
-            kv[t] += w * (p.context_tokens + p.expected_output_tokens)
+            spread_w += w
+            spread_ctx += w * p.context_tokens
+            spread_kv += w * (p.context_tokens + p.expected_output_tokens)
+        else:
+            batch[k] += w
+            ctx[k] += w * p.context_tokens
+            kv[k] += w * (p.context_tokens + p.expected_output_tokens)
+    if spread_w:
+        share = 1.0 / len(batch)
+        for t in range(len(batch)):
+            batch[t] += spread_w * share
+            ctx[t] += spread_ctx * share
+            kv[t] += spread_kv * share
 
 
 def plan_on(pol: Policy, req: RequestInfo, view: ClusterView, state: State,
