@@ -12,6 +12,7 @@ import logging
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from yuebing.sim.runner import SimResult, simulate
 from yuebing.sim.system import SimConfig
@@ -67,7 +68,7 @@ def clear_cache() -> None:
     _REQUESTS.clear()
 
 
-def pyplot():  # type: ignore[no-untyped-def]
+def pyplot() -> Any:
     """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib
 

@@ -31,8 +31,8 @@ def plot(result: dict[str, object], out_dir: str | Path) -> list[Path]:
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
     t = result["t_s"]
-    ax1.plot(t, result["prefill_load"], lw=0.8, label="prefill load")  # type: ignore[arg-type]
-    ax1.plot(t, result["decode_load"], lw=0.8, label="decode load")  # type: ignore[arg-type]
+    ax1.plot(t, result["prefill_load"], lw=0.8, label="prefill load")
+    ax1.plot(t, result["decode_load"], lw=0.8, label="decode load")
     ax1.set_xlabel("simulated time (s)")
     ax1.set_ylabel("load")
     ax1.legend(fontsize=8)

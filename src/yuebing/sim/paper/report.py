@@ -56,7 +56,8 @@ def compute_figure(name: str, trace: Path, fast: bool) -> dict[str, Any]:
         details = mod.details(trace, fast=fast)
     elif name == "5":
         details = {"ratio_to_global": mod.ratios(result),
-                   "paper_ratio_to_global": mod.ratios(mod.PAPER)}
+                   "paper_ratio_to_global": mod.ratios(mod.PAPER),
+                   "random_by_seed": mod.random_by_seed(trace, fast)}
     return {"ours": result, "paper": getattr(mod, "PAPER", None), "details": details,
             "seconds": round(time.perf_counter() - t0, 2)}
 
