@@ -62,8 +62,9 @@ def decode_retry_after(pol: Policy, req: RequestInfo, view: ClusterView, from_s:
                        threshold: float) -> float:
     """Seconds after ``from_s`` until the forecast decode load is ≤ ``threshold``.
 
-    Probes a doubling grid from ``min_retry_after_s`` up to twice the longest decode duration;
-    ``inf`` when even an idle instance could not take the request.
+    Probes a doubling grid starting at max(``min_retry_after_s``, 0.25 s) up to twice the
+    longest decode duration (returned when no probe is low enough); ``inf`` when even an idle
+    instance could not take the request.
     """
     if _unservable(pol, req, view, threshold):
         return math.inf
