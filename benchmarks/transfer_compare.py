@@ -60,15 +60,12 @@ def compare(mc: dict, ours: dict) -> tuple[list[dict], list[dict]]:
                     "yuebing_per_request_us": round(med(per_req), 1),
                     "mooncake_by_threads": {k: round(v, 3) for k, v in sorted(mc_cfg.items())},
                     "yuebing_by_lanes": {k: round(v, 3) for k, v in sorted(our_cfg.items())}})
-    memcpy = {s: med([r["gbps"] for r in rows])
-              for (t, _, s, _, _), rows in ours.items() if t == "memcpy"}
     for (t, op, size, batch, _), rows in sorted(ours.items()):
-        if t == "shm":
-            g = med([r["gbps"] for r in rows])
-            m = memcpy.get(size)
-            shm.append({"op": op, "size_bytes": size, "batch": batch, "shm_gbps": round(g, 3),
-                        "memcpy_gbps": round(m, 3) if m else None,
-                        "vs_memcpy": round(g / m, 2) if m else None})
+        if t == "shm":  # memcpy measured right after each shm cell, in the same run
+            shm.append({"op": op, "size_bytes": size, "batch": batch,
+                        "shm_gbps": round(med([r["gbps"] for r in rows]), 3),
+                        "memcpy_gbps": round(med([r["memcpy_gbps"] for r in rows]), 3),
+                        "vs_memcpy": round(med([r["vs_memcpy"] for r in rows]), 2)})
     return tcp, shm
 
 

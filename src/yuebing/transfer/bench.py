@@ -7,7 +7,8 @@ restricted to that transport, warms the path up, then submits batches of ``batch
 ``size`` bytes back to back for ``duration_s`` and records each batch's latency. A cell's row:
 GB/s (1e9 payload bytes per wall second), p50/p99 batch latency in µs and the wall time per
 request. Single-thread memcpy of the same sizes is measured in the same run as the reference for
-shared memory.
+shared memory: once per size at the start (rows ``memcpy``) and again right after each shared-memory
+cell, whose ``vs_memcpy`` ratio uses that adjacent measurement (the machine may be shared).
 """
 
 from __future__ import annotations
@@ -211,19 +212,21 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
         for cell in cfg.cells():
             if progress is not None:
                 progress(f"{cell[0]} {cell[1]} size={cell[2]} batch={cell[3]} lanes={cell[4]}")
-            rows.append(measure_cell(remote, *cell, cfg=cfg, local=local))
+            row = measure_cell(remote, *cell, cfg=cfg, local=local)
+            if cell[0] == "shm" and cfg.memcpy:
+                add_memcpy_ratio(row, cfg.duration_s, min(cfg.segment_bytes(), 256 << 20))
+            rows.append(row)
     finally:
         stop_target(proc)
-    add_ratios(rows)
     return rows
 
 
-def add_ratios(rows: list[Row]) -> None:
-    """Shared-memory rows get ``vs_memcpy``: their GB/s over memcpy's at the same size."""
-    memcpy = {r.size_bytes: r.gbps for r in rows if r.transport == "memcpy"}
-    for r in rows:
-        if r.transport == "shm" and memcpy.get(r.size_bytes, 0) > 0:
-            r.extra["vs_memcpy"] = round(r.gbps / memcpy[r.size_bytes], 3)
+def add_memcpy_ratio(row: Row, duration_s: float, working_set: int) -> None:
+    """Measure memcpy of the row's size right after the row (same machine load) and record
+    ``memcpy_gbps`` and ``vs_memcpy`` = the row's GB/s over memcpy's."""
+    (ref,) = measure_memcpy([row.size_bytes], duration_s / 2, working_set)
+    row.extra["memcpy_gbps"] = round(ref.gbps, 3)
+    row.extra["vs_memcpy"] = round(row.gbps / ref.gbps, 3) if ref.gbps > 0 else None
 
 
 if __name__ == "__main__":

@@ -100,12 +100,13 @@ def wrap_buffer_segment(name: str, buffer: object) -> Segment:
 
 
 def sweep_stale_shm(shm_dir: str) -> int:
-    """Unlink segment files left by processes that died without cleaning up; returns count."""
+    """Unlink segment files that this user's processes left when they died without cleaning
+    up (the file name carries the creator's pid); returns how many were removed."""
     removed = 0
     with contextlib.suppress(OSError):
         for entry in os.scandir(shm_dir):
             m = re.match(rf"^{SHM_PREFIX}(\d+)-\d+$", entry.name)
-            if m and not _pid_alive(int(m.group(1))):
+            if m and entry.stat().st_uid == os.getuid() and not _pid_alive(int(m.group(1))):
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
                     removed += 1

@@ -92,7 +92,7 @@ class ShmEndpoint(Endpoint):
         self.peer_engine = desc.engine_id
         workers = ctx.config.shm_workers
         self.slice_size = ctx.config.slice_size if workers > 1 else None
-        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+        self._maps: dict[str, tuple[str, mmap.mmap, np.ndarray]] = {}
         self._lock = threading.Lock()
         self._dead = ""
         self._closed = False
@@ -131,8 +131,8 @@ class ShmEndpoint(Endpoint):
     def _remote(self, desc: SegmentDescriptor) -> np.ndarray:
         with self._lock:
             entry = self._maps.get(desc.name)
-            if entry is not None and entry[1].nbytes == desc.size:
-                return entry[1]
+            if entry is not None and entry[0] == desc.shm_path and entry[2].nbytes == desc.size:
+                return entry[2]
             try:
                 fd = os.open(desc.shm_path, os.O_RDWR)
             except OSError as e:
@@ -145,7 +145,7 @@ class ShmEndpoint(Endpoint):
             finally:
                 os.close(fd)
             arr = np.frombuffer(m, dtype=np.uint8)
-            self._maps[desc.name] = (m, arr)
+            self._maps[desc.name] = (desc.shm_path, m, arr)
             return arr
 
     @property

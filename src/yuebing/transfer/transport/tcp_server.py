@@ -104,6 +104,8 @@ class TcpServer:
         except (OSError, ProtocolError) as e:
             if not self._closed:
                 log.debug("lane from %s closed: %s", peer, e)
+        except Exception as e:  # e.g. a segment unregistered under an in-flight slice
+            log.warning("closing lane from %s after unexpected error: %r", peer, e)
         finally:
             with self._lock:
                 self._conns.discard(conn)
