@@ -122,7 +122,9 @@ def _bench(ns: argparse.Namespace) -> int:
             print(f"{name:22s} {r['wall_s']:7.2f} s wall {r['cpu_s']:7.2f} s CPU  "
                   f"{r['events']:>9d} events  "
                   f"{r['events_per_s']:>9.0f} events/s  {r['requests_per_s']:>6.0f} req/s  "
-                  f"{'OK' if r['meets_target'] else 'SLOWER THAN 20 s'}")
+                  f"{'OK' if r['meets_target'] else 'SLOWER THAN 20 s'}"
+                  + (f"  ({r['decode_iterations']} decode iterations, "
+                     f"{r['iterations_per_s']:.0f}/s)" if "decode_iterations" in r else ""))
     return 0
 
 
