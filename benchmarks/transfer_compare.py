@@ -62,11 +62,32 @@ def compare(mc: dict, ours: dict) -> tuple[list[dict], list[dict]]:
                     "yuebing_by_lanes": {k: round(v, 3) for k, v in sorted(our_cfg.items())}})
     for (t, op, size, batch, _), rows in sorted(ours.items()):
         if t == "shm":  # memcpy measured right after each shm cell, in the same run
+            ref = [r["memcpy_gbps"] for r in rows if r.get("memcpy_gbps")]
+            ratio = [r["vs_memcpy"] for r in rows if r.get("vs_memcpy")]
             shm.append({"op": op, "size_bytes": size, "batch": batch,
                         "shm_gbps": round(med([r["gbps"] for r in rows]), 3),
-                        "memcpy_gbps": round(med([r["memcpy_gbps"] for r in rows]), 3),
-                        "vs_memcpy": round(med([r["vs_memcpy"] for r in rows]), 2)})
+                        "memcpy_gbps": round(med(ref), 3) if ref else None,
+                        "vs_memcpy": round(med(ratio), 2) if ratio else None})
     return tcp, shm
+
+
+def overheads(tcp: list[dict]) -> list[str]:
+    """Per-request overhead at 64 KiB × 128: wall time per request minus the time its bytes take
+    at the engine's own best large-request bandwidth (same op)."""
+    lines = []
+    for op in ("write", "read"):
+        small = [r for r in tcp if r["op"] == op and r["size_bytes"] == 65536 and r["batch"] == 128]
+        large = [r for r in tcp if r["op"] == op and r["size_bytes"] >= 1 << 20]
+        if not small or not large:
+            continue
+        s = small[0]
+        for who, key in (("yuebing", "yuebing_gbps"), ("Mooncake", "mooncake_gbps")):
+            bw = max(r[key] for r in large)
+            per_req = 65536 / (s[key] * 1e3)
+            lines.append(f"- {who} {op}: {per_req:.1f} µs per 64 KiB request in batches of 128, "
+                         f"{per_req - 65536 / (bw * 1e3):.1f} µs of it beyond moving the bytes "
+                         f"at its best large-request bandwidth ({bw:.2f} GB/s)")
+    return lines
 
 
 def markdown(tcp: list[dict], shm: list[dict]) -> str:
@@ -79,6 +100,7 @@ def markdown(tcp: list[dict], shm: list[dict]) -> str:
                      f"{r['yuebing_gbps']:.2f} ({r['yuebing_lanes']}) | **{r['ratio']:.2f}×** | "
                      f"{r['yuebing_per_request_us']} | {r['mooncake_by_threads']} | "
                      f"{r['yuebing_by_lanes']} |")
+    lines += [""] + overheads(tcp)
     lines += ["", "| shm op | size | batch | shm GB/s | memcpy GB/s (1 thread) | shm / memcpy |",
               "|---|---|---|---|---|---|"]
     for r in shm:
