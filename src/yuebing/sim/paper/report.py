@@ -14,6 +14,7 @@ import importlib
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,8 +79,10 @@ def run_figures(names: Sequence[str], trace: Path, out_dir: Path | None,
     if not trace.exists():
         raise InputError(f"trace {trace} not found; pass --trace PATH")
     report: dict[str, dict[str, Any]] = {}
-    for name in names:
-        log.warning("figure %s ...", name)
+    started = time.perf_counter()
+    for k, name in enumerate(names, 1):
+        print(f"[sim paper] figure {name} ({k}/{len(names)}), "
+              f"{time.perf_counter() - started:.0f} s elapsed", file=sys.stderr, flush=True)
         entry = compute_figure(name, trace, fast)
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)

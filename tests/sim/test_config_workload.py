@@ -1,0 +1,45 @@
+"""Boundaries: simulation configs and workloads refuse bad input with a precise message."""
+
+from __future__ import annotations
+
+import pytest
+
+from yuebing.core.errors import ConfigError, InputError
+from yuebing.sim.runner import simulate
+from yuebing.sim.system import SimConfig
+from yuebing.sim.workload import SimRequest, from_trace_requests
+from yuebing.trace.model import Request
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"prefill_nodes": 0}, "prefill_nodes must be >= 1"),
+    ({"speed": 0.0}, "speed must be > 0"),
+    ({"dram_kv_tokens": 100}, "dram_kv_tokens must hold at least one block"),
+    ({"balancing_threshold": 0.5}, "balancing_threshold must be >= 1"),
+    ({"cost_model": "fitted"}, "needs --profile"),
+    ({"limit": -1}, "limit must be >= 0"),
+])
+def test_bad_configs_say_what_to_change(kw: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        SimConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_unknown_system_and_policy_names_list_the_known_ones() -> None:
+    reqs = [SimRequest(0, 0.0, 100, 2, (1,))]
+    with pytest.raises(ConfigError, match="known: .*mooncake"):
+        simulate(reqs, SimConfig(system="sglang"))
+    with pytest.raises(ConfigError, match="prefill_selector 'fastest' unknown"):
+        simulate(reqs, SimConfig(prefill_policy="fastest"))
+
+
+def test_workload_conversion_and_its_errors() -> None:
+    reqs = [Request(1000, 600, 3, (7, 8)), Request(3000, 100, 1, (7,))]
+    out = from_trace_requests(reqs, speed=2.0)
+    assert out == [SimRequest(0, 0.0, 600, 3, (7, 8)), SimRequest(1, 1.0, 100, 1, (7,))]
+    with pytest.raises(InputError, match="output_length must be > 0"):
+        from_trace_requests([Request(0, 10, 0, (1,))])
+    with pytest.raises(InputError, match="speed must be > 0"):
+        from_trace_requests(reqs, speed=0)
+    with pytest.raises(InputError, match="sorted by arrival"):
+        simulate([SimRequest(0, 5.0, 100, 2, (1,)), SimRequest(1, 1.0, 100, 2, (2,))],
+                 SimConfig())
