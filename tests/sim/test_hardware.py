@@ -7,6 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from yuebing.conductor.policy.predictors import (
+    BivariatePolynomial,
+    DecodePredictor,
+    Predictors,
+    PrefillPredictor,
+    TransferPredictor,
+)
 from yuebing.core.errors import ConfigError, InputError
 from yuebing.sim.hardware import FittedCostModel, ModelSpec, NodeSpec, RooflineCostModel
 
@@ -53,30 +60,53 @@ def test_bad_specs_say_what_to_change() -> None:
         RooflineCostModel(node=NodeSpec(gpus=1))
 
 
-def _profile(tmp_path: Path) -> Path:
+def _samples(tmp_path: Path) -> Path:
     prefill = [{"new_tokens": n, "cached_tokens": c,
                 "seconds": 0.01 + 1e-4 * n + 1e-9 * n * c + 2e-9 * n * n}
                for n in (128, 512, 2048, 8192) for c in (0, 1024, 4096)]
-    decode = [{"batch_size": b, "context_tokens": x, "seconds": 0.02 + 1e-4 * b + 1e-8 * x}
+    decode = [{"batch": b, "context_tokens": x, "seconds": 0.02 + 1e-4 * b + 1e-8 * x}
               for b in (1, 8, 32) for x in (1000, 50_000, 200_000)]
-    path = tmp_path / "profile.json"
-    path.write_text(json.dumps({"kv_bytes_per_token": 1024, "decode_kv_capacity_tokens": 500_000,
-                                "prefill": prefill, "decode": decode}))
+    path = tmp_path / "samples.json"
+    path.write_text(json.dumps({"format": "yuebing-profile-samples", "version": 1,
+                                "model": "m", "device": "cpu", "prefill": prefill,
+                                "decode": decode}))
     return path
 
 
-def test_fitted_model_recovers_exact_coefficients(tmp_path: Path) -> None:
-    cost = FittedCostModel.from_file(_profile(tmp_path))
+def test_fitted_model_from_samples_recovers_exact_coefficients(tmp_path: Path) -> None:
+    cost = FittedCostModel.from_file(_samples(tmp_path))
     assert cost.prefill_time(1000, 2000) == pytest.approx(
         0.01 + 0.1 + 1e-9 * 2e6 + 2e-9 * 1e6, rel=1e-6)
     assert cost.decode_step_time(16, 100_000) == pytest.approx(0.02 + 16e-4 + 1e-3, rel=1e-6)
-    assert cost.kv_bytes_per_token == 1024 and cost.decode_kv_capacity_tokens == 500_000
+    assert cost.prefill_time(0, 10) == 0.0 and cost.decode_step_time(0, 10) == 0.0
+    # not in a profile: Table 1 defaults
+    assert cost.kv_bytes_per_token == 327_680
+    assert cost.decode_kv_capacity_tokens == RooflineCostModel().decode_kv_capacity_tokens
+
+
+def test_fitted_model_reads_the_predictor_file(tmp_path: Path) -> None:
+    pred = Predictors(
+        PrefillPredictor(BivariatePolynomial(((1, 0),), (2e-3,))),
+        DecodePredictor(BivariatePolynomial(((0, 0), (1, 0)), (0.03, 1e-3))),
+        TransferPredictor(overhead_s=0.001), source="test")
+    path = tmp_path / "predictors.json"
+    path.write_text(pred.to_json())
+    cost = FittedCostModel.from_file(path)
+    assert cost.prefill_time(500, 9999) == pytest.approx(1.0)
+    assert cost.decode_step_time(10, 12345) == pytest.approx(0.04)
+    assert cost.transfer_time(1e9) == pytest.approx(0.001 + 50e-6 + 0.01)
 
 
 def test_fitted_model_rejects_bad_files(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"kv_bytes_per_token": 1}))
+    bad.write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(InputError, match="neither"):
+        FittedCostModel.from_file(bad)
+    bad.write_text(json.dumps({"format": "yuebing-profile-samples", "version": 1}))
     with pytest.raises(InputError, match="invalid profile"):
+        FittedCostModel.from_file(bad)
+    bad.write_text("[1, 2")
+    with pytest.raises(InputError, match="not a JSON object"):
         FittedCostModel.from_file(bad)
     with pytest.raises(InputError, match="cannot read"):
         FittedCostModel.from_file(tmp_path / "missing.json")

@@ -53,3 +53,21 @@ def test_bad_inputs_give_precise_errors(tmp_path: Path, capsys: pytest.CaptureFi
     bad.write_text('{"timestamp": 0, "input_length": "x", "output_length": 1, "hash_ids": []}\n')
     assert main(["sim", "run", str(bad)]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
+
+
+def test_sim_run_with_a_fitted_profile(conversation_trace: Path, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from yuebing.conductor.policy.predictors import save_predictors
+    from yuebing.sim.hardware import RooflineCostModel
+    from yuebing.sim.predict import predictors_for
+
+    path = tmp_path / "predictors.json"
+    save_predictors(predictors_for(RooflineCostModel()), path)
+    args = ["sim", "run", str(conversation_trace), "--limit", "300", "--json"]
+    assert main([*args, "--cost-model", "fitted", "--profile", str(path)]) == 0
+    fitted = json.loads(capsys.readouterr().out)["summary"]
+    assert main(args) == 0
+    roofline = json.loads(capsys.readouterr().out)["summary"]
+    # the predictors are a polynomial fit of the roofline: same workload, close outcome
+    assert fitted["completed"] == roofline["completed"] == 300
+    assert fitted["ttft_s"]["mean"] == pytest.approx(roofline["ttft_s"]["mean"], rel=0.25)

@@ -1,7 +1,7 @@
 """Hardware cost models of the simulator: how long prefill, a decode step and a transfer take.
 
 Life cycle: the runner builds one `CostModel` per run (``roofline`` from the paper's Table 1,
-or ``fitted`` from a profile file written by ``yuebing profile``) and hands it to the simulated
+or ``fitted`` from the predictor or samples file written by ``yuebing profile``) and hands it to the simulated
 system; prefill/decode instances ask it for durations whenever they start work, and the policy
 predictors are fitted from samples of it. Cost models are pure functions of their arguments.
 
@@ -26,8 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
-import numpy as np
 
+from yuebing.conductor.policy.predictors import FORMAT as PREDICTORS_FORMAT
+from yuebing.conductor.policy.predictors import (
+    DecodePredictor,
+    Predictors,
+    PrefillPredictor,
+    TransferPredictor,
+)
 from yuebing.core.config import require
 from yuebing.core.errors import InputError
 from yuebing.core.registry import Registry
@@ -123,6 +129,8 @@ class CostModel(ABC):
 
 
 COST_MODELS: Registry[type[CostModel]] = Registry("cost model")
+SAMPLES_FORMAT = "yuebing-profile-samples"
+"""Format tag of the raw profiling samples written by ``yuebing profile --samples``."""
 
 
 @COST_MODELS.register("roofline")
@@ -169,85 +177,91 @@ class RooflineCostModel(CostModel):
                 + batch_size * n.seq_overhead_s)
 
 
-class _PrefillSample(msgspec.Struct, forbid_unknown_fields=True):
+class _PrefillSample(msgspec.Struct):
     new_tokens: int
     cached_tokens: int
     seconds: float
 
 
-class _DecodeSample(msgspec.Struct, forbid_unknown_fields=True):
-    batch_size: int
+class _DecodeSample(msgspec.Struct):
+    batch: int
     context_tokens: int
     seconds: float
 
 
-class ProfileFile(msgspec.Struct, forbid_unknown_fields=True):
-    """Profiling data (``yuebing profile`` output): measured durations of the real engine."""
+class _ProfileSamples(msgspec.Struct):
+    """The raw-samples file ``yuebing profile --samples`` writes (``yuebing-profile-samples``);
+    only the fields the simulator needs."""
 
-    kv_bytes_per_token: int
-    decode_kv_capacity_tokens: int
+    format: str
+    version: int
     prefill: list[_PrefillSample]
     decode: list[_DecodeSample]
-    link_Bps: float = 100e9
-    link_latency_s: float = 50e-6
-    version: int = 1
-
-
-def _features_prefill(n: np.ndarray, c: np.ndarray) -> np.ndarray:
-    return np.stack([np.ones_like(n), n, n * c, n * n], axis=1)
-
-
-def _features_decode(b: np.ndarray, ctx: np.ndarray) -> np.ndarray:
-    return np.stack([np.ones_like(b), b, ctx], axis=1)
 
 
 @COST_MODELS.register("fitted")
 class FittedCostModel(CostModel):
-    """Least-squares fit of measured durations.
+    """Durations from the shared latency predictors (`yuebing.conductor.policy.predictors`),
+    i.e. from profiling the real engine: prefill a degree-2 polynomial of (new, cached tokens),
+    decode a polynomial of (batch, context tokens), transfer ``overhead + latency + bytes /
+    (bandwidth · efficiency)``. KV size per token and the decode KV capacity are not in the
+    profile; they default to the Table 1 model on one 8×A800 node (the roofline's values)."""
 
-    prefill(n, c) ≈ k0 + k1·n + k2·n·c + k3·n² (the roofline's shape: linear layers plus
-    attention over the cached and new tokens); decode(b, ctx) ≈ k0 + k1·b + k2·ctx. Predictions
-    are clipped at 0.
-    """
-
-    def __init__(self, profile: ProfileFile) -> None:
-        require(len(profile.prefill) >= 4, "profile needs >= 4 prefill samples to fit")
-        require(len(profile.decode) >= 3, "profile needs >= 3 decode samples to fit")
-        require(profile.kv_bytes_per_token > 0 and profile.decode_kv_capacity_tokens > 0,
-                "profile kv_bytes_per_token and decode_kv_capacity_tokens must be > 0")
-        require(profile.link_Bps > 0 and profile.link_latency_s >= 0,
-                "profile link_Bps must be > 0 and link_latency_s >= 0")
-        p = np.array([(s.new_tokens, s.cached_tokens, s.seconds) for s in profile.prefill], float)
-        d = np.array([(s.batch_size, s.context_tokens, s.seconds) for s in profile.decode], float)
-        self.prefill_coef = np.linalg.lstsq(_features_prefill(p[:, 0], p[:, 1]), p[:, 2],
-                                            rcond=None)[0]
-        self.decode_coef = np.linalg.lstsq(_features_decode(d[:, 0], d[:, 1]), d[:, 2],
-                                           rcond=None)[0]
-        self.kv_bytes_per_token = profile.kv_bytes_per_token
-        self.decode_kv_capacity_tokens = profile.decode_kv_capacity_tokens
-        self.link_Bps = profile.link_Bps
-        self.link_latency_s = profile.link_latency_s
+    def __init__(self, predictors: Predictors, kv_bytes_per_token: int | None = None,
+                 decode_kv_capacity_tokens: int | None = None, link_Bps: float = 100e9,
+                 link_latency_s: float = 50e-6) -> None:
+        ref = RooflineCostModel()
+        self.predictors = predictors
+        self.kv_bytes_per_token = kv_bytes_per_token or ref.kv_bytes_per_token
+        self.decode_kv_capacity_tokens = (decode_kv_capacity_tokens
+                                          or ref.decode_kv_capacity_tokens)
+        require(self.kv_bytes_per_token > 0 and self.decode_kv_capacity_tokens > 0,
+                "kv_bytes_per_token and decode_kv_capacity_tokens must be > 0")
+        require(link_Bps > 0 and link_latency_s >= 0,
+                "link_Bps must be > 0 and link_latency_s >= 0")
+        self.link_Bps = link_Bps
+        self.link_latency_s = link_latency_s
+        self._prefill = predictors.prefill.predict
+        self._decode = predictors.decode.predict
 
     @classmethod
     def from_file(cls, path: str | Path) -> FittedCostModel:
-        """Load a profile JSON file; a malformed file raises `InputError` naming the problem."""
+        """Load a predictor file (``yuebing profile --out``) or a raw-samples file
+        (``--samples``, fitted here with the same predictor classes); a missing or malformed
+        file raises `InputError` naming it and the problem."""
+        p = Path(path)
         try:
-            profile = msgspec.json.decode(Path(path).read_bytes(), type=ProfileFile)
+            raw = p.read_bytes()
         except OSError as e:
-            raise InputError(f"cannot read profile {path}: {e}") from None
+            raise InputError(f"cannot read profile {p}: {e.strerror}") from None
+        try:
+            fmt = msgspec.json.decode(raw, type=dict).get("format")
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise InputError(f"{p}: invalid profile: not a JSON object ({e})") from None
+        if fmt == PREDICTORS_FORMAT:
+            return cls(Predictors.from_json(raw, origin=str(p)))
+        if fmt != SAMPLES_FORMAT:
+            raise InputError(f"{p}: invalid profile: format {fmt!r} is neither "
+                             f"{PREDICTORS_FORMAT!r} nor {SAMPLES_FORMAT!r}")
+        try:
+            samples = msgspec.json.decode(raw, type=_ProfileSamples)
         except msgspec.ValidationError as e:
-            raise InputError(f"{path}: invalid profile: {e}") from None
-        return cls(profile)
+            raise InputError(f"{p}: invalid profile: {e}") from None
+        return cls(Predictors(
+            PrefillPredictor.fit([(s.new_tokens, s.cached_tokens, s.seconds)
+                                  for s in samples.prefill]),
+            DecodePredictor.fit([(s.batch, s.context_tokens, s.seconds) for s in samples.decode]),
+            TransferPredictor(), source=f"fitted from {p}"))
 
     def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
         if new_tokens <= 0:
             return 0.0
-        k0, k1, k2, k3 = self.prefill_coef
-        n, c = float(new_tokens), float(cached_tokens)
-        return max(0.0, k0 + k1 * n + k2 * n * c + k3 * n * n)
+        return self._prefill(new_tokens, cached_tokens)
 
     def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
         if batch_size <= 0:
             return 0.0
-        k0, k1, k2 = self.decode_coef
-        return max(0.0, k0 + k1 * batch_size + k2 * context_tokens)
+        return self._decode(batch_size, context_tokens)
+
+    def transfer_time(self, nbytes: float) -> float:
+        return self.predictors.transfer.predict(nbytes, self.link_Bps, self.link_latency_s)
