@@ -52,3 +52,14 @@ def test_bad_sizes_are_refused() -> None:
         GlobalKVPool(nodes=0, capacity_blocks=1)
     with pytest.raises(InputError):
         GlobalKVPool(nodes=1, capacity_blocks=0)
+
+
+def test_hot_prefixes_pick_one_block_per_shared_chain() -> None:
+    from yuebing.sim.mooncake import hot_prefixes
+    from yuebing.sim.workload import SimRequest
+
+    reqs = [SimRequest(0, 0.0, 2048, 2, (0, 1, 2, 3)), SimRequest(1, 1.0, 2048, 2, (0, 1, 2, 4)),
+            SimRequest(2, 2.0, 1024, 2, (0, 5)), SimRequest(3, 3.0, 1024, 2, (0, 5))]
+    # 0 is in all four; 1 and 2 form one chain used twice; 5 another chain used twice
+    assert hot_prefixes(reqs, 3) == [0, 1, 5]
+    assert hot_prefixes(reqs, 1) == [0]

@@ -48,7 +48,28 @@ from yuebing.sim.system import SYSTEMS, SimSystem, SystemContext
 from yuebing.sim.workload import SimRequest
 
 HOT_KEYS = 10
-"""How many of the trace's most shared blocks the replica report follows."""
+"""How many of the trace's most shared prefixes the replica report follows."""
+
+
+def hot_prefixes(requests: Sequence[SimRequest], top: int) -> list[int]:
+    """The ``top`` most used blocks, one per shared prefix: blocks first seen in the same
+    request and used equally often are one chain segment, represented by its first block."""
+    counts: Counter[int] = Counter()
+    first_seen: dict[int, int] = {}
+    for r in requests:
+        for k in r.block_keys:
+            counts[k] += 1
+            first_seen.setdefault(k, r.index)
+    chosen: list[int] = []
+    segments: set[tuple[int, int]] = set()
+    for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        segment = (first_seen[k], n)
+        if segment not in segments:
+            segments.add(segment)
+            chosen.append(k)
+            if len(chosen) == top:
+                break
+    return chosen
 
 
 class MooncakeSystem(SimSystem):
@@ -77,9 +98,7 @@ class MooncakeSystem(SimSystem):
     # -- set-up ----------------------------------------------------------------------------
     def prepare(self, requests: Sequence[SimRequest]) -> None:
         self.policy = policy_for(self.config, self.cost, requests)
-        counts = Counter(k for r in requests for k in r.block_keys)
-        self.hot_keys = [k for k, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-                         [:HOT_KEYS]]
+        self.hot_keys = hot_prefixes(requests, HOT_KEYS)
         self.replica_series = {str(k): [] for k in self.hot_keys}
 
     # -- arrival and routing -------------------------------------------------------------------

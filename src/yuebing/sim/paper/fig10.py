@@ -2,7 +2,8 @@
 
 In the global cache-aware Mooncake run (8P+8D, conversation trace) every prefix fetch copies
 blocks to the fetching node, so hot blocks gain replicas (paper §4.2). We follow the trace's
-ten most shared blocks and sample how many prefill nodes hold each one every 10 s.
+ten most shared prefixes (the most used block of each; `yuebing.sim.mooncake.hot_prefixes`) and
+sample how many prefill nodes hold each one every 10 s.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def plot(result: dict[str, object], out_dir: str | Path) -> list[Path]:
         ax.plot(t[:len(values)], values, lw=0.8, label=f"block {key}")
     ax.set_xlabel("simulated time (s)")
     ax.set_ylabel("replicas (prefill nodes holding it)")
-    ax.set_title("Figure 10: replicas of the 10 hottest blocks (global cache-aware)")
+    ax.set_title("Figure 10: replicas of the 10 hottest prefixes (global cache-aware)")
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     path = Path(out_dir) / "fig10_hot_replicas.png"
