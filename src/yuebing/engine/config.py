@@ -116,7 +116,7 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={
         "help": "auto (bf16 on CPUs with bf16 support and on CUDA), float32, bfloat16, float16"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
-    threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = all usable cores"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = auto (1 or all usable cores, measured at start-up)"})
     attention: str = field(default="auto", metadata={
         "help": "decode attention: grouped (matmuls over gathered blocks), sdpa, or auto "
                 "(measured at start-up)"})

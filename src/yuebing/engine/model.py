@@ -89,7 +89,9 @@ class LlamaModel:
         self._sin = freqs.sin().to(device=device, dtype=dtype)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        if x.dtype == torch.float32:  # one fused kernel
+            return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
+        xf = x.float()  # as transformers: normalize in float32, scale in the model dtype
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return w * xf.to(x.dtype)
 

@@ -4,7 +4,9 @@ and the C allocator.
 - device ``auto`` → CUDA when available, else CPU (the same model code runs on both);
 - dtype ``auto`` → bfloat16 on CUDA and on CPUs with native bf16 instructions (AVX512-BF16 /
   AMX; measured faster there, see docs/benchmarks.md), float32 otherwise;
-- threads: ``torch.set_num_threads`` is always set explicitly;
+- threads: ``torch.set_num_threads`` is always set explicitly; ``0`` (auto) times a decode-sized
+  matmul loop with one thread and with all usable cores and keeps the faster (on a CPU shared
+  with other busy processes, OpenMP's spinning threads can make two threads 10× slower than one);
 - glibc malloc: large temporary tensors are otherwise returned to the OS and page-faulted back
   in on every layer (measured up to 100× slower small ops on this VM), so the mmap/trim
   thresholds are raised with ``mallopt`` (a no-op on other C libraries).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import time
 
 import torch
 
@@ -70,12 +73,40 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             "float16": torch.float16}[name]
 
 
+def _time_threads(threads: int, dtype: torch.dtype, repeats: int = 30) -> float:
+    torch.set_num_threads(threads)
+    x = torch.randn(8, 576).to(dtype)
+    w = torch.randn(1536, 576).to(dtype)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            torch.nn.functional.linear(torch.nn.functional.silu(x), w)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def choose_threads(requested: int, dtype: torch.dtype) -> int:
+    """``requested`` if > 0, else 1 or all usable cores, whichever runs a matmul loop faster."""
+    if requested > 0:
+        return requested
+    cores = default_threads()
+    if cores == 1:
+        return 1
+    one, many = _time_threads(1, dtype), _time_threads(cores, dtype)
+    chosen = cores if many < 0.9 * one else 1
+    log.info("threads auto: 1 thread %.2f ms, %s threads %.2f ms -> %s", 1e3 * one, cores,
+             1e3 * many, chosen)
+    return chosen
+
+
 def setup(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
     """Apply threads and allocator tuning; return the device and dtype to use."""
-    threads = cfg.threads or default_threads()
-    torch.set_num_threads(threads)
     tune_malloc()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    threads = choose_threads(cfg.threads, dtype) if device.type == "cpu" else (
+        cfg.threads or default_threads())
+    torch.set_num_threads(threads)
     log.info("engine runtime: device=%s dtype=%s threads=%s", device, dtype, threads)
     return device, dtype
