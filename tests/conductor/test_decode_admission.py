@@ -200,3 +200,21 @@ def test_forecast_selector_picks_the_instance_that_will_be_least_loaded():
     assert decide_with(v).decode_id == "d1"  # now: d0 10, d1 4 + 5 = 9
     r = decide_with(v, decode_selector="forecast", admission="predictive_early_rejection")
     assert (r.decode_id, r.est_tbt_s) == ("d0", pytest.approx(0.061, rel=1e-12))
+
+
+def test_policy_config_cli_flags_round_trip():
+    import argparse
+
+    from yuebing.core.config import add_config_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, type(config()), prefix="policy_")
+    ns = parser.parse_args(["--policy-admission", "slo", "--policy-decode-durations-s", "5,10",
+                            "--policy-kvcache-balancing-threshold", "1.5"])
+    cfg = config_from_args(type(config()), ns, prefix="policy_")
+    assert (cfg.admission, cfg.decode_durations_s, cfg.kvcache_balancing_threshold) == (
+        "slo", (5.0, 10.0), 1.5)
+    bad = parser.parse_args(["--policy-decode-selector", "fastest"])
+    with pytest.raises(ConfigError, match="decode_selector 'fastest' unknown; use one of "
+                                          "forecast, least_loaded, random"):
+        config_from_args(type(config()), bad, prefix="policy_")
