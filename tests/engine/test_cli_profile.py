@@ -1,0 +1,51 @@
+"""`yuebing profile` and `yuebing bench engine` end to end on a tiny dummy model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from yuebing.cli.main import main
+from yuebing.conductor.policy.predictors import load_predictors
+from yuebing.engine.profile import ProfileSamples
+
+TINY = "dummy:preset=tiny,layers=2,vocab=256"
+COMMON = ["--model", TINY, "--dtype", "float32", "--threads", "1", "--block-size", "16",
+          "--num-blocks", "64", "--attention", "grouped"]
+
+
+def test_profile_writes_predictor_and_samples(tmp_path, capsys):
+    out, samples = tmp_path / "pred.json", tmp_path / "samples.json"
+    rc = main(["profile", "--out", str(out), "--samples", str(samples),
+               "--new-tokens", "8,32,64", "--cached-tokens", "0,16,32", "--batches", "1,2",
+               "--contexts", "32,64", "--repeats", "1", *COMMON])
+    assert rc == 0, capsys.readouterr().err
+    s = ProfileSamples.from_json(samples.read_bytes(), str(samples))
+    assert sorted((p.new_tokens, p.cached_tokens) for p in s.prefill) == [
+        (n, c) for n in (8, 32, 64) for c in (0, 16, 32)]
+    assert sorted((d.batch, d.context_tokens) for d in s.decode) == [
+        (1, 32), (1, 64), (2, 32), (2, 64)]
+    assert all(p.seconds > 0 for p in s.prefill) and s.dtype == "float32"
+    pred = load_predictors(out)
+    assert pred.prefill.predict(64, 0) > 0 and pred.decode.predict(2, 64) > 0
+    assert "yuebing profile" in pred.source
+
+
+def test_bench_engine_json(capsys):
+    rc = main(["bench", "engine", "--json", "--batches", "1,2", "--prompt-len", "16",
+               "--prefill-lens", "32", "--variants", "float32:grouped,float32:sdpa", *COMMON])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    report = json.loads(captured.out)
+    assert [(v["dtype"], v["attention"]) for v in report["variants"]] == [
+        ("float32", "grouped"), ("float32", "sdpa")]
+    for v in report["variants"]:
+        assert set(v["decode_ms"]) == {"1", "2"} and set(v["prefill_tok_s"]) == {"32"}
+        assert v["paging"]["2"]["paged_ms"] > 0 and v["transfer"]["export_64_GBps"] > 0
+
+
+def test_profile_rejects_bad_grid(capsys):
+    with pytest.raises(SystemExit):
+        main(["profile", "--new-tokens", "a,b", *COMMON])
+    assert "expected comma-separated integers" in capsys.readouterr().err
