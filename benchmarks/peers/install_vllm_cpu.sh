@@ -59,6 +59,16 @@ if [[ ! -f "$VENV/.extras" ]]; then
   touch "$VENV/.extras"
 fi
 
+if [[ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ]]; then
+  # vLLM's CPU guide asks for tcmalloc in LD_PRELOAD (engine_peers.py sets it when present).
+  step "installing tcmalloc (Debian libtcmalloc-minimal4)"
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+    apt-get install -y -q libtcmalloc-minimal4 || echo "warning: tcmalloc not installed; peers run without it" >&2
+  else
+    echo "warning: run 'apt-get install libtcmalloc-minimal4' as root for vLLM's recommended set-up" >&2
+  fi
+fi
+
 step "checking torch is still the pinned CPU build and vllm imports"
 "$VENV/bin/python" - <<'PY'
 import torch

@@ -19,16 +19,15 @@ class VllmBackend(Backend):
     name = "vllm-cpu"
 
     def __init__(self, model_dir: str, w: Workload) -> None:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(w.extra.get("vllm_kv_gib", 2)))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{w.kv_gib:g}")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{w.threads - 1}")
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         from vllm import LLM, SamplingParams
 
         self._sp = SamplingParams
-        budget = max(max(w.prefill_lens), max(w.batches) * w.decode_prompt_len)
         self.llm = LLM(
             model=model_dir, dtype=w.dtype, max_model_len=max(w.max_len, 4096),
-            max_num_seqs=max(w.batches), max_num_batched_tokens=budget,
+            max_num_seqs=max(w.batches), max_num_batched_tokens=w.batch_tokens,
             enable_prefix_caching=False, seed=w.seed)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:

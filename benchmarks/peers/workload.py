@@ -48,6 +48,7 @@ class Workload:
     token_high: int = 49000  # exclusive; SmolLM2's vocabulary has 49152 entries
     dtype: str = "bfloat16"
     threads: int = 2
+    kv_gib: float = 2.0  # KV cache space given to vLLM and to our engine
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -61,11 +62,17 @@ class Workload:
               f"need 0 <= token_low < token_high, got {self.token_low}, {self.token_high}")
         _need(self.dtype in ("bfloat16", "float32"), f"dtype must be bfloat16 or float32, got {self.dtype!r}")
         _need(self.threads >= 1, f"threads must be >= 1, got {self.threads}")
+        _need(self.kv_gib > 0, f"kv_gib must be > 0, got {self.kv_gib}")
 
     @property
     def max_len(self) -> int:
         """Longest sequence any call creates (prompt + generated tokens)."""
         return max(max(self.prefill_lens) + 1, self.decode_prompt_len + 1 + self.decode_steps)
+
+    @property
+    def batch_tokens(self) -> int:
+        """Token budget of one engine step given to vLLM and ours: a whole prefill fits."""
+        return max(max(self.prefill_lens), max(self.batches) * self.decode_prompt_len)
 
     @property
     def total_calls(self) -> int:
