@@ -21,8 +21,9 @@ Use through the simulator runner (``SimConfig(system="vllm", ...)``) or `simulat
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from yuebing.conductor.policy.types import RejectStage
 from yuebing.core.config import require
@@ -64,11 +65,11 @@ class VllmOptions:
         return 512 if self.chunked_prefill else 131_072
 
 
-VARIANTS: dict[str, VllmOptions] = {
+VARIANTS: Mapping[str, VllmOptions] = MappingProxyType({
     "vllm": VllmOptions(),
     "vllm_prefix_caching": VllmOptions(prefix_caching=True),
     "vllm_chunked_prefill": VllmOptions(chunked_prefill=True),
-}
+})
 """The paper's three baselines (Figure 1 names)."""
 
 
