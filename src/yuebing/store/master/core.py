@@ -55,6 +55,7 @@ class MasterCore:
         self.seg_by_name: dict[str, int] = {}
         self.sessions: dict[str, Session] = {}
         self.tasks: dict[int, Task] = {}
+        self._sizes: dict[int, int] = {}
         self.next_seg = 1
         self.next_task = 1
         self.events: list[tuple[int, str, list[str]]] = []
@@ -150,7 +151,12 @@ class MasterCore:
         now = self.clock.now()
         soft = now + it.soft_pin_s if it.soft_pin_s else 0.0
         deadline = now + self.cfg.put_timeout_s
-        self.objs[it.key] = Obj(it.size, it.checksum, tuple(placed), client, it.hard_pin, soft)
+        size = self._sizes.get(it.size)  # values of one model share a few sizes: share the ints
+        if size is None:
+            size = it.size
+            if len(self._sizes) < 4096:
+                self._sizes[size] = size
+        self.objs[it.key] = Obj(size, it.checksum, tuple(placed), client, it.hard_pin, soft)
         self.pending[it.key] = deadline
         self._log(["put", it.key, it.size, it.checksum, placed, client, it.hard_pin, it.soft_pin_s])
         segs = self.segs
