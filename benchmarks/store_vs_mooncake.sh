@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/store_vs_mooncake.sh [OUTDIR]     (default ./storebench-out)
 #
-# Env: SIZES (64KiB,1MiB,4MiB,16MiB), RUNS (3), PEERS (../shared/peers), IMG (docs/img).
+# Env: SIZES (64KiB,1MiB,4MiB,16MiB), RUNS (3), PEERS (../shared/peers), IMG (docs/img),
+#      YB_ARGS (extra flags for yuebing bench store, e.g. --no-checksum: the original has none).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$HERE")"
@@ -22,7 +23,8 @@ for S in ${SIZES//,/ }; do
     bash "$PEERS/run_mooncake_store.sh" "$OUT/$S/mc" >"$OUT/$S/mc.log" 2>&1
   META=(--skip-meta); [[ $first == 1 ]] && META=(); first=0
   echo "# [$S] yuebing bench store --sizes $S --runs $RUNS ${META[*]:-} --json" >&2
-  "$REPO/.venv/bin/yuebing" bench store --sizes "$S" --runs "$RUNS" "${META[@]}" --json \
+  # shellcheck disable=SC2086
+  "$REPO/.venv/bin/yuebing" bench store --sizes "$S" --runs "$RUNS" "${META[@]}" ${YB_ARGS:-} --json \
     --out "$OUT/$S/yuebing_store.json" >/dev/null
 done
 "$REPO/.venv/bin/python" "$HERE/store_compare.py" "$OUT" --img "$IMG"

@@ -36,7 +36,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--target-bytes", default="512MiB", help="bytes per put phase of one run")
     p.add_argument("--time-cap", type=float, default=5.0, help="seconds cap of one phase")
-    p.add_argument("--warm-bytes", default="1GiB", help="written and removed before measuring")
+    p.add_argument("--warm-bytes", default="2GiB", help="written and removed before measuring")
     p.add_argument("--dram", default="2GiB", help="DRAM segment of the node process")
     p.add_argument("--meta-ops", type=int, default=2000, help="calls per metadata-op run")
     p.add_argument("--skip-data", action="store_true")

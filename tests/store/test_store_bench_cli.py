@@ -1,0 +1,31 @@
+"""``yuebing bench store --json`` row contract (a tiny real run: master + node processes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+KEYS = {"path", "op", "size_bytes", "batch", "gbps", "ops_per_s", "p50_us", "p99_us"}
+
+
+def test_bench_store_json_rows() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "yuebing.cli.main", "bench", "store", "--json", "--sizes", "64KiB",
+         "--runs", "1", "--target-bytes", "1MiB", "--warm-bytes", "0", "--dram", "64MiB",
+         "--meta-ops", "32", "--paths", "same_host,remote_tcp", "--pairs", "zc,zcbatch",
+         "--batch", "4"], capture_output=True, text=True, timeout=120, check=True)
+    rows = json.loads(out.stdout)
+    assert all(set(r) == KEYS for r in rows)
+    ops = [(r["path"], r["op"], r["batch"]) for r in rows]
+    data = [("put_from", 1), ("get_into", 1), ("batch_put_from", 4), ("batch_get_into", 4)]
+    meta = [("put_4k", 1), ("get_4k", 1), ("exists_hit", 1), ("exists_miss", 1),
+            ("batch_exists", 4), ("remove", 1)]
+    assert ops == [(p, o, b) for p in ("same_host", "remote_tcp") for o, b in data + meta]
+    for r in rows:
+        assert r["ops_per_s"] > 0 and r["p50_us"] > 0
+        assert (r["gbps"] > 0) == (r["op"] not in {"exists_hit", "exists_miss", "batch_exists",
+                                                   "remove"})
+        assert r["size_bytes"] == {"put_4k": 4096, "get_4k": 4096}.get(
+            r["op"], 0 if r["op"] in {"exists_hit", "exists_miss", "batch_exists", "remove"}
+            else 65536)
