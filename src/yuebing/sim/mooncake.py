@@ -113,8 +113,7 @@ class MooncakeSystem(SimSystem):
                         d.capacity, len(d.waiting), d.waiting_tokens)
             for j, d in enumerate(self.decodes))
         src = PrefixSource(self.prefill_ids[holder], best) if best > 0 else None
-        pending = (tuple(self.pending.values())
-                   if self.config.admission == "predictive_early_rejection" else ())
+        pending = tuple(self.pending.values())
         return ClusterView(now_s=now, prefills=prefills, decodes=decodes, best_prefix=src,
                            link_bandwidth_Bps=self.cost.link_Bps,
                            link_latency_s=self.cost.link_latency_s, pending_decodes=pending)
@@ -186,9 +185,8 @@ class MooncakeSystem(SimSystem):
         total_kv = request.input_tokens * self._kvb
         kv_ready = max(end + self.cost.transfer_time(total_kv * self._layers_share),
                        start + self.cost.transfer_time(total_kv))
-        if self.config.admission == "predictive_early_rejection":
-            self.pending[request.index] = PendingDecode(
-                kv_ready, request.output_tokens, self.decode_ids[j], request.input_tokens)
+        self.pending[request.index] = PendingDecode(
+            kv_ready, request.output_tokens, self.decode_ids[j], request.input_tokens)
         self.loop.at(end, Priority.COMPLETE, self._prefill_done, request, record, group, j,
                      kv_ready)
 

@@ -64,6 +64,7 @@ def policy_config(config: SimConfig, cost: CostModel,
     """The `PolicyConfig` a simulation run uses."""
     return PolicyConfig(
         prefill_selector=config.prefill_policy,
+        decode_selector=config.decode_policy,
         admission=config.admission,
         block_tokens=config.block_tokens,
         kv_bytes_per_token=cost.kv_bytes_per_token,

@@ -36,6 +36,8 @@ class SimConfig:
     decode_nodes: int = field(default=8, metadata={"help": "decode nodes"})
     prefill_policy: str = field(default="global_cache_aware", metadata={
         "help": "prefill selector: random, load_balance, local_cache_aware, global_cache_aware"})
+    decode_policy: str = field(default="least_loaded", metadata={
+        "help": "decode selector: least_loaded, forecast, random"})
     admission: str = field(default="none", metadata={
         "help": "admission: none, slo, early_rejection, predictive_early_rejection"})
     cost_model: str = field(default="roofline", metadata={"help": "roofline or fitted"})
