@@ -41,14 +41,15 @@ class PrefillSlice:
 class AttnMetadata:
     """Where a step's tokens live in the pool and what they attend to (shared by all layers)."""
 
-    slot_blocks: torch.Tensor
-    slot_offsets: torch.Tensor
+    slot_index: torch.Tensor
+    """``[T·kv_heads]`` rows of the per-layer pool viewed as ``[blocks·kv_heads·bs, hd]``."""
     num_decode: int
     decode_index: torch.Tensor | None
     """``[D·kv_heads·max_blocks]`` gather index for the decoding sequences."""
     decode_max_len: int
+    """Keys attended per decoding sequence (the runner uses whole blocks: max blocks × bs)."""
     decode_bias: torch.Tensor | None
-    """Additive ``[D, 1, max_len]`` mask (0 / -inf) when context lengths differ, else None."""
+    """Additive ``[D, 1, max_len]`` mask (0 / -inf) hiding keys past each context, or None."""
     prefills: list[PrefillSlice]
 
 
@@ -60,11 +61,20 @@ def head_index(block_ids: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return (block_ids[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
 
 
+def slot_index(blocks: torch.Tensor, offsets: torch.Tensor, num_kv_heads: int,
+               block_size: int) -> torch.Tensor:
+    """Row of (token, head) in a per-layer pool viewed as ``[blocks·kv_heads·bs, hd]``."""
+    heads = torch.arange(num_kv_heads, device=blocks.device) * block_size
+    base = blocks * (num_kv_heads * block_size) + offsets
+    return (base[:, None] + heads[None, :]).reshape(-1)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttnMetadata) -> None:
     """Store ``k``/``v`` ``[T, kv_heads, hd]`` at the tokens' slots of one layer's pool."""
-    k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
-    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+    hd = k.shape[-1]
+    k_cache.view(-1, hd).index_copy_(0, meta.slot_index, k.reshape(-1, hd))
+    v_cache.view(-1, hd).index_copy_(0, meta.slot_index, v.reshape(-1, hd))
 
 
 def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -81,12 +91,11 @@ def decode_grouped(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     assert meta.decode_index is not None
     k = _gather(k_cache, meta.decode_index).view(d * kvh, -1, hd)[:, :length]
     v = _gather(v_cache, meta.decode_index).view(d * kvh, -1, hd)[:, :length]
-    qg = q.view(d * kvh, heads // kvh, hd)
-    scores = torch.bmm(qg, k.transpose(1, 2)).float()
-    scores.mul_(scale)
+    qg = (q * scale).view(d * kvh, heads // kvh, hd)
+    scores = torch.bmm(qg, k.transpose(1, 2))
     if meta.decode_bias is not None:
         scores = scores.view(d, -1, length).add_(meta.decode_bias).view(d * kvh, -1, length)
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.bmm(probs, v).view(d, heads, hd)
 
 
@@ -140,8 +149,8 @@ def choose_decode_attention(num_kv_heads: int, num_heads: int, head_dim: int,
     k_cache = torch.randn(blocks, num_kv_heads, bs, head_dim, device=device).to(dtype)
     v_cache = torch.randn_like(k_cache)
     table = torch.arange(blocks, device=device).view(batch, -1)
-    meta = AttnMetadata(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
-                        batch, head_index(table, num_kv_heads), context, None, [])
+    meta = AttnMetadata(torch.zeros(0, dtype=torch.long), batch,
+                        head_index(table, num_kv_heads), context, None, [])
     q = torch.randn(batch, num_heads, head_dim, device=device).to(dtype)
     timings: dict[str, float] = {}
     for name, fn in DECODE_IMPLS.items():

@@ -57,8 +57,8 @@ def paging_cost(engine: LLMEngine, batch: int, context: int, repeats: int = 5) -
         raise ValueError(f"paging bench needs {batch * nblk} blocks, the pool has "
                          f"{pool.num_blocks}")
     table = torch.randperm(pool.num_blocks)[: batch * nblk].view(batch, nblk).to(pool.device)
-    meta = AttnMetadata(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
-                        batch, head_index(table, mc.num_kv_heads), context, None, [])
+    meta = AttnMetadata(torch.zeros(0, dtype=torch.long), batch,
+                        head_index(table, mc.num_kv_heads), context, None, [])
     q = torch.randn(batch, mc.num_heads, mc.head_dim, device=pool.device).to(pool.dtype)
     impl = DECODE_IMPLS[engine.attention]
     scale = mc.head_dim**-0.5

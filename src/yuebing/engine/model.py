@@ -89,11 +89,8 @@ class LlamaModel:
         self._sin = freqs.sin().to(device=device, dtype=dtype)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused kernel
-            return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
-        xf = x.float()  # as transformers: normalize in float32, scale in the model dtype
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return w * xf.to(x.dtype)
+        # one fused kernel (accumulates in float32 for bf16/fp16 inputs)
+        return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate-half RoPE on ``x [T, heads, hd]`` with ``cos/sin [T, 1, hd/2]``."""
