@@ -41,7 +41,8 @@ class SimConfig:
     admission: str = field(default="none", metadata={
         "help": "admission: none, slo, early_rejection, predictive_early_rejection"})
     cost_model: str = field(default="roofline", metadata={"help": "roofline or fitted"})
-    profile: str = field(default="", metadata={"help": "profile JSON for the fitted cost model"})
+    profile: str = field(default="", metadata={
+        "help": "predictor or samples JSON written by yuebing profile (fitted cost model)"})
     seed: int = field(default=0, metadata={"help": "seed of every random choice in the run"})
     speed: float = field(default=1.0, metadata={"help": "trace replay speed (2 = twice as fast)"})
     limit: int = field(default=0, metadata={"help": "replay only the first N requests (0: all)"})
