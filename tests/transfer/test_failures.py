@@ -162,3 +162,19 @@ def test_pool_is_capped_with_sieve_eviction(make_engine: Callable[..., TransferE
     for i in (0, 1, 2, 0):
         eng.transfer([TransferRequest(OpCode.WRITE, b"z", f"s{i}", 0)])
     assert eng.stats()["endpoints"] == 2 and eng.stats()["evictions"] == 2
+
+
+def test_silent_peer_handshake_times_out_twice_then_fails() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts in the kernel, never answers
+        port = silent.getsockname()[1]
+        meta = EmbeddedMetadata()
+        meta.publish(SegmentDescriptor(name="mute", engine_id="mute", host_id="elsewhere",
+                                       address=f"127.0.0.1:{port}", size=1 << 20))
+        cfg = TransferConfig(transports=("tcp",), connect_timeout_s=0.2)
+        with TransferEngine(cfg, metadata=meta) as eng:
+            t0 = time.monotonic()
+            st = eng.wait(eng.submit([TransferRequest(OpCode.WRITE, b"x", "mute", 0)]), 5)
+            elapsed = time.monotonic() - t0
+    assert st.status == TransferStatus.FAILED
+    assert st.requests[0].error == f"handshake with peer at 127.0.0.1:{port} failed: timed out"
+    assert 0.4 <= elapsed < 2.0  # two attempts of 0.2 s each

@@ -13,6 +13,7 @@ cell, whose ``vs_memcpy`` ratio uses that adjacent measurement (the machine may 
 
 from __future__ import annotations
 
+import logging
 import statistics
 import subprocess
 import sys
@@ -23,11 +24,13 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from yuebing.core.config import require
+from yuebing.core.errors import TransferError
 from yuebing.transfer.config import TransferConfig
 from yuebing.transfer.engine import TransferEngine
 from yuebing.transfer.types import OpCode, TransferRequest
 
 SEGMENT = "bench"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,7 @@ def measure_cell(remote: str, transport: str, op: str, size: int, batch: int, la
     """Run one cell against the target segment ``remote`` and return its row."""
     engine = TransferEngine(TransferConfig(
         metadata="p2p", transports=(transport,), lanes=lanes, slice_size=cfg.slice_size,
-        socket_buffer=cfg.socket_buffer))
+        socket_buffer=cfg.socket_buffer, connect_timeout_s=30.0))
     try:
         opcode = OpCode.WRITE if op == "write" else OpCode.READ
         reqs = [TransferRequest(opcode, local[i * size:(i + 1) * size], remote, i * size)
@@ -212,7 +215,11 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
         for cell in cfg.cells():
             if progress is not None:
                 progress(f"{cell[0]} {cell[1]} size={cell[2]} batch={cell[3]} lanes={cell[4]}")
-            row = measure_cell(remote, *cell, cfg=cfg, local=local)
+            try:
+                row = measure_cell(remote, *cell, cfg=cfg, local=local)
+            except TransferError as e:  # keep the other cells; the row says what went wrong
+                log.warning("bench cell %s failed: %s", cell, e)
+                row = Row(*cell, gbps=0.0, p50_us=0.0, p99_us=0.0, extra={"error": str(e)})
             if cell[0] == "shm" and cfg.memcpy:
                 add_memcpy_ratio(row, cfg.duration_s, min(cfg.segment_bytes(), 256 << 20))
             rows.append(row)

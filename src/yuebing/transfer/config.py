@@ -39,7 +39,8 @@ class TransferConfig:
     slice_size: int = field(default=1 << 20, metadata={
         "help": "requests are cut into slices of at most this many bytes", "size": True})
     timeout_s: float = field(default=30.0, metadata={"help": "default deadline of a batch"})
-    connect_timeout_s: float = field(default=3.0, metadata={"help": "TCP connect/handshake timeout"})
+    connect_timeout_s: float = field(default=5.0, metadata={
+        "help": "TCP connect/handshake timeout (a timed-out handshake is tried once more)"})
     io_timeout_s: float = field(default=30.0, metadata={
         "help": "a socket send/recv stalled this long fails its lane"})
     max_retries: int = field(default=2, metadata={

@@ -198,6 +198,8 @@ class TransferEngine:
         batch = Batch(BatchId(next(self._ids)), states, time.monotonic() + timeout)
         with self._cv:
             self._batches[batch.id] = batch
+            if len(self._active) >= 1024:  # amortized pruning between reaper wake-ups
+                self._active = [b for b in self._active if not b.event.is_set()]
             self._active.append(batch)
             if batch.deadline < self._wake_at:
                 self._cv.notify()

@@ -75,10 +75,25 @@ Op = Slice | NotifyOp
 
 
 def open_socket(address: str, ctx: LocalContext, timeout_s: float) -> tuple[socket.socket, HelloReply]:
-    """Connect to ``host:port`` and run the Hello handshake; raises `TransferError`."""
+    """Connect to ``host:port`` and run the Hello handshake; raises `TransferError`. A handshake
+    that times out (a peer too busy to answer) is tried once more; a refused one is not."""
+    try:
+        return _open_socket(address, ctx, timeout_s)
+    except TimeoutError:
+        log.info("handshake with %s timed out after %ss; trying once more", address, timeout_s)
+    try:
+        return _open_socket(address, ctx, timeout_s)
+    except TimeoutError as e:
+        raise TransferError(f"handshake with peer at {address} failed: {e}") from None
+
+
+def _open_socket(address: str, ctx: LocalContext,
+                 timeout_s: float) -> tuple[socket.socket, HelloReply]:
     host, _, port = address.rpartition(":")
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except TimeoutError:
+        raise
     except (OSError, ValueError) as e:
         raise TransferError(f"peer at {address} is unreachable: {e}") from None
     try:
@@ -87,6 +102,9 @@ def open_socket(address: str, ctx: LocalContext, timeout_s: float) -> tuple[sock
         reply = recv_frame(sock)
         if not isinstance(reply, HelloReply):
             raise ProtocolError(f"expected hello reply, got {type(reply).__name__}")
+    except TimeoutError:
+        sock.close()
+        raise
     except (OSError, ProtocolError) as e:
         sock.close()
         raise TransferError(f"handshake with peer at {address} failed: {e}") from None
