@@ -112,6 +112,8 @@ class CostModel(ABC):
     """KV tokens that fit in one decode node's HBM next to the weights."""
     link_Bps: float
     link_latency_s: float
+    prefill_chunk_tokens: int = 8192
+    """Chunk size of chunked prefill (also the pipeline stage unit of CPP)."""
 
     @abstractmethod
     def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
@@ -151,6 +153,7 @@ class RooflineCostModel(CostModel):
         self.decode_kv_capacity_tokens = int(kv_bytes // m.kv_bytes_per_token)
         self.link_Bps = n.nic_Bps
         self.link_latency_s = n.nic_latency_s
+        self.prefill_chunk_tokens = n.chunk_tokens
         # decode step = max(_w + ctx·_kv, batch·_mm) + step_overhead + batch·seq_overhead
         self._w = m.weight_bytes / self._hbm_rate
         self._kv = m.kv_bytes_per_token / self._hbm_rate

@@ -169,7 +169,7 @@ class MooncakeSystem(SimSystem):
         k = len(group)
         duration = self.cost.prefill_time(new, hit)
         if k > 1:  # pipeline over k nodes: 1/k of the layers each, bubbles of one chunk
-            chunks = math.ceil(new / self.cost_chunk_tokens())
+            chunks = math.ceil(new / self.cost.prefill_chunk_tokens)
             duration = duration / k * (1.0 + (k - 1) / chunks)
         start = max(ready, *(self.free_at[g] for g in group))
         end = start + duration
@@ -189,10 +189,6 @@ class MooncakeSystem(SimSystem):
             kv_ready, request.output_tokens, self.decode_ids[j], request.input_tokens)
         self.loop.at(end, Priority.COMPLETE, self._prefill_done, request, record, group, j,
                      kv_ready)
-
-    def cost_chunk_tokens(self) -> int:
-        node = getattr(self.cost, "node", None)
-        return int(getattr(node, "chunk_tokens", 8192))
 
     def _prefill_done(self, request: SimRequest, record: RequestRecord, group: list[int],
                       j: int, kv_ready: float) -> None:

@@ -13,7 +13,7 @@ import importlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from yuebing.core.errors import InputError
 from yuebing.sim.hardware import COST_MODELS, CostModel, FittedCostModel
@@ -59,7 +59,6 @@ class SimResult:
     events: int
     wall_s: float
     sim_end_s: float = 0.0
-    meta: dict[str, object] = field(default_factory=dict)
 
 
 class _Driver:
