@@ -7,8 +7,9 @@ restricted to that transport, warms the path up, then submits batches of ``batch
 ``size`` bytes back to back for ``duration_s`` and records each batch's latency. A cell's row:
 GB/s (1e9 payload bytes per wall second), p50/p99 batch latency in µs and the wall time per
 request. Single-thread memcpy of the same sizes is measured in the same run as the reference for
-shared memory: once per size at the start (rows ``memcpy``) and again right after each shared-memory
-cell, whose ``vs_memcpy`` ratio uses that adjacent measurement (the machine may be shared).
+shared memory: once per size at the start through a 256 MiB working set (rows ``memcpy``), and
+again right after each shared-memory cell through that cell's working set (size × batch), which
+its ``vs_memcpy`` ratio uses (same caches, and the same load if the machine is shared).
 """
 
 from __future__ import annotations
@@ -221,17 +222,18 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
                 log.warning("bench cell %s failed: %s", cell, e)
                 row = Row(*cell, gbps=0.0, p50_us=0.0, p99_us=0.0, extra={"error": str(e)})
             if cell[0] == "shm" and cfg.memcpy:
-                add_memcpy_ratio(row, cfg.duration_s, min(cfg.segment_bytes(), 256 << 20))
+                add_memcpy_ratio(row, cfg.duration_s)
             rows.append(row)
     finally:
         stop_target(proc)
     return rows
 
 
-def add_memcpy_ratio(row: Row, duration_s: float, working_set: int) -> None:
-    """Measure memcpy of the row's size right after the row (same machine load) and record
-    ``memcpy_gbps`` and ``vs_memcpy`` = the row's GB/s over memcpy's."""
-    (ref,) = measure_memcpy([row.size_bytes], duration_s / 2, working_set)
+def add_memcpy_ratio(row: Row, duration_s: float) -> None:
+    """Measure memcpy of the row's size right after the row (same machine load) through the
+    same working set (size × batch, so both see the same caches) and record ``memcpy_gbps``
+    and ``vs_memcpy`` = the row's GB/s over memcpy's."""
+    (ref,) = measure_memcpy([row.size_bytes], duration_s / 2, row.size_bytes * row.batch)
     row.extra["memcpy_gbps"] = round(ref.gbps, 3)
     row.extra["vs_memcpy"] = round(row.gbps / ref.gbps, 3) if ref.gbps > 0 else None
 
