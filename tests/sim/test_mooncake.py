@@ -107,3 +107,36 @@ def test_same_seed_same_result() -> None:
     b = simulate(reqs, _config(prefill_policy="random", seed=3), cost=LinearCost())
     assert [r.prefill_id for r in a.records] == [r.prefill_id for r in b.records]
     assert a.summary == b.summary
+
+
+def test_decode_stage_rejection_wastes_the_prefill() -> None:
+    # decode KV holds 3000 tokens: the second request's 2048 + 3 cannot join beside the first
+    reqs = [_req(0, 0.0, [1, 2, 3, 4], 2048, 50), _req(1, 0.1, [5, 6, 7, 8], 2048, 3)]
+    res = simulate(reqs, _config(decode_reject=True), cost=LinearCost(capacity=3000))
+    r0, r1 = res.records
+    assert r0.rejected is None
+    assert r1.rejected is RejectStage.DECODE and r1.reject_reason == "decode_kv_full"
+    assert r1.prefill_gpu_s == pytest.approx(2.048)       # the prefill ran for nothing
+    assert r1.first_token_s == pytest.approx(0.1 + 2.048)
+    # without the flag it waits for room instead
+    res = simulate(reqs, _config(), cost=LinearCost(capacity=3000))
+    assert res.records[1].rejected is None
+    assert res.records[1].decode_start_s == pytest.approx(res.records[0].finish_s)
+
+
+def test_prefill_stage_rejection_when_the_ttft_slo_is_already_lost() -> None:
+    reqs = [_req(0, 0.0, list(range(40)), 20_000), _req(1, 0.5, list(range(100, 140)), 20_000)]
+    res = simulate(reqs, _config(prefill_nodes=1, prefill_reject=True), cost=LinearCost())
+    r0, r1 = res.records
+    assert r0.rejected is None
+    assert r1.rejected is RejectStage.PREFILL and r1.reject_reason == "prefill_ttft_slo"
+    assert r1.prefill_gpu_s == 0.0
+
+
+def test_breakdown_adds_up_on_every_request() -> None:
+    reqs = [_req(i, i * 0.7, [i % 4, 100 + i], 1000 + 37 * i, 2 + i % 9) for i in range(40)]
+    res = simulate(reqs, _config(prefill_nodes=2, decode_nodes=2), cost=LinearCost(5000))
+    for r in res.records:
+        assert r.queue_s + r.prefill_s == pytest.approx(r.ttft_s)
+        assert r.queue_s >= 0 and r.transfer_s >= 0 and r.decode_wait_s >= 0
+        assert r.first_token_s <= r.kv_ready_s <= r.decode_start_s <= r.finish_s

@@ -40,6 +40,10 @@ def test_mooncake_slice_is_deterministic_and_complete(first_1500: list) -> None:
     assert a.extra["decode_iterations"] == PINNED["decode_iterations"]
     assert a.summary["ttft_s"]["mean"] == pytest.approx(PINNED["mean_ttft_s"], rel=1e-9)
     assert a.summary["effective_capacity"]["100"] == 1.0
+    for r in a.records:
+        assert r.queue_s + r.prefill_s == pytest.approx(r.ttft_s)
+        assert r.first_token_s <= r.kv_ready_s <= r.decode_start_s <= r.finish_s
+        assert r.fetched_tokens <= r.hit_tokens
 
 
 def test_policy_ordering_on_a_slice(conversation_trace: Path) -> None:
