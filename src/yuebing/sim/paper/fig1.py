@@ -40,10 +40,8 @@ def compute(trace_path: str | Path, fast: bool = False) -> dict[str, dict[str, f
             out[name] = None
             continue
         records = run(trace_path, config(name, fast)).records
-        out[name] = {str(ms): share for ms, share in zip(
-            THRESHOLDS_MS, (s for _, s in capacity_curve(records, [t / 1000 for t in
-                                                                    THRESHOLDS_MS])),
-            strict=True)}
+        curve = capacity_curve(records, [ms / 1000 for ms in THRESHOLDS_MS])
+        out[name] = {str(ms): share for ms, (_, share) in zip(THRESHOLDS_MS, curve, strict=True)}
     return out
 
 
