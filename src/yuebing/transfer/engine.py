@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from yuebing.core.errors import InputError, TransferError
-from yuebing.transfer.batch import Batch, RequestState, Slice, split_ranges
+from yuebing.transfer.batch import Batch, RequestState, Slice
 from yuebing.transfer.config import TransferConfig
 from yuebing.transfer.messages import Hello, HelloReply, Notify, SegmentDescriptor
 from yuebing.transfer.metadata import (
@@ -177,24 +177,15 @@ class TransferEngine:
         if timeout <= 0:
             raise InputError(f"timeout_s must be > 0, got {timeout}")
         plan = self._validate(requests)
+        eps: dict[str, Endpoint | str] = {}  # per segment name: its endpoint, or why none
         states: list[RequestState] = []
-        groups: dict[tuple[int, str], tuple[Endpoint, SegmentDescriptor, list]] = {}
-        failures: list[tuple[int, str]] = []
-        endpoints: dict[str, Endpoint | str] = {}
-        for i, (r, local, desc) in enumerate(plan):
-            ep = endpoints.get(desc.name)
+        for r, local, desc in plan:
+            ep = eps.get(r.segment)
             if ep is None:
-                try:
-                    ep = endpoints[desc.name] = self._endpoint(desc)
-                except TransferError as e:
-                    ep = endpoints[desc.name] = str(e)
-            if isinstance(ep, str):
-                states.append(RequestState(r.op, local.nbytes, 1))
-                failures.append((i, ep))
-                continue
-            pieces = split_ranges(local.nbytes, ep.slice_size or local.nbytes)
-            states.append(RequestState(r.op, local.nbytes, len(pieces)))
-            groups.setdefault((id(ep), desc.name), (ep, desc, []))[2].append((i, r, local, pieces))
+                ep = eps[r.segment] = self._endpoint_or_error(desc)
+            n = local.nbytes
+            size = n if isinstance(ep, str) else (ep.slice_size or n)
+            states.append(RequestState(r.op, n, -(-n // size)))
         batch = Batch(BatchId(next(self._ids)), states, time.monotonic() + timeout)
         with self._cv:
             self._batches[batch.id] = batch
@@ -203,24 +194,52 @@ class TransferEngine:
             self._active.append(batch)
             if batch.deadline < self._wake_at:
                 self._cv.notify()
-        for i, err in failures:
-            batch.slice_done(i, 0, err)
-        for ep, desc, items in groups.values():
-            ep.submit(desc, [Slice(batch, i, r.op, local[a:a + n], desc.name, r.offset + a,
-                                   (r.offset, local.nbytes))
-                             for i, r, local, pieces in items for a, n in pieces])
+        self._dispatch(batch, plan, eps)
         return batch.id
+
+    def _endpoint_or_error(self, desc: SegmentDescriptor) -> Endpoint | str:
+        try:
+            return self._endpoint(desc)
+        except TransferError as e:
+            return str(e)
+
+    def _dispatch(self, batch: Batch, plan: list[tuple[TransferRequest, memoryview,
+                                                       SegmentDescriptor]],
+                  eps: dict[str, Endpoint | str]) -> None:
+        """Cut the requests into slices and hand them to their endpoints, one call per segment;
+        requests without an endpoint fail with the connection error."""
+        groups: dict[str, tuple[SegmentDescriptor, list[Slice]]] = {}
+        for i, (r, local, desc) in enumerate(plan):
+            ep = eps[r.segment]
+            if isinstance(ep, str):
+                batch.slice_done(i, 0, ep)
+                continue
+            group = groups.get(r.segment)
+            if group is None:
+                group = groups[r.segment] = (desc, [])
+            out = group[1]
+            n, size, name, off = local.nbytes, ep.slice_size, desc.name, r.offset
+            span = (off, n)
+            if not size or n <= size:
+                out.append(Slice(batch, i, r.op, local, name, off, span))
+            else:
+                out += [Slice(batch, i, r.op, local[a:a + size], name, off + a, span)
+                        for a in range(0, n, size)]
+        for segment, (desc, slices) in groups.items():
+            ep = eps[segment]
+            assert not isinstance(ep, str)
+            ep.submit(desc, slices)
 
     def _validate(self, requests: Sequence[TransferRequest]
                   ) -> list[tuple[TransferRequest, memoryview, SegmentDescriptor]]:
         """Check every request and its remote range; raises before anything is sent."""
         plan = []
         for i, r in enumerate(requests):
-            if not isinstance(r, TransferRequest):
+            if type(r) is not TransferRequest:
                 raise InputError(f"request {i} is a {type(r).__name__}, not a TransferRequest")
             local, length = r.resolve()
-            desc = self.describe(str(r.segment))
-            check_range(str(r.segment), desc.size, r.offset, length)
+            desc = self._descs.get(r.segment) or self.describe(str(r.segment))
+            check_range(r.segment, desc.size, r.offset, length)
             plan.append((r, local, desc))
         return plan
 

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple, NewType
 
-import numpy as np
-
 from yuebing.core.errors import InputError, TransferError
 from yuebing.core.ids import SegmentName
 
@@ -45,17 +43,17 @@ class TransferStatus(IntEnum):
 def as_buffer(buf: object, *, writable: bool) -> memoryview:
     """A flat byte view of ``buf`` (bytes, bytearray, numpy array, torch CPU tensor via numpy,
     mmap, memoryview); raises `InputError` if it is not contiguous or, for reads, read-only."""
-    if type(buf) is np.ndarray and buf.flags.c_contiguous and buf.dtype == np.uint8:
-        if writable and not buf.flags.writeable:
-            raise InputError("READ needs a writable local buffer (got a read-only one)")
-        view = memoryview(buf)  # type: ignore[arg-type]  # ndarray exports the buffer protocol
-        return view.cast("B") if buf.ndim != 1 else view  # fast path
-    if hasattr(buf, "numpy") and callable(buf.numpy) and not isinstance(buf, memoryview):
-        buf = buf.numpy()  # torch CPU tensor → numpy view (no copy)
     try:
         mv = memoryview(buf)  # type: ignore[arg-type]
     except TypeError:
-        raise InputError(f"local buffer of type {type(buf).__name__} is not a buffer") from None
+        numpy = getattr(buf, "numpy", None)  # torch CPU tensor → numpy view (no copy)
+        if not callable(numpy):
+            raise InputError(f"local buffer of type {type(buf).__name__} is not a buffer") from None
+        try:
+            mv = memoryview(numpy())
+        except (TypeError, RuntimeError) as e:
+            raise InputError(f"local buffer of type {type(buf).__name__} has no CPU bytes: {e}"
+                             ) from None
     if not mv.c_contiguous:
         raise InputError("local buffer must be C-contiguous")
     if writable and mv.readonly:
@@ -79,19 +77,20 @@ class TransferRequest:
 
     def resolve(self) -> tuple[memoryview, int]:
         """(flat local view of exactly ``length`` bytes, length); raises `InputError`."""
-        if not isinstance(self.op, OpCode):
-            raise InputError(f"op must be OpCode.READ or OpCode.WRITE, got {self.op!r}")
-        mv = as_buffer(self.local, writable=self.op == OpCode.READ)
+        op = self.op
+        if op is not OpCode.WRITE and op is not OpCode.READ:
+            raise InputError(f"op must be OpCode.READ or OpCode.WRITE, got {op!r}")
+        mv = as_buffer(self.local, writable=op is OpCode.READ)
         length = mv.nbytes if self.length is None else self.length
-        if not isinstance(length, int) or length <= 0:
+        if type(length) is not int or length <= 0:
             raise InputError(f"length must be a positive int, got {length!r}")
         if length > mv.nbytes:
             raise InputError(f"length {length} exceeds the local buffer ({mv.nbytes} bytes)")
-        if not isinstance(self.offset, int) or self.offset < 0:
+        if type(self.offset) is not int or self.offset < 0:
             raise InputError(f"remote offset must be a non-negative int, got {self.offset!r}")
         if not isinstance(self.segment, str) or not self.segment:
             raise InputError(f"segment must be a non-empty name, got {self.segment!r}")
-        return mv[:length], length
+        return (mv if length == mv.nbytes else mv[:length]), length
 
 
 class RequestStatus(NamedTuple):
