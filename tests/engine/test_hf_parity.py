@@ -45,12 +45,13 @@ def _hf_greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[torch
     return ids[-steps:], logits
 
 
-@pytest.mark.parametrize("block_size,chunk", [(4, 64), (16, 5)])
-def test_logits_match_transformers(hf_case, block_size, chunk):
+@pytest.mark.parametrize("block_size,chunk,attention", [(4, 64, "grouped"), (16, 5, "grouped"),
+                                                        (4, 7, "sdpa")])
+def test_logits_match_transformers(hf_case, block_size, chunk, attention):
     path, hf = hf_case
     engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", threads=1,
                                     block_size=block_size, num_blocks=32, max_num_seqs=4,
-                                    max_batch_tokens=max(chunk, 4), attention="grouped"))
+                                    max_batch_tokens=max(chunk, 4), attention=attention))
     captured: list[torch.Tensor] = []
     engine.logits_hook = lambda rids, logits: captured.append(logits[0].clone())
     out = engine.generate([PROMPT], SamplingParams(max_tokens=STEPS, temperature=0))[0]

@@ -138,7 +138,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=128, help="tokens per decoding sequence")
     p.add_argument("--prefill-lens", type=_int_list, default=[512, 2048])
     p.add_argument("--variants", default="bfloat16:grouped,bfloat16:sdpa,float32:grouped",
-                   help="comma-separated dtype:attention pairs measured side by side")
+                   help="comma-separated dtype:attention[:threads] variants measured side by "
+                        "side (threads default: --threads)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", default=None, help="write a PNG of decode step times here")
     add_config_args(p, EngineConfig)
@@ -152,17 +153,14 @@ def _run_bench(ns: argparse.Namespace) -> int:
     from yuebing.engine.bench import run_variant
     from yuebing.engine.weights import load_weights
 
-    variants = [v.split(":", 1) for v in ns.variants.split(",") if v]
-    if not variants or any(len(v) != 2 for v in variants):
-        raise InputError(f"--variants must look like bfloat16:grouped,float32:sdpa, "
-                         f"got {ns.variants!r}")
+    variants = _parse_variants(ns.variants)
     base = _engine_config(ns)
     weights = load_weights(base.model, base.weights_seed)
     results = []
     with Progress(transient=True, disable=ns.json) as bar:
         task = bar.add_task("bench", total=None)
-        for dtype, attn in variants:
-            results.append(run_variant(weights, base, dtype, attn, ns.batches, ns.prompt_len,
+        for variant in variants:
+            results.append(run_variant(weights, base, variant, ns.batches, ns.prompt_len,
                                        ns.prefill_lens,
                                        lambda s: bar.update(task, description=s)))
     report = {"model": base.model, "threads": base.threads or "all",
@@ -174,6 +172,19 @@ def _run_bench(ns: argparse.Namespace) -> int:
     else:
         _print_table(results, ns.batches, ns.prefill_lens)
     return 0
+
+
+def _parse_variants(text: str) -> list[tuple[str, str, int]]:
+    out = []
+    for item in filter(None, text.split(",")):
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or (len(parts) == 3 and not parts[2].isdigit()):
+            raise InputError(f"--variants items look like bfloat16:grouped or float32:sdpa:2, "
+                             f"got {item!r}")
+        out.append((parts[0], parts[1], int(parts[2]) if len(parts) == 3 else 0))
+    if not out:
+        raise InputError("--variants is empty")
+    return out
 
 
 def _print_table(results: list, batches: list[int], prefill_lens: list[int]) -> None:
@@ -191,7 +202,7 @@ def _print_table(results: list, batches: list[int], prefill_lens: list[int]) -> 
     for r in results:
         bmax = max(batches)
         pg = r.paging[bmax]
-        t.add_row(f"{r.dtype}/{r.attention}",
+        t.add_row(f"{r.dtype}/{r.attention}/{r.threads}t",
                   *[f"{r.decode_ms[b]:.1f} ({r.decode_tok_s[b]:.0f})" for b in batches],
                   *[f"{r.prefill_tok_s[n]:.0f}" for n in prefill_lens],
                   f"{pg['paged_ms']:.1f}/{pg['contiguous_ms']:.1f} of {pg['step_ms']:.1f}",
@@ -210,7 +221,7 @@ def _plot(results: list, batches: list[int], path: str) -> None:
     width = 0.8 / max(1, len(results))
     for i, r in enumerate(results):
         ax.bar([j + i * width for j in range(len(batches))], [r.decode_ms[b] for b in batches],
-               width, label=f"{r.dtype}/{r.attention}")
+               width, label=f"{r.dtype}/{r.attention}/{r.threads}t")
     ax.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(batches))],
                   [str(b) for b in batches])
     ax.set_xlabel("decode batch size")

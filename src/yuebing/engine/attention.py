@@ -7,10 +7,12 @@ layer writes its new K/V into the pool at the tokens' slots (`write_kv`), then r
 - **decode** for all decoding sequences at once: the context blocks of every sequence are
   gathered with one ``index_select`` straight into ``[seq·kv_head, tokens, head_dim]`` (the
   pool's per-layer layout ``[blocks, kv_heads, block_size, head_dim]`` makes that one copy) and
-  attention is two grouped batched matmuls (``grouped``), or ``scaled_dot_product_attention``
-  (``sdpa``); the engine picks one by measurement (`choose_decode_attention`);
+  attention is two grouped batched matmuls (``grouped``) or ``scaled_dot_product_attention``
+  (``sdpa``);
 - **prefill** per sequence: its whole context (cached prefix + this chunk) gathered the same
-  way, causal mask offset by the cached length, SDPA with grouped-query heads.
+  way, causal mask offset by the cached length; grouped matmuls over query tiles or SDPA.
+
+`choose_attention` times both paths of each kind when the engine starts (``attention=auto``).
 """
 
 from __future__ import annotations
@@ -118,17 +120,45 @@ DECODE_IMPLS: dict[str, Callable[..., torch.Tensor]] = {
     "grouped": decode_grouped, "sdpa": decode_sdpa}
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      sl: PrefillSlice, scale: float) -> torch.Tensor:
-    """``q [n, heads, hd]`` of one sequence's chunk → ``[n, heads, hd]``."""
-    n, heads, hd = q.shape
-    kvh = k_cache.shape[1]
+def prefill_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 sl: PrefillSlice, scale: float) -> torch.Tensor:
+    """``q [n, heads, hd]`` of one sequence's chunk → ``[n, heads, hd]`` through SDPA."""
+    kvh, hd = k_cache.shape[1], k_cache.shape[-1]
     k = _gather(k_cache, sl.head_index).view(kvh, -1, hd)[None, :, :sl.context_len]
     v = _gather(v_cache, sl.head_index).view(kvh, -1, hd)[None, :, :sl.context_len]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k, v, attn_mask=sl.mask, is_causal=sl.mask is None,
         scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+def prefill_grouped(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    sl: PrefillSlice, scale: float, tile: int = 256) -> torch.Tensor:
+    """Same as `prefill_sdpa` with grouped matmuls over query tiles: each tile of queries
+    attends only to keys up to its last position (causal), scores in float32."""
+    n, heads, hd = q.shape
+    kvh = k_cache.shape[1]
+    g = heads // kvh
+    ctx, offset = sl.context_len, sl.context_len - n
+    k = _gather(k_cache, sl.head_index).view(kvh, -1, hd)
+    v = _gather(v_cache, sl.head_index).view(kvh, -1, hd)
+    qg = (q * scale).view(n, kvh, g, hd).permute(1, 0, 2, 3).reshape(kvh, n * g, hd)
+    out = torch.empty(kvh, n * g, hd, dtype=q.dtype, device=q.device)
+    keys = torch.arange(ctx, device=q.device)
+    for s0 in range(0, n, tile):
+        s1 = min(n, s0 + tile)
+        end = offset + s1  # keys this tile may see
+        scores = torch.bmm(qg[:, s0 * g:s1 * g], k[:, :end].transpose(1, 2))
+        rows = torch.arange(offset + s0, offset + s1, device=q.device)
+        hide = keys[None, :end] > rows[:, None]  # [tile, end]
+        scores = scores.view(kvh, s1 - s0, g, end).masked_fill_(hide[None, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[:, s0 * g:s1 * g] = torch.bmm(probs.view(kvh, (s1 - s0) * g, end), v[:, :end])
+    return out.view(kvh, n, g, hd).permute(1, 0, 2, 3).reshape(n, heads, hd)
+
+
+PREFILL_IMPLS: dict[str, Callable[..., torch.Tensor]] = {
+    "grouped": prefill_grouped, "sdpa": prefill_sdpa}
 
 
 def causal_mask(length: int, context_len: int, device: torch.device) -> torch.Tensor | None:
@@ -140,10 +170,25 @@ def causal_mask(length: int, context_len: int, device: torch.device) -> torch.Te
     return torch.arange(context_len, device=device)[None, :] <= rows
 
 
-def choose_decode_attention(num_kv_heads: int, num_heads: int, head_dim: int,
-                            dtype: torch.dtype, device: torch.device, batch: int = 8,
-                            context: int = 512, repeats: int = 5) -> tuple[str, dict[str, float]]:
-    """Time both decode paths on this device/dtype; return the faster name and the timings."""
+def _best_time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def choose_attention(num_kv_heads: int, num_heads: int, head_dim: int, dtype: torch.dtype,
+                     device: torch.device, batch: int = 8, context: int = 512,
+                     repeats: int = 3) -> tuple[str, str, dict[str, float]]:
+    """Time the decode and prefill paths on this device/dtype; return the faster names
+    (decode, prefill) and all timings in seconds."""
     bs = 16
     blocks = batch * context // bs
     k_cache = torch.randn(blocks, num_kv_heads, bs, head_dim, device=device).to(dtype)
@@ -152,17 +197,19 @@ def choose_decode_attention(num_kv_heads: int, num_heads: int, head_dim: int,
     meta = AttnMetadata(torch.zeros(0, dtype=torch.long), batch,
                         head_index(table, num_kv_heads), context, None, [])
     q = torch.randn(batch, num_heads, head_dim, device=device).to(dtype)
-    timings: dict[str, float] = {}
-    for name, fn in DECODE_IMPLS.items():
-        fn(q, k_cache, v_cache, meta, head_dim**-0.5)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn(q, k_cache, v_cache, meta, head_dim**-0.5)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - t0)
-        timings[name] = best
-    return min(timings, key=timings.__getitem__), timings
+    scale = head_dim**-0.5
+    timings = {f"decode_{name}": _best_time(lambda f=fn: f(q, k_cache, v_cache, meta, scale),
+                                            device, repeats)
+               for name, fn in DECODE_IMPLS.items()}
+    n = context // 2  # a chunk on top of as many cached tokens
+    sl = PrefillSlice(0, n, context, head_index(table[0], num_kv_heads),
+                      causal_mask(n, context, device))
+    qp = torch.randn(n, num_heads, head_dim, device=device).to(dtype)
+    timings.update({f"prefill_{name}": _best_time(
+        lambda f=fn: f(qp, k_cache, v_cache, sl, scale), device, repeats)
+        for name, fn in PREFILL_IMPLS.items()})
+
+    def pick(kind: str, names: dict[str, Callable[..., torch.Tensor]]) -> str:
+        return min(names, key=lambda name: timings[f"{kind}_{name}"])
+
+    return pick("decode", DECODE_IMPLS), pick("prefill", PREFILL_IMPLS), timings

@@ -31,6 +31,7 @@ from yuebing.engine.weights import LoadedWeights
 class VariantResult:
     dtype: str
     attention: str
+    threads: int
     decode_ms: dict[int, float] = field(default_factory=dict)
     decode_tok_s: dict[int, float] = field(default_factory=dict)
     prefill_tok_s: dict[int, float] = field(default_factory=dict)
@@ -98,18 +99,22 @@ def transfer_rates(engine: LLMEngine, nblocks: int = 64, repeats: int = 5) -> di
     return out
 
 
-def run_variant(weights: LoadedWeights, base: EngineConfig, dtype: str, attention: str,
+def run_variant(weights: LoadedWeights, base: EngineConfig, variant: tuple[str, str, int],
                 batches: list[int], prompt_len: int, prefill_lens: list[int],
                 progress: Callable[[str], None], steps: int = 8) -> VariantResult:
+    """Measure one (dtype, attention, threads) variant; threads 0 = the engine's choice."""
+    dtype, attention, threads = variant
     cfg = EngineConfig(**{**base.__dict__, "dtype": dtype, "attention": attention,
+                          "threads": threads or base.threads,
                           "max_num_seqs": max(batches + [base.max_num_seqs]),
                           "max_batch_tokens": max(prefill_lens + [base.max_batch_tokens])})
     engine = LLMEngine(cfg, weights=weights)
-    res = VariantResult(str(engine.dtype).removeprefix("torch."), engine.attention)
+    res = VariantResult(str(engine.dtype).removeprefix("torch."), engine.attention,
+                        torch.get_num_threads())
     tokens = _Tokens(engine.model_config.vocab_size, seed=1)
     engine.warmup()
     for b in batches:
-        progress(f"{res.dtype}/{res.attention}: decode batch {b}")
+        progress(f"{res.dtype}/{res.attention}/{res.threads}t: decode batch {b}")
         t = time_decode(engine, b, b * prompt_len, tokens, steps)
         res.decode_ms[b] = 1e3 * t
         res.decode_tok_s[b] = b / t

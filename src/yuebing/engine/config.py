@@ -118,8 +118,8 @@ class EngineConfig:
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = auto (1 or all usable cores, measured at start-up)"})
     attention: str = field(default="auto", metadata={
-        "help": "decode attention: grouped (matmuls over gathered blocks), sdpa, or auto "
-                "(measured at start-up)"})
+        "help": "attention path for decode and prefill: grouped (matmuls over gathered "
+                "blocks), sdpa, or auto (each measured at start-up)"})
     weights_seed: int = field(default=0, metadata={"help": "seed of dummy random weights"})
 
     def __post_init__(self) -> None:

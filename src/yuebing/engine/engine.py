@@ -23,7 +23,7 @@ from yuebing.core.errors import InputError
 from yuebing.core.hashing import hash_blocks
 from yuebing.core.ids import BlockHash
 from yuebing.engine import runtime
-from yuebing.engine.attention import DECODE_IMPLS, choose_decode_attention
+from yuebing.engine.attention import DECODE_IMPLS, PREFILL_IMPLS, choose_attention
 from yuebing.engine.block_manager import BlockAllocator
 from yuebing.engine.config import EngineConfig
 from yuebing.engine.kv_cache import KVPool
@@ -60,11 +60,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, bs, config.max_num_seqs,
                                    config.max_batch_tokens, config.mixed_batches, self.key_extra)
         self.runner = ModelRunner(self.model, self.pool)
-        self.attention, self.attention_timings = config.attention, {}
+        self.attention = self.prefill_attention = config.attention
+        self.attention_timings: dict[str, float] = {}
         if config.attention == "auto":
-            self.attention, self.attention_timings = choose_decode_attention(
+            self.attention, self.prefill_attention, self.attention_timings = choose_attention(
                 mc.num_kv_heads, mc.num_heads, mc.head_dim, self.dtype, self.device)
         self.model.decode_impl = DECODE_IMPLS[self.attention]
+        self.model.prefill_impl = PREFILL_IMPLS[self.prefill_attention]
         self._ids = itertools.count()
         self._arrival = itertools.count()
         self._seqs: dict[str, Sequence] = {}
@@ -73,8 +75,9 @@ class LLMEngine:
         """The plan being executed (set during `step`, read by layer hooks)."""
         self.logits_hook: Callable[[list[str], torch.Tensor], None] | None = None
         """Called each step with the sampled requests' ids and float32 logits (tests, research)."""
-        log.info("engine ready: %s, %s layers, %s KV blocks of %s tokens, attention=%s",
-                 mc.name, mc.num_layers, nb, bs, self.attention)
+        log.info("engine ready: %s, %s layers, %s KV blocks of %s tokens, attention "
+                 "decode=%s prefill=%s", mc.name, mc.num_layers, nb, bs, self.attention,
+                 self.prefill_attention)
 
     # ------------------------------------------------------------------------ requests
 

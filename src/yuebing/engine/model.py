@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from yuebing.engine.attention import DECODE_IMPLS, AttnMetadata, prefill_attention, write_kv
+from yuebing.engine.attention import DECODE_IMPLS, PREFILL_IMPLS, AttnMetadata, write_kv
 from yuebing.engine.config import ModelConfig, RopeScaling
 
 LayerHook = Callable[[int, AttnMetadata], None]
@@ -53,6 +53,7 @@ class LlamaModel:
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.hooks: list[LayerHook] = []
         self.decode_impl = DECODE_IMPLS["grouped"]
+        self.prefill_impl = PREFILL_IMPLS["sdpa"]
         self._scale = cfg.head_dim**-0.5
 
         def take(name: str) -> torch.Tensor:
@@ -136,6 +137,6 @@ class LlamaModel:
         if d:
             out[:d] = self.decode_impl(q[:d].contiguous(), k_cache, v_cache, meta, self._scale)
         for sl in meta.prefills:
-            out[sl.start:sl.start + sl.length] = prefill_attention(
+            out[sl.start:sl.start + sl.length] = self.prefill_impl(
                 q[sl.start:sl.start + sl.length], k_cache, v_cache, sl, self._scale)
         return out
