@@ -46,41 +46,17 @@ class ModelRunner:
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         bs, kvh, dev = self.block_size, self.pool.num_kv_heads, self.device
-        ids: list[int] = []
-        pos: list[int] = []
-        slot_b: list[int] = []
-        rows: list[int] = []
-        sampled: list[Sequence] = []
-        lens: list[int] = []
-        for seq in plan.decodes:
-            p = seq.num_computed
-            ids.append(seq.all_ids[p])
-            pos.append(p)
-            slot_b.append(seq.blocks[p // bs])
-            rows.append(len(rows))
-            sampled.append(seq)
-            lens.append(p + 1)
-        num_decode = len(plan.decodes)
-        decode_index = bias = None
-        max_len = 0
-        if num_decode:
-            # attend over whole gathered blocks (contiguous matmul operands are ~2× faster
-            # than a sliced view) and mask the tail of each sequence's last block
-            max_blocks = -(-max(lens) // bs)
-            max_len = max_blocks * bs
-            table = torch.zeros(num_decode, max_blocks, dtype=torch.long)
-            for r, seq in enumerate(plan.decodes):
-                nb = -(-lens[r] // bs)
-                table[r, :nb] = torch.as_tensor(seq.blocks[:nb])
-            decode_index = head_index(table, kvh).to(dev)
-            if min(lens) != max_len:
-                ar = torch.arange(max_len)
-                bias = torch.where(ar[None, :] < torch.as_tensor(lens)[:, None], 0.0,
-                                   float("-inf"))[:, None, :].to(dev)
-        slices: list[PrefillSlice] = []
+        ids = [seq.all_ids[seq.num_computed] for seq in plan.decodes]
+        pos = [seq.num_computed for seq in plan.decodes]
         positions = [torch.as_tensor(pos, dtype=torch.long)]
-        blocks_t = [torch.as_tensor(slot_b, dtype=torch.long)]
-        start = num_decode
+        blocks_t = [torch.as_tensor([seq.blocks[p // bs] for seq, p in zip(plan.decodes, pos,
+                                                                          strict=True)],
+                                    dtype=torch.long)]
+        rows = list(range(len(plan.decodes)))
+        sampled = list(plan.decodes)
+        decode_index, max_len, bias = self._decode_meta(plan, [p + 1 for p in pos])
+        slices: list[PrefillSlice] = []
+        start = len(plan.decodes)
         for seq, n in plan.prefills:
             nc = seq.num_computed
             ids.extend(seq.all_ids[nc:nc + n])
@@ -96,9 +72,33 @@ class ModelRunner:
             start += n
         all_pos = torch.cat(positions)
         slots = slot_index(torch.cat(blocks_t), all_pos % bs, kvh, bs).to(dev)
-        meta = AttnMetadata(slots, num_decode, decode_index, max_len, bias, slices)
+        meta = AttnMetadata(slots, len(plan.decodes), decode_index, max_len, bias, slices)
         return StepInputs(torch.as_tensor(ids, dtype=torch.long).to(dev), all_pos.to(dev), meta,
                           torch.as_tensor(rows, dtype=torch.long).to(dev), sampled)
+
+    def _decode_meta(self, plan: StepPlan, lens: list[int]
+                     ) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
+        """Gather index over whole blocks, padded length, and the tail mask of the decodes.
+
+        Attention runs over whole gathered blocks (contiguous matmul operands are ~2× faster
+        than a sliced view); the mask hides keys past each sequence's context.
+        """
+        if not lens:
+            return None, 0, None
+        bs, dev = self.block_size, self.device
+        max_blocks = -(-max(lens) // bs)
+        max_len = max_blocks * bs
+        table = torch.zeros(len(lens), max_blocks, dtype=torch.long)
+        for r, seq in enumerate(plan.decodes):
+            nb = -(-lens[r] // bs)
+            table[r, :nb] = torch.as_tensor(seq.blocks[:nb])
+        index = head_index(table, self.pool.num_kv_heads).to(dev)
+        bias = None
+        if min(lens) != max_len:
+            ar = torch.arange(max_len)
+            bias = torch.where(ar[None, :] < torch.as_tensor(lens)[:, None], 0.0,
+                               float("-inf"))[:, None, :].to(dev)
+        return index, max_len, bias
 
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
         """Forward pass of ``plan``; returns (logits of sampled rows, their sequences)."""
