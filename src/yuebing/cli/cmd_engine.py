@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from yuebing.cli.main import Command
 from yuebing.core.config import add_config_args, config_from_args
@@ -24,7 +25,7 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _engine_config(ns: argparse.Namespace, **base: object):  # noqa: ANN202
+def _engine_config(ns: argparse.Namespace, **base: Any) -> Any:
     from yuebing.engine.config import EngineConfig
 
     return config_from_args(EngineConfig, ns, **base)

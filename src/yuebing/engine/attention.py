@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -198,7 +199,7 @@ def choose_attention(num_kv_heads: int, num_heads: int, head_dim: int, dtype: to
                         head_index(table, num_kv_heads), context, None, [])
     q = torch.randn(batch, num_heads, head_dim, device=device).to(dtype)
     scale = head_dim**-0.5
-    timings = {f"decode_{name}": _best_time(lambda f=fn: f(q, k_cache, v_cache, meta, scale),
+    timings = {f"decode_{name}": _best_time(partial(fn, q, k_cache, v_cache, meta, scale),
                                             device, repeats)
                for name, fn in DECODE_IMPLS.items()}
     n = context // 2  # a chunk on top of as many cached tokens
@@ -206,7 +207,7 @@ def choose_attention(num_kv_heads: int, num_heads: int, head_dim: int, dtype: to
                       causal_mask(n, context, device))
     qp = torch.randn(n, num_heads, head_dim, device=device).to(dtype)
     timings.update({f"prefill_{name}": _best_time(
-        lambda f=fn: f(qp, k_cache, v_cache, sl, scale), device, repeats)
+        partial(fn, qp, k_cache, v_cache, sl, scale), device, repeats)
         for name, fn in PREFILL_IMPLS.items()})
 
     def pick(kind: str, names: dict[str, Callable[..., torch.Tensor]]) -> str:

@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -92,9 +93,9 @@ def transfer_rates(engine: LLMEngine, nblocks: int = 64, repeats: int = 5) -> di
     for label, blocks in (("1", ids[:1]), (str(n), ids)):
         buf = pool.export_blocks(blocks)
         gb = len(blocks) * pool.block_nbytes / 1e9
-        out[f"export_{label}_GBps"] = gb / _best(lambda b=blocks, o=buf: pool.export_blocks(b, o),
+        out[f"export_{label}_GBps"] = gb / _best(partial(pool.export_blocks, blocks, buf),
                                                  repeats)
-        out[f"import_{label}_GBps"] = gb / _best(lambda b=blocks, o=buf: pool.import_blocks(b, o),
+        out[f"import_{label}_GBps"] = gb / _best(partial(pool.import_blocks, blocks, buf),
                                                  repeats)
     return out
 

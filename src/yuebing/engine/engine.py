@@ -92,16 +92,17 @@ class LLMEngine:
     def encode_prompt(self, prompt: str | Seq[int] | list[dict[str, str]],
                       chat: bool = False) -> list[int]:
         """Token ids of a text prompt, chat messages, or ids given directly (validated)."""
-        if isinstance(prompt, str) or (chat and isinstance(prompt, list)):
+        ids: list[int]
+        if isinstance(prompt, str) or chat:
             if self.tokenizer is None:
                 raise InputError(f"model {self.model_config.name} has no tokenizer; pass "
                                  "token ids instead of text")
-            if chat:
-                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) \
-                    else prompt
-                ids = self.tokenizer.encode_chat(messages)  # type: ignore[arg-type]
-            else:
+            if isinstance(prompt, str) and not chat:
                 ids = self.tokenizer.encode(prompt)
+            else:
+                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) \
+                    else list(prompt)
+                ids = self.tokenizer.encode_chat(messages)  # type: ignore[arg-type]
         else:
             ids = list(prompt)  # type: ignore[arg-type]
         if not ids:

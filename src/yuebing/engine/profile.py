@@ -112,8 +112,11 @@ def time_decode(engine: LLMEngine, batch: int, context: int, tokens: _Tokens,
     per_seq = max(1, context // batch - steps // 2)
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     rids = [engine.add_request(tokens(per_seq), params) for _ in range(batch)]
-    while any(engine.get_sequence(r) is None or engine.get_sequence(r).is_prefilling
-              or engine.get_sequence(r).num_computed == 0 for r in rids):
+    def prefilling(rid: str) -> bool:
+        seq = engine.get_sequence(rid)
+        return seq is not None and (seq.num_computed == 0 or seq.is_prefilling)
+
+    while any(prefilling(r) for r in rids):
         engine.step()
     times = []
     for _ in range(steps):

@@ -48,7 +48,7 @@ class Tokenizer:
         """Token ids of ``text``; BOS is prepended when the model asks for it (never twice)."""
         ids = list(self._tok.encode(text, add_special_tokens=False).ids)
         if add_special and self.add_bos and (not ids or ids[0] != self.bos_token_id):
-            ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
+            ids.insert(0, self.bos_token_id)
         return ids
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
