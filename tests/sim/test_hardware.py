@@ -27,12 +27,26 @@ def test_table1_flops() -> None:
 
 def test_roofline_prefill_by_hand() -> None:
     cost = RooflineCostModel()
-    compute = 80 * 26 * 8192**3 / (8 * 312e12 * 0.6)  # 0.7636 s
+    mfu_8k = 0.62 * 8192 / (8192 + 256)  # 0.6012: a full chunk
+    compute = 80 * 26 * 8192**3 / (8 * 312e12 * mfu_8k)  # 0.7620 s
     assert cost.prefill_time(8192, 0) == pytest.approx(compute + 0.01, rel=1e-12)
     # incremental: FLOPs(c+n) - FLOPs(c); 2 chunks of 8192
-    inc = (ModelSpec().flops(16384 + 8192) - ModelSpec().flops(8192)) / (8 * 312e12 * 0.6)
+    inc = (ModelSpec().flops(16384 + 8192) - ModelSpec().flops(8192)) / (8 * 312e12 * mfu_8k)
     assert cost.prefill_time(16384, 8192) == pytest.approx(inc + 2 * 0.01, rel=1e-12)
+    # a tail chunk of 1000 tokens runs at its own, lower efficiency
+    m = ModelSpec()
+    tail = (m.flops(8192 + 1000) - m.flops(8192)) / (8 * 312e12 * 0.62 * 1000 / 1256)
+    assert cost.prefill_time(9192, 0) == pytest.approx(compute + tail + 2 * 0.01, rel=1e-12)
     assert cost.prefill_time(0, 5000) == 0.0
+
+
+def test_efficiency_curve_halves_at_mfu_half_tokens() -> None:
+    cost = RooflineCostModel()
+    assert cost.efficiency(256) == pytest.approx(0.31, rel=1e-12)
+    assert cost.efficiency(512) == pytest.approx(0.62 * 2 / 3, rel=1e-12)
+    flat = RooflineCostModel(node=NodeSpec(mfu=0.5, mfu_half_tokens=0))
+    assert flat.efficiency(1) == flat.efficiency(100_000) == 0.5
+    assert flat.pass_compute_time(8 * 312e12 * 0.5, 7) == pytest.approx(1.0, rel=1e-12)
 
 
 def test_roofline_prefill_bound_by_loading_a_huge_prefix() -> None:
@@ -56,6 +70,8 @@ def test_roofline_decode_and_capacity_by_hand() -> None:
 def test_bad_specs_say_what_to_change() -> None:
     with pytest.raises(ConfigError, match="mfu"):
         NodeSpec(mfu=1.5)
+    with pytest.raises(ConfigError, match="mfu_half_tokens must be >= 0"):
+        NodeSpec(mfu_half_tokens=-1)
     with pytest.raises(ConfigError, match="weights do not fit"):
         RooflineCostModel(node=NodeSpec(gpus=1))
 

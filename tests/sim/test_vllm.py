@@ -146,11 +146,14 @@ def test_roofline_step_formulas():
     cost = RooflineCostModel()
     cc = CoupledCost(cost)
     n, m = cost.node, cost.model
-    rate = n.gpus * n.gpu_flops * n.mfu
-    pre = (m.flops(3000 + 1000) - m.flops(3000)) / rate + n.chunk_overhead_s
+    flops = m.flops(3000 + 1000) - m.flops(3000)
+    # one pass over 1000 tokens: mfu(1000) = 0.62 · 1000 / 1256
+    pre = flops / (n.gpus * n.gpu_flops * 0.62 * 1000 / 1256) + n.chunk_overhead_s
     assert cc.prefill_step([(1000, 3000)]) == pytest.approx(pre, rel=1e-12)
     assert cc.decode_step(8, 50_000) == cost.decode_step_time(8, 50_000)
-    mixed = max(cost.decode_step_time(8, 50_000 + 4000), pre)
+    # mixed: the pass also carries one token for each of the 8 decoding sequences
+    pre_mixed = flops / (n.gpus * n.gpu_flops * 0.62 * 1008 / 1264) + n.chunk_overhead_s
+    mixed = max(cost.decode_step_time(8, 50_000 + 4000), pre_mixed)
     assert cc.mixed_step([(1000, 3000)], 8, 50_000) == pytest.approx(mixed, rel=1e-12)
     assert cc.mixed_step([], 8, 50_000) == cost.decode_step_time(8, 50_000)
     fake = CoupledCost(FakeCost())

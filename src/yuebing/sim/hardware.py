@@ -8,7 +8,11 @@ predictors are fitted from samples of it. Cost models are pure functions of thei
 Roofline (paper Table 1, LLaMA3-70B on one node of 8×A800):
 
 - prefill of ``n`` new tokens after ``c`` cached ones costs FLOPs(c+n) − FLOPs(c), with
-  FLOPs(x) = l·(a·x²·d + b·x·d²), run at ``gpus · gpu_flops · mfu``; the cached prefix is loaded
+  FLOPs(x) = l·(a·x²·d + b·x·d²), computed chunk by chunk (``chunk_tokens``); a forward pass
+  over ``t`` tokens runs at ``gpus · gpu_flops · mfu(t)`` with the efficiency curve
+  ``mfu(t) = mfu · t / (t + mfu_half_tokens)`` (small passes use the GPUs far worse: skinny
+  GEMMs, tensor-parallel all-reduces and launches that do not shrink with ``t``; every system
+  — Mooncake and the coupled baselines — uses this one curve); the cached prefix is loaded
   and the new KV stored layer by layer over the host link (``h2d_Bps``), overlapping compute, so
   the time is max(compute, load, store) plus ``chunk_overhead_s`` per chunk of
   ``chunk_tokens`` (chunked prefill);
@@ -75,7 +79,11 @@ class NodeSpec:
 
     gpus: int = field(default=8, metadata={"help": "GPUs per node"})
     gpu_flops: float = field(default=312e12, metadata={"help": "peak bf16 FLOP/s per GPU"})
-    mfu: float = field(default=0.6, metadata={"help": "prefill model-FLOPs utilisation"})
+    mfu: float = field(default=0.62, metadata={
+        "help": "asymptotic prefill model-FLOPs utilisation of a large forward pass"})
+    mfu_half_tokens: int = field(default=256, metadata={
+        "help": "tokens in a forward pass at which the prefill MFU is half of mfu "
+                "(mfu(t) = mfu · t / (t + mfu_half_tokens); 0: flat mfu)"})
     decode_mfu: float = field(default=0.3, metadata={"help": "decode matmul FLOPs utilisation"})
     hbm_Bps: float = field(default=2.039e12, metadata={"help": "HBM bandwidth per GPU, B/s"})
     mbu: float = field(default=0.7, metadata={"help": "decode memory-bandwidth utilisation"})
@@ -97,6 +105,7 @@ class NodeSpec:
         for name in ("mfu", "decode_mfu", "mbu", "hbm_usable"):
             require(0 < getattr(self, name) <= 1, f"{name} must be in (0, 1]")
         require(self.chunk_tokens > 0, "chunk_tokens must be > 0")
+        require(self.mfu_half_tokens >= 0, "mfu_half_tokens must be >= 0 (0: flat mfu)")
         for name in ("nic_latency_s", "chunk_overhead_s", "step_overhead_s", "seq_overhead_s"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0")
 
@@ -144,7 +153,6 @@ class RooflineCostModel(CostModel):
         self.node = node or NodeSpec()
         n, m = self.node, self.model
         self._peak = n.gpus * n.gpu_flops
-        self._flops_rate = self._peak * n.mfu
         self._hbm_rate = n.gpus * n.hbm_Bps * n.mbu
         self.kv_bytes_per_token = m.kv_bytes_per_token
         kv_bytes = n.gpus * n.hbm_bytes * n.hbm_usable - m.weight_bytes
@@ -159,12 +167,29 @@ class RooflineCostModel(CostModel):
         self._kv = m.kv_bytes_per_token / self._hbm_rate
         self._mm = 2.0 * m.params / (self._peak * n.decode_mfu)
 
+    def efficiency(self, tokens: int) -> float:
+        """Prefill MFU of one forward pass over ``tokens`` tokens (the curve of the module
+        docstring)."""
+        half = self.node.mfu_half_tokens
+        return self.node.mfu * tokens / (tokens + half) if half else self.node.mfu
+
+    def pass_compute_time(self, flops: float, tokens: int) -> float:
+        """Seconds of ``flops`` computed in one forward pass over ``tokens`` tokens."""
+        return flops / (self._peak * self.efficiency(max(tokens, 1)))
+
     def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
         if new_tokens <= 0:
             return 0.0
         m, n = self.model, self.node
-        flops = m.flops(cached_tokens + new_tokens) - m.flops(cached_tokens)
-        compute = flops / self._flops_rate
+        size = n.chunk_tokens
+        full, rest = divmod(new_tokens, size)
+        # linear FLOPs are the same per chunk; the attention FLOPs of the full chunks sum to
+        # those of the whole prefill minus the tail chunk's
+        done = cached_tokens + full * size
+        flops_full = m.flops(done) - m.flops(cached_tokens)
+        compute = flops_full / (self._peak * self.efficiency(size)) if full else 0.0
+        if rest:
+            compute += (m.flops(done + rest) - m.flops(done)) / (self._peak * self.efficiency(rest))
         load = cached_tokens * m.kv_bytes_per_token / n.h2d_Bps
         store = new_tokens * m.kv_bytes_per_token / n.h2d_Bps
         chunks = math.ceil(new_tokens / n.chunk_tokens)

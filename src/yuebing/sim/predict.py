@@ -5,7 +5,10 @@ predictors are fitted from samples of the run's cost model (exactly what ``yuebi
 does against the real engine), so the policy code sees the same kind of inputs in the
 simulator as live; fits are cached per cost model object. The predictive-early-rejection
 decode-duration distribution is the deciles of the workload's output lengths times the decode
-step time at half the decode KV capacity (the arXiv §7.4 "fixed distribution").
+step time of a loaded decode node — the step at full KV capacity, capped by the TBT SLO the
+decode batch is kept under — because the forecast matters exactly when decode is loaded (the
+arXiv §7.4 "fixed distribution"). The policy gets the simulator's chunked-pipeline-parallel
+settings so its TTFT estimate of a long prompt is the pipelined one the simulator runs.
 """
 
 from __future__ import annotations
@@ -48,13 +51,15 @@ def predictors_for(cost: CostModel) -> Predictors:
     return pred
 
 
-def decode_durations(cost: CostModel, requests: Sequence[SimRequest]) -> tuple[float, ...]:
-    """Ten equally likely decode durations (s) for the predictive early rejection forecast."""
+def decode_durations(cost: CostModel, requests: Sequence[SimRequest],
+                     tbt_slo_s: float = math.inf) -> tuple[float, ...]:
+    """Ten equally likely decode durations (s) for the predictive early rejection forecast:
+    output-length deciles × the step time of a full decode node, at most ``tbt_slo_s``."""
     outputs = np.array([r.output_tokens for r in requests], dtype=float)
     mean_ctx = float(np.mean([r.input_tokens + r.output_tokens / 2 for r in requests]))
-    half = cost.decode_kv_capacity_tokens / 2
-    batch = max(1, math.floor(half / mean_ctx))
-    step = cost.decode_step_time(batch, int(half))
+    full = cost.decode_kv_capacity_tokens
+    batch = max(1, math.floor(full / mean_ctx))
+    step = min(cost.decode_step_time(batch, full), tbt_slo_s)
     qs = np.quantile(outputs, np.linspace(0.05, 0.95, 10)) * step
     return tuple(float(max(q, 1e-3)) for q in qs)
 
@@ -72,7 +77,10 @@ def policy_config(config: SimConfig, cost: CostModel,
         tbt_slo_s=config.tbt_slo_s,
         kvcache_balancing_threshold=config.balancing_threshold,
         seed=config.seed,
-        decode_durations_s=decode_durations(cost, requests),
+        decode_durations_s=decode_durations(cost, requests, config.tbt_slo_s),
+        cpp_threshold_tokens=config.cpp_threshold_tokens,
+        cpp_max_nodes=config.cpp_max_nodes,
+        cpp_chunk_tokens=cost.prefill_chunk_tokens,
     )
 
 

@@ -7,12 +7,15 @@ iteration takes: a prefill-only step, a decode-only step or a mixed (chunked-pre
 With the roofline cost model (paper Table 1) the steps follow the same roofline, adapted to a
 coupled engine whose prefix cache lives in HBM (no host-to-device load or store):
 
-- prefill step over parts ``(n new, c cached)``: compute-bound, Σ (FLOPs(c+n) − FLOPs(c)) /
-  (G · mfu) plus one ``chunk_overhead_s`` (one forward pass);
+- prefill step over parts ``(n new, c cached)``: compute-bound, Σ (FLOPs(c+n) − FLOPs(c)) at
+  the roofline's efficiency for one forward pass over all the step's tokens
+  (`RooflineCostModel.efficiency`: a 512-token chunk runs at half the MFU of a long prompt)
+  plus one ``chunk_overhead_s`` (one forward pass);
 - decode step: the cost model's own `decode_step_time`;
 - mixed step: an iteration is bounded below both by its decode work (weights and every KV
   token read once, per-sequence overheads: ``decode_step_time(batch, context + prompt KV)``)
-  and by its prefill compute, and the two overlap: the maximum of the two.
+  and by its prefill compute (the pass covers the chunks' tokens and one token per decoding
+  sequence), and the two overlap: the maximum of the two.
 
 Any other cost model (e.g. ``fitted``) only exposes prefill and decode times, so a prefill step
 is the sum of its parts' prefill times and a mixed step is prefill plus decode time (no overlap:
@@ -33,14 +36,14 @@ class CoupledCost:
         self.cost = cost
         self._roofline = isinstance(cost, RooflineCostModel)
         if isinstance(cost, RooflineCostModel):
-            n = cost.node
-            self._prefill_rate = n.gpus * n.gpu_flops * n.mfu
-            self._overhead = n.chunk_overhead_s
+            self._overhead = cost.node.chunk_overhead_s
             self._flops = cost.model.flops
+            self._pass = cost.pass_compute_time
 
-    def _prefill_compute(self, parts: Sequence[tuple[int, int]]) -> float:
+    def _prefill_compute(self, parts: Sequence[tuple[int, int]], extra_tokens: int = 0) -> float:
         flops = self._flops
-        return sum(flops(c + n) - flops(c) for n, c in parts) / self._prefill_rate
+        return self._pass(sum(flops(c + n) - flops(c) for n, c in parts),
+                          sum(n for n, _ in parts) + extra_tokens)
 
     def prefill_step(self, parts: Sequence[tuple[int, int]]) -> float:
         """Seconds of one prefill-only iteration over ``parts`` = [(new, cached), ...]."""
@@ -63,5 +66,5 @@ class CoupledCost:
                 self.decode_step(batch_size, context_tokens) if batch_size else 0.0)
         kv_read = context_tokens + sum(c + n for n, c in parts)
         decode = self.decode_step(max(batch_size, 1), kv_read)
-        prefill = self._prefill_compute(parts) + self._overhead
+        prefill = self._prefill_compute(parts, batch_size) + self._overhead
         return decode if decode > prefill else prefill

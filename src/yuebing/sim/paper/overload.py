@@ -21,6 +21,10 @@ from yuebing.sim.system import SimConfig
 
 ADMISSIONS = {"baseline": "none", "early_rejection": "early_rejection",
               "predictive_early_rejection": "predictive_early_rejection"}
+DECODE = {"baseline": "least_loaded", "early_rejection": "least_loaded",
+          "predictive_early_rejection": "forecast"}
+"""Decode selector per admission: predictive early rejection routes by the same forecast it
+admits by (arXiv §7.4), the others by the current load."""
 PAPER = {"baseline": 4183, "early_rejection": 3771, "predictive_early_rejection": 3589}
 """arXiv 2407.00079 §7: rejected requests."""
 SPEED = 2.0
@@ -32,7 +36,8 @@ VARIANT = (14, 2)
 
 def config(name: str, fast: bool = False, nodes: tuple[int, int] = (8, 8)) -> SimConfig:
     return fast_config(SimConfig(system="mooncake", prefill_nodes=nodes[0], decode_nodes=nodes[1],
-                                 admission=ADMISSIONS[name], speed=SPEED, prefill_reject=True,
+                                 admission=ADMISSIONS[name], decode_policy=DECODE[name],
+                                 speed=SPEED, prefill_reject=True,
                                  decode_reject=True, sample_interval_s=5.0), fast)
 
 
