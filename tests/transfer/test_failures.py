@@ -69,20 +69,24 @@ def test_peer_killed_mid_transfer_fails_fast_and_survivor_serves(spawn_peer, mak
 
 def test_initiator_killed_mid_write_target_keeps_serving(spawn_peer, make_engine) -> None:
     target: TransferEngine = make_engine(metadata="p2p", engine_id="target")
-    seg = target.register_segment("victim", size=32 << 20)
+    hammered = 32 << 20  # the writer keeps rewriting [0, 32 MiB); the page after it is ours
+    seg = target.register_segment("victim", size=hammered + 4096)
     writer = spawn_peer(4096, name="writer", hammer=target.segment_name("victim"))
     deadline = time.monotonic() + 20
-    while seg.array[(32 << 20) - 1] != 5 and time.monotonic() < deadline:
+    while seg.array[hammered - 1] != 5 and time.monotonic() < deadline:
         time.sleep(0.005)  # wait until the writer's first full write has landed
-    assert seg.array[(32 << 20) - 1] == 5
+    assert seg.array[hammered - 1] == 5
     writer.kill()  # SIGKILL, most likely in the middle of a 32 MiB payload
-    # the target keeps serving: another engine writes and reads back exactly
+    # the target keeps serving: another engine writes and reads back exactly (in the page the
+    # writer never touches, since its last bytes may still be draining from the socket)
     fresh: TransferEngine = make_engine(metadata="p2p", transports=("tcp",))
     name = target.segment_name("victim")
-    fresh.transfer([TransferRequest(OpCode.WRITE, b"abc" * 100, name, 8)], timeout_s=10)
+    fresh.transfer([TransferRequest(OpCode.WRITE, b"abc" * 100, name, hammered + 8)],
+                   timeout_s=10)
     out = bytearray(300)
-    fresh.transfer([TransferRequest(OpCode.READ, out, name, 8)], timeout_s=10)
-    assert bytes(out) == b"abc" * 100 and bytes(seg.view[8:308]) == b"abc" * 100
+    fresh.transfer([TransferRequest(OpCode.READ, out, name, hammered + 8)], timeout_s=10)
+    assert bytes(out) == b"abc" * 100
+    assert bytes(seg.view[hammered + 8:hammered + 308]) == b"abc" * 100
 
 
 class StallingPeer:

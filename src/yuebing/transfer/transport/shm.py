@@ -32,21 +32,36 @@ from yuebing.transfer.types import OpCode
 log = logging.getLogger(__name__)
 
 
-def copy_slice(s: Slice, remote: np.ndarray) -> None:
-    """Copy one slice between its local buffer and ``remote`` (the segment's bytes)."""
+SMALL_COPY = 256 << 10
+"""Slices up to this size are copied with a memoryview assignment (cheapest call, holds the
+GIL for a few µs); larger ones with ``numpy.copyto``, which releases the GIL while it copies."""
+
+
+def copy_slice(s: Slice, remote: np.ndarray, remote_mv: memoryview) -> None:
+    """Copy one slice between its local buffer and the segment's bytes."""
+    end = s.offset + s.length
+    if s.length <= SMALL_COPY:
+        if s.op == OpCode.WRITE:
+            remote_mv[s.offset:end] = s.local
+        else:
+            s.local[:] = remote_mv[s.offset:end]
+        return
     local = np.frombuffer(s.local, dtype=np.uint8)
-    window = remote[s.offset:s.offset + s.length]
     if s.op == OpCode.WRITE:
-        np.copyto(window, local)
+        np.copyto(remote[s.offset:end], local)
     else:
-        np.copyto(local, window)
+        np.copyto(local, remote[s.offset:end])
+
+
+Remote = tuple[np.ndarray, memoryview]
+"""A mapped peer segment as a numpy array and a memoryview of the same bytes."""
 
 
 class _Worker:
-    """Copy threads draining a queue of (remote array, slice) items."""
+    """Copy threads draining a queue of (remote segment, slices) items, one per submit."""
 
     def __init__(self, name: str, threads: int) -> None:
-        self.q: queue.SimpleQueue[tuple[np.ndarray, Slice] | None] = queue.SimpleQueue()
+        self.q: queue.SimpleQueue[tuple[Remote, list[Slice]] | None] = queue.SimpleQueue()
         self.outstanding = 0
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
@@ -59,24 +74,28 @@ class _Worker:
             item = self.q.get()
             if item is None:
                 return
-            remote, s = item
-            error = None
-            if s.live:
-                try:
-                    copy_slice(s, remote)
-                except (ValueError, OSError) as e:
-                    error = f"shared-memory copy failed: {e}"
-            self.done()
-            s.complete(error)
+            (remote, remote_mv), slices = item
+            for s in slices:
+                error = None
+                if s.live:
+                    try:
+                        copy_slice(s, remote, remote_mv)
+                    except (ValueError, OSError) as e:
+                        error = f"shared-memory copy failed: {e}"
+                s.complete(error)
+            self.done(len(slices))
 
-    def done(self) -> None:
+    def done(self, n: int) -> None:
         with self._lock:
-            self.outstanding -= 1
+            self.outstanding -= n
 
-    def put(self, remote: np.ndarray, s: Slice) -> None:
+    def put(self, remote: Remote, slices: list[Slice]) -> None:
+        """Queue ``slices`` (spread over the copy threads in chunks when there are several)."""
         with self._lock:
-            self.outstanding += 1
-        self.q.put((remote, s))
+            self.outstanding += len(slices)
+        step = max(1, -(-len(slices) // len(self._threads)))
+        for i in range(0, len(slices), step):
+            self.q.put((remote, slices[i:i + step]))
 
     def stop(self) -> None:
         for _ in self._threads:
@@ -92,7 +111,7 @@ class ShmEndpoint(Endpoint):
         self.peer_engine = desc.engine_id
         workers = ctx.config.shm_workers
         self.slice_size = ctx.config.slice_size if workers > 1 else None
-        self._maps: dict[str, tuple[str, mmap.mmap, np.ndarray]] = {}
+        self._maps: dict[str, tuple[str, mmap.mmap, Remote]] = {}
         self._lock = threading.Lock()
         self._dead = ""
         self._closed = False
@@ -124,14 +143,15 @@ class ShmEndpoint(Endpoint):
             except queue.Empty:
                 break
             if item is not None:
-                self._worker.done()
-                item[1].complete(self._dead)
+                self._worker.done(len(item[1]))
+                for sl in item[1]:
+                    sl.complete(self._dead)
         self._worker.stop()
 
-    def _remote(self, desc: SegmentDescriptor) -> np.ndarray:
+    def _remote(self, desc: SegmentDescriptor) -> Remote:
         with self._lock:
             entry = self._maps.get(desc.name)
-            if entry is not None and entry[0] == desc.shm_path and entry[2].nbytes == desc.size:
+            if entry is not None and entry[0] == desc.shm_path and entry[2][1].nbytes == desc.size:
                 return entry[2]
             try:
                 fd = os.open(desc.shm_path, os.O_RDWR)
@@ -144,9 +164,9 @@ class ShmEndpoint(Endpoint):
                 m = mmap.mmap(fd, desc.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
-            arr = np.frombuffer(m, dtype=np.uint8)
-            self._maps[desc.name] = (desc.shm_path, m, arr)
-            return arr
+            remote = (np.frombuffer(m, dtype=np.uint8), memoryview(m))
+            self._maps[desc.name] = (desc.shm_path, m, remote)
+            return remote
 
     @property
     def alive(self) -> bool:
@@ -165,14 +185,17 @@ class ShmEndpoint(Endpoint):
             for s in slices:
                 s.complete(str(e))
             return
-        for s in slices:
+        ok = []
+        for sl in slices:
             try:
-                check_range(desc.name, desc.size, s.span[0], s.span[1])
+                check_range(desc.name, desc.size, sl.span[0], sl.span[1])
             except TransferError as e:
-                s.complete(str(e))
+                sl.complete(str(e))
                 continue
-            s.batch.started(s.index)
-            self._worker.put(remote, s)
+            ok.append(sl)
+        if ok:
+            ok[0].batch.started_many({sl.index for sl in ok})
+            self._worker.put(remote, ok)
 
     def close(self) -> None:
         self._closed = True
