@@ -26,7 +26,7 @@ from yuebing.core.clock import Clock
 from yuebing.protocol import Message, ProtocolError, decode, encode
 from yuebing.store import messages as m
 from yuebing.store.config import MasterConfig
-from yuebing.store.master import replication
+from yuebing.store.master import replication, segments
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.election import Elector, EtcdElector, SingleElector
 from yuebing.store.wire import FrameServer, FrameSocket
@@ -161,8 +161,9 @@ class MasterService:
                 if sess is not None and sess.ident is not None and sess.ident in self.server.conns:
                     send(sess.ident, 0, encode(task))  # type: ignore[arg-type]
                 else:
-                    core.handle(m.TaskDone(client=client, task=task.task, ok=False,
-                                           message=f"node {client} is not connected"))
+                    segments.task_done(core, m.TaskDone(  # not core.handle: no session touch
+                        client=client, task=task.task, ok=False,
+                        message=f"node {client} is not connected"))
             core.outbox.clear()
             if self.leading:
                 for ident, msg in self.hub.publish():
