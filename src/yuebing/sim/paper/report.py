@@ -53,7 +53,7 @@ def compute_figure(name: str, trace: Path, fast: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     result = mod.compute(trace, fast=fast)
     details: Any = None
-    if name == "overload":
+    if name in ("overload", "1"):
         details = mod.details(trace, fast=fast)
     elif name == "5":
         details = {"ratio_to_global": mod.ratios(result),
@@ -70,7 +70,10 @@ def plot_figure(name: str, entry: dict[str, Any], out_dir: Path, trace: Path,
         return []
     if name == "overload":
         return list(mod.plot(entry["ours"], out_dir, trace_path=trace, fast=fast))
-    return list(mod.plot(entry["ours"], out_dir))
+    paths = list(mod.plot(entry["ours"], out_dir))
+    if hasattr(mod, "plot_details") and isinstance(entry.get("details"), dict):
+        paths += mod.plot_details(entry["details"], out_dir)
+    return paths
 
 
 def run_figures(names: Sequence[str], trace: Path, out_dir: Path | None,

@@ -1,0 +1,69 @@
+"""The simulator's policy wiring (`yuebing.sim.predict`) and the paper modules' set-ups:
+exact values by hand."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from yuebing.sim.hardware import RooflineCostModel
+from yuebing.sim.paper import fig1, overload
+from yuebing.sim.predict import decode_durations, policy_config
+from yuebing.sim.system import SimConfig
+from yuebing.sim.workload import SimRequest
+
+
+def _requests() -> list[SimRequest]:
+    return [SimRequest(i, float(i), 10_000, out, ()) for i, out in enumerate((100, 200, 300, 400))]
+
+
+def test_policy_gets_the_simulators_pipeline_settings() -> None:
+    cost = RooflineCostModel()
+    cfg = policy_config(SimConfig(cpp_threshold_tokens=32_768, cpp_max_nodes=3), cost,
+                        _requests())
+    assert (cfg.cpp_threshold_tokens, cfg.cpp_max_nodes, cfg.cpp_chunk_tokens) == (32_768, 3,
+                                                                                    8192)
+
+
+def test_decode_durations_use_a_full_decode_node_capped_by_the_tbt_slo() -> None:
+    cost = RooflineCostModel()
+    reqs = _requests()
+    full = cost.decode_kv_capacity_tokens
+    batch = math.floor(full / 10_125)  # mean context: input + mean output / 2 = 10,125
+    step = cost.decode_step_time(batch, full)
+    hbm = 8 * 2.039e12 * 0.7
+    assert step == pytest.approx((140e9 + full * 327_680) / hbm + 0.005 + batch * 0.0004,
+                                 rel=1e-12)
+    deciles = np.quantile([100, 200, 300, 400], np.linspace(0.05, 0.95, 10))
+    assert decode_durations(cost, reqs) == pytest.approx(tuple(deciles * step), rel=1e-12)
+    capped = decode_durations(cost, reqs, tbt_slo_s=0.05)
+    assert capped == pytest.approx(tuple(deciles * 0.05), rel=1e-12)
+    assert policy_config(SimConfig(tbt_slo_s=0.05), cost, reqs).decode_durations_s == capped
+
+
+def test_oscillation_std_swing_and_band_variance() -> None:
+    square = overload.oscillation([0.0, 1.0, 0.0, 1.0])
+    assert (square["std"], square["swing"]) == (0.5, 1.0)
+    assert square["band_var"] == 0.0  # a 10 s period is outside the 20-300 s band
+    assert overload.oscillation([0.25]) == {"std": 0.0, "swing": 0.0, "band_var": 0.0}
+    t = np.arange(200) * 5.0  # 1000 s sampled every 5 s
+    in_band = overload.oscillation(list(0.5 + np.sin(2 * np.pi * t / 100)))
+    assert in_band["std"] == pytest.approx(math.sqrt(0.5), rel=1e-12)
+    assert in_band["band_var"] == pytest.approx(0.5, rel=1e-12)  # all of its variance
+    slow = overload.oscillation(list(np.sin(2 * np.pi * t / 1000)))
+    assert slow["band_var"] == pytest.approx(0.0, abs=1e-20)  # one cycle per 1000 s: outside
+
+
+def test_overload_and_figure1_setups() -> None:
+    pred = overload.config("predictive_early_rejection")
+    assert (pred.decode_policy, pred.admission, pred.speed) == (
+        "forecast", "predictive_early_rejection", 2.0)
+    assert overload.config("early_rejection").decode_policy == "least_loaded"
+    base = overload.config("baseline", nodes=overload.VARIANT)
+    assert (base.prefill_nodes, base.decode_nodes, base.admission) == (8, 2, "none")
+    assert base.prefill_reject and base.decode_reject
+    f1 = fig1.config("vllm")
+    assert (f1.speed, f1.prefill_nodes + f1.decode_nodes) == (fig1.SPEED, 16)
+    assert fig1.config("mooncake", fast=True).limit == 2000
