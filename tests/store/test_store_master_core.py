@@ -191,6 +191,8 @@ def test_session_expiry_drops_segments_and_pending_puts() -> None:
     core.tick()  # n0 and w are dead
     assert sorted(core.sessions) == ["c", "n1"]
     assert exists(core, "both", "only0", "half") == [True, False, False]
+    removed = sorted((e[1], e[2]) for e in core.events if e[0] == m.EventKind.REMOVED)
+    assert removed == [("both", ["n0/dram"]), ("only0", ["n0/dram"])]
     assert core.handle(m.GetReplicas(key="both")).replicas == [m.Replica(segment="n1/dram",
                                                                          offset=0)]
 
@@ -226,6 +228,8 @@ def test_offload_to_ssd_then_promotion_on_hit() -> None:
     core.handle(m.TaskDone(client="n0", task=task.task, ok=True))
     assert [core.segs[s].tier for s, _ in core.objs["a"].reps] == [1]
     assert core.stats().values["dram_used"] == 4 * KiB and exists(core, "a") == [True]
+    assert core.events[-2:] == [(m.EventKind.STORED, "a", ["n0/ssd"]),
+                                (m.EventKind.REMOVED, "a", ["n0/dram"])]
     assert core.handle(m.GetReplicas(key="a"), waiter="w1") is None  # deferred: promoting
     assert core.handle(m.GetReplicas(key="a"), waiter="w2") is None  # joins the same task
     (owner, ptask), = core.outbox

@@ -328,7 +328,9 @@ class EventKind(IntEnum):
 
 @register_message
 class KvEvents(Message, tag="store.kv_events"):
-    """One batch of the KV-event stream: for each event (kind, keys, holder segment names)."""
+    """One batch of the KV-event stream: event i says ``keys[i]`` is now STORED on, or REMOVED
+    from, the segments ``holders[i]`` (a value dropped everywhere is REMOVED from all of them;
+    a tier move is STORED on the new segment, then REMOVED from the old one)."""
 
     seq: int
     kinds: list[int]

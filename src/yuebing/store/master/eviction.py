@@ -131,4 +131,5 @@ def _drop_replicas(core: MasterCore, key: str, mine: list[tuple[int, int]]) -> N
         if alloc is not None:
             alloc.free_range(off, o.size)
     o.reps = tuple(r for r in o.reps if r not in mine)
+    core.events.append((m.EventKind.REMOVED, key, [core.segs[sid].name for sid, _ in mine]))
     core._log(["reps", key, o.reps])

@@ -95,12 +95,12 @@ def drop_segment(core: MasterCore, sid: int) -> None:
     for key, o in core.objs.items():
         if any(r[0] == sid for r in o.reps):
             o.reps = tuple(r for r in o.reps if r[0] != sid)
-            if not o.reps and o.moving == 0 and o.state == ObjState.COMMITTED:
-                dead.append(key)  # a pending one stays until put_end/revoke/timeout says so
+            if o.state == ObjState.COMMITTED:
+                core.events.append((m.EventKind.REMOVED, key, [s.name]))
+                if not o.reps and o.moving == 0:
+                    dead.append(key)  # a pending one stays until put_end/revoke/timeout
     for key in dead:
-        o = core.objs[key]
-        core._drop(key, o, event=False)
-        core.events.append((m.EventKind.REMOVED, key, [s.name]))
+        core._drop(key, core.objs[key], event=False)
     for tid, t in list(core.tasks.items()):
         if sid in (t.src[0], t.dst[0]):
             _fail_task(core, tid, f"segment {s.name} was unmounted")
@@ -202,6 +202,8 @@ def task_done(core: MasterCore, msg: m.TaskDone) -> None:
         return
     del core.tasks[msg.task]
     o.moving = 0
+    stored = m.EventKind.STORED
+    core.events.append((stored, t.key, [core.segs[t.dst[0]].name]))
     if t.promote:
         o.reps = (t.dst, *o.reps)
         o.lease = core.clock.now() + core.cfg.lease_ttl_s
@@ -217,6 +219,8 @@ def task_done(core: MasterCore, msg: m.TaskDone) -> None:
             s.alloc.free_range(t.src[1], o.size)
         o.reps = (*(r for r in o.reps if r != t.src), t.dst)
         core.counters["offloads"] += 1
+        if s is not None:
+            core.events.append((m.EventKind.REMOVED, t.key, [s.name]))
     core._log(["reps", t.key, o.reps])
 
 
