@@ -66,6 +66,35 @@ def test_stop_string_and_streaming_deltas(smol):
     assert "".join(deltas) == out.text == "The capital of France is"
 
 
+def _chat_logits(engine: LLMEngine, steps: int = 6) -> tuple[list[int], list[torch.Tensor]]:
+    captured: list[torch.Tensor] = []
+    engine.logits_hook = lambda rids, logits: captured.append(logits[0].clone())
+    prompt = [{"role": "user", "content": QUESTION + " Then tell me about its history."}]
+    out = engine.generate([engine.tokenizer.encode_chat(prompt)],
+                          SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))[0]
+    engine.logits_hook = None
+    return out.output_token_ids, captured
+
+
+@pytest.fixture(scope="module")
+def fp32_reference(smol_weights) -> tuple[list[int], list[torch.Tensor]]:
+    return _chat_logits(LLMEngine(EngineConfig(dtype="float32", attention="grouped",
+                                               num_blocks=64, threads=1), weights=smol_weights))
+
+
+@pytest.mark.parametrize("attention", ["grouped", "sdpa"])
+def test_bf16_paths_track_float32(smol_weights, fp32_reference, attention):
+    """bf16 weights + either attention path stay close to the float32 model (a regression
+    test: bf16-rounded attention scores once turned the answer into nonsense)."""
+    ref_tokens, ref_logits = fp32_reference
+    bf = LLMEngine(EngineConfig(dtype="bfloat16", attention=attention, num_blocks=64,
+                                threads=1), weights=smol_weights)
+    tokens, logits = _chat_logits(bf)
+    assert tokens == ref_tokens
+    worst = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits, strict=True))
+    assert worst < 1.0, worst
+
+
 @pytest.mark.slow
 def test_logits_match_transformers_gguf_loader(smol_weights):
     transformers = pytest.importorskip("transformers")
@@ -86,3 +115,13 @@ def test_logits_match_transformers_gguf_loader(smol_weights):
             torch.testing.assert_close(captured[step], ref, rtol=1e-3, atol=1e-3)
             assert int(ref.argmax()) == tok
             seq.append(tok)
+
+
+@pytest.mark.slow
+def test_cli_generate_chat_answers_paris(capsys):
+    from yuebing.cli.main import main
+
+    rc = main(["generate", "--chat", QUESTION, "--max-tokens", "16", "--temperature", "0",
+               "--threads", "1"])
+    assert rc == 0
+    assert capsys.readouterr().out == "The capital of France is Paris.\n"

@@ -94,8 +94,9 @@ def decode_grouped(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     assert meta.decode_index is not None
     k = _gather(k_cache, meta.decode_index).view(d * kvh, -1, hd)[:, :length]
     v = _gather(v_cache, meta.decode_index).view(d * kvh, -1, hd)[:, :length]
-    qg = (q * scale).view(d * kvh, heads // kvh, hd)
-    scores = torch.bmm(qg, k.transpose(1, 2))
+    # scores in float32: bf16-rounded logits of large attention scores visibly hurt outputs
+    qg = (q.float() * scale).view(d * kvh, heads // kvh, hd)
+    scores = torch.bmm(qg, k.float().transpose(1, 2))
     if meta.decode_bias is not None:
         scores = scores.view(d, -1, length).add_(meta.decode_bias).view(d * kvh, -1, length)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -136,14 +137,15 @@ def prefill_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def prefill_grouped(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     sl: PrefillSlice, scale: float, tile: int = 256) -> torch.Tensor:
     """Same as `prefill_sdpa` with grouped matmuls over query tiles: each tile of queries
-    attends only to keys up to its last position (causal), scores in float32."""
+    attends only to keys up to its last position (causal); scores in float32 (bf16-rounded
+    scores turned SmolLM2's answers into nonsense)."""
     n, heads, hd = q.shape
     kvh = k_cache.shape[1]
     g = heads // kvh
     ctx, offset = sl.context_len, sl.context_len - n
-    k = _gather(k_cache, sl.head_index).view(kvh, -1, hd)
+    k = _gather(k_cache, sl.head_index).view(kvh, -1, hd)[:, :ctx].float()
     v = _gather(v_cache, sl.head_index).view(kvh, -1, hd)
-    qg = (q * scale).view(n, kvh, g, hd).permute(1, 0, 2, 3).reshape(kvh, n * g, hd)
+    qg = (q.float() * scale).view(n, kvh, g, hd).permute(1, 0, 2, 3).reshape(kvh, n * g, hd)
     out = torch.empty(kvh, n * g, hd, dtype=q.dtype, device=q.device)
     keys = torch.arange(ctx, device=q.device)
     for s0 in range(0, n, tile):
