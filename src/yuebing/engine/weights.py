@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from yuebing.core.errors import ConfigError, InputError
+from yuebing.core.registry import Registry
 from yuebing.engine.config import ModelConfig, RopeScaling
 
 log = logging.getLogger(__name__)
@@ -72,17 +74,70 @@ def bundled_model_path() -> Path:
     return path
 
 
-def load_weights(spec: str, seed: int = 0) -> LoadedWeights:
-    """Resolve ``spec`` and load the model; unknown or broken files raise `InputError`."""
-    if spec == BUNDLED:
+class WeightLoader(ABC):
+    """One source of model weights, looked up by `load_weights`.
+
+    Called once per engine start, in the engine's process, by `LLMEngine.__init__` (through
+    `load_weights`); it reads files and builds CPU float32 tensors, nothing else. Register new
+    sources in `LOADERS`; `load_weights` asks each (by name order) whether it ``accepts`` the
+    spec and uses the first that does.
+    """
+
+    @abstractmethod
+    def accepts(self, spec: str) -> bool:
+        """Whether ``spec`` names a model of this kind (cheap; no loading)."""
+
+    @abstractmethod
+    def load(self, spec: str, seed: int) -> LoadedWeights:
+        """Load it; broken input raises `InputError` naming the file and the problem."""
+
+
+LOADERS: Registry[WeightLoader] = Registry("weight loader")
+
+
+class _Bundled(WeightLoader):
+    def accepts(self, spec: str) -> bool:
+        return spec == BUNDLED
+
+    def load(self, spec: str, seed: int) -> LoadedWeights:
         return load_gguf(bundled_model_path())
-    if spec == "dummy" or spec.startswith("dummy:"):
+
+
+class _Dummy(WeightLoader):
+    def accepts(self, spec: str) -> bool:
+        return spec == "dummy" or spec.startswith("dummy:")
+
+    def load(self, spec: str, seed: int) -> LoadedWeights:
         return dummy_weights(parse_dummy_spec(spec), seed)
-    path = Path(spec)
-    if path.is_dir():
-        return load_hf_dir(path)
-    if path.is_file():
-        return load_gguf(path)
+
+
+class _HFDir(WeightLoader):
+    def accepts(self, spec: str) -> bool:
+        return Path(spec).is_dir()
+
+    def load(self, spec: str, seed: int) -> LoadedWeights:
+        return load_hf_dir(Path(spec))
+
+
+class _GGUFFile(WeightLoader):
+    def accepts(self, spec: str) -> bool:
+        return Path(spec).is_file()
+
+    def load(self, spec: str, seed: int) -> LoadedWeights:
+        return load_gguf(Path(spec))
+
+
+for _name, _loader in (("a_bundled", _Bundled()), ("b_dummy", _Dummy()), ("c_hf_dir", _HFDir()),
+                       ("d_gguf", _GGUFFile())):
+    LOADERS.add(_name, _loader)
+
+
+def load_weights(spec: str, seed: int = 0) -> LoadedWeights:
+    """Resolve ``spec`` with the first accepting loader; unknown specs raise `InputError`."""
+    for name in LOADERS:
+        loader = LOADERS.get(name)
+        if loader.accepts(spec):
+            return loader.load(spec, seed)
     raise InputError(f"model {spec!r} not found: give smollm2, a .gguf file, a Hugging Face "
                      "safetensors directory, or dummy[:preset=tiny,layers=2,...]")
 
