@@ -7,9 +7,10 @@ restricted to that transport, warms the path up, then submits batches of ``batch
 ``size`` bytes back to back for ``duration_s`` and records each batch's latency. A cell's row:
 GB/s (1e9 payload bytes per wall second), p50/p99 batch latency in µs and the wall time per
 request. Single-thread memcpy of the same sizes is measured in the same run as the reference for
-shared memory: once per size at the start through a 256 MiB working set (rows ``memcpy``), and
-again right after each shared-memory cell through that cell's working set (size × batch), which
-its ``vs_memcpy`` ratio uses (same caches, and the same load if the machine is shared).
+shared memory — with the copy primitive the shm transport itself uses (`copy_bytes`) — once per
+size at the start through a 256 MiB working set (rows ``memcpy``), and inside each shared-memory
+cell, alternating with the engine in `PAIRS` slices through the cell's own working set
+(size × batch), which its ``vs_memcpy`` ratio uses (same caches, same load on a shared machine).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from yuebing.core.config import require
 from yuebing.core.errors import TransferError
 from yuebing.transfer.config import TransferConfig
 from yuebing.transfer.engine import TransferEngine
+from yuebing.transfer.transport.shm import SMALL_COPY
 from yuebing.transfer.types import OpCode, TransferRequest
 
 SEGMENT = "bench"
@@ -148,9 +150,33 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else 0.0
 
 
+PAIRS = 4
+"""A shared-memory cell alternates this many slices of engine time and memcpy time."""
+
+
+def _timed_batches(engine: TransferEngine, reqs: list[TransferRequest],
+                   duration_s: float) -> tuple[list[float], float]:
+    """Submit ``reqs`` as one batch, back to back, for ``duration_s`` (at least 3 times);
+    returns the batch latencies and the elapsed time."""
+    lat: list[float] = []
+    start = now = time.perf_counter()
+    while now < start + duration_s or len(lat) < 3:
+        t0 = time.perf_counter()
+        bid = engine.submit(reqs)
+        st = engine.wait(bid)
+        engine.free(bid)
+        st.raise_for_status()
+        now = time.perf_counter()
+        lat.append(now - t0)
+    return lat, now - start
+
+
 def measure_cell(remote: str, transport: str, op: str, size: int, batch: int, lanes: int,
-                 cfg: BenchConfig, local: np.ndarray) -> Row:
-    """Run one cell against the target segment ``remote`` and return its row."""
+                 cfg: BenchConfig, local: np.ndarray, pair_memcpy: bool = False) -> Row:
+    """Run one cell against the target segment ``remote`` and return its row. With
+    ``pair_memcpy`` the measurement alternates with single-thread memcpy of the same size
+    through the same working set (size × batch), so both see the same machine load and caches;
+    the row gets ``memcpy_gbps`` and ``vs_memcpy``."""
     engine = TransferEngine(TransferConfig(
         metadata="p2p", transports=(transport,), lanes=lanes, slice_size=cfg.slice_size,
         socket_buffer=cfg.socket_buffer, connect_timeout_s=30.0))
@@ -160,27 +186,56 @@ def measure_cell(remote: str, transport: str, op: str, size: int, batch: int, la
                 for i in range(batch)]
         for _ in range(2):
             engine.transfer(reqs)
-        lat: list[float] = []
-        start = now = time.perf_counter()
-        while now < start + cfg.duration_s or len(lat) < 3:
-            t0 = time.perf_counter()
-            bid = engine.submit(reqs)
-            st = engine.wait(bid)
-            engine.free(bid)
-            st.raise_for_status()
-            now = time.perf_counter()
-            lat.append(now - t0)
-        elapsed = now - start
-        return Row(transport, op, size, batch, lanes, len(lat) * batch * size / elapsed / 1e9,
-                   _percentile(lat, 50) * 1e6, _percentile(lat, 99) * 1e6,
-                   elapsed / (len(lat) * batch) * 1e6, len(lat))
+        if not pair_memcpy:
+            lat, elapsed = _timed_batches(engine, reqs, cfg.duration_s)
+        else:
+            lat, elapsed, ref_bytes, ref_s = [], 0.0, 0, 0.0
+            bufs = np.ones(size * batch, np.uint8), np.ones(size * batch, np.uint8)
+            for _ in range(PAIRS):
+                part, took = _timed_batches(engine, reqs, cfg.duration_s / PAIRS)
+                lat += part
+                elapsed += took
+                moved, spent = _memcpy_passes(size, bufs, cfg.duration_s / PAIRS)
+                ref_bytes, ref_s = ref_bytes + moved, ref_s + spent
+        row = Row(transport, op, size, batch, lanes, len(lat) * batch * size / elapsed / 1e9,
+                  _percentile(lat, 50) * 1e6, _percentile(lat, 99) * 1e6,
+                  elapsed / (len(lat) * batch) * 1e6, len(lat))
+        if pair_memcpy:
+            row.extra["memcpy_gbps"] = round(ref_bytes / ref_s / 1e9, 3)
+            row.extra["vs_memcpy"] = round(row.gbps * ref_s * 1e9 / ref_bytes, 3)
+        return row
     finally:
         engine.close()
 
 
+def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
+    """The copy primitive the shared-memory transport uses: memoryview assignment up to
+    `SMALL_COPY`, ``numpy.copyto`` above (see `yuebing.transfer.transport.shm`)."""
+    if len(src) <= SMALL_COPY:
+        memoryview(dst)[:] = memoryview(src)  # type: ignore[arg-type]
+    else:
+        np.copyto(dst, src)
+
+
+def _memcpy_passes(size: int, bufs: tuple[np.ndarray, np.ndarray],
+                   duration_s: float) -> tuple[int, float]:
+    """Copy ``bufs[1]`` → ``bufs[0]`` in ``size`` pieces for ``duration_s`` (at least 3 passes);
+    returns (bytes moved, seconds spent)."""
+    dst, src = bufs
+    pieces = [(dst[i:i + size], src[i:i + size]) for i in range(0, len(dst) - size + 1, size)]
+    passes, spent = 0, 0.0
+    while spent < duration_s or passes < 3:
+        t0 = time.perf_counter()
+        for d, s in pieces:
+            copy_bytes(d, s)
+        spent += time.perf_counter() - t0
+        passes += 1
+    return passes * len(pieces) * size, spent
+
+
 def measure_memcpy(sizes: Iterable[int], duration_s: float, working_set: int) -> list[Row]:
-    """Single-thread ``numpy.copyto`` of each size through a warm working set (both buffers
-    touched first, so no page faults are timed); timed per pass over the working set."""
+    """Single-thread copies (`copy_bytes`) of each size through a warm working set (both
+    buffers touched first, so no page faults are timed); timed per pass over the working set."""
     src = np.ones(working_set, np.uint8)
     dst = np.ones(working_set, np.uint8)
     rows = []
@@ -192,7 +247,7 @@ def measure_memcpy(sizes: Iterable[int], duration_s: float, working_set: int) ->
         while time.perf_counter() - start < duration_s or len(passes) < 3:
             t0 = time.perf_counter()
             for d, s in pieces:
-                np.copyto(d, s)
+                copy_bytes(d, s)
             passes.append(time.perf_counter() - t0)
         per_copy = [p / len(pieces) for p in passes]
         moved = len(passes) * len(pieces) * size
@@ -217,25 +272,15 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
             if progress is not None:
                 progress(f"{cell[0]} {cell[1]} size={cell[2]} batch={cell[3]} lanes={cell[4]}")
             try:
-                row = measure_cell(remote, *cell, cfg=cfg, local=local)
+                row = measure_cell(remote, *cell, cfg=cfg, local=local,
+                                   pair_memcpy=cell[0] == "shm" and cfg.memcpy)
             except TransferError as e:  # keep the other cells; the row says what went wrong
                 log.warning("bench cell %s failed: %s", cell, e)
                 row = Row(*cell, gbps=0.0, p50_us=0.0, p99_us=0.0, extra={"error": str(e)})
-            if cell[0] == "shm" and cfg.memcpy:
-                add_memcpy_ratio(row, cfg.duration_s)
             rows.append(row)
     finally:
         stop_target(proc)
     return rows
-
-
-def add_memcpy_ratio(row: Row, duration_s: float) -> None:
-    """Measure memcpy of the row's size right after the row (same machine load) through the
-    same working set (size × batch, so both see the same caches) and record ``memcpy_gbps``
-    and ``vs_memcpy`` = the row's GB/s over memcpy's."""
-    (ref,) = measure_memcpy([row.size_bytes], duration_s / 2, row.size_bytes * row.batch)
-    row.extra["memcpy_gbps"] = round(ref.gbps, 3)
-    row.extra["vs_memcpy"] = round(row.gbps / ref.gbps, 3) if ref.gbps > 0 else None
 
 
 if __name__ == "__main__":
