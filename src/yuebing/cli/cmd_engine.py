@@ -195,17 +195,18 @@ def _print_table(results: list, batches: list[int], prefill_lens: list[int]) -> 
     t = Table(title="yuebing engine")
     t.add_column("variant")
     for b in batches:
-        t.add_column(f"decode b={b} ms (tok/s)")
+        t.add_column(f"decode b={b} ms wall/cpu")
     for n in prefill_lens:
-        t.add_column(f"prefill {n} tok/s")
+        t.add_column(f"prefill {n} tok/s wall/cpu")
     t.add_column("paged/contig attn ms (b=max)")
     t.add_column("export/import GB/s (64 blk)")
     for r in results:
         bmax = max(batches)
         pg = r.paging[bmax]
         t.add_row(f"{r.dtype}/{r.attention}/{r.threads}t",
-                  *[f"{r.decode_ms[b]:.1f} ({r.decode_tok_s[b]:.0f})" for b in batches],
-                  *[f"{r.prefill_tok_s[n]:.0f}" for n in prefill_lens],
+                  *[f"{r.decode_ms[b]:.1f}/{r.decode_cpu_ms[b]:.1f}" for b in batches],
+                  *[f"{r.prefill_tok_s[n]:.0f}/{r.prefill_cpu_tok_s[n]:.0f}"
+                    for n in prefill_lens],
                   f"{pg['paged_ms']:.1f}/{pg['contiguous_ms']:.1f} of {pg['step_ms']:.1f}",
                   f"{r.transfer.get('export_64_GBps', 0):.2f}/"
                   f"{r.transfer.get('import_64_GBps', 0):.2f}")

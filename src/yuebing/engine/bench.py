@@ -6,6 +6,8 @@ weights and measured side by side in one process:
 - decode step time at each batch size (each sequence holding ``prompt_len`` tokens), and the
   resulting decode tokens/s;
 - prefill tokens/s for single prompts of each length (time to first token);
+- decode and prefill also in process CPU time (with one thread, close to what a quiet machine
+  would show when other processes share the cores);
 - paging cost: decode attention of all layers gathering K/V through block tables from the
   pool vs the same math on already-contiguous K/V tensors, next to the full step time;
 - KV export/import throughput (GB/s) for one block and for a batch of blocks.
@@ -24,7 +26,7 @@ import torch
 from yuebing.engine.attention import DECODE_IMPLS, AttnMetadata, head_index
 from yuebing.engine.config import EngineConfig
 from yuebing.engine.engine import LLMEngine
-from yuebing.engine.profile import _Tokens, time_decode, time_prefill
+from yuebing.engine.profile import _Tokens, median_timing, time_decode, time_prefill
 from yuebing.engine.weights import LoadedWeights
 
 
@@ -34,8 +36,10 @@ class VariantResult:
     attention: str
     threads: int
     decode_ms: dict[int, float] = field(default_factory=dict)
+    decode_cpu_ms: dict[int, float] = field(default_factory=dict)
     decode_tok_s: dict[int, float] = field(default_factory=dict)
     prefill_tok_s: dict[int, float] = field(default_factory=dict)
+    prefill_cpu_tok_s: dict[int, float] = field(default_factory=dict)
     paging: dict[int, dict[str, float]] = field(default_factory=dict)
     transfer: dict[str, float] = field(default_factory=dict)
 
@@ -102,7 +106,7 @@ def transfer_rates(engine: LLMEngine, nblocks: int = 64, repeats: int = 5) -> di
 
 def run_variant(weights: LoadedWeights, base: EngineConfig, variant: tuple[str, str, int],
                 batches: list[int], prompt_len: int, prefill_lens: list[int],
-                progress: Callable[[str], None], steps: int = 8) -> VariantResult:
+                progress: Callable[[str], None], steps: int = 16) -> VariantResult:
     """Measure one (dtype, attention, threads) variant; threads 0 = the engine's choice."""
     dtype, attention, threads = variant
     cfg = EngineConfig(**{**base.__dict__, "dtype": dtype, "attention": attention,
@@ -117,12 +121,12 @@ def run_variant(weights: LoadedWeights, base: EngineConfig, variant: tuple[str, 
     for b in batches:
         progress(f"{res.dtype}/{res.attention}/{res.threads}t: decode batch {b}")
         t = time_decode(engine, b, b * prompt_len, tokens, steps)
-        res.decode_ms[b] = 1e3 * t
-        res.decode_tok_s[b] = b / t
+        res.decode_ms[b], res.decode_cpu_ms[b] = 1e3 * t.wall, 1e3 * t.cpu
+        res.decode_tok_s[b] = b / t.wall
     for n in prefill_lens:
         progress(f"{res.dtype}/{res.attention}: prefill {n}")
-        t = statistics.median(time_prefill(engine, n, 0, tokens) for _ in range(2))
-        res.prefill_tok_s[n] = n / t
+        t = median_timing(time_prefill(engine, n, 0, tokens) for _ in range(3))
+        res.prefill_tok_s[n], res.prefill_cpu_tok_s[n] = n / t.wall, n / t.cpu
     for b in batches:
         progress(f"{res.dtype}/{res.attention}: paging batch {b}")
         res.paging[b] = {**paging_cost(engine, b, prompt_len), "step_ms": res.decode_ms[b]}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -85,18 +86,34 @@ def _until_first_token(engine: LLMEngine, rid: str) -> int:
                 return out.num_cached_tokens
 
 
-def time_prefill(engine: LLMEngine, new: int, cached: int, tokens: _Tokens) -> float:
-    """Seconds to first token for ``new`` tokens on top of ``cached`` cached ones."""
+class Timing(NamedTuple):
+    """Wall seconds, and CPU seconds of this process over the same interval (steadier than
+    wall time on a CPU shared with other busy processes when running one thread)."""
+
+    wall: float
+    cpu: float
+
+
+def _clocks() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _since(start: tuple[float, float]) -> Timing:
+    return Timing(time.perf_counter() - start[0], time.process_time() - start[1])
+
+
+def time_prefill(engine: LLMEngine, new: int, cached: int, tokens: _Tokens) -> Timing:
+    """Time to first token for ``new`` tokens on top of ``cached`` cached ones."""
     bs = engine.block_size
     if cached % bs:
         raise InputError(f"cached tokens ({cached}) must be a multiple of the block size {bs}")
     prompt = tokens(cached + new)
     if cached:
         engine.generate([prompt[:cached + 1]], _ONE)  # publishes the cached full blocks
-    t0 = time.perf_counter()
+    t0 = _clocks()
     rid = engine.add_request(prompt, _ONE)
     hit = _until_first_token(engine, rid)
-    seconds = time.perf_counter() - t0
+    seconds = _since(t0)
     if hit != cached:
         raise InputError(f"expected {cached} cached tokens, the engine reused {hit}; is the "
                          "KV pool large enough and prefix caching on?")
@@ -104,8 +121,8 @@ def time_prefill(engine: LLMEngine, new: int, cached: int, tokens: _Tokens) -> f
 
 
 def time_decode(engine: LLMEngine, batch: int, context: int, tokens: _Tokens,
-                steps: int = 8) -> float:
-    """Median seconds of a decode step with ``batch`` sequences, ``context`` tokens in all."""
+                steps: int = 8) -> Timing:
+    """Median time of a decode step with ``batch`` sequences, ``context`` tokens in all."""
     if batch > engine.config.max_num_seqs:
         raise InputError(f"decode batch {batch} exceeds max_num_seqs "
                          f"({engine.config.max_num_seqs}); raise --max-num-seqs")
@@ -120,12 +137,17 @@ def time_decode(engine: LLMEngine, batch: int, context: int, tokens: _Tokens,
         engine.step()
     times = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = _clocks()
         engine.step()
-        times.append(time.perf_counter() - t0)
+        times.append(_since(t0))
     for r in rids:
         engine.abort(r)
-    return statistics.median(times)
+    return median_timing(times)
+
+
+def median_timing(times: Iterable[Timing]) -> Timing:
+    ts = list(times)
+    return Timing(statistics.median(t.wall for t in ts), statistics.median(t.cpu for t in ts))
 
 
 def profile_engine(engine: LLMEngine, new_tokens: Iterable[int], cached_tokens: Iterable[int],
@@ -141,7 +163,8 @@ def profile_engine(engine: LLMEngine, new_tokens: Iterable[int], cached_tokens: 
                 continue
             if progress:
                 progress(f"prefill new={n} cached={c}")
-            t = statistics.median(time_prefill(engine, n, c, tokens) for _ in range(repeats))
+            t = statistics.median(time_prefill(engine, n, c, tokens).wall
+                                  for _ in range(repeats))
             prefill.append(PrefillSample(n, c, t))
     decode: list[DecodeSample] = []
     for b in batches:
@@ -150,7 +173,7 @@ def profile_engine(engine: LLMEngine, new_tokens: Iterable[int], cached_tokens: 
                 continue
             if progress:
                 progress(f"decode batch={b} context={ctx}")
-            decode.append(DecodeSample(b, ctx, time_decode(engine, b, ctx, tokens)))
+            decode.append(DecodeSample(b, ctx, time_decode(engine, b, ctx, tokens).wall))
     return ProfileSamples(SAMPLES_FORMAT, 1, engine.fingerprint, str(engine.device),
                           str(engine.dtype).removeprefix("torch."), torch.get_num_threads(),
                           engine.block_size, prefill, decode)
