@@ -208,8 +208,10 @@ def test_regression_on_a_slice_of_the_conversation_trace(conversation_trace):
 
 @pytest.mark.slow
 def test_whole_conversation_trace_on_16_instances(conversation_trace):
-    """Figure 1 setting: every request served; chunked prefill keeps TBT lowest; prefix caching
-    finds local hits; each baseline simulates the hour-long trace well inside a minute."""
+    """Whole trace at its own pace: every request served; chunked prefill's 512-token mixed
+    steps (MFU(520) = 0.41, ≥ 70 ms) lose to plain vLLM at a 100 ms TBT but win at 200 ms;
+    prefix caching finds local hits; each baseline simulates the hour-long trace well inside a
+    minute."""
     import time
 
     reqs = load_requests(conversation_trace)
@@ -219,7 +221,8 @@ def test_whole_conversation_trace_on_16_instances(conversation_trace):
         records = simulate_vllm(reqs, SimConfig(), variant)
         assert time.perf_counter() - t0 < 60
         assert sum(r.rejected is not None for r in records) == 0
-        caps[variant] = effective_capacity(records, 0.1)
+        caps[variant] = (effective_capacity(records, 0.1), effective_capacity(records, 0.2))
         hits[variant] = sum(r.hit_tokens for r in records) / sum(r.input_tokens for r in records)
-    assert caps["vllm_chunked_prefill"] > caps["vllm"]
+    assert caps["vllm_chunked_prefill"][0] < caps["vllm"][0]
+    assert caps["vllm_chunked_prefill"][1] > caps["vllm"][1]
     assert hits["vllm"] == 0.0 and 0.0 < hits["vllm_prefix_caching"] < 0.3
