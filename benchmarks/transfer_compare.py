@@ -121,6 +121,36 @@ def plot_medians(ours: dict, out: Path) -> None:
         print(f"# wrote {p}")
 
 
+def plot_side_by_side(tcp: list[dict], out: Path) -> None:
+    """GB/s vs request size (batch 16) of both engines over TCP, best configuration each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for op, style in (("write", "-"), ("read", "--")):
+        rows = sorted((r for r in tcp if r["op"] == op and r["batch"] == 16),
+                      key=lambda r: r["size_bytes"])
+        xs = [r["size_bytes"] for r in rows]
+        ax.plot(xs, [r["yuebing_gbps"] for r in rows], style, marker="o", label=f"yuebing {op}")
+        ax.plot(xs, [r["mooncake_gbps"] for r in rows], style, marker="s",
+                label=f"Mooncake TE {op}")
+    sizes = sorted({r["size_bytes"] for r in tcp})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [fmt_size(s) for s in sizes])
+    ax.set_xlabel("request size (batch 16)")
+    ax.set_ylabel("GB/s (median of rounds, best config)")
+    ax.set_title("TCP, two processes on loopback, side by side")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    (out / "img").mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "img" / "transfer_vs_mooncake.png", dpi=110)
+    plt.close(fig)
+    print(f"# wrote {out / 'img' / 'transfer_vs_mooncake.png'}")
+
+
 def main() -> int:
     out = Path(sys.argv[1])
     mc, ours = load(out)
@@ -133,6 +163,7 @@ def main() -> int:
     (out / "compare.md").write_text(text)
     (out / "compare.json").write_text(json.dumps({"tcp": tcp, "shm": shm}, indent=1))
     plot_medians(ours, out)
+    plot_side_by_side(tcp, out)
     return 0
 
 
