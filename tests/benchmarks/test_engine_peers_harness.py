@@ -7,6 +7,7 @@ import importlib.util
 import json
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,19 @@ def test_run_peer_reports_missing_install_and_crashes(tmp_path: Path) -> None:
     res = ep.run_peer(ep.PeerSpec("yuebing", str(crash), Path(sys.executable), "m"), w,
                       tmp_path / "b.log", print)
     assert res == {"error": f"exit status 3; log {tmp_path / 'b.log'}: it broke"}
+
+
+def test_run_peer_kills_a_peer_past_its_timeout(tmp_path: Path) -> None:
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time\nprint('PROGRESS 1 9 warming', flush=True)\ntime.sleep(60)\n")
+    seen: list[tuple[int, int, str]] = []
+    t0 = time.perf_counter()
+    res = ep.run_peer(ep.PeerSpec("yuebing", str(slow), Path(sys.executable), "m"),
+                      wl.Workload(**SMALL), tmp_path / "s.log",
+                      lambda d, t, lab: seen.append((d, t, lab)), timeout_s=1.0)
+    assert time.perf_counter() - t0 < 30
+    assert res == {"error": f"timed out after 1 s (log {tmp_path / 's.log'})"}
+    assert seen == [(1, 9, "warming")]
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
