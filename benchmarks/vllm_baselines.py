@@ -8,6 +8,12 @@ baseline as 16 coupled instances) and reports effective request capacity at TBT 
 next to the paper's Figure 1, the mean TTFT, the hit rate, wall time and events/s. The plot shows
 capacity per system and MFU with the paper's values as black ticks.
 
+Sensitivity rows (printed and in the JSON, not plotted): ``--chunk-budget 2048`` adds chunked
+prefill with that token budget (vLLM's default since PR #10544, Nov 2024; 512 before), and
+``--cached-attention-efficiency 0.5,0.1`` adds prefix caching and chunked prefill with attention
+over cached KV at that fraction of the pass's efficiency (vLLM 0.5's Triton prefix-prefill
+kernel; `yuebing.sim.vllm_cost`).
+
     .venv/bin/python benchmarks/vllm_baselines.py --mfu 0.62 --speed 1.75 \\
         --plot docs/img/vllm_baselines.png --json
 """
@@ -15,6 +21,7 @@ capacity per system and MFU with the paper's values as black ticks.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -25,6 +32,7 @@ from rich.progress import Progress
 from yuebing.sim.hardware import NodeSpec, RooflineCostModel
 from yuebing.sim.runner import simulate
 from yuebing.sim.system import SimConfig
+from yuebing.sim.vllm import VARIANTS, VllmOptions, register_variant
 from yuebing.sim.workload import load_requests
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
@@ -33,13 +41,29 @@ PAPER = {"vllm": (0.16, 0.40, 0.63), "vllm_prefix_caching": (0.15, 0.34, 0.56),
          "vllm_chunked_prefill": (0.09, 0.29, 0.54)}
 
 
-def run_all(trace: Path, mfus: list[float], speed: float) -> list[dict[str, object]]:
+def sensitivity_variants(budgets: list[int], efficiencies: list[float]) -> list[str]:
+    """Register the sensitivity variants; their system names."""
+    names: list[str] = []
+    for budget in budgets:
+        names.append(f"vllm_chunked_prefill@budget={budget}")
+        register_variant(names[-1], VllmOptions(chunked_prefill=True,
+                                                max_num_batched_tokens=budget))
+    for eff in efficiencies:
+        for base in ("vllm_prefix_caching", "vllm_chunked_prefill"):
+            names.append(f"{base}@cached_attention_efficiency={eff:g}")
+            opts = dataclasses.replace(VARIANTS[base], cached_attention_efficiency=eff)
+            register_variant(names[-1], opts)
+    return names
+
+
+def run_all(trace: Path, mfus: list[float], speed: float,
+            extra: list[str] | None = None) -> list[dict[str, object]]:
     requests = load_requests(trace, speed=speed)
     rows: list[dict[str, object]] = []
     with Progress(console=Console(stderr=True)) as bar:
         for mfu in mfus:
             cost = RooflineCostModel(node=NodeSpec(mfu=mfu))
-            for system in SYSTEMS:
+            for system in (*SYSTEMS, *(extra or [])):
                 task = bar.add_task(f"{system} mfu={mfu}", total=len(requests))
                 t0 = time.perf_counter()
                 result = simulate(requests, SimConfig(system=system), cost=cost,
@@ -49,8 +73,8 @@ def run_all(trace: Path, mfus: list[float], speed: float) -> list[dict[str, obje
                 rows.append({
                     "system": system, "mfu": mfu, "speed": speed,
                     "capacity": s["effective_capacity"],  # type: ignore[dict-item]
-                    "paper": dict(zip(("100", "200", "300"), PAPER[system], strict=True))
-                    if system in PAPER else None,
+                    "paper": dict(zip(("100", "200", "300"), PAPER[base], strict=True))
+                    if (base := system.split("@")[0]) in PAPER else None,
                     "ttft_mean_s": s["ttft_s"]["mean"],  # type: ignore[index]
                     "hit_rate": s["hit_rate"], "wall_s": wall, "events": result.events,
                     "events_per_s": result.events / result.wall_s,
@@ -93,10 +117,17 @@ def main() -> None:
     ap.add_argument("--mfu", default="0.62", help="comma-separated prefill MFUs of the roofline")
     ap.add_argument("--speed", type=float, default=1.75,
                     help="trace replay speed (Figure 1 uses 1.75)")
+    ap.add_argument("--chunk-budget", default="",
+                    help="comma-separated extra chunked-prefill token budgets (sensitivity rows)")
+    ap.add_argument("--cached-attention-efficiency", default="",
+                    help="comma-separated efficiencies of attention over cached KV in (0, 1] "
+                         "(sensitivity rows for prefix caching and chunked prefill)")
     ap.add_argument("--plot", type=Path, help="write the capacity plot (PNG) here")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     ns = ap.parse_args()
-    rows = run_all(ns.trace, [float(m) for m in ns.mfu.split(",")], ns.speed)
+    extra = sensitivity_variants([int(b) for b in ns.chunk_budget.split(",") if b],
+                                 [float(e) for e in ns.cached_attention_efficiency.split(",") if e])
+    rows = run_all(ns.trace, [float(m) for m in ns.mfu.split(",")], ns.speed, extra)
     if ns.plot:
         plot(rows, ns.plot)
     if ns.json:
@@ -104,7 +135,7 @@ def main() -> None:
         return
     for r in rows:
         cap = r["capacity"]
-        print(f"{r['system']:22s} mfu={r['mfu']:<5} capacity 100/200/300 ms = "
+        print(f"{r['system']:48s} mfu={r['mfu']:<5} capacity 100/200/300 ms = "
               + "/".join(f"{100 * cap[t]:.0f}" for t in ("100", "200", "300"))  # type: ignore[index]
               + f" %  mean TTFT {r['ttft_mean_s']:.2f} s  {r['wall_s']:.1f} s wall  "
               f"{r['events_per_s']:,.0f} events/s")

@@ -16,8 +16,8 @@ from yuebing.core.errors import ConfigError
 from yuebing.sim.hardware import CostModel, RooflineCostModel
 from yuebing.sim.loop import EventLoop, Priority
 from yuebing.sim.metrics import RequestRecord, effective_capacity
-from yuebing.sim.system import SimConfig, SystemContext
-from yuebing.sim.vllm import VARIANTS, VllmOptions, VllmSystem, simulate_vllm
+from yuebing.sim.system import SYSTEMS, SimConfig, SystemContext
+from yuebing.sim.vllm import VARIANTS, VllmOptions, VllmSystem, register_variant, simulate_vllm
 from yuebing.sim.vllm_cost import CoupledCost
 from yuebing.sim.vllm_instance import CoupledInstance, CoupledJob
 from yuebing.sim.workload import SimRequest, load_requests
@@ -158,6 +158,32 @@ def test_roofline_step_formulas():
     assert cc.mixed_step([], 8, 50_000) == cost.decode_step_time(8, 50_000)
     fake = CoupledCost(FakeCost())
     assert fake.mixed_step([(100, 0), (50, 10)], 3, 0) == pytest.approx(0.16)
+
+
+def test_slow_cached_attention_only_slows_attention_over_earlier_kv():
+    cost = RooflineCostModel()
+    n, m = cost.node, cost.model
+    slow = CoupledCost(cost, cached_attention_efficiency=0.25)
+    # no earlier KV: the same step as the default engine
+    assert slow.prefill_step([(1000, 0)]) == CoupledCost(cost).prefill_step([(1000, 0)])
+    # 1000 new tokens over 3000 cached: their 2·a·l·n·c·d attention FLOPs cost 4× as much
+    flops = m.flops(4000) - m.flops(3000) + 3 * (2 * 4 * 80 * 1000 * 3000 * 8192)
+    pre = flops / (n.gpus * n.gpu_flops * 0.62 * 1000 / 1256) + n.chunk_overhead_s
+    assert slow.prefill_step([(1000, 3000)]) == pytest.approx(pre, rel=1e-12)
+    with pytest.raises(ConfigError, match="cached_attention_efficiency must be in"):
+        CoupledCost(cost, cached_attention_efficiency=0.0)
+    with pytest.raises(ConfigError, match="cached_attention_efficiency must be in"):
+        VllmOptions(cached_attention_efficiency=1.5)
+
+
+def test_register_variant_adds_a_named_system():
+    register_variant("vllm_test_budget_1024",
+                     VllmOptions(chunked_prefill=True, max_num_batched_tokens=1024))
+    loop = EventLoop()
+    system = SYSTEMS.get("vllm_test_budget_1024")(SystemContext(loop, FakeCost(), SimConfig()))
+    assert isinstance(system, VllmSystem) and system.options.budget == 1024
+    with pytest.raises(ValueError, match="'vllm_test_budget_1024' is already registered"):
+        register_variant("vllm_test_budget_1024", VllmOptions())
 
 
 def test_options_validation_and_variants():

@@ -47,12 +47,19 @@ class VllmOptions:
         "help": "tokens per iteration (0: 512 with chunked prefill, else 131072, the model's "
                 "maximum length, as vLLM 0.5 defaults)"})
     max_num_seqs: int = field(default=256, metadata={"help": "most sequences in flight"})
+    cached_attention_efficiency: float = field(default=1.0, metadata={
+        "help": "speed of attention over already-cached KV relative to the rest of the pass "
+                "(1: same; lower models vLLM 0.5's Triton prefix-prefill kernel; sensitivity "
+                "runs only)"})
 
     def __post_init__(self) -> None:
         require(self.max_num_batched_tokens >= 0,
                 f"max_num_batched_tokens must be >= 0 (0: default), got "
                 f"{self.max_num_batched_tokens}")
         require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        require(0 < self.cached_attention_efficiency <= 1,
+                f"cached_attention_efficiency must be in (0, 1], got "
+                f"{self.cached_attention_efficiency}")
         require(not self.chunked_prefill or self.budget > self.max_num_seqs,
                 f"with chunked prefill max_num_batched_tokens ({self.budget}) must exceed "
                 f"max_num_seqs ({self.max_num_seqs}) so prompts can make progress")
@@ -81,7 +88,7 @@ class VllmSystem(SimSystem):
         self.options = options
         cfg = self.config
         n = cfg.prefill_nodes + cfg.decode_nodes
-        step_cost = CoupledCost(self.cost)
+        step_cost = CoupledCost(self.cost, options.cached_attention_efficiency)
         self.capacity = self.cost.decode_kv_capacity_tokens
         self.instances = [
             CoupledInstance(f"n{i}", self.loop, step_cost, self.capacity, cfg.block_tokens,
@@ -130,6 +137,13 @@ def _factory(options: VllmOptions) -> Callable[[SystemContext], SimSystem]:
 
 for _name, _options in VARIANTS.items():
     SYSTEMS.add(_name, _factory(_options))
+
+
+def register_variant(name: str, options: VllmOptions) -> None:
+    """Register a coupled baseline with other `VllmOptions` as system ``name`` (sensitivity
+    runs, e.g. ``benchmarks/vllm_baselines.py``); the paper's three are registered at import.
+    A name already taken raises the registry's error."""
+    SYSTEMS.add(name, _factory(options))
 
 
 def simulate_vllm(requests: Sequence[SimRequest], config: SimConfig, variant: str,

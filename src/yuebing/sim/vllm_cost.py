@@ -17,6 +17,13 @@ coupled engine whose prefix cache lives in HBM (no host-to-device load or store)
   and by its prefill compute (the pass covers the chunks' tokens and one token per decoding
   sequence), and the two overlap: the maximum of the two.
 
+``cached_attention_efficiency`` (a `VllmOptions` field, 1 by default) runs the attention of new
+tokens over KV computed before this step — a cached prefix, or the earlier chunks of a chunked
+prompt — at that fraction of the pass's efficiency: vLLM 0.5 computed it with its Triton
+prefix-prefill kernel (``context_attention_fwd``), which its developers found slow. The
+default keeps it as fast as the rest; other values are for sensitivity runs
+(``benchmarks/vllm_baselines.py --cached-attention-efficiency``).
+
 Any other cost model (e.g. ``fitted``) only exposes prefill and decode times, so a prefill step
 is the sum of its parts' prefill times and a mixed step is prefill plus decode time (no overlap:
 an upper bound).
@@ -26,24 +33,35 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from yuebing.core.config import require
 from yuebing.sim.hardware import CostModel, RooflineCostModel
 
 
 class CoupledCost:
     """Durations of coupled-engine iterations (pure; one instance per run)."""
 
-    def __init__(self, cost: CostModel) -> None:
+    def __init__(self, cost: CostModel, cached_attention_efficiency: float = 1.0) -> None:
+        require(0 < cached_attention_efficiency <= 1,
+                f"cached_attention_efficiency must be in (0, 1], got "
+                f"{cached_attention_efficiency}")
         self.cost = cost
         self._roofline = isinstance(cost, RooflineCostModel)
+        self._slowdown = 1.0 / cached_attention_efficiency - 1.0
         if isinstance(cost, RooflineCostModel):
+            m = cost.model
             self._overhead = cost.node.chunk_overhead_s
-            self._flops = cost.model.flops
+            self._flops = m.flops
             self._pass = cost.pass_compute_time
+            # FLOPs(c+n) − FLOPs(c) holds 2·a·l·n·c·d of attention over the c earlier tokens
+            self._cached_attn = 2.0 * m.flops_a * m.layers * m.d_model
 
     def _prefill_compute(self, parts: Sequence[tuple[int, int]], extra_tokens: int = 0) -> float:
         flops = self._flops
-        return self._pass(sum(flops(c + n) - flops(c) for n, c in parts),
-                          sum(n for n, _ in parts) + extra_tokens)
+        tokens = sum(n for n, _ in parts) + extra_tokens
+        total = sum(flops(c + n) - flops(c) for n, c in parts)
+        if self._slowdown:
+            total += self._slowdown * self._cached_attn * sum(n * c for n, c in parts)
+        return self._pass(total, tokens)
 
     def prefill_step(self, parts: Sequence[tuple[int, int]]) -> float:
         """Seconds of one prefill-only iteration over ``parts`` = [(new, cached), ...]."""
