@@ -1,6 +1,6 @@
 """Figure 11 (as we read it): effective request capacity as a curve of the TBT threshold.
 
-The same four 16-node runs as Figure 1, evaluated at TBT thresholds from 25 ms to 500 ms
+The same four 16-node runs as Figure 1 (trace replayed at `fig1.SPEED`), evaluated at TBT thresholds from 25 ms to 500 ms
 (TTFT ≤ 30 s throughout).
 """
 
