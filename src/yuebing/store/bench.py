@@ -169,13 +169,13 @@ class Bench:
                 [keys[(i * B + j) % n] for j in range(B)]), max(1, n // B)),
             ("remove", 0, 1, lambda i: c.remove(rm[i]), n),
         ]
-        out = []
+        out: list[tuple[str, int, int, tuple]] = []
         for op, size, b, fn, calls in tests:
             if op == "remove":  # written untimed and never read: no lease blocks removal
                 for k in rm:
                     c.put(k, val)
-            lat, secs, k = self._loop(fn, calls)
-            out.append((op, size, b, (lat, secs, k * b)))
+            lat, secs, done = self._loop(fn, calls)
+            out.append((op, size, b, (lat, secs, done * b)))
         return out
 
 

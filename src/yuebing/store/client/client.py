@@ -20,7 +20,7 @@ from yuebing.store import messages as m
 from yuebing.store.client import common as cm
 from yuebing.store.client.rpc import MasterConnection
 from yuebing.store.config import ClientConfig
-from yuebing.transfer import TransferConfig, TransferEngine, TransferStatus
+from yuebing.transfer import BatchStatus, TransferConfig, TransferEngine, TransferStatus
 
 log = logging.getLogger(__name__)
 C = m.Code
@@ -53,7 +53,7 @@ class StoreClient:
         finally:
             conn.close()
 
-    def _transfer(self, reqs: list) -> TransferStatus:
+    def _transfer(self, reqs: list) -> BatchStatus:
         bid = self.engine.submit(reqs, self.cfg.transfer_timeout_s)
         status = self.engine.wait(bid)
         self.engine.free(bid)
@@ -85,7 +85,8 @@ class StoreClient:
         mvs = [cm.view(v, writable=False) for v in values]
         items = [cm.put_item(self.cfg, k, mv, kw.get("replicas"), kw.get("strategy"),  # type: ignore[arg-type]
                              kw.get("preferred"), bool(kw.get("hard_pin")),  # type: ignore[arg-type]
-                             float(kw.get("soft_pin_s") or 0.0)) for k, mv in zip(keys, mvs, strict=True)]
+                             float(kw.get("soft_pin_s") or 0.0))  # type: ignore[arg-type]
+                 for k, mv in zip(keys, mvs, strict=True)]
         r = self.rpc.call(m.BatchPutStart(client=self.client_id, items=items))
         assert isinstance(r, m.BatchPutTargets)
         codes = list(r.codes)

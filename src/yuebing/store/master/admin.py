@@ -28,7 +28,7 @@ class _Collector:
     def __init__(self, svc: MasterService) -> None:
         self.svc = svc
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self):
         with self.svc.lock:
             usage = self.svc.core.stats().values
             segs = [(s.name, s.tier, s.alloc.capacity if s.alloc else s.size,
@@ -94,7 +94,7 @@ def _handler(svc: MasterService, registry: CollectorRegistry) -> type[BaseHTTPRe
                     if limit < 0:
                         raise ValueError("limit must be >= 0")
                     prefix = q.get("prefix", "")
-                    out = []
+                    out: list[str] = []
                     for k, o in core.objs.items():
                         if len(out) >= limit:
                             break
@@ -111,7 +111,7 @@ class AdminServer:
 
     def __init__(self, svc: MasterService, port: int) -> None:
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Collector(svc))  # type: ignore[arg-type]
+        registry.register(_Collector(svc))
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(svc, registry))
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="store-admin",

@@ -132,10 +132,13 @@ def take_over(core: MasterCore) -> None:
 
 
 # ------------------------------------------------------------------ leader side
+Reply = tuple[int, int, bytes]
+"""A reply waiting to be sent: (connection id, request id, encoded message)."""
+
 class _Standby:
     __slots__ = ("acked", "ident", "since")
 
-    def __init__(self, ident: bytes, acked: int, now: float) -> None:
+    def __init__(self, ident: int, acked: int, now: float) -> None:
         self.ident = ident
         self.acked = acked
         self.since = now
@@ -149,14 +152,14 @@ class ReplicationHub:
         self.timeout_s = timeout_s
         self.seq = 0
         self.standbys: dict[str, _Standby] = {}
-        self.held: list[tuple[int, list[bytes]]] = []
+        self.held: list[tuple[int, Reply]] = []
 
-    def subscribe(self, name: str, ident: bytes) -> m.ReplSnapshot:
+    def subscribe(self, name: str, ident: int) -> m.ReplSnapshot:
         self.standbys[name] = _Standby(ident, self.seq, self.core.clock.now())
         log.warning("standby %s subscribed at seq %d", name, self.seq)
         return m.ReplSnapshot(seq=self.seq, state=snapshot(self.core))
 
-    def publish(self) -> list[tuple[bytes, m.ReplEntries]]:
+    def publish(self) -> list[tuple[int, m.ReplEntries]]:
         """Take the core's new entries; returns the messages to send to standbys."""
         entries = self.core.log
         if not entries:
@@ -175,8 +178,9 @@ class ReplicationHub:
     def must_hold(self) -> bool:
         return bool(self.standbys)
 
-    def hold(self, frames: list[bytes]) -> None:
-        self.held.append((self.seq, frames))
+    def hold(self, reply: Reply) -> None:
+        """Keep ``reply`` (connection id, request id, payload) until its entries are acked."""
+        self.held.append((self.seq, reply))
 
     def ack(self, name: str, seq: int) -> None:
         s = self.standbys.get(name)
@@ -184,7 +188,7 @@ class ReplicationHub:
             s.acked = seq
             s.since = self.core.clock.now()
 
-    def releasable(self) -> list[list[bytes]]:
+    def releasable(self) -> list[Reply]:
         """Replies whose entries every standby has (drops standbys that stopped acking)."""
         now = self.core.clock.now()
         for name, s in list(self.standbys.items()):

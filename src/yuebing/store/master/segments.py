@@ -229,8 +229,8 @@ def usage(core: MasterCore) -> dict[str, float]:
                              "segments": len(core.segs), "sessions": len(core.sessions),
                              "tasks": len(core.tasks)}
     for tier, name in ((0, "dram"), (1, "ssd")):
-        segs = [s for s in core.segs.values() if s.tier == tier and s.alloc is not None]
-        out[f"{name}_capacity"] = sum(s.alloc.capacity for s in segs)  # type: ignore[union-attr]
-        out[f"{name}_used"] = sum(s.alloc.used for s in segs)  # type: ignore[union-attr]
+        allocs = [s.alloc for s in core.segs.values() if s.tier == tier and s.alloc is not None]
+        out[f"{name}_capacity"] = float(sum(a.capacity for a in allocs))
+        out[f"{name}_used"] = float(sum(a.used for a in allocs))
     out.update({k: float(v) for k, v in core.counters.items()})
     return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import typing
 import uuid
 
 import zmq
@@ -135,8 +136,8 @@ class MasterService:
                 self.hub.ack(msg.standby, msg.seq)  # type: ignore[attr-defined]
                 return None
             for ident, entries in self.hub.publish():  # entries already in the core go first
-                self.server.send(ident, 0, encode(entries))  # type: ignore[arg-type]
-            return self.hub.subscribe(msg.standby, cid)  # type: ignore[attr-defined, arg-type]
+                self.server.send(ident, 0, encode(entries))
+            return self.hub.subscribe(msg.standby, cid)  # type: ignore[attr-defined]
         if not self.leading:
             return m.Err(code=C.NOT_LEADER, message="this master is a standby",
                          leader=self._leader())
@@ -167,15 +168,16 @@ class MasterService:
             core.outbox.clear()
             if self.leading:
                 for ident, msg in self.hub.publish():
-                    send(ident, 0, encode(msg))  # type: ignore[arg-type]
+                    send(ident, 0, encode(msg))
                 for held in self._held:
-                    self.hub.hold(held)  # type: ignore[arg-type]
+                    self.hub.hold(held)
                 self._held.clear()
-            for (cid, rid), reply in core.ready:  # type: ignore[misc]
-                send(cid, rid, encode(reply))
+            for waiter, reply in core.ready:
+                conn, req = typing.cast(tuple[int, int], waiter)
+                send(conn, req, encode(reply))
             core.ready.clear()
-            for cid, rid, out in self.hub.releasable():  # type: ignore[misc]
-                send(cid, rid, out)
+            for conn, req, out in self.hub.releasable():
+                send(conn, req, out)
 
     def _send_events(self) -> None:
         evs = self.core.events
