@@ -65,6 +65,9 @@ def test_two_phase_put_visibility() -> None:
     assert core.handle(m.GetReplicas(key="k")) == m.ReplicaList(
         key="k", size=5000, checksum=7, replicas=[m.Replica(segment="n0/dram", offset=0)])
     assert core.handle(m.PutStart(client="c", item=m.PutItem(key="k", size=1))).code == C.EXISTS
+    t2 = core.handle(m.PutStart(client="c", item=m.PutItem(key="p", size=100)))
+    assert core.handle(m.PutStart(client="c", item=m.PutItem(key="p", size=100))) == t2  # retry
+    assert core.handle(m.PutStart(client="d", item=m.PutItem(key="p", size=100))).code == C.EXISTS
     assert core.handle(m.PutEnd(client="c", key="k")).code == C.NOT_PENDING
     assert core.events == [(m.EventKind.STORED, "k", ["n0/dram"])]
 

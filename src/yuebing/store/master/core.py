@@ -139,7 +139,11 @@ class MasterCore:
         problem = self._check_item(it)
         if problem:
             return C.BAD_REQUEST, problem
-        if it.key in self.objs:
+        o = self.objs.get(it.key)
+        if o is not None:
+            if o.state == PENDING and o.owner == client and o.size == it.size:
+                # the same client retrying after a lost reply (e.g. failover): same targets
+                return C.OK, [m.Replica(segment=self.segs[s].name, offset=off) for s, off in o.reps]
             return C.EXISTS, f"key {it.key!r} exists (values are immutable)"
         placed = self._place(client, it)
         if not placed:
