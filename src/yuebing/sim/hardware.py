@@ -183,8 +183,7 @@ class RooflineCostModel(CostModel):
         m, n = self.model, self.node
         size = n.chunk_tokens
         full, rest = divmod(new_tokens, size)
-        # linear FLOPs are the same per chunk; the attention FLOPs of the full chunks sum to
-        # those of the whole prefill minus the tail chunk's
+        # every full chunk is a pass at efficiency(size); the tail chunk at efficiency(rest)
         done = cached_tokens + full * size
         flops_full = m.flops(done) - m.flops(cached_tokens)
         compute = flops_full / (self._peak * self.efficiency(size)) if full else 0.0
