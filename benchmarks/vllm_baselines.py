@@ -24,10 +24,11 @@ import argparse
 import dataclasses
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import Progress
+from rich.progress import Progress, TaskID
 
 from yuebing.sim.hardware import NodeSpec, RooflineCostModel
 from yuebing.sim.runner import simulate
@@ -56,6 +57,10 @@ def sensitivity_variants(budgets: list[int], efficiencies: list[float]) -> list[
     return names
 
 
+def _advance(bar: Progress, task: TaskID, done: int) -> None:
+    bar.update(task, completed=done)
+
+
 def run_all(trace: Path, mfus: list[float], speed: float,
             extra: list[str] | None = None) -> list[dict[str, object]]:
     requests = load_requests(trace, speed=speed)
@@ -67,12 +72,12 @@ def run_all(trace: Path, mfus: list[float], speed: float,
                 task = bar.add_task(f"{system} mfu={mfu}", total=len(requests))
                 t0 = time.perf_counter()
                 result = simulate(requests, SimConfig(system=system), cost=cost,
-                                  progress=lambda n, task=task: bar.update(task, completed=n))
+                                  progress=partial(_advance, bar, task))
                 wall = time.perf_counter() - t0
                 s = result.summary
                 rows.append({
                     "system": system, "mfu": mfu, "speed": speed,
-                    "capacity": s["effective_capacity"],  # type: ignore[dict-item]
+                    "capacity": s["effective_capacity"],
                     "paper": dict(zip(("100", "200", "300"), PAPER[base], strict=True))
                     if (base := system.split("@")[0]) in PAPER else None,
                     "ttft_mean_s": s["ttft_s"]["mean"],  # type: ignore[index]

@@ -67,3 +67,15 @@ def test_overload_and_figure1_setups() -> None:
     f1 = fig1.config("vllm")
     assert (f1.speed, f1.prefill_nodes + f1.decode_nodes) == (fig1.SPEED, 16)
     assert fig1.config("mooncake", fast=True).limit == 2000
+
+
+def test_figure1_speed_plot_from_details(tmp_path) -> None:
+    row = {"100": 0.5, "200": 0.7, "300": 0.9}
+    details = {"speed": fig1.SPEED,
+               "by_speed": {"1": {name: row for name in fig1.SYSTEM_NAMES},
+                            "2": {"mooncake": row, "vllm": None, "vllm_prefix_caching": row,
+                                  "vllm_chunked_prefill": row}}}
+    [path] = fig1.plot_details(details, tmp_path)
+    assert path.name == "fig1_speed_sensitivity.png" and path.stat().st_size > 10_000
+    assert fig1._percent(None, 100) != fig1._percent(None, 100)  # NaN for a missing system
+    assert fig1._percent(row, 200) == 70.0

@@ -65,6 +65,10 @@ def details(trace_path: str | Path, fast: bool = False) -> dict[str, object]:
             "mooncake_10P+6D": _capacity(trace_path, config("mooncake", fast, SPEED, (10, 6)))}
 
 
+def _percent(shares: dict[str, float] | None, threshold_ms: int) -> float:
+    return 100 * shares[str(threshold_ms)] if shares else float("nan")
+
+
 def plot_details(details: dict[str, object], out_dir: str | Path) -> list[Path]:
     """Effective capacity at 100/200/300 ms against the replay speed, one panel per system,
     with the paper's value as a dashed line."""
@@ -74,8 +78,7 @@ def plot_details(details: dict[str, object], out_dir: str | Path) -> list[Path]:
     fig, axes = plt.subplots(1, len(SYSTEM_NAMES), figsize=(13, 3.6), sharey=True)
     for ax, name in zip(axes, SYSTEM_NAMES, strict=True):
         for t, color in zip(THRESHOLDS_MS, ("C0", "C1", "C2"), strict=True):
-            ys = [100 * by_speed[s][name][str(t)] if by_speed[s].get(name) else float("nan")
-                  for s in speeds]
+            ys = [_percent(by_speed[s].get(name), t) for s in speeds]
             ax.plot([float(s) for s in speeds], ys, marker="o", color=color,
                     label=f"TBT ≤ {t} ms")
             paper = PAPER.get(name)
