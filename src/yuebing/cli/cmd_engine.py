@@ -219,17 +219,19 @@ def _plot(results: list, batches: list[int], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     width = 0.8 / max(1, len(results))
-    for i, r in enumerate(results):
-        ax.bar([j + i * width for j in range(len(batches))], [r.decode_ms[b] for b in batches],
-               width, label=f"{r.dtype}/{r.attention}/{r.threads}t")
-    ax.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(batches))],
-                  [str(b) for b in batches])
-    ax.set_xlabel("decode batch size")
-    ax.set_ylabel("ms per decode step")
-    ax.set_title("yuebing engine decode step time")
-    ax.legend()
+    for ax, attr, title in ((axes[0], "decode_ms", "wall"), (axes[1], "decode_cpu_ms", "process CPU")):
+        for i, r in enumerate(results):
+            ax.bar([j + i * width for j in range(len(batches))],
+                   [getattr(r, attr)[b] for b in batches], width,
+                   label=f"{r.dtype}/{r.attention}/{r.threads}t")
+        ax.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(batches))],
+                      [str(b) for b in batches])
+        ax.set_xlabel("decode batch size")
+        ax.set_ylabel(f"ms per decode step ({title} time)")
+        ax.set_title(f"decode step, {title} time")
+        ax.legend()
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
