@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from engine_factories import make_engine, prompts
 
+from yuebing.core.errors import InputError
 from yuebing.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -93,3 +94,12 @@ def test_max_tokens_zero_and_context_limit(tiny_weights):
     assert (zero.output_token_ids, zero.finished, zero.finish_reason) == ([], True, "length")
     capped = engine.generate([list(range(15))], SamplingParams(max_tokens=50, temperature=0))[0]
     assert len(capped.output_token_ids) == 5 and capped.finish_reason == "length"
+
+
+def test_sequence_never_outgrows_the_pool(tiny_weights):
+    engine = make_engine(tiny_weights, num_blocks=6, block_size=4)  # 24 tokens of KV
+    assert engine.max_model_len == 24
+    out = engine.generate([list(range(10))], SamplingParams(max_tokens=100, temperature=0))[0]
+    assert len(out.output_token_ids) == 14 and out.finish_reason == "length"
+    with pytest.raises(InputError, match="context holds 24"):
+        engine.add_request(list(range(30)))

@@ -55,6 +55,8 @@ class LLMEngine:
         nb = config.num_blocks or max(
             1, config.kv_cache_bytes // KVPool.bytes_per_block(mc, bs, self.dtype))
         self.pool = KVPool(mc, nb, bs, self.dtype, self.device)
+        # a sequence must fit the pool alone, else preempting it could never make room
+        self.max_model_len = min(self.max_model_len, nb * bs)
         self.allocator = BlockAllocator(nb, config.prefix_caching)
         self.key_extra: tuple[object, ...] = (self.fingerprint,)
         self.scheduler = Scheduler(self.allocator, bs, config.max_num_seqs,
@@ -113,10 +115,6 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise InputError(f"the prompt has {len(ids)} tokens but the context holds "
                              f"{self.max_model_len} (prompt + output); shorten the prompt")
-        need = -(-(len(ids) + 1) // self.block_size)
-        if need > self.pool.num_blocks:
-            raise InputError(f"the prompt needs {need} KV blocks but the pool has "
-                             f"{self.pool.num_blocks}; raise --num-blocks/--kv-cache-bytes")
         return ids
 
     def add_request(self, prompt: str | Seq[int] | list[dict[str, str]],
