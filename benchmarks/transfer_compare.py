@@ -52,12 +52,17 @@ def compare(mc: dict, ours: dict) -> tuple[list[dict], list[dict]]:
             continue
         th, mc_best = max(mc_cfg.items(), key=lambda kv: kv[1])
         lanes, our_best = max(our_cfg.items(), key=lambda kv: kv[1])
-        per_req = [r["per_request_us"] for (t, o, s, b, ln), rows in ours.items()
-                   if (t, o, s, b, ln) == ("tcp", op, size, batch, lanes) for r in rows]
+        best_rows = [r for (t, o, s, b, ln), rows in ours.items()
+                     if (t, o, s, b, ln) == ("tcp", op, size, batch, lanes) for r in rows]
+        per_req = [r["per_request_us"] for r in best_rows]
+        cpu_i = [r["cpu_us_initiator"] for r in best_rows if "cpu_us_initiator" in r]
+        cpu_t = [r["cpu_us_target"] for r in best_rows if "cpu_us_target" in r]
         tcp.append({"op": op, "size_bytes": size, "batch": batch, "mooncake_gbps": round(mc_best, 3),
                     "mooncake_threads": th, "yuebing_gbps": round(our_best, 3),
                     "yuebing_lanes": lanes, "ratio": round(our_best / mc_best, 2),
                     "yuebing_per_request_us": round(med(per_req), 1),
+                    "yuebing_cpu_us_initiator": round(med(cpu_i), 1) if cpu_i else None,
+                    "yuebing_cpu_us_target": round(med(cpu_t), 1) if cpu_t else None,
                     "mooncake_by_threads": {k: round(v, 3) for k, v in sorted(mc_cfg.items())},
                     "yuebing_by_lanes": {k: round(v, 3) for k, v in sorted(our_cfg.items())}})
     for (t, op, size, batch, _), rows in sorted(ours.items()):
@@ -84,9 +89,12 @@ def overheads(tcp: list[dict]) -> list[str]:
         for who, key in (("yuebing", "yuebing_gbps"), ("Mooncake", "mooncake_gbps")):
             bw = max(r[key] for r in large)
             per_req = 65536 / (s[key] * 1e3)
+            cpu = (f"; CPU per request {s['yuebing_cpu_us_initiator']} µs initiator + "
+                   f"{s['yuebing_cpu_us_target']} µs target"
+                   if who == "yuebing" and s.get("yuebing_cpu_us_initiator") is not None else "")
             lines.append(f"- {who} {op}: {per_req:.1f} µs per 64 KiB request in batches of 128, "
                          f"{per_req - 65536 / (bw * 1e3):.1f} µs of it beyond moving the bytes "
-                         f"at its best large-request bandwidth ({bw:.2f} GB/s)")
+                         f"at its best large-request bandwidth ({bw:.2f} GB/s){cpu}")
     return lines
 
 

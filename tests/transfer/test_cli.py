@@ -29,6 +29,8 @@ def test_bench_transfer_json_rows_and_plots(tmp_path: Path) -> None:
     expected |= {("memcpy", "copy", s, 1, 1) for s in (65536, 131072)}
     assert cells == expected
     assert all(r["gbps"] > 0 and r["p99_us"] >= r["p50_us"] > 0 for r in rows)
+    engine_rows = [r for r in rows if r["transport"] != "memcpy"]
+    assert all(r["cpu_us_initiator"] > 0 and r["cpu_us_target"] >= 0 for r in engine_rows)
     assert all(r["vs_memcpy"] > 0 and r["memcpy_gbps"] > 0 for r in rows if r["transport"] == "shm")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["transfer_bw_vs_lanes.png",
                                                           "transfer_bw_vs_size.png"]

@@ -16,6 +16,7 @@ cell, alternating with the engine in `PAIRS` slices through the cell's own worki
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -171,12 +172,25 @@ def _timed_batches(engine: TransferEngine, reqs: list[TransferRequest],
     return lat, now - start
 
 
+def process_cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) used so far by this process or by process ``pid``."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure_cell(remote: str, transport: str, op: str, size: int, batch: int, lanes: int,
-                 cfg: BenchConfig, local: np.ndarray, pair_memcpy: bool = False) -> Row:
+                 cfg: BenchConfig, local: np.ndarray, pair_memcpy: bool = False,
+                 target_pid: int | None = None) -> Row:
     """Run one cell against the target segment ``remote`` and return its row. With
     ``pair_memcpy`` the measurement alternates with single-thread memcpy of the same size
     through the same working set (size × batch), so both see the same machine load and caches;
-    the row gets ``memcpy_gbps`` and ``vs_memcpy``."""
+    the row gets ``memcpy_gbps`` and ``vs_memcpy``. CPU time spent per request while the engine
+    ran is recorded for this process (``cpu_us_initiator``) and, given ``target_pid``, for the
+    target (``cpu_us_target``): what a request costs, whatever else the machine is doing."""
     engine = TransferEngine(TransferConfig(
         metadata="p2p", transports=(transport,), lanes=lanes, slice_size=cfg.slice_size,
         socket_buffer=cfg.socket_buffer, connect_timeout_s=30.0))
@@ -186,20 +200,25 @@ def measure_cell(remote: str, transport: str, op: str, size: int, batch: int, la
                 for i in range(batch)]
         for _ in range(2):
             engine.transfer(reqs)
-        if not pair_memcpy:
-            lat, elapsed = _timed_batches(engine, reqs, cfg.duration_s)
-        else:
-            lat, elapsed, ref_bytes, ref_s = [], 0.0, 0, 0.0
-            bufs = np.ones(size * batch, np.uint8), np.ones(size * batch, np.uint8)
-            for _ in range(PAIRS):
-                part, took = _timed_batches(engine, reqs, cfg.duration_s / PAIRS)
-                lat += part
-                elapsed += took
+        lat, elapsed, ref_bytes, ref_s, cpu = [], 0.0, 0, 0.0, [0.0, 0.0]
+        bufs = (np.ones(size * batch, np.uint8), np.ones(size * batch, np.uint8)) \
+            if pair_memcpy else None
+        for _ in range(PAIRS if pair_memcpy else 1):
+            c0 = process_cpu_s(), process_cpu_s(target_pid) if target_pid else 0.0
+            part, took = _timed_batches(engine, reqs, cfg.duration_s / (PAIRS if bufs else 1))
+            cpu[0] += process_cpu_s() - c0[0]
+            cpu[1] += (process_cpu_s(target_pid) - c0[1]) if target_pid else 0.0
+            lat += part
+            elapsed += took
+            if bufs is not None:
                 moved, spent = _memcpy_passes(size, bufs, cfg.duration_s / PAIRS)
                 ref_bytes, ref_s = ref_bytes + moved, ref_s + spent
         row = Row(transport, op, size, batch, lanes, len(lat) * batch * size / elapsed / 1e9,
                   _percentile(lat, 50) * 1e6, _percentile(lat, 99) * 1e6,
                   elapsed / (len(lat) * batch) * 1e6, len(lat))
+        row.extra["cpu_us_initiator"] = round(cpu[0] / (len(lat) * batch) * 1e6, 2)
+        if target_pid:
+            row.extra["cpu_us_target"] = round(cpu[1] / (len(lat) * batch) * 1e6, 2)
         if pair_memcpy:
             row.extra["memcpy_gbps"] = round(ref_bytes / ref_s / 1e9, 3)
             row.extra["vs_memcpy"] = round(row.gbps * ref_s * 1e9 / ref_bytes, 3)
@@ -273,7 +292,8 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
                 progress(f"{cell[0]} {cell[1]} size={cell[2]} batch={cell[3]} lanes={cell[4]}")
             try:
                 row = measure_cell(remote, *cell, cfg=cfg, local=local,
-                                   pair_memcpy=cell[0] == "shm" and cfg.memcpy)
+                                   pair_memcpy=cell[0] == "shm" and cfg.memcpy,
+                                   target_pid=proc.pid)
             except TransferError as e:  # keep the other cells; the row says what went wrong
                 log.warning("bench cell %s failed: %s", cell, e)
                 row = Row(*cell, gbps=0.0, p50_us=0.0, p99_us=0.0, extra={"error": str(e)})

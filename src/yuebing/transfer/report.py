@@ -16,13 +16,16 @@ def print_table(rows: list[Row], title: str = "yuebing bench transfer") -> None:
 
     table = Table(title=title)
     for col in ("transport", "op", "size", "batch", "lanes", "GB/s", "p50 µs", "p99 µs",
-                "µs/request", "vs memcpy"):
+                "µs/request", "CPU µs/req init+target", "vs memcpy"):
         table.add_column(col, justify="right" if col not in ("transport", "op") else "left")
     for r in rows:
         ratio = r.extra.get("vs_memcpy")
+        cpu = (f"{r.extra['cpu_us_initiator']:.1f}+{r.extra.get('cpu_us_target', 0):.1f}"
+               if "cpu_us_initiator" in r.extra else "")
         table.add_row(r.transport, r.op, format_size(r.size_bytes), str(r.batch), str(r.lanes),
                       f"{r.gbps:.2f}", f"{r.p50_us:.0f}", f"{r.p99_us:.0f}",
-                      f"{r.per_request_us:.1f}", f"{ratio:.2f}" if ratio is not None else "")
+                      f"{r.per_request_us:.1f}", cpu,
+                      f"{ratio:.2f}" if isinstance(ratio, float) else "")
     Console(width=None if sys.stdout.isatty() else 132).print(table)
 
 
