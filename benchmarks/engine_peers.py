@@ -217,6 +217,26 @@ def print_table(merged: dict[str, dict[str, Any]], summary: dict[str, Any], w: W
             console.print(f"[red]{n} failed[/]: {res['error']}")
 
 
+def markdown(merged: dict[str, dict[str, Any]], summary: dict[str, Any], w: Workload) -> str:
+    """The result table in Markdown (for docs/benchmarks.md)."""
+    names = [n for n in merged if "error" not in merged[n]]
+    peers = [n for n in names if n in summary["ratios_ours_over_peer"]]
+    head = ["metric", *names, *[f"ours/{p}" for p in peers]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = [(f"decode b={b} ms/step", "decode", str(b), "ms_per_step", f"decode_b{b}")
+            for b in w.batches]
+    rows += [(f"decode b={b} tok/s", "decode", str(b), "tokens_per_s", f"decode_b{b}")
+             for b in w.batches]
+    rows += [(f"prefill {n} tok/s", "prefill", str(n), "tokens_per_s", f"prefill_{n}")
+             for n in w.prefill_lens]
+    for label, kind, k, field, rkey in rows:
+        vals = [f"{merged[n][kind][k][field]:.1f}" for n in names]
+        rs = [summary["ratios_ours_over_peer"][p].get(rkey) for p in peers]
+        lines.append("| " + " | ".join([label, *vals, *[f"{r:.2f}" if r else "-" for r in rs]])
+                     + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(merged: dict[str, dict[str, Any]], w: Workload, path: Path, title: str) -> None:
     """Grouped bars: decode ms/step per batch size, prefill tokens/s per prompt length."""
     import matplotlib
@@ -342,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(json.dumps(report, indent=1), encoding="utf-8")
+    ns.out.with_suffix(".md").write_text(markdown(merged, summary, w), encoding="utf-8")
     print_table(merged, summary, w)
     loads = [la[0] for r in merged.values() for la in r.get("loadavg", [])]
     title = (f"SmolLM2-135M, {w.dtype}, {w.threads} threads, {ns.rounds} round(s) x "

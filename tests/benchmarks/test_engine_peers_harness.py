@@ -133,6 +133,11 @@ def test_merge_pools_rounds_and_summary_gives_ratios_and_verdicts() -> None:
         {"target": "decode tok/s at batch 8 >= vLLM-CPU", "ratio": 0.5, "met": False},
         {"target": "prefill tok/s at 512 >= vLLM-CPU", "ratio": 2.0, "met": True}]
     ep.print_table(merged, s, w)  # renders with an errored peer
+    assert ep.markdown(merged, s, w).splitlines() == [
+        "| metric | yuebing | vllm-cpu | ours/vllm-cpu |", "|---|---|---|---|",
+        "| decode b=1 ms/step | 20.0 | 10.0 | 0.50 |", "| decode b=8 ms/step | 40.0 | 20.0 | 0.50 |",
+        "| decode b=1 tok/s | 50.0 | 100.0 | 0.50 |", "| decode b=8 tok/s | 200.0 | 400.0 | 0.50 |",
+        "| prefill 512 tok/s | 2000.0 | 1000.0 | 2.00 |"]
     without_ours = ep.summarize({"vllm-cpu": vllm}, w)
     assert without_ours["ratios_ours_over_peer"] == {}
     assert [t["met"] for t in without_ours["targets"]] == [None, None]
