@@ -10,6 +10,7 @@ then kept current from the stream. ``seq`` increases by one per batch: a gap mea
 from __future__ import annotations
 
 import logging
+import typing
 
 import zmq
 
@@ -42,7 +43,7 @@ class KvEventSubscriber:
             except zmq.Again:
                 return out
             try:
-                msg = decode(frame, m.KvEvents)
+                msg = typing.cast(m.KvEvents, decode(frame, m.KvEvents))
             except ProtocolError as e:
                 log.warning("dropping a malformed event batch: %s", e)
                 continue
@@ -50,7 +51,7 @@ class KvEventSubscriber:
                 self.gaps += 1
                 log.warning("event stream gap: %d after %d", msg.seq, self.last_seq)
             self.last_seq = msg.seq
-            out.append(msg)  # type: ignore[arg-type]
+            out.append(msg)
 
     def close(self) -> None:
         self.sock.close(0)
