@@ -24,7 +24,7 @@ class KvEventSubscriber:
     """Subscribes to one master's event stream; not thread-safe."""
 
     def __init__(self, address: str) -> None:
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
