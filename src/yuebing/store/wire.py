@@ -51,14 +51,15 @@ class FrameBuffer:
         buf = self.buf
         pos = 0
         n = len(buf)
-        while n - pos >= 12:
-            length, rid = HEADER.unpack_from(buf, pos)
-            if length > MAX_FRAME:
-                raise ValueError(f"frame of {length} bytes exceeds {MAX_FRAME}")
-            if n - pos - 12 < length:
-                break
-            out.append((rid, bytes(buf[pos + 12:pos + 12 + length])))
-            pos += 12 + length
+        with memoryview(buf) as view:  # one copy per payload (a bytearray slice would be two)
+            while n - pos >= 12:
+                length, rid = HEADER.unpack_from(buf, pos)
+                if length > MAX_FRAME:
+                    raise ValueError(f"frame of {length} bytes exceeds {MAX_FRAME}")
+                if n - pos - 12 < length:
+                    break
+                out.append((rid, bytes(view[pos + 12:pos + 12 + length])))
+                pos += 12 + length
         if pos:
             del buf[:pos]
         return out
@@ -90,7 +91,9 @@ class FrameServer:
         self.conns: dict[int, _Conn] = {}
         self.on_frame = on_frame
         self._ids = itertools.count(1)
-        self.extra: dict[object, Callable[[], None]] = {}
+        # recv_into one reused buffer: recv(n) allocates n bytes per call (~25 us at 1 MiB)
+        self._rbuf = bytearray(RECV)
+        self._rview = memoryview(self._rbuf)
 
     def watch(self, sock: socket.socket, on_readable: Callable[[], None]) -> None:
         """Also poll ``sock`` (e.g. a follower connection) in this loop."""
@@ -126,15 +129,15 @@ class FrameServer:
 
     def _read(self, c: _Conn) -> None:
         try:
-            data = c.sock.recv(RECV)
+            n = c.sock.recv_into(self._rbuf)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
-        if not data:
+            n = 0
+        if not n:
             self.close_conn(c.cid)
             return
-        c.inb.buf += data
+        c.inb.buf += self._rview[:n]
         try:
             frames = c.inb.frames()
         except ValueError as e:
@@ -197,6 +200,8 @@ class FrameSocket:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.inb = FrameBuffer()
         self.pending: list[tuple[int, bytes]] = []
+        self._rbuf = bytearray(RECV)
+        self._rview = memoryview(self._rbuf)
 
     def send(self, rid: int, payload: bytes) -> None:
         self.sock.sendall(HEADER.pack(len(payload), rid) + payload)
@@ -212,12 +217,12 @@ class FrameSocket:
                 return None
             self.sock.settimeout(left)
             try:
-                data = self.sock.recv(RECV)
+                n = self.sock.recv_into(self._rbuf)
             except TimeoutError:
                 return None
-            if not data:
+            if not n:
                 raise ConnectionError(f"master {self.address} closed the connection")
-            self.inb.buf += data
+            self.inb.buf += self._rview[:n]
             frames = self.inb.frames()
             if frames:
                 self.pending.extend(frames[1:])
