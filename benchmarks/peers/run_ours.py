@@ -24,7 +24,7 @@ class OursBackend(Backend):
 
         self._params = SamplingParams
         self.config = EngineConfig(
-            model=model, dtype=w.dtype, threads=w.threads,
+            model=model, dtype=w.dtype, threads=int(w.extra.get("ours_threads", w.threads)),
             kv_cache_bytes=int(w.kv_gib * (1 << 30)),
             max_num_seqs=max(w.batches), max_batch_tokens=w.batch_tokens,
             max_model_len=max(w.max_len, 4096), prefix_caching=False,
