@@ -261,5 +261,6 @@ class LLMEngine:
     @torch.inference_mode()
     def warmup(self) -> None:
         """One tiny forward pass so the first request does not pay one-time costs."""
-        self.generate([[0, 1, 2, 3][: max(1, min(4, self.max_model_len - 1))]],
-                      SamplingParams(max_tokens=2, temperature=0))
+        n = max(1, min(4, self.max_model_len - 2))
+        self.generate([[i % self.model_config.vocab_size for i in range(n)]],
+                      SamplingParams(max_tokens=1, temperature=0))
