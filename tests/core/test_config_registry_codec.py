@@ -24,6 +24,7 @@ class _Cfg:
     seg: int = field(default=1024, metadata={"help": "segment", "size": True})
     fast: bool = False
     name: str = "x"
+    ports: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         require(self.lanes >= 1, f"lanes must be >= 1, got {self.lanes}")
@@ -34,6 +35,9 @@ def test_config_cli_roundtrip_and_validation() -> None:
     add_config_args(p, _Cfg)
     cfg = config_from_args(_Cfg, p.parse_args(["--lanes", "8", "--seg", "2MiB", "--fast"]))
     assert cfg == _Cfg(lanes=8, seg=2 * 1024**2, fast=True, name="x")
+    assert config_from_args(_Cfg, p.parse_args(["--ports", "5,7,"])).ports == (5, 7)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--ports", "5,x"])
     with pytest.raises(ConfigError, match="lanes must be >= 1"):
         config_from_args(_Cfg, p.parse_args(["--lanes", "0"]))
 

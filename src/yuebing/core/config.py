@@ -13,6 +13,7 @@ import dataclasses
 import re
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from yuebing.core.errors import ConfigError
@@ -106,9 +107,17 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, prefix: str = ""
         elif typing.get_origin(tp) is tuple:
             (item,) = {a for a in typing.get_args(tp) if a is not Ellipsis} or {str}
             parser.add_argument(flag, dest=dest, default=None, help=help_text + " comma-separated",
-                                type=lambda s, item=item: tuple(item(x) for x in s.split(",") if x))
+                                type=_tuple_of(item))
         else:
             parser.add_argument(flag, dest=dest, type=str, default=None, help=help_text)
+
+
+def _tuple_of(item: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
+    """An argparse ``type=`` converter for a comma-separated tuple of ``item`` values."""
+    def convert(text: str) -> tuple[Any, ...]:
+        return tuple(item(x) for x in text.split(",") if x)
+    convert.__name__ = getattr(item, "__name__", "value") + " list"
+    return convert
 
 
 def config_from_args(cls: type[C], ns: argparse.Namespace, prefix: str = "", **base: Any) -> C:

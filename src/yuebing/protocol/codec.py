@@ -77,7 +77,7 @@ def decode(buf: bytes | memoryview, expect: type[M] | None = None) -> M | Messag
                 if not _registry:
                     raise ProtocolError("no message types registered")
                 types_ = tuple(_registry.values())
-                _union_decoder = msgspec.msgpack.Decoder(Union[types_])  # type: ignore[valid-type]  # noqa: UP007
+                _union_decoder = msgspec.msgpack.Decoder(Union[types_])  # noqa: UP007
             msg = _union_decoder.decode(buf)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ProtocolError(f"malformed message: {e}") from None
