@@ -6,8 +6,9 @@ in order: `WriteSlice` → the range is validated against the registered segment
 is received with ``recv_into`` directly into segment memory, then `SliceAck` (a rejected write's
 payload is drained into scratch, so nothing is written, and the ack carries the error);
 `ReadSlice` → validated, answered with `SliceData` + the bytes sent straight from the segment;
-`Notify` → handed to the engine's notify callback, then acked. Replies are collected while more
-complete frames are already buffered and leave in one ``sendmsg``. A connection that breaks or
+`Notify` → handed to the engine's notify callback, then acked. Replies are held back while more
+requests are already arriving (bounded by `ACK_HOLD_FRAMES` / `ACK_HOLD_BYTES`) and leave together
+in one ``sendmsg``, so a stream of small slices costs a few sends instead of one per slice. A connection that breaks or
 stalls longer than ``io_timeout_s`` mid-frame is closed; the server keeps serving the others.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
 import threading
 from collections.abc import Callable
@@ -42,6 +44,10 @@ from yuebing.transfer.transport.framing import (
 )
 
 log = logging.getLogger(__name__)
+
+ACK_HOLD_FRAMES = 64
+ACK_HOLD_BYTES = 1 << 20
+"""Replies are held back at most this many frames / payload bytes while requests keep coming."""
 
 MAX_SLICE = 1 << 30
 """Largest slice a peer may send (`TransferConfig.slice_size` is at most this)."""
@@ -85,22 +91,29 @@ class TcpServer:
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
         reader = FrameReader(conn)
+        readable = select.poll()
+        readable.register(conn, select.POLLIN)
         out: list[memoryview] = []
         try:
             first = reader.read()
             if not isinstance(first, Hello):
                 raise ProtocolError(f"expected hello, got {type(first).__name__}")
             send_frame(conn, self._hello(first))
+            held = 0
             while not self._closed:
                 try:
                     msg = reader.read(idle_ok=True)
                 except IdleTimeout:
                     continue
-                self._handle(reader, msg, out)
-                # replies go out together once no further complete frame is waiting
-                if out and (not reader.has_frame() or len(out) >= 64):
+                held += self._handle(reader, msg, out)
+                # Replies wait while more requests are already arriving (a complete frame is
+                # buffered, or bytes are readable now), up to ACK_HOLD_FRAMES / ACK_HOLD_BYTES,
+                # so a stream of small slices is answered by a few sendmsg calls.
+                if out and (len(out) >= ACK_HOLD_FRAMES or held >= ACK_HOLD_BYTES or not (
+                        reader.has_frame() or readable.poll(0))):
                     send_parts(conn, out)
                     out.clear()
+                    held = 0
         except (OSError, ProtocolError) as e:
             if not self._closed:
                 log.debug("lane from %s closed: %s", peer, e)
@@ -111,8 +124,9 @@ class TcpServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _handle(self, reader: FrameReader, msg: Message, out: list[memoryview]) -> None:
-        """Apply one request frame; append the reply frame(s) to ``out``."""
+    def _handle(self, reader: FrameReader, msg: Message, out: list[memoryview]) -> int:
+        """Apply one request frame; append the reply frame(s) to ``out``; returns the payload
+        bytes the frame carried (written or read)."""
         if isinstance(msg, WriteSlice):
             if not 0 < msg.length <= MAX_SLICE:
                 raise ProtocolError(f"write slice length {msg.length} outside 1..{MAX_SLICE}")
@@ -121,7 +135,7 @@ class TcpServer:
             except TransferError as e:
                 reader.skip(msg.length)
                 out += frame_parts(SliceAck(id=msg.id, error=str(e)))
-                return
+                return msg.length
             reader.read_into(view)
             out += frame_parts(SliceAck(id=msg.id))
         elif isinstance(msg, ReadSlice):
@@ -129,7 +143,7 @@ class TcpServer:
                 view = self._segments.resolve(msg.segment, msg.offset, msg.length, msg.span)
             except TransferError as e:
                 out += frame_parts(SliceAck(id=msg.id, error=str(e)))
-                return
+                return 0
             out += frame_parts(SliceData(id=msg.id, length=msg.length), view)
         elif isinstance(msg, Notify):
             error = ""
@@ -142,6 +156,7 @@ class TcpServer:
         else:
             raise ProtocolError(f"unexpected frame {type(msg).__name__} on a lane")
         self.served_slices += 1
+        return getattr(msg, "length", 0)
 
     def close(self) -> None:
         """Stop accepting, break every open connection and wait for the listener to end."""
