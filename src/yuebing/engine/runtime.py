@@ -6,9 +6,10 @@ and the C allocator.
   AMX; measured faster there, see docs/benchmarks.md), float32 otherwise;
 - threads: ``torch.set_num_threads`` is always set explicitly; ``0`` (auto) times a decode-sized
   matmul loop with one thread and with all usable cores and keeps the faster (on a CPU shared
-  with other busy processes, OpenMP's spinning threads can make two threads 10× slower than one);
+  with other busy processes, OpenMP's spinning threads made two threads up to 8× slower than
+  one, see docs/benchmarks.md);
 - glibc malloc: large temporary tensors are otherwise returned to the OS and page-faulted back
-  in on every layer (measured up to 100× slower small ops on this VM), so the mmap/trim
+  in on every layer (we saw small gathers run far slower than with a warm heap), so the mmap/trim
   thresholds are raised with ``mallopt`` (a no-op on other C libraries).
 """
 
