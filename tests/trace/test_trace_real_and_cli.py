@@ -156,3 +156,34 @@ def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path: Path,
     assert main(["trace", "synth", "fixed", "--out", str(out), "--shared-fraction", "2"]) == 2
     assert "shared_fraction must be in [0, 1]" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["trace", "hit-rate", "TRACE", "--capacity", "1e6", "--local", "2", "--routing", "random",
+     "--seed", "-1"],
+    ["trace", "retime", "TRACE", "--out", "OUT", "--rate", "1", "--seed", "-3"],
+    ["trace", "synth", "fixed", "--out", "OUT", "--seed", "-1"],
+    ["trace", "synth", "docqa", "--out", "OUT", "--seed", "-1"],
+])
+def test_cli_negative_seed_exits_2_and_writes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    out = tmp_path / "never.jsonl"
+    subst = {"TRACE": str(tiny(tmp_path)), "OUT": str(out)}
+    assert main([subst.get(a, a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert "seed must be >= 0, got -" in err
+    assert "Traceback" not in err
+    assert not out.exists()
+
+
+def test_library_rejects_negative_seed() -> None:
+    from yuebing.core.errors import ConfigError
+    from yuebing.trace.hitrate import RandomRouter
+    from yuebing.trace.transform import poisson_arrivals
+
+    with pytest.raises(ConfigError, match="seed must be >= 0, got -1"):
+        RandomRouter(2, seed=-1)
+    with pytest.raises(ConfigError, match="need at least one cache to route to, got 0"):
+        RandomRouter(0)
+    with pytest.raises(ConfigError, match="seed must be >= 0, got -2"):
+        poisson_arrivals(3, 1.0, -2)

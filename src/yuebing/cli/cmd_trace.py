@@ -112,6 +112,7 @@ def _run_hit_rate(ns: argparse.Namespace) -> int:
     capacities = parse_capacities(ns.capacity)
     if ns.local is not None:
         require(ns.local >= 1, f"--local must be >= 1, got {ns.local}")
+        require(ns.seed >= 0, f"--seed must be >= 0, got {ns.seed}")
         ROUTERS.get(ns.routing)
     trace = load_trace(ns.trace)
     if ns.local is None:
@@ -178,6 +179,7 @@ def _run_retime(ns: argparse.Namespace) -> int:
     from yuebing.trace.transform import retime_poisson
 
     require(math.isfinite(ns.rate) and ns.rate > 0, f"--rate must be > 0, got {ns.rate}")
+    require(ns.seed >= 0, f"--seed must be >= 0, got {ns.seed}")
     return _report_written(ns, retime_poisson(load_trace(ns.trace), ns.rate, ns.seed))
 
 

@@ -97,7 +97,9 @@ class Router(ABC):
     """
 
     def __init__(self, n: int, seed: int = 0) -> None:
-        """``n`` caches to choose from; ``seed`` for rules that draw random numbers."""
+        """``n`` caches to choose from; ``seed`` (>= 0) for rules that draw random numbers."""
+        require(n >= 1, f"need at least one cache to route to, got {n}")
+        require(seed >= 0, f"seed must be >= 0, got {seed}")
         self.n = n
 
     @abstractmethod

@@ -66,6 +66,7 @@ class FixedConfig:
         require(self.prefix_groups >= 1, f"prefix_groups must be >= 1, got {self.prefix_groups}")
         require(math.isfinite(self.rate_per_s) and self.rate_per_s > 0,
                 f"rate_per_s must be > 0, got {self.rate_per_s}")
+        require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
 
     @property
     def shared_blocks(self) -> int:
@@ -98,6 +99,7 @@ class DocQAConfig:
         require(self.output_tokens >= 0, f"output_tokens must be >= 0, got {self.output_tokens}")
         require(math.isfinite(self.rate_per_s) and self.rate_per_s > 0,
                 f"rate_per_s must be > 0, got {self.rate_per_s}")
+        require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
 
 
 def generate_fixed(cfg: FixedConfig) -> Trace:

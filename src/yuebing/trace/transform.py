@@ -73,6 +73,7 @@ def poisson_arrivals(n: int, rate_per_s: float, seed: int) -> list[int]:
     """``n`` arrival times in ms: 0, then exponential gaps of mean 1000/rate (seeded numpy)."""
     require(math.isfinite(rate_per_s) and rate_per_s > 0,
             f"arrival rate must be a positive number of requests/s, got {rate_per_s}")
+    require(seed >= 0, f"seed must be >= 0, got {seed}")
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1000.0 / rate_per_s, size=max(n - 1, 0))
     times = np.concatenate(([0.0], np.cumsum(gaps)))
