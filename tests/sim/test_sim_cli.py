@@ -55,6 +55,38 @@ def test_bad_inputs_give_precise_errors(tmp_path: Path, capsys: pytest.CaptureFi
     assert "bad.jsonl:1" in capsys.readouterr().err
 
 
+def test_bad_outputs_and_flags_fail_before_any_work(
+        conversation_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    t = str(conversation_trace)
+    records = tmp_path / "no" / "r.jsonl"
+    assert main(["sim", "run", t, "--limit", "5", "--records", str(records)]) == 2
+    assert f"directory '{records.parent}' does not exist" in capsys.readouterr().err
+    assert main(["sim", "paper", "--figure", "", "--json"]) == 2  # not "every figure"
+    assert "unknown figure ''" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["sim", "paper", "--trace", t, "--figure", "5", "--out", str(blocker / "d")]) == 2
+    assert f"cannot create output directory '{blocker / 'd'}'" in capsys.readouterr().err
+    for flags, message in ((["--systems", "mooncake,nope"], "unknown simulated system 'nope'"),
+                           (["--systems", " , "], "name at least one system to time"),
+                           (["--repeat", "0"], "repeat must be >= 1, got 0"),
+                           (["--limit", "-2"], "limit must be >= 0 (0 = whole trace), got -2")):
+        assert main(["bench", "sim", t, "--plot", str(tmp_path / "img" / "p.png"), *flags]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "img").exists()
+
+
+def test_sim_run_writes_records(conversation_trace: Path, tmp_path: Path,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    records = tmp_path / "r.jsonl"
+    assert main(["sim", "run", str(conversation_trace), "--limit", "7", "--records",
+                 str(records)]) == 0
+    lines = [json.loads(x) for x in records.read_text().splitlines()]
+    assert [r["index"] for r in lines] == list(range(7))
+    assert all(r["rejected"] is None and r["ttft_s"] > 0 for r in lines)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
+
+
 def test_sim_run_with_a_fitted_profile(conversation_trace: Path, tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     from yuebing.conductor.policy.predictors import save_predictors

@@ -9,10 +9,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from yuebing.cli.main import Command
 from yuebing.core.config import add_config_args, config_from_args
+from yuebing.core.errors import InputError
+
+if TYPE_CHECKING:
+    from yuebing.sim.metrics import RequestRecord
 
 _DEFAULT_TRACE = Path("..") / "shared" / "traces" / "conversation_trace.jsonl"
 
@@ -28,22 +34,18 @@ def _add_run(p: argparse.ArgumentParser) -> None:
     add_config_args(p, SimConfig)
 
 
-def _run(ns: argparse.Namespace) -> int:
-    from dataclasses import asdict
+def _check_out_file(path: Path | None, flag: str) -> None:
+    """Fail before any work when ``path``'s directory does not exist (nothing is written)."""
+    if path is not None and not path.parent.is_dir():
+        raise InputError(f"{flag} {str(path)!r}: directory '{path.parent}' does not exist")
 
-    from yuebing.sim.paper.common import requests, run
-    from yuebing.sim.system import SimConfig
 
-    config = config_from_args(SimConfig, ns)
-    result = run(ns.trace, config)
-    reqs = requests(ns.trace, config.speed, config.limit)
-    out = {"config": asdict(config), "summary": result.summary, "events": result.events,
-           "wall_s": round(result.wall_s, 3), "events_per_s": round(result.events /
-                                                                    max(result.wall_s, 1e-9)),
-           "simulated_s": round(result.sim_end_s, 3), "requests": len(reqs)}
-    if ns.records is not None:
-        with ns.records.open("w") as fh:
-            for r in result.records:
+def _write_records(path: Path, records: Sequence[RequestRecord]) -> None:
+    """One JSON line per request, written to a temporary file and renamed into place."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open("w") as fh:
+            for r in records:
                 fh.write(json.dumps({
                     "index": r.index, "arrival_s": r.arrival_s, "ttft_s": r.ttft_s,
                     "tbt_s": r.tbt_s, "tbt_p90_s": r.tbt_p90_s, "tbt_mean_s": r.tbt_mean_s,
@@ -53,6 +55,28 @@ def _run(ns: argparse.Namespace) -> int:
                     "decode_id": r.decode_id,
                     "rejected": None if r.rejected is None else r.rejected.name.lower(),
                     "reject_reason": r.reject_reason}) + "\n")
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise InputError(f"cannot write --records {str(path)!r}: {e.strerror or e}") from None
+
+
+def _run(ns: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from yuebing.sim.paper.common import requests, run
+    from yuebing.sim.system import SimConfig
+
+    config = config_from_args(SimConfig, ns)
+    _check_out_file(ns.records, "--records")
+    result = run(ns.trace, config)
+    reqs = requests(ns.trace, config.speed, config.limit)
+    out = {"config": asdict(config), "summary": result.summary, "events": result.events,
+           "wall_s": round(result.wall_s, 3), "events_per_s": round(result.events /
+                                                                    max(result.wall_s, 1e-9)),
+           "simulated_s": round(result.sim_end_s, 3), "requests": len(reqs)}
+    if ns.records is not None:
+        _write_records(ns.records, result.records)
     if ns.json:
         print(json.dumps(out, default=str))
     else:
@@ -80,8 +104,8 @@ def _paper(ns: argparse.Namespace) -> int:
     from yuebing.sim.paper import common
     from yuebing.sim.paper.report import FIGURES, run_figures, write_report
 
-    names = [ns.figure] if ns.figure else list(FIGURES)
-    out_dir = ns.out if ns.out is not None or ns.figure else Path("reports") / "paper"
+    names = [ns.figure] if ns.figure is not None else list(FIGURES)
+    out_dir = ns.out if ns.out is not None or ns.figure is not None else Path("reports") / "paper"
     common.SHOW_PROGRESS = sys.stderr.isatty()
     report = run_figures(names, ns.trace, out_dir, ns.fast)
     if out_dir is not None:
@@ -89,10 +113,10 @@ def _paper(ns: argparse.Namespace) -> int:
         if not ns.json:
             print("wrote " + ", ".join(str(p) for p in paths))
     if ns.json:
-        body = report[ns.figure]["ours"] if ns.figure else {k: v["ours"] for k, v in
-                                                               report.items()}
+        body = report[ns.figure]["ours"] if ns.figure is not None else {
+            k: v["ours"] for k, v in report.items()}
         print(json.dumps(body, default=str))
-    elif ns.figure:
+    elif ns.figure is not None:
         print(json.dumps(report[ns.figure]["ours"], default=str, indent=1))
     return 0
 
@@ -109,9 +133,13 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
 
 
 def _bench(ns: argparse.Namespace) -> int:
-    from yuebing.sim.bench import plot_bench, run_bench
+    from yuebing.sim.bench import check_bench_args, plot_bench, run_bench
+    from yuebing.sim.paper.report import ensure_dir
 
-    systems = [s for s in ns.systems.split(",") if s]
+    systems = [s.strip() for s in ns.systems.split(",") if s.strip()]
+    check_bench_args(systems, ns.repeat, ns.limit)  # before creating the --plot directory
+    if ns.plot is not None:
+        ensure_dir(ns.plot.parent)
     result = run_bench(ns.trace, systems, repeat=ns.repeat, limit=ns.limit)
     if ns.plot is not None:
         plot_bench(result, ns.plot)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from yuebing.core.config import require
 from yuebing.sim.runner import load_systems, simulate
 from yuebing.sim.system import SYSTEMS, SimConfig
 from yuebing.sim.workload import load_requests
@@ -23,18 +24,27 @@ TARGET_S = 20.0
 """Issue 2 target: the whole conversation trace on 16 nodes in ≤ 20 s per system."""
 
 
+def check_bench_args(systems: Sequence[str], repeat: int, limit: int) -> None:
+    """`ConfigError` for an empty or unknown system name, ``repeat`` < 1 or ``limit`` < 0."""
+    require(bool(systems), "name at least one system to time")
+    load_systems()
+    for name in systems:
+        SYSTEMS.get(name)
+    require(repeat >= 1, f"repeat must be >= 1, got {repeat}")
+    require(limit >= 0, f"limit must be >= 0 (0 = whole trace), got {limit}")
+
+
 def run_bench(trace: str | Path, systems: Sequence[str], repeat: int = 1,
               limit: int = 0) -> dict[str, dict[str, float]]:
     """{system: {"wall_s", "events", "events_per_s", "requests", "requests_per_s", ...}}."""
-    load_systems()
+    check_bench_args(systems, repeat, limit)  # bad arguments fail before any work
     t0 = time.perf_counter()
     reqs = load_requests(trace, limit=limit or None)
     load_s = time.perf_counter() - t0
     out: dict[str, dict[str, float]] = {}
     for name in systems:
-        SYSTEMS.get(name)  # unknown names fail before any work
         best = None
-        for _ in range(max(1, repeat)):
+        for _ in range(repeat):
             t1, c1 = time.perf_counter(), time.process_time()
             res = simulate(reqs, SimConfig(system=name, prefill_nodes=8, decode_nodes=8))
             total, cpu = time.perf_counter() - t1, time.process_time() - c1

@@ -31,10 +31,24 @@ FIGURES = {"1": "fig1", "5": "fig5", "8": "fig8", "9": "fig9", "10": "fig10", "1
 DEFAULT_TRACE = Path("..") / "shared" / "traces" / "conversation_trace.jsonl"
 
 
-def figure_module(name: str) -> ModuleType | None:
-    """The module of figure ``name``; None when it is not installed yet."""
+def check_figure(name: str) -> None:
+    """Raise `InputError` unless ``name`` is a key of `FIGURES`."""
     if name not in FIGURES:
         raise InputError(f"unknown figure {name!r}; choose one of {', '.join(FIGURES)}")
+
+
+def ensure_dir(path: Path) -> Path:
+    """Create directory ``path`` (and parents); `InputError` naming it when that fails."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"cannot create output directory '{path}': {e.strerror or e}") from None
+    return path
+
+
+def figure_module(name: str) -> ModuleType | None:
+    """The module of figure ``name``; None when it is not installed yet."""
+    check_figure(name)
     modname = f"yuebing.sim.paper.{FIGURES[name]}"
     try:
         return importlib.import_module(modname)
@@ -79,8 +93,12 @@ def plot_figure(name: str, entry: dict[str, Any], out_dir: Path, trace: Path,
 def run_figures(names: Sequence[str], trace: Path, out_dir: Path | None,
                 fast: bool) -> dict[str, dict[str, Any]]:
     """Compute (and, with ``out_dir``, plot) each figure; returns the report entries."""
+    for name in names:  # every name and the output directory checked before any work
+        check_figure(name)
     if not trace.exists():
         raise InputError(f"trace {trace} not found; pass --trace PATH")
+    if out_dir is not None:
+        ensure_dir(out_dir)
     report: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
     for k, name in enumerate(names, 1):
@@ -88,7 +106,6 @@ def run_figures(names: Sequence[str], trace: Path, out_dir: Path | None,
               f"{time.perf_counter() - started:.0f} s elapsed", file=sys.stderr, flush=True)
         entry = compute_figure(name, trace, fast)
         if out_dir is not None:
-            out_dir.mkdir(parents=True, exist_ok=True)
             entry["plots"] = [p.name for p in plot_figure(name, entry, out_dir, trace, fast)]
         report[name] = entry
     return report
@@ -115,9 +132,8 @@ def _rows(ours: Any, paper: Any, prefix: str = "") -> list[tuple[str, str, str]]
 
 
 def write_report(report: dict[str, dict[str, Any]], out_dir: Path, fast: bool) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / "report.json"
-    json_path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    """Write ``report.json`` and ``report.md`` into ``out_dir``; `InputError` if it cannot."""
+    json_path, md_path = ensure_dir(out_dir) / "report.json", out_dir / "report.md"
     lines = ["# yuebing sim paper: reproduction of Mooncake (FAST'25) figures", "",
              f"Mode: {'fast (first requests only)' if fast else 'full conversation trace'}. "
              "See docs/reproduction.md for the set-up and every gap.", ""]
@@ -131,6 +147,9 @@ def write_report(report: dict[str, dict[str, Any]], out_dir: Path, fast: bool) -
         if isinstance(entry.get("details"), dict):
             lines += ["", "Details: `" + json.dumps(entry["details"], default=str)[:1500] + "`"]
         lines += [""] + [f"![{p}]({p})" for p in entry.get("plots", [])] + [""]
-    md_path = out_dir / "report.md"
-    md_path.write_text("\n".join(lines) + "\n")
+    try:
+        json_path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        md_path.write_text("\n".join(lines) + "\n")
+    except OSError as e:
+        raise InputError(f"cannot write the report into '{out_dir}': {e.strerror or e}") from None
     return [json_path, md_path]
