@@ -32,14 +32,17 @@ def test_sim_paper_figure5_json_keys(conversation_trace: Path,
     assert all(isinstance(v, float) and v > 0 for v in out.values())
 
 
-def test_sim_paper_overload_json_keys(conversation_trace: Path,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_sim_paper_overload_json_keys_and_plots(conversation_trace: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["sim", "paper", "--trace", str(conversation_trace), "--figure", "overload",
-               "--json", "--fast"])
+               "--json", "--fast", "--out", str(tmp_path)])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert list(out) == ["baseline", "early_rejection", "predictive_early_rejection"]
     assert all(isinstance(v, int) and v >= 0 for v in out.values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "overload_load.png", "overload_rejections.png", "report.json", "report.md"]
+    assert json.loads((tmp_path / "report.json").read_text())["overload"]["ours"] == out
 
 
 def test_bad_inputs_give_precise_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

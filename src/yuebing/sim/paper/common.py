@@ -1,4 +1,4 @@
-"""Shared plumbing of the figure modules: cached simulation runs, progress, plotting set-up.
+"""Shared plumbing of the figure modules: cached simulation runs, progress, plotting helpers.
 
 Life cycle: a figure's ``compute`` asks `run` for the `SimResult` of a `SimConfig` on a trace;
 runs are memoised per (trace, config) for the life of the process, so ``yuebing sim paper``
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -76,3 +77,26 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig: Any, out_dir: str | Path, name: str) -> Path:
+    """Lay out ``fig``, write it as ``out_dir/name`` (PNG, 120 dpi), close it; the path."""
+    fig.tight_layout()
+    path = Path(out_dir) / name
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path
+
+
+def paired_bars(names: Sequence[str], ours: Mapping[str, float], paper: Mapping[str, float],
+                ylabel: str, title: str, size: tuple[float, float]) -> Any:
+    """A figure of our value beside the paper's for each name (x labels wrap at ``_``)."""
+    fig, ax = pyplot().subplots(figsize=size)
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [ours[n] for n in names], 0.4, label="yuebing sim")
+    ax.bar([x + 0.2 for x in xs], [paper[n] for n in names], 0.4, label="paper")
+    ax.set_xticks(list(xs), [n.replace("_", "\n") for n in names])
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    return fig

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from yuebing.sim.metrics import capacity_curve
-from yuebing.sim.paper.common import fast_config, pyplot, run
+from yuebing.sim.paper.common import fast_config, pyplot, run, save_figure
 from yuebing.sim.runner import load_systems
 from yuebing.sim.system import SYSTEMS, SimConfig
 
@@ -90,11 +90,7 @@ def plot_details(details: dict[str, object], out_dir: str | Path) -> list[Path]:
     axes[0].set_ylabel("effective request capacity (%)")
     axes[0].legend(fontsize=7)
     fig.suptitle("Figure 1 vs replay speed (dashed: paper; grey: the speed we report)")
-    fig.tight_layout()
-    path = Path(out_dir) / "fig1_speed_sensitivity.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out_dir, "fig1_speed_sensitivity.png")]
 
 
 def plot(result: dict[str, dict[str, float] | None], out_dir: str | Path) -> list[Path]:
@@ -117,8 +113,4 @@ def plot(result: dict[str, dict[str, float] | None], out_dir: str | Path) -> lis
     ax.set_ylim(0, 110)
     ax.set_title(f"Figure 1: effective request capacity (16 nodes, conversation ×{SPEED:g})")
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    path = Path(out_dir) / "fig1_effective_capacity.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out_dir, "fig1_effective_capacity.png")]

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from yuebing.sim.paper import fig5
-from yuebing.sim.paper.common import pyplot, run
+from yuebing.sim.paper.common import pyplot, run, save_figure
 
 PAPER: dict[str, float] | None = None
 
@@ -42,8 +42,4 @@ def plot(result: dict[str, object], out_dir: str | Path) -> list[Path]:
     ax.set_ylabel("replicas (prefill nodes holding it)")
     ax.set_title("Figure 10: replicas of the 10 hottest prefixes (global cache-aware)")
     ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    path = Path(out_dir) / "fig10_hot_replicas.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out_dir, "fig10_hot_replicas.png")]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from yuebing.sim.metrics import capacity_curve
 from yuebing.sim.paper import fig1
-from yuebing.sim.paper.common import pyplot, run
+from yuebing.sim.paper.common import pyplot, run, save_figure
 from yuebing.sim.runner import load_systems
 from yuebing.sim.system import SYSTEMS
 
@@ -42,8 +42,4 @@ def plot(result: dict[str, list[list[float]] | None], out_dir: str | Path) -> li
     ax.set_ylim(0, 105)
     ax.set_title("Figure 11: effective capacity vs TBT threshold (16 nodes)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(out_dir) / "fig11_capacity_curve.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out_dir, "fig11_capacity_curve.png")]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from yuebing.sim.paper import fig5
-from yuebing.sim.paper.common import pyplot, run
+from yuebing.sim.paper.common import pyplot, run, save_figure
 
 PAPER: dict[str, float] | None = None
 
@@ -42,8 +42,4 @@ def plot(result: dict[str, object], out_dir: str | Path) -> list[Path]:
     ax2.set_ylabel("mean seconds")
     ax2.tick_params(axis="x", labelrotation=45, labelsize=7)
     fig.suptitle("Figure 15: load over time and TTFT breakdown (global cache-aware, 8P+8D)")
-    fig.tight_layout()
-    path = Path(out_dir) / "fig15_load_breakdown.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out_dir, "fig15_load_breakdown.png")]

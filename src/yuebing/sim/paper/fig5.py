@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from yuebing.sim.paper.common import fast_config, pyplot, run
+from yuebing.sim.paper.common import fast_config, paired_bars, run, save_figure
 from yuebing.sim.system import SimConfig
 
 POLICIES = ("random", "load_balance", "local_cache_aware", "global_cache_aware")
@@ -53,17 +53,6 @@ def ratios(values: dict[str, float]) -> dict[str, float]:
 
 
 def plot(result: dict[str, float], out_dir: str | Path) -> list[Path]:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    xs = range(len(POLICIES))
-    ax.bar([x - 0.2 for x in xs], [result[p] for p in POLICIES], 0.4, label="yuebing sim")
-    ax.bar([x + 0.2 for x in xs], [PAPER[p] for p in POLICIES], 0.4, label="paper")
-    ax.set_xticks(list(xs), [p.replace("_", "\n") for p in POLICIES])
-    ax.set_ylabel("mean TTFT (s)")
-    ax.set_title("Figure 5: prefill scheduling policies (8P+8D, conversation)")
-    ax.legend()
-    fig.tight_layout()
-    path = Path(out_dir) / "fig5_ttft_by_policy.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    fig = paired_bars(POLICIES, result, PAPER, "mean TTFT (s)",
+                      "Figure 5: prefill scheduling policies (8P+8D, conversation)", (7, 4))
+    return [save_figure(fig, out_dir, "fig5_ttft_by_policy.png")]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from yuebing.sim.paper.common import FAST_LIMIT, pyplot, requests
+from yuebing.sim.paper.common import FAST_LIMIT, pyplot, requests, save_figure
 
 PAPER: dict[str, float] | None = None
 
@@ -40,8 +40,4 @@ def plot(result: dict[str, object], out_dir: str | Path) -> list[Path]:
     ax.set_xlabel("requests using the block")
     ax.set_ylabel("blocks")
     ax.set_title("Figure 8: KV block popularity (conversation trace)")
-    fig.tight_layout()
-    path = Path(out_dir) / "fig8_block_popularity.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out_dir, "fig8_block_popularity.png")]

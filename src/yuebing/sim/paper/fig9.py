@@ -100,11 +100,9 @@ def compute(trace_path: Path, fast: bool = False) -> dict[str, Any]:
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """Write ``fig9.png`` (hit rate vs capacity, log x) into ``out_dir``; returns its path."""
-    import matplotlib
+    from yuebing.sim.paper.common import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     caps = result["capacity_tokens"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -125,8 +123,4 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
                 transform=ax.transAxes, fontsize=8, va="top", color="dimgray")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, 0.92))
-    fig.tight_layout()
-    path = out_dir / "fig9.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out_dir, "fig9.png")]

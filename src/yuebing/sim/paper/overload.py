@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from yuebing.sim.paper.common import fast_config, pyplot, run
+from yuebing.sim.paper.common import fast_config, paired_bars, pyplot, run, save_figure
 from yuebing.sim.system import SimConfig
 
 ADMISSIONS = {"baseline": "none", "early_rejection": "early_rejection",
@@ -108,19 +108,10 @@ def plot(result: dict[str, int], out_dir: str | Path, trace_path: str | Path | N
          fast: bool = False) -> list[Path]:
     plt = pyplot()
     paths: list[Path] = []
-    fig, ax = plt.subplots(figsize=(6, 4))
     names = list(ADMISSIONS)
-    xs = range(len(names))
-    ax.bar([x - 0.2 for x in xs], [result[n] for n in names], 0.4, label="yuebing sim")
-    ax.bar([x + 0.2 for x in xs], [PAPER[n] for n in names], 0.4, label="paper")
-    ax.set_xticks(list(xs), [n.replace("_", "\n") for n in names])
-    ax.set_ylabel("rejected requests")
-    ax.set_title("Overload (8P+8D, trace ×2)")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(Path(out_dir) / "overload_rejections.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    fig = paired_bars(names, result, PAPER, "rejected requests",
+                      "Overload (8P+8D, trace ×2)", (6, 4))
+    paths.append(save_figure(fig, out_dir, "overload_rejections.png"))
     if trace_path is not None:
         clusters = ((8, 8), VARIANT)
         fig, axes = plt.subplots(len(names), len(clusters), figsize=(13, 7), sharex=True,
@@ -136,8 +127,5 @@ def plot(result: dict[str, int], out_dir: str | Path, trace_path: str | Path | N
             axes[-1][col].set_xlabel("simulated time (s)")
         axes[0][0].legend(fontsize=8)
         fig.suptitle("Overload: prefill / decode load over time")
-        fig.tight_layout()
-        paths.append(Path(out_dir) / "overload_load.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(save_figure(fig, out_dir, "overload_load.png"))
     return paths
