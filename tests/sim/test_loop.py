@@ -56,6 +56,10 @@ def test_scheduling_in_the_past_is_refused_and_changes_nothing() -> None:
         loop.at(4.0, Priority.ARRIVAL, print)
     with pytest.raises(InputError, match="delay"):
         loop.after(-1.0, Priority.ARRIVAL, print)
+    with pytest.raises(InputError, match="cannot schedule an event at nan s"):
+        loop.at(float("nan"), Priority.ARRIVAL, print)
+    with pytest.raises(InputError, match="event delay must be >= 0 s, got nan"):
+        loop.after(float("nan"), Priority.ARRIVAL, print)
     assert loop.pending() == 0
 
 

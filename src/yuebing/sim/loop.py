@@ -55,14 +55,14 @@ class EventLoop:
 
     def at(self, t: float, priority: int, fn: Callable[..., Any], *args: Any) -> None:
         """Schedule ``fn(*args)`` at absolute time ``t`` (seconds, ``t >= now``)."""
-        if t < self.now:
+        if not t >= self.now:  # also NaN, which would corrupt the heap order
             raise InputError(f"cannot schedule an event at {t!r} s before now ({self.now!r} s)")
         self._seq += 1
         heapq.heappush(self._heap, (t, priority, self._seq, fn, args))
 
     def after(self, delay: float, priority: int, fn: Callable[..., Any], *args: Any) -> None:
         """Schedule ``fn(*args)`` ``delay`` seconds from now (``delay >= 0``)."""
-        if delay < 0:
+        if not delay >= 0:  # also NaN
             raise InputError(f"event delay must be >= 0 s, got {delay!r}")
         self._seq += 1
         heapq.heappush(self._heap, (self.now + delay, priority, self._seq, fn, args))
