@@ -121,6 +121,8 @@ class EngineConfig:
         "help": "attention path for decode and prefill: grouped (matmuls over gathered "
                 "blocks), sdpa, or auto (each measured at start-up)"})
     weights_seed: int = field(default=0, metadata={"help": "seed of dummy random weights"})
+    packed_weights: bool = field(default=True, metadata={
+        "help": "pack bf16/fp16 matmul weights into oneDNN's layout once at load (CPU)"})
 
     def __post_init__(self) -> None:
         require(bool(self.model), "model must name a model (smollm2, a path, or dummy)")

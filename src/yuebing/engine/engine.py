@@ -49,7 +49,8 @@ class LLMEngine:
         self.fingerprint = w.fingerprint
         self.tokenizer = tokenizer_from_source(w.tokenizer_source)
         self.eos_token_ids = frozenset(w.eos_token_ids)
-        self.model = LlamaModel(mc, w.tensors, self.dtype, self.device)
+        self.model = LlamaModel(mc, w.tensors, self.dtype, self.device,
+                                 config.packed_weights)
         self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
         bs = config.block_size
         nb = config.num_blocks or max(

@@ -2,9 +2,10 @@
 linear scaling), grouped-query attention over the paged KV pool, SwiGLU, tied embeddings.
 
 Built once per engine from a `LoadedWeights` (Hugging Face tensor names): Q/K/V and gate/up are
-fused into one matrix each so a layer is four matmuls. `forward` is called by the model runner
-once per step with the flat batch of token ids and positions, the `AttnMetadata` and the
-per-layer KV pool; after each layer's K/V is written it calls the registered layer hooks (so a
+fused into one matrix each so a layer is four matmuls, and on CPU in bf16/fp16 every matmul
+weight is packed once into oneDNN's blocked layout (`yuebing.engine.linear`). `forward` is
+called by the model runner once per step with the flat batch of token ids and positions, the
+`AttnMetadata` and the per-layer KV pool; after each layer's K/V is written it calls the registered layer hooks (so a
 prefill instance can ship layer i while layer i+1 computes). It returns logits (float32) only for
 the rows the sampler needs.
 """
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from yuebing.engine.attention import DECODE_IMPLS, PREFILL_IMPLS, AttnMetadata, write_kv
 from yuebing.engine.config import ModelConfig, RopeScaling
+from yuebing.engine.linear import Linear, can_pack
 
 LayerHook = Callable[[int, AttnMetadata], None]
 
@@ -45,11 +48,22 @@ def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) ->
     return inv
 
 
+class _Layer(NamedTuple):
+    """One decoder layer's norms and (fused) projections."""
+
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+
+
 class LlamaModel:
     """Weights on one device in one dtype, and the forward pass over a paged KV pool."""
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, pack_weights: bool = True) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.hooks: list[LayerHook] = []
         self.decode_impl = DECODE_IMPLS["grouped"]
@@ -63,10 +77,16 @@ class LlamaModel:
                 raise KeyError(f"weights lack tensor {name}") from None
             return t.to(device=device, dtype=dtype).contiguous()
 
+        pack = pack_weights and can_pack(dtype, device)
+
+        def lin(w: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(w.to(device=device, dtype=dtype).contiguous(),
+                          None if bias is None else bias.to(device=device, dtype=dtype), pack)
+
         self.embed = take("model.embed_tokens.weight")
-        self.lm_head = self.embed if cfg.tie_embeddings else take("lm_head.weight")
+        self.lm_head = lin(self.embed if cfg.tie_embeddings else take("lm_head.weight"))
         self.norm = take("model.norm.weight")
-        self.layers: list[dict[str, torch.Tensor | None]] = []
+        self.layers: list[_Layer] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             qkv = torch.cat([tensors[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
@@ -75,14 +95,12 @@ class LlamaModel:
                 bias = torch.cat([tensors[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
             gate_up = torch.cat([tensors[p + "mlp.gate_proj.weight"],
                                  tensors[p + "mlp.up_proj.weight"]])
-            self.layers.append({
-                "ln1": take(p + "input_layernorm.weight"),
-                "ln2": take(p + "post_attention_layernorm.weight"),
-                "qkv": qkv.to(device=device, dtype=dtype).contiguous(),
-                "qkv_bias": None if bias is None else bias.to(device=device, dtype=dtype),
-                "o": take(p + "self_attn.o_proj.weight"),
-                "gate_up": gate_up.to(device=device, dtype=dtype).contiguous(),
-                "down": take(p + "mlp.down_proj.weight")})
+            self.layers.append(_Layer(
+                take(p + "input_layernorm.weight"), take(p + "post_attention_layernorm.weight"),
+                lin(qkv, bias), lin(take(p + "self_attn.o_proj.weight")), lin(gate_up),
+                lin(take(p + "mlp.down_proj.weight"))))
+        self.packed = pack and self.lm_head.is_packed
+        """Whether the matmul weights are oneDNN-packed (see `yuebing.engine.linear`)."""
         inv = rope_inv_freq(cfg, tensors.get("rope_freqs"))
         pos = torch.arange(cfg.max_position, dtype=torch.float32)
         freqs = pos[:, None] * inv[None, :]
@@ -110,8 +128,7 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed)
         n = x.shape[0]
         for i, layer in enumerate(self.layers):
-            y = self._rms(x, layer["ln1"])  # type: ignore[arg-type]
-            qkv = F.linear(y, layer["qkv"], layer["qkv_bias"])  # type: ignore[arg-type]
+            qkv = layer.qkv(self._rms(x, layer.ln1))
             qk = self._rope(qkv[:, : (h + kvh) * hd].view(n, h + kvh, hd), cos, sin)
             q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, (h + kvh) * hd:].view(n, kvh, hd)
@@ -120,13 +137,11 @@ class LlamaModel:
             for hook in self.hooks:
                 hook(i, meta)
             attn = self._attention(q, k_cache, v_cache, meta)
-            x = x + F.linear(attn.reshape(n, h * hd), layer["o"])  # type: ignore[arg-type]
-            y = self._rms(x, layer["ln2"])  # type: ignore[arg-type]
-            gu = F.linear(y, layer["gate_up"])  # type: ignore[arg-type]
-            gate, up = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"])  # type: ignore[arg-type]
+            x = x + layer.o(attn.reshape(n, h * hd))
+            gate, up = layer.gate_up(self._rms(x, layer.ln2)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         x = self._rms(x.index_select(0, logits_rows), self.norm)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttnMetadata) -> torch.Tensor:
