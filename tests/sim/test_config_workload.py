@@ -14,6 +14,7 @@ from yuebing.trace.model import Request
 @pytest.mark.parametrize(("kw", "message"), [
     ({"prefill_nodes": 0}, "prefill_nodes must be >= 1"),
     ({"speed": 0.0}, "speed must be > 0"),
+    ({"speed": float("inf")}, "speed must be > 0 and finite, got inf"),
     ({"dram_kv_tokens": 100}, "dram_kv_tokens must hold at least one block"),
     ({"balancing_threshold": 0.5}, "balancing_threshold must be >= 1"),
     ({"cost_model": "fitted"}, "needs --profile"),
@@ -40,6 +41,10 @@ def test_workload_conversion_and_its_errors() -> None:
         from_trace_requests([Request(0, 10, 0, (1,))])
     with pytest.raises(InputError, match="speed must be > 0"):
         from_trace_requests(reqs, speed=0)
+    with pytest.raises(InputError, match=r"sampling every 1e-09 s over 5 s of arrivals would "
+                       r"take more than 1,000,000 samples"):
+        simulate([SimRequest(0, 0.0, 100, 2, (1,)), SimRequest(1, 5.0, 100, 2, (2,))],
+                 SimConfig(sample_interval_s=1e-9))
     with pytest.raises(InputError, match="sorted by arrival"):
         simulate([SimRequest(0, 5.0, 100, 2, (1,)), SimRequest(1, 1.0, 100, 2, (2,))],
                  SimConfig())

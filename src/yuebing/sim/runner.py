@@ -25,6 +25,8 @@ from yuebing.sim.workload import SimRequest
 log = logging.getLogger(__name__)
 
 _SYSTEM_MODULES = ("yuebing.sim.mooncake", "yuebing.sim.vllm")
+MAX_SAMPLES = 1_000_000
+"""Most load samples one run may take over its arrivals (a guard against a runaway interval)."""
 
 
 def load_systems() -> None:
@@ -101,6 +103,11 @@ def simulate(requests: Sequence[SimRequest], config: SimConfig, cost: CostModel 
         raise InputError("simulate needs at least one request")
     if any(b.arrival_s < a.arrival_s for a, b in zip(requests, requests[1:], strict=False)):
         raise InputError("requests must be sorted by arrival time")
+    span_s = requests[-1].arrival_s - requests[0].arrival_s
+    if not span_s / config.sample_interval_s <= MAX_SAMPLES:
+        raise InputError(
+            f"sampling every {config.sample_interval_s:g} s over {span_s:g} s of arrivals would "
+            f"take more than {MAX_SAMPLES:,} samples; raise sample_interval_s or the replay speed")
     load_systems()
     factory = SYSTEMS.get(config.system)
     cost = cost or build_cost_model(config)

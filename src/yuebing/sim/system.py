@@ -13,6 +13,7 @@ Systems: ``mooncake`` (`yuebing.sim.mooncake`) and the coupled vLLM-like baselin
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -67,7 +68,8 @@ class SimConfig:
     def __post_init__(self) -> None:
         require(self.prefill_nodes >= 1, "prefill_nodes must be >= 1")
         require(self.decode_nodes >= 1, "decode_nodes must be >= 1")
-        require(self.speed > 0, "speed must be > 0")
+        require(math.isfinite(self.speed) and self.speed > 0,
+                f"speed must be > 0 and finite, got {self.speed}")
         require(self.limit >= 0, "limit must be >= 0 (0 replays the whole trace)")
         require(self.dram_kv_tokens >= self.block_tokens,
                 "dram_kv_tokens must hold at least one block")
