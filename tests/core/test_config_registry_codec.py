@@ -16,6 +16,10 @@ def test_parse_size() -> None:
     assert parse_size("512") == 512
     with pytest.raises(ConfigError, match="cannot parse size"):
         parse_size("4 parsecs")
+    with pytest.raises(ConfigError, match="size '1e400' is too large"):
+        parse_size("1e400")
+    with pytest.raises(ConfigError, match="size '0.5' is not a whole number"):
+        parse_size("0.5")
 
 
 @dataclass(frozen=True)

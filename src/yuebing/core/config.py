@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -38,6 +39,8 @@ def parse_size(text: str | int) -> int:
     if not m or unit not in _SIZE_UNITS:
         raise ConfigError(f"cannot parse size {text!r}; use e.g. 512, 64KiB, 4MiB, 2GiB, 1e6")
     value = float(m.group(1)) * _SIZE_UNITS[unit]
+    if not math.isfinite(value):
+        raise ConfigError(f"size {text!r} is too large")
     if value != int(value):
         raise ConfigError(f"size {text!r} is not a whole number of bytes")
     return int(value)
