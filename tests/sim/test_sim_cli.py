@@ -106,3 +106,23 @@ def test_sim_run_with_a_fitted_profile(conversation_trace: Path, tmp_path: Path,
     # the predictors are a polynomial fit of the roofline: same workload, close outcome
     assert fitted["completed"] == roofline["completed"] == 300
     assert fitted["ttft_s"]["mean"] == pytest.approx(roofline["ttft_s"]["mean"], rel=0.25)
+
+
+def _strict(text: str) -> object:
+    def refuse(token: str) -> object:
+        raise AssertionError(f"non-standard JSON token {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_is_standard_when_nothing_completes(conversation_trace: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    records = tmp_path / "r.jsonl"
+    assert main(["sim", "run", str(conversation_trace), "--limit", "6", "--json",
+                 "--admission", "early_rejection", "--ttft-slo-s", "0.0001",
+                 "--records", str(records)]) == 0
+    out = _strict(capsys.readouterr().out)
+    assert isinstance(out, dict)
+    assert out["summary"]["rejected"] == 6
+    assert out["summary"]["ttft_s"] == {"mean": None, "p50": None, "p90": None, "p99": None}
+    lines = [_strict(x) for x in records.read_text().splitlines()]
+    assert [(r["rejected"], r["ttft_s"]) for r in lines] == [("arrival", None)] * 6  # type: ignore[index]

@@ -7,7 +7,6 @@ Both replay a Mooncake trace through the discrete-event simulator (`yuebing.sim`
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,11 +41,13 @@ def _check_out_file(path: Path | None, flag: str) -> None:
 
 def _write_records(path: Path, records: Sequence[RequestRecord]) -> None:
     """One JSON line per request, written to a temporary file and renamed into place."""
+    from yuebing.sim.paper.report import strict_json
+
     tmp = path.with_name(path.name + ".tmp")
     try:
         with tmp.open("w") as fh:
             for r in records:
-                fh.write(json.dumps({
+                fh.write(strict_json({
                     "index": r.index, "arrival_s": r.arrival_s, "ttft_s": r.ttft_s,
                     "tbt_s": r.tbt_s, "tbt_p90_s": r.tbt_p90_s, "tbt_mean_s": r.tbt_mean_s,
                     "queue_s": r.queue_s, "prefill_s": r.prefill_s, "transfer_s": r.transfer_s,
@@ -65,6 +66,7 @@ def _run(ns: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from yuebing.sim.paper.common import requests, run
+    from yuebing.sim.paper.report import strict_json
     from yuebing.sim.system import SimConfig
 
     config = config_from_args(SimConfig, ns)
@@ -78,7 +80,7 @@ def _run(ns: argparse.Namespace) -> int:
     if ns.records is not None:
         _write_records(ns.records, result.records)
     if ns.json:
-        print(json.dumps(out, default=str))
+        print(strict_json(out))
     else:
         s = result.summary
         print(f"{config.system}: {s['completed']}/{s['requests']} completed, "
@@ -102,7 +104,7 @@ def _add_paper(p: argparse.ArgumentParser) -> None:
 
 def _paper(ns: argparse.Namespace) -> int:
     from yuebing.sim.paper import common
-    from yuebing.sim.paper.report import FIGURES, run_figures, write_report
+    from yuebing.sim.paper.report import FIGURES, run_figures, strict_json, write_report
 
     names = [ns.figure] if ns.figure is not None else list(FIGURES)
     out_dir = ns.out if ns.out is not None or ns.figure is not None else Path("reports") / "paper"
@@ -115,9 +117,9 @@ def _paper(ns: argparse.Namespace) -> int:
     if ns.json:
         body = report[ns.figure]["ours"] if ns.figure is not None else {
             k: v["ours"] for k, v in report.items()}
-        print(json.dumps(body, default=str))
+        print(strict_json(body))
     elif ns.figure is not None:
-        print(json.dumps(report[ns.figure]["ours"], default=str, indent=1))
+        print(strict_json(report[ns.figure]["ours"], indent=1))
     return 0
 
 
@@ -134,7 +136,7 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
 
 def _bench(ns: argparse.Namespace) -> int:
     from yuebing.sim.bench import check_bench_args, plot_bench, run_bench
-    from yuebing.sim.paper.report import ensure_dir
+    from yuebing.sim.paper.report import ensure_dir, strict_json
 
     systems = [s.strip() for s in ns.systems.split(",") if s.strip()]
     check_bench_args(systems, ns.repeat, ns.limit)  # before creating the --plot directory
@@ -144,7 +146,7 @@ def _bench(ns: argparse.Namespace) -> int:
     if ns.plot is not None:
         plot_bench(result, ns.plot)
     if ns.json:
-        print(json.dumps(result))
+        print(strict_json(result))
     else:
         for name, r in result.items():
             print(f"{name:22s} {r['wall_s']:7.2f} s wall {r['cpu_s']:7.2f} s CPU  "

@@ -31,6 +31,22 @@ FIGURES = {"1": "fig1", "5": "fig5", "8": "fig8", "9": "fig9", "10": "fig10", "1
 DEFAULT_TRACE = Path("..") / "shared" / "traces" / "conversation_trace.jsonl"
 
 
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def strict_json(obj: Any, indent: int | None = None) -> str:
+    """Standard JSON (no ``NaN``/``Infinity`` tokens): a non-finite float (no value, e.g. the
+    mean TTFT of a run where nothing completed) becomes ``null``; other objects become str."""
+    return json.dumps(_finite(obj), indent=indent, default=str, allow_nan=False)
+
+
 def check_figure(name: str) -> None:
     """Raise `InputError` unless ``name`` is a key of `FIGURES`."""
     if name not in FIGURES:
@@ -148,7 +164,7 @@ def write_report(report: dict[str, dict[str, Any]], out_dir: Path, fast: bool) -
             lines += ["", "Details: `" + json.dumps(entry["details"], default=str)[:1500] + "`"]
         lines += [""] + [f"![{p}]({p})" for p in entry.get("plots", [])] + [""]
     try:
-        json_path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        json_path.write_text(strict_json(report, indent=1) + "\n")
         md_path.write_text("\n".join(lines) + "\n")
     except OSError as e:
         raise InputError(f"cannot write the report into '{out_dir}': {e.strerror or e}") from None
