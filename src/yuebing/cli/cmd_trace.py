@@ -99,9 +99,9 @@ def _add_hit_rate(p: argparse.ArgumentParser) -> None:
                    help="comma-separated total cache capacities in tokens, e.g. 1e6,3e6,inf")
     p.add_argument("--local", type=int, default=None, metavar="N",
                    help="N local caches of capacity/N tokens each instead of one global cache")
-    p.add_argument("--routing", default="round_robin",
-                   help="routing rule for --local: round_robin, random, or cache_aware (longest "
-                        "prefix; ties to least loaded, lowest index)")
+    p.add_argument("--routing", default=None,
+                   help="routing rule for --local: round_robin (default), random, or cache_aware "
+                        "(longest prefix; ties to least loaded, lowest index)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random routing rule")
 
 
@@ -110,7 +110,10 @@ def _run_hit_rate(ns: argparse.Namespace) -> int:
     from yuebing.trace.io import load_trace
 
     capacities = parse_capacities(ns.capacity)
-    if ns.local is not None:
+    if ns.local is None:
+        require(ns.routing is None, "--routing applies only to --local N caches; add --local N")
+    else:
+        ns.routing = ns.routing or "round_robin"
         require(ns.local >= 1, f"--local must be >= 1, got {ns.local}")
         require(ns.seed >= 0, f"--seed must be >= 0, got {ns.seed}")
         ROUTERS.get(ns.routing)
