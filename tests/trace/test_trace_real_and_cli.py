@@ -155,6 +155,8 @@ def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path: Path,
     assert "unknown routing rule 'nearest'" in capsys.readouterr().err
     assert main(["trace", "hit-rate", p, "--capacity", "1e6", "--routing", "random"]) == 2
     assert "--routing applies only to --local N caches" in capsys.readouterr().err
+    assert main(["trace", "filter", p, "--out", str(out), "--start-ms", "10000000"]) == 2
+    assert f"no request is left to write to {str(out)!r}" in capsys.readouterr().err
     assert main(["trace", "synth", "fixed", "--out", str(out), "--shared-fraction", "2"]) == 2
     assert "shared_fraction must be in [0, 1]" in capsys.readouterr().err
     assert not out.exists()

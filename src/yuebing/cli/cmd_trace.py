@@ -138,6 +138,8 @@ def _run_hit_rate(ns: argparse.Namespace) -> int:
 def _report_written(ns: argparse.Namespace, trace: Any) -> int:
     from yuebing.trace.io import write_trace
 
+    # `load_trace` rejects a file without requests, so never write one
+    require(len(trace) > 0, f"no request is left to write to {ns.out!r}; widen the filter")
     path = write_trace(trace, ns.out)
     if ns.json:
         _print_json({"out": str(path), "requests": len(trace)})
