@@ -81,6 +81,18 @@ class Slice:
         self.batch.slice_done(self.index, self.length, error)
 
 
+def complete_slices(slices: Iterable[Slice], errors: Iterable[str | None]) -> None:
+    """Complete many slices (``errors[i]`` None = applied) with one lock per batch involved."""
+    by_batch: dict[int, tuple[Batch, list[tuple[int, int, str | None]]]] = {}
+    for s, error in zip(slices, errors, strict=True):
+        entry = by_batch.get(id(s.batch))
+        if entry is None:
+            entry = by_batch[id(s.batch)] = (s.batch, [])
+        entry[1].append((s.index, s.length, error))
+    for batch, results in by_batch.values():
+        batch.slices_done(results)
+
+
 class Batch:
     """A submitted batch. Thread-safe; see the module docstring for the state rules."""
 
@@ -107,20 +119,28 @@ class Batch:
                     r.status = _TRANSFERRING
 
     def slice_done(self, index: int, nbytes: int, error: str | None) -> None:
+        self.slices_done(((index, nbytes, error),))
+
+    def slices_done(self, results: Iterable[tuple[int, int, str | None]]) -> None:
+        """Apply (request index, bytes, error or None) for many slices under one lock — how a
+        transport completes a whole frame or copy run at once."""
+        finish = False
         with self._lock:
-            r = self.requests[index]
-            if r.status >= _DONE:
-                return
-            if error is not None:
-                r.status, r.error = _FAILED, error
-            else:
-                r.done_bytes += nbytes
-                r.slices_left -= 1
-                if r.slices_left > 0:
-                    r.status = _TRANSFERRING
-                    return
-                r.status = _DONE
-            finish = self._closed_one()
+            requests = self.requests
+            for index, nbytes, error in results:
+                r = requests[index]
+                if r.status >= _DONE:
+                    continue
+                if error is not None:
+                    r.status, r.error = _FAILED, error
+                else:
+                    r.done_bytes += nbytes
+                    r.slices_left -= 1
+                    if r.slices_left > 0:
+                        r.status = _TRANSFERRING
+                        continue
+                    r.status = _DONE
+                finish = self._closed_one() or finish
         if finish:
             self._finish()
 

@@ -2,10 +2,11 @@
 the metadata service.
 
 Every frame on a lane is ``[u32 header length][msgpack header]`` optionally followed by raw
-payload bytes whose count the header states (`WriteSlice` and `SliceData`); see
-`yuebing.transfer.transport.framing`. A lane opens with `Hello` → `HelloReply`; then the
-initiator sends `WriteSlice` / `ReadSlice` / `Notify`, and the target answers each, in order,
-with `SliceAck` (write applied, notify delivered, or an error) or `SliceData` (read payload).
+payload bytes whose count the header implies (`WriteSlices`, and `SlicesDone` answering a
+read); see `yuebing.transfer.transport.framing`. A lane opens with `Hello` → `HelloReply`;
+then the initiator sends `WriteSlices` / `ReadSlices` (many slices of one segment per frame) or
+`Notify`, and the target answers each, in order, with `SlicesDone` (per-slice status, plus the
+read payloads) or `SliceAck` (notify delivered, or an error).
 """
 
 from __future__ import annotations
@@ -41,41 +42,44 @@ class HelloReply(Message, tag="transfer.hello_reply"):
     segments: list[SegmentDescriptor]
 
 
+SliceSpec = tuple[int, int, int, int]
+"""One slice in a frame: (offset, length, span offset, span length). The span is the whole
+request's remote range: the target validates it, not just the slice, so a request that is out
+of range anywhere is refused in every slice and nothing of it is written."""
+
+
 @register_message
-class WriteSlice(Message, tag="transfer.write"):
-    """Followed by ``length`` payload bytes to store at ``offset`` of ``segment``. ``span`` is the
-    whole request's remote (offset, length): the target validates it, not just the slice, so a
-    request that is out of range anywhere is refused in every slice and nothing is written."""
+class WriteSlices(Message, tag="transfer.writev"):
+    """Followed by the payloads of ``slices`` back to back, each to store at its offset of
+    ``segment``. One frame carries many slices of one batch (coalesced per peer and lane)."""
 
     id: int
     segment: str
-    offset: int
-    length: int
-    span: tuple[int, int]
+    slices: list[SliceSpec]
 
 
 @register_message
-class ReadSlice(Message, tag="transfer.read"):
-    """Asks for ``length`` bytes at ``offset``; ``span`` as in `WriteSlice`."""
+class ReadSlices(Message, tag="transfer.readv"):
+    """Asks for the bytes of ``slices`` of ``segment``."""
 
     id: int
     segment: str
-    offset: int
-    length: int
-    span: tuple[int, int]
+    slices: list[SliceSpec]
 
 
 @register_message
-class SliceData(Message, tag="transfer.data"):
-    """Answer to `ReadSlice`, followed by ``length`` payload bytes."""
+class SlicesDone(Message, tag="transfer.donev"):
+    """Answer to `WriteSlices` (after every slice was applied or refused) or `ReadSlices`:
+    ``errors`` has one entry per slice, "" for success. A read answer is followed by the
+    payloads of the successful slices, back to back, in order."""
 
     id: int
-    length: int
+    errors: list[str]
 
 
 @register_message
 class SliceAck(Message, tag="transfer.ack"):
-    """Answer to `WriteSlice` (bytes applied) or `Notify`, or an error for any request."""
+    """Answer to `Notify` (delivered, or the error of the peer's handler)."""
 
     id: int
     error: str = ""
@@ -91,5 +95,5 @@ class Notify(Message, tag="transfer.notify"):
     payload: bytes
 
 
-LaneFrame = WriteSlice | ReadSlice | Notify | Hello
-ReplyFrame = SliceAck | SliceData | HelloReply
+LaneFrame = WriteSlices | ReadSlices | Notify | Hello
+ReplyFrame = SliceAck | SlicesDone | HelloReply

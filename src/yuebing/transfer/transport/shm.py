@@ -21,7 +21,7 @@ import threading
 import numpy as np
 
 from yuebing.core.errors import TransferError
-from yuebing.transfer.batch import Slice
+from yuebing.transfer.batch import Slice, complete_slices
 from yuebing.transfer.messages import SegmentDescriptor
 from yuebing.transfer.segment import check_range
 from yuebing.transfer.transport.base import TRANSPORTS, Endpoint, LocalContext, Transport
@@ -53,6 +53,21 @@ def copy_slice(s: Slice, remote: np.ndarray, remote_mv: memoryview) -> None:
         np.copyto(local, remote[s.offset:end])
 
 
+def copy_all(slices: list[Slice], remote: np.ndarray, remote_mv: memoryview) -> list[str | None]:
+    """Copy every live slice in one tight loop; the per-slice errors (None = copied) for
+    `complete_slices`, which then updates the batch once."""
+    errors: list[str | None] = []
+    for s in slices:
+        error = None
+        if s.live:
+            try:
+                copy_slice(s, remote, remote_mv)
+            except (ValueError, OSError) as e:
+                error = f"shared-memory copy failed: {e}"
+        errors.append(error)
+    return errors
+
+
 Remote = tuple[np.ndarray, memoryview]
 """A mapped peer segment as a numpy array and a memoryview of the same bytes."""
 
@@ -75,14 +90,7 @@ class _Worker:
             if item is None:
                 return
             (remote, remote_mv), slices = item
-            for s in slices:
-                error = None
-                if s.live:
-                    try:
-                        copy_slice(s, remote, remote_mv)
-                    except (ValueError, OSError) as e:
-                        error = f"shared-memory copy failed: {e}"
-                s.complete(error)
+            complete_slices(slices, copy_all(slices, remote, remote_mv))
             self.done(len(slices))
 
     def done(self, n: int) -> None:
@@ -236,18 +244,21 @@ class LocalEndpoint(Endpoint):
         return False
 
     def submit(self, desc: SegmentDescriptor, slices: list[Slice]) -> None:
+        """Copy in place, then update the batch once for all ``slices``."""
+        errors: list[str | None] = []
+        resolve = self.ctx.segments.resolve
         for s in slices:
             try:
-                view = self.ctx.segments.resolve(s.segment, s.offset, s.length, s.span)
+                view = resolve(s.segment, s.offset, s.length, s.span)
             except TransferError as e:
-                s.complete(str(e))
+                errors.append(str(e))
                 continue
-            s.batch.started(s.index)
             if s.op == OpCode.WRITE:
                 view[:] = s.local
             else:
                 s.local[:] = view
-            s.complete()
+            errors.append(None)
+        complete_slices(slices, errors)
 
     def close(self) -> None:
         pass

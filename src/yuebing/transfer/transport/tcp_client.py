@@ -1,12 +1,14 @@
 """The initiator side of TCP: `TcpTransport` opens a `TcpEndpoint` per peer engine, which keeps
 ``lanes`` persistent connections (`Lane`), each with a sender and a receiver thread.
 
-Life cycle of a slice: `TcpEndpoint.submit` puts it on the lane with the fewest outstanding
-bytes; the lane's sender thread records it as pending and sends `WriteSlice` + payload (straight
-from the caller's buffer) or `ReadSlice` — small queued slices leave together in one
-``sendmsg``; the receiver thread matches the reply by id — `SliceAck`
-completes a write once the target applied it, `SliceData` is received with ``recv_into`` directly
-into the caller's buffer. When a lane breaks (reset, EOF, stall past ``io_timeout_s``) all its
+Life cycle of a slice: `TcpEndpoint.submit` spreads a batch's slices over the lanes (each to
+the lane with the fewest outstanding bytes); a lane's sender thread coalesces what it has queued
+into frames — consecutive slices of one segment and direction share one `WriteSlices` /
+`ReadSlices` header listing their (offset, length) — records each frame as pending and sends
+the frames, write payloads straight from the callers' buffers, in one ``sendmsg``. The receiver
+thread matches the answer (`SlicesDone`, one status per slice) by frame id: a write's slices
+complete once the target applied them, a read's payloads are received with ``recv_into``
+directly into the callers' buffers; the frame's slices are completed with one batch update. When a lane breaks (reset, EOF, stall past ``io_timeout_s``) all its
 queued and pending slices are retried on another lane after a backoff that doubles per attempt
 (up to ``max_retries``); lanes are re-opened on demand, and if the peer no longer accepts
 connections every affected slice fails at once with an error naming the peer.
@@ -23,22 +25,23 @@ import threading
 
 from yuebing.core.errors import TransferError
 from yuebing.protocol import Message, ProtocolError
-from yuebing.transfer.batch import Slice
+from yuebing.transfer.batch import Slice, complete_slices
 from yuebing.transfer.messages import (
     Hello,
     HelloReply,
     Notify,
-    ReadSlice,
+    ReadSlices,
     SegmentDescriptor,
     SliceAck,
-    SliceData,
-    WriteSlice,
+    SlicesDone,
+    WriteSlices,
 )
 from yuebing.transfer.transport.base import TRANSPORTS, Endpoint, LocalContext, Transport
 from yuebing.transfer.transport.framing import (
     FrameReader,
     IdleTimeout,
     frame_parts,
+    pack,
     recv_frame,
     send_frame,
     send_parts,
@@ -49,8 +52,10 @@ from yuebing.transfer.types import OpCode
 log = logging.getLogger(__name__)
 
 COALESCE_BYTES = 1 << 20
-COALESCE_OPS = 64
-"""A lane's sender sends queued frames together, up to this many payload bytes / frames."""
+COALESCE_OPS = 256
+"""A lane's sender sends queued slices together, up to this many payload bytes / slices per
+``sendmsg``; consecutive slices of one segment and direction share one frame (one header, one
+`SlicesDone` answer)."""
 
 
 class NotifyOp:
@@ -121,7 +126,8 @@ class Lane:
         self.outstanding = 0
         self.dead = False
         self._q: queue.SimpleQueue[list[Op] | None] = queue.SimpleQueue()
-        self._pending: dict[int, Op] = {}
+        self._pending: dict[int, list[Op]] = {}
+        """Frames sent and not yet answered: frame id → its ops, in wire order."""
         self._ids = itertools.count()
         self._lock = threading.Lock()
         sock.settimeout(endpoint.ctx.config.io_timeout_s)
@@ -161,17 +167,18 @@ class Lane:
                     break
                 more, carry = self._take(item, COALESCE_OPS - len(ops))
                 ops += more
+            frames = _frames(ops)
             with self._lock:
                 dead = self.dead
-                ids = [] if dead else [next(self._ids) for _ in ops]
+                ids = [] if dead else [next(self._ids) for _ in frames]
                 if not dead:
-                    self._pending.update(zip(ids, ops, strict=True))
+                    self._pending.update(zip(ids, frames, strict=True))
             if dead:
                 self.endpoint.lane_failed(self, ops + carry, "lane closed")
                 return
             try:
-                send_parts(self.sock, [p for oid, op in zip(ids, ops, strict=True)
-                                       for p in self._frame(oid, op)])
+                send_parts(self.sock, [p for fid, frame in zip(ids, frames, strict=True)
+                                       for p in self._frame(fid, frame)])
             except OSError as e:
                 self.fail(f"send to {self.endpoint.address} failed: {e}")
                 stop = True
@@ -192,15 +199,18 @@ class Lane:
                 break
         return ops[:n], ops[n:]
 
-    def _frame(self, oid: int, op: Op) -> list[memoryview]:
-        if isinstance(op, NotifyOp):
-            return frame_parts(Notify(id=oid, sender=op.sender, topic=op.topic,
-                                      payload=op.payload))
-        if op.op == OpCode.WRITE:
-            return frame_parts(WriteSlice(id=oid, segment=op.segment, offset=op.offset,
-                                          length=op.length, span=op.span), op.local)
-        return frame_parts(ReadSlice(id=oid, segment=op.segment, offset=op.offset,
-                                     length=op.length, span=op.span))
+    @staticmethod
+    def _frame(fid: int, frame: list[Op]) -> list[memoryview]:
+        """The iovec pieces of one frame: header, then (writes) every slice's local bytes."""
+        first = frame[0]
+        if isinstance(first, NotifyOp):
+            return frame_parts(Notify(id=fid, sender=first.sender, topic=first.topic,
+                                      payload=first.payload))
+        specs = [(s.offset, s.length, *s.span) for s in frame]  # type: ignore[union-attr]
+        if first.op == OpCode.WRITE:
+            head = pack(WriteSlices(id=fid, segment=first.segment, slices=specs))
+            return [memoryview(head), *(s.local for s in frame)]  # type: ignore[union-attr]
+        return [memoryview(pack(ReadSlices(id=fid, segment=first.segment, slices=specs)))]
 
     def _recv_loop(self) -> None:
         reader = FrameReader(self.sock)
@@ -218,24 +228,32 @@ class Lane:
                 return
 
     def _on_reply(self, reader: FrameReader, msg: Message) -> None:
-        op = self._pending.pop(getattr(msg, "id", -1), None)
-        if op is None:
+        """Complete the frame ``msg`` answers: every slice at once (reads: payloads received
+        straight into the callers' buffers), or the notify."""
+        frame = self._pending.pop(getattr(msg, "id", -1), None)
+        if frame is None:
             raise ProtocolError(f"reply {type(msg).__name__} matches no pending request")
-        if isinstance(msg, SliceData):
-            if isinstance(op, NotifyOp) or msg.length != op.length:
-                raise ProtocolError(f"read reply of {msg.length} bytes, expected {op.length}")
-            if op.live:
-                reader.read_into(op.local)
-            else:
-                reader.skip(msg.length)
-            error = None
-        elif isinstance(msg, SliceAck):
-            error = f"target {self.endpoint.address} refused: {msg.error}" if msg.error else None
-        else:
-            raise ProtocolError(f"unexpected reply {type(msg).__name__}")
+        first = frame[0]
+        refused = f"target {self.endpoint.address} refused: "
+        if isinstance(first, NotifyOp):
+            if not isinstance(msg, SliceAck):
+                raise ProtocolError(f"notify answered by {type(msg).__name__}")
+            first.complete(refused + msg.error if msg.error else None)
+            return
+        if not isinstance(msg, SlicesDone) or len(msg.errors) != len(frame):
+            raise ProtocolError(f"reply {type(msg).__name__} does not answer a frame of "
+                                f"{len(frame)} slices")
+        errors = [refused + e if e else None for e in msg.errors]
+        if first.op == OpCode.READ:
+            for op, error in zip(frame, errors, strict=True):
+                if error is None:
+                    if op.live:
+                        reader.read_into(op.local)  # type: ignore[union-attr]
+                    else:
+                        reader.skip(op.length)
         with self._lock:
-            self.outstanding -= op.length
-        op.complete(error)
+            self.outstanding -= sum(op.length for op in frame)
+        complete_slices(frame, errors)  # type: ignore[arg-type]
 
     def fail(self, error: str) -> None:
         """Mark the lane dead, close it, and hand every unfinished op back to the endpoint."""
@@ -243,7 +261,7 @@ class Lane:
             if self.dead:
                 return
             self.dead = True
-            ops = list(self._pending.values())
+            ops = [op for frame in self._pending.values() for op in frame]
             self._pending.clear()
             while True:
                 try:
@@ -259,6 +277,21 @@ class Lane:
         log.debug("lane %s/%d failed with %d ops: %s", self.endpoint.address, self.index,
                   len(ops), error)
         self.endpoint.lane_failed(self, ops, error)
+
+
+def _frames(ops: list[Op]) -> list[list[Op]]:
+    """Group ``ops`` (in order) into frames: runs of slices with the same direction and
+    segment share one; a notify travels alone."""
+    frames: list[list[Op]] = []
+    key: object = None
+    for op in ops:
+        k = None if isinstance(op, NotifyOp) else (op.op, op.segment)
+        if k is None or k != key:
+            frames.append([op])
+        else:
+            frames[-1].append(op)
+        key = k
+    return frames
 
 
 class TcpEndpoint(Endpoint):

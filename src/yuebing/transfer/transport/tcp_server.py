@@ -2,11 +2,12 @@
 
 Life cycle of a frame arriving on a connection: the first frame must be `Hello`, answered with
 `HelloReply` (this engine's id and segment descriptors; P2P handshakes use exactly this). Then,
-in order: `WriteSlice` → the range is validated against the registered segment and the payload
-is received with ``recv_into`` directly into segment memory, then `SliceAck` (a rejected write's
-payload is drained into scratch, so nothing is written, and the ack carries the error);
-`ReadSlice` → validated, answered with `SliceData` + the bytes sent straight from the segment;
-`Notify` → handed to the engine's notify callback, then acked. Replies are held back while more
+in order: `WriteSlices` → every listed slice's range is validated against the registered
+segment and its payload received with ``recv_into`` directly into segment memory (a refused
+slice's payload is drained into scratch, so nothing of it is written), then one `SlicesDone`
+with a status per slice; `ReadSlices` → validated, answered with `SlicesDone` + the bytes of
+the accepted slices sent straight from the segment; `Notify` → handed to the engine's notify
+callback, then acked with `SliceAck`. Replies are held back while more
 requests are already arriving (bounded by `ACK_HOLD_FRAMES` / `ACK_HOLD_BYTES`) and leave together
 in one ``sendmsg``, so a stream of small slices costs a few sends instead of one per slice. A connection that breaks or
 stalls longer than ``io_timeout_s`` mid-frame is closed; the server keeps serving the others.
@@ -28,10 +29,11 @@ from yuebing.transfer.messages import (
     Hello,
     HelloReply,
     Notify,
-    ReadSlice,
+    ReadSlices,
     SliceAck,
-    SliceData,
-    WriteSlice,
+    SlicesDone,
+    SliceSpec,
+    WriteSlices,
 )
 from yuebing.transfer.segment import SegmentTable
 from yuebing.transfer.transport.framing import (
@@ -51,6 +53,9 @@ ACK_HOLD_BYTES = 1 << 20
 
 MAX_SLICE = 1 << 30
 """Largest slice a peer may send (`TransferConfig.slice_size` is at most this)."""
+
+MAX_FRAME_SLICES = 4096
+"""Most slices one `WriteSlices` / `ReadSlices` frame may list."""
 
 
 class TcpServer:
@@ -127,24 +132,22 @@ class TcpServer:
     def _handle(self, reader: FrameReader, msg: Message, out: list[memoryview]) -> int:
         """Apply one request frame; append the reply frame(s) to ``out``; returns the payload
         bytes the frame carried (written or read)."""
-        if isinstance(msg, WriteSlice):
-            if not 0 < msg.length <= MAX_SLICE:
-                raise ProtocolError(f"write slice length {msg.length} outside 1..{MAX_SLICE}")
-            try:
-                view = self._segments.resolve(msg.segment, msg.offset, msg.length, msg.span)
-            except TransferError as e:
-                reader.skip(msg.length)
-                out += frame_parts(SliceAck(id=msg.id, error=str(e)))
-                return msg.length
-            reader.read_into(view)
-            out += frame_parts(SliceAck(id=msg.id))
-        elif isinstance(msg, ReadSlice):
-            try:
-                view = self._segments.resolve(msg.segment, msg.offset, msg.length, msg.span)
-            except TransferError as e:
-                out += frame_parts(SliceAck(id=msg.id, error=str(e)))
-                return 0
-            out += frame_parts(SliceData(id=msg.id, length=msg.length), view)
+        if isinstance(msg, WriteSlices):
+            views = self._resolve_all(msg.segment, msg.slices)
+            errors = []
+            for (_, length, _, _), view in zip(msg.slices, views, strict=True):
+                if isinstance(view, str):  # refused: drain its payload, write nothing
+                    reader.skip(length)
+                    errors.append(view)
+                else:
+                    reader.read_into(view)
+                    errors.append("")
+            out += frame_parts(SlicesDone(id=msg.id, errors=errors))
+        elif isinstance(msg, ReadSlices):
+            views = self._resolve_all(msg.segment, msg.slices)
+            out += frame_parts(SlicesDone(id=msg.id, errors=[
+                v if isinstance(v, str) else "" for v in views]))
+            out += [v for v in views if not isinstance(v, str)]
         elif isinstance(msg, Notify):
             error = ""
             try:
@@ -153,10 +156,28 @@ class TcpServer:
                 log.warning("notify callback failed: %s", e)
                 error = f"notify handler failed: {e}"
             out += frame_parts(SliceAck(id=msg.id, error=error))
+            self.served_slices += 1
+            return 0
         else:
             raise ProtocolError(f"unexpected frame {type(msg).__name__} on a lane")
-        self.served_slices += 1
-        return getattr(msg, "length", 0)
+        self.served_slices += len(msg.slices)
+        return sum(spec[1] for spec in msg.slices)
+
+    def _resolve_all(self, segment: str, slices: list[SliceSpec]) -> list[memoryview | str]:
+        """Each slice's segment bytes, or the error refusing it. A malformed frame (too many
+        slices, a length outside 1..`MAX_SLICE`) breaks the lane: its payload size is unknown."""
+        if not 0 < len(slices) <= MAX_FRAME_SLICES:
+            raise ProtocolError(f"frame of {len(slices)} slices outside 1..{MAX_FRAME_SLICES}")
+        resolve = self._segments.resolve
+        views: list[memoryview | str] = []
+        for offset, length, span_off, span_len in slices:
+            if not 0 < length <= MAX_SLICE:
+                raise ProtocolError(f"slice length {length} outside 1..{MAX_SLICE}")
+            try:
+                views.append(resolve(segment, offset, length, (span_off, span_len)))
+            except TransferError as e:
+                views.append(str(e))
+        return views
 
     def close(self) -> None:
         """Stop accepting, break every open connection and wait for the listener to end."""
