@@ -1,7 +1,10 @@
 """``yuebing sim run`` (one system, one configuration) and ``yuebing sim paper`` (the report).
 
 Both replay a Mooncake trace through the discrete-event simulator (`yuebing.sim`); flags of
-``sim run`` are generated from `yuebing.sim.system.SimConfig`.
+``sim run`` are generated from `yuebing.sim.system.SimConfig`. Bad input (unreadable or
+malformed trace, unknown names, bad numbers, an output path that cannot be written) exits with
+status 2 and a message before any simulation runs. JSON output (``--json``, ``--records``) is
+standard JSON: a value that does not exist (e.g. the mean TTFT when nothing completed) is null.
 """
 
 from __future__ import annotations
