@@ -303,3 +303,22 @@ def test_drain_stops_placement_and_empties_segment_once_leases_end() -> None:
     core.tick()
     assert exists(core, "k") == [False]
     assert core.handle(m.Drain(client="n0", segment="n0/dram")) == m.Count(n=0)
+
+
+def test_failed_write_suspects_segment_until_its_node_heartbeats() -> None:
+    core, _ = make(segs=2)
+    t = core.handle(m.PutStart(client="c", item=m.PutItem(key="k", size=4 * KiB,
+                                                         strategy="preferred", preferred=["n1/dram"])))
+    assert t.replicas == [m.Replica(segment="n1/dram", offset=0)]
+    assert core.handle(m.BatchPutRevoke(client="c", keys=["k"], failed=["n1/dram", "nope"])) \
+        == m.Codes(codes=[C.OK])
+    assert core.counters["suspects"] == 1 and exists(core, "k") == [False]
+    # n1 is preferred but suspected: the retry lands on n0, and so does every other put
+    t = core.handle(m.PutStart(client="c", item=m.PutItem(key="k", size=4 * KiB,
+                                                         strategy="preferred", preferred=["n1/dram"])))
+    assert t.replicas == [m.Replica(segment="n0/dram", offset=0)]
+    assert core.handle(m.PutStart(client="c", item=m.PutItem(key="k2", size=4 * KiB, replicas=2))) \
+        .replicas == [m.Replica(segment="n0/dram", offset=4 * KiB)]
+    core.handle(m.Heartbeat(client="n1"))  # n1 is alive after all: placement uses it again
+    assert put(core, "k3", strategy="preferred", preferred=["n1/dram"]) == m.Ok()
+    assert core.objs["k3"].reps == ((core.seg_by_name["n1/dram"], 0),)

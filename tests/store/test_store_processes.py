@@ -132,16 +132,30 @@ def test_client_death_drops_its_replicas_only(cluster, client: StoreClient) -> N
     assert client.get("on/a") == b"a" * 100 and client.get("on/both") == b"b" * 100
 
 
-def test_storage_node_killed_mid_put_leaves_nothing(cluster, client: StoreClient) -> None:
+def test_storage_node_killed_mid_put_retried_elsewhere_or_leaves_nothing(cluster, client) -> None:
     d = node(cluster[0].info["address"], "4MiB", "--name", "nodeD")
-    seg_d = d.info["dram"]
-    d.kill()  # the master still believes in D: put_start places there, the write fails
-    with pytest.raises(StoreError, match="put revoked"):
-        client.put("half", b"h" * 100_000, strategy="preferred", preferred=[seg_d])
+    e = node(cluster[0].info["address"], "4MiB", "--name", "nodeE")
+    seg_d, seg_e = d.info["dram"], e.info["dram"]
+    d.kill()
+    e.kill()  # the master still believes in D and E (until their TTL): puts get placed there
+    client.put("moved", b"m" * 100_000, strategy="preferred", preferred=[seg_d])
+    reps = client.rpc.call(m.GetReplicas(key="moved")).replicas
+    assert [r.segment for r in reps] != [seg_d] and client.get("moved") == b"m" * 100_000
+    no_retry = StoreClient(ClientConfig(master=cluster[0].info["address"], put_retries=0))
+    try:
+        with pytest.raises(StoreError, match="put revoked"):
+            no_retry.put("half", b"h" * 100_000, strategy="preferred", preferred=[seg_e])
+    finally:
+        no_retry.close()
     assert client.exists("half") is False
     with pytest.raises(NotFoundError):
         client.get("half")
-    assert client.stats()["pending"] == 0
+    # D and E are suspected now: a batch spreading over the emptiest segments avoids them
+    assert client.batch_put([f"sp/{i}" for i in range(6)], [b"s" * 5000] * 6) == [0] * 6
+    assert {r.segment for r in client.rpc.call(m.BatchGetReplicas(keys=[f"sp/{i}" for i in range(6)]))
+            .replicas for r in r} <= {cluster[1].info["dram"], cluster[2].info["dram"]}
+    st = client.stats()
+    assert st["pending"] == 0 and st["suspects"] == 2
 
 
 def test_ssd_offload_and_promotion(tmp_path) -> None:

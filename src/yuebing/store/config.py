@@ -95,8 +95,12 @@ class ClientConfig:
     transfer_timeout_s: float = field(default=30.0, metadata={"help": "data transfer timeout"})
     failover_s: float = field(default=15.0, metadata={
         "help": "how long a call keeps retrying other masters before giving up"})
+    put_retries: int = field(default=1, metadata={
+        "help": "times a put whose write failed is placed again (the master avoids the "
+                "segments that failed)"})
 
     def __post_init__(self) -> None:
+        require(self.put_retries >= 0, f"--put-retries must be >= 0, got {self.put_retries}")
         require(bool(self.masters), "--master needs at least one address like tcp://127.0.0.1:50151")
         require(self.rpc_timeout_s > 0, f"--rpc-timeout-s must be > 0, got {self.rpc_timeout_s}")
         require(self.heartbeat_s > 0, f"--heartbeat-s must be > 0, got {self.heartbeat_s}")

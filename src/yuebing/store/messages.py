@@ -75,10 +75,12 @@ class PutEnd(Message, tag="store.put_end"):
 
 @register_message
 class PutRevoke(Message, tag="store.put_revoke"):
-    """Abandon a pending put and free its space; reply `Ok`."""
+    """Abandon a pending put and free its space; reply `Ok`. ``failed`` names the segments the
+    write could not reach: the master stops placing there until their node heartbeats again."""
 
     client: str
     key: str
+    failed: list[str] = []
 
 
 @register_message
@@ -97,6 +99,7 @@ class BatchPutEnd(Message, tag="store.batch_put_end"):
 class BatchPutRevoke(Message, tag="store.batch_put_revoke"):
     client: str
     keys: list[str]
+    failed: list[str] = []
 
 
 @register_message

@@ -55,18 +55,28 @@ class AsyncStoreClient:
     async def put(self, key: str, value: object, *, replicas: int | None = None,
                   strategy: str | None = None, preferred: Sequence[str] | None = None,
                   hard_pin: bool = False, soft_pin_s: float = 0.0) -> None:
+        """Store ``value`` under ``key``; a failed write is revoked (naming the failed
+        segments, which the master then avoids) and placed again up to ``put_retries`` times."""
         mv = cm.view(value, writable=False)
         item = cm.put_item(self.cfg, key, mv, replicas, strategy, preferred, hard_pin, soft_pin_s)
-        targets = await self.rpc.call(m.PutStart(client=self.client_id, item=item))
-        assert isinstance(targets, m.PutTargets)
-        try:
-            await self.engine.transfer_async(cm.writes(mv, targets.replicas),
-                                             self.cfg.transfer_timeout_s)
-        except (TransferError, InputError) as e:
+        for attempt in range(self.cfg.put_retries + 1):
+            targets = await self.rpc.call(m.PutStart(client=self.client_id, item=item))
+            assert isinstance(targets, m.PutTargets)
+            reqs = cm.writes(mv, targets.replicas)
+            try:
+                bid = self.engine.submit(reqs, self.cfg.transfer_timeout_s)
+                st = await self.engine.wait_async(bid)
+                self.engine.free(bid)
+                failed, why = cm.failed_segments(reqs, st.requests), "; ".join(st.errors)
+            except (TransferError, InputError) as e:
+                failed, why = cm.failed_segments(reqs, None), str(e)
+            if not failed:
+                await self.rpc.call(m.PutEnd(client=self.client_id, key=key))
+                return
             with contextlib.suppress(StoreError):
-                await self.rpc.call(m.PutRevoke(client=self.client_id, key=key))
-            raise StoreError(f"writing {key!r} failed; put revoked: {e}") from e
-        await self.rpc.call(m.PutEnd(client=self.client_id, key=key))
+                await self.rpc.call(m.PutRevoke(client=self.client_id, key=key, failed=failed))
+            log.warning("put %s: write to %s failed (attempt %d): %s", key, failed, attempt + 1, why)
+        raise StoreError(f"writing {key!r} failed; put revoked: {why}")
 
     put_from = put
 

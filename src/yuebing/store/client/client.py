@@ -63,23 +63,34 @@ class StoreClient:
     def put(self, key: str, value: object, *, replicas: int | None = None,
             strategy: str | None = None, preferred: Sequence[str] | None = None,
             hard_pin: bool = False, soft_pin_s: float = 0.0) -> None:
-        """Store ``value`` (any contiguous buffer) under ``key``; values are immutable."""
+        """Store ``value`` (any contiguous buffer) under ``key``; values are immutable. A write
+        that fails is revoked (naming the failed segments, which the master then avoids) and
+        placed again up to ``put_retries`` times."""
         mv = cm.view(value, writable=False)
         item = cm.put_item(self.cfg, key, mv, replicas, strategy, preferred, hard_pin, soft_pin_s)
-        targets = self.rpc.call(m.PutStart(client=self.client_id, item=item))
-        assert isinstance(targets, m.PutTargets)
-        try:
-            self._transfer(cm.writes(mv, targets.replicas)).raise_for_status()
-        except (TransferError, InputError) as e:
-            self._revoke([key])
-            raise StoreError(f"writing {key!r} failed; put revoked: {e}") from e
-        self.rpc.call(m.PutEnd(client=self.client_id, key=key))
+        for attempt in range(self.cfg.put_retries + 1):
+            targets = self.rpc.call(m.PutStart(client=self.client_id, item=item))
+            assert isinstance(targets, m.PutTargets)
+            reqs = cm.writes(mv, targets.replicas)
+            try:
+                st = self._transfer(reqs)
+                failed = cm.failed_segments(reqs, st.requests)
+                why = "; ".join(st.errors)
+            except (TransferError, InputError) as e:
+                failed, why = cm.failed_segments(reqs, None), str(e)
+            if not failed:
+                self.rpc.call(m.PutEnd(client=self.client_id, key=key))
+                return
+            self._revoke([key], failed)
+            log.warning("put %s: write to %s failed (attempt %d): %s", key, failed, attempt + 1, why)
+        raise StoreError(f"writing {key!r} failed; put revoked: {why}")
 
     put_from = put
     """Zero-copy put: the engine reads straight from the caller's (registered) buffer."""
 
     def batch_put(self, keys: Sequence[str], values: Sequence[object], **kw: object) -> list[int]:
-        """Put many values with one master round trip per phase; returns a `Code` per key."""
+        """Put many values with one master round trip per phase; returns a `Code` per key.
+        Keys whose write failed are revoked and put again up to ``put_retries`` times."""
         if len(keys) != len(values):
             raise InputError(f"{len(keys)} keys but {len(values)} values")
         mvs = [cm.view(v, writable=False) for v in values]
@@ -87,39 +98,52 @@ class StoreClient:
                              kw.get("preferred"), bool(kw.get("hard_pin")),  # type: ignore[arg-type]
                              float(kw.get("soft_pin_s") or 0.0))  # type: ignore[arg-type]
                  for k, mv in zip(keys, mvs, strict=True)]
-        r = self.rpc.call(m.BatchPutStart(client=self.client_id, items=items))
+        codes = [int(C.INTERNAL)] * len(keys)
+        todo = list(range(len(keys)))
+        for _ in range(self.cfg.put_retries + 1):
+            todo = self._batch_put_once(todo, items, mvs, codes)
+            if not todo:
+                break
+        return codes
+
+    def _batch_put_once(self, todo: list[int], items: list[m.PutItem], mvs: list[memoryview],
+                        codes: list[int]) -> list[int]:
+        """One attempt for the items ``todo``; fills ``codes``, returns those to retry."""
+        r = self.rpc.call(m.BatchPutStart(client=self.client_id, items=[items[i] for i in todo]))
         assert isinstance(r, m.BatchPutTargets)
-        codes = list(r.codes)
         reqs, owner = [], []
-        for i, (code, reps) in enumerate(zip(r.codes, r.replicas, strict=True)):
+        for i, code, reps in zip(todo, r.codes, r.replicas, strict=True):
+            codes[i] = code
             if code == C.OK:
                 for req in cm.writes(mvs[i], reps):
                     reqs.append(req)
                     owner.append(i)
         failed: set[int] = set()
+        bad: list[str] = []
         if reqs:
             try:
                 st = self._transfer(reqs)
-                failed = {owner[j] for j, rs in enumerate(st.requests) if rs.status != 2}
+                failed = {owner[j] for j, rs in enumerate(st.requests) if rs.status != TransferStatus.DONE}
+                bad = cm.failed_segments(reqs, st.requests)
             except (TransferError, InputError) as e:
                 log.warning("batch put transfer failed: %s", e)
-                failed = set(owner)
-        ok = [keys[i] for i in range(len(keys)) if codes[i] == C.OK and i not in failed]
+                failed, bad = set(owner), cm.failed_segments(reqs, None)
+        ok = [i for i in todo if codes[i] == C.OK and i not in failed]
         if failed:
-            self._revoke([keys[i] for i in sorted(failed)])
+            self._revoke([items[i].key for i in sorted(failed)], bad)
             for i in failed:
                 codes[i] = int(C.INTERNAL)
         if ok:
-            ends = self.rpc.call(m.BatchPutEnd(client=self.client_id, keys=ok))
-            it = iter(ends.codes)  # type: ignore[attr-defined]
-            codes = [next(it) if c == C.OK else c for c in codes]
-        return codes
+            ends = self.rpc.call(m.BatchPutEnd(client=self.client_id, keys=[items[i].key for i in ok]))
+            for i, c in zip(ok, ends.codes, strict=True):  # type: ignore[attr-defined]
+                codes[i] = c
+        return sorted(failed)
 
     batch_put_from = batch_put
 
-    def _revoke(self, keys: list[str]) -> None:
+    def _revoke(self, keys: list[str], failed: list[str]) -> None:
         try:
-            self.rpc.call(m.BatchPutRevoke(client=self.client_id, keys=keys))
+            self.rpc.call(m.BatchPutRevoke(client=self.client_id, keys=keys, failed=failed))
         except StoreError as e:  # the master reclaims it as a zombie later
             log.warning("revoking %d puts failed: %s", len(keys), e)
 

@@ -10,7 +10,7 @@ import xxhash
 from yuebing.core.errors import InputError, StoreError
 from yuebing.store import messages as m
 from yuebing.store.config import ClientConfig
-from yuebing.transfer import OpCode, TransferRequest
+from yuebing.transfer import OpCode, TransferRequest, TransferStatus
 from yuebing.transfer.types import as_buffer
 
 C = m.Code
@@ -50,6 +50,14 @@ def put_item(cfg: ClientConfig, key: str, mv: memoryview, replicas: int | None,
 
 def writes(mv: memoryview, replicas: list[m.Replica]) -> list[TransferRequest]:
     return [TransferRequest(OpCode.WRITE, mv, r.segment, r.offset, mv.nbytes) for r in replicas]
+
+
+def failed_segments(reqs: list[TransferRequest], statuses: list | None) -> list[str]:
+    """Names of the segments whose request did not finish (all of them without statuses)."""
+    if statuses is None:
+        return sorted({str(r.segment) for r in reqs})
+    return sorted({str(r.segment) for r, st in zip(reqs, statuses, strict=True)
+                   if st.status != TransferStatus.DONE})
 
 
 def read(buf: memoryview, key: str, size: int, rep: m.Replica) -> TransferRequest:

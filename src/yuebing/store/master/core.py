@@ -27,7 +27,7 @@ from yuebing.store import messages as m
 from yuebing.store.config import MasterConfig
 from yuebing.store.master import eviction, segments
 from yuebing.store.master.placement import PLACEMENTS, PlacementRequest
-from yuebing.store.master.state import Obj, ObjState, Seg, Session, Task
+from yuebing.store.master.state import Obj, ObjState, Seg, SegState, Session, Task
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class MasterCore:
         self.ready: list[tuple[object, Message]] = []
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts", "gets", "removes", "evictions", "offloads", "promotions", "zombies",
-             "dead_sessions", "no_space"), 0)
+             "dead_sessions", "no_space", "suspects"), 0)
         self.handlers: dict[type, Callable[..., Message | None]] = {
             m.PutStart: self.put_start, m.PutEnd: self.put_end, m.PutRevoke: self.put_revoke,
             m.BatchPutStart: self.batch_put_start, m.BatchPutEnd: self.batch_put_end,
@@ -218,11 +218,24 @@ class MasterCore:
         return C.OK, ""
 
     def put_revoke(self, msg: m.PutRevoke) -> Message:
+        self._suspect(msg.failed)
         code, text = self._revoke_one(msg.client, msg.key)
         return m.Ok() if code == C.OK else err(code, text)
 
     def batch_put_revoke(self, msg: m.BatchPutRevoke) -> Message:
+        self._suspect(msg.failed)
         return m.Codes(codes=[int(self._revoke_one(msg.client, k)[0]) for k in msg.keys])
+
+    def _suspect(self, names: list[str]) -> None:
+        """A client could not write to these segments: place nothing there until their node
+        heartbeats again (a dead node's segment would otherwise take puts until its TTL)."""
+        for name in names:
+            sid = self.seg_by_name.get(name)
+            s = self.segs.get(sid) if sid is not None else None
+            if s is not None and s.state == SegState.ACTIVE:
+                s.state = SegState.SUSPECT
+                self.counters["suspects"] += 1
+                log.warning("segment %s suspected dead after a failed write", name)
 
     def _revoke_one(self, client: str, key: str) -> tuple[C, str]:
         o, text = self._pending_of(client, key)
@@ -362,6 +375,10 @@ class MasterCore:
 
     def heartbeat(self, msg: m.Heartbeat) -> Message:
         segs = self.sessions[msg.client].segs
+        for sid in segs:  # the node is alive: its suspected segments take puts again
+            s = self.segs[sid]
+            if s.state == SegState.SUSPECT:
+                s.state = SegState.ACTIVE
         return m.HeartbeatReply(segments=[self.segs[s].name for s in segs])
 
     def task_done(self, msg: m.TaskDone) -> Message:

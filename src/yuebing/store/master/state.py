@@ -16,8 +16,12 @@ class ObjState(IntEnum):
 
 
 class SegState(IntEnum):
+    """ACTIVE takes new puts; DRAINING is being emptied; SUSPECT: a client's write to it failed,
+    so no new put is placed there until its node's next heartbeat proves it alive."""
+
     ACTIVE = 0
     DRAINING = 1
+    SUSPECT = 2
 
 
 class Obj:
