@@ -322,3 +322,18 @@ def test_failed_write_suspects_segment_until_its_node_heartbeats() -> None:
     core.handle(m.Heartbeat(client="n1"))  # n1 is alive after all: placement uses it again
     assert put(core, "k3", strategy="preferred", preferred=["n1/dram"]) == m.Ok()
     assert core.objs["k3"].reps == ((core.seg_by_name["n1/dram"], 0),)
+
+
+def test_freeze_long_lived_moves_survivors_out_of_collections() -> None:
+    import gc
+
+    from yuebing.store.master.service import freeze_long_lived
+
+    records = [[i] for i in range(1000)]  # tracked containers, as the master's metadata is
+    try:
+        freeze_long_lived()
+        assert gc.get_freeze_count() >= len(records)
+        scanned = {id(o) for g in (0, 1, 2) for o in gc.get_objects(generation=g)}
+        assert [id(r) in scanned for r in records] == [False] * len(records)
+    finally:
+        gc.unfreeze()
