@@ -19,6 +19,8 @@ _LEN = struct.Struct("<I")
 MAX_HEADER = 4 << 20
 _DRAIN_CHUNK = 1 << 20
 PEEK = 16 << 10
+IOV_MAX = 512
+"""Most buffers handed to one ``sendmsg`` / ``recvmsg_into`` (Linux allows 1024)."""
 
 
 class IdleTimeout(TimeoutError):
@@ -74,6 +76,22 @@ def recv_exact(sock: socket.socket, view: memoryview, idle_ok: bool = False) -> 
         got += k
 
 
+def recv_scatter(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every view completely, in order, with as few ``recvmsg_into`` calls as the kernel
+    allows (up to `IOV_MAX` views each); `PeerClosed` on EOF."""
+    i, n = 0, len(views)
+    while i < n:
+        k = sock.recvmsg_into(views[i:i + IOV_MAX], socket.MSG_WAITALL)[0]
+        if k == 0:
+            raise PeerClosed("peer closed the connection")
+        while i < n and k >= views[i].nbytes:
+            k -= views[i].nbytes
+            i += 1
+        if k:
+            views = [views[i][k:], *views[i + 1:]]
+            i, n = 0, len(views)
+
+
 def recv_frame(sock: socket.socket, idle_ok: bool = False) -> Message:
     """Read one frame header (its payload, if any, is left on the socket for the caller)."""
     lenbuf = bytearray(4)
@@ -105,7 +123,7 @@ def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
     """Send every piece, in order, with as few ``sendmsg`` calls as the kernel allows."""
     i = 0
     while i < len(parts):
-        sent = sock.sendmsg(parts[i:i + 512])
+        sent = sock.sendmsg(parts[i:i + IOV_MAX])
         while i < len(parts) and sent >= parts[i].nbytes:
             sent -= parts[i].nbytes
             i += 1
@@ -180,6 +198,23 @@ class FrameReader:
             self._consume(k)
         if k < view.nbytes:
             recv_exact(self.sock, view[k:])
+
+    def read_into_many(self, views: list[memoryview]) -> None:
+        """Fill every view in order with the next payload bytes: buffered ones first, then
+        scattered straight from the socket with ``recvmsg_into`` (many views per call)."""
+        i, n = 0, len(views)
+        while i < n and self.buffered:
+            v = views[i]
+            k = min(self.buffered, v.nbytes)
+            v[:k] = self._mv[self._start:self._start + k]
+            self._consume(k)
+            if k < v.nbytes:
+                views = [v[k:], *views[i + 1:]]
+                i, n = 0, len(views)
+            else:
+                i += 1
+        if i < n:
+            recv_scatter(self.sock, views[i:])
 
     def skip(self, nbytes: int) -> None:
         """Discard the next ``nbytes`` payload bytes."""

@@ -244,13 +244,17 @@ class Lane:
             raise ProtocolError(f"reply {type(msg).__name__} does not answer a frame of "
                                 f"{len(frame)} slices")
         errors = [refused + e if e else None for e in msg.errors]
-        if first.op == OpCode.READ:
+        if first.op == OpCode.READ:  # payloads of the served slices follow, in order
+            run: list[memoryview] = []  # received together with one recvmsg_into
             for op, error in zip(frame, errors, strict=True):
                 if error is None:
                     if op.live:
-                        reader.read_into(op.local)  # type: ignore[union-attr]
-                    else:
+                        run.append(op.local)  # type: ignore[union-attr]
+                    else:  # failed or timed out meanwhile: its buffer is not ours to touch
+                        reader.read_into_many(run)
+                        run = []
                         reader.skip(op.length)
+            reader.read_into_many(run)
         with self._lock:
             self.outstanding -= sum(op.length for op in frame)
         complete_slices(frame, errors)  # type: ignore[arg-type]

@@ -134,14 +134,17 @@ class TcpServer:
         bytes the frame carried (written or read)."""
         if isinstance(msg, WriteSlices):
             views = self._resolve_all(msg.segment, msg.slices)
-            errors = []
+            errors, run = [], []  # run: accepted views received together (one recvmsg_into)
             for (_, length, _, _), view in zip(msg.slices, views, strict=True):
                 if isinstance(view, str):  # refused: drain its payload, write nothing
+                    reader.read_into_many(run)
+                    run = []
                     reader.skip(length)
                     errors.append(view)
                 else:
-                    reader.read_into(view)
+                    run.append(view)
                     errors.append("")
+            reader.read_into_many(run)
             out += frame_parts(SlicesDone(id=msg.id, errors=errors))
         elif isinstance(msg, ReadSlices):
             views = self._resolve_all(msg.segment, msg.slices)
