@@ -1,0 +1,120 @@
+"""Coalesced frames: grouping of slices into frames, scatter receive, one batch update per
+frame, and a frame mixing accepted and refused slices (each request ends on its own status)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import msgspec
+import numpy as np
+
+from yuebing.transfer import (
+    EmbeddedMetadata,
+    OpCode,
+    TransferConfig,
+    TransferEngine,
+    TransferRequest,
+    TransferStatus,
+)
+from yuebing.transfer.batch import Batch, RequestState, Slice, complete_slices
+from yuebing.transfer.messages import SlicesDone
+from yuebing.transfer.transport.framing import FrameReader, recv_scatter, send_frame
+from yuebing.transfer.transport.tcp_client import NotifyOp, _frames
+
+SIZE = 1 << 16
+
+
+def _batch(n: int) -> Batch:
+    return Batch(1, [RequestState(OpCode.WRITE, 4, 1) for _ in range(n)], deadline=1e18)
+
+
+def test_frames_group_runs_of_same_segment_and_direction() -> None:
+    b = _batch(5)
+    mv = memoryview(bytearray(4))
+    w_a = [Slice(b, i, OpCode.WRITE, mv, "a", 4 * i) for i in range(2)]
+    r_a = Slice(b, 2, OpCode.READ, mv, "a", 8)
+    w_b = Slice(b, 3, OpCode.WRITE, mv, "b", 0)
+    w_a2 = Slice(b, 4, OpCode.WRITE, mv, "a", 16)
+    note = NotifyOp("me", "t", b"")
+    ops = [*w_a, r_a, w_b, note, w_a2]
+    assert _frames(ops) == [w_a, [r_a], [w_b], [note], [w_a2]]
+
+
+def test_complete_slices_updates_each_batch_once_per_request() -> None:
+    b1, b2 = _batch(2), _batch(1)
+    mv = memoryview(bytearray(4))
+    slices = [Slice(b1, 0, OpCode.WRITE, mv, "s", 0), Slice(b2, 0, OpCode.WRITE, mv, "s", 0),
+              Slice(b1, 1, OpCode.WRITE, mv, "s", 4)]
+    complete_slices(slices, [None, "refused", None])
+    s1, s2 = b1.snapshot(), b2.snapshot()
+    assert [r.status for r in s1.requests] == [TransferStatus.DONE, TransferStatus.DONE]
+    assert [r.transferred for r in s1.requests] == [4, 4]
+    assert s2.status == TransferStatus.FAILED and s2.requests[0].error == "refused"
+    assert b1.event.is_set() and b2.event.is_set()
+
+
+def test_scatter_receive_fills_views_across_partial_sends() -> None:
+    a, b = socket.socketpair()
+    try:
+        data = bytes(range(256)) * 40  # 10240 bytes
+        bufs = [bytearray(n) for n in (1, 4000, 3, 6236)]
+
+        def send() -> None:
+            for i in range(0, len(data), 777):  # many small writes: partial receives
+                a.sendall(data[i:i + 777])
+
+        t = threading.Thread(target=send)
+        t.start()
+        recv_scatter(b, [memoryview(x) for x in bufs])
+        t.join()
+        assert b"".join(bufs) == data
+    finally:
+        a.close()
+        b.close()
+
+
+def test_reader_scatters_buffered_bytes_first() -> None:
+    a, b = socket.socketpair()
+    try:
+        send_frame(a, SlicesDone(id=3, errors=["", ""]))
+        a.sendall(b"abcdefgh")
+        reader = FrameReader(b)
+        assert reader.read() == SlicesDone(id=3, errors=["", ""])
+        out = [bytearray(3), bytearray(5)]
+        reader.read_into_many([memoryview(x) for x in out])
+        assert out == [bytearray(b"abc"), bytearray(b"defgh")]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_frame_mixing_accepted_and_refused_slices() -> None:
+    """Three requests travel in one frame (one lane); the owner refuses the middle one (a stale
+    descriptor lets it past submit): the others complete, nothing of it is written or read."""
+    meta = EmbeddedMetadata()
+    with TransferEngine(TransferConfig(engine_id="owner"), metadata=meta) as owner:
+        owner.register_segment("seg", size=SIZE).array[:] = 7
+        desc = meta.lookup("seg")
+        assert desc is not None
+        meta.publish(msgspec.structs.replace(desc, size=2 * SIZE, shm_path=""))
+        cfg = TransferConfig(transports=("tcp",), lanes=1, slice_size=4096)
+        with TransferEngine(cfg, metadata=meta) as eng:
+            offsets = (0, SIZE, 8192)
+            reqs = [TransferRequest(OpCode.WRITE, np.full(4096, i + 1, np.uint8), "seg", off)
+                    for i, off in enumerate(offsets)]
+            st = eng.wait(eng.submit(reqs), 10)
+            assert [r.status for r in st.requests] == [
+                TransferStatus.DONE, TransferStatus.FAILED, TransferStatus.DONE]
+            assert "refused" in st.requests[1].error and "outside segment 'seg'" in st.requests[1].error
+            assert st.status == TransferStatus.FAILED
+            outs = [np.zeros(4096, np.uint8) for _ in offsets]
+            st = eng.wait(eng.submit([TransferRequest(OpCode.READ, o, "seg", off)
+                                      for o, off in zip(outs, offsets, strict=True)]), 10)
+            assert [r.status for r in st.requests] == [
+                TransferStatus.DONE, TransferStatus.FAILED, TransferStatus.DONE]
+            assert (outs[0] == 1).all() and (outs[1] == 0).all() and (outs[2] == 3).all()
+        arr = owner.segment("seg").array
+        expect = np.full(SIZE, 7, np.uint8)
+        expect[:4096], expect[8192:12288] = 1, 3
+        assert (arr == expect).all()
