@@ -147,7 +147,7 @@ def test_storage_node_killed_mid_put_retried_elsewhere_or_leaves_nothing(cluster
             no_retry.put("half", b"h" * 100_000, strategy="preferred", preferred=[seg_e])
     finally:
         no_retry.close()
-    assert client.exists("half") is False
+    assert client.exists("half") is False and client.direct._maps.get(seg_e) is None
     with pytest.raises(NotFoundError):
         client.get("half")
     # D and E are suspected now: a batch spreading over the emptiest segments avoids them
@@ -156,6 +156,25 @@ def test_storage_node_killed_mid_put_retried_elsewhere_or_leaves_nothing(cluster
             .replicas for r in r} <= {cluster[1].info["dram"], cluster[2].info["dram"]}
     st = client.stats()
     assert st["pending"] == 0 and st["suspects"] == 2
+
+
+def test_same_host_direct_path_skips_the_engine(cluster) -> None:
+    addr, seg_a = cluster[0].info["address"], cluster[1].info["dram"]
+    big = np.arange(1 << 20, dtype=np.uint8)  # above SMALL_COPY: numpy copies
+    with StoreClient(ClientConfig(master=addr)) as c, \
+            StoreClient(ClientConfig(master=addr, direct=False)) as e:
+        c.put("d/big", big, strategy="preferred", preferred=[seg_a])
+        assert c.batch_put(["d/s1", "d/s2"], [b"1" * 100, b"2" * 5000], strategy="preferred",
+                           preferred=[seg_a]) == [0, 0]
+        e.put("d/e", b"e" * 5000, strategy="preferred", preferred=[seg_a])
+        # each path reads what the other wrote
+        assert e.batch_get(["d/big", "d/s1", "d/s2"]) == [big.tobytes(), b"1" * 100, b"2" * 5000]
+        out = np.zeros(1 << 20, dtype=np.uint8)
+        assert c.get_into("d/big", out) == 1 << 20 and np.array_equal(out, big)
+        assert c.get("d/e") == b"e" * 5000
+        assert list(c.direct._maps) == [seg_a] and c.engine.stats()["endpoints"] == 0
+        assert e.engine.stats()["endpoints"] == 1
+        c.remove_prefix("d/", force=True)
 
 
 def test_ssd_offload_and_promotion(tmp_path) -> None:

@@ -95,6 +95,9 @@ class ClientConfig:
     transfer_timeout_s: float = field(default=30.0, metadata={"help": "data transfer timeout"})
     failover_s: float = field(default=15.0, metadata={
         "help": "how long a call keeps retrying other masters before giving up"})
+    direct: bool = field(default=True, metadata={
+        "help": "copy to/from a same-host node's shared-memory segment directly (no transfer "
+                "engine batch); off: every byte goes through the engine"})
     put_retries: int = field(default=1, metadata={
         "help": "times a put whose write failed is placed again (the master avoids the "
                 "segments that failed)"})

@@ -5,7 +5,8 @@ every replica through the transfer engine (shared memory on one host, TCP otherw
 ``put_end`` (commit). A failed transfer revokes the put, so no reader ever sees a partial value.
 A get asks ``get_replicas`` (granting a read lease), READs one replica straight into the caller's
 buffer (``get_into``: zero-copy) and verifies the checksum. Batch forms do one master call and
-one transfer batch for many keys. A heartbeat thread keeps the session alive.
+one transfer batch for many keys. Requests to a live node's segment on this host skip the engine:
+`DirectSegments` copies them in the calling thread. A heartbeat thread keeps the session alive.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from collections.abc import Sequence
 from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.store import messages as m
 from yuebing.store.client import common as cm
+from yuebing.store.client.direct import DirectSegments
 from yuebing.store.client.rpc import MasterConnection
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import BatchStatus, TransferConfig, TransferEngine, TransferStatus
+from yuebing.transfer.types import BatchId, RequestStatus
 
 log = logging.getLogger(__name__)
 C = m.Code
@@ -36,6 +39,7 @@ class StoreClient:
         self._own_engine = engine is None
         self.engine = engine or TransferEngine(TransferConfig(metadata="p2p"))
         self.rpc = MasterConnection(self.cfg.masters, self.cfg.rpc_timeout_s, self.cfg.failover_s)
+        self.direct = DirectSegments(self.engine, self.cfg.direct)
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
         if heartbeat:
@@ -54,10 +58,23 @@ class StoreClient:
             conn.close()
 
     def _transfer(self, reqs: list) -> BatchStatus:
-        bid = self.engine.submit(reqs, self.cfg.transfer_timeout_s)
+        """Copy what the same-host fast path can, send the rest through the engine; one status
+        per request either way."""
+        done = self.direct.copy(reqs)
+        rest = [r for r, d in zip(reqs, done, strict=True) if not d]
+        if not rest:
+            return BatchStatus(BatchId(0), TransferStatus.DONE,
+                               tuple(RequestStatus(TransferStatus.DONE, r.length, r.length)
+                                     for r in reqs))
+        bid = self.engine.submit(rest, self.cfg.transfer_timeout_s)
         status = self.engine.wait(bid)
         self.engine.free(bid)
-        return status
+        if len(rest) == len(reqs):
+            return status
+        it = iter(status.requests)
+        return BatchStatus(status.batch_id, status.status, tuple(
+            RequestStatus(TransferStatus.DONE, r.length, r.length) if d else next(it)
+            for r, d in zip(reqs, done, strict=True)))
 
     # ------------------------------------------------------------------ put
     def put(self, key: str, value: object, *, replicas: int | None = None,
@@ -270,6 +287,7 @@ class StoreClient:
         if self._hb is not None:
             self._hb.join(timeout=2 * self.cfg.heartbeat_s + self.cfg.rpc_timeout_s)
         self.rpc.close()
+        self.direct.close()
         if self._own_engine:
             self.engine.close()
 

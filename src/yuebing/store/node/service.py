@@ -22,6 +22,7 @@ from collections import deque
 from yuebing.core.errors import StoreError
 from yuebing.protocol import Message
 from yuebing.store import messages as m
+from yuebing.store.client.direct import hold_liveness_lock
 from yuebing.store.client.rpc import MasterConnection
 from yuebing.store.config import ClientConfig, NodeConfig
 from yuebing.transfer import TransferConfig, TransferEngine
@@ -43,6 +44,8 @@ class StorageNode:
         self.segment = self.engine.register_segment(self._local, size=cfg.dram,
                                                     prefault=cfg.prefault)
         self.dram_name = self.engine.segment_name(self._local)
+        # held while this process lives: same-host clients copy directly only while it is
+        self._live_fd = hold_liveness_lock(self.segment.shm_path) if self.segment.shm_path else -1
         self.ssd_name = ""
         self._ssd_fd = -1
         self._ssd_path = ""
@@ -162,6 +165,9 @@ class StorageNode:
                     self.conn.call(m.Unmount(client=self.client_id, segment=msg.segment))
         self.conn.close()
         self.engine.close()
+        if self._live_fd >= 0:
+            os.close(self._live_fd)
+            self._live_fd = -1
         if self._ssd_fd >= 0:
             os.close(self._ssd_fd)
             with contextlib.suppress(OSError):

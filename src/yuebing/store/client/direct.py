@@ -1,0 +1,148 @@
+"""Same-host fast path: copy values straight into / out of a storage node's shared-memory
+segment mapped into the client, with no transfer-engine batch, queue or worker hand-off.
+
+Life cycle: the first request for a segment looks up its descriptor through the client's
+transfer engine (``describe``). A segment on another host, without a shared-memory file, or on
+an engine not allowed to use ``shm`` is remembered as "not direct" and its requests go through
+the engine as before. Otherwise the file is mapped once and kept open. The storage node holds an
+exclusive ``flock`` on that file for as long as it lives (`hold_liveness_lock`); before each
+batch of copies the client tries a shared, non-blocking lock: if it gets one, no node holds the
+file (the node died), so the map is dropped and the requests go through the engine, which
+fails them and lets the put be revoked and placed elsewhere. Copies use ``numpy.copyto``
+(releases the GIL) above `SMALL_COPY` bytes, memoryview assignment below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import threading
+
+import numpy as np
+
+from yuebing.core.errors import TransferError
+from yuebing.transfer import OpCode, TransferEngine, TransferRequest
+
+log = logging.getLogger(__name__)
+
+SMALL_COPY = 256 << 10
+
+
+def hold_liveness_lock(path: str) -> int:
+    """Called by the storage node once its segment exists: take an exclusive lock on the
+    segment file, held (with the returned fd) until the process ends. Clients treat a segment
+    whose file nobody locks as dead."""
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+class _Mapped:
+    __slots__ = ("arr", "fd", "mm", "mv", "size")
+
+    def __init__(self, path: str, size: int) -> None:
+        self.fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(self.fd).st_size < size:
+                raise TransferError(f"shared memory file {path} is smaller than {size} bytes")
+            self.mm = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.size = size
+        self.arr = np.frombuffer(self.mm, dtype=np.uint8)
+        self.mv = memoryview(self.mm)
+
+    def owner_alive(self) -> bool:
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True  # the node's exclusive lock is held
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        return False
+
+    def close(self) -> None:
+        self.mv.release()
+        del self.arr
+        with contextlib.suppress(BufferError):
+            self.mm.close()  # BufferError: a caller still holds a view; GC unmaps
+        os.close(self.fd)
+
+
+class DirectSegments:
+    """Maps of same-host node segments; `copy` performs the requests it can serve directly."""
+
+    def __init__(self, engine: TransferEngine, enabled: bool = True) -> None:
+        self.engine = engine
+        self.enabled = enabled and "shm" in engine.config.transports
+        self._maps: dict[str, _Mapped | None] = {}
+        self._lock = threading.Lock()
+
+    def _map(self, segment: str) -> _Mapped | None:
+        with self._lock:
+            if segment in self._maps:
+                return self._maps[segment]
+            mapped = None
+            try:
+                d = self.engine.describe(segment)
+                if d.shm_path and d.host_id == self.engine.host_id:
+                    mapped = _Mapped(d.shm_path, d.size)
+            except (OSError, TransferError) as e:
+                log.info("segment %s is not directly mappable: %s", segment, e)
+            self._maps[segment] = mapped
+            return mapped
+
+    def _forget(self, segment: str) -> None:
+        with self._lock:
+            mapped = self._maps.pop(segment, None)
+        if mapped is not None:
+            mapped.close()
+
+    def copy(self, reqs: list[TransferRequest]) -> list[bool]:
+        """Copy every request whose segment is mapped here and whose node is alive; returns
+        which ones were done (the rest are for the transfer engine). Requests were built by
+        the store client: contiguous memoryviews, ``length`` set."""
+        done = [False] * len(reqs)
+        if not self.enabled:
+            return done
+        live: dict[str, _Mapped | None] = {}
+        for i, r in enumerate(reqs):
+            seg = str(r.segment)
+            if seg not in live:
+                mapped = self._map(seg)
+                if mapped is not None and not mapped.owner_alive():
+                    log.warning("segment %s: no node holds it any more; unmapping", seg)
+                    self._forget(seg)
+                    mapped = None
+                live[seg] = mapped
+            mapped = live[seg]
+            n = r.length
+            if mapped is None or n is None or r.offset + n > mapped.size:
+                continue  # the engine reports the range error
+            _copy(r.op, r.local, mapped, r.offset, n)  # type: ignore[arg-type]
+            done[i] = True
+        return done
+
+    def close(self) -> None:
+        with self._lock:
+            maps, self._maps = self._maps, {}
+        for mapped in maps.values():
+            if mapped is not None:
+                mapped.close()
+
+
+def _copy(op: OpCode, local: memoryview, mapped: _Mapped, off: int, n: int) -> None:
+    if n <= SMALL_COPY:
+        if op == OpCode.WRITE:
+            mapped.mv[off:off + n] = local[:n]
+        else:
+            local[:n] = mapped.mv[off:off + n]
+        return
+    mine = np.frombuffer(local, dtype=np.uint8, count=n)
+    if op == OpCode.WRITE:
+        np.copyto(mapped.arr[off:off + n], mine)
+    else:
+        np.copyto(mine, mapped.arr[off:off + n])
