@@ -42,6 +42,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-data", action="store_true")
     p.add_argument("--skip-meta", action="store_true")
     p.add_argument("--no-checksum", action="store_true", help="skip value checksums")
+    p.add_argument("--no-direct", action="store_true",
+                   help="same_host: copy through the transfer engine, not the direct shm path")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     p.add_argument("--out", default="", help="also write the JSON rows to this file")
 
@@ -186,7 +188,8 @@ def _client(ns: argparse.Namespace, master: str, path: str) -> Any:
 
     transports = ("tcp",) if path == "remote_tcp" else ("shm", "tcp")
     engine = TransferEngine(TransferConfig(metadata="p2p", transports=transports))
-    return StoreClient(ClientConfig(master=master, checksum=not ns.no_checksum), engine=engine)
+    return StoreClient(ClientConfig(master=master, checksum=not ns.no_checksum,
+                                    direct=not ns.no_direct), engine=engine)
 
 
 def _start(ns: argparse.Namespace) -> tuple[list[Any], str]:
