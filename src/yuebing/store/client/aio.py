@@ -2,8 +2,9 @@
 
 Life of a call here: master RPCs share one connection (`AsyncMasterConnection`), so many
 coroutines can put/get concurrently; bytes move through the transfer engine's
-``transfer_async``. Puts are two-phase (a failed write revokes), gets verify checksums, and a
-heartbeat task keeps the session alive while the client is open.
+``submit``/``wait_async``, except same-host ones, copied directly in the loop's thread (`direct`:
+~2 ms for 16 MiB). Puts are two-phase (a failed write revokes and re-places), gets verify
+checksums, and a heartbeat task keeps the session alive while the client is open.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from collections.abc import Sequence
 from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.store import messages as m
 from yuebing.store.client import common as cm
+from yuebing.store.client.direct import DirectSegments
 from yuebing.store.client.rpc import AsyncMasterConnection, StoreRpcError
 from yuebing.store.config import ClientConfig
-from yuebing.transfer import TransferConfig, TransferEngine, TransferStatus
+from yuebing.transfer import BatchStatus, TransferConfig, TransferEngine, TransferStatus
 
 log = logging.getLogger(__name__)
 C = m.Code
@@ -35,7 +37,19 @@ class AsyncStoreClient:
         self.engine = engine or TransferEngine(TransferConfig(metadata="p2p"))
         self.rpc = AsyncMasterConnection(self.cfg.masters, self.cfg.rpc_timeout_s,
                                          self.cfg.failover_s)
+        self.direct = DirectSegments(self.engine, self.cfg.direct)
         self._hb: asyncio.Task[None] | None = None
+
+    async def _transfer(self, reqs: list) -> BatchStatus:
+        """Same-host requests copied directly (`DirectSegments`), the rest through the engine."""
+        done = self.direct.copy(reqs)
+        rest = [r for r, d in zip(reqs, done, strict=True) if not d]
+        if not rest:
+            return self.direct.merged(reqs, done, None)
+        bid = self.engine.submit(rest, self.cfg.transfer_timeout_s)
+        status = await self.engine.wait_async(bid)
+        self.engine.free(bid)
+        return status if len(rest) == len(reqs) else self.direct.merged(reqs, done, status)
 
     async def __aenter__(self) -> AsyncStoreClient:
         self._hb = asyncio.get_running_loop().create_task(self._heartbeat())
@@ -64,9 +78,7 @@ class AsyncStoreClient:
             assert isinstance(targets, m.PutTargets)
             reqs = cm.writes(mv, targets.replicas)
             try:
-                bid = self.engine.submit(reqs, self.cfg.transfer_timeout_s)
-                st = await self.engine.wait_async(bid)
-                self.engine.free(bid)
+                st = await self._transfer(reqs)
                 failed, why = cm.failed_segments(reqs, st.requests), "; ".join(st.errors)
             except (TransferError, InputError) as e:
                 failed, why = cm.failed_segments(reqs, None), str(e)
@@ -106,8 +118,7 @@ class AsyncStoreClient:
         errors = []
         for rep in r.replicas:
             try:
-                await self.engine.transfer_async([cm.read(mv, key, r.size, rep)],
-                                                 self.cfg.transfer_timeout_s)
+                (await self._transfer([cm.read(mv, key, r.size, rep)])).raise_for_status()
             except TransferError as e:
                 errors.append(str(e))
                 continue
@@ -130,9 +141,7 @@ class AsyncStoreClient:
             elif code == C.PROMOTING:
                 sizes[i] = await self.get_into(keys[i], mvs[i])
         if reqs:
-            bid = self.engine.submit(reqs, self.cfg.transfer_timeout_s)
-            st = await self.engine.wait_async(bid)
-            self.engine.free(bid)
+            st = await self._transfer(reqs)
             for j, rs in zip(idx, st.requests, strict=True):
                 if rs.status == TransferStatus.DONE:
                     cm.verify(self.cfg, keys[j], mvs[j], r.sizes[j], r.checksums[j])
@@ -179,5 +188,6 @@ class AsyncStoreClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._hb
         self.rpc.close()
+        self.direct.close()
         if self._own_engine:
             self.engine.close()

@@ -23,7 +23,6 @@ from yuebing.store.client.direct import DirectSegments
 from yuebing.store.client.rpc import MasterConnection
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import BatchStatus, TransferConfig, TransferEngine, TransferStatus
-from yuebing.transfer.types import BatchId, RequestStatus
 
 log = logging.getLogger(__name__)
 C = m.Code
@@ -63,18 +62,11 @@ class StoreClient:
         done = self.direct.copy(reqs)
         rest = [r for r, d in zip(reqs, done, strict=True) if not d]
         if not rest:
-            return BatchStatus(BatchId(0), TransferStatus.DONE,
-                               tuple(RequestStatus(TransferStatus.DONE, r.length, r.length)
-                                     for r in reqs))
+            return self.direct.merged(reqs, done, None)
         bid = self.engine.submit(rest, self.cfg.transfer_timeout_s)
         status = self.engine.wait(bid)
         self.engine.free(bid)
-        if len(rest) == len(reqs):
-            return status
-        it = iter(status.requests)
-        return BatchStatus(status.batch_id, status.status, tuple(
-            RequestStatus(TransferStatus.DONE, r.length, r.length) if d else next(it)
-            for r, d in zip(reqs, done, strict=True)))
+        return status if len(rest) == len(reqs) else self.direct.merged(reqs, done, status)
 
     # ------------------------------------------------------------------ put
     def put(self, key: str, value: object, *, replicas: int | None = None,

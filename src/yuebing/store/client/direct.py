@@ -24,7 +24,8 @@ import threading
 import numpy as np
 
 from yuebing.core.errors import TransferError
-from yuebing.transfer import OpCode, TransferEngine, TransferRequest
+from yuebing.transfer import BatchStatus, OpCode, TransferEngine, TransferRequest, TransferStatus
+from yuebing.transfer.types import BatchId, RequestStatus
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,18 @@ class DirectSegments:
             _copy(r.op, r.local, mapped, r.offset, n)  # type: ignore[arg-type]
             done[i] = True
         return done
+
+    @staticmethod
+    def merged(reqs: list[TransferRequest], done: list[bool],
+               status: BatchStatus | None) -> BatchStatus:
+        """One status per request: DONE where copied directly, the engine's (``status`` of the
+        requests not done, in order) elsewhere."""
+        ok = [RequestStatus(TransferStatus.DONE, r.length or 0, r.length or 0) for r in reqs]
+        if status is None:
+            return BatchStatus(BatchId(0), TransferStatus.DONE, tuple(ok))
+        it = iter(status.requests)
+        return BatchStatus(status.batch_id, status.status,
+                           tuple(o if d else next(it) for o, d in zip(ok, done, strict=True)))
 
     def close(self) -> None:
         with self._lock:
