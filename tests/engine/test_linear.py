@@ -29,7 +29,7 @@ def test_unpacked_linear_is_f_linear():
 
 
 @needs_pack
-@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("rows", [0, 1, 7, 64])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_matches_f_linear_for_any_row_count(rows: int, bias: bool):
     gen = torch.Generator().manual_seed(rows)
