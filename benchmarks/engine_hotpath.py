@@ -22,8 +22,7 @@ import torch
 
 from yuebing.engine.config import EngineConfig
 from yuebing.engine.engine import LLMEngine
-from yuebing.engine.profile import _Tokens, time_prefill
-from yuebing.engine.sampling import SamplingParams
+from yuebing.engine.profile import _Tokens, start_decoding, time_prefill
 from yuebing.engine.weights import load_weights
 
 LABELS = ("plain", "packed")
@@ -42,22 +41,9 @@ def _engines(ns: argparse.Namespace) -> dict[str, LLMEngine]:
     return out
 
 
-def _fill(engine: LLMEngine, batch: int, prompt_len: int, steps: int, tokens: _Tokens) -> list[str]:
-    params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
-    rids = [engine.add_request(tokens(prompt_len), params) for _ in range(batch)]
-
-    def prefilling(rid: str) -> bool:
-        seq = engine.get_sequence(rid)
-        return seq is not None and (seq.num_computed == 0 or seq.is_prefilling)
-
-    while any(prefilling(r) for r in rids):
-        engine.step()
-    return rids
-
-
 def decode(engines: dict[str, LLMEngine], batch: int, prompt_len: int, steps: int,
            tokens: _Tokens) -> dict[str, dict[str, float]]:
-    rids = {k: _fill(e, batch, prompt_len, steps, tokens) for k, e in engines.items()}
+    rids = {k: start_decoding(e, batch, prompt_len, steps + 4, tokens) for k, e in engines.items()}
     samples: dict[str, list[tuple[float, float]]] = {k: [] for k in engines}
     for _ in range(steps):
         for k, e in engines.items():

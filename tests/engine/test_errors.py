@@ -75,5 +75,14 @@ def test_bad_engine_config():
 def test_cli_reports_errors(capsys):
     assert main(["generate", "hi", "--model", "/nope.gguf"]) == 2
     assert "model '/nope.gguf' not found" in capsys.readouterr().err
-    assert main(["generate", "hi", "--model", "dummy:preset=tiny", "--max-tokens", "-1"]) == 2
-    assert "max_tokens must be an integer >= 0" in capsys.readouterr().err
+    for bad in ("-1", "0"):
+        assert main(["generate", "hi", "--model", "dummy:preset=tiny", "--max-tokens", bad]) == 2
+        assert f"--max-tokens must be >= 1 (a generate that produces nothing is a mistake), " \
+               f"got {bad}\n" in capsys.readouterr().err
+    for flags, msg in ((["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+                       (["--temperature", "-0.5"], "temperature must be >= 0, got -0.5"),
+                       (["--top-k", "-2"], "top_k must be >= 0 (0 = off), got -2"),
+                       (["--dtype", "fp8"], "dtype 'fp8' unknown"),
+                       (["--device", "tpu"], "device 'tpu' unknown")):
+        assert main(["generate", "hi", "--model", "dummy:preset=tiny", *flags]) == 2, flags
+        assert msg in capsys.readouterr().err, flags

@@ -54,6 +54,9 @@ def _run_generate(ns: argparse.Namespace) -> int:
     from yuebing.engine.engine import LLMEngine
     from yuebing.engine.sampling import SamplingParams
 
+    if ns.max_tokens < 1:
+        raise InputError(f"--max-tokens must be >= 1 (a generate that produces nothing is a "
+                         f"mistake), got {ns.max_tokens}")
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature,
                             top_p=ns.top_p, top_k=ns.top_k, seed=ns.sample_seed,
                             stop=tuple(ns.stop))

@@ -120,6 +120,22 @@ def time_prefill(engine: LLMEngine, new: int, cached: int, tokens: _Tokens) -> T
     return seconds
 
 
+def start_decoding(engine: LLMEngine, batch: int, prompt_len: int, max_tokens: int,
+                   tokens: _Tokens) -> list[str]:
+    """Add ``batch`` greedy requests of ``prompt_len`` tokens and step the engine until every
+    one has finished its prefill, so the next steps are pure decode steps; returns their ids."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    rids = [engine.add_request(tokens(prompt_len), params) for _ in range(batch)]
+
+    def prefilling(rid: str) -> bool:
+        seq = engine.get_sequence(rid)
+        return seq is not None and (seq.num_computed == 0 or seq.is_prefilling)
+
+    while any(prefilling(r) for r in rids):
+        engine.step()
+    return rids
+
+
 def time_decode(engine: LLMEngine, batch: int, context: int, tokens: _Tokens,
                 steps: int = 8) -> Timing:
     """Median time of a decode step with ``batch`` sequences, ``context`` tokens in all."""
@@ -127,14 +143,7 @@ def time_decode(engine: LLMEngine, batch: int, context: int, tokens: _Tokens,
         raise InputError(f"decode batch {batch} exceeds max_num_seqs "
                          f"({engine.config.max_num_seqs}); raise --max-num-seqs")
     per_seq = max(1, context // batch - steps // 2)
-    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
-    rids = [engine.add_request(tokens(per_seq), params) for _ in range(batch)]
-    def prefilling(rid: str) -> bool:
-        seq = engine.get_sequence(rid)
-        return seq is not None and (seq.num_computed == 0 or seq.is_prefilling)
-
-    while any(prefilling(r) for r in rids):
-        engine.step()
+    rids = start_decoding(engine, batch, per_seq, steps + 1, tokens)
     times = []
     for _ in range(steps):
         t0 = _clocks()
