@@ -8,6 +8,7 @@ import threading
 
 import msgspec
 import numpy as np
+import pytest
 
 from yuebing.transfer import (
     EmbeddedMetadata,
@@ -18,9 +19,16 @@ from yuebing.transfer import (
     TransferStatus,
 )
 from yuebing.transfer.batch import Batch, RequestState, Slice, complete_slices
-from yuebing.transfer.messages import SlicesDone
-from yuebing.transfer.transport.framing import FrameReader, recv_scatter, send_frame
+from yuebing.transfer.messages import Hello, HelloReply, SlicesDone, WriteSlices
+from yuebing.transfer.transport.framing import (
+    FrameReader,
+    PeerClosed,
+    recv_frame,
+    recv_scatter,
+    send_frame,
+)
 from yuebing.transfer.transport.tcp_client import NotifyOp, _frames
+from yuebing.transfer.transport.tcp_server import MAX_FRAME_SLICES
 
 SIZE = 1 << 16
 
@@ -118,3 +126,25 @@ def test_frame_mixing_accepted_and_refused_slices() -> None:
         expect = np.full(SIZE, 7, np.uint8)
         expect[:4096], expect[8192:12288] = 1, 3
         assert (arr == expect).all()
+
+
+@pytest.mark.parametrize("slices", [
+    [(0, 0, 0, 0)],  # a zero-length slice: the payload size is unknowable
+    [(0, 1, 0, 1)] * (MAX_FRAME_SLICES + 1),
+    [],
+])
+def test_malformed_frame_closes_only_that_lane(slices: list[tuple[int, int, int, int]]) -> None:
+    meta = EmbeddedMetadata()
+    with TransferEngine(TransferConfig(engine_id="owner"), metadata=meta) as owner:
+        owner.register_segment("seg", size=SIZE).array[:] = 7
+        host, _, port = owner.address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            send_frame(sock, Hello(engine_id="raw", host_id="h"))
+            assert isinstance(recv_frame(sock), HelloReply)
+            send_frame(sock, WriteSlices(id=1, segment="seg", slices=slices))
+            with pytest.raises(PeerClosed):
+                recv_frame(sock)
+        with TransferEngine(TransferConfig(transports=("tcp",)), metadata=meta) as eng:
+            eng.transfer([TransferRequest(OpCode.WRITE, np.full(8, 2, np.uint8), "seg", 0)])
+        assert (owner.segment("seg").array[:8] == 2).all()
+        assert (owner.segment("seg").array[8:] == 7).all()
