@@ -7,7 +7,7 @@ import pytest
 import torch
 from engine_factories import make_engine, prompts
 
-from yuebing.core.errors import InputError
+from yuebing.core.errors import EngineError, InputError
 from yuebing.engine.kv_transfer import (
     LayerStreamer,
     RequestKV,
@@ -78,6 +78,28 @@ def test_import_rejects_foreign_or_malformed_kv(tiny_weights):
                                          torch.zeros(1, *shape[1:])), GREEDY)
     assert engine.allocator.num_free == engine.allocator.num_blocks
     assert not engine.has_unfinished()
+
+
+def test_failed_import_changes_nothing(tiny_weights):
+    engine = make_engine(tiny_weights)
+    shape = (2, *engine.pool.block_shape)
+    kv = RequestKV(list(range(9)), 8, 4, engine.fingerprint, torch.zeros(shape))
+    rid = import_request(engine, kv, GREEDY, request_id="a")
+    free = engine.allocator.num_free
+    assert free == engine.allocator.num_blocks - 2
+    with pytest.raises(InputError, match="request id 'a' is already in use"):
+        import_request(engine, kv, GREEDY, request_id="a")
+    with pytest.raises(InputError, match="params must be a SamplingParams"):
+        import_request(engine, kv, "greedy", request_id="b")  # type: ignore[arg-type]
+    assert engine.allocator.num_free == free and engine.get_sequence("b") is None
+    small = make_engine(tiny_weights, num_blocks=3)
+    import_request(small, kv, GREEDY, request_id="x")
+    with pytest.raises(EngineError, match="KV cache has 1 free blocks, the imported request "
+                                          "needs 2"):
+        import_request(small, kv, GREEDY, request_id="c")
+    assert small.allocator.num_free == 1 and small.get_sequence("c") is None
+    assert [o.request_id for _ in range(20) for o in engine.step() if o.finished] == [rid]
+    assert engine.allocator.num_free == engine.allocator.num_blocks
 
 
 def test_prefix_blocks_move_between_engines(tiny_weights):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from yuebing.core.errors import InputError
+from yuebing.core.errors import EngineError, InputError
 from yuebing.core.ids import BlockHash
 from yuebing.engine.attention import AttnMetadata
 from yuebing.engine.engine import LLMEngine
@@ -84,9 +84,12 @@ def import_request(engine: LLMEngine, kv: RequestKV, params: SamplingParams,
     split = len(ids) if prompt_len is None else prompt_len
     if not 0 < split <= len(ids):
         raise InputError(f"prompt_len must be in 1..{len(ids)}, got {prompt_len}")
+    if n > engine.allocator.num_free:
+        raise EngineError(f"KV cache has {engine.allocator.num_free} free blocks, the "
+                          f"imported request needs {n}")
+    seq = engine._new_sequence(ids[:split], params, request_id)  # checks id and params first
     blocks = engine.allocator.allocate_many(n)
     engine.pool.import_blocks(blocks, kv.data[:n])
-    seq = engine._new_sequence(ids[:split], params, request_id)
     seq.output_ids = ids[split:]
     seq.blocks, seq.num_computed, seq.num_cached_tokens = blocks, kv.num_tokens, kv.num_tokens
     engine.scheduler.publish(seq)
