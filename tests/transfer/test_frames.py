@@ -27,7 +27,7 @@ from yuebing.transfer.transport.framing import (
     recv_scatter,
     send_frame,
 )
-from yuebing.transfer.transport.tcp_client import NotifyOp, _frames
+from yuebing.transfer.transport.lane_ops import NotifyOp, group_frames
 from yuebing.transfer.transport.tcp_server import MAX_FRAME_SLICES
 
 SIZE = 1 << 16
@@ -46,7 +46,7 @@ def test_frames_group_runs_of_same_segment_and_direction() -> None:
     w_a2 = Slice(b, 4, OpCode.WRITE, mv, "a", 16)
     note = NotifyOp("me", "t", b"")
     ops = [*w_a, r_a, w_b, note, w_a2]
-    assert _frames(ops) == [w_a, [r_a], [w_b], [note], [w_a2]]
+    assert group_frames(ops) == [w_a, [r_a], [w_b], [note], [w_a2]]
 
 
 def test_complete_slices_updates_each_batch_once_per_request() -> None:

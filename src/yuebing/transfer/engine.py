@@ -48,7 +48,8 @@ from yuebing.transfer.segment import (
 from yuebing.transfer.transport import shm as _shm  # noqa: F401 - registers shm, local
 from yuebing.transfer.transport import tcp_client as _tcp  # noqa: F401 - registers tcp
 from yuebing.transfer.transport.base import TRANSPORTS, Endpoint, LocalContext, Transport
-from yuebing.transfer.transport.tcp_client import NotifyOp, TcpEndpoint, open_socket
+from yuebing.transfer.transport.lane_ops import NotifyOp
+from yuebing.transfer.transport.tcp_client import TcpEndpoint, open_socket
 from yuebing.transfer.transport.tcp_server import TcpServer
 from yuebing.transfer.types import (
     BatchId,

@@ -29,24 +29,20 @@ from yuebing.transfer.batch import Slice, complete_slices
 from yuebing.transfer.messages import (
     Hello,
     HelloReply,
-    Notify,
-    ReadSlices,
     SegmentDescriptor,
     SliceAck,
     SlicesDone,
-    WriteSlices,
 )
 from yuebing.transfer.transport.base import TRANSPORTS, Endpoint, LocalContext, Transport
 from yuebing.transfer.transport.framing import (
     FrameReader,
     IdleTimeout,
-    frame_parts,
-    pack,
     recv_frame,
     send_frame,
     send_parts,
     tune_socket,
 )
+from yuebing.transfer.transport.lane_ops import NotifyOp, Op, frame_iovec, group_frames
 from yuebing.transfer.types import OpCode
 
 log = logging.getLogger(__name__)
@@ -58,25 +54,6 @@ COALESCE_OPS = 256
 `SlicesDone` answer)."""
 
 
-class NotifyOp:
-    """A notify travelling on a lane; completed when the peer acknowledges delivery."""
-
-    __slots__ = ("sender", "topic", "payload", "event", "error", "attempts", "length")
-    live = True
-
-    def __init__(self, sender: str, topic: str, payload: bytes) -> None:
-        self.sender, self.topic, self.payload = sender, topic, payload
-        self.event = threading.Event()
-        self.error: str | None = None
-        self.attempts = 0
-        self.length = 0
-
-    def complete(self, error: str | None = None) -> None:
-        self.error = error
-        self.event.set()
-
-
-Op = Slice | NotifyOp
 
 
 def open_socket(address: str, ctx: LocalContext, timeout_s: float) -> tuple[socket.socket, HelloReply]:
@@ -167,7 +144,7 @@ class Lane:
                     break
                 more, carry = self._take(item, COALESCE_OPS - len(ops))
                 ops += more
-            frames = _frames(ops)
+            frames = group_frames(ops)
             with self._lock:
                 dead = self.dead
                 ids = [] if dead else [next(self._ids) for _ in frames]
@@ -178,7 +155,7 @@ class Lane:
                 return
             try:
                 send_parts(self.sock, [p for fid, frame in zip(ids, frames, strict=True)
-                                       for p in self._frame(fid, frame)])
+                                       for p in frame_iovec(fid, frame)])
             except OSError as e:
                 self.fail(f"send to {self.endpoint.address} failed: {e}")
                 stop = True
@@ -198,19 +175,6 @@ class Lane:
             if size >= COALESCE_BYTES:
                 break
         return ops[:n], ops[n:]
-
-    @staticmethod
-    def _frame(fid: int, frame: list[Op]) -> list[memoryview]:
-        """The iovec pieces of one frame: header, then (writes) every slice's local bytes."""
-        first = frame[0]
-        if isinstance(first, NotifyOp):
-            return frame_parts(Notify(id=fid, sender=first.sender, topic=first.topic,
-                                      payload=first.payload))
-        specs = [(s.offset, s.length, *s.span) for s in frame]  # type: ignore[union-attr]
-        if first.op == OpCode.WRITE:
-            head = pack(WriteSlices(id=fid, segment=first.segment, slices=specs))
-            return [memoryview(head), *(s.local for s in frame)]  # type: ignore[union-attr]
-        return [memoryview(pack(ReadSlices(id=fid, segment=first.segment, slices=specs)))]
 
     def _recv_loop(self) -> None:
         reader = FrameReader(self.sock)
@@ -281,21 +245,6 @@ class Lane:
         log.debug("lane %s/%d failed with %d ops: %s", self.endpoint.address, self.index,
                   len(ops), error)
         self.endpoint.lane_failed(self, ops, error)
-
-
-def _frames(ops: list[Op]) -> list[list[Op]]:
-    """Group ``ops`` (in order) into frames: runs of slices with the same direction and
-    segment share one; a notify travels alone."""
-    frames: list[list[Op]] = []
-    key: object = None
-    for op in ops:
-        k = None if isinstance(op, NotifyOp) else (op.op, op.segment)
-        if k is None or k != key:
-            frames.append([op])
-        else:
-            frames[-1].append(op)
-        key = k
-    return frames
 
 
 class TcpEndpoint(Endpoint):

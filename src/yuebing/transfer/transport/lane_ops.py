@@ -1,0 +1,65 @@
+"""What travels on a TCP lane and how it is framed: `NotifyOp` (a notify awaiting its ack), `Op`
+(a slice or a notify), `group_frames` (a sender's queued ops → frames: runs of slices of one
+segment and direction share a header) and `frame_iovec` (a frame's ``sendmsg`` pieces).
+
+Used by `tcp_client.Lane`'s sender thread; each frame becomes one `WriteSlices` / `ReadSlices`
+(answered by one `SlicesDone`) or one `Notify` (answered by `SliceAck`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from yuebing.transfer.batch import Slice
+from yuebing.transfer.messages import Notify, ReadSlices, WriteSlices
+from yuebing.transfer.transport.framing import frame_parts, pack
+from yuebing.transfer.types import OpCode
+
+
+class NotifyOp:
+    """A notify travelling on a lane; completed when the peer acknowledges delivery."""
+
+    __slots__ = ("sender", "topic", "payload", "event", "error", "attempts", "length")
+    live = True
+
+    def __init__(self, sender: str, topic: str, payload: bytes) -> None:
+        self.sender, self.topic, self.payload = sender, topic, payload
+        self.event = threading.Event()
+        self.error: str | None = None
+        self.attempts = 0
+        self.length = 0
+
+    def complete(self, error: str | None = None) -> None:
+        self.error = error
+        self.event.set()
+
+
+Op = Slice | NotifyOp
+
+
+def group_frames(ops: list[Op]) -> list[list[Op]]:
+    """Group ``ops`` (in order) into frames: runs of slices with the same direction and
+    segment share one; a notify travels alone."""
+    frames: list[list[Op]] = []
+    key: object = None
+    for op in ops:
+        k = None if isinstance(op, NotifyOp) else (op.op, op.segment)
+        if k is None or k != key:
+            frames.append([op])
+        else:
+            frames[-1].append(op)
+        key = k
+    return frames
+
+
+def frame_iovec(fid: int, frame: list[Op]) -> list[memoryview]:
+    """The iovec pieces of one frame: header, then (writes) every slice's local bytes."""
+    first = frame[0]
+    if isinstance(first, NotifyOp):
+        return frame_parts(Notify(id=fid, sender=first.sender, topic=first.topic,
+                                  payload=first.payload))
+    specs = [(s.offset, s.length, *s.span) for s in frame]  # type: ignore[union-attr]
+    if first.op == OpCode.WRITE:
+        head = pack(WriteSlices(id=fid, segment=first.segment, slices=specs))
+        return [memoryview(head), *(s.local for s in frame)]  # type: ignore[union-attr]
+    return [memoryview(pack(ReadSlices(id=fid, segment=first.segment, slices=specs)))]
