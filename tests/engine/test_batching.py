@@ -103,3 +103,17 @@ def test_sequence_never_outgrows_the_pool(tiny_weights):
     assert len(out.output_token_ids) == 14 and out.finish_reason == "length"
     with pytest.raises(InputError, match="context holds 24"):
         engine.add_request(list(range(30)))
+
+
+def test_abort_of_waiting_and_unknown_requests(tiny_weights, reference):
+    engine = make_engine(tiny_weights, max_num_seqs=1, prefix_caching=False)
+    ids = [engine.add_request(p, GREEDY) for p in prompts(8)[:3]]
+    engine.step()  # only the first request runs (max_num_seqs=1)
+    assert engine.get_sequence(ids[1]).blocks == []
+    assert engine.abort(ids[1]) is True and engine.get_sequence(ids[1]) is None
+    assert engine.abort("no-such-request") is False
+    final = {o.request_id: o.output_token_ids
+             for _ in range(100) for o in engine.step() if o.finished}
+    assert final == {ids[0]: reference[0], ids[2]: reference[2]}
+    assert engine.abort(ids[0]) is False  # already finished
+    assert engine.allocator.num_free == engine.allocator.num_blocks

@@ -80,3 +80,20 @@ def test_stop_token_ids_and_min_tokens(tiny_weights):
         expect = _expected_stop(full, stop, min_tokens)
         assert out.output_token_ids == expect
         assert out.finish_reason == ("stop" if expect[-1] == stop else "length")
+
+
+def test_engine_streams_logprobs_of_the_step_logits(tiny_weights):
+    engine = make_engine(tiny_weights)
+    captured: list[torch.Tensor] = []
+    engine.logits_hook = lambda rids, logits: captured.append(logits[0].clone())
+    rid = engine.add_request(prompts(1, seed=2)[0], SamplingParams(max_tokens=4, temperature=0,
+                                                                   logprobs=3))
+    outs = [o for _ in range(10) for o in engine.step() if o.request_id == rid]
+    assert len(outs) == len(captured) == 4 and outs[-1].finish_reason == "length"
+    for out, logits in zip(outs, captured, strict=True):
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        top = torch.topk(lp, 3)
+        (entry,) = out.logprobs
+        assert list(entry) == top.indices.tolist()  # greedy: the chosen token is the top one
+        assert out.new_token_ids == [int(top.indices[0])]
+        assert list(entry.values()) == top.values.tolist()
