@@ -49,3 +49,22 @@ def test_profile_rejects_bad_grid(capsys):
     with pytest.raises(SystemExit):
         main(["profile", "--new-tokens", "a,b", *COMMON])
     assert "expected comma-separated integers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["profile", "--new-tokens", "0,16"], "argument --new-tokens: expected integers >= 1, got '0,16'"),
+    (["profile", "--cached-tokens", "-16"], "argument --cached-tokens: expected integers >= 0"),
+    (["bench", "engine", "--batches", "0"], "argument --batches: expected integers >= 1, got '0'"),
+    (["bench", "engine", "--prefill-lens", "0"], "argument --prefill-lens: expected integers >= 1"),
+])
+def test_grids_reject_zero_and_negative(capsys, argv, msg):
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, *COMMON])
+    assert exc.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_bench_rejects_bad_prompt_len_and_variants(capsys):
+    assert main(["bench", "engine", "--prompt-len", "0", *COMMON]) == 2
+    assert "--prompt-len must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["bench", "engine", "--variants", "float32", *COMMON]) == 2
+    assert "--variants items look like bfloat16:grouped" in capsys.readouterr().err

@@ -14,15 +14,19 @@ from yuebing.core.config import add_config_args, config_from_args
 from yuebing.core.errors import InputError
 
 
-def _int_list(text: str) -> list[int]:
+def _int_list(text: str, least: int = 0) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") \
             from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    if not values or min(values) < least:
+        raise argparse.ArgumentTypeError(f"expected integers >= {least}, got {text!r}")
     return values
+
+
+def _pos_list(text: str) -> list[int]:
+    return _int_list(text, least=1)
 
 
 def _engine_config(ns: argparse.Namespace, **base: Any) -> Any:
@@ -86,10 +90,10 @@ def _add_profile(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--out", default="predictors.json", help="predictor file to write")
     p.add_argument("--samples", default=None, help="also write the raw samples JSON here")
-    p.add_argument("--new-tokens", type=_int_list, default=[16, 64, 256, 1024])
+    p.add_argument("--new-tokens", type=_pos_list, default=[16, 64, 256, 1024])
     p.add_argument("--cached-tokens", type=_int_list, default=[0, 256, 1024])
-    p.add_argument("--batches", type=_int_list, default=[1, 4, 16, 32])
-    p.add_argument("--contexts", type=_int_list, default=[256, 1024, 4096])
+    p.add_argument("--batches", type=_pos_list, default=[1, 4, 16, 32])
+    p.add_argument("--contexts", type=_pos_list, default=[256, 1024, 4096])
     p.add_argument("--repeats", type=int, default=3)
     add_config_args(p, EngineConfig)
 
@@ -138,9 +142,9 @@ def _run_profile(ns: argparse.Namespace) -> int:
 def _add_bench(p: argparse.ArgumentParser) -> None:
     from yuebing.engine.config import EngineConfig
 
-    p.add_argument("--batches", type=_int_list, default=[1, 8, 32])
+    p.add_argument("--batches", type=_pos_list, default=[1, 8, 32])
     p.add_argument("--prompt-len", type=int, default=128, help="tokens per decoding sequence")
-    p.add_argument("--prefill-lens", type=_int_list, default=[512, 2048])
+    p.add_argument("--prefill-lens", type=_pos_list, default=[512, 2048])
     p.add_argument("--variants", default="bfloat16:grouped,bfloat16:sdpa,float32:grouped",
                    help="comma-separated dtype:attention[:threads] variants measured side by "
                         "side (threads default: --threads)")
@@ -157,6 +161,8 @@ def _run_bench(ns: argparse.Namespace) -> int:
     from yuebing.engine.bench import run_variant
     from yuebing.engine.weights import load_weights
 
+    if ns.prompt_len < 1:
+        raise InputError(f"--prompt-len must be >= 1, got {ns.prompt_len}")
     variants = _parse_variants(ns.variants)
     base = _engine_config(ns)
     weights = load_weights(base.model, base.weights_seed)
