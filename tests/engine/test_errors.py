@@ -34,6 +34,10 @@ def test_bad_hf_dir(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(InputError, match="model_type 'gpt2' is not supported"):
         load_weights(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(InputError, match="invalid model config \\(missing key "
+                                         "'num_attention_heads'\\)"):
+        load_weights(str(tmp_path))
 
 
 def test_bad_dummy_spec():

@@ -342,7 +342,10 @@ def load_hf_dir(path: Path) -> LoadedWeights:
     except FileNotFoundError:
         raise InputError(f"{path}: no config.json; is this a Hugging Face model directory?") \
             from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    except KeyError as e:
+        raise InputError(f"{path}/config.json: invalid model config (missing key {e})") \
+            from None
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
         raise InputError(f"{path}/config.json: invalid model config ({e})") from None
     files = sorted(path.glob("*.safetensors"))
     if not files:
