@@ -49,8 +49,16 @@ def test_bad_dummy_spec():
 
 def test_prompt_longer_than_context(tiny_weights):
     engine = make_engine(tiny_weights, max_model_len=32)
-    with pytest.raises(InputError, match="the prompt has 40 tokens but the context holds 32"):
+    with pytest.raises(InputError) as exc:
         engine.add_request(list(range(40)))
+    assert str(exc.value) == ("the prompt has 40 tokens but the context holds 32 "
+                              "(prompt + output); shorten the prompt")
+    small = make_engine(tiny_weights, num_blocks=5, block_size=4)  # 20 tokens of KV
+    with pytest.raises(InputError) as exc:
+        small.add_request(list(range(20)))
+    assert str(exc.value) == ("the prompt has 20 tokens but the context holds 20 "
+                              "(prompt + output); the KV pool of 5 blocks of 4 tokens bounds "
+                              "it; raise num_blocks / kv_cache_bytes or shorten the prompt")
     with pytest.raises(InputError, match="prompt token ids must be integers in 0..255"):
         engine.add_request([1, 2, 999])
     with pytest.raises(InputError, match="the prompt is empty"):

@@ -57,7 +57,11 @@ class LLMEngine:
             1, config.kv_cache_bytes // KVPool.bytes_per_block(mc, bs, self.dtype))
         self.pool = KVPool(mc, nb, bs, self.dtype, self.device)
         # a sequence must fit the pool alone, else preempting it could never make room
-        self.max_model_len = min(self.max_model_len, nb * bs)
+        self._too_long_hint = "shorten the prompt"
+        if nb * bs < self.max_model_len:
+            self.max_model_len = nb * bs
+            self._too_long_hint = (f"the KV pool of {nb} blocks of {bs} tokens bounds it; raise "
+                                   "num_blocks / kv_cache_bytes or shorten the prompt")
         self.allocator = BlockAllocator(nb, config.prefix_caching)
         self.key_extra: tuple[object, ...] = (self.fingerprint,)
         self.scheduler = Scheduler(self.allocator, bs, config.max_num_seqs,
@@ -115,7 +119,7 @@ class LLMEngine:
             raise InputError(f"prompt token ids must be integers in 0..{vocab - 1}")
         if len(ids) >= self.max_model_len:
             raise InputError(f"the prompt has {len(ids)} tokens but the context holds "
-                             f"{self.max_model_len} (prompt + output); shorten the prompt")
+                             f"{self.max_model_len} (prompt + output); {self._too_long_hint}")
         return ids
 
     def add_request(self, prompt: str | Seq[int] | list[dict[str, str]],
