@@ -85,15 +85,23 @@ def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return cache.view(nb * kvh, bs, hd).index_select(0, index)
 
 
+def _decode_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
+               d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the ``d`` decoding sequences, ``[d, kv_heads, decode_max_len, hd]``."""
+    assert meta.decode_index is not None
+    kvh, hd = k_cache.shape[1], k_cache.shape[-1]
+    length = meta.decode_max_len
+    k = _gather(k_cache, meta.decode_index).view(d, kvh, -1, hd)[:, :, :length]
+    v = _gather(v_cache, meta.decode_index).view(d, kvh, -1, hd)[:, :, :length]
+    return k, v
+
+
 def decode_grouped(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttnMetadata, scale: float) -> torch.Tensor:
     """``q [D, heads, hd]`` → ``[D, heads, hd]`` via grouped matmuls over gathered blocks."""
     d, heads, hd = q.shape
-    kvh = k_cache.shape[1]
-    length = meta.decode_max_len
-    assert meta.decode_index is not None
-    k = _gather(k_cache, meta.decode_index).view(d * kvh, -1, hd)[:, :length]
-    v = _gather(v_cache, meta.decode_index).view(d * kvh, -1, hd)[:, :length]
+    kvh, length = k_cache.shape[1], meta.decode_max_len
+    k, v = (t.flatten(0, 1) for t in _decode_kv(k_cache, v_cache, meta, d))  # views
     # scores in float32: bf16-rounded logits of large attention scores visibly hurt outputs
     qg = (q.float() * scale).view(d * kvh, heads // kvh, hd)
     scores = torch.bmm(qg, k.float().transpose(1, 2))
@@ -107,11 +115,7 @@ def decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttnMetadata, scale: float) -> torch.Tensor:
     """Same result as `decode_grouped` through ``scaled_dot_product_attention``."""
     d, heads, hd = q.shape
-    kvh = k_cache.shape[1]
-    length = meta.decode_max_len
-    assert meta.decode_index is not None
-    k = _gather(k_cache, meta.decode_index).view(d, kvh, -1, hd)[:, :, :length]
-    v = _gather(v_cache, meta.decode_index).view(d, kvh, -1, hd)[:, :, :length]
+    k, v = _decode_kv(k_cache, v_cache, meta, d)
     mask = None if meta.decode_bias is None else meta.decode_bias[:, None].to(q.dtype)
     out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=True)
