@@ -13,6 +13,7 @@ measurement uses fresh random tokens so only the intended prefix is cached.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -26,6 +27,7 @@ from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
 
 SAMPLES_FORMAT = "yuebing-profile-samples"
+log = logging.getLogger(__name__)
 _ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
 
@@ -169,6 +171,8 @@ def profile_engine(engine: LLMEngine, new_tokens: Iterable[int], cached_tokens: 
     for n in new_tokens:
         for c in cached_tokens:
             if c + n >= engine.max_model_len:
+                log.warning("skipping prefill new=%s cached=%s: over the context of %s tokens",
+                            n, c, engine.max_model_len)
                 continue
             if progress:
                 progress(f"prefill new={n} cached={c}")
@@ -179,6 +183,8 @@ def profile_engine(engine: LLMEngine, new_tokens: Iterable[int], cached_tokens: 
     for b in batches:
         for ctx in contexts:
             if ctx < b or ctx // b + 16 >= engine.max_model_len:
+                log.warning("skipping decode batch=%s context=%s: needs batch <= context "
+                            "< batch * %s", b, ctx, engine.max_model_len - 16)
                 continue
             if progress:
                 progress(f"decode batch={b} context={ctx}")
