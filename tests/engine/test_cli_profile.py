@@ -73,8 +73,8 @@ def test_bench_rejects_bad_prompt_len_and_variants(capsys):
 def test_profile_logs_grid_points_it_skips(tmp_path, caplog):
     out = tmp_path / "pred.json"
     with caplog.at_level("WARNING", logger="yuebing.engine.profile"):
-        rc = main(["profile", "--out", str(out), "--new-tokens", "8,16,5000",
-                   "--cached-tokens", "0,16", "--batches", "1,2", "--contexts", "32,64,128,100000",
+        rc = main(["profile", "--out", str(out), "--new-tokens", "8,32,64,5000",
+                   "--cached-tokens", "0,16,32", "--batches", "1,2", "--contexts", "32,64,100000",
                    "--repeats", "1", *COMMON])
     assert rc == 0
     skipped = sorted(r.getMessage() for r in caplog.records)
@@ -82,4 +82,5 @@ def test_profile_logs_grid_points_it_skips(tmp_path, caplog):
         "skipping decode batch=1 context=100000: needs batch <= context < batch * 1008",
         "skipping decode batch=2 context=100000: needs batch <= context < batch * 1008",
         "skipping prefill new=5000 cached=0: over the context of 1024 tokens",
-        "skipping prefill new=5000 cached=16: over the context of 1024 tokens"]
+        "skipping prefill new=5000 cached=16: over the context of 1024 tokens",
+        "skipping prefill new=5000 cached=32: over the context of 1024 tokens"]
