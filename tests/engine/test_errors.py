@@ -98,3 +98,21 @@ def test_cli_reports_errors(capsys):
                        (["--device", "tpu"], "device 'tpu' unknown")):
         assert main(["generate", "hi", "--model", "dummy:preset=tiny", *flags]) == 2, flags
         assert msg in capsys.readouterr().err, flags
+
+
+@pytest.mark.parametrize("template,match", [
+    ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}",
+     r"chat template failed on these messages \(UndefinedError: 'raise_exception' is undefined"),
+    ("{% for m in messages %}{{ m.content }", r"chat template failed on these messages "
+                                              r"\(TemplateSyntaxError: "),
+])
+def test_failing_chat_template_is_an_input_error(template, match):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    from yuebing.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(HFTokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")),
+                    template, None, None, add_bos=False)
+    with pytest.raises(InputError, match=match):
+        tok.encode_chat([{"role": "user", "content": "a"}])

@@ -63,14 +63,19 @@ class Tokenizer:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
                     m.get("content"), str):
                 raise InputError(f"chat message {m!r} needs string 'role' and 'content'")
-        if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            self._template = env.from_string(self.chat_template)
-        return str(self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or ""))
+        try:
+            if self._template is None:
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                self._template = env.from_string(self.chat_template)
+            return str(self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or ""))
+        except TemplateError as e:
+            raise InputError(f"the model's chat template failed on these messages "
+                             f"({type(e).__name__}: {e}); send a raw prompt instead") from None
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat prompt (template text already holds the special tokens)."""
