@@ -102,7 +102,7 @@ def test_cli_reports_errors(capsys):
 
 @pytest.mark.parametrize("template,match", [
     ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}",
-     r"chat template failed on these messages \(UndefinedError: 'raise_exception' is undefined"),
+     r"chat template failed on these messages \(TemplateError: system first\)"),
     ("{% for m in messages %}{{ m.content }", r"chat template failed on these messages "
                                               r"\(TemplateSyntaxError: "),
 ])

@@ -69,6 +69,7 @@ class Tokenizer:
         try:
             if self._template is None:
                 env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                env.globals["raise_exception"] = _raise_template_error  # as HF templates expect
                 self._template = env.from_string(self.chat_template)
             return str(self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
@@ -80,6 +81,12 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat prompt (template text already holds the special tokens)."""
         return self.encode(self.apply_chat_template(messages), add_special=False)
+
+
+def _raise_template_error(message: str) -> None:
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
 
 
 def tokenizer_from_source(source: Any) -> Tokenizer | None:
