@@ -116,6 +116,31 @@ def test_prefix_blocks_move_between_engines(tiny_weights):
     assert out.num_cached_tokens == 24 and out.output_token_ids == ref
 
 
+def test_prefix_import_keeps_present_blocks_and_refuses_when_full(tiny_weights):
+    p = prompts(1, seed=12, lo=26, hi=27)[0]
+    a = make_engine(tiny_weights)
+    a.generate([p], GREEDY)
+    _, data = export_prefix(a, p)
+    b = make_engine(tiny_weights, num_blocks=7)  # room for exactly 6 cached + 1
+    assert import_prefix(b, p, data[:2], a.fingerprint) == 2
+    present = [b.allocator.lookup(k, p[i * 4:(i + 1) * 4]) for i, k in
+               enumerate(b.block_keys(p)[:2])]
+    # a second import adds only the 4 missing blocks and keeps the present ones
+    assert import_prefix(b, p, data, a.fingerprint) == 4
+    assert [b.allocator.lookup(k, p[i * 4:(i + 1) * 4]) for i, k in
+            enumerate(b.block_keys(p)[:2])] == present
+    assert b.allocator.num_cached == 6 and b.allocator.num_free == 7
+    c = make_engine(tiny_weights, num_blocks=7)
+    assert import_prefix(c, p, data[:2], a.fingerprint) == 2
+    blocker = c.allocator.allocate_many(3)  # 4 free, 2 of them the cached prefix
+    # before the fix the 4th missing block evicted the present first block
+    with pytest.raises(EngineError, match="KV cache has 2 free blocks, the prefix needs 4"):
+        import_prefix(c, p, data, a.fingerprint)
+    assert c.allocator.num_cached == 2 and c.allocator.num_free == 4
+    assert import_prefix(c, p, data[:2], a.fingerprint) == 0  # both still cached
+    c.allocator.release_all(blocker)
+
+
 def test_layer_streamer_ships_every_layer_during_prefill(tiny_weights):
     p = prompts(1, seed=13, lo=18, hi=19)[0]
     ref = make_engine(tiny_weights).generate([p], GREEDY)[0].output_token_ids

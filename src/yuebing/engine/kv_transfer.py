@@ -117,17 +117,27 @@ def import_prefix(engine: LLMEngine, token_ids: Seq[int], data: torch.Tensor,
     if data.shape[0] > len(keys) or tuple(data.shape[1:]) != engine.pool.block_shape:
         raise InputError(f"prefix KV shape {tuple(data.shape)} does not fit {len(keys)} full "
                          f"blocks of {engine.pool.block_shape}")
-    bs, alloc, added = engine.block_size, engine.allocator, 0
+    bs, alloc = engine.block_size, engine.allocator
+    present, missing = [], []
     for i in range(data.shape[0]):
-        tokens = ids[i * bs:(i + 1) * bs]
-        if alloc.lookup(keys[i], tokens) is not None:
-            continue
-        block = alloc.allocate()
-        engine.pool.import_blocks([block], data[i:i + 1])
-        alloc.register(block, keys[i], tokens)
-        alloc.release(block)
-        added += 1
-    return added
+        block = alloc.lookup(keys[i], ids[i * bs:(i + 1) * bs])
+        if block is None:
+            missing.append(i)
+        else:
+            alloc.acquire(block)  # held so that allocating the missing ones cannot evict it
+            present.append(block)
+    try:
+        if len(missing) > alloc.num_free:
+            raise EngineError(f"KV cache has {alloc.num_free} free blocks, the prefix needs "
+                              f"{len(missing)}")
+        for i in missing:
+            block = alloc.allocate()
+            engine.pool.import_blocks([block], data[i:i + 1])
+            alloc.register(block, keys[i], ids[i * bs:(i + 1) * bs])
+            alloc.release(block)
+    finally:
+        alloc.release_all(present)
+    return len(missing)
 
 
 LayerSink = Callable[[str, int, list[int], torch.Tensor], None]
