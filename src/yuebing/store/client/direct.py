@@ -9,7 +9,8 @@ exclusive ``flock`` on that file for as long as it lives (`hold_liveness_lock`);
 batch of copies the client tries a shared, non-blocking lock: if it gets one, no node holds the
 file (the node died), so the map is dropped and the requests go through the engine, which
 fails them and lets the put be revoked and placed elsewhere. Copies use ``numpy.copyto``
-(releases the GIL) above `SMALL_COPY` bytes, memoryview assignment below.
+(releases the GIL) above `SMALL_COPY` bytes, memoryview assignment below; a batch of at least
+`PARALLEL_MIN` bytes is split over a few copy threads.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import mmap
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -30,6 +32,8 @@ from yuebing.transfer.types import BatchId, RequestStatus
 log = logging.getLogger(__name__)
 
 SMALL_COPY = 256 << 10
+PARALLEL_MIN = 4 << 20
+"""Batches of at least this many bytes are copied by several threads."""
 
 
 def hold_liveness_lock(path: str) -> int:
@@ -81,6 +85,8 @@ class DirectSegments:
         self.enabled = enabled and "shm" in engine.config.transports
         self._maps: dict[str, _Mapped | None] = {}
         self._lock = threading.Lock()
+        self.workers = min(4, os.cpu_count() or 1)
+        self._pool: ThreadPoolExecutor | None = None
 
     def _map(self, segment: str) -> _Mapped | None:
         with self._lock:
@@ -110,6 +116,7 @@ class DirectSegments:
         if not self.enabled:
             return done
         live: dict[str, _Mapped | None] = {}
+        jobs: list[tuple[OpCode, memoryview, _Mapped, int, int]] = []
         for i, r in enumerate(reqs):
             seg = str(r.segment)
             if seg not in live:
@@ -123,9 +130,25 @@ class DirectSegments:
             n = r.length
             if mapped is None or n is None or r.offset + n > mapped.size:
                 continue  # the engine reports the range error
-            _copy(r.op, r.local, mapped, r.offset, n)  # type: ignore[arg-type]
+            jobs.append((r.op, r.local, mapped, r.offset, n))  # type: ignore[arg-type]
             done[i] = True
+        self._run(jobs)
         return done
+
+    def _run(self, jobs: list[tuple[OpCode, memoryview, _Mapped, int, int]]) -> None:
+        """Copy in this thread, or, for a batch of at least `PARALLEL_MIN` bytes, split over
+        `workers` threads (``numpy.copyto`` releases the GIL: copies overlap)."""
+        if len(jobs) < 2 or self.workers < 2 or sum(j[4] for j in jobs) < PARALLEL_MIN:
+            for job in jobs:
+                _copy(*job)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="store-direct")
+        groups = [jobs[k::self.workers] for k in range(self.workers)]
+        futs = [self._pool.submit(_copy_all, g) for g in groups[1:] if g]
+        _copy_all(groups[0])
+        for f in futs:
+            f.result()
 
     @staticmethod
     def merged(reqs: list[TransferRequest], done: list[bool],
@@ -140,11 +163,18 @@ class DirectSegments:
                            tuple(o if d else next(it) for o, d in zip(ok, done, strict=True)))
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
         with self._lock:
             maps, self._maps = self._maps, {}
         for mapped in maps.values():
             if mapped is not None:
                 mapped.close()
+
+
+def _copy_all(jobs: list[tuple[OpCode, memoryview, _Mapped, int, int]]) -> None:
+    for job in jobs:
+        _copy(*job)
 
 
 def _copy(op: OpCode, local: memoryview, mapped: _Mapped, off: int, n: int) -> None:
