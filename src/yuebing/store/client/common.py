@@ -4,6 +4,7 @@ checksums and per-key result handling. No I/O here."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import xxhash
 
@@ -52,7 +53,7 @@ def writes(mv: memoryview, replicas: list[m.Replica]) -> list[TransferRequest]:
     return [TransferRequest(OpCode.WRITE, mv, r.segment, r.offset, mv.nbytes) for r in replicas]
 
 
-def failed_segments(reqs: list[TransferRequest], statuses: list | None) -> list[str]:
+def failed_segments(reqs: Sequence[TransferRequest], statuses: Sequence[Any] | None) -> list[str]:
     """Names of the segments whose request did not finish (all of them without statuses)."""
     if statuses is None:
         return sorted({str(r.segment) for r in reqs})

@@ -134,7 +134,8 @@ class TcpServer:
         bytes the frame carried (written or read)."""
         if isinstance(msg, WriteSlices):
             views = self._resolve_all(msg.segment, msg.slices)
-            errors, run = [], []  # run: accepted views received together (one recvmsg_into)
+            errors: list[str] = []
+            run: list[memoryview] = []  # accepted views received together (one recvmsg_into)
             for (_, length, _, _), view in zip(msg.slices, views, strict=True):
                 if isinstance(view, str):  # refused: drain its payload, write nothing
                     reader.read_into_many(run)
