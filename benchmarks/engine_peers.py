@@ -201,13 +201,7 @@ def print_table(merged: dict[str, dict[str, Any]], summary: dict[str, Any], w: W
     def cell(res: dict[str, Any], kind: str, k: str, field: str) -> str:
         return "error" if "error" in res else fmt(res[kind][k][field])
 
-    rows = [(f"decode b={b} ms/step", "decode", str(b), "ms_per_step", f"decode_b{b}")
-            for b in w.batches]
-    rows += [(f"decode b={b} tok/s", "decode", str(b), "tokens_per_s", f"decode_b{b}")
-             for b in w.batches]
-    rows += [(f"prefill {n} tok/s", "prefill", str(n), "tokens_per_s", f"prefill_{n}")
-             for n in w.prefill_lens]
-    for label, kind, k, field, rkey in rows:
+    for label, kind, k, field, rkey in _metric_rows(w):
         rs = [summary["ratios_ours_over_peer"][p].get(rkey) for p in peers]
         t.add_row(label, *[cell(merged[n], kind, k, field) for n in names],
                   *["-" if r is None else f"{r:.2f}" for r in rs])
@@ -222,19 +216,24 @@ def print_table(merged: dict[str, dict[str, Any]], summary: dict[str, Any], w: W
             console.print(f"[red]{n} failed[/]: {res['error']}")
 
 
-def markdown(merged: dict[str, dict[str, Any]], summary: dict[str, Any], w: Workload) -> str:
-    """The result table in Markdown (for docs/benchmarks.md)."""
-    names = [n for n in merged if "error" not in merged[n]]
-    peers = [n for n in names if n in summary["ratios_ours_over_peer"]]
-    head = ["metric", *names, *[f"ours/{p}" for p in peers]]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+def _metric_rows(w: Workload) -> list[tuple[str, str, str, str, str]]:
+    """(label, result kind, key, field, ratio key) of every reported metric, in table order."""
     rows = [(f"decode b={b} ms/step", "decode", str(b), "ms_per_step", f"decode_b{b}")
             for b in w.batches]
     rows += [(f"decode b={b} tok/s", "decode", str(b), "tokens_per_s", f"decode_b{b}")
              for b in w.batches]
     rows += [(f"prefill {n} tok/s", "prefill", str(n), "tokens_per_s", f"prefill_{n}")
              for n in w.prefill_lens]
-    for label, kind, k, field, rkey in rows:
+    return rows
+
+
+def markdown(merged: dict[str, dict[str, Any]], summary: dict[str, Any], w: Workload) -> str:
+    """The result table in Markdown (for docs/benchmarks.md)."""
+    names = [n for n in merged if "error" not in merged[n]]
+    peers = [n for n in names if n in summary["ratios_ours_over_peer"]]
+    head = ["metric", *names, *[f"ours/{p}" for p in peers]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, kind, k, field, rkey in _metric_rows(w):
         vals = [fmt(merged[n][kind][k][field]) for n in names]
         rs = [summary["ratios_ours_over_peer"][p].get(rkey) for p in peers]
         lines.append("| " + " | ".join([label, *vals, *[f"{r:.2f}" if r else "-" for r in rs]])
