@@ -80,7 +80,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, hd).index_copy_(0, meta.slot_index, v.reshape(-1, hd))
 
 
-def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of one layer's pool viewed as ``[blocks·kv_heads, bs, hd]`` (a copy)."""
     nb, kvh, bs, hd = cache.shape
     return cache.view(nb * kvh, bs, hd).index_select(0, index)
 
@@ -91,8 +92,8 @@ def _decode_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
     assert meta.decode_index is not None
     kvh, hd = k_cache.shape[1], k_cache.shape[-1]
     length = meta.decode_max_len
-    k = _gather(k_cache, meta.decode_index).view(d, kvh, -1, hd)[:, :, :length]
-    v = _gather(v_cache, meta.decode_index).view(d, kvh, -1, hd)[:, :, :length]
+    k = gather_blocks(k_cache, meta.decode_index).view(d, kvh, -1, hd)[:, :, :length]
+    v = gather_blocks(v_cache, meta.decode_index).view(d, kvh, -1, hd)[:, :, :length]
     return k, v
 
 
@@ -130,8 +131,8 @@ def prefill_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  sl: PrefillSlice, scale: float) -> torch.Tensor:
     """``q [n, heads, hd]`` of one sequence's chunk → ``[n, heads, hd]`` through SDPA."""
     kvh, hd = k_cache.shape[1], k_cache.shape[-1]
-    k = _gather(k_cache, sl.head_index).view(kvh, -1, hd)[None, :, :sl.context_len]
-    v = _gather(v_cache, sl.head_index).view(kvh, -1, hd)[None, :, :sl.context_len]
+    k = gather_blocks(k_cache, sl.head_index).view(kvh, -1, hd)[None, :, :sl.context_len]
+    v = gather_blocks(v_cache, sl.head_index).view(kvh, -1, hd)[None, :, :sl.context_len]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k, v, attn_mask=sl.mask, is_causal=sl.mask is None,
         scale=scale, enable_gqa=True)
@@ -147,8 +148,8 @@ def prefill_grouped(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kvh = k_cache.shape[1]
     g = heads // kvh
     ctx, offset = sl.context_len, sl.context_len - n
-    k = _gather(k_cache, sl.head_index).view(kvh, -1, hd)[:, :ctx].float()
-    v = _gather(v_cache, sl.head_index).view(kvh, -1, hd)
+    k = gather_blocks(k_cache, sl.head_index).view(kvh, -1, hd)[:, :ctx].float()
+    v = gather_blocks(v_cache, sl.head_index).view(kvh, -1, hd)
     qg = (q.float() * scale).view(n, kvh, g, hd).permute(1, 0, 2, 3).reshape(kvh, n * g, hd)
     out = torch.empty(kvh, n * g, hd, dtype=q.dtype, device=q.device)
     keys = torch.arange(ctx, device=q.device)
@@ -166,6 +167,22 @@ def prefill_grouped(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 PREFILL_IMPLS: dict[str, Callable[..., torch.Tensor]] = {
     "grouped": prefill_grouped, "sdpa": prefill_sdpa}
+
+Supports = Callable[[torch.dtype, torch.device], bool]
+PREFILL_SUPPORTS: dict[str, Supports] = {}
+"""Implementations that only run on some dtypes/devices (absent = any); `choose_attention` and
+`EngineConfig` checks consult it."""
+
+
+def register_prefill(name: str, fn: Callable[..., torch.Tensor], supports: Supports) -> None:
+    """Add a prefill implementation (called by modules that provide one when imported)."""
+    PREFILL_IMPLS[name] = fn
+    PREFILL_SUPPORTS[name] = supports
+
+
+def prefill_supported(name: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether prefill implementation ``name`` exists here and runs on ``dtype``/``device``."""
+    return name in PREFILL_IMPLS and PREFILL_SUPPORTS.get(name, lambda *_: True)(dtype, device)
 
 
 def causal_mask(length: int, context_len: int, device: torch.device) -> torch.Tensor | None:
@@ -212,11 +229,13 @@ def choose_attention(num_kv_heads: int, num_heads: int, head_dim: int, dtype: to
     sl = PrefillSlice(0, n, context, head_index(table[0], num_kv_heads),
                       causal_mask(n, context, device))
     qp = torch.randn(n, num_heads, head_dim, device=device).to(dtype)
+    prefills = {name: fn for name, fn in PREFILL_IMPLS.items()
+                if prefill_supported(name, dtype, device)}
     timings.update({f"prefill_{name}": _best_time(
         partial(fn, qp, k_cache, v_cache, sl, scale), device, repeats)
-        for name, fn in PREFILL_IMPLS.items()})
+        for name, fn in prefills.items()})
 
     def pick(kind: str, names: dict[str, Callable[..., torch.Tensor]]) -> str:
         return min(names, key=lambda name: timings[f"{kind}_{name}"])
 
-    return pick("decode", DECODE_IMPLS), pick("prefill", PREFILL_IMPLS), timings
+    return pick("decode", DECODE_IMPLS), pick("prefill", prefills), timings

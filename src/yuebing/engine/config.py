@@ -15,6 +15,7 @@ from yuebing.core.config import require
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION = ("auto", "grouped", "sdpa")
+PREFILL_ATTENTION = ("same", "auto", "grouped", "sdpa", "blas")
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,9 @@ class EngineConfig:
     attention: str = field(default="auto", metadata={
         "help": "attention path for decode and prefill: grouped (matmuls over gathered "
                 "blocks), sdpa, or auto (each measured at start-up)"})
+    prefill_attention: str = field(default="same", metadata={
+        "help": "prefill attention path: same (as --attention), auto (measured), grouped, "
+                "sdpa, or blas (MKL bf16 GEMM with fp32 scores; bf16 on x86-64 CPUs)"})
     weights_seed: int = field(default=0, metadata={"help": "seed of dummy random weights"})
     packed_weights: bool = field(default=True, metadata={
         "help": "pack bf16/fp16 matmul weights into oneDNN's layout once at load (CPU)"})
@@ -141,3 +145,6 @@ class EngineConfig:
         require(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         require(self.attention in ATTENTION,
                 f"attention {self.attention!r} unknown; use one of {ATTENTION}")
+        require(self.prefill_attention in PREFILL_ATTENTION,
+                f"prefill_attention {self.prefill_attention!r} unknown; use one of "
+                f"{PREFILL_ATTENTION}")

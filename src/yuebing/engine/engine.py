@@ -19,11 +19,19 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from yuebing.core.errors import InputError
+from yuebing.core.errors import ConfigError, InputError
 from yuebing.core.hashing import hash_blocks
 from yuebing.core.ids import BlockHash
-from yuebing.engine import runtime
-from yuebing.engine.attention import DECODE_IMPLS, PREFILL_IMPLS, choose_attention
+from yuebing.engine import (
+    blas_attention,  # noqa: F401  (registers the "blas" prefill path)
+    runtime,
+)
+from yuebing.engine.attention import (
+    DECODE_IMPLS,
+    PREFILL_IMPLS,
+    choose_attention,
+    prefill_supported,
+)
 from yuebing.engine.block_manager import BlockAllocator
 from yuebing.engine.config import EngineConfig
 from yuebing.engine.kv_cache import KVPool
@@ -67,13 +75,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, bs, config.max_num_seqs,
                                    config.max_batch_tokens, config.mixed_batches, self.key_extra)
         self.runner = ModelRunner(self.model, self.pool)
-        self.attention = self.prefill_attention = config.attention
-        self.attention_timings: dict[str, float] = {}
-        if config.attention == "auto":
-            self.attention, self.prefill_attention, self.attention_timings = choose_attention(
-                mc.num_kv_heads, mc.num_heads, mc.head_dim, self.dtype, self.device)
-        self.model.decode_impl = DECODE_IMPLS[self.attention]
-        self.model.prefill_impl = PREFILL_IMPLS[self.prefill_attention]
+        self._choose_attention(config)
         self._ids = itertools.count()
         self._arrival = itertools.count()
         self._seqs: dict[str, Sequence] = {}
@@ -85,6 +87,24 @@ class LLMEngine:
         log.info("engine ready: %s, %s layers, %s KV blocks of %s tokens, attention "
                  "decode=%s prefill=%s", mc.name, mc.num_layers, nb, bs, self.attention,
                  self.prefill_attention)
+
+    def _choose_attention(self, config: EngineConfig) -> None:
+        """Set the model's decode/prefill attention: as configured, or measured (``auto``)."""
+        mc = self.model.cfg
+        decode, prefill = config.attention, config.prefill_attention
+        prefill = decode if prefill == "same" else prefill
+        self.attention_timings: dict[str, float] = {}
+        if "auto" in (decode, prefill):
+            best_decode, best_prefill, self.attention_timings = choose_attention(
+                mc.num_kv_heads, mc.num_heads, mc.head_dim, self.dtype, self.device)
+            decode = best_decode if decode == "auto" else decode
+            prefill = best_prefill if prefill == "auto" else prefill
+        if not prefill_supported(prefill, self.dtype, self.device):
+            raise ConfigError(f"prefill attention {prefill!r} does not run with {self.dtype} on "
+                              f"{self.device.type} here; use auto, grouped or sdpa")
+        self.attention, self.prefill_attention = decode, prefill
+        self.model.decode_impl = DECODE_IMPLS[decode]
+        self.model.prefill_impl = PREFILL_IMPLS[prefill]
 
     # ------------------------------------------------------------------------ requests
 
