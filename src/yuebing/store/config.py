@@ -98,12 +98,17 @@ class ClientConfig:
     direct: bool = field(default=True, metadata={
         "help": "copy to/from a same-host node's shared-memory segment directly (no transfer "
                 "engine batch); off: every byte goes through the engine"})
+    keep_freed: int = field(default=1 << 30, metadata={
+        "help": "glibc: freed heap kept for reuse, up to this many bytes (process-wide "
+                "mallopt), so values returned by get/batch_get land in already-faulted pages; "
+                "0 leaves malloc alone", "size": True})
     put_retries: int = field(default=1, metadata={
         "help": "times a put whose write failed is placed again (the master avoids the "
                 "segments that failed)"})
 
     def __post_init__(self) -> None:
         require(self.put_retries >= 0, f"--put-retries must be >= 0, got {self.put_retries}")
+        require(self.keep_freed >= 0, f"--keep-freed must be >= 0 bytes, got {self.keep_freed}")
         require(bool(self.masters), "--master needs at least one address like tcp://127.0.0.1:50151")
         require(self.rpc_timeout_s > 0, f"--rpc-timeout-s must be > 0, got {self.rpc_timeout_s}")
         require(self.heartbeat_s > 0, f"--heartbeat-s must be > 0, got {self.heartbeat_s}")

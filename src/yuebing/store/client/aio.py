@@ -19,6 +19,7 @@ from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.store import messages as m
 from yuebing.store.client import common as cm
 from yuebing.store.client.direct import DirectSegments
+from yuebing.store.client.memory import keep_freed_memory, new_buffer
 from yuebing.store.client.rpc import AsyncMasterConnection, StoreRpcError
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import BatchStatus, TransferConfig, TransferEngine, TransferStatus
@@ -38,6 +39,7 @@ class AsyncStoreClient:
         self.rpc = AsyncMasterConnection(self.cfg.masters, self.cfg.rpc_timeout_s,
                                          self.cfg.failover_s)
         self.direct = DirectSegments(self.engine, self.cfg.direct)
+        keep_freed_memory(self.cfg.keep_freed)
         self._hb: asyncio.Task[None] | None = None
 
     async def _transfer(self, reqs: list) -> BatchStatus:
@@ -100,7 +102,7 @@ class AsyncStoreClient:
 
     async def get(self, key: str) -> bytearray:
         r = await self._replicas(key)
-        out = bytearray(r.size)
+        out = new_buffer(r.size)
         await self._read(key, memoryview(out), r)
         return out
 

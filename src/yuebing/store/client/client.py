@@ -20,6 +20,7 @@ from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.store import messages as m
 from yuebing.store.client import common as cm
 from yuebing.store.client.direct import DirectSegments
+from yuebing.store.client.memory import keep_freed_memory, new_buffer
 from yuebing.store.client.rpc import MasterConnection
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import BatchStatus, TransferConfig, TransferEngine, TransferStatus
@@ -39,6 +40,7 @@ class StoreClient:
         self.engine = engine or TransferEngine(TransferConfig(metadata="p2p"))
         self.rpc = MasterConnection(self.cfg.masters, self.cfg.rpc_timeout_s, self.cfg.failover_s)
         self.direct = DirectSegments(self.engine, self.cfg.direct)
+        keep_freed_memory(self.cfg.keep_freed)
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
         if heartbeat:
@@ -187,7 +189,7 @@ class StoreClient:
                 raise cm.NotFoundError(f"no value for {key!r}") from None
             raise
         assert isinstance(r, m.ReplicaList)
-        out = bytearray(r.size)
+        out = new_buffer(r.size)
         self._read_one(key, memoryview(out), r.size, r.checksum, r.replicas)
         return out
 
@@ -235,7 +237,7 @@ class StoreClient:
             if code == C.PROMOTING:  # SSD-only: a single get waits for the promotion
                 promoted[i] = self.get(keys[i])
                 reps.codes[i] = int(C.NOT_FOUND)
-        bufs = [bytearray(max(s, 1)) for s in reps.sizes]
+        bufs = [new_buffer(max(s, 1)) for s in reps.sizes]
         sizes = self._batch_read(keys, [memoryview(b) for b in bufs], reps)
         out: list[bytearray | None] = [b if s == len(b) else (b[:s] if s >= 0 else None)
                                        for b, s in zip(bufs, sizes, strict=True)]
