@@ -38,7 +38,8 @@ class StoreClient:
         self.client_id = self.cfg.client_id or f"client-{uuid.uuid4().hex[:10]}"
         self._own_engine = engine is None
         self.engine = engine or TransferEngine(TransferConfig(metadata="p2p"))
-        self.rpc = MasterConnection(self.cfg.masters, self.cfg.rpc_timeout_s, self.cfg.failover_s)
+        self.rpc = MasterConnection(self.cfg.masters, self.cfg.rpc_timeout_s, self.cfg.failover_s,
+                                    spin_s=self.cfg.spin_us * 1e-6)
         self.direct = DirectSegments(self.engine, self.cfg.direct)
         keep_freed_memory(self.cfg.keep_freed)
         self._stop = threading.Event()

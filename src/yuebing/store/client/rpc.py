@@ -63,14 +63,15 @@ class MasterConnection(_Base):
     """Blocking request/reply to the leader master; not thread-safe."""
 
     def __init__(self, masters: list[str], timeout_s: float = 5.0, failover_s: float = 15.0,
-                 on_push: Callable[[Message], None] | None = None) -> None:
+                 on_push: Callable[[Message], None] | None = None, spin_s: float = 0.0) -> None:
         super().__init__(masters, timeout_s, failover_s)
         self.on_push = on_push
+        self.spin_s = spin_s
         self.sock: FrameSocket | None = None
 
     def _connect(self) -> FrameSocket:
         self.close()
-        self.sock = FrameSocket(self.address, self.timeout_s)
+        self.sock = FrameSocket(self.address, self.timeout_s, self.spin_s)
         return self.sock
 
     def call(self, msg: Message) -> Message:

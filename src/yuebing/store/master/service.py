@@ -73,7 +73,7 @@ class MasterService:
         self.cfg = cfg
         self.core = MasterCore(cfg, clock)
         self.core.log = None
-        self.server = FrameServer(cfg.rpc_address, self._on_frame)
+        self.server = FrameServer(cfg.rpc_address, self._on_frame, cfg.spin_us * 1e-6)
         self.address = self.server.address
         self.ctx: zmq.Context | None = None
         self.pub: zmq.Socket | None = None

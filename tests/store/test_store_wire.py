@@ -1,0 +1,79 @@
+"""RPC framing: request/reply through `FrameServer` / `FrameSocket`, and the bounded spin-poll
+both ends do before sleeping (served at once, never more CPU than the window)."""
+
+from __future__ import annotations
+
+import time
+
+from yuebing.store.wire import FrameServer, FrameSocket
+
+
+def _echo_server(spin_s: float) -> FrameServer:
+    srv: FrameServer
+
+    def on_frame(cid: int, rid: int, payload: bytes) -> None:
+        srv.send(cid, rid, payload[::-1])
+
+    srv = FrameServer("tcp://127.0.0.1:0", on_frame, spin_s)
+    return srv
+
+
+def _roundtrip(srv: FrameServer, sock: FrameSocket, rid: int, payload: bytes
+               ) -> tuple[int, bytes] | None:
+    """Send, then serve (accepting the connection first if need be) until the reply is back."""
+    sock.send(rid, payload)
+    for _ in range(100):
+        srv.poll(0.01)
+        got = sock.recv(0.01)
+        if got is not None:
+            return got
+    return None
+
+
+def test_request_reply_with_spin() -> None:
+    srv = _echo_server(0.002)
+    sock = FrameSocket(srv.address, 2.0, spin_s=0.002)
+    try:
+        for rid in (1, 2, 3):
+            assert _roundtrip(srv, sock, rid, b"abc%d" % rid) == (rid, b"%dcba" % rid)
+    finally:
+        sock.close()
+        srv.close()
+
+
+def _cpu_of(fn: object, *args: object) -> tuple[float, float]:
+    w0, c0 = time.perf_counter(), time.process_time()
+    fn(*args)  # type: ignore[operator]
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
+def test_server_spins_only_within_the_window_after_a_request() -> None:
+    srv = _echo_server(0.01)
+    sock = FrameSocket(srv.address, 2.0)
+    try:
+        assert _roundtrip(srv, sock, 1, b"x") == (1, b"x")
+        wall, cpu = _cpu_of(srv.poll, 0.1)  # nothing comes: spins <= 10 ms, then sleeps
+        assert wall >= 0.09
+        assert cpu < 0.05
+        wall, cpu = _cpu_of(srv.poll, 0.05)  # window over: sleeps at once
+        assert wall >= 0.045
+        assert cpu < 0.01
+    finally:
+        sock.close()
+        srv.close()
+
+
+def test_client_spin_is_bounded_when_no_reply_comes() -> None:
+    srv = _echo_server(0.0)
+    sock = FrameSocket(srv.address, 2.0, spin_s=0.01)
+    try:
+        assert _roundtrip(srv, sock, 1, b"ab") == (1, b"ba")
+        sock.send(7, b"not served yet")
+        wall, cpu = _cpu_of(sock.recv, 0.1)
+        assert wall >= 0.09
+        assert cpu < 0.05
+        srv.poll(1.0)
+        assert sock.recv(1.0) == (7, b"tey devres ton")
+    finally:
+        sock.close()
+        srv.close()
