@@ -18,7 +18,7 @@ layer writes its new K/V into the pool at the tokens' slots (`write_kv`), then r
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from functools import partial
 
@@ -54,6 +54,12 @@ class AttnMetadata:
     decode_bias: torch.Tensor | None
     """Additive ``[D, 1, max_len]`` mask (0 / -inf) hiding keys past each context, or None."""
     prefills: list[PrefillSlice]
+    slots: torch.Tensor | None = None
+    """``[T]`` int64 slot ``block·block_size + offset`` of each token (native KV write)."""
+    decode_table: torch.Tensor | None = None
+    """``[D, max_blocks]`` int32 block table of the decoding sequences (native decode)."""
+    decode_lens: torch.Tensor | None = None
+    """``[D]`` int32 context length of each decoding sequence, this step's token included."""
 
 
 def head_index(block_ids: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -125,6 +131,20 @@ def decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 DECODE_IMPLS: dict[str, Callable[..., torch.Tensor]] = {
     "grouped": decode_grouped, "sdpa": decode_sdpa}
+DECODE_SUPPORTS: dict[str, Callable[[torch.dtype, torch.device], bool]] = {}
+"""Decode implementations that only run on some dtypes/devices (absent = any)."""
+
+
+def register_decode(name: str, fn: Callable[..., torch.Tensor],
+                    supports: Callable[[torch.dtype, torch.device], bool]) -> None:
+    """Add a decode implementation (called by modules that provide one when imported)."""
+    DECODE_IMPLS[name] = fn
+    DECODE_SUPPORTS[name] = supports
+
+
+def decode_supported(name: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether decode implementation ``name`` exists here and runs on ``dtype``/``device``."""
+    return name in DECODE_IMPLS and DECODE_SUPPORTS.get(name, lambda *_: True)(dtype, device)
 
 
 def prefill_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -210,21 +230,29 @@ def _best_time(fn: Callable[[], object], device: torch.device, repeats: int) -> 
 
 def choose_attention(num_kv_heads: int, num_heads: int, head_dim: int, dtype: torch.dtype,
                      device: torch.device, batch: int = 8, context: int = 512,
-                     repeats: int = 3) -> tuple[str, str, dict[str, float]]:
+                     repeats: int = 3, decode_names: Collection[str] | None = None
+                     ) -> tuple[str, str, dict[str, float]]:
     """Time the decode and prefill paths on this device/dtype; return the faster names
-    (decode, prefill) and all timings in seconds."""
+    (decode, prefill) and all timings in seconds. ``decode_names`` limits the decode
+    candidates (default: every registered one that supports this dtype/device)."""
     bs = 16
     blocks = batch * context // bs
     k_cache = torch.randn(blocks, num_kv_heads, bs, head_dim, device=device).to(dtype)
     v_cache = torch.randn_like(k_cache)
     table = torch.arange(blocks, device=device).view(batch, -1)
     meta = AttnMetadata(torch.zeros(0, dtype=torch.long), batch,
-                        head_index(table, num_kv_heads), context, None, [])
+                        head_index(table, num_kv_heads), context, None, [],
+                        decode_table=table.to(torch.int32),
+                        decode_lens=torch.full((batch,), context, dtype=torch.int32,
+                                               device=device))
     q = torch.randn(batch, num_heads, head_dim, device=device).to(dtype)
     scale = head_dim**-0.5
+    decodes = {name: fn for name, fn in DECODE_IMPLS.items()
+               if (decode_names is None or name in decode_names)
+               and decode_supported(name, dtype, device)}
     timings = {f"decode_{name}": _best_time(partial(fn, q, k_cache, v_cache, meta, scale),
                                             device, repeats)
-               for name, fn in DECODE_IMPLS.items()}
+               for name, fn in decodes.items()}
     n = context // 2  # a chunk on top of as many cached tokens
     sl = PrefillSlice(0, n, context, head_index(table[0], num_kv_heads),
                       causal_mask(n, context, device))
@@ -238,4 +266,4 @@ def choose_attention(num_kv_heads: int, num_heads: int, head_dim: int, dtype: to
     def pick(kind: str, names: dict[str, Callable[..., torch.Tensor]]) -> str:
         return min(names, key=lambda name: timings[f"{kind}_{name}"])
 
-    return pick("decode", DECODE_IMPLS), pick("prefill", prefills), timings
+    return pick("decode", decodes), pick("prefill", prefills), timings

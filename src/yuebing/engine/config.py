@@ -14,7 +14,8 @@ from yuebing.core.config import require
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION = ("auto", "grouped", "sdpa")
+ATTENTION = ("auto", "grouped", "sdpa", "paged")
+KERNELS = ("auto", "native", "torch")
 PREFILL_ATTENTION = ("same", "auto", "grouped", "sdpa", "blas")
 
 
@@ -120,7 +121,12 @@ class EngineConfig:
     threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = auto (1 or all usable cores, measured at start-up)"})
     attention: str = field(default="auto", metadata={
         "help": "attention path for decode and prefill: grouped (matmuls over gathered "
-                "blocks), sdpa, or auto (each measured at start-up)"})
+                "blocks), sdpa, paged (native decode kernel over the block table; prefill "
+                "then measured), or auto (each measured at start-up)"})
+    kernels: str = field(default="auto", metadata={
+        "help": "per-layer small ops and the paged decode kernel: native (C++ built on first "
+                "use; fails if it cannot be built), torch, or auto (native on CPU when it "
+                "builds, else torch)"})
     prefill_attention: str = field(default="same", metadata={
         "help": "prefill attention path: same (as --attention), auto (measured), grouped, "
                 "sdpa, or blas (MKL bf16 GEMM with fp32 scores; bf16 on x86-64 CPUs)"})
@@ -145,6 +151,8 @@ class EngineConfig:
         require(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         require(self.attention in ATTENTION,
                 f"attention {self.attention!r} unknown; use one of {ATTENTION}")
+        require(self.kernels in KERNELS,
+                f"kernels {self.kernels!r} unknown; use one of {KERNELS}")
         require(self.prefill_attention in PREFILL_ATTENTION,
                 f"prefill_attention {self.prefill_attention!r} unknown; use one of "
                 f"{PREFILL_ATTENTION}")

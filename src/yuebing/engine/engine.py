@@ -30,10 +30,12 @@ from yuebing.engine.attention import (
     DECODE_IMPLS,
     PREFILL_IMPLS,
     choose_attention,
+    decode_supported,
     prefill_supported,
 )
 from yuebing.engine.block_manager import BlockAllocator
 from yuebing.engine.config import EngineConfig
+from yuebing.engine.kernels import resolve_kernels
 from yuebing.engine.kv_cache import KVPool
 from yuebing.engine.model import LayerHook, LlamaModel
 from yuebing.engine.runner import ModelRunner
@@ -75,6 +77,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, bs, config.max_num_seqs,
                                    config.max_batch_tokens, config.mixed_batches, self.key_extra)
         self.runner = ModelRunner(self.model, self.pool)
+        self.kernels = resolve_kernels(config.kernels, self.device, self.dtype)
+        self.model.ops = self.kernels
         self._choose_attention(config)
         self._ids = itertools.count()
         self._arrival = itertools.count()
@@ -85,18 +89,27 @@ class LLMEngine:
         self.logits_hook: Callable[[list[str], torch.Tensor], None] | None = None
         """Called each step with the sampled requests' ids and float32 logits (tests, research)."""
         log.info("engine ready: %s, %s layers, %s KV blocks of %s tokens, attention "
-                 "decode=%s prefill=%s", mc.name, mc.num_layers, nb, bs, self.attention,
-                 self.prefill_attention)
+                 "decode=%s prefill=%s, kernels %s", mc.name, mc.num_layers, nb, bs,
+                 self.attention, self.prefill_attention, self.kernels.name)
 
     def _choose_attention(self, config: EngineConfig) -> None:
         """Set the model's decode/prefill attention: as configured, or measured (``auto``)."""
         mc = self.model.cfg
         decode, prefill = config.attention, config.prefill_attention
-        prefill = decode if prefill == "same" else prefill
+        if prefill == "same":  # a decode-only path (paged) leaves prefill to measurement
+            prefill = decode if decode == "auto" or decode in PREFILL_IMPLS else "auto"
+        # the native decode kernel only where the engine runs the native kernels
+        decodes = [n for n in DECODE_IMPLS if n != "paged" or self.kernels.name == "native"]
+        if decode != "auto" and not (decode in decodes and
+                                     decode_supported(decode, self.dtype, self.device)):
+            raise ConfigError(f"decode attention {decode!r} does not run with {self.dtype} on "
+                              f"{self.device.type} with kernels={self.kernels.name}; use auto, "
+                              "grouped or sdpa (paged needs the native kernels)")
         self.attention_timings: dict[str, float] = {}
         if "auto" in (decode, prefill):
             best_decode, best_prefill, self.attention_timings = choose_attention(
-                mc.num_kv_heads, mc.num_heads, mc.head_dim, self.dtype, self.device)
+                mc.num_kv_heads, mc.num_heads, mc.head_dim, self.dtype, self.device,
+                decode_names=decodes)
             decode = best_decode if decode == "auto" else decode
             prefill = best_prefill if prefill == "auto" else prefill
         if not prefill_supported(prefill, self.dtype, self.device):

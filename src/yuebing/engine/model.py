@@ -7,7 +7,9 @@ weight is packed once into oneDNN's blocked layout (`yuebing.engine.linear`). `f
 called by the model runner once per step with the flat batch of token ids and positions, the
 `AttnMetadata` and the per-layer KV pool; after each layer's K/V is written it calls the registered layer hooks (so a
 prefill instance can ship layer i while layer i+1 computes). It returns logits (float32) only for
-the rows the sampler needs.
+the rows the sampler needs. Everything but the matmuls and attention (RMSNorm fused with the
+residual add, RoPE with the KV write, SiLU·mul) goes through ``self.ops``, a
+`yuebing.engine.kernels.KernelOps` (plain torch, or native C++ kernels set by the engine).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from yuebing.engine.attention import DECODE_IMPLS, PREFILL_IMPLS, AttnMetadata, write_kv
+from yuebing.engine.attention import DECODE_IMPLS, PREFILL_IMPLS, AttnMetadata
 from yuebing.engine.config import ModelConfig, RopeScaling
+from yuebing.engine.kernels import KernelOps, TorchOps
 from yuebing.engine.linear import Linear, can_pack
 
 LayerHook = Callable[[int, AttnMetadata], None]
@@ -66,6 +69,8 @@ class LlamaModel:
                  device: torch.device, pack_weights: bool = True) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.hooks: list[LayerHook] = []
+        self.ops: KernelOps = TorchOps()
+        """Per-layer small ops (the engine sets the native ones, see `yuebing.engine.kernels`)."""
         self.decode_impl = DECODE_IMPLS["grouped"]
         self.prefill_impl = PREFILL_IMPLS["sdpa"]
         self._scale = cfg.head_dim**-0.5
@@ -107,41 +112,32 @@ class LlamaModel:
         self._cos = freqs.cos().to(device=device, dtype=dtype)
         self._sin = freqs.sin().to(device=device, dtype=dtype)
 
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # one fused kernel (accumulates in float32 for bf16/fp16 inputs)
-        return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate-half RoPE on ``x [T, heads, hd]`` with ``cos/sin [T, 1, hd/2]``."""
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
                 logits_rows: torch.Tensor) -> torch.Tensor:
         """Run all layers on the flat batch; return float32 logits of ``logits_rows``."""
-        cfg = self.cfg
-        h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cos = self._cos.index_select(0, positions)[:, None, :]
-        sin = self._sin.index_select(0, positions)[:, None, :]
-        x = F.embedding(input_ids, self.embed)
-        n = x.shape[0]
+        cfg, ops = self.cfg, self.ops
+        h, kvh, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        rope = ops.prepare_rope(positions, self._cos, self._sin)
+        residual = F.embedding(input_ids, self.embed)
+        n = residual.shape[0]
+        x = residual  # reassigned by every layer: its MLP output, added by the next norm
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(self._rms(x, layer.ln1))
-            qk = self._rope(qkv[:, : (h + kvh) * hd].view(n, h + kvh, hd), cos, sin)
-            q, k = qk[:, :h], qk[:, h:]
-            v = qkv[:, (h + kvh) * hd:].view(n, kvh, hd)
+            if i == 0:
+                hidden = ops.rms_norm(residual, layer.ln1, eps)
+            else:  # residual += previous MLP output, fused with the norm
+                hidden, residual = ops.add_rms_norm(x, residual, layer.ln1, eps)
             k_cache, v_cache = kv[i]
-            write_kv(k_cache, v_cache, k, v, meta)
+            q = ops.rope_write_kv(layer.qkv(hidden), rope, k_cache, v_cache, meta, h, kvh)
             for hook in self.hooks:
                 hook(i, meta)
             attn = self._attention(q, k_cache, v_cache, meta)
-            x = x + layer.o(attn.reshape(n, h * hd))
-            gate, up = layer.gate_up(self._rms(x, layer.ln2)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        x = self._rms(x.index_select(0, logits_rows), self.norm)
-        return self.lm_head(x).float()
+            hidden, residual = ops.add_rms_norm(layer.o(attn.reshape(n, h * hd)), residual,
+                                                layer.ln2, eps)
+            x = layer.down(ops.silu_mul(layer.gate_up(hidden)))
+        last = residual.index_select(0, logits_rows) + x.index_select(0, logits_rows)
+        return self.lm_head(ops.rms_norm(last, self.norm, eps)).float()
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttnMetadata) -> torch.Tensor:

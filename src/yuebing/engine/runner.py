@@ -54,7 +54,8 @@ class ModelRunner:
                                     dtype=torch.long)]
         rows = list(range(len(plan.decodes)))
         sampled = list(plan.decodes)
-        decode_index, max_len, bias = self._decode_meta(plan, [p + 1 for p in pos])
+        lens = [p + 1 for p in pos]
+        decode_index, max_len, bias, decode_table = self._decode_meta(plan, lens)
         slices: list[PrefillSlice] = []
         start = len(plan.decodes)
         for seq, n in plan.prefills:
@@ -71,20 +72,25 @@ class ModelRunner:
                 sampled.append(seq)
             start += n
         all_pos = torch.cat(positions)
-        slots = slot_index(torch.cat(blocks_t), all_pos % bs, kvh, bs).to(dev)
-        meta = AttnMetadata(slots, len(plan.decodes), decode_index, max_len, bias, slices)
+        all_blocks = torch.cat(blocks_t)
+        slots = slot_index(all_blocks, all_pos % bs, kvh, bs).to(dev)
+        meta = AttnMetadata(slots, len(plan.decodes), decode_index, max_len, bias, slices,
+                            slots=(all_blocks * bs + all_pos % bs).to(dev),
+                            decode_table=None if decode_table is None else decode_table.to(dev),
+                            decode_lens=torch.as_tensor(lens, dtype=torch.int32).to(dev))
         return StepInputs(torch.as_tensor(ids, dtype=torch.long).to(dev), all_pos.to(dev), meta,
                           torch.as_tensor(rows, dtype=torch.long).to(dev), sampled)
 
-    def _decode_meta(self, plan: StepPlan, lens: list[int]
-                     ) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
-        """Gather index over whole blocks, padded length, and the tail mask of the decodes.
+    def _decode_meta(self, plan: StepPlan, lens: list[int]) -> tuple[
+            torch.Tensor | None, int, torch.Tensor | None, torch.Tensor | None]:
+        """Gather index over whole blocks, padded length, tail mask and int32 block table
+        ``[D, max_blocks]`` (zero-padded) of the decodes.
 
         Attention runs over whole gathered blocks (bmm on contiguous operands beat a sliced
         view in our micro-benchmarks); the mask hides keys past each sequence's context.
         """
         if not lens:
-            return None, 0, None
+            return None, 0, None, None
         bs, dev = self.block_size, self.device
         max_blocks = -(-max(lens) // bs)
         max_len = max_blocks * bs
@@ -98,7 +104,7 @@ class ModelRunner:
             ar = torch.arange(max_len)
             bias = torch.where(ar[None, :] < torch.as_tensor(lens)[:, None], 0.0,
                                float("-inf"))[:, None, :].to(dev)
-        return index, max_len, bias
+        return index, max_len, bias, table.to(torch.int32)
 
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
         """Forward pass of ``plan``; returns (logits of sampled rows, their sequences)."""

@@ -1,0 +1,187 @@
+// Paged decode attention on CPU: one new query token per sequence attends to its whole context,
+// read in place from the paged KV pool through the block table (no gather copy).
+//
+// Layout of one layer's pool: k_cache / v_cache [num_blocks, kv_heads, block_size, head_dim].
+// Work is split into tasks (sequence, kv head, context partition of kPartition tokens) run with
+// at::parallel_for. A task handles all query heads of its kv head (GQA), so K and V are read once
+// per kv head: it computes the scores of its partition in float32, a max-subtracted softmax, and
+// the weighted sum of V in float32. With one partition the result is written directly; with
+// several, the partials (max, sum, unnormalised output) are merged afterwards, as in vLLM's
+// paged_attention_v2. Each sequence is computed in the same order whatever else is in the batch,
+// so results do not depend on the batch composition.
+#include "vec.h"
+
+namespace yuebing {
+namespace {
+
+constexpr int64_t kPartition = 512;
+
+struct DecodeShape {
+  int64_t seqs, heads, head_dim, kv_heads, group, block_size, table_stride, parts;
+  int64_t q_seq_stride, q_head_stride;
+};
+
+// One task's partition [start, stop) for (seq, kv head); writes the normalised output when the
+// whole context is one partition, else the partial max / sum / unnormalised output.
+template <typename T>
+void attend_partition(const DecodeShape& s, const T* q, const T* kc, const T* vc,
+                      const int32_t* table, int64_t seq, int64_t kvh, int64_t start,
+                      int64_t stop, float scale, float* qf, float* scores, float* acc,
+                      float* out_max, float* out_sum) {
+  const int64_t hd = s.head_dim, g_n = s.group, n = stop - start;
+  for (int64_t g = 0; g < g_n; ++g) {
+    const T* src = q + seq * s.q_seq_stride + (kvh * g_n + g) * s.q_head_stride;
+    float* dst = qf + g * hd;
+#pragma omp simd
+    for (int64_t i = 0; i < hd; ++i) dst[i] = to_float(src[i]) * scale;
+  }
+  const int32_t* row = table + seq * s.table_stride;
+  const int64_t head_stride = s.block_size * hd, block_stride = s.kv_heads * head_stride;
+  for (int64_t t = start; t < stop; ++t) {
+    const int64_t blk = row[t / s.block_size];
+    const T* k = kc + blk * block_stride + kvh * head_stride + (t % s.block_size) * hd;
+    for (int64_t g = 0; g < g_n; ++g)
+      scores[g * kPartition + (t - start)] = dot_row<T>(qf + g * hd, k, hd);
+  }
+  for (int64_t g = 0; g < g_n; ++g) {
+    float* sc = scores + g * kPartition;
+    out_max[g] = max_row(sc, n);
+    out_sum[g] = exp_sub_sum(sc, n, out_max[g]);
+  }
+  std::fill(acc, acc + g_n * hd, 0.f);
+  for (int64_t t = start; t < stop; ++t) {
+    const int64_t blk = row[t / s.block_size];
+    const T* v = vc + blk * block_stride + kvh * head_stride + (t % s.block_size) * hd;
+    for (int64_t g = 0; g < g_n; ++g)
+      axpy_row<T>(scores[g * kPartition + (t - start)], v, acc + g * hd, hd);
+  }
+}
+
+// Merge the partitions of every (seq, head) into the output.
+template <typename T>
+void merge_partitions(const DecodeShape& s, const int32_t* lens, const float* pmax,
+                      const float* psum, const float* pout, T* out) {
+  const int64_t hd = s.head_dim, parts = s.parts;
+  at::parallel_for(0, s.seqs * s.heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(hd);
+    for (int64_t sh = begin; sh < end; ++sh) {
+      const int64_t used = (lens[sh / s.heads] + kPartition - 1) / kPartition;
+      const float* mx = pmax + sh * parts;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < used; ++p) m = std::max(m, mx[p]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float total = 0.f;
+      for (int64_t p = 0; p < used; ++p) {
+        const float w = std::exp(mx[p] - m);
+        total += psum[sh * parts + p] * w;
+        const float* o = pout + (sh * parts + p) * hd;
+        for (int64_t i = 0; i < hd; ++i) acc[i] += o[i] * w;
+      }
+      T* dst = out + sh * hd;
+      for (int64_t i = 0; i < hd; ++i) dst[i] = from_float<T>(acc[i] / total);
+    }
+  });
+}
+
+template <typename T>
+void decode_attention_impl(const DecodeShape& s, const at::Tensor& q, const at::Tensor& kc,
+                           const at::Tensor& vc, const int32_t* table, const int32_t* lens,
+                           float scale, at::Tensor& out) {
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t hd = s.head_dim, g_n = s.group, parts = s.parts;
+  std::vector<float> pmax, psum, pout;
+  if (parts > 1) {
+    pmax.assign(s.seqs * s.heads * parts, -std::numeric_limits<float>::infinity());
+    psum.assign(s.seqs * s.heads * parts, 0.f);
+    pout.assign(s.seqs * s.heads * parts * hd, 0.f);
+  }
+  const int64_t tasks = s.seqs * s.kv_heads * parts;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(g_n * hd), scores(g_n * kPartition), acc(g_n * hd), mx(g_n), sm(g_n);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / (s.kv_heads * parts), kvh = (task / parts) % s.kv_heads;
+      const int64_t start = (task % parts) * kPartition;
+      const int64_t stop = std::min<int64_t>(lens[seq], start + kPartition);
+      if (start >= stop) continue;  // this sequence's context ends before the partition
+      attend_partition<T>(s, qp, kp, vp, table, seq, kvh, start, stop, scale, qf.data(),
+                          scores.data(), acc.data(), mx.data(), sm.data());
+      for (int64_t g = 0; g < g_n; ++g) {
+        const int64_t sh = seq * s.heads + kvh * g_n + g;
+        const float* a = acc.data() + g * hd;
+        if (parts == 1) {
+          T* dst = op + sh * hd;
+          const float inv = 1.f / sm[g];
+          for (int64_t i = 0; i < hd; ++i) dst[i] = from_float<T>(a[i] * inv);
+        } else {
+          const int64_t p = task % parts;
+          pmax[sh * parts + p] = mx[g];
+          psum[sh * parts + p] = sm[g];
+          std::copy(a, a + hd, pout.data() + (sh * parts + p) * hd);
+        }
+      }
+    }
+  });
+  if (parts > 1) merge_partitions<T>(s, lens, pmax.data(), psum.data(), pout.data(), op);
+}
+
+void check_decode_inputs(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                         const at::Tensor& table, const at::Tensor& lens) {
+  TORCH_CHECK(q.dim() == 3, "paged_decode_attention: q must be [seqs, heads, head_dim], got ",
+              q.sizes());
+  TORCH_CHECK(kc.dim() == 4 && kc.sizes() == vc.sizes(),
+              "paged_decode_attention: k_cache and v_cache must both be [blocks, kv_heads, "
+              "block_size, head_dim], got ", kc.sizes(), " and ", vc.sizes());
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(),
+              "paged_decode_attention: the caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == kc.scalar_type() && kc.scalar_type() == vc.scalar_type(),
+              "paged_decode_attention: q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(q.size(2) == kc.size(3), "paged_decode_attention: q head_dim ", q.size(2),
+              " != cache head_dim ", kc.size(3));
+  TORCH_CHECK(q.stride(2) == 1, "paged_decode_attention: q's last dimension must be dense");
+  TORCH_CHECK(q.size(1) % kc.size(1) == 0, "paged_decode_attention: heads ", q.size(1),
+              " not a multiple of kv_heads ", kc.size(1));
+  TORCH_CHECK(table.scalar_type() == at::kInt && lens.scalar_type() == at::kInt,
+              "paged_decode_attention: block_table and context_lens must be int32");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == q.size(0) && table.stride(1) == 1,
+              "paged_decode_attention: block_table must be [seqs, max_blocks] with dense rows");
+  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == q.size(0) && lens.is_contiguous(),
+              "paged_decode_attention: context_lens must be a dense [seqs] tensor");
+}
+
+}  // namespace
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_table,
+                                  const at::Tensor& context_lens, double scale) {
+  check_decode_inputs(q, k_cache, v_cache, block_table, context_lens);
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t seqs = q.size(0), bs = k_cache.size(2), nb = k_cache.size(0);
+  int64_t max_len = 0;
+  for (int64_t i = 0; i < seqs; ++i) {
+    TORCH_CHECK(lens[i] >= 1 && (lens[i] + bs - 1) / bs <= block_table.size(1),
+                "paged_decode_attention: context length ", lens[i], " of sequence ", i,
+                " is < 1 or needs more blocks than the table's ", block_table.size(1));
+    for (int64_t b = 0; b < (lens[i] + bs - 1) / bs; ++b) {
+      const int32_t blk = table[i * block_table.stride(0) + b];
+      TORCH_CHECK(blk >= 0 && blk < nb, "paged_decode_attention: block ", blk,
+                  " of sequence ", i, " outside the pool of ", nb, " blocks");
+    }
+    max_len = std::max<int64_t>(max_len, lens[i]);
+  }
+  DecodeShape s{seqs, q.size(1), q.size(2), k_cache.size(1), q.size(1) / k_cache.size(1), bs,
+                block_table.stride(0), (max_len + kPartition - 1) / kPartition, q.stride(0),
+                q.stride(1)};
+  at::Tensor out = at::empty({seqs, s.heads, s.head_dim}, q.options());
+  if (seqs == 0) return out;
+  YB_DISPATCH_FLOAT(q.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention_impl<scalar_t>(s, q, k_cache, v_cache, table, lens,
+                                    static_cast<float>(scale), out);
+  });
+  return out;
+}
+
+}  // namespace yuebing

@@ -1,0 +1,23 @@
+// Registers yuebing's native CPU kernels as torch operators (torch.ops.yuebing.*).
+#include <torch/library.h>
+
+#include "common.h"
+
+TORCH_LIBRARY(yuebing, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+        "Tensor context_lens, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rope_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, int num_heads, "
+        "int num_kv_heads) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(yuebing, CPU, m) {
+  m.impl("paged_decode_attention", &yuebing::paged_decode_attention);
+  m.impl("rms_norm", &yuebing::rms_norm);
+  m.impl("fused_add_rms_norm", &yuebing::fused_add_rms_norm);
+  m.impl("rope_write_kv", &yuebing::rope_write_kv);
+  m.impl("silu_and_mul", &yuebing::silu_and_mul);
+}

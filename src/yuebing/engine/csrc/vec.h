@@ -1,0 +1,101 @@
+// Vector helpers for the kernels: row dot product, axpy, exp-and-sum, SiLU. With AVX-512 (the
+// library is built with -march=native) rows whose length is a multiple of 16 use intrinsics
+// (bfloat16 → float32 by a 16-bit shift, float16 by vcvtph2ps, exp by a Cephes polynomial and
+// vscalefps); other lengths and CPUs use plain loops the compiler vectorizes where it can.
+#pragma once
+
+#include "common.h"
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace yuebing {
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// exp(x) for float32 lanes, relative error ~2 ulp (Cephes expf polynomial), 0 below -88.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// sum_i a[i]·b[i] in float32.
+template <typename T>
+inline float dot_row(const float* a, const T* b, int64_t n) {
+#ifdef __AVX512F__
+  if (n % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s = std::fma(a[i], to_float(b[i]), s);
+  return s;
+}
+
+// acc[i] += w·x[i] in float32.
+template <typename T>
+inline void axpy_row(float w, const T* x, float* acc, int64_t n) {
+#ifdef __AVX512F__
+  if (n % 16 == 0) {
+    const __m512 wv = _mm512_set1_ps(w);
+    for (int64_t i = 0; i < n; i += 16)
+      _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(wv, load16(x + i), _mm512_loadu_ps(acc + i)));
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) acc[i] = std::fma(w, to_float(x[i]), acc[i]);
+}
+
+// x[i] = exp(x[i] − sub); returns the sum of the new values.
+inline float exp_sub_sum(float* x, int64_t n, float sub) {
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef __AVX512F__
+  const __m512 s = _mm512_set1_ps(sub);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), s));
+    _mm512_storeu_ps(x + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - sub);
+    sum += x[i];
+  }
+  return sum;
+}
+
+inline float max_row(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+}  // namespace yuebing
