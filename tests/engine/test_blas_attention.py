@@ -71,5 +71,5 @@ def test_blas_is_bf16_cpu_only_and_config_says_so():
                                           "torch.float32"):
         LLMEngine(EngineConfig(model="dummy", dtype="float32", prefill_attention="blas",
                                num_blocks=8))
-    with pytest.raises(ConfigError, match="prefill_attention 'flash' unknown"):
-        EngineConfig(prefill_attention="flash")
+    with pytest.raises(ConfigError, match="prefill_attention 'nope' unknown"):
+        EngineConfig(prefill_attention="nope")

@@ -82,13 +82,14 @@ def fp32_reference(smol_weights) -> tuple[list[int], list[torch.Tensor]]:
                                                num_blocks=64, threads=1), weights=smol_weights))
 
 
-@pytest.mark.parametrize("attention", ["grouped", "sdpa"])
-def test_bf16_paths_track_float32(smol_weights, fp32_reference, attention):
-    """bf16 weights + either attention path stay close to the float32 model (a regression
+@pytest.mark.parametrize(("attention", "prefill"), [("grouped", "same"), ("sdpa", "same"),
+                                                    ("grouped", "blas"), ("grouped", "flash")])
+def test_bf16_paths_track_float32(smol_weights, fp32_reference, attention, prefill):
+    """bf16 weights + each attention path stay close to the float32 model (a regression
     test: bf16-rounded attention scores once turned the answer into nonsense)."""
     ref_tokens, ref_logits = fp32_reference
     bf = LLMEngine(EngineConfig(dtype="bfloat16", attention=attention, num_blocks=64,
-                                threads=1), weights=smol_weights)
+                                threads=1, prefill_attention=prefill), weights=smol_weights)
     tokens, logits = _chat_logits(bf)
     assert tokens == ref_tokens
     worst = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits, strict=True))

@@ -38,6 +38,8 @@ class PrefillSlice:
     """Gather index into the per-layer pool viewed as ``[blocks·kv_heads, bs, hd]``."""
     mask: torch.Tensor | None
     """Boolean ``[length, context_len]`` (True = attend) or None for a causal start."""
+    block_table: torch.Tensor | None = None
+    """int64 ``[blocks]`` of the sequence's context (paths reading the pool in place)."""
 
 
 @dataclass
@@ -230,11 +232,12 @@ def _best_time(fn: Callable[[], object], device: torch.device, repeats: int) -> 
 
 def choose_attention(num_kv_heads: int, num_heads: int, head_dim: int, dtype: torch.dtype,
                      device: torch.device, batch: int = 8, context: int = 512,
-                     repeats: int = 3, decode_names: Collection[str] | None = None
+                     repeats: int = 3, decode_names: Collection[str] | None = None,
+                     prefill_names: Collection[str] | None = None
                      ) -> tuple[str, str, dict[str, float]]:
     """Time the decode and prefill paths on this device/dtype; return the faster names
-    (decode, prefill) and all timings in seconds. ``decode_names`` limits the decode
-    candidates (default: every registered one that supports this dtype/device)."""
+    (decode, prefill) and all timings in seconds. ``decode_names`` / ``prefill_names`` limit
+    the candidates (default: every registered one that supports this dtype/device)."""
     bs = 16
     blocks = batch * context // bs
     k_cache = torch.randn(blocks, num_kv_heads, bs, head_dim, device=device).to(dtype)
@@ -255,10 +258,11 @@ def choose_attention(num_kv_heads: int, num_heads: int, head_dim: int, dtype: to
                for name, fn in decodes.items()}
     n = context // 2  # a chunk on top of as many cached tokens
     sl = PrefillSlice(0, n, context, head_index(table[0], num_kv_heads),
-                      causal_mask(n, context, device))
+                      causal_mask(n, context, device), table[0])
     qp = torch.randn(n, num_heads, head_dim, device=device).to(dtype)
     prefills = {name: fn for name, fn in PREFILL_IMPLS.items()
-                if prefill_supported(name, dtype, device)}
+                if (prefill_names is None or name in prefill_names)
+                and prefill_supported(name, dtype, device)}
     timings.update({f"prefill_{name}": _best_time(
         partial(fn, qp, k_cache, v_cache, sl, scale), device, repeats)
         for name, fn in prefills.items()})

@@ -16,7 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION = ("auto", "grouped", "sdpa", "paged")
 KERNELS = ("auto", "native", "torch")
-PREFILL_ATTENTION = ("same", "auto", "grouped", "sdpa", "blas")
+PREFILL_ATTENTION = ("same", "auto", "grouped", "sdpa", "blas", "flash")
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,8 @@ class EngineConfig:
                 "builds, else torch)"})
     prefill_attention: str = field(default="same", metadata={
         "help": "prefill attention path: same (as --attention), auto (measured), grouped, "
-                "sdpa, or blas (MKL bf16 GEMM with fp32 scores; bf16 on x86-64 CPUs)"})
+                "sdpa, blas (MKL bf16 GEMM with fp32 scores; bf16 on x86-64 CPUs) or flash (native "
+                "kernel; bf16 CPU)"})
     weights_seed: int = field(default=0, metadata={"help": "seed of dummy random weights"})
     packed_weights: bool = field(default=True, metadata={
         "help": "pack bf16/fp16 matmul weights into oneDNN's layout once at load (CPU)"})

@@ -35,7 +35,7 @@ from yuebing.engine.attention import (
 )
 from yuebing.engine.block_manager import BlockAllocator
 from yuebing.engine.config import EngineConfig
-from yuebing.engine.kernels import resolve_kernels
+from yuebing.engine.kernels import NATIVE_ATTENTION, resolve_kernels
 from yuebing.engine.kv_cache import KVPool
 from yuebing.engine.model import LayerHook, LlamaModel
 from yuebing.engine.runner import ModelRunner
@@ -99,7 +99,9 @@ class LLMEngine:
         if prefill == "same":  # a decode-only path (paged) leaves prefill to measurement
             prefill = decode if decode == "auto" or decode in PREFILL_IMPLS else "auto"
         # the native decode kernel only where the engine runs the native kernels
-        decodes = [n for n in DECODE_IMPLS if n != "paged" or self.kernels.name == "native"]
+        native_ok = self.kernels.name == "native"
+        decodes = [n for n in DECODE_IMPLS if native_ok or n not in NATIVE_ATTENTION]
+        prefills = [n for n in PREFILL_IMPLS if native_ok or n not in NATIVE_ATTENTION]
         if decode != "auto" and not (decode in decodes and
                                      decode_supported(decode, self.dtype, self.device)):
             raise ConfigError(f"decode attention {decode!r} does not run with {self.dtype} on "
@@ -109,12 +111,13 @@ class LLMEngine:
         if "auto" in (decode, prefill):
             best_decode, best_prefill, self.attention_timings = choose_attention(
                 mc.num_kv_heads, mc.num_heads, mc.head_dim, self.dtype, self.device,
-                decode_names=decodes)
+                decode_names=decodes, prefill_names=prefills)
             decode = best_decode if decode == "auto" else decode
             prefill = best_prefill if prefill == "auto" else prefill
-        if not prefill_supported(prefill, self.dtype, self.device):
+        if not (prefill in prefills and prefill_supported(prefill, self.dtype, self.device)):
             raise ConfigError(f"prefill attention {prefill!r} does not run with {self.dtype} on "
-                              f"{self.device.type} here; use auto, grouped or sdpa")
+                              f"{self.device.type} with kernels={self.kernels.name}; use auto, "
+                              "grouped or sdpa (flash needs the native kernels and bf16)")
         self.attention, self.prefill_attention = decode, prefill
         self.model.decode_impl = DECODE_IMPLS[decode]
         self.model.prefill_impl = PREFILL_IMPLS[prefill]

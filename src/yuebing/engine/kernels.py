@@ -11,8 +11,10 @@ write, and SiLU(gate)·up. The engine picks the implementation once at start-up 
 - ``auto`` — native on CPU when the build works, else torch after one warning.
 
 Importing this module also registers the native paged decode attention as the ``paged`` entry of
-`DECODE_IMPLS` (reads K/V in place through the block table; usable once the kernels are loaded),
-so `choose_attention` can measure it against the torch paths.
+`DECODE_IMPLS` and the native causal flash prefill attention (bf16, AVX512-BF16 micro-kernels) as
+the ``flash`` entry of `PREFILL_IMPLS` (both read K/V in place through the block table; usable
+once the kernels are loaded), so `choose_attention` can measure them against the torch paths.
+`NATIVE_ATTENTION` names them, for the engine to drop them when it runs the torch ops.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ import torch.nn.functional as F
 
 from yuebing.core.errors import ConfigError
 from yuebing.engine import native
-from yuebing.engine.attention import AttnMetadata, register_decode, write_kv
+from yuebing.engine.attention import (
+    AttnMetadata,
+    PrefillSlice,
+    register_decode,
+    register_prefill,
+    write_kv,
+)
 from yuebing.engine.config import KERNELS
 
 log = logging.getLogger(__name__)
@@ -148,6 +156,24 @@ def _paged_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 register_decode("paged", decode_paged, _paged_supported)
+
+
+def prefill_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  sl: PrefillSlice, scale: float) -> torch.Tensor:
+    """``q [n, heads, hd]`` of one sequence's chunk → ``[n, heads, hd]``: causal over the cached
+    prefix plus the chunk, by the native flash kernel over the block table (bf16 only)."""
+    assert sl.block_table is not None, "flash prefill needs the sequence's block table"
+    return torch.ops.yuebing.flash_prefill_attention(q, k_cache, v_cache, sl.block_table,
+                                                     sl.context_len, scale)
+
+
+def _flash_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype == torch.bfloat16 and native.available()
+
+
+register_prefill("flash", prefill_flash, _flash_supported)
+NATIVE_ATTENTION = frozenset({"paged", "flash"})
+"""Attention paths that need the native kernels (the engine drops them with kernels=torch)."""
 
 
 def resolve_kernels(name: str, device: torch.device, dtype: torch.dtype) -> KernelOps:

@@ -29,11 +29,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("common.h", "vec.h", "decode_attention.cpp", "layer_ops.cpp", "register.cpp")
+SOURCES = ("common.h", "vec.h", "decode_attention.cpp", "flash_prefill.cpp", "layer_ops.cpp",
+           "register.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
 OPS = ("paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rope_write_kv",
-       "silu_and_mul")
+       "silu_and_mul", "flash_prefill_attention")
 
 
 @dataclass(frozen=True)

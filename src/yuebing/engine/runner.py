@@ -65,8 +65,9 @@ class ModelRunner:
             positions.append(p)
             table = torch.as_tensor(seq.blocks[: -(-(nc + n) // bs)], dtype=torch.long)
             blocks_t.append(table[p // bs])
-            slices.append(PrefillSlice(start, n, nc + n, head_index(table, kvh).to(dev),
-                                       causal_mask(n, nc + n, dev)))
+            table = table.to(dev)
+            slices.append(PrefillSlice(start, n, nc + n, head_index(table, kvh),
+                                       causal_mask(n, nc + n, dev), table))
             if nc + n == seq.num_tokens:
                 rows.append(start + n - 1)
                 sampled.append(seq)

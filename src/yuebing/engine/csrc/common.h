@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -64,5 +65,8 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
                    const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                    const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads);
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_table,
+                                   int64_t context_len, double scale);
 
 }  // namespace yuebing

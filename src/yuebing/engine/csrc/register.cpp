@@ -12,6 +12,8 @@ TORCH_LIBRARY(yuebing, m) {
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, int num_heads, "
         "int num_kv_heads) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("flash_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+        "int context_len, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(yuebing, CPU, m) {
@@ -20,4 +22,5 @@ TORCH_LIBRARY_IMPL(yuebing, CPU, m) {
   m.impl("fused_add_rms_norm", &yuebing::fused_add_rms_norm);
   m.impl("rope_write_kv", &yuebing::rope_write_kv);
   m.impl("silu_and_mul", &yuebing::silu_and_mul);
+  m.impl("flash_prefill_attention", &yuebing::flash_prefill_attention);
 }

@@ -1,0 +1,389 @@
+// Causal prefill attention on CPU, flash-attention style, reading K/V in place from the paged
+// pool through the block table.
+//
+// q [n, heads, hd] holds one sequence's new chunk, whose tokens sit at positions
+// [ctx - n, ctx) of a context of ctx tokens (cached prefix + the chunk); query token t sees keys
+// 0 .. ctx - n + t. For each kv head the context's K and V are first packed into the pair-
+// interleaved layout AVX512-BF16's dot-product instruction wants (zero-padded to whole chunks of
+// kChunk keys). Tasks are (kv head, tile of kTile query tokens); a task's rows are the tile's
+// tokens × the kv head's query group (GQA: K/V are read once for the whole group). For every
+// chunk of keys a task computes the float32 scores of blocks of kRows rows (exact dot products of
+// the bf16 inputs), masks the keys past each row's position, folds them into an online softmax
+// (running max and sum per row), casts the probabilities to bf16 and accumulates P·V in float32.
+// The output is normalised and cast to bf16 at the end. Tasks are scheduled dynamically (causal
+// tiles differ in cost). Without AVX512-BF16 the same algorithm runs in portable C++.
+#include "common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define YB_FLASH_AVX512 1
+#endif
+
+namespace yuebing {
+namespace {
+
+constexpr int64_t kChunk = 64;  // keys per chunk (4 × 16 float lanes)
+constexpr int64_t kTile = 32;   // query tokens per task
+constexpr int64_t kRows = 4;    // rows per micro-kernel block
+
+struct FlashShape {
+  int64_t n, heads, hd, kv_heads, group, block_size, ctx, chunks, q_tok, q_head;
+};
+
+// Packs K and V of kv head `h` for context [0, ctx) into
+//   kp[c][i][k][e] = K[c*kChunk + k][2i + e]   (pairs along head_dim, keys in lanes)
+//   vp[c][m][d][e] = V[c*kChunk + 2m + e][d]   (pairs along keys, head_dim in lanes)
+// zero-filled past ctx.
+void pack_head(const FlashShape& s, const uint16_t* kc, const uint16_t* vc,
+               const int64_t* table, int64_t h, uint16_t* kp, uint16_t* vp) {
+  const int64_t hd = s.hd, head_stride = s.block_size * hd, block_stride = s.kv_heads * head_stride;
+  const int64_t chunk_elems = kChunk * hd;
+  std::fill(kp, kp + s.chunks * chunk_elems, 0);
+  std::fill(vp, vp + s.chunks * chunk_elems, 0);
+  for (int64_t t = 0; t < s.ctx; ++t) {
+    const int64_t off = table[t / s.block_size] * block_stride + h * head_stride +
+                        (t % s.block_size) * hd;
+    const uint16_t* k = kc + off;
+    const uint16_t* v = vc + off;
+    const int64_t c = t / kChunk, key = t % kChunk;
+    uint16_t* kdst = kp + c * chunk_elems + key * 2;
+    for (int64_t i = 0; i < hd / 2; ++i) {
+      kdst[i * kChunk * 2] = k[2 * i];
+      kdst[i * kChunk * 2 + 1] = k[2 * i + 1];
+    }
+    uint16_t* vdst = vp + c * chunk_elems + (key / 2) * hd * 2 + (key % 2);
+    for (int64_t d = 0; d < hd; ++d) vdst[d * 2] = v[d];
+  }
+}
+
+inline float bf16_to_float(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even (as torch does)
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+#ifdef YB_FLASH_AVX512
+// e^x for x <= 0 (the softmax argument); exactly 0 below -87 and for -inf.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+#endif
+
+struct RowState {
+  float* o;    // [rows, hd] unnormalised output
+  float* m;    // [rows] running max
+  float* l;    // [rows] running sum
+};
+
+// Portable scores of rows [r0, r0 + kRows) against chunk c into sc[kRows][kChunk] (scaled,
+// masked), and each row's max.
+void block_scores_portable(const FlashShape& s, const uint16_t* const* qrow, const uint16_t* kpc,
+                           const int64_t* limit, int64_t c, float scale, float* sc,
+                           float* rowmax) {
+  const int64_t pairs = s.hd / 2;
+  for (int r = 0; r < kRows; ++r) {
+    for (int64_t k = 0; k < kChunk; ++k) {
+      float dot = 0.f;
+      for (int64_t i = 0; i < pairs; ++i) {
+        const uint16_t* kb = kpc + i * kChunk * 2 + k * 2;
+        dot += bf16_to_float(qrow[r][2 * i]) * bf16_to_float(kb[0]);
+        dot += bf16_to_float(qrow[r][2 * i + 1]) * bf16_to_float(kb[1]);
+      }
+      const bool visible = c * kChunk + k <= limit[r];
+      sc[r * kChunk + k] = visible ? dot * scale : -std::numeric_limits<float>::infinity();
+    }
+    rowmax[r] = *std::max_element(sc + r * kChunk, sc + (r + 1) * kChunk);
+  }
+}
+
+#ifdef YB_FLASH_AVX512
+// Scores of one row against the 64 keys of a chunk, kept in four registers by the caller.
+struct Row4 {
+  __m512 a0, a1, a2, a3;
+};
+
+inline void row_dot(Row4& acc, const uint16_t* q, int64_t i, __m512bh b0, __m512bh b1,
+                    __m512bh b2, __m512bh b3) {
+  const __m512bh a = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(q + 2 * i));
+  acc.a0 = _mm512_dpbf16_ps(acc.a0, a, b0);
+  acc.a1 = _mm512_dpbf16_ps(acc.a1, a, b1);
+  acc.a2 = _mm512_dpbf16_ps(acc.a2, a, b2);
+  acc.a3 = _mm512_dpbf16_ps(acc.a3, a, b3);
+}
+
+inline float finish_row(const Row4& acc, int64_t first, int64_t limit, float scale, float* out) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 parts[4] = {acc.a0, acc.a1, acc.a2, acc.a3};
+  __m512 vmax = neg_inf;
+  for (int j = 0; j < 4; ++j) {
+    __m512 v = _mm512_mul_ps(parts[j], vscale);
+    const int64_t visible = limit - (first + j * 16) + 1;  // lanes [0, visible) are visible
+    if (visible < 16) {
+      const __mmask16 keep = _mm512_cmp_epi32_mask(
+          lane, _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(visible, 0))),
+          _MM_CMPINT_LT);
+      v = _mm512_mask_mov_ps(neg_inf, keep, v);
+    }
+    vmax = _mm512_max_ps(vmax, v);
+    _mm512_storeu_ps(out + j * 16, v);
+  }
+  return _mm512_reduce_max_ps(vmax);
+}
+
+// Scores of 4 rows against chunk c (AVX512-BF16): 16 accumulators stay in registers.
+void block_scores(const FlashShape& s, const uint16_t* const* qrow, const uint16_t* kpc,
+                  const int64_t* limit, int64_t c, float scale, float* sc, float* rowmax) {
+  Row4 r0{}, r1{}, r2{}, r3{};
+  r0 = r1 = r2 = r3 = Row4{_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                           _mm512_setzero_ps()};
+  const uint16_t *q0 = qrow[0], *q1 = qrow[1], *q2 = qrow[2], *q3 = qrow[3];
+  for (int64_t i = 0; i < s.hd / 2; ++i) {
+    const uint16_t* kb = kpc + i * kChunk * 2;
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(kb);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(kb + 32);
+    const __m512bh b2 = (__m512bh)_mm512_loadu_si512(kb + 64);
+    const __m512bh b3 = (__m512bh)_mm512_loadu_si512(kb + 96);
+    row_dot(r0, q0, i, b0, b1, b2, b3);
+    row_dot(r1, q1, i, b0, b1, b2, b3);
+    row_dot(r2, q2, i, b0, b1, b2, b3);
+    row_dot(r3, q3, i, b0, b1, b2, b3);
+  }
+  const int64_t first = c * kChunk;
+  rowmax[0] = finish_row(r0, first, limit[0], scale, sc);
+  rowmax[1] = finish_row(r1, first, limit[1], scale, sc + kChunk);
+  rowmax[2] = finish_row(r2, first, limit[2], scale, sc + 2 * kChunk);
+  rowmax[3] = finish_row(r3, first, limit[3], scale, sc + 3 * kChunk);
+}
+#endif
+
+// Online-softmax update of rows [r0, r0 + kRows) with the scores `sc`; writes bf16
+// probabilities to `pb[kRows][kChunk]` and rescales the rows' partial outputs.
+void block_softmax(const FlashShape& s, float* sc, const float* rowmax, uint16_t* pb, RowState st,
+                   int64_t r0) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int r = 0; r < kRows; ++r) {
+    float* row = sc + r * kChunk;
+    const float mx = rowmax[r];
+    const float m_old = st.m[r0 + r];
+    const float m_new = std::max(m_old, mx);
+    float* o = st.o + (r0 + r) * s.hd;
+    if (m_new == neg_inf) {  // nothing visible yet in this row
+      std::fill(pb + r * kChunk, pb + (r + 1) * kChunk, 0);
+      continue;
+    }
+    const float alpha = m_old == neg_inf ? 0.f : std::exp(m_old - m_new);
+    float sum = 0.f;
+#ifdef YB_FLASH_AVX512
+    const __m512 vm = _mm512_set1_ps(m_new);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kChunk; k += 32) {
+      __m512 p0 = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + k), vm));
+      __m512 p1 = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + k + 16), vm));
+      vsum = _mm512_add_ps(vsum, _mm512_add_ps(p0, p1));
+      __m512bh packed = _mm512_cvtne2ps_pbh(p1, p0);
+      _mm512_storeu_si512(pb + r * kChunk + k, (__m512i)packed);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+    if (alpha != 1.f) {
+      const __m512 va = _mm512_set1_ps(alpha);
+      for (int64_t d = 0; d < s.hd; d += 16)
+        _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), va));
+    }
+#else
+    for (int64_t k = 0; k < kChunk; ++k) {
+      const float p = row[k] == neg_inf ? 0.f : std::exp(row[k] - m_new);
+      sum += p;
+      pb[r * kChunk + k] = float_to_bf16(p);
+    }
+    for (int64_t d = 0; d < s.hd; ++d) o[d] *= alpha;
+#endif
+    st.m[r0 + r] = m_new;
+    st.l[r0 + r] = st.l[r0 + r] * alpha + sum;
+  }
+}
+
+// Portable o[r0 + r] += P[r] · V_chunk for the kRows rows.
+void block_pv_portable(const FlashShape& s, const uint16_t* pb, const uint16_t* vpc, RowState st,
+                       int64_t r0) {
+  const int64_t hd = s.hd;
+  for (int r = 0; r < kRows; ++r) {
+    float* o = st.o + (r0 + r) * hd;
+    for (int64_t k = 0; k < kChunk; ++k) {
+      const float p = bf16_to_float(pb[r * kChunk + k]);
+      if (p == 0.f) continue;
+      const uint16_t* vrow = vpc + (k / 2) * hd * 2 + (k % 2);
+      for (int64_t d = 0; d < hd; ++d) o[d] += p * bf16_to_float(vrow[d * 2]);
+    }
+  }
+}
+
+#ifdef YB_FLASH_AVX512
+// o[r0 + r] += P[r] · V_chunk for 4 rows, 64 output columns at a time (AVX512-BF16).
+void block_pv(const FlashShape& s, const uint16_t* pb, const uint16_t* vpc, RowState st,
+              int64_t r0) {
+  const int64_t hd = s.hd;
+  const int32_t* p32 = reinterpret_cast<const int32_t*>(pb);  // bf16 pairs of keys
+  for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+    Row4 o[4];
+    for (int r = 0; r < 4; ++r) {
+      const float* src = st.o + (r0 + r) * hd + d0;
+      o[r] = Row4{_mm512_loadu_ps(src), _mm512_loadu_ps(src + 16), _mm512_loadu_ps(src + 32),
+                  _mm512_loadu_ps(src + 48)};
+    }
+    Row4 x0 = o[0], x1 = o[1], x2 = o[2], x3 = o[3];
+    for (int64_t m = 0; m < kChunk / 2; ++m) {
+      const uint16_t* vb = vpc + m * hd * 2 + d0 * 2;
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(vb);
+      const __m512bh b1 = (__m512bh)_mm512_loadu_si512(vb + 32);
+      const __m512bh b2 = (__m512bh)_mm512_loadu_si512(vb + 64);
+      const __m512bh b3 = (__m512bh)_mm512_loadu_si512(vb + 96);
+      row_dot(x0, reinterpret_cast<const uint16_t*>(p32 + 0 * kChunk / 2), m, b0, b1, b2, b3);
+      row_dot(x1, reinterpret_cast<const uint16_t*>(p32 + 1 * kChunk / 2), m, b0, b1, b2, b3);
+      row_dot(x2, reinterpret_cast<const uint16_t*>(p32 + 2 * kChunk / 2), m, b0, b1, b2, b3);
+      row_dot(x3, reinterpret_cast<const uint16_t*>(p32 + 3 * kChunk / 2), m, b0, b1, b2, b3);
+    }
+    const Row4 res[4] = {x0, x1, x2, x3};
+    for (int r = 0; r < 4; ++r) {
+      float* dst = st.o + (r0 + r) * hd + d0;
+      _mm512_storeu_ps(dst, res[r].a0);
+      _mm512_storeu_ps(dst + 16, res[r].a1);
+      _mm512_storeu_ps(dst + 32, res[r].a2);
+      _mm512_storeu_ps(dst + 48, res[r].a3);
+    }
+  }
+}
+#endif
+
+// One task: kv head h, query tokens [t0, t1).
+void flash_task(const FlashShape& s, const uint16_t* q, const uint16_t* kp, const uint16_t* vp,
+                int64_t h, int64_t t0, int64_t t1, float scale, uint16_t* out) {
+  const int64_t g = s.group, rows = (t1 - t0) * g, hd = s.hd, offset = s.ctx - s.n;
+  const int64_t padded = (rows + kRows - 1) / kRows * kRows;
+  std::vector<float> o(padded * hd, 0.f), m(padded, -std::numeric_limits<float>::infinity()),
+      l(padded, 0.f), sc(kRows * kChunk), rowmax(kRows);
+  std::vector<uint16_t> pb(kRows * kChunk);
+  RowState st{o.data(), m.data(), l.data()};
+  const int64_t last_chunk = (offset + t1 - 1) / kChunk;
+  const int64_t chunk_elems = kChunk * hd;
+  const bool fast = hd % 64 == 0;  // the AVX512-BF16 kernels take 64 columns at a time
+  for (int64_t c = 0; c <= last_chunk; ++c) {
+    for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
+      const uint16_t* qrow[kRows];
+      int64_t limit[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t row = std::min(r0 + r, rows - 1);  // padding rows repeat the last row
+        const int64_t t = t0 + row / g;
+        qrow[r] = q + t * s.q_tok + (h * g + row % g) * s.q_head;
+        limit[r] = offset + t;  // last visible key
+      }
+      if (c * kChunk > limit[0] && c * kChunk > limit[kRows - 1]) continue;  // all hidden
+#ifdef YB_FLASH_AVX512
+      if (fast)
+        block_scores(s, qrow, kp + c * chunk_elems, limit, c, scale, sc.data(), rowmax.data());
+      else
+#endif
+        block_scores_portable(s, qrow, kp + c * chunk_elems, limit, c, scale, sc.data(),
+                              rowmax.data());
+      block_softmax(s, sc.data(), rowmax.data(), pb.data(), st, r0);
+#ifdef YB_FLASH_AVX512
+      if (fast)
+        block_pv(s, pb.data(), vp + c * chunk_elems, st, r0);
+      else
+#endif
+        block_pv_portable(s, pb.data(), vp + c * chunk_elems, st, r0);
+    }
+  }
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t t = t0 + row / g;
+    uint16_t* dst = out + t * s.heads * hd + (h * g + row % g) * hd;
+    const float inv = 1.f / l[row];
+    for (int64_t d = 0; d < hd; ++d) dst[d] = float_to_bf16(o[row * hd + d] * inv);
+  }
+}
+
+}  // namespace
+
+at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_table,
+                                   int64_t context_len, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "flash_prefill_attention: q must be "
+              "[n, heads, head_dim] with contiguous rows");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16,
+              "flash_prefill_attention: bfloat16 q / k_cache / v_cache required");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "flash_prefill_attention: k_cache / v_cache must be contiguous "
+              "[blocks, kv_heads, block_size, head_dim] of one shape");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 1 &&
+                  block_table.is_contiguous(),
+              "flash_prefill_attention: block_table must be a contiguous int64 vector");
+  FlashShape s{};
+  s.n = q.size(0);
+  s.heads = q.size(1);
+  s.hd = q.size(2);
+  s.kv_heads = k_cache.size(1);
+  s.block_size = k_cache.size(2);
+  s.ctx = context_len;
+  TORCH_CHECK(k_cache.size(3) == s.hd && s.hd % 16 == 0,
+              "flash_prefill_attention: head_dim must match the cache and be a multiple of 16");
+  TORCH_CHECK(s.heads % s.kv_heads == 0, "flash_prefill_attention: heads must be a multiple "
+              "of kv_heads");
+  TORCH_CHECK(s.n >= 1 && s.ctx >= s.n &&
+                  block_table.size(0) * s.block_size >= s.ctx,
+              "flash_prefill_attention: need 1 <= n <= context_len <= blocks × block_size");
+  s.group = s.heads / s.kv_heads;
+  s.chunks = (s.ctx + kChunk - 1) / kChunk;
+  s.q_tok = q.stride(0);
+  s.q_head = q.stride(1);
+  auto out = at::empty({s.n, s.heads, s.hd}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
+  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t head_elems = s.chunks * kChunk * s.hd;
+  std::vector<uint16_t> kp(s.kv_heads * head_elems), vp(s.kv_heads * head_elems);
+  at::parallel_for(0, s.kv_heads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t h = b; h < e; ++h)
+      pack_head(s, kc, vc, table, h, kp.data() + h * head_elems, vp.data() + h * head_elems);
+  });
+  const int64_t tiles = (s.n + kTile - 1) / kTile, tasks = s.kv_heads * tiles;
+  const float fscale = static_cast<float>(scale);
+  // later tiles see more keys: hand out the costliest first, dynamically
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t i = 0; i < tasks; ++i) {
+    const int64_t tile = tiles - 1 - i / s.kv_heads, h = i % s.kv_heads;
+    const int64_t t0 = tile * kTile, t1 = std::min(s.n, t0 + kTile);
+    flash_task(s, qp, kp.data() + h * head_elems, vp.data() + h * head_elems, h, t0, t1, fscale,
+               op);
+  }
+  return out;
+}
+
+}  // namespace yuebing
