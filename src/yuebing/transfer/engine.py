@@ -167,9 +167,13 @@ class TransferEngine:
 
     # ---- batches --------------------------------------------------------------------------
 
-    def submit(self, requests: Sequence[TransferRequest], timeout_s: float | None = None) -> BatchId:
+    def submit(self, requests: Sequence[TransferRequest], timeout_s: float | None = None,
+               inline: bool = False) -> BatchId:
         """Start a batch and return its id at once. Raises `InputError` / `TransferError` for
-        malformed requests, unknown segments or out-of-range accesses — then nothing moves."""
+        malformed requests, unknown segments or out-of-range accesses — then nothing moves.
+        ``inline``: a peer's part of the batch of one direction and at most ``inline_bytes`` is
+        moved in this thread before returning (TCP: no lane thread hand-offs; the batch is
+        usually terminal when ``submit`` returns) — for blocking callers, not event loops."""
         if self._closed:
             raise TransferError("transfer engine is closed")
         if not requests:
@@ -195,7 +199,7 @@ class TransferEngine:
             self._active.append(batch)
             if batch.deadline < self._wake_at:
                 self._cv.notify()
-        self._dispatch(batch, plan, eps)
+        self._dispatch(batch, plan, eps, inline)
         return batch.id
 
     def _endpoint_or_error(self, desc: SegmentDescriptor) -> Endpoint | str:
@@ -206,7 +210,7 @@ class TransferEngine:
 
     def _dispatch(self, batch: Batch, plan: list[tuple[TransferRequest, memoryview,
                                                        SegmentDescriptor]],
-                  eps: dict[str, Endpoint | str]) -> None:
+                  eps: dict[str, Endpoint | str], inline: bool = False) -> None:
         """Cut the requests into slices and hand them to their endpoints, one call per segment;
         requests without an endpoint fail with the connection error."""
         groups: dict[str, tuple[SegmentDescriptor, list[Slice]]] = {}
@@ -226,9 +230,13 @@ class TransferEngine:
             else:
                 out += [Slice(batch, i, r.op, local[a:a + size], name, off + a, span)
                         for a in range(0, n, size)]
+        limit = self.config.inline_bytes if inline else 0
         for segment, (desc, slices) in groups.items():
             ep = eps[segment]
             assert not isinstance(ep, str)
+            if limit and sum(s.length for s in slices) <= limit and all(
+                    s.op == slices[0].op for s in slices) and ep.submit_inline(desc, slices):
+                continue
             ep.submit(desc, slices)
 
     def _validate(self, requests: Sequence[TransferRequest]
@@ -301,9 +309,9 @@ class TransferEngine:
         self._batches.pop(batch_id, None)
 
     def transfer(self, requests: Sequence[TransferRequest],
-                 timeout_s: float | None = None) -> BatchStatus:
+                 timeout_s: float | None = None, inline: bool = False) -> BatchStatus:
         """Submit, wait, free; raise `TransferError` unless every request is DONE."""
-        bid = self.submit(requests, timeout_s)
+        bid = self.submit(requests, timeout_s, inline)
         status = self.wait(bid)
         self.free(bid)
         status.raise_for_status()

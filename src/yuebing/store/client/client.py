@@ -66,7 +66,7 @@ class StoreClient:
         rest = [r for r, d in zip(reqs, done, strict=True) if not d]
         if not rest:
             return self.direct.merged(reqs, done, None)
-        bid = self.engine.submit(rest, self.cfg.transfer_timeout_s)
+        bid = self.engine.submit(rest, self.cfg.transfer_timeout_s, inline=True)
         status = self.engine.wait(bid)
         self.engine.free(bid)
         return status if len(rest) == len(reqs) else self.direct.merged(reqs, done, status)

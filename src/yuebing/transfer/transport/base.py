@@ -43,6 +43,14 @@ class Endpoint(ABC):
         """Start moving ``slices`` of segment ``desc``; returns at once. Called by the engine in
         the submitting thread; every slice is later completed exactly once."""
 
+    def submit_inline(self, desc: SegmentDescriptor, slices: list[Slice]) -> bool:
+        """Move ``slices`` (all one direction) in the calling thread and complete them before
+        returning (True), or do nothing and return False — then the engine calls `submit`.
+        Called by the engine in the submitting thread for batches submitted with
+        ``inline=True`` whose part for this peer is at most ``inline_bytes``. This default
+        never moves anything inline."""
+        return False
+
     @property
     @abstractmethod
     def alive(self) -> bool:

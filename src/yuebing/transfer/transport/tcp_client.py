@@ -25,14 +25,8 @@ import threading
 
 from yuebing.core.errors import TransferError
 from yuebing.protocol import Message, ProtocolError
-from yuebing.transfer.batch import Slice, complete_slices
-from yuebing.transfer.messages import (
-    Hello,
-    HelloReply,
-    SegmentDescriptor,
-    SliceAck,
-    SlicesDone,
-)
+from yuebing.transfer.batch import Slice
+from yuebing.transfer.messages import Hello, HelloReply, SegmentDescriptor
 from yuebing.transfer.transport.base import TRANSPORTS, Endpoint, LocalContext, Transport
 from yuebing.transfer.transport.framing import (
     FrameReader,
@@ -43,7 +37,7 @@ from yuebing.transfer.transport.framing import (
     tune_socket,
 )
 from yuebing.transfer.transport.lane_ops import NotifyOp, Op, frame_iovec, group_frames
-from yuebing.transfer.types import OpCode
+from yuebing.transfer.transport.tcp_inline import InlineConn, finish_frame
 
 log = logging.getLogger(__name__)
 
@@ -197,31 +191,10 @@ class Lane:
         frame = self._pending.pop(getattr(msg, "id", -1), None)
         if frame is None:
             raise ProtocolError(f"reply {type(msg).__name__} matches no pending request")
-        first = frame[0]
-        refused = f"target {self.endpoint.address} refused: "
-        if isinstance(first, NotifyOp):
-            if not isinstance(msg, SliceAck):
-                raise ProtocolError(f"notify answered by {type(msg).__name__}")
-            first.complete(refused + msg.error if msg.error else None)
-            return
-        if not isinstance(msg, SlicesDone) or len(msg.errors) != len(frame):
-            raise ProtocolError(f"reply {type(msg).__name__} does not answer a frame of "
-                                f"{len(frame)} slices")
-        errors = [refused + e if e else None for e in msg.errors]
-        if first.op == OpCode.READ:  # payloads of the served slices follow, in order
-            run: list[memoryview] = []  # received together with one recvmsg_into
-            for op, error in zip(frame, errors, strict=True):
-                if error is None:
-                    if op.live:
-                        run.append(op.local)  # type: ignore[union-attr]
-                    else:  # failed or timed out meanwhile: its buffer is not ours to touch
-                        reader.read_into_many(run)
-                        run = []
-                        reader.skip(op.length)
-            reader.read_into_many(run)
-        with self._lock:
-            self.outstanding -= sum(op.length for op in frame)
-        complete_slices(frame, errors)  # type: ignore[arg-type]
+        if not isinstance(frame[0], NotifyOp):
+            with self._lock:
+                self.outstanding -= sum(op.length for op in frame)
+        finish_frame(reader, frame, msg, self.endpoint.address)
 
     def fail(self, error: str) -> None:
         """Mark the lane dead, close it, and hand every unfinished op back to the endpoint."""
@@ -261,16 +234,21 @@ class TcpEndpoint(Endpoint):
         self._retrying = 0
         self._closed = False
         self._dead = ""
+        self._inline: InlineConn | None = None
+        self._inline_lock = threading.Lock()
         for _ in range(ctx.config.lanes):
             self._lanes.append(self._open_lane())
 
-    def _open_lane(self) -> Lane:
+    def _open_sock(self) -> socket.socket:
         sock, reply = open_socket(self.address, self.ctx, self.ctx.config.connect_timeout_s)
         if reply.engine_id != self.peer_engine:
             sock.close()
             raise TransferError(f"peer at {self.address} is engine {reply.engine_id!r}, expected "
                                 f"{self.peer_engine!r} (stale segment metadata?)")
-        return Lane(self, sock, next(self._next_index))
+        return sock
+
+    def _open_lane(self) -> Lane:
+        return Lane(self, self._open_sock(), next(self._next_index))
 
     @property
     def alive(self) -> bool:
@@ -278,12 +256,40 @@ class TcpEndpoint(Endpoint):
 
     @property
     def busy(self) -> bool:
-        return self._retrying > 0 or any(lane.outstanding for lane in self._lanes)
+        return (self._retrying > 0 or self._inline_lock.locked()
+                or any(lane.outstanding for lane in self._lanes))
 
     def submit(self, desc: SegmentDescriptor, slices: list[Slice]) -> None:
         if slices:
             slices[0].batch.started_many({s.index for s in slices})
             self._dispatch(slices)  # type: ignore[arg-type]
+
+    def submit_inline(self, desc: SegmentDescriptor, slices: list[Slice]) -> bool:
+        """Move ``slices`` (one direction) over the inline connection in this thread; False
+        (nothing done) when it is in use by another thread or cannot be opened. Slices it
+        could not finish are retried on the lanes, so every slice is completed exactly once."""
+        if not slices or not self.alive or not self._inline_lock.acquire(blocking=False):
+            return False
+        try:
+            conn = self._inline
+            if conn is None:
+                try:
+                    sock = self._open_sock()
+                except TransferError as e:
+                    log.debug("no inline connection to %s: %s", self.address, e)
+                    return False
+                cfg = self.ctx.config
+                conn = self._inline = InlineConn(sock, self.address, cfg.io_timeout_s,
+                                                 cfg.spin_us * 1e-6)
+            slices[0].batch.started_many({s.index for s in slices})
+            left, error = conn.exchange(slices)
+            if left:
+                conn.close()
+                self._inline = None
+                self.lane_failed(None, left, error)  # type: ignore[arg-type]
+            return True
+        finally:
+            self._inline_lock.release()
 
     def notify(self, op: NotifyOp) -> None:
         self._dispatch([op])
@@ -321,8 +327,9 @@ class TcpEndpoint(Endpoint):
             self._lanes.append(lane)
         return lane
 
-    def lane_failed(self, lane: Lane, ops: list[Op], error: str) -> None:
-        """Called by a lane's thread: retry ``ops`` on other lanes after a backoff, or fail."""
+    def lane_failed(self, lane: Lane | None, ops: list[Op], error: str) -> None:
+        """Called by a lane's thread (or the inline path, ``lane`` None): retry ``ops`` on the
+        other lanes after a backoff, or fail them."""
         with self._lock:
             if lane in self._lanes:
                 self._lanes.remove(lane)
@@ -362,6 +369,9 @@ class TcpEndpoint(Endpoint):
             lanes, self._lanes = list(self._lanes), []
         for lane in lanes:
             lane.fail(f"endpoint to {self.address} closed")
+        conn = self._inline
+        if conn is not None:  # an exchange in flight breaks and hands its slices back
+            conn.close()
 
 
 @TRANSPORTS.register("tcp")
