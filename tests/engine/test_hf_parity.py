@@ -46,7 +46,7 @@ def _hf_greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[torch
 
 
 @pytest.mark.parametrize("block_size,chunk,attention", [(4, 64, "grouped"), (16, 5, "grouped"),
-                                                        (4, 7, "sdpa")])
+                                                        (4, 7, "sdpa"), (4, 7, "paged")])
 def test_logits_match_transformers(hf_case, block_size, chunk, attention):
     path, hf = hf_case
     engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", threads=1,

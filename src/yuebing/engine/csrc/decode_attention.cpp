@@ -9,6 +9,8 @@
 // several, the partials (max, sum, unnormalised output) are merged afterwards, as in vLLM's
 // paged_attention_v2. Each sequence is computed in the same order whatever else is in the batch,
 // so results do not depend on the batch composition.
+#include <type_traits>
+
 #include "vec.h"
 
 namespace yuebing {
@@ -21,40 +23,137 @@ struct DecodeShape {
   int64_t q_seq_stride, q_head_stride;
 };
 
-// One task's partition [start, stop) for (seq, kv head); writes the normalised output when the
-// whole context is one partition, else the partial max / sum / unnormalised output.
+// Calls f(t, k_row_offset) for each token t in [start, stop) of one kv head, walking the
+// sequence's blocks (offset of the token's head_dim row within the layer's pool).
+template <typename T, typename F>
+inline void for_tokens(const DecodeShape& s, const T* base, const int32_t* row, int64_t kvh,
+                       int64_t start, int64_t stop, F&& f) {
+  constexpr int64_t elem = sizeof(T);
+  const int64_t hd = s.head_dim, head_stride = s.block_size * hd;
+  const int64_t block_stride = s.kv_heads * head_stride;
+  const int64_t last_block = (stop - 1) / s.block_size;
+  for (int64_t t = start; t < stop;) {
+    const int64_t b = t / s.block_size, end = std::min(stop, (b + 1) * s.block_size);
+    if (b < last_block) {  // blocks are scattered: fetch the next one while this one runs
+      const char* next = reinterpret_cast<const char*>(base + row[b + 1] * block_stride +
+                                                       kvh * head_stride);
+      for (int64_t byte = 0; byte < head_stride * elem; byte += 64)
+        __builtin_prefetch(next + byte);
+    }
+    int64_t off = row[b] * block_stride + kvh * head_stride + (t - b * s.block_size) * hd;
+    for (; t < end; ++t, off += hd) f(t, off);
+  }
+}
+
+// Scores q_g·k_t·scale of the partition into scores[g * kPartition + t - start].
+template <typename T>
+void score_generic(const DecodeShape& s, const T* q, const T* kc, const int32_t* row,
+                   int64_t kvh, int64_t start, int64_t stop, float scale, float* qf,
+                   float* scores) {
+  const int64_t hd = s.head_dim, g_n = s.group;
+  for (int64_t g = 0; g < g_n; ++g)
+    for (int64_t i = 0; i < hd; ++i) qf[g * hd + i] = to_float(q[g * s.q_head_stride + i]) * scale;
+  for_tokens(s, kc, row, kvh, start, stop, [&](int64_t t, int64_t off) {
+    for (int64_t g = 0; g < g_n; ++g)
+      scores[g * kPartition + (t - start)] = dot_row<T>(qf + g * hd, kc + off, hd);
+  });
+}
+
+template <typename T>
+void accumulate_generic(const DecodeShape& s, const T* vc, const int32_t* row, int64_t kvh,
+                        int64_t start, int64_t stop, const float* scores, float* acc) {
+  const int64_t hd = s.head_dim, g_n = s.group;
+  std::fill(acc, acc + g_n * hd, 0.f);
+  for_tokens(s, vc, row, kvh, start, stop, [&](int64_t t, int64_t off) {
+    for (int64_t g = 0; g < g_n; ++g)
+      axpy_row<T>(scores[g * kPartition + (t - start)], vc + off, acc + g * hd, hd);
+  });
+}
+
+#ifdef __AVX512F__
+// head_dim = 16·C: each K/V row is converted to float32 once and used for every query head.
+template <typename T, int C>
+void score_avx512(const DecodeShape& s, const T* q, const T* kc, const int32_t* row,
+                  int64_t kvh, int64_t start, int64_t stop, float scale, float* qf,
+                  float* scores) {
+  const int64_t g_n = s.group;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && C % 2 == 0) {
+    // bf16 pairs straight into vdpbf16ps: exact products, float32 sums, scale applied after
+    for_tokens(s, kc, row, kvh, start, stop, [&](int64_t t, int64_t off) {
+      __m512i kk[C / 2];
+      for (int c = 0; c < C / 2; ++c) kk[c] = _mm512_loadu_si512(kc + off + 32 * c);
+      for (int64_t g = 0; g < g_n; ++g) {
+        const T* qg = q + g * s.q_head_stride;
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < C / 2; ++c)
+          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qg + 32 * c), (__m512bh)kk[c]);
+        scores[g * kPartition + (t - start)] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    });
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < g_n; ++g)
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(qf + (g * C + c) * 16,
+                       _mm512_mul_ps(load16(q + g * s.q_head_stride + 16 * c), _mm512_set1_ps(scale)));
+  for_tokens(s, kc, row, kvh, start, stop, [&](int64_t t, int64_t off) {
+    __m512 kk[C];
+    for (int c = 0; c < C; ++c) kk[c] = load16(kc + off + 16 * c);
+    for (int64_t g = 0; g < g_n; ++g) {
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf + g * C * 16), kk[0]);
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + (g * C + c) * 16), kk[c], acc);
+      scores[g * kPartition + (t - start)] = _mm512_reduce_add_ps(acc);
+    }
+  });
+}
+
+template <typename T, int C>
+void accumulate_avx512(const DecodeShape& s, const T* vc, const int32_t* row, int64_t kvh,
+                       int64_t start, int64_t stop, const float* scores, float* acc) {
+  const int64_t g_n = s.group;
+  std::fill(acc, acc + g_n * C * 16, 0.f);
+  for_tokens(s, vc, row, kvh, start, stop, [&](int64_t t, int64_t off) {
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(vc + off + 16 * c);
+    for (int64_t g = 0; g < g_n; ++g) {
+      const __m512 w = _mm512_set1_ps(scores[g * kPartition + (t - start)]);
+      float* a = acc + g * C * 16;
+      for (int c = 0; c < C; ++c)
+        _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(w, vv[c], _mm512_loadu_ps(a + 16 * c)));
+    }
+  });
+}
+#endif
+
+// One task's partition [start, stop) for (seq, kv head): float32 scores, max-subtracted
+// softmax numerators, their sum and max per query head, and the unnormalised output.
 template <typename T>
 void attend_partition(const DecodeShape& s, const T* q, const T* kc, const T* vc,
                       const int32_t* table, int64_t seq, int64_t kvh, int64_t start,
                       int64_t stop, float scale, float* qf, float* scores, float* acc,
                       float* out_max, float* out_sum) {
-  const int64_t hd = s.head_dim, g_n = s.group, n = stop - start;
-  for (int64_t g = 0; g < g_n; ++g) {
-    const T* src = q + seq * s.q_seq_stride + (kvh * g_n + g) * s.q_head_stride;
-    float* dst = qf + g * hd;
-#pragma omp simd
-    for (int64_t i = 0; i < hd; ++i) dst[i] = to_float(src[i]) * scale;
-  }
+  const T* qs = q + seq * s.q_seq_stride + kvh * s.group * s.q_head_stride;
   const int32_t* row = table + seq * s.table_stride;
-  const int64_t head_stride = s.block_size * hd, block_stride = s.kv_heads * head_stride;
-  for (int64_t t = start; t < stop; ++t) {
-    const int64_t blk = row[t / s.block_size];
-    const T* k = kc + blk * block_stride + kvh * head_stride + (t % s.block_size) * hd;
-    for (int64_t g = 0; g < g_n; ++g)
-      scores[g * kPartition + (t - start)] = dot_row<T>(qf + g * hd, k, hd);
+  const int64_t n = stop - start;
+  auto score = &score_generic<T>;
+  auto accumulate = &accumulate_generic<T>;
+#ifdef __AVX512F__
+  switch (s.head_dim) {
+    case 32: score = &score_avx512<T, 2>; accumulate = &accumulate_avx512<T, 2>; break;
+    case 64: score = &score_avx512<T, 4>; accumulate = &accumulate_avx512<T, 4>; break;
+    case 128: score = &score_avx512<T, 8>; accumulate = &accumulate_avx512<T, 8>; break;
+    default: break;
   }
-  for (int64_t g = 0; g < g_n; ++g) {
+#endif
+  score(s, qs, kc, row, kvh, start, stop, scale, qf, scores);
+  for (int64_t g = 0; g < s.group; ++g) {
     float* sc = scores + g * kPartition;
     out_max[g] = max_row(sc, n);
     out_sum[g] = exp_sub_sum(sc, n, out_max[g]);
   }
-  std::fill(acc, acc + g_n * hd, 0.f);
-  for (int64_t t = start; t < stop; ++t) {
-    const int64_t blk = row[t / s.block_size];
-    const T* v = vc + blk * block_stride + kvh * head_stride + (t % s.block_size) * hd;
-    for (int64_t g = 0; g < g_n; ++g)
-      axpy_row<T>(scores[g * kPartition + (t - start)], v, acc + g * hd, hd);
-  }
+  accumulate(s, vc, row, kvh, start, stop, scores, acc);
 }
 
 // Merge the partitions of every (seq, head) into the output.

@@ -3,7 +3,7 @@
 // element type exactly where the plain-torch path stores them in that type (bfloat16 / float16
 // ops compute in float32 and round their result), so the fused ops reproduce the torch path's
 // rounding steps; only reduction order (RMSNorm) and exp (SiLU) differ.
-#include "common.h"
+#include "vec.h"
 
 namespace yuebing {
 namespace {
@@ -22,12 +22,27 @@ void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
 
 template <typename T>
 inline void normalize_row(const float* r, const T* w, T* out, int64_t n, float eps) {
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_maskz_loadu_ps(tail_mask(n - i), r + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const __m512 inv = _mm512_set1_ps(
+      1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 v = round16<T>(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, r + i), inv));
+    store16(out + i, _mm512_mul_ps(v, load16(w + i, m)), m);
+  }
+#else
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < n; ++i) ss += r[i] * r[i];
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(round_through<T>(r[i] * inv) * to_float(w[i]));
+#endif
 }
 
 template <typename T>
@@ -36,8 +51,14 @@ void rms_norm_impl(const T* x, const T* w, T* out, int64_t rows, int64_t n, floa
     std::vector<float> r(n);
     for (int64_t row = begin; row < end; ++row) {
       const T* src = x + row * n;
-#pragma omp simd
+#ifdef __AVX512F__
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        _mm512_mask_storeu_ps(r.data() + i, m, load16(src + i, m));
+      }
+#else
       for (int64_t i = 0; i < n; ++i) r[i] = to_float(src[i]);
+#endif
       normalize_row<T>(r.data(), w, out + row * n, n, eps);
     }
   });
@@ -50,12 +71,20 @@ void fused_add_rms_norm_impl(T* x, T* res, const T* w, int64_t rows, int64_t n, 
     for (int64_t row = begin; row < end; ++row) {
       T* xr = x + row * n;
       T* rr = res + row * n;
-#pragma omp simd
+#ifdef __AVX512F__
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m512 sum = round16<T>(_mm512_add_ps(load16(xr + i, m), load16(rr + i, m)));
+        store16(rr + i, sum, m);
+        _mm512_mask_storeu_ps(r.data() + i, m, sum);
+      }
+#else
       for (int64_t i = 0; i < n; ++i) {
         const T sum = from_float<T>(to_float(xr[i]) + to_float(rr[i]));
         rr[i] = sum;
         r[i] = to_float(sum);
       }
+#endif
       normalize_row<T>(r.data(), w, xr, n, eps);
     }
   });
@@ -69,7 +98,19 @@ struct RopeShape {
 // rounded through T as the torch path does.
 template <typename T>
 inline void rotate(const T* x, const T* c, const T* s, T* y, int64_t half) {
-#pragma omp simd
+#ifdef __AVX512F__
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = tail_mask(half - i);
+    const __m512 x1 = load16(x + i, m), x2 = load16(x + i + half, m);
+    const __m512 ci = load16(c + i, m), si = load16(s + i, m);
+    const __m512 y1 = _mm512_sub_ps(round16<T>(_mm512_mul_ps(x1, ci)),
+                                    round16<T>(_mm512_mul_ps(x2, si)));
+    const __m512 y2 = _mm512_add_ps(round16<T>(_mm512_mul_ps(x2, ci)),
+                                    round16<T>(_mm512_mul_ps(x1, si)));
+    store16(y + i, y1, m);
+    store16(y + i + half, y2, m);
+  }
+#else
   for (int64_t i = 0; i < half; ++i) {
     const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
     const float ci = to_float(c[i]), si = to_float(s[i]);
@@ -78,6 +119,7 @@ inline void rotate(const T* x, const T* c, const T* s, T* y, int64_t half) {
     y[i] = y1;
     y[i + half] = y2;
   }
+#endif
 }
 
 template <typename T>
@@ -142,12 +184,22 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
       const T* gate = x + r * 2 * n;
       const T* up = gate + n;
       T* dst = out + r * n;
-#pragma omp simd
+#ifdef __AVX512F__
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m512 g = load16(gate + i, m);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 act = round16<T>(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+        store16(dst + i, _mm512_mul_ps(act, load16(up + i, m)), m);
+      }
+#else
       for (int64_t i = 0; i < n; ++i) {
         const float g = to_float(gate[i]);
         const float act = round_through<T>(g / (1.f + std::exp(-g)));
         dst[i] = from_float<T>(act * to_float(up[i]));
       }
+#endif
     }
   });
 }
