@@ -23,23 +23,29 @@ struct DecodeShape {
   int64_t q_seq_stride, q_head_stride;
 };
 
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t elems) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t byte = 0; byte < elems * static_cast<int64_t>(sizeof(T)); byte += 64)
+    __builtin_prefetch(c + byte);
+}
+
 // Calls f(t, k_row_offset) for each token t in [start, stop) of one kv head, walking the
-// sequence's blocks (offset of the token's head_dim row within the layer's pool).
+// sequence's blocks (offset of the token's head_dim row within the layer's pool). Blocks are
+// scattered over the pool, so the hardware prefetcher cannot follow: the next block of `base`
+// is prefetched while one runs, and the current block of `later` (V during the K pass).
 template <typename T, typename F>
-inline void for_tokens(const DecodeShape& s, const T* base, const int32_t* row, int64_t kvh,
-                       int64_t start, int64_t stop, F&& f) {
-  constexpr int64_t elem = sizeof(T);
+inline void for_tokens(const DecodeShape& s, const T* base, const T* later, const int32_t* row,
+                       int64_t kvh, int64_t start, int64_t stop, F&& f) {
   const int64_t hd = s.head_dim, head_stride = s.block_size * hd;
   const int64_t block_stride = s.kv_heads * head_stride;
   const int64_t last_block = (stop - 1) / s.block_size;
   for (int64_t t = start; t < stop;) {
     const int64_t b = t / s.block_size, end = std::min(stop, (b + 1) * s.block_size);
-    if (b < last_block) {  // blocks are scattered: fetch the next one while this one runs
-      const char* next = reinterpret_cast<const char*>(base + row[b + 1] * block_stride +
-                                                       kvh * head_stride);
-      for (int64_t byte = 0; byte < head_stride * elem; byte += 64)
-        __builtin_prefetch(next + byte);
-    }
+    if (b < last_block) prefetch_rows(base + row[b + 1] * block_stride + kvh * head_stride,
+                                      head_stride);
+    if (later != nullptr)
+      prefetch_rows(later + row[b] * block_stride + kvh * head_stride, head_stride);
     int64_t off = row[b] * block_stride + kvh * head_stride + (t - b * s.block_size) * hd;
     for (; t < end; ++t, off += hd) f(t, off);
   }
@@ -47,13 +53,13 @@ inline void for_tokens(const DecodeShape& s, const T* base, const int32_t* row, 
 
 // Scores q_g·k_t·scale of the partition into scores[g * kPartition + t - start].
 template <typename T>
-void score_generic(const DecodeShape& s, const T* q, const T* kc, const int32_t* row,
+void score_generic(const DecodeShape& s, const T* q, const T* kc, const T* vc, const int32_t* row,
                    int64_t kvh, int64_t start, int64_t stop, float scale, float* qf,
                    float* scores) {
   const int64_t hd = s.head_dim, g_n = s.group;
   for (int64_t g = 0; g < g_n; ++g)
     for (int64_t i = 0; i < hd; ++i) qf[g * hd + i] = to_float(q[g * s.q_head_stride + i]) * scale;
-  for_tokens(s, kc, row, kvh, start, stop, [&](int64_t t, int64_t off) {
+  for_tokens(s, kc, vc, row, kvh, start, stop, [&](int64_t t, int64_t off) {
     for (int64_t g = 0; g < g_n; ++g)
       scores[g * kPartition + (t - start)] = dot_row<T>(qf + g * hd, kc + off, hd);
   });
@@ -64,7 +70,8 @@ void accumulate_generic(const DecodeShape& s, const T* vc, const int32_t* row, i
                         int64_t start, int64_t stop, const float* scores, float* acc) {
   const int64_t hd = s.head_dim, g_n = s.group;
   std::fill(acc, acc + g_n * hd, 0.f);
-  for_tokens(s, vc, row, kvh, start, stop, [&](int64_t t, int64_t off) {
+  const T* none = nullptr;
+  for_tokens(s, vc, none, row, kvh, start, stop, [&](int64_t t, int64_t off) {
     for (int64_t g = 0; g < g_n; ++g)
       axpy_row<T>(scores[g * kPartition + (t - start)], vc + off, acc + g * hd, hd);
   });
@@ -73,14 +80,14 @@ void accumulate_generic(const DecodeShape& s, const T* vc, const int32_t* row, i
 #ifdef __AVX512F__
 // head_dim = 16·C: each K/V row is converted to float32 once and used for every query head.
 template <typename T, int C>
-void score_avx512(const DecodeShape& s, const T* q, const T* kc, const int32_t* row,
+void score_avx512(const DecodeShape& s, const T* q, const T* kc, const T* vc, const int32_t* row,
                   int64_t kvh, int64_t start, int64_t stop, float scale, float* qf,
                   float* scores) {
   const int64_t g_n = s.group;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16> && C % 2 == 0) {
     // bf16 pairs straight into vdpbf16ps: exact products, float32 sums, scale applied after
-    for_tokens(s, kc, row, kvh, start, stop, [&](int64_t t, int64_t off) {
+    for_tokens(s, kc, vc, row, kvh, start, stop, [&](int64_t t, int64_t off) {
       __m512i kk[C / 2];
       for (int c = 0; c < C / 2; ++c) kk[c] = _mm512_loadu_si512(kc + off + 32 * c);
       for (int64_t g = 0; g < g_n; ++g) {
@@ -98,7 +105,7 @@ void score_avx512(const DecodeShape& s, const T* q, const T* kc, const int32_t* 
     for (int c = 0; c < C; ++c)
       _mm512_storeu_ps(qf + (g * C + c) * 16,
                        _mm512_mul_ps(load16(q + g * s.q_head_stride + 16 * c), _mm512_set1_ps(scale)));
-  for_tokens(s, kc, row, kvh, start, stop, [&](int64_t t, int64_t off) {
+  for_tokens(s, kc, vc, row, kvh, start, stop, [&](int64_t t, int64_t off) {
     __m512 kk[C];
     for (int c = 0; c < C; ++c) kk[c] = load16(kc + off + 16 * c);
     for (int64_t g = 0; g < g_n; ++g) {
@@ -114,7 +121,8 @@ void accumulate_avx512(const DecodeShape& s, const T* vc, const int32_t* row, in
                        int64_t start, int64_t stop, const float* scores, float* acc) {
   const int64_t g_n = s.group;
   std::fill(acc, acc + g_n * C * 16, 0.f);
-  for_tokens(s, vc, row, kvh, start, stop, [&](int64_t t, int64_t off) {
+  const T* none = nullptr;
+  for_tokens(s, vc, none, row, kvh, start, stop, [&](int64_t t, int64_t off) {
     __m512 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load16(vc + off + 16 * c);
     for (int64_t g = 0; g < g_n; ++g) {
@@ -147,7 +155,7 @@ void attend_partition(const DecodeShape& s, const T* q, const T* kc, const T* vc
     default: break;
   }
 #endif
-  score(s, qs, kc, row, kvh, start, stop, scale, qf, scores);
+  score(s, qs, kc, vc, row, kvh, start, stop, scale, qf, scores);
   for (int64_t g = 0; g < s.group; ++g) {
     float* sc = scores + g * kPartition;
     out_max[g] = max_row(sc, n);
