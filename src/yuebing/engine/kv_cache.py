@@ -22,6 +22,7 @@ import torch
 
 from yuebing.core.errors import EngineError
 from yuebing.engine.config import ModelConfig
+from yuebing.engine.runtime import advise_hugepages
 
 
 class KVPool:
@@ -35,8 +36,10 @@ class KVPool:
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.dtype, self.device = dtype, device
-        self.data = torch.zeros(cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size,
+        self.data = torch.empty(cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size,
                                 cfg.head_dim, dtype=dtype, device=device)
+        self.huge_pages = advise_hugepages(self.data)  # before the first touch (zero_)
+        self.data.zero_()
         self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
 
     @property

@@ -8,6 +8,7 @@ and the C allocator.
   matmul loop with one thread and with all usable cores and keeps the faster (on a CPU shared
   with other busy processes, OpenMP's spinning threads made two threads up to 8× slower than
   one, see docs/benchmarks.md);
+- the KV pool gets transparent huge pages where the kernel allows (`advise_hugepages`);
 - glibc malloc: large temporary tensors are otherwise returned to the OS and page-faulted back
   in on every layer (we saw small gathers run far slower than with a warm heap), so the mmap/trim
   thresholds are raised with ``mallopt`` (a no-op on other C libraries).
@@ -48,6 +49,30 @@ def tune_malloc(threshold: int = 1 << 30) -> bool:
         return False
     _tuned = ok
     return ok
+
+
+_MADV_HUGEPAGE = 14
+_HUGE = 1 << 21
+
+
+def advise_hugepages(t: torch.Tensor) -> bool:
+    """Ask the kernel for transparent huge pages under ``t``'s storage (CPU, Linux; call before
+    the memory is first touched). Decode attention reads the KV pool in scattered 2 KiB pieces
+    (one block of one head); on 4 KiB pages nearly each piece costs a TLB miss. Returns whether
+    the advice was taken (False on other systems, small tensors, or THP disabled)."""
+    if t.device.type != "cpu" or t.nbytes < 2 * _HUGE:
+        return False
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    start = (t.data_ptr() + _HUGE - 1) & ~(_HUGE - 1)
+    end = (t.data_ptr() + t.nbytes) & ~(_HUGE - 1)
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return end > start and libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def cpu_has_bf16() -> bool:
