@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 
 from yuebing.transfer import (
     EmbeddedMetadata,
@@ -114,7 +115,9 @@ class StallingPeer:
             c.close()
 
 
-def test_stalled_peer_times_out_within_deadline() -> None:
+@pytest.mark.parametrize("inline", [False, True])
+def test_stalled_peer_times_out_within_deadline(inline: bool) -> None:
+    """Through the lanes, or the inline path (whose blocking read is cut at the deadline)."""
     peer = StallingPeer()
     meta = EmbeddedMetadata()
     meta.publish(SegmentDescriptor(name="stuck", engine_id="staller", host_id="elsewhere",
@@ -122,7 +125,7 @@ def test_stalled_peer_times_out_within_deadline() -> None:
     with TransferEngine(TransferConfig(transports=("tcp",)), metadata=meta) as eng:
         t0 = time.monotonic()
         bid = eng.submit([TransferRequest(OpCode.READ, bytearray(4096), "stuck", 0)],
-                         timeout_s=0.3)
+                         timeout_s=0.3, inline=inline)
         st = eng.wait(bid, 5)
         elapsed = time.monotonic() - t0
         assert st.status == TransferStatus.TIMEOUT
