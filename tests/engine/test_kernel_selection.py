@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +117,18 @@ def test_a_broken_source_fails_the_build_with_the_compiler_error(tmp_path, monke
     result = native._build()
     assert not result.ok and result.path is None
     assert "layer_ops.cpp" in result.error and "error:" in result.error
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_portable_code_paths_pass_the_parity_tests(tmp_path):
+    """The kernels built without AVX-512 (as on CPUs that lack it: scalar/auto-vectorized
+    paths) pass the same parity tests, in a fresh process with its own build cache."""
+    env = dict(os.environ, YUEBING_KERNELS_CFLAGS="-mno-avx512f", XDG_CACHE_HOME=str(tmp_path))
+    tests = Path(__file__).with_name("test_native_kernels.py")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(tests)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout
+    built = list((tmp_path / "yuebing" / "kernels").glob("*/yuebing_kernels_*.so"))
+    assert len(built) == 1

@@ -64,13 +64,19 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
 
 
+def cflags() -> tuple[str, ...]:
+    """Compiler flags: `CFLAGS` plus the debug knob ``$YUEBING_KERNELS_CFLAGS`` (e.g.
+    ``-mno-avx512f`` builds the portable code paths, as on a CPU without AVX-512)."""
+    return CFLAGS + tuple(os.environ.get("YUEBING_KERNELS_CFLAGS", "").split())
+
+
 def build_key() -> str:
     """Hash of everything the compiled library depends on."""
     h = hashlib.sha256()
     for name in SOURCES:
         h.update(name.encode())
         h.update((source_dir() / name).read_bytes())
-    h.update(" ".join(CFLAGS + LDFLAGS).encode())
+    h.update(" ".join(cflags() + LDFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_identity().encode())
     return h.hexdigest()[:16]
@@ -117,7 +123,7 @@ def _build() -> BuildResult:
     name = f"yuebing_kernels_{key}"
     sources = [str(source_dir() / n) for n in SOURCES if n.endswith(".cpp")]
     try:
-        cpp_extension.load(name=name, sources=sources, extra_cflags=list(CFLAGS),
+        cpp_extension.load(name=name, sources=sources, extra_cflags=list(cflags()),
                            extra_ldflags=list(LDFLAGS), build_directory=str(build_dir),
                            is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError, ValueError) as exc:
