@@ -79,11 +79,13 @@ def _chat_logits(engine: LLMEngine, steps: int = 6) -> tuple[list[int], list[tor
 @pytest.fixture(scope="module")
 def fp32_reference(smol_weights) -> tuple[list[int], list[torch.Tensor]]:
     return _chat_logits(LLMEngine(EngineConfig(dtype="float32", attention="grouped",
-                                               num_blocks=64, threads=1), weights=smol_weights))
+                                               kernels="torch", num_blocks=64, threads=1),
+                                  weights=smol_weights))
 
 
 @pytest.mark.parametrize(("attention", "prefill"), [("grouped", "same"), ("sdpa", "same"),
-                                                    ("grouped", "blas"), ("grouped", "flash")])
+                                                    ("grouped", "blas"), ("grouped", "flash"),
+                                                    ("paged", "grouped")])
 def test_bf16_paths_track_float32(smol_weights, fp32_reference, attention, prefill):
     """bf16 weights + each attention path stay close to the float32 model (a regression
     test: bf16-rounded attention scores once turned the answer into nonsense)."""
