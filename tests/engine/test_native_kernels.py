@@ -73,6 +73,7 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2),
     (9, 3, 64, 16, [40] * 33),  # SmolLM2's shape, batch 33
     (8, 1, 24, 4, [7]),  # GQA 8, head_dim not a multiple of 16 (scalar path), batch 1
     (6, 2, 32, 16, [1100, 3, 513, 512]),  # several 512-token partitions, merged
+    (16, 2, 128, 16, [19, 70]),  # GQA 8 at head_dim 128: accumulators kept in memory
 ])
 def test_paged_decode_matches_reference(dtype, heads, kvh, hd, bs, lens):
     gen = torch.Generator().manual_seed(len(lens) * 7 + hd)

@@ -133,6 +133,49 @@ void accumulate_avx512(const DecodeShape& s, const T* vc, const int32_t* row, in
     }
   });
 }
+
+// Same with the G×C accumulators in registers (G query heads per kv head known at compile time).
+template <typename T, int C, int G>
+void accumulate_blocked(const DecodeShape& s, const T* vc, const int32_t* row, int64_t kvh,
+                        int64_t start, int64_t stop, const float* scores, float* acc) {
+  __m512 a[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
+  const T* none = nullptr;
+  for_tokens(s, vc, none, row, kvh, start, stop, [&](int64_t t, int64_t off) {
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(vc + off + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(scores[g * kPartition + (t - start)]);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(w, vv[c], a[g][c]);
+    }
+  });
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (g * C + c) * 16, a[g][c]);
+}
+
+// The register-blocked accumulation where G·C accumulators fit the 32 zmm registers with room
+// for the V row, else the one keeping accumulators in memory.
+template <typename T, int C, int G>
+constexpr auto blocked_or_plain() {
+  if constexpr (G * C <= 24) return &accumulate_blocked<T, C, G>;
+  else return &accumulate_avx512<T, C>;
+}
+
+template <typename T, int C>
+auto pick_accumulate(int64_t group) -> decltype(&accumulate_avx512<T, C>) {
+  switch (group) {
+    case 1: return blocked_or_plain<T, C, 1>();
+    case 2: return blocked_or_plain<T, C, 2>();
+    case 3: return blocked_or_plain<T, C, 3>();
+    case 4: return blocked_or_plain<T, C, 4>();
+    case 5: return blocked_or_plain<T, C, 5>();
+    case 6: return blocked_or_plain<T, C, 6>();
+    case 7: return blocked_or_plain<T, C, 7>();
+    case 8: return blocked_or_plain<T, C, 8>();
+    default: return &accumulate_avx512<T, C>;
+  }
+}
 #endif
 
 // One task's partition [start, stop) for (seq, kv head): float32 scores, max-subtracted
@@ -149,9 +192,9 @@ void attend_partition(const DecodeShape& s, const T* q, const T* kc, const T* vc
   auto accumulate = &accumulate_generic<T>;
 #ifdef __AVX512F__
   switch (s.head_dim) {
-    case 32: score = &score_avx512<T, 2>; accumulate = &accumulate_avx512<T, 2>; break;
-    case 64: score = &score_avx512<T, 4>; accumulate = &accumulate_avx512<T, 4>; break;
-    case 128: score = &score_avx512<T, 8>; accumulate = &accumulate_avx512<T, 8>; break;
+    case 32: score = &score_avx512<T, 2>; accumulate = pick_accumulate<T, 2>(s.group); break;
+    case 64: score = &score_avx512<T, 4>; accumulate = pick_accumulate<T, 4>(s.group); break;
+    case 128: score = &score_avx512<T, 8>; accumulate = pick_accumulate<T, 8>(s.group); break;
     default: break;
   }
 #endif
