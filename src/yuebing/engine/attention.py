@@ -107,12 +107,13 @@ def _decode_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
 
 def decode_grouped(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttnMetadata, scale: float) -> torch.Tensor:
-    """``q [D, heads, hd]`` → ``[D, heads, hd]`` via grouped matmuls over gathered blocks."""
+    """``q [D, heads, hd]`` (may be a strided view) → ``[D, heads, hd]`` via grouped matmuls
+    over gathered blocks."""
     d, heads, hd = q.shape
     kvh, length = k_cache.shape[1], meta.decode_max_len
     k, v = (t.flatten(0, 1) for t in _decode_kv(k_cache, v_cache, meta, d))  # views
     # scores in float32: bf16-rounded logits of large attention scores visibly hurt outputs
-    qg = (q.float() * scale).view(d * kvh, heads // kvh, hd)
+    qg = (q.float() * scale).reshape(d * kvh, heads // kvh, hd)
     scores = torch.bmm(qg, k.float().transpose(1, 2))
     if meta.decode_bias is not None:
         scores = scores.view(d, -1, length).add_(meta.decode_bias).view(d * kvh, -1, length)

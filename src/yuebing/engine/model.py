@@ -141,12 +141,13 @@ class LlamaModel:
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttnMetadata) -> torch.Tensor:
+        # q is a strided view of the fused QKV output; decode paths take it as it is
         if not meta.prefills:
-            return self.decode_impl(q.contiguous(), k_cache, v_cache, meta, self._scale)
+            return self.decode_impl(q, k_cache, v_cache, meta, self._scale)
         out = torch.empty_like(q)
         d = meta.num_decode
         if d:
-            out[:d] = self.decode_impl(q[:d].contiguous(), k_cache, v_cache, meta, self._scale)
+            out[:d] = self.decode_impl(q[:d], k_cache, v_cache, meta, self._scale)
         for sl in meta.prefills:
             out[sl.start:sl.start + sl.length] = self.prefill_impl(
                 q[sl.start:sl.start + sl.length], k_cache, v_cache, sl, self._scale)
