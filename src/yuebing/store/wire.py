@@ -7,26 +7,26 @@ blocking client side. Request id 0 marks a push (master → node task, replicati
 A frame longer than ``MAX_FRAME`` is a protocol violation: that connection is closed, the
 server keeps serving the others.
 
-Both ends can poll briefly before they block (``spin_s``): a process that sleeps in the kernel
-waiting for a loopback reply is woken by an inter-processor interrupt, which on a virtual
-machine without guest halt-polling costs ~20 us per wake-up — more than the master's work per
-call. The client polls for its reply, the server for the next request after serving one; either
-blocks once the window passes, so an idle process burns at most ``spin_s`` of CPU per call.
-Each poll of the window yields the CPU (``sched_yield``): a peer sharing the CPU is not
-starved by the one spinning for its answer.
+Both ends can poll briefly before they block (``spin_s``, `Spinner`): a process that sleeps in
+the kernel waiting for a loopback reply is woken by an inter-processor interrupt, which on a
+virtual machine without guest halt-polling costs ~20 us per wake-up — more than the master's
+work per call. The client polls for its reply, the server for the next request after serving
+one; either blocks once the window passes (an idle process burns at most ``spin_s`` of CPU per
+call), and both stop spinning for a while when the CPU is contended by other work.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import select
 import selectors
 import socket
 import struct
 import time
 from collections.abc import Callable
+
+from yuebing.transfer.transport.spin import Spinner
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ class FrameServer:
         self._rview = memoryview(self._rbuf)
         self.spin_s = spin_s
         self._spin_until = 0.0
+        self._spinner = Spinner()
 
     def watch(self, sock: socket.socket, on_readable: Callable[[], None]) -> None:
         """Also poll ``sock`` (e.g. a follower connection) in this loop."""
@@ -117,15 +118,11 @@ class FrameServer:
     def poll(self, timeout_s: float) -> None:
         """Serve what is ready, waiting up to ``timeout_s`` — polling without sleeping first while
         within ``spin_s`` of the last request served."""
-        ready = self.sel.select(0)
+        select = self.sel.select
+        window = self._spin_until - time.perf_counter() if timeout_s > 0 else 0.0
+        ready = self._spinner.wait(lambda: select(0), window)
         if not ready and timeout_s > 0:
-            now = time.perf_counter()
-            while not ready and now < self._spin_until:
-                os.sched_yield()  # a peer runnable on this CPU runs first
-                ready = self.sel.select(0)
-                now = time.perf_counter()
-            if not ready:
-                ready = self.sel.select(timeout_s)
+            ready = select(timeout_s)
         if ready and self.spin_s:
             self._spin_until = time.perf_counter() + self.spin_s
         for key, events in ready:
@@ -224,6 +221,7 @@ class FrameSocket:
         self.sock = socket.create_connection(parse_address(address), timeout=timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.spin_s = spin_s
+        self._spinner = Spinner()
         self._poll = select.poll()
         self._poll.register(self.sock, select.POLLIN)
         self.inb = FrameBuffer()
@@ -239,9 +237,7 @@ class FrameSocket:
         if self.pending:
             return self.pending.pop(0)
         if self.spin_s and timeout_s > 0:  # poll for a quick reply before sleeping for it
-            stop = time.perf_counter() + min(self.spin_s, timeout_s)
-            while not self._poll.poll(0) and time.perf_counter() < stop:
-                os.sched_yield()  # the master, if runnable on this CPU, runs first
+            self._spinner.wait(lambda: self._poll.poll(0), min(self.spin_s, timeout_s))
         end = time.monotonic() + timeout_s
         while True:
             left = end - time.monotonic()

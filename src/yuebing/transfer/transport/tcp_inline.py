@@ -13,15 +13,15 @@ mixed-direction exchange without a receiver thread could hit). A connection that
 stalls past ``io_timeout_s`` or runs into the batch deadline is closed and the unfinished
 slices are handed back to the endpoint, which retries them on its lanes.
 
-While waiting for an answer the thread polls the socket for ``spin_s`` (yielding the CPU
-between polls) before it sleeps: a wake-up from sleep costs ~20 us on a VM.
+While waiting for an answer the thread polls the socket for ``spin_s`` before it sleeps
+(`Spinner`: a wake-up from sleep costs ~20 us on a VM; off for a while when the CPU is
+contended).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import select
 import socket
 import time
@@ -31,6 +31,7 @@ from yuebing.transfer.batch import Slice, complete_slices
 from yuebing.transfer.messages import SliceAck, SlicesDone
 from yuebing.transfer.transport.framing import FrameReader, send_parts
 from yuebing.transfer.transport.lane_ops import NotifyOp, Op, frame_iovec, group_frames
+from yuebing.transfer.transport.spin import Spinner
 from yuebing.transfer.types import OpCode
 
 
@@ -75,6 +76,7 @@ class InlineConn:
         self.reader = FrameReader(sock)
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
+        self._spinner = Spinner()
         self._ids = itertools.count()
 
     def exchange(self, slices: list[Slice]) -> tuple[list[Slice], str]:
@@ -109,11 +111,8 @@ class InlineConn:
 
     def _await_reply(self) -> None:
         """Poll for the next answer for up to ``spin_s`` before the blocking read sleeps."""
-        if not self.spin_s or self.reader.buffered:
-            return
-        stop = time.perf_counter() + self.spin_s
-        while not self._poll.poll(0) and time.perf_counter() < stop:
-            os.sched_yield()  # the peer, if runnable on this CPU, runs first
+        if self.spin_s and not self.reader.buffered:
+            self._spinner.wait(lambda: self._poll.poll(0), self.spin_s)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -1,0 +1,73 @@
+"""`Spinner`: bounded, adaptive busy-polling before a blocking wait.
+
+Who calls it: the inline TCP path (`tcp_inline.InlineConn`, waiting for a peer's answer) and the
+store's RPC framing (`yuebing.store.wire`: a client waiting for the master's reply, the master
+waiting for the next request), each from its own thread, just before it would block in the
+kernel. A process that sleeps waiting for a loopback answer is woken by an inter-processor
+interrupt, which on a virtual machine without guest halt-polling costs ~20 us — more than the
+master's work per call. Polling for a short window instead avoids that wake-up.
+
+Between polls the thread yields the CPU (``sched_yield``), so a peer sharing the CPU (the
+master, when client and master run on one core) runs first. When the CPU is contended by other
+work the yield hands it away for a whole time slice, and a task that never sleeps loses the
+wake-up preemption a sleeping one gets — spinning then costs milliseconds. So a yield that
+takes longer than `LOST_S` without the awaited event turns spinning off for a back-off period
+that doubles with every loss up to `MAX_BACKOFF_S` (and stays there: on a busy machine spinning
+resumes at most once a second, costing at most one lost time slice per second); the caller
+then blocks as usual.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+LOST_S = 500e-6
+"""A yield this long means another task had the CPU (a peer's answer takes microseconds)."""
+BACKOFF_S = 0.05
+MAX_BACKOFF_S = 1.0
+
+
+class Spinner:
+    """Per-thread spin state (not thread-safe: one per connection / serving loop)."""
+
+    __slots__ = ("_backoff", "_off_until", "lost")
+
+    def __init__(self) -> None:
+        self._off_until = 0.0
+        self._backoff = BACKOFF_S
+        self.lost = 0
+        """Times spinning was turned off because the CPU was lost (for tests and stats)."""
+
+    @property
+    def enabled(self) -> bool:
+        return time.perf_counter() >= self._off_until
+
+    def wait(self, poll: Callable[[], T], window_s: float) -> T:
+        """Call ``poll`` (non-blocking) until it returns something truthy or ``window_s`` has
+        passed, yielding the CPU between calls; returns its last result. While backed off,
+        or with ``window_s <= 0``, it polls exactly once."""
+        got = poll()
+        if got or window_s <= 0:
+            return got
+        now = time.perf_counter()
+        if now < self._off_until:
+            return got
+        stop = now + window_s
+        while now < stop:
+            os.sched_yield()  # a peer runnable on this CPU runs first
+            after = time.perf_counter()
+            got = poll()
+            if got:
+                return got
+            if after - now > LOST_S:  # the CPU went to other work: stop spinning for a while
+                self.lost += 1
+                self._off_until = after + self._backoff
+                self._backoff = min(2 * self._backoff, MAX_BACKOFF_S)
+                return got
+            now = after
+        return got

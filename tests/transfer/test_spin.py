@@ -1,0 +1,67 @@
+"""`Spinner`: returns as soon as the poll is ready, is bounded by its window, and turns itself
+off (with a doubling back-off) when a yield shows the CPU went to other work."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from yuebing.transfer.transport import spin
+from yuebing.transfer.transport.spin import Spinner
+
+
+class Poll:
+    """A poll that becomes ready on its ``ready_at``-th call (never with 0)."""
+
+    def __init__(self, ready_at: int = 0) -> None:
+        self.calls = 0
+        self.ready_at = ready_at
+
+    def __call__(self) -> list[str]:
+        self.calls += 1
+        return ["ready"] if self.calls == self.ready_at else []
+
+
+def test_returns_the_ready_result_without_waiting_out_the_window() -> None:
+    p = Poll(ready_at=3)
+    t0 = time.perf_counter()
+    assert Spinner().wait(p, 1.0) == ["ready"]
+    assert p.calls == 3
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_window_bounds_the_spin_and_zero_polls_once() -> None:
+    s = Spinner()
+    p = Poll()
+    t0, c0 = time.perf_counter(), time.process_time()
+    assert s.wait(p, 0.01) == []
+    assert 0.01 <= time.perf_counter() - t0 < 0.5
+    assert time.process_time() - c0 < 0.3
+    assert p.calls > 1
+    q = Poll()
+    assert s.wait(q, 0.0) == [] and q.calls == 1
+
+
+def test_lost_cpu_turns_spinning_off_with_doubling_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spin.os, "sched_yield", lambda: time.sleep(0.002))  # another task runs
+    s = Spinner()
+    p = Poll()
+    assert s.wait(p, 1.0) == []
+    assert (p.calls, s.lost, s.enabled) == (2, 1, False)  # one yield, then off
+    q = Poll()
+    assert s.wait(q, 1.0) == [] and q.calls == 1  # backed off: a single poll
+    s._off_until = 0.0  # the back-off period is over
+    assert s.wait(Poll(), 1.0) == [] and s.lost == 2
+    assert s._backoff == pytest.approx(4 * spin.BACKOFF_S)
+    for _ in range(10):
+        s._off_until = 0.0
+        s.wait(Poll(), 1.0)
+    assert s._backoff == spin.MAX_BACKOFF_S
+
+
+def test_a_peer_answering_during_a_long_yield_is_not_a_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spin.os, "sched_yield", lambda: time.sleep(0.002))  # the peer ran
+    s = Spinner()
+    assert s.wait(Poll(ready_at=2), 1.0) == ["ready"]
+    assert (s.lost, s.enabled) == (0, True)
