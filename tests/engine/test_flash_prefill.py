@@ -77,10 +77,29 @@ def test_first_token_attends_only_to_itself():
     (lambda a: {**a, "context_len": 10_000}, "n <= context_len <= blocks"),
     (lambda a: {**a, "context_len": 2}, "n <= context_len"),
     (lambda a: {**a, "k_cache": a["k_cache"][:, :1]}, "one shape"),
+    (lambda a: {**a, "block_table": a["block_table"].clone().index_fill_(0, torch.tensor([1]), 99)},
+     r"block_table\[1\] = 99 is outside the pool of 8 blocks"),
+    (lambda a: {**a, "block_table": a["block_table"].clone().index_fill_(0, torch.tensor([0]), -3)},
+     r"block_table\[0\] = -3 is outside the pool"),
+    (lambda a: {**a, "k_cache": a["k_cache"][:, :0], "v_cache": a["v_cache"][:, :0]},
+     "empty heads, kv_heads"),
 ])
 def test_flash_rejects_bad_inputs(mutate, message):
-    q, k_cache, v_cache, sl = _case(5, 40, 4, 2, 64, seed=9)
+    q, k_cache, v_cache, sl = _case(5, 40, 4, 2, 64, seed=9)  # 3 blocks used, 8 in the pool
     args = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": sl.block_table,
             "context_len": 40, "scale": 0.125}
     with pytest.raises(RuntimeError, match=message):
         torch.ops.yuebing.flash_prefill_attention(**mutate(args))
+
+
+def test_nan_in_one_key_poisons_exactly_the_rows_that_see_it():
+    """Like torch: a NaN score makes the row NaN; rows whose causal window excludes it stay
+    finite (a corrupted block must not turn into plausible-looking output)."""
+    q, k_cache, v_cache, sl = _case(40, 40, 4, 2, 64, seed=11)
+    k_cache = k_cache.clone()
+    table = sl.block_table
+    k_cache[table[1], 0, 3] = float("nan")  # token 19 (block 1, offset 3), kv head 0
+    out = prefill_flash(q, k_cache, v_cache, sl, 0.125)
+    ref = prefill_sdpa(q.float(), k_cache.float(), v_cache.float(), sl, 0.125)
+    assert torch.equal(out.float().isnan().any(-1), ref.isnan().any(-1))
+    assert out[19:, :2].isnan().all() and not out[:19].isnan().any() and not out[:, 2:].isnan().any()

@@ -1,4 +1,4 @@
-"""Paged attention over the KV pool, in plain torch.
+"""Paged attention over the KV pool: the torch paths and the registry of all paths.
 
 Called by `LlamaModel.forward` once per layer and step. A step's tokens are laid out flat:
 first one token per decoding sequence, then the chunk of each prefilling sequence. Each
@@ -12,7 +12,12 @@ layer writes its new K/V into the pool at the tokens' slots (`write_kv`), then r
 - **prefill** per sequence: its whole context (cached prefix + this chunk) gathered the same
   way, causal mask offset by the cached length; grouped matmuls over query tiles or SDPA.
 
-`choose_attention` times both paths of each kind when the engine starts (``attention=auto``).
+Other modules register more paths when imported (`register_decode` / `register_prefill`, with
+the dtypes and devices they run on): ``paged`` decode and ``flash`` prefill over the native
+kernels (`yuebing.engine.kernels`), ``blas`` prefill on MKL's bf16 GEMM
+(`yuebing.engine.blas_attention`). `choose_attention` times every allowed path of each kind when
+the engine starts (``attention`` / ``prefill_attention`` = ``auto``) and the engine keeps the
+fastest.
 """
 
 from __future__ import annotations

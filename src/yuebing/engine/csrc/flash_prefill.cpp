@@ -12,6 +12,9 @@
 // (running max and sum per row), casts the probabilities to bf16 and accumulates P·V in float32.
 // The output is normalised and cast to bf16 at the end. Tasks are scheduled dynamically (causal
 // tiles differ in cost). Without AVX512-BF16 the same algorithm runs in portable C++.
+#include <atomic>
+#include <memory>
+
 #include "common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -33,18 +36,21 @@ struct FlashShape {
 // Packs K and V of kv head `h` for context [0, ctx) into
 //   kp[c][i][k][e] = K[c*kChunk + k][2i + e]   (pairs along head_dim, keys in lanes)
 //   vp[c][m][d][e] = V[c*kChunk + 2m + e][d]   (pairs along keys, head_dim in lanes)
-// zero-filled past ctx.
+// with the padding keys past ctx (up to a whole chunk) zero. The buffers are not initialised.
 void pack_head(const FlashShape& s, const uint16_t* kc, const uint16_t* vc,
                const int64_t* table, int64_t h, uint16_t* kp, uint16_t* vp) {
   const int64_t hd = s.hd, head_stride = s.block_size * hd, block_stride = s.kv_heads * head_stride;
   const int64_t chunk_elems = kChunk * hd;
-  std::fill(kp, kp + s.chunks * chunk_elems, 0);
-  std::fill(vp, vp + s.chunks * chunk_elems, 0);
-  for (int64_t t = 0; t < s.ctx; ++t) {
-    const int64_t off = table[t / s.block_size] * block_stride + h * head_stride +
-                        (t % s.block_size) * hd;
-    const uint16_t* k = kc + off;
-    const uint16_t* v = vc + off;
+  const std::vector<uint16_t> zeros(hd, 0);
+  for (int64_t t = 0; t < s.chunks * kChunk; ++t) {
+    const uint16_t* k = zeros.data();
+    const uint16_t* v = zeros.data();
+    if (t < s.ctx) {
+      const int64_t off = table[t / s.block_size] * block_stride + h * head_stride +
+                          (t % s.block_size) * hd;
+      k = kc + off;
+      v = vc + off;
+    }
     const int64_t c = t / kChunk, key = t % kChunk;
     uint16_t* kdst = kp + c * chunk_elems + key * 2;
     for (int64_t i = 0; i < hd / 2; ++i) {
@@ -72,10 +78,11 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even (as torch doe
 }
 
 #ifdef YB_FLASH_AVX512
-// e^x for x <= 0 (the softmax argument); exactly 0 below -87 and for -inf.
+// e^x for x <= 0 (the softmax argument); exactly 0 below -87 and for -inf; NaN stays NaN
+// (VMAXPS returns its second operand when one is NaN, and an unordered compare keeps the lane).
 inline __m512 exp_nonpositive(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
@@ -115,7 +122,13 @@ void block_scores_portable(const FlashShape& s, const uint16_t* const* qrow, con
       const bool visible = c * kChunk + k <= limit[r];
       sc[r * kChunk + k] = visible ? dot * scale : -std::numeric_limits<float>::infinity();
     }
-    rowmax[r] = *std::max_element(sc + r * kChunk, sc + (r + 1) * kChunk);
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t k = 0; k < kChunk; ++k) {
+      const float x = sc[r * kChunk + k];
+      mx = std::isnan(x) || std::isnan(mx) ? std::numeric_limits<float>::quiet_NaN()
+                                           : std::max(mx, x);
+    }
+    rowmax[r] = mx;
   }
 }
 
@@ -140,6 +153,7 @@ inline float finish_row(const Row4& acc, int64_t first, int64_t limit, float sca
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 parts[4] = {acc.a0, acc.a1, acc.a2, acc.a3};
   __m512 vmax = neg_inf;
+  __mmask16 nan = 0;
   for (int j = 0; j < 4; ++j) {
     __m512 v = _mm512_mul_ps(parts[j], vscale);
     const int64_t visible = limit - (first + j * 16) + 1;  // lanes [0, visible) are visible
@@ -150,9 +164,10 @@ inline float finish_row(const Row4& acc, int64_t first, int64_t limit, float sca
       v = _mm512_mask_mov_ps(neg_inf, keep, v);
     }
     vmax = _mm512_max_ps(vmax, v);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     _mm512_storeu_ps(out + j * 16, v);
   }
-  return _mm512_reduce_max_ps(vmax);
+  return nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(vmax);
 }
 
 // Scores of 4 rows against chunk c (AVX512-BF16): 16 accumulators stay in registers.
@@ -190,7 +205,7 @@ void block_softmax(const FlashShape& s, float* sc, const float* rowmax, uint16_t
     float* row = sc + r * kChunk;
     const float mx = rowmax[r];
     const float m_old = st.m[r0 + r];
-    const float m_new = std::max(m_old, mx);
+    const float m_new = std::isnan(mx) ? mx : std::max(m_old, mx);  // NaN (either) wins
     float* o = st.o + (r0 + r) * s.hd;
     if (m_new == neg_inf) {  // nothing visible yet in this row
       std::fill(pb + r * kChunk, pb + (r + 1) * kChunk, 0);
@@ -234,8 +249,7 @@ void block_pv_portable(const FlashShape& s, const uint16_t* pb, const uint16_t* 
   for (int r = 0; r < kRows; ++r) {
     float* o = st.o + (r0 + r) * hd;
     for (int64_t k = 0; k < kChunk; ++k) {
-      const float p = bf16_to_float(pb[r * kChunk + k]);
-      if (p == 0.f) continue;
+      const float p = bf16_to_float(pb[r * kChunk + k]);  // 0·NaN = NaN, as in a matmul
       const uint16_t* vrow = vpc + (k / 2) * hd * 2 + (k % 2);
       for (int64_t d = 0; d < hd; ++d) o[d] += p * bf16_to_float(vrow[d * 2]);
     }
@@ -326,23 +340,24 @@ void flash_task(const FlashShape& s, const uint16_t* q, const uint16_t* kp, cons
   }
 }
 
-}  // namespace
-
-at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                   const at::Tensor& v_cache, const at::Tensor& block_table,
-                                   int64_t context_len, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "flash_prefill_attention: q must be "
-              "[n, heads, head_dim] with contiguous rows");
+// Validates the operands (every block id the context uses must lie in the pool) and returns
+// the shape; bad input raises with a message naming the operand.
+FlashShape check_flash_inputs(const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& block_table,
+                              int64_t context_len) {
+  const char* op = "flash_prefill_attention: ";
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, op,
+              "q must be [n, heads, head_dim] with contiguous rows");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16,
-              "flash_prefill_attention: bfloat16 q / k_cache / v_cache required");
+              op, "bfloat16 q / k_cache / v_cache required");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
-              "flash_prefill_attention: k_cache / v_cache must be contiguous "
-              "[blocks, kv_heads, block_size, head_dim] of one shape");
+              op, "k_cache / v_cache must be contiguous [blocks, kv_heads, block_size, "
+              "head_dim] of one shape");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 1 &&
                   block_table.is_contiguous(),
-              "flash_prefill_attention: block_table must be a contiguous int64 vector");
+              op, "block_table must be a contiguous int64 vector");
   FlashShape s{};
   s.n = q.size(0);
   s.heads = q.size(1);
@@ -350,39 +365,57 @@ at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   s.kv_heads = k_cache.size(1);
   s.block_size = k_cache.size(2);
   s.ctx = context_len;
-  TORCH_CHECK(k_cache.size(3) == s.hd && s.hd % 16 == 0,
-              "flash_prefill_attention: head_dim must match the cache and be a multiple of 16");
-  TORCH_CHECK(s.heads % s.kv_heads == 0, "flash_prefill_attention: heads must be a multiple "
-              "of kv_heads");
-  TORCH_CHECK(s.n >= 1 && s.ctx >= s.n &&
-                  block_table.size(0) * s.block_size >= s.ctx,
-              "flash_prefill_attention: need 1 <= n <= context_len <= blocks × block_size");
+  TORCH_CHECK(s.kv_heads > 0 && s.block_size > 0 && s.hd > 0 && s.heads > 0, op,
+              "empty heads, kv_heads, block_size or head_dim");
+  TORCH_CHECK(k_cache.size(3) == s.hd && s.hd % 16 == 0, op,
+              "head_dim must match the cache and be a multiple of 16");
+  TORCH_CHECK(s.heads % s.kv_heads == 0, op, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(s.n >= 1 && s.ctx >= s.n && block_table.size(0) * s.block_size >= s.ctx, op,
+              "need 1 <= n <= context_len <= blocks × block_size");
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t used = (s.ctx + s.block_size - 1) / s.block_size, pool = k_cache.size(0);
+  for (int64_t b = 0; b < used; ++b)
+    TORCH_CHECK(table[b] >= 0 && table[b] < pool, op, "block_table[", b, "] = ", table[b],
+                " is outside the pool of ", pool, " blocks");
   s.group = s.heads / s.kv_heads;
   s.chunks = (s.ctx + kChunk - 1) / kChunk;
   s.q_tok = q.stride(0);
   s.q_head = q.stride(1);
+  return s;
+}
+
+}  // namespace
+
+at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_table,
+                                   int64_t context_len, double scale) {
+  const FlashShape s = check_flash_inputs(q, k_cache, v_cache, block_table, context_len);
   auto out = at::empty({s.n, s.heads, s.hd}, q.options().memory_format(at::MemoryFormat::Contiguous));
   const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
   const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const int64_t* table = block_table.data_ptr<int64_t>();
+  // packed K/V: 2 · kv_heads · chunks · 64 · head_dim bf16 per call (uninitialised; see pack_head)
   const int64_t head_elems = s.chunks * kChunk * s.hd;
-  std::vector<uint16_t> kp(s.kv_heads * head_elems), vp(s.kv_heads * head_elems);
+  std::unique_ptr<uint16_t[]> kp(new uint16_t[s.kv_heads * head_elems]);
+  std::unique_ptr<uint16_t[]> vp(new uint16_t[s.kv_heads * head_elems]);
   at::parallel_for(0, s.kv_heads, 1, [&](int64_t b, int64_t e) {
     for (int64_t h = b; h < e; ++h)
-      pack_head(s, kc, vc, table, h, kp.data() + h * head_elems, vp.data() + h * head_elems);
+      pack_head(s, kc, vc, table, h, kp.get() + h * head_elems, vp.get() + h * head_elems);
   });
   const int64_t tiles = (s.n + kTile - 1) / kTile, tasks = s.kv_heads * tiles;
   const float fscale = static_cast<float>(scale);
-  // later tiles see more keys: hand out the costliest first, dynamically
-#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-  for (int64_t i = 0; i < tasks; ++i) {
-    const int64_t tile = tiles - 1 - i / s.kv_heads, h = i % s.kv_heads;
-    const int64_t t0 = tile * kTile, t1 = std::min(s.n, t0 + kTile);
-    flash_task(s, qp, kp.data() + h * head_elems, vp.data() + h * head_elems, h, t0, t1, fscale,
-               op);
-  }
+  // later tiles see more keys: every thread of torch's pool takes the costliest task left
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < tasks; i = next++) {
+      const int64_t tile = tiles - 1 - i / s.kv_heads, h = i % s.kv_heads;
+      const int64_t t0 = tile * kTile, t1 = std::min(s.n, t0 + kTile);
+      flash_task(s, qp, kp.get() + h * head_elems, vp.get() + h * head_elems, h, t0, t1,
+                 fscale, op);
+    }
+  });
   return out;
 }
 
