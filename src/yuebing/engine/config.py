@@ -2,7 +2,7 @@
 
 `ModelConfig` is read from the model files (GGUF metadata, ``config.json``) or given for dummy
 weights; `EngineConfig` is what an operator sets (model path, KV blocks, batching budget, dtype,
-device, threads). Both are frozen and validated on construction.
+device, threads, attention paths, native or torch kernels). Both are frozen and validated on construction.
 """
 
 from __future__ import annotations
