@@ -128,6 +128,10 @@ def test_decode_paged_reads_a_strided_q_and_the_metadata():
     (lambda a: a["table"].__setitem__((1, 0), 99), "outside the pool of 6 blocks"),
     (lambda a: a.update(q=a["q"].double()), "must share a dtype"),
     (lambda a: a.update(q=a["q"][:, :3]), "not a multiple of kv_heads"),
+    (lambda a: a.update(kc=torch.zeros(6, 0, 4, 8), vc=torch.zeros(6, 0, 4, 8)),
+     "empty cache or query shape"),
+    (lambda a: a.update(kc=torch.zeros(6, 2, 0, 8), vc=torch.zeros(6, 2, 0, 8)),
+     "empty cache or query shape"),
 ])
 def test_paged_decode_rejects_bad_inputs(mutate, message):
     args = {"q": torch.randn(2, 4, 8), "kc": torch.zeros(6, 2, 4, 8),
@@ -221,3 +225,26 @@ def test_silu_and_mul(dtype, rows, ffn):
 def test_ops_reject_unsupported_dtype():
     with pytest.raises(RuntimeError, match="dtype Double unsupported"):
         torch.ops.yuebing.silu_and_mul(torch.zeros(2, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("op,args", [
+    ("rms_norm", (torch.zeros(3, 0), torch.zeros(0), 1e-5)),
+    ("silu_and_mul", (torch.zeros(3, 0),)),
+])
+def test_ops_refuse_empty_rows(op, args):
+    with pytest.raises(RuntimeError, match="n > 0"):
+        getattr(torch.ops.yuebing, op)(*args)
+
+
+def test_nan_propagates_like_torch():
+    """A NaN score makes that head's output NaN (as torch's softmax does); NaN gates stay NaN."""
+    kc = torch.randn(6, 1, 4, 16)
+    kc[1, 0, 2, 5] = float("nan")  # token 6 of the sequence: inside the first 16-lane exp
+    out = torch.ops.yuebing.paged_decode_attention(
+        torch.randn(1, 2, 16), kc, torch.randn(6, 1, 4, 16),
+        torch.arange(6, dtype=torch.int32)[None], torch.tensor([24], dtype=torch.int32), 0.25)
+    assert out.isnan().all()
+    x = torch.randn(2, 32)
+    x[1, 3] = float("nan")
+    got = torch.ops.yuebing.silu_and_mul(x)
+    assert got[1, 3].isnan() and not got[0].isnan().any()

@@ -288,6 +288,8 @@ void check_decode_inputs(const at::Tensor& q, const at::Tensor& kc, const at::Te
               "paged_decode_attention: the caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == kc.scalar_type() && kc.scalar_type() == vc.scalar_type(),
               "paged_decode_attention: q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(kc.numel() > 0 && q.size(1) > 0 && q.size(2) > 0,
+              "paged_decode_attention: empty cache or query shape ", kc.sizes(), " / ", q.sizes());
   TORCH_CHECK(q.size(2) == kc.size(3), "paged_decode_attention: q head_dim ", q.size(2),
               " != cache head_dim ", kc.size(3));
   TORCH_CHECK(q.stride(2) == 1, "paged_decode_attention: q's last dimension must be dense");

@@ -12,8 +12,8 @@ namespace {
 int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / row_elems); }
 
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be a contiguous [rows, n], got ",
-              x.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) > 0, name,
+              ": x must be a contiguous [rows, n] with n > 0, got ", x.sizes());
   TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous(), name,
               ": weight must be a dense [", x.size(1), "], got ", w.sizes());
   TORCH_CHECK(w.scalar_type() == x.scalar_type(), name, ": weight dtype ", w.scalar_type(),
@@ -148,8 +148,9 @@ void check_rope(const at::Tensor& qkv, const at::Tensor& positions, const at::Te
                 const at::Tensor& slots, int64_t heads, int64_t kv_heads) {
   TORCH_CHECK(heads > 0 && kv_heads > 0, "rope_write_kv: num_heads and num_kv_heads must be > 0");
   TORCH_CHECK(kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.is_contiguous() &&
-              vc.is_contiguous(), "rope_write_kv: caches must be contiguous [blocks, kv_heads, "
-              "block_size, head_dim], got ", kc.sizes(), " and ", vc.sizes());
+              vc.is_contiguous() && kc.numel() > 0, "rope_write_kv: caches must be non-empty "
+              "contiguous [blocks, kv_heads, block_size, head_dim], got ", kc.sizes(), " and ",
+              vc.sizes());
   const int64_t hd = kc.size(3);
   TORCH_CHECK(kc.size(1) == kv_heads, "rope_write_kv: cache has ", kc.size(1),
               " kv heads, expected ", kv_heads);
@@ -245,8 +246,8 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
-              "silu_and_mul: x must be a contiguous [rows, 2·n], got ", x.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0 && x.size(1) > 0,
+              "silu_and_mul: x must be a contiguous [rows, 2·n] with n > 0, got ", x.sizes());
   const int64_t n = x.size(1) / 2;
   at::Tensor out = at::empty({x.size(0), n}, x.options());
   YB_DISPATCH_FLOAT(x.scalar_type(), "silu_and_mul", [&] {

@@ -69,8 +69,9 @@ inline __mmask16 tail_mask(int64_t left) {
 
 // exp(x) for float32 lanes, relative error ~2 ulp (Cephes expf polynomial), 0 below -88.
 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+  // clamp with x second: max/min return the second operand when one is NaN, so NaN propagates
+  x = _mm512_max_ps(_mm512_set1_ps(-88.0f), x);
+  x = _mm512_min_ps(_mm512_set1_ps(88.0f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
