@@ -1,26 +1,39 @@
 """Building and loading yuebing's native CPU kernels (``csrc/*.cpp`` → ``torch.ops.yuebing.*``).
 
-Life cycle: the first engine that resolves ``kernels`` to ``auto`` or ``native`` calls `load`;
-it compiles the C++ sources shipped in the package with ``torch.utils.cpp_extension.load``
-(``-O3 -march=native``: they are built on the machine that runs them) into a shared library under
-``~/.cache/yuebing/kernels/<key>/``, where the key hashes the sources, the flags, the torch
-version and this CPU's model and flags (a cache shared between machines never hands one CPU
-another's build). Later loads in any process on this machine reuse the library (no compile);
-the library registers its operators with ``TORCH_LIBRARY(yuebing, ...)`` when loaded, once per
-process. `load` reports success or failure (with the reason, cached for the process);
+Life cycle: the first engine that resolves ``kernels`` to ``auto`` or ``native`` calls `load`.
+When ``~/.cache/yuebing/kernels/<key>/yuebing_kernels_<key>.so`` exists it is loaded directly
+with ``torch.ops.load_library`` (no compiler, no ninja, ~50 ms). The key hashes everything the
+library depends on: the sources and their directory, the flags, the torch version and
+installation, the interpreter prefix (the venv), ``$CXX`` and the compiler's version, and this
+CPU's model and flags, so two checkouts, venvs or compilers never share (or relink) one build and
+a cache shared between machines never hands one CPU another's build. Otherwise the process takes
+an ``fcntl.flock`` on ``<key>.lock`` (the kernel drops it if the holder dies, so a killed build
+never blocks later ones), looks again (another process may have finished while it waited),
+compiles the C++ sources shipped in the package with ``torch.utils.cpp_extension.load``
+(``-O3 -march=native``: built on the machine that runs them) in a private ``<key>.tmp-<pid>``
+directory and moves the finished library into place with an atomic ``os.replace``, so readers
+see either no library or a complete one. The library registers its operators with
+``TORCH_LIBRARY(yuebing, ...)`` when loaded, once per process. `load` reports success or failure
+(with the reason, cached for the process; an unwritable cache is a failure, not an exception);
 ``yuebing engine build-kernels`` runs it ahead of time so the first request does not pay the
-compile (~30–60 s on 2 cores).
+compile (~30 s on 2 cores).
 """
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import subprocess
+import sys
 import sysconfig
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -70,15 +83,31 @@ def cflags() -> tuple[str, ...]:
     return CFLAGS + tuple(os.environ.get("YUEBING_KERNELS_CFLAGS", "").split())
 
 
+@functools.lru_cache(maxsize=8)
+def _compiler_version(compiler: str | None) -> str:
+    """First line of ``<compiler> --version`` ("" when there is none or it does not run)."""
+    if compiler is None:
+        return ""
+    try:
+        proc = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                              timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return (proc.stdout.splitlines() or [""])[0]
+
+
 def build_key() -> str:
-    """Hash of everything the compiled library depends on."""
+    """Hash of everything the compiled library depends on (raises OSError if a source is
+    unreadable)."""
     h = hashlib.sha256()
     for name in SOURCES:
         h.update(name.encode())
         h.update((source_dir() / name).read_bytes())
-    h.update(" ".join(cflags() + LDFLAGS).encode())
-    h.update(torch.__version__.encode())
-    h.update(_cpu_identity().encode())
+    compiler = _compiler()
+    for part in (" ".join(cflags() + LDFLAGS), torch.__version__, os.path.dirname(torch.__file__),
+                 str(source_dir()), sys.prefix, os.environ.get("CXX", ""), str(compiler),
+                 _compiler_version(compiler), _cpu_identity()):
+        h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
 
@@ -108,34 +137,86 @@ def _ensure_ninja_on_path() -> None:
             os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
 
 
+@contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing); the kernel releases it
+    when this process closes it or dies, so a stale lock file never blocks anyone."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process building the native kernels (%s)", path)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _compile(key: str, library: Path) -> str:
+    """Build (and load) the library in a private temporary directory, then move it to
+    ``library`` atomically; "" on success, else the reason. Call with the key's lock held."""
+    from torch.utils import cpp_extension
+
+    _ensure_ninja_on_path()
+    tmp = library.parent.with_name(f"{key}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a dead process that had this pid
+    tmp.mkdir()
+    log.info("building the native kernels in %s (first use on this machine, ~30 s)", tmp)
+    sources = [str(source_dir() / n) for n in SOURCES if n.endswith(".cpp")]
+    try:
+        cpp_extension.load(name=library.stem, sources=sources, extra_cflags=list(cflags()),
+                           extra_ldflags=list(LDFLAGS), build_directory=str(tmp),
+                           is_python_module=False, verbose=False)
+        library.parent.mkdir(exist_ok=True)
+        os.replace(tmp / library.name, library)
+    except (RuntimeError, OSError, ImportError, ValueError) as exc:
+        return (f"building the native kernels in {tmp} failed: "
+                f"{_first_error(str(exc)) or repr(exc)}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ""
+
+
+def _load_or_build(key: str, library: Path) -> str:
+    """Load ``library``, building it first (under the key's lock) when no process has; "" on
+    success, else the reason."""
+    if not library.exists():
+        with _exclusive(library.parent.with_name(f"{key}.lock")):
+            if not library.exists():  # another process may have built it while we waited
+                return _compile(key, library)
+    try:
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError) as exc:
+        return f"loading the native kernels from {library} failed: {exc}"
+    return ""
+
+
 def _build() -> BuildResult:
     if platform.system() != "Linux":
         return BuildResult(False, None, f"native kernels are built on Linux only, not "
                                         f"{platform.system()}")
     if _compiler() is None:
         return BuildResult(False, None, "no C++ compiler found (install g++ or set CXX)")
-    _ensure_ninja_on_path()
-    from torch.utils import cpp_extension
-
-    key = build_key()
-    build_dir = cache_dir() / key
-    build_dir.mkdir(parents=True, exist_ok=True)
-    name = f"yuebing_kernels_{key}"
-    if not (build_dir / f"{name}.so").exists():
-        log.info("building the native kernels in %s (first use on this machine, ~30 s)",
-                 build_dir)
-    sources = [str(source_dir() / n) for n in SOURCES if n.endswith(".cpp")]
     try:
-        cpp_extension.load(name=name, sources=sources, extra_cflags=list(cflags()),
-                           extra_ldflags=list(LDFLAGS), build_directory=str(build_dir),
-                           is_python_module=False, verbose=False)
-    except (RuntimeError, OSError, ImportError, ValueError) as exc:
-        return BuildResult(False, None, f"building the native kernels in {build_dir} failed: "
-                                        f"{_first_error(str(exc)) or repr(exc)}")
+        key = build_key()
+    except OSError as exc:
+        return BuildResult(False, None, f"cannot read the kernel sources in {source_dir()}: "
+                                        f"{exc}")
+    root = cache_dir()
+    library = root / key / f"yuebing_kernels_{key}.so"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        error = _load_or_build(key, library)
+    except OSError as exc:
+        error = (f"cannot use the kernel cache {root}: {exc}; set XDG_CACHE_HOME to a "
+                 f"writable directory")
+    if error:
+        return BuildResult(False, None, error)
     missing = [op for op in OPS if not hasattr(torch.ops.yuebing, op)]
     if missing:
         return BuildResult(False, None, f"the native kernel library lacks operators {missing}")
-    return BuildResult(True, build_dir / f"{name}.so")
+    return BuildResult(True, library)
 
 
 def load() -> BuildResult:

@@ -227,8 +227,11 @@ void merge_partitions(const DecodeShape& s, const int32_t* lens, const float* pm
         const float* o = pout + (sh * parts + p) * hd;
         for (int64_t i = 0; i < hd; ++i) acc[i] += o[i] * w;
       }
+      // acc * (1/total), exactly as the one-partition path writes a[i] * (1/sum): with one
+      // used partition w = 1 and acc = o, so a sequence gets the same bits in any batch.
+      const float inv = 1.f / total;
       T* dst = out + sh * hd;
-      for (int64_t i = 0; i < hd; ++i) dst[i] = from_float<T>(acc[i] / total);
+      for (int64_t i = 0; i < hd; ++i) dst[i] = from_float<T>(acc[i] * inv);
     }
   });
 }

@@ -3,6 +3,8 @@
 // element type exactly where the plain-torch path stores them in that type (bfloat16 / float16
 // ops compute in float32 and round their result), so the fused ops reproduce the torch path's
 // rounding steps; only reduction order (RMSNorm) and exp (SiLU) differ.
+#include <ATen/MemoryOverlap.h>
+
 #include "vec.h"
 
 namespace yuebing {
@@ -224,6 +226,7 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() &&
               residual.scalar_type() == x.scalar_type(),
               "fused_add_rms_norm: residual must be a contiguous tensor like x ", x.sizes());
+  at::assert_no_overlap(x, residual);  // both are written: aliasing rows would feed each other
   YB_DISPATCH_FLOAT(x.scalar_type(), "fused_add_rms_norm", [&] {
     fused_add_rms_norm_impl<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
                                       weight.data_ptr<scalar_t>(), x.size(0), x.size(1),
