@@ -2,14 +2,20 @@
 // read in place from the paged KV pool through the block table (no gather copy).
 //
 // Layout of one layer's pool: k_cache / v_cache [num_blocks, kv_heads, block_size, head_dim].
-// Work is split into tasks (sequence, kv head, context partition of kPartition tokens) run with
-// at::parallel_for. A task handles all query heads of its kv head (GQA), so K and V are read once
-// per kv head: it computes the scores of its partition in float32, a max-subtracted softmax, and
-// the weighted sum of V in float32. With one partition the result is written directly; with
-// several, the partials (max, sum, unnormalised output) are merged afterwards, as in vLLM's
-// paged_attention_v2. Each sequence is computed in the same order whatever else is in the batch,
-// so results do not depend on the batch composition.
+// Work is split into tasks (sequence, kv head, context partition of kPartition tokens) run on
+// torch's thread pool (at::parallel_for). A task handles all query heads of its kv head (GQA), so
+// K and V are read once per kv head: it computes the scores of its partition in float32, a
+// max-subtracted softmax, and the weighted sum of V in float32. When every sequence fits one
+// partition the tasks go to the threads in static chunks and write the output directly. When one
+// needs more, the threads take tasks dynamically, largest first (so a long sequence's partitions
+// spread over all threads), and that sequence's partials (max, sum, unnormalised output) are
+// merged afterwards, as in vLLM's paged_attention_v2; shorter sequences still write directly.
+// Each sequence is computed in the same order whatever else is in the batch, so results do not
+// depend on the batch composition, bit for bit.
+#include <atomic>
+#include <memory>
 #include <type_traits>
+#include <utility>
 
 #include "vec.h"
 
@@ -207,77 +213,142 @@ void attend_partition(const DecodeShape& s, const T* q, const T* kc, const T* vc
   accumulate(s, vc, row, kvh, start, stop, scores, acc);
 }
 
-// Merge the partitions of every (seq, head) into the output.
+inline int64_t parts_of(int32_t len) { return (len + kPartition - 1) / kPartition; }
+
+// Partials of the sequences that need more than one partition (vLLM's paged_attention_v2):
+// (seq, head, part) lives at slot first[seq] + head * used + part. The buffers are uninitialised
+// (merge reads only slots that a task wrote); single-partition sequences have first = -1 and
+// are written straight to the output, so a sequence's bits never depend on the batch.
+struct Partials {
+  std::vector<int64_t> first;
+  std::vector<int64_t> multi;  // the sequences with partials
+  std::unique_ptr<float[]> max, sum, out;
+};
+
+Partials make_partials(const DecodeShape& s, const int32_t* lens) {
+  Partials p;
+  p.first.assign(s.seqs, -1);
+  int64_t slots = 0;
+  for (int64_t i = 0; i < s.seqs; ++i) {
+    const int64_t used = parts_of(lens[i]);
+    if (used < 2) continue;
+    p.first[i] = slots;
+    p.multi.push_back(i);
+    slots += s.heads * used;
+  }
+  if (slots > 0) {
+    p.max.reset(new float[slots]);
+    p.sum.reset(new float[slots]);
+    p.out.reset(new float[slots * s.head_dim]);
+  }
+  return p;
+}
+
+// Every (sequence, partition) to compute, largest first, for threads that take them dynamically
+// (a long sequence's partitions spread over all threads and the small ones fill in at the end).
+std::vector<std::pair<int32_t, int32_t>> work_items(const DecodeShape& s, const int32_t* lens) {
+  std::vector<std::pair<int32_t, int32_t>> items;
+  for (int32_t i = 0; i < s.seqs; ++i)
+    for (int32_t p = 0; p < parts_of(lens[i]); ++p) items.emplace_back(i, p);
+  auto size = [&](const std::pair<int32_t, int32_t>& it) {
+    return std::min<int64_t>(kPartition, lens[it.first] - int64_t{it.second} * kPartition);
+  };
+  std::stable_sort(items.begin(), items.end(),
+                   [&](const auto& a, const auto& b) { return size(a) > size(b); });
+  return items;
+}
+
+// Merge the partials of every (seq, head) that has them into the output, in partition order.
 template <typename T>
-void merge_partitions(const DecodeShape& s, const int32_t* lens, const float* pmax,
-                      const float* psum, const float* pout, T* out) {
-  const int64_t hd = s.head_dim, parts = s.parts;
-  at::parallel_for(0, s.seqs * s.heads, 1, [&](int64_t begin, int64_t end) {
+void merge_partitions(const DecodeShape& s, const int32_t* lens, const Partials& p, T* out) {
+  const int64_t hd = s.head_dim;
+  at::parallel_for(0, static_cast<int64_t>(p.multi.size()) * s.heads, 1,
+                   [&](int64_t begin, int64_t end) {
     std::vector<float> acc(hd);
-    for (int64_t sh = begin; sh < end; ++sh) {
-      const int64_t used = (lens[sh / s.heads] + kPartition - 1) / kPartition;
-      const float* mx = pmax + sh * parts;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t seq = p.multi[i / s.heads], h = i % s.heads, used = parts_of(lens[seq]);
+      const int64_t base = p.first[seq] + h * used;
       float m = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < used; ++p) m = std::max(m, mx[p]);
+      for (int64_t q = 0; q < used; ++q) m = std::max(m, p.max[base + q]);
       std::fill(acc.begin(), acc.end(), 0.f);
       float total = 0.f;
-      for (int64_t p = 0; p < used; ++p) {
-        const float w = std::exp(mx[p] - m);
-        total += psum[sh * parts + p] * w;
-        const float* o = pout + (sh * parts + p) * hd;
-        for (int64_t i = 0; i < hd; ++i) acc[i] += o[i] * w;
+      for (int64_t q = 0; q < used; ++q) {
+        const float w = std::exp(p.max[base + q] - m);
+        total += p.sum[base + q] * w;
+        const float* o = p.out.get() + (base + q) * hd;
+        for (int64_t j = 0; j < hd; ++j) acc[j] += o[j] * w;
       }
-      // acc * (1/total), exactly as the one-partition path writes a[i] * (1/sum): with one
-      // used partition w = 1 and acc = o, so a sequence gets the same bits in any batch.
-      const float inv = 1.f / total;
-      T* dst = out + sh * hd;
-      for (int64_t i = 0; i < hd; ++i) dst[i] = from_float<T>(acc[i] * inv);
+      const float inv = 1.f / total;  // multiplied like the direct path's a * (1/sum)
+      T* dst = out + (seq * s.heads + h) * hd;
+      for (int64_t j = 0; j < hd; ++j) dst[j] = from_float<T>(acc[j] * inv);
     }
   });
 }
 
 template <typename T>
-void decode_attention_impl(const DecodeShape& s, const at::Tensor& q, const at::Tensor& kc,
-                           const at::Tensor& vc, const int32_t* table, const int32_t* lens,
-                           float scale, at::Tensor& out) {
-  const T* qp = q.data_ptr<T>();
-  const T* kp = kc.data_ptr<T>();
-  const T* vp = vc.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t hd = s.head_dim, g_n = s.group, parts = s.parts;
-  std::vector<float> pmax, psum, pout;
-  if (parts > 1) {
-    pmax.assign(s.seqs * s.heads * parts, -std::numeric_limits<float>::infinity());
-    psum.assign(s.seqs * s.heads * parts, 0.f);
-    pout.assign(s.seqs * s.heads * parts * hd, 0.f);
+struct DecodeIo {
+  const T *q, *kc, *vc;
+  const int32_t *table, *lens;
+  float scale;
+  T* out;
+};
+
+// One thread's scratch for attend_partition.
+struct Scratch {
+  explicit Scratch(const DecodeShape& s)
+      : qf(s.group * s.head_dim), scores(s.group * kPartition), acc(s.group * s.head_dim),
+        mx(s.group), sm(s.group) {}
+  std::vector<float> qf, scores, acc, mx, sm;
+};
+
+// Partition `part` of sequence `seq` for kv head `kvh`: straight to the output when it is the
+// sequence's only one, else into its partial slots.
+template <typename T>
+void decode_task(const DecodeShape& s, const DecodeIo<T>& io, Partials& p, Scratch& w,
+                 int64_t seq, int64_t kvh, int64_t part) {
+  const int64_t start = part * kPartition;
+  const int64_t stop = std::min<int64_t>(io.lens[seq], start + kPartition);
+  attend_partition<T>(s, io.q, io.kc, io.vc, io.table, seq, kvh, start, stop, io.scale,
+                      w.qf.data(), w.scores.data(), w.acc.data(), w.mx.data(), w.sm.data());
+  const int64_t hd = s.head_dim, used = parts_of(io.lens[seq]);
+  for (int64_t g = 0; g < s.group; ++g) {
+    const int64_t h = kvh * s.group + g;
+    const float* a = w.acc.data() + g * hd;
+    if (p.first[seq] < 0) {
+      T* dst = io.out + (seq * s.heads + h) * hd;
+      const float inv = 1.f / w.sm[g];
+      for (int64_t i = 0; i < hd; ++i) dst[i] = from_float<T>(a[i] * inv);
+    } else {
+      const int64_t slot = p.first[seq] + h * used + part;
+      p.max[slot] = w.mx[g];
+      p.sum[slot] = w.sm[g];
+      std::copy(a, a + hd, p.out.get() + slot * hd);
+    }
   }
-  const int64_t tasks = s.seqs * s.kv_heads * parts;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(g_n * hd), scores(g_n * kPartition), acc(g_n * hd), mx(g_n), sm(g_n);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / (s.kv_heads * parts), kvh = (task / parts) % s.kv_heads;
-      const int64_t start = (task % parts) * kPartition;
-      const int64_t stop = std::min<int64_t>(lens[seq], start + kPartition);
-      if (start >= stop) continue;  // this sequence's context ends before the partition
-      attend_partition<T>(s, qp, kp, vp, table, seq, kvh, start, stop, scale, qf.data(),
-                          scores.data(), acc.data(), mx.data(), sm.data());
-      for (int64_t g = 0; g < g_n; ++g) {
-        const int64_t sh = seq * s.heads + kvh * g_n + g;
-        const float* a = acc.data() + g * hd;
-        if (parts == 1) {
-          T* dst = op + sh * hd;
-          const float inv = 1.f / sm[g];
-          for (int64_t i = 0; i < hd; ++i) dst[i] = from_float<T>(a[i] * inv);
-        } else {
-          const int64_t p = task % parts;
-          pmax[sh * parts + p] = mx[g];
-          psum[sh * parts + p] = sm[g];
-          std::copy(a, a + hd, pout.data() + (sh * parts + p) * hd);
-        }
-      }
+}
+
+template <typename T>
+void decode_attention_impl(const DecodeShape& s, const DecodeIo<T>& io) {
+  Partials p = make_partials(s, io.lens);
+  if (s.parts == 1) {  // one partition each: (seq, kv head) tasks in static chunks
+    at::parallel_for(0, s.seqs * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+      Scratch w(s);
+      for (int64_t t = begin; t < end; ++t)
+        decode_task<T>(s, io, p, w, t / s.kv_heads, t % s.kv_heads, 0);
+    });
+    return;
+  }
+  const auto items = work_items(s, io.lens);
+  const int64_t tasks = static_cast<int64_t>(items.size()) * s.kv_heads;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Scratch w(s);
+    for (int64_t i = next++; i < tasks; i = next++) {
+      const auto [seq, part] = items[i / s.kv_heads];
+      decode_task<T>(s, io, p, w, seq, i % s.kv_heads, part);
     }
   });
-  if (parts > 1) merge_partitions<T>(s, lens, pmax.data(), psum.data(), pout.data(), op);
+  merge_partitions<T>(s, io.lens, p, io.out);
 }
 
 void check_decode_inputs(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
@@ -333,8 +404,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   at::Tensor out = at::empty({seqs, s.heads, s.head_dim}, q.options());
   if (seqs == 0) return out;
   YB_DISPATCH_FLOAT(q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention_impl<scalar_t>(s, q, k_cache, v_cache, table, lens,
-                                    static_cast<float>(scale), out);
+    const DecodeIo<scalar_t> io{q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                                v_cache.data_ptr<scalar_t>(), table, lens,
+                                static_cast<float>(scale), out.data_ptr<scalar_t>()};
+    decode_attention_impl<scalar_t>(s, io);
   });
   return out;
 }
