@@ -95,7 +95,8 @@ def _plot(report: dict, path: str) -> None:
         ax.bar([i + (k - 0.5) * width for i in range(len(names))],
                [report["cases"][n][label] for n in names], width, label=label)
     ax.set_xticks(range(len(names)), names, fontsize=8)
-    ax.set_ylabel("µs per call (median)")
+    ax.set_yscale("log")
+    ax.set_ylabel("µs per call (median, log scale)")
     ax.set_title(f"paged decode attention, bf16, {report['threads']} threads")
     ax.legend()
     fig.tight_layout()
