@@ -64,7 +64,10 @@ def paging_cost(engine: LLMEngine, batch: int, context: int, repeats: int = 5) -
                          f"{pool.num_blocks}")
     table = torch.randperm(pool.num_blocks)[: batch * nblk].view(batch, nblk).to(pool.device)
     meta = AttnMetadata(torch.zeros(0, dtype=torch.long), batch,
-                        head_index(table, mc.num_kv_heads), context, None, [])
+                        head_index(table, mc.num_kv_heads), context, None, [],
+                        decode_table=table.to(torch.int32),
+                        decode_lens=torch.full((batch,), context, dtype=torch.int32,
+                                               device=pool.device))
     q = torch.randn(batch, mc.num_heads, mc.head_dim, device=pool.device).to(pool.dtype)
     impl = DECODE_IMPLS[engine.attention]
     scale = mc.head_dim**-0.5
