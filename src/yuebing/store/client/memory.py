@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,7 @@ MAX_MMAP_THRESHOLD = 32 << 20
 
 _kept = 0
 
+_from_size: Any = None
 try:
     _from_size = ctypes.pythonapi.PyByteArray_FromStringAndSize
     _from_size.restype = ctypes.py_object
@@ -40,7 +42,8 @@ def new_buffer(n: int) -> bytearray:
         raise ValueError(f"buffer size must be >= 0, got {n}")
     if _from_size is None:
         return bytearray(n)
-    return _from_size(None, n)  # type: ignore[no-any-return]
+    out: bytearray = _from_size(None, n)
+    return out
 
 
 def keep_freed_memory(keep_bytes: int) -> bool:
