@@ -65,3 +65,13 @@ def test_a_peer_answering_during_a_long_yield_is_not_a_loss(monkeypatch: pytest.
     s = Spinner()
     assert s.wait(Poll(ready_at=2), 1.0) == ["ready"]
     assert (s.lost, s.enabled) == (0, True)
+
+
+def test_a_spin_that_catches_its_event_halves_the_backoff() -> None:
+    s = Spinner()
+    s._backoff = 8 * spin.BACKOFF_S
+    assert s.wait(Poll(ready_at=2), 1.0) == ["ready"]
+    assert s._backoff == pytest.approx(4 * spin.BACKOFF_S)
+    for _ in range(5):
+        s.wait(Poll(ready_at=2), 1.0)
+    assert s._backoff == spin.BACKOFF_S

@@ -12,8 +12,9 @@ master, when client and master run on one core) runs first. When the CPU is cont
 work the yield hands it away for a whole time slice, and a task that never sleeps loses the
 wake-up preemption a sleeping one gets — spinning then costs milliseconds. So a yield that
 takes longer than `LOST_S` without the awaited event turns spinning off for a back-off period
-that doubles with every loss up to `MAX_BACKOFF_S` (and stays there: on a busy machine spinning
-resumes at most once a second, costing at most one lost time slice per second); the caller
+that doubles with every loss up to `MAX_BACKOFF_S` and halves with every spin that catches its
+event (on a busy machine spinning resumes about once a second, costing at most one lost time
+slice per second; once the machine is quiet again it is back within a few calls); the caller
 then blocks as usual.
 """
 
@@ -63,6 +64,7 @@ class Spinner:
             after = time.perf_counter()
             got = poll()
             if got:
+                self._backoff = max(BACKOFF_S, self._backoff / 2)  # spinning pays again
                 return got
             if after - now > LOST_S:  # the CPU went to other work: stop spinning for a while
                 self.lost += 1
