@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from yuebing.engine.config import EngineConfig
 from yuebing.engine.engine import LLMEngine
-from yuebing.engine.profile import _Tokens, start_decoding, time_prefill
+from yuebing.engine.profile import _Tokens, interleaved_decode, time_prefill
 from yuebing.engine.weights import load_weights
 
 LABELS = ("plain", "packed")
@@ -40,21 +39,6 @@ def _engines(ns: argparse.Namespace) -> dict[str, LLMEngine]:
         eng.warmup()
     return out
 
-
-def decode(engines: dict[str, LLMEngine], batch: int, prompt_len: int, steps: int,
-           tokens: _Tokens) -> dict[str, dict[str, float]]:
-    rids = {k: start_decoding(e, batch, prompt_len, steps + 4, tokens) for k, e in engines.items()}
-    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in engines}
-    for _ in range(steps):
-        for k, e in engines.items():
-            w0, c0 = time.perf_counter(), time.process_time()
-            e.step()
-            samples[k].append((time.perf_counter() - w0, time.process_time() - c0))
-    for k, e in engines.items():
-        for r in rids[k]:
-            e.abort(r)
-    return {k: {"wall_ms": 1e3 * statistics.median(s[0] for s in v),
-                "cpu_ms": 1e3 * statistics.median(s[1] for s in v)} for k, v in samples.items()}
 
 
 def prefill(engines: dict[str, LLMEngine], n: int, repeats: int,
@@ -120,7 +104,7 @@ def main() -> None:
     work = [("decode", b) for b in ns.batches] + [("prefill", n) for n in ns.prefill_lens]
     for kind, size in track(work, description="plain vs packed"):
         if kind == "decode":
-            report["decode"][size] = decode(engines, size, ns.prompt_len, ns.steps, tokens)
+            report["decode"][size] = interleaved_decode(engines, size, ns.prompt_len, ns.steps, tokens)
         else:
             report["prefill"][size] = prefill(engines, size, ns.repeats, tokens)
     print("| measure | plain F.linear | packed | speed-up |\n|---|---|---|---|")

@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from yuebing.engine.config import EngineConfig
 from yuebing.engine.engine import LLMEngine
-from yuebing.engine.profile import _Tokens, start_decoding
+from yuebing.engine.profile import _Tokens, interleaved_decode
 from yuebing.engine.weights import load_weights
 
 VARIANTS = {"torch": ("torch", "grouped"), "ops": ("native", "grouped"),
@@ -47,25 +45,6 @@ def _engines(ns: argparse.Namespace) -> dict[str, LLMEngine]:
         eng.warmup()
     return out
 
-
-def decode(engines: dict[str, LLMEngine], batch: int, prompt_len: int, steps: int,
-           tokens: _Tokens) -> dict[str, dict[str, float]]:
-    prompts = [tokens(prompt_len) for _ in range(batch)]
-    rids = {}
-    for k, e in engines.items():
-        it = iter(prompts)
-        rids[k] = start_decoding(e, batch, prompt_len, steps + 4, lambda _n, it=it: next(it))
-    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in engines}
-    for _ in range(steps):
-        for k, e in engines.items():
-            w0, c0 = time.perf_counter(), time.process_time()
-            e.step()
-            samples[k].append((time.perf_counter() - w0, time.process_time() - c0))
-    for k, e in engines.items():
-        for r in rids[k]:
-            e.abort(r)
-    return {k: {"wall_ms": 1e3 * statistics.median(s[0] for s in v),
-                "cpu_ms": 1e3 * statistics.median(s[1] for s in v)} for k, v in samples.items()}
 
 
 def _plot(report: dict, path: str) -> None:
@@ -127,7 +106,7 @@ def main() -> None:
                     "prompt_len": ns.prompt_len, "steps": ns.steps, "variants": ns.variants,
                     "load_avg": list(__import__("os").getloadavg()), "decode": {}}
     for b in track(ns.batches, description="decode steps"):
-        report["decode"][b] = decode(engines, b, ns.prompt_len, ns.steps, tokens)
+        report["decode"][b] = interleaved_decode(engines, b, ns.prompt_len, ns.steps, tokens)
     print(_table(report))
     if ns.out:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)

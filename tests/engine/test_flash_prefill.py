@@ -6,25 +6,16 @@ same greedy answer as SDPA prefill."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
-from yuebing.engine import native
 from yuebing.engine.attention import PrefillSlice, causal_mask, head_index, prefill_sdpa
 from yuebing.engine.kernels import prefill_flash
 
 BS = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels() -> None:
-    """Build/load the kernels; a machine with a compiler must be able to build them."""
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler")
-    result = native.load()
-    assert result.ok, result.error
+pytestmark = pytest.mark.usefixtures("native_kernels")
 
 
 def _case(n: int, ctx: int, heads: int, kvh: int, hd: int, seed: int):

@@ -4,26 +4,17 @@ context partitions; the fused per-layer ops in float32/bfloat16/float16; input c
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from yuebing.engine import native
 from yuebing.engine.attention import AttnMetadata
 from yuebing.engine.kernels import NativeOps, TorchOps, decode_paged
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels() -> None:
-    """Build/load the kernels; a machine with a compiler must be able to build them."""
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler")
-    result = native.load()
-    assert result.ok, result.error
+pytestmark = pytest.mark.usefixtures("native_kernels")
 
 
 def _pool(blocks: int, kvh: int, bs: int, hd: int, dtype: torch.dtype,

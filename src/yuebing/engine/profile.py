@@ -138,6 +138,30 @@ def start_decoding(engine: LLMEngine, batch: int, prompt_len: int, max_tokens: i
     return rids
 
 
+def interleaved_decode(engines: dict[str, LLMEngine], batch: int, prompt_len: int, steps: int,
+                       tokens: _Tokens) -> dict[str, dict[str, float]]:
+    """Decode ``steps`` steps of ``batch`` same-prompt sequences in every engine, the engines'
+    steps interleaved (A, B, A, B, ...) so load from other processes hits them alike; returns
+    per engine the median wall and process-CPU ms per step. Used by the side-by-side engine
+    benchmarks in ``benchmarks/`` (engine_hotpath.py, engine_kernels.py)."""
+    prompts = [tokens(prompt_len) for _ in range(batch)]
+    rids = {}
+    for k, e in engines.items():
+        it = iter(prompts)
+        rids[k] = start_decoding(e, batch, prompt_len, steps + 4, lambda _n, it=it: next(it))
+    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in engines}
+    for _ in range(steps):
+        for k, e in engines.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            e.step()
+            samples[k].append((time.perf_counter() - w0, time.process_time() - c0))
+    for k, e in engines.items():
+        for r in rids[k]:
+            e.abort(r)
+    return {k: {"wall_ms": 1e3 * statistics.median(s[0] for s in v),
+                "cpu_ms": 1e3 * statistics.median(s[1] for s in v)} for k, v in samples.items()}
+
+
 def time_decode(engine: LLMEngine, batch: int, context: int, tokens: _Tokens,
                 steps: int = 8) -> Timing:
     """Median time of a decode step with ``batch`` sequences, ``context`` tokens in all."""
