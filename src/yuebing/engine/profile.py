@@ -123,7 +123,7 @@ def time_prefill(engine: LLMEngine, new: int, cached: int, tokens: _Tokens) -> T
 
 
 def start_decoding(engine: LLMEngine, batch: int, prompt_len: int, max_tokens: int,
-                   tokens: _Tokens) -> list[str]:
+                   tokens: Callable[[int], list[int]]) -> list[str]:
     """Add ``batch`` greedy requests of ``prompt_len`` tokens and step the engine until every
     one has finished its prefill, so the next steps are pure decode steps; returns their ids."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -145,10 +145,13 @@ def interleaved_decode(engines: dict[str, LLMEngine], batch: int, prompt_len: in
     per engine the median wall and process-CPU ms per step. Used by the side-by-side engine
     benchmarks in ``benchmarks/`` (engine_hotpath.py, engine_kernels.py)."""
     prompts = [tokens(prompt_len) for _ in range(batch)]
-    rids = {}
-    for k, e in engines.items():
+
+    def replay() -> Callable[[int], list[int]]:  # the same prompts, in order, for each engine
         it = iter(prompts)
-        rids[k] = start_decoding(e, batch, prompt_len, steps + 4, lambda _n, it=it: next(it))
+        return lambda _n: next(it)
+
+    rids = {k: start_decoding(e, batch, prompt_len, steps + 4, replay())
+            for k, e in engines.items()}
     samples: dict[str, list[tuple[float, float]]] = {k: [] for k in engines}
     for _ in range(steps):
         for k, e in engines.items():
