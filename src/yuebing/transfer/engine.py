@@ -19,7 +19,6 @@ import contextlib
 import functools
 import itertools
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -35,6 +34,7 @@ from yuebing.transfer.metadata import (
     MetadataService,
     P2PMetadata,
 )
+from yuebing.transfer.notify import NotifyInbox
 from yuebing.transfer.pool import SieveCache
 from yuebing.transfer.segment import (
     Segment,
@@ -76,9 +76,8 @@ class TransferEngine:
         self._ctx = LocalContext(self.engine_id, self.host_id, cfg, self._segments)
         self._owns_metadata = metadata is None
         self.metadata = metadata or self._default_metadata()
-        self._notify_q: queue.Queue[Notification] = queue.Queue(NOTIFY_QUEUE)
-        self._notify_cbs: list[Callable[[Notification], None]] = []
-        self._server = TcpServer(cfg, self._segments, self._hello, self._deliver)
+        self._inbox = NotifyInbox(self.engine_id, NOTIFY_QUEUE)
+        self._server = TcpServer(cfg, self._segments, self._hello, self._inbox.deliver)
         self.address = self._server.address
         self._transports: list[Transport] = [
             TRANSPORTS.get(n)(self._ctx) for n in ("local", *cfg.transports)]
@@ -348,7 +347,8 @@ class TransferEngine:
             raise InputError(f"notify payload of {len(payload)} bytes exceeds {MAX_NOTIFY_BYTES}")
         desc = self.describe(segment)
         if desc.engine_id == self.engine_id:
-            self._deliver(Notify(id=0, sender=self.engine_id, topic=topic, payload=bytes(payload)))
+            self._inbox.deliver(Notify(id=0, sender=self.engine_id, topic=topic,
+                                       payload=bytes(payload)))
             return
         key = ("tcp", desc.engine_id, desc.address)
         ep = self._pool.get_or_create(key, lambda: TcpEndpoint(self._ctx, desc))
@@ -364,25 +364,11 @@ class TransferEngine:
     def on_notify(self, callback: Callable[[Notification], None]) -> None:
         """Call ``callback(notification)`` (from a lane thread) for each arriving notify,
         instead of queueing it for `next_notify`."""
-        self._notify_cbs.append(callback)
+        self._inbox.subscribe(callback)
 
     def next_notify(self, timeout_s: float | None = None) -> Notification | None:
         """The oldest queued notification, waiting up to ``timeout_s``; None if none came."""
-        try:
-            return self._notify_q.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
-
-    def _deliver(self, msg: Notify) -> None:
-        note = Notification(msg.sender, msg.topic, msg.payload)
-        if self._notify_cbs:
-            for cb in list(self._notify_cbs):
-                cb(note)
-            return
-        try:
-            self._notify_q.put_nowait(note)
-        except queue.Full:
-            raise TransferError(f"notify queue of {self.engine_id} is full") from None
+        return self._inbox.get(timeout_s)
 
     # ---- life cycle -----------------------------------------------------------------------
 
