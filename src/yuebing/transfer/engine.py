@@ -170,9 +170,10 @@ class TransferEngine:
                inline: bool = False) -> BatchId:
         """Start a batch and return its id at once. Raises `InputError` / `TransferError` for
         malformed requests, unknown segments or out-of-range accesses — then nothing moves.
-        ``inline``: a peer's part of the batch of one direction and at most ``inline_bytes`` is
-        moved in this thread before returning (TCP: no lane thread hand-offs; the batch is
-        usually terminal when ``submit`` returns) — for blocking callers, not event loops."""
+        ``inline``: a batch to one peer, of one direction and at most ``inline_bytes``, is
+        moved in this thread before returning, within the batch deadline (TCP: no lane thread
+        hand-offs; the batch is usually terminal when ``submit`` returns) — for blocking
+        callers, not event loops. Batches to several peers go through the lanes in parallel."""
         if self._closed:
             raise TransferError("transfer engine is closed")
         if not requests:
@@ -229,7 +230,9 @@ class TransferEngine:
             else:
                 out += [Slice(batch, i, r.op, local[a:a + size], name, off + a, span)
                         for a in range(0, n, size)]
-        limit = self.config.inline_bytes if inline else 0
+        # inline only when the batch has one peer: groups run one after another in this thread,
+        # so with several peers a stalled one would hold up the others (the lanes run them at once)
+        limit = self.config.inline_bytes if inline and len(groups) == 1 else 0
         for segment, (desc, slices) in groups.items():
             ep = eps[segment]
             assert not isinstance(ep, str)

@@ -87,6 +87,18 @@ def _open_socket(address: str, ctx: LocalContext,
     return sock, reply
 
 
+
+def drop_ended(ops: list[Op]) -> list[Op]:
+    """The ops whose request is still live; the others (their batch timed out or failed while
+    they waited for a lane or a retry) are completed here and never sent: the caller may
+    already be reusing their buffers."""
+    live = [op for op in ops if op.live]
+    if len(live) < len(ops):
+        for op in ops:
+            if not op.live:
+                op.complete("the request ended before it was sent")
+    return live
+
 class Lane:
     """One persistent connection with a sender and a receiver thread."""
 
@@ -138,6 +150,17 @@ class Lane:
                     break
                 more, carry = self._take(item, COALESCE_OPS - len(ops))
                 ops += more
+            live = drop_ended(ops)
+            if len(live) < len(ops):
+                with self._lock:
+                    self.outstanding -= sum(op.length for op in ops) - sum(op.length for op in live)
+                ops = live
+            if not ops:
+                if stop:
+                    if carry:
+                        self.endpoint.lane_failed(self, carry, "lane closed")
+                    return
+                continue
             frames = group_frames(ops)
             with self._lock:
                 dead = self.dead
@@ -188,13 +211,20 @@ class Lane:
     def _on_reply(self, reader: FrameReader, msg: Message) -> None:
         """Complete the frame ``msg`` answers: every slice at once (reads: payloads received
         straight into the callers' buffers), or the notify."""
-        frame = self._pending.pop(getattr(msg, "id", -1), None)
+        fid = getattr(msg, "id", -1)
+        frame = self._pending.pop(fid, None)
         if frame is None:
             raise ProtocolError(f"reply {type(msg).__name__} matches no pending request")
         if not isinstance(frame[0], NotifyOp):
             with self._lock:
                 self.outstanding -= sum(op.length for op in frame)
-        finish_frame(reader, frame, msg, self.endpoint.address)
+        try:
+            finish_frame(reader, frame, msg, self.endpoint.address)
+        except (OSError, ProtocolError):
+            # broke while receiving the payload: nothing of the frame is completed yet
+            # (finish_frame completes last), so it goes back for `fail` to retry or fail it
+            self._pending[fid] = frame
+            raise
 
     def fail(self, error: str) -> None:
         """Mark the lane dead, close it, and hand every unfinished op back to the endpoint."""
@@ -350,6 +380,7 @@ class TcpEndpoint(Endpoint):
             timer.start()
 
     def _retry(self, ops: list[Op]) -> None:
+        ops = drop_ended(ops)
         try:
             with self._lock:
                 have = sum(1 for ln in self._lanes if not ln.dead)

@@ -25,6 +25,7 @@ import itertools
 import select
 import socket
 import time
+from typing import Any
 
 from yuebing.protocol import Message, ProtocolError
 from yuebing.transfer.batch import Slice, complete_slices
@@ -64,6 +65,40 @@ def finish_frame(reader: FrameReader, frame: list[Op], msg: Message, address: st
     complete_slices(frame, errors)  # type: ignore[arg-type]
 
 
+
+class DeadlineSocket:
+    """The inline connection's socket as `FrameReader` / `send_parts` use it, with every call
+    bounded by one absolute deadline: a socket timeout applies per call, so a peer trickling a
+    few bytes at a time would otherwise hold the submitting thread far past the batch deadline.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.end = 0.0
+
+    def _arm(self) -> None:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("inline exchange ran past its deadline")
+        self.sock.settimeout(left)
+
+    def recv_into(self, *args: Any) -> int:
+        self._arm()
+        return self.sock.recv_into(*args)
+
+    def recvmsg_into(self, *args: Any) -> tuple[int, Any, int, Any]:
+        self._arm()
+        return self.sock.recvmsg_into(*args)
+
+    def sendmsg(self, *args: Any) -> int:
+        self._arm()
+        return self.sock.sendmsg(*args)
+
+    def sendall(self, *args: Any) -> None:
+        self._arm()
+        self.sock.sendall(*args)
+
+
 class InlineConn:
     """One connection used by one submitting thread at a time (the endpoint holds a lock)."""
 
@@ -73,7 +108,8 @@ class InlineConn:
         self.address = address
         self.io_timeout_s = io_timeout_s
         self.spin_s = spin_s
-        self.reader = FrameReader(sock)
+        self._timed = DeadlineSocket(sock)
+        self.reader = FrameReader(self._timed)  # type: ignore[arg-type]
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self._spinner = Spinner()
@@ -88,8 +124,8 @@ class InlineConn:
         done = 0
         try:
             self._set_timeout(slices[0].deadline)
-            send_parts(self.sock, [p for fid, frame in zip(ids, frames, strict=True)
-                                   for p in frame_iovec(fid, frame)])
+            send_parts(self._timed, [p for fid, frame in zip(ids, frames, strict=True)  # type: ignore[arg-type]
+                                     for p in frame_iovec(fid, frame)])
             for fid, frame in zip(ids, frames, strict=True):
                 self._await_reply()
                 msg = self.reader.read()
@@ -103,11 +139,11 @@ class InlineConn:
         return [], ""
 
     def _set_timeout(self, deadline: float) -> None:
-        """Socket timeout: ``io_timeout_s``, cut short by the batch deadline."""
-        left = deadline - time.monotonic()
-        if left <= 0:
+        """Bound the whole exchange: ``io_timeout_s`` from now, cut short by the batch deadline
+        (every socket call re-arms with what is left, see `DeadlineSocket`)."""
+        if deadline <= time.monotonic():
             raise TimeoutError("batch deadline passed")
-        self.sock.settimeout(min(self.io_timeout_s, left))
+        self._timed.end = min(deadline, time.monotonic() + self.io_timeout_s)
 
     def _await_reply(self) -> None:
         """Poll for the next answer for up to ``spin_s`` before the blocking read sleeps."""

@@ -1,0 +1,149 @@
+"""Peers that trickle, break mid-payload or stall next to healthy ones, and requests that end
+while waiting for a retry: deadlines hold on every path, nothing is lost, and nothing is sent
+after the caller was told the request ended (regressions from a review of the inline path)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+from test_failures import StallingPeer
+
+from yuebing.transfer import (
+    EmbeddedMetadata,
+    OpCode,
+    SegmentDescriptor,
+    TransferConfig,
+    TransferEngine,
+    TransferRequest,
+    TransferStatus,
+)
+from yuebing.transfer.messages import HelloReply, SlicesDone
+from yuebing.transfer.transport.framing import recv_frame, send_frame
+
+Behaviour = Callable[[socket.socket, int], None]
+"""What a scripted peer does after answering a frame with SlicesDone: (conn, payload bytes)."""
+
+
+class ScriptedPeer:
+    """A fake target: handshakes, answers every frame with success, then runs ``behaviour``."""
+
+    def __init__(self, behaviour: Behaviour) -> None:
+        self.behaviour = behaviour
+        self.stop = threading.Event()
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.port = self.srv.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            recv_frame(conn)
+            send_frame(conn, HelloReply(engine_id="scripted", host_id="elsewhere", segments=[]))
+            while not self.stop.is_set():
+                msg = recv_frame(conn)
+                send_frame(conn, SlicesDone(id=msg.id, errors=[""] * len(msg.slices)))
+                self.behaviour(conn, sum(s[1] for s in msg.slices))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def metadata(self) -> EmbeddedMetadata:
+        meta = EmbeddedMetadata()
+        meta.publish(SegmentDescriptor(name="scripted", engine_id="scripted", host_id="elsewhere",
+                                       address=f"127.0.0.1:{self.port}", size=1 << 20))
+        return meta
+
+    def close(self) -> None:
+        self.stop.set()
+        self.srv.close()
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_trickling_peer_cannot_hold_a_read_past_its_deadline(inline: bool) -> None:
+    def trickle(conn: socket.socket, n: int) -> None:
+        for _ in range(n // 256):
+            if peer.stop.is_set():
+                return
+            conn.sendall(b"z" * 256)
+            time.sleep(0.1)
+
+    peer = ScriptedPeer(trickle)
+    with TransferEngine(TransferConfig(transports=("tcp",), lanes=1),
+                        metadata=peer.metadata()) as eng:
+        t0 = time.monotonic()
+        bid = eng.submit([TransferRequest(OpCode.READ, bytearray(4096), "scripted", 0)],
+                         timeout_s=0.3, inline=inline)
+        submitted = time.monotonic() - t0
+        st = eng.wait(bid, 5)
+        assert st.status == TransferStatus.TIMEOUT
+        assert submitted < 0.6 and time.monotonic() - t0 < 0.8  # 16 trickles would take 1.6 s
+    peer.close()
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_read_broken_mid_payload_fails_at_once_not_at_the_deadline(inline: bool) -> None:
+    def half_then_die(conn: socket.socket, n: int) -> None:
+        conn.sendall(b"h" * (n // 40))
+        conn.shutdown(socket.SHUT_RDWR)
+        raise OSError("peer died")
+
+    peer = ScriptedPeer(half_then_die)
+    with TransferEngine(TransferConfig(transports=("tcp",), lanes=1, retry_backoff_s=0.001,
+                                       max_retries=1), metadata=peer.metadata()) as eng:
+        t0 = time.monotonic()
+        st = eng.wait(eng.submit([TransferRequest(OpCode.READ, bytearray(4096), "scripted", 0)],
+                                 timeout_s=5, inline=inline), 10)
+        assert st.status == TransferStatus.FAILED, st.requests[0].error
+        assert "broke" in st.requests[0].error
+        assert time.monotonic() - t0 < 2.0  # the deadline is 5 s
+    peer.close()
+
+
+def test_stalled_peer_does_not_hold_up_a_healthy_one_in_the_same_inline_batch() -> None:
+    stalled = StallingPeer()
+    meta = EmbeddedMetadata()
+    meta.publish(SegmentDescriptor(name="stuck", engine_id="staller", host_id="elsewhere",
+                                   address=f"127.0.0.1:{stalled.port}", size=1 << 20))
+    with TransferEngine(TransferConfig(transports=("tcp",), engine_id="owner"),
+                        metadata=meta) as owner, \
+            TransferEngine(TransferConfig(transports=("tcp",)), metadata=meta) as eng:
+        owner.register_segment("good", size=1 << 20).array[:4] = [1, 2, 3, 4]
+        good = bytearray(4)
+        st = eng.wait(eng.submit([TransferRequest(OpCode.READ, bytearray(4096), "stuck", 0),
+                                  TransferRequest(OpCode.READ, good, "good", 0)],
+                                 timeout_s=0.5, inline=True), 5)
+        assert [r.status for r in st.requests] == [TransferStatus.TIMEOUT, TransferStatus.DONE]
+        assert bytes(good) == b"\x01\x02\x03\x04"
+    stalled.close()
+
+
+def test_a_write_whose_request_ended_during_the_retry_backoff_is_never_sent() -> None:
+    meta = EmbeddedMetadata()
+    with TransferEngine(TransferConfig(transports=("tcp",), engine_id="owner"),
+                        metadata=meta) as owner, \
+            TransferEngine(TransferConfig(transports=("tcp",), lanes=1, retry_backoff_s=0.3),
+                           metadata=meta) as eng:
+        seg = owner.register_segment("victim", size=1 << 20)
+        eng.transfer([TransferRequest(OpCode.WRITE, b"x", "victim", 0)], inline=True)
+        (ep,) = [e for _, e in eng._pool.drain()]
+        eng._pool.get_or_create(("tcp", "owner", ep.address), lambda: ep)
+        ep._inline.sock.shutdown(socket.SHUT_RDWR)  # the inline connection breaks: retry later
+        buf = bytearray(b"A" * 4096)
+        st = eng.wait(eng.submit([TransferRequest(OpCode.WRITE, buf, "victim", 8192)],
+                                 timeout_s=0.1, inline=True), 5)
+        assert st.status == TransferStatus.TIMEOUT
+        buf[:] = b"S" * 4096  # the caller reuses its buffer, as the store does after a revoke
+        time.sleep(0.6)  # past the retry backoff
+        assert bytes(seg.array[8192:8200]) == b"\x00" * 8
