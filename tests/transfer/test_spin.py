@@ -8,7 +8,7 @@ import time
 import pytest
 
 from yuebing.transfer.transport import spin
-from yuebing.transfer.transport.spin import Spinner
+from yuebing.transfer.transport.spin import GapPredictor, Spinner
 
 
 class Poll:
@@ -75,3 +75,18 @@ def test_a_spin_that_catches_its_event_halves_the_backoff() -> None:
     for _ in range(5):
         s.wait(Poll(ready_at=2), 1.0)
     assert s._backoff == spin.BACKOFF_S
+
+
+def test_gap_predictor_spins_only_while_arrivals_come_within_the_window() -> None:
+    g = GapPredictor(window_s=0.001, alpha=0.5)
+    assert g.arrived(10.0) == 10.001  # first arrival: optimistic
+    assert g.arrived(10.0002) == pytest.approx(10.0012)  # mean gap 0.1 ms
+    # a trickle 3 ms apart (capped at 4 windows = 4 ms): mean 1.55 ms > 1 ms → no spinning
+    assert g.arrived(10.0032) == 0.0
+    assert g.mean == pytest.approx(0.00155)
+    assert g.arrived(10.0062) == 0.0  # mean 2.275 ms
+    # a burst of quick requests brings it back: 2.275 → 1.1875 → 0.64375 ms
+    assert g.arrived(10.0063) == 0.0
+    assert g.arrived(10.0064) == pytest.approx(10.0074)
+    # one long idle period counts as 4 windows only
+    assert g.arrived(99.0) == 0.0 and g.mean == pytest.approx(0.00232188, rel=1e-4)

@@ -11,8 +11,10 @@ Both ends can poll briefly before they block (``spin_s``, `Spinner`): a process 
 the kernel waiting for a loopback reply is woken by an inter-processor interrupt, which on a
 virtual machine without guest halt-polling costs ~20 us per wake-up — more than the master's
 work per call. The client polls for its reply, the server for the next request after serving
-one; either blocks once the window passes (an idle process burns at most ``spin_s`` of CPU per
-call), and both stop spinning for a while when the CPU is contended by other work.
+one — the server only while requests have lately been arriving within the window
+(`GapPredictor`: a steady trickle of requests further apart, such as heartbeats, costs no
+spinning); either blocks once the window passes (at most ``spin_s`` of CPU per call), and both
+stop spinning for a while when the CPU is contended by other work.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import struct
 import time
 from collections.abc import Callable
 
-from yuebing.transfer.transport.spin import Spinner
+from yuebing.transfer.transport.spin import GapPredictor, Spinner
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,7 @@ class FrameServer:
         self.spin_s = spin_s
         self._spin_until = 0.0
         self._spinner = Spinner()
+        self._gaps = GapPredictor(spin_s)
 
     def watch(self, sock: socket.socket, on_readable: Callable[[], None]) -> None:
         """Also poll ``sock`` (e.g. a follower connection) in this loop."""
@@ -123,8 +126,8 @@ class FrameServer:
         ready = self._spinner.wait(lambda: select(0), window)
         if not ready and timeout_s > 0:
             ready = select(timeout_s)
-        if ready and self.spin_s:
-            self._spin_until = time.perf_counter() + self.spin_s
+        if ready and self.spin_s:  # spin for the next request only if requests come that fast
+            self._spin_until = self._gaps.arrived(time.perf_counter())
         for key, events in ready:
             data = key.data
             if data is None:

@@ -16,6 +16,10 @@ that doubles with every loss up to `MAX_BACKOFF_S` and halves with every spin th
 event (on a busy machine spinning resumes about once a second, costing at most one lost time
 slice per second; once the machine is quiet again it is back within a few calls); the caller
 then blocks as usual.
+
+A server that spins after every request it serves (the store master) also uses a
+`GapPredictor`: it spins only while requests have recently been arriving within the window, so a
+steady trickle of requests further apart than the window (heartbeats) costs no spinning at all.
 """
 
 from __future__ import annotations
@@ -73,3 +77,27 @@ class Spinner:
                 return got
             now = after
         return got
+
+
+class GapPredictor:
+    """Whether the next request is likely to arrive within ``window_s``: an exponentially
+    weighted mean of the gaps between arrivals (each gap capped at 4 windows, so one idle period
+    does not disable spinning for long). Called by a serving loop once per arrival."""
+
+    __slots__ = ("_last", "alpha", "mean", "window_s")
+
+    def __init__(self, window_s: float, alpha: float = 0.25) -> None:
+        self.window_s = window_s
+        self.alpha = alpha
+        self.mean = 0.0
+        """Mean gap between arrivals (seconds), starting optimistic."""
+        self._last: float | None = None
+
+    def arrived(self, now: float) -> float:
+        """Record an arrival at ``now``; returns until when to spin for the next one (0: do
+        not spin — arrivals have been further apart than the window)."""
+        if self._last is not None:
+            gap = min(now - self._last, 4 * self.window_s)
+            self.mean += self.alpha * (gap - self.mean)
+        self._last = now
+        return now + self.window_s if self.mean <= self.window_s else 0.0
