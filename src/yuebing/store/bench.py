@@ -42,6 +42,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-data", action="store_true")
     p.add_argument("--skip-meta", action="store_true")
     p.add_argument("--no-checksum", action="store_true", help="skip value checksums")
+    p.add_argument("--keep-freed", type=parse_size, default=1 << 30,
+                   help="the client's glibc keep-freed heap (ClientConfig.keep_freed; the bench "
+                        "process has nothing else to disturb); 0 = malloc defaults")
     p.add_argument("--no-direct", action="store_true",
                    help="same_host: copy through the transfer engine, not the direct shm path")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON list")
@@ -189,7 +192,8 @@ def _client(ns: argparse.Namespace, master: str, path: str) -> Any:
     transports = ("tcp",) if path == "remote_tcp" else ("shm", "tcp")
     engine = TransferEngine(TransferConfig(metadata="p2p", transports=transports))
     return StoreClient(ClientConfig(master=master, checksum=not ns.no_checksum,
-                                    direct=not ns.no_direct), engine=engine)
+                                    direct=not ns.no_direct, keep_freed=ns.keep_freed),
+                       engine=engine)
 
 
 def _start(ns: argparse.Namespace) -> tuple[list[Any], str]:

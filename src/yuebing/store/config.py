@@ -106,10 +106,13 @@ class ClientConfig:
     spin_us: int = field(default=100, metadata={
         "help": "poll this many microseconds for a master reply before sleeping for it (a "
                 "wake-up from sleep costs ~20 us on a VM); 0 = always sleep"})
-    keep_freed: int = field(default=1 << 30, metadata={
-        "help": "glibc: freed heap kept for reuse, up to this many bytes (process-wide "
-                "mallopt), so values returned by get/batch_get land in already-faulted pages; "
-                "0 leaves malloc alone", "size": True})
+    keep_freed: int = field(default=0, metadata={
+        "help": "glibc mallopt for the WHOLE process, never undone: blocks up to 32 MiB come "
+                "from the heap and up to this many bytes of freed heap top are kept, so the "
+                "values get/batch_get return land in already-faulted pages (RSS then stays "
+                "near its high-water mark, also for other components in the process); "
+                "0 (default) leaves malloc alone; `yuebing bench store` uses 1GiB",
+                "size": True})
     put_retries: int = field(default=1, metadata={
         "help": "times a put whose write failed is placed again (the master avoids the "
                 "segments that failed)"})
