@@ -312,7 +312,12 @@ class TcpEndpoint(Endpoint):
                 conn = self._inline = InlineConn(sock, self.address, cfg.io_timeout_s,
                                                  cfg.spin_us * 1e-6)
             slices[0].batch.started_many({s.index for s in slices})
-            left, error = conn.exchange(slices)
+            try:
+                left, error = conn.exchange(slices)
+            except BaseException:  # e.g. KeyboardInterrupt mid-frame: the stream is out of step
+                conn.close()  # its unfinished slices end at the batch deadline
+                self._inline = None
+                raise
             if left:
                 conn.close()
                 self._inline = None
