@@ -315,6 +315,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown or not ns.peer_list:
         p.error(f"unknown peers {unknown}; choose from {sorted(specs)}")
     ns.specs = specs
+    # the peers run with benchmarks/peers as their working directory: hand them absolute paths
+    ns.out, ns.plot = ns.out.resolve(), ns.plot.resolve()
     return ns
 
 
