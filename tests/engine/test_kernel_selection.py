@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -268,3 +269,19 @@ def test_two_processes_building_one_fresh_cache_both_load_one_library(tmp_path):
     assert [o.split() for o, _ in outs] == [["True", str(built[0])]] * 2, outs
     assert sorted(p.name for p in root.iterdir()) == sorted(
         [built[0].parent.name, f"{built[0].parent.name}.lock"])
+
+
+def test_prune_removes_only_other_long_unused_builds(tmp_path):
+    old = time.time() - native.PRUNE_AFTER_S - 60
+    for name in ("aaaa", "aaaa.lock", "bbbb", "bbbb.lock", "cccc", "dddd.tmp-12"):
+        entry = tmp_path / name
+        if name.endswith(".lock"):
+            entry.write_text("")
+        else:
+            entry.mkdir()
+            (entry / "x.so").write_text("")
+        os.utime(entry, (old, old))
+    os.utime(tmp_path / "cccc")  # used just now
+    removed = native.prune(tmp_path, "aaaa")
+    assert sorted(p.name for p in removed) == ["bbbb", "bbbb.lock", "dddd.tmp-12"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["aaaa", "aaaa.lock", "cccc"]

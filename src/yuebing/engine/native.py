@@ -21,6 +21,7 @@ compile (~30 s on 2 cores).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -178,17 +180,49 @@ def _compile(key: str, library: Path) -> str:
     return ""
 
 
+PRUNE_AFTER_S = 14 * 86400
+"""Other builds in the cache not used for this long are removed after a new build."""
+
+
+def prune(root: Path, keep: str, older_than_s: float = PRUNE_AFTER_S) -> list[Path]:
+    """Remove the entries of the kernel cache ``root`` other than key ``keep``'s (its build
+    directory and lock) that were last used more than ``older_than_s`` ago (a build directory's
+    mtime is refreshed on every load); returns what was removed. Errors skip the entry."""
+    cutoff = time.time() - older_than_s
+    removed = []
+    for entry in root.iterdir():
+        if entry.name.startswith(keep):
+            continue
+        try:
+            if entry.stat().st_mtime >= cutoff:
+                continue
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except OSError:
+            continue
+        removed.append(entry)
+    return removed
+
+
 def _load_or_build(key: str, library: Path) -> str:
     """Load ``library``, building it first (under the key's lock) when no process has; "" on
-    success, else the reason."""
+    success, else the reason. A new build prunes long-unused builds of other keys."""
     if not library.exists():
         with _exclusive(library.parent.with_name(f"{key}.lock")):
             if not library.exists():  # another process may have built it while we waited
-                return _compile(key, library)
+                error = _compile(key, library)
+                if not error:
+                    for entry in prune(library.parent.parent, key):
+                        log.info("removed unused kernel build %s", entry)
+                return error
     try:
         torch.ops.load_library(str(library))
     except (OSError, RuntimeError) as exc:
         return f"loading the native kernels from {library} failed: {exc}"
+    with contextlib.suppress(OSError):
+        os.utime(library.parent)  # last use, for `prune`
     return ""
 
 
