@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import socket
-import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 import pytest
+from fake_peers import ScriptedPeer
 
 from yuebing.transfer import (
     EmbeddedMetadata,
@@ -21,8 +21,6 @@ from yuebing.transfer import (
     TransferRequest,
     TransferStatus,
 )
-from yuebing.transfer.messages import HelloReply
-from yuebing.transfer.transport.framing import recv_frame, send_frame
 
 BIG = 256 << 20
 
@@ -90,38 +88,11 @@ def test_initiator_killed_mid_write_target_keeps_serving(spawn_peer, make_engine
     assert bytes(seg.view[hammered + 8:hammered + 308]) == b"abc" * 100
 
 
-class StallingPeer:
-    """A fake peer (for testing the engine): completes the handshake, then never answers."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-            recv_frame(conn)
-            send_frame(conn, HelloReply(engine_id="staller", host_id="elsewhere", segments=[]))
-
-    def close(self) -> None:
-        self.sock.close()
-        for c in self.conns:
-            c.close()
-
-
 @pytest.mark.parametrize("inline", [False, True])
 def test_stalled_peer_times_out_within_deadline(inline: bool) -> None:
     """Through the lanes, or the inline path (whose blocking read is cut at the deadline)."""
-    peer = StallingPeer()
-    meta = EmbeddedMetadata()
-    meta.publish(SegmentDescriptor(name="stuck", engine_id="staller", host_id="elsewhere",
-                                   address=f"127.0.0.1:{peer.port}", size=1 << 20))
+    peer = ScriptedPeer(engine_id="staller")  # handshakes, then never answers
+    meta = peer.metadata("stuck")
     with TransferEngine(TransferConfig(transports=("tcp",)), metadata=meta) as eng:
         t0 = time.monotonic()
         bid = eng.submit([TransferRequest(OpCode.READ, bytearray(4096), "stuck", 0)],

@@ -5,69 +5,19 @@ after the caller was told the request ended (regressions from a review of the in
 from __future__ import annotations
 
 import socket
-import threading
 import time
-from collections.abc import Callable
 
 import pytest
-from test_failures import StallingPeer
+from fake_peers import ScriptedPeer
 
 from yuebing.transfer import (
     EmbeddedMetadata,
     OpCode,
-    SegmentDescriptor,
     TransferConfig,
     TransferEngine,
     TransferRequest,
     TransferStatus,
 )
-from yuebing.transfer.messages import HelloReply, SlicesDone
-from yuebing.transfer.transport.framing import recv_frame, send_frame
-
-Behaviour = Callable[[socket.socket, int], None]
-"""What a scripted peer does after answering a frame with SlicesDone: (conn, payload bytes)."""
-
-
-class ScriptedPeer:
-    """A fake target: handshakes, answers every frame with success, then runs ``behaviour``."""
-
-    def __init__(self, behaviour: Behaviour) -> None:
-        self.behaviour = behaviour
-        self.stop = threading.Event()
-        self.srv = socket.create_server(("127.0.0.1", 0))
-        self.port = self.srv.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.srv.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            recv_frame(conn)
-            send_frame(conn, HelloReply(engine_id="scripted", host_id="elsewhere", segments=[]))
-            while not self.stop.is_set():
-                msg = recv_frame(conn)
-                send_frame(conn, SlicesDone(id=msg.id, errors=[""] * len(msg.slices)))
-                self.behaviour(conn, sum(s[1] for s in msg.slices))
-        except OSError:
-            pass
-        finally:
-            conn.close()
-
-    def metadata(self) -> EmbeddedMetadata:
-        meta = EmbeddedMetadata()
-        meta.publish(SegmentDescriptor(name="scripted", engine_id="scripted", host_id="elsewhere",
-                                       address=f"127.0.0.1:{self.port}", size=1 << 20))
-        return meta
-
-    def close(self) -> None:
-        self.stop.set()
-        self.srv.close()
 
 
 @pytest.mark.parametrize("inline", [False, True])
@@ -112,10 +62,8 @@ def test_read_broken_mid_payload_fails_at_once_not_at_the_deadline(inline: bool)
 
 
 def test_stalled_peer_does_not_hold_up_a_healthy_one_in_the_same_inline_batch() -> None:
-    stalled = StallingPeer()
-    meta = EmbeddedMetadata()
-    meta.publish(SegmentDescriptor(name="stuck", engine_id="staller", host_id="elsewhere",
-                                   address=f"127.0.0.1:{stalled.port}", size=1 << 20))
+    stalled = ScriptedPeer(engine_id="staller")  # handshakes, then never answers
+    meta = stalled.metadata("stuck")
     with TransferEngine(TransferConfig(transports=("tcp",), engine_id="owner"),
                         metadata=meta) as owner, \
             TransferEngine(TransferConfig(transports=("tcp",)), metadata=meta) as eng:

@@ -1,8 +1,9 @@
 """What travels on a TCP lane and how it is framed: `NotifyOp` (a notify awaiting its ack), `Op`
 (a slice or a notify), `group_frames` (a sender's queued ops → frames: runs of slices of one
-segment and direction share a header) and `frame_iovec` (a frame's ``sendmsg`` pieces).
+segment and direction share a header), `frame_iovec` (a frame's ``sendmsg`` pieces) and
+`drop_ended` (ops whose request ended are completed, never sent).
 
-Used by `tcp_client.Lane`'s sender thread; each frame becomes one `WriteSlices` / `ReadSlices`
+Used by `tcp_lane.Lane`'s sender thread; each frame becomes one `WriteSlices` / `ReadSlices`
 (answered by one `SlicesDone`) or one `Notify` (answered by `SliceAck`).
 """
 
@@ -63,3 +64,15 @@ def frame_iovec(fid: int, frame: list[Op]) -> list[memoryview]:
         head = pack(WriteSlices(id=fid, segment=first.segment, slices=specs))
         return [memoryview(head), *(s.local for s in frame)]  # type: ignore[union-attr]
     return [memoryview(pack(ReadSlices(id=fid, segment=first.segment, slices=specs)))]
+
+
+def drop_ended(ops: list[Op]) -> list[Op]:
+    """The ops whose request is still live; the others (their batch timed out or failed while
+    they waited for a lane or a retry) are completed here and never sent: the caller may
+    already be reusing their buffers."""
+    live = [op for op in ops if op.live]
+    if len(live) < len(ops):
+        for op in ops:
+            if not op.live:
+                op.complete("the request ended before it was sent")
+    return live

@@ -1,5 +1,6 @@
 """The initiator side of TCP: `TcpTransport` opens a `TcpEndpoint` per peer engine, which keeps
-``lanes`` persistent connections (`Lane`), each with a sender and a receiver thread.
+``lanes`` persistent connections (`Lane`, in `tcp_lane`), each with a sender and a receiver
+thread.
 
 Life cycle of a slice: `TcpEndpoint.submit` spreads a batch's slices over the lanes (each to
 the lane with the fewest outstanding bytes); a lane's sender thread coalesces what it has queued
@@ -16,37 +17,30 @@ connections every affected slice fails at once with an error naming the peer.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-import queue
 import socket
 import threading
 
 from yuebing.core.errors import TransferError
-from yuebing.protocol import Message, ProtocolError
+from yuebing.protocol import ProtocolError
 from yuebing.transfer.batch import Slice
 from yuebing.transfer.messages import Hello, HelloReply, SegmentDescriptor
 from yuebing.transfer.transport.base import TRANSPORTS, Endpoint, LocalContext, Transport
 from yuebing.transfer.transport.framing import (
-    FrameReader,
-    IdleTimeout,
     recv_frame,
     send_frame,
-    send_parts,
     tune_socket,
 )
-from yuebing.transfer.transport.lane_ops import NotifyOp, Op, frame_iovec, group_frames
-from yuebing.transfer.transport.tcp_inline import InlineConn, finish_frame
+from yuebing.transfer.transport.lane_ops import (
+    NotifyOp,
+    Op,
+    drop_ended,
+)
+from yuebing.transfer.transport.tcp_inline import InlineConn
+from yuebing.transfer.transport.tcp_lane import Lane
 
 log = logging.getLogger(__name__)
-
-COALESCE_BYTES = 1 << 20
-COALESCE_OPS = 256
-"""A lane's sender sends queued slices together, up to this many payload bytes / slices per
-``sendmsg``; consecutive slices of one segment and direction share one frame (one header, one
-`SlicesDone` answer)."""
-
 
 
 
@@ -86,168 +80,6 @@ def _open_socket(address: str, ctx: LocalContext,
         raise TransferError(f"handshake with peer at {address} failed: {e}") from None
     return sock, reply
 
-
-
-def drop_ended(ops: list[Op]) -> list[Op]:
-    """The ops whose request is still live; the others (their batch timed out or failed while
-    they waited for a lane or a retry) are completed here and never sent: the caller may
-    already be reusing their buffers."""
-    live = [op for op in ops if op.live]
-    if len(live) < len(ops):
-        for op in ops:
-            if not op.live:
-                op.complete("the request ended before it was sent")
-    return live
-
-class Lane:
-    """One persistent connection with a sender and a receiver thread."""
-
-    def __init__(self, endpoint: TcpEndpoint, sock: socket.socket, index: int) -> None:
-        self.endpoint = endpoint
-        self.sock = sock
-        self.index = index
-        self.outstanding = 0
-        self.dead = False
-        self._q: queue.SimpleQueue[list[Op] | None] = queue.SimpleQueue()
-        self._pending: dict[int, list[Op]] = {}
-        """Frames sent and not yet answered: frame id → its ops, in wire order."""
-        self._ids = itertools.count()
-        self._lock = threading.Lock()
-        sock.settimeout(endpoint.ctx.config.io_timeout_s)
-        name = f"tx-lane-{endpoint.address}-{index}"
-        threading.Thread(target=self._send_loop, name=name + "-tx", daemon=True).start()
-        threading.Thread(target=self._recv_loop, name=name + "-rx", daemon=True).start()
-
-    def enqueue(self, ops: list[Op]) -> bool:
-        """Queue ``ops`` for sending; False (nothing queued) if the lane is dead."""
-        with self._lock:
-            if self.dead:
-                return False
-            self.outstanding += sum(op.length for op in ops)
-            self._q.put(ops)
-            return True
-
-    def _send_loop(self) -> None:
-        """Sender thread: take queued ops (lists put by `enqueue`), register them as pending,
-        and send their frames together. Ops it holds when the lane dies go back to the
-        endpoint for retry, so none is ever lost."""
-        carry: list[Op] = []
-        while True:
-            if not carry:
-                item = self._q.get()
-                if item is None:
-                    return
-                carry = item
-            ops, carry = self._take(carry)
-            stop = False
-            while not carry and len(ops) < COALESCE_OPS:
-                try:
-                    item = self._q.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                    break
-                more, carry = self._take(item, COALESCE_OPS - len(ops))
-                ops += more
-            live = drop_ended(ops)
-            if len(live) < len(ops):
-                with self._lock:
-                    self.outstanding -= sum(op.length for op in ops) - sum(op.length for op in live)
-                ops = live
-            if not ops:
-                if stop:
-                    if carry:
-                        self.endpoint.lane_failed(self, carry, "lane closed")
-                    return
-                continue
-            frames = group_frames(ops)
-            with self._lock:
-                dead = self.dead
-                ids = [] if dead else [next(self._ids) for _ in frames]
-                if not dead:
-                    self._pending.update(zip(ids, frames, strict=True))
-            if dead:
-                self.endpoint.lane_failed(self, ops + carry, "lane closed")
-                return
-            try:
-                send_parts(self.sock, [p for fid, frame in zip(ids, frames, strict=True)
-                                       for p in frame_iovec(fid, frame)])
-            except OSError as e:
-                self.fail(f"send to {self.endpoint.address} failed: {e}")
-                stop = True
-            if stop:
-                if carry:
-                    self.endpoint.lane_failed(self, carry, "lane closed")
-                return
-
-    @staticmethod
-    def _take(ops: list[Op], limit: int = COALESCE_OPS) -> tuple[list[Op], list[Op]]:
-        """Split ``ops`` into what goes in one ``sendmsg`` (≤ ``limit`` frames, about
-        `COALESCE_BYTES` of payload) and the rest."""
-        size, n = 0, 0
-        for op in ops[:limit]:
-            n += 1
-            size += op.length
-            if size >= COALESCE_BYTES:
-                break
-        return ops[:n], ops[n:]
-
-    def _recv_loop(self) -> None:
-        reader = FrameReader(self.sock)
-        while True:
-            try:
-                msg = reader.read(idle_ok=True)
-                self._on_reply(reader, msg)
-            except IdleTimeout:
-                if self._pending:
-                    self.fail(f"peer {self.endpoint.address} sent nothing for "
-                              f"{self.endpoint.ctx.config.io_timeout_s}s")
-                    return
-            except (OSError, ProtocolError) as e:
-                self.fail(f"connection to {self.endpoint.address} broke: {e}")
-                return
-
-    def _on_reply(self, reader: FrameReader, msg: Message) -> None:
-        """Complete the frame ``msg`` answers: every slice at once (reads: payloads received
-        straight into the callers' buffers), or the notify."""
-        fid = getattr(msg, "id", -1)
-        frame = self._pending.pop(fid, None)
-        if frame is None:
-            raise ProtocolError(f"reply {type(msg).__name__} matches no pending request")
-        if not isinstance(frame[0], NotifyOp):
-            with self._lock:
-                self.outstanding -= sum(op.length for op in frame)
-        try:
-            finish_frame(reader, frame, msg, self.endpoint.address)
-        except (OSError, ProtocolError):
-            # broke while receiving the payload: nothing of the frame is completed yet
-            # (finish_frame completes last), so it goes back for `fail` to retry or fail it
-            self._pending[fid] = frame
-            raise
-
-    def fail(self, error: str) -> None:
-        """Mark the lane dead, close it, and hand every unfinished op back to the endpoint."""
-        with self._lock:
-            if self.dead:
-                return
-            self.dead = True
-            ops = [op for frame in self._pending.values() for op in frame]
-            self._pending.clear()
-            while True:
-                try:
-                    item = self._q.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    ops += item
-            self._q.put(None)
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        log.debug("lane %s/%d failed with %d ops: %s", self.endpoint.address, self.index,
-                  len(ops), error)
-        self.endpoint.lane_failed(self, ops, error)
 
 
 class TcpEndpoint(Endpoint):
