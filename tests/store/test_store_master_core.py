@@ -286,23 +286,24 @@ def test_configs_reject_bad_values() -> None:
         MasterConfig(placement="closest")
 
 
-def test_drain_stops_placement_and_empties_segment_once_leases_end() -> None:
+def test_drain_stops_placement_and_drops_redundant_replicas_once_leases_end() -> None:
     core, clock = make(segs=2, lease_ttl_s=1.0)
-    r = core.handle(m.PutStart(client="c", item=m.PutItem(key="k", size=KiB, strategy="preferred",
-                                                           preferred=["n0/dram"])))
-    assert r.replicas[0].segment == "n0/dram"
+    r = core.handle(m.PutStart(client="c", item=m.PutItem(
+        key="k", size=KiB, replicas=2, strategy="preferred", preferred=["n0/dram", "n1/dram"])))
+    assert [x.segment for x in r.replicas] == ["n0/dram", "n1/dram"]
     core.handle(m.PutEnd(client="c", key="k"))
     core.handle(m.GetReplicas(key="k"))
-    assert core.handle(m.Drain(client="n0", segment="n0/dram")) == m.Count(n=1)
+    assert core.handle(m.Drain(client="n0", segment="n0/dram")) == m.Count(n=0)  # n1 keeps one
+    assert core.outbox == []  # nothing to migrate
     r = core.handle(m.PutStart(client="c", item=m.PutItem(key="j", size=KiB, strategy="preferred",
                                                            preferred=["n0/dram"])))
     assert r.replicas[0].segment == "n1/dram"  # draining segments get no new values
     core.tick()
-    assert exists(core, "k") == [True]  # leased: the reader finishes first
+    assert [core.segs[s].name for s, _ in core.objs["k"].reps] == ["n0/dram", "n1/dram"]  # leased
     clock.advance_to(101.5)
     core.tick()
-    assert exists(core, "k") == [False]
-    assert core.handle(m.Drain(client="n0", segment="n0/dram")) == m.Count(n=0)
+    assert [core.segs[s].name for s, _ in core.objs["k"].reps] == ["n1/dram"]
+    assert core.segs[core.seg_by_name["n0/dram"]].alloc.used == 0
 
 
 def test_failed_write_suspects_segment_until_its_node_heartbeats() -> None:

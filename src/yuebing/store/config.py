@@ -50,6 +50,9 @@ class MasterConfig:
     repl_timeout_s: float = field(default=2.0, metadata={
         "help": "a standby that does not acknowledge within this is dropped from sync replication"})
     seed: int = field(default=0, metadata={"help": "seed of the random placement"})
+    drain_parallel: int = field(default=8, metadata={
+        "help": "most migrations in flight at once while segments drain (copies of values "
+                "whose every replica is on a draining segment, to active DRAM segments)"})
     spin_us: int = field(default=500, metadata={
         "help": "after serving a request, poll this many microseconds for the next one before "
                 "sleeping (a wake-up from sleep costs ~20 us on a VM; 500 covers a client's "
@@ -71,6 +74,8 @@ class MasterConfig:
         require(self.alignment >= 1 and self.alignment & (self.alignment - 1) == 0,
                 f"--alignment must be a power of two, got {self.alignment}")
         require(self.tick_s > 0, f"--tick-s must be > 0, got {self.tick_s}")
+        require(self.drain_parallel >= 1,
+                f"--drain-parallel must be >= 1, got {self.drain_parallel}")
         require(0 <= self.spin_us <= 100_000, f"--spin-us must be in 0..100000, got {self.spin_us}")
         require(0 <= self.admin_port < 65536, f"--admin-port out of range: {self.admin_port}")
         require(self.election_ttl_s >= 1, f"--election-ttl-s must be >= 1, got {self.election_ttl_s}")

@@ -191,7 +191,10 @@ class Unmount(Message, tag="store.unmount"):
 
 @register_message
 class Drain(Message, tag="store.drain"):
-    """Stop placing new values on a segment; reply `Count` of objects it still holds."""
+    """Stop placing new values on a segment and migrate the committed values that would be lost
+    with it (every replica on draining segments) to active DRAM segments; reply `Count` of the
+    objects that would still be lost if the segment were unmounted now (not yet migrated, in
+    flight, or without room elsewhere). Idempotent: a node repeats it until the count is 0."""
 
     client: str
     segment: str
@@ -277,9 +280,21 @@ class Stats(Message, tag="store.stats"):
 
 # ---------------------------------------------------------------- master <-> node tasks
 
+class TaskKind(IntEnum):
+    """What a `NodeTask` does. OFFLOAD / PROMOTE copy between the node's own DRAM segment and
+    SSD file; MIGRATE writes a replica from the node's segment (DRAM, or SSD read through its
+    file) to ``dst_segment`` on any node through the node's transfer engine (which resolves the
+    segment by name, as clients do for put targets)."""
+
+    OFFLOAD = 0
+    PROMOTE = 1
+    MIGRATE = 2
+
+
 @register_message
 class NodeTask(Message, tag="store.node_task"):
-    """Master asks a node to copy ``size`` bytes between two of its own segments (DRAM<->SSD)."""
+    """Master asks the node owning ``src_segment`` to copy ``size`` bytes to ``dst_segment``
+    (see `TaskKind`); the node answers `TaskDone`."""
 
     task: int
     src_segment: str
@@ -287,6 +302,7 @@ class NodeTask(Message, tag="store.node_task"):
     dst_segment: str
     dst_offset: int
     size: int
+    kind: int = TaskKind.OFFLOAD
 
 
 @register_message

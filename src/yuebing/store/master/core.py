@@ -25,7 +25,7 @@ from yuebing.core.clock import Clock, WallClock
 from yuebing.protocol import Message
 from yuebing.store import messages as m
 from yuebing.store.config import MasterConfig
-from yuebing.store.master import eviction, segments
+from yuebing.store.master import eviction, migration, segments
 from yuebing.store.master.placement import PLACEMENTS, PlacementRequest
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState, Session, Task
 
@@ -55,6 +55,7 @@ class MasterCore:
         self.seg_by_name: dict[str, int] = {}
         self.sessions: dict[str, Session] = {}
         self.tasks: dict[int, Task] = {}
+        self.drains = migration.Drains()
         self._sizes: dict[int, int] = {}
         self.next_seg = 1
         self.next_task = 1
@@ -64,7 +65,8 @@ class MasterCore:
         self.ready: list[tuple[object, Message]] = []
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts", "gets", "removes", "evictions", "offloads", "promotions", "zombies",
-             "dead_sessions", "no_space", "suspects"), 0)
+             "dead_sessions", "no_space", "suspects", "migrations_started", "migrations_done",
+             "migrations_failed", "migrations_given_up"), 0)
         self.handlers: dict[type, Callable[..., Message | None]] = {
             m.PutStart: self.put_start, m.PutEnd: self.put_end, m.PutRevoke: self.put_revoke,
             m.BatchPutStart: self.batch_put_start, m.BatchPutEnd: self.batch_put_end,
@@ -391,6 +393,7 @@ class MasterCore:
         segments.reclaim_zombies(self)
         eviction.watermark(self)
         eviction.drain(self)
+        migration.pump(self)
 
     def stats(self, msg: m.GetStats | None = None) -> m.Stats:
         return m.Stats(values=segments.usage(self))

@@ -6,8 +6,10 @@ never evicted; soft-pinned objects (pin not yet expired) only in a second pass w
 freed too little. It is approximate because a scan visits at most ``SCAN_LIMIT`` objects and
 probes (exists, prefix_match) do not count as use.
 
-Draining segments are emptied the same way (``drain``: a node about to leave lets readers
-finish, then its replicas are dropped, each with a REMOVED event when it was the last one).
+Draining segments lose their redundant replicas (``drain``: once no reader leases the value,
+a replica on a draining segment is dropped when the value has another one on a segment that is
+not draining, with a REMOVED event); values whose every replica is draining are left to
+`migration`, which copies them elsewhere first.
 Two triggers: ``watermark`` (every tick: DRAM usage above ``high_watermark`` evicts down to
 ``high_watermark - evict_ratio``; on a node with an SSD tier a victim is offloaded there
 instead of dropped, asynchronously) and ``evict_for`` (an allocation failed: drop at once).
@@ -36,7 +38,7 @@ def watermark(core: MasterCore) -> int:
         if s.tier == 0 and s.alloc is not None:
             cap += s.alloc.capacity
             used += s.alloc.used
-    in_flight = sum(t.size for t in core.tasks.values() if not t.promote)
+    in_flight = sum(t.size for t in core.tasks.values() if t.kind == m.TaskKind.OFFLOAD)
     if not cap or used - in_flight <= core.cfg.high_watermark * cap:
         return 0
     target = (core.cfg.high_watermark - core.cfg.evict_ratio) * cap
@@ -44,11 +46,25 @@ def watermark(core: MasterCore) -> int:
 
 
 def drain(core: MasterCore) -> int:
-    """Empty draining segments: their replicas go as soon as nobody leases or pins them."""
+    """Drop the replicas on draining segments of values that keep one elsewhere (not leased,
+    not moving); returns the bytes freed. Called every tick; scans the objects only while a
+    draining segment still holds something."""
+    draining = {s.id for s in core.segs.values()
+                if s.state == SegState.DRAINING and s.alloc is not None and s.alloc.used}
+    if not draining:
+        return 0
+    now = core.clock.now()
+    picked: list[tuple[str, list[tuple[int, int]]]] = []
     freed = 0
-    for s in list(core.segs.values()):
-        if s.state == SegState.DRAINING and s.alloc is not None and s.alloc.used:
-            freed += evict_for(core, s.alloc.used, only={s.id}, tier=s.tier)
+    for key, o in core.objs.items():
+        if o.state != ObjState.COMMITTED or o.lease > now or o.moving:
+            continue
+        mine = [r for r in o.reps if r[0] in draining]  # every draining replica it has
+        if mine and len(mine) < len(o.reps):
+            picked.append((key, mine))
+            freed += o.size * len(mine)
+    for key, mine in picked:  # act after the scan: dropping mutates the object dict
+        _drop_replicas(core, key, mine)
     return freed
 
 

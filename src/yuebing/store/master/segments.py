@@ -6,7 +6,9 @@ replicas; an object with none left is removed) and its pending puts are revoked.
 (never ended) are reclaimed after ``put_timeout_s``. Tier moves are node tasks: the master
 allocates the destination range, pushes a `NodeTask` to the segments' owner and, on `TaskDone`,
 swaps the replica (offload: DRAM -> SSD frees the DRAM range; promotion: SSD -> DRAM adds a DRAM
-replica and answers the readers that waited).
+replica and answers the readers that waited). ``drain`` marks a segment DRAINING (no new
+placements) and has `migration` copy the values it would lose to other segments; the Drain
+reply counts the values still at risk, which the node waits on before it unmounts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from yuebing.store import messages as m
+from yuebing.store.master import migration
 from yuebing.store.master.allocator import OffsetAllocator
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState, Task
 
@@ -80,7 +83,10 @@ def drain(core: MasterCore, msg: m.Drain) -> m.Message:
     if s.state != SegState.DRAINING:
         s.state = SegState.DRAINING
         core._log(["drain", s.id])
-    return m.Count(n=sum(1 for o in core.objs.values() for sid, _ in o.reps if sid == s.id))
+        log.warning("segment %s is draining", s.name)
+    n = migration.refresh(core, s.id)
+    migration.pump(core)
+    return m.Count(n=n)
 
 
 def drop_segment(core: MasterCore, sid: int) -> None:
@@ -145,19 +151,21 @@ def start_task(core: MasterCore, key: str, o: Obj, src: tuple[int, int], dst: Se
         return False
     tid = core.next_task
     core.next_task += 1
-    core.tasks[tid] = Task(key, src, (dst.id, off), o.size, promote)
+    kind = m.TaskKind.PROMOTE if promote else m.TaskKind.OFFLOAD
+    core.tasks[tid] = Task(key, src, (dst.id, off), o.size, kind)
     o.moving = tid
     core.outbox.append((dst.client, m.NodeTask(
         task=tid, src_segment=core.segs[src[0]].name, src_offset=src[1],
-        dst_segment=dst.name, dst_offset=off, size=o.size)))
+        dst_segment=dst.name, dst_offset=off, size=o.size, kind=kind)))
     return True
 
 
 def promote(core: MasterCore, key: str, o: Obj, waiter: object) -> tuple[C, str]:
-    """Start (or join) the promotion of an SSD-only object into its owner's DRAM."""
+    """Start (or join) the promotion of an SSD-only object into its owner's DRAM (a drain
+    migration in flight also lands in DRAM: its readers wait for it the same way)."""
     if o.moving:
         t = core.tasks[o.moving]
-        if t.promote:
+        if t.kind != m.TaskKind.OFFLOAD:
             if waiter is not None:
                 t.waiters.append(waiter)
             return C.OK if waiter is not None else C.PROMOTING, "promotion in flight"
@@ -189,7 +197,9 @@ def _fail_task(core: MasterCore, tid: int, why: str) -> None:
         if not o.reps:
             core._drop(t.key, o)
     for w in t.waiters:
-        core.ready.append((w, m.Err(code=C.INTERNAL, message=f"promotion failed: {why}")))
+        core.ready.append((w, m.Err(code=C.INTERNAL, message=f"move to DRAM failed: {why}")))
+    if t.kind == m.TaskKind.MIGRATE:
+        migration.failed(core, t, why)
 
 
 def task_done(core: MasterCore, msg: m.TaskDone) -> None:
@@ -204,7 +214,9 @@ def task_done(core: MasterCore, msg: m.TaskDone) -> None:
     o.moving = 0
     stored = m.EventKind.STORED
     core.events.append((stored, t.key, [core.segs[t.dst[0]].name]))
-    if t.promote:
+    if t.kind == m.TaskKind.MIGRATE:
+        migration.finished(core, t, o)
+    elif t.promote:
         o.reps = (t.dst, *o.reps)
         o.lease = core.clock.now() + core.cfg.lease_ttl_s
         reply = m.ReplicaList(key=t.key, size=o.size, checksum=o.checksum,

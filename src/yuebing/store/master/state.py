@@ -73,15 +73,20 @@ class Session:
 
 
 class Task:
-    """An in-flight DRAM<->SSD copy run by the segments' node."""
+    """An in-flight copy run by a node: a DRAM<->SSD tier move (``kind`` OFFLOAD / PROMOTE) or a
+    drain migration to another segment (MIGRATE); ``kind`` is a `messages.TaskKind` value."""
 
-    __slots__ = ("dst", "key", "promote", "size", "src", "waiters")
+    __slots__ = ("dst", "key", "kind", "size", "src", "waiters")
 
     def __init__(self, key: str, src: tuple[int, int], dst: tuple[int, int], size: int,
-                 promote: bool) -> None:
+                 kind: int) -> None:
         self.key = key
         self.src = src
         self.dst = dst
         self.size = size
-        self.promote = promote
+        self.kind = kind
         self.waiters: list[object] = []
+
+    @property
+    def promote(self) -> bool:
+        return self.kind == 1  # TaskKind.PROMOTE (state.py imports no messages)
