@@ -141,7 +141,7 @@ def test_malformed_frame_closes_only_that_lane(slices: list[tuple[int, int, int,
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             send_frame(sock, Hello(engine_id="raw", host_id="h"))
             assert isinstance(recv_frame(sock), HelloReply)
-            send_frame(sock, WriteSlices(id=1, segment="seg", slices=slices))
+            send_frame(sock, WriteSlices(id=1, segment="seg", slices=slices, expiry=2e9))
             with pytest.raises(PeerClosed):
                 recv_frame(sock)
         with TransferEngine(TransferConfig(transports=("tcp",)), metadata=meta) as eng:

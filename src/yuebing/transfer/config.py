@@ -43,6 +43,11 @@ class TransferConfig:
         "help": "TCP connect/handshake timeout (a timed-out handshake is tried once more)"})
     io_timeout_s: float = field(default=30.0, metadata={
         "help": "a socket send/recv stalled this long fails its lane"})
+    write_grace_s: float = field(default=1.0, metadata={
+        "help": "a target stops receiving an accepted write frame this long after the frame's "
+                "expiry (the sender's batch deadline) and closes the connection: the store's "
+                "master keeps a revoked put's space out of use for at least this plus its "
+                "--fence-s, so late bytes never land in reallocated space"})
     max_retries: int = field(default=2, metadata={
         "help": "times a failed slice is retried on another lane"})
     retry_backoff_s: float = field(default=0.01, metadata={
@@ -76,6 +81,8 @@ class TransferConfig:
         for name in ("timeout_s", "connect_timeout_s", "io_timeout_s"):
             v = getattr(self, name)
             require(v > 0, f"{name} must be > 0 seconds, got {v}")
+        require(0 <= self.write_grace_s <= 60,
+                f"write_grace_s must be in 0..60 seconds, got {self.write_grace_s}")
         require(0 <= self.max_retries <= 16, f"max_retries must be in 0..16, got {self.max_retries}")
         require(self.retry_backoff_s >= 0, f"retry_backoff_s must be >= 0, got {self.retry_backoff_s}")
         require(self.max_endpoints >= 1, f"max_endpoints must be >= 1, got {self.max_endpoints}")

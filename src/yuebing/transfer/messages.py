@@ -49,13 +49,21 @@ of range anywhere is refused in every slice and nothing of it is written."""
 
 
 @register_message
-class WriteSlices(Message, tag="transfer.writev"):
+class WriteSlices(Message, tag="transfer.writev.fenced"):
     """Followed by the payloads of ``slices`` back to back, each to store at its offset of
-    ``segment``. One frame carries many slices of one batch (coalesced per peer and lane)."""
+    ``segment``. One frame carries many slices of one batch (coalesced per peer and lane).
+
+    ``expiry`` is the write fence: the wall-clock time (``time.time()``) after which the target
+    must not write these bytes — the earliest deadline of the frame's batches, converted at
+    send time. A target refuses every slice of a frame whose expiry passed before it started
+    the frame, and stops receiving an accepted one at expiry + its ``write_grace_s``. (The tag
+    changed with the field, so a peer from before the fence fails on an unknown frame type
+    instead of writing unfenced.)"""
 
     id: int
     segment: str
     slices: list[SliceSpec]
+    expiry: float
 
 
 @register_message

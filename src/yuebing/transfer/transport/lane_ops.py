@@ -1,7 +1,8 @@
 """What travels on a TCP lane and how it is framed: `NotifyOp` (a notify awaiting its ack), `Op`
 (a slice or a notify), `group_frames` (a sender's queued ops → frames: runs of slices of one
 segment and direction share a header), `frame_iovec` (a frame's ``sendmsg`` pieces) and
-`drop_ended` (ops whose request ended are completed, never sent).
+`drop_ended` (ops whose request ended are completed, never sent). A write frame carries its
+expiry (`write_expiry`: the batch deadline as wall-clock time), the target's write fence.
 
 Used by `tcp_lane.Lane`'s sender thread; each frame becomes one `WriteSlices` / `ReadSlices`
 (answered by one `SlicesDone`) or one `Notify` (answered by `SliceAck`).
@@ -10,6 +11,7 @@ Used by `tcp_lane.Lane`'s sender thread; each frame becomes one `WriteSlices` / 
 from __future__ import annotations
 
 import threading
+import time
 
 from yuebing.transfer.batch import Slice
 from yuebing.transfer.messages import Notify, ReadSlices, WriteSlices
@@ -61,9 +63,22 @@ def frame_iovec(fid: int, frame: list[Op]) -> list[memoryview]:
                                   payload=first.payload))
     specs = [(s.offset, s.length, *s.span) for s in frame]  # type: ignore[union-attr]
     if first.op == OpCode.WRITE:
-        head = pack(WriteSlices(id=fid, segment=first.segment, slices=specs))
+        head = pack(WriteSlices(id=fid, segment=first.segment, slices=specs,
+                                expiry=write_expiry(frame)))  # type: ignore[arg-type]
         return [memoryview(head), *(s.local for s in frame)]  # type: ignore[union-attr]
     return [memoryview(pack(ReadSlices(id=fid, segment=first.segment, slices=specs)))]
+
+
+def write_expiry(frame: list[Slice]) -> float:
+    """The fence of a write frame: the earliest deadline of its slices' batches (monotonic),
+    as wall-clock time now — the target's clock is not this process's monotonic one."""
+    batch = frame[0].batch
+    deadline = batch.deadline
+    for s in frame:
+        if s.batch is not batch:
+            batch = s.batch
+            deadline = min(deadline, batch.deadline)
+    return time.time() + (deadline - time.monotonic())
 
 
 def drop_ended(ops: list[Op]) -> list[Op]:

@@ -5,7 +5,9 @@ Life cycle of a shared-memory slice: on first use of a peer, `ShmEndpoint` opens
 connection to it (handshake; its end-of-file is how a dead peer is noticed) and maps each of the
 peer's segment files on first access. `submit` queues slices for ``shm_workers`` copy threads; a
 worker re-checks the range against the published descriptor and copies with ``numpy.copyto``
-(which releases the GIL), then completes the slice. No kernel socket carries the bytes. When the
+(which releases the GIL), then completes the slice. Writes are fenced: a write slice is not
+started past its batch deadline and large ones are copied in `FENCE_CHUNK` pieces with the
+deadline checked between them, so a stalled copy thread cannot write after its sender gave up. No kernel socket carries the bytes. When the
 control connection drops, queued slices fail with an error naming the peer and the maps close.
 """
 
@@ -17,6 +19,7 @@ import mmap
 import os
 import queue
 import threading
+import time
 
 import numpy as np
 
@@ -37,20 +40,48 @@ SMALL_COPY = 256 << 10
 GIL for a few µs); larger ones with ``numpy.copyto``, which releases the GIL while it copies."""
 
 
-def copy_slice(s: Slice, remote: np.ndarray, remote_mv: memoryview) -> None:
-    """Copy one slice between its local buffer and the segment's bytes."""
+FENCE_CHUNK = 8 << 20
+"""Writes are copied in pieces of at most this many bytes with the deadline checked before
+each (`copy_until`): the write fence of the shared-memory paths (a few ms past the deadline
+at most; the store's master keeps revoked space unused for longer)."""
+
+
+def copy_until(dst: np.ndarray, src: np.ndarray, deadline: float) -> int:
+    """Copy ``src`` into ``dst`` (same size) in `FENCE_CHUNK` pieces, none started after
+    ``deadline`` (``time.monotonic()``); returns the bytes copied (all of them unless the
+    deadline passed). Used for writes by the shm copy threads and the store's direct path."""
+    n = src.nbytes
+    for start in range(0, n, FENCE_CHUNK):
+        if time.monotonic() >= deadline:
+            return start
+        stop = min(n, start + FENCE_CHUNK)
+        np.copyto(dst[start:stop], src[start:stop])
+    return n
+
+
+def expired_write(done: int, length: int) -> str:
+    """The error of a write the fence stopped after ``done`` of ``length`` bytes."""
+    return f"write expired: deadline passed after {done} of {length} bytes were copied"
+
+
+def copy_slice(s: Slice, remote: np.ndarray, remote_mv: memoryview) -> str | None:
+    """Copy one slice between its local buffer and the segment's bytes; the error of a write
+    the deadline stopped, else None."""
     end = s.offset + s.length
+    if s.op == OpCode.WRITE and time.monotonic() >= s.deadline:
+        return expired_write(0, s.length)
     if s.length <= SMALL_COPY:
         if s.op == OpCode.WRITE:
             remote_mv[s.offset:end] = s.local
         else:
             s.local[:] = remote_mv[s.offset:end]
-        return
+        return None
     local = np.frombuffer(s.local, dtype=np.uint8)
     if s.op == OpCode.WRITE:
-        np.copyto(remote[s.offset:end], local)
-    else:
-        np.copyto(local, remote[s.offset:end])
+        done = copy_until(remote[s.offset:end], local, s.deadline)
+        return None if done == s.length else expired_write(done, s.length)
+    np.copyto(local, remote[s.offset:end])
+    return None
 
 
 def copy_all(slices: list[Slice], remote: np.ndarray, remote_mv: memoryview) -> list[str | None]:
@@ -61,7 +92,7 @@ def copy_all(slices: list[Slice], remote: np.ndarray, remote_mv: memoryview) -> 
         error = None
         if s.live:
             try:
-                copy_slice(s, remote, remote_mv)
+                error = copy_slice(s, remote, remote_mv)
             except (ValueError, OSError) as e:
                 error = f"shared-memory copy failed: {e}"
         errors.append(error)

@@ -5,8 +5,11 @@ Life cycle of a frame arriving on a connection: the first frame must be `Hello`,
 in order: `WriteSlices` → every listed slice's range is validated against the registered
 segment and its payload received with ``recv_into`` directly into segment memory (a refused
 slice's payload is drained into scratch, so nothing of it is written), then one `SlicesDone`
-with a status per slice; `ReadSlices` → validated, answered with `SlicesDone` + the bytes of
-the accepted slices sent straight from the segment; `Notify` → handed to the engine's notify
+with a status per slice. The write fence: a frame whose ``expiry`` passed before it is started
+is refused whole ("expired"), and an accepted one still arriving at expiry + ``write_grace_s``
+closes the connection (`_land`), so a sender's late bytes never land after it gave up;
+`ReadSlices` → validated, answered with `SlicesDone` + the bytes of the accepted slices sent
+straight from the segment; `Notify` → handed to the engine's notify
 callback, then acked with `SliceAck`. Replies are held back while more
 requests are already arriving (bounded by `ACK_HOLD_FRAMES` / `ACK_HOLD_BYTES`) and leave together
 in one ``sendmsg``, so a stream of small slices costs a few sends instead of one per slice. A connection that breaks or
@@ -20,7 +23,9 @@ import logging
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 from yuebing.core.errors import TransferError
 from yuebing.protocol import Message, ProtocolError
@@ -134,18 +139,22 @@ class TcpServer:
         bytes the frame carried (written or read)."""
         if isinstance(msg, WriteSlices):
             views = self._resolve_all(msg.segment, msg.slices)
+            late = time.time() - msg.expiry
+            if late > 0:  # the write fence: its sender gave up; the space may be reused
+                views = [f"write expired {late:.3f}s before the target started it"] * len(views)
+            end = msg.expiry + self._config.write_grace_s
             errors: list[str] = []
             run: list[memoryview] = []  # accepted views received together (one recvmsg_into)
             for (_, length, _, _), view in zip(msg.slices, views, strict=True):
                 if isinstance(view, str):  # refused: drain its payload, write nothing
-                    reader.read_into_many(run)
+                    self._land(reader, run, end)
                     run = []
                     reader.skip(length)
                     errors.append(view)
                 else:
                     run.append(view)
                     errors.append("")
-            reader.read_into_many(run)
+            self._land(reader, run, end)
             out += frame_parts(SlicesDone(id=msg.id, errors=errors))
         elif isinstance(msg, ReadSlices):
             views = self._resolve_all(msg.segment, msg.slices)
@@ -166,6 +175,25 @@ class TcpServer:
             raise ProtocolError(f"unexpected frame {type(msg).__name__} on a lane")
         self.served_slices += len(msg.slices)
         return sum(spec[1] for spec in msg.slices)
+
+    def _land(self, reader: FrameReader, views: list[memoryview], end: float) -> None:
+        """Receive accepted payloads into segment memory, never after ``end`` (wall clock:
+        the frame's expiry + ``write_grace_s``): past it the receive raises `TimeoutError`
+        and the connection closes. A payload already buffered with its header is copied with
+        no system call; otherwise every receive call is armed with the time left (one
+        ``settimeout`` each, and one to restore the lane's ``io_timeout_s`` afterwards)."""
+        if not views:
+            return
+        if reader.buffered >= sum(v.nbytes for v in views):
+            reader.read_into_many(views)
+            return
+        sock = reader.sock
+        reader.sock = _FencedSocket(sock, end, self._config.io_timeout_s)  # type: ignore[assignment]
+        try:
+            reader.read_into_many(views)
+        finally:
+            reader.sock = sock
+            sock.settimeout(self._config.io_timeout_s)
 
     def _resolve_all(self, segment: str, slices: list[SliceSpec]) -> list[memoryview | str]:
         """Each slice's segment bytes, or the error refusing it. A malformed frame (too many
@@ -195,3 +223,33 @@ class TcpServer:
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
         self._thread.join(timeout=2)
+
+
+class _FencedSocket:
+    """A lane socket as `FrameReader` uses it while receiving an accepted write payload: every
+    call is bounded by the frame's fence as well as ``io_timeout_s``, so a peer trickling bytes
+    cannot stretch the write past it. ``end`` is that fence on the monotonic clock (converted
+    once from the wall-clock ``end_wall``), the attribute a spinning receive also honours."""
+
+    def __init__(self, sock: socket.socket, end_wall: float, io_timeout_s: float) -> None:
+        self.sock = sock
+        self.end = time.monotonic() + (end_wall - time.time())
+        self.io_timeout_s = io_timeout_s
+
+    def _arm(self) -> None:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"write frame still arriving {-left:.3f}s past its expiry + "
+                               "grace; closing the lane so nothing more of it is written")
+        self.sock.settimeout(min(left, self.io_timeout_s))
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def recv_into(self, *args: Any) -> int:
+        self._arm()
+        return self.sock.recv_into(*args)
+
+    def recvmsg_into(self, *args: Any) -> tuple[int, Any, int, Any]:
+        self._arm()
+        return self.sock.recvmsg_into(*args)
