@@ -62,7 +62,9 @@ def _add_node(p: argparse.ArgumentParser) -> None:
     add_config_args(p, TransferConfig, prefix="tx_")
     p.add_argument("--ready-file", default="", help="write {dram, ssd} segment names JSON here")
     p.add_argument("--drain-s", type=float, default=2.0,
-                   help="on SIGTERM: seconds to wait for readers to finish before unmounting")
+                   help="on SIGTERM: drain every segment and wait up to this many seconds "
+                        "for the master to migrate the values only this node holds to other "
+                        "nodes before unmounting (values still here then are lost)")
 
 
 def _run_node(ns: argparse.Namespace) -> int:

@@ -4,9 +4,13 @@ and optionally an SSD tier (one preallocated file) to the store.
 Life cycle: register the DRAM segment with the transfer engine (clients then READ/WRITE it
 directly; the node's CPU never touches put/get bytes), mount it (and the SSD tier) at the master,
 then heartbeat every ``heartbeat_s``; a heartbeat reply that lacks one of our segments (the
-master forgot us) triggers a re-mount. Between heartbeats the node runs the master's tier
-tasks: offload (DRAM range → SSD file) and promotion (SSD file → DRAM range), answering each
-with `TaskDone`. Shutdown drains (no new placements), unmounts and releases the segment.
+master forgot us) triggers a re-mount. Between heartbeats the node runs the master's tasks:
+offload (DRAM range → SSD file) and promotion (SSD file → DRAM range), copied in place, and
+drain migrations (a DRAM range, or an SSD range read from the file, written to another node's
+segment through the transfer engine without blocking the loop), answering each with `TaskDone`.
+Shutdown drains every segment (no new placements; the master migrates the values that would be
+lost elsewhere while the node keeps running its tasks), waits up to a timeout for the master's
+at-risk count to reach 0, then unmounts and releases the segments.
 """
 
 from __future__ import annotations
@@ -19,13 +23,14 @@ import time
 import uuid
 from collections import deque
 
-from yuebing.core.errors import StoreError
+from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.protocol import Message
 from yuebing.store import messages as m
 from yuebing.store.client.direct import hold_liveness_lock
-from yuebing.store.client.rpc import MasterConnection
+from yuebing.store.client.rpc import MasterConnection, StoreRpcError
 from yuebing.store.config import ClientConfig, NodeConfig
-from yuebing.transfer import TransferConfig, TransferEngine
+from yuebing.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
+from yuebing.transfer.types import BatchId, TransferStatus
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,8 @@ class StorageNode:
         if ssd is not None:
             self._open_ssd(*ssd)
         self.tasks: deque[m.NodeTask] = deque()
+        # migrations in flight: batch id -> (task, source buffer kept alive until the batch ends)
+        self._moving: dict[BatchId, tuple[m.NodeTask, memoryview]] = {}
         self.conn = MasterConnection(self.ccfg.masters, self.ccfg.rpc_timeout_s,
                                      self.ccfg.failover_s, on_push=self._on_push)
         self._stop = threading.Event()
@@ -84,13 +91,22 @@ class StorageNode:
         self.mount()
         next_hb = 0.0
         while not self._stop.is_set():
-            now = time.monotonic()
-            if now >= next_hb:
-                self._heartbeat()
-                next_hb = now + self.ccfg.heartbeat_s
-            self.conn.poll_pushes(max(0.0, min(0.05, next_hb - time.monotonic())))
-            while self.tasks:
-                self._run_task(self.tasks.popleft())
+            next_hb = self._step(next_hb)
+
+    def _step(self, next_hb: float, wait_s: float = 0.05) -> float:
+        """One turn of the loop (serve and drain): heartbeat when due, master pushes, tasks,
+        finished migrations. Returns the next heartbeat time."""
+        now = time.monotonic()
+        if now >= next_hb:
+            self._heartbeat()
+            next_hb = now + self.ccfg.heartbeat_s
+        wait = 0.005 if self._moving else wait_s
+        self.conn.poll_pushes(max(0.0, min(wait, next_hb - time.monotonic())))
+        while self.tasks:
+            self._run_task(self.tasks.popleft())
+        if self._moving:
+            self._reap_migrations()
+        return next_hb
 
     def _heartbeat(self) -> None:
         try:
@@ -110,18 +126,66 @@ class StorageNode:
             self.tasks.append(msg)
 
     def _run_task(self, t: m.NodeTask) -> None:
-        ok, why = True, ""
         try:
+            if t.kind == m.TaskKind.MIGRATE:
+                self._start_migration(t)
+                return
             self.copy(t)
-        except (OSError, ValueError, StoreError) as e:
-            ok, why = False, str(e)
-            log.error("tier task %d failed: %s", t.task, e)
+        except (OSError, ValueError, StoreError, TransferError) as e:
+            log.error("task %d (%s) failed: %s", t.task, _kind_name(t.kind), e)
+            self._done(t, False, str(e))
+            return
+        self._done(t, True, "")
+
+    def _done(self, t: m.NodeTask, ok: bool, why: str) -> None:
         self.tasks_done += 1
         with contextlib.suppress(StoreError):
             self.conn.call(m.TaskDone(client=self.client_id, task=t.task, ok=ok, message=why))
 
+    def _start_migration(self, t: m.NodeTask) -> None:
+        """Submit the write of our replica to ``t.dst_segment``; `_reap_migrations` reports it."""
+        if t.size <= 0 or t.src_offset < 0:
+            raise StoreError(f"migration task {t.task} has a bad range ({t.src_offset}+{t.size})")
+        if t.src_segment == self.dram_name:
+            if t.src_offset + t.size > self.cfg.dram:
+                raise StoreError(f"migration source {t.src_offset}+{t.size} is outside the "
+                                 f"DRAM segment ({self.cfg.dram} bytes)")
+            src = self.segment.view[t.src_offset:t.src_offset + t.size]
+        elif self.ssd_name and t.src_segment == self.ssd_name:
+            if t.src_offset + t.size > self._ssd_size:
+                raise StoreError(f"migration source {t.src_offset}+{t.size} is outside the "
+                                 f"SSD file ({self._ssd_size} bytes)")
+            src = memoryview(bytearray(t.size))
+            n = os.preadv(self._ssd_fd, [src], t.src_offset)
+            if n != t.size:
+                raise StoreError(f"short SSD read: {n} of {t.size} bytes")
+        else:
+            raise StoreError(f"migration task {t.task} reads {t.src_segment!r}, which is not "
+                             "one of this node's segments")
+        req = TransferRequest(OpCode.WRITE, src, t.dst_segment, t.dst_offset, t.size)
+        try:
+            bid = self.engine.submit([req], self.ccfg.transfer_timeout_s)
+        except InputError as e:
+            raise StoreError(f"cannot write to {t.dst_segment!r}: {e}") from e
+        self._moving[bid] = (t, src)
+
+    def _reap_migrations(self) -> None:
+        for bid in list(self._moving):
+            st = self.engine.status(bid)
+            if st.status < TransferStatus.DONE:
+                continue
+            t, _ = self._moving.pop(bid)
+            self.engine.free(bid)
+            ok = st.status == TransferStatus.DONE
+            why = "" if ok else f"write to {t.dst_segment}: {'; '.join(st.errors) or st.status.name}"
+            if not ok:
+                log.error("migration task %d failed: %s", t.task, why)
+            self._done(t, ok, why)
+
     def copy(self, t: m.NodeTask) -> None:
-        """Copy between this node's DRAM segment and SSD file (either direction)."""
+        """Copy between this node's DRAM segment and SSD file (OFFLOAD / PROMOTE tasks)."""
+        if t.kind not in (m.TaskKind.OFFLOAD, m.TaskKind.PROMOTE):
+            raise StoreError(f"task {t.task} has unknown kind {t.kind}")
         view = self.segment.view
         if self._ssd_fd < 0:
             raise StoreError("this node has no SSD tier")
@@ -148,17 +212,38 @@ class StorageNode:
         self._stop.set()
 
     def drain(self, timeout_s: float = 0.0) -> int:
-        """Stop new placements here; wait up to ``timeout_s`` for objects to leave; returns
-        how many are still held."""
-        left = 0
+        """Drain every segment of this node (called at shutdown, after `serve` returned): the
+        master stops placing values here and migrates those that would be lost to other
+        segments, through migration tasks this loop keeps running (and heartbeats). Waits up
+        to ``timeout_s`` for the master's count of values still at risk to reach 0; returns
+        that count (0: unmounting now loses no committed value)."""
         end = time.monotonic() + timeout_s
+        next_hb = time.monotonic() + self.ccfg.heartbeat_s
         while True:
-            left = self.conn.call(m.Drain(client=self.client_id, segment=self.dram_name)).n  # type: ignore[attr-defined]
+            left = sum(self._drain_one(x.segment) for x in self.mounts())
             if left == 0 or time.monotonic() >= end:
+                if left:
+                    log.warning("node %s: %d values are still only here after draining %.1fs",
+                                self.name, left, timeout_s)
                 return left
-            time.sleep(0.2)
+            poll_end = min(end, time.monotonic() + 0.2)
+            while time.monotonic() < poll_end:
+                next_hb = self._step(next_hb, wait_s=poll_end - time.monotonic())
+
+    def _drain_one(self, segment: str) -> int:
+        try:
+            reply = self.conn.call(m.Drain(client=self.client_id, segment=segment))
+        except StoreRpcError as e:
+            if e.code == m.Code.UNKNOWN_SEGMENT:
+                return 0  # the master holds nothing of it (never mounted or already dropped)
+            raise
+        assert isinstance(reply, m.Count), reply
+        return reply.n
 
     def close(self, unmount: bool = True) -> None:
+        for bid in list(self._moving):  # let in-flight writes end before the engine closes
+            self.engine.wait(bid, self.ccfg.transfer_timeout_s)
+        self._moving.clear()
         if unmount:
             for msg in self.mounts():
                 with contextlib.suppress(StoreError):
@@ -172,3 +257,10 @@ class StorageNode:
             os.close(self._ssd_fd)
             with contextlib.suppress(OSError):
                 os.unlink(self._ssd_path)
+
+
+def _kind_name(kind: int) -> str:
+    try:
+        return m.TaskKind(kind).name.lower()
+    except ValueError:
+        return f"kind {kind}"
