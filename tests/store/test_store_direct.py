@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -20,12 +21,15 @@ def test_liveness_lock_and_copies_both_ways(tmp_path) -> None:
         fd = hold_liveness_lock(str(path))
         assert mapped.owner_alive() is True
         big = np.arange(SMALL_COPY + 1, dtype=np.uint32).view(np.uint8)[:SMALL_COPY + 1]
-        _copy(OpCode.WRITE, memoryview(big), mapped, 10, big.nbytes)  # numpy path
-        _copy(OpCode.WRITE, memoryview(b"hello"), mapped, 0, 5)  # memoryview path
+        later = time.monotonic() + 30
+        # past its deadline a write copies nothing (the write fence); a read is not fenced
+        assert _copy(OpCode.WRITE, memoryview(b"late!"), mapped, 0, 5, time.monotonic()) == 0
+        assert _copy(OpCode.WRITE, memoryview(big), mapped, 10, big.nbytes, later) == big.nbytes
+        _copy(OpCode.WRITE, memoryview(b"hello"), mapped, 0, 5, later)  # memoryview path
         out = bytearray(big.nbytes)
-        _copy(OpCode.READ, memoryview(out), mapped, 10, big.nbytes)
+        _copy(OpCode.READ, memoryview(out), mapped, 10, big.nbytes, 0.0)
         small = bytearray(5)
-        _copy(OpCode.READ, memoryview(small), mapped, 0, 5)
+        _copy(OpCode.READ, memoryview(small), mapped, 0, 5, 0.0)
         assert bytes(out) == big.tobytes() and small == b"hello"
         os.close(fd)
         assert mapped.owner_alive() is False

@@ -56,7 +56,8 @@ def test_allocator_best_fit_coalesce_and_rebuild() -> None:
 def test_two_phase_put_visibility() -> None:
     core, _ = make()
     t = core.handle(m.PutStart(client="c", item=m.PutItem(key="k", size=5000, checksum=7)))
-    assert t == m.PutTargets(key="k", replicas=[m.Replica(segment="n0/dram", offset=0)])
+    assert t == m.PutTargets(key="k", replicas=[m.Replica(segment="n0/dram", offset=0)],
+                             expires_in_s=30.0)  # put_timeout_s: the client asked for no less
     assert exists(core, "k") == [False]
     assert core.handle(m.GetReplicas(key="k")).code == C.NOT_FOUND
     assert core.handle(m.PutEnd(client="other", key="k")).code == C.NOT_PENDING
@@ -73,9 +74,12 @@ def test_two_phase_put_visibility() -> None:
 
 
 def test_revoke_frees_space_and_bad_items_change_nothing() -> None:
-    core, _ = make(dram=8 * KiB)
-    core.handle(m.PutStart(client="c", item=m.PutItem(key="a", size=8 * KiB)))
+    core, clock = make(dram=8 * KiB)
+    core.handle(m.PutStart(client="c", item=m.PutItem(key="a", size=8 * KiB, timeout_s=1.0)))
     assert core.handle(m.PutRevoke(client="c", key="a")) == m.Ok()
+    assert core.stats().values["dram_used"] == 8 * KiB  # quarantined until the write fence
+    clock.advance_to(104.01)  # expiry 1 s + write grace 1 s + fence 2 s
+    core.tick()
     assert core.stats().values["dram_used"] == 0
     r = core.handle(m.BatchPutStart(client="c", items=[
         m.PutItem(key="", size=1), m.PutItem(key="x", size=0),
@@ -322,7 +326,8 @@ def test_failed_write_suspects_segment_until_its_node_heartbeats() -> None:
         .replicas == [m.Replica(segment="n0/dram", offset=4 * KiB)]
     core.handle(m.Heartbeat(client="n1"))  # n1 is alive after all: placement uses it again
     assert put(core, "k3", strategy="preferred", preferred=["n1/dram"]) == m.Ok()
-    assert core.objs["k3"].reps == ((core.seg_by_name["n1/dram"], 0),)
+    # offset 0 of n1 is still quarantined (the revoked "k" may yet be written there)
+    assert core.objs["k3"].reps == ((core.seg_by_name["n1/dram"], 4 * KiB),)
 
 
 def test_freeze_long_lived_moves_survivors_out_of_collections() -> None:

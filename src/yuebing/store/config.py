@@ -30,6 +30,12 @@ class MasterConfig:
         "help": "read lease granted by get_replicas; leased objects are never evicted"})
     put_timeout_s: float = field(default=30.0, metadata={
         "help": "a put not ended within this many seconds is a zombie and reclaimed"})
+    write_grace_s: float = field(default=1.0, metadata={
+        "help": "the nodes' transfer --write-grace-s (a target may still receive a write frame "
+                "this long past its expiry); must not be smaller than theirs"})
+    fence_s: float = field(default=2.0, metadata={
+        "help": "clock-skew allowance of the write fence: space of a revoked, timed-out or "
+                "orphaned put is reused only at its write expiry + write_grace_s + this"})
     high_watermark: float = field(default=0.95, metadata={
         "help": "DRAM usage ratio above which LRU eviction starts"})
     evict_ratio: float = field(default=0.05, metadata={
@@ -65,6 +71,9 @@ class MasterConfig:
         require(self.client_ttl_s > 0, f"--client-ttl-s must be > 0, got {self.client_ttl_s}")
         require(self.lease_ttl_s >= 0, f"--lease-ttl-s must be >= 0, got {self.lease_ttl_s}")
         require(self.put_timeout_s > 0, f"--put-timeout-s must be > 0, got {self.put_timeout_s}")
+        require(0 <= self.write_grace_s <= 60,
+                f"--write-grace-s must be in 0..60 seconds, got {self.write_grace_s}")
+        require(0 <= self.fence_s <= 600, f"--fence-s must be in 0..600 seconds, got {self.fence_s}")
         require(0.0 < self.high_watermark <= 1.0,
                 f"--high-watermark must be in (0, 1], got {self.high_watermark}")
         require(0.0 < self.evict_ratio < self.high_watermark,

@@ -53,6 +53,9 @@ class PutItem(Message, tag="store.put_item"):
     preferred: list[str] = []
     hard_pin: bool = False
     soft_pin_s: float = 0.0
+    timeout_s: float = 0.0
+    """The client's transfer timeout: the master's write expiry for the put is now + the shorter
+    of this and its ``put_timeout_s`` (0 = ``put_timeout_s``)."""
 
 
 # ---------------------------------------------------------------- client -> master
@@ -226,14 +229,23 @@ class Err(Message, tag="store.err"):
 
 @register_message
 class PutTargets(Message, tag="store.put_targets"):
+    """Where to write a put's bytes, and ``expires_in_s``: seconds from the master's reply until
+    the put's write expiry. The client must finish its writes by then (it converts this to its
+    own monotonic deadline, measured from before its request); targets refuse later writes and
+    the master keeps the space of an uncommitted put unused until well after it."""
+
     key: str
     replicas: list[Replica]
+    expires_in_s: float
 
 
 @register_message
 class BatchPutTargets(Message, tag="store.batch_put_targets"):
+    """`PutTargets` of many items; ``expires_in_s`` is the earliest expiry of those placed."""
+
     codes: list[int]
     replicas: list[list[Replica]]
+    expires_in_s: float
 
 
 @register_message

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -42,16 +43,18 @@ class AsyncStoreClient:
         keep_freed_memory(self.cfg.keep_freed)
         self._hb: asyncio.Task[None] | None = None
 
-    async def _transfer(self, reqs: list) -> BatchStatus:
-        """Same-host requests copied directly (`DirectSegments`), the rest through the engine."""
-        done = self.direct.copy(reqs)
-        rest = [r for r, d in zip(reqs, done, strict=True) if not d]
+    async def _transfer(self, reqs: list, deadline: float | None = None) -> BatchStatus:
+        """Same-host requests copied directly (`DirectSegments`), the rest through the engine;
+        a put's writes end by its write ``deadline`` (monotonic) at the latest."""
+        timeout = cm.transfer_timeout(self.cfg, deadline)
+        done = self.direct.copy(reqs, time.monotonic() + timeout)
+        rest = [r for r, d in zip(reqs, done, strict=True) if d is None]
         if not rest:
-            return self.direct.merged(reqs, done, None)
-        bid = self.engine.submit(rest, self.cfg.transfer_timeout_s)
+            return self.direct.merged(done, None)
+        bid = self.engine.submit(rest, cm.transfer_timeout(self.cfg, deadline))
         status = await self.engine.wait_async(bid)
         self.engine.free(bid)
-        return status if len(rest) == len(reqs) else self.direct.merged(reqs, done, status)
+        return status if len(rest) == len(reqs) else self.direct.merged(done, status)
 
     async def __aenter__(self) -> AsyncStoreClient:
         self._hb = asyncio.get_running_loop().create_task(self._heartbeat())
@@ -76,11 +79,13 @@ class AsyncStoreClient:
         mv = cm.view(value, writable=False)
         item = cm.put_item(self.cfg, key, mv, replicas, strategy, preferred, hard_pin, soft_pin_s)
         for attempt in range(self.cfg.put_retries + 1):
+            sent = time.monotonic()
             targets = await self.rpc.call(m.PutStart(client=self.client_id, item=item))
             assert isinstance(targets, m.PutTargets)
+            deadline = cm.write_deadline(sent, targets.expires_in_s)
             reqs = cm.writes(mv, targets.replicas)
             try:
-                st = await self._transfer(reqs)
+                st = await self._transfer(reqs, deadline)
                 failed, why = cm.failed_segments(reqs, st.requests), "; ".join(st.errors)
             except (TransferError, InputError) as e:
                 failed, why = cm.failed_segments(reqs, None), str(e)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -59,17 +60,18 @@ class StoreClient:
         finally:
             conn.close()
 
-    def _transfer(self, reqs: list) -> BatchStatus:
+    def _transfer(self, reqs: list, deadline: float | None = None) -> BatchStatus:
         """Copy what the same-host fast path can, send the rest through the engine; one status
-        per request either way."""
-        done = self.direct.copy(reqs)
-        rest = [r for r, d in zip(reqs, done, strict=True) if not d]
+        per request either way. A put's writes end by its write ``deadline`` (monotonic)."""
+        timeout = cm.transfer_timeout(self.cfg, deadline)
+        done = self.direct.copy(reqs, time.monotonic() + timeout)
+        rest = [r for r, d in zip(reqs, done, strict=True) if d is None]
         if not rest:
-            return self.direct.merged(reqs, done, None)
-        bid = self.engine.submit(rest, self.cfg.transfer_timeout_s, inline=True)
+            return self.direct.merged(done, None)
+        bid = self.engine.submit(rest, cm.transfer_timeout(self.cfg, deadline), inline=True)
         status = self.engine.wait(bid)
         self.engine.free(bid)
-        return status if len(rest) == len(reqs) else self.direct.merged(reqs, done, status)
+        return status if len(rest) == len(reqs) else self.direct.merged(done, status)
 
     # ------------------------------------------------------------------ put
     def put(self, key: str, value: object, *, replicas: int | None = None,
@@ -81,11 +83,13 @@ class StoreClient:
         mv = cm.view(value, writable=False)
         item = cm.put_item(self.cfg, key, mv, replicas, strategy, preferred, hard_pin, soft_pin_s)
         for attempt in range(self.cfg.put_retries + 1):
+            sent = time.monotonic()
             targets = self.rpc.call(m.PutStart(client=self.client_id, item=item))
             assert isinstance(targets, m.PutTargets)
+            deadline = cm.write_deadline(sent, targets.expires_in_s)
             reqs = cm.writes(mv, targets.replicas)
             try:
-                st = self._transfer(reqs)
+                st = self._transfer(reqs, deadline)
                 failed = cm.failed_segments(reqs, st.requests)
                 why = "; ".join(st.errors)
             except (TransferError, InputError) as e:
@@ -121,8 +125,10 @@ class StoreClient:
     def _batch_put_once(self, todo: list[int], items: list[m.PutItem], mvs: list[memoryview],
                         codes: list[int]) -> list[int]:
         """One attempt for the items ``todo``; fills ``codes``, returns those to retry."""
+        sent = time.monotonic()
         r = self.rpc.call(m.BatchPutStart(client=self.client_id, items=[items[i] for i in todo]))
         assert isinstance(r, m.BatchPutTargets)
+        deadline = cm.write_deadline(sent, r.expires_in_s)
         reqs, owner = [], []
         for i, code, reps in zip(todo, r.codes, r.replicas, strict=True):
             codes[i] = code
@@ -134,7 +140,7 @@ class StoreClient:
         bad: list[str] = []
         if reqs:
             try:
-                st = self._transfer(reqs)
+                st = self._transfer(reqs, deadline)
                 failed = {owner[j] for j, rs in enumerate(st.requests) if rs.status != TransferStatus.DONE}
                 bad = cm.failed_segments(reqs, st.requests)
             except (TransferError, InputError) as e:

@@ -3,12 +3,13 @@ checksums and per-key result handling. No I/O here."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import xxhash
 
-from yuebing.core.errors import InputError, StoreError
+from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.store import messages as m
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import OpCode, TransferRequest, TransferStatus
@@ -46,7 +47,26 @@ def put_item(cfg: ClientConfig, key: str, mv: memoryview, replicas: int | None,
         strat, pref = "preferred", [cfg.local_segment, *pref]
     return m.PutItem(key=key, size=mv.nbytes, checksum=checksum(mv) if cfg.checksum else -1,
                      replicas=replicas or cfg.replicas, strategy=strat, preferred=pref,
-                     hard_pin=hard_pin, soft_pin_s=soft_pin_s)
+                     hard_pin=hard_pin, soft_pin_s=soft_pin_s, timeout_s=cfg.transfer_timeout_s)
+
+
+def write_deadline(sent_at: float, expires_in_s: float) -> float:
+    """A put's write deadline on this process's monotonic clock: the master's expiry (seconds
+    from its reply) counted from ``sent_at``, when the request left (before the master's now:
+    conservative whatever the network delay)."""
+    return sent_at + expires_in_s
+
+
+def transfer_timeout(cfg: ClientConfig, deadline: float | None) -> float:
+    """Seconds a transfer batch may take: ``transfer_timeout_s``, cut to a put's write
+    ``deadline``; `TransferError` if that passed already (the put must be revoked)."""
+    timeout = cfg.transfer_timeout_s
+    if deadline is not None:
+        timeout = min(timeout, deadline - time.monotonic())
+        if timeout <= 0:
+            raise TransferError(f"the put's write expiry passed {-timeout:.3f}s before its "
+                                "transfer could start")
+    return timeout
 
 
 def writes(mv: memoryview, replicas: list[m.Replica]) -> list[TransferRequest]:

@@ -10,7 +10,9 @@ batch of copies the client tries a shared, non-blocking lock: if it gets one, no
 file (the node died), so the map is dropped and the requests go through the engine, which
 fails them and lets the put be revoked and placed elsewhere. Copies use ``numpy.copyto``
 (releases the GIL) above `SMALL_COPY` bytes, memoryview assignment below; a batch of at least
-`PARALLEL_MIN` bytes is split over a few copy threads.
+`PARALLEL_MIN` bytes is split over a few copy threads. Writes are fenced like the engine's: none
+starts after the put's deadline and large ones are copied in pieces with it checked between
+them (`copy_until`); a write cut short ends TIMEOUT and the put is revoked.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ import logging
 import mmap
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from yuebing.core.errors import TransferError
 from yuebing.transfer import BatchStatus, OpCode, TransferEngine, TransferRequest, TransferStatus
+from yuebing.transfer.transport.shm import copy_until, expired_write
 from yuebing.transfer.types import BatchId, RequestStatus
 
 log = logging.getLogger(__name__)
@@ -108,15 +112,17 @@ class DirectSegments:
         if mapped is not None:
             mapped.close()
 
-    def copy(self, reqs: list[TransferRequest]) -> list[bool]:
-        """Copy every request whose segment is mapped here and whose node is alive; returns
-        which ones were done (the rest are for the transfer engine). Requests were built by
-        the store client: contiguous memoryviews, ``length`` set."""
-        done = [False] * len(reqs)
+    def copy(self, reqs: list[TransferRequest], deadline: float) -> list[RequestStatus | None]:
+        """Copy every request whose segment is mapped here and whose node is alive, writes
+        only until ``deadline`` (``time.monotonic()``); returns each one's status (DONE, or
+        TIMEOUT for a write the deadline cut), None for those left to the transfer engine.
+        Requests were built by the store client: contiguous memoryviews, ``length`` set."""
+        done: list[RequestStatus | None] = [None] * len(reqs)
         if not self.enabled:
             return done
         live: dict[str, _Mapped | None] = {}
         jobs: list[tuple[OpCode, memoryview, _Mapped, int, int]] = []
+        index: list[int] = []
         for i, r in enumerate(reqs):
             seg = str(r.segment)
             if seg not in live:
@@ -131,36 +137,43 @@ class DirectSegments:
             if mapped is None or n is None or r.offset + n > mapped.size:
                 continue  # the engine reports the range error
             jobs.append((r.op, r.local, mapped, r.offset, n))  # type: ignore[arg-type]
-            done[i] = True
-        self._run(jobs)
+            index.append(i)
+        for i, job, copied in zip(index, jobs, self._run(jobs, deadline), strict=True):
+            n = job[4]
+            done[i] = RequestStatus(TransferStatus.DONE, n, n) if copied == n else RequestStatus(
+                TransferStatus.TIMEOUT, copied, n, expired_write(copied, n))
         return done
 
-    def _run(self, jobs: list[tuple[OpCode, memoryview, _Mapped, int, int]]) -> None:
+    def _run(self, jobs: list[tuple[OpCode, memoryview, _Mapped, int, int]],
+             deadline: float) -> list[int]:
         """Copy in this thread, or, for a batch of at least `PARALLEL_MIN` bytes, split over
-        `workers` threads (``numpy.copyto`` releases the GIL: copies overlap)."""
+        `workers` threads (``numpy.copyto`` releases the GIL: copies overlap); returns the
+        bytes each job copied."""
         if len(jobs) < 2 or self.workers < 2 or sum(j[4] for j in jobs) < PARALLEL_MIN:
-            for job in jobs:
-                _copy(*job)
-            return
+            return _copy_all(jobs, deadline)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="store-direct")
-        groups = [jobs[k::self.workers] for k in range(self.workers)]
-        futs = [self._pool.submit(_copy_all, g) for g in groups[1:] if g]
-        _copy_all(groups[0])
-        for f in futs:
-            f.result()
+        k = self.workers
+        groups = [jobs[g::k] for g in range(k)]
+        futs = [self._pool.submit(_copy_all, g, deadline) for g in groups[1:]]
+        copied = [0] * len(jobs)
+        copied[0::k] = _copy_all(groups[0], deadline)
+        for g, f in enumerate(futs, start=1):
+            copied[g::k] = f.result()
+        return copied
 
     @staticmethod
-    def merged(reqs: list[TransferRequest], done: list[bool],
-               status: BatchStatus | None) -> BatchStatus:
-        """One status per request: DONE where copied directly, the engine's (``status`` of the
-        requests not done, in order) elsewhere."""
-        ok = [RequestStatus(TransferStatus.DONE, r.length or 0, r.length or 0) for r in reqs]
-        if status is None:
-            return BatchStatus(BatchId(0), TransferStatus.DONE, tuple(ok))
-        it = iter(status.requests)
-        return BatchStatus(status.batch_id, status.status,
-                           tuple(o if d else next(it) for o, d in zip(ok, done, strict=True)))
+    def merged(results: list[RequestStatus | None], status: BatchStatus | None) -> BatchStatus:
+        """One status per request: ``results`` where copied directly, the engine's (``status``
+        of the other requests, in order) elsewhere; the batch's is the worst of them."""
+        it = iter(status.requests if status is not None else ())
+        out = tuple(r if r is not None else next(it) for r in results)
+        codes = {r.status for r in out}
+        worst = next((c for c in (TransferStatus.TIMEOUT, TransferStatus.FAILED) if c in codes),
+                     TransferStatus.DONE)
+        if status is not None and status.status < TransferStatus.DONE:
+            worst = status.status
+        return BatchStatus(status.batch_id if status is not None else BatchId(0), worst, out)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -172,20 +185,24 @@ class DirectSegments:
                 mapped.close()
 
 
-def _copy_all(jobs: list[tuple[OpCode, memoryview, _Mapped, int, int]]) -> None:
-    for job in jobs:
-        _copy(*job)
+def _copy_all(jobs: list[tuple[OpCode, memoryview, _Mapped, int, int]],
+              deadline: float) -> list[int]:
+    return [_copy(*job, deadline) for job in jobs]
 
 
-def _copy(op: OpCode, local: memoryview, mapped: _Mapped, off: int, n: int) -> None:
+def _copy(op: OpCode, local: memoryview, mapped: _Mapped, off: int, n: int,
+          deadline: float) -> int:
+    """Copy one request; returns the bytes copied (a write stops at ``deadline``)."""
+    if op == OpCode.WRITE and time.monotonic() >= deadline:
+        return 0
     if n <= SMALL_COPY:
         if op == OpCode.WRITE:
             mapped.mv[off:off + n] = local[:n]
         else:
             local[:n] = mapped.mv[off:off + n]
-        return
+        return n
     mine = np.frombuffer(local, dtype=np.uint8, count=n)
     if op == OpCode.WRITE:
-        np.copyto(mapped.arr[off:off + n], mine)
-    else:
-        np.copyto(mine, mapped.arr[off:off + n])
+        return copy_until(mapped.arr[off:off + n], mine, deadline)
+    np.copyto(mine, mapped.arr[off:off + n])
+    return n

@@ -25,7 +25,7 @@ from yuebing.core.clock import Clock, WallClock
 from yuebing.protocol import Message
 from yuebing.store import messages as m
 from yuebing.store.config import MasterConfig
-from yuebing.store.master import eviction, migration, segments
+from yuebing.store.master import eviction, fence, migration, segments
 from yuebing.store.master.placement import PLACEMENTS, PlacementRequest
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState, Session, Task
 
@@ -51,6 +51,9 @@ class MasterCore:
         self.rng = random.Random(cfg.seed)
         self.objs: dict[str, Obj] = {}
         self.pending: dict[str, float] = {}
+        self.expiry: dict[str, float] = {}
+        """Write expiry of each pending put (`fence`)."""
+        self.quarantine = fence.Quarantine()
         self.segs: dict[int, Seg] = {}
         self.seg_by_name: dict[str, int] = {}
         self.sessions: dict[str, Session] = {}
@@ -66,7 +69,7 @@ class MasterCore:
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts", "gets", "removes", "evictions", "offloads", "promotions", "zombies",
              "dead_sessions", "no_space", "suspects", "migrations_started", "migrations_done",
-             "migrations_failed", "migrations_given_up"), 0)
+             "migrations_failed", "migrations_given_up", "quarantined"), 0)
         self.handlers: dict[type, Callable[..., Message | None]] = {
             m.PutStart: self.put_start, m.PutEnd: self.put_end, m.PutRevoke: self.put_revoke,
             m.BatchPutStart: self.batch_put_start, m.BatchPutEnd: self.batch_put_end,
@@ -113,7 +116,8 @@ class MasterCore:
         code, reps = self._put_one(msg.client, msg.item)
         if code != C.OK:
             return err(code, reps)  # type: ignore[arg-type]
-        return m.PutTargets(key=msg.item.key, replicas=reps)  # type: ignore[arg-type]
+        return m.PutTargets(key=msg.item.key, replicas=reps,  # type: ignore[arg-type]
+                            expires_in_s=fence.expires_in(self, [msg.item.key]))
 
     def batch_put_start(self, msg: m.BatchPutStart) -> Message:
         codes: list[int] = []
@@ -122,7 +126,9 @@ class MasterCore:
             code, reps = self._put_one(msg.client, item)
             codes.append(int(code))
             out.append(reps if code == C.OK else [])  # type: ignore[arg-type]
-        return m.BatchPutTargets(codes=codes, replicas=out)
+        placed = [it.key for it, c in zip(msg.items, codes, strict=True) if c == C.OK]
+        return m.BatchPutTargets(codes=codes, replicas=out,
+                                 expires_in_s=fence.expires_in(self, placed))
 
     def _check_item(self, it: m.PutItem) -> str:
         if not it.key or len(it.key) > MAX_KEY:
@@ -135,6 +141,8 @@ class MasterCore:
             return f"unknown placement {it.strategy!r}; known: {', '.join(PLACEMENTS.names())}"
         if it.soft_pin_s < 0:
             return f"soft_pin_s must be >= 0, got {it.soft_pin_s}"
+        if not 0 <= it.timeout_s < float("inf"):
+            return f"timeout_s must be >= 0 seconds (0 = the master's), got {it.timeout_s}"
         return ""
 
     def _put_one(self, client: str, it: m.PutItem) -> tuple[C, list[m.Replica] | str]:
@@ -164,6 +172,7 @@ class MasterCore:
                 self._sizes[size] = size
         self.objs[it.key] = Obj(size, it.checksum, tuple(placed), client, it.hard_pin, soft)
         self.pending[it.key] = deadline
+        self.expiry[it.key] = fence.write_expiry(self, now, it.timeout_s)
         self._log(["put", it.key, it.size, it.checksum, placed, client, it.hard_pin, it.soft_pin_s])
         segs = self.segs
         return C.OK, [m.Replica(segment=segs[s].name, offset=o) for s, o in placed]
@@ -214,6 +223,7 @@ class MasterCore:
         o.state = COMMITTED
         o.owner = None
         del self.pending[key]
+        self.expiry.pop(key, None)
         self._log(["commit", key])
         self.events.append((m.EventKind.STORED, key, [self.segs[s].name for s, _ in o.reps]))
         self.counters["puts"] += 1
@@ -351,16 +361,10 @@ class MasterCore:
         return m.Codes(codes=codes)
 
     def _drop(self, key: str, o: Obj, event: bool = True) -> None:
-        """Forget an object and free every range it holds."""
+        """Forget an object and free every range it holds (a pending put's after its fence)."""
         del self.objs[key]
         self.pending.pop(key, None)
-        holders = []
-        for sid, off in o.reps:
-            s = self.segs.get(sid)
-            if s is not None:
-                holders.append(s.name)
-                if s.alloc is not None:
-                    s.alloc.free_range(off, o.size)
+        holders = fence.release(self, key, o)
         self._log(["del", key])
         if event and o.state == COMMITTED:
             self.events.append((m.EventKind.REMOVED, key, holders))
@@ -389,6 +393,7 @@ class MasterCore:
 
     def tick(self) -> None:
         """Housekeeping, called every ``tick_s`` by the adapter."""
+        self.quarantine.release_due(self.clock.now(), self.segs)
         segments.expire_sessions(self)
         segments.reclaim_zombies(self)
         eviction.watermark(self)
@@ -396,4 +401,6 @@ class MasterCore:
         migration.pump(self)
 
     def stats(self, msg: m.GetStats | None = None) -> m.Stats:
-        return m.Stats(values=segments.usage(self))
+        values = segments.usage(self)
+        values["quarantined_bytes"] = float(self.quarantine.bytes(self.segs))
+        return m.Stats(values=values)

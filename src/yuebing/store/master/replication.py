@@ -34,13 +34,14 @@ def _apply_put(core: MasterCore, e: list[Any]) -> None:
     now = core.clock.now()
     core.objs[key] = Obj(size, checksum, tuple(tuple(r) for r in reps), owner, pin,
                          now + soft_s if soft_s else 0.0)
-    core.pending[key] = now + core.cfg.put_timeout_s
+    core.pending[key] = core.expiry[key] = now + core.cfg.put_timeout_s  # conservative
 
 
 def _apply_commit(core: MasterCore, e: list[Any]) -> None:
     o = core.objs[e[1]]
     o.state, o.owner = ObjState.COMMITTED, None
     core.pending.pop(e[1], None)
+    core.expiry.pop(e[1], None)
 
 
 def _apply_del(core: MasterCore, e: list[Any]) -> None:
@@ -82,6 +83,7 @@ def apply_entries(core: MasterCore, entries: list[list[Any]]) -> None:
     for e in entries:
         _APPLY[e[0]](core, e)
     core.events.clear()
+    core.quarantine.release_due(core.clock.now(), core.segs)  # no allocators here: forgets them
 
 
 def snapshot(core: MasterCore) -> bytes:
@@ -91,7 +93,8 @@ def snapshot(core: MasterCore) -> bytes:
             for s in core.segs.values()]
     objs = [[k, o.size, o.checksum, o.reps, int(o.state), o.owner, o.pin,
              max(0.0, o.soft - now) if o.soft else 0.0] for k, o in core.objs.items()]
-    return msgspec.msgpack.encode({"segs": segs, "objs": objs, "next_seg": core.next_seg})
+    return msgspec.msgpack.encode({"segs": segs, "objs": objs, "next_seg": core.next_seg,
+                                   "quarantine": core.quarantine.dump(now)})
 
 
 def load_snapshot(core: MasterCore, blob: bytes) -> None:
@@ -99,6 +102,7 @@ def load_snapshot(core: MasterCore, blob: bytes) -> None:
     state = msgspec.msgpack.decode(blob)
     core.objs.clear()
     core.pending.clear()
+    core.expiry.clear()
     core.segs.clear()
     core.seg_by_name.clear()
     core.sessions.clear()
@@ -110,22 +114,27 @@ def load_snapshot(core: MasterCore, blob: bytes) -> None:
         if st == ObjState.COMMITTED:
             _apply_commit(core, ["commit", key])
     core.next_seg = max(core.next_seg, state["next_seg"])
+    core.quarantine.load(core.clock.now(), state.get("quarantine", []))
 
 
 def take_over(core: MasterCore) -> None:
-    """Make a standby core authoritative: allocators from replicas, fresh session deadlines."""
+    """Make a standby core authoritative: allocators from replicas and quarantined ranges
+    (`fence`: kept out of use until due), fresh session deadlines; pending puts get a fresh
+    ``put_timeout_s`` and a write expiry as late (no absolute times cross hosts)."""
     used: dict[int, list[tuple[int, int]]] = {sid: [] for sid in core.segs}
     for o in core.objs.values():
         o.moving = 0
         for sid, off in o.reps:
             used[sid].append((off, o.size))
+    align = core.cfg.alignment
     for sid, s in core.segs.items():
-        s.alloc = OffsetAllocator.rebuild(s.size, core.cfg.alignment, used[sid])
+        held = core.quarantine.settle(sid, used[sid], align)
+        s.alloc = OffsetAllocator.rebuild(s.size, align, used[sid] + held)
     now = core.clock.now()
     for sess in core.sessions.values():
         sess.deadline = now + core.cfg.client_ttl_s
     for key in core.pending:
-        core.pending[key] = now + core.cfg.put_timeout_s
+        core.pending[key] = core.expiry[key] = now + core.cfg.put_timeout_s
     core.tasks.clear()
     core.log = []
     log.warning("took over as leader: %d objects, %d segments", len(core.objs), len(core.segs))

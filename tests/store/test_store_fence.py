@@ -1,0 +1,123 @@
+"""The master's write fence (virtual clock): space of a put that ended uncommitted is handed to
+no other put until its write expiry + write grace + fence, then it is; committed values are
+freed at once; quarantines survive snapshots and a standby's take-over."""
+
+from __future__ import annotations
+
+import pytest
+
+from yuebing.core.clock import VirtualClock
+from yuebing.store import messages as m
+from yuebing.store.config import MasterConfig
+from yuebing.store.master import replication
+from yuebing.store.master.core import MasterCore
+
+C = m.Code
+KiB = 1024
+SEG = 8 * KiB
+
+
+def make(clock: VirtualClock, **cfg: float) -> MasterCore:
+    core = MasterCore(MasterConfig(alignment=1024, put_timeout_s=10.0, **cfg), clock)  # type: ignore[arg-type]
+    assert core.handle(m.Mount(client="n0", segment="n0/dram", size=SEG)) == m.Ok()
+    return core
+
+
+def start(core: MasterCore, key: str, client: str = "c", timeout_s: float = 0.0) -> m.Message:
+    return core.handle(m.PutStart(client=client, item=m.PutItem(key=key, size=SEG,
+                                                                  timeout_s=timeout_s)))
+
+
+def test_expiry_is_the_shorter_of_put_timeout_and_the_clients_and_bad_ones_are_refused() -> None:
+    core = make(VirtualClock(100.0))
+    assert start(core, "a", timeout_s=3.0).expires_in_s == 3.0
+    core.handle(m.PutRevoke(client="c", key="a"))
+    r = core.handle(m.BatchPutStart(client="c", items=[
+        m.PutItem(key="b", size=KiB, timeout_s=50.0), m.PutItem(key="x", size=1, timeout_s=-1)]))
+    assert r.codes[1] == C.BAD_REQUEST and "timeout_s" in core.handle(m.PutStart(
+        client="c", item=m.PutItem(key="y", size=1, timeout_s=float("nan")))).message
+    assert r.codes[0] == C.NO_SPACE  # "a"'s 8 KiB are quarantined: the segment is full
+    assert core.stats().values["quarantined_bytes"] == SEG
+
+
+@pytest.mark.parametrize("end", ["revoke", "zombie", "session"])
+def test_uncommitted_space_is_reused_only_after_the_fence(end: str) -> None:
+    clock = VirtualClock(100.0)
+    core = make(clock, write_grace_s=1.0, fence_s=2.0, client_ttl_s=4.0)
+    t = start(core, "a", timeout_s=5.0 if end == "revoke" else 0.0)
+    assert t.replicas == [m.Replica(segment="n0/dram", offset=0)]
+    if end == "revoke":
+        assert t.expires_in_s == 5.0
+        assert core.handle(m.PutRevoke(client="c", key="a")) == m.Ok()
+        fence_at = 100.0 + 5.0 + 1.0 + 2.0
+    else:  # never ended: a zombie after put_timeout_s, or its client's session expires
+        assert t.expires_in_s == 10.0
+        fence_at = 100.0 + 10.0 + 1.0 + 2.0
+        for now in (103.0, 106.0, 109.0, 110.5):
+            clock.advance_to(now)
+            core.handle(m.Heartbeat(client="n0"))
+            if end == "zombie":
+                core.handle(m.Heartbeat(client="c"))
+            core.tick()
+        assert core.counters["zombies" if end == "zombie" else "dead_sessions"] == 1
+    assert "a" not in core.objs and core.counters["quarantined"] == 1
+    clock.advance_to(fence_at - 0.01)
+    core.handle(m.Heartbeat(client="n0"))
+    core.tick()
+    assert start(core, "b", client="d").code == C.NO_SPACE  # the range is still fenced
+    assert core.stats().values["dram_used"] == SEG
+    assert core.stats().values["quarantined_bytes"] == SEG
+    clock.advance_to(fence_at + 0.01)
+    core.tick()
+    assert core.stats().values["quarantined_bytes"] == 0
+    assert start(core, "b", client="d").replicas == [m.Replica(segment="n0/dram", offset=0)]
+
+
+def test_committed_values_are_freed_at_once() -> None:
+    core = make(VirtualClock(100.0))
+    start(core, "a")
+    core.handle(m.PutEnd(client="c", key="a"))
+    assert core.handle(m.Remove(key="a")) == m.Ok()
+    assert core.stats().values["dram_used"] == 0 and core.counters["quarantined"] == 0
+
+
+def test_quarantine_survives_snapshot_and_take_over() -> None:
+    clock = VirtualClock(100.0)
+    leader = make(clock)
+    leader.log = []
+    start(leader, "a", timeout_s=5.0)
+    blob = replication.snapshot(leader)
+    standby = MasterCore(leader.cfg, VirtualClock(500.0))  # another host's clock
+    replication.load_snapshot(standby, blob)
+    leader.log = []
+    leader.handle(m.PutRevoke(client="c", key="a"))  # quarantined on the leader ...
+    replication.apply_entries(standby, leader.log)  # ... and, conservatively, on the standby
+    assert standby.quarantine.ranges(1) == [(0, SEG)]
+    snap_standby = MasterCore(leader.cfg, VirtualClock(900.0))
+    replication.load_snapshot(snap_standby, replication.snapshot(leader))
+    for core, clk in ((standby, standby.clock), (snap_standby, snap_standby.clock)):
+        replication.take_over(core)
+        assert start(core, "b", client="d").code == C.NO_SPACE
+        for _ in range(4):  # the standby's fence: its own now + put_timeout_s + 3 s at most
+            clk.advance_to(clk.now() + 4.0)  # type: ignore[attr-defined]
+            core.handle(m.Heartbeat(client="n0"))
+            core.tick()
+        assert start(core, "b", client="d").replicas[0].offset == 0
+
+
+def test_take_over_drops_a_quarantined_range_the_leader_already_reused() -> None:
+    clock = VirtualClock(100.0)
+    leader = make(clock, write_grace_s=0.0, fence_s=0.0)
+    leader.log = []
+    standby = MasterCore(leader.cfg, VirtualClock(100.0))
+    replication.load_snapshot(standby, replication.snapshot(leader))
+    start(leader, "a", timeout_s=1.0)
+    leader.handle(m.PutRevoke(client="c", key="a"))
+    clock.advance_to(101.5)
+    leader.tick()  # the leader's fence is over: it hands the range to "b"
+    assert start(leader, "b", client="d").replicas[0].offset == 0
+    replication.apply_entries(standby, leader.log)  # the standby's fence is not over yet
+    replication.take_over(standby)  # no overlap error; "b" holds the range
+    assert standby.segs[1].alloc.used == SEG and len(standby.quarantine) == 0
+    standby.tick()
+    assert standby.segs[1].alloc.used == SEG
