@@ -6,12 +6,20 @@ frames per call when slices are small, `send_parts`), and reads land with ``recv
 in registered memory. `FrameReader` reads headers with one ``recv`` of up to `PEEK` bytes, so a
 run of small frames (acks, small slices) costs one system call instead of two per frame; the
 few payload bytes that arrive in that read are copied out of its buffer.
+
+A payload follows its header on the wire at once, so a reader built with ``spin_s`` receives it
+with non-blocking ``readv`` calls in a loop (`spin_scatter`) while bytes keep arriving, instead
+of sleeping in the kernel between segments: on loopback the sender pays for every wake-up of a
+sleeping receiver, and a 1 MiB write finishes ~35 % sooner (benchmarks/store_latency_ab.py).
+It falls back to the blocking receive after ``spin_s`` without progress.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import time
 
 from yuebing.protocol import Message, decode, encode
 
@@ -21,6 +29,8 @@ _DRAIN_CHUNK = 1 << 20
 PEEK = 16 << 10
 IOV_MAX = 512
 """Most buffers handed to one ``sendmsg`` / ``recvmsg_into`` (Linux allows 1024)."""
+SPIN_CAP_S = 0.05
+"""Longest one `spin_scatter` call polls before handing over to the blocking receive."""
 
 
 class IdleTimeout(TimeoutError):
@@ -92,6 +102,47 @@ def recv_scatter(sock: socket.socket, views: list[memoryview]) -> None:
             i, n = 0, len(views)
 
 
+def _advance(views: list[memoryview], k: int) -> list[memoryview]:
+    """``views`` less their first ``k`` bytes."""
+    i = 0
+    while i < len(views) and k >= views[i].nbytes:
+        k -= views[i].nbytes
+        i += 1
+    if k:
+        return [views[i][k:], *views[i + 1:]]
+    return views[i:]
+
+
+def spin_scatter(sock: socket.socket, views: list[memoryview], spin_s: float) -> list[memoryview]:
+    """Fill ``views`` with non-blocking ``readv`` calls while bytes keep arriving; returns what
+    is still unfilled once ``spin_s`` passes without progress, or `SPIN_CAP_S` in all, or the
+    socket's ``end`` (monotonic deadline: `DeadlineSocket`, the server's fenced payloads) has
+    passed — the caller finishes with its blocking receive, which enforces that deadline.
+    Needs a socket in timeout mode (its descriptor is non-blocking); `PeerClosed` on EOF."""
+    fd = sock.fileno()
+    if os.get_blocking(fd):  # no timeout mode: readv would block past any io timeout
+        return views
+    now = time.monotonic()
+    stop = min(now + SPIN_CAP_S, getattr(sock, "end", 0.0) or now + SPIN_CAP_S)
+    idle_until = now + spin_s
+    while views:
+        try:
+            k = os.readv(fd, views[:IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            now = time.monotonic()
+            if now > idle_until or now > stop:
+                return views
+            continue
+        if k == 0:
+            raise PeerClosed("peer closed the connection")
+        views = _advance(views, k)
+        now = time.monotonic()
+        if now > stop:  # a trickling peer must not hold us past the caller's deadline
+            return views
+        idle_until = now + spin_s
+    return views
+
+
 def recv_frame(sock: socket.socket, idle_ok: bool = False) -> Message:
     """Read one frame header (its payload, if any, is left on the socket for the caller)."""
     lenbuf = bytearray(4)
@@ -134,8 +185,10 @@ def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
 class FrameReader:
     """Buffered frame reader over one socket (used by one thread)."""
 
-    def __init__(self, sock: socket.socket, size: int = 4 * PEEK) -> None:
+    def __init__(self, sock: socket.socket, size: int = 4 * PEEK, spin_s: float = 0.0) -> None:
         self.sock = sock
+        self.spin_s = spin_s
+        """Payloads are received spinning (`spin_scatter`) for up to this long without progress."""
         self._buf = bytearray(size)
         self._mv = memoryview(self._buf)
         self._start = 0
@@ -213,8 +266,11 @@ class FrameReader:
                 i, n = 0, len(views)
             else:
                 i += 1
-        if i < n:
-            recv_scatter(self.sock, views[i:])
+        views = views[i:]
+        if views and self.spin_s:
+            views = spin_scatter(self.sock, views, self.spin_s)
+        if views:
+            recv_scatter(self.sock, views)
 
     def skip(self, nbytes: int) -> None:
         """Discard the next ``nbytes`` payload bytes."""

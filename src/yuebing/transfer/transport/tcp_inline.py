@@ -82,6 +82,9 @@ class DeadlineSocket:
             raise TimeoutError("inline exchange ran past its deadline")
         self.sock.settimeout(left)
 
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
     def recv_into(self, *args: Any) -> int:
         self._arm()
         return self.sock.recv_into(*args)
@@ -109,7 +112,7 @@ class InlineConn:
         self.io_timeout_s = io_timeout_s
         self.spin_s = spin_s
         self._timed = DeadlineSocket(sock)
-        self.reader = FrameReader(self._timed)  # type: ignore[arg-type]
+        self.reader = FrameReader(self._timed, spin_s=spin_s)  # type: ignore[arg-type]
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self._spinner = Spinner()

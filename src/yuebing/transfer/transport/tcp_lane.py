@@ -134,7 +134,7 @@ class Lane:
         return ops[:n], ops[n:]
 
     def _recv_loop(self) -> None:
-        reader = FrameReader(self.sock)
+        reader = FrameReader(self.sock, spin_s=self.endpoint.ctx.config.spin_us * 1e-6)
         while True:
             try:
                 msg = reader.read(idle_ok=True)

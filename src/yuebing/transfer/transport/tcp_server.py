@@ -100,7 +100,7 @@ class TcpServer:
                              name=f"tx-serve-{peer[1]}").start()
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
-        reader = FrameReader(conn)
+        reader = FrameReader(conn, spin_s=self._config.spin_us * 1e-6)
         readable = select.poll()
         readable.register(conn, select.POLLIN)
         out: list[memoryview] = []
