@@ -95,3 +95,25 @@ def test_sync_replication_holds_replies_until_acked_and_drops_silent_standby() -
     assert hub.releasable() == []
     leader.clock.advance_to(11.5)  # no ack for > repl_timeout_s: dropped, replies released
     assert hub.releasable() == [(1, 2, b"r2")] and hub.standbys == {}
+
+
+def test_take_over_leases_every_value_for_a_lease_ttl() -> None:
+    """Leases are not replicated: a reader the old leader served may still be copying, so the
+    new leader must neither evict nor (unforced) remove anything until such a lease is over."""
+    leader, standby, hub = leader_and_standby()
+    replication.load_snapshot(standby, hub.subscribe("sb", 1).state)
+    leader.handle(m.Mount(client="n0", segment="s0", size=4 * KiB))
+    for i in range(4):
+        leader.handle(m.PutStart(client="c", item=m.PutItem(key=f"k{i}", size=KiB)))
+        leader.handle(m.PutEnd(client="c", key=f"k{i}"))
+    leader.handle(m.GetReplicas(key="k0"))  # a lease the standby never hears of
+    ship(hub, standby)
+    replication.take_over(standby)
+    ttl = standby.cfg.lease_ttl_s
+    r = standby.handle(m.PutStart(client="c", item=m.PutItem(key="new", size=KiB)))
+    assert isinstance(r, m.Err) and r.code == m.Code.NO_SPACE  # full, and nothing evictable
+    assert standby.handle(m.Remove(key="k0")).code == m.Code.LEASED  # type: ignore[union-attr]
+    standby.clock.advance_to(standby.clock.now() + ttl + 0.1)  # type: ignore[attr-defined]
+    r = standby.handle(m.PutStart(client="c", item=m.PutItem(key="new", size=KiB)))
+    assert isinstance(r, m.PutTargets)  # an old value was evicted for it
+    assert "new" in standby.objs and len(standby.objs) == 4

@@ -3,7 +3,7 @@ new leader starts empty).
 
 The leader's core appends an entry to ``core.log`` for every change of durable metadata
 (segments, puts, commits, deletions, replica moves, pins); leases and recency are not
-replicated. `ReplicationHub` (leader side) answers a `ReplSubscribe` with a `ReplSnapshot`, then
+replicated (a new leader leases every value for ``lease_ttl_s``, see `take_over`). `ReplicationHub` (leader side) answers a `ReplSubscribe` with a `ReplSnapshot`, then
 streams `ReplEntries`; each standby answers `ReplAck`. With ``sync_replication`` the service holds
 the reply of every mutating call until all standbys acknowledged its entries, so a value whose
 ``put_end`` returned OK is on every standby. A standby silent for ``repl_timeout_s`` is dropped
@@ -120,10 +120,15 @@ def load_snapshot(core: MasterCore, blob: bytes) -> None:
 def take_over(core: MasterCore) -> None:
     """Make a standby core authoritative: allocators from replicas and quarantined ranges
     (`fence`: kept out of use until due), fresh session deadlines; pending puts get a fresh
-    ``put_timeout_s`` and a write expiry as late (no absolute times cross hosts)."""
+    ``put_timeout_s`` and a write expiry as late (no absolute times cross hosts). Read leases
+    are not replicated, so every value is treated as leased for ``lease_ttl_s``: a reader the
+    old leader granted a lease is still copying, and nothing may evict or (unforced) remove
+    the value under it; eviction resumes once those leases would have ended."""
     used: dict[int, list[tuple[int, int]]] = {sid: [] for sid in core.segs}
+    lease = core.clock.now() + core.cfg.lease_ttl_s
     for o in core.objs.values():
         o.moving = 0
+        o.lease = max(o.lease, lease)
         for sid, off in o.reps:
             used[sid].append((off, o.size))
     align = core.cfg.alignment
