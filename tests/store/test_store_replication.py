@@ -117,3 +117,35 @@ def test_take_over_leases_every_value_for_a_lease_ttl() -> None:
     r = standby.handle(m.PutStart(client="c", item=m.PutItem(key="new", size=KiB)))
     assert isinstance(r, m.PutTargets)  # an old value was evicted for it
     assert "new" in standby.objs and len(standby.objs) == 4
+
+
+def test_reservations_and_their_commits_replicate_and_survive_take_over() -> None:
+    """A reservation (snapshot) and a PutCommit's rename + commit (entries) reach the standby;
+    after take-over the client's reservation from the old leader commits on the new one."""
+    leader, standby, hub = leader_and_standby()
+    leader.handle(m.Mount(client="n0", segment="s0", size=64 * KiB))
+    t = leader.handle(m.PutStart(client="c", item=m.PutItem(key="a", size=KiB), reserve_next=True))
+    assert isinstance(t, m.PutTargets) and t.reservation is not None
+    leader.handle(m.PutEnd(client="c", key="a"))
+    hub.publish()
+    replication.load_snapshot(standby, hub.subscribe("sb", 1).state)
+    assert durable(standby) == durable(leader)
+    assert standby.reservations.by_key == leader.reservations.by_key != {}
+    done = leader.handle(m.PutCommit(client="c", reservation=t.reservation.key, item=m.PutItem(
+        key="b", size=KiB, checksum=9, hard_pin=True), reserve_next=True))
+    assert isinstance(done, m.PutCommitted) and done.reservation is not None
+    ship(hub, standby)
+    assert durable(standby) == durable(leader)
+    assert standby.reservations.by_key == leader.reservations.by_key
+    assert t.reservation.key not in standby.objs and standby.objs["b"].state == ObjState.COMMITTED
+    assert list(standby.objs) == list(leader.objs)  # same recency order
+    replication.take_over(standby)
+    r = standby.handle(m.PutCommit(client="c", reservation=done.reservation.key,
+                                   item=m.PutItem(key="c", size=KiB), reserve_next=True))
+    assert isinstance(r, m.PutCommitted) and r.reservation is not None
+    offsets = [o.reps[0][1] for o in standby.objs.values()]
+    assert sorted(offsets) == [0, KiB, 2 * KiB, 3 * KiB]  # a, b, c, the next: no overlap
+    assert standby.log[:2] == [["rename", done.reservation.key, "c", -1, False, 0.0],
+                               ["commit", "c"]]
+    assert [e[0] for e in standby.log[2:]] == ["put", "resv"]
+    assert standby.handle(m.Exists(key="c")) == m.Bools(values=[True])

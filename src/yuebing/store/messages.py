@@ -34,6 +34,11 @@ class Tier(IntEnum):
     SSD = 1
 
 
+RESERVED_PREFIX = "\x00resv/"
+"""Keys of reservations (space allocated ahead for a client's next put, `Reservation`) start
+with this; the store refuses user keys that do."""
+
+
 # ---------------------------------------------------------------- shared pieces
 
 class Replica(Message, tag="store.replica"):
@@ -62,10 +67,27 @@ class PutItem(Message, tag="store.put_item"):
 
 @register_message
 class PutStart(Message, tag="store.put_start"):
-    """Allocate space for a new value; reply `PutTargets`. The value is invisible until PutEnd."""
+    """Allocate space for a new value; reply `PutTargets`. The value is invisible until PutEnd.
+    With ``reserve_next`` the master also allocates a `Reservation` for the client's next put of
+    the same shape (size, replicas, strategy, preferred), returned in `PutTargets.reservation`."""
 
     client: str
     item: PutItem
+    reserve_next: bool = False
+
+
+@register_message
+class PutCommit(Message, tag="store.put_commit"):
+    """One-RPC put: the client wrote ``item``'s bytes into its ``reservation``; the master stores
+    them under ``item.key`` (checksum and pins from ``item``, committed like `PutEnd`) and, with
+    ``reserve_next``, places the next reservation of the same shape. Reply `PutCommitted`; a
+    refusal (no such pending reservation of this client, write expiry passed, shape mismatch,
+    key exists) is an `Err` and the client puts the value the two-phase way instead."""
+
+    client: str
+    reservation: str
+    item: PutItem
+    reserve_next: bool = False
 
 
 @register_message
@@ -237,6 +259,27 @@ class PutTargets(Message, tag="store.put_targets"):
     key: str
     replicas: list[Replica]
     expires_in_s: float
+    reservation: Reservation | None = None
+    """With `PutStart.reserve_next`: space for the client's next put of the same shape."""
+
+
+class Reservation(Message, tag="store.reservation"):
+    """Space allocated ahead for a client's next put of one shape: a pending put under an
+    internal ``key`` (`RESERVED_PREFIX`) that only its client can fill (write to ``replicas``
+    by ``expires_in_s`` from the reply, measured like `PutTargets`) and commit (`PutCommit`)
+    or give back (`PutRevoke`)."""
+
+    key: str
+    replicas: list[Replica]
+    expires_in_s: float
+
+
+@register_message
+class PutCommitted(Message, tag="store.put_committed"):
+    """Reply of `PutCommit`: the value is stored; ``reservation`` is the next one, if asked
+    for and there was room."""
+
+    reservation: Reservation | None = None
 
 
 @register_message

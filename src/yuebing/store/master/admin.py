@@ -82,7 +82,7 @@ def _handler(svc: MasterService, registry: CollectorRegistry) -> type[BaseHTTPRe
                 core = svc.core
                 if path == "/health":
                     return {"ok": True, "leader": svc.leading, "leader_address": svc.elector.leader(),
-                            "objects": len(core.objs)}
+                            "objects": len(core.objs) - len(core.reservations)}
                 if path == "/usage":
                     return core.stats().values
                 if path == "/segments":

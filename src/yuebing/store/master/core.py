@@ -25,7 +25,7 @@ from yuebing.core.clock import Clock, WallClock
 from yuebing.protocol import Message
 from yuebing.store import messages as m
 from yuebing.store.config import MasterConfig
-from yuebing.store.master import eviction, fence, migration, segments
+from yuebing.store.master import eviction, fence, migration, reserve, segments
 from yuebing.store.master.placement import PLACEMENTS, PlacementRequest
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState, Session, Task
 
@@ -54,6 +54,7 @@ class MasterCore:
         self.expiry: dict[str, float] = {}
         """Write expiry of each pending put (`fence`)."""
         self.quarantine = fence.Quarantine()
+        self.reservations = reserve.Reservations()
         self.segs: dict[int, Seg] = {}
         self.seg_by_name: dict[str, int] = {}
         self.sessions: dict[str, Session] = {}
@@ -69,9 +70,11 @@ class MasterCore:
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts", "gets", "removes", "evictions", "offloads", "promotions", "zombies",
              "dead_sessions", "no_space", "suspects", "migrations_started", "migrations_done",
-             "migrations_failed", "migrations_given_up", "quarantined"), 0)
+             "migrations_failed", "migrations_given_up", "quarantined", "reservations_made",
+             "reservations_committed", "reservations_expired"), 0)
         self.handlers: dict[type, Callable[..., Message | None]] = {
             m.PutStart: self.put_start, m.PutEnd: self.put_end, m.PutRevoke: self.put_revoke,
+            m.PutCommit: self.put_commit,
             m.BatchPutStart: self.batch_put_start, m.BatchPutEnd: self.batch_put_end,
             m.BatchPutRevoke: self.batch_put_revoke, m.GetReplicas: self.get_replicas,
             m.BatchGetReplicas: self.batch_get_replicas, m.Exists: self.exists,
@@ -116,8 +119,14 @@ class MasterCore:
         code, reps = self._put_one(msg.client, msg.item)
         if code != C.OK:
             return err(code, reps)  # type: ignore[arg-type]
+        expires_in_s = fence.expires_in(self, [msg.item.key])
+        nxt = reserve.reserve(self, msg.client, msg.item) if msg.reserve_next else None
         return m.PutTargets(key=msg.item.key, replicas=reps,  # type: ignore[arg-type]
-                            expires_in_s=fence.expires_in(self, [msg.item.key]))
+                            expires_in_s=expires_in_s, reservation=nxt)
+
+    def put_commit(self, msg: m.PutCommit) -> Message:
+        """One-RPC put into a reservation (`reserve.commit`)."""
+        return reserve.commit(self, msg)
 
     def batch_put_start(self, msg: m.BatchPutStart) -> Message:
         codes: list[int] = []
@@ -145,8 +154,10 @@ class MasterCore:
             return f"timeout_s must be >= 0 seconds (0 = the master's), got {it.timeout_s}"
         return ""
 
-    def _put_one(self, client: str, it: m.PutItem) -> tuple[C, list[m.Replica] | str]:
-        problem = self._check_item(it)
+    def _put_one(self, client: str, it: m.PutItem,
+                 internal: bool = False) -> tuple[C, list[m.Replica] | str]:
+        """Place and allocate a pending put (``internal``: a reservation of `reserve`)."""
+        problem = self._check_item(it) or ("" if internal else reserve.check_key(it.key))
         if problem:
             return C.BAD_REQUEST, problem
         o = self.objs.get(it.key)
@@ -217,6 +228,8 @@ class MasterCore:
         o, text = self._pending_of(client, key)
         if o is None:
             return C.NOT_PENDING, text
+        if key in self.reservations.by_key:
+            return C.BAD_REQUEST, f"{key!r} is a reservation: fill it with PutCommit"
         if not o.reps:
             self._drop(key, o, event=False)
             return C.NOT_FOUND, f"every segment written for {key!r} was lost; value discarded"
@@ -364,6 +377,7 @@ class MasterCore:
         """Forget an object and free every range it holds (a pending put's after its fence)."""
         del self.objs[key]
         self.pending.pop(key, None)
+        self.reservations.discard(key)
         holders = fence.release(self, key, o)
         self._log(["del", key])
         if event and o.state == COMMITTED:

@@ -2,7 +2,8 @@
 new leader starts empty).
 
 The leader's core appends an entry to ``core.log`` for every change of durable metadata
-(segments, puts, commits, deletions, replica moves, pins); leases and recency are not
+(segments, puts, reservations and their renames at commit, commits, deletions, replica
+moves, pins); leases and recency are not
 replicated (a new leader leases every value for ``lease_ttl_s``, see `take_over`). `ReplicationHub` (leader side) answers a `ReplSubscribe` with a `ReplSnapshot`, then
 streams `ReplEntries`; each standby answers `ReplAck`. With ``sync_replication`` the service holds
 the reply of every mutating call until all standbys acknowledged its entries, so a value whose
@@ -20,7 +21,7 @@ from typing import Any
 import msgspec
 
 from yuebing.store import messages as m
-from yuebing.store.master import segments
+from yuebing.store.master import reserve, segments
 from yuebing.store.master.allocator import OffsetAllocator
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.state import Obj, ObjState, SegState
@@ -75,7 +76,7 @@ def _apply_drain(core: MasterCore, e: list[Any]) -> None:
 
 _APPLY = {"put": _apply_put, "commit": _apply_commit, "del": _apply_del, "reps": _apply_reps,
           "pin": _apply_pin, "mount": _apply_mount, "unmount": _apply_unmount,
-          "drain": _apply_drain}
+          "drain": _apply_drain, "resv": reserve.apply_resv, "rename": reserve.apply_rename}
 
 
 def apply_entries(core: MasterCore, entries: list[list[Any]]) -> None:
@@ -94,7 +95,8 @@ def snapshot(core: MasterCore) -> bytes:
     objs = [[k, o.size, o.checksum, o.reps, int(o.state), o.owner, o.pin,
              max(0.0, o.soft - now) if o.soft else 0.0] for k, o in core.objs.items()]
     return msgspec.msgpack.encode({"segs": segs, "objs": objs, "next_seg": core.next_seg,
-                                   "quarantine": core.quarantine.dump(now)})
+                                   "quarantine": core.quarantine.dump(now),
+                                   "reservations": core.reservations.dump()})
 
 
 def load_snapshot(core: MasterCore, blob: bytes) -> None:
@@ -107,12 +109,15 @@ def load_snapshot(core: MasterCore, blob: bytes) -> None:
     core.seg_by_name.clear()
     core.sessions.clear()
     core.tasks.clear()
+    core.reservations.clear()
     for sid, name, size, tier, node, client, st in state["segs"]:
         segments.add_segment(core, sid, name, size, tier, node, client, None).state = SegState(st)
     for key, size, checksum, reps, st, owner, pin, soft_s in state["objs"]:
         _apply_put(core, ["put", key, size, checksum, reps, owner, pin, soft_s])
         if st == ObjState.COMMITTED:
             _apply_commit(core, ["commit", key])
+    for row in state.get("reservations", []):
+        reserve.apply_resv(core, ["resv", *row])
     core.next_seg = max(core.next_seg, state["next_seg"])
     core.quarantine.load(core.clock.now(), state.get("quarantine", []))
 

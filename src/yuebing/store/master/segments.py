@@ -17,7 +17,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from yuebing.store import messages as m
-from yuebing.store.master import migration
+from yuebing.store.master import migration, reserve
 from yuebing.store.master.allocator import OffsetAllocator
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState, Task
 
@@ -84,13 +84,16 @@ def drain(core: MasterCore, msg: m.Drain) -> m.Message:
         s.state = SegState.DRAINING
         core._log(["drain", s.id])
         log.warning("segment %s is draining", s.name)
+        reserve.drop_on_segment(core, s.id, f"segment {s.name} is draining")
     n = migration.refresh(core, s.id)
     migration.pump(core)
     return m.Count(n=n)
 
 
 def drop_segment(core: MasterCore, sid: int) -> None:
-    """Unmount: every object loses its replica there; objects left without one are removed."""
+    """Unmount: every object loses its replica there; objects left without one are removed
+    (reservations with a replica there are dropped first)."""
+    reserve.drop_on_segment(core, sid, "segment unmounted")
     s = core.segs.pop(sid)
     del core.seg_by_name[s.name]
     sess = core.sessions.get(s.client)
@@ -129,8 +132,12 @@ def expire_sessions(core: MasterCore) -> None:
 def reclaim_zombies(core: MasterCore) -> None:
     now = core.clock.now()
     for key in [k for k, d in core.pending.items() if d < now]:
-        core.counters["zombies"] += 1
-        log.warning("reclaiming zombie put %s", key)
+        if key in core.reservations.by_key:  # unused until its write expiry: expected
+            core.counters["reservations_expired"] += 1
+            log.info("reservation %s expired unused", key)
+        else:
+            core.counters["zombies"] += 1
+            log.warning("reclaiming zombie put %s", key)
         core._drop(key, core.objs[key], event=False)
 
 
@@ -237,7 +244,9 @@ def task_done(core: MasterCore, msg: m.TaskDone) -> None:
 
 
 def usage(core: MasterCore) -> dict[str, float]:
-    out: dict[str, float] = {"objects": len(core.objs), "pending": len(core.pending),
+    n_resv = len(core.reservations)  # counted apart: reservations are not values
+    out: dict[str, float] = {"objects": len(core.objs) - n_resv,
+                             "pending": len(core.pending) - n_resv, "reservations": n_resv,
                              "segments": len(core.segs), "sessions": len(core.sessions),
                              "tasks": len(core.tasks)}
     for tier, name in ((0, "dram"), (1, "ssd")):

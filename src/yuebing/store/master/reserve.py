@@ -1,0 +1,207 @@
+"""Reservations of the master core: space allocated ahead for a client's next put, so that a
+put in a stream of same-shaped values costs one RPC (`PutCommit`) instead of two.
+
+Life of a reservation: a `PutStart` or `PutCommit` with ``reserve_next`` asks for one; `reserve`
+places it like a put of the same shape (size, replicas, strategy, preferred) under an internal
+key (``RESERVED_PREFIX + client/n``) and records its shape here. It is an ordinary pending put
+otherwise, so replication, write expiry, zombie reclaim (at its write expiry: it is useless
+after), session expiry and the write fence (its ranges quarantined when dropped) apply as to
+any put; no probe, listing, removal, eviction or event sees pending objects. The client writes
+the next value into it and sends `PutCommit`: `commit` checks it (pending, this client's, write
+expiry not passed, same shape, key free), renames the pending object to the user's key, sets
+checksum and pins, commits it like `PutEnd` and may hand out the next reservation.
+
+A client holds at most `MAX_PER_CLIENT` reservations (one per shape): asking again for a shape
+it holds returns the same one (a retried request after a lost reply leaks nothing), and a new
+shape beyond the cap drops the client's oldest. A reservation on a segment that starts draining
+or loses a replica to an unmount is dropped (its next commit is refused, the client falls back
+to the two-phase put). Replication: ``["resv", key, replicas, strategy, preferred]`` after its
+``put`` entry, ``["rename", reservation, key, checksum, hard_pin, soft_pin_s]`` before the
+``commit`` entry (`replication.apply_entries`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from yuebing.store import messages as m
+from yuebing.store.master import fence
+from yuebing.store.master.state import ObjState
+
+if TYPE_CHECKING:
+    from yuebing.store.master.core import MasterCore
+
+log = logging.getLogger(__name__)
+C = m.Code
+PREFIX = m.RESERVED_PREFIX
+MAX_PER_CLIENT = 4
+
+Shape = tuple[int, int, str, tuple[str, ...]]
+"""(size, replicas, strategy, preferred) of a `PutItem`: what a reservation was placed for."""
+
+
+def shape_of(it: m.PutItem) -> Shape:
+    return (it.size, it.replicas, it.strategy, tuple(it.preferred))
+
+
+class Reservations:
+    """The shapes and owners of the core's reservations (their objects live in ``core.objs``
+    under their keys). ``by_client`` maps a client to its reservations, oldest first."""
+
+    __slots__ = ("by_client", "by_key", "seq")
+
+    def __init__(self) -> None:
+        self.by_key: dict[str, tuple[str, Shape]] = {}
+        self.by_client: dict[str, dict[Shape, str]] = {}
+        self.seq = 0
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+    def add(self, key: str, client: str, shape: Shape) -> None:
+        self.by_key[key] = (client, shape)
+        self.by_client.setdefault(client, {})[shape] = key
+
+    def discard(self, key: str) -> None:
+        """Forget ``key`` (called by the core whenever it drops or renames a pending object)."""
+        got = self.by_key.pop(key, None)
+        if got is None:
+            return
+        client, shape = got
+        mine = self.by_client.get(client)
+        if mine is not None and mine.get(shape) == key:
+            del mine[shape]
+            if not mine:
+                del self.by_client[client]
+
+    def clear(self) -> None:
+        self.by_key.clear()
+        self.by_client.clear()
+
+    def dump(self) -> list[list[Any]]:
+        """Snapshot rows ``[key, replicas, strategy, preferred]`` (owner and size are the
+        object's)."""
+        return [[k, s[1], s[2], list(s[3])] for k, (_, s) in self.by_key.items()]
+
+
+def check_key(key: str) -> str:
+    """The refusal for a user key in the reserved namespace ('' when the key is fine)."""
+    if key.startswith(PREFIX):
+        return f"keys starting with {PREFIX!r} are reserved for the store's own reservations"
+    return ""
+
+
+def reserve(core: MasterCore, client: str, item: m.PutItem) -> m.Reservation | None:
+    """A reservation of ``item``'s shape for ``client`` (its existing one of that shape, or a
+    new one); None when there is no room (the next put then goes the two-phase way)."""
+    rs: Reservations = core.reservations
+    shape = shape_of(item)
+    key = rs.by_client.get(client, {}).get(shape)
+    if key is None:
+        mine = rs.by_client.get(client, {})
+        if len(mine) >= MAX_PER_CLIENT:
+            drop(core, next(iter(mine.values())), "the client's oldest over the cap")
+        key = _new_key(core, client)
+        resv = m.PutItem(key=key, size=item.size, replicas=item.replicas, strategy=item.strategy,
+                         preferred=item.preferred, timeout_s=item.timeout_s)
+        code, _ = core._put_one(client, resv, internal=True)
+        if code != C.OK:
+            return None
+        rs.add(key, client, shape)
+        core.pending[key] = core.expiry[key]  # useless after its write expiry: reclaimed then
+        core._log(["resv", key, item.replicas, item.strategy, list(item.preferred)])
+        core.counters["reservations_made"] += 1
+    o = core.objs[key]
+    segs = core.segs
+    return m.Reservation(key=key, replicas=[m.Replica(segment=segs[s].name, offset=off)
+                                            for s, off in o.reps],
+                         expires_in_s=fence.expires_in(core, [key]))
+
+
+def _new_key(core: MasterCore, client: str) -> str:
+    rs: Reservations = core.reservations
+    while True:  # a new leader restarts the sequence: skip keys its predecessor used
+        rs.seq += 1
+        key = f"{PREFIX}{client}/{rs.seq}"
+        if key not in core.objs:
+            return key
+
+
+def commit(core: MasterCore, msg: m.PutCommit) -> m.Message:
+    """Handle `PutCommit` (see the module docstring); a refusal changes nothing except that an
+    expired reservation is dropped."""
+    it = msg.item
+    problem = core._check_item(it) or check_key(it.key)
+    if problem:
+        return m.Err(code=C.BAD_REQUEST, message=problem)
+    key, name = it.key, msg.reservation
+    got = core.reservations.by_key.get(name)
+    o = core.objs.get(name)
+    if got is None or o is None or o.state != ObjState.PENDING:
+        return m.Err(code=C.NOT_PENDING, message=f"no reservation {name!r} (revoked, expired, "
+                     "reclaimed or already used); put the value again")
+    if got[0] != msg.client:
+        return m.Err(code=C.NOT_PENDING, message=f"reservation {name!r} belongs to another client")
+    now = core.clock.now()
+    late = now - core.expiry.get(name, now)
+    if late > 0:
+        drop(core, name, "write expiry passed")
+        return m.Err(code=C.NOT_PENDING, message=f"reservation {name!r} passed its write expiry "
+                     f"{late:.3f}s ago; put the value again")
+    if shape_of(it) != got[1]:
+        return m.Err(code=C.BAD_REQUEST, message=f"reservation {name!r} was placed for "
+                     f"(size, replicas, strategy, preferred) = {got[1]}, not {shape_of(it)}")
+    if key in core.objs:
+        return m.Err(code=C.EXISTS, message=f"key {key!r} exists (values are immutable)")
+    _rename(core, name, key, it)
+    code, text = core._end_one(msg.client, key)
+    if code != C.OK:
+        return m.Err(code=int(code), message=text)
+    core.counters["reservations_committed"] += 1
+    nxt = reserve(core, msg.client, it) if msg.reserve_next else None
+    return m.PutCommitted(reservation=nxt)
+
+
+def _rename(core: MasterCore, name: str, key: str, it: m.PutItem) -> None:
+    o = core.objs.pop(name)
+    core.reservations.discard(name)
+    o.checksum = it.checksum
+    o.pin = it.hard_pin
+    o.soft = core.clock.now() + it.soft_pin_s if it.soft_pin_s else 0.0
+    core.objs[key] = o
+    core.pending[key] = core.pending.pop(name)
+    if name in core.expiry:
+        core.expiry[key] = core.expiry.pop(name)
+    core._log(["rename", name, key, it.checksum, it.hard_pin, it.soft_pin_s])
+
+
+def apply_rename(core: MasterCore, e: list[Any]) -> None:
+    """Standby side of a ``rename`` entry (`replication`)."""
+    _, name, key, checksum, pin, soft_s = e
+    _rename(core, name, key, m.PutItem(key=key, size=1, checksum=checksum, hard_pin=pin,
+                                       soft_pin_s=soft_s))
+
+
+def apply_resv(core: MasterCore, e: list[Any]) -> None:
+    """Standby side of a ``resv`` entry (also a snapshot row with the tag in front)."""
+    _, key, replicas, strategy, preferred = e
+    o = core.objs[key]
+    assert o.owner is not None
+    core.reservations.add(key, o.owner, (o.size, replicas, strategy, tuple(preferred)))
+
+
+def drop(core: MasterCore, key: str, why: str) -> None:
+    """Give a reservation up (its ranges wait out the write fence); its next commit is refused."""
+    o = core.objs.get(key)
+    if o is not None and o.state == ObjState.PENDING:
+        log.info("reservation %s dropped: %s", key, why)
+        core._drop(key, o, event=False)
+
+
+def drop_on_segment(core: MasterCore, sid: int, why: str) -> None:
+    """Drop every reservation with a replica on segment ``sid`` (draining or unmounted)."""
+    objs = core.objs
+    for key in [k for k in core.reservations.by_key
+                if k in objs and any(r[0] == sid for r in objs[k].reps)]:
+        drop(core, key, why)
