@@ -117,3 +117,53 @@ def test_shm_copy_stops_at_the_deadline() -> None:
     assert (remote == 7).all()
     ok = _slice(3 * FENCE_CHUNK, time.monotonic() + 30)
     assert copy_slice(ok, remote, memoryview(remote)) is None and (remote == 9).all()
+
+
+@pytest.mark.parametrize("expiry", [float("nan"), float("inf")])
+def test_non_finite_expiry_breaks_the_lane_and_writes_nothing(expiry: float) -> None:
+    with _owner() as owner, _lane(owner) as sock:
+        sock.sendall(pack(WriteSlices(id=1, segment="seg", slices=[(0, 16, 0, 16)],
+                                      expiry=expiry)) + b"\x05" * 16)
+        sock.settimeout(5)
+        with pytest.raises((PeerClosed, ConnectionError)):
+            recv_frame(sock)
+        assert (owner.segment("seg").array == 7).all()
+
+
+def test_accepted_slice_after_refused_ones_past_the_fence_is_not_written() -> None:
+    """A refused slice's payload is skipped; if that takes the frame past expiry + grace, the
+    accepted slice after it must not be written (the lane closes instead)."""
+    with _owner(write_grace_s=0.2) as owner, _lane(owner) as sock:
+        frame = WriteSlices(id=1, segment="seg", slices=[(SIZE, 4096, 0, 4096),  # out of range
+                                                         (0, 16, 0, 16)],
+                            expiry=time.time() + 0.1)
+        sock.sendall(pack(frame) + b"\x06" * 1024)  # part of the refused slice, then stall
+        time.sleep(0.5)  # past expiry + grace
+        try:
+            sock.sendall(b"\x06" * 3072 + b"\x08" * 16)
+        except OSError:
+            pass
+        sock.settimeout(5)
+        with pytest.raises((PeerClosed, ConnectionError)):
+            recv_frame(sock)
+        assert (owner.segment("seg").array == 7).all()
+
+
+def test_land_past_the_fence_writes_nothing_even_from_buffered_bytes() -> None:
+    """The payload of an accepted slice already sits in the reader's buffer (it came with the
+    header), but the frame reached it past expiry + grace (refused slices skipped before it, a
+    stalled thread): nothing may be copied."""
+    from yuebing.transfer.transport.framing import FrameReader
+
+    with _owner() as owner:
+        a, b = socket.socketpair()
+        with a, b:
+            b.settimeout(5)
+            a.sendall(pack(Hello(engine_id="x", host_id="h")) + b"\x09" * 16)
+            reader = FrameReader(b)
+            reader.read()
+            assert reader.buffered == 16
+            view = owner.segment("seg").array[:16].data.cast("B")
+            with pytest.raises(TimeoutError):
+                owner._server._land(reader, [view], time.time() - 1)
+            assert (owner.segment("seg").array == 7).all()

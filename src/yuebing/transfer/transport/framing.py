@@ -124,6 +124,8 @@ def spin_scatter(sock: socket.socket, views: list[memoryview], spin_s: float) ->
         return views
     now = time.monotonic()
     stop = min(now + SPIN_CAP_S, getattr(sock, "end", 0.0) or now + SPIN_CAP_S)
+    if now >= stop:
+        return views
     idle_until = now + spin_s
     while views:
         try:

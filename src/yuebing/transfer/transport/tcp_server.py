@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import select
 import socket
 import threading
@@ -139,6 +140,8 @@ class TcpServer:
         bytes the frame carried (written or read)."""
         if isinstance(msg, WriteSlices):
             views = self._resolve_all(msg.segment, msg.slices)
+            if not math.isfinite(msg.expiry):  # NaN would pass every fence comparison
+                raise ProtocolError(f"write frame expiry {msg.expiry} is not a finite time")
             late = time.time() - msg.expiry
             if late > 0:  # the write fence: its sender gave up; the space may be reused
                 views = [f"write expired {late:.3f}s before the target started it"] * len(views)
@@ -184,6 +187,9 @@ class TcpServer:
         ``settimeout`` each, and one to restore the lane's ``io_timeout_s`` afterwards)."""
         if not views:
             return
+        if time.time() >= end:  # e.g. refused slices before these took the frame past it
+            raise TimeoutError("write frame reached an accepted slice past its expiry + grace; "
+                               "closing the lane so nothing more of it is written")
         if reader.buffered >= sum(v.nbytes for v in views):
             reader.read_into_many(views)
             return
