@@ -47,6 +47,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "process has nothing else to disturb); 0 = malloc defaults")
     p.add_argument("--no-direct", action="store_true",
                    help="same_host: copy through the transfer engine, not the direct shm path")
+    p.add_argument("--no-reserve-ahead", action="store_true",
+                   help="every put in two phases (put_start + put_end RPCs), not a write into "
+                        "space the master reserved ahead + one put_commit RPC "
+                        "(ClientConfig.reserve_ahead)")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     p.add_argument("--out", default="", help="also write the JSON rows to this file")
 
@@ -192,7 +196,8 @@ def _client(ns: argparse.Namespace, master: str, path: str) -> Any:
     transports = ("tcp",) if path == "remote_tcp" else ("shm", "tcp")
     engine = TransferEngine(TransferConfig(metadata="p2p", transports=transports))
     return StoreClient(ClientConfig(master=master, checksum=not ns.no_checksum,
-                                    direct=not ns.no_direct, keep_freed=ns.keep_freed),
+                                    direct=not ns.no_direct, keep_freed=ns.keep_freed,
+                                    reserve_ahead=not ns.no_reserve_ahead),
                        engine=engine)
 
 

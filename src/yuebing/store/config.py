@@ -127,6 +127,10 @@ class ClientConfig:
                 "near its high-water mark, also for other components in the process); "
                 "0 (default) leaves malloc alone; `yuebing bench store` uses 1GiB",
                 "size": True})
+    reserve_ahead: bool = field(default=True, metadata={
+        "help": "puts of a shape put before (size, replicas, placement) ask the master to "
+                "reserve space for the next one; that next put is then a write into it plus "
+                "one commit RPC (one RPC instead of two); off: every put is two-phase"})
     put_retries: int = field(default=1, metadata={
         "help": "times a put whose write failed is placed again (the master avoids the "
                 "segments that failed)"})

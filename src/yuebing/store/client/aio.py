@@ -3,7 +3,8 @@
 Life of a call here: master RPCs share one connection (`AsyncMasterConnection`), so many
 coroutines can put/get concurrently; bytes move through the transfer engine's
 ``submit``/``wait_async``, except same-host ones, copied directly in the loop's thread (`direct`:
-~2 ms for 16 MiB). Puts are two-phase (a failed write revokes and re-places), gets verify
+~2 ms for 16 MiB). Puts are two-phase (a failed write revokes and re-places; no reserve-ahead
+one-RPC puts here, those are `StoreClient`'s), gets verify
 checksums, and a heartbeat task keeps the session alive while the client is open.
 """
 

@@ -3,6 +3,10 @@
 Life of a put here: ``put_start`` at the master (placement + allocation) → WRITE of the bytes to
 every replica through the transfer engine (shared memory on one host, TCP otherwise) →
 ``put_end`` (commit). A failed transfer revokes the put, so no reader ever sees a partial value.
+With ``reserve_ahead`` a stream of same-shaped puts costs one RPC each: the master reserves the
+space of the next put ahead (`reserve`), the put writes into it and sends ``put_commit``, which
+commits it under the key and hands out the next reservation; any failure there falls back to
+the two-phase put for that value.
 A get asks ``get_replicas`` (granting a read lease), READs one replica straight into the caller's
 buffer (``get_into``: zero-copy) and verifies the checksum. Batch forms do one master call and
 one transfer batch for many keys. Requests to a live node's segment on this host skip the engine:
@@ -20,9 +24,10 @@ from collections.abc import Sequence
 from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.store import messages as m
 from yuebing.store.client import common as cm
+from yuebing.store.client import reserve as rv
 from yuebing.store.client.direct import DirectSegments
 from yuebing.store.client.memory import keep_freed_memory, new_buffer
-from yuebing.store.client.rpc import MasterConnection
+from yuebing.store.client.rpc import MasterConnection, StoreRpcError
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import BatchStatus, TransferConfig, TransferEngine, TransferStatus
 
@@ -43,6 +48,7 @@ class StoreClient:
                                     spin_s=self.cfg.spin_us * 1e-6)
         self.direct = DirectSegments(self.engine, self.cfg.direct)
         keep_freed_memory(self.cfg.keep_freed)
+        self._resv = rv.HeldReservations()
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
         if heartbeat:
@@ -79,27 +85,65 @@ class StoreClient:
             hard_pin: bool = False, soft_pin_s: float = 0.0) -> None:
         """Store ``value`` (any contiguous buffer) under ``key``; values are immutable. A write
         that fails is revoked (naming the failed segments, which the master then avoids) and
-        placed again up to ``put_retries`` times."""
+        placed again up to ``put_retries`` times. With ``reserve_ahead``, a put of a shape
+        this client holds a reservation for writes into it and commits with one RPC."""
         mv = cm.view(value, writable=False)
         item = cm.put_item(self.cfg, key, mv, replicas, strategy, preferred, hard_pin, soft_pin_s)
+        shape = rv.shape_of(item) if self.cfg.reserve_ahead else None
+        if shape is not None and self._put_reserved(item, mv, shape):
+            return
+        reserve_next = shape is not None and self._resv.want(shape)
         for attempt in range(self.cfg.put_retries + 1):
             sent = time.monotonic()
-            targets = self.rpc.call(m.PutStart(client=self.client_id, item=item))
+            targets = self.rpc.call(m.PutStart(client=self.client_id, item=item,
+                                               reserve_next=reserve_next))
             assert isinstance(targets, m.PutTargets)
-            deadline = cm.write_deadline(sent, targets.expires_in_s)
-            reqs = cm.writes(mv, targets.replicas)
-            try:
-                st = self._transfer(reqs, deadline)
-                failed = cm.failed_segments(reqs, st.requests)
-                why = "; ".join(st.errors)
-            except (TransferError, InputError) as e:
-                failed, why = cm.failed_segments(reqs, None), str(e)
+            if shape is not None:
+                self._resv.keep(shape, targets.reservation, sent)
+            failed, why = self._write(mv, targets.replicas,
+                                      cm.write_deadline(sent, targets.expires_in_s))
             if not failed:
                 self.rpc.call(m.PutEnd(client=self.client_id, key=key))
                 return
-            self._revoke([key], failed)
+            self._revoke([key, *self._resv.touching(failed)], failed)
             log.warning("put %s: write to %s failed (attempt %d): %s", key, failed, attempt + 1, why)
         raise StoreError(f"writing {key!r} failed; put revoked: {why}")
+
+    def _write(self, mv: memoryview, replicas: list[m.Replica],
+               deadline: float) -> tuple[list[str], str]:
+        """Write one value to its replicas by ``deadline``: (segments that failed, why)."""
+        reqs = cm.writes(mv, replicas)
+        try:
+            st = self._transfer(reqs, deadline)
+            return cm.failed_segments(reqs, st.requests), "; ".join(st.errors)
+        except (TransferError, InputError) as e:
+            return cm.failed_segments(reqs, None), str(e)
+
+    def _put_reserved(self, item: m.PutItem, mv: memoryview, shape: rv.Shape) -> bool:
+        """Put ``item`` through the held reservation of its shape: write into it, then one
+        ``put_commit`` (which brings the next reservation). False when there is none usable or
+        the write or commit failed (the caller then puts it the two-phase way)."""
+        now = time.monotonic()
+        held, stale = self._resv.take(shape, now)
+        if stale is not None and stale.deadline > now:  # too little write time left: give
+            self._revoke([stale.key], [])  # it back now (past its expiry the master did)
+        if held is None:
+            return False
+        failed, why = self._write(mv, held.replicas, held.deadline)
+        if failed:
+            self._revoke([held.key, *self._resv.touching(failed)], failed)
+            log.warning("put %s: write into reservation on %s failed: %s", item.key, failed, why)
+            return False
+        sent = time.monotonic()
+        try:
+            r = self.rpc.call(m.PutCommit(client=self.client_id, reservation=held.key, item=item,
+                                          reserve_next=True))
+        except StoreRpcError as e:
+            log.info("put %s: reservation refused (%s); putting it in two phases", item.key, e)
+            return False
+        assert isinstance(r, m.PutCommitted)
+        self._resv.keep(shape, r.reservation, sent)
+        return True
 
     put_from = put
     """Zero-copy put: the engine reads straight from the caller's (registered) buffer."""
@@ -284,7 +328,13 @@ class StoreClient:
         return self.rpc.call(m.GetStats()).values  # type: ignore[attr-defined]
 
     def close(self) -> None:
+        """Stop the heartbeat, give back held reservations (one try, at most ``rpc_timeout_s``;
+        else the master reclaims them at their write expiry), release everything."""
         self._stop.set()
+        held = self._resv.pop_all()
+        if held:
+            self.rpc.failover_s = 0.0
+            self._revoke(held, [])
         if self._hb is not None:
             self._hb.join(timeout=2 * self.cfg.heartbeat_s + self.cfg.rpc_timeout_s)
         self.rpc.close()

@@ -39,6 +39,9 @@ def put_item(cfg: ClientConfig, key: str, mv: memoryview, replicas: int | None,
              soft_pin_s: float) -> m.PutItem:
     if not isinstance(key, str) or not key:
         raise InputError(f"key must be a non-empty str, got {key!r}")
+    if key.startswith(m.RESERVED_PREFIX):
+        raise InputError(f"key {key!r}: keys starting with {m.RESERVED_PREFIX!r} are reserved "
+                         "for the store's own reservations")
     if mv.nbytes == 0:
         raise InputError(f"value of {key!r} is empty; the store keeps values of >= 1 byte")
     pref = list(preferred) if preferred is not None else list(cfg.preferred)

@@ -1,0 +1,152 @@
+"""Reserve-ahead puts with real master and node processes: a stream of same-sized puts costs
+one RPC each and reads back intact; other sizes, idle reservations and dead nodes fall back to
+the two-phase put."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from store_procs import Proc, master, node
+
+from yuebing.core.errors import InputError
+from yuebing.protocol import Message
+from yuebing.store import messages as m
+from yuebing.store.client.client import StoreClient
+from yuebing.store.client.rpc import StoreRpcError
+from yuebing.store.config import ClientConfig
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[Proc, Proc, Proc]]:
+    mst = master()
+    a = node(mst.info["address"], "16MiB", "--name", "resvA")
+    b = node(mst.info["address"], "16MiB", "--name", "resvB")
+    yield mst, a, b
+    for p in (a, b, mst):
+        p.stop()
+
+
+class Calls:
+    """Records the master RPCs a client makes (its heartbeat has its own connection)."""
+
+    def __init__(self, c: StoreClient) -> None:
+        self.msgs: list[Message] = []
+        call = c.rpc.call
+
+        def recording(msg: Message) -> Message:
+            self.msgs.append(msg)
+            return call(msg)
+
+        c.rpc.call = recording  # type: ignore[method-assign]
+
+    def take(self) -> list[str]:
+        out = [type(x).__name__ for x in self.msgs]
+        self.msgs.clear()
+        return out
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_stream_of_same_sized_puts_costs_one_rpc_each(cluster, direct: bool) -> None:
+    addr = cluster[0].info["address"]
+    rng = np.random.default_rng(7)
+    vals = [rng.integers(0, 256, 64 << 10, dtype=np.uint8) for _ in range(12)]
+    pre = f"s{int(direct)}/"
+    with StoreClient(ClientConfig(master=addr, direct=direct, replicas=2)) as c, \
+            StoreClient(ClientConfig(master=addr)) as other:
+        calls = Calls(c)
+        per_put = []
+        for i, v in enumerate(vals):
+            c.put(f"{pre}{i}", v)
+            per_put.append(calls.take())
+        assert per_put[:2] == [["PutStart", "PutEnd"]] * 2  # the 2nd asks for a reservation
+        assert per_put[2:] == [["PutCommit"]] * 10  # steady state: one RPC per put
+        c.put(f"{pre}odd", b"x" * 1000)  # another size: two-phase, the reservation stays
+        assert calls.take() == ["PutStart", "PutEnd"]
+        assert other.remove_all(force=True) == 13  # removes values, never a reservation
+        c.put(f"{pre}again", vals[0])
+        assert calls.take() == ["PutCommit"]
+        assert c.get(f"{pre}again") == vals[0].tobytes()
+        calls.take()
+        for i, v in enumerate(vals[:3]):
+            c.put(f"{pre}{i}", v)
+        assert calls.take() == ["PutCommit"] * 3
+        assert [c.get(f"{pre}{i}") for i in range(3)] == [v.tobytes() for v in vals[:3]]
+        reps = c.rpc.call(m.GetReplicas(key=f"{pre}1")).replicas  # type: ignore[attr-defined]
+        assert len({r.segment for r in reps}) == 2  # the reservation had the put's 2 replicas
+        assert other.stats()["reservations"] == 1 and other.stats()["objects"] == 4
+        assert (c.engine.stats()["endpoints"] == 0) is direct  # same-host copies into it
+    with StoreClient(ClientConfig(master=addr)) as after:
+        assert after.stats()["reservations"] == 0  # close() gave it back
+        after.remove_all(force=True)
+
+
+def test_switched_off_and_reserved_keys_refused(cluster) -> None:
+    addr = cluster[0].info["address"]
+    with StoreClient(ClientConfig(master=addr, reserve_ahead=False)) as c:
+        calls = Calls(c)
+        for i in range(4):
+            c.put(f"off/{i}", bytes([i]) * 5000)
+        assert calls.take() == ["PutStart", "PutEnd"] * 4
+        with pytest.raises(InputError, match="reserved"):
+            c.put(m.RESERVED_PREFIX + "mine", b"1")
+        with pytest.raises(StoreRpcError, match="reserved"):
+            c.rpc.call(m.PutStart(client=c.client_id,
+                                  item=m.PutItem(key=m.RESERVED_PREFIX + "mine", size=1)))
+        assert c.get("off/3") == b"\x03" * 5000
+        c.remove_all(force=True)
+
+
+def test_reservation_idle_too_long_is_not_used(cluster) -> None:
+    # a 1 s transfer timeout makes the master give 1 s of write time: usable for 0.5 s
+    with StoreClient(ClientConfig(master=cluster[0].info["address"],
+                                  transfer_timeout_s=1.0)) as c:
+        calls = Calls(c)
+        for i in range(3):
+            c.put(f"idle/{i}", bytes([i]) * 5000)
+        assert calls.take()[-1:] == ["PutCommit"]
+        time.sleep(0.6)
+        c.put("idle/3", b"\x03" * 5000)  # the held one has < half its write time left
+        assert calls.take() == ["BatchPutRevoke", "PutStart", "PutEnd"]
+        c.put("idle/4", b"\x04" * 5000)
+        assert calls.take() == ["PutCommit"]
+        time.sleep(1.3)  # past its write expiry: the master reclaimed it
+        st = c.stats()
+        assert st["reservations"] == 0 and st["reservations_expired"] >= 1 and st["zombies"] == 0
+        c.put("idle/5", b"\x05" * 5000)
+        assert calls.take() == ["GetStats", "PutStart", "PutEnd"]  # no revoke needed
+        assert [c.get(f"idle/{i}") for i in range(6)] == [bytes([i]) * 5000 for i in range(6)]
+        c.remove_all(force=True)
+
+
+@pytest.mark.slow
+def test_node_killed_under_a_reservation_put_lands_elsewhere() -> None:
+    mst = master()
+    a = node(mst.info["address"], "4MiB", "--name", "resvKA")
+    b = node(mst.info["address"], "4MiB", "--name", "resvKB")
+    seg_a, seg_b = a.info["dram"], b.info["dram"]
+    try:
+        with StoreClient(ClientConfig(master=mst.info["address"], preferred=(seg_a,),
+                                      placement="preferred")) as c:
+            calls = Calls(c)
+            for i in range(2):
+                c.put(f"k/{i}", bytes([i]) * 100_000)
+            (held,) = c._resv.held.values()
+            assert [r.segment for r in held.replicas] == [seg_a]
+            calls.take()
+            a.kill()
+            c.put("k/2", b"\x02" * 100_000)  # write into the reservation fails: revoke, re-place
+            assert calls.take() == ["BatchPutRevoke", "PutStart", "PutEnd"]
+            reps = c.rpc.call(m.GetReplicas(key="k/2")).replicas  # type: ignore[attr-defined]
+            assert [r.segment for r in reps] == [seg_b] and c.get("k/2") == b"\x02" * 100_000
+            calls.take()
+            c.put("k/3", b"\x03" * 100_000)  # the new reservation avoids the suspected node
+            assert calls.take() == ["PutCommit"]
+            assert c.get("k/3") == b"\x03" * 100_000
+            st = c.stats()
+            assert st["suspects"] == 1 and st["pending"] == 0
+    finally:
+        for p in (a, b, mst):
+            p.stop()
