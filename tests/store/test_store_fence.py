@@ -121,3 +121,100 @@ def test_take_over_drops_a_quarantined_range_the_leader_already_reused() -> None
     assert standby.segs[1].alloc.used == SEG and len(standby.quarantine) == 0
     standby.tick()
     assert standby.segs[1].alloc.used == SEG
+
+
+def two_segments(clock: VirtualClock, **cfg: float) -> MasterCore:
+    core = make(clock, **cfg)
+    assert core.handle(m.Mount(client="n1", segment="n1/dram", size=SEG)) == m.Ok()
+    return core
+
+
+def test_watermark_does_not_evict_for_quarantined_bytes() -> None:
+    core = two_segments(VirtualClock(100.0), high_watermark=0.5, evict_ratio=0.25)
+    start(core, "v")
+    assert core.handle(m.PutEnd(client="c", key="v")) == m.Ok()
+    start(core, "a", timeout_s=5.0)
+    core.handle(m.PutRevoke(client="c", key="a"))  # e.g. revoked with its client's session
+    assert core.stats().values["dram_used"] == 2 * SEG  # over the watermark, half quarantined
+    core.tick()
+    assert "v" in core.objs and core.counters["evictions"] == 0
+    assert core.quarantine.held(core.seg_by_name["n0/dram"]) + core.quarantine.held(
+        core.seg_by_name["n1/dram"]) == SEG
+
+
+def test_a_failed_allocation_releases_due_quarantine_before_it_evicts() -> None:
+    clock = VirtualClock(100.0)
+    core = two_segments(clock, write_grace_s=1.0, fence_s=2.0)
+    start(core, "v")
+    core.handle(m.PutEnd(client="c", key="v"))
+    a = start(core, "a", timeout_s=1.0).replicas
+    core.handle(m.PutRevoke(client="c", key="a"))
+    clock.advance_to(104.5)  # the fence is over, no tick yet
+    assert start(core, "b", client="d").replicas == a  # the released range, not v's
+    assert "v" in core.objs and core.counters["evictions"] == 0
+
+
+def partitioned_node(clock: VirtualClock) -> MasterCore:
+    """n0 (16 KiB) holds a pending put "a" (fence 113) and a revoked one "r" (fence 105); its
+    session expires at 104.5 while it is alive, and it mounts the same segment again."""
+    core = MasterCore(MasterConfig(alignment=1024, put_timeout_s=10.0, client_ttl_s=4.0,
+                                   write_grace_s=1.0, fence_s=2.0), clock)
+    core.log = []
+    assert core.handle(m.Mount(client="n0", segment="n0/dram", size=2 * SEG)) == m.Ok()
+    assert start(core, "a").replicas[0].offset == 0
+    assert start(core, "r", timeout_s=2.0).replicas[0].offset == SEG
+    core.handle(m.PutRevoke(client="c", key="r"))
+    clock.advance_to(104.5)
+    core.handle(m.Heartbeat(client="c"))
+    core.tick()
+    assert core.counters["dead_sessions"] == 1 and "n0/dram" not in core.seg_by_name
+    return core
+
+
+def test_a_remounted_segment_keeps_the_fence_of_its_dropped_id() -> None:
+    clock = VirtualClock(100.0)
+    core = partitioned_node(clock)
+    assert core.handle(m.Mount(client="n0", segment="n0/dram", size=2 * SEG)) == m.Ok()
+    sid = core.seg_by_name["n0/dram"]
+    assert sorted(core.quarantine.ranges(sid)) == [(0, SEG), (SEG, SEG)]
+    assert core.stats().values["quarantined_bytes"] == 2 * SEG
+    assert start(core, "b", client="d").code == C.NO_SPACE  # a late frame of "a" may land
+    for now, free_at in ((105.5, SEG), (113.5, 0)):  # "r"'s fence, then "a"'s
+        clock.advance_to(now)
+        core.handle(m.Heartbeat(client="n0"))
+        core.tick()
+        assert start(core, f"b{now}", client="d").replicas[0].offset == free_at
+        assert core.handle(m.PutEnd(client="d", key=f"b{now}")) == m.Ok()
+    assert len(core.quarantine) == 0 and core.stats().values["dram_used"] == 2 * SEG
+
+
+def test_a_smaller_remount_keeps_only_the_ranges_inside_it() -> None:
+    core = partitioned_node(VirtualClock(100.0))
+    assert core.handle(m.Mount(client="n0", segment="n0/dram", size=SEG + 100)) == m.Ok()
+    assert core.quarantine.ranges(core.seg_by_name["n0/dram"]) == [(0, SEG)]
+    assert core.stats().values["dram_used"] == SEG
+
+
+def test_the_fence_of_a_dropped_segment_survives_snapshot_and_take_over() -> None:
+    clock = VirtualClock(100.0)
+    leader = partitioned_node(clock)
+    standby = MasterCore(leader.cfg, VirtualClock(500.0))
+    replication.load_snapshot(standby, replication.snapshot(leader))  # "n0/dram" by name
+    leader.log = []
+    leader.handle(m.Mount(client="n0", segment="n0/dram", size=2 * SEG))
+    replication.apply_entries(standby, leader.log)
+    sid = standby.seg_by_name["n0/dram"]
+    assert sorted(standby.quarantine.ranges(sid)) == [(0, SEG), (SEG, SEG)]
+    replication.take_over(standby)
+    assert standby.segs[sid].alloc.used == 2 * SEG
+    assert start(standby, "b", client="d").code == C.NO_SPACE
+    standby.clock.advance_to(509.0)  # type: ignore[attr-defined]  # past 113 - 104.5 s
+    standby.handle(m.Heartbeat(client="n0"))
+    standby.tick()
+    assert start(standby, "b", client="d").replicas[0].offset == 0
+
+
+def test_quarantine_load_refuses_malformed_entries() -> None:
+    core = make(VirtualClock(100.0))
+    with pytest.raises(ValueError, match="4 or 5 items"):
+        core.quarantine.load(100.0, [[1.0, 1, 0]])

@@ -13,6 +13,9 @@ not draining, with a REMOVED event); values whose every replica is draining are 
 Two triggers: ``watermark`` (every tick: DRAM usage above ``high_watermark`` evicts down to
 ``high_watermark - evict_ratio``; on a node with an SSD tier a victim is offloaded there
 instead of dropped, asynchronously) and ``evict_for`` (an allocation failed: drop at once).
+Quarantined ranges (`fence`) free themselves within seconds, so neither trigger evicts for
+them: ``watermark`` does not count them as used, and ``evict_for`` first releases the entries
+that are due and evicts only for what is still missing.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ SCAN_LIMIT = 200_000
 
 
 def watermark(core: MasterCore) -> int:
-    """Evict (offloading where possible) when DRAM usage passes the high watermark."""
+    """Evict (offloading where possible) when DRAM usage, not counting quarantined ranges,
+    passes the high watermark. Called by the core's tick."""
     cap = used = 0
+    q = core.quarantine
     for s in core.segs.values():
         if s.tier == 0 and s.alloc is not None:
             cap += s.alloc.capacity
-            used += s.alloc.used
+            used += s.alloc.used - q.held(s.id)
     in_flight = sum(t.size for t in core.tasks.values() if t.kind == m.TaskKind.OFFLOAD)
     if not cap or used - in_flight <= core.cfg.high_watermark * cap:
         return 0
@@ -70,16 +75,31 @@ def drain(core: MasterCore) -> int:
 
 def evict_for(core: MasterCore, need: int, only: set[int] | None = None, tier: int = 0,
               offload: bool = False) -> int:
-    """Free at least ``need`` bytes of ``tier`` (on segments ``only``, if given). Returns the
-    bytes freed or scheduled to be freed by offloads."""
-    freed = 0
+    """Free at least ``need`` bytes of ``tier`` (on segments ``only``, if given): quarantined
+    ranges due by now first, then by eviction. Returns the bytes freed or scheduled to be freed
+    by offloads. Called by ``watermark``, a failed allocation (``MasterCore._put_one``,
+    ``segments.promote``) and SSD room for an offload."""
+    freed = _release_due(core, only, tier)
     for soft_ok in (False, True):
-        freed += _scan(core, need - freed, only, tier, offload, soft_ok)
         if freed >= need:
             break
+        freed += _scan(core, need - freed, only, tier, offload, soft_ok)
     if freed:
-        log.info("evicted %d bytes (needed %d, tier %d)", freed, need, tier)
+        log.info("freed %d bytes (needed %d, tier %d)", freed, need, tier)
     return freed
+
+
+def _release_due(core: MasterCore, only: set[int] | None, tier: int) -> int:
+    """Release every quarantined range due by now; returns the bytes released on ``tier``
+    (segments ``only``, if given)."""
+    q = core.quarantine
+    mine = [sid for sid, s in core.segs.items()
+            if s.tier == tier and (only is None or sid in only)]
+    before = sum(q.held(sid) for sid in mine)
+    if not before:
+        return 0
+    q.release_due(core.clock.now(), core.segs)
+    return before - sum(q.held(sid) for sid in mine)
 
 
 def _victims(core: MasterCore, only: set[int] | None, tier: int, soft_ok: bool):

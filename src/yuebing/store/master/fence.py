@@ -13,6 +13,14 @@ of committed objects are freed at once: their writes completed before ``put_end`
 Standbys keep quarantines too (their pending puts' expiries are taken conservatively as now +
 ``put_timeout_s`` when an entry arrives); snapshots carry them, and ``take_over`` keeps their
 ranges allocated until they are due.
+
+A segment dropped with its node's session (`segment_dropped`, from ``segments.drop_segment``)
+keeps its fence: the ranges its pending puts held there join the quarantine, and its entries are
+kept by segment name until due. A node that was only partitioned still has its buffer and may
+still receive a late frame, so when it mounts the same name again (under a new id,
+``segments.add_segment``) `Quarantine.adopt` moves the entries to the new segment and takes
+their ranges out of its fresh allocator. Eviction counts quarantined bytes as free-soon, not
+used (`Quarantine.held` per segment, O(1)), and releases due entries before it evicts.
 """
 
 from __future__ import annotations
@@ -20,11 +28,12 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from yuebing.store.master.state import ObjState
 
 if TYPE_CHECKING:
+    from yuebing.store.master.allocator import OffsetAllocator
     from yuebing.store.master.core import MasterCore
     from yuebing.store.master.state import Obj, Seg
 
@@ -33,11 +42,15 @@ log = logging.getLogger(__name__)
 
 class Quarantine:
     """Ranges held back from the allocators until a time: a heap of
-    ``(until, seq, segment id, offset, size)``. Segments dropped meanwhile are skipped."""
+    ``(until, seq, segment id, offset, size)``, the bytes held per segment id, and the names
+    of dropped segments whose entries are not due yet (`orphan` / `adopt`). Entries of a
+    dropped segment are never freed into an allocator; they only wait for a re-mount."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
+        self._held: dict[int, int] = {}  # segment id -> bytes of its entries
+        self._names: dict[int, str] = {}  # dropped segment id -> its name
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -45,6 +58,15 @@ class Quarantine:
     def add(self, until: float, sid: int, off: int, size: int) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (until, self._seq, sid, off, size))
+        self._held[sid] = self._held.get(sid, 0) + size
+
+    def _forget(self, sid: int, size: int) -> None:
+        left = self._held[sid] - size
+        if left:
+            self._held[sid] = left
+        else:
+            del self._held[sid]
+            self._names.pop(sid, None)
 
     def release_due(self, now: float, segs: dict[int, Seg]) -> int:
         """Free (into their segments' allocators, where there is one) every range due by
@@ -52,15 +74,50 @@ class Quarantine:
         heap, freed = self._heap, 0
         while heap and heap[0][0] <= now:
             _, _, sid, off, size = heapq.heappop(heap)
+            self._forget(sid, size)
             s = segs.get(sid)
             if s is not None and s.alloc is not None:
                 s.alloc.free_range(off, size)
                 freed += size
         return freed
 
+    def held(self, sid: int) -> int:
+        """Bytes held back on segment ``sid`` (`eviction.watermark`: they free themselves)."""
+        return self._held.get(sid, 0)
+
     def bytes(self, segs: dict[int, Seg]) -> int:
         """Bytes held back on segments still mounted (they count as used there)."""
-        return sum(e[4] for e in self._heap if e[2] in segs)
+        return sum(n for sid, n in self._held.items() if sid in segs)
+
+    def orphan(self, sid: int, name: str) -> None:
+        """Segment ``sid`` (named ``name``) was dropped: keep its entries by name until due."""
+        if sid in self._held:
+            self._names[sid] = name
+
+    def adopt(self, name: str, sid: int, size: int, alignment: int,
+              alloc: OffsetAllocator | None) -> list[tuple[int, int]]:
+        """Segment ``name`` is mounted again as ``sid`` (``size`` bytes): the entries kept for
+        it since it was dropped move to ``sid`` (clipped to its size, overlaps merged) and,
+        given its ``alloc``ator, their ranges are taken out of it. Returns those ranges."""
+        old = {o for o, n in self._names.items() if n == name and o != sid}
+        if not old:
+            return []
+        mine = [e for e in self._heap if e[2] in old]
+        self._heap = [e for e in self._heap if e[2] not in old]
+        heapq.heapify(self._heap)
+        for o in old:
+            del self._names[o]
+            self._held.pop(o, None)
+        cap = size - size % alignment
+        for until, _, _, off, n in mine:
+            if off < cap:
+                self.add(until, sid, off, min(n, cap - off))
+        held = self.settle(sid, [], alignment)
+        if alloc is not None:
+            for off, n in held:  # disjoint, inside the capacity: a fresh allocator has them
+                taken = alloc.reserve(off, n)
+                assert taken, f"quarantined range {off}+{n} of {name!r} is not free"
+        return held
 
     def ranges(self, sid: int) -> list[tuple[int, int]]:
         """The (offset, size) ranges held on segment ``sid``."""
@@ -84,25 +141,41 @@ class Quarantine:
             i = bisect.bisect_right(starts, off)
             if (i and objs[i - 1][1] > off) or (i < len(objs) and objs[i][0] < stop):
                 continue
-            if held and held[-1][1] >= off:
+            if held and held[-1][1] > off:  # overlapping (adjacent ones stay apart)
                 held[-1][1] = max(held[-1][1], stop)
                 held[-1][2] = max(held[-1][2], until)
             else:
                 held.append([off, stop, until])
         self._heap = [e for e in self._heap if e[2] != sid]
         heapq.heapify(self._heap)
+        self._held.pop(sid, None)
         for a, b, until in held:
             self.add(until, sid, int(a), int(b - a))
         return [(int(a), int(b - a)) for a, b, _ in held]
 
-    def dump(self, now: float) -> list[list[float]]:
-        """Entries with times relative to ``now`` (snapshots: clocks differ between hosts)."""
-        return [[max(0.0, e[0] - now), e[2], e[3], e[4]] for e in self._heap]
+    def dump(self, now: float) -> list[list[float | str]]:
+        """Entries with times relative to ``now`` (snapshots: clocks differ between hosts);
+        an entry of a dropped segment carries the segment's name as a fifth item."""
+        out: list[list[float | str]] = []
+        for until, _, sid, off, size in self._heap:
+            row: list[float | str] = [max(0.0, until - now), sid, off, size]
+            if sid in self._names:
+                row.append(self._names[sid])
+            out.append(row)
+        return out
 
-    def load(self, now: float, entries: list[list[float]]) -> None:
+    def load(self, now: float, entries: list[list[Any]]) -> None:
+        """Replace every entry with ``entries`` from `dump` (4 or 5 items each)."""
         self._heap.clear()
-        for left, sid, off, size in entries:
+        self._held.clear()
+        self._names.clear()
+        for row in entries:
+            if len(row) not in (4, 5):
+                raise ValueError(f"quarantine entry needs 4 or 5 items, got {row!r}")
+            left, sid, off, size = row[:4]
             self.add(now + left, int(sid), int(off), int(size))
+            if len(row) == 5:
+                self._names[int(sid)] = str(row[4])
 
 
 def write_expiry(core: MasterCore, now: float, requested_s: float) -> float:
@@ -128,8 +201,7 @@ def release(core: MasterCore, key: str, o: Obj) -> list[str]:
     until = 0.0
     now = core.clock.now()
     if o.state == ObjState.PENDING and o.reps:
-        expiry = core.expiry.get(key, now + core.cfg.put_timeout_s)
-        until = expiry + core.cfg.write_grace_s + core.cfg.fence_s
+        until = _fence_of(core, key, now)
     for sid, off in o.reps:
         s = core.segs.get(sid)
         if s is None:
@@ -145,3 +217,25 @@ def release(core: MasterCore, key: str, o: Obj) -> list[str]:
                  len(holders), until - now)
     core.expiry.pop(key, None)
     return holders
+
+
+def _fence_of(core: MasterCore, key: str, now: float) -> float:
+    """When no byte of the pending put ``key`` can land any more: its write expiry (now +
+    ``put_timeout_s`` if unknown) + ``write_grace_s`` + ``fence_s``."""
+    expiry = core.expiry.get(key, now + core.cfg.put_timeout_s)
+    return expiry + core.cfg.write_grace_s + core.cfg.fence_s
+
+
+def segment_dropped(core: MasterCore, s: Seg, pending: list[tuple[str, int, int]]) -> None:
+    """``segments.drop_segment`` dropped ``s``: the ranges ``(key, offset, size)`` that pending
+    puts held on it are quarantined until their fence (their writers may still be sending),
+    and every entry of ``s`` is kept by its name for a re-mount (`Quarantine.adopt`)."""
+    now = core.clock.now()
+    for key, off, size in pending:
+        until = _fence_of(core, key, now)
+        if until > now:
+            core.quarantine.add(until, s.id, off, size)
+    core.quarantine.orphan(s.id, s.name)
+    if core.quarantine.held(s.id):
+        log.info("segment %s dropped with %d quarantined bytes; kept for a re-mount", s.name,
+                 core.quarantine.held(s.id))

@@ -17,7 +17,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from yuebing.store import messages as m
-from yuebing.store.master import migration, reserve
+from yuebing.store.master import fence, migration, reserve
 from yuebing.store.master.allocator import OffsetAllocator
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState, Task
 
@@ -50,6 +50,7 @@ def add_segment(core: MasterCore, sid: int, name: str, size: int, tier: int, nod
     s = Seg(sid, name, size, tier, node, client, alloc)
     core.segs[sid] = s
     core.seg_by_name[name] = sid
+    core.quarantine.adopt(name, sid, size, core.cfg.alignment, alloc)  # fence of a re-mount
     core.next_seg = max(core.next_seg, sid + 1)
     sess = core.sessions.get(client)
     if sess is None:
@@ -92,7 +93,8 @@ def drain(core: MasterCore, msg: m.Drain) -> m.Message:
 
 def drop_segment(core: MasterCore, sid: int) -> None:
     """Unmount: every object loses its replica there; objects left without one are removed
-    (reservations with a replica there are dropped first)."""
+    (reservations with a replica there are dropped first). Ranges of pending puts there stay
+    quarantined under the segment's name until their fence (`fence.segment_dropped`)."""
     reserve.drop_on_segment(core, sid, "segment unmounted")
     s = core.segs.pop(sid)
     del core.seg_by_name[s.name]
@@ -101,13 +103,17 @@ def drop_segment(core: MasterCore, sid: int) -> None:
         sess.segs.discard(sid)
     core._log(["unmount", sid])
     dead: list[str] = []
+    fenced: list[tuple[str, int, int]] = []
     for key, o in core.objs.items():
         if any(r[0] == sid for r in o.reps):
+            if o.state == ObjState.PENDING:
+                fenced.extend((key, off, o.size) for r_sid, off in o.reps if r_sid == sid)
             o.reps = tuple(r for r in o.reps if r[0] != sid)
             if o.state == ObjState.COMMITTED:
                 core.events.append((m.EventKind.REMOVED, key, [s.name]))
                 if not o.reps and o.moving == 0:
                     dead.append(key)  # a pending one stays until put_end/revoke/timeout
+    fence.segment_dropped(core, s, fenced)
     for key in dead:
         core._drop(key, core.objs[key], event=False)
     for tid, t in list(core.tasks.items()):
