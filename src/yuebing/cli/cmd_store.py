@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
+import logging
 import os
 import signal
 
 from yuebing.cli.main import Command
 from yuebing.core.config import add_config_args, config_from_args
 from yuebing.store.config import ClientConfig, MasterConfig, NodeConfig
+
+log = logging.getLogger(__name__)
 
 
 def _on_term(stop: object) -> None:
@@ -64,7 +66,8 @@ def _add_node(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-s", type=float, default=2.0,
                    help="on SIGTERM: drain every segment and wait up to this many seconds "
                         "for the master to migrate the values only this node holds to other "
-                        "nodes before unmounting (values still here then are lost)")
+                        "nodes and for readers' leases on them to end before unmounting "
+                        "(values still only here then are lost)")
 
 
 def _run_node(ns: argparse.Namespace) -> int:
@@ -83,8 +86,14 @@ def _run_node(ns: argparse.Namespace) -> int:
               + (f" + {node.ssd_name}" if node.ssd_name else ""), flush=True)
         node.serve()
     finally:
-        with contextlib.suppress(Exception):
-            node.drain(ns.drain_s)
+        try:
+            left = node.drain(ns.drain_s)
+        except Exception:  # noqa: BLE001 - still unmount and release the segments below
+            log.exception("node %s: drain failed; unmounting anyway", node.name)
+        else:
+            if left:
+                log.error("node %s: unmounting with %s values only here (lost)", node.name,
+                          left if left > 0 else "an unknown number of")
         node.close()
     return 0
 

@@ -217,9 +217,8 @@ class Unmount(Message, tag="store.unmount"):
 @register_message
 class Drain(Message, tag="store.drain"):
     """Stop placing new values on a segment and migrate the committed values that would be lost
-    with it (every replica on draining segments) to active DRAM segments; reply `Count` of the
-    objects that would still be lost if the segment were unmounted now (not yet migrated, in
-    flight, or without room elsewhere). Idempotent: a node repeats it until the count is 0."""
+    with it (every replica on draining segments) to active DRAM segments; reply `DrainStatus`.
+    Idempotent: a node repeats it until both of the reply's counts are 0."""
 
     client: str
     segment: str
@@ -323,6 +322,17 @@ class Count(Message, tag="store.count"):
 
 
 @register_message
+class DrainStatus(Message, tag="store.drain_status"):
+    """Reply to `Drain`. ``at_risk``: values that would be lost if the segment were unmounted
+    now (not yet migrated, in flight, or without room elsewhere). ``leased``: values with a
+    replica on the segment that a reader still leases (it may be copying from it); reported
+    only once ``at_risk`` is 0 (-1 before: not counted)."""
+
+    at_risk: int
+    leased: int = -1
+
+
+@register_message
 class HeartbeatReply(Message, tag="store.heartbeat_reply"):
     segments: list[str]
     """Segments the master holds for this client; a node re-mounts any that is missing."""
@@ -358,10 +368,17 @@ class NodeTask(Message, tag="store.node_task"):
     dst_offset: int
     size: int
     kind: int = TaskKind.OFFLOAD
+    expires_in_s: float = 0.0
+    """Seconds from receipt within which the node must have written ``dst``: it starts no task
+    past it and bounds a MIGRATE's transfer batch by it (the master reuses the destination of
+    a task that failed or was lost only after it plus ``write_grace_s`` + ``fence_s``); 0 =
+    no limit from the master."""
 
 
 @register_message
 class TaskDone(Message, tag="store.task_done"):
+    """A node's answer to `NodeTask` ``task``; counted only from the node it was sent to."""
+
     client: str
     task: int
     ok: bool

@@ -8,8 +8,9 @@ probes (exists, prefix_match) do not count as use.
 
 Draining segments lose their redundant replicas (``drain``: once no reader leases the value,
 a replica on a draining segment is dropped when the value has another one on a segment that is
-not draining, with a REMOVED event); values whose every replica is draining are left to
-`migration`, which copies them elsewhere first.
+not draining, with a REMOVED event; only the keys `migration.index` filed as spare there are
+walked); values whose every replica is draining are left to `migration`, which copies them
+elsewhere first.
 Two triggers: ``watermark`` (every tick: DRAM usage above ``high_watermark`` evicts down to
 ``high_watermark - evict_ratio``; on a node with an SSD tier a victim is offloaded there
 instead of dropped, asynchronously) and ``evict_for`` (an allocation failed: drop at once).
@@ -24,6 +25,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from yuebing.store import messages as m
+from yuebing.store.master import migration
 from yuebing.store.master.segments import ssd_of, start_task
 from yuebing.store.master.state import ObjState, SegState
 
@@ -52,23 +54,36 @@ def watermark(core: MasterCore) -> int:
 
 def drain(core: MasterCore) -> int:
     """Drop the replicas on draining segments of values that keep one elsewhere (not leased,
-    not moving); returns the bytes freed. Called every tick; scans the objects only while a
-    draining segment still holds something."""
-    draining = {s.id for s in core.segs.values()
-                if s.state == SegState.DRAINING and s.alloc is not None and s.alloc.used}
+    not moving); returns the bytes freed. Called every tick; walks only the keys that
+    `migration.index` filed as spare on draining segments that still hold something."""
+    draining = [s.id for s in core.segs.values()
+                if s.state == SegState.DRAINING and s.alloc is not None and s.alloc.used]
     if not draining:
         return 0
+    migration.index(core)
+    d = core.drains
     now = core.clock.now()
-    picked: list[tuple[str, list[tuple[int, int]]]] = []
+    segs = core.segs
+    picked: dict[str, list[tuple[int, int]]] = {}
     freed = 0
-    for key, o in core.objs.items():
-        if o.state != ObjState.COMMITTED or o.lease > now or o.moving:
+    for sid in draining:
+        spare = d.spare.get(sid)
+        if not spare:
             continue
-        mine = [r for r in o.reps if r[0] in draining]  # every draining replica it has
-        if mine and len(mine) < len(o.reps):
-            picked.append((key, mine))
-            freed += o.size * len(mine)
-    for key, mine in picked:  # act after the scan: dropping mutates the object dict
+        gone = []
+        for key in spare:
+            o = core.objs.get(key)
+            if o is None or not any(r[0] == sid for r in o.reps):
+                gone.append(key)
+                continue
+            if o.state != ObjState.COMMITTED or o.lease > now or o.moving or key in picked:
+                continue
+            mine = [r for r in o.reps if segs[r[0]].state == SegState.DRAINING]
+            if len(mine) < len(o.reps):
+                picked[key] = mine
+                freed += o.size * len(mine)
+        spare.difference_update(gone)
+    for key, mine in picked.items():  # act after the scan: dropping mutates the sets
         _drop_replicas(core, key, mine)
     return freed
 
@@ -167,5 +182,6 @@ def _drop_replicas(core: MasterCore, key: str, mine: list[tuple[int, int]]) -> N
         if alloc is not None:
             alloc.free_range(off, o.size)
     o.reps = tuple(r for r in o.reps if r not in mine)
+    migration.recheck(core, key, o)  # its surviving replicas may all be draining now
     core.events.append((m.EventKind.REMOVED, key, [core.segs[sid].name for sid, _ in mine]))
     core._log(["reps", key, o.reps])

@@ -4,21 +4,37 @@ rest of the cluster has room.
 A value is *at risk* when every replica it has lies on a DRAINING segment (its sole copy is
 there, or its other copies are on segments draining too): unmounting would lose it. ``refresh``
 (called by each `Drain` request, which the node repeats while it waits) counts the at-risk
-values of a segment and queues the committed ones; ``pump`` (after each `Drain`, on every tick
-and when a migration ends) starts up to ``drain_parallel`` migrations. A migration allocates a
-range on an ACTIVE DRAM segment chosen like a put's placement (free ratio, not a segment the
-value is already on, another node first) and pushes a MIGRATE `NodeTask` to the node owning the
-source replica (a DRAM replica preferred; an SSD-only value is read from the owner's file); the
-node writes the bytes with its transfer engine and answers `TaskDone`. On success the new
-replica is added (first, so new readers use it; a STORED event; a ``reps`` replication entry
-so a standby taking over keeps it) while the draining replica stays for readers holding leases
-until eviction's drain pass or the unmount drops it. On failure the destination range is freed
-and the value is queued again, avoiding the destinations that failed, at most
-``MAX_ATTEMPTS`` times; then it is given up with a log line (it stays in the `Drain` count). A
-value without room anywhere stays queued (room may appear) and counted. Leases, pins and soft
-pins live on the object, so they move with it. Only DRAM segments are destinations: an SSD tier
-is a node-local file that no transfer engine can write remotely; the destination node's
-watermark eviction may offload the copy to its own SSD later.
+values of a segment and queues the committed ones; once none is left it counts the values a
+reader still leases there (the node waits for both). ``pump`` (after each `Drain`, on every
+tick and when a migration ends) starts up to ``drain_parallel`` migrations. A migration
+allocates a range on an ACTIVE DRAM segment chosen like a put's placement (free ratio, not a
+segment the value is already on, another node first) and pushes a MIGRATE `NodeTask` to the
+node owning the source replica (a DRAM replica preferred; an SSD-only value is read from the
+owner's file); the node writes the bytes with its transfer engine and answers `TaskDone`. On
+success the new replica is added (first, so new readers use it; a STORED event; a ``reps``
+replication entry so a standby taking over keeps it) while the draining replica stays for
+readers holding leases until eviction's drain pass or the unmount drops it. On failure the
+destination range is quarantined (`fence`: frames may still land until the task's write expiry
++ ``write_grace_s`` + ``fence_s``) and the value is queued again, avoiding the destinations
+that failed, at most ``MAX_ATTEMPTS`` times; then it is given up with a log line (it stays in
+the `Drain` count). A value without room anywhere stays queued (room may appear) and counted.
+Leases, pins and soft pins live on the object, so they move with it. Only DRAM segments are
+destinations: an SSD tier is a node-local file that no transfer engine can write remotely; the
+destination node's watermark eviction may offload the copy to its own SSD later.
+
+Cost: no hot path (put, get) pays anything. When a segment starts draining (or one is dropped)
+``index`` walks the objects once and files each key with a replica on a draining segment under
+that segment, as *risk* (at risk) or *spare* (a replica elsewhere survives); later work walks
+only those sets, pruning keys that left: ``refresh`` its segment's risk set (and spare set for
+the lease count), eviction's drain pass the spare sets. A key becomes at risk again only when
+another segment starts draining or is dropped (a new index) or eviction drops its surviving
+replica (`recheck`). ``pump`` returns at once when no ACTIVE DRAM segment has room for the
+smallest queued value.
+
+Every node task (tier moves included, see `push_task`) is replicated as ``["task", id, dst
+segment, offset, size, expires_in_s]`` and ``["task_end", id, fenced]``; a standby keeps the
+destinations of the leader's tasks in flight (`Drains.inflight`) and `replication.take_over`
+quarantines them, since the old leader's node may still be writing there.
 """
 
 from __future__ import annotations
@@ -36,68 +52,182 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
 MIGRATE = m.TaskKind.MIGRATE
+DRAINING = SegState.DRAINING
 
 
 class Drains:
     """Migration bookkeeping kept on the core (not replicated: a new leader rebuilds it from the
     nodes' repeated `Drain` requests). ``queue`` is an ordered set of keys waiting for a
-    migration; ``tried`` maps a key to the destination segments whose migration failed."""
+    migration (``min_size``: the smallest value queued, 0 when empty); ``tried`` maps a key to
+    the destination segments whose migration failed; ``risk`` / ``spare`` map each draining
+    segment to its keys (see the module docstring; ``dirty``: rebuild them; ``walked``: when
+``refresh`` last walked each risk set). ``inflight``
+    (standby only) maps the leader's task ids to (segment, offset, size, write expiry)."""
 
-    __slots__ = ("queue", "tried")
+    __slots__ = ("dirty", "inflight", "min_size", "queue", "risk", "spare", "tried", "walked")
 
     def __init__(self) -> None:
         self.queue: dict[str, None] = {}
+        self.min_size = 0
         self.tried: dict[str, set[int]] = {}
+        self.risk: dict[int, set[str]] = {}
+        self.spare: dict[int, set[str]] = {}
+        self.walked: dict[int, float] = {}  # draining segment -> when `refresh` last walked it
+        self.dirty = False
+        self.inflight: dict[int, tuple[int, int, int, float]] = {}
 
 
 def at_risk(core: MasterCore, o: Obj) -> bool:
     """True when unmounting the draining segments would leave ``o`` without a replica."""
     segs = core.segs
-    return bool(o.reps) and all(segs[sid].state == SegState.DRAINING for sid, _ in o.reps)
+    return bool(o.reps) and all(segs[sid].state == DRAINING for sid, _ in o.reps)
 
 
-def refresh(core: MasterCore, sid: int) -> int:
-    """Queue the committed at-risk values with a replica on segment ``sid``; return how many
-    values (pending ones included: they would be lost too) are at risk there."""
+def index(core: MasterCore) -> None:
+    """(Re)build ``risk`` / ``spare`` when a segment started draining or one was dropped since
+    the last build: one walk over the objects (rare; nothing else walks them all)."""
     d: Drains = core.drains
-    n = 0
+    draining = {sid for sid, s in core.segs.items() if s.state == DRAINING}
+    if not d.dirty and draining == d.risk.keys():
+        return
+    d.dirty = False
+    d.walked.clear()
+    d.risk = {sid: set() for sid in draining}
+    d.spare = {sid: set() for sid in draining}
+    if not draining:
+        return
     for key, o in core.objs.items():
-        if not any(r[0] == sid for r in o.reps) or not at_risk(core, o):
+        mine = [sid for sid, _ in o.reps if sid in draining]
+        if mine:
+            into = d.risk if len(mine) == len(o.reps) else d.spare
+            for sid in mine:
+                into[sid].add(key)
+
+
+def recheck(core: MasterCore, key: str, o: Obj) -> None:
+    """``o`` lost a replica (eviction): file it as at risk on its draining segments if it is
+    now. Called by `eviction._drop_replicas`."""
+    d: Drains = core.drains
+    if d.risk and at_risk(core, o):
+        for sid, _ in o.reps:
+            if sid in d.risk:
+                d.risk[sid].add(key)
+                d.spare[sid].discard(key)
+
+
+def _on(o: Obj, sid: int) -> bool:
+    return any(r[0] == sid for r in o.reps)
+
+
+def refresh(core: MasterCore, sid: int) -> tuple[int, int]:
+    """Queue the committed at-risk values with a replica on draining segment ``sid``; return
+    how many values (pending ones included: they would be lost too) are at risk there and, once
+    none is, how many there a reader still leases (-1 while some are at risk). Walks the risk
+    set after an index build, while it is small, or once ``_walk_every`` passed; between walks
+    its size is the count (migrations take keys out at once; a key dropped meanwhile is
+    counted until the next walk, which only makes the node wait longer)."""
+    index(core)
+    d: Drains = core.drains
+    risk, spare = d.risk.get(sid), d.spare.get(sid)
+    if risk is None or spare is None:
+        return 0, 0
+    now = core.clock.now()
+    if len(risk) > WALK_ALWAYS and now < d.walked.get(sid, 0.0) + _walk_every(len(risk)):
+        return len(risk), -1
+    d.walked[sid] = now
+    objs, segs, n, gone = core.objs, core.segs, 0, []
+    for key in risk:
+        o = objs.get(key)
+        if o is None:
+            gone.append(key)
+            continue
+        reps = o.reps
+        if len(reps) == 1:  # the common case, without generators
+            if reps[0][0] != sid:
+                gone.append(key)
+                continue
+        elif not any(r[0] == sid for r in reps):
+            gone.append(key)
+            continue
+        elif not all(segs[r[0]].state == DRAINING for r in reps):
+            gone.append(key)
+            spare.add(key)
             continue
         n += 1
         if (o.state == ObjState.COMMITTED and not o.moving and key not in d.queue
                 and len(d.tried.get(key, ())) < MAX_ATTEMPTS):
             d.queue[key] = None
-    return n
+            d.min_size = min(d.min_size, o.size) if d.min_size else o.size
+    risk.difference_update(gone)
+    if n:
+        return n, -1
+    leased, gone = 0, []
+    for key in spare:
+        o = objs.get(key)
+        if o is None or not any(r[0] == sid for r in o.reps):
+            gone.append(key)
+        elif o.lease > now:
+            leased += 1
+    spare.difference_update(gone)
+    return 0, leased
+
+
+WALK_ALWAYS = 20_000
+"""A risk set up to this size is walked on every `Drain` (a few ms)."""
+
+
+def _walk_every(n: int) -> float:
+    """Seconds between walks of a risk set of ``n`` keys (~2 us each): at most ~5% of a core
+    however often the node asks."""
+    return max(0.5, n * 2e-6 * 20)
 
 
 def in_flight(core: MasterCore) -> int:
     return sum(1 for t in core.tasks.values() if t.kind == MIGRATE)
 
 
+def _room(core: MasterCore) -> int:
+    """The largest free range on an ACTIVE DRAM segment (what a migration could get)."""
+    return max((s.alloc.largest_free for s in core.segs.values()
+                if s.tier == m.Tier.DRAM and s.state == SegState.ACTIVE and s.alloc is not None),
+               default=0)
+
+
 def pump(core: MasterCore) -> int:
     """Start queued migrations while fewer than ``drain_parallel`` are in flight; returns how
-    many were started. Called by `segments.drain`, `MasterCore.tick` and `finished`."""
+    many were started. Called by `segments.drain`, `MasterCore.tick` and `finished`. Returns
+    at once when no ACTIVE DRAM segment has room for the smallest queued value."""
     d: Drains = core.drains
     if not d.queue:
-        if d.tried and not any(s.state == SegState.DRAINING for s in core.segs.values()):
+        d.min_size = 0
+        if d.tried and not any(s.state == DRAINING for s in core.segs.values()):
             d.tried.clear()
         return 0
     busy = in_flight(core)
+    room = _room(core)
+    align = core.cfg.alignment
+    if busy >= core.cfg.drain_parallel or room < -(-d.min_size // align) * align:
+        return 0
     started = 0
+    smallest = 0
     for key in list(d.queue):
         if busy >= core.cfg.drain_parallel:
+            smallest = 0  # not every entry seen: keep the old bound
             break
         o = core.objs.get(key)
         if o is None or not at_risk(core, o) or len(d.tried.get(key, ())) >= MAX_ATTEMPTS:
             del d.queue[key]
             continue
-        if o.state != ObjState.COMMITTED or o.moving:
-            continue  # a tier move in flight: try again once it ended
-        if start(core, key, o):
+        fits = -(-o.size // align) * align <= room
+        if o.state == ObjState.COMMITTED and not o.moving and fits and start(core, key, o):
             del d.queue[key]
             busy += 1
             started += 1
+            room = _room(core)
+            continue
+        smallest = min(smallest, o.size) if smallest else o.size  # a tier move, or no room
+    else:
+        d.min_size = smallest  # every entry seen: the exact bound (0: the queue is empty)
     return started
 
 
@@ -118,8 +248,28 @@ def _destination(core: MasterCore, o: Obj, src: Seg, avoid: set[int]) -> tuple[S
     return None
 
 
+def push_task(core: MasterCore, key: str, o: Obj, src: tuple[int, int], dst: Seg, off: int,
+              kind: int, node_client: str) -> int:
+    """Record a node task copying ``o`` from ``src`` to ``dst``/``off`` (allocated by the
+    caller), replicate it, and queue its `NodeTask` for ``node_client`` (only that node's
+    `TaskDone` counts). Its write expiry is ``put_timeout_s`` from now. Used by `start` and
+    `segments.start_task`; returns the task id."""
+    tid = core.next_task
+    core.next_task += 1
+    window = core.cfg.put_timeout_s
+    core.tasks[tid] = Task(key, src, (dst.id, off), o.size, kind, node_client,
+                           core.clock.now() + window)
+    o.moving = tid
+    core._log(["task", tid, dst.id, off, o.size, window])
+    core.outbox.append((node_client, m.NodeTask(
+        task=tid, src_segment=core.segs[src[0]].name, src_offset=src[1], dst_segment=dst.name,
+        dst_offset=off, size=o.size, kind=kind, expires_in_s=window)))
+    return tid
+
+
 def start(core: MasterCore, key: str, o: Obj) -> bool:
-    """Allocate a destination for at-risk ``o`` and push the task; False when no room."""
+    """Allocate a destination for ``o`` (at risk, or an SSD-only value whose node has no ACTIVE
+    DRAM segment: `segments.promote`) and push the task; False when no room."""
     segs = core.segs
     src = min(o.reps, key=lambda r: segs[r[0]].tier)  # a DRAM replica when there is one
     src_seg = segs[src[0]]
@@ -128,16 +278,10 @@ def start(core: MasterCore, key: str, o: Obj) -> bool:
         log.debug("no room to migrate %s off %s", key, src_seg.name)
         return False
     dst, off = found
-    tid = core.next_task
-    core.next_task += 1
-    core.tasks[tid] = Task(key, src, (dst.id, off), o.size, MIGRATE)
-    o.moving = tid
-    core.outbox.append((src_seg.client, m.NodeTask(
-        task=tid, src_segment=src_seg.name, src_offset=src[1], dst_segment=dst.name,
-        dst_offset=off, size=o.size, kind=MIGRATE)))
+    push_task(core, key, o, src, dst, off, MIGRATE, src_seg.client)
     core.counters["migrations_started"] += 1
-    log.info("migrating %s (%d bytes) from draining %s to %s", key, o.size, src_seg.name,
-             dst.name)
+    log.info("migrating %s (%d bytes) from %s %s to %s", key, o.size,
+             src_seg.state.name.lower(), src_seg.name, dst.name)
     return True
 
 
@@ -145,7 +289,12 @@ def finished(core: MasterCore, t: Task, o: Obj) -> None:
     """A migration's TaskDone(ok): the destination becomes a replica (the caller removed the
     task and cleared ``o.moving``)."""
     o.reps = (t.dst, *o.reps)
-    core.drains.tried.pop(t.key, None)
+    d: Drains = core.drains
+    d.tried.pop(t.key, None)
+    for sid, _ in o.reps:  # no longer at risk: eviction's drain pass may drop the old replica
+        if sid in d.risk:
+            d.risk[sid].discard(t.key)
+            d.spare[sid].add(t.key)
     core.counters["migrations_done"] += 1
     if t.waiters:  # readers of an SSD-only value asked while it moved: answer from the copy
         o.lease = core.clock.now() + core.cfg.lease_ttl_s
@@ -156,13 +305,14 @@ def finished(core: MasterCore, t: Task, o: Obj) -> None:
 
 
 def failed(core: MasterCore, t: Task, why: str) -> None:
-    """A migration failed or its destination went away (the caller freed the destination
+    """A migration failed or its destination went away (the caller quarantined the destination
     range): queue the value again, avoiding that destination, or give it up."""
     o = core.objs.get(t.key)
     if o is None or not at_risk(core, o):
         return
     core.counters["migrations_failed"] += 1
-    tried = core.drains.tried.setdefault(t.key, set())
+    d: Drains = core.drains
+    tried = d.tried.setdefault(t.key, set())
     tried.add(t.dst[0])
     if len(tried) >= MAX_ATTEMPTS:
         core.counters["migrations_given_up"] += 1
@@ -170,4 +320,37 @@ def failed(core: MasterCore, t: Task, why: str) -> None:
                     "when its draining segment is unmounted", t.key, len(tried), why)
         return
     log.warning("migration of %s failed (%s); trying another destination", t.key, why)
-    core.drains.queue[t.key] = None  # started again by the next pump (tick), not from here
+    d.queue[t.key] = None  # started again by the next pump (tick), not from here
+    d.min_size = min(d.min_size, o.size) if d.min_size else o.size
+
+
+# ------------------------------------------------------------------ standby side
+def apply_task(core: MasterCore, e: list) -> None:
+    """Standby: the leader pushed a task writing ``e`` = [_, id, segment, offset, size,
+    expires_in_s]; its write expiry is taken late (from now, when the entry arrives)."""
+    _, tid, sid, off, size, window = e
+    core.drains.inflight[tid] = (sid, off, size, core.clock.now() + window)
+
+
+def apply_task_end(core: MasterCore, e: list) -> None:
+    """Standby: the leader's task ``e[1]`` ended; ``e[2]``: its destination was quarantined
+    there (a failed or lost migration), so it is here too."""
+    ent = core.drains.inflight.pop(e[1], None)
+    if ent is not None and e[2]:
+        sid, off, size, until = ent
+        core.quarantine.add(until + core.cfg.write_grace_s + core.cfg.fence_s, sid, off, size)
+
+
+def fence_inflight(core: MasterCore) -> int:
+    """`replication.take_over`: quarantine the destinations of the old leader's tasks in flight
+    (its nodes may still write there) until their write expiry + ``write_grace_s`` +
+    ``fence_s``; returns how many."""
+    now = core.clock.now()
+    late = core.cfg.write_grace_s + core.cfg.fence_s
+    n = 0
+    for sid, off, size, until in core.drains.inflight.values():
+        if sid in core.segs:
+            core.quarantine.add(max(until, now) + late, sid, off, size)
+            n += 1
+    core.drains.inflight.clear()
+    return n

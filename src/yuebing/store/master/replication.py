@@ -3,25 +3,29 @@ new leader starts empty).
 
 The leader's core appends an entry to ``core.log`` for every change of durable metadata
 (segments, puts, reservations and their renames at commit, commits, deletions, replica
-moves, pins); leases and recency are not
+moves, pins, node tasks' destinations while they run); leases and recency are not
 replicated (a new leader leases every value for ``lease_ttl_s``, see `take_over`). `ReplicationHub` (leader side) answers a `ReplSubscribe` with a `ReplSnapshot`, then
 streams `ReplEntries`; each standby answers `ReplAck`. With ``sync_replication`` the service holds
 the reply of every mutating call until all standbys acknowledged its entries, so a value whose
 ``put_end`` returned OK is on every standby. A standby silent for ``repl_timeout_s`` is dropped
 (it re-subscribes and gets a fresh snapshot). `apply_entries` / `load_snapshot` (standby side)
 rebuild the same metadata without allocators; `take_over` rebuilds allocators from the replicas
-when a standby is elected. Entries carry no absolute times (clocks differ between hosts).
+when a standby is elected, quarantining the destinations of the old leader's tasks in flight,
+and starts task ids at a random 48-bit base above the old leader's (a late `TaskDone` for the
+old leader's task cannot match a new one). Entries carry no absolute times (clocks differ
+between hosts).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any
 
 import msgspec
 
 from yuebing.store import messages as m
-from yuebing.store.master import reserve, segments
+from yuebing.store.master import migration, reserve, segments
 from yuebing.store.master.allocator import OffsetAllocator
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.state import Obj, ObjState, SegState
@@ -76,7 +80,8 @@ def _apply_drain(core: MasterCore, e: list[Any]) -> None:
 
 _APPLY = {"put": _apply_put, "commit": _apply_commit, "del": _apply_del, "reps": _apply_reps,
           "pin": _apply_pin, "mount": _apply_mount, "unmount": _apply_unmount,
-          "drain": _apply_drain, "resv": reserve.apply_resv, "rename": reserve.apply_rename}
+          "drain": _apply_drain, "resv": reserve.apply_resv, "rename": reserve.apply_rename,
+          "task": migration.apply_task, "task_end": migration.apply_task_end}
 
 
 def apply_entries(core: MasterCore, entries: list[list[Any]]) -> None:
@@ -94,8 +99,10 @@ def snapshot(core: MasterCore) -> bytes:
             for s in core.segs.values()]
     objs = [[k, o.size, o.checksum, o.reps, int(o.state), o.owner, o.pin,
              max(0.0, o.soft - now) if o.soft else 0.0] for k, o in core.objs.items()]
+    tasks = [[tid, t.dst[0], t.dst[1], t.size, max(0.0, t.expiry - now)]
+             for tid, t in core.tasks.items()]
     return msgspec.msgpack.encode({"segs": segs, "objs": objs, "next_seg": core.next_seg,
-                                   "quarantine": core.quarantine.dump(now),
+                                   "quarantine": core.quarantine.dump(now), "tasks": tasks,
                                    "reservations": core.reservations.dump()})
 
 
@@ -109,6 +116,7 @@ def load_snapshot(core: MasterCore, blob: bytes) -> None:
     core.seg_by_name.clear()
     core.sessions.clear()
     core.tasks.clear()
+    core.drains.inflight.clear()
     core.reservations.clear()
     for sid, name, size, tier, node, client, st in state["segs"]:
         segments.add_segment(core, sid, name, size, tier, node, client, None).state = SegState(st)
@@ -120,6 +128,8 @@ def load_snapshot(core: MasterCore, blob: bytes) -> None:
         reserve.apply_resv(core, ["resv", *row])
     core.next_seg = max(core.next_seg, state["next_seg"])
     core.quarantine.load(core.clock.now(), state.get("quarantine", []))
+    for tid, sid, off, size, left in state.get("tasks", []):
+        migration.apply_task(core, ["task", tid, sid, off, size, left])
 
 
 def take_over(core: MasterCore) -> None:
@@ -128,7 +138,9 @@ def take_over(core: MasterCore) -> None:
     ``put_timeout_s`` and a write expiry as late (no absolute times cross hosts). Read leases
     are not replicated, so every value is treated as leased for ``lease_ttl_s``: a reader the
     old leader granted a lease is still copying, and nothing may evict or (unforced) remove
-    the value under it; eviction resumes once those leases would have ended."""
+    the value under it; eviction resumes once those leases would have ended. The old leader's
+    node tasks are forgotten, but their destinations stay quarantined until their write expiry
+    (`migration.fence_inflight`), and task ids restart at a random 48-bit base."""
     used: dict[int, list[tuple[int, int]]] = {sid: [] for sid in core.segs}
     lease = core.clock.now() + core.cfg.lease_ttl_s
     for o in core.objs.values():
@@ -136,6 +148,7 @@ def take_over(core: MasterCore) -> None:
         o.lease = max(o.lease, lease)
         for sid, off in o.reps:
             used[sid].append((off, o.size))
+    fenced = migration.fence_inflight(core)
     align = core.cfg.alignment
     for sid, s in core.segs.items():
         held = core.quarantine.settle(sid, used[sid], align)
@@ -146,8 +159,10 @@ def take_over(core: MasterCore) -> None:
     for key in core.pending:
         core.pending[key] = core.expiry[key] = now + core.cfg.put_timeout_s
     core.tasks.clear()
+    core.next_task = max(core.next_task, (1 << 48) + secrets.randbits(48))
     core.log = []
-    log.warning("took over as leader: %d objects, %d segments", len(core.objs), len(core.segs))
+    log.warning("took over as leader: %d objects, %d segments, %d destinations of tasks in "
+                "flight quarantined", len(core.objs), len(core.segs), fenced)
 
 
 # ------------------------------------------------------------------ leader side

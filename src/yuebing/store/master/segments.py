@@ -6,9 +6,14 @@ replicas; an object with none left is removed) and its pending puts are revoked.
 (never ended) are reclaimed after ``put_timeout_s``. Tier moves are node tasks: the master
 allocates the destination range, pushes a `NodeTask` to the segments' owner and, on `TaskDone`,
 swaps the replica (offload: DRAM -> SSD frees the DRAM range; promotion: SSD -> DRAM adds a DRAM
-replica and answers the readers that waited). ``drain`` marks a segment DRAINING (no new
-placements) and has `migration` copy the values it would lose to other segments; the Drain
-reply counts the values still at risk, which the node waits on before it unmounts.
+replica and answers the readers that waited; an SSD-only value whose node has no ACTIVE DRAM
+segment, e.g. a draining node, is copied into another node's DRAM by a MIGRATE task instead).
+Only the node a task was sent to can end it. A task that failed with writes possibly still in
+flight (a migration, or any task whose segment went away) has its destination quarantined
+(`fence`) until its write expiry + ``write_grace_s`` + ``fence_s`` instead of freed. ``drain``
+marks a segment DRAINING (no new placements) and has `migration` copy the values it would lose
+to other segments; the `DrainStatus` reply counts the values still at risk and then the values
+a reader still leases there, which the node waits on before it unmounts.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import TYPE_CHECKING
 from yuebing.store import messages as m
 from yuebing.store.master import fence, migration, reserve
 from yuebing.store.master.allocator import OffsetAllocator
-from yuebing.store.master.state import Obj, ObjState, Seg, SegState, Task
+from yuebing.store.master.state import Obj, ObjState, Seg, SegState
 
 if TYPE_CHECKING:
     from yuebing.store.master.core import MasterCore
@@ -86,9 +91,9 @@ def drain(core: MasterCore, msg: m.Drain) -> m.Message:
         core._log(["drain", s.id])
         log.warning("segment %s is draining", s.name)
         reserve.drop_on_segment(core, s.id, f"segment {s.name} is draining")
-    n = migration.refresh(core, s.id)
+    n, leased = migration.refresh(core, s.id)
     migration.pump(core)
-    return m.Count(n=n)
+    return m.DrainStatus(at_risk=n, leased=leased)
 
 
 def drop_segment(core: MasterCore, sid: int) -> None:
@@ -118,7 +123,8 @@ def drop_segment(core: MasterCore, sid: int) -> None:
         core._drop(key, core.objs[key], event=False)
     for tid, t in list(core.tasks.items()):
         if sid in (t.src[0], t.dst[0]):
-            _fail_task(core, tid, f"segment {s.name} was unmounted")
+            _fail_task(core, tid, f"segment {s.name} was unmounted", landed=False)
+    core.drains.dirty = True  # values with a replica here may be at risk now
     log.warning("segment %s dropped; %d objects lost their last replica", s.name, len(dead))
 
 
@@ -162,33 +168,32 @@ def start_task(core: MasterCore, key: str, o: Obj, src: tuple[int, int], dst: Se
     off = dst.alloc.alloc(o.size)
     if off is None:
         return False
-    tid = core.next_task
-    core.next_task += 1
     kind = m.TaskKind.PROMOTE if promote else m.TaskKind.OFFLOAD
-    core.tasks[tid] = Task(key, src, (dst.id, off), o.size, kind)
-    o.moving = tid
-    core.outbox.append((dst.client, m.NodeTask(
-        task=tid, src_segment=core.segs[src[0]].name, src_offset=src[1],
-        dst_segment=dst.name, dst_offset=off, size=o.size, kind=kind)))
+    migration.push_task(core, key, o, src, dst, off, kind, dst.client)
     return True
 
 
 def promote(core: MasterCore, key: str, o: Obj, waiter: object) -> tuple[C, str]:
-    """Start (or join) the promotion of an SSD-only object into its owner's DRAM (a drain
-    migration in flight also lands in DRAM: its readers wait for it the same way)."""
+    """Start (or join) the promotion of an SSD-only object into its owner's DRAM, or, when the
+    owner has no ACTIVE DRAM segment (draining, or none), into another node's DRAM through a
+    MIGRATE task (a drain migration in flight also lands in DRAM: its readers wait for it the
+    same way). Called by ``MasterCore.get_replicas``."""
     if o.moving:
         t = core.tasks[o.moving]
         if t.kind != m.TaskKind.OFFLOAD:
             if waiter is not None:
                 t.waiters.append(waiter)
             return C.OK if waiter is not None else C.PROMOTING, "promotion in flight"
+    from yuebing.store.master import eviction
+
     src = o.reps[0]
     dram = ssd_of(core, core.segs[src[0]].node, m.Tier.DRAM)
-    if dram is None:
-        return C.NO_SPACE, f"the node holding {key!r} on SSD has no DRAM segment"
-    if not start_task(core, key, o, src, dram, promote=True):
-        from yuebing.store.master import eviction
-
+    if dram is None:  # the owner's DRAM is draining (or it has none): copy to another node
+        if not migration.start(core, key, o):
+            eviction.evict_for(core, o.size)
+            if not migration.start(core, key, o):
+                return C.NO_SPACE, f"no DRAM segment has {o.size} free bytes for {key!r}"
+    elif not start_task(core, key, o, src, dram, promote=True):
         eviction.evict_for(core, o.size, only={dram.id})
         if not start_task(core, key, o, src, dram, promote=True):
             return C.NO_SPACE, f"no DRAM free on {dram.name} to promote {key!r}"
@@ -199,11 +204,26 @@ def promote(core: MasterCore, key: str, o: Obj, waiter: object) -> tuple[C, str]
     return C.PROMOTING, "promotion started"
 
 
-def _fail_task(core: MasterCore, tid: int, why: str) -> None:
+def _fail_task(core: MasterCore, tid: int, why: str, landed: bool) -> None:
+    """End task ``tid`` without a new replica. ``landed``: the node reported it over and none
+    of its writes can still arrive (a local tier copy, or a migration that wrote everything),
+    so the destination is freed at once; otherwise it is quarantined until the task's write
+    expiry + ``write_grace_s`` + ``fence_s`` (the standby learns which from ``task_end``)."""
     t = core.tasks.pop(tid)
     s = core.segs.get(t.dst[0])
+    now = core.clock.now()
+    until = t.expiry + core.cfg.write_grace_s + core.cfg.fence_s
+    mounted = s is not None and s.alloc is not None
+    fenced = mounted and not landed and until > now
     if s is not None and s.alloc is not None:
-        s.alloc.free_range(t.dst[1], t.size)
+        if fenced:
+            core.quarantine.add(until, s.id, t.dst[1], t.size)
+            core.counters["quarantined"] += 1
+            log.info("task %d (%s) ended without a copy: %s quarantined for %.2fs", tid, why,
+                     s.name, until - now)
+        else:
+            s.alloc.free_range(t.dst[1], t.size)
+    core._log(["task_end", tid, fenced])
     o = core.objs.get(t.key)
     if o is not None and o.moving == tid:
         o.moving = 0
@@ -216,12 +236,16 @@ def _fail_task(core: MasterCore, tid: int, why: str) -> None:
 
 
 def task_done(core: MasterCore, msg: m.TaskDone) -> None:
+    """A node's answer to a task. Ignored unless the task is in flight here and ``msg.client``
+    is the node it was sent to (a late answer to another leader's task must not match ours)."""
     t = core.tasks.get(msg.task)
-    if t is None:
+    if t is None or t.client != msg.client:
+        log.info("ignoring TaskDone %d from %s: no such task sent to it", msg.task, msg.client)
         return
     o = core.objs.get(t.key)
     if not msg.ok or o is None or o.moving != msg.task:
-        _fail_task(core, msg.task, msg.message or "object changed")
+        landed = msg.ok or t.kind != m.TaskKind.MIGRATE  # a failed transfer may still land
+        _fail_task(core, msg.task, msg.message or "object changed", landed)
         return
     del core.tasks[msg.task]
     o.moving = 0
@@ -247,6 +271,7 @@ def task_done(core: MasterCore, msg: m.TaskDone) -> None:
         if s is not None:
             core.events.append((m.EventKind.REMOVED, t.key, [s.name]))
     core._log(["reps", t.key, o.reps])
+    core._log(["task_end", msg.task, False])
 
 
 def usage(core: MasterCore) -> dict[str, float]:

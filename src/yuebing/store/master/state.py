@@ -74,17 +74,21 @@ class Session:
 
 class Task:
     """An in-flight copy run by a node: a DRAM<->SSD tier move (``kind`` OFFLOAD / PROMOTE) or a
-    drain migration to another segment (MIGRATE); ``kind`` is a `messages.TaskKind` value."""
+    drain migration to another segment (MIGRATE); ``kind`` is a `messages.TaskKind` value.
+    ``client`` is the node the `NodeTask` went to (only its `TaskDone` counts); ``expiry`` (the
+    master's clock) is when the node must stop writing ``dst`` (`NodeTask.expires_in_s`)."""
 
-    __slots__ = ("dst", "key", "kind", "size", "src", "waiters")
+    __slots__ = ("client", "dst", "expiry", "key", "kind", "size", "src", "waiters")
 
     def __init__(self, key: str, src: tuple[int, int], dst: tuple[int, int], size: int,
-                 kind: int) -> None:
+                 kind: int, client: str = "", expiry: float = 0.0) -> None:
         self.key = key
         self.src = src
         self.dst = dst
         self.size = size
         self.kind = kind
+        self.client = client
+        self.expiry = expiry
         self.waiters: list[object] = []
 
     @property

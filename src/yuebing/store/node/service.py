@@ -8,9 +8,12 @@ master forgot us) triggers a re-mount. Between heartbeats the node runs the mast
 offload (DRAM range → SSD file) and promotion (SSD file → DRAM range), copied in place, and
 drain migrations (a DRAM range, or an SSD range read from the file, written to another node's
 segment through the transfer engine without blocking the loop), answering each with `TaskDone`.
+A task carries the master's write expiry: the node starts none past it (from receipt) and bounds
+a migration's transfer batch by it, so the master can reuse a lost task's destination later.
 Shutdown drains every segment (no new placements; the master migrates the values that would be
-lost elsewhere while the node keeps running its tasks), waits up to a timeout for the master's
-at-risk count to reach 0, then unmounts and releases the segments.
+lost elsewhere while the node keeps running its tasks), waits up to a timeout until the master
+counts no value at risk and no value a reader still leases on them (a failed round, e.g. during
+a master failover, is logged and retried), then unmounts and releases the segments.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class StorageNode:
         ssd = cfg.ssd_dir_size
         if ssd is not None:
             self._open_ssd(*ssd)
-        self.tasks: deque[m.NodeTask] = deque()
+        self.tasks: deque[tuple[m.NodeTask, float]] = deque()  # (task, monotonic deadline)
         # migrations in flight: batch id -> (task, source buffer kept alive until the batch ends)
         self._moving: dict[BatchId, tuple[m.NodeTask, memoryview]] = {}
         self.conn = MasterConnection(self.ccfg.masters, self.ccfg.rpc_timeout_s,
@@ -103,7 +106,7 @@ class StorageNode:
         wait = 0.005 if self._moving else wait_s
         self.conn.poll_pushes(max(0.0, min(wait, next_hb - time.monotonic())))
         while self.tasks:
-            self._run_task(self.tasks.popleft())
+            self._run_task(*self.tasks.popleft())
         if self._moving:
             self._reap_migrations()
         return next_hb
@@ -123,12 +126,16 @@ class StorageNode:
 
     def _on_push(self, msg: Message) -> None:
         if isinstance(msg, m.NodeTask):
-            self.tasks.append(msg)
+            limit = msg.expires_in_s if msg.expires_in_s > 0 else float("inf")
+            self.tasks.append((msg, time.monotonic() + limit))
 
-    def _run_task(self, t: m.NodeTask) -> None:
+    def _run_task(self, t: m.NodeTask, deadline: float) -> None:
         try:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreError(f"task {t.task} reached its write expiry before it started")
             if t.kind == m.TaskKind.MIGRATE:
-                self._start_migration(t)
+                self._start_migration(t, left)
                 return
             self.copy(t)
         except (OSError, ValueError, StoreError, TransferError) as e:
@@ -142,8 +149,10 @@ class StorageNode:
         with contextlib.suppress(StoreError):
             self.conn.call(m.TaskDone(client=self.client_id, task=t.task, ok=ok, message=why))
 
-    def _start_migration(self, t: m.NodeTask) -> None:
-        """Submit the write of our replica to ``t.dst_segment``; `_reap_migrations` reports it."""
+    def _start_migration(self, t: m.NodeTask, left_s: float) -> None:
+        """Submit the write of our replica to ``t.dst_segment`` as a batch ending within
+        ``left_s`` (the task's write expiry; its frames carry it, so the destination refuses
+        them after it); `_reap_migrations` reports it."""
         if t.size <= 0 or t.src_offset < 0:
             raise StoreError(f"migration task {t.task} has a bad range ({t.src_offset}+{t.size})")
         if t.src_segment == self.dram_name:
@@ -164,7 +173,7 @@ class StorageNode:
                              "one of this node's segments")
         req = TransferRequest(OpCode.WRITE, src, t.dst_segment, t.dst_offset, t.size)
         try:
-            bid = self.engine.submit([req], self.ccfg.transfer_timeout_s)
+            bid = self.engine.submit([req], min(self.ccfg.transfer_timeout_s, left_s))
         except InputError as e:
             raise StoreError(f"cannot write to {t.dst_segment!r}: {e}") from e
         self._moving[bid] = (t, src)
@@ -215,30 +224,44 @@ class StorageNode:
         """Drain every segment of this node (called at shutdown, after `serve` returned): the
         master stops placing values here and migrates those that would be lost to other
         segments, through migration tasks this loop keeps running (and heartbeats). Waits up
-        to ``timeout_s`` for the master's count of values still at risk to reach 0; returns
-        that count (0: unmounting now loses no committed value)."""
+        to ``timeout_s`` until the master counts no value at risk and no value a reader still
+        leases on these segments. A round that fails (`StoreError`: failover, RPC timeout) is
+        logged and tried again until the deadline. Returns the values still at risk (0:
+        unmounting now loses no committed value; -1: the master never answered, unknown)."""
         end = time.monotonic() + timeout_s
         next_hb = time.monotonic() + self.ccfg.heartbeat_s
+        at_risk, leased = -1, -1
         while True:
-            left = sum(self._drain_one(x.segment) for x in self.mounts())
-            if left == 0 or time.monotonic() >= end:
-                if left:
-                    log.warning("node %s: %d values are still only here after draining %.1fs",
-                                self.name, left, timeout_s)
-                return left
+            try:
+                counts = [self._drain_one(x.segment) for x in self.mounts()]
+                at_risk = sum(c[0] for c in counts)
+                leased = -1 if at_risk else sum(c[1] for c in counts)
+            except StoreError as e:
+                log.warning("node %s: drain round failed (%s); trying again", self.name, e)
+            if (at_risk == 0 and leased == 0) or time.monotonic() >= end:
+                break
             poll_end = min(end, time.monotonic() + 0.2)
             while time.monotonic() < poll_end:
                 next_hb = self._step(next_hb, wait_s=poll_end - time.monotonic())
+        if at_risk:
+            log.warning("node %s: %s values are still only here after draining %.1fs", self.name,
+                        at_risk if at_risk > 0 else "an unknown number of", timeout_s)
+        elif leased:
+            log.warning("node %s: unmounting while readers may still lease %s values here",
+                        self.name, leased)
+        return at_risk
 
-    def _drain_one(self, segment: str) -> int:
+    def _drain_one(self, segment: str) -> tuple[int, int]:
+        """One `Drain` of ``segment``: (values at risk, values leased; -1 = not counted)."""
         try:
             reply = self.conn.call(m.Drain(client=self.client_id, segment=segment))
         except StoreRpcError as e:
             if e.code == m.Code.UNKNOWN_SEGMENT:
-                return 0  # the master holds nothing of it (never mounted or already dropped)
+                return 0, 0  # the master holds nothing of it (never mounted or already dropped)
             raise
-        assert isinstance(reply, m.Count), reply
-        return reply.n
+        if not isinstance(reply, m.DrainStatus):
+            raise StoreError(f"Drain of {segment} answered {type(reply).__name__}")
+        return reply.at_risk, reply.leased
 
     def close(self, unmount: bool = True) -> None:
         for bid in list(self._moving):  # let in-flight writes end before the engine closes
