@@ -5,7 +5,9 @@
 
 OUTDIR holds one folder per value size (as store_vs_mooncake.sh writes), each with
 yuebing_store.json and mc/mooncake_store_{remote_tcp,single_memcpy}.jsonl; metadata-op cells
-come from the first folder that has them (both systems).
+come from the first folder that has them (both systems). With several rounds (OUTDIR/r1,
+OUTDIR/r2, ...: the two systems took turns per size in each round) every cell is the median of
+its rounds on each side, and the table also gives the lowest and highest per-round ratio.
 Prints a markdown table (ours, original, ratio) and writes PNG plots.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -63,15 +66,49 @@ def rows(out: Path) -> list[dict]:
     return table
 
 
+def rounds(out: Path) -> list[Path]:
+    """The round folders of ``out`` (r1, r2, ...), or ``out`` itself for a single round."""
+    found = sorted((p for p in out.glob("r[0-9]*") if p.is_dir()), key=lambda p: int(p.name[1:]))
+    return found or [out]
+
+
+def merged(out: Path) -> list[dict]:
+    """`rows` of every round, each cell the median over rounds of ours and of the original's
+    (the ratio is the ratio of those medians); ``ratio_min`` / ``ratio_max``: per-round range."""
+    per = [rows(r) for r in rounds(out)]
+    key = lambda t: (t["path"], t["op"], t["size_bytes"], t["batch"])  # noqa: E731
+    cells: dict[tuple, list[dict]] = {}
+    for table in per:
+        for t in table:
+            cells.setdefault(key(t), []).append(t)
+    table = []
+    for ts in cells.values():
+        ours = statistics.median(t["ours"] for t in ts)
+        theirs_l = [t["original"] for t in ts if t["original"]]
+        theirs = statistics.median(theirs_l) if theirs_l else None
+        ratios = [t["ratio"] for t in ts if t["ratio"]]
+        table.append({**ts[0], "ours": ours, "original": theirs, "rounds": len(ts),
+                      "ratio": ours / theirs if theirs else None,
+                      "ratio_min": min(ratios) if ratios else None,
+                      "ratio_max": max(ratios) if ratios else None})
+    return table
+
+
 def markdown(table: list[dict]) -> str:
-    lines = ["| path (original variant) | op | size | batch | metric | yuebing | original | ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+    spread = any(t.get("rounds", 1) > 1 for t in table)
+    head = "| path (original variant) | op | size | batch | metric | yuebing | original | ratio |"
+    lines = [head + (" per-round ratios |" if spread else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if spread else "")]
     for t in table:
         size = f"{t['size_bytes'] // 1024} KiB" if t["size_bytes"] else "-"
         orig = "-" if t["original"] is None else f"{t['original']:.3g}"
         ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}x"
-        lines.append(f"| {t['path']} ({VARIANT[t['path']]}) | {t['op']} | {size} | {t['batch']} "
-                     f"| {t['metric']} | {t['ours']:.3g} | {orig} | {ratio} |")
+        line = (f"| {t['path']} ({VARIANT[t['path']]}) | {t['op']} | {size} | {t['batch']} "
+                f"| {t['metric']} | {t['ours']:.3g} | {orig} | {ratio} |")
+        if spread:
+            lo, hi = t.get("ratio_min"), t.get("ratio_max")
+            line += " - |" if lo is None else f" {lo:.2f}–{hi:.2f}x |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -126,7 +163,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--img", default="docs/img")
     ns = ap.parse_args()
-    table = rows(Path(ns.out))
+    table = merged(Path(ns.out))
     print(markdown(table))
     for p in plot(table, Path(ns.img)):
         print(f"\n![{p.stem}](img/{p.name})")
