@@ -88,13 +88,15 @@ class AsyncStoreClient:
             try:
                 st = await self._transfer(reqs, deadline)
                 failed, why = cm.failed_segments(reqs, st.requests), "; ".join(st.errors)
+                blamed = cm.blamed_segments(reqs, st.requests)
             except (TransferError, InputError) as e:
                 failed, why = cm.failed_segments(reqs, None), str(e)
+                blamed = cm.blamed_segments(reqs, None, e)
             if not failed:
                 await self.rpc.call(m.PutEnd(client=self.client_id, key=key))
                 return
             with contextlib.suppress(StoreError):
-                await self.rpc.call(m.PutRevoke(client=self.client_id, key=key, failed=failed))
+                await self.rpc.call(m.PutRevoke(client=self.client_id, key=key, failed=blamed))
             log.warning("put %s: write to %s failed (attempt %d): %s", key, failed, attempt + 1, why)
         raise StoreError(f"writing {key!r} failed; put revoked: {why}")
 

@@ -100,24 +100,26 @@ class StoreClient:
             assert isinstance(targets, m.PutTargets)
             if shape is not None:
                 self._resv.keep(shape, targets.reservation, sent)
-            failed, why = self._write(mv, targets.replicas,
-                                      cm.write_deadline(sent, targets.expires_in_s))
+            failed, blamed, why = self._write(mv, targets.replicas,
+                                              cm.write_deadline(sent, targets.expires_in_s))
             if not failed:
                 self.rpc.call(m.PutEnd(client=self.client_id, key=key))
                 return
-            self._revoke([key, *self._resv.touching(failed)], failed)
+            self._revoke([key, *self._resv.touching(failed)], blamed)
             log.warning("put %s: write to %s failed (attempt %d): %s", key, failed, attempt + 1, why)
         raise StoreError(f"writing {key!r} failed; put revoked: {why}")
 
     def _write(self, mv: memoryview, replicas: list[m.Replica],
-               deadline: float) -> tuple[list[str], str]:
-        """Write one value to its replicas by ``deadline``: (segments that failed, why)."""
+               deadline: float) -> tuple[list[str], list[str], str]:
+        """Write one value to its replicas by ``deadline``: (segments that failed, those of
+        them to blame in the revoke — `cm.blamed_segments` —, why)."""
         reqs = cm.writes(mv, replicas)
         try:
             st = self._transfer(reqs, deadline)
-            return cm.failed_segments(reqs, st.requests), "; ".join(st.errors)
+            return (cm.failed_segments(reqs, st.requests), cm.blamed_segments(reqs, st.requests),
+                    "; ".join(st.errors))
         except (TransferError, InputError) as e:
-            return cm.failed_segments(reqs, None), str(e)
+            return cm.failed_segments(reqs, None), cm.blamed_segments(reqs, None, e), str(e)
 
     def _put_reserved(self, item: m.PutItem, mv: memoryview, shape: rv.Shape) -> bool:
         """Put ``item`` through the held reservation of its shape: write into it, then one
@@ -129,9 +131,9 @@ class StoreClient:
             self._revoke([stale.key], [])  # it back now (past its expiry the master did)
         if held is None:
             return False
-        failed, why = self._write(mv, held.replicas, held.deadline)
+        failed, blamed, why = self._write(mv, held.replicas, held.deadline)
         if failed:
-            self._revoke([held.key, *self._resv.touching(failed)], failed)
+            self._revoke([held.key, *self._resv.touching(failed)], blamed)
             log.warning("put %s: write into reservation on %s failed: %s", item.key, failed, why)
             return False
         sent = time.monotonic()
@@ -186,10 +188,10 @@ class StoreClient:
             try:
                 st = self._transfer(reqs, deadline)
                 failed = {owner[j] for j, rs in enumerate(st.requests) if rs.status != TransferStatus.DONE}
-                bad = cm.failed_segments(reqs, st.requests)
+                bad = cm.blamed_segments(reqs, st.requests)
             except (TransferError, InputError) as e:
                 log.warning("batch put transfer failed: %s", e)
-                failed, bad = set(owner), cm.failed_segments(reqs, None)
+                failed, bad = set(owner), cm.blamed_segments(reqs, None, e)
         ok = [i for i in todo if codes[i] == C.OK and i not in failed]
         if failed:
             self._revoke([items[i].key for i in sorted(failed)], bad)

@@ -13,6 +13,7 @@ from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.store import messages as m
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import OpCode, TransferRequest, TransferStatus
+from yuebing.transfer.transport.shm import EXPIRED_WRITE
 from yuebing.transfer.types import as_buffer
 
 C = m.Code
@@ -60,6 +61,10 @@ def write_deadline(sent_at: float, expires_in_s: float) -> float:
     return sent_at + expires_in_s
 
 
+class WriteExpired(TransferError):
+    """A put's write expiry passed before its transfer could start: this client was late."""
+
+
 def transfer_timeout(cfg: ClientConfig, deadline: float | None) -> float:
     """Seconds a transfer batch may take: ``transfer_timeout_s``, cut to a put's write
     ``deadline``; `TransferError` if that passed already (the put must be revoked)."""
@@ -67,8 +72,8 @@ def transfer_timeout(cfg: ClientConfig, deadline: float | None) -> float:
     if deadline is not None:
         timeout = min(timeout, deadline - time.monotonic())
         if timeout <= 0:
-            raise TransferError(f"the put's write expiry passed {-timeout:.3f}s before its "
-                                "transfer could start")
+            raise WriteExpired(f"the put's write expiry passed {-timeout:.3f}s before its "
+                               "transfer could start")
     return timeout
 
 
@@ -82,6 +87,21 @@ def failed_segments(reqs: Sequence[TransferRequest], statuses: Sequence[Any] | N
         return sorted({str(r.segment) for r in reqs})
     return sorted({str(r.segment) for r, st in zip(reqs, statuses, strict=True)
                    if st.status != TransferStatus.DONE})
+
+
+def blamed_segments(reqs: Sequence[TransferRequest], statuses: Sequence[Any] | None,
+                    error: Exception | None = None) -> list[str]:
+    """The failed segments to name in a revoke (the master stops placing there until their
+    node heartbeats again): not when the put's own write expiry cut the write — before it
+    started (`WriteExpired` as ``error``) or a same-host copy mid-way (`EXPIRED_WRITE`): the
+    client was late, the node is fine."""
+    if isinstance(error, WriteExpired):
+        return []
+    if statuses is None:
+        return failed_segments(reqs, None)
+    return sorted({str(r.segment) for r, st in zip(reqs, statuses, strict=True)
+                   if st.status != TransferStatus.DONE and not (
+                       st.status == TransferStatus.TIMEOUT and st.error.startswith(EXPIRED_WRITE))})
 
 
 def read(buf: memoryview, key: str, size: int, rep: m.Replica) -> TransferRequest:

@@ -59,9 +59,13 @@ def copy_until(dst: np.ndarray, src: np.ndarray, deadline: float) -> int:
     return n
 
 
+EXPIRED_WRITE = "write expired: deadline passed"
+"""Prefix of `expired_write` errors: the writer was late, the target is fine."""
+
+
 def expired_write(done: int, length: int) -> str:
     """The error of a write the fence stopped after ``done`` of ``length`` bytes."""
-    return f"write expired: deadline passed after {done} of {length} bytes were copied"
+    return f"{EXPIRED_WRITE} after {done} of {length} bytes were copied"
 
 
 def copy_slice(s: Slice, remote: np.ndarray, remote_mv: memoryview) -> str | None:
