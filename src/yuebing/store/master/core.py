@@ -6,8 +6,8 @@ no reader can see; the client writes the bytes through the transfer engine, then
 commits it (visible, immutable, a STORED event) or ``put_revoke`` frees it. ``get_replicas``
 returns the DRAM replicas and grants a read lease (an SSD-only value is first promoted into its
 owner's DRAM, the reply is deferred until then); probes (``exists``, ``prefix_match``) grant
-nothing. Removal is refused while leased or hard-pinned unless forced. Eviction, tiering and
-sessions live in `eviction` and `segments`; the RPC adapter is `service`.
+nothing. Removal and pins are `removal`'s handlers; reservations (one-RPC puts) `reserve`'s.
+Eviction, tiering and sessions live in `eviction` and `segments`; the RPC adapter is `service`.
 
 The core never does I/O: it reads time from a `Clock`, and leaves work for its adapter in
 ``events`` (KV events), ``log`` (replication entries), ``outbox`` (node tasks) and ``ready``
@@ -19,13 +19,14 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from yuebing.core.clock import Clock, WallClock
 from yuebing.protocol import Message
 from yuebing.store import messages as m
 from yuebing.store.config import MasterConfig
-from yuebing.store.master import eviction, fence, migration, reserve, segments
+from yuebing.store.master import eviction, fence, migration, removal, reserve, segments
 from yuebing.store.master.placement import PLACEMENTS, PlacementRequest
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState, Session, Task
 
@@ -79,8 +80,10 @@ class MasterCore:
             m.BatchPutRevoke: self.batch_put_revoke, m.GetReplicas: self.get_replicas,
             m.BatchGetReplicas: self.batch_get_replicas, m.Exists: self.exists,
             m.BatchExists: self.batch_exists, m.PrefixMatch: self.prefix_match,
-            m.Remove: self.remove, m.BatchRemove: self.batch_remove,
-            m.RemovePrefix: self.remove_prefix, m.RemoveAll: self.remove_all, m.Pin: self.pin,
+            m.Remove: partial(removal.remove, self),
+            m.BatchRemove: partial(removal.batch_remove, self),
+            m.RemovePrefix: partial(removal.remove_prefix, self),
+            m.RemoveAll: partial(removal.remove_all, self), m.Pin: partial(removal.pin, self),
             m.Mount: self.mount, m.Unmount: self.unmount, m.Drain: self.drain,
             m.Heartbeat: self.heartbeat, m.TaskDone: self.task_done, m.GetStats: self.stats,
         }
@@ -326,53 +329,7 @@ class MasterCore:
             n += 1
         return m.Count(n=n)
 
-    # ------------------------------------------------------------------ remove / pin
-    def remove(self, msg: m.Remove) -> Message:
-        code, text = self._remove_one(msg.key, msg.force, self.clock.now())
-        return m.Ok() if code == C.OK else err(code, text)
-
-    def batch_remove(self, msg: m.BatchRemove) -> Message:
-        now = self.clock.now()
-        return m.Codes(codes=[int(self._remove_one(k, msg.force, now)[0]) for k in msg.keys])
-
-    def remove_prefix(self, msg: m.RemovePrefix) -> Message:
-        now = self.clock.now()
-        keys = [k for k, o in self.objs.items() if o.state == COMMITTED and k.startswith(msg.prefix)]
-        return m.Count(n=sum(self._remove_one(k, msg.force, now)[0] == C.OK for k in keys))
-
-    def remove_all(self, msg: m.RemoveAll) -> Message:
-        return self.remove_prefix(m.RemovePrefix(prefix="", force=msg.force))
-
-    def _remove_one(self, key: str, force: bool, now: float) -> tuple[C, str]:
-        o = self.objs.get(key)
-        if o is None or o.state != COMMITTED:
-            return C.NOT_FOUND, f"no value for {key!r}"
-        if not force and o.lease > now:
-            return C.LEASED, f"{key!r} is leased to a reader for {o.lease - now:.2f}s more"
-        if not force and o.pin:
-            return C.PINNED, f"{key!r} is hard-pinned (unpin it or force)"
-        self._drop(key, o)
-        self.counters["removes"] += 1
-        return C.OK, ""
-
-    def pin(self, msg: m.Pin) -> Message:
-        now = self.clock.now()
-        codes: list[int] = []
-        for k in msg.keys:
-            o = self.objs.get(k)
-            if o is None or o.state != COMMITTED:
-                codes.append(int(C.NOT_FOUND))
-                continue
-            if msg.unpin:
-                o.pin, o.soft = False, 0.0
-            elif msg.hard:
-                o.pin = True
-            else:
-                o.soft = now + (msg.soft_pin_s or self.cfg.default_soft_pin_s)
-            self._log(["pin", k, o.pin, max(0.0, o.soft - now) if o.soft else 0.0])
-            codes.append(0)
-        return m.Codes(codes=codes)
-
+    # ------------------------------------------------------------------ drop
     def _drop(self, key: str, o: Obj, event: bool = True) -> None:
         """Forget an object and free every range it holds (a pending put's after its fence)."""
         del self.objs[key]
