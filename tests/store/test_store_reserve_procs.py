@@ -99,6 +99,34 @@ def test_switched_off_and_reserved_keys_refused(cluster) -> None:
         c.remove_all(force=True)
 
 
+def test_commit_applied_twice_as_after_a_lost_reply_still_succeeds(cluster) -> None:
+    """The RPC layer re-sends a commit after a lost reply or a failover: each `PutEnd` and
+    `PutCommit` here reaches the master twice (the first reply dropped); every put returns,
+    reads back and counts once; another client's commit of the key is still refused."""
+    addr = cluster[0].info["address"]
+    with StoreClient(ClientConfig(master=addr)) as c, \
+            StoreClient(ClientConfig(master=addr)) as other:
+        call, repeated = c.rpc.call, []
+
+        def twice(msg: Message) -> Message:
+            if isinstance(msg, (m.PutEnd, m.PutCommit)):
+                call(msg)  # applied; its reply is lost
+                repeated.append(type(msg).__name__)
+            return call(msg)
+
+        c.rpc.call = twice  # type: ignore[method-assign]
+        puts = other.stats()["puts"]
+        for i in range(4):
+            c.put(f"twice/{i}", bytes([i]) * 5000)
+        assert repeated == ["PutEnd", "PutEnd", "PutCommit", "PutCommit"]
+        assert [c.get(f"twice/{i}") for i in range(4)] == [bytes([i]) * 5000 for i in range(4)]
+        st = other.stats()
+        assert st["puts"] == puts + 4 and st["reservations"] == 1
+        with pytest.raises(StoreRpcError, match="NOT_PENDING"):
+            other.rpc.call(m.PutEnd(client=other.client_id, key="twice/0"))
+        c.remove_all(force=True)
+
+
 def test_reservation_idle_too_long_is_not_used(cluster) -> None:
     # a 1 s transfer timeout makes the master give 1 s of write time: usable for 0.5 s
     with StoreClient(ClientConfig(master=cluster[0].info["address"],

@@ -3,10 +3,11 @@
 Life of a value here: ``put_start`` validates the request, places replicas on distinct DRAM
 segments (`placement`), allocates their ranges (`allocator`) and records a PENDING object that
 no reader can see; the client writes the bytes through the transfer engine, then ``put_end``
-commits it (visible, immutable, a STORED event) or ``put_revoke`` frees it. ``get_replicas``
-returns the DRAM replicas and grants a read lease (an SSD-only value is first promoted into its
-owner's DRAM, the reply is deferred until then); probes (``exists``, ``prefix_match``) grant
-nothing. Removal and pins are `removal`'s handlers; reservations (one-RPC puts) `reserve`'s.
+commits it (visible, immutable, a STORED event; the object keeps its committing client as
+``owner``, so a commit retried after a lost reply answers OK) or ``put_revoke`` frees it.
+``get_replicas`` returns the DRAM replicas and grants a read lease (an SSD-only value is first
+promoted into its node's DRAM, the reply is deferred until then); probes (``exists``,
+``prefix_match``) grant nothing. Removal and pins are `removal`'s handlers; reservations (one-RPC puts) `reserve`'s.
 Eviction, tiering and sessions live in `eviction` and `segments`; the RPC adapter is `service`.
 
 The core never does I/O: it reads time from a `Clock`, and leaves work for its adapter in
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 C = m.Code
 MAX_KEY = 4096
 MAX_REPLICAS = 16
+MAX_OWNERS = 1 << 16
 COMMITTED = ObjState.COMMITTED
 PENDING = ObjState.PENDING
 
@@ -62,6 +64,7 @@ class MasterCore:
         self.tasks: dict[int, Task] = {}
         self.drains = migration.Drains()
         self._sizes: dict[int, int] = {}
+        self._owners: dict[str, str] = {}
         self.next_seg = 1
         self.next_task = 1
         self.events: list[tuple[int, str, list[str]]] = []
@@ -227,9 +230,27 @@ class MasterCore:
             return None, f"pending put of {key!r} belongs to another client"
         return o, ""
 
+    def committed_by(self, client: str, key: str) -> Obj | None:
+        """``key``'s object if it is COMMITTED and ``client`` committed it, else None: a
+        `PutEnd` / `PutCommit` retried by the RPC layer after a lost reply finds it so."""
+        o = self.objs.get(key)
+        return o if o is not None and o.state == COMMITTED and o.owner == client else None
+
+    def owner_id(self, client: str) -> str:
+        """``client`` as one string shared by every object it committed (a decoded message
+        brings a new string each time); the table is forgotten when it holds `MAX_OWNERS`."""
+        got = self._owners.get(client)
+        if got is None:
+            if len(self._owners) >= MAX_OWNERS:
+                self._owners.clear()
+            got = self._owners[client] = client
+        return got
+
     def _end_one(self, client: str, key: str) -> tuple[C, str]:
         o, text = self._pending_of(client, key)
         if o is None:
+            if self.committed_by(client, key) is not None:
+                return C.OK, ""  # a retry whose first try committed (reply lost, failover)
             return C.NOT_PENDING, text
         if key in self.reservations.by_key:
             return C.BAD_REQUEST, f"{key!r} is a reservation: fill it with PutCommit"
@@ -237,7 +258,7 @@ class MasterCore:
             self._drop(key, o, event=False)
             return C.NOT_FOUND, f"every segment written for {key!r} was lost; value discarded"
         o.state = COMMITTED
-        o.owner = None
+        o.owner = self.owner_id(client)  # kept: a retried commit of this client answers OK
         del self.pending[key]
         self.expiry.pop(key, None)
         self._log(["commit", key])

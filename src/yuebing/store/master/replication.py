@@ -44,7 +44,9 @@ def _apply_put(core: MasterCore, e: list[Any]) -> None:
 
 def _apply_commit(core: MasterCore, e: list[Any]) -> None:
     o = core.objs[e[1]]
-    o.state, o.owner = ObjState.COMMITTED, None
+    o.state = ObjState.COMMITTED
+    if o.owner is not None:  # kept, shared per client, as on the leader (`MasterCore._end_one`)
+        o.owner = core.owner_id(o.owner)
     core.pending.pop(e[1], None)
     core.expiry.pop(e[1], None)
 
@@ -93,17 +95,22 @@ def apply_entries(core: MasterCore, entries: list[list[Any]]) -> None:
 
 
 def snapshot(core: MasterCore) -> bytes:
-    """Every durable record of ``core`` as one msgpack blob (times made relative)."""
+    """Every durable record of ``core`` as one msgpack blob (times made relative). An object's
+    owner (pending: the writer; committed: the client whose retried commit answers OK) is an
+    index into ``owners``, so a client's id is sent once, not once per value."""
     now = core.clock.now()
     segs = [[s.id, s.name, s.size, s.tier, s.node, s.client, int(s.state)]
             for s in core.segs.values()]
-    objs = [[k, o.size, o.checksum, o.reps, int(o.state), o.owner, o.pin,
+    owners: dict[str | None, int | None] = {None: None}  # each owner once, rows index it
+    objs = [[k, o.size, o.checksum, o.reps, int(o.state),
+             owners.setdefault(o.owner, len(owners) - 1), o.pin,
              max(0.0, o.soft - now) if o.soft else 0.0] for k, o in core.objs.items()]
     tasks = [[tid, t.dst[0], t.dst[1], t.size, max(0.0, t.expiry - now)]
              for tid, t in core.tasks.items()]
     return msgspec.msgpack.encode({"segs": segs, "objs": objs, "next_seg": core.next_seg,
                                    "quarantine": core.quarantine.dump(now), "tasks": tasks,
-                                   "reservations": core.reservations.dump()})
+                                   "reservations": core.reservations.dump(),
+                                   "owners": [c for c in owners if c is not None]})
 
 
 def load_snapshot(core: MasterCore, blob: bytes) -> None:
@@ -120,7 +127,10 @@ def load_snapshot(core: MasterCore, blob: bytes) -> None:
     core.reservations.clear()
     for sid, name, size, tier, node, client, st in state["segs"]:
         segments.add_segment(core, sid, name, size, tier, node, client, None).state = SegState(st)
+    owners = state.get("owners", [])
     for key, size, checksum, reps, st, owner, pin, soft_s in state["objs"]:
+        if isinstance(owner, int):
+            owner = owners[owner]
         _apply_put(core, ["put", key, size, checksum, reps, owner, pin, soft_s])
         if st == ObjState.COMMITTED:
             _apply_commit(core, ["commit", key])
@@ -160,6 +170,7 @@ def take_over(core: MasterCore) -> None:
         core.pending[key] = core.expiry[key] = now + core.cfg.put_timeout_s
     core.tasks.clear()
     core.next_task = max(core.next_task, (1 << 48) + secrets.randbits(48))
+    core.reservations.seq = max(core.reservations.seq, secrets.randbits(48))  # no name reuse
     core.log = []
     log.warning("took over as leader: %d objects, %d segments, %d destinations of tasks in "
                 "flight quarantined", len(core.objs), len(core.segs), fenced)

@@ -9,7 +9,12 @@ after), session expiry and the write fence (its ranges quarantined when dropped)
 any put; no probe, listing, removal, eviction or event sees pending objects. The client writes
 the next value into it and sends `PutCommit`: `commit` checks it (pending, this client's, write
 expiry not passed, same shape, key free), renames the pending object to the user's key, sets
-checksum and pins, commits it like `PutEnd` and may hand out the next reservation.
+checksum and pins, commits it like `PutEnd` and may hand out the next reservation. A retried
+`PutCommit` whose first try committed (the reservation is gone, the key is COMMITTED by this
+client with the same size and checksum) answers `PutCommitted` again, with the client's
+reservation of that shape (the one the lost reply carried, or a new one) when it asks for
+the next; the commit itself is not counted, logged or announced again. A new leader numbers reservations from a random base (`take_over`), so
+a retry never meets a new reservation under the name its first try consumed.
 
 A client holds at most `MAX_PER_CLIENT` reservations (one per shape): asking again for a shape
 it holds returns the same one (a retried request after a lost reply leaks nothing), and a new
@@ -139,6 +144,12 @@ def commit(core: MasterCore, msg: m.PutCommit) -> m.Message:
     got = core.reservations.by_key.get(name)
     o = core.objs.get(name)
     if got is None or o is None or o.state != ObjState.PENDING:
+        done = core.committed_by(msg.client, key)
+        if done is not None and (done.size, done.checksum) == (it.size, it.checksum):
+            # a retry whose first try committed (reply lost, failover): OK, and the next
+            # reservation it may have placed (`reserve` returns the one held of this shape)
+            return m.PutCommitted(reservation=reserve(core, msg.client, it)
+                                  if msg.reserve_next else None)
         return m.Err(code=C.NOT_PENDING, message=f"no reservation {name!r} (revoked, expired, "
                      "reclaimed or already used); put the value again")
     if got[0] != msg.client:

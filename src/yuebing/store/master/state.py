@@ -26,8 +26,9 @@ class SegState(IntEnum):
 
 class Obj:
     """One value. ``reps`` is a tuple of ``(segment id, offset)``; ``lease`` / ``soft`` are expiry
-    times (0.0 = none); ``owner`` is set only while PENDING (its deadline lives in the core's
-    ``pending`` dict); ``moving`` is the id of an in-flight tier task (0 = none)."""
+    times (0.0 = none); ``owner`` is the client that put it (while PENDING its deadline lives
+    in the core's ``pending`` dict; once COMMITTED it only lets that client's retried commit
+    answer OK); ``moving`` is the id of an in-flight tier task (0 = none)."""
 
     __slots__ = ("checksum", "lease", "moving", "owner", "pin", "reps", "size", "soft", "state")
 
