@@ -302,16 +302,14 @@ class MasterCore:
         self.counters["gets"] += 1
         o.lease = self.clock.now() + self.cfg.lease_ttl_s
         self.objs[key] = self.objs.pop(key)  # LRU: most recent at the end
-        reps = self._dram_reps(o)
+        reps = self._dram_reps(o, key)
         if reps:
             return m.ReplicaList(key=key, size=o.size, checksum=o.checksum, replicas=reps)
         code, text = segments.promote(self, key, o, waiter)
         return None if code == C.OK else err(code, text)
 
-    def _dram_reps(self, o: Obj) -> list[m.Replica]:
-        segs = self.segs
-        return [m.Replica(segment=segs[s].name, offset=off) for s, off in o.reps
-                if segs[s].tier == 0]
+    def _dram_reps(self, o: Obj, key: str | None = None) -> list[m.Replica]:
+        return migration.dram_replicas(self, o, key)
 
     def batch_get_replicas(self, msg: m.BatchGetReplicas) -> Message:
         codes: list[int] = []

@@ -53,8 +53,8 @@ def watermark(core: MasterCore) -> int:
 
 
 def drain(core: MasterCore) -> int:
-    """Drop the replicas on draining segments of values that keep one elsewhere (not leased,
-    not moving); returns the bytes freed. Called every tick; walks only the keys that
+    """Drop the replicas on draining segments of values that keep one elsewhere (no reader may
+    still hold that replica — `migration.reader_may_hold` —, not moving); returns the bytes freed. Called every tick; walks only the keys that
     `migration.index` filed as spare on draining segments that still hold something."""
     draining = [s.id for s in core.segs.values()
                 if s.state == SegState.DRAINING and s.alloc is not None and s.alloc.used]
@@ -76,7 +76,8 @@ def drain(core: MasterCore) -> int:
             if o is None or not any(r[0] == sid for r in o.reps):
                 gone.append(key)
                 continue
-            if o.state != ObjState.COMMITTED or o.lease > now or o.moving or key in picked:
+            if (o.state != ObjState.COMMITTED or o.moving or key in picked
+                    or migration.reader_may_hold(core, key, o, sid, now)):
                 continue
             mine = [r for r in o.reps if segs[r[0]].state == SegState.DRAINING]
             if len(mine) < len(o.reps):

@@ -64,7 +64,8 @@ class Drains:
 ``refresh`` last walked each risk set). ``inflight``
     (standby only) maps the leader's task ids to (segment, offset, size, write expiry)."""
 
-    __slots__ = ("dirty", "inflight", "min_size", "queue", "risk", "spare", "tried", "walked")
+    __slots__ = ("dirty", "handed", "inflight", "min_size", "queue", "risk", "since", "spare",
+                 "tried", "walked")
 
     def __init__(self) -> None:
         self.queue: dict[str, None] = {}
@@ -75,6 +76,42 @@ class Drains:
         self.walked: dict[int, float] = {}  # draining segment -> when `refresh` last walked it
         self.dirty = False
         self.inflight: dict[int, tuple[int, int, int, float]] = {}
+        self.since: dict[int, float] = {}  # draining segment -> when it started (master clock)
+        self.handed: dict[str, float] = {}  # key -> lease end of a reply naming a draining replica
+
+
+def dram_replicas(core: MasterCore, o: Obj, key: str | None = None) -> list[m.Replica]:
+    """The DRAM replicas a reader of ``o`` is given (`MasterCore.get_replicas`, promotions):
+    those on draining segments only when it has no other, so a hot value does not hold a drain
+    up; giving one out is noted under ``key`` (see `reader_may_hold`)."""
+    segs = core.segs
+    reps = [(segs[s], off) for s, off in o.reps if segs[s].tier == 0]
+    for sg, _ in reps:
+        if sg.state == DRAINING:
+            active = [r for r in reps if r[0].state != DRAINING]
+            if active:
+                reps = active
+            elif key is not None:
+                core.drains.handed[key] = o.lease
+            break
+    return [m.Replica(segment=sg.name, offset=off) for sg, off in reps]
+
+
+def reader_may_hold(core: MasterCore, key: str, o: Obj, sid: int, now: float) -> bool:
+    """Whether a reader may still be copying ``o``'s replica on draining segment ``sid``: one
+    was handed it during the drain and its lease runs, or ``o``'s lease was granted before the
+    drain started (then every replica was given out). A lease granted later, with no hand-out
+    noted, named only replicas elsewhere: it does not hold the draining one."""
+    d = core.drains
+    handed = d.handed.get(key)
+    if handed is not None:
+        if handed > now:
+            return True
+        del d.handed[key]
+    if o.lease <= now:
+        return False
+    since = d.since.get(sid)
+    return since is None or o.lease - core.cfg.lease_ttl_s <= since
 
 
 def at_risk(core: MasterCore, o: Obj) -> bool:
@@ -166,7 +203,7 @@ def refresh(core: MasterCore, sid: int) -> tuple[int, int]:
         o = objs.get(key)
         if o is None or not any(r[0] == sid for r in o.reps):
             gone.append(key)
-        elif o.lease > now:
+        elif reader_may_hold(core, key, o, sid, now):
             leased += 1
     spare.difference_update(gone)
     return 0, leased

@@ -164,6 +164,9 @@ def take_over(core: MasterCore) -> None:
         held = core.quarantine.settle(sid, used[sid], align)
         s.alloc = OffsetAllocator.rebuild(s.size, align, used[sid] + held)
     now = core.clock.now()
+    for sid, seg in core.segs.items():  # leases above may name their replicas: conservative
+        if seg.state == SegState.DRAINING:
+            core.drains.since[sid] = now
     for sess in core.sessions.values():
         sess.deadline = now + core.cfg.client_ttl_s
     for key in core.pending:

@@ -88,6 +88,7 @@ def drain(core: MasterCore, msg: m.Drain) -> m.Message:
         return s
     if s.state != SegState.DRAINING:
         s.state = SegState.DRAINING
+        core.drains.since[s.id] = core.clock.now()
         core._log(["drain", s.id])
         log.warning("segment %s is draining", s.name)
         reserve.drop_on_segment(core, s.id, f"segment {s.name} is draining")
@@ -103,6 +104,9 @@ def drop_segment(core: MasterCore, sid: int) -> None:
     reserve.drop_on_segment(core, sid, "segment unmounted")
     s = core.segs.pop(sid)
     del core.seg_by_name[s.name]
+    core.drains.since.pop(sid, None)
+    if not core.drains.since:  # no drain left: forget the hand-outs noted for them
+        core.drains.handed.clear()
     sess = core.sessions.get(s.client)
     if sess is not None:
         sess.segs.discard(sid)

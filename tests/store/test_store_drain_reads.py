@@ -1,0 +1,57 @@
+"""Reads during a drain: a reader is given a value's replicas on draining segments only when it
+has no other DRAM replica, so a hot value with a copy elsewhere does not hold the drain up; a
+reader who was given a draining replica (or leased the value before the drain began) does."""
+
+from __future__ import annotations
+
+from test_store_drain import done, drain, make, put, tasks
+
+from yuebing.store import messages as m
+from yuebing.store.master import eviction
+
+C = m.Code
+
+
+def _get(core, key: str) -> list[str]:
+    r = core.handle(m.GetReplicas(key=key))
+    assert isinstance(r, m.ReplicaList), r
+    return [x.segment for x in r.replicas]
+
+
+def _status(core, seg: str) -> m.DrainStatus:
+    r = core.handle(m.Drain(client=seg.split("/")[0], segment=seg))
+    assert isinstance(r, m.DrainStatus), r
+    return r
+
+
+def test_hot_value_with_a_copy_elsewhere_does_not_hold_the_drain() -> None:
+    core = make()
+    ttl = core.cfg.lease_ttl_s
+    put(core, "hot", "n0/dram", "n1/dram")
+    assert sorted(_get(core, "hot")) == ["n0/dram", "n1/dram"]  # leased before the drain
+    assert drain(core, "n0/dram") == 0  # not at risk: n1 holds a copy
+    assert _status(core, "n0/dram").leased == 1  # that reader may be copying from n0
+    t = core.clock.now()
+    while core.clock.now() < t + 2 * ttl:  # read all the time: the lease never lapses
+        core.clock.advance_to(core.clock.now() + ttl / 4)  # type: ignore[attr-defined]
+        assert _get(core, "hot") == ["n1/dram"]  # never the draining replica
+    assert core.objs["hot"].lease > core.clock.now()
+    assert _status(core, "n0/dram").leased == 0
+    eviction.drain(core)
+    assert [core.segs[s].name for s, _ in core.objs["hot"].reps] == ["n1/dram"]
+
+
+def test_a_reader_given_the_draining_replica_holds_it_until_its_lease_ends() -> None:
+    core = make()
+    ttl = core.cfg.lease_ttl_s
+    put(core, "v", "n0/dram")
+    assert drain(core, "n0/dram") == 1  # its only copy: migrated
+    (owner, task), = tasks(core)
+    assert _get(core, "v") == ["n0/dram"]  # read mid-migration: the draining copy is all there is
+    done(core, owner, task)
+    assert _get(core, "v") == [task.dst_segment]  # from now on only the new copy
+    st = _status(core, "n0/dram")
+    assert (st.at_risk, st.leased) == (0, 1)  # the reader given n0's copy may still copy
+    core.clock.advance_to(core.clock.now() + ttl + 0.1)  # type: ignore[attr-defined]
+    assert _get(core, "v") == [task.dst_segment]  # a hot value, but its reads are elsewhere
+    assert _status(core, "n0/dram").leased == 0
