@@ -56,11 +56,17 @@ def _run_master(ns: argparse.Namespace) -> int:
     return 0
 
 
+NODE_CLIENT_FIELDS = ("master", "client_id", "rpc_timeout_s", "heartbeat_s", "failover_s",
+                      "transfer_timeout_s")
+"""The `ClientConfig` fields a storage node uses (its master connection, migration writes);
+the put/get ones (replicas, checksums, reserve-ahead, ...) are not offered as its flags."""
+
+
 def _add_node(p: argparse.ArgumentParser) -> None:
     from yuebing.transfer import TransferConfig
 
     add_config_args(p, NodeConfig)
-    add_config_args(p, ClientConfig)
+    add_config_args(p, ClientConfig, only=NODE_CLIENT_FIELDS)
     add_config_args(p, TransferConfig, prefix="tx_")
     p.add_argument("--ready-file", default="", help="write {dram, ssd} segment names JSON here")
     p.add_argument("--drain-s", type=float, default=2.0,

@@ -14,7 +14,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 from yuebing.core.errors import ConfigError
@@ -83,15 +83,20 @@ def _base_type(tp: Any) -> Any:
     return tp
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
-    """Add one ``--flag`` per field of dataclass ``cls`` (bools become ``--x/--no-x``).
+def add_config_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
+                    only: Collection[str] | None = None) -> None:
+    """Add one ``--flag`` per field of dataclass ``cls`` (bools become ``--x/--no-x``), or per
+    field named in ``only`` (a command that uses a few of them offers no flags it ignores).
 
     Nested dataclass fields are skipped (compose them with their own prefix). Defaults are left
     as ``None`` so `config_from_args` only overrides what the user typed.
     """
     hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    if only is not None and not set(only) <= names:
+        raise ValueError(f"{cls.__name__} has no fields {sorted(set(only) - names)}")
     for f in dataclasses.fields(cls):
-        if not f.init:
+        if not f.init or (only is not None and f.name not in only):
             continue
         tp = _base_type(hints[f.name])
         if dataclasses.is_dataclass(tp):
