@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from yuebing.core.errors import ConfigError, InputError, TransferError
-from yuebing.transfer import BatchId, OpCode, TransferConfig, TransferRequest, TransferStatus
+from yuebing.transfer import (
+    BatchId,
+    EmbeddedMetadata,
+    OpCode,
+    TransferConfig,
+    TransferEngine,
+    TransferRequest,
+    TransferStatus,
+)
 from yuebing.transfer.batch import Batch, RequestState, Slice, split_ranges
 from yuebing.transfer.pool import SieveCache
 
@@ -150,7 +158,9 @@ def test_request_validation_errors() -> None:
 @pytest.mark.parametrize(("field", "value", "match"), [
     ("lanes", 0, "lanes must be in 1..64"),
     ("slice_size", 100, "slice_size must be in 4KiB..1GiB"),
-    ("timeout_s", 0.0, "timeout_s must be > 0"),
+    ("timeout_s", 0.0, "timeout_s must be a finite number of seconds > 0"),
+    ("timeout_s", float("inf"), "timeout_s must be a finite number of seconds > 0"),
+    ("io_timeout_s", float("nan"), "io_timeout_s must be a finite number of seconds > 0"),
     ("transports", ("rdma",), "transports must be"),
     ("metadata", "zookeeper://x", "metadata must be"),
     ("max_endpoints", 0, "max_endpoints must be >= 1"),
@@ -158,3 +168,12 @@ def test_request_validation_errors() -> None:
 def test_config_rejects_bad_values(field: str, value: object, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         TransferConfig(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("timeout", [0.0, -1.0, float("inf"), float("nan")])
+def test_submit_refuses_a_timeout_that_is_not_a_finite_time(timeout: float) -> None:
+    """A batch's deadline travels on its write frames as the fence: it must be a real time."""
+    with TransferEngine(TransferConfig(engine_id="t"), metadata=EmbeddedMetadata()) as eng:
+        eng.register_segment("seg", size=4096)
+        with pytest.raises(InputError, match="finite number of seconds"):
+            eng.submit([TransferRequest(OpCode.WRITE, b"abc", "seg", 0)], timeout_s=timeout)

@@ -80,7 +80,7 @@ class TransferConfig:
                 f"slice_size must be in 4KiB..1GiB, got {self.slice_size}")
         for name in ("timeout_s", "connect_timeout_s", "io_timeout_s"):
             v = getattr(self, name)
-            require(v > 0, f"{name} must be > 0 seconds, got {v}")
+            require(0 < v < 1e9, f"{name} must be a finite number of seconds > 0, got {v}")
         require(0 <= self.write_grace_s <= 60,
                 f"write_grace_s must be in 0..60 seconds, got {self.write_grace_s}")
         require(0 <= self.max_retries <= 16, f"max_retries must be in 0..16, got {self.max_retries}")

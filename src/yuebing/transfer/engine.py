@@ -179,8 +179,8 @@ class TransferEngine:
         if not requests:
             raise InputError("a batch needs at least one request")
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
-        if timeout <= 0:
-            raise InputError(f"timeout_s must be > 0, got {timeout}")
+        if not 0 < timeout < 1e9:  # a write frame carries its deadline: it must be a time
+            raise InputError(f"timeout_s must be a finite number of seconds > 0, got {timeout}")
         plan = self._validate(requests)
         eps: dict[str, Endpoint | str] = {}  # per segment name: its endpoint, or why none
         states: list[RequestState] = []
