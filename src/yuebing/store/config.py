@@ -145,7 +145,8 @@ class ClientConfig:
         require(self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}")
         require(self.placement in ("", *PLACEMENTS),
                 f"--placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
-        require(self.transfer_timeout_s > 0, "--transfer-timeout-s must be > 0")
+        require(0 < self.transfer_timeout_s < 1e9,
+                f"--transfer-timeout-s must be a finite number of seconds > 0, got {self.transfer_timeout_s}")
         require(self.failover_s >= 0, "--failover-s must be >= 0")
 
     @property
