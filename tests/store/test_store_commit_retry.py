@@ -12,7 +12,7 @@ from test_store_replication import durable, leader_and_standby, ship
 from test_store_reserve import SIZE, commit, start
 
 from yuebing.store import messages as m
-from yuebing.store.master import replication
+from yuebing.store.master import replication, reserve
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.state import ObjState
 
@@ -149,3 +149,73 @@ def test_snapshot_lists_each_owner_once() -> None:
     replication.load_snapshot(standby, hub.subscribe("sb", 1).state)
     assert [o.owner for o in standby.objs.values()] == ["c0", "c1", "c0", "c1"]
     assert standby.objs["k3"].state == ObjState.PENDING and "k3" in standby.pending
+
+
+def test_a_commit_through_a_gone_reservation_never_replaces_a_stored_value() -> None:
+    """Checksums off (-1): a second put of a stored key with a different value of the same size,
+    through a reservation the master dropped (revoke, drain, cap) or one consumed for another
+    key, is no retry: refused, and the client's two-phase fallback gets EXISTS."""
+    core, _ = make(segs=2, dram=256 * KiB)
+    t = start(core, "k", checksum=-1, strategy="preferred", preferred=["n0/dram"])
+    assert core.handle(m.PutEnd(client="c", key="k")) == m.Ok()
+    r = t.reservation
+    assert r is not None and core.handle(m.PutRevoke(client="c", key=r.key)) == m.Ok()
+    d = start(core, "v", checksum=-1, strategy="preferred", preferred=["n1/dram"]).reservation
+    assert d is not None and core.handle(m.PutEnd(client="c", key="v")) == m.Ok()
+    assert isinstance(core.handle(m.Drain(client="n1", segment="n1/dram")), m.DrainStatus)
+    assert d.key not in core.objs
+    used = start(core, "w", checksum=-1).reservation
+    assert used is not None and core.handle(m.PutEnd(client="c", key="w")) == m.Ok()
+    assert isinstance(commit(core, used.key, "x", checksum=-1), m.PutCommitted)
+    counters, events = dict(core.counters), list(core.events)
+    for name in (r.key, d.key, used.key):  # revoked, dropped by the drain, consumed for "x"
+        for key in ("k", "w"):
+            msg = commit(core, name, key, checksum=-1, nxt=False)
+            assert isinstance(msg, m.Err) and msg.code == C.NOT_PENDING, (name, key, msg)
+    again = core.handle(m.PutStart(client="c", item=m.PutItem(key="k", size=SIZE)))
+    assert isinstance(again, m.Err) and again.code == C.EXISTS
+    assert core.counters == counters and core.events == events
+    assert commit(core, used.key, "x", checksum=-1, nxt=False) == m.PutCommitted(reservation=None)
+
+
+def test_the_record_of_recent_commits_is_bounded_per_client_and_in_clients() -> None:
+    core, _ = make(dram=4096 * KiB)
+    rs = core.reservations
+    r = start(core, "a", size=1).reservation
+    assert r is not None
+    names = []
+    for i in range(reserve.RECENT_PER_CLIENT + 1):
+        names.append(r.key)
+        done = commit(core, r.key, f"b{i}", size=1)
+        assert isinstance(done, m.PutCommitted) and done.reservation is not None
+        r = done.reservation
+    assert len(rs.recent["c"]) == reserve.RECENT_PER_CLIENT
+    assert commit(core, names[0], "b0", size=1, nxt=False).code == C.NOT_PENDING  # type: ignore[union-attr]
+    assert commit(core, names[1], "b1", size=1, nxt=False) == m.PutCommitted(reservation=None)
+    for i in range(reserve.RECENT_CLIENTS):
+        c = f"d{i}"
+        got = start(core, f"e{i}", client=c, size=1).reservation
+        assert got is not None and isinstance(commit(core, got.key, f"f{i}", client=c, size=1,
+                                                     nxt=False), m.PutCommitted)
+    assert len(rs.recent) == reserve.RECENT_CLIENTS and "c" not in rs.recent
+
+
+def test_a_standby_loaded_from_a_snapshot_answers_a_retried_commit() -> None:
+    leader, standby, hub = leader_and_standby()
+    leader.handle(m.Mount(client="n0", segment="s0", size=64 * KiB))
+    t = leader.handle(m.PutStart(client="c", item=m.PutItem(key="a", size=KiB),
+                                 reserve_next=True))
+    assert isinstance(t, m.PutTargets) and t.reservation is not None
+    leader.handle(m.PutEnd(client="c", key="a"))
+    assert isinstance(leader.handle(m.PutCommit(client="c", reservation=t.reservation.key,
+                                                item=m.PutItem(key="b", size=KiB))), m.PutCommitted)
+    hub.publish()
+    replication.load_snapshot(standby, hub.subscribe("sb", 1).state)
+    assert standby.reservations.recent == leader.reservations.recent == {
+        "c": {t.reservation.key: "b"}}
+    replication.take_over(standby)
+    assert standby.handle(m.PutCommit(client="c", reservation=t.reservation.key,
+                                      item=m.PutItem(key="b", size=KiB))) == m.PutCommitted()
+    refused = standby.handle(m.PutCommit(client="c", reservation=t.reservation.key,
+                                         item=m.PutItem(key="a", size=KiB)))
+    assert isinstance(refused, m.Err) and refused.code == C.NOT_PENDING

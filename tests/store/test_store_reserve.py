@@ -154,3 +154,30 @@ def test_drain_unmount_and_session_expiry_drop_reservations() -> None:
     core.handle(m.Heartbeat(client="n0"))
     core.tick()  # client "c" silent past client_ttl_s: its pending puts and reservation go
     assert r3.key not in core.objs and len(core.reservations) == 0
+
+
+def test_reservations_are_placed_from_free_space_only() -> None:
+    """A speculative reservation never evicts a stored value nor counts as ``no_space``: on a
+    full cache the reply carries none (the next put goes the two-phase way)."""
+    core, clock = make(dram=16 * SIZE)
+    for i in range(16):
+        assert put(core, f"k{i}") == m.Ok()
+    clock.advance_to(clock.now() + 100)  # leases over: every value is evictable
+    t = core.handle(m.PutStart(client="c", item=m.PutItem(key="x", size=SIZE), reserve_next=True))
+    assert isinstance(t, m.PutTargets) and t.reservation is None  # "x" evicted one value
+    assert core.handle(m.PutEnd(client="c", key="x")) == m.Ok()
+    for c in "def":  # other clients: each put evicts one value for itself, no more
+        t = core.handle(m.PutStart(client=c, item=m.PutItem(key=f"y{c}", size=SIZE),
+                                   reserve_next=True))
+        assert isinstance(t, m.PutTargets) and t.reservation is None
+    assert (core.counters["evictions"], core.counters["no_space"]) == (4, 0)
+    assert sum(exists(core, *[f"k{i}" for i in range(16)])) == 12
+    assert core.stats().values["reservations"] == 0
+    core.handle(m.Remove(key="x"))  # free room again: the reservation is placed
+    t = core.handle(m.PutStart(client="c", item=m.PutItem(key="z", size=SIZE), reserve_next=True))
+    assert isinstance(t, m.PutTargets) and t.reservation is None  # "z" took the freed room
+    core.handle(m.Remove(key="k15"))
+    core.handle(m.Remove(key="k14"))
+    t = core.handle(m.PutStart(client="c", item=m.PutItem(key="w", size=SIZE), reserve_next=True))
+    assert isinstance(t, m.PutTargets) and t.reservation is not None
+    assert core.counters["evictions"] == 4 and core.counters["no_space"] == 0

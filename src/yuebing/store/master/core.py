@@ -162,7 +162,8 @@ class MasterCore:
 
     def _put_one(self, client: str, it: m.PutItem,
                  internal: bool = False) -> tuple[C, list[m.Replica] | str]:
-        """Place and allocate a pending put (``internal``: a reservation of `reserve`)."""
+        """Place and allocate a pending put (``internal``: a reservation of `reserve`, placed
+        from free space only: no eviction for it, and no room is not counted as ``no_space``)."""
         problem = self._check_item(it) or ("" if internal else reserve.check_key(it.key))
         if problem:
             return C.BAD_REQUEST, problem
@@ -173,11 +174,11 @@ class MasterCore:
                 return C.OK, [m.Replica(segment=self.segs[s].name, offset=off) for s, off in o.reps]
             return C.EXISTS, f"key {it.key!r} exists (values are immutable)"
         placed = self._place(client, it)
-        if not placed:
+        if not placed and not internal:
             eviction.evict_for(self, it.size)
             placed = self._place(client, it)
         if not placed:
-            self.counters["no_space"] += 1
+            self.counters["no_space"] += not internal
             return C.NO_SPACE, f"no DRAM segment has {it.size} free bytes"
         now = self.clock.now()
         soft = now + it.soft_pin_s if it.soft_pin_s else 0.0

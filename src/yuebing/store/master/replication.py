@@ -2,7 +2,8 @@
 new leader starts empty).
 
 The leader's core appends an entry to ``core.log`` for every change of durable metadata
-(segments, puts, reservations and their renames at commit, commits, deletions, replica
+(segments, puts, reservations and their renames at commit (which also feed each client's
+record of recent commits, `reserve.Reservations.recent`), commits, deletions, replica
 moves, pins, node tasks' destinations while they run); leases and recency are not
 replicated (a new leader leases every value for ``lease_ttl_s``, see `take_over`). `ReplicationHub` (leader side) answers a `ReplSubscribe` with a `ReplSnapshot`, then
 streams `ReplEntries`; each standby answers `ReplAck`. With ``sync_replication`` the service holds
@@ -110,6 +111,7 @@ def snapshot(core: MasterCore) -> bytes:
     return msgspec.msgpack.encode({"segs": segs, "objs": objs, "next_seg": core.next_seg,
                                    "quarantine": core.quarantine.dump(now), "tasks": tasks,
                                    "reservations": core.reservations.dump(),
+                                   "recent_commits": core.reservations.dump_recent(),
                                    "owners": [c for c in owners if c is not None]})
 
 
@@ -136,6 +138,7 @@ def load_snapshot(core: MasterCore, blob: bytes) -> None:
             _apply_commit(core, ["commit", key])
     for row in state.get("reservations", []):
         reserve.apply_resv(core, ["resv", *row])
+    core.reservations.load_recent(state.get("recent_commits", []))
     core.next_seg = max(core.next_seg, state["next_seg"])
     core.quarantine.load(core.clock.now(), state.get("quarantine", []))
     for tid, sid, off, size, left in state.get("tasks", []):

@@ -3,18 +3,26 @@ put in a stream of same-shaped values costs one RPC (`PutCommit`) instead of two
 
 Life of a reservation: a `PutStart` or `PutCommit` with ``reserve_next`` asks for one; `reserve`
 places it like a put of the same shape (size, replicas, strategy, preferred) under an internal
-key (``RESERVED_PREFIX + client/n``) and records its shape here. It is an ordinary pending put
+key (``RESERVED_PREFIX + client/n``), from free space only (it never evicts a stored value for
+room that may go unused; with no room the reply carries none), and records its shape here. It
+is an ordinary pending put
 otherwise, so replication, write expiry, zombie reclaim (at its write expiry: it is useless
 after), session expiry and the write fence (its ranges quarantined when dropped) apply as to
 any put; no probe, listing, removal, eviction or event sees pending objects. The client writes
 the next value into it and sends `PutCommit`: `commit` checks it (pending, this client's, write
 expiry not passed, same shape, key free), renames the pending object to the user's key, sets
 checksum and pins, commits it like `PutEnd` and may hand out the next reservation. A retried
-`PutCommit` whose first try committed (the reservation is gone, the key is COMMITTED by this
-client with the same size and checksum) answers `PutCommitted` again, with the client's
-reservation of that shape (the one the lost reply carried, or a new one) when it asks for
-the next; the commit itself is not counted, logged or announced again. A new leader numbers reservations from a random base (`take_over`), so
-a retry never meets a new reservation under the name its first try consumed.
+`PutCommit` whose first try committed (the reservation is gone, its name is in the client's
+record of recent commits (`Reservations.recent`) for this very key, and the key is COMMITTED by
+this client with the same size and checksum) answers `PutCommitted` again, with the client's
+reservation of that shape (the one the lost reply carried, or a new one) when it asks for the
+next; the commit itself is not counted, logged or announced again. Any other commit through a
+gone reservation is refused, even of a key the client stored with the same size and checksum
+(with checksums off, -1, that may be a different value). The record is kept wherever a rename
+is applied (leader and standbys) and carried in snapshots, so a retry after failover succeeds;
+it is bounded (`RECENT_PER_CLIENT` names per client, `RECENT_CLIENTS` clients), not per object.
+A new leader numbers reservations from a random base (`take_over`), so a retry never meets a
+new reservation under the name its first try consumed.
 
 A client holds at most `MAX_PER_CLIENT` reservations (one per shape): asking again for a shape
 it holds returns the same one (a retried request after a lost reply leaks nothing), and a new
@@ -41,6 +49,10 @@ log = logging.getLogger(__name__)
 C = m.Code
 PREFIX = m.RESERVED_PREFIX
 MAX_PER_CLIENT = 4
+RECENT_PER_CLIENT = 64
+"""Consumed reservation names remembered per client (a retry comes within a few puts)."""
+RECENT_CLIENTS = 1024
+"""Clients with such a record; the one that committed least recently is forgotten first."""
 
 Shape = tuple[int, int, str, tuple[str, ...]]
 """(size, replicas, strategy, preferred) of a `PutItem`: what a reservation was placed for."""
@@ -52,13 +64,16 @@ def shape_of(it: m.PutItem) -> Shape:
 
 class Reservations:
     """The shapes and owners of the core's reservations (their objects live in ``core.objs``
-    under their keys). ``by_client`` maps a client to its reservations, oldest first."""
+    under their keys). ``by_client`` maps a client to its reservations, oldest first;
+    ``recent`` maps a client to the names of its last consumed reservations and the key each
+    one's commit stored (oldest first; clients in the order they last committed)."""
 
-    __slots__ = ("by_client", "by_key", "seq")
+    __slots__ = ("by_client", "by_key", "recent", "seq")
 
     def __init__(self) -> None:
         self.by_key: dict[str, tuple[str, Shape]] = {}
         self.by_client: dict[str, dict[Shape, str]] = {}
+        self.recent: dict[str, dict[str, str]] = {}
         self.seq = 0
 
     def __len__(self) -> int:
@@ -80,14 +95,44 @@ class Reservations:
             if not mine:
                 del self.by_client[client]
 
+    def consumed(self, client: str, name: str, key: str) -> None:
+        """Note that ``client``'s reservation ``name`` was renamed to ``key`` (`_rename`, on the
+        leader and on standbys; `load_recent` from a snapshot)."""
+        mine = self.recent.pop(client, None)  # re-inserted: the most recent client last
+        if mine is None:
+            if len(self.recent) >= RECENT_CLIENTS:
+                del self.recent[next(iter(self.recent))]
+            mine = {}
+        elif len(mine) >= RECENT_PER_CLIENT:
+            del mine[next(iter(mine))]
+        mine[name] = key
+        self.recent[client] = mine
+
+    def consumed_for(self, client: str, name: str) -> str | None:
+        """The key ``client``'s reservation ``name`` was committed to, if it is remembered."""
+        mine = self.recent.get(client)
+        return None if mine is None else mine.get(name)
+
     def clear(self) -> None:
         self.by_key.clear()
         self.by_client.clear()
+        self.recent.clear()
 
     def dump(self) -> list[list[Any]]:
         """Snapshot rows ``[key, replicas, strategy, preferred]`` (owner and size are the
         object's)."""
         return [[k, s[1], s[2], list(s[3])] for k, (_, s) in self.by_key.items()]
+
+    def dump_recent(self) -> list[list[Any]]:
+        """Snapshot rows ``[client, [[name, key], ...]]`` of ``recent``, in its order."""
+        return [[c, [[n, k] for n, k in mine.items()]] for c, mine in self.recent.items()]
+
+    def load_recent(self, rows: list[list[Any]]) -> None:
+        """Replace ``recent`` with `dump_recent`'s rows (`replication.load_snapshot`)."""
+        self.recent.clear()
+        for client, pairs in rows:
+            for name, key in pairs:
+                self.consumed(client, name, key)
 
 
 def check_key(key: str) -> str:
@@ -145,7 +190,8 @@ def commit(core: MasterCore, msg: m.PutCommit) -> m.Message:
     o = core.objs.get(name)
     if got is None or o is None or o.state != ObjState.PENDING:
         done = core.committed_by(msg.client, key)
-        if done is not None and (done.size, done.checksum) == (it.size, it.checksum):
+        if (done is not None and (done.size, done.checksum) == (it.size, it.checksum)
+                and core.reservations.consumed_for(msg.client, name) == key):
             # a retry whose first try committed (reply lost, failover): OK, and the next
             # reservation it may have placed (`reserve` returns the one held of this shape)
             return m.PutCommitted(reservation=reserve(core, msg.client, it)
@@ -177,6 +223,8 @@ def commit(core: MasterCore, msg: m.PutCommit) -> m.Message:
 def _rename(core: MasterCore, name: str, key: str, it: m.PutItem) -> None:
     o = core.objs.pop(name)
     core.reservations.discard(name)
+    if o.owner is not None:
+        core.reservations.consumed(o.owner, name, key)
     o.checksum = it.checksum
     o.pin = it.hard_pin
     o.soft = core.clock.now() + it.soft_pin_s if it.soft_pin_s else 0.0
