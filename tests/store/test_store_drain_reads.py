@@ -4,10 +4,10 @@ reader who was given a draining replica (or leased the value before the drain be
 
 from __future__ import annotations
 
-from test_store_drain import done, drain, make, put, tasks
+from test_store_drain import KiB, done, drain, holders, make, put, tasks
 
 from yuebing.store import messages as m
-from yuebing.store.master import eviction
+from yuebing.store.master import eviction, segments
 
 C = m.Code
 
@@ -55,3 +55,50 @@ def test_a_reader_given_the_draining_replica_holds_it_until_its_lease_ends() -> 
     core.clock.advance_to(core.clock.now() + ttl + 0.1)  # type: ignore[attr-defined]
     assert _get(core, "v") == [task.dst_segment]  # a hot value, but its reads are elsewhere
     assert _status(core, "n0/dram").leased == 0
+
+
+def test_a_reader_from_before_the_drain_is_not_forgotten_when_the_value_is_read_again() -> None:
+    core = make()
+    ttl = core.cfg.lease_ttl_s
+    put(core, "hot", "n0/dram", "n1/dram")
+    assert sorted(_get(core, "hot")) == ["n0/dram", "n1/dram"]  # reader A, before the drain
+    assert sorted(_get(core, "hot")) == ["n0/dram", "n1/dram"]
+    assert core.drains.handed == {}  # no drain runs: reads note nothing
+    t0 = core.clock.now()
+    assert drain(core, "n0/dram") == 0
+    core.clock.advance_to(t0 + ttl / 4)  # type: ignore[attr-defined]
+    assert _get(core, "hot") == ["n1/dram"]  # reader B renews the lease
+    assert _status(core, "n0/dram").leased == 1  # reader A may still copy from n0
+    eviction.drain(core)
+    assert sorted(holders(core, "hot")) == ["n0/dram", "n1/dram"]
+    core.clock.advance_to(t0 + ttl + 0.01)  # type: ignore[attr-defined]
+    assert core.objs["hot"].lease > core.clock.now()  # B's lease runs, A's is over
+    assert _status(core, "n0/dram").leased == 0
+    eviction.drain(core)
+    assert holders(core, "hot") == ["n1/dram"]
+
+
+def test_a_promotion_landing_on_a_segment_that_began_draining_holds_the_drain() -> None:
+    core = make(segs=2, ssd=64 * KiB)
+    ttl = core.cfg.lease_ttl_s
+    put(core, "v", "n0/dram")
+    o = core.objs["v"]
+    core.clock.advance_to(core.clock.now() + ttl + 1)  # type: ignore[attr-defined]
+    assert segments.start_task(core, "v", o, o.reps[0], core.segs[core.seg_by_name["n0/ssd"]],
+                               promote=False)
+    done(core, *tasks(core)[0])
+    assert holders(core, "v") == ["n0/ssd"]  # offloaded
+    assert core.handle(m.GetReplicas(key="v"), waiter="W") is None  # promoted into n0's DRAM
+    (owner, t), = tasks(core)
+    assert (t.kind, t.dst_segment) == (m.TaskKind.PROMOTE, "n0/dram")
+    assert _status(core, "n0/dram").leased == 0  # begins draining mid-promotion
+    done(core, owner, t)
+    (waiter, reply), = core.ready
+    assert waiter == "W" and [r.segment for r in reply.replicas] == ["n0/dram"]
+    assert _status(core, "n0/dram") == m.DrainStatus(at_risk=0, leased=1)  # W copies from n0
+    eviction.drain(core)
+    assert holders(core, "v") == ["n0/dram", "n0/ssd"]
+    core.clock.advance_to(core.clock.now() + ttl + 0.1)  # type: ignore[attr-defined]
+    assert _status(core, "n0/dram").leased == 0
+    eviction.drain(core)
+    assert holders(core, "v") == ["n0/ssd"]

@@ -301,7 +301,10 @@ class MasterCore:
         if o is None or o.state != COMMITTED:
             return err(C.NOT_FOUND, f"no value for {key!r}")
         self.counters["gets"] += 1
-        o.lease = self.clock.now() + self.cfg.lease_ttl_s
+        now = self.clock.now()
+        if self.drains.since and o.lease > now:  # only while a drain runs: a reader from
+            migration.keep_lease(self, key, o)   # before it may still copy a draining replica
+        o.lease = now + self.cfg.lease_ttl_s
         self.objs[key] = self.objs.pop(key)  # LRU: most recent at the end
         reps = self._dram_reps(o, key)
         if reps:

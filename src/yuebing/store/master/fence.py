@@ -15,12 +15,17 @@ Standbys keep quarantines too (their pending puts' expiries are taken conservati
 ranges allocated until they are due.
 
 A segment dropped with its node's session (`segment_dropped`, from ``segments.drop_segment``)
-keeps its fence: the ranges its pending puts held there join the quarantine, and its entries are
-kept by segment name until due. A node that was only partitioned still has its buffer and may
+keeps its fence: the ranges its pending puts held there join the quarantine (so do the
+destinations of node tasks writing there: `segments.drop_segment` fails those tasks first, while
+the segment is mounted), and its entries are kept by segment name until due. A node that was only partitioned still has its buffer and may
 still receive a late frame, so when it mounts the same name again (under a new id,
 ``segments.add_segment``) `Quarantine.adopt` moves the entries to the new segment and takes
 their ranges out of its fresh allocator. Eviction counts quarantined bytes as free-soon, not
 used (`Quarantine.held` per segment, O(1)), and releases due entries before it evicts.
+
+Node tasks on a standby: the leader replicates each task's destination (`apply_task`) and its
+end (`apply_task_end`: quarantined here too when it was there); `fence_inflight` quarantines the
+destinations of the old leader's tasks still in flight when the standby takes over.
 """
 
 from __future__ import annotations
@@ -239,3 +244,35 @@ def segment_dropped(core: MasterCore, s: Seg, pending: list[tuple[str, int, int]
     if core.quarantine.held(s.id):
         log.info("segment %s dropped with %d quarantined bytes; kept for a re-mount", s.name,
                  core.quarantine.held(s.id))
+
+
+# ------------------------------------------------------------------ standby: node tasks in flight
+def apply_task(core: MasterCore, e: list) -> None:
+    """Standby: the leader pushed a task writing ``e`` = [_, id, segment, offset, size,
+    expires_in_s]; its write expiry is taken late (from now, when the entry arrives)."""
+    _, tid, sid, off, size, window = e
+    core.drains.inflight[tid] = (sid, off, size, core.clock.now() + window)
+
+
+def apply_task_end(core: MasterCore, e: list) -> None:
+    """Standby: the leader's task ``e[1]`` ended; ``e[2]``: its destination was quarantined
+    there (a failed or lost migration), so it is here too."""
+    ent = core.drains.inflight.pop(e[1], None)
+    if ent is not None and e[2]:
+        sid, off, size, until = ent
+        core.quarantine.add(until + core.cfg.write_grace_s + core.cfg.fence_s, sid, off, size)
+
+
+def fence_inflight(core: MasterCore) -> int:
+    """`replication.take_over`: quarantine the destinations of the old leader's tasks in flight
+    (its nodes may still write there) until their write expiry + ``write_grace_s`` +
+    ``fence_s``; returns how many."""
+    now = core.clock.now()
+    late = core.cfg.write_grace_s + core.cfg.fence_s
+    n = 0
+    for sid, off, size, until in core.drains.inflight.values():
+        if sid in core.segs:
+            core.quarantine.add(max(until, now) + late, sid, off, size)
+            n += 1
+    core.drains.inflight.clear()
+    return n

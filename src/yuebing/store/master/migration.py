@@ -22,19 +22,23 @@ Leases, pins and soft pins live on the object, so they move with it. Only DRAM s
 destinations: an SSD tier is a node-local file that no transfer engine can write remotely; the
 destination node's watermark eviction may offload the copy to its own SSD later.
 
-Cost: no hot path (put, get) pays anything. When a segment starts draining (or one is dropped)
+Cost: no hot path (put, get) pays anything while no drain runs (a get checks that ``since`` is
+empty; during a drain, a get renewing a running lease calls `keep_lease`, O(replicas), so a
+reader from before the drain is not forgotten). When a segment starts draining (or one is dropped)
 ``index`` walks the objects once and files each key with a replica on a draining segment under
 that segment, as *risk* (at risk) or *spare* (a replica elsewhere survives); later work walks
 only those sets, pruning keys that left: ``refresh`` its segment's risk set (and spare set for
 the lease count), eviction's drain pass the spare sets. A key becomes at risk again only when
 another segment starts draining or is dropped (a new index) or eviction drops its surviving
-replica (`recheck`). ``pump`` returns at once when no ACTIVE DRAM segment has room for the
-smallest queued value.
+replica (`recheck`); a task that lands a replica files it under the draining segments it is on
+(`file_key`: a segment may have begun draining while the task ran). ``pump`` returns at once
+when no ACTIVE DRAM segment has room for the smallest queued value.
 
 Every node task (tier moves included, see `push_task`) is replicated as ``["task", id, dst
 segment, offset, size, expires_in_s]`` and ``["task_end", id, fenced]``; a standby keeps the
-destinations of the leader's tasks in flight (`Drains.inflight`) and `replication.take_over`
-quarantines them, since the old leader's node may still be writing there.
+destinations of the leader's tasks in flight (`Drains.inflight`, `fence.apply_task`) and
+`replication.take_over` quarantines them (`fence.fence_inflight`), since the old leader's node
+may still be writing there.
 """
 
 from __future__ import annotations
@@ -97,6 +101,22 @@ def dram_replicas(core: MasterCore, o: Obj, key: str | None = None) -> list[m.Re
     return [m.Replica(segment=sg.name, offset=off) for sg, off in reps]
 
 
+def keep_lease(core: MasterCore, key: str, o: Obj) -> None:
+    """`MasterCore.get_replicas` is about to overwrite ``o``'s running lease while a drain runs
+    (it calls this only then): when that lease was granted before a segment holding one of
+    ``o``'s replicas began draining, its reader was given every replica, so the lease is
+    noted as a hand-out (``handed``) before it is forgotten and `reader_may_hold` still
+    counts that reader. O(replicas)."""
+    d = core.drains
+    granted = o.lease - core.cfg.lease_ttl_s
+    for sid, _ in o.reps:
+        since = d.since.get(sid)
+        if since is not None and granted <= since:
+            if o.lease > d.handed.get(key, 0.0):
+                d.handed[key] = o.lease
+            return
+
+
 def reader_may_hold(core: MasterCore, key: str, o: Obj, sid: int, now: float) -> bool:
     """Whether a reader may still be copying ``o``'s replica on draining segment ``sid``: one
     was handed it during the drain and its lease runs, or ``o``'s lease was granted before the
@@ -150,6 +170,21 @@ def recheck(core: MasterCore, key: str, o: Obj) -> None:
             if sid in d.risk:
                 d.risk[sid].add(key)
                 d.spare[sid].discard(key)
+
+
+def file_key(core: MasterCore, key: str, o: Obj) -> None:
+    """``o`` gained a replica (a tier task or a migration landed): file ``key`` under each
+    draining segment it is on, as *risk* or *spare*, so the drain counts it (a segment may have
+    begun draining while the task ran, after the index was built). Called by
+    `segments.task_done` and `finished`; O(replicas)."""
+    d: Drains = core.drains
+    if not d.risk:
+        return
+    into, other = (d.risk, d.spare) if at_risk(core, o) else (d.spare, d.risk)
+    for sid, _ in o.reps:
+        if sid in into:
+            into[sid].add(key)
+            other[sid].discard(key)
 
 
 def _on(o: Obj, sid: int) -> bool:
@@ -328,15 +363,12 @@ def finished(core: MasterCore, t: Task, o: Obj) -> None:
     o.reps = (t.dst, *o.reps)
     d: Drains = core.drains
     d.tried.pop(t.key, None)
-    for sid, _ in o.reps:  # no longer at risk: eviction's drain pass may drop the old replica
-        if sid in d.risk:
-            d.risk[sid].discard(t.key)
-            d.spare[sid].add(t.key)
-    core.counters["migrations_done"] += 1
+    file_key(core, t.key, o)  # spare now (unless its destination began draining meanwhile):
+    core.counters["migrations_done"] += 1  # eviction's drain pass may drop the old replica
     if t.waiters:  # readers of an SSD-only value asked while it moved: answer from the copy
         o.lease = core.clock.now() + core.cfg.lease_ttl_s
         reply = m.ReplicaList(key=t.key, size=o.size, checksum=o.checksum,
-                              replicas=core._dram_reps(o))
+                              replicas=core._dram_reps(o, t.key))
         core.ready.extend((w, reply) for w in t.waiters)
     pump(core)
 
@@ -359,35 +391,3 @@ def failed(core: MasterCore, t: Task, why: str) -> None:
     log.warning("migration of %s failed (%s); trying another destination", t.key, why)
     d.queue[t.key] = None  # started again by the next pump (tick), not from here
     d.min_size = min(d.min_size, o.size) if d.min_size else o.size
-
-
-# ------------------------------------------------------------------ standby side
-def apply_task(core: MasterCore, e: list) -> None:
-    """Standby: the leader pushed a task writing ``e`` = [_, id, segment, offset, size,
-    expires_in_s]; its write expiry is taken late (from now, when the entry arrives)."""
-    _, tid, sid, off, size, window = e
-    core.drains.inflight[tid] = (sid, off, size, core.clock.now() + window)
-
-
-def apply_task_end(core: MasterCore, e: list) -> None:
-    """Standby: the leader's task ``e[1]`` ended; ``e[2]``: its destination was quarantined
-    there (a failed or lost migration), so it is here too."""
-    ent = core.drains.inflight.pop(e[1], None)
-    if ent is not None and e[2]:
-        sid, off, size, until = ent
-        core.quarantine.add(until + core.cfg.write_grace_s + core.cfg.fence_s, sid, off, size)
-
-
-def fence_inflight(core: MasterCore) -> int:
-    """`replication.take_over`: quarantine the destinations of the old leader's tasks in flight
-    (its nodes may still write there) until their write expiry + ``write_grace_s`` +
-    ``fence_s``; returns how many."""
-    now = core.clock.now()
-    late = core.cfg.write_grace_s + core.cfg.fence_s
-    n = 0
-    for sid, off, size, until in core.drains.inflight.values():
-        if sid in core.segs:
-            core.quarantine.add(max(until, now) + late, sid, off, size)
-            n += 1
-    core.drains.inflight.clear()
-    return n

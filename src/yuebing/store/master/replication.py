@@ -12,9 +12,10 @@ the reply of every mutating call until all standbys acknowledged its entries, so
 (it re-subscribes and gets a fresh snapshot). `apply_entries` / `load_snapshot` (standby side)
 rebuild the same metadata without allocators; `take_over` rebuilds allocators from the replicas
 when a standby is elected, quarantining the destinations of the old leader's tasks in flight,
-and starts task ids at a random 48-bit base above the old leader's (a late `TaskDone` for the
-old leader's task cannot match a new one). Entries carry no absolute times (clocks differ
-between hosts).
+and starts task ids at 2**48 + a random 48-bit number: a late `TaskDone` for an old leader's
+task is unlikely to carry a live id, and even then it ends nothing unless it comes from the
+node that task was sent to (`segments.task_done` checks the client). Entries carry no
+absolute times (clocks differ between hosts).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import msgspec
 
 from yuebing.store import messages as m
-from yuebing.store.master import migration, reserve, segments
+from yuebing.store.master import fence, reserve, segments
 from yuebing.store.master.allocator import OffsetAllocator
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.state import Obj, ObjState, SegState
@@ -84,7 +85,7 @@ def _apply_drain(core: MasterCore, e: list[Any]) -> None:
 _APPLY = {"put": _apply_put, "commit": _apply_commit, "del": _apply_del, "reps": _apply_reps,
           "pin": _apply_pin, "mount": _apply_mount, "unmount": _apply_unmount,
           "drain": _apply_drain, "resv": reserve.apply_resv, "rename": reserve.apply_rename,
-          "task": migration.apply_task, "task_end": migration.apply_task_end}
+          "task": fence.apply_task, "task_end": fence.apply_task_end}
 
 
 def apply_entries(core: MasterCore, entries: list[list[Any]]) -> None:
@@ -142,7 +143,7 @@ def load_snapshot(core: MasterCore, blob: bytes) -> None:
     core.next_seg = max(core.next_seg, state["next_seg"])
     core.quarantine.load(core.clock.now(), state.get("quarantine", []))
     for tid, sid, off, size, left in state.get("tasks", []):
-        migration.apply_task(core, ["task", tid, sid, off, size, left])
+        fence.apply_task(core, ["task", tid, sid, off, size, left])
 
 
 def take_over(core: MasterCore) -> None:
@@ -153,7 +154,9 @@ def take_over(core: MasterCore) -> None:
     old leader granted a lease is still copying, and nothing may evict or (unforced) remove
     the value under it; eviction resumes once those leases would have ended. The old leader's
     node tasks are forgotten, but their destinations stay quarantined until their write expiry
-    (`migration.fence_inflight`), and task ids restart at a random 48-bit base."""
+    (`fence.fence_inflight`), and task ids restart at 2**48 + a random 48-bit number (not
+    necessarily above the old leader's: a late `TaskDone` is told apart by that randomness and
+    by `segments.task_done` accepting only the node the task was sent to)."""
     used: dict[int, list[tuple[int, int]]] = {sid: [] for sid in core.segs}
     lease = core.clock.now() + core.cfg.lease_ttl_s
     for o in core.objs.values():
@@ -161,7 +164,7 @@ def take_over(core: MasterCore) -> None:
         o.lease = max(o.lease, lease)
         for sid, off in o.reps:
             used[sid].append((off, o.size))
-    fenced = migration.fence_inflight(core)
+    fenced = fence.fence_inflight(core)
     align = core.cfg.alignment
     for sid, s in core.segs.items():
         held = core.quarantine.settle(sid, used[sid], align)

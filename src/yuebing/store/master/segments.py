@@ -99,10 +99,17 @@ def drain(core: MasterCore, msg: m.Drain) -> m.Message:
 
 def drop_segment(core: MasterCore, sid: int) -> None:
     """Unmount: every object loses its replica there; objects left without one are removed
-    (reservations with a replica there are dropped first). Ranges of pending puts there stay
-    quarantined under the segment's name until their fence (`fence.segment_dropped`)."""
+    (reservations with a replica there are dropped first). Tasks writing there fail first,
+    while the segment is still mounted, so their destinations are quarantined until the task's
+    write expiry + ``write_grace_s`` + ``fence_s`` (a node may still be sending). Those ranges
+    and the pending puts' ranges there stay quarantined under the segment's name until their
+    fence (`fence.segment_dropped`), and a re-mount under that name gets them back fenced."""
     reserve.drop_on_segment(core, sid, "segment unmounted")
-    s = core.segs.pop(sid)
+    s = core.segs[sid]
+    why = f"segment {s.name} was unmounted"
+    for tid in [tid for tid, t in core.tasks.items() if t.dst[0] == sid]:
+        _fail_task(core, tid, why, landed=False)  # still mounted: its destination is fenced
+    del core.segs[sid]
     del core.seg_by_name[s.name]
     core.drains.since.pop(sid, None)
     if not core.drains.since:  # no drain left: forget the hand-outs noted for them
@@ -125,9 +132,8 @@ def drop_segment(core: MasterCore, sid: int) -> None:
     fence.segment_dropped(core, s, fenced)
     for key in dead:
         core._drop(key, core.objs[key], event=False)
-    for tid, t in list(core.tasks.items()):
-        if sid in (t.src[0], t.dst[0]):
-            _fail_task(core, tid, f"segment {s.name} was unmounted", landed=False)
+    for tid in [tid for tid, t in core.tasks.items() if t.src[0] == sid]:
+        _fail_task(core, tid, why, landed=False)  # its destination elsewhere is fenced there
     core.drains.dirty = True  # values with a replica here may be at risk now
     log.warning("segment %s dropped; %d objects lost their last replica", s.name, len(dead))
 
@@ -261,7 +267,7 @@ def task_done(core: MasterCore, msg: m.TaskDone) -> None:
         o.reps = (t.dst, *o.reps)
         o.lease = core.clock.now() + core.cfg.lease_ttl_s
         reply = m.ReplicaList(key=t.key, size=o.size, checksum=o.checksum,
-                              replicas=core._dram_reps(o))
+                              replicas=core._dram_reps(o, t.key))  # a draining one is noted
         core.ready.extend((w, reply) for w in t.waiters)
     elif o.lease > core.clock.now():  # read while offloading: keep both copies for now;
         o.reps = (*o.reps, t.dst)      # eviction drops the DRAM one once the lease is over
@@ -274,6 +280,8 @@ def task_done(core: MasterCore, msg: m.TaskDone) -> None:
         core.counters["offloads"] += 1
         if s is not None:
             core.events.append((m.EventKind.REMOVED, t.key, [s.name]))
+    if t.kind != m.TaskKind.MIGRATE:  # its destination may have begun draining meanwhile
+        migration.file_key(core, t.key, o)
     core._log(["reps", t.key, o.reps])
     core._log(["task_end", msg.task, False])
 

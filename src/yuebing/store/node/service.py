@@ -8,8 +8,12 @@ master forgot us) triggers a re-mount. Between heartbeats the node runs the mast
 offload (DRAM range → SSD file) and promotion (SSD file → DRAM range), copied in place, and
 drain migrations (a DRAM range, or an SSD range read from the file, written to another node's
 segment through the transfer engine without blocking the loop), answering each with `TaskDone`.
-A task carries the master's write expiry: the node starts none past it (from receipt) and bounds
-a migration's transfer batch by it, so the master can reuse a lost task's destination later.
+A task carries the master's write expiry: the node starts none past it and bounds a migration's
+transfer batch by it, so the master can reuse a lost task's destination later. The expiry counts
+from when the loop last finished reading the master socket before the task's push was read, not
+from the read: a push that waited in the socket while the loop was busy (a long SSD copy) gets no
+extra time (the push cannot have arrived before that moment, give or take the instant between
+the last read and its timestamp).
 Shutdown drains every segment (no new placements; the master migrates the values that would be
 lost elsewhere while the node keeps running its tasks), waits up to a timeout until the master
 counts no value at risk and no value a reader still leases on them (a failed round, e.g. during
@@ -61,6 +65,7 @@ class StorageNode:
         if ssd is not None:
             self._open_ssd(*ssd)
         self.tasks: deque[tuple[m.NodeTask, float]] = deque()  # (task, monotonic deadline)
+        self._heard = time.monotonic()  # when the loop last finished reading the master socket
         # migrations in flight: batch id -> (task, source buffer kept alive until the batch ends)
         self._moving: dict[BatchId, tuple[m.NodeTask, memoryview]] = {}
         self.conn = MasterConnection(self.ccfg.masters, self.ccfg.rpc_timeout_s,
@@ -86,7 +91,7 @@ class StorageNode:
 
     def mount(self) -> None:
         for msg in self.mounts():
-            self.conn.call(msg)
+            self._call(msg)
         log.warning("node %s mounted %s", self.name, [x.segment for x in self.mounts()])
 
     # ------------------------------------------------------------------ loop
@@ -104,7 +109,10 @@ class StorageNode:
             self._heartbeat()
             next_hb = now + self.ccfg.heartbeat_s
         wait = 0.005 if self._moving else wait_s
-        self.conn.poll_pushes(max(0.0, min(wait, next_hb - time.monotonic())))
+        try:
+            self.conn.poll_pushes(max(0.0, min(wait, next_hb - time.monotonic())))
+        finally:
+            self._heard = time.monotonic()
         while self.tasks:
             self._run_task(*self.tasks.popleft())
         if self._moving:
@@ -113,7 +121,7 @@ class StorageNode:
 
     def _heartbeat(self) -> None:
         try:
-            r = self.conn.call(m.Heartbeat(client=self.client_id))
+            r = self._call(m.Heartbeat(client=self.client_id))
         except StoreError as e:
             log.warning("heartbeat failed: %s", e)
             return
@@ -122,12 +130,22 @@ class StorageNode:
             if msg.segment not in have:
                 log.warning("master does not know %s; mounting again", msg.segment)
                 with contextlib.suppress(StoreError):
-                    self.conn.call(msg)
+                    self._call(msg)
+
+    def _call(self, msg: Message) -> Message:
+        """``conn.call``, noting when it finished reading the master socket (`_on_push`)."""
+        try:
+            return self.conn.call(msg)
+        finally:
+            self._heard = time.monotonic()
 
     def _on_push(self, msg: Message) -> None:
+        """A master push, handed over while `_step` polls or `_call` waits for a reply. A task's
+        deadline counts from ``_heard`` (the end of the read before this one), which is no
+        later than the push's arrival however long the loop was busy before reading it."""
         if isinstance(msg, m.NodeTask):
             limit = msg.expires_in_s if msg.expires_in_s > 0 else float("inf")
-            self.tasks.append((msg, time.monotonic() + limit))
+            self.tasks.append((msg, self._heard + limit))
 
     def _run_task(self, t: m.NodeTask, deadline: float) -> None:
         try:
@@ -147,7 +165,7 @@ class StorageNode:
     def _done(self, t: m.NodeTask, ok: bool, why: str) -> None:
         self.tasks_done += 1
         with contextlib.suppress(StoreError):
-            self.conn.call(m.TaskDone(client=self.client_id, task=t.task, ok=ok, message=why))
+            self._call(m.TaskDone(client=self.client_id, task=t.task, ok=ok, message=why))
 
     def _start_migration(self, t: m.NodeTask, left_s: float) -> None:
         """Submit the write of our replica to ``t.dst_segment`` as a batch ending within
@@ -254,7 +272,7 @@ class StorageNode:
     def _drain_one(self, segment: str) -> tuple[int, int]:
         """One `Drain` of ``segment``: (values at risk, values leased; -1 = not counted)."""
         try:
-            reply = self.conn.call(m.Drain(client=self.client_id, segment=segment))
+            reply = self._call(m.Drain(client=self.client_id, segment=segment))
         except StoreRpcError as e:
             if e.code == m.Code.UNKNOWN_SEGMENT:
                 return 0, 0  # the master holds nothing of it (never mounted or already dropped)
@@ -270,7 +288,7 @@ class StorageNode:
         if unmount:
             for msg in self.mounts():
                 with contextlib.suppress(StoreError):
-                    self.conn.call(m.Unmount(client=self.client_id, segment=msg.segment))
+                    self._call(m.Unmount(client=self.client_id, segment=msg.segment))
         self.conn.close()
         self.engine.close()
         if self._live_fd >= 0:
