@@ -77,3 +77,25 @@ def test_client_spin_is_bounded_when_no_reply_comes() -> None:
     finally:
         sock.close()
         srv.close()
+
+
+def test_recv_zero_reads_what_has_arrived_without_waiting() -> None:
+    """``recv(0.0)`` takes frames already on the socket (a node draining its pushes before
+    timing their tasks) and returns None at once when nothing is there."""
+    srv = _echo_server(0.0)
+    sock = FrameSocket(srv.address, 2.0)
+    try:
+        assert _roundtrip(srv, sock, 1, b"x") == (1, b"x")  # connection accepted and warm
+        sock.send(2, b"ab")
+        sock.send(3, b"cd")
+        for _ in range(20):
+            srv.poll(0.01)
+        time.sleep(0.05)  # both replies are on the socket now, none read yet
+        t0 = time.perf_counter()
+        assert sock.recv(0.0) == (2, b"ba")
+        assert sock.recv(0.0) == (3, b"dc")
+        assert sock.recv(0.0) is None
+        assert time.perf_counter() - t0 < 0.05
+    finally:
+        sock.close()
+        srv.close()

@@ -68,9 +68,9 @@ class MasterConfig:
         require(self.rpc_address.startswith(("tcp://", "ipc://", "inproc://")),
                 f"--rpc-address must be a ZeroMQ address like tcp://127.0.0.1:50151, "
                 f"got {self.rpc_address!r}")
-        require(self.client_ttl_s > 0, f"--client-ttl-s must be > 0, got {self.client_ttl_s}")
-        require(self.lease_ttl_s >= 0, f"--lease-ttl-s must be >= 0, got {self.lease_ttl_s}")
-        require(self.put_timeout_s > 0, f"--put-timeout-s must be > 0, got {self.put_timeout_s}")
+        _seconds("--client-ttl-s", self.client_ttl_s)
+        _seconds("--lease-ttl-s", self.lease_ttl_s, zero_ok=True)
+        _seconds("--put-timeout-s", self.put_timeout_s)
         require(0 <= self.write_grace_s <= 60,
                 f"--write-grace-s must be in 0..60 seconds, got {self.write_grace_s}")
         require(0 <= self.fence_s <= 600, f"--fence-s must be in 0..600 seconds, got {self.fence_s}")
@@ -82,15 +82,23 @@ class MasterConfig:
                 f"--placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
         require(self.alignment >= 1 and self.alignment & (self.alignment - 1) == 0,
                 f"--alignment must be a power of two, got {self.alignment}")
-        require(self.tick_s > 0, f"--tick-s must be > 0, got {self.tick_s}")
+        _seconds("--tick-s", self.tick_s)
         require(self.drain_parallel >= 1,
                 f"--drain-parallel must be >= 1, got {self.drain_parallel}")
         require(0 <= self.spin_us <= 100_000, f"--spin-us must be in 0..100000, got {self.spin_us}")
         require(0 <= self.admin_port < 65536, f"--admin-port out of range: {self.admin_port}")
         require(self.election_ttl_s >= 1, f"--election-ttl-s must be >= 1, got {self.election_ttl_s}")
-        require(self.repl_timeout_s > 0, f"--repl-timeout-s must be > 0, got {self.repl_timeout_s}")
+        _seconds("--repl-timeout-s", self.repl_timeout_s)
         require(not self.etcd or self.etcd.startswith(("http://", "https://")),
                 f"--etcd must be an URL like http://127.0.0.1:2379, got {self.etcd!r}")
+
+
+def _seconds(flag: str, v: float, zero_ok: bool = False) -> None:
+    """A duration must be a finite number of seconds (an infinite one would, e.g., quarantine
+    a revoked put's space forever), > 0 unless ``zero_ok``."""
+    low_ok = v >= 0 if zero_ok else v > 0
+    require(low_ok and v < 1e9, f"{flag} must be a finite number of seconds "
+            f"{'>= 0' if zero_ok else '> 0'}, got {v}")
 
 
 @dataclass(frozen=True)
@@ -140,8 +148,8 @@ class ClientConfig:
         require(0 <= self.spin_us <= 100_000, f"--spin-us must be in 0..100000, got {self.spin_us}")
         require(self.keep_freed >= 0, f"--keep-freed must be >= 0 bytes, got {self.keep_freed}")
         require(bool(self.masters), "--master needs at least one address like tcp://127.0.0.1:50151")
-        require(self.rpc_timeout_s > 0, f"--rpc-timeout-s must be > 0, got {self.rpc_timeout_s}")
-        require(self.heartbeat_s > 0, f"--heartbeat-s must be > 0, got {self.heartbeat_s}")
+        _seconds("--rpc-timeout-s", self.rpc_timeout_s)
+        _seconds("--heartbeat-s", self.heartbeat_s)
         require(self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}")
         require(self.placement in ("", *PLACEMENTS),
                 f"--placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")

@@ -236,20 +236,23 @@ class FrameSocket:
         self.sock.sendall(HEADER.pack(len(payload), rid) + payload)
 
     def recv(self, timeout_s: float) -> tuple[int, bytes] | None:
-        """The next frame, or None after ``timeout_s``; raises OSError if the peer closed."""
+        """The next frame, or None after ``timeout_s`` (0: only what has already arrived —
+        one non-blocking read); raises OSError if the peer closed."""
         if self.pending:
             return self.pending.pop(0)
         if self.spin_s and timeout_s > 0:  # poll for a quick reply before sleeping for it
             self._spinner.wait(lambda: self._poll.poll(0), min(self.spin_s, timeout_s))
         end = time.monotonic() + timeout_s
+        first = True
         while True:
             left = end - time.monotonic()
-            if left <= 0:
+            if left <= 0 and not first:
                 return None
-            self.sock.settimeout(left)
+            first = False
+            self.sock.settimeout(max(left, 0.0))
             try:
                 n = self.sock.recv_into(self._rbuf)
-            except TimeoutError:
+            except (TimeoutError, BlockingIOError):
                 return None
             if not n:
                 raise ConnectionError(f"master {self.address} closed the connection")

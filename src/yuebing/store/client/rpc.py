@@ -135,7 +135,7 @@ class MasterConnection(_Base):
             while got is not None:
                 if got[0] == 0:
                     self._push(got[1])
-                got = self.sock.recv(0.0) if self.sock.pending else None
+                got = self.sock.recv(0.0)  # everything already arrived, not one read's worth
         except OSError:
             self.close()
 

@@ -79,7 +79,8 @@ def drain(core: MasterCore) -> int:
             if (o.state != ObjState.COMMITTED or o.moving or key in picked
                     or migration.reader_may_hold(core, key, o, sid, now)):
                 continue
-            mine = [r for r in o.reps if segs[r[0]].state == SegState.DRAINING]
+            mine = [r for r in o.reps if segs[r[0]].state == SegState.DRAINING
+                    and not migration.reader_may_hold(core, key, o, r[0], now)]
             if len(mine) < len(o.reps):
                 picked[key] = mine
                 freed += o.size * len(mine)

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from yuebing.store import messages as m
-from yuebing.store.master import fence, reserve, segments
+from yuebing.store.master import fence, migration, reserve, segments
 from yuebing.store.master.allocator import OffsetAllocator
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.state import Obj, ObjState, SegState
@@ -126,7 +126,7 @@ def load_snapshot(core: MasterCore, blob: bytes) -> None:
     core.seg_by_name.clear()
     core.sessions.clear()
     core.tasks.clear()
-    core.drains.inflight.clear()
+    core.drains = migration.Drains()  # a stale drain index would skip values now at risk
     core.reservations.clear()
     for sid, name, size, tier, node, client, st in state["segs"]:
         segments.add_segment(core, sid, name, size, tier, node, client, None).state = SegState(st)
