@@ -1,0 +1,161 @@
+"""Randomized chaos test of the store with real processes (a master, storage nodes with SSD
+tiers, a second master through a real etcd): client threads run a seeded random mix of put /
+put_from / batch_put / get / get_into / batch_get / batch_get_into / exists / batch_exists /
+remove / batch_remove with checksums on, values derived from their key (every read is checked
+byte for byte), while faults are injected: a node started, a node drained (SIGTERM), a node
+stalled (SIGSTOP past the put timeout, then SIGCONT: the write fence must keep its late bytes
+out of other values), a node killed (SIGKILL), the leader master killed (etcd test).
+
+Invariants: a read never returns other bytes than the key's value (a checksum error fails the
+test); a committed value stays readable until a node holding it is killed (checked at
+checkpoints with the clients paused); the processes not killed by the test stay up and the
+master keeps answering; at the end nothing is left pending, reserved, in flight or quarantined
+and, once everything is removed, no DRAM or SSD byte is still allocated.
+
+The seed is ``$YB_CHAOS_SEED`` (a fixed default); every failure message names it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.request
+from contextlib import ExitStack
+
+import pytest
+from chaos_workers import SEED, Chaos, Cluster, Logged, poll, run_for
+from store_procs import master, node
+
+from etcd_util import EtcdServer, find_etcd, free_port
+from yuebing.store.client.client import StoreClient
+from yuebing.store.config import ClientConfig
+
+pytestmark = pytest.mark.slow
+PUT_TIMEOUT_S = 1.5
+HA_FLAGS = ("--put-timeout-s", str(PUT_TIMEOUT_S), "--write-grace-s", "0.5", "--fence-s", "1",
+            "--client-ttl-s", "6", "--lease-ttl-s", "0.5", "--seed", str(SEED))
+"""The failover test's masters: nodes without SSD and room for every value (no eviction)."""
+MASTER_FLAGS = (*HA_FLAGS, "--high-watermark", "0.3", "--evict-ratio", "0.1", "--drain-parallel",
+                "4")
+"""The node test's master: DRAM past 30 % is offloaded to the nodes' SSD tiers."""
+
+
+def test_chaos_nodes_drain_stall_kill(tmp_path) -> None:
+    chaos = Chaos()
+    with ExitStack() as stack:
+        admin = free_port()
+        mst = Logged(master(*MASTER_FLAGS, "--admin-port", str(admin)), "master")
+        stack.callback(mst.p.stop)
+        addr = mst.p.info["address"]
+
+        def start(name: str, *extra: str) -> Logged:
+            (tmp_path / name).mkdir()
+            p = node(addr, "8MiB", "--name", name, "--ssd", f"{tmp_path / name}:24MiB", *extra)
+            stack.callback(p.stop)
+            return Logged(p, name)
+
+        a = start("chaosA", "--drain-s", "30")
+        b, c = start("chaosB"), start("chaosC")
+        cl = Cluster(chaos, addr, 3, stack)
+        run_for(chaos, 3, [mst, a, b, c])
+        d = start("chaosD")  # a node joins mid-traffic
+        run_for(chaos, 2, [mst, a, b, c, d])
+
+        a.p.proc.send_signal(signal.SIGTERM)  # graceful drain mid-traffic
+        a.p.proc.wait(45)
+        assert a.p.proc.returncode == 0, f"seed={SEED}: drained node exited " \
+            f"{a.p.proc.returncode}:\n{a.out.decode(errors='replace')[-3000:]}"
+        run_for(chaos, 1, [mst, b, c, d])
+        with cl.paused():
+            readable = cl.check_all_readable(lossy_ok=False)
+        chaos.check(cl.checker.stats)
+
+        run_for(chaos, 1, [mst, b, c, d])
+        fenced = cl.checker.stats()["quarantined"]
+        b.p.proc.send_signal(signal.SIGSTOP)  # stalled past the put timeout: fenced writes
+        time.sleep(2 * PUT_TIMEOUT_S + 1)
+        b.p.proc.send_signal(signal.SIGCONT)
+        run_for(chaos, 2, [mst, b, c, d])
+        with cl.paused():
+            readable = cl.check_all_readable(lossy_ok=False)
+        chaos.check(cl.checker.stats)
+        fenced = cl.checker.stats()["quarantined"] - fenced
+        print(f"seed={SEED}: {fenced:.0f} uncommitted puts fenced around the stall")
+
+        c.p.kill()  # SIGKILL mid-traffic: its values may be gone, never wrong
+        chaos.lossy = True
+        run_for(chaos, 3, [mst, b, d])
+        with cl.paused():
+            readable = cl.check_all_readable(lossy_ok=True)
+        cl.finish()
+        chaos.check(cl.checker.stats)
+        st = cl.checker.stats()
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin}/usage", timeout=5) as r:
+            assert json.loads(r.read())["objects"] == st["objects"]
+        ops = sum(w.ops for w in cl.workers)
+        print(f"seed={SEED} ops={ops} readable={readable} tolerated={chaos.tolerated} {st}")
+        assert st["migrations_done"] > 0 and st["offloads"] > 0, \
+            f"seed={SEED}: drain/offload not exercised: {st}"
+        cl.settle(segments=4)  # B and D, DRAM and SSD each (C's went with its session)
+        for p in (mst, b, d):
+            p.alive()
+
+
+@pytest.mark.etcd
+@pytest.mark.skipif(find_etcd() is None, reason="etcd binary not installed")
+def test_chaos_leader_failover() -> None:
+    chaos = Chaos()
+    with ExitStack() as stack:
+        etcd = stack.enter_context(EtcdServer())
+        ha = ("--etcd", etcd.url, "--cluster", "chaos", "--election-ttl-s", "1", *HA_FLAGS)
+        m1 = Logged(master(*ha), "master1")
+        stack.callback(m1.p.kill)
+        time.sleep(1.0)  # m1 wins the election before m2 starts
+        m2 = Logged(master(*ha), "master2")
+        stack.callback(m2.p.stop)
+        addrs = f"{m1.p.info['address']},{m2.p.info['address']}"
+        nodes = [Logged(node(addrs, "16MiB", "--name", f"chaosH{i}"), f"node{i}")
+                 for i in range(2)]
+        for n in nodes:
+            stack.callback(n.p.stop)
+        cl = Cluster(chaos, addrs, 3, stack)
+        run_for(chaos, 3, [m1, m2, *nodes])
+        m1.p.kill()  # the leader dies mid-traffic; m2 takes over
+        run_for(chaos, 5, [m2, *nodes])
+        with cl.paused():
+            readable = cl.check_all_readable(lossy_ok=False)
+        cl.finish()
+        chaos.check(cl.checker.stats)
+        assert cl.checker.rpc.address == m2.p.info["address"]
+        st = cl.checker.stats()
+        print(f"seed={SEED} ops={sum(w.ops for w in cl.workers)} readable={readable} "
+              f"tolerated={chaos.tolerated} {st}")
+        cl.settle(segments=2)
+        for p in (m2, *nodes):
+            p.alive()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "found by the chaos test: the watermark offloads a victim only through its first DRAM "
+    "replica (eviction.py _scan → _offload(core, key, mine[0])); when that replica's node has "
+    "no active SSD segment (none, or draining) the value is dropped although another replica's "
+    "node could take it (the chaos run lost values this way while a node drained)"))
+def test_watermark_offloads_through_any_replica(tmp_path) -> None:
+    mst = master("--high-watermark", "0.3", "--evict-ratio", "0.1", "--lease-ttl-s", "0.2")
+    addr = mst.info["address"]
+    a = node(addr, "2MiB", "--name", "evictA")  # no SSD tier
+    b = node(addr, "2MiB", "--name", "evictB", "--ssd", f"{tmp_path}:8MiB")
+    c = StoreClient(ClientConfig(master=addr))
+    try:
+        v = bytes(range(256)) * 3200  # 800 kB × 2 replicas: over 30 % of 4 MiB
+        c.put("ev/1", v, replicas=2, strategy="preferred",
+              preferred=[a.info["dram"], b.info["dram"]])  # A's replica first
+        st = poll(c.stats, lambda s: s["evictions"] + s["offloads"] > 0, 10)
+        assert st["offloads"] == 1 and st["evictions"] == 0, st  # offloaded to B's SSD
+        assert c.get("ev/1") == v
+    finally:
+        c.close()
+        a.stop()
+        b.stop()
+        mst.stop()
