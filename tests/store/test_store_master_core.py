@@ -7,6 +7,7 @@ import pytest
 from yuebing.core.clock import VirtualClock
 from yuebing.core.config import replace
 from yuebing.core.errors import ConfigError
+from yuebing.protocol.codec import decode, encode
 from yuebing.store import messages as m
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.allocator import OffsetAllocator
@@ -64,7 +65,8 @@ def test_two_phase_put_visibility() -> None:
     assert core.handle(m.PutEnd(client="c", key="k")) == m.Ok()
     assert exists(core, "k") == [True]
     assert core.handle(m.GetReplicas(key="k")) == m.ReplicaList(
-        key="k", size=5000, checksum=7, replicas=[m.Replica(segment="n0/dram", offset=0)])
+        key="k", size=5000, checksum=7, replicas=[m.Replica(segment="n0/dram", offset=0)],
+        lease_s=5.0)
     assert core.handle(m.PutStart(client="c", item=m.PutItem(key="k", size=1))).code == C.EXISTS
     t2 = core.handle(m.PutStart(client="c", item=m.PutItem(key="p", size=100)))
     assert core.handle(m.PutStart(client="c", item=m.PutItem(key="p", size=100))) == t2  # retry
@@ -244,8 +246,23 @@ def test_offload_to_ssd_then_promotion_on_hit() -> None:
     assert (ptask.src_segment, ptask.dst_segment) == ("n0/ssd", "n0/dram")
     core.handle(m.TaskDone(client="n0", task=ptask.task, ok=True))
     reply = m.ReplicaList(key="a", size=4 * KiB, checksum=-1,
-                          replicas=[m.Replica(segment="n0/dram", offset=ptask.dst_offset)])
+                          replicas=[m.Replica(segment="n0/dram", offset=ptask.dst_offset)],
+                          lease_s=core.cfg.lease_ttl_s)  # promotion waiters get a lease too
     assert core.ready == [("w1", reply), ("w2", reply)]
+
+
+def test_replica_replies_carry_the_read_lease() -> None:
+    """A reader learns how long its lease runs (`lease_s`, seconds from the reply) so it can
+    stop reading before the space may be reused; single and batch replies alike."""
+    core, clock = make(lease_ttl_s=2.5)
+    assert put(core, "a") == m.Ok()
+    r = core.handle(m.GetReplicas(key="a"))
+    assert isinstance(r, m.ReplicaList) and r.lease_s == 2.5
+    assert core.objs["a"].lease == clock.now() + 2.5
+    b = core.handle(m.BatchGetReplicas(keys=["a", "missing"]))
+    assert isinstance(b, m.BatchReplicaList) and b.lease_s == 2.5
+    assert b.codes == [0, C.NOT_FOUND]
+    assert decode(encode(b)) == b and decode(encode(r)) == r  # on the wire too
 
 
 def test_bad_requests_rejected() -> None:

@@ -67,7 +67,7 @@ def test_commit_renames_commits_applies_pins_and_hands_out_the_next() -> None:
     assert exists(core, "b") == [True] and r.key not in core.objs
     assert core.handle(m.Remove(key="b")).code == C.PINNED  # type: ignore[union-attr]
     assert core.handle(m.GetReplicas(key="b")) == m.ReplicaList(
-        key="b", size=SIZE, checksum=77, replicas=r.replicas)
+        key="b", size=SIZE, checksum=77, replicas=r.replicas, lease_s=core.cfg.lease_ttl_s)
     assert core.events[-1] == (m.EventKind.STORED, "b", ["n0/dram"])
     assert core.counters["puts"] == 2 and core.counters["reservations_committed"] == 1
     last = commit(core, done.reservation.key, "c", nxt=False)

@@ -292,18 +292,27 @@ class BatchPutTargets(Message, tag="store.batch_put_targets"):
 
 @register_message
 class ReplicaList(Message, tag="store.replica_list"):
+    """Where to read a committed value, and ``lease_s``: seconds from the master's reply that
+    the value stays put (not evicted, moved off these replicas or removed unforced). The client
+    converts it to its own monotonic deadline, measured from before its request, and starts no
+    read past it (it asks again); 0 = no lease (``--lease-ttl-s 0``): reads are not bounded."""
+
     key: str
     size: int
     checksum: int
     replicas: list[Replica]
+    lease_s: float
 
 
 @register_message
 class BatchReplicaList(Message, tag="store.batch_replica_list"):
+    """`ReplicaList` of many keys; ``lease_s`` holds for every key found (``codes`` OK)."""
+
     codes: list[int]
     sizes: list[int]
     checksums: list[int]
     replicas: list[list[Replica]]
+    lease_s: float
 
 
 @register_message

@@ -44,15 +44,17 @@ class AsyncStoreClient:
         keep_freed_memory(self.cfg.keep_freed)
         self._hb: asyncio.Task[None] | None = None
 
-    async def _transfer(self, reqs: list, deadline: float | None = None) -> BatchStatus:
+    async def _transfer(self, reqs: list, deadline: float | None = None,
+                        read: bool = False) -> BatchStatus:
         """Same-host requests copied directly (`DirectSegments`), the rest through the engine;
-        a put's writes end by its write ``deadline`` (monotonic) at the latest."""
-        timeout = cm.transfer_timeout(self.cfg, deadline)
+        a put's writes end by its write ``deadline`` (monotonic) at the latest, a get's reads
+        (``read``) by its read-lease deadline (`cm.LeaseExpired` if past already)."""
+        timeout = cm.transfer_timeout(self.cfg, deadline, read)
         done = self.direct.copy(reqs, time.monotonic() + timeout)
         rest = [r for r, d in zip(reqs, done, strict=True) if d is None]
         if not rest:
             return self.direct.merged(done, None)
-        bid = self.engine.submit(rest, cm.transfer_timeout(self.cfg, deadline))
+        bid = self.engine.submit(rest, cm.transfer_timeout(self.cfg, deadline, read))
         status = await self.engine.wait_async(bid)
         self.engine.free(bid)
         return status if len(rest) == len(reqs) else self.direct.merged(done, status)
@@ -103,18 +105,25 @@ class AsyncStoreClient:
     put_from = put
 
     async def get_into(self, key: str, buf: object) -> int:
+        """Read ``key`` straight into ``buf``; returns the value's size."""
         mv = cm.view(buf, writable=True)
-        r = await self._replicas(key)
-        await self._read(key, mv, r)
-        return r.size
+        return (await self._get_leased(key, lambda size: mv))[0]
 
     async def get(self, key: str) -> bytearray:
-        r = await self._replicas(key)
-        out = new_buffer(r.size)
-        await self._read(key, memoryview(out), r)
-        return out
+        """The value of ``key`` in a new buffer; `NotFoundError` if absent."""
+        bufs: list[bytearray] = []
 
-    async def _replicas(self, key: str) -> m.ReplicaList:
+        def buffer(size: int) -> memoryview:
+            if not bufs or len(bufs[0]) != size:  # the first lease, or the key was re-put
+                bufs[:] = [new_buffer(size)]
+            return memoryview(bufs[0])
+
+        await self._get_leased(key, buffer)
+        return bufs[0]
+
+    async def _replicas(self, key: str) -> tuple[m.ReplicaList, float]:
+        """``get_replicas`` (a fresh read lease) and its read deadline (`cm.read_deadline`)."""
+        sent = time.monotonic()
         try:
             r = await self.rpc.call(m.GetReplicas(key=key))
         except StoreRpcError as e:
@@ -122,41 +131,93 @@ class AsyncStoreClient:
                 raise cm.NotFoundError(f"no value for {key!r}") from None
             raise
         assert isinstance(r, m.ReplicaList)
-        return r
+        return r, cm.read_deadline(sent, r.lease_s)
 
-    async def _read(self, key: str, mv: memoryview, r: m.ReplicaList) -> None:
+    async def _get_leased(self, key: str, buffer: cm.BufferFor) -> tuple[int, memoryview]:
+        """`StoreClient._get_leased`: read within the read lease, else ask again (up to
+        ``put_retries`` times), then `cm.ReadLeaseExpired`."""
+        for _ in range(self.cfg.put_retries + 1):
+            r, deadline = await self._replicas(key)
+            mv = buffer(r.size)
+            if await self._read(key, mv, r.size, r.checksum, r.replicas, deadline):
+                return r.size, mv
+            log.info("get %s: its read lease (%.3fs) ran out before a replica was read; "
+                     "asking again", key, r.lease_s)
+        raise cm.ReadLeaseExpired(
+            f"reading {key!r}: each of {self.cfg.put_retries + 1} read leases ({r.lease_s}s) "
+            "ran out before a replica could be read (the reads were too slow)")
+
+    async def _read(self, key: str, mv: memoryview, size: int, checksum: int,
+                    replicas: list[m.Replica], deadline: float) -> bool:
+        """`StoreClient._read_one`: False when the read ``deadline`` passed first."""
         errors = []
-        for rep in r.replicas:
+        for rep in replicas:
             try:
-                (await self._transfer([cm.read(mv, key, r.size, rep)])).raise_for_status()
+                (await self._transfer([cm.read(mv, key, size, rep)], deadline,
+                                      True)).raise_for_status()
             except TransferError as e:
+                if time.monotonic() >= deadline:  # cut by the lease (or starting past it)
+                    return False
                 errors.append(str(e))
                 continue
-            cm.verify(self.cfg, key, mv, r.size, r.checksum)
-            return
+            cm.verify(self.cfg, key, mv, size, checksum)
+            return True
         raise StoreError(f"no replica of {key!r} could be read: {'; '.join(errors)}")
 
     async def batch_get_into(self, keys: Sequence[str], bufs: Sequence[object]) -> list[int]:
+        """Read many keys into their buffers (one master call and one transfer batch per
+        lease); each value's size, or -1 where absent or unread. Keys whose read lease ran out
+        before they were read are asked for again, up to ``put_retries`` times."""
         if len(keys) != len(bufs):
             raise InputError(f"{len(keys)} keys but {len(bufs)} buffers")
         mvs = [cm.view(b, writable=True) for b in bufs]
-        r = await self.rpc.call(m.BatchGetReplicas(keys=list(keys)))
-        assert isinstance(r, m.BatchReplicaList)
         sizes = [-1] * len(keys)
+        todo = list(range(len(keys)))
+        for _ in range(self.cfg.put_retries + 1):
+            sent = time.monotonic()
+            r = await self.rpc.call(m.BatchGetReplicas(keys=[keys[i] for i in todo]))
+            assert isinstance(r, m.BatchReplicaList)
+            todo = await self._batch_read_once(keys, mvs, todo, r,
+                                               cm.read_deadline(sent, r.lease_s), sizes)
+            if not todo:
+                return sizes
+        log.warning("batch get: %d keys left unread, each of their %d read leases ran out "
+                    "before a replica was read", len(todo), self.cfg.put_retries + 1)
+        return sizes
+
+    async def _batch_read_once(self, keys: Sequence[str], mvs: list[memoryview],
+                               todo: list[int], r: m.BatchReplicaList, deadline: float,
+                               sizes: list[int]) -> list[int]:
+        """`StoreClient._batch_read_once`: returns the keys whose lease ran out first."""
         reqs, idx = [], []
-        for i, code in enumerate(r.codes):
+        for i, code, size, sum_, reps in zip(todo, r.codes, r.sizes, r.checksums, r.replicas,
+                                             strict=True):
             if code == C.OK:
-                reqs.append(cm.read(mvs[i], keys[i], r.sizes[i], r.replicas[i][0]))
-                idx.append(i)
+                reqs.append(cm.read(mvs[i], keys[i], size, reps[0]))
+                idx.append((i, size, sum_, reps))
             elif code == C.PROMOTING:
                 sizes[i] = await self.get_into(keys[i], mvs[i])
-        if reqs:
-            st = await self._transfer(reqs)
-            for j, rs in zip(idx, st.requests, strict=True):
-                if rs.status == TransferStatus.DONE:
-                    cm.verify(self.cfg, keys[j], mvs[j], r.sizes[j], r.checksums[j])
-                    sizes[j] = r.sizes[j]
-        return sizes
+        if not reqs:
+            return []
+        try:
+            statuses = (await self._transfer(reqs, deadline, True)).requests
+        except cm.LeaseExpired:
+            return [i for i, *_ in idx]
+        again = []
+        for (i, size, sum_, reps), rs in zip(idx, statuses, strict=True):
+            if rs.status == TransferStatus.DONE:  # a mismatch raises `cm.ChecksumError`
+                cm.verify(self.cfg, keys[i], mvs[i], size, sum_)
+                sizes[i] = size
+                continue
+            try:
+                if time.monotonic() >= deadline or not await self._read(
+                        keys[i], mvs[i], size, sum_, reps[1:], deadline):
+                    again.append(i)  # the lease ran out: the node is not to blame
+                    continue
+                sizes[i] = size
+            except StoreError as e:
+                log.warning("reading %s failed: %s", keys[i], e)
+        return again
 
     async def batch_put(self, keys: Sequence[str], values: Sequence[object]) -> list[int]:
         """Concurrent puts (one coroutine per key); returns a `Code` per key."""

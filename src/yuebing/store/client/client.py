@@ -8,7 +8,9 @@ space of the next put ahead (`reserve`), the put writes into it and sends ``put_
 commits it under the key and hands out the next reservation; any failure there falls back to
 the two-phase put for that value.
 A get asks ``get_replicas`` (granting a read lease), READs one replica straight into the caller's
-buffer (``get_into``: zero-copy) and verifies the checksum. Batch forms do one master call and
+buffer (``get_into``: zero-copy) and verifies the checksum. Reads run only within the lease (less
+a margin, `cm.read_deadline`): one it cuts, or a fallback to another replica it would outlast, is
+not read from those ranges (another value may hold them by then) but asked for again. Batch forms do one master call and
 one transfer batch for many keys. Requests to a live node's segment on this host skip the engine:
 `DirectSegments` copies them in the calling thread. A heartbeat thread keeps the session alive.
 """
@@ -66,15 +68,17 @@ class StoreClient:
         finally:
             conn.close()
 
-    def _transfer(self, reqs: list, deadline: float | None = None) -> BatchStatus:
+    def _transfer(self, reqs: list, deadline: float | None = None,
+                  read: bool = False) -> BatchStatus:
         """Copy what the same-host fast path can, send the rest through the engine; one status
-        per request either way. A put's writes end by its write ``deadline`` (monotonic)."""
-        timeout = cm.transfer_timeout(self.cfg, deadline)
+        per request either way. A put's writes end by its write ``deadline`` (monotonic), a
+        get's reads (``read``) by its read-lease deadline (`cm.LeaseExpired` if past)."""
+        timeout = cm.transfer_timeout(self.cfg, deadline, read)
         done = self.direct.copy(reqs, time.monotonic() + timeout)
         rest = [r for r, d in zip(reqs, done, strict=True) if d is None]
         if not rest:
             return self.direct.merged(done, None)
-        bid = self.engine.submit(rest, cm.transfer_timeout(self.cfg, deadline), inline=True)
+        bid = self.engine.submit(rest, cm.transfer_timeout(self.cfg, deadline, read), inline=True)
         status = self.engine.wait(bid)
         self.engine.free(bid)
         return status if len(rest) == len(reqs) else self.direct.merged(done, status)
@@ -212,29 +216,10 @@ class StoreClient:
             log.warning("revoking %d puts failed: %s", len(keys), e)
 
     # ------------------------------------------------------------------ get
-    def get_into(self, key: str, buf: object) -> int:
-        """Read ``key`` straight into ``buf``; returns the value's size."""
-        mv = cm.view(buf, writable=True)
-        r = self.rpc.call(m.GetReplicas(key=key))
-        assert isinstance(r, m.ReplicaList)
-        self._read_one(key, mv, r.size, r.checksum, r.replicas)
-        return r.size
-
-    def _read_one(self, key: str, mv: memoryview, size: int, checksum: int,
-                  replicas: list[m.Replica]) -> None:
-        errors = []
-        for rep in replicas:
-            try:
-                self._transfer([cm.read(mv, key, size, rep)]).raise_for_status()
-            except TransferError as e:
-                errors.append(str(e))
-                continue
-            cm.verify(self.cfg, key, mv, size, checksum)
-            return
-        raise StoreError(f"no replica of {key!r} could be read: {'; '.join(errors)}")
-
-    def get(self, key: str) -> bytearray:
-        """The value of ``key`` in a new buffer; `NotFoundError` if absent."""
+    def _replicas(self, key: str) -> tuple[m.ReplicaList, float]:
+        """``get_replicas`` (a fresh read lease) and the lease's read deadline here
+        (`cm.read_deadline`, from before the request); `NotFoundError` if absent."""
+        sent = time.monotonic()
         try:
             r = self.rpc.call(m.GetReplicas(key=key))
         except StoreError as e:
@@ -242,9 +227,57 @@ class StoreClient:
                 raise cm.NotFoundError(f"no value for {key!r}") from None
             raise
         assert isinstance(r, m.ReplicaList)
-        out = new_buffer(r.size)
-        self._read_one(key, memoryview(out), r.size, r.checksum, r.replicas)
-        return out
+        return r, cm.read_deadline(sent, r.lease_s)
+
+    def get_into(self, key: str, buf: object) -> int:
+        """Read ``key`` straight into ``buf``; returns the value's size."""
+        mv = cm.view(buf, writable=True)
+        return self._get_leased(key, lambda size: mv)[0]
+
+    def get(self, key: str) -> bytearray:
+        """The value of ``key`` in a new buffer; `NotFoundError` if absent."""
+        bufs: list[bytearray] = []
+
+        def buffer(size: int) -> memoryview:
+            if not bufs or len(bufs[0]) != size:  # the first lease, or the key was re-put
+                bufs[:] = [new_buffer(size)]
+            return memoryview(bufs[0])
+
+        self._get_leased(key, buffer)
+        return bufs[0]
+
+    def _get_leased(self, key: str, buffer: cm.BufferFor) -> tuple[int, memoryview]:
+        """Ask for ``key``'s replicas and read one into ``buffer(size)`` within the read lease;
+        when the lease runs out first, ask again (up to ``put_retries`` times) rather than read
+        ranges that may hold another value by now, then `cm.ReadLeaseExpired`."""
+        for _ in range(self.cfg.put_retries + 1):
+            r, deadline = self._replicas(key)
+            mv = buffer(r.size)
+            if self._read_one(key, mv, r.size, r.checksum, r.replicas, deadline):
+                return r.size, mv
+            log.info("get %s: its read lease (%.3fs) ran out before a replica was read; "
+                     "asking again", key, r.lease_s)
+        raise cm.ReadLeaseExpired(
+            f"reading {key!r}: each of {self.cfg.put_retries + 1} read leases ({r.lease_s}s) "
+            "ran out before a replica could be read (the reads were too slow)")
+
+    def _read_one(self, key: str, mv: memoryview, size: int, checksum: int,
+                  replicas: list[m.Replica], deadline: float) -> bool:
+        """Read one of ``replicas`` (in order) into ``mv`` and verify it; False when the read
+        ``deadline`` passed before one was read (no attempt starts or runs past it; not the
+        nodes' failure), `StoreError` when every replica failed within it."""
+        errors = []
+        for rep in replicas:
+            try:
+                self._transfer([cm.read(mv, key, size, rep)], deadline, True).raise_for_status()
+            except TransferError as e:
+                if time.monotonic() >= deadline:  # cut by the lease (or starting past it)
+                    return False
+                errors.append(str(e))
+                continue
+            cm.verify(self.cfg, key, mv, size, checksum)
+            return True
+        raise StoreError(f"no replica of {key!r} could be read: {'; '.join(errors)}")
 
     def batch_get_into(self, keys: Sequence[str], bufs: Sequence[object]) -> list[int]:
         """Read many keys into their buffers with one master call and one transfer batch;
@@ -252,37 +285,69 @@ class StoreClient:
         if len(keys) != len(bufs):
             raise InputError(f"{len(keys)} keys but {len(bufs)} buffers")
         mvs = [cm.view(b, writable=True) for b in bufs]
-        r = self.rpc.call(m.BatchGetReplicas(keys=list(keys)))
-        assert isinstance(r, m.BatchReplicaList)
-        return self._batch_read(keys, mvs, r)
+        return self._batch_read(keys, mvs, None)
 
     def _batch_read(self, keys: Sequence[str], mvs: list[memoryview],
-                    r: m.BatchReplicaList) -> list[int]:
+                    first: tuple[m.BatchReplicaList, float] | None) -> list[int]:
+        """Read ``keys`` into ``mvs`` (``first``: their replicas already asked for and the
+        monotonic time that request left, else None); keys whose read lease ran out before
+        they were read are asked for again (one batch call, up to ``put_retries`` times) and
+        read within the new lease; -1 where absent or unread."""
         sizes = [-1] * len(keys)
-        reqs, idx = [], []
-        for i, code in enumerate(r.codes):
-            if code == C.OK:
-                reqs.append(cm.read(mvs[i], keys[i], r.sizes[i], r.replicas[i][0]))
-                idx.append(i)
-            elif code == C.PROMOTING:
-                sizes[i] = self.get_into(keys[i], mvs[i])
-        if reqs:
-            st = self._transfer(reqs)
-            for j, rs in zip(idx, st.requests, strict=True):
-                if rs.status == TransferStatus.DONE:
-                    cm.verify(self.cfg, keys[j], mvs[j], r.sizes[j], r.checksums[j])
-                    sizes[j] = r.sizes[j]
-                else:  # fall back to the other replicas, one by one
-                    try:
-                        self._read_one(keys[j], mvs[j], r.sizes[j], r.checksums[j],
-                                       r.replicas[j][1:])
-                        sizes[j] = r.sizes[j]
-                    except StoreError as e:
-                        log.warning("reading %s failed: %s", keys[j], e)
+        todo = list(range(len(keys)))
+        for _ in range(self.cfg.put_retries + 1):
+            if first is None:
+                sent = time.monotonic()
+                r = self.rpc.call(m.BatchGetReplicas(keys=[keys[i] for i in todo]))
+                assert isinstance(r, m.BatchReplicaList)
+            else:
+                (r, sent), first = first, None
+            todo = self._batch_read_once(keys, mvs, todo, r, cm.read_deadline(sent, r.lease_s),
+                                         sizes)
+            if not todo:
+                return sizes
+        log.warning("batch get: %d keys left unread, each of their %d read leases ran out "
+                    "before a replica was read", len(todo), self.cfg.put_retries + 1)
         return sizes
+
+    def _batch_read_once(self, keys: Sequence[str], mvs: list[memoryview], todo: list[int],
+                         r: m.BatchReplicaList, deadline: float, sizes: list[int]) -> list[int]:
+        """One transfer batch for ``todo`` (``r`` answers those keys in order) by ``deadline``,
+        then the other replicas of keys that failed, one by one while the lease lasts; fills
+        ``sizes``, returns the keys to ask for again (their lease ran out first)."""
+        reqs, idx = [], []
+        for i, code, size, sum_, reps in zip(todo, r.codes, r.sizes, r.checksums, r.replicas,
+                                             strict=True):
+            if code == C.OK:
+                reqs.append(cm.read(mvs[i], keys[i], size, reps[0]))
+                idx.append((i, size, sum_, reps))
+            elif code == C.PROMOTING:  # SSD-only: a single get waits for the promotion
+                sizes[i] = self.get_into(keys[i], mvs[i])
+        if not reqs:
+            return []
+        try:
+            statuses = self._transfer(reqs, deadline, True).requests
+        except cm.LeaseExpired:
+            return [i for i, *_ in idx]
+        again = []
+        for (i, size, sum_, reps), rs in zip(idx, statuses, strict=True):
+            if rs.status == TransferStatus.DONE:  # a mismatch raises `cm.ChecksumError`
+                cm.verify(self.cfg, keys[i], mvs[i], size, sum_)
+                sizes[i] = size
+                continue
+            try:
+                if time.monotonic() >= deadline or not self._read_one(
+                        keys[i], mvs[i], size, sum_, reps[1:], deadline):
+                    again.append(i)  # the lease ran out: the node is not to blame
+                    continue
+                sizes[i] = size
+            except StoreError as e:
+                log.warning("reading %s failed: %s", keys[i], e)
+        return again
 
     def batch_get(self, keys: Sequence[str]) -> list[bytearray | None]:
         """Values of many keys (None where absent or unreadable)."""
+        sent = time.monotonic()
         reps = self.rpc.call(m.BatchGetReplicas(keys=list(keys)))
         assert isinstance(reps, m.BatchReplicaList)
         promoted: dict[int, bytearray] = {}
@@ -291,7 +356,7 @@ class StoreClient:
                 promoted[i] = self.get(keys[i])
                 reps.codes[i] = int(C.NOT_FOUND)
         bufs = [new_buffer(max(s, 1)) for s in reps.sizes]
-        sizes = self._batch_read(keys, [memoryview(b) for b in bufs], reps)
+        sizes = self._batch_read(keys, [memoryview(b) for b in bufs], (reps, sent))
         out: list[bytearray | None] = [b if s == len(b) else (b[:s] if s >= 0 else None)
                                        for b, s in zip(bufs, sizes, strict=True)]
         for i, v in promoted.items():

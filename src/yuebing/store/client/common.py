@@ -4,7 +4,7 @@ checksums and per-key result handling. No I/O here."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
@@ -17,6 +17,8 @@ from yuebing.transfer.transport.shm import EXPIRED_WRITE
 from yuebing.transfer.types import as_buffer
 
 C = m.Code
+BufferFor = Callable[[int], memoryview]
+"""Where a get reads a value of the given size (the caller's buffer or a new one)."""
 
 
 class ChecksumError(StoreError):
@@ -65,12 +67,46 @@ class WriteExpired(TransferError):
     """A put's write expiry passed before its transfer could start: this client was late."""
 
 
-def transfer_timeout(cfg: ClientConfig, deadline: float | None) -> float:
+class LeaseExpired(TransferError):
+    """A get's read lease (less `lease_margin`) ended before its read could start: the client
+    must ask for the replicas again, not read ranges that may hold another value by now."""
+
+
+class ReadLeaseExpired(StoreError):
+    """Every read lease a get was granted (``put_retries + 1`` of them) ran out before one of
+    its replicas could be read: the reads were too slow; no stale bytes were returned."""
+
+
+LEASE_MARGIN_S = 0.05
+"""Least safety margin kept before a read lease ends (clock rates, the reply's own delay)."""
+
+
+def lease_margin(lease_s: float) -> float:
+    """Seconds of a ``lease_s`` lease no read may use: 10 % of it or `LEASE_MARGIN_S`,
+    whichever is larger, but at most half the lease (so a tiny lease still leaves time)."""
+    return min(max(0.1 * lease_s, LEASE_MARGIN_S), lease_s / 2)
+
+
+def read_deadline(sent_at: float, lease_s: float) -> float:
+    """A get's read deadline on this process's monotonic clock: the master's lease (seconds
+    from its reply) counted from ``sent_at``, before the request left (conservative, like
+    `write_deadline`), less `lease_margin`. No read transfer starts or runs past it. A lease
+    of 0 (the master grants none) bounds nothing: ``inf``."""
+    if lease_s <= 0:
+        return float("inf")
+    return sent_at + lease_s - lease_margin(lease_s)
+
+
+def transfer_timeout(cfg: ClientConfig, deadline: float | None, read: bool = False) -> float:
     """Seconds a transfer batch may take: ``transfer_timeout_s``, cut to a put's write
-    ``deadline``; `TransferError` if that passed already (the put must be revoked)."""
+    ``deadline`` (or a get's read deadline with ``read``); `WriteExpired` (the put must be
+    revoked) or `LeaseExpired` (the get must ask again) if that passed already."""
     timeout = cfg.transfer_timeout_s
     if deadline is not None:
         timeout = min(timeout, deadline - time.monotonic())
+        if timeout <= 0 and read:
+            raise LeaseExpired(f"the read lease ended {-timeout:.3f}s before the read could "
+                               "start")
         if timeout <= 0:
             raise WriteExpired(f"the put's write expiry passed {-timeout:.3f}s before its "
                                "transfer could start")

@@ -308,7 +308,8 @@ class MasterCore:
         self.objs[key] = self.objs.pop(key)  # LRU: most recent at the end
         reps = self._dram_reps(o, key)
         if reps:
-            return m.ReplicaList(key=key, size=o.size, checksum=o.checksum, replicas=reps)
+            return m.ReplicaList(key=key, size=o.size, checksum=o.checksum, replicas=reps,
+                                 lease_s=self.cfg.lease_ttl_s)
         code, text = segments.promote(self, key, o, waiter)
         return None if code == C.OK else err(code, text)
 
@@ -332,7 +333,8 @@ class MasterCore:
                 sizes.append(0)
                 sums.append(-1)
                 reps.append([])
-        return m.BatchReplicaList(codes=codes, sizes=sizes, checksums=sums, replicas=reps)
+        return m.BatchReplicaList(codes=codes, sizes=sizes, checksums=sums, replicas=reps,
+                                  lease_s=self.cfg.lease_ttl_s)
 
     def exists(self, msg: m.Exists) -> Message:
         o = self.objs.get(msg.key)

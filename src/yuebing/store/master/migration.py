@@ -368,7 +368,8 @@ def finished(core: MasterCore, t: Task, o: Obj) -> None:
     if t.waiters:  # readers of an SSD-only value asked while it moved: answer from the copy
         o.lease = core.clock.now() + core.cfg.lease_ttl_s
         reply = m.ReplicaList(key=t.key, size=o.size, checksum=o.checksum,
-                              replicas=core._dram_reps(o, t.key))
+                              replicas=core._dram_reps(o, t.key),
+                              lease_s=core.cfg.lease_ttl_s)
         core.ready.extend((w, reply) for w in t.waiters)
     pump(core)
 

@@ -267,7 +267,8 @@ def task_done(core: MasterCore, msg: m.TaskDone) -> None:
         o.reps = (t.dst, *o.reps)
         o.lease = core.clock.now() + core.cfg.lease_ttl_s
         reply = m.ReplicaList(key=t.key, size=o.size, checksum=o.checksum,
-                              replicas=core._dram_reps(o, t.key))  # a draining one is noted
+                              replicas=core._dram_reps(o, t.key),
+                              lease_s=core.cfg.lease_ttl_s)  # a draining one is noted
         core.ready.extend((w, reply) for w in t.waiters)
     elif o.lease > core.clock.now():  # read while offloading: keep both copies for now;
         o.reps = (*o.reps, t.dst)      # eviction drops the DRAM one once the lease is over
