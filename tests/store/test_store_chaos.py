@@ -148,12 +148,10 @@ def test_chaos_leader_failover() -> None:
             p.alive()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "found by the chaos test: the watermark offloads a victim only through its first DRAM "
-    "replica (eviction.py _scan → _offload(core, key, mine[0])); when that replica's node has "
-    "no active SSD segment (none, or draining) the value is dropped although another replica's "
-    "node could take it (the chaos run lost values this way while a node drained)"))
 def test_watermark_offloads_through_any_replica(tmp_path) -> None:
+    """Found by the chaos run: the watermark offloaded a victim only through its first DRAM
+    replica, so when that node had no active SSD (none, or draining) the value was dropped
+    although another replica's node could take it."""
     mst = master("--high-watermark", "0.3", "--evict-ratio", "0.1", "--lease-ttl-s", "0.2")
     addr = mst.info["address"]
     a = node(addr, "2MiB", "--name", "evictA")  # no SSD tier

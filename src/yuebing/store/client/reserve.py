@@ -51,14 +51,17 @@ class HeldReservations:
 
     def want(self, shape: Shape) -> bool:
         """Should a put of ``shape`` ask for a reservation? Yes when the shape was put lately
-        (a stream), so a client of many one-off sizes does not tie space up."""
+        (a stream), so a client of many one-off sizes does not tie space up — and not while
+        `MAX_HELD` others are held: the master would drop the oldest, whose space then waits
+        out the write fence (tens of seconds), so cycling through more shapes than that would
+        fill memory with fenced reservations."""
         seen = shape in self._seen
         if seen:
             del self._seen[shape]
         elif len(self._seen) >= RECENT:
             del self._seen[next(iter(self._seen))]
         self._seen[shape] = None
-        return seen
+        return seen and (shape in self.held or len(self.held) < MAX_HELD)
 
     def take(self, shape: Shape, now: float) -> tuple[Held | None, Held | None]:
         """Remove and return the reservation of ``shape`` as (usable, stale): at most one set."""

@@ -151,7 +151,8 @@ def _scan(core: MasterCore, need: int, only: set[int] | None, tier: int, offload
         mine = [r for r in o.reps if segs[r[0]].tier == tier and (only is None or r[0] in only)]
         if not mine:
             continue
-        if tier == 0 and offload and len(mine) == len(o.reps) and _offload(core, key, mine[0]):
+        if tier == 0 and offload and len(mine) == len(o.reps) and any(  # through any replica
+                _offload(core, key, r) for r in mine):  # whose node has an SSD with room
             freed += o.size
             continue
         _drop_replicas(core, key, mine)
