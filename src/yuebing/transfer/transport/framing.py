@@ -21,6 +21,7 @@ import os
 import socket
 import struct
 import time
+from typing import Any
 
 from yuebing.protocol import Message, decode, encode
 
@@ -281,3 +282,43 @@ class FrameReader:
         self._consume(k)
         if k < nbytes:
             drain(self.sock, nbytes - k)
+
+
+class DeadlineSocket:
+    """A socket as `FrameReader` / `send_parts` use it, with every call bounded by one absolute
+    deadline ``end`` (monotonic; also the bound `spin_scatter` honours) and at most ``cap_s``
+    each: a socket timeout applies per call, so a peer trickling a few bytes at a time would
+    otherwise stretch an exchange far past its deadline. Used by the inline TCP path (the
+    batch deadline) and the server's receiving of a write payload (its fence)."""
+
+    def __init__(self, sock: socket.socket, end: float = 0.0, cap_s: float | None = None,
+                 why: str = "socket exchange ran past its deadline") -> None:
+        self.sock = sock
+        self.end = end
+        self.cap_s = cap_s
+        self.why = why
+
+    def _arm(self) -> None:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(self.why)
+        self.sock.settimeout(left if self.cap_s is None else min(left, self.cap_s))
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def recv_into(self, *args: Any) -> int:
+        self._arm()
+        return self.sock.recv_into(*args)
+
+    def recvmsg_into(self, *args: Any) -> tuple[int, Any, int, Any]:
+        self._arm()
+        return self.sock.recvmsg_into(*args)
+
+    def sendmsg(self, *args: Any) -> int:
+        self._arm()
+        return self.sock.sendmsg(*args)
+
+    def sendall(self, *args: Any) -> None:
+        self._arm()
+        self.sock.sendall(*args)

@@ -25,12 +25,11 @@ import itertools
 import select
 import socket
 import time
-from typing import Any
 
 from yuebing.protocol import Message, ProtocolError
 from yuebing.transfer.batch import Slice, complete_slices
 from yuebing.transfer.messages import SliceAck, SlicesDone
-from yuebing.transfer.transport.framing import FrameReader, send_parts
+from yuebing.transfer.transport.framing import DeadlineSocket, FrameReader, send_parts
 from yuebing.transfer.transport.lane_ops import NotifyOp, Op, frame_iovec, group_frames
 from yuebing.transfer.transport.spin import Spinner
 from yuebing.transfer.types import OpCode
@@ -66,42 +65,6 @@ def finish_frame(reader: FrameReader, frame: list[Op], msg: Message, address: st
 
 
 
-class DeadlineSocket:
-    """The inline connection's socket as `FrameReader` / `send_parts` use it, with every call
-    bounded by one absolute deadline: a socket timeout applies per call, so a peer trickling a
-    few bytes at a time would otherwise hold the submitting thread far past the batch deadline.
-    """
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.end = 0.0
-
-    def _arm(self) -> None:
-        left = self.end - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("inline exchange ran past its deadline")
-        self.sock.settimeout(left)
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def recv_into(self, *args: Any) -> int:
-        self._arm()
-        return self.sock.recv_into(*args)
-
-    def recvmsg_into(self, *args: Any) -> tuple[int, Any, int, Any]:
-        self._arm()
-        return self.sock.recvmsg_into(*args)
-
-    def sendmsg(self, *args: Any) -> int:
-        self._arm()
-        return self.sock.sendmsg(*args)
-
-    def sendall(self, *args: Any) -> None:
-        self._arm()
-        self.sock.sendall(*args)
-
-
 class InlineConn:
     """One connection used by one submitting thread at a time (the endpoint holds a lock)."""
 
@@ -111,7 +74,7 @@ class InlineConn:
         self.address = address
         self.io_timeout_s = io_timeout_s
         self.spin_s = spin_s
-        self._timed = DeadlineSocket(sock)
+        self._timed = DeadlineSocket(sock, why="inline exchange ran past its deadline")
         self.reader = FrameReader(self._timed, spin_s=spin_s)  # type: ignore[arg-type]
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)

@@ -26,7 +26,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from yuebing.core.errors import TransferError
 from yuebing.protocol import Message, ProtocolError
@@ -43,6 +42,7 @@ from yuebing.transfer.messages import (
 )
 from yuebing.transfer.segment import SegmentTable
 from yuebing.transfer.transport.framing import (
+    DeadlineSocket,
     FrameReader,
     IdleTimeout,
     frame_parts,
@@ -194,7 +194,10 @@ class TcpServer:
             reader.read_into_many(views)
             return
         sock = reader.sock
-        reader.sock = _FencedSocket(sock, end, self._config.io_timeout_s)  # type: ignore[assignment]
+        reader.sock = DeadlineSocket(  # type: ignore[assignment]
+            sock, time.monotonic() + (end - time.time()), self._config.io_timeout_s,
+            "write frame still arriving past its expiry + grace; closing the lane so nothing "
+            "more of it is written")
         try:
             reader.read_into_many(views)
         finally:
@@ -229,33 +232,3 @@ class TcpServer:
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
         self._thread.join(timeout=2)
-
-
-class _FencedSocket:
-    """A lane socket as `FrameReader` uses it while receiving an accepted write payload: every
-    call is bounded by the frame's fence as well as ``io_timeout_s``, so a peer trickling bytes
-    cannot stretch the write past it. ``end`` is that fence on the monotonic clock (converted
-    once from the wall-clock ``end_wall``), the attribute a spinning receive also honours."""
-
-    def __init__(self, sock: socket.socket, end_wall: float, io_timeout_s: float) -> None:
-        self.sock = sock
-        self.end = time.monotonic() + (end_wall - time.time())
-        self.io_timeout_s = io_timeout_s
-
-    def _arm(self) -> None:
-        left = self.end - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"write frame still arriving {-left:.3f}s past its expiry + "
-                               "grace; closing the lane so nothing more of it is written")
-        self.sock.settimeout(min(left, self.io_timeout_s))
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def recv_into(self, *args: Any) -> int:
-        self._arm()
-        return self.sock.recv_into(*args)
-
-    def recvmsg_into(self, *args: Any) -> tuple[int, Any, int, Any]:
-        self._arm()
-        return self.sock.recvmsg_into(*args)
