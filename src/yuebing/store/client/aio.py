@@ -189,14 +189,9 @@ class AsyncStoreClient:
                                todo: list[int], r: m.BatchReplicaList, deadline: float,
                                sizes: list[int]) -> list[int]:
         """`StoreClient._batch_read_once`: returns the keys whose lease ran out first."""
-        reqs, idx = [], []
-        for i, code, size, sum_, reps in zip(todo, r.codes, r.sizes, r.checksums, r.replicas,
-                                             strict=True):
-            if code == C.OK:
-                reqs.append(cm.read(mvs[i], keys[i], size, reps[0]))
-                idx.append((i, size, sum_, reps))
-            elif code == C.PROMOTING:
-                sizes[i] = await self.get_into(keys[i], mvs[i])
+        reqs, idx, promoting = cm.batch_reads(keys, mvs, todo, r)
+        for i in promoting:  # SSD-only: a single get waits for the promotion
+            sizes[i] = await self.get_into(keys[i], mvs[i])
         if not reqs:
             return []
         try:

@@ -315,14 +315,9 @@ class StoreClient:
         """One transfer batch for ``todo`` (``r`` answers those keys in order) by ``deadline``,
         then the other replicas of keys that failed, one by one while the lease lasts; fills
         ``sizes``, returns the keys to ask for again (their lease ran out first)."""
-        reqs, idx = [], []
-        for i, code, size, sum_, reps in zip(todo, r.codes, r.sizes, r.checksums, r.replicas,
-                                             strict=True):
-            if code == C.OK:
-                reqs.append(cm.read(mvs[i], keys[i], size, reps[0]))
-                idx.append((i, size, sum_, reps))
-            elif code == C.PROMOTING:  # SSD-only: a single get waits for the promotion
-                sizes[i] = self.get_into(keys[i], mvs[i])
+        reqs, idx, promoting = cm.batch_reads(keys, mvs, todo, r)
+        for i in promoting:  # SSD-only: a single get waits for the promotion
+            sizes[i] = self.get_into(keys[i], mvs[i])
         if not reqs:
             return []
         try:

@@ -140,6 +140,26 @@ def blamed_segments(reqs: Sequence[TransferRequest], statuses: Sequence[Any] | N
                        st.status == TransferStatus.TIMEOUT and st.error.startswith(EXPIRED_WRITE))})
 
 
+BatchRead = tuple[int, int, int, list[m.Replica]]
+"""One key of a batch read: (index, size, checksum, replicas)."""
+
+
+def batch_reads(keys: Sequence[str], mvs: list[memoryview], todo: list[int],
+                r: m.BatchReplicaList) -> tuple[list[TransferRequest], list[BatchRead], list[int]]:
+    """Split a `BatchReplicaList` answering ``todo``: the first-replica reads of the keys found,
+    their (index, size, checksum, replicas), and the indexes of SSD-only keys being promoted
+    (read one by one with a single get). Shared by the sync and asyncio batch reads."""
+    reqs, idx, promoting = [], [], []
+    for i, code, size, sum_, reps in zip(todo, r.codes, r.sizes, r.checksums, r.replicas,
+                                         strict=True):
+        if code == m.Code.OK:
+            reqs.append(read(mvs[i], keys[i], size, reps[0]))
+            idx.append((i, size, sum_, reps))
+        elif code == m.Code.PROMOTING:
+            promoting.append(i)
+    return reqs, idx, promoting
+
+
 def read(buf: memoryview, key: str, size: int, rep: m.Replica) -> TransferRequest:
     if buf.nbytes < size:
         raise InputError(f"buffer of {buf.nbytes} bytes is too small for {key!r} ({size} bytes)")
