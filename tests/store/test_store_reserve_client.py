@@ -24,3 +24,44 @@ def test_asks_on_a_shapes_second_put_and_never_beyond_the_cap() -> None:
     assert asked == [True] * MAX_HELD + [False] * 2
     assert len(h.held) == MAX_HELD
     assert h.want(shapes[0])  # a held shape may always renew its own
+
+
+def _resv(key: str, expires_in_s: float = 30.0) -> m.Reservation:
+    return m.Reservation(key=key, replicas=[m.Replica(segment="n/dram", offset=0)],
+                         expires_in_s=expires_in_s)
+
+
+def test_a_claimed_reservation_is_never_held_again_until_any_copy_is_unusable() -> None:
+    """Concurrent puts (`AsyncStoreClient`): a reply still in flight may carry the reservation
+    another put claimed (and is writing into, or committed); keeping it would hand it to a
+    second put, which would overwrite the committed value."""
+    h, s = HeldReservations(), _shape(4096)
+    h.keep(s, _resv("r1"), 0.0)
+    held, stale = h.claim(s, 1.0)
+    assert held is not None and held.key == "r1" and stale is None
+    assert h.claim(s, 1.0) == (None, None)  # exactly one put gets it
+    h.keep(s, _resv("r1"), 0.5)  # a stale reply carrying it: ignored
+    assert h.held == {} and h.claim(s, 2.0) == (None, None)
+    h.keep(s, _resv("r2"), 2.0)  # the commit's next reservation is held
+    assert h.held[s].key == "r2"
+    h.keep(s, _resv("r1"), 2.0)  # and a late copy of r1 does not replace it
+    assert h.held[s].key == "r2"
+    # once every copy of r1 would be unusable (granted 30 s, deadline 30), it is forgotten
+    assert h.claim(s, 59.9)[0] is None and "r1" in h.busy  # r2 (deadline 32) is stale now
+    h.claim(s, 60.0)
+    assert "r1" not in h.busy
+
+
+def test_a_refused_commit_releases_the_reservation_and_stale_ones_go_back() -> None:
+    h, s = HeldReservations(), _shape(4096)
+    h.keep(s, _resv("r1"), 0.0)
+    held, _ = h.claim(s, 1.0)
+    assert held is not None
+    h.release("r1")  # the master refused the commit; it may answer with r1 again
+    h.keep(s, _resv("r1"), 2.0)
+    assert h.held[s].key == "r1"
+    assert h.claim(s, 2.0 + 15.1) == (None, "r1")  # under half its write time left: give back
+    assert h.claim(s, 2.0 + 15.1) == (None, None)
+    h.keep(s, _resv("r3", 1.0), 0.0)
+    assert h.claim(s, 1.5) == (None, None)  # past its write expiry: the master reclaimed it
+    assert "r3" in h.busy

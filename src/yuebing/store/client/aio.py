@@ -3,9 +3,13 @@
 Life of a call here: master RPCs share one connection (`AsyncMasterConnection`), so many
 coroutines can put/get concurrently; bytes move through the transfer engine's
 ``submit``/``wait_async``, except same-host ones, copied directly in the loop's thread (`direct`:
-~2 ms for 16 MiB). Puts are two-phase (a failed write revokes and re-places; no reserve-ahead
-one-RPC puts here, those are `StoreClient`'s), gets verify
-checksums, and a heartbeat task keeps the session alive while the client is open.
+~2 ms for 16 MiB). Puts are two-phase (a failed write revokes and re-places) or, with
+``reserve_ahead``, one RPC for a stream of same-shaped values: a write into a reservation held
+for the shape and a ``put_commit`` (the protocol of `StoreClient.put`, `reserve`). Of puts
+running concurrently, one writes into a held reservation — `HeldReservations.claim` pops it with
+no await in between, and keeps it out of later replies — while the others of that shape go the
+two-phase way. Gets verify checksums, and a heartbeat task keeps the session alive while the
+client is open; ``close`` gives held reservations back.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Sequence
 from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.store import messages as m
 from yuebing.store.client import common as cm
+from yuebing.store.client import reserve as rv
 from yuebing.store.client.direct import DirectSegments
 from yuebing.store.client.memory import keep_freed_memory, new_buffer
 from yuebing.store.client.rpc import AsyncMasterConnection, StoreRpcError
@@ -42,6 +47,7 @@ class AsyncStoreClient:
                                          self.cfg.failover_s)
         self.direct = DirectSegments(self.engine, self.cfg.direct)
         keep_freed_memory(self.cfg.keep_freed)
+        self._resv = rv.HeldReservations()
         self._hb: asyncio.Task[None] | None = None
 
     async def _transfer(self, reqs: list, deadline: float | None = None,
@@ -78,29 +84,71 @@ class AsyncStoreClient:
                   strategy: str | None = None, preferred: Sequence[str] | None = None,
                   hard_pin: bool = False, soft_pin_s: float = 0.0) -> None:
         """Store ``value`` under ``key``; a failed write is revoked (naming the failed
-        segments, which the master then avoids) and placed again up to ``put_retries`` times."""
+        segments, which the master then avoids) and placed again up to ``put_retries`` times.
+        With ``reserve_ahead``, a put of a shape this client holds a reservation for (and no
+        concurrent put claimed first) writes into it and commits with one RPC."""
         mv = cm.view(value, writable=False)
         item = cm.put_item(self.cfg, key, mv, replicas, strategy, preferred, hard_pin, soft_pin_s)
+        shape = rv.shape_of(item) if self.cfg.reserve_ahead else None
+        if shape is not None and await self._put_reserved(item, mv, shape):
+            return
+        reserve_next = shape is not None and self._resv.want(shape)
         for attempt in range(self.cfg.put_retries + 1):
             sent = time.monotonic()
-            targets = await self.rpc.call(m.PutStart(client=self.client_id, item=item))
+            targets = await self.rpc.call(m.PutStart(client=self.client_id, item=item,
+                                                     reserve_next=reserve_next))
             assert isinstance(targets, m.PutTargets)
-            deadline = cm.write_deadline(sent, targets.expires_in_s)
-            reqs = cm.writes(mv, targets.replicas)
-            try:
-                st = await self._transfer(reqs, deadline)
-                failed, why = cm.failed_segments(reqs, st.requests), "; ".join(st.errors)
-                blamed = cm.blamed_segments(reqs, st.requests)
-            except (TransferError, InputError) as e:
-                failed, why = cm.failed_segments(reqs, None), str(e)
-                blamed = cm.blamed_segments(reqs, None, e)
+            if shape is not None:
+                self._resv.keep(shape, targets.reservation, sent)
+            failed, blamed, why = await self._write(mv, targets.replicas,
+                                                    cm.write_deadline(sent, targets.expires_in_s))
             if not failed:
                 await self.rpc.call(m.PutEnd(client=self.client_id, key=key))
                 return
-            with contextlib.suppress(StoreError):
-                await self.rpc.call(m.PutRevoke(client=self.client_id, key=key, failed=blamed))
+            await self._revoke([key, *self._resv.touching(failed)], blamed)
             log.warning("put %s: write to %s failed (attempt %d): %s", key, failed, attempt + 1, why)
         raise StoreError(f"writing {key!r} failed; put revoked: {why}")
+
+    async def _write(self, mv: memoryview, replicas: list[m.Replica],
+                     deadline: float) -> tuple[list[str], list[str], str]:
+        """Write one value to its replicas by ``deadline``: `cm.write_outcome`."""
+        reqs = cm.writes(mv, replicas)
+        try:
+            return cm.write_outcome(reqs, await self._transfer(reqs, deadline))
+        except (TransferError, InputError) as e:
+            return cm.write_outcome(reqs, e)
+
+    async def _put_reserved(self, item: m.PutItem, mv: memoryview, shape: rv.Shape) -> bool:
+        """`StoreClient._put_reserved`: put ``item`` through the held reservation of its shape
+        (claimed by this coroutine alone), False when there is none usable or the write or
+        commit failed (the caller then puts it the two-phase way)."""
+        held, stale = self._resv.claim(shape, time.monotonic())
+        if stale is not None:  # too little write time left: give it back now
+            await self._revoke([stale], [])
+        if held is None:
+            return False
+        failed, blamed, why = await self._write(mv, held.replicas, held.deadline)
+        if failed:
+            await self._revoke([held.key, *self._resv.touching(failed)], blamed)
+            log.warning("put %s: write into reservation on %s failed: %s", item.key, failed, why)
+            return False
+        sent = time.monotonic()
+        try:
+            r = await self.rpc.call(m.PutCommit(client=self.client_id, reservation=held.key,
+                                                item=item, reserve_next=True))
+        except StoreRpcError as e:
+            self._resv.release(held.key)
+            log.info("put %s: reservation refused (%s); putting it in two phases", item.key, e)
+            return False
+        assert isinstance(r, m.PutCommitted)
+        self._resv.keep(shape, r.reservation, sent)
+        return True
+
+    async def _revoke(self, keys: list[str], failed: list[str]) -> None:
+        try:
+            await self.rpc.call(m.BatchPutRevoke(client=self.client_id, keys=keys, failed=failed))
+        except StoreError as e:  # the master reclaims it as a zombie later
+            log.warning("revoking %d puts failed: %s", len(keys), e)
 
     put_from = put
 
@@ -171,12 +219,39 @@ class AsyncStoreClient:
         if len(keys) != len(bufs):
             raise InputError(f"{len(keys)} keys but {len(bufs)} buffers")
         mvs = [cm.view(b, writable=True) for b in bufs]
+        return await self._batch_read(keys, mvs, None)
+
+    async def batch_get(self, keys: Sequence[str]) -> list[bytearray | None]:
+        """Values of many keys (None where absent or unreadable): `StoreClient.batch_get`."""
+        sent = time.monotonic()
+        reps = await self.rpc.call(m.BatchGetReplicas(keys=list(keys)))
+        assert isinstance(reps, m.BatchReplicaList)
+        promoted: dict[int, bytearray] = {}
+        for i, code in enumerate(reps.codes):
+            if code == C.PROMOTING:  # SSD-only: a single get waits for the promotion
+                promoted[i] = await self.get(keys[i])
+                reps.codes[i] = int(C.NOT_FOUND)
+        bufs = [new_buffer(max(s, 1)) for s in reps.sizes]
+        sizes = await self._batch_read(keys, [memoryview(b) for b in bufs], (reps, sent))
+        out = cm.batch_values(bufs, sizes)
+        for i, v in promoted.items():
+            out[i] = v
+        return out
+
+    async def _batch_read(self, keys: Sequence[str], mvs: list[memoryview],
+                          first: tuple[m.BatchReplicaList, float] | None) -> list[int]:
+        """`StoreClient._batch_read`: read ``keys`` into ``mvs`` (``first``: their replicas
+        already asked for and when that request left), asking again for keys whose read lease
+        ran out first (up to ``put_retries`` times); -1 where absent or unread."""
         sizes = [-1] * len(keys)
         todo = list(range(len(keys)))
         for _ in range(self.cfg.put_retries + 1):
-            sent = time.monotonic()
-            r = await self.rpc.call(m.BatchGetReplicas(keys=[keys[i] for i in todo]))
-            assert isinstance(r, m.BatchReplicaList)
+            if first is None:
+                sent = time.monotonic()
+                r = await self.rpc.call(m.BatchGetReplicas(keys=[keys[i] for i in todo]))
+                assert isinstance(r, m.BatchReplicaList)
+            else:
+                (r, sent), first = first, None
             todo = await self._batch_read_once(keys, mvs, todo, r,
                                                cm.read_deadline(sent, r.lease_s), sizes)
             if not todo:
@@ -214,18 +289,29 @@ class AsyncStoreClient:
                 log.warning("reading %s failed: %s", keys[i], e)
         return again
 
-    async def batch_put(self, keys: Sequence[str], values: Sequence[object]) -> list[int]:
-        """Concurrent puts (one coroutine per key); returns a `Code` per key."""
+    async def batch_put(self, keys: Sequence[str], values: Sequence[object], *,
+                        replicas: int | None = None, strategy: str | None = None,
+                        preferred: Sequence[str] | None = None, hard_pin: bool = False,
+                        soft_pin_s: float = 0.0) -> list[int]:
+        """Concurrent puts (one coroutine per key, each as `put`, so a held reservation serves
+        one of them); returns a `Code` per key (0 for OK)."""
+        if len(keys) != len(values):
+            raise InputError(f"{len(keys)} keys but {len(values)} values")
+
         async def one(k: str, v: object) -> int:
             try:
-                await self.put(k, v)
-                return 0
+                await self.put(k, v, replicas=replicas, strategy=strategy, preferred=preferred,
+                               hard_pin=hard_pin, soft_pin_s=soft_pin_s)
+                return int(C.OK)
             except StoreRpcError as e:
                 return int(e.code)
             except StoreError:
                 return int(C.INTERNAL)
 
         return list(await asyncio.gather(*(one(k, v) for k, v in zip(keys, values, strict=True))))
+
+    batch_put_from = batch_put
+    """Zero-copy batch put: the engine reads straight from the caller's buffers."""
 
     async def exists(self, key: str) -> bool:
         return (await self.rpc.call(m.Exists(key=key))).values[0]  # type: ignore[attr-defined]
@@ -248,11 +334,28 @@ class AsyncStoreClient:
     async def remove_all(self, force: bool = False) -> int:
         return (await self.rpc.call(m.RemoveAll(force=force))).n  # type: ignore[attr-defined]
 
+    async def pin(self, keys: Sequence[str], hard: bool = False, soft_pin_s: float = 0.0,
+                  unpin: bool = False) -> list[int]:
+        """Hard-pin, soft-pin (for ``soft_pin_s``) or, with ``unpin``, clear the pins of
+        ``keys``; a `Code` per key."""
+        return (await self.rpc.call(m.Pin(keys=list(keys), hard=hard, soft_pin_s=soft_pin_s,
+                                          unpin=unpin))).codes  # type: ignore[attr-defined]
+
+    async def stats(self) -> dict[str, float]:
+        """The master's counters and gauges (`GetStats`)."""
+        return (await self.rpc.call(m.GetStats())).values  # type: ignore[attr-defined]
+
     async def close(self) -> None:
+        """Stop the heartbeat, give back held reservations (one try, at most ``rpc_timeout_s``;
+        else the master reclaims them at their write expiry), release everything."""
         if self._hb is not None:
             self._hb.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._hb
+        held = self._resv.pop_all()
+        if held:
+            self.rpc.failover_s = 0.0
+            await self._revoke(held, [])
         self.rpc.close()
         self.direct.close()
         if self._own_engine:

@@ -12,7 +12,7 @@ import xxhash
 from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.store import messages as m
 from yuebing.store.config import ClientConfig
-from yuebing.transfer import OpCode, TransferRequest, TransferStatus
+from yuebing.transfer import BatchStatus, OpCode, TransferRequest, TransferStatus
 from yuebing.transfer.transport.shm import EXPIRED_WRITE
 from yuebing.transfer.types import as_buffer
 
@@ -140,6 +140,18 @@ def blamed_segments(reqs: Sequence[TransferRequest], statuses: Sequence[Any] | N
                        st.status == TransferStatus.TIMEOUT and st.error.startswith(EXPIRED_WRITE))})
 
 
+def write_outcome(reqs: Sequence[TransferRequest],
+                  result: BatchStatus | Exception) -> tuple[list[str], list[str], str]:
+    """A put's write to its replicas, judged: (segments that failed, those of them to blame
+    in the revoke — `blamed_segments` —, why) from the transfer's status, or from the
+    `TransferError`/`InputError` it raised. Used by `AsyncStoreClient._write` (the sync
+    `StoreClient._write` computes the same inline)."""
+    if isinstance(result, Exception):
+        return failed_segments(reqs, None), blamed_segments(reqs, None, result), str(result)
+    return (failed_segments(reqs, result.requests), blamed_segments(reqs, result.requests),
+            "; ".join(result.errors))
+
+
 BatchRead = tuple[int, int, int, list[m.Replica]]
 """One key of a batch read: (index, size, checksum, replicas)."""
 
@@ -158,6 +170,13 @@ def batch_reads(keys: Sequence[str], mvs: list[memoryview], todo: list[int],
         elif code == m.Code.PROMOTING:
             promoting.append(i)
     return reqs, idx, promoting
+
+
+def batch_values(bufs: Sequence[bytearray], sizes: Sequence[int]) -> list[bytearray | None]:
+    """What a bytes-returning batch get answers: each buffer cut to its value's size, None
+    where the key was absent or unread (size -1)."""
+    return [b if s == len(b) else (b[:s] if s >= 0 else None)
+            for b, s in zip(bufs, sizes, strict=True)]
 
 
 def read(buf: memoryview, key: str, size: int, rep: m.Replica) -> TransferRequest:

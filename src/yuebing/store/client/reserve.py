@@ -10,6 +10,15 @@ gets most of a fresh put's budget; an older one is handed back as stale, and the
 it then (lazily: a client that stops putting leaves it to the master, which reclaims a
 reservation at its write expiry). A write or commit through a reservation that fails falls back
 to the two-phase put. At most `MAX_HELD` are held (the master's cap per client too).
+
+Concurrent puts (`AsyncStoreClient`: many coroutines, one client) `claim` instead of `take`: the
+claimed reservation's key stays *busy* (in use, then committed or revoked) so that a reply still
+in flight that carries it — the master answers a `PutStart` with the reservation of the shape it
+has, which may be the one another coroutine is writing into or just committed — is not kept and
+handed to a second put (which would overwrite the committed value). Each reservation is thus
+written by exactly one put: `claim` pops it and marks it busy with no await in between. A busy
+key is forgotten once any copy of it would be unusable anyway (`Held.forget_at`); a commit the
+master refused `release`s it (the master may hand the same, still empty, reservation out again).
 """
 
 from __future__ import annotations
@@ -41,13 +50,23 @@ class Held:
     def usable(self, now: float) -> bool:
         return self.deadline - now >= self.granted_s / 2
 
+    @property
+    def forget_at(self) -> float:
+        """When a copy of this reservation from any reply can no longer be usable: a reply
+        carrying it left the master before its write expiry, which is at most one network delay
+        after ``deadline`` (a conservative estimate), and a copy needs half its grant left."""
+        return self.deadline + self.granted_s
+
 
 class HeldReservations:
-    """The reservations of one client (one thread at a time, like `StoreClient`)."""
+    """The reservations of one client (one thread at a time, like `StoreClient`; concurrent
+    coroutines of one event loop use `claim`/`release`, see the module docstring)."""
 
     def __init__(self) -> None:
         self.held: dict[Shape, Held] = {}
         self._seen: dict[Shape, None] = {}
+        self.busy: dict[str, float] = {}
+        """Keys of claimed reservations -> when to forget them (`Held.forget_at`)."""
 
     def want(self, shape: Shape) -> bool:
         """Should a put of ``shape`` ask for a reservation? Yes when the shape was put lately
@@ -70,10 +89,30 @@ class HeldReservations:
             return None, None
         return (h, None) if h.usable(now) else (None, h)
 
+    def claim(self, shape: Shape, now: float) -> tuple[Held | None, str | None]:
+        """`take` for concurrent puts: (the reservation this put alone writes into, or None;
+        the key of a stale one to give back now, or None — one past its write expiry the master
+        reclaimed already). Either is marked busy, so `keep` ignores later copies of it."""
+        for key in [k for k, t in self.busy.items() if t <= now]:
+            del self.busy[key]
+        held, stale = self.take(shape, now)
+        for h in (held, stale):
+            if h is not None:
+                self.busy[h.key] = h.forget_at
+        if stale is not None and stale.deadline > now:
+            return None, stale.key
+        return held, None
+
+    def release(self, key: str) -> None:
+        """The master refused the commit into claimed ``key``: nothing was stored in it, and it
+        may hand the same reservation out again (to be kept and claimed anew)."""
+        self.busy.pop(key, None)
+
     def keep(self, shape: Shape, r: m.Reservation | None, sent: float) -> None:
         """Hold ``r`` (from a reply to a request sent at monotonic ``sent``). Over `MAX_HELD`
-        the oldest is forgotten: the master dropped it when it placed ``r`` (same cap)."""
-        if r is None:
+        the oldest is forgotten: the master dropped it when it placed ``r`` (same cap). A
+        claimed (busy) reservation is never held again."""
+        if r is None or r.key in self.busy:
             return
         self.held.pop(shape, None)
         while len(self.held) >= MAX_HELD:
@@ -87,6 +126,7 @@ class HeldReservations:
         return [self.held.pop(s).key for s in out]
 
     def pop_all(self) -> list[str]:
+        """Remove and return every held reservation's key (to give them back on close)."""
         keys = [h.key for h in self.held.values()]
         self.held.clear()
         return keys
