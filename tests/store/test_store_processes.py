@@ -19,11 +19,13 @@ from yuebing.store import messages as m
 from yuebing.store.client.client import StoreClient
 from yuebing.store.client.common import ChecksumError, NotFoundError
 from yuebing.store.client.events import KvEventSubscriber
+from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig
 from yuebing.store.wire import parse_address
 from yuebing.transfer import OpCode, TransferRequest
 
 TTL = "1.5"
+C = m.Code
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +225,17 @@ def test_async_client(cluster) -> None:
             assert await c.prefix_match(keys + ["zz"]) == 6
             with pytest.raises(NotFoundError):
                 await c.get("zz")
-            assert await c.remove_prefix("as/", force=True) == 6
+            vals = [b"p" * 4096, b"q" * 70000]
+            assert await c.batch_put_from(["as/p", "as/q"], vals) == [0, 0]
+            assert await c.batch_get(["as/q", "zz", "as/p", "as/2"]) == [
+                vals[1], None, vals[0], bytes([2]) * 5000]
+            await c.put("as/pin", b"n" * 100)  # never read: no read lease holds it
+            assert await c.pin(["as/pin", "zz"], hard=True) == [int(C.OK), int(C.NOT_FOUND)]
+            with pytest.raises(StoreRpcError, match="PINNED"):
+                await c.remove("as/pin")
+            assert await c.pin(["as/pin"], unpin=True) == [int(C.OK)]
+            st = await c.stats()
+            assert st["objects"] >= 9 and st["puts"] >= 9 and st["pending"] == 0
+            assert await c.remove_prefix("as/", force=True) == 9
 
     asyncio.run(main())
