@@ -259,3 +259,39 @@ def test_async_reservation_idle_too_long_goes_back(cluster) -> None:
             await c.remove_all(force=True)
 
     asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_async_node_killed_under_a_reservation_put_lands_elsewhere() -> None:
+    mst = master()
+    a = node(mst.info["address"], "4MiB", "--name", "aresvKA")
+    b = node(mst.info["address"], "4MiB", "--name", "aresvKB")
+    seg_a, seg_b = a.info["dram"], b.info["dram"]
+
+    async def run() -> None:
+        async with AsyncStoreClient(ClientConfig(master=mst.info["address"], preferred=(seg_a,),
+                                                 placement="preferred")) as c:
+            calls = AsyncCalls(c)
+            for i in range(2):
+                await c.put(f"k/{i}", bytes([i]) * 100_000)
+            (held,) = c._resv.held.values()
+            assert [r.segment for r in held.replicas] == [seg_a]
+            calls.take()
+            a.kill()
+            await c.put("k/2", b"\x02" * 100_000)  # the write into it fails: revoke, re-place
+            assert calls.take() == ["BatchPutRevoke", "PutStart", "PutEnd"]
+            reps = (await c.rpc.call(m.GetReplicas(key="k/2"))).replicas  # type: ignore[attr-defined]
+            assert [r.segment for r in reps] == [seg_b]
+            assert await c.get("k/2") == b"\x02" * 100_000
+            calls.take()
+            await c.put("k/3", b"\x03" * 100_000)  # the new reservation avoids the suspect
+            assert calls.take() == ["PutCommit"]
+            assert await c.get("k/3") == b"\x03" * 100_000
+            st = await c.stats()
+            assert st["suspects"] == 1 and st["pending"] == 0
+
+    try:
+        asyncio.run(run())
+    finally:
+        for p in (a, b, mst):
+            p.stop()
