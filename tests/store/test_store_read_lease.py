@@ -95,6 +95,9 @@ class StallingEngine:
         time.sleep(stall)
         return st
 
+    def transfer_status(self, reqs: list, timeout: float, inline: bool = True) -> BatchStatus:
+        return self.wait(self.submit(reqs, timeout, inline))
+
     async def wait_async(self, bid: int) -> BatchStatus:
         st, stall = self._finish(bid)
         await asyncio.sleep(stall)

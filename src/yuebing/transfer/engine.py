@@ -9,7 +9,9 @@ engine's own segments are copied in place, same-host shared-memory segments are 
 into the peer's mapping, anything else goes over TCP lanes — and handed to an endpoint from the
 SIEVE-capped pool (opened lazily). The caller polls `status`, blocks in `wait`, or awaits
 `wait_async`; a reaper thread times out batches whose deadline passes; `free` forgets the batch.
-`transfer` / `transfer_async` do all three steps and raise `TransferError` on failure.
+`transfer` / `transfer_async` do all three steps and raise `TransferError` on failure;
+`transfer_status` does them for blocking callers and returns the status — a batch that fits one
+inline frame then skips the batch bookkeeping altogether (`Endpoint.exchange_frame`).
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ from yuebing.transfer.types import (
     BatchId,
     BatchStatus,
     Notification,
+    RequestStatus,
     TransferRequest,
+    TransferStatus,
 )
 
 log = logging.getLogger(__name__)
@@ -178,9 +182,7 @@ class TransferEngine:
             raise TransferError("transfer engine is closed")
         if not requests:
             raise InputError("a batch needs at least one request")
-        timeout = self.config.timeout_s if timeout_s is None else timeout_s
-        if not 0 < timeout < 1e9:  # a write frame carries its deadline: it must be a time
-            raise InputError(f"timeout_s must be a finite number of seconds > 0, got {timeout}")
+        timeout = self._timeout(timeout_s)
         plan = self._validate(requests)
         eps: dict[str, Endpoint | str] = {}  # per segment name: its endpoint, or why none
         states: list[RequestState] = []
@@ -201,6 +203,12 @@ class TransferEngine:
                 self._cv.notify()
         self._dispatch(batch, plan, eps, inline)
         return batch.id
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        if not 0 < timeout < 1e9:  # a write frame carries its deadline: it must be a time
+            raise InputError(f"timeout_s must be a finite number of seconds > 0, got {timeout}")
+        return timeout
 
     def _endpoint_or_error(self, desc: SegmentDescriptor) -> Endpoint | str:
         try:
@@ -312,12 +320,63 @@ class TransferEngine:
 
     def transfer(self, requests: Sequence[TransferRequest],
                  timeout_s: float | None = None, inline: bool = False) -> BatchStatus:
-        """Submit, wait, free; raise `TransferError` unless every request is DONE."""
-        bid = self.submit(requests, timeout_s, inline)
-        status = self.wait(bid)
-        self.free(bid)
+        """`transfer_status`, raising `TransferError` unless every request is DONE."""
+        status = self.transfer_status(requests, timeout_s, inline)
         status.raise_for_status()
         return status
+
+    def transfer_status(self, requests: Sequence[TransferRequest],
+                        timeout_s: float | None = None, inline: bool = True) -> BatchStatus:
+        """Move ``requests`` and return their terminal status — ``submit`` + ``wait`` + ``free``
+        for blocking callers (the store client's puts and gets). With ``inline``, requests the
+        peer's inline connection can take as one frame (one TCP peer and segment, one
+        direction, at most ``inline_bytes``) move in this thread without batch bookkeeping
+        (`Endpoint.exchange_frame`); anything else, or a frame whose connection breaks, goes
+        the `submit` way within what is left of the same deadline."""
+        timeout = self._timeout(timeout_s)
+        if inline:
+            start = time.monotonic()
+            status = self._one_frame(self._validate(requests), start + timeout)
+            if status is not None:
+                return status
+            timeout -= time.monotonic() - start
+            if timeout <= 0:
+                return BatchStatus(BatchId(next(self._ids)), TransferStatus.TIMEOUT, tuple(
+                    RequestStatus(TransferStatus.TIMEOUT, 0, r.resolve()[1],
+                                  "deadline passed before the batch could be moved")
+                    for r in requests))
+        bid = self.submit(requests, timeout, inline)
+        status = self.wait(bid)
+        self.free(bid)
+        return status
+
+    def _one_frame(self, plan: list[tuple[TransferRequest, memoryview, SegmentDescriptor]],
+                   deadline: float) -> BatchStatus | None:
+        """``plan`` moved as one inline frame, or None when it is not one frame's worth or the
+        endpoint could not (then nothing of it is known to have moved)."""
+        r0, _, desc = plan[0]
+        op, segment = r0.op, r0.segment
+        total = 0
+        for r, local, _ in plan:
+            if r.op is not op or r.segment != segment:
+                return None
+            total += local.nbytes
+        if total > self.config.inline_bytes:
+            return None
+        try:
+            ep = self._endpoint(desc)
+        except TransferError:
+            return None  # submit fails the requests with the reason
+        errors = ep.exchange_frame(desc.name, op, [(local, r.offset) for r, local, _ in plan],
+                                   deadline)
+        if errors is None:
+            return None
+        return BatchStatus(
+            BatchId(next(self._ids)),
+            TransferStatus.FAILED if any(errors) else TransferStatus.DONE,
+            tuple(RequestStatus(TransferStatus.FAILED, 0, local.nbytes, e) if e
+                  else RequestStatus(TransferStatus.DONE, local.nbytes, local.nbytes, "")
+                  for (_, local, _), e in zip(plan, errors, strict=True)))
 
     async def transfer_async(self, requests: Sequence[TransferRequest],
                              timeout_s: float | None = None) -> BatchStatus:

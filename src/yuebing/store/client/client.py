@@ -78,9 +78,7 @@ class StoreClient:
         rest = [r for r, d in zip(reqs, done, strict=True) if d is None]
         if not rest:
             return self.direct.merged(done, None)
-        bid = self.engine.submit(rest, cm.transfer_timeout(self.cfg, deadline, read), inline=True)
-        status = self.engine.wait(bid)
-        self.engine.free(bid)
+        status = self.engine.transfer_status(rest, cm.transfer_timeout(self.cfg, deadline, read))
         return status if len(rest) == len(reqs) else self.direct.merged(done, status)
 
     # ------------------------------------------------------------------ put

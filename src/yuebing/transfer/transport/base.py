@@ -20,6 +20,7 @@ from yuebing.transfer.batch import Slice
 from yuebing.transfer.config import TransferConfig
 from yuebing.transfer.messages import SegmentDescriptor
 from yuebing.transfer.segment import SegmentTable
+from yuebing.transfer.types import OpCode
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,15 @@ class Endpoint(ABC):
         ``inline=True`` whose part for this peer is at most ``inline_bytes``. This default
         never moves anything inline."""
         return False
+
+    def exchange_frame(self, segment: str, op: OpCode, items: list[tuple[memoryview, int]],
+                       deadline: float) -> list[str] | None:
+        """Move whole requests — ``items`` of (local view, remote offset) in ``segment``, all
+        ``op`` — in the calling thread without batch bookkeeping; returns each one's error (""
+        when done), or None when this endpoint cannot (then nothing is known of the items and
+        the engine moves them the `submit` way). Called by `TransferEngine.transfer_status`.
+        This default never can."""
+        return None
 
     @property
     @abstractmethod

@@ -39,6 +39,7 @@ from yuebing.transfer.transport.lane_ops import (
 )
 from yuebing.transfer.transport.tcp_inline import InlineConn
 from yuebing.transfer.transport.tcp_lane import Lane
+from yuebing.transfer.types import OpCode
 
 log = logging.getLogger(__name__)
 
@@ -133,16 +134,9 @@ class TcpEndpoint(Endpoint):
         if not slices or not self.alive or not self._inline_lock.acquire(blocking=False):
             return False
         try:
-            conn = self._inline
+            conn = self._inline_conn()
             if conn is None:
-                try:
-                    sock = self._open_sock()
-                except TransferError as e:
-                    log.debug("no inline connection to %s: %s", self.address, e)
-                    return False
-                cfg = self.ctx.config
-                conn = self._inline = InlineConn(sock, self.address, cfg.io_timeout_s,
-                                                 cfg.spin_us * 1e-6)
+                return False
             slices[0].batch.started_many({s.index for s in slices})
             try:
                 left, error = conn.exchange(slices)
@@ -157,6 +151,43 @@ class TcpEndpoint(Endpoint):
             return True
         finally:
             self._inline_lock.release()
+
+    def exchange_frame(self, segment: str, op: OpCode, items: list[tuple[memoryview, int]],
+                       deadline: float) -> list[str] | None:
+        """`Endpoint.exchange_frame` over the inline connection (`InlineConn.exchange_frame`);
+        None when another thread holds it, it cannot be opened, or it broke (then it is closed)."""
+        if not self.alive or not self._inline_lock.acquire(blocking=False):
+            return None
+        try:
+            conn = self._inline_conn()
+            if conn is None:
+                return None
+            try:
+                errors, why = conn.exchange_frame(segment, op, items, deadline)
+            except BaseException:  # e.g. KeyboardInterrupt mid-frame: the stream is out of step
+                errors, why = None, "interrupted"
+                raise
+            finally:
+                if errors is None:
+                    log.debug("%s; moving the frame the lanes' way", why)
+                    conn.close()
+                    self._inline = None
+            return errors
+        finally:
+            self._inline_lock.release()
+
+    def _inline_conn(self) -> InlineConn | None:
+        """The inline connection (opened on first use; None if the peer cannot be reached).
+        Called with ``_inline_lock`` held."""
+        if self._inline is None:
+            try:
+                sock = self._open_sock()
+            except TransferError as e:
+                log.debug("no inline connection to %s: %s", self.address, e)
+                return None
+            cfg = self.ctx.config
+            self._inline = InlineConn(sock, self.address, cfg.io_timeout_s, cfg.spin_us * 1e-6)
+        return self._inline
 
     def notify(self, op: NotifyOp) -> None:
         self._dispatch([op])

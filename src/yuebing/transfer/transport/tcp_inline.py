@@ -6,7 +6,11 @@ Who calls what: `TcpEndpoint.submit_inline` (in the thread that called ``submit`
 `InlineConn` the slices of one peer; `exchange` sends them as frames in one ``sendmsg`` and reads
 every frame's answer itself — reads land straight in the callers' buffers, each frame's slices
 are completed with one batch update (`finish_frame`, shared with the lanes' receiver threads) —
-so ``submit`` returns with the batch already terminal and ``wait`` does not block. Only one
+so ``submit`` returns with the batch already terminal and ``wait`` does not block.
+`exchange_frame` is the leanest form, for `TransferEngine.transfer_status`: one frame of whole
+requests and its answer, no batch objects at all (on a VM each Python step between the system
+calls costs several times what it does in a tight loop: branch predictors and caches come back
+cold from the kernel, so a 1 MiB put paid ~100 us for the batch bookkeeping). Only one
 direction per exchange: the peer answers writes with small acks and reads with payloads, so
 neither side can fill its send buffer while the other is still sending (the deadlock a
 mixed-direction exchange without a receiver thread could hit). A connection that breaks,
@@ -28,8 +32,8 @@ import time
 
 from yuebing.protocol import Message, ProtocolError
 from yuebing.transfer.batch import Slice, complete_slices
-from yuebing.transfer.messages import SliceAck, SlicesDone
-from yuebing.transfer.transport.framing import DeadlineSocket, FrameReader, send_parts
+from yuebing.transfer.messages import ReadSlices, SliceAck, SlicesDone, WriteSlices
+from yuebing.transfer.transport.framing import DeadlineSocket, FrameReader, pack, send_parts
 from yuebing.transfer.transport.lane_ops import NotifyOp, Op, frame_iovec, group_frames
 from yuebing.transfer.transport.spin import Spinner
 from yuebing.transfer.types import OpCode
@@ -103,6 +107,36 @@ class InlineConn:
             left = [s for frame in frames[done:] for s in frame]
             return left, f"inline connection to {self.address} broke: {e}"  # type: ignore[return-value]
         return [], ""
+
+    def exchange_frame(self, segment: str, op: OpCode, items: list[tuple[memoryview, int]],
+                       deadline: float) -> tuple[list[str] | None, str]:
+        """Move ``items`` — (local view, remote offset) pairs, each a whole request — to or from
+        ``segment`` as one frame, by ``deadline`` (monotonic). Returns each item's error (""
+        when done) — or ``(None, why)`` when the connection broke: close it; what happened to
+        the items is unknown, so the caller moves them again (the same bytes to the same place)."""
+        fid = next(self._ids)
+        specs = [(off, v.nbytes, off, v.nbytes) for v, off in items]
+        try:
+            self._set_timeout(deadline)
+            if op is OpCode.WRITE:  # the frame's fence: its deadline as wall-clock time
+                head = pack(WriteSlices(id=fid, segment=segment, slices=specs,
+                                        expiry=time.time() + (deadline - time.monotonic())))
+                parts = [memoryview(head), *(v for v, _ in items)]
+            else:
+                parts = [memoryview(pack(ReadSlices(id=fid, segment=segment, slices=specs)))]
+            send_parts(self._timed, parts)  # type: ignore[arg-type]
+            self._await_reply()
+            msg = self.reader.read()
+            if not isinstance(msg, SlicesDone) or msg.id != fid or len(msg.errors) != len(items):
+                raise ProtocolError(f"reply {type(msg).__name__} does not answer frame {fid} "
+                                    f"of {len(items)} slices")
+            if op is OpCode.READ:  # the payloads of the served slices follow, in order
+                self.reader.read_into_many([v for (v, _), e in zip(items, msg.errors,
+                                                                   strict=True) if not e])
+        except (OSError, ProtocolError) as e:
+            return None, f"inline connection to {self.address} broke: {e}"
+        refused = f"target {self.address} refused: "
+        return [refused + e if e else "" for e in msg.errors], ""
 
     def _set_timeout(self, deadline: float) -> None:
         """Bound the whole exchange: ``io_timeout_s`` from now, cut short by the batch deadline
