@@ -85,6 +85,49 @@ def test_stream_of_same_sized_puts_costs_one_rpc_each(cluster, direct: bool) -> 
         after.remove_all(force=True)
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_stream_of_same_shaped_batches_costs_one_rpc_each(cluster, direct: bool) -> None:
+    """Batches (a prefill storing its blocks): the 2nd batch of a shape reserves the next
+    batch's space, later ones are one write + one `BatchPutCommit`; items whose key exists are
+    reported, the others stored; a batch of another shape or of mixed shapes is two-phase."""
+    addr = cluster[0].info["address"]
+    rng = np.random.default_rng(11)
+    vals = [rng.integers(0, 256, 32 << 10, dtype=np.uint8) for _ in range(6)]
+    pre = f"b{int(direct)}/"
+    with StoreClient(ClientConfig(master=addr, direct=direct)) as c, \
+            StoreClient(ClientConfig(master=addr)) as other:
+        calls = Calls(c)
+        per_batch = []
+        for b in range(5):
+            keys = [f"{pre}{b}/{i}" for i in range(6)]
+            assert c.batch_put(keys, vals) == [0] * 6
+            per_batch.append(calls.take())
+            assert c.batch_get(keys) == [v.tobytes() for v in vals]
+            calls.take()
+        assert per_batch[:2] == [["BatchPutStart", "BatchPutEnd"]] * 2
+        assert per_batch[2:] == [["BatchPutCommit"]] * 3
+        assert other.stats()["reservations"] == 6
+        other.put(f"{pre}x/2", b"first")  # one key of the next batch exists already
+        keys = [f"{pre}x/{i}" for i in range(6)]
+        assert c.batch_put(keys, vals) == [0, 0, int(m.Code.EXISTS), 0, 0, 0]
+        assert calls.take() == ["BatchPutCommit"]
+        assert c.get(f"{pre}x/2") == b"first" and c.get(f"{pre}x/5") == vals[5].tobytes()
+        calls.take()
+        assert other.stats()["reservations"] == 6  # the refused item's reservation is reused
+        assert c.batch_put([f"{pre}y/{i}" for i in range(6)], vals) == [0] * 6
+        assert calls.take() == ["BatchPutCommit"]
+        assert c.batch_put([f"{pre}z/0", f"{pre}z/1"], [vals[0], b"short"]) == [0, 0]
+        assert calls.take() == ["BatchPutStart", "BatchPutEnd"]  # mixed shapes
+        assert c.get(f"{pre}z/1") == b"short"
+        calls.take()
+        c.put(f"{pre}single", vals[0])  # a single put of the shape may use one of them
+        assert calls.take() == ["PutCommit"]
+        assert c.get(f"{pre}single") == vals[0].tobytes()
+        other.remove_all(force=True)
+    with StoreClient(ClientConfig(master=addr)) as after:
+        assert after.stats()["reservations"] == 0  # close() gave them all back
+
+
 def test_switched_off_and_reserved_keys_refused(cluster) -> None:
     addr = cluster[0].info["address"]
     with StoreClient(ClientConfig(master=addr, reserve_ahead=False)) as c:
@@ -163,7 +206,7 @@ def test_node_killed_under_a_reservation_put_lands_elsewhere() -> None:
             calls = Calls(c)
             for i in range(2):
                 c.put(f"k/{i}", bytes([i]) * 100_000)
-            (held,) = c._resv.held.values()
+            ((held,),) = c._resv.held.values()
             assert [r.segment for r in held.replicas] == [seg_a]
             calls.take()
             a.kill()
@@ -274,7 +317,7 @@ def test_async_node_killed_under_a_reservation_put_lands_elsewhere() -> None:
             calls = AsyncCalls(c)
             for i in range(2):
                 await c.put(f"k/{i}", bytes([i]) * 100_000)
-            (held,) = c._resv.held.values()
+            ((held,),) = c._resv.held.values()
             assert [r.segment for r in held.replicas] == [seg_a]
             calls.take()
             a.kill()

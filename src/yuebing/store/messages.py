@@ -110,8 +110,26 @@ class PutRevoke(Message, tag="store.put_revoke"):
 
 @register_message
 class BatchPutStart(Message, tag="store.batch_put_start"):
+    """`PutStart` of many items; reply `BatchPutTargets`. With ``reserve_next`` > 0 and items
+    of one shape, the master also places up to that many reservations of the shape for the
+    client's next batch (`BatchPutTargets.reservations`)."""
+
     client: str
     items: list[PutItem]
+    reserve_next: int = 0
+
+
+@register_message
+class BatchPutCommit(Message, tag="store.batch_put_commit"):
+    """`PutCommit` of many items: item ``i`` was written into ``reservations[i]``; reply
+    `BatchPutCommitted` with a code per item (a refused item changes nothing: its reservation
+    stays, the client puts the value the two-phase way) and, with ``reserve_next`` > 0 and
+    items of one shape, up to that many reservations of the shape for the next batch."""
+
+    client: str
+    reservations: list[str]
+    items: list[PutItem]
+    reserve_next: int = 0
 
 
 @register_message
@@ -288,6 +306,16 @@ class BatchPutTargets(Message, tag="store.batch_put_targets"):
     codes: list[int]
     replicas: list[list[Replica]]
     expires_in_s: float
+    reservations: list[Reservation] = []
+    """With `BatchPutStart.reserve_next`: space for the client's next batch of the shape."""
+
+
+@register_message
+class BatchPutCommitted(Message, tag="store.batch_put_committed"):
+    """Reply of `BatchPutCommit`: a `Code` per item, and the next reservations if asked for."""
+
+    codes: list[int]
+    reservations: list[Reservation] = []
 
 
 @register_message

@@ -172,10 +172,23 @@ class StoreClient:
 
     def _batch_put_once(self, todo: list[int], items: list[m.PutItem], mvs: list[memoryview],
                         codes: list[int]) -> list[int]:
-        """One attempt for the items ``todo``; fills ``codes``, returns those to retry."""
+        """One attempt for the items ``todo``; fills ``codes``, returns those to retry. Items
+        of one shape go through held reservations when there are enough (`_batch_put_reserved`)
+        and ask for the next batch's; the rest are put in two phases."""
+        shape = rv.shape_of(items[todo[0]]) if self.cfg.reserve_ahead and \
+            len(todo) <= rv.MAX_PER_SHAPE and all(
+                rv.shape_of(items[i]) == rv.shape_of(items[todo[0]]) for i in todo) else None
+        if shape is not None:
+            todo = self._batch_put_reserved(todo, items, mvs, codes, shape)
+            if not todo:
+                return []
         sent = time.monotonic()
-        r = self.rpc.call(m.BatchPutStart(client=self.client_id, items=[items[i] for i in todo]))
+        reserve_next = len(todo) if shape is not None and self._resv.want(shape) else 0
+        r = self.rpc.call(m.BatchPutStart(client=self.client_id, items=[items[i] for i in todo],
+                                          reserve_next=reserve_next))
         assert isinstance(r, m.BatchPutTargets)
+        if shape is not None:
+            self._resv.keep_many(shape, r.reservations, sent)
         deadline = cm.write_deadline(sent, r.expires_in_s)
         reqs, owner = [], []
         for i, code, reps in zip(todo, r.codes, r.replicas, strict=True):
@@ -204,6 +217,46 @@ class StoreClient:
             for i, c in zip(ok, ends.codes, strict=True):  # type: ignore[attr-defined]
                 codes[i] = c
         return sorted(failed)
+
+    def _batch_put_reserved(self, todo: list[int], items: list[m.PutItem],
+                            mvs: list[memoryview], codes: list[int], shape: rv.Shape) -> list[int]:
+        """Put the items ``todo`` (one shape) through as many held reservations: one write, one
+        ``batch_put_commit`` (which brings the next batch's). Fills ``codes`` of the items it
+        stored (or found existing); returns the items left to the two-phase way — all of them
+        when too few reservations are held or the write or commit failed."""
+        now = time.monotonic()
+        held, stale = self._resv.take_many(shape, len(todo), now)
+        if stale and any(h.deadline > now for h in stale):  # give back what the master holds
+            self._revoke([h.key for h in stale if h.deadline > now], [])
+        if not held:
+            return todo
+        reqs = [req for i, h in zip(todo, held, strict=True) for req in cm.writes(mvs[i], h.replicas)]
+        try:
+            st = self._transfer(reqs, min(h.deadline for h in held))
+            failed, bad = cm.failed_segments(reqs, st.requests), cm.blamed_segments(reqs, st.requests)
+        except (TransferError, InputError) as e:
+            failed, bad = cm.failed_segments(reqs, None), cm.blamed_segments(reqs, None, e)
+        if failed:
+            self._revoke([h.key for h in held] + self._resv.touching(failed), bad)
+            log.warning("batch put: write into reservations on %s failed", failed)
+            return todo
+        sent = time.monotonic()
+        try:
+            r = self.rpc.call(m.BatchPutCommit(
+                client=self.client_id, reservations=[h.key for h in held],
+                items=[items[i] for i in todo], reserve_next=len(todo)))
+        except StoreRpcError as e:
+            log.info("batch put: reservations refused (%s); putting it in two phases", e)
+            return todo
+        assert isinstance(r, m.BatchPutCommitted)
+        self._resv.keep_many(shape, r.reservations, sent)
+        left = []
+        for i, code in zip(todo, r.codes, strict=True):
+            if code in (C.OK, C.EXISTS):
+                codes[i] = code
+            else:  # its reservation refused it (and stays the master's): two phases
+                left.append(i)
+        return left
 
     batch_put_from = batch_put
 

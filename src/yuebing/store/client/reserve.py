@@ -9,7 +9,10 @@ Life cycle: the second put of a shape (size, replicas, strategy, preferred) with
 gets most of a fresh put's budget; an older one is handed back as stale, and the client revokes
 it then (lazily: a client that stops putting leaves it to the master, which reclaims a
 reservation at its write expiry). A write or commit through a reservation that fails falls back
-to the two-phase put. At most `MAX_HELD` are held (the master's cap per client too).
+to the two-phase put. Reservations of at most `MAX_HELD` shapes are held (the master's cap per
+client too). A batch of n same-shaped items asks for n (`BatchPutStart.reserve_next`); the next
+batch of that shape `take_many`s them and commits with one `BatchPutCommit`, which brings the
+next n — a list per shape, at most `MAX_PER_SHAPE`.
 
 Concurrent puts (`AsyncStoreClient`: many coroutines, one client) `claim` instead of `take`: the
 claimed reservation's key stays *busy* (in use, then committed or revoked) so that a reply still
@@ -28,6 +31,10 @@ from dataclasses import dataclass
 from yuebing.store import messages as m
 
 MAX_HELD = 4
+"""Shapes held (the master's `reserve.MAX_SHAPES`)."""
+MAX_PER_SHAPE = 64
+"""Reservations held of one shape (the master's `reserve.MAX_PER_CLIENT`): a batch of more
+items is put the two-phase way."""
 RECENT = 8
 
 Shape = tuple[int, int, str, tuple[str, ...]]
@@ -63,7 +70,7 @@ class HeldReservations:
     coroutines of one event loop use `claim`/`release`, see the module docstring)."""
 
     def __init__(self) -> None:
-        self.held: dict[Shape, Held] = {}
+        self.held: dict[Shape, list[Held]] = {}
         self._seen: dict[Shape, None] = {}
         self.busy: dict[str, float] = {}
         """Keys of claimed reservations -> when to forget them (`Held.forget_at`)."""
@@ -83,11 +90,34 @@ class HeldReservations:
         return seen and (shape in self.held or len(self.held) < MAX_HELD)
 
     def take(self, shape: Shape, now: float) -> tuple[Held | None, Held | None]:
-        """Remove and return the reservation of ``shape`` as (usable, stale): at most one set."""
-        h = self.held.pop(shape, None)
-        if h is None:
+        """Remove and return the oldest reservation of ``shape`` as (usable, stale): at most
+        one set."""
+        hs = self.held.get(shape)
+        if not hs:
             return None, None
+        h = hs.pop(0)
+        if not hs:
+            del self.held[shape]
         return (h, None) if h.usable(now) else (None, h)
+
+    def take_many(self, shape: Shape, n: int, now: float) -> tuple[list[Held], list[Held]]:
+        """For a batch of ``n``: (``n`` usable reservations of ``shape``, removed — or none if
+        fewer are held, which stay held —, the stale ones, removed)."""
+        hs = self.held.get(shape, [])
+        usable = [h for h in hs if h.usable(now)]
+        stale = [h for h in hs if not h.usable(now)]
+        if len(usable) < n:
+            if stale:
+                self._set(shape, usable)
+            return [], stale
+        self._set(shape, usable[n:])
+        return usable[:n], stale
+
+    def _set(self, shape: Shape, hs: list[Held]) -> None:
+        if hs:
+            self.held[shape] = hs
+        else:
+            self.held.pop(shape, None)
 
     def claim(self, shape: Shape, now: float) -> tuple[Held | None, str | None]:
         """`take` for concurrent puts: (the reservation this put alone writes into, or None;
@@ -109,24 +139,39 @@ class HeldReservations:
         self.busy.pop(key, None)
 
     def keep(self, shape: Shape, r: m.Reservation | None, sent: float) -> None:
-        """Hold ``r`` (from a reply to a request sent at monotonic ``sent``). Over `MAX_HELD`
-        the oldest is forgotten: the master dropped it when it placed ``r`` (same cap). A
-        claimed (busy) reservation is never held again."""
-        if r is None or r.key in self.busy:
+        """Hold ``r`` (from a reply to a request sent at monotonic ``sent``)."""
+        if r is not None:
+            self.keep_many(shape, [r], sent)
+
+    def keep_many(self, shape: Shape, rs: list[m.Reservation], sent: float) -> None:
+        """Hold ``rs`` (from a reply to a request sent at monotonic ``sent``; the master lists
+        the ones the client may hold already first: those are refreshed, not held twice). Over
+        `MAX_HELD` shapes the oldest shape's are forgotten: the master dropped them when it
+        placed ``rs`` (same cap). A claimed (busy) reservation is never held again."""
+        rs = [r for r in rs if r.key not in self.busy]
+        if not rs:
             return
-        self.held.pop(shape, None)
+        hs = self.held.pop(shape, [])
         while len(self.held) >= MAX_HELD:
             del self.held[next(iter(self.held))]
-        self.held[shape] = Held(r.key, r.replicas, sent + r.expires_in_s, r.expires_in_s)
+        fresh = {r.key: Held(r.key, r.replicas, sent + r.expires_in_s, r.expires_in_s)
+                 for r in rs}
+        hs = [h for h in hs if h.key not in fresh] + list(fresh.values())
+        self.held[shape] = hs[-MAX_PER_SHAPE:]
 
     def touching(self, segments: list[str]) -> list[str]:
         """Remove and return the reservations with a replica on one of ``segments``."""
         bad = set(segments)
-        out = [s for s, h in self.held.items() if any(r.segment in bad for r in h.replicas)]
-        return [self.held.pop(s).key for s in out]
+        out: list[str] = []
+        for shape, hs in list(self.held.items()):
+            hit = [h for h in hs if any(r.segment in bad for r in h.replicas)]
+            if hit:
+                out += [h.key for h in hit]
+                self._set(shape, [h for h in hs if h not in hit])
+        return out
 
     def pop_all(self) -> list[str]:
         """Remove and return every held reservation's key (to give them back on close)."""
-        keys = [h.key for h in self.held.values()]
+        keys = [h.key for hs in self.held.values() for h in hs]
         self.held.clear()
         return keys

@@ -78,7 +78,7 @@ class MasterCore:
              "reservations_committed", "reservations_expired"), 0)
         self.handlers: dict[type, Callable[..., Message | None]] = {
             m.PutStart: self.put_start, m.PutEnd: self.put_end, m.PutRevoke: self.put_revoke,
-            m.PutCommit: self.put_commit,
+            m.PutCommit: self.put_commit, m.BatchPutCommit: partial(reserve.batch_commit, self),
             m.BatchPutStart: self.batch_put_start, m.BatchPutEnd: self.batch_put_end,
             m.BatchPutRevoke: self.batch_put_revoke, m.GetReplicas: self.get_replicas,
             m.BatchGetReplicas: self.batch_get_replicas, m.Exists: self.exists,
@@ -142,8 +142,10 @@ class MasterCore:
             codes.append(int(code))
             out.append(reps if code == C.OK else [])  # type: ignore[arg-type]
         placed = [it.key for it, c in zip(msg.items, codes, strict=True) if c == C.OK]
+        nxt = reserve.reserve_many(self, msg.client, msg.items[0], msg.reserve_next) \
+            if msg.reserve_next > 0 and reserve.one_shape(msg.items) else []
         return m.BatchPutTargets(codes=codes, replicas=out,
-                                 expires_in_s=fence.expires_in(self, placed))
+                                 expires_in_s=fence.expires_in(self, placed), reservations=nxt)
 
     def _check_item(self, it: m.PutItem) -> str:
         if not it.key or len(it.key) > MAX_KEY:

@@ -24,9 +24,13 @@ it is bounded (`RECENT_PER_CLIENT` names per client, `RECENT_CLIENTS` clients), 
 A new leader numbers reservations from a random base (`take_over`), so a retry never meets a
 new reservation under the name its first try consumed.
 
-A client holds at most `MAX_PER_CLIENT` reservations (one per shape): asking again for a shape
-it holds returns the same one (a retried request after a lost reply leaks nothing), and a new
-shape beyond the cap drops the client's oldest. A reservation on a segment that starts draining
+Batches: `BatchPutStart` / `BatchPutCommit` with ``reserve_next`` = n ask for n reservations of
+the batch's shape (a client holds a list per shape), so a stream of same-shaped batches costs
+one RPC per batch; `BatchPutCommit` commits each item into its reservation like `PutCommit`
+(a code per item; a refused item's reservation stays). A client holds at most `MAX_SHAPES`
+shapes and `MAX_PER_CLIENT` reservations: asking again for n of a shape it holds returns the
+same ones first (a retried request after a lost reply leaks nothing); a new shape beyond the
+cap drops the client's oldest shape's, and more reservations than the cap drop its oldest. A reservation on a segment that starts draining
 or loses a replica to an unmount is dropped (its next commit is refused, the client falls back
 to the two-phase put). Replication: ``["resv", key, replicas, strategy, preferred]`` after its
 ``put`` entry, ``["rename", reservation, key, checksum, hard_pin, soft_pin_s]`` before the
@@ -39,7 +43,6 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from yuebing.store import messages as m
-from yuebing.store.master import fence
 from yuebing.store.master.state import ObjState
 
 if TYPE_CHECKING:
@@ -48,7 +51,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 C = m.Code
 PREFIX = m.RESERVED_PREFIX
-MAX_PER_CLIENT = 4
+MAX_SHAPES = 4
+"""Shapes a client holds reservations of (its oldest shape's are dropped for a new one)."""
+MAX_PER_CLIENT = 64
+"""Reservations a client holds in all (a batch of more items reserves this many)."""
 RECENT_PER_CLIENT = 64
 """Consumed reservation names remembered per client (a retry comes within a few puts)."""
 RECENT_CLIENTS = 1024
@@ -64,7 +70,8 @@ def shape_of(it: m.PutItem) -> Shape:
 
 class Reservations:
     """The shapes and owners of the core's reservations (their objects live in ``core.objs``
-    under their keys). ``by_client`` maps a client to its reservations, oldest first;
+    under their keys). ``by_client`` maps a client to its reservations per shape (shapes and
+    keys oldest first);
     ``recent`` maps a client to the names of its last consumed reservations and the key each
     one's commit stored (oldest first; clients in the order they last committed)."""
 
@@ -72,7 +79,7 @@ class Reservations:
 
     def __init__(self) -> None:
         self.by_key: dict[str, tuple[str, Shape]] = {}
-        self.by_client: dict[str, dict[Shape, str]] = {}
+        self.by_client: dict[str, dict[Shape, list[str]]] = {}
         self.recent: dict[str, dict[str, str]] = {}
         self.seq = 0
 
@@ -81,7 +88,14 @@ class Reservations:
 
     def add(self, key: str, client: str, shape: Shape) -> None:
         self.by_key[key] = (client, shape)
-        self.by_client.setdefault(client, {})[shape] = key
+        self.by_client.setdefault(client, {}).setdefault(shape, []).append(key)
+
+    def held(self, client: str, shape: Shape) -> list[str]:
+        """``client``'s reservations of ``shape``, oldest first (a copy)."""
+        return list(self.by_client.get(client, {}).get(shape, ()))
+
+    def count(self, client: str) -> int:
+        return sum(len(keys) for keys in self.by_client.get(client, {}).values())
 
     def discard(self, key: str) -> None:
         """Forget ``key`` (called by the core whenever it drops or renames a pending object)."""
@@ -90,10 +104,13 @@ class Reservations:
             return
         client, shape = got
         mine = self.by_client.get(client)
-        if mine is not None and mine.get(shape) == key:
-            del mine[shape]
-            if not mine:
-                del self.by_client[client]
+        keys = mine.get(shape) if mine is not None else None
+        if keys is not None and key in keys:
+            keys.remove(key)
+            if not keys:
+                del mine[shape]  # type: ignore[union-attr]
+                if not mine:
+                    del self.by_client[client]
 
     def consumed(self, client: str, name: str, key: str) -> None:
         """Note that ``client``'s reservation ``name`` was renamed to ``key`` (`_rename`, on the
@@ -143,30 +160,57 @@ def check_key(key: str) -> str:
 
 
 def reserve(core: MasterCore, client: str, item: m.PutItem) -> m.Reservation | None:
-    """A reservation of ``item``'s shape for ``client`` (its existing one of that shape, or a
+    """A reservation of ``item``'s shape for ``client`` (its oldest one of that shape, or a
     new one); None when there is no room (the next put then goes the two-phase way)."""
+    got = reserve_many(core, client, item, 1)
+    return got[0] if got else None
+
+
+def reserve_many(core: MasterCore, client: str, item: m.PutItem, n: int) -> list[m.Reservation]:
+    """Up to ``n`` (at most `MAX_PER_CLIENT`) reservations of ``item``'s shape for ``client``:
+    the ones it holds of that shape first, then new ones while there is free room."""
     rs: Reservations = core.reservations
     shape = shape_of(item)
-    key = rs.by_client.get(client, {}).get(shape)
-    if key is None:
-        mine = rs.by_client.get(client, {})
-        if len(mine) >= MAX_PER_CLIENT:
-            drop(core, next(iter(mine.values())), "the client's oldest over the cap")
+    n = max(0, min(n, MAX_PER_CLIENT))
+    keys = rs.held(client, shape)
+    mine = rs.by_client.get(client, {})
+    if len(keys) < n and not keys and len(mine) >= MAX_SHAPES:
+        for key in list(next(iter(mine.values()))):
+            drop(core, key, "the client's oldest shape over the cap")
+    count = rs.count(client)
+    while len(keys) < n:
+        if count >= MAX_PER_CLIENT:  # make room: the oldest of another shape
+            other = next((ks for sh, ks in rs.by_client.get(client, {}).items() if sh != shape),
+                         None)
+            if other is None:
+                break
+            drop(core, other[0], "the client's oldest over the cap")
+            count -= 1
         key = _new_key(core, client)
         resv = m.PutItem(key=key, size=item.size, replicas=item.replicas, strategy=item.strategy,
                          preferred=item.preferred, timeout_s=item.timeout_s)
         code, _ = core._put_one(client, resv, internal=True)
         if code != C.OK:
-            return None
+            break
         rs.add(key, client, shape)
         core.pending[key] = core.expiry[key]  # useless after its write expiry: reclaimed then
         core._log(["resv", key, item.replicas, item.strategy, list(item.preferred)])
         core.counters["reservations_made"] += 1
-    o = core.objs[key]
-    segs = core.segs
-    return m.Reservation(key=key, replicas=[m.Replica(segment=segs[s].name, offset=off)
-                                            for s, off in o.reps],
-                         expires_in_s=fence.expires_in(core, [key]))
+        keys.append(key)
+        count += 1
+    segs, objs, expiry, now = core.segs, core.objs, core.expiry, core.clock.now()
+    return [m.Reservation(key=key, replicas=[m.Replica(segment=segs[s].name, offset=off)
+                                             for s, off in objs[key].reps],
+                          expires_in_s=max(0.0, expiry[key] - now))  # as `fence.expires_in`
+            for key in keys[:n]]
+
+
+def one_shape(items: list[m.PutItem]) -> bool:
+    """Whether ``items`` (at least one) all have one shape (reservations are per shape)."""
+    if not items:
+        return False
+    first = shape_of(items[0])
+    return all(shape_of(it) == first for it in items[1:])
 
 
 def _new_key(core: MasterCore, client: str) -> str:
@@ -181,44 +225,63 @@ def _new_key(core: MasterCore, client: str) -> str:
 def commit(core: MasterCore, msg: m.PutCommit) -> m.Message:
     """Handle `PutCommit` (see the module docstring); a refusal changes nothing except that an
     expired reservation is dropped."""
-    it = msg.item
+    code, text = _commit_one(core, msg.client, msg.reservation, msg.item)
+    if code != C.OK:
+        return m.Err(code=int(code), message=text)
+    return m.PutCommitted(reservation=reserve(core, msg.client, msg.item)
+                          if msg.reserve_next else None)
+
+
+def batch_commit(core: MasterCore, msg: m.BatchPutCommit) -> m.Message:
+    """Handle `BatchPutCommit`: each item as a `PutCommit` into its reservation, then (asked,
+    and the items of one shape) the next batch's reservations."""
+    if len(msg.reservations) != len(msg.items):
+        return m.Err(code=C.BAD_REQUEST, message=f"{len(msg.reservations)} reservations for "
+                     f"{len(msg.items)} items")
+    codes = [int(_commit_one(core, msg.client, name, it)[0])
+             for name, it in zip(msg.reservations, msg.items, strict=True)]
+    nxt = reserve_many(core, msg.client, msg.items[0], msg.reserve_next) \
+        if msg.reserve_next > 0 and one_shape(msg.items) else []
+    return m.BatchPutCommitted(codes=codes, reservations=nxt)
+
+
+def _commit_one(core: MasterCore, client: str, name: str, it: m.PutItem) -> tuple[C, str]:
+    """Store ``it`` through ``client``'s reservation ``name``: (OK, "") — also for a retry
+    whose first try committed (reply lost, failover) — or the refusal, which changes nothing
+    except that an expired reservation is dropped."""
     problem = core._check_item(it) or check_key(it.key)
     if problem:
-        return m.Err(code=C.BAD_REQUEST, message=problem)
-    key, name = it.key, msg.reservation
+        return C.BAD_REQUEST, problem
+    key = it.key
     got = core.reservations.by_key.get(name)
     o = core.objs.get(name)
     if got is None or o is None or o.state != ObjState.PENDING:
-        done = core.committed_by(msg.client, key)
+        done = core.committed_by(client, key)
         if (done is not None and (done.size, done.checksum) == (it.size, it.checksum)
                 and (it.checksum != -1  # same bytes (w.h.p.): answering OK changes nothing
-                     or core.reservations.consumed_for(msg.client, name) == key)):
-            # a retry whose first try committed (reply lost, failover): OK, and the next
-            # reservation it may have placed (`reserve` returns the one held of this shape)
-            return m.PutCommitted(reservation=reserve(core, msg.client, it)
-                                  if msg.reserve_next else None)
-        return m.Err(code=C.NOT_PENDING, message=f"no reservation {name!r} (revoked, expired, "
-                     "reclaimed or already used); put the value again")
-    if got[0] != msg.client:
-        return m.Err(code=C.NOT_PENDING, message=f"reservation {name!r} belongs to another client")
+                     or core.reservations.consumed_for(client, name) == key)):
+            return C.OK, ""  # the caller's `reserve` returns the next one it may have placed
+        return C.NOT_PENDING, (f"no reservation {name!r} (revoked, expired, reclaimed or "
+                               "already used); put the value again")
+    if got[0] != client:
+        return C.NOT_PENDING, f"reservation {name!r} belongs to another client"
     now = core.clock.now()
     late = now - core.expiry.get(name, now)
     if late > 0:
         drop(core, name, "write expiry passed")
-        return m.Err(code=C.NOT_PENDING, message=f"reservation {name!r} passed its write expiry "
-                     f"{late:.3f}s ago; put the value again")
+        return C.NOT_PENDING, (f"reservation {name!r} passed its write expiry {late:.3f}s ago; "
+                               "put the value again")
     if shape_of(it) != got[1]:
-        return m.Err(code=C.BAD_REQUEST, message=f"reservation {name!r} was placed for "
-                     f"(size, replicas, strategy, preferred) = {got[1]}, not {shape_of(it)}")
+        return C.BAD_REQUEST, (f"reservation {name!r} was placed for (size, replicas, strategy, "
+                               f"preferred) = {got[1]}, not {shape_of(it)}")
     if key in core.objs:
-        return m.Err(code=C.EXISTS, message=f"key {key!r} exists (values are immutable)")
+        return C.EXISTS, f"key {key!r} exists (values are immutable)"
     _rename(core, name, key, it)
-    code, text = core._end_one(msg.client, key)
+    code, text = core._end_one(client, key)
     if code != C.OK:
-        return m.Err(code=int(code), message=text)
+        return code, text
     core.counters["reservations_committed"] += 1
-    nxt = reserve(core, msg.client, it) if msg.reserve_next else None
-    return m.PutCommitted(reservation=nxt)
+    return C.OK, ""
 
 
 def _rename(core: MasterCore, name: str, key: str, it: m.PutItem) -> None:

@@ -1,0 +1,132 @@
+"""Batch reservations of the master core (one-RPC batch puts): a client holds a list per shape,
+`BatchPutCommit` commits each item into its reservation with a code per item, retries leak
+nothing, the caps hold, and standbys hold the same lists (virtual clock, no sockets)."""
+
+from __future__ import annotations
+
+from test_store_master_core import exists, make, put
+from test_store_replication import durable, leader_and_standby, ship
+
+from yuebing.store import messages as m
+from yuebing.store.master import replication, reserve
+from yuebing.store.master.core import MasterCore
+
+C = m.Code
+KiB = 1024
+SIZE = 4 * KiB
+
+
+def items(*keys: str, size: int = SIZE, **kw) -> list[m.PutItem]:
+    return [m.PutItem(key=k, size=size, **kw) for k in keys]
+
+
+def start(core: MasterCore, keys: list[str], n: int, client: str = "c",
+          size: int = SIZE) -> m.BatchPutTargets:
+    t = core.handle(m.BatchPutStart(client=client, items=items(*keys, size=size), reserve_next=n))
+    assert isinstance(t, m.BatchPutTargets), t
+    return t
+
+
+def bcommit(core: MasterCore, resv: list[str], keys: list[str], n: int = 0,
+            client: str = "c", **kw) -> m.Message:
+    return core.handle(m.BatchPutCommit(client=client, reservations=resv,
+                                        items=items(*keys, **kw), reserve_next=n))
+
+
+def test_a_batch_reserves_the_next_batch_and_commits_it_with_one_call() -> None:
+    core, _ = make(dram=256 * KiB)
+    t = start(core, ["a0", "a1", "a2"], 3)
+    assert t.codes == [0, 0, 0] and len(t.reservations) == 3
+    names = [r.key for r in t.reservations]
+    assert len(set(names)) == 3 and all(n.startswith(m.RESERVED_PREFIX) for n in names)
+    offs = {r.replicas[0].offset for r in t.reservations} | {r[0].offset for r in t.replicas}
+    assert len(offs) == 6  # six distinct ranges
+    core.handle(m.BatchPutEnd(client="c", keys=["a0", "a1", "a2"]))
+    done = bcommit(core, names, ["b0", "b1", "b2"], n=3, checksum=5)
+    assert isinstance(done, m.BatchPutCommitted) and done.codes == [0, 0, 0]
+    assert exists(core, "b0", "b1", "b2") == [True] * 3
+    assert not any(n in core.objs for n in names)  # consumed (renamed)
+    got = core.handle(m.GetReplicas(key="b1"))
+    assert isinstance(got, m.ReplicaList) and got.checksum == 5
+    assert got.replicas == t.reservations[1].replicas  # item i went into reservation i
+    nxt = [r.key for r in done.reservations]
+    assert len(nxt) == 3 and not set(nxt) & set(names)
+    assert core.reservations.held("c", reserve.shape_of(items("x")[0])) == nxt
+    assert core.counters["reservations_committed"] == 3
+    assert core.stats().values["reservations"] == 3
+
+
+def test_retries_leak_nothing_and_answer_the_same() -> None:
+    core, _ = make(dram=256 * KiB)
+    t = start(core, ["a0", "a1"], 2)
+    again = start(core, ["a0", "a1"], 2)  # retried after a lost reply: same targets, same ones
+    assert again.replicas == t.replicas and again.reservations == t.reservations
+    core.handle(m.BatchPutEnd(client="c", keys=["a0", "a1"]))
+    names = [r.key for r in t.reservations]
+    first = bcommit(core, names, ["b0", "b1"], n=2)
+    retry = bcommit(core, names, ["b0", "b1"], n=2)  # its first try committed (reply lost)
+    assert isinstance(first, m.BatchPutCommitted) and first == retry
+    assert core.stats().values["reservations"] == 2 and core.counters["puts"] == 4
+    # a batch asking for fewer gets the oldest it holds
+    fewer = start(core, ["c0"], 1)
+    assert [r.key for r in fewer.reservations] == [first.reservations[0].key]
+
+
+def test_a_refused_item_fails_alone_and_keeps_its_reservation() -> None:
+    core, _ = make(dram=256 * KiB)
+    put(core, "taken")
+    t = start(core, ["a0", "a1", "a2"], 3)
+    core.handle(m.BatchPutEnd(client="c", keys=["a0", "a1", "a2"]))
+    names = [r.key for r in t.reservations]
+    bogus = m.RESERVED_PREFIX + "c/999999"
+    done = bcommit(core, [names[0], names[1], bogus], ["x", "taken", "y"], n=3)
+    assert isinstance(done, m.BatchPutCommitted)
+    assert done.codes == [int(C.OK), int(C.EXISTS), int(C.NOT_PENDING)]
+    assert exists(core, "x", "y") == [True, False]
+    # names[1] (refused: key exists) and names[2] (unused) are still held and come back first
+    assert [r.key for r in done.reservations][:2] == [names[1], names[2]]
+    assert len(done.reservations) == 3
+    bad = bcommit(core, names[1:], ["z"])
+    assert isinstance(bad, m.Err) and bad.code == C.BAD_REQUEST and "2 reservations" in bad.message
+
+
+def test_mixed_shapes_get_none_and_the_caps_hold() -> None:
+    core, _ = make(dram=4096 * KiB)
+    mixed = core.handle(m.BatchPutStart(client="c", items=[
+        m.PutItem(key="m0", size=SIZE), m.PutItem(key="m1", size=2 * SIZE)], reserve_next=2))
+    assert isinstance(mixed, m.BatchPutTargets) and mixed.reservations == []
+    big = start(core, ["b0"], 1000)
+    assert len(big.reservations) == reserve.MAX_PER_CLIENT  # asked for more than the cap
+    # another shape needs room: the oldest of the first shape make way, one each
+    other = start(core, ["o0"], 4, size=2 * SIZE)
+    assert len(other.reservations) == 4
+    assert core.reservations.count("c") == reserve.MAX_PER_CLIENT
+    first = [r.key for r in big.reservations]
+    assert not any(k in core.objs for k in first[:4]) and all(k in core.objs for k in first[4:])
+    for i in range(3, 3 + reserve.MAX_SHAPES):  # new shapes beyond the cap drop the oldest
+        start(core, [f"s{i}"], 1, size=i * SIZE)
+    shapes = core.reservations.by_client["c"]
+    assert len(shapes) == reserve.MAX_SHAPES
+    assert reserve.shape_of(items("x")[0]) not in shapes  # the first shape's all went
+
+
+def test_standbys_hold_the_same_lists_and_commit_after_take_over() -> None:
+    leader, standby, hub = leader_and_standby()
+    leader.handle(m.Mount(client="n0", segment="s0", size=256 * KiB))
+    t = start(leader, ["a0", "a1"], 2, size=KiB)
+    leader.handle(m.BatchPutEnd(client="c", keys=["a0", "a1"]))
+    hub.publish()
+    replication.load_snapshot(standby, hub.subscribe("sb", 1).state)  # type: ignore[attr-defined]
+    shape = reserve.shape_of(items("x", size=KiB)[0])
+    names = [r.key for r in t.reservations]
+    assert standby.reservations.held("c", shape) == names
+    done = bcommit(leader, names, ["b0", "b1"], n=2, size=KiB)
+    assert isinstance(done, m.BatchPutCommitted) and done.codes == [0, 0]
+    ship(hub, standby)
+    assert durable(standby) == durable(leader)
+    assert standby.reservations.held("c", shape) == [r.key for r in done.reservations]
+    replication.take_over(standby)  # the client's reservations commit on the new leader
+    after = bcommit(standby, [r.key for r in done.reservations], ["c0", "c1"], n=2, size=KiB)
+    assert isinstance(after, m.BatchPutCommitted) and after.codes == [0, 0]
+    retry = bcommit(standby, names, ["b0", "b1"], size=KiB)  # a retry reaching the new leader
+    assert isinstance(retry, m.BatchPutCommitted) and retry.codes == [0, 0]
