@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from fake_peers import ScriptedPeer
 
+from yuebing.core.errors import InputError, TransferError
 from yuebing.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest, TransferStatus
 from yuebing.transfer.transport.tcp_client import TcpEndpoint
 
@@ -160,3 +161,15 @@ def test_read_broken_mid_payload_fails_at_once_not_at_the_deadline() -> None:
         assert "broke" in st.requests[0].error
         assert time.monotonic() - t0 < 2.0  # the deadline is 5 s
     peer.close()
+
+
+def test_bad_batches_are_refused_like_submit(make_engine: Make) -> None:
+    """No requests, or a closed engine: the errors `submit` gives — transfer_status must not
+    index an empty plan nor open a connection for an engine that was closed."""
+    owner, eng, _ = _pair(make_engine)
+    with pytest.raises(InputError, match="at least one request"):
+        eng.transfer_status([])
+    eng.close()
+    with pytest.raises(TransferError, match="closed"):
+        eng.transfer_status([TransferRequest(OpCode.WRITE, np.ones(8, np.uint8), "one", 0)])
+    assert len(eng._pool) == 0

@@ -178,10 +178,7 @@ class TransferEngine:
         moved in this thread before returning, within the batch deadline (TCP: no lane thread
         hand-offs; the batch is usually terminal when ``submit`` returns) — for blocking
         callers, not event loops. Batches to several peers go through the lanes in parallel."""
-        if self._closed:
-            raise TransferError("transfer engine is closed")
-        if not requests:
-            raise InputError("a batch needs at least one request")
+        self._check_open(requests)
         timeout = self._timeout(timeout_s)
         plan = self._validate(requests)
         eps: dict[str, Endpoint | str] = {}  # per segment name: its endpoint, or why none
@@ -203,6 +200,14 @@ class TransferEngine:
                 self._cv.notify()
         self._dispatch(batch, plan, eps, inline)
         return batch.id
+
+    def _check_open(self, requests: Sequence[TransferRequest]) -> None:
+        """Refuse a batch on a closed engine or one without requests (`submit`,
+        `transfer_status`)."""
+        if self._closed:
+            raise TransferError("transfer engine is closed")
+        if not requests:
+            raise InputError("a batch needs at least one request")
 
     def _timeout(self, timeout_s: float | None) -> float:
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
@@ -333,6 +338,7 @@ class TransferEngine:
         direction, at most ``inline_bytes``) move in this thread without batch bookkeeping
         (`Endpoint.exchange_frame`); anything else, or a frame whose connection breaks, goes
         the `submit` way within what is left of the same deadline."""
+        self._check_open(requests)
         timeout = self._timeout(timeout_s)
         if inline:
             start = time.monotonic()
