@@ -130,3 +130,32 @@ def test_standbys_hold_the_same_lists_and_commit_after_take_over() -> None:
     assert isinstance(after, m.BatchPutCommitted) and after.codes == [0, 0]
     retry = bcommit(standby, names, ["b0", "b1"], size=KiB)  # a retry reaching the new leader
     assert isinstance(retry, m.BatchPutCommitted) and retry.codes == [0, 0]
+
+
+def test_the_client_holds_what_the_master_holds_across_shapes() -> None:
+    """Two shapes whose batches together exceed the master's cap per client: the master drops
+    the other shape's oldest to make room, and the client must forget the same ones — else its
+    next batch writes into reservations the master dropped and every such item is refused."""
+    from yuebing.store.client.reserve import HeldReservations
+    from yuebing.store.client.reserve import shape_of as client_shape
+    core, _ = make(dram=4096 * KiB)
+    h = HeldReservations()
+    n = 40
+    shapes = {s: client_shape(items("x", size=s)[0]) for s in (SIZE, 2 * SIZE)}
+    for rnd in range(3):
+        for size, shape in shapes.items():
+            keys = [f"{rnd}-{size}-{i}" for i in range(n)]
+            held, stale = h.take_many(shape, n, 0.0)
+            assert not stale
+            if held:
+                done = bcommit(core, [x.key for x in held], keys, n=n, size=size)
+                assert isinstance(done, m.BatchPutCommitted), done
+                assert done.codes == [0] * n  # nothing written into a dropped reservation
+                h.keep_many(shape, done.reservations, 0.0)
+            else:
+                t = start(core, keys, n, size=size)
+                core.handle(m.BatchPutEnd(client="c", keys=keys))
+                h.keep_many(shape, t.reservations, 0.0)
+            mine = {x.key for hs in h.held.values() for x in hs}
+            assert mine == set(core.reservations.by_key)
+            assert len(mine) <= reserve.MAX_PER_CLIENT

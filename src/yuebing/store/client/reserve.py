@@ -12,7 +12,8 @@ reservation at its write expiry). A write or commit through a reservation that f
 to the two-phase put. Reservations of at most `MAX_HELD` shapes are held (the master's cap per
 client too). A batch of n same-shaped items asks for n (`BatchPutStart.reserve_next`); the next
 batch of that shape `take_many`s them and commits with one `BatchPutCommit`, which brings the
-next n — a list per shape, at most `MAX_PER_SHAPE`.
+next n — a list per shape, at most `MAX_PER_CLIENT` in all (the master's caps, mirrored by
+`HeldReservations.keep_many` so the client never writes into a reservation the master dropped).
 
 Concurrent puts (`AsyncStoreClient`: many coroutines, one client) `claim` instead of `take`: the
 claimed reservation's key stays *busy* (in use, then committed or revoked) so that a reply still
@@ -32,9 +33,10 @@ from yuebing.store import messages as m
 
 MAX_HELD = 4
 """Shapes held (the master's `reserve.MAX_SHAPES`)."""
-MAX_PER_SHAPE = 64
-"""Reservations held of one shape (the master's `reserve.MAX_PER_CLIENT`): a batch of more
-items is put the two-phase way."""
+MAX_PER_CLIENT = 64
+"""Reservations held in all shapes together (the master's `reserve.MAX_PER_CLIENT`)."""
+MAX_PER_SHAPE = MAX_PER_CLIENT
+"""Reservations held of one shape: a batch of more items is put the two-phase way."""
 RECENT = 8
 
 Shape = tuple[int, int, str, tuple[str, ...]]
@@ -145,19 +147,35 @@ class HeldReservations:
 
     def keep_many(self, shape: Shape, rs: list[m.Reservation], sent: float) -> None:
         """Hold ``rs`` (from a reply to a request sent at monotonic ``sent``; the master lists
-        the ones the client may hold already first: those are refreshed, not held twice). Over
-        `MAX_HELD` shapes the oldest shape's are forgotten: the master dropped them when it
-        placed ``rs`` (same cap). A claimed (busy) reservation is never held again."""
+        the ones the client may hold already first: those are refreshed in place, not held
+        twice). Mirrors what the master did when it placed ``rs`` (`reserve.reserve_many`), so
+        that no held reservation is one it dropped: a shape not held over `MAX_HELD` shapes
+        drops the oldest shape's; more than `MAX_PER_CLIENT` in all drop the oldest of the
+        first other shape (shapes and reservations in the master's order, oldest first). A
+        claimed (busy) reservation is never held again."""
         rs = [r for r in rs if r.key not in self.busy]
         if not rs:
             return
-        hs = self.held.pop(shape, [])
-        while len(self.held) >= MAX_HELD:
-            del self.held[next(iter(self.held))]
-        fresh = {r.key: Held(r.key, r.replicas, sent + r.expires_in_s, r.expires_in_s)
-                 for r in rs}
-        hs = [h for h in hs if h.key not in fresh] + list(fresh.values())
-        self.held[shape] = hs[-MAX_PER_SHAPE:]
+        hs = self.held.get(shape)
+        if hs is None:
+            while len(self.held) >= MAX_HELD:
+                del self.held[next(iter(self.held))]
+            hs = self.held[shape] = []
+        at = {h.key: i for i, h in enumerate(hs)}
+        for r in rs:
+            h = Held(r.key, r.replicas, sent + r.expires_in_s, r.expires_in_s)
+            if r.key in at:
+                hs[at[r.key]] = h
+            else:
+                at[r.key] = len(hs)
+                hs.append(h)
+        over = sum(len(x) for x in self.held.values()) - MAX_PER_CLIENT
+        while over > 0:
+            other = next((sh for sh in self.held if sh != shape), shape)
+            ks = self.held[other]
+            cut = min(over, len(ks)) if other != shape else over
+            self._set(other, ks[cut:])
+            over -= cut
 
     def touching(self, segments: list[str]) -> list[str]:
         """Remove and return the reservations with a replica on one of ``segments``."""
