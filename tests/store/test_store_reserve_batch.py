@@ -159,3 +159,17 @@ def test_the_client_holds_what_the_master_holds_across_shapes() -> None:
             mine = {x.key for hs in h.held.values() for x in hs}
             assert mine == set(core.reservations.by_key)
             assert len(mine) <= reserve.MAX_PER_CLIENT
+
+
+def test_malformed_batch_commits_are_refused_precisely_and_change_nothing() -> None:
+    core, _ = make(dram=256 * KiB)
+    names = [r.key for r in start(core, ["a0", "a1"], 2).reservations]
+    core.handle(m.BatchPutEnd(client="c", keys=["a0", "a1"]))
+    for bad, why in ((bcommit(core, [], [], n=2), "at least one item"),
+                     (bcommit(core, names, ["b0", "b1"], n=-1), "reserve_next"),
+                     (core.handle(m.BatchPutStart(client="c", items=items("d0"), reserve_next=-3)),
+                      "reserve_next"),
+                     (bcommit(core, names[:1], ["b0", "b1"]), "1 reservations for 2 items")):
+        assert isinstance(bad, m.Err) and bad.code == C.BAD_REQUEST and why in bad.message, bad
+    assert exists(core, "b0", "b1", "d0") == [False] * 3
+    assert sorted(core.reservations.by_key) == sorted(names)

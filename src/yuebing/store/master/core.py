@@ -135,6 +135,9 @@ class MasterCore:
         return reserve.commit(self, msg)
 
     def batch_put_start(self, msg: m.BatchPutStart) -> Message:
+        problem = reserve.check_reserve_next(msg.reserve_next)
+        if problem:
+            return err(C.BAD_REQUEST, problem)
         codes: list[int] = []
         out: list[list[m.Replica]] = []
         for item in msg.items:

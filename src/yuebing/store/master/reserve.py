@@ -159,6 +159,11 @@ def check_key(key: str) -> str:
     return ""
 
 
+def check_reserve_next(n: int) -> str:
+    """The refusal for a batch's ``reserve_next`` ('' when fine; above the cap it is capped)."""
+    return f"reserve_next must be >= 0, got {n}" if n < 0 else ""
+
+
 def reserve(core: MasterCore, client: str, item: m.PutItem) -> m.Reservation | None:
     """A reservation of ``item``'s shape for ``client`` (its oldest one of that shape, or a
     new one); None when there is no room (the next put then goes the two-phase way)."""
@@ -235,9 +240,13 @@ def commit(core: MasterCore, msg: m.PutCommit) -> m.Message:
 def batch_commit(core: MasterCore, msg: m.BatchPutCommit) -> m.Message:
     """Handle `BatchPutCommit`: each item as a `PutCommit` into its reservation, then (asked,
     and the items of one shape) the next batch's reservations."""
-    if len(msg.reservations) != len(msg.items):
-        return m.Err(code=C.BAD_REQUEST, message=f"{len(msg.reservations)} reservations for "
-                     f"{len(msg.items)} items")
+    problem = check_reserve_next(msg.reserve_next)
+    if not msg.items:
+        problem = "a batch commit needs at least one item"
+    elif len(msg.reservations) != len(msg.items):
+        problem = f"{len(msg.reservations)} reservations for {len(msg.items)} items"
+    if problem:
+        return m.Err(code=C.BAD_REQUEST, message=problem)
     codes = [int(_commit_one(core, msg.client, name, it)[0])
              for name, it in zip(msg.reservations, msg.items, strict=True)]
     nxt = reserve_many(core, msg.client, msg.items[0], msg.reserve_next) \
