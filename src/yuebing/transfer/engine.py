@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from yuebing.core.errors import InputError, TransferError
-from yuebing.transfer.batch import Batch, RequestState, Slice
+from yuebing.transfer.batch import Batch, RequestState
 from yuebing.transfer.config import TransferConfig
 from yuebing.transfer.messages import Hello, HelloReply, Notify, SegmentDescriptor
 from yuebing.transfer.metadata import (
@@ -38,6 +38,7 @@ from yuebing.transfer.metadata import (
 )
 from yuebing.transfer.notify import NotifyInbox
 from yuebing.transfer.pool import SieveCache
+from yuebing.transfer.routing import Plan, frame_status, one_frame, route, timed_out
 from yuebing.transfer.segment import (
     Segment,
     SegmentTable,
@@ -57,9 +58,7 @@ from yuebing.transfer.types import (
     BatchId,
     BatchStatus,
     Notification,
-    RequestStatus,
     TransferRequest,
-    TransferStatus,
 )
 
 log = logging.getLogger(__name__)
@@ -198,7 +197,7 @@ class TransferEngine:
             self._active.append(batch)
             if batch.deadline < self._wake_at:
                 self._cv.notify()
-        self._dispatch(batch, plan, eps, inline)
+        route(batch, plan, eps, self.config.inline_bytes if inline else 0)
         return batch.id
 
     def _check_open(self, requests: Sequence[TransferRequest]) -> None:
@@ -221,41 +220,7 @@ class TransferEngine:
         except TransferError as e:
             return str(e)
 
-    def _dispatch(self, batch: Batch, plan: list[tuple[TransferRequest, memoryview,
-                                                       SegmentDescriptor]],
-                  eps: dict[str, Endpoint | str], inline: bool = False) -> None:
-        """Cut the requests into slices and hand them to their endpoints, one call per segment;
-        requests without an endpoint fail with the connection error."""
-        groups: dict[str, tuple[SegmentDescriptor, list[Slice]]] = {}
-        for i, (r, local, desc) in enumerate(plan):
-            ep = eps[r.segment]
-            if isinstance(ep, str):
-                batch.slice_done(i, 0, ep)
-                continue
-            group = groups.get(r.segment)
-            if group is None:
-                group = groups[r.segment] = (desc, [])
-            out = group[1]
-            n, size, name, off = local.nbytes, ep.slice_size, desc.name, r.offset
-            span = (off, n)
-            if not size or n <= size:
-                out.append(Slice(batch, i, r.op, local, name, off, span))
-            else:
-                out += [Slice(batch, i, r.op, local[a:a + size], name, off + a, span)
-                        for a in range(0, n, size)]
-        # inline only when the batch has one peer: groups run one after another in this thread,
-        # so with several peers a stalled one would hold up the others (the lanes run them at once)
-        limit = self.config.inline_bytes if inline and len(groups) == 1 else 0
-        for segment, (desc, slices) in groups.items():
-            ep = eps[segment]
-            assert not isinstance(ep, str)
-            if limit and sum(s.length for s in slices) <= limit and all(
-                    s.op == slices[0].op for s in slices) and ep.submit_inline(desc, slices):
-                continue
-            ep.submit(desc, slices)
-
-    def _validate(self, requests: Sequence[TransferRequest]
-                  ) -> list[tuple[TransferRequest, memoryview, SegmentDescriptor]]:
+    def _validate(self, requests: Sequence[TransferRequest]) -> Plan:
         """Check every request and its remote range; raises before anything is sent."""
         plan = []
         for i, r in enumerate(requests):
@@ -342,47 +307,17 @@ class TransferEngine:
         timeout = self._timeout(timeout_s)
         if inline:
             start = time.monotonic()
-            status = self._one_frame(self._validate(requests), start + timeout)
-            if status is not None:
-                return status
+            plan = self._validate(requests)
+            errors = one_frame(plan, start + timeout, self._endpoint, self.config.inline_bytes)
+            if errors is not None:
+                return frame_status(BatchId(next(self._ids)), plan, errors)
             timeout -= time.monotonic() - start
             if timeout <= 0:
-                return BatchStatus(BatchId(next(self._ids)), TransferStatus.TIMEOUT, tuple(
-                    RequestStatus(TransferStatus.TIMEOUT, 0, r.resolve()[1],
-                                  "deadline passed before the batch could be moved")
-                    for r in requests))
+                return timed_out(BatchId(next(self._ids)), plan)
         bid = self.submit(requests, timeout, inline)
         status = self.wait(bid)
         self.free(bid)
         return status
-
-    def _one_frame(self, plan: list[tuple[TransferRequest, memoryview, SegmentDescriptor]],
-                   deadline: float) -> BatchStatus | None:
-        """``plan`` moved as one inline frame, or None when it is not one frame's worth or the
-        endpoint could not (then nothing of it is known to have moved)."""
-        r0, _, desc = plan[0]
-        op, segment = r0.op, r0.segment
-        total = 0
-        for r, local, _ in plan:
-            if r.op is not op or r.segment != segment:
-                return None
-            total += local.nbytes
-        if total > self.config.inline_bytes:
-            return None
-        try:
-            ep = self._endpoint(desc)
-        except TransferError:
-            return None  # submit fails the requests with the reason
-        errors = ep.exchange_frame(desc.name, op, [(local, r.offset) for r, local, _ in plan],
-                                   deadline)
-        if errors is None:
-            return None
-        return BatchStatus(
-            BatchId(next(self._ids)),
-            TransferStatus.FAILED if any(errors) else TransferStatus.DONE,
-            tuple(RequestStatus(TransferStatus.FAILED, 0, local.nbytes, e) if e
-                  else RequestStatus(TransferStatus.DONE, local.nbytes, local.nbytes, "")
-                  for (_, local, _), e in zip(plan, errors, strict=True)))
 
     async def transfer_async(self, requests: Sequence[TransferRequest],
                              timeout_s: float | None = None) -> BatchStatus:
