@@ -20,8 +20,17 @@ from yuebing.transfer import (
 )
 
 
-@pytest.mark.parametrize("inline", [False, True])
-def test_trickling_peer_cannot_hold_a_read_past_its_deadline(inline: bool) -> None:
+def _read(eng: TransferEngine, segment: str, timeout_s: float, path: str) -> TransferStatus:
+    """One 4 KiB read the given way: through the lanes ("lanes"), the inline batch path
+    ("inline"), or `transfer_status`'s one frame of whole requests ("frame")."""
+    req = [TransferRequest(OpCode.READ, bytearray(4096), segment, 0)]
+    if path == "frame":
+        return eng.transfer_status(req, timeout_s=timeout_s)
+    return eng.wait(eng.submit(req, timeout_s=timeout_s, inline=path == "inline"), 10)
+
+
+@pytest.mark.parametrize("path", ["lanes", "inline", "frame"])
+def test_trickling_peer_cannot_hold_a_read_past_its_deadline(path: str) -> None:
     def trickle(conn: socket.socket, n: int) -> None:
         for _ in range(n // 256):
             if peer.stop.is_set():
@@ -33,17 +42,14 @@ def test_trickling_peer_cannot_hold_a_read_past_its_deadline(inline: bool) -> No
     with TransferEngine(TransferConfig(transports=("tcp",), lanes=1),
                         metadata=peer.metadata()) as eng:
         t0 = time.monotonic()
-        bid = eng.submit([TransferRequest(OpCode.READ, bytearray(4096), "scripted", 0)],
-                         timeout_s=0.3, inline=inline)
-        submitted = time.monotonic() - t0
-        st = eng.wait(bid, 5)
+        st = _read(eng, "scripted", 0.3, path)
         assert st.status == TransferStatus.TIMEOUT
-        assert submitted < 0.6 and time.monotonic() - t0 < 0.8  # 16 trickles would take 1.6 s
+        assert time.monotonic() - t0 < 0.8  # 16 trickles would take 1.6 s
     peer.close()
 
 
-@pytest.mark.parametrize("inline", [False, True])
-def test_read_broken_mid_payload_fails_at_once_not_at_the_deadline(inline: bool) -> None:
+@pytest.mark.parametrize("path", ["lanes", "inline", "frame"])
+def test_read_broken_mid_payload_fails_at_once_not_at_the_deadline(path: str) -> None:
     def half_then_die(conn: socket.socket, n: int) -> None:
         conn.sendall(b"h" * (n // 40))
         conn.shutdown(socket.SHUT_RDWR)
@@ -53,8 +59,7 @@ def test_read_broken_mid_payload_fails_at_once_not_at_the_deadline(inline: bool)
     with TransferEngine(TransferConfig(transports=("tcp",), lanes=1, retry_backoff_s=0.001,
                                        max_retries=1), metadata=peer.metadata()) as eng:
         t0 = time.monotonic()
-        st = eng.wait(eng.submit([TransferRequest(OpCode.READ, bytearray(4096), "scripted", 0)],
-                                 timeout_s=5, inline=inline), 10)
+        st = _read(eng, "scripted", 5, path)
         assert st.status == TransferStatus.FAILED, st.requests[0].error
         assert "broke" in st.requests[0].error
         assert time.monotonic() - t0 < 2.0  # the deadline is 5 s

@@ -1,6 +1,7 @@
 """`TransferEngine.transfer_status`: requests that fit one inline frame move as one frame of
 whole requests without batch bookkeeping; a refusal fails only its request, a broken connection
-sends them the lanes' way, and every deadline holds against peers that stall, trickle or die."""
+sends them the submit way, and the deadline holds against a peer that stalls (trickling and
+dying peers: test_misbehaving_peers.py, on every path)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import numpy as np
 import pytest
 from fake_peers import ScriptedPeer
 
-from yuebing.core.errors import InputError, TransferError
 from yuebing.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest, TransferStatus
 from yuebing.transfer.transport.tcp_client import TcpEndpoint
 
@@ -124,52 +124,3 @@ def test_stalled_peer_times_out_at_the_deadline() -> None:
         assert "deadline passed" in st.requests[0].error
         assert 0.3 <= elapsed < 1.0
     peer.close()
-
-
-def test_trickling_peer_cannot_hold_a_read_past_its_deadline() -> None:
-    def trickle(conn: socket.socket, n: int) -> None:
-        for _ in range(n // 256):
-            if peer.stop.is_set():
-                return
-            conn.sendall(b"z" * 256)
-            time.sleep(0.1)
-
-    peer = ScriptedPeer(trickle)
-    with TransferEngine(TransferConfig(transports=("tcp",), lanes=1),
-                        metadata=peer.metadata()) as eng:
-        t0 = time.monotonic()
-        st = eng.transfer_status([TransferRequest(OpCode.READ, bytearray(4096), "scripted", 0)],
-                                 timeout_s=0.3)
-        assert st.status == TransferStatus.TIMEOUT
-        assert time.monotonic() - t0 < 0.8  # 16 trickles would take 1.6 s
-    peer.close()
-
-
-def test_read_broken_mid_payload_fails_at_once_not_at_the_deadline() -> None:
-    def half_then_die(conn: socket.socket, n: int) -> None:
-        conn.sendall(b"h" * (n // 40))
-        conn.shutdown(socket.SHUT_RDWR)
-        raise OSError("peer died")
-
-    peer = ScriptedPeer(half_then_die)
-    with TransferEngine(TransferConfig(transports=("tcp",), lanes=1, retry_backoff_s=0.001,
-                                       max_retries=1), metadata=peer.metadata()) as eng:
-        t0 = time.monotonic()
-        st = eng.transfer_status([TransferRequest(OpCode.READ, bytearray(4096), "scripted", 0)],
-                                 timeout_s=5)
-        assert st.status == TransferStatus.FAILED, st.requests[0].error
-        assert "broke" in st.requests[0].error
-        assert time.monotonic() - t0 < 2.0  # the deadline is 5 s
-    peer.close()
-
-
-def test_bad_batches_are_refused_like_submit(make_engine: Make) -> None:
-    """No requests, or a closed engine: the errors `submit` gives — transfer_status must not
-    index an empty plan nor open a connection for an engine that was closed."""
-    owner, eng, _ = _pair(make_engine)
-    with pytest.raises(InputError, match="at least one request"):
-        eng.transfer_status([])
-    eng.close()
-    with pytest.raises(TransferError, match="closed"):
-        eng.transfer_status([TransferRequest(OpCode.WRITE, np.ones(8, np.uint8), "one", 0)])
-    assert len(eng._pool) == 0
