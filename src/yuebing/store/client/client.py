@@ -1,18 +1,14 @@
 """`StoreClient`: the blocking store API.
 
-Life of a put here: ``put_start`` at the master (placement + allocation) → WRITE of the bytes to
-every replica through the transfer engine (shared memory on one host, TCP otherwise) →
-``put_end`` (commit). A failed transfer revokes the put, so no reader ever sees a partial value.
-With ``reserve_ahead`` a stream of same-shaped puts costs one RPC each: the master reserves the
-space of the next put ahead (`reserve`), the put writes into it and sends ``put_commit``, which
-commits it under the key and hands out the next reservation; any failure there falls back to
-the two-phase put for that value.
-A get asks ``get_replicas`` (granting a read lease), READs one replica straight into the caller's
-buffer (``get_into``: zero-copy) and verifies the checksum. Reads run only within the lease (less
-a margin, `cm.read_deadline`): one it cuts, or a fallback to another replica it would outlast, is
-not read from those ranges (another value may hold them by then) but asked for again. Batch forms do one master call and
-one transfer batch for many keys. Requests to a live node's segment on this host skip the engine:
-`DirectSegments` copies them in the calling thread. A heartbeat thread keeps the session alive.
+Puts (single and batch, two-phase or one RPC through reservations held ahead) are `Puts`'s, in
+`puts.py`. A get asks ``get_replicas`` (granting a read lease), READs one replica straight into the
+caller's buffer (``get_into``: zero-copy) and verifies the checksum. Reads run only within the
+lease (less a margin, `cm.read_deadline`): one it cuts, or a fallback to another replica it would
+outlast, is not read from those ranges (another value may hold them by then) but asked for again.
+Batch forms do one master call and one transfer batch for many keys. Requests to a live node's
+segment on this host skip the engine: `DirectSegments` copies them in the calling thread; the
+others go through `TransferEngine.transfer_status` (one inline frame when they fit). A heartbeat
+thread keeps the session alive.
 """
 
 from __future__ import annotations
@@ -29,7 +25,8 @@ from yuebing.store.client import common as cm
 from yuebing.store.client import reserve as rv
 from yuebing.store.client.direct import DirectSegments
 from yuebing.store.client.memory import keep_freed_memory, new_buffer
-from yuebing.store.client.rpc import MasterConnection, StoreRpcError
+from yuebing.store.client.puts import Puts
+from yuebing.store.client.rpc import MasterConnection
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import BatchStatus, TransferConfig, TransferEngine, TransferStatus
 
@@ -37,7 +34,7 @@ log = logging.getLogger(__name__)
 C = m.Code
 
 
-class StoreClient:
+class StoreClient(Puts):
     """Blocking client; one thread at a time (the heartbeat runs on its own connection)."""
 
     def __init__(self, cfg: ClientConfig | None = None, engine: TransferEngine | None = None,
@@ -80,191 +77,6 @@ class StoreClient:
             return self.direct.merged(done, None)
         status = self.engine.transfer_status(rest, cm.transfer_timeout(self.cfg, deadline, read))
         return status if len(rest) == len(reqs) else self.direct.merged(done, status)
-
-    # ------------------------------------------------------------------ put
-    def put(self, key: str, value: object, *, replicas: int | None = None,
-            strategy: str | None = None, preferred: Sequence[str] | None = None,
-            hard_pin: bool = False, soft_pin_s: float = 0.0) -> None:
-        """Store ``value`` (any contiguous buffer) under ``key``; values are immutable. A write
-        that fails is revoked (naming the failed segments, which the master then avoids) and
-        placed again up to ``put_retries`` times. With ``reserve_ahead``, a put of a shape
-        this client holds a reservation for writes into it and commits with one RPC."""
-        mv = cm.view(value, writable=False)
-        item = cm.put_item(self.cfg, key, mv, replicas, strategy, preferred, hard_pin, soft_pin_s)
-        shape = rv.shape_of(item) if self.cfg.reserve_ahead else None
-        if shape is not None and self._put_reserved(item, mv, shape):
-            return
-        reserve_next = shape is not None and self._resv.want(shape)
-        for attempt in range(self.cfg.put_retries + 1):
-            sent = time.monotonic()
-            targets = self.rpc.call(m.PutStart(client=self.client_id, item=item,
-                                               reserve_next=reserve_next))
-            assert isinstance(targets, m.PutTargets)
-            if shape is not None:
-                self._resv.keep(shape, targets.reservation, sent)
-            failed, blamed, why = self._write(mv, targets.replicas,
-                                              cm.write_deadline(sent, targets.expires_in_s))
-            if not failed:
-                self.rpc.call(m.PutEnd(client=self.client_id, key=key))
-                return
-            self._revoke([key, *self._resv.touching(failed)], blamed)
-            log.warning("put %s: write to %s failed (attempt %d): %s", key, failed, attempt + 1, why)
-        raise StoreError(f"writing {key!r} failed; put revoked: {why}")
-
-    def _write(self, mv: memoryview, replicas: list[m.Replica],
-               deadline: float) -> tuple[list[str], list[str], str]:
-        """Write one value to its replicas by ``deadline``: (segments that failed, those of
-        them to blame in the revoke — `cm.blamed_segments` —, why)."""
-        reqs = cm.writes(mv, replicas)
-        try:
-            st = self._transfer(reqs, deadline)
-            return (cm.failed_segments(reqs, st.requests), cm.blamed_segments(reqs, st.requests),
-                    "; ".join(st.errors))
-        except (TransferError, InputError) as e:
-            return cm.failed_segments(reqs, None), cm.blamed_segments(reqs, None, e), str(e)
-
-    def _put_reserved(self, item: m.PutItem, mv: memoryview, shape: rv.Shape) -> bool:
-        """Put ``item`` through the held reservation of its shape: write into it, then one
-        ``put_commit`` (which brings the next reservation). False when there is none usable or
-        the write or commit failed (the caller then puts it the two-phase way)."""
-        now = time.monotonic()
-        held, stale = self._resv.take(shape, now)
-        if stale is not None and stale.deadline > now:  # too little write time left: give
-            self._revoke([stale.key], [])  # it back now (past its expiry the master did)
-        if held is None:
-            return False
-        failed, blamed, why = self._write(mv, held.replicas, held.deadline)
-        if failed:
-            self._revoke([held.key, *self._resv.touching(failed)], blamed)
-            log.warning("put %s: write into reservation on %s failed: %s", item.key, failed, why)
-            return False
-        sent = time.monotonic()
-        try:
-            r = self.rpc.call(m.PutCommit(client=self.client_id, reservation=held.key, item=item,
-                                          reserve_next=True))
-        except StoreRpcError as e:
-            log.info("put %s: reservation refused (%s); putting it in two phases", item.key, e)
-            return False
-        assert isinstance(r, m.PutCommitted)
-        self._resv.keep(shape, r.reservation, sent)
-        return True
-
-    put_from = put
-    """Zero-copy put: the engine reads straight from the caller's (registered) buffer."""
-
-    def batch_put(self, keys: Sequence[str], values: Sequence[object], **kw: object) -> list[int]:
-        """Put many values with one master round trip per phase; returns a `Code` per key.
-        Keys whose write failed are revoked and put again up to ``put_retries`` times."""
-        if len(keys) != len(values):
-            raise InputError(f"{len(keys)} keys but {len(values)} values")
-        mvs = [cm.view(v, writable=False) for v in values]
-        items = [cm.put_item(self.cfg, k, mv, kw.get("replicas"), kw.get("strategy"),  # type: ignore[arg-type]
-                             kw.get("preferred"), bool(kw.get("hard_pin")),  # type: ignore[arg-type]
-                             float(kw.get("soft_pin_s") or 0.0))  # type: ignore[arg-type]
-                 for k, mv in zip(keys, mvs, strict=True)]
-        codes = [int(C.INTERNAL)] * len(keys)
-        todo = list(range(len(keys)))
-        for _ in range(self.cfg.put_retries + 1):
-            todo = self._batch_put_once(todo, items, mvs, codes)
-            if not todo:
-                break
-        return codes
-
-    def _batch_put_once(self, todo: list[int], items: list[m.PutItem], mvs: list[memoryview],
-                        codes: list[int]) -> list[int]:
-        """One attempt for the items ``todo``; fills ``codes``, returns those to retry. Items
-        of one shape go through held reservations when there are enough (`_batch_put_reserved`)
-        and ask for the next batch's; the rest are put in two phases."""
-        shape = rv.shape_of(items[todo[0]]) if self.cfg.reserve_ahead and \
-            len(todo) <= rv.MAX_PER_SHAPE and all(
-                rv.shape_of(items[i]) == rv.shape_of(items[todo[0]]) for i in todo) else None
-        if shape is not None:
-            todo = self._batch_put_reserved(todo, items, mvs, codes, shape)
-            if not todo:
-                return []
-        sent = time.monotonic()
-        reserve_next = len(todo) if shape is not None and self._resv.want(shape) else 0
-        r = self.rpc.call(m.BatchPutStart(client=self.client_id, items=[items[i] for i in todo],
-                                          reserve_next=reserve_next))
-        assert isinstance(r, m.BatchPutTargets)
-        if shape is not None:
-            self._resv.keep_many(shape, r.reservations, sent)
-        deadline = cm.write_deadline(sent, r.expires_in_s)
-        reqs, owner = [], []
-        for i, code, reps in zip(todo, r.codes, r.replicas, strict=True):
-            codes[i] = code
-            if code == C.OK:
-                for req in cm.writes(mvs[i], reps):
-                    reqs.append(req)
-                    owner.append(i)
-        failed: set[int] = set()
-        bad: list[str] = []
-        if reqs:
-            try:
-                st = self._transfer(reqs, deadline)
-                failed = {owner[j] for j, rs in enumerate(st.requests) if rs.status != TransferStatus.DONE}
-                bad = cm.blamed_segments(reqs, st.requests)
-            except (TransferError, InputError) as e:
-                log.warning("batch put transfer failed: %s", e)
-                failed, bad = set(owner), cm.blamed_segments(reqs, None, e)
-        ok = [i for i in todo if codes[i] == C.OK and i not in failed]
-        if failed:
-            self._revoke([items[i].key for i in sorted(failed)], bad)
-            for i in failed:
-                codes[i] = int(C.INTERNAL)
-        if ok:
-            ends = self.rpc.call(m.BatchPutEnd(client=self.client_id, keys=[items[i].key for i in ok]))
-            for i, c in zip(ok, ends.codes, strict=True):  # type: ignore[attr-defined]
-                codes[i] = c
-        return sorted(failed)
-
-    def _batch_put_reserved(self, todo: list[int], items: list[m.PutItem],
-                            mvs: list[memoryview], codes: list[int], shape: rv.Shape) -> list[int]:
-        """Put the items ``todo`` (one shape) through as many held reservations: one write, one
-        ``batch_put_commit`` (which brings the next batch's). Fills ``codes`` of the items it
-        stored (or found existing); returns the items left to the two-phase way — all of them
-        when too few reservations are held or the write or commit failed."""
-        now = time.monotonic()
-        held, stale = self._resv.take_many(shape, len(todo), now)
-        if stale and any(h.deadline > now for h in stale):  # give back what the master holds
-            self._revoke([h.key for h in stale if h.deadline > now], [])
-        if not held:
-            return todo
-        reqs = [req for i, h in zip(todo, held, strict=True) for req in cm.writes(mvs[i], h.replicas)]
-        try:
-            st = self._transfer(reqs, min(h.deadline for h in held))
-            failed, bad = cm.failed_segments(reqs, st.requests), cm.blamed_segments(reqs, st.requests)
-        except (TransferError, InputError) as e:
-            failed, bad = cm.failed_segments(reqs, None), cm.blamed_segments(reqs, None, e)
-        if failed:
-            self._revoke([h.key for h in held] + self._resv.touching(failed), bad)
-            log.warning("batch put: write into reservations on %s failed", failed)
-            return todo
-        sent = time.monotonic()
-        try:
-            r = self.rpc.call(m.BatchPutCommit(
-                client=self.client_id, reservations=[h.key for h in held],
-                items=[items[i] for i in todo], reserve_next=len(todo)))
-        except StoreRpcError as e:
-            log.info("batch put: reservations refused (%s); putting it in two phases", e)
-            return todo
-        assert isinstance(r, m.BatchPutCommitted)
-        self._resv.keep_many(shape, r.reservations, sent)
-        left = []
-        for i, code in zip(todo, r.codes, strict=True):
-            if code in (C.OK, C.EXISTS):
-                codes[i] = code
-            else:  # its reservation refused it (and stays the master's): two phases
-                left.append(i)
-        return left
-
-    batch_put_from = batch_put
-
-    def _revoke(self, keys: list[str], failed: list[str]) -> None:
-        try:
-            self.rpc.call(m.BatchPutRevoke(client=self.client_id, keys=keys, failed=failed))
-        except StoreError as e:  # the master reclaims it as a zombie later
-            log.warning("revoking %d puts failed: %s", len(keys), e)
 
     # ------------------------------------------------------------------ get
     def _replicas(self, key: str) -> tuple[m.ReplicaList, float]:
