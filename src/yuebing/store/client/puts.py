@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.store import messages as m
@@ -35,10 +35,8 @@ class Puts:
     client_id: str
     rpc: MasterConnection
     _resv: rv.HeldReservations
-
-    def _transfer(self, reqs: list, deadline: float | None = None,
-                  read: bool = False) -> BatchStatus:
-        raise NotImplementedError  # `StoreClient._transfer`
+    _transfer: Callable[[list, float], BatchStatus]
+    """`StoreClient._transfer`: the writes of a put, by its write deadline."""
 
     def put(self, key: str, value: object, *, replicas: int | None = None,
             strategy: str | None = None, preferred: Sequence[str] | None = None,
