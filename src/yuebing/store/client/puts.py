@@ -69,9 +69,12 @@ class Puts:
 
     def _write(self, mv: memoryview, replicas: list[m.Replica],
                deadline: float) -> tuple[list[str], list[str], str]:
-        """Write one value to its replicas by ``deadline``: (segments that failed, those of
-        them to blame in the revoke — `cm.blamed_segments` —, why)."""
-        reqs = cm.writes(mv, replicas)
+        """Write one value to its replicas by ``deadline`` (`_write_all`)."""
+        return self._write_all(cm.writes(mv, replicas), deadline)
+
+    def _write_all(self, reqs: list, deadline: float) -> tuple[list[str], list[str], str]:
+        """Do the writes ``reqs`` by ``deadline``: (segments that failed, those of them to
+        blame in the revoke — `cm.blamed_segments` —, why)."""
         try:
             st = self._transfer(reqs, deadline)
             return (cm.failed_segments(reqs, st.requests), cm.blamed_segments(reqs, st.requests),
@@ -131,9 +134,9 @@ class Puts:
         """One attempt for the items ``todo``; fills ``codes``, returns those to retry. Items
         of one shape go through held reservations when there are enough (`_batch_put_reserved`)
         and ask for the next batch's; the rest are put in two phases."""
-        shape = rv.shape_of(items[todo[0]]) if self.cfg.reserve_ahead and \
-            len(todo) <= rv.MAX_PER_SHAPE and all(
-                rv.shape_of(items[i]) == rv.shape_of(items[todo[0]]) for i in todo) else None
+        first = rv.shape_of(items[todo[0]])
+        shape = first if self.cfg.reserve_ahead and len(todo) <= rv.MAX_PER_SHAPE and all(
+            rv.shape_of(items[i]) == first for i in todo[1:]) else None
         if shape is not None:
             todo = self._batch_put_reserved(todo, items, mvs, codes, shape)
             if not todo:
@@ -187,14 +190,10 @@ class Puts:
         if not held:
             return todo
         reqs = [req for i, h in zip(todo, held, strict=True) for req in cm.writes(mvs[i], h.replicas)]
-        try:
-            st = self._transfer(reqs, min(h.deadline for h in held))
-            failed, bad = cm.failed_segments(reqs, st.requests), cm.blamed_segments(reqs, st.requests)
-        except (TransferError, InputError) as e:
-            failed, bad = cm.failed_segments(reqs, None), cm.blamed_segments(reqs, None, e)
+        failed, bad, why = self._write_all(reqs, min(h.deadline for h in held))
         if failed:
             self._revoke([h.key for h in held] + self._resv.touching(failed), bad)
-            log.warning("batch put: write into reservations on %s failed", failed)
+            log.warning("batch put: write into reservations on %s failed: %s", failed, why)
             return todo
         sent = time.monotonic()
         try:

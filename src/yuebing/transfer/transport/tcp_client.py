@@ -141,12 +141,10 @@ class TcpEndpoint(Endpoint):
             try:
                 left, error = conn.exchange(slices)
             except BaseException:  # e.g. KeyboardInterrupt mid-frame: the stream is out of step
-                conn.close()  # its unfinished slices end at the batch deadline
-                self._inline = None
+                self._drop_inline()  # its unfinished slices end at the batch deadline
                 raise
             if left:
-                conn.close()
-                self._inline = None
+                self._drop_inline()
                 self.lane_failed(None, left, error)  # type: ignore[arg-type]
             return True
         finally:
@@ -165,16 +163,21 @@ class TcpEndpoint(Endpoint):
             try:
                 errors, why = conn.exchange_frame(segment, op, items, deadline)
             except BaseException:  # e.g. KeyboardInterrupt mid-frame: the stream is out of step
-                errors, why = None, "interrupted"
+                self._drop_inline()
                 raise
-            finally:
-                if errors is None:
-                    log.debug("%s; moving the frame the lanes' way", why)
-                    conn.close()
-                    self._inline = None
+            if errors is None:
+                log.debug("%s; the engine moves the frame the submit way", why)
+                self._drop_inline()
             return errors
         finally:
             self._inline_lock.release()
+
+    def _drop_inline(self) -> None:
+        """Close the inline connection (broken, or out of step); the next use opens a new one.
+        Called with ``_inline_lock`` held."""
+        if self._inline is not None:
+            self._inline.close()
+            self._inline = None
 
     def _inline_conn(self) -> InlineConn | None:
         """The inline connection (opened on first use; None if the peer cannot be reached).
