@@ -8,8 +8,8 @@ the engine as before. Otherwise the file is mapped once and kept open. The stora
 exclusive ``flock`` on that file for as long as it lives (`hold_liveness_lock`); before each
 batch of copies the client tries a shared, non-blocking lock: if it gets one, no node holds the
 file (the node died), so the map is dropped and the requests go through the engine, which
-fails them and lets the put be revoked and placed elsewhere. Copies use ``numpy.copyto``
-(releases the GIL) above `SMALL_COPY` bytes, memoryview assignment below; a batch of at least
+fails them and lets the put be revoked and placed elsewhere. Copies use
+`yuebing.transfer.streamcopy.copy` (streaming stores, releases the GIL) above `SMALL_COPY` bytes, memoryview assignment below; a batch of at least
 `PARALLEL_MIN` bytes is split over a few copy threads. Writes are fenced like the engine's: none
 starts after the put's deadline and large ones are copied in pieces with it checked between
 them (`copy_until`); a write cut short ends TIMEOUT and the put is revoked.
@@ -29,7 +29,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from yuebing.core.errors import TransferError
-from yuebing.transfer import BatchStatus, OpCode, TransferEngine, TransferRequest, TransferStatus
+from yuebing.transfer import (
+    BatchStatus,
+    OpCode,
+    TransferEngine,
+    TransferRequest,
+    TransferStatus,
+    streamcopy,
+)
 from yuebing.transfer.transport.shm import copy_until, expired_write
 from yuebing.transfer.types import BatchId, RequestStatus
 
@@ -147,7 +154,7 @@ class DirectSegments:
     def _run(self, jobs: list[tuple[OpCode, memoryview, _Mapped, int, int]],
              deadline: float) -> list[int]:
         """Copy in this thread, or, for a batch of at least `PARALLEL_MIN` bytes, split over
-        `workers` threads (``numpy.copyto`` releases the GIL: copies overlap); returns the
+        `workers` threads (`streamcopy.copy` releases the GIL: copies overlap); returns the
         bytes each job copied."""
         if len(jobs) < 2 or self.workers < 2 or sum(j[4] for j in jobs) < PARALLEL_MIN:
             return _copy_all(jobs, deadline)
@@ -204,5 +211,5 @@ def _copy(op: OpCode, local: memoryview, mapped: _Mapped, off: int, n: int,
     mine = np.frombuffer(local, dtype=np.uint8, count=n)
     if op == OpCode.WRITE:
         return copy_until(mapped.arr[off:off + n], mine, deadline)
-    np.copyto(mine, mapped.arr[off:off + n])
+    streamcopy.copy(mine, mapped.arr[off:off + n])
     return n

@@ -4,8 +4,8 @@ mapped into this process; `LocalTransport` serves segments registered by this ve
 Life cycle of a shared-memory slice: on first use of a peer, `ShmEndpoint` opens one TCP control
 connection to it (handshake; its end-of-file is how a dead peer is noticed) and maps each of the
 peer's segment files on first access. `submit` queues slices for ``shm_workers`` copy threads; a
-worker re-checks the range against the published descriptor and copies with ``numpy.copyto``
-(which releases the GIL), then completes the slice. Writes are fenced: a write slice is not
+worker re-checks the range against the published descriptor and copies with
+`yuebing.transfer.streamcopy.copy` (streaming stores; releases the GIL), then completes the slice. Writes are fenced: a write slice is not
 started past its batch deadline and large ones are copied in `FENCE_CHUNK` pieces with the
 deadline checked between them, so a stalled copy thread cannot write after its sender gave up. No kernel socket carries the bytes. When the
 control connection drops, queued slices fail with an error naming the peer and the maps close.
@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from yuebing.core.errors import TransferError
+from yuebing.transfer import streamcopy
 from yuebing.transfer.batch import Slice, complete_slices
 from yuebing.transfer.messages import SegmentDescriptor
 from yuebing.transfer.segment import check_range
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 SMALL_COPY = 256 << 10
 """Slices up to this size are copied with a memoryview assignment (cheapest call, holds the
-GIL for a few µs); larger ones with ``numpy.copyto``, which releases the GIL while it copies."""
+GIL for a few µs); larger ones with `streamcopy.copy`, which releases the GIL while it copies."""
 
 
 FENCE_CHUNK = 8 << 20
@@ -55,7 +56,7 @@ def copy_until(dst: np.ndarray, src: np.ndarray, deadline: float) -> int:
         if time.monotonic() >= deadline:
             return start
         stop = min(n, start + FENCE_CHUNK)
-        np.copyto(dst[start:stop], src[start:stop])
+        streamcopy.copy(dst[start:stop], src[start:stop])
     return n
 
 
@@ -84,7 +85,7 @@ def copy_slice(s: Slice, remote: np.ndarray, remote_mv: memoryview) -> str | Non
     if s.op == OpCode.WRITE:
         done = copy_until(remote[s.offset:end], local, s.deadline)
         return None if done == s.length else expired_write(done, s.length)
-    np.copyto(local, remote[s.offset:end])
+    streamcopy.copy(local, remote[s.offset:end])
     return None
 
 

@@ -1,0 +1,5 @@
+from typing_extensions import Buffer
+
+STREAMING: int
+
+def copy(dst: Buffer, src: Buffer, /) -> None: ...

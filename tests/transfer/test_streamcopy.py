@@ -1,0 +1,74 @@
+"""`yuebing.transfer.streamcopy`: the C extension's streaming copy is built, copies exactly the
+bytes asked (any alignment, any tail), refuses bad buffers, and the numpy fallback agrees."""
+
+from __future__ import annotations
+
+import shutil
+import sysconfig
+
+import numpy as np
+import pytest
+
+from yuebing.transfer import streamcopy
+
+LENGTHS = [0, 1, 15, 16, 17, 63, 64, 65, 127, 4096 + 3, (1 << 20) + 17]
+
+
+@pytest.fixture(params=[True, False], ids=["streaming", "numpy"])
+def mode(request):
+    before = streamcopy.streaming()
+    streamcopy.set_streaming(request.param)
+    yield request.param
+    streamcopy.set_streaming(before)
+
+
+def test_extension_is_built_where_a_compiler_is():
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None:
+        pytest.skip(f"no C compiler ({cc}): the numpy fallback is used")
+    assert streamcopy.BUILT, "pip install did not build yuebing.transfer._streamcopy"
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("dst_off,src_off", [(0, 0), (1, 0), (0, 3), (7, 9), (15, 1)])
+def test_copies_exactly_the_range(mode, n, dst_off, src_off):
+    rng = np.random.default_rng(n + 31 * dst_off + src_off)
+    src = rng.integers(0, 256, n + src_off + 64, dtype=np.uint8)
+    dst = np.full(n + dst_off + 64, 0xAB, dtype=np.uint8)
+    streamcopy.copy(dst[dst_off:dst_off + n], src[src_off:src_off + n])
+    assert np.array_equal(dst[dst_off:dst_off + n], src[src_off:src_off + n])
+    assert (dst[:dst_off] == 0xAB).all() and (dst[dst_off + n:] == 0xAB).all()
+
+
+def test_native_copy_refuses_bad_buffers():
+    if not streamcopy.BUILT:
+        pytest.skip("extension not built")
+    from yuebing.transfer import _streamcopy
+
+    a, b = np.zeros(64, np.uint8), np.ones(65, np.uint8)
+    with pytest.raises(ValueError, match="destination has 64 bytes, source 65"):
+        _streamcopy.copy(a, b)
+    with pytest.raises(TypeError):
+        _streamcopy.copy(b"x" * 65, b)  # read-only destination
+    with pytest.raises((TypeError, BufferError, ValueError)):
+        _streamcopy.copy(np.zeros(64, np.uint8)[::2], np.zeros(32, np.uint8))  # strided
+    with pytest.raises(TypeError):
+        _streamcopy.copy(a)
+
+
+def test_set_streaming_switches_and_off_is_numpy(monkeypatch):
+    if not streamcopy.BUILT:
+        pytest.skip("extension not built")
+    before = streamcopy.streaming()
+    try:
+        calls = []
+        monkeypatch.setattr(streamcopy, "_native", type("N", (), {"copy": staticmethod(
+            lambda d, s: calls.append(len(d)))}))
+        streamcopy.set_streaming(True)
+        streamcopy.copy(np.zeros(8, np.uint8), np.ones(8, np.uint8))
+        streamcopy.set_streaming(False)
+        dst = np.zeros(8, np.uint8)
+        streamcopy.copy(dst, np.ones(8, np.uint8))
+        assert calls == [8] and (dst == 1).all() and not streamcopy.streaming()
+    finally:
+        streamcopy.set_streaming(before)
