@@ -27,7 +27,7 @@ from yuebing.store.client import common as cm
 from yuebing.store.client import reserve as rv
 from yuebing.store.client.direct import DirectSegments
 from yuebing.store.client.memory import keep_freed_memory, new_buffer
-from yuebing.store.client.rpc import AsyncMasterConnection, StoreRpcError
+from yuebing.store.client.rpc import AsyncMasterConnection, StoreRpcError, removed_codes
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import BatchStatus, TransferConfig, TransferEngine, TransferStatus
 
@@ -323,10 +323,16 @@ class AsyncStoreClient:
         return (await self.rpc.call(m.PrefixMatch(keys=list(keys)))).n  # type: ignore[attr-defined]
 
     async def remove(self, key: str, force: bool = False) -> None:
-        await self.rpc.call(m.Remove(key=key, force=force))
+        """As `StoreClient.remove` (a resent remove answered NOT_FOUND succeeded)."""
+        try:
+            await self.rpc.call(m.Remove(key=key, force=force))
+        except StoreRpcError as e:
+            if not (e.code == C.NOT_FOUND and e.resent):
+                raise
 
     async def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
-        return (await self.rpc.call(m.BatchRemove(keys=list(keys), force=force))).codes  # type: ignore[attr-defined]
+        r, resent = await self.rpc.call_tracked(m.BatchRemove(keys=list(keys), force=force))
+        return removed_codes(r.codes, resent)  # type: ignore[attr-defined]
 
     async def remove_prefix(self, prefix: str, force: bool = False) -> int:
         return (await self.rpc.call(m.RemovePrefix(prefix=prefix, force=force))).n  # type: ignore[attr-defined]

@@ -26,7 +26,7 @@ from yuebing.store.client import reserve as rv
 from yuebing.store.client.direct import DirectSegments
 from yuebing.store.client.memory import keep_freed_memory, new_buffer
 from yuebing.store.client.puts import Puts
-from yuebing.store.client.rpc import MasterConnection
+from yuebing.store.client.rpc import MasterConnection, StoreRpcError, removed_codes
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import BatchStatus, TransferConfig, TransferEngine, TransferStatus
 
@@ -233,10 +233,18 @@ class StoreClient(Puts):
         return self.rpc.call(m.PrefixMatch(keys=list(keys))).n  # type: ignore[attr-defined]
 
     def remove(self, key: str, force: bool = False) -> None:
-        self.rpc.call(m.Remove(key=key, force=force))
+        """Remove ``key``; `StoreRpcError` NOT_FOUND if absent, unless the request had to be
+        resent (its first reply lost, e.g. at a failover): then the first try removed it."""
+        try:
+            self.rpc.call(m.Remove(key=key, force=force))
+        except StoreRpcError as e:
+            if not (e.code == C.NOT_FOUND and e.resent):
+                raise
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
-        return self.rpc.call(m.BatchRemove(keys=list(keys), force=force)).codes  # type: ignore[attr-defined]
+        """A `Code` per key (NOT_FOUND counts as OK when the request had to be resent)."""
+        r, resent = self.rpc.call_tracked(m.BatchRemove(keys=list(keys), force=force))
+        return removed_codes(r.codes, resent)  # type: ignore[attr-defined]
 
     def remove_prefix(self, prefix: str, force: bool = False) -> int:
         return self.rpc.call(m.RemovePrefix(prefix=prefix, force=force)).n  # type: ignore[attr-defined]

@@ -27,11 +27,20 @@ C = m.Code
 
 
 class StoreRpcError(StoreError):
-    """The master answered with an error (``code`` is a `messages.Code`)."""
+    """The master answered with an error (``code`` is a `messages.Code`); ``resent``: the
+    request was sent again after a try whose reply was lost (e.g. at a failover), so that try
+    may have taken effect — a resent remove answered NOT_FOUND removed the key itself."""
 
-    def __init__(self, code: int, message: str) -> None:
+    def __init__(self, code: int, message: str, resent: bool = False) -> None:
         self.code = C(code) if code in C._value2member_map_ else C.INTERNAL
+        self.resent = resent
         super().__init__(f"{self.code.name}: {message}")
+
+
+def removed_codes(codes: list[int], resent: bool) -> list[int]:
+    """A batch remove's per-key codes; when the request was resent, NOT_FOUND is what an
+    earlier try that removed the key leaves behind, so it counts as OK."""
+    return [int(C.OK) if resent and c == C.NOT_FOUND else c for c in codes]
 
 
 class _Base:
@@ -76,18 +85,26 @@ class MasterConnection(_Base):
 
     def call(self, msg: Message) -> Message:
         """Send ``msg`` and return the reply; `StoreRpcError` for an `Err` reply."""
+        return self.call_tracked(msg)[0]
+
+    def call_tracked(self, msg: Message) -> tuple[Message, bool]:
+        """`call`, and whether the request was sent again after a try whose reply never came
+        (that try may have taken effect); a NOT_LEADER refusal does not count."""
         payload = encode(msg)
         deadline = time.monotonic() + self.failover_s
+        lost = False  # a try went out and its reply never came: it may have taken effect
         while True:
-            rid = next(self._ids)
+            rid, sent = next(self._ids), False
             try:
                 sock = self.sock or self._connect()
+                sent = True
                 sock.send(rid, payload)
                 reply = self._wait(sock, rid)
             except OSError as e:
                 log.info("master %s unreachable: %s", self.address, e)
                 reply = None
             if reply is None:
+                lost = lost or sent
                 if time.monotonic() >= deadline:
                     raise StoreError(f"master {self.address} did not answer within "
                                      f"{self.timeout_s}s (failover budget spent)")
@@ -102,8 +119,8 @@ class MasterConnection(_Base):
                     self.close()
                     self._move(reply.leader)
                     continue
-                raise StoreRpcError(reply.code, reply.message)
-            return reply
+                raise StoreRpcError(reply.code, reply.message, lost)
+            return reply, lost
 
     def _wait(self, sock: FrameSocket, rid: int) -> Message | None:
         end = time.monotonic() + self.timeout_s
@@ -190,14 +207,21 @@ class AsyncMasterConnection(_Base):
             self._waiters.clear()
 
     async def call(self, msg: Message) -> Message:
+        """Send ``msg`` and return the reply; `StoreRpcError` for an `Err` reply."""
+        return (await self.call_tracked(msg))[0]
+
+    async def call_tracked(self, msg: Message) -> tuple[Message, bool]:
+        """`call`, and whether the request was sent again after a try whose reply never came."""
         payload = encode(msg)
         deadline = time.monotonic() + self.failover_s
+        lost = False  # a try went out and its reply never came: it may have taken effect
         while True:
-            rid = next(self._ids)
+            rid, sent = next(self._ids), False
             fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
             try:
                 writer = self._writer or await self._connect()
                 self._waiters[rid] = fut
+                sent = True
                 writer.write(HEADER.pack(len(payload), rid) + payload)
                 reply: Message | None = await asyncio.wait_for(fut, self.timeout_s)
             except (TimeoutError, OSError) as e:
@@ -205,6 +229,7 @@ class AsyncMasterConnection(_Base):
                 self._waiters.pop(rid, None)
                 reply = None
             if reply is None:
+                lost = lost or sent
                 if time.monotonic() >= deadline:
                     raise StoreError(f"master {self.address} did not answer in time")
                 self.close()
@@ -218,8 +243,8 @@ class AsyncMasterConnection(_Base):
                     self.close()
                     self._move(reply.leader)
                     continue
-                raise StoreRpcError(reply.code, reply.message)
-            return reply
+                raise StoreRpcError(reply.code, reply.message, lost)
+            return reply, lost
 
     def close(self) -> None:
         if self._reader is not None:
