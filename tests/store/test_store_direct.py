@@ -37,3 +37,48 @@ def test_liveness_lock_and_copies_both_ways(tmp_path) -> None:
         mapped.close()
     assert path.read_bytes()[:5] == b"hello"
     assert path.read_bytes()[10:10 + big.nbytes] == big.tobytes()
+
+
+class _Desc:
+    def __init__(self, path: str, size: int) -> None:
+        self.shm_path, self.host_id, self.size = path, "here", size
+
+
+class _Engine:
+    """What `DirectSegments` asks of the transfer engine: transports and segment descriptors."""
+
+    host_id = "here"
+
+    def __init__(self, path: str, size: int) -> None:
+        self.config = type("Cfg", (), {"transports": ("shm", "tcp")})()
+        self.desc = _Desc(path, size)
+
+    def describe(self, segment: str) -> _Desc:
+        return self.desc
+
+
+def test_a_read_ending_past_its_deadline_is_not_trusted(tmp_path) -> None:
+    """A direct read that ends past its deadline (the read lease, less a margin) reports
+    TIMEOUT — the lease may have ended mid-copy and the range hold another value — so the
+    client asks for the replicas again; one within its deadline is DONE."""
+    from yuebing.store.client.direct import LATE_READ, DirectSegments
+    from yuebing.transfer import TransferRequest, TransferStatus
+
+    path = tmp_path / "seg"
+    size = 4 * SMALL_COPY
+    path.write_bytes(bytes(range(256)) * (size // 256))
+    fd = hold_liveness_lock(str(path))
+    direct = DirectSegments(_Engine(str(path), size))  # type: ignore[arg-type]
+    try:
+        for n in (5, 2 * SMALL_COPY):  # memoryview and streamed copies
+            out = bytearray(n)
+            req = TransferRequest(OpCode.READ, memoryview(out), "seg", 256, n)
+            (late,) = direct.copy([req], time.monotonic() - 1e-3)
+            assert late is not None and late.status == TransferStatus.TIMEOUT
+            assert late.error == LATE_READ
+            (ok,) = direct.copy([req], time.monotonic() + 30)
+            assert ok is not None and ok.status == TransferStatus.DONE
+            assert bytes(out) == path.read_bytes()[256:256 + n]
+    finally:
+        direct.close()
+        os.close(fd)

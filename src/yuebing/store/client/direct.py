@@ -12,7 +12,8 @@ fails them and lets the put be revoked and placed elsewhere. Copies use
 `yuebing.transfer.streamcopy.copy` (streaming stores, releases the GIL) above `SMALL_COPY` bytes, memoryview assignment below; a batch of at least
 `PARALLEL_MIN` bytes is split over a few copy threads. Writes are fenced like the engine's: none
 starts after the put's deadline and large ones are copied in pieces with it checked between
-them (`copy_until`); a write cut short ends TIMEOUT and the put is revoked.
+them (`copy_until`); a write cut short ends TIMEOUT and the put is revoked. A read that ends
+past its deadline (the read lease's, less a margin) ends TIMEOUT too: the client asks again.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 SMALL_COPY = 256 << 10
 PARALLEL_MIN = 4 << 20
 """Batches of at least this many bytes are copied by several threads."""
+
+LATE_READ = "read ended past its deadline: its read lease may have ended mid-copy"
 
 
 def hold_liveness_lock(path: str) -> int:
@@ -122,7 +125,9 @@ class DirectSegments:
     def copy(self, reqs: list[TransferRequest], deadline: float) -> list[RequestStatus | None]:
         """Copy every request whose segment is mapped here and whose node is alive, writes
         only until ``deadline`` (``time.monotonic()``); returns each one's status (DONE, or
-        TIMEOUT for a write the deadline cut), None for those left to the transfer engine.
+        TIMEOUT for a write the deadline cut or a read that ended past it — the lease behind a
+        read's deadline may have ended mid-copy, so its bytes are not trusted), None for those
+        left to the transfer engine.
         Requests were built by the store client: contiguous memoryviews, ``length`` set."""
         done: list[RequestStatus | None] = [None] * len(reqs)
         if not self.enabled:
@@ -145,10 +150,16 @@ class DirectSegments:
                 continue  # the engine reports the range error
             jobs.append((r.op, r.local, mapped, r.offset, n))  # type: ignore[arg-type]
             index.append(i)
-        for i, job, copied in zip(index, jobs, self._run(jobs, deadline), strict=True):
+        results = self._run(jobs, deadline)
+        late = time.monotonic() >= deadline
+        for i, job, copied in zip(index, jobs, results, strict=True):
             n = job[4]
-            done[i] = RequestStatus(TransferStatus.DONE, n, n) if copied == n else RequestStatus(
-                TransferStatus.TIMEOUT, copied, n, expired_write(copied, n))
+            if job[0] == OpCode.READ and late:  # e.g. preempted mid-copy past the read lease
+                done[i] = RequestStatus(TransferStatus.TIMEOUT, copied, n, LATE_READ)
+            elif copied == n:
+                done[i] = RequestStatus(TransferStatus.DONE, n, n)
+            else:
+                done[i] = RequestStatus(TransferStatus.TIMEOUT, copied, n, expired_write(copied, n))
         return done
 
     def _run(self, jobs: list[tuple[OpCode, memoryview, _Mapped, int, int]],
