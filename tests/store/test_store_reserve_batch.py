@@ -169,6 +169,9 @@ def test_malformed_batch_commits_are_refused_precisely_and_change_nothing() -> N
                      (bcommit(core, names, ["b0", "b1"], n=-1), "reserve_next"),
                      (core.handle(m.BatchPutStart(client="c", items=items("d0"), reserve_next=-3)),
                       "reserve_next"),
+                     (core.handle(m.BatchPutStart(client="c", items=[], reserve_next=2)),
+                      "at least one item"),
+                     (core.handle(m.BatchPutStart(client="c", items=[])), "at least one item"),
                      (bcommit(core, names[:1], ["b0", "b1"]), "1 reservations for 2 items")):
         assert isinstance(bad, m.Err) and bad.code == C.BAD_REQUEST and why in bad.message, bad
     assert exists(core, "b0", "b1", "d0") == [False] * 3

@@ -135,7 +135,8 @@ class MasterCore:
         return reserve.commit(self, msg)
 
     def batch_put_start(self, msg: m.BatchPutStart) -> Message:
-        problem = reserve.check_reserve_next(msg.reserve_next)
+        problem = reserve.check_reserve_next(msg.reserve_next) or (
+            "" if msg.items else "a batch put needs at least one item")
         if problem:
             return err(C.BAD_REQUEST, problem)
         codes: list[int] = []
