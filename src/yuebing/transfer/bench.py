@@ -227,8 +227,9 @@ def measure_cell(remote: str, transport: str, op: str, size: int, batch: int, la
 
 
 def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
-    """The copy primitive the shared-memory transport uses: memoryview assignment up to
-    `SMALL_COPY`, ``numpy.copyto`` above (see `yuebing.transfer.transport.shm`)."""
+    """The single-thread memcpy reference: memoryview assignment up to `SMALL_COPY`,
+    ``numpy.copyto`` (glibc memcpy) above — the transport's own copies above `SMALL_COPY` use
+    streaming stores (`yuebing.transfer.streamcopy`) where the extension is built."""
     if len(src) <= SMALL_COPY:
         memoryview(dst)[:] = memoryview(src)  # type: ignore[arg-type]
     else:
