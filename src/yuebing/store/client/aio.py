@@ -3,13 +3,15 @@
 Life of a call here: master RPCs share one connection (`AsyncMasterConnection`), so many
 coroutines can put/get concurrently; bytes move through the transfer engine's
 ``submit``/``wait_async``, except same-host ones, copied directly in the loop's thread (`direct`:
-~2 ms for 16 MiB). Puts are two-phase (a failed write revokes and re-places) or, with
-``reserve_ahead``, one RPC for a stream of same-shaped values: a write into a reservation held
-for the shape and a ``put_commit`` (the protocol of `StoreClient.put`, `reserve`). Of puts
-running concurrently, one writes into a held reservation — `HeldReservations.claim` pops it with
-no await in between, and keeps it out of later replies — while the others of that shape go the
-two-phase way. Gets verify checksums, and a heartbeat task keeps the session alive while the
-client is open; ``close`` gives held reservations back.
+~2 ms for 16 MiB). The put side is `aio_puts.AsyncPuts`: puts are two-phase (a failed write
+revokes and re-places) or, with ``reserve_ahead``, one RPC for a stream of same-shaped values (a
+write into a reservation held for the shape and a ``put_commit``); a batch put is the sync
+client's protocol (`batchput`: one ``batch_put_start``, one transfer batch, one
+``batch_put_end``, or one write into n held reservations and one ``batch_put_commit``). Of puts
+and batches running concurrently, one writes into a held reservation — `HeldReservations.claim`
+/ ``claim_many`` pop it with no await in between, and keep it out of later replies — while the
+others of that shape go the two-phase way. Gets verify checksums, and a heartbeat task keeps the
+session alive while the client is open; ``close`` gives held reservations back.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.store import messages as m
 from yuebing.store.client import common as cm
 from yuebing.store.client import reserve as rv
+from yuebing.store.client.aio_puts import AsyncPuts
 from yuebing.store.client.direct import DirectSegments
 from yuebing.store.client.memory import keep_freed_memory, new_buffer
 from yuebing.store.client.rpc import AsyncMasterConnection, StoreRpcError, removed_codes
@@ -35,7 +38,7 @@ log = logging.getLogger(__name__)
 C = m.Code
 
 
-class AsyncStoreClient:
+class AsyncStoreClient(AsyncPuts):
     """Use as ``async with AsyncStoreClient(cfg) as c: await c.put(...)``."""
 
     def __init__(self, cfg: ClientConfig | None = None, engine: TransferEngine | None = None) -> None:
@@ -79,78 +82,6 @@ class AsyncStoreClient:
                 await self.rpc.call(m.Heartbeat(client=self.client_id))
             except StoreError as e:
                 log.warning("heartbeat failed: %s", e)
-
-    async def put(self, key: str, value: object, *, replicas: int | None = None,
-                  strategy: str | None = None, preferred: Sequence[str] | None = None,
-                  hard_pin: bool = False, soft_pin_s: float = 0.0) -> None:
-        """Store ``value`` under ``key``; a failed write is revoked (naming the failed
-        segments, which the master then avoids) and placed again up to ``put_retries`` times.
-        With ``reserve_ahead``, a put of a shape this client holds a reservation for (and no
-        concurrent put claimed first) writes into it and commits with one RPC."""
-        mv = cm.view(value, writable=False)
-        item = cm.put_item(self.cfg, key, mv, replicas, strategy, preferred, hard_pin, soft_pin_s)
-        shape = rv.shape_of(item) if self.cfg.reserve_ahead else None
-        if shape is not None and await self._put_reserved(item, mv, shape):
-            return
-        reserve_next = shape is not None and self._resv.want(shape)
-        for attempt in range(self.cfg.put_retries + 1):
-            sent = time.monotonic()
-            targets = await self.rpc.call(m.PutStart(client=self.client_id, item=item,
-                                                     reserve_next=reserve_next))
-            assert isinstance(targets, m.PutTargets)
-            if shape is not None:
-                self._resv.keep(shape, targets.reservation, sent)
-            failed, blamed, why = await self._write(mv, targets.replicas,
-                                                    cm.write_deadline(sent, targets.expires_in_s))
-            if not failed:
-                await self.rpc.call(m.PutEnd(client=self.client_id, key=key))
-                return
-            await self._revoke([key, *self._resv.touching(failed)], blamed)
-            log.warning("put %s: write to %s failed (attempt %d): %s", key, failed, attempt + 1, why)
-        raise StoreError(f"writing {key!r} failed; put revoked: {why}")
-
-    async def _write(self, mv: memoryview, replicas: list[m.Replica],
-                     deadline: float) -> tuple[list[str], list[str], str]:
-        """Write one value to its replicas by ``deadline``: `cm.write_outcome`."""
-        reqs = cm.writes(mv, replicas)
-        try:
-            return cm.write_outcome(reqs, await self._transfer(reqs, deadline))
-        except (TransferError, InputError) as e:
-            return cm.write_outcome(reqs, e)
-
-    async def _put_reserved(self, item: m.PutItem, mv: memoryview, shape: rv.Shape) -> bool:
-        """`StoreClient._put_reserved`: put ``item`` through the held reservation of its shape
-        (claimed by this coroutine alone), False when there is none usable or the write or
-        commit failed (the caller then puts it the two-phase way)."""
-        held, stale = self._resv.claim(shape, time.monotonic())
-        if stale is not None:  # too little write time left: give it back now
-            await self._revoke([stale], [])
-        if held is None:
-            return False
-        failed, blamed, why = await self._write(mv, held.replicas, held.deadline)
-        if failed:
-            await self._revoke([held.key, *self._resv.touching(failed)], blamed)
-            log.warning("put %s: write into reservation on %s failed: %s", item.key, failed, why)
-            return False
-        sent = time.monotonic()
-        try:
-            r = await self.rpc.call(m.PutCommit(client=self.client_id, reservation=held.key,
-                                                item=item, reserve_next=True))
-        except StoreRpcError as e:
-            self._resv.release(held.key)
-            log.info("put %s: reservation refused (%s); putting it in two phases", item.key, e)
-            return False
-        assert isinstance(r, m.PutCommitted)
-        self._resv.keep(shape, r.reservation, sent)
-        return True
-
-    async def _revoke(self, keys: list[str], failed: list[str]) -> None:
-        try:
-            await self.rpc.call(m.BatchPutRevoke(client=self.client_id, keys=keys, failed=failed))
-        except StoreError as e:  # the master reclaims it as a zombie later
-            log.warning("revoking %d puts failed: %s", len(keys), e)
-
-    put_from = put
 
     async def get_into(self, key: str, buf: object) -> int:
         """Read ``key`` straight into ``buf``; returns the value's size."""
@@ -288,30 +219,6 @@ class AsyncStoreClient:
             except StoreError as e:
                 log.warning("reading %s failed: %s", keys[i], e)
         return again
-
-    async def batch_put(self, keys: Sequence[str], values: Sequence[object], *,
-                        replicas: int | None = None, strategy: str | None = None,
-                        preferred: Sequence[str] | None = None, hard_pin: bool = False,
-                        soft_pin_s: float = 0.0) -> list[int]:
-        """Concurrent puts (one coroutine per key, each as `put`, so a held reservation serves
-        one of them); returns a `Code` per key (0 for OK)."""
-        if len(keys) != len(values):
-            raise InputError(f"{len(keys)} keys but {len(values)} values")
-
-        async def one(k: str, v: object) -> int:
-            try:
-                await self.put(k, v, replicas=replicas, strategy=strategy, preferred=preferred,
-                               hard_pin=hard_pin, soft_pin_s=soft_pin_s)
-                return int(C.OK)
-            except StoreRpcError as e:
-                return int(e.code)
-            except StoreError:
-                return int(C.INTERNAL)
-
-        return list(await asyncio.gather(*(one(k, v) for k, v in zip(keys, values, strict=True))))
-
-    batch_put_from = batch_put
-    """Zero-copy batch put: the engine reads straight from the caller's buffers."""
 
     async def exists(self, key: str) -> bool:
         return (await self.rpc.call(m.Exists(key=key))).values[0]  # type: ignore[attr-defined]

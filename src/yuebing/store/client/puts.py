@@ -18,11 +18,12 @@ from collections.abc import Callable, Sequence
 
 from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.store import messages as m
+from yuebing.store.client import batchput as bp
 from yuebing.store.client import common as cm
 from yuebing.store.client import reserve as rv
 from yuebing.store.client.rpc import MasterConnection, StoreRpcError
 from yuebing.store.config import ClientConfig
-from yuebing.transfer import BatchStatus, TransferStatus
+from yuebing.transfer import BatchStatus
 
 log = logging.getLogger(__name__)
 C = m.Code
@@ -112,106 +113,26 @@ class Puts:
     """Zero-copy put: the engine reads straight from the caller's (registered) buffer."""
 
     def batch_put(self, keys: Sequence[str], values: Sequence[object], **kw: object) -> list[int]:
-        """Put many values with one master round trip per phase; returns a `Code` per key.
-        Keys whose write failed are revoked and put again up to ``put_retries`` times."""
-        if len(keys) != len(values):
-            raise InputError(f"{len(keys)} keys but {len(values)} values")
-        mvs = [cm.view(v, writable=False) for v in values]
-        items = [cm.put_item(self.cfg, k, mv, kw.get("replicas"), kw.get("strategy"),  # type: ignore[arg-type]
-                             kw.get("preferred"), bool(kw.get("hard_pin")),  # type: ignore[arg-type]
-                             float(kw.get("soft_pin_s") or 0.0))  # type: ignore[arg-type]
-                 for k, mv in zip(keys, mvs, strict=True)]
-        codes = [int(C.INTERNAL)] * len(keys)
-        todo = list(range(len(keys)))
-        for _ in range(self.cfg.put_retries + 1):
-            todo = self._batch_put_once(todo, items, mvs, codes)
-            if not todo:
-                break
-        return codes
+        """Put many values with one master round trip per phase (or one in all, through held
+        reservations); returns a `Code` per key. Keys whose write failed are revoked and put
+        again up to ``put_retries`` times. The steps are `batchput.BatchPut`'s."""
+        items, mvs = bp.items_of(self.cfg, keys, values, kw.get("replicas"),  # type: ignore[arg-type]
+                                 kw.get("strategy"), kw.get("preferred"),  # type: ignore[arg-type]
+                                 bool(kw.get("hard_pin")), float(kw.get("soft_pin_s") or 0.0))  # type: ignore[arg-type]
+        steps = bp.BatchPut(self.cfg, self.client_id, self._resv, items, mvs, claim=False).steps()
+        return bp.run(steps, self._do)
 
-    def _batch_put_once(self, todo: list[int], items: list[m.PutItem], mvs: list[memoryview],
-                        codes: list[int]) -> list[int]:
-        """One attempt for the items ``todo``; fills ``codes``, returns those to retry. Items
-        of one shape go through held reservations when there are enough (`_batch_put_reserved`)
-        and ask for the next batch's; the rest are put in two phases."""
-        first = rv.shape_of(items[todo[0]])
-        shape = first if self.cfg.reserve_ahead and len(todo) <= rv.MAX_PER_SHAPE and all(
-            rv.shape_of(items[i]) == first for i in todo[1:]) else None
-        if shape is not None:
-            todo = self._batch_put_reserved(todo, items, mvs, codes, shape)
-            if not todo:
-                return []
-        sent = time.monotonic()
-        reserve_next = len(todo) if shape is not None and self._resv.want(shape) else 0
-        r = self.rpc.call(m.BatchPutStart(client=self.client_id, items=[items[i] for i in todo],
-                                          reserve_next=reserve_next))
-        assert isinstance(r, m.BatchPutTargets)
-        if shape is not None:
-            self._resv.keep_many(shape, r.reservations, sent)
-        deadline = cm.write_deadline(sent, r.expires_in_s)
-        reqs, owner = [], []
-        for i, code, reps in zip(todo, r.codes, r.replicas, strict=True):
-            codes[i] = code
-            if code == C.OK:
-                for req in cm.writes(mvs[i], reps):
-                    reqs.append(req)
-                    owner.append(i)
-        failed: set[int] = set()
-        bad: list[str] = []
-        if reqs:
+    def _do(self, op: bp.Op) -> object:
+        """One operation of a batch put (`batchput.run`)."""
+        if isinstance(op, bp.Call):
+            return self.rpc.call(op.msg)
+        if isinstance(op, bp.Write):
             try:
-                st = self._transfer(reqs, deadline)
-                failed = {owner[j] for j, rs in enumerate(st.requests) if rs.status != TransferStatus.DONE}
-                bad = cm.blamed_segments(reqs, st.requests)
+                return self._transfer(op.reqs, op.deadline)
             except (TransferError, InputError) as e:
-                log.warning("batch put transfer failed: %s", e)
-                failed, bad = set(owner), cm.blamed_segments(reqs, None, e)
-        ok = [i for i in todo if codes[i] == C.OK and i not in failed]
-        if failed:
-            self._revoke([items[i].key for i in sorted(failed)], bad)
-            for i in failed:
-                codes[i] = int(C.INTERNAL)
-        if ok:
-            ends = self.rpc.call(m.BatchPutEnd(client=self.client_id, keys=[items[i].key for i in ok]))
-            for i, c in zip(ok, ends.codes, strict=True):  # type: ignore[attr-defined]
-                codes[i] = c
-        return sorted(failed)
-
-    def _batch_put_reserved(self, todo: list[int], items: list[m.PutItem],
-                            mvs: list[memoryview], codes: list[int], shape: rv.Shape) -> list[int]:
-        """Put the items ``todo`` (one shape) through as many held reservations: one write, one
-        ``batch_put_commit`` (which brings the next batch's). Fills ``codes`` of the items it
-        stored (or found existing); returns the items left to the two-phase way — all of them
-        when too few reservations are held or the write or commit failed."""
-        now = time.monotonic()
-        held, stale = self._resv.take_many(shape, len(todo), now)
-        if stale and any(h.deadline > now for h in stale):  # give back what the master holds
-            self._revoke([h.key for h in stale if h.deadline > now], [])
-        if not held:
-            return todo
-        reqs = [req for i, h in zip(todo, held, strict=True) for req in cm.writes(mvs[i], h.replicas)]
-        failed, bad, why = self._write_all(reqs, min(h.deadline for h in held))
-        if failed:
-            self._revoke([h.key for h in held] + self._resv.touching(failed), bad)
-            log.warning("batch put: write into reservations on %s failed: %s", failed, why)
-            return todo
-        sent = time.monotonic()
-        try:
-            r = self.rpc.call(m.BatchPutCommit(
-                client=self.client_id, reservations=[h.key for h in held],
-                items=[items[i] for i in todo], reserve_next=len(todo)))
-        except StoreRpcError as e:
-            log.info("batch put: reservations refused (%s); putting it in two phases", e)
-            return todo
-        assert isinstance(r, m.BatchPutCommitted)
-        self._resv.keep_many(shape, r.reservations, sent)
-        left = []
-        for i, code in zip(todo, r.codes, strict=True):
-            if code in (C.OK, C.EXISTS):
-                codes[i] = code
-            else:  # its reservation refused it (and stays the master's): two phases
-                left.append(i)
-        return left
+                return e
+        self._revoke(op.keys, op.failed)
+        return None
 
     batch_put_from = batch_put
 

@@ -15,7 +15,8 @@ batch of that shape `take_many`s them and commits with one `BatchPutCommit`, whi
 next n — a list per shape, at most `MAX_PER_CLIENT` in all (the master's caps, mirrored by
 `HeldReservations.keep_many` so the client never writes into a reservation the master dropped).
 
-Concurrent puts (`AsyncStoreClient`: many coroutines, one client) `claim` instead of `take`: the
+Concurrent puts (`AsyncStoreClient`: many coroutines, one client) `claim` instead of `take`
+(`claim_many` instead of `take_many` for a batch): the
 claimed reservation's key stays *busy* (in use, then committed or revoked) so that a reply still
 in flight that carries it — the master answers a `PutStart` with the reservation of the shape it
 has, which may be the one another coroutine is writing into or just committed — is not kept and
@@ -125,8 +126,7 @@ class HeldReservations:
         """`take` for concurrent puts: (the reservation this put alone writes into, or None;
         the key of a stale one to give back now, or None — one past its write expiry the master
         reclaimed already). Either is marked busy, so `keep` ignores later copies of it."""
-        for key in [k for k, t in self.busy.items() if t <= now]:
-            del self.busy[key]
+        self._forget_busy(now)
         held, stale = self.take(shape, now)
         for h in (held, stale):
             if h is not None:
@@ -134,6 +134,21 @@ class HeldReservations:
         if stale is not None and stale.deadline > now:
             return None, stale.key
         return held, None
+
+    def claim_many(self, shape: Shape, n: int, now: float) -> tuple[list[Held], list[str]]:
+        """`take_many` for concurrent batches (`claim`): (the ``n`` reservations this batch
+        alone writes into, or none; the keys of stale ones to give back now — not those past
+        their write expiry, which the master reclaimed already). All of them are marked busy,
+        with no await possible in between (the caller's coroutine runs this synchronously)."""
+        self._forget_busy(now)
+        held, stale = self.take_many(shape, n, now)
+        for h in (*held, *stale):
+            self.busy[h.key] = h.forget_at
+        return held, [h.key for h in stale if h.deadline > now]
+
+    def _forget_busy(self, now: float) -> None:
+        for key in [k for k, t in self.busy.items() if t <= now]:
+            del self.busy[key]
 
     def release(self, key: str) -> None:
         """The master refused the commit into claimed ``key``: nothing was stored in it, and it
