@@ -23,7 +23,8 @@ has, which may be the one another coroutine is writing into or just committed â€
 handed to a second put (which would overwrite the committed value). Each reservation is thus
 written by exactly one put: `claim` pops it and marks it busy with no await in between. A busy
 key is forgotten once any copy of it would be unusable anyway (`Held.forget_at`); a commit the
-master refused `release`s it (the master may hand the same, still empty, reservation out again).
+master refused `release`s it (the master may hand the same, still empty, reservation out again)
+â€” for a batch (`claim_many`), also each one whose item the commit refused (`batchput`).
 """
 
 from __future__ import annotations
