@@ -144,8 +144,8 @@ def write_outcome(reqs: Sequence[TransferRequest],
                   result: BatchStatus | Exception) -> tuple[list[str], list[str], str]:
     """A put's write to its replicas, judged: (segments that failed, those of them to blame
     in the revoke — `blamed_segments` —, why) from the transfer's status, or from the
-    `TransferError`/`InputError` it raised. Used by `AsyncStoreClient._write` (the sync
-    `StoreClient._write` computes the same inline)."""
+    `TransferError`/`InputError` it raised. Used by both clients' single puts (`_write`) and
+    the batch put's write into reservations (`batchput`)."""
     if isinstance(result, Exception):
         return failed_segments(reqs, None), blamed_segments(reqs, None, result), str(result)
     return (failed_segments(reqs, result.requests), blamed_segments(reqs, result.requests),

@@ -70,18 +70,17 @@ class Puts:
 
     def _write(self, mv: memoryview, replicas: list[m.Replica],
                deadline: float) -> tuple[list[str], list[str], str]:
-        """Write one value to its replicas by ``deadline`` (`_write_all`)."""
-        return self._write_all(cm.writes(mv, replicas), deadline)
+        """Write one value to its replicas by ``deadline``: `cm.write_outcome`."""
+        reqs = cm.writes(mv, replicas)
+        return cm.write_outcome(reqs, self._write_batch(reqs, deadline))
 
-    def _write_all(self, reqs: list, deadline: float) -> tuple[list[str], list[str], str]:
-        """Do the writes ``reqs`` by ``deadline``: (segments that failed, those of them to
-        blame in the revoke — `cm.blamed_segments` —, why)."""
+    def _write_batch(self, reqs: list, deadline: float) -> BatchStatus | Exception:
+        """The transfer of the writes ``reqs`` by ``deadline``: its status, or the
+        `TransferError`/`InputError` it raised."""
         try:
-            st = self._transfer(reqs, deadline)
-            return (cm.failed_segments(reqs, st.requests), cm.blamed_segments(reqs, st.requests),
-                    "; ".join(st.errors))
+            return self._transfer(reqs, deadline)
         except (TransferError, InputError) as e:
-            return cm.failed_segments(reqs, None), cm.blamed_segments(reqs, None, e), str(e)
+            return e
 
     def _put_reserved(self, item: m.PutItem, mv: memoryview, shape: rv.Shape) -> bool:
         """Put ``item`` through the held reservation of its shape: write into it, then one
@@ -127,10 +126,7 @@ class Puts:
         if isinstance(op, bp.Call):
             return self.rpc.call(op.msg)
         if isinstance(op, bp.Write):
-            try:
-                return self._transfer(op.reqs, op.deadline)
-            except (TransferError, InputError) as e:
-                return e
+            return self._write_batch(op.reqs, op.deadline)
         self._revoke(op.keys, op.failed)
         return None
 
