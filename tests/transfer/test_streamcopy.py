@@ -40,6 +40,16 @@ def test_copies_exactly_the_range(mode, n, dst_off, src_off):
     assert (dst[:dst_off] == 0xAB).all() and (dst[dst_off + n:] == 0xAB).all()
 
 
+@pytest.mark.parametrize("shift", [-(4096 + 5), -1, 1, 33, 4096 + 5])
+def test_overlapping_views_copy_like_memmove(mode, shift):
+    n, at = (1 << 20) + 17, 8192
+    buf = np.random.default_rng(abs(shift)).integers(0, 256, n + 2 * at, dtype=np.uint8)
+    expect = buf.copy()
+    expect[at + shift:at + shift + n] = buf[at:at + n].copy()
+    streamcopy.copy(buf[at + shift:at + shift + n], buf[at:at + n])
+    assert np.array_equal(buf, expect)
+
+
 def test_native_copy_refuses_bad_buffers():
     if not streamcopy.BUILT:
         pytest.skip("extension not built")

@@ -9,6 +9,8 @@
  * overlap. On CPUs without SSE2 (not x86-64) it is a memcpy without the GIL.
  *
  * copy(dst, src) -> None: dst a writable, src any C-contiguous buffer of the same length.
+ * Overlapping ranges (views of one buffer) are copied with memmove, as numpy.copyto would: a
+ * forward streaming copy would read bytes it had already overwritten.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -46,6 +48,13 @@ static void stream_copy(char *dst, const char *src, size_t n) { memcpy(dst, src,
 #define STREAMING 0
 #endif
 
+/* whether [a, a + n) and [b, b + n) share a byte */
+static int overlaps(const char *a, const char *b, size_t n)
+{
+    uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return n > 0 && (x < y ? y - x < n : x - y < n);
+}
+
 static PyObject *copy(PyObject *self, PyObject *args)
 {
     Py_buffer d, s;
@@ -60,7 +69,10 @@ static PyObject *copy(PyObject *self, PyObject *args)
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    stream_copy((char *)d.buf, (const char *)s.buf, (size_t)d.len);
+    if (overlaps((const char *)d.buf, (const char *)s.buf, (size_t)d.len))
+        memmove(d.buf, s.buf, (size_t)d.len);
+    else
+        stream_copy((char *)d.buf, (const char *)s.buf, (size_t)d.len);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&d);
     PyBuffer_Release(&s);
