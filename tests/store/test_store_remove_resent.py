@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 
 import pytest
 
@@ -30,6 +31,7 @@ class WireMaster:
 
     def __init__(self, drop: int = 0, not_leader: int = 0) -> None:
         self.drop, self.not_leader = drop, not_leader
+        self.hangup = False  # close each connection after its reply (a master restarting idle)
         self.seen: list[m.Message] = []
         self.srv = socket.create_server(("127.0.0.1", 0))
         self.address = f"tcp://127.0.0.1:{self.srv.getsockname()[1]}"
@@ -63,6 +65,8 @@ class WireMaster:
                     reply = m.Err(code=C.NOT_FOUND, message="no such key")
                 body = encode(reply)
                 conn.sendall(HEADER.pack(len(body), rid) + body)
+                if self.hangup:
+                    return
 
     def close(self) -> None:
         self.srv.close()
@@ -84,6 +88,43 @@ def test_call_tracked_reports_a_lost_reply_only(drop, not_leader, resent):
     assert lost is False and reply.codes == [C.NOT_FOUND]  # type: ignore[attr-defined]
     c.close()
     master.close()
+
+
+def test_a_connection_closed_while_idle_is_not_a_lost_try():
+    """The master closed the connection between two calls (it restarted, say): the next
+    request never reached it, so it is sent on a new connection and not counted as resent."""
+    master = WireMaster()
+    master.hangup = True
+    c = conn(master)
+    for _ in range(2):
+        with pytest.raises(StoreRpcError) as e:
+            c.call_tracked(m.Remove(key="k", force=False))
+        assert e.value.code == C.NOT_FOUND and e.value.resent is False
+        time.sleep(0.05)  # the close has arrived
+    assert len(master.seen) == 2
+    c.close()
+    master.close()
+
+
+def test_async_a_connection_closed_while_idle_is_not_a_lost_try():
+    """As above for `AsyncMasterConnection`, which also must not wait out ``timeout_s`` for a
+    reply on a connection its reader saw closed."""
+    async def run() -> None:
+        master = WireMaster()
+        master.hangup = True
+        c = AsyncMasterConnection([master.address], timeout_s=2.0, failover_s=5.0)
+        for _ in range(2):
+            t0 = time.monotonic()
+            with pytest.raises(StoreRpcError) as e:
+                await c.call_tracked(m.Remove(key="k", force=False))
+            assert e.value.code == C.NOT_FOUND and e.value.resent is False
+            assert time.monotonic() - t0 < 1.0
+            await asyncio.sleep(0.05)
+        assert len(master.seen) == 2
+        c.close()
+        master.close()
+
+    asyncio.run(run())
 
 
 def client(master: WireMaster) -> StoreClient:

@@ -235,6 +235,10 @@ class FrameSocket:
     def send(self, rid: int, payload: bytes) -> None:
         self.sock.sendall(HEADER.pack(len(payload), rid) + payload)
 
+    def ready(self) -> bool:
+        """Whether a frame, or the peer's close, can be taken now without waiting (one poll)."""
+        return bool(self.pending) or bool(self._poll.poll(0))
+
     def recv(self, timeout_s: float) -> tuple[int, bytes] | None:
         """The next frame, or None after ``timeout_s`` (0: only what has already arrived —
         one non-blocking read); raises OSError if the peer closed."""

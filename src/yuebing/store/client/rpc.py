@@ -96,7 +96,7 @@ class MasterConnection(_Base):
         while True:
             rid, sent = next(self._ids), False
             try:
-                sock = self.sock or self._connect()
+                sock = self._open_socket()
                 sent = True
                 sock.send(rid, payload)
                 reply = self._wait(sock, rid)
@@ -121,6 +121,21 @@ class MasterConnection(_Base):
                     continue
                 raise StoreRpcError(reply.code, reply.message, lost)
             return reply, lost
+
+    def _open_socket(self) -> FrameSocket:
+        """The connection to send on: the open one unless the master closed it while it was
+        idle (frames that arrived meanwhile are taken first: pushes handed on, late replies
+        dropped), else a new one — so a request sent into a connection already closed is not
+        counted as a lost try (it never reached the master)."""
+        if self.sock is not None and self.sock.ready():
+            try:
+                while (got := self.sock.recv(0.0)) is not None:
+                    if got[0] == 0:
+                        self._push(got[1])
+                self.sock.sock.settimeout(self.timeout_s)  # recv(0.0) left it non-blocking
+            except OSError:
+                self.close()
+        return self.sock or self._connect()
 
     def _wait(self, sock: FrameSocket, rid: int) -> Message | None:
         end = time.monotonic() + self.timeout_s
@@ -185,10 +200,13 @@ class AsyncMasterConnection(_Base):
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
                                                 self.timeout_s)
         self._writer = writer
-        self._reader = asyncio.get_running_loop().create_task(self._read(reader))
+        self._reader = asyncio.get_running_loop().create_task(self._read(reader, writer))
         return writer
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
+    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Hand each reply to its waiting call; when the master closes the connection, fail
+        the calls waiting on it and drop it, so the next call opens a new one (not sending
+        into a closed one and waiting out ``timeout_s``, counted as a lost try)."""
         try:
             while True:
                 head = await reader.readexactly(HEADER.size)
@@ -205,6 +223,9 @@ class AsyncMasterConnection(_Base):
                 if not fut.done():
                     fut.set_exception(ConnectionError(f"master connection lost: {e}"))
             self._waiters.clear()
+            if self._writer is writer:
+                self._writer, self._reader = None, None
+                writer.close()
 
     async def call(self, msg: Message) -> Message:
         """Send ``msg`` and return the reply; `StoreRpcError` for an `Err` reply."""
