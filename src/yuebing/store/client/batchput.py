@@ -161,9 +161,8 @@ class BatchPut:
         """``n`` held reservations of ``shape`` for this batch alone (or none) and the keys
         of stale ones to revoke now (`take_many`, or `claim_many` for concurrent batches)."""
         now = time.monotonic()
-        if self.claim:
-            return self.resv.claim_many(shape, n, now)
-        held, stale = self.resv.take_many(shape, n, now)
+        take = self.resv.claim_many if self.claim else self.resv.take_many
+        held, stale = take(shape, n, now)
         return held, [h.key for h in stale if h.deadline > now]  # past it, the master did
 
     def _reserved(self, todo: list[int], shape: rv.Shape) -> Generator[Op, Any, list[int]]:

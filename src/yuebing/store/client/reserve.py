@@ -136,16 +136,15 @@ class HeldReservations:
             return None, stale.key
         return held, None
 
-    def claim_many(self, shape: Shape, n: int, now: float) -> tuple[list[Held], list[str]]:
-        """`take_many` for concurrent batches (`claim`): (the ``n`` reservations this batch
-        alone writes into, or none; the keys of stale ones to give back now — not those past
-        their write expiry, which the master reclaimed already). All of them are marked busy,
-        with no await possible in between (the caller's coroutine runs this synchronously)."""
+    def claim_many(self, shape: Shape, n: int, now: float) -> tuple[list[Held], list[Held]]:
+        """`take_many` for concurrent batches (`claim`): the same pair, every one of them
+        marked busy with no await possible in between (the caller's coroutine runs this
+        synchronously)."""
         self._forget_busy(now)
         held, stale = self.take_many(shape, n, now)
         for h in (*held, *stale):
             self.busy[h.key] = h.forget_at
-        return held, [h.key for h in stale if h.deadline > now]
+        return held, stale
 
     def _forget_busy(self, now: float) -> None:
         for key in [k for k, t in self.busy.items() if t <= now]:
