@@ -1,0 +1,223 @@
+"""`InstanceClient`: the Conductor's asyncio connection to one instance's control server.
+
+One zmq DEALER per instance. Calls (`subscribe`, `submit`, `reserve`, `cancel`, `ping`,
+`fetch_prefix`) send a request with a fresh ``seq`` and await the reply with that ``seq``
+(`Ack`, `Hello`, `Reserved`, `Fetched`; an `ErrorReply` raises `InstanceError`). Pushed
+messages are routed by a reader task: `LoadReport`s to ``on_report``, `TaskEvent`s to the
+queue of their request (`events(request_id)`), created by `submit`/`reserve` before the
+request is sent so no event is lost. If the instance goes silent, calls time out
+(`InstanceUnavailable`); the Conductor's liveness check (no report for the heartbeat timeout)
+decides when it is dead. Used by `yuebing.conductor`, `yuebing bench instance` and tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from yuebing.core.errors import YuebingError
+from yuebing.protocol import Message, ProtocolError, decode, encode
+from yuebing.protocol.instance import (
+    Ack,
+    Cancel,
+    ErrorCode,
+    ErrorReply,
+    EventKind,
+    Fetched,
+    FetchPrefix,
+    Hello,
+    LoadReport,
+    Ping,
+    Reserve,
+    Reserved,
+    Sampling,
+    SubmitTask,
+    Subscribe,
+    TaskEvent,
+)
+
+log = logging.getLogger(__name__)
+
+
+class InstanceError(YuebingError):
+    """The instance refused a request (``code`` says why)."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class InstanceUnavailable(YuebingError):
+    """No reply from the instance in time (dead, hung or unreachable)."""
+
+
+class InstanceClient:
+    """Asyncio client of one instance (create inside the event loop that uses it)."""
+
+    def __init__(self, address: str, timeout_s: float = 5.0,
+                 on_report: Callable[[LoadReport], None] | None = None,
+                 ctx: zmq.asyncio.Context | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.on_report = on_report
+        self.hello: Hello | None = None
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._seq = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self._events: dict[str, asyncio.Queue[TaskEvent]] = {}
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self.closed = False
+
+    # ------------------------------------------------------------------ calls
+
+    async def _call(self, make: Callable[[int], Message], expect: type[Message],
+                    timeout_s: float | None = None) -> Message:
+        if self.closed:
+            raise InstanceUnavailable(f"client of {self.address} is closed")
+        seq = next(self._seq)
+        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._pending[seq] = fut
+        try:
+            await self._sock.send(encode(make(seq)))
+            reply = await asyncio.wait_for(fut, timeout_s or self.timeout_s)
+        except TimeoutError:
+            raise InstanceUnavailable(f"instance at {self.address} did not answer in "
+                                      f"{timeout_s or self.timeout_s:.1f} s") from None
+        finally:
+            self._pending.pop(seq, None)
+        if isinstance(reply, ErrorReply):
+            raise InstanceError(reply.code, reply.message)
+        if not isinstance(reply, expect):
+            raise InstanceError(ErrorCode.INTERNAL,
+                                f"expected {expect.__name__}, got {type(reply).__name__}")
+        return reply
+
+    async def subscribe(self, conductor: str = "") -> Hello:
+        """Start receiving load reports and learn who the instance is."""
+        hello = await self._call(lambda s: Subscribe(seq=s, conductor=conductor), Hello)
+        assert isinstance(hello, Hello)
+        self.hello = hello
+        return hello
+
+    async def ping(self, timeout_s: float | None = None) -> None:
+        await self._call(lambda s: Ping(seq=s), Ack, timeout_s)
+
+    async def submit(self, task: SubmitTask) -> None:
+        """Queue a task; its events arrive on `events(task.request_id)`."""
+        self._open_events(task.request_id)
+        try:
+            await self._call(lambda s: _with_seq(task, s), Ack)
+        except BaseException:
+            self._events.pop(task.request_id, None)
+            raise
+
+    async def reserve(self, request_id: str, token_ids: list[int], sampling: Sampling,
+                      timeout_s: float = 30.0) -> Reserved:
+        """Decode side: hold KV blocks for the prompt; its events arrive on `events`."""
+        self._open_events(request_id)
+        try:
+            r = await self._call(lambda s: Reserve(
+                seq=s, request_id=request_id, prompt_tokens=len(token_ids), sampling=sampling,
+                token_ids=list(token_ids), timeout_s=timeout_s), Reserved)
+        except BaseException:
+            self._events.pop(request_id, None)
+            raise
+        assert isinstance(r, Reserved)
+        return r
+
+    async def cancel(self, request_id: str) -> bool:
+        """Cancel a task or reservation; False when the instance did not know it."""
+        self._events.pop(request_id, None)
+        try:
+            await self._call(lambda s: Cancel(seq=s, request_id=request_id), Ack)
+        except InstanceError as e:
+            if e.code == ErrorCode.UNKNOWN_TASK:
+                return False
+            raise
+        return True
+
+    async def fetch_prefix(self, msg: FetchPrefix, timeout_s: float | None = None) -> int:
+        r = await self._call(lambda s: _with_seq(msg, s), Fetched, timeout_s)
+        assert isinstance(r, Fetched)
+        return r.blocks
+
+    # ------------------------------------------------------------------ events
+
+    def _open_events(self, request_id: str) -> None:
+        if request_id in self._events:
+            raise InstanceError(ErrorCode.DUPLICATE, f"request {request_id!r} is in flight")
+        self._events[request_id] = asyncio.Queue()
+
+    async def events(self, request_id: str) -> AsyncIterator[TaskEvent]:
+        """The task's events up to and including FINISH or ERROR."""
+        q = self._events.get(request_id)
+        if q is None:
+            raise InstanceError(ErrorCode.UNKNOWN_TASK, f"no task {request_id!r} here")
+        try:
+            while True:
+                ev = await q.get()
+                yield ev
+                if ev.kind >= EventKind.FINISH:
+                    return
+        finally:
+            self._events.pop(request_id, None)
+
+    def fail_all(self, reason: str) -> None:
+        """End every open event stream with an ERROR (the instance is gone)."""
+        for rid, q in list(self._events.items()):
+            q.put_nowait(TaskEvent(request_id=rid, kind=EventKind.ERROR,
+                                   error_code=ErrorCode.INTERNAL, error=reason))
+
+    # ------------------------------------------------------------------ reader
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                frame = await self._sock.recv()
+            except (asyncio.CancelledError, zmq.ZMQError):
+                return
+            try:
+                msg = decode(frame)
+            except ProtocolError as e:
+                log.warning("bad frame from %s: %s", self.address, e)
+                continue
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, TaskEvent):
+            q = self._events.get(msg.request_id)
+            if q is not None:
+                q.put_nowait(msg)
+        elif isinstance(msg, LoadReport):
+            if self.on_report is not None:
+                self.on_report(msg)
+        elif isinstance(msg, Hello | Ack | Reserved | Fetched | ErrorReply):
+            fut = self._pending.get(msg.seq)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        else:
+            log.warning("unexpected %s from %s", type(msg).__name__, self.address)
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+        self._sock.close(0)
+
+
+def _with_seq(msg: Message, seq: int) -> Message:
+    return msgspec.structs.replace(msg, seq=seq)

@@ -1,0 +1,313 @@
+"""Control-plane messages between the Conductor and serving instances (prefill/decode/coupled).
+
+Transport: one zmq ROUTER socket per instance (``tcp://host:port``); each Conductor connects one
+DEALER. Every frame is one `encode`d message. Requests from the Conductor carry ``seq``; the
+instance answers each with `Ack` or `ErrorReply` echoing that ``seq``. After `Subscribe` the
+instance pushes `LoadReport`s (at ``report_hz`` and on change) and the `TaskEvent`s of every
+task that connection submitted to that same DEALER. Bytes of KV never travel here: they move
+instance→instance through the transfer engine, and a prefill tells its decode target that the
+KV has landed with a transfer-engine notification carrying `KvReady`.
+
+A disaggregated request (who sends what):
+
+1. Conductor → decode: `Reserve` (prompt length, max tokens). The decode instance allocates
+   KV blocks for the prompt and answers `Reserved` (its KV segment, layout, block ids) or
+   `ErrorReply(code=NO_KV)` before any prefill work starts.
+2. Conductor → prefill: `SubmitTask(mode=PREFILL, prefix=PrefixPlan, decode=DecodeTarget)`.
+   The prefill loads the prefix, computes the rest, writes each layer's KV into the decode's
+   reserved blocks while later layers compute, then notifies the decode (`KvReady`, carrying the
+   first token) and emits `TaskEvent(FIRST_TOKEN)`, then saves new store blocks.
+3. The decode adds the request to its batch and emits `TaskEvent(TOKENS…, FINISH)` to the
+   Conductor connection that reserved it.
+
+`Cancel` ends a task or reservation anywhere in that life and frees its blocks.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from yuebing.protocol.codec import Message, register_message
+
+
+class Role(IntEnum):
+    PREFILL = 0
+    DECODE = 1
+    COUPLED = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class TaskMode(IntEnum):
+    """What an instance does with a submitted task."""
+
+    PREFILL = 0
+    """Prefill only: first token, KV streamed to ``decode``, new blocks saved."""
+    COUPLED = 1
+    """Prefill and decode here (the baseline; also a decode-less fallback)."""
+
+
+class ErrorCode(IntEnum):
+    BAD_REQUEST = 1
+    """Malformed or invalid message; nothing changed."""
+    NO_KV = 2
+    """Not enough free KV blocks now (retry later or elsewhere)."""
+    UNKNOWN_TASK = 3
+    DUPLICATE = 4
+    """A task or reservation with that request id exists."""
+    OVERLOADED = 5
+    INTERNAL = 6
+    TRANSFER = 7
+    """KV could not be moved to / from a peer."""
+    CANCELLED = 8
+    SHUTTING_DOWN = 9
+
+
+class EventKind(IntEnum):
+    """Ordered phases of a task's event stream."""
+
+    FIRST_TOKEN = 0
+    TOKENS = 1
+    FINISH = 2
+    ERROR = 3
+
+
+class Sampling(Message, tag="inst.sampling"):
+    """Sampling parameters as sent on the wire (validated again by the engine)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+class PrefixPlan(Message, tag="inst.prefix_plan"):
+    """Which leading tokens of the prompt to reuse instead of computing, and from where.
+
+    ``source`` is ``"local"`` (this instance's own prefix cache), ``"store"`` (the KV pool) or
+    ``"peer"`` (another instance's cache, named by ``peer``; Algorithm 1's transfer, which
+    also replicates hot blocks here). Loading fewer tokens than planned (evicted meanwhile, a
+    fingerprint mismatch) is never an error: the rest is computed.
+    """
+
+    tokens: int = 0
+    source: str = "local"
+    peer: str = ""
+    peer_address: str = ""
+
+
+class KvLayout(Message, tag="inst.kv_layout"):
+    """Geometry of a KV pool laid out ``[layers, 2, num_blocks, kv_heads, block_size, hd]``.
+
+    A prefill writes layer ``l``, K/V ``k``, block ``b`` at byte offset
+    ``((l * 2 + k) * num_blocks + b) * chunk_bytes`` of the segment.
+    """
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    chunk_bytes: int
+    fingerprint: str
+    """KV fingerprint: prefill and decode must compute identical KV bytes."""
+
+
+class DecodeTarget(Message, tag="inst.decode_target"):
+    """Where a prefill writes the KV: the decode's reserved blocks (from `Reserved`)."""
+
+    instance_id: str
+    segment: str
+    """Transfer-engine segment of the decode's KV pool."""
+    blocks: list[int]
+    layout: KvLayout
+
+
+# --------------------------------------------------------------- Conductor -> instance
+
+
+@register_message
+class Subscribe(Message, tag="inst.subscribe"):
+    """Start pushing `LoadReport`s to this connection (answered with `Hello`)."""
+
+    seq: int
+    conductor: str = ""
+
+
+@register_message
+class SubmitTask(Message, tag="inst.submit"):
+    seq: int
+    request_id: str
+    token_ids: list[int]
+    sampling: Sampling
+    mode: TaskMode = TaskMode.COUPLED
+    prefix: PrefixPlan | None = None
+    decode: DecodeTarget | None = None
+
+
+@register_message
+class Reserve(Message, tag="inst.reserve"):
+    """Decode side: hold blocks for ``prompt_tokens`` tokens of a request before its prefill."""
+
+    seq: int
+    request_id: str
+    prompt_tokens: int
+    sampling: Sampling
+    token_ids: list[int] = []
+    """The prompt (the decode instance needs it for detokenizing and stop strings)."""
+    timeout_s: float = 30.0
+    """The reservation is dropped if no KV arrives within this time."""
+
+
+@register_message
+class Cancel(Message, tag="inst.cancel"):
+    seq: int
+    request_id: str
+
+
+@register_message
+class Ping(Message, tag="inst.ping"):
+    seq: int
+
+
+@register_message
+class FetchPrefix(Message, tag="inst.fetch_prefix"):
+    """Instance → peer instance: write the KV of the longest cached prefix of ``token_ids``
+    (at most ``max_tokens`` tokens, whole engine blocks) into ``segment`` at ``offset`` as
+    contiguous blocks ``[n, layers, 2, kv_heads, bs, hd]``; answered with `Fetched`."""
+
+    seq: int
+    token_ids: list[int]
+    max_tokens: int
+    segment: str
+    offset: int
+    capacity_bytes: int
+    fingerprint: str
+
+
+# --------------------------------------------------------------- instance -> Conductor
+
+
+@register_message
+class Hello(Message, tag="inst.hello"):
+    """Who this instance is (answer to `Subscribe`, and in etcd for discovery)."""
+
+    seq: int
+    instance_id: str
+    role: Role
+    model: str
+    fingerprint: str
+    host: str
+    control_address: str
+    kv_segment: str
+    block_size: int
+    store_block_tokens: int
+    num_blocks: int
+    max_model_len: int
+    incarnation: str
+    """Changes on every start: a Conductor seeing a new one forgets the old one's tasks."""
+
+
+@register_message
+class Ack(Message, tag="inst.ack"):
+    seq: int
+
+
+@register_message
+class Reserved(Message, tag="inst.reserved"):
+    seq: int
+    target: DecodeTarget
+
+
+@register_message
+class Fetched(Message, tag="inst.fetched"):
+    seq: int
+    blocks: int
+    """Whole engine blocks written (0: nothing cached)."""
+
+
+@register_message
+class ErrorReply(Message, tag="inst.error"):
+    seq: int
+    code: ErrorCode
+    message: str
+
+
+@register_message
+class Breakdown(Message, tag="inst.breakdown"):
+    """Where a task's time went, seconds (filled by the instance that did the work)."""
+
+    queue_s: float = 0.0
+    prefix_load_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    """From the end of the prefill's last layer to the KV being complete at the decode."""
+    decode_wait_s: float = 0.0
+    """From the KV being complete to the first decode step."""
+
+
+@register_message
+class TaskEvent(Message, tag="inst.event"):
+    """Progress of one task. ``time_s`` is the instance's wall clock (time.time())."""
+
+    request_id: str
+    kind: EventKind
+    token_ids: list[int] = []
+    token_times: list[float] = []
+    text: str = ""
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+    error_code: ErrorCode | None = None
+    error: str = ""
+    breakdown: Breakdown | None = None
+    time_s: float = 0.0
+
+
+@register_message
+class LoadReport(Message, tag="inst.load"):
+    """Load and cache changes, pushed at ``report_hz`` and on change."""
+
+    instance_id: str
+    incarnation: str
+    report_seq: int
+    time_s: float
+    queued_prefill_tokens: int
+    queued_requests: int
+    running: int
+    waiting: int
+    context_tokens: int
+    free_blocks: int
+    total_blocks: int
+    reserved_blocks: int
+    prefill_tokens_per_s: float
+    decode_step_s: float
+    cache_added: list[int] = []
+    """Store-block keys now in this instance's local prefix cache."""
+    cache_removed: list[int] = []
+    cache_full_resync: bool = False
+    """``cache_added`` is the whole cache (first report or after a gap): replace, not merge."""
+
+
+@register_message
+class KvReady(Message, tag="inst.kv_ready"):
+    """Prefill → decode (transfer notification): the KV of ``num_tokens`` tokens is in the
+    reserved blocks; decoding continues from ``first_token``."""
+
+    request_id: str
+    num_tokens: int
+    first_token: int
+    first_token_time_s: float
+    prefill_end_s: float
+    cached_tokens: int = 0
+    ok: bool = True
+    error: str = ""
+
+
+ControlRequest = Subscribe | SubmitTask | Reserve | Cancel | Ping | FetchPrefix
+ControlReply = Hello | Ack | Reserved | Fetched | ErrorReply
