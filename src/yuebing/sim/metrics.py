@@ -9,7 +9,8 @@ Definitions (pinned by tests):
 
 - TTFT = first token time − arrival. TBT (paper definition) = mean of the longest
   ``ceil(10 %)`` of the request's token intervals; we also keep P90 and the plain mean. A
-  request with one output token has no interval and TBT 0.
+  request with one output token has no interval and TBT 0. `tbt_summary`, the latency stats
+  and the paper's thresholds live in `yuebing.trace.latency`, shared with the live bench.
 - A request *meets the SLO* at threshold ``x`` when it was not rejected, TTFT ≤ ``ttft_slo_s``
   (30 s) and TBT ≤ ``x``. Effective request capacity = requests meeting the SLO / all requests
   (rejected ones included, counting as misses).
@@ -24,11 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from yuebing.conductor.policy.types import RejectStage
+from yuebing.trace.latency import TBT_THRESHOLDS_S, TTFT_SLO_S, tbt_summary
+from yuebing.trace.latency import latency_stats as _stats
 
-TTFT_SLO_S = 30.0
-"""Paper §5: TTFT threshold of the effective request capacity."""
-TBT_THRESHOLDS_S = (0.1, 0.2, 0.3)
-"""Paper Figure 1: TBT thresholds 100/200/300 ms."""
+__all__ = ["TBT_THRESHOLDS_S", "TTFT_SLO_S", "RequestRecord", "capacity_curve",
+           "effective_capacity", "summarize", "tbt_summary"]
 
 
 @dataclass(slots=True)
@@ -98,23 +99,6 @@ class RequestRecord:
         self.tbt_s, self.tbt_p90_s, self.tbt_mean_s = tbt, p90, mean
 
 
-def tbt_summary(intervals: Sequence[float] | np.ndarray) -> tuple[float, float, float]:
-    """(mean of the longest ceil(10 %) intervals, P90, mean); all 0 for no intervals.
-
-    P90 is the linearly interpolated 90th percentile (numpy's default method).
-    """
-    x = np.sort(np.asarray(intervals, dtype=float))
-    n = x.size
-    if n == 0:
-        return 0.0, 0.0, 0.0
-    k = math.ceil(n / 10)
-    pos = 0.9 * (n - 1)
-    lo = int(pos)
-    hi = min(lo + 1, n - 1)
-    p90 = float(x[lo] + (x[hi] - x[lo]) * (pos - lo))
-    return float(x[n - k:].mean()), p90, float(x.mean())
-
-
 def effective_capacity(records: Sequence[RequestRecord], tbt_threshold_s: float,
                        ttft_slo_s: float = TTFT_SLO_S) -> float:
     """Share of ``records`` meeting TTFT ≤ ``ttft_slo_s`` and TBT ≤ ``tbt_threshold_s``."""
@@ -128,13 +112,6 @@ def capacity_curve(records: Sequence[RequestRecord], thresholds_s: Iterable[floa
                    ttft_slo_s: float = TTFT_SLO_S) -> list[tuple[float, float]]:
     """Effective capacity at each TBT threshold: [(threshold_s, share), ...]."""
     return [(t, effective_capacity(records, t, ttft_slo_s)) for t in thresholds_s]
-
-
-def _stats(values: np.ndarray) -> dict[str, float]:
-    if values.size == 0:
-        return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
-    p50, p90, p99 = np.percentile(values, [50, 90, 99])
-    return {"mean": float(values.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
 def summarize(records: Sequence[RequestRecord]) -> dict[str, object]:
