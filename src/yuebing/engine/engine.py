@@ -12,6 +12,7 @@ layer through `add_layer_hook`).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 from collections.abc import Callable, Iterator
@@ -48,6 +49,15 @@ from yuebing.engine.weights import LoadedWeights, load_weights
 log = logging.getLogger(__name__)
 
 
+def kv_fingerprint(weights_fingerprint: str, dtype: torch.dtype,
+                   block_shape: tuple[int, ...]) -> str:
+    """``model:digest`` of everything that makes KV bytes differ between two engines."""
+    name = weights_fingerprint.split(":", 1)[0]
+    digest = hashlib.blake2b(repr((weights_fingerprint, str(dtype), block_shape)).encode(),
+                             digest_size=8).hexdigest()
+    return f"{name}:{digest}"
+
+
 class LLMEngine:
     """Continuous-batching LLaMA-family engine over a paged KV cache."""
 
@@ -56,7 +66,7 @@ class LLMEngine:
         self.device, self.dtype = runtime.setup(config)
         w = weights if weights is not None else load_weights(config.model, config.weights_seed)
         self.model_config = mc = w.config
-        self.fingerprint = w.fingerprint
+        self.weights_fingerprint = w.fingerprint
         self.tokenizer = tokenizer_from_source(w.tokenizer_source)
         self.eos_token_ids = frozenset(w.eos_token_ids)
         self.model = LlamaModel(mc, w.tensors, self.dtype, self.device,
@@ -66,6 +76,9 @@ class LLMEngine:
         nb = config.num_blocks or max(
             1, config.kv_cache_bytes // KVPool.bytes_per_block(mc, bs, self.dtype))
         self.pool = KVPool(mc, nb, bs, self.dtype, self.device)
+        self.fingerprint = kv_fingerprint(w.fingerprint, self.dtype, self.pool.block_shape)
+        """Names the KV bytes this engine computes: weights' content, dtype, block geometry.
+        KV is exchanged (store, peers) only between engines with equal fingerprints."""
         # a sequence must fit the pool alone, else preempting it could never make room
         self._too_long_hint = "shorten the prompt"
         if nb * bs < self.max_model_len:

@@ -108,10 +108,17 @@ def export_prefix(engine: LLMEngine, token_ids: Seq[int]) -> tuple[list[BlockHas
 
 
 def import_prefix(engine: LLMEngine, token_ids: Seq[int], data: torch.Tensor,
-                  fingerprint: str | None = None) -> int:
+                  fingerprint: str) -> int:
     """Insert the KV of the first ``len(data)`` full blocks of ``token_ids`` into the prefix
-    cache (e.g. loaded from the store); returns how many blocks were new."""
-    _check(engine, fingerprint or engine.fingerprint, engine.block_size)
+    cache (e.g. loaded from the store); returns how many blocks were new.
+
+    ``fingerprint`` is the KV fingerprint of the engine that computed ``data``; it must equal
+    this engine's (`InputError` otherwise, and when it is missing: KV of unknown origin is
+    never accepted)."""
+    if not isinstance(fingerprint, str) or not fingerprint:
+        raise InputError("import_prefix needs the fingerprint of the engine that computed the "
+                         "KV; KV of unknown origin is refused")
+    _check(engine, fingerprint, engine.block_size)
     ids = list(token_ids)
     keys = engine.block_keys(ids)
     if data.shape[0] > len(keys) or tuple(data.shape[1:]) != engine.pool.block_shape:

@@ -206,9 +206,29 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0) -> LoadedWeights:
     return LoadedWeights(cfg, t, f"{cfg.name}:{fp}")
 
 
-def _fingerprint(path: Path) -> str:
+_FP_CACHE: dict[tuple[str, int, int], str] = {}
+
+
+def _file_digest(path: Path) -> str:
+    """BLAKE2b-64 of a file's bytes (memoised per path, size and mtime for this process)."""
     st = path.stat()
-    return f"{path.name}:{st.st_size}"
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _FP_CACHE:
+        h = hashlib.blake2b(digest_size=8)
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        _FP_CACHE[key] = h.hexdigest()
+    return _FP_CACHE[key]
+
+
+def _fingerprint(name: str, files: list[Path]) -> str:
+    """``name:digest`` where the digest covers every weight file's content: two checkpoints
+    with equal names and sizes but different weights never share KV."""
+    h = hashlib.blake2b(digest_size=8)
+    for f in files:
+        h.update(_file_digest(f).encode())
+    return f"{name}:{h.hexdigest()}"
 
 
 # ---------------------------------------------------------------------------------------- GGUF
@@ -301,7 +321,7 @@ def load_gguf(path: Path) -> LoadedWeights:
             arr = np.array(arr, copy=True, order="C")  # F32 tensors come straight off the mmap
         tensors[name] = torch.from_numpy(arr)
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return LoadedWeights(cfg, tensors, _fingerprint(path), tokenizer_source=reader,
+    return LoadedWeights(cfg, tensors, _fingerprint(path.name, [path]), tokenizer_source=reader,
                          eos_token_ids=() if eos is None else (int(eos),))
 
 
@@ -362,7 +382,7 @@ def load_hf_dir(path: Path) -> LoadedWeights:
     for src in (raw, _read_json(path / "generation_config.json")):
         value = src.get("eos_token_id")
         eos.extend([value] if isinstance(value, int) else (value or []))
-    fp = f"{cfg.name}:{sum(f.stat().st_size for f in files)}"
+    fp = _fingerprint(cfg.name, [path / "config.json", *files])
     tok = path if (path / "tokenizer.json").is_file() else None
     return LoadedWeights(cfg, tensors, fp, tokenizer_source=tok,
                          eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)))
