@@ -1,11 +1,13 @@
-"""Store keys of KV: one function maps a token prefix to the keys every component speaks.
+"""Store-block keys: the one mapping from a token prefix to KV keys in the store.
 
-A *store block* is ``store_block_tokens`` tokens (default 256 = 16 engine blocks of 16) of KV
-for all layers, kept as one store object laid out like `KVPool.export_blocks`
-(``[engine blocks, layers, 2, kv_heads, block_size, head_dim]``). Its key is the chained
-`hash_block` over store-block-sized chunks with the engine's KV fingerprint in ``extra``, so a
-fingerprint mismatch is a different key: a miss, never wrong KV. Called by the KV connector
-(instances), the Conductor's KV index and tests.
+The KV connector of an instance (saving and loading prefix KV), the Conductor (its KV index
+and the block keys it hands the policy) and tests all call `store_block_keys`, so a prefix
+stored by one instance is found under the same keys by the Conductor and by every other
+instance. A key is the chained `yuebing.core.hashing.hash_block` over store-block-sized
+chunks of the prompt (full chunks only) with the KV fingerprint in ``extra``: instances whose
+KV bytes differ (another model, weights, dtype or layout) never share a key. `store_key` is the
+string under which the store holds a block's KV; `parse_store_key` inverts it (the Conductor
+reads the store's KV events with it).
 """
 
 from __future__ import annotations
@@ -20,28 +22,27 @@ KEY_PREFIX = "kv/"
 
 def store_block_keys(token_ids: Sequence[int], store_block_tokens: int,
                      fingerprint: str) -> list[BlockHash]:
-    """Chained keys of every full store block of ``token_ids``."""
+    """Chained keys of every full ``store_block_tokens`` chunk of ``token_ids``."""
+    if store_block_tokens <= 0:
+        raise ValueError(f"store_block_tokens must be positive, got {store_block_tokens}")
     if not fingerprint:
-        raise ValueError("store block keys need the engine's KV fingerprint")
-    return hash_blocks(list(token_ids), store_block_tokens, ("kv-store", fingerprint))
+        raise ValueError("a KV fingerprint is required (an empty one would mix models' KV)")
+    return hash_blocks(token_ids, store_block_tokens, (fingerprint,))
 
 
-def store_key(fingerprint: str, key: BlockHash) -> str:
-    """The store object name of one store block (readable: model name, then the hash)."""
-    name = fingerprint.split(":", 1)[0].replace("/", "_")
-    return f"{KEY_PREFIX}{name}/{key:016x}"
+def store_key(fingerprint: str, key: int) -> str:
+    """The store's key of block ``key``: ``kv/<fingerprint>/<key as 16 hex digits>``."""
+    return f"{KEY_PREFIX}{fingerprint}/{key:016x}"
 
 
-def store_keys(token_ids: Sequence[int], store_block_tokens: int, fingerprint: str) -> list[str]:
-    return [store_key(fingerprint, k)
-            for k in store_block_keys(token_ids, store_block_tokens, fingerprint)]
-
-
-def parse_store_key(name: str) -> BlockHash | None:
-    """The block hash of a store object name made by `store_key` (None for other objects)."""
+def parse_store_key(name: str) -> tuple[str, BlockHash] | None:
+    """(fingerprint, block key) of a `store_key` string; None for any other store key."""
     if not name.startswith(KEY_PREFIX):
         return None
+    fingerprint, sep, hexkey = name[len(KEY_PREFIX):].rpartition("/")
+    if not sep or not fingerprint or len(hexkey) != 16:
+        return None
     try:
-        return BlockHash(int(name.rsplit("/", 1)[1], 16))
-    except (IndexError, ValueError):
+        return fingerprint, BlockHash(int(hexkey, 16))
+    except ValueError:
         return None
