@@ -32,12 +32,11 @@ from yuebing.conductor.policy import (
     DecodeState,
     PendingDecode,
     Policy,
-    PrefillState,
-    PrefixSource,
     Reject,
     RejectStage,
     RequestInfo,
 )
+from yuebing.conductor.view import PrefillLoad, PrefixLookup, build_view
 from yuebing.core.ids import BlockHash, InstanceId
 from yuebing.sim.decode import DecodeInstance, DecodeJob
 from yuebing.sim.kvpool import GlobalKVPool
@@ -105,18 +104,14 @@ class MooncakeSystem(SimSystem):
     def _view(self, request: SimRequest, lengths: list[int], best: int,
               holder: int) -> ClusterView:
         now = self.loop.now
-        prefills = tuple(
-            PrefillState(pid, max(0.0, self.free_at[i] - now), self.queued[i], lengths[i])
-            for i, pid in enumerate(self.prefill_ids))
-        decodes = tuple(
-            DecodeState(self.decode_ids[j], d.batch_size, d.context_tokens, d.kv_used,
-                        d.capacity, len(d.waiting), d.waiting_tokens)
-            for j, d in enumerate(self.decodes))
-        src = PrefixSource(self.prefill_ids[holder], best) if best > 0 else None
-        pending = tuple(self.pending.values())
-        return ClusterView(now_s=now, prefills=prefills, decodes=decodes, best_prefix=src,
-                           link_bandwidth_Bps=self.cost.link_Bps,
-                           link_latency_s=self.cost.link_latency_s, pending_decodes=pending)
+        loads = [PrefillLoad(pid, self.free_at[i] - now, self.queued[i])
+                 for i, pid in enumerate(self.prefill_ids)]
+        decodes = [DecodeState(self.decode_ids[j], d.batch_size, d.context_tokens, d.kv_used,
+                               d.capacity, len(d.waiting), d.waiting_tokens)
+                   for j, d in enumerate(self.decodes)]
+        lookup = PrefixLookup(tuple(lengths), best, self.prefill_ids[holder] if best > 0 else None)
+        return build_view(now, loads, lookup, decodes, link_bandwidth_Bps=self.cost.link_Bps,
+                          link_latency_s=self.cost.link_latency_s, pending=self.pending.values())
 
     def on_arrival(self, request: SimRequest, record: RequestRecord) -> None:
         assert self.policy is not None, "prepare() runs before the first arrival"
