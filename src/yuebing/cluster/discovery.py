@@ -1,0 +1,223 @@
+"""etcd discovery of a multi-host cluster's roles.
+
+Keys live under ``/yuebing/<cluster>/<kind>/<id>`` with a JSON object as value:
+``instances/<instance_id>`` -> the instance's `Hello` (``msgspec.to_builtins``), published by
+the instance with a TTL lease it keeps alive; ``conductor/<id>`` -> ``{"url": ...}``. The store
+master's address is the store's own election key (``/yuebing/store/<cluster>/leader``, see
+`yuebing.store.master.election`), read by `Discovery.store_master`.
+
+Callers: an instance (``yuebing serve prefill|decode|coupled --etcd URL``) calls `publish` once
+ready and `Publication.close` on shutdown (the key disappears at once; a crash makes it vanish
+when the lease expires, ``ttl_s`` later). The Conductor polls `list` (or `watch`) from a
+thread or through ``asyncio.to_thread``. Every call is synchronous HTTP to etcd's v3 gateway
+(``etcd3gw``); an unreachable etcd raises `DiscoveryError`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlparse
+
+from yuebing.core.errors import YuebingError
+
+log = logging.getLogger(__name__)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,200}$")
+
+
+class DiscoveryError(YuebingError):
+    """etcd is unreachable or refused a call, or a value is not what discovery stores."""
+
+
+def _check_name(what: str, name: str) -> None:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"{what} {name!r} must be 1-200 chars of [A-Za-z0-9_.:@-] (no '/')")
+
+
+def parse_etcd_url(url: str) -> tuple[str, str, int]:
+    """``http://host:2379`` -> (scheme, host, port); anything else is a `ValueError`."""
+    u = urlparse(url)
+    if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/"):
+        raise ValueError(f"--etcd must be an URL like http://127.0.0.1:2379, got {url!r}")
+    return u.scheme, u.hostname, u.port or 2379
+
+
+class Publication:
+    """One published key bound to a lease; a thread refreshes the lease every ``ttl_s / 3``.
+
+    If the lease is lost (etcd was unreachable for longer than the TTL, or etcd restarted
+    empty) the thread takes a new lease and writes the key again. `close` stops the thread
+    and revokes the lease, which deletes the key.
+    """
+
+    def __init__(self, disc: Discovery, key: str, value: bytes, ttl_s: int) -> None:
+        self._disc = disc
+        self.key = key
+        self._value = value
+        self.ttl_s = ttl_s
+        self._lease: Any = None
+        self._stop = threading.Event()
+        self._put()
+        self._thread = threading.Thread(target=self._keep_alive, name=f"publish:{key}",
+                                         daemon=True)
+        self._thread.start()
+
+    def _put(self) -> None:
+        client = self._disc.client
+        lease = client.lease(self.ttl_s)
+        client.put(self.key, self._value, lease=lease)
+        self._lease = lease
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3.0):
+            try:
+                if self._lease.refresh() <= 0:
+                    log.warning("lease of %s expired; publishing again", self.key)
+                    self._put()
+            except Exception as e:  # noqa: BLE001 - etcd down: keep trying until closed
+                log.warning("cannot refresh the lease of %s: %s", self.key, e)
+
+    def close(self) -> None:
+        """Stop refreshing and delete the key (idempotent; an unreachable etcd is logged and
+        the key then expires with its lease)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=self.ttl_s)
+        try:
+            self._lease.revoke()
+        except Exception as e:  # noqa: BLE001 - the key expires with the lease anyway
+            log.warning("could not revoke the lease of %s: %s", self.key, e)
+
+    def __enter__(self) -> Publication:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Watch:
+    """A polling watch of one kind: calls ``callback(snapshot)`` from its thread with the
+    whole ``{id: value}`` map each time it differs from the previous one (once at start)."""
+
+    def __init__(self, disc: Discovery, kind: str,
+                 callback: Callable[[dict[str, dict[str, Any]]], None],
+                 interval_s: float) -> None:
+        self._disc = disc
+        self.kind = kind
+        self._callback = callback
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"watch:{kind}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last: dict[str, dict[str, Any]] | None = None
+        while not self._stop.is_set():
+            try:
+                now = self._disc.list(self.kind)
+            except DiscoveryError as e:
+                log.warning("watch of %s: %s", self.kind, e)
+            else:
+                if now != last:
+                    last = now
+                    try:
+                        self._callback(now)
+                    except Exception:  # noqa: BLE001 - a bad callback must not end the watch
+                        log.exception("watch callback of %s failed", self.kind)
+            self._stop.wait(self.interval_s)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval_s + 10.0)
+
+
+class Discovery:
+    """Publish and list the roles of cluster ``cluster`` in the etcd at ``etcd_url``."""
+
+    def __init__(self, etcd_url: str, cluster: str = "default", timeout_s: float = 2.0) -> None:
+        import etcd3gw
+
+        scheme, host, port = parse_etcd_url(etcd_url)
+        _check_name("cluster name", cluster)
+        self.url = etcd_url
+        self.cluster = cluster
+        self.client = etcd3gw.client(host=host, port=port, protocol=scheme, timeout=timeout_s)
+
+    def prefix(self, kind: str) -> str:
+        _check_name("kind", kind)
+        return f"/yuebing/{self.cluster}/{kind}/"
+
+    def publish(self, kind: str, id: str, value: dict[str, Any], ttl_s: int = 5) -> Publication:
+        """Write ``value`` (a JSON-able dict) at ``kind/id`` bound to a lease of ``ttl_s``
+        seconds, kept alive until the returned `Publication` is closed."""
+        _check_name("id", id)
+        if not isinstance(ttl_s, int) or not 1 <= ttl_s <= 3600:
+            raise ValueError(f"ttl_s must be a whole number of seconds in 1..3600, got {ttl_s!r}")
+        if not isinstance(value, dict):
+            raise ValueError(f"a published value must be a dict, got {type(value).__name__}")
+        data = json.dumps(value, separators=(",", ":")).encode()
+        try:
+            return Publication(self, self.prefix(kind) + id, data, ttl_s)
+        except Exception as e:
+            raise DiscoveryError(f"cannot publish {kind}/{id} in etcd {self.url}: {e}") from e
+
+    def list(self, kind: str) -> dict[str, dict[str, Any]]:
+        """Every live ``{id: value}`` of ``kind`` (a value that is not a JSON object is
+        logged and left out)."""
+        prefix = self.prefix(kind)
+        try:
+            rows = self.client.get_prefix(prefix)
+        except Exception as e:
+            raise DiscoveryError(f"cannot list {kind} in etcd {self.url}: {e}") from e
+        out: dict[str, dict[str, Any]] = {}
+        for value, meta in rows:
+            key = meta["key"].decode() if isinstance(meta["key"], bytes) else str(meta["key"])
+            try:
+                obj = json.loads(value)
+            except ValueError:
+                obj = None
+            if not isinstance(obj, dict):
+                log.warning("etcd key %s does not hold a JSON object; ignored", key)
+                continue
+            out[key[len(prefix):]] = obj
+        return out
+
+    def watch(self, kind: str, callback: Callable[[dict[str, dict[str, Any]]], None],
+              interval_s: float = 0.5) -> Watch:
+        """Poll `list(kind)` every ``interval_s`` in a thread; ``callback`` gets each new
+        snapshot. Close the returned `Watch` to stop."""
+        if not 0.01 <= interval_s <= 60:
+            raise ValueError(f"interval_s must be in 0.01..60 seconds, got {interval_s}")
+        return Watch(self, kind, callback, interval_s)
+
+    def store_master(self) -> str:
+        """The store leader's RPC address from the store's election key ('' if none)."""
+        try:
+            values = self.client.get(f"/yuebing/store/{self.cluster}/leader")
+        except Exception as e:
+            raise DiscoveryError(f"cannot read the store leader in etcd {self.url}: {e}") from e
+        return values[0].decode() if values else ""
+
+    def wait_for(self, kind: str, count: int, timeout_s: float,
+                 predicate: Callable[[dict[str, Any]], bool] | None = None
+                 ) -> dict[str, dict[str, Any]]:
+        """Poll until at least ``count`` entries of ``kind`` (matching ``predicate``) are
+        listed; returns them, or raises `DiscoveryError` after ``timeout_s``."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = {k: v for k, v in self.list(kind).items() if predicate is None or predicate(v)}
+            if len(found) >= count:
+                return found
+            if time.monotonic() >= deadline:
+                raise DiscoveryError(f"only {len(found)} of {count} {kind} in etcd {self.url} "
+                                     f"after {timeout_s}s")
+            time.sleep(0.1)

@@ -1,0 +1,120 @@
+"""etcd discovery against a real etcd (tests/etcd_util.py): publish with a lease, list, watch,
+close deletes, a crashed publisher's key expires, a lost lease is renewed, bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from etcd_util import etcd_server  # noqa: F401 - fixture
+from yuebing.cluster.discovery import Discovery, DiscoveryError, parse_etcd_url
+
+pytestmark = pytest.mark.etcd
+
+
+def wait_until(cond, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_publish_list_close(etcd_server) -> None:  # noqa: F811
+    d = Discovery(etcd_server.url, cluster="t1")
+    hello = {"instance_id": "p0", "role": 0, "control_address": "tcp://10.0.0.1:5000"}
+    with d.publish("instances", "p0", hello, ttl_s=2) as pub:
+        d.publish("instances", "d0", {"instance_id": "d0"}, ttl_s=2).close()
+        assert d.list("instances") == {"p0": hello}
+        assert pub.key == "/yuebing/t1/instances/p0"
+        assert Discovery(etcd_server.url, cluster="other").list("instances") == {}
+        time.sleep(2.5)  # longer than the TTL: the keep-alive holds it
+        assert d.list("instances") == {"p0": hello}
+    assert d.list("instances") == {}
+
+
+def test_crashed_publisher_key_expires(etcd_server) -> None:  # noqa: F811
+    script = ("import sys, time\nfrom yuebing.cluster.discovery import Discovery\n"
+              "Discovery(sys.argv[1], 't2').publish('instances', 'x', {'a': 1}, ttl_s=1)\n"
+              "print('up', flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, etcd_server.url],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        d = Discovery(etcd_server.url, cluster="t2")
+        assert d.list("instances") == {"x": {"a": 1}}
+        proc.kill()
+        wait_until(lambda: d.list("instances") == {})
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_lost_lease_is_taken_again(etcd_server) -> None:  # noqa: F811
+    d = Discovery(etcd_server.url, cluster="t3")
+    with d.publish("conductor", "c0", {"url": "http://h:8000"}, ttl_s=1) as pub:
+        pub._lease.revoke()  # what etcd does to a lease it did not hear from in time
+        assert d.list("conductor") == {}
+        wait_until(lambda: d.list("conductor") == {"c0": {"url": "http://h:8000"}})
+
+
+def test_watch_sees_changes(etcd_server) -> None:  # noqa: F811
+    d = Discovery(etcd_server.url, cluster="t4")
+    seen: list[dict] = []
+    got = threading.Event()
+
+    def on_change(snapshot: dict) -> None:
+        seen.append(snapshot)
+        got.set()
+
+    w = d.watch("instances", on_change, interval_s=0.05)
+    try:
+        wait_until(lambda: seen == [{}])
+        pub = d.publish("instances", "p1", {"n": 1})
+        wait_until(lambda: seen[-1] == {"p1": {"n": 1}})
+        pub.close()
+        wait_until(lambda: seen[-1] == {})
+        assert seen == [{}, {"p1": {"n": 1}}, {}]
+    finally:
+        w.close()
+
+
+def test_non_json_values_are_skipped_and_store_master_read(etcd_server) -> None:  # noqa: F811
+    d = Discovery(etcd_server.url, cluster="t5")
+    d.client.put("/yuebing/t5/instances/bad", "not json")
+    d.client.put("/yuebing/t5/instances/list", "[1, 2]")
+    assert d.list("instances") == {}
+    assert d.store_master() == ""
+    d.client.put("/yuebing/store/t5/leader", "tcp://10.0.0.2:50151")
+    assert d.store_master() == "tcp://10.0.0.2:50151"
+
+
+def test_wait_for(etcd_server) -> None:  # noqa: F811
+    d = Discovery(etcd_server.url, cluster="t6")
+    with d.publish("instances", "a", {"role": 0}), d.publish("instances", "b", {"role": 1}):
+        assert set(d.wait_for("instances", 2, timeout_s=5)) == {"a", "b"}
+        with pytest.raises(DiscoveryError, match="only 1 of 2 instances"):
+            d.wait_for("instances", 2, 0.2, predicate=lambda v: v["role"] == 0)
+
+
+def test_bad_input() -> None:
+    for url in ("127.0.0.1:2379", "ftp://h:1", "http://h:2379/v3"):
+        with pytest.raises(ValueError, match="--etcd must be an URL"):
+            parse_etcd_url(url)
+    assert parse_etcd_url("http://h") == ("http", "h", 2379)
+    with pytest.raises(ValueError, match="cluster name 'a/b'"):
+        Discovery("http://127.0.0.1:1", cluster="a/b")
+    d = Discovery("http://127.0.0.1:1", timeout_s=0.5)
+    with pytest.raises(ValueError, match="id ''"):
+        d.publish("instances", "", {})
+    with pytest.raises(ValueError, match="ttl_s must be"):
+        d.publish("instances", "x", {}, ttl_s=0)
+    with pytest.raises(ValueError, match="must be a dict"):
+        d.publish("instances", "x", [1])  # type: ignore[arg-type]
+    with pytest.raises(DiscoveryError, match="cannot list instances in etcd http://127.0.0.1:1"):
+        d.list("instances")
+    with pytest.raises(DiscoveryError, match="cannot publish instances/x"):
+        d.publish("instances", "x", {})
