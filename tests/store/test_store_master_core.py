@@ -96,7 +96,8 @@ def test_replicas_on_distinct_segments_and_preferred() -> None:
         key="k", size=KiB, replicas=3, strategy="preferred", preferred=["n2/dram"])))
     names = [x.segment for x in r.replicas]
     assert names[0] == "n2/dram" and sorted(names) == ["n0/dram", "n1/dram", "n2/dram"]
-    r = core.handle(m.PutStart(client="c", item=m.PutItem(key="k2", size=KiB, replicas=5)))
+    r = core.handle(m.PutStart(client="c", item=m.PutItem(key="k2", size=KiB, replicas=5,
+                                                           min_replicas=1)))
     assert len({x.segment for x in r.replicas}) == 3  # best effort: only 3 segments exist
 
 
@@ -341,7 +342,10 @@ def test_failed_write_suspects_segment_until_its_node_heartbeats() -> None:
                                                          strategy="preferred", preferred=["n1/dram"])))
     assert t.replicas == [m.Replica(segment="n0/dram", offset=0)]
     assert core.handle(m.PutStart(client="c", item=m.PutItem(key="k2", size=4 * KiB, replicas=2))) \
-        .replicas == [m.Replica(segment="n0/dram", offset=4 * KiB)]
+        .code == C.NO_SPACE  # n1 takes no puts: two copies cannot be placed
+    assert core.handle(m.PutStart(client="c", item=m.PutItem(
+        key="k2", size=4 * KiB, replicas=2, min_replicas=1))).replicas == [
+        m.Replica(segment="n0/dram", offset=4 * KiB)]
     core.handle(m.Heartbeat(client="n1"))  # n1 is alive after all: placement uses it again
     assert put(core, "k3", strategy="preferred", preferred=["n1/dram"]) == m.Ok()
     # offset 0 of n1 is still quarantined (the revoked "k" may yet be written there)

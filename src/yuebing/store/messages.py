@@ -76,6 +76,9 @@ class PutItem(Message, tag="store.put_item"):
     timeout_s: float = 0.0
     """The client's transfer timeout: the master's write expiry for the put is now + the shorter
     of this and its ``put_timeout_s`` (0 = ``put_timeout_s``)."""
+    min_replicas: int = 0
+    """Fewest replicas the put accepts (best effort: 1..``replicas``); 0 = all ``replicas``: a
+    put that cannot place every copy on distinct DRAM segments is refused (NO_SPACE)."""
 
 
 # ---------------------------------------------------------------- client -> master

@@ -41,16 +41,21 @@ class AsyncPuts:
 
     async def put(self, key: str, value: object, *, replicas: int | None = None,
                   strategy: str | None = None, preferred: Sequence[str] | None = None,
-                  hard_pin: bool = False, soft_pin_s: float = 0.0) -> None:
+                  hard_pin: bool = False, soft_pin_s: float = 0.0,
+                  best_effort: bool = False) -> int:
         """Store ``value`` under ``key``; a failed write is revoked (naming the failed
         segments, which the master then avoids) and placed again up to ``put_retries`` times.
         With ``reserve_ahead``, a put of a shape this client holds a reservation for (and no
-        concurrent put claimed first) writes into it and commits with one RPC."""
+        concurrent put claimed first) writes into it and commits with one RPC.
+        Returns the number of replicas stored: a put that cannot place ``replicas`` copies on
+        distinct DRAM segments raises `StoreRpcError` NO_SPACE, unless ``best_effort`` (then
+        at least one)."""
         mv = cm.view(value, writable=False)
-        item = cm.put_item(self.cfg, key, mv, replicas, strategy, preferred, hard_pin, soft_pin_s)
+        item = cm.put_item(self.cfg, key, mv, replicas, strategy, preferred, hard_pin, soft_pin_s,
+                           best_effort)
         shape = rv.shape_of(item) if self.cfg.reserve_ahead else None
         if shape is not None and await self._put_reserved(item, mv, shape):
-            return
+            return item.replicas  # a reservation holds every replica of its shape
         reserve_next = shape is not None and self._resv.want(shape)
         for attempt in range(self.cfg.put_retries + 1):
             sent = time.monotonic()
@@ -63,7 +68,7 @@ class AsyncPuts:
                                                     cm.write_deadline(sent, targets.expires_in_s))
             if not failed:
                 await self.rpc.call(m.PutEnd(client=self.client_id, key=key))
-                return
+                return len(targets.replicas)
             await self._revoke([key, *self._resv.touching(failed)], blamed)
             log.warning("put %s: write to %s failed (attempt %d): %s", key, failed, attempt + 1, why)
         raise StoreError(f"writing {key!r} failed; put revoked: {why}")

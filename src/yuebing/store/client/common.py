@@ -39,7 +39,9 @@ def view(value: object, writable: bool) -> memoryview:
 
 def put_item(cfg: ClientConfig, key: str, mv: memoryview, replicas: int | None,
              strategy: str | None, preferred: Sequence[str] | None, hard_pin: bool,
-             soft_pin_s: float) -> m.PutItem:
+             soft_pin_s: float, best_effort: bool = False) -> m.PutItem:
+    """The `PutItem` of a put; ``best_effort``: the master may place fewer than ``replicas``
+    copies (at least one) instead of refusing the put."""
     if not isinstance(key, str) or not key:
         raise InputError(f"key must be a non-empty str, got {key!r}")
     if key.startswith(m.RESERVED_PREFIX):
@@ -53,7 +55,8 @@ def put_item(cfg: ClientConfig, key: str, mv: memoryview, replicas: int | None,
         strat, pref = "preferred", [cfg.local_segment, *pref]
     return m.PutItem(key=key, size=mv.nbytes, checksum=checksum(mv) if cfg.checksum else -1,
                      replicas=replicas or cfg.replicas, strategy=strat, preferred=pref,
-                     hard_pin=hard_pin, soft_pin_s=soft_pin_s, timeout_s=cfg.transfer_timeout_s)
+                     hard_pin=hard_pin, soft_pin_s=soft_pin_s, timeout_s=cfg.transfer_timeout_s,
+                     min_replicas=1 if best_effort else 0)
 
 
 def write_deadline(sent_at: float, expires_in_s: float) -> float:

@@ -158,6 +158,8 @@ class MasterCore:
             return f"size must be > 0, got {it.size}"
         if not 1 <= it.replicas <= MAX_REPLICAS:
             return f"replicas must be 1..{MAX_REPLICAS}, got {it.replicas}"
+        if not 0 <= it.min_replicas <= it.replicas:
+            return f"min_replicas must be 0..replicas ({it.replicas}), got {it.min_replicas}"
         if it.strategy and it.strategy not in PLACEMENTS:
             return f"unknown placement {it.strategy!r}; known: {', '.join(PLACEMENTS.names())}"
         if it.soft_pin_s < 0:
@@ -179,13 +181,14 @@ class MasterCore:
                 # the same client retrying after a lost reply (e.g. failover): same targets
                 return C.OK, [m.Replica(segment=self.segs[s].name, offset=off) for s, off in o.reps]
             return C.EXISTS, f"key {it.key!r} exists (values are immutable)"
-        placed = self._place(client, it)
-        if not placed and not internal:
-            eviction.evict_for(self, it.size)
-            placed = self._place(client, it)
+        need = it.min_replicas or it.replicas
+        placed = self._place(client, it, need)
+        if not placed and not internal and self._active_dram() >= need:
+            eviction.evict_for(self, it.size * need)
+            placed = self._place(client, it, need)
         if not placed:
             self.counters["no_space"] += not internal
-            return C.NO_SPACE, f"no DRAM segment has {it.size} free bytes"
+            return C.NO_SPACE, self._no_room(it, need)
         now = self.clock.now()
         soft = now + it.soft_pin_s if it.soft_pin_s else 0.0
         deadline = now + self.cfg.put_timeout_s
@@ -201,7 +204,9 @@ class MasterCore:
         segs = self.segs
         return C.OK, [m.Replica(segment=segs[s].name, offset=o) for s, o in placed]
 
-    def _place(self, client: str, it: m.PutItem) -> list[tuple[int, int]]:
+    def _place(self, client: str, it: m.PutItem, least: int) -> list[tuple[int, int]]:
+        """Allocate up to ``it.replicas`` ranges on distinct ACTIVE DRAM segments in the order
+        of its placement strategy; fewer than ``least`` placed: none (the ranges are freed)."""
         need = 0
         cands: list[Seg] = []
         for s in self.segs.values():
@@ -209,7 +214,7 @@ class MasterCore:
                 need = need or s.alloc.rounded(it.size)
                 if s.alloc.largest_free >= need:
                     cands.append(s)
-        if not cands:
+        if len(cands) < least:
             return []
         strategy = PLACEMENTS.get(it.strategy or self.cfg.placement)
         ordered = strategy(cands, PlacementRequest(it.size, it.preferred, client), self.rng)
@@ -220,7 +225,25 @@ class MasterCore:
                 placed.append((s.id, off))
                 if len(placed) == it.replicas:
                     break
+        if len(placed) < least:
+            for sid, off in placed:
+                self.segs[sid].alloc.free_range(off, it.size)  # type: ignore[union-attr]
+            return []
         return placed
+
+    def _active_dram(self) -> int:
+        return sum(1 for s in self.segs.values()
+                   if s.tier == m.Tier.DRAM and s.state == 0 and s.alloc is not None)
+
+    def _no_room(self, it: m.PutItem, need: int) -> str:
+        """Why a put needing ``need`` replicas could not be placed (the NO_SPACE message)."""
+        if need == 1:
+            return f"no DRAM segment has {it.size} free bytes"
+        active = self._active_dram()
+        what = (f"only {active} DRAM segments take puts" if active < need else
+                f"fewer than {need} of the {active} DRAM segments have {it.size} free bytes")
+        return (f"{it.key!r} needs {need} replicas on distinct DRAM segments but {what} "
+                "(put with best_effort to accept fewer)")
 
     def put_end(self, msg: m.PutEnd) -> Message:
         code, text = self._end_one(msg.client, msg.key)
