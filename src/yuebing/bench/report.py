@@ -1,0 +1,185 @@
+"""Outputs of ``yuebing bench serve``: the JSON report, the terminal tables, per-request
+records and the PNG plots.
+
+Who calls what: the CLI (`yuebing.cli.cmd_bench`) builds `report` from the runs, prints it with
+`strict_json` (``--json``) or `print_tables`, writes `write_records` (``--records``) and
+`plot_all` (``--plot DIR``: CDFs of TTFT and TBT per run with the SLO thresholds, and, for a
+sweep, SLO attainment vs offered rate per TBT threshold with the target line). Paths are
+checked by `check_out_paths` before any load is sent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from yuebing.bench.config import BenchConfig
+from yuebing.bench.metrics import max_sustained_rate
+from yuebing.bench.result import Status
+from yuebing.bench.runner import Run
+from yuebing.core.errors import InputError
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def strict_json(obj: Any, indent: int | None = None) -> str:
+    """Standard JSON: NaN and infinities become null."""
+    return json.dumps(_finite(obj), indent=indent, allow_nan=False)
+
+
+def check_out_paths(records: Path | None, plot_dir: Path | None) -> None:
+    """`InputError` when ``--records``' directory is missing or ``--plot`` is a file."""
+    if records is not None and not records.parent.is_dir():
+        raise InputError(f"--records {str(records)!r}: directory '{records.parent}' does not "
+                         "exist")
+    if plot_dir is not None and plot_dir.exists() and not plot_dir.is_dir():
+        raise InputError(f"--plot {str(plot_dir)!r} is a file; give a directory")
+
+
+def _label(run: Run) -> str:
+    return "trace timing" if run.rate is None else f"{run.rate:g} req/s"
+
+
+def report(cfg: BenchConfig, model: str, source: str, runs: Sequence[Run],
+           sweep: bool) -> dict[str, Any]:
+    """The whole result as JSON-ready data: config, model, one entry per run, and for a
+    sweep the maximum rate that reaches the target attainment."""
+    out: dict[str, Any] = {"config": asdict(cfg), "model": model, "workload": source}
+    if not sweep:
+        out["summary"] = runs[0].summary
+        return out
+    pairs = [(r.rate or 0.0, r.summary) for r in runs]
+    out["sweep"] = [{"rate": rate, "summary": s} for rate, s in pairs]
+    out["target_attainment"] = cfg.target_attainment
+    out["max_rate"] = max_sustained_rate(pairs, cfg.target_attainment)
+    return out
+
+
+def write_records(path: Path, runs: Sequence[Run]) -> None:
+    """One JSON line per request (with its run's rate), written atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open("w") as fh:
+            for run in runs:
+                for r in run.results:
+                    fh.write(strict_json({"rate": run.rate, **r.to_json()}) + "\n")
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise InputError(f"cannot write --records {str(path)!r}: {e.strerror or e}") from None
+
+
+def _ms(x: float) -> str:
+    return "-" if not math.isfinite(x) else f"{x * 1000:,.0f}"
+
+
+def print_tables(rep: dict[str, Any], runs: Sequence[Run], cfg: BenchConfig) -> None:
+    """One row per run (counts, latency percentiles, attainment, goodput) and the SLO grid."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"{rep['model']} @ {cfg.endpoint} ({cfg.api}), {rep['workload']}")
+    for c in ("run", "sent", "ok", "429", "errors", "TTFT p50/p90 ms", "TBT p50/p90 ms",
+              "ITL mean ms", "attain.", "goodput req/s", "cached"):
+        table.add_column(c, justify="left" if c == "run" else "right")
+    for run in runs:
+        s = run.summary
+        cached = s["tokens"]["cached_share"]
+        table.add_row(
+            _label(run), str(s["requests"]), str(s["completed"]), str(s["rejected"]),
+            str(s["errors"]), f"{_ms(s['ttft_s']['p50'])}/{_ms(s['ttft_s']['p90'])}",
+            f"{_ms(s['tbt_s']['p50'])}/{_ms(s['tbt_s']['p90'])}", _ms(s["itl_mean_s"]["mean"]),
+            f"{s['attainment']:.3f}", f"{s['goodput_rps']:.3f}",
+            "-" if cached is None else f"{cached:.3f}")
+    console.print(table)
+    grid = Table(title="SLO attainment (share of all requests sent)")
+    grid.add_column("run")
+    for y in cfg.slo_tbt:
+        for x in cfg.slo_ttft:
+            grid.add_column(f"TTFT≤{x:g}s TBT≤{y * 1000:g}ms", justify="right")
+    for run in runs:
+        cells = {(row["ttft_s"], row["tbt_s"]): row["attainment"] for row in run.summary["slo"]}
+        grid.add_row(_label(run), *(f"{cells[(x, y)]:.3f}"
+                                    for y in cfg.slo_tbt for x in cfg.slo_ttft))
+    console.print(grid)
+    for run in runs:
+        if run.summary["errors_by_kind"]:
+            console.print(f"{_label(run)}: errors by kind {run.summary['errors_by_kind']}")
+    if "max_rate" in rep:
+        best = rep["max_rate"]
+        console.print(f"max rate with attainment ≥ {cfg.target_attainment:g}: "
+                      + ("none of the swept rates" if best is None else f"{best:g} req/s"))
+
+
+def _cdf(ax: Any, runs: Sequence[Run], attr: str, thresholds: Sequence[float],
+         title: str) -> None:
+    import numpy as np
+
+    for run in runs:
+        x = np.sort([getattr(r, attr) for r in run.results if r.status is Status.OK])
+        if x.size:
+            ax.step(x * 1000, np.arange(1, x.size + 1) / x.size, where="post", label=_label(run))
+    for t in thresholds:
+        ax.axvline(t * 1000, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_xlabel(f"{title} (ms)")
+    ax.set_ylabel("share of completed requests")
+    ax.set_title(f"CDF of {title}")
+    ax.legend(fontsize="small")
+
+
+def plot_all(out_dir: Path, runs: Sequence[Run], cfg: BenchConfig, sweep: bool) -> list[Path]:
+    """Write ttft_cdf.png, tbt_cdf.png and (sweep) attainment_vs_rate.png; their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, attr, thresholds, title in (("ttft_cdf", "ttft_s", cfg.slo_ttft, "TTFT"),
+                                          ("tbt_cdf", "tbt_s", cfg.slo_tbt, "TBT")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        _cdf(ax, runs, attr, thresholds, title)
+        paths.append(_save(fig, out_dir / f"{name}.png"))
+    if sweep:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ordered = sorted(runs, key=lambda r: r.rate or 0.0)
+        rates = [r.rate or 0.0 for r in ordered]
+        for y in cfg.slo_tbt:
+            key = str(round(y * 1000))
+            ax.plot(rates, [r.summary["capacity"][key] for r in ordered], marker="o",
+                    label=f"TBT ≤ {y * 1000:g} ms")
+        ax.axhline(cfg.target_attainment, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_xlabel("offered rate (requests/s)")
+        ax.set_ylabel(f"SLO attainment (TTFT ≤ {cfg.slo_ttft[0]:g} s)")
+        ax.set_ylim(0, 1.02)
+        ax.set_title("SLO attainment vs rate")
+        ax.legend(fontsize="small")
+        paths.append(_save(fig, out_dir / "attainment_vs_rate.png"))
+    return paths
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise InputError(f"cannot write plot {str(path)!r}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
+    return path

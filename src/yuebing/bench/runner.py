@@ -1,0 +1,115 @@
+"""Drives a bench: check the endpoint, send the requests on schedule, collect the results.
+
+Life cycle (`run_bench`): every workload is built before this is called (bad traces and
+options fail there); one aiohttp session is opened; `check_endpoint` resolves the model (an
+unreachable endpoint or a model it lacks is an `InputError` before any load); then each
+workload (one, or one per rate of a sweep, in order) runs to completion:
+
+- open loop (`open_loop`): request i is sent at its ``send_s`` after the run's start,
+  whatever is still in flight (arrivals as in the trace, or Poisson);
+- closed loop (`closed_loop`, ``--concurrency N``): N workers each send the next request as
+  soon as their previous one ends.
+
+``on_done`` is called with each finished `RequestResult` (the CLI's progress bar). Each run's
+results come back in request order with their `summarize` aggregates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from yuebing.bench.client import check_endpoint, open_session, send
+from yuebing.bench.config import BenchConfig
+from yuebing.bench.metrics import summarize
+from yuebing.bench.result import RequestResult
+from yuebing.bench.workload import BenchRequest
+
+OnDone = Callable[[RequestResult], None]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One workload's outcome."""
+
+    rate: float | None
+    """Poisson rate of the run (None: trace timestamps or closed loop)."""
+    results: tuple[RequestResult, ...]
+    summary: dict[str, Any]
+
+
+def _clock() -> Callable[[], float]:
+    t0 = time.perf_counter()
+    return lambda: time.perf_counter() - t0
+
+
+async def open_loop(session: aiohttp.ClientSession, requests: Sequence[BenchRequest],
+                    cfg: BenchConfig, model: str, on_done: OnDone | None = None,
+                    ) -> list[RequestResult]:
+    """Send each request at its scheduled time; wait for all answers."""
+    clock = _clock()
+
+    async def one(req: BenchRequest) -> RequestResult:
+        res = await send(session, req, cfg, model, clock)
+        if on_done is not None:
+            on_done(res)
+        return res
+
+    tasks = []
+    for req in requests:
+        delay = req.send_s - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(req)))
+    return list(await asyncio.gather(*tasks))
+
+
+async def closed_loop(session: aiohttp.ClientSession, requests: Sequence[BenchRequest],
+                      cfg: BenchConfig, model: str, on_done: OnDone | None = None,
+                      ) -> list[RequestResult]:
+    """Keep ``cfg.concurrency`` requests in flight until all are answered."""
+    clock = _clock()
+    pending = iter(requests)
+    results: list[RequestResult] = []
+
+    async def worker() -> None:
+        for req in pending:  # one shared iterator: each request is taken once
+            res = await send(session, req, cfg, model, clock)
+            res.scheduled_s = res.start_s  # no schedule: sent when a worker is free
+            results.append(res)
+            if on_done is not None:
+                on_done(res)
+
+    await asyncio.gather(*(worker() for _ in range(min(cfg.concurrency, len(requests)))))
+    return sorted(results, key=lambda r: r.index)
+
+
+async def run_workloads(cfg: BenchConfig,
+                        workloads: Sequence[tuple[float | None, Sequence[BenchRequest]]],
+                        on_start: Callable[[float | None, int], None] | None = None,
+                        on_done: OnDone | None = None) -> tuple[str, list[Run]]:
+    """(model, one `Run` per workload); raises `InputError` before any load when the endpoint
+    cannot be used."""
+    runs = []
+    async with open_session() as session:
+        model = await check_endpoint(session, cfg)
+        for rate, requests in workloads:
+            if on_start is not None:
+                on_start(rate, len(requests))
+            loop = closed_loop if cfg.concurrency else open_loop
+            results = await loop(session, requests, cfg, model, on_done)
+            runs.append(Run(rate, tuple(results), summarize(results, cfg)))
+    return model, runs
+
+
+def run_bench(cfg: BenchConfig,
+              workloads: Sequence[tuple[float | None, Sequence[BenchRequest]]],
+              on_start: Callable[[float | None, int], None] | None = None,
+              on_done: OnDone | None = None) -> tuple[str, list[Run]]:
+    """`run_workloads` on a fresh event loop (the CLI's entry)."""
+    return asyncio.run(run_workloads(cfg, workloads, on_start, on_done))

@@ -1,0 +1,163 @@
+"""A small real OpenAI-compatible HTTP server for the load generator's tests (FastAPI + uvicorn
+on 127.0.0.1, an ephemeral port, in a thread).
+
+It streams ``max_tokens`` SSE chunks per request (one token each) with controllable delays,
+keeps an exact prefix cache over 16-token blocks of token-id prompts and reports its hits as
+``usage.prompt_tokens_details.cached_tokens``, and misbehaves on request: `Behaviour.actions`
+maps the n-th POST (0-based, in arrival order) to ``"429"`` (with ``Retry-After``), ``"500"``,
+``"break"`` (the stream stops after one token without ``[DONE]``), ``"stream_error"`` (an error
+event after one token), ``"hang"`` (no answer for 30 s) or ``"no_tokens"`` (``[DONE]`` at
+once). Every request body is kept in `FakeServer.bodies`; `max_in_flight` is the most streams
+open at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+CACHE_BLOCK = 16
+
+
+@dataclass
+class Behaviour:
+    models: tuple[str, ...] = ("fake-model",)
+    first_token_delay_s: float = 0.0
+    token_delay_s: float = 0.0
+    retry_after: str | None = "0"
+    report_cached: bool = True
+    actions: dict[int, str] = field(default_factory=dict)
+
+
+class FakeServer:
+    """The app plus its state; `start` serves it, `stop` ends it."""
+
+    def __init__(self, behaviour: Behaviour | None = None) -> None:
+        self.behaviour = behaviour or Behaviour()
+        self.bodies: list[dict[str, Any]] = []
+        self.cache: set[tuple[int, ...]] = set()
+        self.app = FastAPI()
+        self.app.get("/v1/models")(self._models)
+        self.app.post("/v1/completions")(self._completions)
+        self.app.post("/v1/chat/completions")(self._chat)
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.url = ""
+        self.in_flight = 0
+        self.max_in_flight = 0
+        """Streams open at once, at most (closed-loop tests)."""
+
+    # --- serving ---------------------------------------------------------------------------
+
+    def start(self) -> str:
+        """Serve in a thread; the base URL once it listens."""
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
+                                lifespan="off", timeout_graceful_shutdown=1)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 20
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the fake server did not start")
+            time.sleep(0.01)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    def stop(self) -> None:
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=20)
+
+    # --- handlers --------------------------------------------------------------------------
+
+    async def _models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": m, "object": "model"}
+                                           for m in self.behaviour.models]}
+
+    async def _completions(self, request: Request) -> Any:
+        return await self._serve(request, chat=False)
+
+    async def _chat(self, request: Request) -> Any:
+        return await self._serve(request, chat=True)
+
+    def _cached(self, prompt: Any) -> int:
+        """Tokens of ``prompt``'s longest prefix of full blocks seen before; remembers it."""
+        tokens = tuple(prompt) if isinstance(prompt, list) else tuple(
+            ord(c) for c in str(prompt))
+        hit, blocks = 0, len(tokens) // CACHE_BLOCK
+        for k in range(1, blocks + 1):
+            key = tokens[: k * CACHE_BLOCK]
+            if key not in self.cache:
+                break
+            hit = k * CACHE_BLOCK
+        for k in range(1, blocks + 1):
+            self.cache.add(tokens[: k * CACHE_BLOCK])
+        return hit
+
+    async def _serve(self, request: Request, chat: bool) -> Any:
+        body = await request.json()
+        number = len(self.bodies)
+        self.bodies.append(body)
+        action = self.behaviour.actions.get(number, "")
+        if action == "429":
+            headers = {} if self.behaviour.retry_after is None else {
+                "Retry-After": self.behaviour.retry_after}
+            return JSONResponse({"error": {"message": "overloaded"}}, 429, headers=headers)
+        if action == "500":
+            return JSONResponse({"error": {"message": "boom"}}, 500)
+        if body.get("model") not in self.behaviour.models:
+            return JSONResponse({"error": {"message": "no such model"}}, 404)
+        prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": int(body["max_tokens"])}
+        if self.behaviour.report_cached:
+            usage["prompt_tokens_details"] = {"cached_tokens": self._cached(prompt)}
+        return StreamingResponse(self._stream(body, chat, action, usage),
+                                 media_type="text/event-stream")
+
+    async def _stream(self, body: dict[str, Any], chat: bool, action: str,
+                      usage: dict[str, Any]) -> AsyncIterator[bytes]:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            async for chunk in self._chunks(body, chat, action, usage):
+                yield chunk
+        finally:
+            self.in_flight -= 1
+
+    async def _chunks(self, body: dict[str, Any], chat: bool, action: str,
+                      usage: dict[str, Any]) -> AsyncIterator[bytes]:
+        def event(obj: Any) -> bytes:
+            return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+        if action == "hang":
+            await asyncio.sleep(30)
+        if chat:
+            yield event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+        await asyncio.sleep(self.behaviour.first_token_delay_s)
+        n = 0 if action == "no_tokens" else int(body["max_tokens"])
+        for i in range(n):
+            if i:
+                await asyncio.sleep(self.behaviour.token_delay_s)
+            text = f" t{i}"
+            choice = {"index": 0, "delta": {"content": text}} if chat else {
+                "index": 0, "text": text}
+            yield event({"choices": [choice]})
+            if action == "break":
+                return
+            if action == "stream_error":
+                yield event({"error": {"message": "engine died", "code": 500}})
+                return
+        if body.get("stream_options", {}).get("include_usage"):
+            yield event({"choices": [], "usage": usage})
+        yield b"data: [DONE]\n\n"

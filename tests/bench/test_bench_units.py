@@ -1,0 +1,234 @@
+"""Load generator pieces without a server: SSE parsing, Retry-After, per-request metrics, the
+aggregates, the workload (block scaling, caps, prefix sharing, send times) and the config."""
+
+from __future__ import annotations
+
+import email.utils
+import math
+
+import numpy as np
+import pytest
+
+from yuebing.bench.client import SSEParser, request_body, retry_after_s
+from yuebing.bench.config import BenchConfig
+from yuebing.bench.metrics import attainment, max_sustained_rate, summarize
+from yuebing.bench.result import RequestResult, Status
+from yuebing.bench.workload import build_workload, scaled_request, send_times
+from yuebing.core.errors import ConfigError, InputError
+from yuebing.trace.latency import tbt_summary
+from yuebing.trace.model import Request, Trace
+
+# --- SSE and Retry-After --------------------------------------------------------------------
+
+
+def test_sse_parser_joins_data_lines_and_skips_other_fields() -> None:
+    p = SSEParser()
+    lines = [b": keep-alive\n", b"event: chunk\n", b"data: {\"a\":\n", b"data:1}\r\n", b"\r\n",
+             b"\n", b"id: 7\n", b"data: [DONE]\n"]
+    events = [e for e in (p.feed(line) for line in lines) if e is not None]
+    assert events == ['{"a":\n1}']
+    assert p.flush() == "[DONE]"
+    assert p.flush() is None
+
+
+def test_retry_after_seconds_date_and_fallback() -> None:
+    assert retry_after_s("3") == 3.0
+    assert retry_after_s("0.25") == 0.25
+    assert retry_after_s("-4") == 0.0
+    assert retry_after_s(None) == 1.0
+    assert retry_after_s("soon") == 1.0
+    date = email.utils.formatdate(1_000_010.0, usegmt=True)
+    assert retry_after_s(date, now=1_000_000.0) == 10.0
+
+
+# --- per-request metrics --------------------------------------------------------------------
+
+
+def _ok(index: int, start: float, times: list[float], out: int | None = None) -> RequestResult:
+    r = RequestResult(index, start, 100, len(times))
+    r.start_s = start
+    r.token_times_s = list(times)
+    r.status = Status.OK
+    r.output_tokens = out if out is not None else len(times)
+    r.finish(times[-1] + 0.001)
+    return r
+
+
+def _failed(index: int, status: Status, error: str) -> RequestResult:
+    r = RequestResult(index, 0.0, 100, 10)
+    r.start_s = 0.0
+    r.fail(status, error)
+    r.finish(0.5)
+    return r
+
+
+def test_request_metrics_use_the_papers_tbt() -> None:
+    times = [0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4, 2.4]  # 10 intervals, one slow
+    r = _ok(0, 0.25, times)
+    assert r.ttft_s == pytest.approx(0.25)
+    tbt, p90, mean = tbt_summary(np.diff(times))
+    assert (r.tbt_s, r.itl_p90_s, r.itl_mean_s) == (tbt, p90, mean)
+    assert r.tbt_s == pytest.approx(1.0)  # the longest ceil(10 %) = 1 interval
+    assert r.e2e_s == pytest.approx(2.401 - 0.25)
+    assert r.meets(0.3, 1.0) and not r.meets(0.2, 1.0) and not r.meets(0.3, 0.99)
+
+
+def test_the_simulator_and_the_bench_share_one_tbt_definition() -> None:
+    import yuebing.bench.result as bench_result
+    import yuebing.sim.metrics as sim_metrics
+
+    assert sim_metrics.tbt_summary is tbt_summary
+    assert bench_result.tbt_summary is tbt_summary
+
+
+def test_the_first_failure_is_kept() -> None:
+    r = RequestResult(0, 0.0, 1, 1)
+    r.fail(Status.ERROR, "stream_error", "engine died")
+    r.fail(Status.ERROR, "incomplete")
+    assert (r.status, r.error, r.detail) == (Status.ERROR, "stream_error", "engine died")
+    r.finish(1.0)
+    assert math.isnan(r.ttft_s) and not r.meets(1e9, 1e9)
+
+
+def test_record_json_has_no_nan() -> None:
+    rec = _failed(3, Status.REJECTED, "rejected").to_json()
+    assert rec["status"] == "rejected" and rec["ttft_s"] is None and rec["chunks"] == 0
+
+
+# --- aggregates -----------------------------------------------------------------------------
+
+
+def _cfg(**kw: object) -> BenchConfig:
+    return BenchConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_summary_attainment_goodput_errors_and_cache() -> None:
+    fast = _ok(0, 0.0, [0.1, 0.15, 0.2])  # TTFT 0.1, TBT 0.05
+    slow = _ok(1, 1.0, [1.1, 1.4, 1.7])  # TTFT 0.1, TBT 0.3
+    late = _ok(2, 0.0, [2.0, 2.05, 2.1])  # TTFT 2.0, TBT 0.05
+    fast.prompt_tokens, fast.cached_tokens = 100, 64
+    slow.prompt_tokens, slow.cached_tokens = 100, 0
+    results = [fast, slow, late, _failed(3, Status.REJECTED, "rejected"),
+               _failed(4, Status.ERROR, "http_500"), _failed(5, Status.ERROR, "http_500"),
+               _failed(6, Status.ERROR, "timeout")]
+    cfg = _cfg(slo_ttft=(1.0, 5.0), slo_tbt=(0.1, 0.5))
+    s = summarize(results, cfg)
+    assert (s["requests"], s["completed"], s["rejected"], s["errors"]) == (7, 3, 1, 3)
+    assert s["errors_by_kind"] == {"http_500": 2, "timeout": 1}
+    grid = {(row["ttft_s"], row["tbt_s"]): row["attainment"] for row in s["slo"]}
+    assert grid == {(1.0, 0.1): 1 / 7, (1.0, 0.5): 2 / 7, (5.0, 0.1): 2 / 7, (5.0, 0.5): 3 / 7}
+    assert s["attainment"] == 1 / 7 == attainment(results, 1.0, 0.1)
+    assert s["capacity"] == {"100": 1 / 7, "500": 2 / 7}
+    assert s["duration_s"] == pytest.approx(2.101)
+    assert s["goodput_rps"] == pytest.approx(1 / 2.101)
+    assert s["goodput_tokens_per_s"] == pytest.approx(3 / 2.101)
+    assert s["tokens"]["cached"] == 64 and s["tokens"]["cached_share"] == pytest.approx(0.32)
+    assert s["tokens"]["cached_reported_by"] == 2 and s["tokens"]["output"] == 9
+    assert s["ttft_s"]["p50"] == pytest.approx(0.1)
+
+
+def test_max_sustained_rate() -> None:
+    sweep = [(1.0, {"attainment": 1.0}), (2.0, {"attainment": 0.9}),
+             (4.0, {"attainment": 0.5})]
+    assert max_sustained_rate(sweep, 0.9) == 2.0
+    assert max_sustained_rate(sweep, 0.95) == 1.0
+    assert max_sustained_rate(sweep[2:], 0.9) is None
+
+
+# --- workload -------------------------------------------------------------------------------
+
+
+def test_block_scaling_and_caps_keep_prefixes() -> None:
+    r = Request(0, 1000, 300, (7, 8))
+    assert scaled_request(r, 512, _cfg(block_tokens=64)) == Request(0, 125, 300, (7, 8))
+    assert scaled_request(r, 512, _cfg(block_tokens=64, max_input=100, max_output=128)) == \
+        Request(0, 100, 128, (7, 8))
+    assert scaled_request(r, 512, _cfg(block_tokens=64, max_input=50)) == Request(0, 50, 300, (7,))
+    assert scaled_request(Request(0, 10, 0, (1,)), 512, _cfg()).output_length == 1
+
+
+def test_shared_hash_ids_become_shared_token_prefixes() -> None:
+    trace = Trace((Request(0, 1024, 4, (1, 2)), Request(5, 1024, 4, (1, 3)),
+                   Request(9, 1000, 4, (4,))))
+    reqs = build_workload(trace, _cfg(block_tokens=16))
+    a, b, c = (list(r.prompt) for r in reqs)  # type: ignore[arg-type]
+    assert [len(a), len(b), len(c)] == [32, 32, 32]
+    assert a[:16] == b[:16] and a[16:] != b[16:]
+    assert c[:16] != a[:16] and c[16:] != a[16:]  # an id the trace does not list is unique
+    assert [r.max_tokens for r in reqs] == [4, 4, 4]
+
+
+def test_send_times_limit_speed_and_poisson() -> None:
+    trace = Trace(tuple(Request(t, 10, 1, ()) for t in (3000, 1000, 2000, 5000)))
+    reqs = build_workload(trace, _cfg(speed=2.0, limit=3))
+    assert [r.send_s for r in reqs] == [0.0, 0.5, 1.0]
+    poisson = send_times([Request(0, 1, 1, ())] * 4, _cfg(seed=3), rate=2.0)
+    assert poisson[0] == 0.0 and poisson == sorted(poisson)
+    assert poisson == send_times([Request(9, 1, 1, ())] * 4, _cfg(seed=3), rate=2.0)
+
+
+def test_empty_prompt_is_refused() -> None:
+    with pytest.raises(InputError, match="request 1 .* empty prompt"):
+        build_workload(Trace((Request(0, 5, 1, ()), Request(1, 0, 1, ()))), _cfg())
+
+
+def _word_tokenizer(path: str, size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(path)
+
+
+def test_text_prompts_decode_the_token_ids(tmp_path) -> None:
+    path = str(tmp_path / "tokenizer.json")
+    _word_tokenizer(path, 200)
+    trace = Trace((Request(0, 768, 1, (1, 2)), Request(1, 768, 1, (1, 5))))  # 24 tokens
+    cfg = _cfg(prompt_format="text", tokenizer=path, block_tokens=16)
+    from yuebing.trace.prompts import PromptSynthesizer
+
+    synth = PromptSynthesizer(low=10, high=200)
+    a, b = (r.prompt for r in build_workload(trace, cfg, synth))
+    assert isinstance(a, str) and len(a.split()) == 24
+    assert a.split()[:16] == b.split()[:16] and a.split()[16:] != b.split()[16:]
+    with pytest.raises(InputError, match="has 200 tokens but prompts use ids up to"):
+        build_workload(trace, cfg)  # default ids reach 29999
+    with pytest.raises(InputError, match="no such file"):
+        build_workload(trace, _cfg(prompt_format="text", tokenizer=str(tmp_path / "nope")))
+
+
+def test_request_bodies() -> None:
+    from yuebing.bench.workload import BenchRequest
+
+    body = request_body(BenchRequest(0, 0.0, (5, 6), 2, 9), _cfg(), "m")
+    assert body["prompt"] == [5, 6] and body["max_tokens"] == 9 and body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True} and body["ignore_eos"] is True
+    chat = request_body(BenchRequest(0, 0.0, "hi there", 2, 3),
+                        _cfg(api="chat", prompt_format="text", tokenizer="t.json",
+                             ignore_eos=False), "m")
+    assert chat["messages"] == [{"role": "user", "content": "hi there"}]
+    assert "prompt" not in chat and "ignore_eos" not in chat
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"endpoint": "127.0.0.1:8000"}, "must be an http"),
+    ({"api": "embeddings"}, "--api must be one of"),
+    ({"api": "chat"}, "chat messages are text"),
+    ({"prompt_format": "text"}, "needs --tokenizer"),
+    ({"rate": 1.0, "concurrency": 2}, "exclude each other"),
+    ({"slo_tbt": ()}, "at least one threshold"),
+    ({"slo_ttft": (0.0,)}, "must be > 0 seconds"),
+    ({"speed": 0.0}, "--speed must be > 0"),
+    ({"max_input": -1}, "--max-input must be >= 0"),
+    ({"block_tokens": 0}, "--block-tokens must be >= 1"),
+    ({"target_attainment": 1.5}, "--target-attainment"),
+])
+def test_bad_config_is_refused(kw: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _cfg(**kw)
+
+
+def test_base_url_drops_v1() -> None:
+    assert _cfg(endpoint="http://h:1/v1/").base_url == "http://h:1"
+    assert _cfg(endpoint="http://h:1").base_url == "http://h:1"
