@@ -40,6 +40,10 @@ class MasterConfig:
         "help": "DRAM usage ratio above which LRU eviction starts"})
     evict_ratio: float = field(default=0.05, metadata={
         "help": "eviction frees down to high_watermark - evict_ratio"})
+    room_wait_s: float = field(default=2.0, metadata={
+        "help": "longest a put waits for DRAM room that is on its way (victims being offloaded "
+                "to an SSD tier, read leases ending) before it fails with NO_SPACE; keep it "
+                "below the clients' --rpc-timeout-s"})
     default_soft_pin_s: float = field(default=60.0, metadata={
         "help": "TTL of a soft pin when the put asks for one without a TTL"})
     placement: str = field(default="free_ratio", metadata={
@@ -83,6 +87,7 @@ class MasterConfig:
         require(self.alignment >= 1 and self.alignment & (self.alignment - 1) == 0,
                 f"--alignment must be a power of two, got {self.alignment}")
         _seconds("--tick-s", self.tick_s)
+        _seconds("--room-wait-s", self.room_wait_s, zero_ok=True)
         require(self.drain_parallel >= 1,
                 f"--drain-parallel must be >= 1, got {self.drain_parallel}")
         require(0 <= self.spin_us <= 100_000, f"--spin-us must be in 0..100000, got {self.spin_us}")

@@ -42,6 +42,10 @@ class OffsetAllocator:
     def largest_free(self) -> int:
         return self._by_size[-1][0] if self._by_size else 0
 
+    def free_ranges(self) -> list[tuple[int, int]]:
+        """The free ranges as ``(start, size)``, in no particular order (`fit` reads them)."""
+        return list(self._by_start.items())
+
     def alloc(self, size: int) -> int | None:
         """Offset of a new range of ``size`` bytes, or None when no free range fits."""
         n = self.rounded(size)

@@ -27,7 +27,7 @@ from yuebing.core.clock import Clock, WallClock
 from yuebing.protocol import Message
 from yuebing.store import messages as m
 from yuebing.store.config import MasterConfig
-from yuebing.store.master import eviction, fence, migration, removal, reserve, segments
+from yuebing.store.master import eviction, fence, incarnations, fit, migration, removal, reserve, segments
 from yuebing.store.master.placement import PLACEMENTS, PlacementRequest
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState, Session, Task
 
@@ -63,6 +63,11 @@ class MasterCore:
         self.sessions: dict[str, Session] = {}
         self.tasks: dict[int, Task] = {}
         self.drains = migration.Drains()
+        self.parked: list[fit.Parked] = []
+        """Puts waiting for room (`fit`)."""
+        self.room_wait = False
+        self.fit_size = 0
+        self.fit_until = 0.0
         self._sizes: dict[int, int] = {}
         self._owners: dict[str, str] = {}
         self.next_seg = 1
@@ -101,8 +106,11 @@ class MasterCore:
         client = getattr(msg, "client", None)
         if client is not None:
             self.touch_session(client, ident)
-        if type(msg) is m.GetReplicas:
-            return self.get_replicas(msg, waiter)
+        t = type(msg)
+        if t is m.GetReplicas:
+            return self.get_replicas(msg, waiter)  # type: ignore[arg-type]
+        if waiter is not None and (t is m.PutStart or t is m.BatchPutStart):
+            return fit.first_try(self, msg, waiter)  # may wait for room
         return h(msg)
 
     def touch_session(self, client: str, ident: bytes | None) -> Session:
@@ -184,8 +192,7 @@ class MasterCore:
         need = it.min_replicas or it.replicas
         placed = self._place(client, it, need)
         if not placed and not internal and self._active_dram() >= need:
-            eviction.evict_for(self, it.size * need)
-            placed = self._place(client, it, need)
+            placed = fit.place(self, client, it, need)  # evicts one contiguous range
         if not placed:
             self.counters["no_space"] += not internal
             return C.NO_SPACE, self._no_room(it, need)
@@ -340,6 +347,9 @@ class MasterCore:
             return m.ReplicaList(key=key, size=o.size, checksum=o.checksum, replicas=reps,
                                  lease_s=self.cfg.lease_ttl_s)
         code, text = segments.promote(self, key, o, waiter)
+        if code == C.NO_SPACE and (ssd := segments.ssd_replicas(self, o)):
+            return m.ReplicaList(key=key, size=o.size, checksum=o.checksum, replicas=ssd,
+                                 lease_s=self.cfg.lease_ttl_s)  # read from the SSD tier
         return None if code == C.OK else err(code, text)
 
     def _dram_reps(self, o: Obj, key: str | None = None) -> list[m.Replica]:
@@ -405,15 +415,11 @@ class MasterCore:
         return segments.drain(self, msg)
 
     def heartbeat(self, msg: m.Heartbeat) -> Message:
-        segs = self.sessions[msg.client].segs
-        for sid in segs:  # the node is alive: its suspected segments take puts again
-            s = self.segs[sid]
-            if s.state == SegState.SUSPECT:
-                s.state = SegState.ACTIVE
-        return m.HeartbeatReply(segments=[self.segs[s].name for s in segs])
+        return incarnations.heartbeat(self, msg)
 
     def task_done(self, msg: m.TaskDone) -> Message:
         segments.task_done(self, msg)
+        fit.retry(self)  # an offload may have made room for a waiting put
         return m.Ok()
 
     def tick(self) -> None:
@@ -422,6 +428,8 @@ class MasterCore:
         segments.expire_sessions(self)
         segments.reclaim_zombies(self)
         eviction.watermark(self)
+        fit.keep_fit(self)
+        fit.retry(self)
         eviction.drain(self)
         migration.pump(self)
 

@@ -12,11 +12,12 @@ not draining, with a REMOVED event; only the keys `migration.index` filed as spa
 walked); values whose every replica is draining are left to `migration`, which copies them
 elsewhere first.
 Two triggers: ``watermark`` (every tick: DRAM usage above ``high_watermark`` evicts down to
-``high_watermark - evict_ratio``; on a node with an SSD tier a victim is offloaded there
-instead of dropped, asynchronously) and ``evict_for`` (an allocation failed: drop at once).
-Quarantined ranges (`fence`) free themselves within seconds, so neither trigger evicts for
-them: ``watermark`` does not count them as used, and ``evict_for`` first releases the entries
-that are due and evicts only for what is still missing.
+``high_watermark - evict_ratio`` in LRU order; on a node with an SSD tier a victim is offloaded
+there instead of dropped, asynchronously) and ``room_for`` (an allocation failed: `fit` frees
+one contiguous range of the size on one segment, offloading DRAM victims where there is an SSD
+tier). Quarantined ranges (`fence`) free themselves within seconds, so neither trigger evicts
+for them: ``watermark`` does not count them as used, and ``room_for`` / ``evict_for`` first
+release the entries that are due and evict only when that was not enough.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from yuebing.store import messages as m
-from yuebing.store.master import migration
+from yuebing.store.master import fit, migration
 from yuebing.store.master.segments import ssd_of, start_task
 from yuebing.store.master.state import ObjState, SegState
 
@@ -86,16 +87,15 @@ def drain(core: MasterCore) -> int:
                 freed += o.size * len(mine)
         spare.difference_update(gone)
     for key, mine in picked.items():  # act after the scan: dropping mutates the sets
-        _drop_replicas(core, key, mine)
+        drop_replicas(core, key, mine)
     return freed
 
 
 def evict_for(core: MasterCore, need: int, only: set[int] | None = None, tier: int = 0,
               offload: bool = False) -> int:
-    """Free at least ``need`` bytes of ``tier`` (on segments ``only``, if given): quarantined
-    ranges due by now first, then by eviction. Returns the bytes freed or scheduled to be freed
-    by offloads. Called by ``watermark``, a failed allocation (``MasterCore._put_one``,
-    ``segments.promote``) and SSD room for an offload."""
+    """Free at least ``need`` bytes of ``tier`` (on segments ``only``, if given) in LRU order,
+    wherever they are: quarantined ranges due by now first, then by eviction. Returns the
+    bytes freed or scheduled to be freed by offloads. Called by ``watermark``."""
     freed = _release_due(core, only, tier)
     for soft_ok in (False, True):
         if freed >= need:
@@ -104,6 +104,24 @@ def evict_for(core: MasterCore, need: int, only: set[int] | None = None, tier: i
     if freed:
         log.info("freed %d bytes (needed %d, tier %d)", freed, need, tier)
     return freed
+
+
+def room_for(core: MasterCore, size: int, sids: list[int], offload: bool = True) -> fit.Room:
+    """Make one free range of ``size`` bytes on one of segments ``sids`` (one tier): release
+    the quarantined ranges due by now, then `fit.make_room` if still none fits. Called by a
+    failed allocation (`fit.place`, ``segments.promote``) and SSD room for an offload."""
+    segs = core.segs
+    if not sids:
+        return fit.Room.NONE
+    tier = segs[sids[0]].tier
+
+    def fits() -> bool:
+        return any((a := segs[s].alloc) is not None and a.largest_free >= a.rounded(size)
+                   for s in sids)
+
+    if _release_due(core, set(sids), tier) and fits():
+        return fit.Room.NOW
+    return fit.make_room(core, size, sids, offload)
 
 
 def _release_due(core: MasterCore, only: set[int] | None, tier: int) -> int:
@@ -152,29 +170,29 @@ def _scan(core: MasterCore, need: int, only: set[int] | None, tier: int, offload
         if not mine:
             continue
         if tier == 0 and offload and len(mine) == len(o.reps) and any(  # through any replica
-                _offload(core, key, r) for r in mine):  # whose node has an SSD with room
+                offload_to_ssd(core, key, r) for r in mine):  # whose node has an SSD with room
             freed += o.size
             continue
-        _drop_replicas(core, key, mine)
+        drop_replicas(core, key, mine)
         freed += o.size * len(mine)
     return freed
 
 
-def _offload(core: MasterCore, key: str, src: tuple[int, int]) -> bool:
+def offload_to_ssd(core: MasterCore, key: str, src: tuple[int, int]) -> bool:
+    """Start offloading ``key``'s DRAM replica ``src`` to its node's SSD tier, making one
+    contiguous range of room there (dropping SSD-tier values) when none is free; False when
+    the node has no active SSD tier or no room can be made."""
     o = core.objs[key]
     dst = ssd_of(core, core.segs[src[0]].node, m.Tier.SSD)
     if dst is None:
         return False
     if start_task(core, key, o, src, dst, promote=False):
         return True
-    return _make_room(core, dst.id, o.size) and start_task(core, key, o, src, dst, promote=False)
+    return (room_for(core, o.size, [dst.id], offload=False) == fit.Room.NOW
+            and start_task(core, key, o, src, dst, promote=False))
 
 
-def _make_room(core: MasterCore, ssd_id: int, size: int) -> bool:
-    return evict_for(core, size, only={ssd_id}, tier=m.Tier.SSD) >= size
-
-
-def _drop_replicas(core: MasterCore, key: str, mine: list[tuple[int, int]]) -> None:
+def drop_replicas(core: MasterCore, key: str, mine: list[tuple[int, int]]) -> None:
     o = core.objs[key]
     core.counters["evictions"] += 1
     if len(mine) == len(o.reps):

@@ -163,7 +163,7 @@ def index(core: MasterCore) -> None:
 
 def recheck(core: MasterCore, key: str, o: Obj) -> None:
     """``o`` lost a replica (eviction): file it as at risk on its draining segments if it is
-    now. Called by `eviction._drop_replicas`."""
+    now. Called by `eviction.drop_replicas`."""
     d: Drains = core.drains
     if d.risk and at_risk(core, o):
         for sid, _ in o.reps:

@@ -22,7 +22,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from yuebing.store import messages as m
-from yuebing.store.master import fence, migration, reserve
+from yuebing.store.master import fence, incarnations, fit, migration, reserve
 from yuebing.store.master.allocator import OffsetAllocator
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState
 
@@ -36,6 +36,9 @@ C = m.Code
 def mount(core: MasterCore, msg: m.Mount) -> m.Message:
     if not msg.segment or msg.size <= 0 or msg.tier not in (0, 1):
         return m.Err(code=C.BAD_REQUEST, message="mount needs a segment name, size > 0, tier 0|1")
+    refused = incarnations.on_mount(core, msg)  # a restarted node's old segments go first
+    if refused is not None:
+        return refused
     sid = core.seg_by_name.get(msg.segment)
     if sid is not None:
         s = core.segs[sid]
@@ -44,15 +47,16 @@ def mount(core: MasterCore, msg: m.Mount) -> m.Message:
         return m.Err(code=C.EXISTS, message=f"segment {msg.segment!r} is mounted by {s.client!r}")
     sid = core.next_seg
     add_segment(core, sid, msg.segment, msg.size, msg.tier, msg.node or msg.client, msg.client,
-                OffsetAllocator(msg.size, core.cfg.alignment))
-    core._log(["mount", sid, msg.segment, msg.size, msg.tier, msg.node or msg.client, msg.client])
+                OffsetAllocator(msg.size, core.cfg.alignment), msg.incarnation)
+    core._log(["mount", sid, msg.segment, msg.size, msg.tier, msg.node or msg.client, msg.client,
+               msg.incarnation])
     log.info("mounted %s (%d bytes, tier %d) for %s", msg.segment, msg.size, msg.tier, msg.client)
     return m.Ok()
 
 
 def add_segment(core: MasterCore, sid: int, name: str, size: int, tier: int, node: str,
-                client: str, alloc: OffsetAllocator | None) -> Seg:
-    s = Seg(sid, name, size, tier, node, client, alloc)
+                client: str, alloc: OffsetAllocator | None, incarnation: str = "") -> Seg:
+    s = Seg(sid, name, size, tier, node, client, alloc, incarnation)
     core.segs[sid] = s
     core.seg_by_name[name] = sid
     core.quarantine.adopt(name, sid, size, core.cfg.alignment, alloc)  # fence of a re-mount
@@ -61,6 +65,8 @@ def add_segment(core: MasterCore, sid: int, name: str, size: int, tier: int, nod
     if sess is None:
         sess = core.touch_session(client, None)
     sess.segs.add(sid)
+    if incarnation:  # the last mounted (also replayed on a standby) is the current process
+        sess.incarnation = incarnation
     return s
 
 
@@ -71,6 +77,9 @@ def _owned(core: MasterCore, msg: m.Unmount | m.Drain) -> Seg | m.Err:
     s = core.segs[sid]
     if s.client != msg.client:
         return m.Err(code=C.BAD_REQUEST, message=f"segment {msg.segment!r} belongs to {s.client!r}")
+    if not incarnations.owns(s, msg):
+        return m.Err(code=C.UNKNOWN_SEGMENT, message=(
+            f"segment {msg.segment!r} is mounted by another process of {msg.client!r}"))
     return s
 
 
@@ -187,7 +196,10 @@ def promote(core: MasterCore, key: str, o: Obj, waiter: object) -> tuple[C, str]
     """Start (or join) the promotion of an SSD-only object into its owner's DRAM, or, when the
     owner has no ACTIVE DRAM segment (draining, or none), into another node's DRAM through a
     MIGRATE task (a drain migration in flight also lands in DRAM: its readers wait for it the
-    same way). Called by ``MasterCore.get_replicas``."""
+    same way). Room in DRAM is made as for a put (`eviction.room_for`: one contiguous range,
+    DRAM victims offloaded to the SSD tier); when it is not free at once, NO_SPACE, and the
+    caller (``MasterCore.get_replicas``) serves the read from the SSD tier (`ssd_replicas`)
+    instead of waiting."""
     if o.moving:
         t = core.tasks[o.moving]
         if t.kind != m.TaskKind.OFFLOAD:
@@ -200,18 +212,30 @@ def promote(core: MasterCore, key: str, o: Obj, waiter: object) -> tuple[C, str]
     dram = ssd_of(core, core.segs[src[0]].node, m.Tier.DRAM)
     if dram is None:  # the owner's DRAM is draining (or it has none): copy to another node
         if not migration.start(core, key, o):
-            eviction.evict_for(core, o.size)
-            if not migration.start(core, key, o):
+            active = [s.id for s in core.segs.values() if s.tier == m.Tier.DRAM
+                      and s.state == SegState.ACTIVE and s.alloc is not None]
+            if (eviction.room_for(core, o.size, active) != fit.Room.NOW
+                    or not migration.start(core, key, o)):
                 return C.NO_SPACE, f"no DRAM segment has {o.size} free bytes for {key!r}"
-    elif not start_task(core, key, o, src, dram, promote=True):
-        eviction.evict_for(core, o.size, only={dram.id})
-        if not start_task(core, key, o, src, dram, promote=True):
-            return C.NO_SPACE, f"no DRAM free on {dram.name} to promote {key!r}"
+    elif not start_task(core, key, o, src, dram, promote=True) and (
+            eviction.room_for(core, o.size, [dram.id]) != fit.Room.NOW
+            or not start_task(core, key, o, src, dram, promote=True)):
+        return C.NO_SPACE, f"no DRAM free on {dram.name} to promote {key!r}"
     core.counters["promotions"] += 1
     if waiter is not None:
         core.tasks[o.moving].waiters.append(waiter)
         return C.OK, ""
     return C.PROMOTING, "promotion started"
+
+
+def ssd_replicas(core: MasterCore, o: Obj) -> list[m.Replica]:
+    """``o``'s replicas on ACTIVE SSD-tier segments (a node registers its SSD file with its
+    transfer engine, so a reader can copy from it directly): a read served there when no DRAM
+    room can be made at once (``MasterCore.get_replicas``). Draining ones are left out: their
+    values go through `migration`."""
+    segs = core.segs
+    return [m.Replica(segment=segs[sid].name, offset=off) for sid, off in o.reps
+            if segs[sid].tier == m.Tier.SSD and segs[sid].state == SegState.ACTIVE]
 
 
 def _fail_task(core: MasterCore, tid: int, why: str, landed: bool) -> None:

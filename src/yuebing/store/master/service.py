@@ -199,9 +199,13 @@ class MasterService:
                 for held in self._held:
                     self.hub.hold(held)
                 self._held.clear()
-            for waiter, reply in core.ready:
-                conn, req = typing.cast(tuple[int, int], waiter)
-                send(conn, req, encode(reply))
+            hold = self.leading and self.hub.must_hold and self.cfg.sync_replication
+            for waiter, reply in core.ready:  # deferred replies (promotions, puts that waited
+                conn, req = typing.cast(tuple[int, int], waiter)  # for room) wait for standbys
+                if hold:                                          # like direct ones
+                    self.hub.hold((conn, req, encode(reply)))
+                else:
+                    send(conn, req, encode(reply))
             core.ready.clear()
             for conn, req, out in self.hub.releasable():
                 send(conn, req, out)
