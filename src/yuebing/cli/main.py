@@ -51,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     for cmd in sorted(_discover(), key=lambda c: c.path):
         for depth in range(1, len(cmd.path)):
             prefix = cmd.path[:depth]
-            if prefix not in parsers:
+            if prefix in parsers and prefix not in groups:  # a command that has subcommands
+                groups[prefix] = parsers[prefix].add_subparsers(
+                    dest="_".join(prefix) + "_cmd", metavar="COMMAND")
+            elif prefix not in parsers:
                 sub = groups[prefix[:-1]].add_parser(prefix[-1], help=f"{prefix[-1]} commands")
                 parsers[prefix] = sub
                 groups[prefix] = sub.add_subparsers(dest="_".join(prefix) + "_cmd",

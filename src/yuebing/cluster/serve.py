@@ -1,0 +1,239 @@
+"""``yuebing serve`` (no role): every role of a one-host cluster under one `Supervisor`.
+
+Called by the CLI (`yuebing.cluster.cli`) with a `ServeConfig`. Stages, each started together
+and waited for before the next:
+
+1. ``store-master`` (``yuebing store master``; ready file + admin ``/health``),
+2. ``store-node`` (``yuebing store node`` with ``--store-dram`` of shared memory),
+3. ``prefill-i`` / ``decode-i`` or ``coupled-i`` (``yuebing serve prefill|decode|coupled``;
+   ready file with the instance's `Hello`, then a control-plane `Ping`),
+4. ``conductor`` (``yuebing serve conductor``; ``GET /health`` answers 200).
+
+Every address is chosen before its role starts (free ports on ``advertise_host``), so a role
+restarted by the watch loop comes back where the others expect it. With ``etcd`` the store
+master campaigns there, the instances publish their `Hello` and the Conductor finds them
+there, so roles started on other hosts (``yuebing serve decode --etcd ...``) join this cluster.
+Then the URL and a curl line are printed and the supervisor watches until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import sys
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from yuebing.cluster.config import SupervisorConfig
+from yuebing.cluster.process import RoleSpec
+from yuebing.cluster.readiness import AllOf, HttpOk, InstancePing, Readiness, ReadyFile
+from yuebing.cluster.supervisor import Interrupted, RoleFailed, Supervisor
+from yuebing.core.config import format_size, require
+
+log = logging.getLogger(__name__)
+
+YUEBING = (sys.executable, "-m", "yuebing.cli.main")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """One host's cluster: how many of each role, where the API listens, the store's size,
+    the supervisor's behaviour and the flags forwarded to the conductor and the instances
+    (each role validates its own flags; the CLI parses them with the role's parser first)."""
+
+    prefill: int = field(default=1, metadata={"help": "prefill instances"})
+    decode: int = field(default=1, metadata={"help": "decode instances"})
+    coupled: int = field(default=0, metadata={
+        "help": "coupled instances (prefill + decode in one engine, the vLLM-like baseline); "
+                "> 0 replaces --prefill/--decode"})
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "address the Conductor's HTTP API binds (0.0.0.0 exposes it)"})
+    port: int = field(default=8000, metadata={"help": "the Conductor's HTTP port"})
+    advertise_host: str = field(default="127.0.0.1", metadata={
+        "help": "address the store and instances bind and announce to each other (this "
+                "host's address on the cluster network when roles run on other hosts)"})
+    etcd: str = field(default="", metadata={
+        "help": "etcd URL (http://host:2379): the store master, the instances and the "
+                "Conductor meet there, so roles on other hosts can join ('' = this host only)"})
+    cluster: str = field(default="default", metadata={"help": "cluster name in etcd"})
+    store: bool = field(default=True, metadata={
+        "help": "run a store master and node (off: instances keep KV in their local cache)"})
+    store_dram: int = field(default=1 << 30, metadata={
+        "help": "shared memory the store node contributes, e.g. 4GiB", "size": True})
+    verbose: int = 0
+    conductor_args: tuple[str, ...] = ()
+    instance_args: tuple[str, ...] = ()
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+
+    def __post_init__(self) -> None:
+        require(self.prefill >= 0 and self.decode >= 0 and self.coupled >= 0,
+                "--prefill, --decode and --coupled must be >= 0")
+        if not self.coupled:
+            require((self.prefill > 0) == (self.decode > 0) or bool(self.etcd),
+                    f"--prefill {self.prefill} --decode {self.decode}: a disaggregated "
+                    "cluster needs both (or --coupled K); with --etcd the others may run "
+                    "on other hosts")
+        require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
+        require(self.store_dram > 0, f"--store-dram must be > 0, got {self.store_dram}")
+        require(not self.etcd or self.etcd.startswith(("http://", "https://")),
+                f"--etcd must be an URL like http://127.0.0.1:2379, got {self.etcd!r}")
+
+    @property
+    def instance_roles(self) -> list[tuple[str, str]]:
+        """(name, role) of every instance: ``("prefill-0", "prefill")``, ..."""
+        if self.coupled:
+            return [(f"coupled-{i}", "coupled") for i in range(self.coupled)]
+        return ([(f"prefill-{i}", "prefill") for i in range(self.prefill)]
+                + [(f"decode-{i}", "decode") for i in range(self.decode)])
+
+
+def free_port(host: str) -> int:
+    """A TCP port on ``host`` that was free a moment ago."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def local_url_host(host: str) -> str:
+    """Where this host reaches a server bound to ``host`` (a wildcard is reached on loopback)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+class ServePlan:
+    """The roles' command lines and readiness checks for one `ServeConfig` (ports chosen on
+    construction). ``has_option`` tells whether a role's CLI offers a flag (from its parser)."""
+
+    def __init__(self, cfg: ServeConfig, log_dir: Path,
+                 has_option: Callable[[str, str], bool] = lambda role, opt: True) -> None:
+        self.cfg = cfg
+        self.dir = log_dir
+        self.has_option = has_option
+        adv = cfg.advertise_host
+        self.master_addr = f"tcp://{local_url_host(adv)}:{free_port(adv)}"
+        self.events_addr = f"tcp://{local_url_host(adv)}:{free_port(adv)}"
+        self.admin_port = free_port("127.0.0.1")
+        self.http_port = cfg.port or free_port(cfg.host if cfg.host != "0.0.0.0" else "")
+        self.control = {name: free_port(adv) for name, _ in cfg.instance_roles}
+
+    def _v(self) -> tuple[str, ...]:
+        return ("-v",) * min(self.cfg.verbose, 2)
+
+    def _ready(self, name: str) -> Path:
+        return self.dir / f"{name}.ready.json"
+
+    def _etcd(self, role: str) -> tuple[str, ...]:
+        if not self.cfg.etcd:
+            return ()
+        cluster = (("--cluster", self.cfg.cluster) if self.has_option(role, "--cluster")
+                   else ())
+        return ("--etcd", self.cfg.etcd, *cluster)
+
+    def store_master(self) -> tuple[RoleSpec, Readiness]:
+        argv = (*YUEBING, *self._v(), "store", "master", "--rpc-address", self.master_addr,
+                "--events-address", self.events_addr, "--admin-port", str(self.admin_port),
+                "--ready-file", str(self._ready("store-master")), *self._etcd("store"))
+        health = HttpOk(f"http://127.0.0.1:{self.admin_port}/health")
+        return RoleSpec("store-master", argv), AllOf(ReadyFile(self._ready("store-master")),
+                                                     health)
+
+    def store_node(self) -> tuple[RoleSpec, Readiness]:
+        argv = (*YUEBING, *self._v(), "store", "node", "--master", self.master_addr,
+                "--dram", str(self.cfg.store_dram), "--tx-host", self.cfg.advertise_host,
+                "--ready-file", str(self._ready("store-node")))
+        return RoleSpec("store-node", argv), ReadyFile(self._ready("store-node"))
+
+    def instance(self, name: str, role: str) -> tuple[RoleSpec, Readiness]:
+        adv = self.cfg.advertise_host
+        store = ("--store-master", self.master_addr) if self.cfg.store else ()
+        argv = (*YUEBING, *self._v(), "serve", role, "--instance-id", name, "--host", adv,
+                "--control-port", str(self.control[name]), *store, *self._etcd(role),
+                "--ready-file", str(self._ready(name)), *self.cfg.instance_args)
+        address = f"tcp://{local_url_host(adv)}:{self.control[name]}"
+        return RoleSpec(name, argv), AllOf(ReadyFile(self._ready(name)), InstancePing(address))
+
+    def conductor(self) -> tuple[RoleSpec, Readiness]:
+        cfg = self.cfg
+        if cfg.etcd:
+            find: tuple[str, ...] = self._etcd("conductor")
+        else:
+            find = ("--instances", ",".join(f"tcp://{local_url_host(cfg.advertise_host)}:{p}"
+                                            for p in self.control.values()))
+        store = (("--store-events", self.events_addr,
+                  "--store-admin", f"http://127.0.0.1:{self.admin_port}") if cfg.store else ())
+        argv = (*YUEBING, *self._v(), "serve", "conductor", "--host", cfg.host, "--port",
+                str(self.http_port), *find, *store, *cfg.conductor_args)
+        return RoleSpec("conductor", argv), HttpOk(self.base_url + "/health")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{local_url_host(self.cfg.host)}:{self.http_port}"
+
+    def stages(self) -> list[list[tuple[RoleSpec, Readiness]]]:
+        """The roles in start order (each inner list starts together)."""
+        out: list[list[tuple[RoleSpec, Readiness]]] = []
+        if self.cfg.store:
+            out += [[self.store_master()], [self.store_node()]]
+        instances = [self.instance(n, r) for n, r in self.cfg.instance_roles]
+        if instances:
+            out.append(instances)
+        return [*out, [self.conductor()]]
+
+
+def banner(plan: ServePlan, sup: Supervisor, model: str) -> str:
+    """What ``yuebing serve`` prints once every role is ready."""
+    cfg = plan.cfg
+    roles = (f"{cfg.coupled} coupled" if cfg.coupled
+             else f"{cfg.prefill} prefill + {cfg.decode} decode")
+    store = f", store {format_size(cfg.store_dram)}" if cfg.store else ", no store"
+    body = json.dumps({"model": model, "stream": True,
+                       "messages": [{"role": "user", "content": "Hi"}]})
+    return (f"yuebing serve: ready ({roles}{store}); logs in {sup.log_dir}\n"
+            f"  OpenAI API: {plan.base_url}/v1\n"
+            f"  curl {plan.base_url}/v1/chat/completions -H 'content-type: application/json' "
+            f"-d '{body}'\n"
+            "Ctrl-C stops every process.")
+
+
+def served_model(base_url: str) -> str:
+    """The first model id of ``GET /v1/models`` (the name clients send)."""
+    try:
+        with urllib.request.urlopen(base_url + "/v1/models", timeout=5) as r:  # noqa: S310
+            return str(json.loads(r.read())["data"][0]["id"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return "smollm2-135m-instruct"
+
+
+def run_serve(cfg: ServeConfig, has_option: Callable[[str, str], bool] = lambda r, o: True,
+              out: TextIO = sys.stdout) -> int:
+    """Start every role, print the URL, watch until SIGINT/SIGTERM, stop everything.
+    Returns the exit code: 0 after a signal, 1 if a role failed, 130 if stopped while
+    starting. Call from the main thread."""
+    sup = Supervisor(cfg.supervisor)
+    sup.install_signal_handlers()
+    plan = ServePlan(cfg, sup.log_dir, has_option)
+    print(f"yuebing serve: starting; logs in {sup.log_dir}", file=out, flush=True)
+    try:
+        for stage in plan.stages():
+            sup.start_stage(stage)
+            log.info("ready: %s", ", ".join(spec.name for spec, _ in stage))
+        print(banner(plan, sup, served_model(plan.base_url)), file=out, flush=True)
+        code = sup.watch()
+        if code:
+            print(f"yuebing serve: {sup.failed}; stopping", file=sys.stderr, flush=True)
+        return code
+    except RoleFailed as e:
+        print(f"yuebing serve: {e}\nstopping every role", file=sys.stderr, flush=True)
+        return 1
+    except Interrupted:
+        return 130
+    finally:
+        sup.stop()
+        print("yuebing serve: stopped", file=out, flush=True)
