@@ -1,6 +1,8 @@
 # Two commands do all set-up on a fresh machine:
-#   make run    install into .venv and run the main job (the simulator's paper report)
+#   make run    install into .venv and serve the OpenAI-compatible API (`yuebing serve`: store,
+#               1 prefill + 1 decode instance, Conductor on 127.0.0.1:8000); Ctrl-C stops it all
 #   make test   install into .venv (plus test servers such as etcd) and run the test suite
+#   make paper  the simulator's paper report (every figure) into reports/paper
 # torch is installed first, pinned, so no dependency can pull another build.
 
 VENV ?= .venv
@@ -9,7 +11,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-all lint servers clean
+.PHONY: install run paper test test-all lint servers clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,7 +24,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+SERVE_ARGS ?=
 run: install
+	$(VENV)/bin/yuebing serve $(SERVE_ARGS)
+
+paper: install
 	$(VENV)/bin/yuebing sim paper --out reports/paper
 
 servers:
