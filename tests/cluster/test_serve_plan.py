@@ -1,0 +1,104 @@
+"""`ServeConfig` validation, the flags forwarded to the roles, and the plan's store stages with
+the real ``yuebing store master|node`` processes under the supervisor."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import pytest
+
+from yuebing.cluster import Supervisor, SupervisorConfig
+from yuebing.cluster.cli import forward_args
+from yuebing.cluster.serve import ServeConfig, ServePlan, banner, local_url_host
+from yuebing.core.config import add_config_args
+from yuebing.core.errors import ConfigError
+
+
+def test_serve_config_validation() -> None:
+    assert [n for n, _ in ServeConfig(prefill=2).instance_roles] == ["prefill-0", "prefill-1",
+                                                                      "decode-0"]
+    assert ServeConfig(coupled=2).instance_roles == [("coupled-0", "coupled"),
+                                                     ("coupled-1", "coupled")]
+    with pytest.raises(ConfigError, match="a disaggregated cluster needs both"):
+        ServeConfig(prefill=1, decode=0)
+    ServeConfig(prefill=1, decode=0, etcd="http://10.0.0.1:2379")  # decodes on other hosts
+    with pytest.raises(ConfigError, match="--etcd must be an URL"):
+        ServeConfig(etcd="10.0.0.1:2379")
+    with pytest.raises(ConfigError, match="--prefill, --decode and --coupled must be >= 0"):
+        ServeConfig(coupled=-1)
+    with pytest.raises(ConfigError, match="--restart must be one of on-failure, never"):
+        SupervisorConfig(restart="always")
+    assert local_url_host("0.0.0.0") == "127.0.0.1" and local_url_host("::") == "[::1]"
+
+
+def test_forward_args_rebuilds_the_role_flags() -> None:
+    from dataclasses import dataclass, field
+
+    @dataclass(frozen=True)
+    class RoleCfg:
+        model: str = "smollm2"
+        threads: int = 1
+        warm: bool = True
+        sizes: tuple[int, ...] = ()
+        instance_id: str = field(default="", metadata={"help": "set per child"})
+
+    role = argparse.ArgumentParser()
+    add_config_args(role, RoleCfg)
+    role.add_argument("--dense", action="store_true")
+    serve = argparse.ArgumentParser()
+    add_config_args(serve, RoleCfg, only=("model", "threads", "warm", "sizes"))
+    serve.add_argument("--dense", action="store_true")
+    ns = serve.parse_args(["--model", "dummy", "--no-warm", "--sizes", "1,2", "--dense"])
+    got = forward_args(role, "instance", serve._option_string_actions, ns)
+    assert got == ("--model", "dummy", "--no-warm", "--sizes", "1,2", "--dense")
+    assert role.parse_args(list(got)).sizes == (1, 2)
+    assert forward_args(role, "instance", serve._option_string_actions,
+                        serve.parse_args([])) == ()
+
+
+def test_plan_command_lines(tmp_path: Path) -> None:
+    cfg = ServeConfig(prefill=1, decode=1, port=8123, instance_args=("--model", "dummy"),
+                      conductor_args=("--admission", "slo"))
+    plan = ServePlan(cfg, tmp_path)
+    stages = plan.stages()
+    assert [[s.name for s, _ in st] for st in stages] == [
+        ["store-master"], ["store-node"], ["prefill-0", "decode-0"], ["conductor"]]
+    prefill = stages[2][0][0].argv
+    assert prefill[3:7] == ("serve", "prefill", "--instance-id", "prefill-0")
+    assert ("--store-master", plan.master_addr) == prefill[prefill.index("--store-master"):][:2]
+    assert prefill[-2:] == ("--model", "dummy")
+    conductor = stages[3][0][0].argv
+    inst = conductor[conductor.index("--instances") + 1].split(",")
+    assert inst == [f"tcp://127.0.0.1:{plan.control[n]}" for n in ("prefill-0", "decode-0")]
+    assert conductor[-2:] == ("--admission", "slo") and "--store-events" in conductor
+    assert plan.base_url == "http://127.0.0.1:8123"
+    etcd = ServePlan(ServeConfig(coupled=1, etcd="http://10.0.0.1:2379", store=False), tmp_path,
+                     has_option=lambda role, opt: role != "coupled")
+    roles = etcd.stages()
+    assert [[s.name for s, _ in st] for st in roles] == [["coupled-0"], ["conductor"]]
+    assert "--cluster" not in roles[0][0][0].argv and "--store-master" not in roles[0][0][0].argv
+    assert "--instances" not in roles[1][0][0].argv
+    assert roles[1][0][0].argv[-4:] == ("--etcd", "http://10.0.0.1:2379", "--cluster", "default")
+
+
+def test_store_stages_start_and_stop(tmp_path: Path) -> None:
+    cfg = ServeConfig(store_dram=16 << 20)
+    sup = Supervisor(SupervisorConfig(log_dir=str(tmp_path), ready_timeout_s=60))
+    plan = ServePlan(cfg, sup.log_dir)
+    stages = plan.stages()
+    try:
+        master = sup.start_stage(stages[0])["store-master"]
+        assert master["address"] == plan.master_addr
+        assert master["health_url"] == f"http://127.0.0.1:{plan.admin_port}/health"
+        node = sup.start_stage(stages[1])["store-node"]
+        assert node["dram"]
+        shm = [e for e in os.listdir("/dev/shm") if e.startswith(f"yuebing-tx-{node['pid']}-")]
+        assert shm
+    finally:
+        sup.stop()
+    assert not any(os.path.exists(f"/proc/{p}") for p in sup.pids().values())
+    assert not [e for e in os.listdir("/dev/shm") if e.startswith(f"yuebing-tx-{node['pid']}-")]
+    assert "yuebing serve: ready (1 prefill + 1 decode, store 16MiB)" in banner(
+        plan, sup, "m")
