@@ -136,6 +136,10 @@ class BlockAllocator:
             return None
         return block
 
+    def is_cached(self, key: BlockHash) -> bool:
+        """Whether a block with ``key`` is in the prefix cache (no statistics counted)."""
+        return key in self._cached
+
     def match_prefix(self, keys: Sequence[BlockHash],
                      token_blocks: Sequence[Sequence[int]]) -> list[int]:
         """Longest run of cached blocks for the chained ``keys`` (not yet acquired)."""

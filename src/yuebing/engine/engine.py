@@ -61,7 +61,10 @@ def kv_fingerprint(weights_fingerprint: str, dtype: torch.dtype,
 class LLMEngine:
     """Continuous-batching LLaMA-family engine over a paged KV cache."""
 
-    def __init__(self, config: EngineConfig, weights: LoadedWeights | None = None) -> None:
+    def __init__(self, config: EngineConfig, weights: LoadedWeights | None = None,
+                 kv_storage: Callable[[int], torch.Tensor] | None = None) -> None:
+        """``kv_storage(nbytes)``, when given, returns the flat uint8 memory for the KV pool
+        (an instance passes a registered shared-memory segment so peers write KV into it)."""
         self.config = config
         self.device, self.dtype = runtime.setup(config)
         w = weights if weights is not None else load_weights(config.model, config.weights_seed)
@@ -75,7 +78,9 @@ class LLMEngine:
         bs = config.block_size
         nb = config.num_blocks or max(
             1, config.kv_cache_bytes // KVPool.bytes_per_block(mc, bs, self.dtype))
-        self.pool = KVPool(mc, nb, bs, self.dtype, self.device)
+        storage = None if kv_storage is None else \
+            kv_storage(nb * KVPool.bytes_per_block(mc, bs, self.dtype))
+        self.pool = KVPool(mc, nb, bs, self.dtype, self.device, storage)
         self.fingerprint = kv_fingerprint(w.fingerprint, self.dtype, self.pool.block_shape)
         """Names the KV bytes this engine computes: weights' content, dtype, block geometry.
         KV is exchanged (store, peers) only between engines with equal fingerprints."""
@@ -96,7 +101,11 @@ class LLMEngine:
         self._ids = itertools.count()
         self._arrival = itertools.count()
         self._seqs: dict[str, Sequence] = {}
+        self._held: dict[str, Sequence] = {}
+        """Finished ``hold_kv`` requests whose blocks stay allocated until `release`."""
         self.num_steps = 0
+        self.last_plan: StepPlan | None = None
+        """The plan of the last completed step (step statistics)."""
         self.current_plan: StepPlan | None = None
         """The plan being executed (set during `step`, read by layer hooks)."""
         self.logits_hook: Callable[[list[str], torch.Tensor], None] | None = None
@@ -173,11 +182,15 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Seq[int] | list[dict[str, str]],
                     params: SamplingParams | None = None, request_id: str | None = None,
-                    chat: bool = False) -> str:
-        """Queue a request; returns its id. Bad input raises `InputError` and queues nothing."""
+                    chat: bool = False, hold_kv: bool = False) -> str:
+        """Queue a request; returns its id. Bad input raises `InputError` and queues nothing.
+
+        ``hold_kv``: when the request finishes its blocks stay allocated (readable with
+        `held_sequence`, e.g. to stream or save them) until `release` or `abort`."""
         params = params if params is not None else SamplingParams()
         ids = self.encode_prompt(prompt, chat)
         seq = self._new_sequence(ids, params, request_id)
+        seq.hold_kv = hold_kv
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -186,7 +199,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InputError("params must be a SamplingParams")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._seqs:
+        if rid in self._seqs or rid in self._held:
             raise InputError(f"request id {rid!r} is already in use")
         seq = Sequence(rid, ids, params, next(self._arrival), generator=make_generator(params))
         if self.tokenizer is not None:
@@ -195,13 +208,27 @@ class LLMEngine:
         return seq
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its KV; False if it is unknown or already done."""
+        """Stop a request now and free its KV (also held KV); False if unknown or released."""
+        if self.release(request_id):
+            return True
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
         self.scheduler.free(seq)
         seq.phase, seq.finish = Phase.ABORTED, FinishReason.ABORT
         return True
+
+    def release(self, request_id: str) -> bool:
+        """Free the blocks of a finished ``hold_kv`` request; False if none is held."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.allocator.release_all(seq.blocks)
+        seq.blocks = []
+        return True
+
+    def held_sequence(self, request_id: str) -> Sequence | None:
+        return self._held.get(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
@@ -231,6 +258,7 @@ class LLMEngine:
         finally:
             self.current_plan = None
         self.scheduler.commit(plan)
+        self.last_plan = plan
         self.num_steps += 1
         if sampled and self.logits_hook is not None:
             self.logits_hook([s.request_id for s in sampled], logits)
@@ -272,8 +300,12 @@ class LLMEngine:
         done = seq.finish != FinishReason.NONE
         if done:
             seq.phase = Phase.FINISHED
-            self.scheduler.free(seq)
             self._seqs.pop(seq.request_id, None)
+            if seq.hold_kv:
+                self.scheduler.detach(seq)
+                self._held[seq.request_id] = seq
+            else:
+                self.scheduler.free(seq)
         return RequestOutput(seq.request_id, new, delta, list(seq.output_ids), seq.text, done,
                              seq.finish.label, len(seq.prompt_ids), seq.num_cached_tokens,
                              seq.logprobs[-1:] if new else [])

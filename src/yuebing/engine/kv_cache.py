@@ -29,16 +29,27 @@ class KVPool:
     """Preallocated paged K/V storage for all layers."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, storage: torch.Tensor | None = None) -> None:
+        """``storage``: optional flat uint8 CPU tensor of exactly `bytes_per_block` ×
+        ``num_blocks`` bytes to hold the pool (e.g. a transfer-engine shared-memory segment, so
+        peers write KV straight into it); by default the pool allocates its own memory."""
         self.num_layers = cfg.num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.dtype, self.device = dtype, device
-        self.data = torch.empty(cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size,
-                                cfg.head_dim, dtype=dtype, device=device)
-        self.huge_pages = advise_hugepages(self.data)  # before the first touch (zero_)
+        shape = (cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+        if storage is None:
+            self.data = torch.empty(shape, dtype=dtype, device=device)
+            self.huge_pages = advise_hugepages(self.data)  # before the first touch (zero_)
+        else:
+            need = num_blocks * self.bytes_per_block(cfg, block_size, dtype)
+            if storage.dtype != torch.uint8 or storage.numel() != need or device.type != "cpu":
+                raise EngineError(f"KV storage must be a CPU uint8 tensor of {need} bytes, got "
+                                  f"{storage.dtype} × {storage.numel()} on {device.type}")
+            self.data = storage.view(dtype).view(shape)
+            self.huge_pages = False
         self.data.zero_()
         self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
 
@@ -54,6 +65,19 @@ class KVPool:
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty(0, dtype=dtype).element_size()
         return cfg.num_layers * 2 * cfg.num_kv_heads * block_size * cfg.head_dim * elem
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Bytes of one block of one layer's K (or V): the unit of a layer-wise transfer."""
+        return self._chunk * self.data.element_size()
+
+    def byte_offset(self, layer: int, kv: int, block: int) -> int:
+        """Offset of (layer, K/V, block) in the pool's bytes (layout in the module docstring)."""
+        return ((layer * 2 + kv) * self.num_blocks + block) * self.chunk_nbytes
 
     @property
     def block_nbytes(self) -> int:

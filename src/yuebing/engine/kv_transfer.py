@@ -26,7 +26,7 @@ from yuebing.core.ids import BlockHash
 from yuebing.engine.attention import AttnMetadata
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
-from yuebing.engine.sequence import Sequence
+from yuebing.engine.sequence import RequestOutput, Sequence
 
 
 @dataclass
@@ -95,6 +95,43 @@ def import_request(engine: LLMEngine, kv: RequestKV, params: SamplingParams,
     engine.scheduler.publish(seq)
     engine.scheduler.add(seq)
     return seq.request_id
+
+
+def reserve_blocks(engine: LLMEngine, num_tokens: int) -> list[int]:
+    """Allocate the blocks a request of ``num_tokens`` prompt tokens will need, before its KV
+    arrives (decode side); `EngineError` when the pool cannot hold them now."""
+    if not 0 < num_tokens < engine.max_model_len:
+        raise InputError(f"a prompt of {num_tokens} tokens does not fit the context of "
+                         f"{engine.max_model_len}")
+    n = -(-num_tokens // engine.block_size)
+    if n > engine.allocator.num_free:
+        raise EngineError(f"KV cache has {engine.allocator.num_free} free blocks, the request "
+                          f"needs {n}")
+    return engine.allocator.allocate_many(n)
+
+
+def adopt_request(engine: LLMEngine, request_id: str, prompt_ids: Seq[int], blocks: list[int],
+                  first_token: int, params: SamplingParams,
+                  cached_tokens: int = 0) -> RequestOutput:
+    """Continue a request whose prompt KV was written into ``blocks`` (from `reserve_blocks`)
+    and whose first token was sampled elsewhere: the blocks become the request's (published in
+    the prefix cache), the first token is appended with the usual stop checks, and unless that
+    ended it the request joins the batch. Returns the first token's output."""
+    ids = engine.encode_prompt(list(prompt_ids))
+    n = -(-len(ids) // engine.block_size)
+    if len(blocks) != n:
+        raise InputError(f"{len(blocks)} blocks cannot hold a prompt of {len(ids)} tokens "
+                         f"({n} blocks of {engine.block_size})")
+    if not 0 <= first_token < engine.model_config.vocab_size:
+        raise InputError(f"first token {first_token} is not in the vocabulary")
+    seq = engine._new_sequence(ids, params, request_id)
+    seq.blocks, seq.num_computed = list(blocks), len(ids)
+    seq.num_cached_tokens = cached_tokens
+    engine.scheduler.publish(seq)
+    out = engine._append(seq, first_token, None)
+    if not out.finished:
+        engine.scheduler.add(seq)
+    return out
 
 
 def export_prefix(engine: LLMEngine, token_ids: Seq[int]) -> tuple[list[BlockHash], torch.Tensor]:

@@ -179,12 +179,16 @@ class Scheduler:
             self.allocator.register(seq.blocks[i], key, tokens)
             seq.keys.append(key)
 
-    def free(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence and release its blocks."""
+    def detach(self, seq: Sequence) -> None:
+        """Drop a finished sequence from the queues but keep its blocks allocated."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and release its blocks."""
+        self.detach(seq)
         self.allocator.release_all(seq.blocks)
         seq.blocks = []
 

@@ -58,6 +58,8 @@ class Sequence:
     """Characters of ``text`` already streamed (the tail may be held back for stop strings)."""
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
     preemptions: int = 0
+    hold_kv: bool = False
+    """Keep the blocks allocated after finishing, until `LLMEngine.release`."""
 
     @property
     def all_ids(self) -> list[int]:
