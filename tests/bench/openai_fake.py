@@ -44,7 +44,7 @@ class FakeServer:
     def __init__(self, behaviour: Behaviour | None = None) -> None:
         self.behaviour = behaviour or Behaviour()
         self.bodies: list[dict[str, Any]] = []
-        self.cache: set[tuple[int, ...]] = set()
+        self.cache: set[int] = set()
         self.app = FastAPI()
         self.app.get("/v1/models")(self._models)
         self.app.post("/v1/completions")(self._completions)
@@ -92,17 +92,17 @@ class FakeServer:
         return await self._serve(request, chat=True)
 
     def _cached(self, prompt: Any) -> int:
-        """Tokens of ``prompt``'s longest prefix of full blocks seen before; remembers it."""
-        tokens = tuple(prompt) if isinstance(prompt, list) else tuple(
-            ord(c) for c in str(prompt))
-        hit, blocks = 0, len(tokens) // CACHE_BLOCK
-        for k in range(1, blocks + 1):
-            key = tokens[: k * CACHE_BLOCK]
-            if key not in self.cache:
-                break
-            hit = k * CACHE_BLOCK
-        for k in range(1, blocks + 1):
-            self.cache.add(tokens[: k * CACHE_BLOCK])
+        """Tokens of ``prompt``'s longest prefix of full blocks seen before; remembers it.
+        Blocks are keyed by a chained hash (block k's key covers blocks 0..k)."""
+        tokens = list(prompt) if isinstance(prompt, list) else [ord(c) for c in str(prompt)]
+        hit, key, missed = 0, 0, False
+        for k in range(len(tokens) // CACHE_BLOCK):
+            key = hash((key, tuple(tokens[k * CACHE_BLOCK:(k + 1) * CACHE_BLOCK])))
+            if key in self.cache and not missed:
+                hit = (k + 1) * CACHE_BLOCK
+            else:
+                missed = True
+                self.cache.add(key)
         return hit
 
     async def _serve(self, request: Request, chat: bool) -> Any:

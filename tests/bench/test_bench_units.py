@@ -217,6 +217,8 @@ def test_request_bodies() -> None:
     ({"api": "chat"}, "chat messages are text"),
     ({"prompt_format": "text"}, "needs --tokenizer"),
     ({"rate": 1.0, "concurrency": 2}, "exclude each other"),
+    ({"rate": 1.0, "speed": 2.0}, "--speed scales the trace's own timestamps"),
+    ({"concurrency": 4, "speed": 2.0}, "--speed scales the trace's own timestamps"),
     ({"slo_tbt": ()}, "at least one threshold"),
     ({"slo_ttft": (0.0,)}, "must be > 0 seconds"),
     ({"speed": 0.0}, "--speed must be > 0"),

@@ -89,6 +89,9 @@ class BenchConfig:
                 f"--rate must be >= 0 (0: the trace's timestamps), got {self.rate}")
         require(not (self.rate > 0 and self.concurrency > 0),
                 "--rate (open loop) and --concurrency (closed loop) exclude each other")
+        require(self.speed == 1.0 or not (self.rate > 0 or self.concurrency > 0),
+                "--speed scales the trace's own timestamps; --rate and --concurrency do not use "
+                "them")
         require(_positive(self.timeout_s), f"--timeout-s must be > 0, got {self.timeout_s}")
         for name in ("slo_ttft", "slo_tbt"):
             values = getattr(self, name)

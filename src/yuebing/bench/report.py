@@ -82,38 +82,58 @@ def write_records(path: Path, runs: Sequence[Run]) -> None:
 
 
 def _ms(x: float) -> str:
-    return "-" if not math.isfinite(x) else f"{x * 1000:,.0f}"
+    return "-" if x is None or not math.isfinite(x) else f"{x * 1000:,.0f}"
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+_ROWS: tuple[tuple[str, Any], ...] = (
+    ("sent", lambda s: str(s["requests"])),
+    ("completed", lambda s: str(s["completed"])),
+    ("rejected (429)", lambda s: str(s["rejected"])),
+    ("errors", lambda s: str(s["errors"])),
+    ("TTFT p50 / p90 / p99 ms", lambda s: " / ".join(
+        _ms(s["ttft_s"][k]) for k in ("p50", "p90", "p99"))),
+    ("TBT p50 / p90 / p99 ms", lambda s: " / ".join(
+        _ms(s["tbt_s"][k]) for k in ("p50", "p90", "p99"))),
+    ("ITL mean / P90 ms (mean over requests)", lambda s: (
+        f"{_ms(s['itl_mean_s']['mean'])} / {_ms(s['itl_p90_s']['mean'])}")),
+    ("end-to-end p50 / p90 ms", lambda s: f"{_ms(s['e2e_s']['p50'])} / {_ms(s['e2e_s']['p90'])}"),
+    ("attainment (first SLOs)", lambda s: f"{s['attainment']:.3f}"),
+    ("goodput req/s", lambda s: f"{s['goodput_rps']:.3f}"),
+    ("goodput output tok/s", lambda s: f"{s['goodput_tokens_per_s']:,.1f}"),
+    ("throughput output tok/s", lambda s: f"{s['output_tokens_per_s']:,.1f}"),
+    ("cached prompt share", lambda s: _share(s["tokens"]["cached_share"])),
+    ("send lag max ms", lambda s: "-" if s["send_lag_s"] is None else
+     _ms(s["send_lag_s"]["max"])),
+)
 
 
 def print_tables(rep: dict[str, Any], runs: Sequence[Run], cfg: BenchConfig) -> None:
-    """One row per run (counts, latency percentiles, attainment, goodput) and the SLO grid."""
+    """One column per run: counts, latency percentiles, attainment, goodput; then the SLO
+    grid (attainment per TTFT × TBT threshold), errors by kind and a sweep's maximum rate."""
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
-    table = Table(title=f"{rep['model']} @ {cfg.endpoint} ({cfg.api}), {rep['workload']}")
-    for c in ("run", "sent", "ok", "429", "errors", "TTFT p50/p90 ms", "TBT p50/p90 ms",
-              "ITL mean ms", "attain.", "goodput req/s", "cached"):
-        table.add_column(c, justify="left" if c == "run" else "right")
+    table = Table(title=f"{rep['model']} @ {cfg.endpoint} ({cfg.api}): {rep['workload']}")
+    table.add_column("metric")
     for run in runs:
-        s = run.summary
-        cached = s["tokens"]["cached_share"]
-        table.add_row(
-            _label(run), str(s["requests"]), str(s["completed"]), str(s["rejected"]),
-            str(s["errors"]), f"{_ms(s['ttft_s']['p50'])}/{_ms(s['ttft_s']['p90'])}",
-            f"{_ms(s['tbt_s']['p50'])}/{_ms(s['tbt_s']['p90'])}", _ms(s["itl_mean_s"]["mean"]),
-            f"{s['attainment']:.3f}", f"{s['goodput_rps']:.3f}",
-            "-" if cached is None else f"{cached:.3f}")
+        table.add_column(_label(run), justify="right")
+    for name, cell in _ROWS:
+        table.add_row(name, *(cell(run.summary) for run in runs))
     console.print(table)
     grid = Table(title="SLO attainment (share of all requests sent)")
-    grid.add_column("run")
-    for y in cfg.slo_tbt:
-        for x in cfg.slo_ttft:
-            grid.add_column(f"TTFT≤{x:g}s TBT≤{y * 1000:g}ms", justify="right")
+    grid.add_column("TTFT ≤ / TBT ≤")
     for run in runs:
-        cells = {(row["ttft_s"], row["tbt_s"]): row["attainment"] for row in run.summary["slo"]}
-        grid.add_row(_label(run), *(f"{cells[(x, y)]:.3f}"
-                                    for y in cfg.slo_tbt for x in cfg.slo_ttft))
+        grid.add_column(_label(run), justify="right")
+    for x in cfg.slo_ttft:
+        for y in cfg.slo_tbt:
+            cells = [next(row["attainment"] for row in run.summary["slo"]
+                          if (row["ttft_s"], row["tbt_s"]) == (x, y)) for run in runs]
+            grid.add_row(f"{x:g} s / {y * 1000:g} ms", *(f"{c:.3f}" for c in cells))
     console.print(grid)
     for run in runs:
         if run.summary["errors_by_kind"]:

@@ -144,8 +144,8 @@ def _run_serve(ns: argparse.Namespace) -> int:
     synth = config_from_args(PromptSynthesizer, ns, prefix="prompt_")
     rates = parse_rates(ns.sweep_rates) if ns.sweep_rates is not None else None
     if rates is not None:
-        require(cfg.rate == 0 and cfg.concurrency == 0,
-                "--sweep-rates sets the rate of each run; drop --rate / --concurrency")
+        require(cfg.rate == 0 and cfg.concurrency == 0 and cfg.speed == 1.0,
+                "--sweep-rates sets the rate of each run; drop --rate / --concurrency / --speed")
     check_out_paths(ns.records, ns.plot)
     trace = _load_workload(ns)
     runs_at: list[float | None] = list(rates) if rates else [cfg.rate or None]

@@ -1,0 +1,114 @@
+"""``yuebing bench serve`` end to end against the fake endpoint: JSON report, records, plots,
+rate sweeps, and one-line errors (status 2) before any load for every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from openai_fake import FakeServer
+
+from yuebing.cli.main import main
+from yuebing.trace.io import write_trace
+from yuebing.trace.model import Request, Trace
+
+_SMALL_DOCQA = ["--synth", "docqa", "--docqa-documents", "2", "--docqa-questions-per-document",
+                "3", "--docqa-min-document-tokens", "1024", "--docqa-max-document-tokens",
+                "2048", "--docqa-question-tokens", "64", "--docqa-output-tokens", "4",
+                "--block-tokens", "32"]
+
+
+def _serve(fake: FakeServer, *args: str) -> list[str]:
+    return ["bench", "serve", "--endpoint", fake.url, "--no-progress", *args]
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], code: int, match: str) -> None:
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("yuebing: error: ")
+    assert match in err, err
+
+
+def test_json_report_records_and_cdf_plots(fake: FakeServer, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    records = tmp_path / "records.jsonl"
+    code = main(_serve(fake, *_SMALL_DOCQA, "--docqa-rate-per-s", "100", "--max-output", "3",
+                       "--slo-tbt", "0.5,1", "--json", "--records", str(records),
+                       "--plot", str(tmp_path / "plots")))
+    assert code == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["model"] == "fake-model" and rep["workload"].startswith("synth:docqa")
+    s = rep["summary"]
+    assert (s["requests"], s["completed"]) == (6, 6)
+    assert set(s["capacity"]) == {"500", "1000"} and len(s["slo"]) == 2
+    assert s["tokens"]["output"] == 18  # --max-output 3 caps the 4 of the workload
+    lines = [json.loads(x) for x in records.read_text().splitlines()]
+    assert [x["index"] for x in lines] == list(range(6))
+    assert all(x["status"] == "ok" and x["rate"] is None for x in lines)
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["tbt_cdf.png",
+                                                                      "ttft_cdf.png"]
+
+
+def test_sweep_reports_each_rate_and_the_max(fake: FakeServer, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(_serve(fake, *_SMALL_DOCQA, "--sweep-rates", "200,100", "--json",
+                       "--plot", str(tmp_path), "--slo-ttft", "300", "--slo-tbt", "300"))
+    assert code == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert [run["rate"] for run in rep["sweep"]] == [100.0, 200.0]
+    assert all(run["summary"]["completed"] == 6 for run in rep["sweep"])
+    assert rep["target_attainment"] == 0.9 and rep["max_rate"] == 200.0
+    assert (tmp_path / "attainment_vs_rate.png").stat().st_size > 0
+    assert len(fake.bodies) == 12
+
+
+def test_tables_on_the_terminal(fake: FakeServer, tmp_path: Path,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    write_trace(Trace(tuple(Request(i, 600, 2, (i,)) for i in range(3))), trace)
+    fake.behaviour.actions = {1: "500"}
+    assert main(_serve(fake, str(trace), "--rate", "50", "--block-tokens", "16")) == 0
+    out = capsys.readouterr().out
+    assert "50 req/s" in out and "SLO attainment" in out and "'http_500': 1" in out
+
+
+def test_bad_trace_fails_before_any_load(fake: FakeServer, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1}\n')
+    _one_line_error(capsys, main(_serve(fake, str(bad))), "field 'hash_ids'")
+    assert fake.bodies == []
+
+
+def test_unknown_model_fails_before_any_load(fake: FakeServer,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(_serve(fake, *_SMALL_DOCQA, "--model", "gpt-9"))
+    _one_line_error(capsys, code, "not --model 'gpt-9'")
+    assert fake.bodies == []
+
+
+def test_unreachable_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = main(["bench", "serve", *_SMALL_DOCQA, "--endpoint", f"http://127.0.0.1:{port}"])
+    _one_line_error(capsys, code, "cannot reach --endpoint")
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    ([], "give a trace file or --synth"),
+    (["--synth", "fixed", "--docqa-documents", "3"], "--docqa-documents applies only to --synth docqa"),
+    (["--synth", "fixed", "--sweep-rates", "1,x"], "--sweep-rates takes numbers"),
+    (["--synth", "fixed", "--sweep-rates", "1,1"], "repeats a rate"),
+    (["--synth", "fixed", "--sweep-rates", "1", "--rate", "2"], "drop --rate"),
+    (["--synth", "fixed", "--sweep-rates", "1", "--speed", "2"], "drop --rate"),
+    (["--synth", "fixed", "--api", "chat"], "chat messages are text"),
+    (["--synth", "fixed", "--fixed-shared-fraction", "2"], "shared_fraction must be in [0, 1]"),
+    (["--synth", "fixed", "--records", "/nonexistent/dir/r.jsonl"], "does not exist"),
+])
+def test_bad_options_fail_before_any_load(fake: FakeServer, capsys: pytest.CaptureFixture[str],
+                                          args: list[str], match: str) -> None:
+    _one_line_error(capsys, main(_serve(fake, *args)), match)
+    assert fake.bodies == []
