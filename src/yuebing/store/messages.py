@@ -233,36 +233,49 @@ class Pin(Message, tag="store.pin"):
 
 @register_message
 class Mount(Message, tag="store.mount"):
-    """A node contributes a segment (registered in the transfer engine under ``segment``)."""
+    """A node contributes a segment (registered in the transfer engine under ``segment``).
+    ``incarnation`` identifies the node process (new at every start): a mount from a new
+    incarnation of ``client`` retires the segments of the old one at once (a node restarted
+    under the same name); one from an incarnation already retired is refused (EXISTS)."""
 
     client: str
     segment: str
     size: int
     tier: int = Tier.DRAM
     node: str = ""
+    incarnation: str = ""
 
 
 @register_message
 class Unmount(Message, tag="store.unmount"):
-    """Withdraw a segment at once: objects lose the replicas it held."""
+    """Withdraw a segment at once: objects lose the replicas it held. With ``incarnation``,
+    only that incarnation's mount of the segment (UNKNOWN_SEGMENT if another one holds it)."""
 
     client: str
     segment: str
+    incarnation: str = ""
 
 
 @register_message
 class Drain(Message, tag="store.drain"):
     """Stop placing new values on a segment and migrate the committed values that would be lost
     with it (every replica on draining segments) to active DRAM segments; reply `DrainStatus`.
-    Idempotent: a node repeats it until both of the reply's counts are 0."""
+    Idempotent: a node repeats it until both of the reply's counts are 0. ``incarnation`` as
+    in `Unmount`."""
 
     client: str
     segment: str
+    incarnation: str = ""
 
 
 @register_message
 class Heartbeat(Message, tag="store.heartbeat"):
+    """Keeps ``client``'s session alive; reply `HeartbeatReply`. A node sends its
+    ``incarnation``: its suspected segments take puts again; a retired incarnation (the name
+    was mounted by a newer process) is refused (EXISTS) and should stop."""
+
     client: str
+    incarnation: str = ""
 
 
 @register_message

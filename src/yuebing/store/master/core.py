@@ -27,7 +27,8 @@ from yuebing.core.clock import Clock, WallClock
 from yuebing.protocol import Message
 from yuebing.store import messages as m
 from yuebing.store.config import MasterConfig
-from yuebing.store.master import eviction, fence, incarnations, fit, migration, removal, reserve, segments
+from yuebing.store.master import eviction, fence, fit, migration, removal, reserve, segments
+from yuebing.store.master.incarnations import heartbeat as node_heartbeat
 from yuebing.store.master.placement import PLACEMENTS, PlacementRequest
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState, Session, Task
 
@@ -415,7 +416,7 @@ class MasterCore:
         return segments.drain(self, msg)
 
     def heartbeat(self, msg: m.Heartbeat) -> Message:
-        return incarnations.heartbeat(self, msg)
+        return node_heartbeat(self, msg)
 
     def task_done(self, msg: m.TaskDone) -> Message:
         segments.task_done(self, msg)

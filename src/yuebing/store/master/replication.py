@@ -69,8 +69,8 @@ def _apply_pin(core: MasterCore, e: list[Any]) -> None:
 
 
 def _apply_mount(core: MasterCore, e: list[Any]) -> None:
-    _, sid, name, size, tier, node, client = e
-    segments.add_segment(core, sid, name, size, tier, node, client, None)
+    _, sid, name, size, tier, node, client, *inc = e
+    segments.add_segment(core, sid, name, size, tier, node, client, None, *inc)
 
 
 def _apply_unmount(core: MasterCore, e: list[Any]) -> None:
@@ -101,7 +101,7 @@ def snapshot(core: MasterCore) -> bytes:
     owner (pending: the writer; committed: the client whose retried commit answers OK) is an
     index into ``owners``, so a client's id is sent once, not once per value."""
     now = core.clock.now()
-    segs = [[s.id, s.name, s.size, s.tier, s.node, s.client, int(s.state)]
+    segs = [[s.id, s.name, s.size, s.tier, s.node, s.client, int(s.state), s.incarnation]
             for s in core.segs.values()]
     owners: dict[str | None, int | None] = {None: None}  # each owner once, rows index it
     objs = [[k, o.size, o.checksum, o.reps, int(o.state),
@@ -128,8 +128,9 @@ def load_snapshot(core: MasterCore, blob: bytes) -> None:
     core.tasks.clear()
     core.drains = migration.Drains()  # a stale drain index would skip values now at risk
     core.reservations.clear()
-    for sid, name, size, tier, node, client, st in state["segs"]:
-        segments.add_segment(core, sid, name, size, tier, node, client, None).state = SegState(st)
+    for sid, name, size, tier, node, client, st, *inc in state["segs"]:
+        segments.add_segment(core, sid, name, size, tier, node, client, None,
+                             *inc).state = SegState(st)
     owners = state.get("owners", [])
     for key, size, checksum, reps, st, owner, pin, soft_s in state["objs"]:
         if isinstance(owner, int):

@@ -22,7 +22,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from yuebing.store import messages as m
-from yuebing.store.master import fence, incarnations, fit, migration, reserve
+from yuebing.store.master import fence, fit, incarnations, migration, reserve
 from yuebing.store.master.allocator import OffsetAllocator
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState
 

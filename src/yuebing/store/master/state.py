@@ -46,12 +46,13 @@ class Obj:
 
 
 class Seg:
-    """One mounted segment. The allocator is None on a standby (rebuilt at takeover)."""
+    """One mounted segment. The allocator is None on a standby (rebuilt at takeover).
+    ``incarnation``: the node process that mounted it ("" = not told)."""
 
-    __slots__ = ("alloc", "client", "id", "name", "node", "size", "state", "tier")
+    __slots__ = ("alloc", "client", "id", "incarnation", "name", "node", "size", "state", "tier")
 
     def __init__(self, sid: int, name: str, size: int, tier: int, node: str, client: str,
-                 alloc: OffsetAllocator | None) -> None:
+                 alloc: OffsetAllocator | None, incarnation: str = "") -> None:
         self.id = sid
         self.name = name
         self.size = size
@@ -60,17 +61,21 @@ class Seg:
         self.client = client
         self.state = SegState.ACTIVE
         self.alloc = alloc
+        self.incarnation = incarnation
 
 
 class Session:
-    """A client or node known to the master, alive until ``deadline``."""
+    """A client or node known to the master, alive until ``deadline``. ``incarnation``: the
+    node process whose segments count (the last to mount); ``retired``: earlier ones."""
 
-    __slots__ = ("deadline", "ident", "segs")
+    __slots__ = ("deadline", "ident", "incarnation", "retired", "segs")
 
     def __init__(self, deadline: float, ident: bytes | None) -> None:
         self.deadline = deadline
         self.ident = ident
         self.segs: set[int] = set()
+        self.incarnation = ""
+        self.retired: list[str] = []
 
 
 class Task:

@@ -51,6 +51,9 @@ class StorageNode:
         self.ccfg = client or ClientConfig()
         self.name = cfg.name or f"node-{uuid.uuid4().hex[:8]}"
         self.client_id = self.name
+        self.incarnation = uuid.uuid4().hex
+        """This process: a node restarted under the same name retires the segments of the
+        process before it at its first mount (`master.incarnations`)."""
         self.engine = TransferEngine(transfer or TransferConfig(metadata="p2p"))
         self._local = f"{self.name}.dram"
         self.segment = self.engine.register_segment(self._local, size=cfg.dram,
@@ -83,10 +86,11 @@ class StorageNode:
 
     def mounts(self) -> list[m.Mount]:
         out = [m.Mount(client=self.client_id, segment=self.dram_name, size=self.cfg.dram,
-                       tier=m.Tier.DRAM, node=self.name)]
+                       tier=m.Tier.DRAM, node=self.name, incarnation=self.incarnation)]
         if self.ssd_name:
             out.append(m.Mount(client=self.client_id, segment=self.ssd_name,
-                               size=self._ssd_size, tier=m.Tier.SSD, node=self.name))
+                               size=self._ssd_size, tier=m.Tier.SSD, node=self.name,
+                               incarnation=self.incarnation))
         return out
 
     def mount(self) -> None:
@@ -121,7 +125,14 @@ class StorageNode:
 
     def _heartbeat(self) -> None:
         try:
-            r = self._call(m.Heartbeat(client=self.client_id))
+            r = self._call(m.Heartbeat(client=self.client_id, incarnation=self.incarnation))
+        except StoreRpcError as e:
+            if e.code == m.Code.EXISTS:  # another process took this name over: stop
+                log.error("node %s stops: %s", self.name, e)
+                self._stop.set()
+                return
+            log.warning("heartbeat failed: %s", e)
+            return
         except StoreError as e:
             log.warning("heartbeat failed: %s", e)
             return
@@ -272,7 +283,8 @@ class StorageNode:
     def _drain_one(self, segment: str) -> tuple[int, int]:
         """One `Drain` of ``segment``: (values at risk, values leased; -1 = not counted)."""
         try:
-            reply = self._call(m.Drain(client=self.client_id, segment=segment))
+            reply = self._call(m.Drain(client=self.client_id, segment=segment,
+                                       incarnation=self.incarnation))
         except StoreRpcError as e:
             if e.code == m.Code.UNKNOWN_SEGMENT:
                 return 0, 0  # the master holds nothing of it (never mounted or already dropped)
@@ -288,7 +300,8 @@ class StorageNode:
         if unmount:
             for msg in self.mounts():
                 with contextlib.suppress(StoreError):
-                    self._call(m.Unmount(client=self.client_id, segment=msg.segment))
+                    self._call(m.Unmount(client=self.client_id, segment=msg.segment,
+                                         incarnation=self.incarnation))
         self.conn.close()
         self.engine.close()
         if self._live_fd >= 0:
