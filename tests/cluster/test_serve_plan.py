@@ -24,6 +24,14 @@ def test_serve_config_validation() -> None:
     with pytest.raises(ConfigError, match="a disaggregated cluster needs both"):
         ServeConfig(prefill=1, decode=0)
     ServeConfig(prefill=1, decode=0, etcd="http://10.0.0.1:2379")  # decodes on other hosts
+    ServeConfig(prefill=0, decode=0, etcd="http://10.0.0.1:2379")  # store + conductor only
+    with pytest.raises(ConfigError, match="no instances to serve"):
+        ServeConfig(prefill=0, decode=0)
+    with pytest.raises(ConfigError, match="--store-port must be in 0..65534"):
+        ServeConfig(store_port=65535)
+    plan = ServePlan(ServeConfig(store_port=50999), Path("."))
+    assert (plan.master_addr, plan.events_addr) == ("tcp://127.0.0.1:50999",
+                                                    "tcp://127.0.0.1:51000")
     with pytest.raises(ConfigError, match="--etcd must be an URL"):
         ServeConfig(etcd="10.0.0.1:2379")
     with pytest.raises(ConfigError, match="--prefill, --decode and --coupled must be >= 0"):

@@ -22,13 +22,13 @@ from yuebing.core.config import add_config_args, config_from_args
 log = logging.getLogger(__name__)
 
 SERVE_FIELDS = ("prefill", "decode", "coupled", "host", "port", "advertise_host", "etcd",
-                "cluster", "store", "store_dram")
+                "cluster", "store", "store_dram", "store_port")
 
 MANAGED = {
     "conductor": {"--host", "--port", "--instances", "--etcd", "--cluster", "--store-events",
                   "--store-admin", "--ready-file"},
-    "instance": {"--instance-id", "--host", "--control-port", "--store-master", "--etcd",
-                 "--cluster", "--ready-file"},
+    "instance": {"--instance-id", "--host", "--advertise-host", "--control-port", "--role",
+                 "--store-master", "--etcd", "--cluster", "--ready-file"},
 }
 """Flags of a role that the all-in-one sets itself for each child (not offered to the user)."""
 

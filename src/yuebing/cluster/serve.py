@@ -64,6 +64,9 @@ class ServeConfig:
         "help": "run a store master and node (off: instances keep KV in their local cache)"})
     store_dram: int = field(default=1 << 30, metadata={
         "help": "shared memory the store node contributes, e.g. 4GiB", "size": True})
+    store_port: int = field(default=0, metadata={
+        "help": "the store master's RPC port on --advertise-host (its KV-event stream takes "
+                "the next port); 0 = free ports picked at start (printed)"})
     verbose: int = 0
     conductor_args: tuple[str, ...] = ()
     instance_args: tuple[str, ...] = ()
@@ -77,7 +80,12 @@ class ServeConfig:
                     f"--prefill {self.prefill} --decode {self.decode}: a disaggregated "
                     "cluster needs both (or --coupled K); with --etcd the others may run "
                     "on other hosts")
+        require(bool(self.etcd) or bool(self.instance_roles),
+                "no instances to serve: give --prefill/--decode or --coupled (or --etcd, "
+                "for instances started on other hosts)")
         require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
+        require(0 <= self.store_port <= 65534,
+                f"--store-port must be in 0..65534, got {self.store_port}")
         require(self.store_dram > 0, f"--store-dram must be > 0, got {self.store_dram}")
         require(not self.etcd or self.etcd.startswith(("http://", "https://")),
                 f"--etcd must be an URL like http://127.0.0.1:2379, got {self.etcd!r}")
@@ -117,8 +125,10 @@ class ServePlan:
         self.dir = log_dir
         self.has_option = has_option
         adv = cfg.advertise_host
-        self.master_addr = f"tcp://{local_url_host(adv)}:{free_port(adv)}"
-        self.events_addr = f"tcp://{local_url_host(adv)}:{free_port(adv)}"
+        rpc, events = ((cfg.store_port, cfg.store_port + 1) if cfg.store_port
+                       else (free_port(adv), free_port(adv)))
+        self.master_addr = f"tcp://{local_url_host(adv)}:{rpc}"
+        self.events_addr = f"tcp://{local_url_host(adv)}:{events}"
         self.admin_port = free_port("127.0.0.1")
         self.http_port = cfg.port or free_port(cfg.host if cfg.host != "0.0.0.0" else "")
         self.control = {name: free_port(adv) for name, _ in cfg.instance_roles}
@@ -195,8 +205,11 @@ def banner(plan: ServePlan, sup: Supervisor, model: str) -> str:
     store = f", store {format_size(cfg.store_dram)}" if cfg.store else ", no store"
     body = json.dumps({"model": model, "stream": True,
                        "messages": [{"role": "user", "content": "Hi"}]})
+    where = f"  store master: {plan.master_addr}\n" if cfg.store else ""
+    if cfg.etcd:
+        where += f"  etcd: {cfg.etcd} (cluster {cfg.cluster!r}): instances started there join\n"
     return (f"yuebing serve: ready ({roles}{store}); logs in {sup.log_dir}\n"
-            f"  OpenAI API: {plan.base_url}/v1\n"
+            f"  OpenAI API: {plan.base_url}/v1\n{where}"
             f"  curl {plan.base_url}/v1/chat/completions -H 'content-type: application/json' "
             f"-d '{body}'\n"
             "Ctrl-C stops every process.")
