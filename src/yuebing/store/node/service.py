@@ -2,7 +2,9 @@
 and optionally an SSD tier (one preallocated file) to the store.
 
 Life cycle: register the DRAM segment with the transfer engine (clients then READ/WRITE it
-directly; the node's CPU never touches put/get bytes), mount it (and the SSD tier) at the master,
+directly; the node's CPU never touches put/get bytes) and the SSD tier's file (mapped, served
+over TCP: a reader copies an SSD-resident value from it when the master has no DRAM room to
+promote it into), mount them at the master,
 then heartbeat every ``heartbeat_s``; a heartbeat reply that lacks one of our segments (the
 master forgot us) triggers a re-mount. Between heartbeats the node runs the master's tasks:
 offload (DRAM range → SSD file) and promotion (SSD file → DRAM range), copied in place, and
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import threading
 import time
@@ -64,6 +67,7 @@ class StorageNode:
         self.ssd_name = ""
         self._ssd_fd = -1
         self._ssd_path = ""
+        self._ssd_map: mmap.mmap | None = None
         ssd = cfg.ssd_dir_size
         if ssd is not None:
             self._open_ssd(*ssd)
@@ -82,6 +86,10 @@ class StorageNode:
         self._ssd_fd = os.open(self._ssd_path, os.O_RDWR | os.O_CREAT, 0o600)
         os.ftruncate(self._ssd_fd, size)
         self._ssd_size = size
+        # readers copy SSD-tier values straight from the file when the master has no DRAM
+        # room for a promotion: the file is a (TCP) segment of the transfer engine too
+        self._ssd_map = mmap.mmap(self._ssd_fd, size)
+        self.engine.register_segment(f"{self.name}.ssd", buffer=self._ssd_map)
         self.ssd_name = self.engine.segment_name(f"{self.name}.ssd")
 
     def mounts(self) -> list[m.Mount]:
@@ -307,6 +315,10 @@ class StorageNode:
         if self._live_fd >= 0:
             os.close(self._live_fd)
             self._live_fd = -1
+        if self._ssd_map is not None:
+            with contextlib.suppress(BufferError):  # a view still exported: unmapped at exit
+                self._ssd_map.close()
+            self._ssd_map = None
         if self._ssd_fd >= 0:
             os.close(self._ssd_fd)
             with contextlib.suppress(OSError):
