@@ -35,6 +35,8 @@ class Behaviour:
     token_delay_s: float = 0.0
     retry_after: str | None = "0"
     report_cached: bool = True
+    api_key: str | None = None
+    """When set, every endpoint wants ``Authorization: Bearer <api_key>`` (401 otherwise)."""
     actions: dict[int, str] = field(default_factory=dict)
 
 
@@ -81,7 +83,13 @@ class FakeServer:
 
     # --- handlers --------------------------------------------------------------------------
 
-    async def _models(self) -> dict[str, Any]:
+    def _authorized(self, request: Request) -> bool:
+        key = self.behaviour.api_key
+        return key is None or request.headers.get("authorization") == f"Bearer {key}"
+
+    async def _models(self, request: Request) -> Any:
+        if not self._authorized(request):
+            return JSONResponse({"error": {"message": "bad key"}}, 401)
         return {"object": "list", "data": [{"id": m, "object": "model"}
                                            for m in self.behaviour.models]}
 
@@ -106,6 +114,8 @@ class FakeServer:
         return hit
 
     async def _serve(self, request: Request, chat: bool) -> Any:
+        if not self._authorized(request):
+            return JSONResponse({"error": {"message": "bad key"}}, 401)
         body = await request.json()
         number = len(self.bodies)
         self.bodies.append(body)

@@ -133,3 +133,16 @@ def test_an_unreachable_endpoint_fails_before_any_load() -> None:
     cfg = BenchConfig(endpoint=f"http://127.0.0.1:{_closed_port()}")
     with pytest.raises(InputError, match="cannot reach --endpoint"):
         run_bench(cfg, [(None, build_workload(_trace(1), cfg))])
+
+
+def test_bearer_token_from_the_environment(fake: FakeServer,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    fake.behaviour.api_key = "s3cret"
+    with pytest.raises(InputError, match="HTTP 401 .* --api-key-env"):
+        _run(fake, _trace(1))
+    with pytest.raises(InputError, match="BENCH_KEY: that environment variable is not set"):
+        _run(fake, _trace(1), api_key_env="BENCH_KEY")
+    monkeypatch.setenv("BENCH_KEY", "s3cret")
+    _, run = _run(fake, _trace(2), api_key_env="BENCH_KEY")
+    assert [r.status for r in run.results] == [Status.OK, Status.OK]
+    assert run.summary["completed"] == 2

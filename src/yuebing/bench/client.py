@@ -1,6 +1,7 @@
 """Streaming OpenAI-API client of the load generator (aiohttp, Server-Sent Events).
 
-Who calls what: `yuebing.bench.runner` opens one `open_session`, calls `check_endpoint` once
+Who calls what: `yuebing.bench.runner` opens one `open_session` (with the bearer token of
+``--api-key-env``, when given), calls `check_endpoint` once
 before any load (unreachable endpoint, not an OpenAI server, unknown model → `InputError`, one
 line), then `send` once per request, concurrently. `send` posts a streaming request to
 ``/v1/completions`` (prompt as token ids or text) or ``/v1/chat/completions``, timestamps every
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -63,9 +65,17 @@ class SSEParser:
         return self.feed(b"")
 
 
-def open_session() -> aiohttp.ClientSession:
-    """A session without a connection cap (open-loop load must not queue in the client)."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+def open_session(cfg: BenchConfig) -> aiohttp.ClientSession:
+    """A session without a connection cap (open-loop load must not queue in the client),
+    sending JSON and, with ``--api-key-env NAME``, ``Authorization: Bearer $NAME``."""
+    headers = {"Content-Type": "application/json"}
+    if cfg.api_key_env:
+        key = os.environ.get(cfg.api_key_env)
+        if not key:
+            raise InputError(f"--api-key-env {cfg.api_key_env}: that environment variable is "
+                             "not set")
+        headers["Authorization"] = f"Bearer {key}"
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers,
                                  read_bufsize=1 << 20, timeout=aiohttp.ClientTimeout(total=None))
 
 
@@ -74,6 +84,9 @@ async def check_endpoint(session: aiohttp.ClientSession, cfg: BenchConfig) -> st
     url = cfg.base_url + "/v1/models"
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=CHECK_TIMEOUT_S)) as r:
+            if r.status in (401, 403):
+                raise InputError(f"{url} answered HTTP {r.status} (not authorized): give the "
+                                 "endpoint's token with --api-key-env NAME")
             if r.status != 200:
                 raise InputError(f"{url} answered HTTP {r.status}; is --endpoint an "
                                  "OpenAI-compatible server?")
@@ -195,22 +208,21 @@ async def _attempts(session: aiohttp.ClientSession, url: str, data: bytes, res: 
     deadline = res.start_s + cfg.timeout_s
     while True:
         timeout = aiohttp.ClientTimeout(total=max(deadline - clock(), 1e-3))
-        async with session.post(url, data=data, timeout=timeout,
-                                headers={"Content-Type": "application/json"}) as resp:
+        async with session.post(url, data=data, timeout=timeout) as resp:
             res.http_status = resp.status
-            if resp.status == 429:
-                wait = retry_after_s(resp.headers.get("Retry-After"))
-                if cfg.retry_429 and clock() + wait < deadline:
-                    res.retries += 1
-                    await asyncio.sleep(wait)
-                    continue
-                res.fail(Status.REJECTED, "rejected", (await resp.text())[:200])
+            if resp.status == 200:
+                await _read_stream(resp, res, cfg.api, clock)
                 return
-            if resp.status != 200:
-                res.fail(Status.ERROR, f"http_{resp.status}", (await resp.text())[:200])
-                return
-            await _read_stream(resp, res, cfg.api, clock)
+            text = (await resp.read())[:200].decode(errors="replace")
+            wait = retry_after_s(resp.headers.get("Retry-After"))
+        if resp.status != 429:
+            res.fail(Status.ERROR, f"http_{resp.status}", text)
             return
+        if not (cfg.retry_429 and clock() + wait < deadline):
+            res.fail(Status.REJECTED, "rejected", text)
+            return
+        res.retries += 1
+        await asyncio.sleep(wait)  # the refused response is released while waiting
 
 
 async def send(session: aiohttp.ClientSession, req: BenchRequest, cfg: BenchConfig,

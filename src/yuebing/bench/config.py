@@ -34,6 +34,8 @@ class BenchConfig:
     model: str = field(default="", metadata={
         "help": "model name to request (empty: the first model the endpoint's /v1/models lists)"})
     api: str = field(default="completions", metadata={"help": "API: completions or chat"})
+    api_key_env: str = field(default="", metadata={
+        "help": "environment variable holding a bearer token for the endpoint (empty: none)"})
     prompt_format: str = field(default="tokens", metadata={
         "help": "send prompts as token ids (completions only) or as text (needs --tokenizer)"})
     tokenizer: str = field(default="", metadata={

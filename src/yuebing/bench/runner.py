@@ -96,7 +96,7 @@ async def run_workloads(cfg: BenchConfig,
     """(model, one `Run` per workload); raises `InputError` before any load when the endpoint
     cannot be used."""
     runs = []
-    async with open_session() as session:
+    async with open_session(cfg) as session:
         model = await check_endpoint(session, cfg)
         for rate, requests in workloads:
             if on_start is not None:
