@@ -110,3 +110,41 @@ def test_store_stages_start_and_stop(tmp_path: Path) -> None:
     assert not [e for e in os.listdir("/dev/shm") if e.startswith(f"yuebing-tx-{node['pid']}-")]
     assert "yuebing serve: ready (1 prefill + 1 decode, store 16MiB)" in banner(
         plan, sup, "m")
+
+
+def test_serve_cli_offers_and_forwards_role_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`yuebing serve` takes the role commands' flags from their parsers (fake roles here) and
+    `yuebing serve <role>` still reaches the role's own command."""
+    import yuebing.cli.main as main
+    from yuebing.cluster.cli import add_serve_args, serve_config_from_args
+
+    def conductor_args(p: argparse.ArgumentParser) -> None:
+        for flag in ("--host", "--model", "--admission", "--instances", "--etcd"):
+            p.add_argument(flag)
+        p.add_argument("--port", type=int)
+        p.add_argument("--ttft-slo", type=float)
+
+    def instance_args(p: argparse.ArgumentParser) -> None:
+        for flag in ("--host", "--model", "--instance-id", "--store-master"):
+            p.add_argument(flag)
+        p.add_argument("--threads", type=int)
+        p.add_argument("--warmup", action=argparse.BooleanOptionalAction)
+
+    real = main._discover()
+    fakes = [main.Command(("serve", "conductor"), "c", conductor_args, lambda ns: 7),
+             main.Command(("serve", "prefill"), "p", instance_args, lambda ns: 8)]
+    monkeypatch.setattr(main, "_discover", lambda: [c for c in real if c.path[:1] != ("serve",)
+                                                    or c.path == ("serve",)] + fakes)
+    parser = main.build_parser()
+    ns = parser.parse_args(["serve", "--model", "dummy", "--admission", "slo", "--ttft-slo",
+                            "5", "--threads", "2", "--no-warmup", "--port", "9000"])
+    probe = argparse.ArgumentParser()
+    add_serve_args(probe)
+    assert "--instance-id" not in probe._option_string_actions
+    cfg = serve_config_from_args(ns, probe._option_string_actions)
+    assert cfg.port == 9000
+    assert cfg.conductor_args == ("--model", "dummy", "--admission", "slo", "--ttft-slo", "5.0")
+    assert cfg.instance_args == ("--model", "dummy", "--threads", "2", "--no-warmup")
+    assert parser.parse_args(["serve", "conductor", "--port", "1"])._run(ns) == 7
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--instances", "tcp://x:1"])  # set by the plan, not offered
