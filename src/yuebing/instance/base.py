@@ -1,0 +1,508 @@
+"""`Instance`: what every serving role shares — engine + driver thread, transfer engine, KV
+connector, the control server (zmq ROUTER, `protocol.instance` messages) and load reports.
+
+Threads of an instance process: the asyncio control loop (this class; never blocks on a step),
+the engine's driver thread (`EngineDriver`), the connector's store I/O thread (one; the store
+client is single-threaded), the transfer engine's threads. A control frame is decoded, checked
+and answered in the loop; engine work is queued to the driver; engine outputs come back through
+`_outputs_from_driver` (driver thread) → `_on_outputs` (loop), which turns them into
+`TaskEvent`s for the Conductor connection that owns the task. A frame that does not decode
+or is invalid gets `ErrorReply(BAD_REQUEST)`; the instance keeps serving.
+
+Roles subclass it (`prefill.PrefillInstance`, `decode.DecodeInstance`,
+`coupled.CoupledInstance`) and implement `on_submit` / `on_reserve` / `on_cancel` and the
+per-output handling. `run_instance(cfg)` builds the role and serves until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+import zmq.asyncio
+
+from yuebing.core.errors import EngineError, InputError
+from yuebing.core.ids import BlockHash
+from yuebing.engine.config import EngineConfig
+from yuebing.engine.engine import LLMEngine
+from yuebing.engine.sampling import SamplingParams
+from yuebing.engine.sequence import RequestOutput
+from yuebing.instance.config import InstanceConfig
+from yuebing.instance.connector import KVConnector, KVConnectorConfig, Loaded
+from yuebing.instance.driver import EngineDriver
+from yuebing.instance.kvkeys import store_block_keys
+from yuebing.protocol import Message, ProtocolError, decode, encode
+from yuebing.protocol.instance import (
+    Ack,
+    Breakdown,
+    Cancel,
+    ErrorCode,
+    ErrorReply,
+    EventKind,
+    FetchPrefix,
+    Hello,
+    LoadReport,
+    Ping,
+    PrefixPlan,
+    Reserve,
+    Role,
+    Sampling,
+    SubmitTask,
+    Subscribe,
+    TaskEvent,
+)
+from yuebing.transfer.config import TransferConfig
+from yuebing.transfer.engine import TransferEngine
+
+log = logging.getLogger(__name__)
+
+
+class Refused(Exception):
+    """A request the instance answers with `ErrorReply(code, message)`."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Task:
+    """One request on this instance (any role)."""
+
+    request_id: str
+    owner: bytes
+    """zmq identity of the Conductor connection that submitted it (events go there)."""
+    token_ids: list[int]
+    params: SamplingParams
+    arrived: float = field(default_factory=time.time)
+    cached_tokens: int = 0
+    breakdown: Breakdown = field(default_factory=Breakdown)
+    outputs: int = 0
+    done: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def to_params(s: Sampling, max_tokens: int | None = None) -> SamplingParams:
+    """Wire sampling → engine `SamplingParams` (raises `InputError` for bad values)."""
+    return SamplingParams(max_tokens=s.max_tokens if max_tokens is None else max_tokens,
+                          temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                          stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
+                          ignore_eos=s.ignore_eos,
+                          min_tokens=min(s.min_tokens, s.max_tokens if max_tokens is None
+                                         else max_tokens))
+
+
+def engine_config(cfg: InstanceConfig) -> EngineConfig:
+    return EngineConfig(model=cfg.model, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads,
+                        num_blocks=cfg.num_blocks, kv_cache_bytes=cfg.kv_cache_bytes,
+                        max_batch_tokens=cfg.max_batch_tokens, max_num_seqs=cfg.max_num_seqs,
+                        max_model_len=cfg.max_model_len, weights_seed=cfg.weights_seed)
+
+
+class Instance:
+    """Base of the roles; see the module docstring."""
+
+    role: Role = Role.COUPLED
+    uses_store: bool = True
+    exposes_pool: bool = False
+    """Register the KV pool as a transfer segment (decode: prefills write into it)."""
+
+    def __init__(self, cfg: InstanceConfig, engine: LLMEngine | None = None) -> None:
+        self.cfg = cfg
+        self.incarnation = secrets.token_hex(8)
+        self.transfer = TransferEngine(TransferConfig(
+            host=cfg.host, advertise_host=cfg.advertise_host, metadata="p2p",
+            timeout_s=cfg.transfer_timeout_s))
+        storage = self._pool_storage if self.exposes_pool else None
+        self.engine = engine or LLMEngine(engine_config(cfg), kv_storage=storage)
+        self.store = self._open_store()
+        staging = None
+        if self.store is not None or self.role != Role.DECODE:
+            seg = self.transfer.register_segment("staging", size=cfg.staging_bytes)
+            staging = torch.frombuffer(seg.view, dtype=torch.uint8)
+        self.connector = KVConnector(self.engine, self.store, KVConnectorConfig(
+            cfg.store_block_tokens, cfg.staging_bytes), staging)
+        self.io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-io")
+        if cfg.warmup:
+            self.engine.warmup()
+        self.driver = EngineDriver(self.engine, self._outputs_from_driver, cfg.threads,
+                                   f"engine-{cfg.role}")
+        self.tasks: dict[str, Task] = {}
+        self.subscribers: set[bytes] = set()
+        self._report_seq = 0
+        self._local_keys: OrderedDict[BlockHash, BlockHash] = OrderedDict()
+        """Store-block keys whose KV is in this engine's prefix cache → the engine key of the
+        store block's last engine block (checked for eviction before each report)."""
+        self._cache_added: list[int] = []
+        self._cache_removed: list[int] = []
+        self._resync = True
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.sock: zmq.asyncio.Socket | None = None
+        self.control_address = ""
+        self.instance_id = cfg.instance_id
+        self._stopping = False
+
+    # ------------------------------------------------------------------ set-up
+
+    def _pool_storage(self, nbytes: int) -> torch.Tensor:
+        seg = self.transfer.register_segment("kv", size=nbytes)
+        return torch.frombuffer(seg.view, dtype=torch.uint8)
+
+    def _open_store(self) -> Any:
+        if not self.cfg.store_master or not self.uses_store:
+            return None
+        from yuebing.store.client.client import StoreClient
+        from yuebing.store.config import ClientConfig
+        return StoreClient(ClientConfig(master=self.cfg.store_master), engine=self.transfer)
+
+    def hello(self, seq: int = 0) -> Hello:
+        e = self.engine
+        return Hello(seq=seq, instance_id=self.instance_id, role=self.role,
+                     model=e.model_config.name, fingerprint=e.fingerprint,
+                     host=self.cfg.public_host, control_address=self.control_address,
+                     kv_segment=self.transfer.segment_name("kv") if self.exposes_pool else "",
+                     block_size=e.block_size, store_block_tokens=self.cfg.store_block_tokens,
+                     num_blocks=e.allocator.num_blocks, max_model_len=e.max_model_len,
+                     incarnation=self.incarnation)
+
+    async def start(self) -> str:
+        """Bind the control socket; returns its address."""
+        self.loop = asyncio.get_running_loop()
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        host = self.cfg.host
+        if self.cfg.control_port:
+            self.sock.bind(f"tcp://{host}:{self.cfg.control_port}")
+            port = self.cfg.control_port
+        else:
+            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.control_address = f"tcp://{self.cfg.public_host}:{port}"
+        if not self.instance_id:
+            self.instance_id = f"{self.cfg.role}-{self.cfg.public_host}-{port}"
+        log.info("%s instance %s serving control on %s (model %s, %d KV blocks)",
+                 self.cfg.role, self.instance_id, self.control_address,
+                 self.engine.model_config.name, self.engine.allocator.num_blocks)
+        return self.control_address
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Answer control frames and push reports until ``stop`` is set."""
+        assert self.sock is not None
+        reporter = asyncio.create_task(self._report_loop(stop))
+        sweeper = asyncio.create_task(self._sweep_loop(stop))
+        recv = None
+        try:
+            while not stop.is_set():
+                recv = recv or asyncio.ensure_future(self.sock.recv_multipart())
+                stopper = asyncio.ensure_future(stop.wait())
+                done, _ = await asyncio.wait({recv, stopper},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                stopper.cancel()
+                if recv in done:
+                    frames, recv = recv.result(), None
+                    await self._handle_frames(frames)
+        finally:
+            if recv is not None:
+                recv.cancel()
+            reporter.cancel()
+            sweeper.cancel()
+
+    async def close(self) -> None:
+        self._stopping = True
+        for task in list(self.tasks.values()):
+            self._event(task, EventKind.ERROR, error_code=ErrorCode.SHUTTING_DOWN,
+                        error="the instance is shutting down")
+        self.driver.close()
+        self.io.shutdown(wait=False, cancel_futures=True)
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.close()
+        if self.sock is not None:
+            self.sock.close(0)
+        self.transfer.close()
+
+    # ------------------------------------------------------------------ control frames
+
+    async def _handle_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            log.warning("dropped a control message of %d frames", len(frames))
+            return
+        ident, payload = frames
+        seq = 0
+        try:
+            msg = decode(payload)
+            seq = int(getattr(msg, "seq", 0))
+            reply = await self._dispatch(ident, msg)
+        except ProtocolError as e:
+            reply = ErrorReply(seq=seq, code=ErrorCode.BAD_REQUEST, message=str(e))
+        except Refused as e:
+            reply = ErrorReply(seq=seq, code=e.code, message=str(e))
+        except (InputError, ValueError) as e:
+            reply = ErrorReply(seq=seq, code=ErrorCode.BAD_REQUEST, message=str(e))
+        except EngineError as e:
+            reply = ErrorReply(seq=seq, code=ErrorCode.NO_KV, message=str(e))
+        except Exception as e:
+            log.exception("control request failed")
+            reply = ErrorReply(seq=seq, code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: "
+                               f"{e}")
+        if reply is not None:
+            self.send(ident, reply)
+
+    async def _dispatch(self, ident: bytes, msg: Message) -> Message | None:
+        if self._stopping:
+            raise Refused(ErrorCode.SHUTTING_DOWN, "the instance is shutting down")
+        if isinstance(msg, Ping):
+            return Ack(seq=msg.seq)
+        if isinstance(msg, Subscribe):
+            self.subscribers.add(ident)
+            self._resync = True
+            return self.hello(msg.seq)
+        if isinstance(msg, Cancel):
+            if not await self.on_cancel(msg.request_id):
+                raise Refused(ErrorCode.UNKNOWN_TASK, f"no task {msg.request_id!r} here")
+            return Ack(seq=msg.seq)
+        if isinstance(msg, SubmitTask):
+            self._check_new(msg.request_id)
+            self._check_prompt(msg.token_ids)
+            return await self.on_submit(ident, msg)
+        if isinstance(msg, Reserve):
+            self._check_new(msg.request_id)
+            return await self.on_reserve(ident, msg)
+        if isinstance(msg, FetchPrefix):
+            return await self.on_fetch_prefix(msg)
+        raise Refused(ErrorCode.BAD_REQUEST, f"{type(msg).__name__} is not a control request")
+
+    def _check_new(self, request_id: str) -> None:
+        if not request_id:
+            raise Refused(ErrorCode.BAD_REQUEST, "request_id must not be empty")
+        if request_id in self.tasks:
+            raise Refused(ErrorCode.DUPLICATE, f"request {request_id!r} is already here")
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        vocab, limit = self.engine.model_config.vocab_size, self.engine.max_model_len
+        if not ids:
+            raise Refused(ErrorCode.BAD_REQUEST, "token_ids must not be empty")
+        if len(ids) >= limit:
+            raise Refused(ErrorCode.BAD_REQUEST, f"the prompt has {len(ids)} tokens but the "
+                          f"context holds {limit}")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise Refused(ErrorCode.BAD_REQUEST, f"token ids must be in 0..{vocab - 1}")
+
+    # role hooks -----------------------------------------------------------------------------
+
+    async def on_submit(self, ident: bytes, msg: SubmitTask) -> Message:
+        raise Refused(ErrorCode.BAD_REQUEST, f"a {self.role.label} instance takes no tasks")
+
+    async def on_reserve(self, ident: bytes, msg: Reserve) -> Message:
+        raise Refused(ErrorCode.BAD_REQUEST,
+                      f"a {self.role.label} instance takes no reservations")
+
+    async def on_fetch_prefix(self, msg: FetchPrefix) -> Message:
+        raise Refused(ErrorCode.BAD_REQUEST, f"a {self.role.label} instance serves no prefixes")
+
+    async def on_cancel(self, request_id: str) -> bool:
+        task = self.tasks.pop(request_id, None)
+        await self.driver.run(lambda e: e.abort(request_id))
+        return task is not None
+
+    def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:
+        """Loop thread: one engine output of ``task`` (default: stream it as events)."""
+        self.stream_output(task, out)
+
+    def on_output_driver(self, engine: LLMEngine, task: Task, out: RequestOutput) -> None:
+        """Driver thread, right after the step that produced ``out`` (its KV still intact)."""
+
+    # ------------------------------------------------------------------ outputs and events
+
+    def _outputs_from_driver(self, outputs: list[RequestOutput]) -> None:
+        step_start = time.time() - self.driver.stats.last_step_s
+        for out in outputs:
+            task = self.tasks.get(out.request_id)
+            if task is not None:
+                self.on_output_driver(self.engine, task, out)
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._on_outputs, outputs, step_start)
+
+    def _on_outputs(self, outputs: list[RequestOutput], step_start: float) -> None:
+        for out in outputs:
+            task = self.tasks.get(out.request_id)
+            if task is not None and not task.done:
+                self.on_output(task, out, step_start)
+
+    def stream_output(self, task: Task, out: RequestOutput) -> None:
+        """Send an engine output as FIRST_TOKEN/TOKENS, then FINISH when it ends."""
+        now = time.time()
+        if out.new_token_ids:
+            kind = EventKind.FIRST_TOKEN if task.outputs == 0 else EventKind.TOKENS
+            task.outputs += len(out.new_token_ids)
+            self._event(task, kind, token_ids=list(out.new_token_ids),
+                        token_times=[now] * len(out.new_token_ids), text=out.text_delta,
+                        cached_tokens=task.cached_tokens or out.num_cached_tokens,
+                        prompt_tokens=out.num_prompt_tokens)
+        if out.finished:
+            self.finish(task, out.finish_reason or "stop", out.text_delta
+                        if not out.new_token_ids else "")
+
+    def finish(self, task: Task, reason: str, text: str = "") -> None:
+        if reason == "error":
+            self.fail(task, ErrorCode.INTERNAL, "the engine failed while running the request")
+            return
+        self._event(task, EventKind.FINISH, finish_reason=reason, text=text,
+                    breakdown=task.breakdown, cached_tokens=task.cached_tokens,
+                    prompt_tokens=len(task.token_ids))
+        self._end(task)
+
+    def fail(self, task: Task, code: ErrorCode, error: str) -> None:
+        self._event(task, EventKind.ERROR, error_code=code, error=error)
+        self._end(task)
+
+    def _end(self, task: Task) -> None:
+        task.done = True
+        self.tasks.pop(task.request_id, None)
+
+    def _event(self, task: Task, kind: EventKind, **kw: Any) -> None:
+        self.send(task.owner, TaskEvent(request_id=task.request_id, kind=kind,
+                                        time_s=time.time(), **kw))
+
+    def send(self, ident: bytes, msg: Message) -> None:
+        if self.sock is not None and not self.sock.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.send_multipart([ident, encode(msg)], copy=False)
+
+    # ------------------------------------------------------------------ prefix loading
+
+    async def load_prefix(self, task: Task, plan: PrefixPlan | None) -> int:
+        """Bring the planned prefix into the engine's prefix cache (store or peer); returns
+        tokens loaded into it (0 for a local plan or a miss: the engine finds what it has)."""
+        if plan is None or plan.tokens <= 0 or plan.source == "local":
+            return 0
+        t0 = time.time()
+        try:
+            if plan.source == "store":
+                loaded: Loaded = await asyncio.get_running_loop().run_in_executor(
+                    self.io, self.connector.fetch, task.token_ids, plan.tokens)
+                ids = task.token_ids
+                return await self.driver.run(lambda e: self.connector.install(e, ids, loaded))
+            if plan.source == "peer":
+                from yuebing.instance.peer import fetch_from_peer
+                return await fetch_from_peer(self, task, plan)
+            raise Refused(ErrorCode.BAD_REQUEST, f"prefix source must be local, store or peer, "
+                          f"got {plan.source!r}")
+        finally:
+            task.breakdown.prefix_load_s = time.time() - t0
+
+    def note_cached(self, engine: LLMEngine, token_ids: list[int]) -> None:
+        """Driver thread: the prompt's full store blocks are in the local prefix cache now."""
+        sbt, bs = self.cfg.store_block_tokens, engine.block_size
+        keys = store_block_keys(token_ids, sbt, engine.fingerprint)
+        if not keys:
+            return
+        ekeys = engine.block_keys(token_ids[:len(keys) * sbt])
+        per = sbt // bs
+        for i, k in enumerate(keys):
+            if k not in self._local_keys:
+                self._cache_added.append(int(k))
+            self._local_keys[k] = ekeys[(i + 1) * per - 1]
+            self._local_keys.move_to_end(k)
+
+    def _check_evicted(self, engine: LLMEngine) -> None:
+        """Driver thread: drop store keys whose last engine block left the prefix cache."""
+        gone = [k for k, ek in self._local_keys.items() if not engine.allocator.is_cached(ek)]
+        for k in gone:
+            del self._local_keys[k]
+            self._cache_removed.append(int(k))
+
+    # ------------------------------------------------------------------ load reports
+
+    async def _report_loop(self, stop: asyncio.Event) -> None:
+        period = 1.0 / self.cfg.report_hz
+        while not stop.is_set():
+            if self.subscribers:
+                with contextlib.suppress(RuntimeError):
+                    report = await self.driver.run(self._measure)
+                    for ident in list(self.subscribers):
+                        self.send(ident, report)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), period)
+
+    def _measure(self, engine: LLMEngine) -> LoadReport:
+        """Driver thread: a consistent load snapshot."""
+        self._check_evicted(engine)
+        sched, alloc = engine.scheduler, engine.allocator
+        queued = [s for s in (*sched.waiting, *sched.running) if s.is_prefilling]
+        self._report_seq += 1
+        resync = self._resync
+        added = [int(k) for k in self._local_keys] if resync else self._cache_added
+        removed = [] if resync else self._cache_removed
+        self._cache_added, self._cache_removed, self._resync = [], [], False
+        reserved = self.reserved_blocks()
+        return LoadReport(
+            instance_id=self.instance_id, incarnation=self.incarnation,
+            report_seq=self._report_seq, time_s=time.time(),
+            queued_prefill_tokens=sum(s.num_pending for s in queued) + self.pending_tokens(),
+            queued_requests=len(queued), running=len(sched.running),
+            waiting=len(sched.waiting), context_tokens=sum(s.num_tokens for s in sched.running),
+            free_blocks=alloc.num_free, total_blocks=alloc.num_blocks,
+            reserved_blocks=reserved, prefill_tokens_per_s=self.driver.stats.prefill_tokens_per_s,
+            decode_step_s=self.driver.stats.decode_step_s, cache_added=added,
+            cache_removed=removed, cache_full_resync=resync)
+
+    def reserved_blocks(self) -> int:
+        return 0
+
+    def pending_tokens(self) -> int:
+        """Prompt tokens accepted but not yet in the engine (loading their prefix)."""
+        return sum(len(t.token_ids) for t in self.tasks.values() if t.extra.get("loading"))
+
+    async def _sweep_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Loop thread, twice a second: expire what has a deadline (decode reservations)."""
+
+
+def write_ready_file(path: str, hello: Hello) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.encode(hello))
+    os.replace(tmp, path)
+
+
+async def serve_instance(inst: Instance) -> None:
+    """Start the control server, publish readiness, serve until SIGINT/SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await inst.start()
+    publication = None
+    if inst.cfg.etcd:
+        from yuebing.cluster.discovery import Discovery
+        disc = Discovery(inst.cfg.etcd, inst.cfg.cluster)
+        publication = disc.publish("instances", inst.instance_id,
+                                   json.loads(msgspec.json.encode(inst.hello())), ttl_s=5)
+    if inst.cfg.ready_file:
+        write_ready_file(inst.cfg.ready_file, inst.hello())
+    try:
+        await inst.serve(stop)
+    finally:
+        if publication is not None:
+            with contextlib.suppress(Exception):
+                publication.close()
+        await inst.close()

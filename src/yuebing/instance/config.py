@@ -1,0 +1,81 @@
+"""`InstanceConfig`: what an operator sets for one serving instance (every field a CLI flag of
+``yuebing serve prefill|decode|coupled``). Built by the CLI or `yuebing.cluster`; read by
+`instance.base.Instance` and the role modules."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+from yuebing.core.config import require
+
+ROLES = ("prefill", "decode", "coupled")
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    role: str = field(default="coupled", metadata={"help": "prefill, decode or coupled"})
+    instance_id: str = field(default="", metadata={
+        "help": "name in the cluster ('' = role + host + port)"})
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "address the control server and the transfer engine bind"})
+    advertise_host: str = field(default="", metadata={
+        "help": "address peers use to reach this instance ('' = --host)"})
+    control_port: int = field(default=0, metadata={"help": "control server port (0 = any)"})
+    model: str = field(default="smollm2", metadata={
+        "help": "smollm2 (bundled SmolLM2-135M-Instruct), a .gguf file, a HF directory, or "
+                "dummy[:preset=...]"})
+    dtype: str = field(default="auto", metadata={"help": "auto, float32, bfloat16, float16"})
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
+    threads: int = field(default=1, metadata={"help": "torch threads of the engine thread"})
+    num_blocks: int = field(default=0, metadata={
+        "help": "KV blocks of 16 tokens (0 = from --kv-cache-bytes)"})
+    kv_cache_bytes: int = field(default=512 << 20, metadata={
+        "help": "KV pool bytes (e.g. 512MiB)", "size": True})
+    max_batch_tokens: int = field(default=512, metadata={
+        "help": "tokens per engine step (prefill chunk budget)"})
+    max_num_seqs: int = field(default=64, metadata={"help": "requests in a batch"})
+    max_model_len: int = field(default=0, metadata={"help": "context limit (0 = the model's)"})
+    weights_seed: int = field(default=0, metadata={"help": "seed of dummy weights"})
+    store_master: str = field(default="", metadata={
+        "help": "store master address(es) ('' = no KV pool: local prefix cache only)"})
+    store_block_tokens: int = field(default=256, metadata={"help": "tokens per store object"})
+    staging_bytes: int = field(default=128 << 20, metadata={
+        "help": "registered staging memory for store loads/saves", "size": True})
+    save_to_store: bool = field(default=True, metadata={
+        "help": "save new prefill blocks to the store"})
+    report_hz: float = field(default=10.0, metadata={"help": "load reports per second"})
+    reserve_timeout_s: float = field(default=30.0, metadata={
+        "help": "decode: a reservation whose KV has not arrived by then is dropped"})
+    kv_headroom_blocks: int = field(default=0, metadata={
+        "help": "decode: refuse a reservation that would leave fewer free blocks (room for "
+                "the running batch to grow without preemption)"})
+    transfer_timeout_s: float = field(default=30.0, metadata={"help": "KV transfer timeout"})
+    etcd: str = field(default="", metadata={
+        "help": "etcd URL: publish this instance for discovery ('' = none)"})
+    cluster: str = field(default="default", metadata={"help": "cluster name in etcd"})
+    ready_file: str = field(default="", metadata={
+        "help": "write this instance's Hello as JSON here once ready"})
+    warmup: bool = field(default=True, metadata={"help": "one tiny forward pass at start"})
+
+    def __post_init__(self) -> None:
+        require(self.role in ROLES, f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        require(0 <= self.control_port < 65536, f"control_port must be 0..65535, got "
+                f"{self.control_port}")
+        require(self.threads >= 1, f"threads must be >= 1, got {self.threads}")
+        require(self.report_hz > 0, f"report_hz must be > 0, got {self.report_hz}")
+        require(self.store_block_tokens > 0 and self.store_block_tokens % 16 == 0,
+                f"store_block_tokens must be a positive multiple of 16, got "
+                f"{self.store_block_tokens}")
+        require(self.reserve_timeout_s > 0, "reserve_timeout_s must be > 0")
+        require(self.transfer_timeout_s > 0, "transfer_timeout_s must be > 0")
+        require(self.kv_headroom_blocks >= 0, "kv_headroom_blocks must be >= 0")
+        require(self.staging_bytes > 0, "staging_bytes must be > 0")
+
+    @property
+    def public_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in ("0.0.0.0", ""):
+            return socket.gethostname()
+        return self.host

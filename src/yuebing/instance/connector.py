@@ -1,0 +1,298 @@
+"""`KVConnector`: engine KV blocks ↔ store objects (DESIGN §3 "KV keys").
+
+A store block is ``store_block_tokens`` tokens = ``store_block_tokens / block_size`` engine
+blocks of all layers, kept as ONE store object laid out like `KVPool.export_blocks`, named by
+`kvkeys.store_key` (chained hash with the engine's KV fingerprint: another model, dtype or
+geometry is another key — a miss, never wrong KV).
+
+The engine belongs to the driver thread, so each job is split in two halves:
+
+- loading a prefix: `fetch` (I/O, the connector's thread pool) reads the longest run of stored
+  blocks into registered staging memory (one `batch_get_into`, zero-copy from a same-host node's
+  segment or off the TCP socket); `install` (driver thread) copies the staging buffer into the
+  engine's prefix cache (`kv_transfer.import_prefix`, fingerprint-checked), so when the request
+  is added the scheduler finds the prefix and computes only the suffix;
+- saving new blocks: `snapshot` (driver thread, right after the prefill step) copies the
+  request's full store blocks that this connector has not seen in the store into staging;
+  `save` (I/O thread) puts them with one `batch_put`, off the TTFT path. A failed save is
+  logged and counted, never raised into a request.
+
+`lookup` answers "how many leading tokens of these ids can be loaded from the store". Misses
+(evicted between lookup and read, a node gone) load less; the rest is computed. Staging memory
+is bounded (`staging_bytes`): a fetch that finds no room loads less, a snapshot is skipped.
+Used by the prefill and coupled roles (`instance.prefill`, `instance.coupled`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from yuebing.core.config import require
+from yuebing.engine.engine import LLMEngine
+from yuebing.engine.kv_transfer import import_prefix
+from yuebing.instance.kvkeys import store_block_keys, store_key
+from yuebing.store.client.client import StoreClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVConnectorConfig:
+    store_block_tokens: int = field(default=256, metadata={
+        "help": "tokens per store object (a multiple of the engine block size)"})
+    staging_bytes: int = field(default=256 << 20, metadata={
+        "help": "registered staging memory for loads and saves (bounds both)"})
+    known_keys: int = field(default=65536, metadata={
+        "help": "store keys remembered as present (saves skip them without asking)"})
+
+    def __post_init__(self) -> None:
+        require(self.store_block_tokens > 0, "store_block_tokens must be > 0")
+        require(self.staging_bytes > 0, "staging_bytes must be > 0")
+
+
+@dataclass
+class Loaded:
+    """Store blocks read into staging: the first ``blocks`` store blocks of the prompt."""
+
+    blocks: int
+    data: torch.Tensor | None
+    lease: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Snapshot:
+    keys: list[str]
+    data: torch.Tensor | None
+    lease: int = 0
+
+
+@dataclass
+class ConnectorStats:
+    lookups: int = 0
+    loads: int = 0
+    loaded_tokens: int = 0
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
+    saves: int = 0
+    saved_blocks: int = 0
+    save_failures: int = 0
+    staging_full: int = 0
+
+    @property
+    def load_gbps(self) -> float:
+        return self.loaded_bytes / self.load_seconds / 1e9 if self.load_seconds else 0.0
+
+
+class Staging:
+    """A bounded pool of byte ranges in one registered buffer (first fit, thread-safe)."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self._lock = threading.Lock()
+        self._used: dict[int, int] = {}  # start -> length
+        self._next_id = 0
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor] | None:
+        with self._lock:
+            start = 0
+            for s, n in sorted(self._used.items()):
+                if s - start >= nbytes:
+                    break
+                start = s + n
+            if start + nbytes > self.buffer.numel():
+                return None
+            self._used[start] = nbytes
+            return start + 1, self.buffer[start:start + nbytes]
+
+    def give(self, lease: int) -> None:
+        if lease:
+            with self._lock:
+                self._used.pop(lease - 1, None)
+
+
+class KVConnector:
+    """See the module docstring. ``store`` None: no store (every lookup is 0, saves drop)."""
+
+    def __init__(self, engine: LLMEngine, store: StoreClient | None,
+                 config: KVConnectorConfig, staging: torch.Tensor | None = None) -> None:
+        require(config.store_block_tokens % engine.block_size == 0,
+                f"store_block_tokens ({config.store_block_tokens}) must be a multiple of the "
+                f"engine block size ({engine.block_size})")
+        self.store = store
+        self.config = config
+        self.fingerprint = engine.fingerprint
+        self.dtype = engine.pool.dtype
+        self.block_shape = engine.pool.block_shape
+        self.per_store_block = config.store_block_tokens // engine.block_size
+        self.object_bytes = self.per_store_block * engine.pool.block_nbytes
+        buf = staging if staging is not None else torch.empty(config.staging_bytes,
+                                                              dtype=torch.uint8)
+        self.staging = Staging(buf)
+        self.stats = ConnectorStats()
+        self._known: OrderedDict[str, None] = OrderedDict()
+        self._known_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ keys
+
+    def keys(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[str]:
+        """Store keys of the full store blocks of ``token_ids`` (up to ``max_tokens``)."""
+        ids = list(token_ids if max_tokens is None else token_ids[:max_tokens])
+        return [store_key(self.fingerprint, k)
+                for k in store_block_keys(ids, self.config.store_block_tokens, self.fingerprint)]
+
+    def _remember(self, keys: Sequence[str]) -> None:
+        with self._known_lock:
+            for k in keys:
+                self._known[k] = None
+                self._known.move_to_end(k)
+            while len(self._known) > self.config.known_keys:
+                self._known.popitem(last=False)
+
+    def _is_known(self, key: str) -> bool:
+        with self._known_lock:
+            return key in self._known
+
+    # ------------------------------------------------------------------ I/O side
+
+    def lookup(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
+        """Leading tokens of ``token_ids`` loadable from the store (whole store blocks)."""
+        if self.store is None:
+            return 0
+        self.stats.lookups += 1
+        keys = self.keys(token_ids, max_tokens)
+        return self.store.prefix_match(keys) * self.config.store_block_tokens if keys else 0
+
+    def fetch(self, token_ids: Sequence[int], max_tokens: int) -> Loaded:
+        """Read the longest stored run of the prompt's first ``max_tokens`` tokens' store
+        blocks into staging (I/O thread). Never raises for a miss: fewer blocks load."""
+        keys = self.keys(token_ids, max_tokens)
+        if self.store is None or not keys:
+            return Loaded(0, None)
+        t0 = time.perf_counter()
+        try:
+            n = self.store.prefix_match(keys)
+        except Exception as e:  # the store is optional for correctness
+            log.warning("prefix lookup failed, computing the whole prompt: %s", e)
+            return Loaded(0, None)
+        taken = None
+        while n and taken is None:
+            taken = self.staging.take(n * self.object_bytes)
+            if taken is None:
+                self.stats.staging_full += 1
+                n //= 2
+        if not n or taken is None:
+            return Loaded(0, None)
+        lease, buf = taken
+        views = [buf[i * self.object_bytes:(i + 1) * self.object_bytes] for i in range(n)]
+        try:
+            sizes = self.store.batch_get_into(keys[:n], [v.numpy() for v in views])
+        except Exception as e:
+            log.warning("reading %d store blocks failed, computing them: %s", n, e)
+            sizes = [-1] * n
+        good = 0
+        while good < n and sizes[good] == self.object_bytes:
+            good += 1
+        if good < n:
+            log.info("store prefix: %d of %d blocks read (the rest was evicted or unreadable)",
+                     good, n)
+        if good == 0:
+            self.staging.give(lease)
+            return Loaded(0, None)
+        self._remember(keys[:good])
+        dt = time.perf_counter() - t0
+        return Loaded(good, buf[:good * self.object_bytes], lease, good * self.object_bytes, dt)
+
+    def save(self, snap: Snapshot) -> int:
+        """Put a snapshot's blocks (I/O thread); returns how many were stored. Never raises."""
+        if self.store is None or snap.data is None:
+            return 0
+        try:
+            present = self.store.batch_exists(snap.keys)
+            todo = [i for i, p in enumerate(present) if not p]
+            if not todo:
+                self._remember(snap.keys)
+                return 0
+            values = [snap.data[i * self.object_bytes:(i + 1) * self.object_bytes].numpy()
+                      for i in todo]
+            codes = self.store.batch_put([snap.keys[i] for i in todo], values)
+            ok = [snap.keys[i] for i, c in zip(todo, codes, strict=True) if int(c) in (0, 2)]
+            self._remember([k for i, k in enumerate(snap.keys) if present[i]] + ok)
+            self.stats.saves += 1
+            self.stats.saved_blocks += len(ok)
+            if len(ok) < len(todo):
+                self.stats.save_failures += 1
+                log.warning("saved %d of %d new store blocks (codes %s)", len(ok), len(todo),
+                            sorted({int(c) for c in codes}))
+            return len(ok)
+        except Exception as e:
+            self.stats.save_failures += 1
+            log.warning("saving %d store blocks failed: %s", len(snap.keys), e)
+            return 0
+        finally:
+            self.staging.give(snap.lease)
+
+    # ------------------------------------------------------------------ driver side
+
+    def install(self, engine: LLMEngine, token_ids: Sequence[int], loaded: Loaded) -> int:
+        """Copy fetched blocks into the engine's prefix cache (driver thread); returns the
+        tokens now reusable. Always gives the staging space back."""
+        try:
+            if loaded.blocks == 0 or loaded.data is None:
+                return 0
+            n = loaded.blocks * self.per_store_block
+            data = loaded.data.view(self.dtype).view(n, *self.block_shape)
+            t0 = time.perf_counter()
+            import_prefix(engine, token_ids, data, self.fingerprint)
+            dt = loaded.seconds + time.perf_counter() - t0
+            self.stats.loads += 1
+            self.stats.loaded_tokens += loaded.blocks * self.config.store_block_tokens
+            self.stats.loaded_bytes += loaded.bytes
+            self.stats.load_seconds += dt
+            return loaded.blocks * self.config.store_block_tokens
+        except Exception as e:  # e.g. the pool is full now: compute instead
+            log.warning("installing %d store blocks failed, computing them: %s",
+                        loaded.blocks, e)
+            return 0
+        finally:
+            self.staging.give(loaded.lease)
+
+    def snapshot(self, engine: LLMEngine, token_ids: Sequence[int]) -> Snapshot | None:
+        """Copy the prompt's full store blocks not known to be stored out of the engine's
+        prefix cache into staging (driver thread, right after the prefill). None: nothing new,
+        no store, or no staging room (counted)."""
+        if self.store is None:
+            return None
+        keys = self.keys(token_ids)
+        first = 0
+        while first < len(keys) and self._is_known(keys[first]):
+            first += 1
+        if first == len(keys):
+            return None
+        ids = list(token_ids[:len(keys) * self.config.store_block_tokens])
+        bs, alloc = engine.block_size, engine.allocator
+        blocks = []
+        for i, key in enumerate(engine.block_keys(ids)):  # lookups only: no hit statistics
+            b = alloc.lookup(key, ids[i * bs:(i + 1) * bs])
+            if b is None:
+                break
+            blocks.append(b)
+        have = len(blocks) // self.per_store_block
+        if have <= first:
+            return None
+        taken = self.staging.take((have - first) * self.object_bytes)
+        if taken is None:
+            self.stats.staging_full += 1
+            return None
+        lease, buf = taken
+        run = blocks[first * self.per_store_block:have * self.per_store_block]
+        engine.pool.export_blocks(run, out=buf.view(self.dtype).view(len(run), *self.block_shape))
+        return Snapshot(keys[first:have], buf, lease)

@@ -1,0 +1,101 @@
+"""Coupled role (the vLLM-like baseline): prefill and decode in one engine.
+
+Life cycle of a request: `SubmitTask(mode=COUPLED)` is checked and acknowledged; the planned
+prefix is loaded from the store into the engine's prefix cache (`Instance.load_prefix`; a local
+plan needs nothing); the request joins the engine's continuous batch; right after the step that
+produced its first token (driver thread) the prompt's new full store blocks are copied to
+staging and saved to the store in the background; every output becomes a `TaskEvent`
+(FIRST_TOKEN, TOKENS, FINISH). `Cancel` aborts it and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from yuebing.engine.engine import LLMEngine
+from yuebing.engine.sampling import SamplingParams
+from yuebing.engine.sequence import RequestOutput
+from yuebing.instance.base import Instance, Refused, Task, to_params
+from yuebing.protocol import Message
+from yuebing.protocol.instance import Ack, ErrorCode, Role, SubmitTask, TaskMode
+
+log = logging.getLogger(__name__)
+
+
+class CoupledInstance(Instance):
+    role = Role.COUPLED
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.engine.add_layer_hook(self._mark_started)
+
+    async def on_submit(self, ident: bytes, msg: SubmitTask) -> Message:
+        if msg.mode != TaskMode.COUPLED:
+            raise Refused(ErrorCode.BAD_REQUEST,
+                          f"a {self.role.label} instance runs COUPLED tasks, got {msg.mode.name}")
+        task = Task(msg.request_id, ident, list(msg.token_ids), to_params(msg.sampling))
+        self.tasks[task.request_id] = task
+        asyncio.get_running_loop().create_task(self.run_task(task, msg))
+        return Ack(seq=msg.seq)
+
+    async def run_task(self, task: Task, msg: SubmitTask, hold_kv: bool = False) -> None:
+        """Load the prefix, then queue the request in the engine (events follow)."""
+        task.extra["loading"] = True
+        try:
+            task.cached_tokens = await self.load_prefix(task, msg.prefix)
+        except Refused as e:
+            self.fail(task, e.code, str(e))
+            return
+        except Exception as e:
+            log.warning("%s: prefix load failed, computing it: %s", task.request_id, e)
+        finally:
+            task.extra["loading"] = False
+        if task.done or task.request_id not in self.tasks:
+            return  # cancelled meanwhile
+        params = self.engine_params(task)
+        try:
+            await self.driver.run(lambda e: e.add_request(task.token_ids, params,
+                                                          task.request_id, hold_kv=hold_kv))
+        except Exception as e:
+            self.fail(task, ErrorCode.INTERNAL, f"the engine refused the request: {e}")
+
+    def engine_params(self, task: Task) -> SamplingParams:
+        return task.params
+
+    def _mark_started(self, layer: int, meta: object) -> None:
+        """Layer hook (driver thread): stamp when a task's first prefill chunk runs."""
+        plan = self.engine.current_plan
+        if layer != 0 or plan is None:
+            return
+        now = time.time()
+        for seq, _ in plan.prefills:
+            task = self.tasks.get(seq.request_id)
+            if task is not None and "started" not in task.extra:
+                task.extra["started"] = now
+                task.breakdown.queue_s = max(0.0, now - task.arrived -
+                                             task.breakdown.prefix_load_s)
+
+    def on_output_driver(self, engine: LLMEngine, task: Task, out: RequestOutput) -> None:
+        if len(out.output_token_ids) != 1 or not out.new_token_ids:
+            return  # only right after the prefill
+        task.extra["first_at"] = time.time()
+        self.note_cached(engine, task.token_ids)
+        if self.cfg.save_to_store:
+            snap = self.connector.snapshot(engine, task.token_ids)
+            if snap is not None:
+                self.io.submit(self.connector.save, snap)
+
+    def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:
+        if task.outputs == 0 and "started" in task.extra:
+            task.breakdown.prefill_s = task.extra.get("first_at", time.time()) - \
+                task.extra["started"]
+        self.stream_output(task, out)
+
+    async def on_cancel(self, request_id: str) -> bool:
+        task = self.tasks.pop(request_id, None)
+        if task is not None:
+            task.done = True
+        aborted = await self.driver.run(lambda e: e.abort(request_id))
+        return task is not None or aborted

@@ -1,0 +1,181 @@
+"""Decode role: reservations, KV received in place, continuous batching, token streaming.
+
+Life cycle of a request: `Reserve` allocates the blocks the prompt's KV needs (refused with
+`NO_KV` — before any prefill work — when the pool cannot hold them with
+``kv_headroom_blocks`` to spare) and answers `Reserved` with the KV pool's transfer segment,
+its layout and the block ids. The prefill writes each layer straight into those blocks and then
+sends `KvReady` through the transfer engine (notification topic `KV_READY_TOPIC`); the request
+is adopted into the engine with its first token (`kv_transfer.adopt_request`) and decodes in
+the continuous batch, each step's tokens streamed as `TaskEvent`s to the Conductor connection
+that reserved it, ending with FINISH. A reservation whose KV does not arrive within its
+timeout, a `KvReady(ok=False)` or a `Cancel` ends the request with its blocks freed — after a
+fence of ``reserve_fence_s`` when a prefill may still be writing into them.
+
+KV shortage mid-decode is explicit: the engine preempts the newest running request and
+recomputes it later (counted in load reports as preemptions); new reservations are refused
+while free blocks would drop under the headroom.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from yuebing.engine.engine import LLMEngine
+from yuebing.engine.kv_transfer import adopt_request, reserve_blocks
+from yuebing.engine.sequence import RequestOutput
+from yuebing.instance.base import Instance, Refused, Task, to_params
+from yuebing.instance.prefill import KV_READY_TOPIC
+from yuebing.protocol import Message, ProtocolError, decode
+from yuebing.protocol.instance import (
+    DecodeTarget,
+    ErrorCode,
+    KvLayout,
+    KvReady,
+    Reserve,
+    Reserved,
+    Role,
+)
+from yuebing.transfer.types import Notification
+
+log = logging.getLogger(__name__)
+
+FENCE_S = 2.0
+"""Freed reservations wait this long before their blocks are reused (a prefill that was
+cancelled may have one layer's writes in flight)."""
+
+
+class DecodeInstance(Instance):
+    role = Role.DECODE
+    uses_store = False
+    exposes_pool = True
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.fence_s = FENCE_S
+        self._fenced: list[tuple[float, list[int]]] = []
+        self.transfer.on_notify(self._notified)
+        pool = self.engine.pool
+        self.layout = KvLayout(num_layers=pool.num_layers, num_blocks=pool.num_blocks,
+                               block_size=pool.block_size, chunk_bytes=pool.chunk_nbytes,
+                               fingerprint=self.engine.fingerprint)
+
+    # ------------------------------------------------------------------ reservations
+
+    async def on_reserve(self, ident: bytes, msg: Reserve) -> Message:
+        ids = list(msg.token_ids)
+        if len(ids) != msg.prompt_tokens:
+            raise Refused(ErrorCode.BAD_REQUEST, f"prompt_tokens={msg.prompt_tokens} but "
+                          f"{len(ids)} token ids were sent")
+        self._check_prompt(ids)
+        if not 0 < msg.timeout_s <= 3600:
+            raise Refused(ErrorCode.BAD_REQUEST, "timeout_s must be in (0, 3600]")
+        params = to_params(msg.sampling)
+        headroom = self.cfg.kv_headroom_blocks
+
+        def reserve(e: LLMEngine) -> list[int]:
+            need = -(-len(ids) // e.block_size)
+            if e.allocator.num_free - need < headroom:
+                raise Refused(ErrorCode.NO_KV, f"KV cache has {e.allocator.num_free} free "
+                              f"blocks; the request needs {need} and {headroom} are kept free")
+            return reserve_blocks(e, len(ids))
+
+        blocks = await self.driver.run(reserve)
+        task = Task(msg.request_id, ident, ids, params)
+        task.extra.update(blocks=blocks, deadline=time.monotonic() + msg.timeout_s)
+        self.tasks[task.request_id] = task
+        return Reserved(seq=msg.seq, target=DecodeTarget(
+            instance_id=self.instance_id, segment=self.transfer.segment_name("kv"),
+            blocks=blocks, layout=self.layout))
+
+    def reserved_blocks(self) -> int:
+        return sum(len(t.extra["blocks"]) for t in self.tasks.values()
+                   if "blocks" in t.extra and "adopted" not in t.extra)
+
+    def _free_later(self, blocks: list[int]) -> None:
+        if blocks:
+            self._fenced.append((time.monotonic() + self.fence_s, blocks))
+
+    def sweep(self) -> None:
+        now = time.monotonic()
+        for task in list(self.tasks.values()):
+            if "adopted" not in task.extra and task.extra.get("deadline", now + 1) <= now:
+                self._free_later(task.extra.pop("blocks", []))
+                self.fail(task, ErrorCode.TRANSFER, "no KV arrived for the reservation in time")
+        due = [b for t, b in self._fenced if t <= now]
+        if due:
+            self._fenced = [(t, b) for t, b in self._fenced if t > now]
+            def release(e: LLMEngine) -> None:
+                for b in due:
+                    e.allocator.release_all(b)
+            self.driver.call(release)
+
+    # ------------------------------------------------------------------ KV arrival
+
+    def _notified(self, n: Notification) -> None:
+        """Transfer-engine thread: a prefill's `KvReady`."""
+        if n.topic != KV_READY_TOPIC:
+            log.warning("ignored a notification on topic %r", n.topic)
+            return
+        try:
+            msg: KvReady = decode(n.payload, KvReady)  # type: ignore[assignment]
+        except ProtocolError as e:
+            log.warning("bad KvReady from %s: %s", n.sender, e)
+            return
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._kv_ready, msg, time.time())
+
+    def _kv_ready(self, msg: KvReady, arrived: float) -> None:
+        task = self.tasks.get(msg.request_id)
+        if task is None or "adopted" in task.extra or "blocks" not in task.extra:
+            log.info("KvReady for unknown or finished request %s ignored", msg.request_id)
+            return
+        if not msg.ok:
+            self._free_later(task.extra.pop("blocks"))
+            self.fail(task, ErrorCode.TRANSFER, f"the prefill failed: {msg.error}")
+            return
+        if msg.num_tokens != len(task.token_ids):
+            self._free_later(task.extra.pop("blocks"))
+            self.fail(task, ErrorCode.BAD_REQUEST, f"KvReady covers {msg.num_tokens} tokens, "
+                      f"the reservation {len(task.token_ids)}")
+            return
+        task.extra["adopted"] = True
+        task.extra["ready_at"] = arrived
+        task.cached_tokens = msg.cached_tokens
+        task.outputs = 1  # the prefill sent the first token
+        task.breakdown.transfer_s = max(0.0, arrived - msg.prefill_end_s) if msg.prefill_end_s \
+            else 0.0
+        blocks = task.extra["blocks"]
+        asyncio.get_running_loop().create_task(self._adopt(task, msg, blocks))
+
+    async def _adopt(self, task: Task, msg: KvReady, blocks: list[int]) -> None:
+        try:
+            out = await self.driver.run(lambda e: adopt_request(
+                e, task.request_id, task.token_ids, blocks, msg.first_token, task.params,
+                msg.cached_tokens))
+        except Exception as e:
+            await self.driver.run(lambda eng: eng.allocator.release_all(blocks))
+            self.fail(task, ErrorCode.INTERNAL, f"adopting the request failed: {e}")
+            return
+        if task.done:  # cancelled while adopting
+            await self.driver.run(lambda e: e.abort(task.request_id))
+        elif out.finished:
+            self.finish(task, out.finish_reason or "stop")
+
+    def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:
+        if "decode_wait" not in task.extra and "ready_at" in task.extra:
+            task.extra["decode_wait"] = True
+            task.breakdown.decode_wait_s = max(0.0, step_start - task.extra["ready_at"])
+        self.stream_output(task, out)
+
+    async def on_cancel(self, request_id: str) -> bool:
+        task = self.tasks.pop(request_id, None)
+        if task is None:
+            return await self.driver.run(lambda e: e.abort(request_id))
+        task.done = True
+        if "adopted" in task.extra:
+            await self.driver.run(lambda e: e.abort(request_id))
+        else:
+            self._free_later(task.extra.pop("blocks", []))
+        return True

@@ -1,0 +1,167 @@
+"""`EngineDriver`: the one thread that owns an `LLMEngine`.
+
+The engine is single-threaded, so every call into it (add, abort, release, export, import,
+reserve, stats) is a closure queued with `call` / `run` and executed by the driver thread
+between two steps; an asyncio control loop never blocks on a step. The thread loops: run queued
+calls, then one `engine.step()` if there is work, handing each step's outputs to ``on_outputs``
+(called in the driver thread; instances forward them to their event loop). It sleeps on a
+condition when there is neither work nor a call. The step time of every step is recorded
+(`StepStats`) for load reports. Created by each role (`instance.roles`); stopped by `close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from yuebing.engine.engine import LLMEngine
+from yuebing.engine.sequence import RequestOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class StepStats:
+    """Exponentially averaged step costs, read by load reports (any thread; plain floats)."""
+
+    decode_step_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    steps: int = 0
+    last_step_end: float = 0.0
+    last_step_s: float = 0.0
+    alpha: float = 0.2
+
+    def record(self, seconds: float, prefill_tokens: int, decodes: int) -> None:
+        self.steps += 1
+        self.last_step_end = time.time()
+        self.last_step_s = seconds
+        if prefill_tokens == 0 and decodes:
+            self.decode_step_s = _ewma(self.decode_step_s, seconds, self.alpha)
+        elif prefill_tokens and seconds > 0:
+            self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s,
+                                              prefill_tokens / seconds, self.alpha)
+
+
+def _ewma(old: float, new: float, alpha: float) -> float:
+    return new if old == 0 else (1 - alpha) * old + alpha * new
+
+
+class EngineDriver:
+    """Runs ``engine`` in a dedicated thread; see the module docstring."""
+
+    def __init__(self, engine: LLMEngine,
+                 on_outputs: Callable[[list[RequestOutput]], None],
+                 threads: int = 1, name: str = "engine") -> None:
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self.threads = threads
+        self.stats = StepStats()
+        self._calls: deque[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future[Any]]] = \
+            deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ API (any thread)
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
+        """Queue ``fn(engine)`` for the driver thread; its result or exception in the future."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._cv:
+            if self._stop:
+                fut.set_exception(RuntimeError("the engine driver is stopped"))
+                return fut
+            self._calls.append((fn, fut))
+            self._cv.notify()
+        return fut
+
+    async def run(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`call` awaited from asyncio."""
+        return await asyncio.wrap_future(self.call(fn))
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ driver thread
+
+    def _loop(self) -> None:
+        torch.set_num_threads(max(1, self.threads))
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while not self._stop and not self._calls and \
+                            not self.engine.has_unfinished():
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                    calls = list(self._calls)
+                    self._calls.clear()
+                for fn, fut in calls:
+                    self._run_call(fn, fut)
+                if self.engine.has_unfinished():
+                    self._step()
+        with self._cv:
+            pending = list(self._calls)
+            self._calls.clear()
+        for _, fut in pending:
+            fut.set_exception(RuntimeError("the engine driver stopped"))
+
+    def _run_call(self, fn: Callable[[LLMEngine], Any],
+                  fut: concurrent.futures.Future[Any]) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(self.engine))
+        except BaseException as e:
+            fut.set_exception(e)
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            log.exception("engine step failed; aborting every running request")
+            outputs = self._abort_all("engine step failed")
+        dt = time.perf_counter() - t0
+        plan = self.engine.last_plan
+        if plan is not None:
+            self.stats.record(dt, sum(n for _, n in plan.prefills), len(plan.decodes))
+        if outputs:
+            try:
+                self.on_outputs(outputs)
+            except Exception:
+                log.exception("output handler failed")
+
+    def _abort_all(self, reason: str) -> list[RequestOutput]:
+        outs = []
+        for rid in list(self.engine._seqs):
+            seq = self.engine.get_sequence(rid)
+            self.engine.abort(rid)
+            if seq is not None:
+                outs.append(RequestOutput(rid, [], "", list(seq.output_ids), seq.text, True,
+                                          "error", len(seq.prompt_ids), seq.num_cached_tokens))
+        log.error("aborted %d requests: %s", len(outs), reason)
+        return outs

@@ -1,0 +1,141 @@
+"""Prefill role: prefix load, chunked prefill, layer-wise KV streaming, hand-off, save.
+
+Life cycle of a request: `SubmitTask(mode=PREFILL, prefix=PrefixPlan, decode=DecodeTarget)`
+is checked (the decode's KV layout must match this engine's) and acknowledged; the planned
+prefix is loaded from the store or a peer into the prefix cache; the request joins the engine
+(``max_tokens=1``, ``hold_kv``) with its `KvStreamer` watch, so each chunk's K/V of each layer is
+written into the decode's reserved blocks while the next layer computes. The step that samples
+the first token ends the engine request with its blocks held: the first token goes to the
+Conductor at once (`FIRST_TOKEN`), the new store blocks are copied to staging, then — off the
+TTFT path — the streamer's batches are awaited, the decode is told with a transfer-engine
+notification (`KvReady`, carrying the first token), the held blocks are released, `FINISH`
+(``finish_reason="handoff"``, with the breakdown) ends this instance's part, and the snapshot is
+saved to the store. A streaming failure sends `KvReady(ok=False)` and an `ERROR` event.
+A prefill instance also takes COUPLED tasks (a decode-less fallback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from yuebing.engine.sampling import SamplingParams
+from yuebing.engine.sequence import RequestOutput
+from yuebing.instance.base import Refused, Task, to_params
+from yuebing.instance.coupled import CoupledInstance
+from yuebing.instance.streaming import KvStreamer
+from yuebing.protocol import Message, encode
+from yuebing.protocol.instance import (
+    Ack,
+    ErrorCode,
+    EventKind,
+    KvReady,
+    Role,
+    SubmitTask,
+    TaskMode,
+)
+
+log = logging.getLogger(__name__)
+
+KV_READY_TOPIC = "yuebing.kv_ready"
+
+
+class PrefillInstance(CoupledInstance):
+    role = Role.PREFILL
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)
+        self.streamer = KvStreamer(self.engine, self.transfer, self.cfg.transfer_timeout_s)
+
+    async def on_submit(self, ident: bytes, msg: SubmitTask) -> Message:
+        if msg.mode == TaskMode.COUPLED:
+            return await CoupledInstance.on_submit(self, ident, msg)
+        if msg.decode is None:
+            raise Refused(ErrorCode.BAD_REQUEST, "a PREFILL task needs a decode target")
+        if len(msg.decode.blocks) * self.engine.block_size < len(msg.token_ids):
+            raise Refused(ErrorCode.BAD_REQUEST,
+                          f"the decode target's {len(msg.decode.blocks)} blocks cannot hold "
+                          f"{len(msg.token_ids)} prompt tokens")
+        task = Task(msg.request_id, ident, list(msg.token_ids), to_params(msg.sampling))
+        task.extra["target"] = msg.decode
+        self.streamer.watch(task.request_id, msg.decode)  # ValueError: another KV layout
+        self.tasks[task.request_id] = task
+        asyncio.get_running_loop().create_task(self.run_task(task, msg, hold_kv=True))
+        return Ack(seq=msg.seq)
+
+    def engine_params(self, task: Task) -> SamplingParams:
+        if "target" not in task.extra:
+            return task.params
+        p = task.params
+        return SamplingParams(max_tokens=1, temperature=p.temperature, top_p=p.top_p,
+                              top_k=p.top_k, seed=p.seed, stop_token_ids=p.stop_token_ids,
+                              ignore_eos=p.ignore_eos, min_tokens=min(p.min_tokens, 1))
+
+    def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:
+        if "target" not in task.extra:
+            super().on_output(task, out, step_start)
+            return
+        if not out.new_token_ids:  # ended without a token: aborted or failed in the engine
+            self.streamer.drop(task.request_id)
+            self._tell_decode(task, None, error="the prefill ended without a first token")
+            self.fail(task, ErrorCode.INTERNAL, "the prefill ended without a first token")
+            return
+        first_at = task.extra.get("first_at", time.time())
+        if "started" in task.extra:
+            task.breakdown.prefill_s = first_at - task.extra["started"]
+        task.outputs = 1
+        self._event(task, EventKind.FIRST_TOKEN, token_ids=list(out.new_token_ids),
+                    token_times=[first_at], text=out.text_delta,
+                    cached_tokens=out.num_cached_tokens, prompt_tokens=len(task.token_ids))
+        task.cached_tokens = out.num_cached_tokens
+        asyncio.get_running_loop().create_task(self._hand_off(task, out, first_at))
+
+    async def _hand_off(self, task: Task, out: RequestOutput, first_at: float) -> None:
+        loop = asyncio.get_running_loop()
+        rid = task.request_id
+        try:
+            result = await loop.run_in_executor(None, self.streamer.finish, rid)
+            if task.done:
+                return  # cancelled while streaming
+            if not result.ok:
+                await self._tell_decode_async(task, None, result.error)
+                self.fail(task, ErrorCode.TRANSFER, f"streaming KV to the decode failed: "
+                          f"{result.error}")
+                return
+            prefill_end = time.time() - (time.perf_counter() - result.last_layer_at)
+            task.extra["stream"] = result
+            err = await self._tell_decode_async(task, (out.new_token_ids[0], first_at,
+                                                       prefill_end))
+            if err:
+                self.fail(task, ErrorCode.TRANSFER, f"notifying the decode failed: {err}")
+                return
+            task.breakdown.transfer_s = max(0.0, result.complete_at - result.last_layer_at)
+            self.finish(task, "handoff")
+        finally:
+            await self.driver.run(lambda e: e.release(rid))
+
+    async def _tell_decode_async(self, task: Task, first: tuple[int, float, float] | None,
+                                 error: str = "") -> str:
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self._tell_decode, task, first, error)
+
+    def _tell_decode(self, task: Task, first: tuple[int, float, float] | None,
+                     error: str = "") -> str:
+        """Send `KvReady` to the decode (any thread); returns an error text or ''."""
+        target = task.extra["target"]
+        token, first_at, prefill_end = first if first is not None else (0, 0.0, 0.0)
+        msg = KvReady(request_id=task.request_id, num_tokens=len(task.token_ids),
+                      first_token=token, first_token_time_s=first_at, prefill_end_s=prefill_end,
+                      cached_tokens=task.cached_tokens, ok=first is not None, error=error)
+        try:
+            self.transfer.notify(target.segment, KV_READY_TOPIC, encode(msg),
+                                 timeout_s=self.cfg.transfer_timeout_s)
+        except Exception as e:
+            log.warning("%s: KvReady to %s failed: %s", task.request_id, target.instance_id, e)
+            return str(e)
+        return ""
+
+    async def on_cancel(self, request_id: str) -> bool:
+        self.streamer.drop(request_id)
+        return await super().on_cancel(request_id)

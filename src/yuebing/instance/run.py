@@ -1,0 +1,42 @@
+"""Entry points of the instance processes: ``run_<role>(config)`` builds the role and serves
+until SIGINT/SIGTERM (``yuebing serve prefill|decode|coupled``, `yuebing.cluster`)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+from yuebing.instance.base import Instance, serve_instance
+from yuebing.instance.config import InstanceConfig
+
+log = logging.getLogger(__name__)
+
+
+def build_instance(cfg: InstanceConfig) -> Instance:
+    """The role object for ``cfg.role`` (engine loaded, not yet serving)."""
+    from yuebing.instance.coupled import CoupledInstance
+    from yuebing.instance.decode import DecodeInstance
+    from yuebing.instance.prefill import PrefillInstance
+
+    cls = {"prefill": PrefillInstance, "decode": DecodeInstance,
+           "coupled": CoupledInstance}[cfg.role]
+    return cls(cfg)
+
+
+def run_instance(cfg: InstanceConfig) -> int:
+    inst = build_instance(cfg)
+    asyncio.run(serve_instance(inst))
+    return 0
+
+
+def run_prefill(cfg: InstanceConfig) -> int:
+    return run_instance(dataclasses.replace(cfg, role="prefill"))
+
+
+def run_decode(cfg: InstanceConfig) -> int:
+    return run_instance(dataclasses.replace(cfg, role="decode"))
+
+
+def run_coupled(cfg: InstanceConfig) -> int:
+    return run_instance(dataclasses.replace(cfg, role="coupled"))

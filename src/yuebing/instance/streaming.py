@@ -1,0 +1,197 @@
+"""`KvStreamer`: layer-wise KV streaming from a prefill engine into a decode's reserved blocks.
+
+A layer hook on the prefill engine (runs in the driver thread, inside `LLMEngine.step`): right
+after layer ``l`` wrote its K/V, for every watched request in the step, it submits transfer
+WRITEs of layer ``l``'s K and V of the blocks the step touched (plus, on the request's first
+step, its prefix-cache hits) straight into the decode's KV pool segment at the `KvLayout`
+offsets, then returns so layer ``l+1`` computes while the bytes move. Consecutive runs of
+(prefill block, decode block) pairs become one request each. A waiter thread stamps when each
+layer's batch completes, so `finish` can tell how many layers had landed before the prefill's
+last layer was computed (the streaming proof in `yuebing bench instance`).
+
+Called by the prefill role (`instance.prefill`): `watch` before adding the request, `finish`
+(blocking; run it in an executor) after its first token, `drop` on cancel.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from yuebing.engine.attention import AttnMetadata
+from yuebing.engine.engine import LLMEngine
+from yuebing.engine.sequence import Sequence
+from yuebing.protocol.instance import DecodeTarget
+from yuebing.transfer.engine import TransferEngine
+from yuebing.transfer.types import BatchId, OpCode, TransferRequest, TransferStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StreamState:
+    target: DecodeTarget
+    sent_blocks: int = 0
+    """Leading blocks fully sent for every layer (a partial last block is sent again)."""
+    batches: list[tuple[int, BatchId]] = field(default_factory=list)
+    """(layer, batch id) in submission order."""
+    done_at: dict[BatchId, float] = field(default_factory=dict)
+    """Per batch id: perf_counter() when it completed."""
+    failed: list[str] = field(default_factory=list)
+    last_layer_at: float = 0.0
+    """perf_counter() when the prefill's last layer of its last chunk was computed."""
+    bytes: int = 0
+    outstanding: int = 0
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+
+@dataclass
+class StreamResult:
+    ok: bool
+    error: str
+    bytes: int
+    layers: int
+    layers_before_last: int
+    """Layers whose every batch had completed before the last layer was computed."""
+    last_layer_at: float
+    complete_at: float
+
+
+class KvStreamer:
+    """See the module docstring."""
+
+    def __init__(self, engine: LLMEngine, transfer: TransferEngine,
+                 timeout_s: float = 30.0) -> None:
+        self.engine = engine
+        self.transfer = transfer
+        self.timeout_s = timeout_s
+        pool = engine.pool
+        self.num_layers = pool.num_layers
+        self.chunk = pool.chunk_nbytes
+        self._bytes = pool.data.view(torch.uint8).reshape(-1).numpy()
+        self._states: dict[str, StreamState] = {}
+        self._lock = threading.Lock()
+        self._waits: queue.Queue[tuple[StreamState, BatchId] | None] = queue.Queue()
+        self._waiter = threading.Thread(target=self._wait_loop, name="kv-stream-wait",
+                                        daemon=True)
+        self._waiter.start()
+        engine.add_layer_hook(self)
+
+    # ------------------------------------------------------------------ control
+
+    def watch(self, request_id: str, target: DecodeTarget) -> None:
+        lay = target.layout
+        if lay.num_layers != self.num_layers or lay.block_size != self.engine.block_size or \
+                lay.chunk_bytes != self.chunk or lay.fingerprint != self.engine.fingerprint:
+            raise ValueError(
+                f"decode {target.instance_id} computes other KV (fingerprint "
+                f"{lay.fingerprint}, {lay.num_layers} layers, block {lay.block_size}, chunk "
+                f"{lay.chunk_bytes} B); this prefill has {self.engine.fingerprint}, "
+                f"{self.num_layers} layers, block {self.engine.block_size}, chunk {self.chunk} B")
+        with self._lock:
+            self._states[request_id] = StreamState(target)
+
+    def drop(self, request_id: str) -> None:
+        with self._lock:
+            self._states.pop(request_id, None)
+
+    def finish(self, request_id: str) -> StreamResult:
+        """Wait for every batch of the request (blocking) and forget it."""
+        with self._lock:
+            st = self._states.pop(request_id, None)
+        if st is None:
+            return StreamResult(False, "request was not streamed", 0, 0, 0, 0.0, 0.0)
+        deadline = time.monotonic() + self.timeout_s
+        with st.cond:
+            while st.outstanding and time.monotonic() < deadline:
+                st.cond.wait(0.05)
+        if st.outstanding:
+            st.failed.append(f"{st.outstanding} layer batches not done in {self.timeout_s} s")
+        last_done: dict[int, float] = {}
+        for layer, bid in st.batches:
+            t = st.done_at.get(bid, float("inf"))
+            last_done[layer] = max(last_done.get(layer, 0.0), t)
+        before = sum(1 for t in last_done.values() if t <= st.last_layer_at)
+        complete = max(last_done.values(), default=st.last_layer_at)
+        return StreamResult(not st.failed, "; ".join(st.failed), st.bytes, len(last_done),
+                            before, st.last_layer_at, complete)
+
+    def close(self) -> None:
+        self.engine.remove_layer_hook(self)
+        self._waits.put(None)
+
+    # ------------------------------------------------------------------ hook (driver thread)
+
+    def __call__(self, layer: int, meta: AttnMetadata) -> None:
+        plan = self.engine.current_plan
+        if plan is None or not self._states:
+            return
+        for seq, n in [(s, 1) for s in plan.decodes] + list(plan.prefills):
+            st = self._states.get(seq.request_id)
+            if st is not None:
+                self._send_layer(st, seq, n, layer)
+
+    def _send_layer(self, st: StreamState, seq: Sequence, n: int, layer: int) -> None:
+        bs = self.engine.block_size
+        end = min(-(-(seq.num_computed + n) // bs), len(st.target.blocks))
+        pairs = list(zip(seq.blocks[st.sent_blocks:end], st.target.blocks[st.sent_blocks:end],
+                         strict=True))
+        if layer == self.num_layers - 1:
+            st.sent_blocks = (seq.num_computed + n) // bs
+            if seq.num_computed + n >= len(seq.prompt_ids):
+                st.last_layer_at = time.perf_counter()
+        if not pairs:
+            return
+        reqs = self._requests(st.target, layer, pairs)
+        try:
+            bid = self.transfer.submit(reqs, timeout_s=self.timeout_s)
+        except Exception as e:  # an unreachable decode fails the request, never the step
+            st.failed.append(f"layer {layer}: {e}")
+            return
+        with st.cond:
+            st.outstanding += 1
+        st.batches.append((layer, bid))
+        st.bytes += sum(r.length or 0 for r in reqs)
+        self._waits.put((st, bid))
+
+    def _requests(self, target: DecodeTarget, layer: int,
+                  pairs: list[tuple[int, int]]) -> list[TransferRequest]:
+        lay, c, src_nb = target.layout, self.chunk, self.engine.pool.num_blocks
+        runs: list[list[int]] = []  # [src, dst, count]
+        for s, d in pairs:
+            if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+                runs[-1][2] += 1
+            else:
+                runs.append([s, d, 1])
+        reqs = []
+        for kv in (0, 1):
+            for s, d, k in runs:
+                src = ((layer * 2 + kv) * src_nb + s) * c
+                dst = ((layer * 2 + kv) * lay.num_blocks + d) * c
+                reqs.append(TransferRequest(OpCode.WRITE, self._bytes[src:src + k * c],
+                                            target.segment, dst, k * c))
+        return reqs
+
+    # ------------------------------------------------------------------ waiter thread
+
+    def _wait_loop(self) -> None:
+        while (item := self._waits.get()) is not None:
+            st, bid = item
+            try:
+                status = self.transfer.wait(bid, self.timeout_s)
+                if status.status != TransferStatus.DONE:
+                    st.failed.append(f"transfer batch {bid}: {status.status.name}")
+            except Exception as e:
+                st.failed.append(f"transfer batch {bid}: {e}")
+            finally:
+                self.transfer.free(bid)
+            with st.cond:
+                st.done_at[bid] = time.perf_counter()
+                st.outstanding -= 1
+                st.cond.notify_all()
+

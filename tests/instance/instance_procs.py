@@ -1,0 +1,129 @@
+"""Test factories: real instance processes (``yuebing serve <role>``) on 127.0.0.1 and asyncio
+helpers that drive them through `InstanceClient` the way the Conductor does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from yuebing.instance.client import InstanceClient
+from yuebing.protocol.instance import (
+    EventKind,
+    LoadReport,
+    PrefixPlan,
+    Sampling,
+    SubmitTask,
+    TaskEvent,
+    TaskMode,
+)
+
+TINY = "dummy:preset=tiny"
+
+
+class InstanceProc:
+    """One ``yuebing serve <role>`` process; ``hello`` is the Hello it wrote when ready."""
+
+    def __init__(self, role: str, model: str = TINY, *extra: str, timeout_s: float = 120.0
+                 ) -> None:
+        self.role = role
+        self.dir = Path(tempfile.mkdtemp(prefix=f"yb-inst-{role}-"))
+        ready = self.dir / "ready.json"
+        self.log_path = self.dir / "log.txt"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "yuebing.cli.main", "serve", role, "--model", model,
+             "--ready-file", str(ready), "--report-hz", "20", *extra],
+            stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT, env={**os.environ})
+        end = time.monotonic() + timeout_s
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > end:
+                self.kill()
+                raise RuntimeError(f"{role} did not start:\n{self.log()}")
+            time.sleep(0.05)
+        self.hello = json.loads(ready.read_text())
+        self.address: str = self.hello["control_address"]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@dataclass
+class Result:
+    tokens: list[int] = field(default_factory=list)
+    events: list[TaskEvent] = field(default_factory=list)
+    finish: str | None = None
+    error: str = ""
+    cached_tokens: int = 0
+
+
+async def collect(client: InstanceClient, rid: str, res: Result) -> Result:
+    async for ev in client.events(rid):
+        res.events.append(ev)
+        res.tokens += ev.token_ids
+        res.cached_tokens = max(res.cached_tokens, ev.cached_tokens)
+        if ev.kind == EventKind.ERROR:
+            res.error = ev.error
+        elif ev.kind == EventKind.FINISH:
+            res.finish = ev.finish_reason
+    return res
+
+
+async def run_disagg(p: InstanceClient, d: InstanceClient, rid: str, ids: list[int],
+                     sampling: Sampling, prefix: PrefixPlan | None = None) -> Result:
+    """Reserve on the decode, prefill with streaming, then the decode's tokens."""
+    r = await d.reserve(rid, ids, sampling)
+    await p.submit(SubmitTask(seq=0, request_id=rid, token_ids=ids, sampling=sampling,
+                              mode=TaskMode.PREFILL, prefix=prefix, decode=r.target))
+    res = await collect(p, rid, Result())
+    if res.error:
+        await d.cancel(rid)
+        return res
+    assert res.finish == "handoff", res
+    return await collect(d, rid, res)
+
+
+async def run_coupled(c: InstanceClient, rid: str, ids: list[int], sampling: Sampling,
+                      prefix: PrefixPlan | None = None) -> Result:
+    await c.submit(SubmitTask(seq=0, request_id=rid, token_ids=ids, sampling=sampling,
+                              mode=TaskMode.COUPLED, prefix=prefix))
+    return await collect(c, rid, Result())
+
+
+class Reports:
+    """Keeps the latest `LoadReport` of an instance."""
+
+    def __init__(self) -> None:
+        self.last: LoadReport | None = None
+        self.count = 0
+
+    def __call__(self, r: LoadReport) -> None:
+        self.last, self.count = r, self.count + 1
+
+    async def wait(self, pred, timeout_s: float = 10.0) -> LoadReport:  # type: ignore[no-untyped-def]
+        end = time.monotonic() + timeout_s
+        n = self.count
+        while time.monotonic() < end:
+            if self.last is not None and self.count > n and pred(self.last):
+                return self.last
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no report matched within {timeout_s}s; last: {self.last}")
