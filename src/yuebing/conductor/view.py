@@ -131,6 +131,16 @@ class KvIndex:
             if not hs:
                 del self._holders[key]
 
+    def run_of(self, holder: str, keys: Sequence[int]) -> int:
+        """Leading blocks of ``keys`` that ``holder`` holds."""
+        mine = self._keys.get(holder)
+        if not mine:
+            return 0
+        for j, k in enumerate(keys):
+            if k not in mine:
+                return j
+        return len(keys)
+
     def lookup(self, keys: Sequence[int], prefill_ids: Sequence[str],
                preferred: Sequence[str] = (STORE_HOLDER,)) -> PrefixLookup:
         """Leading-run lengths of ``keys`` for each of ``prefill_ids`` and the best holder.

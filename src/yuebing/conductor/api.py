@@ -1,0 +1,265 @@
+"""OpenAI request bodies → a validated `GenRequest`, and OpenAI error bodies.
+
+Called by the HTTP routes (`yuebing.conductor.server`) for every ``/v1/completions`` and
+``/v1/chat/completions`` body, before anything is routed: the body is decoded, every field the
+server understands is type- and range-checked, the prompt is tokenized (the chat template is
+applied once, here) and checked against the context length. Anything wrong raises `ApiError`
+with the HTTP status and OpenAI's ``{"error": {"message", "type", "param", "code"}}`` body;
+nothing has been sent to an instance at that point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from yuebing.core.errors import InputError
+from yuebing.engine.tokenizer import Tokenizer
+from yuebing.protocol.instance import Sampling
+
+UNSUPPORTED = {
+    "tools": "tools", "tool_choice": "tool calls", "functions": "function calls",
+    "logit_bias": "logit_bias", "response_format": "response_format", "suffix": "suffix",
+}
+"""Fields that change the output in ways this server cannot honour (refused, never ignored)."""
+MAX_STOP = 16
+
+
+class ApiError(Exception):
+    """An HTTP error with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a request may ask for (from `ConductorConfig` and the instances' context)."""
+
+    model_name: str
+    max_model_len: int
+    max_prompt_tokens: int
+    max_tokens_cap: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenRequest:
+    """One validated generation request."""
+
+    chat: bool
+    prompt_ids: list[int]
+    sampling: Sampling
+    stream: bool
+    include_usage: bool
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    try:
+        obj = msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})",
+                       code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {_kind(obj)}")
+    return obj
+
+
+def parse_request(obj: dict[str, Any], chat: bool, tokenizer: Tokenizer | None,
+                  limits: Limits) -> GenRequest:
+    """Validate ``obj`` (a decoded body) and tokenize its prompt."""
+    model = obj.get("model")
+    if not isinstance(model, str):
+        raise ApiError(400, "'model' is required and must be a string", param="model")
+    if model != limits.model_name:
+        raise ApiError(400, f"the model '{model}' does not exist; this server serves "
+                       f"'{limits.model_name}'", param="model", code="model_not_found")
+    for name, what in UNSUPPORTED.items():
+        if obj.get(name) is not None:
+            raise ApiError(400, f"{what} are not supported by this server", param=name)
+    for name in ("n", "best_of"):
+        if _opt(obj, name, int, 1) != 1:
+            raise ApiError(400, f"only {name}=1 is supported", param=name)
+    if _opt(obj, "logprobs", (bool, int), False) or _opt(obj, "echo", bool, False):
+        raise ApiError(400, "logprobs and echo are not supported by this server",
+                       param="logprobs")
+    ids = _chat_prompt(obj, tokenizer) if chat else _completion_prompt(obj, tokenizer)
+    stream = _opt(obj, "stream", bool, False)
+    options = _opt(obj, "stream_options", dict, None)
+    if options is not None and not stream:
+        raise ApiError(400, "stream_options is only allowed with stream=true",
+                       param="stream_options")
+    include_usage = _opt(options or {}, "include_usage", bool, False, "stream_options.")
+    return GenRequest(chat, ids, _sampling(obj, chat, len(ids), limits), stream, include_usage)
+
+
+def _sampling(obj: dict[str, Any], chat: bool, prompt_len: int, limits: Limits) -> Sampling:
+    if prompt_len > limits.max_prompt_tokens or prompt_len >= limits.max_model_len:
+        raise ApiError(400, f"the prompt has {prompt_len} tokens; this server accepts at most "
+                       f"{min(limits.max_prompt_tokens, limits.max_model_len - 1)}",
+                       param="messages" if chat else "prompt", code="context_length_exceeded")
+    room = limits.max_model_len - prompt_len
+    name = "max_completion_tokens" if chat and obj.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = _opt(obj, name, int, None)
+    if max_tokens is None:
+        max_tokens = min(limits.max_tokens_cap, room)
+    elif max_tokens <= 0:
+        raise ApiError(400, f"'{name}' must be at least 1, got {max_tokens}", param=name)
+    elif max_tokens > limits.max_tokens_cap:
+        raise ApiError(400, f"'{name}' is {max_tokens}; this server allows at most "
+                       f"{limits.max_tokens_cap}", param=name)
+    elif max_tokens > room:
+        raise ApiError(400, f"the prompt ({prompt_len} tokens) plus {name}={max_tokens} exceeds "
+                       f"the context length {limits.max_model_len}", param=name,
+                       code="context_length_exceeded")
+    temperature = float(_opt(obj, "temperature", (int, float), 1.0))
+    top_p = float(_opt(obj, "top_p", (int, float), 1.0))
+    if not 0.0 <= temperature <= 2.0:
+        raise ApiError(400, f"'temperature' must be in [0, 2], got {temperature}",
+                       param="temperature")
+    if not 0.0 < top_p <= 1.0:
+        raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+    top_k = _opt(obj, "top_k", int, 0)
+    if top_k < 0:
+        raise ApiError(400, f"'top_k' must be >= 0, got {top_k}", param="top_k")
+    seed = _opt(obj, "seed", int, None)
+    if seed is not None and not 0 <= seed < 2**63:
+        raise ApiError(400, f"'seed' must be in [0, 2**63), got {seed}", param="seed")
+    min_tokens = _opt(obj, "min_tokens", int, 0)
+    if not 0 <= min_tokens <= max_tokens:
+        raise ApiError(400, f"'min_tokens' must be in 0..max_tokens, got {min_tokens}",
+                       param="min_tokens")
+    return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                    seed=seed, stop=_stop(obj), stop_token_ids=_int_list(obj, "stop_token_ids"),
+                    ignore_eos=_opt(obj, "ignore_eos", bool, False), min_tokens=min_tokens)
+
+
+def _stop(obj: dict[str, Any]) -> list[str]:
+    stop = obj.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of them", param="stop")
+    if len(stop) > MAX_STOP:
+        raise ApiError(400, f"'stop' has {len(stop)} strings; at most {MAX_STOP}", param="stop")
+    return stop
+
+
+def _completion_prompt(obj: dict[str, Any], tokenizer: Tokenizer | None) -> list[int]:
+    prompt = obj.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "'prompt' must not be empty", param="prompt")
+        return _encode(tokenizer, prompt)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if tokenizer is not None and not all(0 <= t < tokenizer.vocab_size for t in prompt):
+            raise ApiError(400, f"'prompt' token ids must be in 0..{tokenizer.vocab_size - 1}",
+                           param="prompt")
+        if any(t < 0 for t in prompt):
+            raise ApiError(400, "'prompt' token ids must be >= 0", param="prompt")
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise ApiError(400, "only one prompt per request is supported (n=1)", param="prompt")
+    raise ApiError(400, "'prompt' is required: a string, or a list of token ids",
+                   param="prompt")
+
+
+def _chat_prompt(obj: dict[str, Any], tokenizer: Tokenizer | None) -> list[int]:
+    messages = obj.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' is required and must be a non-empty list",
+                       param="messages")
+    flat: list[dict[str, str]] = []
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if not isinstance(role, str) or role not in ("system", "developer", "user",
+                                                     "assistant"):
+            raise ApiError(400, f"messages[{i}].role must be one of system, user, assistant",
+                           param=f"messages[{i}].role")
+        flat.append({"role": "system" if role == "developer" else role,
+                     "content": _content(m.get("content"), i)})
+    if tokenizer is None or not tokenizer.chat_template:
+        raise ApiError(400, "this model has no chat template; use /v1/completions",
+                       param="messages")
+    try:
+        return tokenizer.encode_chat(flat)
+    except InputError as e:
+        raise ApiError(400, str(e), param="messages") from None
+
+
+def _content(content: object, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if not (isinstance(p, dict) and p.get("type") == "text"
+                    and isinstance(p.get("text"), str)):
+                raise ApiError(400, f"messages[{i}].content parts must be text parts "
+                               "({\"type\": \"text\", \"text\": ...})",
+                               param=f"messages[{i}].content")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
+                   param=f"messages[{i}].content")
+
+
+def _encode(tokenizer: Tokenizer | None, text: str) -> list[int]:
+    if tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer; send the prompt as a list of token ids",
+                       param="prompt")
+    return tokenizer.encode(text)
+
+
+def _int_list(obj: dict[str, Any], name: str) -> list[int]:
+    v = obj.get(name)
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
+        raise ApiError(400, f"'{name}' must be a list of token ids", param=name)
+    return list(v)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _opt(obj: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any,
+         prefix: str = "") -> Any:
+    """``obj[name]`` checked against ``types`` (bools are not numbers), or ``default``."""
+    v = obj.get(name)
+    if v is None:
+        return default
+    allowed = types if isinstance(types, tuple) else (types,)
+    if not isinstance(v, allowed) or (isinstance(v, bool) and bool not in allowed):
+        want = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in allowed)
+        raise ApiError(400, f"'{prefix}{name}' must be {want}, got {_kind(v)}",
+                       param=prefix + name)
+    return v
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
+               dict: "an object", list: "a list"}
+
+
+def _kind(v: object) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number"}.get(type(v), "null" if v is None else "a value")

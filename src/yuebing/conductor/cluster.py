@@ -1,0 +1,295 @@
+"""`LiveCluster`: the Conductor's picture of its instances, turned into a `ClusterView` per request.
+
+Life cycle (all on the Conductor's event loop):
+
+1. `add(address)` (from ``--instances`` or etcd discovery) connects an `InstanceClient`,
+   subscribes and keeps the instance's `Hello`; an instance that does not answer yet is retried.
+2. Every `LoadReport` refreshes the instance's load and last-seen time, and its
+   ``cache_added``/``cache_removed`` (or a full resync) update the `KvIndex`. The store's KV
+   events update the index's ``store`` holder (`yuebing.conductor.kvfeed`).
+3. `view(info)` reduces the live members to the pure builder's inputs (`PrefillLoad`s,
+   `PrefixLookup`, `DecodeState`s, routed requests still in prefill) and calls
+   `yuebing.conductor.view.build_view`, the same builder the simulator uses.
+4. The liveness task marks an instance that sent no report for ``heartbeat_timeout_s`` dead: it
+   leaves the view, its cache leaves the index, and every open event stream on its client ends
+   with an ERROR (so no request waits on it). A dead instance is re-subscribed in the
+   background and rejoins when it answers (a restarted one with its new incarnation).
+
+The dispatcher (`yuebing.conductor.dispatch`) tells the cluster what it routed (`routed`,
+`prefill_done`, `finished`) so the load between two reports includes this Conductor's own work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from yuebing.conductor.policy import DecodeState, PendingDecode, RequestInfo, Route
+from yuebing.conductor.policy.types import ClusterView
+from yuebing.conductor.view import KvIndex, PrefillLoad, build_view
+from yuebing.core.ids import InstanceId
+from yuebing.instance.client import InstanceClient, InstanceError, InstanceUnavailable
+from yuebing.protocol.instance import Hello, LoadReport, Role
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Member:
+    """One instance as the Conductor knows it."""
+
+    address: str
+    client: InstanceClient
+    hello: Hello
+    report: LoadReport | None = None
+    seen_s: float = 0.0
+    alive: bool = True
+    prefilling: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """This Conductor's tasks still in prefill here: request id → (est. seconds, routed at)."""
+
+    @property
+    def id(self) -> InstanceId:
+        return InstanceId(self.hello.instance_id)
+
+    @property
+    def role(self) -> Role:
+        return self.hello.role
+
+
+class LiveCluster:
+    """Members, their loads, the KV index and the routed-but-not-decoding requests."""
+
+    def __init__(self, heartbeat_timeout_s: float, rpc_timeout_s: float,
+                 store_block_tokens: int, prefill_time: Callable[[float, float], float],
+                 link_bandwidth_Bps: float, link_latency_s: float,
+                 conductor_id: str = "conductor") -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self.store_block_tokens = store_block_tokens
+        self.prefill_time = prefill_time
+        self.link_bandwidth_Bps = link_bandwidth_Bps
+        self.link_latency_s = link_latency_s
+        self.conductor_id = conductor_id
+        self.index = KvIndex()
+        self.members: dict[InstanceId, Member] = {}
+        self.by_address: dict[str, Member] = {}
+        self.fingerprint = ""
+        self.max_model_len = 0
+        self.pending: dict[str, PendingDecode] = {}
+        self.on_dead: list[Callable[[Member], None]] = []
+        self._wanted: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._liveness: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ membership
+
+    def start(self) -> None:
+        self._liveness = asyncio.get_running_loop().create_task(self._watch_liveness())
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` in the background, keeping a reference until it ends."""
+        task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def add(self, address: str) -> None:
+        """Connect to the instance at ``address`` (retried in the background until it answers)."""
+        if address in self._wanted:
+            return
+        self._wanted.add(address)
+        self.spawn(self._connect(address))
+
+    def discard(self, address: str) -> None:
+        """Stop using the instance at ``address`` (it left discovery)."""
+        self._wanted.discard(address)
+        m = self.by_address.pop(address, None)
+        if m is not None:
+            self._mark_dead(m, f"instance {m.id} left discovery")
+            self.members.pop(m.id, None)
+            self.spawn(m.client.close())
+
+    async def _connect(self, address: str, delay_s: float = 0.0) -> None:
+        await asyncio.sleep(delay_s)
+        while address in self._wanted:
+            client = InstanceClient(address, timeout_s=min(self.rpc_timeout_s, 1.0),
+                                    on_report=functools.partial(self._on_report, address))
+            try:
+                hello = await client.subscribe(self.conductor_id)
+            except (InstanceUnavailable, InstanceError) as e:
+                log.debug("instance %s not ready: %s", address, e)
+                await client.close()
+                await asyncio.sleep(0.5)
+                continue
+            client.timeout_s = self.rpc_timeout_s
+            problem = self._admit(hello)
+            if problem:
+                log.error("not using instance %s at %s: %s", hello.instance_id, address, problem)
+                await client.close()
+                return
+            old = self.by_address.get(address)
+            if old is not None:
+                old.client.fail_all(f"instance {old.id} restarted")
+                self.spawn(old.client.close())
+            m = Member(address, client, hello, seen_s=time.monotonic())
+            self.members[m.id] = m
+            self.by_address[address] = m
+            log.info("instance %s (%s, %s) joined from %s", m.id, m.role.label, hello.model,
+                     address)
+            return
+
+    def _admit(self, hello: Hello) -> str:
+        if hello.store_block_tokens != self.store_block_tokens:
+            return (f"its store blocks are {hello.store_block_tokens} tokens, this Conductor's "
+                    f"{self.store_block_tokens} (--store-block-tokens)")
+        if self.fingerprint and hello.fingerprint != self.fingerprint:
+            return (f"its KV fingerprint {hello.fingerprint} differs from the cluster's "
+                    f"{self.fingerprint} (another model, weights or dtype)")
+        other = self.members.get(InstanceId(hello.instance_id))
+        if other is not None and other.address != hello.control_address and other.alive \
+                and other.address in self._wanted:
+            return f"instance id {hello.instance_id} is already used by {other.address}"
+        self.fingerprint = hello.fingerprint
+        self.max_model_len = min(self.max_model_len or hello.max_model_len, hello.max_model_len)
+        return ""
+
+    # ------------------------------------------------------------------ reports and liveness
+
+    def _on_report(self, address: str, r: LoadReport) -> None:
+        m = self.by_address.get(address)
+        if m is None or r.instance_id != m.hello.instance_id:
+            return
+        if r.incarnation != m.hello.incarnation:
+            self._mark_dead(m, f"instance {m.id} restarted")
+            self.by_address.pop(address, None)
+            self.spawn(self._connect(address))
+            return
+        if m.report is not None and r.report_seq != m.report.report_seq + 1 \
+                and not r.cache_full_resync:
+            log.warning("instance %s: load report %d after %d; asking for a full resync", m.id,
+                        r.report_seq, m.report.report_seq)
+            self.spawn(self._resubscribe(m))
+        m.report = r
+        m.seen_s = time.monotonic()
+        if not m.alive:
+            log.info("instance %s is back", m.id)
+            m.alive = True
+        if m.role != Role.DECODE:
+            if r.cache_full_resync:
+                self.index.replace(m.id, r.cache_added)
+            else:
+                self.index.add(m.id, r.cache_added)
+                self.index.remove(m.id, r.cache_removed)
+
+    async def _resubscribe(self, m: Member) -> None:
+        with contextlib.suppress(InstanceUnavailable, InstanceError):
+            await m.client.subscribe(self.conductor_id)
+
+    async def _watch_liveness(self) -> None:
+        period = min(0.25, self.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for m in list(self.members.values()):
+                if m.alive and now - m.seen_s > self.heartbeat_timeout_s:
+                    self._mark_dead(m, f"instance {m.id} sent no load report for "
+                                       f"{now - m.seen_s:.1f} s")
+                elif not m.alive and m.address in self._wanted and now - m.seen_s > 1.0:
+                    m.seen_s = now - self.heartbeat_timeout_s  # retry about once a second
+                    self.spawn(self._probe(m))
+
+    async def _probe(self, m: Member) -> None:
+        """Re-subscribe to a dead member: a restarted instance answers with a new Hello."""
+        try:
+            hello = await m.client.subscribe(self.conductor_id)
+        except (InstanceUnavailable, InstanceError):
+            return
+        if hello.incarnation != m.hello.incarnation and self.by_address.get(m.address) is m:
+            self.by_address.pop(m.address, None)
+            self.spawn(self._reconnect(m))
+
+    async def _reconnect(self, m: Member) -> None:
+        await m.client.close()
+        self.members.pop(m.id, None)
+        await self._connect(m.address)
+
+    def _mark_dead(self, m: Member, reason: str) -> None:
+        if m.alive:
+            log.warning("%s: it leaves the view", reason)
+        m.alive = False
+        m.prefilling.clear()
+        self.index.drop(m.id)
+        for cb in self.on_dead:
+            cb(m)
+        m.client.fail_all(reason)
+
+    # ------------------------------------------------------------------ views
+
+    def alive(self, *roles: Role) -> list[Member]:
+        return [m for m in self.members.values() if m.alive and m.report is not None
+                and m.role in roles]
+
+    def view(self, info: RequestInfo, prefills: list[Member], decodes: list[Member],
+             now_s: float) -> ClusterView:
+        """The request's `ClusterView` over ``prefills`` × ``decodes`` at ``now_s``."""
+        loads = [self._prefill_load(m, now_s) for m in prefills]
+        lookup = self.index.lookup(info.block_keys, [m.id for m in prefills])
+        states = [decode_state(m.report, m.hello.block_size, m.id)
+                  for m in decodes if m.report is not None]
+        return build_view(now_s, loads, lookup, states, link_bandwidth_Bps=self.link_bandwidth_Bps,
+                          link_latency_s=self.link_latency_s, pending=self.pending.values())
+
+    def _prefill_load(self, m: Member, now_s: float) -> PrefillLoad:
+        r = m.report
+        assert r is not None
+        if r.prefill_tokens_per_s > 0:
+            reported = r.queued_prefill_tokens / r.prefill_tokens_per_s
+        else:
+            reported = self.prefill_time(r.queued_prefill_tokens, 0) \
+                if r.queued_prefill_tokens else 0.0
+        reported -= max(0.0, now_s - m.seen_s)
+        own = 0.0
+        if m.prefilling:
+            own = sum(est for est, _ in m.prefilling.values()) \
+                - (now_s - min(t for _, t in m.prefilling.values()))
+        return PrefillLoad(m.id, max(reported, own, 0.0),
+                           max(r.queued_requests, len(m.prefilling)))
+
+    # ------------------------------------------------------------------ this Conductor's work
+
+    def routed(self, info: RequestInfo, route: Route, now_s: float) -> None:
+        p = self.members.get(route.prefill_id)
+        if p is not None:
+            p.prefilling[info.request_id] = (route.est_prefill_s + route.est_transfer_s, now_s)
+        self.pending[info.request_id] = PendingDecode(
+            now_s + route.est_ttft_s, info.expected_output_tokens, route.decode_id,
+            info.input_tokens)
+
+    def prefill_done(self, request_id: str, prefill_id: InstanceId) -> None:
+        p = self.members.get(prefill_id)
+        if p is not None:
+            p.prefilling.pop(request_id, None)
+        self.pending.pop(request_id, None)
+
+    async def close(self) -> None:
+        self._wanted.clear()
+        if self._liveness is not None:
+            self._liveness.cancel()
+        for t in list(self._tasks):
+            t.cancel()
+        for m in self.members.values():
+            await m.client.close()
+
+
+def decode_state(r: LoadReport, block_size: int, instance_id: InstanceId) -> DecodeState:
+    """A decode instance's `DecodeState` from its report. Blocks reserved for requests still in
+    prefill are not counted as used: those requests are in the view's pending decodes."""
+    used = max(0, r.total_blocks - r.free_blocks - r.reserved_blocks) * block_size
+    mean_ctx = r.context_tokens // r.running if r.running else 0
+    return DecodeState(instance_id, r.running, r.context_tokens, used,
+                       max(1, r.total_blocks * block_size), r.waiting, r.waiting * mean_ctx)

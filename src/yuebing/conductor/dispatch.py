@@ -1,0 +1,303 @@
+"""`Dispatcher`: one request from its token ids to the tokens relayed back.
+
+Life cycle of a request (called by the HTTP routes with a validated `GenRequest`):
+
+1. Block keys of the prompt (`yuebing.instance.kvkeys.store_block_keys`), a `RequestInfo`,
+   the request's `ClusterView` (`LiveCluster.view`) and `Policy.decide`. A `Reject` raises
+   `Rejected` (the route answers 429 + Retry-After). Disaggregated when prefill and decode
+   instances are alive, else coupled over the coupled instances (the decode choice is then
+   re-taken on the chosen instance alone, so admission judges the instance that decodes).
+2. Disaggregated: ``reserve`` on the decode instance, then ``submit`` the prefill task with its
+   `PrefixPlan` and the reservation's `DecodeTarget`. Coupled: one ``submit``.
+3. Relay: the prefill's FIRST_TOKEN, then the decode's TOKENS … FINISH, as `Delta`s (decode
+   events that overtake the first token wait for it). The instances' `Breakdown`s and token
+   times land in the request's `RequestStats`.
+
+Faults: an ERROR from an instance the cluster found dead (no heartbeats: `LiveCluster` fails
+its streams), or no answer to a call, before any token reached the client re-dispatches the
+request once; any other ERROR, or one after tokens were sent, raises `RequestFailed` (the
+route ends the stream with an error event). Every exit other than a finished request —
+errors, the request timeout, a client disconnect (the consumer closes the generator) —
+cancels the request on every instance involved, in the background, freeing their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from yuebing.conductor.api import GenRequest
+from yuebing.conductor.cluster import LiveCluster, Member
+from yuebing.conductor.metrics import ConductorMetrics
+from yuebing.conductor.policy import Policy, Reject, RejectReason, RequestInfo, Route
+from yuebing.conductor.stats import RequestStats
+from yuebing.conductor.view import STORE_HOLDER
+from yuebing.core.ids import BlockHash, InstanceId
+from yuebing.instance.client import InstanceError, InstanceUnavailable
+from yuebing.instance.kvkeys import store_block_keys
+from yuebing.protocol.instance import (
+    ErrorCode,
+    EventKind,
+    PrefixPlan,
+    Role,
+    SubmitTask,
+    TaskEvent,
+    TaskMode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Rejected(Exception):
+    """The request is refused before any work (HTTP 429/503; 400 when never servable)."""
+
+    def __init__(self, reason: str, retry_after_s: float, message: str = "") -> None:
+        super().__init__(message or f"request rejected: {reason}")
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class RequestFailed(Exception):
+    """The request failed after routing (an instance error, a dead decode, a timeout)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Retry(Exception):
+    """The attempt failed before any token: the request may be re-dispatched."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+
+
+_FINISH = {"stop": "stop", "eos": "stop", "stop_string": "stop", "length": "length",
+           "max_tokens": "length"}
+
+
+class Dispatcher:
+    """Routes and relays requests over one `LiveCluster` with one `Policy`."""
+
+    def __init__(self, cluster: LiveCluster, policy: Policy, metrics: ConductorMetrics,
+                 request_timeout_s: float) -> None:
+        self.cluster = cluster
+        self.policy = policy
+        self.metrics = metrics
+        self.request_timeout_s = request_timeout_s
+
+    async def generate(self, req: GenRequest, stats: RequestStats) -> AsyncIterator[Delta]:
+        """The request's output; raises `Rejected` or `RequestFailed` (see the module doc)."""
+        deadline = time.monotonic() + self.request_timeout_s
+        stats.prompt_tokens = len(req.prompt_ids)
+        for attempt in (0, 1):
+            rid = stats.request_id if attempt == 0 else f"{stats.request_id}-r{attempt}"
+            info, route, coupled = self._decide(req, rid)
+            try:
+                async for delta in self._attempt(req, info, route, coupled, stats, deadline):
+                    yield delta
+                return
+            except _Retry as e:
+                if attempt == 0 and stats.completion_tokens == 0:
+                    log.warning("%s: %s; re-dispatching", stats.request_id, e)
+                    stats.redispatched += 1
+                    self.metrics.redispatched.inc()
+                    continue
+                raise RequestFailed("instance_failed", str(e)) from None
+
+    # ------------------------------------------------------------------ decision
+
+    def _decide(self, req: GenRequest, rid: str) -> tuple[RequestInfo, Route, bool]:
+        c = self.cluster
+        prefills, decodes = c.alive(Role.PREFILL), c.alive(Role.DECODE)
+        coupled = not (prefills and decodes)
+        if coupled:
+            prefills = decodes = c.alive(Role.COUPLED)
+        keys = (store_block_keys(req.prompt_ids, c.store_block_tokens, c.fingerprint)
+                if c.fingerprint else [])
+        now = time.monotonic()
+        info = RequestInfo(rid, now, len(req.prompt_ids), tuple(BlockHash(k) for k in keys),
+                           req.sampling.max_tokens)
+        view = c.view(info, prefills, decodes, now)
+        decision = self.policy.decide(info, view)
+        if coupled and isinstance(decision, Route) and decision.decode_id != decision.prefill_id:
+            mine = tuple(d for d in view.decodes if d.instance_id == decision.prefill_id)
+            decision = self.policy.decide(info, replace(view, decodes=mine))
+        if isinstance(decision, Reject):
+            self.metrics.rejected_requests.labels(decision.reason).inc()
+            raise Rejected(decision.reason, decision.retry_after_s,
+                           _reject_message(decision))
+        return info, decision, coupled
+
+    def _plan(self, route: Route, info: RequestInfo) -> tuple[PrefixPlan, int]:
+        """The prefill's `PrefixPlan` and how many store blocks it copies to the instance. A
+        route on the local prefix is topped up from the store when the store holds a longer
+        run of the prompt (loading beats recomputing)."""
+        tokens = self.policy.prefix_tokens
+        n = info.input_tokens
+        src = route.fetch_from
+        if src == STORE_HOLDER:
+            return PrefixPlan(tokens=tokens(route.reused_blocks, n), source="store"), \
+                route.fetch_blocks
+        if src is not None:
+            peer = self.cluster.members.get(InstanceId(str(src)))
+            return PrefixPlan(tokens=tokens(route.reused_blocks, n), source="peer",
+                              peer=str(src), peer_address=peer.address if peer else ""), \
+                route.fetch_blocks
+        stored = self.cluster.index.run_of(STORE_HOLDER, info.block_keys)
+        if stored > route.reused_blocks:
+            return PrefixPlan(tokens=tokens(stored, n), source="store"), \
+                stored - route.reused_blocks
+        return PrefixPlan(tokens=tokens(route.reused_blocks, n) if route.reused_blocks else 0,
+                          source="local"), 0
+
+    # ------------------------------------------------------------------ one attempt
+
+    async def _attempt(self, req: GenRequest, info: RequestInfo, route: Route, coupled: bool,
+                       stats: RequestStats, deadline: float) -> AsyncIterator[Delta]:
+        c, m = self.cluster, self.metrics
+        pre, dec = c.members[route.prefill_id], c.members[route.decode_id]
+        rid = info.request_id
+        plan, copied = self._plan(route, info)
+        stats.prefill_id, stats.decode_id, stats.prefix_source = str(pre.id), str(dec.id), \
+            plan.source
+        c.routed(info, route, time.monotonic())
+        m.routed_requests.labels(pre.id, "coupled" if coupled else "prefill").inc()
+        if not coupled:
+            m.routed_requests.labels(dec.id, "decode").inc()
+        if copied:
+            m.blocks_replicated.labels(plan.source).inc(copied)
+        involved: list[Member] = []
+        finished = False
+        try:
+            if coupled:
+                involved.append(pre)
+                await pre.client.submit(SubmitTask(
+                    seq=0, request_id=rid, token_ids=req.prompt_ids, sampling=req.sampling,
+                    mode=TaskMode.COUPLED, prefix=plan))
+            else:
+                involved.append(dec)
+                reserved = await dec.client.reserve(
+                    rid, req.prompt_ids, req.sampling,
+                    timeout_s=max(1.0, deadline - time.monotonic()))
+                involved.append(pre)
+                await pre.client.submit(SubmitTask(
+                    seq=0, request_id=rid, token_ids=req.prompt_ids, sampling=req.sampling,
+                    mode=TaskMode.PREFILL, prefix=plan, decode=reserved.target))
+            stats.dispatched_s = time.perf_counter()
+            m.overhead.observe(stats.dispatch_s)
+            async for delta in self._relay(rid, pre, dec, coupled, stats, deadline):
+                yield delta
+            finished = True
+        except InstanceUnavailable as e:
+            raise _Retry(str(e)) from None
+        except InstanceError as e:
+            if e.code in (ErrorCode.NO_KV, ErrorCode.OVERLOADED):
+                reason = "decode_kv_full" if e.code == ErrorCode.NO_KV else "instance_overloaded"
+                m.rejected_requests.labels(reason).inc()
+                raise Rejected(reason, self.policy.config.min_retry_after_s, str(e)) from None
+            raise RequestFailed(e.code.name.lower(), str(e)) from None
+        finally:
+            c.prefill_done(rid, pre.id)
+            if not finished and involved:
+                c.spawn(_cancel(involved, rid))
+
+    async def _relay(self, rid: str, pre: Member, dec: Member, coupled: bool,
+                     stats: RequestStats, deadline: float) -> AsyncIterator[Delta]:
+        merged: asyncio.Queue[tuple[bool, TaskEvent]] = asyncio.Queue()
+        pumps = [asyncio.create_task(_pump(pre, rid, False, merged))]
+        if not coupled:
+            pumps.append(asyncio.create_task(_pump(dec, rid, True, merged)))
+        early: deque[tuple[bool, TaskEvent]] = deque()
+        first = False
+        try:
+            while True:
+                if first and early:
+                    from_decode, ev = early.popleft()
+                else:
+                    left = deadline - time.monotonic()
+                    try:
+                        from_decode, ev = await asyncio.wait_for(merged.get(), max(left, 0.0))
+                    except TimeoutError:
+                        raise RequestFailed("timeout", f"request {rid} ran past "
+                                            f"{self.request_timeout_s:.0f} s") from None
+                stats.merge(ev.breakdown)
+                if ev.kind == EventKind.ERROR:
+                    if first and not (coupled or from_decode):
+                        log.warning("%s: prefill error after the first token: %s", rid, ev.error)
+                        continue
+                    source = dec if from_decode else pre
+                    if not first and not source.alive:
+                        raise _Retry(ev.error or f"instance {source.id} died")
+                    code = ev.error_code.name.lower() if ev.error_code else "instance_error"
+                    raise RequestFailed(code, f"instance {source.id}: {ev.error}")
+                if not first:
+                    if from_decode:
+                        early.append((from_decode, ev))
+                        continue
+                    first = True
+                    stats.cached_tokens = ev.cached_tokens
+                    self.cluster.prefill_done(rid, pre.id)
+                elif not (coupled or from_decode):
+                    continue  # the prefill's own end of stream
+                delta = _delta(ev, stats)
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            for p in pumps:
+                p.cancel()
+
+
+def _delta(ev: TaskEvent, stats: RequestStats) -> Delta:
+    now = time.perf_counter()
+    n = len(ev.token_ids)
+    if stats.first_token_s is None and n:
+        stats.first_token_s = now
+    if n and len(ev.token_times) == n:
+        last = ev.token_times[-1]
+        stats.token_times.extend(now - (last - t) for t in ev.token_times)
+    else:
+        stats.token_times.extend([now] * n)
+    stats.completion_tokens += n
+    reason = None
+    if ev.kind == EventKind.FINISH or ev.finish_reason:
+        reason = _FINISH.get(ev.finish_reason or "stop", "stop")
+        stats.finish_reason = reason
+        stats.end_s = now
+    return Delta(list(ev.token_ids), ev.text, reason)
+
+
+async def _pump(m: Member, rid: str, from_decode: bool,
+                out: asyncio.Queue[tuple[bool, TaskEvent]]) -> None:
+    try:
+        async for ev in m.client.events(rid):
+            out.put_nowait((from_decode, ev))
+    except InstanceError:  # the stream was closed (cancelled) before we read it
+        return
+
+
+async def _cancel(members: list[Member], rid: str) -> None:
+    for m in members:
+        try:
+            await m.client.cancel(rid)
+        except (InstanceError, InstanceUnavailable) as e:
+            log.debug("cancel of %s on %s: %s", rid, m.id, e)
+
+
+def _reject_message(r: Reject) -> str:
+    if r.reason == RejectReason.NO_INSTANCES:
+        return "no prefill/decode (or coupled) instance is available"
+    if math.isinf(r.retry_after_s):
+        return f"this request cannot be served by this cluster ({r.reason})"
+    return (f"the server is overloaded ({r.reason}); retry after "
+            f"{math.ceil(r.retry_after_s)} s")

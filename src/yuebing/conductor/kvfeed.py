@@ -1,0 +1,138 @@
+"""The store's side of the Conductor's KV index: which store-block keys the store holds.
+
+`StoreHoldings` (pure, on the event loop) keeps key → segments from the master's `KvEvents`
+(STORED on / REMOVED from segments) and tells the `KvIndex` when a key enters the store (first
+segment) or leaves it (last segment gone). Only keys of this cluster's KV fingerprint count
+(`yuebing.instance.kvkeys.parse_store_key`).
+
+`StoreFeed` runs a `KvEventSubscriber` in a daemon thread and hands each batch to the loop.
+Batches sent before the subscription settled, or lost in a gap (``seq`` jumps), are repaired by
+a resync: the committed keys are listed from the master's admin ``/keys`` (when ``admin_url``
+is given) and replace the store holder's keys; events that follow are applied on top. A key
+listed by the resync has unknown segments, so a later REMOVED of any segment drops it (a miss
+only costs a recompute, never wrong KV).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+
+from yuebing.conductor.view import STORE_HOLDER, KvIndex
+from yuebing.instance.kvkeys import KEY_PREFIX, parse_store_key
+from yuebing.store import messages as m
+
+log = logging.getLogger(__name__)
+_UNKNOWN = "?"
+RESYNC_LIMIT = 10_000_000
+
+
+class StoreHoldings:
+    """Key → segments of this fingerprint's store blocks, mirrored into ``index``."""
+
+    def __init__(self, index: KvIndex, fingerprint: Callable[[], str]) -> None:
+        self.index = index
+        self.fingerprint = fingerprint
+        self.segments: dict[int, set[str]] = {}
+        self.events = 0
+
+    def apply(self, batch: m.KvEvents) -> None:
+        fp = self.fingerprint()
+        if not fp:
+            return
+        added: list[int] = []
+        removed: list[int] = []
+        for kind, name, holders in zip(batch.kinds, batch.keys, batch.holders, strict=False):
+            parsed = parse_store_key(name)
+            if parsed is None or parsed[0] != fp:
+                continue
+            key = parsed[1]
+            self.events += 1
+            segs = self.segments.get(key)
+            if kind == m.EventKind.STORED:
+                if segs is None:
+                    self.segments[key] = segs = set()
+                    added.append(key)
+                segs.update(holders)
+            elif segs is not None:
+                segs.difference_update(holders)
+                segs.discard(_UNKNOWN)
+                if not segs:
+                    del self.segments[key]
+                    removed.append(key)
+        self.index.add(STORE_HOLDER, added)
+        self.index.remove(STORE_HOLDER, removed)
+
+    def resync(self, names: list[str]) -> None:
+        fp = self.fingerprint()
+        keys = [p[1] for p in map(parse_store_key, names) if p is not None and p[0] == fp]
+        self.segments = {k: {_UNKNOWN} for k in keys}
+        self.index.replace(STORE_HOLDER, keys)
+        log.info("store index resynced: %d keys", len(keys))
+
+
+class StoreFeed:
+    """Follows the master's event stream from a thread (see the module docstring)."""
+
+    def __init__(self, events_address: str, admin_url: str, holdings: StoreHoldings,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.events_address = events_address
+        self.admin_url = admin_url.rstrip("/")
+        self.holdings = holdings
+        self.loop = loop
+        self.resyncs = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="store-kv-events", daemon=True)
+
+    def start(self) -> StoreFeed:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        from yuebing.store.client.events import KvEventSubscriber
+
+        sub = KvEventSubscriber(self.events_address)
+        try:
+            need_resync, gaps = True, 0
+            while not self._stop.is_set():
+                if need_resync and self.admin_url and self.holdings.fingerprint():
+                    need_resync = not self._resync()
+                batches = sub.poll(0.2)
+                if sub.gaps != gaps:
+                    gaps, need_resync = sub.gaps, True
+                if batches:
+                    self.loop.call_soon_threadsafe(self._apply_all, batches)
+        except Exception:  # noqa: BLE001 - a broken feed must be loud, the Conductor goes on
+            log.exception("the store KV-event feed stopped")
+        finally:
+            sub.close()
+
+    def _apply_all(self, batches: list[m.KvEvents]) -> None:
+        for b in batches:
+            self.holdings.apply(b)
+
+    def _resync(self) -> bool:
+        prefix = f"{KEY_PREFIX}{self.holdings.fingerprint()}/"
+        url = f"{self.admin_url}/keys?" + urllib.parse.urlencode(
+            {"prefix": prefix, "limit": RESYNC_LIMIT})
+        try:
+            with urllib.request.urlopen(url, timeout=5.0) as resp:  # noqa: S310 - operator URL
+                names = json.loads(resp.read())
+        except (OSError, ValueError) as e:
+            log.warning("store index resync from %s failed: %s", self.admin_url, e)
+            return False
+        if not isinstance(names, list):
+            log.warning("store index resync: %s/keys did not return a list", self.admin_url)
+            return False
+        self.resyncs += 1
+        self.loop.call_soon_threadsafe(self.holdings.resync, [str(n) for n in names])
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)

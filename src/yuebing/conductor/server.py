@@ -1,0 +1,252 @@
+"""The Conductor's HTTP server: OpenAI-compatible routes on FastAPI/Starlette + uvicorn.
+
+`create_app(conductor)` builds the ASGI app; `yuebing.conductor.service.run_conductor` serves it.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``),
+``GET /v1/models``, ``GET /health`` (``?ready=1``: 503 until a request could be routed),
+``GET /metrics``. A generation request's path here: authenticate (optional Bearer key), read the
+body under the size limit, validate and tokenize (`yuebing.conductor.api`), take one of the
+``max_concurrent`` slots, start `Dispatcher.generate` and wait for its first delta while
+watching for a client disconnect — so a rejection is still a plain 429/503 response — then
+stream (or collect) the rest. Every error body is OpenAI's; every request ends in one access log
+line and the histograms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive
+
+from yuebing.conductor.api import ApiError, GenRequest, decode_body, parse_request
+from yuebing.conductor.dispatch import Delta, Rejected, RequestFailed
+from yuebing.conductor.policy import RejectReason
+from yuebing.conductor.render import DONE, Renderer, error_event
+from yuebing.conductor.stats import RequestStats
+
+if TYPE_CHECKING:
+    from yuebing.conductor.service import Conductor
+
+log = logging.getLogger(__name__)
+access = logging.getLogger("yuebing.conductor.access")
+T = TypeVar("T")
+
+
+class _Disconnected(Exception):
+    pass
+
+
+def create_app(conductor: Conductor) -> FastAPI:
+    """The ASGI app of ``conductor`` (its lifespan starts and stops the conductor's tasks)."""
+    app = FastAPI(title="yuebing conductor", lifespan=conductor.lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    routes = _Routes(conductor)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return _error_response(ApiError(exc.status_code, str(exc.detail),
+                                        code="not_found" if exc.status_code == 404 else None))
+
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"])
+    app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/metrics", routes.metrics, methods=["GET"])
+    return app
+
+
+def _error_response(e: ApiError) -> Response:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class _Routes:
+    def __init__(self, c: Conductor) -> None:
+        self.c = c
+
+    async def models(self, request: Request) -> Response:
+        self._auth(request)
+        c = self.c
+        return JSONResponse({"object": "list", "data": [{
+            "id": c.cfg.model_name, "object": "model", "created": c.started,
+            "owned_by": "yuebing", "max_model_len": c.max_model_len()}]})
+
+    async def health(self, request: Request) -> Response:
+        body = self.c.health()
+        ready = request.query_params.get("ready") in ("1", "true")
+        return JSONResponse(body, status_code=503 if ready and not body["ready"] else 200)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.c.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    def _auth(self, request: Request) -> None:
+        key = self.c.cfg.api_key
+        if key and request.headers.get("authorization") != f"Bearer {key}":
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                           code="invalid_api_key")
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.c.cfg.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the request body is larger than {limit} bytes",
+                           code="request_too_large")
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is larger than {limit} bytes",
+                               code="request_too_large")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        arrival = time.perf_counter()
+        c = self.c
+        self._auth(request)
+        obj = decode_body(await self._body(request))
+        req = parse_request(obj, chat, c.model.tokenizer, c.limits())
+        if c.inflight >= c.cfg.max_concurrent:
+            c.metrics.rejected_requests.labels("too_many_requests").inc()
+            raise ApiError(429, f"more than {c.cfg.max_concurrent} requests in flight; retry",
+                           type="server_overloaded", code="too_many_requests",
+                           headers={"Retry-After": "1"})
+        stats = RequestStats(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, arrival)
+        c.inflight += 1
+        c.metrics.running.inc()
+        handed_over = False
+        gen = c.dispatcher.generate(req, stats)
+        try:
+            first = await _race(_first(gen), request.receive)
+            if req.stream:
+                handed_over = True
+                return StreamingResponse(self._sse(gen, first, req, stats),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            text = await _race(_collect(gen, first), request.receive)
+            renderer = Renderer(chat, c.cfg.model_name, stats.request_id, False)
+            self._done(stats, 200)
+            return Response(renderer.full(text, stats), media_type="application/json")
+        except Rejected as e:
+            err = _rejection(e)
+            self._done(stats, err.status)
+            raise err from None
+        except RequestFailed as e:
+            self._done(stats, 500, e.code)
+            raise ApiError(500, str(e), type="server_error", code=e.code) from None
+        except _Disconnected:
+            self._done(stats, 499, "client_disconnected")
+            return Response(status_code=499)
+        finally:
+            if not handed_over:
+                self._release()
+
+    async def _sse(self, gen: AsyncIterator[Delta], first: Delta | None, req: GenRequest,
+                   stats: RequestStats) -> AsyncIterator[bytes]:
+        c = self.c
+        r = Renderer(req.chat, c.cfg.model_name, stats.request_id, req.include_usage)
+        status, code = 499, "client_disconnected"
+        try:
+            if req.chat:
+                yield r.role_chunk()
+            if first is not None:
+                yield r.chunk(first.text, first.finish_reason)
+            try:
+                async for d in gen:
+                    yield r.chunk(d.text, d.finish_reason)
+            except RequestFailed as e:
+                status, code = 500, e.code
+                yield error_event(str(e), e.code)
+                yield DONE
+                return
+            if req.include_usage:
+                yield r.usage_chunk(stats)
+            yield DONE
+            status, code = 200, ""
+        finally:
+            c.cluster.spawn(_close(gen))
+            self._done(stats, status, code)
+            self._release()
+
+    def _release(self) -> None:
+        self.c.inflight -= 1
+        self.c.metrics.running.dec()
+
+    def _done(self, stats: RequestStats, status: int, code: str = "") -> None:
+        if code and not stats.error_code:
+            stats.error_code = code
+        if status == 200 or stats.dispatched_s is not None:
+            self.c.metrics.finished(stats)
+        if self.c.cfg.access_log:
+            access.info("%s", stats.log_line(status))
+
+
+async def _first(gen: AsyncIterator[Delta]) -> Delta | None:
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _collect(gen: AsyncIterator[Delta], first: Delta | None) -> str:
+    parts = [first.text] if first is not None else []
+    async for d in gen:
+        parts.append(d.text)
+    return "".join(parts)
+
+
+async def _close(gen: AsyncIterator[Delta]) -> None:
+    aclose = getattr(gen, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def _race(work: Awaitable[T], receive: Receive) -> T:
+    """``await work``, or raise `_Disconnected` (cancelling it) when the client goes away."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(receive))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise _Disconnected
+
+
+async def _disconnected(receive: Receive) -> None:
+    while True:
+        message: dict[str, Any] = await receive()  # type: ignore[assignment]
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _rejection(e: Rejected) -> ApiError:
+    if math.isinf(e.retry_after_s):
+        return ApiError(400, str(e), code=e.reason)
+    retry = str(max(1, math.ceil(e.retry_after_s)))
+    status = 503 if e.reason == RejectReason.NO_INSTANCES else 429
+    return ApiError(status, str(e), type="server_overloaded", code=e.reason,
+                    headers={"Retry-After": retry})

@@ -1,0 +1,187 @@
+"""`run_conductor(cfg)`: the Conductor process (``yuebing serve conductor``).
+
+Start-up: read the model's tokenizer and shape (`load_model_info`), the predictors (a file from
+``yuebing profile`` or linear ones from the configured rates), build the `Policy`, then serve the
+app of `yuebing.conductor.server` with uvicorn. The app's lifespan (on the server's event loop)
+starts the `LiveCluster` (instances from ``--instances`` and/or etcd discovery), the store's KV
+event feed, and publishes this Conductor's URL in etcd; it stops them on shutdown (SIGINT or
+SIGTERM, handled by uvicorn). Readiness: ``GET /health`` answers 200 once the server listens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from yuebing.conductor.api import Limits
+from yuebing.conductor.cluster import LiveCluster
+from yuebing.conductor.config import ConductorConfig
+from yuebing.conductor.dispatch import Dispatcher
+from yuebing.conductor.kvfeed import StoreFeed, StoreHoldings
+from yuebing.conductor.metrics import ConductorMetrics
+from yuebing.conductor.model import ModelInfo, load_model_info
+from yuebing.conductor.policy import (
+    BivariatePolynomial,
+    DecodePredictor,
+    Policy,
+    Predictors,
+    PrefillPredictor,
+    TransferPredictor,
+    load_predictors,
+)
+from yuebing.core.errors import ConfigError
+from yuebing.protocol.instance import Role
+
+log = logging.getLogger(__name__)
+
+
+def default_predictors(cfg: ConductorConfig) -> Predictors:
+    """Linear predictors from ``--prefill-tokens-per-s`` and ``--decode-step-s``."""
+    return Predictors(
+        PrefillPredictor(BivariatePolynomial(((1, 0),), (1.0 / cfg.prefill_tokens_per_s,))),
+        DecodePredictor(BivariatePolynomial(((0, 0),), (cfg.decode_step_s,))),
+        TransferPredictor(), source="conductor defaults")
+
+
+class Conductor:
+    """Everything one Conductor process holds; the HTTP routes read it."""
+
+    def __init__(self, cfg: ConductorConfig, model: ModelInfo,
+                 predictors: Predictors | None = None) -> None:
+        kv = cfg.kv_bytes_per_token or model.kv_bytes_per_token
+        self.cfg = cfg
+        self.model = model
+        self.policy = Policy(replace(cfg.policy, kv_bytes_per_token=kv),
+                             predictors or default_predictors(cfg))
+        self.metrics = ConductorMetrics()
+        self.started = int(time.time())
+        self.inflight = 0
+        self.url = ""
+        self.cluster = LiveCluster(cfg.heartbeat_timeout_s, cfg.rpc_timeout_s,
+                                   cfg.store_block_tokens, self.policy.prefill_time,
+                                   cfg.link_bandwidth_Bps, cfg.link_latency_s, cfg.conductor_id)
+        self.dispatcher = Dispatcher(self.cluster, self.policy, self.metrics,
+                                     cfg.request_timeout_s)
+        self.feed: StoreFeed | None = None
+        self._closers: list[Any] = []
+
+    # ------------------------------------------------------------------ life cycle
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: object) -> AsyncIterator[None]:
+        await self.start()
+        try:
+            yield
+        finally:
+            await self.stop()
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.cluster.start()
+        for address in self.cfg.instances:
+            self.cluster.add(address)
+        if self.cfg.store_events:
+            holdings = StoreHoldings(self.cluster.index, lambda: self.cluster.fingerprint)
+            self.feed = StoreFeed(self.cfg.store_events, self.cfg.store_admin, holdings,
+                                  loop).start()
+        if self.cfg.etcd:
+            await asyncio.to_thread(self._discover, loop)
+
+    def _discover(self, loop: asyncio.AbstractEventLoop) -> None:
+        from yuebing.cluster.discovery import Discovery
+
+        disc = Discovery(self.cfg.etcd, self.cfg.cluster)
+
+        def seen(snapshot: dict[str, dict[str, Any]]) -> None:
+            addresses = {str(v.get("control_address", "")) for v in snapshot.values()}
+            loop.call_soon_threadsafe(self._sync_instances, addresses - {""})
+
+        self._closers.append(disc.watch("instances", seen))
+        if self.url:
+            self._closers.append(disc.publish("conductor", self.cfg.conductor_id,
+                                              {"url": self.url}, ttl_s=5))
+
+    def _sync_instances(self, addresses: set[str]) -> None:
+        static = set(self.cfg.instances)
+        for a in addresses:
+            self.cluster.add(a)
+        for a in list(self.cluster.by_address):
+            if a not in addresses and a not in static:
+                self.cluster.discard(a)
+
+    async def stop(self) -> None:
+        for closer in self._closers:
+            await asyncio.to_thread(closer.close)
+        if self.feed is not None:
+            await asyncio.to_thread(self.feed.close)
+        await self.cluster.close()
+
+    # ------------------------------------------------------------------ read by the routes
+
+    def max_model_len(self) -> int:
+        return self.cluster.max_model_len or self.model.config.max_position
+
+    def limits(self) -> Limits:
+        ctx = self.max_model_len()
+        cap = self.cfg.max_prompt_tokens or ctx
+        return Limits(self.cfg.model_name, ctx, min(cap, ctx), self.cfg.max_tokens_cap)
+
+    def health(self) -> dict[str, Any]:
+        c = self.cluster
+        roles = {r.label: [str(m.id) for m in c.alive(r)] for r in Role}
+        ready = bool((roles["prefill"] and roles["decode"]) or roles["coupled"])
+        return {"status": "ok", "ready": ready, "model": self.cfg.model_name,
+                "instances": roles, "inflight": self.inflight, "kv_index_blocks": len(c.index)}
+
+    def metrics_text(self) -> bytes:
+        for r in Role:
+            self.metrics.instances.labels(r.label).set(len(self.cluster.alive(r)))
+        return self.metrics.exposition()
+
+
+def build_conductor(cfg: ConductorConfig) -> Conductor:
+    """Read the model metadata and predictors named by ``cfg`` (errors name the file/flag)."""
+    model = load_model_info(cfg.model)
+    predictors = load_predictors(cfg.predictors) if cfg.predictors else None
+    return Conductor(cfg, model, predictors)
+
+
+def run_conductor(cfg: ConductorConfig, ready_file: str = "") -> int:
+    """Serve until SIGINT/SIGTERM; returns the exit code. With ``ready_file``, ``{"url": ...}``
+    is written there (atomically) once the socket listens (useful with ``port=0``)."""
+    import socket
+
+    import uvicorn
+
+    from yuebing.conductor.server import create_app
+
+    conductor = build_conductor(cfg)
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((cfg.host, cfg.port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror}") from None
+    sock.listen(1024)
+    host = f"[{cfg.host}]" if family == socket.AF_INET6 else cfg.host
+    conductor.url = f"http://{host}:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(create_app(conductor), log_level="warning",
+                                           access_log=False, lifespan="on",
+                                           timeout_graceful_shutdown=5))
+    if ready_file:
+        tmp = ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"url": conductor.url, "pid": os.getpid()}, f)
+        os.replace(tmp, ready_file)
+    print(f"conductor serving {cfg.model_name} on {conductor.url}", flush=True)
+    server.run(sockets=[sock])
+    return 0

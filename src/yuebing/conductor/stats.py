@@ -1,0 +1,88 @@
+"""`RequestStats`: one request's timing and counts as the Conductor saw them.
+
+Created by the HTTP route when a request arrives, filled by the dispatcher (routing, tokens,
+the instances' `Breakdown`s) and read at the end by the usage extension of the response
+(`extension`), the access log line (`log_line`) and the histograms (`ConductorMetrics.finished`).
+Times are ``time.perf_counter()`` seconds. TBT is the paper's: the mean of the longest 10 % of
+the request's token intervals (`yuebing.trace.latency.tbt_summary`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from yuebing.protocol.instance import Breakdown
+from yuebing.trace.latency import tbt_summary
+
+
+@dataclass
+class RequestStats:
+    request_id: str
+    arrival_s: float
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_id: str = ""
+    decode_id: str = ""
+    prefix_source: str = ""
+    dispatched_s: float | None = None
+    first_token_s: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    breakdown: Breakdown = field(default_factory=Breakdown)
+    finish_reason: str | None = None
+    error_code: str = ""
+    redispatched: int = 0
+    end_s: float | None = None
+
+    def merge(self, b: Breakdown | None) -> None:
+        """Fold an instance's breakdown in (each part is filled by the instance that did it)."""
+        if b is None:
+            return
+        mine = self.breakdown
+        self.breakdown = Breakdown(
+            queue_s=max(mine.queue_s, b.queue_s),
+            prefix_load_s=max(mine.prefix_load_s, b.prefix_load_s),
+            prefill_s=max(mine.prefill_s, b.prefill_s),
+            transfer_s=max(mine.transfer_s, b.transfer_s),
+            decode_wait_s=max(mine.decode_wait_s, b.decode_wait_s))
+
+    @property
+    def ttft_s(self) -> float:
+        return 0.0 if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def tbt_s(self) -> float:
+        times = self.token_times
+        return tbt_summary([b - a for a, b in zip(times, times[1:], strict=False)])[0]
+
+    @property
+    def e2e_s(self) -> float:
+        end = self.end_s if self.end_s is not None else (self.token_times or [self.arrival_s])[-1]
+        return end - self.arrival_s
+
+    @property
+    def dispatch_s(self) -> float:
+        return 0.0 if self.dispatched_s is None else self.dispatched_s - self.arrival_s
+
+    def extension(self) -> dict[str, object]:
+        """The ``usage.yuebing`` extension field of the final usage."""
+        b = self.breakdown
+        return {"ttft_s": round(self.ttft_s, 6), "tbt_s": round(self.tbt_s, 6),
+                "queue_s": round(b.queue_s, 6), "prefix_load_s": round(b.prefix_load_s, 6),
+                "prefill_s": round(b.prefill_s, 6), "transfer_s": round(b.transfer_s, 6),
+                "decode_wait_s": round(b.decode_wait_s, 6),
+                "conductor_s": round(self.dispatch_s, 6), "prefill_instance": self.prefill_id,
+                "decode_instance": self.decode_id, "prefix_source": self.prefix_source,
+                "redispatched": self.redispatched}
+
+    def log_line(self, status: int) -> str:
+        b = self.breakdown
+        return (f"{self.request_id} status={status} prefill={self.prefill_id or '-'} "
+                f"decode={self.decode_id or '-'} prompt={self.prompt_tokens} "
+                f"cached={self.cached_tokens} out={self.completion_tokens} "
+                f"finish={self.finish_reason or self.error_code or '-'} "
+                f"ttft={self.ttft_s * 1e3:.1f}ms tbt={self.tbt_s * 1e3:.1f}ms "
+                f"queue={b.queue_s * 1e3:.1f}ms prefix_load={b.prefix_load_s * 1e3:.1f}ms "
+                f"prefill={b.prefill_s * 1e3:.1f}ms transfer={b.transfer_s * 1e3:.1f}ms "
+                f"decode_wait={b.decode_wait_s * 1e3:.1f}ms conductor={self.dispatch_s * 1e3:.2f}ms "
+                f"e2e={self.e2e_s * 1e3:.1f}ms")
