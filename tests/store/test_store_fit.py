@@ -122,7 +122,7 @@ def test_read_of_ssd_value_with_dram_all_leased_is_served_from_the_ssd() -> None
         assert core.handle(m.GetReplicas(key=k)).replicas[0].segment == "n0/dram"
     r = core.handle(m.GetReplicas(key="k0"), "w2")  # SSD only, no DRAM room: read the SSD
     assert isinstance(r, m.ReplicaList) and r.replicas == [
-        m.Replica(segment="n0/ssd", offset=task.dst_offset)]
+        m.Replica(segment="n0/ssd", offset=task.dst_offset, tier=m.Tier.SSD)]
     b = core.handle(m.BatchGetReplicas(keys=["k0"]))
     assert b.codes == [0] and b.replicas[0][0].segment == "n0/ssd"
 

@@ -97,17 +97,20 @@ def test_mixed_shapes_get_none_and_the_caps_hold() -> None:
     assert isinstance(mixed, m.BatchPutTargets) and mixed.reservations == []
     big = start(core, ["b0"], 1000)
     assert len(big.reservations) == reserve.MAX_PER_CLIENT  # asked for more than the cap
-    # another shape needs room: the oldest of the first shape make way, one each
+    # another shape over the cap in all gets none; none of the first shape's is dropped
     other = start(core, ["o0"], 4, size=2 * SIZE)
-    assert len(other.reservations) == 4
-    assert core.reservations.count("c") == reserve.MAX_PER_CLIENT
+    assert other.reservations == []
     first = [r.key for r in big.reservations]
-    assert not any(k in core.objs for k in first[:4]) and all(k in core.objs for k in first[4:])
-    for i in range(3, 3 + reserve.MAX_SHAPES):  # new shapes beyond the cap drop the oldest
-        start(core, [f"s{i}"], 1, size=i * SIZE)
-    shapes = core.reservations.by_client["c"]
-    assert len(shapes) == reserve.MAX_SHAPES
-    assert reserve.shape_of(items("x")[0]) not in shapes  # the first shape's all went
+    assert all(k in core.objs for k in first) and len(core.quarantine) == 0
+    # given back unused (freed at once, not fenced), they make room for other shapes
+    codes = core.handle(m.BatchPutRevoke(client="c", keys=[], unused=first[:60] + ["nope"]))
+    assert codes.codes == [0] * 60 + [C.NOT_PENDING]
+    assert core.reservations.count("c") == 4 and len(core.quarantine) == 0
+    for i in range(3, 3 + reserve.MAX_SHAPES):  # new shapes: 3 more within the cap, then none
+        got = start(core, [f"s{i}"], 1, size=i * SIZE).reservations
+        assert len(got) == (1 if i < 3 + reserve.MAX_SHAPES - 1 else 0)
+    assert len(core.reservations.by_client["c"]) == reserve.MAX_SHAPES
+    assert reserve.shape_of(items("x")[0]) in core.reservations.by_client["c"]
 
 
 def test_standbys_hold_the_same_lists_and_commit_after_take_over() -> None:

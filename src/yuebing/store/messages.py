@@ -158,9 +158,14 @@ class BatchPutEnd(Message, tag="store.batch_put_end"):
 
 @register_message
 class BatchPutRevoke(Message, tag="store.batch_put_revoke"):
+    """Abandon pending puts (``keys``: their ranges wait out the write fence) and give back
+    reservations no write ever used (``unused``: freed at once); reply `Codes`, one per key of
+    ``keys`` then of ``unused``. ``failed`` as in `PutRevoke`."""
+
     client: str
     keys: list[str]
     failed: list[str] = []
+    unused: list[str] = []
 
 
 @register_message

@@ -69,7 +69,7 @@ class AsyncPuts:
             if not failed:
                 await self.rpc.call(m.PutEnd(client=self.client_id, key=key))
                 return len(targets.replicas)
-            await self._revoke([key, *self._resv.touching(failed)], blamed)
+            await self._revoke([key], blamed, self._resv.touching(failed))
             log.warning("put %s: write to %s failed (attempt %d): %s", key, failed, attempt + 1, why)
         raise StoreError(f"writing {key!r} failed; put revoked: {why}")
 
@@ -93,14 +93,18 @@ class AsyncPuts:
         """`StoreClient._put_reserved`: put ``item`` through the held reservation of its shape
         (claimed by this coroutine alone), False when there is none usable or the write or
         commit failed (the caller then puts it the two-phase way)."""
-        held, stale = self._resv.claim(shape, time.monotonic())
-        if stale is not None:  # too little write time left: give it back now
-            await self._revoke([stale], [])
+        now = time.monotonic()
+        stale = self._resv.drop_stale(now)
+        held, one = self._resv.claim(shape, now)
+        if one is not None:
+            stale.append(one)
+        if stale:  # too little write time left (any shape): give them back unused
+            await self._revoke([], [], stale)
         if held is None:
             return False
         failed, blamed, why = await self._write(mv, held.replicas, held.deadline)
         if failed:
-            await self._revoke([held.key, *self._resv.touching(failed)], blamed)
+            await self._revoke([held.key], blamed, self._resv.touching(failed))
             log.warning("put %s: write into reservation on %s failed: %s", item.key, failed, why)
             return False
         sent = time.monotonic()
@@ -115,9 +119,13 @@ class AsyncPuts:
         self._resv.keep(shape, r.reservation, sent)
         return True
 
-    async def _revoke(self, keys: list[str], failed: list[str]) -> None:
+    async def _revoke(self, keys: list[str], failed: list[str],
+                      unused: list[str] | None = None) -> None:
+        """Revoke the pending puts ``keys`` and give back the reservations ``unused`` (held,
+        never written: the master frees them at once)."""
         try:
-            await self.rpc.call(m.BatchPutRevoke(client=self.client_id, keys=keys, failed=failed))
+            await self.rpc.call(m.BatchPutRevoke(client=self.client_id, keys=keys, failed=failed,
+                                                 unused=unused or []))
         except StoreError as e:  # the master reclaims it as a zombie later
             log.warning("revoking %d puts failed: %s", len(keys), e)
 
@@ -143,5 +151,5 @@ class AsyncPuts:
             return await self.rpc.call(op.msg)
         if isinstance(op, bp.Write):
             return await self._write_batch(op.reqs, op.deadline)
-        await self._revoke(op.keys, op.failed)
+        await self._revoke(op.keys, op.failed, op.unused)
         return None

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from yuebing.core.errors import InputError, StoreError
@@ -62,11 +62,13 @@ class Write:
 
 @dataclass(frozen=True, slots=True)
 class Revoke:
-    """``batch_put_revoke`` of ``keys`` naming ``failed`` segments; the runner logs a failure
-    (the master then reclaims them at their write expiry) and sends back None."""
+    """``batch_put_revoke`` of ``keys`` naming ``failed`` segments, giving back the held
+    reservations ``unused`` (never written: freed at once); the runner logs a failure (the
+    master then reclaims them at their write expiry) and sends back None."""
 
     keys: list[str]
     failed: list[str]
+    unused: list[str] = field(default_factory=list)
 
 
 Op = Call | Write | Revoke
@@ -171,8 +173,8 @@ class BatchPut:
         stored (or found existing); returns the items left to the two-phase way — all of them
         when too few reservations are held or the write or commit failed."""
         held, stale = self._take(shape, len(todo))
-        if stale:  # give back what the master holds
-            yield Revoke(stale, [])
+        if stale:  # give back what the master holds: never written, freed at once
+            yield Revoke([], [], stale)
         if not held:
             return todo
         reqs = [req for i, h in zip(todo, held, strict=True)
@@ -180,7 +182,7 @@ class BatchPut:
         got = yield Write(reqs, min(h.deadline for h in held))
         failed, bad, why = cm.write_outcome(reqs, got)
         if failed:
-            yield Revoke([h.key for h in held] + self.resv.touching(failed), bad)
+            yield Revoke([h.key for h in held], bad, self.resv.touching(failed))
             log.warning("batch put: write into reservations on %s failed: %s", failed, why)
             return todo
         sent = time.monotonic()

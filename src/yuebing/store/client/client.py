@@ -267,7 +267,7 @@ class StoreClient(Puts):
         held = self._resv.pop_all()
         if held:
             self.rpc.failover_s = 0.0
-            self._revoke(held, [])
+            self._revoke([], [], held)  # never written: freed at once
         if self._hb is not None:
             self._hb.join(timeout=2 * self.cfg.heartbeat_s + self.cfg.rpc_timeout_s)
         self.rpc.close()

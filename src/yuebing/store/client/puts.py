@@ -69,7 +69,7 @@ class Puts:
             if not failed:
                 self.rpc.call(m.PutEnd(client=self.client_id, key=key))
                 return len(targets.replicas)
-            self._revoke([key, *self._resv.touching(failed)], blamed)
+            self._revoke([key], blamed, self._resv.touching(failed))
             log.warning("put %s: write to %s failed (attempt %d): %s", key, failed, attempt + 1, why)
         raise StoreError(f"writing {key!r} failed; put revoked: {why}")
 
@@ -92,14 +92,15 @@ class Puts:
         ``put_commit`` (which brings the next reservation). False when there is none usable or
         the write or commit failed (the caller then puts it the two-phase way)."""
         now = time.monotonic()
-        held, stale = self._resv.take(shape, now)
-        if stale is not None and stale.deadline > now:  # too little write time left: give
-            self._revoke([stale.key], [])  # it back now (past its expiry the master did)
+        stale = self._resv.drop_stale(now)
+        if stale:  # too little write time left (any shape): give them back unused
+            self._revoke([], [], stale)
+        held, _ = self._resv.take(shape, now)
         if held is None:
             return False
         failed, blamed, why = self._write(mv, held.replicas, held.deadline)
         if failed:
-            self._revoke([held.key, *self._resv.touching(failed)], blamed)
+            self._revoke([held.key], blamed, self._resv.touching(failed))
             log.warning("put %s: write into reservation on %s failed: %s", item.key, failed, why)
             return False
         sent = time.monotonic()
@@ -132,13 +133,16 @@ class Puts:
             return self.rpc.call(op.msg)
         if isinstance(op, bp.Write):
             return self._write_batch(op.reqs, op.deadline)
-        self._revoke(op.keys, op.failed)
+        self._revoke(op.keys, op.failed, op.unused)
         return None
 
     batch_put_from = batch_put
 
-    def _revoke(self, keys: list[str], failed: list[str]) -> None:
+    def _revoke(self, keys: list[str], failed: list[str], unused: list[str] | None = None) -> None:
+        """Revoke the pending puts ``keys`` and give back the reservations ``unused`` (held,
+        never written: the master frees them at once)."""
         try:
-            self.rpc.call(m.BatchPutRevoke(client=self.client_id, keys=keys, failed=failed))
+            self.rpc.call(m.BatchPutRevoke(client=self.client_id, keys=keys, failed=failed,
+                                           unused=unused or []))
         except StoreError as e:  # the master reclaims it as a zombie later
             log.warning("revoking %d puts failed: %s", len(keys), e)

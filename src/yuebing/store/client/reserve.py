@@ -6,11 +6,13 @@ Life cycle: the second put of a shape (size, replicas, strategy, preferred) with
 `Reservation` is kept here with its write deadline on this process's monotonic clock (its
 ``expires_in_s`` counted from before the request, like a put's). The next put of that shape
 `take`s it: usable while at least half of the write time it was granted is left, so the write
-gets most of a fresh put's budget; an older one is handed back as stale, and the client revokes
-it then (lazily: a client that stops putting leaves it to the master, which reclaims a
-reservation at its write expiry). A write or commit through a reservation that fails falls back
-to the two-phase put. Reservations of at most `MAX_HELD` shapes are held (the master's cap per
-client too). A batch of n same-shaped items asks for n (`BatchPutStart.reserve_next`); the next
+gets most of a fresh put's budget; older ones (of any shape, `drop_stale`, checked at each
+put through a reservation) are given back to the master as unused (`BatchPutRevoke.unused`:
+never written, so freed at once, not fenced) — lazily: a client that stops putting leaves them
+to the master, which reclaims a reservation at its write expiry. So are the ones held at
+`close` and those on a segment a write failed to reach. A write or commit through a
+reservation that fails falls back to the two-phase put. Reservations of at most `MAX_HELD`
+shapes are held (the master's cap per client too: it places none beyond it). A batch of n same-shaped items asks for n (`BatchPutStart.reserve_next`); the next
 batch of that shape `take_many`s them and commits with one `BatchPutCommit`, which brings the
 next n — a list per shape, at most `MAX_PER_CLIENT` in all (the master's caps, mirrored by
 `HeldReservations.keep_many` so the client never writes into a reservation the master dropped).
@@ -78,6 +80,8 @@ class HeldReservations:
         self._seen: dict[Shape, None] = {}
         self.busy: dict[str, float] = {}
         """Keys of claimed reservations -> when to forget them (`Held.forget_at`)."""
+        self._stale_at = float("inf")
+        """No held reservation turns stale before this (monotonic; `drop_stale`)."""
 
     def want(self, shape: Shape) -> bool:
         """Should a put of ``shape`` ask for a reservation? Yes when the shape was put lately
@@ -116,6 +120,28 @@ class HeldReservations:
             return [], stale
         self._set(shape, usable[n:])
         return usable[:n], stale
+
+    def drop_stale(self, now: float) -> list[str]:
+        """Remove the held reservations (of every shape) no longer usable and return the keys
+        of those whose write expiry has not passed (to give back unused; the master reclaimed
+        the others). They are marked busy, so a late reply carrying one is not held again.
+        O(1) until one may be stale."""
+        if now < self._stale_at:
+            return []
+        self._forget_busy(now)
+        out: list[str] = []
+        soonest = float("inf")
+        for shape, hs in list(self.held.items()):
+            keep = [h for h in hs if h.usable(now)]
+            for h in hs:
+                if not h.usable(now):
+                    self.busy[h.key] = h.forget_at
+                    if h.deadline > now:
+                        out.append(h.key)
+            soonest = min([soonest, *(h.deadline - h.granted_s / 2 for h in keep)])
+            self._set(shape, keep)
+        self._stale_at = soonest
+        return out
 
     def _set(self, shape: Shape, hs: list[Held]) -> None:
         if hs:
@@ -179,6 +205,7 @@ class HeldReservations:
         at = {h.key: i for i, h in enumerate(hs)}
         for r in rs:
             h = Held(r.key, r.replicas, sent + r.expires_in_s, r.expires_in_s)
+            self._stale_at = min(self._stale_at, h.deadline - h.granted_s / 2)
             if r.key in at:
                 hs[at[r.key]] = h
             else:
@@ -193,13 +220,15 @@ class HeldReservations:
             over -= cut
 
     def touching(self, segments: list[str]) -> list[str]:
-        """Remove and return the reservations with a replica on one of ``segments``."""
+        """Remove and return the reservations with a replica on one of ``segments`` (marked
+        busy: given back unused, a late copy of one must not be held again)."""
         bad = set(segments)
         out: list[str] = []
         for shape, hs in list(self.held.items()):
             hit = [h for h in hs if any(r.segment in bad for r in h.replicas)]
             if hit:
                 out += [h.key for h in hit]
+                self.busy.update((h.key, h.forget_at) for h in hit)
                 self._set(shape, [h for h in hs if h not in hit])
         return out
 

@@ -81,7 +81,7 @@ class MasterCore:
             ("puts", "gets", "removes", "evictions", "offloads", "promotions", "zombies",
              "dead_sessions", "no_space", "suspects", "migrations_started", "migrations_done",
              "migrations_failed", "migrations_given_up", "quarantined", "reservations_made",
-             "reservations_committed", "reservations_expired"), 0)
+             "reservations_committed", "reservations_expired", "reservations_returned"), 0)
         self.handlers: dict[type, Callable[..., Message | None]] = {
             m.PutStart: self.put_start, m.PutEnd: self.put_end, m.PutRevoke: self.put_revoke,
             m.PutCommit: self.put_commit, m.BatchPutCommit: partial(reserve.batch_commit, self),
@@ -311,7 +311,8 @@ class MasterCore:
 
     def batch_put_revoke(self, msg: m.BatchPutRevoke) -> Message:
         self._suspect(msg.failed)
-        return m.Codes(codes=[int(self._revoke_one(msg.client, k)[0]) for k in msg.keys])
+        codes = [int(self._revoke_one(msg.client, k)[0]) for k in msg.keys]
+        return m.Codes(codes=codes + reserve.give_back(self, msg.client, msg.unused))
 
     def _suspect(self, names: list[str]) -> None:
         """A client could not write to these segments: place nothing there until their node
@@ -395,13 +396,14 @@ class MasterCore:
         return m.Count(n=n)
 
     # ------------------------------------------------------------------ drop
-    def _drop(self, key: str, o: Obj, event: bool = True) -> None:
-        """Forget an object and free every range it holds (a pending put's after its fence)."""
+    def _drop(self, key: str, o: Obj, event: bool = True, fenced: bool = True) -> None:
+        """Forget an object and free every range it holds (a pending put's after its fence,
+        unless ``fenced`` is False: a reservation no write used, `reserve.give_back`)."""
         del self.objs[key]
         self.pending.pop(key, None)
         self.reservations.discard(key)
-        holders = fence.release(self, key, o)
-        self._log(["del", key])
+        holders = fence.release(self, key, o, fenced)
+        self._log(["del", key] if fenced else ["del", key, False])
         if event and o.state == COMMITTED:
             self.events.append((m.EventKind.REMOVED, key, holders))
 

@@ -198,14 +198,15 @@ def expires_in(core: MasterCore, keys: list[str]) -> float:
     return max(0.0, min(ends) - now) if ends else 0.0
 
 
-def release(core: MasterCore, key: str, o: Obj) -> list[str]:
+def release(core: MasterCore, key: str, o: Obj, fenced: bool = True) -> list[str]:
     """Give back the ranges of ``o`` (being dropped by the core): a committed object's at once,
-    a pending put's into the quarantine until its fence (at once if that passed already).
+    a pending put's into the quarantine until its fence (at once if that passed already, or
+    when not ``fenced``: a reservation its client gave back unused — no write touched it).
     Returns the names of the segments that held it."""
     holders: list[str] = []
     until = 0.0
     now = core.clock.now()
-    if o.state == ObjState.PENDING and o.reps:
+    if fenced and o.state == ObjState.PENDING and o.reps:
         until = _fence_of(core, key, now)
     for sid, off in o.reps:
         s = core.segs.get(sid)

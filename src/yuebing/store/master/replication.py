@@ -55,8 +55,8 @@ def _apply_commit(core: MasterCore, e: list[Any]) -> None:
 
 def _apply_del(core: MasterCore, e: list[Any]) -> None:
     o = core.objs.get(e[1])
-    if o is not None:
-        core._drop(e[1], o, event=False)
+    if o is not None:  # ["del", key, False]: a reservation given back unused, not fenced
+        core._drop(e[1], o, event=False, fenced=len(e) < 3 or bool(e[2]))
 
 
 def _apply_reps(core: MasterCore, e: list[Any]) -> None:

@@ -8,7 +8,10 @@ room that may go unused; with no room the reply carries none), and records its s
 is an ordinary pending put
 otherwise, so replication, write expiry, zombie reclaim (at its write expiry: it is useless
 after), session expiry and the write fence (its ranges quarantined when dropped) apply as to
-any put; no probe, listing, removal, eviction or event sees pending objects. The client writes
+any put; no probe, listing, removal, eviction or event sees pending objects. The one
+exception to the fence: a reservation its client gives back unused (`give_back`, the
+``unused`` keys of `BatchPutRevoke`: one it held without ever writing into it — stale, on a
+failed segment, or held at close) is freed at once, since no write touched it. The client writes
 the next value into it and sends `PutCommit`: `commit` checks it (pending, this client's, write
 expiry not passed, same shape, key free), renames the pending object to the user's key, sets
 checksum and pins, commits it like `PutEnd` and may hand out the next reservation. A retried
@@ -30,7 +33,10 @@ one RPC per batch; `BatchPutCommit` commits each item into its reservation like 
 (a code per item; a refused item's reservation stays). A client holds at most `MAX_SHAPES`
 shapes and `MAX_PER_CLIENT` reservations: asking again for n of a shape it holds returns the
 same ones first (a retried request after a lost reply leaks nothing); a new shape beyond the
-cap drops the client's oldest shape's, and more reservations than the cap drop its oldest. A reservation on a segment that starts draining
+cap gets none, and no more than the cap are placed. The master never drops a client's
+reservation to make room for another (it cannot know whether a write into it is under way,
+so its space would wait out the fence unused); the client gives its stale ones back unused.
+A reservation on a segment that starts draining
 or loses a replica to an unmount is dropped (its next commit is refused, the client falls back
 to the two-phase put). Replication: ``["resv", key, replicas, strategy, preferred]`` after its
 ``put`` entry, ``["rename", reservation, key, checksum, hard_pin, soft_pin_s]`` before the
@@ -173,24 +179,18 @@ def reserve(core: MasterCore, client: str, item: m.PutItem) -> m.Reservation | N
 
 def reserve_many(core: MasterCore, client: str, item: m.PutItem, n: int) -> list[m.Reservation]:
     """Up to ``n`` (at most `MAX_PER_CLIENT`) reservations of ``item``'s shape for ``client``:
-    the ones it holds of that shape first, then new ones while there is free room."""
+    the ones it holds of that shape first, then new ones while there is free room and the
+    client is within its caps: a new shape beyond `MAX_SHAPES` gets none, and so do ``n``
+    that the cap on reservations in all would cut short (a batch can only use n)."""
     rs: Reservations = core.reservations
     shape = shape_of(item)
     n = max(0, min(n, MAX_PER_CLIENT))
     keys = rs.held(client, shape)
-    mine = rs.by_client.get(client, {})
-    if len(keys) < n and not keys and len(mine) >= MAX_SHAPES:
-        for key in list(next(iter(mine.values()))):
-            drop(core, key, "the client's oldest shape over the cap")
     count = rs.count(client)
+    if (not keys and len(rs.by_client.get(client, {})) >= MAX_SHAPES) \
+            or count + n - len(keys) > MAX_PER_CLIENT:
+        n = min(n, len(keys))
     while len(keys) < n:
-        if count >= MAX_PER_CLIENT:  # make room: the oldest of another shape
-            other = next((ks for sh, ks in rs.by_client.get(client, {}).items() if sh != shape),
-                         None)
-            if other is None:
-                break
-            drop(core, other[0], "the client's oldest over the cap")
-            count -= 1
         key = _new_key(core, client)
         resv = m.PutItem(key=key, size=item.size, replicas=item.replicas, strategy=item.strategy,
                          preferred=item.preferred, timeout_s=item.timeout_s)
@@ -329,6 +329,23 @@ def drop(core: MasterCore, key: str, why: str) -> None:
     if o is not None and o.state == ObjState.PENDING:
         log.info("reservation %s dropped: %s", key, why)
         core._drop(key, o, event=False)
+
+
+def give_back(core: MasterCore, client: str, keys: list[str]) -> list[int]:
+    """``client`` gives back its reservations ``keys`` unused (it never wrote into them nor
+    will): each is freed at once, not fenced. A code per key: NOT_PENDING for a key that is
+    not a pending reservation of ``client`` (gone already — nothing to do)."""
+    out: list[int] = []
+    for key in keys:
+        got = core.reservations.by_key.get(key)
+        o = core.objs.get(key)
+        if got is None or got[0] != client or o is None or o.state != ObjState.PENDING:
+            out.append(int(C.NOT_PENDING))
+            continue
+        core._drop(key, o, event=False, fenced=False)
+        core.counters["reservations_returned"] += 1
+        out.append(int(C.OK))
+    return out
 
 
 def drop_on_segment(core: MasterCore, sid: int, why: str) -> None:

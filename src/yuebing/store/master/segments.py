@@ -234,7 +234,7 @@ def ssd_replicas(core: MasterCore, o: Obj) -> list[m.Replica]:
     room can be made at once (``MasterCore.get_replicas``). Draining ones are left out: their
     values go through `migration`."""
     segs = core.segs
-    return [m.Replica(segment=segs[sid].name, offset=off) for sid, off in o.reps
+    return [m.Replica(segment=segs[sid].name, offset=off, tier=m.Tier.SSD) for sid, off in o.reps
             if segs[sid].tier == m.Tier.SSD and segs[sid].state == SegState.ACTIVE]
 
 
