@@ -6,9 +6,9 @@ keeps an exact prefix cache over 16-token blocks of token-id prompts and reports
 ``usage.prompt_tokens_details.cached_tokens``, and misbehaves on request: `Behaviour.actions`
 maps the n-th POST (0-based, in arrival order) to ``"429"`` (with ``Retry-After``), ``"500"``,
 ``"break"`` (the stream stops after one token without ``[DONE]``), ``"stream_error"`` (an error
-event after one token), ``"hang"`` (no answer for 30 s) or ``"no_tokens"`` (``[DONE]`` at
-once). Every request body is kept in `FakeServer.bodies`; `max_in_flight` is the most streams
-open at once.
+event after one token), ``"hang"`` (no answer for 30 s), ``"no_tokens"`` (``[DONE]`` at once),
+``"not_sse"`` (a plain JSON answer) or ``"bad_utf8"`` (an event that is not UTF-8). Every
+request body is kept in `FakeServer.bodies`; `max_in_flight` is the most streams open at once.
 """
 
 from __future__ import annotations
@@ -126,6 +126,8 @@ class FakeServer:
             return JSONResponse({"error": {"message": "overloaded"}}, 429, headers=headers)
         if action == "500":
             return JSONResponse({"error": {"message": "boom"}}, 500)
+        if action == "not_sse":
+            return JSONResponse({"choices": [{"text": "whole answer"}]})
         if body.get("model") not in self.behaviour.models:
             return JSONResponse({"error": {"message": "no such model"}}, 404)
         prompt = body["messages"][0]["content"] if chat else body["prompt"]
@@ -164,6 +166,9 @@ class FakeServer:
                 "index": 0, "text": text}
             yield event({"choices": [choice]})
             if action == "break":
+                return
+            if action == "bad_utf8":
+                yield b"data: {\"choices\": [{\"text\": \"\xff\xfe\"}]}\n\n"
                 return
             if action == "stream_error":
                 yield event({"error": {"message": "engine died", "code": 500}})

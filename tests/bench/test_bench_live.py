@@ -59,13 +59,14 @@ def test_streams_token_id_prompts_and_measures_each_request(fake: FakeServer) ->
 
 
 def test_failures_are_counted_by_kind(fake: FakeServer) -> None:
-    fake.behaviour.actions = {0: "429", 1: "500", 2: "break", 3: "stream_error", 4: "no_tokens"}
-    _, run = _run(fake, _trace(7), slo_ttft=(300.0,), slo_tbt=(300.0,))
+    fake.behaviour.actions = {0: "429", 1: "500", 2: "break", 3: "stream_error", 4: "no_tokens",
+                              5: "not_sse", 6: "bad_utf8"}
+    _, run = _run(fake, _trace(9), slo_ttft=(300.0,), slo_tbt=(300.0,))
     s = run.summary
-    assert (s["requests"], s["completed"], s["rejected"], s["errors"]) == (7, 2, 1, 4)
-    assert s["errors_by_kind"] == {"http_500": 1, "incomplete": 1, "no_tokens": 1,
-                                   "stream_error": 1}
-    assert s["attainment"] == 2 / 7
+    assert (s["requests"], s["completed"], s["rejected"], s["errors"]) == (9, 2, 1, 6)
+    assert s["errors_by_kind"] == {"bad_response": 2, "http_500": 1, "incomplete": 1,
+                                   "no_tokens": 1, "stream_error": 1}
+    assert s["attainment"] == 2 / 9
 
 
 def test_a_request_without_answer_times_out(fake: FakeServer) -> None:

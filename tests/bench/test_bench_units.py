@@ -167,6 +167,17 @@ def test_send_times_limit_speed_and_poisson() -> None:
     assert poisson == send_times([Request(9, 1, 1, ())] * 4, _cfg(seed=3), rate=2.0)
 
 
+def test_a_sweep_retimes_the_same_prompts() -> None:
+    from yuebing.bench.workload import at_rate
+
+    trace = Trace(tuple(Request(t, 600, 2, (t,)) for t in range(5)))
+    base = build_workload(trace, _cfg(block_tokens=16))
+    fast = at_rate(base, 4.0, seed=7)
+    assert [r.prompt for r in fast] == [r.prompt for r in base]
+    assert [r.send_s for r in fast] == send_times(
+        [Request(0, 1, 1, ())] * 5, _cfg(seed=7), rate=4.0)
+
+
 def test_empty_prompt_is_refused() -> None:
     with pytest.raises(InputError, match="request 1 .* empty prompt"):
         build_workload(Trace((Request(0, 5, 1, ()), Request(1, 0, 1, ()))), _cfg())

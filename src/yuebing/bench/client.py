@@ -211,6 +211,10 @@ async def _attempts(session: aiohttp.ClientSession, url: str, data: bytes, res: 
         async with session.post(url, data=data, timeout=timeout) as resp:
             res.http_status = resp.status
             if resp.status == 200:
+                if resp.content_type != "text/event-stream":
+                    res.fail(Status.ERROR, "bad_response",
+                             f"expected text/event-stream, got {resp.content_type}")
+                    return
                 await _read_stream(resp, res, cfg.api, clock)
                 return
             text = (await resp.read())[:200].decode(errors="replace")
@@ -243,6 +247,8 @@ async def send(session: aiohttp.ClientSession, req: BenchRequest, cfg: BenchConf
         res.fail(Status.ERROR, "incomplete", str(e) or type(e).__name__)
     except (aiohttp.ClientError, OSError) as e:
         res.fail(Status.ERROR, "connect", str(e) or type(e).__name__)
+    except ValueError as e:  # a line past the read buffer, bytes that are not UTF-8
+        res.fail(Status.ERROR, "bad_response", f"{type(e).__name__}: {e}")
     res.finish(clock())
     log.debug("request %d: %s %s", req.index, res.status, res.error)
     return res

@@ -15,13 +15,14 @@ into `BenchRequest`s:
    prompts decode those ids with the ``--tokenizer`` (equal id prefixes give equal text
    prefixes);
 4. send times: the trace's timestamps divided by ``speed``, or seeded Poisson arrivals at
-   ``rate``, the first at 0 s (a closed-loop run ignores them).
+   ``rate``, the first at 0 s (a closed-loop run ignores them); `at_rate` re-times the same
+   requests for each rate of a sweep.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from yuebing.bench.config import BenchConfig
@@ -65,6 +66,13 @@ def send_times(requests: Sequence[Request], cfg: BenchConfig, rate: float | None
     return [(r.timestamp - t0) / 1000.0 / cfg.speed for r in requests]
 
 
+def at_rate(requests: Sequence[BenchRequest], rate: float, seed: int) -> list[BenchRequest]:
+    """The same requests (prompts shared, not rebuilt) with seeded Poisson send times at
+    ``rate`` requests/s: one workload per rate of a sweep."""
+    times = poisson_arrivals(len(requests), rate, seed)
+    return [replace(r, send_s=t / 1000.0) for r, t in zip(requests, times, strict=True)]
+
+
 def load_detokenizer(path: str) -> Callable[[Sequence[int]], str]:
     """A function decoding token ids to text with the tokenizer.json at ``path``."""
     from tokenizers import Tokenizer
@@ -86,13 +94,14 @@ def load_detokenizer(path: str) -> Callable[[Sequence[int]], str]:
     return decode
 
 
-def build_workload(trace: Trace, cfg: BenchConfig, synth: PromptSynthesizer | None = None,
-                   rate: float | None = None) -> list[BenchRequest]:
-    """The requests of ``trace`` under ``cfg`` (``rate`` overrides ``cfg.rate``, for sweeps).
+def build_workload(trace: Trace, cfg: BenchConfig,
+                   synth: PromptSynthesizer | None = None) -> list[BenchRequest]:
+    """The requests of ``trace`` under ``cfg`` (``synth`` gives the token-id range and seed;
+    its block size is ``cfg.block_tokens``).
 
     Raises `InputError` when nothing is left to send or a prompt would be empty.
     """
-    rate = rate if rate is not None else (cfg.rate or None)
+    rate = cfg.rate or None
     chosen = trace.in_time_order()[: cfg.limit or None]
     if not chosen:
         raise InputError(f"{trace.source}: no requests to send")

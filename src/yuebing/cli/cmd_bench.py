@@ -26,6 +26,7 @@ from yuebing.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from yuebing.bench.config import BenchConfig
+    from yuebing.bench.workload import BenchRequest
     from yuebing.trace.model import Trace
 
 _SYNTH_PREFIX = {"fixed": "fixed_", "docqa": "docqa_"}
@@ -137,7 +138,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
         strict_json,
         write_records,
     )
-    from yuebing.bench.workload import build_workload
+    from yuebing.bench.workload import at_rate, build_workload
     from yuebing.trace.prompts import PromptSynthesizer
 
     cfg = config_from_args(BenchConfig, ns)
@@ -148,8 +149,9 @@ def _run_serve(ns: argparse.Namespace) -> int:
                 "--sweep-rates sets the rate of each run; drop --rate / --concurrency / --speed")
     check_out_paths(ns.records, ns.plot)
     trace = _load_workload(ns)
-    runs_at: list[float | None] = list(rates) if rates else [cfg.rate or None]
-    workloads = [(r, build_workload(trace, cfg, synth, r)) for r in runs_at]
+    base = build_workload(trace, cfg, synth)
+    workloads: list[tuple[float | None, list[BenchRequest]]] = (
+        [(r, at_rate(base, r, cfg.seed)) for r in rates] if rates else [(cfg.rate or None, base)])
     show = ns.progress if ns.progress is not None else sys.stderr.isatty()
     model, runs = _run_all(cfg, workloads, show)
     rep = report(cfg, model, trace.source, runs, sweep=rates is not None)
