@@ -25,42 +25,63 @@ def test_table1_flops() -> None:
     assert m.kv_bytes_per_token == 80 * 8 * 128 * 2 * 2
 
 
+PEAK = 8 * 312e12
+
+
+def _linear(n: int, mfu: float = 0.466) -> float:
+    """Seconds of l·b·n·d² in one pass over n tokens at mfu · n / (n + 256)."""
+    return 80 * 22 * n * 8192**2 / (PEAK * mfu * n / (n + 256))
+
+
+def _attention(n: int, c: int) -> float:
+    """Half of Table 1's l·a·d·(n² + 2nc) at attention_mfu 0.601."""
+    return 0.5 * 80 * 4 * 8192 * (n * n + 2 * n * c) / (PEAK * 0.601)
+
+
 def test_roofline_prefill_by_hand() -> None:
     cost = RooflineCostModel()
-    mfu_8k = 0.62 * 8192 / (8192 + 256)  # 0.6012: a full chunk
-    compute = 80 * 26 * 8192**3 / (8 * 312e12 * mfu_8k)  # 0.7620 s
-    assert cost.prefill_time(8192, 0) == pytest.approx(compute + 0.01, rel=1e-12)
-    # incremental: FLOPs(c+n) - FLOPs(c); 2 chunks of 8192
-    inc = (ModelSpec().flops(16384 + 8192) - ModelSpec().flops(8192)) / (8 * 312e12 * mfu_8k)
-    assert cost.prefill_time(16384, 8192) == pytest.approx(inc + 2 * 0.01, rel=1e-12)
-    # a tail chunk of 1000 tokens runs at its own, lower efficiency
-    m = ModelSpec()
-    tail = (m.flops(8192 + 1000) - m.flops(8192)) / (8 * 312e12 * 0.62 * 1000 / 1256)
-    assert cost.prefill_time(9192, 0) == pytest.approx(compute + tail + 2 * 0.01, rel=1e-12)
+    one = _linear(8192) + _attention(8192, 0)  # 1.04 s (paper Figure 14: 1.0 s)
+    assert cost.prefill_time(8192, 0) == pytest.approx(0.116 + one + 0.01, rel=1e-12)
+    assert cost.prefill_time(8192, 0) == pytest.approx(1.04, abs=0.01)
+    # incremental over 8192 cached tokens: 2 full chunks; the prefix is loaded first
+    load = 8192 * 327_680 / 128e9
+    inc = 2 * _linear(8192) + _attention(16384, 8192)
+    assert cost.prefill_time(16384, 8192) == pytest.approx(0.116 + load + inc + 0.02, rel=1e-12)
+    assert cost.cache_load_time(8192) == pytest.approx(load, rel=1e-12)
+    # a tail chunk of 1000 tokens: its linear layers run at their own, lower efficiency
+    tail = _linear(8192) + _linear(1000) + _attention(9192, 0)
+    assert cost.prefill_time(9192, 0) == pytest.approx(0.116 + tail + 0.02, rel=1e-12)
     assert cost.prefill_time(0, 5000) == 0.0
 
 
 def test_efficiency_curve_halves_at_mfu_half_tokens() -> None:
     cost = RooflineCostModel()
-    assert cost.efficiency(256) == pytest.approx(0.31, rel=1e-12)
-    assert cost.efficiency(512) == pytest.approx(0.62 * 2 / 3, rel=1e-12)
+    assert cost.efficiency(256) == pytest.approx(0.233, rel=1e-12)
+    assert cost.efficiency(512) == pytest.approx(0.466 * 2 / 3, rel=1e-12)
     flat = RooflineCostModel(node=NodeSpec(mfu=0.5, mfu_half_tokens=0))
     assert flat.efficiency(1) == flat.efficiency(100_000) == 0.5
-    assert flat.pass_compute_time(8 * 312e12 * 0.5, 7) == pytest.approx(1.0, rel=1e-12)
+    # a pass of 7 tokens whose linear FLOPs take 1 s at MFU 0.5 (no attention: flops_a = 0)
+    noattn = RooflineCostModel(ModelSpec(flops_a=0.0), NodeSpec(mfu=0.5, mfu_half_tokens=0))
+    n = PEAK * 0.5 / (80 * 22 * 8192**2)
+    assert noattn.pass_compute_time([(n, 0)], 7) == pytest.approx(1.0, rel=1e-12)
 
 
-def test_roofline_prefill_bound_by_loading_a_huge_prefix() -> None:
+def test_roofline_prefill_loads_a_huge_prefix_before_computing() -> None:
     cost = RooflineCostModel()
     load = 1_000_000 * 327_680 / 128e9  # 2.56 s to bring the prefix to HBM
-    assert cost.prefill_time(1, 1_000_000) == pytest.approx(load + 0.01, rel=1e-12)
+    compute = _linear(1) + _attention(1, 1_000_000)
+    assert cost.prefill_time(1, 1_000_000) == pytest.approx(0.116 + load + compute + 0.01,
+                                                            rel=1e-12)
 
 
 def test_roofline_decode_and_capacity_by_hand() -> None:
     cost = RooflineCostModel()
-    weights = 140e9 / (8 * 2.039e12 * 0.7)
-    assert cost.decode_step_time(1, 0) == pytest.approx(weights + 0.005 + 0.0004, rel=1e-12)
-    kv = (140e9 + 100_000 * 327_680) / (8 * 2.039e12 * 0.7)
-    assert cost.decode_step_time(10, 100_000) == pytest.approx(kv + 0.005 + 0.004, rel=1e-12)
+    weights = 140e9 / (8 * 2.039e12 * 0.445)
+    assert cost.decode_step_time(1, 0) == pytest.approx(weights + 0.0069 + 0.0004, rel=1e-12)
+    # one request alone: 27-31 ms per token between 8k and 128k of context (Figure 14)
+    assert 0.026 < cost.decode_step_time(1, 8192) < cost.decode_step_time(1, 131072) < 0.033
+    kv = (140e9 + 100_000 * 327_680) / (8 * 2.039e12 * 0.445)
+    assert cost.decode_step_time(10, 100_000) == pytest.approx(kv + 0.0069 + 0.004, rel=1e-12)
     assert cost.decode_step_time(0, 0) == 0.0
     assert cost.decode_kv_capacity_tokens == int((8 * 80e9 * 0.9 - 140e9) // 327_680)
     assert cost.transfer_time(1e9) == pytest.approx(50e-6 + 1e9 / 100e9)
@@ -70,6 +91,10 @@ def test_roofline_decode_and_capacity_by_hand() -> None:
 def test_bad_specs_say_what_to_change() -> None:
     with pytest.raises(ConfigError, match="mfu"):
         NodeSpec(mfu=1.5)
+    with pytest.raises(ConfigError, match="attention_mfu must be in"):
+        NodeSpec(attention_mfu=0.0)
+    with pytest.raises(ConfigError, match="prefill_overhead_s must be >= 0"):
+        NodeSpec(prefill_overhead_s=-0.1)
     with pytest.raises(ConfigError, match="mfu_half_tokens must be >= 0"):
         NodeSpec(mfu_half_tokens=-1)
     with pytest.raises(ConfigError, match="weights do not fit"):

@@ -6,6 +6,7 @@ import pytest
 
 from yuebing.conductor.policy.types import RejectStage
 from yuebing.sim.hardware import CostModel
+from yuebing.sim.mooncake import ranked_keys
 from yuebing.sim.runner import simulate
 from yuebing.sim.system import SimConfig
 from yuebing.sim.workload import SimRequest
@@ -50,10 +51,10 @@ def test_local_prefix_reuse_and_timings() -> None:
     assert (r2.prefill_id, r2.hit_tokens, r2.ttft_s) == ("p0", 1536, pytest.approx(0.512))
     # whole prompt cached on p0: one token is still computed for the first output token
     assert (r3.prefill_id, r3.hit_tokens, r3.ttft_s) == ("p0", 2047, pytest.approx(0.001))
-    # KV streams layer by layer: complete 1/80 of its transfer time after prefill ends
-    assert r0.kv_ready_s == pytest.approx(2.048 + 2048 * 1000 / 1e9 / 80)
+    # the whole KV moves to the decode node after the prefill (Figure 14's transfer stage)
+    assert r0.kv_ready_s == pytest.approx(2.048 + 2048 * 1000 / 1e9)
     assert r0.finish_s == pytest.approx(r0.kv_ready_s + 2 * 0.05)
-    assert r0.tbt_s == pytest.approx(0.05 + 2048e-6 / 80)
+    assert r0.tbt_s == pytest.approx(0.05 + 2048e-6)
     assert res.summary["completed"] == 4 and res.summary["rejected"] == 0
 
 
@@ -140,3 +141,17 @@ def test_breakdown_adds_up_on_every_request() -> None:
         assert r.queue_s + r.prefill_s == pytest.approx(r.ttft_s)
         assert r.queue_s >= 0 and r.transfer_s >= 0 and r.decode_wait_s >= 0
         assert r.first_token_s <= r.kv_ready_s <= r.decode_start_s <= r.finish_s
+
+
+def test_ranked_keys_pick_blocks_by_how_many_requests_use_them() -> None:
+    reqs = [_req(0, 0.0, [1, 2, 3], 1536), _req(1, 1.0, [1, 2, 4], 1536),
+            _req(2, 2.0, [1, 5], 1024)]
+    # uses: 1 -> 3, 2 -> 2, then 3, 4, 5 once each (ties in first-use order)
+    assert ranked_keys(reqs, (1, 2, 3, 5, 6)) == {1: 1, 2: 2, 3: 3, 5: 5}
+
+
+def test_replicas_of_the_tenth_ranked_block_are_sampled() -> None:
+    reqs = [_req(0, 0.0, list(range(1, 13)), 6144), _req(1, 10.0, [99], 512)]
+    res = simulate(reqs, _config(sample_interval_s=2.0), cost=LinearCost())
+    # 12 blocks used once: rank 10 is block 10, stored on p0 when the 6.144 s prefill ends
+    assert res.extra["ranked_key_replicas"] == {"10": [0, 0, 0, 0, 1, 1]}  # every 2 s to 10 s

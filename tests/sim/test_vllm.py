@@ -98,6 +98,22 @@ def test_chunked_prefill_mixes_decode_tokens_and_prompt_chunks():
     assert inst.outstanding_tokens == 0 and not inst.prefilling
 
 
+def test_prefill_gpu_time_is_shared_by_prompt_tokens():
+    """A step's prefill time goes to its requests by the prompt tokens each computed (before,
+    each request was charged its whole first-token wait, double-counting shared steps)."""
+    loop, inst = make(budget=1000)
+    recs = [submit_at(loop, inst, 0.0, i, n, 2) for i, n in enumerate((600, 400, 300))]
+    loop.run()
+    # steps: [600] 0.6 s; [400, 300] one step of 0.7 s shared 4:3
+    assert [r.prefill_gpu_s for r in recs] == pytest.approx([0.6, 0.4, 0.3])
+    loop, inst = make(chunked=True, budget=300, seqs=4)
+    a = submit_at(loop, inst, 0.0, 0, 500, 3)
+    b = submit_at(loop, inst, 0.505, 1, 400, 2)
+    loop.run()
+    # chunked: each chunk's prefill compute alone (the decode tokens it carries are not A's)
+    assert (a.prefill_gpu_s, b.prefill_gpu_s) == pytest.approx((0.5, 0.4))
+
+
 def test_prefix_cache_reuses_leading_blocks_and_always_recomputes_one_token():
     loop, inst = make(prefix=True)
     a = submit_at(loop, inst, 0.0, 0, 300, 2, (1, 2, 3))
@@ -142,17 +158,24 @@ def test_single_token_outputs_finish_at_first_token():
     assert inst.kv_reserved == 0
 
 
+def _pass_s(cost, parts, tokens, cached_slowdown=0.0):
+    """By hand: linear layers l·b·n·d² at mfu · t/(t+256) over the pass's t tokens; half of
+    Table 1's attention count l·a·d·(n² + 2nc) at attention_mfu (cached pairs × (1+slowdown))."""
+    n, peak = cost.node, cost.node.gpus * cost.node.gpu_flops
+    linear = sum(80 * 22 * k * 8192**2 for k, _ in parts) / (peak * n.mfu * tokens / (tokens + 256))
+    attn = sum(80 * 4 * 8192 * (k * k + 2 * k * c * (1 + cached_slowdown)) for k, c in parts)
+    return linear + 0.5 * attn / (peak * n.attention_mfu)
+
+
 def test_roofline_step_formulas():
     cost = RooflineCostModel()
     cc = CoupledCost(cost)
-    n, m = cost.node, cost.model
-    flops = m.flops(3000 + 1000) - m.flops(3000)
-    # one pass over 1000 tokens: mfu(1000) = 0.62 · 1000 / 1256
-    pre = flops / (n.gpus * n.gpu_flops * 0.62 * 1000 / 1256) + n.chunk_overhead_s
+    n = cost.node
+    pre = _pass_s(cost, [(1000, 3000)], 1000) + n.chunk_overhead_s
     assert cc.prefill_step([(1000, 3000)]) == pytest.approx(pre, rel=1e-12)
     assert cc.decode_step(8, 50_000) == cost.decode_step_time(8, 50_000)
     # mixed: the pass also carries one token for each of the 8 decoding sequences
-    pre_mixed = flops / (n.gpus * n.gpu_flops * 0.62 * 1008 / 1264) + n.chunk_overhead_s
+    pre_mixed = _pass_s(cost, [(1000, 3000)], 1008) + n.chunk_overhead_s
     mixed = max(cost.decode_step_time(8, 50_000 + 4000), pre_mixed)
     assert cc.mixed_step([(1000, 3000)], 8, 50_000) == pytest.approx(mixed, rel=1e-12)
     assert cc.mixed_step([], 8, 50_000) == cost.decode_step_time(8, 50_000)
@@ -162,13 +185,12 @@ def test_roofline_step_formulas():
 
 def test_slow_cached_attention_only_slows_attention_over_earlier_kv():
     cost = RooflineCostModel()
-    n, m = cost.node, cost.model
+    n = cost.node
     slow = CoupledCost(cost, cached_attention_efficiency=0.25)
     # no earlier KV: the same step as the default engine
     assert slow.prefill_step([(1000, 0)]) == CoupledCost(cost).prefill_step([(1000, 0)])
-    # 1000 new tokens over 3000 cached: their 2·a·l·n·c·d attention FLOPs cost 4× as much
-    flops = m.flops(4000) - m.flops(3000) + 3 * (2 * 4 * 80 * 1000 * 3000 * 8192)
-    pre = flops / (n.gpus * n.gpu_flops * 0.62 * 1000 / 1256) + n.chunk_overhead_s
+    # 1000 new tokens over 3000 cached: their attention to the 3000 costs 4× as much
+    pre = _pass_s(cost, [(1000, 3000)], 1000, cached_slowdown=3.0) + n.chunk_overhead_s
     assert slow.prefill_step([(1000, 3000)]) == pytest.approx(pre, rel=1e-12)
     with pytest.raises(ConfigError, match="cached_attention_efficiency must be in"):
         CoupledCost(cost, cached_attention_efficiency=0.0)

@@ -5,19 +5,24 @@ or ``fitted`` from the predictor or samples file written by ``yuebing profile``)
 system; prefill/decode instances ask it for durations whenever they start work, and the policy
 predictors are fitted from samples of it. Cost models are pure functions of their arguments.
 
-Roofline (paper Table 1, LLaMA3-70B on one node of 8×A800):
+Roofline (paper Table 1, LLaMA3-70B on one node of 8×A800), its free choices calibrated to the
+paper's single-request latencies (Figure 14; `yuebing.sim.calibrate` fits them):
 
 - prefill of ``n`` new tokens after ``c`` cached ones costs FLOPs(c+n) − FLOPs(c), with
-  FLOPs(x) = l·(a·x²·d + b·x·d²), computed chunk by chunk (``chunk_tokens``); a forward pass
-  over ``t`` tokens runs at ``gpus · gpu_flops · mfu(t)`` with the efficiency curve
-  ``mfu(t) = mfu · t / (t + mfu_half_tokens)`` (small passes use the GPUs far worse: skinny
-  GEMMs, tensor-parallel all-reduces and launches that do not shrink with ``t``; every system
-  — Mooncake and the coupled baselines — uses this one curve); the cached prefix is loaded
-  and the new KV stored layer by layer over the host link (``h2d_Bps``), overlapping compute, so
-  the time is max(compute, load, store) plus ``chunk_overhead_s`` per chunk of
-  ``chunk_tokens`` (chunked prefill);
+  FLOPs(x) = l·(a·x²·d + b·x·d²), computed chunk by chunk (``chunk_tokens``). The linear part
+  l·b·n·d² of a forward pass over ``t`` tokens runs at ``gpus · gpu_flops · mfu(t)`` with the
+  efficiency curve ``mfu(t) = mfu · t / (t + mfu_half_tokens)`` (small passes use the GPUs far
+  worse: skinny GEMMs, tensor-parallel all-reduces and launches that do not shrink with ``t``;
+  every system — Mooncake and the coupled baselines — uses this one curve). The attention part
+  l·a·d·(n² + 2·n·c) counts every query-key pair twice over a causal kernel, which computes
+  the n·c pairs over earlier tokens and half of the n² among the new ones: it runs half those
+  FLOPs at ``attention_mfu``. The time is ``prefill_overhead_s`` (scheduling the request) +
+  loading the cached prefix from DRAM over the host link (``h2d_Bps``, before the compute: the
+  paper's Figure 14 shows cache load as its own stage) + max(compute, storing the new KV
+  layer by layer) + ``chunk_overhead_s`` per chunk of ``chunk_tokens``;
 - a decode step reads the weights and the whole batch's KV once: bytes / (HBM bandwidth · mbu),
-  or the batch's matmul FLOPs if that is larger, plus ``step_overhead_s`` and
+  or the batch's matmul FLOPs if that is larger, plus ``step_overhead_s`` (8-way tensor
+  parallel all-reduces of every layer, sampling, the engine's scheduler) and
   ``seq_overhead_s`` per sequence (sampling, attention launches, batch bookkeeping);
 - a transfer of ``B`` bytes takes ``nic_latency_s + B / nic_Bps``.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +78,16 @@ class ModelSpec:
         d = self.d_model
         return self.layers * (self.flops_a * tokens * tokens * d + self.flops_b * tokens * d * d)
 
+    def linear_flops(self, new_tokens: float) -> float:
+        """The linear (weight-matmul) part of FLOPs(c+n) − FLOPs(c): l·b·n·d²."""
+        return self.layers * self.flops_b * new_tokens * self.d_model * self.d_model
+
+    def attention_flops(self, new_tokens: float, cached_tokens: float) -> float:
+        """The attention part of FLOPs(c+n) − FLOPs(c): l·a·d·(n² + 2·n·c) (Table 1's count,
+        every query-key pair of a causal pass counted twice)."""
+        n, c = new_tokens, cached_tokens
+        return self.layers * self.flops_a * self.d_model * (n * n + 2.0 * n * c)
+
 
 @dataclass(frozen=True)
 class NodeSpec:
@@ -79,14 +95,21 @@ class NodeSpec:
 
     gpus: int = field(default=8, metadata={"help": "GPUs per node"})
     gpu_flops: float = field(default=312e12, metadata={"help": "peak bf16 FLOP/s per GPU"})
-    mfu: float = field(default=0.62, metadata={
-        "help": "asymptotic prefill model-FLOPs utilisation of a large forward pass"})
+    mfu: float = field(default=0.466, metadata={
+        "help": "asymptotic FLOPs utilisation of a large forward pass's linear layers "
+                "(fitted to the paper's Figure 14)"})
     mfu_half_tokens: int = field(default=256, metadata={
-        "help": "tokens in a forward pass at which the prefill MFU is half of mfu "
+        "help": "tokens in a forward pass at which the linear layers' MFU is half of mfu "
                 "(mfu(t) = mfu · t / (t + mfu_half_tokens); 0: flat mfu)"})
+    attention_mfu: float = field(default=0.601, metadata={
+        "help": "FLOPs utilisation of prefill attention over the FLOPs a causal kernel computes "
+                "(half of Table 1's attention count; fitted to Figure 14)"})
+    prefill_overhead_s: float = field(default=0.116, metadata={
+        "help": "fixed cost of scheduling one prefill request (fitted to Figure 14)"})
     decode_mfu: float = field(default=0.3, metadata={"help": "decode matmul FLOPs utilisation"})
     hbm_Bps: float = field(default=2.039e12, metadata={"help": "HBM bandwidth per GPU, B/s"})
-    mbu: float = field(default=0.7, metadata={"help": "decode memory-bandwidth utilisation"})
+    mbu: float = field(default=0.445, metadata={
+        "help": "decode memory-bandwidth utilisation (fitted to Figure 14)"})
     hbm_bytes: float = field(default=80e9, metadata={"help": "HBM capacity per GPU, bytes"})
     hbm_usable: float = field(default=0.9, metadata={"help": "share of HBM usable for weights+KV"})
     h2d_Bps: float = field(default=128e9, metadata={"help": "host<->device bandwidth, B/s"})
@@ -94,7 +117,8 @@ class NodeSpec:
     nic_latency_s: float = field(default=50e-6, metadata={"help": "per-transfer latency, s"})
     chunk_tokens: int = field(default=8192, metadata={"help": "chunked-prefill chunk size"})
     chunk_overhead_s: float = field(default=0.01, metadata={"help": "fixed cost per prefill chunk"})
-    step_overhead_s: float = field(default=0.005, metadata={"help": "fixed cost per decode step"})
+    step_overhead_s: float = field(default=0.0069, metadata={
+        "help": "fixed cost per decode step (fitted to Figure 14)"})
     seq_overhead_s: float = field(default=0.0004, metadata={
         "help": "decode cost per sequence in the batch (sampling, attention launch, scheduling)"})
 
@@ -102,11 +126,12 @@ class NodeSpec:
         require(self.gpus > 0, "gpus must be > 0")
         for name in ("gpu_flops", "hbm_Bps", "hbm_bytes", "h2d_Bps", "nic_Bps"):
             require(getattr(self, name) > 0, f"{name} must be > 0")
-        for name in ("mfu", "decode_mfu", "mbu", "hbm_usable"):
+        for name in ("mfu", "attention_mfu", "decode_mfu", "mbu", "hbm_usable"):
             require(0 < getattr(self, name) <= 1, f"{name} must be in (0, 1]")
         require(self.chunk_tokens > 0, "chunk_tokens must be > 0")
         require(self.mfu_half_tokens >= 0, "mfu_half_tokens must be >= 0 (0: flat mfu)")
-        for name in ("nic_latency_s", "chunk_overhead_s", "step_overhead_s", "seq_overhead_s"):
+        for name in ("nic_latency_s", "chunk_overhead_s", "step_overhead_s", "seq_overhead_s",
+                     "prefill_overhead_s"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0")
 
 
@@ -131,6 +156,11 @@ class CostModel(ABC):
     @abstractmethod
     def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
         """Seconds of one decode iteration of ``batch_size`` requests holding ``context_tokens``."""
+
+    def cache_load_time(self, cached_tokens: int) -> float:
+        """Of `prefill_time`, the seconds spent loading ``cached_tokens`` of reused KV into
+        HBM before computing (0 where the model does not separate it)."""
+        return 0.0
 
     def transfer_time(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` between two nodes (0 bytes: free)."""
@@ -166,33 +196,55 @@ class RooflineCostModel(CostModel):
         self._w = m.weight_bytes / self._hbm_rate
         self._kv = m.kv_bytes_per_token / self._hbm_rate
         self._mm = 2.0 * m.params / (self._peak * n.decode_mfu)
+        self.attention_scale = 0.5 / (self._peak * n.attention_mfu)
+        """Seconds per attention FLOP of Table 1's count (a causal kernel computes half of
+        them, at ``attention_mfu``)."""
 
     def efficiency(self, tokens: int) -> float:
-        """Prefill MFU of one forward pass over ``tokens`` tokens (the curve of the module
-        docstring)."""
+        """FLOPs utilisation of the linear layers in one forward pass over ``tokens`` tokens
+        (the curve of the module docstring)."""
         half = self.node.mfu_half_tokens
         return self.node.mfu * tokens / (tokens + half) if half else self.node.mfu
 
-    def pass_compute_time(self, flops: float, tokens: int) -> float:
-        """Seconds of ``flops`` computed in one forward pass over ``tokens`` tokens."""
-        return flops / (self._peak * self.efficiency(max(tokens, 1)))
+    def pass_compute_time(self, parts: Sequence[tuple[int, int]], extra_tokens: int = 0,
+                          cached_attention_slowdown: float = 0.0) -> float:
+        """Seconds of compute of one forward pass over prompt ``parts`` = [(new, cached), ...]
+        whose linear layers also carry ``extra_tokens`` (a mixed step's decode tokens, whose
+        own FLOPs the caller counts elsewhere). ``cached_attention_slowdown`` s adds s times
+        the cost of attending to earlier KV (the n·c pairs; coupled-engine sensitivity runs)."""
+        m = self.model
+        tokens = max(sum(n for n, _ in parts) + extra_tokens, 1)
+        linear = sum(m.linear_flops(n) for n, _ in parts) / (self._peak * self.efficiency(tokens))
+        attention = sum(m.attention_flops(n, c) for n, c in parts)
+        if cached_attention_slowdown:
+            attention += cached_attention_slowdown * sum(
+                m.attention_flops(n, c) - m.attention_flops(n, 0) for n, c in parts)
+        return linear + attention * self.attention_scale
+
+    def prefill_compute_time(self, new_tokens: int, cached_tokens: int) -> float:
+        """Seconds of compute of a prefill chunked into passes of ``chunk_tokens``: every full
+        chunk's linear layers at efficiency(chunk), the tail's at efficiency(tail); the
+        attention of all chunks together is the attention of the whole prefill."""
+        m, size = self.model, self.node.chunk_tokens
+        full, rest = divmod(new_tokens, size)
+        linear = full * m.linear_flops(size) / (self._peak * self.efficiency(size)) if full \
+            else 0.0
+        if rest:
+            linear += m.linear_flops(rest) / (self._peak * self.efficiency(rest))
+        return linear + m.attention_flops(new_tokens, cached_tokens) * self.attention_scale
+
+    def cache_load_time(self, cached_tokens: int) -> float:
+        return cached_tokens * self.model.kv_bytes_per_token / self.node.h2d_Bps
 
     def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
         if new_tokens <= 0:
             return 0.0
-        m, n = self.model, self.node
-        size = n.chunk_tokens
-        full, rest = divmod(new_tokens, size)
-        # every full chunk is a pass at efficiency(size); the tail chunk at efficiency(rest)
-        done = cached_tokens + full * size
-        flops_full = m.flops(done) - m.flops(cached_tokens)
-        compute = flops_full / (self._peak * self.efficiency(size)) if full else 0.0
-        if rest:
-            compute += (m.flops(done + rest) - m.flops(done)) / (self._peak * self.efficiency(rest))
-        load = cached_tokens * m.kv_bytes_per_token / n.h2d_Bps
-        store = new_tokens * m.kv_bytes_per_token / n.h2d_Bps
+        n = self.node
+        compute = self.prefill_compute_time(new_tokens, cached_tokens)
+        store = new_tokens * self.model.kv_bytes_per_token / n.h2d_Bps
         chunks = math.ceil(new_tokens / n.chunk_tokens)
-        return max(compute, load, store) + chunks * n.chunk_overhead_s
+        return (n.prefill_overhead_s + self.cache_load_time(cached_tokens)
+                + max(compute, store) + chunks * n.chunk_overhead_s)
 
     def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
         if batch_size <= 0:

@@ -13,8 +13,8 @@ Life cycle of a request (paper §3-§4):
    ``cpp_max_nodes`` nodes) is free and the fetch is done; nodes run prefills FIFO. With
    ``prefill_reject`` a request whose prefill would end past its TTFT SLO is dropped here.
 3. Prefill end = first token. The new KV was stored layer by layer into the node's DRAM pool
-   while computing (inserted now) and streamed to the decode node layer by layer: the KV is
-   complete at max(prefill end + one layer's share, prefill start + whole transfer).
+   while computing (inserted now); the whole KV then moves to the decode node
+   (``cost.transfer_time``), after the prefill, as the paper's Figure 14 measures it.
 4. Decode: continuous batching bounded by HBM (`yuebing.sim.decode.DecodeInstance`). With
    ``decode_reject`` a request whose KV cannot join the batch at the next iteration (KV full)
    or would push the iteration past the TBT SLO is rejected at decode (its prefill wasted).
@@ -48,6 +48,16 @@ from yuebing.sim.workload import SimRequest
 
 HOT_KEYS = 10
 """How many of the trace's most shared prefixes the replica report follows."""
+TRACKED_RANKS = (10, 100, 1000, 10000)
+"""Ranks (by number of requests using it) of the blocks whose replicas are sampled (Fig. 11)."""
+
+
+def ranked_keys(requests: Sequence[SimRequest], ranks: Sequence[int]) -> dict[int, int]:
+    """{rank: block} for the blocks ranked ``ranks`` (1 = most used; ties by first use) among
+    the requests' blocks; ranks past the number of blocks are left out."""
+    counts: Counter[int] = Counter(k for r in requests for k in r.block_keys)
+    order = [k for k, _ in sorted(counts.items(), key=lambda kv: -kv[1])]
+    return {rank: order[rank - 1] for rank in ranks if 0 < rank <= len(order)}
 
 
 def hot_prefixes(requests: Sequence[SimRequest], top: int) -> list[int]:
@@ -91,14 +101,17 @@ class MooncakeSystem(SimSystem):
         self.policy: Policy | None = None
         self.hot_keys: list[int] = []
         self.replica_series: dict[str, list[int]] = {}
+        self.ranked: dict[int, int] = {}
+        self.rank_series: dict[str, list[int]] = {}
         self._kvb = self.cost.kv_bytes_per_token
-        self._layers_share = 1.0 / 80
 
     # -- set-up ----------------------------------------------------------------------------
     def prepare(self, requests: Sequence[SimRequest]) -> None:
         self.policy = policy_for(self.config, self.cost, requests)
         self.hot_keys = hot_prefixes(requests, HOT_KEYS)
         self.replica_series = {str(k): [] for k in self.hot_keys}
+        self.ranked = ranked_keys(requests, TRACKED_RANKS)
+        self.rank_series = {str(rank): [] for rank in self.ranked}
 
     # -- arrival and routing -------------------------------------------------------------------
     def _view(self, request: SimRequest, lengths: list[int], best: int,
@@ -177,9 +190,7 @@ class MooncakeSystem(SimSystem):
             self.queued[g] += 1
         record.prefill_start_s = start
         record.prefill_gpu_s = duration * k
-        total_kv = request.input_tokens * self._kvb
-        kv_ready = max(end + self.cost.transfer_time(total_kv * self._layers_share),
-                       start + self.cost.transfer_time(total_kv))
+        kv_ready = end + self.cost.transfer_time(request.input_tokens * self._kvb)
         self.pending[request.index] = PendingDecode(
             kv_ready, request.output_tokens, self.decode_ids[j], request.input_tokens)
         self.loop.at(end, Priority.COMPLETE, self._prefill_done, request, record, group, j,
@@ -222,6 +233,8 @@ class MooncakeSystem(SimSystem):
         slo = self.config.ttft_slo_s
         for k in self.hot_keys:
             self.replica_series[str(k)].append(self.pool.replicas(k))
+        for rank, k in self.ranked.items():
+            self.rank_series[str(rank)].append(self.pool.replicas(k))
         return {
             "prefill_load": sum(max(0.0, f - now) for f in self.free_at) / self.P / slo,
             "prefill_queued": float(sum(self.queued)),
@@ -231,7 +244,8 @@ class MooncakeSystem(SimSystem):
         }
 
     def extra(self) -> dict[str, object]:
-        return {"hot_key_replicas": self.replica_series, "pool_evictions": self.pool.evictions,
+        return {"hot_key_replicas": self.replica_series, "ranked_key_replicas": self.rank_series,
+                "pool_evictions": self.pool.evictions,
                 "decode_iterations": sum(len(d.step_ends) for d in self.decodes)}
 
 

@@ -7,10 +7,10 @@ iteration takes: a prefill-only step, a decode-only step or a mixed (chunked-pre
 With the roofline cost model (paper Table 1) the steps follow the same roofline, adapted to a
 coupled engine whose prefix cache lives in HBM (no host-to-device load or store):
 
-- prefill step over parts ``(n new, c cached)``: compute-bound, Σ (FLOPs(c+n) − FLOPs(c)) at
-  the roofline's efficiency for one forward pass over all the step's tokens
-  (`RooflineCostModel.efficiency`: a 512-token chunk runs at half the MFU of a long prompt)
-  plus one ``chunk_overhead_s`` (one forward pass);
+- prefill step over parts ``(n new, c cached)``: compute-bound, one forward pass over all the
+  step's tokens (`RooflineCostModel.pass_compute_time`: the linear layers at the efficiency of
+  the pass's token count — a 512-token chunk runs at 2/3 of the MFU of a long prompt — and
+  the attention at the roofline's attention efficiency) plus one ``chunk_overhead_s``;
 - decode step: the cost model's own `decode_step_time`;
 - mixed step: an iteration is bounded below both by its decode work (weights and every KV
   token read once, per-sequence overheads: ``decode_step_time(batch, context + prompt KV)``)
@@ -48,20 +48,11 @@ class CoupledCost:
         self._roofline = isinstance(cost, RooflineCostModel)
         self._slowdown = 1.0 / cached_attention_efficiency - 1.0
         if isinstance(cost, RooflineCostModel):
-            m = cost.model
             self._overhead = cost.node.chunk_overhead_s
-            self._flops = m.flops
             self._pass = cost.pass_compute_time
-            # FLOPs(c+n) − FLOPs(c) holds 2·a·l·n·c·d of attention over the c earlier tokens
-            self._cached_attn = 2.0 * m.flops_a * m.layers * m.d_model
 
     def _prefill_compute(self, parts: Sequence[tuple[int, int]], extra_tokens: int = 0) -> float:
-        flops = self._flops
-        tokens = sum(n for n, _ in parts) + extra_tokens
-        total = sum(flops(c + n) - flops(c) for n, c in parts)
-        if self._slowdown:
-            total += self._slowdown * self._cached_attn * sum(n * c for n, c in parts)
-        return self._pass(total, tokens)
+        return self._pass(parts, extra_tokens, self._slowdown)
 
     def prefill_step(self, parts: Sequence[tuple[int, int]]) -> float:
         """Seconds of one prefill-only iteration over ``parts`` = [(new, cached), ...]."""

@@ -26,7 +26,7 @@ from yuebing.core.errors import InputError
 log = logging.getLogger(__name__)
 
 FIGURES = {"1": "fig1", "5": "fig5", "8": "fig8", "9": "fig9", "10": "fig10", "11": "fig11",
-           "15": "fig15", "overload": "overload"}
+           "14": "fig14", "15": "fig15", "overload": "overload"}
 """Figure name (as typed after ``--figure``) → module in `yuebing.sim.paper`."""
 DEFAULT_TRACE = Path("..") / "shared" / "traces" / "conversation_trace.jsonl"
 
@@ -135,16 +135,26 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _rows(ours: Any, paper: Any, prefix: str = "") -> list[tuple[str, str, str]]:
+def gap(ours: Any, paper: Any) -> float | None:
+    """(ours − paper) / paper, or None when either is not a number or paper is 0."""
+    numbers = (int, float)
+    if (isinstance(ours, bool) or isinstance(paper, bool) or not isinstance(ours, numbers)
+            or not isinstance(paper, numbers) or paper == 0 or math.isnan(ours)):
+        return None
+    return (ours - paper) / paper
+
+
+def _rows(ours: Any, paper: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
     if isinstance(ours, dict):
-        rows: list[tuple[str, str, str]] = []
+        rows: list[tuple[str, str, str, str]] = []
         for k, v in ours.items():
             p = paper.get(k) if isinstance(paper, dict) else None
             if isinstance(v, list) and len(v) > 12:
                 continue
             rows.extend(_rows(v, p, f"{prefix}{k}."))
         return rows
-    return [(prefix.rstrip("."), _fmt(paper), _fmt(ours))]
+    g = gap(ours, paper)
+    return [(prefix.rstrip("."), _fmt(paper), _fmt(ours), "—" if g is None else f"{100 * g:+.0f} %")]
 
 
 def write_report(report: dict[str, dict[str, Any]], out_dir: Path, fast: bool) -> list[Path]:
@@ -158,8 +168,9 @@ def write_report(report: dict[str, dict[str, Any]], out_dir: Path, fast: bool) -
         if entry["ours"] is None:
             lines += [f"Not available: {entry['details']}", ""]
             continue
-        lines += ["| quantity | paper | yuebing sim |", "|---|---|---|"]
-        lines += [f"| {k} | {p} | {o} |" for k, p, o in _rows(entry["ours"], entry["paper"])]
+        lines += ["| quantity | paper | yuebing sim | gap |", "|---|---|---|---|"]
+        lines += [f"| {k} | {p} | {o} | {g} |"
+                  for k, p, o, g in _rows(entry["ours"], entry["paper"])]
         if isinstance(entry.get("details"), dict):
             lines += ["", "Details: `" + json.dumps(entry["details"], default=str)[:1500] + "`"]
         lines += [""] + [f"![{p}]({p})" for p in entry.get("plots", [])] + [""]
