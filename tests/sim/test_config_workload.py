@@ -19,6 +19,7 @@ from yuebing.trace.model import Request
     ({"balancing_threshold": 0.5}, "balancing_threshold must be >= 1"),
     ({"cost_model": "fitted"}, "needs --profile"),
     ({"limit": -1}, "limit must be >= 0"),
+    ({"output_tokens": -1}, "output_tokens must be >= 0"),
 ])
 def test_bad_configs_say_what_to_change(kw: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -48,3 +49,11 @@ def test_workload_conversion_and_its_errors() -> None:
     with pytest.raises(InputError, match="sorted by arrival"):
         simulate([SimRequest(0, 5.0, 100, 2, (1,)), SimRequest(1, 1.0, 100, 2, (2,))],
                  SimConfig())
+
+
+def test_output_tokens_override_gives_every_request_that_many() -> None:
+    reqs = [SimRequest(0, 0.0, 1000, 50, (1, 2)), SimRequest(1, 1.0, 800, 7, (1, 3))]
+    res = simulate(reqs, SimConfig(prefill_nodes=1, decode_nodes=1, output_tokens=1))
+    assert [r.output_tokens for r in res.records] == [1, 1]
+    assert all(r.finish_s == r.first_token_s for r in res.records)
+    assert [r.output_tokens for r in simulate(reqs, SimConfig()).records] == [50, 7]

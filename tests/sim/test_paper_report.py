@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from yuebing.sim.paper import fig1, fig5, overload
-from yuebing.sim.paper.report import run_figures, write_report
+from yuebing.sim.paper.report import gap, run_figures, write_report
 
 
 @pytest.mark.slow
@@ -48,12 +48,26 @@ def test_full_report_meets_the_simulator_targets(conversation_trace: Path,
     assert pred["prefill_load_band_var"] < 0.8 * early["prefill_load_band_var"]
 
 
+@pytest.mark.slow
 def test_fast_report_writes_every_artifact(conversation_trace: Path, tmp_path: Path) -> None:
-    report = run_figures(["5", "8", "10", "15"], conversation_trace, tmp_path, fast=True)
+    report = run_figures(["5", "10", "11", "14", "15"], conversation_trace, tmp_path, fast=True)
     write_report(report, tmp_path, fast=True)
     assert {p.name for p in tmp_path.iterdir()} >= {
-        "report.json", "report.md", "fig5_ttft_by_policy.png", "fig8_block_popularity.png",
-        "fig10_hot_replicas.png", "fig15_load_breakdown.png"}
+        "report.json", "report.md", "fig5_ttft_by_policy.png", "fig10_global_vs_local.png",
+        "fig11_hot_replicas.png", "fig14_single_request.png", "fig15_load_breakdown.png"}
     md = (tmp_path / "report.md").read_text()
     assert "| random | 19.6 |" in md
-    assert report["8"]["ours"]["max_uses"] == 2000   # block 0 is in every request
+    # every number with a paper value beside it has its gap in %
+    row = next(line for line in md.splitlines() if line.startswith("| prefill_no_cache_s.8k |"))
+    assert row == "| prefill_no_cache_s.8k | 1 | 1.04 | +4 % |"
+    assert "| by_rank.10.max_replicas | 8 |" in md
+    # local vs global cache on 10 prefill nodes: the global pool hits more and computes less
+    f10 = report["10"]["ours"]
+    assert f10["global"]["hit_rate"] > f10["local"]["hit_rate"]
+    assert f10["global"]["prefill_gpu_s_per_request"] < f10["local"]["prefill_gpu_s_per_request"]
+
+
+def test_gap_is_relative_to_the_paper_and_only_for_numbers() -> None:
+    assert gap(3.0, 2.0) == 0.5 and gap(1.5, 2.0) == -0.25
+    assert gap(1.0, None) is None and gap(None, 1.0) is None and gap(1.0, 0) is None
+    assert gap(True, 1.0) is None and gap(float("nan"), 1.0) is None

@@ -33,8 +33,8 @@ def test_decode_durations_use_a_full_decode_node_capped_by_the_tbt_slo() -> None
     full = cost.decode_kv_capacity_tokens
     batch = math.floor(full / 10_125)  # mean context: input + mean output / 2 = 10,125
     step = cost.decode_step_time(batch, full)
-    hbm = 8 * 2.039e12 * 0.7
-    assert step == pytest.approx((140e9 + full * 327_680) / hbm + 0.005 + batch * 0.0004,
+    hbm = 8 * 2.039e12 * 0.445
+    assert step == pytest.approx((140e9 + full * 327_680) / hbm + 0.0069 + batch * 0.0004,
                                  rel=1e-12)
     deciles = np.quantile([100, 200, 300, 400], np.linspace(0.05, 0.95, 10))
     assert decode_durations(cost, reqs) == pytest.approx(tuple(deciles * step), rel=1e-12)
@@ -61,9 +61,10 @@ def test_overload_and_figure1_setups() -> None:
     assert (pred.decode_policy, pred.admission, pred.speed) == (
         "forecast", "predictive_early_rejection", 2.0)
     assert overload.config("early_rejection").decode_policy == "least_loaded"
-    base = overload.config("baseline", nodes=overload.VARIANT)
-    assert (base.prefill_nodes, base.decode_nodes, base.admission) == (8, 2, "none")
+    base = overload.config("baseline")
+    assert (base.prefill_nodes, base.decode_nodes, base.admission) == (8, 8, "none")
     assert base.prefill_reject and base.decode_reject
+    assert overload.config("baseline", nodes=(8, 2)).decode_nodes == 2
     f1 = fig1.config("vllm")
     assert (f1.speed, f1.prefill_nodes + f1.decode_nodes) == (fig1.SPEED, 16)
     assert fig1.config("mooncake", fast=True).limit == 2000
@@ -79,3 +80,19 @@ def test_figure1_speed_plot_from_details(tmp_path) -> None:
     assert path.name == "fig1_speed_sensitivity.png" and path.stat().st_size > 10_000
     assert fig1._percent(None, 100) != fig1._percent(None, 100)  # NaN for a missing system
     assert fig1._percent(row, 200) == 70.0
+
+
+def test_arxiv_like_workload_has_the_papers_statistics(conversation_trace) -> None:
+    """The overload workload: the conversation trace with the arXiv trace's mean input and
+    output lengths (±1 %) and 23,000 requests an hour, prefix sharing kept."""
+    trace = overload.arxiv_like(conversation_trace)
+    reqs = trace.in_time_order()
+    n = len(reqs)
+    assert n == 12_031
+    assert sum(r.input_length for r in reqs) / n == pytest.approx(7590, rel=0.01)
+    assert sum(r.output_length for r in reqs) / n == pytest.approx(182, rel=0.01)
+    span_h = (reqs[-1].timestamp - reqs[0].timestamp) / 3_600_000
+    assert n / span_h == pytest.approx(23_000, rel=0.001)
+    assert all(r.input_length > 0 and r.output_length > 0 for r in reqs)
+    shared = sum(len(r.hash_ids) for r in reqs) - len({k for r in reqs for k in r.hash_ids})
+    assert shared > 0.3 * sum(len(r.hash_ids) for r in reqs)

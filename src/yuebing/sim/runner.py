@@ -13,7 +13,7 @@ import importlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from yuebing.core.errors import InputError
 from yuebing.sim.hardware import COST_MODELS, CostModel, FittedCostModel
@@ -96,6 +96,7 @@ class _Driver:
 def simulate(requests: Sequence[SimRequest], config: SimConfig, cost: CostModel | None = None,
              progress: Callable[[int], None] | None = None) -> SimResult:
     """Replay ``requests`` (sorted by arrival) through ``config.system``; see module docstring.
+    With ``config.output_tokens`` every request gets that many output tokens.
 
     ``progress`` is called with the number of requests that arrived so far.
     """
@@ -108,6 +109,8 @@ def simulate(requests: Sequence[SimRequest], config: SimConfig, cost: CostModel 
         raise InputError(
             f"sampling every {config.sample_interval_s:g} s over {span_s:g} s of arrivals would "
             f"take more than {MAX_SAMPLES:,} samples; raise sample_interval_s or the replay speed")
+    if config.output_tokens:
+        requests = [replace(r, output_tokens=config.output_tokens) for r in requests]
     load_systems()
     factory = SYSTEMS.get(config.system)
     cost = cost or build_cost_model(config)

@@ -47,6 +47,8 @@ class SimConfig:
     seed: int = field(default=0, metadata={"help": "seed of every random choice in the run"})
     speed: float = field(default=1.0, metadata={"help": "trace replay speed (2 = twice as fast)"})
     limit: int = field(default=0, metadata={"help": "replay only the first N requests (0: all)"})
+    output_tokens: int = field(default=0, metadata={
+        "help": "give every request this many output tokens (0: the trace's own)"})
     dram_kv_tokens: int = field(default=2_000_000, metadata={
         "help": "KV tokens each node's DRAM pool holds (LRU)"})
     block_tokens: int = field(default=512, metadata={"help": "tokens per KV block (trace: 512)"})
@@ -71,6 +73,7 @@ class SimConfig:
         require(math.isfinite(self.speed) and self.speed > 0,
                 f"speed must be > 0 and finite, got {self.speed}")
         require(self.limit >= 0, "limit must be >= 0 (0 replays the whole trace)")
+        require(self.output_tokens >= 0, "output_tokens must be >= 0 (0: the trace's own)")
         require(self.dram_kv_tokens >= self.block_tokens,
                 "dram_kv_tokens must hold at least one block")
         require(self.block_tokens > 0, "block_tokens must be > 0")

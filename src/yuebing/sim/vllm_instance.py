@@ -11,6 +11,8 @@ Life cycle of a request here (paper §5.1 baselines, vLLM v0 scheduler semantics
    (prefill interrupts decode). With chunked prefill every iteration is a mixed batch: first one
    token for every running request, then prompt chunks (the partly prefilled requests first,
    then newly admitted ones) until the step's token budget is spent.
+   A request's ``prefill_gpu_s`` is its share (by prompt tokens) of the prefill steps that
+   computed it; in a mixed step that is the step's prefill compute, as if alone.
 3. The step that computes a request's last prompt token emits its first token; from the next
    decode-carrying iteration on it gets one token per iteration and leaves after its last one,
    freeing its KV.
@@ -50,6 +52,14 @@ class CoupledJob:
     @property
     def kv_tokens(self) -> int:
         return self.request.input_tokens + self.request.output_tokens
+
+
+def _share_gpu_time(seconds: float, chunks: list[tuple[CoupledJob, int]]) -> None:
+    """Add a step's prefill seconds to its requests' ``prefill_gpu_s`` in proportion to the
+    prompt tokens each computed in it."""
+    total = sum(n for _, n in chunks)
+    for job, n in chunks:
+        job.record.prefill_gpu_s += seconds * n / total if total else seconds / len(chunks)
 
 
 class CoupledInstance:
@@ -134,8 +144,9 @@ class CoupledInstance:
             batch.append(job)
         parts = [(j.request.input_tokens - j.hit, j.hit) for j in batch]
         self._busy = True
-        self.loop.after(self.cost.prefill_step(parts), Priority.COMPLETE, self._prefill_done,
-                        batch)
+        duration = self.cost.prefill_step(parts)
+        _share_gpu_time(duration, [(j, n) for j, (n, _) in zip(batch, parts, strict=True)])
+        self.loop.after(duration, Priority.COMPLETE, self._prefill_done, batch)
 
     def _prefill_done(self, batch: list[CoupledJob]) -> None:
         for job in batch:
@@ -165,6 +176,8 @@ class CoupledInstance:
             self._busy = False
             return
         self._busy = True
+        if chunks:
+            _share_gpu_time(self.cost.prefill_step(parts), chunks)
         self.loop.after(self.cost.mixed_step(parts, decodes, self.context_tokens),
                         Priority.COMPLETE, self._mixed_done, decodes > 0, chunks)
 
@@ -185,7 +198,6 @@ class CoupledInstance:
         if not chunked:
             self.outstanding_tokens -= req.input_tokens - job.hit
         rec.first_token_s = rec.kv_ready_s = rec.decode_start_s = now
-        rec.prefill_gpu_s = now - rec.prefill_start_s
         if self.prefix_caching:
             self._insert(req.block_keys)
         if req.output_tokens < 2:

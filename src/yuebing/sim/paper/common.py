@@ -1,6 +1,7 @@
 """Shared plumbing of the figure modules: cached simulation runs, progress, plotting helpers.
 
-Life cycle: a figure's ``compute`` asks `run` for the `SimResult` of a `SimConfig` on a trace;
+Life cycle: a figure's ``compute`` asks `run` for the `SimResult` of a `SimConfig` on a trace
+(a file, or ``name:FILE`` for a workload a figure module registered with `register_workload`);
 runs are memoised per (trace, config) for the life of the process, so ``yuebing sim paper``
 simulates each distinct configuration once even when several figures use it. Long runs show a
 rich progress bar on stderr (only when it is a terminal or ``progress=True``).
@@ -10,14 +11,15 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from yuebing.sim.runner import SimResult, simulate
 from yuebing.sim.system import SimConfig
-from yuebing.sim.workload import SimRequest, load_requests
+from yuebing.sim.workload import SimRequest, from_trace_requests, load_requests
+from yuebing.trace.model import Trace
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +32,31 @@ SHOW_PROGRESS: bool | None = None
 """None: show progress when stderr is a terminal."""
 
 
+_BUILDERS: dict[str, Callable[[Path], Trace]] = {}
+
+
+def register_workload(name: str, build: Callable[[Path], Trace]) -> None:
+    """Make ``name:TRACE`` usable wherever a trace path is: the workload ``build(TRACE)``
+    returns (a transformed or synthetic `Trace`, built once per process)."""
+    _BUILDERS[name] = build
+
+
+def workload_path(name: str, base: str | Path) -> str:
+    """The trace-path string of registered workload ``name`` built from trace ``base``."""
+    return f"{name}:{base}"
+
+
 def requests(trace_path: str | Path, speed: float, limit: int) -> list[SimRequest]:
+    """The requests of a trace file or of a registered workload (`workload_path`), replayed
+    at ``speed``, the first ``limit`` of them (0: all); memoised."""
     key = (str(trace_path), speed, limit)
     if key not in _REQUESTS:
-        _REQUESTS[key] = load_requests(trace_path, speed=speed, limit=limit or None)
+        name, sep, base = str(trace_path).partition(":")
+        if sep and name in _BUILDERS:
+            ordered = _BUILDERS[name](Path(base)).in_time_order()
+            _REQUESTS[key] = from_trace_requests(ordered[:limit or None], speed)
+        else:
+            _REQUESTS[key] = load_requests(trace_path, speed=speed, limit=limit or None)
     return _REQUESTS[key]
 
 

@@ -1,43 +1,48 @@
-"""Figure 8 (as we read it): popularity of KV blocks in the conversation trace.
+"""Figure 8: prefill GPU time per request (conversation trace, 16 nodes).
 
-Counts how many requests use each ``hash_ids`` block: the share of blocks used by exactly one
-request and the most used blocks. The paper's text reports that most blocks are never reused
-while a few are reused very often; we could not find the figure's exact numbers (see
-docs/reproduction.md), so ``PAPER`` holds none.
+From the four runs of Figure 1 (Mooncake 8P+8D and the three coupled baselines on 16
+instances, trace replayed at `fig1.SPEED`): the prefill GPU-seconds of every request divided by
+the requests. Mooncake's count every node of a pipeline group and include the schedule overhead
+and cache load; a coupled instance's prefill steps are shared among their requests by prompt
+tokens (`yuebing.sim.vllm_instance`).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
-import numpy as np
+from yuebing.sim.paper import fig1
+from yuebing.sim.paper.common import paired_bars, run, save_figure
+from yuebing.sim.runner import load_systems
+from yuebing.sim.system import SYSTEMS
 
-from yuebing.sim.paper.common import FAST_LIMIT, pyplot, requests, save_figure
-
-PAPER: dict[str, float] | None = None
-
-
-def compute(trace_path: str | Path, fast: bool = False) -> dict[str, object]:
-    reqs = requests(trace_path, 1.0, FAST_LIMIT if fast else 0)
-    counts = Counter(k for r in reqs for k in r.block_keys)
-    uses = np.array(sorted(counts.values(), reverse=True))
-    edges = [1, 2, 3, 5, 10, 100, 1000, 10**9]
-    hist = {f"{lo}-{hi - 1}" if hi - lo > 1 else str(lo): int(((uses >= lo) & (uses < hi)).sum())
-            for lo, hi in zip(edges, edges[1:], strict=False)}
-    return {"blocks": int(uses.size), "share_used_once": float((uses == 1).mean()),
-            "max_uses": int(uses[0]), "top10_uses": [int(u) for u in uses[:10]],
-            "blocks_by_uses": hist}
+PAPER = {"mooncake": 1.06, "vllm": 1.66, "vllm_prefix_caching": 1.52,
+         "vllm_chunked_prefill": 2.02}
+"""Paper Figure 8, seconds per request (read off the plot)."""
 
 
-def plot(result: dict[str, object], out_dir: str | Path) -> list[Path]:
-    plt = pyplot()
-    hist = result["blocks_by_uses"]
-    assert isinstance(hist, dict)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(list(hist), list(hist.values()))
-    ax.set_yscale("log")
-    ax.set_xlabel("requests using the block")
-    ax.set_ylabel("blocks")
-    ax.set_title("Figure 8: KV block popularity (conversation trace)")
-    return [save_figure(fig, out_dir, "fig8_block_popularity.png")]
+def compute(trace_path: str | Path, fast: bool = False) -> dict[str, float | None]:
+    """{system: mean prefill GPU seconds per request}."""
+    load_systems()
+    out: dict[str, float | None] = {}
+    for name in fig1.SYSTEM_NAMES:
+        if name not in SYSTEMS:
+            out[name] = None
+            continue
+        summary = run(trace_path, fig1.config(name, fast)).summary
+        out[name] = float(summary["prefill_gpu_s"]) / int(summary["requests"])  # type: ignore[arg-type, call-overload]
+    return out
+
+
+def ratios(values: dict[str, float | None]) -> dict[str, float | None]:
+    """Each system's value divided by Mooncake's."""
+    base = values.get("mooncake")
+    return {k: (v / base if v is not None and base else None) for k, v in values.items()}
+
+
+def plot(result: dict[str, float | None], out_dir: str | Path) -> list[Path]:
+    names = [n for n in fig1.SYSTEM_NAMES if result.get(n) is not None]
+    fig = paired_bars(names, {n: float(result[n] or 0.0) for n in names}, PAPER,
+                      "prefill GPU time per request (s)",
+                      "Figure 8: prefill GPU time per request (16 nodes, conversation)", (8, 4))
+    return [save_figure(fig, out_dir, "fig8_prefill_gpu_time.png")]
