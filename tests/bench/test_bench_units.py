@@ -41,6 +41,35 @@ def test_retry_after_seconds_date_and_fallback() -> None:
     assert retry_after_s(date, now=1_000_000.0) == 10.0
 
 
+@pytest.mark.parametrize(("event", "error", "detail"), [
+    ('{"error": {"message": "engine died"}}', "stream_error", "engine died"),
+    ('{"object": "error", "message": "too long", "code": 400}', "stream_error", "too long"),
+    ("[1, 2]", "bad_response", "not a JSON object"),
+    ("{oops", "bad_response", "not JSON"),
+])
+def test_error_events(event: str, error: str, detail: str) -> None:
+    from yuebing.bench.client import _on_event
+
+    r = RequestResult(0, 0.0, 1, 1)
+    assert _on_event(event, r, "completions", 1.0) is False
+    assert r.error == error and detail in r.detail
+
+
+def test_output_events_usage_and_null_fields() -> None:
+    from yuebing.bench.client import _on_event
+
+    r = RequestResult(0, 0.0, 1, 1)
+    chunk = '{"choices": [{"index": 0, "text": " Paris", "finish_reason": null}], "usage": null}'
+    assert _on_event(chunk, r, "completions", 0.5)
+    assert _on_event('{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}',
+                     r, "chat", 0.6)  # a role-only chat chunk is no token
+    usage = ('{"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3, '
+             '"prompt_tokens_details": null}}')
+    assert _on_event(usage, r, "completions", 0.7)
+    assert r.token_times_s == [0.5] and (r.prompt_tokens, r.output_tokens) == (9, 3)
+    assert r.cached_tokens is None
+
+
 # --- per-request metrics --------------------------------------------------------------------
 
 

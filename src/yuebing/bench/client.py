@@ -166,8 +166,8 @@ def _on_event(data: str, res: RequestResult, api: str, now: float) -> bool:
     if not isinstance(obj, dict):
         res.fail(Status.ERROR, "bad_response", f"not a JSON object: {data[:80]!r}")
         return False
-    if obj.get("error"):
-        res.fail(Status.ERROR, "stream_error", str(obj["error"]))
+    if obj.get("error") or obj.get("object") == "error":  # {"error": {...}} or vLLM's ErrorResponse
+        res.fail(Status.ERROR, "stream_error", str(obj.get("error") or obj.get("message")))
         return False
     if any(_output_text(c, api) for c in obj.get("choices") or () if isinstance(c, dict)):
         res.token_times_s.append(now)
