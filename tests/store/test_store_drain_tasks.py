@@ -100,7 +100,7 @@ def test_drain_waits_for_readers_leasing_the_draining_replica() -> None:
     core = make(segs=2, lease_ttl_s=5.0)
     put(core, "k", "n0/dram")
     assert core.handle(m.GetReplicas(key="k")).replicas  # a reader copies from n0
-    assert status(core, "n0/dram") == m.DrainStatus(at_risk=1, leased=-1)
+    assert status(core, "n0/dram") == m.DrainStatus(at_risk=1, leased=-1, keys=["k"])
     (owner, t), = tasks(core)
     done(core, owner, t)
     assert status(core, "n0/dram") == m.DrainStatus(at_risk=0, leased=1)  # still reading
@@ -206,6 +206,7 @@ class FlakyMaster:
     def __init__(self, script: list[object]) -> None:
         self.script = script
         self.calls = 0
+        self.deadline = float("inf")
 
     def call(self, msg: m.Message) -> m.Message:
         assert isinstance(msg, m.Drain)
@@ -220,6 +221,7 @@ def bare_node(conn: FlakyMaster) -> StorageNode:
     """A `StorageNode` without engine or sockets: enough for `drain`'s loop."""
     node = StorageNode.__new__(StorageNode)
     node.name = node.client_id = "n0"
+    node.incarnation = "i0"
     node.ccfg = ClientConfig(heartbeat_s=60.0)
     node.conn = conn  # type: ignore[assignment]
     node.mounts = lambda: [m.Mount(client="n0", segment="n0/dram", size=1, node="n0")]  # type: ignore[method-assign]

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import threading
 
 from yuebing.cli.main import Command
 from yuebing.core.config import add_config_args, config_from_args
@@ -83,7 +84,7 @@ def _run_node(ns: argparse.Namespace) -> int:
     node = StorageNode(config_from_args(NodeConfig, ns), config_from_args(ClientConfig, ns),
                        config_from_args(TransferConfig, ns, prefix="tx_",
                                         metadata=getattr(ns, "tx_metadata", None) or "p2p"))
-    _on_term(node.stop)
+    _on_term(lambda: _stopping(node, ns.drain_s))
     try:
         node.mount()
         _write_ready(ns.ready_file, {"dram": node.dram_name, "ssd": node.ssd_name,
@@ -102,6 +103,27 @@ def _run_node(ns: argparse.Namespace) -> int:
                           left if left > 0 else "an unknown number of")
         node.close()
     return 0
+
+
+STOP_WATCHDOG_S = 10.0
+"""A node told to stop exits at most this long after its ``--drain-s``, whatever happens."""
+
+
+def _stopping(node: object, drain_s: float) -> None:
+    """SIGTERM/SIGINT of a node: stop serving, bound every master call by ``drain_s``
+    (`StorageNode.stop`), and arm a watchdog that ends the process if the shutdown still
+    runs ``STOP_WATCHDOG_S`` past that (a stuck call must not keep a stopped node alive)."""
+    node.stop(drain_s)  # type: ignore[attr-defined]
+
+    def overran() -> None:
+        log.error("node did not finish stopping within --drain-s %.1f + %.0fs; exiting now",
+                  drain_s, STOP_WATCHDOG_S)
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(drain_s + STOP_WATCHDOG_S, overran)
+    timer.daemon = True
+    timer.start()
 
 
 def _add_bench(p: argparse.ArgumentParser) -> None:

@@ -394,6 +394,9 @@ class Count(Message, tag="store.count"):
     n: int
 
 
+DRAIN_SAMPLE = 16
+
+
 @register_message
 class DrainStatus(Message, tag="store.drain_status"):
     """Reply to `Drain`. ``at_risk``: values that would be lost if the segment were unmounted
@@ -403,6 +406,8 @@ class DrainStatus(Message, tag="store.drain_status"):
 
     at_risk: int
     leased: int = -1
+    keys: list[str] = []
+    """Some of the keys at risk (at most `DRAIN_SAMPLE`), for the node's log."""
 
 
 @register_message

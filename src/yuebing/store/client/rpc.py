@@ -24,6 +24,8 @@ from yuebing.store.wire import HEADER, FrameSocket, parse_address
 
 log = logging.getLogger(__name__)
 C = m.Code
+DEADLINE_POLL_S = 0.1
+"""Slice of a reply wait while `MasterConnection.deadline` is set (see `_wait`)."""
 
 
 class StoreRpcError(StoreError):
@@ -52,6 +54,18 @@ class _Base:
         self.failover_s = failover_s
         self.current = 0
         self._ids = itertools.count(1)
+        self.deadline = float("inf")
+        """Monotonic time no call runs past (a stopping node's shutdown deadline): tries are
+        cut to it and a call raises `StoreError` once it passed; ``inf``: only ``failover_s``
+        bounds a call."""
+
+    def _left(self, msg: Message) -> float:
+        """Seconds a try of ``msg`` may take now: ``timeout_s`` cut to `deadline`."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise StoreError(f"{type(msg).__name__} to master {self.address} not sent: the "
+                             "caller's deadline passed")
+        return min(self.timeout_s, left)
 
     @property
     def address(self) -> str:
@@ -78,9 +92,9 @@ class MasterConnection(_Base):
         self.spin_s = spin_s
         self.sock: FrameSocket | None = None
 
-    def _connect(self) -> FrameSocket:
+    def _connect(self, timeout_s: float) -> FrameSocket:
         self.close()
-        self.sock = FrameSocket(self.address, self.timeout_s, self.spin_s)
+        self.sock = FrameSocket(self.address, timeout_s, self.spin_s)
         return self.sock
 
     def call(self, msg: Message) -> Message:
@@ -91,15 +105,16 @@ class MasterConnection(_Base):
         """`call`, and whether the request was sent again after a try whose reply never came
         (that try may have taken effect); a NOT_LEADER refusal does not count."""
         payload = encode(msg)
-        deadline = time.monotonic() + self.failover_s
+        deadline = min(time.monotonic() + self.failover_s, self.deadline)
         lost = False  # a try went out and its reply never came: it may have taken effect
         while True:
             rid, sent = next(self._ids), False
+            try_s = self._left(msg)
             try:
-                sock = self._open_socket()
+                sock = self._open_socket(try_s)
                 sent = True
                 sock.send(rid, payload)
-                reply = self._wait(sock, rid)
+                reply = self._wait(sock, rid, try_s)
             except OSError as e:
                 log.info("master %s unreachable: %s", self.address, e)
                 reply = None
@@ -122,7 +137,7 @@ class MasterConnection(_Base):
                 raise StoreRpcError(reply.code, reply.message, lost)
             return reply, lost
 
-    def _open_socket(self) -> FrameSocket:
+    def _open_socket(self, timeout_s: float) -> FrameSocket:
         """The connection to send on: the open one unless the master closed it while it was
         idle (frames that arrived meanwhile are taken first: pushes handed on, late replies
         dropped), else a new one — so a request sent into a connection already closed is not
@@ -132,16 +147,26 @@ class MasterConnection(_Base):
                 while (got := self.sock.recv(0.0)) is not None:
                     if got[0] == 0:
                         self._push(got[1])
-                self.sock.sock.settimeout(self.timeout_s)  # recv(0.0) left it non-blocking
+                self.sock.sock.settimeout(timeout_s)  # recv(0.0) left it non-blocking
             except OSError:
                 self.close()
-        return self.sock or self._connect()
+        elif self.sock is not None and timeout_s < self.timeout_s:
+            self.sock.sock.settimeout(timeout_s)  # the send, cut to `deadline`
+        return self.sock or self._connect(timeout_s)
 
-    def _wait(self, sock: FrameSocket, rid: int) -> Message | None:
-        end = time.monotonic() + self.timeout_s
+    def _wait(self, sock: FrameSocket, rid: int, timeout_s: float) -> Message | None:
+        """The reply to ``rid`` (pushes meanwhile handed on), None after ``timeout_s``. With a
+        `deadline` set, waits in slices of `DEADLINE_POLL_S`, so a deadline lowered meanwhile
+        (a signal handler stopping the node) ends the wait by then."""
+        end = time.monotonic() + timeout_s
         while True:
-            got = sock.recv(end - time.monotonic())
+            left = min(end, self.deadline) - time.monotonic()
+            if self.deadline != float("inf"):
+                left = min(left, DEADLINE_POLL_S)
+            got = sock.recv(left)
             if got is None:
+                if min(end, self.deadline) > time.monotonic():
+                    continue
                 return None
             if got[0] == rid:
                 return decode(got[1])

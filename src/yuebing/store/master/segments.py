@@ -18,6 +18,7 @@ a reader still leases there, which the node waits on before it unmounts.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import TYPE_CHECKING
 
@@ -103,7 +104,8 @@ def drain(core: MasterCore, msg: m.Drain) -> m.Message:
         reserve.drop_on_segment(core, s.id, f"segment {s.name} is draining")
     n, leased = migration.refresh(core, s.id)
     migration.pump(core)
-    return m.DrainStatus(at_risk=n, leased=leased)
+    sample = list(itertools.islice(core.drains.risk.get(s.id, ()), m.DRAIN_SAMPLE)) if n else []
+    return m.DrainStatus(at_risk=n, leased=leased, keys=sample)
 
 
 def drop_segment(core: MasterCore, sid: int) -> None:

@@ -44,6 +44,9 @@ from yuebing.transfer.types import BatchId, TransferStatus
 
 log = logging.getLogger(__name__)
 
+CLOSE_S = 1.0
+"""Most seconds `StorageNode.close` spends on in-flight migration writes and unmount calls."""
+
 
 class StorageNode:
     """One node process's store role. `serve` blocks until `stop`."""
@@ -254,7 +257,13 @@ class StorageNode:
                              f"ssd {ssd_off}+{size})")
 
     # ------------------------------------------------------------------ shutdown
-    def stop(self) -> None:
+    def stop(self, drain_s: float | None = None) -> None:
+        """End `serve` (called by a signal handler, say). With ``drain_s``, every master call
+        from now on ends within that many seconds — the call in flight too (`rpc` waits in
+        slices while a deadline is set) — so a stop while the master is unreachable is not
+        held up by RPC timeouts and failover retries; `drain` keeps to the same deadline."""
+        if drain_s is not None:
+            self.conn.deadline = min(self.conn.deadline, time.monotonic() + drain_s)
         self._stop.set()
 
     def drain(self, timeout_s: float = 0.0) -> int:
@@ -264,16 +273,22 @@ class StorageNode:
         to ``timeout_s`` until the master counts no value at risk and no value a reader still
         leases on these segments. A round that fails (`StoreError`: failover, RPC timeout) is
         logged and tried again until the deadline. Returns the values still at risk (0:
-        unmounting now loses no committed value; -1: the master never answered, unknown)."""
-        end = time.monotonic() + timeout_s
+        unmounting now loses no committed value; -1: the master never answered, unknown).
+        Every master call (drain rounds, heartbeats, task reports) ends by the deadline (the
+        earlier of ``timeout_s`` from now and the one `stop` set), whatever the master's state;
+        what could not be migrated is logged (`_report_unmigrated`)."""
+        end = min(time.monotonic() + timeout_s, self.conn.deadline)
+        self.conn.deadline = end
         next_hb = time.monotonic() + self.ccfg.heartbeat_s
-        at_risk, leased = -1, -1
-        while True:
+        at_risk, leased, sample, why = -1, -1, [], ""
+        while time.monotonic() < end:
             try:
                 counts = [self._drain_one(x.segment) for x in self.mounts()]
                 at_risk = sum(c[0] for c in counts)
                 leased = -1 if at_risk else sum(c[1] for c in counts)
+                sample = [k for c in counts for k in c[2]]
             except StoreError as e:
+                why = str(e)
                 log.warning("node %s: drain round failed (%s); trying again", self.name, e)
             if (at_risk == 0 and leased == 0) or time.monotonic() >= end:
                 break
@@ -281,29 +296,49 @@ class StorageNode:
             while time.monotonic() < poll_end:
                 next_hb = self._step(next_hb, wait_s=poll_end - time.monotonic())
         if at_risk:
-            log.warning("node %s: %s values are still only here after draining %.1fs", self.name,
-                        at_risk if at_risk > 0 else "an unknown number of", timeout_s)
+            self._report_unmigrated(at_risk, sample, why, timeout_s)
         elif leased:
             log.warning("node %s: unmounting while readers may still lease %s values here",
                         self.name, leased)
         return at_risk
 
-    def _drain_one(self, segment: str) -> tuple[int, int]:
-        """One `Drain` of ``segment``: (values at risk, values leased; -1 = not counted)."""
+    def _drain_one(self, segment: str) -> tuple[int, int, list[str]]:
+        """One `Drain` of ``segment``: (values at risk, values leased (-1 = not counted), some
+        keys at risk)."""
         try:
             reply = self._call(m.Drain(client=self.client_id, segment=segment,
                                        incarnation=self.incarnation))
         except StoreRpcError as e:
             if e.code == m.Code.UNKNOWN_SEGMENT:
-                return 0, 0  # the master holds nothing of it (never mounted or already dropped)
+                return 0, 0, []  # the master holds nothing of it (never mounted, or dropped)
             raise
         if not isinstance(reply, m.DrainStatus):
             raise StoreError(f"Drain of {segment} answered {type(reply).__name__}")
-        return reply.at_risk, reply.leased
+        return reply.at_risk, reply.leased, reply.keys
+
+    def _report_unmigrated(self, at_risk: int, sample: list[str], why: str,
+                           timeout_s: float) -> None:
+        """Log what the drain could not migrate: how many values (or that the master never
+        answered, so nobody knows), a few of their keys, and the segments they are lost with."""
+        segs = ", ".join(f"{x.segment} ({x.size} bytes)" for x in self.mounts())
+        if at_risk < 0:
+            log.error("node %s: could not drain within %.1fs: the master did not answer (%s); "
+                      "unmounting %s as they are: values stored only here are lost (how many "
+                      "is unknown)", self.name, timeout_s, why or "no reply", segs)
+            return
+        log.error("node %s: %d values could not be migrated within %.1fs%s and are lost with "
+                  "%s%s", self.name, at_risk, timeout_s, f" (last error: {why})" if why else
+                  " (no room elsewhere, or copies still in flight)", segs,
+                  f"; among them: {', '.join(sample)}" if sample else "")
 
     def close(self, unmount: bool = True) -> None:
+        """Release everything within `CLOSE_S`: migration writes in flight may end (their
+        destinations stay fenced at the master until their write expiry), the segments are
+        unmounted (a master that does not answer by then forgets them at the session's TTL)."""
+        end = time.monotonic() + CLOSE_S
+        self.conn.deadline = end
         for bid in list(self._moving):  # let in-flight writes end before the engine closes
-            self.engine.wait(bid, self.ccfg.transfer_timeout_s)
+            self.engine.wait(bid, max(0.0, end - time.monotonic()))
         self._moving.clear()
         if unmount:
             for msg in self.mounts():
