@@ -274,3 +274,34 @@ def test_bad_config_is_refused(kw: dict[str, object], message: str) -> None:
 def test_base_url_drops_v1() -> None:
     assert _cfg(endpoint="http://h:1/v1/").base_url == "http://h:1"
     assert _cfg(endpoint="http://h:1").base_url == "http://h:1"
+
+
+def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    return next((j for j in range(n) if a[j] != b[j]), n)
+
+
+def test_conversation_trace_prefixes_follow_hash_ids(conversation_trace) -> None:
+    """On the released trace, two prompts share exactly (leading equal hash ids) × block
+    tokens, cut to the shorter prompt: the sharing a server's prefix cache will see."""
+    from yuebing.trace.io import load_trace
+
+    trace = load_trace(conversation_trace)
+    cfg = _cfg(block_tokens=64, max_input=4096, limit=300)
+    reqs = build_workload(trace, cfg)
+    scaled = [scaled_request(r, 512, cfg) for r in trace.in_time_order()[:300]]
+    by_first: dict[int, list[int]] = {}
+    for i, r in enumerate(scaled):
+        if r.hash_ids:
+            by_first.setdefault(r.hash_ids[0], []).append(i)
+    pairs = 0
+    for group in by_first.values():
+        for a, b in zip(group, group[1:], strict=False):
+            pa, pb = reqs[a].prompt, reqs[b].prompt
+            expected = min(_common(scaled[a].hash_ids, scaled[b].hash_ids) * 64,
+                           len(pa), len(pb))
+            common = _common(pa, pb)  # type: ignore[arg-type]
+            assert common == expected, (a, b)
+            pairs += 1
+    assert pairs > 10 and max(len(r.prompt) for r in reqs) == 4096
