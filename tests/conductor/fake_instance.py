@@ -1,0 +1,267 @@
+"""Test fake instances speaking the real control protocol (zmq ROUTER, `protocol.instance`).
+
+All fakes of a test share one `FakeLoop` (an asyncio loop in a daemon thread), so a fake prefill
+can hand a request to a fake decode directly (the real ones use a transfer-engine notification).
+Timing and faults are controlled from the test thread: ``prefill_delay_s`` / ``step_s``,
+``hang`` (never produce the first token), ``silence()`` (stop reports and replies: a dead
+process as the Conductor sees it), ``die_after_tokens`` (a decode that goes silent mid-stream).
+Every control message received is recorded (``received``) and blocks are accounted
+(``free_blocks``) so tests can check cancels and leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from yuebing.protocol import decode, encode
+from yuebing.protocol.instance import (
+    Ack,
+    Breakdown,
+    Cancel,
+    DecodeTarget,
+    ErrorCode,
+    ErrorReply,
+    EventKind,
+    Hello,
+    KvLayout,
+    LoadReport,
+    Ping,
+    Reserve,
+    Reserved,
+    Role,
+    SubmitTask,
+    Subscribe,
+    TaskEvent,
+    TaskMode,
+)
+
+FINGERPRINT = "fake-fp"
+
+
+class FakeLoop:
+    """An asyncio loop in a daemon thread hosting fakes (`run` submits a coroutine)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.ctx = zmq.asyncio.Context()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.fakes: dict[str, FakeInstance] = {}
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float = 10.0) -> Any:
+        fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout_s)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        async def wrap() -> Any:
+            return fn()
+        return self.run(wrap())
+
+    def add(self, role: Role, name: str, **kw: Any) -> FakeInstance:
+        fake = self.run(_make(self, role, name, kw))
+        self.fakes[name] = fake
+        return fake
+
+    def close(self) -> None:
+        for f in list(self.fakes.values()):
+            self.run(f.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.ctx.term()
+
+
+async def _make(fl: FakeLoop, role: Role, name: str, kw: dict[str, Any]) -> FakeInstance:
+    f = FakeInstance(fl, role, name, **kw)
+    f.start()
+    return f
+
+
+class FakeInstance:
+    """One fake instance (see the module docstring)."""
+
+    def __init__(self, fl: FakeLoop, role: Role, name: str, prefill_delay_s: float = 0.0,
+                 step_s: float = 0.001, total_blocks: int = 1000, block_size: int = 16,
+                 store_block_tokens: int = 256, max_model_len: int = 4096,
+                 queued_prefill_tokens: int = 0, prefill_tokens_per_s: float = 10000.0) -> None:
+        self.fl = fl
+        self.role = role
+        self.name = name
+        self.prefill_delay_s = prefill_delay_s
+        self.step_s = step_s
+        self.total_blocks = total_blocks
+        self.free_blocks = total_blocks
+        self.block_size = block_size
+        self.store_block_tokens = store_block_tokens
+        self.max_model_len = max_model_len
+        self.queued_prefill_tokens = queued_prefill_tokens
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.hang = False
+        self.die_after_tokens: int | None = None
+        self.silent = False
+        self.cache: list[int] = []
+        self.received: list[Any] = []
+        self.held: dict[str, int] = {}
+        self.owner: dict[str, bytes] = {}
+        self.subscribers: set[bytes] = set()
+        self.sock = fl.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.incarnation = uuid.uuid4().hex
+        self._seq = itertools.count(1)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._cancelled: set[str] = set()
+
+    # ---------------------------------------------------------------- control (test thread)
+
+    def silence(self) -> None:
+        """Stop answering and reporting, as a killed process would."""
+        self.silent = True
+
+    def kinds(self, cls: type) -> list[Any]:
+        return [m for m in list(self.received) if isinstance(m, cls)]
+
+    # ---------------------------------------------------------------- serving
+
+    def start(self) -> None:
+        self._spawn(self._serve())
+        self._spawn(self._report())
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _serve(self) -> None:
+        while True:
+            ident, frame = await self.sock.recv_multipart()
+            if self.silent:
+                continue
+            msg = decode(frame)
+            self.received.append(msg)
+            reply = self._handle(ident, msg)
+            if reply is not None:
+                await self.sock.send_multipart([ident, encode(reply)])
+
+    def _handle(self, ident: bytes, msg: Any) -> Any:
+        if isinstance(msg, Subscribe):
+            self.subscribers.add(ident)
+            return self.hello(msg.seq)
+        if isinstance(msg, Ping):
+            return Ack(seq=msg.seq)
+        if isinstance(msg, Reserve):
+            need = -(-msg.prompt_tokens // self.block_size)
+            if need > self.free_blocks:
+                return ErrorReply(seq=msg.seq, code=ErrorCode.NO_KV, message="no room")
+            self.free_blocks -= need
+            self.held[msg.request_id] = need
+            self.owner[msg.request_id] = ident
+            layout = KvLayout(num_layers=2, num_blocks=self.total_blocks,
+                              block_size=self.block_size, chunk_bytes=64,
+                              fingerprint=FINGERPRINT)
+            return Reserved(seq=msg.seq, target=DecodeTarget(
+                instance_id=self.name, segment=f"seg-{self.name}", blocks=list(range(need)),
+                layout=layout))
+        if isinstance(msg, SubmitTask):
+            self.owner[msg.request_id] = ident
+            self._spawn(self._run(msg))
+            return Ack(seq=msg.seq)
+        if isinstance(msg, Cancel):
+            self._cancelled.add(msg.request_id)
+            known = self._free(msg.request_id)
+            return Ack(seq=msg.seq) if known else ErrorReply(
+                seq=msg.seq, code=ErrorCode.UNKNOWN_TASK, message="unknown")
+        return ErrorReply(seq=getattr(msg, "seq", 0), code=ErrorCode.BAD_REQUEST,
+                          message=f"unexpected {type(msg).__name__}")
+
+    def hello(self, seq: int) -> Hello:
+        return Hello(seq=seq, instance_id=self.name, role=self.role, model="fake",
+                     fingerprint=FINGERPRINT, host="127.0.0.1", control_address=self.address,
+                     kv_segment=f"seg-{self.name}", block_size=self.block_size,
+                     store_block_tokens=self.store_block_tokens, num_blocks=self.total_blocks,
+                     max_model_len=self.max_model_len, incarnation=self.incarnation)
+
+    def _free(self, rid: str) -> bool:
+        n = self.held.pop(rid, None)
+        if n is not None:
+            self.free_blocks += n
+        return n is not None or rid in self.owner
+
+    def _event(self, rid: str, kind: EventKind, **kw: Any) -> None:
+        if self.silent or rid in self._cancelled:
+            return
+        ev = TaskEvent(request_id=rid, kind=kind, time_s=time.time(), **kw)
+        self.sock.send_multipart([self.owner[rid], encode(ev)])  # queued at once (a Future)
+
+    async def _run(self, task: SubmitTask) -> None:
+        rid = task.request_id
+        await asyncio.sleep(self.prefill_delay_s)
+        while self.hang and not self.silent and rid not in self._cancelled:
+            await asyncio.sleep(0.01)
+        if self.silent or rid in self._cancelled:
+            return
+        first = 1000 + len(task.token_ids) % 100
+        bd = Breakdown(queue_s=0.001, prefill_s=self.prefill_delay_s)
+        self._event(rid, EventKind.FIRST_TOKEN, token_ids=[first], token_times=[time.time()],
+                    text=f" t{first}", cached_tokens=task.prefix.tokens if task.prefix else 0,
+                    prompt_tokens=len(task.token_ids), breakdown=bd)
+        if task.mode == TaskMode.PREFILL:
+            assert task.decode is not None
+            decode_fake = self.fl.fakes[task.decode.instance_id]
+            self._event(rid, EventKind.FINISH, finish_reason="handoff",
+                        breakdown=Breakdown(transfer_s=0.0005))
+            self.owner.pop(rid, None)
+            await decode_fake.kv_ready(task, first)
+        else:
+            await self._decode(task, first)
+
+    async def kv_ready(self, task: SubmitTask, first: int) -> None:
+        self._spawn(self._decode(task, first))
+
+    async def _decode(self, task: SubmitTask, first: int) -> None:
+        rid = task.request_id
+        n = task.sampling.max_tokens
+        for i in range(1, n):
+            await asyncio.sleep(self.step_s)
+            if self.die_after_tokens is not None and i > self.die_after_tokens:
+                self.silent = True
+            if self.silent or rid in self._cancelled:
+                return
+            tok = first + i
+            self._event(rid, EventKind.TOKENS, token_ids=[tok], token_times=[time.time()],
+                        text=f" t{tok}")
+        self._event(rid, EventKind.FINISH, finish_reason="length" if n > 1 else "length",
+                    breakdown=Breakdown(decode_wait_s=0.0002))
+        self._free(rid)
+        self.owner.pop(rid, None)
+
+    async def _report(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            if self.silent:
+                continue
+            r = LoadReport(instance_id=self.name, incarnation=self.incarnation,
+                           report_seq=next(self._seq), time_s=time.time(),
+                           queued_prefill_tokens=self.queued_prefill_tokens,
+                           queued_requests=0, running=0, waiting=0, context_tokens=0,
+                           free_blocks=self.free_blocks, total_blocks=self.total_blocks,
+                           reserved_blocks=sum(self.held.values()),
+                           prefill_tokens_per_s=self.prefill_tokens_per_s, decode_step_s=0.01,
+                           cache_added=list(self.cache), cache_full_resync=True)
+            for ident in list(self.subscribers):
+                await self.sock.send_multipart([ident, encode(r)])
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        self.sock.close(0)

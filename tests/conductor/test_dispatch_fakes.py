@@ -1,0 +1,247 @@
+"""The Conductor against fake instances speaking the real control protocol: routing, relay,
+usage/breakdown, 429s, and the faults of issue 13 (dead prefill → re-dispatch once, dead decode
+→ error event, client disconnect → cancel everywhere, missing heartbeats → out of the view)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from fake_instance import FINGERPRINT, FakeLoop
+from harness import MODEL, ConductorThread, request, response, sse_events
+
+from yuebing.instance.kvkeys import store_block_keys
+from yuebing.protocol.instance import Cancel, Reserve, Role, SubmitTask, TaskMode
+
+
+@pytest.fixture
+def fl() -> Iterator[FakeLoop]:
+    loop = FakeLoop()
+    yield loop
+    loop.close()
+
+
+def _conductor(fl: FakeLoop, *roles: tuple[Role, str], **kw: object) -> ConductorThread:
+    fakes = [fl.add(role, name, **kw.pop(f"{name}_kw", {})) for role, name in roles]  # type: ignore[arg-type]
+    kw.setdefault("heartbeat_timeout_s", 0.6)
+    c = ConductorThread(instances=tuple(f.address for f in fakes), **kw)  # type: ignore[arg-type]
+    c.wait_ready()
+    end = time.monotonic() + 10
+    while True:  # every fake has joined and reported
+        h = request(c.url, "GET", "/health")[1]
+        if sum(len(v) for v in h["instances"].values()) == len(fakes):
+            return c
+        assert time.monotonic() < end, h
+        time.sleep(0.05)
+
+
+def _complete(c: ConductorThread, **body: object) -> tuple[int, dict]:
+    return request(c.url, "POST", "/v1/completions", {"model": MODEL, **body})
+
+
+def test_disaggregated_stream_usage_and_metrics(fl: FakeLoop) -> None:
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"))
+    try:
+        conn, resp = response(c.url, "/v1/completions", {
+            "model": MODEL, "prompt": list(range(1, 41)), "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}})
+        assert resp.status == 200 and resp.getheader("content-type").startswith(
+            "text/event-stream")
+        events = sse_events(resp)
+        conn.close()
+        assert events[-1] == "[DONE]"
+        chunks = [e for e in events[:-1] if e["choices"]]
+        text = "".join(e["choices"][0]["text"] for e in chunks)
+        assert text == " t1040 t1041 t1042 t1043"
+        assert [e["choices"][0]["finish_reason"] for e in chunks][-1] == "length"
+        usage = events[-2]["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == \
+            (40, 4, 44)
+        assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+        ext = usage["yuebing"]
+        assert (ext["prefill_instance"], ext["decode_instance"], ext["redispatched"]) == \
+            ("p0", "d0", 0)
+        assert ext["queue_s"] == pytest.approx(0.001) and ext["transfer_s"] == \
+            pytest.approx(0.0005) and ext["decode_wait_s"] == pytest.approx(0.0002)
+        assert ext["ttft_s"] > 0 and ext["tbt_s"] > 0
+        p0, d0 = fl.fakes["p0"], fl.fakes["d0"]
+        (res,) = d0.kinds(Reserve)
+        (task,) = p0.kinds(SubmitTask)
+        assert task.mode == TaskMode.PREFILL and task.decode is not None
+        assert task.decode.instance_id == "d0" and res.request_id == task.request_id
+        assert fl.call(lambda: d0.free_blocks) == d0.total_blocks
+        metrics = request(c.url, "GET", "/metrics")[1]
+        assert 'yuebing:routed_requests_total{instance="p0",role="prefill"} 1.0' in metrics
+        assert 'yuebing:routed_requests_total{instance="d0",role="decode"} 1.0' in metrics
+        assert "yuebing:time_to_first_token_seconds_count 1.0" in metrics
+        assert "yuebing:request_transfer_time_seconds_count 1.0" in metrics
+        # non-streamed: the same text in one body
+        status, body = _complete(c, prompt=list(range(1, 41)), max_tokens=4)
+        assert status == 200 and body["choices"][0]["text"] == text
+        assert body["choices"][0]["finish_reason"] == "length"
+    finally:
+        c.stop()
+
+
+def test_coupled_mode_submits_once(fl: FakeLoop) -> None:
+    c = _conductor(fl, (Role.COUPLED, "c0"), (Role.COUPLED, "c1"))
+    try:
+        status, body = _complete(c, prompt=[1, 2, 3], max_tokens=3)
+        assert status == 200 and body["choices"][0]["text"] == " t1003 t1004 t1005"
+        tasks = fl.fakes["c0"].kinds(SubmitTask) + fl.fakes["c1"].kinds(SubmitTask)
+        assert [t.mode for t in tasks] == [TaskMode.COUPLED]
+        assert not fl.fakes["c0"].kinds(Reserve) and not fl.fakes["c1"].kinds(Reserve)
+        ext = body["usage"]["yuebing"]
+        assert ext["prefill_instance"] == ext["decode_instance"]
+    finally:
+        c.stop()
+
+
+def test_cache_aware_routing_and_prefix_plan(fl: FakeLoop) -> None:
+    prompt = list(range(1, 600))  # two full store blocks of 256
+    keys = store_block_keys(prompt, 256, FINGERPRINT)
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.PREFILL, "p1"), (Role.DECODE, "d0"),
+                   prefill_selector="global_cache_aware")
+    try:
+        fl.call(lambda: fl.fakes["p1"].cache.extend(keys))
+        end = time.monotonic() + 5
+        while len(c.conductor.cluster.index) < 2:
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        status, body = _complete(c, prompt=prompt, max_tokens=2)
+        assert status == 200 and body["usage"]["yuebing"]["prefill_instance"] == "p1"
+        (task,) = fl.fakes["p1"].kinds(SubmitTask)
+        assert task.prefix is not None and (task.prefix.source, task.prefix.tokens) == \
+            ("local", 512)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 512
+    finally:
+        c.stop()
+
+
+def test_reject_is_429_with_retry_after_and_health_stays_ok(fl: FakeLoop) -> None:
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"), admission="slo",
+                   ttft_slo_s=1.0, p0_kw={"queued_prefill_tokens": 30_000,
+                                          "prefill_tokens_per_s": 10_000.0})
+    try:
+        conn, resp = response(c.url, "/v1/completions",
+                              {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+        body = resp.read()
+        conn.close()
+        assert resp.status == 429, body
+        assert int(resp.getheader("Retry-After")) >= 2  # ~3 s queued - 1 s SLO
+        assert b'"type":"server_overloaded"' in body and b'"code":"ttft_slo"' in body
+        assert not fl.fakes["p0"].kinds(SubmitTask) and not fl.fakes["d0"].kinds(Reserve)
+        assert request(c.url, "GET", "/health")[0] == 200
+        assert 'yuebing:rejected_requests_total{reason="ttft_slo"} 1.0' in \
+            request(c.url, "GET", "/metrics")[1]
+    finally:
+        c.stop()
+
+
+def test_dead_prefill_before_first_token_is_redispatched_once(fl: FakeLoop) -> None:
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.PREFILL, "p1"), (Role.DECODE, "d0"),
+                   prefill_selector="load_balance", p1_kw={"queued_prefill_tokens": 100})
+    p0, d0 = fl.fakes["p0"], fl.fakes["d0"]
+    p0.hang = True
+    try:
+        out: dict[str, object] = {}
+        t = threading.Thread(target=lambda: out.update(r=_complete(c, prompt=[1, 2, 3],
+                                                                   max_tokens=3)))
+        t.start()
+        end = time.monotonic() + 10
+        while not p0.kinds(SubmitTask):
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        p0.silence()  # p0 "dies" with the request in prefill
+        t.join(15)
+        status, body = out["r"]  # type: ignore[misc]
+        assert status == 200, body
+        assert body["usage"]["yuebing"]["prefill_instance"] == "p1"
+        assert body["usage"]["yuebing"]["redispatched"] == 1
+        assert body["choices"][0]["text"] == " t1003 t1004 t1005"
+        # the first reservation was cancelled: the decode's blocks are all free again
+        end = time.monotonic() + 5
+        while fl.call(lambda: d0.free_blocks) != d0.total_blocks:
+            assert time.monotonic() < end, d0.held
+            time.sleep(0.02)
+        assert len(d0.kinds(Reserve)) == 2 and len(d0.kinds(Cancel)) == 1
+        health = request(c.url, "GET", "/health")[1]
+        assert health["instances"]["prefill"] == ["p1"]
+    finally:
+        c.stop()
+
+
+def test_dead_decode_ends_the_stream_with_an_error_event(fl: FakeLoop) -> None:
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"), d0_kw={"step_s": 0.02})
+    fl.fakes["d0"].die_after_tokens = 2
+    try:
+        t0 = time.monotonic()
+        conn, resp = response(c.url, "/v1/completions", {
+            "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 50, "stream": True})
+        events = sse_events(resp)
+        conn.close()
+        assert time.monotonic() - t0 < 5
+        assert events[-1] == "[DONE]"
+        err = events[-2]["error"]
+        assert err["type"] == "server_error" and "d0" in err["message"], err
+        texts = [e["choices"][0]["text"] for e in events[:-2]]
+        assert texts == [" t1003", " t1004", " t1005"]
+        # the prefill side got its cancel (its task had ended: unknown there is fine)
+        assert request(c.url, "GET", "/health")[1]["instances"]["decode"] == []
+    finally:
+        c.stop()
+
+
+def test_client_disconnect_cancels_on_the_instances(fl: FakeLoop) -> None:
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"), d0_kw={"step_s": 0.05})
+    d0 = fl.fakes["d0"]
+    try:
+        conn, resp = response(c.url, "/v1/completions", {
+            "model": MODEL, "prompt": list(range(100)), "max_tokens": 200, "stream": True})
+        assert resp.status == 200
+        resp.readline()  # the first chunk arrived
+        assert fl.call(lambda: d0.free_blocks) < d0.total_blocks
+        conn.sock.close()  # type: ignore[union-attr]
+        conn.close()
+        end = time.monotonic() + 10
+        while not d0.kinds(Cancel) or fl.call(lambda: d0.free_blocks) != d0.total_blocks:
+            assert time.monotonic() < end, "no cancel reached the decode"
+            time.sleep(0.02)
+        (cancel,) = d0.kinds(Cancel)
+        assert cancel.request_id == d0.kinds(Reserve)[0].request_id
+        assert c.conductor.inflight == 0
+    finally:
+        c.stop()
+
+
+def test_missing_heartbeats_leave_the_view(fl: FakeLoop) -> None:
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.PREFILL, "p1"), (Role.DECODE, "d0"))
+    try:
+        fl.fakes["p1"].silence()
+        end = time.monotonic() + 5
+        while request(c.url, "GET", "/health")[1]["instances"]["prefill"] != ["p0"]:
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        for _ in range(3):  # new requests go to the live one
+            status, body = _complete(c, prompt=[4, 5], max_tokens=2)
+            assert status == 200 and body["usage"]["yuebing"]["prefill_instance"] == "p0"
+    finally:
+        c.stop()
+
+
+def test_concurrency_limit_is_429(fl: FakeLoop) -> None:
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"), max_concurrent=1,
+                   d0_kw={"step_s": 0.05})
+    try:
+        conn, resp = response(c.url, "/v1/completions", {
+            "model": MODEL, "prompt": [1, 2], "max_tokens": 40, "stream": True})
+        resp.readline()
+        status, body = _complete(c, prompt=[1, 2], max_tokens=2)
+        assert status == 429 and body["error"]["code"] == "too_many_requests"
+        sse_events(resp)
+        conn.close()
+        assert _complete(c, prompt=[1, 2], max_tokens=2)[0] == 200
+    finally:
+        c.stop()
