@@ -60,6 +60,18 @@ def test_sweep_reports_each_rate_and_the_max(fake: FakeServer, tmp_path: Path,
     assert rep["target_attainment"] == 0.9 and rep["max_rate"] == 200.0
     assert (tmp_path / "attainment_vs_rate.png").stat().st_size > 0
     assert len(fake.bodies) == 12
+    first, second = ({tuple(b["prompt"]) for b in fake.bodies[k:k + 6]} for k in (0, 6))
+    assert not first & second  # the second run does not find the first's prompts cached
+
+
+def test_sweep_stops_at_the_first_missed_rate(fake: FakeServer,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    fake.behaviour.actions = {0: "500"}  # 1 of 6 fails: attainment 5/6 < 0.9 at the first rate
+    code = main(_serve(fake, *_SMALL_DOCQA, "--sweep-rates", "100,200", "--stop-on-miss",
+                       "--slo-ttft", "300", "--slo-tbt", "300", "--json"))
+    rep = json.loads(capsys.readouterr().out)
+    assert code == 0 and [run["rate"] for run in rep["sweep"]] == [100.0]
+    assert rep["max_rate"] is None and len(fake.bodies) == 6
 
 
 def test_tables_on_the_terminal(fake: FakeServer, tmp_path: Path,
@@ -99,7 +111,8 @@ def test_unreachable_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.parametrize(("args", "match"), [
     ([], "give a trace file or --synth"),
-    (["--synth", "fixed", "--docqa-documents", "3"], "--docqa-documents applies only to --synth docqa"),
+    (["--synth", "fixed", "--docqa-documents", "3"],
+     "--docqa-documents applies only to --synth docqa"),
     (["--synth", "fixed", "--sweep-rates", "1,x"], "--sweep-rates takes numbers"),
     (["--synth", "fixed", "--sweep-rates", "1,1"], "repeats a rate"),
     (["--synth", "fixed", "--sweep-rates", "1", "--rate", "2"], "drop --rate"),

@@ -196,15 +196,16 @@ def test_send_times_limit_speed_and_poisson() -> None:
     assert poisson == send_times([Request(9, 1, 1, ())] * 4, _cfg(seed=3), rate=2.0)
 
 
-def test_a_sweep_retimes_the_same_prompts() -> None:
-    from yuebing.bench.workload import at_rate
+def test_each_sweep_run_has_its_own_prompts_with_the_same_sharing() -> None:
+    from yuebing.bench.workload import sweep_workloads
 
-    trace = Trace(tuple(Request(t, 600, 2, (t,)) for t in range(5)))
-    base = build_workload(trace, _cfg(block_tokens=16))
-    fast = at_rate(base, 4.0, seed=7)
-    assert [r.prompt for r in fast] == [r.prompt for r in base]
-    assert [r.send_s for r in fast] == send_times(
-        [Request(0, 1, 1, ())] * 5, _cfg(seed=7), rate=4.0)
+    trace = Trace(tuple(Request(t, 600, 2, (t % 2,)) for t in range(4)))
+    (r1, w1), (r2, w2) = sweep_workloads(trace, _cfg(block_tokens=16, seed=7), None, [1.0, 4.0])
+    assert (r1, r2) == (1.0, 4.0)
+    assert not {r.prompt[:16] for r in w1} & {r.prompt[:16] for r in w2}
+    for w in (w1, w2):
+        assert w[0].prompt[:16] == w[2].prompt[:16] != w[1].prompt[:16] == w[3].prompt[:16]
+    assert [r.send_s for r in w2] == send_times([Request(0, 1, 1, ())] * 4, _cfg(seed=7), 4.0)
 
 
 def test_empty_prompt_is_refused() -> None:

@@ -66,6 +66,8 @@ class BenchConfig:
         "help": "TBT SLO thresholds in seconds (TBT: mean of the longest 10%% token intervals)"})
     target_attainment: float = field(default=0.9, metadata={
         "help": "SLO attainment a swept rate must reach to count as sustained"})
+    stop_on_miss: bool = field(default=False, metadata={
+        "help": "sweep: skip the rates above the first whose attainment misses the target"})
 
     def __post_init__(self) -> None:
         url = urlsplit(self.endpoint)

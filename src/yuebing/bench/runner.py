@@ -10,8 +10,9 @@ workload (one, or one per rate of a sweep, in order) runs to completion:
 - closed loop (`closed_loop`, ``--concurrency N``): N workers each send the next request as
   soon as their previous one ends.
 
-``on_done`` is called with each finished `RequestResult` (the CLI's progress bar). Each run's
-results come back in request order with their `summarize` aggregates.
+With ``stop_on_miss`` the workloads after the first whose attainment misses the target are
+not run. ``on_done`` is called with each finished `RequestResult` (the CLI's progress bar).
+Each run's results come back in request order with their `summarize` aggregates.
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ async def run_workloads(cfg: BenchConfig,
             loop = closed_loop if cfg.concurrency else open_loop
             results = await loop(session, requests, cfg, model, on_done)
             runs.append(Run(rate, tuple(results), summarize(results, cfg)))
+            if cfg.stop_on_miss and runs[-1].summary["attainment"] < cfg.target_attainment:
+                break
     return model, runs
 
 

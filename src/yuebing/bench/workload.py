@@ -15,8 +15,8 @@ into `BenchRequest`s:
    prompts decode those ids with the ``--tokenizer`` (equal id prefixes give equal text
    prefixes);
 4. send times: the trace's timestamps divided by ``speed``, or seeded Poisson arrivals at
-   ``rate``, the first at 0 s (a closed-loop run ignores them); `at_rate` re-times the same
-   requests for each rate of a sweep.
+   ``rate``, the first at 0 s (a closed-loop run ignores them). `sweep_workloads` builds one
+   workload per rate of a sweep, each with its own prompt tokens (same sharing).
 """
 
 from __future__ import annotations
@@ -66,13 +66,6 @@ def send_times(requests: Sequence[Request], cfg: BenchConfig, rate: float | None
     return [(r.timestamp - t0) / 1000.0 / cfg.speed for r in requests]
 
 
-def at_rate(requests: Sequence[BenchRequest], rate: float, seed: int) -> list[BenchRequest]:
-    """The same requests (prompts shared, not rebuilt) with seeded Poisson send times at
-    ``rate`` requests/s: one workload per rate of a sweep."""
-    times = poisson_arrivals(len(requests), rate, seed)
-    return [replace(r, send_s=t / 1000.0) for r, t in zip(requests, times, strict=True)]
-
-
 def load_detokenizer(path: str) -> Callable[[Sequence[int]], str]:
     """A function decoding token ids to text with the tokenizer.json at ``path``."""
     from tokenizers import Tokenizer
@@ -118,3 +111,14 @@ def build_workload(trace: Trace, cfg: BenchConfig,
         prompt: tuple[int, ...] | str = ids if decode is None else decode(ids)
         out.append(BenchRequest(i, t, prompt, r.input_length, r.output_length))
     return out
+
+
+def sweep_workloads(trace: Trace, cfg: BenchConfig, synth: PromptSynthesizer | None,
+                    rates: Sequence[float]) -> list[tuple[float, list[BenchRequest]]]:
+    """One workload per rate (Poisson at that rate). Run k's prompts use prompt seed
+    ``seed + k``: the same lengths and sharing, other tokens, so no run finds the previous
+    runs' prompts in the server's prefix cache."""
+    base = synth or PromptSynthesizer()
+    return [(rate, build_workload(trace, replace(cfg, rate=rate),
+                                  replace(base, seed=base.seed + k)))
+            for k, rate in enumerate(rates)]

@@ -138,7 +138,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
         strict_json,
         write_records,
     )
-    from yuebing.bench.workload import at_rate, build_workload
+    from yuebing.bench.workload import build_workload, sweep_workloads
     from yuebing.trace.prompts import PromptSynthesizer
 
     cfg = config_from_args(BenchConfig, ns)
@@ -149,9 +149,9 @@ def _run_serve(ns: argparse.Namespace) -> int:
                 "--sweep-rates sets the rate of each run; drop --rate / --concurrency / --speed")
     check_out_paths(ns.records, ns.plot)
     trace = _load_workload(ns)
-    base = build_workload(trace, cfg, synth)
-    workloads: list[tuple[float | None, list[BenchRequest]]] = (
-        [(r, at_rate(base, r, cfg.seed)) for r in rates] if rates else [(cfg.rate or None, base)])
+    workloads: Sequence[tuple[float | None, list[BenchRequest]]] = (
+        sweep_workloads(trace, cfg, synth, rates) if rates
+        else [(cfg.rate or None, build_workload(trace, cfg, synth))])
     show = ns.progress if ns.progress is not None else sys.stderr.isatty()
     model, runs = _run_all(cfg, workloads, show)
     rep = report(cfg, model, trace.source, runs, sweep=rates is not None)
