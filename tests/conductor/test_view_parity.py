@@ -1,0 +1,213 @@
+"""The shared view builder: the live adapter (`LiveCluster` over load reports + `KvIndex`) and
+the simulator's (`MooncakeSystem` over its state + `GlobalKVPool`) given the same inputs build
+the same `ClusterView` and so get the same decisions; plus the KV index and the store feed."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from policy_factories import PREDICTORS
+
+from yuebing.conductor.cluster import LiveCluster, Member
+from yuebing.conductor.kvfeed import StoreHoldings
+from yuebing.conductor.policy import PendingDecode, Policy, PolicyConfig, RequestInfo
+from yuebing.conductor.view import STORE_HOLDER, KvIndex
+from yuebing.core.ids import BlockHash, InstanceId
+from yuebing.instance.kvkeys import store_key
+from yuebing.protocol.instance import Hello, LoadReport, Role
+from yuebing.sim.hardware import CostModel
+from yuebing.sim.kvpool import GlobalKVPool
+from yuebing.sim.loop import EventLoop
+from yuebing.sim.mooncake import MooncakeSystem
+from yuebing.sim.system import SimConfig, SystemContext
+from yuebing.store import messages as m
+
+BT = 256
+NOW = 100.0
+CAPACITY = 160_000
+
+
+class _Cost(CostModel):
+    def __init__(self) -> None:
+        self.kv_bytes_per_token = 1000
+        self.decode_kv_capacity_tokens = CAPACITY
+        self.link_Bps = 1e7
+        self.link_latency_s = 0.0
+
+    def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
+        return 1e-3 * new_tokens
+
+    def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
+        return 0.05
+
+
+def _hello(name: str, role: Role) -> Hello:
+    return Hello(seq=0, instance_id=name, role=role, model="m", fingerprint="fp", host="h",
+                 control_address=f"tcp://{name}:1", kv_segment="s", block_size=16,
+                 store_block_tokens=BT, num_blocks=CAPACITY // 16, max_model_len=10**6,
+                 incarnation="i")
+
+
+def _report(name: str, queued_tokens: int, queued: int) -> LoadReport:
+    return LoadReport(instance_id=name, incarnation="i", report_seq=1, time_s=0.0,
+                      queued_prefill_tokens=queued_tokens, queued_requests=queued, running=0,
+                      waiting=0, context_tokens=0, free_blocks=CAPACITY // 16,
+                      total_blocks=CAPACITY // 16, reserved_blocks=0,
+                      prefill_tokens_per_s=1000.0, decode_step_s=0.05)
+
+
+def _live(queues: list[float], queued: list[int], decodes: int) -> LiveCluster:
+    c = LiveCluster(2.0, 1.0, BT, PREDICTORS.prefill.predict, 1e7, 0.0)
+    for i, (q, n) in enumerate(zip(queues, queued, strict=True)):
+        mem = Member(f"tcp://p{i}:1", SimpleNamespace(), _hello(f"p{i}", Role.PREFILL),  # type: ignore[arg-type]
+                     _report(f"p{i}", int(q * 1000), n), seen_s=NOW)
+        c.members[mem.id] = mem
+    for j in range(decodes):
+        mem = Member(f"tcp://d{j}:1", SimpleNamespace(), _hello(f"d{j}", Role.DECODE),  # type: ignore[arg-type]
+                     _report(f"d{j}", 0, 0), seen_s=NOW)
+        c.members[mem.id] = mem
+    return c
+
+
+def _sim(queues: list[float], queued: list[int], decodes: int) -> MooncakeSystem:
+    cfg = SimConfig(prefill_nodes=len(queues), decode_nodes=decodes, block_tokens=BT,
+                    dram_kv_tokens=10**9)
+    sim = MooncakeSystem(SystemContext(EventLoop(), _Cost(), cfg))
+    sim.loop.now = NOW
+    sim.free_at = [NOW + q for q in queues]
+    sim.queued = list(queued)
+    return sim
+
+
+@pytest.mark.parametrize("selector", ["global_cache_aware", "local_cache_aware", "load_balance",
+                                      "random"])
+def test_live_and_simulated_views_give_the_same_decisions(selector: str) -> None:
+    rng = random.Random(7)
+    queues, queued = [0.5, 1.25, 0.0, 2.0], [1, 2, 0, 3]
+    sim, live = _sim(queues, queued, 2), _live(queues, queued, 2)
+    policy = Policy(PolicyConfig(prefill_selector=selector, block_tokens=BT,
+                                 kv_bytes_per_token=1000, decode_durations_s=(10.0,)),
+                    PREDICTORS)
+    docs = [[rng.randrange(1 << 60) for _ in range(12)] for _ in range(5)]
+    for i in range(4):  # each prefill caches prefixes of some documents
+        for d in rng.sample(docs, 3):
+            keys = d[:rng.randint(1, 12)]
+            sim.pool.insert(i, keys)
+            live.index.add(f"p{i}", keys)
+    pending = PendingDecode(NOW + 3.0, 50, InstanceId("d1"), 4000)
+    sim.pending[0] = pending
+    live.pending["x"] = pending
+    prefills = [live.members[InstanceId(f"p{i}")] for i in range(4)]
+    decodes = [live.members[InstanceId(f"d{j}")] for j in range(2)]
+    decisions = set()
+    for r in range(60):
+        doc = rng.choice(docs)
+        keys = tuple(BlockHash(k) for k in doc[:rng.randint(1, 12)])
+        n = len(keys) * BT + rng.randint(0, BT - 1)
+        info = RequestInfo(f"r{r}", NOW, n, keys, rng.randint(1, 500))
+        sim_view = sim._view(None, *sim.pool.prefix_lengths(keys))  # type: ignore[arg-type]
+        live_view = live.view(info, prefills, decodes, NOW)
+        assert live_view == sim_view
+        a, b = policy.decide(info, sim_view), policy.decide(info, live_view)
+        assert a == b
+        decisions.add((a.prefill_id, getattr(a, "fetch_blocks", 0) > 0))  # type: ignore[union-attr]
+    if selector.endswith("cache_aware"):  # the workload exercises more than one outcome
+        assert len(decisions) >= 2, decisions
+
+
+def test_kv_index_matches_the_simulated_pool() -> None:
+    rng = random.Random(3)
+    pool, index = GlobalKVPool(5, 10**6), KvIndex()
+    names = [f"p{i}" for i in range(5)]
+    universe = [rng.randrange(1 << 60) for _ in range(40)]
+    for _ in range(300):
+        node = rng.randrange(5)
+        start = rng.randrange(40)
+        keys = universe[start:start + rng.randint(1, 10)]
+        pool.insert(node, keys)
+        index.add(names[node], keys)
+        q = universe[rng.randrange(5):][:rng.randint(0, 15)]
+        lengths, best, holder = pool.prefix_lengths(q)
+        got = index.lookup(q, names)
+        assert list(got.local_blocks) == lengths and got.best_blocks == best
+        assert got.holder == (names[holder] if best else None)
+
+
+def test_kv_index_prefers_the_store_and_follows_removals() -> None:
+    index = KvIndex()
+    index.add("p0", [1, 2, 3])
+    index.add(STORE_HOLDER, [1, 2, 3, 4])
+    index.add("p1", [1, 2, 3, 4])
+    got = index.lookup([1, 2, 3, 4, 5], ["p0", "p1"])
+    assert (got.local_blocks, got.best_blocks, got.holder) == ((3, 4), 4, STORE_HOLDER)
+    index.remove(STORE_HOLDER, [1])
+    assert index.lookup([1, 2, 3, 4], ["p0", "p1"]).holder == "p1"
+    assert index.run_of(STORE_HOLDER, [1, 2]) == 0 and index.run_of("p0", [1, 2, 9]) == 2
+    index.replace("p1", [7])
+    index.drop("p0")
+    assert index.lookup([1, 2], ["p0", "p1"]).best_blocks == 0
+    assert index.holders(7) == {"p1"} and index.holders(2) == {STORE_HOLDER}
+    assert len(index) == 4  # 2, 3, 4 (store) and 7
+
+
+def _events(seq: int, *items: tuple[int, str, list[str]]) -> m.KvEvents:
+    return m.KvEvents(seq=seq, kinds=[k for k, _, _ in items], keys=[n for _, n, _ in items],
+                      holders=[h for _, _, h in items])
+
+
+def test_store_holdings_follow_events_and_resync() -> None:
+    index = KvIndex()
+    h = StoreHoldings(index, lambda: "fp")
+    s, r = int(m.EventKind.STORED), int(m.EventKind.REMOVED)
+    h.apply(_events(1, (s, store_key("fp", 10), ["a"]), (s, store_key("fp", 11), ["a", "b"]),
+                    (s, store_key("other", 12), ["a"]), (s, "plain-key", ["a"])))
+    assert index.keys_of(STORE_HOLDER) == {10, 11}
+    h.apply(_events(2, (r, store_key("fp", 11), ["a"])))  # a replica remains on b
+    assert index.keys_of(STORE_HOLDER) == {10, 11}
+    h.apply(_events(3, (r, store_key("fp", 11), ["b"]), (r, store_key("fp", 99), ["a"])))
+    assert index.keys_of(STORE_HOLDER) == {10}
+    h.resync([store_key("fp", 20), store_key("fp", 21), store_key("other", 22), "x"])
+    assert index.keys_of(STORE_HOLDER) == {20, 21}
+    h.apply(_events(4, (r, store_key("fp", 20), ["z"])))  # resynced keys: any removal drops
+    assert index.keys_of(STORE_HOLDER) == {21}
+
+
+def test_store_feed_end_to_end_with_a_real_master(tmp_path: Any) -> None:
+    pytest.importorskip("zmq")
+    import asyncio
+    import time
+
+    import zmq
+
+    from yuebing.conductor.kvfeed import StoreFeed
+    from yuebing.protocol import encode
+    from yuebing.store import messages as sm
+
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+
+    async def run() -> set[int]:
+        index = KvIndex()
+        feed = StoreFeed(f"tcp://127.0.0.1:{port}", "", StoreHoldings(index, lambda: "fp"),
+                         asyncio.get_running_loop()).start()
+        try:
+            end = time.monotonic() + 10
+            seq = 0
+            while 5 not in index.keys_of(STORE_HOLDER):  # PUB/SUB: resend until it settles
+                assert time.monotonic() < end
+                seq += 1
+                pub.send(encode(sm.KvEvents(seq=seq, kinds=[0], keys=[store_key("fp", 5)],
+                                            holders=[["seg"]])))
+                await asyncio.sleep(0.05)
+            return set(index.keys_of(STORE_HOLDER))
+        finally:
+            feed.close()
+
+    try:
+        assert asyncio.run(run()) == {5}
+    finally:
+        pub.close(0)
