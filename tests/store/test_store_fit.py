@@ -149,3 +149,30 @@ def test_promotion_offloads_its_dram_victim() -> None:
     (_, t2), = core.outbox
     assert (t2.kind, t2.dst_segment) == (m.TaskKind.PROMOTE, "n0/dram")
     assert all(f"k{i}" in core.objs for i in range(3)) and core.counters["evictions"] == 0
+
+
+def test_keep_fit_makes_room_in_fragmented_free_space_only() -> None:
+    core, clock = make(16 * MiB, high_watermark=1.0)
+    for i in range(64):
+        assert put(core, f"k{i}", 256 * KiB) == m.Ok()
+    for i in range(0, 64, 2):  # 8 MiB free, in 256 KiB holes
+        assert core.handle(m.Remove(key=f"k{i}")) == m.Ok()
+    assert put(core, "a", 1 * MiB) == m.Ok()  # hole, value, hole, value: 2 evicted
+    assert core.counters["evictions"] == 2
+    core.tick()  # a 1 MiB range again, made in the background
+    assert core.counters["evictions"] == 4
+    assert put(core, "b", 1 * MiB) == m.Ok()
+    assert core.counters["evictions"] == 4  # this put paid nothing
+
+
+def test_keep_fit_never_evicts_what_the_watermark_keeps() -> None:
+    """A full segment: one put made its room; the tick must not evict more to keep room."""
+    core, clock = make(4 * MiB, high_watermark=1.0)
+    for i in range(5):
+        assert put(core, f"k{i}", 1 * MiB) == m.Ok()
+    assert core.counters["evictions"] == 1
+    for _ in range(5):
+        clock.advance_to(clock.now() + 0.1)
+        core.handle(m.Heartbeat(client="n0"))
+        core.tick()
+    assert core.counters["evictions"] == 1 and len(core.objs) == 4

@@ -20,8 +20,10 @@ blocked only by read leases that end within ``room_wait_s`` is also a `WAIT` (no
 evicted until the leases end). `NONE`: no window exists (everything there is pinned, pending
 or leased for longer), and nothing was evicted — a put that cannot fit evicts nothing.
 
-``keep_fit`` (every tick) keeps a free range of the largest size put lately on some DRAM
-segment, so a put rarely waits for its own eviction. Called by ``MasterCore._put_one``,
+``keep_fit`` (every tick) keeps a free range of the largest size that lately found no room on
+some DRAM segment whose free bytes are fragmented (at least twice the size free in all), so a
+put rarely waits for its own eviction; it never evicts to make free bytes the watermark keeps
+in use. Called by ``MasterCore._put_one``,
 ``segments.promote``, ``eviction`` (SSD room for an offload) and the core's tick.
 """
 
@@ -264,8 +266,10 @@ def note_size(core: MasterCore, size: int) -> None:
 
 def keep_fit(core: MasterCore) -> None:
     """Every tick: when no active DRAM segment has a free range of the largest size that found
-    no room lately, make one (offloading victims where there is an SSD tier), so the next put
-    of that size does not wait for its own eviction."""
+    no room lately, make one (offloading victims where there is an SSD tier) on a segment
+    whose free bytes are at least twice that size — free space that fragmentation made
+    useless, not space the watermark leaves in use — so the next put of that size does not
+    wait for its own eviction."""
     size = core.fit_size
     if not size:
         return
@@ -278,4 +282,6 @@ def keep_fit(core: MasterCore) -> None:
         return  # none, or room is on its way
     if any(s.alloc.largest_free >= s.alloc.rounded(size) for s in dram):  # type: ignore[union-attr]
         return
-    make_room(core, size, [s.id for s in dram])
+    loose = [s.id for s in dram if s.alloc.free >= 2 * s.alloc.rounded(size)]  # type: ignore[union-attr]
+    if loose:
+        make_room(core, size, loose)
