@@ -125,3 +125,31 @@ def test_bad_options_fail_before_any_load(fake: FakeServer, capsys: pytest.Captu
                                           args: list[str], match: str) -> None:
     _one_line_error(capsys, main(_serve(fake, *args)), match)
     assert fake.bodies == []
+
+
+def test_ctrl_c_reports_what_was_answered(fake: FakeServer) -> None:
+    """SIGINT mid-run: the requests in flight are dropped, the JSON report covers the answered
+    ones and says so, the exit status is 130."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    fake.behaviour.token_delay_s = 0.05  # 40 tokens: 2 s per request, far past the SIGINT
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "yuebing.cli.main", *_serve(fake, *_SMALL_DOCQA,
+                                                             "--docqa-output-tokens", "40",
+                                                             "--concurrency", "2", "--json")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(fake.bodies) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    rep = json.loads(out)
+    assert rep["interrupted"] is True
+    assert rep["summary"]["requests"] < 6 and len(fake.bodies) < 6

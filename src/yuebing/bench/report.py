@@ -55,8 +55,11 @@ def _label(run: Run) -> str:
 def report(cfg: BenchConfig, model: str, source: str, runs: Sequence[Run],
            sweep: bool) -> dict[str, Any]:
     """The whole result as JSON-ready data: config, model, one entry per run, and for a
-    sweep the maximum rate that reaches the target attainment."""
+    sweep the maximum rate that reaches the target attainment; ``"interrupted": true`` when
+    Ctrl-C stopped the last run (its summary covers the requests answered before)."""
     out: dict[str, Any] = {"config": asdict(cfg), "model": model, "workload": source}
+    if any(r.interrupted for r in runs):
+        out["interrupted"] = True
     if not sweep:
         out["summary"] = runs[0].summary
         return out
@@ -138,6 +141,9 @@ def print_tables(rep: dict[str, Any], runs: Sequence[Run], cfg: BenchConfig) -> 
     for run in runs:
         if run.summary["errors_by_kind"]:
             console.print(f"{_label(run)}: errors by kind {run.summary['errors_by_kind']}")
+    if rep.get("interrupted"):
+        console.print("interrupted: the last run covers only the requests answered before "
+                      "Ctrl-C")
     if "max_rate" in rep:
         best = rep["max_rate"]
         console.print(f"max rate with attainment ≥ {cfg.target_attainment:g}: "

@@ -18,6 +18,7 @@ Each run's results come back in request order with their `summarize` aggregates.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from yuebing.bench.metrics import summarize
 from yuebing.bench.result import RequestResult
 from yuebing.bench.workload import BenchRequest
 
+log = logging.getLogger(__name__)
 OnDone = Callable[[RequestResult], None]
 
 
@@ -42,6 +44,8 @@ class Run:
     """Poisson rate of the run (None: trace timestamps or closed loop)."""
     results: tuple[RequestResult, ...]
     summary: dict[str, Any]
+    interrupted: bool = False
+    """Stopped by Ctrl-C: ``results`` holds only the requests answered before it."""
 
 
 def _clock() -> Callable[[], float]:
@@ -50,44 +54,48 @@ def _clock() -> Callable[[], float]:
 
 
 async def open_loop(session: aiohttp.ClientSession, requests: Sequence[BenchRequest],
-                    cfg: BenchConfig, model: str, on_done: OnDone | None = None,
-                    ) -> list[RequestResult]:
-    """Send each request at its scheduled time; wait for all answers."""
+                    cfg: BenchConfig, model: str, done: list[RequestResult],
+                    on_done: OnDone | None = None) -> None:
+    """Send each request at its scheduled time; append each answer to ``done``. Cancelled
+    (Ctrl-C), it cancels the requests in flight and returns once they are gone."""
     clock = _clock()
 
-    async def one(req: BenchRequest) -> RequestResult:
+    async def one(req: BenchRequest) -> None:
         res = await send(session, req, cfg, model, clock)
+        done.append(res)
         if on_done is not None:
             on_done(res)
-        return res
 
     tasks = []
-    for req in requests:
-        delay = req.send_s - clock()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(req)))
-    return list(await asyncio.gather(*tasks))
+    try:
+        for req in requests:
+            delay = req.send_s - clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(req)))
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def closed_loop(session: aiohttp.ClientSession, requests: Sequence[BenchRequest],
-                      cfg: BenchConfig, model: str, on_done: OnDone | None = None,
-                      ) -> list[RequestResult]:
-    """Keep ``cfg.concurrency`` requests in flight until all are answered."""
+                      cfg: BenchConfig, model: str, done: list[RequestResult],
+                      on_done: OnDone | None = None) -> None:
+    """Keep ``cfg.concurrency`` requests in flight until all are answered (into ``done``)."""
     clock = _clock()
     pending = iter(requests)
-    results: list[RequestResult] = []
 
     async def worker() -> None:
         for req in pending:  # one shared iterator: each request is taken once
             res = await send(session, req, cfg, model, clock)
             res.scheduled_s = res.start_s  # no schedule: sent when a worker is free
-            results.append(res)
+            done.append(res)
             if on_done is not None:
                 on_done(res)
 
     await asyncio.gather(*(worker() for _ in range(min(cfg.concurrency, len(requests)))))
-    return sorted(results, key=lambda r: r.index)
 
 
 async def run_workloads(cfg: BenchConfig,
@@ -95,7 +103,8 @@ async def run_workloads(cfg: BenchConfig,
                         on_start: Callable[[float | None, int], None] | None = None,
                         on_done: OnDone | None = None) -> tuple[str, list[Run]]:
     """(model, one `Run` per workload); raises `InputError` before any load when the endpoint
-    cannot be used."""
+    cannot be used. Cancelled mid-run (Ctrl-C under `run_bench`), it stops sending, drops the
+    requests in flight and returns the runs so far, the last one marked ``interrupted``."""
     runs = []
     async with open_session(cfg) as session:
         model = await check_endpoint(session, cfg)
@@ -103,9 +112,18 @@ async def run_workloads(cfg: BenchConfig,
             if on_start is not None:
                 on_start(rate, len(requests))
             loop = closed_loop if cfg.concurrency else open_loop
-            results = await loop(session, requests, cfg, model, on_done)
-            runs.append(Run(rate, tuple(results), summarize(results, cfg)))
-            if cfg.stop_on_miss and runs[-1].summary["attainment"] < cfg.target_attainment:
+            done: list[RequestResult] = []
+            interrupted = False
+            try:
+                await loop(session, requests, cfg, model, done, on_done)
+            except asyncio.CancelledError:
+                interrupted = True
+                log.warning("interrupted: %d of %d requests of this run answered",
+                            len(done), len(requests))
+            done.sort(key=lambda r: r.index)
+            runs.append(Run(rate, tuple(done), summarize(done, cfg), interrupted))
+            if interrupted or (cfg.stop_on_miss
+                               and runs[-1].summary["attainment"] < cfg.target_attainment):
                 break
     return model, runs
 

@@ -8,7 +8,9 @@ ids. Everything that can be checked is checked before any load is sent: options,
 paths, the trace, every prompt, then the endpoint (reachable, an OpenAI server, serving the
 model); a problem exits with status 2 and one line. ``--json`` prints one JSON object (NaN →
 null): ``{"config", "model", "workload", "summary"}``, or for ``--sweep-rates`` ``{...,
-"sweep": [{"rate", "summary"}], "target_attainment", "max_rate"}``.
+"sweep": [{"rate", "summary"}], "target_attainment", "max_rate"}``. Ctrl-C stops the run:
+the requests in flight are dropped, the report covers those answered (``"interrupted":
+true``), and the exit status is 130.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
         print(strict_json(rep))
     else:
         print_tables(rep, runs, cfg)
-    return 0
+    return 130 if rep.get("interrupted") else 0
 
 
 COMMANDS = [
