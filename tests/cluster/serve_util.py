@@ -152,3 +152,11 @@ def procs_mentioning(text: str) -> list[int]:
             if text in cmd and alive(int(entry)):
                 out.append(int(entry))
     return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return ""

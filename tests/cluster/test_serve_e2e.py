@@ -13,6 +13,7 @@ from serve_util import (
     Serve,
     alive,
     chat,
+    cmdline,
     descendants,
     log_dir_of,
     procs_mentioning,
@@ -84,4 +85,39 @@ def test_role_failing_at_start_stops_everything(tmp_path: Path) -> None:
     assert str(log_dir_of(serve) / f"{failed}.log") in out
     assert str(missing) in out  # the role's own error, quoted from its log
     assert "OpenAI API" not in out
+    assert procs_mentioning(str(tmp_path)) == []
+
+
+def test_killed_instance_is_restarted_and_serves_again(tmp_path: Path) -> None:
+    import os
+    import time
+    import urllib.error
+
+    port = free_port()
+    serve = Serve(["serve", "--port", str(port), "--log-dir", str(tmp_path),
+                   "--store-dram", "16MiB"])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        serve.wait_for("Ctrl-C stops every process.")
+        decode = next(p for p in descendants(serve.proc.pid)
+                      if "--instance-id decode-0 " in cmdline(p))
+        os.kill(decode, signal.SIGKILL)
+        died = serve.wait_for("died:")
+        assert f"role decode-0 (pid {decode}) died: killed by SIGKILL" in died
+        serve.wait_for("decode-0 will restart in 1s (restart 1 of at most 5 in 600s)")
+        serve.wait_for("decode-0 is back")
+        deadline = time.monotonic() + 60
+        while True:  # the Conductor takes the new incarnation back when it answers
+            try:
+                reply = chat(base, "What is the capital of France?")
+                break
+            except urllib.error.HTTPError as e:
+                assert e.code in (429, 503) and time.monotonic() < deadline, e.read()
+                time.sleep(0.5)
+        assert reply["usage"]["yuebing"]["decode_instance"] == "decode-0"
+        assert (tmp_path / "decode-0.log").read_text().count("--- ") == 2  # appended, 2 starts
+    except BaseException:
+        serve.kill()
+        raise
+    assert serve.stop(signal.SIGINT, timeout_s=120) == 0, serve.output()
     assert procs_mentioning(str(tmp_path)) == []

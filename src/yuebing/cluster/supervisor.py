@@ -195,6 +195,8 @@ class Supervisor:
             if role.ready_at is None:  # a restarted role coming up
                 try:
                     self._check_starting(role, proc.started_at + self.cfg.ready_timeout_s)
+                    if role.ready_at is not None:
+                        log.warning("%s is back (pid %d)", role.spec.name, proc.pid)
                 except RoleFailed as e:
                     log.error("%s", e)
                     proc.signal_group(signal.SIGKILL)
