@@ -120,6 +120,7 @@ def test_unreachable_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
     (["--synth", "fixed", "--api", "chat"], "chat messages are text"),
     (["--synth", "fixed", "--fixed-shared-fraction", "2"], "shared_fraction must be in [0, 1]"),
     (["--synth", "fixed", "--records", "/nonexistent/dir/r.jsonl"], "does not exist"),
+    (["--synth", "fixed", "--plot", "/proc/version/plots"], "cannot create the directory"),
 ])
 def test_bad_options_fail_before_any_load(fake: FakeServer, capsys: pytest.CaptureFixture[str],
                                           args: list[str], match: str) -> None:

@@ -40,12 +40,17 @@ def strict_json(obj: Any, indent: int | None = None) -> str:
 
 
 def check_out_paths(records: Path | None, plot_dir: Path | None) -> None:
-    """`InputError` when ``--records``' directory is missing or ``--plot`` is a file."""
+    """Before any load: `InputError` when ``--records``' directory is missing or ``--plot``
+    cannot be a directory; creates the ``--plot`` directory."""
     if records is not None and not records.parent.is_dir():
         raise InputError(f"--records {str(records)!r}: directory '{records.parent}' does not "
                          "exist")
-    if plot_dir is not None and plot_dir.exists() and not plot_dir.is_dir():
-        raise InputError(f"--plot {str(plot_dir)!r} is a file; give a directory")
+    if plot_dir is not None:
+        try:
+            plot_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InputError(f"--plot {str(plot_dir)!r}: cannot create the directory: "
+                             f"{e.strerror or e}") from None
 
 
 def _label(run: Run) -> str:
@@ -167,13 +172,13 @@ def _cdf(ax: Any, runs: Sequence[Run], attr: str, thresholds: Sequence[float],
 
 
 def plot_all(out_dir: Path, runs: Sequence[Run], cfg: BenchConfig, sweep: bool) -> list[Path]:
-    """Write ttft_cdf.png, tbt_cdf.png and (sweep) attainment_vs_rate.png; their paths."""
+    """Write ttft_cdf.png, tbt_cdf.png and (sweep) attainment_vs_rate.png into ``out_dir``
+    (made by `check_out_paths`); their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, attr, thresholds, title in (("ttft_cdf", "ttft_s", cfg.slo_ttft, "TTFT"),
                                           ("tbt_cdf", "tbt_s", cfg.slo_tbt, "TBT")):

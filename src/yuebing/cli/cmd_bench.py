@@ -159,12 +159,12 @@ def _run_serve(ns: argparse.Namespace) -> int:
     rep = report(cfg, model, trace.source, runs, sweep=rates is not None)
     if ns.records is not None:
         write_records(ns.records, runs)
-    if ns.plot is not None:
-        plot_all(ns.plot, runs, cfg, sweep=rates is not None)
     if ns.json:
-        print(strict_json(rep))
+        print(strict_json(rep), flush=True)
     else:
         print_tables(rep, runs, cfg)
+    if ns.plot is not None:  # last: a plot that cannot be written loses no result
+        plot_all(ns.plot, runs, cfg, sweep=rates is not None)
     return 130 if rep.get("interrupted") else 0
 
 
