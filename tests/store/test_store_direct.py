@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import time
 
 import numpy as np
 
-from yuebing.store.client.direct import SMALL_COPY, _copy, _Mapped, hold_liveness_lock
+from yuebing.store.client.direct import SMALL_COPY, _copy
 from yuebing.transfer import OpCode
+from yuebing.transfer.liveness import MappedFile
+
+
+def hold_liveness_lock(path: str) -> int:
+    """Lock ``path`` as its owner does (`liveness.create_owned_file`); the fd holds the lock."""
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
 
 
 def test_liveness_lock_and_copies_both_ways(tmp_path) -> None:
     path = tmp_path / "seg"
     size = 2 * SMALL_COPY
     path.write_bytes(bytes(size))
-    mapped = _Mapped(str(path), size)
+    mapped = MappedFile(str(path), size)
     try:
         assert mapped.owner_alive() is False  # nobody holds the file: treated as a dead node
         fd = hold_liveness_lock(str(path))

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -67,3 +72,77 @@ def make_engine() -> Iterator[Callable[..., TransferEngine]]:
     yield make
     for e in engines:
         e.close()
+
+
+OWNER = Path(__file__).with_name("owner_proc.py")
+
+
+class Owner:
+    """A running ``owner_proc.py``: ``name`` is how peers address its segment, ``path`` the
+    segment's file; `cmd` sends one command line and returns the answer line."""
+
+    def __init__(self, size: int, metadata: str, name: str, shm_dir: str, port: int = 0) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(OWNER), str(size), metadata, name, shm_dir, str(port)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self.cmd(None).split()
+        if len(ready) != 3 or ready[0] != "ready":
+            raise RuntimeError(f"owner process said {ready!r}, exited {self.proc.poll()}")
+        self.name, self.path = ready[1], ready[2]
+        self.children: list[int] = []
+
+    def cmd(self, line: str | None) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if line is not None:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def fork_socket_keeper(self) -> int:
+        """A child that keeps this owner's sockets open after it dies (`owner_proc`)."""
+        pid = int(self.cmd("fork").split()[1])
+        self.children.append(pid)
+        return pid
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, the segment file stays."""
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        for pid in self.children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)  # not our child (the owner's): reaped by init
+        self.children = []
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[str]:
+    """A private directory under /dev/shm for segment files (sweeps there touch nothing else)."""
+    path = tempfile.mkdtemp(prefix="yb-test-shm-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def spawn_owner(shm_dir: str) -> Iterator[Callable[..., Owner]]:
+    """``spawn_owner(size, metadata="p2p", name="kv", port=0)`` starts an owner process with
+    its segment files in ``shm_dir``; all are stopped at the end of the test."""
+    owners: list[Owner] = []
+
+    def spawn(size: int, metadata: str = "p2p", name: str = "kv", port: int = 0) -> Owner:
+        owners.append(Owner(size, metadata, name, shm_dir, port))
+        return owners[-1]
+
+    yield spawn
+    for o in owners:
+        o.stop()

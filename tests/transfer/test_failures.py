@@ -124,8 +124,8 @@ def test_broken_lane_is_retried_on_another_lane(make_engine: Callable[..., Trans
     data = np.random.default_rng(1).integers(0, 256, 64 << 20, dtype=np.uint8)
     bid = eng.submit([TransferRequest(OpCode.WRITE, data, "r", 0)])
     _wait_in_flight(eng, bid)
-    (ep,) = [e for _, e in eng._pool.drain()]  # the one TCP endpoint to the owner
-    eng._pool.get_or_create(("tcp", "owner-r", owner.address), lambda: ep)
+    (ep,) = [e for _, e in eng._peers.pool.drain()]  # the one TCP endpoint to the owner
+    eng._peers.pool.get_or_create(("tcp", "owner-r", owner.address), lambda: ep)
     ep._lanes[0].sock.shutdown(socket.SHUT_RDWR)  # break one lane mid-batch
     st = eng.wait(bid, 30)
     assert st.status == TransferStatus.DONE, st.errors

@@ -26,8 +26,8 @@ def _pair(make_engine: Make, **kw: object) -> tuple[TransferEngine, TransferEngi
 
 
 def _endpoint(eng: TransferEngine) -> TcpEndpoint:
-    (ep,) = [e for _, e in eng._pool.drain()]
-    eng._pool.get_or_create(("tcp", "owner-i", ep.address), lambda: ep)
+    (ep,) = [e for _, e in eng._peers.pool.drain()]
+    eng._peers.pool.get_or_create(("tcp", "owner-i", ep.address), lambda: ep)
     assert isinstance(ep, TcpEndpoint)
     return ep
 

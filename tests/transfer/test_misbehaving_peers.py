@@ -90,8 +90,8 @@ def test_a_write_whose_request_ended_during_the_retry_backoff_is_never_sent() ->
                            metadata=meta) as eng:
         seg = owner.register_segment("victim", size=1 << 20)
         eng.transfer([TransferRequest(OpCode.WRITE, b"x", "victim", 0)], inline=True)
-        (ep,) = [e for _, e in eng._pool.drain()]
-        eng._pool.get_or_create(("tcp", "owner", ep.address), lambda: ep)
+        (ep,) = [e for _, e in eng._peers.pool.drain()]
+        eng._peers.pool.get_or_create(("tcp", "owner", ep.address), lambda: ep)
         ep._inline.sock.shutdown(socket.SHUT_RDWR)  # the inline connection breaks: retry later
         buf = bytearray(b"A" * 4096)
         st = eng.wait(eng.submit([TransferRequest(OpCode.WRITE, buf, "victim", 8192)],

@@ -28,8 +28,8 @@ def _pair(make_engine: Make) -> tuple[TransferEngine, TransferEngine, np.ndarray
 
 
 def _endpoint(eng: TransferEngine) -> TcpEndpoint:
-    (ep,) = [e for _, e in eng._pool.drain()]
-    eng._pool.get_or_create(("tcp", "owner-f", ep.address), lambda: ep)
+    (ep,) = [e for _, e in eng._peers.pool.drain()]
+    eng._peers.pool.get_or_create(("tcp", "owner-f", ep.address), lambda: ep)
     assert isinstance(ep, TcpEndpoint)
     return ep
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 import threading
@@ -29,6 +28,7 @@ from collections.abc import Callable, Sequence
 from yuebing.core.errors import InputError, TransferError
 from yuebing.transfer.batch import Batch, RequestState
 from yuebing.transfer.config import TransferConfig
+from yuebing.transfer.liveness import sweep_dead_segments
 from yuebing.transfer.messages import Hello, HelloReply, Notify, SegmentDescriptor
 from yuebing.transfer.metadata import (
     DEFAULT_EMBEDDED,
@@ -37,22 +37,21 @@ from yuebing.transfer.metadata import (
     P2PMetadata,
 )
 from yuebing.transfer.notify import NotifyInbox
-from yuebing.transfer.pool import SieveCache
+from yuebing.transfer.peers import Peers
 from yuebing.transfer.routing import Plan, frame_status, one_frame, route, timed_out
 from yuebing.transfer.segment import (
     Segment,
     SegmentTable,
     check_range,
     create_shm_segment,
-    sweep_stale_shm,
     validate_name,
     wrap_buffer_segment,
 )
 from yuebing.transfer.transport import shm as _shm  # noqa: F401 - registers shm, local
 from yuebing.transfer.transport import tcp_client as _tcp  # noqa: F401 - registers tcp
-from yuebing.transfer.transport.base import TRANSPORTS, Endpoint, LocalContext, Transport
+from yuebing.transfer.transport.base import TRANSPORTS, LocalContext
 from yuebing.transfer.transport.lane_ops import NotifyOp
-from yuebing.transfer.transport.tcp_client import TcpEndpoint, open_socket
+from yuebing.transfer.transport.tcp_client import open_socket
 from yuebing.transfer.transport.tcp_server import TcpServer
 from yuebing.transfer.types import (
     BatchId,
@@ -82,11 +81,8 @@ class TransferEngine:
         self._inbox = NotifyInbox(self.engine_id, NOTIFY_QUEUE)
         self._server = TcpServer(cfg, self._segments, self._hello, self._inbox.deliver)
         self.address = self._server.address
-        self._transports: list[Transport] = [
-            TRANSPORTS.get(n)(self._ctx) for n in ("local", *cfg.transports)]
-        self._pool: SieveCache[tuple[str, str, str], Endpoint] = SieveCache(
-            cfg.max_endpoints, on_evict=lambda k, ep: ep.close(), evictable=lambda ep: not ep.busy)
-        self._descs: dict[str, SegmentDescriptor] = {}
+        self._peers = Peers(self._ctx, self.metadata,
+                            [TRANSPORTS.get(n)(self._ctx) for n in ("local", *cfg.transports)])
         self._batches: dict[BatchId, Batch] = {}
         self._active: list[Batch] = []
         self._ids = itertools.count(1)
@@ -95,7 +91,7 @@ class TransferEngine:
         self._closed = False
         self._reaper = threading.Thread(target=self._reap, name="tx-reaper", daemon=True)
         self._reaper.start()
-        sweep_stale_shm(cfg.shm_dir)
+        sweep_dead_segments(cfg.shm_dir)
         log.info("transfer engine %s listening on %s", self.engine_id, self.address)
 
     def _default_metadata(self) -> MetadataService:
@@ -133,7 +129,7 @@ class TransferEngine:
     def unregister_segment(self, name: str) -> None:
         """Withdraw and release segment ``name``; later accesses to it are rejected."""
         seg = self._segments.remove(name)
-        self._descs.pop(name, None)
+        self._peers.forget(name)
         self.metadata.withdraw(name)
         seg.close()
 
@@ -158,14 +154,9 @@ class TransferEngine:
         return reply
 
     def describe(self, segment: str) -> SegmentDescriptor:
-        """The descriptor of ``segment`` (cached after the first lookup)."""
-        desc = self._descs.get(segment)
-        if desc is None:
-            desc = self.metadata.lookup(segment)
-            if desc is None:
-                raise TransferError(f"segment {segment!r} is not registered by any engine")
-            self._descs[segment] = desc
-        return desc
+        """The descriptor of ``segment`` (cached after the first lookup, looked up again once
+        it proves stale: `Peers`)."""
+        return self._peers.describe(segment)
 
     # ---- batches --------------------------------------------------------------------------
 
@@ -179,13 +170,11 @@ class TransferEngine:
         callers, not event loops. Batches to several peers go through the lanes in parallel."""
         self._check_open(requests)
         timeout = self._timeout(timeout_s)
-        plan = self._validate(requests)
-        eps: dict[str, Endpoint | str] = {}  # per segment name: its endpoint, or why none
+        # per segment name: its endpoint, or why none (stale descriptors replaced)
+        plan, eps = self._peers.connect(self._validate(requests))
         states: list[RequestState] = []
-        for r, local, desc in plan:
-            ep = eps.get(r.segment)
-            if ep is None:
-                ep = eps[r.segment] = self._endpoint_or_error(desc)
+        for r, local, _ in plan:
+            ep = eps[r.segment]
             n = local.nbytes
             size = n if isinstance(ep, str) else (ep.slice_size or n)
             states.append(RequestState(r.op, n, -(-n // size)))
@@ -214,12 +203,6 @@ class TransferEngine:
             raise InputError(f"timeout_s must be a finite number of seconds > 0, got {timeout}")
         return timeout
 
-    def _endpoint_or_error(self, desc: SegmentDescriptor) -> Endpoint | str:
-        try:
-            return self._endpoint(desc)
-        except TransferError as e:
-            return str(e)
-
     def _validate(self, requests: Sequence[TransferRequest]) -> Plan:
         """Check every request and its remote range; raises before anything is sent."""
         plan = []
@@ -227,27 +210,10 @@ class TransferEngine:
             if type(r) is not TransferRequest:
                 raise InputError(f"request {i} is a {type(r).__name__}, not a TransferRequest")
             local, length = r.resolve()
-            desc = self._descs.get(r.segment) or self.describe(str(r.segment))
+            desc = self._peers.cached(r.segment) or self._peers.describe(str(r.segment))
             check_range(r.segment, desc.size, r.offset, length)
             plan.append((r, local, desc))
         return plan
-
-    def _endpoint(self, desc: SegmentDescriptor) -> Endpoint:
-        for t in self._transports:
-            if t.can_reach(desc):
-                key = (t.name, desc.engine_id, desc.address)
-                ep = self._pool.get(key)
-                if ep is not None and not ep.alive:
-                    self._pool.pop(key)
-                    self._forget_engine(desc.engine_id)
-                    ep.close()
-                return self._pool.get_or_create(key, functools.partial(t.connect, desc))
-        raise TransferError(f"no configured transport {self.config.transports} reaches "
-                            f"segment {desc.name!r}")
-
-    def _forget_engine(self, engine_id: str) -> None:
-        for name in [n for n, d in self._descs.items() if d.engine_id == engine_id]:
-            self._descs.pop(name, None)
 
     def _batch(self, batch_id: BatchId) -> Batch:
         batch = self._batches.get(batch_id)
@@ -308,7 +274,8 @@ class TransferEngine:
         if inline:
             start = time.monotonic()
             plan = self._validate(requests)
-            errors = one_frame(plan, start + timeout, self._endpoint, self.config.inline_bytes)
+            errors = one_frame(plan, start + timeout, self._peers.endpoint,
+                               self.config.inline_bytes)
             if errors is not None:
                 return frame_status(BatchId(next(self._ids)), plan, errors)
             timeout -= time.monotonic() - start
@@ -353,9 +320,7 @@ class TransferEngine:
             self._inbox.deliver(Notify(id=0, sender=self.engine_id, topic=topic,
                                        payload=bytes(payload)))
             return
-        key = ("tcp", desc.engine_id, desc.address)
-        ep = self._pool.get_or_create(key, lambda: TcpEndpoint(self._ctx, desc))
-        assert isinstance(ep, TcpEndpoint)
+        ep = self._peers.notify_endpoint(segment, desc)
         op = NotifyOp(self.engine_id, topic, bytes(payload))
         ep.notify(op)
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
@@ -376,7 +341,8 @@ class TransferEngine:
     # ---- life cycle -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        return {"endpoints": len(self._pool), "evictions": self._pool.evictions,
+        pool = self._peers.pool
+        return {"endpoints": len(pool), "evictions": pool.evictions,
                 "batches": len(self._batches), "served_slices": self._server.served_slices,
                 "segments": len(self._segments.names())}
 
@@ -390,7 +356,7 @@ class TransferEngine:
             self._cv.notify()
         for b in active:
             b.fail_all("transfer engine closed")
-        for _, ep in self._pool.drain():
+        for _, ep in self._peers.pool.drain():
             ep.close()
         self._server.close()
         for seg in self._segments.all():

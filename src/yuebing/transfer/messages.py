@@ -18,7 +18,9 @@ from yuebing.protocol import Message, register_message
 
 class SegmentDescriptor(msgspec.Struct, frozen=True, kw_only=True):
     """What peers need to address a segment: its owner, where to reach it, how big it is and,
-    for shared-memory segments, the file a process on the same host can map."""
+    for shared-memory segments, the file a process on the same host can map. ``incarnation``
+    (random per registration) tells a segment from an earlier one of the same name: a peer's
+    cached descriptor of a segment that was unregistered and registered again is stale."""
 
     name: str
     engine_id: str
@@ -27,6 +29,7 @@ class SegmentDescriptor(msgspec.Struct, frozen=True, kw_only=True):
     """``host:port`` of the owner's TCP listener."""
     size: int
     shm_path: str = ""
+    incarnation: str = ""
 
 
 @register_message

@@ -5,30 +5,33 @@ Life cycle: the owner calls `TransferEngine.register_segment`, which builds a `S
 torch CPU tensor), adds it to the engine's `SegmentTable` and publishes its `SegmentDescriptor`.
 Every remote access arriving over TCP is checked by `SegmentTable.resolve` against the
 registered range before a byte moves; shared-memory peers check the same range against the
-published descriptor. `unregister` withdraws the descriptor and unmaps/unlinks the file.
+published descriptor. A shared-memory segment's file is locked by its owner for as long as the
+segment is registered (`yuebing.transfer.liveness`), so peers can tell a live segment from a dead
+or replaced one. Each registration is a new incarnation (a random id in the descriptor).
+`unregister` withdraws the descriptor, unlinks the file, releases the lock and unmaps it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
+import fcntl
 import logging
 import mmap
 import os
 import re
+import secrets
 import threading
 
 import numpy as np
 
 from yuebing.core.errors import InputError, TransferError
+from yuebing.transfer.liveness import create_owned_file
 from yuebing.transfer.messages import SegmentDescriptor
-from yuebing.transfer.types import as_buffer
+from yuebing.transfer.types import as_buffer, as_int
 
 log = logging.getLogger(__name__)
 
-SHM_PREFIX = "yuebing-tx-"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:/@-]{1,200}$")
-_counter = itertools.count()
 
 
 def check_range(name: str, size: int, offset: int, length: int) -> None:
@@ -42,12 +45,16 @@ class Segment:
     """A registered memory region. ``view`` is a writable flat memoryview of all of it."""
 
     def __init__(self, name: str, view: memoryview, shm_path: str = "",
-                 mapping: mmap.mmap | None = None) -> None:
+                 mapping: mmap.mmap | None = None, lock_fd: int = -1) -> None:
         self.name = name
         self.view = view
         self.size = view.nbytes
         self.shm_path = shm_path
+        self.incarnation = secrets.token_hex(8)
+        """Tells this registration from any other of the same name (a peer holding an older
+        descriptor notices the change)."""
         self._mapping = mapping
+        self._lock_fd = lock_fd
 
     @property
     def array(self) -> np.ndarray:
@@ -56,18 +63,25 @@ class Segment:
 
     def descriptor(self, engine_id: str, host_id: str, address: str) -> SegmentDescriptor:
         return SegmentDescriptor(name=self.name, engine_id=engine_id, host_id=host_id,
-                                 address=address, size=self.size, shm_path=self.shm_path)
+                                 address=address, size=self.size, shm_path=self.shm_path,
+                                 incarnation=self.incarnation)
 
     def close(self) -> None:
-        """Unmap and unlink a shared-memory segment (buffers the caller gave stay theirs)."""
+        """Unlink, release the owner's lock of and unmap a shared-memory segment (buffers the
+        caller gave stay theirs). Peers still mapping the file see its lock free: their copies
+        into it are no longer reported done."""
         self.view.release()
+        if self.shm_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.shm_path)
+        if self._lock_fd >= 0:  # LOCK_UN: the mapping's own dup of the fd must not keep it
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = -1
         if self._mapping is not None:
             with contextlib.suppress(BufferError):
                 self._mapping.close()  # BufferError: a numpy view is still alive; GC unmaps
             self._mapping = None
-        if self.shm_path:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.shm_path)
 
 
 def validate_name(name: str) -> None:
@@ -76,51 +90,27 @@ def validate_name(name: str) -> None:
 
 
 def create_shm_segment(name: str, size: int, shm_dir: str, prefault: bool) -> Segment:
-    """A new zero-filled shared-memory segment backed by a file in ``shm_dir``."""
-    if not isinstance(size, int) or size <= 0:
-        raise InputError(f"segment size must be a positive int, got {size!r}")
-    path = os.path.join(shm_dir, f"{SHM_PREFIX}{os.getpid()}-{next(_counter)}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    """A new zero-filled shared-memory segment backed by a file in ``shm_dir``, locked by this
+    process as its owner until `Segment.close` (`liveness.create_owned_file`)."""
+    size = as_int(size, "segment size", low=1)
     try:
-        os.ftruncate(fd, size)
+        path, fd = create_owned_file(shm_dir, size)
+    except OSError as e:
+        raise InputError(f"cannot create a {size}-byte shared-memory segment: {e}") from None
+    try:
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as e:
         os.unlink(path)
-        raise InputError(f"cannot create a {size}-byte shared-memory segment: {e}") from None
-    finally:
         os.close(fd)
+        raise InputError(f"cannot map a {size}-byte shared-memory segment: {e}") from None
     if prefault:
         np.frombuffer(mapping, dtype=np.uint8).fill(0)  # touch every page now, not mid-transfer
-    return Segment(name, memoryview(mapping), shm_path=path, mapping=mapping)
+    return Segment(name, memoryview(mapping), shm_path=path, mapping=mapping, lock_fd=fd)
 
 
 def wrap_buffer_segment(name: str, buffer: object) -> Segment:
     """A segment over caller-owned memory (numpy array, bytearray, torch CPU tensor...)."""
     return Segment(name, as_buffer(buffer, writable=True))
-
-
-def sweep_stale_shm(shm_dir: str) -> int:
-    """Unlink segment files that this user's processes left when they died without cleaning
-    up (the file name carries the creator's pid); returns how many were removed."""
-    removed = 0
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(shm_dir):
-            m = re.match(rf"^{SHM_PREFIX}(\d+)-\d+$", entry.name)
-            if m and entry.stat().st_uid == os.getuid() and not _pid_alive(int(m.group(1))):
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
-                    removed += 1
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class SegmentTable:

@@ -8,6 +8,7 @@ terminal; `TransferStatus.terminal` tells them apart from the in-flight states.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple, NewType
@@ -61,12 +62,37 @@ def as_buffer(buf: object, *, writable: bool) -> memoryview:
     return mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
 
 
+def _index(value: object) -> int | None:
+    """``value`` as an int if it is an integer other than a bool — an int subclass, or a numpy
+    integer scalar (KV offsets are often computed with numpy) —, else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def as_int(value: object, what: str, low: int = 0) -> int:
+    """``value`` as a Python int (ints and integral numpy scalars such as ``np.int64``), or
+    `InputError` naming ``what`` when it is not an integer or is below ``low`` (0 or 1)."""
+    n = value if type(value) is int else _index(value)
+    if n is None or n < low:
+        raise InputError(f"{what} must be a {_kind(low)} int, got {value!r}")
+    return n
+
+
+def _kind(low: int) -> str:
+    return "non-negative" if low == 0 else "positive" if low == 1 else f">= {low}"
+
+
 @dataclass(frozen=True, slots=True)
 class TransferRequest:
     """One copy between a local buffer and ``length`` bytes at ``offset`` of remote ``segment``.
 
     ``local`` is any contiguous buffer (writable for READ); ``length`` defaults to its size.
-    Only the first ``length`` bytes of ``local`` are used.
+    Only the first ``length`` bytes of ``local`` are used. ``offset`` and ``length`` may be
+    integral numpy scalars (``np.int64``...): they are stored as ints.
     """
 
     op: OpCode
@@ -74,6 +100,17 @@ class TransferRequest:
     segment: SegmentName | str
     offset: int
     length: int | None = None
+
+    def __post_init__(self) -> None:
+        # anything not integral is kept as given, for `resolve` to refuse precisely
+        if type(self.offset) is not int:
+            n = _index(self.offset)
+            if n is not None:
+                object.__setattr__(self, "offset", n)
+        if self.length is not None and type(self.length) is not int:
+            n = _index(self.length)
+            if n is not None:
+                object.__setattr__(self, "length", n)
 
     def resolve(self) -> tuple[memoryview, int]:
         """(flat local view of exactly ``length`` bytes, length); raises `InputError`."""

@@ -2,13 +2,18 @@
 segment mapped into the client, with no transfer-engine batch, queue or worker hand-off.
 
 Life cycle: the first request for a segment looks up its descriptor through the client's
-transfer engine (``describe``). A segment on another host, without a shared-memory file, or on
-an engine not allowed to use ``shm`` is remembered as "not direct" and its requests go through
-the engine as before. Otherwise the file is mapped once and kept open. The storage node holds an
-exclusive ``flock`` on that file for as long as it lives (`hold_liveness_lock`); before each
-batch of copies the client tries a shared, non-blocking lock: if it gets one, no node holds the
-file (the node died), so the map is dropped and the requests go through the engine, which
-fails them and lets the put be revoked and placed elsewhere. Copies use
+transfer engine (``describe``); a segment that cannot be looked up (its node is gone) fails
+its own requests here, and only those — the other segments' requests of the batch go on, so a
+put blames exactly the segment that failed. A segment on another host, without a
+shared-memory file, or on an engine not allowed to use ``shm`` is remembered as "not direct"
+and its requests go through the engine as before. Otherwise the file is mapped once and kept
+open. The node's transfer engine holds an exclusive ``flock`` on that file for as long as the
+segment is registered (`yuebing.transfer.liveness`); before each batch of copies the client
+probes it with a shared, non-blocking lock: if it gets one, no node holds the file (the node
+died), so the map is dropped and the requests go through the engine, which fails them and
+lets the put be revoked and placed elsewhere. After the copies it probes again: a copy into a
+segment whose node died meanwhile ends FAILED, not DONE, so the store never commits a value
+into a dead node's memory. Copies use
 `yuebing.transfer.streamcopy.copy` (streaming stores, releases the GIL) above `SMALL_COPY` bytes, memoryview assignment below; a batch of at least
 `PARALLEL_MIN` bytes is split over a few copy threads. Writes are fenced like the engine's: none
 starts after the put's deadline and large ones are copied in pieces with it checked between
@@ -18,10 +23,7 @@ past its deadline (the read lease's, less a margin) ends TIMEOUT too: the client
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
-import mmap
 import os
 import threading
 import time
@@ -38,7 +40,8 @@ from yuebing.transfer import (
     TransferStatus,
     streamcopy,
 )
-from yuebing.transfer.transport.shm import copy_until, expired_write
+from yuebing.transfer.liveness import MappedFile
+from yuebing.transfer.transport.shm import confirm, copy_until, expired_write
 from yuebing.transfer.types import BatchId, RequestStatus
 
 log = logging.getLogger(__name__)
@@ -50,71 +53,49 @@ PARALLEL_MIN = 4 << 20
 LATE_READ = "read ended past its deadline: its read lease may have ended mid-copy"
 
 
-def hold_liveness_lock(path: str) -> int:
-    """Called by the storage node once its segment exists: take an exclusive lock on the
-    segment file, held (with the returned fd) until the process ends. Clients treat a segment
-    whose file nobody locks as dead."""
-    fd = os.open(path, os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return fd
-
-
-class _Mapped:
-    __slots__ = ("arr", "fd", "mm", "mv", "size")
-
-    def __init__(self, path: str, size: int) -> None:
-        self.fd = os.open(path, os.O_RDWR)
-        try:
-            if os.fstat(self.fd).st_size < size:
-                raise TransferError(f"shared memory file {path} is smaller than {size} bytes")
-            self.mm = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self.size = size
-        self.arr = np.frombuffer(self.mm, dtype=np.uint8)
-        self.mv = memoryview(self.mm)
-
-    def owner_alive(self) -> bool:
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True  # the node's exclusive lock is held
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        return False
-
-    def close(self) -> None:
-        self.mv.release()
-        del self.arr
-        with contextlib.suppress(BufferError):
-            self.mm.close()  # BufferError: a caller still holds a view; GC unmaps
-        os.close(self.fd)
-
-
 class DirectSegments:
     """Maps of same-host node segments; `copy` performs the requests it can serve directly."""
 
     def __init__(self, engine: TransferEngine, enabled: bool = True) -> None:
         self.engine = engine
         self.enabled = enabled and "shm" in engine.config.transports
-        self._maps: dict[str, _Mapped | None] = {}
+        self._maps: dict[str, MappedFile | None] = {}
         self._lock = threading.Lock()
         self.workers = min(4, os.cpu_count() or 1)
         self._pool: ThreadPoolExecutor | None = None
 
-    def _map(self, segment: str) -> _Mapped | None:
+    def _target(self, segment: str) -> MappedFile | str | None:
+        """Where requests to ``segment`` go: its live mapping (copied here), None (the engine
+        moves them), or why the segment cannot be looked up at all (they fail)."""
+        try:
+            self.engine.describe(segment)
+        except TransferError as e:
+            return str(e)
+        if not self.enabled:
+            return None
+        mapped = self._map(segment)
+        if mapped is not None and not mapped.owner_alive():
+            log.warning("segment %s: no node holds it any more; unmapping", segment)
+            self._forget(segment)
+            mapped = None
+        return mapped
+
+    def _map(self, segment: str) -> MappedFile | None:
+        """The segment's mapping: made on first use; None for segments the engine moves
+        (remembered), and for now when its file cannot be mapped (tried again next time)."""
         with self._lock:
             if segment in self._maps:
                 return self._maps[segment]
-            mapped = None
             try:
                 d = self.engine.describe(segment)
-                if d.shm_path and d.host_id == self.engine.host_id:
-                    mapped = _Mapped(d.shm_path, d.size)
+                if not d.shm_path or d.host_id != self.engine.host_id:
+                    self._maps[segment] = None
+                    return None
+                mapped = self._maps[segment] = MappedFile(d.shm_path, d.size)
+                return mapped
             except (OSError, TransferError) as e:
-                log.info("segment %s is not directly mappable: %s", segment, e)
-            self._maps[segment] = mapped
-            return mapped
+                log.info("segment %s is not directly mappable now: %s", segment, e)
+                return None
 
     def _forget(self, segment: str) -> None:
         with self._lock:
@@ -124,37 +105,38 @@ class DirectSegments:
 
     def copy(self, reqs: list[TransferRequest], deadline: float) -> list[RequestStatus | None]:
         """Copy every request whose segment is mapped here and whose node is alive, writes
-        only until ``deadline`` (``time.monotonic()``); returns each one's status (DONE, or
+        only until ``deadline`` (``time.monotonic()``); returns each one's status (DONE;
         TIMEOUT for a write the deadline cut or a read that ended past it — the lease behind a
-        read's deadline may have ended mid-copy, so its bytes are not trusted), None for those
-        left to the transfer engine.
+        read's deadline may have ended mid-copy, so its bytes are not trusted; FAILED where
+        the segment cannot be looked up, or its node was found dead after the copy), None for
+        those left to the transfer engine.
         Requests were built by the store client: contiguous memoryviews, ``length`` set."""
         done: list[RequestStatus | None] = [None] * len(reqs)
-        if not self.enabled:
-            return done
-        live: dict[str, _Mapped | None] = {}
-        jobs: list[tuple[OpCode, memoryview, _Mapped, int, int]] = []
+        targets: dict[str, MappedFile | str | None] = {}
+        jobs: list[tuple[OpCode, memoryview, MappedFile, int, int]] = []
         index: list[int] = []
         for i, r in enumerate(reqs):
             seg = str(r.segment)
-            if seg not in live:
-                mapped = self._map(seg)
-                if mapped is not None and not mapped.owner_alive():
-                    log.warning("segment %s: no node holds it any more; unmapping", seg)
-                    self._forget(seg)
-                    mapped = None
-                live[seg] = mapped
-            mapped = live[seg]
+            if seg in targets:
+                target = targets[seg]
+            else:
+                target = targets[seg] = self._target(seg)
             n = r.length
-            if mapped is None or n is None or r.offset + n > mapped.size:
-                continue  # the engine reports the range error
-            jobs.append((r.op, r.local, mapped, r.offset, n))  # type: ignore[arg-type]
-            index.append(i)
+            if isinstance(target, str):
+                done[i] = RequestStatus(TransferStatus.FAILED, 0, n or 0, target)
+            elif target is not None and n is not None and r.offset + n <= target.size:
+                jobs.append((r.op, r.local, target, r.offset, n))  # type: ignore[arg-type]
+                index.append(i)  # (out of range: the engine reports the error)
         results = self._run(jobs, deadline)
         late = time.monotonic() >= deadline
+        gone = {seg: confirm(t, seg, [None])[0] for seg, t in targets.items()
+                if isinstance(t, MappedFile)}
         for i, job, copied in zip(index, jobs, results, strict=True):
             n = job[4]
-            if job[0] == OpCode.READ and late:  # e.g. preempted mid-copy past the read lease
+            why = gone[str(reqs[i].segment)]
+            if why is not None:  # its node died: nothing copied there counts
+                done[i] = RequestStatus(TransferStatus.FAILED, 0, n, why)
+            elif job[0] == OpCode.READ and late:  # e.g. preempted mid-copy past the read lease
                 done[i] = RequestStatus(TransferStatus.TIMEOUT, copied, n, LATE_READ)
             elif copied == n:
                 done[i] = RequestStatus(TransferStatus.DONE, n, n)
@@ -162,7 +144,7 @@ class DirectSegments:
                 done[i] = RequestStatus(TransferStatus.TIMEOUT, copied, n, expired_write(copied, n))
         return done
 
-    def _run(self, jobs: list[tuple[OpCode, memoryview, _Mapped, int, int]],
+    def _run(self, jobs: list[tuple[OpCode, memoryview, MappedFile, int, int]],
              deadline: float) -> list[int]:
         """Copy in this thread, or, for a batch of at least `PARALLEL_MIN` bytes, split over
         `workers` threads (`streamcopy.copy` releases the GIL: copies overlap); returns the
@@ -203,12 +185,12 @@ class DirectSegments:
                 mapped.close()
 
 
-def _copy_all(jobs: list[tuple[OpCode, memoryview, _Mapped, int, int]],
+def _copy_all(jobs: list[tuple[OpCode, memoryview, MappedFile, int, int]],
               deadline: float) -> list[int]:
     return [_copy(*job, deadline) for job in jobs]
 
 
-def _copy(op: OpCode, local: memoryview, mapped: _Mapped, off: int, n: int,
+def _copy(op: OpCode, local: memoryview, mapped: MappedFile, off: int, n: int,
           deadline: float) -> int:
     """Copy one request; returns the bytes copied (a write stops at ``deadline``)."""
     if op == OpCode.WRITE and time.monotonic() >= deadline:

@@ -36,16 +36,18 @@ from collections import deque
 from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.protocol import Message
 from yuebing.store import messages as m
-from yuebing.store.client.direct import hold_liveness_lock
 from yuebing.store.client.rpc import MasterConnection, StoreRpcError
 from yuebing.store.config import ClientConfig, NodeConfig
 from yuebing.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
+from yuebing.transfer.liveness import sweep_dead_segments
 from yuebing.transfer.types import BatchId, TransferStatus
 
 log = logging.getLogger(__name__)
 
 CLOSE_S = 1.0
 """Most seconds `StorageNode.close` spends on in-flight migration writes and unmount calls."""
+SHM_SWEEP_S = 10.0
+"""How often (at heartbeat time) a node sweeps the segment files of dead same-host engines."""
 
 
 class StorageNode:
@@ -65,8 +67,7 @@ class StorageNode:
         self.segment = self.engine.register_segment(self._local, size=cfg.dram,
                                                     prefault=cfg.prefault)
         self.dram_name = self.engine.segment_name(self._local)
-        # held while this process lives: same-host clients copy directly only while it is
-        self._live_fd = hold_liveness_lock(self.segment.shm_path) if self.segment.shm_path else -1
+        self._next_sweep = 0.0  # the engine holds the segment's liveness lock while it lives
         self.ssd_name = ""
         self._ssd_fd = -1
         self._ssd_path = ""
@@ -135,6 +136,10 @@ class StorageNode:
         return next_hb
 
     def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_sweep:  # files of same-host engines that died (kill -9 too)
+            self._next_sweep = now + SHM_SWEEP_S
+            sweep_dead_segments(self.engine.config.shm_dir)
         try:
             r = self._call(m.Heartbeat(client=self.client_id, incarnation=self.incarnation))
         except StoreRpcError as e:
@@ -347,9 +352,6 @@ class StorageNode:
                                          incarnation=self.incarnation))
         self.conn.close()
         self.engine.close()
-        if self._live_fd >= 0:
-            os.close(self._live_fd)
-            self._live_fd = -1
         if self._ssd_map is not None:
             with contextlib.suppress(BufferError):  # a view still exported: unmapped at exit
                 self._ssd_map.close()

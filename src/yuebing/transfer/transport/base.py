@@ -61,6 +61,14 @@ class Endpoint(ABC):
         This default never can."""
         return None
 
+    def stale(self, desc: SegmentDescriptor) -> str:
+        """Why ``desc`` is known not to describe the peer's live segment any more ("" when
+        it is not known to be stale): the engine then drops its cached descriptor and looks
+        the segment up again. Called by the engine in the submitting thread before each batch
+        to this peer; must be cheap. This default knows nothing (the TCP target checks every
+        access itself)."""
+        return ""
+
     @property
     @abstractmethod
     def alive(self) -> bool:

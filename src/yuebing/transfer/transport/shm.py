@@ -2,20 +2,26 @@
 mapped into this process; `LocalTransport` serves segments registered by this very engine.
 
 Life cycle of a shared-memory slice: on first use of a peer, `ShmEndpoint` opens one TCP control
-connection to it (handshake; its end-of-file is how a dead peer is noticed) and maps each of the
-peer's segment files on first access. `submit` queues slices for ``shm_workers`` copy threads; a
-worker re-checks the range against the published descriptor and copies with
-`yuebing.transfer.streamcopy.copy` (streaming stores; releases the GIL), then completes the slice. Writes are fenced: a write slice is not
-started past its batch deadline and large ones are copied in `FENCE_CHUNK` pieces with the
-deadline checked between them, so a stalled copy thread cannot write after its sender gave up. No kernel socket carries the bytes. When the
-control connection drops, queued slices fail with an error naming the peer and the maps close.
+connection to it (handshake, which must answer with the descriptor's engine; its end-of-file is
+how a dead peer is noticed, and then this process sweeps the files no owner holds any more) and
+maps each of the peer's segment files on first access (`liveness.MappedFile`). Before each batch
+the engine asks `ShmEndpoint.stale`: a file whose owner no longer holds its lock (the owner died,
+or unregistered the segment and maybe registered a new incarnation under the same name) is
+unmapped, and the engine looks the segment up again. `submit` queues slices for ``shm_workers``
+copy threads; a worker re-checks the range against the published descriptor and copies with
+`yuebing.transfer.streamcopy.copy` (streaming stores; releases the GIL), then probes the owner's
+lock once more and completes the slices — DONE only if the owner still held the segment after
+the copy, so bytes that went into a dead or replaced segment are never reported done. Writes are
+fenced: a write slice is not started past its batch deadline and large ones are copied in
+`FENCE_CHUNK` pieces with the deadline checked between them, so a stalled copy thread cannot
+write after its sender gave up. No kernel socket carries the bytes. When the control connection
+drops, queued slices fail with an error naming the peer and the maps close.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import queue
 import threading
@@ -26,6 +32,7 @@ import numpy as np
 from yuebing.core.errors import TransferError
 from yuebing.transfer import streamcopy
 from yuebing.transfer.batch import Slice, complete_slices
+from yuebing.transfer.liveness import MappedFile, sweep_dead_segments
 from yuebing.transfer.messages import SegmentDescriptor
 from yuebing.transfer.segment import check_range
 from yuebing.transfer.transport.base import TRANSPORTS, Endpoint, LocalContext, Transport
@@ -69,6 +76,32 @@ def expired_write(done: int, length: int) -> str:
     return f"{EXPIRED_WRITE} after {done} of {length} bytes were copied"
 
 
+OWNER_GONE = "no owner holds the shared memory of segment"
+"""Prefix of `owner_gone` errors: the segment's owner died or unregistered it."""
+
+
+def owner_gone(name: str, path: str) -> str:
+    """The error of a copy into (or out of) a segment file whose owner no longer holds it."""
+    return (f"{OWNER_GONE} {name!r} ({path}) any more: its engine died or unregistered it, so "
+            "nothing copied there counts")
+
+
+def confirm(mapped: MappedFile, name: str, errors: list[str | None]) -> list[str | None]:
+    """``errors`` of copies through ``mapped``, with the ones that succeeded turned into
+    `owner_gone` errors unless the owner still holds the file: called after the copies and
+    before they are reported, by the copy threads and the store's direct path."""
+    if all(e is not None for e in errors):
+        return errors
+    try:
+        alive = mapped.owner_alive()
+    except OSError:
+        alive = False
+    if alive:
+        return errors
+    why = owner_gone(name, mapped.path)
+    return [why if e is None else e for e in errors]
+
+
 def copy_slice(s: Slice, remote: np.ndarray, remote_mv: memoryview) -> str | None:
     """Copy one slice between its local buffer and the segment's bytes; the error of a write
     the deadline stopped, else None."""
@@ -104,15 +137,11 @@ def copy_all(slices: list[Slice], remote: np.ndarray, remote_mv: memoryview) -> 
     return errors
 
 
-Remote = tuple[np.ndarray, memoryview]
-"""A mapped peer segment as a numpy array and a memoryview of the same bytes."""
-
-
 class _Worker:
-    """Copy threads draining a queue of (remote segment, slices) items, one per submit."""
+    """Copy threads draining a queue of (mapped segment, slices) items, one per submit."""
 
     def __init__(self, name: str, threads: int) -> None:
-        self.q: queue.SimpleQueue[tuple[Remote, list[Slice]] | None] = queue.SimpleQueue()
+        self.q: queue.SimpleQueue[tuple[MappedFile, list[Slice]] | None] = queue.SimpleQueue()
         self.outstanding = 0
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
@@ -125,15 +154,16 @@ class _Worker:
             item = self.q.get()
             if item is None:
                 return
-            (remote, remote_mv), slices = item
-            complete_slices(slices, copy_all(slices, remote, remote_mv))
+            mapped, slices = item
+            errors = copy_all(slices, mapped.arr, mapped.mv)
+            complete_slices(slices, confirm(mapped, slices[0].segment, errors))
             self.done(len(slices))
 
     def done(self, n: int) -> None:
         with self._lock:
             self.outstanding -= n
 
-    def put(self, remote: Remote, slices: list[Slice]) -> None:
+    def put(self, remote: MappedFile, slices: list[Slice]) -> None:
         """Queue ``slices`` (spread over the copy threads in chunks when there are several)."""
         with self._lock:
             self.outstanding += len(slices)
@@ -155,11 +185,15 @@ class ShmEndpoint(Endpoint):
         self.peer_engine = desc.engine_id
         workers = ctx.config.shm_workers
         self.slice_size = ctx.config.slice_size if workers > 1 else None
-        self._maps: dict[str, tuple[str, mmap.mmap, Remote]] = {}
+        self._maps: dict[str, MappedFile] = {}
         self._lock = threading.Lock()
         self._dead = ""
         self._closed = False
-        self._control, _ = open_socket(self.address, ctx, ctx.config.connect_timeout_s)
+        self._control, reply = open_socket(self.address, ctx, ctx.config.connect_timeout_s)
+        if reply.engine_id != self.peer_engine:
+            self._control.close()
+            raise TransferError(f"peer at {self.address} is engine {reply.engine_id!r}, expected "
+                                f"{self.peer_engine!r} (stale segment metadata?)")
         self._control.settimeout(None)
         self._worker = _Worker(f"tx-shm-{self.address}", workers)
         threading.Thread(target=self._watch, name=f"tx-shm-watch-{self.address}",
@@ -167,7 +201,7 @@ class ShmEndpoint(Endpoint):
 
     def _watch(self) -> None:
         """Block on the control connection; the peer never writes to it, so any return means
-        it closed (process exit) or broke."""
+        it closed (process exit) or broke. Then sweep the segment files left without owner."""
         while True:
             try:
                 recv_frame(self._control, idle_ok=True)
@@ -175,7 +209,21 @@ class ShmEndpoint(Endpoint):
                 continue
             except Exception as e:  # EOF, reset, or an unexpected frame: the peer is gone
                 self._mark_dead(f"peer {self.peer_engine} at {self.address} went away ({e})")
+                if not self._closed:
+                    self._sweep()
                 return
+
+    def _sweep(self) -> None:
+        """After the peer's death: sweep dead segment files (`sweep_dead_segments`), again
+        for a moment while the files this endpoint mapped still have an owner (the kernel may
+        close the dead process's socket before it drops the segment's lock)."""
+        with self._lock:
+            paths = [m.path for m in self._maps.values()]
+        for attempt in range(6):
+            sweep_dead_segments(self.ctx.config.shm_dir)
+            if not any(os.path.exists(p) for p in paths):
+                return
+            time.sleep(0.02 * 2 ** attempt)
 
     def _mark_dead(self, error: str) -> None:
         self._dead = self._dead or error
@@ -192,25 +240,36 @@ class ShmEndpoint(Endpoint):
                     sl.complete(self._dead)
         self._worker.stop()
 
-    def _remote(self, desc: SegmentDescriptor) -> Remote:
+    def _remote(self, desc: SegmentDescriptor) -> MappedFile:
+        """The mapping of ``desc``'s file (mapped on first use, again when the descriptor names
+        another file or size)."""
         with self._lock:
-            entry = self._maps.get(desc.name)
-            if entry is not None and entry[0] == desc.shm_path and entry[2][1].nbytes == desc.size:
-                return entry[2]
+            mapped = self._maps.get(desc.name)
+            if mapped is not None and mapped.path == desc.shm_path and mapped.size == desc.size:
+                return mapped
             try:
-                fd = os.open(desc.shm_path, os.O_RDWR)
+                mapped = MappedFile(desc.shm_path, desc.size)
             except OSError as e:
-                raise TransferError(f"cannot open shared memory of segment {desc.name!r}: {e}") from None
-            try:
-                if os.fstat(fd).st_size < desc.size:
-                    raise TransferError(f"shared memory of segment {desc.name!r} is smaller than "
-                                        f"its descriptor says ({desc.size} bytes)")
-                m = mmap.mmap(fd, desc.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            remote = (np.frombuffer(m, dtype=np.uint8), memoryview(m))
-            self._maps[desc.name] = (desc.shm_path, m, remote)
-            return remote
+                raise TransferError(f"cannot open shared memory of segment {desc.name!r}: {e}"
+                                    ) from None
+            self._maps[desc.name] = mapped  # a replaced one is unmapped by the GC when no
+            return mapped                   # copy thread uses it any more
+
+    def stale(self, desc: SegmentDescriptor) -> str:
+        """Why ``desc`` no longer names a live segment ("" if it does): its file cannot be
+        mapped, or its owner no longer holds it (died, or unregistered it — a new incarnation
+        has another file); then the mapping is dropped. Called by the engine before each
+        batch to this peer (one lock probe, ~1 µs)."""
+        try:
+            mapped = self._remote(desc)
+        except TransferError as e:
+            return str(e)
+        if mapped.owner_alive():
+            return ""
+        with self._lock:
+            if self._maps.get(desc.name) is mapped:
+                del self._maps[desc.name]
+        return owner_gone(desc.name, desc.shm_path)
 
     @property
     def alive(self) -> bool:
@@ -247,7 +306,7 @@ class ShmEndpoint(Endpoint):
             self._control.close()
         self._mark_dead(f"endpoint to {self.address} closed")
         with self._lock:
-            self._maps.clear()  # the mmaps close when the last numpy view is collected
+            self._maps.clear()  # unmapped and closed when no copy thread uses them any more
 
 
 @TRANSPORTS.register("shm")

@@ -1,0 +1,167 @@
+"""`Peers`: how a `TransferEngine` reaches the segments its requests name — the cache of
+segment descriptors looked up in the metadata service, and the SIEVE-capped pool of endpoints
+to their owners (one per transport and peer engine, opened lazily).
+
+Called by the engine in the submitting thread: `describe` while validating a batch, `connect`
+once per batch to pick each segment's endpoint, `notify_endpoint` for notifications,
+`forget` when the engine unregisters a segment of its own.
+
+A cached descriptor can go stale: its owner dies and a new one publishes the name (at another
+address, or the same), or the owner unregisters the segment and registers a new incarnation. It
+is dropped and looked up again as soon as that shows: when no endpoint to its owner can be
+opened (connection refused, another engine answers at the address — an endpoint that never
+connected, too), when its pooled endpoint is found dead, or when the endpoint says so
+(`Endpoint.stale`: a shared-memory file whose owner lock is free). If the fresh descriptor
+differs, this very batch goes to it (its ranges checked against it); otherwise the segment's
+requests fail with the reason, and the next batch looks it up again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+from yuebing.core.errors import TransferError
+from yuebing.transfer.messages import SegmentDescriptor
+from yuebing.transfer.metadata import MetadataService
+from yuebing.transfer.pool import SieveCache
+from yuebing.transfer.routing import Plan
+from yuebing.transfer.segment import check_range
+from yuebing.transfer.transport.base import Endpoint, LocalContext, Transport
+from yuebing.transfer.transport.tcp_client import TcpEndpoint
+
+log = logging.getLogger(__name__)
+
+
+class Peers:
+    """Descriptor cache + endpoint pool of one engine. Thread-safe (dict operations are
+    atomic; the pool has its own lock)."""
+
+    def __init__(self, ctx: LocalContext, metadata: MetadataService,
+                 transports: list[Transport]) -> None:
+        self.ctx = ctx
+        self.metadata = metadata
+        self.transports = transports
+        self.pool: SieveCache[tuple[str, str, str], Endpoint] = SieveCache(
+            ctx.config.max_endpoints, on_evict=lambda k, ep: ep.close(),
+            evictable=lambda ep: not ep.busy)
+        self._descs: dict[str, SegmentDescriptor] = {}
+
+    def describe(self, name: str) -> SegmentDescriptor:
+        """The descriptor of segment ``name`` (cached after the first lookup); `TransferError`
+        when no engine publishes it (or, in p2p, its owner cannot be asked)."""
+        desc = self._descs.get(name)
+        if desc is None:
+            desc = self.metadata.lookup(name)
+            if desc is None:
+                raise TransferError(f"segment {name!r} is not registered by any engine")
+            self._descs[name] = desc
+        return desc
+
+    def cached(self, name: str) -> SegmentDescriptor | None:
+        return self._descs.get(name)
+
+    def forget(self, name: str) -> None:
+        """Drop the cached descriptor of ``name``."""
+        self._descs.pop(name, None)
+
+    def _forget_engine(self, engine_id: str) -> None:
+        for name in [n for n, d in self._descs.items() if d.engine_id == engine_id]:
+            self._descs.pop(name, None)
+
+    def endpoint(self, desc: SegmentDescriptor) -> Endpoint:
+        """The pooled endpoint of the first transport that reaches ``desc`` (a dead one is
+        replaced, and its engine's descriptors forgotten); `TransferError` if none opens."""
+        for t in self.transports:
+            if t.can_reach(desc):
+                return self._pooled(t.name, desc, functools.partial(t.connect, desc))
+        raise TransferError(f"no configured transport {self.ctx.config.transports} reaches "
+                            f"segment {desc.name!r}")
+
+    def _pooled(self, transport: str, desc: SegmentDescriptor,
+                make: Callable[[], Endpoint]) -> Endpoint:
+        key = (transport, desc.engine_id, desc.address)
+        ep = self.pool.get(key)
+        if ep is not None and not ep.alive:
+            self.pool.pop(key)
+            self._forget_engine(desc.engine_id)
+            ep.close()
+        return self.pool.get_or_create(key, make)
+
+    def connect(self, plan: Plan) -> tuple[Plan, dict[str, Endpoint | str]]:
+        """Each segment's endpoint (or why there is none) for a validated batch, and the plan
+        with the descriptors of segments found stale replaced by their fresh ones (a request
+        out of range of the fresh one fails with its range error)."""
+        eps: dict[str, Endpoint | str] = {}
+        fresh: dict[str, SegmentDescriptor] = {}
+        for r, _, desc in plan:
+            if r.segment not in eps:
+                eps[r.segment], new = self._open(r.segment, desc)
+                if new is not desc:
+                    fresh[r.segment] = new
+        if not fresh:
+            return plan, eps
+        out: Plan = []
+        for r, local, desc in plan:
+            renewed = fresh.get(r.segment)
+            if renewed is not None:
+                desc = renewed
+                try:
+                    check_range(r.segment, renewed.size, r.offset, local.nbytes)
+                except TransferError as e:
+                    eps[r.segment] = str(e)
+            out.append((r, local, desc))
+        return out, eps
+
+    def _open(self, name: str, desc: SegmentDescriptor
+              ) -> tuple[Endpoint | str, SegmentDescriptor]:
+        """(endpoint or why none, the descriptor it serves) for segment ``name``: with the
+        cached ``desc`` if it reaches a live segment, else with a fresh lookup if that
+        differs."""
+        ep, why = self._reach(desc)
+        if ep is not None:
+            return ep, desc
+        new = self._refresh(name, desc, why)
+        if new is None:
+            return why, desc
+        ep, why = self._reach(new)
+        return (ep if ep is not None else why), new
+
+    def _reach(self, desc: SegmentDescriptor) -> tuple[Endpoint | None, str]:
+        try:
+            ep = self.endpoint(desc)
+        except TransferError as e:
+            return None, str(e)
+        why = ep.stale(desc)
+        return (None, why) if why else (ep, "")
+
+    def _refresh(self, name: str, stale: SegmentDescriptor,
+                 why: str) -> SegmentDescriptor | None:
+        """Drop the cached descriptor of ``name`` (so the next batch looks it up again) and
+        look it up now: the fresh descriptor if it differs from ``stale``, else None."""
+        self._descs.pop(name, None)
+        try:
+            new = self.metadata.lookup(name)
+        except TransferError as e:
+            log.info("segment %s: %s; looking it up again failed: %s", name, why, e)
+            return None
+        if new is None or new == stale:
+            log.info("segment %s: %s (no other descriptor published)", name, why)
+            return None
+        log.info("segment %s: %s; using its fresh descriptor (engine %s at %s)", name, why,
+                 new.engine_id, new.address)
+        self._descs[name] = new
+        return new
+
+    def notify_endpoint(self, name: str, desc: SegmentDescriptor) -> TcpEndpoint:
+        """The TCP endpoint carrying notifications to ``desc``'s owner; on failure the
+        descriptor of ``name`` is dropped (looked up again next time) and `TransferError`
+        raised."""
+        try:
+            ep = self._pooled("tcp", desc, lambda: TcpEndpoint(self.ctx, desc))
+        except TransferError:
+            self._descs.pop(name, None)
+            raise
+        assert isinstance(ep, TcpEndpoint)
+        return ep
