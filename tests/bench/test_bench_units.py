@@ -306,3 +306,19 @@ def test_conversation_trace_prefixes_follow_hash_ids(conversation_trace) -> None
             assert common == expected, (a, b)
             pairs += 1
     assert pairs > 10 and max(len(r.prompt) for r in reqs) == 4096
+
+
+def test_open_files_limit_is_raised_to_the_hard_limit() -> None:
+    import resource
+
+    from yuebing.bench.runner import raise_open_files_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard < 64:
+        pytest.skip("no finite hard limit to raise to")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+    try:
+        assert raise_open_files_limit() == hard
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

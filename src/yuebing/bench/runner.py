@@ -128,9 +128,27 @@ async def run_workloads(cfg: BenchConfig,
     return model, runs
 
 
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit on open files to the hard one (each request in flight
+    holds a socket; a client out of descriptors would show as connect errors). The limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            return soft
+        return hard
+    return soft
+
+
 def run_bench(cfg: BenchConfig,
               workloads: Sequence[tuple[float | None, Sequence[BenchRequest]]],
               on_start: Callable[[float | None, int], None] | None = None,
               on_done: OnDone | None = None) -> tuple[str, list[Run]]:
-    """`run_workloads` on a fresh event loop (the CLI's entry)."""
+    """`run_workloads` on a fresh event loop (the CLI's entry), with the open-files limit
+    raised first."""
+    limit = raise_open_files_limit()
+    log.debug("open files limit %d", limit)
     return asyncio.run(run_workloads(cfg, workloads, on_start, on_done))
