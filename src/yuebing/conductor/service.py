@@ -137,8 +137,13 @@ class Conductor:
         c = self.cluster
         roles = {r.label: [str(m.id) for m in c.alive(r)] for r in Role}
         ready = bool((roles["prefill"] and roles["decode"]) or roles["coupled"])
+        load = {str(m.id): {"free_blocks": m.report.free_blocks,
+                            "total_blocks": m.report.total_blocks, "running": m.report.running,
+                            "queued_prefill_tokens": m.report.queued_prefill_tokens}
+                for r in Role for m in c.alive(r) if m.report is not None}
         return {"status": "ok", "ready": ready, "model": self.cfg.model_name,
-                "instances": roles, "inflight": self.inflight, "kv_index_blocks": len(c.index)}
+                "instances": roles, "load": load, "inflight": self.inflight,
+                "kv_index_blocks": len(c.index)}
 
     def metrics_text(self) -> bytes:
         for r in Role:
