@@ -88,8 +88,9 @@ def test_bad_trace_fails_before_any_load(fake: FakeServer, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1}\n')
-    _one_line_error(capsys, main(_serve(fake, str(bad))), "field 'hash_ids'")
-    assert fake.bodies == []
+    code = main(_serve(fake, str(bad), "--plot", str(tmp_path / "plots")))
+    _one_line_error(capsys, code, "field 'hash_ids'")
+    assert fake.bodies == [] and not (tmp_path / "plots").exists()  # nothing was changed
 
 
 def test_unknown_model_fails_before_any_load(fake: FakeServer,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -40,17 +41,18 @@ def strict_json(obj: Any, indent: int | None = None) -> str:
 
 
 def check_out_paths(records: Path | None, plot_dir: Path | None) -> None:
-    """Before any load: `InputError` when ``--records``' directory is missing or ``--plot``
-    cannot be a directory; creates the ``--plot`` directory."""
+    """Before any load, changing nothing: `InputError` when ``--records``' directory is
+    missing, or ``--plot`` is not a directory and cannot be made one (its nearest existing
+    ancestor is not a writable directory)."""
     if records is not None and not records.parent.is_dir():
         raise InputError(f"--records {str(records)!r}: directory '{records.parent}' does not "
                          "exist")
-    if plot_dir is not None:
-        try:
-            plot_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise InputError(f"--plot {str(plot_dir)!r}: cannot create the directory: "
-                             f"{e.strerror or e}") from None
+    if plot_dir is None:
+        return
+    existing = next(p for p in (plot_dir, *plot_dir.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"--plot {str(plot_dir)!r}: cannot create the directory "
+                         f"('{existing}' is not a writable directory)")
 
 
 def _label(run: Run) -> str:
@@ -173,12 +175,17 @@ def _cdf(ax: Any, runs: Sequence[Run], attr: str, thresholds: Sequence[float],
 
 def plot_all(out_dir: Path, runs: Sequence[Run], cfg: BenchConfig, sweep: bool) -> list[Path]:
     """Write ttft_cdf.png, tbt_cdf.png and (sweep) attainment_vs_rate.png into ``out_dir``
-    (made by `check_out_paths`); their paths."""
+    (made if missing); their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"--plot {str(out_dir)!r}: cannot create the directory: "
+                         f"{e.strerror or e}") from None
     paths = []
     for name, attr, thresholds, title in (("ttft_cdf", "ttft_s", cfg.slo_ttft, "TTFT"),
                                           ("tbt_cdf", "tbt_s", cfg.slo_tbt, "TBT")):
