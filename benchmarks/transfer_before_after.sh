@@ -19,6 +19,12 @@ PY="$REPO/.venv/bin/python"
 SRC="$(mktemp -d)"
 trap 'rm -rf "$SRC"' EXIT
 git -C "$REPO" archive "$BEFORE" src | tar -x -C "$SRC"
+# the C extension is built in place (not in git): give BEFORE the same build when its source
+# is the same, so both sides copy with the same primitive
+C_SRC=src/yuebing/transfer/_streamcopy.c
+if [ -f "$SRC/$C_SRC" ] && cmp -s "$SRC/$C_SRC" "$REPO/$C_SRC"; then
+  cp "$REPO"/src/yuebing/transfer/_streamcopy*.so "$SRC/src/yuebing/transfer/" 2>/dev/null || true
+fi
 echo "# before=$BEFORE ($(git -C "$REPO" rev-parse --short "$BEFORE")) after=working tree; rounds=$ROUNDS"
 echo "# yuebing bench transfer --json $ARGS"
 for r in $(seq 1 "$ROUNDS"); do

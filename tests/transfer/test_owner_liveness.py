@@ -4,8 +4,10 @@ under the same name is a new incarnation that peers remap; dead owners' files ar
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -66,19 +68,31 @@ def test_the_owner_lock_is_held_until_unlock_and_probes_never_contend(shm_dir: s
         b.close()
 
 
-def test_sweep_removes_only_unowned_segment_files(shm_dir: str) -> None:
-    live_path, live_fd = create_owned_file(shm_dir, 4096)
-    dead_path, dead_fd = create_owned_file(shm_dir, 4096)
-    os.close(dead_fd)
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_sweep_removes_only_unowned_files_of_dead_creators(shm_dir: str) -> None:
+    dead = _dead_pid()
+    held, unheld, legacy = (os.path.join(shm_dir, f"{SHM_PREFIX}{pid}-{n}")
+                            for pid, n in ((dead, 0), (dead, 1), (os.getpid(), 99)))
+    for path in (held, unheld, legacy):
+        Path(path).write_bytes(b"x")
+    owner_fd = os.open(held, os.O_RDONLY)  # an owner of another pid namespace, say
+    fcntl.flock(owner_fd, fcntl.LOCK_EX)
     other = Path(shm_dir) / "not-a-segment"
     other.write_bytes(b"x")
     try:
-        assert sweep_dead_segments(shm_dir) == [dead_path]
-        assert os.path.exists(live_path) and other.exists() and not os.path.exists(dead_path)
+        # unlocked and its creator gone: swept; locked: kept; unlocked but its creator runs
+        # (an engine of an older version, which took no lock): kept
+        assert sweep_dead_segments(shm_dir) == [unheld]
+        assert os.path.exists(held) and os.path.exists(legacy) and other.exists()
         assert sweep_dead_segments(shm_dir) == []
     finally:
-        os.close(live_fd)
-    assert sweep_dead_segments(shm_dir) == [live_path]
+        os.close(owner_fd)
+    assert sweep_dead_segments(shm_dir) == [held]
 
 
 def test_unregistering_releases_the_lock_even_while_views_are_alive(shm_dir: str) -> None:

@@ -18,10 +18,13 @@ Quick use (see `TransferEngine` for the life cycle of a batch)::
 Status per request and batch is the ordered `TransferStatus` (PENDING < TRANSFERRING < DONE;
 FAILED, TIMEOUT). Transports: ``local`` (own segments), ``shm`` (same host), ``tcp`` (lanes);
 new ones implement `Transport`/`Endpoint` and register in `TRANSPORTS`.
+`sweep_dead_segments(shm_dir)` unlinks the shared-memory segment files of dead engines (a
+supervisor calls it when a child dies; it never removes a live owner's file).
 """
 
 from yuebing.transfer.config import TransferConfig
 from yuebing.transfer.engine import TransferEngine
+from yuebing.transfer.liveness import sweep_dead_segments
 from yuebing.transfer.messages import SegmentDescriptor
 from yuebing.transfer.metadata import (
     EmbeddedMetadata,
@@ -60,4 +63,5 @@ __all__ = [
     "TransferEngine",
     "TransferRequest",
     "TransferStatus",
+    "sweep_dead_segments",
 ]

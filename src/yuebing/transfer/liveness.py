@@ -95,7 +95,9 @@ def sweep_dead_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[str]:
     owner holds any more — its engine died (``kill -9`` too) without unregistering it — and
     return their paths. A live owner's file is never removed: its exclusive lock refuses the
     shared lock this takes before unlinking (and a file being created is locked before it is
-    checked). Safe to call from any process at any time: every engine when it starts and when
+    checked); a file whose creator (the pid in its name) still runs is kept as well, so the
+    unlocked files of a live engine of an older version survive (a reused pid only delays a
+    removal). Safe to call from any process at any time: every engine when it starts and when
     its shm transport sees a peer die, every store node periodically, the `yuebing serve`
     supervisor when a child dies. Peers that still map a swept file keep its memory until
     they unmap it."""
@@ -107,7 +109,8 @@ def sweep_dead_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[str]:
         return removed
     uid = os.getuid()
     for entry in entries:
-        if not entry.name.startswith(SHM_PREFIX):
+        pid = _creator(entry.name)
+        if pid is None or _pid_alive(pid):
             continue
         with contextlib.suppress(OSError):
             if entry.stat(follow_symlinks=False).st_uid == uid and _sweep_one(entry.path):
@@ -115,6 +118,24 @@ def sweep_dead_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[str]:
     if removed:
         log.info("swept %d dead segment files from %s", len(removed), shm_dir)
     return removed
+
+
+def _creator(name: str) -> int | None:
+    """The pid in a segment file's name (``yuebing-tx-PID-N``), None for other names."""
+    if not name.startswith(SHM_PREFIX):
+        return None
+    pid, _, n = name[len(SHM_PREFIX):].partition("-")
+    return int(pid) if pid.isdigit() and n.isdigit() else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _sweep_one(path: str) -> bool:
