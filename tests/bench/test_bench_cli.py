@@ -82,6 +82,8 @@ def test_tables_on_the_terminal(fake: FakeServer, tmp_path: Path,
     assert main(_serve(fake, str(trace), "--rate", "50", "--block-tokens", "16")) == 0
     out = capsys.readouterr().out
     assert "50 req/s" in out and "SLO attainment" in out and "'http_500': 1" in out
+    assert main(_serve(fake, str(trace), "--concurrency", "2", "--block-tokens", "16")) == 0
+    assert "2 in flight" in capsys.readouterr().out
 
 
 def test_bad_trace_fails_before_any_load(fake: FakeServer, tmp_path: Path,

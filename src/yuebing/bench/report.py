@@ -55,10 +55,6 @@ def check_out_paths(records: Path | None, plot_dir: Path | None) -> None:
                          f"('{existing}' is not a writable directory)")
 
 
-def _label(run: Run) -> str:
-    return "trace timing" if run.rate is None else f"{run.rate:g} req/s"
-
-
 def report(cfg: BenchConfig, model: str, source: str, runs: Sequence[Run],
            sweep: bool) -> dict[str, Any]:
     """The whole result as JSON-ready data: config, model, one entry per run, and for a
@@ -131,14 +127,14 @@ def print_tables(rep: dict[str, Any], runs: Sequence[Run], cfg: BenchConfig) -> 
     table = Table(title=f"{rep['model']} @ {cfg.endpoint} ({cfg.api}): {rep['workload']}")
     table.add_column("metric")
     for run in runs:
-        table.add_column(_label(run), justify="right")
+        table.add_column(run.label, justify="right")
     for name, cell in _ROWS:
         table.add_row(name, *(cell(run.summary) for run in runs))
     console.print(table)
     grid = Table(title="SLO attainment (share of all requests sent)")
     grid.add_column("TTFT ≤ / TBT ≤")
     for run in runs:
-        grid.add_column(_label(run), justify="right")
+        grid.add_column(run.label, justify="right")
     for x in cfg.slo_ttft:
         for y in cfg.slo_tbt:
             cells = [next(row["attainment"] for row in run.summary["slo"]
@@ -147,7 +143,7 @@ def print_tables(rep: dict[str, Any], runs: Sequence[Run], cfg: BenchConfig) -> 
     console.print(grid)
     for run in runs:
         if run.summary["errors_by_kind"]:
-            console.print(f"{_label(run)}: errors by kind {run.summary['errors_by_kind']}")
+            console.print(f"{run.label}: errors by kind {run.summary['errors_by_kind']}")
     if rep.get("interrupted"):
         console.print("interrupted: the last run covers only the requests answered before "
                       "Ctrl-C")
@@ -164,7 +160,7 @@ def _cdf(ax: Any, runs: Sequence[Run], attr: str, thresholds: Sequence[float],
     for run in runs:
         x = np.sort([getattr(r, attr) for r in run.results if r.status is Status.OK])
         if x.size:
-            ax.step(x * 1000, np.arange(1, x.size + 1) / x.size, where="post", label=_label(run))
+            ax.step(x * 1000, np.arange(1, x.size + 1) / x.size, where="post", label=run.label)
     for t in thresholds:
         ax.axvline(t * 1000, color="grey", linestyle="--", linewidth=0.8)
     ax.set_xlabel(f"{title} (ms)")

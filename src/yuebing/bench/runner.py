@@ -40,12 +40,23 @@ OnDone = Callable[[RequestResult], None]
 class Run:
     """One workload's outcome."""
 
+    label: str
+    """How requests were sent: ``"2 req/s"``, ``"8 in flight"``, ``"trace timing ×4"``."""
     rate: float | None
     """Poisson rate of the run (None: trace timestamps or closed loop)."""
     results: tuple[RequestResult, ...]
     summary: dict[str, Any]
     interrupted: bool = False
     """Stopped by Ctrl-C: ``results`` holds only the requests answered before it."""
+
+
+def run_label(cfg: BenchConfig, rate: float | None) -> str:
+    """The label of a run at ``rate`` (None: the trace's timing or a closed loop)."""
+    if rate is not None:
+        return f"{rate:g} req/s"
+    if cfg.concurrency:
+        return f"{cfg.concurrency} in flight"
+    return "trace timing" + (f" ×{cfg.speed:g}" if cfg.speed != 1.0 else "")
 
 
 def _clock() -> Callable[[], float]:
@@ -121,7 +132,8 @@ async def run_workloads(cfg: BenchConfig,
                 log.warning("interrupted: %d of %d requests of this run answered",
                             len(done), len(requests))
             done.sort(key=lambda r: r.index)
-            runs.append(Run(rate, tuple(done), summarize(done, cfg), interrupted))
+            runs.append(Run(run_label(cfg, rate), rate, tuple(done), summarize(done, cfg),
+                            interrupted))
             if interrupted or (cfg.stop_on_miss
                                and runs[-1].summary["attainment"] < cfg.target_attainment):
                 break

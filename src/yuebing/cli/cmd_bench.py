@@ -110,14 +110,13 @@ def _progress(show: bool) -> Any:
 def _run_all(cfg: BenchConfig, workloads: Sequence[tuple[float | None, Any]],
              show: bool) -> tuple[str, list[Any]]:
     from yuebing.bench.result import Status
-    from yuebing.bench.runner import run_bench
+    from yuebing.bench.runner import run_bench, run_label
 
     with _progress(show) as bar:
         state: dict[str, Any] = {}
 
         def on_start(rate: float | None, n: int) -> None:
-            label = "trace timing" if rate is None else f"{rate:g} req/s"
-            state["task"] = bar.add_task(label, total=n, status="")
+            state["task"] = bar.add_task(run_label(cfg, rate), total=n, status="")
             state["counts"] = dict.fromkeys(Status, 0)
 
         def on_done(res: Any) -> None:
