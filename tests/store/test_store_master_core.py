@@ -64,9 +64,10 @@ def test_two_phase_put_visibility() -> None:
     assert core.handle(m.PutEnd(client="other", key="k")).code == C.NOT_PENDING
     assert core.handle(m.PutEnd(client="c", key="k")) == m.Ok()
     assert exists(core, "k") == [True]
-    assert core.handle(m.GetReplicas(key="k")) == m.ReplicaList(
+    r = core.handle(m.GetReplicas(key="k"))
+    assert r == m.ReplicaList(
         key="k", size=5000, checksum=7, replicas=[m.Replica(segment="n0/dram", offset=0)],
-        lease_s=5.0)
+        lease_s=5.0, lease_id=r.lease_id) and r.lease_id
     assert core.handle(m.PutStart(client="c", item=m.PutItem(key="k", size=1))).code == C.EXISTS
     t2 = core.handle(m.PutStart(client="c", item=m.PutItem(key="p", size=100)))
     assert core.handle(m.PutStart(client="c", item=m.PutItem(key="p", size=100))) == t2  # retry
@@ -181,8 +182,8 @@ def test_prefix_match_and_remove_forms() -> None:
     assert core.handle(m.PrefixMatch(keys=["p/1", "p/2", "p/9", "p/3"])) == m.Count(n=2)
     assert core.handle(m.PrefixMatch(keys=[])) == m.Count(n=0)
     assert core.handle(m.BatchRemove(keys=["p/1", "nope"])).codes == [C.OK, C.NOT_FOUND]
-    assert core.handle(m.RemovePrefix(prefix="p/")) == m.Count(n=2)
-    assert core.handle(m.RemoveAll()) == m.Count(n=1)
+    assert core.handle(m.RemovePrefix(prefix="p/")) == m.Removed(n=2)
+    assert core.handle(m.RemoveAll()) == m.Removed(n=1)
     assert core.stats().values["dram_used"] == 0
 
 
@@ -246,10 +247,12 @@ def test_offload_to_ssd_then_promotion_on_hit() -> None:
     (owner, ptask), = core.outbox
     assert (ptask.src_segment, ptask.dst_segment) == ("n0/ssd", "n0/dram")
     core.handle(m.TaskDone(client="n0", task=ptask.task, ok=True))
+    lid = core.ready[0][1].lease_id  # type: ignore[attr-defined]
     reply = m.ReplicaList(key="a", size=4 * KiB, checksum=-1,
                           replicas=[m.Replica(segment="n0/dram", offset=ptask.dst_offset)],
-                          lease_s=core.cfg.lease_ttl_s)  # promotion waiters get a lease too
-    assert core.ready == [("w1", reply), ("w2", reply)]
+                          lease_s=core.cfg.lease_ttl_s, lease_id=lid)  # waiters get a lease too
+    assert core.ready == [("w1", reply), ("w2", reply)] and lid
+    assert core.leases.open["a"][0] == 2  # both readers count until they release it
 
 
 def test_replica_replies_carry_the_read_lease() -> None:

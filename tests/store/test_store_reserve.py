@@ -40,8 +40,8 @@ def test_reservation_is_invisible_to_every_listing_probe_and_removal() -> None:
     assert core.handle(m.PrefixMatch(keys=["a", r.key])) == m.Count(n=1)
     assert core.handle(m.GetReplicas(key=r.key)).code == C.NOT_FOUND  # type: ignore[union-attr]
     assert core.handle(m.Pin(keys=[r.key], hard=True)) == m.Codes(codes=[int(C.NOT_FOUND)])
-    assert core.handle(m.RemovePrefix(prefix=m.RESERVED_PREFIX, force=True)) == m.Count(n=0)
-    assert core.handle(m.RemoveAll(force=True)) == m.Count(n=1)  # "a" only
+    assert core.handle(m.RemovePrefix(prefix=m.RESERVED_PREFIX, force=True)) == m.Removed(n=0)
+    assert core.handle(m.RemoveAll(force=True)) == m.Removed(n=1)  # "a" only
     assert eviction.evict_for(core, 64 * KiB) == 0  # nothing committed left; never the reservation
     assert r.key in core.objs and core.events[-1] == (m.EventKind.REMOVED, "a", ["n0/dram"])
     st = core.stats().values
@@ -66,8 +66,9 @@ def test_commit_renames_commits_applies_pins_and_hands_out_the_next() -> None:
     assert done.reservation.key != r.key and done.reservation.replicas[0].offset == 2 * SIZE
     assert exists(core, "b") == [True] and r.key not in core.objs
     assert core.handle(m.Remove(key="b")).code == C.PINNED  # type: ignore[union-attr]
-    assert core.handle(m.GetReplicas(key="b")) == m.ReplicaList(
-        key="b", size=SIZE, checksum=77, replicas=r.replicas, lease_s=core.cfg.lease_ttl_s)
+    got = core.handle(m.GetReplicas(key="b"))
+    assert got == m.ReplicaList(key="b", size=SIZE, checksum=77, replicas=r.replicas,
+                                lease_s=core.cfg.lease_ttl_s, lease_id=got.lease_id)
     assert core.events[-1] == (m.EventKind.STORED, "b", ["n0/dram"])
     assert core.counters["puts"] == 2 and core.counters["reservations_committed"] == 1
     last = commit(core, done.reservation.key, "c", nxt=False)

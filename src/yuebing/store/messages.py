@@ -181,6 +181,16 @@ class BatchGetReplicas(Message, tag="store.batch_get_replicas"):
 
 
 @register_message
+class ReleaseLeases(Message, tag="store.release_leases"):
+    """One-way (no reply): the reads of these keys under these leases (`ReplicaList.lease_id`)
+    are over. A lease ends when every reader it was granted to released it (or at its
+    ``lease_s``, whichever comes first); a release of an older lease is ignored."""
+
+    keys: list[str]
+    ids: list[int]
+
+
+@register_message
 class Exists(Message, tag="store.exists"):
     """Is the key committed? Reply `Bools` with one entry. A probe: grants no lease."""
 
@@ -215,7 +225,8 @@ class BatchRemove(Message, tag="store.batch_remove"):
 
 @register_message
 class RemovePrefix(Message, tag="store.remove_prefix"):
-    """Remove every committed key starting with ``prefix``; reply `Count` (how many removed)."""
+    """Remove every committed key starting with ``prefix``; reply `Removed` (how many removed,
+    and the keys kept because a reader leases them or they are hard-pinned)."""
 
     prefix: str
     force: bool = False
@@ -359,24 +370,29 @@ class ReplicaList(Message, tag="store.replica_list"):
     """Where to read a committed value, and ``lease_s``: seconds from the master's reply that
     the value stays put (not evicted, moved off these replicas or removed unforced). The client
     converts it to its own monotonic deadline, measured from before its request, and starts no
-    read past it (it asks again); 0 = no lease (``--lease-ttl-s 0``): reads are not bounded."""
+    read past it (it asks again); 0 = no lease (``--lease-ttl-s 0``): reads are not bounded.
+    ``lease_id`` names the lease for `ReleaseLeases`, which the client sends once its read is
+    over, so the value is evictable and removable at once, not only when ``lease_s`` ends."""
 
     key: str
     size: int
     checksum: int
     replicas: list[Replica]
     lease_s: float
+    lease_id: int = 0
 
 
 @register_message
 class BatchReplicaList(Message, tag="store.batch_replica_list"):
-    """`ReplicaList` of many keys; ``lease_s`` holds for every key found (``codes`` OK)."""
+    """`ReplicaList` of many keys; ``lease_s`` holds for every key found (``codes`` OK), each
+    under its ``lease_ids`` entry (0 where not found)."""
 
     codes: list[int]
     sizes: list[int]
     checksums: list[int]
     replicas: list[list[Replica]]
     lease_s: float
+    lease_ids: list[int] = []
 
 
 @register_message
@@ -392,6 +408,21 @@ class Codes(Message, tag="store.codes"):
 @register_message
 class Count(Message, tag="store.count"):
     n: int
+
+
+REMOVED_SAMPLE = 1000
+
+
+@register_message
+class Removed(Message, tag="store.removed"):
+    """Reply to `RemovePrefix` / `RemoveAll`: ``n`` values removed; ``kept`` values matched but
+    stayed (unforced): those a reader leases — their keys in ``leased`` — and hard-pinned ones
+    (``pinned``), at most `REMOVED_SAMPLE` keys listed in each."""
+
+    n: int
+    kept: int = 0
+    leased: list[str] = []
+    pinned: list[str] = []
 
 
 DRAIN_SAMPLE = 16

@@ -117,9 +117,12 @@ class AsyncStoreClient(AsyncPuts):
         ``put_retries`` times), then `cm.ReadLeaseExpired`."""
         for _ in range(self.cfg.put_retries + 1):
             r, deadline = await self._replicas(key)
-            mv = buffer(r.size)
-            if await self._read(key, mv, r.size, r.checksum, r.replicas, deadline):
-                return r.size, mv
+            try:
+                mv = buffer(r.size)
+                if await self._read(key, mv, r.size, r.checksum, r.replicas, deadline):
+                    return r.size, mv
+            finally:  # the read is over: its lease ends now, not at lease_s
+                self._release([key], [r.lease_id])
             log.info("get %s: its read lease (%.3fs) ran out before a replica was read; "
                      "asking again", key, r.lease_s)
         raise cm.ReadLeaseExpired(
@@ -183,8 +186,12 @@ class AsyncStoreClient(AsyncPuts):
                 assert isinstance(r, m.BatchReplicaList)
             else:
                 (r, sent), first = first, None
-            todo = await self._batch_read_once(keys, mvs, todo, r,
-                                               cm.read_deadline(sent, r.lease_s), sizes)
+            asked = todo
+            try:
+                todo = await self._batch_read_once(keys, mvs, todo, r,
+                                                   cm.read_deadline(sent, r.lease_s), sizes)
+            finally:  # these reads are over: their leases end now
+                self._release([keys[i] for i in asked], r.lease_ids or [0] * len(asked))
             if not todo:
                 return sizes
         log.warning("batch get: %d keys left unread, each of their %d read leases ran out "
@@ -241,11 +248,23 @@ class AsyncStoreClient(AsyncPuts):
         r, resent = await self.rpc.call_tracked(m.BatchRemove(keys=list(keys), force=force))
         return removed_codes(r.codes, resent)  # type: ignore[attr-defined]
 
-    async def remove_prefix(self, prefix: str, force: bool = False) -> int:
-        return (await self.rpc.call(m.RemovePrefix(prefix=prefix, force=force))).n  # type: ignore[attr-defined]
+    def _release(self, keys: list[str], ids: list[int]) -> None:
+        """`StoreClient._release`: these reads are over (one-way `ReleaseLeases`)."""
+        msg = cm.released(keys, ids)
+        if msg is not None:
+            self.rpc.post(msg)
 
-    async def remove_all(self, force: bool = False) -> int:
-        return (await self.rpc.call(m.RemoveAll(force=force))).n  # type: ignore[attr-defined]
+    async def remove_prefix(self, prefix: str, force: bool = False) -> m.Removed:
+        """`StoreClient.remove_prefix`: removed and kept (leased, pinned) values."""
+        r = await self.rpc.call(m.RemovePrefix(prefix=prefix, force=force))
+        assert isinstance(r, m.Removed)
+        return r
+
+    async def remove_all(self, force: bool = False) -> m.Removed:
+        """`remove_prefix` of every key."""
+        r = await self.rpc.call(m.RemoveAll(force=force))
+        assert isinstance(r, m.Removed)
+        return r
 
     async def pin(self, keys: Sequence[str], hard: bool = False, soft_pin_s: float = 0.0,
                   unpin: bool = False) -> list[int]:

@@ -115,9 +115,12 @@ class StoreClient(Puts):
         ranges that may hold another value by now, then `cm.ReadLeaseExpired`."""
         for _ in range(self.cfg.put_retries + 1):
             r, deadline = self._replicas(key)
-            mv = buffer(r.size)
-            if self._read_one(key, mv, r.size, r.checksum, r.replicas, deadline):
-                return r.size, mv
+            try:
+                mv = buffer(r.size)
+                if self._read_one(key, mv, r.size, r.checksum, r.replicas, deadline):
+                    return r.size, mv
+            finally:  # the read is over: its lease ends now, not at lease_s
+                self._release([key], [r.lease_id])
             log.info("get %s: its read lease (%.3fs) ran out before a replica was read; "
                      "asking again", key, r.lease_s)
         raise cm.ReadLeaseExpired(
@@ -165,8 +168,12 @@ class StoreClient(Puts):
                 assert isinstance(r, m.BatchReplicaList)
             else:
                 (r, sent), first = first, None
-            todo = self._batch_read_once(keys, mvs, todo, r, cm.read_deadline(sent, r.lease_s),
-                                         sizes)
+            asked = todo
+            try:
+                todo = self._batch_read_once(keys, mvs, todo, r,
+                                             cm.read_deadline(sent, r.lease_s), sizes)
+            finally:  # these reads are over: their leases end now
+                self._release([keys[i] for i in asked], r.lease_ids or [0] * len(asked))
             if not todo:
                 return sizes
         log.warning("batch get: %d keys left unread, each of their %d read leases ran out "
@@ -221,6 +228,13 @@ class StoreClient(Puts):
             out[i] = v
         return out
 
+    def _release(self, keys: list[str], ids: list[int]) -> None:
+        """Tell the master these reads are over (`cm.released`; one-way, in order with the
+        next call on the connection, so this client's next put finds their space evictable)."""
+        msg = cm.released(keys, ids)
+        if msg is not None:
+            self.rpc.post(msg)
+
     # ------------------------------------------------------------------ queries / removal
     def exists(self, key: str) -> bool:
         return self.rpc.call(m.Exists(key=key)).values[0]  # type: ignore[attr-defined]
@@ -246,11 +260,19 @@ class StoreClient(Puts):
         r, resent = self.rpc.call_tracked(m.BatchRemove(keys=list(keys), force=force))
         return removed_codes(r.codes, resent)  # type: ignore[attr-defined]
 
-    def remove_prefix(self, prefix: str, force: bool = False) -> int:
-        return self.rpc.call(m.RemovePrefix(prefix=prefix, force=force)).n  # type: ignore[attr-defined]
+    def remove_prefix(self, prefix: str, force: bool = False) -> m.Removed:
+        """Remove every value whose key starts with ``prefix``: `messages.Removed` counts those
+        removed (``n``) and those kept (``kept``: a read in flight leases them, ``leased``, or
+        they are hard-pinned, ``pinned``; ``force`` removes them too)."""
+        r = self.rpc.call(m.RemovePrefix(prefix=prefix, force=force))
+        assert isinstance(r, m.Removed)
+        return r
 
-    def remove_all(self, force: bool = False) -> int:
-        return self.rpc.call(m.RemoveAll(force=force)).n  # type: ignore[attr-defined]
+    def remove_all(self, force: bool = False) -> m.Removed:
+        """`remove_prefix` of every key."""
+        r = self.rpc.call(m.RemoveAll(force=force))
+        assert isinstance(r, m.Removed)
+        return r
 
     def pin(self, keys: Sequence[str], hard: bool = False, soft_pin_s: float = 0.0,
             unpin: bool = False) -> list[int]:

@@ -137,6 +137,18 @@ class MasterConnection(_Base):
                 raise StoreRpcError(reply.code, reply.message, lost)
             return reply, lost
 
+    def post(self, msg: Message) -> None:
+        """Send a one-way ``msg`` (`messages.ReleaseLeases`: no reply comes) on the open
+        connection, in order with the calls on it; dropped when none is open or the send
+        fails (what it says then lapses on its own)."""
+        if self.sock is None:
+            return
+        try:
+            self.sock.send(next(self._ids), encode(msg))
+        except OSError as e:
+            log.info("master %s: one-way %s not sent: %s", self.address, type(msg).__name__, e)
+            self.close()
+
     def _open_socket(self, timeout_s: float) -> FrameSocket:
         """The connection to send on: the open one unless the master closed it while it was
         idle (frames that arrived meanwhile are taken first: pushes handed on, late replies
@@ -255,6 +267,14 @@ class AsyncMasterConnection(_Base):
     async def call(self, msg: Message) -> Message:
         """Send ``msg`` and return the reply; `StoreRpcError` for an `Err` reply."""
         return (await self.call_tracked(msg))[0]
+
+    def post(self, msg: Message) -> None:
+        """`MasterConnection.post`: a one-way ``msg`` written on the open connection (in order
+        with the calls on it), dropped when none is open."""
+        if self._writer is None or self._writer.is_closing():
+            return
+        payload = encode(msg)
+        self._writer.write(HEADER.pack(len(payload), next(self._ids)) + payload)
 
     async def call_tracked(self, msg: Message) -> tuple[Message, bool]:
         """`call`, and whether the request was sent again after a try whose reply never came."""

@@ -29,6 +29,7 @@ from yuebing.store import messages as m
 from yuebing.store.config import MasterConfig
 from yuebing.store.master import eviction, fence, fit, migration, removal, reserve, segments
 from yuebing.store.master.incarnations import heartbeat as node_heartbeat
+from yuebing.store.master.leases import Leases, count_out, grant, release, sweep
 from yuebing.store.master.placement import PLACEMENTS, PlacementRequest
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState, Session, Task
 
@@ -64,6 +65,7 @@ class MasterCore:
         self.sessions: dict[str, Session] = {}
         self.tasks: dict[int, Task] = {}
         self.drains = migration.Drains()
+        self.leases = Leases()
         self.parked: list[fit.Parked] = []
         """Puts waiting for room (`fit`)."""
         self.room_wait = False
@@ -88,6 +90,7 @@ class MasterCore:
             m.BatchPutStart: self.batch_put_start, m.BatchPutEnd: self.batch_put_end,
             m.BatchPutRevoke: self.batch_put_revoke, m.GetReplicas: self.get_replicas,
             m.BatchGetReplicas: self.batch_get_replicas, m.Exists: self.exists,
+            m.ReleaseLeases: partial(release, self),
             m.BatchExists: self.batch_exists, m.PrefixMatch: self.prefix_match,
             m.Remove: partial(removal.remove, self),
             m.BatchRemove: partial(removal.batch_remove, self),
@@ -342,16 +345,18 @@ class MasterCore:
         now = self.clock.now()
         if self.drains.since and o.lease > now:  # only while a drain runs: a reader from
             migration.keep_lease(self, key, o)   # before it may still copy a draining replica
-        o.lease = now + self.cfg.lease_ttl_s
+        lid = grant(self, key, o)
         self.objs[key] = self.objs.pop(key)  # LRU: most recent at the end
         reps = self._dram_reps(o, key)
         if reps:
             return m.ReplicaList(key=key, size=o.size, checksum=o.checksum, replicas=reps,
-                                 lease_s=self.cfg.lease_ttl_s)
+                                 lease_s=self.cfg.lease_ttl_s, lease_id=lid)
+        count_out(self, key, lid, now, end=False)  # the promotion's reply grants its own
         code, text = segments.promote(self, key, o, waiter)
         if code == C.NO_SPACE and (ssd := segments.ssd_replicas(self, o)):
             return m.ReplicaList(key=key, size=o.size, checksum=o.checksum, replicas=ssd,
-                                 lease_s=self.cfg.lease_ttl_s)  # read from the SSD tier
+                                 lease_s=self.cfg.lease_ttl_s,  # read from the SSD tier
+                                 lease_id=grant(self, key, o))
         return None if code == C.OK else err(code, text)
 
     def _dram_reps(self, o: Obj, key: str | None = None) -> list[m.Replica]:
@@ -362,6 +367,7 @@ class MasterCore:
         sizes: list[int] = []
         sums: list[int] = []
         reps: list[list[m.Replica]] = []
+        lids: list[int] = []
         for key in msg.keys:
             r = self.get_replicas(m.GetReplicas(key=key), None)
             if isinstance(r, m.ReplicaList):
@@ -369,13 +375,15 @@ class MasterCore:
                 sizes.append(r.size)
                 sums.append(r.checksum)
                 reps.append(r.replicas)
+                lids.append(r.lease_id)
             else:
                 codes.append(r.code if isinstance(r, m.Err) else int(C.PROMOTING))
                 sizes.append(0)
                 sums.append(-1)
                 reps.append([])
+                lids.append(0)
         return m.BatchReplicaList(codes=codes, sizes=sizes, checksums=sums, replicas=reps,
-                                  lease_s=self.cfg.lease_ttl_s)
+                                  lease_s=self.cfg.lease_ttl_s, lease_ids=lids)
 
     def exists(self, msg: m.Exists) -> Message:
         o = self.objs.get(msg.key)
@@ -429,6 +437,7 @@ class MasterCore:
         """Housekeeping, called every ``tick_s`` by the adapter."""
         self.quarantine.release_due(self.clock.now(), self.segs)
         segments.expire_sessions(self)
+        sweep(self)  # leases that expired unreleased
         segments.reclaim_zombies(self)
         eviction.watermark(self)
         fit.keep_fit(self)

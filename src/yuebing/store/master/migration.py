@@ -47,6 +47,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from yuebing.store import messages as m
+from yuebing.store.master.leases import grant
 from yuebing.store.master.placement import PlacementRequest, free_ratio_first
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState, Task
 
@@ -366,10 +367,10 @@ def finished(core: MasterCore, t: Task, o: Obj) -> None:
     file_key(core, t.key, o)  # spare now (unless its destination began draining meanwhile):
     core.counters["migrations_done"] += 1  # eviction's drain pass may drop the old replica
     if t.waiters:  # readers of an SSD-only value asked while it moved: answer from the copy
-        o.lease = core.clock.now() + core.cfg.lease_ttl_s
+        lid = grant(core, t.key, o, len(t.waiters))
         reply = m.ReplicaList(key=t.key, size=o.size, checksum=o.checksum,
                               replicas=core._dram_reps(o, t.key),
-                              lease_s=core.cfg.lease_ttl_s)
+                              lease_s=core.cfg.lease_ttl_s, lease_id=lid)
         core.ready.extend((w, reply) for w in t.waiters)
     pump(core)
 

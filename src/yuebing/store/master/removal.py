@@ -2,9 +2,11 @@
 `RemovePrefix`, `RemoveAll` and `Pin` handlers (registered in `MasterCore.handlers`, called by
 `MasterCore.handle` with the core first).
 
-A removal is refused while the value is leased to a reader (``LEASED``) or hard-pinned
-(``PINNED``) unless forced; a removed value's ranges are freed (`MasterCore._drop`: a REMOVED
-event and a ``del`` replication entry). Pending puts and reservations are invisible here: only
+A removal is refused while the value is leased to a reader (``LEASED``: a read is in flight —
+a finished read released its lease, `leases`) or hard-pinned (``PINNED``) unless forced;
+`RemovePrefix` / `RemoveAll` report the values they kept that way (`Removed`). A removed
+value's ranges are freed (`MasterCore._drop`: a REMOVED event and a ``del`` replication
+entry). Pending puts and reservations are invisible here: only
 COMMITTED objects are removed or pinned. A pin change is replicated as a ``pin`` entry (hard pin
 and the soft pin's remaining seconds: entries carry no absolute times).
 """
@@ -37,9 +39,21 @@ def batch_remove(core: MasterCore, msg: m.BatchRemove) -> m.Message:
 
 
 def remove_prefix(core: MasterCore, msg: m.RemovePrefix) -> m.Message:
+    """Remove every committed value under ``msg.prefix``; the reply counts the removed ones and
+    names the ones kept (leased to a reader, or hard-pinned), never skipping any silently."""
     now = core.clock.now()
     keys = [k for k, o in core.objs.items() if o.state == COMMITTED and k.startswith(msg.prefix)]
-    return m.Count(n=sum(remove_one(core, k, msg.force, now)[0] == C.OK for k in keys))
+    out = m.Removed(n=0)
+    for k in keys:
+        code = remove_one(core, k, msg.force, now)[0]
+        if code == C.OK:
+            out.n += 1
+        elif code in (C.LEASED, C.PINNED):
+            out.kept += 1
+            kept = out.leased if code == C.LEASED else out.pinned
+            if len(kept) < m.REMOVED_SAMPLE:
+                kept.append(k)
+    return out
 
 
 def remove_all(core: MasterCore, msg: m.RemoveAll) -> m.Message:

@@ -23,7 +23,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from yuebing.store import messages as m
-from yuebing.store.master import fence, fit, incarnations, migration, reserve
+from yuebing.store.master import fence, fit, incarnations, leases, migration, reserve
 from yuebing.store.master.allocator import OffsetAllocator
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState
 
@@ -291,10 +291,10 @@ def task_done(core: MasterCore, msg: m.TaskDone) -> None:
         migration.finished(core, t, o)
     elif t.promote:
         o.reps = (t.dst, *o.reps)
-        o.lease = core.clock.now() + core.cfg.lease_ttl_s
+        lid = leases.grant(core, t.key, o, len(t.waiters))
         reply = m.ReplicaList(key=t.key, size=o.size, checksum=o.checksum,
                               replicas=core._dram_reps(o, t.key),
-                              lease_s=core.cfg.lease_ttl_s)  # a draining one is noted
+                              lease_s=core.cfg.lease_ttl_s, lease_id=lid)  # draining: noted
         core.ready.extend((w, reply) for w in t.waiters)
     elif o.lease > core.clock.now():  # read while offloading: keep both copies for now;
         o.reps = (*o.reps, t.dst)      # eviction drops the DRAM one once the lease is over
