@@ -109,7 +109,9 @@ def engine_config(cfg: InstanceConfig) -> EngineConfig:
     return EngineConfig(model=cfg.model, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads,
                         num_blocks=cfg.num_blocks, kv_cache_bytes=cfg.kv_cache_bytes,
                         max_batch_tokens=cfg.max_batch_tokens, max_num_seqs=cfg.max_num_seqs,
-                        max_model_len=cfg.max_model_len, weights_seed=cfg.weights_seed)
+                        max_model_len=cfg.max_model_len, weights_seed=cfg.weights_seed,
+                        attention=cfg.attention, prefill_attention=cfg.prefill_attention,
+                        kernels=cfg.kernels)
 
 
 class Instance:
@@ -154,6 +156,7 @@ class Instance:
         self.control_address = ""
         self.instance_id = cfg.instance_id
         self._stopping = False
+        self._peers: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -225,6 +228,9 @@ class Instance:
         for task in list(self.tasks.values()):
             self._event(task, EventKind.ERROR, error_code=ErrorCode.SHUTTING_DOWN,
                         error="the instance is shutting down")
+        for client in self._peers.values():
+            with contextlib.suppress(Exception):
+                await client.close()
         self.driver.close()
         self.io.shutdown(wait=False, cancel_futures=True)
         if self.store is not None:
@@ -311,7 +317,15 @@ class Instance:
                       f"a {self.role.label} instance takes no reservations")
 
     async def on_fetch_prefix(self, msg: FetchPrefix) -> Message:
-        raise Refused(ErrorCode.BAD_REQUEST, f"a {self.role.label} instance serves no prefixes")
+        if self.role == Role.DECODE:
+            raise Refused(ErrorCode.BAD_REQUEST, "a decode instance serves no prefixes")
+        from yuebing.instance.peer import serve_fetch
+        return await serve_fetch(self, msg)
+
+    def peer_client(self, address: str) -> Any:
+        """The (cached) client of another instance's control server."""
+        from yuebing.instance.peer import peer_client_for
+        return peer_client_for(self._peers, address)
 
     async def on_cancel(self, request_id: str) -> bool:
         task = self.tasks.pop(request_id, None)

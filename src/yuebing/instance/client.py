@@ -123,7 +123,7 @@ class InstanceClient:
             raise
 
     async def reserve(self, request_id: str, token_ids: list[int], sampling: Sampling,
-                      timeout_s: float = 30.0) -> Reserved:
+                      timeout_s: float = 120.0) -> Reserved:
         """Decode side: hold KV blocks for the prompt; its events arrive on `events`."""
         self._open_events(request_id)
         try:

@@ -35,6 +35,12 @@ class InstanceConfig:
     max_batch_tokens: int = field(default=512, metadata={
         "help": "tokens per engine step (prefill chunk budget)"})
     max_num_seqs: int = field(default=64, metadata={"help": "requests in a batch"})
+    attention: str = field(default="auto", metadata={
+        "help": "engine attention path (auto = measured at start; pin it so instances compute "
+                "bit-identical KV)"})
+    prefill_attention: str = field(default="same", metadata={
+        "help": "engine prefill attention path (same, auto, grouped, sdpa, blas, flash)"})
+    kernels: str = field(default="auto", metadata={"help": "engine kernels: auto, native, torch"})
     max_model_len: int = field(default=0, metadata={"help": "context limit (0 = the model's)"})
     weights_seed: int = field(default=0, metadata={"help": "seed of dummy weights"})
     store_master: str = field(default="", metadata={
@@ -45,8 +51,9 @@ class InstanceConfig:
     save_to_store: bool = field(default=True, metadata={
         "help": "save new prefill blocks to the store"})
     report_hz: float = field(default=10.0, metadata={"help": "load reports per second"})
-    reserve_timeout_s: float = field(default=30.0, metadata={
-        "help": "decode: a reservation whose KV has not arrived by then is dropped"})
+    reserve_timeout_s: float = field(default=300.0, metadata={
+        "help": "decode: the longest a reservation waits for its KV (the Conductor asks for "
+                "less per request) before it is dropped"})
     kv_headroom_blocks: int = field(default=0, metadata={
         "help": "decode: refuse a reservation that would leave fewer free blocks (room for "
                 "the running batch to grow without preemption)"})

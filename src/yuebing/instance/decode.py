@@ -83,7 +83,8 @@ class DecodeInstance(Instance):
 
         blocks = await self.driver.run(reserve)
         task = Task(msg.request_id, ident, ids, params)
-        task.extra.update(blocks=blocks, deadline=time.monotonic() + msg.timeout_s)
+        timeout = min(msg.timeout_s, self.cfg.reserve_timeout_s)
+        task.extra.update(blocks=blocks, deadline=time.monotonic() + timeout)
         self.tasks[task.request_id] = task
         return Reserved(seq=msg.seq, target=DecodeTarget(
             instance_id=self.instance_id, segment=self.transfer.segment_name("kv"),

@@ -110,7 +110,10 @@ class PrefillInstance(CoupledInstance):
             if err:
                 self.fail(task, ErrorCode.TRANSFER, f"notifying the decode failed: {err}")
                 return
-            task.breakdown.transfer_s = max(0.0, result.complete_at - result.last_layer_at)
+            b = task.breakdown
+            b.transfer_s = max(0.0, result.complete_at - result.last_layer_at)
+            b.kv_bytes, b.streamed_layers = result.bytes, result.layers
+            b.layers_before_prefill_end = result.layers_before_last
             self.finish(task, "handoff")
         finally:
             await self.driver.run(lambda e: e.release(rid))

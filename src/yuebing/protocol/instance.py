@@ -160,8 +160,9 @@ class Reserve(Message, tag="inst.reserve"):
     sampling: Sampling
     token_ids: list[int] = []
     """The prompt (the decode instance needs it for detokenizing and stop strings)."""
-    timeout_s: float = 30.0
-    """The reservation is dropped if no KV arrives within this time."""
+    timeout_s: float = 120.0
+    """The reservation is dropped if no KV arrives within this time (the Conductor sets it
+    from the request's TTFT estimate; a long prompt on a busy prefill takes a while)."""
 
 
 @register_message
@@ -249,6 +250,12 @@ class Breakdown(Message, tag="inst.breakdown"):
     """From the end of the prefill's last layer to the KV being complete at the decode."""
     decode_wait_s: float = 0.0
     """From the KV being complete to the first decode step."""
+    kv_bytes: int = 0
+    """KV bytes streamed to the decode (prefill)."""
+    streamed_layers: int = 0
+    layers_before_prefill_end: int = 0
+    """Layers whose KV had fully reached the decode before the prefill's last layer was
+    computed (layer-wise streaming at work: ideally all but the last)."""
 
 
 @register_message

@@ -1,0 +1,103 @@
+"""Prefix KV between instances (Algorithm 1's transfer from the holder, which also replicates
+hot blocks): an instance told to load ``PrefixPlan(source="peer")`` asks the holder with
+`FetchPrefix` to WRITE the KV of its longest cached run of the prompt's blocks into this
+instance's registered staging memory, then installs it in its own prefix cache.
+
+Both halves: `fetch_from_peer` (requester, from `Instance.load_prefix`) and `serve_fetch`
+(holder, `Instance.on_fetch_prefix` of prefill and coupled roles). A fingerprint mismatch or a
+cold holder answers 0 blocks: a miss, never an error, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from yuebing.engine.engine import LLMEngine
+from yuebing.engine.kv_transfer import import_prefix
+from yuebing.instance.client import InstanceClient
+from yuebing.protocol.instance import Fetched, FetchPrefix, PrefixPlan
+from yuebing.transfer.types import OpCode, TransferRequest
+
+if TYPE_CHECKING:
+    from yuebing.instance.base import Instance, Task
+
+log = logging.getLogger(__name__)
+
+
+def _cached_run(engine: LLMEngine, ids: list[int], max_blocks: int) -> list[int]:
+    bs, alloc = engine.block_size, engine.allocator
+    blocks = []
+    for i, key in enumerate(engine.block_keys(ids[:max_blocks * bs])):
+        b = alloc.lookup(key, ids[i * bs:(i + 1) * bs])
+        if b is None:
+            break
+        blocks.append(b)
+    return blocks
+
+
+async def serve_fetch(inst: Instance, msg: FetchPrefix) -> Fetched:
+    """Holder side: copy the cached run out (driver thread), WRITE it to the requester."""
+    engine = inst.engine
+    if msg.fingerprint != engine.fingerprint or msg.max_tokens <= 0:
+        return Fetched(seq=msg.seq, blocks=0)
+    max_blocks = min(msg.max_tokens // engine.block_size,
+                     msg.capacity_bytes // engine.pool.block_nbytes)
+    ids = list(msg.token_ids)
+
+    def export(e: LLMEngine) -> torch.Tensor | None:
+        run = _cached_run(e, ids, max_blocks)
+        return e.pool.export_blocks(run) if run else None
+
+    data = await inst.driver.run(export)
+    if data is None:
+        return Fetched(seq=msg.seq, blocks=0)
+    raw = data.view(torch.uint8).reshape(-1).numpy()
+    req = TransferRequest(OpCode.WRITE, raw, msg.segment, msg.offset, raw.nbytes)
+    await asyncio.get_running_loop().run_in_executor(
+        None, lambda: inst.transfer.transfer([req], inst.cfg.transfer_timeout_s))
+    return Fetched(seq=msg.seq, blocks=int(data.shape[0]))
+
+
+async def fetch_from_peer(inst: Instance, task: Task, plan: PrefixPlan) -> int:
+    """Requester side: returns the tokens now in this engine's prefix cache from the peer."""
+    if not plan.peer_address:
+        log.warning("%s: a peer prefix plan without peer_address; computing it",
+                    task.request_id)
+        return 0
+    engine = inst.engine
+    nblocks = min(plan.tokens, len(task.token_ids)) // engine.block_size
+    taken = inst.connector.staging.take(nblocks * engine.pool.block_nbytes) if nblocks else None
+    if taken is None:
+        return 0
+    lease, buf = taken
+    try:
+        client = inst.peer_client(plan.peer_address)
+        n = await client.fetch_prefix(FetchPrefix(
+            seq=0, token_ids=task.token_ids, max_tokens=nblocks * engine.block_size,
+            segment=inst.transfer.segment_name("staging"), offset=lease - 1,
+            capacity_bytes=buf.numel(), fingerprint=engine.fingerprint),
+            timeout_s=inst.cfg.transfer_timeout_s)
+        if n <= 0:
+            return 0
+        data = buf[:n * engine.pool.block_nbytes].view(engine.pool.dtype).view(
+            n, *engine.pool.block_shape)
+        ids = task.token_ids
+        await inst.driver.run(lambda e: import_prefix(e, ids, data, e.fingerprint))
+        return n * engine.block_size
+    except Exception as e:
+        log.warning("%s: prefix from peer %s failed, computing it: %s", task.request_id,
+                    plan.peer or plan.peer_address, e)
+        return 0
+    finally:
+        inst.connector.staging.give(lease)
+
+
+def peer_client_for(cache: dict[str, InstanceClient], address: str) -> InstanceClient:
+    client = cache.get(address)
+    if client is None or client.closed:
+        client = cache[address] = InstanceClient(address)
+    return client
