@@ -79,6 +79,8 @@ class Delta:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    received_s: float = 0.0
+    """``time.perf_counter()`` when the event reached the Conductor."""
 
 
 _FINISH = {"stop": "stop", "eos": "stop", "stop_string": "stop", "length": "length",
@@ -181,19 +183,22 @@ class Dispatcher:
         try:
             if coupled:
                 involved.append(pre)
+                stats.dispatched_s = time.perf_counter()
                 await pre.client.submit(SubmitTask(
                     seq=0, request_id=rid, token_ids=req.prompt_ids, sampling=req.sampling,
                     mode=TaskMode.COUPLED, prefix=plan))
             else:
                 involved.append(dec)
+                t0 = time.perf_counter()
                 reserved = await dec.client.reserve(
                     rid, req.prompt_ids, req.sampling,
                     timeout_s=max(1.0, deadline - time.monotonic()))
+                stats.reserve_s = time.perf_counter() - t0
                 involved.append(pre)
+                stats.dispatched_s = time.perf_counter()
                 await pre.client.submit(SubmitTask(
                     seq=0, request_id=rid, token_ids=req.prompt_ids, sampling=req.sampling,
                     mode=TaskMode.PREFILL, prefix=plan, decode=reserved.target))
-            stats.dispatched_s = time.perf_counter()
             m.overhead.observe(stats.dispatch_s)
             async for delta in self._relay(rid, pre, dec, coupled, stats, deadline):
                 yield delta
@@ -213,20 +218,21 @@ class Dispatcher:
 
     async def _relay(self, rid: str, pre: Member, dec: Member, coupled: bool,
                      stats: RequestStats, deadline: float) -> AsyncIterator[Delta]:
-        merged: asyncio.Queue[tuple[bool, TaskEvent]] = asyncio.Queue()
+        merged: asyncio.Queue[tuple[bool, TaskEvent, float]] = asyncio.Queue()
         pumps = [asyncio.create_task(_pump(pre, rid, False, merged))]
         if not coupled:
             pumps.append(asyncio.create_task(_pump(dec, rid, True, merged)))
-        early: deque[tuple[bool, TaskEvent]] = deque()
+        early: deque[tuple[bool, TaskEvent, float]] = deque()
         first = False
         try:
             while True:
                 if first and early:
-                    from_decode, ev = early.popleft()
+                    from_decode, ev, received = early.popleft()
                 else:
                     left = deadline - time.monotonic()
                     try:
-                        from_decode, ev = await asyncio.wait_for(merged.get(), max(left, 0.0))
+                        from_decode, ev, received = await asyncio.wait_for(merged.get(),
+                                                                           max(left, 0.0))
                     except TimeoutError:
                         raise RequestFailed("timeout", f"request {rid} ran past "
                                             f"{self.request_timeout_s:.0f} s") from None
@@ -242,14 +248,14 @@ class Dispatcher:
                     raise RequestFailed(code, f"instance {source.id}: {ev.error}")
                 if not first:
                     if from_decode:
-                        early.append((from_decode, ev))
+                        early.append((from_decode, ev, received))
                         continue
                     first = True
                     stats.cached_tokens = ev.cached_tokens
                     self.cluster.prefill_done(rid, pre.id)
                 elif not (coupled or from_decode):
                     continue  # the prefill's own end of stream
-                delta = _delta(ev, stats)
+                delta = _delta(ev, stats, received)
                 yield delta
                 if delta.finish_reason is not None:
                     return
@@ -258,8 +264,8 @@ class Dispatcher:
                 p.cancel()
 
 
-def _delta(ev: TaskEvent, stats: RequestStats) -> Delta:
-    now = time.perf_counter()
+def _delta(ev: TaskEvent, stats: RequestStats, received: float) -> Delta:
+    now = received
     n = len(ev.token_ids)
     if stats.first_token_s is None and n:
         stats.first_token_s = now
@@ -274,14 +280,14 @@ def _delta(ev: TaskEvent, stats: RequestStats) -> Delta:
         reason = _FINISH.get(ev.finish_reason or "stop", "stop")
         stats.finish_reason = reason
         stats.end_s = now
-    return Delta(list(ev.token_ids), ev.text, reason)
+    return Delta(list(ev.token_ids), ev.text, reason, received)
 
 
 async def _pump(m: Member, rid: str, from_decode: bool,
-                out: asyncio.Queue[tuple[bool, TaskEvent]]) -> None:
+                out: asyncio.Queue[tuple[bool, TaskEvent, float]]) -> None:
     try:
         async for ev in m.client.events(rid):
-            out.put_nowait((from_decode, ev))
+            out.put_nowait((from_decode, ev, time.perf_counter()))
     except InstanceError:  # the stream was closed (cancelled) before we read it
         return
 

@@ -55,7 +55,8 @@ class ConductorMetrics:
         self.running = Gauge("yuebing:num_requests_running", "requests in flight", registry=r)
         self.instances = Gauge("yuebing:instances_alive", "instances in the view", ["role"],
                                registry=r)
-        self.ttft = hist("time_to_first_token_seconds", "HTTP arrival to first token sent")
+        self.ttft = hist("time_to_first_token_seconds",
+                         "HTTP arrival to the first token reaching the Conductor")
         self.tbt = hist("time_between_tokens_seconds",
                         "per request: mean of its longest 10 % token intervals (paper TBT)", _TBT)
         self.queue = hist("request_queue_time_seconds", "time queued on the prefill instance")
@@ -67,10 +68,13 @@ class ConductorMetrics:
         self.decode_wait = hist("request_decode_wait_time_seconds",
                                 "KV complete to the first decode step")
         self.e2e = hist("e2e_request_latency_seconds", "HTTP arrival to the last token")
+        overhead = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                    0.25, 1.0)
         self.overhead = hist("conductor_dispatch_seconds",
-                             "HTTP arrival to the task sent to the instances (Conductor overhead)",
-                             (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                              0.1, 0.25, 1.0))
+                             "Conductor overhead: HTTP arrival to the task sent to the instances "
+                             "(the decode reservation's round trip excluded)", overhead)
+        self.relay = hist("conductor_relay_seconds", "Conductor overhead: an instance's token "
+                          "event received to its chunk sent to the client", overhead)
 
     def finished(self, s: RequestStats) -> None:
         self.prompt_tokens.inc(s.prompt_tokens)

@@ -26,6 +26,9 @@ class RequestStats:
     decode_id: str = ""
     prefix_source: str = ""
     dispatched_s: float | None = None
+    """When the prefill (or coupled) task was sent."""
+    reserve_s: float = 0.0
+    """Round trip of the decode reservation (the decode instance's time, not the Conductor's)."""
     first_token_s: float | None = None
     token_times: list[float] = field(default_factory=list)
     breakdown: Breakdown = field(default_factory=Breakdown)
@@ -62,7 +65,11 @@ class RequestStats:
 
     @property
     def dispatch_s(self) -> float:
-        return 0.0 if self.dispatched_s is None else self.dispatched_s - self.arrival_s
+        """The Conductor's own time from HTTP arrival to the task sent (without the decode
+        reservation's round trip)."""
+        if self.dispatched_s is None:
+            return 0.0
+        return self.dispatched_s - self.arrival_s - self.reserve_s
 
     def extension(self) -> dict[str, object]:
         """The ``usage.yuebing`` extension field of the final usage."""
