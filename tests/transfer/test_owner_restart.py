@@ -75,3 +75,28 @@ def test_never_connected_peer_recovers_from_a_restart_on_the_same_address_p2p(
         assert _write(eng, new.name, data) == TransferStatus.DONE
         assert _seen_by(new, data)
     assert eng.describe(new.name).engine_id == f"owner-{new.proc.pid}"
+
+
+def test_p2p_does_not_ask_a_silent_address_twice_in_one_batch(
+        spawn_owner: Callable, shm_dir: str, make_engine: Callable) -> None:
+    """p2p lookups ask the owner's address itself: after it refused the connection, the batch
+    fails at once (no second wait on the same address); the next batch looks it up again."""
+    from yuebing.core.errors import TransferError
+
+    owner = spawn_owner(SIZE)
+    eng = make_engine(metadata="p2p", transports=("tcp",), shm_dir=shm_dir)
+    eng.describe(owner.name)
+    owner.kill()
+    lookups: list[str] = []
+    lookup = eng.metadata.lookup
+
+    def counting(name: str):  # noqa: ANN202
+        lookups.append(name)
+        return lookup(name)
+
+    eng.metadata.lookup = counting  # type: ignore[method-assign]
+    assert _write(eng, owner.name, _data(7)) == TransferStatus.FAILED
+    assert lookups == []
+    with pytest.raises(TransferError, match="unreachable"):
+        _write(eng, owner.name, _data(8))
+    assert lookups == [owner.name]

@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 class MetadataService(ABC):
     """A directory of segment descriptors shared by the engines of a cluster."""
 
+    asks_owner = False
+    """Whether `lookup` asks the segment's owner itself (p2p): after the owner's address did
+    not answer, looking it up again at once would only wait for it again."""
+
     @abstractmethod
     def publish(self, desc: SegmentDescriptor) -> None:
         """Make ``desc`` visible to peers (replacing an older descriptor of that name)."""
@@ -86,6 +90,8 @@ class P2PMetadata(MetadataService):
     """Names are ``host:port/segment``; `lookup` asks the owner at ``host:port`` directly.
 
     ``handshake(address)`` opens a connection and returns the owner's `HelloReply`."""
+
+    asks_owner = True
 
     def __init__(self, handshake: Callable[[str], HelloReply]) -> None:
         self._handshake = handshake

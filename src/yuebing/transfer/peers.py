@@ -13,7 +13,9 @@ opened (connection refused, another engine answers at the address — an endpoin
 connected, too), when its pooled endpoint is found dead, or when the endpoint says so
 (`Endpoint.stale`: a shared-memory file whose owner lock is free). If the fresh descriptor
 differs, this very batch goes to it (its ranges checked against it); otherwise the segment's
-requests fail with the reason, and the next batch looks it up again.
+requests fail with the reason, and the next batch looks it up again. (With p2p metadata, whose
+lookup asks the owner's address itself, an address that did not answer is not asked again
+within the same batch: the next batch does.)
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from yuebing.transfer.pool import SieveCache
 from yuebing.transfer.routing import Plan
 from yuebing.transfer.segment import check_range
 from yuebing.transfer.transport.base import Endpoint, LocalContext, Transport
-from yuebing.transfer.transport.tcp_client import TcpEndpoint
+from yuebing.transfer.transport.tcp_client import PeerUnreachable, TcpEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -119,22 +121,26 @@ class Peers:
         """(endpoint or why none, the descriptor it serves) for segment ``name``: with the
         cached ``desc`` if it reaches a live segment, else with a fresh lookup if that
         differs."""
-        ep, why = self._reach(desc)
+        ep, why, unreachable = self._reach(desc)
         if ep is not None:
             return ep, desc
+        if unreachable and self.metadata.asks_owner:  # a lookup would ask the same address
+            self._descs.pop(name, None)  # the next batch looks it up again
+            return why, desc
         new = self._refresh(name, desc, why)
         if new is None:
             return why, desc
-        ep, why = self._reach(new)
+        ep, why, _ = self._reach(new)
         return (ep if ep is not None else why), new
 
-    def _reach(self, desc: SegmentDescriptor) -> tuple[Endpoint | None, str]:
+    def _reach(self, desc: SegmentDescriptor) -> tuple[Endpoint | None, str, bool]:
+        """(the endpoint, or None and why, and whether the owner's address did not answer)."""
         try:
             ep = self.endpoint(desc)
         except TransferError as e:
-            return None, str(e)
+            return None, str(e), isinstance(e, PeerUnreachable)
         why = ep.stale(desc)
-        return (None, why) if why else (ep, "")
+        return (None, why, False) if why else (ep, "", False)
 
     def _refresh(self, name: str, stale: SegmentDescriptor,
                  why: str) -> SegmentDescriptor | None:

@@ -44,6 +44,10 @@ from yuebing.transfer.types import OpCode
 log = logging.getLogger(__name__)
 
 
+class PeerUnreachable(TransferError):
+    """No connection or handshake with the peer's address (refused, timed out, broken)."""
+
+
 
 def open_socket(address: str, ctx: LocalContext, timeout_s: float) -> tuple[socket.socket, HelloReply]:
     """Connect to ``host:port`` and run the Hello handshake; raises `TransferError`. A handshake
@@ -55,7 +59,7 @@ def open_socket(address: str, ctx: LocalContext, timeout_s: float) -> tuple[sock
     try:
         return _open_socket(address, ctx, timeout_s)
     except TimeoutError as e:
-        raise TransferError(f"handshake with peer at {address} failed: {e}") from None
+        raise PeerUnreachable(f"handshake with peer at {address} failed: {e}") from None
 
 
 def _open_socket(address: str, ctx: LocalContext,
@@ -66,7 +70,7 @@ def _open_socket(address: str, ctx: LocalContext,
     except TimeoutError:
         raise
     except (OSError, ValueError) as e:
-        raise TransferError(f"peer at {address} is unreachable: {e}") from None
+        raise PeerUnreachable(f"peer at {address} is unreachable: {e}") from None
     try:
         tune_socket(sock, ctx.config.socket_buffer, timeout_s)
         send_frame(sock, Hello(engine_id=ctx.engine_id, host_id=ctx.host_id))
@@ -78,7 +82,7 @@ def _open_socket(address: str, ctx: LocalContext,
         raise
     except (OSError, ProtocolError) as e:
         sock.close()
-        raise TransferError(f"handshake with peer at {address} failed: {e}") from None
+        raise PeerUnreachable(f"handshake with peer at {address} failed: {e}") from None
     return sock, reply
 
 
