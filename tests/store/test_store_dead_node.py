@@ -123,3 +123,39 @@ def test_a_direct_copy_into_a_node_that_dies_mid_copy_is_not_done(tmp_path) -> N
                            time.monotonic() + 30) == [None]
     finally:
         direct.close()
+
+
+@pytest.mark.slow
+def test_a_node_sweeps_dead_segment_files_periodically(tmp_path) -> None:
+    """Files of same-host engines that died after the node started (so its engine's start-up
+    sweep did not see them) go at the node's periodic sweep; a locked one stays."""
+    import fcntl
+    import subprocess
+    import tempfile
+
+    from yuebing.store.node.service import SHM_SWEEP_S
+    from yuebing.transfer.liveness import SHM_PREFIX
+
+    shm = tempfile.mkdtemp(prefix="yb-test-shm-", dir="/dev/shm")
+    mst = master()
+    nd = node(mst.info["address"], "4MiB", "--name", "sweeper", "--tx-shm-dir", shm)
+    try:
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        dead, held = (os.path.join(shm, f"{SHM_PREFIX}{gone.pid}-{n}") for n in (0, 1))
+        for path in (dead, held):
+            with open(path, "wb") as f:
+                f.write(b"x")
+        fd = os.open(held, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + 3 * SHM_SWEEP_S
+        while os.path.exists(dead) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(dead) and os.path.exists(held)
+        os.close(fd)
+    finally:
+        nd.stop()
+        mst.stop()
+        for name in os.listdir(shm):
+            os.unlink(os.path.join(shm, name))
+        os.rmdir(shm)
