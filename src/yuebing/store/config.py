@@ -67,6 +67,17 @@ class MasterConfig:
         "help": "after serving a request, poll this many microseconds for the next one before "
                 "sleeping (a wake-up from sleep costs ~20 us on a VM; 500 covers a client's "
                 "1 MiB write between put_start and put_end); 0 = always sleep"})
+    max_request_bytes: int = field(default=8 << 20, metadata={
+        "help": "largest RPC request the master takes (a batch of ~100k keys fits in 8MiB); a "
+                "longer one is refused with BAD_REQUEST (its bytes read and dropped, never "
+                "held; announced over 8x this, the connection is closed at once)", "size": True})
+    rpc_buffer_bytes: int = field(default=256 << 20, metadata={
+        "help": "memory budget of incomplete requests across all RPC connections: over it, "
+                "the connection holding the most is closed", "size": True})
+    frame_timeout_s: float = field(default=10.0, metadata={
+        "help": "a request's bytes must all arrive within this many seconds of its first "
+                "byte, else its connection is closed (a peer trickling bytes holds nothing "
+                "for long)"})
 
     def __post_init__(self) -> None:
         require(self.rpc_address.startswith(("tcp://", "ipc://", "inproc://")),
@@ -91,6 +102,12 @@ class MasterConfig:
         require(self.drain_parallel >= 1,
                 f"--drain-parallel must be >= 1, got {self.drain_parallel}")
         require(0 <= self.spin_us <= 100_000, f"--spin-us must be in 0..100000, got {self.spin_us}")
+        require(4096 <= self.max_request_bytes <= 1 << 30,
+                f"--max-request-bytes must be in 4KiB..1GiB, got {self.max_request_bytes}")
+        require(self.rpc_buffer_bytes >= self.max_request_bytes,
+                f"--rpc-buffer-bytes ({self.rpc_buffer_bytes}) must be at least "
+                f"--max-request-bytes ({self.max_request_bytes})")
+        _seconds("--frame-timeout-s", self.frame_timeout_s)
         require(0 <= self.admin_port < 65536, f"--admin-port out of range: {self.admin_port}")
         require(self.election_ttl_s >= 1, f"--election-ttl-s must be >= 1, got {self.election_ttl_s}")
         _seconds("--repl-timeout-s", self.repl_timeout_s)

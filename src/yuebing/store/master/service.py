@@ -32,7 +32,7 @@ from yuebing.store.config import MasterConfig
 from yuebing.store.master import replication, segments
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.election import Elector, EtcdElector, SingleElector
-from yuebing.store.wire import FrameServer, FrameSocket
+from yuebing.store.wire import MAX_FRAME, FrameLimits, FrameServer, FrameSocket
 
 log = logging.getLogger(__name__)
 C = m.Code
@@ -50,6 +50,15 @@ def bind(sock: zmq.Socket, address: str) -> str:
 GC_THRESHOLDS = (50_000, 20, 1_000)
 """Young collections every 50k allocations (not 700): a burst of requests rarely triggers one."""
 GC_FREEZE_S = 30.0
+
+
+def limits_of(cfg: MasterConfig) -> FrameLimits:
+    """The RPC port's limits (`wire.FrameLimits`) from the master's config: frames up to
+    ``max_request_bytes`` (8x that is still read and dropped with an error reply, more closes
+    the connection), ``rpc_buffer_bytes`` of incomplete frames, ``frame_timeout_s`` each."""
+    return FrameLimits(max_frame=cfg.max_request_bytes, budget=cfg.rpc_buffer_bytes,
+                       frame_timeout_s=cfg.frame_timeout_s,
+                       discard_max=min(8 * cfg.max_request_bytes, MAX_FRAME))
 
 
 def freeze_long_lived() -> None:
@@ -73,7 +82,8 @@ class MasterService:
         self.cfg = cfg
         self.core = MasterCore(cfg, clock)
         self.core.log = None
-        self.server = FrameServer(cfg.rpc_address, self._on_frame, cfg.spin_us * 1e-6)
+        self.server = FrameServer(cfg.rpc_address, self._on_frame, cfg.spin_us * 1e-6,
+                                  limits_of(cfg), self._refused)
         self.address = self.server.address
         self.ctx: zmq.Context | None = None
         self.pub: zmq.Socket | None = None
@@ -153,6 +163,10 @@ class MasterService:
                 self._held.append((cid, rid, out))
             else:
                 self.server.send(cid, rid, out)
+
+    def _refused(self, cid: int, rid: int, why: str) -> None:
+        """A request over ``max_request_bytes`` was dropped (`FrameServer`): tell its sender."""
+        self.server.send(cid, rid, encode(m.Err(code=C.BAD_REQUEST, message=why)))
 
     def _dispatch(self, msg: Message, cid: int, rid: int) -> Message | None:
         t = type(msg)
