@@ -149,6 +149,7 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
            "Translate 'good morning' into Spanish."]
 
 
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("roles", [["prefill", "decode"], ["coupled"]], ids=["1P1D", "coupled"])
 def test_real_model_text_equals_the_engine(roles: list[str]) -> None:
     from yuebing.engine.config import EngineConfig
@@ -161,7 +162,8 @@ def test_real_model_text_equals_the_engine(roles: list[str]) -> None:
         [[{"role": "user", "content": p}] for p in PROMPTS], params, chat=True)]  # type: ignore[list-item]
     want_text = [o.text for o in engine.generate(PROMPTS, params)]
     del engine
-    c = Cluster(roles, model="smollm2", conductor_args=("--served-model-name", "smol"))
+    c = Cluster(roles, model="smollm2", conductor_args=("--served-model-name", "smol"),
+                timeout_s=900)
     try:
         client = _client(c)
         for p, chat, text in zip(PROMPTS, want_chat, want_text, strict=True):

@@ -1,0 +1,253 @@
+"""Conductor overhead and throughput (issue 13, Performance), with instances on a dummy model.
+
+Starts real processes on 127.0.0.1 — P prefill + D decode instances (or K coupled) with
+``--model dummy:preset=tiny``, ``yuebing serve conductor`` in front of them, and a bare
+FastAPI/uvicorn echo server (the same HTTP stack, no Conductor logic) — then, from one asyncio
+(aiohttp) client in this process:
+
+1. overhead: ``--streams`` concurrent streaming completions (``--tokens`` each) until
+   ``--requests`` are done; the Conductor's own histograms give the overhead, read from
+   ``/metrics`` before and after: ``yuebing:conductor_dispatch_seconds`` (HTTP arrival → task
+   sent, the decode reservation's round trip excluded) and ``yuebing:conductor_relay_seconds``
+   (an instance's token event received → its chunk sent). p50/p99 are interpolated inside the
+   histogram buckets; the 1 ms and 5 ms targets are bucket bounds, so "share ≤ 1 ms / ≤ 5 ms"
+   is exact.
+2. throughput: one-token non-streamed requests at ``--concurrency`` for ``--seconds``, against
+   the Conductor and then the echo server; requests/s and their ratio.
+
+    .venv/bin/python benchmarks/conductor_overhead.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MODEL = "dummy:preset=tiny"
+ECHO_BODY = {"id": "cmpl-echo", "object": "text_completion", "created": 0, "model": MODEL,
+             "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}],
+             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+
+def echo_server(ready_file: str) -> None:
+    """The bare stack: FastAPI + uvicorn answering /v1/completions with a fixed body."""
+    import socket
+
+    import msgspec
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response
+
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    body = msgspec.json.encode(ECHO_BODY)
+
+    async def completions(request: Request) -> Response:
+        msgspec.json.decode(await request.body())
+        return Response(body, media_type="application/json")
+
+    app.router.add_route("/v1/completions", completions, methods=["POST"])
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    Path(ready_file).write_text(json.dumps({"url": f"http://127.0.0.1:{sock.getsockname()[1]}"}))
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(
+        sockets=[sock])
+
+
+class Procs:
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="yb-bench-conductor-"))
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, argv: list[str], timeout_s: float = 300.0) -> dict[str, Any]:
+        ready = self.dir / f"{name}.json"
+        p = subprocess.Popen([*argv, "--ready-file", str(ready)],
+                             stdout=(self.dir / f"{name}.log").open("wb"),
+                             stderr=subprocess.STDOUT, env={**os.environ})
+        self.procs.append(p)
+        end = time.monotonic() + timeout_s
+        while not ready.exists():
+            if p.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"{name} did not start; see {self.dir / name}.log")
+            time.sleep(0.05)
+        time.sleep(0.05)
+        return json.loads(ready.read_text())  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def histogram(text: str, name: str) -> tuple[list[tuple[float, float]], float]:
+    """Cumulative (upper bound, count) buckets and the total count of ``name``."""
+    buckets = []
+    for m in re.finditer(rf'^{re.escape(name)}_bucket{{le="([^"]+)"}} (\S+)$', text, re.M):
+        buckets.append((float(m.group(1)), float(m.group(2))))
+    count = re.search(rf"^{re.escape(name)}_count (\S+)$", text, re.M)
+    return buckets, float(count.group(1)) if count else 0.0
+
+
+def delta_stats(before: str, after: str, name: str) -> dict[str, float]:
+    b0, n0 = histogram(before, name)
+    b1, n1 = histogram(after, name)
+    base = dict(b0)
+    buckets = [(le, c - base.get(le, 0.0)) for le, c in b1]
+    n = n1 - n0
+
+    def quantile(q: float) -> float:
+        target, lo, prev = q * n, 0.0, 0.0
+        for le, c in buckets:
+            if c >= target:
+                if le == float("inf"):
+                    return lo
+                return lo + (le - lo) * ((target - prev) / (c - prev) if c > prev else 1.0)
+            lo, prev = le, c
+        return float("nan")
+
+    share = {le: c / n for le, c in buckets} if n else {}
+    return {"count": n, "p50_ms": 1e3 * quantile(0.5), "p99_ms": 1e3 * quantile(0.99),
+            "share_le_1ms": share.get(0.001, float("nan")),
+            "share_le_5ms": share.get(0.005, float("nan"))}
+
+
+async def streams(url: str, n_streams: int, n_requests: int, tokens: int) -> float:
+    import aiohttp
+
+    left = n_requests
+    body = {"model": MODEL, "prompt": list(range(1, 65)), "max_tokens": tokens, "stream": True,
+            "ignore_eos": True}
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                async for _ in resp.content:
+                    pass
+
+    t0 = time.perf_counter()
+    conn = aiohttp.TCPConnector(limit=n_streams + 8)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        await asyncio.gather(*(worker(s) for _ in range(n_streams)))
+    return time.perf_counter() - t0
+
+
+async def rate(url: str, concurrency: int, seconds: float) -> dict[str, float]:
+    import aiohttp
+
+    done, failed = 0, 0
+    end = time.perf_counter() + seconds
+    body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 1}
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal done, failed
+        while time.perf_counter() < end:
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    done += 1
+                else:
+                    failed += 1
+
+    t0 = time.perf_counter()
+    conn = aiohttp.TCPConnector(limit=concurrency + 8)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        await asyncio.gather(*(worker(s) for _ in range(concurrency)))
+    return {"requests_per_s": done / (time.perf_counter() - t0), "failed": failed}
+
+
+def scrape(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prefill", type=int, default=1)
+    ap.add_argument("--decode", type=int, default=1)
+    ap.add_argument("--coupled", type=int, default=0, help="use K coupled instances instead")
+    ap.add_argument("--streams", type=int, default=50)
+    ap.add_argument("--requests", type=int, default=500)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ready-file", default="", help=argparse.SUPPRESS)
+    ns = ap.parse_args()
+    if ns.echo_server:
+        echo_server(ns.ready_file)
+        return 0
+    yb = [sys.executable, "-m", "yuebing.cli.main"]
+    procs = Procs()
+    try:
+        roles = ["coupled"] * ns.coupled or ["prefill"] * ns.prefill + ["decode"] * ns.decode
+        addresses = []
+        for i, role in enumerate(roles):
+            hello = procs.start(f"{role}-{i}", [*yb, "serve", role, "--model", MODEL,
+                                                "--instance-id", f"{role}-{i}"])
+            addresses.append(hello["control_address"])
+        url = procs.start("conductor", [*yb, "serve", "conductor", "--model", MODEL, "--port",
+                                        "0", "--instances", ",".join(addresses),
+                                        "--no-access-log", "--max-concurrent", "4096"])["url"]
+        echo = procs.start("echo", [sys.executable, __file__, "--echo-server"])["url"]
+        while True:  # every instance joined
+            import urllib.request
+            with urllib.request.urlopen(url + "/health", timeout=10) as r:
+                h = json.loads(r.read())
+            if sum(len(v) for v in h["instances"].values()) == len(roles):
+                break
+            time.sleep(0.2)
+        asyncio.run(streams(url, 4, 20, 4))  # warm-up
+        before = scrape(url)
+        wall = asyncio.run(streams(url, ns.streams, ns.requests, ns.tokens))
+        after = scrape(url)
+        conductor_rate = asyncio.run(rate(url, ns.concurrency, ns.seconds))
+        echo_rate = asyncio.run(rate(echo, ns.concurrency, ns.seconds))
+        result = {
+            "setup": {"roles": roles, "model": MODEL, "streams": ns.streams,
+                      "requests": ns.requests, "tokens": ns.tokens,
+                      "concurrency": ns.concurrency, "seconds": ns.seconds,
+                      "loadavg": os.getloadavg()[0]},
+            "overhead_wall_s": wall,
+            "dispatch": delta_stats(before, after, "yuebing:conductor_dispatch_seconds"),
+            "relay": delta_stats(before, after, "yuebing:conductor_relay_seconds"),
+            "conductor_one_token": conductor_rate, "echo": echo_rate,
+            "ratio": conductor_rate["requests_per_s"] / echo_rate["requests_per_s"],
+        }
+    finally:
+        procs.stop()
+    if ns.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for k in ("dispatch", "relay"):
+            s = result[k]
+            print(f"{k:9s} n={s['count']:.0f} p50={s['p50_ms']:.3f} ms p99={s['p99_ms']:.3f} ms "
+                  f"≤1ms {100 * s['share_le_1ms']:.1f}% ≤5ms {100 * s['share_le_5ms']:.1f}%")
+        print(f"one-token requests/s: conductor {conductor_rate['requests_per_s']:.0f}, "
+              f"echo {echo_rate['requests_per_s']:.0f}, ratio {result['ratio']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
