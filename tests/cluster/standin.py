@@ -1,7 +1,7 @@
 """A stand-in role process for supervisor tests: ``python standin.py MODE [--ready PATH]``.
 
 Modes: ``serve`` (write the ready file after ``--delay`` s, then sleep until SIGTERM), ``fail``
-(print a message and exit 3 at once), ``never`` (never ready), ``stubborn`` (ready, ignores
+(print a message and exit 3 at once), ``never`` (never ready), ``stubborn`` (ready, prints and ignores
 SIGTERM), ``parent`` (ready, starts a ``sleep`` grandchild whose pid it puts in the ready
 file), ``shm`` (registers a 1 MiB shared-memory segment with a transfer engine; its file name in
 the ready file), ``http`` (serves GET /health -> 200 on ``--port``), ``die-after`` (ready, then
@@ -43,7 +43,7 @@ def main() -> None:
     if a.mode == "never":
         time.sleep(3600)
     if a.mode == "stubborn":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda *_: print("standin: SIGTERM ignored", flush=True))
     extra: dict[str, object] = {}
     if a.mode == "parent":
         child = subprocess.Popen(["sleep", "3600"])

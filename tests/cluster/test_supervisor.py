@@ -151,32 +151,41 @@ def test_dead_role_shm_segments_are_swept(tmp_path: Path, sup: Supervisor) -> No
 
 SUPERVISOR_SCRIPT = """
 import json, sys
-from yuebing.cluster import RoleSpec, Supervisor, SupervisorConfig
+from yuebing.cluster import Interrupted, RoleSpec, Supervisor, SupervisorConfig
 from yuebing.cluster.readiness import ReadyFile
-d = sys.argv[1]
-s = Supervisor(SupervisorConfig(log_dir=d, stop_grace_s=5))
+d, standin, second = sys.argv[1], sys.argv[2], sys.argv[3]
+s = Supervisor(SupervisorConfig(log_dir=d, stop_grace_s=float(sys.argv[4])))
 s.install_signal_handlers()
-s.start_stage([(RoleSpec(n, (sys.executable, sys.argv[2], m, "--ready", f"{d}/{n}.ready")),
+s.start_stage([(RoleSpec(n, (sys.executable, standin, m, "--ready", f"{d}/{n}.ready")),
                 ReadyFile(f"{d}/{n}.ready")) for n, m in (("a", "serve"), ("b", "parent"))])
 pids = dict(s.pids(), grandchild=s.info("b")["child"])
 open(f"{d}/pids.json", "w").write(json.dumps(pids))
-code = s.watch()
+try:
+    if second != "-":
+        s.start_stage([(RoleSpec("c", (sys.executable, standin, second, "--ready",
+                                       f"{d}/c.ready")), ReadyFile(f"{d}/c.ready"))])
+    open(f"{d}/watching", "w").close()
+    code = s.watch()
+except Interrupted:
+    code = 130
 s.stop()
 print("stopped", code, flush=True)
 """
 
 
-def _run_supervisor(tmp_path: Path) -> tuple[subprocess.Popen[str], dict[str, int]]:
+def _run_supervisor(tmp_path: Path, second: str = "-", grace_s: float = 5.0
+                    ) -> tuple[subprocess.Popen[str], dict[str, int]]:
+    """A supervisor process running roles a (serve) and b (parent), then c (``second``)."""
     import json
 
-    proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR_SCRIPT, str(tmp_path), STANDIN],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR_SCRIPT, str(tmp_path), STANDIN,
+                             second, str(grace_s)], stdout=subprocess.PIPE, text=True)
     wait_until(lambda: (tmp_path / "pids.json").exists() or proc.poll() is not None)
     assert proc.poll() is None
     return proc, json.loads((tmp_path / "pids.json").read_text())
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_signal_stops_every_process(tmp_path: Path, sig: int) -> None:
     proc, pids = _run_supervisor(tmp_path)
     proc.send_signal(sig)
@@ -191,3 +200,34 @@ def test_children_die_with_a_killed_supervisor(tmp_path: Path) -> None:
     proc.wait(10)
     wait_until(lambda: not alive(pids["a"]) and not alive(pids["b"]))
     os.kill(pids["grandchild"], signal.SIGKILL)  # a role's own children are the role's job
+
+
+def test_signal_while_starting_stops_what_started(tmp_path: Path) -> None:
+    proc, pids = _run_supervisor(tmp_path, second="never")
+    wait_until(lambda: "standin never" in (tmp_path / "c.log").read_text()
+               if (tmp_path / "c.log").exists() else False)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert out.strip().endswith("stopped 130")
+    assert not any(alive(p) for p in pids.values())
+
+
+def test_second_signal_kills_at_once(tmp_path: Path) -> None:
+    """A role ignoring SIGTERM under a 600 s grace: the second Ctrl-C ends the wait."""
+    import json
+
+    proc, pids = _run_supervisor(tmp_path, second="stubborn", grace_s=600)
+    wait_until(lambda: (tmp_path / "watching").exists())
+    pids["c"] = json.loads((tmp_path / "c.ready").read_text())["pid"]
+    proc.send_signal(signal.SIGINT)
+    wait_until(lambda: "SIGTERM ignored" in (tmp_path / "c.log").read_text())
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert out.strip().endswith("stopped 0")
+    assert not any(alive(p) for p in pids.values())
+
+
+def test_program_that_cannot_start(tmp_path: Path, sup: Supervisor) -> None:
+    missing = str(tmp_path / "no-such-program")
+    with pytest.raises(RoleFailed, match=f"role ghost could not be started .*{missing}"):
+        sup.start_stage([(RoleSpec("ghost", (missing,)), ReadyFile(tmp_path / "x"))])

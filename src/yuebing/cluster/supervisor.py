@@ -90,8 +90,9 @@ class Supervisor:
         self._stop.set()
 
     def install_signal_handlers(self) -> None:
-        """SIGINT and SIGTERM call `request_stop` (main thread only)."""
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        """SIGINT, SIGTERM and SIGHUP (the terminal closed) call `request_stop` (main thread
+        only)."""
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, lambda signum, frame: self.request_stop())
 
     @property
@@ -128,7 +129,11 @@ class Supervisor:
         role.ready.reset()
         role.info = {}
         role.ready_at = None
-        role.proc = RoleProcess(role.spec, self.log_path(role.spec.name))
+        try:
+            role.proc = RoleProcess(role.spec, self.log_path(role.spec.name))
+        except OSError as e:  # no such program, no permission, log dir unwritable
+            raise RoleFailed(role.spec.name, f"could not be started ({e})",
+                             self.log_path(role.spec.name), "") from e
 
     def _check_starting(self, role: _Role, deadline: float) -> None:
         """Poll one starting role: ready -> record; exited or late -> `RoleFailed`."""
@@ -182,32 +187,44 @@ class Supervisor:
     def _check_running(self, role: _Role) -> str:
         """One watch step for ``role``; returns why the cluster must stop ('' = fine)."""
         now = time.monotonic()
+        if role.restart_at is not None:
+            return self._restart_if_due(role, now)
         proc = role.proc
         assert proc is not None
-        if role.restart_at is not None:
-            if now >= role.restart_at:
-                role.restart_at = None
-                log.warning("restarting %s", role.spec.name)
-                self._spawn(role)
-            return ""
         code = proc.poll()
         if code is None:
-            if role.ready_at is None:  # a restarted role coming up
-                try:
-                    self._check_starting(role, proc.started_at + self.cfg.ready_timeout_s)
-                    if role.ready_at is not None:
-                        log.warning("%s is back (pid %d)", role.spec.name, proc.pid)
-                except RoleFailed as e:
-                    log.error("%s", e)
-                    proc.signal_group(signal.SIGKILL)
-                    proc.wait(10.0)
-                    return self._after_death(role, now)
-            return ""
+            return self._follow_restarted(role, proc, now) if role.ready_at is None else ""
         log.error("role %s (pid %d) died: %s; last lines of %s:\n%s", role.spec.name, proc.pid,
                   describe_exit(code), proc.log_path, proc.log_tail())
         proc.signal_group(signal.SIGKILL)  # anything it started
         sweep_shm()
         return self._after_death(role, now)
+
+    def _restart_if_due(self, role: _Role, now: float) -> str:
+        assert role.restart_at is not None
+        if now < role.restart_at:
+            return ""
+        role.restart_at = None
+        log.warning("restarting %s", role.spec.name)
+        try:
+            self._spawn(role)
+        except RoleFailed as e:
+            log.error("%s", e)
+            return self._after_death(role, now)
+        return ""
+
+    def _follow_restarted(self, role: _Role, proc: RoleProcess, now: float) -> str:
+        """Poll the readiness of a restarted role; one not ready in time counts as a death."""
+        try:
+            self._check_starting(role, proc.started_at + self.cfg.ready_timeout_s)
+        except RoleFailed as e:
+            log.error("%s", e)
+            proc.signal_group(signal.SIGKILL)
+            proc.wait(10.0)
+            return self._after_death(role, now)
+        if role.ready_at is not None:
+            log.warning("%s is back (pid %d)", role.spec.name, proc.pid)
+        return ""
 
     def _after_death(self, role: _Role, now: float) -> str:
         """Schedule a restart of a dead role or say why the cluster must stop."""
