@@ -16,7 +16,7 @@ from yuebing.cluster.discovery import Discovery, DiscoveryError, parse_etcd_url
 pytestmark = pytest.mark.etcd
 
 
-def wait_until(cond, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+def wait_until(cond, timeout_s: float = 15.0) -> None:
     end = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < end, "condition not met in time"
@@ -113,7 +113,7 @@ def test_bad_input() -> None:
     with pytest.raises(ValueError, match="ttl_s must be"):
         d.publish("instances", "x", {}, ttl_s=0)
     with pytest.raises(ValueError, match="must be a dict"):
-        d.publish("instances", "x", [1])  # type: ignore[arg-type]
+        d.publish("instances", "x", [1])
     with pytest.raises(DiscoveryError, match="cannot list instances in etcd http://127.0.0.1:1"):
         d.list("instances")
     with pytest.raises(DiscoveryError, match="cannot publish instances/x"):

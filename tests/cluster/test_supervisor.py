@@ -27,7 +27,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_until(cond, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+def wait_until(cond, timeout_s: float = 20.0) -> None:
     end = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < end, "condition not met in time"
@@ -43,7 +43,7 @@ def role(tmp_path: Path, name: str, mode: str, *extra: str,
 
 
 @pytest.fixture
-def sup(tmp_path: Path):  # type: ignore[no-untyped-def]
+def sup(tmp_path: Path):
     s = Supervisor(SupervisorConfig(log_dir=str(tmp_path / "logs"), stop_grace_s=5,
                                     ready_timeout_s=30))
     yield s
