@@ -122,7 +122,8 @@ def test_serve_cli_offers_and_forwards_role_flags(monkeypatch: pytest.MonkeyPatc
         for flag in ("--host", "--model", "--admission", "--instances", "--etcd"):
             p.add_argument(flag)
         p.add_argument("--port", type=int)
-        p.add_argument("--ttft-slo", type=float)
+        p.add_argument("--ttft-slo-s", type=float)
+        p.add_argument("--ttft-slo", dest="ttft_slo_s", type=float)  # an alias
 
     def instance_args(p: argparse.ArgumentParser) -> None:
         for flag in ("--host", "--model", "--instance-id", "--store-master"):
@@ -143,7 +144,8 @@ def test_serve_cli_offers_and_forwards_role_flags(monkeypatch: pytest.MonkeyPatc
     assert "--instance-id" not in probe._option_string_actions
     cfg = serve_config_from_args(ns, probe._option_string_actions)
     assert cfg.port == 9000
-    assert cfg.conductor_args == ("--model", "dummy", "--admission", "slo", "--ttft-slo", "5.0")
+    assert cfg.conductor_args == ("--model", "dummy", "--admission", "slo", "--ttft-slo-s",
+                                   "5.0")
     assert cfg.instance_args == ("--model", "dummy", "--threads", "2", "--no-warmup")
     assert parser.parse_args(["serve", "conductor", "--port", "1"])._run(ns) == 7
     with pytest.raises(SystemExit):

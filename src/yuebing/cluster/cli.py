@@ -73,14 +73,17 @@ def forward_args(role_parser_: argparse.ArgumentParser | None, role: str,
                  ns: argparse.Namespace) -> tuple[str, ...]:
     """The flags of ``role`` the user set on ``yuebing serve``, as that role's command line."""
     out: list[str] = []
+    done: set[str] = set()  # dests given once (an alias such as --ttft-slo shares its dest)
     for action in _role_actions(role_parser_):
         opt = action.option_strings[0]
-        if set(action.option_strings) & MANAGED[role] or opt not in serve_parser_actions:
+        if (set(action.option_strings) & MANAGED[role] or opt not in serve_parser_actions
+                or action.dest in done):
             continue
         owner = serve_parser_actions[opt]
         value = getattr(ns, owner.dest, None)
         if value is None or value == action.default:
             continue
+        done.add(action.dest)
         out += _format(action, opt, value)
     return tuple(out)
 
