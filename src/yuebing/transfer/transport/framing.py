@@ -5,7 +5,10 @@ not copied by Python: writes go out with ``sendmsg`` straight from the caller's 
 frames per call when slices are small, `send_parts`), and reads land with ``recv_into`` straight
 in registered memory. `FrameReader` reads headers with one ``recv`` of up to `PEEK` bytes, so a
 run of small frames (acks, small slices) costs one system call instead of two per frame; the
-few payload bytes that arrive in that read are copied out of its buffer.
+few payload bytes that arrive in that read are copied out of its buffer. No buffer is sized by
+what a header announces before the bytes arrive: a header's buffer grows (doubling) as its
+bytes come in, so a peer announcing `MAX_HEADER` and sending little makes the reader hold
+little; with ``within_s`` the rest of a header must arrive within that long of its first bytes.
 
 A payload follows its header on the wire at once, so a reader built with ``spin_s`` receives it
 with non-blocking ``readv`` calls in a loop (`spin_scatter`) while bytes keep arriving, instead
@@ -154,8 +157,11 @@ def recv_frame(sock: socket.socket, idle_ok: bool = False) -> Message:
     (n,) = _LEN.unpack(lenbuf)
     if n == 0 or n > MAX_HEADER:
         raise ConnectionError(f"bad frame header length {n}")
-    header = bytearray(n)
-    recv_exact(sock, memoryview(header))
+    header = bytearray()
+    while len(header) < n:  # grown as it arrives, never to the announced length up front
+        chunk = bytearray(min(n - len(header), max(PEEK, len(header))))
+        recv_exact(sock, memoryview(chunk))
+        header += chunk
     return decode(memoryview(header))
 
 
@@ -210,15 +216,17 @@ class FrameReader:
         return self.buffered >= 4 + n
 
     def _fill(self, need: int, idle_ok: bool) -> None:
+        """Buffer at least ``need`` bytes; the buffer grows only as bytes arrive (doubling,
+        never past ``need``), not to ``need`` up front."""
         if self._start + need > len(self._buf):
-            if need > len(self._buf):
-                self._mv.release()
-                self._buf = self._buf + bytearray(need)
-                self._mv = memoryview(self._buf)
             n = self.buffered
             self._buf[:n] = self._buf[self._start:self._end]
             self._start, self._end = 0, n
         while self._end - self._start < need:
+            if self._end == len(self._buf):  # full of what arrived: make room for more
+                self._mv.release()
+                self._buf = self._buf + bytearray(min(len(self._buf), need - self._end))
+                self._mv = memoryview(self._buf)
             room = min(len(self._buf) - self._end, max(PEEK, need - self.buffered))
             try:
                 k = self.sock.recv_into(self._mv[self._end:self._end + room], room)
@@ -235,12 +243,25 @@ class FrameReader:
         if self._start == self._end:
             self._start = self._end = 0
 
-    def read(self, idle_ok: bool = False) -> Message:
-        """The next frame's header (its payload, if any, must be read next)."""
+    def read(self, idle_ok: bool = False, within_s: float = 0.0) -> Message:
+        """The next frame's header (its payload, if any, must be read next). With
+        ``within_s``, the header must be complete that long after its length arrived
+        (`TimeoutError` otherwise: a peer trickling a header is cut, not waited for)."""
         self._fill(4, idle_ok)
         (n,) = _LEN.unpack_from(self._buf, self._start)
         if n == 0 or n > MAX_HEADER:
             raise ConnectionError(f"bad frame header length {n}")
+        if within_s and self.buffered < 4 + n:
+            sock = self.sock
+            timeout = sock.gettimeout()
+            self.sock = DeadlineSocket(  # type: ignore[assignment]
+                sock, time.monotonic() + within_s,
+                why=f"a frame header of {n} bytes still arriving {within_s}s after it began")
+            try:
+                self._fill(4 + n, False)
+            finally:
+                self.sock = sock
+                sock.settimeout(timeout)
         self._fill(4 + n, False)
         msg = decode(self._mv[self._start + 4:self._start + 4 + n])
         self._consume(4 + n)

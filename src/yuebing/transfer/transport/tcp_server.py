@@ -14,6 +14,13 @@ callback, then acked with `SliceAck`. Replies are held back while more
 requests are already arriving (bounded by `ACK_HOLD_FRAMES` / `ACK_HOLD_BYTES`) and leave together
 in one ``sendmsg``, so a stream of small slices costs a few sends instead of one per slice. A connection that breaks or
 stalls longer than ``io_timeout_s`` mid-frame is closed; the server keeps serving the others.
+Nothing a peer announces is allocated before its bytes arrive: a frame's payload lands only in
+the registered range its slices name (a refused slice's payload is read through a fixed scratch
+buffer and dropped), a header's buffer grows as it arrives, and each part of a frame has a
+deadline, not just each receive call: a header must be complete ``io_timeout_s`` after its
+length arrived, accepted payloads by the write's expiry + ``write_grace_s``, refused ones by
+that or ``io_timeout_s`` from when they start, whichever is later (`_skip`), so a peer
+trickling bytes is cut.
 """
 
 from __future__ import annotations
@@ -113,7 +120,7 @@ class TcpServer:
             held = 0
             while not self._closed:
                 try:
-                    msg = reader.read(idle_ok=True)
+                    msg = reader.read(idle_ok=True, within_s=self._config.io_timeout_s)
                 except IdleTimeout:
                     continue
                 held += self._handle(reader, msg, out)
@@ -152,7 +159,7 @@ class TcpServer:
                 if isinstance(view, str):  # refused: drain its payload, write nothing
                     self._land(reader, run, end)
                     run = []
-                    reader.skip(length)
+                    self._skip(reader, length, end)
                     errors.append(view)
                 else:
                     run.append(view)
@@ -203,6 +210,25 @@ class TcpServer:
         finally:
             reader.sock = sock
             sock.settimeout(self._config.io_timeout_s)
+
+    def _skip(self, reader: FrameReader, nbytes: int, end: float) -> None:
+        """Drop a refused slice's ``nbytes`` of payload (through the reader's fixed scratch
+        buffer), all of it by ``end`` (wall clock: the frame's expiry + ``write_grace_s``) or
+        ``io_timeout_s`` from now if that is later (an expired frame's bytes may still be on
+        their way); past it `TimeoutError` closes the connection."""
+        if reader.buffered >= nbytes:
+            reader.skip(nbytes)
+            return
+        io_s = self._config.io_timeout_s
+        sock = reader.sock
+        reader.sock = DeadlineSocket(  # type: ignore[assignment]
+            sock, time.monotonic() + max(end - time.time(), io_s), io_s,
+            "a refused slice's payload still arriving past its deadline; closing the lane")
+        try:
+            reader.skip(nbytes)
+        finally:
+            reader.sock = sock
+            sock.settimeout(io_s)
 
     def _resolve_all(self, segment: str, slices: list[SliceSpec]) -> list[memoryview | str]:
         """Each slice's segment bytes, or the error refusing it. A malformed frame (too many
