@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from instance_procs import TINY, InstanceProc  # noqa: E402
 
-PINNED = ("--dtype", "float32",
+PINNED = ("--dtype", "float32", "--kv-cache-bytes", "64MiB",
           "--max-batch-tokens", "256", "--no-warmup")
 """Every test instance computes the same KV as the in-process reference engine."""
 

@@ -25,7 +25,7 @@ from yuebing.protocol.instance import (
     TaskMode,
 )
 
-TINY = "dummy:preset=tiny,vocab=512,layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,ctx=2048,tie=0"
+TINY = "dummy:preset=tiny,vocab=512,layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,ctx=4096,tie=0"
 """A small dummy model whose greedy tokens vary (the bare tiny preset repeats one token)."""
 
 
