@@ -27,7 +27,6 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -218,50 +217,73 @@ class Dispatcher:
 
     async def _relay(self, rid: str, pre: Member, dec: Member, coupled: bool,
                      stats: RequestStats, deadline: float) -> AsyncIterator[Delta]:
-        merged: asyncio.Queue[tuple[bool, TaskEvent, float]] = asyncio.Queue()
-        pumps = [asyncio.create_task(_pump(pre, rid, False, merged))]
-        if not coupled:
-            pumps.append(asyncio.create_task(_pump(dec, rid, True, merged)))
-        early: deque[tuple[bool, TaskEvent, float]] = deque()
-        first = False
+        """The prefill's first token, then the decode's stream (coupled: one stream). Events
+        are read straight from the clients' per-request queues (no task per event); the
+        prefill's own end of stream (its breakdown) is drained by a background task."""
+        loop_deadline = asyncio.get_running_loop().time() + (deadline - time.monotonic())
+        pre_events = pre.client.events(rid)
+        drain: asyncio.Task[None] | None = None
         try:
-            while True:
-                if first and early:
-                    from_decode, ev, received = early.popleft()
-                else:
-                    left = deadline - time.monotonic()
-                    try:
-                        from_decode, ev, received = await asyncio.wait_for(merged.get(),
-                                                                           max(left, 0.0))
-                    except TimeoutError:
-                        raise RequestFailed("timeout", f"request {rid} ran past "
-                                            f"{self.request_timeout_s:.0f} s") from None
+            while True:  # the first token
+                ev, received = await self._next(pre_events, loop_deadline, rid)
                 stats.merge(ev.breakdown)
                 if ev.kind == EventKind.ERROR:
-                    if first and not (coupled or from_decode):
-                        log.warning("%s: prefill error after the first token: %s", rid, ev.error)
-                        continue
-                    source = dec if from_decode else pre
-                    if not first and not source.alive:
-                        raise _Retry(ev.error or f"instance {source.id} died")
-                    code = ev.error_code.name.lower() if ev.error_code else "instance_error"
-                    raise RequestFailed(code, f"instance {source.id}: {ev.error}")
-                if not first:
-                    if from_decode:
-                        early.append((from_decode, ev, received))
-                        continue
-                    first = True
-                    stats.cached_tokens = ev.cached_tokens
-                    self.cluster.prefill_done(rid, pre.id)
-                elif not (coupled or from_decode):
-                    continue  # the prefill's own end of stream
+                    if not (pre.alive and dec.alive):
+                        raise _Retry(ev.error or "an instance of the request died")
+                    raise _failed(pre, ev)
+                if ev.token_ids or ev.kind >= EventKind.FINISH:
+                    break
+            stats.cached_tokens = ev.cached_tokens
+            self.cluster.prefill_done(rid, pre.id)
+            delta = _delta(ev, stats, received)
+            yield delta
+            if delta.finish_reason is not None:
+                return
+            if coupled:
+                events = pre_events
+            else:
+                drain = asyncio.get_running_loop().create_task(_drain(pre_events, stats, rid))
+                events = dec.client.events(rid)
+            while True:
+                ev, received = await self._next(events, loop_deadline, rid)
+                stats.merge(ev.breakdown)
+                if ev.kind == EventKind.ERROR:
+                    raise _failed(dec, ev)
                 delta = _delta(ev, stats, received)
+                if delta.finish_reason is not None and drain is not None and not drain.done():
+                    await asyncio.wait({drain}, timeout=0.2)  # the prefill's breakdown
                 yield delta
                 if delta.finish_reason is not None:
                     return
         finally:
-            for p in pumps:
-                p.cancel()
+            if drain is not None:
+                drain.cancel()
+
+    async def _next(self, events: AsyncIterator[TaskEvent], deadline: float,
+                    rid: str) -> tuple[TaskEvent, float]:
+        try:
+            async with asyncio.timeout_at(deadline):
+                ev = await anext(events)
+        except TimeoutError:
+            raise RequestFailed("timeout", f"request {rid} ran past "
+                                f"{self.request_timeout_s:.0f} s") from None
+        except StopAsyncIteration:
+            raise RequestFailed("instance_error", f"request {rid}: the event stream ended "
+                                "early") from None
+        return ev, time.perf_counter()
+
+
+def _failed(m: Member, ev: TaskEvent) -> RequestFailed:
+    code = ev.error_code.name.lower() if ev.error_code else "instance_error"
+    return RequestFailed(code, f"instance {m.id}: {ev.error}")
+
+
+async def _drain(events: AsyncIterator[TaskEvent], stats: RequestStats, rid: str) -> None:
+    """Read the prefill's events after its first token (its FINISH carries its breakdown)."""
+    async for ev in events:
+        stats.merge(ev.breakdown)
+        if ev.kind == EventKind.ERROR:
+            log.warning("%s: prefill error after the first token: %s", rid, ev.error)
 
 
 def _delta(ev: TaskEvent, stats: RequestStats, received: float) -> Delta:
@@ -281,15 +303,6 @@ def _delta(ev: TaskEvent, stats: RequestStats, received: float) -> Delta:
         stats.finish_reason = reason
         stats.end_s = now
     return Delta(list(ev.token_ids), ev.text, reason, received)
-
-
-async def _pump(m: Member, rid: str, from_decode: bool,
-                out: asyncio.Queue[tuple[bool, TaskEvent, float]]) -> None:
-    try:
-        async for ev in m.client.events(rid):
-            out.put_nowait((from_decode, ev, time.perf_counter()))
-    except InstanceError:  # the stream was closed (cancelled) before we read it
-        return
 
 
 async def _cancel(members: list[Member], rid: str) -> None:
