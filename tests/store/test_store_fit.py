@@ -34,8 +34,9 @@ def put(core: MasterCore, key: str, size: int, waiter: object = None) -> m.Messa
 
 def test_mixed_sizes_fit_first_try_evicting_one_contiguous_range() -> None:
     """Issue 15 item 9: 60 x 256 KiB on 16 MiB, the odd keys read, leases over; a 2 MiB put
-    fits at once and evicts exactly the 4 values next to the free 1 MiB at the end (LRU over
-    the cluster freed 2 MiB of scattered even keys, none of it a fit: NO_SPACE three times)."""
+    fits at once and evicts exactly 2 MiB: the 8 values of the contiguous range least recently
+    used (LRU over the cluster freed 2 MiB of scattered even keys, none of it a fit: NO_SPACE
+    three times and 24 values thrown away before the fourth try fit)."""
     core, clock = make(16 * MiB, high_watermark=1.0)
     for i in range(60):
         assert put(core, f"k{i}", 256 * KiB) == m.Ok()
@@ -43,9 +44,22 @@ def test_mixed_sizes_fit_first_try_evicting_one_contiguous_range() -> None:
         assert isinstance(core.handle(m.GetReplicas(key=f"k{i}")), m.ReplicaList)
     clock.advance_to(clock.now() + core.cfg.lease_ttl_s + 0.1)
     assert put(core, "big", 2 * MiB) == m.Ok()
-    assert core.counters["evictions"] == 4 and core.counters["no_space"] == 0
+    assert core.counters["evictions"] == 8 and core.counters["no_space"] == 0
     gone = [i for i in range(60) if f"k{i}" not in core.objs]
-    assert gone == [56, 57, 58, 59]
+    assert gone == list(range(8))  # 4 never read + the 4 read first
+
+
+def test_recency_decides_before_bytes() -> None:
+    """Small puts into a cache full of older big values evict older values, never the small
+    ones just put (bytes alone made them the cheapest victims: `yuebing bench store` missed a
+    4 KiB value it had just put)."""
+    core, clock = make(8 * MiB, high_watermark=1.0)
+    for i in range(8):
+        assert put(core, f"old{i}", 1 * MiB) == m.Ok()
+    for i in range(768):  # 3 MiB of small values into the full cache
+        assert put(core, f"new{i}", 4 * KiB) == m.Ok()
+    assert all(f"new{i}" in core.objs for i in range(768))
+    assert [f"old{i}" in core.objs for i in range(8)] == [False] * 3 + [True] * 5
 
 
 def test_a_put_that_cannot_fit_evicts_nothing() -> None:

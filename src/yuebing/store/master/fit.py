@@ -4,9 +4,10 @@ An allocation needs one free range of its (rounded) size on one segment, so free
 bytes anywhere (LRU order across the cluster) may free nothing usable. `make_room` instead
 looks at each candidate segment's layout — its free ranges, and the ranges of committed values
 that may be evicted — and picks the window of adjacent ranges that covers the size at the least
-cost, then frees exactly the values in it. A value's cost is its bytes weighted by recency (the
-least recently read cost least), much less when it keeps another replica (dropping this one
-loses nothing), much more while soft-pinned. Pending puts, reservations, quarantined ranges,
+cost, then frees exactly the values in it. The cost is LRU first: the window whose most
+recently read victim is least recent wins (a replica whose value keeps another one counts as
+older than any, since dropping it loses nothing; a soft-pinned value as newer than any), and the
+bytes evicted decide between windows of equal rank. Pending puts, reservations, quarantined ranges,
 task destinations, hard-pinned and leased values are barriers no window crosses; a value being
 offloaded from the segment frees itself when its task ends (free soon, cost 0).
 
@@ -30,6 +31,7 @@ in use. Called by ``MasterCore._put_one``,
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
@@ -44,10 +46,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FREE, VICTIM, SOON, LATER = range(4)
-OTHER_COPY = 0.05
-"""Cost weight of a replica whose value keeps another one (dropping it loses nothing)."""
-SOFT_PINNED = 16.0
-"""Cost weight added for a soft-pinned value (evicted only when nothing else fits)."""
 
 
 class Room(IntEnum):
@@ -61,9 +59,13 @@ class Room(IntEnum):
 
 @dataclass(slots=True)
 class Piece:
+    """A range of a segment's layout: free, a value that may be evicted (``rank``: its place in
+    the LRU order, adjusted; ``size``: its bytes), or one freeing itself soon."""
+
     start: int
     end: int
-    cost: float
+    rank: int
+    size: int
     kind: int
     key: str
 
@@ -87,7 +89,7 @@ def make_room(core: MasterCore, size: int, sids: list[int], offload: bool = True
     now = core.clock.now()
     wait_until = now + core.cfg.room_wait_s
     pieces = _pieces(core, sids, now, wait_until)
-    best: tuple[float, int, list[Piece]] | None = None
+    best: tuple[tuple[int, int], int, list[Piece]] | None = None
     for late_ok in (False, True):
         for sid in sids:
             alloc = core.segs[sid].alloc
@@ -115,8 +117,8 @@ def _pieces(core: MasterCore, sids: list[int], now: float,
     for sid in sids:
         alloc = core.segs[sid].alloc
         assert alloc is not None
-        out[sid] = [Piece(s, s + n, 0.0, FREE, "") for s, n in alloc.free_ranges()]
-    n_objs = len(core.objs) or 1
+        out[sid] = [Piece(s, s + n, -1 << 62, 0, FREE, "") for s, n in alloc.free_ranges()]
+    n_objs = len(core.objs) + 1
     tasks = core.tasks
     for rank, (key, o) in enumerate(core.objs.items()):
         for r in o.reps:
@@ -135,33 +137,46 @@ def _pieces(core: MasterCore, sids: list[int], now: float,
                 if o.lease > wait_until:
                     continue
                 kind = LATER
-            weight = (1.0 + rank / n_objs) * (OTHER_COPY if len(o.reps) > 1 else 1.0)
+            order = rank - n_objs if len(o.reps) > 1 else rank  # another copy: no loss
             if o.soft > now:
-                weight += SOFT_PINNED
+                order += 2 * n_objs
             alloc = core.segs[r[0]].alloc
             assert alloc is not None
-            cost = 0.0 if kind == SOON else o.size * weight
-            mine.append(Piece(r[1], r[1] + alloc.rounded(o.size), cost, kind, key))
+            if kind == SOON:
+                order, size = -1 << 62, 0
+            else:
+                size = o.size
+            mine.append(Piece(r[1], r[1] + alloc.rounded(o.size), order, size, kind, key))
     return out
 
 
-def _window(pieces: list[Piece], need: int, late_ok: bool) -> tuple[float, list[Piece]] | None:
-    """The cheapest run of adjacent pieces spanning ``need`` bytes (two pointers over the
-    pieces by offset; a gap — a barrier — ends a run; LATER pieces are barriers unless
-    ``late_ok``)."""
+def _window(pieces: list[Piece], need: int, late_ok: bool) -> tuple[tuple[int, int], list[Piece]] | None:
+    """The cheapest run of adjacent pieces spanning ``need`` bytes — least (most recent rank,
+    bytes evicted) — by two pointers over the pieces by offset, the shortest run ending at
+    each piece (any run holds one, no dearer), its most recent rank kept in a monotonic deque.
+    A gap — a barrier — ends a run; LATER pieces are barriers unless ``late_ok``."""
     ps = sorted((p for p in pieces if late_ok or p.kind != LATER), key=lambda p: p.start)
-    best: tuple[float, list[Piece]] | None = None
+    best: tuple[tuple[int, int], list[Piece]] | None = None
     i = 0
-    cost = 0.0
+    size = 0
+    newest: deque[int] = deque()  # indexes in the run, ranks decreasing
     for j, p in enumerate(ps):
         if j > i and ps[j - 1].end != p.start:
-            i, cost = j, 0.0
-        cost += p.cost
+            i, size = j, 0
+            newest.clear()
+        size += p.size
+        while newest and ps[newest[-1]].rank <= p.rank:
+            newest.pop()
+        newest.append(j)
         while i < j and p.end - ps[i + 1].start >= need:
-            cost -= ps[i].cost  # the window still fits without its first piece
+            size -= ps[i].size  # the run still fits without its first piece
             i += 1
-        if p.end - ps[i].start >= need and (best is None or cost < best[0]):
-            best = (cost, ps[i:j + 1])
+            if newest[0] < i:
+                newest.popleft()
+        if p.end - ps[i].start >= need:
+            cost = (ps[newest[0]].rank, size)
+            if best is None or cost < best[0]:
+                best = (cost, ps[i:j + 1])
     return best
 
 
