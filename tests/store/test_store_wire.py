@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from yuebing.store.wire import FrameServer, FrameSocket
+from yuebing.store.wire import FrameSocket
+from yuebing.store.wire_server import FrameServer
 
 
 def _echo_server(spin_s: float) -> FrameServer:

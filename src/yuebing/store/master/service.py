@@ -1,7 +1,7 @@
 """The master process: RPC adapter around `MasterCore`, plus HA roles.
 
 Life of a request here: a peer sends a frame ``[request id, msgpack message]`` over TCP
-(`wire`); the loop decodes it (a malformed message gets ``Err(BAD_REQUEST)`` and changes
+(`wire`, `wire_server`); the loop decodes it (a malformed message gets ``Err(BAD_REQUEST)`` and changes
 nothing; a malformed frame closes only that connection), applies it to the core and answers with
 the same request id — at once, or (sync replication) once every standby has acknowledged the
 entries the call produced, or (SSD promotion) when the node reports the copy. Pushes to nodes
@@ -32,7 +32,8 @@ from yuebing.store.config import MasterConfig
 from yuebing.store.master import replication, segments
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.election import Elector, EtcdElector, SingleElector
-from yuebing.store.wire import MAX_FRAME, FrameLimits, FrameServer, FrameSocket
+from yuebing.store.wire import MAX_FRAME, FrameSocket
+from yuebing.store.wire_server import FrameLimits, FrameServer
 
 log = logging.getLogger(__name__)
 C = m.Code
@@ -53,7 +54,7 @@ GC_FREEZE_S = 30.0
 
 
 def limits_of(cfg: MasterConfig) -> FrameLimits:
-    """The RPC port's limits (`wire.FrameLimits`) from the master's config: frames up to
+    """The RPC port's limits (`wire_server.FrameLimits`) from the master's config: frames up to
     ``max_request_bytes`` (8x that is still read and dropped with an error reply, more closes
     the connection), ``rpc_buffer_bytes`` of incomplete frames, ``frame_timeout_s`` each."""
     return FrameLimits(max_frame=cfg.max_request_bytes, budget=cfg.rpc_buffer_bytes,
