@@ -266,6 +266,9 @@ class Supervisor:
                 log.warning("%s (pid %d) still running; killing it", p.name, p.pid)
             p.signal_group(signal.SIGKILL)  # its leftovers too
             p.wait(10.0)
+        if procs:
+            log.info("stopped %s in %.1fs", ", ".join(p.name for p in procs),
+                     time.monotonic() - deadline + grace)
 
 
 class Interrupted(YuebingError):
