@@ -172,3 +172,35 @@ COMMANDS = [
             "replay a trace against an OpenAI-compatible endpoint: TTFT/TBT, SLO attainment, "
             "goodput, rate sweeps", _add_serve, _run_serve),
 ]
+
+
+def _add_instance(p: argparse.ArgumentParser) -> None:
+    from yuebing.instance.bench import InstanceBenchConfig
+
+    add_config_args(p, InstanceBenchConfig)
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def _run_instance(ns: argparse.Namespace) -> int:
+    import json
+
+    from rich.progress import Progress
+
+    from yuebing.instance.bench import InstanceBenchConfig, run_bench
+
+    cfg = config_from_args(InstanceBenchConfig, ns)
+    with Progress(transient=True, disable=ns.json) as bar:
+        task = bar.add_task("bench instance", total=None)
+        report = run_bench(cfg, lambda s: bar.update(task, description=s))
+    if ns.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for key, value in report.items():
+            print(f"{key:>32}  {value}")
+    return 0
+
+
+COMMANDS.append(Command(
+    ("bench", "instance"), "prefill/decode instances on real processes: store-hit vs cold TTFT, "
+    "layer-wise hand-off, decode step beside a busy prefill, store -> pool load rate",
+    _add_instance, _run_instance))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -125,9 +126,11 @@ class Instance:
     def __init__(self, cfg: InstanceConfig, engine: LLMEngine | None = None) -> None:
         self.cfg = cfg
         self.incarnation = secrets.token_hex(8)
-        self.transfer = TransferEngine(TransferConfig(
-            host=cfg.host, advertise_host=cfg.advertise_host, metadata="p2p",
-            timeout_s=cfg.transfer_timeout_s))
+        tcfg = TransferConfig(host=cfg.host, advertise_host=cfg.advertise_host, metadata="p2p",
+                              timeout_s=cfg.transfer_timeout_s)
+        if cfg.host_id:
+            tcfg = dataclasses.replace(tcfg, host_id=cfg.host_id)
+        self.transfer = TransferEngine(tcfg)
         storage = self._pool_storage if self.exposes_pool else None
         self.engine = engine or LLMEngine(engine_config(cfg), kv_storage=storage)
         self.store = self._open_store()

@@ -50,6 +50,9 @@ class InstanceConfig:
         "help": "registered staging memory for store loads/saves", "size": True})
     save_to_store: bool = field(default=True, metadata={
         "help": "save new prefill blocks to the store"})
+    host_id: str = field(default="", metadata={
+        "help": "host identity for the transfer engine ('' = this machine's); another value "
+                "makes same-host peers use TCP (tests, benchmarks)"})
     report_hz: float = field(default=10.0, metadata={"help": "load reports per second"})
     reserve_timeout_s: float = field(default=300.0, metadata={
         "help": "decode: the longest a reservation waits for its KV (the Conductor asks for "
