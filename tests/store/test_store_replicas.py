@@ -4,6 +4,8 @@ accepts fewer and the reply shows how many were placed (issue 15, item 11)."""
 
 from __future__ import annotations
 
+import pytest
+
 from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
 from yuebing.store.config import MasterConfig
@@ -65,3 +67,43 @@ def test_min_replicas_above_replicas_is_a_bad_request() -> None:
     r = start(core, "k", replicas=1, min_replicas=2)
     assert isinstance(r, m.Err) and r.code == C.BAD_REQUEST
     assert r.message == "min_replicas must be 0..replicas (1), got 2"
+
+
+@pytest.mark.slow
+def test_clients_refuse_fewer_copies_unless_best_effort() -> None:
+    """Real processes: two nodes, puts asking for three copies (sync, batch and async)."""
+    import asyncio
+
+    from store_procs import master, node
+
+    from yuebing.store.client.aio import AsyncStoreClient
+    from yuebing.store.client.client import StoreClient
+    from yuebing.store.client.rpc import StoreRpcError
+    from yuebing.store.config import ClientConfig
+
+    mst = master()
+    nodes = []
+    try:
+        addr = mst.info["address"]
+        nodes = [node(addr, "8MiB", "--name", f"r{i}") for i in range(2)]
+        cfg = ClientConfig(master=addr)
+        with StoreClient(cfg) as c:
+            with pytest.raises(StoreRpcError) as e:
+                c.put("k", b"v" * 1000, replicas=3)
+            assert e.value.code == C.NO_SPACE
+            assert "needs 3 replicas on distinct DRAM segments but only 2" in str(e.value)
+            assert not c.exists("k") and c.stats()["dram_used"] == 0
+            assert c.put("k", b"v" * 1000, replicas=3, best_effort=True) == 2
+            assert c.put("k2", b"v" * 1000, replicas=2) == 2
+            assert c.batch_put(["b1", "b2"], [b"x", b"y"], replicas=3) == [C.NO_SPACE] * 2
+
+        async def aio() -> None:
+            async with AsyncStoreClient(cfg) as a:
+                with pytest.raises(StoreRpcError):
+                    await a.put("a", b"v", replicas=3)
+                assert await a.put("a", b"v", replicas=3, best_effort=True) == 2
+
+        asyncio.run(aio())
+    finally:
+        for p in (*nodes, mst):
+            p.stop()
