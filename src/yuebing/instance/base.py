@@ -160,6 +160,7 @@ class Instance:
         self.instance_id = cfg.instance_id
         self._stopping = False
         self._peers: dict[str, Any] = {}
+        self._changed = asyncio.Event()
 
     # ------------------------------------------------------------------ set-up
 
@@ -280,16 +281,22 @@ class Instance:
             self._resync = True
             return self.hello(msg.seq)
         if isinstance(msg, Cancel):
-            if not await self.on_cancel(msg.request_id):
+            known = await self.on_cancel(msg.request_id)
+            self.changed()
+            if not known:
                 raise Refused(ErrorCode.UNKNOWN_TASK, f"no task {msg.request_id!r} here")
             return Ack(seq=msg.seq)
         if isinstance(msg, SubmitTask):
             self._check_new(msg.request_id)
             self._check_prompt(msg.token_ids)
-            return await self.on_submit(ident, msg)
+            reply = await self.on_submit(ident, msg)
+            self.changed()
+            return reply
         if isinstance(msg, Reserve):
             self._check_new(msg.request_id)
-            return await self.on_reserve(ident, msg)
+            reply = await self.on_reserve(ident, msg)
+            self.changed()
+            return reply
         if isinstance(msg, FetchPrefix):
             return await self.on_fetch_prefix(msg)
         raise Refused(ErrorCode.BAD_REQUEST, f"{type(msg).__name__} is not a control request")
@@ -389,6 +396,7 @@ class Instance:
     def _end(self, task: Task) -> None:
         task.done = True
         self.tasks.pop(task.request_id, None)
+        self.changed()
 
     def _event(self, task: Task, kind: EventKind, **kw: Any) -> None:
         self.send(task.owner, TaskEvent(request_id=task.request_id, kind=kind,
@@ -444,16 +452,27 @@ class Instance:
 
     # ------------------------------------------------------------------ load reports
 
+    def changed(self) -> None:
+        """Loop thread: the load changed (task accepted or ended, blocks reserved or freed);
+        a report goes out now rather than at the next period (at most every 10 ms)."""
+        self._changed.set()
+
     async def _report_loop(self, stop: asyncio.Event) -> None:
         period = 1.0 / self.cfg.report_hz
         while not stop.is_set():
+            self._changed.clear()
             if self.subscribers:
                 with contextlib.suppress(RuntimeError):
                     report = await self.driver.run(self._measure)
                     for ident in list(self.subscribers):
                         self.send(ident, report)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), period)
+            waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(
+                self._changed.wait())}
+            _, pending = await asyncio.wait(waits, timeout=period,
+                                            return_when=asyncio.FIRST_COMPLETED)
+            for w in pending:
+                w.cancel()
+            await asyncio.sleep(0.01)
 
     def _measure(self, engine: LLMEngine) -> LoadReport:
         """Driver thread: a consistent load snapshot."""

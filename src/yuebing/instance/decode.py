@@ -110,7 +110,10 @@ class DecodeInstance(Instance):
             def release(e: LLMEngine) -> None:
                 for b in due:
                     e.allocator.release_all(b)
-            self.driver.call(release)
+            loop = self.loop
+            fut = self.driver.call(release)
+            if loop is not None:
+                fut.add_done_callback(lambda _: loop.call_soon_threadsafe(self.changed))
 
     # ------------------------------------------------------------------ KV arrival
 
