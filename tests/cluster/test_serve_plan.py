@@ -39,6 +39,42 @@ def test_serve_config_validation() -> None:
     with pytest.raises(ConfigError, match="--restart must be one of on-failure, never"):
         SupervisorConfig(restart="always")
     assert local_url_host("0.0.0.0") == "127.0.0.1" and local_url_host("::") == "[::1]"
+    from yuebing.conductor.config import ConductorConfig
+    from yuebing.conductor.policy import PolicyConfig
+
+    with pytest.raises(ConfigError, match=r"--store-block-tokens must be the same for the "
+                       r"Conductor \(512\) and the instances \(256\)"):
+        ServeConfig(conductor=ConductorConfig(store_block_tokens=512,
+                                              policy=PolicyConfig(block_tokens=512)))
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--coupled", "2", "--prefill", "1"], "--coupled K replaces --prefill/--decode"),
+    (["--admission", "bogus"], "admission 'bogus' unknown"),
+    (["--threads", "0"], "threads"),
+    (["--store-block-tokens", "100"], "store_block_tokens must be a positive multiple of 16"),
+])
+def test_bad_role_flags_fail_while_parsing(args: list[str], error: str) -> None:
+    from yuebing.cli.main import build_parser
+    from yuebing.cluster.cli import add_serve_args, serve_config_from_args
+
+    probe = argparse.ArgumentParser()
+    add_serve_args(probe)
+    ns = build_parser().parse_args(["serve", *args])
+    with pytest.raises(ConfigError, match=error):
+        serve_config_from_args(ns, probe._option_string_actions)
+
+
+def test_serve_refuses_bad_flags_before_starting_anything(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "yuebing.cli.main", "serve", "--log-dir",
+                          str(tmp_path / "logs"), "--admission", "bogus"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.startswith("yuebing: error: admission 'bogus' unknown"), out.stderr
+    assert not (tmp_path / "logs").exists()  # no role was started
 
 
 def test_forward_args_rebuilds_the_role_flags() -> None:

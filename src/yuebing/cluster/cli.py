@@ -18,6 +18,7 @@ from typing import Any
 from yuebing.cluster.config import SupervisorConfig
 from yuebing.cluster.serve import ServeConfig, run_serve
 from yuebing.core.config import add_config_args, config_from_args
+from yuebing.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +118,30 @@ def has_option_fn() -> Callable[[str, str], bool]:
 
 def serve_config_from_args(ns: argparse.Namespace,
                            serve_actions: dict[str, argparse.Action]) -> ServeConfig:
-    """Build the `ServeConfig` from the parsed flags of ``yuebing serve``."""
+    """Build the `ServeConfig` from the parsed flags of ``yuebing serve``: the conductor's
+    and the instances' configs are built from the forwarded flags exactly as those roles
+    build them, so a bad value fails here, before any process starts."""
+    from yuebing.conductor.cli import conductor_config
+    from yuebing.instance.config import InstanceConfig
+
+    if ns.coupled and (ns.prefill is not None or ns.decode is not None):
+        raise ConfigError("--coupled K replaces --prefill/--decode: give one or the other")
+    parsers = {role: role_parser(path) for role, path in ROLE_COMMANDS.items()}
+    args = {role: forward_args(parsers[role], role, serve_actions, ns) for role in parsers}
+    role = "coupled" if ns.coupled else "prefill"
     return config_from_args(
         ServeConfig, ns, verbose=getattr(ns, "verbose", 0),
         supervisor=config_from_args(SupervisorConfig, ns),
-        conductor_args=forward_args(role_parser(ROLE_COMMANDS["conductor"]), "conductor",
-                                    serve_actions, ns),
-        instance_args=forward_args(role_parser(ROLE_COMMANDS["instance"]), "instance",
-                                   serve_actions, ns))
+        conductor_args=args["conductor"], instance_args=args["instance"],
+        conductor=conductor_config(_parse(parsers["conductor"], args["conductor"])),
+        instance=config_from_args(InstanceConfig, _parse(parsers["instance"],
+                                                         args["instance"]), role=role))
+
+
+def _parse(parser: argparse.ArgumentParser | None, args: tuple[str, ...]) -> argparse.Namespace:
+    if parser is None:
+        raise ConfigError("this installation lacks the serve role commands")
+    return parser.parse_args(list(args))
 
 
 def run_serve_command(ns: argparse.Namespace) -> int:

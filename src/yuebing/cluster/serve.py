@@ -22,7 +22,6 @@ import json
 import logging
 import socket
 import sys
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,9 @@ from yuebing.cluster.config import SupervisorConfig
 from yuebing.cluster.process import RoleSpec
 from yuebing.cluster.readiness import AllOf, HttpOk, InstancePing, Readiness, ReadyFile
 from yuebing.cluster.supervisor import Interrupted, RoleFailed, Supervisor
+from yuebing.conductor.config import ConductorConfig
 from yuebing.core.config import format_size, require
+from yuebing.instance.config import InstanceConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +42,11 @@ YUEBING = (sys.executable, "-m", "yuebing.cli.main")
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """One host's cluster: how many of each role, where the API listens, the store's size,
-    the supervisor's behaviour and the flags forwarded to the conductor and the instances
-    (each role validates its own flags; the CLI parses them with the role's parser first)."""
+    """One host's cluster, composed of the roles' configs: how many of each role, where the
+    API listens, the store's size, the supervisor's behaviour, the Conductor's and the
+    instances' configs (``conductor``, ``instance``: validated here, before anything starts)
+    and the flags that built them (``conductor_args``, ``instance_args``: what each child is
+    given besides the addresses, ids and ready files the plan sets)."""
 
     prefill: int = field(default=1, metadata={"help": "prefill instances"})
     decode: int = field(default=1, metadata={"help": "decode instances"})
@@ -71,8 +74,14 @@ class ServeConfig:
     conductor_args: tuple[str, ...] = ()
     instance_args: tuple[str, ...] = ()
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    conductor: ConductorConfig = field(default_factory=ConductorConfig)
+    instance: InstanceConfig = field(default_factory=InstanceConfig)
 
     def __post_init__(self) -> None:
+        require(self.conductor.store_block_tokens == self.instance.store_block_tokens,
+                f"--store-block-tokens must be the same for the Conductor "
+                f"({self.conductor.store_block_tokens}) and the instances "
+                f"({self.instance.store_block_tokens}): the KV index keys are store blocks")
         require(self.prefill >= 0 and self.decode >= 0 and self.coupled >= 0,
                 "--prefill, --decode and --coupled must be >= 0")
         if not self.coupled:
@@ -215,15 +224,6 @@ def banner(plan: ServePlan, sup: Supervisor, model: str) -> str:
             "Ctrl-C stops every process.")
 
 
-def served_model(base_url: str) -> str:
-    """The first model id of ``GET /v1/models`` (the name clients send)."""
-    try:
-        with urllib.request.urlopen(base_url + "/v1/models", timeout=5) as r:  # noqa: S310
-            return str(json.loads(r.read())["data"][0]["id"])
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return "smollm2-135m-instruct"
-
-
 def run_serve(cfg: ServeConfig, has_option: Callable[[str, str], bool] = lambda r, o: True,
               out: TextIO = sys.stdout) -> int:
     """Start every role, print the URL, watch until SIGINT/SIGTERM, stop everything.
@@ -237,7 +237,7 @@ def run_serve(cfg: ServeConfig, has_option: Callable[[str, str], bool] = lambda 
         for stage in plan.stages():
             sup.start_stage(stage)
             log.info("ready: %s", ", ".join(spec.name for spec, _ in stage))
-        print(banner(plan, sup, served_model(plan.base_url)), file=out, flush=True)
+        print(banner(plan, sup, cfg.conductor.model_name), file=out, flush=True)
         code = sup.watch()
         if code:
             print(f"yuebing serve: {sup.failed}; stopping", file=sys.stderr, flush=True)
