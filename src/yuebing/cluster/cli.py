@@ -58,14 +58,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Add the all-in-one's flags to ``p`` (the ``serve`` command's parser)."""
     add_config_args(p, ServeConfig, only=SERVE_FIELDS)
     add_config_args(p, SupervisorConfig)
+    actions = {role: _role_actions(role_parser(path)) for role, path in ROLE_COMMANDS.items()}
+    instance_opts = {o for a in actions["instance"] if not set(a.option_strings)
+                     & MANAGED["instance"] for o in a.option_strings}
     for role, title in (("conductor", "conductor flags (passed to `yuebing serve conductor`)"),
                         ("instance", "instance flags (passed to every prefill, decode and "
                                      "coupled instance)")):
         group = p.add_argument_group(title)
-        for action in _role_actions(role_parser(ROLE_COMMANDS[role])):
+        for action in actions[role]:
             opts = set(action.option_strings)
             if opts & MANAGED[role] or opts & set(p._option_string_actions):
                 continue  # set per child, or already offered (e.g. --model for both)
+            if role == "conductor" and opts & instance_opts and action.help:
+                action.help += "; also given to the instances"
             group._add_action(action)
 
 
