@@ -7,14 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from yuebing.sim.paper import fig1, fig5, overload
+from yuebing.sim.paper import fig1, fig5
 from yuebing.sim.paper.report import gap, run_figures, write_report
 
 
 @pytest.mark.slow
 def test_full_report_meets_the_simulator_targets(conversation_trace: Path,
                                                  tmp_path: Path) -> None:
-    report = run_figures(["5", "1", "overload"], conversation_trace, tmp_path, fast=False)
+    """The calibrated results of docs/reproduction.md, pinned with the tolerances the targets
+    allow (met) or with the direction of the documented gap (missed)."""
+    report = run_figures(["5", "1", "8", "overload"], conversation_trace, tmp_path, fast=False)
     paths = write_report(report, tmp_path, fast=False)
     assert json.loads(paths[0].read_text())["5"]["ours"] == report["5"]["ours"]
     assert (tmp_path / "fig5_ttft_by_policy.png").stat().st_size > 0
@@ -23,29 +25,30 @@ def test_full_report_meets_the_simulator_targets(conversation_trace: Path,
         > ttft["global_cache_aware"]
     ours, paper = fig5.ratios(ttft), fig5.ratios(fig5.PAPER)
     for name in ("random", "load_balance", "local_cache_aware"):
-        assert abs(ours[name] / paper[name] - 1) <= 0.30, (name, ours[name], paper[name])
+        assert abs(ours[name] / paper[name] - 1) <= 0.20, (name, ours[name], paper[name])
+    # absolute TTFTs are about half the paper's at the trace's own pace (gap 2)
+    assert 0.4 <= ttft["global_cache_aware"] / fig5.PAPER["global_cache_aware"] <= 0.6
     fig1_ours = report["1"]["ours"]
-    mooncake = fig1_ours["mooncake"]
-    assert mooncake["100"] >= 0.90 and mooncake["200"] >= 0.98 and mooncake["300"] >= 0.98
-    # the targets Figure 1 meets (docs/reproduction.md): vLLM and + prefix caching within
-    # ±20 pp at every threshold, + chunked prefill at 100 ms (its 200/300 ms are missed)
-    met = [("vllm", t) for t in ("100", "200", "300")]
-    met += [("vllm_prefix_caching", t) for t in ("100", "200", "300")]
-    met += [("vllm_chunked_prefill", "100")]
-    for name, t in met:
-        paper = fig1.PAPER[name]
-        assert paper is not None and abs(fig1_ours[name][t] - paper[t]) <= 0.20, (name, t)
-    assert set(report["1"]["details"]["by_speed"]) == {"1", "1.25", "1.5", "1.75", "2"}
+    tolerance_pp = {"mooncake": 0.03, "vllm": 0.10, "vllm_prefix_caching": 0.15}
+    for name, tol in tolerance_pp.items():
+        for t in ("100", "200", "300"):
+            paper_value = fig1.PAPER[name]
+            assert paper_value is not None and abs(fig1_ours[name][t] - paper_value[t]) <= tol
+    # chunked prefill keeps far more than the paper at 200/300 ms (gap 4)
+    assert fig1_ours["vllm_chunked_prefill"]["200"] > 0.9
+    assert set(report["1"]["details"]["by_speed"]) == {"1", "1.25", "1.5", "2"}
     assert (tmp_path / "fig1_speed_sensitivity.png").stat().st_size > 0
-    assert set(report["overload"]["ours"]) == {"baseline", "early_rejection",
-                                              "predictive_early_rejection"}
-    # decode-bound variant: prediction rejects fewer than plain early rejection and damps the
-    # prefill-load oscillation (20-300 s band variance); baseline > early is missed
-    label = f"{overload.VARIANT[0]}P+{overload.VARIANT[1]}D"
-    early = report["overload"]["details"][f"{label} early_rejection"]
-    pred = report["overload"]["details"][f"{label} predictive_early_rejection"]
-    assert pred["rejected"] < early["rejected"]
-    assert pred["prefill_load_band_var"] < 0.8 * early["prefill_load_band_var"]
+    # Figure 8: Mooncake's prefill GPU time per request within ±25 % of the paper's 1.06 s and
+    # below every baseline's
+    f8 = report["8"]["ours"]
+    assert abs(f8["mooncake"] / 1.06 - 1) <= 0.25
+    assert all(f8["mooncake"] < f8[n] for n in ("vllm", "vllm_prefix_caching"))
+    # overload on 8P+8D: decode never binds, every policy rejects the same TTFT misses (gap 5)
+    rejected = report["overload"]["ours"]
+    assert set(rejected) == {"baseline", "early_rejection", "predictive_early_rejection"}
+    assert len(set(rejected.values())) == 1
+    assert report["overload"]["details"]["workload"]["mean_input"] == pytest.approx(7590,
+                                                                                    rel=0.01)
 
 
 @pytest.mark.slow

@@ -39,7 +39,8 @@ def test_mooncake_slice_is_deterministic_and_complete(first_1500: list) -> None:
     assert sum(r.fetched_tokens for r in a.records) == PINNED["fetched_tokens"]
     assert a.extra["decode_iterations"] == PINNED["decode_iterations"]
     assert a.summary["ttft_s"]["mean"] == pytest.approx(PINNED["mean_ttft_s"], rel=1e-9)
-    assert a.summary["effective_capacity"]["100"] == 1.0
+    # a few requests miss 100 ms: short outputs whose first interval holds a long KV transfer
+    assert a.summary["effective_capacity"]["100"] == pytest.approx(PINNED["capacity_100"])
     for r in a.records:
         assert r.queue_s + r.prefill_s == pytest.approx(r.ttft_s)
         assert r.first_token_s <= r.kv_ready_s <= r.decode_start_s <= r.finish_s
@@ -52,6 +53,7 @@ def test_policy_ordering_on_a_slice(conversation_trace: Path) -> None:
         > ttft["global_cache_aware"]
 
 
-PINNED = {"hit_tokens": 5_587_279, "fetched_tokens": 2_178_566, "decode_iterations": 200_174,
-          "mean_ttft_s": 1.823264406915781}
-"""First 1500 requests, default `SimConfig` (8P+8D, global cache-aware, roofline)."""
+PINNED = {"hit_tokens": 5_588_708, "fetched_tokens": 2_780_943, "decode_iterations": 138_498,
+          "mean_ttft_s": 1.874199475142562, "capacity_100": 1471 / 1500}
+"""First 1500 requests, default `SimConfig` (8P+8D, global cache-aware, roofline calibrated to
+Figure 14)."""

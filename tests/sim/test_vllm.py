@@ -257,9 +257,10 @@ def test_regression_on_a_slice_of_the_conversation_trace(conversation_trace):
 @pytest.mark.slow
 def test_whole_conversation_trace_on_16_instances(conversation_trace):
     """Whole trace at its own pace: every request served; chunked prefill's 512-token mixed
-    steps (MFU(520) = 0.41, ≥ 70 ms) lose to plain vLLM at a 100 ms TBT but win at 200 ms;
-    prefix caching finds local hits; each baseline simulates the hour-long trace well inside a
-    minute."""
+    steps (linear layers at 2/3 of a long pass's MFU: ≈ 100-150 ms) put many TBTs between 100
+    and 200 ms, where it beats plain vLLM, whose whole-prompt prefills stall decoding for
+    seconds; prefix caching finds local hits; each baseline simulates the hour-long trace well
+    inside a minute."""
     import time
 
     reqs = load_requests(conversation_trace)
@@ -271,6 +272,6 @@ def test_whole_conversation_trace_on_16_instances(conversation_trace):
         assert sum(r.rejected is not None for r in records) == 0
         caps[variant] = (effective_capacity(records, 0.1), effective_capacity(records, 0.2))
         hits[variant] = sum(r.hit_tokens for r in records) / sum(r.input_tokens for r in records)
-    assert caps["vllm_chunked_prefill"][0] < caps["vllm"][0]
-    assert caps["vllm_chunked_prefill"][1] > caps["vllm"][1]
+    assert caps["vllm_chunked_prefill"][1] - caps["vllm_chunked_prefill"][0] > 0.2
+    assert caps["vllm_chunked_prefill"][1] > caps["vllm"][1] + 0.1
     assert hits["vllm"] == 0.0 and 0.0 < hits["vllm_prefix_caching"] < 0.3

@@ -100,7 +100,7 @@ def _add_paper(p: argparse.ArgumentParser) -> None:
                    help="directory for PNGs + report.json + report.md (default: reports/paper "
                         "when no --figure is given)")
     p.add_argument("--figure", default=None,
-                   help="run one figure: 1, 5, 8, 9, 10, 11, 15 or overload")
+                   help="run one figure: 1, 5, 8, 9, 10, 11, 14, 15, overload or longctx")
     p.add_argument("--fast", action="store_true", help="replay only the first 2000 requests")
     p.add_argument("--json", action="store_true", help="print the result(s) as JSON")
 

@@ -65,6 +65,9 @@ INTERVAL_S = 5.0
 OSCILLATION_BAND_S = (20.0, 300.0)
 """Periods (s) whose variance `oscillation` reports as ``band_var``."""
 WORKLOAD = "arxiv_like"
+VARIANT = (8, 2)
+"""(prefill, decode) nodes of the decode-bound variant: on 8P+8D (and 8P+3D) the decode pool of
+Table 1 nodes never binds on this workload, on 8P+2D it does."""
 
 
 def arxiv_like(base: Path) -> Trace:
@@ -141,6 +144,7 @@ def details(trace_path: str | Path, fast: bool = False) -> dict[str, object]:
     n = len(reqs)
     per: dict[str, dict[str, object]] = {
         name: _oscillation(run(path, config(name, fast))) for name in ADMISSIONS}
+    variant = {name: _oscillation(run(path, config(name, fast, VARIANT))) for name in ADMISSIONS}
     base, paper_base = per["baseline"]["rejected"], PAPER["baseline"]
     return {
         "workload": {"requests": n,
@@ -153,6 +157,7 @@ def details(trace_path: str | Path, fast: bool = False) -> dict[str, object]:
                         for k, v in per.items()},
         "paper_vs_baseline": {k: v / paper_base - 1 for k, v in PAPER.items()},
         "by_policy": per,
+        f"{VARIANT[0]}P+{VARIANT[1]}D": variant,
     }
 
 
@@ -166,15 +171,19 @@ def plot(result: dict[str, int], out_dir: str | Path, trace_path: str | Path | N
     paths.append(save_figure(fig, out_dir, "overload_rejections.png"))
     if trace_path is not None:
         path = workload_path(WORKLOAD, trace_path)
-        fig, axes = plt.subplots(len(names), 1, figsize=(10, 7), sharex=True, squeeze=False)
-        for row, name in enumerate(names):
-            ax = axes[row][0]
-            ts = run(path, config(name, fast)).timeseries
-            ax.plot(ts["t_s"], ts["prefill_load"], label="prefill load", lw=0.8)
-            ax.plot(ts["t_s"], ts["decode_load"], label="decode load", lw=0.8)
-            ax.set_ylabel(name.replace("_", " "), fontsize=8)
-        axes[-1][0].set_xlabel("simulated time (s)")
+        clusters = (NODES, VARIANT)
+        fig, axes = plt.subplots(len(names), len(clusters), figsize=(13, 7), sharex=True,
+                                 squeeze=False)
+        for col, nodes in enumerate(clusters):
+            for row, name in enumerate(names):
+                ax = axes[row][col]
+                ts = run(path, config(name, fast, nodes)).timeseries
+                ax.plot(ts["t_s"], ts["prefill_load"], label="prefill load", lw=0.8)
+                ax.plot(ts["t_s"], ts["decode_load"], label="decode load (KV)", lw=0.8)
+                ax.set_ylabel(name.replace("_", " "), fontsize=8)
+            axes[0][col].set_title(f"{nodes[0]}P+{nodes[1]}D", fontsize=9)
+            axes[-1][col].set_xlabel("simulated time (s)")
         axes[0][0].legend(fontsize=8)
-        fig.suptitle(f"Overload: prefill / decode load over time (8P+8D, ×{SPEED:g})")
+        fig.suptitle(f"Overload: load over time (arXiv-like workload ×{SPEED:g})")
         paths.append(save_figure(fig, out_dir, "overload_load.png"))
     return paths

@@ -26,7 +26,7 @@ from yuebing.core.errors import InputError
 log = logging.getLogger(__name__)
 
 FIGURES = {"1": "fig1", "5": "fig5", "8": "fig8", "9": "fig9", "10": "fig10", "11": "fig11",
-           "14": "fig14", "15": "fig15", "overload": "overload"}
+           "14": "fig14", "15": "fig15", "overload": "overload", "longctx": "longctx"}
 """Figure name (as typed after ``--figure``) → module in `yuebing.sim.paper`."""
 DEFAULT_TRACE = Path("..") / "shared" / "traces" / "conversation_trace.jsonl"
 
