@@ -96,3 +96,24 @@ def test_arxiv_like_workload_has_the_papers_statistics(conversation_trace) -> No
     assert all(r.input_length > 0 and r.output_length > 0 for r in reqs)
     shared = sum(len(r.hash_ids) for r in reqs) - len({k for r in reqs for k in r.hash_ids})
     assert shared > 0.3 * sum(len(r.hash_ids) for r in reqs)
+
+
+def test_long_context_workloads_have_the_arxiv_shapes() -> None:
+    from yuebing.sim.paper import longctx
+
+    fixed = longctx.workload("fixed_64k", rate=1.0, fast=True)
+    assert len(fixed) == longctx.REQUESTS // 2
+    assert {r.input_tokens for r in fixed} == {65536} and {r.output_tokens for r in fixed} == {512}
+    assert fixed[0].block_keys[:64] == fixed[1].block_keys[:64]        # first half shared
+    assert set(fixed[0].block_keys[64:]).isdisjoint(fixed[1].block_keys)
+    summ = longctx.workload("arxiv_summarization", rate=1.0)
+    assert {(r.input_tokens, r.output_tokens) for r in summ} == {(8088, 229)}
+    assert len({k for r in summ for k in r.block_keys}) == sum(len(r.block_keys) for r in summ)
+    leval = longctx.workload("l_eval", rate=1.0)
+    assert len(leval) == 100 and {(r.input_tokens, r.output_tokens) for r in leval} == {
+        (19019, 72)}
+    distinct = len({k for r in leval for k in r.block_keys})
+    assert distinct / sum(len(r.block_keys) for r in leval) < 0.2     # > 80 % of blocks shared
+    # Poisson arrivals at the asked rate (mean gap 1 s, loosely)
+    gaps = np.diff([r.arrival_s for r in leval])
+    assert 0.7 < gaps.mean() < 1.3
