@@ -103,6 +103,9 @@ def _lstsq(features: list[list[float]], targets: list[float],
 
 
 def _fit_prefill(model: ModelSpec, node: NodeSpec) -> NodeSpec:
+    """``node`` with mfu, attention_mfu and prefill_overhead_s fitted to the two prefill rows
+    (time = linear/mfu + attention/attention_mfu + overhead + chunks · chunk_overhead_s; the
+    KV store never binds at these lengths)."""
     unit = RooflineCostModel(model, replace(node, mfu=1.0, attention_mfu=1.0))
     feats, ys, scale = [], [], []
     for i, n in enumerate(PROMPTS):
@@ -126,6 +129,8 @@ def _linear_unit(unit: RooflineCostModel, new: int) -> float:
 
 
 def _fit_decode(model: ModelSpec, node: NodeSpec) -> NodeSpec:
+    """``node`` with mbu and step_overhead_s fitted to the two total rows minus their prefill,
+    cache load and transfer (127 steps of one request, memory-bound)."""
     cost = RooflineCostModel(model, node)
     bandwidth = node.gpus * node.hbm_Bps
     feats, ys, scale = [], [], []
