@@ -34,7 +34,11 @@ class Proc:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "yuebing.cli.main", *args, "--ready-file", str(ready)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
-        self.info = _wait_file(ready, self.proc)
+        try:
+            self.info = _wait_file(ready, self.proc)
+        except BaseException:
+            self.kill()  # never leave a process behind that did not get ready in time
+            raise
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -6,6 +6,8 @@ then a real master and node."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from yuebing.core.clock import VirtualClock
@@ -128,6 +130,10 @@ def test_put_then_get_on_a_full_node_and_removes_after_reads() -> None:
             c.get("kv/199")
             c.remove("kv/199")  # read and finished: not LEASED
             assert not c.exists("kv/199")
+            with StoreClient(ClientConfig(master=addr)) as other:
+                c.get("kv/198")  # then c stays idle: its heartbeat thread sends the release
+                time.sleep(1.0)  # (within ~0.1 s; the lease would last 5 s)
+                other.remove("kv/198")
             assert c.remove_prefix("kv/").kept == 0
     finally:
         for p in (nd, mst):

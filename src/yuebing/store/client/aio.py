@@ -30,7 +30,12 @@ from yuebing.store.client import reserve as rv
 from yuebing.store.client.aio_puts import AsyncPuts
 from yuebing.store.client.direct import DirectSegments
 from yuebing.store.client.memory import keep_freed_memory, new_buffer
-from yuebing.store.client.rpc import AsyncMasterConnection, StoreRpcError, removed_codes
+from yuebing.store.client.rpc import (
+    RELEASE_FLUSH_S,
+    AsyncMasterConnection,
+    StoreRpcError,
+    removed_codes,
+)
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import BatchStatus, TransferConfig, TransferEngine, TransferStatus
 
@@ -76,8 +81,15 @@ class AsyncStoreClient(AsyncPuts):
         await self.close()
 
     async def _heartbeat(self) -> None:
+        """Heartbeats every ``heartbeat_s``; in between, every `RELEASE_FLUSH_S`, the lease
+        releases no call carried since."""
+        next_hb = time.monotonic() + self.cfg.heartbeat_s
         while True:
-            await asyncio.sleep(self.cfg.heartbeat_s)
+            await asyncio.sleep(min(RELEASE_FLUSH_S, max(0.0, next_hb - time.monotonic())))
+            self.rpc.flush_releases(time.monotonic() - RELEASE_FLUSH_S)
+            if time.monotonic() < next_hb:
+                continue
+            next_hb = time.monotonic() + self.cfg.heartbeat_s
             try:
                 await self.rpc.call(m.Heartbeat(client=self.client_id))
             except StoreError as e:
@@ -249,10 +261,10 @@ class AsyncStoreClient(AsyncPuts):
         return removed_codes(r.codes, resent)  # type: ignore[attr-defined]
 
     def _release(self, keys: list[str], ids: list[int]) -> None:
-        """`StoreClient._release`: these reads are over (one-way `ReleaseLeases`)."""
-        msg = cm.released(keys, ids)
-        if msg is not None:
-            self.rpc.post(msg)
+        """`StoreClient._release`: these reads are over (`AsyncMasterConnection.release`)."""
+        held = cm.released(keys, ids)
+        if held is not None:
+            self.rpc.release(*held)
 
     async def remove_prefix(self, prefix: str, force: bool = False) -> m.Removed:
         """`StoreClient.remove_prefix`: removed and kept (leased, pinned) values."""
@@ -288,6 +300,7 @@ class AsyncStoreClient(AsyncPuts):
         if held:
             self.rpc.failover_s = 0.0
             await self._revoke([], [], held)  # never written: freed at once
+        self.rpc.flush_releases()  # lease releases no call carried
         self.rpc.close()
         self.direct.close()
         if self._own_engine:

@@ -26,7 +26,12 @@ from yuebing.store.client import reserve as rv
 from yuebing.store.client.direct import DirectSegments
 from yuebing.store.client.memory import keep_freed_memory, new_buffer
 from yuebing.store.client.puts import Puts
-from yuebing.store.client.rpc import MasterConnection, StoreRpcError, removed_codes
+from yuebing.store.client.rpc import (
+    RELEASE_FLUSH_S,
+    MasterConnection,
+    StoreRpcError,
+    removed_codes,
+)
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import BatchStatus, TransferConfig, TransferEngine, TransferStatus
 
@@ -55,9 +60,19 @@ class StoreClient(Puts):
             self._hb.start()
 
     def _heartbeat(self) -> None:
+        """Heartbeats every ``heartbeat_s`` on a connection of its own; in between, every
+        `RELEASE_FLUSH_S`, the lease releases no call of this client carried since."""
         conn = MasterConnection(self.cfg.masters, self.cfg.rpc_timeout_s, self.cfg.failover_s)
+        next_hb = time.monotonic() + self.cfg.heartbeat_s
         try:
-            while not self._stop.wait(self.cfg.heartbeat_s):
+            while not self._stop.wait(min(RELEASE_FLUSH_S,
+                                          max(0.0, next_hb - time.monotonic()))):
+                old = self.rpc.take_releases(time.monotonic() - RELEASE_FLUSH_S)
+                if old:
+                    conn.send_releases(old)
+                if time.monotonic() < next_hb:
+                    continue
+                next_hb = time.monotonic() + self.cfg.heartbeat_s
                 try:
                     conn.call(m.Heartbeat(client=self.client_id))
                 except StoreError as e:
@@ -229,11 +244,13 @@ class StoreClient(Puts):
         return out
 
     def _release(self, keys: list[str], ids: list[int]) -> None:
-        """Tell the master these reads are over (`cm.released`; one-way, in order with the
-        next call on the connection, so this client's next put finds their space evictable)."""
-        msg = cm.released(keys, ids)
-        if msg is not None:
-            self.rpc.post(msg)
+        """Tell the master these reads are over (`MasterConnection.release`: carried by this
+        client's next put or remove ahead of its request, so it finds their space evictable
+        and their keys removable, by a read once many are queued, or sent by the heartbeat
+        thread ~`RELEASE_FLUSH_S` later)."""
+        held = cm.released(keys, ids)
+        if held is not None:
+            self.rpc.release(*held)
 
     # ------------------------------------------------------------------ queries / removal
     def exists(self, key: str) -> bool:
@@ -292,6 +309,8 @@ class StoreClient(Puts):
             self._revoke([], [], held)  # never written: freed at once
         if self._hb is not None:
             self._hb.join(timeout=2 * self.cfg.heartbeat_s + self.cfg.rpc_timeout_s)
+        if self.rpc.releases:  # lease releases no call carried
+            self.rpc.send_releases(self.rpc.take_releases())
         self.rpc.close()
         self.direct.close()
         if self._own_engine:

@@ -100,14 +100,16 @@ def read_deadline(sent_at: float, lease_s: float) -> float:
     return sent_at + lease_s - lease_margin(lease_s)
 
 
-def released(keys: Sequence[str], ids: Sequence[int]) -> m.ReleaseLeases | None:
-    """The `ReleaseLeases` a get sends once its reads of ``keys`` under leases ``ids`` are over
-    (done, failed or cut by the read deadline): those without a lease (id 0) left out; None
-    when none is left. The master then ends each lease its last reader released."""
+def released(keys: Sequence[str], ids: Sequence[int]) -> tuple[list[str], list[int]] | None:
+    """The (keys, lease ids) a get releases once its reads of ``keys`` under leases ``ids``
+    are over (done, failed or cut by the read deadline): those without a lease (id 0) left
+    out; None when none is left. The master ends each lease its last reader released."""
+    if len(keys) == 1:  # a single get: no lists to build
+        return (list(keys), list(ids)) if ids[0] else None
     held = [(k, i) for k, i in zip(keys, ids, strict=True) if i]
     if not held:
         return None
-    return m.ReleaseLeases(keys=[k for k, _ in held], ids=[i for _, i in held])
+    return [k for k, _ in held], [i for _, i in held]
 
 
 def transfer_timeout(cfg: ClientConfig, deadline: float | None, read: bool = False) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -26,6 +27,14 @@ log = logging.getLogger(__name__)
 C = m.Code
 DEADLINE_POLL_S = 0.1
 """Slice of a reply wait while `MasterConnection.deadline` is set (see `_wait`)."""
+RELEASE_FLUSH_S = 0.1
+"""A queued lease release (`release`) waits at most about this long for a call to carry it;
+the clients' heartbeat loops send older ones on their own."""
+RELEASE_BATCH = 64
+"""Releases a read-only call carries along at once; fewer wait for a call that may need their
+space or their keys (a put, a remove: any call not in `READS`), or `RELEASE_FLUSH_S`."""
+READS = frozenset({m.GetReplicas, m.BatchGetReplicas, m.Exists, m.BatchExists, m.PrefixMatch,
+                   m.GetStats, m.Heartbeat})
 
 
 class StoreRpcError(StoreError):
@@ -58,6 +67,46 @@ class _Base:
         """Monotonic time no call runs past (a stopping node's shutdown deadline): tries are
         cut to it and a call raises `StoreError` once it passed; ``inf``: only ``failover_s``
         bounds a call."""
+        self._rel_lock = threading.Lock()
+        self._rel_keys: list[str] = []
+        self._rel_ids: list[int] = []
+        self._rel_since = 0.0
+
+    def release(self, keys: list[str], ids: list[int]) -> None:
+        """Queue the lease releases of finished reads (`messages.ReleaseLeases`, one-way: no
+        reply comes). A later call carries them in its own send, ahead of its request — no
+        system call or master wake-up of their own, and the master applies them first: any
+        call not in `READS`, or a read once `RELEASE_BATCH` are queued; the client's heartbeat
+        loop sends those queued `RELEASE_FLUSH_S` ago (`take_releases`). Thread-safe. Releases
+        that cannot be sent are dropped (those leases end at their expiry)."""
+        with self._rel_lock:
+            if not self._rel_keys:
+                self._rel_since = time.monotonic()
+            self._rel_keys += keys
+            self._rel_ids += ids
+
+    @property
+    def releases(self) -> int:
+        """Lease releases queued."""
+        return len(self._rel_keys)
+
+    def take_releases(self, queued_by: float = float("inf")) -> bytes:
+        """The queued releases as one `ReleaseLeases` frame, dequeued (none unless the oldest
+        was queued at ``queued_by`` or before); each release is taken once."""
+        with self._rel_lock:
+            if not self._rel_keys or self._rel_since > queued_by:
+                return b""
+            keys, ids = self._rel_keys, self._rel_ids
+            self._rel_keys, self._rel_ids = [], []
+        payload = encode(m.ReleaseLeases(keys=keys, ids=ids))
+        return HEADER.pack(len(payload), next(self._ids)) + payload
+
+    def _carried(self, kind: type) -> bytes:
+        """The releases a call of type ``kind`` carries ahead of its request (see `release`)."""
+        n = len(self._rel_keys)
+        if not n or (kind in READS and n < RELEASE_BATCH):
+            return b""
+        return self.take_releases()
 
     def _left(self, msg: Message) -> float:
         """Seconds a try of ``msg`` may take now: ``timeout_s`` cut to `deadline`."""
@@ -113,7 +162,7 @@ class MasterConnection(_Base):
             try:
                 sock = self._open_socket(try_s)
                 sent = True
-                sock.send(rid, payload)
+                sock.send(rid, payload, self._carried(type(msg)))
                 reply = self._wait(sock, rid, try_s)
             except OSError as e:
                 log.info("master %s unreachable: %s", self.address, e)
@@ -137,16 +186,18 @@ class MasterConnection(_Base):
                 raise StoreRpcError(reply.code, reply.message, lost)
             return reply, lost
 
-    def post(self, msg: Message) -> None:
-        """Send a one-way ``msg`` (`messages.ReleaseLeases`: no reply comes) on the open
-        connection, in order with the calls on it; dropped when none is open or the send
-        fails (what it says then lapses on its own)."""
-        if self.sock is None:
-            return
+    def send_releases(self, frames: bytes) -> None:
+        """Send ``frames`` (`take_releases` of this or another connection: the heartbeat
+        thread flushing the main connection's old ones) on this connection; dropped if that
+        fails."""
+        left = min(self.timeout_s, self.deadline - time.monotonic())
         try:
-            self.sock.send(next(self._ids), encode(msg))
+            if left <= 0:
+                raise TimeoutError("the connection's deadline passed")
+            self._open_socket(left).sock.sendall(frames)
         except OSError as e:
-            log.info("master %s: one-way %s not sent: %s", self.address, type(msg).__name__, e)
+            log.info("master %s: %d bytes of lease releases not sent: %s", self.address,
+                     len(frames), e)
             self.close()
 
     def _open_socket(self, timeout_s: float) -> FrameSocket:
@@ -268,13 +319,12 @@ class AsyncMasterConnection(_Base):
         """Send ``msg`` and return the reply; `StoreRpcError` for an `Err` reply."""
         return (await self.call_tracked(msg))[0]
 
-    def post(self, msg: Message) -> None:
-        """`MasterConnection.post`: a one-way ``msg`` written on the open connection (in order
-        with the calls on it), dropped when none is open."""
-        if self._writer is None or self._writer.is_closing():
-            return
-        payload = encode(msg)
-        self._writer.write(HEADER.pack(len(payload), next(self._ids)) + payload)
+    def flush_releases(self, queued_by: float = float("inf")) -> None:
+        """Write the releases (queued since ``queued_by`` or before) on the open connection
+        (the heartbeat task, for those no call carried); dropped when none is open."""
+        frames = self.take_releases(queued_by)
+        if frames and self._writer is not None and not self._writer.is_closing():
+            self._writer.write(frames)
 
     async def call_tracked(self, msg: Message) -> tuple[Message, bool]:
         """`call`, and whether the request was sent again after a try whose reply never came."""
@@ -288,7 +338,7 @@ class AsyncMasterConnection(_Base):
                 writer = self._writer or await self._connect()
                 self._waiters[rid] = fut
                 sent = True
-                writer.write(HEADER.pack(len(payload), rid) + payload)
+                writer.write(self._carried(type(msg)) + HEADER.pack(len(payload), rid) + payload)
                 reply: Message | None = await asyncio.wait_for(fut, self.timeout_s)
             except (TimeoutError, OSError) as e:
                 log.info("master %s: %s", self.address, e)
