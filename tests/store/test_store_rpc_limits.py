@@ -109,6 +109,23 @@ def test_a_trickling_frame_is_cut_at_its_deadline(caplog: pytest.LogCaptureFixtu
         e.srv.close()
 
 
+def test_requests_streamed_back_to_back_are_not_cut() -> None:
+    """Each send ends one frame and starts the next, so something is always buffered: the
+    deadline counts from each frame's start, not from the first."""
+    e = Echo(FrameLimits(max_frame=64 * KiB, budget=256 * KiB, frame_timeout_s=0.3))
+    s = raw(e.srv)
+    try:
+        one = HEADER.pack(100, 1) + b"a" * 100
+        s.sendall(one[:50])
+        for _ in range(12):  # 1.2 s in all, 0.1 s per frame
+            s.sendall(one[50:] + one[:50])
+            e.serve_until(lambda: False, 0.1)
+        assert e.srv.cut == 0 and len(e.srv.conns) == 1
+    finally:
+        s.close()
+        e.srv.close()
+
+
 def test_incomplete_frames_share_one_budget(caplog: pytest.LogCaptureFixture) -> None:
     e = Echo(FrameLimits(max_frame=64 * KiB, budget=128 * KiB))
     socks = [raw(e.srv) for _ in range(4)]

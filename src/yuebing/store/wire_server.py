@@ -197,6 +197,8 @@ class FrameServer:
                 frames, oversize = c.inb.frames(), None
             except FrameTooLarge as e:
                 frames, oversize = e.frames, e
+            if frames or oversize is not None:
+                c.started = 0.0  # a frame ended: the deadline counts from the next one's start
             self._deliver(c, frames)
             if cid not in self.conns:  # closed by a handler
                 return False
@@ -248,14 +250,15 @@ class FrameServer:
         c.refused = None
 
     def _track(self, c: _Conn) -> None:
-        """Note when ``c``'s current incomplete frame began (its deadline counts from then)."""
+        """Note when ``c``'s current incomplete frame began (its deadline counts from then; a
+        frame ending restarts it, so a client streaming requests back to back is never cut)."""
         if c.inb.buf or c.skip:
             if not c.started:
                 c.started = time.monotonic()
                 self._partial[c.cid] = c
             else:
                 self._check_deadline(c, time.monotonic())
-        elif c.started:
+        else:
             c.started = 0.0
             self._partial.pop(c.cid, None)
 
