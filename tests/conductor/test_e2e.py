@@ -162,8 +162,8 @@ def test_real_model_text_equals_the_engine(roles: list[str]) -> None:
         [[{"role": "user", "content": p}] for p in PROMPTS], params, chat=True)]  # type: ignore[list-item]
     want_text = [o.text for o in engine.generate(PROMPTS, params)]
     del engine
-    c = Cluster(roles, model="smollm2", conductor_args=("--served-model-name", "smol"),
-                timeout_s=900)
+    c = Cluster(roles, model="smollm2", timeout_s=900, conductor_args=(
+        "--served-model-name", "smol", "--heartbeat-timeout", "10"))  # shared, loaded test box
     try:
         client = _client(c)
         for p, chat, text in zip(PROMPTS, want_chat, want_text, strict=True):

@@ -59,11 +59,13 @@ def create_app(conductor: Conductor) -> FastAPI:
         return _error_response(ApiError(exc.status_code, str(exc.detail),
                                         code="not_found" if exc.status_code == 404 else None))
 
-    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"])
-    app.add_api_route("/v1/models", routes.models, methods=["GET"])
-    app.add_api_route("/health", routes.health, methods=["GET"])
-    app.add_api_route("/metrics", routes.metrics, methods=["GET"])
+    # plain Starlette routes: the handlers take the raw request (no FastAPI dependency solving
+    # or body models on the hot path; validation is `yuebing.conductor.api`'s)
+    app.add_route("/v1/completions", routes.completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", routes.chat, methods=["POST"])
+    app.add_route("/v1/models", routes.models, methods=["GET"])
+    app.add_route("/health", routes.health, methods=["GET"])
+    app.add_route("/metrics", routes.metrics, methods=["GET"])
     return app
 
 
