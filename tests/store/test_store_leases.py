@@ -106,6 +106,20 @@ def test_a_new_leader_s_conservative_lease_is_kept_as_a_floor() -> None:
     assert core.handle(m.Remove(key="k")) == m.Ok()
 
 
+def test_an_expiry_set_without_a_reader_is_a_floor_for_the_open_lease() -> None:
+    from yuebing.store.master import leases
+
+    core, clock = make()
+    put(core, "k")
+    lid = read(core, "k")
+    clock.advance_to(102.0)
+    leases.grant(core, "k", core.objs["k"], readers=0)  # e.g. a promotion nobody waits for
+    release(core, "k", lid)
+    assert core.handle(m.Remove(key="k")).code == C.LEASED
+    clock.advance_to(107.1)
+    assert core.handle(m.Remove(key="k")) == m.Ok()
+
+
 # ---------------------------------------------------------------------------- real processes
 @pytest.mark.slow
 def test_put_then_get_on_a_full_node_and_removes_after_reads() -> None:

@@ -48,11 +48,13 @@ def grant(core: MasterCore, key: str, o: Obj, readers: int = 1) -> int:
     if ttl <= 0:
         return 0
     now = core.clock.now()
-    if readers <= 0:
-        o.lease = max(o.lease, now + ttl)
-        return 0
     ls = core.leases
     entry = ls.open.get(key)
+    if readers <= 0:
+        o.lease = max(o.lease, now + ttl)
+        if entry is not None:  # readers' releases must not end it before then
+            entry[2] = max(entry[2], now + ttl)
+        return 0
     if entry is None or o.lease <= now:  # a new lease (the old one, if any, has expired)
         ls.seq += 1
         entry = ls.open[key] = [readers, ls.seq, o.lease if entry is None else 0.0]
