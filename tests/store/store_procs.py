@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 
-def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> dict:
+def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> dict:
+    """The JSON a starting process wrote to its ready file (60 s: a loaded 2-core VM can take
+    tens of seconds to start a Python process)."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if path.exists():
