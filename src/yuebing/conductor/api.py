@@ -169,13 +169,14 @@ def _completion_prompt(obj: dict[str, Any], tokenizer: Tokenizer | None) -> list
         if not prompt:
             raise ApiError(400, "'prompt' must not be empty", param="prompt")
         return _encode(tokenizer, prompt)
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        if tokenizer is not None and not all(0 <= t < tokenizer.vocab_size for t in prompt):
+    ids = _token_ids(prompt)
+    if ids is not None:
+        if min(ids) < 0:
+            raise ApiError(400, "'prompt' token ids must be >= 0", param="prompt")
+        if tokenizer is not None and max(ids) >= tokenizer.vocab_size:
             raise ApiError(400, f"'prompt' token ids must be in 0..{tokenizer.vocab_size - 1}",
                            param="prompt")
-        if any(t < 0 for t in prompt):
-            raise ApiError(400, "'prompt' token ids must be >= 0", param="prompt")
-        return list(prompt)
+        return ids
     if isinstance(prompt, list) and len(prompt) > 1:
         raise ApiError(400, "only one prompt per request is supported (n=1)", param="prompt")
     raise ApiError(400, "'prompt' is required: a string, or a list of token ids",
@@ -236,6 +237,16 @@ def _int_list(obj: dict[str, Any], name: str) -> list[int]:
     if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
         raise ApiError(400, f"'{name}' must be a list of token ids", param=name)
     return list(v)
+
+
+def _token_ids(v: object) -> list[int] | None:
+    """``v`` as a non-empty list of ints (not bools), else None (checked in C by msgspec)."""
+    if not isinstance(v, list) or not v:
+        return None
+    try:
+        return msgspec.convert(v, list[int])
+    except msgspec.ValidationError:
+        return None
 
 
 def _is_int(v: object) -> bool:

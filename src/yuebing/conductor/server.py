@@ -17,7 +17,6 @@ import asyncio
 import logging
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -131,7 +130,8 @@ class _Routes:
             raise ApiError(429, f"more than {c.cfg.max_concurrent} requests in flight; retry",
                            type="server_overloaded", code="too_many_requests",
                            headers={"Retry-After": "1"})
-        stats = RequestStats(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, arrival)
+        stats = RequestStats(f"{'chatcmpl' if chat else 'cmpl'}-{c.id_prefix}{next(c.ids):x}",
+                             arrival)
         c.inflight += 1
         c.metrics.running.inc()
         handed_over = False

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -63,6 +65,9 @@ class Conductor:
         self.metrics = ConductorMetrics()
         self.started = int(time.time())
         self.inflight = 0
+        self.id_prefix = uuid.uuid4().hex[:12]
+        """Request ids are this random prefix + a counter (unique across restarts)."""
+        self.ids = itertools.count(1)
         self.url = ""
         self.cluster = LiveCluster(cfg.heartbeat_timeout_s, cfg.rpc_timeout_s,
                                    cfg.store_block_tokens, self.policy.prefill_time,
