@@ -174,11 +174,14 @@ def import_prefix(engine: LLMEngine, token_ids: Seq[int], data: torch.Tensor,
         if len(missing) > alloc.num_free:
             raise EngineError(f"KV cache has {alloc.num_free} free blocks, the prefix needs "
                               f"{len(missing)}")
-        for i in missing:
-            block = alloc.allocate()
-            engine.pool.import_blocks([block], data[i:i + 1])
-            alloc.register(block, keys[i], ids[i * bs:(i + 1) * bs])
-            alloc.release(block)
+        if missing:
+            blocks = alloc.allocate_many(len(missing))
+            run = missing == list(range(missing[0], missing[-1] + 1))
+            engine.pool.import_blocks(blocks, data[missing[0]:missing[-1] + 1] if run
+                                      else data[torch.tensor(missing)])
+            for block, i in zip(blocks, missing, strict=True):
+                alloc.register(block, keys[i], ids[i * bs:(i + 1) * bs])
+                alloc.release(block)
     finally:
         alloc.release_all(present)
     return len(missing)
