@@ -34,7 +34,7 @@ def _engines(ns: argparse.Namespace) -> dict[str, LLMEngine]:
         cfg = EngineConfig(model=ns.model, dtype=ns.dtype, attention=ns.attention,
                            threads=ns.threads, max_num_seqs=max(ns.batches),
                            max_batch_tokens=max(ns.prefill_lens + [max(ns.batches)]),
-                           packed_weights=label == "packed")
+                           packed_weights=label == "packed", batch_invariant=False)
         out[label] = eng = LLMEngine(cfg, weights=weights)
         eng.warmup()
     return out

@@ -39,6 +39,7 @@ def _engines(ns: argparse.Namespace) -> dict[str, LLMEngine]:
         kernels, attention = VARIANTS[label]
         cfg = EngineConfig(model=ns.model, dtype=ns.dtype, attention=attention,
                            prefill_attention="grouped", kernels=kernels, threads=ns.threads,
+                           batch_invariant=False,
                            max_num_seqs=max(ns.batches), max_batch_tokens=2048,
                            num_blocks=max(ns.batches) * (ns.prompt_len + ns.steps + 32) // 16 + 64)
         out[label] = eng = LLMEngine(cfg, weights=weights)

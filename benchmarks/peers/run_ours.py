@@ -28,7 +28,8 @@ class OursBackend(Backend):
             kv_cache_bytes=int(w.kv_gib * (1 << 30)),
             max_num_seqs=max(w.batches), max_batch_tokens=w.batch_tokens,
             max_model_len=max(w.max_len, 4096), prefix_caching=False,
-            attention=w.extra.get("ours_attention", "auto"))
+            attention=w.extra.get("ours_attention", "auto"),
+            batch_invariant=w.extra.get("ours_attention", "auto") in ("auto", "paged"))
         self.engine = LLMEngine(self.config)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:

@@ -70,6 +70,6 @@ def test_blas_is_bf16_cpu_only_and_config_says_so():
     with pytest.raises(ConfigError, match="prefill attention 'blas' does not run with "
                                           "torch.float32"):
         LLMEngine(EngineConfig(model="dummy", dtype="float32", prefill_attention="blas",
-                               num_blocks=8))
+                               num_blocks=8, batch_invariant=False))
     with pytest.raises(ConfigError, match="prefill_attention 'nope' unknown"):
         EngineConfig(prefill_attention="nope")

@@ -12,7 +12,7 @@ from yuebing.engine.profile import ProfileSamples
 
 TINY = "dummy:preset=tiny,layers=2,vocab=256"
 COMMON = ["--model", TINY, "--dtype", "float32", "--threads", "1", "--block-size", "16",
-          "--num-blocks", "64", "--attention", "grouped"]
+          "--num-blocks", "64", "--attention", "grouped", "--no-batch-invariant"]
 
 
 def test_profile_writes_predictor_and_samples(tmp_path, capsys):
@@ -35,12 +35,13 @@ def test_profile_writes_predictor_and_samples(tmp_path, capsys):
 def test_bench_engine_json(capsys):
     rc = main(["bench", "engine", "--json", "--batches", "1,2", "--prompt-len", "16",
                "--prefill-lens", "32", "--variants",
-               "float32:grouped,float32:sdpa,float32:paged", *COMMON])
+               "float32:grouped,float32:sdpa,float32:paged,float32:invariant", *COMMON])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     report = json.loads(captured.out)
     assert [(v["dtype"], v["attention"]) for v in report["variants"]] == [
-        ("float32", "grouped"), ("float32", "sdpa"), ("float32", "paged")]
+        ("float32", "grouped"), ("float32", "sdpa"), ("float32", "paged"),
+        ("float32", "invariant:paged")]
     for v in report["variants"]:
         assert set(v["decode_ms"]) == {"1", "2"} and set(v["prefill_tok_s"]) == {"32"}
         assert v["paging"]["2"]["paged_ms"] > 0 and v["transfer"]["export_64_GBps"] > 0

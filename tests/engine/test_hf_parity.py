@@ -51,7 +51,8 @@ def test_logits_match_transformers(hf_case, block_size, chunk, attention):
     path, hf = hf_case
     engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", threads=1,
                                     block_size=block_size, num_blocks=32, max_num_seqs=4,
-                                    max_batch_tokens=max(chunk, 4), attention=attention))
+                                    max_batch_tokens=max(chunk, 4), attention=attention,
+                                    batch_invariant=False))
     captured: list[torch.Tensor] = []
     engine.logits_hook = lambda rids, logits: captured.append(logits[0].clone())
     out = engine.generate([PROMPT], SamplingParams(max_tokens=STEPS, temperature=0))[0]
@@ -65,7 +66,8 @@ def test_logits_match_transformers(hf_case, block_size, chunk, attention):
 def test_hf_config_is_read(hf_case):
     path, hf = hf_case
     engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", threads=1,
-                                    num_blocks=8, attention="grouped"))
+                                    num_blocks=8, attention="grouped",
+                                    batch_invariant=False))
     mc = engine.model_config
     assert (mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim) == (3, 8, 2, 8)
     assert mc.tie_embeddings == hf.config.tie_word_embeddings

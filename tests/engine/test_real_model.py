@@ -78,7 +78,7 @@ def _chat_logits(engine: LLMEngine, steps: int = 6) -> tuple[list[int], list[tor
 
 @pytest.fixture(scope="module")
 def fp32_reference(smol_weights) -> tuple[list[int], list[torch.Tensor]]:
-    return _chat_logits(LLMEngine(EngineConfig(dtype="float32", attention="grouped",
+    return _chat_logits(LLMEngine(EngineConfig(dtype="float32", attention="grouped", batch_invariant=False,
                                                kernels="torch", num_blocks=64, threads=1),
                                   weights=smol_weights))
 
@@ -91,7 +91,8 @@ def test_bf16_paths_track_float32(smol_weights, fp32_reference, attention, prefi
     test: bf16-rounded attention scores once turned the answer into nonsense)."""
     ref_tokens, ref_logits = fp32_reference
     bf = LLMEngine(EngineConfig(dtype="bfloat16", attention=attention, num_blocks=64,
-                                threads=1, prefill_attention=prefill), weights=smol_weights)
+                                threads=1, prefill_attention=prefill, batch_invariant=False),
+                     weights=smol_weights)
     tokens, logits = _chat_logits(bf)
     assert tokens == ref_tokens
     worst = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits, strict=True))

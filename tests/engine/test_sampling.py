@@ -59,13 +59,6 @@ def test_engine_sampling_seed_independent_of_batch(tiny_weights):
     assert alone == together
 
 
-def _expected_stop(full: list[int], stop: int, min_tokens: int) -> list[int]:
-    for j, tok in enumerate(full):
-        if tok == stop and j + 1 >= min_tokens:
-            return full[:j + 1]
-    return full
-
-
 def test_stop_token_ids_and_min_tokens(tiny_weights):
     engine = make_engine(tiny_weights)
     p = prompts(1, seed=1)[0]
@@ -73,13 +66,47 @@ def test_stop_token_ids_and_min_tokens(tiny_weights):
     full = engine.generate([p], greedy)[0].output_token_ids
     assert len(set(full)) >= 4, full
     stop = full[2]
-    for min_tokens in (0, 4):
-        out = engine.generate([p], SamplingParams(max_tokens=12, temperature=0,
-                                                  min_tokens=min_tokens,
-                                                  stop_token_ids=(stop,)))[0]
-        expect = _expected_stop(full, stop, min_tokens)
-        assert out.output_token_ids == expect
-        assert out.finish_reason == ("stop" if expect[-1] == stop else "length")
+    out = engine.generate([p], SamplingParams(max_tokens=12, temperature=0,
+                                              stop_token_ids=(stop,)))[0]
+    assert (out.output_token_ids, out.finish_reason) == (full[:3], "stop")
+    # min_tokens masks the stop id out of sampling: the first 4 tokens cannot be it, and the
+    # third is the best other token (as vLLM's min_tokens logits processor does)
+    out = engine.generate([p], SamplingParams(max_tokens=12, temperature=0, min_tokens=4,
+                                              stop_token_ids=(stop,)))[0]
+    ids = out.output_token_ids
+    assert ids[:2] == full[:2] and stop not in ids[:4] and len(ids) >= 4, ids
+    if stop in ids:
+        assert ids.index(stop) == len(ids) - 1 and out.finish_reason == "stop"
+    else:
+        assert out.finish_reason == "length"
+
+
+def test_min_tokens_masks_eos_unless_ignored(tiny_weights):
+    engine = make_engine(tiny_weights)
+    p = prompts(1, seed=1)[0]
+    full = engine.generate([p], SamplingParams(max_tokens=20, temperature=0,
+                                               ignore_eos=True))[0].output_token_ids
+    engine.eos_token_ids = frozenset({full[2], full[5]})
+    for params in (SamplingParams(max_tokens=20, temperature=0, min_tokens=12),
+                   SamplingParams(max_tokens=20, temperature=1.0, seed=5, min_tokens=12)):
+        ids = engine.generate([p], params)[0].output_token_ids
+        assert len(ids) >= 12 and not set(ids[:12]) & engine.eos_token_ids, ids
+    # ignore_eos: EOS is no stop token, so nothing is masked
+    out = engine.generate([p], SamplingParams(max_tokens=20, temperature=0, min_tokens=12,
+                                              ignore_eos=True))[0]
+    assert out.output_token_ids == full
+
+
+def test_sample_banned_tokens_and_raw_logprobs():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0], [0.0, 5.0, 4.0, 1.0]])
+    params = [SamplingParams(temperature=0, logprobs=0),
+              SamplingParams(temperature=1.0, seed=3, logprobs=0)]
+    gens = [None, torch.Generator().manual_seed(3)]
+    res = sample(logits, params, gens, [{1}, {1, 2, 99}])
+    assert res.token_ids[0] == 2 and res.token_ids[1] in (0, 3)
+    lp = torch.log_softmax(logits, dim=-1)
+    assert res.logprobs[0] == {2: float(lp[0, 2])}  # of the raw logits
+    assert torch.equal(logits[0], torch.tensor([0.0, 5.0, 4.0, 1.0]))  # caller's untouched
 
 
 def test_engine_streams_logprobs_of_the_step_logits(tiny_weights):

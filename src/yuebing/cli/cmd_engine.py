@@ -145,9 +145,11 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=_pos_list, default=[1, 8, 32])
     p.add_argument("--prompt-len", type=int, default=128, help="tokens per decoding sequence")
     p.add_argument("--prefill-lens", type=_pos_list, default=[512, 2048])
-    p.add_argument("--variants", default="bfloat16:grouped,bfloat16:sdpa,float32:grouped",
+    p.add_argument("--variants",
+                   default="bfloat16:invariant,bfloat16:auto,bfloat16:grouped,float32:grouped",
                    help="comma-separated dtype:attention[:threads] variants measured side by "
-                        "side (threads default: --threads)")
+                        "side (threads default: --threads); attention 'invariant' is "
+                        "batch-invariant mode, any other turns it off")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", default=None, help="write a PNG of decode step times here")
     add_config_args(p, EngineConfig)

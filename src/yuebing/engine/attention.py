@@ -67,6 +67,11 @@ class AttnMetadata:
     """``[D, max_blocks]`` int32 block table of the decoding sequences (native decode)."""
     decode_lens: torch.Tensor | None = None
     """``[D]`` int32 context length of each decoding sequence, this step's token included."""
+    token_table: torch.Tensor | None = None
+    """``[T, max_blocks]`` int32 block table of every token of the step (batch-invariant mode:
+    each token attends alone to its own context; None otherwise)."""
+    token_lens: torch.Tensor | None = None
+    """``[T]`` int32 context length of every token, itself included (batch-invariant mode)."""
 
 
 def head_index(block_ids: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -195,6 +200,33 @@ def prefill_grouped(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 PREFILL_IMPLS: dict[str, Callable[..., torch.Tensor]] = {
     "grouped": prefill_grouped, "sdpa": prefill_sdpa}
+
+
+def tokens_loop(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttnMetadata, scale: float) -> torch.Tensor:
+    """Batch-invariant attention in torch: ``q [T, heads, hd]`` of every token of a step (decode
+    and prefill alike) → ``[T, heads, hd]``, each token alone over exactly its own context
+    (``meta.token_table`` / ``token_lens``) in float32. A token's operations and their shapes
+    depend only on its position, so its result is the same whatever else the step holds. One
+    small loop per token: the fallback where the native ``paged`` kernel does not run."""
+    assert meta.token_table is not None and meta.token_lens is not None
+    t, heads, hd = q.shape
+    kvh, bs = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(t, heads, hd, dtype=q.dtype, device=q.device)
+    lens = meta.token_lens.tolist()
+    for i, n in enumerate(lens):
+        index = head_index(meta.token_table[i, : -(-n // bs)].long(), kvh)
+        k = gather_blocks(k_cache, index).view(kvh, -1, hd)[:, :n].float()
+        v = gather_blocks(v_cache, index).view(kvh, -1, hd)[:, :n].float()
+        qg = (q[i].float() * scale).view(kvh, heads // kvh, hd)
+        probs = torch.softmax(torch.bmm(qg, k.transpose(1, 2)), dim=-1)
+        out[i] = torch.bmm(probs, v).view(heads, hd).to(q.dtype)
+    return out
+
+
+TOKEN_IMPLS: dict[str, Callable[..., torch.Tensor]] = {"loop": tokens_loop}
+"""Batch-invariant attention over ``AttnMetadata.token_table`` (``loop`` here; the native
+kernels add ``paged``)."""
 
 Supports = Callable[[torch.dtype, torch.device], bool]
 PREFILL_SUPPORTS: dict[str, Supports] = {}

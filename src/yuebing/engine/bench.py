@@ -69,7 +69,9 @@ def paging_cost(engine: LLMEngine, batch: int, context: int, repeats: int = 5) -
                         decode_lens=torch.full((batch,), context, dtype=torch.int32,
                                                device=pool.device))
     q = torch.randn(batch, mc.num_heads, mc.head_dim, device=pool.device).to(pool.dtype)
-    impl = DECODE_IMPLS[engine.attention]
+    if engine.model.token_impl is not None:  # batch-invariant: each sequence's token alone
+        meta.token_table, meta.token_lens = meta.decode_table, meta.decode_lens
+    impl = engine.model.token_impl or DECODE_IMPLS[engine.attention]
     scale = mc.head_dim**-0.5
 
     def paged() -> None:
@@ -110,9 +112,13 @@ def transfer_rates(engine: LLMEngine, nblocks: int = 64, repeats: int = 5) -> di
 def run_variant(weights: LoadedWeights, base: EngineConfig, variant: tuple[str, str, int],
                 batches: list[int], prompt_len: int, prefill_lens: list[int],
                 progress: Callable[[str], None], steps: int = 16) -> VariantResult:
-    """Measure one (dtype, attention, threads) variant; threads 0 = the engine's choice."""
+    """Measure one (dtype, attention, threads) variant; threads 0 = the engine's choice.
+    Attention ``invariant`` is batch-invariant mode; any other name turns that mode off."""
     dtype, attention, threads = variant
-    cfg = EngineConfig(**{**base.__dict__, "dtype": dtype, "attention": attention,
+    invariant = attention == "invariant"
+    cfg = EngineConfig(**{**base.__dict__, "dtype": dtype, "batch_invariant": invariant,
+                          "attention": "auto" if invariant else attention,
+                          "prefill_attention": "same" if invariant else base.prefill_attention,
                           "threads": threads or base.threads,
                           "max_num_seqs": max(batches + [base.max_num_seqs]),
                           "max_batch_tokens": max(prefill_lens + [base.max_batch_tokens])})

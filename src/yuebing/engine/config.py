@@ -134,6 +134,11 @@ class EngineConfig:
     weights_seed: int = field(default=0, metadata={"help": "seed of dummy random weights"})
     packed_weights: bool = field(default=True, metadata={
         "help": "pack bf16/fp16 matmul weights into oneDNN's layout once at load (CPU)"})
+    batch_invariant: bool = field(default=True, metadata={
+        "help": "outputs do not depend on what else is batched, on chunking, prefix hits or "
+                "preemption: every token attends alone to its own context in one fixed-order "
+                "kernel (native paged, else a torch loop); needs attention auto or paged and "
+                "prefill_attention same or auto (see docs/engine.md, determinism)"})
 
     def __post_init__(self) -> None:
         require(bool(self.model), "model must name a model (smollm2, a path, or dummy)")
@@ -157,3 +162,8 @@ class EngineConfig:
         require(self.prefill_attention in PREFILL_ATTENTION,
                 f"prefill_attention {self.prefill_attention!r} unknown; use one of "
                 f"{PREFILL_ATTENTION}")
+        require(not self.batch_invariant or (self.attention in ("auto", "paged") and
+                                             self.prefill_attention in ("same", "auto")),
+                f"batch_invariant runs one attention path for every token, so attention "
+                f"{self.attention!r} / prefill_attention {self.prefill_attention!r} cannot "
+                "apply; leave them at auto / same, or set batch_invariant false")

@@ -30,6 +30,7 @@ from yuebing.engine import (
 from yuebing.engine.attention import (
     DECODE_IMPLS,
     PREFILL_IMPLS,
+    TOKEN_IMPLS,
     choose_attention,
     decode_supported,
     prefill_supported,
@@ -94,15 +95,20 @@ class LLMEngine:
         self.key_extra: tuple[object, ...] = (self.fingerprint,)
         self.scheduler = Scheduler(self.allocator, bs, config.max_num_seqs,
                                    config.max_batch_tokens, config.mixed_batches, self.key_extra)
-        self.runner = ModelRunner(self.model, self.pool)
         self.kernels = resolve_kernels(config.kernels, self.device, self.dtype)
         self.model.ops = self.kernels
-        self._choose_attention(config)
+        if config.batch_invariant:
+            self._use_token_attention(config)
+        else:
+            self._choose_attention(config)
+        self.runner = ModelRunner(self.model, self.pool, per_token=config.batch_invariant)
         self._ids = itertools.count()
         self._arrival = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self._held: dict[str, Sequence] = {}
         """Finished ``hold_kv`` requests whose blocks stay allocated until `release`."""
+        self._deferred: list[RequestOutput] = []
+        """Other requests' outputs produced while `generate` / `stream` ran (next `step`)."""
         self.num_steps = 0
         self.last_plan: StepPlan | None = None
         """The plan of the last completed step (step statistics)."""
@@ -113,6 +119,18 @@ class LLMEngine:
         log.info("engine ready: %s, %s layers, %s KV blocks of %s tokens, attention "
                  "decode=%s prefill=%s, kernels %s", mc.name, mc.num_layers, nb, bs,
                  self.attention, self.prefill_attention, self.kernels.name)
+
+    def _use_token_attention(self, config: EngineConfig) -> None:
+        """Batch-invariant mode: one attention for every token (`attention.TOKEN_IMPLS`), the
+        native paged kernel where the engine runs the native kernels, else the torch loop."""
+        name = "paged" if self.kernels.name == "native" and decode_supported(
+            "paged", self.dtype, self.device) else "loop"
+        if config.attention == "paged" and name != "paged":
+            raise ConfigError(f"decode attention 'paged' does not run with {self.dtype} on "
+                              f"{self.device.type} with kernels={self.kernels.name}; use auto")
+        self.attention_timings: dict[str, float] = {}
+        self.attention = self.prefill_attention = f"invariant:{name}"
+        self.model.token_impl = TOKEN_IMPLS[name]
 
     def _choose_attention(self, config: EngineConfig) -> None:
         """Set the model's decode/prefill attention: as configured, or measured (``auto``)."""
@@ -129,7 +147,7 @@ class LLMEngine:
             raise ConfigError(f"decode attention {decode!r} does not run with {self.dtype} on "
                               f"{self.device.type} with kernels={self.kernels.name}; use auto, "
                               "grouped or sdpa (paged needs the native kernels)")
-        self.attention_timings: dict[str, float] = {}
+        self.attention_timings = {}
         if "auto" in (decode, prefill):
             best_decode, best_prefill, self.attention_timings = choose_attention(
                 mc.num_kv_heads, mc.num_heads, mc.head_dim, self.dtype, self.device,
@@ -231,7 +249,8 @@ class LLMEngine:
         return self._held.get(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self._seqs)
+        """Whether a request is still running or `step` has outputs left to return."""
+        return bool(self._seqs) or bool(self._deferred)
 
     def add_layer_hook(self, hook: LayerHook) -> None:
         """``hook(layer, meta)`` runs right after each layer wrote its K/V (every step)."""
@@ -246,9 +265,11 @@ class LLMEngine:
     # ------------------------------------------------------------------------- stepping
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch step; returns outputs of requests that produced tokens or ended."""
-        outputs = [self._finish_now(s) for s in list(self._seqs.values())
-                   if s.params.max_tokens == 0 and s.phase == Phase.WAITING]
+        """Run one batch step; returns outputs of requests that produced tokens or ended (first
+        those deferred from other requests while `generate` / `stream` ran)."""
+        outputs, self._deferred = self._deferred, []
+        outputs += [self._finish_now(s) for s in list(self._seqs.values())
+                    if s.params.max_tokens == 0 and s.phase == Phase.WAITING]
         plan = self.scheduler.schedule()
         if plan.empty:
             return outputs
@@ -263,10 +284,19 @@ class LLMEngine:
         if sampled and self.logits_hook is not None:
             self.logits_hook([s.request_id for s in sampled], logits)
         if sampled:
-            result = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+            result = sample(logits, [s.params for s in sampled], [s.generator for s in sampled],
+                            [self._banned(s) for s in sampled])
             for seq, tok, lp in zip(sampled, result.token_ids, result.logprobs, strict=True):
                 outputs.append(self._append(seq, tok, lp))
         return outputs
+
+    def _banned(self, seq: Sequence) -> frozenset[int]:
+        """Stop tokens ``seq`` may not sample yet: until ``min_tokens`` are out, its stop ids
+        and (unless ``ignore_eos``) EOS are masked, as vLLM does."""
+        p = seq.params
+        if len(seq.output_ids) >= p.min_tokens:
+            return frozenset()
+        return (frozenset() if p.ignore_eos else self.eos_token_ids).union(p.stop_token_ids)
 
     def _finish_now(self, seq: Sequence) -> RequestOutput:
         seq.finish = FinishReason.LENGTH
@@ -314,27 +344,33 @@ class LLMEngine:
 
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | None = None,
                  chat: bool = False) -> list[RequestOutput]:
-        """Run ``prompts`` to completion together; final outputs in prompt order."""
+        """Run ``prompts`` to completion together; final outputs in prompt order. Requests
+        queued before advance too; their outputs are deferred to the next `step`."""
         rids = [self.add_request(p, params, chat=chat) for p in prompts]
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(rids):
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
+        final = {out.request_id: out for out in self._own_outputs(set(rids)) if out.finished}
         return [final[r] for r in rids]
 
     def stream(self, prompt: str | Seq[int] | list[dict[str, str]],
                params: SamplingParams | None = None, chat: bool = False
                ) -> Iterator[RequestOutput]:
-        """Yield this request's outputs as they come (other queued requests also advance)."""
-        rid = self.add_request(prompt, params, chat=chat)
-        while True:
+        """Yield this request's outputs as they come (other queued requests also advance;
+        their outputs are deferred to the next `step`)."""
+        yield from self._own_outputs({self.add_request(prompt, params, chat=chat)})
+
+    def _own_outputs(self, rids: set[str]) -> Iterator[RequestOutput]:
+        """Step until every request of ``rids`` finished (or was aborted), yielding their
+        outputs; the others' outputs (and those deferred before) wait for the next `step`."""
+        left = set(rids)
+        while left & self._seqs.keys():
+            deferred, self._deferred = self._deferred, []
             for out in self.step():
-                if out.request_id == rid:
+                if out.request_id in left:
                     yield out
                     if out.finished:
-                        return
-
+                        left.discard(out.request_id)
+                else:
+                    deferred.append(out)
+            self._deferred = deferred + self._deferred
     def stats(self) -> dict[str, float]:
         a = self.allocator
         return {"steps": self.num_steps, "running": len(self.scheduler.running),

@@ -11,7 +11,8 @@ write, and SiLU(gate)·up. The engine picks the implementation once at start-up 
 - ``auto`` — native on CPU when the build works, else torch after one warning.
 
 Importing this module also registers the native paged decode attention as the ``paged`` entry of
-`DECODE_IMPLS` and the native causal flash prefill attention (bf16, AVX512-BF16 micro-kernels) as
+`DECODE_IMPLS` (and, for batch-invariant mode, as the ``paged`` entry of `TOKEN_IMPLS`) and the
+native causal flash prefill attention (bf16, AVX512-BF16 micro-kernels) as
 the ``flash`` entry of `PREFILL_IMPLS` (both read K/V in place through the block table; usable
 once the kernels are loaded), so `choose_attention` can measure them against the torch paths.
 `NATIVE_ATTENTION` names them, for the engine to drop them when it runs the torch ops.
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from yuebing.core.errors import ConfigError
 from yuebing.engine import native
 from yuebing.engine.attention import (
+    TOKEN_IMPLS,
     AttnMetadata,
     PrefillSlice,
     register_decode,
@@ -156,6 +158,19 @@ def _paged_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 register_decode("paged", decode_paged, _paged_supported)
+
+
+def tokens_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttnMetadata, scale: float) -> torch.Tensor:
+    """Batch-invariant attention: every token of the step (decode and prefill alike) as its own
+    "sequence" of the paged decode kernel, which computes each one in a fixed order (partitions
+    of 512 keys merged in order) whatever else it is given."""
+    assert meta.token_table is not None and meta.token_lens is not None
+    return torch.ops.yuebing.paged_decode_attention(q, k_cache, v_cache, meta.token_table,
+                                                    meta.token_lens, scale)
+
+
+TOKEN_IMPLS["paged"] = tokens_paged
 
 
 def prefill_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

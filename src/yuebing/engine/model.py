@@ -73,6 +73,9 @@ class LlamaModel:
         """Per-layer small ops (the engine sets the native ones, see `yuebing.engine.kernels`)."""
         self.decode_impl = DECODE_IMPLS["grouped"]
         self.prefill_impl = PREFILL_IMPLS["sdpa"]
+        self.token_impl: Callable[..., torch.Tensor] | None = None
+        """Batch-invariant mode: one attention for every token (`attention.TOKEN_IMPLS`),
+        used instead of the decode/prefill paths when set."""
         self._scale = cfg.head_dim**-0.5
 
         def take(name: str) -> torch.Tensor:
@@ -142,6 +145,8 @@ class LlamaModel:
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttnMetadata) -> torch.Tensor:
         # q is a strided view of the fused QKV output; decode paths take it as it is
+        if self.token_impl is not None:
+            return self.token_impl(q, k_cache, v_cache, meta, self._scale)
         if not meta.prefills:
             return self.decode_impl(q, k_cache, v_cache, meta, self._scale)
         out = torch.empty_like(q)

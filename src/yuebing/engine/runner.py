@@ -2,7 +2,8 @@
 
 Called by the engine once per step. Decoding sequences come first (one token each), then each
 prefill chunk; for every token it computes the KV slot (block, offset) from the sequence's
-block table, builds the decode gather index / padding mask and per-chunk causal masks, runs
+block table, builds the decode gather index / padding mask and per-chunk causal masks (in
+batch-invariant mode also every token's own block table and context length), runs
 `LlamaModel.forward` and returns the logits of the sequences that produce a token this step
 (every decode, and prefills whose chunk reaches the end of their tokens).
 """
@@ -38,11 +39,13 @@ class StepInputs:
 class ModelRunner:
     """Executes steps of one model over one KV pool."""
 
-    def __init__(self, model: LlamaModel, pool: KVPool) -> None:
+    def __init__(self, model: LlamaModel, pool: KVPool, per_token: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.device = model.device
         self.block_size = pool.block_size
+        self.per_token = per_token
+        """Batch-invariant mode: also fill ``AttnMetadata.token_table`` / ``token_lens``."""
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         bs, kvh, dev = self.block_size, self.pool.num_kv_heads, self.device
@@ -79,6 +82,8 @@ class ModelRunner:
                             slots=(all_blocks * bs + all_pos % bs).to(dev),
                             decode_table=None if decode_table is None else decode_table.to(dev),
                             decode_lens=torch.as_tensor(lens, dtype=torch.int32).to(dev))
+        if self.per_token:
+            meta.token_table, meta.token_lens = self._token_meta(plan, len(ids))
         return StepInputs(torch.as_tensor(ids, dtype=torch.long).to(dev), all_pos.to(dev), meta,
                           torch.as_tensor(rows, dtype=torch.long).to(dev), sampled)
 
@@ -106,6 +111,27 @@ class ModelRunner:
             bias = torch.where(ar[None, :] < torch.as_tensor(lens)[:, None], 0.0,
                                float("-inf"))[:, None, :].to(dev)
         return index, max_len, bias, table.to(torch.int32)
+
+    def _token_meta(self, plan: StepPlan, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """int32 block table ``[T, max_blocks]`` (zero-padded) and context length ``[T]`` of
+        every token of the step, in the flat batch's order (decodes, then each chunk)."""
+        bs = self.block_size
+        spans: list[tuple[list[int], int]] = []  # (blocks of the context, tokens sharing it)
+        lens: list[int] = []
+        for seq in plan.decodes:
+            ctx = seq.num_computed + 1
+            spans.append((seq.blocks[: -(-ctx // bs)], 1))
+            lens.append(ctx)
+        for seq, n in plan.prefills:
+            nc = seq.num_computed
+            spans.append((seq.blocks[: -(-(nc + n) // bs)], n))
+            lens.extend(range(nc + 1, nc + n + 1))
+        table = torch.zeros(num_tokens, max(len(b) for b, _ in spans), dtype=torch.int32)
+        row = 0
+        for blocks, count in spans:
+            table[row:row + count, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.int32)
+            row += count
+        return table.to(self.device), torch.as_tensor(lens, dtype=torch.int32).to(self.device)
 
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
         """Forward pass of ``plan``; returns (logits of sampled rows, their sequences)."""

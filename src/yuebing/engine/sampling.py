@@ -2,15 +2,20 @@
 
 `SamplingParams` arrive with each request and are validated there (bad values raise
 `InputError` before anything is queued). After every model step the engine hands `sample` the
-float32 logits of the sequences that produce a token; greedy rows take the argmax, the others
-apply temperature, top-k and top-p and draw from a per-request seeded generator, so a seeded
-request gives the same tokens whatever else is in the batch. Optional logprobs are the
-log-softmax of the raw logits.
+float32 logits of the sequences that produce a token, with the stop tokens each row may not
+pick yet (``min_tokens``); greedy rows take the argmax, the others apply temperature, top-k and
+top-p and draw from the request's own generator (seeded from ``seed``), so other requests'
+draws never shift a seeded request's. A seeded (or greedy) request's tokens are the same
+whatever else is batched only when its logits are: the engine's batch-invariant mode
+(``EngineConfig.batch_invariant``, on by default) makes them so; with it off, bf16 logits move
+slightly with the batch and near-ties can flip (docs/engine.md, determinism). Optional
+logprobs are the log-softmax of the raw logits (before the stop-token mask).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +38,8 @@ class SamplingParams:
     logprobs: int | None = None
     """Return the chosen token's logprob and this many top alternatives (0 = chosen only)."""
     min_tokens: int = 0
-    """Stop ids and strings are ignored until this many tokens were generated."""
+    """Until this many tokens were generated, stop ids and EOS (unless ``ignore_eos``) are
+    masked out of sampling and stop strings are ignored."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -84,9 +90,18 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> SampleResult:
-    """One token per row of ``logits [B, vocab]`` (float32, on CPU or the model's device)."""
-    logits = logits.float()
+           generators: list[torch.Generator | None],
+           banned: Sequence[Collection[int]] | None = None) -> SampleResult:
+    """One token per row of ``logits [B, vocab]`` (float32, on CPU or the model's device);
+    ``banned[row]``: token ids that row may not pick (their logits count as -inf)."""
+    raw = logits = logits.float()
+    if banned is not None and any(banned):
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for row, ids in enumerate(banned):
+            cols = [t for t in ids if t < vocab]
+            if cols:
+                logits[row, cols] = float("-inf")
     greedy_ids = torch.argmax(logits, dim=-1).tolist()
     tokens: list[int] = []
     for row, p in enumerate(params):
@@ -100,7 +115,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         tokens.append(int(tok))
     logprobs: list[dict[int, float] | None] = [None] * len(params)
     if any(p.logprobs is not None for p in params):
-        lp = torch.log_softmax(logits, dim=-1)
+        lp = torch.log_softmax(raw, dim=-1)
         for row, p in enumerate(params):
             if p.logprobs is None:
                 continue
