@@ -144,8 +144,17 @@ def test_store_stages_start_and_stop(tmp_path: Path) -> None:
         sup.stop()
     assert not any(os.path.exists(f"/proc/{p}") for p in sup.pids().values())
     assert not [e for e in os.listdir("/dev/shm") if e.startswith(f"yuebing-tx-{node['pid']}-")]
-    assert "yuebing serve: ready (1 prefill + 1 decode, store 16MiB)" in banner(
-        plan, sup, "m")
+    text = banner(plan, sup, "smollm2-135m-instruct")
+    assert text.startswith("yuebing serve: ready (1 prefill + 1 decode, store 16MiB); logs in")
+    assert (f"curl {plan.base_url}/v1/chat/completions -H 'content-type: application/json' -d "
+            '\'{"model": "smollm2-135m-instruct", "stream": true, "messages": [{"role": "user", '
+            '"content": "Hi"}]}\'') in text
+    from yuebing.conductor.config import ConductorConfig
+
+    dummy = ServePlan(ServeConfig(coupled=1, conductor=ConductorConfig(model="dummy")), tmp_path)
+    assert (f"curl {dummy.base_url}/v1/completions -H 'content-type: application/json' -d "
+            '\'{"model": "dummy", "prompt": [1, 2, 3], "max_tokens": 8}\'') in banner(
+                dummy, sup, "dummy")
 
 
 def test_serve_cli_offers_and_forwards_role_flags(monkeypatch: pytest.MonkeyPatch) -> None:

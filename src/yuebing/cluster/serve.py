@@ -207,19 +207,24 @@ class ServePlan:
 
 
 def banner(plan: ServePlan, sup: Supervisor, model: str) -> str:
-    """What ``yuebing serve`` prints once every role is ready."""
+    """What ``yuebing serve`` prints once every role is ready (a dummy model has no
+    tokenizer: its curl line is a completion of token ids)."""
     cfg = plan.cfg
     roles = (f"{cfg.coupled} coupled" if cfg.coupled
              else f"{cfg.prefill} prefill + {cfg.decode} decode")
     store = f", store {format_size(cfg.store_dram)}" if cfg.store else ", no store"
-    body = json.dumps({"model": model, "stream": True,
-                       "messages": [{"role": "user", "content": "Hi"}]})
+    if cfg.conductor.model.startswith("dummy"):
+        path, body = "completions", json.dumps({"model": model, "prompt": [1, 2, 3],
+                                                "max_tokens": 8})
+    else:
+        path, body = "chat/completions", json.dumps(
+            {"model": model, "stream": True, "messages": [{"role": "user", "content": "Hi"}]})
     where = f"  store master: {plan.master_addr}\n" if cfg.store else ""
     if cfg.etcd:
         where += f"  etcd: {cfg.etcd} (cluster {cfg.cluster!r}): instances started there join\n"
     return (f"yuebing serve: ready ({roles}{store}); logs in {sup.log_dir}\n"
             f"  OpenAI API: {plan.base_url}/v1\n{where}"
-            f"  curl {plan.base_url}/v1/chat/completions -H 'content-type: application/json' "
+            f"  curl {plan.base_url}/v1/{path} -H 'content-type: application/json' "
             f"-d '{body}'\n"
             "Ctrl-C stops every process.")
 
