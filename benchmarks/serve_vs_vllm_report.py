@@ -1,0 +1,159 @@
+"""Summary of a `benchmarks/serve_vs_vllm.sh OUTDIR` run: one JSON object and two plots.
+
+Called by serve_vs_vllm.sh once every system has been swept (or by hand on an OUTDIR). Reads
+each ``OUTDIR/<system>.json`` (the report of ``yuebing bench serve --sweep-rates ... --json``)
+and, for yuebing systems, the Conductor's access log (``logs/<system>/conductor.log``, one line
+per request with the per-request breakdown: queue, prefix load, prefill, transfer, decode wait),
+and writes
+
+- ``summary.json``: ``{"systems": {name: {"max_rate", "capacity", "sweep": [...],
+  "breakdown": {...}}}, "ratio_max_rate_vs_vllm", "ratio_coupled_vs_vllm"}``; ``capacity`` is the
+  attainment per TBT threshold (ms) at the system's max rate (at its lowest rate when no rate
+  meets the target); each sweep row has the rate, attainment, TTFT/TBT p50/p90 and the
+  completed/rejected/error counts;
+- ``attainment_vs_rate.png`` (every system, TTFT <= 10 s and TBT <= 100 ms, the 90 % target
+  dashed) and ``capacity_vs_tbt.png`` (attainment over TBT thresholds at each system's max
+  rate);
+
+and prints the JSON object as the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("serve_vs_vllm_report")
+
+SYSTEMS = ("yuebing_1p1d", "yuebing_coupled", "vllm_cpu")
+_ACCESS = re.compile(r" status=200 .*? prompt=(\d+) cached=(\d+) out=(\d+) .*?ttft=([\d.]+)ms "
+                     r"tbt=([\d.]+)ms queue=([\d.]+)ms prefix_load=([\d.]+)ms prefill=([\d.]+)ms "
+                     r"transfer=([\d.]+)ms decode_wait=([\d.]+)ms")
+_FIELDS = ("prompt", "cached", "out", "ttft", "tbt", "queue", "prefix_load", "prefill",
+           "transfer", "decode_wait")
+
+
+def access_breakdown(conductor_log: Path, per_run: int, rates: list[float]) -> dict[str, Any]:
+    """Mean/p90 of each breakdown field per swept rate, from the Conductor's access log.
+
+    The runs of a sweep do not overlap, so the k-th block of ``per_run`` successful lines
+    belongs to the k-th rate (a failed request writes no status=200 line: the split is then
+    approximate, which the ``lines`` count shows).
+    """
+    rows = []
+    for line in conductor_log.read_text(errors="replace").splitlines():
+        m = _ACCESS.search(line)
+        if m:
+            rows.append(dict(zip(_FIELDS, (float(g) for g in m.groups()), strict=True)))
+    out: dict[str, Any] = {}
+    for k, rate in enumerate(rates):
+        chunk = rows[k * per_run:(k + 1) * per_run]
+        if not chunk:
+            continue
+        stats: dict[str, Any] = {"lines": len(chunk)}
+        for f in _FIELDS:
+            vals = sorted(r[f] for r in chunk)
+            stats[f] = {"mean": round(statistics.fmean(vals), 1),
+                        "p90": round(vals[min(len(vals) - 1, int(0.9 * len(vals)))], 1)}
+        out[str(rate)] = stats
+    return out
+
+
+def system_summary(rep: dict[str, Any]) -> dict[str, Any]:
+    """Max rate, capacity at it, and one row per swept rate of one bench report."""
+    sweep = rep["sweep"]
+    rows = [{"rate": s["rate"], "attainment": s["summary"]["attainment"],
+             "ttft_p50_s": s["summary"]["ttft_s"].get("p50"),
+             "ttft_p90_s": s["summary"]["ttft_s"].get("p90"),
+             "tbt_p50_s": s["summary"]["tbt_s"].get("p50"),
+             "tbt_p90_s": s["summary"]["tbt_s"].get("p90"),
+             "completed": s["summary"]["completed"], "rejected": s["summary"]["rejected"],
+             "errors": s["summary"]["errors"], "capacity": s["summary"]["capacity"],
+             "send_lag_max_s": (s["summary"].get("send_lag_s") or {}).get("max")}
+            for s in sweep]
+    best = rep.get("max_rate")
+    at = next((r for r in rows if r["rate"] == best), rows[0] if rows else None)
+    return {"max_rate": best, "capacity": at["capacity"] if at else {},
+            "capacity_at_rate": at["rate"] if at else None, "sweep": rows}
+
+
+def plot(out: Path, systems: dict[str, dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, s in systems.items():
+        ax.plot([r["rate"] for r in s["sweep"]], [r["attainment"] for r in s["sweep"]],
+                marker="o", label=name)
+    ax.axhline(0.9, ls="--", c="gray")
+    ax.set(xlabel="request rate (req/s, Poisson)", ylabel="SLO attainment (TTFT≤10 s, TBT≤100 ms)",
+           ylim=(0, 1.02), title="SmolLM2-135M, 2 cores, conversation trace")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "attainment_vs_rate.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, s in systems.items():
+        cap = s["capacity"]
+        xs = sorted(cap, key=int)
+        ax.plot([int(x) for x in xs], [cap[x] for x in xs], marker="o",
+                label=f"{name} @ {s['capacity_at_rate']} req/s")
+    ax.axhline(0.9, ls="--", c="gray")
+    ax.set(xlabel="TBT SLO (ms), TTFT ≤ 10 s", ylabel="SLO attainment", ylim=(0, 1.02))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "capacity_vs_tbt.png", dpi=120)
+    plt.close(fig)
+
+
+def summarize(out: Path) -> dict[str, Any]:
+    systems: dict[str, dict[str, Any]] = {}
+    for name in SYSTEMS:
+        path = out / f"{name}.json"
+        if not path.is_file():
+            continue
+        rep = json.loads(path.read_text())
+        s = system_summary(rep)
+        clog = out / "logs" / name / "conductor.log"
+        if clog.is_file():
+            s["breakdown_ms"] = access_breakdown(clog, int(rep["sweep"][0]["summary"]["requests"]),
+                                                 [r["rate"] for r in s["sweep"]])
+        systems[name] = s
+    if not systems:
+        raise SystemExit(f"{out}: no <system>.json reports")
+
+    def ratio(a: str, b: str) -> float | None:
+        x = systems.get(a, {}).get("max_rate")
+        y = systems.get(b, {}).get("max_rate")
+        return round(x / y, 3) if x and y else None
+
+    return {"systems": systems, "ratio_max_rate_vs_vllm": ratio("yuebing_1p1d", "vllm_cpu"),
+            "ratio_coupled_vs_vllm": ratio("yuebing_coupled", "vllm_cpu"),
+            "ratio_1p1d_vs_coupled": ratio("yuebing_1p1d", "yuebing_coupled")}
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("outdir", type=Path)
+    ns = p.parse_args()
+    result = summarize(ns.outdir)
+    (ns.outdir / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
+    try:
+        plot(ns.outdir, result["systems"])
+    except Exception as e:  # a plot failure must not lose the numbers
+        log.warning("plots not written: %s", e)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""The simulator against the live system on this machine (issue 14): same workload, topology, rate.
+
+1. Profile (unless ``--profile FILE`` is given): ``yuebing profile`` of the engine as the
+   instances run it (SmolLM2-135M, bf16, one thread) writes a predictor file.
+2. Live (unless ``--live-records FILE`` reuses a run, e.g. serve_vs_vllm.sh's
+   ``yuebing_1p1d.records.jsonl``): ``yuebing serve`` with 1 prefill + 1 decode instance, one
+   thread each, the Conductor given the same predictor file, and ``yuebing bench serve`` sweeping
+   ``--rates`` over the conversation trace (first ``--limit`` requests, 64 tokens per hash block,
+   input <= 4096, output <= 128, Poisson arrivals of ``--seed``), per-request records kept.
+3. Simulated: the same requests — `yuebing.bench.workload.scaled_request` and `send_times`, the
+   functions the load generator used, so lengths, shared prefixes (hash ids, one per 64 tokens)
+   and arrival times are identical — replayed by `yuebing.sim.runner.simulate` (what ``yuebing sim
+   run`` calls) with ``system=mooncake``, 1 prefill + 1 decode node, ``cost_model=fitted`` on the
+   predictor file, ``block_tokens=64``.
+4. Compared: TTFT and TBT p50/p90 over completed requests, sim vs live, per rate; target
+   within ±25 %. Writes ``OUTDIR/sim_vs_live.json``, ``sim_vs_live.md`` (the table) and
+   ``sim_vs_live.png``; prints the table.
+
+Usage:
+    nice -n 5 .venv/bin/python benchmarks/sim_vs_live.py OUTDIR --rates 0.1,0.4 --limit 300
+    .venv/bin/python benchmarks/sim_vs_live.py OUTDIR --profile P.json --live-records R.jsonl \
+        --rates 0.1,0.4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from yuebing.bench.config import BenchConfig
+from yuebing.bench.workload import scaled_request, send_times
+from yuebing.sim.runner import simulate
+from yuebing.sim.system import SimConfig
+from yuebing.sim.workload import SimRequest
+from yuebing.trace.io import load_trace
+
+log = logging.getLogger("sim_vs_live")
+ROOT = Path(__file__).resolve().parent.parent
+YB = str(ROOT / ".venv" / "bin" / "yuebing")
+TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+METRICS = ("ttft_p50", "ttft_p90", "tbt_p50", "tbt_p90")
+TOLERANCE = 0.25
+PROFILE_GRID = ["--new-tokens", "64,256,512,1024", "--cached-tokens", "0,512,2048",
+                "--batches", "1,4,16", "--contexts", "256,1024,4096", "--repeats", "2"]
+
+
+def pct(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (NaN for no values)."""
+    vals = sorted(v for v in values if not math.isnan(v))
+    if not vals:
+        return math.nan
+    return vals[min(len(vals) - 1, max(0, math.ceil(q * len(vals)) - 1))]
+
+
+def workload(trace_path: Path, limit: int, rate: float, seed: int) -> list[SimRequest]:
+    """The load generator's requests at ``rate`` as simulator requests (see module docstring)."""
+    trace = load_trace(trace_path)
+    cfg = BenchConfig(block_tokens=64, max_input=4096, max_output=128, limit=limit, rate=rate,
+                      seed=seed)
+    reqs = [scaled_request(r, trace.block_size, cfg) for r in trace.in_time_order()[:limit]]
+    return [SimRequest(i, t, r.input_length, r.output_length, tuple(r.hash_ids))
+            for i, (r, t) in enumerate(zip(reqs, send_times(reqs, cfg, rate), strict=True))]
+
+
+def simulated(requests: list[SimRequest], profile: Path) -> dict[str, float]:
+    """TTFT/TBT percentiles of a 1P1D Mooncake simulation with the fitted cost model."""
+    cfg = SimConfig(system="mooncake", prefill_nodes=1, decode_nodes=1, cost_model="fitted",
+                    profile=str(profile), block_tokens=64, ttft_slo_s=10.0, tbt_slo_s=0.1,
+                    cpp_threshold_tokens=1 << 30, sample_interval_s=1.0)
+    res = simulate(requests, cfg)
+    done = [r for r in res.records if r.rejected is None and not math.isnan(r.finish_s)]
+    ttft = [r.first_token_s - r.arrival_s for r in done]
+    tbt = [r.tbt_s for r in done]
+    return {"ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9), "tbt_p50": pct(tbt, 0.5),
+            "tbt_p90": pct(tbt, 0.9), "completed": len(done), "requests": len(res.records)}
+
+
+def live_stats(records: Path) -> dict[float, dict[str, float]]:
+    """Per rate, TTFT/TBT percentiles over the completed requests of a ``--records`` file."""
+    by_rate: dict[float, list[dict[str, Any]]] = {}
+    for line in records.read_text().splitlines():
+        r = json.loads(line)
+        by_rate.setdefault(float(r["rate"]), []).append(r)
+    out = {}
+    for rate, rows in by_rate.items():
+        ok = [r for r in rows if r["status"] == "ok"]
+        ttft = [float(r["ttft_s"]) for r in ok]
+        tbt = [float(r["tbt_s"]) if r["tbt_s"] is not None else math.nan for r in ok]
+        out[rate] = {"ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9),
+                     "tbt_p50": pct(tbt, 0.5), "tbt_p90": pct(tbt, 0.9),
+                     "completed": len(ok), "requests": len(rows)}
+    return out
+
+
+def run_profile(out: Path) -> Path:
+    path = out / "predictors.json"
+    cmd = [YB, "profile", "--model", "smollm2", "--dtype", "bfloat16", "--threads", "1",
+           *PROFILE_GRID, "--out", str(path), "--samples", str(out / "samples.json")]
+    log.info("profiling: %s", " ".join(cmd))
+    subprocess.run(cmd, check=True)
+    return path
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"yuebing serve exited while starting ({proc.returncode})")
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise SystemExit(f"yuebing serve not ready after {timeout_s:g} s")
+
+
+def run_live(out: Path, profile: Path, rates: list[float], limit: int, seed: int,
+             port: int) -> Path:
+    """Start 1P1D ``yuebing serve`` with ``profile`` as the Conductor's predictors, sweep."""
+    logs = out / "live-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{port}"
+    serve = [YB, "serve", "--prefill", "1", "--decode", "1", "--threads", "1", "--dtype",
+             "bfloat16", "--kv-cache-bytes", "512MiB", "--port", str(port), "--log-dir", str(logs),
+             "--heartbeat-timeout-s", "10", "--restart", "never", "--predictors", str(profile)]
+    with (logs / "serve.out").open("wb") as fh:
+        proc = subprocess.Popen(serve, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        _wait_ready(url, proc, 900)
+        records = out / "live.records.jsonl"
+        subprocess.run([YB, "bench", "serve", str(TRACE), "--endpoint", url, "--block-tokens",
+                        "64", "--max-input", "4096", "--max-output", "128", "--limit", str(limit),
+                        "--seed", str(seed), "--sweep-rates", ",".join(map(str, rates)),
+                        "--slo-ttft", "10", "--slo-tbt", "0.1", "--timeout-s", "900",
+                        "--no-progress", "--json", "--records", str(records)],
+                       check=True, stdout=(out / "live.json").open("wb"))
+        return records
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def compare(live: dict[str, float], sim: dict[str, float]) -> dict[str, Any]:
+    rows = {}
+    for m in METRICS:
+        err = (sim[m] - live[m]) / live[m] if live[m] else math.nan
+        rows[m] = {"live_s": round(live[m], 4), "sim_s": round(sim[m], 4),
+                   "error": round(err, 3), "within": abs(err) <= TOLERANCE}
+    return rows
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = ["| rate (req/s) | metric | live | sim | sim − live | within ±25 % |",
+             "|---|---|---|---|---|---|"]
+    for rate, row in result["rates"].items():
+        for m, c in row["metrics"].items():
+            lines.append(f"| {rate} | {m} | {c['live_s'] * 1e3:,.0f} ms | {c['sim_s'] * 1e3:,.0f}"
+                         f" ms | {c['error'] * 100:+.0f} % | {'yes' if c['within'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def plot(out: Path, result: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = list(result["rates"])
+    fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 3.6), squeeze=False)
+    for ax, rate in zip(axes[0], rates, strict=True):
+        ms = result["rates"][rate]["metrics"]
+        xs = range(len(METRICS))
+        ax.bar([x - 0.2 for x in xs], [ms[m]["live_s"] for m in METRICS], 0.4, label="live")
+        ax.bar([x + 0.2 for x in xs], [ms[m]["sim_s"] for m in METRICS], 0.4, label="sim (fitted)")
+        ax.set_xticks(list(xs), METRICS)
+        ax.set_yscale("log")
+        ax.set(title=f"{rate} req/s", ylabel="seconds")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "sim_vs_live.png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("outdir", type=Path)
+    p.add_argument("--rates", default="0.1,0.4", help="Poisson rates, light and near saturation")
+    p.add_argument("--limit", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0, help="arrival seed (the bench's --seed)")
+    p.add_argument("--profile", type=Path, help="predictor/samples file (default: profile now)")
+    p.add_argument("--live-records", type=Path, help="reuse a bench --records file")
+    p.add_argument("--port", type=int, default=8766)
+    ns = p.parse_args()
+    rates = sorted(float(r) for r in ns.rates.split(","))
+    if ns.limit < 1 or not rates or min(rates) <= 0:
+        p.error("--limit must be >= 1 and every rate > 0")
+    ns.outdir.mkdir(parents=True, exist_ok=True)
+    profile = ns.profile or run_profile(ns.outdir)
+    records = ns.live_records or run_live(ns.outdir, profile, rates, ns.limit, ns.seed, ns.port)
+    live = live_stats(records)
+    missing = [r for r in rates if r not in live]
+    if missing:
+        p.error(f"{records} has no requests at rate(s) {missing} (it has {sorted(live)})")
+    result: dict[str, Any] = {"profile": str(profile), "live_records": str(records),
+                              "limit": ns.limit, "loadavg": os.getloadavg(), "rates": {}}
+    for rate in rates:
+        sim = simulated(workload(TRACE, ns.limit, rate, ns.seed), profile)
+        result["rates"][str(rate)] = {"live": live[rate], "sim": sim,
+                                      "metrics": compare(live[rate], sim)}
+    (ns.outdir / "sim_vs_live.json").write_text(json.dumps(result, indent=1) + "\n")
+    md = table(result)
+    (ns.outdir / "sim_vs_live.md").write_text(md + "\n")
+    plot(ns.outdir, result)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
