@@ -85,7 +85,9 @@ class Peers:
                 make: Callable[[], Endpoint]) -> Endpoint:
         key = (transport, desc.engine_id, desc.address)
         ep = self.pool.get(key)
-        if ep is not None and not ep.alive:
+        if ep is not None:
+            if ep.alive:
+                return ep
             self.pool.pop(key)
             self._forget_engine(desc.engine_id)
             ep.close()

@@ -243,6 +243,9 @@ class ShmEndpoint(Endpoint):
     def _remote(self, desc: SegmentDescriptor) -> MappedFile:
         """The mapping of ``desc``'s file (mapped on first use, again when the descriptor names
         another file or size)."""
+        mapped = self._maps.get(desc.name)  # fast path without the lock: dict reads are atomic
+        if mapped is not None and mapped.path == desc.shm_path and mapped.size == desc.size:
+            return mapped
         with self._lock:
             mapped = self._maps.get(desc.name)
             if mapped is not None and mapped.path == desc.shm_path and mapped.size == desc.size:
