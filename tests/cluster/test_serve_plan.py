@@ -195,3 +195,20 @@ def test_serve_cli_offers_and_forwards_role_flags(monkeypatch: pytest.MonkeyPatc
     assert parser.parse_args(["serve", "conductor", "--port", "1"])._run(ns) == 7
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--instances", "tcp://x:1"])  # set by the plan, not offered
+
+
+def test_taken_fixed_ports_are_refused_before_anything_starts() -> None:
+    import socket
+
+    from yuebing.cluster.serve import check_ports
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--port: cannot listen on 127.0.0.1:{port} "
+                                              r"\(Address already in use\)"):
+            check_ports(ServeConfig(port=port))
+        with pytest.raises(ConfigError, match=r"--store-port.*: cannot listen on 127.0.0.1:"):
+            check_ports(ServeConfig(port=0, store_port=port - 1))
+        check_ports(ServeConfig(port=0, store=False, store_port=port))  # no store: not used

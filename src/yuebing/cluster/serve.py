@@ -33,6 +33,7 @@ from yuebing.cluster.readiness import AllOf, HttpOk, InstancePing, Readiness, Re
 from yuebing.cluster.supervisor import Interrupted, RoleFailed, Supervisor
 from yuebing.conductor.config import ConductorConfig
 from yuebing.core.config import format_size, require
+from yuebing.core.errors import ConfigError
 from yuebing.instance.config import InstanceConfig
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,25 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def check_ports(cfg: ServeConfig) -> None:
+    """Refuse (`ConfigError`) fixed ports that are taken now, before any role starts (the
+    Conductor starts last: it would fail only after the store and the instances are up)."""
+    wanted = [("--port", cfg.host, cfg.port)]
+    if cfg.store and cfg.store_port:
+        wanted += [("--store-port", cfg.advertise_host, cfg.store_port),
+                   ("--store-port (+1, KV events)", cfg.advertise_host, cfg.store_port + 1)]
+    for flag, host, port in wanted:
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise ConfigError(f"{flag}: cannot listen on {host}:{port} ({e.strerror}); "
+                                  "stop what uses it or pick another port") from None
 
 
 def local_url_host(host: str) -> str:
@@ -234,6 +254,7 @@ def run_serve(cfg: ServeConfig, has_option: Callable[[str, str], bool] = lambda 
     """Start every role, print the URL, watch until SIGINT/SIGTERM, stop everything.
     Returns the exit code: 0 after a signal, 1 if a role failed, 130 if stopped while
     starting. Call from the main thread."""
+    check_ports(cfg)
     sup = Supervisor(cfg.supervisor)
     sup.install_signal_handlers()
     plan = ServePlan(cfg, sup.log_dir, has_option)
