@@ -12,6 +12,7 @@ from yuebing.sim.paper.report import gap, run_figures, write_report
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # ≈ 20 runs of the whole trace: minutes, more on a loaded machine
 def test_full_report_meets_the_simulator_targets(conversation_trace: Path,
                                                  tmp_path: Path) -> None:
     """The calibrated results of docs/reproduction.md, pinned with the tolerances the targets
