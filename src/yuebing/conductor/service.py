@@ -38,6 +38,7 @@ from yuebing.conductor.policy import (
     TransferPredictor,
     load_predictors,
 )
+from yuebing.conductor.view import STORE_HOLDER
 from yuebing.core.errors import ConfigError
 from yuebing.protocol.instance import Role
 
@@ -148,7 +149,8 @@ class Conductor:
                 for r in Role for m in c.alive(r) if m.report is not None}
         return {"status": "ok", "ready": ready, "model": self.cfg.model_name,
                 "instances": roles, "load": load, "inflight": self.inflight,
-                "kv_index_blocks": len(c.index)}
+                "kv_index_blocks": len(c.index),
+                "kv_index_store_blocks": len(c.index.keys_of(STORE_HOLDER))}
 
     def metrics_text(self) -> bytes:
         for r in Role:
