@@ -82,7 +82,7 @@ class Procs:
                 raise RuntimeError(f"{name} did not start; see {self.dir / name}.log")
             time.sleep(0.05)
         time.sleep(0.05)
-        return json.loads(ready.read_text())  # type: ignore[no-any-return]
+        return json.loads(ready.read_text())
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -174,6 +174,12 @@ async def rate(url: str, concurrency: int, seconds: float) -> dict[str, float]:
     return {"requests_per_s": done / (time.perf_counter() - t0), "failed": failed}
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def scrape(url: str) -> str:
     import urllib.request
 
@@ -207,9 +213,10 @@ def main() -> int:
             hello = procs.start(f"{role}-{i}", [*yb, "serve", role, "--model", MODEL,
                                                 "--instance-id", f"{role}-{i}"])
             addresses.append(hello["control_address"])
-        url = procs.start("conductor", [*yb, "serve", "conductor", "--model", MODEL, "--port",
-                                        "0", "--instances", ",".join(addresses),
-                                        "--no-access-log", "--max-concurrent", "4096"])["url"]
+        ready = procs.start("conductor", [*yb, "serve", "conductor", "--model", MODEL, "--port",
+                                          "0", "--instances", ",".join(addresses),
+                                          "--no-access-log", "--max-concurrent", "4096"])
+        url, pid = ready["url"], int(ready["pid"])
         echo = procs.start("echo", [sys.executable, __file__, "--echo-server"])["url"]
         while True:  # every instance joined
             import urllib.request
@@ -219,10 +226,13 @@ def main() -> int:
                 break
             time.sleep(0.2)
         asyncio.run(streams(url, 4, 20, 4))  # warm-up
-        before = scrape(url)
+        before, cpu0 = scrape(url), cpu_s(pid)
         wall = asyncio.run(streams(url, ns.streams, ns.requests, ns.tokens))
-        after = scrape(url)
+        after, cpu1 = scrape(url), cpu_s(pid)
+        cpu2 = cpu_s(pid)
         conductor_rate = asyncio.run(rate(url, ns.concurrency, ns.seconds))
+        conductor_rate["cpu_ms_per_request"] = 1e3 * (cpu_s(pid) - cpu2) / max(
+            1.0, conductor_rate["requests_per_s"] * ns.seconds)
         echo_rate = asyncio.run(rate(echo, ns.concurrency, ns.seconds))
         result = {
             "setup": {"roles": roles, "model": MODEL, "streams": ns.streams,
@@ -230,6 +240,7 @@ def main() -> int:
                       "concurrency": ns.concurrency, "seconds": ns.seconds,
                       "loadavg": os.getloadavg()[0]},
             "overhead_wall_s": wall,
+            "conductor_cpu_ms_per_stream_request": 1e3 * (cpu1 - cpu0) / ns.requests,
             "dispatch": delta_stats(before, after, "yuebing:conductor_dispatch_seconds"),
             "relay": delta_stats(before, after, "yuebing:conductor_relay_seconds"),
             "conductor_one_token": conductor_rate, "echo": echo_rate,
@@ -244,6 +255,8 @@ def main() -> int:
             s = result[k]
             print(f"{k:9s} n={s['count']:.0f} p50={s['p50_ms']:.3f} ms p99={s['p99_ms']:.3f} ms "
                   f"≤1ms {100 * s['share_le_1ms']:.1f}% ≤5ms {100 * s['share_le_5ms']:.1f}%")
+        print(f"conductor CPU per streamed request ({ns.tokens} tokens): "
+              f"{result['conductor_cpu_ms_per_stream_request']:.2f} ms")
         print(f"one-token requests/s: conductor {conductor_rate['requests_per_s']:.0f}, "
               f"echo {echo_rate['requests_per_s']:.0f}, ratio {result['ratio']:.3f}")
     return 0
