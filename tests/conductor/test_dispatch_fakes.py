@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 
 import pytest
 from fake_instance import FINGERPRINT, FakeLoop
 from harness import MODEL, ConductorThread, request, response, sse_events
 
+from yuebing.core.ids import InstanceId
 from yuebing.instance.kvkeys import store_block_keys
 from yuebing.protocol.instance import Cancel, Reserve, Role, SubmitTask, TaskMode
 
@@ -243,5 +245,34 @@ def test_concurrency_limit_is_429(fl: FakeLoop) -> None:
         sse_events(resp)
         conn.close()
         assert _complete(c, prompt=[1, 2], max_tokens=2)[0] == 200
+    finally:
+        c.stop()
+
+
+def test_a_restarted_instance_rejoins_with_its_new_incarnation(fl: FakeLoop) -> None:
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"))
+    p0 = fl.fakes["p0"]
+    try:
+        first = c.conductor.cluster.members[InstanceId("p0")]
+        p0.silence()
+        end = time.monotonic() + 15
+        while request(c.url, "GET", "/health")[1]["instances"]["prefill"]:
+            assert time.monotonic() < end
+            time.sleep(0.05)
+
+        def restart() -> None:  # same address, a new process: new incarnation, no subscribers
+            p0.incarnation = uuid.uuid4().hex
+            p0.subscribers.clear()
+            p0.silent = False
+        fl.call(restart)
+        end = time.monotonic() + 15
+        while request(c.url, "GET", "/health")[1]["instances"]["prefill"] != ["p0"]:
+            assert time.monotonic() < end, "the restarted instance did not rejoin"
+            time.sleep(0.05)
+        member = c.conductor.cluster.members[InstanceId("p0")]
+        assert member is not first and member.hello.incarnation == p0.incarnation
+        assert first.client.closed
+        status, body = _complete(c, prompt=[1, 2], max_tokens=2)
+        assert status == 200 and body["usage"]["yuebing"]["prefill_instance"] == "p0"
     finally:
         c.stop()

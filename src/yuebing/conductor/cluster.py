@@ -164,9 +164,12 @@ class LiveCluster:
         m = self.by_address.get(address)
         if m is None or r.instance_id != m.hello.instance_id:
             return
-        if r.incarnation != m.hello.incarnation:
+        if r.incarnation != m.hello.incarnation:  # restarted: start over with a new client
             self._mark_dead(m, f"instance {m.id} restarted")
             self.by_address.pop(address, None)
+            if self.members.get(m.id) is m:
+                del self.members[m.id]
+            self.spawn(m.client.close())
             self.spawn(self._connect(address))
             return
         if m.report is not None and r.report_seq != m.report.report_seq + 1 \
@@ -187,6 +190,9 @@ class LiveCluster:
                 self.index.remove(m.id, r.cache_removed)
 
     async def _resubscribe(self, m: Member) -> None:
+        """Subscribe again: the instance answers with a full cache resync in its reports; a
+        dead one that is alive again resumes its reports, a restarted one reports with its new
+        incarnation (see `_on_report`)."""
         with contextlib.suppress(InstanceUnavailable, InstanceError):
             await m.client.subscribe(self.conductor_id)
 
@@ -201,22 +207,7 @@ class LiveCluster:
                                        f"{now - m.seen_s:.1f} s")
                 elif not m.alive and m.address in self._wanted and now - m.seen_s > 1.0:
                     m.seen_s = now - self.heartbeat_timeout_s  # retry about once a second
-                    self.spawn(self._probe(m))
-
-    async def _probe(self, m: Member) -> None:
-        """Re-subscribe to a dead member: a restarted instance answers with a new Hello."""
-        try:
-            hello = await m.client.subscribe(self.conductor_id)
-        except (InstanceUnavailable, InstanceError):
-            return
-        if hello.incarnation != m.hello.incarnation and self.by_address.get(m.address) is m:
-            self.by_address.pop(m.address, None)
-            self.spawn(self._reconnect(m))
-
-    async def _reconnect(self, m: Member) -> None:
-        await m.client.close()
-        self.members.pop(m.id, None)
-        await self._connect(m.address)
+                    self.spawn(self._resubscribe(m))
 
     def _mark_dead(self, m: Member, reason: str) -> None:
         if m.alive:
