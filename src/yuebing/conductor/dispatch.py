@@ -79,7 +79,9 @@ class Delta:
     text: str
     finish_reason: str | None = None
     received_s: float = 0.0
-    """``time.perf_counter()`` when the event reached the Conductor."""
+    """``time.perf_counter()`` when the relay took the event."""
+    sent_wall_s: float = 0.0
+    """The instance's wall clock (``time.time()``) when it sent the event."""
 
 
 _FINISH = {"stop": "stop", "eos": "stop", "stop_string": "stop", "length": "length",
@@ -302,7 +304,7 @@ def _delta(ev: TaskEvent, stats: RequestStats, received: float) -> Delta:
         reason = _FINISH.get(ev.finish_reason or "stop", "stop")
         stats.finish_reason = reason
         stats.end_s = now
-    return Delta(list(ev.token_ids), ev.text, reason, received)
+    return Delta(list(ev.token_ids), ev.text, reason, received, ev.time_s)
 
 
 async def _cancel(members: list[Member], rid: str) -> None:

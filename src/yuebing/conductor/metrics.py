@@ -74,7 +74,9 @@ class ConductorMetrics:
                              "Conductor overhead: HTTP arrival to the task sent to the instances "
                              "(the decode reservation's round trip excluded)", overhead)
         self.relay = hist("conductor_relay_seconds", "Conductor overhead: an instance's token "
-                          "event received to its chunk sent to the client", overhead)
+                          "event sent (its wall clock) to its chunk sent to the client; an upper "
+                          "bound that includes the control-plane hop (same-host clocks)",
+                          overhead)
 
     def finished(self, s: RequestStats) -> None:
         self.prompt_tokens.inc(s.prompt_tokens)

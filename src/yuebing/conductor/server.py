@@ -172,11 +172,11 @@ class _Routes:
             relay = c.metrics.relay.observe
             if first is not None:
                 yield r.chunk(first.text, first.finish_reason)
-                relay(time.perf_counter() - first.received_s)
+                relay(time.time() - first.sent_wall_s)
             try:
                 async for d in gen:
                     yield r.chunk(d.text, d.finish_reason)
-                    relay(time.perf_counter() - d.received_s)
+                    relay(time.time() - d.sent_wall_s)
             except RequestFailed as e:
                 status, code = 500, e.code
                 yield error_event(str(e), e.code)
