@@ -4,7 +4,8 @@ Modes: ``serve`` (write the ready file after ``--delay`` s, then sleep until SIG
 (print a message and exit 3 at once), ``never`` (never ready), ``stubborn`` (ready, prints and ignores
 SIGTERM), ``parent`` (ready, starts a ``sleep`` grandchild whose pid it puts in the ready
 file), ``shm`` (registers a 1 MiB shared-memory segment with a transfer engine; its file name in
-the ready file), ``http`` (serves GET /health -> 200 on ``--port``), ``die-after`` (ready, then
+the ready file), ``http`` (serves GET /health -> 200 on ``--port``, a
+Conductor-like body whose view lists instance p0 from the 4th GET on), ``die-after`` (ready, then
 exits 5 after ``--delay``).
 """
 
@@ -56,10 +57,17 @@ def main() -> None:
         extra["shm"] = sorted(e for e in os.listdir("/dev/shm")
                               if e.startswith(f"yuebing-tx-{os.getpid()}-"))
     if a.mode == "http":
+        seen = [0]
+
         class H(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802
+                """/health: 200 with an empty view for the first 3 GETs, then with p0."""
+                seen[0] += 1
+                view = {"prefill": ["p0"] if seen[0] > 3 else []}
+                body = json.dumps({"ready": seen[0] > 3, "instances": view}).encode()
                 self.send_response(200 if self.path == "/health" else 404)
                 self.end_headers()
+                self.wfile.write(body)
 
         http.server.HTTPServer(("127.0.0.1", a.port), H).serve_forever()
     ready(a.ready, **extra)

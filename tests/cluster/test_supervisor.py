@@ -101,6 +101,27 @@ def test_http_readiness(tmp_path: Path, sup: Supervisor) -> None:
     assert info["conductor"]["health_url"] == f"http://127.0.0.1:{port}/health"
 
 
+def test_conductor_ready_once_its_view_has_the_instances(tmp_path: Path,
+                                                          sup: Supervisor) -> None:
+    """The Conductor answers /health before it has heard from the instances: the plan's
+    check waits until they are in its view (a 200 alone let the first request get 503)."""
+    import socket
+
+    from yuebing.cluster.readiness import HttpJson
+    from yuebing.cluster.serve import _instances_in_view
+
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    spec = RoleSpec("conductor", (sys.executable, STANDIN, "http", "--port", str(port)))
+    check = HttpJson(f"http://127.0.0.1:{port}/health",
+                     lambda body: {"p0"} <= _instances_in_view(body))
+    info = sup.start_stage([(spec, check)])
+    assert info["conductor"]["health"] == {"ready": True, "instances": {"prefill": ["p0"]}}
+    assert _instances_in_view({"instances": {"prefill": ["a"], "decode": ["b"]}}) == {"a", "b"}
+    assert _instances_in_view({"instances": None}) == set() == _instances_in_view([])
+
+
 def test_sigterm_ignored_then_killed(tmp_path: Path) -> None:
     s = Supervisor(SupervisorConfig(log_dir=str(tmp_path), stop_grace_s=0.3))
     s.start_stage([role(tmp_path, "stubborn", "stubborn")])

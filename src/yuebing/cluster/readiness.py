@@ -8,7 +8,9 @@ has a short timeout.
 
 - `ReadyFile`: the role writes JSON to a path once it serves (``--ready-file``; atomically,
   by rename). Store master and node, instances.
-- `HttpOk`: GET a URL answers 200 (the conductor's ``/health``; the store admin ``/health``).
+- `HttpOk`: GET a URL answers 200 (the store admin ``/health``).
+- `HttpJson`: GET a URL answers 200 with a JSON body a predicate accepts (the Conductor's
+  ``/health`` once every instance of the host is in its view).
 - `InstancePing`: the instance's control server answers `Ping` (``InstanceClient.ping``).
 - `AllOf`: every given check passes; their dicts are merged.
 """
@@ -76,6 +78,26 @@ class HttpOk(Readiness):
                 return {"health_url": url} if r.status == 200 else None
         except (OSError, urllib.error.URLError, ValueError):
             return None
+
+
+class HttpJson(Readiness):
+    """Ready once GET ``url`` answers 200 with a JSON body that ``accept`` takes (e.g. the
+    Conductor's ``/health`` listing every instance of the host in its view)."""
+
+    def __init__(self, url: str, accept: Callable[[Any], bool], timeout_s: float = 1.0) -> None:
+        self.url = url
+        self.accept = accept
+        self.timeout_s = timeout_s
+
+    def poll(self, previous: Info) -> Info | None:
+        try:
+            with urllib.request.urlopen(self.url, timeout=self.timeout_s) as r:  # noqa: S310
+                if r.status != 200:
+                    return None
+                body = json.loads(r.read())
+        except (OSError, urllib.error.URLError, ValueError):
+            return None
+        return {"health_url": self.url, "health": body} if self.accept(body) else None
 
 
 class InstancePing(Readiness):

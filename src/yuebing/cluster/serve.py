@@ -7,7 +7,8 @@ and waited for before the next:
 2. ``store-node`` (``yuebing store node`` with ``--store-dram`` of shared memory),
 3. ``prefill-i`` / ``decode-i`` or ``coupled-i`` (``yuebing serve prefill|decode|coupled``;
    ready file with the instance's `Hello`, then a control-plane `Ping`),
-4. ``conductor`` (``yuebing serve conductor``; ``GET /health`` answers 200).
+4. ``conductor`` (``yuebing serve conductor``; ``GET /health`` answers 200 and lists every
+   instance of this host in its view, so the first request finds them).
 
 Every address is chosen before its role starts (free ports on ``advertise_host``), so a role
 restarted by the watch loop comes back where the others expect it. With ``etcd`` the store
@@ -29,7 +30,14 @@ from typing import TextIO
 
 from yuebing.cluster.config import SupervisorConfig
 from yuebing.cluster.process import RoleSpec
-from yuebing.cluster.readiness import AllOf, HttpOk, InstancePing, Readiness, ReadyFile
+from yuebing.cluster.readiness import (
+    AllOf,
+    HttpJson,
+    HttpOk,
+    InstancePing,
+    Readiness,
+    ReadyFile,
+)
 from yuebing.cluster.supervisor import Interrupted, RoleFailed, Supervisor
 from yuebing.conductor.config import ConductorConfig
 from yuebing.core.config import format_size, require
@@ -209,7 +217,9 @@ class ServePlan:
                   "--store-admin", f"http://127.0.0.1:{self.admin_port}") if cfg.store else ())
         argv = (*YUEBING, *self._v(), "serve", "conductor", "--host", cfg.host, "--port",
                 str(self.http_port), *find, *store, *cfg.conductor_args)
-        return RoleSpec("conductor", argv), HttpOk(self.base_url + "/health")
+        expected = set(self.control)
+        return RoleSpec("conductor", argv), HttpJson(
+            self.base_url + "/health", lambda body: expected <= _instances_in_view(body))
 
     @property
     def base_url(self) -> str:
@@ -224,6 +234,14 @@ class ServePlan:
         if instances:
             out.append(instances)
         return [*out, [self.conductor()]]
+
+
+def _instances_in_view(health: object) -> set[str]:
+    """Instance ids in the Conductor's ``/health`` body (``{"instances": {role: [id...]}}``)."""
+    roles = health.get("instances") if isinstance(health, dict) else None
+    if not isinstance(roles, dict):
+        return set()
+    return {str(i) for ids in roles.values() if isinstance(ids, list) for i in ids}
 
 
 def banner(plan: ServePlan, sup: Supervisor, model: str) -> str:
