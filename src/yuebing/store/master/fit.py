@@ -6,10 +6,10 @@ looks at each candidate segment's layout — its free ranges, and the ranges of 
 that may be evicted — and picks the window of adjacent ranges that covers the size at the least
 cost, then frees exactly the values in it. The cost is LRU first: the window whose most
 recently read victim is least recent wins (a replica whose value keeps another one counts as
-older than any, since dropping it loses nothing; a soft-pinned value as newer than any), and the
-bytes evicted decide between windows of equal rank. Pending puts, reservations, quarantined ranges,
-task destinations, hard-pinned and leased values are barriers no window crosses; a value being
-offloaded from the segment frees itself when its task ends (free soon, cost 0).
+older than any, since dropping it loses nothing; a soft-pinned value as newer than any), and
+the bytes evicted decide between windows of equal rank. Pending puts, reservations, quarantined
+ranges, task destinations, hard-pinned and leased values are barriers no window crosses; a
+value being offloaded from the segment frees itself when its task ends (free soon, cost 0).
 
 A victim in DRAM whose value has no other replica is offloaded to its node's SSD tier when there
 is one (room is made there the same way, dropping SSD-tier values only when the SSD is full):
@@ -24,8 +24,8 @@ or leased for longer), and nothing was evicted — a put that cannot fit evicts 
 ``keep_fit`` (every tick) keeps a free range of the largest size that lately found no room on
 some DRAM segment whose free bytes are fragmented (at least twice the size free in all), so a
 put rarely waits for its own eviction; it never evicts to make free bytes the watermark keeps
-in use. Called by ``MasterCore._put_one``,
-``segments.promote``, ``eviction`` (SSD room for an offload) and the core's tick.
+in use. Called by ``MasterCore`` (``handle``, ``_put_one``, ``task_done``, ``tick``) and,
+through ``eviction.room_for``, by ``segments.promote`` and SSD room for an offload.
 """
 
 from __future__ import annotations
