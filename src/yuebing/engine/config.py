@@ -17,6 +17,8 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION = ("auto", "grouped", "sdpa", "paged")
 KERNELS = ("auto", "native", "torch")
 PREFILL_ATTENTION = ("same", "auto", "grouped", "sdpa", "blas", "flash")
+MAX_BLOCKS = 2**31 - 1
+"""Most KV blocks of one pool: block tables are int32."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         require(bool(self.model), "model must name a model (smollm2, a path, or dummy)")
         require(1 <= self.block_size <= 4096, f"block_size must be in 1..4096, got {self.block_size}")
-        require(self.num_blocks >= 0, f"num_blocks must be >= 0, got {self.num_blocks}")
+        require(0 <= self.num_blocks <= MAX_BLOCKS,
+                f"num_blocks must be in 0..{MAX_BLOCKS} (block ids are int32), got "
+                f"{self.num_blocks}")
         require(self.kv_cache_bytes > 0, "kv_cache_bytes must be > 0")
         require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         require(self.max_batch_tokens >= 1,
@@ -154,7 +158,9 @@ class EngineConfig:
         require(self.max_model_len >= 0, "max_model_len must be >= 0")
         require(self.dtype in DTYPES, f"dtype {self.dtype!r} unknown; use one of {DTYPES}")
         require(self.device in DEVICES, f"device {self.device!r} unknown; use one of {DEVICES}")
-        require(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
+        require(0 <= self.threads <= 4096, f"threads must be in 0..4096, got {self.threads}")
+        require(0 <= self.weights_seed < 2**63,
+                f"weights_seed must be in 0..{2**63 - 1}, got {self.weights_seed}")
         require(self.attention in ATTENTION,
                 f"attention {self.attention!r} unknown; use one of {ATTENTION}")
         require(self.kernels in KERNELS,

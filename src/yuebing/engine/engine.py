@@ -75,7 +75,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(w.eos_token_ids)
         self.model = LlamaModel(mc, w.tensors, self.dtype, self.device,
                                  config.packed_weights)
-        self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
+        if config.max_model_len > mc.max_position:
+            raise ConfigError(f"max_model_len {config.max_model_len} exceeds the context of "
+                              f"model {mc.name} ({mc.max_position} tokens); give at most "
+                              f"{mc.max_position}, or 0 for the model's own")
+        self.max_model_len = config.max_model_len or mc.max_position
         bs = config.block_size
         nb = config.num_blocks or max(
             1, config.kv_cache_bytes // KVPool.bytes_per_block(mc, bs, self.dtype))

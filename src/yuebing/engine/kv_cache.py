@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from yuebing.core.errors import EngineError
-from yuebing.engine.config import ModelConfig
+from yuebing.core.errors import ConfigError, EngineError
+from yuebing.engine.config import MAX_BLOCKS, ModelConfig
 from yuebing.engine.runtime import advise_hugepages
 
 
@@ -40,8 +40,18 @@ class KVPool:
         self.head_dim = cfg.head_dim
         self.dtype, self.device = dtype, device
         shape = (cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+        if num_blocks > MAX_BLOCKS:
+            raise ConfigError(f"a KV pool of {num_blocks} blocks is past the {MAX_BLOCKS} that "
+                              "int32 block tables address; lower kv_cache_bytes / num_blocks")
         if storage is None:
-            self.data = torch.empty(shape, dtype=dtype, device=device)
+            try:
+                self.data = torch.empty(shape, dtype=dtype, device=device)
+            except (RuntimeError, MemoryError) as e:  # out of memory, size overflow
+                gib = num_blocks * self.bytes_per_block(cfg, block_size, dtype) / 2**30
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ConfigError(f"cannot allocate a KV pool of {num_blocks} blocks "
+                                  f"({gib:,.1f} GiB) on {device.type}: {first}; lower "
+                                  "kv_cache_bytes / num_blocks") from None
             self.huge_pages = advise_hugepages(self.data)  # before the first touch (zero_)
         else:
             need = num_blocks * self.bytes_per_block(cfg, block_size, dtype)

@@ -6,6 +6,8 @@ Life cycle of a request (paper §3-§4):
    a `ClusterView` (per prefill node: queued work and its own cached prefix; per decode node:
    batch, context, KV use; the best prefix anywhere) and calls the shared policy
    (`yuebing.conductor.policy.Policy.decide`). A `Reject` is recorded with its stage and reason.
+   A request whose KV (input + output tokens) exceeds a decode instance's whole capacity is
+   rejected at arrival (reason ``kv_capacity``), as the vLLM baselines do.
 2. Route: the chosen prefill node refreshes its reused blocks; when the policy plans a fetch,
    the missing prefix blocks are copied from the holder over both nodes' NICs (serialised per
    NIC), which also replicates hot blocks. Prefill starts when the node (or, for inputs with
@@ -128,6 +130,10 @@ class MooncakeSystem(SimSystem):
 
     def on_arrival(self, request: SimRequest, record: RequestRecord) -> None:
         assert self.policy is not None, "prepare() runs before the first arrival"
+        if request.input_tokens + request.output_tokens > self.decodes[0].capacity:
+            # its KV could never fit a decode instance: rejected at once, as the baselines do
+            record.rejected, record.reject_reason = RejectStage.ARRIVAL, "kv_capacity"
+            return
         keys = request.block_keys
         lengths, best, holder = self.pool.prefix_lengths(keys)
         info = RequestInfo(str(request.index), request.arrival_s, request.input_tokens,

@@ -18,19 +18,28 @@ import msgspec
 BLOCK_SIZE = 512
 """Tokens per KV block in the released Mooncake traces."""
 
-NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+MAX_TIMESTAMP_MS = 10**15
+"""Latest arrival a trace may hold (about 31,700 years in ms): sums and numpy int64 stay exact."""
+MAX_TOKENS = 2**31 - 1
+"""Most prompt or output tokens of one request (far beyond any model's context)."""
+MAX_BLOCK_ID = 2**63 - 1
+"""Largest block id (they are handled as int64)."""
+
+Timestamp = Annotated[int, msgspec.Meta(ge=0, le=MAX_TIMESTAMP_MS)]
+Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
 
 
 class Request(msgspec.Struct, frozen=True):
     """One request of a trace: arrival time, prompt and output lengths, prompt block ids."""
 
-    timestamp: NonNegInt
+    timestamp: Timestamp
     """Arrival time in milliseconds since the trace start."""
-    input_length: NonNegInt
+    input_length: Tokens
     """Prompt tokens."""
-    output_length: NonNegInt
+    output_length: Tokens
     """Generated tokens."""
-    hash_ids: tuple[NonNegInt, ...]
+    hash_ids: tuple[BlockId, ...]
     """Chained ids of the prompt's blocks (at most ceil(input_length / block size))."""
 
 

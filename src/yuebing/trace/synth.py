@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from yuebing.core.config import require
 from yuebing.core.errors import ConfigError
 from yuebing.core.registry import Registry
-from yuebing.trace.model import BLOCK_SIZE, Request, Trace, blocks_needed
+from yuebing.trace.model import BLOCK_SIZE, MAX_TOKENS, Request, Trace, blocks_needed
 
 WORKLOADS: Registry[tuple[type, Callable[..., Trace]]] = Registry("synthetic workload")
 
@@ -59,8 +59,10 @@ class FixedConfig:
 
     def __post_init__(self) -> None:
         require(self.requests >= 1, f"requests must be >= 1, got {self.requests}")
-        require(self.input_tokens >= 1, f"input_tokens must be >= 1, got {self.input_tokens}")
-        require(self.output_tokens >= 0, f"output_tokens must be >= 0, got {self.output_tokens}")
+        require(1 <= self.input_tokens <= MAX_TOKENS,
+                f"input_tokens must be in 1..{MAX_TOKENS}, got {self.input_tokens}")
+        require(0 <= self.output_tokens <= MAX_TOKENS,
+                f"output_tokens must be in 0..{MAX_TOKENS}, got {self.output_tokens}")
         require(0.0 <= self.shared_fraction <= 1.0,
                 f"shared_fraction must be in [0, 1], got {self.shared_fraction}")
         require(self.prefix_groups >= 1, f"prefix_groups must be >= 1, got {self.prefix_groups}")
@@ -96,7 +98,11 @@ class DocQAConfig:
                 f"{self.min_document_tokens} and {self.max_document_tokens}")
         require(self.question_tokens >= 1,
                 f"question_tokens must be >= 1, got {self.question_tokens}")
-        require(self.output_tokens >= 0, f"output_tokens must be >= 0, got {self.output_tokens}")
+        require(0 <= self.output_tokens <= MAX_TOKENS,
+                f"output_tokens must be in 0..{MAX_TOKENS}, got {self.output_tokens}")
+        require(self.max_document_tokens + self.question_tokens <= MAX_TOKENS,
+                f"max_document_tokens + question_tokens must be <= {MAX_TOKENS}, got "
+                f"{self.max_document_tokens + self.question_tokens}")
         require(math.isfinite(self.rate_per_s) and self.rate_per_s > 0,
                 f"rate_per_s must be > 0, got {self.rate_per_s}")
         require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")

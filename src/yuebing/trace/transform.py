@@ -14,13 +14,16 @@ import math
 import numpy as np
 
 from yuebing.core.config import require
-from yuebing.trace.model import Request, Trace, blocks_needed
+from yuebing.trace.model import MAX_TIMESTAMP_MS, MAX_TOKENS, Request, Trace, blocks_needed
 
 
 def scale_time(trace: Trace, factor: float) -> Trace:
     """Multiply every timestamp by ``factor`` (0.5 replays twice as fast)."""
     require(math.isfinite(factor) and factor > 0,
             f"time factor must be a positive number, got {factor}")
+    last = max(r.timestamp for r in trace.requests) * factor if trace.requests else 0.0
+    require(last <= MAX_TIMESTAMP_MS, f"time factor {factor:g} puts the last arrival at "
+            f"{last:.4g} ms, past the {MAX_TIMESTAMP_MS:.0e} ms a trace may hold")
     out = [Request(round(r.timestamp * factor), r.input_length, r.output_length, r.hash_ids)
            for r in trace.requests]
     return trace.with_requests(out, f"{trace.source} | time×{factor:g}")
@@ -58,6 +61,9 @@ def scale_lengths(trace: Trace, input_factor: float = 1.0, output_factor: float 
     """
     for name, f in (("input", input_factor), ("output", output_factor)):
         require(math.isfinite(f) and f > 0, f"{name} length factor must be positive, got {f}")
+        longest = max((getattr(r, f"{name}_length") for r in trace.requests), default=0) * f
+        require(longest <= MAX_TOKENS, f"{name} length factor {f:g} makes a request of "
+                f"{longest:.4g} tokens, past the {MAX_TOKENS:,} a trace may hold")
     intern = _Interner()
     out: list[Request] = []
     for r in trace.requests:
@@ -77,6 +83,9 @@ def poisson_arrivals(n: int, rate_per_s: float, seed: int) -> list[int]:
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1000.0 / rate_per_s, size=max(n - 1, 0))
     times = np.concatenate(([0.0], np.cumsum(gaps)))
+    require(float(times[-1]) <= MAX_TIMESTAMP_MS, f"arrival rate {rate_per_s:g}/s puts the last "
+            f"of {n} arrivals at {float(times[-1]):.4g} ms, past the {MAX_TIMESTAMP_MS:.0e} ms "
+            "a trace may hold")
     return [round(float(t)) for t in times[:n]]
 
 
