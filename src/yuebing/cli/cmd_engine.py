@@ -166,7 +166,7 @@ def _run_bench(ns: argparse.Namespace) -> int:
     if ns.prompt_len < 1:
         raise InputError(f"--prompt-len must be >= 1, got {ns.prompt_len}")
     variants = _parse_variants(ns.variants)
-    base = _engine_config(ns)
+    base = _engine_config(ns, batch_invariant=False)  # each variant says (attention invariant)
     weights = load_weights(base.model, base.weights_seed)
     results = []
     with Progress(transient=True, disable=ns.json) as bar:

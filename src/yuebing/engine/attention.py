@@ -12,6 +12,11 @@ layer writes its new K/V into the pool at the tokens' slots (`write_kv`), then r
 - **prefill** per sequence: its whole context (cached prefix + this chunk) gathered the same
   way, causal mask offset by the cached length; grouped matmuls over query tiles or SDPA.
 
+In batch-invariant mode (``EngineConfig.batch_invariant``) neither runs: every token of the
+step, decode or prefill, attends alone to its own context through one `TOKEN_IMPLS` path
+(``tokens_loop`` here, the native ``paged`` kernel from `yuebing.engine.kernels`), so its result
+does not depend on the rest of the batch.
+
 Other modules register more paths when imported (`register_decode` / `register_prefill`, with
 the dtypes and devices they run on): ``paged`` decode and ``flash`` prefill over the native
 kernels (`yuebing.engine.kernels`), ``blas`` prefill on MKL's bf16 GEMM
