@@ -107,6 +107,8 @@ class FakeInstance:
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.hang = False
         self.die_after_tokens: int | None = None
+        self.die_before_handoff = False
+        """Prefill: go silent right after the first token, before the KV reaches the decode."""
         self.silent = False
         self.cache: list[int] = []
         self.received: list[Any] = []
@@ -217,6 +219,9 @@ class FakeInstance:
                     prompt_tokens=len(task.token_ids), breakdown=bd)
         if task.mode == TaskMode.PREFILL:
             assert task.decode is not None
+            if self.die_before_handoff:
+                self.silent = True
+                return
             decode_fake = self.fl.fakes[task.decode.instance_id]
             self._event(rid, EventKind.FINISH, finish_reason="handoff",
                         breakdown=Breakdown(transfer_s=0.0005))

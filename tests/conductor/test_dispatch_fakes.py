@@ -276,3 +276,28 @@ def test_a_restarted_instance_rejoins_with_its_new_incarnation(fl: FakeLoop) -> 
         assert status == 200 and body["usage"]["yuebing"]["prefill_instance"] == "p0"
     finally:
         c.stop()
+
+
+def test_prefill_death_between_first_token_and_handoff_fails_the_stream(fl: FakeLoop) -> None:
+    """The first token reached the client but the KV never reached the decode: the stream ends
+    with an error (it used to wait on the decode until the request timeout) and the decode's
+    reservation is cancelled."""
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"))
+    p0, d0 = fl.fakes["p0"], fl.fakes["d0"]
+    p0.die_before_handoff = True
+    try:
+        t0 = time.monotonic()
+        conn, resp = response(c.url, "/v1/completions", {
+            "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 20, "stream": True})
+        events = sse_events(resp)
+        conn.close()
+        assert time.monotonic() - t0 < 15
+        assert events[0]["choices"][0]["text"] == " t1003"
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "prefill_failed"
+        end = time.monotonic() + 15
+        while fl.call(lambda: d0.free_blocks) != d0.total_blocks:
+            assert time.monotonic() < end, d0.held
+            time.sleep(0.05)
+        assert d0.kinds(Cancel)
+    finally:
+        c.stop()

@@ -224,7 +224,7 @@ class Dispatcher:
         prefill's own end of stream (its breakdown) is drained by a background task."""
         loop_deadline = asyncio.get_running_loop().time() + (deadline - time.monotonic())
         pre_events = pre.client.events(rid)
-        drain: asyncio.Task[None] | None = None
+        drain: asyncio.Task[bool] | None = None
         try:
             while True:  # the first token
                 ev, received = await self._next(pre_events, loop_deadline, rid)
@@ -247,7 +247,11 @@ class Dispatcher:
                 drain = asyncio.get_running_loop().create_task(_drain(pre_events, stats, rid))
                 events = dec.client.events(rid)
             while True:
-                ev, received = await self._next(events, loop_deadline, rid)
+                if drain is not None and not drain.done():
+                    ev, received = await self._next_or_lost_prefill(events, drain,
+                                                                    loop_deadline, rid, pre)
+                else:
+                    ev, received = await self._next(events, loop_deadline, rid)
                 stats.merge(ev.breakdown)
                 if ev.kind == EventKind.ERROR:
                     raise _failed(dec, ev)
@@ -260,6 +264,19 @@ class Dispatcher:
         finally:
             if drain is not None:
                 drain.cancel()
+
+    async def _next_or_lost_prefill(self, events: AsyncIterator[TaskEvent],
+                                    drain: asyncio.Task[bool], deadline: float, rid: str,
+                                    pre: Member) -> tuple[TaskEvent, float]:
+        """The decode's next event, unless the prefill fails before handing the KV off (then
+        the decode would wait for KV that never comes)."""
+        nxt = asyncio.ensure_future(self._next(events, deadline, rid))
+        await asyncio.wait({nxt, drain}, return_when=asyncio.FIRST_COMPLETED)
+        if not nxt.done() and drain.done() and not drain.result():
+            nxt.cancel()
+            raise RequestFailed("prefill_failed", f"instance {pre.id} failed before handing "
+                                "the KV to the decode instance")
+        return await nxt
 
     async def _next(self, events: AsyncIterator[TaskEvent], deadline: float,
                     rid: str) -> tuple[TaskEvent, float]:
@@ -280,12 +297,17 @@ def _failed(m: Member, ev: TaskEvent) -> RequestFailed:
     return RequestFailed(code, f"instance {m.id}: {ev.error}")
 
 
-async def _drain(events: AsyncIterator[TaskEvent], stats: RequestStats, rid: str) -> None:
-    """Read the prefill's events after its first token (its FINISH carries its breakdown)."""
+async def _drain(events: AsyncIterator[TaskEvent], stats: RequestStats, rid: str) -> bool:
+    """Read the prefill's events after its first token (its FINISH carries its breakdown);
+    True when it handed the KV off (FINISH), False when it failed first."""
     async for ev in events:
         stats.merge(ev.breakdown)
         if ev.kind == EventKind.ERROR:
             log.warning("%s: prefill error after the first token: %s", rid, ev.error)
+            return False
+        if ev.kind == EventKind.FINISH:
+            return True
+    return False
 
 
 def _delta(ev: TaskEvent, stats: RequestStats, received: float) -> Delta:
