@@ -1,0 +1,113 @@
+"""The serving head-to-head helpers (nothing is served here): the HF export's RoPE pinning,
+serve_vs_vllm_report's summary and access-log breakdown, sim_vs_live's workload and stats."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+TRACE = BENCH.parent.parent / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+def _load(name: str, path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+export = _load("export_smollm2_hf", BENCH / "peers" / "export_smollm2_hf.py")
+report = _load("serve_vs_vllm_report", BENCH / "serve_vs_vllm_report.py")
+svl = _load("sim_vs_live", BENCH / "sim_vs_live.py")
+
+
+def test_rope_theta_pinned_at_top_level_and_in_parameters(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama",
+                               "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}))
+    export.pin_rope_theta(cfg, 100000.0)
+    out = json.loads(cfg.read_text())
+    assert out["rope_theta"] == 100000.0
+    assert out["rope_parameters"] == {"rope_theta": 100000.0, "rope_type": "default"}
+
+
+def test_rope_theta_mismatch_refused(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"rope_theta": 10000.0}))
+    with pytest.raises(SystemExit, match="differs from the GGUF"):
+        export.pin_rope_theta(cfg, 100000.0)
+
+
+@pytest.mark.slow  # GGUFReader indexes every tensor of the file (~10 s quiet, 70 s loaded)
+def test_bundled_gguf_rope_base_is_smollm2s() -> None:
+    pytest.importorskip("gguf")
+    from yuebing.engine.weights import bundled_model_path
+
+    assert export.gguf_rope_theta(bundled_model_path()) == 100000.0
+
+
+def _summary(att: float) -> dict[str, Any]:
+    return {"attainment": att, "ttft_s": {"p50": 1.0, "p90": 2.0}, "tbt_s": {"p50": 0.05,
+            "p90": 0.08}, "completed": 2, "rejected": 0, "errors": 0, "requests": 2,
+            "capacity": {"100": att, "50": att / 2}, "send_lag_s": {"mean": 0.0, "max": 0.01}}
+
+
+def test_report_max_rate_ratio_and_breakdown(tmp_path: Path) -> None:
+    for name, best in (("yuebing_1p1d", 0.4), ("vllm_cpu", 0.2)):
+        rep = {"sweep": [{"rate": 0.2, "summary": _summary(1.0)},
+                         {"rate": 0.4, "summary": _summary(0.95 if best == 0.4 else 0.5)}],
+               "max_rate": best}
+        (tmp_path / f"{name}.json").write_text(json.dumps(rep))
+    logs = tmp_path / "logs" / "yuebing_1p1d"
+    logs.mkdir(parents=True)
+    line = ("2026-11-25 17:52:15,901 INFO yuebing.conductor.access: cmpl-1 status=200 "
+            "prefill=prefill-0 decode=decode-0 prompt={p} cached=0 out=128 finish=length "
+            "ttft={t}ms tbt=50.0ms queue=1.0ms prefix_load=0.0ms prefill={t}ms transfer=2.0ms "
+            "decode_wait=0.5ms conductor=0.7ms e2e=900.0ms")
+    bad = line.replace("status=200", "status=429")
+    (logs / "conductor.log").write_text("\n".join(
+        [line.format(p=100, t=10.0), bad, line.format(p=200, t=30.0),
+         line.format(p=300, t=100.0), line.format(p=400, t=300.0)]) + "\n")
+    out = report.summarize(tmp_path)
+    assert out["ratio_max_rate_vs_vllm"] == 2.0
+    s = out["systems"]["yuebing_1p1d"]
+    assert s["capacity"] == {"100": 0.95, "50": 0.475} and s["capacity_at_rate"] == 0.4
+    bd = s["breakdown_ms"]
+    assert bd["0.2"]["lines"] == 2 and bd["0.2"]["prefill"]["mean"] == 20.0
+    assert bd["0.4"]["prompt"]["mean"] == 350.0  # the 429 line is not a served request
+
+
+def test_sim_vs_live_stats_and_compare(tmp_path: Path) -> None:
+    rec = tmp_path / "r.jsonl"
+    rows = [{"rate": 0.5, "status": "ok", "ttft_s": t, "tbt_s": 0.1} for t in (1.0, 2.0, 3.0)]
+    rows.append({"rate": 0.5, "status": "error", "ttft_s": None, "tbt_s": None})
+    rec.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    live = svl.live_stats(rec)[0.5]
+    assert (live["ttft_p50"], live["ttft_p90"], live["completed"]) == (2.0, 3.0, 3)
+    cmp = svl.compare(live, {**live, "ttft_p50": 2.6})
+    assert cmp["ttft_p50"]["error"] == 0.3 and not cmp["ttft_p50"]["within"]
+    assert cmp["tbt_p90"]["within"]
+    assert math.isnan(svl.pct([], 0.5))
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason="conversation trace not in ../shared/traces")
+def test_sim_workload_is_the_load_generators() -> None:
+    from yuebing.bench.config import BenchConfig
+    from yuebing.bench.workload import build_workload
+    from yuebing.trace.io import load_trace
+
+    sim = svl.workload(TRACE, 20, 0.5, 0)
+    cfg = BenchConfig(block_tokens=64, max_input=4096, max_output=128, limit=20, rate=0.5)
+    live = build_workload(load_trace(TRACE), cfg)
+    assert [(r.arrival_s, r.input_tokens, r.output_tokens) for r in sim] == \
+        [(b.send_s, b.input_tokens, b.max_tokens) for b in live]
+    assert all(len(r.block_keys) == -(-r.input_tokens // 64) for r in sim)
