@@ -301,3 +301,22 @@ def test_prefill_death_between_first_token_and_handoff_fails_the_stream(fl: Fake
         assert d0.kinds(Cancel)
     finally:
         c.stop()
+
+
+def test_a_call_pending_on_an_instance_that_dies_fails_at_the_heartbeat_timeout(
+        fl: FakeLoop) -> None:
+    """A submit that the dying prefill never acknowledges is re-dispatched once the instance
+    is found dead (heartbeat timeout, 2 s), not after the RPC timeout (30 s here)."""
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.PREFILL, "p1"), (Role.DECODE, "d0"),
+                   prefill_selector="load_balance", rpc_timeout_s=30.0,
+                   p1_kw={"queued_prefill_tokens": 100})
+    try:
+        fl.fakes["p0"].silence()
+        t0 = time.monotonic()
+        status, body = _complete(c, prompt=[1, 2, 3], max_tokens=2)
+        assert status == 200, body
+        assert body["usage"]["yuebing"]["prefill_instance"] == "p1"
+        assert body["usage"]["yuebing"]["redispatched"] == 1
+        assert time.monotonic() - t0 < 15
+    finally:
+        c.stop()

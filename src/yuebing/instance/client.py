@@ -174,7 +174,11 @@ class InstanceClient:
             self._events.pop(request_id, None)
 
     def fail_all(self, reason: str) -> None:
-        """End every open event stream with an ERROR (the instance is gone)."""
+        """End every open event stream with an ERROR and fail every call still waiting for
+        its reply with `InstanceUnavailable` (the instance is gone)."""
+        for fut in list(self._pending.values()):
+            if not fut.done():
+                fut.set_exception(InstanceUnavailable(reason))
         for rid, q in list(self._events.items()):
             q.put_nowait(TaskEvent(request_id=rid, kind=EventKind.ERROR,
                                    error_code=ErrorCode.INTERNAL, error=reason))
