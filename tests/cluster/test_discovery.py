@@ -113,7 +113,7 @@ def test_bad_input() -> None:
     with pytest.raises(ValueError, match="ttl_s must be"):
         d.publish("instances", "x", {}, ttl_s=0)
     with pytest.raises(ValueError, match="must be a dict"):
-        d.publish("instances", "x", [1])
+        d.publish("instances", "x", [1])  # type: ignore[arg-type]
     with pytest.raises(DiscoveryError, match="cannot list instances in etcd http://127.0.0.1:1"):
         d.list("instances")
     with pytest.raises(DiscoveryError, match="cannot publish instances/x"):
