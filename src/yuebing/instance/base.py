@@ -458,19 +458,38 @@ class Instance:
         self._changed.set()
 
     async def _report_loop(self, stop: asyncio.Event) -> None:
+        """Reports at ``report_hz`` and on change. The load is measured in the driver thread
+        between steps; while a long step runs, the last measurement goes out again as a
+        heartbeat (fresh time and sequence, no cache changes), so a busy instance never looks
+        dead to the Conductor."""
         period = 1.0 / self.cfg.report_hz
+        pending: asyncio.Future[LoadReport] | None = None
+        last: LoadReport | None = None
         while not stop.is_set():
             self._changed.clear()
             if self.subscribers:
-                with contextlib.suppress(RuntimeError):
-                    report = await self.driver.run(self._measure)
+                if pending is None:
+                    pending = asyncio.ensure_future(self.driver.run(self._measure))
+                await asyncio.wait({pending}, timeout=period)
+                report: LoadReport | None = None
+                if pending.done():
+                    with contextlib.suppress(RuntimeError):
+                        report = last = pending.result()
+                    pending = None
+                elif last is not None:
+                    self._report_seq += 1
+                    report = msgspec.structs.replace(
+                        last, report_seq=self._report_seq, time_s=time.time(), cache_added=[],
+                        cache_removed=[], cache_full_resync=False,
+                        reserved_blocks=self.reserved_blocks())
+                if report is not None:
                     for ident in list(self.subscribers):
                         self.send(ident, report)
             waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(
                 self._changed.wait())}
-            _, pending = await asyncio.wait(waits, timeout=period,
-                                            return_when=asyncio.FIRST_COMPLETED)
-            for w in pending:
+            _, idle = await asyncio.wait(waits, timeout=period,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for w in idle:
                 w.cancel()
             await asyncio.sleep(0.01)
 
