@@ -57,6 +57,8 @@ def test_dtype_and_block_size_change_the_kv_fingerprint(tiny_weights):
     assert make_engine(tiny_weights).fingerprint == base.fingerprint
     assert make_engine(tiny_weights, dtype="bfloat16").fingerprint != base.fingerprint
     assert make_engine(tiny_weights, block_size=8).fingerprint != base.fingerprint
+    assert make_engine(tiny_weights, batch_invariant=True,
+                       attention="auto").fingerprint != base.fingerprint
 
 
 @pytest.mark.parametrize("fingerprint", [None, ""])

@@ -51,11 +51,14 @@ log = logging.getLogger(__name__)
 
 
 def kv_fingerprint(weights_fingerprint: str, dtype: torch.dtype,
-                   block_shape: tuple[int, ...]) -> str:
-    """``model:digest`` of everything that makes KV bytes differ between two engines."""
+                   block_shape: tuple[int, ...], batch_invariant: bool = False) -> str:
+    """``model:digest`` of everything that makes KV bytes differ between two engines
+    (batch-invariant engines share KV only with each other: their attention's bits differ)."""
     name = weights_fingerprint.split(":", 1)[0]
-    digest = hashlib.blake2b(repr((weights_fingerprint, str(dtype), block_shape)).encode(),
-                             digest_size=8).hexdigest()
+    what: tuple[object, ...] = (weights_fingerprint, str(dtype), block_shape)
+    if batch_invariant:
+        what += ("batch-invariant",)
+    digest = hashlib.blake2b(repr(what).encode(), digest_size=8).hexdigest()
     return f"{name}:{digest}"
 
 
@@ -86,7 +89,8 @@ class LLMEngine:
         storage = None if kv_storage is None else \
             kv_storage(nb * KVPool.bytes_per_block(mc, bs, self.dtype))
         self.pool = KVPool(mc, nb, bs, self.dtype, self.device, storage)
-        self.fingerprint = kv_fingerprint(w.fingerprint, self.dtype, self.pool.block_shape)
+        self.fingerprint = kv_fingerprint(w.fingerprint, self.dtype, self.pool.block_shape,
+                                          config.batch_invariant)
         """Names the KV bytes this engine computes: weights' content, dtype, block geometry.
         KV is exchanged (store, peers) only between engines with equal fingerprints."""
         # a sequence must fit the pool alone, else preempting it could never make room

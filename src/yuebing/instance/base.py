@@ -112,7 +112,7 @@ def engine_config(cfg: InstanceConfig) -> EngineConfig:
                         max_batch_tokens=cfg.max_batch_tokens, max_num_seqs=cfg.max_num_seqs,
                         max_model_len=cfg.max_model_len, weights_seed=cfg.weights_seed,
                         attention=cfg.attention, prefill_attention=cfg.prefill_attention,
-                        kernels=cfg.kernels)
+                        kernels=cfg.kernels, batch_invariant=cfg.batch_invariant)
 
 
 class Instance:

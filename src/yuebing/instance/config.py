@@ -41,6 +41,10 @@ class InstanceConfig:
     prefill_attention: str = field(default="same", metadata={
         "help": "engine prefill attention path (same, auto, grouped, sdpa, blas, flash)"})
     kernels: str = field(default="auto", metadata={"help": "engine kernels: auto, native, torch"})
+    batch_invariant: bool = field(default=True, metadata={
+        "help": "outputs independent of batching, chunking and prefix hits (the engine's "
+                "batch-invariant attention; costs long prefills time, see docs/engine.md); "
+                "every instance of a cluster must use the same setting"})
     max_model_len: int = field(default=0, metadata={"help": "context limit (0 = the model's)"})
     weights_seed: int = field(default=0, metadata={"help": "seed of dummy weights"})
     store_master: str = field(default="", metadata={
