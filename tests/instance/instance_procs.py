@@ -116,8 +116,12 @@ class Reports:
     def __init__(self) -> None:
         self.last: LoadReport | None = None
         self.count = 0
+        self.gaps = 0
+        """Reports whose sequence number was not the previous one's + 1."""
 
     def __call__(self, r: LoadReport) -> None:
+        if self.last is not None and r.report_seq != self.last.report_seq + 1:
+            self.gaps += 1
         self.last, self.count = r, self.count + 1
 
     async def wait(self, pred, timeout_s: float = 10.0) -> LoadReport:  # type: ignore[no-untyped-def]

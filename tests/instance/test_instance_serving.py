@@ -60,7 +60,8 @@ async def _clients(*procs):
 
 def test_disaggregated_and_coupled_outputs_equal_one_engine(cluster, reference, run):
     async def go():
-        (p, d, c), (_, dr, _) = await _clients(*cluster)
+        (p, d, c), reports = await _clients(*cluster)
+        dr = reports[1]
         start = await dr.wait(lambda r: True)
         outs = await asyncio.gather(*[run_disagg(p, d, f"pd{i}", ids, GREEDY)
                                       for i, ids in enumerate(PROMPTS)])
@@ -69,6 +70,7 @@ def test_disaggregated_and_coupled_outputs_equal_one_engine(cluster, reference, 
         end = await dr.wait(lambda r: r.free_blocks == start.free_blocks)
         for x in (p, d, c):
             await x.close()
+        assert [r.gaps for r in reports] == [0, 0, 0]  # numbered in send order
         return outs, coupled, start, end
     outs, coupled, start, end = run(go())
     for i, ref in enumerate(reference):

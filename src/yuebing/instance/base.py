@@ -477,12 +477,13 @@ class Instance:
                         report = last = pending.result()
                     pending = None
                 elif last is not None:
-                    self._report_seq += 1
                     report = msgspec.structs.replace(
-                        last, report_seq=self._report_seq, time_s=time.time(), cache_added=[],
-                        cache_removed=[], cache_full_resync=False,
-                        reserved_blocks=self.reserved_blocks())
+                        last, time_s=time.time(), cache_added=[], cache_removed=[],
+                        cache_full_resync=False, reserved_blocks=self.reserved_blocks())
                 if report is not None:
+                    # numbered here, in send order (the Conductor resyncs on a gap)
+                    self._report_seq += 1
+                    report = msgspec.structs.replace(report, report_seq=self._report_seq)
                     for ident in list(self.subscribers):
                         self.send(ident, report)
             waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(
@@ -498,7 +499,6 @@ class Instance:
         self._check_evicted(engine)
         sched, alloc = engine.scheduler, engine.allocator
         queued = [s for s in (*sched.waiting, *sched.running) if s.is_prefilling]
-        self._report_seq += 1
         resync = self._resync
         added = [int(k) for k in self._local_keys] if resync else self._cache_added
         removed = [] if resync else self._cache_removed
@@ -506,7 +506,7 @@ class Instance:
         reserved = self.reserved_blocks()
         return LoadReport(
             instance_id=self.instance_id, incarnation=self.incarnation,
-            report_seq=self._report_seq, time_s=time.time(),
+            report_seq=0, time_s=time.time(),
             queued_prefill_tokens=sum(s.num_pending for s in queued) + self.pending_tokens(),
             queued_requests=len(queued), running=len(sched.running),
             waiting=len(sched.waiting), context_tokens=sum(s.num_tokens for s in sched.running),
