@@ -15,7 +15,7 @@ from yuebing.store.client import common as cm
 from yuebing.store.client.aio import AsyncStoreClient
 from yuebing.store.client.client import StoreClient
 from yuebing.store.config import ClientConfig
-from yuebing.transfer import BatchStatus, TransferStatus
+from yuebing.transfer import BatchStatus, SegmentDescriptor, TransferStatus
 from yuebing.transfer.types import RequestStatus
 
 LEASE = 0.3
@@ -30,17 +30,22 @@ MOVED: Layout = {"a": ["a/dram"], "b": ["b/dram"]}  # the stopped node's replica
 
 class FakeMaster:
     """Answers the n-th (batch) get_replicas from ``layouts[n]`` (the last one once past
-    them): key -> replica segments, read in order; records each request and its send time."""
+    them): key -> replica segments, read in order; records each request and its send time.
+    Each reply's lease has an id of its own (``granted``: (key, id)); a release is applied at
+    once (``released``), as if the client's next call carried it."""
 
     def __init__(self, *layouts: Layout) -> None:
         self.layouts = layouts
         self.asked: list[tuple[float, m.Message]] = []
+        self.granted: list[tuple[str, int]] = []
+        self.released: list[tuple[str, int]] = []
 
     def _reply(self, key: str) -> m.ReplicaList:
         layout = self.layouts[min(len(self.asked) - 1, len(self.layouts) - 1)]
         reps = [m.Replica(segment=s, offset=0) for s in layout[key]]
+        self.granted.append((key, len(self.granted) + 1))
         return m.ReplicaList(key=key, size=len(VALUES[key]), checksum=-1, replicas=reps,
-                             lease_s=LEASE)
+                             lease_s=LEASE, lease_id=self.granted[-1][1])
 
     def call(self, msg: m.Message) -> m.Message:
         self.asked.append((time.monotonic(), msg))
@@ -50,7 +55,19 @@ class FakeMaster:
         rs = [self._reply(k) for k in msg.keys]
         return m.BatchReplicaList(codes=[0] * len(rs), sizes=[r.size for r in rs],
                                   checksums=[-1] * len(rs), replicas=[r.replicas for r in rs],
-                                  lease_s=LEASE)
+                                  lease_s=LEASE, lease_ids=[r.lease_id for r in rs])
+
+    def release(self, keys: list[str], ids: list[int]) -> None:
+        self.released += zip(keys, ids, strict=True)
+
+    releases = 0  # none queued: each is applied when made
+    failover_s = 0.0
+
+    def take_releases(self, queued_by: float = float("inf")) -> bytes:
+        return b""
+
+    def send_releases(self, frames: bytes) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -60,15 +77,23 @@ class AsyncFakeMaster(FakeMaster):
     async def call(self, msg: m.Message) -> m.Message:  # type: ignore[override]
         return super().call(msg)
 
+    def flush_releases(self, queued_by: float = float("inf")) -> None:
+        pass
+
 
 class StallingEngine:
     """Reads of a segment in ``stalled`` stall until their batch's timeout (TIMEOUT, nothing
-    copied); other segments hold the key's value. Records (segment, start, timeout)."""
+    copied); other segments hold the key's value. Records (segment, start, timeout). Every
+    segment is registered, on another host (the client's `DirectSegments` looks each up)."""
 
     def __init__(self, stalled: set[str]) -> None:
         self.stalled = stalled
         self.started: list[tuple[str, float, float]] = []
         self._batches: dict[int, tuple[list, float]] = {}
+
+    def describe(self, segment: str) -> SegmentDescriptor:
+        return SegmentDescriptor(name=segment, engine_id="node", host_id="elsewhere",
+                                 address="127.0.0.1:1", size=1 << 20)
 
     def submit(self, reqs: list, timeout: float, inline: bool = False) -> int:
         now = time.monotonic()
@@ -121,7 +146,9 @@ def sync_client(master: FakeMaster, engine: StallingEngine) -> StoreClient:
 
 def check_bounded(master: FakeMaster, engine: StallingEngine) -> None:
     """Every read started, and was given a timeout ending, before the lease deadline of the
-    latest replica request sent before it."""
+    latest replica request sent before it; every lease granted was released once, the read
+    cut by it too (a lease ends when its reads end)."""
+    assert sorted(master.released) == sorted(master.granted)
     for seg, start, timeout in engine.started:
         sent = max(t for t, _ in master.asked if t <= start)
         assert start < sent + DEADLINE, f"read of {seg} started past its lease"
