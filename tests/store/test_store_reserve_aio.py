@@ -15,7 +15,7 @@ from yuebing.store import messages as m
 from yuebing.store.client.aio import AsyncStoreClient
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig
-from yuebing.transfer import BatchStatus, TransferStatus
+from yuebing.transfer import BatchStatus, SegmentDescriptor, TransferStatus
 from yuebing.transfer.types import RequestStatus
 
 SIZE = 4096
@@ -26,7 +26,8 @@ class RacyMaster:
     """One segment, a bump allocator; the client's reservations of its one shape in a list,
     oldest first, handed out like `reserve.reserve_many` (the ones held first — also one
     another coroutine is writing into — then new ones). Records the offsets of committed
-    values, the calls, and the reservation names each commit consumed."""
+    values, the calls, the reservation names each commit consumed and the offsets of those
+    given back as never written (`BatchPutRevoke.unused`)."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
@@ -36,6 +37,7 @@ class RacyMaster:
         self.committed: dict[int, str] = {}  # offset -> key
         self.keys: set[str] = set()
         self.consumed: list[str] = []  # reservation names committed into
+        self.unused: list[int] = []  # offsets of reservations given back as never written
         self.calls: list[str] = []
         self.n = 0
 
@@ -100,10 +102,17 @@ class RacyMaster:
             return m.BatchPutCommitted(codes=codes,
                                        reservations=self._reservations(msg.reserve_next))
         assert isinstance(msg, m.BatchPutRevoke), msg
-        for k in msg.keys:
-            self.resv.pop(k, None)
-            self.pending.pop(k, None)
-        return m.Ok()
+        codes = []
+        for k in msg.keys:  # abandoned puts (their ranges would wait out the write fence)
+            held = self.resv.pop(k, None) is not None
+            codes.append(int(m.Code.OK if self.pending.pop(k, None) is not None or held
+                             else m.Code.NOT_PENDING))
+        for k in msg.unused:  # reservations given back unwritten (freed at once)
+            off = self.resv.pop(k, None)
+            if off is not None:
+                self.unused.append(off)
+            codes.append(int(m.Code.OK if off is not None else m.Code.NOT_PENDING))
+        return m.Codes(codes=codes)
 
     async def call(self, msg: m.Message) -> m.Message:
         await asyncio.sleep(self.rng.uniform(0, 0.002))  # the request on its way
@@ -112,19 +121,27 @@ class RacyMaster:
         await asyncio.sleep(self.rng.uniform(0, 0.002))  # the reply on its way
         return reply
 
+    def flush_releases(self, queued_by: float = float("inf")) -> None:
+        pass  # no reads: no lease releases
+
     def close(self) -> None:
         pass
 
 
 class RecordingEngine:
     """Writes land after a random delay; each records its offset, and whether a committed
-    value was there already."""
+    value was there already. Every segment is registered, on another host (the client's
+    `DirectSegments` looks each up)."""
 
     def __init__(self, master: RacyMaster) -> None:
         self.master = master
         self.writes: list[int] = []
         self.overwrote: list[str] = []
         self._batches: dict[int, list] = {}
+
+    def describe(self, segment: str) -> SegmentDescriptor:
+        return SegmentDescriptor(name=segment, engine_id="node", host_id="elsewhere",
+                                 address="127.0.0.1:1", size=1 << 30)
 
     def submit(self, reqs: list, timeout: float, inline: bool = False) -> int:
         self._batches[len(self._batches)] = reqs
@@ -166,6 +183,7 @@ def test_concurrent_same_shaped_puts_never_share_a_reservation() -> None:
         assert len(master.committed) == 48 and "PutCommit" in master.calls
         assert master.calls.count("PutCommit") + master.calls.count("PutEnd") == 48
         assert not master.resv  # close() gave the held one back
+        assert master.unused and not set(master.unused) & set(engine.writes)  # as unwritten
 
 
 def test_one_put_at_a_time_costs_one_rpc_after_the_second() -> None:
@@ -195,7 +213,7 @@ def test_concurrent_same_shaped_batches_never_share_a_reservation() -> None:
             got = await asyncio.gather(
                 *(c.batch_put(keys, [b"x" * SIZE] * len(keys)) for keys in batches),
                 *(c.put(f"w{wave}/single/{i}", b"y" * SIZE) for i in range(2)))
-            assert got[:3] == [[0] * 8] * 3 and got[3:] == [None, None]
+            assert got[:3] == [[0] * 8] * 3 and got[3:] == [1, 1]  # copies stored
         await c.close()
         return master, engine
 
@@ -206,6 +224,7 @@ def test_concurrent_same_shaped_batches_never_share_a_reservation() -> None:
         assert len(master.consumed) == len(set(master.consumed))
         assert len(master.committed) == 5 * 26 and "BatchPutCommit" in master.calls
         assert not master.resv  # close() gave every held one back
+        assert master.unused and not set(master.unused) & set(engine.writes)  # as unwritten
 
 
 def test_a_stream_of_batches_commits_with_one_rpc_and_reports_existing_keys() -> None:
