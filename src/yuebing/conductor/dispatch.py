@@ -330,7 +330,10 @@ def _delta(ev: TaskEvent, stats: RequestStats, received: float) -> Delta:
 
 
 async def _cancel(members: list[Member], rid: str) -> None:
-    for m in members:
+    """Cancel on every instance, the last involved first: a prefill acknowledges its cancel
+    only once it has stopped writing into the decode's reservation, so the decode's blocks
+    are freed after no write can still land in them."""
+    for m in reversed(members):
         try:
             await m.client.cancel(rid)
         except (InstanceError, InstanceUnavailable) as e:

@@ -130,6 +130,9 @@ def adopt_request(engine: LLMEngine, request_id: str, prompt_ids: Seq[int], bloc
     engine.scheduler.publish(seq)
     out = engine._append(seq, first_token, None)
     if not out.finished:
+        # the first token's text went to the client with the first token (from the prefill,
+        # which applied the same stop strings); later deltas start after it
+        seq.emitted = len(seq.text)
         engine.scheduler.add(seq)
     return out
 

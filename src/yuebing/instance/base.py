@@ -161,6 +161,7 @@ class Instance:
         self._stopping = False
         self._peers: dict[str, Any] = {}
         self._changed = asyncio.Event()
+        self._handlers: set[asyncio.Future[None]] = set()
 
     # ------------------------------------------------------------------ set-up
 
@@ -220,7 +221,11 @@ class Instance:
                 stopper.cancel()
                 if recv in done:
                     frames, recv = recv.result(), None
-                    await self._handle_frames(frames)
+                    # one task per frame: a request that waits (a cancel for its in-flight
+                    # writes, a reservation for a step) never holds up the others
+                    handler = asyncio.ensure_future(self._handle_frames(frames))
+                    self._handlers.add(handler)
+                    handler.add_done_callback(self._handlers.discard)
         finally:
             if recv is not None:
                 recv.cancel()
@@ -469,12 +474,18 @@ class Instance:
             self._changed.clear()
             if self.subscribers:
                 if pending is None:
-                    pending = asyncio.ensure_future(self.driver.run(self._measure))
+                    resync, self._resync = self._resync, False
+                    pending = asyncio.ensure_future(self.driver.run(
+                        lambda e, r=resync: self._measure(e, r)))  # type: ignore[misc]
                 await asyncio.wait({pending}, timeout=period)
                 report: LoadReport | None = None
                 if pending.done():
                     with contextlib.suppress(RuntimeError):
-                        report = last = pending.result()
+                        measured = pending.result()
+                        report = last = msgspec.structs.replace(
+                            measured, reserved_blocks=self.reserved_blocks(),
+                            queued_prefill_tokens=measured.queued_prefill_tokens +
+                            self.pending_tokens())
                     pending = None
                 elif last is not None:
                     report = msgspec.structs.replace(
@@ -494,26 +505,26 @@ class Instance:
                 w.cancel()
             await asyncio.sleep(0.01)
 
-    def _measure(self, engine: LLMEngine) -> LoadReport:
-        """Driver thread: a consistent load snapshot."""
+    def _measure(self, engine: LLMEngine, resync: bool) -> LoadReport:
+        """Driver thread: the engine's side of a load report (the control loop adds what its
+        tasks hold: reserved blocks, prompts still loading their prefix)."""
         self._check_evicted(engine)
         sched, alloc = engine.scheduler, engine.allocator
         queued = [s for s in (*sched.waiting, *sched.running) if s.is_prefilling]
-        resync = self._resync
         added = [int(k) for k in self._local_keys] if resync else self._cache_added
         removed = [] if resync else self._cache_removed
-        self._cache_added, self._cache_removed, self._resync = [], [], False
-        reserved = self.reserved_blocks()
+        self._cache_added, self._cache_removed = [], []
         return LoadReport(
             instance_id=self.instance_id, incarnation=self.incarnation,
             report_seq=0, time_s=time.time(),
-            queued_prefill_tokens=sum(s.num_pending for s in queued) + self.pending_tokens(),
+            queued_prefill_tokens=sum(s.num_pending for s in queued),
             queued_requests=len(queued), running=len(sched.running),
             waiting=len(sched.waiting), context_tokens=sum(s.num_tokens for s in sched.running),
-            free_blocks=alloc.num_free, total_blocks=alloc.num_blocks,
-            reserved_blocks=reserved, prefill_tokens_per_s=self.driver.stats.prefill_tokens_per_s,
-            decode_step_s=self.driver.stats.decode_step_s, cache_added=added,
-            cache_removed=removed, cache_full_resync=resync)
+            free_blocks=alloc.num_free, total_blocks=alloc.num_blocks, reserved_blocks=0,
+            prefill_tokens_per_s=self.driver.stats.prefill_tokens_per_s,
+            decode_step_s=self.driver.stats.decode_step_s,
+            preemptions=sched.num_preemptions, cache_added=added, cache_removed=removed,
+            cache_full_resync=resync)
 
     def reserved_blocks(self) -> int:
         return 0

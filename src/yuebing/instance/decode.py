@@ -12,7 +12,7 @@ timeout, a `KvReady(ok=False)` or a `Cancel` ends the request with its blocks fr
 fence of ``reserve_fence_s`` when a prefill may still be writing into them.
 
 KV shortage mid-decode is explicit: the engine preempts the newest running request and
-recomputes it later (counted in load reports as preemptions); new reservations are refused
+recomputes it later (`LoadReport.preemptions` counts them); new reservations are refused
 while free blocks would drop under the headroom.
 """
 
@@ -69,8 +69,8 @@ class DecodeInstance(Instance):
             raise Refused(ErrorCode.BAD_REQUEST, f"prompt_tokens={msg.prompt_tokens} but "
                           f"{len(ids)} token ids were sent")
         self._check_prompt(ids)
-        if not 0 < msg.timeout_s <= 3600:
-            raise Refused(ErrorCode.BAD_REQUEST, "timeout_s must be in (0, 3600]")
+        if not msg.timeout_s > 0:
+            raise Refused(ErrorCode.BAD_REQUEST, f"timeout_s must be > 0, got {msg.timeout_s}")
         params = to_params(msg.sampling)
         headroom = self.cfg.kv_headroom_blocks
 
@@ -88,7 +88,7 @@ class DecodeInstance(Instance):
         self.tasks[task.request_id] = task
         return Reserved(seq=msg.seq, target=DecodeTarget(
             instance_id=self.instance_id, segment=self.transfer.segment_name("kv"),
-            blocks=blocks, layout=self.layout))
+            blocks=blocks, layout=self.layout, expires_at_s=time.time() + timeout))
 
     def reserved_blocks(self) -> int:
         return sum(len(t.extra["blocks"]) for t in self.tasks.values()

@@ -29,6 +29,9 @@ from yuebing.engine.sequence import RequestOutput
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+IDLE_WAIT_S = 0.005
+"""How long the driver sleeps when requests wait but no step could be planned."""
+
 
 @dataclass
 class StepStats:
@@ -140,6 +143,7 @@ class EngineDriver:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
+        before = self.engine.num_steps
         try:
             outputs = self.engine.step()
         except Exception:
@@ -147,8 +151,14 @@ class EngineDriver:
             outputs = self._abort_all("engine step failed")
         dt = time.perf_counter() - t0
         plan = self.engine.last_plan
-        if plan is not None:
+        if self.engine.num_steps != before and plan is not None:
             self.stats.record(dt, sum(n for _, n in plan.prefills), len(plan.decodes))
+        elif not outputs:
+            # nothing could be scheduled (KV held by reservations or finished requests): wait
+            # for a call (release, abort, import) instead of spinning on empty plans
+            with self._cv:
+                if not self._calls and not self._stop:
+                    self._cv.wait(IDLE_WAIT_S)
         if outputs:
             try:
                 self.on_outputs(outputs)

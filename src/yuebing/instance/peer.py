@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
     from yuebing.instance.base import Instance, Task
 
 log = logging.getLogger(__name__)
+
+LATE_WRITE_S = 2.0
+"""Beyond the transfer timeout, how long a failed fetch's staging range stays out of use."""
 
 
 def _cached_run(engine: LLMEngine, ids: list[int], max_blocks: int) -> list[int]:
@@ -53,12 +57,13 @@ async def serve_fetch(inst: Instance, msg: FetchPrefix) -> Fetched:
         return e.pool.export_blocks(run) if run else None
 
     data = await inst.driver.run(export)
-    if data is None:
-        return Fetched(seq=msg.seq, blocks=0)
+    left = msg.deadline_s - time.time() if msg.deadline_s else inst.cfg.transfer_timeout_s
+    if data is None or left <= 0:
+        return Fetched(seq=msg.seq, blocks=0)  # nothing cached, or the asker gave up
     raw = data.view(torch.uint8).reshape(-1).numpy()
     req = TransferRequest(OpCode.WRITE, raw, msg.segment, msg.offset, raw.nbytes)
     await asyncio.get_running_loop().run_in_executor(
-        None, lambda: inst.transfer.transfer([req], inst.cfg.transfer_timeout_s))
+        None, lambda: inst.transfer.transfer([req], left))
     return Fetched(seq=msg.seq, blocks=int(data.shape[0]))
 
 
@@ -74,12 +79,14 @@ async def fetch_from_peer(inst: Instance, task: Task, plan: PrefixPlan) -> int:
     if taken is None:
         return 0
     lease, buf = taken
+    give_now = True
+    deadline = time.time() + inst.cfg.transfer_timeout_s
     try:
         client = inst.peer_client(plan.peer_address)
         n = await client.fetch_prefix(FetchPrefix(
             seq=0, token_ids=task.token_ids, max_tokens=nblocks * engine.block_size,
             segment=inst.transfer.segment_name("staging"), offset=lease - 1,
-            capacity_bytes=buf.numel(), fingerprint=engine.fingerprint),
+            capacity_bytes=buf.numel(), fingerprint=engine.fingerprint, deadline_s=deadline),
             timeout_s=inst.cfg.transfer_timeout_s)
         if n <= 0:
             return 0
@@ -91,9 +98,15 @@ async def fetch_from_peer(inst: Instance, task: Task, plan: PrefixPlan) -> int:
     except Exception as e:
         log.warning("%s: prefix from peer %s failed, computing it: %s", task.request_id,
                     plan.peer or plan.peer_address, e)
+        # the holder may still be writing into the range: keep it out of use until any write
+        # it started has hit its own deadline
+        give_now = False
+        asyncio.get_running_loop().call_later(max(0.0, deadline - time.time()) + LATE_WRITE_S,
+                                              inst.connector.staging.give, lease)
         return 0
     finally:
-        inst.connector.staging.give(lease)
+        if give_now:
+            inst.connector.staging.give(lease)
 
 
 def peer_client_for(cache: dict[str, InstanceClient], address: str) -> InstanceClient:

@@ -11,7 +11,8 @@ TTFT path — the streamer's batches are awaited, the decode is told with a tran
 notification (`KvReady`, carrying the first token), the held blocks are released, `FINISH`
 (``finish_reason="handoff"``, with the breakdown) ends this instance's part, and the snapshot is
 saved to the store. A streaming failure sends `KvReady(ok=False)` and an `ERROR` event.
-A prefill instance also takes COUPLED tasks (a decode-less fallback).
+A prefill instance also takes COUPLED tasks (prefill and decode here), e.g. for an operator
+or a Conductor without a decode instance.
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ class PrefillInstance(CoupledInstance):
             return task.params
         p = task.params
         return SamplingParams(max_tokens=1, temperature=p.temperature, top_p=p.top_p,
-                              top_k=p.top_k, seed=p.seed, stop_token_ids=p.stop_token_ids,
-                              ignore_eos=p.ignore_eos, min_tokens=min(p.min_tokens, 1))
+                              top_k=p.top_k, seed=p.seed, stop=p.stop,
+                              stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+                              min_tokens=min(p.min_tokens, 1))
 
     def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:
         if "target" not in task.extra:
@@ -78,7 +80,8 @@ class PrefillInstance(CoupledInstance):
             return
         if not out.new_token_ids:  # ended without a token: aborted or failed in the engine
             self.streamer.drop(task.request_id)
-            self._tell_decode(task, None, error="the prefill ended without a first token")
+            asyncio.get_running_loop().create_task(self._tell_decode_async(
+                task, None, "the prefill ended without a first token"))
             self.fail(task, ErrorCode.INTERNAL, "the prefill ended without a first token")
             return
         first_at = task.extra.get("first_at", time.time())
@@ -140,5 +143,11 @@ class PrefillInstance(CoupledInstance):
         return ""
 
     async def on_cancel(self, request_id: str) -> bool:
-        self.streamer.drop(request_id)
+        """Answered once no KV write of the request is in flight any more (the Conductor then
+        cancels the decode, which may free the reserved blocks)."""
+        quiet = await asyncio.get_running_loop().run_in_executor(
+            None, self.streamer.drop, request_id, self.cfg.transfer_timeout_s)
+        if not quiet:
+            log.warning("%s: KV writes still in flight after %.0f s", request_id,
+                        self.cfg.transfer_timeout_s)
         return await super().on_cancel(request_id)

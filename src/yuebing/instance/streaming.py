@@ -32,6 +32,10 @@ from yuebing.transfer.types import BatchId, OpCode, TransferRequest, TransferSta
 
 log = logging.getLogger(__name__)
 
+EXPIRY_MARGIN_S = 2.0
+"""A prefill stops writing into a decode's reservation this long before it expires (the
+decode reuses expired blocks only after its fence)."""
+
 
 @dataclass
 class StreamState:
@@ -96,9 +100,19 @@ class KvStreamer:
         with self._lock:
             self._states[request_id] = StreamState(target)
 
-    def drop(self, request_id: str) -> None:
+    def drop(self, request_id: str, wait_s: float = 0.0) -> bool:
+        """Stop streaming a request; with ``wait_s``, also wait (blocking) until none of its
+        writes is in flight. Returns whether none is."""
         with self._lock:
-            self._states.pop(request_id, None)
+            st = self._states.pop(request_id, None)
+        if st is None:
+            return True
+        end = time.monotonic() + wait_s
+        with st.cond:
+            st.failed.append("cancelled")
+            while st.outstanding and time.monotonic() < end:
+                st.cond.wait(0.05)
+            return st.outstanding == 0
 
     def finish(self, request_id: str) -> StreamResult:
         """Wait for every batch of the request (blocking) and forget it."""
@@ -137,23 +151,35 @@ class KvStreamer:
                 self._send_layer(st, seq, n, layer)
 
     def _send_layer(self, st: StreamState, seq: Sequence, n: int, layer: int) -> None:
+        """Send the blocks this chunk completed: full blocks only, and the partial last block
+        with the final chunk. Each block is written exactly once, so two batches never race
+        for the same bytes (TCP lanes do not order them)."""
+        expiry = st.target.expires_at_s
+        if st.failed or (expiry and time.time() > expiry - EXPIRY_MARGIN_S):
+            if not st.failed:
+                st.failed.append("the decode's reservation expired before the KV was sent")
+            return
         bs = self.engine.block_size
-        end = min(-(-(seq.num_computed + n) // bs), len(st.target.blocks))
+        done = seq.num_computed + n
+        final = done >= len(seq.prompt_ids)
+        end = min(-(-done // bs) if final else done // bs, len(st.target.blocks))
         pairs = list(zip(seq.blocks[st.sent_blocks:end], st.target.blocks[st.sent_blocks:end],
                          strict=True))
         if layer == self.num_layers - 1:
-            st.sent_blocks = (seq.num_computed + n) // bs
-            if seq.num_computed + n >= len(seq.prompt_ids):
+            st.sent_blocks = end
+            if final:
                 st.last_layer_at = time.perf_counter()
         if not pairs:
             return
         reqs = self._requests(st.target, layer, pairs)
-        try:
-            bid = self.transfer.submit(reqs, timeout_s=self.timeout_s)
-        except Exception as e:  # an unreachable decode fails the request, never the step
-            st.failed.append(f"layer {layer}: {e}")
-            return
-        with st.cond:
+        with st.cond:  # a concurrent drop() sees this batch as outstanding, or none at all
+            if st.failed:
+                return
+            try:
+                bid = self.transfer.submit(reqs, timeout_s=self.timeout_s)
+            except Exception as e:  # an unreachable decode fails the request, not the step
+                st.failed.append(f"layer {layer}: {e}")
+                return
             st.outstanding += 1
         st.batches.append((layer, bid))
         st.bytes += sum(r.length or 0 for r in reqs)

@@ -14,13 +14,16 @@ A disaggregated request (who sends what):
    KV blocks for the prompt and answers `Reserved` (its KV segment, layout, block ids) or
    `ErrorReply(code=NO_KV)` before any prefill work starts.
 2. Conductor → prefill: `SubmitTask(mode=PREFILL, prefix=PrefixPlan, decode=DecodeTarget)`.
-   The prefill loads the prefix, computes the rest, writes each layer's KV into the decode's
-   reserved blocks while later layers compute, then notifies the decode (`KvReady`, carrying the
-   first token) and emits `TaskEvent(FIRST_TOKEN)`, then saves new store blocks.
+   The prefill loads the prefix, computes the rest and writes each layer's KV into the decode's
+   reserved blocks while later layers compute. It emits `TaskEvent(FIRST_TOKEN)` at once, then
+   (once every write landed) notifies the decode (`KvReady`, carrying the first token), emits
+   `TaskEvent(FINISH, finish_reason="handoff")` and saves the new store blocks.
 3. The decode adds the request to its batch and emits `TaskEvent(TOKENS…, FINISH)` to the
    Conductor connection that reserved it.
 
-`Cancel` ends a task or reservation anywhere in that life and frees its blocks.
+`Cancel` ends a task or reservation anywhere in that life and frees its blocks. A prefill
+answers it only once none of the request's KV writes is in flight, so the Conductor cancels the
+prefill first, then the decode.
 """
 
 from __future__ import annotations
@@ -126,6 +129,9 @@ class DecodeTarget(Message, tag="inst.decode_target"):
     """Transfer-engine segment of the decode's KV pool."""
     blocks: list[int]
     layout: KvLayout
+    expires_at_s: float = 0.0
+    """Wall-clock time (time.time()) the reservation expires; the prefill stops writing
+    into it ``EXPIRY_MARGIN_S`` before (0: no expiry)."""
 
 
 # --------------------------------------------------------------- Conductor -> instance
@@ -189,6 +195,9 @@ class FetchPrefix(Message, tag="inst.fetch_prefix"):
     offset: int
     capacity_bytes: int
     fingerprint: str
+    deadline_s: float = 0.0
+    """Wall-clock time after which the holder must not write (the asker reuses the range
+    after it); 0: the holder's transfer timeout."""
 
 
 # --------------------------------------------------------------- instance -> Conductor
@@ -294,6 +303,8 @@ class LoadReport(Message, tag="inst.load"):
     reserved_blocks: int
     prefill_tokens_per_s: float
     decode_step_s: float
+    preemptions: int = 0
+    """Requests preempted (KV short mid-decode) and recomputed since start."""
     cache_added: list[int] = []
     """Store-block keys now in this instance's local prefix cache."""
     cache_removed: list[int] = []
