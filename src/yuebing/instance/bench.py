@@ -163,7 +163,8 @@ def run_bench(cfg: InstanceBenchConfig, progress: Callable[[str], None] = lambda
         start(["store", "node", "--master", master.info["address"], "--dram",
                cfg.store_dram], "node")
         common = ["--model", cfg.model, "--dtype", cfg.dtype, "--threads", "1",
-                  "--kv-cache-bytes", str(cfg.kv_cache_bytes), "--report-hz", "20"]
+                  "--kv-cache-bytes", str(cfg.kv_cache_bytes), "--report-hz", "20",
+                  "--staging-bytes", str(cfg.kv_cache_bytes)]
         store = ["--store-master", master.info["address"]]
         p1 = start(["serve", "prefill", *common, *store], "prefill-1")
         p2 = start(["serve", "prefill", *common, *store], "prefill-2")

@@ -50,7 +50,7 @@ class InstanceConfig:
     store_master: str = field(default="", metadata={
         "help": "store master address(es) ('' = no KV pool: local prefix cache only)"})
     store_block_tokens: int = field(default=256, metadata={"help": "tokens per store object"})
-    staging_bytes: int = field(default=128 << 20, metadata={
+    staging_bytes: int = field(default=256 << 20, metadata={
         "help": "registered staging memory for store loads/saves", "size": True})
     save_to_store: bool = field(default=True, metadata={
         "help": "save new prefill blocks to the store"})

@@ -288,9 +288,14 @@ class KVConnector:
         have = len(blocks) // self.per_store_block
         if have <= first:
             return None
-        taken = self.staging.take((have - first) * self.object_bytes)
+        taken = None
+        while have > first and taken is None:  # what fits: the leading new blocks
+            taken = self.staging.take((have - first) * self.object_bytes)
+            if taken is None:
+                self.stats.staging_full += 1
+                have = first + (have - first) // 2
         if taken is None:
-            self.stats.staging_full += 1
+            log.info("no staging room to save %d store blocks", len(keys) - first)
             return None
         lease, buf = taken
         run = blocks[first * self.per_store_block:have * self.per_store_block]
