@@ -11,7 +11,7 @@ from yuebing.engine.linear import Linear, can_pack
 from yuebing.engine.sampling import SamplingParams
 
 needs_pack = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
-                                reason="this torch build has no oneDNN weight packing")
+                                reason="no oneDNN weight packing on this torch build or CPU")
 
 
 def test_can_pack_only_low_precision_cpu():

@@ -14,6 +14,7 @@ measures both paths side by side.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -25,9 +26,23 @@ _PACKABLE = (torch.bfloat16, torch.float16)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether oneDNN weight packing applies to this dtype and device."""
+    """Whether oneDNN weight packing applies to this dtype and device — and works on this CPU
+    (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT; tried once per dtype)."""
     return (device.type == "cpu" and dtype in _PACKABLE and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and _packs_here(dtype))
+
+
+@functools.cache
+def _packs_here(dtype: torch.dtype) -> bool:
+    try:
+        w = torch.zeros(16, 16, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 16, dtype=dtype), packed, None,
+                                           "none", [], "")
+    except (RuntimeError, NotImplementedError) as exc:
+        log.info("oneDNN weight packing does not run here (%s); bf16/fp16 use F.linear", exc)
+        return False
+    return True
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
