@@ -92,7 +92,7 @@ async def collect(client: InstanceClient, rid: str, res: Result) -> Result:
 async def run_disagg(p: InstanceClient, d: InstanceClient, rid: str, ids: list[int],
                      sampling: Sampling, prefix: PrefixPlan | None = None) -> Result:
     """Reserve on the decode, prefill with streaming, then the decode's tokens."""
-    r = await d.reserve(rid, ids, sampling)
+    r = await d.reserve(rid, ids, sampling, timeout_s=900)  # a busy test machine prefills slowly
     await p.submit(SubmitTask(seq=0, request_id=rid, token_ids=ids, sampling=sampling,
                               mode=TaskMode.PREFILL, prefix=prefix, decode=r.target))
     res = await collect(p, rid, Result())
