@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from yuebing.cli.main import Command
 
@@ -47,7 +48,7 @@ def _add_instance(p: argparse.ArgumentParser) -> None:
                     only=[f.name for f in dataclasses.fields(InstanceConfig) if f.name != "role"])
 
 
-def _instance_runner(role: str):  # type: ignore[no-untyped-def]
+def _instance_runner(role: str) -> Callable[[argparse.Namespace], int]:
     def run(ns: argparse.Namespace) -> int:
         from yuebing.core.config import config_from_args
         from yuebing.instance.config import InstanceConfig
