@@ -46,3 +46,30 @@ def test_staging_is_first_fit_and_bounded():
     d, e = s.take(20), s.take(10)
     assert d is not None and d[0] - 1 == 80 and e is not None and e[0] - 1 == 30
     assert s.take(1) is None
+
+
+def test_a_background_job_that_raises_fails_its_task_with_an_error_event():
+    import asyncio
+    from types import SimpleNamespace
+
+    from yuebing.instance.base import Instance, Task
+    from yuebing.protocol.instance import ErrorCode
+
+    failed: list[tuple[str, ErrorCode, str]] = []
+    stub = SimpleNamespace(_handlers=set(),
+                           fail=lambda t, c, e: failed.append((t.request_id, c, e)))
+    task = Task("r1", b"owner", [1, 2], SamplingParams())
+
+    async def boom() -> None:
+        raise KeyError("lost")
+
+    async def fine() -> None:
+        return None
+
+    async def go() -> None:
+        Instance.spawn(stub, task, boom())  # type: ignore[arg-type]
+        Instance.spawn(stub, Task("r2", b"o", [1], SamplingParams()), fine())  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+    asyncio.run(go())
+    assert failed == [("r1", ErrorCode.INTERNAL, "KeyError: 'lost'")]
+    assert not stub._handlers

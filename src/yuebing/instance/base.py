@@ -27,6 +27,7 @@ import secrets
 import signal
 import time
 from collections import OrderedDict
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,7 +162,7 @@ class Instance:
         self._stopping = False
         self._peers: dict[str, Any] = {}
         self._changed = asyncio.Event()
-        self._handlers: set[asyncio.Future[None]] = set()
+        self._handlers: set[asyncio.Future[Any]] = set()
 
     # ------------------------------------------------------------------ set-up
 
@@ -393,6 +394,21 @@ class Instance:
                     breakdown=task.breakdown, cached_tokens=task.cached_tokens,
                     prompt_tokens=len(task.token_ids))
         self._end(task)
+
+    def spawn(self, task: Task, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` for ``task`` in the background (a reference is kept); an unexpected
+        exception ends the task with an INTERNAL error event instead of leaving it hanging."""
+        job = asyncio.get_running_loop().create_task(coro)
+        self._handlers.add(job)
+
+        def done(j: asyncio.Future[Any]) -> None:
+            self._handlers.discard(j)
+            if not j.cancelled() and j.exception() is not None and not task.done:
+                log.error("%s: %s failed", task.request_id, getattr(coro, "__qualname__", coro),
+                          exc_info=j.exception())
+                self.fail(task, ErrorCode.INTERNAL, f"{type(j.exception()).__name__}: "
+                          f"{j.exception()}")
+        job.add_done_callback(done)
 
     def fail(self, task: Task, code: ErrorCode, error: str) -> None:
         self._event(task, EventKind.ERROR, error_code=code, error=error)

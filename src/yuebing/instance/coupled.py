@@ -10,7 +10,6 @@ staging and saved to the store in the background; every output becomes a `TaskEv
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -37,7 +36,7 @@ class CoupledInstance(Instance):
                           f"a {self.role.label} instance runs COUPLED tasks, got {msg.mode.name}")
         task = Task(msg.request_id, ident, list(msg.token_ids), to_params(msg.sampling))
         self.tasks[task.request_id] = task
-        asyncio.get_running_loop().create_task(self.run_task(task, msg))
+        self.spawn(task, self.run_task(task, msg))
         return Ack(seq=msg.seq)
 
     async def run_task(self, task: Task, msg: SubmitTask, hold_kv: bool = False) -> None:

@@ -18,7 +18,6 @@ while free blocks would drop under the headroom.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -151,7 +150,7 @@ class DecodeInstance(Instance):
         task.breakdown.transfer_s = max(0.0, arrived - msg.prefill_end_s) if msg.prefill_end_s \
             else 0.0
         blocks = task.extra["blocks"]
-        asyncio.get_running_loop().create_task(self._adopt(task, msg, blocks))
+        self.spawn(task, self._adopt(task, msg, blocks))
 
     async def _adopt(self, task: Task, msg: KvReady, blocks: list[int]) -> None:
         try:

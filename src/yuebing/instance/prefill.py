@@ -62,7 +62,7 @@ class PrefillInstance(CoupledInstance):
         task.extra["target"] = msg.decode
         self.streamer.watch(task.request_id, msg.decode)  # ValueError: another KV layout
         self.tasks[task.request_id] = task
-        asyncio.get_running_loop().create_task(self.run_task(task, msg, hold_kv=True))
+        self.spawn(task, self.run_task(task, msg, hold_kv=True))
         return Ack(seq=msg.seq)
 
     def engine_params(self, task: Task) -> SamplingParams:
@@ -80,7 +80,7 @@ class PrefillInstance(CoupledInstance):
             return
         if not out.new_token_ids:  # ended without a token: aborted or failed in the engine
             self.streamer.drop(task.request_id)
-            asyncio.get_running_loop().create_task(self._tell_decode_async(
+            self.spawn(task, self._tell_decode_async(
                 task, None, "the prefill ended without a first token"))
             self.fail(task, ErrorCode.INTERNAL, "the prefill ended without a first token")
             return
@@ -92,7 +92,7 @@ class PrefillInstance(CoupledInstance):
                     token_times=[first_at], text=out.text_delta,
                     cached_tokens=out.num_cached_tokens, prompt_tokens=len(task.token_ids))
         task.cached_tokens = out.num_cached_tokens
-        asyncio.get_running_loop().create_task(self._hand_off(task, out, first_at))
+        self.spawn(task, self._hand_off(task, out, first_at))
 
     async def _hand_off(self, task: Task, out: RequestOutput, first_at: float) -> None:
         loop = asyncio.get_running_loop()
