@@ -247,7 +247,7 @@ class Instance:
             with contextlib.suppress(Exception):
                 self.store.close()
         if self.sock is not None:
-            self.sock.close(0)
+            self.sock.close(linger=500)  # let the last events (shutdown errors) go out
         self.transfer.close()
 
     # ------------------------------------------------------------------ control frames
