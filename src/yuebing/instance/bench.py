@@ -21,17 +21,11 @@ side by side:
 from __future__ import annotations
 
 import asyncio
-import json
 import random
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +42,7 @@ from yuebing.protocol.instance import (
     TaskEvent,
     TaskMode,
 )
+from yuebing.store.benchprocs import Child
 
 
 @dataclass(frozen=True)
@@ -71,35 +66,6 @@ class InstanceBenchConfig:
                 "cached_tokens must be in 1..prompt_tokens-1")
         require(self.rounds >= 1, "rounds must be >= 1")
         require(self.decode_batch >= 1, "decode_batch must be >= 1")
-
-
-class _Proc:
-    """A ``yuebing`` subcommand process that writes a JSON ready file."""
-
-    def __init__(self, args: list[str], log_dir: Path, name: str,
-                 timeout_s: float = 600.0) -> None:
-        ready = log_dir / f"{name}.ready.json"
-        self.log = log_dir / f"{name}.log"
-        self.proc = subprocess.Popen([sys.executable, "-m", "yuebing.cli.main", *args,
-                                      "--ready-file", str(ready)],
-                                     stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
-        end = time.monotonic() + timeout_s
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > end:
-                self.stop()
-                raise RuntimeError(f"{name} did not start; its log ({self.log}):\n"
-                                   f"{self.log.read_text(errors='replace')[-2000:]}")
-            time.sleep(0.05)
-        self.info: dict[str, Any] = json.loads(ready.read_text())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
 
 async def _events(client: InstanceClient, rid: str) -> list[TaskEvent]:
@@ -151,12 +117,13 @@ class _Prompts:
 def run_bench(cfg: InstanceBenchConfig, progress: Callable[[str], None] = lambda s: None
               ) -> dict[str, Any]:
     """Start the processes, measure, stop them; the report as a JSON-able dict."""
-    log_dir = Path(tempfile.mkdtemp(prefix="yb-bench-instance-"))
-    procs: list[_Proc] = []
+    procs: list[Child] = []
+    logs: dict[str, str] = {}
 
-    def start(args: list[str], name: str) -> _Proc:
+    def start(args: list[str], name: str) -> Child:
         progress(f"starting {name}")
-        procs.append(_Proc(args, log_dir, name))
+        procs.append(Child(args, timeout_s=600.0))
+        logs[name] = str(procs[-1].dir)
         return procs[-1]
     try:
         master = start(["store", "master", "--rpc-address", "tcp://127.0.0.1:0"], "master")
@@ -183,12 +150,12 @@ def run_bench(cfg: InstanceBenchConfig, progress: Callable[[str], None] = lambda
     report["engine_decode_step_ms_b8"] = engine_decode_step_ms(cfg)
     report["decode_vs_engine"] = report["decode_step_ms_b8"] / report["engine_decode_step_ms_b8"]
     report["config"] = {k: v for k, v in cfg.__dict__.items()}
-    report["logs"] = str(log_dir)
+    report["logs"] = logs
     return report
 
 
-async def _measure(cfg: InstanceBenchConfig, master: str, p1: _Proc, p2: _Proc, d_shm: _Proc,
-                   d_tcp: _Proc, progress: Callable[[str], None]) -> dict[str, Any]:
+async def _measure(cfg: InstanceBenchConfig, master: str, p1: Child, p2: Child, d_shm: Child,
+                   d_tcp: Child, progress: Callable[[str], None]) -> dict[str, Any]:
     a, b = InstanceClient(p1.info["control_address"]), InstanceClient(p2.info["control_address"])
     ds, dt = (InstanceClient(x.info["control_address"]) for x in (d_shm, d_tcp))
     vocab = 49152 if cfg.model == "smollm2" else 512
