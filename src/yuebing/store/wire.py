@@ -21,7 +21,7 @@ import socket
 import struct
 import time
 
-from yuebing.transfer.transport.spin import Spinner
+from yuebing.core.spin import Spinner
 
 HEADER = struct.Struct("<IQ")
 MAX_FRAME = 1 << 30

@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from yuebing.core.spin import GapPredictor, Spinner
 from yuebing.store.wire import HEADER, MAX_FRAME, RECV, FrameBuffer, FrameTooLarge, parse_address
-from yuebing.transfer.transport.spin import GapPredictor, Spinner
 
 log = logging.getLogger(__name__)
 

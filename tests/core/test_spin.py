@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from yuebing.transfer.transport import spin
-from yuebing.transfer.transport.spin import GapPredictor, Spinner
+from yuebing.core import spin
+from yuebing.core.spin import GapPredictor, Spinner
 
 
 class Poll:

@@ -1,6 +1,7 @@
 """`Spinner`: bounded, adaptive busy-polling before a blocking wait.
 
-Who calls it: the inline TCP path (`tcp_inline.InlineConn`, waiting for a peer's answer) and the
+It lives in `core` because both the transfer engine and the store use it. Who calls it: the
+inline TCP path (`transfer.transport.tcp_inline.InlineConn`, waiting for a peer's answer) and the
 store's RPC framing (`yuebing.store.wire`: a client waiting for the master's reply, the master
 waiting for the next request), each from its own thread, just before it would block in the
 kernel. A process that sleeps waiting for a loopback answer is woken by an inter-processor
