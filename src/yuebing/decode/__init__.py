@@ -1,1 +1,0 @@
-"""yuebing.decode: see docs/structure.md."""

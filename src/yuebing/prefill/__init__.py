@@ -1,1 +1,0 @@
-"""yuebing.prefill: see docs/structure.md."""
