@@ -38,17 +38,17 @@ def _add_master(p: argparse.ArgumentParser) -> None:
 
 
 def _run_master(ns: argparse.Namespace) -> int:
-    from yuebing.store.master.admin import AdminServer
+    from yuebing.store.master.admin import admin_server
     from yuebing.store.master.service import MasterService
 
     cfg = config_from_args(MasterConfig, ns)
     svc = MasterService(cfg)
-    admin = AdminServer(svc, cfg.admin_port).start() if cfg.admin_port else None
+    admin = admin_server(svc, cfg.admin_host, cfg.admin_port).start() if cfg.admin_port else None
     _on_term(svc.stop)
     _write_ready(ns.ready_file, {"address": svc.address, "events": svc.events_address,
                                  "admin": admin.port if admin else 0, "pid": os.getpid()})
-    print(f"store master on {svc.address}" + (f", admin http://127.0.0.1:{admin.port}"
-                                               if admin else ""), flush=True)
+    print(f"store master on {svc.address}" + (f", admin {admin.url}" if admin else ""),
+          flush=True)
     try:
         svc.serve()
     finally:
@@ -69,7 +69,7 @@ def _add_node(p: argparse.ArgumentParser) -> None:
     add_config_args(p, NodeConfig)
     add_config_args(p, ClientConfig, only=NODE_CLIENT_FIELDS)
     add_config_args(p, TransferConfig, prefix="tx_")
-    p.add_argument("--ready-file", default="", help="write {dram, ssd} segment names JSON here")
+    p.add_argument("--ready-file", default="", help="write {dram, ssd, admin} JSON here")
     p.add_argument("--drain-s", type=float, default=2.0,
                    help="on SIGTERM: drain every segment and wait up to this many seconds "
                         "for the master to migrate the values only this node holds to other "
@@ -78,17 +78,22 @@ def _add_node(p: argparse.ArgumentParser) -> None:
 
 
 def _run_node(ns: argparse.Namespace) -> int:
+    from yuebing.store.node.admin import admin_server
     from yuebing.store.node.service import StorageNode
     from yuebing.transfer import TransferConfig
 
-    node = StorageNode(config_from_args(NodeConfig, ns), config_from_args(ClientConfig, ns),
+    cfg = config_from_args(NodeConfig, ns)
+    node = StorageNode(cfg, config_from_args(ClientConfig, ns),
                        config_from_args(TransferConfig, ns, prefix="tx_",
                                         metadata=getattr(ns, "tx_metadata", None) or "p2p"))
+    admin = admin_server(node, cfg.admin_host, cfg.admin_port) if cfg.admin_port else None
     _on_term(lambda: _stopping(node, ns.drain_s))
     try:
+        if admin is not None:
+            admin.start()
         node.mount()
         _write_ready(ns.ready_file, {"dram": node.dram_name, "ssd": node.ssd_name,
-                                     "pid": os.getpid()})
+                                     "admin": admin.port if admin else 0, "pid": os.getpid()})
         print(f"store node {node.name}: {node.dram_name}"
               + (f" + {node.ssd_name}" if node.ssd_name else ""), flush=True)
         node.serve()
@@ -102,6 +107,8 @@ def _run_node(ns: argparse.Namespace) -> int:
                 log.error("node %s: unmounting with %s values only here (lost)", node.name,
                           left if left > 0 else "an unknown number of")
         node.close()
+        if admin is not None:
+            admin.close()
     return 0
 
 

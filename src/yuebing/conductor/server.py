@@ -30,6 +30,7 @@ from yuebing.conductor.dispatch import Delta, Rejected, RequestFailed
 from yuebing.conductor.policy import RejectReason
 from yuebing.conductor.render import DONE, Renderer, error_event
 from yuebing.conductor.stats import RequestStats
+from yuebing.ops.admin import METRICS_CONTENT_TYPE
 
 if TYPE_CHECKING:
     from yuebing.conductor.service import Conductor
@@ -89,7 +90,7 @@ class _Routes:
         return JSONResponse(body, status_code=503 if ready and not body["ready"] else 200)
 
     async def metrics(self, request: Request) -> Response:
-        return Response(self.c.metrics_text(), media_type="text/plain; version=0.0.4")
+        return Response(self.c.metrics_text(), media_type=METRICS_CONTENT_TYPE)
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)

@@ -22,6 +22,9 @@ class InstanceConfig:
     advertise_host: str = field(default="", metadata={
         "help": "address peers use to reach this instance ('' = --host)"})
     control_port: int = field(default=0, metadata={"help": "control server port (0 = any)"})
+    admin_host: str = field(default="127.0.0.1", metadata={
+        "help": "address the admin HTTP (/health /metrics) binds (127.0.0.1: this host only)"})
+    admin_port: int = field(default=0, metadata={"help": "admin HTTP port (0 = off)"})
     model: str = field(default="smollm2", metadata={
         "help": "smollm2 (bundled SmolLM2-135M-Instruct), a .gguf file, a HF directory, or "
                 "dummy[:preset=...]"})
@@ -76,6 +79,9 @@ class InstanceConfig:
         require(self.role in ROLES, f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         require(0 <= self.control_port < 65536, f"control_port must be 0..65535, got "
                 f"{self.control_port}")
+        require(0 <= self.admin_port < 65536, f"admin_port must be 0..65535, got "
+                f"{self.admin_port}")
+        require(bool(self.admin_host), "admin_host must name an address, e.g. 127.0.0.1")
         require(self.threads >= 1, f"threads must be >= 1, got {self.threads}")
         require(self.report_hz > 0, f"report_hz must be > 0, got {self.report_hz}")
         require(self.store_block_tokens > 0 and self.store_block_tokens % 16 == 0,

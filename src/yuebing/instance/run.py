@@ -25,8 +25,16 @@ def build_instance(cfg: InstanceConfig) -> Instance:
 
 
 def run_instance(cfg: InstanceConfig) -> int:
+    """Build the role, serve its admin HTTP (``--admin-port``) beside the control loop."""
+    from yuebing.instance.admin import admin_server
+
     inst = build_instance(cfg)
-    asyncio.run(serve_instance(inst))
+    admin = admin_server(inst).start() if cfg.admin_port else None
+    try:
+        asyncio.run(serve_instance(inst))
+    finally:
+        if admin is not None:
+            admin.close()
     return 0
 
 

@@ -21,8 +21,10 @@ class MasterConfig:
                              metadata={"help": "ZeroMQ address the master RPC binds"})
     events_address: str = field(default="", metadata={
         "help": "ZeroMQ PUB address for the KV-event stream ('' = no stream)"})
+    admin_host: str = field(default="127.0.0.1", metadata={
+        "help": "address the admin HTTP binds (127.0.0.1: this host only)"})
     admin_port: int = field(default=0, metadata={
-        "help": "admin HTTP port on 127.0.0.1 (/health /keys /segments /usage /metrics); 0 = off"})
+        "help": "admin HTTP port (/health /keys /segments /usage /metrics); 0 = off"})
     client_ttl_s: float = field(default=10.0, metadata={
         "help": "a session (client or node) silent this long is dead: its segments, replicas "
                 "and pending puts are dropped"})
@@ -109,6 +111,7 @@ class MasterConfig:
                 f"--max-request-bytes ({self.max_request_bytes})")
         _seconds("--frame-timeout-s", self.frame_timeout_s)
         require(0 <= self.admin_port < 65536, f"--admin-port out of range: {self.admin_port}")
+        require(bool(self.admin_host), "--admin-host must name an address, e.g. 127.0.0.1")
         require(self.election_ttl_s >= 1, f"--election-ttl-s must be >= 1, got {self.election_ttl_s}")
         _seconds("--repl-timeout-s", self.repl_timeout_s)
         require(not self.etcd or self.etcd.startswith(("http://", "https://")),
@@ -195,9 +198,15 @@ class NodeConfig:
     name: str = field(default="", metadata={"help": "segment name prefix ('' = generated)"})
     prefault: bool = field(default=True, metadata={
         "help": "touch every page of the DRAM segment at start (no page faults mid-transfer)"})
+    admin_host: str = field(default="127.0.0.1", metadata={
+        "help": "address the admin HTTP binds (127.0.0.1: this host only)"})
+    admin_port: int = field(default=0, metadata={
+        "help": "admin HTTP port (/health /metrics); 0 = off"})
 
     def __post_init__(self) -> None:
         require(self.dram > 0, f"--dram must be > 0, got {self.dram}")
+        require(0 <= self.admin_port < 65536, f"--admin-port out of range: {self.admin_port}")
+        require(bool(self.admin_host), "--admin-host must name an address, e.g. 127.0.0.1")
         if self.ssd:
             require(":" in self.ssd, f"--ssd must be DIR:SIZE, got {self.ssd!r}")
             self.ssd_dir_size  # noqa: B018 - parses and validates SIZE
