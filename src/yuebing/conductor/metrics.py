@@ -1,15 +1,17 @@
 """Prometheus metrics of the Conductor (``GET /metrics``), vLLM-like names under ``yuebing:``.
 
-One `ConductorMetrics` per server, on its own `CollectorRegistry` (several servers in one
-process, as in tests, never share counters). The dispatcher calls `routed`, `rejected` and
-`finished` (with the request's `RequestStats`); the HTTP layer renders `exposition`.
+One `ConductorMetrics` per server, on its own registry (`ops.admin.new_registry`: several
+servers in one process, as in tests, never share counters). The dispatcher calls `routed`,
+`rejected` and `finished` (with the request's `RequestStats`); the HTTP layer renders
+`exposition` (the text of `ops.admin`, the admin helper every service uses).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import Counter, Gauge, Histogram
 
 from yuebing.conductor.stats import RequestStats
+from yuebing.ops import admin
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
             1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -21,7 +23,7 @@ class ConductorMetrics:
     """Counters and histograms of one Conductor."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = admin.new_registry()
         r = self.registry
 
         def hist(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY) -> Histogram:
@@ -99,4 +101,4 @@ class ConductorMetrics:
         self.e2e.observe(s.e2e_s)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return admin.exposition(self.registry)
