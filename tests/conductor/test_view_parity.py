@@ -23,7 +23,7 @@ from yuebing.sim.kvpool import GlobalKVPool
 from yuebing.sim.loop import EventLoop
 from yuebing.sim.mooncake import MooncakeSystem
 from yuebing.sim.system import SimConfig, SystemContext
-from yuebing.store import messages as m
+from yuebing.store.cluster_messages import EventKind, KvEvents
 
 BT = 256
 NOW = 100.0
@@ -153,15 +153,15 @@ def test_kv_index_prefers_the_store_and_follows_removals() -> None:
     assert len(index) == 4  # 2, 3, 4 (store) and 7
 
 
-def _events(seq: int, *items: tuple[int, str, list[str]]) -> m.KvEvents:
-    return m.KvEvents(seq=seq, kinds=[k for k, _, _ in items], keys=[n for _, n, _ in items],
+def _events(seq: int, *items: tuple[int, str, list[str]]) -> KvEvents:
+    return KvEvents(seq=seq, kinds=[k for k, _, _ in items], keys=[n for _, n, _ in items],
                       holders=[h for _, _, h in items])
 
 
 def test_store_holdings_follow_events_and_resync() -> None:
     index = KvIndex()
     h = StoreHoldings(index, lambda: "fp")
-    s, r = int(m.EventKind.STORED), int(m.EventKind.REMOVED)
+    s, r = int(EventKind.STORED), int(EventKind.REMOVED)
     h.apply(_events(1, (s, store_key("fp", 10), ["a"]), (s, store_key("fp", 11), ["a", "b"]),
                     (s, store_key("other", 12), ["a"]), (s, "plain-key", ["a"])))
     assert index.keys_of(STORE_HOLDER) == {10, 11}
@@ -184,7 +184,6 @@ def test_store_feed_end_to_end_with_a_real_master(tmp_path: Any) -> None:
 
     from yuebing.conductor.kvfeed import StoreFeed
     from yuebing.protocol import encode
-    from yuebing.store import messages as sm
 
     ctx = zmq.Context.instance()
     pub = ctx.socket(zmq.PUB)
@@ -200,7 +199,7 @@ def test_store_feed_end_to_end_with_a_real_master(tmp_path: Any) -> None:
             while 5 not in index.keys_of(STORE_HOLDER):  # PUB/SUB: resend until it settles
                 assert time.monotonic() < end
                 seq += 1
-                pub.send(encode(sm.KvEvents(seq=seq, kinds=[0], keys=[store_key("fp", 5)],
+                pub.send(encode(KvEvents(seq=seq, kinds=[0], keys=[store_key("fp", 5)],
                                             holders=[["seg"]])))
                 await asyncio.sleep(0.05)
             return set(index.keys_of(STORE_HOLDER))

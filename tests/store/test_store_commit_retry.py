@@ -12,6 +12,7 @@ from test_store_replication import durable, leader_and_standby, ship
 from test_store_reserve import SIZE, commit, start
 
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import EventKind
 from yuebing.store.master import replication, reserve
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.state import ObjState
@@ -21,7 +22,7 @@ KiB = 1024
 
 
 def stored(core: MasterCore) -> list[str]:
-    return [k for kind, k, _ in core.events if kind == m.EventKind.STORED]
+    return [k for kind, k, _ in core.events if kind == EventKind.STORED]
 
 
 def test_repeated_put_end_of_the_same_client_succeeds_once() -> None:

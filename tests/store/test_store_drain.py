@@ -7,6 +7,7 @@ import pytest
 
 from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import EventKind, NodeTask, TaskDone, TaskKind
 from yuebing.store.config import MasterConfig
 from yuebing.store.master import replication
 from yuebing.store.master.core import MasterCore
@@ -14,7 +15,7 @@ from yuebing.store.master.migration import MAX_ATTEMPTS
 
 C = m.Code
 KiB = 1024
-MIGRATE = m.TaskKind.MIGRATE
+MIGRATE = TaskKind.MIGRATE
 
 
 def make(segs: int = 3, dram: int = 64 * KiB, ssd: int = 0, **cfg) -> MasterCore:
@@ -50,14 +51,14 @@ def drain(core: MasterCore, seg: str) -> int:
     return r.at_risk
 
 
-def tasks(core: MasterCore) -> list[tuple[str, m.NodeTask]]:
+def tasks(core: MasterCore) -> list[tuple[str, NodeTask]]:
     out = list(core.outbox)
     core.outbox.clear()
     return out
 
 
-def done(core: MasterCore, owner: str, task: m.NodeTask, ok: bool = True) -> None:
-    assert core.handle(m.TaskDone(client=owner, task=task.task, ok=ok,
+def done(core: MasterCore, owner: str, task: NodeTask, ok: bool = True) -> None:
+    assert core.handle(TaskDone(client=owner, task=task.task, ok=ok,
                                   message="" if ok else "peer gone")) == m.Ok()
 
 
@@ -75,7 +76,7 @@ def test_sole_copies_migrate_replicated_values_are_not_copied() -> None:
     core.log.clear()
     done(core, owner, t)
     assert holders(core, "solo") == ["n1/dram", "n0/dram"]  # the copy first: new readers use it
-    assert core.events == [(m.EventKind.STORED, "solo", ["n1/dram"])]
+    assert core.events == [(EventKind.STORED, "solo", ["n1/dram"])]
     assert core.log == [["reps", "solo", core.objs["solo"].reps], ["task_end", t.task, False]]
     assert drain(core, "n0/dram") == 0
     core.tick()  # nothing leased: the draining replicas go, their ranges freed
@@ -100,7 +101,7 @@ def test_values_whose_other_replicas_also_drain_migrate_preferably_to_another_no
     put(core2, "fill", "n1/dram", size=8 * KiB)
     core2.tick()  # over the watermark: both offloaded to their node's SSD
     for owner, t in tasks(core2):
-        assert t.kind == m.TaskKind.OFFLOAD
+        assert t.kind == TaskKind.OFFLOAD
         done(core2, owner, t)
     assert holders(core2, "cold") == ["n0/ssd"]
     assert drain(core2, "n0/dram") == 0

@@ -12,6 +12,7 @@ from test_store_drain import KiB, done, drain, holders, make, put, tasks, used
 
 from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import NodeTask, TaskDone, TaskKind
 from yuebing.store.config import ClientConfig
 from yuebing.store.master import replication
 from yuebing.store.master.core import MasterCore
@@ -73,7 +74,7 @@ class PushingMaster:
 
     def __init__(self, node: StorageNode) -> None:
         self.node = node
-        self.queued: list[m.NodeTask] = []
+        self.queued: list[NodeTask] = []
         self.calls: list[m.Message] = []
 
     def _deliver(self) -> None:
@@ -89,8 +90,8 @@ class PushingMaster:
         return m.Ok()
 
 
-def _task(tid: int, kind: int, expires_in_s: float) -> m.NodeTask:
-    return m.NodeTask(task=tid, src_segment="n0/ssd", src_offset=0, dst_segment="n1/dram",
+def _task(tid: int, kind: int, expires_in_s: float) -> NodeTask:
+    return NodeTask(task=tid, src_segment="n0/ssd", src_offset=0, dst_segment="n1/dram",
                       dst_offset=0, size=KiB, kind=kind, expires_in_s=expires_in_s)
 
 
@@ -108,10 +109,10 @@ def test_a_push_read_after_a_long_copy_gets_no_extra_write_time(busy: str) -> No
     node.tasks_done = 0
     conn = PushingMaster(node)
     node.conn = conn  # type: ignore[assignment]
-    late = _task(2, m.TaskKind.MIGRATE, 0.2)
+    late = _task(2, TaskKind.MIGRATE, 0.2)
     started: list[int] = []
 
-    def slow(t: m.NodeTask, *_: object) -> None:
+    def slow(t: NodeTask, *_: object) -> None:
         if t.task == 1:
             time.sleep(0.4)
             conn.queued.append(late)  # pushed while the loop was busy
@@ -120,13 +121,13 @@ def test_a_push_read_after_a_long_copy_gets_no_extra_write_time(busy: str) -> No
 
     node.copy = slow  # type: ignore[method-assign]
     node._start_migration = slow  # type: ignore[method-assign]
-    kind = m.TaskKind.OFFLOAD if busy == "copy" else m.TaskKind.MIGRATE
+    kind = TaskKind.OFFLOAD if busy == "copy" else TaskKind.MIGRATE
     conn.queued.append(_task(1, kind, 30.0))
     next_hb = time.monotonic() + 60.0
     for _ in range(2):
         node._step(next_hb, wait_s=0.0)
     assert started == []
-    answers = [(c.task, c.ok) for c in conn.calls if isinstance(c, m.TaskDone)]
+    answers = [(c.task, c.ok) for c in conn.calls if isinstance(c, TaskDone)]
     assert (2, False) in answers
-    (why,) = [c.message for c in conn.calls if isinstance(c, m.TaskDone) and c.task == 2]
+    (why,) = [c.message for c in conn.calls if isinstance(c, TaskDone) and c.task == 2]
     assert "write expiry" in why

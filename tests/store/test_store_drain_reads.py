@@ -7,6 +7,7 @@ from __future__ import annotations
 from test_store_drain import KiB, done, drain, holders, make, put, tasks
 
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import TaskKind
 from yuebing.store.master import eviction, segments
 
 C = m.Code
@@ -90,7 +91,7 @@ def test_a_promotion_landing_on_a_segment_that_began_draining_holds_the_drain() 
     assert holders(core, "v") == ["n0/ssd"]  # offloaded
     assert core.handle(m.GetReplicas(key="v"), waiter="W") is None  # promoted into n0's DRAM
     (owner, t), = tasks(core)
-    assert (t.kind, t.dst_segment) == (m.TaskKind.PROMOTE, "n0/dram")
+    assert (t.kind, t.dst_segment) == (TaskKind.PROMOTE, "n0/dram")
     assert _status(core, "n0/dram").leased == 0  # begins draining mid-promotion
     done(core, owner, t)
     (waiter, reply), = core.ready

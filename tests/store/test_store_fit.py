@@ -7,6 +7,7 @@ import random
 
 from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import TaskDone, TaskKind
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.core import MasterCore
 
@@ -96,10 +97,10 @@ def test_dram_victims_go_to_ssd_and_a_put_waits_for_their_offload() -> None:
         assert put(core, f"k{i}", 1 * MiB) == m.Ok()
     assert put(core, "k4", 1 * MiB, waiter="w") is None  # parked: "k0" is being offloaded
     (_, task), = core.outbox
-    assert (task.kind, task.src_segment, task.dst_segment) == (m.TaskKind.OFFLOAD, "n0/dram",
+    assert (task.kind, task.src_segment, task.dst_segment) == (TaskKind.OFFLOAD, "n0/dram",
                                                                "n0/ssd")
     assert core.ready == [] and core.counters["evictions"] == 0
-    core.handle(m.TaskDone(client="n0", task=task.task, ok=True))
+    core.handle(TaskDone(client="n0", task=task.task, ok=True))
     (w, reply), = core.ready
     assert w == "w" and isinstance(reply, m.PutTargets)
     assert core.handle(m.PutEnd(client="c", key="k4")) == m.Ok()
@@ -129,7 +130,7 @@ def test_read_of_ssd_value_with_dram_all_leased_is_served_from_the_ssd() -> None
     assert put(core, "k2", 1 * MiB, waiter="w") is None
     (_, task), = core.outbox
     core.outbox.clear()
-    core.handle(m.TaskDone(client="n0", task=task.task, ok=True))
+    core.handle(TaskDone(client="n0", task=task.task, ok=True))
     core.ready.clear()
     core.handle(m.PutEnd(client="c", key="k2"))
     for k in ("k1", "k2"):  # DRAM holds k1, k2, both leased now
@@ -150,18 +151,18 @@ def test_promotion_offloads_its_dram_victim() -> None:
     assert put(core, "k2", 1 * MiB, waiter="w") is None
     (_, t0), = core.outbox
     core.outbox.clear()
-    core.handle(m.TaskDone(client="n0", task=t0.task, ok=True))
+    core.handle(TaskDone(client="n0", task=t0.task, ok=True))
     core.handle(m.PutEnd(client="c", key="k2"))
     r = core.handle(m.GetReplicas(key="k0"), "r1")
     assert r.replicas[0].segment == "n0/ssd"
     (_, t1), = core.outbox  # k1 (least recently used in DRAM) goes to the SSD
-    assert (t1.kind, t1.src_segment) == (m.TaskKind.OFFLOAD, "n0/dram")
+    assert (t1.kind, t1.src_segment) == (TaskKind.OFFLOAD, "n0/dram")
     core.outbox.clear()
-    core.handle(m.TaskDone(client="n0", task=t1.task, ok=True))
+    core.handle(TaskDone(client="n0", task=t1.task, ok=True))
     clock.advance_to(clock.now() + core.cfg.lease_ttl_s + 0.1)
     assert core.handle(m.GetReplicas(key="k0"), "r2") is None  # promotion into the room
     (_, t2), = core.outbox
-    assert (t2.kind, t2.dst_segment) == (m.TaskKind.PROMOTE, "n0/dram")
+    assert (t2.kind, t2.dst_segment) == (TaskKind.PROMOTE, "n0/dram")
     assert all(f"k{i}" in core.objs for i in range(3)) and core.counters["evictions"] == 0
 
 

@@ -9,6 +9,7 @@ from yuebing.core.config import replace
 from yuebing.core.errors import ConfigError
 from yuebing.protocol.codec import decode, encode
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import EventKind, TaskDone
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.allocator import OffsetAllocator
 from yuebing.store.master.core import MasterCore
@@ -74,7 +75,7 @@ def test_two_phase_put_visibility() -> None:
     assert core.handle(m.PutStart(client="d", item=m.PutItem(key="p", size=100))).code == C.EXISTS
     assert core.handle(m.PutEnd(client="c", key="k")) == m.Ok()  # a retry: committed already
     assert core.handle(m.PutEnd(client="d", key="k")).code == C.NOT_PENDING
-    assert core.events == [(m.EventKind.STORED, "k", ["n0/dram"])]
+    assert core.events == [(EventKind.STORED, "k", ["n0/dram"])]
 
 
 def test_revoke_frees_space_and_bad_items_change_nothing() -> None:
@@ -172,7 +173,7 @@ def test_watermark_eviction_follows_lru_order() -> None:
     put(core, "k8", size=KiB)
     core.tick()  # 9/10 > 0.8: evict down to 0.5 -> 4 objects go, least recently read first
     assert sorted(core.objs) == ["k0", "k1", "k6", "k7", "k8"]
-    assert [e[1] for e in core.events if e[0] == m.EventKind.REMOVED] == ["k2", "k3", "k4", "k5"]
+    assert [e[1] for e in core.events if e[0] == EventKind.REMOVED] == ["k2", "k3", "k4", "k5"]
 
 
 def test_prefix_match_and_remove_forms() -> None:
@@ -203,7 +204,7 @@ def test_session_expiry_drops_segments_and_pending_puts() -> None:
     core.tick()  # n0 and w are dead
     assert sorted(core.sessions) == ["c", "n1"]
     assert exists(core, "both", "only0", "half") == [True, False, False]
-    removed = sorted((e[1], e[2]) for e in core.events if e[0] == m.EventKind.REMOVED)
+    removed = sorted((e[1], e[2]) for e in core.events if e[0] == EventKind.REMOVED)
     assert removed == [("both", ["n0/dram"]), ("only0", ["n0/dram"])]
     assert core.handle(m.GetReplicas(key="both")).replicas == [m.Replica(segment="n1/dram",
                                                                          offset=0)]
@@ -237,16 +238,16 @@ def test_offload_to_ssd_then_promotion_on_hit() -> None:
     assert (owner, task.src_segment, task.dst_segment, task.size) == ("n0", "n0/dram", "n0/ssd",
                                                                       4 * KiB)
     assert exists(core, "a") == [True]  # still readable while the copy runs
-    core.handle(m.TaskDone(client="n0", task=task.task, ok=True))
+    core.handle(TaskDone(client="n0", task=task.task, ok=True))
     assert [core.segs[s].tier for s, _ in core.objs["a"].reps] == [1]
     assert core.stats().values["dram_used"] == 4 * KiB and exists(core, "a") == [True]
-    assert core.events[-2:] == [(m.EventKind.STORED, "a", ["n0/ssd"]),
-                                (m.EventKind.REMOVED, "a", ["n0/dram"])]
+    assert core.events[-2:] == [(EventKind.STORED, "a", ["n0/ssd"]),
+                                (EventKind.REMOVED, "a", ["n0/dram"])]
     assert core.handle(m.GetReplicas(key="a"), waiter="w1") is None  # deferred: promoting
     assert core.handle(m.GetReplicas(key="a"), waiter="w2") is None  # joins the same task
     (owner, ptask), = core.outbox
     assert (ptask.src_segment, ptask.dst_segment) == ("n0/ssd", "n0/dram")
-    core.handle(m.TaskDone(client="n0", task=ptask.task, ok=True))
+    core.handle(TaskDone(client="n0", task=ptask.task, ok=True))
     lid = core.ready[0][1].lease_id  # type: ignore[attr-defined]
     reply = m.ReplicaList(key="a", size=4 * KiB, checksum=-1,
                           replicas=[m.Replica(segment="n0/dram", offset=ptask.dst_offset)],
@@ -287,7 +288,7 @@ def test_offload_of_a_value_read_meanwhile_keeps_dram_until_lease_ends() -> None
     (_, task), = core.outbox
     core.outbox.clear()
     assert core.handle(m.GetReplicas(key="a")).replicas == [m.Replica(segment="n0/dram", offset=0)]
-    core.handle(m.TaskDone(client="n0", task=task.task, ok=True))
+    core.handle(TaskDone(client="n0", task=task.task, ok=True))
     assert [core.segs[s].tier for s, _ in core.objs["a"].reps] == [0, 1]  # reader still on DRAM
     assert core.stats().values["dram_used"] == 8 * KiB
     clock.advance_to(106.0)  # lease over; "b" is older than the re-read "a" -> offloaded first

@@ -11,15 +11,16 @@ import msgspec
 import numpy as np
 import pytest
 from store_procs import Proc, master, node
+from yuebing.store.client.core import ChecksumError, NotFoundError
 
 from etcd_util import free_port
 from yuebing.core.errors import StoreError
 from yuebing.protocol import decode, encode
 from yuebing.store import messages as m
 from yuebing.store.client.client import StoreClient
-from yuebing.store.client.common import ChecksumError, NotFoundError
 from yuebing.store.client.events import KvEventSubscriber
 from yuebing.store.client.rpc import StoreRpcError
+from yuebing.store.cluster_messages import EventKind
 from yuebing.store.config import ClientConfig
 from yuebing.store.wire import parse_address
 from yuebing.transfer import OpCode, TransferRequest
@@ -109,7 +110,7 @@ def test_events_and_admin(cluster, client: StoreClient) -> None:
         events += [(k, key, h) for b in sub.poll(1.0)
                    for k, key, h in zip(b.kinds, b.keys, b.holders, strict=True)]
     assert [(k, key) for k, key, _ in events] == [
-        (m.EventKind.STORED, "ev/1"), (m.EventKind.REMOVED, "ev/1"), (m.EventKind.STORED, "ev/1")]
+        (EventKind.STORED, "ev/1"), (EventKind.REMOVED, "ev/1"), (EventKind.STORED, "ev/1")]
     assert events[0][2][0].endswith(("nodeA.dram", "nodeB.dram")) and sub.gaps == 0
     sub.close()
     base = f"http://127.0.0.1:{cluster[0].info['admin']}"
@@ -210,7 +211,7 @@ def test_ssd_offload_and_promotion(tmp_path) -> None:
 def test_async_client(cluster) -> None:
     import asyncio
 
-    from yuebing.store.client.aio import AsyncStoreClient
+    from yuebing.store.client.client import AsyncStoreClient
 
     async def main() -> None:
         async with AsyncStoreClient(ClientConfig(master=cluster[0].info["address"])) as c:

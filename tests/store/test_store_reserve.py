@@ -6,6 +6,7 @@ from __future__ import annotations
 from test_store_master_core import exists, make, put
 
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import EventKind
 from yuebing.store.master import eviction
 from yuebing.store.master.core import MasterCore
 
@@ -43,7 +44,7 @@ def test_reservation_is_invisible_to_every_listing_probe_and_removal() -> None:
     assert core.handle(m.RemovePrefix(prefix=m.RESERVED_PREFIX, force=True)) == m.Removed(n=0)
     assert core.handle(m.RemoveAll(force=True)) == m.Removed(n=1)  # "a" only
     assert eviction.evict_for(core, 64 * KiB) == 0  # nothing committed left; never the reservation
-    assert r.key in core.objs and core.events[-1] == (m.EventKind.REMOVED, "a", ["n0/dram"])
+    assert r.key in core.objs and core.events[-1] == (EventKind.REMOVED, "a", ["n0/dram"])
     st = core.stats().values
     assert (st["objects"], st["pending"], st["reservations"]) == (0, 0, 1)
     assert st["dram_used"] == SIZE
@@ -69,7 +70,7 @@ def test_commit_renames_commits_applies_pins_and_hands_out_the_next() -> None:
     got = core.handle(m.GetReplicas(key="b"))
     assert got == m.ReplicaList(key="b", size=SIZE, checksum=77, replicas=r.replicas,
                                 lease_s=core.cfg.lease_ttl_s, lease_id=got.lease_id)
-    assert core.events[-1] == (m.EventKind.STORED, "b", ["n0/dram"])
+    assert core.events[-1] == (EventKind.STORED, "b", ["n0/dram"])
     assert core.counters["puts"] == 2 and core.counters["reservations_committed"] == 1
     last = commit(core, done.reservation.key, "c", nxt=False)
     assert last == m.PutCommitted(reservation=None) and core.stats().values["reservations"] == 0

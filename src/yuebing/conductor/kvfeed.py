@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from yuebing.conductor.view import STORE_HOLDER, KvIndex
 from yuebing.instance.kvkeys import KEY_PREFIX, parse_store_key
-from yuebing.store import messages as m
+from yuebing.store.cluster_messages import EventKind, KvEvents
 
 log = logging.getLogger(__name__)
 _UNKNOWN = "?"
@@ -41,7 +41,7 @@ class StoreHoldings:
         self.segments: dict[int, set[str]] = {}
         self.events = 0
 
-    def apply(self, batch: m.KvEvents) -> None:
+    def apply(self, batch: KvEvents) -> None:
         fp = self.fingerprint()
         if not fp:
             return
@@ -54,7 +54,7 @@ class StoreHoldings:
             key = parsed[1]
             self.events += 1
             segs = self.segments.get(key)
-            if kind == m.EventKind.STORED:
+            if kind == EventKind.STORED:
                 if segs is None:
                     self.segments[key] = segs = set()
                     added.append(key)
@@ -112,7 +112,7 @@ class StoreFeed:
         finally:
             sub.close()
 
-    def _apply_all(self, batches: list[m.KvEvents]) -> None:
+    def _apply_all(self, batches: list[KvEvents]) -> None:
         for b in batches:
             self.holdings.apply(b)
 

@@ -1,4 +1,4 @@
-"""Store messages between the store's own processes, re-exported by `messages` (use ``m.X``):
+"""Store messages between the store's own processes (the master RPC messages are in `messages`):
 master → node tasks (`NodeTask`, answered by `TaskDone`), leader ↔ standby replication
 (`ReplSubscribe`, `ReplSnapshot`, `ReplEntries`, `ReplAck`) and the KV-event stream the master
 publishes for the Conductor's index (`KvEvents`).

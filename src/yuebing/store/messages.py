@@ -1,5 +1,5 @@
 """Wire messages of the store: master RPC requests/replies (node tasks, replication and KV events
-are defined in `cluster_messages` and re-exported here).
+between the store's processes are in `cluster_messages`).
 
 Every message is a tagged msgspec struct (``yuebing.protocol``). A request gets exactly one reply:
 the typed reply named beside it, or `Err` (a `Code` and a message). Batch forms answer with one
@@ -11,20 +11,6 @@ from __future__ import annotations
 from enum import IntEnum
 
 from yuebing.protocol import Message, register_message
-from yuebing.store.cluster_messages import (  # re-exported: every store module uses ``m.X``
-    EventKind,
-    KvEvents,
-    NodeTask,
-    ReplAck,
-    ReplEntries,
-    ReplSnapshot,
-    ReplSubscribe,
-    TaskDone,
-    TaskKind,
-)
-
-__all__ = ["EventKind", "KvEvents", "NodeTask", "ReplAck", "ReplEntries", "ReplSnapshot",
-           "ReplSubscribe", "TaskDone", "TaskKind"]
 
 
 class Code(IntEnum):

@@ -15,7 +15,7 @@ import typing
 import zmq
 
 from yuebing.protocol import ProtocolError, decode
-from yuebing.store import messages as m
+from yuebing.store.cluster_messages import KvEvents
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +32,9 @@ class KvEventSubscriber:
         self.last_seq = 0
         self.gaps = 0
 
-    def poll(self, timeout_s: float = 0.0) -> list[m.KvEvents]:
+    def poll(self, timeout_s: float = 0.0) -> list[KvEvents]:
         """Batches received within ``timeout_s`` (all that are queued, at least one if any)."""
-        out: list[m.KvEvents] = []
+        out: list[KvEvents] = []
         if not self.sock.poll(int(timeout_s * 1000)):
             return out
         while True:
@@ -43,7 +43,7 @@ class KvEventSubscriber:
             except zmq.Again:
                 return out
             try:
-                msg = typing.cast(m.KvEvents, decode(frame, m.KvEvents))
+                msg = typing.cast(KvEvents, decode(frame, KvEvents))
             except ProtocolError as e:
                 log.warning("dropping a malformed event batch: %s", e)
                 continue

@@ -26,6 +26,7 @@ from typing import Any
 from yuebing.core.clock import Clock, WallClock
 from yuebing.protocol import Message
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import EventKind, NodeTask, TaskDone
 from yuebing.store.config import MasterConfig
 from yuebing.store.master import eviction, fence, fit, migration, removal, reserve, segments
 from yuebing.store.master.incarnations import heartbeat as node_heartbeat
@@ -77,7 +78,7 @@ class MasterCore:
         self.next_task = 1
         self.events: list[tuple[int, str, list[str]]] = []
         self.log: list[list[Any]] | None = None
-        self.outbox: list[tuple[str, m.NodeTask]] = []
+        self.outbox: list[tuple[str, NodeTask]] = []
         self.ready: list[tuple[object, Message]] = []
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts", "gets", "removes", "evictions", "offloads", "promotions", "zombies",
@@ -97,7 +98,7 @@ class MasterCore:
             m.RemovePrefix: partial(removal.remove_prefix, self),
             m.RemoveAll: partial(removal.remove_all, self), m.Pin: partial(removal.pin, self),
             m.Mount: self.mount, m.Unmount: self.unmount, m.Drain: self.drain,
-            m.Heartbeat: self.heartbeat, m.TaskDone: self.task_done, m.GetStats: self.stats,
+            m.Heartbeat: self.heartbeat, TaskDone: self.task_done, m.GetStats: self.stats,
         }
 
     # ------------------------------------------------------------------ dispatch
@@ -303,7 +304,7 @@ class MasterCore:
         del self.pending[key]
         self.expiry.pop(key, None)
         self._log(["commit", key])
-        self.events.append((m.EventKind.STORED, key, [self.segs[s].name for s, _ in o.reps]))
+        self.events.append((EventKind.STORED, key, [self.segs[s].name for s, _ in o.reps]))
         self.counters["puts"] += 1
         return C.OK, ""
 
@@ -413,7 +414,7 @@ class MasterCore:
         holders = fence.release(self, key, o, fenced)
         self._log(["del", key] if fenced else ["del", key, False])
         if event and o.state == COMMITTED:
-            self.events.append((m.EventKind.REMOVED, key, holders))
+            self.events.append((EventKind.REMOVED, key, holders))
 
     # ------------------------------------------------------------------ segments / sessions
     def mount(self, msg: m.Mount) -> Message:
@@ -428,7 +429,7 @@ class MasterCore:
     def heartbeat(self, msg: m.Heartbeat) -> Message:
         return node_heartbeat(self, msg)
 
-    def task_done(self, msg: m.TaskDone) -> Message:
+    def task_done(self, msg: TaskDone) -> Message:
         segments.task_done(self, msg)
         fit.retry(self)  # an offload may have made room for a waiting put
         return m.Ok()

@@ -26,6 +26,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import EventKind, TaskKind
 from yuebing.store.master import fit, migration
 from yuebing.store.master.segments import ssd_of, start_task
 from yuebing.store.master.state import ObjState, SegState
@@ -46,7 +47,7 @@ def watermark(core: MasterCore) -> int:
         if s.tier == 0 and s.alloc is not None:
             cap += s.alloc.capacity
             used += s.alloc.used - q.held(s.id)
-    in_flight = sum(t.size for t in core.tasks.values() if t.kind == m.TaskKind.OFFLOAD)
+    in_flight = sum(t.size for t in core.tasks.values() if t.kind == TaskKind.OFFLOAD)
     if not cap or used - in_flight <= core.cfg.high_watermark * cap:
         return 0
     target = (core.cfg.high_watermark - core.cfg.evict_ratio) * cap
@@ -204,5 +205,5 @@ def drop_replicas(core: MasterCore, key: str, mine: list[tuple[int, int]]) -> No
             alloc.free_range(off, o.size)
     o.reps = tuple(r for r in o.reps if r not in mine)
     migration.recheck(core, key, o)  # its surviving replicas may all be draining now
-    core.events.append((m.EventKind.REMOVED, key, [core.segs[sid].name for sid, _ in mine]))
+    core.events.append((EventKind.REMOVED, key, [core.segs[sid].name for sid, _ in mine]))
     core._log(["reps", key, o.reps])

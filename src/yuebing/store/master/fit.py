@@ -37,6 +37,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import TaskKind
 from yuebing.store.master.state import ObjState, SegState
 
 if TYPE_CHECKING:
@@ -130,7 +131,7 @@ def _pieces(core: MasterCore, sids: list[int], now: float,
             kind = VICTIM
             if o.moving:
                 t = tasks.get(o.moving)
-                if t is None or t.kind != m.TaskKind.OFFLOAD or t.src != r:
+                if t is None or t.kind != TaskKind.OFFLOAD or t.src != r:
                     continue
                 kind = SOON
             elif o.lease > now:
@@ -293,7 +294,7 @@ def keep_fit(core: MasterCore) -> None:
         return
     dram = [s for s in core.segs.values() if s.tier == m.Tier.DRAM
             and s.state == SegState.ACTIVE and s.alloc is not None]
-    if not dram or any(t.kind == m.TaskKind.OFFLOAD for t in core.tasks.values()):
+    if not dram or any(t.kind == TaskKind.OFFLOAD for t in core.tasks.values()):
         return  # none, or room is on its way
     if any(s.alloc.largest_free >= s.alloc.rounded(size) for s in dram):  # type: ignore[union-attr]
         return

@@ -47,6 +47,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import NodeTask, TaskKind
 from yuebing.store.master.leases import grant
 from yuebing.store.master.placement import PlacementRequest, free_ratio_first
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState, Task
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
-MIGRATE = m.TaskKind.MIGRATE
+MIGRATE = TaskKind.MIGRATE
 DRAINING = SegState.DRAINING
 
 
@@ -334,7 +335,7 @@ def push_task(core: MasterCore, key: str, o: Obj, src: tuple[int, int], dst: Seg
                            core.clock.now() + window)
     o.moving = tid
     core._log(["task", tid, dst.id, off, o.size, window])
-    core.outbox.append((node_client, m.NodeTask(
+    core.outbox.append((node_client, NodeTask(
         task=tid, src_segment=core.segs[src[0]].name, src_offset=src[1], dst_segment=dst.name,
         dst_offset=off, size=o.size, kind=kind, expires_in_s=window)))
     return tid

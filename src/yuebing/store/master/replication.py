@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from yuebing.store import messages as m
+from yuebing.store.cluster_messages import ReplEntries, ReplSnapshot
 from yuebing.store.master import fence, migration, reserve, segments
 from yuebing.store.master.allocator import OffsetAllocator
 from yuebing.store.master.core import MasterCore
@@ -209,12 +209,12 @@ class ReplicationHub:
         self.standbys: dict[str, _Standby] = {}
         self.held: list[tuple[int, Reply]] = []
 
-    def subscribe(self, name: str, ident: int) -> m.ReplSnapshot:
+    def subscribe(self, name: str, ident: int) -> ReplSnapshot:
         self.standbys[name] = _Standby(ident, self.seq, self.core.clock.now())
         log.warning("standby %s subscribed at seq %d", name, self.seq)
-        return m.ReplSnapshot(seq=self.seq, state=snapshot(self.core))
+        return ReplSnapshot(seq=self.seq, state=snapshot(self.core))
 
-    def publish(self) -> list[tuple[int, m.ReplEntries]]:
+    def publish(self) -> list[tuple[int, ReplEntries]]:
         """Take the core's new entries; returns the messages to send to standbys."""
         entries = self.core.log
         if not entries:
@@ -226,7 +226,7 @@ class ReplicationHub:
             if s.acked == self.seq:
                 s.since = now  # was idle and in sync: the ack clock starts now
         self.seq += len(entries)
-        msg = m.ReplEntries(first_seq=first, entries=entries)
+        msg = ReplEntries(first_seq=first, entries=entries)
         return [(s.ident, msg) for s in self.standbys.values()]
 
     @property

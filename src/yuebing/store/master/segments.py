@@ -23,6 +23,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import EventKind, TaskDone, TaskKind
 from yuebing.store.master import fence, fit, incarnations, leases, migration, reserve
 from yuebing.store.master.allocator import OffsetAllocator
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState
@@ -137,7 +138,7 @@ def drop_segment(core: MasterCore, sid: int) -> None:
                 fenced.extend((key, off, o.size) for r_sid, off in o.reps if r_sid == sid)
             o.reps = tuple(r for r in o.reps if r[0] != sid)
             if o.state == ObjState.COMMITTED:
-                core.events.append((m.EventKind.REMOVED, key, [s.name]))
+                core.events.append((EventKind.REMOVED, key, [s.name]))
                 if not o.reps and o.moving == 0:
                     dead.append(key)  # a pending one stays until put_end/revoke/timeout
     fence.segment_dropped(core, s, fenced)
@@ -189,7 +190,7 @@ def start_task(core: MasterCore, key: str, o: Obj, src: tuple[int, int], dst: Se
     off = dst.alloc.alloc(o.size)
     if off is None:
         return False
-    kind = m.TaskKind.PROMOTE if promote else m.TaskKind.OFFLOAD
+    kind = TaskKind.PROMOTE if promote else TaskKind.OFFLOAD
     migration.push_task(core, key, o, src, dst, off, kind, dst.client)
     return True
 
@@ -204,7 +205,7 @@ def promote(core: MasterCore, key: str, o: Obj, waiter: object) -> tuple[C, str]
     instead of waiting."""
     if o.moving:
         t = core.tasks[o.moving]
-        if t.kind != m.TaskKind.OFFLOAD:
+        if t.kind != TaskKind.OFFLOAD:
             if waiter is not None:
                 t.waiters.append(waiter)
             return C.OK if waiter is not None else C.PROMOTING, "promotion in flight"
@@ -267,11 +268,11 @@ def _fail_task(core: MasterCore, tid: int, why: str, landed: bool) -> None:
             core._drop(t.key, o)
     for w in t.waiters:
         core.ready.append((w, m.Err(code=C.INTERNAL, message=f"move to DRAM failed: {why}")))
-    if t.kind == m.TaskKind.MIGRATE:
+    if t.kind == TaskKind.MIGRATE:
         migration.failed(core, t, why)
 
 
-def task_done(core: MasterCore, msg: m.TaskDone) -> None:
+def task_done(core: MasterCore, msg: TaskDone) -> None:
     """A node's answer to a task. Ignored unless the task is in flight here and ``msg.client``
     is the node it was sent to (a late answer to another leader's task must not match ours)."""
     t = core.tasks.get(msg.task)
@@ -280,14 +281,14 @@ def task_done(core: MasterCore, msg: m.TaskDone) -> None:
         return
     o = core.objs.get(t.key)
     if not msg.ok or o is None or o.moving != msg.task:
-        landed = msg.ok or t.kind != m.TaskKind.MIGRATE  # a failed transfer may still land
+        landed = msg.ok or t.kind != TaskKind.MIGRATE  # a failed transfer may still land
         _fail_task(core, msg.task, msg.message or "object changed", landed)
         return
     del core.tasks[msg.task]
     o.moving = 0
-    stored = m.EventKind.STORED
+    stored = EventKind.STORED
     core.events.append((stored, t.key, [core.segs[t.dst[0]].name]))
-    if t.kind == m.TaskKind.MIGRATE:
+    if t.kind == TaskKind.MIGRATE:
         migration.finished(core, t, o)
     elif t.promote:
         o.reps = (t.dst, *o.reps)
@@ -306,8 +307,8 @@ def task_done(core: MasterCore, msg: m.TaskDone) -> None:
         o.reps = (*(r for r in o.reps if r != t.src), t.dst)
         core.counters["offloads"] += 1
         if s is not None:
-            core.events.append((m.EventKind.REMOVED, t.key, [s.name]))
-    if t.kind != m.TaskKind.MIGRATE:  # its destination may have begun draining meanwhile
+            core.events.append((EventKind.REMOVED, t.key, [s.name]))
+    if t.kind != TaskKind.MIGRATE:  # its destination may have begun draining meanwhile
         migration.file_key(core, t.key, o)
     core._log(["reps", t.key, o.reps])
     core._log(["task_end", msg.task, False])

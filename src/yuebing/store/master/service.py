@@ -28,6 +28,14 @@ import zmq
 from yuebing.core.clock import Clock
 from yuebing.protocol import Message, ProtocolError, decode, encode
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import (
+    KvEvents,
+    ReplAck,
+    ReplEntries,
+    ReplSnapshot,
+    ReplSubscribe,
+    TaskDone,
+)
 from yuebing.store.config import MasterConfig
 from yuebing.store.master import replication, segments
 from yuebing.store.master.core import MasterCore
@@ -171,10 +179,10 @@ class MasterService:
 
     def _dispatch(self, msg: Message, cid: int, rid: int) -> Message | None:
         t = type(msg)
-        if t is m.ReplSubscribe or t is m.ReplAck:
+        if t is ReplSubscribe or t is ReplAck:
             if not self.leading:
                 return m.Err(code=C.NOT_LEADER, message="not the leader", leader=self._leader())
-            if t is m.ReplAck:
+            if t is ReplAck:
                 self.hub.ack(msg.standby, msg.seq)  # type: ignore[attr-defined]
                 return None
             for ident, entries in self.hub.publish():  # entries already in the core go first
@@ -204,7 +212,7 @@ class MasterService:
                 if sess is not None and sess.ident is not None and sess.ident in self.server.conns:
                     send(sess.ident, 0, encode(task))  # type: ignore[arg-type]
                 else:
-                    segments.task_done(core, m.TaskDone(  # not core.handle: no session touch
+                    segments.task_done(core, TaskDone(  # not core.handle: no session touch
                         client=client, task=task.task, ok=False,
                         message=f"node {client} is not connected"))
             core.outbox.clear()
@@ -231,7 +239,7 @@ class MasterService:
         if self.pub is None:
             return
         self.event_seq += 1
-        self.pub.send(encode(m.KvEvents(seq=self.event_seq, kinds=[int(e[0]) for e in evs],
+        self.pub.send(encode(KvEvents(seq=self.event_seq, kinds=[int(e[0]) for e in evs],
                                         keys=[e[1] for e in evs], holders=[e[2] for e in evs])))
 
     # ------------------------------------------------------------------ roles
@@ -261,7 +269,7 @@ class MasterService:
         self._unfollow()
         try:
             s = FrameSocket(leader, self.cfg.repl_timeout_s)
-            s.send(1, encode(m.ReplSubscribe(standby=self.name)))
+            s.send(1, encode(ReplSubscribe(standby=self.name)))
         except OSError as e:
             log.warning("cannot reach leader %s: %s", leader, e)
             return
@@ -292,10 +300,10 @@ class MasterService:
     def _apply_follow(self, msg: Message) -> None:
         assert self._follow is not None
         with self.lock:
-            if isinstance(msg, m.ReplSnapshot):
+            if isinstance(msg, ReplSnapshot):
                 replication.load_snapshot(self.core, msg.state)
                 self._follow_seq = msg.seq
-            elif isinstance(msg, m.ReplEntries):
+            elif isinstance(msg, ReplEntries):
                 if msg.first_seq != self._follow_seq + 1:
                     log.error("replication gap (%d after %d); re-subscribing",
                               msg.first_seq, self._follow_seq)
@@ -305,4 +313,4 @@ class MasterService:
                 self._follow_seq += len(msg.entries)
             else:
                 return
-        self._follow.send(2, encode(m.ReplAck(standby=self.name, seq=self._follow_seq)))
+        self._follow.send(2, encode(ReplAck(standby=self.name, seq=self._follow_seq)))

@@ -80,7 +80,7 @@ class Session:
 
 class Task:
     """An in-flight copy run by a node: a DRAM<->SSD tier move (``kind`` OFFLOAD / PROMOTE) or a
-    drain migration to another segment (MIGRATE); ``kind`` is a `messages.TaskKind` value.
+    drain migration to another segment (MIGRATE); ``kind`` is a `cluster_messages.TaskKind` value.
     ``client`` is the node the `NodeTask` went to (only its `TaskDone` counts); ``expiry`` (the
     master's clock) is when the node must stop writing ``dst`` (`NodeTask.expires_in_s`)."""
 
@@ -99,4 +99,4 @@ class Task:
 
     @property
     def promote(self) -> bool:
-        return self.kind == 1  # TaskKind.PROMOTE (state.py imports no messages)
+        return self.kind == 1  # TaskKind.PROMOTE (state.py imports no message module)

@@ -37,6 +37,7 @@ from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.protocol import Message
 from yuebing.store import messages as m
 from yuebing.store.client.rpc import MasterConnection, StoreRpcError
+from yuebing.store.cluster_messages import NodeTask, TaskDone, TaskKind
 from yuebing.store.config import ClientConfig, NodeConfig
 from yuebing.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
 from yuebing.transfer.liveness import sweep_dead_segments
@@ -75,10 +76,10 @@ class StorageNode:
         ssd = cfg.ssd_dir_size
         if ssd is not None:
             self._open_ssd(*ssd)
-        self.tasks: deque[tuple[m.NodeTask, float]] = deque()  # (task, monotonic deadline)
+        self.tasks: deque[tuple[NodeTask, float]] = deque()  # (task, monotonic deadline)
         self._heard = time.monotonic()  # when the loop last finished reading the master socket
         # migrations in flight: batch id -> (task, source buffer kept alive until the batch ends)
-        self._moving: dict[BatchId, tuple[m.NodeTask, memoryview]] = {}
+        self._moving: dict[BatchId, tuple[NodeTask, memoryview]] = {}
         self.conn = MasterConnection(self.ccfg.masters, self.ccfg.rpc_timeout_s,
                                      self.ccfg.failover_s, on_push=self._on_push)
         self._stop = threading.Event()
@@ -170,16 +171,16 @@ class StorageNode:
         """A master push, handed over while `_step` polls or `_call` waits for a reply. A task's
         deadline counts from ``_heard`` (the end of the read before this one), which is no
         later than the push's arrival however long the loop was busy before reading it."""
-        if isinstance(msg, m.NodeTask):
+        if isinstance(msg, NodeTask):
             limit = msg.expires_in_s if msg.expires_in_s > 0 else float("inf")
             self.tasks.append((msg, self._heard + limit))
 
-    def _run_task(self, t: m.NodeTask, deadline: float) -> None:
+    def _run_task(self, t: NodeTask, deadline: float) -> None:
         try:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise StoreError(f"task {t.task} reached its write expiry before it started")
-            if t.kind == m.TaskKind.MIGRATE:
+            if t.kind == TaskKind.MIGRATE:
                 self._start_migration(t, left)
                 return
             self.copy(t)
@@ -189,12 +190,12 @@ class StorageNode:
             return
         self._done(t, True, "")
 
-    def _done(self, t: m.NodeTask, ok: bool, why: str) -> None:
+    def _done(self, t: NodeTask, ok: bool, why: str) -> None:
         self.tasks_done += 1
         with contextlib.suppress(StoreError):
-            self._call(m.TaskDone(client=self.client_id, task=t.task, ok=ok, message=why))
+            self._call(TaskDone(client=self.client_id, task=t.task, ok=ok, message=why))
 
-    def _start_migration(self, t: m.NodeTask, left_s: float) -> None:
+    def _start_migration(self, t: NodeTask, left_s: float) -> None:
         """Submit the write of our replica to ``t.dst_segment`` as a batch ending within
         ``left_s`` (the task's write expiry; its frames carry it, so the destination refuses
         them after it); `_reap_migrations` reports it."""
@@ -236,9 +237,9 @@ class StorageNode:
                 log.error("migration task %d failed: %s", t.task, why)
             self._done(t, ok, why)
 
-    def copy(self, t: m.NodeTask) -> None:
+    def copy(self, t: NodeTask) -> None:
         """Copy between this node's DRAM segment and SSD file (OFFLOAD / PROMOTE tasks)."""
-        if t.kind not in (m.TaskKind.OFFLOAD, m.TaskKind.PROMOTE):
+        if t.kind not in (TaskKind.OFFLOAD, TaskKind.PROMOTE):
             raise StoreError(f"task {t.task} has unknown kind {t.kind}")
         view = self.segment.view
         if self._ssd_fd < 0:
@@ -364,6 +365,6 @@ class StorageNode:
 
 def _kind_name(kind: int) -> str:
     try:
-        return m.TaskKind(kind).name.lower()
+        return TaskKind(kind).name.lower()
     except ValueError:
         return f"kind {kind}"
