@@ -7,9 +7,7 @@ sockets)."""
 from __future__ import annotations
 
 import msgspec
-from test_store_master_core import make, put
-from test_store_replication import durable, leader_and_standby, ship
-from test_store_reserve import SIZE, commit, start
+from master_factories import SIZE, commit, durable, leader_and_standby, make, put, ship, start
 
 from yuebing.store import messages as m
 from yuebing.store.cluster_messages import EventKind
@@ -220,3 +218,17 @@ def test_a_standby_loaded_from_a_snapshot_answers_a_retried_commit() -> None:
     refused = standby.handle(m.PutCommit(client="c", reservation=t.reservation.key,
                                          item=m.PutItem(key="a", size=KiB)))
     assert isinstance(refused, m.Err) and refused.code == C.NOT_PENDING
+
+
+def test_a_retried_commit_with_a_checksum_succeeds_after_the_record_forgot_it() -> None:
+    core, _ = make(dram=16 * 1024 * 1024)
+    r = start(core, "a", size=64).reservation
+    assert isinstance(commit(core, r.key, "K", size=64, checksum=12345, nxt=False),
+                      m.PutCommitted)  # its reply is lost
+    for i in range(reserve.RECENT_CLIENTS):  # the bounded record forgets the client
+        got = start(core, f"e{i}", client=f"o{i}", size=64).reservation
+        commit(core, got.key, f"f{i}", client=f"o{i}", size=64, nxt=False)
+    again = commit(core, r.key, "K", size=64, checksum=12345, nxt=False)  # the RPC retry
+    assert isinstance(again, m.PutCommitted), again
+    other = commit(core, r.key, "K", size=64, checksum=999, nxt=False)  # not the same bytes
+    assert isinstance(other, m.Err) and other.code == m.Code.NOT_PENDING

@@ -4,62 +4,17 @@ on a draining segment are copied to an active DRAM segment before the node unmou
 from __future__ import annotations
 
 import pytest
+from drain_factories import MIGRATE, KiB, done, drain, holders, make, put, tasks, used
 
 from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
-from yuebing.store.cluster_messages import EventKind, NodeTask, TaskDone, TaskKind
+from yuebing.store.cluster_messages import EventKind, TaskKind
 from yuebing.store.config import MasterConfig
 from yuebing.store.master import replication
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.migration import MAX_ATTEMPTS
 
 C = m.Code
-KiB = 1024
-MIGRATE = TaskKind.MIGRATE
-
-
-def make(segs: int = 3, dram: int = 64 * KiB, ssd: int = 0, **cfg) -> MasterCore:
-    core = MasterCore(MasterConfig(alignment=1024, **cfg), VirtualClock(100.0))
-    core.log = []
-    for i in range(segs):
-        assert core.handle(m.Mount(client=f"n{i}", segment=f"n{i}/dram", size=dram,
-                                   node=f"n{i}")) == m.Ok()
-        if ssd:
-            assert core.handle(m.Mount(client=f"n{i}", segment=f"n{i}/ssd", size=ssd,
-                                       tier=m.Tier.SSD, node=f"n{i}")) == m.Ok()
-    return core
-
-
-def put(core: MasterCore, key: str, *segs: str, size: int = 4 * KiB, **kw) -> None:
-    r = core.handle(m.PutStart(client="c", item=m.PutItem(
-        key=key, size=size, replicas=len(segs), strategy="preferred", preferred=list(segs), **kw)))
-    assert [x.segment for x in r.replicas] == list(segs)
-    assert core.handle(m.PutEnd(client="c", key=key)) == m.Ok()
-
-
-def holders(core: MasterCore, key: str) -> list[str]:
-    return [core.segs[s].name for s, _ in core.objs[key].reps]
-
-
-def used(core: MasterCore, seg: str) -> int:
-    return core.segs[core.seg_by_name[seg]].alloc.used
-
-
-def drain(core: MasterCore, seg: str) -> int:
-    r = core.handle(m.Drain(client=seg.split("/")[0], segment=seg))
-    assert isinstance(r, m.DrainStatus), r
-    return r.at_risk
-
-
-def tasks(core: MasterCore) -> list[tuple[str, NodeTask]]:
-    out = list(core.outbox)
-    core.outbox.clear()
-    return out
-
-
-def done(core: MasterCore, owner: str, task: NodeTask, ok: bool = True) -> None:
-    assert core.handle(TaskDone(client=owner, task=task.task, ok=ok,
-                                  message="" if ok else "peer gone")) == m.Ok()
 
 
 def test_sole_copies_migrate_replicated_values_are_not_copied() -> None:

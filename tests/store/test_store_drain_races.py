@@ -8,7 +8,7 @@ import time
 from collections import deque
 
 import pytest
-from test_store_drain import KiB, done, drain, holders, make, put, tasks, used
+from drain_factories import KiB, done, drain, holders, make, put, tasks, used
 
 from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m

@@ -4,7 +4,7 @@ reader who was given a draining replica (or leased the value before the drain be
 
 from __future__ import annotations
 
-from test_store_drain import KiB, done, drain, holders, make, put, tasks
+from drain_factories import KiB, done, drain, holders, make, put, tasks
 
 from yuebing.store import messages as m
 from yuebing.store.cluster_messages import TaskKind

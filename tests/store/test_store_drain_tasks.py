@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from test_store_drain import MIGRATE, KiB, done, drain, holders, make, put, tasks, used
+from drain_factories import MIGRATE, KiB, done, drain, holders, make, put, tasks, used
 
 from yuebing.core.clock import VirtualClock
 from yuebing.core.errors import StoreError

@@ -3,41 +3,17 @@
 from __future__ import annotations
 
 import pytest
+from master_factories import KiB, exists, make, put
 
-from yuebing.core.clock import VirtualClock
 from yuebing.core.config import replace
 from yuebing.core.errors import ConfigError
 from yuebing.protocol.codec import decode, encode
 from yuebing.store import messages as m
 from yuebing.store.cluster_messages import EventKind, TaskDone
-from yuebing.store.config import MasterConfig
+from yuebing.store.config import ClientConfig, MasterConfig
 from yuebing.store.master.allocator import OffsetAllocator
-from yuebing.store.master.core import MasterCore
 
 C = m.Code
-KiB = 1024
-
-
-def make(dram: int = 64 * KiB, segs: int = 1, ssd: int = 0, **cfg) -> tuple[MasterCore, VirtualClock]:
-    clock = VirtualClock(100.0)
-    core = MasterCore(MasterConfig(alignment=1024, **cfg), clock)
-    for i in range(segs):
-        assert core.handle(m.Mount(client=f"n{i}", segment=f"n{i}/dram", size=dram)) == m.Ok()
-        if ssd:
-            assert core.handle(m.Mount(client=f"n{i}", segment=f"n{i}/ssd", size=ssd,
-                                       tier=m.Tier.SSD)) == m.Ok()
-    return core, clock
-
-
-def put(core: MasterCore, key: str, size: int = 4 * KiB, client: str = "c", **kw) -> m.Message:
-    r = core.handle(m.PutStart(client=client, item=m.PutItem(key=key, size=size, **kw)))
-    if isinstance(r, m.PutTargets):
-        return core.handle(m.PutEnd(client=client, key=key))
-    return r
-
-
-def exists(core: MasterCore, *keys: str) -> list[bool]:
-    return core.handle(m.BatchExists(keys=list(keys))).values
 
 
 def test_allocator_best_fit_coalesce_and_rebuild() -> None:
@@ -300,7 +276,7 @@ def test_offload_of_a_value_read_meanwhile_keeps_dram_until_lease_ends() -> None
 
 
 def test_configs_reject_bad_values() -> None:
-    from yuebing.store.config import ClientConfig, NodeConfig
+    from yuebing.store.config import NodeConfig
 
     with pytest.raises(ConfigError, match="--ssd must be DIR:SIZE"):
         NodeConfig(ssd="/tmp/x")
@@ -311,6 +287,19 @@ def test_configs_reject_bad_values() -> None:
         ClientConfig(master=" , ")
     with pytest.raises(ConfigError, match="--placement must be one of"):
         MasterConfig(placement="closest")
+
+
+@pytest.mark.parametrize("field", ["put_timeout_s", "client_ttl_s", "lease_ttl_s", "tick_s",
+                                   "repl_timeout_s"])
+def test_master_durations_must_be_finite(field: str) -> None:
+    with pytest.raises(ConfigError, match="finite number of seconds"):
+        MasterConfig(**{field: float("inf")})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field", ["rpc_timeout_s", "heartbeat_s", "transfer_timeout_s"])
+def test_client_durations_must_be_finite(field: str) -> None:
+    with pytest.raises(ConfigError, match="finite number of seconds"):
+        ClientConfig(**{field: float("inf")})  # type: ignore[arg-type]
 
 
 def test_drain_stops_placement_and_drops_redundant_replicas_once_leases_end() -> None:

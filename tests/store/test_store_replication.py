@@ -3,34 +3,11 @@ metadata, and after take-over its allocators never hand out a range a committed 
 
 from __future__ import annotations
 
-from yuebing.core.clock import VirtualClock
+from master_factories import KiB, durable, leader_and_standby, ship
+
 from yuebing.store import messages as m
-from yuebing.store.config import MasterConfig
 from yuebing.store.master import replication
-from yuebing.store.master.core import MasterCore
 from yuebing.store.master.state import ObjState
-
-KiB = 1024
-
-
-def durable(core: MasterCore) -> tuple:
-    return ({k: (o.size, o.checksum, [tuple(r) for r in o.reps], int(o.state), o.pin)
-             for k, o in core.objs.items()},
-            {s.id: (s.name, s.size, s.tier, s.client, int(s.state)) for s in core.segs.values()})
-
-
-def leader_and_standby() -> tuple[MasterCore, MasterCore, replication.ReplicationHub]:
-    cfg = MasterConfig(alignment=1024)
-    leader = MasterCore(cfg, VirtualClock(10.0))
-    leader.log = []
-    standby = MasterCore(cfg, VirtualClock(5000.0))  # another host's clock
-    hub = replication.ReplicationHub(leader, 1.0)
-    return leader, standby, hub
-
-
-def ship(hub: replication.ReplicationHub, standby: MasterCore) -> None:
-    for _, msg in hub.publish():
-        replication.apply_entries(standby, msg.entries)
 
 
 def test_snapshot_then_entries_reproduce_durable_state() -> None:

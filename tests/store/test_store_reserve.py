@@ -3,30 +3,13 @@ PutCommit, refused precisely, reclaimed and fenced when abandoned (virtual clock
 
 from __future__ import annotations
 
-from test_store_master_core import exists, make, put
+from master_factories import SIZE, KiB, commit, exists, make, put, start
 
 from yuebing.store import messages as m
 from yuebing.store.cluster_messages import EventKind
 from yuebing.store.master import eviction
-from yuebing.store.master.core import MasterCore
 
 C = m.Code
-KiB = 1024
-SIZE = 4 * KiB
-
-
-def start(core: MasterCore, key: str, client: str = "c", **kw) -> m.PutTargets:
-    kw.setdefault("size", SIZE)
-    t = core.handle(m.PutStart(client=client, item=m.PutItem(key=key, **kw), reserve_next=True))
-    assert isinstance(t, m.PutTargets) and t.reservation is not None, t
-    return t
-
-
-def commit(core: MasterCore, resv: str, key: str, client: str = "c", nxt: bool = True,
-           **kw) -> m.Message:
-    kw.setdefault("size", SIZE)
-    return core.handle(m.PutCommit(client=client, reservation=resv, item=m.PutItem(key=key, **kw),
-                                   reserve_next=nxt))
 
 
 def test_reservation_is_invisible_to_every_listing_probe_and_removal() -> None:

@@ -4,8 +4,7 @@ nothing, the caps hold, and standbys hold the same lists (virtual clock, no sock
 
 from __future__ import annotations
 
-from test_store_master_core import exists, make, put
-from test_store_replication import durable, leader_and_standby, ship
+from master_factories import durable, exists, leader_and_standby, make, put, ship
 
 from yuebing.store import messages as m
 from yuebing.store.master import replication, reserve
