@@ -89,7 +89,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, prefix: str = ""
     field named in ``only`` (a command that uses a few of them offers no flags it ignores).
 
     Nested dataclass fields are skipped (compose them with their own prefix). Defaults are left
-    as ``None`` so `config_from_args` only overrides what the user typed.
+    as ``None`` so `config_from_args` only overrides what the user typed. A field whose
+    metadata says ``"secret": True`` (the cluster token) never shows its default in the help.
     """
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
@@ -103,7 +104,9 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, prefix: str = ""
             continue
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-        help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        help_text = f.metadata.get('help', '')
+        if not f.metadata.get("secret"):  # a secret's default (from the environment) stays unseen
+            help_text += f" (default: {default})"
         flag = _flag(prefix, f.name)
         dest = prefix + f.name
         if tp is bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from yuebing.core.auth import TOKEN_HELP, env_cluster_token, host_of, require_token
 from yuebing.core.config import require
 
 PLACEMENTS = ("random", "free_ratio", "local_first", "preferred")
@@ -19,6 +20,8 @@ class MasterConfig:
 
     rpc_address: str = field(default="tcp://127.0.0.1:50151",
                              metadata={"help": "ZeroMQ address the master RPC binds"})
+    cluster_token: str = field(default_factory=env_cluster_token, repr=False, metadata={
+        "help": TOKEN_HELP + "; also sent when following a leader", "secret": True})
     events_address: str = field(default="", metadata={
         "help": "ZeroMQ PUB address for the KV-event stream ('' = no stream)"})
     admin_host: str = field(default="127.0.0.1", metadata={
@@ -110,6 +113,7 @@ class MasterConfig:
                 f"--rpc-buffer-bytes ({self.rpc_buffer_bytes}) must be at least "
                 f"--max-request-bytes ({self.max_request_bytes})")
         _seconds("--frame-timeout-s", self.frame_timeout_s)
+        require_token("--rpc-address", host_of(self.rpc_address), self.cluster_token)
         require(0 <= self.admin_port < 65536, f"--admin-port out of range: {self.admin_port}")
         require(bool(self.admin_host), "--admin-host must name an address, e.g. 127.0.0.1")
         require(self.election_ttl_s >= 1, f"--election-ttl-s must be >= 1, got {self.election_ttl_s}")
@@ -202,6 +206,9 @@ class NodeConfig:
         "help": "address the admin HTTP binds (127.0.0.1: this host only)"})
     admin_port: int = field(default=0, metadata={
         "help": "admin HTTP port (/health /metrics); 0 = off"})
+    cluster_token: str = field(default_factory=env_cluster_token, repr=False, metadata={
+        "help": "the cluster token the master requires (its --cluster-token; default: "
+                "$YUEBING_CLUSTER_TOKEN)", "secret": True})
 
     def __post_init__(self) -> None:
         require(self.dram > 0, f"--dram must be > 0, got {self.dram}")

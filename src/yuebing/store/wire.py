@@ -7,6 +7,10 @@ blocking client side, which talks only to masters and accepts frames up to ``MAX
 master's side, with the limits it puts on peers, is `wire_server.FrameServer`. Request id 0
 marks a push (master → node task, replication entries).
 
+With a cluster token (`core.auth`), a connection starts with `auth_preamble(token)` (magic +
+SHA-256 of the token, ``AUTH_LEN`` bytes) before its first frame; the server reads nothing
+else from a connection until it has checked it, and closes one that sends anything else.
+
 The client can poll briefly before it blocks (``spin_s``, `Spinner`): a process that sleeps in
 the kernel waiting for a loopback reply is woken by an inter-processor interrupt, which on a
 virtual machine without guest halt-polling costs ~20 us per wake-up — more than the master's
@@ -16,6 +20,7 @@ spinning for a while when the CPU is contended by other work.
 
 from __future__ import annotations
 
+import hashlib
 import select
 import socket
 import struct
@@ -26,6 +31,14 @@ from yuebing.core.spin import Spinner
 HEADER = struct.Struct("<IQ")
 MAX_FRAME = 1 << 30
 RECV = 1 << 20
+AUTH_MAGIC = b"YBTOKEN1"
+AUTH_LEN = len(AUTH_MAGIC) + 32
+"""Bytes of `auth_preamble`: what a connection sends first when the cluster has a token."""
+
+
+def auth_preamble(token: str) -> bytes:
+    """The first bytes a client sends on a connection to a master that requires ``token``."""
+    return AUTH_MAGIC + hashlib.sha256(b"yuebing-cluster-token\0" + token.encode()).digest()
 
 
 class FrameTooLarge(ValueError):
@@ -85,10 +98,13 @@ class FrameBuffer:
 class FrameSocket:
     """Blocking client connection; `call` sends a frame and waits for the matching reply."""
 
-    def __init__(self, address: str, timeout_s: float, spin_s: float = 0.0) -> None:
+    def __init__(self, address: str, timeout_s: float, spin_s: float = 0.0,
+                 token: str = "") -> None:
         self.address = address
         self.sock = socket.create_connection(parse_address(address), timeout=timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if token:
+            self.sock.sendall(auth_preamble(token))
         self.spin_s = spin_s
         self._spinner = Spinner()
         self._poll = select.poll()

@@ -13,6 +13,11 @@ connection holding the most is closed. A peer that sends requests without readin
 is not read from while its unsent replies exceed ``max_frame``. Each cut is logged with the
 peer's address and why; the server keeps serving the others.
 
+With a cluster token (``token``), a new connection must first send `wire.auth_preamble`: its
+bytes are collected in a buffer of ``AUTH_LEN`` bytes and compared (constant time) before any
+frame is parsed; anything else — a frame header from a client without the token, a wrong
+token, no preamble within ``frame_timeout_s`` — closes the connection, logged with the peer.
+
 After serving a request it polls briefly for the next (``spin_s``, `Spinner`) — only while
 requests have lately been arriving within the window (`GapPredictor`: a steady trickle of
 requests further apart, such as heartbeats, costs no spinning), at most ``spin_s`` of CPU per
@@ -21,6 +26,7 @@ request, and not while the CPU is contended.
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import logging
 import selectors
@@ -30,7 +36,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from yuebing.core.spin import GapPredictor, Spinner
-from yuebing.store.wire import HEADER, MAX_FRAME, RECV, FrameBuffer, FrameTooLarge, parse_address
+from yuebing.store.wire import (
+    AUTH_LEN,
+    AUTH_MAGIC,
+    HEADER,
+    MAX_FRAME,
+    RECV,
+    FrameBuffer,
+    FrameTooLarge,
+    auth_preamble,
+    parse_address,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +82,8 @@ class _Conn:
     being received (``started``: monotonic time of its first byte, 0 = none) or refused
     (``skip``: payload bytes still to drop, ``refused``: its request id and why)."""
 
-    __slots__ = ("backlog", "cid", "counted", "inb", "out", "paused", "peer", "refused", "skip",
-                 "sock", "started")
+    __slots__ = ("auth", "backlog", "cid", "counted", "inb", "out", "paused", "peer", "refused",
+                 "skip", "sock", "started")
 
     def __init__(self, sock: socket.socket, cid: int, peer: str, max_frame: int) -> None:
         self.sock = sock
@@ -81,6 +97,7 @@ class _Conn:
         self.paused = False
         self.counted = 0  # bytes of ``inb`` counted in the server's ``buffered``
         self.backlog: list[tuple[int, bytes]] = []  # frames read, not served while paused
+        self.auth: bytearray | None = None  # the token preamble so far, until it is checked
 
 
 Handler = Callable[[int, int, bytes], None]
@@ -92,8 +109,10 @@ class FrameServer:
     """Accepts connections and delivers frames to ``on_frame(conn id, rid, payload)``."""
 
     def __init__(self, address: str, on_frame: Handler, spin_s: float = 0.0,
-                 limits: FrameLimits | None = None, on_refused: Refused | None = None) -> None:
+                 limits: FrameLimits | None = None, on_refused: Refused | None = None,
+                 token: str = "") -> None:
         host, port = parse_address(address)
+        self._preamble = auth_preamble(token) if token else b""
         self.lsock = socket.create_server((host, port), backlog=512)
         self.lsock.setblocking(False)
         self.address = f"tcp://{host}:{self.lsock.getsockname()[1]}"
@@ -116,7 +135,10 @@ class FrameServer:
         self._partial: dict[int, _Conn] = {}  # connections with a frame under way
         self._next_sweep = 0.0
         self.cut = 0
-        """Connections closed for breaking a limit (oversized, too slow, over the budget)."""
+        """Connections closed for breaking a limit (oversized, too slow, over the budget) or
+        for their cluster token."""
+        self.refused_auth = 0
+        """Connections closed for a missing or wrong cluster token."""
 
     def watch(self, sock: socket.socket, on_readable: Callable[[], None]) -> None:
         """Also poll ``sock`` (e.g. a follower connection) in this loop."""
@@ -164,6 +186,10 @@ class FrameServer:
             c = _Conn(sock, next(self._ids), f"{peer[0]}:{peer[1]}", self.limits.max_frame)
             self.conns[c.cid] = c
             self.sel.register(sock, selectors.EVENT_READ, c)
+            if self._preamble:  # nothing is parsed before the token; its wait has a deadline
+                c.auth = bytearray()
+                c.started = time.monotonic()
+                self._partial[c.cid] = c
 
     def _read(self, c: _Conn) -> None:
         try:
@@ -176,6 +202,10 @@ class FrameServer:
             self.close_conn(c.cid)
             return
         data = self._rview[:n]
+        if c.auth is not None:
+            data = self._authenticate(c, data)
+            if not data:
+                return
         if c.skip:  # the payload of a refused frame: dropped as it arrives
             k = min(n, c.skip)
             c.skip -= k
@@ -187,6 +217,31 @@ class FrameServer:
             if not self._parse(c):
                 return
         self._track(c)
+
+    def _authenticate(self, c: _Conn, data: memoryview) -> memoryview:
+        """Take ``c``'s token preamble from ``data``; the bytes after it (empty while it is
+        incomplete or when ``c`` was closed for a wrong one)."""
+        assert c.auth is not None
+        k = min(len(data), AUTH_LEN - len(c.auth))
+        c.auth += data[:k]
+        head = min(len(c.auth), len(AUTH_MAGIC))
+        if c.auth[:head] != AUTH_MAGIC[:head]:
+            self._refuse_auth(c, "no cluster token (the client was started without it)")
+            return data[:0]
+        if len(c.auth) < AUTH_LEN:
+            return data[:0]
+        if not hmac.compare_digest(bytes(c.auth), self._preamble):
+            self._refuse_auth(c, "wrong cluster token")
+            return data[:0]
+        c.auth = None
+        c.started = 0.0
+        self._partial.pop(c.cid, None)
+        return data[k:]
+
+    def _refuse_auth(self, c: _Conn, why: str) -> None:
+        self.cut += 1
+        self.refused_auth += 1
+        self._drop(c, f"refused: {why}")
 
     def _parse(self, c: _Conn) -> bool:
         """Deliver the complete frames of ``c``'s buffer, refusing oversized ones, then count
@@ -264,7 +319,9 @@ class FrameServer:
 
     def _check_deadline(self, c: _Conn, now: float) -> None:
         limit = self.limits.frame_timeout_s
-        if limit and c.started and now - c.started > limit:
+        if limit and c.started and now - c.started > limit and c.auth is not None:
+            self._refuse_auth(c, f"no cluster token within {limit}s of connecting")
+        elif limit and c.started and now - c.started > limit:
             self.cut += 1
             self._drop(c, f"a frame still incomplete {now - c.started:.1f}s after its first "
                           f"byte (limit {limit}s; {len(c.inb.buf) + c.skip} bytes held or "

@@ -6,7 +6,9 @@ late reply to a call that already timed out is recognised and dropped. A reply
 of the configured list; either way the call is retried until ``failover_s`` has passed. Pushes
 from the master (node tasks) arrive with an empty id and are handed to ``on_push``.
 `MasterConnection` is for one thread; `AsyncMasterConnection` multiplexes concurrent calls of
-one asyncio loop on one socket.
+one asyncio loop on one socket. Both open every connection with the cluster token's preamble
+(`wire.auth_preamble`) when they have one: ``token``, by default the process's
+``$YUEBING_CLUSTER_TOKEN`` (`core.auth`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from yuebing.core.auth import env_cluster_token
 from yuebing.core.errors import StoreError
 from yuebing.protocol import Message, ProtocolError, decode, encode
 from yuebing.store import messages as m
-from yuebing.store.wire import HEADER, FrameSocket, parse_address
+from yuebing.store.wire import HEADER, FrameSocket, auth_preamble, parse_address
 
 log = logging.getLogger(__name__)
 C = m.Code
@@ -55,9 +58,11 @@ def removed_codes(codes: list[int], resent: bool) -> list[int]:
 
 
 class _Base:
-    def __init__(self, masters: list[str], timeout_s: float, failover_s: float) -> None:
+    def __init__(self, masters: list[str], timeout_s: float, failover_s: float,
+                 token: str | None) -> None:
         if not masters:
             raise StoreError("no master address given")
+        self.token = env_cluster_token() if token is None else token
         self.masters = list(masters)
         self.timeout_s = timeout_s
         self.failover_s = failover_s
@@ -135,15 +140,16 @@ class MasterConnection(_Base):
     """Blocking request/reply to the leader master; not thread-safe."""
 
     def __init__(self, masters: list[str], timeout_s: float = 5.0, failover_s: float = 15.0,
-                 on_push: Callable[[Message], None] | None = None, spin_s: float = 0.0) -> None:
-        super().__init__(masters, timeout_s, failover_s)
+                 on_push: Callable[[Message], None] | None = None, spin_s: float = 0.0,
+                 token: str | None = None) -> None:
+        super().__init__(masters, timeout_s, failover_s, token)
         self.on_push = on_push
         self.spin_s = spin_s
         self.sock: FrameSocket | None = None
 
     def _connect(self, timeout_s: float) -> FrameSocket:
         self.close()
-        self.sock = FrameSocket(self.address, timeout_s, self.spin_s)
+        self.sock = FrameSocket(self.address, timeout_s, self.spin_s, self.token)
         return self.sock
 
     def call(self, msg: Message) -> Message:
@@ -268,8 +274,9 @@ class MasterConnection(_Base):
 class AsyncMasterConnection(_Base):
     """asyncio request/reply: many concurrent calls share one connection and a reader task."""
 
-    def __init__(self, masters: list[str], timeout_s: float = 5.0, failover_s: float = 15.0) -> None:
-        super().__init__(masters, timeout_s, failover_s)
+    def __init__(self, masters: list[str], timeout_s: float = 5.0, failover_s: float = 15.0,
+                 token: str | None = None) -> None:
+        super().__init__(masters, timeout_s, failover_s, token)
         self._writer: asyncio.StreamWriter | None = None
         self._waiters: dict[int, asyncio.Future[Message]] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -287,6 +294,8 @@ class AsyncMasterConnection(_Base):
         host, port = parse_address(self.address)
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
                                                 self.timeout_s)
+        if self.token:
+            writer.write(auth_preamble(self.token))
         self._writer = writer
         self._reader = asyncio.get_running_loop().create_task(self._read(reader, writer))
         return writer

@@ -92,7 +92,7 @@ class MasterService:
         self.core = MasterCore(cfg, clock)
         self.core.log = None
         self.server = FrameServer(cfg.rpc_address, self._on_frame, cfg.spin_us * 1e-6,
-                                  limits_of(cfg), self._refused)
+                                  limits_of(cfg), self._refused, token=cfg.cluster_token)
         self.address = self.server.address
         self.ctx: zmq.Context | None = None
         self.pub: zmq.Socket | None = None
@@ -268,7 +268,7 @@ class MasterService:
     def _subscribe(self, leader: str) -> None:
         self._unfollow()
         try:
-            s = FrameSocket(leader, self.cfg.repl_timeout_s)
+            s = FrameSocket(leader, self.cfg.repl_timeout_s, token=self.cfg.cluster_token)
             s.send(1, encode(ReplSubscribe(standby=self.name)))
         except OSError as e:
             log.warning("cannot reach leader %s: %s", leader, e)

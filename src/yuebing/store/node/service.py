@@ -81,7 +81,8 @@ class StorageNode:
         # migrations in flight: batch id -> (task, source buffer kept alive until the batch ends)
         self._moving: dict[BatchId, tuple[NodeTask, memoryview]] = {}
         self.conn = MasterConnection(self.ccfg.masters, self.ccfg.rpc_timeout_s,
-                                     self.ccfg.failover_s, on_push=self._on_push)
+                                     self.ccfg.failover_s, on_push=self._on_push,
+                                     token=cfg.cluster_token)
         self._stop = threading.Event()
         self.tasks_done = 0
 

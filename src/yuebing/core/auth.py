@@ -1,0 +1,62 @@
+"""The cluster token: one shared secret that every RPC and control port of a cluster requires
+once a process binds beyond loopback (the store master's RPC, the instances' control sockets;
+the Conductor's HTTP API requires ``--api-key`` instead).
+
+Rules (`require_token`, called by the configs' validation): a port bound to a loopback address
+(127.0.0.0/8, ::1, ``localhost``) or to ``ipc://``/``inproc://`` needs no token; any other bind
+without a token is a start-up error naming the flag. With a token set, a process requires it
+on every port it serves and sends it on every connection it dials, whatever the address: one
+cluster, one token. The token is ``--cluster-token`` or, when that flag is absent, the
+environment variable ``YUEBING_CLUSTER_TOKEN`` (`env_cluster_token`, the configs' default) —
+the variable is how ``yuebing serve`` hands it to the roles it starts, keeping it off their
+command lines. The token authenticates; it does not encrypt (run a cluster on a network you
+trust, or in a tunnel).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+from yuebing.core.errors import ConfigError
+
+CLUSTER_TOKEN_ENV = "YUEBING_CLUSTER_TOKEN"
+"""Environment variable holding the cluster token (default of every ``--cluster-token``)."""
+
+TOKEN_HELP = ("shared secret every RPC/control port of the cluster requires (required when a "
+              f"port binds beyond 127.0.0.1; default: ${CLUSTER_TOKEN_ENV})")
+"""Help text of every ``--cluster-token`` flag."""
+
+
+def env_cluster_token() -> str:
+    """The token from ``YUEBING_CLUSTER_TOKEN`` ('' when unset)."""
+    return os.environ.get(CLUSTER_TOKEN_ENV, "")
+
+
+def host_of(address: str) -> str:
+    """The host of ``tcp://host:port`` / ``host:port`` ('' for ``ipc://``, ``inproc://``)."""
+    if address.startswith(("ipc://", "inproc://")):
+        return ""
+    rest = address.split("://", 1)[-1]
+    host = rest.rpartition(":")[0] if ":" in rest else rest
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``; '' = a local ipc/inproc endpoint) is
+    reachable from this host only. A wildcard (0.0.0.0, ::) or a name is not."""
+    if host in ("", "localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def require_token(flag: str, host: str, token: str) -> None:
+    """`ConfigError` when ``host`` (bound by ``flag``) is not loopback and ``token`` is empty."""
+    if token or is_loopback(host):
+        return
+    raise ConfigError(f"{flag} binds {host!r}, beyond this host: set a cluster token "
+                      f"(--cluster-token or ${CLUSTER_TOKEN_ENV}) so connections without it "
+                      "are refused, or bind 127.0.0.1")
