@@ -33,6 +33,13 @@ def env_cluster_token() -> str:
     return os.environ.get(CLUSTER_TOKEN_ENV, "")
 
 
+def adopt_cluster_token(token: str) -> None:
+    """Make ``token`` (a role's ``--cluster-token``) the process's, so the dialers that default
+    to the environment (store clients, instance clients) send it too."""
+    if token:
+        os.environ[CLUSTER_TOKEN_ENV] = token
+
+
 def host_of(address: str) -> str:
     """The host of ``tcp://host:port`` / ``host:port`` ('' for ``ipc://``, ``inproc://``)."""
     if address.startswith(("ipc://", "inproc://")):

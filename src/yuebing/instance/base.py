@@ -46,6 +46,7 @@ from yuebing.instance.config import InstanceConfig
 from yuebing.instance.connector import KVConnector, KVConnectorConfig, Loaded
 from yuebing.instance.driver import EngineDriver
 from yuebing.instance.kvkeys import store_block_keys
+from yuebing.ops.zap import TokenAuthenticator, serve_plain
 from yuebing.protocol import Message, ProtocolError, decode, encode
 from yuebing.protocol.instance import (
     Ack,
@@ -157,6 +158,7 @@ class Instance:
         self._resync = True
         self.loop: asyncio.AbstractEventLoop | None = None
         self.sock: zmq.asyncio.Socket | None = None
+        self.zap: TokenAuthenticator | None = None
         self.control_address = ""
         self.instance_id = cfg.instance_id
         self._stopping = False
@@ -190,7 +192,7 @@ class Instance:
     async def start(self) -> str:
         """Bind the control socket; returns its address."""
         self.loop = asyncio.get_running_loop()
-        self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self.sock = self._control_socket()
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         host = self.cfg.host
@@ -206,6 +208,18 @@ class Instance:
                  self.cfg.role, self.instance_id, self.control_address,
                  self.engine.model_config.name, self.engine.allocator.num_blocks)
         return self.control_address
+
+    def _control_socket(self) -> zmq.asyncio.Socket:
+        """The control ROUTER; with a cluster token, in a context of its own whose ZAP handler
+        admits only peers presenting it (`ops.zap`)."""
+        if not self.cfg.cluster_token:
+            return zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        ctx = zmq.asyncio.Context()
+        self.zap = TokenAuthenticator(ctx, self.cfg.cluster_token)
+        self.zap.start()
+        sock = ctx.socket(zmq.ROUTER)
+        serve_plain(sock)
+        return sock
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Answer control frames and push reports until ``stop`` is set."""
@@ -248,6 +262,8 @@ class Instance:
                 self.store.close()
         if self.sock is not None:
             self.sock.close(linger=500)  # let the last events (shutdown errors) go out
+        if self.zap is not None:
+            self.zap.stop()
         self.transfer.close()
 
     # ------------------------------------------------------------------ control frames

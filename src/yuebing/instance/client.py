@@ -8,6 +8,9 @@ queue of their request (`events(request_id)`), created by `submit`/`reserve` bef
 request is sent so no event is lost. If the instance goes silent, calls time out
 (`InstanceUnavailable`); the Conductor's liveness check (no report for the heartbeat timeout)
 decides when it is dead. Used by `yuebing.conductor`, `yuebing bench instance` and tests.
+With a cluster token (``token``, by default the process's ``$YUEBING_CLUSTER_TOKEN``) the
+DEALER presents it (`ops.zap.dial_plain`); an instance that requires another one, or none,
+never answers, so calls time out.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from yuebing.core.auth import env_cluster_token
 from yuebing.core.errors import YuebingError
+from yuebing.ops.zap import dial_plain
 from yuebing.protocol import Message, ProtocolError, decode, encode
 from yuebing.protocol.instance import (
     Ack,
@@ -64,7 +69,7 @@ class InstanceClient:
 
     def __init__(self, address: str, timeout_s: float = 5.0,
                  on_report: Callable[[LoadReport], None] | None = None,
-                 ctx: zmq.asyncio.Context | None = None) -> None:
+                 ctx: zmq.asyncio.Context | None = None, token: str | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.on_report = on_report
@@ -72,6 +77,9 @@ class InstanceClient:
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        token = env_cluster_token() if token is None else token
+        if token:
+            dial_plain(self._sock, token)
         self._sock.connect(address)
         self._seq = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Message]] = {}

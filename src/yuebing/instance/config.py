@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
+from yuebing.core.auth import TOKEN_HELP, env_cluster_token, require_token
 from yuebing.core.config import require
 
 ROLES = ("prefill", "decode", "coupled")
@@ -22,6 +23,9 @@ class InstanceConfig:
     advertise_host: str = field(default="", metadata={
         "help": "address peers use to reach this instance ('' = --host)"})
     control_port: int = field(default=0, metadata={"help": "control server port (0 = any)"})
+    cluster_token: str = field(default_factory=env_cluster_token, repr=False, metadata={
+        "help": TOKEN_HELP + "; required on the control socket, sent to peers and the store",
+        "secret": True})
     admin_host: str = field(default="127.0.0.1", metadata={
         "help": "address the admin HTTP (/health /metrics) binds (127.0.0.1: this host only)"})
     admin_port: int = field(default=0, metadata={"help": "admin HTTP port (0 = off)"})
@@ -82,6 +86,7 @@ class InstanceConfig:
         require(0 <= self.admin_port < 65536, f"admin_port must be 0..65535, got "
                 f"{self.admin_port}")
         require(bool(self.admin_host), "admin_host must name an address, e.g. 127.0.0.1")
+        require_token("--host", self.host, self.cluster_token)
         require(self.threads >= 1, f"threads must be >= 1, got {self.threads}")
         require(self.report_hz > 0, f"report_hz must be > 0, got {self.report_hz}")
         require(self.store_block_tokens > 0 and self.store_block_tokens % 16 == 0,

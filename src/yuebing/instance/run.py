@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 
+from yuebing.core.auth import adopt_cluster_token
 from yuebing.instance.base import Instance, serve_instance
 from yuebing.instance.config import InstanceConfig
 
@@ -28,6 +29,7 @@ def run_instance(cfg: InstanceConfig) -> int:
     """Build the role, serve its admin HTTP (``--admin-port``) beside the control loop."""
     from yuebing.instance.admin import admin_server
 
+    adopt_cluster_token(cfg.cluster_token)  # the store client and peer clients dial with it
     inst = build_instance(cfg)
     admin = admin_server(inst).start() if cfg.admin_port else None
     try:
