@@ -3,6 +3,8 @@
 host B runs ``yuebing serve decode --etcd ...`` alone. Each host has its own hostname (a UTS
 namespace), so the transfer engine sees two machines and moves KV over TCP. The Conductor
 finds the decode instance through etcd, and a chat request from host B is served end to end.
+Both hosts bind beyond loopback, so they share a cluster token (given in the environment) and
+the API takes an API key.
 Needs root (``ip netns``, ``unshare``) and etcd; skipped with the reason otherwise."""
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from serve_util import Serve, procs_mentioning
 from etcd_util import find_etcd
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd]
+TOKEN = {"YUEBING_CLUSTER_TOKEN": "two-hosts-token"}
+API_KEY = "two-hosts-key"
 
 
 @dataclass
@@ -102,7 +106,8 @@ body = json.dumps({"model": "smollm2-135m-instruct", "max_tokens": 8, "temperatu
 end = time.monotonic() + 120
 while True:
     req = urllib.request.Request(sys.argv[1] + "/v1/chat/completions", data=body.encode(),
-                                 headers={"content-type": "application/json"})
+                                 headers={"content-type": "application/json",
+                                          "authorization": "Bearer " + sys.argv[2]})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             print(r.read().decode()); break
@@ -120,14 +125,14 @@ def test_two_hosts_through_etcd(hosts: Hosts, tmp_path: Path) -> None:
     try:
         a = Serve(["serve", "--etcd", etcd_url, "--advertise-host", h.ip_a, "--host", h.ip_a,
                    "--port", "8000", "--prefill", "1", "--decode", "0", "--store-port", "50151",
-                   "--store-dram", "64MiB", "--log-dir", str(tmp_path / "a")],
-                  prefix=h.run_in(h.a, "yb-host-a"))
+                   "--store-dram", "64MiB", "--log-dir", str(tmp_path / "a"),
+                   "--api-key", API_KEY], prefix=h.run_in(h.a, "yb-host-a"), env=TOKEN)
         a.wait_for("Ctrl-C stops every process.")
         assert f"store master: tcp://{h.ip_a}:50151" in a.output()
         b = Serve(["serve", "decode", "--etcd", etcd_url, "--host", h.ip_b,
                    "--instance-id", "decode-b", "--store-master", f"tcp://{h.ip_a}:50151",
                    "--ready-file", str(tmp_path / "b.ready.json")],
-                  prefix=h.run_in(h.b, "yb-host-b"))
+                  prefix=h.run_in(h.b, "yb-host-b"), env=TOKEN)
         for _ in range(1200):
             if (tmp_path / "b.ready.json").exists() or b.proc.poll() is not None:
                 break
@@ -135,7 +140,7 @@ def test_two_hosts_through_etcd(hosts: Hosts, tmp_path: Path) -> None:
         hello = json.loads((tmp_path / "b.ready.json").read_text())
         assert hello["control_address"].startswith(f"tcp://{h.ip_b}:")
         out = subprocess.run(["ip", "netns", "exec", h.b, sys.executable, "-c", CLIENT,
-                              f"http://{h.ip_a}:8000"], capture_output=True, text=True,
+                              f"http://{h.ip_a}:8000", API_KEY], capture_output=True, text=True,
                              timeout=300)
         assert out.returncode == 0, out.stdout + out.stderr + a.output()
         reply = json.loads(out.stdout)

@@ -23,15 +23,17 @@ from yuebing.core.errors import ConfigError
 log = logging.getLogger(__name__)
 
 SERVE_FIELDS = ("prefill", "decode", "coupled", "host", "port", "advertise_host", "etcd",
-                "cluster", "store", "store_dram", "store_port")
+                "cluster", "store", "store_dram", "store_port", "cluster_token")
 
 MANAGED = {
     "conductor": {"--host", "--port", "--instances", "--etcd", "--cluster", "--store-events",
-                  "--store-admin", "--ready-file"},
+                  "--store-admin", "--ready-file", "--cluster-token"},
     "instance": {"--instance-id", "--host", "--advertise-host", "--control-port", "--role",
-                 "--store-master", "--etcd", "--cluster", "--ready-file"},
+                 "--store-master", "--etcd", "--cluster", "--ready-file", "--cluster-token",
+                 "--admin-host", "--admin-port"},
 }
-"""Flags of a role that the all-in-one sets itself for each child (not offered to the user)."""
+"""Flags of a role that the all-in-one sets itself for each child (not offered to the user;
+the cluster token reaches every child through its environment, never its command line)."""
 
 ROLE_COMMANDS = {"conductor": ("serve", "conductor"), "instance": ("serve", "prefill")}
 

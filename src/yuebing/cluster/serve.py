@@ -40,6 +40,13 @@ from yuebing.cluster.readiness import (
 )
 from yuebing.cluster.supervisor import Interrupted, RoleFailed, Supervisor
 from yuebing.conductor.config import ConductorConfig
+from yuebing.core.auth import (
+    TOKEN_HELP,
+    adopt_cluster_token,
+    env_cluster_token,
+    is_loopback,
+    require_token,
+)
 from yuebing.core.config import format_size, require
 from yuebing.core.errors import ConfigError
 from yuebing.instance.config import InstanceConfig
@@ -79,6 +86,9 @@ class ServeConfig:
     store_port: int = field(default=0, metadata={
         "help": "the store master's RPC port on --advertise-host (its KV-event stream takes "
                 "the next port); 0 = free ports picked at start (printed)"})
+    cluster_token: str = field(default_factory=env_cluster_token, repr=False, metadata={
+        "help": TOKEN_HELP + "; handed to every role through its environment",
+        "secret": True})
     verbose: int = 0
     conductor_args: tuple[str, ...] = ()
     instance_args: tuple[str, ...] = ()
@@ -102,6 +112,10 @@ class ServeConfig:
                 "no instances to serve: give --prefill/--decode or --coupled (or --etcd, "
                 "for instances started on other hosts)")
         require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
+        require_token("--advertise-host", self.advertise_host, self.cluster_token)
+        require(bool(self.conductor.api_key) or is_loopback(self.host),
+                f"--host {self.host!r} exposes the HTTP API beyond this host: set --api-key "
+                "(clients then send 'Authorization: Bearer KEY') or bind 127.0.0.1")
         require(0 <= self.store_port <= 65534,
                 f"--store-port must be in 0..65534, got {self.store_port}")
         require(self.store_dram > 0, f"--store-dram must be > 0, got {self.store_dram}")
@@ -273,6 +287,7 @@ def run_serve(cfg: ServeConfig, has_option: Callable[[str, str], bool] = lambda 
     Returns the exit code: 0 after a signal, 1 if a role failed, 130 if stopped while
     starting. Call from the main thread."""
     check_ports(cfg)
+    adopt_cluster_token(cfg.cluster_token)  # every child inherits it; readiness pings use it
     sup = Supervisor(cfg.supervisor)
     sup.install_signal_handlers()
     plan = ServePlan(cfg, sup.log_dir, has_option)

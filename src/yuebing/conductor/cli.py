@@ -14,6 +14,7 @@ import dataclasses
 
 from yuebing.conductor.config import ConductorConfig
 from yuebing.conductor.policy import PolicyConfig
+from yuebing.core.auth import adopt_cluster_token
 from yuebing.core.config import add_config_args, config_from_args
 
 POLICY_FIELDS_SET_BY_CONDUCTOR = ("block_tokens", "kv_bytes_per_token")
@@ -42,4 +43,6 @@ def conductor_config(ns: argparse.Namespace) -> ConductorConfig:
 def run_conductor_command(ns: argparse.Namespace) -> int:
     from yuebing.conductor.service import run_conductor
 
-    return run_conductor(conductor_config(ns), ready_file=ns.ready_file)
+    cfg = conductor_config(ns)
+    adopt_cluster_token(cfg.cluster_token)  # its instance clients present it
+    return run_conductor(cfg, ready_file=ns.ready_file)

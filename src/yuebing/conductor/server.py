@@ -14,6 +14,7 @@ line and the histograms.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import math
 import time
@@ -100,7 +101,8 @@ class _Routes:
 
     def _auth(self, request: Request) -> None:
         key = self.c.cfg.api_key
-        if key and request.headers.get("authorization") != f"Bearer {key}":
+        got = request.headers.get("authorization", "").encode()
+        if key and not hmac.compare_digest(got, f"Bearer {key}".encode()):
             raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
                            code="invalid_api_key")
 
