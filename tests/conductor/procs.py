@@ -4,11 +4,6 @@ order, waits for readiness and stops (or kills) every one it started."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -16,43 +11,17 @@ from typing import Any
 
 from harness import request
 
+from cli_procs import CliProc
+
 TINY = "dummy:preset=tiny"
 
 
-class Proc:
-    """One ``yuebing serve <role> ...`` process that writes a ready file."""
+class Proc(CliProc):
+    """One ``yuebing serve <role> ...`` process that writes a ready file (log in ``workdir``)."""
 
     def __init__(self, name: str, args: list[str], workdir: Path, timeout_s: float) -> None:
-        self.name = name
-        self.ready = workdir / f"{name}.ready.json"
-        self.log_path = workdir / f"{name}.log"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "yuebing.cli.main", "-v", "serve", *args, "--ready-file",
-             str(self.ready)], stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT,
-            env={**os.environ})
-        end = time.monotonic() + timeout_s
-        while not self.ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > end:
-                self.kill()
-                raise RuntimeError(f"{name} did not start:\n{self.log()}")
-            time.sleep(0.05)
-        self.info: dict[str, Any] = json.loads(self.ready.read_text())
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        super().__init__(["-v", "serve", *args], name=name, workdir=workdir, timeout_s=timeout_s,
+                         log_tail=6000)
 
 
 class Cluster:

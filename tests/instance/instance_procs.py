@@ -4,16 +4,10 @@ helpers that drive them through `InstanceClient` the way the Conductor does."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from cli_procs import CliProc
 from yuebing.instance.client import InstanceClient
 from yuebing.protocol.instance import (
     EventKind,
@@ -29,43 +23,16 @@ TINY = "dummy:preset=tiny,vocab=512,layers=4,hidden=64,heads=4,kv_heads=2,ffn=12
 """A small dummy model whose greedy tokens vary (the bare tiny preset repeats one token)."""
 
 
-class InstanceProc:
+class InstanceProc(CliProc):
     """One ``yuebing serve <role>`` process; ``hello`` is the Hello it wrote when ready."""
 
     def __init__(self, role: str, model: str = TINY, *extra: str, timeout_s: float = 120.0
                  ) -> None:
         self.role = role
-        self.dir = Path(tempfile.mkdtemp(prefix=f"yb-inst-{role}-"))
-        ready = self.dir / "ready.json"
-        self.log_path = self.dir / "log.txt"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "yuebing.cli.main", "serve", role, "--model", model,
-             "--ready-file", str(ready), "--report-hz", "20", *extra],
-            stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT, env={**os.environ})
-        end = time.monotonic() + timeout_s
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > end:
-                self.kill()
-                raise RuntimeError(f"{role} did not start:\n{self.log()}")
-            time.sleep(0.05)
-        self.hello = json.loads(ready.read_text())
+        super().__init__(["serve", role, "--model", model, "--report-hz", "20", *extra],
+                         name=role, timeout_s=timeout_s)
+        self.hello = self.info
         self.address: str = self.hello["control_address"]
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @dataclass
