@@ -6,8 +6,8 @@ the token budget, prefix-cache hits reused, preemption when KV runs out), runs o
 samples a token for each sequence that reached the end of its tokens, applies stop conditions
 (stop ids / EOS, stop strings, max_tokens, context length) and returns a `RequestOutput` per
 sequence that produced something. `abort` ends a request at any time. Prefill and decode
-instances wrap an engine and move KV with `yuebing.engine.kv_transfer` (whole blocks or layer by
-layer through `add_layer_hook`).
+instances (`yuebing.instance`) wrap an engine: they stream KV layer by layer through
+`add_layer_hook`, and install or adopt KV with `yuebing.engine.kv_transfer`.
 """
 
 from __future__ import annotations

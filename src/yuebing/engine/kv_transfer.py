@@ -1,16 +1,22 @@
 """Moving KV between engines: whole blocks, whole requests, or layer by layer.
 
-Used by prefill and decode instances (and the store client) around an `LLMEngine`:
+Who calls what: the decode instance (`yuebing.instance.decode`) reserves blocks for a request
+whose KV a prefill streams in (`reserve_blocks`) and adopts the request once it landed
+(`adopt_request`); the KV connector and the peer fetch (`yuebing.instance.connector`,
+`yuebing.instance.peer`) install a prefix loaded from the store or another instance into the
+prefix cache (`import_prefix`). The prefill instance streams with its own layer hook
+(`yuebing.instance.streaming.KvStreamer`) and saves blocks through the connector, so the forms
+below marked "engine API" are called by the engine's tests only, no instance uses them:
 
-- `export_request` after a prefill: the KV of a request's computed tokens as one contiguous
-  ``[blocks, layers, 2, kv_heads, block_size, head_dim]`` buffer plus its tokens (`RequestKV`);
-  `import_request` on the decode side allocates blocks, writes the buffer, publishes the full
-  blocks in the prefix cache and queues the request to continue decoding where it stopped.
-- `export_prefix` / `import_prefix`: cached prefix blocks by token content, to put them into
-  the store and to load a reusable prefix from it before a request is scheduled.
-- `LayerStreamer`: a layer hook that hands each layer's freshly written KV of watched requests
-  to a callback while the next layer computes (the blocks of one layer are a zero-copy view
-  when consecutive).
+- `export_request` / `import_request` (engine API): the KV of a request's computed tokens as
+  one contiguous ``[blocks, layers, 2, kv_heads, block_size, head_dim]`` buffer plus its tokens
+  (`RequestKV`); the import allocates blocks, writes the buffer, publishes the full blocks in the
+  prefix cache and queues the request to continue decoding where it stopped.
+- `export_prefix` (engine API) / `import_prefix`: cached prefix blocks by token content; the
+  import loads a reusable prefix before a request is scheduled.
+- `LayerStreamer` (engine API): a layer hook that hands each layer's freshly written KV of
+  watched requests to a callback while the next layer computes (the blocks of one layer are a
+  zero-copy view when consecutive).
 """
 
 from __future__ import annotations
