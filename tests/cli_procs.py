@@ -6,7 +6,7 @@ SIGKILL after ``stop_s``) or kills it through the handle that started it — nev
 process that exits or is not ready in time is killed and its output's tail is in the error.
 The store's, the instances' and the Conductor's helpers (``tests/store/store_procs.py``,
 ``tests/instance/instance_procs.py``, ``tests/conductor/procs.py``) build on it; ``tests/`` is on
-``sys.path`` through the rootdir conftest, so any test module imports it as ``cli_procs``.
+``sys.path`` (pytest inserts its conftest's directory), so any test imports it as ``cli_procs``.
 """
 
 from __future__ import annotations
