@@ -123,6 +123,9 @@ class FakeInstance:
         self._seq = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._cancelled: set[str] = set()
+        self.prefilling = 0
+        self.max_prefilling = 0
+        """Most tasks this fake held at once between their submit and their first token."""
 
     # ---------------------------------------------------------------- control (test thread)
 
@@ -207,9 +210,14 @@ class FakeInstance:
 
     async def _run(self, task: SubmitTask) -> None:
         rid = task.request_id
-        await asyncio.sleep(self.prefill_delay_s)
-        while self.hang and not self.silent and rid not in self._cancelled:
-            await asyncio.sleep(0.01)
+        self.prefilling += 1
+        self.max_prefilling = max(self.max_prefilling, self.prefilling)
+        try:
+            await asyncio.sleep(self.prefill_delay_s)
+            while self.hang and not self.silent and rid not in self._cancelled:
+                await asyncio.sleep(0.01)
+        finally:
+            self.prefilling -= 1
         if self.silent or rid in self._cancelled:
             return
         first = 1000 + len(task.token_ids) % 100

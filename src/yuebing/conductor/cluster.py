@@ -30,6 +30,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from yuebing.conductor.gate import PrefillGate
 from yuebing.conductor.policy import DecodeState, PendingDecode, RequestInfo, Route
 from yuebing.conductor.policy.types import ClusterView
 from yuebing.conductor.view import KvIndex, PrefillLoad, build_view
@@ -52,6 +53,8 @@ class Member:
     alive: bool = True
     prefilling: dict[str, tuple[float, float]] = field(default_factory=dict)
     """This Conductor's tasks still in prefill here: request id → (est. seconds, routed at)."""
+    gate: PrefillGate = field(default_factory=lambda: PrefillGate(0))
+    """This Conductor's queue for the instance (prefill role; see `yuebing.conductor.gate`)."""
 
     @property
     def id(self) -> InstanceId:
@@ -68,7 +71,7 @@ class LiveCluster:
     def __init__(self, heartbeat_timeout_s: float, rpc_timeout_s: float,
                  store_block_tokens: int, prefill_time: Callable[[float, float], float],
                  link_bandwidth_Bps: float, link_latency_s: float,
-                 conductor_id: str = "conductor") -> None:
+                 conductor_id: str = "conductor", prefill_gate_tokens: int = 0) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
         self.store_block_tokens = store_block_tokens
@@ -76,6 +79,7 @@ class LiveCluster:
         self.link_bandwidth_Bps = link_bandwidth_Bps
         self.link_latency_s = link_latency_s
         self.conductor_id = conductor_id
+        self.prefill_gate_tokens = prefill_gate_tokens
         self.index = KvIndex()
         self.members: dict[InstanceId, Member] = {}
         self.by_address: dict[str, Member] = {}
@@ -136,7 +140,8 @@ class LiveCluster:
             if old is not None:
                 old.client.fail_all(f"instance {old.id} restarted")
                 self.spawn(old.client.close())
-            m = Member(address, client, hello, seen_s=time.monotonic())
+            m = Member(address, client, hello, seen_s=time.monotonic(),
+                       gate=PrefillGate(self.prefill_gate_tokens))
             self.members[m.id] = m
             self.by_address[address] = m
             log.info("instance %s (%s, %s) joined from %s", m.id, m.role.label, hello.model,
@@ -214,6 +219,7 @@ class LiveCluster:
             log.warning("%s: it leaves the view", reason)
         m.alive = False
         m.prefilling.clear()
+        m.gate.fail(InstanceUnavailable(reason))
         self.index.drop(m.id)
         for cb in self.on_dead:
             cb(m)
@@ -265,6 +271,7 @@ class LiveCluster:
         p = self.members.get(prefill_id)
         if p is not None:
             p.prefilling.pop(request_id, None)
+            p.gate.release(request_id)
         self.pending.pop(request_id, None)
 
     async def close(self) -> None:

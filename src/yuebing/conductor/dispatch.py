@@ -7,8 +7,11 @@ Life cycle of a request (called by the HTTP routes with a validated `GenRequest`
    `Rejected` (the route answers 429 + Retry-After). Disaggregated when prefill and decode
    instances are alive, else coupled over the coupled instances (the decode choice is then
    re-taken on the chosen instance alone, so admission judges the instance that decodes).
-2. Disaggregated: ``reserve`` on the decode instance, then ``submit`` the prefill task with its
-   `PrefixPlan` and the reservation's `DecodeTarget`. Coupled: one ``submit``.
+2. Disaggregated: the request waits for its turn on the prefill instance (`PrefillGate`: the
+   Conductor keeps each prefill instance's queue, so decode KV is not held by requests that
+   cannot start yet), then ``reserve`` on the decode instance (retried while it has no free KV,
+   up to ``reserve_wait_s``), then ``submit`` of the prefill task with its `PrefixPlan` and the
+   reservation's `DecodeTarget`. Coupled: one ``submit``.
 3. Relay: the prefill's FIRST_TOKEN, then the decode's TOKENS … FINISH, as `Delta`s (decode
    events that overtake the first token wait for it). The instances' `Breakdown`s and token
    times land in the request's `RequestStats`.
@@ -43,6 +46,7 @@ from yuebing.protocol.instance import (
     ErrorCode,
     EventKind,
     PrefixPlan,
+    Reserved,
     Role,
     SubmitTask,
     TaskEvent,
@@ -92,11 +96,12 @@ class Dispatcher:
     """Routes and relays requests over one `LiveCluster` with one `Policy`."""
 
     def __init__(self, cluster: LiveCluster, policy: Policy, metrics: ConductorMetrics,
-                 request_timeout_s: float) -> None:
+                 request_timeout_s: float, reserve_wait_s: float = 10.0) -> None:
         self.cluster = cluster
         self.policy = policy
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
+        self.reserve_wait_s = reserve_wait_s
 
     async def generate(self, req: GenRequest, stats: RequestStats) -> AsyncIterator[Delta]:
         """The request's output; raises `Rejected` or `RequestFailed` (see the module doc)."""
@@ -189,12 +194,13 @@ class Dispatcher:
                     seq=0, request_id=rid, token_ids=req.prompt_ids, sampling=req.sampling,
                     mode=TaskMode.COUPLED, prefix=plan))
             else:
+                t0 = time.perf_counter()
+                await pre.gate.acquire(rid, info.input_tokens - plan.tokens)
+                stats.gate_s += time.perf_counter() - t0
                 involved.append(dec)
                 t0 = time.perf_counter()
-                reserved = await dec.client.reserve(
-                    rid, req.prompt_ids, req.sampling,
-                    timeout_s=max(1.0, deadline - time.monotonic()))
-                stats.reserve_s = time.perf_counter() - t0
+                reserved = await self._reserve(dec, rid, req, deadline)
+                stats.reserve_s += time.perf_counter() - t0
                 involved.append(pre)
                 stats.dispatched_s = time.perf_counter()
                 await pre.client.submit(SubmitTask(
@@ -216,6 +222,24 @@ class Dispatcher:
             c.prefill_done(rid, pre.id)
             if not finished and involved:
                 c.spawn(_cancel(involved, rid))
+
+    async def _reserve(self, dec: Member, rid: str, req: GenRequest,
+                       deadline: float) -> Reserved:
+        """Reserve the request's KV on its decode instance; while the instance has no free KV
+        (it frees blocks as its requests end), retry for up to ``reserve_wait_s``."""
+        give_up = min(deadline, time.monotonic() + self.reserve_wait_s)
+        delay = 0.02
+        while True:
+            try:
+                return await dec.client.reserve(
+                    rid, req.prompt_ids, req.sampling,
+                    timeout_s=max(1.0, deadline - time.monotonic()))
+            except InstanceError as e:
+                left = give_up - time.monotonic()
+                if e.code != ErrorCode.NO_KV or left <= 0:
+                    raise
+            await asyncio.sleep(min(delay, left))
+            delay = min(0.25, delay * 2)
 
     async def _relay(self, rid: str, pre: Member, dec: Member, coupled: bool,
                      stats: RequestStats, deadline: float) -> AsyncIterator[Delta]:

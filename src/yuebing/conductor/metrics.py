@@ -61,7 +61,8 @@ class ConductorMetrics:
                          "HTTP arrival to the first token reaching the Conductor")
         self.tbt = hist("time_between_tokens_seconds",
                         "per request: mean of its longest 10 % token intervals (paper TBT)", _TBT)
-        self.queue = hist("request_queue_time_seconds", "time queued on the prefill instance")
+        self.queue = hist("request_queue_time_seconds", "time queued before the prefill started "
+                          "(the Conductor's queue for the instance + the instance's own)")
         self.prefix_load = hist("request_prefix_load_time_seconds",
                                 "time loading the reused prefix KV")
         self.prefill = hist("request_prefill_time_seconds", "prefill compute time")
@@ -93,7 +94,7 @@ class ConductorMetrics:
         self.ttft.observe(s.ttft_s)
         self.tbt.observe(s.tbt_s)
         b = s.breakdown
-        self.queue.observe(b.queue_s)
+        self.queue.observe(s.queue_s)
         self.prefix_load.observe(b.prefix_load_s)
         self.prefill.observe(b.prefill_s)
         self.transfer.observe(b.transfer_s)

@@ -72,9 +72,10 @@ class Conductor:
         self.url = ""
         self.cluster = LiveCluster(cfg.heartbeat_timeout_s, cfg.rpc_timeout_s,
                                    cfg.store_block_tokens, self.policy.prefill_time,
-                                   cfg.link_bandwidth_Bps, cfg.link_latency_s, cfg.conductor_id)
+                                   cfg.link_bandwidth_Bps, cfg.link_latency_s, cfg.conductor_id,
+                                   cfg.prefill_gate_tokens)
         self.dispatcher = Dispatcher(self.cluster, self.policy, self.metrics,
-                                     cfg.request_timeout_s)
+                                     cfg.request_timeout_s, cfg.reserve_wait_s)
         self.feed: StoreFeed | None = None
         self._closers: list[Any] = []
 

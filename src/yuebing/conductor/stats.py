@@ -29,6 +29,8 @@ class RequestStats:
     """When the prefill (or coupled) task was sent."""
     reserve_s: float = 0.0
     """Round trip of the decode reservation (the decode instance's time, not the Conductor's)."""
+    gate_s: float = 0.0
+    """Time waiting in the Conductor's queue for the prefill instance (`conductor.gate`)."""
     first_token_s: float | None = None
     token_times: list[float] = field(default_factory=list)
     breakdown: Breakdown = field(default_factory=Breakdown)
@@ -50,6 +52,11 @@ class RequestStats:
             decode_wait_s=max(mine.decode_wait_s, b.decode_wait_s))
 
     @property
+    def queue_s(self) -> float:
+        """Queued before the prefill started: in the Conductor's queue and on the instance."""
+        return self.gate_s + self.breakdown.queue_s
+
+    @property
     def ttft_s(self) -> float:
         return 0.0 if self.first_token_s is None else self.first_token_s - self.arrival_s
 
@@ -66,16 +73,16 @@ class RequestStats:
     @property
     def dispatch_s(self) -> float:
         """The Conductor's own time from HTTP arrival to the task sent (without the decode
-        reservation's round trip)."""
+        reservation's round trip and the wait for the prefill instance's turn)."""
         if self.dispatched_s is None:
             return 0.0
-        return self.dispatched_s - self.arrival_s - self.reserve_s
+        return self.dispatched_s - self.arrival_s - self.reserve_s - self.gate_s
 
     def extension(self) -> dict[str, object]:
         """The ``usage.yuebing`` extension field of the final usage."""
         b = self.breakdown
         return {"ttft_s": round(self.ttft_s, 6), "tbt_s": round(self.tbt_s, 6),
-                "queue_s": round(b.queue_s, 6), "prefix_load_s": round(b.prefix_load_s, 6),
+                "queue_s": round(self.queue_s, 6), "prefix_load_s": round(b.prefix_load_s, 6),
                 "prefill_s": round(b.prefill_s, 6), "transfer_s": round(b.transfer_s, 6),
                 "decode_wait_s": round(b.decode_wait_s, 6),
                 "conductor_s": round(self.dispatch_s, 6), "prefill_instance": self.prefill_id,
@@ -89,7 +96,7 @@ class RequestStats:
                 f"cached={self.cached_tokens} out={self.completion_tokens} "
                 f"finish={self.finish_reason or self.error_code or '-'} "
                 f"ttft={self.ttft_s * 1e3:.1f}ms tbt={self.tbt_s * 1e3:.1f}ms "
-                f"queue={b.queue_s * 1e3:.1f}ms prefix_load={b.prefix_load_s * 1e3:.1f}ms "
+                f"queue={self.queue_s * 1e3:.1f}ms prefix_load={b.prefix_load_s * 1e3:.1f}ms "
                 f"prefill={b.prefill_s * 1e3:.1f}ms transfer={b.transfer_s * 1e3:.1f}ms "
                 f"decode_wait={b.decode_wait_s * 1e3:.1f}ms conductor={self.dispatch_s * 1e3:.2f}ms "
                 f"e2e={self.e2e_s * 1e3:.1f}ms")

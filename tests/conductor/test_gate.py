@@ -1,0 +1,104 @@
+"""`PrefillGate`: FIFO admission by uncached prompt tokens, cancel and failure leave no trace."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from yuebing.conductor.gate import PrefillGate
+
+
+def _run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def test_requests_pass_while_their_tokens_fit_and_one_always_passes() -> None:
+    async def main() -> None:
+        g = PrefillGate(1000)
+        await g.acquire("a", 600)
+        await g.acquire("b", 400)           # 1000: fits exactly
+        c = asyncio.ensure_future(g.acquire("c", 5000))
+        await asyncio.sleep(0)
+        assert not c.done() and g.waiting == 1
+        g.release("a")
+        await asyncio.sleep(0)
+        assert not c.done()                 # 400 + 5000 does not fit
+        g.release("b")
+        await asyncio.sleep(0)
+        assert c.done() and g.inflight == {"c": 5000}  # alone it passes, however long
+    _run(main())
+
+
+def test_order_is_first_come_first_served() -> None:
+    async def main() -> None:
+        g = PrefillGate(100)
+        await g.acquire("a", 50)
+        order: list[str] = []
+
+        async def go(rid: str, tokens: int) -> None:
+            await g.acquire(rid, tokens)
+            order.append(rid)
+        waits = [asyncio.ensure_future(go("big", 90)), asyncio.ensure_future(go("small", 5))]
+        await asyncio.sleep(0)
+        assert order == []                  # "small" would fit beside "a" but does not overtake
+        g.release("a")
+        await asyncio.gather(*waits)
+        assert order == ["big", "small"]
+    _run(main())
+
+
+def test_a_cancelled_wait_leaves_no_place_and_lets_the_next_go() -> None:
+    async def main() -> None:
+        g = PrefillGate(10)
+        await g.acquire("a", 10)
+        b = asyncio.ensure_future(g.acquire("b", 10))
+        c = asyncio.ensure_future(g.acquire("c", 10))
+        await asyncio.sleep(0)
+        b.cancel()
+        await asyncio.sleep(0)
+        g.release("a")
+        await asyncio.sleep(0)
+        assert c.done() and g.inflight == {"c": 10} and g.waiting == 0
+    _run(main())
+
+
+def test_admitted_then_cancelled_gives_the_place_back() -> None:
+    async def main() -> None:
+        g = PrefillGate(10)
+        await g.acquire("a", 10)
+        b = asyncio.ensure_future(g.acquire("b", 10))
+        await asyncio.sleep(0)
+        g.release("a")                      # b is admitted ...
+        b.cancel()                          # ... but cancelled before it resumes
+        with pytest.raises(asyncio.CancelledError):
+            await b
+        assert g.inflight == {} and g.inflight_tokens == 0
+    _run(main())
+
+
+def test_fail_raises_in_every_waiter_and_drops_places() -> None:
+    async def main() -> None:
+        g = PrefillGate(10)
+        await g.acquire("a", 10)
+        b = asyncio.ensure_future(g.acquire("b", 1))
+        await asyncio.sleep(0)
+        g.fail(ConnectionError("instance p0 died"))
+        with pytest.raises(ConnectionError, match="p0 died"):
+            await b
+        assert g.inflight == {} and g.waiting == 0
+        g.release("a")                      # idempotent after fail
+    _run(main())
+
+
+def test_zero_means_no_limit_and_negative_is_refused() -> None:
+    async def main() -> None:
+        g = PrefillGate(0)
+        for i in range(5):
+            await g.acquire(str(i), 10**6)
+        assert len(g.inflight) == 5
+        with pytest.raises(ValueError, match="already holds"):
+            await g.acquire("0", 1)
+    _run(main())
+    with pytest.raises(ValueError, match=">= 0"):
+        PrefillGate(-1)
