@@ -155,3 +155,37 @@ def test_replicas_of_the_tenth_ranked_block_are_sampled() -> None:
     res = simulate(reqs, _config(sample_interval_s=2.0), cost=LinearCost())
     # 12 blocks used once: rank 10 is block 10, stored on p0 when the 6.144 s prefill ends
     assert res.extra["ranked_key_replicas"] == {"10": [0, 0, 0, 0, 1, 1]}  # every 2 s to 10 s
+
+
+def test_decode_recheck_predicts_the_tbt_as_the_conductor_does(monkeypatch) -> None:
+    """The decode node's TBT re-check uses the Conductor's decode predictor, not the cost model
+    (the arrival checks use the predictor; a re-check by another estimate of the same step
+    makes the two disagree at the SLO's edge)."""
+    from yuebing.conductor.policy import DecodePredictor, Policy, Predictors
+    from yuebing.sim import mooncake
+    from yuebing.sim.predict import policy_config, predictors_for
+
+    def slow_decode_policy(config, cost, requests):  # type: ignore[no-untyped-def]
+        fitted = predictors_for(cost)
+        slow = DecodePredictor.from_function(lambda b, c: 0.2 if b else 0.0, degree=1)
+        return Policy(policy_config(config, cost, requests),
+                      Predictors(fitted.prefill, slow, fitted.transfer, "test"))
+
+    reqs = [_req(0, 0.0, [1, 2], 1000, 5)]
+    # the cost model's step (50 ms) holds the 100 ms TBT SLO, the Conductor's predictor (200 ms)
+    # does not: the re-check follows the predictor
+    assert simulate(reqs, _config(decode_reject=True), cost=LinearCost()).records[0].rejected \
+        is None
+    monkeypatch.setattr(mooncake, "policy_for", slow_decode_policy)
+    res = simulate(reqs, _config(decode_reject=True, sample_interval_s=0.5), cost=LinearCost())
+    assert res.records[0].rejected is RejectStage.DECODE
+    assert res.records[0].reject_reason == "decode_tbt_slo"
+
+
+def test_decode_tbt_load_is_the_predicted_step_over_the_tbt_slo() -> None:
+    # samples run until the last arrival (12 s); the first request decodes from 1 s to 21 s
+    reqs = [_req(0, 0.0, [1, 2], 1000, 400), _req(1, 12.0, [3, 4], 1000, 3)]
+    res = simulate(reqs, _config(decode_nodes=2, sample_interval_s=5.0), cost=LinearCost())
+    loads = res.timeseries["decode_tbt_load"]
+    # one busy node of two, 50 ms steps, 100 ms SLO: (0.5 + 0) / 2 while it decodes
+    assert loads[0] == 0.0 and loads[1:3] == pytest.approx([0.25, 0.25], rel=0.02)

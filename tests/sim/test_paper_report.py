@@ -44,10 +44,18 @@ def test_full_report_meets_the_simulator_targets(conversation_trace: Path,
     f8 = report["8"]["ours"]
     assert abs(f8["mooncake"] / 1.06 - 1) <= 0.25
     assert all(f8["mooncake"] < f8[n] for n in ("vllm", "vllm_prefix_caching"))
-    # overload on 8P+8D: decode never binds, every policy rejects the same TTFT misses (gap 5)
+    # overload on 8P+8D: decode never binds, every policy rejects about the same TTFT misses
     rejected = report["overload"]["ours"]
     assert set(rejected) == {"baseline", "early_rejection", "predictive_early_rejection"}
-    assert len(set(rejected.values())) == 1
+    assert max(rejected.values()) <= 1.02 * min(rejected.values())
+    # on the decode-bound 8P+2D: prediction rejects fewer than the baseline and damps the
+    # oscillation that plain early rejection starts (which over-rejects here: the gap)
+    variant = report["overload"]["details"]["8P+2D"]
+    base, early, pred = (variant[k] for k in ("baseline", "early_rejection",
+                                              "predictive_early_rejection"))
+    assert pred["rejected"] < base["rejected"] < early["rejected"]
+    assert early["prefill_load_band_var"] > 2 * base["prefill_load_band_var"]
+    assert pred["prefill_load_band_var"] < 1.5 * base["prefill_load_band_var"]
     assert report["overload"]["details"]["workload"]["mean_input"] == pytest.approx(7590,
                                                                                     rel=0.01)
 

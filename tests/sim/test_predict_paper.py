@@ -64,6 +64,10 @@ def test_overload_and_figure1_setups() -> None:
     base = overload.config("baseline")
     assert (base.prefill_nodes, base.decode_nodes, base.admission) == (8, 8, "none")
     assert base.prefill_reject and base.decode_reject
+    # the early policies decide once, at arrival: no stage re-checks that waste a prefill
+    for name in ("early_rejection", "predictive_early_rejection"):
+        early = overload.config(name)
+        assert not (early.prefill_reject or early.decode_reject)
     assert overload.config("baseline", nodes=(8, 2)).decode_nodes == 2
     f1 = fig1.config("vllm")
     assert (f1.speed, f1.prefill_nodes + f1.decode_nodes) == (fig1.SPEED, 16)

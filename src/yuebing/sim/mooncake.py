@@ -19,7 +19,8 @@ Life cycle of a request (paper §3-§4):
    (``cost.transfer_time``), after the prefill, as the paper's Figure 14 measures it.
 4. Decode: continuous batching bounded by HBM (`yuebing.sim.decode.DecodeInstance`). With
    ``decode_reject`` a request whose KV cannot join the batch at the next iteration (KV full)
-   or would push the iteration past the TBT SLO is rejected at decode (its prefill wasted).
+   or would push the iteration past the TBT SLO (by the Conductor's decode predictor, the one
+   its arrival-time checks use) is rejected at decode (its prefill wasted).
 """
 
 from __future__ import annotations
@@ -224,14 +225,22 @@ class MooncakeSystem(SimSystem):
             reason = ""
             if not d.can_admit_now(job):
                 reason = "decode_kv_full"
-            elif self.cost.decode_step_time(d.batch_size + 1, d.context_tokens + job.input_tokens
-                                            + 1) > self.config.tbt_slo_s:
+            elif self._predicted_tbt(d, job) > self.config.tbt_slo_s:
                 reason = "decode_tbt_slo"
             if reason:
                 record.rejected = RejectStage.DECODE
                 record.reject_reason = reason
                 return
         d.enqueue(job)
+
+    def _predicted_tbt(self, d: DecodeInstance, job: DecodeJob) -> float:
+        """The decode node's re-check of the TBT with ``job`` joining: the step time by the
+        Conductor's decode predictor (the node and the Conductor predict alike; with the cost
+        model itself here, the predictor's error of ≈ 2 % near a full node — larger than one
+        request's share of a step — would make every arrival-time check pass that this check
+        then fails)."""
+        assert self.policy is not None, "prepare() runs before the first arrival"
+        return self.policy.decode_time(d.batch_size + 1, d.context_tokens + job.input_tokens + 1)
 
     # -- observation ---------------------------------------------------------------------------
     def load(self) -> dict[str, float]:
@@ -245,9 +254,18 @@ class MooncakeSystem(SimSystem):
             "prefill_load": sum(max(0.0, f - now) for f in self.free_at) / self.P / slo,
             "prefill_queued": float(sum(self.queued)),
             "decode_load": sum(d.kv_used / d.capacity for d in self.decodes) / self.D,
+            "decode_tbt_load": self._tbt_load(),
             "decode_batch": sum(d.batch_size for d in self.decodes) / self.D,
             "decode_waiting": float(sum(len(d.waiting) for d in self.decodes)),
         }
+
+    def _tbt_load(self) -> float:
+        """arXiv §7.1's decode load: predicted TBT of each node's running batch / TBT SLO,
+        averaged over the decode nodes (an idle node counts 0)."""
+        assert self.policy is not None, "prepare() runs before the first sample"
+        predict, slo = self.policy.decode_time, self.config.tbt_slo_s
+        return sum(predict(d.batch_size, d.context_tokens) / slo
+                   for d in self.decodes if d.batch_size) / self.D
 
     def extra(self) -> dict[str, object]:
         return {"hot_key_replicas": self.replica_series, "ranked_key_replicas": self.rank_series,
