@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from yuebing.core.errors import TransferError
-from yuebing.store.client import common as cm
+from yuebing.store.client import core as cm
+from yuebing.store.client import puts
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import OpCode, TransferRequest, TransferStatus
 from yuebing.transfer.transport.shm import expired_write
@@ -29,8 +30,8 @@ def test_failed_and_engine_timeouts_are_blamed_late_local_copies_are_not() -> No
            RequestStatus(TransferStatus.FAILED, 0, 64, "connection refused"),
            RequestStatus(TransferStatus.TIMEOUT, 0, 64, "batch timed out"),
            RequestStatus(TransferStatus.TIMEOUT, 16, 64, expired_write(16, 64))]
-    assert cm.failed_segments(reqs, sts) == ["b", "c", "d"]
-    assert cm.blamed_segments(reqs, sts) == ["b", "c"]
+    assert puts.failed_segments(reqs, sts) == ["b", "c", "d"]
+    assert puts.blamed_segments(reqs, sts) == ["b", "c"]
 
 
 def test_a_write_expiry_passed_before_the_transfer_blames_nobody() -> None:
@@ -38,9 +39,9 @@ def test_a_write_expiry_passed_before_the_transfer_blames_nobody() -> None:
     with pytest.raises(cm.WriteExpired) as e:
         cm.transfer_timeout(cfg, time.monotonic() - 0.01)
     reqs = _reqs("a", "b")
-    assert cm.failed_segments(reqs, None) == ["a", "b"]  # still revoked and retried
-    assert cm.blamed_segments(reqs, None, e.value) == []
-    assert cm.blamed_segments(reqs, None, TransferError("engine closed")) == ["a", "b"]
+    assert puts.failed_segments(reqs, None) == ["a", "b"]  # still revoked and retried
+    assert puts.blamed_segments(reqs, None, e.value) == []
+    assert puts.blamed_segments(reqs, None, TransferError("engine closed")) == ["a", "b"]
 
 
 def test_a_late_client_revokes_without_naming_the_healthy_node() -> None:

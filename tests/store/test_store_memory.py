@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from yuebing.core.errors import ConfigError
-from yuebing.store.client.memory import keep_freed_memory, new_buffer
+from yuebing.store.client.direct import keep_freed_memory, new_buffer
 from yuebing.store.config import ClientConfig
 
 
@@ -33,7 +33,7 @@ def test_keep_freed_must_not_be_negative() -> None:
 
 FAULTS = """
 import resource, sys
-from yuebing.store.client.memory import keep_freed_memory, new_buffer
+from yuebing.store.client.direct import keep_freed_memory, new_buffer
 if sys.argv[1] == "keep":
     assert keep_freed_memory(1 << 30)
 def round_():

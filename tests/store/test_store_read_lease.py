@@ -11,8 +11,8 @@ import time
 import pytest
 
 from yuebing.store import messages as m
-from yuebing.store.client import common as cm
-from yuebing.store.client.aio import AsyncStoreClient
+from yuebing.store.client import core as cm
+from yuebing.store.client.client import AsyncStoreClient
 from yuebing.store.client.client import StoreClient
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import BatchStatus, SegmentDescriptor, TransferStatus

@@ -12,7 +12,7 @@ import asyncio
 import random
 
 from yuebing.store import messages as m
-from yuebing.store.client.aio import AsyncStoreClient
+from yuebing.store.client.client import AsyncStoreClient
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import BatchStatus, SegmentDescriptor, TransferStatus

@@ -6,11 +6,11 @@ storage nodes (`node.service.StorageNode`: DRAM segment + SSD tier), and clients
 See docs/structure.md and README.md ("Store").
 """
 
-from yuebing.store.client.client import StoreClient
-from yuebing.store.client.common import ChecksumError, NotFoundError
+from yuebing.store.client.client import AsyncStoreClient, StoreClient
+from yuebing.store.client.core import ChecksumError, NotFoundError
 from yuebing.store.client.events import KvEventSubscriber
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig, MasterConfig, NodeConfig
 
-__all__ = ["ChecksumError", "ClientConfig", "KvEventSubscriber", "MasterConfig", "NodeConfig",
-           "NotFoundError", "StoreClient", "StoreRpcError"]
+__all__ = ["AsyncStoreClient", "ChecksumError", "ClientConfig", "KvEventSubscriber",
+           "MasterConfig", "NodeConfig", "NotFoundError", "StoreClient", "StoreRpcError"]

@@ -1,58 +1,93 @@
-"""`StoreClient`: the blocking store API.
+"""The two store clients: `StoreClient` (blocking) and `AsyncStoreClient` (asyncio), thin drivers
+over one sans-IO core. Every protocol step — puts (`puts`), gets, batch forms and removes
+(`core`) — is a generator written once; a client only performs what it yields (`core.drive`):
+a master call on its connection, a transfer of a batch, a revoke, a lease release. So both
+clients have the same semantics by construction, and differ only in how they wait.
 
-Puts (single and batch, two-phase or one RPC through reservations held ahead) are `Puts`'s, in
-`puts.py`. A get asks ``get_replicas`` (granting a read lease), READs one replica straight into the
-caller's buffer (``get_into``: zero-copy) and verifies the checksum. Reads run only within the
-lease (less a margin, `cm.read_deadline`): one it cuts, or a fallback to another replica it would
-outlast, is not read from those ranges (another value may hold them by then) but asked for again.
-Batch forms do one master call and one transfer batch for many keys. Requests to a live node's
-segment on this host skip the engine: `DirectSegments` copies them in the calling thread; the
-others go through `TransferEngine.transfer_status` (one inline frame when they fit). A heartbeat
-thread keeps the session alive.
+Life of a call: the public method builds the steps and runs them (`core.run` blocking,
+``await core.drive`` in the event loop). Transfers copy what they can straight into or out of
+a live node's segment on this host (`DirectSegments`, in the calling thread) and send the rest
+through the transfer engine (`transfer_status`, or ``submit`` + ``wait_async``). A heartbeat —
+a thread on its own connection, or a task of the loop — keeps the session alive and sends the
+lease releases no call carried. ``close`` gives held reservations back (one try) and releases
+everything. `StoreClient` is for one thread at a time; many coroutines may share one
+`AsyncStoreClient` (its master calls share one connection).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Sequence
+from typing import Generic, TypeVar
 
-from yuebing.core.errors import InputError, StoreError, TransferError
+from yuebing.core.errors import StoreError
 from yuebing.store import messages as m
-from yuebing.store.client import common as cm
+from yuebing.store.client import core
 from yuebing.store.client import reserve as rv
-from yuebing.store.client.direct import DirectSegments
-from yuebing.store.client.memory import keep_freed_memory, new_buffer
-from yuebing.store.client.puts import Puts
-from yuebing.store.client.rpc import (
-    RELEASE_FLUSH_S,
-    MasterConnection,
-    StoreRpcError,
-    removed_codes,
-)
+from yuebing.store.client.direct import DirectSegments, keep_freed_memory
+from yuebing.store.client.puts import BatchPut, PutOptions, put
+from yuebing.store.client.rpc import RELEASE_FLUSH_S, AsyncMasterConnection, MasterConnection
 from yuebing.store.config import ClientConfig
-from yuebing.transfer import BatchStatus, TransferConfig, TransferEngine, TransferStatus
+from yuebing.transfer import BatchStatus, TransferConfig, TransferEngine, TransferRequest
+from yuebing.transfer.types import RequestStatus
 
 log = logging.getLogger(__name__)
-C = m.Code
+R = TypeVar("R", MasterConnection, AsyncMasterConnection)
 
 
-class StoreClient(Puts):
+class _Client(Generic[R]):
+    """What both clients hold (config, identity, master connection, transfer engine, same-host
+    copies, reservations) and do without I/O."""
+
+    def __init__(self, cfg: ClientConfig, engine: TransferEngine | None, rpc: R,
+                 prefix: str) -> None:
+        self.cfg = cfg
+        self.client_id = cfg.client_id or f"{prefix}-{uuid.uuid4().hex[:10]}"
+        self._own_engine = engine is None
+        self.engine = engine or TransferEngine(TransferConfig(metadata="p2p"))
+        self.rpc: R = rpc
+        self.direct = DirectSegments(self.engine, cfg.direct)
+        keep_freed_memory(cfg.keep_freed)
+        self._resv = rv.HeldReservations()
+
+    def _copy_direct(self, reqs: list[TransferRequest], deadline: float | None,
+                     read: bool) -> tuple[list[RequestStatus | None], list[TransferRequest]]:
+        """Copy what the same-host fast path can: a status per request (None where left to the
+        engine) and the requests left. A put's writes end by its write ``deadline``
+        (monotonic), a get's reads (``read``) by its read-lease deadline (`core.LeaseExpired`
+        or `core.WriteExpired` if past already)."""
+        timeout = core.transfer_timeout(self.cfg, deadline, read)
+        done = self.direct.copy(reqs, time.monotonic() + timeout)
+        return done, [r for r, d in zip(reqs, done, strict=True) if d is None]
+
+    def _closing(self) -> core.Steps[None]:
+        """The reservations still held, given back (one try, at most ``rpc_timeout_s``; else
+        the master reclaims them at their write expiry)."""
+        held = self._resv.pop_all()
+        if held:
+            self.rpc.failover_s = 0.0
+            yield from core.give_back(held)  # never written: freed at once
+
+    def _closed(self) -> None:
+        self.rpc.close()
+        self.direct.close()
+        if self._own_engine:
+            self.engine.close()
+
+
+class StoreClient(_Client[MasterConnection]):
     """Blocking client; one thread at a time (the heartbeat runs on its own connection)."""
 
     def __init__(self, cfg: ClientConfig | None = None, engine: TransferEngine | None = None,
                  heartbeat: bool = True) -> None:
-        self.cfg = cfg or ClientConfig()
-        self.client_id = self.cfg.client_id or f"client-{uuid.uuid4().hex[:10]}"
-        self._own_engine = engine is None
-        self.engine = engine or TransferEngine(TransferConfig(metadata="p2p"))
-        self.rpc = MasterConnection(self.cfg.masters, self.cfg.rpc_timeout_s, self.cfg.failover_s,
-                                    spin_s=self.cfg.spin_us * 1e-6)
-        self.direct = DirectSegments(self.engine, self.cfg.direct)
-        keep_freed_memory(self.cfg.keep_freed)
-        self._resv = rv.HeldReservations()
+        cfg = cfg or ClientConfig()
+        super().__init__(cfg, engine, MasterConnection(
+            cfg.masters, cfg.rpc_timeout_s, cfg.failover_s, spin_s=cfg.spin_us * 1e-6), "client")
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
         if heartbeat:
@@ -80,244 +115,263 @@ class StoreClient(Puts):
         finally:
             conn.close()
 
-    def _transfer(self, reqs: list, deadline: float | None = None,
-                  read: bool = False) -> BatchStatus:
-        """Copy what the same-host fast path can, send the rest through the engine; one status
-        per request either way. A put's writes end by its write ``deadline`` (monotonic), a
-        get's reads (``read``) by its read-lease deadline (`cm.LeaseExpired` if past)."""
-        timeout = cm.transfer_timeout(self.cfg, deadline, read)
-        done = self.direct.copy(reqs, time.monotonic() + timeout)
-        rest = [r for r, d in zip(reqs, done, strict=True) if d is None]
-        if not rest:
-            return self.direct.merged(done, None)
-        status = self.engine.transfer_status(rest, cm.transfer_timeout(self.cfg, deadline, read))
-        return status if len(rest) == len(reqs) else self.direct.merged(done, status)
+    def transfer(self, reqs: list[TransferRequest], deadline: float | None,
+                 read: bool = False) -> BatchStatus:
+        """`core.Io.transfer`: same-host copies, the rest through the engine (one inline frame
+        when they fit); one status per request either way."""
+        done, rest = self._copy_direct(reqs, deadline, read)
+        status = self.engine.transfer_status(
+            rest, core.transfer_timeout(self.cfg, deadline, read)) if rest else None
+        return self.direct.merged(done, status)
 
-    # ------------------------------------------------------------------ get
-    def _replicas(self, key: str) -> tuple[m.ReplicaList, float]:
-        """``get_replicas`` (a fresh read lease) and the lease's read deadline here
-        (`cm.read_deadline`, from before the request); `NotFoundError` if absent."""
-        sent = time.monotonic()
-        try:
-            r = self.rpc.call(m.GetReplicas(key=key))
-        except StoreError as e:
-            if getattr(e, "code", None) == C.NOT_FOUND:
-                raise cm.NotFoundError(f"no value for {key!r}") from None
-            raise
-        assert isinstance(r, m.ReplicaList)
-        return r, cm.read_deadline(sent, r.lease_s)
+    # ------------------------------------------------------------------ puts
+    def put(self, key: str, value: object, *, replicas: int | None = None,
+            strategy: str | None = None, preferred: Sequence[str] | None = None,
+            hard_pin: bool = False, soft_pin_s: float = 0.0, best_effort: bool = False) -> int:
+        """Store ``value`` (any contiguous buffer) under ``key``; values are immutable. A write
+        that fails is revoked (naming the failed segments, which the master then avoids) and
+        placed again up to ``put_retries`` times. With ``reserve_ahead``, a put of a shape
+        this client holds a reservation for writes into it and commits with one RPC.
+        Returns the number of replicas stored: a put that cannot place ``replicas`` copies on
+        distinct DRAM segments raises `StoreRpcError` NO_SPACE, unless ``best_effort`` (then
+        at least one). The steps are `puts.put`'s."""
+        opts = PutOptions(replicas, strategy, preferred, hard_pin, soft_pin_s, best_effort)
+        return core.run(put(self.cfg, self.client_id, self._resv, key, value, opts), self)
+
+    put_from = put
+    """Zero-copy put: the engine reads straight from the caller's (registered) buffer."""
+
+    def batch_put(self, keys: Sequence[str], values: Sequence[object], *,
+                  replicas: int | None = None, strategy: str | None = None,
+                  preferred: Sequence[str] | None = None, hard_pin: bool = False,
+                  soft_pin_s: float = 0.0) -> list[int]:
+        """Put many values with one master round trip per phase (or one in all, through held
+        reservations); returns a `Code` per key (0 for OK). Keys whose write failed are
+        revoked and put again up to ``put_retries`` times; a refusal of the whole batch raises
+        (`StoreRpcError`). The steps are `puts.BatchPut`'s."""
+        opts = PutOptions(replicas, strategy, preferred, hard_pin, soft_pin_s)
+        batch = BatchPut(self.cfg, self.client_id, self._resv, keys, values, opts)
+        return core.run(batch.steps(), self)
+
+    batch_put_from = batch_put
+    """Zero-copy batch put: the engine reads straight from the caller's buffers."""
+
+    # ------------------------------------------------------------------ gets
+    def get(self, key: str) -> bytearray:
+        """The value of ``key`` in a new buffer; `NotFoundError` if absent, `ChecksumError` if
+        the replica read does not match, `ReadLeaseExpired` if every read lease ran out."""
+        return core.run(core.get(self.cfg, key), self)
 
     def get_into(self, key: str, buf: object) -> int:
-        """Read ``key`` straight into ``buf``; returns the value's size."""
-        mv = cm.view(buf, writable=True)
-        return self._get_leased(key, lambda size: mv)[0]
+        """Read ``key`` straight into ``buf`` (zero-copy); returns the value's size."""
+        return core.run(core.get_into(self.cfg, key, buf), self)
 
-    def get(self, key: str) -> bytearray:
-        """The value of ``key`` in a new buffer; `NotFoundError` if absent."""
-        bufs: list[bytearray] = []
-
-        def buffer(size: int) -> memoryview:
-            if not bufs or len(bufs[0]) != size:  # the first lease, or the key was re-put
-                bufs[:] = [new_buffer(size)]
-            return memoryview(bufs[0])
-
-        self._get_leased(key, buffer)
-        return bufs[0]
-
-    def _get_leased(self, key: str, buffer: cm.BufferFor) -> tuple[int, memoryview]:
-        """Ask for ``key``'s replicas and read one into ``buffer(size)`` within the read lease;
-        when the lease runs out first, ask again (up to ``put_retries`` times) rather than read
-        ranges that may hold another value by now, then `cm.ReadLeaseExpired`."""
-        for _ in range(self.cfg.put_retries + 1):
-            r, deadline = self._replicas(key)
-            try:
-                mv = buffer(r.size)
-                if self._read_one(key, mv, r.size, r.checksum, r.replicas, deadline):
-                    return r.size, mv
-            finally:  # the read is over: its lease ends now, not at lease_s
-                self._release([key], [r.lease_id])
-            log.info("get %s: its read lease (%.3fs) ran out before a replica was read; "
-                     "asking again", key, r.lease_s)
-        raise cm.ReadLeaseExpired(
-            f"reading {key!r}: each of {self.cfg.put_retries + 1} read leases ({r.lease_s}s) "
-            "ran out before a replica could be read (the reads were too slow)")
-
-    def _read_one(self, key: str, mv: memoryview, size: int, checksum: int,
-                  replicas: list[m.Replica], deadline: float) -> bool:
-        """Read one of ``replicas`` (in order) into ``mv`` and verify it; False when the read
-        ``deadline`` passed before one was read (no attempt starts or runs past it; not the
-        nodes' failure), `StoreError` when every replica failed within it."""
-        errors = []
-        for rep in replicas:
-            try:
-                self._transfer([cm.read(mv, key, size, rep)], deadline, True).raise_for_status()
-            except TransferError as e:
-                if time.monotonic() >= deadline:  # cut by the lease (or starting past it)
-                    return False
-                errors.append(str(e))
-                continue
-            cm.verify(self.cfg, key, mv, size, checksum)
-            return True
-        raise StoreError(f"no replica of {key!r} could be read: {'; '.join(errors)}")
+    def batch_get(self, keys: Sequence[str]) -> list[bytearray | None]:
+        """Values of many keys (None where absent or unreadable): one master call and one
+        transfer batch."""
+        return core.run(core.batch_get(self.cfg, keys), self)
 
     def batch_get_into(self, keys: Sequence[str], bufs: Sequence[object]) -> list[int]:
         """Read many keys into their buffers with one master call and one transfer batch;
         returns each value's size, or -1 where the key is absent or its read failed."""
-        if len(keys) != len(bufs):
-            raise InputError(f"{len(keys)} keys but {len(bufs)} buffers")
-        mvs = [cm.view(b, writable=True) for b in bufs]
-        return self._batch_read(keys, mvs, None)
+        return core.run(core.batch_get_into(self.cfg, keys, bufs), self)
 
-    def _batch_read(self, keys: Sequence[str], mvs: list[memoryview],
-                    first: tuple[m.BatchReplicaList, float] | None) -> list[int]:
-        """Read ``keys`` into ``mvs`` (``first``: their replicas already asked for and the
-        monotonic time that request left, else None); keys whose read lease ran out before
-        they were read are asked for again (one batch call, up to ``put_retries`` times) and
-        read within the new lease; -1 where absent or unread."""
-        sizes = [-1] * len(keys)
-        todo = list(range(len(keys)))
-        for _ in range(self.cfg.put_retries + 1):
-            if first is None:
-                sent = time.monotonic()
-                r = self.rpc.call(m.BatchGetReplicas(keys=[keys[i] for i in todo]))
-                assert isinstance(r, m.BatchReplicaList)
-            else:
-                (r, sent), first = first, None
-            asked = todo
-            try:
-                todo = self._batch_read_once(keys, mvs, todo, r,
-                                             cm.read_deadline(sent, r.lease_s), sizes)
-            finally:  # these reads are over: their leases end now
-                self._release([keys[i] for i in asked], r.lease_ids or [0] * len(asked))
-            if not todo:
-                return sizes
-        log.warning("batch get: %d keys left unread, each of their %d read leases ran out "
-                    "before a replica was read", len(todo), self.cfg.put_retries + 1)
-        return sizes
-
-    def _batch_read_once(self, keys: Sequence[str], mvs: list[memoryview], todo: list[int],
-                         r: m.BatchReplicaList, deadline: float, sizes: list[int]) -> list[int]:
-        """One transfer batch for ``todo`` (``r`` answers those keys in order) by ``deadline``,
-        then the other replicas of keys that failed, one by one while the lease lasts; fills
-        ``sizes``, returns the keys to ask for again (their lease ran out first)."""
-        reqs, idx, promoting = cm.batch_reads(keys, mvs, todo, r)
-        for i in promoting:  # SSD-only: a single get waits for the promotion
-            sizes[i] = self.get_into(keys[i], mvs[i])
-        if not reqs:
-            return []
-        try:
-            statuses = self._transfer(reqs, deadline, True).requests
-        except cm.LeaseExpired:
-            return [i for i, *_ in idx]
-        again = []
-        for (i, size, sum_, reps), rs in zip(idx, statuses, strict=True):
-            if rs.status == TransferStatus.DONE:  # a mismatch raises `cm.ChecksumError`
-                cm.verify(self.cfg, keys[i], mvs[i], size, sum_)
-                sizes[i] = size
-                continue
-            try:
-                if time.monotonic() >= deadline or not self._read_one(
-                        keys[i], mvs[i], size, sum_, reps[1:], deadline):
-                    again.append(i)  # the lease ran out: the node is not to blame
-                    continue
-                sizes[i] = size
-            except StoreError as e:
-                log.warning("reading %s failed: %s", keys[i], e)
-        return again
-
-    def batch_get(self, keys: Sequence[str]) -> list[bytearray | None]:
-        """Values of many keys (None where absent or unreadable)."""
-        sent = time.monotonic()
-        reps = self.rpc.call(m.BatchGetReplicas(keys=list(keys)))
-        assert isinstance(reps, m.BatchReplicaList)
-        promoted: dict[int, bytearray] = {}
-        for i, code in enumerate(reps.codes):
-            if code == C.PROMOTING:  # SSD-only: a single get waits for the promotion
-                promoted[i] = self.get(keys[i])
-                reps.codes[i] = int(C.NOT_FOUND)
-        bufs = [new_buffer(max(s, 1)) for s in reps.sizes]
-        sizes = self._batch_read(keys, [memoryview(b) for b in bufs], (reps, sent))
-        out: list[bytearray | None] = [b if s == len(b) else (b[:s] if s >= 0 else None)
-                                       for b, s in zip(bufs, sizes, strict=True)]
-        for i, v in promoted.items():
-            out[i] = v
-        return out
-
-    def _release(self, keys: list[str], ids: list[int]) -> None:
-        """Tell the master these reads are over (`MasterConnection.release`: carried by this
-        client's next put or remove ahead of its request, so it finds their space evictable
-        and their keys removable, by a read once many are queued, or sent by the heartbeat
-        thread ~`RELEASE_FLUSH_S` later)."""
-        held = cm.released(keys, ids)
-        if held is not None:
-            self.rpc.release(*held)
-
-    # ------------------------------------------------------------------ queries / removal
+    # ------------------------------------------------------------------ probes, removal, pins
     def exists(self, key: str) -> bool:
-        return self.rpc.call(m.Exists(key=key)).values[0]  # type: ignore[attr-defined]
+        """Whether ``key`` holds a committed value (a probe: no read lease)."""
+        return core.reply(self.rpc.call(m.Exists(key=key)), m.Bools).values[0]
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        return self.rpc.call(m.BatchExists(keys=list(keys))).values  # type: ignore[attr-defined]
+        """`exists` of each of ``keys``, with one master call."""
+        return core.reply(self.rpc.call(m.BatchExists(keys=list(keys))), m.Bools).values
 
     def prefix_match(self, keys: Sequence[str]) -> int:
         """How many leading keys of ``keys`` are stored (the reusable prefix length in blocks)."""
-        return self.rpc.call(m.PrefixMatch(keys=list(keys))).n  # type: ignore[attr-defined]
+        return core.reply(self.rpc.call(m.PrefixMatch(keys=list(keys))), m.Count).n
 
     def remove(self, key: str, force: bool = False) -> None:
         """Remove ``key``; `StoreRpcError` NOT_FOUND if absent, unless the request had to be
         resent (its first reply lost, e.g. at a failover): then the first try removed it."""
-        try:
-            self.rpc.call(m.Remove(key=key, force=force))
-        except StoreRpcError as e:
-            if not (e.code == C.NOT_FOUND and e.resent):
-                raise
+        core.run(core.remove(key, force), self)
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
         """A `Code` per key (NOT_FOUND counts as OK when the request had to be resent)."""
-        r, resent = self.rpc.call_tracked(m.BatchRemove(keys=list(keys), force=force))
-        return removed_codes(r.codes, resent)  # type: ignore[attr-defined]
+        return core.run(core.batch_remove(keys, force), self)
 
     def remove_prefix(self, prefix: str, force: bool = False) -> m.Removed:
         """Remove every value whose key starts with ``prefix``: `messages.Removed` counts those
         removed (``n``) and those kept (``kept``: a read in flight leases them, ``leased``, or
         they are hard-pinned, ``pinned``; ``force`` removes them too)."""
-        r = self.rpc.call(m.RemovePrefix(prefix=prefix, force=force))
-        assert isinstance(r, m.Removed)
-        return r
+        return core.reply(self.rpc.call(m.RemovePrefix(prefix=prefix, force=force)), m.Removed)
 
     def remove_all(self, force: bool = False) -> m.Removed:
         """`remove_prefix` of every key."""
-        r = self.rpc.call(m.RemoveAll(force=force))
-        assert isinstance(r, m.Removed)
-        return r
+        return core.reply(self.rpc.call(m.RemoveAll(force=force)), m.Removed)
 
     def pin(self, keys: Sequence[str], hard: bool = False, soft_pin_s: float = 0.0,
             unpin: bool = False) -> list[int]:
-        return self.rpc.call(m.Pin(keys=list(keys), hard=hard, soft_pin_s=soft_pin_s,
-                                   unpin=unpin)).codes  # type: ignore[attr-defined]
+        """Hard-pin, soft-pin (for ``soft_pin_s``) or, with ``unpin``, clear the pins of
+        ``keys``; a `Code` per key."""
+        msg = m.Pin(keys=list(keys), hard=hard, soft_pin_s=soft_pin_s, unpin=unpin)
+        return core.reply(self.rpc.call(msg), m.Codes).codes
 
     def stats(self) -> dict[str, float]:
-        return self.rpc.call(m.GetStats()).values  # type: ignore[attr-defined]
+        """The master's counters and gauges (`GetStats`)."""
+        return core.reply(self.rpc.call(m.GetStats()), m.Stats).values
 
     def close(self) -> None:
-        """Stop the heartbeat, give back held reservations (one try, at most ``rpc_timeout_s``;
-        else the master reclaims them at their write expiry), release everything."""
+        """Stop the heartbeat, give back held reservations (`_closing`), send the lease
+        releases no call carried, close the connection and the engine (if its own)."""
         self._stop.set()
-        held = self._resv.pop_all()
-        if held:
-            self.rpc.failover_s = 0.0
-            self._revoke([], [], held)  # never written: freed at once
+        core.run(self._closing(), self)
         if self._hb is not None:
             self._hb.join(timeout=2 * self.cfg.heartbeat_s + self.cfg.rpc_timeout_s)
-        if self.rpc.releases:  # lease releases no call carried
+        if self.rpc.releases:
             self.rpc.send_releases(self.rpc.take_releases())
-        self.rpc.close()
-        self.direct.close()
-        if self._own_engine:
-            self.engine.close()
+        self._closed()
 
     def __enter__(self) -> StoreClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AsyncStoreClient(_Client[AsyncMasterConnection]):
+    """The asyncio client: ``async with AsyncStoreClient(cfg) as c: await c.put(...)``. Many
+    coroutines may use one at once: a held reservation is claimed by exactly one of them
+    (`puts`); the others of that shape go the two-phase way."""
+
+    def __init__(self, cfg: ClientConfig | None = None,
+                 engine: TransferEngine | None = None) -> None:
+        cfg = cfg or ClientConfig()
+        super().__init__(cfg, engine, AsyncMasterConnection(
+            cfg.masters, cfg.rpc_timeout_s, cfg.failover_s), "aclient")
+        self._hb: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> AsyncStoreClient:
+        self._hb = asyncio.get_running_loop().create_task(self._heartbeat())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _heartbeat(self) -> None:
+        """Heartbeats every ``heartbeat_s``; in between, every `RELEASE_FLUSH_S`, writes the
+        lease releases no call carried since."""
+        next_hb = time.monotonic() + self.cfg.heartbeat_s
+        while True:
+            await asyncio.sleep(min(RELEASE_FLUSH_S, max(0.0, next_hb - time.monotonic())))
+            self.rpc.flush_releases(time.monotonic() - RELEASE_FLUSH_S)
+            if time.monotonic() >= next_hb:
+                next_hb = time.monotonic() + self.cfg.heartbeat_s
+                try:
+                    await self.rpc.call(m.Heartbeat(client=self.client_id))
+                except StoreError as e:
+                    log.warning("heartbeat failed: %s", e)
+
+    async def transfer(self, reqs: list[TransferRequest], deadline: float | None,
+                       read: bool = False) -> BatchStatus:
+        """`core.Io.transfer`, awaited: same-host copies in the loop's thread (~2 ms for
+        16 MiB), the rest submitted to the engine and awaited."""
+        done, rest = self._copy_direct(reqs, deadline, read)
+        if not rest:
+            return self.direct.merged(done, None)
+        bid = self.engine.submit(rest, core.transfer_timeout(self.cfg, deadline, read))
+        try:
+            return self.direct.merged(done, await self.engine.wait_async(bid))
+        finally:
+            self.engine.free(bid)
+
+    async def put(self, key: str, value: object, *, replicas: int | None = None,
+                  strategy: str | None = None, preferred: Sequence[str] | None = None,
+                  hard_pin: bool = False, soft_pin_s: float = 0.0,
+                  best_effort: bool = False) -> int:
+        """`StoreClient.put`; a held reservation of the shape that another coroutine claimed
+        first is not waited for: this put goes the two-phase way."""
+        return await core.drive(put(self.cfg, self.client_id, self._resv, key, value,
+                                    PutOptions(replicas, strategy, preferred, hard_pin,
+                                               soft_pin_s, best_effort)), self)
+
+    put_from = put
+    """Zero-copy put (`StoreClient.put_from`)."""
+
+    async def batch_put(self, keys: Sequence[str], values: Sequence[object], *,
+                        replicas: int | None = None, strategy: str | None = None,
+                        preferred: Sequence[str] | None = None, hard_pin: bool = False,
+                        soft_pin_s: float = 0.0) -> list[int]:
+        """`StoreClient.batch_put`, through reservations held for the shape and not claimed by
+        a concurrent put or batch; a `Code` per key."""
+        return await core.drive(BatchPut(self.cfg, self.client_id, self._resv, keys, values,
+                                         PutOptions(replicas, strategy, preferred, hard_pin,
+                                                    soft_pin_s)).steps(), self)
+
+    batch_put_from = batch_put
+    """Zero-copy batch put (`StoreClient.batch_put_from`)."""
+
+    async def get(self, key: str) -> bytearray:
+        """`StoreClient.get`: a new buffer holding the value."""
+        return await core.drive(core.get(self.cfg, key), self)
+
+    async def get_into(self, key: str, buf: object) -> int:
+        """`StoreClient.get_into`: the value's size, read into ``buf``."""
+        return await core.drive(core.get_into(self.cfg, key, buf), self)
+
+    async def batch_get(self, keys: Sequence[str]) -> list[bytearray | None]:
+        """`StoreClient.batch_get`: each value (None where absent or unread)."""
+        return await core.drive(core.batch_get(self.cfg, keys), self)
+
+    async def batch_get_into(self, keys: Sequence[str], bufs: Sequence[object]) -> list[int]:
+        """`StoreClient.batch_get_into`: each size (-1 where absent or unread)."""
+        return await core.drive(core.batch_get_into(self.cfg, keys, bufs), self)
+
+    async def exists(self, key: str) -> bool:
+        """`StoreClient.exists`."""
+        return core.reply(await self.rpc.call(m.Exists(key=key)), m.Bools).values[0]
+
+    async def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        """`StoreClient.batch_exists`."""
+        return core.reply(await self.rpc.call(m.BatchExists(keys=list(keys))), m.Bools).values
+
+    async def prefix_match(self, keys: Sequence[str]) -> int:
+        """`StoreClient.prefix_match`: the stored prefix's length, in keys."""
+        return core.reply(await self.rpc.call(m.PrefixMatch(keys=list(keys))), m.Count).n
+
+    async def remove(self, key: str, force: bool = False) -> None:
+        """`StoreClient.remove` (a resent remove answered NOT_FOUND succeeded)."""
+        await core.drive(core.remove(key, force), self)
+
+    async def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
+        """`StoreClient.batch_remove`: a `Code` per key."""
+        return await core.drive(core.batch_remove(keys, force), self)
+
+    async def remove_prefix(self, prefix: str, force: bool = False) -> m.Removed:
+        """`StoreClient.remove_prefix`: removed and kept (leased, pinned) values."""
+        msg = m.RemovePrefix(prefix=prefix, force=force)
+        return core.reply(await self.rpc.call(msg), m.Removed)
+
+    async def remove_all(self, force: bool = False) -> m.Removed:
+        """`StoreClient.remove_all`."""
+        return core.reply(await self.rpc.call(m.RemoveAll(force=force)), m.Removed)
+
+    async def pin(self, keys: Sequence[str], hard: bool = False, soft_pin_s: float = 0.0,
+                  unpin: bool = False) -> list[int]:
+        """`StoreClient.pin`: a `Code` per key."""
+        return core.reply(await self.rpc.call(m.Pin(keys=list(keys), hard=hard,
+                                                    soft_pin_s=soft_pin_s, unpin=unpin)),
+                          m.Codes).codes
+
+    async def stats(self) -> dict[str, float]:
+        """`StoreClient.stats`."""
+        return core.reply(await self.rpc.call(m.GetStats()), m.Stats).values
+
+    async def close(self) -> None:
+        """`StoreClient.close`: the heartbeat task cancelled, held reservations given back,
+        the releases no call carried written, the connection and the engine closed."""
+        if self._hb is not None:
+            self._hb.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._hb
+        await core.drive(self._closing(), self)
+        self.rpc.flush_releases()
+        self._closed()

@@ -1,148 +1,334 @@
-"""The put side of `StoreClient` (`Puts`, a mixin it inherits): single and batch puts, two-phase
-or through reservations held ahead (`reserve`), and revokes.
+"""The put side of both store clients, written once with no I/O: step generators that yield
+`core`'s operations (`Call`, `Write`, `Revoke`) and are sent their results — `put` (one value)
+and `BatchPut` (many) — plus the request building and write judging they share. Every decision
+(codes per key, which reservations, fallbacks, revokes, write deadlines) is made here; the
+clients (`client`) only run the steps (`core.run` / `core.run_async`).
 
-Life of a put: ``put_start`` at the master (placement + allocation) → WRITE of the bytes to every
-replica (`StoreClient._transfer`: a same-host node's segment copied directly, else one inline
-frame or the engine's lanes) → ``put_end`` (commit). A failed transfer revokes the put, so no
-reader ever sees a partial value. With ``reserve_ahead`` a stream of same-shaped puts costs one
-RPC each (the put writes into the reservation its previous one brought and sends
-``put_commit``), and a stream of same-shaped batches one RPC per batch (``batch_put_commit``);
-any failure there falls back to the two-phase way for those values. One thread at a time.
+Life of a put (`put`): with ``reserve_ahead`` and a reservation held for its shape (size,
+replicas, strategy, preferred), write into it and send one ``put_commit``, which commits the
+value and hands out the next reservation; otherwise two phases: ``put_start`` (placement, plus
+``reserve_next`` from the shape's second put on), the writes by its write deadline, ``put_end``.
+A failed write is revoked (naming the blamed segments) and placed again, up to ``put_retries``
+times.
+
+Life of a batch (`BatchPut`, items of one shape, at most `rv.MAX_PER_SHAPE`): with as many
+usable reservations of the shape held, write every item into one of them (one transfer batch,
+by the earliest reservation's write deadline) and send one ``batch_put_commit``, which commits
+each item (a code per item) and hands out the next batch's; a failed write revokes those
+reservations (and held ones on the failed segments), a refused commit or a refused item falls
+back. Otherwise — or for what fell back — two phases: one ``batch_put_start`` (placement of all
+items, plus ``reserve_next`` = n reservations from the shape's second batch on), one transfer
+batch of all writes by the start's write deadline, a revoke of the items whose write failed
+(naming the blamed segments), one ``batch_put_end`` of the others. Items whose write failed
+are put again, up to ``put_retries`` times.
+
+Reservations are `claim`ed (`claim_many` for a batch) by both clients, synchronously (no await
+between taking them and marking them busy): each is written by exactly one put or batch —
+concurrent coroutines of one asyncio client included — and no reply still in flight hands a
+claimed one out again (`reserve`). A claimed reservation whose commit was refused — the whole
+commit, or its item (the key exists, say) — holds nothing and stays the master's: it is
+`release`d before the reply's reservations are kept, so it may be held again. Stale ones are
+given back (``batch_put_revoke`` ``unused``) only while their write expiry has not passed:
+past it the master reclaimed them itself.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from yuebing.core.errors import InputError, StoreError, TransferError
+from yuebing.core.errors import InputError, StoreError
 from yuebing.store import messages as m
-from yuebing.store.client import batchput as bp
-from yuebing.store.client import common as cm
+from yuebing.store.client import core as cm
 from yuebing.store.client import reserve as rv
-from yuebing.store.client.rpc import MasterConnection, StoreRpcError
+from yuebing.store.client.core import Call, Revoke, Steps, Write
+from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig
-from yuebing.transfer import BatchStatus
+from yuebing.transfer import BatchStatus, OpCode, TransferRequest, TransferStatus
+from yuebing.transfer.transport.shm import EXPIRED_WRITE
 
 log = logging.getLogger(__name__)
 C = m.Code
 
 
-class Puts:
-    """Puts of a `StoreClient` (which provides the attributes below and ``_transfer``)."""
+@dataclass(frozen=True, slots=True)
+class PutOptions:
+    """How a put places its values: the keywords of the clients' ``put`` / ``batch_put``
+    (None: the `ClientConfig` default; ``best_effort``: the master may place fewer than
+    ``replicas`` copies, at least one, instead of refusing the put)."""
 
-    cfg: ClientConfig
-    client_id: str
-    rpc: MasterConnection
-    _resv: rv.HeldReservations
-    _transfer: Callable[[list, float], BatchStatus]
-    """`StoreClient._transfer`: the writes of a put, by its write deadline."""
+    replicas: int | None = None
+    strategy: str | None = None
+    preferred: Sequence[str] | None = None
+    hard_pin: bool = False
+    soft_pin_s: float = 0.0
+    best_effort: bool = False
 
-    def put(self, key: str, value: object, *, replicas: int | None = None,
-            strategy: str | None = None, preferred: Sequence[str] | None = None,
-            hard_pin: bool = False, soft_pin_s: float = 0.0,
-            best_effort: bool = False) -> int:
-        """Store ``value`` (any contiguous buffer) under ``key``; values are immutable. A write
-        that fails is revoked (naming the failed segments, which the master then avoids) and
-        placed again up to ``put_retries`` times. With ``reserve_ahead``, a put of a shape
-        this client holds a reservation for writes into it and commits with one RPC.
-        Returns the number of replicas stored: a put that cannot place ``replicas`` copies on
-        distinct DRAM segments raises `StoreRpcError` NO_SPACE, unless ``best_effort`` (then
-        at least one)."""
-        mv = cm.view(value, writable=False)
-        item = cm.put_item(self.cfg, key, mv, replicas, strategy, preferred, hard_pin, soft_pin_s,
-                           best_effort)
-        shape = rv.shape_of(item) if self.cfg.reserve_ahead else None
-        if shape is not None and self._put_reserved(item, mv, shape):
-            return item.replicas  # a reservation holds every replica of its shape
-        reserve_next = shape is not None and self._resv.want(shape)
-        for attempt in range(self.cfg.put_retries + 1):
-            sent = time.monotonic()
-            targets = self.rpc.call(m.PutStart(client=self.client_id, item=item,
-                                               reserve_next=reserve_next))
-            assert isinstance(targets, m.PutTargets)
-            if shape is not None:
-                self._resv.keep(shape, targets.reservation, sent)
-            failed, blamed, why = self._write(mv, targets.replicas,
-                                              cm.write_deadline(sent, targets.expires_in_s))
-            if not failed:
-                self.rpc.call(m.PutEnd(client=self.client_id, key=key))
-                return len(targets.replicas)
-            self._revoke([key], blamed, self._resv.touching(failed))
-            log.warning("put %s: write to %s failed (attempt %d): %s", key, failed, attempt + 1, why)
-        raise StoreError(f"writing {key!r} failed; put revoked: {why}")
 
-    def _write(self, mv: memoryview, replicas: list[m.Replica],
-               deadline: float) -> tuple[list[str], list[str], str]:
-        """Write one value to its replicas by ``deadline``: `cm.write_outcome`."""
-        reqs = cm.writes(mv, replicas)
-        return cm.write_outcome(reqs, self._write_batch(reqs, deadline))
+def put_item(cfg: ClientConfig, key: str, mv: memoryview, opts: PutOptions) -> m.PutItem:
+    """The `PutItem` of a put (`InputError` for a bad key or an empty value: nothing is sent
+    then)."""
+    if not isinstance(key, str) or not key:
+        raise InputError(f"key must be a non-empty str, got {key!r}")
+    if key.startswith(m.RESERVED_PREFIX):
+        raise InputError(f"key {key!r}: keys starting with {m.RESERVED_PREFIX!r} are reserved "
+                         "for the store's own reservations")
+    if mv.nbytes == 0:
+        raise InputError(f"value of {key!r} is empty; the store keeps values of >= 1 byte")
+    pref = list(opts.preferred) if opts.preferred is not None else list(cfg.preferred)
+    strat = opts.strategy if opts.strategy is not None else cfg.placement
+    if not strat and cfg.local_segment:
+        strat, pref = "preferred", [cfg.local_segment, *pref]
+    return m.PutItem(key=key, size=mv.nbytes, checksum=cm.checksum(mv) if cfg.checksum else -1,
+                     replicas=opts.replicas or cfg.replicas, strategy=strat, preferred=pref,
+                     hard_pin=opts.hard_pin, soft_pin_s=opts.soft_pin_s,
+                     timeout_s=cfg.transfer_timeout_s, min_replicas=1 if opts.best_effort else 0)
 
-    def _write_batch(self, reqs: list, deadline: float) -> BatchStatus | Exception:
-        """The transfer of the writes ``reqs`` by ``deadline``: its status, or the
-        `TransferError`/`InputError` it raised."""
-        try:
-            return self._transfer(reqs, deadline)
-        except (TransferError, InputError) as e:
-            return e
 
-    def _put_reserved(self, item: m.PutItem, mv: memoryview, shape: rv.Shape) -> bool:
-        """Put ``item`` through the held reservation of its shape: write into it, then one
-        ``put_commit`` (which brings the next reservation). False when there is none usable or
-        the write or commit failed (the caller then puts it the two-phase way)."""
-        now = time.monotonic()
-        stale = self._resv.drop_stale(now)
-        if stale:  # too little write time left (any shape): give them back unused
-            self._revoke([], [], stale)
-        held, _ = self._resv.take(shape, now)
-        if held is None:
-            return False
-        failed, blamed, why = self._write(mv, held.replicas, held.deadline)
+def write_deadline(sent_at: float, expires_in_s: float) -> float:
+    """A put's write deadline on this process's monotonic clock: the master's expiry (seconds
+    from its reply) counted from ``sent_at``, when the request left (before the master's now:
+    conservative whatever the network delay)."""
+    return sent_at + expires_in_s
+
+
+def writes(mv: memoryview, replicas: list[m.Replica]) -> list[TransferRequest]:
+    return [TransferRequest(OpCode.WRITE, mv, r.segment, r.offset, mv.nbytes) for r in replicas]
+
+
+def failed_segments(reqs: Sequence[TransferRequest], statuses: Sequence[Any] | None) -> list[str]:
+    """Names of the segments whose request did not finish (all of them without statuses)."""
+    if statuses is None:
+        return sorted({str(r.segment) for r in reqs})
+    return sorted({str(r.segment) for r, st in zip(reqs, statuses, strict=True)
+                   if st.status != TransferStatus.DONE})
+
+
+def blamed_segments(reqs: Sequence[TransferRequest], statuses: Sequence[Any] | None,
+                    error: Exception | None = None) -> list[str]:
+    """The failed segments to name in a revoke (the master stops placing there until their
+    node heartbeats again): not when the put's own write expiry cut the write — before it
+    started (`WriteExpired` as ``error``) or a same-host copy mid-way (`EXPIRED_WRITE`): the
+    client was late, the node is fine."""
+    if isinstance(error, cm.WriteExpired):
+        return []
+    if statuses is None:
+        return failed_segments(reqs, None)
+    return sorted({str(r.segment) for r, st in zip(reqs, statuses, strict=True)
+                   if st.status != TransferStatus.DONE and not (
+                       st.status == TransferStatus.TIMEOUT and st.error.startswith(EXPIRED_WRITE))})
+
+
+def write_outcome(reqs: Sequence[TransferRequest],
+                  result: BatchStatus | Exception) -> tuple[list[str], list[str], str]:
+    """A put's write to its replicas, judged: (segments that failed, those of them to blame
+    in the revoke — `blamed_segments` —, why) from the transfer's status, or from the
+    `TransferError`/`InputError` it raised."""
+    if isinstance(result, Exception):
+        return failed_segments(reqs, None), blamed_segments(reqs, None, result), str(result)
+    return (failed_segments(reqs, result.requests), blamed_segments(reqs, result.requests),
+            "; ".join(result.errors))
+
+
+# ---------------------------------------------------------------- single put
+def put(cfg: ClientConfig, client: str, resv: rv.HeldReservations, key: str, value: object,
+        opts: PutOptions) -> Steps[int]:
+    """Store ``value`` (any contiguous buffer) under ``key``; values are immutable. Through
+    the held reservation of its shape when there is one (`_put_reserved`), else in two
+    phases: ``put_start``, the writes by the start's write deadline, ``put_end``; a write that
+    fails is revoked (naming the blamed segments, which the master then avoids) and placed
+    again up to ``put_retries`` times. Returns the number of replicas stored."""
+    mv = cm.view(value, writable=False)
+    item = put_item(cfg, key, mv, opts)
+    shape = rv.shape_of(item) if cfg.reserve_ahead else None
+    if shape is not None and (yield from _put_reserved(client, resv, item, mv, shape)):
+        return item.replicas  # a reservation holds every replica of its shape
+    reserve_next = shape is not None and resv.want(shape)
+    for attempt in range(cfg.put_retries + 1):
+        sent = time.monotonic()
+        targets = yield Call(m.PutStart(client=client, item=item, reserve_next=reserve_next))
+        assert isinstance(targets, m.PutTargets)
+        if shape is not None:
+            resv.keep(shape, targets.reservation, sent)
+        reqs = writes(mv, targets.replicas)
+        got = yield Write(reqs, write_deadline(sent, targets.expires_in_s))
+        failed, blamed, why = write_outcome(reqs, got)
+        if not failed:
+            yield Call(m.PutEnd(client=client, key=key))
+            return len(targets.replicas)
+        yield Revoke([key], blamed, resv.touching(failed))
+        log.warning("put %s: write to %s failed (attempt %d): %s", key, failed, attempt + 1, why)
+    raise StoreError(f"writing {key!r} failed; put revoked: {why}")
+
+
+def _put_reserved(client: str, resv: rv.HeldReservations, item: m.PutItem, mv: memoryview,
+                  shape: rv.Shape) -> Steps[bool]:
+    """Put ``item`` through the held reservation of its shape: `claim` it (this put alone
+    writes into it, and no later reply hands it out again), give back the stale ones of any
+    shape that have not expired (past its write expiry the master reclaimed one itself), write
+    into it, then one ``put_commit`` (which brings the next reservation). False when there is
+    none usable or the write or commit failed (the caller then puts it in two phases); a
+    refused commit `release`s the reservation (it stays the master's, empty)."""
+    now = time.monotonic()
+    stale = resv.drop_stale(now)
+    held, one = resv.claim(shape, now)
+    if one is not None:
+        stale.append(one)
+    if stale:  # too little write time left: give them back unused
+        yield Revoke([], [], stale)
+    if held is None:
+        return False
+    reqs = writes(mv, held.replicas)
+    failed, blamed, why = write_outcome(reqs, (yield Write(reqs, held.deadline)))
+    if failed:
+        yield Revoke([held.key], blamed, resv.touching(failed))
+        log.warning("put %s: write into reservation on %s failed: %s", item.key, failed, why)
+        return False
+    sent = time.monotonic()
+    try:
+        r = yield Call(m.PutCommit(client=client, reservation=held.key, item=item,
+                                   reserve_next=True))
+    except StoreRpcError as e:
+        resv.release(held.key)
+        log.info("put %s: reservation refused (%s); putting it in two phases", item.key, e)
+        return False
+    assert isinstance(r, m.PutCommitted)
+    resv.keep(shape, r.reservation, sent)
+    return True
+
+
+# ---------------------------------------------------------------- batch put
+def items_of(cfg: ClientConfig, keys: Sequence[str], values: Sequence[object],
+             opts: PutOptions) -> tuple[list[m.PutItem], list[memoryview]]:
+    """The `PutItem`s and read-only views of a batch put's ``keys`` and ``values``
+    (`InputError` on a count mismatch, a bad key or an empty value: nothing is sent then)."""
+    if len(keys) != len(values):
+        raise InputError(f"{len(keys)} keys but {len(values)} values")
+    mvs = [cm.view(v, writable=False) for v in values]
+    return [put_item(cfg, k, mv, opts) for k, mv in zip(keys, mvs, strict=True)], mvs
+
+
+class BatchPut:
+    """One batch put of a client (`steps` is the generator; see the module docstring)."""
+
+    def __init__(self, cfg: ClientConfig, client: str, resv: rv.HeldReservations,
+                 keys: Sequence[str], values: Sequence[object], opts: PutOptions) -> None:
+        self.cfg, self.client, self.resv = cfg, client, resv
+        self.items, self.mvs = items_of(cfg, keys, values, opts)
+        self.codes = [int(C.INTERNAL)] * len(self.items)
+        """A `Code` per item: what the caller gets back."""
+
+    def steps(self) -> Steps[list[int]]:
+        """The whole batch put; returns a `Code` per item."""
+        todo = list(range(len(self.items)))
+        for _ in range(self.cfg.put_retries + 1):
+            if not todo:
+                break
+            todo = yield from self._once(todo)
+        return self.codes
+
+    def _shape(self, todo: list[int]) -> rv.Shape | None:
+        """The shape of the items ``todo`` when they may go through reservations."""
+        first = rv.shape_of(self.items[todo[0]])
+        return first if self.cfg.reserve_ahead and len(todo) <= rv.MAX_PER_SHAPE and all(
+            rv.shape_of(self.items[i]) == first for i in todo[1:]) else None
+
+    def _once(self, todo: list[int]) -> Steps[list[int]]:
+        """One attempt for the items ``todo``; fills ``codes``, returns those to retry. Items
+        of one shape go through held reservations when there are enough (`_reserved`) and ask
+        for the next batch's; the rest are put in two phases."""
+        items, codes = self.items, self.codes
+        shape = self._shape(todo)
+        if shape is not None:
+            todo = yield from self._reserved(todo, shape)
+            if not todo:
+                return []
+        sent = time.monotonic()
+        reserve_next = len(todo) if shape is not None and self.resv.want(shape) else 0
+        r = yield Call(m.BatchPutStart(client=self.client, items=[items[i] for i in todo],
+                                       reserve_next=reserve_next))
+        assert isinstance(r, m.BatchPutTargets)
+        if shape is not None:
+            self.resv.keep_many(shape, r.reservations, sent)
+        reqs, owner = [], []
+        for i, code, reps in zip(todo, r.codes, r.replicas, strict=True):
+            codes[i] = code
+            if code == C.OK:
+                for req in writes(self.mvs[i], reps):
+                    reqs.append(req)
+                    owner.append(i)
+        failed: set[int] = set()
+        bad: list[str] = []
+        if reqs:
+            got = yield Write(reqs, write_deadline(sent, r.expires_in_s))
+            if isinstance(got, BatchStatus):
+                failed = {owner[j] for j, rs in enumerate(got.requests)
+                          if rs.status != TransferStatus.DONE}
+                bad = blamed_segments(reqs, got.requests)
+            else:
+                log.warning("batch put transfer failed: %s", got)
+                failed, bad = set(owner), blamed_segments(reqs, None, got)
+        ok = [i for i in todo if codes[i] == C.OK and i not in failed]
         if failed:
-            self._revoke([held.key], blamed, self._resv.touching(failed))
-            log.warning("put %s: write into reservation on %s failed: %s", item.key, failed, why)
-            return False
+            yield Revoke([items[i].key for i in sorted(failed)], bad)
+            for i in failed:
+                codes[i] = int(C.INTERNAL)
+        if ok:
+            ends = yield Call(m.BatchPutEnd(client=self.client, keys=[items[i].key for i in ok]))
+            for i, c in zip(ok, ends.codes, strict=True):
+                codes[i] = c
+        return sorted(failed)
+
+    def _take(self, shape: rv.Shape, n: int) -> tuple[list[rv.Held], list[str]]:
+        """``n`` held reservations of ``shape`` for this batch alone (or none) and the keys
+        of stale ones to give back now (`claim_many`)."""
+        now = time.monotonic()
+        held, stale = self.resv.claim_many(shape, n, now)
+        return held, [h.key for h in stale if h.deadline > now]  # past it, the master did
+
+    def _reserved(self, todo: list[int], shape: rv.Shape) -> Steps[list[int]]:
+        """Put the items ``todo`` (one shape) through as many held reservations: one write, one
+        ``batch_put_commit`` (which brings the next batch's). Fills ``codes`` of the items it
+        stored (or found existing); returns the items left to the two-phase way — all of them
+        when too few reservations are held or the write or commit failed."""
+        held, stale = self._take(shape, len(todo))
+        if stale:  # give back what the master holds: never written, freed at once
+            yield Revoke([], [], stale)
+        if not held:
+            return todo
+        reqs = [req for i, h in zip(todo, held, strict=True)
+                for req in writes(self.mvs[i], h.replicas)]
+        got = yield Write(reqs, min(h.deadline for h in held))
+        failed, bad, why = write_outcome(reqs, got)
+        if failed:
+            yield Revoke([h.key for h in held], bad, self.resv.touching(failed))
+            log.warning("batch put: write into reservations on %s failed: %s", failed, why)
+            return todo
         sent = time.monotonic()
         try:
-            r = self.rpc.call(m.PutCommit(client=self.client_id, reservation=held.key, item=item,
-                                          reserve_next=True))
+            r = yield Call(m.BatchPutCommit(
+                client=self.client, reservations=[h.key for h in held],
+                items=[self.items[i] for i in todo], reserve_next=len(todo)))
         except StoreRpcError as e:
-            log.info("put %s: reservation refused (%s); putting it in two phases", item.key, e)
-            return False
-        assert isinstance(r, m.PutCommitted)
-        self._resv.keep(shape, r.reservation, sent)
-        return True
+            self._release(held)
+            log.info("batch put: reservations refused (%s); putting it in two phases", e)
+            return todo
+        assert isinstance(r, m.BatchPutCommitted)
+        self._release([h for h, code in zip(held, r.codes, strict=True) if code != C.OK])
+        self.resv.keep_many(shape, r.reservations, sent)
+        left = []
+        for i, code in zip(todo, r.codes, strict=True):
+            if code in (C.OK, C.EXISTS):
+                self.codes[i] = code
+            else:  # its reservation refused it (and stays the master's): two phases
+                left.append(i)
+        return left
 
-    put_from = put
-    """Zero-copy put: the engine reads straight from the caller's (registered) buffer."""
+    def _release(self, held: list[rv.Held]) -> None:
+        """Claimed reservations nothing was committed into (they stay the master's)."""
+        for h in held:
+            self.resv.release(h.key)
 
-    def batch_put(self, keys: Sequence[str], values: Sequence[object], **kw: object) -> list[int]:
-        """Put many values with one master round trip per phase (or one in all, through held
-        reservations); returns a `Code` per key. Keys whose write failed are revoked and put
-        again up to ``put_retries`` times. The steps are `batchput.BatchPut`'s."""
-        items, mvs = bp.items_of(self.cfg, keys, values, kw.get("replicas"),  # type: ignore[arg-type]
-                                 kw.get("strategy"), kw.get("preferred"),  # type: ignore[arg-type]
-                                 bool(kw.get("hard_pin")), float(kw.get("soft_pin_s") or 0.0))  # type: ignore[arg-type]
-        steps = bp.BatchPut(self.cfg, self.client_id, self._resv, items, mvs, claim=False).steps()
-        return bp.run(steps, self._do)
-
-    def _do(self, op: bp.Op) -> object:
-        """One operation of a batch put (`batchput.run`)."""
-        if isinstance(op, bp.Call):
-            return self.rpc.call(op.msg)
-        if isinstance(op, bp.Write):
-            return self._write_batch(op.reqs, op.deadline)
-        self._revoke(op.keys, op.failed, op.unused)
-        return None
-
-    batch_put_from = batch_put
-
-    def _revoke(self, keys: list[str], failed: list[str], unused: list[str] | None = None) -> None:
-        """Revoke the pending puts ``keys`` and give back the reservations ``unused`` (held,
-        never written: the master frees them at once)."""
-        try:
-            self.rpc.call(m.BatchPutRevoke(client=self.client_id, keys=keys, failed=failed,
-                                           unused=unused or []))
-        except StoreError as e:  # the master reclaims it as a zombie later
-            log.warning("revoking %d puts failed: %s", len(keys), e)

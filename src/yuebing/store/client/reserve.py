@@ -1,5 +1,5 @@
 """Client side of reserve-ahead puts (`ClientConfig.reserve_ahead`): the reservations a
-`StoreClient` holds, one per value shape, and when to ask for one.
+store client holds, one per value shape, and when to ask for one.
 
 Life cycle: the second put of a shape (size, replicas, strategy, preferred) within the last
 `RECENT` shapes asks the master for a reservation (`PutStart.reserve_next`); the reply's
@@ -17,20 +17,21 @@ batch of that shape `take_many`s them and commits with one `BatchPutCommit`, whi
 next n — a list per shape, at most `MAX_PER_CLIENT` in all (the master's caps, mirrored by
 `HeldReservations.keep_many` so the client never writes into a reservation the master dropped).
 
-Concurrent puts (`AsyncStoreClient`: many coroutines, one client) `claim` instead of `take`
-(`claim_many` instead of `take_many` for a batch): the
+Puts `claim` a reservation (`claim_many` for a batch), which `take`s it (`take_many`) and: the
 claimed reservation's key stays *busy* (in use, then committed or revoked) so that a reply still
 in flight that carries it — the master answers a `PutStart` with the reservation of the shape it
 has, which may be the one another coroutine is writing into or just committed — is not kept and
 handed to a second put (which would overwrite the committed value). Each reservation is thus
-written by exactly one put: `claim` pops it and marks it busy with no await in between. A busy
+written by exactly one put — of concurrent coroutines of one `AsyncStoreClient` too: `claim`
+pops it and marks it busy with no await in between. A busy
 key is forgotten once any copy of it would be unusable anyway (`Held.forget_at`); a commit the
 master refused `release`s it (the master may hand the same, still empty, reservation out again)
-— for a batch (`claim_many`), also each one whose item the commit refused (`batchput`).
+— for a batch (`claim_many`), also each one whose item the commit refused (`puts`).
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from yuebing.store import messages as m
@@ -72,14 +73,17 @@ class Held:
 
 
 class HeldReservations:
-    """The reservations of one client (one thread at a time, like `StoreClient`; concurrent
-    coroutines of one event loop use `claim`/`release`, see the module docstring)."""
+    """The reservations of one client (one thread at a time, or the coroutines of one event
+    loop: puts use `claim`/`release`, see the module docstring)."""
 
     def __init__(self) -> None:
         self.held: dict[Shape, list[Held]] = {}
         self._seen: dict[Shape, None] = {}
         self.busy: dict[str, float] = {}
         """Keys of claimed reservations -> when to forget them (`Held.forget_at`)."""
+        self._forget: list[tuple[float, str]] = []
+        """`busy` entries by when to forget them (a heap): forgetting costs O(log n) per key,
+        not a scan of every busy key at each put."""
         self._stale_at = float("inf")
         """No held reservation turns stale before this (monotonic; `drop_stale`)."""
 
@@ -135,7 +139,7 @@ class HeldReservations:
             keep = [h for h in hs if h.usable(now)]
             for h in hs:
                 if not h.usable(now):
-                    self.busy[h.key] = h.forget_at
+                    self._mark_busy(h)
                     if h.deadline > now:
                         out.append(h.key)
             soonest = min([soonest, *(h.deadline - h.granted_s / 2 for h in keep)])
@@ -157,7 +161,7 @@ class HeldReservations:
         held, stale = self.take(shape, now)
         for h in (held, stale):
             if h is not None:
-                self.busy[h.key] = h.forget_at
+                self._mark_busy(h)
         if stale is not None and stale.deadline > now:
             return None, stale.key
         return held, None
@@ -169,12 +173,21 @@ class HeldReservations:
         self._forget_busy(now)
         held, stale = self.take_many(shape, n, now)
         for h in (*held, *stale):
-            self.busy[h.key] = h.forget_at
+            self._mark_busy(h)
         return held, stale
 
+    def _mark_busy(self, h: Held) -> None:
+        self.busy[h.key] = h.forget_at
+        heapq.heappush(self._forget, (h.forget_at, h.key))
+
     def _forget_busy(self, now: float) -> None:
-        for key in [k for k, t in self.busy.items() if t <= now]:
-            del self.busy[key]
+        """Forget the busy keys whose `Held.forget_at` passed (a key marked busy again later
+        keeps its later time; one `release`d is gone already)."""
+        heap = self._forget
+        while heap and heap[0][0] <= now:
+            t, key = heapq.heappop(heap)
+            if self.busy.get(key) == t:
+                del self.busy[key]
 
     def release(self, key: str) -> None:
         """The master refused the commit into claimed ``key``: nothing was stored in it, and it
@@ -228,7 +241,8 @@ class HeldReservations:
             hit = [h for h in hs if any(r.segment in bad for r in h.replicas)]
             if hit:
                 out += [h.key for h in hit]
-                self.busy.update((h.key, h.forget_at) for h in hit)
+                for h in hit:
+                    self._mark_busy(h)
                 self._set(shape, [h for h in hs if h not in hit])
         return out
 
