@@ -11,13 +11,13 @@ import msgspec
 import numpy as np
 import pytest
 from store_procs import Proc, master, node
-from yuebing.store.client.core import ChecksumError, NotFoundError
 
 from etcd_util import free_port
 from yuebing.core.errors import StoreError
 from yuebing.protocol import decode, encode
 from yuebing.store import messages as m
 from yuebing.store.client.client import StoreClient
+from yuebing.store.client.common import ChecksumError, NotFoundError
 from yuebing.store.client.events import KvEventSubscriber
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.cluster_messages import EventKind
@@ -211,7 +211,7 @@ def test_ssd_offload_and_promotion(tmp_path) -> None:
 def test_async_client(cluster) -> None:
     import asyncio
 
-    from yuebing.store.client.client import AsyncStoreClient
+    from yuebing.store.client.aio import AsyncStoreClient
 
     async def main() -> None:
         async with AsyncStoreClient(ClientConfig(master=cluster[0].info["address"])) as c:
