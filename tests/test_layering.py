@@ -20,7 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "trace": {"core"},
     "conductor.policy": {"core"},
     "conductor": {"core", "conductor.policy", "protocol", "trace", "instance.client",
-                  "instance.kvkeys", "store.client.events", "store.messages",
+                  "instance.kvkeys", "store.events", "store.messages",
                   "store.cluster_messages", "engine.tokenizer",
                   "engine.weights", "engine.config", "cluster.discovery", "ops"},
     "engine": {"core"},

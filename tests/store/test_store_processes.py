@@ -17,11 +17,11 @@ from yuebing.core.errors import StoreError
 from yuebing.protocol import decode, encode
 from yuebing.store import messages as m
 from yuebing.store.client.client import StoreClient
-from yuebing.store.client.common import ChecksumError, NotFoundError
-from yuebing.store.client.events import KvEventSubscriber
+from yuebing.store.client.core import ChecksumError, NotFoundError
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.cluster_messages import EventKind
 from yuebing.store.config import ClientConfig
+from yuebing.store.events import KvEventSubscriber
 from yuebing.store.wire import parse_address
 from yuebing.transfer import OpCode, TransferRequest
 
@@ -211,7 +211,7 @@ def test_ssd_offload_and_promotion(tmp_path) -> None:
 def test_async_client(cluster) -> None:
     import asyncio
 
-    from yuebing.store.client.aio import AsyncStoreClient
+    from yuebing.store.client.client import AsyncStoreClient
 
     async def main() -> None:
         async with AsyncStoreClient(ClientConfig(master=cluster[0].info["address"])) as c:

@@ -94,7 +94,7 @@ class StoreFeed:
         return self
 
     def _run(self) -> None:
-        from yuebing.store.client.events import KvEventSubscriber
+        from yuebing.store.events import KvEventSubscriber
 
         sub = KvEventSubscriber(self.events_address)
         try:

@@ -8,9 +8,9 @@ See docs/structure.md and README.md ("Store").
 
 from yuebing.store.client.client import AsyncStoreClient, StoreClient
 from yuebing.store.client.core import ChecksumError, NotFoundError
-from yuebing.store.client.events import KvEventSubscriber
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig, MasterConfig, NodeConfig
+from yuebing.store.events import KvEventSubscriber
 
 __all__ = ["AsyncStoreClient", "ChecksumError", "ClientConfig", "KvEventSubscriber",
            "MasterConfig", "NodeConfig", "NotFoundError", "StoreClient", "StoreRpcError"]
