@@ -5,10 +5,15 @@ also once ``async``/``await`` are stripped — logic they share belongs in the c
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 from pathlib import Path
 
+import pytest
+
 import yuebing.store.client.client as client_module
+from yuebing.store.client.client import AsyncStoreClient, StoreClient
+from yuebing.store.config import ClientConfig
 
 RUN = 6
 SKIP = re.compile(r"^(#.*|[()\[\]{}:,]*|\"\"\"|@.*)$")
@@ -53,3 +58,28 @@ def test_the_sync_and_async_clients_share_no_run_of_six_lines() -> None:
     assert found == [], (f"StoreClient and AsyncStoreClient repeat {RUN}+ lines at (sync line, "
                          f"async line) {found}: move the shared logic into store/client/core.py "
                          "or puts.py")
+
+
+API = ["put", "put_from", "batch_put", "batch_put_from", "get", "get_into", "batch_get",
+       "batch_get_into", "exists", "batch_exists", "prefix_match", "remove", "batch_remove",
+       "remove_prefix", "remove_all", "pin", "stats", "close"]
+
+
+def test_both_clients_have_one_api_with_typed_keywords() -> None:
+    """The same parameters (names, kinds, defaults, annotations) in both clients, and no
+    catch-all ``**kw`` a misspelt keyword could slip through."""
+    for name in API:
+        sync = inspect.signature(getattr(StoreClient, name)).parameters
+        aio = inspect.signature(getattr(AsyncStoreClient, name)).parameters
+        assert list(sync.values()) == list(aio.values()), name
+        assert all(p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in sync.values()), name
+        assert all(p.annotation is not p.empty for n, p in sync.items() if n != "self"), name
+
+
+def test_a_misspelt_batch_put_keyword_is_refused_before_anything_is_sent() -> None:
+    c = StoreClient(ClientConfig(master="127.0.0.1:1"), heartbeat=False)
+    try:
+        with pytest.raises(TypeError, match="replica"):
+            c.batch_put(["k"], [b"v"], replica=2)  # type: ignore[call-arg]
+    finally:
+        c.close()
