@@ -83,3 +83,32 @@ def test_gap_is_relative_to_the_paper_and_only_for_numbers() -> None:
     assert gap(3.0, 2.0) == 0.5 and gap(1.5, 2.0) == -0.25
     assert gap(1.0, None) is None and gap(None, 1.0) is None and gap(1.0, 0) is None
     assert gap(True, 1.0) is None and gap(float("nan"), 1.0) is None
+
+
+def test_derived_comparisons_get_rows_with_their_gap(tmp_path: Path) -> None:
+    ours = {"random": 8.0, "load_balance": 2.0, "local_cache_aware": 1.5,
+            "global_cache_aware": 1.0}
+    details = {"ratio_to_global": fig5.ratios(ours)}
+    report = {"5": {"ours": ours, "paper": fig5.PAPER, "details": details,
+                    "compare": fig5.comparisons(ours, details)}}
+    write_report(report, tmp_path, fast=True)
+    md = (tmp_path / "report.md").read_text()
+    # paper: 19.65 / 3.07 = 6.4; ours 8.0: gap +25 %
+    assert "| ratio_to_global.random | 6.4 | 8 | +25 % |" in md
+    assert json.loads((tmp_path / "report.json").read_text())["5"]["compare"]["paper"][
+        "ratio_to_global"]["global_cache_aware"] == 1.0
+
+
+def test_overload_comparisons_put_shares_and_changes_beside_the_paper() -> None:
+    from yuebing.sim.paper import overload
+
+    variant = {"baseline": {"rejected": 100}, "early_rejection": {"rejected": 90},
+               "predictive_early_rejection": {"rejected": 80}}
+    details = {"rejected_share": {"baseline": 0.1}, "paper_rejected_share": {"baseline": 0.18},
+               "vs_baseline": {"baseline": 0.0}, "paper_vs_baseline": {"early_rejection": -0.1},
+               "8P+2D": variant}
+    rows = overload.comparisons({"baseline": 1}, details)
+    assert rows["ours"]["8P+2D_vs_baseline"] == {  # type: ignore[index]
+        "baseline": 0.0, "early_rejection": pytest.approx(-0.1),
+        "predictive_early_rejection": pytest.approx(-0.2)}
+    assert rows["paper"]["8P+2D_vs_baseline"] == {"early_rejection": -0.1}  # type: ignore[index]

@@ -52,6 +52,12 @@ def ratios(values: dict[str, float]) -> dict[str, float]:
     return {k: v / base for k, v in values.items()}
 
 
+def comparisons(result: dict[str, float], details: dict[str, object]) -> dict[str, object]:
+    """Report rows beside the paper's: each policy's mean TTFT over global cache-aware's."""
+    return {"ours": {"ratio_to_global": ratios(result)},
+            "paper": {"ratio_to_global": ratios(PAPER)}}
+
+
 def plot(result: dict[str, float], out_dir: str | Path) -> list[Path]:
     fig = paired_bars(POLICIES, result, PAPER, "mean TTFT (s)",
                       "Figure 5: prefill scheduling policies (8P+8D, conversation)", (7, 4))

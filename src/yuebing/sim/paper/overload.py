@@ -175,6 +175,22 @@ def details(trace_path: str | Path, fast: bool = False) -> dict[str, object]:
     }
 
 
+def comparisons(result: dict[str, int], details: dict[str, object]) -> dict[str, object]:
+    """Report rows beside the paper's: rejected shares and the change vs the baseline on the
+    paper's 8P+8D and on the decode-bound variant (the paper's values for both)."""
+    variant = details[f"{VARIANT[0]}P+{VARIANT[1]}D"]
+    assert isinstance(variant, dict)
+    base = variant["baseline"]["rejected"]
+    paper_vs = details["paper_vs_baseline"]
+    return {"ours": {"rejected_share": details["rejected_share"],
+                     "vs_baseline": details["vs_baseline"],
+                     f"{VARIANT[0]}P+{VARIANT[1]}D_vs_baseline": {
+                         k: v["rejected"] / base - 1 if base else None for k, v in variant.items()}},
+            "paper": {"rejected_share": details["paper_rejected_share"],
+                      "vs_baseline": paper_vs,
+                      f"{VARIANT[0]}P+{VARIANT[1]}D_vs_baseline": paper_vs}}
+
+
 def plot(result: dict[str, int], out_dir: str | Path, trace_path: str | Path | None = None,
          fast: bool = False) -> list[Path]:
     plt = pyplot()

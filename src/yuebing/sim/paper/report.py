@@ -3,9 +3,10 @@
 Life cycle: `run_figures` imports each requested figure module (see `FIGURES`), calls its
 ``compute(trace, fast)`` (simulations are shared between figures through the memo in
 `yuebing.sim.paper.common`), then ``plot(result, out_dir)``; `write_report` stores
-``report.json`` ({figure: {"ours", "paper", "details"}}) and ``report.md`` (our numbers beside
-the paper's). A figure whose module is missing (e.g. Figure 9 before the trace toolkit lands)
-is reported as unavailable instead of failing the whole report.
+``report.json`` ({figure: {"ours", "paper", "details"}}, plus ``"compare"`` where the module
+defines ``comparisons(result, details)``: {"ours": {...}, "paper": {...}} of derived quantities
+such as shares and ratios) and ``report.md`` (our numbers beside the paper's, with the gap). A
+figure whose module is missing is reported as unavailable instead of failing the whole report.
 """
 
 from __future__ import annotations
@@ -89,8 +90,11 @@ def compute_figure(name: str, trace: Path, fast: bool) -> dict[str, Any]:
         details = {"ratio_to_global": mod.ratios(result),
                    "paper_ratio_to_global": mod.ratios(mod.PAPER),
                    "random_by_seed": mod.random_by_seed(trace, fast)}
-    return {"ours": result, "paper": getattr(mod, "PAPER", None), "details": details,
-            "seconds": round(time.perf_counter() - t0, 2)}
+    entry = {"ours": result, "paper": getattr(mod, "PAPER", None), "details": details,
+             "seconds": round(time.perf_counter() - t0, 2)}
+    if hasattr(mod, "comparisons") and isinstance(details, dict):
+        entry["compare"] = mod.comparisons(result, details)
+    return entry
 
 
 def plot_figure(name: str, entry: dict[str, Any], out_dir: Path, trace: Path,
@@ -171,6 +175,10 @@ def write_report(report: dict[str, dict[str, Any]], out_dir: Path, fast: bool) -
         lines += ["| quantity | paper | yuebing sim | gap |", "|---|---|---|---|"]
         lines += [f"| {k} | {p} | {o} | {g} |"
                   for k, p, o, g in _rows(entry["ours"], entry["paper"])]
+        compare = entry.get("compare")
+        if isinstance(compare, dict):  # derived quantities a module compares (shares, ratios)
+            lines += [f"| {k} | {p} | {o} | {g} |"
+                      for k, p, o, g in _rows(compare["ours"], compare["paper"])]
         if isinstance(entry.get("details"), dict):
             lines += ["", "Details: `" + json.dumps(entry["details"], default=str)[:1500] + "`"]
         lines += [""] + [f"![{p}]({p})" for p in entry.get("plots", [])] + [""]
