@@ -13,8 +13,7 @@ import pytest
 from store_procs import Proc, master, node
 
 from yuebing.store import messages as m
-from yuebing.store.client.client import AsyncStoreClient
-from yuebing.store.client.client import StoreClient
+from yuebing.store.client.client import AsyncStoreClient, StoreClient
 from yuebing.store.client.direct import DirectSegments
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import OpCode, TransferRequest, TransferStatus

@@ -12,8 +12,7 @@ import pytest
 
 from yuebing.store import messages as m
 from yuebing.store.client import core as cm
-from yuebing.store.client.client import AsyncStoreClient
-from yuebing.store.client.client import StoreClient
+from yuebing.store.client.client import AsyncStoreClient, StoreClient
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import BatchStatus, SegmentDescriptor, TransferStatus
 from yuebing.transfer.types import RequestStatus

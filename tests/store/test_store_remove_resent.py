@@ -15,8 +15,7 @@ import pytest
 
 from yuebing.protocol import decode, encode
 from yuebing.store import messages as m
-from yuebing.store.client.client import AsyncStoreClient
-from yuebing.store.client.client import StoreClient
+from yuebing.store.client.client import AsyncStoreClient, StoreClient
 from yuebing.store.client.rpc import AsyncMasterConnection, MasterConnection, StoreRpcError
 from yuebing.store.config import ClientConfig
 from yuebing.store.wire import HEADER

@@ -76,8 +76,7 @@ def test_clients_refuse_fewer_copies_unless_best_effort() -> None:
 
     from store_procs import master, node
 
-    from yuebing.store.client.client import AsyncStoreClient
-    from yuebing.store.client.client import StoreClient
+    from yuebing.store.client.client import AsyncStoreClient, StoreClient
     from yuebing.store.client.rpc import StoreRpcError
     from yuebing.store.config import ClientConfig
 

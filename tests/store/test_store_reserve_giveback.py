@@ -11,8 +11,7 @@ import pytest
 from store_procs import Proc, master, node
 
 from yuebing.store import messages as m
-from yuebing.store.client.client import AsyncStoreClient
-from yuebing.store.client.client import StoreClient
+from yuebing.store.client.client import AsyncStoreClient, StoreClient
 from yuebing.store.client.reserve import HeldReservations
 from yuebing.store.config import ClientConfig
 

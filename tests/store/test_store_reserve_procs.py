@@ -15,8 +15,7 @@ from store_procs import Proc, master, node
 from yuebing.core.errors import InputError
 from yuebing.protocol import Message
 from yuebing.store import messages as m
-from yuebing.store.client.client import AsyncStoreClient
-from yuebing.store.client.client import StoreClient
+from yuebing.store.client.client import AsyncStoreClient, StoreClient
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig
 
