@@ -100,3 +100,51 @@ def test_recv_zero_reads_what_has_arrived_without_waiting() -> None:
     finally:
         sock.close()
         srv.close()
+
+
+def test_oversized_frame_after_a_complete_one_in_the_same_buffer() -> None:
+    """A complete frame and an oversized header arriving in one read: the complete frame is
+    handed over with the refusal and the buffer starts at the oversized header (this once
+    raised BufferError — shrinking the buffer while a view of it was open — and ended the
+    master's serving loop; found by tests/store/test_fuzz_rpc.py)."""
+    from yuebing.store.wire import HEADER, FrameBuffer, FrameTooLarge
+
+    fb = FrameBuffer(max_frame=100)
+    big = HEADER.pack(1000, 8)
+    fb.buf += HEADER.pack(3, 7) + b"abc" + big + b"xx"
+    try:
+        fb.frames()
+    except FrameTooLarge as e:
+        assert (e.rid, e.length, e.frames) == (8, 1000, [(7, b"abc")])
+    else:
+        raise AssertionError("FrameTooLarge not raised")
+    assert bytes(fb.buf) == big + b"xx"
+
+
+def test_an_internal_error_costs_its_connection_not_the_server() -> None:
+    srv: FrameServer
+
+    def on_frame(cid: int, rid: int, payload: bytes) -> None:
+        if payload == b"boom":
+            raise RuntimeError("a bug in a handler")
+        srv.send(cid, rid, payload[::-1])
+
+    srv = FrameServer("tcp://127.0.0.1:0", on_frame)
+    bad = FrameSocket(srv.address, 2.0)
+    good: FrameSocket | None = None
+    try:
+        bad.send(1, b"boom")
+        served = False
+        for _ in range(100):
+            srv.poll(0.01)  # would raise out of the serving loop without the guard
+            served = served or bool(srv.conns)
+            if served and not srv.conns:
+                break
+        assert served and not srv.conns  # accepted, then closed for its internal error
+        good = FrameSocket(srv.address, 2.0)
+        assert _roundtrip(srv, good, 2, b"ok") == (2, b"ko")
+    finally:
+        bad.close()
+        if good is not None:
+            good.close()
+        srv.close()

@@ -80,18 +80,21 @@ class FrameBuffer:
         buf = self.buf
         pos = 0
         n = len(buf)
+        over: tuple[int, int] | None = None
         with memoryview(buf) as view:  # one copy per payload (a bytearray slice would be two)
             while n - pos >= 12:
                 length, rid = HEADER.unpack_from(buf, pos)
                 if length > self.max_frame:
-                    del buf[:pos]
-                    raise FrameTooLarge(rid, length, self.max_frame, out)
+                    over = rid, length
+                    break
                 if n - pos - 12 < length:
                     break
                 out.append((rid, bytes(view[pos + 12:pos + 12 + length])))
                 pos += 12 + length
-        if pos:
+        if pos:  # only once the view is released: a bytearray with an export cannot shrink
             del buf[:pos]
+        if over is not None:
+            raise FrameTooLarge(*over, self.max_frame, out)
         return out
 
 

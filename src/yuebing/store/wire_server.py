@@ -164,10 +164,15 @@ class FrameServer:
             elif callable(data):
                 data()
             else:
-                if events & selectors.EVENT_READ:
-                    self._read(data)
-                if events & selectors.EVENT_WRITE and data.cid in self.conns:
-                    self._write(data)
+                try:
+                    if events & selectors.EVENT_READ:
+                        self._read(data)
+                    if events & selectors.EVENT_WRITE and data.cid in self.conns:
+                        self._write(data)
+                except Exception:  # a bug must cost one connection, never the serving loop
+                    log.exception("connection %d from %s: closing it after an internal error",
+                                  data.cid, data.peer)
+                    self.close_conn(data.cid)
         if self._partial and self.limits.frame_timeout_s:
             now = time.monotonic()
             if now >= self._next_sweep:  # frames whose sender went quiet mid-way
