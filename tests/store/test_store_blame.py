@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from yuebing.core.errors import TransferError
-from yuebing.store.client import core as cm
-from yuebing.store.client import puts
+from yuebing.store.client import direct, puts
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import OpCode, TransferRequest, TransferStatus
 from yuebing.transfer.transport.shm import expired_write
@@ -36,8 +35,8 @@ def test_failed_and_engine_timeouts_are_blamed_late_local_copies_are_not() -> No
 
 def test_a_write_expiry_passed_before_the_transfer_blames_nobody() -> None:
     cfg = ClientConfig()
-    with pytest.raises(cm.WriteExpired) as e:
-        cm.transfer_timeout(cfg, time.monotonic() - 0.01)
+    with pytest.raises(direct.WriteExpired) as e:
+        direct.transfer_timeout(cfg, time.monotonic() - 0.01)
     reqs = _reqs("a", "b")
     assert puts.failed_segments(reqs, None) == ["a", "b"]  # still revoked and retried
     assert puts.blamed_segments(reqs, None, e.value) == []

@@ -29,8 +29,8 @@ from yuebing.core.errors import StoreError
 from yuebing.store import messages as m
 from yuebing.store.client import core
 from yuebing.store.client import reserve as rv
-from yuebing.store.client.direct import DirectSegments, keep_freed_memory
-from yuebing.store.client.puts import BatchPut, PutOptions, put
+from yuebing.store.client.direct import DirectSegments, keep_freed_memory, transfer_timeout
+from yuebing.store.client.puts import BatchPut, PutOptions, give_back, put
 from yuebing.store.client.rpc import RELEASE_FLUSH_S, AsyncMasterConnection, MasterConnection
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import BatchStatus, TransferConfig, TransferEngine, TransferRequest
@@ -59,9 +59,9 @@ class _Client(Generic[R]):
                      read: bool) -> tuple[list[RequestStatus | None], list[TransferRequest]]:
         """Copy what the same-host fast path can: a status per request (None where left to the
         engine) and the requests left. A put's writes end by its write ``deadline``
-        (monotonic), a get's reads (``read``) by its read-lease deadline (`core.LeaseExpired`
-        or `core.WriteExpired` if past already)."""
-        timeout = core.transfer_timeout(self.cfg, deadline, read)
+        (monotonic), a get's reads (``read``) by its read-lease deadline (`LeaseExpired` or
+        `WriteExpired` if past already)."""
+        timeout = transfer_timeout(self.cfg, deadline, read)
         done = self.direct.copy(reqs, time.monotonic() + timeout)
         return done, [r for r, d in zip(reqs, done, strict=True) if d is None]
 
@@ -71,7 +71,7 @@ class _Client(Generic[R]):
         held = self._resv.pop_all()
         if held:
             self.rpc.failover_s = 0.0
-            yield from core.give_back(held)  # never written: freed at once
+            yield from give_back(held)  # never written: freed at once
 
     def _closed(self) -> None:
         self.rpc.close()
@@ -121,7 +121,7 @@ class StoreClient(_Client[MasterConnection]):
         when they fit); one status per request either way."""
         done, rest = self._copy_direct(reqs, deadline, read)
         status = self.engine.transfer_status(
-            rest, core.transfer_timeout(self.cfg, deadline, read)) if rest else None
+            rest, transfer_timeout(self.cfg, deadline, read)) if rest else None
         return self.direct.merged(done, status)
 
     # ------------------------------------------------------------------ puts
@@ -160,11 +160,11 @@ class StoreClient(_Client[MasterConnection]):
     def get(self, key: str) -> bytearray:
         """The value of ``key`` in a new buffer; `NotFoundError` if absent, `ChecksumError` if
         the replica read does not match, `ReadLeaseExpired` if every read lease ran out."""
-        return core.run(core.get(self.cfg, key), self)
+        return core.value_of(core.run(core.get_leased(self.cfg, key, core.new_value), self))
 
     def get_into(self, key: str, buf: object) -> int:
         """Read ``key`` straight into ``buf`` (zero-copy); returns the value's size."""
-        return core.run(core.get_into(self.cfg, key, buf), self)
+        return core.run(core.get_leased(self.cfg, key, core.into(buf)), self)[0]
 
     def batch_get(self, keys: Sequence[str]) -> list[bytearray | None]:
         """Values of many keys (None where absent or unreadable): one master call and one
@@ -277,7 +277,7 @@ class AsyncStoreClient(_Client[AsyncMasterConnection]):
         done, rest = self._copy_direct(reqs, deadline, read)
         if not rest:
             return self.direct.merged(done, None)
-        bid = self.engine.submit(rest, core.transfer_timeout(self.cfg, deadline, read))
+        bid = self.engine.submit(rest, transfer_timeout(self.cfg, deadline, read))
         try:
             return self.direct.merged(done, await self.engine.wait_async(bid))
         finally:
@@ -311,11 +311,12 @@ class AsyncStoreClient(_Client[AsyncMasterConnection]):
 
     async def get(self, key: str) -> bytearray:
         """`StoreClient.get`: a new buffer holding the value."""
-        return await core.drive(core.get(self.cfg, key), self)
+        got = await core.drive(core.get_leased(self.cfg, key, core.new_value), self)
+        return core.value_of(got)
 
     async def get_into(self, key: str, buf: object) -> int:
         """`StoreClient.get_into`: the value's size, read into ``buf``."""
-        return await core.drive(core.get_into(self.cfg, key, buf), self)
+        return (await core.drive(core.get_leased(self.cfg, key, core.into(buf)), self))[0]
 
     async def batch_get(self, keys: Sequence[str]) -> list[bytearray | None]:
         """`StoreClient.batch_get`: each value (None where absent or unread)."""

@@ -1,12 +1,12 @@
 """The sans-IO core of both store clients: the operations a protocol step needs (`Call` the
-master, `Write` or `Read` a transfer batch, `Revoke` puts, `Release` read leases), the one
-runner that performs them on a client (`drive`; `run` for the blocking client), and the read
-side written once as step generators (`get`, `get_into`, `batch_get`, `batch_get_into`, the
-removes). The put side
-is `puts`. No I/O here: `StoreClient` and `AsyncStoreClient` (`client`) only perform the
-operations a generator yields and send back their results, so the two cannot drift.
+master, `Write` or `Read` a transfer batch, `Revoke` puts, `Release` read leases), the
+runners that perform them on a client (`drive` awaiting, `run` blocking; one set of rules:
+`_perform`, `_failed`), and the read side written once as step generators (`get_leased`,
+`batch_get`, `batch_get_into`, the removes). The put side is `puts`. No I/O here:
+`StoreClient` and `AsyncStoreClient` (`client`) only perform the operations a generator yields
+and send back their results, so the two cannot drift.
 
-Life of a get (`get`): ``get_replicas`` (a read lease), READ one replica straight into the
+Life of a get (`get_leased`): ``get_replicas`` (a read lease), READ one replica straight into the
 caller's buffer and verify its checksum, then release the lease. Reads run only within the
 lease (less a margin, `read_deadline`): one it cuts, or a fallback to another replica it would
 outlast, is not read from those ranges (another value may hold them by then) but asked for
@@ -21,13 +21,13 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from types import CoroutineType
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import xxhash
 
 from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.store import messages as m
-from yuebing.store.client.direct import new_buffer
+from yuebing.store.client.direct import LeaseExpired, new_buffer
 from yuebing.store.client.rpc import StoreRpcError, removed_codes
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import OpCode, TransferRequest, TransferStatus
@@ -48,22 +48,14 @@ class NotFoundError(StoreError, KeyError):
     """No committed value under the key."""
 
 
-class WriteExpired(TransferError):
-    """A put's write expiry passed before its transfer could start: this client was late."""
-
-
-class LeaseExpired(TransferError):
-    """A get's read lease (less `lease_margin`) ended before its read could start: the client
-    must ask for the replicas again, not read ranges that may hold another value by now."""
-
-
 class ReadLeaseExpired(StoreError):
     """Every read lease a get was granted (``put_retries + 1`` of them) ran out before one of
     its replicas could be read: the reads were too slow; no stale bytes were returned."""
 
 
 # ---------------------------------------------------------------- operations and runners
-@dataclass(frozen=True, slots=True)
+# (not frozen: a frozen dataclass costs ~3x as much to build, and a get builds three)
+@dataclass(slots=True)
 class Call:
     """Send ``msg`` to the master; the reply is sent back (with ``tracked``: the pair (reply,
     whether the request had to be resent), `call_tracked`), a `StoreError` thrown in."""
@@ -72,7 +64,7 @@ class Call:
     tracked: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Write:
     """Transfer the writes ``reqs`` by the monotonic ``deadline``; sent back: the
     `BatchStatus`, or the `TransferError`/`InputError` the transfer raised (not thrown)."""
@@ -81,7 +73,7 @@ class Write:
     deadline: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Read:
     """Transfer the reads ``reqs`` by the read-lease ``deadline``; sent back: the
     `BatchStatus`; a `TransferError` (`LeaseExpired` if it passed already) is thrown in."""
@@ -90,7 +82,7 @@ class Read:
     deadline: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Revoke:
     """``batch_put_revoke`` of ``keys`` naming ``failed`` segments, giving back the held
     reservations ``unused`` (never written: freed at once); the runner logs a failure (the
@@ -101,7 +93,7 @@ class Revoke:
     unused: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Release:
     """These reads are over: queue their lease releases (`MasterConnection.release`, carried
     by a later call, no I/O of its own); None is sent back."""
@@ -156,8 +148,8 @@ def _failed(op: Op, e: BaseException) -> tuple[Any, BaseException | None]:
 async def drive(steps: Steps[T], io: Io) -> T:
     """Run ``steps``, performing each operation on ``io`` and sending back its result (each
     exception is thrown in, a cancellation too, so the steps' lease releases still happen).
-    The asyncio client awaits this; the blocking one runs it with `run`, its operations
-    never awaiting."""
+    The asyncio client awaits this (its calls and transfers return awaitables); the
+    blocking one uses `run`."""
     reply: Any = None
     error: BaseException | None = None
     while True:
@@ -175,26 +167,28 @@ async def drive(steps: Steps[T], io: Io) -> T:
 
 
 def run(steps: Steps[T], io: Io) -> T:
-    """`drive` for the blocking client: its operations return results, never awaitables, so
-    the coroutine finishes at its first step."""
-    coro = drive(steps, io)
+    """`drive` for the blocking client, whose operations return their results: the same
+    operations and exceptions, with no coroutine around them (a get runs three)."""
+    send, throw = steps.send, steps.throw
     try:
-        coro.send(None)
+        op = send(None)
+        while True:
+            try:
+                reply = _perform(io, op)
+            except BaseException as e:  # noqa: BLE001 - as in `drive`
+                reply, error = _failed(op, e)
+                if error is not None:
+                    op = throw(error)
+                    continue
+            op = send(reply)
     except StopIteration as done:
         return done.value
-    coro.close()
-    raise RuntimeError("a blocking store client's operation returned an awaitable")
 
 
 def reply(msg: m.Message, kind: type[T]) -> T:
     """``msg``, a master's reply, as the ``kind`` the request is answered with."""
     assert isinstance(msg, kind), msg
     return msg
-
-
-def give_back(keys: list[str]) -> Steps[None]:
-    """Give back the held reservations ``keys`` unused (a client closing)."""
-    yield Revoke([], [], keys)
 
 
 # ---------------------------------------------------------------- shared request helpers
@@ -212,22 +206,6 @@ def verify(cfg: ClientConfig, key: str, buf: memoryview, size: int, expect: int)
         if got != expect:
             raise ChecksumError(f"checksum mismatch reading {key!r}: stored {expect:#x}, "
                                 f"read {got:#x} (corrupted replica)")
-
-
-def transfer_timeout(cfg: ClientConfig, deadline: float | None, read: bool = False) -> float:
-    """Seconds a transfer batch may take: ``transfer_timeout_s``, cut to a put's write
-    ``deadline`` (or a get's read deadline with ``read``); `WriteExpired` (the put must be
-    revoked) or `LeaseExpired` (the get must ask again) if that passed already."""
-    timeout = cfg.transfer_timeout_s
-    if deadline is not None:
-        timeout = min(timeout, deadline - time.monotonic())
-        if timeout <= 0 and read:
-            raise LeaseExpired(f"the read lease ended {-timeout:.3f}s before the read could "
-                               "start")
-        if timeout <= 0:
-            raise WriteExpired(f"the put's write expiry passed {-timeout:.3f}s before its "
-                               "transfer could start")
-    return timeout
 
 
 LEASE_MARGIN_S = 0.05
@@ -267,12 +245,13 @@ def read(buf: memoryview, key: str, size: int, rep: m.Replica) -> TransferReques
 
 
 # ---------------------------------------------------------------- single get
-def _get_leased(cfg: ClientConfig, key: str,
-                buffer: BufferFor) -> Steps[tuple[int, memoryview]]:
+def get_leased(cfg: ClientConfig, key: str, buffer: BufferFor) -> Steps[tuple[int, memoryview]]:
     """Ask for ``key``'s replicas and read one into ``buffer(size)`` within the read lease;
     when the lease runs out first, ask again (up to ``put_retries`` times) rather than read
     ranges that may hold another value by now, then `ReadLeaseExpired`. Returns the size and
-    the view read into; `NotFoundError` if absent."""
+    the view read into (`into` the caller's buffer, or a `new_value`); `NotFoundError` if
+    absent. One generator, not wrapped: a get's three operations pass through no more frames
+    than they must."""
     for _ in range(cfg.put_retries + 1):
         sent = time.monotonic()
         try:
@@ -297,23 +276,20 @@ def _get_leased(cfg: ClientConfig, key: str,
         "ran out before a replica could be read (the reads were too slow)")
 
 
-def get_into(cfg: ClientConfig, key: str, buf: object) -> Steps[int]:
-    """Read ``key`` straight into ``buf`` (`_get_leased`); returns the value's size."""
+def into(buf: object) -> BufferFor:
+    """The `BufferFor` of a get into the caller's ``buf`` (checked writable once, up front)."""
     mv = view(buf, writable=True)
-    return (yield from _get_leased(cfg, key, lambda size: mv))[0]
+    return lambda size: mv
 
 
-def get(cfg: ClientConfig, key: str) -> Steps[bytearray]:
-    """The value of ``key`` in a new buffer (`_get_leased`)."""
-    bufs: list[bytearray] = []
+def new_value(size: int) -> memoryview:
+    """The `BufferFor` of a get that returns its value in a new buffer (`value_of`)."""
+    return memoryview(new_buffer(size))
 
-    def buffer(size: int) -> memoryview:
-        if not bufs or len(bufs[0]) != size:  # the first lease, or the key was re-put
-            bufs[:] = [new_buffer(size)]
-        return memoryview(bufs[0])
 
-    yield from _get_leased(cfg, key, buffer)
-    return bufs[0]
+def value_of(got: tuple[int, memoryview]) -> bytearray:
+    """The new buffer a `get_leased` with `new_value` read its value into."""
+    return cast(bytearray, got[1].obj)
 
 
 def read_one(cfg: ClientConfig, key: str, mv: memoryview, size: int, checksum: int,
@@ -389,7 +365,7 @@ def _batch_read_once(cfg: ClientConfig, keys: Sequence[str], mvs: list[memoryvie
             reqs.append(read(mvs[i], keys[i], size, reps[0]))
             idx.append((i, size, sum_, reps))
         elif code == C.PROMOTING:  # SSD-only: a single get waits for the promotion
-            sizes[i] = yield from get_into(cfg, keys[i], mvs[i])
+            sizes[i] = (yield from get_leased(cfg, keys[i], into(mvs[i])))[0]
     if not reqs:
         return []
     try:
@@ -421,7 +397,7 @@ def batch_get(cfg: ClientConfig, keys: Sequence[str]) -> Steps[list[bytearray | 
     promoted: dict[int, bytearray] = {}
     for i, code in enumerate(reps.codes):
         if code == C.PROMOTING:  # SSD-only: a single get waits for the promotion
-            promoted[i] = yield from get(cfg, keys[i])
+            promoted[i] = value_of((yield from get_leased(cfg, keys[i], new_value)))
             reps.codes[i] = int(C.NOT_FOUND)
     bufs = [new_buffer(max(s, 1)) for s in reps.sizes]
     sizes = yield from _batch_read(cfg, keys, [memoryview(b) for b in bufs], (reps, sent))

@@ -1,5 +1,6 @@
-"""The client's local memory: the same-host fast path (`DirectSegments`) and the buffers of the
-values a get returns (`new_buffer`, `keep_freed_memory`).
+"""The client's side of a transfer: the same-host fast path (`DirectSegments`), the deadlines
+every transfer of a put or get keeps (`transfer_timeout`: `WriteExpired`, `LeaseExpired`) and the
+buffers of the values a get returns (`new_buffer`, `keep_freed_memory`).
 
 Same-host fast path: copy values straight into / out of a storage node's shared-memory
 segment mapped into the client, with no transfer-engine batch, queue or worker hand-off.
@@ -23,12 +24,16 @@ starts after the put's deadline and large ones are copied in pieces with it chec
 them (`copy_until`); a write cut short ends TIMEOUT and the put is revoked. A read that ends
 past its deadline (the read lease's, less a margin) ends TIMEOUT too: the client asks again.
 
+Deadlines: a transfer batch of a put ends by its write deadline, one of a get by its read-lease
+deadline (`transfer_timeout`); one that would start past it raises `WriteExpired` (the put is
+revoked) or `LeaseExpired` (the get asks again) instead.
+
 Value buffers: both clients call `keep_freed_memory` once at construction and the get steps
-(`core`) `new_buffer` for every value returned in a new buffer. Two costs dominate a bytes-returning read of multi-MiB
-values, not the transfer: ``bytearray(n)`` zero-fills its memory only for the read to overwrite
-it, and glibc gives large freed blocks back to the kernel (``munmap``, heap trimming), so the
-next call's buffers are fresh pages whose first touch page-faults (~40 ms per 64 MiB here, as
-long as receiving the bytes). `new_buffer` allocates without zero-filling; `keep_freed_memory`
+(`core`) `new_buffer` for every value returned in a new buffer. Two costs dominate a
+bytes-returning read of multi-MiB values, not the transfer: ``bytearray(n)`` zero-fills its
+memory only for the read to overwrite it, and glibc gives large freed blocks back to the kernel
+(``munmap``, heap trimming), so the next call's buffers are fresh pages whose first touch
+page-faults (~40 ms per 64 MiB here, as long as receiving the bytes). `new_buffer` allocates without zero-filling; `keep_freed_memory`
 raises glibc's mmap and trim thresholds so freed value buffers stay in the heap for reuse.
 """
 
@@ -46,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from yuebing.core.errors import TransferError
+from yuebing.store.config import ClientConfig
 from yuebing.transfer import (
     BatchStatus,
     OpCode,
@@ -65,6 +71,31 @@ PARALLEL_MIN = 4 << 20
 """Batches of at least this many bytes are copied by several threads."""
 
 LATE_READ = "read ended past its deadline: its read lease may have ended mid-copy"
+
+
+class WriteExpired(TransferError):
+    """A put's write expiry passed before its transfer could start: this client was late."""
+
+
+class LeaseExpired(TransferError):
+    """A get's read lease (less `lease_margin`) ended before its read could start: the client
+    must ask for the replicas again, not read ranges that may hold another value by now."""
+
+
+def transfer_timeout(cfg: ClientConfig, deadline: float | None, read: bool = False) -> float:
+    """Seconds a transfer batch may take: ``transfer_timeout_s``, cut to a put's write
+    ``deadline`` (or a get's read deadline with ``read``); `WriteExpired` (the put must be
+    revoked) or `LeaseExpired` (the get must ask again) if that passed already."""
+    timeout = cfg.transfer_timeout_s
+    if deadline is not None:
+        timeout = min(timeout, deadline - time.monotonic())
+        if timeout <= 0 and read:
+            raise LeaseExpired(f"the read lease ended {-timeout:.3f}s before the read could "
+                               "start")
+        if timeout <= 0:
+            raise WriteExpired(f"the put's write expiry passed {-timeout:.3f}s before its "
+                               "transfer could start")
+    return timeout
 
 
 class DirectSegments:

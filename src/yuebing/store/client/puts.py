@@ -45,6 +45,7 @@ from yuebing.store import messages as m
 from yuebing.store.client import core as cm
 from yuebing.store.client import reserve as rv
 from yuebing.store.client.core import Call, Revoke, Steps, Write
+from yuebing.store.client.direct import WriteExpired
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import BatchStatus, OpCode, TransferRequest, TransferStatus
@@ -54,11 +55,12 @@ log = logging.getLogger(__name__)
 C = m.Code
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PutOptions:
     """How a put places its values: the keywords of the clients' ``put`` / ``batch_put``
     (None: the `ClientConfig` default; ``best_effort``: the master may place fewer than
-    ``replicas`` copies, at least one, instead of refusing the put)."""
+    ``replicas`` copies, at least one, instead of refusing the put). One per call, read only
+    (not frozen: that would triple its cost on the put path)."""
 
     replicas: int | None = None
     strategy: str | None = None
@@ -113,7 +115,7 @@ def blamed_segments(reqs: Sequence[TransferRequest], statuses: Sequence[Any] | N
     node heartbeats again): not when the put's own write expiry cut the write — before it
     started (`WriteExpired` as ``error``) or a same-host copy mid-way (`EXPIRED_WRITE`): the
     client was late, the node is fine."""
-    if isinstance(error, cm.WriteExpired):
+    if isinstance(error, WriteExpired):
         return []
     if statuses is None:
         return failed_segments(reqs, None)
@@ -198,6 +200,11 @@ def _put_reserved(client: str, resv: rv.HeldReservations, item: m.PutItem, mv: m
     assert isinstance(r, m.PutCommitted)
     resv.keep(shape, r.reservation, sent)
     return True
+
+
+def give_back(keys: list[str]) -> Steps[None]:
+    """Give back the held reservations ``keys`` unused (a client closing)."""
+    yield Revoke([], [], keys)
 
 
 # ---------------------------------------------------------------- batch put
