@@ -2,7 +2,7 @@
 
 Starts real processes on 127.0.0.1 — P prefill + D decode instances (or K coupled) with
 ``--model dummy:preset=tiny``, ``yuebing serve conductor`` in front of them, and a bare
-FastAPI/uvicorn echo server (the same HTTP stack, no Conductor logic) — then, from one asyncio
+Starlette/uvicorn echo server (the same HTTP stack, no Conductor logic) — then, from one asyncio
 (aiohttp) client in this process:
 
 1. overhead: ``--streams`` concurrent streaming completions (``--tokens`` each) until
@@ -40,22 +40,24 @@ ECHO_BODY = {"id": "cmpl-echo", "object": "text_completion", "created": 0, "mode
 
 
 def echo_server(ready_file: str) -> None:
-    """The bare stack: FastAPI + uvicorn answering /v1/completions with a fixed body."""
+    """The bare stack: Starlette + uvicorn (uvloop, httptools: what the Conductor runs on)
+    answering /v1/completions with a fixed body."""
     import socket
 
     import msgspec
     import uvicorn
-    from fastapi import FastAPI, Request
-    from fastapi.responses import Response
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
 
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     body = msgspec.json.encode(ECHO_BODY)
 
     async def completions(request: Request) -> Response:
         msgspec.json.decode(await request.body())
         return Response(body, media_type="application/json")
 
-    app.router.add_route("/v1/completions", completions, methods=["POST"])
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -69,6 +71,7 @@ class Procs:
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="yb-bench-conductor-"))
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.pids: dict[str, int] = {}
 
     def start(self, name: str, argv: list[str], timeout_s: float = 300.0) -> dict[str, Any]:
         ready = self.dir / f"{name}.json"
@@ -76,6 +79,7 @@ class Procs:
                              stdout=(self.dir / f"{name}.log").open("wb"),
                              stderr=subprocess.STDOUT, env={**os.environ})
         self.procs.append(p)
+        self.pids[name] = p.pid
         end = time.monotonic() + timeout_s
         while not ready.exists():
             if p.poll() is not None or time.monotonic() > end:
@@ -229,11 +233,20 @@ def main() -> int:
         before, cpu0 = scrape(url), cpu_s(pid)
         wall = asyncio.run(streams(url, ns.streams, ns.requests, ns.tokens))
         after, cpu1 = scrape(url), cpu_s(pid)
-        cpu2 = cpu_s(pid)
+        inst = [procs.pids[f"{role}-{i}"] for i, role in enumerate(roles)]
+        cpu2, inst0, me0 = cpu_s(pid), sum(map(cpu_s, inst)), time.process_time()
         conductor_rate = asyncio.run(rate(url, ns.concurrency, ns.seconds))
-        conductor_rate["cpu_ms_per_request"] = 1e3 * (cpu_s(pid) - cpu2) / max(
-            1.0, conductor_rate["requests_per_s"] * ns.seconds)
+        n = max(1.0, conductor_rate["requests_per_s"] * ns.seconds)
+        conductor_rate["cpu_ms_per_request"] = 1e3 * (cpu_s(pid) - cpu2) / n
+        conductor_rate["instances_cpu_ms_per_request"] = 1e3 * (
+            sum(map(cpu_s, inst)) - inst0) / n
+        conductor_rate["client_cpu_ms_per_request"] = 1e3 * (time.process_time() - me0) / n
+        echo_pid, me1 = procs.pids["echo"], time.process_time()
+        echo0 = cpu_s(echo_pid)
         echo_rate = asyncio.run(rate(echo, ns.concurrency, ns.seconds))
+        m = max(1.0, echo_rate["requests_per_s"] * ns.seconds)
+        echo_rate["cpu_ms_per_request"] = 1e3 * (cpu_s(echo_pid) - echo0) / m
+        echo_rate["client_cpu_ms_per_request"] = 1e3 * (time.process_time() - me1) / m
         result = {
             "setup": {"roles": roles, "model": MODEL, "streams": ns.streams,
                       "requests": ns.requests, "tokens": ns.tokens,
@@ -259,6 +272,11 @@ def main() -> int:
               f"{result['conductor_cpu_ms_per_stream_request']:.2f} ms")
         print(f"one-token requests/s: conductor {conductor_rate['requests_per_s']:.0f}, "
               f"echo {echo_rate['requests_per_s']:.0f}, ratio {result['ratio']:.3f}")
+        print("CPU ms per one-token request: conductor {cpu_ms_per_request:.2f}, instances "
+              "{instances_cpu_ms_per_request:.2f}, client {client_cpu_ms_per_request:.2f}"
+              .format(**conductor_rate))
+        print("CPU ms per echo request: server {cpu_ms_per_request:.2f}, client "
+              "{client_cpu_ms_per_request:.2f}".format(**echo_rate))
     return 0
 
 

@@ -26,6 +26,8 @@ from yuebing.protocol.instance import (
     Ping,
     Sampling,
     SubmitTask,
+    TaskEvent,
+    TaskEvents,
     TaskMode,
 )
 
@@ -207,3 +209,35 @@ def test_cancel_mid_request_frees_everything(cluster, run, when):
         return pe, de
     pe, de = run(go())
     assert pe.queued_requests == 0 and de.reserved_blocks == 0
+
+
+def test_one_step_events_travel_as_one_frame_per_connection(cluster, run):
+    """Four requests decoding together on one connection: a step's tokens for all of them come
+    as one `TaskEvents` frame, and every request still gets its whole ordered stream."""
+    coupled = cluster[2]
+
+    async def go():
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.connect(coupled.address)
+        for i, ids in enumerate(PROMPTS[:4]):
+            await sock.send(encode(SubmitTask(seq=i + 1, request_id=f"b{i}", token_ids=ids,
+                                              sampling=GREEDY)))
+        frames, finished = [], set()
+        while len(finished) < 4:
+            msg = decode(await asyncio.wait_for(sock.recv(), 60))
+            frames.append(msg)
+            for ev in (msg.events if isinstance(msg, TaskEvents) else
+                       [msg] if isinstance(msg, TaskEvent) else []):
+                if ev.kind >= EventKind.FINISH:
+                    finished.add(ev.request_id)
+        sock.close(0)
+        return frames
+    frames = run(go())
+    events = [ev for m in frames for ev in (m.events if isinstance(m, TaskEvents) else
+                                            [m] if isinstance(m, TaskEvent) else [])]
+    batched = [m for m in frames if isinstance(m, TaskEvents)]
+    assert batched and max(len(m.events) for m in batched) >= 2
+    for i in range(4):
+        mine = [e for e in events if e.request_id == f"b{i}"]
+        assert mine[0].kind == EventKind.FIRST_TOKEN and mine[-1].kind == EventKind.FINISH
+        assert sum(len(e.token_ids) for e in mine) == GREEDY.max_tokens

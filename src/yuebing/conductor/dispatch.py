@@ -83,10 +83,11 @@ class Delta:
     text: str
     finish_reason: str | None = None
     received_s: float = 0.0
-    """``time.perf_counter()`` when the relay took the event."""
-    sent_wall_s: float = 0.0
-    """The instance's wall clock (``time.time()``) when it sent the event."""
+    """``time.perf_counter()`` when the event's frame arrived from the instance."""
 
+
+_Events = AsyncIterator[tuple[TaskEvent, float]]
+"""An instance client's `timed_events`: each event with its arrival time."""
 
 _FINISH = {"stop": "stop", "eos": "stop", "stop_string": "stop", "length": "length",
            "max_tokens": "length"}
@@ -247,7 +248,7 @@ class Dispatcher:
         are read straight from the clients' per-request queues (no task per event); the
         prefill's own end of stream (its breakdown) is drained by a background task."""
         loop_deadline = asyncio.get_running_loop().time() + (deadline - time.monotonic())
-        pre_events = pre.client.events(rid)
+        pre_events = pre.client.timed_events(rid)
         drain: asyncio.Task[bool] | None = None
         try:
             while True:  # the first token
@@ -269,7 +270,7 @@ class Dispatcher:
                 events = pre_events
             else:
                 drain = asyncio.get_running_loop().create_task(_drain(pre_events, stats, rid))
-                events = dec.client.events(rid)
+                events = dec.client.timed_events(rid)
             while True:
                 if drain is not None and not drain.done():
                     ev, received = await self._next_or_lost_prefill(events, drain,
@@ -289,7 +290,7 @@ class Dispatcher:
             if drain is not None:
                 drain.cancel()
 
-    async def _next_or_lost_prefill(self, events: AsyncIterator[TaskEvent],
+    async def _next_or_lost_prefill(self, events: _Events,
                                     drain: asyncio.Task[bool], deadline: float, rid: str,
                                     pre: Member) -> tuple[TaskEvent, float]:
         """The decode's next event, unless the prefill fails before handing the KV off (then
@@ -302,18 +303,19 @@ class Dispatcher:
                                 "the KV to the decode instance")
         return await nxt
 
-    async def _next(self, events: AsyncIterator[TaskEvent], deadline: float,
+    async def _next(self, events: _Events, deadline: float,
                     rid: str) -> tuple[TaskEvent, float]:
+        """The next event and when its frame arrived."""
         try:
             async with asyncio.timeout_at(deadline):
-                ev = await anext(events)
+                ev, arrived = await anext(events)
         except TimeoutError:
             raise RequestFailed("timeout", f"request {rid} ran past "
                                 f"{self.request_timeout_s:.0f} s") from None
         except StopAsyncIteration:
             raise RequestFailed("instance_error", f"request {rid}: the event stream ended "
                                 "early") from None
-        return ev, time.perf_counter()
+        return ev, arrived
 
 
 def _failed(m: Member, ev: TaskEvent) -> RequestFailed:
@@ -321,10 +323,10 @@ def _failed(m: Member, ev: TaskEvent) -> RequestFailed:
     return RequestFailed(code, f"instance {m.id}: {ev.error}")
 
 
-async def _drain(events: AsyncIterator[TaskEvent], stats: RequestStats, rid: str) -> bool:
+async def _drain(events: _Events, stats: RequestStats, rid: str) -> bool:
     """Read the prefill's events after its first token (its FINISH carries its breakdown);
     True when it handed the KV off (FINISH), False when it failed first."""
-    async for ev in events:
+    async for ev, _ in events:
         stats.merge(ev.breakdown)
         if ev.kind == EventKind.ERROR:
             log.warning("%s: prefill error after the first token: %s", rid, ev.error)
@@ -350,7 +352,7 @@ def _delta(ev: TaskEvent, stats: RequestStats, received: float) -> Delta:
         reason = _FINISH.get(ev.finish_reason or "stop", "stop")
         stats.finish_reason = reason
         stats.end_s = now
-    return Delta(list(ev.token_ids), ev.text, reason, received, ev.time_s)
+    return Delta(list(ev.token_ids), ev.text, reason, received)
 
 
 async def _cancel(members: list[Member], rid: str) -> None:

@@ -76,10 +76,9 @@ class ConductorMetrics:
         self.overhead = hist("conductor_dispatch_seconds",
                              "Conductor overhead: HTTP arrival to the task sent to the instances "
                              "(the decode reservation's round trip excluded)", overhead)
-        self.relay = hist("conductor_relay_seconds", "Conductor overhead: an instance's token "
-                          "event sent (its wall clock) to its chunk sent to the client; an upper "
-                          "bound that includes the control-plane hop (same-host clocks)",
-                          overhead)
+        self.relay = hist("conductor_relay_seconds", "Conductor overhead: a token event's "
+                          "frame read from the instance's socket to its chunk handed to the "
+                          "HTTP transport", overhead)
 
     def finished(self, s: RequestStats) -> None:
         self.prompt_tokens.inc(s.prompt_tokens)

@@ -1,4 +1,4 @@
-"""The Conductor's HTTP server: OpenAI-compatible routes on FastAPI/Starlette + uvicorn.
+"""The Conductor's HTTP server: OpenAI-compatible routes on Starlette + uvicorn.
 
 `create_app(conductor)` builds the ASGI app; `yuebing.conductor.service.run_conductor` serves it.
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``),
@@ -21,9 +21,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 from starlette.types import Receive
 
 from yuebing.conductor.api import ApiError, GenRequest, decode_body, parse_request
@@ -45,29 +47,29 @@ class _Disconnected(Exception):
     pass
 
 
-def create_app(conductor: Conductor) -> FastAPI:
-    """The ASGI app of ``conductor`` (its lifespan starts and stops the conductor's tasks)."""
-    app = FastAPI(title="yuebing conductor", lifespan=conductor.lifespan, docs_url=None,
-                  redoc_url=None, openapi_url=None)
+def create_app(conductor: Conductor) -> Starlette:
+    """The ASGI app of ``conductor`` (its lifespan starts and stops the conductor's tasks).
+    Plain Starlette: the handlers take the raw request (validation is `yuebing.conductor.api`'s)
+    and no framework middleware sits on the per-token send path."""
     routes = _Routes(conductor)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> Response:
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
         return _error_response(exc)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
         return _error_response(ApiError(exc.status_code, str(exc.detail),
                                         code="not_found" if exc.status_code == 404 else None))
 
-    # plain Starlette routes: the handlers take the raw request (no FastAPI dependency solving
-    # or body models on the hot path; validation is `yuebing.conductor.api`'s)
-    app.add_route("/v1/completions", routes.completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", routes.chat, methods=["POST"])
-    app.add_route("/v1/models", routes.models, methods=["GET"])
-    app.add_route("/health", routes.health, methods=["GET"])
-    app.add_route("/metrics", routes.metrics, methods=["GET"])
-    return app
+    return Starlette(
+        routes=[Route("/v1/completions", routes.completions, methods=["POST"]),
+                Route("/v1/chat/completions", routes.chat, methods=["POST"]),
+                Route("/v1/models", routes.models, methods=["GET"]),
+                Route("/health", routes.health, methods=["GET"]),
+                Route("/metrics", routes.metrics, methods=["GET"])],
+        exception_handlers={ApiError: api_error, StarletteHTTPException: http_error},
+        lifespan=conductor.lifespan)
 
 
 def _error_response(e: ApiError) -> Response:
@@ -175,11 +177,11 @@ class _Routes:
             relay = c.metrics.relay.observe
             if first is not None:
                 yield r.chunk(first.text, first.finish_reason)
-                relay(time.time() - first.sent_wall_s)
+                relay(time.perf_counter() - first.received_s)
             try:
                 async for d in gen:
                     yield r.chunk(d.text, d.finish_reason)
-                    relay(time.time() - d.sent_wall_s)
+                    relay(time.perf_counter() - d.received_s)
             except RequestFailed as e:
                 status, code = 500, e.code
                 yield error_event(str(e), e.code)

@@ -66,6 +66,7 @@ from yuebing.protocol.instance import (
     SubmitTask,
     Subscribe,
     TaskEvent,
+    TaskEvents,
 )
 from yuebing.transfer.config import TransferConfig
 from yuebing.transfer.engine import TransferEngine
@@ -158,6 +159,8 @@ class Instance:
         self._resync = True
         self.loop: asyncio.AbstractEventLoop | None = None
         self.sock: zmq.asyncio.Socket | None = None
+        self._batch: dict[bytes, list[TaskEvent]] | None = None
+        """While `_on_outputs` runs: the step's events per connection, sent together."""
         self.zap: TokenAuthenticator | None = None
         self.control_address = ""
         self.instance_id = cfg.instance_id
@@ -383,10 +386,17 @@ class Instance:
             self.loop.call_soon_threadsafe(self._on_outputs, outputs, step_start)
 
     def _on_outputs(self, outputs: list[RequestOutput], step_start: float) -> None:
-        for out in outputs:
-            task = self.tasks.get(out.request_id)
-            if task is not None and not task.done:
-                self.on_output(task, out, step_start)
+        """One step's outputs; their events leave as one `TaskEvents` frame per connection."""
+        self._batch = {}
+        try:
+            for out in outputs:
+                task = self.tasks.get(out.request_id)
+                if task is not None and not task.done:
+                    self.on_output(task, out, step_start)
+        finally:
+            batch, self._batch = self._batch, None
+            for ident, events in batch.items():
+                self.send(ident, events[0] if len(events) == 1 else TaskEvents(events=events))
 
     def stream_output(self, task: Task, out: RequestOutput) -> None:
         """Send an engine output as FIRST_TOKEN/TOKENS, then FINISH when it ends."""
@@ -436,8 +446,11 @@ class Instance:
         self.changed()
 
     def _event(self, task: Task, kind: EventKind, **kw: Any) -> None:
-        self.send(task.owner, TaskEvent(request_id=task.request_id, kind=kind,
-                                        time_s=time.time(), **kw))
+        ev = TaskEvent(request_id=task.request_id, kind=kind, time_s=time.time(), **kw)
+        if self._batch is not None:  # inside `_on_outputs`: sent with the step's others
+            self._batch.setdefault(task.owner, []).append(ev)
+        else:
+            self.send(task.owner, ev)
 
     def send(self, ident: bytes, msg: Message) -> None:
         if self.sock is not None and not self.sock.closed:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
@@ -46,6 +47,7 @@ from yuebing.protocol.instance import (
     SubmitTask,
     Subscribe,
     TaskEvent,
+    TaskEvents,
 )
 
 log = logging.getLogger(__name__)
@@ -83,7 +85,7 @@ class InstanceClient:
         self._sock.connect(address)
         self._seq = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Message]] = {}
-        self._events: dict[str, asyncio.Queue[TaskEvent]] = {}
+        self._events: dict[str, asyncio.Queue[tuple[TaskEvent, float]]] = {}
         self._reader = asyncio.get_running_loop().create_task(self._read())
         self.closed = False
 
@@ -169,14 +171,20 @@ class InstanceClient:
 
     async def events(self, request_id: str) -> AsyncIterator[TaskEvent]:
         """The task's events up to and including FINISH or ERROR."""
+        async for ev, _ in self.timed_events(request_id):
+            yield ev
+
+    async def timed_events(self, request_id: str) -> AsyncIterator[tuple[TaskEvent, float]]:
+        """`events` with each one's arrival (``time.perf_counter()`` when its frame was read
+        from the socket: the Conductor's relay latency starts there)."""
         q = self._events.get(request_id)
         if q is None:
             raise InstanceError(ErrorCode.UNKNOWN_TASK, f"no task {request_id!r} here")
         try:
             while True:
-                ev = await q.get()
-                yield ev
-                if ev.kind >= EventKind.FINISH:
+                item = await q.get()
+                yield item
+                if item[0].kind >= EventKind.FINISH:
                     return
         finally:
             self._events.pop(request_id, None)
@@ -187,9 +195,10 @@ class InstanceClient:
         for fut in list(self._pending.values()):
             if not fut.done():
                 fut.set_exception(InstanceUnavailable(reason))
+        now = time.perf_counter()
         for rid, q in list(self._events.items()):
-            q.put_nowait(TaskEvent(request_id=rid, kind=EventKind.ERROR,
-                                   error_code=ErrorCode.INTERNAL, error=reason))
+            q.put_nowait((TaskEvent(request_id=rid, kind=EventKind.ERROR,
+                                    error_code=ErrorCode.INTERNAL, error=reason), now))
 
     # ------------------------------------------------------------------ reader
 
@@ -202,13 +211,14 @@ class InstanceClient:
                 frame = await self._sock.recv()
             except (asyncio.CancelledError, zmq.ZMQError):
                 return
+            arrived = time.perf_counter()
             while True:
                 try:
                     msg = decode(frame)
                 except ProtocolError as e:
                     log.warning("bad frame from %s: %s", self.address, e)
                 else:
-                    self._dispatch(msg)
+                    self._dispatch(msg, arrived)
                 try:
                     frame = sync.recv(zmq.NOBLOCK)
                 except zmq.Again:
@@ -216,11 +226,16 @@ class InstanceClient:
                 except zmq.ZMQError:
                     return
 
-    def _dispatch(self, msg: Message) -> None:
+    def _dispatch(self, msg: Message, arrived: float) -> None:
         if isinstance(msg, TaskEvent):
             q = self._events.get(msg.request_id)
             if q is not None:
-                q.put_nowait(msg)
+                q.put_nowait((msg, arrived))
+        elif isinstance(msg, TaskEvents):
+            for ev in msg.events:
+                q = self._events.get(ev.request_id)
+                if q is not None:
+                    q.put_nowait((ev, arrived))
         elif isinstance(msg, LoadReport):
             if self.on_report is not None:
                 self.on_report(msg)

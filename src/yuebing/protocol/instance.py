@@ -4,7 +4,8 @@ Transport: one zmq ROUTER socket per instance (``tcp://host:port``); each Conduc
 DEALER. Every frame is one `encode`d message. Requests from the Conductor carry ``seq``; the
 instance answers each with `Ack` or `ErrorReply` echoing that ``seq``. After `Subscribe` the
 instance pushes `LoadReport`s (at ``report_hz`` and on change) and the `TaskEvent`s of every
-task that connection submitted to that same DEALER. Bytes of KV never travel here: they move
+task that connection submitted to that same DEALER (the events of one engine step for one
+connection travel together as one `TaskEvents` frame). Bytes of KV never travel here: they move
 instance→instance through the transfer engine, and a prefill tells its decode target that the
 KV has landed with a transfer-engine notification carrying `KvReady`.
 
@@ -283,6 +284,14 @@ class TaskEvent(Message, tag="inst.event"):
     error: str = ""
     breakdown: Breakdown | None = None
     time_s: float = 0.0
+
+
+@register_message
+class TaskEvents(Message, tag="inst.events"):
+    """Several `TaskEvent`s for one connection in one frame: what one engine step produced
+    for that Conductor's tasks (a decode batch of N requests sends one frame, not N)."""
+
+    events: list[TaskEvent]
 
 
 @register_message
