@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from yuebing.conductor.policy import PolicyConfig
+from yuebing.core.auth import TOKEN_HELP, env_cluster_token, is_loopback
 from yuebing.core.config import require
 
 
@@ -79,7 +80,10 @@ class ConductorConfig:
     max_concurrent: int = field(default=256, metadata=_h(
         "most requests in flight at once; more get HTTP 429"))
     api_key: str = field(default="", metadata=_h(
-        "require 'Authorization: Bearer KEY' on /v1/* ('' = no authentication)"))
+        "require 'Authorization: Bearer KEY' on /v1/* ('' = no authentication; required "
+        "when --host is not a loopback address)"), repr=False)
+    cluster_token: str = field(default_factory=env_cluster_token, repr=False, metadata=_h(
+        TOKEN_HELP + "; presented to the instances' control sockets", secret=True))
     access_log: bool = field(default=True, metadata=_h(
         "log one line per request with its timing breakdown"))
     policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(block_tokens=256))
@@ -87,6 +91,9 @@ class ConductorConfig:
     def __post_init__(self) -> None:
         require(1 <= len(self.host) <= 255, "--host must name an address")
         require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
+        require(bool(self.api_key) or is_loopback(self.host),
+                f"--host {self.host!r} exposes the HTTP API beyond this host: set --api-key "
+                "(clients then send 'Authorization: Bearer KEY') or bind 127.0.0.1")
         for a in self.instances:
             require(a.startswith(("tcp://", "ipc://")) and len(a) > 6,
                     f"--instances: {a!r} is not a control address like tcp://127.0.0.1:5601")
