@@ -65,6 +65,8 @@ class GenRequest:
     sampling: Sampling
     stream: bool
     include_usage: bool
+    return_token_ids: bool = False
+    """vLLM's extension: each choice also carries the generated ``token_ids``."""
 
 
 def decode_body(body: bytes) -> dict[str, Any]:
@@ -103,7 +105,8 @@ def parse_request(obj: dict[str, Any], chat: bool, tokenizer: Tokenizer | None,
         raise ApiError(400, "stream_options is only allowed with stream=true",
                        param="stream_options")
     include_usage = _opt(options or {}, "include_usage", bool, False, "stream_options.")
-    return GenRequest(chat, ids, _sampling(obj, chat, len(ids), limits), stream, include_usage)
+    return GenRequest(chat, ids, _sampling(obj, chat, len(ids), limits), stream, include_usage,
+                      _opt(obj, "return_token_ids", bool, False))
 
 
 def _sampling(obj: dict[str, Any], chat: bool, prompt_len: int, limits: Limits) -> Sampling:

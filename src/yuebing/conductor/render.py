@@ -27,10 +27,13 @@ def sse(obj: dict[str, Any]) -> bytes:
 class Renderer:
     """Bodies of one response (``chat`` or text completion) for model ``model``."""
 
-    __slots__ = ("chat", "model", "id", "created", "include_usage", "_object")
+    __slots__ = ("chat", "model", "id", "created", "include_usage", "token_ids", "_object")
 
-    def __init__(self, chat: bool, model: str, request_id: str, include_usage: bool) -> None:
+    def __init__(self, chat: bool, model: str, request_id: str, include_usage: bool,
+                 token_ids: bool = False) -> None:
         self.chat = chat
+        self.token_ids = token_ids
+        """Add each choice's generated ``token_ids`` (vLLM's ``return_token_ids``)."""
         self.model = model
         self.id = request_id
         self.created = int(time.time())
@@ -48,13 +51,16 @@ class Renderer:
         return sse(self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]))
 
-    def chunk(self, text: str, finish_reason: str | None) -> bytes:
+    def chunk(self, text: str, finish_reason: str | None, ids: list[int] | None = None
+              ) -> bytes:
         if self.chat:
             delta = {"content": text} if text or finish_reason is None else {}
             choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
                                       "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if self.token_ids:
+            choice["token_ids"] = ids or []
         return sse(self._envelope([choice]))
 
     def usage_chunk(self, stats: RequestStats) -> bytes:
@@ -62,7 +68,7 @@ class Renderer:
         out["usage"] = usage(stats)
         return sse(out)
 
-    def full(self, text: str, stats: RequestStats) -> bytes:
+    def full(self, text: str, stats: RequestStats, ids: list[int] | None = None) -> bytes:
         reason = stats.finish_reason or "stop"
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
@@ -72,6 +78,8 @@ class Renderer:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
             obj = "text_completion"
+        if self.token_ids:
+            choice["token_ids"] = ids or []
         return _enc.encode({"id": self.id, "object": obj, "created": self.created,
                             "model": self.model, "choices": [choice], "usage": usage(stats)})
 

@@ -148,10 +148,11 @@ class _Routes:
                 return StreamingResponse(self._sse(gen, first, req, stats),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
-            text = await _race(_collect(gen, first), request.receive)
-            renderer = Renderer(chat, c.cfg.model_name, stats.request_id, False)
+            text, ids = await _race(_collect(gen, first), request.receive)
+            renderer = Renderer(chat, c.cfg.model_name, stats.request_id, False,
+                                req.return_token_ids)
             self._done(stats, 200)
-            return Response(renderer.full(text, stats), media_type="application/json")
+            return Response(renderer.full(text, stats, ids), media_type="application/json")
         except Rejected as e:
             err = _rejection(e)
             self._done(stats, err.status)
@@ -169,18 +170,19 @@ class _Routes:
     async def _sse(self, gen: AsyncIterator[Delta], first: Delta | None, req: GenRequest,
                    stats: RequestStats) -> AsyncIterator[bytes]:
         c = self.c
-        r = Renderer(req.chat, c.cfg.model_name, stats.request_id, req.include_usage)
+        r = Renderer(req.chat, c.cfg.model_name, stats.request_id, req.include_usage,
+                     req.return_token_ids)
         status, code = 499, "client_disconnected"
         try:
             if req.chat:
                 yield r.role_chunk()
             relay = c.metrics.relay.observe
             if first is not None:
-                yield r.chunk(first.text, first.finish_reason)
+                yield r.chunk(first.text, first.finish_reason, first.token_ids)
                 relay(time.perf_counter() - first.received_s)
             try:
                 async for d in gen:
-                    yield r.chunk(d.text, d.finish_reason)
+                    yield r.chunk(d.text, d.finish_reason, d.token_ids)
                     relay(time.perf_counter() - d.received_s)
             except RequestFailed as e:
                 status, code = 500, e.code
@@ -216,11 +218,13 @@ async def _first(gen: AsyncIterator[Delta]) -> Delta | None:
         return None
 
 
-async def _collect(gen: AsyncIterator[Delta], first: Delta | None) -> str:
+async def _collect(gen: AsyncIterator[Delta], first: Delta | None) -> tuple[str, list[int]]:
     parts = [first.text] if first is not None else []
+    ids = list(first.token_ids) if first is not None else []
     async for d in gen:
         parts.append(d.text)
-    return "".join(parts)
+        ids.extend(d.token_ids)
+    return "".join(parts), ids
 
 
 async def _close(gen: AsyncIterator[Delta]) -> None:

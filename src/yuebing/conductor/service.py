@@ -145,7 +145,9 @@ class Conductor:
         roles = {r.label: [str(m.id) for m in c.alive(r)] for r in Role}
         ready = bool((roles["prefill"] and roles["decode"]) or roles["coupled"])
         load = {str(m.id): {"free_blocks": m.report.free_blocks,
-                            "total_blocks": m.report.total_blocks, "running": m.report.running,
+                            "total_blocks": m.report.total_blocks,
+                            "reserved_blocks": m.report.reserved_blocks,
+                            "running": m.report.running,
                             "queued_prefill_tokens": m.report.queued_prefill_tokens}
                 for r in Role for m in c.alive(r) if m.report is not None}
         return {"status": "ok", "ready": ready, "model": self.cfg.model_name,
