@@ -1,19 +1,22 @@
-"""Conductor overhead and throughput (issue 13, Performance), with instances on a dummy model.
+"""Conductor overhead and throughput (issue 13, Performance), with instances on dummy models.
 
-Starts real processes on 127.0.0.1 — P prefill + D decode instances (or K coupled) with
-``--model dummy:preset=tiny``, ``yuebing serve conductor`` in front of them, and a bare
+Starts real processes on 127.0.0.1 — P prefill + D decode instances (or K coupled),
+``yuebing serve conductor`` in front of them and, for the throughput phase, a bare
 Starlette/uvicorn echo server (the same HTTP stack, no Conductor logic) — then, from one asyncio
 (aiohttp) client in this process:
 
-1. overhead: ``--streams`` concurrent streaming completions (``--tokens`` each) until
+1. overhead (instances on ``--overhead-model``, default ``dummy``: SmolLM2-135M's shape with
+   random weights, so decode steps take what the real model's take and tokens arrive at a
+   real pace): ``--streams`` concurrent streaming completions (``--tokens`` each) until
    ``--requests`` are done; the Conductor's own histograms give the overhead, read from
    ``/metrics`` before and after: ``yuebing:conductor_dispatch_seconds`` (HTTP arrival → task
-   sent, the decode reservation's round trip excluded) and ``yuebing:conductor_relay_seconds``
-   (an instance's token event received → its chunk sent). p50/p99 are interpolated inside the
-   histogram buckets; the 1 ms and 5 ms targets are bucket bounds, so "share ≤ 1 ms / ≤ 5 ms"
-   is exact.
-2. throughput: one-token non-streamed requests at ``--concurrency`` for ``--seconds``, against
-   the Conductor and then the echo server; requests/s and their ratio.
+   sent, the wait for the prefill turn and the decode reservation's round trip excluded) and
+   ``yuebing:conductor_relay_seconds`` (a token event's frame read from the instance's socket →
+   its chunk handed to the HTTP transport). p50/p99 are interpolated inside the histogram
+   buckets; the 1 ms and 5 ms targets are bucket bounds, so "share ≤ 1 ms / ≤ 5 ms" is exact.
+2. throughput (instances on ``--rate-model``, default ``dummy:preset=tiny``): one-token
+   non-streamed requests at ``--concurrency`` for ``--seconds``, against the Conductor and then
+   the echo server; requests/s, their ratio and the CPU per request of each process.
 
     .venv/bin/python benchmarks/conductor_overhead.py [--json]
 """
@@ -97,6 +100,7 @@ class Procs:
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
+        self.procs.clear()
 
 
 def histogram(text: str, name: str) -> tuple[list[tuple[float, float]], float]:
@@ -131,11 +135,12 @@ def delta_stats(before: str, after: str, name: str) -> dict[str, float]:
             "share_le_5ms": share.get(0.005, float("nan"))}
 
 
-async def streams(url: str, n_streams: int, n_requests: int, tokens: int) -> float:
+async def streams(url: str, n_streams: int, n_requests: int, tokens: int,
+                  model: str) -> float:
     import aiohttp
 
     left = n_requests
-    body = {"model": MODEL, "prompt": list(range(1, 65)), "max_tokens": tokens, "stream": True,
+    body = {"model": model, "prompt": list(range(1, 65)), "max_tokens": tokens, "stream": True,
             "ignore_eos": True}
 
     async def worker(session: aiohttp.ClientSession) -> None:
@@ -154,12 +159,13 @@ async def streams(url: str, n_streams: int, n_requests: int, tokens: int) -> flo
     return time.perf_counter() - t0
 
 
-async def rate(url: str, concurrency: int, seconds: float) -> dict[str, float]:
+async def rate(url: str, concurrency: int, seconds: float,
+               model: str = MODEL) -> dict[str, float]:
     import aiohttp
 
     done, failed = 0, 0
     end = time.perf_counter() + seconds
-    body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 1}
+    body = {"model": model, "prompt": [1, 2, 3, 4], "max_tokens": 1}
 
     async def worker(session: aiohttp.ClientSession) -> None:
         nonlocal done, failed
@@ -191,16 +197,81 @@ def scrape(url: str) -> str:
         return r.read().decode()
 
 
+def start_cluster(procs: Procs, roles: list[str], model: str, tag: str) -> tuple[str, int,
+                                                                              list[int]]:
+    """Instances on ``model`` and a Conductor before them; (url, conductor pid, instance pids)."""
+    yb = [sys.executable, "-m", "yuebing.cli.main"]
+    addresses, pids = [], []
+    for i, role in enumerate(roles):
+        name = f"{tag}-{role}-{i}"
+        hello = procs.start(name, [*yb, "serve", role, "--model", model, "--instance-id", name])
+        addresses.append(hello["control_address"])
+        pids.append(procs.pids[name])
+    ready = procs.start(f"{tag}-conductor", [
+        *yb, "serve", "conductor", "--model", model, "--port", "0", "--instances",
+        ",".join(addresses), "--no-access-log", "--max-concurrent", "4096"])
+    url = ready["url"]
+    while True:  # every instance joined
+        import urllib.request
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            h = json.loads(r.read())
+        if sum(len(v) for v in h["instances"].values()) == len(roles):
+            return url, int(ready["pid"]), pids
+        time.sleep(0.2)
+
+
+def overhead_phase(procs: Procs, roles: list[str], ns: argparse.Namespace) -> dict[str, Any]:
+    url, pid, _ = start_cluster(procs, roles, ns.overhead_model, "overhead")
+    m = ns.overhead_model
+    asyncio.run(streams(url, 4, 8, 4, m))  # warm-up
+    before, cpu0 = scrape(url), cpu_s(pid)
+    wall = asyncio.run(streams(url, ns.streams, ns.requests, ns.tokens, m))
+    after, cpu1 = scrape(url), cpu_s(pid)
+    procs.stop()
+    return {"model": ns.overhead_model, "wall_s": wall,
+            "conductor_cpu_ms_per_stream_request": 1e3 * (cpu1 - cpu0) / ns.requests,
+            "dispatch": delta_stats(before, after, "yuebing:conductor_dispatch_seconds"),
+            "relay": delta_stats(before, after, "yuebing:conductor_relay_seconds")}
+
+
+def rate_phase(procs: Procs, roles: list[str], ns: argparse.Namespace) -> dict[str, Any]:
+    url, pid, inst = start_cluster(procs, roles, ns.rate_model, "rate")
+    echo = procs.start("echo", [sys.executable, __file__, "--echo-server"])["url"]
+    asyncio.run(rate(url, 4, 1.0, ns.rate_model))  # warm-up
+    cpu0, inst0, me0 = cpu_s(pid), sum(map(cpu_s, inst)), time.process_time()
+    conductor = asyncio.run(rate(url, ns.concurrency, ns.seconds, ns.rate_model))
+    n = max(1.0, conductor["requests_per_s"] * ns.seconds)
+    conductor["cpu_ms_per_request"] = 1e3 * (cpu_s(pid) - cpu0) / n
+    conductor["instances_cpu_ms_per_request"] = 1e3 * (sum(map(cpu_s, inst)) - inst0) / n
+    conductor["client_cpu_ms_per_request"] = 1e3 * (time.process_time() - me0) / n
+    echo_pid, me1 = procs.pids["echo"], time.process_time()
+    echo0 = cpu_s(echo_pid)
+    echo_rate = asyncio.run(rate(echo, ns.concurrency, ns.seconds))
+    m = max(1.0, echo_rate["requests_per_s"] * ns.seconds)
+    echo_rate["cpu_ms_per_request"] = 1e3 * (cpu_s(echo_pid) - echo0) / m
+    echo_rate["client_cpu_ms_per_request"] = 1e3 * (time.process_time() - me1) / m
+    procs.stop()
+    return {"model": ns.rate_model, "conductor_one_token": conductor, "echo": echo_rate,
+            "ratio": conductor["requests_per_s"] / echo_rate["requests_per_s"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill", type=int, default=1)
     ap.add_argument("--decode", type=int, default=1)
     ap.add_argument("--coupled", type=int, default=0, help="use K coupled instances instead")
+    ap.add_argument("--overhead-model", default="dummy",
+                    help="instances' model for the overhead phase (default: dummy = "
+                         "SmolLM2-135M's shape, random weights: real step times)")
+    ap.add_argument("--rate-model", default=MODEL,
+                    help=f"instances' model for the throughput phase (default: {MODEL})")
     ap.add_argument("--streams", type=int, default=50)
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--skip", choices=("overhead", "rate"), default=None,
+                    help="leave one phase out")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ready-file", default="", help=argparse.SUPPRESS)
@@ -208,75 +279,41 @@ def main() -> int:
     if ns.echo_server:
         echo_server(ns.ready_file)
         return 0
-    yb = [sys.executable, "-m", "yuebing.cli.main"]
+    roles = ["coupled"] * ns.coupled or ["prefill"] * ns.prefill + ["decode"] * ns.decode
+    result: dict[str, Any] = {"setup": {
+        "roles": roles, "streams": ns.streams, "requests": ns.requests, "tokens": ns.tokens,
+        "concurrency": ns.concurrency, "seconds": ns.seconds,
+        "loadavg_before": os.getloadavg()[0]}}
     procs = Procs()
     try:
-        roles = ["coupled"] * ns.coupled or ["prefill"] * ns.prefill + ["decode"] * ns.decode
-        addresses = []
-        for i, role in enumerate(roles):
-            hello = procs.start(f"{role}-{i}", [*yb, "serve", role, "--model", MODEL,
-                                                "--instance-id", f"{role}-{i}"])
-            addresses.append(hello["control_address"])
-        ready = procs.start("conductor", [*yb, "serve", "conductor", "--model", MODEL, "--port",
-                                          "0", "--instances", ",".join(addresses),
-                                          "--no-access-log", "--max-concurrent", "4096"])
-        url, pid = ready["url"], int(ready["pid"])
-        echo = procs.start("echo", [sys.executable, __file__, "--echo-server"])["url"]
-        while True:  # every instance joined
-            import urllib.request
-            with urllib.request.urlopen(url + "/health", timeout=10) as r:
-                h = json.loads(r.read())
-            if sum(len(v) for v in h["instances"].values()) == len(roles):
-                break
-            time.sleep(0.2)
-        asyncio.run(streams(url, 4, 20, 4))  # warm-up
-        before, cpu0 = scrape(url), cpu_s(pid)
-        wall = asyncio.run(streams(url, ns.streams, ns.requests, ns.tokens))
-        after, cpu1 = scrape(url), cpu_s(pid)
-        inst = [procs.pids[f"{role}-{i}"] for i, role in enumerate(roles)]
-        cpu2, inst0, me0 = cpu_s(pid), sum(map(cpu_s, inst)), time.process_time()
-        conductor_rate = asyncio.run(rate(url, ns.concurrency, ns.seconds))
-        n = max(1.0, conductor_rate["requests_per_s"] * ns.seconds)
-        conductor_rate["cpu_ms_per_request"] = 1e3 * (cpu_s(pid) - cpu2) / n
-        conductor_rate["instances_cpu_ms_per_request"] = 1e3 * (
-            sum(map(cpu_s, inst)) - inst0) / n
-        conductor_rate["client_cpu_ms_per_request"] = 1e3 * (time.process_time() - me0) / n
-        echo_pid, me1 = procs.pids["echo"], time.process_time()
-        echo0 = cpu_s(echo_pid)
-        echo_rate = asyncio.run(rate(echo, ns.concurrency, ns.seconds))
-        m = max(1.0, echo_rate["requests_per_s"] * ns.seconds)
-        echo_rate["cpu_ms_per_request"] = 1e3 * (cpu_s(echo_pid) - echo0) / m
-        echo_rate["client_cpu_ms_per_request"] = 1e3 * (time.process_time() - me1) / m
-        result = {
-            "setup": {"roles": roles, "model": MODEL, "streams": ns.streams,
-                      "requests": ns.requests, "tokens": ns.tokens,
-                      "concurrency": ns.concurrency, "seconds": ns.seconds,
-                      "loadavg": os.getloadavg()[0]},
-            "overhead_wall_s": wall,
-            "conductor_cpu_ms_per_stream_request": 1e3 * (cpu1 - cpu0) / ns.requests,
-            "dispatch": delta_stats(before, after, "yuebing:conductor_dispatch_seconds"),
-            "relay": delta_stats(before, after, "yuebing:conductor_relay_seconds"),
-            "conductor_one_token": conductor_rate, "echo": echo_rate,
-            "ratio": conductor_rate["requests_per_s"] / echo_rate["requests_per_s"],
-        }
+        if ns.skip != "overhead":
+            result["overhead"] = overhead_phase(procs, roles, ns)
+        if ns.skip != "rate":
+            result["throughput"] = rate_phase(procs, roles, ns)
     finally:
         procs.stop()
+    result["setup"]["loadavg_after"] = os.getloadavg()[0]
     if ns.json:
         print(json.dumps(result, indent=2))
-    else:
+        return 0
+    if "overhead" in result:
+        o = result["overhead"]
         for k in ("dispatch", "relay"):
-            s = result[k]
+            s = o[k]
             print(f"{k:9s} n={s['count']:.0f} p50={s['p50_ms']:.3f} ms p99={s['p99_ms']:.3f} ms "
                   f"≤1ms {100 * s['share_le_1ms']:.1f}% ≤5ms {100 * s['share_le_5ms']:.1f}%")
-        print(f"conductor CPU per streamed request ({ns.tokens} tokens): "
-              f"{result['conductor_cpu_ms_per_stream_request']:.2f} ms")
-        print(f"one-token requests/s: conductor {conductor_rate['requests_per_s']:.0f}, "
-              f"echo {echo_rate['requests_per_s']:.0f}, ratio {result['ratio']:.3f}")
+        print(f"conductor CPU per streamed request ({ns.tokens} tokens, {o['model']}): "
+              f"{o['conductor_cpu_ms_per_stream_request']:.2f} ms")
+    if "throughput" in result:
+        t = result["throughput"]
+        c, e = t["conductor_one_token"], t["echo"]
+        print(f"one-token requests/s ({t['model']}): conductor {c['requests_per_s']:.0f}, "
+              f"echo {e['requests_per_s']:.0f}, ratio {t['ratio']:.3f}")
         print("CPU ms per one-token request: conductor {cpu_ms_per_request:.2f}, instances "
               "{instances_cpu_ms_per_request:.2f}, client {client_cpu_ms_per_request:.2f}"
-              .format(**conductor_rate))
+              .format(**c))
         print("CPU ms per echo request: server {cpu_ms_per_request:.2f}, client "
-              "{client_cpu_ms_per_request:.2f}".format(**echo_rate))
+              "{client_cpu_ms_per_request:.2f}".format(**e))
     return 0
 
 

@@ -14,8 +14,12 @@
 # plus the attainment over TBT thresholds 50-300 ms. One system runs at a time; each server is
 # started fresh and stopped after its sweep.
 #
+# yuebing's instances run with $YB_FLAGS (default --no-batch-invariant: vLLM has no batch
+# invariance either, and yuebing's invariant prefill costs ~3x the CPU of sdpa; see
+# docs/benchmarks.md; YB_FLAGS="" runs yuebing's defaults).
+#
 # Usage:  nice -n 5 benchmarks/serve_vs_vllm.sh OUTDIR
-# Env:    DTYPE (float32)  RATES (default 0.1,0.2,0.4,0.8)  LIMIT (300)  SYSTEMS ("yuebing_1p1d yuebing_coupled
+# Env:    DTYPE (float32)  YB_FLAGS (--no-batch-invariant)  RATES (default 0.1,0.2,0.4,0.8)  LIMIT (300)  SYSTEMS ("yuebing_1p1d yuebing_coupled
 #         vllm_cpu")  PORT (8765)  TRACE (../shared/traces/conversation_trace.jsonl)
 #         YUEBING_PEERS_DIR (~/.cache/yuebing-peers: the vLLM venv and the exported model)
 # Output: OUTDIR/<system>.json (the bench report), <system>.records.jsonl, <system>/ (its plots),
@@ -36,6 +40,7 @@ LIMIT="${LIMIT:-300}"
 SYSTEMS="${SYSTEMS:-yuebing_1p1d yuebing_coupled vllm_cpu}"
 PORT="${PORT:-8765}"
 DTYPE="${DTYPE:-float32}"
+YB_FLAGS="${YB_FLAGS---no-batch-invariant}"
 TRACE="${TRACE:-$ROOT/../shared/traces/conversation_trace.jsonl}"
 NAME=smollm2-135m-instruct
 URL="http://127.0.0.1:$PORT"
@@ -67,17 +72,21 @@ start_server() {  # $1 = system; sets SERVER_PID (a process-group leader)
   local logs="$OUT/logs/$1"; mkdir -p "$logs"
   case $1 in
     yuebing_1p1d)
-      setsid "$YB" -v serve --prefill 1 --decode 1 --threads 1 --dtype "$DTYPE" \
+      # shellcheck disable=SC2086  # YB_FLAGS is a list of flags
+      setsid "$YB" -v serve --prefill 1 --decode 1 --threads 1 --dtype "$DTYPE" $YB_FLAGS \
         --kv-cache-bytes 512MiB --port "$PORT" --log-dir "$logs" --heartbeat-timeout-s 120 \
         --restart never > "$logs/serve.out" 2>&1 & ;;
     yuebing_coupled)
-      setsid "$YB" -v serve --coupled 1 --threads 2 --dtype "$DTYPE" \
+      # shellcheck disable=SC2086
+      setsid "$YB" -v serve --coupled 1 --threads 2 --dtype "$DTYPE" $YB_FLAGS \
         --kv-cache-bytes 1GiB --port "$PORT" --log-dir "$logs" --heartbeat-timeout-s 120 \
         --restart never > "$logs/serve.out" 2>&1 & ;;
     vllm_cpu)
       local pre=""
       [[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ]] && pre=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
-      LD_PRELOAD="$pre" VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0-1 \
+      # OMP_NUM_THREADS=2: without it vLLM's worker drops torch to 1 thread ("Reducing Torch
+      # threads from 2 to 1 for serving")
+      OMP_NUM_THREADS=2 LD_PRELOAD="$pre" VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0-1 \
         VLLM_CPU_NUM_OF_RESERVED_CPU=0 setsid "$VLLM_PY" -m vllm.entrypoints.openai.api_server \
         --model "$VLLM_MODEL" --served-model-name "$NAME" --dtype "$DTYPE" \
         --enable-prefix-caching --max-model-len 4352 --host 127.0.0.1 --port "$PORT" \
@@ -92,7 +101,7 @@ start_server() {  # $1 = system; sets SERVER_PID (a process-group leader)
   echo "$1: not ready after 900 s; logs in $logs" >&2; return 1
 }
 
-echo "serve_vs_vllm: $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/env.txt"
+echo "serve_vs_vllm: $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/loadavg) YB_FLAGS=$YB_FLAGS DTYPE=$DTYPE LIMIT=$LIMIT RATES=$RATES" | tee "$OUT/env.txt"
 git -C "$ROOT" rev-parse --short HEAD >> "$OUT/env.txt"
 for s in $SYSTEMS; do
   echo "=== $s: starting $(date -u +%T)"
