@@ -68,6 +68,9 @@ def test_disaggregated_stream_usage_and_metrics(fl: FakeLoop) -> None:
         assert ext["queue_s"] >= 0.001 and ext["transfer_s"] == \
             pytest.approx(0.0005) and ext["decode_wait_s"] == pytest.approx(0.0002)
         assert ext["ttft_s"] > 0 and ext["tbt_s"] > 0
+        est = ext["estimate"]
+        assert est["prefill_s"] > 0 and est["ttft_s"] == pytest.approx(
+            est["transfer_s"] + est["queue_s"] + est["prefill_s"], abs=1e-5)
         p0, d0 = fl.fakes["p0"], fl.fakes["d0"]
         (res,) = d0.kinds(Reserve)
         (task,) = p0.kinds(SubmitTask)

@@ -179,6 +179,8 @@ class Dispatcher:
         plan, copied = self._plan(route, info)
         stats.prefill_id, stats.decode_id, stats.prefix_source = str(pre.id), str(dec.id), \
             plan.source
+        stats.est_ttft_s, stats.est_transfer_s = route.est_ttft_s, route.est_transfer_s
+        stats.est_queue_s, stats.est_prefill_s = route.est_queue_s, route.est_prefill_s
         c.routed(info, route, time.monotonic())
         m.routed_requests.labels(pre.id, "coupled" if coupled else "prefill").inc()
         if not coupled:

@@ -148,7 +148,9 @@ class Conductor:
                             "total_blocks": m.report.total_blocks,
                             "reserved_blocks": m.report.reserved_blocks,
                             "running": m.report.running,
-                            "queued_prefill_tokens": m.report.queued_prefill_tokens}
+                            "queued_prefill_tokens": m.report.queued_prefill_tokens,
+                            "prefill_tokens_per_s": m.report.prefill_tokens_per_s,
+                            "decode_step_s": m.report.decode_step_s}
                 for r in Role for m in c.alive(r) if m.report is not None}
         return {"status": "ok", "ready": ready, "model": self.cfg.model_name,
                 "instances": roles, "load": load, "inflight": self.inflight,

@@ -38,6 +38,11 @@ class RequestStats:
     error_code: str = ""
     redispatched: int = 0
     end_s: float | None = None
+    est_ttft_s: float = 0.0
+    """The policy's estimate when it routed the request: TTFT = transfer + queue + prefill."""
+    est_transfer_s: float = 0.0
+    est_queue_s: float = 0.0
+    est_prefill_s: float = 0.0
 
     def merge(self, b: Breakdown | None) -> None:
         """Fold an instance's breakdown in (each part is filled by the instance that did it)."""
@@ -87,7 +92,11 @@ class RequestStats:
                 "decode_wait_s": round(b.decode_wait_s, 6),
                 "conductor_s": round(self.dispatch_s, 6), "prefill_instance": self.prefill_id,
                 "decode_instance": self.decode_id, "prefix_source": self.prefix_source,
-                "redispatched": self.redispatched}
+                "redispatched": self.redispatched,
+                "estimate": {"ttft_s": round(self.est_ttft_s, 6),
+                             "transfer_s": round(self.est_transfer_s, 6),
+                             "queue_s": round(self.est_queue_s, 6),
+                             "prefill_s": round(self.est_prefill_s, 6)}}
 
     def log_line(self, status: int) -> str:
         b = self.breakdown
