@@ -29,7 +29,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import torch
@@ -198,6 +198,7 @@ class Instance:
         self.sock = self._control_socket()
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone peer fails `send`: `_peer_gone`
         host = self.cfg.host
         if self.cfg.control_port:
             self.sock.bind(f"tcp://{host}:{self.cfg.control_port}")
@@ -453,9 +454,34 @@ class Instance:
             self.send(task.owner, ev)
 
     def send(self, ident: bytes, msg: Message) -> None:
+        """Send without waiting: a message to a full pipe is dropped (as a plain ROUTER does);
+        one to a connection that is gone (its Conductor died) ends what it owned."""
         if self.sock is not None and not self.sock.closed:
-            with contextlib.suppress(zmq.ZMQError):
-                self.sock.send_multipart([ident, encode(msg)], copy=False)
+            sent = cast("asyncio.Future[Any]", self.sock.send_multipart(
+                [ident, encode(msg)], flags=zmq.DONTWAIT, copy=False))
+            if sent.done():  # always, unless a send is queued: no loop callback per event
+                self._sent(ident, sent)
+            else:
+                sent.add_done_callback(lambda f: self._sent(ident, f))
+
+    def _sent(self, ident: bytes, f: asyncio.Future[Any]) -> None:
+        err = None if f.cancelled() else f.exception()
+        if isinstance(err, zmq.ZMQError) and err.errno == zmq.EHOSTUNREACH:
+            self._peer_gone(ident)
+
+    def _peer_gone(self, ident: bytes) -> None:
+        """Loop thread: the connection ``ident`` closed (its Conductor was killed or restarted:
+        a new one connects anew). Nobody can receive its tasks' events or cancel them any
+        more, so its reservations and requests end now — their KV is freed — instead of
+        decoding for nobody or holding blocks until the reservation's timeout."""
+        self.subscribers.discard(ident)
+        orphans = [t for t in self.tasks.values() if t.owner == ident and not t.done]
+        if orphans:
+            log.warning("connection %s is gone: cancelling its %d task(s)", ident.hex(),
+                        len(orphans))
+        for task in orphans:
+            self.spawn(task, self.on_cancel(task.request_id))
+        self.changed()
 
     # ------------------------------------------------------------------ prefix loading
 
