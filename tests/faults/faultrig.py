@@ -1,0 +1,301 @@
+"""A one-host yuebing cluster of real processes for fault injection, and the load that runs
+against it (issue 16, "Fault-injection suite").
+
+`Rig` starts, on 127.0.0.1 and at addresses fixed for its whole life, a store master, a store
+node, one prefill and one decode instance (``--model dummy:preset=tiny``) and the Conductor —
+the roles `yuebing serve` starts, but each one held by the test, so that the test can
+``kill -9`` one, ``SIGSTOP``/``SIGCONT`` it, and restart it at the same address as an operator
+(or the supervisor) would. Only the processes it started are ever signalled.
+
+`Load` is a small client loop: ``workers`` threads send streamed greedy ``/v1/completions``
+requests (token-id prompts from `PROMPTS`, temperature 0, ``ignore_eos``, fixed
+``max_tokens``) to the Conductor, each with a deadline, and record how every request ended
+(`Outcome`). The fault tests (``test_faults.py``) and the soak (``test_soak.py``) use both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import http.client
+import json
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cli_procs import CliProc
+
+MODEL = "dummy:preset=tiny"
+MAX_TOKENS = 16
+PROMPTS: list[list[int]] = [[(7 * i + j) % 400 + 1 for j in range(300 + 70 * i)]
+                            for i in range(6)]
+"""Token-id prompts of 300 ... 650 tokens (one or two 256-token store blocks each)."""
+
+ROLES = ("store-master", "store-node", "prefill-0", "decode-0", "conductor")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get_json(url: str, timeout_s: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - 127.0.0.1
+        return json.loads(r.read())
+
+
+class Rig:
+    """The five roles, each a `CliProc` restarted with the same arguments (same ports)."""
+
+    def __init__(self, conductor_args: tuple[str, ...] = (), timeout_s: float = 180.0) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="yb-faults-"))
+        self.timeout_s = timeout_s
+        p = {k: free_port() for k in ("rpc", "events", "admin", "pctl", "dctl", "http")}
+        master = f"tcp://127.0.0.1:{p['rpc']}"
+        self.store_admin = f"http://127.0.0.1:{p['admin']}"
+        self.url = f"http://127.0.0.1:{p['http']}"
+        inst = ("--model", MODEL, "--store-master", master, "--report-hz", "10",
+                "--kv-cache-bytes", "16MiB", "--staging-bytes", "16MiB")
+        self.args: dict[str, list[str]] = {
+            "store-master": ["store", "master", "--rpc-address", master, "--events-address",
+                             f"tcp://127.0.0.1:{p['events']}", "--admin-port", str(p["admin"])],
+            "store-node": ["store", "node", "--master", master, "--dram", "64MiB",
+                           "--heartbeat-s", "0.5"],
+            "prefill-0": ["serve", "prefill", "--instance-id", "prefill-0", "--control-port",
+                          str(p["pctl"]), *inst],
+            "decode-0": ["serve", "decode", "--instance-id", "decode-0", "--control-port",
+                         str(p["dctl"]), *inst],
+            "conductor": ["serve", "conductor", "--model", MODEL, "--port", str(p["http"]),
+                          "--instances", f"tcp://127.0.0.1:{p['pctl']},"
+                                         f"tcp://127.0.0.1:{p['dctl']}",
+                          "--store-events", f"tcp://127.0.0.1:{p['events']}",
+                          "--store-admin", self.store_admin, "--heartbeat-timeout-s", "3",
+                          *conductor_args],
+        }
+        self.procs: dict[str, CliProc] = {}
+        self.starts: dict[str, int] = {}
+        try:
+            for role in ROLES:
+                self.start(role)
+            self.wait_joined()
+        except BaseException:
+            self.stop()
+            raise
+
+    def start(self, role: str) -> CliProc:
+        """Start (or restart) ``role`` with its fixed arguments; blocks until it is ready."""
+        n = self.starts[role] = self.starts.get(role, 0) + 1
+        self.procs[role] = CliProc(["-v", *self.args[role]], name=f"{role}.{n}",
+                                   workdir=self.dir, timeout_s=self.timeout_s, stop_s=15.0,
+                                   log_tail=6000)
+        return self.procs[role]
+
+    def pid(self, role: str) -> int:
+        return self.procs[role].proc.pid
+
+    def kill(self, role: str) -> None:
+        self.procs[role].kill()
+
+    def signal(self, role: str, sig: int) -> None:
+        if self.procs[role].proc.poll() is None:
+            os.kill(self.pid(role), sig)
+
+    def health(self) -> dict[str, Any]:
+        return get_json(self.url + "/health")  # type: ignore[no-any-return]
+
+    def store_usage(self) -> dict[str, float]:
+        return get_json(self.store_admin + "/usage")  # type: ignore[no-any-return]
+
+    def wait_joined(self, timeout_s: float = 60.0) -> None:
+        """Until the Conductor's view holds the prefill and the decode with load reports."""
+        end = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(OSError, ValueError):
+                h = self.health()
+                if h["ready"] and set(h["load"]) == {"prefill-0", "decode-0"}:
+                    return
+            if time.monotonic() > end:
+                raise RuntimeError(f"instances did not join in {timeout_s}s\n"
+                                   + self.procs["conductor"].log())
+            time.sleep(0.2)
+
+    def levels(self) -> dict[str, Any]:
+        """What must return to its baseline once the load is gone: per instance free and
+        reserved KV blocks and running requests, requests in flight at the Conductor, the
+        store's objects and pending puts. (The store's used bytes also count its clients'
+        reserve-ahead regions, which come and go: `used_bytes` bounds them.)"""
+        h = self.health()
+        u = self.store_usage()
+        out: dict[str, Any] = {"inflight": h["inflight"]}
+        for name, load in sorted(h["load"].items()):
+            out[f"{name}.free_blocks"] = load["free_blocks"]
+            out[f"{name}.reserved_blocks"] = load.get("reserved_blocks", 0)
+            out[f"{name}.running"] = load["running"]
+        for k in ("objects", "pending"):
+            out[f"store.{k}"] = u.get(k)
+        return out
+
+    def used_bytes(self) -> float:
+        """The store's allocated DRAM bytes (objects and reserve-ahead regions)."""
+        return float(self.store_usage()["dram_used"])
+
+    def logs(self) -> str:
+        return "\n".join(f"=== {r}\n{p.log()}" for r, p in self.procs.items())
+
+    def stop(self) -> None:
+        for role in reversed(ROLES):
+            p = self.procs.get(role)
+            if p is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    self.signal(role, signal.SIGCONT)  # a stopped process cannot stop
+                p.stop()
+        from yuebing.transfer.liveness import sweep_dead_segments
+
+        sweep_dead_segments()
+
+
+class Outcome(enum.IntEnum):
+    OK = 0
+    ERROR_STATUS = 1  # an HTTP error status with an OpenAI error body
+    ERROR_EVENT = 2  # an SSE error event, then [DONE]
+    CONN_ERROR = 3  # refused / reset before any byte of a response
+    CUT = 4  # the stream ended without [DONE] (the server's process died)
+    HANG = 5  # no end within the deadline
+
+
+@dataclass(frozen=True)
+class Result:
+    prompt: int
+    start: float
+    end: float
+    outcome: Outcome
+    tokens: tuple[int, ...] = ()
+    detail: str = ""
+
+
+def one_request(url: str, prompt: int, deadline_s: float) -> Result:
+    """One streamed greedy completion of ``PROMPTS[prompt]``; never raises, never outlives
+    ``deadline_s`` by more than one socket read (bounded by the same deadline)."""
+    t0 = time.monotonic()
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=deadline_s)
+    body = {"model": MODEL, "prompt": PROMPTS[prompt], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
+
+    def done(o: Outcome, tokens: tuple[int, ...] = (), detail: str = "") -> Result:
+        conn.close()
+        end = time.monotonic()
+        if end - t0 > deadline_s:
+            o, detail = Outcome.HANG, f"{o.name} after {end - t0:.1f}s: {detail}"
+        return Result(prompt, t0, end, o, tokens, detail[:300])
+
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                     headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+    except TimeoutError as e:
+        return done(Outcome.HANG, detail=str(e))
+    except OSError as e:
+        return done(Outcome.CONN_ERROR, detail=repr(e))
+    if resp.status != 200:
+        try:
+            raw = resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            return done(Outcome.CUT, detail=repr(e))
+        return done(Outcome.ERROR_STATUS, detail=f"{resp.status} {raw[:200]!r}")
+    tokens: list[int] = []
+    error = ""
+    try:
+        for raw_line in resp:
+            line = raw_line.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                if error:
+                    return done(Outcome.ERROR_EVENT, detail=error)
+                return done(Outcome.OK, tuple(tokens))
+            chunk = json.loads(data)
+            if "error" in chunk:
+                error = json.dumps(chunk["error"])
+                continue
+            tokens.extend(chunk["choices"][0]["token_ids"])
+    except TimeoutError as e:
+        return done(Outcome.HANG, detail=str(e))
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        return done(Outcome.CUT, detail=repr(e))
+    return done(Outcome.CUT, detail="stream closed without [DONE]")
+
+
+class Load:
+    """``workers`` threads, each sending `one_request` after another (prompts round-robin)
+    until `stop`; `results` holds every request's `Result`."""
+
+    def __init__(self, url: str, workers: int = 3, deadline_s: float = 30.0) -> None:
+        self.url = url
+        self.deadline_s = deadline_s
+        self.results: list[Result] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(w,), daemon=True)
+                         for w in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, w: int) -> None:
+        i = w
+        while not self._stop.is_set():
+            r = one_request(self.url, i % len(PROMPTS), self.deadline_s)
+            self.results.append(r)
+            i += 1
+            if r.outcome != Outcome.OK:
+                time.sleep(0.2)  # a client's pause before it retries a failed request
+
+    def stop(self) -> list[Result]:
+        """Stop sending; wait for the requests in flight (each ends by its deadline)."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(self.deadline_s + 5.0)
+        assert not any(t.is_alive() for t in self._threads), "a client outlived its deadline"
+        return list(self.results)
+
+
+def reference(url: str, deadline_s: float = 30.0) -> dict[int, tuple[int, ...]]:
+    """The greedy output of every prompt, one request at a time (all must succeed)."""
+    out: dict[int, tuple[int, ...]] = {}
+    for i in range(len(PROMPTS)):
+        r = one_request(url, i, deadline_s)
+        assert r.outcome == Outcome.OK and len(r.tokens) == MAX_TOKENS, r
+        out[i] = r.tokens
+    return out
+
+
+def first_success(url: str, since: float, timeout_s: float) -> float:
+    """Seconds from ``since`` until a fresh request succeeds (probing every 0.2 s)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        r = one_request(url, 0, 10.0)
+        if r.outcome == Outcome.OK:
+            return r.end - since
+        assert time.monotonic() < end, f"not served again within {timeout_s}s: {r}"
+        time.sleep(0.2)
+
+
+def wait_levels(rig: Rig, want: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Poll `Rig.levels` until it equals ``want``; returns the last levels seen."""
+    end = time.monotonic() + timeout_s
+    got: dict[str, Any] = {}
+    while time.monotonic() < end:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            got = rig.levels()
+            if got == want:
+                return got
+        time.sleep(0.25)
+    return got
