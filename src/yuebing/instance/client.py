@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
@@ -62,6 +63,10 @@ class InstanceError(YuebingError):
         self.message = message
 
 
+MAX_ABANDONED = 4096
+"""Reservations given up on that are remembered (the oldest are forgotten first)."""
+
+
 class InstanceUnavailable(YuebingError):
     """No reply from the instance in time (dead, hung or unreachable)."""
 
@@ -85,6 +90,9 @@ class InstanceClient:
         self._sock.connect(address)
         self._seq = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Message]] = {}
+        self._abandoned: OrderedDict[int, str] = OrderedDict()
+        """seq → request id of reservations whose caller gave up waiting (timeout or
+        cancel): a `Reserved` that still comes is cancelled at once (`_dispatch`)."""
         self._events: dict[str, asyncio.Queue[tuple[TaskEvent, float]]] = {}
         self._reader = asyncio.get_running_loop().create_task(self._read())
         self.closed = False
@@ -92,7 +100,7 @@ class InstanceClient:
     # ------------------------------------------------------------------ calls
 
     async def _call(self, make: Callable[[int], Message], expect: type[Message],
-                    timeout_s: float | None = None) -> Message:
+                    timeout_s: float | None = None, reserving: str = "") -> Message:
         if self.closed:
             raise InstanceUnavailable(f"client of {self.address} is closed")
         seq = next(self._seq)
@@ -101,9 +109,15 @@ class InstanceClient:
         try:
             await self._sock.send(encode(make(seq)))
             reply = await asyncio.wait_for(fut, timeout_s or self.timeout_s)
-        except TimeoutError:
-            raise InstanceUnavailable(f"instance at {self.address} did not answer in "
-                                      f"{timeout_s or self.timeout_s:.1f} s") from None
+        except BaseException as e:
+            if reserving:  # the instance may still reserve (it was stopped, or slow)
+                self._abandoned[seq] = reserving
+                while len(self._abandoned) > MAX_ABANDONED:
+                    self._abandoned.popitem(last=False)
+            if isinstance(e, TimeoutError):
+                raise InstanceUnavailable(f"instance at {self.address} did not answer in "
+                                          f"{timeout_s or self.timeout_s:.1f} s") from None
+            raise
         finally:
             self._pending.pop(seq, None)
         if isinstance(reply, ErrorReply):
@@ -139,7 +153,8 @@ class InstanceClient:
         try:
             r = await self._call(lambda s: Reserve(
                 seq=s, request_id=request_id, prompt_tokens=len(token_ids), sampling=sampling,
-                token_ids=list(token_ids), timeout_s=timeout_s), Reserved)
+                token_ids=list(token_ids), timeout_s=timeout_s), Reserved,
+                reserving=request_id)
         except BaseException:
             self._events.pop(request_id, None)
             raise
@@ -240,6 +255,12 @@ class InstanceClient:
             if self.on_report is not None:
                 self.on_report(msg)
         elif isinstance(msg, Hello | Ack | Reserved | Fetched | ErrorReply):
+            abandoned = self._abandoned.pop(msg.seq, None)
+            if abandoned is not None and isinstance(msg, Reserved):
+                log.info("%s: a reservation given up on came late; cancelling it", abandoned)
+                with contextlib.suppress(zmq.ZMQError):  # its Ack is not awaited
+                    self._sock.send(encode(Cancel(seq=next(self._seq), request_id=abandoned)))
+                return
             fut = self._pending.get(msg.seq)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
