@@ -11,7 +11,8 @@ or is invalid gets `ErrorReply(BAD_REQUEST)`; the instance keeps serving.
 
 Roles subclass it (`prefill.PrefillInstance`, `decode.DecodeInstance`,
 `coupled.CoupledInstance`) and implement `on_submit` / `on_reserve` / `on_cancel` and the
-per-output handling. `run_instance(cfg)` builds the role and serves until SIGINT/SIGTERM.
+per-output handling. Load reports live in `yuebing.instance.reports`; `yuebing.instance.run`
+builds the role and serves it until SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -20,24 +21,18 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import json
 import logging
-import os
 import secrets
-import signal
 import time
-from collections import OrderedDict
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import msgspec
 import torch
 import zmq
 import zmq.asyncio
 
 from yuebing.core.errors import EngineError, InputError
-from yuebing.core.ids import BlockHash
 from yuebing.engine.config import EngineConfig
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
@@ -45,7 +40,7 @@ from yuebing.engine.sequence import RequestOutput
 from yuebing.instance.config import InstanceConfig
 from yuebing.instance.connector import KVConnector, KVConnectorConfig, Loaded
 from yuebing.instance.driver import EngineDriver
-from yuebing.instance.kvkeys import store_block_keys
+from yuebing.instance.reports import LocalCache, report_loop
 from yuebing.ops.zap import TokenAuthenticator, serve_plain
 from yuebing.protocol import Message, ProtocolError, decode, encode
 from yuebing.protocol.instance import (
@@ -57,7 +52,6 @@ from yuebing.protocol.instance import (
     EventKind,
     FetchPrefix,
     Hello,
-    LoadReport,
     Ping,
     PrefixPlan,
     Reserve,
@@ -150,13 +144,9 @@ class Instance:
                                    f"engine-{cfg.role}")
         self.tasks: dict[str, Task] = {}
         self.subscribers: set[bytes] = set()
-        self._report_seq = 0
-        self._local_keys: OrderedDict[BlockHash, BlockHash] = OrderedDict()
-        """Store-block keys whose KV is in this engine's prefix cache → the engine key of the
-        store block's last engine block (checked for eviction before each report)."""
-        self._cache_added: list[int] = []
-        self._cache_removed: list[int] = []
-        self._resync = True
+        self.local_cache = LocalCache(cfg.store_block_tokens)
+        self.resync = True
+        """The next load report lists the whole local cache (a Conductor subscribed)."""
         self.loop: asyncio.AbstractEventLoop | None = None
         self.sock: zmq.asyncio.Socket | None = None
         self._batch: dict[bytes, list[TaskEvent]] | None = None
@@ -166,7 +156,7 @@ class Instance:
         self.instance_id = cfg.instance_id
         self._stopping = False
         self._peers: dict[str, Any] = {}
-        self._changed = asyncio.Event()
+        self.load_changed = asyncio.Event()
         self._handlers: set[asyncio.Future[Any]] = set()
 
     # ------------------------------------------------------------------ set-up
@@ -228,7 +218,7 @@ class Instance:
     async def serve(self, stop: asyncio.Event) -> None:
         """Answer control frames and push reports until ``stop`` is set."""
         assert self.sock is not None
-        reporter = asyncio.create_task(self._report_loop(stop))
+        reporter = asyncio.create_task(report_loop(self, stop))
         sweeper = asyncio.create_task(self._sweep_loop(stop))
         recv = None
         try:
@@ -304,7 +294,7 @@ class Instance:
             return Ack(seq=msg.seq)
         if isinstance(msg, Subscribe):
             self.subscribers.add(ident)
-            self._resync = True
+            self.resync = True
             return self.hello(msg.seq)
         if isinstance(msg, Cancel):
             known = await self.on_cancel(msg.request_id)
@@ -505,97 +495,12 @@ class Instance:
         finally:
             task.breakdown.prefix_load_s = time.time() - t0
 
-    def note_cached(self, engine: LLMEngine, token_ids: list[int]) -> None:
-        """Driver thread: the prompt's full store blocks are in the local prefix cache now."""
-        sbt, bs = self.cfg.store_block_tokens, engine.block_size
-        keys = store_block_keys(token_ids, sbt, engine.fingerprint)
-        if not keys:
-            return
-        ekeys = engine.block_keys(token_ids[:len(keys) * sbt])
-        per = sbt // bs
-        for i, k in enumerate(keys):
-            if k not in self._local_keys:
-                self._cache_added.append(int(k))
-            self._local_keys[k] = ekeys[(i + 1) * per - 1]
-            self._local_keys.move_to_end(k)
-
-    def _check_evicted(self, engine: LLMEngine) -> None:
-        """Driver thread: drop store keys whose last engine block left the prefix cache."""
-        gone = [k for k, ek in self._local_keys.items() if not engine.allocator.is_cached(ek)]
-        for k in gone:
-            del self._local_keys[k]
-            self._cache_removed.append(int(k))
-
     # ------------------------------------------------------------------ load reports
 
     def changed(self) -> None:
         """Loop thread: the load changed (task accepted or ended, blocks reserved or freed);
         a report goes out now rather than at the next period (at most every 10 ms)."""
-        self._changed.set()
-
-    async def _report_loop(self, stop: asyncio.Event) -> None:
-        """Reports at ``report_hz`` and on change. The load is measured in the driver thread
-        between steps; while a long step runs, the last measurement goes out again as a
-        heartbeat (fresh time and sequence, no cache changes), so a busy instance never looks
-        dead to the Conductor."""
-        period = 1.0 / self.cfg.report_hz
-        pending: asyncio.Future[LoadReport] | None = None
-        last: LoadReport | None = None
-        while not stop.is_set():
-            self._changed.clear()
-            if self.subscribers:
-                if pending is None:
-                    resync, self._resync = self._resync, False
-                    pending = asyncio.ensure_future(self.driver.run(
-                        lambda e, r=resync: self._measure(e, r)))  # type: ignore[misc]
-                await asyncio.wait({pending}, timeout=period)
-                report: LoadReport | None = None
-                if pending.done():
-                    with contextlib.suppress(RuntimeError):
-                        measured = pending.result()
-                        report = last = msgspec.structs.replace(
-                            measured, reserved_blocks=self.reserved_blocks(),
-                            queued_prefill_tokens=measured.queued_prefill_tokens +
-                            self.pending_tokens())
-                    pending = None
-                elif last is not None:
-                    report = msgspec.structs.replace(
-                        last, time_s=time.time(), cache_added=[], cache_removed=[],
-                        cache_full_resync=False, reserved_blocks=self.reserved_blocks())
-                if report is not None:
-                    # numbered here, in send order (the Conductor resyncs on a gap)
-                    self._report_seq += 1
-                    report = msgspec.structs.replace(report, report_seq=self._report_seq)
-                    for ident in list(self.subscribers):
-                        self.send(ident, report)
-            waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(
-                self._changed.wait())}
-            _, idle = await asyncio.wait(waits, timeout=period,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            for w in idle:
-                w.cancel()
-            await asyncio.sleep(0.01)
-
-    def _measure(self, engine: LLMEngine, resync: bool) -> LoadReport:
-        """Driver thread: the engine's side of a load report (the control loop adds what its
-        tasks hold: reserved blocks, prompts still loading their prefix)."""
-        self._check_evicted(engine)
-        sched, alloc = engine.scheduler, engine.allocator
-        queued = [s for s in (*sched.waiting, *sched.running) if s.is_prefilling]
-        added = [int(k) for k in self._local_keys] if resync else self._cache_added
-        removed = [] if resync else self._cache_removed
-        self._cache_added, self._cache_removed = [], []
-        return LoadReport(
-            instance_id=self.instance_id, incarnation=self.incarnation,
-            report_seq=0, time_s=time.time(),
-            queued_prefill_tokens=sum(s.num_pending for s in queued),
-            queued_requests=len(queued), running=len(sched.running),
-            waiting=len(sched.waiting), context_tokens=sum(s.num_tokens for s in sched.running),
-            free_blocks=alloc.num_free, total_blocks=alloc.num_blocks, reserved_blocks=0,
-            prefill_tokens_per_s=self.driver.stats.prefill_tokens_per_s,
-            decode_step_s=self.driver.stats.decode_step_s,
-            preemptions=sched.num_preemptions, cache_added=added, cache_removed=removed,
-            cache_full_resync=resync)
+        self.load_changed.set()
 
     def reserved_blocks(self) -> int:
         return 0
@@ -612,34 +517,3 @@ class Instance:
 
     def sweep(self) -> None:
         """Loop thread, twice a second: expire what has a deadline (decode reservations)."""
-
-
-def write_ready_file(path: str, hello: Hello) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(msgspec.json.encode(hello))
-    os.replace(tmp, path)
-
-
-async def serve_instance(inst: Instance) -> None:
-    """Start the control server, publish readiness, serve until SIGINT/SIGTERM."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await inst.start()
-    publication = None
-    if inst.cfg.etcd:
-        from yuebing.cluster.discovery import Discovery
-        disc = Discovery(inst.cfg.etcd, inst.cfg.cluster)
-        publication = disc.publish("instances", inst.instance_id,
-                                   json.loads(msgspec.json.encode(inst.hello())), ttl_s=5)
-    if inst.cfg.ready_file:
-        write_ready_file(inst.cfg.ready_file, inst.hello())
-    try:
-        await inst.serve(stop)
-    finally:
-        if publication is not None:
-            with contextlib.suppress(Exception):
-                publication.close()
-        await inst.close()

@@ -80,7 +80,7 @@ class CoupledInstance(Instance):
         if len(out.output_token_ids) != 1 or not out.new_token_ids:
             return  # only right after the prefill
         task.extra["first_at"] = time.time()
-        self.note_cached(engine, task.token_ids)
+        self.local_cache.note(engine, task.token_ids)
         if self.cfg.save_to_store:
             snap = self.connector.snapshot(engine, task.token_ids)
             if snap is not None:

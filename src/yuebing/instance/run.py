@@ -4,12 +4,19 @@ until SIGINT/SIGTERM (``yuebing serve prefill|decode|coupled``, `yuebing.cluster
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import json
 import logging
+import os
+import signal
+
+import msgspec
 
 from yuebing.core.auth import adopt_cluster_token
-from yuebing.instance.base import Instance, serve_instance
+from yuebing.instance.base import Instance
 from yuebing.instance.config import InstanceConfig
+from yuebing.protocol.instance import Hello
 
 log = logging.getLogger(__name__)
 
@@ -50,3 +57,34 @@ def run_decode(cfg: InstanceConfig) -> int:
 
 def run_coupled(cfg: InstanceConfig) -> int:
     return run_instance(dataclasses.replace(cfg, role="coupled"))
+
+
+def write_ready_file(path: str, hello: Hello) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.encode(hello))
+    os.replace(tmp, path)
+
+
+async def serve_instance(inst: Instance) -> None:
+    """Start the control server, publish readiness, serve until SIGINT/SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await inst.start()
+    publication = None
+    if inst.cfg.etcd:
+        from yuebing.cluster.discovery import Discovery
+        disc = Discovery(inst.cfg.etcd, inst.cfg.cluster)
+        publication = disc.publish("instances", inst.instance_id,
+                                   json.loads(msgspec.json.encode(inst.hello())), ttl_s=5)
+    if inst.cfg.ready_file:
+        write_ready_file(inst.cfg.ready_file, inst.hello())
+    try:
+        await inst.serve(stop)
+    finally:
+        if publication is not None:
+            with contextlib.suppress(Exception):
+                publication.close()
+        await inst.close()
