@@ -51,10 +51,15 @@ class KVConnectorConfig:
         "help": "registered staging memory for loads and saves (bounds both)"})
     known_keys: int = field(default=65536, metadata={
         "help": "store keys remembered as present (saves skip them without asking)"})
+    known_ttl_s: float = field(default=10.0, metadata={
+        "help": "how long a key stays known as present: the store may lose it since "
+                "(eviction, a dead node, a restarted master), and a later save of the same "
+                "prompt after this long asks the store again and puts it back"})
 
     def __post_init__(self) -> None:
         require(self.store_block_tokens > 0, "store_block_tokens must be > 0")
         require(self.staging_bytes > 0, "staging_bytes must be > 0")
+        require(self.known_ttl_s >= 0, "known_ttl_s must be >= 0")
 
 
 @dataclass
@@ -138,7 +143,8 @@ class KVConnector:
                                                               dtype=torch.uint8)
         self.staging = Staging(buf)
         self.stats = ConnectorStats()
-        self._known: OrderedDict[str, None] = OrderedDict()
+        self._known: OrderedDict[str, float] = OrderedDict()
+        """store key → when it was last seen stored (`time.monotonic`)."""
         self._known_lock = threading.Lock()
 
     # ------------------------------------------------------------------ keys
@@ -150,16 +156,18 @@ class KVConnector:
                 for k in store_block_keys(ids, self.config.store_block_tokens, self.fingerprint)]
 
     def _remember(self, keys: Sequence[str]) -> None:
+        now = time.monotonic()
         with self._known_lock:
             for k in keys:
-                self._known[k] = None
+                self._known[k] = now
                 self._known.move_to_end(k)
             while len(self._known) > self.config.known_keys:
                 self._known.popitem(last=False)
 
     def _is_known(self, key: str) -> bool:
         with self._known_lock:
-            return key in self._known
+            seen = self._known.get(key)
+        return seen is not None and time.monotonic() - seen < self.config.known_ttl_s
 
     # ------------------------------------------------------------------ I/O side
 
@@ -266,7 +274,7 @@ class KVConnector:
             self.staging.give(loaded.lease)
 
     def snapshot(self, engine: LLMEngine, token_ids: Sequence[int]) -> Snapshot | None:
-        """Copy the prompt's full store blocks not known to be stored out of the engine's
+        """Copy the prompt's full store blocks not known (lately) to be stored out of the engine's
         prefix cache into staging (driver thread, right after the prefill). None: nothing new,
         no store, or no staging room (counted)."""
         if self.store is None:

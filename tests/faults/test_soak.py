@@ -1,0 +1,122 @@
+"""Soak (issue 16): ``yuebing serve`` (store master + node, one prefill, one decode, the
+Conductor; ``--model dummy:preset=tiny``) serves a slice of the released conversation trace
+(`yuebing bench serve`, prompts synthesized from its ``hash_ids`` so that shared prefixes are
+shared, replayed closed-loop round after round) for ``$YUEBING_SOAK_S`` seconds (120 by
+default; the 30-minute variant sets 1800). Every process of the cluster is sampled from
+/proc: resident memory, open files, threads, and the bytes of /dev/shm its shared-memory
+segments occupy. After a warm-up (the first quarter, at least one whole round), every later
+sample stays within 5 % of the warm-up level (a count of threads or files within
+max(5 %, 1)); every round's requests all succeed. Both are slow: two minutes of load do not
+fit the CI budget of the fast set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from faultrig import free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+from serve_util import Serve, descendants  # noqa: E402
+
+YUEBING = [sys.executable, "-m", "yuebing.cli.main"]
+TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class Sample:
+    rss: int
+    files: int
+    threads: int
+    shm: int
+
+
+def sample(pid: int) -> Sample | None:
+    """One process's levels, or None when it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        files = len(os.listdir(f"/proc/{pid}/fd"))
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    rss = int(fields["VmRSS"].split()[0]) * 1024
+    threads = int(fields["Threads"])
+    shm = 0
+    for path in {ln.split(None, 5)[5] for ln in maps.splitlines()
+                 if len(ln.split(None, 5)) == 6 and ln.split(None, 5)[5].startswith("/dev/shm/")}:
+        try:
+            shm += os.stat(path.removesuffix(" (deleted)")).st_blocks * 512
+        except FileNotFoundError:
+            continue
+    return Sample(rss, files, threads, shm)
+
+
+def out_of_band(level: Sample, s: Sample) -> list[str]:
+    """What of ``s`` is more than 5 % (counts: max(5 %, 1)) away from ``level``."""
+    bad = []
+    for name in ("rss", "shm", "files", "threads"):
+        want, got = getattr(level, name), getattr(s, name)
+        slack = TOLERANCE * want if name in ("rss", "shm") else max(TOLERANCE * want, 1)
+        if abs(got - want) > slack:
+            bad.append(f"{name} {want} -> {got}")
+    return bad
+
+
+def _bench(url: str, trace: Path, limit: int, records: Path) -> list[dict]:
+    """One round: the trace's first ``limit`` requests, closed loop, 2 in flight; returns
+    the per-request records. (The bench counts a stream without text as an error: the
+    dummy model has no tokenizer, so success is judged from each record's HTTP status and
+    usage instead.)"""
+    records.unlink(missing_ok=True)
+    cmd = [*YUEBING, "bench", "serve", str(trace), "--endpoint", url, "--json",
+           "--no-progress", "--limit", str(limit), "--concurrency", "2", "--block-tokens", "32",
+           "--max-input", "900", "--max-output", "16", "--prompt-low", "1", "--prompt-high",
+           "512", "--timeout-s", "60", "--records", str(records)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in records.read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_soak_levels_stay_flat(tmp_path: Path, conversation_trace: Path) -> None:
+    duration = float(os.environ.get("YUEBING_SOAK_S", "120"))
+    port = free_port()
+    serve = Serve(["serve", "--port", str(port), "--log-dir", str(tmp_path), "--model",
+                   "dummy:preset=tiny", "--store-dram", "64MiB", "--kv-cache-bytes", "16MiB",
+                   "--staging-bytes", "16MiB", "--heartbeat-timeout-s", "10"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        serve.wait_for("Ctrl-C stops every process.")
+        pids = sorted(descendants(serve.proc.pid) | {serve.proc.pid})
+        start = time.monotonic()
+        warm_until = start + max(duration / 4, 1.0)
+        level: dict[int, Sample] = {}
+        rounds = 0
+        while time.monotonic() - start < duration or rounds < 2:
+            recs = _bench(url, conversation_trace, 40, tmp_path / "records.jsonl")
+            rounds += 1
+            failed = [r for r in recs if r["http_status"] != 200 or r["error"] not in (
+                None, "no_tokens") or r["output_tokens"] != r["max_tokens"]]
+            assert len(recs) == 40 and not failed, failed[:3]
+            now = {p: sample(p) for p in pids}
+            gone = [p for p, s in now.items() if s is None]
+            assert not gone, f"processes {gone} died; {serve.output()[-3000:]}"
+            if time.monotonic() < warm_until or rounds == 1:
+                level = {p: s for p, s in now.items() if s is not None}
+                continue
+            drift = {p: out_of_band(level[p], s) for p, s in now.items() if s is not None}
+            assert not any(drift.values()), (rounds, {p: d for p, d in drift.items() if d})
+    except BaseException:
+        serve.kill()
+        raise
+    assert serve.stop(signal.SIGINT, timeout_s=120) == 0, serve.output()[-3000:]
