@@ -295,6 +295,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ours-model", default="smollm2", help="model argument of our engine")
     p.add_argument("--ours-attention", default="auto", choices=("auto", "grouped", "sdpa"),
                    help="our engine's attention path (auto = its start-up measurement)")
+    p.add_argument("--ours-batch-invariant", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="run our engine batch-invariant (its serving default; vLLM has no such "
+                        "mode, so the comparison runs without it unless asked)")
     p.add_argument("--ours-threads", type=int, default=None,
                    help="our engine's torch threads (default: --threads; 0 = its own "
                         "start-up measurement)")
@@ -323,6 +327,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def build_workload(ns: argparse.Namespace) -> Workload:
     common = dict(dtype=ns.dtype, threads=ns.threads, kv_gib=ns.kv_gib,
                   extra={"ours_attention": ns.ours_attention,
+                         "ours_batch_invariant": ns.ours_batch_invariant,
                          "ours_threads": ns.threads if ns.ours_threads is None else ns.ours_threads})
     if ns.quick:
         return Workload(batches=(1, 4), decode_prompt_len=16, decode_steps=4, prefill_lens=(64,),

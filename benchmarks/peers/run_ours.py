@@ -29,7 +29,7 @@ class OursBackend(Backend):
             max_num_seqs=max(w.batches), max_batch_tokens=w.batch_tokens,
             max_model_len=max(w.max_len, 4096), prefix_caching=False,
             attention=w.extra.get("ours_attention", "auto"),
-            batch_invariant=w.extra.get("ours_attention", "auto") in ("auto", "paged"))
+            batch_invariant=bool(w.extra.get("ours_batch_invariant", False)))
         self.engine = LLMEngine(self.config)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
@@ -45,7 +45,11 @@ class OursBackend(Backend):
         e = self.engine
         return {"yuebing": yuebing.__version__, "torch": torch.__version__,
                 "dtype": str(e.dtype), "threads": torch.get_num_threads(),
-                "attention": e.attention, "kv_blocks": e.pool.num_blocks,
+                "attention": e.attention, "prefill_attention": e.prefill_attention,
+                "batch_invariant": self.config.batch_invariant,
+                "attention_timings_ms": {k: round(v * 1e3, 3)
+                                         for k, v in e.attention_timings.items()},
+                "kv_blocks": e.pool.num_blocks,
                 "block_size": e.block_size, "max_batch_tokens": self.config.max_batch_tokens}
 
 

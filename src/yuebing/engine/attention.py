@@ -27,6 +27,7 @@ fastest.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -259,23 +260,33 @@ def causal_mask(length: int, context_len: int, device: torch.device) -> torch.Te
     return torch.arange(context_len, device=device)[None, :] <= rows
 
 
-def _best_time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
+def _interleaved_times(fns: dict[str, Callable[[], object]], device: torch.device,
+                       rounds: int) -> dict[str, float]:
+    """Median seconds of each candidate over ``rounds`` rounds, the candidates interleaved
+    within each round: a burst of load from another process slows every candidate of that
+    round alike instead of deciding the choice (timing the candidates one after the other
+    is the suspected cause of a benchmark run whose prefill was 1.8x slower than the next)."""
+    def once(fn: Callable[[], object]) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+        return time.perf_counter() - t0
+
+    for fn in fns.values():
+        fn()  # warm-up (first-call allocation, kernel loading)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(once(fn))
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def choose_attention(num_kv_heads: int, num_heads: int, head_dim: int, dtype: torch.dtype,
                      device: torch.device, batch: int = 8, context: int = 512,
-                     repeats: int = 3, decode_names: Collection[str] | None = None,
+                     repeats: int = 5, decode_names: Collection[str] | None = None,
                      prefill_names: Collection[str] | None = None
                      ) -> tuple[str, str, dict[str, float]]:
     """Time the decode and prefill paths on this device/dtype; return the faster names
@@ -296,9 +307,9 @@ def choose_attention(num_kv_heads: int, num_heads: int, head_dim: int, dtype: to
     decodes = {name: fn for name, fn in DECODE_IMPLS.items()
                if (decode_names is None or name in decode_names)
                and decode_supported(name, dtype, device)}
-    timings = {f"decode_{name}": _best_time(partial(fn, q, k_cache, v_cache, meta, scale),
-                                            device, repeats)
-               for name, fn in decodes.items()}
+    timings = {f"decode_{name}": t for name, t in _interleaved_times(
+        {name: partial(fn, q, k_cache, v_cache, meta, scale) for name, fn in decodes.items()},
+        device, repeats).items()}
     n = context // 2  # a chunk on top of as many cached tokens
     sl = PrefillSlice(0, n, context, head_index(table[0], num_kv_heads),
                       causal_mask(n, context, device), table[0])
@@ -306,9 +317,9 @@ def choose_attention(num_kv_heads: int, num_heads: int, head_dim: int, dtype: to
     prefills = {name: fn for name, fn in PREFILL_IMPLS.items()
                 if (prefill_names is None or name in prefill_names)
                 and prefill_supported(name, dtype, device)}
-    timings.update({f"prefill_{name}": _best_time(
-        partial(fn, qp, k_cache, v_cache, sl, scale), device, repeats)
-        for name, fn in prefills.items()})
+    timings.update({f"prefill_{name}": t for name, t in _interleaved_times(
+        {name: partial(fn, qp, k_cache, v_cache, sl, scale) for name, fn in prefills.items()},
+        device, repeats).items()})
 
     def pick(kind: str, names: dict[str, Callable[..., torch.Tensor]]) -> str:
         return min(names, key=lambda name: timings[f"{kind}_{name}"])
