@@ -109,10 +109,10 @@ class Rig:
             os.kill(self.pid(role), sig)
 
     def health(self) -> dict[str, Any]:
-        return get_json(self.url + "/health")  # type: ignore[no-any-return]
+        return get_json(self.url + "/health")
 
     def store_usage(self) -> dict[str, float]:
-        return get_json(self.store_admin + "/usage")  # type: ignore[no-any-return]
+        return get_json(self.store_admin + "/usage")
 
     def wait_joined(self, timeout_s: float = 60.0) -> None:
         """Until the Conductor's view holds the prefill and the decode with load reports."""
@@ -131,7 +131,7 @@ class Rig:
         """What must return to its baseline once the load is gone: per instance free and
         reserved KV blocks and running requests, requests in flight at the Conductor, the
         store's objects and pending puts. (The store's used bytes also count its clients'
-        reserve-ahead regions, which come and go: `used_bytes` bounds them.)"""
+        reserve-ahead regions, which come and go: `store_accounting`.)"""
         h = self.health()
         u = self.store_usage()
         out: dict[str, Any] = {"inflight": h["inflight"]}
@@ -143,9 +143,11 @@ class Rig:
             out[f"store.{k}"] = u.get(k)
         return out
 
-    def used_bytes(self) -> float:
-        """The store's allocated DRAM bytes (objects and reserve-ahead regions)."""
-        return float(self.store_usage()["dram_used"])
+    def store_accounting(self) -> tuple[float, int, int]:
+        """The store's allocated DRAM bytes, its objects and its reserve-ahead reservations
+        (every object and reservation of this workload has one size: a 256-token block)."""
+        u = self.store_usage()
+        return float(u["dram_used"]), int(u["objects"]), int(u["reservations"])
 
     def logs(self) -> str:
         return "\n".join(f"=== {r}\n{p.log()}" for r, p in self.procs.items())

@@ -101,6 +101,7 @@ def test_soak_levels_stay_flat(tmp_path: Path, conversation_trace: Path) -> None
         start = time.monotonic()
         warm_until = start + max(duration / 4, 1.0)
         level: dict[int, Sample] = {}
+        last: dict[int, Sample] = {}
         rounds = 0
         while time.monotonic() - start < duration or rounds < 2:
             recs = _bench(url, conversation_trace, 40, tmp_path / "records.jsonl")
@@ -116,7 +117,30 @@ def test_soak_levels_stay_flat(tmp_path: Path, conversation_trace: Path) -> None
                 continue
             drift = {p: out_of_band(level[p], s) for p, s in now.items() if s is not None}
             assert not any(drift.values()), (rounds, {p: d for p, d in drift.items() if d})
+            last = {p: s for p, s in now.items() if s is not None}
+        _report(duration, rounds, {_role(p): (level[p], last.get(p, level[p])) for p in level})
     except BaseException:
         serve.kill()
         raise
     assert serve.stop(signal.SIGINT, timeout_s=120) == 0, serve.output()[-3000:]
+
+
+def _role(pid: int) -> str:
+    """A cluster process's role, from its command line."""
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    if "--instance-id" in args:
+        return args[args.index("--instance-id") + 1]
+    for a, b in zip(args, args[1:], strict=False):
+        if (a, b) in (("store", "master"), ("store", "node"), ("serve", "conductor")):
+            return f"{a}-{b}"
+    return f"supervisor-{pid}" if "serve" in args else f"pid-{pid}"
+
+
+def _report(duration: float, rounds: int, levels: dict[str, tuple[Sample, Sample]]) -> None:
+    """With ``$YUEBING_SOAK_REPORT``: the warm-up and final levels of every process, as JSON
+    (for docs/reliability.md)."""
+    path = os.environ.get("YUEBING_SOAK_REPORT")
+    if path:
+        Path(path).write_text(json.dumps({"duration_s": duration, "rounds": rounds, "levels": {
+            role: {"warm": vars(a), "end": vars(b)} for role, (a, b) in levels.items()}},
+            indent=1))
