@@ -1,13 +1,13 @@
 """Soak (issue 16): ``yuebing serve`` (store master + node, one prefill, one decode, the
 Conductor; ``--model dummy:preset=tiny``) serves a slice of the released conversation trace
 (`yuebing bench serve`, prompts synthesized from its ``hash_ids`` so that shared prefixes are
-shared, replayed closed-loop round after round) for ``$YUEBING_SOAK_S`` seconds (120 by
-default; the 30-minute variant sets 1800). Every process of the cluster is sampled from
-/proc: resident memory, open files, threads, and the bytes of /dev/shm its shared-memory
-segments occupy. After a warm-up (the first quarter, at least one whole round), every later
-sample stays within 5 % of the warm-up level (a count of threads or files within
-max(5 %, 1)); every round's requests all succeed. Both are slow: two minutes of load do not
-fit the CI budget of the fast set.
+shared), replayed closed-loop round after round (2 in flight; 8 during the warm-up) for
+``$YUEBING_SOAK_S`` seconds (120 by default; the 30-minute variant sets 1800). Every process
+of the cluster is sampled from /proc after each round: resident memory, open files, threads,
+and the bytes of /dev/shm its shared-memory segments occupy. After the warm-up (the first
+quarter, at least one whole round), every sample stays within 5 % of the warm-up level (a
+count of threads or files within max(5 %, 1)); every round's requests all succeed. Slow: two
+minutes of load do not fit the CI budget of the fast set.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from serve_util import Serve, descendants  # noqa: E402
 
 YUEBING = [sys.executable, "-m", "yuebing.cli.main"]
 TOLERANCE = 0.05
+CONCURRENCY = 2
+WARM_CONCURRENCY = 8
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,14 @@ def out_of_band(level: Sample, s: Sample) -> list[str]:
     return bad
 
 
-def _bench(url: str, trace: Path, limit: int, records: Path) -> list[dict]:
-    """One round: the trace's first ``limit`` requests, closed loop, 2 in flight; returns
+def _bench(url: str, trace: Path, limit: int, records: Path, concurrency: int) -> list[dict]:
+    """One round: the trace's first ``limit`` requests, closed loop; returns
     the per-request records. (The bench counts a stream without text as an error: the
     dummy model has no tokenizer, so success is judged from each record's HTTP status and
     usage instead.)"""
     records.unlink(missing_ok=True)
     cmd = [*YUEBING, "bench", "serve", str(trace), "--endpoint", url, "--json",
-           "--no-progress", "--limit", str(limit), "--concurrency", "2", "--block-tokens", "32",
+           "--no-progress", "--limit", str(limit), "--concurrency", str(concurrency), "--block-tokens", "32",
            "--max-input", "900", "--max-output", "16", "--prompt-low", "1", "--prompt-high",
            "512", "--timeout-s", "60", "--records", str(records)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
@@ -104,7 +106,11 @@ def test_soak_levels_stay_flat(tmp_path: Path, conversation_trace: Path) -> None
         last: dict[int, Sample] = {}
         rounds = 0
         while time.monotonic() - start < duration or rounds < 2:
-            recs = _bench(url, conversation_trace, 40, tmp_path / "records.jsonl")
+            warming = time.monotonic() < warm_until or rounds == 0
+            # warm-up at a higher load, so that thread pools that grow on demand (the
+            # default executor: up to min(32, CPUs + 4) threads) reach their steady size
+            recs = _bench(url, conversation_trace, 40, tmp_path / "records.jsonl",
+                          WARM_CONCURRENCY if warming else CONCURRENCY)
             rounds += 1
             failed = [r for r in recs if r["http_status"] != 200 or r["error"] not in (
                 None, "no_tokens") or r["output_tokens"] != r["max_tokens"]]
@@ -112,7 +118,7 @@ def test_soak_levels_stay_flat(tmp_path: Path, conversation_trace: Path) -> None
             now = {p: sample(p) for p in pids}
             gone = [p for p, s in now.items() if s is None]
             assert not gone, f"processes {gone} died; {serve.output()[-3000:]}"
-            if time.monotonic() < warm_until or rounds == 1:
+            if warming:
                 level = {p: s for p, s in now.items() if s is not None}
                 continue
             drift = {p: out_of_band(level[p], s) for p, s in now.items() if s is not None}
