@@ -102,9 +102,9 @@ def live_stats(records: Path) -> dict[float, dict[str, float]]:
     return out
 
 
-def run_profile(out: Path, dtype: str) -> Path:
+def run_profile(out: Path, dtype: str, flags: list[str]) -> Path:
     path = out / "predictors.json"
-    cmd = [YB, "profile", "--model", "smollm2", "--dtype", dtype, "--threads", "1",
+    cmd = [YB, "profile", "--model", "smollm2", "--dtype", dtype, "--threads", "1", *flags,
            *PROFILE_GRID, "--out", str(path), "--samples", str(out / "samples.json")]
     log.info("profiling: %s", " ".join(cmd))
     subprocess.run(cmd, check=True)
@@ -125,14 +125,15 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> No
 
 
 def run_live(out: Path, profile: Path, rates: list[float], limit: int, seed: int,
-             port: int, dtype: str) -> Path:
+             port: int, dtype: str, flags: list[str]) -> Path:
     """Start 1P1D ``yuebing serve`` with ``profile`` as the Conductor's predictors, sweep."""
     logs = out / "live-logs"
     logs.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}"
     serve = [YB, "serve", "--prefill", "1", "--decode", "1", "--threads", "1", "--dtype",
              dtype, "--kv-cache-bytes", "512MiB", "--port", str(port), "--log-dir", str(logs),
-             "--heartbeat-timeout-s", "120", "--restart", "never", "--predictors", str(profile)]
+             "--heartbeat-timeout-s", "120", "--restart", "never", "--predictors", str(profile),
+             *flags]
     with (logs / "serve.out").open("wb") as fh:
         proc = subprocess.Popen(serve, stdout=fh, stderr=subprocess.STDOUT)
     try:
@@ -204,6 +205,9 @@ def main() -> int:
     p.add_argument("--profile", type=Path, help="predictor/samples file (default: profile now)")
     p.add_argument("--live-records", type=Path, help="reuse a bench --records file")
     p.add_argument("--port", type=int, default=8766)
+    p.add_argument("--yb-flags", default="--no-batch-invariant",
+                   help="engine flags of the profile and the live instances (the same as "
+                        "serve_vs_vllm.sh's YB_FLAGS, so --live-records from it match)")
     p.add_argument("--dtype", default="float32",
                    help="engine dtype of the profile and the live instances (bfloat16 only where "
                         "the CPU has native bf16: AVX-512 BF16 / AMX; on AVX2 it is ~8x slower)")
@@ -212,9 +216,10 @@ def main() -> int:
     if ns.limit < 1 or not rates or min(rates) <= 0:
         p.error("--limit must be >= 1 and every rate > 0")
     ns.outdir.mkdir(parents=True, exist_ok=True)
-    profile = ns.profile or run_profile(ns.outdir, ns.dtype)
+    flags = ns.yb_flags.split()
+    profile = ns.profile or run_profile(ns.outdir, ns.dtype, flags)
     records = ns.live_records or run_live(ns.outdir, profile, rates, ns.limit, ns.seed, ns.port,
-                                                  ns.dtype)
+                                          ns.dtype, flags)
     live = live_stats(records)
     missing = [r for r in rates if r not in live]
     if missing:
