@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from instance_procs import TINY, InstanceProc
 
+from fuzz_factories import plain
 from yuebing.protocol import decode, encode
 from yuebing.protocol.instance import (
     Ack,
@@ -48,19 +49,7 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
 
 
 def _plain(v: Any) -> Any:
-    if isinstance(v, bool) or v is None or isinstance(v, float | str | bytes):
-        return v
-    if isinstance(v, int):
-        return max(-(2**63), min(int(v), 2**63 - 1))
-    if isinstance(v, msgspec.Struct):
-        tag = type(v).__struct_config__.tag
-        return {**({"type": tag} if isinstance(tag, str) else {}),
-                **{k: _plain(x) for k, x in msgspec.structs.asdict(v).items()}}
-    if isinstance(v, list | tuple | set | frozenset):
-        return [_plain(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
-    return None
+    return plain(v, 2**63 - 1)
 
 
 sampling = st.builds(Sampling, max_tokens=st.integers(-3, 6), temperature=st.floats(),

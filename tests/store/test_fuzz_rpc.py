@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fuzz_factories import plain
 from yuebing.protocol import decode, encode
 from yuebing.protocol.codec import Message
 from yuebing.store import messages as m
@@ -52,21 +53,7 @@ def _field(tp: Any) -> st.SearchStrategy[Any]:
 
 
 def _plain(v: Any) -> Any:
-    """``v`` as msgpack can carry it: ints clipped to 64 bits, structs as tagged dicts, what
-    msgpack has no form for (hypothesis' placeholders) as None."""
-    if isinstance(v, bool) or v is None or isinstance(v, float | str | bytes):
-        return v
-    if isinstance(v, int):
-        return max(-(2**63), min(int(v), 2**64 - 1))
-    if isinstance(v, msgspec.Struct):
-        tag = type(v).__struct_config__.tag
-        return {**({"type": tag} if isinstance(tag, str) else {}),
-                **{k: _plain(x) for k, x in msgspec.structs.asdict(v).items()}}
-    if isinstance(v, list | tuple | set | frozenset):
-        return [_plain(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
-    return None
+    return plain(v, 2**64 - 1)
 
 
 @st.composite
