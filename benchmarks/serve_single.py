@@ -53,13 +53,15 @@ def stream(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
                        "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(url + "/v1/completions", body,
                                  {"content-type": "application/json"})
-    t0, usage = time.perf_counter(), None
+    from yuebing.bench.client import SSEParser
+
+    t0, usage, sse = time.perf_counter(), None, SSEParser()
     with urllib.request.urlopen(req, timeout=900) as r:
         for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            data = sse.feed(raw)
+            if data is None or data == "[DONE]":
                 continue
-            chunk = json.loads(line[6:])
+            chunk = json.loads(data)
             if chunk.get("usage"):
                 usage = chunk["usage"]
     if usage is None:
