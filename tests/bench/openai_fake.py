@@ -7,7 +7,8 @@ keeps an exact prefix cache over 16-token blocks of token-id prompts and reports
 maps the n-th POST (0-based, in arrival order) to ``"429"`` (with ``Retry-After``), ``"500"``,
 ``"break"`` (the stream stops after one token without ``[DONE]``), ``"stream_error"`` (an error
 event after one token), ``"hang"`` (no answer for 30 s), ``"no_tokens"`` (``[DONE]`` at once),
-``"not_sse"`` (a plain JSON answer) or ``"bad_utf8"`` (an event that is not UTF-8). Every
+``"not_sse"`` (a plain JSON answer) or ``"bad_utf8"`` (an event that is not UTF-8);
+``tokenizer_less`` streams empty text, like a model without a tokenizer. Every
 request body is kept in `FakeServer.bodies`; `max_in_flight` is the most streams open at once.
 """
 
@@ -35,9 +36,14 @@ class Behaviour:
     token_delay_s: float = 0.0
     retry_after: str | None = "0"
     report_cached: bool = True
+    report_usage: bool = True
+    """Send the usage chunk when the request asks for it."""
     api_key: str | None = None
     """When set, every endpoint wants ``Authorization: Bearer <api_key>`` (401 otherwise)."""
     actions: dict[int, str] = field(default_factory=dict)
+    tokenizer_less: bool = False
+    """Stream every token with empty text, as a model without a tokenizer does (its ids only
+    when the request asks ``return_token_ids``)."""
 
 
 class FakeServer:
@@ -161,9 +167,11 @@ class FakeServer:
         for i in range(n):
             if i:
                 await asyncio.sleep(self.behaviour.token_delay_s)
-            text = f" t{i}"
-            choice = {"index": 0, "delta": {"content": text}} if chat else {
+            text = "" if self.behaviour.tokenizer_less else f" t{i}"
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": text}} if chat else {
                 "index": 0, "text": text}
+            if body.get("return_token_ids"):
+                choice["token_ids"] = [100 + i]
             yield event({"choices": [choice]})
             if action == "break":
                 return
@@ -173,6 +181,6 @@ class FakeServer:
             if action == "stream_error":
                 yield event({"error": {"message": "engine died", "code": 500}})
                 return
-        if body.get("stream_options", {}).get("include_usage"):
+        if self.behaviour.report_usage and body.get("stream_options", {}).get("include_usage"):
             yield event({"choices": [], "usage": usage})
         yield b"data: [DONE]\n\n"

@@ -69,6 +69,29 @@ def test_failures_are_counted_by_kind(fake: FakeServer) -> None:
     assert s["attainment"] == 2 / 9
 
 
+@pytest.mark.parametrize("token_ids", [False, True])
+def test_a_model_without_tokenizer_streams_empty_text_and_succeeds(fake: FakeServer,
+                                                                   token_ids: bool) -> None:
+    # a tokenizer-less model (``dummy:``) streams one empty-text chunk per token: success is
+    # judged from the completed stream and the usage (or token ids), not from text
+    fake.behaviour.tokenizer_less = True
+    fake.behaviour.token_delay_s = 0.01
+    _, run = _run(fake, _trace(3, output=5), return_token_ids=token_ids)
+    assert [(r.status, r.error) for r in run.results] == [(Status.OK, "")] * 3
+    assert all(b.get("return_token_ids", False) is token_ids for b in fake.bodies)
+    for r in run.results:
+        assert r.output_tokens == 5 and len(r.token_times_s) == 5
+        assert r.tbt_s >= 0.01  # the chunks' times, not one timestamp
+    assert run.summary["completed"] == 3 and run.summary["errors"] == 0
+
+
+def test_empty_text_without_a_token_count_is_no_tokens(fake: FakeServer) -> None:
+    fake.behaviour.tokenizer_less = True
+    fake.behaviour.report_usage = False
+    _, run = _run(fake, _trace(1))
+    assert (run.results[0].status, run.results[0].error) == (Status.ERROR, "no_tokens")
+
+
 def test_a_request_without_answer_times_out(fake: FakeServer) -> None:
     fake.behaviour.actions = {0: "hang"}
     _, run = _run(fake, _trace(1), timeout_s=0.3)

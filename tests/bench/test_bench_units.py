@@ -48,26 +48,53 @@ def test_retry_after_seconds_date_and_fallback() -> None:
     ("{oops", "bad_response", "not JSON"),
 ])
 def test_error_events(event: str, error: str, detail: str) -> None:
-    from yuebing.bench.client import _on_event
+    from yuebing.bench.client import StreamReader
 
     r = RequestResult(0, 0.0, 1, 1)
-    assert _on_event(event, r, "completions", 1.0) is False
+    assert StreamReader(r, "completions").event(event, 1.0) is False
     assert r.error == error and detail in r.detail
 
 
 def test_output_events_usage_and_null_fields() -> None:
-    from yuebing.bench.client import _on_event
+    from yuebing.bench.client import StreamReader
 
     r = RequestResult(0, 0.0, 1, 1)
     chunk = '{"choices": [{"index": 0, "text": " Paris", "finish_reason": null}], "usage": null}'
-    assert _on_event(chunk, r, "completions", 0.5)
-    assert _on_event('{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}',
-                     r, "chat", 0.6)  # a role-only chat chunk is no token
+    assert StreamReader(r, "completions").event(chunk, 0.5)
+    assert StreamReader(r, "chat").event(
+        '{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}',
+        0.6)  # a role-only chat chunk is no token
     usage = ('{"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3, '
              '"prompt_tokens_details": null}}')
-    assert _on_event(usage, r, "completions", 0.7)
+    assert StreamReader(r, "completions").event(usage, 0.7)
     assert r.token_times_s == [0.5] and (r.prompt_tokens, r.output_tokens) == (9, 3)
     assert r.cached_tokens is None
+
+
+@pytest.mark.parametrize(("api", "events", "done", "judged"), [
+    # empty text per token + usage: ok, timed by the output chunks (not chat's role chunk)
+    ("completions", ['{"choices": [{"text": ""}]}'] * 2
+     + ['{"choices": [], "usage": {"completion_tokens": 2}}'], True, ("ok", 2, [0, 1])),
+    ("chat", ['{"choices": [{"delta": {"role": "assistant", "content": ""}}]}',
+              '{"choices": [{"delta": {"content": ""}}]}',
+              '{"choices": [], "usage": {"completion_tokens": 1}}'], True, ("ok", 1, [1])),
+    # token ids count and time tokens without text or usage
+    ("completions", ['{"choices": [{"text": "", "token_ids": [5, 6]}]}'], True,
+     ("ok", 2, [0])),
+    # empty text and nothing counting tokens; or no [DONE]
+    ("completions", ['{"choices": [{"text": ""}]}'], True, ("no_tokens", 0, [])),
+    ("completions", ['{"choices": [{"text": "a"}]}'], False, ("incomplete", 0, [0])),
+])
+def test_stream_judged_by_completion_and_token_counts(
+        api: str, events: list[str], done: bool, judged: tuple[str, int, list[int]]) -> None:
+    from yuebing.bench.client import StreamReader
+
+    r = RequestResult(0, 0.0, 1, 1)
+    reader = StreamReader(r, api)
+    for t, data in enumerate(events):
+        assert reader.event(data, float(t))
+    reader.end(done)
+    assert (r.error or str(r.status), r.output_tokens, r.token_times_s) == judged
 
 
 # --- per-request metrics --------------------------------------------------------------------

@@ -5,9 +5,10 @@ Who calls what: `yuebing.bench.runner` opens one `open_session` (with the bearer
 before any load (unreachable endpoint, not an OpenAI server, unknown model → `InputError`, one
 line), then `send` once per request, concurrently. `send` posts a streaming request to
 ``/v1/completions`` (prompt as token ids or text) or ``/v1/chat/completions``, timestamps every
-SSE event that carries output text on the run's clock, reads ``usage`` (completion, prompt and
-cached prompt tokens) from the final chunk (``stream_options.include_usage``), and returns a
-finished `RequestResult`. It never raises for a request's failure: the failure's kind is the
+SSE event that carries output text or token ids on the run's clock, reads ``usage`` (completion,
+prompt and cached prompt tokens) from the final chunk (``stream_options.include_usage``), judges
+the stream (`StreamReader`: completed, and tokens counted) and returns a finished
+`RequestResult`. It never raises for a request's failure: the failure's kind is the
 result's ``error`` (see `RequestResult`). A 429 is a rejection unless ``--retry-429``, which
 waits the ``Retry-After`` (seconds or an HTTP date; 1 s when absent) and resends while the
 request's timeout allows.
@@ -117,6 +118,8 @@ def request_body(req: BenchRequest, cfg: BenchConfig, model: str) -> dict[str, A
                             "stream_options": {"include_usage": True}, "temperature": 0.0}
     if cfg.ignore_eos:
         body["ignore_eos"] = True
+    if cfg.return_token_ids:
+        body["return_token_ids"] = True
     prompt = req.prompt if isinstance(req.prompt, str) else list(req.prompt)
     if cfg.api == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
@@ -147,6 +150,14 @@ def _output_text(choice: dict[str, Any], api: str) -> str:
     return str(choice.get("text") or "")
 
 
+def _is_output_choice(choice: dict[str, Any], api: str) -> bool:
+    """A choice that stands for generated output even when its text is empty (a model
+    without a tokenizer streams one empty-text event per token); not chat's role chunk."""
+    if api == "chat":
+        return "role" not in (choice.get("delta") or {})
+    return "text" in choice
+
+
 def _take_usage(usage: dict[str, Any], res: RequestResult) -> None:
     res.output_tokens = int(usage.get("completion_tokens") or res.output_tokens)
     if usage.get("prompt_tokens") is not None:
@@ -156,51 +167,91 @@ def _take_usage(usage: dict[str, Any], res: RequestResult) -> None:
         res.cached_tokens = int(details["cached_tokens"])
 
 
-def _on_event(data: str, res: RequestResult, api: str, now: float) -> bool:
-    """Handle one SSE event; False when the stream reported an error (recorded in ``res``)."""
-    try:
-        obj = _DECODE.decode(data)
-    except msgspec.DecodeError:
-        res.fail(Status.ERROR, "bad_response", f"not JSON: {data[:80]!r}")
-        return False
-    if not isinstance(obj, dict):
-        res.fail(Status.ERROR, "bad_response", f"not a JSON object: {data[:80]!r}")
-        return False
-    if obj.get("error") or obj.get("object") == "error":  # {"error": {...}} or vLLM's ErrorResponse
-        res.fail(Status.ERROR, "stream_error", str(obj.get("error") or obj.get("message")))
-        return False
-    if any(_output_text(c, api) for c in obj.get("choices") or () if isinstance(c, dict)):
-        res.token_times_s.append(now)
-    if obj.get("usage"):
-        _take_usage(obj["usage"], res)
-    return True
+class StreamReader:
+    """One response stream's events into its `RequestResult`: `event` per SSE event's data,
+    `end` once the stream is over. Called by `_read_stream` (and the unit tests).
+
+    An event whose choices carry text or ``token_ids`` is an output event (timestamped in
+    ``res.token_times_s``). Success is judged from the stream's completion and the token
+    count — ``usage.completion_tokens``, else the ``token_ids`` streamed, else the output
+    events — never from the text alone: when no event carried text or ids but the usage
+    counts tokens (a model without a tokenizer, asked without ``return_token_ids``), the
+    events that carried an output choice give the token times."""
+
+    __slots__ = ("res", "api", "ids", "blank_s")
+
+    def __init__(self, res: RequestResult, api: str) -> None:
+        self.res, self.api = res, api
+        self.ids = 0
+        """Token ids streamed in the choices' ``token_ids``."""
+        self.blank_s: list[float] = []
+        """Times of the events with an output choice but neither text nor ids."""
+
+    def event(self, data: str, now: float) -> bool:
+        """Handle one SSE event; False when the stream reported an error (recorded)."""
+        res = self.res
+        try:
+            obj = _DECODE.decode(data)
+        except msgspec.DecodeError:
+            res.fail(Status.ERROR, "bad_response", f"not JSON: {data[:80]!r}")
+            return False
+        if not isinstance(obj, dict):
+            res.fail(Status.ERROR, "bad_response", f"not a JSON object: {data[:80]!r}")
+            return False
+        if obj.get("error") or obj.get("object") == "error":  # {"error": {...}} or vLLM's
+            res.fail(Status.ERROR, "stream_error", str(obj.get("error") or obj.get("message")))
+            return False
+        output = blank = False
+        for c in obj.get("choices") or ():
+            if not isinstance(c, dict):
+                continue
+            ids = c.get("token_ids")
+            n_ids = len(ids) if isinstance(ids, list) else 0
+            self.ids += n_ids
+            if n_ids or _output_text(c, self.api):
+                output = True
+            elif _is_output_choice(c, self.api):
+                blank = True
+        if output:
+            res.token_times_s.append(now)
+        elif blank:
+            self.blank_s.append(now)
+        if obj.get("usage"):
+            _take_usage(obj["usage"], res)
+        return True
+
+    def end(self, done: bool) -> None:
+        """The stream is over (``done``: it ended with ``[DONE]``): judge it."""
+        res = self.res
+        if not done:
+            res.fail(Status.ERROR, "incomplete", "the stream ended before [DONE]")
+            return
+        tokens = res.output_tokens or self.ids or len(res.token_times_s)
+        if tokens and not res.token_times_s:
+            res.token_times_s = self.blank_s
+        if not (tokens and res.token_times_s):
+            res.fail(Status.ERROR, "no_tokens", "the stream carried no output tokens")
+            return
+        res.status = Status.OK
+        res.output_tokens = tokens
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, res: RequestResult, api: str,
                        clock: Callable[[], float]) -> None:
-    parser = SSEParser()
-    done = False
+    parser, reader = SSEParser(), StreamReader(res, api)
     async for line in resp.content:
         data = parser.feed(line)
         if data is None:
             continue
         if data == "[DONE]":
-            done = True
-            break
-        if not _on_event(data, res, api, clock()):
+            reader.end(True)
+            return
+        if not reader.event(data, clock()):
             return
     tail = parser.flush()
-    if tail == "[DONE]":
-        done = True
-    elif tail is not None and not _on_event(tail, res, api, clock()):
+    if tail is not None and tail != "[DONE]" and not reader.event(tail, clock()):
         return
-    if not done:
-        res.fail(Status.ERROR, "incomplete", "the stream ended before [DONE]")
-    elif not res.token_times_s:
-        res.fail(Status.ERROR, "no_tokens", "the stream carried no output text")
-    else:
-        res.status = Status.OK
-        res.output_tokens = res.output_tokens or len(res.token_times_s)
+    reader.end(tail == "[DONE]")
 
 
 async def _attempts(session: aiohttp.ClientSession, url: str, data: bytes, res: RequestResult,

@@ -60,6 +60,9 @@ class BenchConfig:
                 "as a rejection)"})
     ignore_eos: bool = field(default=True, metadata={
         "help": "ask the server to generate exactly max_tokens (vLLM's ignore_eos)"})
+    return_token_ids: bool = field(default=False, metadata={
+        "help": "ask for each chunk's generated token ids (vLLM's return_token_ids): counts and "
+                "times tokens of a model that streams no text (one without a tokenizer)"})
     slo_ttft: tuple[float, ...] = field(default=(TTFT_SLO_S,), metadata={
         "help": "TTFT SLO thresholds in seconds"})
     slo_tbt: tuple[float, ...] = field(default=TBT_THRESHOLDS_S, metadata={

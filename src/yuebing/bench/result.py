@@ -1,9 +1,10 @@
 """`RequestResult`: what happened to one request of a bench run, and its latency metrics.
 
-Life cycle: `yuebing.bench.client.send` creates one per request, appends a timestamp for each
-streamed chunk that carries output text, fills in the status, usage and error, and calls
-`finish`, which derives TTFT, TBT (the paper's definition, `yuebing.trace.latency.tbt_summary`,
-the code the simulator uses), the P90 and mean inter-token latency and the end-to-end time.
+Life cycle: `yuebing.bench.client.send` creates one per request; its `StreamReader` appends a
+timestamp for each streamed chunk that carries output and fills in the status, usage and error;
+`send` calls `finish`, which derives TTFT, TBT (the paper's definition,
+`yuebing.trace.latency.tbt_summary`, the code the simulator uses), the P90 and mean
+inter-token latency and the end-to-end time.
 `yuebing.bench.metrics` aggregates them; `to_json` is one line of ``--records``.
 
 Times are seconds on the run's monotonic clock (0 = the run's start). TTFT and end-to-end
@@ -24,7 +25,8 @@ from yuebing.trace.latency import tbt_summary
 
 class Status(StrEnum):
     OK = "ok"
-    """Streamed to the end with at least one token."""
+    """Streamed to the end with at least one token (counted by the usage, the token ids or
+    the output chunks)."""
     REJECTED = "rejected"
     """Refused with HTTP 429 (not resent, or resent until its timeout ran out)."""
     ERROR = "error"
@@ -52,7 +54,8 @@ class RequestResult:
     token_times_s: list[float] = field(default_factory=list)
     end_s: float = math.nan
     output_tokens: int = 0
-    """The usage's completion_tokens, else the number of output chunks."""
+    """The usage's completion_tokens, else the token ids streamed, else the number of output
+    chunks."""
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     """``usage.prompt_tokens_details.cached_tokens`` when the server reports it."""
