@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from yuebing.conductor.api import Limits
-from yuebing.conductor.cluster import LiveCluster
+from yuebing.conductor.cluster import LiveCluster, Member
 from yuebing.conductor.config import ConductorConfig
 from yuebing.conductor.dispatch import Dispatcher
 from yuebing.conductor.kvfeed import StoreFeed, StoreHoldings
@@ -40,6 +40,7 @@ from yuebing.conductor.policy import (
 )
 from yuebing.conductor.view import STORE_HOLDER
 from yuebing.core.errors import ConfigError
+from yuebing.instance.client import InstanceError, InstanceUnavailable
 from yuebing.protocol.instance import Role
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class Conductor:
                                      cfg.request_timeout_s, cfg.reserve_wait_s)
         self.feed: StoreFeed | None = None
         self._closers: list[Any] = []
+        self._listed: set[str] = set(cfg.instances)
+        """The addresses of ``--instances`` and of discovery's latest list."""
 
     # ------------------------------------------------------------------ life cycle
 
@@ -110,18 +113,39 @@ class Conductor:
             addresses = {str(v.get("control_address", "")) for v in snapshot.values()}
             loop.call_soon_threadsafe(self._sync_instances, addresses - {""})
 
+        self.cluster.on_dead.append(self._unlisted_dead)
         self._closers.append(disc.watch("instances", seen))
         if self.url:
             self._closers.append(disc.publish("conductor", self.cfg.conductor_id,
                                               {"url": self.url}, ttl_s=5))
 
     def _sync_instances(self, addresses: set[str]) -> None:
-        static = set(self.cfg.instances)
+        """Discovery's latest list: connect to new instances; let go of those that left it
+        once they no longer answer. etcd deletes every key whose lease it did not see
+        refreshed in time — all of them after etcd itself was stopped or stalled for longer
+        than the lease — while their instances serve on and publish again within a third of
+        the lease: dropping them at once would fail every request in flight."""
+        self._listed = addresses | set(self.cfg.instances)
         for a in addresses:
             self.cluster.add(a)
         for a in list(self.cluster.by_address):
-            if a not in addresses and a not in static:
-                self.cluster.discard(a)
+            if a not in self._listed:
+                self.cluster.spawn(self._let_go(a))
+
+    async def _let_go(self, address: str) -> None:
+        """Discard the unlisted instance at ``address`` unless it still answers a ping (one
+        that does stays until it is listed again or stops reporting: `_unlisted_dead`)."""
+        m = self.cluster.by_address.get(address)
+        if m is not None and m.alive:
+            with contextlib.suppress(InstanceUnavailable, InstanceError):
+                await m.client.ping(timeout_s=min(1.0, self.cfg.rpc_timeout_s))
+                return
+        if address not in self._listed:
+            self.cluster.discard(address)
+
+    def _unlisted_dead(self, m: Member) -> None:
+        if m.address not in self._listed:  # left discovery, then stopped reporting
+            self.cluster.spawn(self._let_go(m.address))
 
     async def stop(self) -> None:
         for closer in self._closers:
