@@ -35,6 +35,12 @@ DECODE_DEGREE = 3
 """Degree of the decode step-time polynomial: the roofline's step is the maximum of a memory
 and a compute term and switches between them inside the operating range (short contexts at
 large batches), which a plane misses by 5-8 % near a full node; degree 3 stays within 2 %."""
+DURATION_QUANTILES = 100
+"""How many equally likely values stand for the decode-duration distribution. The forecast
+weighs a request decoding now by its residual life E[max(0, D - Δ)] / E[D], where Δ is a TTFT
+(up to the 30 s SLO) and so often longer than most decodes: only the distribution's tail
+counts there. Ten deciles (5 %…95 %) drop the tail beyond the 95th percentile and put the
+residual life at 25 s 27 % low on the arXiv-like workload; 100 values are within 3 %."""
 _FITS: WeakKeyDictionary[CostModel, Predictors] = WeakKeyDictionary()
 
 
@@ -58,14 +64,16 @@ def predictors_for(cost: CostModel) -> Predictors:
 
 def decode_durations(cost: CostModel, requests: Sequence[SimRequest],
                      tbt_slo_s: float = math.inf) -> tuple[float, ...]:
-    """Ten equally likely decode durations (s) for the predictive early rejection forecast:
-    output-length deciles × the step time of a full decode node, at most ``tbt_slo_s``."""
+    """`DURATION_QUANTILES` equally likely decode durations (s) for the predictive early
+    rejection forecast: the output lengths' quantiles at the midpoints of equal-probability
+    bins × the step time of a full decode node, at most ``tbt_slo_s``."""
     outputs = np.array([r.output_tokens for r in requests], dtype=float)
     mean_ctx = float(np.mean([r.input_tokens + r.output_tokens / 2 for r in requests]))
     full = cost.decode_kv_capacity_tokens
     batch = max(1, math.floor(full / mean_ctx))
     step = min(cost.decode_step_time(batch, full), tbt_slo_s)
-    qs = np.quantile(outputs, np.linspace(0.05, 0.95, 10)) * step
+    k = DURATION_QUANTILES
+    qs = np.quantile(outputs, (np.arange(k) + 0.5) / k) * step
     return tuple(float(max(q, 1e-3)) for q in qs)
 
 
