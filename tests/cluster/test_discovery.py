@@ -118,3 +118,22 @@ def test_bad_input() -> None:
         d.list("instances")
     with pytest.raises(DiscoveryError, match="cannot publish instances/x"):
         d.publish("instances", "x", {})
+
+
+def test_publish_with_retry_registers_once_etcd_is_back() -> None:
+    """A role started while etcd is down (issue 16's etcd kill) registers once it is back
+    (a plain publish raised, and ``yuebing serve prefill --etcd`` exited)."""
+    from etcd_util import EtcdServer, find_etcd
+
+    if find_etcd() is None:
+        pytest.skip("etcd not installed (scripts/install_test_servers.sh)")
+    with EtcdServer() as etcd:
+        d = Discovery(etcd.url, cluster="t7", timeout_s=0.5)
+        etcd.kill()  # down; restarted below at the same address with its data
+        with pytest.raises(DiscoveryError, match="cannot publish instances/x"):
+            d.publish("instances", "x", {"n": 0})
+        with d.publish("instances", "late", {"n": 1}, ttl_s=3, retry=True) as pub:
+            etcd.start()
+            wait_until(lambda: d.list("instances") == {"late": {"n": 1}})
+            assert pub.key == "/yuebing/t7/instances/late"
+        assert d.list("instances") == {}  # closed: its lease revoked

@@ -10,7 +10,8 @@ Callers: an instance (``yuebing serve prefill|decode|coupled --etcd URL``) calls
 ready and `Publication.close` on shutdown (the key disappears at once; a crash makes it vanish
 when the lease expires, ``ttl_s`` later). The Conductor polls `list` (or `watch`) from a
 thread or through ``asyncio.to_thread``. Every call is synchronous HTTP to etcd's v3 gateway
-(``etcd3gw``); an unreachable etcd raises `DiscoveryError`.
+(``etcd3gw``); an unreachable etcd raises `DiscoveryError` (``publish(..., retry=True)``, as the
+roles publish themselves, keeps trying instead).
 """
 
 from __future__ import annotations
@@ -51,18 +52,26 @@ class Publication:
     """One published key bound to a lease; a thread refreshes the lease every ``ttl_s / 3``.
 
     If the lease is lost (etcd was unreachable for longer than the TTL, or etcd restarted
-    empty) the thread takes a new lease and writes the key again. `close` stops the thread
-    and revokes the lease, which deletes the key.
+    empty) the thread takes a new lease and writes the key again. With ``retry`` an etcd
+    that cannot be reached at first is not an error: the thread writes the key once it can
+    (every second until then). `close` stops the thread and revokes the lease, which deletes
+    the key.
     """
 
-    def __init__(self, disc: Discovery, key: str, value: bytes, ttl_s: int) -> None:
+    def __init__(self, disc: Discovery, key: str, value: bytes, ttl_s: int,
+                 retry: bool = False) -> None:
         self._disc = disc
         self.key = key
         self._value = value
         self.ttl_s = ttl_s
         self._lease: Any = None
         self._stop = threading.Event()
-        self._put()
+        try:
+            self._put()
+        except Exception as e:
+            if not retry:
+                raise
+            log.warning("cannot publish %s in etcd %s yet (%s); retrying", key, disc.url, e)
         self._thread = threading.Thread(target=self._keep_alive, name=f"publish:{key}",
                                          daemon=True)
         self._thread.start()
@@ -74,9 +83,13 @@ class Publication:
         self._lease = lease
 
     def _keep_alive(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3.0):
+        period = self.ttl_s / 3.0
+        while not self._stop.wait(period if self._lease is not None else min(period, 1.0)):
             try:
-                if self._lease.refresh() <= 0:
+                if self._lease is None:
+                    self._put()
+                    log.warning("published %s", self.key)
+                elif self._lease.refresh() <= 0:
                     log.warning("lease of %s expired; publishing again", self.key)
                     self._put()
             except Exception as e:  # noqa: BLE001 - etcd down: keep trying until closed
@@ -89,6 +102,8 @@ class Publication:
             return
         self._stop.set()
         self._thread.join(timeout=self.ttl_s)
+        if self._lease is None:
+            return
         try:
             self._lease.revoke()
         except Exception as e:  # noqa: BLE001 - the key expires with the lease anyway
@@ -154,9 +169,12 @@ class Discovery:
         _check_name("kind", kind)
         return f"/yuebing/{self.cluster}/{kind}/"
 
-    def publish(self, kind: str, id: str, value: dict[str, Any], ttl_s: int = 5) -> Publication:
+    def publish(self, kind: str, id: str, value: dict[str, Any], ttl_s: int = 5,
+                retry: bool = False) -> Publication:
         """Write ``value`` (a JSON-able dict) at ``kind/id`` bound to a lease of ``ttl_s``
-        seconds, kept alive until the returned `Publication` is closed."""
+        seconds, kept alive until the returned `Publication` is closed. An unreachable etcd
+        raises `DiscoveryError`, or with ``retry`` is logged and the key written once etcd
+        answers (a role started while etcd is down registers when it is back)."""
         _check_name("id", id)
         if not isinstance(ttl_s, int) or not 1 <= ttl_s <= 3600:
             raise ValueError(f"ttl_s must be a whole number of seconds in 1..3600, got {ttl_s!r}")
@@ -164,7 +182,7 @@ class Discovery:
             raise ValueError(f"a published value must be a dict, got {type(value).__name__}")
         data = json.dumps(value, separators=(",", ":")).encode()
         try:
-            return Publication(self, self.prefix(kind) + id, data, ttl_s)
+            return Publication(self, self.prefix(kind) + id, data, ttl_s, retry)
         except Exception as e:
             raise DiscoveryError(f"cannot publish {kind}/{id} in etcd {self.url}: {e}") from e
 

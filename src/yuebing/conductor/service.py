@@ -117,7 +117,7 @@ class Conductor:
         self._closers.append(disc.watch("instances", seen))
         if self.url:
             self._closers.append(disc.publish("conductor", self.cfg.conductor_id,
-                                              {"url": self.url}, ttl_s=5))
+                                              {"url": self.url}, ttl_s=5, retry=True))
 
     def _sync_instances(self, addresses: set[str]) -> None:
         """Discovery's latest list: connect to new instances; let go of those that left it

@@ -78,7 +78,8 @@ async def serve_instance(inst: Instance) -> None:
         from yuebing.cluster.discovery import Discovery
         disc = Discovery(inst.cfg.etcd, inst.cfg.cluster)
         publication = disc.publish("instances", inst.instance_id,
-                                   json.loads(msgspec.json.encode(inst.hello())), ttl_s=5)
+                                   json.loads(msgspec.json.encode(inst.hello())), ttl_s=5,
+                                   retry=True)
     if inst.cfg.ready_file:
         write_ready_file(inst.cfg.ready_file, inst.hello())
     try:
