@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from engine_factories import make_engine, prompts, tiny
 
-from yuebing.engine.linear import Linear, can_pack
+from yuebing.engine.linear import Linear, can_pack, invariant_min_rows
 from yuebing.engine.sampling import SamplingParams
 
 needs_pack = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
@@ -59,3 +59,22 @@ def test_bf16_engine_packs_and_matches_unpacked_logits():
     assert len(seen["packed"]) == len(seen["plain"]) == 4
     for a, b in zip(seen["packed"], seen["plain"], strict=True):
         torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_probed_padding_gives_each_row_the_same_bits_at_any_row_count(dtype: torch.dtype):
+    """SmolLM2's down projection (1,536 -> 576): oneDNN sums a short input (fewer than 8 rows
+    on AVX-512 CPUs) in another order than a long one, so a row's bits depend on the batch
+    unless short inputs are padded to the probed row count."""
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(576, 1536, generator=gen) * 0.05).to(dtype)
+    lin = Linear(w, pack=can_pack(dtype, torch.device("cpu")))
+    rows = invariant_min_rows([lin])
+    assert rows is not None and lin.min_rows == 1  # the probe leaves the matmul as it was
+    lin.min_rows = rows
+    x = torch.randn(300, 1536, generator=gen).to(dtype)
+    full = lin(x)
+    for m in (1, 2, 3, 7, 13, 64):
+        got = torch.cat([lin(x[i:i + m]) for i in range(0, 128, m)])[:128]
+        assert torch.equal(got, full[:128]), m
+    assert lin(x[:0]).shape == (0, 576)

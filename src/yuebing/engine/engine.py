@@ -105,6 +105,8 @@ class LLMEngine:
                                    config.max_batch_tokens, config.mixed_batches, self.key_extra)
         self.kernels = resolve_kernels(config.kernels, self.device, self.dtype)
         self.model.ops = self.kernels
+        self.matmul_min_rows: int | None = 1
+        """Matmul inputs are padded to this many rows (None: invariance not reached)."""
         if config.batch_invariant:
             self._use_token_attention(config)
         else:
@@ -139,6 +141,10 @@ class LLMEngine:
         self.attention_timings: dict[str, float] = {}
         self.attention = self.prefill_attention = f"invariant:{name}"
         self.model.token_impl = TOKEN_IMPLS[name]
+        self.matmul_min_rows = self.model.make_matmuls_invariant()
+        if self.matmul_min_rows is None:
+            log.warning("batch invariance: this CPU's %s matmuls depend on the batch size at "
+                        "any padding; outputs may depend on the batch", self.dtype)
 
     def _choose_attention(self, config: EngineConfig) -> None:
         """Set the model's decode/prefill attention: as configured, or measured (``auto``)."""

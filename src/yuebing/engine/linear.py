@@ -10,6 +10,14 @@ costly as the matmul itself. `pack_weight` does that re-layout once at load time
 oneDNN, or a packing call that fails keep the plain ``F.linear`` path (same math);
 ``EngineConfig.packed_weights`` switches packing off, and ``benchmarks/engine_hotpath.py``
 measures both paths side by side.
+
+Batch invariance (``EngineConfig.batch_invariant``): a row's product must not depend on how
+many rows are multiplied with it. oneDNN picks its kernel by row count, and on CPUs with
+native bf16 (AVX-512 BF16, AMX) the kernel for fewer than 8 rows sums over the inner
+dimension in another order than the kernel for 8 or more. `invariant_min_rows` finds, once
+per engine, the smallest row count from which every matmul of the model gives each row the
+same bits at any row count; `Linear` then pads smaller inputs up to it (zero rows, dropped
+after), so a decode step of 3 sequences computes exactly like a 2,000-token prefill chunk.
 """
 
 from __future__ import annotations
@@ -64,7 +72,7 @@ def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
 class Linear:
     """``y = x @ weight.T + bias``: plain ``F.linear`` or a oneDNN-packed weight."""
 
-    __slots__ = ("bias", "packed", "weight")
+    __slots__ = ("bias", "min_rows", "packed", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  pack: bool = False, batch_hint: int = 16) -> None:
@@ -72,13 +80,86 @@ class Linear:
         self.packed = pack_weight(weight, batch_hint) if pack else None
         # the plain weight is only kept where it is used (the packed copy replaces it)
         self.weight = weight if self.packed is None else None
+        self.min_rows = 1
+        """Inputs of fewer rows are padded to this many (batch invariance; see the module)."""
 
     @property
     def is_packed(self) -> bool:
         return self.packed is not None
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out_features, in_features)``."""
+        if self.packed is None:
+            assert self.weight is not None
+            return (self.weight.shape[0], self.weight.shape[1])
+        return (self.packed.size(0), self.packed.size(1))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows < self.min_rows:
+            pad = x.new_zeros((self.min_rows - rows, *x.shape[1:]))
+            return self._matmul(torch.cat((x, pad)))[:rows]
+        return self._matmul(x)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             assert self.weight is not None
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+MIN_ROWS_CANDIDATES = (1, 8, 16, 32, 64)
+_PROBE_ROWS = (1, 2, 3, 5, 7, 8, 9, 16, 17, 33, 64, 100)
+_PROBE_FULL = 256
+"""Rows of the reference call."""
+_PROBE_ELEMENTS = 32768
+"""Output elements checked per probed row count: a changed summation order flips a bf16
+output's rounding rarely (about 2 in 10,000 elements), so narrow matmuls check more rows."""
+_verdicts: dict[tuple[object, ...], bool] = {}
+"""Per process: (shape, dtype, packed, threads, candidate) -> invariant."""
+
+
+def invariant_min_rows(linears: list[Linear], seed: int = 0) -> int | None:
+    """The smallest of `MIN_ROWS_CANDIDATES` that makes every matmul in ``linears`` batch
+    invariant here (this CPU, library and thread count), or None if none does.
+
+    Called once by `LlamaModel.make_matmuls_invariant` when an engine starts in batch-invariant
+    mode. Each distinct weight shape is probed with random rows: with inputs padded to the
+    candidate, the first rows multiplied in slices of each row count of `_PROBE_ROWS` must
+    equal, bit for bit, the same rows of one `_PROBE_FULL`-row call. Verdicts are kept for the
+    process (an engine built again with the same shapes pays nothing).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    probes: dict[tuple[int, int], Linear] = {}
+    for lin in sorted(linears, key=lambda lin: lin.shape[0] * lin.shape[1]):
+        probes.setdefault(lin.shape, lin)  # small first: a failing candidate fails cheaply
+    for cand in MIN_ROWS_CANDIDATES:
+        if all(_verdict(lin, cand, gen) for lin in probes.values()):
+            return cand
+    return None
+
+
+def _verdict(lin: Linear, min_rows: int, gen: torch.Generator) -> bool:
+    w = lin.packed if lin.packed is not None else lin.weight
+    assert w is not None
+    key = (lin.shape, w.dtype, lin.is_packed, torch.get_num_threads(), min_rows)
+    if key not in _verdicts:
+        saved, lin.min_rows = lin.min_rows, min_rows
+        try:
+            _verdicts[key] = _invariant(lin, torch.randn(_PROBE_FULL, lin.shape[1],
+                                                         generator=gen).to(w.dtype))
+        finally:
+            lin.min_rows = saved
+    return _verdicts[key]
+
+
+def _invariant(lin: Linear, x: torch.Tensor) -> bool:
+    span = min(48, max(8, -(-_PROBE_ELEMENTS // lin.shape[0])))
+    with torch.inference_mode():
+        want = lin(x)[:span]
+        for m in _PROBE_ROWS:
+            got = torch.cat([lin(x[i:i + m]) for i in range(0, span, m)])
+            if not torch.equal(got[:span], want):
+                return False
+    return True

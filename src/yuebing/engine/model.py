@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from yuebing.engine.attention import DECODE_IMPLS, PREFILL_IMPLS, AttnMetadata
 from yuebing.engine.config import ModelConfig, RopeScaling
 from yuebing.engine.kernels import KernelOps, TorchOps
-from yuebing.engine.linear import Linear, can_pack
+from yuebing.engine.linear import Linear, can_pack, invariant_min_rows
 
 LayerHook = Callable[[int, AttnMetadata], None]
 
@@ -114,6 +114,18 @@ class LlamaModel:
         freqs = pos[:, None] * inv[None, :]
         self._cos = freqs.cos().to(device=device, dtype=dtype)
         self._sin = freqs.sin().to(device=device, dtype=dtype)
+
+    def make_matmuls_invariant(self) -> int | None:
+        """Pad every matmul's input to the row count from which this CPU's kernels give each
+        row the same bits at any batch size (`yuebing.engine.linear.invariant_min_rows`).
+        Called by the engine in batch-invariant mode; returns that row count, or None (and
+        leaves the matmuls as they are) where no candidate holds."""
+        linears = [self.lm_head, *(lin for layer in self.layers
+                                   for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+        rows = invariant_min_rows(linears)
+        for lin in linears:
+            lin.min_rows = rows or 1
+        return rows
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
