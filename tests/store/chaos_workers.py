@@ -18,7 +18,7 @@ from store_procs import Proc
 
 from yuebing.core.errors import StoreError, TransferError
 from yuebing.store.client.client import StoreClient
-from yuebing.store.client.core import ChecksumError, NotFoundError
+from yuebing.store.client.gets import ChecksumError, NotFoundError
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig
 from yuebing.store.messages import Code

@@ -13,7 +13,7 @@ import pytest
 
 from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.store import messages as m
-from yuebing.store.client import core
+from yuebing.store.client import core, gets
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import BatchStatus, TransferStatus
@@ -107,10 +107,10 @@ def test_an_error_the_steps_do_not_handle_reaches_the_caller_after_their_cleanup
                          replicas=[m.Replica(segment="s", offset=0)])
     io = SyncIo(Rpc({m.GetReplicas: reps}), DONE)
     with pytest.raises(InputError, match="too small"):
-        core.run(core.get_leased(ClientConfig(), "k", core.into(bytearray(2))), io)
+        core.run(gets.get_leased(ClientConfig(), "k", gets.into(bytearray(2))), io)
     assert io.rpc.released == [(["k"], [9])]  # the lease still ended
     buf = bytearray(4)
-    assert core.run(core.get_leased(ClientConfig(checksum=False), "k", core.into(buf)),
+    assert core.run(gets.get_leased(ClientConfig(checksum=False), "k", gets.into(buf)),
                     io)[0] == 4
 
 
@@ -127,8 +127,8 @@ def test_a_cancelled_async_get_still_releases_its_read_lease() -> None:
     io = Stalled(AsyncRpc({m.GetReplicas: reps}), DONE)
 
     async def main() -> None:
-        task = asyncio.create_task(core.drive(core.get_leased(
-            ClientConfig(), "k", core.new_value), io))
+        task = asyncio.create_task(core.drive(gets.get_leased(
+            ClientConfig(), "k", gets.new_value), io))
         await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

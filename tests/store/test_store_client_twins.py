@@ -1,5 +1,5 @@
 """The sync and asyncio store clients stay thin drivers over one core (`store/client/core.py`,
-`puts.py`): no run of `RUN` or more lines repeats between `StoreClient` and `AsyncStoreClient`,
+`gets.py`, `puts.py`): no run of `RUN` or more lines repeats between `StoreClient` and `AsyncStoreClient`,
 also once ``async``/``await`` are stripped — logic they share belongs in the core, once."""
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def test_the_sync_and_async_clients_share_no_run_of_six_lines() -> None:
     source = Path(client_module.__file__).read_text()
     found = repeated_runs(source, "StoreClient", "AsyncStoreClient")
     assert found == [], (f"StoreClient and AsyncStoreClient repeat {RUN}+ lines at (sync line, "
-                         f"async line) {found}: move the shared logic into store/client/core.py "
-                         "or puts.py")
+                         f"async line) {found}: move the shared logic into store/client/core.py, "
+                         "gets.py or puts.py")
 
 
 API = ["put", "put_from", "batch_put", "batch_put_from", "get", "get_into", "batch_get",

@@ -17,7 +17,7 @@ from yuebing.core.errors import StoreError
 from yuebing.protocol import decode, encode
 from yuebing.store import messages as m
 from yuebing.store.client.client import StoreClient
-from yuebing.store.client.core import ChecksumError, NotFoundError
+from yuebing.store.client.gets import ChecksumError, NotFoundError
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.cluster_messages import EventKind
 from yuebing.store.config import ClientConfig

@@ -11,14 +11,14 @@ import time
 import pytest
 
 from yuebing.store import messages as m
-from yuebing.store.client import core as cm
+from yuebing.store.client import gets
 from yuebing.store.client.client import AsyncStoreClient, StoreClient
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import BatchStatus, SegmentDescriptor, TransferStatus
 from yuebing.transfer.types import RequestStatus
 
 LEASE = 0.3
-DEADLINE = LEASE - cm.lease_margin(LEASE)  # after the request was sent
+DEADLINE = LEASE - gets.lease_margin(LEASE)  # after the request was sent
 VALUES = {"a": b"A" * 64, "b": b"B" * 32}
 
 
@@ -155,10 +155,10 @@ def check_bounded(master: FakeMaster, engine: StallingEngine) -> None:
 
 
 def test_read_deadline_keeps_a_margin() -> None:
-    assert cm.read_deadline(10.0, 5.0) == pytest.approx(10.0 + 4.5)  # 10 %
-    assert cm.read_deadline(10.0, 0.3) == pytest.approx(10.0 + 0.25)  # at least 50 ms
-    assert cm.read_deadline(10.0, 0.06) == pytest.approx(10.0 + 0.03)  # at most half
-    assert cm.read_deadline(10.0, 0.0) == float("inf")  # the master grants no lease
+    assert gets.read_deadline(10.0, 5.0) == pytest.approx(10.0 + 4.5)  # 10 %
+    assert gets.read_deadline(10.0, 0.3) == pytest.approx(10.0 + 0.25)  # at least 50 ms
+    assert gets.read_deadline(10.0, 0.06) == pytest.approx(10.0 + 0.03)  # at most half
+    assert gets.read_deadline(10.0, 0.0) == float("inf")  # the master grants no lease
 
 
 def test_get_asks_again_instead_of_a_fallback_past_the_lease() -> None:
@@ -180,7 +180,7 @@ def test_get_asks_again_instead_of_a_fallback_past_the_lease() -> None:
 def test_get_raises_a_precise_error_when_every_lease_runs_out() -> None:
     master = FakeMaster({"a": ["stopped/dram"]})
     c = sync_client(master, StallingEngine({"stopped/dram"}))
-    with pytest.raises(cm.ReadLeaseExpired, match=r"each of 2 read leases \(0.3s\) ran out"):
+    with pytest.raises(gets.ReadLeaseExpired, match=r"each of 2 read leases \(0.3s\) ran out"):
         c.get_into("a", bytearray(64))
     assert len(master.asked) == CFG.put_retries + 1
     check_bounded(master, c.engine)  # type: ignore[arg-type]

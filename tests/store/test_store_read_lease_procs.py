@@ -16,7 +16,7 @@ from store_procs import master, node
 from yuebing.core.errors import StoreError
 from yuebing.store import messages as m
 from yuebing.store.client.client import StoreClient
-from yuebing.store.client.core import ReadLeaseExpired
+from yuebing.store.client.gets import ReadLeaseExpired
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import TransferConfig, TransferEngine

@@ -7,7 +7,7 @@ See docs/structure.md and README.md ("Store").
 """
 
 from yuebing.store.client.client import AsyncStoreClient, StoreClient
-from yuebing.store.client.core import ChecksumError, NotFoundError
+from yuebing.store.client.gets import ChecksumError, NotFoundError
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig, MasterConfig, NodeConfig
 from yuebing.store.events import KvEventSubscriber

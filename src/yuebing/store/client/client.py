@@ -27,7 +27,7 @@ from typing import Generic, TypeVar
 
 from yuebing.core.errors import StoreError
 from yuebing.store import messages as m
-from yuebing.store.client import core
+from yuebing.store.client import core, gets
 from yuebing.store.client import reserve as rv
 from yuebing.store.client.direct import DirectSegments, keep_freed_memory, transfer_timeout
 from yuebing.store.client.puts import BatchPut, PutOptions, give_back, put
@@ -160,21 +160,21 @@ class StoreClient(_Client[MasterConnection]):
     def get(self, key: str) -> bytearray:
         """The value of ``key`` in a new buffer; `NotFoundError` if absent, `ChecksumError` if
         the replica read does not match, `ReadLeaseExpired` if every read lease ran out."""
-        return core.value_of(core.run(core.get_leased(self.cfg, key, core.new_value), self))
+        return gets.value_of(core.run(gets.get_leased(self.cfg, key, gets.new_value), self))
 
     def get_into(self, key: str, buf: object) -> int:
         """Read ``key`` straight into ``buf`` (zero-copy); returns the value's size."""
-        return core.run(core.get_leased(self.cfg, key, core.into(buf)), self)[0]
+        return core.run(gets.get_leased(self.cfg, key, gets.into(buf)), self)[0]
 
     def batch_get(self, keys: Sequence[str]) -> list[bytearray | None]:
         """Values of many keys (None where absent or unreadable): one master call and one
         transfer batch."""
-        return core.run(core.batch_get(self.cfg, keys), self)
+        return core.run(gets.batch_get(self.cfg, keys), self)
 
     def batch_get_into(self, keys: Sequence[str], bufs: Sequence[object]) -> list[int]:
         """Read many keys into their buffers with one master call and one transfer batch;
         returns each value's size, or -1 where the key is absent or its read failed."""
-        return core.run(core.batch_get_into(self.cfg, keys, bufs), self)
+        return core.run(gets.batch_get_into(self.cfg, keys, bufs), self)
 
     # ------------------------------------------------------------------ probes, removal, pins
     def exists(self, key: str) -> bool:
@@ -311,20 +311,20 @@ class AsyncStoreClient(_Client[AsyncMasterConnection]):
 
     async def get(self, key: str) -> bytearray:
         """`StoreClient.get`: a new buffer holding the value."""
-        got = await core.drive(core.get_leased(self.cfg, key, core.new_value), self)
-        return core.value_of(got)
+        got = await core.drive(gets.get_leased(self.cfg, key, gets.new_value), self)
+        return gets.value_of(got)
 
     async def get_into(self, key: str, buf: object) -> int:
         """`StoreClient.get_into`: the value's size, read into ``buf``."""
-        return (await core.drive(core.get_leased(self.cfg, key, core.into(buf)), self))[0]
+        return (await core.drive(gets.get_leased(self.cfg, key, gets.into(buf)), self))[0]
 
     async def batch_get(self, keys: Sequence[str]) -> list[bytearray | None]:
         """`StoreClient.batch_get`: each value (None where absent or unread)."""
-        return await core.drive(core.batch_get(self.cfg, keys), self)
+        return await core.drive(gets.batch_get(self.cfg, keys), self)
 
     async def batch_get_into(self, keys: Sequence[str], bufs: Sequence[object]) -> list[int]:
         """`StoreClient.batch_get_into`: each size (-1 where absent or unread)."""
-        return await core.drive(core.batch_get_into(self.cfg, keys, bufs), self)
+        return await core.drive(gets.batch_get_into(self.cfg, keys, bufs), self)
 
     async def exists(self, key: str) -> bool:
         """`StoreClient.exists`."""
