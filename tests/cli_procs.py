@@ -27,11 +27,13 @@ class CliProc:
 
     Output goes to ``<dir>/<name>.log`` (`log` returns its tail), or with ``pipe`` to
     ``proc.stdout`` for a test that reads it itself (then `log` reads what is left once the
-    process has exited)."""
+    process has exited). ``prefix`` is a command that execs the rest in place (so ``proc.pid``
+    is still the yuebing process), e.g. ``ip netns exec NS`` to start it in a network
+    namespace."""
 
     def __init__(self, args: list[str], *, name: str = "proc", workdir: Path | None = None,
                  timeout_s: float = 60.0, stop_s: float = 15.0, pipe: bool = False,
-                 log_tail: int = 4000) -> None:
+                 log_tail: int = 4000, prefix: tuple[str, ...] = ()) -> None:
         self.name = name
         self.dir = workdir if workdir is not None else Path(
             tempfile.mkdtemp(prefix=f"yb-test-{name}-"))
@@ -39,7 +41,8 @@ class CliProc:
         self.log_path = self.dir / f"{name}.log"
         self.stop_s = stop_s
         self.log_tail = log_tail
-        cmd = [sys.executable, "-m", "yuebing.cli.main", *args, "--ready-file", str(self.ready)]
+        cmd = [*prefix, sys.executable, "-m", "yuebing.cli.main", *args,
+               "--ready-file", str(self.ready)]
         if pipe:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          env={**os.environ})

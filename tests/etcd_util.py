@@ -54,6 +54,8 @@ class EtcdServer:
     ``url`` is the client URL (``http://127.0.0.1:PORT``), ``host``/``port`` its parts.
     `start` blocks until ``/health`` answers (or raises RuntimeError with the log tail);
     `stop` terminates the process (SIGTERM, then SIGKILL) and removes the data directory.
+    `kill` is ``kill -9`` that keeps the data directory: a later `start` restarts the same
+    member at the same address with the data it had (as an operator would).
     """
 
     def __init__(self, binary: str | None = None, name: str = "yuebing-test") -> None:
@@ -74,8 +76,9 @@ class EtcdServer:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 20.0) -> EtcdServer:
-        self._dir = Path(tempfile.mkdtemp(prefix="yuebing-etcd-"))
-        self.port, self.peer_port = free_port(), free_port()
+        if self._dir is None:  # else a restart after `kill`: same data, same ports
+            self._dir = Path(tempfile.mkdtemp(prefix="yuebing-etcd-"))
+            self.port, self.peer_port = free_port(), free_port()
         peer_url = f"http://{self.host}:{self.peer_port}"
         cmd = [
             self.binary, "--name", self.name, "--data-dir", str(self._dir / "data"),
@@ -85,7 +88,7 @@ class EtcdServer:
             "--heartbeat-interval", "50", "--election-timeout", "500",
             "--log-level", "warn", "--logger", "zap",
         ]
-        log = open(self._dir / "etcd.log", "wb")  # noqa: SIM115 - handed to the child
+        log = open(self._dir / "etcd.log", "ab")  # noqa: SIM115 - handed to the child
         env = dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", ""))
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
@@ -111,6 +114,13 @@ class EtcdServer:
         if self._dir is None or not (self._dir / "etcd.log").exists():
             return ""
         return (self._dir / "etcd.log").read_bytes()[-n:].decode(errors="replace")
+
+    def kill(self) -> None:
+        """``kill -9`` the server; its data directory and ports stay for `start`."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+            self.proc = None
 
     def stop(self) -> None:
         """Stop the server this object started (idempotent) and delete its data."""

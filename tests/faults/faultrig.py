@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,55 +48,108 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _host_id(flag: str, place: Place) -> tuple[str, ...]:
+    return (flag, place.host_id) if place.host_id else ()
+
+
 def get_json(url: str, timeout_s: float = 5.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - 127.0.0.1
         return json.loads(r.read())
 
 
-class Rig:
-    """The five roles, each a `CliProc` restarted with the same arguments (same ports)."""
+@dataclass(frozen=True)
+class Place:
+    """Where a role runs: the address it binds and advertises, the command prefix that puts
+    its process there (e.g. ``ip netns exec NS``) and the transfer engine's host identity
+    ('' = this machine's; another value makes same-machine peers move KV over TCP)."""
 
-    def __init__(self, conductor_args: tuple[str, ...] = (), timeout_s: float = 180.0) -> None:
+    ip: str = "127.0.0.1"
+    prefix: tuple[str, ...] = ()
+    host_id: str = ""
+
+
+class Rig:
+    """The roles, each a `CliProc` restarted with the same arguments (same ports).
+
+    ``prefill``/``decode`` instances are named ``prefill-0``, ``prefill-1``, ... With ``etcd``
+    (its URL) the cluster depends on it as ``yuebing serve --etcd`` does: the store master
+    serves only while it holds its leader lease there, the instances publish themselves and
+    the Conductor finds them there (no ``--instances``). ``place`` says where each role runs
+    (default: all on 127.0.0.1); the store's admin HTTP, its event feed and the Conductor's
+    HTTP API stay on the test's 127.0.0.1."""
+
+    def __init__(self, conductor_args: tuple[str, ...] = (), timeout_s: float = 180.0, *,
+                 prefill: int = 1, decode: int = 1, etcd: str = "",
+                 place: Callable[[str], Place] = lambda role: Place()) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="yb-faults-"))
         self.timeout_s = timeout_s
-        p = {k: free_port() for k in ("rpc", "events", "admin", "pctl", "dctl", "http")}
-        master = f"tcp://127.0.0.1:{p['rpc']}"
+        self.place = place
+        self.instances = ([f"prefill-{i}" for i in range(prefill)]
+                          + [f"decode-{i}" for i in range(decode)])
+        self.roles = ("store-master", "store-node", *self.instances, "conductor")
+        p = {k: free_port() for k in ("rpc", "events", "admin", "http", *self.instances)}
+        ip = {r: place(r).ip for r in self.roles}
+        self.master = master = f"tcp://{ip['store-master']}:{p['rpc']}"
         self.store_admin = f"http://127.0.0.1:{p['admin']}"
         self.url = f"http://127.0.0.1:{p['http']}"
+        find = (("--etcd", etcd, "--cluster", f"faults{os.getpid()}") if etcd else ())
         inst = ("--model", MODEL, "--store-master", master, "--report-hz", "10",
-                "--kv-cache-bytes", "16MiB", "--staging-bytes", "16MiB")
+                "--kv-cache-bytes", "16MiB", "--staging-bytes", "16MiB", *find)
         self.args: dict[str, list[str]] = {
             "store-master": ["store", "master", "--rpc-address", master, "--events-address",
-                             f"tcp://127.0.0.1:{p['events']}", "--admin-port", str(p["admin"])],
+                             f"tcp://127.0.0.1:{p['events']}", "--admin-port", str(p["admin"]),
+                             *find],
             "store-node": ["store", "node", "--master", master, "--dram", "64MiB",
-                           "--heartbeat-s", "0.5"],
-            "prefill-0": ["serve", "prefill", "--instance-id", "prefill-0", "--control-port",
-                          str(p["pctl"]), *inst],
-            "decode-0": ["serve", "decode", "--instance-id", "decode-0", "--control-port",
-                         str(p["dctl"]), *inst],
+                           "--heartbeat-s", "0.5", "--tx-host", ip["store-node"],
+                           *_host_id("--tx-host-id", place("store-node"))],
             "conductor": ["serve", "conductor", "--model", MODEL, "--port", str(p["http"]),
-                          "--instances", f"tcp://127.0.0.1:{p['pctl']},"
-                                         f"tcp://127.0.0.1:{p['dctl']}",
+                          *(find or ("--instances", ",".join(
+                              f"tcp://{ip[n]}:{p[n]}" for n in self.instances))),
                           "--store-events", f"tcp://127.0.0.1:{p['events']}",
                           "--store-admin", self.store_admin, "--heartbeat-timeout-s", "3",
                           *conductor_args],
         }
+        self._inst = inst
+        for n in self.instances:
+            self._instance_args(n, p[n])
         self.procs: dict[str, CliProc] = {}
         self.starts: dict[str, int] = {}
         try:
-            for role in ROLES:
+            for role in self.roles:
                 self.start(role)
             self.wait_joined()
         except BaseException:
             self.stop()
             raise
 
+    def _instance_args(self, name: str, port: int) -> None:
+        ip = self.place(name).ip
+        self.args[name] = ["serve", name.split("-")[0], "--instance-id", name, "--host", ip,
+                           "--control-port", str(port), *_host_id("--host-id", self.place(name)),
+                           *self._inst]
+
+    def add_instance(self, role: str) -> str:
+        """Start one more ``role`` instance (the next free name; only the Conductor of a rig
+        with ``etcd`` finds it) and wait until it is ready. Returns its name."""
+        name = next(f"{role}-{i}" for i in range(100) if f"{role}-{i}" not in self.args)
+        self._instance_args(name, free_port())
+        self.instances.append(name)
+        self.roles = (*self.roles[:-1], name, self.roles[-1])
+        self.start(name)
+        return name
+
+    def remove_instance(self, name: str) -> None:
+        """Stop (SIGTERM) an instance for good: it leaves discovery and the Conductor."""
+        self.procs.pop(name).stop()
+        self.instances.remove(name)
+        self.roles = tuple(r for r in self.roles if r != name)
+
     def start(self, role: str) -> CliProc:
         """Start (or restart) ``role`` with its fixed arguments; blocks until it is ready."""
         n = self.starts[role] = self.starts.get(role, 0) + 1
         self.procs[role] = CliProc(["-v", *self.args[role]], name=f"{role}.{n}",
                                    workdir=self.dir, timeout_s=self.timeout_s, stop_s=15.0,
-                                   log_tail=6000)
+                                   log_tail=6000, prefix=self.place(role).prefix)
         return self.procs[role]
 
     def pid(self, role: str) -> int:
@@ -115,12 +169,12 @@ class Rig:
         return get_json(self.store_admin + "/usage")
 
     def wait_joined(self, timeout_s: float = 60.0) -> None:
-        """Until the Conductor's view holds the prefill and the decode with load reports."""
+        """Until the Conductor's view holds every instance with load reports."""
         end = time.monotonic() + timeout_s
         while True:
             with contextlib.suppress(OSError, ValueError):
                 h = self.health()
-                if h["ready"] and set(h["load"]) == {"prefill-0", "decode-0"}:
+                if h["ready"] and set(h["load"]) == set(self.instances):
                     return
             if time.monotonic() > end:
                 raise RuntimeError(f"instances did not join in {timeout_s}s\n"
@@ -153,7 +207,7 @@ class Rig:
         return "\n".join(f"=== {r}\n{p.log()}" for r, p in self.procs.items())
 
     def stop(self) -> None:
-        for role in reversed(ROLES):
+        for role in reversed(self.procs):
             p = self.procs.get(role)
             if p is not None:
                 with contextlib.suppress(ProcessLookupError):
