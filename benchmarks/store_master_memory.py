@@ -18,6 +18,7 @@ import time
 from rich.progress import Progress
 
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import Mount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.core import MasterCore
 
@@ -35,7 +36,7 @@ def main() -> None:
     ns = ap.parse_args()
     core = MasterCore(MasterConfig(high_watermark=1.0, evict_ratio=0.5))
     for i in range(ns.segments):
-        core.handle(m.Mount(client=f"n{i}", segment=f"127.0.0.1:{9000 + i}/n{i}.dram",
+        core.handle(Mount(client=f"n{i}", segment=f"127.0.0.1:{9000 + i}/n{i}.dram",
                             size=16 << 40))
     gc.collect()
     base = rss()

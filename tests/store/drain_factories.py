@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
-from yuebing.store.cluster_messages import NodeTask, TaskDone, TaskKind
+from yuebing.store.cluster_messages import Drain, DrainStatus, Mount, NodeTask, TaskDone, TaskKind
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.core import MasterCore
 
@@ -19,10 +19,10 @@ def make(segs: int = 3, dram: int = 64 * KiB, ssd: int = 0, **cfg) -> MasterCore
     core = MasterCore(MasterConfig(alignment=1024, **cfg), VirtualClock(100.0))
     core.log = []
     for i in range(segs):
-        assert core.handle(m.Mount(client=f"n{i}", segment=f"n{i}/dram", size=dram,
+        assert core.handle(Mount(client=f"n{i}", segment=f"n{i}/dram", size=dram,
                                    node=f"n{i}")) == m.Ok()
         if ssd:
-            assert core.handle(m.Mount(client=f"n{i}", segment=f"n{i}/ssd", size=ssd,
+            assert core.handle(Mount(client=f"n{i}", segment=f"n{i}/ssd", size=ssd,
                                        tier=m.Tier.SSD, node=f"n{i}")) == m.Ok()
     return core
 
@@ -45,8 +45,8 @@ def used(core: MasterCore, seg: str) -> int:
 
 def drain(core: MasterCore, seg: str) -> int:
     """Starts (or polls) the drain of ``seg``; the number of values at risk."""
-    r = core.handle(m.Drain(client=seg.split("/")[0], segment=seg))
-    assert isinstance(r, m.DrainStatus), r
+    r = core.handle(Drain(client=seg.split("/")[0], segment=seg))
+    assert isinstance(r, DrainStatus), r
     return r.at_risk
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import Mount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master import replication
 from yuebing.store.master.core import MasterCore
@@ -20,9 +21,9 @@ def make(dram: int = 64 * KiB, segs: int = 1, ssd: int = 0, **cfg) -> tuple[Mast
     clock = VirtualClock(100.0)
     core = MasterCore(MasterConfig(alignment=1024, **cfg), clock)
     for i in range(segs):
-        assert core.handle(m.Mount(client=f"n{i}", segment=f"n{i}/dram", size=dram)) == m.Ok()
+        assert core.handle(Mount(client=f"n{i}", segment=f"n{i}/dram", size=dram)) == m.Ok()
         if ssd:
-            assert core.handle(m.Mount(client=f"n{i}", segment=f"n{i}/ssd", size=ssd,
+            assert core.handle(Mount(client=f"n{i}", segment=f"n{i}/ssd", size=ssd,
                                        tier=m.Tier.SSD)) == m.Ok()
     return core, clock
 

@@ -26,6 +26,7 @@ from fuzz_factories import plain
 from yuebing.protocol import decode, encode
 from yuebing.protocol.codec import Message
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import Drain, Mount, Unmount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.service import MasterService
 from yuebing.store.wire import FrameSocket, parse_address
@@ -33,7 +34,7 @@ from yuebing.store.wire import FrameSocket, parse_address
 REQUESTS = [m.PutStart, m.PutCommit, m.PutEnd, m.PutRevoke, m.BatchPutStart, m.BatchPutCommit,
             m.BatchPutEnd, m.BatchPutRevoke, m.GetReplicas, m.BatchGetReplicas, m.ReleaseLeases,
             m.Exists, m.BatchExists, m.PrefixMatch, m.Remove, m.BatchRemove, m.RemovePrefix,
-            m.RemoveAll, m.Pin, m.Mount, m.Unmount, m.Drain, m.Heartbeat, m.GetStats]
+            m.RemoveAll, m.Pin, Mount, Unmount, Drain, m.Heartbeat, m.GetStats]
 ONE_WAY = (m.ReleaseLeases,)
 """Requests the master answers with nothing (a lease release rides along with other calls)."""
 

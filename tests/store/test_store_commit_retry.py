@@ -10,7 +10,7 @@ import msgspec
 from master_factories import SIZE, commit, durable, leader_and_standby, make, put, ship, start
 
 from yuebing.store import messages as m
-from yuebing.store.cluster_messages import EventKind
+from yuebing.store.cluster_messages import Drain, DrainStatus, EventKind, Mount
 from yuebing.store.master import replication, reserve
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.state import ObjState
@@ -99,7 +99,7 @@ def test_standby_keeps_the_owner_and_answers_a_retry_after_take_over() -> None:
     """The first tries commit on the old leader and reach the standby (entries and snapshot);
     their replies are lost; the retries reach the new leader and succeed, once."""
     leader, standby, hub = leader_and_standby()
-    leader.handle(m.Mount(client="n0", segment="s0", size=64 * KiB))
+    leader.handle(Mount(client="n0", segment="s0", size=64 * KiB))
     for key, client in (("early", "c"), ("other", "d")):
         leader.handle(m.PutStart(client=client, item=m.PutItem(key=key, size=KiB)))
         leader.handle(m.PutEnd(client=client, key=key))
@@ -138,7 +138,7 @@ def test_standby_keeps_the_owner_and_answers_a_retry_after_take_over() -> None:
 
 def test_snapshot_lists_each_owner_once() -> None:
     leader, standby, hub = leader_and_standby()
-    leader.handle(m.Mount(client="n0", segment="s0", size=64 * KiB))
+    leader.handle(Mount(client="n0", segment="s0", size=64 * KiB))
     for i in range(4):
         leader.handle(m.PutStart(client=f"c{i % 2}", item=m.PutItem(key=f"k{i}", size=KiB)))
         if i < 3:
@@ -161,7 +161,7 @@ def test_a_commit_through_a_gone_reservation_never_replaces_a_stored_value() -> 
     assert r is not None and core.handle(m.PutRevoke(client="c", key=r.key)) == m.Ok()
     d = start(core, "v", checksum=-1, strategy="preferred", preferred=["n1/dram"]).reservation
     assert d is not None and core.handle(m.PutEnd(client="c", key="v")) == m.Ok()
-    assert isinstance(core.handle(m.Drain(client="n1", segment="n1/dram")), m.DrainStatus)
+    assert isinstance(core.handle(Drain(client="n1", segment="n1/dram")), DrainStatus)
     assert d.key not in core.objs
     used = start(core, "w", checksum=-1).reservation
     assert used is not None and core.handle(m.PutEnd(client="c", key="w")) == m.Ok()
@@ -201,7 +201,7 @@ def test_the_record_of_recent_commits_is_bounded_per_client_and_in_clients() -> 
 
 def test_a_standby_loaded_from_a_snapshot_answers_a_retried_commit() -> None:
     leader, standby, hub = leader_and_standby()
-    leader.handle(m.Mount(client="n0", segment="s0", size=64 * KiB))
+    leader.handle(Mount(client="n0", segment="s0", size=64 * KiB))
     t = leader.handle(m.PutStart(client="c", item=m.PutItem(key="a", size=KiB),
                                  reserve_next=True))
     assert isinstance(t, m.PutTargets) and t.reservation is not None

@@ -8,7 +8,7 @@ from drain_factories import MIGRATE, KiB, done, drain, holders, make, put, tasks
 
 from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
-from yuebing.store.cluster_messages import EventKind, TaskKind
+from yuebing.store.cluster_messages import EventKind, TaskKind, Unmount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master import replication
 from yuebing.store.master.core import MasterCore
@@ -37,7 +37,7 @@ def test_sole_copies_migrate_replicated_values_are_not_copied() -> None:
     core.tick()  # nothing leased: the draining replicas go, their ranges freed
     assert holders(core, "solo") == ["n1/dram"] and holders(core, "dup") == ["n1/dram"]
     assert used(core, "n0/dram") == 0
-    assert core.handle(m.Unmount(client="n0", segment="n0/dram")) == m.Ok()
+    assert core.handle(Unmount(client="n0", segment="n0/dram")) == m.Ok()
     assert sorted(core.objs) == ["dup", "other", "solo"]
     st = core.stats().values
     assert (st["migrations_started"], st["migrations_done"], st["migrations_failed"]) == (1, 1, 0)
@@ -119,7 +119,7 @@ def test_destination_unmounted_mid_task_goes_elsewhere() -> None:
     drain(core, "n0/dram")
     (owner, t), = tasks(core)
     first = t.dst_segment
-    assert core.handle(m.Unmount(client=first.split("/")[0], segment=first)) == m.Ok()
+    assert core.handle(Unmount(client=first.split("/")[0], segment=first)) == m.Ok()
     assert core.stats().values["migrations_failed"] == 1
     core.tick()
     (owner, t2), = tasks(core)
@@ -152,7 +152,7 @@ def test_parallel_limit_and_pins_and_leases_move_with_the_value() -> None:
     assert core.handle(m.Remove(key="k0")).code == C.PINNED  # the pin moved with it
     assert core.handle(m.Remove(key="k1")).code == C.LEASED
     assert "n0/dram" in holders(core, "k1")  # the reader's replica stays while it is leased
-    core.handle(m.Unmount(client="n0", segment="n0/dram"))
+    core.handle(Unmount(client="n0", segment="n0/dram"))
     assert all(holders(core, f"k{i}") == ["n1/dram"] for i in range(5))
 
 
@@ -168,7 +168,7 @@ def test_standby_keeps_the_migrated_replica_after_failover() -> None:
     for _, msg in hub.publish():
         replication.apply_entries(standby, msg.entries)
     replication.take_over(standby)
-    standby.handle(m.Unmount(client="n0", segment="n0/dram"))
+    standby.handle(Unmount(client="n0", segment="n0/dram"))
     assert standby.handle(m.GetReplicas(key="k")).replicas == [
         m.Replica(segment="n1/dram", offset=t.dst_offset)]
 

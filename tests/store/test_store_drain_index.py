@@ -8,6 +8,7 @@ from drain_factories import done, drain, holders, make, put, tasks
 
 from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import Drain, Unmount
 from yuebing.store.master import eviction, replication
 from yuebing.store.master.core import MasterCore
 
@@ -20,7 +21,7 @@ def test_a_re_elected_leader_does_not_use_its_stale_drain_index() -> None:
     replication.load_snapshot(l2, replication.snapshot(l1))
     replication.take_over(l2)
     l2.handle(m.Heartbeat(client="n0"))
-    assert l2.handle(m.Unmount(client="n1", segment="n1/dram")) == m.Ok()  # v only on n0 now
+    assert l2.handle(Unmount(client="n1", segment="n1/dram")) == m.Ok()  # v only on n0 now
     assert drain(l2, "n0/dram") == 1
     tasks(l2)
     l1.log = None  # l1 re-syncs from l2 as a standby and is elected again
@@ -43,5 +44,5 @@ def test_rolling_drain_keeps_the_replica_a_reader_was_given() -> None:
     done(core, owner, t)
     eviction.drain(core)
     assert "n1/dram" in holders(core, "v")  # the reader's replica stays while it may copy
-    st = core.handle(m.Drain(client="n1", segment="n1/dram"))
+    st = core.handle(Drain(client="n1", segment="n1/dram"))
     assert st.leased == 1  # type: ignore[union-attr]

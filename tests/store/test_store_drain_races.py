@@ -12,7 +12,7 @@ from drain_factories import KiB, done, drain, holders, make, put, tasks, used
 
 from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
-from yuebing.store.cluster_messages import NodeTask, TaskDone, TaskKind
+from yuebing.store.cluster_messages import Mount, NodeTask, TaskDone, TaskKind, Unmount
 from yuebing.store.config import ClientConfig
 from yuebing.store.master import replication
 from yuebing.store.master.core import MasterCore
@@ -28,14 +28,14 @@ def test_a_task_destination_on_an_unmounted_segment_stays_fenced_for_its_remount
     drain(core, "n0/dram")
     (_, t), = tasks(core)
     assert (t.dst_segment, t.dst_offset, t.size) == ("n1/dram", 0, 4 * KiB)
-    assert core.handle(m.Unmount(client="n1", segment="n1/dram")) == m.Ok()  # n0 still writes
+    assert core.handle(Unmount(client="n1", segment="n1/dram")) == m.Ok()  # n0 still writes
     (row,) = core.quarantine.dump(core.clock.now())
     assert row[2:] == [0, 4 * KiB, "n1/dram"]  # kept by name until the task's fence
     for _, msg in hub.publish():
         replication.apply_entries(standby, msg.entries)
     assert [r[2:] for r in standby.quarantine.dump(standby.clock.now())] == [
         [0, 4 * KiB, "n1/dram"]]
-    assert core.handle(m.Mount(client="n1", segment="n1/dram", size=64 * KiB,
+    assert core.handle(Mount(client="n1", segment="n1/dram", size=64 * KiB,
                                node="n1")) == m.Ok()
     assert used(core, "n1/dram") == 4 * KiB  # the re-mount gets the old task's range fenced
     core.tick()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from drain_factories import KiB, done, drain, holders, make, put, tasks
 
 from yuebing.store import messages as m
-from yuebing.store.cluster_messages import TaskKind
+from yuebing.store.cluster_messages import Drain, DrainStatus, TaskKind
 from yuebing.store.master import eviction, segments
 
 C = m.Code
@@ -19,9 +19,9 @@ def _get(core, key: str) -> list[str]:
     return [x.segment for x in r.replicas]
 
 
-def _status(core, seg: str) -> m.DrainStatus:
-    r = core.handle(m.Drain(client=seg.split("/")[0], segment=seg))
-    assert isinstance(r, m.DrainStatus), r
+def _status(core, seg: str) -> DrainStatus:
+    r = core.handle(Drain(client=seg.split("/")[0], segment=seg))
+    assert isinstance(r, DrainStatus), r
     return r
 
 
@@ -96,7 +96,7 @@ def test_a_promotion_landing_on_a_segment_that_began_draining_holds_the_drain() 
     done(core, owner, t)
     (waiter, reply), = core.ready
     assert waiter == "W" and [r.segment for r in reply.replicas] == ["n0/dram"]
-    assert _status(core, "n0/dram") == m.DrainStatus(at_risk=0, leased=1)  # W copies from n0
+    assert _status(core, "n0/dram") == DrainStatus(at_risk=0, leased=1)  # W copies from n0
     eviction.drain(core)
     assert holders(core, "v") == ["n0/dram", "n0/ssd"]
     core.clock.advance_to(core.clock.now() + ttl + 0.1)  # type: ignore[attr-defined]

@@ -11,15 +11,16 @@ from drain_factories import MIGRATE, KiB, done, drain, holders, make, put, tasks
 from yuebing.core.clock import VirtualClock
 from yuebing.core.errors import StoreError
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import Drain, DrainStatus, Mount
 from yuebing.store.config import ClientConfig
 from yuebing.store.master import migration, replication
 from yuebing.store.master.core import MasterCore
 from yuebing.store.node.service import StorageNode
 
 
-def status(core: MasterCore, seg: str) -> m.DrainStatus:
-    r = core.handle(m.Drain(client=seg.split("/")[0], segment=seg))
-    assert isinstance(r, m.DrainStatus), r
+def status(core: MasterCore, seg: str) -> DrainStatus:
+    r = core.handle(Drain(client=seg.split("/")[0], segment=seg))
+    assert isinstance(r, DrainStatus), r
     return r
 
 
@@ -100,16 +101,16 @@ def test_drain_waits_for_readers_leasing_the_draining_replica() -> None:
     core = make(segs=2, lease_ttl_s=5.0)
     put(core, "k", "n0/dram")
     assert core.handle(m.GetReplicas(key="k")).replicas  # a reader copies from n0
-    assert status(core, "n0/dram") == m.DrainStatus(at_risk=1, leased=-1, keys=["k"])
+    assert status(core, "n0/dram") == DrainStatus(at_risk=1, leased=-1, keys=["k"])
     (owner, t), = tasks(core)
     done(core, owner, t)
-    assert status(core, "n0/dram") == m.DrainStatus(at_risk=0, leased=1)  # still reading
+    assert status(core, "n0/dram") == DrainStatus(at_risk=0, leased=1)  # still reading
     core.tick()
     assert "n0/dram" in holders(core, "k")
     core.clock.advance_to(core.clock.now() + 5.0)
     core.tick()  # lease over: eviction's drain pass drops the draining replica
     assert holders(core, "k") == ["n1/dram"]
-    assert status(core, "n0/dram") == m.DrainStatus(at_risk=0, leased=0)
+    assert status(core, "n0/dram") == DrainStatus(at_risk=0, leased=0)
 
 
 class NoWalk(dict):
@@ -189,7 +190,7 @@ def test_reading_an_ssd_only_value_starts_its_copy_when_none_is_in_flight() -> N
     off = core.segs[ssd].alloc.alloc(o.size)
     core.segs[core.seg_by_name["n0/dram"]].alloc.free_range(o.reps[0][1], o.size)
     o.reps = ((ssd, off),)
-    core.handle(m.Drain(client="n0", segment="n0/dram"))  # only DRAM drains: k is not at risk
+    core.handle(Drain(client="n0", segment="n0/dram"))  # only DRAM drains: k is not at risk
     assert tasks(core) == []
     assert core.handle(m.GetReplicas(key="k"), waiter="r1") is None  # was NO_SPACE
     (owner, t), = tasks(core)
@@ -209,9 +210,9 @@ class FlakyMaster:
         self.deadline = float("inf")
 
     def call(self, msg: m.Message) -> m.Message:
-        assert isinstance(msg, m.Drain)
+        assert isinstance(msg, Drain)
         self.calls += 1
-        r = self.script.pop(0) if self.script else m.DrainStatus(at_risk=0, leased=0)
+        r = self.script.pop(0) if self.script else DrainStatus(at_risk=0, leased=0)
         if isinstance(r, Exception):
             raise r
         return r  # type: ignore[return-value]
@@ -224,14 +225,14 @@ def bare_node(conn: FlakyMaster) -> StorageNode:
     node.incarnation = "i0"
     node.ccfg = ClientConfig(heartbeat_s=60.0)
     node.conn = conn  # type: ignore[assignment]
-    node.mounts = lambda: [m.Mount(client="n0", segment="n0/dram", size=1, node="n0")]  # type: ignore[method-assign]
+    node.mounts = lambda: [Mount(client="n0", segment="n0/dram", size=1, node="n0")]  # type: ignore[method-assign]
     node._step = lambda next_hb, wait_s=0.05: (time.sleep(min(wait_s, 0.01)), next_hb)[1]  # type: ignore[method-assign]
     return node
 
 
 def test_node_drain_survives_failed_rounds_and_waits_for_leases() -> None:
-    conn = FlakyMaster([StoreError("master failing over"), m.DrainStatus(at_risk=2, leased=-1),
-                        StoreError("rpc timeout"), m.DrainStatus(at_risk=0, leased=1)])
+    conn = FlakyMaster([StoreError("master failing over"), DrainStatus(at_risk=2, leased=-1),
+                        StoreError("rpc timeout"), DrainStatus(at_risk=0, leased=1)])
     assert bare_node(conn).drain(10.0) == 0
     assert conn.calls == 5  # went on past both failures and the leased round
 

@@ -8,6 +8,7 @@ import pytest
 
 from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import Mount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master import replication
 from yuebing.store.master.core import MasterCore
@@ -19,7 +20,7 @@ SEG = 8 * KiB
 
 def make(clock: VirtualClock, **cfg: float) -> MasterCore:
     core = MasterCore(MasterConfig(alignment=1024, put_timeout_s=10.0, **cfg), clock)  # type: ignore[arg-type]
-    assert core.handle(m.Mount(client="n0", segment="n0/dram", size=SEG)) == m.Ok()
+    assert core.handle(Mount(client="n0", segment="n0/dram", size=SEG)) == m.Ok()
     return core
 
 
@@ -125,7 +126,7 @@ def test_take_over_drops_a_quarantined_range_the_leader_already_reused() -> None
 
 def two_segments(clock: VirtualClock, **cfg: float) -> MasterCore:
     core = make(clock, **cfg)
-    assert core.handle(m.Mount(client="n1", segment="n1/dram", size=SEG)) == m.Ok()
+    assert core.handle(Mount(client="n1", segment="n1/dram", size=SEG)) == m.Ok()
     return core
 
 
@@ -160,7 +161,7 @@ def partitioned_node(clock: VirtualClock) -> MasterCore:
     core = MasterCore(MasterConfig(alignment=1024, put_timeout_s=10.0, client_ttl_s=4.0,
                                    write_grace_s=1.0, fence_s=2.0), clock)
     core.log = []
-    assert core.handle(m.Mount(client="n0", segment="n0/dram", size=2 * SEG)) == m.Ok()
+    assert core.handle(Mount(client="n0", segment="n0/dram", size=2 * SEG)) == m.Ok()
     assert start(core, "a").replicas[0].offset == 0
     assert start(core, "r", timeout_s=2.0).replicas[0].offset == SEG
     core.handle(m.PutRevoke(client="c", key="r"))
@@ -174,7 +175,7 @@ def partitioned_node(clock: VirtualClock) -> MasterCore:
 def test_a_remounted_segment_keeps_the_fence_of_its_dropped_id() -> None:
     clock = VirtualClock(100.0)
     core = partitioned_node(clock)
-    assert core.handle(m.Mount(client="n0", segment="n0/dram", size=2 * SEG)) == m.Ok()
+    assert core.handle(Mount(client="n0", segment="n0/dram", size=2 * SEG)) == m.Ok()
     sid = core.seg_by_name["n0/dram"]
     assert sorted(core.quarantine.ranges(sid)) == [(0, SEG), (SEG, SEG)]
     assert core.stats().values["quarantined_bytes"] == 2 * SEG
@@ -190,7 +191,7 @@ def test_a_remounted_segment_keeps_the_fence_of_its_dropped_id() -> None:
 
 def test_a_smaller_remount_keeps_only_the_ranges_inside_it() -> None:
     core = partitioned_node(VirtualClock(100.0))
-    assert core.handle(m.Mount(client="n0", segment="n0/dram", size=SEG + 100)) == m.Ok()
+    assert core.handle(Mount(client="n0", segment="n0/dram", size=SEG + 100)) == m.Ok()
     assert core.quarantine.ranges(core.seg_by_name["n0/dram"]) == [(0, SEG)]
     assert core.stats().values["dram_used"] == SEG
 
@@ -201,7 +202,7 @@ def test_the_fence_of_a_dropped_segment_survives_snapshot_and_take_over() -> Non
     standby = MasterCore(leader.cfg, VirtualClock(500.0))
     replication.load_snapshot(standby, replication.snapshot(leader))  # "n0/dram" by name
     leader.log = []
-    leader.handle(m.Mount(client="n0", segment="n0/dram", size=2 * SEG))
+    leader.handle(Mount(client="n0", segment="n0/dram", size=2 * SEG))
     replication.apply_entries(standby, leader.log)
     sid = standby.seg_by_name["n0/dram"]
     assert sorted(standby.quarantine.ranges(sid)) == [(0, SEG), (SEG, SEG)]

@@ -7,7 +7,7 @@ import random
 
 from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
-from yuebing.store.cluster_messages import TaskDone, TaskKind
+from yuebing.store.cluster_messages import Mount, TaskDone, TaskKind
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.core import MasterCore
 
@@ -19,9 +19,9 @@ MiB = 1024 * KiB
 def make(dram: int, ssd: int = 0, **cfg) -> tuple[MasterCore, VirtualClock]:
     clock = VirtualClock(100.0)
     core = MasterCore(MasterConfig(**cfg), clock)
-    assert core.handle(m.Mount(client="n0", segment="n0/dram", size=dram)) == m.Ok()
+    assert core.handle(Mount(client="n0", segment="n0/dram", size=dram)) == m.Ok()
     if ssd:
-        assert core.handle(m.Mount(client="n0", segment="n0/ssd", size=ssd,
+        assert core.handle(Mount(client="n0", segment="n0/ssd", size=ssd,
                                    tier=m.Tier.SSD)) == m.Ok()
     return core, clock
 

@@ -10,6 +10,7 @@ import pytest
 
 from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import Drain, Mount, Unmount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master import replication
 from yuebing.store.master.core import MasterCore
@@ -23,7 +24,7 @@ def make() -> MasterCore:
 
 
 def mount(core: MasterCore, seg: str, inc: str, client: str = "n0") -> m.Message:
-    return core.handle(m.Mount(client=client, segment=seg, size=16 * KiB, incarnation=inc))
+    return core.handle(Mount(client=client, segment=seg, size=16 * KiB, incarnation=inc))
 
 
 def put(core: MasterCore, key: str) -> m.Message:
@@ -65,21 +66,21 @@ def test_a_retired_process_is_refused_and_cannot_unmount_its_successor() -> None
     mount(core, "n0.dram", "a")
     mount(core, "n0.dram", "b")
     for msg in (m.Heartbeat(client="n0", incarnation="a"),
-                m.Mount(client="n0", segment="n0.dram", size=16 * KiB, incarnation="a")):
+                Mount(client="n0", segment="n0.dram", size=16 * KiB, incarnation="a")):
         r = core.handle(msg)
         assert isinstance(r, m.Err) and r.code == C.EXISTS
         assert "taken over by a newer process (incarnation b; this one, a, is retired)" in r.message
-    r = core.handle(m.Unmount(client="n0", segment="n0.dram", incarnation="a"))
+    r = core.handle(Unmount(client="n0", segment="n0.dram", incarnation="a"))
     assert isinstance(r, m.Err) and r.code == C.UNKNOWN_SEGMENT
-    r = core.handle(m.Drain(client="n0", segment="n0.dram", incarnation="a"))
+    r = core.handle(Drain(client="n0", segment="n0.dram", incarnation="a"))
     assert isinstance(r, m.Err) and r.code == C.UNKNOWN_SEGMENT
     assert list(core.seg_by_name) == ["n0.dram"]
 
 
 def test_without_incarnations_the_name_only_rules_stay() -> None:
     core = make()
-    assert core.handle(m.Mount(client="n0", segment="s1", size=16 * KiB)) == m.Ok()
-    assert core.handle(m.Mount(client="n0", segment="s2", size=16 * KiB)) == m.Ok()
+    assert core.handle(Mount(client="n0", segment="s1", size=16 * KiB)) == m.Ok()
+    assert core.handle(Mount(client="n0", segment="s2", size=16 * KiB)) == m.Ok()
     assert sorted(core.seg_by_name) == ["s1", "s2"]
     assert core.handle(m.Heartbeat(client="n0")) == m.HeartbeatReply(segments=["s1", "s2"])
 

@@ -12,6 +12,7 @@ import pytest
 
 from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import Mount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.core import MasterCore
 
@@ -22,7 +23,7 @@ KiB = 1024
 def make(dram: int = 8 * KiB) -> tuple[MasterCore, VirtualClock]:
     clock = VirtualClock(100.0)
     core = MasterCore(MasterConfig(alignment=1024, lease_ttl_s=5.0, room_wait_s=0.0), clock)
-    assert core.handle(m.Mount(client="n0", segment="n0/dram", size=dram)) == m.Ok()
+    assert core.handle(Mount(client="n0", segment="n0/dram", size=dram)) == m.Ok()
     return core, clock
 
 

@@ -9,7 +9,7 @@ from yuebing.core.config import replace
 from yuebing.core.errors import ConfigError
 from yuebing.protocol.codec import decode, encode
 from yuebing.store import messages as m
-from yuebing.store.cluster_messages import EventKind, TaskDone
+from yuebing.store.cluster_messages import Drain, EventKind, Mount, TaskDone, Unmount
 from yuebing.store.config import ClientConfig, MasterConfig
 from yuebing.store.master.allocator import OffsetAllocator
 
@@ -189,7 +189,7 @@ def test_session_expiry_drops_segments_and_pending_puts() -> None:
 def test_node_lost_mid_put_leaves_nothing_readable() -> None:
     core, _ = make()
     core.handle(m.PutStart(client="c", item=m.PutItem(key="k", size=KiB)))
-    core.handle(m.Unmount(client="n0", segment="n0/dram"))
+    core.handle(Unmount(client="n0", segment="n0/dram"))
     assert core.handle(m.PutEnd(client="c", key="k")).code == C.NOT_FOUND
     assert exists(core, "k") == [False] and core.objs == {}
 
@@ -249,9 +249,9 @@ def test_replica_replies_carry_the_read_lease() -> None:
 def test_bad_requests_rejected() -> None:
     core, _ = make()
     assert core.handle(m.Ok()).code == C.BAD_REQUEST
-    assert core.handle(m.Mount(client="x", segment="n0/dram", size=10)).code == C.EXISTS
-    assert core.handle(m.Unmount(client="x", segment="n0/dram")).code == C.BAD_REQUEST
-    assert core.handle(m.Unmount(client="x", segment="zz")).code == C.UNKNOWN_SEGMENT
+    assert core.handle(Mount(client="x", segment="n0/dram", size=10)).code == C.EXISTS
+    assert core.handle(Unmount(client="x", segment="n0/dram")).code == C.BAD_REQUEST
+    assert core.handle(Unmount(client="x", segment="zz")).code == C.UNKNOWN_SEGMENT
     with pytest.raises(ConfigError, match="high-watermark"):
         replace(MasterConfig(), high_watermark=1.5)
 
@@ -309,7 +309,7 @@ def test_drain_stops_placement_and_drops_redundant_replicas_once_leases_end() ->
     assert [x.segment for x in r.replicas] == ["n0/dram", "n1/dram"]
     core.handle(m.PutEnd(client="c", key="k"))
     core.handle(m.GetReplicas(key="k"))
-    assert core.handle(m.Drain(client="n0", segment="n0/dram")).at_risk == 0  # n1 keeps one
+    assert core.handle(Drain(client="n0", segment="n0/dram")).at_risk == 0  # n1 keeps one
     assert core.outbox == []  # nothing to migrate
     r = core.handle(m.PutStart(client="c", item=m.PutItem(key="j", size=KiB, strategy="preferred",
                                                            preferred=["n0/dram"])))

@@ -8,6 +8,7 @@ import pytest
 
 from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import Mount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.core import MasterCore
 
@@ -18,7 +19,7 @@ KiB = 1024
 def make(segs: int, dram: int = 16 * KiB) -> MasterCore:
     core = MasterCore(MasterConfig(alignment=1024), VirtualClock(100.0))
     for i in range(segs):
-        assert core.handle(m.Mount(client=f"n{i}", segment=f"n{i}/dram", size=dram)) == m.Ok()
+        assert core.handle(Mount(client=f"n{i}", segment=f"n{i}/dram", size=dram)) == m.Ok()
     return core
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 from master_factories import KiB, durable, leader_and_standby, ship
 
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import Mount, Unmount
 from yuebing.store.master import replication
 from yuebing.store.master.state import ObjState
 
 
 def test_snapshot_then_entries_reproduce_durable_state() -> None:
     leader, standby, hub = leader_and_standby()
-    leader.handle(m.Mount(client="n0", segment="s0", size=64 * KiB))
+    leader.handle(Mount(client="n0", segment="s0", size=64 * KiB))
     for i in range(3):
         leader.handle(m.PutStart(client="c", item=m.PutItem(key=f"k{i}", size=KiB, checksum=i)))
         leader.handle(m.PutEnd(client="c", key=f"k{i}"))
@@ -20,7 +21,7 @@ def test_snapshot_then_entries_reproduce_durable_state() -> None:
     snap = hub.subscribe("sb", 1)
     replication.load_snapshot(standby, snap.state)
     assert durable(standby) == durable(leader)
-    leader.handle(m.Mount(client="n1", segment="s1", size=64 * KiB))
+    leader.handle(Mount(client="n1", segment="s1", size=64 * KiB))
     leader.handle(m.PutStart(client="c", item=m.PutItem(key="p", size=2 * KiB,
                                                         strategy="preferred", preferred=["s1"])))
     leader.handle(m.Remove(key="k1"))
@@ -29,7 +30,7 @@ def test_snapshot_then_entries_reproduce_durable_state() -> None:
     assert durable(standby) == durable(leader)
     assert standby.objs["p"].state == ObjState.PENDING and "p" in standby.pending
     leader.handle(m.PutEnd(client="c", key="p"))
-    leader.handle(m.Unmount(client="n0", segment="s0"))
+    leader.handle(Unmount(client="n0", segment="s0"))
     ship(hub, standby)
     assert durable(standby) == durable(leader)
     assert sorted(standby.objs) == ["p"]
@@ -38,7 +39,7 @@ def test_snapshot_then_entries_reproduce_durable_state() -> None:
 def test_take_over_rebuilds_allocators_without_overlap() -> None:
     leader, standby, hub = leader_and_standby()
     replication.load_snapshot(standby, hub.subscribe("sb", 1).state)
-    leader.handle(m.Mount(client="n0", segment="s0", size=8 * KiB))
+    leader.handle(Mount(client="n0", segment="s0", size=8 * KiB))
     for i in range(4):
         leader.handle(m.PutStart(client="c", item=m.PutItem(key=f"k{i}", size=KiB)))
         leader.handle(m.PutEnd(client="c", key=f"k{i}"))
@@ -58,7 +59,7 @@ def test_take_over_rebuilds_allocators_without_overlap() -> None:
 def test_sync_replication_holds_replies_until_acked_and_drops_silent_standby() -> None:
     leader, _, hub = leader_and_standby()
     hub.subscribe("sb", 7)
-    leader.handle(m.Mount(client="n0", segment="s0", size=8 * KiB))
+    leader.handle(Mount(client="n0", segment="s0", size=8 * KiB))
     (ident, msg), = hub.publish()
     assert ident == 7 and msg.first_seq == 1 and len(msg.entries) == 1
     hub.hold((1, 1, b"reply"))
@@ -79,7 +80,7 @@ def test_take_over_leases_every_value_for_a_lease_ttl() -> None:
     new leader must neither evict nor (unforced) remove anything until such a lease is over."""
     leader, standby, hub = leader_and_standby()
     replication.load_snapshot(standby, hub.subscribe("sb", 1).state)
-    leader.handle(m.Mount(client="n0", segment="s0", size=4 * KiB))
+    leader.handle(Mount(client="n0", segment="s0", size=4 * KiB))
     for i in range(4):
         leader.handle(m.PutStart(client="c", item=m.PutItem(key=f"k{i}", size=KiB)))
         leader.handle(m.PutEnd(client="c", key=f"k{i}"))
@@ -100,7 +101,7 @@ def test_reservations_and_their_commits_replicate_and_survive_take_over() -> Non
     """A reservation (snapshot) and a PutCommit's rename + commit (entries) reach the standby;
     after take-over the client's reservation from the old leader commits on the new one."""
     leader, standby, hub = leader_and_standby()
-    leader.handle(m.Mount(client="n0", segment="s0", size=64 * KiB))
+    leader.handle(Mount(client="n0", segment="s0", size=64 * KiB))
     t = leader.handle(m.PutStart(client="c", item=m.PutItem(key="a", size=KiB), reserve_next=True))
     assert isinstance(t, m.PutTargets) and t.reservation is not None
     leader.handle(m.PutEnd(client="c", key="a"))

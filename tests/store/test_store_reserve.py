@@ -6,7 +6,7 @@ from __future__ import annotations
 from master_factories import SIZE, KiB, commit, exists, make, put, start
 
 from yuebing.store import messages as m
-from yuebing.store.cluster_messages import EventKind
+from yuebing.store.cluster_messages import Drain, EventKind, Mount, Unmount
 from yuebing.store.master import eviction
 
 C = m.Code
@@ -133,13 +133,13 @@ def test_drain_unmount_and_session_expiry_drop_reservations() -> None:
     r0 = start(core, "a", strategy="preferred", preferred=["n0/dram"]).reservation
     r1 = start(core, "b", strategy="preferred", preferred=["n1/dram"]).reservation
     assert r0 is not None and r1 is not None and r0.replicas[0].segment == "n0/dram"
-    assert core.handle(m.Drain(client="n0", segment="n0/dram")).at_risk == 1  # "a" only
+    assert core.handle(Drain(client="n0", segment="n0/dram")).at_risk == 1  # "a" only
     assert r0.key not in core.objs and r1.key in core.objs
     r2 = start(core, "c").reservation  # n0 drains: placed on n1
     assert r2 is not None and [x.segment for x in r2.replicas] == ["n1/dram"]
-    assert core.handle(m.Unmount(client="n1", segment="n1/dram")) == m.Ok()
+    assert core.handle(Unmount(client="n1", segment="n1/dram")) == m.Ok()
     assert r1.key not in core.objs and r2.key not in core.objs
-    core.handle(m.Mount(client="n2", segment="n2/dram", size=64 * KiB))
+    core.handle(Mount(client="n2", segment="n2/dram", size=64 * KiB))
     r3 = start(core, "d").reservation
     assert r3 is not None and r3.key in core.objs
     clock.advance_to(104.0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from master_factories import durable, exists, leader_and_standby, make, put, ship
 
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import Mount
 from yuebing.store.master import replication, reserve
 from yuebing.store.master.core import MasterCore
 
@@ -114,7 +115,7 @@ def test_mixed_shapes_get_none_and_the_caps_hold() -> None:
 
 def test_standbys_hold_the_same_lists_and_commit_after_take_over() -> None:
     leader, standby, hub = leader_and_standby()
-    leader.handle(m.Mount(client="n0", segment="s0", size=256 * KiB))
+    leader.handle(Mount(client="n0", segment="s0", size=256 * KiB))
     t = start(leader, ["a0", "a1"], 2, size=KiB)
     leader.handle(m.BatchPutEnd(client="c", keys=["a0", "a1"]))
     hub.publish()

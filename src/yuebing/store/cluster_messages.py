@@ -1,7 +1,8 @@
-"""Store messages between the store's own processes (the master RPC messages are in `messages`):
-master → node tasks (`NodeTask`, answered by `TaskDone`), leader ↔ standby replication
-(`ReplSubscribe`, `ReplSnapshot`, `ReplEntries`, `ReplAck`) and the KV-event stream the master
-publishes for the Conductor's index (`KvEvents`).
+"""Store messages between the store's own processes (the clients' master RPC messages are in
+`messages`): a node's segment membership (`Mount`, `Unmount`, `Drain` answered by
+`DrainStatus`), master → node tasks (`NodeTask`, answered by `TaskDone`), leader ↔ standby
+replication (`ReplSubscribe`, `ReplSnapshot`, `ReplEntries`, `ReplAck`) and the KV-event
+stream the master publishes for the Conductor's index (`KvEvents`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,62 @@ from __future__ import annotations
 from enum import IntEnum
 
 from yuebing.protocol import Message, register_message
+from yuebing.store.messages import Tier
+
+# ---------------------------------------------------------------- node -> master: segments
+
+@register_message
+class Mount(Message, tag="store.mount"):
+    """A node contributes a segment (registered in the transfer engine under ``segment``).
+    ``incarnation`` identifies the node process (new at every start): a mount from a new
+    incarnation of ``client`` retires the segments of the old one at once (a node restarted
+    under the same name); one from an incarnation already retired is refused (EXISTS)."""
+
+    client: str
+    segment: str
+    size: int
+    tier: int = Tier.DRAM
+    node: str = ""
+    incarnation: str = ""
+
+
+@register_message
+class Unmount(Message, tag="store.unmount"):
+    """Withdraw a segment at once: objects lose the replicas it held. With ``incarnation``,
+    only that incarnation's mount of the segment (UNKNOWN_SEGMENT if another one holds it)."""
+
+    client: str
+    segment: str
+    incarnation: str = ""
+
+
+@register_message
+class Drain(Message, tag="store.drain"):
+    """Stop placing new values on a segment and migrate the committed values that would be lost
+    with it (every replica on draining segments) to active DRAM segments; reply `DrainStatus`.
+    Idempotent: a node repeats it until both of the reply's counts are 0. ``incarnation`` as
+    in `Unmount`."""
+
+    client: str
+    segment: str
+    incarnation: str = ""
+
+
+DRAIN_SAMPLE = 16
+
+
+@register_message
+class DrainStatus(Message, tag="store.drain_status"):
+    """Reply to `Drain`. ``at_risk``: values that would be lost if the segment were unmounted
+    now (not yet migrated, in flight, or without room elsewhere). ``leased``: values with a
+    replica on the segment that a reader still leases (it may be copying from it); reported
+    only once ``at_risk`` is 0 (-1 before: not counted)."""
+
+    at_risk: int
+    leased: int = -1
+    keys: list[str] = []
+    """Some of the keys at risk (at most `DRAIN_SAMPLE`), for the node's log."""
+
 
 # ---------------------------------------------------------------- master <-> node tasks
 

@@ -9,7 +9,8 @@ marks a push (master → node task, replication entries).
 
 With a cluster token (`core.auth`), a connection starts with `auth_preamble(token)` (magic +
 SHA-256 of the token, ``AUTH_LEN`` bytes) before its first frame; the server reads nothing
-else from a connection until it has checked it, and closes one that sends anything else.
+else from a connection until it has checked it (`TokenCheck`), and closes one that sends
+anything else.
 
 The client can poll briefly before it blocks (``spin_s``, `Spinner`): a process that sleeps in
 the kernel waiting for a loopback reply is woken by an inter-processor interrupt, which on a
@@ -21,6 +22,7 @@ spinning for a while when the CPU is contended by other work.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import select
 import socket
 import struct
@@ -39,6 +41,35 @@ AUTH_LEN = len(AUTH_MAGIC) + 32
 def auth_preamble(token: str) -> bytes:
     """The first bytes a client sends on a connection to a master that requires ``token``."""
     return AUTH_MAGIC + hashlib.sha256(b"yuebing-cluster-token\0" + token.encode()).digest()
+
+
+class TokenCheck:
+    """The server's side of `auth_preamble` on one new connection (sans-IO; fed by
+    `wire_server.FrameServer` with each read until ``done``): collects the first `AUTH_LEN`
+    bytes in a buffer of that size and compares them with ``preamble`` in constant time."""
+
+    __slots__ = ("_want", "_got", "done")
+
+    def __init__(self, preamble: bytes) -> None:
+        self._want = preamble
+        self._got = bytearray()
+        self.done = False
+        """The whole preamble arrived and matched: what follows is frames."""
+
+    def feed(self, data: memoryview) -> tuple[int, str]:
+        """Take the preamble's bytes from ``data``: (bytes taken, why the connection is refused
+        — "" while it is incomplete or once it matched)."""
+        k = min(len(data), AUTH_LEN - len(self._got))
+        self._got += data[:k]
+        head = min(len(self._got), len(AUTH_MAGIC))
+        if self._got[:head] != AUTH_MAGIC[:head]:
+            return k, "no cluster token (the client was started without it)"
+        if len(self._got) < AUTH_LEN:
+            return k, ""
+        if not hmac.compare_digest(bytes(self._got), self._want):
+            return k, "wrong cluster token"
+        self.done = True
+        return k, ""
 
 
 class FrameTooLarge(ValueError):

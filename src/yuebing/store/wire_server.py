@@ -13,10 +13,10 @@ connection holding the most is closed. A peer that sends requests without readin
 is not read from while its unsent replies exceed ``max_frame``. Each cut is logged with the
 peer's address and why; the server keeps serving the others.
 
-With a cluster token (``token``), a new connection must first send `wire.auth_preamble`: its
-bytes are collected in a buffer of ``AUTH_LEN`` bytes and compared (constant time) before any
-frame is parsed; anything else — a frame header from a client without the token, a wrong
-token, no preamble within ``frame_timeout_s`` — closes the connection, logged with the peer.
+With a cluster token (``token``), a new connection must first send `wire.auth_preamble`,
+checked (`wire.TokenCheck`) before any frame is parsed; anything else — a frame header from a
+client without the token, a wrong token, no preamble within ``frame_timeout_s`` — closes the
+connection, logged with the peer.
 
 After serving a request it polls briefly for the next (``spin_s``, `Spinner`) — only while
 requests have lately been arriving within the window (`GapPredictor`: a steady trickle of
@@ -26,7 +26,6 @@ request, and not while the CPU is contended.
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import logging
 import selectors
@@ -37,13 +36,12 @@ from dataclasses import dataclass
 
 from yuebing.core.spin import GapPredictor, Spinner
 from yuebing.store.wire import (
-    AUTH_LEN,
-    AUTH_MAGIC,
     HEADER,
     MAX_FRAME,
     RECV,
     FrameBuffer,
     FrameTooLarge,
+    TokenCheck,
     auth_preamble,
     parse_address,
 )
@@ -97,7 +95,7 @@ class _Conn:
         self.paused = False
         self.counted = 0  # bytes of ``inb`` counted in the server's ``buffered``
         self.backlog: list[tuple[int, bytes]] = []  # frames read, not served while paused
-        self.auth: bytearray | None = None  # the token preamble so far, until it is checked
+        self.auth: TokenCheck | None = None  # until the token preamble has been checked
 
 
 Handler = Callable[[int, int, bytes], None]
@@ -192,7 +190,7 @@ class FrameServer:
             self.conns[c.cid] = c
             self.sel.register(sock, selectors.EVENT_READ, c)
             if self._preamble:  # nothing is parsed before the token; its wait has a deadline
-                c.auth = bytearray()
+                c.auth = TokenCheck(self._preamble)
                 c.started = time.monotonic()
                 self._partial[c.cid] = c
 
@@ -224,19 +222,13 @@ class FrameServer:
         self._track(c)
 
     def _authenticate(self, c: _Conn, data: memoryview) -> memoryview:
-        """Take ``c``'s token preamble from ``data``; the bytes after it (empty while it is
-        incomplete or when ``c`` was closed for a wrong one)."""
+        """Feed ``data`` to ``c``'s token check; the bytes after the preamble (empty while it
+        is incomplete or when ``c`` was closed for a wrong one)."""
         assert c.auth is not None
-        k = min(len(data), AUTH_LEN - len(c.auth))
-        c.auth += data[:k]
-        head = min(len(c.auth), len(AUTH_MAGIC))
-        if c.auth[:head] != AUTH_MAGIC[:head]:
-            self._refuse_auth(c, "no cluster token (the client was started without it)")
-            return data[:0]
-        if len(c.auth) < AUTH_LEN:
-            return data[:0]
-        if not hmac.compare_digest(bytes(c.auth), self._preamble):
-            self._refuse_auth(c, "wrong cluster token")
+        k, why = c.auth.feed(data)
+        if why:
+            self._refuse_auth(c, why)
+        if why or not c.auth.done:
             return data[:0]
         c.auth = None
         c.started = 0.0

@@ -5,9 +5,8 @@ segments (`placement`), allocates their ranges (`allocator`) and records a PENDI
 no reader can see; the client writes the bytes through the transfer engine, then ``put_end``
 commits it (visible, immutable, a STORED event; the object keeps its committing client as
 ``owner``, so a commit retried after a lost reply answers OK) or ``put_revoke`` frees it.
-``get_replicas`` returns the DRAM replicas and grants a read lease (an SSD-only value is first
-promoted into its node's DRAM, the reply is deferred until then); probes (``exists``,
-``prefix_match``) grant nothing. Removal and pins are `removal`'s handlers; reservations (one-RPC puts) `reserve`'s.
+Reads (``get_replicas``: DRAM replicas and a read lease) and probes are `reads`' handlers,
+removal and pins `removal`'s, reservations (one-RPC puts) `reserve`'s.
 Eviction, tiering and sessions live in `eviction` and `segments`; the RPC adapter is `service`.
 
 The core never does I/O: it reads time from a `Clock`, and leaves work for its adapter in
@@ -26,11 +25,11 @@ from typing import Any
 from yuebing.core.clock import Clock, WallClock
 from yuebing.protocol import Message
 from yuebing.store import messages as m
-from yuebing.store.cluster_messages import EventKind, NodeTask, TaskDone
+from yuebing.store.cluster_messages import Drain, EventKind, Mount, NodeTask, TaskDone, Unmount
 from yuebing.store.config import MasterConfig
-from yuebing.store.master import eviction, fence, fit, migration, removal, reserve, segments
+from yuebing.store.master import eviction, fence, fit, migration, reads, removal, reserve, segments
 from yuebing.store.master.incarnations import heartbeat as node_heartbeat
-from yuebing.store.master.leases import Leases, count_out, grant, release, sweep
+from yuebing.store.master.leases import Leases, release, sweep
 from yuebing.store.master.placement import PLACEMENTS, PlacementRequest
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState, Session, Task
 
@@ -89,15 +88,17 @@ class MasterCore:
             m.PutStart: self.put_start, m.PutEnd: self.put_end, m.PutRevoke: self.put_revoke,
             m.PutCommit: self.put_commit, m.BatchPutCommit: partial(reserve.batch_commit, self),
             m.BatchPutStart: self.batch_put_start, m.BatchPutEnd: self.batch_put_end,
-            m.BatchPutRevoke: self.batch_put_revoke, m.GetReplicas: self.get_replicas,
-            m.BatchGetReplicas: self.batch_get_replicas, m.Exists: self.exists,
-            m.ReleaseLeases: partial(release, self),
-            m.BatchExists: self.batch_exists, m.PrefixMatch: self.prefix_match,
+            m.BatchPutRevoke: self.batch_put_revoke,
+            m.GetReplicas: partial(reads.get_replicas, self),
+            m.BatchGetReplicas: partial(reads.batch_get_replicas, self),
+            m.Exists: partial(reads.exists, self), m.ReleaseLeases: partial(release, self),
+            m.BatchExists: partial(reads.batch_exists, self),
+            m.PrefixMatch: partial(reads.prefix_match, self),
             m.Remove: partial(removal.remove, self),
             m.BatchRemove: partial(removal.batch_remove, self),
             m.RemovePrefix: partial(removal.remove_prefix, self),
             m.RemoveAll: partial(removal.remove_all, self), m.Pin: partial(removal.pin, self),
-            m.Mount: self.mount, m.Unmount: self.unmount, m.Drain: self.drain,
+            Mount: self.mount, Unmount: self.unmount, Drain: self.drain,
             m.Heartbeat: self.heartbeat, TaskDone: self.task_done, m.GetStats: self.stats,
         }
 
@@ -113,7 +114,7 @@ class MasterCore:
             self.touch_session(client, ident)
         t = type(msg)
         if t is m.GetReplicas:
-            return self.get_replicas(msg, waiter)  # type: ignore[arg-type]
+            return reads.get_replicas(self, msg, waiter)  # type: ignore[arg-type]
         if waiter is not None and (t is m.PutStart or t is m.BatchPutStart):
             return fit.first_try(self, msg, waiter)  # may wait for room
         return h(msg)
@@ -336,74 +337,6 @@ class MasterCore:
         self._drop(key, o, event=False)
         return C.OK, ""
 
-    # ------------------------------------------------------------------ read
-    def get_replicas(self, msg: m.GetReplicas, waiter: object = None) -> Message | None:
-        key = msg.key
-        o = self.objs.get(key)
-        if o is None or o.state != COMMITTED:
-            return err(C.NOT_FOUND, f"no value for {key!r}")
-        self.counters["gets"] += 1
-        now = self.clock.now()
-        if self.drains.since and o.lease > now:  # only while a drain runs: a reader from
-            migration.keep_lease(self, key, o)   # before it may still copy a draining replica
-        lid = grant(self, key, o)
-        self.objs[key] = self.objs.pop(key)  # LRU: most recent at the end
-        reps = self._dram_reps(o, key)
-        if reps:
-            return m.ReplicaList(key=key, size=o.size, checksum=o.checksum, replicas=reps,
-                                 lease_s=self.cfg.lease_ttl_s, lease_id=lid)
-        count_out(self, key, lid, now, end=False)  # the promotion's reply grants its own
-        code, text = segments.promote(self, key, o, waiter)
-        if code == C.NO_SPACE and (ssd := segments.ssd_replicas(self, o)):
-            return m.ReplicaList(key=key, size=o.size, checksum=o.checksum, replicas=ssd,
-                                 lease_s=self.cfg.lease_ttl_s,  # read from the SSD tier
-                                 lease_id=grant(self, key, o))
-        return None if code == C.OK else err(code, text)
-
-    def _dram_reps(self, o: Obj, key: str | None = None) -> list[m.Replica]:
-        return migration.dram_replicas(self, o, key)
-
-    def batch_get_replicas(self, msg: m.BatchGetReplicas) -> Message:
-        codes: list[int] = []
-        sizes: list[int] = []
-        sums: list[int] = []
-        reps: list[list[m.Replica]] = []
-        lids: list[int] = []
-        for key in msg.keys:
-            r = self.get_replicas(m.GetReplicas(key=key), None)
-            if isinstance(r, m.ReplicaList):
-                codes.append(0)
-                sizes.append(r.size)
-                sums.append(r.checksum)
-                reps.append(r.replicas)
-                lids.append(r.lease_id)
-            else:
-                codes.append(r.code if isinstance(r, m.Err) else int(C.PROMOTING))
-                sizes.append(0)
-                sums.append(-1)
-                reps.append([])
-                lids.append(0)
-        return m.BatchReplicaList(codes=codes, sizes=sizes, checksums=sums, replicas=reps,
-                                  lease_s=self.cfg.lease_ttl_s, lease_ids=lids)
-
-    def exists(self, msg: m.Exists) -> Message:
-        o = self.objs.get(msg.key)
-        return m.Bools(values=[o is not None and o.state == COMMITTED])
-
-    def batch_exists(self, msg: m.BatchExists) -> Message:
-        get = self.objs.get
-        return m.Bools(values=[(o := get(k)) is not None and o.state == COMMITTED for k in msg.keys])
-
-    def prefix_match(self, msg: m.PrefixMatch) -> Message:
-        n = 0
-        get = self.objs.get
-        for k in msg.keys:
-            o = get(k)
-            if o is None or o.state != COMMITTED:
-                break
-            n += 1
-        return m.Count(n=n)
-
     # ------------------------------------------------------------------ drop
     def _drop(self, key: str, o: Obj, event: bool = True, fenced: bool = True) -> None:
         """Forget an object and free every range it holds (a pending put's after its fence,
@@ -417,13 +350,13 @@ class MasterCore:
             self.events.append((EventKind.REMOVED, key, holders))
 
     # ------------------------------------------------------------------ segments / sessions
-    def mount(self, msg: m.Mount) -> Message:
+    def mount(self, msg: Mount) -> Message:
         return segments.mount(self, msg)
 
-    def unmount(self, msg: m.Unmount) -> Message:
+    def unmount(self, msg: Unmount) -> Message:
         return segments.unmount(self, msg)
 
-    def drain(self, msg: m.Drain) -> Message:
+    def drain(self, msg: Drain) -> Message:
         return segments.drain(self, msg)
 
     def heartbeat(self, msg: m.Heartbeat) -> Message:

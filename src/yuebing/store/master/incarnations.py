@@ -19,6 +19,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from yuebing.store import messages as m
+from yuebing.store.cluster_messages import Drain, Mount, Unmount
 from yuebing.store.master.state import Seg, SegState, Session
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ def _superseded(client: str, incarnation: str, sess: Session) -> m.Err:
         "or give it another --name"))
 
 
-def on_mount(core: MasterCore, msg: m.Mount) -> m.Err | None:
+def on_mount(core: MasterCore, msg: Mount) -> m.Err | None:
     """Before ``msg`` mounts: refuse a retired incarnation; for a new one, retire every
     segment of the session mounted by another incarnation. Called by `segments.mount`."""
     inc = msg.incarnation
@@ -81,7 +82,7 @@ def heartbeat(core: MasterCore, msg: m.Heartbeat) -> m.Message:
     return m.HeartbeatReply(segments=[s.name for s in mine])
 
 
-def owns(seg: Seg, msg: m.Unmount | m.Drain) -> bool:
+def owns(seg: Seg, msg: Unmount | Drain) -> bool:
     """Whether ``msg`` (same client) may act on ``seg``: without an incarnation always, else
     only the incarnation that mounted it (a retired process must not unmount its successor's
     segment of the same name)."""

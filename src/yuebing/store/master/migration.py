@@ -87,7 +87,7 @@ class Drains:
 
 
 def dram_replicas(core: MasterCore, o: Obj, key: str | None = None) -> list[m.Replica]:
-    """The DRAM replicas a reader of ``o`` is given (`MasterCore.get_replicas`, promotions):
+    """The DRAM replicas a reader of ``o`` is given (`reads.get_replicas`, promotions):
     those on draining segments only when it has no other, so a hot value does not hold a drain
     up; giving one out is noted under ``key`` (see `reader_may_hold`)."""
     segs = core.segs
@@ -104,7 +104,7 @@ def dram_replicas(core: MasterCore, o: Obj, key: str | None = None) -> list[m.Re
 
 
 def keep_lease(core: MasterCore, key: str, o: Obj) -> None:
-    """`MasterCore.get_replicas` is about to overwrite ``o``'s running lease while a drain runs
+    """`reads.get_replicas` is about to overwrite ``o``'s running lease while a drain runs
     (it calls this only then): when that lease was granted before a segment holding one of
     ``o``'s replicas began draining, its reader was given every replica, so the lease is
     noted as a hand-out (``handed``) before it is forgotten and `reader_may_hold` still
@@ -370,7 +370,7 @@ def finished(core: MasterCore, t: Task, o: Obj) -> None:
     if t.waiters:  # readers of an SSD-only value asked while it moved: answer from the copy
         lid = grant(core, t.key, o, len(t.waiters))
         reply = m.ReplicaList(key=t.key, size=o.size, checksum=o.checksum,
-                              replicas=core._dram_reps(o, t.key),
+                              replicas=dram_replicas(core, o, t.key),
                               lease_s=core.cfg.lease_ttl_s, lease_id=lid)
         core.ready.extend((w, reply) for w in t.waiters)
     pump(core)

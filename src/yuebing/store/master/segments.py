@@ -23,7 +23,16 @@ import logging
 from typing import TYPE_CHECKING
 
 from yuebing.store import messages as m
-from yuebing.store.cluster_messages import EventKind, TaskDone, TaskKind
+from yuebing.store.cluster_messages import (
+    DRAIN_SAMPLE,
+    Drain,
+    DrainStatus,
+    EventKind,
+    Mount,
+    TaskDone,
+    TaskKind,
+    Unmount,
+)
 from yuebing.store.master import fence, fit, incarnations, leases, migration, reserve
 from yuebing.store.master.allocator import OffsetAllocator
 from yuebing.store.master.state import Obj, ObjState, Seg, SegState
@@ -35,7 +44,7 @@ log = logging.getLogger(__name__)
 C = m.Code
 
 
-def mount(core: MasterCore, msg: m.Mount) -> m.Message:
+def mount(core: MasterCore, msg: Mount) -> m.Message:
     if not msg.segment or msg.size <= 0 or msg.tier not in (0, 1):
         return m.Err(code=C.BAD_REQUEST, message="mount needs a segment name, size > 0, tier 0|1")
     refused = incarnations.on_mount(core, msg)  # a restarted node's old segments go first
@@ -72,7 +81,7 @@ def add_segment(core: MasterCore, sid: int, name: str, size: int, tier: int, nod
     return s
 
 
-def _owned(core: MasterCore, msg: m.Unmount | m.Drain) -> Seg | m.Err:
+def _owned(core: MasterCore, msg: Unmount | Drain) -> Seg | m.Err:
     sid = core.seg_by_name.get(msg.segment)
     if sid is None:
         return m.Err(code=C.UNKNOWN_SEGMENT, message=f"no segment {msg.segment!r} is mounted")
@@ -85,7 +94,7 @@ def _owned(core: MasterCore, msg: m.Unmount | m.Drain) -> Seg | m.Err:
     return s
 
 
-def unmount(core: MasterCore, msg: m.Unmount) -> m.Message:
+def unmount(core: MasterCore, msg: Unmount) -> m.Message:
     s = _owned(core, msg)
     if isinstance(s, m.Err):
         return s
@@ -93,7 +102,7 @@ def unmount(core: MasterCore, msg: m.Unmount) -> m.Message:
     return m.Ok()
 
 
-def drain(core: MasterCore, msg: m.Drain) -> m.Message:
+def drain(core: MasterCore, msg: Drain) -> m.Message:
     s = _owned(core, msg)
     if isinstance(s, m.Err):
         return s
@@ -105,8 +114,8 @@ def drain(core: MasterCore, msg: m.Drain) -> m.Message:
         reserve.drop_on_segment(core, s.id, f"segment {s.name} is draining")
     n, leased = migration.refresh(core, s.id)
     migration.pump(core)
-    sample = list(itertools.islice(core.drains.risk.get(s.id, ()), m.DRAIN_SAMPLE)) if n else []
-    return m.DrainStatus(at_risk=n, leased=leased, keys=sample)
+    sample = list(itertools.islice(core.drains.risk.get(s.id, ()), DRAIN_SAMPLE)) if n else []
+    return DrainStatus(at_risk=n, leased=leased, keys=sample)
 
 
 def drop_segment(core: MasterCore, sid: int) -> None:
@@ -201,7 +210,7 @@ def promote(core: MasterCore, key: str, o: Obj, waiter: object) -> tuple[C, str]
     MIGRATE task (a drain migration in flight also lands in DRAM: its readers wait for it the
     same way). Room in DRAM is made as for a put (`eviction.room_for`: one contiguous range,
     DRAM victims offloaded to the SSD tier); when it is not free at once, NO_SPACE, and the
-    caller (``MasterCore.get_replicas``) serves the read from the SSD tier (`ssd_replicas`)
+    caller (``reads.get_replicas``) serves the read from the SSD tier (`ssd_replicas`)
     instead of waiting."""
     if o.moving:
         t = core.tasks[o.moving]
@@ -234,7 +243,7 @@ def promote(core: MasterCore, key: str, o: Obj, waiter: object) -> tuple[C, str]
 def ssd_replicas(core: MasterCore, o: Obj) -> list[m.Replica]:
     """``o``'s replicas on ACTIVE SSD-tier segments (a node registers its SSD file with its
     transfer engine, so a reader can copy from it directly): a read served there when no DRAM
-    room can be made at once (``MasterCore.get_replicas``). Draining ones are left out: their
+    room can be made at once (``reads.get_replicas``). Draining ones are left out: their
     values go through `migration`."""
     segs = core.segs
     return [m.Replica(segment=segs[sid].name, offset=off, tier=m.Tier.SSD) for sid, off in o.reps
@@ -294,7 +303,7 @@ def task_done(core: MasterCore, msg: TaskDone) -> None:
         o.reps = (t.dst, *o.reps)
         lid = leases.grant(core, t.key, o, len(t.waiters))
         reply = m.ReplicaList(key=t.key, size=o.size, checksum=o.checksum,
-                              replicas=core._dram_reps(o, t.key),
+                              replicas=migration.dram_replicas(core, o, t.key),
                               lease_s=core.cfg.lease_ttl_s, lease_id=lid)  # draining: noted
         core.ready.extend((w, reply) for w in t.waiters)
     elif o.lease > core.clock.now():  # read while offloading: keep both copies for now;

@@ -37,7 +37,15 @@ from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.protocol import Message
 from yuebing.store import messages as m
 from yuebing.store.client.rpc import MasterConnection, StoreRpcError
-from yuebing.store.cluster_messages import NodeTask, TaskDone, TaskKind
+from yuebing.store.cluster_messages import (
+    Drain,
+    DrainStatus,
+    Mount,
+    NodeTask,
+    TaskDone,
+    TaskKind,
+    Unmount,
+)
 from yuebing.store.config import ClientConfig, NodeConfig
 from yuebing.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
 from yuebing.transfer.liveness import sweep_dead_segments
@@ -98,11 +106,11 @@ class StorageNode:
         self.engine.register_segment(f"{self.name}.ssd", buffer=self._ssd_map)
         self.ssd_name = self.engine.segment_name(f"{self.name}.ssd")
 
-    def mounts(self) -> list[m.Mount]:
-        out = [m.Mount(client=self.client_id, segment=self.dram_name, size=self.cfg.dram,
+    def mounts(self) -> list[Mount]:
+        out = [Mount(client=self.client_id, segment=self.dram_name, size=self.cfg.dram,
                        tier=m.Tier.DRAM, node=self.name, incarnation=self.incarnation)]
         if self.ssd_name:
-            out.append(m.Mount(client=self.client_id, segment=self.ssd_name,
+            out.append(Mount(client=self.client_id, segment=self.ssd_name,
                                size=self._ssd_size, tier=m.Tier.SSD, node=self.name,
                                incarnation=self.incarnation))
         return out
@@ -313,13 +321,13 @@ class StorageNode:
         """One `Drain` of ``segment``: (values at risk, values leased (-1 = not counted), some
         keys at risk)."""
         try:
-            reply = self._call(m.Drain(client=self.client_id, segment=segment,
+            reply = self._call(Drain(client=self.client_id, segment=segment,
                                        incarnation=self.incarnation))
         except StoreRpcError as e:
             if e.code == m.Code.UNKNOWN_SEGMENT:
                 return 0, 0, []  # the master holds nothing of it (never mounted, or dropped)
             raise
-        if not isinstance(reply, m.DrainStatus):
+        if not isinstance(reply, DrainStatus):
             raise StoreError(f"Drain of {segment} answered {type(reply).__name__}")
         return reply.at_risk, reply.leased, reply.keys
 
@@ -350,7 +358,7 @@ class StorageNode:
         if unmount:
             for msg in self.mounts():
                 with contextlib.suppress(StoreError):
-                    self._call(m.Unmount(client=self.client_id, segment=msg.segment,
+                    self._call(Unmount(client=self.client_id, segment=msg.segment,
                                          incarnation=self.incarnation))
         self.conn.close()
         self.engine.close()
