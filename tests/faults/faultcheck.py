@@ -101,13 +101,15 @@ def measure(rig: Rig, fault: Fault) -> tuple[float, float, float]:
 
 def fault_under_load(state: Baseline, role: str, name: str, fault: Fault,
                      allowed: frozenset[Outcome] = SERVED, workers: int = 3,
-                     after: Callable[[], None] | None = None) -> dict[str, Any]:
-    """The whole case (see the module's docstring); ``after`` runs once the load stopped and
+                     after: Callable[[], None] | None = None,
+                     deadline_s: float = 30.0) -> dict[str, Any]:
+    """The whole case (see the module's docstring; each request of the load has ``deadline_s``
+    to end); ``after`` runs once the load stopped and
     before the levels are compared. Returns the report row (``during``: the outcomes of the
     requests that began and ended while the fault lasted; ``max_gap_s``, ``max_ok_s``:
-    `_gaps`)."""
+    `_gaps`; ``errors``: the most frequent error details)."""
     rig = state.rig
-    load = Load(rig.url, workers)
+    load = Load(rig.url, workers, deadline_s)
     time.sleep(2.0)
     t0, down_s, recovery_s = measure(rig, fault)
     time.sleep(2.0)
@@ -129,21 +131,26 @@ def fault_under_load(state: Baseline, role: str, name: str, fault: Fault,
         if (levels == state.base and accounted) or time.monotonic() > end:
             break
     row = report(role, name, down_s, recovery_s, outcomes, levels == state.base and accounted,
-                 during=dict(during), **_gaps(results, t0))
+                 during=dict(during), **_gaps(results, t0),
+                 errors=dict(Counter(r.detail[:120] for r in results
+                                     if r.outcome != Outcome.OK).most_common(4)))
     assert levels == state.base, {k: (v, levels.get(k)) for k, v in state.base.items()
                                   if levels.get(k) != v}
     assert accounted, rig.store_usage()
     return row
 
 
-def _gaps(results: list[Result], t0: float) -> dict[str, float]:
+def _gaps(results: list[Result], t0: float) -> dict[str, float | None]:
     """``max_gap_s``: the longest time from the fault (or a success) to the next success;
-    ``max_ok_s``: the longest a successful request took."""
+    ``max_ok_s``: the longest a successful request took; ``first_error_s``: from the fault
+    until the first request ended in an error."""
     ends = sorted([t0, *(r.end for r in results if r.outcome == Outcome.OK and r.end > t0)])
     oks = [r.end - r.start for r in results if r.outcome == Outcome.OK]
+    failed = [r.end - t0 for r in results if r.outcome != Outcome.OK and r.end > t0]
     return {"max_gap_s": round(max(b - a for a, b in zip(ends, ends[1:], strict=False))
                                if len(ends) > 1 else float("inf"), 2),
-            "max_ok_s": round(max(oks, default=0.0), 2)}
+            "max_ok_s": round(max(oks, default=0.0), 2),
+            "first_error_s": round(min(failed), 2) if failed else None}
 
 
 def _accounted(rig: Rig, object_bytes: float) -> bool:
