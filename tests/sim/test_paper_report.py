@@ -27,8 +27,13 @@ def test_full_report_meets_the_simulator_targets(conversation_trace: Path,
     ours, paper = fig5.ratios(ttft), fig5.ratios(fig5.PAPER)
     for name in ("random", "load_balance", "local_cache_aware"):
         assert abs(ours[name] / paper[name] - 1) <= 0.20, (name, ours[name], paper[name])
-    # absolute TTFTs are about half the paper's at the trace's own pace (gap 2)
+    # absolute TTFTs are about half the paper's at the trace's own pace (gap 1): the compute is
+    # the paper's, the waiting is not (the paper: 2 s at 45 % busy; ours: 0.36 s at 55 %)
     assert 0.4 <= ttft["global_cache_aware"] / fig5.PAPER["global_cache_aware"] <= 0.6
+    f5 = report["5"]["compare"]
+    assert f5["paper"]["global_prefill_busy_share"] == pytest.approx(0.45, abs=0.01)
+    assert f5["ours"]["global_prefill_busy_share"] > f5["paper"]["global_prefill_busy_share"]
+    assert f5["ours"]["global_waiting_s"] < 0.25 * f5["paper"]["global_waiting_s"]
     fig1_ours = report["1"]["ours"]
     tolerance_pp = {"mooncake": 0.03, "vllm": 0.10, "vllm_prefix_caching": 0.15}
     for name, tol in tolerance_pp.items():
@@ -48,12 +53,14 @@ def test_full_report_meets_the_simulator_targets(conversation_trace: Path,
     rejected = report["overload"]["ours"]
     assert set(rejected) == {"baseline", "early_rejection", "predictive_early_rejection"}
     assert max(rejected.values()) <= 1.02 * min(rejected.values())
-    # on the decode-bound 8P+2D: prediction rejects fewer than the baseline and damps the
-    # oscillation that plain early rejection starts (which over-rejects here: the gap)
+    # on the decode-bound 8P+2D the baseline, which keeps a backlog of prefilled requests at
+    # the decode nodes, serves what the decode pool can: prediction rejects about as many
+    # (gap 4) and damps the oscillation that plain early rejection starts (which over-rejects)
     variant = report["overload"]["details"]["8P+2D"]
     base, early, pred = (variant[k] for k in ("baseline", "early_rejection",
                                               "predictive_early_rejection"))
-    assert pred["rejected"] < base["rejected"] < early["rejected"]
+    assert abs(pred["rejected"] / base["rejected"] - 1) <= 0.05 < early["rejected"] / base[
+        "rejected"] - 1
     assert early["prefill_load_band_var"] > 2 * base["prefill_load_band_var"]
     assert pred["prefill_load_band_var"] < 1.5 * base["prefill_load_band_var"]
     assert report["overload"]["details"]["workload"]["mean_input"] == pytest.approx(7590,
@@ -97,6 +104,20 @@ def test_derived_comparisons_get_rows_with_their_gap(tmp_path: Path) -> None:
     assert "| ratio_to_global.random | 6.4 | 8 | +25 % |" in md
     assert json.loads((tmp_path / "report.json").read_text())["5"]["compare"]["paper"][
         "ratio_to_global"]["global_cache_aware"] == 1.0
+
+
+def test_fig5_comparisons_put_the_global_runs_waiting_and_load_beside_the_papers() -> None:
+    ours = {"random": 8.0, "load_balance": 2.0, "local_cache_aware": 1.5,
+            "global_cache_aware": 1.5}
+    where = {p: {"queue_s": 0.25, "prefill_s": 1.2, "prefill_busy_share": 0.5,
+                 "to_decode_start_s": 1.5} for p in fig5.POLICIES}
+    details = {"ratio_to_global": fig5.ratios(ours), "where_time_goes": where,
+               "paper_global_waiting_s": 2.01, "paper_prefill_busy_share": 0.45}
+    compare = fig5.comparisons(ours, details)
+    assert compare["ours"]["global_waiting_s"] == pytest.approx(0.3)
+    assert compare["ours"]["global_prefill_busy_share"] == 0.5
+    assert (compare["paper"]["global_waiting_s"], compare["paper"]["global_prefill_busy_share"]) \
+        == (2.01, 0.45)
 
 
 def test_overload_comparisons_put_shares_and_changes_beside_the_paper() -> None:

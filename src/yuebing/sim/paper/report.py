@@ -84,12 +84,8 @@ def compute_figure(name: str, trace: Path, fast: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     result = mod.compute(trace, fast=fast)
     details: Any = None
-    if name in ("overload", "1"):
+    if name in ("overload", "1", "5"):
         details = mod.details(trace, fast=fast)
-    elif name == "5":
-        details = {"ratio_to_global": mod.ratios(result),
-                   "paper_ratio_to_global": mod.ratios(mod.PAPER),
-                   "random_by_seed": mod.random_by_seed(trace, fast)}
     entry = {"ours": result, "paper": getattr(mod, "PAPER", None), "details": details,
              "seconds": round(time.perf_counter() - t0, 2)}
     if hasattr(mod, "comparisons") and isinstance(details, dict):
