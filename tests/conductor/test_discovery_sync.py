@@ -37,7 +37,7 @@ def fl() -> Iterator[FakeLoop]:
 
 
 def _health(c: ConductorThread) -> dict[str, list[str]]:
-    return request(c.url, "GET", "/health")[1]["instances"]  # type: ignore[no-any-return]
+    return request(c.url, "GET", "/health")[1]["instances"]
 
 
 def _until(what: str, cond: object, timeout_s: float = 15.0) -> None:
