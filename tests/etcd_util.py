@@ -115,12 +115,15 @@ class EtcdServer:
             return ""
         return (self._dir / "etcd.log").read_bytes()[-n:].decode(errors="replace")
 
-    def kill(self) -> None:
-        """``kill -9`` the server; its data directory and ports stay for `start`."""
+    def kill(self, lose_data: bool = False) -> None:
+        """``kill -9`` the server; its ports stay for `start`, and its data unless
+        ``lose_data`` (then `start` brings up an empty member at the same address)."""
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait(timeout=5)
             self.proc = None
+        if lose_data and self._dir is not None:
+            shutil.rmtree(self._dir / "data", ignore_errors=True)
 
     def stop(self) -> None:
         """Stop the server this object started (idempotent) and delete its data."""

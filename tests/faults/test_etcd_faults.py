@@ -4,7 +4,8 @@ The cluster depends on etcd as ``yuebing serve --etcd`` makes it: the store mast
 while it holds its leader lease in etcd (``--etcd``; it steps down when it cannot refresh
 it), the instances publish themselves there and the Conductor finds them there (no
 ``--instances``). Faults: ``kill -9`` of etcd, 10 s down, then restarted at its address with
-its data (as an operator would; slow), and ``SIGSTOP`` for 10 s then ``SIGCONT``.
+its data (as an operator would; slow) or without it (``wipe``: its data was lost, every key
+and lease is gone; slow), and ``SIGSTOP`` for 10 s then ``SIGCONT``.
 
 Checked, besides `faultcheck.fault_under_load`'s checks (deadlines, reference outputs,
 recovery, levels back): every request of the load succeeded — while etcd was out (the
@@ -58,13 +59,14 @@ def state() -> Iterator[EtcdRig]:
 
 
 def _fault(s: EtcdRig, kind: str, late: list[str]) -> Fault:
-    """``kill`` (then restart with its data) or ``stop``; ``OUT_S`` into the outage a new
-    instance is started in the background (its name lands in ``late``)."""
+    """``kill`` (then restart with its data), ``wipe`` (restart empty) or ``stop``; half of
+    ``OUT_S`` into the outage a new instance is started in the background (its name lands
+    in ``late``)."""
     etcd, rig = s.etcd, s.base.rig
 
     def inject() -> None:
-        if kind == "kill":
-            etcd.kill()
+        if kind in ("kill", "wipe"):
+            etcd.kill(lose_data=kind == "wipe")
         else:
             assert etcd.proc is not None
             etcd.proc.send_signal(signal.SIGSTOP)
@@ -75,7 +77,7 @@ def _fault(s: EtcdRig, kind: str, late: list[str]) -> Fault:
                                    daemon=True)
         starter.start()
         time.sleep(OUT_S / 2)
-        if kind == "kill":
+        if kind in ("kill", "wipe"):
             etcd.start()
         else:
             assert etcd.proc is not None
@@ -86,7 +88,8 @@ def _fault(s: EtcdRig, kind: str, late: list[str]) -> Fault:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", ["stop", pytest.param("kill", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["stop", *(pytest.param(k, marks=pytest.mark.slow)
+                                             for k in ("kill", "wipe"))])
 def test_etcd_fault_under_load(state: EtcdRig, kind: str) -> None:
     rig = state.base.rig
     late: list[str] = []
