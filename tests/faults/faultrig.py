@@ -1,16 +1,19 @@
-"""A one-host yuebing cluster of real processes for fault injection, and the load that runs
-against it (issue 16, "Fault-injection suite").
+"""A yuebing cluster of real processes for fault injection, and the load that runs against
+it (issue 16, "Fault-injection suite").
 
-`Rig` starts, on 127.0.0.1 and at addresses fixed for its whole life, a store master, a store
-node, one prefill and one decode instance (``--model dummy:preset=tiny``) and the Conductor —
-the roles `yuebing serve` starts, but each one held by the test, so that the test can
-``kill -9`` one, ``SIGSTOP``/``SIGCONT`` it, and restart it at the same address as an operator
-(or the supervisor) would. Only the processes it started are ever signalled.
+`Rig` starts, at addresses fixed for its whole life, a store master, a store node, one prefill
+and one decode instance or more (``--model dummy:preset=tiny``) and the Conductor — the roles
+`yuebing serve` starts, but each one held by the test, so that the test can ``kill -9`` one,
+``SIGSTOP``/``SIGCONT`` it, and restart it at the same address as an operator (or the
+supervisor) would. All on 127.0.0.1 by default; `Place` puts a role elsewhere (another
+network namespace: ``netns.py``); with an etcd the cluster depends on it for the store
+master's election and discovery. Only the processes it started are ever signalled.
 
 `Load` is a small client loop: ``workers`` threads send streamed greedy ``/v1/completions``
 requests (token-id prompts from `PROMPTS`, temperature 0, ``ignore_eos``, fixed
 ``max_tokens``) to the Conductor, each with a deadline, and record how every request ended
-(`Outcome`). The fault tests (``test_faults.py``) and the soak (``test_soak.py``) use both.
+(`Outcome`). The fault tests (through ``faultcheck.py``) and the soak (``test_soak.py``) use
+them.
 """
 
 from __future__ import annotations
@@ -92,7 +95,9 @@ class Rig:
         self.master = master = f"tcp://{ip['store-master']}:{p['rpc']}"
         self.store_admin = f"http://127.0.0.1:{p['admin']}"
         self.url = f"http://127.0.0.1:{p['http']}"
-        find = (("--etcd", etcd, "--cluster", f"faults{os.getpid()}") if etcd else ())
+        self.cluster = f"faults{os.getpid()}"
+        """The cluster's name in etcd."""
+        find = (("--etcd", etcd, "--cluster", self.cluster) if etcd else ())
         inst = ("--model", MODEL, "--store-master", master, "--report-hz", "10",
                 "--kv-cache-bytes", "16MiB", "--staging-bytes", "16MiB", *find)
         self.args: dict[str, list[str]] = {

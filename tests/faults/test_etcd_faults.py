@@ -95,8 +95,7 @@ def test_etcd_fault_under_load(state: EtcdRig, kind: str) -> None:
     late: list[str] = []
 
     def after() -> None:
-        disc = Discovery(state.etcd.url, rig.args["conductor"][rig.args["conductor"].index(
-            "--cluster") + 1])
+        disc = Discovery(state.etcd.url, rig.cluster)
         end = time.monotonic() + 30
         while disc.store_master() != rig.master:  # the store master leads again
             assert time.monotonic() < end, "the store master was not elected again"
