@@ -63,6 +63,12 @@ def test_full_report_meets_the_simulator_targets(conversation_trace: Path,
         "rejected"] - 1
     assert early["prefill_load_band_var"] > 2 * base["prefill_load_band_var"]
     assert pred["prefill_load_band_var"] < 1.5 * base["prefill_load_band_var"]
+    # where both pools bind, the prefill more (7P+2D), prediction saves the baseline's wasted
+    # prefill and rejects fewer (paper −14 %); plain early rejection still over-rejects
+    both = report["overload"]["details"]["7P+2D"]
+    base, early, pred = (both[k]["rejected"] for k in ("baseline", "early_rejection",
+                                                       "predictive_early_rejection"))
+    assert pred < 0.96 * base < early
     assert report["overload"]["details"]["workload"]["mean_input"] == pytest.approx(7590,
                                                                                     rel=0.01)
 
@@ -133,3 +139,8 @@ def test_overload_comparisons_put_shares_and_changes_beside_the_paper() -> None:
         "baseline": 0.0, "early_rejection": pytest.approx(-0.1),
         "predictive_early_rejection": pytest.approx(-0.2)}
     assert rows["paper"]["8P+2D_vs_baseline"] == {"early_rejection": -0.1}  # type: ignore[index]
+    assert "7P+2D_vs_baseline" not in rows["ours"]  # type: ignore[operator]
+    details["7P+2D"] = {"baseline": {"rejected": 50}, "early_rejection": {"rejected": 60}}
+    rows = overload.comparisons({"baseline": 1}, details)
+    assert rows["ours"]["7P+2D_vs_baseline"] == {  # type: ignore[index]
+        "baseline": 0.0, "early_rejection": pytest.approx(0.2)}
