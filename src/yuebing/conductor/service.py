@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import json
 import logging
@@ -224,5 +225,6 @@ def run_conductor(cfg: ConductorConfig, ready_file: str = "") -> int:
             json.dump({"url": conductor.url, "pid": os.getpid()}, f)
         os.replace(tmp, ready_file)
     print(f"conductor serving {cfg.model_name} on {conductor.url}", flush=True)
+    gc.freeze()  # start-up's objects (tokenizer, modules) out of every later collection
     server.run(sockets=[sock])
     return 0

@@ -11,6 +11,7 @@ from yuebing.core.auth import TOKEN_HELP, env_cluster_token, require_token
 from yuebing.core.config import require
 
 ROLES = ("prefill", "decode", "coupled")
+EVENT_LOOPS = ("uvloop", "asyncio")
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,8 @@ class InstanceConfig:
     ready_file: str = field(default="", metadata={
         "help": "write this instance's Hello as JSON here once ready"})
     warmup: bool = field(default=True, metadata={"help": "one tiny forward pass at start"})
+    event_loop: str = field(default="uvloop", metadata={
+        "help": "the control loop's implementation: uvloop (less CPU per message) or asyncio"})
 
     def __post_init__(self) -> None:
         require(self.role in ROLES, f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
@@ -96,6 +99,8 @@ class InstanceConfig:
         require(self.transfer_timeout_s > 0, "transfer_timeout_s must be > 0")
         require(self.kv_headroom_blocks >= 0, "kv_headroom_blocks must be >= 0")
         require(self.staging_bytes > 0, "staging_bytes must be > 0")
+        require(self.event_loop in EVENT_LOOPS, f"event_loop must be one of "
+                f"{', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")
 
     @property
     def public_host(self) -> str:

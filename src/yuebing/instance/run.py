@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
 import signal
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -19,6 +22,7 @@ from yuebing.instance.config import InstanceConfig
 from yuebing.protocol.instance import Hello
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def build_instance(cfg: InstanceConfig) -> Instance:
@@ -40,11 +44,21 @@ def run_instance(cfg: InstanceConfig) -> int:
     inst = build_instance(cfg)
     admin = admin_server(inst).start() if cfg.admin_port else None
     try:
-        asyncio.run(serve_instance(inst))
+        run_loop(serve_instance(inst), cfg.event_loop)
     finally:
         if admin is not None:
             admin.close()
     return 0
+
+
+def run_loop(main: Coroutine[Any, Any, T], event_loop: str = "uvloop") -> T:
+    """``asyncio.run(main)`` on the chosen loop implementation (`InstanceConfig.event_loop`):
+    uvloop costs the control loop less CPU per frame, wake-up and timer than asyncio's."""
+    if event_loop == "uvloop":
+        import uvloop
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(main)
+    return asyncio.run(main)
 
 
 def run_prefill(cfg: InstanceConfig) -> int:
@@ -82,6 +96,7 @@ async def serve_instance(inst: Instance) -> None:
                                    retry=True)
     if inst.cfg.ready_file:
         write_ready_file(inst.cfg.ready_file, inst.hello())
+    gc.freeze()  # start-up's objects (model, torch, modules) out of every later collection
     try:
         await inst.serve(stop)
     finally:
