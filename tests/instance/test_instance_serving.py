@@ -86,6 +86,32 @@ def test_disaggregated_and_coupled_outputs_equal_one_engine(cluster, reference, 
     assert end.reserved_blocks == 0 and end.free_blocks == start.free_blocks
 
 
+def test_layer_by_layer_streaming_and_the_asyncio_loop_give_the_same_outputs(
+        cluster, procs, reference, run):
+    """The default prefill sends these short chunks' KV in one batch after the last layer; one
+    with ``--layerwise-min-bytes 0`` (on the standard asyncio loop) streams layer by layer."""
+    layerwise = procs("prefill", "--layerwise-min-bytes", "0", "--event-loop", "asyncio")
+
+    async def go():
+        (p, lw, d), _ = await _clients(cluster[0], layerwise, cluster[1])
+        whole = await asyncio.gather(*[run_disagg(p, d, f"w{i}", ids, GREEDY)
+                                       for i, ids in enumerate(PROMPTS)])
+        layered = await asyncio.gather(*[run_disagg(lw, d, f"l{i}", ids, GREEDY)
+                                         for i, ids in enumerate(PROMPTS)])
+        for x in (p, lw, d):
+            await x.close()
+        return whole, layered
+    whole, layered = run(go())
+    for i, ref in enumerate(reference):
+        assert whole[i].error == "" and whole[i].tokens == ref, i
+        assert layered[i].error == "" and layered[i].tokens == ref, i
+    hand = [e for e in whole[3].events if e.finish_reason == "handoff"][0].breakdown
+    assert hand is not None and hand.streamed_layers == 4
+    assert hand.layers_before_prefill_end == 0  # every layer in the batch after the last
+    hand = [e for e in layered[3].events if e.finish_reason == "handoff"][0].breakdown
+    assert hand is not None and hand.streamed_layers == 4 and hand.kv_bytes > 0
+
+
 def test_bad_frames_get_precise_errors_and_the_instance_keeps_serving(cluster, run):
     prefill, decode_, _ = cluster
 

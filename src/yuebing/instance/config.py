@@ -73,6 +73,10 @@ class InstanceConfig:
         "help": "decode: refuse a reservation that would leave fewer free blocks (room for "
                 "the running batch to grow without preemption)"})
     transfer_timeout_s: float = field(default=30.0, metadata={"help": "KV transfer timeout"})
+    layerwise_min_bytes: int = field(default=256 << 10, metadata={
+        "help": "prefill: a chunk whose KV per layer is smaller goes to the decode in one "
+                "transfer after its last layer instead of one per layer (0 = always layer by "
+                "layer)", "size": True})
     etcd: str = field(default="", metadata={
         "help": "etcd URL: publish this instance for discovery ('' = none)"})
     cluster: str = field(default="default", metadata={"help": "cluster name in etcd"})
@@ -99,6 +103,7 @@ class InstanceConfig:
         require(self.transfer_timeout_s > 0, "transfer_timeout_s must be > 0")
         require(self.kv_headroom_blocks >= 0, "kv_headroom_blocks must be >= 0")
         require(self.staging_bytes > 0, "staging_bytes must be > 0")
+        require(self.layerwise_min_bytes >= 0, "layerwise_min_bytes must be >= 0")
         require(self.event_loop in EVENT_LOOPS, f"event_loop must be one of "
                 f"{', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")
 

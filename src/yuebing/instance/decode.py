@@ -18,6 +18,9 @@ while free blocks would drop under the headroom.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import logging
 import time
 
@@ -150,20 +153,31 @@ class DecodeInstance(Instance):
         task.breakdown.transfer_s = max(0.0, arrived - msg.prefill_end_s) if msg.prefill_end_s \
             else 0.0
         blocks = task.extra["blocks"]
-        self.spawn(task, self._adopt(task, msg, blocks))
+        rid, ids, params = task.request_id, task.token_ids, task.params
+        loop = asyncio.get_running_loop()
 
-    async def _adopt(self, task: Task, msg: KvReady, blocks: list[int]) -> None:
-        try:
-            out = await self.driver.run(lambda e: adopt_request(
-                e, task.request_id, task.token_ids, blocks, msg.first_token, task.params,
-                msg.cached_tokens))
-        except Exception as e:
-            await self.driver.run(lambda eng: eng.allocator.release_all(blocks))
-            self.fail(task, ErrorCode.INTERNAL, f"adopting the request failed: {e}")
+        def back(f: concurrent.futures.Future[RequestOutput]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: the instance stopped
+                loop.call_soon_threadsafe(self._adopted, task, blocks, f)
+        # a driver call whose completion comes back as one loop callback (no task per request)
+        self.driver.call(lambda e: adopt_request(
+            e, rid, ids, blocks, msg.first_token, params, msg.cached_tokens)
+        ).add_done_callback(back)
+
+    def _adopted(self, task: Task, blocks: list[int],
+                 fut: concurrent.futures.Future[RequestOutput]) -> None:
+        """Loop thread: the driver ran `adopt_request` for ``task``."""
+        err = fut.exception()
+        if err is not None:
+            self.driver.call(lambda eng: eng.allocator.release_all(blocks))
+            if not task.done:
+                self.fail(task, ErrorCode.INTERNAL, f"adopting the request failed: {err}")
             return
         if task.done:  # cancelled while adopting
-            await self.driver.run(lambda e: e.abort(task.request_id))
-        elif out.finished:
+            self.driver.call(lambda e: e.abort(task.request_id))
+            return
+        out = fut.result()
+        if out.finished:
             self.finish(task, out.finish_reason or "stop")
 
     def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:

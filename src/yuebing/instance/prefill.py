@@ -18,6 +18,7 @@ or a Conductor without a decode instance.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 
@@ -25,7 +26,7 @@ from yuebing.engine.sampling import SamplingParams
 from yuebing.engine.sequence import RequestOutput
 from yuebing.instance.base import Refused, Task, to_params
 from yuebing.instance.coupled import CoupledInstance
-from yuebing.instance.streaming import KvStreamer
+from yuebing.instance.streaming import KvStreamer, StreamResult
 from yuebing.protocol import Message, encode
 from yuebing.protocol.instance import (
     Ack,
@@ -42,12 +43,19 @@ log = logging.getLogger(__name__)
 KV_READY_TOPIC = "yuebing.kv_ready"
 
 
+def _log_release(fut: concurrent.futures.Future[object]) -> None:
+    err = None if fut.cancelled() else fut.exception()
+    if err is not None and not isinstance(err, RuntimeError):  # RuntimeError: driver stopped
+        log.warning("releasing a handed-off request's blocks failed: %s", err)
+
+
 class PrefillInstance(CoupledInstance):
     role = Role.PREFILL
 
     def __init__(self, *args: object, **kw: object) -> None:
         super().__init__(*args, **kw)
-        self.streamer = KvStreamer(self.engine, self.transfer, self.cfg.transfer_timeout_s)
+        self.streamer = KvStreamer(self.engine, self.transfer, self.cfg.transfer_timeout_s,
+                                   self.cfg.layerwise_min_bytes)
 
     async def on_submit(self, ident: bytes, msg: SubmitTask) -> Message:
         if msg.mode == TaskMode.COUPLED:
@@ -95,31 +103,40 @@ class PrefillInstance(CoupledInstance):
         self.spawn(task, self._hand_off(task, out, first_at))
 
     async def _hand_off(self, task: Task, out: RequestOutput, first_at: float) -> None:
-        loop = asyncio.get_running_loop()
+        result, err = await asyncio.get_running_loop().run_in_executor(
+            None, self._finish_stream, task, out.new_token_ids[0], first_at)
+        if task.done:
+            return  # cancelled while streaming
+        if not result.ok:
+            self.fail(task, ErrorCode.TRANSFER, f"streaming KV to the decode failed: "
+                      f"{result.error}")
+            return
+        if err:
+            self.fail(task, ErrorCode.TRANSFER, f"notifying the decode failed: {err}")
+            return
+        task.extra["stream"] = result
+        b = task.breakdown
+        b.transfer_s = max(0.0, result.complete_at - result.last_layer_at)
+        b.kv_bytes, b.streamed_layers = result.bytes, result.layers
+        b.layers_before_prefill_end = result.layers_before_last
+        self.finish(task, "handoff")
+
+    def _finish_stream(self, task: Task, token: int,
+                       first_at: float) -> tuple[StreamResult, str]:
+        """Executor thread, one hop for the whole hand-off: wait for the request's KV writes,
+        tell the decode (`KvReady`, or its failure), queue the release of the held blocks to
+        the driver (not awaited). Returns the stream's result and the notify's error."""
         rid = task.request_id
         try:
-            result = await loop.run_in_executor(None, self.streamer.finish, rid)
+            result = self.streamer.finish(rid)
             if task.done:
-                return  # cancelled while streaming
+                return result, ""
             if not result.ok:
-                await self._tell_decode_async(task, None, result.error)
-                self.fail(task, ErrorCode.TRANSFER, f"streaming KV to the decode failed: "
-                          f"{result.error}")
-                return
+                return result, self._tell_decode(task, None, result.error)
             prefill_end = time.time() - (time.perf_counter() - result.last_layer_at)
-            task.extra["stream"] = result
-            err = await self._tell_decode_async(task, (out.new_token_ids[0], first_at,
-                                                       prefill_end))
-            if err:
-                self.fail(task, ErrorCode.TRANSFER, f"notifying the decode failed: {err}")
-                return
-            b = task.breakdown
-            b.transfer_s = max(0.0, result.complete_at - result.last_layer_at)
-            b.kv_bytes, b.streamed_layers = result.bytes, result.layers
-            b.layers_before_prefill_end = result.layers_before_last
-            self.finish(task, "handoff")
+            return result, self._tell_decode(task, (token, first_at, prefill_end))
         finally:
-            await self.driver.run(lambda e: e.release(rid))
+            self.driver.call(lambda e: e.release(rid)).add_done_callback(_log_release)
 
     async def _tell_decode_async(self, task: Task, first: tuple[int, float, float] | None,
                                  error: str = "") -> str:

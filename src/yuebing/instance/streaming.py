@@ -5,8 +5,9 @@ after layer ``l`` wrote its K/V, for every watched request in the step, it submi
 WRITEs of layer ``l``'s K and V of the blocks the step touched (plus, on the request's first
 step, its prefix-cache hits) straight into the decode's KV pool segment at the `KvLayout`
 offsets, then returns so layer ``l+1`` computes while the bytes move. Consecutive runs of
-(prefill block, decode block) pairs become one request each. A waiter thread stamps when each
-layer's batch completes, so `finish` can tell how many layers had landed before the prefill's
+(prefill block, decode block) pairs become one request each; the requests of every watched
+request of the step bound for one decode segment go as one transfer batch per layer (each
+request's part judged on its own). A waiter thread stamps when each layer's batch completes, so `finish` can tell how many layers had landed before the prefill's
 last layer was computed (the streaming proof in `yuebing bench instance`).
 
 Called by the prefill role (`instance.prefill`): `watch` before adding the request, `finish`
@@ -15,6 +16,7 @@ Called by the prefill role (`instance.prefill`): `watch` before adding the reque
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -54,6 +56,10 @@ class StreamState:
     cond: threading.Condition = field(default_factory=threading.Condition)
 
 
+_Part = tuple[StreamState, list[int], list[TransferRequest]]
+"""One request's share of a layer's batch: its state, the layers it covers, its WRITEs."""
+
+
 @dataclass
 class StreamResult:
     ok: bool
@@ -70,17 +76,19 @@ class KvStreamer:
     """See the module docstring."""
 
     def __init__(self, engine: LLMEngine, transfer: TransferEngine,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, whole_below: int = 0) -> None:
         self.engine = engine
         self.transfer = transfer
         self.timeout_s = timeout_s
+        self.whole_below = whole_below
         pool = engine.pool
         self.num_layers = pool.num_layers
         self.chunk = pool.chunk_nbytes
         self._bytes = pool.data.view(torch.uint8).reshape(-1).numpy()
         self._states: dict[str, StreamState] = {}
         self._lock = threading.Lock()
-        self._waits: queue.Queue[tuple[StreamState, BatchId] | None] = queue.Queue()
+        self._waits: queue.Queue[tuple[list[tuple[StreamState, int, int]], BatchId] | None] = \
+            queue.Queue()
         self._waiter = threading.Thread(target=self._wait_loop, name="kv-stream-wait",
                                         daemon=True)
         self._waiter.start()
@@ -145,45 +153,72 @@ class KvStreamer:
         plan = self.engine.current_plan
         if plan is None or not self._states:
             return
+        groups: dict[str, list[_Part]] = {}
         for seq, n in [(s, 1) for s in plan.decodes] + list(plan.prefills):
             st = self._states.get(seq.request_id)
             if st is not None:
-                self._send_layer(st, seq, n, layer)
+                part = self._layer_part(st, seq, n, layer)
+                if part is not None:
+                    groups.setdefault(st.target.segment, []).append(part)
+        for parts in groups.values():
+            self._submit(layer, parts)
 
-    def _send_layer(self, st: StreamState, seq: Sequence, n: int, layer: int) -> None:
-        """Send the blocks this chunk completed: full blocks only, and the partial last block
-        with the final chunk. Each block is written exactly once, so two batches never race
-        for the same bytes (TCP lanes do not order them)."""
+    def _layer_part(self, st: StreamState, seq: Sequence, n: int, layer: int) -> _Part | None:
+        """The WRITEs of the blocks this chunk completed: full blocks only, and the partial
+        last block with the final chunk. Each block is written exactly once, so two batches
+        never race for the same bytes (TCP lanes do not order them). A chunk whose KV per
+        layer is under ``whole_below`` bytes goes in one batch after its last layer: for short
+        prompts a batch per layer costs more than its bytes."""
         expiry = st.target.expires_at_s
         if st.failed or (expiry and time.time() > expiry - EXPIRY_MARGIN_S):
             if not st.failed:
                 st.failed.append("the decode's reservation expired before the KV was sent")
-            return
+            return None
         bs = self.engine.block_size
         done = seq.num_computed + n
         final = done >= len(seq.prompt_ids)
         end = min(-(-done // bs) if final else done // bs, len(st.target.blocks))
         pairs = list(zip(seq.blocks[st.sent_blocks:end], st.target.blocks[st.sent_blocks:end],
                          strict=True))
-        if layer == self.num_layers - 1:
+        last = layer == self.num_layers - 1
+        if last:
             st.sent_blocks = end
             if final:
                 st.last_layer_at = time.perf_counter()
         if not pairs:
-            return
-        reqs = self._requests(st.target, layer, pairs)
-        with st.cond:  # a concurrent drop() sees this batch as outstanding, or none at all
-            if st.failed:
+            return None
+        if 2 * len(pairs) * self.chunk >= self.whole_below:
+            return st, [layer], self._requests(st.target, layer, pairs)
+        if not last:
+            return None
+        layers = list(range(self.num_layers))
+        return st, layers, [r for i in layers for r in self._requests(st.target, i, pairs)]
+
+    def _submit(self, layer: int, parts: list[_Part]) -> None:
+        """One transfer batch for the layer's writes of every request of the step that goes to
+        one decode segment (a batch per request and layer costs the engine thread more than
+        its bytes when prompts are short); each request's part is judged on its own."""
+        with contextlib.ExitStack() as held:
+            for st, _, _ in parts:  # a concurrent drop() sees this batch outstanding, or not
+                held.enter_context(st.cond)
+            live = [part for part in parts if not part[0].failed]
+            if not live:
                 return
+            reqs = [r for _, _, rs in live for r in rs]
             try:
                 bid = self.transfer.submit(reqs, timeout_s=self.timeout_s)
-            except Exception as e:  # an unreachable decode fails the request, not the step
-                st.failed.append(f"layer {layer}: {e}")
+            except Exception as e:  # an unreachable decode fails the requests, not the step
+                for st, _, _ in live:
+                    st.failed.append(f"layer {layer}: {e}")
                 return
-            st.outstanding += 1
-        st.batches.append((layer, bid))
-        st.bytes += sum(r.length or 0 for r in reqs)
-        self._waits.put((st, bid))
+            spans, lo = [], 0
+            for st, layers, rs in live:
+                st.outstanding += 1
+                st.batches += [(i, bid) for i in layers]
+                st.bytes += sum(r.length or 0 for r in rs)
+                spans.append((st, lo, lo + len(rs)))
+                lo += len(rs)
+        self._waits.put((spans, bid))
 
     def _requests(self, target: DecodeTarget, layer: int,
                   pairs: list[tuple[int, int]]) -> list[TransferRequest]:
@@ -207,17 +242,25 @@ class KvStreamer:
 
     def _wait_loop(self) -> None:
         while (item := self._waits.get()) is not None:
-            st, bid = item
+            spans, bid = item
+            n = max(hi for _, _, hi in spans)
+            errors: list[str | None]
             try:
                 status = self.transfer.wait(bid, self.timeout_s)
-                if status.status != TransferStatus.DONE:
-                    st.failed.append(f"transfer batch {bid}: {status.status.name}")
+                errors = [None if r.status == TransferStatus.DONE else
+                          f"transfer batch {bid}: {r.status.name} {r.error}".rstrip()
+                          for r in status.requests]
             except Exception as e:
-                st.failed.append(f"transfer batch {bid}: {e}")
+                errors = [f"transfer batch {bid}: {e}"] * n
             finally:
-                self.transfer.free(bid)
-            with st.cond:
-                st.done_at[bid] = time.perf_counter()
-                st.outstanding -= 1
-                st.cond.notify_all()
-
+                with contextlib.suppress(Exception):  # still in flight: the reaper ends it
+                    self.transfer.free(bid)
+            now = time.perf_counter()
+            for st, lo, hi in spans:
+                with st.cond:
+                    bad = [e for e in errors[lo:hi] if e]
+                    if bad:
+                        st.failed.append(bad[0])
+                    st.done_at[bid] = now
+                    st.outstanding -= 1
+                    st.cond.notify_all()
