@@ -248,13 +248,18 @@ class Dispatcher:
                      stats: RequestStats, deadline: float) -> AsyncIterator[Delta]:
         """The prefill's first token, then the decode's stream (coupled: one stream). Events
         are read straight from the clients' per-request queues (no task per event); the
-        prefill's own end of stream (its breakdown) is drained by a background task."""
-        loop_deadline = asyncio.get_running_loop().time() + (deadline - time.monotonic())
+        prefill's own end of stream (its breakdown) is drained by a background task. One
+        timer per request (not one per event) ends the stream being read at the deadline, and
+        a prefill lost before its hand-off ends the decode's stream, both with a marker."""
+        loop = asyncio.get_running_loop()
+        reading = [pre]
+        timer = loop.call_at(loop.time() + (deadline - time.monotonic()),
+                             lambda: reading[0].client.interrupt(rid, _TIMED_OUT))
         pre_events = pre.client.timed_events(rid)
         drain: asyncio.Task[bool] | None = None
         try:
             while True:  # the first token
-                ev, received = await self._next(pre_events, loop_deadline, rid)
+                ev, received = await self._next(pre_events, rid)
                 stats.merge(ev.breakdown)
                 if ev.kind == EventKind.ERROR:
                     if not (pre.alive and dec.alive):
@@ -271,14 +276,15 @@ class Dispatcher:
             if coupled:
                 events = pre_events
             else:
-                drain = asyncio.get_running_loop().create_task(_drain(pre_events, stats, rid))
+                reading[0] = dec
                 events = dec.client.timed_events(rid)
+                drain = loop.create_task(_drain(pre_events, stats, rid))
+                drain.add_done_callback(lambda t: _lost_prefill(t, dec, rid))
             while True:
-                if drain is not None and not drain.done():
-                    ev, received = await self._next_or_lost_prefill(events, drain,
-                                                                    loop_deadline, rid, pre)
-                else:
-                    ev, received = await self._next(events, loop_deadline, rid)
+                ev, received = await self._next(events, rid)
+                if ev is _PREFILL_LOST:
+                    raise RequestFailed("prefill_failed", f"instance {pre.id} failed before "
+                                        "handing the KV to the decode instance")
                 stats.merge(ev.breakdown)
                 if ev.kind == EventKind.ERROR:
                     raise _failed(dec, ev)
@@ -289,35 +295,34 @@ class Dispatcher:
                 if delta.finish_reason is not None:
                     return
         finally:
+            timer.cancel()
             if drain is not None:
                 drain.cancel()
 
-    async def _next_or_lost_prefill(self, events: _Events,
-                                    drain: asyncio.Task[bool], deadline: float, rid: str,
-                                    pre: Member) -> tuple[TaskEvent, float]:
-        """The decode's next event, unless the prefill fails before handing the KV off (then
-        the decode would wait for KV that never comes)."""
-        nxt = asyncio.ensure_future(self._next(events, deadline, rid))
-        await asyncio.wait({nxt, drain}, return_when=asyncio.FIRST_COMPLETED)
-        if not nxt.done() and drain.done() and not drain.result():
-            nxt.cancel()
-            raise RequestFailed("prefill_failed", f"instance {pre.id} failed before handing "
-                                "the KV to the decode instance")
-        return await nxt
-
-    async def _next(self, events: _Events, deadline: float,
-                    rid: str) -> tuple[TaskEvent, float]:
+    async def _next(self, events: _Events, rid: str) -> tuple[TaskEvent, float]:
         """The next event and when its frame arrived."""
         try:
-            async with asyncio.timeout_at(deadline):
-                ev, arrived = await anext(events)
-        except TimeoutError:
-            raise RequestFailed("timeout", f"request {rid} ran past "
-                                f"{self.request_timeout_s:.0f} s") from None
+            ev, arrived = await anext(events)
         except StopAsyncIteration:
             raise RequestFailed("instance_error", f"request {rid}: the event stream ended "
                                 "early") from None
+        if ev is _TIMED_OUT:
+            raise RequestFailed("timeout", f"request {rid} ran past "
+                                f"{self.request_timeout_s:.0f} s")
         return ev, arrived
+
+
+_TIMED_OUT = TaskEvent(request_id="", kind=EventKind.ERROR, error="the request timed out")
+"""Marker the request's timer puts in the stream being read (`InstanceClient.interrupt`)."""
+_PREFILL_LOST = TaskEvent(request_id="", kind=EventKind.ERROR, error="the prefill failed")
+"""Marker put in the decode's stream when the prefill fails before handing the KV off."""
+
+
+def _lost_prefill(drain: asyncio.Task[bool], dec: Member, rid: str) -> None:
+    """The prefill's drain ended: when it failed before its FINISH (the hand-off), the decode
+    would wait for KV that never comes, so its stream ends with `_PREFILL_LOST`."""
+    if not drain.cancelled() and drain.exception() is None and not drain.result():
+        dec.client.interrupt(rid, _PREFILL_LOST)
 
 
 def _failed(m: Member, ev: TaskEvent) -> RequestFailed:

@@ -18,7 +18,7 @@ import hmac
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.applications import Starlette
@@ -142,13 +142,13 @@ class _Routes:
         handed_over = False
         gen = c.dispatcher.generate(req, stats)
         try:
-            first = await _race(_first(gen), request.receive)
             if req.stream:
+                first = await _race(_first(gen), request.receive)
                 handed_over = True
                 return StreamingResponse(self._sse(gen, first, req, stats),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
-            text, ids = await _race(_collect(gen, first), request.receive)
+            text, ids = await _race(_collect(gen, None), request.receive)
             renderer = Renderer(chat, c.cfg.model_name, stats.request_id, False,
                                 req.return_token_ids)
             self._done(stats, 200)
@@ -233,21 +233,28 @@ async def _close(gen: AsyncIterator[Delta]) -> None:
         await aclose()
 
 
-async def _race(work: Awaitable[T], receive: Receive) -> T:
-    """``await work``, or raise `_Disconnected` (cancelling it) when the client goes away."""
-    task = asyncio.ensure_future(work)
+async def _race(work: Coroutine[Any, Any, T], receive: Receive) -> T:
+    """``await work`` in this task, or raise `_Disconnected` (cancelling it) when the client
+    goes away (a watch task cancels this one)."""
+    task = asyncio.current_task()
+    assert task is not None
+    watching = [True]
+
+    def gone(w: asyncio.Future[None]) -> None:
+        if watching[0] and not w.cancelled():
+            task.cancel()
+
     watch = asyncio.ensure_future(_disconnected(receive))
+    watch.add_done_callback(gone)
     try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
+        return await work
+    except asyncio.CancelledError:
+        if watch.done() and not watch.cancelled() and task.uncancel() == 0:
+            raise _Disconnected from None
         raise
     finally:
+        watching[0] = False
         watch.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    raise _Disconnected
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -204,6 +204,13 @@ class InstanceClient:
         finally:
             self._events.pop(request_id, None)
 
+    def interrupt(self, request_id: str, marker: TaskEvent) -> None:
+        """Put ``marker`` (an ERROR event the caller recognises by identity, e.g. its request
+        ran out of time) at the end of the request's event stream, ending it there."""
+        q = self._events.get(request_id)
+        if q is not None:
+            q.put_nowait((marker, time.perf_counter()))
+
     def fail_all(self, reason: str) -> None:
         """End every open event stream with an ERROR and fail every call still waiting for
         its reply with `InstanceUnavailable` (the instance is gone)."""
