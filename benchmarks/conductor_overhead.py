@@ -197,14 +197,16 @@ def scrape(url: str) -> str:
         return r.read().decode()
 
 
-def start_cluster(procs: Procs, roles: list[str], model: str, tag: str) -> tuple[str, int,
-                                                                              list[int]]:
-    """Instances on ``model`` and a Conductor before them; (url, conductor pid, instance pids)."""
+def start_cluster(procs: Procs, roles: list[str], model: str, tag: str,
+                  instance_args: list[str] | None = None) -> tuple[str, int, list[int]]:
+    """Instances on ``model`` (with ``instance_args``) and a Conductor before them; (url,
+    conductor pid, instance pids)."""
     yb = [sys.executable, "-m", "yuebing.cli.main"]
     addresses, pids = [], []
     for i, role in enumerate(roles):
         name = f"{tag}-{role}-{i}"
-        hello = procs.start(name, [*yb, "serve", role, "--model", model, "--instance-id", name])
+        hello = procs.start(name, [*yb, "serve", role, "--model", model, "--instance-id", name,
+                                   *(instance_args or [])])
         addresses.append(hello["control_address"])
         pids.append(procs.pids[name])
     ready = procs.start(f"{tag}-conductor", [
@@ -221,7 +223,8 @@ def start_cluster(procs: Procs, roles: list[str], model: str, tag: str) -> tuple
 
 
 def overhead_phase(procs: Procs, roles: list[str], ns: argparse.Namespace) -> dict[str, Any]:
-    url, pid, _ = start_cluster(procs, roles, ns.overhead_model, "overhead")
+    url, pid, _ = start_cluster(procs, roles, ns.overhead_model, "overhead",
+                                ns.instance_args.split())
     m = ns.overhead_model
     asyncio.run(streams(url, 4, 8, 4, m))  # warm-up
     before, cpu0 = scrape(url), cpu_s(pid)
@@ -235,14 +238,17 @@ def overhead_phase(procs: Procs, roles: list[str], ns: argparse.Namespace) -> di
 
 
 def rate_phase(procs: Procs, roles: list[str], ns: argparse.Namespace) -> dict[str, Any]:
-    url, pid, inst = start_cluster(procs, roles, ns.rate_model, "rate")
+    url, pid, inst = start_cluster(procs, roles, ns.rate_model, "rate", ns.instance_args.split())
     echo = procs.start("echo", [sys.executable, __file__, "--echo-server"])["url"]
     asyncio.run(rate(url, 4, 1.0, ns.rate_model))  # warm-up
-    cpu0, inst0, me0 = cpu_s(pid), sum(map(cpu_s, inst)), time.process_time()
+    cpu0, inst0, me0 = cpu_s(pid), [cpu_s(p) for p in inst], time.process_time()
     conductor = asyncio.run(rate(url, ns.concurrency, ns.seconds, ns.rate_model))
     n = max(1.0, conductor["requests_per_s"] * ns.seconds)
     conductor["cpu_ms_per_request"] = 1e3 * (cpu_s(pid) - cpu0) / n
-    conductor["instances_cpu_ms_per_request"] = 1e3 * (sum(map(cpu_s, inst)) - inst0) / n
+    per = [1e3 * (cpu_s(p) - c0) / n for p, c0 in zip(inst, inst0, strict=True)]
+    conductor["instances_cpu_ms_per_request"] = sum(per)
+    conductor["instance_cpu_ms_per_request"] = {
+        f"{role}-{i}": round(c, 3) for i, (role, c) in enumerate(zip(roles, per, strict=True))}
     conductor["client_cpu_ms_per_request"] = 1e3 * (time.process_time() - me0) / n
     echo_pid, me1 = procs.pids["echo"], time.process_time()
     echo0 = cpu_s(echo_pid)
@@ -270,6 +276,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--instance-args", default="",
+                    help="extra flags for every instance, e.g. --instance-args='--event-loop asyncio'")
     ap.add_argument("--skip", choices=("overhead", "rate"), default=None,
                     help="leave one phase out")
     ap.add_argument("--json", action="store_true")
@@ -312,6 +320,8 @@ def main() -> int:
         print("CPU ms per one-token request: conductor {cpu_ms_per_request:.2f}, instances "
               "{instances_cpu_ms_per_request:.2f}, client {client_cpu_ms_per_request:.2f}"
               .format(**c))
+        print("  per instance: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in c["instance_cpu_ms_per_request"].items()))
         print("CPU ms per echo request: server {cpu_ms_per_request:.2f}, client "
               "{client_cpu_ms_per_request:.2f}".format(**e))
     return 0
