@@ -216,26 +216,36 @@ class Instance:
         return sock
 
     async def serve(self, stop: asyncio.Event) -> None:
-        """Answer control frames and push reports until ``stop`` is set."""
+        """Answer control frames and push reports until ``stop`` is set. Frames already
+        queued are read through a synchronous shadow of the socket: the asyncio socket costs
+        a future and a poll per frame, so it is awaited only when none is waiting."""
         assert self.sock is not None
         reporter = asyncio.create_task(report_loop(self, stop))
         sweeper = asyncio.create_task(self._sweep_loop(stop))
+        sync: zmq.Socket[bytes] = zmq.Socket.shadow(self.sock.underlying)
+        stopper = asyncio.ensure_future(stop.wait())
         recv = None
         try:
             while not stop.is_set():
                 recv = recv or asyncio.ensure_future(self.sock.recv_multipart())
-                stopper = asyncio.ensure_future(stop.wait())
                 done, _ = await asyncio.wait({recv, stopper},
                                              return_when=asyncio.FIRST_COMPLETED)
-                stopper.cancel()
-                if recv in done:
-                    frames, recv = recv.result(), None
+                if recv not in done:
+                    continue
+                frames: list[bytes] | None = recv.result()
+                recv = None
+                while frames is not None and not stop.is_set():
                     # one task per frame: a request that waits (a cancel for its in-flight
                     # writes, a reservation for a step) never holds up the others
                     handler = asyncio.ensure_future(self._handle_frames(frames))
                     self._handlers.add(handler)
                     handler.add_done_callback(self._handlers.discard)
+                    try:
+                        frames = sync.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        frames = None
         finally:
+            stopper.cancel()
             if recv is not None:
                 recv.cancel()
             reporter.cancel()
