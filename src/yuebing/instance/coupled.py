@@ -10,8 +10,12 @@ staging and saved to the store in the background; every output becomes a `TaskEv
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import logging
 import time
+from typing import Any
 
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
@@ -36,8 +40,17 @@ class CoupledInstance(Instance):
                           f"a {self.role.label} instance runs COUPLED tasks, got {msg.mode.name}")
         task = Task(msg.request_id, ident, list(msg.token_ids), to_params(msg.sampling))
         self.tasks[task.request_id] = task
-        self.spawn(task, self.run_task(task, msg))
+        self.start_task(task, msg)
         return Ack(seq=msg.seq)
+
+    def start_task(self, task: Task, msg: SubmitTask, hold_kv: bool = False) -> None:
+        """Queue the request in the engine now when its prefix plan loads nothing (no task,
+        no await), else load the prefix in the background first (`run_task`)."""
+        plan = msg.prefix
+        if plan is None or plan.tokens <= 0 or plan.source == "local":
+            self._add(task, hold_kv)
+        else:
+            self.spawn(task, self.run_task(task, msg, hold_kv))
 
     async def run_task(self, task: Task, msg: SubmitTask, hold_kv: bool = False) -> None:
         """Load the prefix, then queue the request in the engine (events follow)."""
@@ -53,12 +66,25 @@ class CoupledInstance(Instance):
             task.extra["loading"] = False
         if task.done or task.request_id not in self.tasks:
             return  # cancelled meanwhile
-        params = self.engine_params(task)
-        try:
-            await self.driver.run(lambda e: e.add_request(task.token_ids, params,
-                                                          task.request_id, hold_kv=hold_kv))
-        except Exception as e:
-            self.fail(task, ErrorCode.INTERNAL, f"the engine refused the request: {e}")
+        self._add(task, hold_kv)
+
+    def _add(self, task: Task, hold_kv: bool) -> None:
+        """A driver call adding the request, not awaited: only a refusal comes back to the
+        loop (as the task's error)."""
+        params, rid, ids = self.engine_params(task), task.request_id, task.token_ids
+        loop = asyncio.get_running_loop()
+
+        def back(f: concurrent.futures.Future[Any]) -> None:
+            err = None if f.cancelled() else f.exception()
+            if err is not None:
+                with contextlib.suppress(RuntimeError):  # the loop closed: instance stopped
+                    loop.call_soon_threadsafe(self._refused, task, err)
+        self.driver.call(lambda e: e.add_request(ids, params, rid, hold_kv=hold_kv)
+                         ).add_done_callback(back)
+
+    def _refused(self, task: Task, err: BaseException) -> None:
+        if not task.done:
+            self.fail(task, ErrorCode.INTERNAL, f"the engine refused the request: {err}")
 
     def engine_params(self, task: Task) -> SamplingParams:
         return task.params

@@ -70,7 +70,7 @@ class PrefillInstance(CoupledInstance):
         task.extra["target"] = msg.decode
         self.streamer.watch(task.request_id, msg.decode)  # ValueError: another KV layout
         self.tasks[task.request_id] = task
-        self.spawn(task, self.run_task(task, msg, hold_kv=True))
+        self.start_task(task, msg, hold_kv=True)
         return Ack(seq=msg.seq)
 
     def engine_params(self, task: Task) -> SamplingParams:
