@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from typing import Any
 
 from yuebing.engine.sampling import SamplingParams
 from yuebing.engine.sequence import RequestOutput
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 KV_READY_TOPIC = "yuebing.kv_ready"
 
 
-def _log_release(fut: concurrent.futures.Future[object]) -> None:
+def _log_release(fut: concurrent.futures.Future[Any]) -> None:
     err = None if fut.cancelled() else fut.exception()
     if err is not None and not isinstance(err, RuntimeError):  # RuntimeError: driver stopped
         log.warning("releasing a handed-off request's blocks failed: %s", err)
