@@ -12,8 +12,9 @@ Reusable by every package's tests (transfer-engine discovery, store master HA)::
         etcd.stop()
 
 The server is Debian's ``etcd-server`` (3.4; ``scripts/install_test_servers.sh`` installs it).
-It binds 127.0.0.1 only, keeps its data in a fresh temporary directory that is removed on
-stop, and is started with a short election timeout so it is ready in well under a second.
+It binds 127.0.0.1 (or the ``host`` it is given, started through ``prefix``), keeps its data
+in a fresh temporary directory that is removed on stop, and is started with a short election
+timeout so it is ready in well under a second.
 Tests that need it are skipped (not failed) when the ``etcd`` binary is missing; mark them
 ``@pytest.mark.etcd``. Only the process this helper started is ever signalled.
 """
@@ -58,14 +59,18 @@ class EtcdServer:
     member at the same address with the data it had (as an operator would).
     """
 
-    def __init__(self, binary: str | None = None, name: str = "yuebing-test") -> None:
+    def __init__(self, binary: str | None = None, name: str = "yuebing-test", *,
+                 host: str = "127.0.0.1", prefix: tuple[str, ...] = ()) -> None:
         found = binary or find_etcd()
         if found is None:
             raise FileNotFoundError(
                 "etcd binary not found; run scripts/install_test_servers.sh (Debian etcd-server)")
         self.binary = found
         self.name = name
-        self.host = "127.0.0.1"
+        self.host = host
+        self.prefix = prefix
+        """A command that execs the rest in place (``ip netns exec NS``: etcd on a test host
+        of ``tests/faults/netns.py``, binding ``host``, that host's address)."""
         self.port = 0
         self.peer_port = 0
         self.proc: subprocess.Popen[bytes] | None = None
@@ -81,7 +86,7 @@ class EtcdServer:
             self.port, self.peer_port = free_port(), free_port()
         peer_url = f"http://{self.host}:{self.peer_port}"
         cmd = [
-            self.binary, "--name", self.name, "--data-dir", str(self._dir / "data"),
+            *self.prefix, self.binary, "--name", self.name, "--data-dir", str(self._dir / "data"),
             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"{self.name}={peer_url}", "--initial-cluster-state", "new",

@@ -10,7 +10,8 @@ instance free/reserved KV blocks and running requests, the Conductor's requests 
 the store's objects, pending puts, and its used bytes all belonging to objects or live
 reservations) are back at their baseline. With ``$YUEBING_FAULTS_REPORT`` each case appends
 one JSON line (outcomes, times) to that file. The fault modules (``test_faults.py``,
-``test_etcd_faults.py``, ``test_partitions.py``, ``test_multi_instance.py``) share it.
+``test_etcd_faults.py``, ``test_partitions.py``, ``test_store_etcd_partitions.py``,
+``test_multi_instance.py``) share it.
 """
 
 from __future__ import annotations

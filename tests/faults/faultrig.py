@@ -78,8 +78,8 @@ class Rig:
     (its URL) the cluster depends on it as ``yuebing serve --etcd`` does: the store master
     serves only while it holds its leader lease there, the instances publish themselves and
     the Conductor finds them there (no ``--instances``). ``place`` says where each role runs
-    (default: all on 127.0.0.1); the store's admin HTTP, its event feed and the Conductor's
-    HTTP API stay on the test's 127.0.0.1."""
+    (default: all on 127.0.0.1); the store's admin HTTP and its event feed bind the store
+    master's address, the Conductor's HTTP API stays on the test's 127.0.0.1."""
 
     def __init__(self, conductor_args: tuple[str, ...] = (), timeout_s: float = 180.0, *,
                  prefill: int = 1, decode: int = 1, etcd: str = "",
@@ -93,7 +93,7 @@ class Rig:
         p = {k: free_port() for k in ("rpc", "events", "admin", "http", *self.instances)}
         ip = {r: place(r).ip for r in self.roles}
         self.master = master = f"tcp://{ip['store-master']}:{p['rpc']}"
-        self.store_admin = f"http://127.0.0.1:{p['admin']}"
+        self.store_admin = f"http://{ip['store-master']}:{p['admin']}"
         self.url = f"http://127.0.0.1:{p['http']}"
         self.cluster = f"faults{os.getpid()}"
         """The cluster's name in etcd."""
@@ -102,15 +102,15 @@ class Rig:
                 "--kv-cache-bytes", "16MiB", "--staging-bytes", "16MiB", *find)
         self.args: dict[str, list[str]] = {
             "store-master": ["store", "master", "--rpc-address", master, "--events-address",
-                             f"tcp://127.0.0.1:{p['events']}", "--admin-port", str(p["admin"]),
-                             *find],
+                             f"tcp://{ip['store-master']}:{p['events']}", "--admin-host",
+                             ip["store-master"], "--admin-port", str(p["admin"]), *find],
             "store-node": ["store", "node", "--master", master, "--dram", "64MiB",
                            "--heartbeat-s", "0.5", "--tx-host", ip["store-node"],
                            *_host_id("--tx-host-id", place("store-node"))],
             "conductor": ["serve", "conductor", "--model", MODEL, "--port", str(p["http"]),
                           *(find or ("--instances", ",".join(
                               f"tcp://{ip[n]}:{p[n]}" for n in self.instances))),
-                          "--store-events", f"tcp://127.0.0.1:{p['events']}",
+                          "--store-events", f"tcp://{ip['store-master']}:{p['events']}",
                           "--store-admin", self.store_admin, "--heartbeat-timeout-s", "3",
                           *conductor_args],
         }
