@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from yuebing.core.errors import StoreError
 from yuebing.engine.config import EngineConfig
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
@@ -73,3 +76,44 @@ def test_a_background_job_that_raises_fails_its_task_with_an_error_event():
     asyncio.run(go())
     assert failed == [("r1", ErrorCode.INTERNAL, "KeyError: 'lost'")]
     assert not stub._handlers
+
+
+class _DownStore:
+    """A store whose master is out of reach: every call raises (after a client's failover
+    budget, in a real client) and is counted."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.last_heartbeat = 0.0  # as `StoreClient`: the master's last answer
+
+    def _fail(self, *args: object) -> None:
+        self.calls += 1
+        raise StoreError("master tcp://10.0.0.1:1 did not answer within 5.0s (failover budget "
+                         "spent)")
+
+    prefix_match = batch_exists = batch_get_into = batch_put = _fail
+
+
+def test_a_failed_store_call_makes_loads_and_saves_skip_the_store_for_a_while():
+    """Regression (issue 16, the store cut from a prefill's host): every load and save waited
+    out the store client's failover budget (15 s) on the connector's single I/O thread, so a
+    request whose prefix the Conductor planned from the store took 15-30 s. Now one failed call
+    makes the next ones skip the store for `store_retry_s` and until the client's heartbeat is
+    answered again; then a call tries again."""
+    e = _engine()
+    ids = [(i * 13) % 500 for i in range(512)]  # 2 store blocks of 256
+    e.generate([ids], SamplingParams(max_tokens=1))
+    store = _DownStore()
+    conn = KVConnector(e, store, KVConnectorConfig(staging_bytes=1 << 22,  # type: ignore[arg-type]
+                                                   store_retry_s=0.3))
+    assert conn.fetch(ids, 512).blocks == 0 and store.calls == 1  # tried, failed: computed
+    assert conn.fetch(ids, 512).blocks == 0 and store.calls == 1  # skipped
+    snap = conn.snapshot(e, ids)
+    assert snap is not None
+    assert conn.save(snap) == 0 and store.calls == 1  # dropped without a call
+    assert conn.stats.store_skipped == 2
+    assert conn.staging.take(1 << 22) is not None  # every staging byte given back
+    time.sleep(0.35)
+    assert conn.fetch(ids, 512).blocks == 0 and store.calls == 1  # no heartbeat answered yet
+    store.last_heartbeat = time.monotonic()  # the master answers again
+    assert conn.fetch(ids, 512).blocks == 0 and store.calls == 2  # tries again

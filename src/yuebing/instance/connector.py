@@ -20,7 +20,10 @@ The engine belongs to the driver thread, so each job is split in two halves:
 `lookup` answers "how many leading tokens of these ids can be loaded from the store". Misses
 (evicted between lookup and read, a node gone) load less; the rest is computed. Staging memory
 is bounded (`staging_bytes`): a fetch that finds no room loads less, a snapshot is skipped.
-Used by the prefill and coupled roles (`instance.prefill`, `instance.coupled`).
+A master out of reach costs one call its client's failover budget: after a failed call, fetches
+and saves skip the store (loads compute, saves drop) for `store_retry_s` and until the store
+client's heartbeat is answered again, so the single I/O thread does not hold every request
+behind calls that fail the same way. Used by the prefill and coupled roles (`instance.prefill`, `instance.coupled`).
 """
 
 from __future__ import annotations
@@ -55,11 +58,18 @@ class KVConnectorConfig:
         "help": "how long a key stays known as present: the store may lose it since "
                 "(eviction, a dead node, a restarted master), and a later save of the same "
                 "prompt after this long asks the store again and puts it back"})
+    store_retry_s: float = field(default=5.0, metadata={
+        "help": "after a store call failed (the master out of reach: the client gave up after "
+                "its failover budget, 15 s by default), loads and saves skip the store — they "
+                "compute and drop at once — for at least this long and until the store "
+                "client's heartbeat is answered again, so that requests do not queue behind "
+                "calls that would wait out the same budget"})
 
     def __post_init__(self) -> None:
         require(self.store_block_tokens > 0, "store_block_tokens must be > 0")
         require(self.staging_bytes > 0, "staging_bytes must be > 0")
         require(self.known_ttl_s >= 0, "known_ttl_s must be >= 0")
+        require(self.store_retry_s >= 0, "store_retry_s must be >= 0")
 
 
 @dataclass
@@ -91,6 +101,8 @@ class ConnectorStats:
     saved_blocks: int = 0
     save_failures: int = 0
     staging_full: int = 0
+    store_skipped: int = 0
+    """Loads and saves skipped because a store call failed less than `store_retry_s` ago."""
 
     @property
     def load_gbps(self) -> float:
@@ -146,6 +158,9 @@ class KVConnector:
         self._known: OrderedDict[str, float] = OrderedDict()
         """store key → when it was last seen stored (`time.monotonic`)."""
         self._known_lock = threading.Lock()
+        self._store_failed_at: float | None = None
+        """`time.monotonic` of the last failed store call while loads and saves skip the
+        store (`store_retry_s`); None: they use it."""
 
     # ------------------------------------------------------------------ keys
 
@@ -171,6 +186,23 @@ class KVConnector:
 
     # ------------------------------------------------------------------ I/O side
 
+    def _store_down(self) -> bool:
+        """A store call failed less than `store_retry_s` ago, or the store client's
+        heartbeat has not been answered since it failed (counted as a skip)."""
+        now = time.monotonic()
+        if self._store_failed_at is None:
+            return False
+        hb = getattr(self.store, "last_heartbeat", None)
+        if now < self._store_failed_at + self.config.store_retry_s or (
+                isinstance(hb, float) and hb < self._store_failed_at):
+            self.stats.store_skipped += 1
+            return True
+        self._store_failed_at = None
+        return False
+
+    def _store_failed(self) -> None:
+        self._store_failed_at = time.monotonic()
+
     def lookup(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
         """Leading tokens of ``token_ids`` loadable from the store (whole store blocks)."""
         if self.store is None:
@@ -183,12 +215,13 @@ class KVConnector:
         """Read the longest stored run of the prompt's first ``max_tokens`` tokens' store
         blocks into staging (I/O thread). Never raises for a miss: fewer blocks load."""
         keys = self.keys(token_ids, max_tokens)
-        if self.store is None or not keys:
+        if self.store is None or not keys or self._store_down():
             return Loaded(0, None)
         t0 = time.perf_counter()
         try:
             n = self.store.prefix_match(keys)
         except Exception as e:  # the store is optional for correctness
+            self._store_failed()
             log.warning("prefix lookup failed, computing the whole prompt: %s", e)
             return Loaded(0, None)
         taken = None
@@ -204,6 +237,7 @@ class KVConnector:
         try:
             sizes = self.store.batch_get_into(keys[:n], [v.numpy() for v in views])
         except Exception as e:
+            self._store_failed()
             log.warning("reading %d store blocks failed, computing them: %s", n, e)
             sizes = [-1] * n
         good = 0
@@ -224,6 +258,8 @@ class KVConnector:
         if self.store is None or snap.data is None:
             return 0
         try:
+            if self._store_down():
+                return 0
             present = self.store.batch_exists(snap.keys)
             todo = [i for i, p in enumerate(present) if not p]
             if not todo:
@@ -242,6 +278,7 @@ class KVConnector:
                             sorted({int(c) for c in codes}))
             return len(ok)
         except Exception as e:
+            self._store_failed()
             self.stats.save_failures += 1
             log.warning("saving %d store blocks failed: %s", len(snap.keys), e)
             return 0

@@ -90,6 +90,10 @@ class StoreClient(_Client[MasterConnection]):
             cfg.masters, cfg.rpc_timeout_s, cfg.failover_s, spin_s=cfg.spin_us * 1e-6), "client")
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
+        self.last_heartbeat: float | None = 0.0 if heartbeat else None
+        """`time.monotonic` of the last heartbeat the master answered (0.0: none yet); None
+        without a heartbeat thread. Lets a caller whose call failed wait for the master to
+        answer again without trying it on its own path (`instance.connector`)."""
         if heartbeat:
             self._hb = threading.Thread(target=self._heartbeat, name="store-heartbeat", daemon=True)
             self._hb.start()
@@ -110,6 +114,7 @@ class StoreClient(_Client[MasterConnection]):
                 next_hb = time.monotonic() + self.cfg.heartbeat_s
                 try:
                     conn.call(m.Heartbeat(client=self.client_id))
+                    self.last_heartbeat = time.monotonic()
                 except StoreError as e:
                     log.warning("heartbeat failed: %s", e)
         finally:
