@@ -15,8 +15,13 @@ links named by the case down for ``CUT_S`` seconds, then heals them:
   fills again;
 - ``etcd``: etcd from the Conductor and the instances (the store master still reaches it):
   the Conductor serves on with the instances it knows; a prefill instance started as the cut
-  begins (in host 0, cut from etcd too; the cut lasts until it is ready, if that takes
-  longer than ``CUT_S``) joins once healed, one started after the heal too.
+  begins (in host p, cut from etcd too; the cut lasts until it is ready, if that takes
+  longer than ``CUT_S``) joins once healed, a decode started after the heal too.
+
+The load's prompts all stay in the prefill's own prefix cache, so it never loads from the
+pool; `test_cold_prefill_across_store_partition` makes it: a prefill with an empty cache,
+started while the store is cut from its host, serves the stored prompts by computing them
+(its loads fail), and after the heal loads them from the pool.
 
 Checked (`faultcheck.fault_under_load`): every request of the load succeeded with the
 reference outputs within its deadline, a fresh request is served again, the levels (KV blocks,
@@ -27,26 +32,30 @@ namespaces cannot be made (not root, no ``ip``) or etcd is not installed.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
-from faultcheck import Baseline, Fault, fault_under_load
-from faultrig import Outcome, Rig, get_json
+from faultcheck import LEVELS_WAIT_S, Baseline, Fault, fault_under_load
+from faultcheck import _accounted as accounted
+from faultrig import Outcome, Rig, get_json, one_request, wait_levels
 from netns import Hosts
 
 from etcd_util import EtcdServer, find_etcd
+from yuebing.instance.connector import KVConnectorConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd,
               pytest.mark.skipif(find_etcd() is None, reason="etcd binary not installed "
                                  "(scripts/install_test_servers.sh)")]
 
 CUT_S = 10.0
-HOST = {"prefill-0": "p", "store-master": "m", "store-node": "n"}
-"""Where each role runs; the others (the Conductor, the decode, instances added later) run in
-host 0, etcd in host e."""
+HOST = {"store-master": "m", "store-node": "n"}
+"""Where each role runs besides the prefill instances (host p); the others (the Conductor,
+the decode instances) run in host 0, etcd in host e."""
 CASES: dict[str, tuple[tuple[str, str], ...]] = {
     "store-prefill": (("p", "m"), ("p", "n")),
     "node-master": (("n", "m"),),
@@ -69,7 +78,8 @@ def state() -> Iterator[State]:
     try:
         etcd = EtcdServer(host=hosts.ip["e"], prefix=hosts.place("e").prefix).start()
         try:
-            rig = Rig(etcd=etcd.url, place=lambda role: hosts.place(HOST.get(role, "0")))
+            rig = Rig(etcd=etcd.url, place=lambda role: hosts.place(
+                "p" if role.startswith("prefill") else HOST.get(role, "0")))
             try:
                 yield State(Baseline(rig), hosts, etcd)
             finally:
@@ -142,3 +152,70 @@ def test_store_etcd_partition_under_load(state: State, case: str) -> None:
                            _cut(state, CASES[case], late),
                            allowed=frozenset({Outcome.OK}), after=after)
     assert row["during"].get("OK", 0) > 0, row  # served during the cut
+
+
+def _served_on(rig: Rig, name: str) -> list[tuple[int, float]]:
+    """(``cached`` tokens, ``prefix_load`` ms) of every request the Conductor's access log
+    shows on prefill instance ``name``."""
+    out = []
+    for line in rig.procs["conductor"].log().splitlines():
+        if f" prefill={name} " in line and "prefix_load=" in line:
+            out.append((int(line.split(" cached=")[1].split()[0]),
+                        float(line.split("prefix_load=")[1].split("ms")[0])))
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_cold_prefill_across_store_partition(state: State) -> None:
+    """prefill-0 stopped (SIGSTOP: the Conductor drops it), the store cut from the prefill's
+    host, a new prefill started there: three of the stored prompts are served correctly and
+    in time by computing them (the Conductor plans loads from the pool, which fail); after the
+    heal the other three, never prefilled on it, are loaded from the pool (``cached`` > 0:
+    no two prompts share a block)."""
+    rig, hosts, ref = state.base.rig, state.hosts, state.base.ref
+    links = CASES["store-prefill"]
+    rig.signal("prefill-0", signal.SIGSTOP)
+    new = ""
+    try:
+        _wait_view(rig, lambda load: "prefill-0" not in load)
+        for a, b in links:
+            hosts.cut(a, b)
+        try:
+            new = rig.add_instance("prefill")  # ready with the store out of reach
+            _wait_view(rig, lambda load: new in load)
+            for i in range(3):
+                r = one_request(rig.url, i, 30.0)
+                assert r.outcome == Outcome.OK and r.tokens == ref[i], r
+        finally:
+            for a, b in links:
+                hosts.heal(a, b)
+        time.sleep(1.0)
+        during = _served_on(rig, new)
+        time.sleep(KVConnectorConfig.store_retry_s + 1.0)  # a failed call's skipping is over
+        for i in range(3, len(ref)):
+            r = one_request(rig.url, i, 30.0)
+            assert r.outcome == Outcome.OK and r.tokens == ref[i], r
+        time.sleep(1.0)
+        after = _served_on(rig, new)[len(during):]
+        print(f"(cached tokens, prefix_load ms) on {new}: during the cut {during}, "
+              f"after the heal {after}")
+        assert [c for c, _ in during] == [0, 0, 0], during  # computed
+        assert len(after) == 3 and any(c > 0 for c, _ in after), after  # loaded
+    finally:
+        if new:
+            rig.remove_instance(new)
+        rig.signal("prefill-0", signal.SIGCONT)
+    rig.wait_joined()
+    got = wait_levels(rig, state.base.base, LEVELS_WAIT_S)
+    assert got == state.base.base, got
+    end = time.monotonic() + LEVELS_WAIT_S  # every store byte an object's or a reservation's
+    while not accounted(rig, state.base.object_bytes):
+        assert time.monotonic() < end, rig.store_usage()
+        time.sleep(0.5)
+
+
+def _wait_view(rig: Rig, ok: Callable[[dict[str, Any]], bool], timeout_s: float = 30.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not ok(rig.health()["load"]):
+        assert time.monotonic() < end, rig.health()
+        time.sleep(0.2)
