@@ -306,6 +306,45 @@ def test_prefill_death_between_first_token_and_handoff_fails_the_stream(fl: Fake
         c.stop()
 
 
+def test_request_timeout_ends_a_hung_prefill(fl: FakeLoop) -> None:
+    """A prefill that never produces the first token (but keeps reporting): the request's
+    timer ends it with ``timeout`` at ``request_timeout_s``, and its decode reservation is
+    cancelled."""
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"), request_timeout_s=1.0)
+    p0, d0 = fl.fakes["p0"], fl.fakes["d0"]
+    p0.hang = True
+    try:
+        t0 = time.monotonic()
+        status, body = _complete(c, prompt=[1, 2, 3], max_tokens=3)
+        assert 0.9 < time.monotonic() - t0 < 8
+        assert status == 500 and body["error"]["code"] == "timeout", body
+        end = time.monotonic() + 15
+        while fl.call(lambda: d0.free_blocks) != d0.total_blocks:
+            assert time.monotonic() < end, d0.held
+            time.sleep(0.05)
+    finally:
+        c.stop()
+
+
+def test_request_timeout_ends_a_slow_decode_stream(fl: FakeLoop) -> None:
+    """The deadline passes while the decode streams (after the prefill's hand-off): the stream
+    ends with a ``timeout`` error event, not a ``prefill_failed`` one."""
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"), request_timeout_s=1.5,
+                   d0_kw={"step_s": 0.2})
+    try:
+        t0 = time.monotonic()
+        conn, resp = response(c.url, "/v1/completions", {
+            "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 100, "stream": True})
+        events = sse_events(resp)
+        conn.close()
+        assert 1.4 < time.monotonic() - t0 < 8
+        assert events[0]["choices"][0]["text"] == " t1003"
+        assert len(events) > 4  # tokens of the decode reached the client first
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "timeout", events[-2]
+    finally:
+        c.stop()
+
+
 def test_a_call_pending_on_an_instance_that_dies_fails_at_the_heartbeat_timeout(
         fl: FakeLoop) -> None:
     """A submit that the dying prefill never acknowledges is re-dispatched once the instance

@@ -270,13 +270,18 @@ class Dispatcher:
             stats.cached_tokens = ev.cached_tokens
             self.cluster.prefill_done(rid, pre.id)
             delta = _delta(ev, stats, received)
+            if not coupled and delta.finish_reason is None:
+                # the decode's stream is the one read next: the timer ends it from here on,
+                # also while the first token is with the client
+                if loop.time() >= timer.when():  # it fired into the prefill's stream
+                    raise self._timed_out(rid)
+                reading[0] = dec
             yield delta
             if delta.finish_reason is not None:
                 return
             if coupled:
                 events = pre_events
             else:
-                reading[0] = dec
                 events = dec.client.timed_events(rid)
                 drain = loop.create_task(_drain(pre_events, stats, rid))
                 drain.add_done_callback(lambda t: _lost_prefill(t, dec, rid))
@@ -307,9 +312,11 @@ class Dispatcher:
             raise RequestFailed("instance_error", f"request {rid}: the event stream ended "
                                 "early") from None
         if ev is _TIMED_OUT:
-            raise RequestFailed("timeout", f"request {rid} ran past "
-                                f"{self.request_timeout_s:.0f} s")
+            raise self._timed_out(rid)
         return ev, arrived
+
+    def _timed_out(self, rid: str) -> RequestFailed:
+        return RequestFailed("timeout", f"request {rid} ran past {self.request_timeout_s:.0f} s")
 
 
 _TIMED_OUT = TaskEvent(request_id="", kind=EventKind.ERROR, error="the request timed out")
