@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from engine_factories import make_engine, prompts, tiny
 
-from yuebing.engine.linear import Linear, can_pack, invariant_min_rows
+from yuebing.engine.linear import MIN_ROWS_CANDIDATES, Linear, can_pack, invariant_min_rows
 from yuebing.engine.sampling import SamplingParams
 
 needs_pack = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
@@ -78,3 +78,11 @@ def test_probed_padding_gives_each_row_the_same_bits_at_any_row_count(dtype: tor
         got = torch.cat([lin(x[i:i + m]) for i in range(0, 128, m)])[:128]
         assert torch.equal(got, full[:128]), m
     assert lin(x[:0]).shape == (0, 576)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_probe_multiplies_on_the_weights_device():
+    """The probe's inputs live where the weight does (a CUDA engine in batch-invariant mode,
+    the default, probes at start-up)."""
+    lin = Linear(torch.randn(64, 128, device="cuda", dtype=torch.bfloat16))
+    assert invariant_min_rows([lin]) in (*MIN_ROWS_CANDIDATES, None)

@@ -117,7 +117,7 @@ _PROBE_ELEMENTS = 32768
 """Output elements checked per probed row count: a changed summation order flips a bf16
 output's rounding rarely (about 2 in 10,000 elements), so narrow matmuls check more rows."""
 _verdicts: dict[tuple[object, ...], bool] = {}
-"""Per process: (shape, dtype, packed, threads, candidate) -> invariant."""
+"""Per process: (shape, dtype, device, packed, threads, candidate) -> invariant."""
 
 
 def invariant_min_rows(linears: list[Linear], seed: int = 0) -> int | None:
@@ -143,12 +143,12 @@ def invariant_min_rows(linears: list[Linear], seed: int = 0) -> int | None:
 def _verdict(lin: Linear, min_rows: int, gen: torch.Generator) -> bool:
     w = lin.packed if lin.packed is not None else lin.weight
     assert w is not None
-    key = (lin.shape, w.dtype, lin.is_packed, torch.get_num_threads(), min_rows)
+    key = (lin.shape, w.dtype, w.device, lin.is_packed, torch.get_num_threads(), min_rows)
     if key not in _verdicts:
         saved, lin.min_rows = lin.min_rows, min_rows
         try:
-            _verdicts[key] = _invariant(lin, torch.randn(_PROBE_FULL, lin.shape[1],
-                                                         generator=gen).to(w.dtype))
+            x = torch.randn(_PROBE_FULL, lin.shape[1], generator=gen)
+            _verdicts[key] = _invariant(lin, x.to(device=w.device, dtype=w.dtype))
         finally:
             lin.min_rows = saved
     return _verdicts[key]
