@@ -7,8 +7,10 @@ step, its prefix-cache hits) straight into the decode's KV pool segment at the `
 offsets, then returns so layer ``l+1`` computes while the bytes move. Consecutive runs of
 (prefill block, decode block) pairs become one request each; the requests of every watched
 request of the step bound for one decode segment go as one transfer batch per layer (each
-request's part judged on its own). A waiter thread stamps when each layer's batch completes, so `finish` can tell how many layers had landed before the prefill's
-last layer was computed (the streaming proof in `yuebing bench instance`).
+request's part judged on its own). A chunk whose KV per layer is under ``whole_below`` bytes
+(``--layerwise-min-bytes``) goes in one batch of all its layers after its last layer. A waiter
+thread stamps when each batch completes, so `finish` can tell how many layers had landed
+before the prefill's last layer was computed (the streaming proof in `yuebing bench instance`).
 
 Called by the prefill role (`instance.prefill`): `watch` before adding the request, `finish`
 (blocking; run it in an executor) after its first token, `drop` on cancel.
