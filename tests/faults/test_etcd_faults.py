@@ -10,9 +10,9 @@ and lease is gone; slow), and ``SIGSTOP`` for 10 s then ``SIGCONT``.
 Checked, besides `faultcheck.fault_under_load`'s checks (deadlines, reference outputs,
 recovery, levels back): every request of the load succeeded — while etcd was out (the
 instances the Conductor already knew serve on; the store master stepped down, so loads and
-saves of the KV pool are skipped) and after it came back — an instance started while etcd was out joins once etcd is back (its
-registration is retried, not lost), an instance started after it is back joins too, and the
-store master is elected again.
+saves of the KV pool are skipped) and after it came back — an instance started while etcd
+was out joins once etcd is back (its registration is retried, not lost), an instance started
+after it is back joins too, and the store master is elected again.
 """
 
 from __future__ import annotations
