@@ -24,9 +24,9 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import zmq
@@ -66,6 +66,7 @@ from yuebing.transfer.config import TransferConfig
 from yuebing.transfer.engine import TransferEngine
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Refused(Exception):
@@ -436,6 +437,27 @@ class Instance:
                 self.fail(task, ErrorCode.INTERNAL, f"{type(j.exception()).__name__}: "
                           f"{j.exception()}")
         job.add_done_callback(done)
+
+    def driver_then(self, task: Task, call: Callable[[LLMEngine], T],
+                    then: Callable[[concurrent.futures.Future[T]], None]) -> None:
+        """Queue ``call`` to the driver without awaiting it; its completion comes back as
+        ``then(future)`` on the loop: one callback, no task per request (decode adoption,
+        coupled/prefill add). An exception escaping ``then`` ends ``task`` with INTERNAL, as
+        `spawn` does, instead of leaving it hanging until the Conductor's timeout."""
+        loop = asyncio.get_running_loop()
+
+        def guarded(fut: concurrent.futures.Future[T]) -> None:
+            try:
+                then(fut)
+            except Exception as e:
+                log.error("%s: handling a driver call failed", task.request_id, exc_info=True)
+                if not task.done:
+                    self.fail(task, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+        def back(fut: concurrent.futures.Future[T]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: the instance stopped
+                loop.call_soon_threadsafe(guarded, fut)
+        self.driver.call(call).add_done_callback(back)
 
     def fail(self, task: Task, code: ErrorCode, error: str) -> None:
         self._event(task, EventKind.ERROR, error_code=code, error=error)

@@ -10,9 +10,7 @@ staging and saved to the store in the background; every output becomes a `TaskEv
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import time
 from typing import Any
@@ -72,18 +70,12 @@ class CoupledInstance(Instance):
         """A driver call adding the request, not awaited: only a refusal comes back to the
         loop (as the task's error)."""
         params, rid, ids = self.engine_params(task), task.request_id, task.token_ids
-        loop = asyncio.get_running_loop()
+        self.driver_then(task, lambda e: e.add_request(ids, params, rid, hold_kv=hold_kv),
+                         lambda f: self._added(task, f))
 
-        def back(f: concurrent.futures.Future[Any]) -> None:
-            err = None if f.cancelled() else f.exception()
-            if err is not None:
-                with contextlib.suppress(RuntimeError):  # the loop closed: instance stopped
-                    loop.call_soon_threadsafe(self._refused, task, err)
-        self.driver.call(lambda e: e.add_request(ids, params, rid, hold_kv=hold_kv)
-                         ).add_done_callback(back)
-
-    def _refused(self, task: Task, err: BaseException) -> None:
-        if not task.done:
+    def _added(self, task: Task, fut: concurrent.futures.Future[Any]) -> None:
+        err = None if fut.cancelled() else fut.exception()
+        if err is not None and not task.done:
             self.fail(task, ErrorCode.INTERNAL, f"the engine refused the request: {err}")
 
     def engine_params(self, task: Task) -> SamplingParams:

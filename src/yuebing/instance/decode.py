@@ -18,9 +18,7 @@ while free blocks would drop under the headroom.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import time
 
@@ -154,15 +152,9 @@ class DecodeInstance(Instance):
             else 0.0
         blocks = task.extra["blocks"]
         rid, ids, params = task.request_id, task.token_ids, task.params
-        loop = asyncio.get_running_loop()
-
-        def back(f: concurrent.futures.Future[RequestOutput]) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop closed: the instance stopped
-                loop.call_soon_threadsafe(self._adopted, task, blocks, f)
-        # a driver call whose completion comes back as one loop callback (no task per request)
-        self.driver.call(lambda e: adopt_request(
-            e, rid, ids, blocks, msg.first_token, params, msg.cached_tokens)
-        ).add_done_callback(back)
+        self.driver_then(task, lambda e: adopt_request(
+            e, rid, ids, blocks, msg.first_token, params, msg.cached_tokens),
+            lambda f: self._adopted(task, blocks, f))
 
     def _adopted(self, task: Task, blocks: list[int],
                  fut: concurrent.futures.Future[RequestOutput]) -> None:

@@ -59,6 +59,10 @@ def _ewma(old: float, new: float, alpha: float) -> float:
     return new if old == 0 else (1 - alpha) * old + alpha * new
 
 
+class DriverStopped(RuntimeError):
+    """A call queued to a stopped driver (or still queued when it stopped): it never ran."""
+
+
 class EngineDriver:
     """Runs ``engine`` in a dedicated thread; see the module docstring."""
 
@@ -83,7 +87,7 @@ class EngineDriver:
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._cv:
             if self._stop:
-                fut.set_exception(RuntimeError("the engine driver is stopped"))
+                fut.set_exception(DriverStopped("the engine driver is stopped"))
                 return fut
             self._calls.append((fn, fut))
             self._cv.notify()
@@ -130,7 +134,7 @@ class EngineDriver:
             pending = list(self._calls)
             self._calls.clear()
         for _, fut in pending:
-            fut.set_exception(RuntimeError("the engine driver stopped"))
+            fut.set_exception(DriverStopped("the engine driver stopped"))
 
     def _run_call(self, fn: Callable[[LLMEngine], Any],
                   fut: concurrent.futures.Future[Any]) -> None:

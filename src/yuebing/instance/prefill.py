@@ -27,6 +27,7 @@ from yuebing.engine.sampling import SamplingParams
 from yuebing.engine.sequence import RequestOutput
 from yuebing.instance.base import Refused, Task, to_params
 from yuebing.instance.coupled import CoupledInstance
+from yuebing.instance.driver import DriverStopped
 from yuebing.instance.streaming import KvStreamer, StreamResult
 from yuebing.protocol import Message, encode
 from yuebing.protocol.instance import (
@@ -46,7 +47,7 @@ KV_READY_TOPIC = "yuebing.kv_ready"
 
 def _log_release(fut: concurrent.futures.Future[Any]) -> None:
     err = None if fut.cancelled() else fut.exception()
-    if err is not None and not isinstance(err, RuntimeError):  # RuntimeError: driver stopped
+    if err is not None and not isinstance(err, DriverStopped):
         log.warning("releasing a handed-off request's blocks failed: %s", err)
 
 
