@@ -28,13 +28,13 @@ import asyncio
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from yuebing.ops.procs import ReadyProcess, stop_all
 
 MODEL = "dummy:preset=tiny"
 ECHO_BODY = {"id": "cmpl-echo", "object": "text_completion", "created": 0, "model": MODEL,
@@ -71,35 +71,23 @@ def echo_server(ready_file: str) -> None:
 
 
 class Procs:
+    """The benchmark's processes (`yuebing.ops.procs.ReadyProcess`, their logs and ready files
+    in one folder), stopped together."""
+
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="yb-bench-conductor-"))
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[ReadyProcess] = []
         self.pids: dict[str, int] = {}
 
     def start(self, name: str, argv: list[str], timeout_s: float = 300.0) -> dict[str, Any]:
-        ready = self.dir / f"{name}.json"
-        p = subprocess.Popen([*argv, "--ready-file", str(ready)],
-                             stdout=(self.dir / f"{name}.log").open("wb"),
-                             stderr=subprocess.STDOUT, env={**os.environ})
+        p = ReadyProcess(argv, name=name, workdir=self.dir, timeout_s=timeout_s)
         self.procs.append(p)
-        self.pids[name] = p.pid
-        end = time.monotonic() + timeout_s
-        while not ready.exists():
-            if p.poll() is not None or time.monotonic() > end:
-                raise RuntimeError(f"{name} did not start; see {self.dir / name}.log")
-            time.sleep(0.05)
+        self.pids[name] = p.proc.pid
         time.sleep(0.05)
-        return json.loads(ready.read_text())
+        return p.info
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(reversed(self.procs))
         self.procs.clear()
 
 

@@ -1,47 +1,19 @@
 """Start a master and a storage node as child processes of the store benchmark (loopback only);
-each is stopped through the handle that started it."""
+each is stopped through the handle that started it (`yuebing.ops.procs.ReadyProcess`).
+``yuebing bench instance`` starts its processes as `Child` too."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-from typing import Any
+from yuebing.ops.procs import ReadyProcess, yuebing_argv
 
 
-class Child:
-    """A ``yuebing`` CLI child process; ``info`` is the JSON it wrote to its ready file."""
+class Child(ReadyProcess):
+    """A ``yuebing <args>`` child process of a benchmark; ``info`` is the JSON it wrote to its
+    ready file, its output is in ``dir``."""
 
     def __init__(self, args: list[str], timeout_s: float = 60.0) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="yb-store-bench-"))
-        ready = self.dir / "ready.json"
-        self.log = open(self.dir / "log.txt", "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "yuebing.cli.main", *args,
-                                      "--ready-file", str(ready)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
-        end = time.monotonic() + timeout_s
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > end:
-                self.stop()
-                raise RuntimeError(f"{args[:2]} did not start: "
-                                   f"{(self.dir / 'log.txt').read_text()[-2000:]}")
-            time.sleep(0.05)
-        self.info: dict[str, Any] = json.loads(ready.read_text())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
+        super().__init__(yuebing_argv(args), name="-".join(args[:2]) or "yuebing",
+                         timeout_s=timeout_s)
 
 
 def start_master(*extra: str) -> Child:
