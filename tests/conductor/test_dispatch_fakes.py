@@ -146,9 +146,12 @@ def test_reject_is_429_with_retry_after_and_health_stays_ok(fl: FakeLoop) -> Non
 
 
 def test_dead_prefill_before_first_token_is_redispatched_once(fl: FakeLoop) -> None:
+    # a heartbeat timeout of 4 s: a loaded machine that stalls the fakes' thread for 2 s would
+    # drop p0 before the request is routed (it then goes to p1 and nothing is re-dispatched)
     c = _conductor(fl, (Role.PREFILL, "p0"), (Role.PREFILL, "p1"), (Role.DECODE, "d0"),
-                   prefill_selector="load_balance", p1_kw={"queued_prefill_tokens": 100})
-    p0, d0 = fl.fakes["p0"], fl.fakes["d0"]
+                   prefill_selector="load_balance", p1_kw={"queued_prefill_tokens": 100},
+                   heartbeat_timeout_s=4.0)
+    p0, p1, d0 = fl.fakes["p0"], fl.fakes["p1"], fl.fakes["d0"]
     p0.hang = True
     try:
         out: dict[str, object] = {}
@@ -157,7 +160,7 @@ def test_dead_prefill_before_first_token_is_redispatched_once(fl: FakeLoop) -> N
         t.start()
         end = time.monotonic() + 10
         while not p0.kinds(SubmitTask):
-            assert time.monotonic() < end
+            assert time.monotonic() < end, ("p0 never got the task", p1.kinds(SubmitTask))
             time.sleep(0.01)
         p0.silence()  # p0 "dies" with the request in prefill
         t.join(30)
