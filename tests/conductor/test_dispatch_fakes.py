@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from fake_instance import FINGERPRINT, FakeLoop
+from fake_instance import FINGERPRINT, FakeInstance, FakeLoop
 from harness import MODEL, ConductorThread, request, response, sse_events
 
 from yuebing.core.ids import InstanceId
@@ -37,6 +37,14 @@ def _conductor(fl: FakeLoop, *roles: tuple[Role, str], **kw: object) -> Conducto
             return c
         assert time.monotonic() < end, h
         time.sleep(0.05)
+
+
+def _wait_all_free(fl: FakeLoop, d0: FakeInstance, timeout_s: float) -> None:
+    """Until the decode's free blocks are back at its total (else fail, naming what is held)."""
+    end = time.monotonic() + timeout_s
+    while fl.call(lambda: d0.free_blocks) != d0.total_blocks:
+        assert time.monotonic() < end, d0.held
+        time.sleep(0.02)
 
 
 def _complete(c: ConductorThread, **body: object) -> tuple[int, dict]:
@@ -170,10 +178,7 @@ def test_dead_prefill_before_first_token_is_redispatched_once(fl: FakeLoop) -> N
         assert body["usage"]["yuebing"]["redispatched"] == 1
         assert body["choices"][0]["text"] == " t1003 t1004 t1005"
         # the first reservation was cancelled: the decode's blocks are all free again
-        end = time.monotonic() + 15
-        while fl.call(lambda: d0.free_blocks) != d0.total_blocks:
-            assert time.monotonic() < end, d0.held
-            time.sleep(0.02)
+        _wait_all_free(fl, d0, 15)
         assert len(d0.kinds(Reserve)) == 2 and len(d0.kinds(Cancel)) == 1
         health = request(c.url, "GET", "/health")[1]
         assert health["instances"]["prefill"] == ["p1"]
@@ -300,10 +305,7 @@ def test_prefill_death_between_first_token_and_handoff_fails_the_stream(fl: Fake
         assert time.monotonic() - t0 < 15
         assert events[0]["choices"][0]["text"] == " t1003"
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "prefill_failed"
-        end = time.monotonic() + 15
-        while fl.call(lambda: d0.free_blocks) != d0.total_blocks:
-            assert time.monotonic() < end, d0.held
-            time.sleep(0.05)
+        _wait_all_free(fl, d0, 15)
         assert d0.kinds(Cancel)
     finally:
         c.stop()
@@ -321,10 +323,7 @@ def test_request_timeout_ends_a_hung_prefill(fl: FakeLoop) -> None:
         status, body = _complete(c, prompt=[1, 2, 3], max_tokens=3)
         assert 0.9 < time.monotonic() - t0 < 8
         assert status == 500 and body["error"]["code"] == "timeout", body
-        end = time.monotonic() + 15
-        while fl.call(lambda: d0.free_blocks) != d0.total_blocks:
-            assert time.monotonic() < end, d0.held
-            time.sleep(0.05)
+        _wait_all_free(fl, d0, 15)
     finally:
         c.stop()
 
@@ -396,10 +395,7 @@ def test_decode_kv_is_reserved_when_the_prefill_turn_comes_not_at_dispatch(
         assert body["usage"]["yuebing"]["queue_s"] >= 0
         health = request(c.url, "GET", "/health")[1]
         assert health["status"] == "ok"
-        end = time.monotonic() + 10
-        while fl.call(lambda: d0.free_blocks) != d0.total_blocks:
-            assert time.monotonic() < end, d0.held
-            time.sleep(0.02)
+        _wait_all_free(fl, d0, 10)
     finally:
         c.stop()
 
