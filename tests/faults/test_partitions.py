@@ -19,7 +19,6 @@ success or a clear error, outputs equal the reference, a fresh request is served
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 
@@ -42,20 +41,16 @@ LONG_CUT_S = 40.0
 @pytest.fixture(scope="module")
 def state() -> Iterator[tuple[Baseline, Hosts]]:
     hosts = Hosts.create(("p", "d"))
-    token = os.environ.get("YUEBING_CLUSTER_TOKEN")
-    os.environ["YUEBING_CLUSTER_TOKEN"] = "partitions-token"  # every role binds beyond lo
     try:
-        rig = Rig(place=lambda role: hosts.place(HOST.get(role, "0")))
-        try:
-            yield Baseline(rig), hosts
-        finally:
-            rig.stop()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("YUEBING_CLUSTER_TOKEN", "partitions-token")  # every role binds beyond lo
+            rig = Rig(place=lambda role: hosts.place(HOST.get(role, "0")))
+            try:
+                yield Baseline(rig), hosts
+            finally:
+                rig.stop()
     finally:
         hosts.close()
-        if token is None:
-            os.environ.pop("YUEBING_CLUSTER_TOKEN", None)
-        else:
-            os.environ["YUEBING_CLUSTER_TOKEN"] = token
 
 
 def _cut(hosts: Hosts, a: str, b: str, seconds: float) -> Fault:

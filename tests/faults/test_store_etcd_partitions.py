@@ -31,7 +31,6 @@ namespaces cannot be made (not root, no ``ip``) or etcd is not installed.
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -73,25 +72,21 @@ class State:
 @pytest.fixture(scope="module")
 def state() -> Iterator[State]:
     hosts = Hosts.create(("p", "m", "n", "e"))
-    token = os.environ.get("YUEBING_CLUSTER_TOKEN")
-    os.environ["YUEBING_CLUSTER_TOKEN"] = "partitions-token"  # every role binds beyond lo
     try:
-        etcd = EtcdServer(host=hosts.ip["e"], prefix=hosts.place("e").prefix).start()
-        try:
-            rig = Rig(etcd=etcd.url, place=lambda role: hosts.place(
-                "p" if role.startswith("prefill") else HOST.get(role, "0")))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("YUEBING_CLUSTER_TOKEN", "partitions-token")  # every role binds beyond lo
+            etcd = EtcdServer(host=hosts.ip["e"], prefix=hosts.place("e").prefix).start()
             try:
-                yield State(Baseline(rig), hosts, etcd)
+                rig = Rig(etcd=etcd.url, place=lambda role: hosts.place(
+                    "p" if role.startswith("prefill") else HOST.get(role, "0")))
+                try:
+                    yield State(Baseline(rig), hosts, etcd)
+                finally:
+                    rig.stop()
             finally:
-                rig.stop()
-        finally:
-            etcd.stop()
+                etcd.stop()
     finally:
         hosts.close()
-        if token is None:
-            os.environ.pop("YUEBING_CLUSTER_TOKEN", None)
-        else:
-            os.environ["YUEBING_CLUSTER_TOKEN"] = token
 
 
 def _cut(s: State, links: tuple[tuple[str, str], ...], late: list[str] | None) -> Fault:
