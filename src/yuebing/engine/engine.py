@@ -142,9 +142,6 @@ class LLMEngine:
         self.attention = self.prefill_attention = f"invariant:{name}"
         self.model.token_impl = TOKEN_IMPLS[name]
         self.matmul_min_rows = self.model.make_matmuls_invariant()
-        if self.matmul_min_rows is None:
-            log.warning("batch invariance: this CPU's %s matmuls depend on the batch size at "
-                        "any padding; outputs may depend on the batch", self.dtype)
 
     def _choose_attention(self, config: EngineConfig) -> None:
         """Set the model's decode/prefill attention: as configured, or measured (``auto``)."""

@@ -14,6 +14,7 @@ residual add, RoPE with the KV write, SiLU·mul) goes through ``self.ops``, a
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -25,6 +26,8 @@ from yuebing.engine.attention import DECODE_IMPLS, PREFILL_IMPLS, AttnMetadata
 from yuebing.engine.config import ModelConfig, RopeScaling
 from yuebing.engine.kernels import KernelOps, TorchOps
 from yuebing.engine.linear import Linear, can_pack, invariant_min_rows
+
+log = logging.getLogger(__name__)
 
 LayerHook = Callable[[int, AttnMetadata], None]
 
@@ -123,6 +126,9 @@ class LlamaModel:
         linears = [self.lm_head, *(lin for layer in self.layers
                                    for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))]
         rows = invariant_min_rows(linears)
+        if rows is None:
+            log.warning("batch invariance: this CPU's %s matmuls depend on the batch size at "
+                        "any padding; outputs may depend on the batch", self.dtype)
         for lin in linears:
             lin.min_rows = rows or 1
         return rows
