@@ -3,8 +3,9 @@
 All fakes of a test share one `FakeLoop` (an asyncio loop in a daemon thread), so a fake prefill
 can hand a request to a fake decode directly (the real ones use a transfer-engine notification).
 Timing and faults are controlled from the test thread: ``prefill_delay_s`` / ``step_s``,
-``hang`` (never produce the first token), ``silence()`` (stop reports and replies: a dead
-process as the Conductor sees it), ``die_after_tokens`` (a decode that goes silent mid-stream).
+``hang`` (never produce the first token), ``silence()`` (stop reports and replies: a hung
+process, or a dead one behind a partition, as the Conductor sees it), ``restart()`` (killed and
+started again at the same address: its connections drop), ``die_after_tokens`` (a decode that goes silent mid-stream).
 Every control message received is recorded (``received``) and blocks are accounted
 (``free_blocks``) so tests can check cancels and leaks.
 """
@@ -132,6 +133,30 @@ class FakeInstance:
     def silence(self) -> None:
         """Stop answering and reporting, as a killed process would."""
         self.silent = True
+
+    async def restart(self) -> None:
+        """Die and come back at the same address, as ``kill -9`` and a restart would: the
+        connections drop (a new socket on the same port), a new incarnation, no subscribers,
+        and the old process's tasks and reservations are gone."""
+        for t in list(self._tasks):
+            t.cancel()
+        self.sock.close(0)
+        self.incarnation = uuid.uuid4().hex
+        self.subscribers.clear()
+        self.held.clear()
+        self.owner.clear()
+        self.free_blocks = self.total_blocks
+        self.sock = self.fl.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        for _ in range(100):  # the old listener is closed by zmq's I/O thread, soon after
+            try:
+                self.sock.bind(self.address)
+                break
+            except zmq.ZMQError:
+                await asyncio.sleep(0.02)
+        else:
+            raise RuntimeError(f"{self.address} stayed in use")
+        self.start()
 
     def kinds(self, cls: type) -> list[Any]:
         return [m for m in list(self.received) if isinstance(m, cls)]

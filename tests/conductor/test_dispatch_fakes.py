@@ -207,6 +207,40 @@ def test_dead_decode_ends_the_stream_with_an_error_event(fl: FakeLoop) -> None:
         c.stop()
 
 
+def test_a_dropped_connection_fails_streams_at_once_and_the_restart_rejoins(
+        fl: FakeLoop) -> None:
+    """A decode killed and restarted at its address mid-stream: its connection drops, so the
+    stream ends with an error at once (not after the 30 s heartbeat timeout), and the new
+    process — which the client's DEALER reaches by itself, unsubscribed — joins with its new
+    incarnation before any heartbeat timeout could have noticed."""
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"), d0_kw={"step_s": 0.05},
+                   heartbeat_timeout_s=30.0)
+    d0 = fl.fakes["d0"]
+    try:
+        first = c.conductor.cluster.members[InstanceId("d0")]
+        old = d0.incarnation
+        conn, resp = response(c.url, "/v1/completions", {
+            "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 200, "stream": True})
+        assert resp.readline().startswith(b"data: ")  # the first token is out
+        t0 = time.monotonic()
+        fl.run(d0.restart())
+        events = sse_events(resp)
+        conn.close()
+        assert time.monotonic() - t0 < 5
+        err = events[-2]["error"]
+        assert "connection to instance d0 was lost" in err["message"], err
+        end = time.monotonic() + 10
+        while (m := c.conductor.cluster.members.get(InstanceId("d0"))) is first \
+                or m is None or not m.alive or m.report is None:
+            assert time.monotonic() < end, "the restarted decode did not rejoin"
+            time.sleep(0.05)
+        assert m.hello.incarnation == d0.incarnation != old and first.client.closed
+        status, body = _complete(c, prompt=[1, 2], max_tokens=3)
+        assert status == 200 and body["usage"]["yuebing"]["decode_instance"] == "d0"
+    finally:
+        c.stop()
+
+
 def test_client_disconnect_cancels_on_the_instances(fl: FakeLoop) -> None:
     c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"), d0_kw={"step_s": 0.05})
     d0 = fl.fakes["d0"]

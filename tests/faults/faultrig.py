@@ -174,12 +174,14 @@ class Rig:
         return get_json(self.store_admin + "/usage")
 
     def wait_joined(self, timeout_s: float = 60.0) -> None:
-        """Until the Conductor's view holds every instance with load reports."""
+        """Until the Conductor's view holds every instance with load reports from its
+        current process (a restarted one's reports carry its new incarnation)."""
         end = time.monotonic() + timeout_s
+        want = {n: self.procs[n].info["incarnation"] for n in self.instances}
         while True:
             with contextlib.suppress(OSError, ValueError):
                 h = self.health()
-                if h["ready"] and set(h["load"]) == set(self.instances):
+                if h["ready"] and {n: v["incarnation"] for n, v in h["load"].items()} == want:
                     return
             if time.monotonic() > end:
                 raise RuntimeError(f"instances did not join in {timeout_s}s\n"

@@ -10,7 +10,8 @@ Life cycle (all on the Conductor's event loop):
 3. `view(info)` reduces the live members to the pure builder's inputs (`PrefillLoad`s,
    `PrefixLookup`, `DecodeState`s, routed requests still in prefill) and calls
    `yuebing.conductor.view.build_view`, the same builder the simulator uses.
-4. The liveness task marks an instance that sent no report for ``heartbeat_timeout_s`` dead: it
+4. The liveness task marks an instance that sent no report for ``heartbeat_timeout_s`` dead, and
+   so does a dropped connection (`_on_link`: killed, or restarted at the same address): it
    leaves the view, its cache leaves the index, and every open event stream on its client ends
    with an ERROR (so no request waits on it). A dead instance is re-subscribed in the
    background and rejoins when it answers (a restarted one with its new incarnation).
@@ -123,6 +124,7 @@ class LiveCluster:
         while address in self._wanted:
             client = InstanceClient(address, timeout_s=min(self.rpc_timeout_s, 1.0),
                                     on_report=functools.partial(self._on_report, address))
+            client.on_link = functools.partial(self._on_link, address, client)
             try:
                 hello = await client.subscribe(self.conductor_id)
             except (InstanceUnavailable, InstanceError) as e:
@@ -193,6 +195,19 @@ class LiveCluster:
             else:
                 self.index.add(m.id, r.cache_added)
                 self.index.remove(m.id, r.cache_removed)
+
+    def _on_link(self, address: str, client: InstanceClient, up: bool) -> None:
+        """The connection of ``client`` dropped (the instance at ``address`` died or restarted:
+        it leaves the view now rather than after the heartbeat timeout) or is up again (a
+        new peer to the instance: subscribe there, and a restarted one's reports tell its new
+        incarnation, `_on_report`)."""
+        m = self.by_address.get(address)
+        if m is None or m.client is not client:
+            return
+        if up:
+            self.spawn(self._resubscribe(m))
+        else:
+            self._mark_dead(m, f"the connection to instance {m.id} was lost")
 
     async def _resubscribe(self, m: Member) -> None:
         """Subscribe again: the instance answers with a full cache resync in its reports; a

@@ -169,7 +169,8 @@ class Conductor:
         c = self.cluster
         roles = {r.label: [str(m.id) for m in c.alive(r)] for r in Role}
         ready = bool((roles["prefill"] and roles["decode"]) or roles["coupled"])
-        load = {str(m.id): {"free_blocks": m.report.free_blocks,
+        load = {str(m.id): {"incarnation": m.report.incarnation,
+                            "free_blocks": m.report.free_blocks,
                             "total_blocks": m.report.total_blocks,
                             "reserved_blocks": m.report.reserved_blocks,
                             "running": m.report.running,

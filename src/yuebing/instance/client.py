@@ -7,7 +7,11 @@ messages are routed by a reader task: `LoadReport`s to ``on_report``, `TaskEvent
 queue of their request (`events(request_id)`), created by `submit`/`reserve` before the
 request is sent so no event is lost. If the instance goes silent, calls time out
 (`InstanceUnavailable`); the Conductor's liveness check (no report for the heartbeat timeout)
-decides when it is dead. Used by `yuebing.conductor`, `yuebing bench instance` and tests.
+decides when it is dead. A socket monitor watches the connection: when an established one
+drops (the instance was killed, or restarted at the same address) every open stream and call
+fails at once — the instance can no longer route their events here, since the DEALER's next
+connection is a new peer to it — and ``on_link(False)`` is called; ``on_link(True)`` when a
+connection is up again (it has no subscription there yet: `subscribe` again). Used by `yuebing.conductor`, `yuebing bench instance` and tests.
 With a cluster token (``token``, by default the process's ``$YUEBING_CLUSTER_TOKEN``) the
 DEALER presents it (`ops.zap.dial_plain`); an instance that requires another one, or none,
 never answers, so calls time out.
@@ -26,6 +30,7 @@ from collections.abc import AsyncIterator, Callable
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from yuebing.core.auth import env_cluster_token
 from yuebing.core.errors import YuebingError
@@ -76,10 +81,12 @@ class InstanceClient:
 
     def __init__(self, address: str, timeout_s: float = 5.0,
                  on_report: Callable[[LoadReport], None] | None = None,
-                 ctx: zmq.asyncio.Context | None = None, token: str | None = None) -> None:
+                 ctx: zmq.asyncio.Context | None = None, token: str | None = None,
+                 on_link: Callable[[bool], None] | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.on_report = on_report
+        self.on_link = on_link
         self.hello: Hello | None = None
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -87,6 +94,8 @@ class InstanceClient:
         token = env_cluster_token() if token is None else token
         if token:
             dial_plain(self._sock, token)
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(address)
         self._seq = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Message]] = {}
@@ -94,7 +103,9 @@ class InstanceClient:
         """seq → request id of reservations whose caller gave up waiting (timeout or
         cancel): a `Reserved` that still comes is cancelled at once (`_dispatch`)."""
         self._events: dict[str, asyncio.Queue[tuple[TaskEvent, float]]] = {}
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read())
+        self._watcher = loop.create_task(self._watch_link())
         self.closed = False
 
     # ------------------------------------------------------------------ calls
@@ -248,6 +259,25 @@ class InstanceClient:
                 except zmq.ZMQError:
                     return
 
+    async def _watch_link(self) -> None:
+        up = ever = False
+        while True:
+            try:
+                event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            except (asyncio.CancelledError, zmq.ZMQError):
+                return
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and not up:
+                up, again, ever = True, ever, True
+                if again and self.on_link is not None:
+                    self.on_link(True)
+            elif event == zmq.EVENT_DISCONNECTED and up:
+                up = False
+                reason = f"the connection to the instance at {self.address} was lost"
+                log.info("%s", reason)
+                if self.on_link is not None:
+                    self.on_link(False)
+                self.fail_all(reason)
+
     def _dispatch(self, msg: Message, arrived: float) -> None:
         if isinstance(msg, TaskEvent):
             q = self._events.get(msg.request_id)
@@ -278,9 +308,13 @@ class InstanceClient:
         if self.closed:
             return
         self.closed = True
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        for task in (self._reader, self._watcher):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._monitor.close(0)
         self._sock.close(0)
 
 
