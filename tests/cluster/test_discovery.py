@@ -137,3 +137,41 @@ def test_publish_with_retry_registers_once_etcd_is_back() -> None:
             wait_until(lambda: d.list("instances") == {"late": {"n": 1}})
             assert pub.key == "/yuebing/t7/instances/late"
         assert d.list("instances") == {}  # closed: its lease revoked
+
+
+@pytest.mark.parametrize("race", ["first-write", "re-lease"])
+def test_close_during_a_write_leaves_no_key(etcd_server, race: str) -> None:  # noqa: F811
+    """`close` while the thread's write is under way — its first write after etcd was
+    unreachable at publish (``retry``), or its write under a new lease after the old one was
+    lost — and outlasts close's wait for the thread: the key is gone once that write lands
+    (it used to stay until its new lease's TTL)."""
+    d = Discovery(etcd_server.url, cluster=f"t8-{race}")
+    real_put = d.client.put
+    entered, gate = threading.Event(), threading.Event()
+    calls = []
+
+    def put(*args, **kw):
+        calls.append(args)
+        if race == "first-write" and len(calls) == 1:
+            raise ConnectionError("etcd unreachable")  # publish with retry keeps trying
+        if race == "re-lease" and len(calls) == 1:
+            return real_put(*args, **kw)
+        entered.set()
+        assert gate.wait(30)
+        return real_put(*args, **kw)
+
+    d.client.put = put
+    pub = d.publish("instances", "x", {"n": 1}, ttl_s=2, retry=True)
+    if race == "re-lease":
+        assert d.list("instances") == {"x": {"n": 1}}
+        pub._lease.revoke()  # lost: the thread takes a new lease and writes again
+    try:
+        assert entered.wait(15), "the publication thread did not write"
+        pub.close()  # its wait for the thread (ttl_s) ends before the write does
+        gate.set()
+        pub._thread.join(15)
+        assert not pub._thread.is_alive()
+        assert d.list("instances") == {}
+    finally:
+        gate.set()
+        pub.close()

@@ -56,6 +56,12 @@ class Publication:
     that cannot be reached at first is not an error: the thread writes the key once it can
     (every second until then). `close` stops the thread and revokes the lease, which deletes
     the key.
+
+    Every write is bound to a lease recorded (under ``_lock``) before the write is sent, and
+    no lease is recorded once `close` began: `close` revokes the last recorded one, so a write
+    the thread has under way when it closes is either deleted by the revoke or refused by etcd
+    (its lease is gone), and a lease granted after it is revoked by the thread unused. The key
+    never outlives `close` while etcd answers, however the thread and `close` interleave.
     """
 
     def __init__(self, disc: Discovery, key: str, value: bytes, ttl_s: int,
@@ -65,7 +71,11 @@ class Publication:
         self._value = value
         self.ttl_s = ttl_s
         self._lease: Any = None
+        self._lock = threading.Lock()
+        """Guards ``_lease`` against `close` (never held over a call to etcd)."""
         self._stop = threading.Event()
+        self._written = False
+        """The key is written under ``_lease`` (the constructor's, then the thread's)."""
         try:
             self._put()
         except Exception as e:
@@ -77,35 +87,51 @@ class Publication:
         self._thread.start()
 
     def _put(self) -> None:
+        """Write the key bound to a new lease (constructor, then the thread); nothing once
+        `close` began."""
+        self._written = False
         client = self._disc.client
         lease = client.lease(self.ttl_s)
+        with self._lock:
+            closed = self._stop.is_set()
+            if not closed:
+                self._lease = lease  # before the write: `close` revokes it from now on
+        if closed:
+            self._revoke(lease)
+            return
         client.put(self.key, self._value, lease=lease)
-        self._lease = lease
+        self._written = True
 
     def _keep_alive(self) -> None:
         period = self.ttl_s / 3.0
-        while not self._stop.wait(period if self._lease is not None else min(period, 1.0)):
+        while not self._stop.wait(period if self._written else min(period, 1.0)):
             try:
-                if self._lease is None:
+                if not self._written:
                     self._put()
-                    log.warning("published %s", self.key)
+                    if self._written:
+                        log.warning("published %s", self.key)
                 elif self._lease.refresh() <= 0:
                     log.warning("lease of %s expired; publishing again", self.key)
                     self._put()
             except Exception as e:  # noqa: BLE001 - etcd down: keep trying until closed
-                log.warning("cannot refresh the lease of %s: %s", self.key, e)
+                if not self._stop.is_set():
+                    log.warning("cannot refresh the lease of %s: %s", self.key, e)
 
     def close(self) -> None:
         """Stop refreshing and delete the key (idempotent; an unreachable etcd is logged and
         the key then expires with its lease)."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._stop.set()  # under the lock: the thread records no lease from now on
+            lease = self._lease
+        if lease is not None:
+            self._revoke(lease)
         self._thread.join(timeout=self.ttl_s)
-        if self._lease is None:
-            return
+
+    def _revoke(self, lease: Any) -> None:
         try:
-            self._lease.revoke()
+            lease.revoke()
         except Exception as e:  # noqa: BLE001 - the key expires with the lease anyway
             log.warning("could not revoke the lease of %s: %s", self.key, e)
 
