@@ -3,7 +3,7 @@
 Who calls what: the decode instance (`yuebing.instance.decode`) reserves blocks for a request
 whose KV a prefill streams in (`reserve_blocks`) and adopts the request once it landed
 (`adopt_request`); the KV connector and the peer fetch (`yuebing.instance.connector`,
-`yuebing.instance.peer`) install a prefix loaded from the store or another instance into the
+`yuebing.instance.prefix`) install a prefix loaded from the store or another instance into the
 prefix cache (`import_prefix`). The prefill instance streams with its own layer hook
 (`yuebing.instance.streaming.KvStreamer`) and saves blocks through the connector, so the forms
 below marked "engine API" are called by the engine's tests only, no instance uses them:

@@ -10,9 +10,10 @@ and answered in the loop; engine work is queued to the driver; engine outputs co
 or is invalid gets `ErrorReply(BAD_REQUEST)`; the instance keeps serving.
 
 Roles subclass it (`prefill.PrefillInstance`, `decode.DecodeInstance`,
-`coupled.CoupledInstance`) and implement `on_submit` / `on_reserve` / `on_cancel` and the
-per-output handling. Load reports live in `yuebing.instance.reports`; `yuebing.instance.run`
-builds the role and serves it until SIGINT/SIGTERM.
+`coupled.CoupledInstance`) and implement `on_submit` / `on_reserve` / `on_cancel` /
+`on_fetch_prefix` and the per-output handling; the roles that prefill load a task's planned
+prefix through `yuebing.instance.prefix`. Load reports live in `yuebing.instance.reports`;
+`yuebing.instance.run` builds the role and serves it until SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
 from yuebing.engine.sequence import RequestOutput
 from yuebing.instance.config import InstanceConfig
-from yuebing.instance.connector import KVConnector, KVConnectorConfig, Loaded
+from yuebing.instance.connector import KVConnector, KVConnectorConfig
 from yuebing.instance.driver import EngineDriver
 from yuebing.instance.reports import LocalCache, report_loop
 from yuebing.ops.zap import TokenAuthenticator, serve_plain
@@ -53,7 +54,6 @@ from yuebing.protocol.instance import (
     FetchPrefix,
     Hello,
     Ping,
-    PrefixPlan,
     Reserve,
     Role,
     Sampling,
@@ -156,7 +156,6 @@ class Instance:
         self.control_address = ""
         self.instance_id = cfg.instance_id
         self._stopping = False
-        self._peers: dict[str, Any] = {}
         self.load_changed = asyncio.Event()
         self._handlers: set[asyncio.Future[Any]] = set()
 
@@ -257,9 +256,6 @@ class Instance:
         for task in list(self.tasks.values()):
             self._event(task, EventKind.ERROR, error_code=ErrorCode.SHUTTING_DOWN,
                         error="the instance is shutting down")
-        for client in self._peers.values():
-            with contextlib.suppress(Exception):
-                await client.close()
         self.driver.close()
         self.io.shutdown(wait=False, cancel_futures=True)
         if self.store is not None:
@@ -354,15 +350,9 @@ class Instance:
                       f"a {self.role.label} instance takes no reservations")
 
     async def on_fetch_prefix(self, msg: FetchPrefix) -> Message:
-        if self.role == Role.DECODE:
-            raise Refused(ErrorCode.BAD_REQUEST, "a decode instance serves no prefixes")
-        from yuebing.instance.peer import serve_fetch
-        return await serve_fetch(self, msg)
-
-    def peer_client(self, address: str) -> Any:
-        """The (cached) client of another instance's control server."""
-        from yuebing.instance.peer import peer_client_for
-        return peer_client_for(self._peers, address)
+        """Another instance asks for this one's cached prefix (the roles that prefill serve
+        it: `CoupledInstance.on_fetch_prefix` → `prefix.serve_fetch`)."""
+        raise Refused(ErrorCode.BAD_REQUEST, f"a {self.role.label} instance serves no prefixes")
 
     async def on_cancel(self, request_id: str) -> bool:
         task = self.tasks.pop(request_id, None)
@@ -504,28 +494,6 @@ class Instance:
         for task in orphans:
             self.spawn(task, self.on_cancel(task.request_id))
         self.changed()
-
-    # ------------------------------------------------------------------ prefix loading
-
-    async def load_prefix(self, task: Task, plan: PrefixPlan | None) -> int:
-        """Bring the planned prefix into the engine's prefix cache (store or peer); returns
-        tokens loaded into it (0 for a local plan or a miss: the engine finds what it has)."""
-        if plan is None or plan.tokens <= 0 or plan.source == "local":
-            return 0
-        t0 = time.time()
-        try:
-            if plan.source == "store":
-                loaded: Loaded = await asyncio.get_running_loop().run_in_executor(
-                    self.io, self.connector.fetch, task.token_ids, plan.tokens)
-                ids = task.token_ids
-                return await self.driver.run(lambda e: self.connector.install(e, ids, loaded))
-            if plan.source == "peer":
-                from yuebing.instance.peer import fetch_from_peer
-                return await fetch_from_peer(self, task, plan)
-            raise Refused(ErrorCode.BAD_REQUEST, f"prefix source must be local, store or peer, "
-                          f"got {plan.source!r}")
-        finally:
-            task.breakdown.prefix_load_s = time.time() - t0
 
     # ------------------------------------------------------------------ load reports
 

@@ -1,11 +1,12 @@
 """Coupled role (the vLLM-like baseline): prefill and decode in one engine.
 
 Life cycle of a request: `SubmitTask(mode=COUPLED)` is checked and acknowledged; the planned
-prefix is loaded from the store into the engine's prefix cache (`Instance.load_prefix`; a local
-plan needs nothing); the request joins the engine's continuous batch; right after the step that
-produced its first token (driver thread) the prompt's new full store blocks are copied to
-staging and saved to the store in the background; every output becomes a `TaskEvent`
-(FIRST_TOKEN, TOKENS, FINISH). `Cancel` aborts it and frees its blocks.
+prefix is loaded from the store or a peer into the engine's prefix cache (`prefix.load_prefix`;
+a local plan needs nothing); the request joins the engine's continuous batch; right after the
+step that produced its first token (driver thread) the prompt's new full store blocks are copied
+to staging and saved to the store in the background; every output becomes a `TaskEvent`
+(FIRST_TOKEN, TOKENS, FINISH). `Cancel` aborts it and frees its blocks. Another instance's
+`FetchPrefix` is served from this engine's prefix cache (`prefix.serve_fetch`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
 from yuebing.engine.sequence import RequestOutput
 from yuebing.instance.base import Instance, Refused, Task, to_params
+from yuebing.instance.prefix import PeerClients, load_prefix, serve_fetch
 from yuebing.protocol import Message
-from yuebing.protocol.instance import Ack, ErrorCode, Role, SubmitTask, TaskMode
+from yuebing.protocol.instance import Ack, ErrorCode, FetchPrefix, Role, SubmitTask, TaskMode
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,16 @@ class CoupledInstance(Instance):
 
     def __init__(self, *args: object, **kw: object) -> None:
         super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.peers = PeerClients()
+        """Clients of the instances this one fetches prefixes from (`prefix.fetch_from_peer`)."""
         self.engine.add_layer_hook(self._mark_started)
+
+    async def close(self) -> None:
+        await super().close()
+        await self.peers.close()
+
+    async def on_fetch_prefix(self, msg: FetchPrefix) -> Message:
+        return await serve_fetch(self, msg)
 
     async def on_submit(self, ident: bytes, msg: SubmitTask) -> Message:
         if msg.mode != TaskMode.COUPLED:
@@ -54,7 +65,7 @@ class CoupledInstance(Instance):
         """Load the prefix, then queue the request in the engine (events follow)."""
         task.extra["loading"] = True
         try:
-            task.cached_tokens = await self.load_prefix(task, msg.prefix)
+            task.cached_tokens = await load_prefix(self, task, msg.prefix)
         except Refused as e:
             self.fail(task, e.code, str(e))
             return

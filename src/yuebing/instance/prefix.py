@@ -1,16 +1,21 @@
-"""Prefix KV between instances (Algorithm 1's transfer from the holder, which also replicates
-hot blocks): an instance told to load ``PrefixPlan(source="peer")`` asks the holder with
-`FetchPrefix` to WRITE the KV of its longest cached run of the prompt's blocks into this
-instance's registered staging memory, then installs it in its own prefix cache.
+"""Prefix loading: a task's `PrefixPlan` brought into the engine's prefix cache, from the store
+(the KV connector) or from another instance (Algorithm 1's transfer from the holder, which also
+replicates hot blocks), and the holder's half of that transfer.
 
-Both halves: `fetch_from_peer` (requester, from `Instance.load_prefix`) and `serve_fetch`
-(holder, `Instance.on_fetch_prefix` of prefill and coupled roles). A fingerprint mismatch or a
-cold holder answers 0 blocks: a miss, never an error, never wrong KV.
+Called by the roles that prefill (`coupled.CoupledInstance` and its subclass
+`prefill.PrefillInstance`): `load_prefix` from `CoupledInstance.run_task` (loop thread; a local
+plan loads nothing), `serve_fetch` from `CoupledInstance.on_fetch_prefix`; each holds its
+`PeerClients`. From a peer: the instance told to load ``PrefixPlan(source="peer")`` asks the
+holder with `FetchPrefix` to WRITE the KV of its longest cached run of the prompt's blocks into
+this instance's registered staging memory, then installs it in its own prefix cache
+(`fetch_from_peer`). A fingerprint mismatch or a cold holder answers 0 blocks: a miss, never an
+error, never wrong KV.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -19,17 +24,40 @@ import torch
 
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.kv_transfer import import_prefix
+from yuebing.instance.base import Refused
 from yuebing.instance.client import InstanceClient
-from yuebing.protocol.instance import Fetched, FetchPrefix, PrefixPlan
+from yuebing.instance.connector import Loaded
+from yuebing.protocol.instance import ErrorCode, Fetched, FetchPrefix, PrefixPlan
 from yuebing.transfer.types import OpCode, TransferRequest
 
 if TYPE_CHECKING:
-    from yuebing.instance.base import Instance, Task
+    from yuebing.instance.base import Task
+    from yuebing.instance.coupled import CoupledInstance
 
 log = logging.getLogger(__name__)
 
 LATE_WRITE_S = 2.0
 """Beyond the transfer timeout, how long a failed fetch's staging range stays out of use."""
+
+
+async def load_prefix(inst: CoupledInstance, task: Task, plan: PrefixPlan | None) -> int:
+    """Bring the planned prefix into the engine's prefix cache (store or peer); returns
+    tokens loaded into it (0 for a local plan or a miss: the engine finds what it has)."""
+    if plan is None or plan.tokens <= 0 or plan.source == "local":
+        return 0
+    t0 = time.time()
+    try:
+        if plan.source == "store":
+            loaded: Loaded = await asyncio.get_running_loop().run_in_executor(
+                inst.io, inst.connector.fetch, task.token_ids, plan.tokens)
+            ids = task.token_ids
+            return await inst.driver.run(lambda e: inst.connector.install(e, ids, loaded))
+        if plan.source == "peer":
+            return await fetch_from_peer(inst, task, plan)
+        raise Refused(ErrorCode.BAD_REQUEST, f"prefix source must be local, store or peer, "
+                      f"got {plan.source!r}")
+    finally:
+        task.breakdown.prefix_load_s = time.time() - t0
 
 
 def _cached_run(engine: LLMEngine, ids: list[int], max_blocks: int) -> list[int]:
@@ -43,7 +71,7 @@ def _cached_run(engine: LLMEngine, ids: list[int], max_blocks: int) -> list[int]
     return blocks
 
 
-async def serve_fetch(inst: Instance, msg: FetchPrefix) -> Fetched:
+async def serve_fetch(inst: CoupledInstance, msg: FetchPrefix) -> Fetched:
     """Holder side: copy the cached run out (driver thread), WRITE it to the requester."""
     engine = inst.engine
     if msg.fingerprint != engine.fingerprint or msg.max_tokens <= 0:
@@ -67,7 +95,7 @@ async def serve_fetch(inst: Instance, msg: FetchPrefix) -> Fetched:
     return Fetched(seq=msg.seq, blocks=int(data.shape[0]))
 
 
-async def fetch_from_peer(inst: Instance, task: Task, plan: PrefixPlan) -> int:
+async def fetch_from_peer(inst: CoupledInstance, task: Task, plan: PrefixPlan) -> int:
     """Requester side: returns the tokens now in this engine's prefix cache from the peer."""
     if not plan.peer_address:
         log.warning("%s: a peer prefix plan without peer_address; computing it",
@@ -82,7 +110,7 @@ async def fetch_from_peer(inst: Instance, task: Task, plan: PrefixPlan) -> int:
     give_now = True
     deadline = time.time() + inst.cfg.transfer_timeout_s
     try:
-        client = inst.peer_client(plan.peer_address)
+        client = inst.peers.get(plan.peer_address)
         n = await client.fetch_prefix(FetchPrefix(
             seq=0, token_ids=task.token_ids, max_tokens=nblocks * engine.block_size,
             segment=inst.transfer.segment_name("staging"), offset=lease - 1,
@@ -109,8 +137,20 @@ async def fetch_from_peer(inst: Instance, task: Task, plan: PrefixPlan) -> int:
             inst.connector.staging.give(lease)
 
 
-def peer_client_for(cache: dict[str, InstanceClient], address: str) -> InstanceClient:
-    client = cache.get(address)
-    if client is None or client.closed:
-        client = cache[address] = InstanceClient(address)
-    return client
+class PeerClients:
+    """The clients of other instances' control servers, one per address (kept open, made anew
+    once closed); closed with the instance (`CoupledInstance.close`)."""
+
+    def __init__(self) -> None:
+        self._clients: dict[str, InstanceClient] = {}
+
+    def get(self, address: str) -> InstanceClient:
+        client = self._clients.get(address)
+        if client is None or client.closed:
+            client = self._clients[address] = InstanceClient(address)
+        return client
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            with contextlib.suppress(Exception):
+                await client.close()
