@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
 
 from yuebing.core.errors import StoreError
@@ -119,6 +119,21 @@ class StoreClient(_Client[MasterConnection]):
                     log.warning("heartbeat failed: %s", e)
         finally:
             conn.close()
+
+    @contextlib.contextmanager
+    def limited(self, seconds: float) -> Iterator[None]:
+        """Within the block, each master call gives up after ``seconds`` — all its tries and
+        failovers together, each try cut to it — with `StoreError`, instead of retrying for
+        ``failover_s`` with tries of ``rpc_timeout_s``: for a caller on a latency path that
+        would rather do without the store than wait for a master that does not answer (a
+        prefix load, `instance.connector`). Transfers keep their own deadlines; blocks nest
+        (the shorter limit holds)."""
+        old = self.rpc.call_limit_s
+        self.rpc.call_limit_s = min(old, seconds)
+        try:
+            yield
+        finally:
+            self.rpc.call_limit_s = old
 
     def transfer(self, reqs: list[TransferRequest], deadline: float | None,
                  read: bool = False) -> BatchStatus:

@@ -113,9 +113,11 @@ class _Base:
             return b""
         return self.take_releases()
 
-    def _left(self, msg: Message) -> float:
-        """Seconds a try of ``msg`` may take now: ``timeout_s`` cut to `deadline`."""
-        left = self.deadline - time.monotonic()
+    def _left(self, msg: Message, end: float) -> float:
+        """Seconds a try of ``msg`` may take now: ``timeout_s`` cut to `deadline` (read now: a
+        signal handler may lower it during a call) and to ``end`` (the call's own limit);
+        `StoreError` once either passed."""
+        left = min(end, self.deadline) - time.monotonic()
         if left <= 0:
             raise StoreError(f"{type(msg).__name__} to master {self.address} not sent: the "
                              "caller's deadline passed")
@@ -146,6 +148,10 @@ class MasterConnection(_Base):
         self.on_push = on_push
         self.spin_s = spin_s
         self.sock: FrameSocket | None = None
+        self.call_limit_s = float("inf")
+        """Seconds one call may take, all its tries and failovers together (each try cut to
+        it); `StoreError` past it. ``inf``: ``failover_s`` bounds the retries and each try gets
+        ``timeout_s``. Set for a stretch of calls by `StoreClient.limited`."""
 
     def _connect(self, timeout_s: float) -> FrameSocket:
         self.close()
@@ -160,11 +166,13 @@ class MasterConnection(_Base):
         """`call`, and whether the request was sent again after a try whose reply never came
         (that try may have taken effect); a NOT_LEADER refusal does not count."""
         payload = encode(msg)
-        deadline = min(time.monotonic() + self.failover_s, self.deadline)
+        start = time.monotonic()
+        end = start + self.call_limit_s  # no try runs past it, nor past `deadline`
+        deadline = min(start + self.failover_s, end, self.deadline)  # no try starts past it
         lost = False  # a try went out and its reply never came: it may have taken effect
         while True:
             rid, sent = next(self._ids), False
-            try_s = self._left(msg)
+            try_s = self._left(msg, end)
             try:
                 sock = self._open_socket(try_s)
                 sent = True
@@ -176,8 +184,10 @@ class MasterConnection(_Base):
             if reply is None:
                 lost = lost or sent
                 if time.monotonic() >= deadline:
+                    spent = ("the caller's deadline" if deadline < start + self.failover_s
+                             else "failover budget")
                     raise StoreError(f"master {self.address} did not answer within "
-                                     f"{self.timeout_s}s (failover budget spent)")
+                                     f"{time.monotonic() - start:.1f}s ({spent} spent)")
                 self.close()
                 self._move("")
                 time.sleep(0.05)
