@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
+from silent_master import silent_master
 from yuebing.core.errors import StoreError
 from yuebing.engine.config import EngineConfig
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
 from yuebing.instance.connector import KVConnector, KVConnectorConfig, Staging
+from yuebing.store.client.client import StoreClient
+from yuebing.store.config import ClientConfig
 
 TINY = "dummy:preset=tiny,vocab=512,layers=2,hidden=64,heads=4,kv_heads=2,ffn=64,ctx=4096,tie=0"
 
@@ -117,3 +121,35 @@ def test_a_failed_store_call_makes_loads_and_saves_skip_the_store_for_a_while():
     assert conn.fetch(ids, 512).blocks == 0 and store.calls == 1  # no heartbeat answered yet
     store.last_heartbeat = time.monotonic()  # the master answers again
     assert conn.fetch(ids, 512).blocks == 0 and store.calls == 2  # tries again
+
+
+def test_the_first_load_gives_up_on_a_master_that_never_answers_within_load_timeout_s():
+    """Regression (a store master stopped, or cut from the prefill's host with its connection
+    stalled): the first load that met it waited out the store client's failover budget (15 s
+    of 5 s tries) on the request's TTFT path before the prefix was computed; only later loads
+    skipped the store. Now each master call of a load gives up after `load_timeout_s`: the
+    load is a miss (nothing staged or installed: the engine computes the prefix), the next
+    loads skip the store, and the client's calls outside a load keep their budget."""
+    e = _engine()
+    ids = [(i * 13) % 500 for i in range(512)]  # 2 store blocks of 256
+    e.generate([ids], SamplingParams(max_tokens=1))
+    with silent_master() as master:
+        client = StoreClient(ClientConfig(master=master.address), heartbeat=False)
+        try:
+            conn = KVConnector(e, client, KVConnectorConfig(staging_bytes=1 << 22,
+                                                            load_timeout_s=0.5))
+            t0 = time.monotonic()
+            loaded = conn.fetch(ids, 512)
+            took = time.monotonic() - t0
+            assert loaded.blocks == 0 and loaded.data is None and loaded.lease == 0
+            assert 0.45 <= took < 0.5 + 1.0, took  # was 15 s
+            assert master.received > 0  # the lookup reached the master, which never answered
+            assert client.rpc.call_limit_s == math.inf  # a save is not limited
+            assert conn.install(e, ids, loaded) == 0
+            t0 = time.monotonic()
+            assert conn.fetch(ids, 512).blocks == 0 and conn.stats.store_skipped == 1
+            assert time.monotonic() - t0 < 0.1  # skipped: no call
+            assert conn.stats.loads == 0 and conn.stats.loaded_tokens == 0
+            assert conn.staging.take(1 << 22) is not None  # every staging byte given back
+        finally:
+            client.close()

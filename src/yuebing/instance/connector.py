@@ -20,14 +20,18 @@ The engine belongs to the driver thread, so each job is split in two halves:
 `lookup` answers "how many leading tokens of these ids can be loaded from the store". Misses
 (evicted between lookup and read, a node gone) load less; the rest is computed. Staging memory
 is bounded (`staging_bytes`): a fetch that finds no room loads less, a snapshot is skipped.
-A master out of reach costs one call its client's failover budget: after a failed call, fetches
-and saves skip the store (loads compute, saves drop) for `store_retry_s` and until the store
-client's heartbeat is answered again, so the single I/O thread does not hold every request
-behind calls that fail the same way. Used by the prefill and coupled roles (`instance.prefill`, `instance.coupled`).
+A load is on the request's TTFT path: each of its master calls gives up after `load_timeout_s`
+(`StoreClient.limited`) and the prefix is computed, never waiting out the client's failover
+budget (15 s) for a master that does not answer; a save keeps that budget. After a failed call,
+fetches and saves skip the store (loads compute, saves drop) for `store_retry_s` and until the
+store client's heartbeat is answered again, so the single I/O thread does not hold every request
+behind calls that fail the same way. Used by the prefill and coupled roles (`instance.prefill`,
+`instance.coupled`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -59,17 +63,27 @@ class KVConnectorConfig:
                 "(eviction, a dead node, a restarted master), and a later save of the same "
                 "prompt after this long asks the store again and puts it back"})
     store_retry_s: float = field(default=5.0, metadata={
-        "help": "after a store call failed (the master out of reach: the client gave up after "
-                "its failover budget, 15 s by default), loads and saves skip the store — they "
-                "compute and drop at once — for at least this long and until the store "
-                "client's heartbeat is answered again, so that requests do not queue behind "
-                "calls that would wait out the same budget"})
+        "help": "after a store call failed (the master out of reach: a load's call after "
+                "load_timeout_s, a save's after the client's failover budget, 15 s by "
+                "default), loads and saves skip the store — they compute and drop at once — "
+                "for at least this long and until the store client's heartbeat is answered "
+                "again, so that requests do not queue behind calls that would fail the same way"})
+    load_timeout_s: float = field(default=2.0, metadata={
+        "help": "each store master call of a prefix load (the prefix lookup, the replica "
+                "request) gives up after this long, tries and failover included, and the "
+                "prefix is computed instead: a load is on the request's TTFT path, so it does "
+                "not wait out the store client's failover budget (15 s) for a master that does "
+                "not answer (partitioned, stopped, killed). A master slower than this (an "
+                "overloaded host, a standby taking over) also costs loads, for store_retry_s. "
+                "Saves keep the client's budget"})
 
     def __post_init__(self) -> None:
         require(self.store_block_tokens > 0, "store_block_tokens must be > 0")
         require(self.staging_bytes > 0, "staging_bytes must be > 0")
         require(self.known_ttl_s >= 0, "known_ttl_s must be >= 0")
         require(self.store_retry_s >= 0, "store_retry_s must be >= 0")
+        require(self.load_timeout_s > 0, f"load_timeout_s must be > 0 seconds, got "
+                f"{self.load_timeout_s}")
 
 
 @dataclass
@@ -203,13 +217,22 @@ class KVConnector:
     def _store_failed(self) -> None:
         self._store_failed_at = time.monotonic()
 
+    def _limited(self) -> contextlib.AbstractContextManager[object]:
+        """A load's master calls end after `load_timeout_s` (`StoreClient.limited`; a store
+        without it, e.g. a test's fake, is called as it is)."""
+        limited = getattr(self.store, "limited", None)
+        return limited(self.config.load_timeout_s) if limited else contextlib.nullcontext()
+
     def lookup(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
         """Leading tokens of ``token_ids`` loadable from the store (whole store blocks)."""
         if self.store is None:
             return 0
         self.stats.lookups += 1
         keys = self.keys(token_ids, max_tokens)
-        return self.store.prefix_match(keys) * self.config.store_block_tokens if keys else 0
+        if not keys:
+            return 0
+        with self._limited():
+            return self.store.prefix_match(keys) * self.config.store_block_tokens
 
     def fetch(self, token_ids: Sequence[int], max_tokens: int) -> Loaded:
         """Read the longest stored run of the prompt's first ``max_tokens`` tokens' store
@@ -219,7 +242,8 @@ class KVConnector:
             return Loaded(0, None)
         t0 = time.perf_counter()
         try:
-            n = self.store.prefix_match(keys)
+            with self._limited():
+                n = self.store.prefix_match(keys)
         except Exception as e:  # the store is optional for correctness
             self._store_failed()
             log.warning("prefix lookup failed, computing the whole prompt: %s", e)
@@ -235,7 +259,8 @@ class KVConnector:
         lease, buf = taken
         views = [buf[i * self.object_bytes:(i + 1) * self.object_bytes] for i in range(n)]
         try:
-            sizes = self.store.batch_get_into(keys[:n], [v.numpy() for v in views])
+            with self._limited():
+                sizes = self.store.batch_get_into(keys[:n], [v.numpy() for v in views])
         except Exception as e:
             self._store_failed()
             log.warning("reading %d store blocks failed, computing them: %s", n, e)
