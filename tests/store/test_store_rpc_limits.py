@@ -13,7 +13,8 @@ import time
 import pytest
 
 from yuebing.store.wire import HEADER, FrameSocket
-from yuebing.store.wire_server import FrameLimits, FrameServer
+from yuebing.store.wire_limits import FrameLimits
+from yuebing.store.wire_server import FrameServer
 
 KiB = 1024
 
@@ -79,7 +80,7 @@ def test_a_frame_far_over_the_limit_cuts_the_connection(caplog: pytest.LogCaptur
     e = Echo(FrameLimits(max_frame=64 * KiB, budget=256 * KiB, discard_max=1 << 20))
     s = raw(e.srv)
     try:
-        with caplog.at_level(logging.WARNING, "yuebing.store.wire_server"):
+        with caplog.at_level(logging.WARNING, "yuebing.store.wire_limits"):
             s.sendall(HEADER.pack((1 << 30) - 1, 1) + b"y" * 1000)
             e.serve_until(lambda: e.srv.cut)
         assert e.srv.cut == 1 and not e.srv.conns and e.srv.buffered == 0
@@ -95,7 +96,7 @@ def test_a_trickling_frame_is_cut_at_its_deadline(caplog: pytest.LogCaptureFixtu
     e = Echo(FrameLimits(max_frame=64 * KiB, budget=256 * KiB, frame_timeout_s=0.3))
     s = raw(e.srv)
     try:
-        with caplog.at_level(logging.WARNING, "yuebing.store.wire_server"):
+        with caplog.at_level(logging.WARNING, "yuebing.store.wire_limits"):
             s.sendall(HEADER.pack(1000, 1) + b"z")
             for _ in range(40):  # a byte every 50 ms: each read is within any I/O timeout
                 if e.srv.cut:
@@ -130,7 +131,7 @@ def test_incomplete_frames_share_one_budget(caplog: pytest.LogCaptureFixture) ->
     e = Echo(FrameLimits(max_frame=64 * KiB, budget=128 * KiB))
     socks = [raw(e.srv) for _ in range(4)]
     try:
-        with caplog.at_level(logging.WARNING, "yuebing.store.wire_server"):
+        with caplog.at_level(logging.WARNING, "yuebing.store.wire_limits"):
             for i, s in enumerate(socks):  # each holds ~60 KiB of a 64 KiB frame
                 s.sendall(HEADER.pack(64 * KiB - 12, i) + b"p" * (60 * KiB + i))
                 e.serve_until(lambda: False, 0.1)

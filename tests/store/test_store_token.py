@@ -17,7 +17,8 @@ from yuebing.store import messages as m
 from yuebing.store.client.rpc import MasterConnection
 from yuebing.store.config import MasterConfig, NodeConfig
 from yuebing.store.wire import AUTH_LEN, FrameSocket, auth_preamble, parse_address
-from yuebing.store.wire_server import FrameLimits, FrameServer
+from yuebing.store.wire_limits import FrameLimits
+from yuebing.store.wire_server import FrameServer
 
 TOKEN = "s3cret-token"
 

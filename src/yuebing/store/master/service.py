@@ -41,7 +41,8 @@ from yuebing.store.master import replication, segments
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.election import Elector, EtcdElector, SingleElector
 from yuebing.store.wire import MAX_FRAME, FrameSocket
-from yuebing.store.wire_server import FrameLimits, FrameServer
+from yuebing.store.wire_limits import FrameLimits
+from yuebing.store.wire_server import FrameServer
 
 log = logging.getLogger(__name__)
 C = m.Code
@@ -62,7 +63,7 @@ GC_FREEZE_S = 30.0
 
 
 def limits_of(cfg: MasterConfig) -> FrameLimits:
-    """The RPC port's limits (`wire_server.FrameLimits`) from the master's config: frames up to
+    """The RPC port's limits (`wire_limits.FrameLimits`) from the master's config: frames up to
     ``max_request_bytes`` (8x that is still read and dropped with an error reply, more closes
     the connection), ``rpc_buffer_bytes`` of incomplete frames, ``frame_timeout_s`` each."""
     return FrameLimits(max_frame=cfg.max_request_bytes, budget=cfg.rpc_buffer_bytes,
