@@ -45,8 +45,9 @@ def auth_preamble(token: str) -> bytes:
 
 class TokenCheck:
     """The server's side of `auth_preamble` on one new connection (sans-IO; fed by
-    `wire_server.FrameServer` with each read until ``done``): collects the first `AUTH_LEN`
-    bytes in a buffer of that size and compares them with ``preamble`` in constant time."""
+    `wire_limits.Intake` with each read of `wire_server.FrameServer` until ``done``): collects
+    the first `AUTH_LEN` bytes in a buffer of that size and compares them with ``preamble`` in
+    constant time."""
 
     __slots__ = ("_want", "_got", "done")
 
