@@ -107,8 +107,8 @@ def fault_under_load(state: Baseline, role: str, name: str, fault: Fault,
     """The whole case (see the module's docstring; each request of the load has ``deadline_s``
     to end); ``after`` runs once the load stopped and
     before the levels are compared. Returns the report row (``during``: the outcomes of the
-    requests that began and ended while the fault lasted; ``max_gap_s``, ``max_ok_s``:
-    `_gaps`; ``errors``: the most frequent error details)."""
+    requests that began and ended while the fault lasted; ``max_gap_s``, ``max_ok_s``,
+    ``first_error_s``, ``last_error_s``: `_gaps`; ``errors``: the most frequent error details)."""
     rig = state.rig
     load = Load(rig.url, workers, deadline_s)
     time.sleep(2.0)
@@ -143,15 +143,17 @@ def fault_under_load(state: Baseline, role: str, name: str, fault: Fault,
 
 def _gaps(results: list[Result], t0: float) -> dict[str, float | None]:
     """``max_gap_s``: the longest time from the fault (or a success) to the next success;
-    ``max_ok_s``: the longest a successful request took; ``first_error_s``: from the fault
-    until the first request ended in an error."""
+    ``max_ok_s``: the longest a successful request took; ``first_error_s`` and
+    ``last_error_s``: from the fault until the first and the last request ended in an error
+    (None without one)."""
     ends = sorted([t0, *(r.end for r in results if r.outcome == Outcome.OK and r.end > t0)])
     oks = [r.end - r.start for r in results if r.outcome == Outcome.OK]
     failed = [r.end - t0 for r in results if r.outcome != Outcome.OK and r.end > t0]
     return {"max_gap_s": round(max(b - a for a, b in zip(ends, ends[1:], strict=False))
                                if len(ends) > 1 else float("inf"), 2),
             "max_ok_s": round(max(oks, default=0.0), 2),
-            "first_error_s": round(min(failed), 2) if failed else None}
+            "first_error_s": round(min(failed), 2) if failed else None,
+            "last_error_s": round(max(failed), 2) if failed else None}
 
 
 def _accounted(rig: Rig, object_bytes: float) -> bool:
