@@ -110,7 +110,7 @@ class Publication:
                     self._put()
                     if self._written:
                         log.warning("published %s", self.key)
-                elif self._lease.refresh() <= 0:
+                elif self._lease.refresh() <= 0 and not self._stop.is_set():
                     log.warning("lease of %s expired; publishing again", self.key)
                     self._put()
             except Exception as e:  # noqa: BLE001 - etcd down: keep trying until closed
