@@ -123,27 +123,72 @@ def delta_stats(before: str, after: str, name: str) -> dict[str, float]:
             "share_le_5ms": share.get(0.005, float("nan"))}
 
 
+class _StreamConn(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection that reads streamed (chunked) responses with as
+    little CPU as a client can: it only looks for the status line and the final chunk. The
+    overhead phase measures the Conductor, and the load generator shares its two cores; an
+    HTTP client library parsing every SSE line (aiohttp: ~4x this one's CPU per token) takes
+    the core the Conductor needs at the moment tokens arrive."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.done: asyncio.Future[bytes] | None = None
+        self.head = b""
+        self.tail = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if len(self.head) < 12:
+            self.head += data[:12]
+        self.tail = (self.tail + data)[-7:]
+        if self.tail == b"\r\n0\r\n\r\n" and self.done is not None and not self.done.done():
+            self.done.set_result(self.head)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError(f"connection lost: {exc}"))
+
+    async def request(self, raw: bytes) -> None:
+        assert self.transport is not None
+        self.head, self.tail = b"", b""
+        self.done = asyncio.get_running_loop().create_future()
+        self.transport.write(raw)
+        head = await self.done
+        assert head.startswith(b"HTTP/1.1 200"), head
+
+
 async def streams(url: str, n_streams: int, n_requests: int, tokens: int,
-                  model: str) -> float:
-    import aiohttp
-
+                  model: str, ramp_s: float = 0.0) -> float:
+    """``n_streams`` connections each sending streamed completions until ``n_requests`` are
+    done; the wall time. Connection ``i`` starts ``i * ramp_s / n_streams`` in: started all at
+    once, the streams would stay in lockstep (same length, same decode batch) and arrive,
+    get their first token and finish in waves of ``n_streams`` at the same instant — not the
+    steady state of 50 concurrent streams the target is about."""
     left = n_requests
-    body = {"model": model, "prompt": list(range(1, 65)), "max_tokens": tokens, "stream": True,
-            "ignore_eos": True}
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": model, "prompt": list(range(1, 65)), "max_tokens": tokens,
+                       "stream": True, "ignore_eos": True}).encode()
+    raw = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json"
+           f"\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+    loop = asyncio.get_running_loop()
 
-    async def worker(session: aiohttp.ClientSession) -> None:
+    async def worker(i: int) -> None:
         nonlocal left
-        while left > 0:
-            left -= 1
-            async with session.post(url + "/v1/completions", json=body) as resp:
-                assert resp.status == 200, await resp.text()
-                async for _ in resp.content:
-                    pass
+        await asyncio.sleep(i * ramp_s / n_streams)
+        _, conn = await loop.create_connection(_StreamConn, host, int(port))
+        try:
+            while left > 0:
+                left -= 1
+                await conn.request(raw)
+        finally:
+            assert conn.transport is not None
+            conn.transport.close()
 
     t0 = time.perf_counter()
-    conn = aiohttp.TCPConnector(limit=n_streams + 8)
-    async with aiohttp.ClientSession(connector=conn) as s:
-        await asyncio.gather(*(worker(s) for _ in range(n_streams)))
+    await asyncio.gather(*(worker(i) for i in range(n_streams)))
     return time.perf_counter() - t0
 
 
@@ -216,7 +261,7 @@ def overhead_phase(procs: Procs, roles: list[str], ns: argparse.Namespace) -> di
     m = ns.overhead_model
     asyncio.run(streams(url, 4, 8, 4, m))  # warm-up
     before, cpu0 = scrape(url), cpu_s(pid)
-    wall = asyncio.run(streams(url, ns.streams, ns.requests, ns.tokens, m))
+    wall = asyncio.run(streams(url, ns.streams, ns.requests, ns.tokens, m, ns.ramp_s))
     after, cpu1 = scrape(url), cpu_s(pid)
     procs.stop()
     return {"model": ns.overhead_model, "wall_s": wall,
@@ -262,6 +307,8 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=50)
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--ramp-s", type=float, default=3.0,
+                    help="spread the streams' starts over this many seconds (0: all at once)")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=15.0)
     ap.add_argument("--instance-args", default="",

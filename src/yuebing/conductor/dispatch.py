@@ -31,16 +31,19 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from yuebing.conductor.api import GenRequest
 from yuebing.conductor.cluster import LiveCluster, Member
+from yuebing.conductor.delta import Delta
+from yuebing.conductor.delta import delta as make_delta
 from yuebing.conductor.metrics import ConductorMetrics
 from yuebing.conductor.policy import Policy, Reject, RejectReason, RequestInfo, Route
+from yuebing.conductor.push import Pusher, token_sink
 from yuebing.conductor.stats import RequestStats
 from yuebing.conductor.view import STORE_HOLDER
 from yuebing.core.ids import BlockHash, InstanceId
-from yuebing.instance.client import InstanceError, InstanceUnavailable
+from yuebing.instance.client import InstanceClient, InstanceError, InstanceUnavailable
 from yuebing.instance.kvkeys import store_block_keys
 from yuebing.protocol.instance import (
     ErrorCode,
@@ -77,21 +80,8 @@ class _Retry(Exception):
     """The attempt failed before any token: the request may be re-dispatched."""
 
 
-@dataclass(frozen=True, slots=True)
-class Delta:
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    received_s: float = 0.0
-    """``time.perf_counter()`` when the event's frame arrived from the instance."""
-
-
 _Events = AsyncIterator[tuple[TaskEvent, float]]
 """An instance client's `timed_events`: each event with its arrival time."""
-
-_FINISH = {"stop": "stop", "eos": "stop", "stop_string": "stop", "length": "length",
-           "max_tokens": "length"}
-
 
 class Dispatcher:
     """Routes and relays requests over one `LiveCluster` with one `Policy`."""
@@ -104,15 +94,19 @@ class Dispatcher:
         self.request_timeout_s = request_timeout_s
         self.reserve_wait_s = reserve_wait_s
 
-    async def generate(self, req: GenRequest, stats: RequestStats) -> AsyncIterator[Delta]:
-        """The request's output; raises `Rejected` or `RequestFailed` (see the module doc)."""
+    async def generate(self, req: GenRequest, stats: RequestStats,
+                       out: Pusher | None = None) -> AsyncIterator[Delta]:
+        """The request's output; raises `Rejected` or `RequestFailed` (see the module doc).
+        With ``out`` (a streamed response's `Pusher`) plain token events are written by it
+        from the instance client's reader whenever it is ready, not yielded here."""
         deadline = time.monotonic() + self.request_timeout_s
         stats.prompt_tokens = len(req.prompt_ids)
         for attempt in (0, 1):
             rid = stats.request_id if attempt == 0 else f"{stats.request_id}-r{attempt}"
             info, route, coupled = self._decide(req, rid)
             try:
-                async for delta in self._attempt(req, info, route, coupled, stats, deadline):
+                async for delta in self._attempt(req, info, route, coupled, stats, deadline,
+                                                 out):
                     yield delta
                 return
             except _Retry as e:
@@ -172,7 +166,8 @@ class Dispatcher:
     # ------------------------------------------------------------------ one attempt
 
     async def _attempt(self, req: GenRequest, info: RequestInfo, route: Route, coupled: bool,
-                       stats: RequestStats, deadline: float) -> AsyncIterator[Delta]:
+                       stats: RequestStats, deadline: float,
+                       out: Pusher | None) -> AsyncIterator[Delta]:
         c, m = self.cluster, self.metrics
         pre, dec = c.members[route.prefill_id], c.members[route.decode_id]
         rid = info.request_id
@@ -210,7 +205,7 @@ class Dispatcher:
                     seq=0, request_id=rid, token_ids=req.prompt_ids, sampling=req.sampling,
                     mode=TaskMode.PREFILL, prefix=plan, decode=reserved.target))
             m.overhead.observe(stats.dispatch_s)
-            async for delta in self._relay(rid, pre, dec, coupled, stats, deadline):
+            async for delta in self._relay(rid, pre, dec, coupled, stats, deadline, out):
                 yield delta
             finished = True
         except InstanceUnavailable as e:
@@ -245,7 +240,8 @@ class Dispatcher:
             delay = min(0.25, delay * 2)
 
     async def _relay(self, rid: str, pre: Member, dec: Member, coupled: bool,
-                     stats: RequestStats, deadline: float) -> AsyncIterator[Delta]:
+                     stats: RequestStats, deadline: float,
+                     out: Pusher | None) -> AsyncIterator[Delta]:
         """The prefill's first token, then the decode's stream (coupled: one stream). Events
         are read straight from the clients' per-request queues (no task per event); the
         prefill's own end of stream (its breakdown) is drained by a background task. One
@@ -257,6 +253,7 @@ class Dispatcher:
                              lambda: reading[0].client.interrupt(rid, _TIMED_OUT))
         pre_events = pre.client.timed_events(rid)
         drain: asyncio.Task[bool] | None = None
+        diverted: InstanceClient | None = None
         try:
             while True:  # the first token
                 ev, received = await self._next(pre_events, rid)
@@ -269,7 +266,7 @@ class Dispatcher:
                     break
             stats.cached_tokens = ev.cached_tokens
             self.cluster.prefill_done(rid, pre.id)
-            delta = _delta(ev, stats, received)
+            delta = make_delta(ev, stats, received)
             if not coupled and delta.finish_reason is None:
                 # the decode's stream is the one read next: the timer ends it from here on,
                 # also while the first token is with the client
@@ -285,6 +282,9 @@ class Dispatcher:
                 events = dec.client.timed_events(rid)
                 drain = loop.create_task(_drain(pre_events, stats, rid))
                 drain.add_done_callback(lambda t: _lost_prefill(t, dec, rid))
+            if out is not None:
+                diverted = pre.client if coupled else dec.client
+                diverted.divert(rid, token_sink(out, stats))
             while True:
                 ev, received = await self._next(events, rid)
                 if ev is _PREFILL_LOST:
@@ -293,7 +293,7 @@ class Dispatcher:
                 stats.merge(ev.breakdown)
                 if ev.kind == EventKind.ERROR:
                     raise _failed(dec, ev)
-                delta = _delta(ev, stats, received)
+                delta = make_delta(ev, stats, received)
                 if delta.finish_reason is not None and drain is not None and not drain.done():
                     await asyncio.wait({drain}, timeout=0.2)  # the prefill's breakdown
                 yield delta
@@ -301,6 +301,8 @@ class Dispatcher:
                     return
         finally:
             timer.cancel()
+            if diverted is not None:
+                diverted.divert(rid, None)
             if drain is not None:
                 drain.cancel()
 
@@ -348,25 +350,6 @@ async def _drain(events: _Events, stats: RequestStats, rid: str) -> bool:
         if ev.kind == EventKind.FINISH:
             return True
     return False
-
-
-def _delta(ev: TaskEvent, stats: RequestStats, received: float) -> Delta:
-    now = received
-    n = len(ev.token_ids)
-    if stats.first_token_s is None and n:
-        stats.first_token_s = now
-    if n and len(ev.token_times) == n:
-        last = ev.token_times[-1]
-        stats.token_times.extend(now - (last - t) for t in ev.token_times)
-    else:
-        stats.token_times.extend([now] * n)
-    stats.completion_tokens += n
-    reason = None
-    if ev.kind == EventKind.FINISH or ev.finish_reason:
-        reason = _FINISH.get(ev.finish_reason or "stop", "stop")
-        stats.finish_reason = reason
-        stats.end_s = now
-    return Delta(list(ev.token_ids), ev.text, reason, received)
 
 
 async def _cancel(members: list[Member], rid: str) -> None:

@@ -24,13 +24,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive
 
 from yuebing.conductor.api import ApiError, GenRequest, decode_body, parse_request
-from yuebing.conductor.dispatch import Delta, Rejected, RequestFailed
+from yuebing.conductor.delta import Delta
+from yuebing.conductor.dispatch import Rejected, RequestFailed
 from yuebing.conductor.policy import RejectReason
+from yuebing.conductor.push import Pusher, SseResponse
 from yuebing.conductor.render import DONE, Renderer, error_event
 from yuebing.conductor.stats import RequestStats
 from yuebing.ops.admin import METRICS_CONTENT_TYPE
@@ -140,14 +142,19 @@ class _Routes:
         c.inflight += 1
         c.metrics.running.inc()
         handed_over = False
-        gen = c.dispatcher.generate(req, stats)
+        pusher = None
+        if req.stream:
+            renderer = Renderer(req.chat, c.cfg.model_name, stats.request_id,
+                                req.include_usage, req.return_token_ids)
+            pusher = Pusher(lambda d: renderer.chunk(d.text, d.finish_reason, d.token_ids),
+                            c.metrics.relay.observe)
+        gen = c.dispatcher.generate(req, stats, pusher)
         try:
-            if req.stream:
+            if pusher is not None:
                 first = await _race(_first(gen), request.receive)
                 handed_over = True
-                return StreamingResponse(self._sse(gen, first, req, stats),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                return SseResponse(self._sse(gen, first, req, stats, renderer, pusher), pusher,
+                                   headers={"Cache-Control": "no-cache"})
             text, ids = await _race(_collect(gen, None), request.receive)
             renderer = Renderer(chat, c.cfg.model_name, stats.request_id, False,
                                 req.return_token_ids)
@@ -168,10 +175,11 @@ class _Routes:
                 self._release()
 
     async def _sse(self, gen: AsyncIterator[Delta], first: Delta | None, req: GenRequest,
-                   stats: RequestStats) -> AsyncIterator[bytes]:
+                   stats: RequestStats, r: Renderer, pusher: Pusher) -> AsyncIterator[bytes]:
+        """The body of a streamed response: what ``gen`` yields (the first token, the end,
+        anything that found earlier events queued); plain tokens in between are written by
+        ``pusher`` while this waits (`yuebing.conductor.push`)."""
         c = self.c
-        r = Renderer(req.chat, c.cfg.model_name, stats.request_id, req.include_usage,
-                     req.return_token_ids)
         status, code = 499, "client_disconnected"
         try:
             if req.chat:
@@ -181,10 +189,18 @@ class _Routes:
                 yield r.chunk(first.text, first.finish_reason, first.token_ids)
                 relay(time.perf_counter() - first.received_s)
             try:
+                pusher.waiting = True
                 async for d in gen:
+                    pusher.waiting = False
+                    await pusher.settle()
                     yield r.chunk(d.text, d.finish_reason, d.token_ids)
                     relay(time.perf_counter() - d.received_s)
+                    pusher.waiting = True
+                pusher.waiting = False
+                await pusher.settle()
             except RequestFailed as e:
+                pusher.waiting = False
+                await pusher.settle()
                 status, code = 500, e.code
                 yield error_event(str(e), e.code)
                 yield DONE
@@ -194,6 +210,7 @@ class _Routes:
             yield DONE
             status, code = 200, ""
         finally:
+            pusher.waiting = False
             c.cluster.spawn(_close(gen))
             self._done(stats, status, code)
             self._release()

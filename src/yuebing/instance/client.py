@@ -103,6 +103,7 @@ class InstanceClient:
         """seq → request id of reservations whose caller gave up waiting (timeout or
         cancel): a `Reserved` that still comes is cancelled at once (`_dispatch`)."""
         self._events: dict[str, asyncio.Queue[tuple[TaskEvent, float]]] = {}
+        self._sinks: dict[str, Callable[[TaskEvent, float], bool]] = {}
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read())
         self._watcher = loop.create_task(self._watch_link())
@@ -214,6 +215,17 @@ class InstanceClient:
                     return
         finally:
             self._events.pop(request_id, None)
+            self._sinks.pop(request_id, None)
+
+    def divert(self, request_id: str,
+               sink: Callable[[TaskEvent, float], bool] | None) -> None:
+        """Offer the request's events to ``sink`` (None: stop) before its queue: the reader
+        calls ``sink(event, arrived)`` while the queue is empty, and queues the event only
+        when it returns False (the Conductor's fast path, `yuebing.conductor.push`)."""
+        if sink is None:
+            self._sinks.pop(request_id, None)
+        elif request_id in self._events:
+            self._sinks[request_id] = sink
 
     def interrupt(self, request_id: str, marker: TaskEvent) -> None:
         """Put ``marker`` (an ERROR event the caller recognises by identity, e.g. its request
@@ -278,16 +290,22 @@ class InstanceClient:
                     self.on_link(False)
                 self.fail_all(reason)
 
+    def _event(self, ev: TaskEvent, arrived: float) -> None:
+        q = self._events.get(ev.request_id)
+        if q is None:
+            return
+        if q.empty():
+            sink = self._sinks.get(ev.request_id)
+            if sink is not None and sink(ev, arrived):
+                return
+        q.put_nowait((ev, arrived))
+
     def _dispatch(self, msg: Message, arrived: float) -> None:
         if isinstance(msg, TaskEvent):
-            q = self._events.get(msg.request_id)
-            if q is not None:
-                q.put_nowait((msg, arrived))
+            self._event(msg, arrived)
         elif isinstance(msg, TaskEvents):
             for ev in msg.events:
-                q = self._events.get(ev.request_id)
-                if q is not None:
-                    q.put_nowait((ev, arrived))
+                self._event(ev, arrived)
         elif isinstance(msg, LoadReport):
             if self.on_report is not None:
                 self.on_report(msg)
