@@ -9,7 +9,7 @@ the request's sink (`Dispatcher._relay` installs it once the first token is out)
 the chunk and drives the response's ASGI ``send`` to completion right there — for a body chunk
 uvicorn's ``send`` writes to the transport and returns without suspending unless the client
 stopped reading (flow control), and then the rest of that send finishes in a task
-(`Pusher.settle`).
+(`_resume`) that the response's own next write waits for (`Pusher.settle`).
 
 Everything else (the first token, FINISH, errors, the request's timer, an event that found
 earlier ones still queued) takes the queue path, so order and the dispatcher's rules are the
@@ -59,30 +59,49 @@ class Pusher:
     def push(self, d: Delta) -> None:
         """Render ``d`` and write it now (call only when `ready`)."""
         assert self.send is not None
-        coro = self.send({"type": "http.response.body", "body": self._render(d),
-                          "more_body": True})
-        if not isinstance(coro, Coroutine):  # not steppable by hand: a task sends it
-            self.pending = asyncio.ensure_future(coro)
-            return
         try:
+            coro = self.send({"type": "http.response.body", "body": self._render(d),
+                              "more_body": True})
+            if not isinstance(coro, Coroutine):  # not steppable by hand: a task sends it
+                self._hold(asyncio.ensure_future(coro), d.received_s)
+                return
             blocker = coro.send(None)
         except StopIteration:
             self._observe(time.perf_counter() - d.received_s)
             return
-        except Exception as e:  # the response's own next send reports it
+        except Exception as e:  # the response's own next write raises it (`settle`)
             log.debug("pushed send failed: %s", e)
             self.failed = e
             return
-        self.pending = asyncio.ensure_future(_resume(coro, blocker))
+        self._hold(asyncio.ensure_future(_resume(coro, blocker)), d.received_s)
+
+    def _hold(self, task: asyncio.Task[Any], received_s: float) -> None:
+        """A send held up by flow control: the fast path pauses until it is done (counted
+        in the relay histogram then); its error is kept for `settle`."""
+        self.pending = task
+
+        def done(t: asyncio.Task[Any]) -> None:
+            if self.pending is t:
+                self.pending = None
+            if t.cancelled():
+                return
+            if t.exception() is not None:
+                self.failed = t.exception()
+            else:
+                self._observe(time.perf_counter() - received_s)
+        task.add_done_callback(done)
+
+    def close(self) -> None:
+        """The response ended: a send still held is dropped."""
+        self.waiting = False
+        if self.pending is not None:
+            self.pending.cancel()
 
     async def settle(self) -> None:
         """Before the response's generator writes: the pushed send held up by flow control
         has finished (its error, if any, is raised here)."""
         if self.pending is not None:
-            try:
-                await self.pending
-            finally:
-                self.pending = None
+            await asyncio.wait({self.pending})
         if self.failed is not None:
             raise self.failed
 

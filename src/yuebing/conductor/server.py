@@ -210,7 +210,7 @@ class _Routes:
             yield DONE
             status, code = 200, ""
         finally:
-            pusher.waiting = False
+            pusher.close()
             c.cluster.spawn(_close(gen))
             self._done(stats, status, code)
             self._release()

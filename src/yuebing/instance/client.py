@@ -280,14 +280,13 @@ class InstanceClient:
                 return
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and not up:
                 up, again, ever = True, ever, True
-                if again and self.on_link is not None:
-                    self.on_link(True)
+                if again:
+                    self._link(True)
             elif event == zmq.EVENT_DISCONNECTED and up:
                 up = False
                 reason = f"the connection to the instance at {self.address} was lost"
                 log.info("%s", reason)
-                if self.on_link is not None:
-                    self.on_link(False)
+                self._link(False)
                 self.fail_all(reason)
 
     def _event(self, ev: TaskEvent, arrived: float) -> None:
@@ -296,9 +295,21 @@ class InstanceClient:
             return
         if q.empty():
             sink = self._sinks.get(ev.request_id)
-            if sink is not None and sink(ev, arrived):
-                return
+            if sink is not None:
+                try:
+                    if sink(ev, arrived):
+                        return
+                except Exception:  # the reader must live on: this request takes the queue
+                    log.exception("%s: the event sink failed", ev.request_id)
+                    self._sinks.pop(ev.request_id, None)
         q.put_nowait((ev, arrived))
+
+    def _link(self, up: bool) -> None:
+        if self.on_link is not None:
+            try:
+                self.on_link(up)
+            except Exception:  # the watch must live on
+                log.exception("the link callback of %s failed", self.address)
 
     def _dispatch(self, msg: Message, arrived: float) -> None:
         if isinstance(msg, TaskEvent):

@@ -37,8 +37,10 @@ class CoupledInstance(Instance):
         self.engine.add_layer_hook(self._mark_started)
 
     async def close(self) -> None:
-        await super().close()
-        await self.peers.close()
+        try:
+            await super().close()
+        finally:
+            await self.peers.close()
 
     async def on_fetch_prefix(self, msg: FetchPrefix) -> Message:
         return await serve_fetch(self, msg)
