@@ -258,7 +258,10 @@ async def _race(work: Coroutine[Any, Any, T], receive: Receive) -> T:
     watching = [True]
 
     def gone(w: asyncio.Future[None]) -> None:
-        if watching[0] and not w.cancelled():
+        if w.cancelled():
+            return
+        w.exception()  # retrieved (also when it failed after the race): a failed receive
+        if watching[0]:  # counts as a disconnect
             task.cancel()
 
     watch = asyncio.ensure_future(_disconnected(receive))
