@@ -171,17 +171,7 @@ class Dispatcher:
         c, m = self.cluster, self.metrics
         pre, dec = c.members[route.prefill_id], c.members[route.decode_id]
         rid = info.request_id
-        plan, copied = self._plan(route, info)
-        stats.prefill_id, stats.decode_id, stats.prefix_source = str(pre.id), str(dec.id), \
-            plan.source
-        stats.est_ttft_s, stats.est_transfer_s = route.est_ttft_s, route.est_transfer_s
-        stats.est_queue_s, stats.est_prefill_s = route.est_queue_s, route.est_prefill_s
-        c.routed(info, route, time.monotonic())
-        m.routed_requests.labels(pre.id, "coupled" if coupled else "prefill").inc()
-        if not coupled:
-            m.routed_requests.labels(dec.id, "decode").inc()
-        if copied:
-            m.blocks_replicated.labels(plan.source).inc(copied)
+        plan = self._routed(info, route, coupled, stats)
         involved: list[Member] = []
         finished = False
         try:
@@ -221,6 +211,24 @@ class Dispatcher:
             if not finished and involved:
                 c.spawn(_cancel(involved, rid))
 
+    def _routed(self, info: RequestInfo, route: Route, coupled: bool,
+                stats: RequestStats) -> PrefixPlan:
+        """The request's prefix plan; the route recorded in ``stats``, the cluster's own
+        accounting and the routing/replication counters."""
+        c, m = self.cluster, self.metrics
+        pre, dec = route.prefill_id, route.decode_id
+        plan, copied = self._plan(route, info)
+        stats.prefill_id, stats.decode_id, stats.prefix_source = str(pre), str(dec), plan.source
+        stats.est_ttft_s, stats.est_transfer_s = route.est_ttft_s, route.est_transfer_s
+        stats.est_queue_s, stats.est_prefill_s = route.est_queue_s, route.est_prefill_s
+        c.routed(info, route, time.monotonic())
+        m.routed_requests.labels(pre, "coupled" if coupled else "prefill").inc()
+        if not coupled:
+            m.routed_requests.labels(dec, "decode").inc()
+        if copied:
+            m.blocks_replicated.labels(plan.source).inc(copied)
+        return plan
+
     async def _reserve(self, dec: Member, rid: str, req: GenRequest,
                        deadline: float) -> Reserved:
         """Reserve the request's KV on its decode instance; while the instance has no free KV
@@ -255,15 +263,7 @@ class Dispatcher:
         drain: asyncio.Task[bool] | None = None
         diverted: InstanceClient | None = None
         try:
-            while True:  # the first token
-                ev, received = await self._next(pre_events, rid)
-                stats.merge(ev.breakdown)
-                if ev.kind == EventKind.ERROR:
-                    if not (pre.alive and dec.alive):
-                        raise _Retry(ev.error or "an instance of the request died")
-                    raise _failed(pre, ev)
-                if ev.token_ids or ev.kind >= EventKind.FINISH:
-                    break
+            ev, received = await self._first_event(pre_events, rid, pre, dec, stats)
             stats.cached_tokens = ev.cached_tokens
             self.cluster.prefill_done(rid, pre.id)
             delta = make_delta(ev, stats, received)
@@ -282,7 +282,7 @@ class Dispatcher:
                 events = dec.client.timed_events(rid)
                 drain = loop.create_task(_drain(pre_events, stats, rid))
                 drain.add_done_callback(lambda t: _lost_prefill(t, dec, rid))
-            if out is not None:
+            if out is not None:  # plain tokens from here on: `yuebing.conductor.push`
                 diverted = pre.client if coupled else dec.client
                 diverted.divert(rid, token_sink(out, stats))
             while True:
@@ -305,6 +305,20 @@ class Dispatcher:
                 diverted.divert(rid, None)
             if drain is not None:
                 drain.cancel()
+
+    async def _first_event(self, events: _Events, rid: str, pre: Member, dec: Member,
+                           stats: RequestStats) -> tuple[TaskEvent, float]:
+        """The prefill's first event with a token (or its end). An ERROR raises `_Retry`
+        when an instance of the request died (re-dispatch), else `RequestFailed`."""
+        while True:
+            ev, received = await self._next(events, rid)
+            stats.merge(ev.breakdown)
+            if ev.kind == EventKind.ERROR:
+                if not (pre.alive and dec.alive):
+                    raise _Retry(ev.error or "an instance of the request died")
+                raise _failed(pre, ev)
+            if ev.token_ids or ev.kind >= EventKind.FINISH:
+                return ev, received
 
     async def _next(self, events: _Events, rid: str) -> tuple[TaskEvent, float]:
         """The next event and when its frame arrived."""
