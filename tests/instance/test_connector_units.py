@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import torch
@@ -29,7 +30,8 @@ def test_snapshot_saves_the_leading_blocks_that_fit_in_staging():
     e.generate([ids], SamplingParams(max_tokens=1))
     probe = KVConnector(e, None, KVConnectorConfig(staging_bytes=1 << 20))
     room = 2 * probe.object_bytes + 100  # two store blocks fit, not four
-    conn = KVConnector(e, object(), KVConnectorConfig(staging_bytes=room))  # type: ignore[arg-type]
+    conn = KVConnector(e, object(), KVConnectorConfig(  # type: ignore[arg-type]
+        staging_bytes=room, save_staging_share=1.0))
     snap = conn.snapshot(e, ids)
     assert snap is not None and snap.keys == conn.keys(ids)[:2]
     assert conn.stats.staging_full == 1
@@ -53,6 +55,68 @@ def test_staging_is_first_fit_and_bounded():
     d, e = s.take(20), s.take(10)
     assert d is not None and d[0] - 1 == 80 and e is not None and e[0] - 1 == 30
     assert s.take(1) is None
+
+
+def test_saves_hold_at_most_their_share_of_staging_and_loads_keep_the_rest():
+    s = Staging(torch.empty(100, dtype=torch.uint8), save_limit=50)
+    a = s.take(30, saving=True)
+    assert a is not None and s.take(30, saving=True) is None  # 60 > 50: the saves' share
+    assert s.take(70) is not None  # a load takes all the rest
+    s.give(a[0])
+    assert s.take(30, saving=True) is not None  # the share is free again
+
+
+class _StuckSaver:
+    """The store client of saves, on a master that does not answer: each call blocks until
+    ``answer`` is set (a real client waits out its failover budget, 15 s)."""
+
+    def __init__(self) -> None:
+        self.answer = threading.Event()
+        self.called: list[list[str]] = []
+
+    def batch_exists(self, keys: list[str]) -> list[bool]:
+        self.called.append(list(keys))
+        self.answer.wait(10)
+        return [True] * len(keys)
+
+
+class _EmptyStore:
+    def prefix_match(self, keys: list[str]) -> int:
+        return 0
+
+
+def test_a_fetch_does_not_wait_for_a_save_and_saves_keep_their_order():
+    """Regression: loads and saves shared one I/O thread, so a load waited for a save stuck
+    on the store (up to the client's failover budget, 15 s). Saves now have their own thread
+    and store client; they still run one at a time, in order, and their snapshots hold at most
+    `save_staging_share` of the staging, so a load finds room while they wait."""
+    e = _engine()
+    ids = [(i * 13) % 500 for i in range(512)]  # 2 store blocks of 256
+    other = [(i * 7) % 500 for i in range(512)]
+    e.generate([ids, other], SamplingParams(max_tokens=1))
+    probe = KVConnector(e, None, KVConnectorConfig(staging_bytes=1 << 20))
+    saver = _StuckSaver()
+    conn = KVConnector(e, _EmptyStore(), KVConnectorConfig(  # type: ignore[arg-type]
+        staging_bytes=8 * probe.object_bytes, save_staging_share=0.5), saver=saver)  # type: ignore[arg-type]
+    try:
+        first, second = conn.snapshot(e, ids), conn.snapshot(e, other)
+        assert first is not None and second is not None  # 4 blocks: the saves' half
+        assert conn.snapshot(e, ids[:256] + other[:256]) is None  # no share left
+        saves = [conn.submit_save(first), conn.submit_save(second)]
+        end = time.monotonic() + 5
+        while not saver.called and time.monotonic() < end:
+            time.sleep(0.01)
+        assert saver.called == [first.keys]  # the first save is stuck on the master
+        t0 = time.monotonic()
+        assert conn.submit_fetch(ids, 512).result(timeout=5).blocks == 0  # a miss, at once
+        assert time.monotonic() - t0 < 1.0
+        assert conn.staging.take(4 * probe.object_bytes) is not None  # loads' half is free
+        saver.answer.set()
+        assert [f.result(timeout=5) for f in saves] == [0, 0]  # both were present
+        assert saver.called == [first.keys, second.keys]  # in order
+    finally:
+        saver.answer.set()
+        conn.close()
 
 
 def test_a_background_job_that_raises_fails_its_task_with_an_error_event():

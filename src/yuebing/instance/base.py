@@ -2,9 +2,10 @@
 connector, the control server (zmq ROUTER, `protocol.instance` messages) and load reports.
 
 Threads of an instance process: the asyncio control loop (this class; never blocks on a step),
-the engine's driver thread (`EngineDriver`), the connector's store I/O thread (one; the store
-client is single-threaded), the transfer engine's threads. A control frame is decoded, checked
-and answered in the loop; engine work is queued to the driver; engine outputs come back through
+the engine's driver thread (`EngineDriver`), the connector's store threads (one for loads, one
+for saves, each with a store client of its own: a load never waits for a save), the transfer
+engine's threads. A control frame is decoded, checked and answered in the loop; engine work is
+queued to the driver; engine outputs come back through
 `_outputs_from_driver` (driver thread) → `_on_outputs` (loop), which turns them into
 `TaskEvent`s for the Conductor connection that owns the task. A frame that does not decode
 or is invalid gets `ErrorReply(BAD_REQUEST)`; the instance keeps serving.
@@ -104,6 +105,13 @@ def to_params(s: Sampling, max_tokens: int | None = None) -> SamplingParams:
                                          else max_tokens))
 
 
+def _close_quietly(store: Any) -> None:
+    """Close a store client at shutdown (its heartbeat may take seconds to end: the two
+    clients are closed side by side); an error there is no longer anyone's concern."""
+    with contextlib.suppress(Exception):
+        store.close()
+
+
 def engine_config(cfg: InstanceConfig) -> EngineConfig:
     return EngineConfig(model=cfg.model, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads,
                         num_blocks=cfg.num_blocks, kv_cache_bytes=cfg.kv_cache_bytes,
@@ -132,13 +140,15 @@ class Instance:
         storage = self._pool_storage if self.exposes_pool else None
         self.engine = engine or LLMEngine(engine_config(cfg), kv_storage=storage)
         self.store = self._open_store()
+        self.saver = self._open_store() if cfg.save_to_store else None
+        """The store client of saves (their thread's own: `StoreClient` is single-threaded)."""
         staging = None
         if self.store is not None or self.role != Role.DECODE:
             seg = self.transfer.register_segment("staging", size=cfg.staging_bytes)
             staging = torch.frombuffer(seg.view, dtype=torch.uint8)
         self.connector = KVConnector(self.engine, self.store, KVConnectorConfig(
-            cfg.store_block_tokens, cfg.staging_bytes), staging)
-        self.io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-io")
+            cfg.store_block_tokens, cfg.staging_bytes, load_timeout_s=cfg.store_load_timeout_s),
+            staging, saver=self.saver)
         if cfg.warmup:
             self.engine.warmup()
         self.driver = EngineDriver(self.engine, self._outputs_from_driver, cfg.threads,
@@ -257,10 +267,9 @@ class Instance:
             self._event(task, EventKind.ERROR, error_code=ErrorCode.SHUTTING_DOWN,
                         error="the instance is shutting down")
         self.driver.close()
-        self.io.shutdown(wait=False, cancel_futures=True)
-        if self.store is not None:
-            with contextlib.suppress(Exception):
-                self.store.close()
+        self.connector.close()
+        await asyncio.gather(*(asyncio.to_thread(_close_quietly, c)
+                               for c in (self.store, self.saver) if c is not None))
         if self.sock is not None:
             self.sock.close(linger=500)  # let the last events (shutdown errors) go out
         if self.zap is not None:

@@ -60,6 +60,13 @@ class InstanceConfig:
     store_block_tokens: int = field(default=256, metadata={"help": "tokens per store object"})
     staging_bytes: int = field(default=256 << 20, metadata={
         "help": "registered staging memory for store loads/saves", "size": True})
+    store_load_timeout_s: float = field(default=2.0, metadata={
+        "help": "a prefix load from the store gives up on each store master call (the prefix "
+                "lookup, the replica request) after this many seconds, tries and failover "
+                "included, and the prefix is computed instead: a load is on the request's TTFT "
+                "path, so it does not wait out the store client's failover budget (15 s) for "
+                "a master that does not answer. Saves keep that budget, on a thread of their "
+                "own"})
     save_to_store: bool = field(default=True, metadata={
         "help": "save new prefill blocks to the store"})
     host_id: str = field(default="", metadata={
@@ -103,6 +110,8 @@ class InstanceConfig:
         require(self.transfer_timeout_s > 0, "transfer_timeout_s must be > 0")
         require(self.kv_headroom_blocks >= 0, "kv_headroom_blocks must be >= 0")
         require(self.staging_bytes > 0, "staging_bytes must be > 0")
+        require(self.store_load_timeout_s > 0, f"store_load_timeout_s must be > 0 seconds, "
+                f"got {self.store_load_timeout_s}")
         require(self.layerwise_min_bytes >= 0, "layerwise_min_bytes must be >= 0")
         require(self.event_loop in EVENT_LOOPS, f"event_loop must be one of "
                 f"{', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")

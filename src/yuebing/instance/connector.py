@@ -7,30 +7,32 @@ geometry is another key — a miss, never wrong KV).
 
 The engine belongs to the driver thread, so each job is split in two halves:
 
-- loading a prefix: `fetch` (I/O, the connector's thread pool) reads the longest run of stored
-  blocks into registered staging memory (one `batch_get_into`, zero-copy from a same-host node's
-  segment or off the TCP socket); `install` (driver thread) copies the staging buffer into the
-  engine's prefix cache (`kv_transfer.import_prefix`, fingerprint-checked), so when the request
-  is added the scheduler finds the prefix and computes only the suffix;
+- loading a prefix: `fetch` (the connector's load thread, `submit_fetch`) reads the longest
+  run of stored blocks into registered staging memory (one `batch_get_into`, zero-copy from a
+  same-host node's segment or off the TCP socket); `install` (driver thread) copies the staging
+  buffer into the engine's prefix cache (`kv_transfer.import_prefix`, fingerprint-checked), so
+  when the request is added the scheduler finds the prefix and computes only the suffix;
 - saving new blocks: `snapshot` (driver thread, right after the prefill step) copies the
   request's full store blocks that this connector has not seen in the store into staging;
-  `save` (I/O thread) puts them with one `batch_put`, off the TTFT path. A failed save is
-  logged and counted, never raised into a request.
+  `save` (the save thread, `submit_save`: saves run one at a time, in order) puts them with one
+  `batch_put`, off the TTFT path. A failed save is logged and counted, never raised.
 
-`lookup` answers "how many leading tokens of these ids can be loaded from the store". Misses
+Loads and saves have a thread each, and a store client each (``store``, ``saver``; a
+`StoreClient` is for one thread at a time), so a load never queues behind a save. Misses
 (evicted between lookup and read, a node gone) load less; the rest is computed. Staging memory
-is bounded (`staging_bytes`): a fetch that finds no room loads less, a snapshot is skipped.
-A load is on the request's TTFT path: each of its master calls gives up after `load_timeout_s`
-(`StoreClient.limited`) and the prefix is computed, never waiting out the client's failover
-budget (15 s) for a master that does not answer; a save keeps that budget. After a failed call,
+is bounded (`staging_bytes`): a fetch that finds no room loads less, a snapshot is skipped, and
+snapshots waiting for their save hold at most `save_staging_share` of it, so loads (from the
+store or a peer) find room while saves wait for a store in trouble. A load is on the request's
+TTFT path: each of its master calls gives up after `load_timeout_s` (`StoreClient.limited`) and
+the prefix is computed; a save keeps the client's failover budget (15 s). After a failed call,
 fetches and saves skip the store (loads compute, saves drop) for `store_retry_s` and until the
-store client's heartbeat is answered again, so the single I/O thread does not hold every request
-behind calls that fail the same way. Used by the prefill and coupled roles (`instance.prefill`,
-`instance.coupled`).
+store client's heartbeat is answered again. Used by the prefill and coupled roles
+(`instance.prefill`, `instance.coupled`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -76,6 +78,10 @@ class KVConnectorConfig:
                 "not answer (partitioned, stopped, killed). A master slower than this (an "
                 "overloaded host, a standby taking over) also costs loads, for store_retry_s. "
                 "Saves keep the client's budget"})
+    save_staging_share: float = field(default=0.5, metadata={
+        "help": "share of the staging memory that snapshots waiting for their save may hold "
+                "together; the rest stays for loads (from the store or a peer), which are on "
+                "the TTFT path, while saves wait for a store in trouble"})
 
     def __post_init__(self) -> None:
         require(self.store_block_tokens > 0, "store_block_tokens must be > 0")
@@ -84,6 +90,8 @@ class KVConnectorConfig:
         require(self.store_retry_s >= 0, "store_retry_s must be >= 0")
         require(self.load_timeout_s > 0, f"load_timeout_s must be > 0 seconds, got "
                 f"{self.load_timeout_s}")
+        require(0 < self.save_staging_share <= 1, f"save_staging_share must be in (0, 1], "
+                f"got {self.save_staging_share}")
 
 
 @dataclass
@@ -124,41 +132,53 @@ class ConnectorStats:
 
 
 class Staging:
-    """A bounded pool of byte ranges in one registered buffer (first fit, thread-safe)."""
+    """A bounded pool of byte ranges in one registered buffer (first fit, thread-safe). The
+    ranges taken for saves (``saving``) hold at most ``save_limit`` bytes together."""
 
-    def __init__(self, buffer: torch.Tensor) -> None:
+    def __init__(self, buffer: torch.Tensor, save_limit: int | None = None) -> None:
         self.buffer = buffer
+        self.save_limit = buffer.numel() if save_limit is None else save_limit
         self._lock = threading.Lock()
-        self._used: dict[int, int] = {}  # start -> length
-        self._next_id = 0
+        self._used: dict[int, tuple[int, bool]] = {}  # start -> (length, saving)
+        self._saving = 0
 
-    def take(self, nbytes: int) -> tuple[int, torch.Tensor] | None:
+    def take(self, nbytes: int, saving: bool = False) -> tuple[int, torch.Tensor] | None:
+        """A free range of ``nbytes``: (lease, view), or None if none is (or, for a save,
+        if the saves' ranges would exceed ``save_limit``)."""
         with self._lock:
+            if saving and self._saving + nbytes > self.save_limit:
+                return None
             start = 0
-            for s, n in sorted(self._used.items()):
+            for s, (n, _) in sorted(self._used.items()):
                 if s - start >= nbytes:
                     break
                 start = s + n
             if start + nbytes > self.buffer.numel():
                 return None
-            self._used[start] = nbytes
+            self._used[start] = (nbytes, saving)
+            self._saving += nbytes if saving else 0
             return start + 1, self.buffer[start:start + nbytes]
 
     def give(self, lease: int) -> None:
         if lease:
             with self._lock:
-                self._used.pop(lease - 1, None)
+                nbytes, saving = self._used.pop(lease - 1, (0, False))
+                self._saving -= nbytes if saving else 0
 
 
 class KVConnector:
-    """See the module docstring. ``store`` None: no store (every lookup is 0, saves drop)."""
+    """See the module docstring. ``store`` None: no store (every lookup is 0, saves drop);
+    ``saver``: the store client of saves, used on their own thread (None: saves use ``store``
+    on the loads' thread, one client being for one thread at a time)."""
 
     def __init__(self, engine: LLMEngine, store: StoreClient | None,
-                 config: KVConnectorConfig, staging: torch.Tensor | None = None) -> None:
+                 config: KVConnectorConfig, staging: torch.Tensor | None = None,
+                 saver: StoreClient | None = None) -> None:
         require(config.store_block_tokens % engine.block_size == 0,
                 f"store_block_tokens ({config.store_block_tokens}) must be a multiple of the "
                 f"engine block size ({engine.block_size})")
         self.store = store
+        self.saver = saver if saver is not None else store
         self.config = config
         self.fingerprint = engine.fingerprint
         self.dtype = engine.pool.dtype
@@ -167,7 +187,7 @@ class KVConnector:
         self.object_bytes = self.per_store_block * engine.pool.block_nbytes
         buf = staging if staging is not None else torch.empty(config.staging_bytes,
                                                               dtype=torch.uint8)
-        self.staging = Staging(buf)
+        self.staging = Staging(buf, int(buf.numel() * config.save_staging_share))
         self.stats = ConnectorStats()
         self._known: OrderedDict[str, float] = OrderedDict()
         """store key → when it was last seen stored (`time.monotonic`)."""
@@ -175,6 +195,26 @@ class KVConnector:
         self._store_failed_at: float | None = None
         """`time.monotonic` of the last failed store call while loads and saves skip the
         store (`store_retry_s`); None: they use it."""
+        self._loads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-load")
+        self._saves = self._loads if saver is None else concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kv-save")
+
+    def submit_fetch(self, token_ids: Sequence[int], max_tokens: int
+                     ) -> concurrent.futures.Future[Loaded]:
+        """`fetch` on the load thread (loads one at a time; behind no save if saves have a
+        ``saver``)."""
+        return self._loads.submit(self.fetch, token_ids, max_tokens)
+
+    def submit_save(self, snap: Snapshot) -> concurrent.futures.Future[int]:
+        """`save` on the save thread (saves one at a time, in the order submitted; without a
+        ``saver``, on the load thread)."""
+        return self._saves.submit(self.save, snap)
+
+    def close(self) -> None:
+        """Stop both threads: queued loads and saves are dropped (their staging with the
+        instance), those running end on their own."""
+        self._loads.shutdown(wait=False, cancel_futures=True)
+        self._saves.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ keys
 
@@ -224,7 +264,8 @@ class KVConnector:
         return limited(self.config.load_timeout_s) if limited else contextlib.nullcontext()
 
     def lookup(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
-        """Leading tokens of ``token_ids`` loadable from the store (whole store blocks)."""
+        """Leading tokens of ``token_ids`` loadable from the store (whole store blocks); on
+        the load thread, whose store client it uses."""
         if self.store is None:
             return 0
         self.stats.lookups += 1
@@ -236,7 +277,7 @@ class KVConnector:
 
     def fetch(self, token_ids: Sequence[int], max_tokens: int) -> Loaded:
         """Read the longest stored run of the prompt's first ``max_tokens`` tokens' store
-        blocks into staging (I/O thread). Never raises for a miss: fewer blocks load."""
+        blocks into staging (load thread). Never raises for a miss: fewer blocks load."""
         keys = self.keys(token_ids, max_tokens)
         if self.store is None or not keys or self._store_down():
             return Loaded(0, None)
@@ -279,20 +320,20 @@ class KVConnector:
         return Loaded(good, buf[:good * self.object_bytes], lease, good * self.object_bytes, dt)
 
     def save(self, snap: Snapshot) -> int:
-        """Put a snapshot's blocks (I/O thread); returns how many were stored. Never raises."""
-        if self.store is None or snap.data is None:
+        """Put a snapshot's blocks (save thread); returns how many were stored. Never raises."""
+        if self.saver is None or snap.data is None:
             return 0
         try:
             if self._store_down():
                 return 0
-            present = self.store.batch_exists(snap.keys)
+            present = self.saver.batch_exists(snap.keys)
             todo = [i for i, p in enumerate(present) if not p]
             if not todo:
                 self._remember(snap.keys)
                 return 0
             values = [snap.data[i * self.object_bytes:(i + 1) * self.object_bytes].numpy()
                       for i in todo]
-            codes = self.store.batch_put([snap.keys[i] for i in todo], values)
+            codes = self.saver.batch_put([snap.keys[i] for i in todo], values)
             ok = [snap.keys[i] for i, c in zip(todo, codes, strict=True) if int(c) in (0, 2)]
             self._remember([k for i, k in enumerate(snap.keys) if present[i]] + ok)
             self.stats.saves += 1
@@ -339,7 +380,7 @@ class KVConnector:
         """Copy the prompt's full store blocks not known (lately) to be stored out of the engine's
         prefix cache into staging (driver thread, right after the prefill). None: nothing new,
         no store, or no staging room (counted)."""
-        if self.store is None:
+        if self.saver is None:
             return None
         keys = self.keys(token_ids)
         first = 0
@@ -360,7 +401,7 @@ class KVConnector:
             return None
         taken = None
         while have > first and taken is None:  # what fits: the leading new blocks
-            taken = self.staging.take((have - first) * self.object_bytes)
+            taken = self.staging.take((have - first) * self.object_bytes, saving=True)
             if taken is None:
                 self.stats.staging_full += 1
                 have = first + (have - first) // 2

@@ -115,7 +115,7 @@ class CoupledInstance(Instance):
         if self.cfg.save_to_store:
             snap = self.connector.snapshot(engine, task.token_ids)
             if snap is not None:
-                self.io.submit(self.connector.save, snap)
+                self.connector.submit_save(snap)
 
     def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:
         if task.outputs == 0 and "started" in task.extra:

@@ -48,8 +48,8 @@ async def load_prefix(inst: CoupledInstance, task: Task, plan: PrefixPlan | None
     t0 = time.time()
     try:
         if plan.source == "store":
-            loaded: Loaded = await asyncio.get_running_loop().run_in_executor(
-                inst.io, inst.connector.fetch, task.token_ids, plan.tokens)
+            loaded: Loaded = await asyncio.wrap_future(
+                inst.connector.submit_fetch(task.token_ids, plan.tokens))
             ids = task.token_ids
             return await inst.driver.run(lambda e: inst.connector.install(e, ids, loaded))
         if plan.source == "peer":
