@@ -5,7 +5,8 @@ order until its whole footprint (prompt + every output token, reserved up front 
 request is ever preempted) fits in the instance's KV capacity; it is then admitted at the next
 iteration boundary, produces one token per iteration, and leaves after its last token, freeing
 its KV. Each iteration takes ``cost.decode_step_time(batch, context)`` where ``context`` is the
-batch's total KV tokens (it grows by ``batch`` every iteration).
+batch's total KV tokens (it grows by ``batch`` every iteration); on a host shared with a prefill
+node (``stretch``, `yuebing.sim.colocation`) longer while that node prefills.
 
 Speed: between two changes of the batch the iterations are fully determined, so the instance
 plans them all at once (appending their end times to ``step_ends``) and schedules one event at
@@ -52,8 +53,12 @@ class DecodeInstance:
     request's record is finalized."""
 
     def __init__(self, name: str, loop: EventLoop, cost: CostModel,
-                 on_finish: Callable[[DecodeJob], None] | None = None) -> None:
+                 on_finish: Callable[[DecodeJob], None] | None = None,
+                 stretch: Callable[[float, float], float] | None = None) -> None:
         self.name = name
+        self.stretch = stretch
+        """Colocated nodes only (`yuebing.sim.colocation.HostMate.decode_step`): ``(start,
+        step time) -> duration`` of a step while the host-mate may be busy."""
         self.loop = loop
         self.cost = cost
         self.capacity = cost.decode_kv_capacity_tokens
@@ -86,6 +91,22 @@ class DecodeInstance:
     def kv_used(self) -> int:
         """Reserved by the batch plus needed by the waiting jobs."""
         return self.kv_reserved + self.waiting_tokens + self.waiting_output
+
+    def busy_until(self) -> float:
+        """Estimated end of the running batch: the plan's end plus the last finishing job's
+        remaining steps at the current step time (no later arrivals; now when idle)."""
+        if not self._running:
+            return self.loop.now
+        ends = self.step_ends
+        remaining = max(0, max(self._finish_steps) - (len(ends) - 1))
+        return ends[-1] + remaining * self.cost.decode_step_time(self.batch_size,
+                                                                  self.context_tokens)
+
+    def replan(self) -> None:
+        """Re-plan from the next step boundary (called when the host-mate's schedule changes,
+        which changes the planned steps' durations)."""
+        if self._running:
+            self._truncate()
 
     def can_admit_now(self, job: DecodeJob) -> bool:
         """Would ``job`` join the batch at the next iteration (it and every job already
@@ -152,9 +173,9 @@ class DecodeInstance:
         self._plan_start = start
         steps = min(self._finish_steps[0] - start + 1, MAX_PLAN_STEPS)
         b, ctx, t = self.batch_size, self._ctx0, self.loop.now
-        step_time = self.cost.decode_step_time
+        step_time, stretch = self.cost.decode_step_time, self.stretch
         for _ in range(steps):
-            t += step_time(b, ctx)
+            t += step_time(b, ctx) if stretch is None else stretch(t, step_time(b, ctx))
             ctx += b
             ends.append(t)
         self._gen += 1

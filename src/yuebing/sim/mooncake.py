@@ -14,6 +14,9 @@ Life cycle of a request (paper §3-§4):
    more than ``cpp_threshold_tokens`` new tokens, a chunked-pipeline-parallel group of up to
    ``cpp_max_nodes`` nodes) is free and the fetch is done; nodes run prefills FIFO. With
    ``prefill_reject`` a request whose prefill would end past its TTFT SLO is dropped here.
+   With ``colocated`` prefill node i shares a host with decode node i (`yuebing.sim.colocation`):
+   the prefill is stretched by the measured factor over the window in which that decode node is
+   estimated busy, and the decode node's steps inside the prefill's interval are stretched too.
 3. Prefill end = first token. The new KV was stored layer by layer into the node's DRAM pool
    while computing (inserted now); the whole KV then moves to the decode node
    (``cost.transfer_time``), after the prefill, as the paper's Figure 14 measures it.
@@ -41,6 +44,7 @@ from yuebing.conductor.policy import (
 )
 from yuebing.conductor.view import PrefillLoad, PrefixLookup, build_view
 from yuebing.core.ids import BlockHash, InstanceId
+from yuebing.sim.colocation import HostMate, Interference, load_interference, stretch
 from yuebing.sim.decode import DecodeInstance, DecodeJob
 from yuebing.sim.kvpool import GlobalKVPool
 from yuebing.sim.loop import Priority
@@ -99,7 +103,10 @@ class MooncakeSystem(SimSystem):
         self.free_at = [0.0] * self.P
         self.queued = [0] * self.P
         self.nic_free = [0.0] * self.P
-        self.decodes = [DecodeInstance(str(d), self.loop, self.cost) for d in self.decode_ids]
+        self.mates = self._host_mates()
+        self.decodes = [DecodeInstance(str(d), self.loop, self.cost, stretch=(
+            self.mates[j].decode_step if j in self.mates else None))
+            for j, d in enumerate(self.decode_ids)]
         self.pending: dict[int, PendingDecode] = {}
         self.policy: Policy | None = None
         self.hot_keys: list[int] = []
@@ -109,6 +116,15 @@ class MooncakeSystem(SimSystem):
         self._kvb = self.cost.kv_bytes_per_token
 
     # -- set-up ----------------------------------------------------------------------------
+    def _host_mates(self) -> dict[int, HostMate]:
+        """{i: the host-mate of decode node i = prefill node i} when ``colocated``."""
+        cfg = self.config
+        if not cfg.colocated:
+            self.interference = Interference()
+            return {}
+        self.interference = load_interference(cfg.interference_profile or cfg.profile)
+        return {i: HostMate(self.interference.decode_factor) for i in range(min(self.P, self.D))}
+
     def prepare(self, requests: Sequence[SimRequest]) -> None:
         self.policy = policy_for(self.config, self.cost, requests)
         self.hot_keys = hot_prefixes(requests, HOT_KEYS)
@@ -187,6 +203,10 @@ class MooncakeSystem(SimSystem):
             chunks = math.ceil(new / self.cost.prefill_chunk_tokens)
             duration = duration / k * (1.0 + (k - 1) / chunks)
         start = max(ready, *(self.free_at[g] for g in group))
+        mate = self.mates.get(i) if k == 1 else None
+        if mate is not None:
+            duration = stretch(start, duration, *self._decode_busy(i),
+                               self.interference.prefill_factor)
         end = start + duration
         if self.config.prefill_reject and end - request.arrival_s > self.config.ttft_slo_s:
             record.rejected = RejectStage.PREFILL
@@ -197,11 +217,27 @@ class MooncakeSystem(SimSystem):
             self.queued[g] += 1
         record.prefill_start_s = start
         record.prefill_gpu_s = duration * k
+        if mate is not None:
+            mate.add_prefill(start, end, self.loop.now)
+            self.decodes[i].replan()
         kv_ready = end + self.cost.transfer_time(request.input_tokens * self._kvb)
         self.pending[request.index] = PendingDecode(
             kv_ready, request.output_tokens, self.decode_ids[j], request.input_tokens)
         self.loop.at(end, Priority.COMPLETE, self._prefill_done, request, record, group, j,
                      kv_ready)
+
+    def _decode_busy(self, j: int) -> tuple[float, float]:
+        """Estimated window in which decode node ``j`` steps: from now while it runs (else
+        from the first KV arriving for it) to the end of its running batch or of the requests
+        whose KV is on its way, at its current step time (colocated nodes only)."""
+        d = self.decodes[j]
+        did = self.decode_ids[j]
+        step = self.cost.decode_step_time(max(1, d.batch_size), max(1, d.context_tokens))
+        coming = [(p.expected_decode_start_s, p.expected_output_tokens)
+                  for p in self.pending.values() if p.decode_id == did]
+        begin = self.loop.now if d.batch_size else min((s for s, _ in coming), default=math.inf)
+        until = max([d.busy_until(), *(s + (n - 1) * step for s, n in coming)])
+        return begin, until
 
     def _prefill_done(self, request: SimRequest, record: RequestRecord, group: list[int],
                       j: int, kv_ready: float) -> None:

@@ -66,6 +66,12 @@ class SimConfig:
                 "(its prefill is wasted; the overload baseline)"})
     sample_interval_s: float = field(default=10.0, metadata={
         "help": "period of load / replica samples, s"})
+    colocated: bool = field(default=False, metadata={
+        "help": "mooncake: prefill node i and decode node i share a host and slow each other "
+                "down by the factors `yuebing profile --interference` measured "
+                "(yuebing.sim.colocation)"})
+    interference_profile: str = field(default="", metadata={
+        "help": "samples file with the interference factors for colocated (default: profile)"})
 
     def __post_init__(self) -> None:
         require(self.prefill_nodes >= 1, "prefill_nodes must be >= 1")
@@ -84,6 +90,11 @@ class SimConfig:
         require(self.sample_interval_s > 0, "sample_interval_s must be > 0")
         require(self.cost_model != "fitted" or bool(self.profile),
                 "cost_model 'fitted' needs --profile PATH")
+        require(not self.colocated or self.system == "mooncake",
+                f"colocated is modelled for system mooncake only, not {self.system!r}")
+        require(not self.colocated or bool(self.interference_profile or self.profile),
+                "colocated needs the interference factors: --interference-profile PATH (the "
+                "samples file of yuebing profile --interference)")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,107 @@
+"""Colocated nodes: the interference factors, the stretch rule, and the simulator applying the
+factor only while the host-mate is busy (hand-computed on the linear cost model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from yuebing.core.errors import InputError
+from yuebing.sim.colocation import HostMate, Interference, load_interference, stretch
+from yuebing.sim.hardware import CostModel
+from yuebing.sim.runner import simulate
+from yuebing.sim.system import SimConfig
+from yuebing.sim.workload import SimRequest
+
+
+class LinearCost(CostModel):
+    """Prefill 1 ms per new token, decode 50 ms per step, 1 kB of KV per token, 1 GB/s."""
+
+    kv_bytes_per_token = 1000
+    decode_kv_capacity_tokens = 1_000_000
+    link_Bps = 1e9
+    link_latency_s = 0.0
+
+    def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
+        return 1e-3 * new_tokens
+
+    def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
+        return 0.05 if batch_size else 0.0
+
+
+def test_stretch_slows_only_the_overlap() -> None:
+    assert stretch(0.0, 1.0, 5.0, 9.0, 2.0) == 1.0  # neighbour starts after the work ends
+    assert stretch(0.0, 1.0, 0.0, 10.0, 2.0) == 2.0  # busy throughout
+    assert stretch(0.0, 1.0, 0.5, 10.0, 2.0) == 1.5  # alone 0.5 s, then 0.5 s of work at 1/2
+    assert stretch(0.0, 1.0, 0.0, 0.5, 2.0) == 1.25  # 0.25 s of work in 0.5 s, 0.75 s alone
+    assert stretch(3.0, 1.0, 0.0, 2.0, 2.0) == 1.0  # the neighbour stopped before the start
+    assert stretch(0.0, 1.0, 0.0, 10.0, 1.0) == 1.0
+    assert stretch(0.0, 0.0, 0.0, 10.0, 2.0) == 0.0
+
+
+def test_host_mate_stretches_a_step_inside_a_prefill_only() -> None:
+    mate = HostMate(decode_factor=2.0)
+    mate.add_prefill(1.0, 2.0, now=0.0)
+    assert mate.decode_step(0.5, 0.1) == 0.1
+    assert mate.decode_step(1.2, 0.1) == pytest.approx(0.2)
+    assert mate.decode_step(1.95, 0.1) == pytest.approx(0.05 + 0.075)
+    assert mate.decode_step(2.0, 0.1) == 0.1
+    mate.add_prefill(3.0, 4.0, now=2.5)  # the first interval is over by now: dropped
+    assert list(mate.intervals) == [(3.0, 4.0)]
+
+
+def _write(tmp_path: Path, doc: dict[str, object]) -> Path:
+    p = tmp_path / "samples.json"
+    p.write_text(json.dumps(doc))
+    return p
+
+
+def test_load_interference_reads_the_samples_files_factors(tmp_path: Path) -> None:
+    doc = {"format": "yuebing-profile-samples", "version": 1, "prefill": [], "decode": [],
+           "interference": {"decode_factor": 1.3, "prefill_factor": 1.1, "samples": [],
+                            "neighbour": "x"}}
+    assert load_interference(_write(tmp_path, doc)) == Interference(1.3, 1.1)
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    ({"format": "yuebing-profile-samples", "version": 1}, "has no interference factors"),
+    ({"interference": {"decode_factor": 1.2}}, "missing required field `prefill_factor`"),
+    ({"interference": {"decode_factor": -1, "prefill_factor": 1}}, "decode_factor must be"),
+])
+def test_load_interference_rejects_files_without_valid_factors(
+        tmp_path: Path, doc: dict[str, object], message: str) -> None:
+    with pytest.raises(InputError, match=message):
+        load_interference(_write(tmp_path, doc))
+
+
+def test_colocated_needs_mooncake() -> None:
+    with pytest.raises(ValueError, match="mooncake only"):
+        SimConfig(system="vllm", colocated=True, interference_profile="x")
+
+
+def _run(tmp_path: Path, colocated: bool) -> list[tuple[float, float]]:
+    """A: 1,000 tokens at 0 s (prefill 1 s), 5 output tokens (4 steps of 50 ms from its KV at
+    1.001 s); B: 100 tokens at 1.05 s (prefill 0.1 s alone), while A decodes."""
+    path = _write(tmp_path, {"interference": {"decode_factor": 2.0, "prefill_factor": 1.5}})
+    reqs = [SimRequest(0, 0.0, 1000, 5, (1,)), SimRequest(1, 1.05, 100, 3, (2,))]
+    cfg = SimConfig(prefill_nodes=1, decode_nodes=1, colocated=colocated,
+                    interference_profile=str(path))
+    res = simulate(reqs, cfg, cost=LinearCost())
+    return [(r.first_token_s, r.finish_s) for r in res.records]
+
+
+def test_colocated_steps_slow_down_only_while_the_host_mate_is_busy(tmp_path: Path) -> None:
+    alone = _run(tmp_path, colocated=False)
+    assert alone[0] == pytest.approx((1.0, 1.201))
+    assert alone[1][0] == pytest.approx(1.15)
+    (a_first, a_end), (b_first, _) = _run(tmp_path, colocated=True)
+    # A's prefill ran with the decode node idle: unchanged
+    assert a_first == pytest.approx(1.0)
+    # B's prefill (0.1 s alone) starts at 1.05 while A decodes until 1.201: all of it slowed
+    assert b_first == pytest.approx(1.05 + 0.15)
+    # A's steps: 1.001-1.051 before B's prefill (alone); 1.051-1.151 inside it (x2);
+    # 1.151-1.2255: 0.049 s inside (B ends at 1.2) at half speed, then 0.0255 s alone;
+    # 1.2255-1.2755 alone
+    assert a_end == pytest.approx(1.2755)
