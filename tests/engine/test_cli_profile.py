@@ -86,3 +86,34 @@ def test_profile_logs_grid_points_it_skips(tmp_path, caplog):
         "skipping prefill new=5000 cached=0: over the context of 1024 tokens",
         "skipping prefill new=5000 cached=16: over the context of 1024 tokens",
         "skipping prefill new=5000 cached=32: over the context of 1024 tokens"]
+
+
+def test_profile_interference_writes_factors_the_simulator_reads(tmp_path, capsys):
+    from yuebing.sim.colocation import load_interference
+
+    out, samples = tmp_path / "pred.json", tmp_path / "samples.json"
+    rc = main(["profile", "--out", str(out), "--samples", str(samples),
+               "--new-tokens", "8,32,64", "--cached-tokens", "0,16,32", "--batches", "1,2",
+               "--contexts", "32,64", "--repeats", "1", "--interference",
+               "--interference-decode", "2:64", "--interference-prefill", "32:16", *COMMON])
+    assert rc == 0, capsys.readouterr().err
+    s = ProfileSamples.from_json(samples.read_bytes(), str(samples))
+    assert s.interference is not None
+    assert [(x.phase, x.size) for x in s.interference.samples] == [
+        ("decode", [2, 64]), ("prefill", [32, 16])]
+    assert all(x.alone_s > 0 and x.shared_s > 0 for x in s.interference.samples)
+    factors = load_interference(samples)
+    assert factors.decode_factor == pytest.approx(
+        s.interference.samples[0].shared_s / s.interference.samples[0].alone_s)
+    load_predictors(out)  # the predictor file is unchanged: the live Conductor still reads it
+
+
+def test_profile_interference_needs_a_samples_file(capsys):
+    assert main(["profile", "--interference", "--repeats", "1", *COMMON]) != 0
+    assert "--samples" in capsys.readouterr().err
+
+
+def test_samples_without_interference_still_load():
+    doc = {"format": "yuebing-profile-samples", "version": 1, "model": "m", "device": "cpu",
+           "dtype": "float32", "threads": 1, "block_size": 16, "prefill": [], "decode": []}
+    assert ProfileSamples.from_json(json.dumps(doc)).interference is None

@@ -95,7 +95,32 @@ def _add_profile(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=_pos_list, default=[1, 4, 16, 32])
     p.add_argument("--contexts", type=_pos_list, default=[256, 1024, 4096])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--interference", action="store_true",
+                   help="also time decode steps alone vs beside a neighbour process prefilling "
+                        "continuously, and prefill alone vs beside a neighbour decoding (same "
+                        "engine config, as colocated live instances run); the slowdown factors "
+                        "go into the --samples file (needed), read by the simulator's "
+                        "--colocated mode")
+    p.add_argument("--interference-decode", type=_pair_list, default=[(1, 1024), (4, 4096)],
+                   help="decode points batch:context,... timed for --interference")
+    p.add_argument("--interference-prefill", type=_pair_list, default=[(512, 0), (1024, 512)],
+                   help="prefill points new:cached,... timed for --interference")
+    p.add_argument("--interference-repeats", type=int, default=6,
+                   help="alternating alone / shared rounds of --interference")
     add_config_args(p, EngineConfig)
+
+
+def _pair_list(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in filter(None, text.split(",")):
+        a, sep, b = item.partition(":")
+        if not (sep and a.isdigit() and b.isdigit()) or int(a) < 1:
+            raise argparse.ArgumentTypeError(f"expected A:B,... with integers A >= 1, B >= 0, "
+                                             f"got {item!r}")
+        out.append((int(a), int(b)))
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one A:B pair")
+    return out
 
 
 def _run_profile(ns: argparse.Namespace) -> int:
@@ -109,12 +134,18 @@ def _run_profile(ns: argparse.Namespace) -> int:
         save_predictors,
     )
     from yuebing.engine.engine import LLMEngine
+    from yuebing.engine.interference import measure_interference
     from yuebing.engine.profile import profile_engine
 
     if ns.repeats < 1:
         raise InputError("--repeats must be >= 1")
+    if ns.interference and not ns.samples:
+        raise InputError("--interference writes its factors into the samples file: give "
+                         "--samples PATH")
+    batches = [*ns.batches, *(b for b, _ in ns.interference_decode)]
+    new_tokens = [*ns.new_tokens, *(n for n, _ in ns.interference_prefill)]
     engine = LLMEngine(_engine_config(
-        ns, max_num_seqs=max(ns.batches), max_batch_tokens=max(ns.new_tokens)))
+        ns, max_num_seqs=max(batches), max_batch_tokens=max(new_tokens)))
     total = len(ns.new_tokens) * len(ns.cached_tokens) + len(ns.batches) * len(ns.contexts)
     with Progress(transient=True) as bar:
         task = bar.add_task("profiling", total=total)
@@ -124,6 +155,10 @@ def _run_profile(ns: argparse.Namespace) -> int:
 
         samples = profile_engine(engine, ns.new_tokens, ns.cached_tokens, ns.batches,
                                  ns.contexts, ns.repeats, progress)
+        if ns.interference:
+            samples.interference = measure_interference(
+                engine, ns.interference_decode, ns.interference_prefill,
+                ns.interference_repeats, progress)
     if ns.samples:
         Path(ns.samples).write_bytes(samples.to_json())
     prefill = PrefillPredictor.fit([(s.new_tokens, s.cached_tokens, s.seconds)
@@ -134,6 +169,10 @@ def _run_profile(ns: argparse.Namespace) -> int:
              f"{samples.threads} threads)"
     save_predictors(Predictors(prefill, decode, TransferPredictor(), source), ns.out)
     print(f"wrote {ns.out} ({len(samples.prefill)} prefill, {len(samples.decode)} decode samples)")
+    if samples.interference is not None:
+        print(f"interference: decode x{samples.interference.decode_factor:.3f} beside a "
+              f"prefill, prefill x{samples.interference.prefill_factor:.3f} beside a decode "
+              f"(in {ns.samples})")
     return 0
 
 

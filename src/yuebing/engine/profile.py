@@ -4,7 +4,9 @@ Measures, on a live `LLMEngine`:
 
 - prefill: wall time from queueing a request of ``cached + new`` tokens (whose first ``cached``
   tokens are already in the prefix cache) to its first token, over a grid of (new, cached);
-- decode: time of one decode step of ``batch`` sequences holding ``context`` tokens in all.
+- decode: time of one decode step of ``batch`` sequences holding ``context`` tokens in all;
+- optionally (``--interference``, `yuebing.engine.interference`) how much a decode step and a
+  prefill slow down while a neighbour engine runs the other phase on the same machine.
 
 Results are `ProfileSamples`, saved as JSON (format ``yuebing-profile-samples`` v1, documented
 in docs/engine.md) and fitted by the CLI with `yuebing.conductor.policy.predictors`. Every
@@ -43,6 +45,26 @@ class DecodeSample(msgspec.Struct):
     seconds: float
 
 
+class InterferenceSample(msgspec.Struct):
+    """One point: ``phase`` ("decode" or "prefill") timed alone and with the neighbour running
+    the other phase; ``size`` is [batch, context tokens] or [new, cached tokens]."""
+
+    phase: str
+    size: list[int]
+    alone_s: float
+    shared_s: float
+
+
+class Interference(msgspec.Struct):
+    """Slowdown factors of one phase while the host-mate runs the other (≥ 1 when they slow
+    each other down), with the points they come from."""
+
+    decode_factor: float
+    prefill_factor: float
+    samples: list[InterferenceSample]
+    neighbour: str = ""
+
+
 class ProfileSamples(msgspec.Struct):
     """Raw measurements (seconds are medians over repeats)."""
 
@@ -55,6 +77,9 @@ class ProfileSamples(msgspec.Struct):
     block_size: int
     prefill: list[PrefillSample]
     decode: list[DecodeSample]
+    interference: Interference | None = None
+    """``yuebing profile --interference`` only (`yuebing.engine.interference`); absent in
+    files written without it, which stay valid v1 files."""
 
     def to_json(self) -> bytes:
         return msgspec.json.format(msgspec.json.encode(self), indent=2)
