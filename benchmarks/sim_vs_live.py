@@ -1,7 +1,9 @@
 """The simulator against the live system on this machine (issue 14): same workload, topology, rate.
 
-1. Profile (unless ``--profile FILE`` is given): ``yuebing profile`` of the engine as the
-   instances run it (SmolLM2-135M, ``--dtype``, one thread) writes a predictor file.
+1. Profile (unless ``--profile FILE`` is given): ``yuebing profile --interference`` of the
+   engine as the instances run it (SmolLM2-135M, ``--dtype``, one thread) writes a predictor
+   file and a samples file holding the interference factors: a decode step's slowdown beside a
+   neighbour process prefilling, a prefill's beside one decoding (`yuebing.engine.interference`).
 2. Live (unless ``--live-records FILE`` reuses a run, e.g. serve_vs_vllm.sh's
    ``yuebing_1p1d.records.jsonl``): ``yuebing serve`` with 1 prefill + 1 decode instance, one
    thread each, the Conductor given the same predictor file, and ``yuebing bench serve`` sweeping
@@ -10,8 +12,10 @@
 3. Simulated: the same requests — `yuebing.bench.workload.scaled_request` and `send_times`, the
    functions the load generator used, so lengths, shared prefixes (hash ids, one per 64 tokens)
    and arrival times are identical — replayed by `yuebing.sim.runner.simulate` (what ``yuebing sim
-   run`` calls) with ``system=mooncake``, 1 prefill + 1 decode node, ``cost_model=fitted`` on the
-   predictor file, ``block_tokens=64``.
+   run`` calls) with ``system=mooncake``, 1 prefill + 1 decode node on one host (``colocated``:
+   a step of either node that overlaps the other's work takes longer by the measured factor,
+   `yuebing.sim.colocation`; ``--no-colocated`` turns it off), ``cost_model=fitted`` on the
+   profile, ``block_tokens=64``.
 4. Compared: TTFT and TBT p50/p90 over completed requests, sim vs live, per rate; target
    within ±25 %. Writes ``OUTDIR/sim_vs_live.json``, ``sim_vs_live.md`` (the table) and
    ``sim_vs_live.png``; prints the table.
@@ -34,11 +38,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from yuebing.bench.config import BenchConfig
 from yuebing.bench.workload import scaled_request, send_times
+from yuebing.sim.colocation import load_interference
 from yuebing.sim.runner import simulate
 from yuebing.sim.system import SimConfig
 from yuebing.sim.workload import SimRequest
@@ -74,11 +80,15 @@ def workload(trace_path: Path, limit: int, rate: float, seed: int) -> list[SimRe
             for i, (r, t) in enumerate(zip(reqs, send_times(reqs, cfg, rate), strict=True))]
 
 
-def simulated(requests: list[SimRequest], profile: Path) -> dict[str, float]:
-    """TTFT/TBT percentiles of a 1P1D Mooncake simulation with the fitted cost model."""
+def simulated(requests: list[SimRequest], profile: Path,
+              interference: Path | None) -> dict[str, float]:
+    """TTFT/TBT percentiles of a 1P1D Mooncake simulation with the fitted cost model, the two
+    nodes on one host with ``interference``'s factors (None: each node alone)."""
     cfg = SimConfig(system="mooncake", prefill_nodes=1, decode_nodes=1, cost_model="fitted",
                     profile=str(profile), block_tokens=64, ttft_slo_s=10.0, tbt_slo_s=0.1,
-                    cpp_threshold_tokens=1 << 30, sample_interval_s=1.0)
+                    cpp_threshold_tokens=1 << 30, sample_interval_s=1.0,
+                    colocated=interference is not None,
+                    interference_profile=str(interference or ""))
     res = simulate(requests, cfg)
     done = [r for r in res.records if r.rejected is None and not math.isnan(r.finish_s)]
     ttft = [r.first_token_s - r.arrival_s for r in done]
@@ -104,13 +114,14 @@ def live_stats(records: Path) -> dict[float, dict[str, float]]:
     return out
 
 
-def run_profile(out: Path, dtype: str, flags: list[str]) -> Path:
-    path = out / "predictors.json"
+def run_profile(out: Path, dtype: str, flags: list[str]) -> tuple[Path, Path]:
+    """``yuebing profile --interference``: (predictor file, samples file with the factors)."""
+    path, samples = out / "predictors.json", out / "samples.json"
     cmd = [YB, "profile", "--model", "smollm2", "--dtype", dtype, "--threads", "1", *flags,
-           *PROFILE_GRID, "--out", str(path), "--samples", str(out / "samples.json")]
+           *PROFILE_GRID, "--interference", "--out", str(path), "--samples", str(samples)]
     log.info("profiling: %s", " ".join(cmd))
     subprocess.run(cmd, check=True)
-    return path
+    return path, samples
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -187,7 +198,8 @@ def plot(out: Path, result: dict[str, Any]) -> None:
         ms = result["rates"][rate]["metrics"]
         xs = range(len(METRICS))
         ax.bar([x - 0.2 for x in xs], [ms[m]["live_s"] for m in METRICS], 0.4, label="live")
-        ax.bar([x + 0.2 for x in xs], [ms[m]["sim_s"] for m in METRICS], 0.4, label="sim (fitted)")
+        label = "sim (fitted)" if result["interference"] is None else "sim (fitted, colocated)"
+        ax.bar([x + 0.2 for x in xs], [ms[m]["sim_s"] for m in METRICS], 0.4, label=label)
         ax.set_xticks(list(xs), METRICS)
         ax.set_yscale("log")
         ax.set(title=f"{rate} req/s", ylabel="seconds")
@@ -205,6 +217,11 @@ def main() -> int:
     p.add_argument("--limit", type=int, default=300)
     p.add_argument("--seed", type=int, default=0, help="arrival seed (the bench's --seed)")
     p.add_argument("--profile", type=Path, help="predictor/samples file (default: profile now)")
+    p.add_argument("--interference", type=Path,
+                   help="samples file with the interference factors (default: the one profiled "
+                        "now, else --profile)")
+    p.add_argument("--no-colocated", action="store_true",
+                   help="simulate each node alone (no interference), as before issue 14's fix")
     p.add_argument("--live-records", type=Path, help="reuse a bench --records file")
     p.add_argument("--port", type=int, default=8766)
     p.add_argument("--yb-flags", default="--no-batch-invariant",
@@ -219,17 +236,23 @@ def main() -> int:
         p.error("--limit must be >= 1 and every rate > 0")
     ns.outdir.mkdir(parents=True, exist_ok=True)
     flags = ns.yb_flags.split()
-    profile = ns.profile or run_profile(ns.outdir, ns.dtype, flags)
+    profile, samples = (ns.profile, ns.profile) if ns.profile else \
+        run_profile(ns.outdir, ns.dtype, flags)
+    interference = None if ns.no_colocated else (ns.interference or samples)
     records = ns.live_records or run_live(ns.outdir, profile, rates, ns.limit, ns.seed, ns.port,
                                           ns.dtype, flags)
     live = live_stats(records)
     missing = [r for r in rates if r not in live]
     if missing:
         p.error(f"{records} has no requests at rate(s) {missing} (it has {sorted(live)})")
-    result: dict[str, Any] = {"profile": str(profile), "live_records": str(records),
+    factors = None if interference is None else load_interference(interference)
+    result: dict[str, Any] = {"profile": str(profile),
+                              "interference": None if factors is None else {
+                                  "file": str(interference), **asdict(factors)},
+                              "live_records": str(records),
                               "limit": ns.limit, "loadavg": os.getloadavg(), "rates": {}}
     for rate in rates:
-        sim = simulated(workload(TRACE, ns.limit, rate, ns.seed), profile)
+        sim = simulated(workload(TRACE, ns.limit, rate, ns.seed), samples, interference)
         result["rates"][str(rate)] = {"live": live[rate], "sim": sim,
                                       "metrics": compare(live[rate], sim)}
     (ns.outdir / "sim_vs_live.json").write_text(json.dumps(result, indent=1) + "\n")
