@@ -229,8 +229,8 @@ class MasterConnection(_Base):
                 self.sock.sock.settimeout(timeout_s)  # recv(0.0) left it non-blocking
             except OSError:
                 self.close()
-        elif self.sock is not None and timeout_s < self.timeout_s:
-            self.sock.sock.settimeout(timeout_s)  # the send, cut to `deadline`
+        elif self.sock is not None:  # the send, cut to this try's time (and a limited
+            self.sock.sock.settimeout(timeout_s)  # call's shorter one not left behind)
         return self.sock or self._connect(timeout_s)
 
     def _wait(self, sock: FrameSocket, rid: int, timeout_s: float) -> Message | None:
