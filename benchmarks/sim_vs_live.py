@@ -221,7 +221,7 @@ def main() -> int:
                    help="samples file with the interference factors (default: the one profiled "
                         "now, else --profile)")
     p.add_argument("--no-colocated", action="store_true",
-                   help="simulate each node alone (no interference), as before issue 14's fix")
+                   help="simulate each node alone (no interference between host-mates)")
     p.add_argument("--live-records", type=Path, help="reuse a bench --records file")
     p.add_argument("--port", type=int, default=8766)
     p.add_argument("--yb-flags", default="--no-batch-invariant",
@@ -239,13 +239,13 @@ def main() -> int:
     profile, samples = (ns.profile, ns.profile) if ns.profile else \
         run_profile(ns.outdir, ns.dtype, flags)
     interference = None if ns.no_colocated else (ns.interference or samples)
+    factors = None if interference is None else load_interference(interference)  # before live
     records = ns.live_records or run_live(ns.outdir, profile, rates, ns.limit, ns.seed, ns.port,
                                           ns.dtype, flags)
     live = live_stats(records)
     missing = [r for r in rates if r not in live]
     if missing:
         p.error(f"{records} has no requests at rate(s) {missing} (it has {sorted(live)})")
-    factors = None if interference is None else load_interference(interference)
     result: dict[str, Any] = {"profile": str(profile),
                               "interference": None if factors is None else {
                                   "file": str(interference), **asdict(factors)},

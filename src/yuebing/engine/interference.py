@@ -77,7 +77,10 @@ def _neighbour(config: object, phase: str, ready: Event, run: Event, idle: Event
 
     rids = new_batch() if phase == "decode" else []
     ready.set()
+    parent = mp.parent_process()
     while not stop.is_set():
+        if parent is not None and not parent.is_alive():
+            return  # the profiler was killed: never outlive it
         if not run.is_set():
             idle.set()
             run.wait(0.05)
@@ -108,7 +111,7 @@ class _Neighbour:
         self.proc.start()
         try:
             self._wait(self.ready, "start")
-        except InputError:
+        except BaseException:
             self._end()
             raise
         return self
@@ -131,6 +134,12 @@ class _Neighbour:
     def resume(self) -> None:
         self.idle.clear()
         self.run.set()
+
+    def check(self) -> None:
+        """Raise `InputError` if the neighbour died."""
+        if not self.proc.is_alive():
+            raise InputError(f"the interference neighbour died (exit code "
+                             f"{self.proc.exitcode}; see its traceback above)")
 
     def _end(self) -> None:
         self.stop.set()
@@ -181,6 +190,8 @@ def measure_interference(engine: LLMEngine, decode_points: Sequence[tuple[int, i
                     neighbour.resume() if running else neighbour.pause()
                     for k, p in enumerate(points):
                         rounds[k].append(_time_once(engine, phase, p, tokens))
+                    if running:
+                        neighbour.check()  # "shared" timings beside a dead one would be alone
         samples += [InterferenceSample(phase, list(p), statistics.median(a),
                                        statistics.median(s))
                     for p, a, s in zip(points, alone, shared, strict=True)]

@@ -192,6 +192,7 @@ class KVConnector:
         self._known: OrderedDict[str, float] = OrderedDict()
         """store key → when it was last seen stored (`time.monotonic`)."""
         self._known_lock = threading.Lock()
+        self._down_lock = threading.Lock()
         self._store_failed_at: float | None = None
         """`time.monotonic` of the last failed store call while loads and saves skip the
         store (`store_retry_s`); None: they use it."""
@@ -243,19 +244,21 @@ class KVConnector:
     def _store_down(self) -> bool:
         """A store call failed less than `store_retry_s` ago, or the store client's
         heartbeat has not been answered since it failed (counted as a skip)."""
-        now = time.monotonic()
-        if self._store_failed_at is None:
-            return False
         hb = getattr(self.store, "last_heartbeat", None)
-        if now < self._store_failed_at + self.config.store_retry_s or (
-                isinstance(hb, float) and hb < self._store_failed_at):
-            self.stats.store_skipped += 1
-            return True
-        self._store_failed_at = None
-        return False
+        with self._down_lock:  # the load and the save threads both read and set it
+            failed = self._store_failed_at
+            if failed is None:
+                return False
+            if time.monotonic() < failed + self.config.store_retry_s or (
+                    isinstance(hb, float) and hb < failed):
+                self.stats.store_skipped += 1
+                return True
+            self._store_failed_at = None
+            return False
 
     def _store_failed(self) -> None:
-        self._store_failed_at = time.monotonic()
+        with self._down_lock:
+            self._store_failed_at = time.monotonic()
 
     def _limited(self) -> contextlib.AbstractContextManager[object]:
         """A load's master calls end after `load_timeout_s` (`StoreClient.limited`; a store
