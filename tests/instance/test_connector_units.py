@@ -13,7 +13,8 @@ from yuebing.core.errors import StoreError
 from yuebing.engine.config import EngineConfig
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
-from yuebing.instance.connector import KVConnector, KVConnectorConfig, Staging
+from yuebing.instance.connector import KVConnector, KVConnectorConfig
+from yuebing.instance.staging import Staging
 from yuebing.store.client.client import StoreClient
 from yuebing.store.config import ClientConfig
 

@@ -47,6 +47,7 @@ from yuebing.core.config import require
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.kv_transfer import import_prefix
 from yuebing.instance.kvkeys import store_block_keys, store_key
+from yuebing.instance.staging import Staging
 from yuebing.store.client.client import StoreClient
 
 log = logging.getLogger(__name__)
@@ -129,41 +130,6 @@ class ConnectorStats:
     @property
     def load_gbps(self) -> float:
         return self.loaded_bytes / self.load_seconds / 1e9 if self.load_seconds else 0.0
-
-
-class Staging:
-    """A bounded pool of byte ranges in one registered buffer (first fit, thread-safe). The
-    ranges taken for saves (``saving``) hold at most ``save_limit`` bytes together."""
-
-    def __init__(self, buffer: torch.Tensor, save_limit: int | None = None) -> None:
-        self.buffer = buffer
-        self.save_limit = buffer.numel() if save_limit is None else save_limit
-        self._lock = threading.Lock()
-        self._used: dict[int, tuple[int, bool]] = {}  # start -> (length, saving)
-        self._saving = 0
-
-    def take(self, nbytes: int, saving: bool = False) -> tuple[int, torch.Tensor] | None:
-        """A free range of ``nbytes``: (lease, view), or None if none is (or, for a save,
-        if the saves' ranges would exceed ``save_limit``)."""
-        with self._lock:
-            if saving and self._saving + nbytes > self.save_limit:
-                return None
-            start = 0
-            for s, (n, _) in sorted(self._used.items()):
-                if s - start >= nbytes:
-                    break
-                start = s + n
-            if start + nbytes > self.buffer.numel():
-                return None
-            self._used[start] = (nbytes, saving)
-            self._saving += nbytes if saving else 0
-            return start + 1, self.buffer[start:start + nbytes]
-
-    def give(self, lease: int) -> None:
-        if lease:
-            with self._lock:
-                nbytes, saving = self._used.pop(lease - 1, (0, False))
-                self._saving -= nbytes if saving else 0
 
 
 class KVConnector:
