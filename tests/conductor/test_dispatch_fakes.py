@@ -47,6 +47,16 @@ def _wait_all_free(fl: FakeLoop, d0: FakeInstance, timeout_s: float) -> None:
         time.sleep(0.02)
 
 
+def _stream(c: ConductorThread, max_tokens: int) -> list:
+    """Every SSE event of a streamed completion of [1, 2, 3] (read to its end)."""
+    conn, resp = response(c.url, "/v1/completions", {
+        "model": MODEL, "prompt": [1, 2, 3], "max_tokens": max_tokens, "stream": True})
+    try:
+        return sse_events(resp)
+    finally:
+        conn.close()
+
+
 def _complete(c: ConductorThread, **body: object) -> tuple[int, dict]:
     return request(c.url, "POST", "/v1/completions", {"model": MODEL, **body})
 
@@ -191,10 +201,7 @@ def test_dead_decode_ends_the_stream_with_an_error_event(fl: FakeLoop) -> None:
     fl.fakes["d0"].die_after_tokens = 2
     try:
         t0 = time.monotonic()
-        conn, resp = response(c.url, "/v1/completions", {
-            "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 50, "stream": True})
-        events = sse_events(resp)
-        conn.close()
+        events = _stream(c, max_tokens=50)
         assert time.monotonic() - t0 < 10  # heartbeat timeout 2 s + slack
         assert events[-1] == "[DONE]"
         err = events[-2]["error"]
@@ -332,10 +339,7 @@ def test_prefill_death_between_first_token_and_handoff_fails_the_stream(fl: Fake
     p0.die_before_handoff = True
     try:
         t0 = time.monotonic()
-        conn, resp = response(c.url, "/v1/completions", {
-            "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 20, "stream": True})
-        events = sse_events(resp)
-        conn.close()
+        events = _stream(c, max_tokens=20)
         assert time.monotonic() - t0 < 15
         assert events[0]["choices"][0]["text"] == " t1003"
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "prefill_failed"
@@ -369,10 +373,7 @@ def test_request_timeout_ends_a_slow_decode_stream(fl: FakeLoop) -> None:
                    d0_kw={"step_s": 0.2})
     try:
         t0 = time.monotonic()
-        conn, resp = response(c.url, "/v1/completions", {
-            "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 100, "stream": True})
-        events = sse_events(resp)
-        conn.close()
+        events = _stream(c, max_tokens=100)
         assert 1.4 < time.monotonic() - t0 < 8
         assert events[0]["choices"][0]["text"] == " t1003"
         assert len(events) > 4  # tokens of the decode reached the client first
