@@ -96,8 +96,10 @@ def test_a_send_held_by_flow_control_finishes_before_the_next_write() -> None:
         await asyncio.sleep(0.01)
         assert sent == [b" t1"]
         writable.set()
-        await p.settle()
-        assert sent == [b" t1", b" t2"] and p.ready()
+        await p.hold()  # the response's own next write waits for the held send
+        assert sent == [b" t1", b" t2"] and not p.ready()
+        p.waiting = True  # the response wrote and waits for its next delta again
+        assert p.ready()
     asyncio.run(main())
 
 
@@ -109,5 +111,5 @@ def test_a_failed_send_stops_the_fast_path_and_is_raised_to_the_response() -> No
         p.push(Delta([1], " t1", None, time.perf_counter()))
         assert not p.ready()
         with pytest.raises(RuntimeError, match="already complete"):
-            await p.settle()
+            await p.hold()
     asyncio.run(main())

@@ -9,7 +9,7 @@ the request's sink (`Dispatcher._relay` installs it once the first token is out)
 the chunk and drives the response's ASGI ``send`` to completion right there — for a body chunk
 uvicorn's ``send`` writes to the transport and returns without suspending unless the client
 stopped reading (flow control), and then the rest of that send finishes in a task
-(`_resume`) that the response's own next write waits for (`Pusher.settle`).
+(`_resume`) that the response's own next write waits for (`Pusher.hold`).
 
 Everything else (the first token, FINISH, errors, the request's timer, an event that found
 earlier ones still queued) takes the queue path, so order and the dispatcher's rules are the
@@ -42,14 +42,15 @@ class Pusher:
     for its next delta; `ready` is true only then, once the response has started and no pushed
     send is still pending, so a pushed chunk never overtakes one the generator yields."""
 
-    __slots__ = ("send", "waiting", "pending", "failed", "_render", "_observe")
+    __slots__ = ("send", "waiting", "pending", "failed", "render", "_observe")
 
     def __init__(self, render: Callable[[Delta], bytes], observe: Callable[[float], None]) -> None:
         self.send: Send | None = None
         self.waiting = False
         self.pending: asyncio.Task[None] | None = None
         self.failed: BaseException | None = None
-        self._render = render
+        self.render = render
+        """A delta's chunk (the response's own writes use it too)."""
         self._observe = observe
 
     def ready(self) -> bool:
@@ -60,7 +61,7 @@ class Pusher:
         """Render ``d`` and write it now (call only when `ready`)."""
         assert self.send is not None
         try:
-            coro = self.send({"type": "http.response.body", "body": self._render(d),
+            coro = self.send({"type": "http.response.body", "body": self.render(d),
                               "more_body": True})
             if not isinstance(coro, Coroutine):  # not steppable by hand: a task sends it
                 self._hold(asyncio.ensure_future(coro), d.received_s)
@@ -69,7 +70,7 @@ class Pusher:
         except StopIteration:
             self._observe(time.perf_counter() - d.received_s)
             return
-        except Exception as e:  # the response's own next write raises it (`settle`)
+        except Exception as e:  # the response's own next write raises it (`hold`)
             log.debug("pushed send failed: %s", e)
             self.failed = e
             return
@@ -77,7 +78,7 @@ class Pusher:
 
     def _hold(self, task: asyncio.Task[Any], received_s: float) -> None:
         """A send held up by flow control: the fast path pauses until it is done (counted
-        in the relay histogram then); its error is kept for `settle`."""
+        in the relay histogram then); its error is kept for `hold`."""
         self.pending = task
 
         def done(t: asyncio.Task[Any]) -> None:
@@ -97,9 +98,11 @@ class Pusher:
         if self.pending is not None:
             self.pending.cancel()
 
-    async def settle(self) -> None:
-        """Before the response's generator writes: the pushed send held up by flow control
-        has finished (its error, if any, is raised here)."""
+    async def hold(self) -> None:
+        """Before the response's generator writes: pushing stops (until it sets ``waiting``
+        again) and a pushed send held up by flow control has finished (its error, if any, is
+        raised here)."""
+        self.waiting = False
         if self.pending is not None:
             await asyncio.wait({self.pending})
         if self.failed is not None:

@@ -186,21 +186,18 @@ class _Routes:
                 yield r.role_chunk()
             relay = c.metrics.relay.observe
             if first is not None:
-                yield r.chunk(first.text, first.finish_reason, first.token_ids)
+                yield pusher.render(first)
                 relay(time.perf_counter() - first.received_s)
             try:
                 pusher.waiting = True
                 async for d in gen:
-                    pusher.waiting = False
-                    await pusher.settle()
-                    yield r.chunk(d.text, d.finish_reason, d.token_ids)
+                    await pusher.hold()
+                    yield pusher.render(d)
                     relay(time.perf_counter() - d.received_s)
                     pusher.waiting = True
-                pusher.waiting = False
-                await pusher.settle()
+                await pusher.hold()
             except RequestFailed as e:
-                pusher.waiting = False
-                await pusher.settle()
+                await pusher.hold()
                 status, code = 500, e.code
                 yield error_event(str(e), e.code)
                 yield DONE
