@@ -23,11 +23,17 @@
 # France is Paris."; compiled fp32 answered right in the run of 2026-11-25).
 #
 # Usage:  nice -n 5 benchmarks/serve_vs_vllm.sh OUTDIR
-# Env:    DTYPE (bfloat16 / float32, see above)  VLLM_FLAGS (see above)  YB_FLAGS (--no-batch-invariant)  RATES (default 0.1,0.2,0.4,0.8)  LIMIT (300)  SYSTEMS ("yuebing_1p1d yuebing_coupled
-#         vllm_cpu")  PORT (8765)  TRACE (../shared/traces/conversation_trace.jsonl)
+# Env:    DTYPE (bfloat16 / float32, see above)  VLLM_FLAGS (see above)  YB_FLAGS (--no-batch-invariant)
+#         RATES (default 0.1,0.2,0.4,0.8; RATES_<system>, e.g. RATES_vllm_cpu, overrides it for one
+#         system)  LIMIT (300)  SYSTEMS ("yuebing_1p1d yuebing_coupled vllm_cpu")  PORT (8765)
+#         TRACE (../shared/traces/conversation_trace.jsonl)
+#         BENCH_FLAGS (extra `yuebing bench serve` flags; e.g. "--sweep-down --stop-when-decided"
+#         runs the rates from the highest down, ends each failing rate once its miss is certain
+#         and stops at the first rate that passes: see docs/bench.md)
 #         YUEBING_PEERS_DIR (~/.cache/yuebing-peers: the vLLM venv and the exported model)
 # Output: OUTDIR/<system>.json (the bench report), <system>.records.jsonl, <system>/ (its plots),
-#         logs/<system>/ (server logs), attainment_vs_rate.png, capacity_vs_tbt.png,
+#         logs/<system>/ (server logs; for yuebing also <instance>.steps.jsonl, one line per
+#         engine step), attainment_vs_rate.png, capacity_vs_tbt.png,
 #         summary.json; the last line on stdout is summary.json's JSON object.
 set -euo pipefail
 
@@ -79,12 +85,12 @@ start_server() {  # $1 = system; sets SERVER_PID (a process-group leader)
     yuebing_1p1d)
       # shellcheck disable=SC2086  # YB_FLAGS is a list of flags
       setsid "$YB" -v serve --prefill 1 --decode 1 --threads 1 --dtype "$DTYPE" $YB_FLAGS \
-        --kv-cache-bytes 512MiB --port "$PORT" --log-dir "$logs" --heartbeat-timeout-s 120 \
+        --kv-cache-bytes 512MiB --port "$PORT" --log-dir "$logs" --step-trace-dir "$logs" --heartbeat-timeout-s 120 \
         --restart never > "$logs/serve.out" 2>&1 & ;;
     yuebing_coupled)
       # shellcheck disable=SC2086
       setsid "$YB" -v serve --coupled 1 --threads 2 --dtype "$DTYPE" $YB_FLAGS \
-        --kv-cache-bytes 1GiB --port "$PORT" --log-dir "$logs" --heartbeat-timeout-s 120 \
+        --kv-cache-bytes 1GiB --port "$PORT" --log-dir "$logs" --step-trace-dir "$logs" --heartbeat-timeout-s 120 \
         --restart never > "$logs/serve.out" 2>&1 & ;;
     vllm_cpu)
       local pre=""
@@ -109,12 +115,16 @@ start_server() {  # $1 = system; sets SERVER_PID (a process-group leader)
 
 echo "serve_vs_vllm: $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/loadavg) YB_FLAGS=$YB_FLAGS VLLM_FLAGS=$VLLM_FLAGS DTYPE=$DTYPE LIMIT=$LIMIT RATES=$RATES" | tee "$OUT/env.txt"
 git -C "$ROOT" rev-parse --short HEAD >> "$OUT/env.txt"
+BENCH_FLAGS="${BENCH_FLAGS-}"
+echo "BENCH_FLAGS=$BENCH_FLAGS" >> "$OUT/env.txt"
 for s in $SYSTEMS; do
+  rates_var="RATES_$s"; rates="${!rates_var:-$RATES}"
   echo "=== $s: starting $(date -u +%T)"
   start_server "$s"
-  echo "=== $s: sweeping rates $RATES over $LIMIT requests (load average $(cut -d' ' -f1-3 /proc/loadavg))"
+  echo "=== $s: sweeping rates $rates over $LIMIT requests (load average $(cut -d' ' -f1-3 /proc/loadavg))"
+  # shellcheck disable=SC2086  # BENCH_FLAGS is a list of flags
   "$YB" bench serve "$TRACE" --endpoint "$URL" --model "$NAME" --block-tokens 64 \
-    --max-input 4096 --max-output 128 --limit "$LIMIT" --sweep-rates "$RATES" \
+    --max-input 4096 --max-output 128 --limit "$LIMIT" --sweep-rates "$rates" $BENCH_FLAGS \
     --slo-ttft 10 --slo-tbt 0.1,0.05,0.15,0.2,0.25,0.3 --timeout-s 900 --no-progress \
     --json --plot "$OUT/$s" --records "$OUT/$s.records.jsonl" > "$OUT/$s.json"
   echo "$s load average after: $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/env.txt"

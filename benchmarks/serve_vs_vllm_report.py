@@ -42,12 +42,14 @@ _FIELDS = ("prompt", "cached", "out", "ttft", "tbt", "queue", "prefix_load", "pr
            "transfer", "decode_wait")
 
 
-def access_breakdown(conductor_log: Path, per_run: int, rates: list[float]) -> dict[str, Any]:
+def access_breakdown(conductor_log: Path, completed: list[int],
+                     rates: list[float]) -> dict[str, Any]:
     """Mean/p90 of each breakdown field per swept rate, from the Conductor's access log.
 
-    The runs of a sweep do not overlap, so the k-th block of ``per_run`` successful lines
-    belongs to the k-th rate (a failed request writes no status=200 line: the split is then
-    approximate, which the ``lines`` count shows).
+    The runs of a sweep do not overlap, so the successful lines come in run order: the k-th
+    block of ``completed[k]`` lines belongs to ``rates[k]`` (a request dropped by a run cut
+    short may still end at the server: the split is then approximate, which the ``lines``
+    count shows).
     """
     rows = []
     for line in conductor_log.read_text(errors="replace").splitlines():
@@ -55,8 +57,9 @@ def access_breakdown(conductor_log: Path, per_run: int, rates: list[float]) -> d
         if m:
             rows.append(dict(zip(_FIELDS, (float(g) for g in m.groups()), strict=True)))
     out: dict[str, Any] = {}
+    starts = [sum(completed[:k]) for k in range(len(completed))]
     for k, rate in enumerate(rates):
-        chunk = rows[k * per_run:(k + 1) * per_run]
+        chunk = rows[starts[k]:starts[k] + completed[k]]
         if not chunk:
             continue
         stats: dict[str, Any] = {"lines": len(chunk)}
@@ -69,8 +72,10 @@ def access_breakdown(conductor_log: Path, per_run: int, rates: list[float]) -> d
 
 
 def system_summary(rep: dict[str, Any]) -> dict[str, Any]:
-    """Max rate, capacity at it, and one row per swept rate of one bench report."""
-    sweep = rep["sweep"]
+    """Max rate, capacity at it, and one row per swept rate of one bench report (rows by
+    rising rate whatever order the sweep ran in; ``cut_short`` where a run ended once it
+    missed the target for certain: its attainment is then the bound it could not exceed)."""
+    sweep = sorted(rep["sweep"], key=lambda s: s["rate"])
     rows = [{"rate": s["rate"], "attainment": s["summary"]["attainment"],
              "ttft_p50_s": s["summary"]["ttft_s"].get("p50"),
              "ttft_p90_s": s["summary"]["ttft_s"].get("p90"),
@@ -78,7 +83,8 @@ def system_summary(rep: dict[str, Any]) -> dict[str, Any]:
              "tbt_p90_s": s["summary"]["tbt_s"].get("p90"),
              "completed": s["summary"]["completed"], "rejected": s["summary"]["rejected"],
              "errors": s["summary"]["errors"], "capacity": s["summary"]["capacity"],
-             "send_lag_max_s": (s["summary"].get("send_lag_s") or {}).get("max")}
+             "send_lag_max_s": (s["summary"].get("send_lag_s") or {}).get("max"),
+             "cut_short": s["summary"].get("cut_short")}
             for s in sweep]
     best = rep.get("max_rate")
     at = next((r for r in rows if r["rate"] == best), rows[0] if rows else None)
@@ -127,8 +133,9 @@ def summarize(out: Path) -> dict[str, Any]:
         s = system_summary(rep)
         clog = out / "logs" / name / "conductor.log"
         if clog.is_file():
-            s["breakdown_ms"] = access_breakdown(clog, int(rep["sweep"][0]["summary"]["requests"]),
-                                                 [r["rate"] for r in s["sweep"]])
+            ran = rep["sweep"]  # in the order the runs were made
+            s["breakdown_ms"] = access_breakdown(
+                clog, [int(r["summary"]["completed"]) for r in ran], [r["rate"] for r in ran])
         systems[name] = s
     if not systems:
         raise SystemExit(f"{out}: no <system>.json reports")

@@ -74,6 +74,35 @@ def test_sweep_stops_at_the_first_missed_rate(fake: FakeServer,
     assert rep["max_rate"] is None and len(fake.bodies) == 6
 
 
+def test_sweep_down_cuts_a_decided_rate_short_and_stops_at_the_first_pass(
+        fake: FakeServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The first POST (rate 40's first request) fails at once while every other request takes
+    # 0.2 s: one miss of six already caps that run at 5/6 < 0.9, so it stops sending then.
+    fake.behaviour.actions = {0: "500"}
+    fake.behaviour.first_token_delay_s = 0.2
+    code = main(_serve(fake, *_SMALL_DOCQA, "--sweep-rates", "10,20,40", "--sweep-down",
+                       "--stop-when-decided", "--slo-ttft", "300", "--slo-tbt", "300", "--json",
+                       "--plot", str(tmp_path)))
+    rep = json.loads(capsys.readouterr().out)
+    assert code == 0 and [run["rate"] for run in rep["sweep"]] == [40.0, 20.0]  # 10 not run
+    cut = rep["sweep"][0]["summary"]
+    assert cut["cut_short"] == {"answered": 1, "of": 6, "missed": 1,
+                                "attainment_at_most": 5 / 6}
+    assert cut["attainment"] == 5 / 6 and cut["errors"] == 1
+    assert "cut_short" not in rep["sweep"][1]["summary"]
+    assert rep["sweep"][1]["summary"]["attainment"] == 1.0 and rep["max_rate"] == 20.0
+    assert 7 <= len(fake.bodies) < 12  # rate 40 stopped sending; rate 20 sent all six
+    assert (tmp_path / "attainment_vs_rate.png").stat().st_size > 0
+
+
+def test_sweep_down_and_stop_on_miss_exclude_each_other(
+        fake: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(_serve(fake, *_SMALL_DOCQA, "--sweep-rates", "1,2", "--sweep-down",
+                       "--stop-on-miss"))
+    _one_line_error(capsys, code, "choose one")
+    assert fake.bodies == []
+
+
 def test_tables_on_the_terminal(fake: FakeServer, tmp_path: Path,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.jsonl"

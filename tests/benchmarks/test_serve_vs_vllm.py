@@ -86,6 +86,32 @@ def test_report_max_rate_ratio_and_breakdown(tmp_path: Path) -> None:
     assert bd["0.4"]["prompt"]["mean"] == 350.0  # the 429 line is not a served request
 
 
+def test_report_of_a_downward_sweep_with_runs_cut_short(tmp_path: Path) -> None:
+    # --sweep-down --stop-when-decided: 0.4 ran first and was cut after 1 answer, 0.2 passed;
+    # vLLM was cut at both rates, so only a bound on the ratio exists.
+    cut = {**_summary(0.3), "completed": 1,
+           "cut_short": {"answered": 1, "of": 2, "missed": 2, "attainment_at_most": 0.3}}
+    (tmp_path / "yuebing_1p1d.json").write_text(json.dumps(
+        {"sweep": [{"rate": 0.4, "summary": cut}, {"rate": 0.2, "summary": _summary(1.0)}],
+         "max_rate": 0.2}))
+    (tmp_path / "vllm_cpu.json").write_text(json.dumps(
+        {"sweep": [{"rate": 0.2, "summary": cut}, {"rate": 0.1, "summary": cut}],
+         "max_rate": None}))
+    logs = tmp_path / "logs" / "yuebing_1p1d"
+    logs.mkdir(parents=True)
+    line = ("x status=200 prefill=p decode=d prompt={p} cached=0 out=1 finish=length "
+            "ttft=1.0ms tbt=1.0ms queue=1.0ms prefix_load=0.0ms prefill=1.0ms transfer=1.0ms "
+            "decode_wait=0.0ms conductor=0.1ms e2e=2.0ms")
+    (logs / "conductor.log").write_text("\n".join(line.format(p=p) for p in (900, 100, 300)))
+    out = report.summarize(tmp_path)
+    s = out["systems"]["yuebing_1p1d"]
+    assert [r["rate"] for r in s["sweep"]] == [0.2, 0.4] and s["sweep"][1]["cut_short"]
+    assert s["breakdown_ms"]["0.4"]["prompt"]["mean"] == 900.0  # the run made first
+    assert s["breakdown_ms"]["0.2"]["prompt"]["mean"] == 200.0
+    assert out["ratio_max_rate_vs_vllm"] is None and out["ratio_max_rate_vs_vllm_above"] == 2.0
+    assert out["systems"]["vllm_cpu"]["capacity_at_rate"] == 0.1  # its lowest rate
+
+
 def test_sim_vs_live_stats_and_compare(tmp_path: Path) -> None:
     rec = tmp_path / "r.jsonl"
     rows = [{"rate": 0.5, "status": "ok", "ttft_s": t, "tbt_s": 0.1} for t in (1.0, 2.0, 3.0)]

@@ -71,6 +71,13 @@ class BenchConfig:
         "help": "SLO attainment a swept rate must reach to count as sustained"})
     stop_on_miss: bool = field(default=False, metadata={
         "help": "sweep: skip the rates above the first whose attainment misses the target"})
+    stop_when_decided: bool = field(default=False, metadata={
+        "help": "end a Poisson run as soon as it misses --target-attainment for certain (more "
+                "requests missed the first SLOs than the target allows, whatever the rest do); "
+                "its attainment is then reported as the bound it can no longer exceed"})
+    sweep_down: bool = field(default=False, metadata={
+        "help": "sweep from the highest rate down and stop at the first that reaches "
+                "--target-attainment (the maximum rate, attainment falling with rate)"})
 
     def __post_init__(self) -> None:
         url = urlsplit(self.endpoint)
@@ -106,6 +113,9 @@ class BenchConfig:
             require(bool(values), f"{flag} needs at least one threshold (seconds)")
             require(all(_positive(v) for v in values),
                     f"{flag} thresholds must be > 0 seconds, got {values}")
+        require(not (self.sweep_down and self.stop_on_miss),
+                "--sweep-down stops at the first rate that passes, --stop-on-miss at the first "
+                "that misses: choose one")
         require(0 < self.target_attainment <= 1,
                 f"--target-attainment must be in (0, 1], got {self.target_attainment}")
 

@@ -107,7 +107,9 @@ _ROWS: tuple[tuple[str, Any], ...] = (
     ("ITL mean / P90 ms (mean over requests)", lambda s: (
         f"{_ms(s['itl_mean_s']['mean'])} / {_ms(s['itl_p90_s']['mean'])}")),
     ("end-to-end p50 / p90 ms", lambda s: f"{_ms(s['e2e_s']['p50'])} / {_ms(s['e2e_s']['p90'])}"),
-    ("attainment (first SLOs)", lambda s: f"{s['attainment']:.3f}"),
+    ("attainment (first SLOs)", lambda s: f"{s['attainment']:.3f}" if "cut_short" not in s
+     else f"≤ {s['attainment']:.3f} (cut short after {s['cut_short']['answered']} of "
+          f"{s['cut_short']['of']})"),
     ("goodput req/s", lambda s: f"{s['goodput_rps']:.3f}"),
     ("goodput output tok/s", lambda s: f"{s['goodput_tokens_per_s']:,.1f}"),
     ("throughput output tok/s", lambda s: f"{s['output_tokens_per_s']:,.1f}"),

@@ -11,7 +11,12 @@ workload (one, or one per rate of a sweep, in order) runs to completion:
   soon as their previous one ends.
 
 With ``stop_on_miss`` the workloads after the first whose attainment misses the target are
-not run. ``on_done`` is called with each finished `RequestResult` (the CLI's progress bar).
+not run. With ``sweep_down`` the workloads come highest rate first and the sweep stops at the
+first that reaches the target. With ``stop_when_decided`` an open-loop run ends as soon as
+more of its requests missed the first SLOs than the target allows (`Decider`): it stops
+sending, drops the requests in flight, and its summary's ``attainment`` is the bound
+``(sent − missed) / sent`` that the rest could not have lifted to the target
+(``"cut_short"`` says how far it got). ``on_done`` is called with each finished `RequestResult` (the CLI's progress bar).
 Each run's results come back in request order with their `summarize` aggregates.
 """
 
@@ -48,6 +53,32 @@ class Run:
     summary: dict[str, Any]
     interrupted: bool = False
     """Stopped by Ctrl-C: ``results`` holds only the requests answered before it."""
+    cut_short: bool = False
+    """Ended once it could no longer reach the target (``stop_when_decided``)."""
+
+
+class Decider:
+    """Counts a run's misses as answers arrive; `missed_for_certain` turns true once the run
+    cannot reach ``cfg.target_attainment`` whatever its unanswered requests do."""
+
+    def __init__(self, cfg: BenchConfig, total: int) -> None:
+        self.ttft_s, self.tbt_s = cfg.slo_ttft[0], cfg.slo_tbt[0]
+        self.total = total
+        self.target = cfg.target_attainment
+        self.misses = 0
+
+    def add(self, res: RequestResult) -> None:
+        if not res.meets(self.ttft_s, self.tbt_s):
+            self.misses += 1
+
+    @property
+    def bound(self) -> float:
+        """The best attainment the run can still end with."""
+        return (self.total - self.misses) / self.total if self.total else 0.0
+
+    @property
+    def missed_for_certain(self) -> bool:
+        return self.bound < self.target
 
 
 def run_label(cfg: BenchConfig, rate: float | None) -> str:
@@ -66,26 +97,43 @@ def _clock() -> Callable[[], float]:
 
 async def open_loop(session: aiohttp.ClientSession, requests: Sequence[BenchRequest],
                     cfg: BenchConfig, model: str, done: list[RequestResult],
-                    on_done: OnDone | None = None) -> None:
-    """Send each request at its scheduled time; append each answer to ``done``. Cancelled
-    (Ctrl-C), it cancels the requests in flight and returns once they are gone."""
+                    on_done: OnDone | None = None, decider: Decider | None = None) -> bool:
+    """Send each request at its scheduled time; append each answer to ``done``. With a
+    ``decider`` it stops as soon as the run misses for certain and returns True (cut short).
+    Cancelled (Ctrl-C), it cancels the requests in flight and returns once they are gone."""
     clock = _clock()
+    decided = asyncio.Event()
 
     async def one(req: BenchRequest) -> None:
         res = await send(session, req, cfg, model, clock)
         done.append(res)
         if on_done is not None:
             on_done(res)
+        if decider is not None:
+            decider.add(res)
+            if decider.missed_for_certain:
+                decided.set()
 
-    tasks = []
-    try:
+    async def send_all() -> None:
         for req in requests:
             delay = req.send_s - clock()
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(req)))
         await asyncio.gather(*tasks)
+
+    tasks: list[asyncio.Task[None]] = []
+    sender = asyncio.create_task(send_all())
+    watcher = asyncio.create_task(decided.wait())
+    try:
+        await asyncio.wait((sender, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if sender.done():
+            sender.result()  # a failure of the sending loop itself is raised here
+        return not sender.done()
     finally:
+        sender.cancel()
+        watcher.cancel()
+        await asyncio.gather(sender, watcher, return_exceptions=True)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -122,20 +170,31 @@ async def run_workloads(cfg: BenchConfig,
         for rate, requests in workloads:
             if on_start is not None:
                 on_start(rate, len(requests))
-            loop = closed_loop if cfg.concurrency else open_loop
             done: list[RequestResult] = []
-            interrupted = False
+            interrupted = cut = False
+            decider = (Decider(cfg, len(requests))
+                       if cfg.stop_when_decided and not cfg.concurrency else None)
             try:
-                await loop(session, requests, cfg, model, done, on_done)
+                if cfg.concurrency:
+                    await closed_loop(session, requests, cfg, model, done, on_done)
+                else:
+                    cut = await open_loop(session, requests, cfg, model, done, on_done, decider)
             except asyncio.CancelledError:
                 interrupted = True
                 log.warning("interrupted: %d of %d requests of this run answered",
                             len(done), len(requests))
             done.sort(key=lambda r: r.index)
-            runs.append(Run(run_label(cfg, rate), rate, tuple(done), summarize(done, cfg),
-                            interrupted))
-            if interrupted or (cfg.stop_on_miss
-                               and runs[-1].summary["attainment"] < cfg.target_attainment):
+            summary = summarize(done, cfg)
+            if cut and decider is not None:
+                log.info("%s: misses the target for certain after %d answers (%d missed of %d)",
+                         run_label(cfg, rate), len(done), decider.misses, len(requests))
+                summary["attainment"] = decider.bound
+                summary["cut_short"] = {"answered": len(done), "of": len(requests),
+                                        "missed": decider.misses,
+                                        "attainment_at_most": decider.bound}
+            runs.append(Run(run_label(cfg, rate), rate, tuple(done), summary, interrupted, cut))
+            met = runs[-1].summary["attainment"] >= cfg.target_attainment
+            if interrupted or (cfg.stop_on_miss and not met) or (cfg.sweep_down and met):
                 break
     return model, runs
 

@@ -153,6 +153,8 @@ def _run_serve(ns: argparse.Namespace) -> int:
     workloads: Sequence[tuple[float | None, list[BenchRequest]]] = (
         sweep_workloads(trace, cfg, synth, rates) if rates
         else [(cfg.rate or None, build_workload(trace, cfg, synth))])
+    if cfg.sweep_down:  # each rate keeps its prompts; only the order of the runs changes
+        workloads = workloads[::-1]
     show = ns.progress if ns.progress is not None else sys.stderr.isatty()
     model, runs = _run_all(cfg, workloads, show)
     rep = report(cfg, model, trace.source, runs, sweep=rates is not None)

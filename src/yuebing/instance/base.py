@@ -24,10 +24,12 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import torch
@@ -151,8 +153,10 @@ class Instance:
             staging, saver=self.saver)
         if cfg.warmup:
             self.engine.warmup()
+        name = cfg.instance_id or f"{cfg.role}-{os.getpid()}"  # the id is set once bound
+        trace = Path(cfg.step_trace_dir) / f"{name}.steps.jsonl" if cfg.step_trace_dir else None
         self.driver = EngineDriver(self.engine, self._outputs_from_driver, cfg.threads,
-                                   f"engine-{cfg.role}")
+                                   f"engine-{cfg.role}", trace)
         self.tasks: dict[str, Task] = {}
         self.subscribers: set[bytes] = set()
         self.local_cache = LocalCache(cfg.store_block_tokens)

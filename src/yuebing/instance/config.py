@@ -53,6 +53,9 @@ class InstanceConfig:
         "help": "outputs independent of batching, chunking and prefix hits (the engine's "
                 "batch-invariant attention; costs long prefills time, see docs/engine.md); "
                 "every instance of a cluster must use the same setting"})
+    step_trace_dir: str = field(default="", metadata={
+        "help": "append one JSON line per engine step (start, engine seconds, batch) to "
+                "DIR/<instance-id>.steps.jsonl ('' = off; for profiling a live run)"})
     max_model_len: int = field(default=0, metadata={"help": "context limit (0 = the model's)"})
     weights_seed: int = field(default=0, metadata={"help": "seed of dummy weights"})
     store_master: str = field(default="", metadata={

@@ -7,19 +7,28 @@ calls, then one `engine.step()` if there is work, handing each step's outputs to
 (called in the driver thread; instances forward them to their event loop). It sleeps on a
 condition when there is neither work nor a call. The step time of every step is recorded
 (`StepStats`) for load reports. Created by each role (`instance.roles`); stopped by `close`.
+
+With a ``step_trace`` file (``yuebing serve ... --step-trace-dir DIR``: one file per instance)
+the driver also appends one JSON line per engine step — ``{"t": wall-clock start, "step_s":
+engine.step() seconds, "out_s": seconds until the outputs were handed on, "decodes": n,
+"prefill_tokens": n, "context_tokens": n}`` — which is what tells a live run's token interval
+from the engine's step time (benchmarks/sim_vs_live.py reads it). Lines are buffered and the
+file is closed with the driver.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import IO, Any, TypeVar
 
 import torch
 
@@ -68,8 +77,13 @@ class EngineDriver:
 
     def __init__(self, engine: LLMEngine,
                  on_outputs: Callable[[list[RequestOutput]], None],
-                 threads: int = 1, name: str = "engine") -> None:
+                 threads: int = 1, name: str = "engine",
+                 step_trace: Path | None = None) -> None:
         self.engine = engine
+        self._trace: IO[str] | None = None
+        if step_trace is not None:
+            step_trace.parent.mkdir(parents=True, exist_ok=True)
+            self._trace = step_trace.open("a", buffering=1 << 16)
         self.on_outputs = on_outputs
         self.threads = threads
         self.stats = StepStats()
@@ -135,6 +149,8 @@ class EngineDriver:
             self._calls.clear()
         for _, fut in pending:
             fut.set_exception(DriverStopped("the engine driver stopped"))
+        if self._trace is not None:
+            self._trace.close()
 
     def _run_call(self, fn: Callable[[LLMEngine], Any],
                   fut: concurrent.futures.Future[Any]) -> None:
@@ -146,6 +162,7 @@ class EngineDriver:
             fut.set_exception(e)
 
     def _step(self) -> None:
+        wall = time.time()
         t0 = time.perf_counter()
         before = self.engine.num_steps
         try:
@@ -168,6 +185,13 @@ class EngineDriver:
                 self.on_outputs(outputs)
             except Exception:
                 log.exception("output handler failed")
+        if self._trace is not None and plan is not None and self.engine.num_steps != before:
+            self._trace.write(json.dumps({
+                "t": round(wall, 6), "step_s": round(dt, 6),
+                "out_s": round(time.perf_counter() - t0, 6), "decodes": len(plan.decodes),
+                "prefill_tokens": sum(n for _, n in plan.prefills),
+                # each decode has its new token by now: the step attended over one fewer
+                "context_tokens": sum(seq.num_tokens - 1 for seq in plan.decodes)}) + "\n")
 
     def _abort_all(self, reason: str) -> list[RequestOutput]:
         outs = []

@@ -1,0 +1,38 @@
+"""EngineDriver's step trace: one JSON line per engine step, written by the driver thread."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+from yuebing.engine.config import EngineConfig
+from yuebing.engine.engine import LLMEngine
+from yuebing.engine.sampling import SamplingParams
+from yuebing.engine.sequence import RequestOutput
+from yuebing.instance.driver import EngineDriver
+
+TINY = "dummy:preset=tiny,vocab=512,layers=2,hidden=64,heads=4,kv_heads=2,ffn=64,ctx=4096,tie=0"
+
+
+def test_each_step_is_one_line_with_its_batch(tmp_path: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=TINY, dtype="float32", threads=1, num_blocks=64))
+    finished = threading.Event()
+
+    def outputs(outs: list[RequestOutput]) -> None:
+        if any(o.finished for o in outs):
+            finished.set()
+
+    trace = tmp_path / "steps" / "d0.steps.jsonl"
+    driver = EngineDriver(engine, outputs, step_trace=trace)
+    driver.call(lambda e: e.add_request(list(range(40)), SamplingParams(max_tokens=4,
+                                                                         ignore_eos=True)))
+    assert finished.wait(30)
+    driver.close()
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    # 40 prompt tokens in one chunk (it yields the first token), then three decode steps whose
+    # context grows by one token each
+    assert [(s["prefill_tokens"], s["decodes"]) for s in steps] == [(40, 0)] + [(0, 1)] * 3
+    assert [s["context_tokens"] for s in steps[1:]] == [41, 42, 43]
+    assert all(0 < s["step_s"] <= s["out_s"] for s in steps)
+    assert [s["t"] for s in steps] == sorted(s["t"] for s in steps)
