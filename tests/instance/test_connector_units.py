@@ -218,3 +218,33 @@ def test_the_first_load_gives_up_on_a_master_that_never_answers_within_load_time
             assert conn.staging.take(1 << 22) is not None  # every staging byte given back
         finally:
             client.close()
+
+
+def test_stats_counted_from_many_threads_at_once_lose_no_count():
+    """Regression: the stats were bumped with a plain ``+=`` from the driver, load and save
+    threads, which may lose a count when threads switch in between; `ConnectorStats.add`
+    counts under a lock. A tiny switch interval makes threads switch inside any unlocked
+    read-add-write (an `add` without its lock loses some of these counts)."""
+    import sys
+
+    from yuebing.instance.connector import ConnectorStats
+
+    stats, threads, rounds = ConnectorStats(), 8, 5000
+
+    def count() -> None:
+        for _ in range(rounds):
+            stats.add(staging_full=1)
+            stats.add(loads=1, loaded_bytes=3)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        workers = [threading.Thread(target=count) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert (stats.staging_full, stats.loads, stats.loaded_bytes) == (
+        threads * rounds, threads * rounds, 3 * threads * rounds)

@@ -115,6 +115,9 @@ class Snapshot:
 
 @dataclass
 class ConnectorStats:
+    """Counters of the connector, counted from three threads (the driver, the load and the
+    save threads): each count goes through `add`, under a lock; reads are plain attributes."""
+
     lookups: int = 0
     loads: int = 0
     loaded_tokens: int = 0
@@ -126,6 +129,14 @@ class ConnectorStats:
     staging_full: int = 0
     store_skipped: int = 0
     """Loads and saves skipped because a store call failed less than `store_retry_s` ago."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: float) -> None:
+        """Add to the named counters, together (``add(loads=1, loaded_bytes=n)``): a plain
+        ``+=`` from two threads may lose a count."""
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
 
     @property
     def load_gbps(self) -> float:
@@ -217,7 +228,7 @@ class KVConnector:
                 return False
             if time.monotonic() < failed + self.config.store_retry_s or (
                     isinstance(hb, float) and hb < failed):
-                self.stats.store_skipped += 1
+                self.stats.add(store_skipped=1)
                 return True
             self._store_failed_at = None
             return False
@@ -237,7 +248,7 @@ class KVConnector:
         the load thread, whose store client it uses."""
         if self.store is None:
             return 0
-        self.stats.lookups += 1
+        self.stats.add(lookups=1)
         keys = self.keys(token_ids, max_tokens)
         if not keys:
             return 0
@@ -262,7 +273,7 @@ class KVConnector:
         while n and taken is None:
             taken = self.staging.take(n * self.object_bytes)
             if taken is None:
-                self.stats.staging_full += 1
+                self.stats.add(staging_full=1)
                 n //= 2
         if not n or taken is None:
             return Loaded(0, None)
@@ -305,16 +316,15 @@ class KVConnector:
             codes = self.saver.batch_put([snap.keys[i] for i in todo], values)
             ok = [snap.keys[i] for i, c in zip(todo, codes, strict=True) if int(c) in (0, 2)]
             self._remember([k for i, k in enumerate(snap.keys) if present[i]] + ok)
-            self.stats.saves += 1
-            self.stats.saved_blocks += len(ok)
-            if len(ok) < len(todo):
-                self.stats.save_failures += 1
+            failed = len(ok) < len(todo)
+            self.stats.add(saves=1, saved_blocks=len(ok), save_failures=int(failed))
+            if failed:
                 log.warning("saved %d of %d new store blocks (codes %s)", len(ok), len(todo),
                             sorted({int(c) for c in codes}))
             return len(ok)
         except Exception as e:
             self._store_failed()
-            self.stats.save_failures += 1
+            self.stats.add(save_failures=1)
             log.warning("saving %d store blocks failed: %s", len(snap.keys), e)
             return 0
         finally:
@@ -333,10 +343,8 @@ class KVConnector:
             t0 = time.perf_counter()
             import_prefix(engine, token_ids, data, self.fingerprint)
             dt = loaded.seconds + time.perf_counter() - t0
-            self.stats.loads += 1
-            self.stats.loaded_tokens += loaded.blocks * self.config.store_block_tokens
-            self.stats.loaded_bytes += loaded.bytes
-            self.stats.load_seconds += dt
+            self.stats.add(loads=1, loaded_tokens=loaded.blocks * self.config.store_block_tokens,
+                           loaded_bytes=loaded.bytes, load_seconds=dt)
             return loaded.blocks * self.config.store_block_tokens
         except Exception as e:  # e.g. the pool is full now: compute instead
             log.warning("installing %d store blocks failed, computing them: %s",
@@ -372,7 +380,7 @@ class KVConnector:
         while have > first and taken is None:  # what fits: the leading new blocks
             taken = self.staging.take((have - first) * self.object_bytes, saving=True)
             if taken is None:
-                self.stats.staging_full += 1
+                self.stats.add(staging_full=1)
                 have = first + (have - first) // 2
         if taken is None:
             log.info("no staging room to save %d store blocks", len(keys) - first)
