@@ -30,6 +30,16 @@ def test_profile_writes_predictor_and_samples(tmp_path, capsys):
     pred = load_predictors(out)
     assert pred.prefill.predict(64, 0) > 0 and pred.decode.predict(2, 64) > 0
     assert "yuebing profile" in pred.source
+    assert "decode fit vs its samples: mean |error|" in capsys.readouterr().out
+
+
+def test_profile_decode_degree_sets_the_decode_polynomial(tmp_path, capsys):
+    out = tmp_path / "pred.json"
+    rc = main(["profile", "--out", str(out), "--new-tokens", "8,32,64", "--cached-tokens", "0,16,32",
+               "--batches", "1,2,3", "--contexts", "32,64,96", "--repeats", "1",
+               "--decode-degree", "2", *COMMON])
+    assert rc == 0, capsys.readouterr().err
+    assert len(load_predictors(out).decode.poly.exponents) == 6  # 1, b, c, b², bc, c²
 
 
 def test_bench_engine_json(capsys):

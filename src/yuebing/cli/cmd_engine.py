@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,11 @@ def _add_profile(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cached-tokens", type=_int_list, default=[0, 256, 1024])
     p.add_argument("--batches", type=_pos_list, default=[1, 4, 16, 32])
     p.add_argument("--contexts", type=_pos_list, default=[256, 1024, 4096])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="measurements per grid point (the median is kept)")
+    p.add_argument("--decode-degree", type=int, default=1, choices=(1, 2, 3),
+                   help="degree of the decode step polynomial in (batch, context tokens); "
+                        "2 or 3 follow a grid of 4+ batches x 4+ contexts more closely")
     p.add_argument("--interference", action="store_true",
                    help="also time decode steps alone vs beside a neighbour process prefilling "
                         "continuously, and prefill alone vs beside a neighbour decoding (same "
@@ -164,11 +169,19 @@ def _run_profile(ns: argparse.Namespace) -> int:
     prefill = PrefillPredictor.fit([(s.new_tokens, s.cached_tokens, s.seconds)
                                     for s in samples.prefill])
     decode = DecodePredictor.fit([(s.batch, s.context_tokens, s.seconds)
-                                  for s in samples.decode])
+                                  for s in samples.decode], ns.decode_degree)
     source = f"yuebing profile: {samples.model} on {samples.device} ({samples.dtype}, " \
              f"{samples.threads} threads)"
     save_predictors(Predictors(prefill, decode, TransferPredictor(), source), ns.out)
     print(f"wrote {ns.out} ({len(samples.prefill)} prefill, {len(samples.decode)} decode samples)")
+    for name, errors in (
+            ("prefill", [prefill.predict(s.new_tokens, s.cached_tokens) / s.seconds - 1
+                         for s in samples.prefill]),
+            ("decode", [decode.predict(s.batch, s.context_tokens) / s.seconds - 1
+                        for s in samples.decode])):
+        worst = max(errors, key=abs)
+        print(f"{name} fit vs its samples: mean |error| {statistics.fmean(map(abs, errors)):.1%}, "
+              f"worst {worst:+.1%}")
     if samples.interference is not None:
         print(f"interference: decode x{samples.interference.decode_factor:.3f} beside a "
               f"prefill, prefill x{samples.interference.prefill_factor:.3f} beside a decode "

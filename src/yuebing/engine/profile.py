@@ -216,7 +216,8 @@ def median_timing(times: Iterable[Timing]) -> Timing:
 def profile_engine(engine: LLMEngine, new_tokens: Iterable[int], cached_tokens: Iterable[int],
                    batches: Iterable[int], contexts: Iterable[int], repeats: int = 3,
                    progress: Callable[[str], None] | None = None) -> ProfileSamples:
-    """Measure the whole grid; ``progress(label)`` is called before each point."""
+    """Measure the whole grid, each point the median of ``repeats`` measurements (a decode
+    measurement: the median of 8 steps); ``progress(label)`` is called before each point."""
     tokens = _Tokens(engine.model_config.vocab_size)
     engine.warmup()
     prefill: list[PrefillSample] = []
@@ -240,7 +241,9 @@ def profile_engine(engine: LLMEngine, new_tokens: Iterable[int], cached_tokens: 
                 continue
             if progress:
                 progress(f"decode batch={b} context={ctx}")
-            decode.append(DecodeSample(b, ctx, time_decode(engine, b, ctx, tokens).wall))
+            t = statistics.median(time_decode(engine, b, ctx, tokens).wall
+                                  for _ in range(repeats))
+            decode.append(DecodeSample(b, ctx, t))
     return ProfileSamples(SAMPLES_FORMAT, 1, engine.fingerprint, str(engine.device),
                           str(engine.dtype).removeprefix("torch."), torch.get_num_threads(),
                           engine.block_size, prefill, decode)
