@@ -4,6 +4,7 @@ usage/breakdown, 429s, and the faults of issue 13 (dead prefill → re-dispatch 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -13,9 +14,19 @@ import pytest
 from fake_instance import FINGERPRINT, FakeInstance, FakeLoop
 from harness import MODEL, ConductorThread, request, response, sse_events
 
+from yuebing.conductor.cluster import LiveCluster
 from yuebing.core.ids import InstanceId
+from yuebing.instance.client import InstanceClient
 from yuebing.instance.kvkeys import store_block_keys
-from yuebing.protocol.instance import Cancel, Reserve, Role, SubmitTask, TaskMode
+from yuebing.protocol.instance import (
+    Cancel,
+    EventKind,
+    Reserve,
+    Role,
+    Sampling,
+    SubmitTask,
+    TaskMode,
+)
 
 
 @pytest.fixture
@@ -246,6 +257,52 @@ def test_a_dropped_connection_fails_streams_at_once_and_the_restart_rejoins(
         assert status == 200 and body["usage"]["yuebing"]["decode_instance"] == "d0"
     finally:
         c.stop()
+
+
+def test_a_dropped_connection_ends_each_open_stream_with_exactly_one_error(
+        fl: FakeLoop) -> None:
+    """Regression: a dropped link ended each open stream twice — the cluster marked the
+    instance dead (``on_link`` → `_mark_dead` → `fail_all`), then the client failed its
+    streams itself — and a restarted instance's first report marked it dead again: three
+    ERRORs in a queue nobody had read yet. Now the cluster owns its clients' streams and
+    `fail_all` ends each once; a client without ``on_link`` (used on its own) ends its
+    streams itself, once. Neither queue is read here, so every ERROR stays in it."""
+    d0 = fl.add(Role.COUPLED, "d0")
+    d0.hang = True  # the tasks produce nothing: their streams hold only what ends them
+
+    def task(rid: str) -> SubmitTask:
+        return SubmitTask(seq=0, request_id=rid, token_ids=[1, 2, 3],
+                          sampling=Sampling(max_tokens=4), mode=TaskMode.COUPLED)
+
+    async def go() -> dict[str, list[tuple[EventKind, str]]]:
+        cluster = LiveCluster(30.0, 1.0, 256, lambda _t, _q: 0.0, 1e9, 0.0)
+        cluster.add(d0.address)
+        plain = InstanceClient(d0.address)  # no on_link: on its own
+        try:
+            end = time.monotonic() + 5
+            while (first := cluster.by_address.get(d0.address)) is None:
+                assert time.monotonic() < end, "d0 did not join"
+                await asyncio.sleep(0.01)
+            await first.client.submit(task("owned"))
+            await plain.submit(task("plain"))
+            queues = {"owned": first.client._events["owned"], "plain": plain._events["plain"]}
+            await d0.restart()
+            while (m := cluster.by_address.get(d0.address)) is None or m is first \
+                    or m.report is None or queues["plain"].empty():
+                assert time.monotonic() < end + 5, "no drop seen, or d0 did not rejoin"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)  # anything more that would come
+            return {rid: [(ev.kind, ev.error) for ev, _ in (q.get_nowait()
+                                                           for _ in range(q.qsize()))]
+                    for rid, q in queues.items()}
+        finally:
+            cluster.discard(d0.address)
+            await plain.close()
+    got = fl.run(go(), timeout_s=20)
+    assert got == {
+        "owned": [(EventKind.ERROR, "the connection to instance d0 was lost")],
+        "plain": [(EventKind.ERROR, f"the connection to the instance at {d0.address} was "
+                                    "lost")]}, got
 
 
 def test_client_disconnect_cancels_on_the_instances(fl: FakeLoop) -> None:

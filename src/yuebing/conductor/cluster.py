@@ -13,8 +13,10 @@ Life cycle (all on the Conductor's event loop):
 4. The liveness task marks an instance that sent no report for ``heartbeat_timeout_s`` dead, and
    so does a dropped connection (`_on_link`: killed, or restarted at the same address): it
    leaves the view, its cache leaves the index, and every open event stream on its client ends
-   with an ERROR (so no request waits on it). A dead instance is re-subscribed in the
-   background and rejoins when it answers (a restarted one with its new incarnation).
+   with one ERROR naming the instance (so no request waits on it): the cluster is the one
+   owner of that ERROR for its clients, which leave it to their ``on_link``. A dead instance is
+   re-subscribed in the background and rejoins when it answers (a restarted one with its new
+   incarnation).
 
 The dispatcher (`yuebing.conductor.dispatch`) tells the cluster what it routed (`routed`,
 `prefill_done`, `finished`) so the load between two reports includes this Conductor's own work.
@@ -200,9 +202,12 @@ class LiveCluster:
         """The connection of ``client`` dropped (the instance at ``address`` died or restarted:
         it leaves the view now rather than after the heartbeat timeout) or is up again (a
         new peer to the instance: subscribe there, and a restarted one's reports tell its new
-        incarnation, `_on_report`)."""
+        incarnation, `_on_report`). The client leaves ending its streams to this callback:
+        `_mark_dead` does, and for a client no longer a member's, this."""
         m = self.by_address.get(address)
         if m is None or m.client is not client:
+            if not up:
+                client.fail_all(f"the connection to the instance at {address} was lost")
             return
         if up:
             self.spawn(self._resubscribe(m))
@@ -230,6 +235,8 @@ class LiveCluster:
                     self.spawn(self._resubscribe(m))
 
     def _mark_dead(self, m: Member, reason: str) -> None:
+        """Out of the view and the index; its gate's waiters, calls and open event streams
+        fail with ``reason`` (each stream once, `InstanceClient.fail_all`)."""
         if m.alive:
             log.warning("%s: it leaves the view", reason)
         m.alive = False

@@ -9,9 +9,14 @@ request is sent so no event is lost. If the instance goes silent, calls time out
 (`InstanceUnavailable`); the Conductor's liveness check (no report for the heartbeat timeout)
 decides when it is dead. A socket monitor watches the connection: when an established one
 drops (the instance was killed, or restarted at the same address) every open stream and call
-fails at once — the instance can no longer route their events here, since the DEALER's next
-connection is a new peer to it — and ``on_link(False)`` is called; ``on_link(True)`` when a
-connection is up again (it has no subscription there yet: `subscribe` again). Used by `yuebing.conductor`, `yuebing bench instance` and tests.
+must fail at once — the instance can no longer route their events here, since the DEALER's
+next connection is a new peer to it. ``on_link(False)`` is called, and its owner fails them
+(`fail_all`: the Conductor's cluster marks the instance dead, as it does at a heartbeat
+timeout, naming the instance); a client without ``on_link``, or whose ``on_link`` raised,
+fails them itself. `fail_all` ends each stream once: a later one (the instance found dead
+again, say restarted) adds no second ERROR. ``on_link(True)`` when a connection is up again
+(it has no subscription there yet: `subscribe` again). Used by `yuebing.conductor`,
+`yuebing bench instance` and tests.
 With a cluster token (``token``, by default the process's ``$YUEBING_CLUSTER_TOKEN``) the
 DEALER presents it (`ops.zap.dial_plain`); an instance that requires another one, or none,
 never answers, so calls time out.
@@ -104,6 +109,8 @@ class InstanceClient:
         cancel): a `Reserved` that still comes is cancelled at once (`_dispatch`)."""
         self._events: dict[str, asyncio.Queue[tuple[TaskEvent, float]]] = {}
         self._sinks: dict[str, Callable[[TaskEvent, float], bool]] = {}
+        self._ended: set[str] = set()
+        """Request ids of open streams that `fail_all` ended (it ends each once)."""
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read())
         self._watcher = loop.create_task(self._watch_link())
@@ -195,6 +202,7 @@ class InstanceClient:
         if request_id in self._events:
             raise InstanceError(ErrorCode.DUPLICATE, f"request {request_id!r} is in flight")
         self._events[request_id] = asyncio.Queue()
+        self._ended.discard(request_id)
 
     async def events(self, request_id: str) -> AsyncIterator[TaskEvent]:
         """The task's events up to and including FINISH or ERROR."""
@@ -235,13 +243,18 @@ class InstanceClient:
             q.put_nowait((marker, time.perf_counter()))
 
     def fail_all(self, reason: str) -> None:
-        """End every open event stream with an ERROR and fail every call still waiting for
-        its reply with `InstanceUnavailable` (the instance is gone)."""
+        """End every open event stream with an ERROR (once: not one ended by an earlier
+        call) and fail every call still waiting for its reply with `InstanceUnavailable`
+        (the instance is gone)."""
         for fut in list(self._pending.values()):
             if not fut.done():
                 fut.set_exception(InstanceUnavailable(reason))
         now = time.perf_counter()
+        self._ended.intersection_update(self._events)  # forget streams closed since
         for rid, q in list(self._events.items()):
+            if rid in self._ended:
+                continue
+            self._ended.add(rid)
             q.put_nowait((TaskEvent(request_id=rid, kind=EventKind.ERROR,
                                     error_code=ErrorCode.INTERNAL, error=reason), now))
 
@@ -286,8 +299,8 @@ class InstanceClient:
                 up = False
                 reason = f"the connection to the instance at {self.address} was lost"
                 log.info("%s", reason)
-                self._link(False)
-                self.fail_all(reason)
+                if not self._link(False):  # no owner ended the streams: end them here
+                    self.fail_all(reason)
 
     def _event(self, ev: TaskEvent, arrived: float) -> None:
         q = self._events.get(ev.request_id)
@@ -304,12 +317,16 @@ class InstanceClient:
                     self._sinks.pop(ev.request_id, None)
         q.put_nowait((ev, arrived))
 
-    def _link(self, up: bool) -> None:
-        if self.on_link is not None:
-            try:
-                self.on_link(up)
-            except Exception:  # the watch must live on
-                log.exception("the link callback of %s failed", self.address)
+    def _link(self, up: bool) -> bool:
+        """Call ``on_link``; False if there is none or it raised."""
+        if self.on_link is None:
+            return False
+        try:
+            self.on_link(up)
+        except Exception:  # the watch must live on
+            log.exception("the link callback of %s failed", self.address)
+            return False
+        return True
 
     def _dispatch(self, msg: Message, arrived: float) -> None:
         if isinstance(msg, TaskEvent):
