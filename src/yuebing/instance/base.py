@@ -1,14 +1,15 @@
 """`Instance`: what every serving role shares — engine + driver thread, transfer engine, KV
-connector, the control server (zmq ROUTER, `protocol.instance` messages) and load reports.
+connector, the control server (`yuebing.instance.control.ControlServer`: the zmq ROUTER to the
+Conductors, events out) and load reports.
 
 Threads of an instance process: the asyncio control loop (this class; never blocks on a step),
 the engine's driver thread (`EngineDriver`), the connector's store threads (one for loads, one
 for saves, each with a store client of its own: a load never waits for a save), the transfer
-engine's threads. A control frame is decoded, checked and answered in the loop; engine work is
-queued to the driver; engine outputs come back through
-`_outputs_from_driver` (driver thread) → `_on_outputs` (loop), which turns them into
-`TaskEvent`s for the Conductor connection that owns the task. A frame that does not decode
-or is invalid gets `ErrorReply(BAD_REQUEST)`; the instance keeps serving.
+engine's threads. The control server decodes each frame and `dispatch` checks and answers it
+in the loop; engine work is queued to the driver; engine outputs come back through
+`_outputs_from_driver` (driver thread) → `ControlServer.on_outputs` (loop), which hands them to
+the role's `on_output` and sends the resulting `TaskEvent`s to the Conductor connection that
+owns each task.
 
 Roles subclass it (`prefill.PrefillInstance`, `decode.DecodeInstance`,
 `coupled.CoupledInstance`) and implement `on_submit` / `on_reserve` / `on_cancel` /
@@ -30,29 +31,25 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
-import zmq
-import zmq.asyncio
 
-from yuebing.core.errors import EngineError, InputError
 from yuebing.engine.config import EngineConfig
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
 from yuebing.engine.sequence import RequestOutput
 from yuebing.instance.config import InstanceConfig
 from yuebing.instance.connector import KVConnector, KVConnectorConfig
+from yuebing.instance.control import ControlServer, Refused  # roles import Refused here
 from yuebing.instance.driver import EngineDriver
 from yuebing.instance.reports import LocalCache, report_loop
-from yuebing.ops.zap import TokenAuthenticator, serve_plain
-from yuebing.protocol import Message, ProtocolError, decode, encode
+from yuebing.protocol import Message
 from yuebing.protocol.instance import (
     Ack,
     Breakdown,
     Cancel,
     ErrorCode,
-    ErrorReply,
     EventKind,
     FetchPrefix,
     Hello,
@@ -62,22 +59,12 @@ from yuebing.protocol.instance import (
     Sampling,
     SubmitTask,
     Subscribe,
-    TaskEvent,
-    TaskEvents,
 )
 from yuebing.transfer.config import TransferConfig
 from yuebing.transfer.engine import TransferEngine
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class Refused(Exception):
-    """A request the instance answers with `ErrorReply(code, message)`."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -158,15 +145,11 @@ class Instance:
         self.driver = EngineDriver(self.engine, self._outputs_from_driver, cfg.threads,
                                    f"engine-{cfg.role}", trace)
         self.tasks: dict[str, Task] = {}
-        self.subscribers: set[bytes] = set()
+        self.control = ControlServer(self)
         self.local_cache = LocalCache(cfg.store_block_tokens)
         self.resync = True
         """The next load report lists the whole local cache (a Conductor subscribed)."""
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.sock: zmq.asyncio.Socket | None = None
-        self._batch: dict[bytes, list[TaskEvent]] | None = None
-        """While `_on_outputs` runs: the step's events per connection, sent together."""
-        self.zap: TokenAuthenticator | None = None
         self.control_address = ""
         self.instance_id = cfg.instance_id
         self._stopping = False
@@ -199,16 +182,7 @@ class Instance:
     async def start(self) -> str:
         """Bind the control socket; returns its address."""
         self.loop = asyncio.get_running_loop()
-        self.sock = self._control_socket()
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone peer fails `send`: `_peer_gone`
-        host = self.cfg.host
-        if self.cfg.control_port:
-            self.sock.bind(f"tcp://{host}:{self.cfg.control_port}")
-            port = self.cfg.control_port
-        else:
-            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        port = self.control.bind()
         self.control_address = f"tcp://{self.cfg.public_host}:{port}"
         if not self.instance_id:
             self.instance_id = f"{self.cfg.role}-{self.cfg.public_host}-{port}"
@@ -217,51 +191,14 @@ class Instance:
                  self.engine.model_config.name, self.engine.allocator.num_blocks)
         return self.control_address
 
-    def _control_socket(self) -> zmq.asyncio.Socket:
-        """The control ROUTER; with a cluster token, in a context of its own whose ZAP handler
-        admits only peers presenting it (`ops.zap`)."""
-        if not self.cfg.cluster_token:
-            return zmq.asyncio.Context.instance().socket(zmq.ROUTER)
-        ctx = zmq.asyncio.Context()
-        self.zap = TokenAuthenticator(ctx, self.cfg.cluster_token)
-        self.zap.start()
-        sock = ctx.socket(zmq.ROUTER)
-        serve_plain(sock)
-        return sock
-
     async def serve(self, stop: asyncio.Event) -> None:
-        """Answer control frames and push reports until ``stop`` is set. Frames already
-        queued are read through a synchronous shadow of the socket: the asyncio socket costs
-        a future and a poll per frame, so it is awaited only when none is waiting."""
-        assert self.sock is not None
+        """Answer control frames (`ControlServer.serve`), push reports and expire what has a
+        deadline until ``stop`` is set."""
         reporter = asyncio.create_task(report_loop(self, stop))
         sweeper = asyncio.create_task(self._sweep_loop(stop))
-        sync: zmq.Socket[bytes] = zmq.Socket.shadow(self.sock.underlying)
-        stopper = asyncio.ensure_future(stop.wait())
-        recv = None
         try:
-            while not stop.is_set():
-                recv = recv or asyncio.ensure_future(self.sock.recv_multipart())
-                done, _ = await asyncio.wait({recv, stopper},
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if recv not in done:
-                    continue
-                frames: list[bytes] | None = recv.result()
-                recv = None
-                while frames is not None and not stop.is_set():
-                    # one task per frame: a request that waits (a cancel for its in-flight
-                    # writes, a reservation for a step) never holds up the others
-                    handler = asyncio.ensure_future(self._handle_frames(frames))
-                    self._handlers.add(handler)
-                    handler.add_done_callback(self._handlers.discard)
-                    try:
-                        frames = sync.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        frames = None
+            await self.control.serve(stop)
         finally:
-            stopper.cancel()
-            if recv is not None:
-                recv.cancel()
             reporter.cancel()
             sweeper.cancel()
 
@@ -274,40 +211,15 @@ class Instance:
         self.connector.close()
         await asyncio.gather(*(asyncio.to_thread(_close_quietly, c)
                                for c in (self.store, self.saver) if c is not None))
-        if self.sock is not None:
-            self.sock.close(linger=500)  # let the last events (shutdown errors) go out
-        if self.zap is not None:
-            self.zap.stop()
+        self.control.close()  # the last events (shutdown errors) get 500 ms to go out
         self.transfer.close()
 
     # ------------------------------------------------------------------ control frames
 
-    async def _handle_frames(self, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            log.warning("dropped a control message of %d frames", len(frames))
-            return
-        ident, payload = frames
-        seq = 0
-        try:
-            msg = decode(payload)
-            seq = int(getattr(msg, "seq", 0))
-            reply = await self._dispatch(ident, msg)
-        except ProtocolError as e:
-            reply = ErrorReply(seq=seq, code=ErrorCode.BAD_REQUEST, message=str(e))
-        except Refused as e:
-            reply = ErrorReply(seq=seq, code=e.code, message=str(e))
-        except (InputError, ValueError) as e:
-            reply = ErrorReply(seq=seq, code=ErrorCode.BAD_REQUEST, message=str(e))
-        except EngineError as e:
-            reply = ErrorReply(seq=seq, code=ErrorCode.NO_KV, message=str(e))
-        except Exception as e:
-            log.exception("control request failed")
-            reply = ErrorReply(seq=seq, code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: "
-                               f"{e}")
-        if reply is not None:
-            self.send(ident, reply)
-
-    async def _dispatch(self, ident: bytes, msg: Message) -> Message | None:
+    async def dispatch(self, ident: bytes, msg: Message) -> Message | None:
+        """Loop thread, from `ControlServer._handle`: the reply to a decoded control request
+        from the connection ``ident`` (None: none); what it raises (`Refused`, bad input, an
+        engine error) goes back as an `ErrorReply`."""
         if self._stopping:
             raise Refused(ErrorCode.SHUTTING_DOWN, "the instance is shutting down")
         if isinstance(msg, Ping):
@@ -388,20 +300,7 @@ class Instance:
             if task is not None:
                 self.on_output_driver(self.engine, task, out)
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._on_outputs, outputs, step_start)
-
-    def _on_outputs(self, outputs: list[RequestOutput], step_start: float) -> None:
-        """One step's outputs; their events leave as one `TaskEvents` frame per connection."""
-        self._batch = {}
-        try:
-            for out in outputs:
-                task = self.tasks.get(out.request_id)
-                if task is not None and not task.done:
-                    self.on_output(task, out, step_start)
-        finally:
-            batch, self._batch = self._batch, None
-            for ident, events in batch.items():
-                self.send(ident, events[0] if len(events) == 1 else TaskEvents(events=events))
+            self.loop.call_soon_threadsafe(self.control.on_outputs, outputs, step_start)
 
     def stream_output(self, task: Task, out: RequestOutput) -> None:
         """Send an engine output as FIRST_TOKEN/TOKENS, then FINISH when it ends."""
@@ -472,41 +371,17 @@ class Instance:
         self.changed()
 
     def _event(self, task: Task, kind: EventKind, **kw: Any) -> None:
-        ev = TaskEvent(request_id=task.request_id, kind=kind, time_s=time.time(), **kw)
-        if self._batch is not None:  # inside `_on_outputs`: sent with the step's others
-            self._batch.setdefault(task.owner, []).append(ev)
-        else:
-            self.send(task.owner, ev)
+        """An event of ``task`` to its connection (`ControlServer.event`)."""
+        self.control.event(task, kind, **kw)
 
     def send(self, ident: bytes, msg: Message) -> None:
-        """Send without waiting: a message to a full pipe is dropped (as a plain ROUTER does);
-        one to a connection that is gone (its Conductor died) ends what it owned."""
-        if self.sock is not None and not self.sock.closed:
-            sent = cast("asyncio.Future[Any]", self.sock.send_multipart(
-                [ident, encode(msg)], flags=zmq.DONTWAIT, copy=False))
-            if sent.done():  # always, unless a send is queued: no loop callback per event
-                self._sent(ident, sent)
-            else:
-                sent.add_done_callback(lambda f: self._sent(ident, f))
+        """A message to the connection ``ident`` (`ControlServer.send`; `reports`)."""
+        self.control.send(ident, msg)
 
-    def _sent(self, ident: bytes, f: asyncio.Future[Any]) -> None:
-        err = None if f.cancelled() else f.exception()
-        if isinstance(err, zmq.ZMQError) and err.errno == zmq.EHOSTUNREACH:
-            self._peer_gone(ident)
-
-    def _peer_gone(self, ident: bytes) -> None:
-        """Loop thread: the connection ``ident`` closed (its Conductor was killed or restarted:
-        a new one connects anew). Nobody can receive its tasks' events or cancel them any
-        more, so its reservations and requests end now — their KV is freed — instead of
-        decoding for nobody or holding blocks until the reservation's timeout."""
-        self.subscribers.discard(ident)
-        orphans = [t for t in self.tasks.values() if t.owner == ident and not t.done]
-        if orphans:
-            log.warning("connection %s is gone: cancelling its %d task(s)", ident.hex(),
-                        len(orphans))
-        for task in orphans:
-            self.spawn(task, self.on_cancel(task.request_id))
-        self.changed()
+    @property
+    def subscribers(self) -> set[bytes]:
+        """The connections subscribed to load reports (`reports`, `admin`)."""
+        return self.control.subscribers
 
     # ------------------------------------------------------------------ load reports
 

@@ -1,0 +1,206 @@
+"""`ControlServer`: an instance's control-plane connection to its Conductors — the zmq ROUTER
+(`protocol.instance` messages), the connections subscribed to load reports, and the events
+that go back to the connection that owns each task. Loop thread only.
+
+Who calls what. `Instance.start` → `bind`; `Instance.serve` → `serve`, the frame loop: one
+asyncio task per frame, `_handle` decodes it, `Instance.dispatch` answers it, and its reply —
+or an `ErrorReply` for a `Refused` request, a frame that does not decode or is invalid
+(BAD_REQUEST) — goes back; the instance keeps serving. Engine outputs arrive through
+`Instance._outputs_from_driver` (driver thread) → `on_outputs` (loop), which hands each live
+task's output to the role's `Instance.on_output` and sends the step's events as one
+`TaskEvents` frame per connection. Events outside a step come from `Instance._event` → `event`;
+load reports from `reports.report_loop` → `Instance.send` → `send`, to each of `subscribers`
+(added by `Instance.dispatch` on `Subscribe`). A send that finds its connection gone (its
+Conductor died) → `_peer_gone`, which cancels the tasks that connection owned
+(`Instance.spawn` of `Instance.on_cancel`). `Instance.close` → `close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any, cast
+
+import zmq
+import zmq.asyncio
+
+from yuebing.core.errors import EngineError, InputError
+from yuebing.engine.sequence import RequestOutput
+from yuebing.ops.zap import TokenAuthenticator, serve_plain
+from yuebing.protocol import Message, ProtocolError, decode, encode
+from yuebing.protocol.instance import ErrorCode, ErrorReply, EventKind, TaskEvent, TaskEvents
+
+if TYPE_CHECKING:
+    from yuebing.instance.base import Instance, Task
+
+log = logging.getLogger(__name__)
+
+
+class Refused(Exception):
+    """A request the instance answers with `ErrorReply(code, message)`."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ControlServer:
+    """The control ROUTER of one `Instance`; see the module docstring."""
+
+    def __init__(self, inst: Instance) -> None:
+        self.inst = inst
+        self.sock: zmq.asyncio.Socket | None = None
+        self.zap: TokenAuthenticator | None = None
+        self.subscribers: set[bytes] = set()
+        """Connections that sent `Subscribe`: load reports go to each."""
+        self._batch: dict[bytes, list[TaskEvent]] | None = None
+        """While `on_outputs` runs: the step's events per connection, sent together."""
+        self._handlers: set[asyncio.Future[Any]] = set()
+        """The frames being handled (a reference is kept until each is done)."""
+
+    def bind(self) -> int:
+        """Open the ROUTER on ``cfg.host`` at ``cfg.control_port`` (none: a free port);
+        returns the port."""
+        cfg = self.inst.cfg
+        self.sock = self._socket()
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone peer fails `send`: `_peer_gone`
+        if cfg.control_port:
+            self.sock.bind(f"tcp://{cfg.host}:{cfg.control_port}")
+            return cfg.control_port
+        return self.sock.bind_to_random_port(f"tcp://{cfg.host}")
+
+    def _socket(self) -> zmq.asyncio.Socket:
+        """The control ROUTER; with a cluster token, in a context of its own whose ZAP handler
+        admits only peers presenting it (`ops.zap`)."""
+        token = self.inst.cfg.cluster_token
+        if not token:
+            return zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        ctx = zmq.asyncio.Context()
+        self.zap = TokenAuthenticator(ctx, token)
+        self.zap.start()
+        sock = ctx.socket(zmq.ROUTER)
+        serve_plain(sock)
+        return sock
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Answer control frames until ``stop`` is set. Frames already queued are read through
+        a synchronous shadow of the socket: the asyncio socket costs a future and a poll per
+        frame, so it is awaited only when none is waiting."""
+        assert self.sock is not None
+        sync: zmq.Socket[bytes] = zmq.Socket.shadow(self.sock.underlying)
+        stopper = asyncio.ensure_future(stop.wait())
+        recv = None
+        try:
+            while not stop.is_set():
+                recv = recv or asyncio.ensure_future(self.sock.recv_multipart())
+                done, _ = await asyncio.wait({recv, stopper},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if recv not in done:
+                    continue
+                frames: list[bytes] | None = recv.result()
+                recv = None
+                while frames is not None and not stop.is_set():
+                    # one task per frame: a request that waits (a cancel for its in-flight
+                    # writes, a reservation for a step) never holds up the others
+                    handler = asyncio.ensure_future(self._handle(frames))
+                    self._handlers.add(handler)
+                    handler.add_done_callback(self._handlers.discard)
+                    try:
+                        frames = sync.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        frames = None
+        finally:
+            stopper.cancel()
+            if recv is not None:
+                recv.cancel()
+
+    def close(self) -> None:
+        """Close the socket (the last events, shutdown errors, get 500 ms to go out) and the
+        ZAP handler."""
+        if self.sock is not None:
+            self.sock.close(linger=500)
+        if self.zap is not None:
+            self.zap.stop()
+
+    async def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            log.warning("dropped a control message of %d frames", len(frames))
+            return
+        ident, payload = frames
+        seq = 0
+        try:
+            msg = decode(payload)
+            seq = int(getattr(msg, "seq", 0))
+            reply = await self.inst.dispatch(ident, msg)
+        except ProtocolError as e:
+            reply = ErrorReply(seq=seq, code=ErrorCode.BAD_REQUEST, message=str(e))
+        except Refused as e:
+            reply = ErrorReply(seq=seq, code=e.code, message=str(e))
+        except (InputError, ValueError) as e:
+            reply = ErrorReply(seq=seq, code=ErrorCode.BAD_REQUEST, message=str(e))
+        except EngineError as e:
+            reply = ErrorReply(seq=seq, code=ErrorCode.NO_KV, message=str(e))
+        except Exception as e:
+            log.exception("control request failed")
+            reply = ErrorReply(seq=seq, code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: "
+                               f"{e}")
+        if reply is not None:
+            self.send(ident, reply)
+
+    # ------------------------------------------------------------------ events out
+
+    def on_outputs(self, outputs: list[RequestOutput], step_start: float) -> None:
+        """One step's outputs; their events leave as one `TaskEvents` frame per connection."""
+        inst = self.inst
+        self._batch = {}
+        try:
+            for out in outputs:
+                task = inst.tasks.get(out.request_id)
+                if task is not None and not task.done:
+                    inst.on_output(task, out, step_start)
+        finally:
+            batch, self._batch = self._batch, None
+            for ident, events in batch.items():
+                self.send(ident, events[0] if len(events) == 1 else TaskEvents(events=events))
+
+    def event(self, task: Task, kind: EventKind, **kw: Any) -> None:
+        """An event of ``task`` to the connection that owns it."""
+        ev = TaskEvent(request_id=task.request_id, kind=kind, time_s=time.time(), **kw)
+        if self._batch is not None:  # inside `on_outputs`: sent with the step's others
+            self._batch.setdefault(task.owner, []).append(ev)
+        else:
+            self.send(task.owner, ev)
+
+    def send(self, ident: bytes, msg: Message) -> None:
+        """Send without waiting: a message to a full pipe is dropped (as a plain ROUTER does);
+        one to a connection that is gone (its Conductor died) ends what it owned."""
+        if self.sock is not None and not self.sock.closed:
+            sent = cast("asyncio.Future[Any]", self.sock.send_multipart(
+                [ident, encode(msg)], flags=zmq.DONTWAIT, copy=False))
+            if sent.done():  # always, unless a send is queued: no loop callback per event
+                self._sent(ident, sent)
+            else:
+                sent.add_done_callback(lambda f: self._sent(ident, f))
+
+    def _sent(self, ident: bytes, f: asyncio.Future[Any]) -> None:
+        err = None if f.cancelled() else f.exception()
+        if isinstance(err, zmq.ZMQError) and err.errno == zmq.EHOSTUNREACH:
+            self._peer_gone(ident)
+
+    def _peer_gone(self, ident: bytes) -> None:
+        """The connection ``ident`` closed (its Conductor was killed or restarted: a new one
+        connects anew). Nobody can receive its tasks' events or cancel them any more, so its
+        reservations and requests end now — their KV is freed — instead of decoding for
+        nobody or holding blocks until the reservation's timeout."""
+        inst = self.inst
+        self.subscribers.discard(ident)
+        orphans = [t for t in inst.tasks.values() if t.owner == ident and not t.done]
+        if orphans:
+            log.warning("connection %s is gone: cancelling its %d task(s)", ident.hex(),
+                        len(orphans))
+        for task in orphans:
+            inst.spawn(task, inst.on_cancel(task.request_id))
+        inst.changed()
