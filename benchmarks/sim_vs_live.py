@@ -59,7 +59,10 @@ TOLERANCE = 0.25
 # new tokens up to the workload's longest prompt (input <= 4,096): past the grid the fitted
 # prefill cost is extrapolated, which made the simulated TTFT p90 run 29-36 % high
 PROFILE_GRID = ["--new-tokens", "64,256,512,1024,2048,4096", "--cached-tokens", "0,512,2048",
-                "--batches", "1,4,16", "--contexts", "256,1024,4096", "--repeats", "2"]
+                "--batches", "1,2,4,8,16", "--contexts", "256,1024,2048,4096,6144",
+                "--decode-degree", "2", "--repeats", "3"]
+# decode: the batches a 1P1D decode instance runs here (1-6) and their total contexts; a degree-1
+# fit over batches 1/4/16 was 11 % low at batch 1, where a light load decodes
 
 
 def pct(values: list[float], q: float) -> float:
@@ -82,7 +85,8 @@ def workload(trace_path: Path, limit: int, rate: float, seed: int) -> list[SimRe
 
 def simulated(requests: list[SimRequest], profile: Path,
               interference: Path | None) -> dict[str, float]:
-    """TTFT/TBT percentiles of a 1P1D Mooncake simulation with the fitted cost model, the two
+    """TTFT/TBT percentiles of a 1P1D Mooncake simulation with the fitted cost model of
+    ``profile`` (a predictor file, as the live Conductor reads, or a samples file), the two
     nodes on one host with ``interference``'s factors (None: each node alone)."""
     cfg = SimConfig(system="mooncake", prefill_nodes=1, decode_nodes=1, cost_model="fitted",
                     profile=str(profile), block_tokens=64, ttft_slo_s=10.0, tbt_slo_s=0.1,
@@ -167,6 +171,46 @@ def run_live(out: Path, profile: Path, rates: list[float], limit: int, seed: int
             proc.kill()
 
 
+def step_check(steps_file: Path, profile: Path) -> dict[str, Any]:
+    """A live decode instance's engine steps (its step trace) against the predictor the
+    simulator uses: per batch size, the mean live step and the mean prediction for the same
+    (batch, context); and the time between two back-to-back decode steps spent outside
+    ``engine.step()`` (outputs, events, the loop)."""
+    from yuebing.sim.hardware import FittedCostModel
+
+    cost = FittedCostModel.from_file(profile)
+    steps = [json.loads(line) for line in steps_file.read_text().splitlines() if line.strip()]
+    decode = [s for s in steps if s["decodes"] and not s["prefill_tokens"]]
+    by_batch: dict[str, Any] = {}
+    for b in sorted({s["decodes"] for s in decode}):
+        rows = [s for s in decode if s["decodes"] == b]
+        if len(rows) < 20:
+            continue
+        live = sum(s["step_s"] for s in rows) / len(rows)
+        pred = sum(cost.decode_step_time(b, s["context_tokens"]) for s in rows) / len(rows)
+        by_batch[str(b)] = {"steps": len(rows), "live_ms": round(live * 1e3, 2),
+                            "predicted_ms": round(pred * 1e3, 2),
+                            "ratio": round(live / pred, 3)}
+    outside = sorted(b["t"] - a["t"] - a["step_s"] for a, b in zip(decode, decode[1:])
+                     if b["t"] - a["t"] < 2 * a["step_s"] + 0.05)
+    return {"file": str(steps_file), "by_batch": by_batch,
+            "outside_step_ms": {"mean": round(1e3 * sum(outside) / max(1, len(outside)), 3),
+                                "p50": round(1e3 * pct(outside, 0.5), 3),
+                                "p99": round(1e3 * pct(outside, 0.99), 3)}}
+
+
+def steps_table(check: dict[str, Any]) -> str:
+    lines = ["| decode batch | live steps | live engine step (mean) | predicted | live / predicted |",
+             "|---|---|---|---|---|"]
+    for b, r in check["by_batch"].items():
+        lines.append(f"| {b} | {r['steps']:,} | {r['live_ms']:.1f} ms | {r['predicted_ms']:.1f} ms"
+                     f" | {r['ratio']:.2f} |")
+    o = check["outside_step_ms"]
+    lines.append(f"\nBetween back-to-back decode steps, outside `engine.step()`: mean {o['mean']:.2f}"
+                 f" ms, p50 {o['p50']:.2f} ms, p99 {o['p99']:.2f} ms.")
+    return "\n".join(lines)
+
+
 def compare(live: dict[str, float], sim: dict[str, float]) -> dict[str, Any]:
     rows = {}
     for m in METRICS:
@@ -223,6 +267,9 @@ def main() -> int:
     p.add_argument("--no-colocated", action="store_true",
                    help="simulate each node alone (no interference between host-mates)")
     p.add_argument("--live-records", type=Path, help="reuse a bench --records file")
+    p.add_argument("--live-steps", type=Path,
+                   help="a decode instance's --step-trace-dir file (decode-0.steps.jsonl): "
+                        "its engine steps are compared with the profile's decode predictor")
     p.add_argument("--port", type=int, default=8766)
     p.add_argument("--yb-flags", default="--no-batch-invariant",
                    help="engine flags of the profile and the live instances (the same as "
@@ -251,12 +298,15 @@ def main() -> int:
                                   "file": str(interference), **asdict(factors)},
                               "live_records": str(records),
                               "limit": ns.limit, "loadavg": os.getloadavg(), "rates": {}}
+    if ns.live_steps:
+        result["live_steps"] = step_check(ns.live_steps, profile)
     for rate in rates:
-        sim = simulated(workload(TRACE, ns.limit, rate, ns.seed), samples, interference)
+        sim = simulated(workload(TRACE, ns.limit, rate, ns.seed), profile, interference)
         result["rates"][str(rate)] = {"live": live[rate], "sim": sim,
                                       "metrics": compare(live[rate], sim)}
     (ns.outdir / "sim_vs_live.json").write_text(json.dumps(result, indent=1) + "\n")
-    md = table(result)
+    md = table(result) + ("\n\n" + steps_table(result["live_steps"])
+                          if "live_steps" in result else "")
     (ns.outdir / "sim_vs_live.md").write_text(md + "\n")
     plot(ns.outdir, result)
     print(md)

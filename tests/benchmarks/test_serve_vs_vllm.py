@@ -125,6 +125,46 @@ def test_sim_vs_live_stats_and_compare(tmp_path: Path) -> None:
     assert math.isnan(svl.pct([], 0.5))
 
 
+def test_sim_vs_live_step_check_against_the_predictor(tmp_path: Path) -> None:
+    from yuebing.conductor.policy.predictors import (
+        DecodePredictor,
+        Predictors,
+        PrefillPredictor,
+        TransferPredictor,
+        save_predictors,
+    )
+
+    def step(b: int, c: int) -> float:  # the "profiled" decode step: 20 ms + 1 ms/seq + 2 us/token
+        return 0.02 + 0.001 * b + 2e-6 * c
+
+    prefill = PrefillPredictor.fit([(n, c, 1e-3 * n + 1e-6 * c + 1e-9 * n * n)
+                                    for n in (64, 256, 1024) for c in (0, 512, 2048)])
+    decode = DecodePredictor.fit([(b, c, step(b, c)) for b in (1, 2, 4) for c in (256, 1024, 4096)])
+    profile = tmp_path / "pred.json"
+    save_predictors(Predictors(prefill, decode, TransferPredictor()), profile)
+    # live: batch-1 steps 10 % slower than profiled, 0.5 ms between back-to-back steps; batch 2
+    # as profiled; a prefill step and an idle pause are not decode intervals
+    t, rows = 100.0, []
+    for k in range(30):
+        for b, slow in ((1, 1.1), (2, 1.0)):
+            s = step(b, 1000 + k) * slow
+            rows.append({"t": t, "step_s": s, "decodes": b, "prefill_tokens": 0,
+                         "context_tokens": 1000 + k})
+            t += s + 0.0005
+    rows.append({"t": t, "step_s": 0.5, "decodes": 0, "prefill_tokens": 512, "context_tokens": 0})
+    rows.append({"t": t + 60, "step_s": 0.02, "decodes": 1, "prefill_tokens": 0,
+                 "context_tokens": 10})
+    steps = tmp_path / "decode-0.steps.jsonl"
+    steps.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    check = svl.step_check(steps, profile)
+    assert check["by_batch"]["1"]["steps"] == 31 and check["by_batch"]["2"]["steps"] == 30
+    assert check["by_batch"]["1"]["ratio"] == pytest.approx(1.1, abs=0.01)
+    assert check["by_batch"]["2"]["ratio"] == pytest.approx(1.0, abs=0.005)
+    assert check["outside_step_ms"]["p50"] == pytest.approx(0.5, abs=1e-3)
+    assert check["outside_step_ms"]["p99"] < 1  # the 60 s pause is not a step interval
+    assert "| 1 | 31 |" in svl.steps_table(check)
+
+
 @pytest.mark.skipif(not TRACE.is_file(), reason="conversation trace not in ../shared/traces")
 def test_sim_workload_is_the_load_generators() -> None:
     from yuebing.bench.config import BenchConfig
