@@ -17,7 +17,9 @@
    `yuebing.sim.colocation`; ``--no-colocated`` turns it off), ``cost_model=fitted`` on the
    profile, ``block_tokens=64``.
 4. Compared: TTFT and TBT p50/p90 over completed requests, sim vs live, per rate; target
-   within ±25 %. Writes ``OUTDIR/sim_vs_live.json``, ``sim_vs_live.md`` (the table) and
+   within ±25 %. With ``--live-steps`` (a decode instance's ``--step-trace-dir`` file) also
+   the live engine steps against the decode predictor, per batch size, and the time between
+   back-to-back steps spent outside ``engine.step()``. Writes ``OUTDIR/sim_vs_live.json``, ``sim_vs_live.md`` (the table) and
    ``sim_vs_live.png``; prints the table.
 
 Usage:
@@ -39,6 +41,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import asdict
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +194,7 @@ def step_check(steps_file: Path, profile: Path) -> dict[str, Any]:
         by_batch[str(b)] = {"steps": len(rows), "live_ms": round(live * 1e3, 2),
                             "predicted_ms": round(pred * 1e3, 2),
                             "ratio": round(live / pred, 3)}
-    outside = sorted(b["t"] - a["t"] - a["step_s"] for a, b in zip(decode, decode[1:])
+    outside = sorted(b["t"] - a["t"] - a["step_s"] for a, b in pairwise(decode)
                      if b["t"] - a["t"] < 2 * a["step_s"] + 0.05)
     return {"file": str(steps_file), "by_batch": by_batch,
             "outside_step_ms": {"mean": round(1e3 * sum(outside) / max(1, len(outside)), 3),
