@@ -248,3 +248,44 @@ def test_stats_counted_from_many_threads_at_once_lose_no_count():
         sys.setswitchinterval(old)
     assert (stats.staging_full, stats.loads, stats.loaded_bytes) == (
         threads * rounds, threads * rounds, 3 * threads * rounds)
+
+
+def test_close_ends_a_save_stuck_on_a_master_that_never_answers_within_its_grace():
+    """Regression: closing the connector dropped the queued saves but left the running one
+    on its store call, which waited out the client's failover budget (15 s) for a master that
+    does not answer — and the process's exit waited for the save thread as long; closing the
+    clients waited for their heartbeat's call too (up to 7 s). Now the running save gets
+    `close_grace_s`, then its call fails (`StoreClient.cut_calls`), and a client's close ends
+    its heartbeat at once."""
+    e = _engine()
+    ids = [(i * 13) % 500 for i in range(512)]  # 2 store blocks of 256
+    other = [(i * 7) % 500 for i in range(512)]
+    e.generate([ids, other], SamplingParams(max_tokens=1))
+    grace = 0.5
+    with silent_master() as master:
+        cfg = ClientConfig(master=master.address, heartbeat_s=0.2)  # a heartbeat is out too
+        store, saver = StoreClient(cfg), StoreClient(cfg)
+        conn = KVConnector(e, store, KVConnectorConfig(staging_bytes=1 << 22,
+                                                       close_grace_s=grace), saver=saver)
+        try:
+            first, second = conn.snapshot(e, ids), conn.snapshot(e, other)
+            assert first is not None and second is not None
+            stuck, queued = conn.submit_save(first), conn.submit_save(second)
+            end = time.monotonic() + 5
+            while saver.rpc.sock is None:  # the save's first master call goes out
+                assert time.monotonic() < end
+                time.sleep(0.01)
+            time.sleep(0.5)  # it waits for a reply; so does a heartbeat
+            assert not stuck.done() and master.received > 0
+            t0 = time.monotonic()
+            conn.close()
+            closed = time.monotonic() - t0
+            for c in (saver, store):
+                c.close()
+            took = time.monotonic() - t0
+        finally:
+            conn.close()  # again after a failed assertion: no-ops otherwise
+    assert stuck.done() and stuck.result() == 0 and conn.stats.save_failures == 1  # ended
+    assert queued.cancelled()
+    assert took < grace + 1.5, took  # was 15 s for the save's thread, 5 s for the clients
+    assert grace <= closed < grace + 0.7, closed  # the save had its grace, no more

@@ -40,6 +40,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -51,6 +52,8 @@ from yuebing.instance.staging import Staging
 from yuebing.store.client.client import StoreClient
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+CLOSE_SLACK_S = 0.5  # `KVConnector.close` waits this long past the grace for a job to return
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,11 @@ class KVConnectorConfig:
         "help": "share of the staging memory that snapshots waiting for their save may hold "
                 "together; the rest stays for loads (from the store or a peer), which are on "
                 "the TTFT path, while saves wait for a store in trouble"})
+    close_grace_s: float = field(default=1.0, metadata={
+        "help": "at close, queued loads and saves are dropped and those running get this long; "
+                "then every store call of the connector's clients fails at once, so a master "
+                "that does not answer holds an instance's exit this long, not the client's "
+                "failover budget (15 s)"})
 
     def __post_init__(self) -> None:
         require(self.store_block_tokens > 0, "store_block_tokens must be > 0")
@@ -93,6 +101,8 @@ class KVConnectorConfig:
                 f"{self.load_timeout_s}")
         require(0 < self.save_staging_share <= 1, f"save_staging_share must be in (0, 1], "
                 f"got {self.save_staging_share}")
+        require(self.close_grace_s >= 0, f"close_grace_s must be >= 0, got "
+                f"{self.close_grace_s}")
 
 
 @dataclass
@@ -176,23 +186,37 @@ class KVConnector:
         self._loads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-load")
         self._saves = self._loads if saver is None else concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kv-save")
+        self._jobs: set[concurrent.futures.Future[Any]] = set()
+        """Loads and saves submitted and not done (`close` waits for the running ones)."""
 
     def submit_fetch(self, token_ids: Sequence[int], max_tokens: int
                      ) -> concurrent.futures.Future[Loaded]:
         """`fetch` on the load thread (loads one at a time; behind no save if saves have a
         ``saver``)."""
-        return self._loads.submit(self.fetch, token_ids, max_tokens)
+        return self._track(self._loads.submit(self.fetch, token_ids, max_tokens))
 
     def submit_save(self, snap: Snapshot) -> concurrent.futures.Future[int]:
         """`save` on the save thread (saves one at a time, in the order submitted; without a
         ``saver``, on the load thread)."""
-        return self._saves.submit(self.save, snap)
+        return self._track(self._saves.submit(self.save, snap))
+
+    def _track(self, job: concurrent.futures.Future[T]) -> concurrent.futures.Future[T]:
+        self._jobs.add(job)
+        job.add_done_callback(self._jobs.discard)
+        return job
 
     def close(self) -> None:
         """Stop both threads: queued loads and saves are dropped (their staging with the
-        instance), those running end on their own."""
+        instance); those running get `close_grace_s`, then every call of both store clients
+        fails (`StoreClient.cut_calls`; their owner closes them next). Returns once the running
+        ones ended, or `CLOSE_SLACK_S` after the grace (a transfer keeps its own deadline)."""
         self._loads.shutdown(wait=False, cancel_futures=True)
         self._saves.shutdown(wait=False, cancel_futures=True)
+        for client in {id(c): c for c in (self.store, self.saver) if c is not None}.values():
+            cut = getattr(client, "cut_calls", None)  # a test's fake store has none
+            if cut is not None:
+                cut(self.config.close_grace_s)
+        concurrent.futures.wait(list(self._jobs), self.config.close_grace_s + CLOSE_SLACK_S)
 
     # ------------------------------------------------------------------ keys
 

@@ -90,6 +90,8 @@ class StoreClient(_Client[MasterConnection]):
             cfg.masters, cfg.rpc_timeout_s, cfg.failover_s, spin_s=cfg.spin_us * 1e-6), "client")
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
+        self._hb_conn = MasterConnection(cfg.masters, cfg.rpc_timeout_s, cfg.failover_s)
+        """The heartbeat thread's own connection."""
         self.last_heartbeat: float | None = 0.0 if heartbeat else None
         """`time.monotonic` of the last heartbeat the master answered (0.0: none yet); None
         without a heartbeat thread. Lets a caller whose call failed wait for the master to
@@ -101,7 +103,7 @@ class StoreClient(_Client[MasterConnection]):
     def _heartbeat(self) -> None:
         """Heartbeats every ``heartbeat_s`` on a connection of its own; in between, every
         `RELEASE_FLUSH_S`, the lease releases no call of this client carried since."""
-        conn = MasterConnection(self.cfg.masters, self.cfg.rpc_timeout_s, self.cfg.failover_s)
+        conn = self._hb_conn
         next_hb = time.monotonic() + self.cfg.heartbeat_s
         try:
             while not self._stop.wait(min(RELEASE_FLUSH_S,
@@ -116,7 +118,8 @@ class StoreClient(_Client[MasterConnection]):
                     conn.call(m.Heartbeat(client=self.client_id))
                     self.last_heartbeat = time.monotonic()
                 except StoreError as e:
-                    log.warning("heartbeat failed: %s", e)
+                    if not self._stop.is_set():  # not the one `close` ended
+                        log.warning("heartbeat failed: %s", e)
         finally:
             conn.close()
 
@@ -134,6 +137,16 @@ class StoreClient(_Client[MasterConnection]):
             yield
         finally:
             self.rpc.call_limit_s = old
+
+    def cut_calls(self, seconds: float) -> None:
+        """Every master call from now on ends within ``seconds`` — the one in flight too, on
+        any thread, and the heartbeat's — with `StoreError` past it, for good: for an owner
+        shutting down that would not wait out ``failover_s`` (15 s) for a master that does
+        not answer (`instance.connector`'s close). Thread-safe; transfers keep their own
+        deadlines."""
+        end = time.monotonic() + seconds
+        for conn in (self.rpc, self._hb_conn):
+            conn.deadline = min(conn.deadline, end)
 
     def transfer(self, reqs: list[TransferRequest], deadline: float | None,
                  read: bool = False) -> BatchStatus:
@@ -240,10 +253,15 @@ class StoreClient(_Client[MasterConnection]):
         return core.reply(self.rpc.call(m.GetStats()), m.Stats).values
 
     def close(self) -> None:
-        """Stop the heartbeat, give back held reservations (`_closing`), send the lease
-        releases no call carried, close the connection and the engine (if its own)."""
+        """Stop the heartbeat (a heartbeat in flight ends at once), give back held reservations
+        (`_closing`; if that fails, the master reclaims them at their write expiry), send the
+        lease releases no call carried, close the connection and the engine (if its own)."""
         self._stop.set()
-        core.run(self._closing(), self)
+        self._hb_conn.deadline = time.monotonic()
+        try:
+            core.run(self._closing(), self)
+        except StoreError as e:
+            log.info("held reservations not given back at close: %s", e)
         if self._hb is not None:
             self._hb.join(timeout=2 * self.cfg.heartbeat_s + self.cfg.rpc_timeout_s)
         if self.rpc.releases:

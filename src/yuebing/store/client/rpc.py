@@ -29,7 +29,8 @@ from yuebing.store.wire import HEADER, FrameSocket, auth_preamble, parse_address
 log = logging.getLogger(__name__)
 C = m.Code
 DEADLINE_POLL_S = 0.1
-"""Slice of a reply wait while `MasterConnection.deadline` is set (see `_wait`)."""
+"""Slice of a reply wait (`MasterConnection._wait`): a `deadline` lowered meanwhile, by a signal
+handler or another thread (`StoreClient.cut_calls`), ends the wait by then."""
 RELEASE_FLUSH_S = 0.1
 """A queued lease release (`release`) waits at most about this long for a call to carry it;
 the clients' heartbeat loops send older ones on their own."""
@@ -71,7 +72,8 @@ class _Base:
         self.deadline = float("inf")
         """Monotonic time no call runs past (a stopping node's shutdown deadline): tries are
         cut to it and a call raises `StoreError` once it passed; ``inf``: only ``failover_s``
-        bounds a call."""
+        bounds a call. Another thread may lower it (a float store): the call in flight ends
+        within `DEADLINE_POLL_S` of it."""
         self._rel_lock = threading.Lock()
         self._rel_keys: list[str] = []
         self._rel_ids: list[int] = []
@@ -234,15 +236,14 @@ class MasterConnection(_Base):
         return self.sock or self._connect(timeout_s)
 
     def _wait(self, sock: FrameSocket, rid: int, timeout_s: float) -> Message | None:
-        """The reply to ``rid`` (pushes meanwhile handed on), None after ``timeout_s``. With a
-        `deadline` set, waits in slices of `DEADLINE_POLL_S`, so a deadline lowered meanwhile
-        (a signal handler stopping the node) ends the wait by then."""
+        """The reply to ``rid`` (pushes meanwhile handed on), None after ``timeout_s``. Waits
+        in slices of `DEADLINE_POLL_S`, so a `deadline` lowered meanwhile (a signal handler
+        stopping the node, another thread closing the client: `StoreClient.cut_calls`) ends
+        the wait by then, the deadline set or not when the wait began."""
         end = time.monotonic() + timeout_s
         while True:
             left = min(end, self.deadline) - time.monotonic()
-            if self.deadline != float("inf"):
-                left = min(left, DEADLINE_POLL_S)
-            got = sock.recv(left)
+            got = sock.recv(min(left, DEADLINE_POLL_S))
             if got is None:
                 if min(end, self.deadline) > time.monotonic():
                     continue
