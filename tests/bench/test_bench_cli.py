@@ -89,17 +89,23 @@ def test_sweep_down_cuts_a_decided_rate_short_and_stops_at_the_first_pass(
     assert cut["cut_short"] == {"answered": 1, "of": 6, "missed": 1,
                                 "attainment_at_most": 5 / 6}
     assert cut["attainment"] == 5 / 6 and cut["errors"] == 1
+    assert cut["capacity"] == {"300000": 5 / 6} and cut["slo"][0]["attainment"] == 5 / 6
     assert "cut_short" not in rep["sweep"][1]["summary"]
     assert rep["sweep"][1]["summary"]["attainment"] == 1.0 and rep["max_rate"] == 20.0
     assert 7 <= len(fake.bodies) < 12  # rate 40 stopped sending; rate 20 sent all six
     assert (tmp_path / "attainment_vs_rate.png").stat().st_size > 0
 
 
-def test_sweep_down_and_stop_on_miss_exclude_each_other(
-        fake: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(_serve(fake, *_SMALL_DOCQA, "--sweep-rates", "1,2", "--sweep-down",
-                       "--stop-on-miss"))
-    _one_line_error(capsys, code, "choose one")
+@pytest.mark.parametrize(("args", "match"), [
+    (("--sweep-rates", "1,2", "--sweep-down", "--stop-on-miss"), "choose one"),
+    (("--sweep-down",), "give it"),
+    (("--concurrency", "2", "--stop-when-decided"), "needs an open-loop run"),
+])
+def test_sweep_flags_that_cannot_apply_are_refused(
+        fake: FakeServer, capsys: pytest.CaptureFixture[str], args: tuple[str, ...],
+        match: str) -> None:
+    code = main(_serve(fake, *_SMALL_DOCQA, *args))
+    _one_line_error(capsys, code, match)
     assert fake.bodies == []
 
 

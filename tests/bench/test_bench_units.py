@@ -349,3 +349,63 @@ def test_open_files_limit_is_raised_to_the_hard_limit() -> None:
         assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# --- runs cut short (--stop-when-decided) ---------------------------------------------------
+
+
+def test_ctrl_c_right_after_the_cut_leaves_no_request_running(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from yuebing.bench import runner
+    from yuebing.bench.workload import BenchRequest
+
+    finished: list[int] = []
+
+    async def fake_send(session, req, cfg, model, clock) -> RequestResult:  # type: ignore[no-untyped-def]
+        res = RequestResult(req.index, req.send_s, 1, 1)
+        if req.index:  # every request but the first is slow
+            await asyncio.sleep(0.5)
+        res.fail(Status.ERROR, "http_500")  # a miss: one of eight already decides the run
+        finished.append(req.index)
+        return res
+
+    monkeypatch.setattr(runner, "send", fake_send)
+    cfg = _cfg(stop_when_decided=True)
+    requests = [BenchRequest(i, 0.0 if i < 4 else 0.01 * i, (1,), 1, 1) for i in range(8)]
+
+    async def main(steps: int) -> list[RequestResult]:
+        done: list[RequestResult] = []
+        decider = runner.Decider(cfg, len(requests))
+        task = asyncio.create_task(runner.open_loop(None, requests, cfg, "m",  # type: ignore[arg-type]
+                                                    done, None, decider))
+        while not decider.missed_for_certain:
+            await asyncio.sleep(0)
+        for _ in range(steps):  # Ctrl-C lands somewhere in open_loop's clean-up after the cut
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.7)  # long enough for any request left running to finish
+        return done
+
+    for steps in range(6):
+        finished.clear()
+        done = asyncio.run(main(steps))
+        assert finished == [0] and [r.index for r in done] == [0], steps
+
+
+def test_a_cut_short_summary_bounds_every_attainment() -> None:
+    from yuebing.bench.runner import bound_summary
+
+    cfg = _cfg(slo_ttft=(10.0,), slo_tbt=(0.1, 0.3))
+    ok = RequestResult(0, 0.0, 1, 2, start_s=0.0, status=Status.OK, token_times_s=[1.0, 1.2])
+    ok.finish(1.2)  # TBT 0.2 s: meets 300 ms, misses 100 ms
+    bad = RequestResult(1, 0.0, 1, 2)
+    bad.fail(Status.ERROR, "http_500")
+    bad.finish(0.5)
+    out = bound_summary(summarize([ok, bad], cfg), [ok, bad], total=10, misses=2)
+    assert out["attainment"] == 0.8 and out["capacity"] == {"100": 0.8, "300": 0.9}
+    assert [row["attainment"] for row in out["slo"]] == [0.8, 0.9]
+    assert out["cut_short"] == {"answered": 2, "of": 10, "missed": 2, "attainment_at_most": 0.8}
+    assert out["requests"] == 2 and out["completed"] == 1  # counts stay the answered ones

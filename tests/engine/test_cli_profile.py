@@ -42,6 +42,14 @@ def test_profile_decode_degree_sets_the_decode_polynomial(tmp_path, capsys):
     assert len(load_predictors(out).decode.poly.exponents) == 6  # 1, b, c, b², bc, c²
 
 
+def test_profile_refuses_a_decode_degree_its_grid_cannot_fit_before_measuring(tmp_path, capsys):
+    rc = main(["profile", "--out", str(tmp_path / "p.json"), "--batches", "1,2", "--contexts",
+               "32,64,96", "--decode-degree", "2", *COMMON])
+    err = capsys.readouterr().err
+    assert rc == 2 and "needs at least 3 distinct --batches" in err, err
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_bench_engine_json(capsys):
     rc = main(["bench", "engine", "--json", "--batches", "1,2", "--prompt-len", "16",
                "--prefill-lens", "32", "--variants",

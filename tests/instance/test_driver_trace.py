@@ -36,3 +36,16 @@ def test_each_step_is_one_line_with_its_batch(tmp_path: Path) -> None:
     assert [s["context_tokens"] for s in steps[1:]] == [41, 42, 43]
     assert all(0 < s["step_s"] <= s["out_s"] for s in steps)
     assert [s["t"] for s in steps] == sorted(s["t"] for s in steps)
+
+
+def test_a_step_trace_dir_that_cannot_be_written_is_refused_by_the_config(tmp_path: Path) -> None:
+    import pytest
+
+    from yuebing.core.errors import ConfigError
+    from yuebing.instance.config import InstanceConfig
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="is not a writable directory"):
+        InstanceConfig(role="decode", step_trace_dir=str(blocker / "steps"))
+    assert InstanceConfig(role="decode", step_trace_dir=str(tmp_path / "new" / "dir"))

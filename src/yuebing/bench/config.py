@@ -72,9 +72,9 @@ class BenchConfig:
     stop_on_miss: bool = field(default=False, metadata={
         "help": "sweep: skip the rates above the first whose attainment misses the target"})
     stop_when_decided: bool = field(default=False, metadata={
-        "help": "end a Poisson run as soon as it misses --target-attainment for certain (more "
-                "requests missed the first SLOs than the target allows, whatever the rest do); "
-                "its attainment is then reported as the bound it can no longer exceed"})
+        "help": "end an open-loop run as soon as it misses --target-attainment for certain "
+                "(more requests missed the first SLOs than the target allows, whatever the rest "
+                "do); its attainments are then reported as the bounds they can no longer exceed"})
     sweep_down: bool = field(default=False, metadata={
         "help": "sweep from the highest rate down and stop at the first that reaches "
                 "--target-attainment (the maximum rate, attainment falling with rate)"})
@@ -113,6 +113,9 @@ class BenchConfig:
             require(bool(values), f"{flag} needs at least one threshold (seconds)")
             require(all(_positive(v) for v in values),
                     f"{flag} thresholds must be > 0 seconds, got {values}")
+        require(not (self.stop_when_decided and self.concurrency > 0),
+                "--stop-when-decided needs an open-loop run (--rate, --sweep-rates or the "
+                "trace's timing), not --concurrency")
         require(not (self.sweep_down and self.stop_on_miss),
                 "--sweep-down stops at the first rate that passes, --stop-on-miss at the first "
                 "that misses: choose one")

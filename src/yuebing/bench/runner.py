@@ -16,7 +16,7 @@ first that reaches the target. With ``stop_when_decided`` an open-loop run ends 
 more of its requests missed the first SLOs than the target allows (`Decider`): it stops
 sending, drops the requests in flight, and its summary's ``attainment`` is the bound
 ``(sent − missed) / sent`` that the rest could not have lifted to the target
-(``"cut_short"`` says how far it got). ``on_done`` is called with each finished `RequestResult` (the CLI's progress bar).
+(``"cut_short"`` says how far it got; `bound_summary`). ``on_done`` is called with each finished `RequestResult` (the CLI's progress bar).
 Each run's results come back in request order with their `summarize` aggregates.
 """
 
@@ -64,6 +64,7 @@ class Decider:
     def __init__(self, cfg: BenchConfig, total: int) -> None:
         self.ttft_s, self.tbt_s = cfg.slo_ttft[0], cfg.slo_tbt[0]
         self.total = total
+        """Requests of the whole run (sent or not)."""
         self.target = cfg.target_attainment
         self.misses = 0
 
@@ -79,6 +80,28 @@ class Decider:
     @property
     def missed_for_certain(self) -> bool:
         return self.bound < self.target
+
+
+def bound_summary(summary: dict[str, Any], results: Sequence[RequestResult], total: int,
+                  misses: int) -> dict[str, Any]:
+    """A cut-short run's summary made consistent: every attainment (the first SLOs', each cell
+    of the SLO grid, ``capacity``) becomes the bound ``(total − missed there) / total`` over
+    all ``total`` requests of the run, as if every unanswered one had met it; latencies,
+    counts and goodput stay those of the ``results`` answered. ``cut_short`` says so."""
+    def bound(ttft_s: float, tbt_s: float) -> float:
+        missed = sum(1 for r in results if not r.meets(ttft_s, tbt_s))
+        return (total - missed) / total if total else 0.0
+
+    out = dict(summary)
+    out["slo"] = [{**row, "attainment": bound(row["ttft_s"], row["tbt_s"])}
+                  for row in summary["slo"]]
+    out["attainment"] = out["slo"][0]["attainment"]
+    first_ttft = summary["slo"][0]["ttft_s"]
+    out["capacity"] = {str(round(row["tbt_s"] * 1000)): row["attainment"]
+                       for row in out["slo"] if row["ttft_s"] == first_ttft}
+    out["cut_short"] = {"answered": len(results), "of": total, "missed": misses,
+                        "attainment_at_most": out["attainment"]}
+    return out
 
 
 def run_label(cfg: BenchConfig, rate: float | None) -> str:
@@ -130,13 +153,10 @@ async def open_loop(session: aiohttp.ClientSession, requests: Sequence[BenchRequ
         if sender.done():
             sender.result()  # a failure of the sending loop itself is raised here
         return not sender.done()
-    finally:
-        sender.cancel()
-        watcher.cancel()
-        await asyncio.gather(sender, watcher, return_exceptions=True)
-        for t in tasks:
+    finally:  # cancel everything before the first await: a Ctrl-C there leaves nothing running
+        for t in (sender, watcher, *tasks):
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(sender, watcher, *tasks, return_exceptions=True)
 
 
 async def closed_loop(session: aiohttp.ClientSession, requests: Sequence[BenchRequest],
@@ -165,6 +185,8 @@ async def run_workloads(cfg: BenchConfig,
     cannot be used. Cancelled mid-run (Ctrl-C under `run_bench`), it stops sending, drops the
     requests in flight and returns the runs so far, the last one marked ``interrupted``."""
     runs = []
+    if cfg.sweep_down:  # highest rate first; each workload keeps its own prompts
+        workloads = sorted(workloads, key=lambda w: -(w[0] or 0.0))
     async with open_session(cfg) as session:
         model = await check_endpoint(session, cfg)
         for rate, requests in workloads:
@@ -188,10 +210,7 @@ async def run_workloads(cfg: BenchConfig,
             if cut and decider is not None:
                 log.info("%s: misses the target for certain after %d answers (%d missed of %d)",
                          run_label(cfg, rate), len(done), decider.misses, len(requests))
-                summary["attainment"] = decider.bound
-                summary["cut_short"] = {"answered": len(done), "of": len(requests),
-                                        "missed": decider.misses,
-                                        "attainment_at_most": decider.bound}
+                summary = bound_summary(summary, done, len(requests), decider.misses)
             runs.append(Run(run_label(cfg, rate), rate, tuple(done), summary, interrupted, cut))
             met = runs[-1].summary["attainment"] >= cfg.target_attainment
             if interrupted or (cfg.stop_on_miss and not met) or (cfg.sweep_down and met):

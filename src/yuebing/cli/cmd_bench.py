@@ -148,13 +148,13 @@ def _run_serve(ns: argparse.Namespace) -> int:
     if rates is not None:
         require(cfg.rate == 0 and cfg.concurrency == 0 and cfg.speed == 1.0,
                 "--sweep-rates sets the rate of each run; drop --rate / --concurrency / --speed")
+    require(rates is not None or not (cfg.sweep_down or cfg.stop_on_miss),
+            "--sweep-down and --stop-on-miss order and stop the runs of --sweep-rates; give it")
     check_out_paths(ns.records, ns.plot)
     trace = _load_workload(ns)
     workloads: Sequence[tuple[float | None, list[BenchRequest]]] = (
         sweep_workloads(trace, cfg, synth, rates) if rates
         else [(cfg.rate or None, build_workload(trace, cfg, synth))])
-    if cfg.sweep_down:  # each rate keeps its prompts; only the order of the runs changes
-        workloads = workloads[::-1]
     show = ns.progress if ns.progress is not None else sys.stderr.isatty()
     model, runs = _run_all(cfg, workloads, show)
     rep = report(cfg, model, trace.source, runs, sweep=rates is not None)

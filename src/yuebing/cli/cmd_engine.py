@@ -147,6 +147,12 @@ def _run_profile(ns: argparse.Namespace) -> int:
     if ns.interference and not ns.samples:
         raise InputError("--interference writes its factors into the samples file: give "
                          "--samples PATH")
+    grid = {(b, c) for b in ns.batches for c in ns.contexts if b <= c}
+    for axis, values in (("batches", {b for b, _ in grid}), ("contexts", {c for _, c in grid})):
+        if len(values) <= ns.decode_degree:
+            raise InputError(f"--decode-degree {ns.decode_degree} needs at least "
+                             f"{ns.decode_degree + 1} distinct --{axis} on the decode grid, got "
+                             f"{sorted(values)}")
     batches = [*ns.batches, *(b for b, _ in ns.interference_decode)]
     new_tokens = [*ns.new_tokens, *(n for n, _ in ns.interference_prefill)]
     engine = LLMEngine(_engine_config(

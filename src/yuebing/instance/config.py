@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from yuebing.core.auth import TOKEN_HELP, env_cluster_token, require_token
 from yuebing.core.config import require
@@ -105,6 +107,12 @@ class InstanceConfig:
         require(bool(self.admin_host), "admin_host must name an address, e.g. 127.0.0.1")
         require_token("--host", self.host, self.cluster_token)
         require(self.threads >= 1, f"threads must be >= 1, got {self.threads}")
+        if self.step_trace_dir:
+            d = Path(self.step_trace_dir)
+            existing = next(p for p in (d, *d.absolute().parents) if p.exists())
+            require(existing.is_dir() and os.access(existing, os.W_OK | os.X_OK),
+                    f"--step-trace-dir {self.step_trace_dir!r}: '{existing}' is not a writable "
+                    f"directory")
         require(self.report_hz > 0, f"report_hz must be > 0, got {self.report_hz}")
         require(self.store_block_tokens > 0 and self.store_block_tokens % 16 == 0,
                 f"store_block_tokens must be a positive multiple of 16, got "
