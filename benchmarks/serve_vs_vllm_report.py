@@ -1,7 +1,8 @@
 """Summary of a `benchmarks/serve_vs_vllm.sh OUTDIR` run: one JSON object and two plots.
 
-Called by serve_vs_vllm.sh once every system has been swept (or by hand on an OUTDIR). Reads
-each ``OUTDIR/<system>.json`` (the report of ``yuebing bench serve --sweep-rates ... --json``)
+Called by serve_vs_vllm.sh once every system has been swept (or by hand on an OUTDIR, plus the
+OUTDIRs of later runs that swept more rates of the same systems). Reads each
+``OUTDIR/<system>.json`` (the report of ``yuebing bench serve --sweep-rates ... --json``)
 and, for yuebing systems, the Conductor's access log (``logs/<system>/conductor.log``, one line
 per request with the per-request breakdown: queue, prefix load, prefill, transfer, decode wait),
 and writes
@@ -123,19 +124,45 @@ def plot(out: Path, systems: dict[str, dict[str, Any]]) -> None:
     plt.close(fig)
 
 
-def summarize(out: Path) -> dict[str, Any]:
-    systems: dict[str, dict[str, Any]] = {}
-    for name in SYSTEMS:
-        path = out / f"{name}.json"
+def merged_report(name: str, dirs: list[Path]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """``name``'s bench reports from ``dirs`` (one sweep continued over several runs of this
+    script) as one: every swept rate, ``max_rate`` recomputed over all of them; and the
+    access-log breakdown per rate. None when no dir has the system."""
+    sweep: list[dict[str, Any]] = []
+    breakdown: dict[str, Any] = {}
+    target = 0.9
+    for d in dirs:
+        path = d / f"{name}.json"
         if not path.is_file():
             continue
         rep = json.loads(path.read_text())
-        s = system_summary(rep)
-        clog = out / "logs" / name / "conductor.log"
+        target = rep.get("target_attainment", target)
+        ran = rep["sweep"]  # in the order the runs were made
+        clash = {r["rate"] for r in ran} & {r["rate"] for r in sweep}
+        if clash:
+            raise SystemExit(f"{path}: rate(s) {sorted(clash)} also swept in an earlier dir")
+        sweep += ran
+        clog = d / "logs" / name / "conductor.log"
         if clog.is_file():
-            ran = rep["sweep"]  # in the order the runs were made
-            s["breakdown_ms"] = access_breakdown(
-                clog, [int(r["summary"]["completed"]) for r in ran], [r["rate"] for r in ran])
+            breakdown.update(access_breakdown(
+                clog, [int(r["summary"]["completed"]) for r in ran], [r["rate"] for r in ran]))
+    if not sweep:
+        return None
+    passed = [r["rate"] for r in sweep if r["summary"]["attainment"] >= target]
+    return {"sweep": sweep, "max_rate": max(passed) if passed else None}, breakdown
+
+
+def summarize(out: Path, more: list[Path] | None = None) -> dict[str, Any]:
+    """The summary object of ``out`` (and of ``more`` dirs whose sweeps continue its own)."""
+    systems: dict[str, dict[str, Any]] = {}
+    for name in SYSTEMS:
+        found = merged_report(name, [out, *(more or [])])
+        if found is None:
+            continue
+        rep, breakdown = found
+        s = system_summary(rep)
+        if breakdown:
+            s["breakdown_ms"] = breakdown
         systems[name] = s
     if not systems:
         raise SystemExit(f"{out}: no <system>.json reports")
@@ -166,9 +193,12 @@ def summarize(out: Path) -> dict[str, Any]:
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("outdir", type=Path)
+    p.add_argument("outdir", type=Path, help="the run's OUTDIR (summary and plots go here)")
+    p.add_argument("more", nargs="*", type=Path,
+                   help="OUTDIRs of later runs that swept other rates of the same systems (e.g. "
+                        "SYSTEMS=yuebing_1p1d RATES=0.15): their rates join OUTDIR's")
     ns = p.parse_args()
-    result = summarize(ns.outdir)
+    result = summarize(ns.outdir, ns.more)
     (ns.outdir / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
     try:
         plot(ns.outdir, result["systems"])

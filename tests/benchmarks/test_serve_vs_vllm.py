@@ -112,6 +112,26 @@ def test_report_of_a_downward_sweep_with_runs_cut_short(tmp_path: Path) -> None:
     assert out["systems"]["vllm_cpu"]["capacity_at_rate"] == 0.1  # its lowest rate
 
 
+def test_report_merges_a_sweep_continued_in_another_dir(tmp_path: Path) -> None:
+    first, later = tmp_path / "a", tmp_path / "b"
+    for d in (first, later):
+        d.mkdir()
+    (first / "yuebing_1p1d.json").write_text(json.dumps(
+        {"sweep": [{"rate": 0.2, "summary": _summary(0.85)}], "max_rate": None,
+         "target_attainment": 0.9}))
+    (first / "vllm_cpu.json").write_text(json.dumps(
+        {"sweep": [{"rate": 0.1, "summary": _summary(0.6)}], "max_rate": None}))
+    (later / "yuebing_1p1d.json").write_text(json.dumps(
+        {"sweep": [{"rate": 0.15, "summary": _summary(0.95)}], "max_rate": 0.15}))
+    out = report.summarize(first, [later])
+    s = out["systems"]["yuebing_1p1d"]
+    assert [r["rate"] for r in s["sweep"]] == [0.15, 0.2] and s["max_rate"] == 0.15
+    assert out["ratio_max_rate_vs_vllm"] is None and out["ratio_max_rate_vs_vllm_above"] == 1.5
+    (later / "vllm_cpu.json").write_text((first / "vllm_cpu.json").read_text())
+    with pytest.raises(SystemExit, match="also swept"):
+        report.summarize(first, [later])
+
+
 def test_sim_vs_live_stats_and_compare(tmp_path: Path) -> None:
     rec = tmp_path / "r.jsonl"
     rows = [{"rate": 0.5, "status": "ok", "ttft_s": t, "tbt_s": 0.1} for t in (1.0, 2.0, 3.0)]
