@@ -101,8 +101,15 @@ def plot(out: Path, systems: dict[str, dict[str, Any]]) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, s in systems.items():
-        ax.plot([r["rate"] for r in s["sweep"]], [r["attainment"] for r in s["sweep"]],
-                marker="o", label=name)
+        line, = ax.plot([r["rate"] for r in s["sweep"]], [r["attainment"] for r in s["sweep"]],
+                        label=name)
+        for cut, marker in ((False, "o"), (True, "v")):  # ▼: a run cut short, "at most"
+            pts = [r for r in s["sweep"] if bool(r.get("cut_short")) == cut]
+            ax.plot([r["rate"] for r in pts], [r["attainment"] for r in pts], ls="none",
+                    marker=marker, ms=8 if cut else 6, color=line.get_color())
+    if any(r.get("cut_short") for s in systems.values() for r in s["sweep"]):
+        ax.plot([], [], ls="none", marker="v", color="gray",
+                label="cut short: attainment at most this")
     ax.axhline(0.9, ls="--", c="gray")
     ax.set(xlabel="request rate (req/s, Poisson)", ylabel="SLO attainment (TTFT≤10 s, TBT≤100 ms)",
            ylim=(0, 1.02), title="SmolLM2-135M, 2 cores, conversation trace")
@@ -115,7 +122,10 @@ def plot(out: Path, systems: dict[str, dict[str, Any]]) -> None:
         cap = s["capacity"]
         xs = sorted(cap, key=int)
         ax.plot([int(x) for x in xs], [cap[x] for x in xs], marker="o",
-                label=f"{name} @ {s['capacity_at_rate']} req/s")
+                label=f"{name} @ {s['capacity_at_rate']} req/s" + (
+                    " (cut short: at most)" if any(r.get("cut_short") for r in s["sweep"]
+                                                   if r["rate"] == s["capacity_at_rate"])
+                    else ""))
     ax.axhline(0.9, ls="--", c="gray")
     ax.set(xlabel="TBT SLO (ms), TTFT ≤ 10 s", ylabel="SLO attainment", ylim=(0, 1.02))
     ax.legend()
