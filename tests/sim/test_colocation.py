@@ -7,28 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+from sim_fakes import LinearCost
 
 from yuebing.core.errors import InputError
 from yuebing.sim.colocation import HostMate, Interference, load_interference, stretch
-from yuebing.sim.hardware import CostModel
 from yuebing.sim.runner import simulate
 from yuebing.sim.system import SimConfig
 from yuebing.sim.workload import SimRequest
-
-
-class LinearCost(CostModel):
-    """Prefill 1 ms per new token, decode 50 ms per step, 1 kB of KV per token, 1 GB/s."""
-
-    kv_bytes_per_token = 1000
-    decode_kv_capacity_tokens = 1_000_000
-    link_Bps = 1e9
-    link_latency_s = 0.0
-
-    def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
-        return 1e-3 * new_tokens
-
-    def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
-        return 0.05 if batch_size else 0.0
 
 
 def test_stretch_slows_only_the_overlap() -> None:

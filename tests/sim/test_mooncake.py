@@ -3,29 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from sim_fakes import LinearCost
 
 from yuebing.conductor.policy.types import RejectStage
-from yuebing.sim.hardware import CostModel
 from yuebing.sim.mooncake import ranked_keys
 from yuebing.sim.runner import simulate
 from yuebing.sim.system import SimConfig
 from yuebing.sim.workload import SimRequest
-
-
-class LinearCost(CostModel):
-    """Prefill 1 ms per new token, decode 50 ms per iteration, 1 kB of KV per token, 1 GB/s."""
-
-    def __init__(self, capacity: int = 1_000_000) -> None:
-        self.kv_bytes_per_token = 1000
-        self.decode_kv_capacity_tokens = capacity
-        self.link_Bps = 1e9
-        self.link_latency_s = 0.0
-
-    def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
-        return 1e-3 * new_tokens
-
-    def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
-        return 0.05 if batch_size else 0.0
 
 
 def _req(i: int, t: float, keys: list[int], n_in: int, n_out: int = 3) -> SimRequest:
