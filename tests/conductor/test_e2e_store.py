@@ -67,6 +67,18 @@ def _complete(url: str, prompt: list[int], out: list[Any] | None = None) -> dict
     return usage  # type: ignore[no-any-return]
 
 
+def _wait_prefills_idle(url: str, timeout_s: float = 30.0) -> None:
+    end = time.monotonic() + timeout_s
+    while True:
+        health = request(url, "GET", "/health")[1]
+        loads = [health["load"][i] for i in health["instances"]["prefill"]]
+        if all(x["running"] == x["queued_requests"] == x["queued_prefill_tokens"] == 0
+               for x in loads):
+            return
+        assert time.monotonic() < end, f"prefill instances never reported idle: {loads}"
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module", params=["load_balance", "global_cache_aware"])
 def serve(request: pytest.FixtureRequest) -> Iterator[tuple[str, Serve]]:
     s = Serve("--prefill", "2", "--decode", "1", "--prefill-policy", request.param)
@@ -91,7 +103,10 @@ def test_shared_prefix_is_loaded_from_the_store_or_routed_to_its_holder(
         assert second["prompt_tokens_details"]["cached_tokens"] >= 1792
         return
     # load_balance: keep the holder busy with an unrelated long prompt, then the second
-    # request goes to the other instance, which loads the prefix from the store
+    # request goes to the other instance, which loads the prefix from the store. Ties go to
+    # the first instance listed, the holder; wait until both report idle so that the blocker
+    # meets a tie rather than the holder's stale report of the first request.
+    _wait_prefills_idle(s.url)
     blocker: list[Any] = []
     t = threading.Thread(target=_complete, args=(
         s.url, [rng.randrange(1, 500) for _ in range(3500)], blocker))

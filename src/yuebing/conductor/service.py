@@ -174,6 +174,7 @@ class Conductor:
                             "total_blocks": m.report.total_blocks,
                             "reserved_blocks": m.report.reserved_blocks,
                             "running": m.report.running,
+                            "queued_requests": m.report.queued_requests,
                             "queued_prefill_tokens": m.report.queued_prefill_tokens,
                             "prefill_tokens_per_s": m.report.prefill_tokens_per_s,
                             "decode_step_s": m.report.decode_step_s}
