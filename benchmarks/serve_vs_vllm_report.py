@@ -93,6 +93,12 @@ def system_summary(rep: dict[str, Any]) -> dict[str, Any]:
             "capacity_at_rate": at["rate"] if at else None, "sweep": rows}
 
 
+def answered_attainment(row: dict[str, Any]) -> float:
+    """A cut-short run's attainment among the requests it answered before the cut."""
+    cut = row["cut_short"]
+    return (cut["answered"] - cut["missed"]) / cut["answered"] if cut["answered"] else 0.0
+
+
 def plot(out: Path, systems: dict[str, dict[str, Any]]) -> None:
     import matplotlib
 
@@ -100,16 +106,21 @@ def plot(out: Path, systems: dict[str, dict[str, Any]]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, s in systems.items():
+    for i, (name, s) in enumerate(systems.items()):
         line, = ax.plot([r["rate"] for r in s["sweep"]], [r["attainment"] for r in s["sweep"]],
-                        label=name)
+                        ls=("-", "--", ":")[i % 3], label=name)
         for cut, marker in ((False, "o"), (True, "v")):  # ▼: a run cut short, "at most"
             pts = [r for r in s["sweep"] if bool(r.get("cut_short")) == cut]
             ax.plot([r["rate"] for r in pts], [r["attainment"] for r in pts], ls="none",
                     marker=marker, ms=8 if cut else 6, color=line.get_color())
+        cut_runs = [r for r in s["sweep"] if r.get("cut_short")]
+        ax.plot([r["rate"] for r in cut_runs], [answered_attainment(r) for r in cut_runs],
+                ls="none", marker="o", mfc="none", color=line.get_color())
     if any(r.get("cut_short") for s in systems.values() for r in s["sweep"]):
         ax.plot([], [], ls="none", marker="v", color="gray",
                 label="cut short: attainment at most this")
+        ax.plot([], [], ls="none", marker="o", mfc="none", color="gray",
+                label="cut short: attainment of those answered")
     ax.axhline(0.9, ls="--", c="gray")
     ax.set(xlabel="request rate (req/s, Poisson)", ylabel="SLO attainment (TTFT≤10 s, TBT≤100 ms)",
            ylim=(0, 1.02), title="SmolLM2-135M, 2 cores, conversation trace")

@@ -110,6 +110,11 @@ def test_report_of_a_downward_sweep_with_runs_cut_short(tmp_path: Path) -> None:
     assert s["breakdown_ms"]["0.2"]["prompt"]["mean"] == 200.0
     assert out["ratio_max_rate_vs_vllm"] is None and out["ratio_max_rate_vs_vllm_above"] == 2.0
     assert out["systems"]["vllm_cpu"]["capacity_at_rate"] == 0.1  # its lowest rate
+    cut_row = s["sweep"][1]
+    cut_row["cut_short"] = {"answered": 80, "of": 300, "missed": 31, "attainment_at_most": 0.897}
+    assert report.answered_attainment(cut_row) == pytest.approx(49 / 80)  # the plot's ○
+    report.plot(tmp_path, out["systems"])
+    assert (tmp_path / "attainment_vs_rate.png").stat().st_size > 0
 
 
 def test_report_merges_a_sweep_continued_in_another_dir(tmp_path: Path) -> None:
