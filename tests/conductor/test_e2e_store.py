@@ -79,6 +79,16 @@ def _wait_prefills_idle(url: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+def _wait_holder_busy(url: str, holder: str, timeout_s: float = 30.0) -> None:
+    end = time.monotonic() + timeout_s
+    while True:
+        load = request(url, "GET", "/health")[1]["load"][holder]
+        if load["running"] + load["queued_requests"] >= 1:
+            return
+        assert time.monotonic() < end, f"the blocker never reached {holder}: {load}"
+        time.sleep(0.02)
+
+
 @pytest.fixture(scope="module", params=["load_balance", "global_cache_aware"])
 def serve(request: pytest.FixtureRequest) -> Iterator[tuple[str, Serve]]:
     s = Serve("--prefill", "2", "--decode", "1", "--prefill-policy", request.param)
@@ -111,7 +121,7 @@ def test_shared_prefix_is_loaded_from_the_store_or_routed_to_its_holder(
     t = threading.Thread(target=_complete, args=(
         s.url, [rng.randrange(1, 500) for _ in range(3500)], blocker))
     t.start()
-    time.sleep(0.1)
+    _wait_holder_busy(s.url, holder)  # the blocker is routed before the second request
     second = _complete(s.url, [*prefix, 10, 11, 12, 13])
     t.join(120)
     assert blocker[0]["yuebing"]["prefill_instance"] == holder
