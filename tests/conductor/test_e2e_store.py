@@ -15,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,26 +67,19 @@ def _complete(url: str, prompt: list[int], out: list[Any] | None = None) -> dict
     return usage  # type: ignore[no-any-return]
 
 
-def _wait_prefills_idle(url: str, timeout_s: float = 30.0) -> None:
+def _wait_health(url: str, ok: Callable[[dict[str, Any]], bool], what: str,
+                 timeout_s: float = 30.0) -> None:
+    """Poll the Conductor's /health until ``ok(health)``; fail naming ``what`` after
+    ``timeout_s``."""
     end = time.monotonic() + timeout_s
-    while True:
-        health = request(url, "GET", "/health")[1]
-        loads = [health["load"][i] for i in health["instances"]["prefill"]]
-        if all(x["running"] == x["queued_requests"] == x["queued_prefill_tokens"] == 0
-               for x in loads):
-            return
-        assert time.monotonic() < end, f"prefill instances never reported idle: {loads}"
-        time.sleep(0.1)
-
-
-def _wait_holder_busy(url: str, holder: str, timeout_s: float = 30.0) -> None:
-    end = time.monotonic() + timeout_s
-    while True:
-        load = request(url, "GET", "/health")[1]["load"][holder]
-        if load["running"] + load["queued_requests"] >= 1:
-            return
-        assert time.monotonic() < end, f"the blocker never reached {holder}: {load}"
+    while not ok(health := request(url, "GET", "/health")[1]):
+        assert time.monotonic() < end, f"{what} not seen in {timeout_s:g} s: {health}"
         time.sleep(0.02)
+
+
+def _prefills_idle(health: dict[str, Any]) -> bool:
+    return all(x["running"] == x["queued_requests"] == x["queued_prefill_tokens"] == 0
+               for x in (health["load"][i] for i in health["instances"]["prefill"]))
 
 
 @pytest.fixture(scope="module", params=["load_balance", "global_cache_aware"])
@@ -103,10 +96,8 @@ def test_shared_prefix_is_loaded_from_the_store_or_routed_to_its_holder(
     prefix = [rng.randrange(1, 500) for _ in range(2048)]
     first = _complete(s.url, [*prefix, 7, 8, 9])
     holder = first["yuebing"]["prefill_instance"]
-    end = time.monotonic() + 30  # the prefix's store blocks reach the Conductor's index
-    while request(s.url, "GET", "/health")[1]["kv_index_store_blocks"] < 8:
-        assert time.monotonic() < end, "the store's KV events never reached the Conductor"
-        time.sleep(0.1)
+    _wait_health(s.url, lambda h: h["kv_index_store_blocks"] >= 8,
+                 "the prefix's store blocks in the Conductor's index (store KV events)")
     if policy == "global_cache_aware":  # both idle: the prefix's holder is the fastest
         second = _complete(s.url, [*prefix, 10, 11, 12, 13])
         assert second["yuebing"]["prefill_instance"] == holder
@@ -116,12 +107,13 @@ def test_shared_prefix_is_loaded_from_the_store_or_routed_to_its_holder(
     # request goes to the other instance, which loads the prefix from the store. Ties go to
     # the first instance listed, the holder; wait until both report idle so that the blocker
     # meets a tie rather than the holder's stale report of the first request.
-    _wait_prefills_idle(s.url)
+    _wait_health(s.url, _prefills_idle, "both prefill instances idle")
     blocker: list[Any] = []
     t = threading.Thread(target=_complete, args=(
         s.url, [rng.randrange(1, 500) for _ in range(3500)], blocker))
     t.start()
-    _wait_holder_busy(s.url, holder)  # the blocker is routed before the second request
+    _wait_health(s.url, lambda h: h["load"][holder]["running"]  # routed before the second
+                 + h["load"][holder]["queued_requests"] >= 1, f"the blocker on {holder}")
     second = _complete(s.url, [*prefix, 10, 11, 12, 13])
     t.join(120)
     assert blocker[0]["yuebing"]["prefill_instance"] == holder
