@@ -116,9 +116,9 @@ def plot(out: Path, systems: dict[str, dict[str, Any]]) -> None:
             ax.plot([r["rate"] for r in pts], [r["attainment"] for r in pts], ls="none",
                     marker=marker, ms=max(11 - 2.5 * i, 4) if cut else 6,
                     color=line.get_color())
-        cut_runs = [r for r in s["sweep"] if r.get("cut_short")]
-        ax.plot([r["rate"] for r in cut_runs], [answered_attainment(r) for r in cut_runs],
-                ls="none", marker="o", mfc="none", color=line.get_color())
+            if cut:  # ○: the same runs' attainment among the requests they answered
+                ax.plot([r["rate"] for r in pts], [answered_attainment(r) for r in pts],
+                        ls="none", marker="o", mfc="none", color=line.get_color())
     if any(r.get("cut_short") for s in systems.values() for r in s["sweep"]):
         ax.plot([], [], ls="none", marker="v", color="gray",
                 label="cut short: attainment at most this")
