@@ -112,3 +112,31 @@ def test_profile_too_small_to_fit_keeps_defaults(caplog) -> None:
     tiny = EngineProfile(configuration=CONF, prefill=[], decode=[])
     assert cal.admit(hello("c0", Role.COUPLED, CONF, tiny)) == ""
     assert seen.changes == [] and "cannot be fitted" in caplog.text
+
+
+def test_online_scale_follows_live_prefills_and_survives_a_new_profile() -> None:
+    seen = Seen()
+    cal = Calibration(linear(prefill_s_per_token=1e-3), "", seen)
+    cal.observe(0.01, 5.0)  # too short to count
+    cal.observe(1.0, 1.03)  # within the step: nothing changes
+    assert seen.changes == [] and cal.scale == 1.0
+    for _ in range(20):  # prefills take twice their estimate
+        cal.observe(1000 * 1e-3 * cal.scale, 2.0)
+    assert cal.scale == pytest.approx(2.0, rel=0.06)
+    assert seen.changes[-1].prefill.predict(1000, 0) == pytest.approx(1000 * 1e-3 * cal.scale)
+    # a profile arriving later keeps the scale measured live
+    assert cal.admit(hello("p0", Role.PREFILL, CONF, profile(CONF))) == ""
+    base = 2e-4 * 4000 + 1e-8 * 4000 * 4000
+    assert seen.changes[-1].prefill.predict(4000, 0) == pytest.approx(base * cal.scale, rel=0.02)
+    assert cal.state()["prefill_scale"] == round(cal.scale, 4)
+    for _ in range(50):  # absurd ratios are clamped
+        cal.observe(1.0 * cal.scale, 1e6)
+    assert cal.scale == 4.0
+
+
+def test_online_scale_off() -> None:
+    seen = Seen()
+    cal = Calibration(linear(), "", seen, online=False)
+    for _ in range(10):
+        cal.observe(1.0, 3.0)
+    assert cal.scale == 1.0 and seen.changes == []

@@ -10,7 +10,10 @@
   fitted here; later instances doing the same must run the same configuration.
 
 Until a profile arrives the linear defaults (``--prefill-tokens-per-s``, ``--decode-step-s``)
-apply. A change of predictors reaches the policy through ``on_change``.
+apply. Live, `observe` scales the prefill predictor by how long finished prefills really took
+against their estimate (an EWMA of the ratio; ``--predictor-online``), so contention and
+interference the profile did not see are predicted too. A change of predictors reaches the
+policy through ``on_change``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from yuebing.conductor.policy import (
+    BivariatePolynomial,
     DecodePredictor,
     Predictors,
     PrefillPredictor,
@@ -31,6 +35,13 @@ from yuebing.protocol.instance import EngineProfile, Hello, Role
 log = logging.getLogger(__name__)
 
 PREFILL, DECODE = "prefill", "decode"
+MIN_OBSERVED_S = 0.05
+"""Prefills estimated shorter than this do not move the scale (fixed costs dominate them)."""
+ALPHA = 0.3
+"""Weight of the newest prefill in the scale's EWMA."""
+RESCALE_STEP = 0.05
+"""The policy takes a new scale once it moved this much (relative) from the one in force."""
+SCALE_LIMITS = (0.25, 4.0)
 
 
 def _parts(role: Role) -> tuple[str, ...]:
@@ -55,13 +66,25 @@ def fit_profile(profile: EngineProfile, part: str) -> PrefillPredictor | DecodeP
     return DecodePredictor.fit(profile.decode, degree=1)
 
 
+def scaled(p: PrefillPredictor, k: float) -> PrefillPredictor:
+    poly = p.poly
+    return p if k == 1.0 else PrefillPredictor(BivariatePolynomial(
+        poly.exponents, tuple(k * c for c in poly.coefficients)))
+
+
 class Calibration:
     """The predictors in use, per part (prefill, decode) the configuration they hold for."""
 
     def __init__(self, predictors: Predictors, from_file: str,
-                 on_change: Callable[[Predictors], None]) -> None:
+                 on_change: Callable[[Predictors], None], online: bool = True) -> None:
         self.predictors = predictors
         self.on_change = on_change
+        self.online = online
+        self.base_prefill = predictors.prefill
+        """The prefill predictor before the online scale."""
+        self.scale = 1.0
+        """Live prefill seconds per estimated second, as the policy uses it now."""
+        self._ewma: float | None = None
         self.fixed = bool(from_file)
         """Predictors given (a file): profiles never replace them."""
         origin = f"file {from_file}" if from_file else ""
@@ -77,10 +100,26 @@ class Calibration:
                         from_file)
 
     def state(self) -> dict[str, object]:
-        """For ``/health``: each part's origin and the configuration it holds for."""
-        return {part: {"origin": self.origin[part] or "linear defaults",
-                       "configuration": dict(self.pinned[part] or {})}
-                for part in (PREFILL, DECODE)}
+        """For ``/health``: each part's origin and the configuration it holds for, and the
+        online prefill scale."""
+        return {**{part: {"origin": self.origin[part] or "linear defaults",
+                          "configuration": dict(self.pinned[part] or {})}
+                   for part in (PREFILL, DECODE)}, "prefill_scale": round(self.scale, 4)}
+
+    def observe(self, est_prefill_s: float, prefill_s: float) -> None:
+        """A finished prefill took ``prefill_s`` where the policy estimated ``est_prefill_s``:
+        move the scale's EWMA, and hand the policy a rescaled predictor when it moved enough."""
+        if not self.online or est_prefill_s < MIN_OBSERVED_S or prefill_s <= 0:
+            return
+        target = self.scale * prefill_s / est_prefill_s
+        self._ewma = target if self._ewma is None else (1 - ALPHA) * self._ewma + ALPHA * target
+        k = min(max(self._ewma, SCALE_LIMITS[0]), SCALE_LIMITS[1])
+        if abs(k / self.scale - 1) <= RESCALE_STEP:
+            return
+        self.scale = k
+        self.predictors = replace(self.predictors, prefill=scaled(self.base_prefill, k))
+        log.info("prefill predictor scaled by %.3f (live prefills against their estimates)", k)
+        self.on_change(self.predictors)
 
     def admit(self, hello: Hello) -> str:
         """'' if the predictors hold for ``hello``'s instance (adopting its profile where a
@@ -117,7 +156,8 @@ class Calibration:
             self.pinned[part] = dict(profile.configuration)
             self.origin[part] = f"start-up profile of {hello.instance_id}"
             if isinstance(fit, PrefillPredictor):
-                p = replace(p, prefill=fit)
+                self.base_prefill = fit
+                p = replace(p, prefill=scaled(fit, self.scale))
             else:
                 p = replace(p, decode=fit)
         source = "; ".join(f"{part}: {self.origin[part] or 'linear defaults'}"

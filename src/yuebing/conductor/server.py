@@ -221,6 +221,8 @@ class _Routes:
             stats.error_code = code
         if status == 200 or stats.dispatched_s is not None:
             self.c.metrics.finished(stats)
+        if status == 200 and stats.breakdown.prefill_s > 0:
+            self.c.calibration.observe(stats.est_prefill_s, stats.breakdown.prefill_s)
         if self.c.cfg.access_log:
             access.info("%s", stats.log_line(status))
 

@@ -68,7 +68,8 @@ class Conductor:
                              predictors or default_predictors(cfg))
         self.calibration = Calibration(
             self.policy.predictors,
-            cfg.predictors or ("given" if predictors is not None else ""), self._use_predictors)
+            cfg.predictors or ("given" if predictors is not None else ""), self._use_predictors,
+            cfg.predictor_online)
         self.metrics = ConductorMetrics()
         self.started = int(time.time())
         self.inflight = 0
