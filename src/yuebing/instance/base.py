@@ -42,6 +42,7 @@ from yuebing.engine.sequence import RequestOutput
 from yuebing.instance.config import InstanceConfig
 from yuebing.instance.connector import KVConnector, KVConnectorConfig
 from yuebing.instance.control import ControlServer, Refused  # roles import Refused here
+from yuebing.instance.cores import CoreLedger
 from yuebing.instance.driver import EngineDriver
 from yuebing.instance.reports import LocalCache, report_loop
 from yuebing.instance.startup_profile import startup_profile
@@ -145,8 +146,10 @@ class Instance:
         """The engine's start-up profile, sent to the Conductors in `Hello` (their predictors)."""
         name = cfg.instance_id or f"{cfg.role}-{os.getpid()}"  # the id is set once bound
         trace = Path(cfg.step_trace_dir) / f"{name}.steps.jsonl" if cfg.step_trace_dir else None
+        ledger = CoreLedger(cfg.threads) if cfg.lend_cores and self.engine.device.type == "cpu" \
+            else None
         self.driver = EngineDriver(self.engine, self._outputs_from_driver, cfg.threads,
-                                   f"engine-{cfg.role}", trace)
+                                   f"engine-{cfg.role}", trace, ledger)
         self.tasks: dict[str, Task] = {}
         self.control = ControlServer(self)
         self.local_cache = LocalCache(cfg.store_block_tokens)

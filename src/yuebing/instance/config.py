@@ -38,6 +38,11 @@ class InstanceConfig:
     dtype: str = field(default="auto", metadata={"help": "auto, float32, bfloat16, float16"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     threads: int = field(default=1, metadata={"help": "torch threads of the engine thread"})
+    lend_cores: bool = field(default=True, metadata={
+        "help": "lend this instance's cores to the other instances of this host while it is "
+                "idle, and borrow theirs while they are (a shared-memory ledger in /dev/shm; "
+                "each step runs with its own threads plus the idle instances', at most the "
+                "cores it may use)"})
     num_blocks: int = field(default=0, metadata={
         "help": "KV blocks of 16 tokens (0 = from --kv-cache-bytes)"})
     kv_cache_bytes: int = field(default=512 << 20, metadata={

@@ -14,6 +14,9 @@ engine.step() seconds, "out_s": seconds until the outputs were handed on, "decod
 "prefill_tokens": n, "context_tokens": n}`` — which is what tells a live run's token interval
 from the engine's step time (benchmarks/sim_vs_live.py reads it). Lines are buffered and the
 file is closed with the driver.
+
+With a `CoreLedger` (``--lend-cores``, `yuebing.instance.cores`) each step runs with this
+instance's threads plus those of the host's idle instances.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sequence import RequestOutput
+from yuebing.instance.cores import CoreLedger
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,8 +82,11 @@ class EngineDriver:
     def __init__(self, engine: LLMEngine,
                  on_outputs: Callable[[list[RequestOutput]], None],
                  threads: int = 1, name: str = "engine",
-                 step_trace: Path | None = None) -> None:
+                 step_trace: Path | None = None, ledger: CoreLedger | None = None) -> None:
         self.engine = engine
+        self.ledger = ledger
+        """The host's core ledger: steps borrow idle instances' threads (None: never)."""
+        self._threads_now = 0
         self._trace: IO[str] | None = None
         if step_trace is not None:
             step_trace.parent.mkdir(parents=True, exist_ok=True)
@@ -129,12 +136,14 @@ class EngineDriver:
     # ------------------------------------------------------------------ driver thread
 
     def _loop(self) -> None:
-        torch.set_num_threads(max(1, self.threads))
+        self._use_threads(max(1, self.threads))
         with torch.inference_mode():
             while True:
                 with self._cv:
                     while not self._stop and not self._calls and \
                             not self.engine.has_unfinished():
+                        if self.ledger is not None:
+                            self.ledger.set_busy(False)
                         self._cv.wait()
                     if self._stop:
                         break
@@ -143,7 +152,12 @@ class EngineDriver:
                 for fn, fut in calls:
                     self._run_call(fn, fut)
                 if self.engine.has_unfinished():
+                    if self.ledger is not None:
+                        self.ledger.set_busy(True)
+                        self._use_threads(self.ledger.threads_now())
                     self._step()
+        if self.ledger is not None:
+            self.ledger.close()
         with self._cv:
             pending = list(self._calls)
             self._calls.clear()
@@ -151,6 +165,11 @@ class EngineDriver:
             fut.set_exception(DriverStopped("the engine driver stopped"))
         if self._trace is not None:
             self._trace.close()
+
+    def _use_threads(self, n: int) -> None:
+        if n != self._threads_now:
+            torch.set_num_threads(n)
+            self._threads_now = n
 
     def _run_call(self, fn: Callable[[LLMEngine], Any],
                   fut: concurrent.futures.Future[Any]) -> None:
