@@ -33,10 +33,17 @@ def test_orders_rank_as_documented() -> None:
     assert _order("fifo").order(items, 5.0) == [0, 1, 2]
     # sjf_aging: prefill_s + 0.1·arrival → 8.0, 3.1, 0.7
     assert _order("sjf_aging").order(items, 5.0) == [2, 1, 0]
-    # edf at 5 s: "long" (due 10 s) cannot finish by then (5 + 8 > 10): due 20 s, after the rest
+    # edf at 5 s: "long" (due 10 s) cannot finish by then (5 + 8 > 10): set aside, due 20 s
     assert _order("edf").order(items, 5.0) == [1, 2, 0]
-    assert _order("edf").order(items, 1.5) == [0, 1, 2]  # all can still make it: arrival order
-    assert _order("sjf_aging").first(items, 5.0) == 2
+    # at 1 s it could (9 s), but "mid" would then end at 12 s, past its 11 s: the longest goes
+    assert _order("edf").order(items, 1.0) == [1, 2, 0]
+    relaxed = [_item(i.request_id, i.arrival_s, i.prefill_s, slo=30.0) for i in items]
+    assert _order("edf").order(relaxed, 1.0) == [0, 1, 2]  # all make it: arrival order
+    # the estimate starts when the instance is free: "long" makes it from now, not from 5 s
+    long_, new = items[0], _item("new", 0.0, 1.0)
+    assert _order("edf").ahead_s([long_], new, 0.0) == 8.0
+    assert _order("edf").ahead_s([long_], new, 0.0, start_s=5.0) == 0.0
+    assert _order("sjf_aging").first(items, 5.0) == 2 and _order("edf").first(items, 5.0) == 1
     # ties go to the request queued first
     twins = [_item("a", 0.0, 1.0), _item("b", 0.0, 1.0)]
     assert [_order(n).first(twins, 0.0) for n in PREFILL_QUEUES] == [0, 0, 0]

@@ -33,8 +33,8 @@ class PolicyConfig:
         "admission control: " + ", ".join(ADMISSIONS)))
     prefill_queue: str = field(default=DEFAULT_QUEUE, metadata=_help(
         "order of each prefill instance's queue: fifo, sjf_aging (shortest estimated prefill "
-        "first, aged by --prefill-queue-aging), edf (earliest TTFT deadline first; a request "
-        "already too late yields for one TTFT SLO)"))
+        "first, aged by --prefill-queue-aging), edf (earliest TTFT deadline first among the most "
+        "requests that can all meet theirs; the others yield for one TTFT SLO)"))
     prefill_queue_aging: float = field(default=DEFAULT_AGING, metadata=_help(
         "sjf_aging: seconds of estimated prefill a request is forgiven per second it waits (a "
         "request is overtaken only by those arriving within its prefill / this after it)"))

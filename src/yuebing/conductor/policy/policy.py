@@ -82,8 +82,9 @@ class Policy:
         if not p.waiting or self.queue_order.arrival_order:
             return p.queue_s
         new = QueuedPrefill("", view.now_s, prefill_s, view.now_s + self.config.ttft_slo_s)
-        started = p.queue_s - sum(w.prefill_s for w in p.waiting)
-        return max(0.0, started) + self.queue_order.ahead_s(p.waiting, new, view.now_s)
+        started = max(0.0, p.queue_s - sum(w.prefill_s for w in p.waiting))
+        return started + self.queue_order.ahead_s(p.waiting, new, view.now_s,
+                                                  view.now_s + started)
 
     def queued(self, request: RequestInfo, route: Route) -> QueuedPrefill:
         """``request`` as its prefill instance's queue holds it (both adapters build it here)."""

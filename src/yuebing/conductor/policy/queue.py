@@ -4,21 +4,23 @@ Called by the adapters that keep a prefill queue — the live Conductor's `Prefi
 simulator's prefill nodes (`yuebing.sim.mooncake`) — with the waiting requests as
 `QueuedPrefill`s (`QueueOrder.first`: the one to serve now), and by `Policy` for a new request's
 queue wait: the work of the waiting requests ordered before it (`QueueOrder.ahead_s`). Each
-order ranks by a key, lowest first; ties go to the request queued first. ``now_s`` comes from
-the caller; nothing here reads a clock.
+order ranks the waiting requests; ties go to the request queued first. ``now_s`` comes from the
+caller; nothing here reads a clock.
 
 - ``fifo``: arrival order.
 - ``sjf_aging``: shortest estimated prefill first, aged: key = prefill_s − aging · waited, the
   same ranking as prefill_s + aging · arrival_s. A request is overtaken only by requests that
   arrive within prefill_s / aging seconds after it, so none starves.
-- ``edf``: earliest TTFT deadline first. A request that cannot meet its deadline even if started
-  now ranks as if its deadline were one TTFT SLO later: it yields to those that still can, but
-  only to those that arrived within one SLO after it. (With one SLO for every request and no
-  late request this is arrival order.)
+- ``edf``: earliest TTFT deadline first over the most waiting requests that can all still meet
+  their deadlines (Moore-Hodgson: in deadline order, whenever one would be late, the longest so
+  far is set aside); the ones set aside follow, each ranked as if due one TTFT SLO later, so a
+  request yields only to those that arrived within one SLO after it. (With one SLO for every
+  request and nobody late this is arrival order.)
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -38,11 +40,41 @@ class QueueOrder(ABC):
         self.ttft_slo_s = ttft_slo_s
 
     @abstractmethod
-    def key(self, item: QueuedPrefill, now_s: float) -> float:
-        """Rank of ``item`` at ``now_s``: lowest is served first."""
+    def order(self, items: Sequence[QueuedPrefill], now_s: float,
+              start_s: float | None = None) -> list[int]:
+        """Indices of ``items`` (in queueing order) in the order they would be served from
+        ``start_s`` (default ``now_s``) on, if nothing else arrived."""
 
     def first(self, items: Sequence[QueuedPrefill], now_s: float) -> int:
-        """Index in ``items`` (in queueing order) of the request to serve at ``now_s``."""
+        """Index in ``items`` of the request to serve at ``now_s``."""
+        return self.order(items, now_s)[0]
+
+    def ahead_s(self, items: Sequence[QueuedPrefill], new: QueuedPrefill, now_s: float,
+                start_s: float | None = None) -> float:
+        """Seconds of ``items``' work served before ``new``, which joins them at ``now_s``
+        (the first of them can start at ``start_s``)."""
+        if self.arrival_order:
+            return sum(item.prefill_s for item in items)
+        ahead = 0.0
+        for i in self.order([*items, new], now_s, start_s):
+            if i == len(items):
+                return ahead
+            ahead += items[i].prefill_s
+        raise AssertionError("order() lost an item")
+
+
+class KeyOrder(QueueOrder):
+    """An order by a per-request key, lowest first (ties: queued first)."""
+
+    @abstractmethod
+    def key(self, item: QueuedPrefill, now_s: float) -> float:
+        """Rank of ``item`` at ``now_s``."""
+
+    def order(self, items: Sequence[QueuedPrefill], now_s: float,
+              start_s: float | None = None) -> list[int]:
+        return sorted(range(len(items)), key=lambda i: (self.key(items[i], now_s), i))
+
+    def first(self, items: Sequence[QueuedPrefill], now_s: float) -> int:
         best, best_key = 0, math.inf
         for i, item in enumerate(items):
             k = self.key(item, now_s)
@@ -50,13 +82,8 @@ class QueueOrder(ABC):
                 best, best_key = i, k
         return best
 
-    def order(self, items: Sequence[QueuedPrefill], now_s: float) -> list[int]:
-        """Indices of ``items`` in the order they would be served if nothing else arrived and
-        ``now_s`` stood still."""
-        return sorted(range(len(items)), key=lambda i: (self.key(items[i], now_s), i))
-
-    def ahead_s(self, items: Sequence[QueuedPrefill], new: QueuedPrefill, now_s: float) -> float:
-        """Seconds of ``items``' work served before ``new``, which joins them at ``now_s``."""
+    def ahead_s(self, items: Sequence[QueuedPrefill], new: QueuedPrefill, now_s: float,
+                start_s: float | None = None) -> float:
         if self.arrival_order:
             return sum(item.prefill_s for item in items)
         k = self.key(new, now_s)
@@ -71,7 +98,7 @@ DEFAULT_AGING = 0.1
 
 
 @PREFILL_QUEUES.register("fifo")
-class Fifo(QueueOrder):
+class Fifo(KeyOrder):
     """First come, first served."""
 
     arrival_order = True
@@ -81,7 +108,7 @@ class Fifo(QueueOrder):
 
 
 @PREFILL_QUEUES.register("sjf_aging")
-class ShortestFirstAging(QueueOrder):
+class ShortestFirstAging(KeyOrder):
     """Shortest estimated prefill first; each second waited counts ``aging`` seconds less."""
 
     def key(self, item: QueuedPrefill, now_s: float) -> float:
@@ -90,8 +117,23 @@ class ShortestFirstAging(QueueOrder):
 
 @PREFILL_QUEUES.register("edf")
 class EarliestDeadline(QueueOrder):
-    """Earliest TTFT deadline first; a request already too late yields for one SLO."""
+    """Earliest deadline first over the most requests that can all meet theirs (Moore-Hodgson);
+    the others follow, each ranked as if due one TTFT SLO later."""
 
-    def key(self, item: QueuedPrefill, now_s: float) -> float:
-        late = now_s + item.prefill_s > item.deadline_s
-        return item.deadline_s + (self.ttft_slo_s if late else 0.0)
+    def order(self, items: Sequence[QueuedPrefill], now_s: float,
+              start_s: float | None = None) -> list[int]:
+        t = now_s if start_s is None else start_s
+        kept: list[int] = []
+        longest: list[tuple[float, int]] = []  # max-heap of (-prefill_s, index) over kept
+        dropped: set[int] = set()
+        for i in sorted(range(len(items)), key=lambda i: (items[i].deadline_s, i)):
+            kept.append(i)
+            heapq.heappush(longest, (-items[i].prefill_s, i))
+            t += items[i].prefill_s
+            if t > items[i].deadline_s:  # someone misses: drop the longest kept so far
+                _, j = heapq.heappop(longest)
+                dropped.add(j)
+                t -= items[j].prefill_s
+        slo = self.ttft_slo_s
+        return sorted(range(len(items)),
+                      key=lambda i: (items[i].deadline_s + (slo if i in dropped else 0.0), i))
