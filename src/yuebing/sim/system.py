@@ -42,9 +42,11 @@ class SimConfig:
         "help": "decode selector: least_loaded, forecast, random"})
     admission: str = field(default="none", metadata={
         "help": "admission: none, slo, early_rejection, predictive_early_rejection"})
-    prefill_queue: str = field(default=DEFAULT_QUEUE, metadata={
+    prefill_queue: str = field(default="fifo", metadata={
         "help": "order of each prefill node's queue (mooncake): "
-                + ", ".join(PREFILL_QUEUES) + " (yuebing.conductor.policy.queue)"})
+                + ", ".join(PREFILL_QUEUES) + " (yuebing.conductor.policy.queue; fifo: the "
+                "order the paper reproduction is pinned on; the live Conductor defaults to "
+                + DEFAULT_QUEUE + ")"})
     prefill_queue_aging: float = field(default=DEFAULT_AGING, metadata={
         "help": "sjf_aging: seconds of estimated prefill forgiven per second waited"})
     cost_model: str = field(default="roofline", metadata={"help": "roofline or fitted"})

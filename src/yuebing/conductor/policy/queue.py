@@ -91,8 +91,11 @@ class KeyOrder(QueueOrder):
 
 
 PREFILL_QUEUES: Registry[type[QueueOrder]] = Registry("prefill queue order")
-DEFAULT_QUEUE = "fifo"
-"""The order the Conductor and the simulator use unless told otherwise."""
+DEFAULT_QUEUE = "sjf_aging"
+"""The live Conductor's order unless told otherwise: in the simulated 1P1D on the serving head to
+head's workload it sustains the highest rate at ≥ 90 % SLO attainment (docs/benchmarks.md,
+``benchmarks/prefill_queue.py``). The simulator defaults to ``fifo``, the order its paper
+reproduction is pinned on."""
 DEFAULT_AGING = 0.1
 """``sjf_aging``'s default ageing (seconds of estimated prefill forgiven per second waited)."""
 
