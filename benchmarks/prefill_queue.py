@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sim_vs_live import TRACE, pct, workload  # noqa: E402
 
+from yuebing.conductor.policy import (  # noqa: E402
+    BivariatePolynomial,
+    DecodePredictor,
+    save_predictors,
+)
+from yuebing.sim.hardware import FittedCostModel  # noqa: E402
 from yuebing.sim.runner import simulate  # noqa: E402
 from yuebing.sim.system import SimConfig  # noqa: E402
 
@@ -61,6 +68,18 @@ def run_one(requests: list[Any], profile: Path, interference: Path | None, order
             "ttft_p90": pct(ttft, 0.9), "ttft_max": max(ttft, default=math.nan),
             "ttft_misses": sum(1 for t in ttft if t > ttft_slo),
             "tbt_misses": sum(1 for r in done if r.tbt_s > tbt_slo)}
+
+
+def with_decode_step(profile: Path, step: str, out: Path) -> Path:
+    """A predictor file with ``profile``'s prefill and transfer predictors and the decode step
+    ``a + b · batch + c · context tokens`` seconds of ``step`` = "a,b,c"."""
+    a, b, c = (float(x) for x in step.split(","))
+    pred = FittedCostModel.from_file(profile).predictors
+    decode = DecodePredictor(BivariatePolynomial(((0, 0), (1, 0), (0, 1)), (a, b, c)))
+    path = out / "predictors.json"
+    save_predictors(replace(pred, decode=decode,
+                            source=f"{pred.source}; decode {a} + {b}·batch + {c}·context s"), path)
+    return path
 
 
 def sweep(ns: argparse.Namespace) -> dict[str, Any]:
@@ -134,6 +153,9 @@ def main() -> int:
     p.add_argument("outdir", type=Path)
     p.add_argument("--profile", type=Path, required=True,
                    help="predictor or samples file of `yuebing profile` (the cost model)")
+    p.add_argument("--decode-step", default="",
+                   help="a,b,c: replace the profile's decode predictor by a + b·batch + c·context "
+                        "tokens seconds (e.g. when the decode profile was taken on a busy host)")
     p.add_argument("--interference", type=Path,
                    help="samples file of `yuebing profile --interference` with the factors "
                         "(default: --profile)")
@@ -149,7 +171,11 @@ def main() -> int:
     p.add_argument("--no-colocated", action="store_true")
     ns = p.parse_args()
     ns.outdir.mkdir(parents=True, exist_ok=True)
+    source = ns.profile
+    if ns.decode_step:
+        ns.profile = with_decode_step(ns.profile, ns.decode_step, ns.outdir)
     result = sweep(ns)
+    result["profile"], result["decode_step"] = str(source), ns.decode_step
     md = table(result)
     (ns.outdir / "prefill_queue.json").write_text(json.dumps(result, indent=1))
     (ns.outdir / "prefill_queue.md").write_text(md + "\n")
