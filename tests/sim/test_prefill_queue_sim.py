@@ -116,3 +116,18 @@ def test_the_order_is_a_checked_flag_of_sim_run(conversation_trace, capsys) -> N
     assert main(["sim", "run", str(conversation_trace), "--limit", "50", "--prefill-queue",
                  "lifo"]) == 2
     assert "prefill_queue 'lifo' unknown" in capsys.readouterr().err
+
+
+def test_a_pipelined_prefill_holds_its_group_and_the_queue_goes_on_after_it() -> None:
+    """20,000 new tokens over both nodes (2 pipeline stages, 3 chunks: 20 s / 2 · 4/3), then two
+    short prompts queued on p0: the shorter one first, each once the group is free."""
+    reqs = [SimRequest(0, 0.0, 20_000, 2, tuple(range(39))),
+            SimRequest(1, 1.0, 1000, 2, (100,)), SimRequest(2, 2.0, 500, 2, ())]
+    cfg = SimConfig(prefill_nodes=2, decode_nodes=1, prefill_queue="sjf_aging",
+                    cpp_threshold_tokens=10_000, cpp_max_nodes=2)
+    r0, r1, r2 = simulate(reqs, cfg, cost=LinearCost()).records
+    group_s = 20.0 / 2 * (1 + 1 / 3)
+    assert r0.ttft_s == pytest.approx(group_s) and r0.prefill_gpu_s == pytest.approx(2 * group_s)
+    assert (r1.prefill_id, r2.prefill_id) == ("p0", "p0")
+    assert r2.prefill_start_s == pytest.approx(group_s)
+    assert r1.prefill_start_s == pytest.approx(group_s + 0.5)
