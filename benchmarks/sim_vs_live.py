@@ -47,6 +47,7 @@ from typing import Any
 
 from yuebing.bench.config import BenchConfig
 from yuebing.bench.workload import scaled_request, send_times
+from yuebing.conductor.policy.queue import DEFAULT_QUEUE
 from yuebing.sim.colocation import load_interference
 from yuebing.sim.runner import simulate
 from yuebing.sim.system import SimConfig
@@ -86,16 +87,17 @@ def workload(trace_path: Path, limit: int, rate: float, seed: int) -> list[SimRe
             for i, (r, t) in enumerate(zip(reqs, send_times(reqs, cfg, rate), strict=True))]
 
 
-def simulated(requests: list[SimRequest], profile: Path,
-              interference: Path | None) -> dict[str, float]:
+def simulated(requests: list[SimRequest], profile: Path, interference: Path | None,
+              prefill_queue: str = DEFAULT_QUEUE) -> dict[str, float]:
     """TTFT/TBT percentiles of a 1P1D Mooncake simulation with the fitted cost model of
     ``profile`` (a predictor file, as the live Conductor reads, or a samples file), the two
-    nodes on one host with ``interference``'s factors (None: each node alone)."""
+    nodes on one host with ``interference``'s factors (None: each node alone), the prefill
+    queue in ``prefill_queue``'s order (the live Conductor's default unless told)."""
     cfg = SimConfig(system="mooncake", prefill_nodes=1, decode_nodes=1, cost_model="fitted",
                     profile=str(profile), block_tokens=64, ttft_slo_s=10.0, tbt_slo_s=0.1,
                     cpp_threshold_tokens=1 << 30, sample_interval_s=1.0,
                     colocated=interference is not None,
-                    interference_profile=str(interference or ""))
+                    interference_profile=str(interference or ""), prefill_queue=prefill_queue)
     res = simulate(requests, cfg)
     done = [r for r in res.records if r.rejected is None and not math.isnan(r.finish_s)]
     ttft = [r.first_token_s - r.arrival_s for r in done]
@@ -278,6 +280,9 @@ def main() -> int:
     p.add_argument("--live-steps", type=Path,
                    help="a decode instance's --step-trace-dir file (decode-0.steps.jsonl): "
                         "its engine steps are compared with the profile's decode predictor")
+    p.add_argument("--prefill-queue", default=DEFAULT_QUEUE,
+                   help="prefill queue order of the live Conductor and the simulator (default: "
+                        "the Conductor's)")
     p.add_argument("--port", type=int, default=8766)
     p.add_argument("--yb-flags", default="--no-batch-invariant",
                    help="engine flags of the profile and the live instances (the same as "
@@ -296,7 +301,7 @@ def main() -> int:
     interference = None if ns.no_colocated else (ns.interference or samples)
     factors = None if interference is None else load_interference(interference)  # before live
     records = ns.live_records or run_live(ns.outdir, profile, rates, ns.limit, ns.seed, ns.port,
-                                          ns.dtype, flags)
+                                          ns.dtype, [*flags, "--prefill-queue", ns.prefill_queue])
     if ns.live_steps is None and ns.live_records is None:  # the live run just made traced
         ns.live_steps = ns.outdir / "live-logs" / "decode-0.steps.jsonl"
     live = live_stats(records)
@@ -311,7 +316,8 @@ def main() -> int:
     if ns.live_steps:
         result["live_steps"] = step_check(ns.live_steps, profile)
     for rate in rates:
-        sim = simulated(workload(TRACE, ns.limit, rate, ns.seed), profile, interference)
+        sim = simulated(workload(TRACE, ns.limit, rate, ns.seed), profile, interference,
+                        ns.prefill_queue)
         result["rates"][str(rate)] = {"live": live[rate], "sim": sim,
                                       "metrics": compare(live[rate], sim)}
     (ns.outdir / "sim_vs_live.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -51,6 +51,8 @@ def test_serve_config_validation() -> None:
 @pytest.mark.parametrize("args, error", [
     (["--coupled", "2", "--prefill", "1"], "--coupled K replaces --prefill/--decode"),
     (["--admission", "bogus"], "admission 'bogus' unknown"),
+    (["--prefill-queue", "lifo"], "prefill_queue 'lifo' unknown; use one of edf, fifo, sjf_aging"),
+    (["--prefill-queue-aging", "-1"], "prefill_queue_aging must be a positive number"),
     (["--threads", "0"], "threads"),
     (["--store-block-tokens", "100"], "store_block_tokens must be a positive multiple of 16"),
 ])

@@ -102,3 +102,28 @@ def test_zero_means_no_limit_and_negative_is_refused() -> None:
     _run(main())
     with pytest.raises(ValueError, match=">= 0"):
         PrefillGate(-1)
+
+
+def test_waiters_go_in_the_queue_order_and_the_next_one_must_fit() -> None:
+    from yuebing.conductor.policy import PREFILL_QUEUES, QueuedPrefill
+
+    async def main() -> None:
+        g = PrefillGate(100, PREFILL_QUEUES.get("sjf_aging")(0.1, 10.0), clock=lambda: 5.0)
+        await g.acquire("a", 50)
+        order: list[str] = []
+
+        async def go(rid: str, tokens: int, prefill_s: float) -> None:
+            await g.acquire(rid, tokens, QueuedPrefill(rid, 1.0, prefill_s, 11.0))
+            order.append(rid)
+        waits = [asyncio.ensure_future(go(rid, tokens, tokens / 10))
+                 for rid, tokens in (("big", 90), ("mid", 60), ("small", 5))]
+        await asyncio.sleep(0)
+        assert order == [] and [w.request_id for w in g.queued()] == ["big", "mid", "small"]
+        g.release("a")
+        await asyncio.sleep(0)
+        assert order == ["small", "mid"]    # shortest first; "big" does not fit beside "mid"
+        g.release("small")
+        g.release("mid")
+        await asyncio.gather(*waits)
+        assert order == ["small", "mid", "big"] and g.queued() == ()
+    _run(main())

@@ -13,7 +13,13 @@ from policy_factories import PREDICTORS
 
 from yuebing.conductor.cluster import LiveCluster, Member
 from yuebing.conductor.kvfeed import StoreHoldings
-from yuebing.conductor.policy import PendingDecode, Policy, PolicyConfig, RequestInfo
+from yuebing.conductor.policy import (
+    ClusterView,
+    PendingDecode,
+    Policy,
+    PolicyConfig,
+    RequestInfo,
+)
 from yuebing.conductor.view import STORE_HOLDER, KvIndex
 from yuebing.core.ids import BlockHash, InstanceId
 from yuebing.instance.kvkeys import store_key
@@ -210,3 +216,48 @@ def test_store_feed_end_to_end_with_a_real_master(tmp_path: Any) -> None:
         assert asyncio.run(run()) == {5}
     finally:
         pub.close(0)
+
+
+def test_requests_waiting_in_the_gate_and_in_a_simulated_queue_give_the_same_views() -> None:
+    """Both adapters put their not-yet-started requests in the view, and the policy charges a
+    new request the same order-aware queue wait."""
+    import asyncio
+
+    from yuebing.conductor.gate import PrefillGate
+    from yuebing.conductor.policy import QueuedPrefill
+    from yuebing.sim.mooncake import _Waiting
+
+    policy = Policy(PolicyConfig(block_tokens=BT, kv_bytes_per_token=1000,
+                                 decode_durations_s=(10.0,), prefill_queue="sjf_aging"),
+                    PREDICTORS)
+    waiting = {0: [QueuedPrefill("a", NOW - 2, 3.0, NOW + 28), QueuedPrefill("b", NOW - 1, 0.2,
+                                                                           NOW + 29)],
+               1: [QueuedPrefill("c", NOW - 1, 0.5, NOW + 29)]}
+    queues, queued = [1.5, 0.25], [3, 2]
+    sim, live = _sim(queues, queued, 1), _live(queues, queued, 1)
+    for i, items in waiting.items():
+        sim.waiting[i] = [_Waiting(None, None, 0, 0, 0.0, w) for w in items]  # type: ignore[arg-type]
+
+    info = RequestInfo("new", NOW, 1000, (), 50)
+    prefills = [live.members[InstanceId(f"p{i}")] for i in range(2)]
+
+    async def live_view_with_waiters() -> ClusterView:
+        for i, items in waiting.items():
+            m = prefills[i]
+            m.gate = PrefillGate(1, policy.queue_order, clock=lambda: NOW)
+            await m.gate.acquire(f"run{i}", 1)
+            m.prefilling[f"run{i}"] = (queues[i], NOW)
+            for w in items:
+                asyncio.ensure_future(m.gate.acquire(w.request_id, 1, w))
+                m.prefilling[w.request_id] = (w.prefill_s, w.arrival_s)
+        await asyncio.sleep(0)
+        return live.view(info, prefills, [live.members[InstanceId("d0")]], NOW)
+    live_view = asyncio.run(live_view_with_waiters())
+    sim_view = sim._view(None, [0, 0], 0, 0)  # type: ignore[arg-type]
+    assert live_view == sim_view
+    assert [p.queue_s for p in live_view.prefills] == [pytest.approx(4.7), pytest.approx(0.75)]
+    route = policy.decide(info, live_view)
+    assert route == policy.decide(info, sim_view)
+    # 1 s of prefill (+ 0.1·NOW) goes before "a" (3 s) on p0, after "b" (0.2 s): 1.5 + 0.2
+    assert policy.queue_wait(live_view, 0, 1.0) == pytest.approx(1.7)
+    assert policy.queue_wait(live_view, 1, 1.0) == pytest.approx(0.75)  # after "c" (0.5 s)

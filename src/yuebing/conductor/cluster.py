@@ -19,7 +19,8 @@ Life cycle (all on the Conductor's event loop):
    incarnation).
 
 The dispatcher (`yuebing.conductor.dispatch`) tells the cluster what it routed (`routed`,
-`prefill_done`, `finished`) so the load between two reports includes this Conductor's own work.
+`admitted` out of the gate, `prefill_done`) so the load between two reports includes this
+Conductor's own work.
 """
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from yuebing.conductor.gate import PrefillGate
-from yuebing.conductor.policy import DecodeState, PendingDecode, RequestInfo, Route
+from yuebing.conductor.policy import (
+    DecodeState,
+    PendingDecode,
+    QueueOrder,
+    RequestInfo,
+    Route,
+)
 from yuebing.conductor.policy.types import ClusterView
 from yuebing.conductor.view import KvIndex, PrefillLoad, build_view
 from yuebing.core.ids import InstanceId
@@ -55,7 +62,8 @@ class Member:
     seen_s: float = 0.0
     alive: bool = True
     prefilling: dict[str, tuple[float, float]] = field(default_factory=dict)
-    """This Conductor's tasks still in prefill here: request id → (est. seconds, routed at)."""
+    """This Conductor's tasks still in prefill here: request id → (est. seconds, routed at or,
+    once out of the gate, admitted at)."""
     gate: PrefillGate = field(default_factory=lambda: PrefillGate(0))
     """This Conductor's queue for the instance (prefill role; see `yuebing.conductor.gate`)."""
 
@@ -74,7 +82,8 @@ class LiveCluster:
     def __init__(self, heartbeat_timeout_s: float, rpc_timeout_s: float,
                  store_block_tokens: int, prefill_time: Callable[[float, float], float],
                  link_bandwidth_Bps: float, link_latency_s: float,
-                 conductor_id: str = "conductor", prefill_gate_tokens: int = 0) -> None:
+                 conductor_id: str = "conductor", prefill_gate_tokens: int = 0,
+                 queue_order: QueueOrder | None = None) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
         self.store_block_tokens = store_block_tokens
@@ -83,6 +92,8 @@ class LiveCluster:
         self.link_latency_s = link_latency_s
         self.conductor_id = conductor_id
         self.prefill_gate_tokens = prefill_gate_tokens
+        self.queue_order = queue_order
+        """The order of each prefill instance's gate (the policy's; None: FIFO)."""
         self.index = KvIndex()
         self.members: dict[InstanceId, Member] = {}
         self.by_address: dict[str, Member] = {}
@@ -147,7 +158,7 @@ class LiveCluster:
                 old.client.fail_all(f"instance {old.id} restarted")
                 self.spawn(old.client.close())
             m = Member(address, client, hello, seen_s=time.monotonic(),
-                       gate=PrefillGate(self.prefill_gate_tokens))
+                       gate=PrefillGate(self.prefill_gate_tokens, self.queue_order))
             self.members[m.id] = m
             self.by_address[address] = m
             log.info("instance %s (%s, %s) joined from %s", m.id, m.role.label, hello.model,
@@ -277,12 +288,14 @@ class LiveCluster:
             reported = self.prefill_time(r.queued_prefill_tokens, 0) \
                 if r.queued_prefill_tokens else 0.0
         reported -= max(0.0, now_s - m.seen_s)
+        waiting = m.gate.queued()
+        held = {w.request_id for w in waiting}
+        started = [(est, t) for rid, (est, t) in m.prefilling.items() if rid not in held]
         own = 0.0
-        if m.prefilling:
-            own = sum(est for est, _ in m.prefilling.values()) \
-                - (now_s - min(t for _, t in m.prefilling.values()))
-        return PrefillLoad(m.id, max(reported, own, 0.0),
-                           max(r.queued_requests, len(m.prefilling)))
+        if started:
+            own = sum(est for est, _ in started) - (now_s - min(t for _, t in started))
+        return PrefillLoad(m.id, max(reported, own, 0.0) + sum(w.prefill_s for w in waiting),
+                           max(r.queued_requests, len(m.prefilling)), waiting=waiting)
 
     # ------------------------------------------------------------------ this Conductor's work
 
@@ -293,6 +306,12 @@ class LiveCluster:
         self.pending[info.request_id] = PendingDecode(
             now_s + route.est_ttft_s, info.expected_output_tokens, route.decode_id,
             info.input_tokens)
+
+    def admitted(self, request_id: str, prefill_id: InstanceId, now_s: float) -> None:
+        """``request_id`` left the instance's gate: its prefill starts counting down now."""
+        p = self.members.get(prefill_id)
+        if p is not None and request_id in p.prefilling:
+            p.prefilling[request_id] = (p.prefilling[request_id][0], now_s)
 
     def prefill_done(self, request_id: str, prefill_id: InstanceId) -> None:
         p = self.members.get(prefill_id)

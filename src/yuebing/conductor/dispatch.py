@@ -8,8 +8,8 @@ Life cycle of a request (called by the HTTP routes with a validated `GenRequest`
    instances are alive, else coupled over the coupled instances (the decode choice is then
    re-taken on the chosen instance alone, so admission judges the instance that decodes).
 2. Disaggregated: the request waits for its turn on the prefill instance (`PrefillGate`: the
-   Conductor keeps each prefill instance's queue, so decode KV is not held by requests that
-   cannot start yet), then ``reserve`` on the decode instance (retried while it has no free KV,
+   Conductor keeps each prefill instance's queue, in the policy's queue order, so decode KV is
+   not held by requests that cannot start yet), then ``reserve`` on the decode instance (retried while it has no free KV,
    up to ``reserve_wait_s``), then ``submit`` of the prefill task with its `PrefixPlan` and the
    reservation's `DecodeTarget`. Coupled: one ``submit``.
 3. Relay: the prefill's FIRST_TOKEN, then the decode's TOKENS … FINISH, as `Delta`s (decode
@@ -183,8 +183,10 @@ class Dispatcher:
                     mode=TaskMode.COUPLED, prefix=plan))
             else:
                 t0 = time.perf_counter()
-                await pre.gate.acquire(rid, info.input_tokens - plan.tokens)
+                await pre.gate.acquire(rid, info.input_tokens - plan.tokens,
+                                       self.policy.queued(info, route))
                 stats.gate_s += time.perf_counter() - t0
+                c.admitted(rid, pre.id, time.monotonic())
                 involved.append(dec)
                 t0 = time.perf_counter()
                 reserved = await self._reserve(dec, rid, req, deadline)

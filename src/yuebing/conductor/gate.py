@@ -3,39 +3,68 @@
 A disaggregated request holds decode KV from its ``reserve`` until the decode adopts its KV.
 Reserving at dispatch would let a long prefill queue hold decode KV it cannot use yet (new
 requests refused while the decode idles). So the dispatcher gives each prefill instance its
-requests in arrival order, only while the instance has fewer than ``max_tokens`` uncached
-prompt tokens in prefill (always at least one request); a request waits here holding nothing
-but its place, then reserves its decode blocks and is submitted. Its place is given back at its
-first token, when it fails or when it is cancelled.
+requests only while the instance has fewer than ``max_tokens`` uncached prompt tokens in
+prefill (always at least one request); a request waits here holding nothing but its place, then
+reserves its decode blocks and is submitted. Its place is given back at its first token, when it
+fails or when it is cancelled. The waiting requests go in the policy's queue order
+(`yuebing.conductor.policy.queue`: FIFO, shortest prefill first with ageing, or earliest
+deadline first), the order the simulator's prefill nodes keep; the next in that order goes
+when it fits (a shorter one behind it does not slip past).
+
+With the default ``max_tokens`` (2,048) the instance itself holds at most one long prompt or a
+few short ones, so this is where a prefill instance's queue is, and where it is ordered.
 
 Called by `yuebing.conductor.dispatch.Dispatcher` (`acquire`, `release`) and by
-`yuebing.conductor.cluster.LiveCluster` (`fail` when the instance dies). The waiting requests
-are already in the instance's load in the policy's view (`LiveCluster.routed`), so the TTFT
-estimate includes the time they wait here. Event-loop only; not thread-safe.
+`yuebing.conductor.cluster.LiveCluster` (`fail` when the instance dies; `queued` for the
+view). The waiting requests are in the instance's load in the policy's view, as requests not
+started yet (`LiveCluster.routed`, `PrefillLoad.waiting`), so the TTFT estimate includes the
+time they wait here under the queue order. Event-loop only; not thread-safe.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from yuebing.conductor.policy import QueuedPrefill, QueueOrder
+from yuebing.conductor.policy.queue import Fifo
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    request_id: str
+    tokens: int
+    item: QueuedPrefill
+    fut: asyncio.Future[None]
 
 
 class PrefillGate:
-    """FIFO admission of requests into one prefill instance by uncached prompt tokens."""
+    """Admission of requests into one prefill instance by uncached prompt tokens, in the queue
+    order ``order`` (FIFO when none is given)."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, order: QueueOrder | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         self.max_tokens = max_tokens
         """0: no limit (every request passes at once)."""
+        self.order = order or Fifo(0.0, 1.0)
+        self.clock = clock
+        """The ``now`` the order is judged at (the time `QueuedPrefill.arrival_s` is on)."""
         self.inflight: dict[str, int] = {}
         self.inflight_tokens = 0
-        self._waiting: deque[tuple[str, int, asyncio.Future[None]]] = deque()
+        self._waiting: list[_Waiter] = []
 
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    def queued(self) -> tuple[QueuedPrefill, ...]:
+        """The waiting requests, in queueing order."""
+        return tuple(w.item for w in self._waiting if not w.fut.done())
 
     def _fits(self, tokens: int) -> bool:
         return (not self.max_tokens or not self.inflight
@@ -45,17 +74,22 @@ class PrefillGate:
         self.inflight[request_id] = tokens
         self.inflight_tokens += tokens
 
-    async def acquire(self, request_id: str, tokens: int) -> None:
-        """Wait for ``request_id``'s turn; it then counts ``tokens`` until `release`. Raises
-        what `fail` was given if the instance dies meanwhile; a cancelled wait leaves no trace."""
+    async def acquire(self, request_id: str, tokens: int,
+                      item: QueuedPrefill | None = None) -> None:
+        """Wait for ``request_id``'s turn (``item``: how the queue order sees it; none: no
+        work, due now); it then counts ``tokens`` until `release`. Raises what `fail` was
+        given if the instance dies meanwhile; a cancelled wait leaves no trace."""
         if request_id in self.inflight:
             raise ValueError(f"request {request_id} already holds a place")
         tokens = max(0, tokens)
         if not self._waiting and self._fits(tokens):
             self._admit(request_id, tokens)
             return
+        if item is None:
+            now = self.clock()
+            item = QueuedPrefill(request_id, now, 0.0, now)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (request_id, tokens, fut)
+        entry = _Waiter(request_id, tokens, item, fut)
         self._waiting.append(entry)
         try:
             await fut
@@ -78,21 +112,21 @@ class PrefillGate:
 
     def fail(self, exc: BaseException) -> None:
         """The instance is gone: every waiter raises ``exc``; places held are dropped."""
-        waiting, self._waiting = self._waiting, deque()
-        for _, _, fut in waiting:
-            if not fut.done():
-                fut.set_exception(exc)
+        waiting, self._waiting = self._waiting, []
+        for w in waiting:
+            if not w.fut.done():
+                w.fut.set_exception(exc)
         self.inflight.clear()
         self.inflight_tokens = 0
 
     def _pump(self) -> None:
-        while self._waiting:
-            rid, tokens, fut = self._waiting[0]
-            if fut.done():  # cancelled, or failed
-                self._waiting.popleft()
-                continue
-            if not self._fits(tokens):
+        while True:
+            self._waiting = [w for w in self._waiting if not w.fut.done()]  # cancelled, failed
+            if not self._waiting:
                 return
-            self._waiting.popleft()
-            self._admit(rid, tokens)
-            fut.set_result(None)
+            w = self._waiting[self.order.first([w.item for w in self._waiting], self.clock())]
+            if not self._fits(w.tokens):
+                return
+            self._waiting.remove(w)
+            self._admit(w.request_id, w.tokens)
+            w.fut.set_result(None)

@@ -80,7 +80,7 @@ class Conductor:
         self.cluster = LiveCluster(cfg.heartbeat_timeout_s, cfg.rpc_timeout_s,
                                    cfg.store_block_tokens, self.policy.prefill_time,
                                    cfg.link_bandwidth_Bps, cfg.link_latency_s, cfg.conductor_id,
-                                   cfg.prefill_gate_tokens)
+                                   cfg.prefill_gate_tokens, self.policy.queue_order)
         self.dispatcher = Dispatcher(self.cluster, self.policy, self.metrics,
                                      cfg.request_timeout_s, cfg.reserve_wait_s)
         self.cluster.admit_checks.append(self.calibration.admit)

@@ -7,7 +7,7 @@ instances' load reports (`yuebing.conductor.cluster`) and a `KvIndex` fed by the
 events and the instances' cache changes — and reduces them to the same three inputs:
 
 - per prefill instance, in a fixed order, a `PrefillLoad` (queued work in seconds, queued
-  requests);
+  requests, the requests among them not started yet);
 - a `PrefixLookup` of the request's block keys: the leading blocks each prefill instance holds
   locally, and the longest run held anywhere with its holder;
 - per decode instance a `DecodeState`; plus the routed requests still in prefill.
@@ -29,6 +29,7 @@ from yuebing.conductor.policy.types import (
     PendingDecode,
     PrefillState,
     PrefixSource,
+    QueuedPrefill,
 )
 from yuebing.core.errors import InputError
 from yuebing.core.ids import InstanceId
@@ -43,9 +44,12 @@ class PrefillLoad:
 
     instance_id: InstanceId
     queue_s: float
-    """Predicted seconds until the instance could start a new prefill."""
+    """Predicted seconds until the instance could start a new prefill (all its queued work)."""
     queued_requests: int
     node: str = ""
+    waiting: tuple[QueuedPrefill, ...] = ()
+    """The part of ``queue_s`` not started yet, in queueing order (the queue order may put a
+    new request before some of it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +71,8 @@ def build_view(now_s: float, prefills: Sequence[PrefillLoad], lookup: PrefixLook
     if len(lookup.local_blocks) != len(prefills):
         raise InputError(f"prefix lookup has {len(lookup.local_blocks)} local lengths for "
                          f"{len(prefills)} prefill instances")
-    states = tuple(PrefillState(p.instance_id, max(0.0, p.queue_s), p.queued_requests, n, p.node)
+    states = tuple(PrefillState(p.instance_id, max(0.0, p.queue_s), p.queued_requests, n, p.node,
+                                p.waiting)
                    for p, n in zip(prefills, lookup.local_blocks, strict=True))
     src = (PrefixSource(lookup.holder, lookup.best_blocks)
            if lookup.best_blocks > 0 and lookup.holder is not None else None)

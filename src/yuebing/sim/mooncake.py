@@ -12,8 +12,12 @@ Life cycle of a request (paper §3-§4):
    the missing prefix blocks are copied from the holder over both nodes' NICs (serialised per
    NIC), which also replicates hot blocks. Prefill starts when the node (or, for inputs with
    more than ``cpp_threshold_tokens`` new tokens, a chunked-pipeline-parallel group of up to
-   ``cpp_max_nodes`` nodes) is free and the fetch is done; nodes run prefills FIFO. With
-   ``prefill_reject`` a request whose prefill would end past its TTFT SLO is dropped here.
+   ``cpp_max_nodes`` nodes) is free and the fetch is done. Each node serves its queue in the
+   policy's queue order (`yuebing.conductor.policy.queue`, the order of the live Conductor's
+   gate): in FIFO a request's turn is known at arrival, so its prefill is placed on the node's
+   timeline then; in another order it waits in the node's queue, and whenever the node is free
+   the order picks the next one (`_dispatch`). With ``prefill_reject`` a request whose prefill
+   would end past its TTFT SLO is dropped when its prefill is placed.
    With ``colocated`` prefill node i shares a host with decode node i (`yuebing.sim.colocation`):
    the prefill is stretched by the measured factor over the window in which that decode node is
    estimated busy, and the decode node's steps inside the prefill's interval are stretched too.
@@ -32,15 +36,18 @@ import heapq
 import math
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from yuebing.conductor.policy import (
     ClusterView,
     DecodeState,
     PendingDecode,
     Policy,
+    QueuedPrefill,
     Reject,
     RejectStage,
     RequestInfo,
+    Route,
 )
 from yuebing.conductor.view import PrefillLoad, PrefixLookup, build_view
 from yuebing.core.ids import BlockHash, InstanceId
@@ -88,6 +95,18 @@ def hot_prefixes(requests: Sequence[SimRequest], top: int) -> list[int]:
     return chosen
 
 
+@dataclass(eq=False, slots=True)
+class _Waiting:
+    """A routed request in a prefill node's queue (orders other than FIFO)."""
+
+    request: SimRequest
+    record: RequestRecord
+    decode: int
+    hit: int
+    ready: float
+    item: QueuedPrefill
+
+
 class MooncakeSystem(SimSystem):
     """Disaggregated prefill/decode with a global cache-aware Conductor (see module docstring)."""
 
@@ -102,6 +121,10 @@ class MooncakeSystem(SimSystem):
         self.decode_index = {did: j for j, did in enumerate(self.decode_ids)}
         self.free_at = [0.0] * self.P
         self.queued = [0] * self.P
+        self.waiting: list[list[_Waiting]] = [[] for _ in range(self.P)]
+        """Requests not yet placed on each node's timeline, in queueing order."""
+        self.dispatch_at = [-1.0] * self.P
+        """When each node's `_dispatch` is next scheduled."""
         self.nic_free = [0.0] * self.P
         self.mates = self._host_mates()
         self.decodes = [DecodeInstance(str(d), self.loop, self.cost, stretch=(
@@ -136,7 +159,9 @@ class MooncakeSystem(SimSystem):
     def _view(self, request: SimRequest, lengths: list[int], best: int,
               holder: int) -> ClusterView:
         now = self.loop.now
-        loads = [PrefillLoad(pid, self.free_at[i] - now, self.queued[i])
+        loads = [PrefillLoad(pid, max(0.0, self.free_at[i] - now)
+                             + sum(w.item.prefill_s for w in self.waiting[i]), self.queued[i],
+                             waiting=tuple(w.item for w in self.waiting[i]))
                  for i, pid in enumerate(self.prefill_ids)]
         decodes = [DecodeState(self.decode_ids[j], d.batch_size, d.context_tokens, d.kv_used,
                                d.capacity, len(d.waiting), d.waiting_tokens)
@@ -182,7 +207,35 @@ class MooncakeSystem(SimSystem):
         hit = min(reused * bt, n_in - 1)
         record.hit_tokens = hit
         record.prefill_id, record.decode_id = str(decision.prefill_id), str(decision.decode_id)
-        self._start_prefill(request, record, i, j, hit, ready)
+        if self.policy.queue_order.arrival_order:  # its turn is known now
+            self._start_prefill(request, record, i, j, hit, ready)
+            return
+        self.waiting[i].append(_Waiting(request, record, j, hit, ready,
+                                        self.policy.queued(info, decision)))
+        self.queued[i] += 1
+        self.pending[request.index] = self._pending(request, decision)
+        self._dispatch(i)
+
+    def _pending(self, request: SimRequest, route: Route) -> PendingDecode:
+        return PendingDecode(self.loop.now + route.est_ttft_s, request.output_tokens,
+                             route.decode_id, request.input_tokens)
+
+    def _dispatch(self, i: int) -> None:
+        """While node ``i`` is free, place the next of its waiting requests in the queue
+        order; when it is busy, come back when it is free."""
+        assert self.policy is not None, "prepare() runs before the first arrival"
+        order, queue, now = self.policy.queue_order, self.waiting[i], self.loop.now
+        while queue:
+            if self.free_at[i] > now:
+                if self.dispatch_at[i] != self.free_at[i]:
+                    self.dispatch_at[i] = self.free_at[i]
+                    self.loop.at(self.free_at[i], Priority.COMPLETE, self._dispatch, i)
+                return
+            w = queue.pop(order.first([w.item for w in queue], now))
+            self.queued[i] -= 1
+            for g in self._start_prefill(w.request, w.record, i, w.decode, w.hit, w.ready):
+                if g != i:
+                    self._dispatch(g)  # a pipeline group took its time: come back later
 
     def _group(self, i: int, new_tokens: int) -> list[int]:
         cfg = self.config
@@ -194,7 +247,9 @@ class MooncakeSystem(SimSystem):
         return [i, *others]
 
     def _start_prefill(self, request: SimRequest, record: RequestRecord, i: int, j: int,
-                       hit: int, ready: float) -> None:
+                       hit: int, ready: float) -> list[int]:
+        """Place the request's prefill on the timeline of node ``i`` (and of its pipeline
+        group); the nodes it occupies (none when ``prefill_reject`` drops it)."""
         new = request.input_tokens - hit
         group = self._group(i, new)
         k = len(group)
@@ -211,7 +266,8 @@ class MooncakeSystem(SimSystem):
         if self.config.prefill_reject and end - request.arrival_s > self.config.ttft_slo_s:
             record.rejected = RejectStage.PREFILL
             record.reject_reason = "prefill_ttft_slo"
-            return
+            self.pending.pop(request.index, None)
+            return []
         for g in group:
             self.free_at[g] = end
             self.queued[g] += 1
@@ -225,6 +281,7 @@ class MooncakeSystem(SimSystem):
             kv_ready, request.output_tokens, self.decode_ids[j], request.input_tokens)
         self.loop.at(end, Priority.COMPLETE, self._prefill_done, request, record, group, j,
                      kv_ready)
+        return group
 
     def _decode_busy(self, j: int) -> tuple[float, float]:
         """Estimated window in which decode node ``j`` steps: from now while it runs (else
@@ -287,7 +344,9 @@ class MooncakeSystem(SimSystem):
         for rank, k in self.ranked.items():
             self.rank_series[str(rank)].append(self.pool.replicas(k))
         return {
-            "prefill_load": sum(max(0.0, f - now) for f in self.free_at) / self.P / slo,
+            "prefill_load": sum(max(0.0, f - now) + sum(w.item.prefill_s for w in q)
+                                for f, q in zip(self.free_at, self.waiting, strict=True))
+            / self.P / slo,
             "prefill_queued": float(sum(self.queued)),
             "decode_load": sum(d.kv_used / d.capacity for d in self.decodes) / self.D,
             "decode_tbt_load": self._tbt_load(),

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from yuebing.conductor.policy.queue import DEFAULT_AGING, DEFAULT_QUEUE, PREFILL_QUEUES
 from yuebing.core.config import require
 from yuebing.core.registry import Registry
 from yuebing.sim.hardware import CostModel
@@ -41,6 +42,13 @@ class SimConfig:
         "help": "decode selector: least_loaded, forecast, random"})
     admission: str = field(default="none", metadata={
         "help": "admission: none, slo, early_rejection, predictive_early_rejection"})
+    prefill_queue: str = field(default="fifo", metadata={
+        "help": "order of each prefill node's queue (mooncake): "
+                + ", ".join(PREFILL_QUEUES) + " (yuebing.conductor.policy.queue; fifo: the "
+                "order the paper reproduction is pinned on; the live Conductor defaults to "
+                + DEFAULT_QUEUE + ")"})
+    prefill_queue_aging: float = field(default=DEFAULT_AGING, metadata={
+        "help": "sjf_aging: seconds of estimated prefill forgiven per second waited"})
     cost_model: str = field(default="roofline", metadata={"help": "roofline or fitted"})
     profile: str = field(default="", metadata={
         "help": "predictor or samples JSON written by yuebing profile (fitted cost model)"})
@@ -88,6 +96,11 @@ class SimConfig:
         require(self.cpp_threshold_tokens > 0, "cpp_threshold_tokens must be > 0")
         require(self.cpp_max_nodes >= 1, "cpp_max_nodes must be >= 1")
         require(self.sample_interval_s > 0, "sample_interval_s must be > 0")
+        require(self.prefill_queue in PREFILL_QUEUES,
+                f"prefill_queue {self.prefill_queue!r} unknown; use one of "
+                f"{', '.join(PREFILL_QUEUES)}")
+        require(math.isfinite(self.prefill_queue_aging) and self.prefill_queue_aging > 0,
+                f"prefill_queue_aging must be a positive number, got {self.prefill_queue_aging}")
         require(self.cost_model != "fitted" or bool(self.profile),
                 "cost_model 'fitted' needs --profile PATH")
         require(not self.colocated or self.system == "mooncake",

@@ -19,6 +19,7 @@ from yuebing.conductor.policy.predictors import (
     save_predictors,
 )
 from yuebing.conductor.policy.prefill import PREFILL_SELECTORS
+from yuebing.conductor.policy.queue import PREFILL_QUEUES, QueueOrder
 from yuebing.conductor.policy.types import (
     ClusterView,
     Decision,
@@ -26,6 +27,7 @@ from yuebing.conductor.policy.types import (
     PendingDecode,
     PrefillState,
     PrefixSource,
+    QueuedPrefill,
     Reject,
     RejectStage,
     RequestInfo,
@@ -35,6 +37,7 @@ from yuebing.conductor.policy.types import (
 __all__ = [
     "ADMISSIONS",
     "DECODE_SELECTORS",
+    "PREFILL_QUEUES",
     "PREFILL_SELECTORS",
     "BivariatePolynomial",
     "ClusterView",
@@ -48,6 +51,8 @@ __all__ = [
     "PrefillPredictor",
     "PrefillState",
     "PrefixSource",
+    "QueueOrder",
+    "QueuedPrefill",
     "Reject",
     "RejectReason",
     "RejectStage",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from yuebing.conductor.policy.admission import ADMISSIONS
 from yuebing.conductor.policy.decode import DECODE_SELECTORS
 from yuebing.conductor.policy.prefill import PREFILL_SELECTORS
+from yuebing.conductor.policy.queue import DEFAULT_AGING, DEFAULT_QUEUE, PREFILL_QUEUES
 from yuebing.core.config import require
 
 
@@ -30,6 +31,13 @@ class PolicyConfig:
         "decode instance selection: " + ", ".join(DECODE_SELECTORS)))
     admission: str = field(default="none", metadata=_help(
         "admission control: " + ", ".join(ADMISSIONS)))
+    prefill_queue: str = field(default=DEFAULT_QUEUE, metadata=_help(
+        "order of each prefill instance's queue: fifo, sjf_aging (shortest estimated prefill "
+        "first, aged by --prefill-queue-aging), edf (earliest TTFT deadline first among the most "
+        "requests that can all meet theirs; the others yield for one TTFT SLO)"))
+    prefill_queue_aging: float = field(default=DEFAULT_AGING, metadata=_help(
+        "sjf_aging: seconds of estimated prefill a request is forgiven per second it waits (a "
+        "request is overtaken only by those arriving within its prefill / this after it)"))
     block_tokens: int = field(default=512, metadata=_help(
         "tokens per KV block key (the trace's hash_ids cover 512 tokens)"))
     kv_bytes_per_token: int = field(default=327_680, metadata=_help(
@@ -58,14 +66,16 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         for name, registry in (("prefill_selector", PREFILL_SELECTORS),
-                               ("decode_selector", DECODE_SELECTORS), ("admission", ADMISSIONS)):
+                               ("decode_selector", DECODE_SELECTORS), ("admission", ADMISSIONS),
+                               ("prefill_queue", PREFILL_QUEUES)):
             value = getattr(self, name)
             require(value in registry,
                     f"{name} {value!r} unknown; use one of {', '.join(registry)}")
         require(self.block_tokens >= 1, f"block_tokens must be ≥ 1, got {self.block_tokens}")
         require(self.kv_bytes_per_token >= 1,
                 f"kv_bytes_per_token must be ≥ 1, got {self.kv_bytes_per_token}")
-        for name in ("ttft_slo_s", "tbt_slo_s", "early_rejection_threshold"):
+        for name in ("ttft_slo_s", "tbt_slo_s", "early_rejection_threshold",
+                     "prefill_queue_aging"):
             v = getattr(self, name)
             require(math.isfinite(v) and v > 0, f"{name} must be a positive number, got {v}")
         require(math.isfinite(self.kvcache_balancing_threshold)

@@ -24,9 +24,11 @@ from yuebing.conductor.policy.config import PolicyConfig
 from yuebing.conductor.policy.decode import DECODE_SELECTORS
 from yuebing.conductor.policy.predictors import Predictors
 from yuebing.conductor.policy.prefill import PREFILL_SELECTORS
+from yuebing.conductor.policy.queue import PREFILL_QUEUES
 from yuebing.conductor.policy.types import (
     ClusterView,
     Decision,
+    QueuedPrefill,
     Reject,
     RejectStage,
     RequestInfo,
@@ -40,7 +42,7 @@ class Policy:
 
     __slots__ = ("config", "predictors", "max_decode_duration_s", "_prefill", "_decode",
                  "_admission", "_durations", "_mean_duration", "_tail_sums", "prefill_time",
-                 "decode_time", "_tp", "cpp_threshold")
+                 "decode_time", "_tp", "cpp_threshold", "queue_order")
 
     def __init__(self, config: PolicyConfig, predictors: Predictors) -> None:
         self.config = config
@@ -48,6 +50,9 @@ class Policy:
         self._prefill = PREFILL_SELECTORS.get(config.prefill_selector)
         self._decode = DECODE_SELECTORS.get(config.decode_selector)
         self._admission = ADMISSIONS.get(config.admission)
+        self.queue_order = PREFILL_QUEUES.get(config.prefill_queue)(
+            config.prefill_queue_aging, config.ttft_slo_s)
+        """The order of every prefill instance's queue (`yuebing.conductor.policy.queue`)."""
         self.prefill_time = predictors.prefill.predict
         """``prefill_time(new_tokens, cached_tokens)`` seconds (the prefill predictor)."""
         self.decode_time = predictors.decode.predict
@@ -70,6 +75,23 @@ class Policy:
         last block may be partial), but never the last prompt token, which is recomputed."""
         return min(blocks * self.config.block_tokens, input_tokens - 1)
 
+    def queue_wait(self, view: ClusterView, index: int, prefill_s: float) -> float:
+        """Seconds a new request of ``prefill_s`` waits on ``view.prefills[index]``: the work
+        started there, plus the waiting requests the queue order serves before it."""
+        p = view.prefills[index]
+        if not p.waiting or self.queue_order.arrival_order:
+            return p.queue_s
+        new = QueuedPrefill("", view.now_s, prefill_s, view.now_s + self.config.ttft_slo_s)
+        started = max(0.0, p.queue_s - sum(w.prefill_s for w in p.waiting))
+        return started + self.queue_order.ahead_s(p.waiting, new, view.now_s,
+                                                  view.now_s + started)
+
+    def queued(self, request: RequestInfo, route: Route) -> QueuedPrefill:
+        """``request`` as its prefill instance's queue holds it (both adapters build it here)."""
+        return QueuedPrefill(request.request_id, request.arrival_s,
+                             route.est_prefill_s + route.est_transfer_s,
+                             request.arrival_s + self.config.ttft_slo_s)
+
     def prefill_estimate(self, view: ClusterView, index: int, new_tokens: int,
                          cached_tokens: int) -> tuple[float, float]:
         """(queue seconds, prefill seconds) of a prefill on ``view.prefills[index]``.
@@ -78,20 +100,21 @@ class Policy:
         k = min(cpp_max_nodes, prefill instances, ceil(new / threshold)) instances: the chosen
         one plus the k-1 least queued others. Each holds 1/k of the layers, plus one chunk of
         pipeline bubble per extra stage: t = t₁ / k · (1 + (k-1) / chunks); it starts when the
-        whole group is free.
+        whole group is free. The wait on the chosen instance follows the queue order
+        (`queue_wait`); on the others it is their whole queue.
         """
-        p = view.prefills[index]
         single = self.prefill_time(new_tokens, cached_tokens)
         cfg = self.config
         if new_tokens <= self.cpp_threshold:
-            return p.queue_s, single
+            return self.queue_wait(view, index, single), single
         k = min(cfg.cpp_max_nodes, len(view.prefills),
                 -(-new_tokens // cfg.cpp_threshold_tokens))
         if k <= 1:
-            return p.queue_s, single
+            return self.queue_wait(view, index, single), single
         chunks = -(-new_tokens // cfg.cpp_chunk_tokens)
+        t = single / k * (1.0 + (k - 1) / chunks)
         others = sorted(q.queue_s for j, q in enumerate(view.prefills) if j != index)
-        return max(p.queue_s, others[k - 2]), single / k * (1.0 + (k - 1) / chunks)
+        return max(self.queue_wait(view, index, t), others[k - 2]), t
 
     def transfer_time(self, nbytes: float, view: ClusterView) -> float:
         return self._tp(nbytes, view.link_bandwidth_Bps, view.link_latency_s)
@@ -160,6 +183,10 @@ def check_inputs(req: RequestInfo, view: ClusterView, block_tokens: int) -> None
             raise InputError(f"view: prefill {p.instance_id}: local_prefix_blocks must be in "
                              f"0..{nkeys} and queue_s ≥ 0, got {p.local_prefix_blocks}, "
                              f"{p.queue_s}")
+        if not all(math.isfinite(w.arrival_s + w.deadline_s) and w.prefill_s >= 0
+                   and math.isfinite(w.prefill_s) for w in p.waiting):
+            raise InputError(f"view: prefill {p.instance_id}: waiting requests need finite "
+                             "times and prefill_s ≥ 0")
     for d in view.decodes:
         if d.kv_capacity_tokens <= 0 or min(d.batch_size, d.context_tokens, d.kv_used_tokens,
                                             d.waiting_requests, d.waiting_context_tokens) < 0:

@@ -4,8 +4,9 @@ Called by `Policy.decide` once per arriving request with the request and the vie
 returns a `PrefillPlan` for the chosen instance: which leading blocks it reuses, whether it first
 fetches a longer prefix from a remote holder, and the TTFT estimate
 ``transfer + queue + prefill(new tokens, reused tokens)``, where at least the last prompt token is
-always recomputed (its logits give the first token). Every selector reuses the chosen instance's
-own cached prefix (engines always do); they differ in how they choose:
+always recomputed (its logits give the first token) and the queue time is the work that the
+instance's queue order serves before the request (`Policy.queue_wait`). Every selector reuses the
+chosen instance's own cached prefix (engines always do); they differ in how they choose:
 
 - ``random``: a stable hash of (seed, request id) picks the instance.
 - ``load_balance``: least queued work (``queue_s``), then fewest queued requests.
@@ -96,7 +97,8 @@ def select_local_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) -
         if n - cached > cpp:
             ttft = sum(pol.prefill_estimate(view, i, n - cached, cached))
         else:
-            ttft = p.queue_s + predict(n - cached, cached)
+            t = predict(n - cached, cached)
+            ttft = pol.queue_wait(view, i, t) + t
         if ttft < best_ttft:
             best, best_ttft = i, ttft
     return _local_plan(pol, req, view, best)
@@ -118,7 +120,8 @@ def select_global_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) 
         if n - cached > cpp:
             ttft = sum(pol.prefill_estimate(view, i, n - cached, cached))
         else:
-            ttft = p.queue_s + predict(n - cached, cached)
+            t = predict(n - cached, cached)
+            ttft = pol.queue_wait(view, i, t) + t
         fetch = 0
         if best_blocks > local and (local == 0 or best_blocks / local > threshold) \
                 and src is not None and src.holder != p.instance_id:
@@ -128,7 +131,8 @@ def select_global_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) 
                 ttft_fetch = transfer_s + sum(pol.prefill_estimate(view, i, n - best_tokens,
                                                                    best_tokens))
             else:
-                ttft_fetch = transfer_s + p.queue_s + remote_prefill_s
+                ttft_fetch = (transfer_s + pol.queue_wait(view, i, remote_prefill_s)
+                              + remote_prefill_s)
             if ttft_fetch + pol.config.min_transfer_gain_s < ttft:
                 ttft, fetch = ttft_fetch, best_blocks - local
         if ttft < best[0]:

@@ -34,6 +34,18 @@ class RequestInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class QueuedPrefill:
+    """A request waiting for a prefill instance, as the queue orders see it."""
+
+    request_id: str
+    arrival_s: float
+    prefill_s: float
+    """Estimated seconds the instance spends on it (prefix fetch + prefill)."""
+    deadline_s: float
+    """When its first token is due (arrival + TTFT SLO)."""
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillState:
     """Snapshot of one prefill instance, specialised to the request being routed."""
 
@@ -45,6 +57,9 @@ class PrefillState:
     """Leading blocks of this request already in this instance's own cache (DRAM/HBM)."""
     node: str = ""
     """Host the instance runs on (transfers between instances of one node are cheaper)."""
+    waiting: tuple[QueuedPrefill, ...] = ()
+    """The requests of ``queue_s`` not started yet, in queueing order: the queue order
+    (`yuebing.conductor.policy.queue`) may serve a new request before some of them."""
 
 
 @dataclass(frozen=True, slots=True)

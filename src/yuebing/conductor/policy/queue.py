@@ -1,0 +1,142 @@
+"""Prefill queue orders: which waiting request a prefill instance serves next, registered by name.
+
+Called by the adapters that keep a prefill queue — the live Conductor's `PrefillGate` and the
+simulator's prefill nodes (`yuebing.sim.mooncake`) — with the waiting requests as
+`QueuedPrefill`s (`QueueOrder.first`: the one to serve now), and by `Policy` for a new request's
+queue wait: the work of the waiting requests ordered before it (`QueueOrder.ahead_s`). Each
+order ranks the waiting requests; ties go to the request queued first. ``now_s`` comes from the
+caller; nothing here reads a clock.
+
+- ``fifo``: arrival order.
+- ``sjf_aging``: shortest estimated prefill first, aged: key = prefill_s − aging · waited, the
+  same ranking as prefill_s + aging · arrival_s. A request is overtaken only by requests that
+  arrive within prefill_s / aging seconds after it, so none starves.
+- ``edf``: earliest TTFT deadline first over the most waiting requests that can all still meet
+  their deadlines (Moore-Hodgson: in deadline order, whenever one would be late, the longest so
+  far is set aside); the ones set aside follow, each ranked as if due one TTFT SLO later, so a
+  request yields only to those that arrived within one SLO after it. (With one SLO for every
+  request and nobody late this is arrival order.)
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from yuebing.conductor.policy.types import QueuedPrefill
+from yuebing.core.registry import Registry
+
+
+class QueueOrder(ABC):
+    """One order of a prefill queue (see the module docstring for who calls it)."""
+
+    arrival_order = False
+    """True when the order is arrival order: a request's turn is known when it arrives."""
+
+    def __init__(self, aging: float, ttft_slo_s: float) -> None:
+        self.aging = aging
+        self.ttft_slo_s = ttft_slo_s
+
+    @abstractmethod
+    def order(self, items: Sequence[QueuedPrefill], now_s: float,
+              start_s: float | None = None) -> list[int]:
+        """Indices of ``items`` (in queueing order) in the order they would be served from
+        ``start_s`` (default ``now_s``) on, if nothing else arrived."""
+
+    def first(self, items: Sequence[QueuedPrefill], now_s: float) -> int:
+        """Index in ``items`` of the request to serve at ``now_s``."""
+        return self.order(items, now_s)[0]
+
+    def ahead_s(self, items: Sequence[QueuedPrefill], new: QueuedPrefill, now_s: float,
+                start_s: float | None = None) -> float:
+        """Seconds of ``items``' work served before ``new``, which joins them at ``now_s``
+        (the first of them can start at ``start_s``)."""
+        if self.arrival_order:
+            return sum(item.prefill_s for item in items)
+        ahead = 0.0
+        for i in self.order([*items, new], now_s, start_s):
+            if i == len(items):
+                return ahead
+            ahead += items[i].prefill_s
+        raise AssertionError("order() lost an item")
+
+
+class KeyOrder(QueueOrder):
+    """An order by a per-request key, lowest first (ties: queued first)."""
+
+    @abstractmethod
+    def key(self, item: QueuedPrefill, now_s: float) -> float:
+        """Rank of ``item`` at ``now_s``."""
+
+    def order(self, items: Sequence[QueuedPrefill], now_s: float,
+              start_s: float | None = None) -> list[int]:
+        return sorted(range(len(items)), key=lambda i: (self.key(items[i], now_s), i))
+
+    def first(self, items: Sequence[QueuedPrefill], now_s: float) -> int:
+        best, best_key = 0, math.inf
+        for i, item in enumerate(items):
+            k = self.key(item, now_s)
+            if k < best_key:
+                best, best_key = i, k
+        return best
+
+    def ahead_s(self, items: Sequence[QueuedPrefill], new: QueuedPrefill, now_s: float,
+                start_s: float | None = None) -> float:
+        if self.arrival_order:
+            return sum(item.prefill_s for item in items)
+        k = self.key(new, now_s)
+        return sum(item.prefill_s for item in items if self.key(item, now_s) <= k)
+
+
+PREFILL_QUEUES: Registry[type[QueueOrder]] = Registry("prefill queue order")
+DEFAULT_QUEUE = "sjf_aging"
+"""The live Conductor's order unless told otherwise: in the simulated 1P1D on the serving head to
+head's workload it sustains the highest rate at ≥ 90 % SLO attainment (docs/benchmarks.md,
+``benchmarks/prefill_queue.py``). The simulator defaults to ``fifo``, the order its paper
+reproduction is pinned on."""
+DEFAULT_AGING = 0.1
+"""``sjf_aging``'s default ageing (seconds of estimated prefill forgiven per second waited)."""
+
+
+@PREFILL_QUEUES.register("fifo")
+class Fifo(KeyOrder):
+    """First come, first served."""
+
+    arrival_order = True
+
+    def key(self, item: QueuedPrefill, now_s: float) -> float:
+        return item.arrival_s
+
+
+@PREFILL_QUEUES.register("sjf_aging")
+class ShortestFirstAging(KeyOrder):
+    """Shortest estimated prefill first; each second waited counts ``aging`` seconds less."""
+
+    def key(self, item: QueuedPrefill, now_s: float) -> float:
+        return item.prefill_s + self.aging * item.arrival_s
+
+
+@PREFILL_QUEUES.register("edf")
+class EarliestDeadline(QueueOrder):
+    """Earliest deadline first over the most requests that can all meet theirs (Moore-Hodgson);
+    the others follow, each ranked as if due one TTFT SLO later."""
+
+    def order(self, items: Sequence[QueuedPrefill], now_s: float,
+              start_s: float | None = None) -> list[int]:
+        t = now_s if start_s is None else start_s
+        kept: list[int] = []
+        longest: list[tuple[float, int]] = []  # max-heap of (-prefill_s, index) over kept
+        dropped: set[int] = set()
+        for i in sorted(range(len(items)), key=lambda i: (items[i].deadline_s, i)):
+            kept.append(i)
+            heapq.heappush(longest, (-items[i].prefill_s, i))
+            t += items[i].prefill_s
+            if t > items[i].deadline_s:  # someone misses: drop the longest kept so far
+                _, j = heapq.heappop(longest)
+                dropped.add(j)
+                t -= items[j].prefill_s
+        slo = self.ttft_slo_s
+        return sorted(range(len(items)),
+                      key=lambda i: (items[i].deadline_s + (slo if i in dropped else 0.0), i))
