@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -149,14 +150,34 @@ def run_our_client(workload: str, path: Path) -> dict[str, float]:
             "completed": s["completed"]}
 
 
+def estimate_ratios(logs: Path) -> dict[str, float]:
+    """Median over the run's requests of the Conductor's estimate / the measured value, for
+    TTFT and prefill time (from its access log; yuebing only)."""
+    ttft, prefill = [], []
+    for line in (logs / "conductor.log").read_text(errors="replace").splitlines():
+        f = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+        if f.get("status") != "200" or "est_ttft" not in f:
+            continue
+        ms = {k: float(v.removesuffix("ms")) for k, v in f.items()
+              if k in ("ttft", "est_ttft", "prefill", "est_prefill")}
+        if ms["ttft"] > 0:
+            ttft.append(ms["est_ttft"] / ms["ttft"])
+        if ms["prefill"] > 0:
+            prefill.append(ms["est_prefill"] / ms["prefill"])
+    return {"est_ttft_ratio": statistics.median(ttft) if ttft else float("nan"),
+            "est_prefill_ratio": statistics.median(prefill) if prefill else float("nan")}
+
+
 def report(out: Path, rows: list[dict[str, object]]) -> None:
     (out / "summary.json").write_text(json.dumps(rows, indent=2))
-    lines = ["| workload | client | system | req/s | TTFT mean / p99 (s) | TPOT mean (ms) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| workload | client | system | req/s | TTFT mean / p99 (s) | TPOT mean (ms) | "
+             "estimate / measured: TTFT, prefill (median) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
+        est = (f"{r['est_ttft_ratio']:.2f}, {r['est_prefill_ratio']:.2f}"
+               if "est_ttft_ratio" in r else "–")
         lines.append(f"| {r['workload']} | {r['client']} | {r['system']} | {r['req_s']:.2f} | "
                      f"{r['ttft_mean_s']:.2f} / {r['ttft_p99_s']:.2f} | "
-                     f"{1e3 * float(r['tpot_mean_s']):.0f} |")
+                     f"{1e3 * float(r['tpot_mean_s']):.0f} | {est} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib
@@ -209,6 +230,8 @@ def main() -> int:
                                  **run(workload, path)})
                 finally:
                     stop(proc)
+                if system.startswith("yuebing"):
+                    rows[-1].update(estimate_ratios(out / "logs" / system))
                 print(f"  {rows[-1]}", flush=True)
     report(out, rows)
     return 0

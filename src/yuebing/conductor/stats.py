@@ -108,4 +108,5 @@ class RequestStats:
                 f"queue={self.queue_s * 1e3:.1f}ms prefix_load={b.prefix_load_s * 1e3:.1f}ms "
                 f"prefill={b.prefill_s * 1e3:.1f}ms transfer={b.transfer_s * 1e3:.1f}ms "
                 f"decode_wait={b.decode_wait_s * 1e3:.1f}ms conductor={self.dispatch_s * 1e3:.2f}ms "
-                f"e2e={self.e2e_s * 1e3:.1f}ms")
+                f"e2e={self.e2e_s * 1e3:.1f}ms est_ttft={self.est_ttft_s * 1e3:.1f}ms "
+                f"est_prefill={self.est_prefill_s * 1e3:.1f}ms")
