@@ -146,8 +146,9 @@ class Instance:
         """The engine's start-up profile, sent to the Conductors in `Hello` (their predictors)."""
         name = cfg.instance_id or f"{cfg.role}-{os.getpid()}"  # the id is set once bound
         trace = Path(cfg.step_trace_dir) / f"{name}.steps.jsonl" if cfg.step_trace_dir else None
-        ledger = CoreLedger(cfg.threads) if cfg.lend_cores and self.engine.device.type == "cpu" \
-            else None
+        # a step's bits depend on its thread count: a batch-invariant engine keeps its own
+        lends = cfg.lend_cores and not cfg.batch_invariant and self.engine.device.type == "cpu"
+        ledger = CoreLedger(cfg.threads) if lends else None
         self.driver = EngineDriver(self.engine, self._outputs_from_driver, cfg.threads,
                                    f"engine-{cfg.role}", trace, ledger)
         self.tasks: dict[str, Task] = {}

@@ -42,7 +42,8 @@ class InstanceConfig:
         "help": "lend this instance's cores to the other instances of this host while it is "
                 "idle, and borrow theirs while they are (a shared-memory ledger in /dev/shm; "
                 "each step runs with its own threads plus the idle instances', at most the "
-                "cores it may use)"})
+                "cores it may use; not with --batch-invariant: a step's bits depend on its "
+                "thread count)"})
     num_blocks: int = field(default=0, metadata={
         "help": "KV blocks of 16 tokens (0 = from --kv-cache-bytes)"})
     kv_cache_bytes: int = field(default=512 << 20, metadata={
