@@ -11,7 +11,7 @@ ZeroMQ PUB socket and forwards replication entries.
 
 Roles: the `Elector` decides. A standby answers every call with ``Err(NOT_LEADER, leader=...)``
 and follows the leader (snapshot + entries); when elected it rebuilds allocators and serves
-(`replication.take_over`). A leader that loses its lease steps down and re-syncs as a standby.
+(`Replication.take_over`). A leader that loses its lease steps down and re-syncs as a standby.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from yuebing.store.cluster_messages import (
     TaskDone,
 )
 from yuebing.store.config import MasterConfig
-from yuebing.store.master import replication, segments
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.election import Elector, EtcdElector, SingleElector
+from yuebing.store.master.replication import ReplicationHub
 from yuebing.store.wire import MAX_FRAME, FrameSocket
 from yuebing.store.wire_limits import FrameLimits
 from yuebing.store.wire_server import FrameServer
@@ -106,7 +106,7 @@ class MasterService:
         self.elector = elector or (
             EtcdElector(cfg.etcd, cfg.cluster, self.address, cfg.election_ttl_s) if cfg.etcd
             else SingleElector(self.address))
-        self.hub = replication.ReplicationHub(self.core, cfg.repl_timeout_s)
+        self.hub = ReplicationHub(self.core.replication, cfg.repl_timeout_s)
         self.name = f"master-{uuid.uuid4().hex[:8]}"
         self.lock = threading.Lock()
         self.leading = False
@@ -209,11 +209,11 @@ class MasterService:
             if core.events:
                 self._send_events()
             for client, task in core.outbox:
-                sess = core.sessions.get(client)
+                sess = core.sessions.sessions.get(client)
                 if sess is not None and sess.ident is not None and sess.ident in self.server.conns:
                     send(sess.ident, 0, encode(task))  # type: ignore[arg-type]
                 else:
-                    segments.task_done(core, TaskDone(  # not core.handle: no session touch
+                    core.tiers.task_done(TaskDone(  # not core.handle: no session touch
                         client=client, task=task.task, ok=False,
                         message=f"node {client} is not connected"))
             core.outbox.clear()
@@ -249,14 +249,14 @@ class MasterService:
         if is_leader and not self.leading:
             with self.lock:
                 self._unfollow()
-                replication.take_over(self.core)
+                self.core.replication.take_over()
                 self.leading = True
         elif not is_leader and self.leading:
             log.error("lost leadership; stepping down to standby")
             with self.lock:
                 self.leading = False
                 self.core.log = None
-                self.hub = replication.ReplicationHub(self.core, self.cfg.repl_timeout_s)
+                self.hub = ReplicationHub(self.core.replication, self.cfg.repl_timeout_s)
                 for cid, rid, _ in self._held:
                     self.server.send(cid, rid, encode(m.Err(code=C.NOT_LEADER,
                                                             message="leader stepped down")))
@@ -302,7 +302,7 @@ class MasterService:
         assert self._follow is not None
         with self.lock:
             if isinstance(msg, ReplSnapshot):
-                replication.load_snapshot(self.core, msg.state)
+                self.core.replication.load_snapshot(msg.state)
                 self._follow_seq = msg.seq
             elif isinstance(msg, ReplEntries):
                 if msg.first_seq != self._follow_seq + 1:
@@ -310,7 +310,7 @@ class MasterService:
                               msg.first_seq, self._follow_seq)
                     self._subscribe(self._follow_addr)
                     return
-                replication.apply_entries(self.core, msg.entries)
+                self.core.replication.apply_entries(msg.entries)
                 self._follow_seq += len(msg.entries)
             else:
                 return
