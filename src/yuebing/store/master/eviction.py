@@ -142,40 +142,17 @@ class Eviction:
 
     # -------------------------------------------------------------- draining segments
     def drain(self) -> int:
-        """Drop the replicas on draining segments of values that keep one elsewhere (no reader
-        may still hold that replica — `Migrations.reader_may_hold` —, not moving); returns the
-        bytes freed. Called every tick; walks only the keys that `Migrations.index` filed as
-        spare on draining segments that still hold something."""
+        """Drop the replicas on draining segments of values that keep one elsewhere and that no
+        reader may still hold (`Migrations.redundant`); returns the bytes freed. Called every
+        tick, only while a draining segment still holds something."""
         segs = self.segments.segs
         draining = [s.id for s in segs.values()
                     if s.state == SegState.DRAINING and s.alloc is not None and s.alloc.used]
         if not draining:
             return 0
-        d = self.migrations
-        d.index()
-        now = self.clock.now()
+        picked = self.migrations.redundant(draining, self.clock.now())
         objs = self.objects.objs
-        picked: dict[str, list[tuple[int, int]]] = {}
-        freed = 0
-        for sid in draining:
-            spare = d.spare.get(sid)
-            if not spare:
-                continue
-            gone = []
-            for key in spare:
-                o = objs.get(key)
-                if o is None or not any(r[0] == sid for r in o.reps):
-                    gone.append(key)
-                    continue
-                if (o.state != ObjState.COMMITTED or o.moving or key in picked
-                        or d.reader_may_hold(key, o, sid, now)):
-                    continue
-                mine = [r for r in o.reps if segs[r[0]].state == SegState.DRAINING
-                        and not d.reader_may_hold(key, o, r[0], now)]
-                if len(mine) < len(o.reps):
-                    picked[key] = mine
-                    freed += o.size * len(mine)
-            spare.difference_update(gone)
+        freed = sum(objs[key].size * len(mine) for key, mine in picked.items())
         for key, mine in picked.items():  # act after the scan: dropping mutates the sets
             self.drop_replicas(key, mine)
         return freed

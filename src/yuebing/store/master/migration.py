@@ -236,6 +236,33 @@ class Migrations:
         spare.difference_update(gone)
         return 0, leased
 
+    def redundant(self, draining: list[int], now: float) -> dict[str, list[tuple[int, int]]]:
+        """The replicas on ``draining`` segments that may be dropped now, by key: the value keeps
+        a replica elsewhere, is committed and not moving, and no reader may hold them
+        (`reader_may_hold`). Walks only the spare sets, pruning keys that left."""
+        self.index()
+        objs, segs = self.objects.objs, self.segments.segs
+        picked: dict[str, list[tuple[int, int]]] = {}
+        for sid in draining:
+            spare = self.spare.get(sid)
+            if not spare:
+                continue
+            gone = []
+            for key in spare:
+                o = objs.get(key)
+                if o is None or not any(r[0] == sid for r in o.reps):
+                    gone.append(key)
+                    continue
+                if (o.state != ObjState.COMMITTED or o.moving or key in picked
+                        or self.reader_may_hold(key, o, sid, now)):
+                    continue
+                mine = [r for r in o.reps if segs[r[0]].state == DRAINING
+                        and not self.reader_may_hold(key, o, r[0], now)]
+                if len(mine) < len(o.reps):
+                    picked[key] = mine
+            spare.difference_update(gone)
+        return picked
+
     # -------------------------------------------------------------- migrations
     def pump(self) -> int:
         """Start queued migrations while fewer than ``drain_parallel`` are in flight; returns

@@ -133,10 +133,10 @@ class Replication:
         self.objects.clear()
         self.segments.clear()
         self.sessions.clear()
-        self.tasks.tasks.clear()
+        self.tasks.clear()
         self.migrations.reset()  # a stale drain index would skip values now at risk
         self.leases.forget_handouts()
-        self.fence.inflight.clear()
+        self.fence.inflight.clear()  # the snapshot's tasks, below, are the ones in flight
         self.book.clear()
         for sid, name, size, tier, node, client, st, *inc in state["segs"]:
             self.membership.add_segment(sid, name, size, tier, node, client, None,
@@ -151,8 +151,7 @@ class Replication:
         for row in state.get("reservations", []):
             self.reserve.apply_resv(["resv", *row])
         self.book.load_recent(state.get("recent_commits", []))
-        segs = self.segments
-        segs.next_id = max(segs.next_id, state["next_seg"])
+        self.segments.skip_ids(state["next_seg"])
         self.fence.quarantine.load(self.clock.now(), state.get("quarantine", []))
         for tid, sid, off, size, left in state.get("tasks", []):
             self.fence.apply_task(["task", tid, sid, off, size, left])

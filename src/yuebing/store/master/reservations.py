@@ -88,6 +88,15 @@ class Reservations:
         mine = self.recent.get(client)
         return None if mine is None else mine.get(name)
 
+    def new_key(self, client: str, taken: dict) -> str:
+        """A fresh reservation name of ``client`` not in ``taken`` (a new leader restarts the
+        sequence: names its predecessor used are skipped)."""
+        while True:
+            self.seq += 1
+            key = f"{PREFIX}{client}/{self.seq}"
+            if key not in taken:
+                return key
+
     def renumber(self, base: int) -> None:
         """A new leader numbers reservations from ``base`` unless already past it (a retry
         must never meet a new reservation under the name its first try consumed)."""

@@ -21,7 +21,7 @@ from yuebing.store.config import MasterConfig
 from yuebing.store.master.effects import Effects
 from yuebing.store.master.objects import Objects
 from yuebing.store.master.puts import Puts
-from yuebing.store.master.reservations import PREFIX, Reservations, check_key, shape_of
+from yuebing.store.master.reservations import Reservations, check_key, shape_of
 from yuebing.store.master.state import ObjState
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class Reserve:
             n = min(n, len(keys))
         objects, expiry = self.objects, self.objects.fence.expiry
         while len(keys) < n:
-            key = self._new_key(client)
+            key = rs.new_key(client, self.objects.objs)
             resv = m.PutItem(key=key, size=item.size, replicas=item.replicas,
                              strategy=item.strategy, preferred=item.preferred,
                              timeout_s=item.timeout_s)
@@ -99,14 +99,6 @@ class Reserve:
                                                  for s, off in objs[key].reps],
                               expires_in_s=max(0.0, expiry[key] - now))  # as `expires_in`
                 for key in keys[:n]]
-
-    def _new_key(self, client: str) -> str:
-        rs, objs = self.book, self.objects.objs
-        while True:  # a new leader restarts the sequence: skip keys its predecessor used
-            rs.seq += 1
-            key = f"{PREFIX}{client}/{rs.seq}"
-            if key not in objs:
-                return key
 
     # -------------------------------------------------------------- commits
     def commit(self, msg: m.PutCommit) -> m.Message:

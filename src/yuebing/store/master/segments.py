@@ -43,6 +43,10 @@ class Segments:
         self.next_id = max(self.next_id, sid + 1)
         return s
 
+    def skip_ids(self, next_id: int) -> None:
+        """New segments get ids from ``next_id`` on (a snapshot's: ids are never reused)."""
+        self.next_id = max(self.next_id, next_id)
+
     def remove(self, sid: int) -> Seg:
         s = self.segs.pop(sid)
         del self.by_name[s.name]

@@ -100,6 +100,13 @@ class Tasks:
                 (w, m.Err(code=C.INTERNAL, message=f"move to DRAM failed: {why}")))
         return t
 
+    def finish(self, tid: int) -> None:
+        """Task ``tid`` landed (`Tiers.task_done` applies its copy)."""
+        del self.tasks[tid]
+
+    def clear(self) -> None:
+        self.tasks.clear()
+
     def count(self, kind: int) -> int:
         """Tasks of ``kind`` in flight."""
         return sum(1 for t in self.tasks.values() if t.kind == kind)

@@ -116,7 +116,7 @@ class Tiers:
             landed = msg.ok or t.kind != TaskKind.MIGRATE  # a failed transfer may still land
             self.fail(msg.task, msg.message or "object changed", landed)
             return
-        del tasks[msg.task]
+        self.tasks.finish(msg.task)
         o.moving = 0
         segs = self.segments.segs
         effects = self.effects
