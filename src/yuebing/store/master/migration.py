@@ -6,10 +6,9 @@ request, repeated by the waiting node) counts a segment's at-risk values and que
 counts the values a reader still leases there; `pump` (after a `Drain`, every tick, when a
 migration ends) starts up to ``drain_parallel`` MIGRATE tasks to ACTIVE DRAM segments, retried
 elsewhere after a failure (at most `MAX_ATTEMPTS`). The per-segment *risk* / *spare* key sets
-(`index`, one walk per drain start) keep that work off the object table. Called by
-`Membership` (drain, unmount), `Tiers` (TaskDone, SSD-only reads), `Reads` (replicas a reader
-is given), `Eviction` (its drain pass) and the tick. Not replicated: a new leader rebuilds it
-from the nodes' repeated `Drain` requests.
+(`index`, one walk per drain start) keep that work off the object table. Not replicated: a
+new leader rebuilds it from the nodes' repeated `Drain`s. Called by `Membership`, `Tiers`,
+`Reads`, `Eviction` (its drain pass) and the tick.
 """
 
 from __future__ import annotations

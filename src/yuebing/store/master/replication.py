@@ -1,5 +1,4 @@
-"""Metadata replication from the leader master to its standbys: `Replication` and
-`ReplicationHub`.
+"""Metadata replication from the leader master to its standbys.
 
 The leader's components append an entry to ``Effects.log`` for every change of durable
 metadata (segments, puts, reservations and their renames, commits, deletions, replica moves,

@@ -1,17 +1,12 @@
-"""The master process: RPC adapter around `MasterCore`, plus HA roles.
+"""The master process (`yuebing store master`): RPC adapter around `MasterCore`, plus HA roles.
 
-Life of a request here: a peer sends a frame ``[request id, msgpack message]`` over TCP
-(`wire`, `wire_server`); the loop decodes it (a malformed message gets ``Err(BAD_REQUEST)`` and changes
-nothing; a malformed frame closes only that connection), applies it to the core and answers with
-the same request id — at once, or (sync replication) once every standby has acknowledged the
-entries the call produced, or (SSD promotion) when the node reports the copy. Pushes to nodes
-(tier tasks) and to standbys (replication entries) use request id 0. Between polls the loop
-runs the core's tick (TTL sweep, zombie reclaim, watermark eviction), publishes KV events on a
-ZeroMQ PUB socket and forwards replication entries.
-
-Roles: the `Elector` decides. A standby answers every call with ``Err(NOT_LEADER, leader=...)``
-and follows the leader (snapshot + entries); when elected it rebuilds allocators and serves
-(`Replication.take_over`). A leader that loses its lease steps down and re-syncs as a standby.
+A peer's frame ``[request id, msgpack message]`` (`wire`, `wire_server`) is decoded (a malformed
+message gets ``Err(BAD_REQUEST)`` and changes nothing), applied to the core and answered with the
+same id — at once, once every standby acknowledged its entries (sync replication), or when a
+node reports a promotion's copy. Pushes (node tasks, replication entries) use id 0. Between
+polls the loop runs the core's tick, publishes KV events (ZeroMQ PUB) and forwards entries.
+Roles: the `Elector` decides; a standby answers ``NOT_LEADER`` and follows the leader, and when
+elected takes over (`Replication.take_over`); a leader that loses its lease re-syncs as standby.
 """
 
 from __future__ import annotations
