@@ -84,7 +84,7 @@ def ab(before: str, after: str, rounds: int, n: int) -> None:
                                  check=True, capture_output=True, text=True).stdout
             for row in json.loads(out):
                 got.setdefault(row["op"], {}).setdefault(which, []).append(row["ops_per_s"])
-    print(f"# {rounds} rounds, n={n}, load {open('/proc/loadavg').read().split()[:3]}")
+    print(f"# {rounds} rounds, n={n}, load {os.getloadavg()}")
     print(f"{'op':24} {'before ops/s':>12} {'after':>10} {'x':>6}  per-round x")
     for op, d in got.items():
         b, a = statistics.median(d["before"]), statistics.median(d["after"])

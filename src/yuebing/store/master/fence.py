@@ -67,7 +67,7 @@ class Quarantine:
         return freed
 
     def held(self, sid: int) -> int:
-        """Bytes held back on segment ``sid`` (`eviction.watermark`: they free themselves)."""
+        """Bytes held back on segment ``sid`` (`Eviction.watermark`: they free themselves)."""
         return self._held.get(sid, 0)
 
     def bytes(self, segs: dict[int, Seg]) -> int:
@@ -110,7 +110,7 @@ class Quarantine:
 
     def settle(self, sid: int, taken: list[tuple[int, int]], alignment: int) -> list[tuple[int, int]]:
         """Make the entries of segment ``sid`` consistent with ``taken`` (its objects' ranges)
-        before an allocator rebuild (`replication.take_over`), and return the ranges they hold.
+        before an allocator rebuild (`Replication.take_over`), and return the ranges they hold.
         A standby's fence ends later than its leader's, so the leader may already have given a
         quarantined range to a new object: such entries are dropped (that object holds the
         range); overlapping entries are merged into one, due at the later time."""
