@@ -69,7 +69,8 @@ class MasterCore:
         self.reads = Reads(cfg, clock, self.objects, self.leases, self.migrations, self.tiers, fx)
         self.removal = Removal(cfg, clock, self.objects, fx)
         self.membership = Membership(cfg, clock, self.segments, self.sessions, self.objects,
-                                     self.fence, self.migrations, self.tiers, self.reserve, fx)
+                                     self.fence, self.tasks, self.migrations, self.tiers,
+                                     self.reserve, fx)
         self.replication = Replication(cfg, clock, fx, self.segments, self.sessions,
                                        self.objects, self.fence, self.reservations,
                                        self.reserve, self.tasks, self.leases, self.migrations,

@@ -27,6 +27,7 @@ from yuebing.store.master.reserve import Reserve
 from yuebing.store.master.segments import Segments
 from yuebing.store.master.sessions import Sessions, owns
 from yuebing.store.master.state import Seg, SegState
+from yuebing.store.master.tasks import Tasks
 from yuebing.store.master.tiers import Tiers
 
 log = logging.getLogger(__name__)
@@ -37,17 +38,18 @@ class Membership:
     """Mount / unmount / drain rules over `Segments` and `Sessions`; no state of its own."""
 
     __slots__ = ("cfg", "clock", "effects", "fence", "migrations", "objects", "reserve",
-                 "segments", "sessions", "tiers")
+                 "segments", "sessions", "tasks", "tiers")
 
     def __init__(self, cfg: MasterConfig, clock: Clock, segments: Segments, sessions: Sessions,
-                 objects: Objects, fence: WriteFence, migrations: Migrations, tiers: Tiers,
-                 reserve: Reserve, effects: Effects) -> None:
+                 objects: Objects, fence: WriteFence, tasks: Tasks, migrations: Migrations,
+                 tiers: Tiers, reserve: Reserve, effects: Effects) -> None:
         self.cfg = cfg
         self.clock = clock
         self.segments = segments
         self.sessions = sessions
         self.objects = objects
         self.fence = fence
+        self.tasks = tasks
         self.migrations = migrations
         self.tiers = tiers
         self.reserve = reserve
@@ -136,7 +138,7 @@ class Membership:
         segs = self.segments
         s = segs.segs[sid]
         why = f"segment {s.name} was unmounted"
-        tasks = self.tiers.tasks.tasks
+        tasks = self.tasks.tasks
         for tid in [tid for tid, t in tasks.items() if t.dst[0] == sid]:
             self.tiers.fail(tid, why, landed=False)  # still mounted: its destination is fenced
         segs.remove(sid)
