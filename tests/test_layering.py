@@ -1,8 +1,10 @@
-"""DESIGN.md §2 as a test: every import inside ``src/yuebing`` follows the "may import" column.
+"""DESIGN.md §2 as a test: every import inside ``src/yuebing`` follows the "may import" column,
+and no modules import each other in a circle.
 
 A package may import itself, the ones listed for it, and anything outside yuebing (stdlib and
 declared dependencies; `core` may import only the stdlib). A violation fails with the module,
-line and import named."""
+line and import named. A circle counts imports at module level and inside functions (a lazy
+import does not hide one), not those under ``if TYPE_CHECKING:``; it fails with its modules."""
 
 from __future__ import annotations
 
@@ -83,6 +85,111 @@ def _violations() -> list[str]:
                 bad.append(f"{path.relative_to(SRC.parent)}:{line}: {pkg} imports {name} "
                            f"(allowed: {', '.join(sorted(allowed)) or 'nothing in yuebing'})")
     return bad
+
+
+KNOWN_CIRCLES: dict[str, frozenset[str]] = {}
+"""Circles still allowed, by package, each with why and who removes it. Empty: no package has
+one. An entry whose circle is gone fails the test, so this list only shrinks."""
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _runtime_imports(tree: ast.AST) -> list[str]:
+    """Every ``yuebing`` import that runs (module level or in a function), not under
+    ``if TYPE_CHECKING:``."""
+    out: list[str] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                todo.extend(child.orelse)
+                continue
+            if isinstance(child, ast.Import):
+                out += [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                out += [f"{child.module}.{a.name}" for a in child.names]
+            todo.append(child)
+    return [n for n in out if n.startswith("yuebing.")]
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the modules it imports. ``from a import b`` is an edge to ``a.b`` when that is
+    a module (a ``.pyi`` stub names a native one), else to ``a``; an edge to a package a
+    module lives in is left out (Python imports it first anyway)."""
+    files = {".".join(p.relative_to(SRC.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in sorted(SRC.rglob("*.py*")) if p.suffix in (".py", ".pyi")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        if path.suffix == ".pyi":
+            graph.setdefault(mod, set())
+            continue
+        deps = graph.setdefault(mod, set())
+        for name in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            while name and name not in files:
+                name = name.rpartition(".")[0]
+            if name and name != mod and not mod.startswith(name + "."):
+                deps.add(name)
+    return graph
+
+
+def _circles() -> dict[str, frozenset[str]]:
+    """Each set of modules that import each other in a circle (a strongly connected component
+    of `_graph`, Tarjan's), keyed by their package (DESIGN.md §2's, without ``yuebing.``)."""
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: dict[str, frozenset[str]] = {}
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                pkg = _package(min(comp).removeprefix("yuebing."))
+                out[pkg if pkg not in out else min(comp)] = frozenset(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_package_imports_itself_in_a_circle():
+    found = _circles()
+    new = {k: sorted(c) for k, c in found.items() if KNOWN_CIRCLES.get(k) != c}
+    assert not new, f"modules importing each other in a circle: {new}"
+    gone = sorted(set(KNOWN_CIRCLES) - set(found))
+    assert not gone, f"circles gone: remove them from KNOWN_CIRCLES: {gone}"
+
+
+def test_the_check_names_a_circle_closed_by_a_lazy_import(tmp_path, monkeypatch):
+    fake = tmp_path / "yuebing"
+    (fake / "store").mkdir(parents=True)
+    (fake / "store" / "a.py").write_text("from yuebing.store.b import f\n")
+    (fake / "store" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from yuebing.store.c import C\n"
+        "def f():\n    from yuebing.store import a\n")
+    (fake / "store" / "c.py").write_text("from yuebing.store import b\n")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", fake)
+    assert _circles() == {"store": frozenset({"yuebing.store.a", "yuebing.store.b"})}
 
 
 def test_imports_follow_the_design_layers():

@@ -68,11 +68,11 @@ def leader_and_standby() -> tuple[MasterCore, MasterCore, replication.Replicatio
     leader = MasterCore(cfg, VirtualClock(10.0))
     leader.log = []
     standby = MasterCore(cfg, VirtualClock(5000.0))  # another host's clock
-    hub = replication.ReplicationHub(leader, 1.0)
+    hub = replication.ReplicationHub(leader.replication, 1.0)
     return leader, standby, hub
 
 
 def ship(hub: replication.ReplicationHub, standby: MasterCore) -> None:
     """Applies every entry the leader published since the last call to ``standby``."""
     for _, msg in hub.publish():
-        replication.apply_entries(standby, msg.entries)
+        standby.replication.apply_entries(msg.entries)

@@ -11,7 +11,7 @@ from master_factories import SIZE, commit, durable, leader_and_standby, make, pu
 
 from yuebing.store import messages as m
 from yuebing.store.cluster_messages import Drain, DrainStatus, EventKind, Mount
-from yuebing.store.master import replication, reserve
+from yuebing.store.master import reservations
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.state import ObjState
 
@@ -33,7 +33,7 @@ def test_repeated_put_end_of_the_same_client_succeeds_once() -> None:
     assert len(core.events) == log_len and stored(core) == ["k"]
     assert core.counters == counters and core.counters["puts"] == 1
     o = core.objs["k"]
-    assert o.state == ObjState.COMMITTED and o.owner == "c" and "k" not in core.pending
+    assert o.state == ObjState.COMMITTED and o.owner == "c" and "k" not in core.objects.pending
 
 
 def test_repeated_put_end_of_another_client_is_refused() -> None:
@@ -104,7 +104,7 @@ def test_standby_keeps_the_owner_and_answers_a_retry_after_take_over() -> None:
         leader.handle(m.PutStart(client=client, item=m.PutItem(key=key, size=KiB)))
         leader.handle(m.PutEnd(client=client, key=key))
     hub.publish()
-    replication.load_snapshot(standby, hub.subscribe("sb", 1).state)
+    standby.replication.load_snapshot(hub.subscribe("sb", 1).state)
     assert {k: o.owner for k, o in standby.objs.items()} == {"early": "c", "other": "d"}
     t = leader.handle(m.PutStart(client="c", item=m.PutItem(key="a", size=KiB),
                                  reserve_next=True))
@@ -118,7 +118,7 @@ def test_standby_keeps_the_owner_and_answers_a_retry_after_take_over() -> None:
     assert {k: o.owner for k, o in standby.objs.items()} == {
         k: o.owner for k, o in leader.objs.items()}
     assert standby.objs["a"].owner == standby.objs["b"].owner == "c"
-    replication.take_over(standby)
+    standby.replication.take_over()
     assert standby.handle(m.PutEnd(client="c", key="a")) == m.Ok()
     assert standby.handle(m.PutEnd(client="c", key="early")) == m.Ok()
     assert standby.handle(m.PutEnd(client="c", key="other")).code == C.NOT_PENDING  # type: ignore[union-attr]
@@ -143,11 +143,11 @@ def test_snapshot_lists_each_owner_once() -> None:
         leader.handle(m.PutStart(client=f"c{i % 2}", item=m.PutItem(key=f"k{i}", size=KiB)))
         if i < 3:
             leader.handle(m.PutEnd(client=f"c{i % 2}", key=f"k{i}"))
-    state = msgspec.msgpack.decode(replication.snapshot(leader))
+    state = msgspec.msgpack.decode(leader.replication.snapshot())
     assert state["owners"] == ["c0", "c1"] and [row[5] for row in state["objs"]] == [0, 1, 0, 1]
-    replication.load_snapshot(standby, hub.subscribe("sb", 1).state)
+    standby.replication.load_snapshot(hub.subscribe("sb", 1).state)
     assert [o.owner for o in standby.objs.values()] == ["c0", "c1", "c0", "c1"]
-    assert standby.objs["k3"].state == ObjState.PENDING and "k3" in standby.pending
+    assert standby.objs["k3"].state == ObjState.PENDING and "k3" in standby.objects.pending
 
 
 def test_a_commit_through_a_gone_reservation_never_replaces_a_stored_value() -> None:
@@ -183,20 +183,20 @@ def test_the_record_of_recent_commits_is_bounded_per_client_and_in_clients() -> 
     r = start(core, "a", size=1).reservation
     assert r is not None
     names = []
-    for i in range(reserve.RECENT_PER_CLIENT + 1):
+    for i in range(reservations.RECENT_PER_CLIENT + 1):
         names.append(r.key)
         done = commit(core, r.key, f"b{i}", size=1)
         assert isinstance(done, m.PutCommitted) and done.reservation is not None
         r = done.reservation
-    assert len(rs.recent["c"]) == reserve.RECENT_PER_CLIENT
+    assert len(rs.recent["c"]) == reservations.RECENT_PER_CLIENT
     assert commit(core, names[0], "b0", size=1, nxt=False).code == C.NOT_PENDING  # type: ignore[union-attr]
     assert commit(core, names[1], "b1", size=1, nxt=False) == m.PutCommitted(reservation=None)
-    for i in range(reserve.RECENT_CLIENTS):
+    for i in range(reservations.RECENT_CLIENTS):
         c = f"d{i}"
         got = start(core, f"e{i}", client=c, size=1).reservation
         assert got is not None and isinstance(commit(core, got.key, f"f{i}", client=c, size=1,
                                                      nxt=False), m.PutCommitted)
-    assert len(rs.recent) == reserve.RECENT_CLIENTS and "c" not in rs.recent
+    assert len(rs.recent) == reservations.RECENT_CLIENTS and "c" not in rs.recent
 
 
 def test_a_standby_loaded_from_a_snapshot_answers_a_retried_commit() -> None:
@@ -209,10 +209,10 @@ def test_a_standby_loaded_from_a_snapshot_answers_a_retried_commit() -> None:
     assert isinstance(leader.handle(m.PutCommit(client="c", reservation=t.reservation.key,
                                                 item=m.PutItem(key="b", size=KiB))), m.PutCommitted)
     hub.publish()
-    replication.load_snapshot(standby, hub.subscribe("sb", 1).state)
+    standby.replication.load_snapshot(hub.subscribe("sb", 1).state)
     assert standby.reservations.recent == leader.reservations.recent == {
         "c": {t.reservation.key: "b"}}
-    replication.take_over(standby)
+    standby.replication.take_over()
     assert standby.handle(m.PutCommit(client="c", reservation=t.reservation.key,
                                       item=m.PutItem(key="b", size=KiB))) == m.PutCommitted()
     refused = standby.handle(m.PutCommit(client="c", reservation=t.reservation.key,
@@ -225,7 +225,7 @@ def test_a_retried_commit_with_a_checksum_succeeds_after_the_record_forgot_it() 
     r = start(core, "a", size=64).reservation
     assert isinstance(commit(core, r.key, "K", size=64, checksum=12345, nxt=False),
                       m.PutCommitted)  # its reply is lost
-    for i in range(reserve.RECENT_CLIENTS):  # the bounded record forgets the client
+    for i in range(reservations.RECENT_CLIENTS):  # the bounded record forgets the client
         got = start(core, f"e{i}", client=f"o{i}", size=64).reservation
         commit(core, got.key, f"f{i}", client=f"o{i}", size=64, nxt=False)
     again = commit(core, r.key, "K", size=64, checksum=12345, nxt=False)  # the RPC retry

@@ -138,7 +138,7 @@ def test_parallel_limit_and_pins_and_leases_move_with_the_value() -> None:
     core.handle(m.GetReplicas(key="k1"))  # leased
     assert drain(core, "n0/dram") == 5
     first = tasks(core)
-    assert len(first) == 2 and len(core.drains.queue) == 3
+    assert len(first) == 2 and len(core.migrations.queue) == 3
     done(core, *first[0])
     pending = first[1:] + tasks(core)
     assert len(pending) == 2  # one ended, one more started
@@ -158,16 +158,16 @@ def test_parallel_limit_and_pins_and_leases_move_with_the_value() -> None:
 
 def test_standby_keeps_the_migrated_replica_after_failover() -> None:
     core = make(segs=2)
-    hub = replication.ReplicationHub(core, 1.0)
+    hub = replication.ReplicationHub(core.replication, 1.0)
     put(core, "k", "n0/dram")
     standby = MasterCore(core.cfg, VirtualClock(9000.0))
-    replication.load_snapshot(standby, hub.subscribe("sb", 1).state)
+    standby.replication.load_snapshot(hub.subscribe("sb", 1).state)
     drain(core, "n0/dram")
     (owner, t), = tasks(core)
     done(core, owner, t)
     for _, msg in hub.publish():
-        replication.apply_entries(standby, msg.entries)
-    replication.take_over(standby)
+        standby.replication.apply_entries(msg.entries)
+    standby.replication.take_over()
     standby.handle(Unmount(client="n0", segment="n0/dram"))
     assert standby.handle(m.GetReplicas(key="k")).replicas == [
         m.Replica(segment="n1/dram", offset=t.dst_offset)]

@@ -9,7 +9,6 @@ from drain_factories import done, drain, holders, make, put, tasks
 from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
 from yuebing.store.cluster_messages import Drain, Unmount
-from yuebing.store.master import eviction, replication
 from yuebing.store.master.core import MasterCore
 
 
@@ -18,15 +17,15 @@ def test_a_re_elected_leader_does_not_use_its_stale_drain_index() -> None:
     put(l1, "v", "n0/dram", "n1/dram")
     assert drain(l1, "n0/dram") == 0  # v is spare: a copy on n1
     l2 = MasterCore(l1.cfg, VirtualClock(500.0))  # follows l1, then takes over
-    replication.load_snapshot(l2, replication.snapshot(l1))
-    replication.take_over(l2)
+    l2.replication.load_snapshot(l1.replication.snapshot())
+    l2.replication.take_over()
     l2.handle(m.Heartbeat(client="n0"))
     assert l2.handle(Unmount(client="n1", segment="n1/dram")) == m.Ok()  # v only on n0 now
     assert drain(l2, "n0/dram") == 1
     tasks(l2)
     l1.log = None  # l1 re-syncs from l2 as a standby and is elected again
-    replication.load_snapshot(l1, replication.snapshot(l2))
-    replication.take_over(l1)
+    l1.replication.load_snapshot(l2.replication.snapshot())
+    l1.replication.take_over()
     assert holders(l1, "v") == ["n0/dram"]
     assert drain(l1, "n0/dram") == 1  # at risk: the node waits instead of unmounting with v
 
@@ -42,7 +41,7 @@ def test_rolling_drain_keeps_the_replica_a_reader_was_given() -> None:
     assert drain(core, "n1/dram") == 1  # now both copies drain: migrated to n2
     (owner, t), = tasks(core)
     done(core, owner, t)
-    eviction.drain(core)
+    core.eviction.drain()
     assert "n1/dram" in holders(core, "v")  # the reader's replica stays while it may copy
     st = core.handle(Drain(client="n1", segment="n1/dram"))
     assert st.leased == 1  # type: ignore[union-attr]

@@ -21,19 +21,19 @@ from yuebing.store.node.service import StorageNode
 
 def test_a_task_destination_on_an_unmounted_segment_stays_fenced_for_its_remount() -> None:
     core = make(segs=2)
-    hub = replication.ReplicationHub(core, 1.0)
+    hub = replication.ReplicationHub(core.replication, 1.0)
     standby = MasterCore(core.cfg, VirtualClock(9000.0))
-    replication.load_snapshot(standby, hub.subscribe("sb", 1).state)
+    standby.replication.load_snapshot(hub.subscribe("sb", 1).state)
     put(core, "v", "n0/dram")
     drain(core, "n0/dram")
     (_, t), = tasks(core)
     assert (t.dst_segment, t.dst_offset, t.size) == ("n1/dram", 0, 4 * KiB)
     assert core.handle(Unmount(client="n1", segment="n1/dram")) == m.Ok()  # n0 still writes
-    (row,) = core.quarantine.dump(core.clock.now())
+    (row,) = core.fence.quarantine.dump(core.clock.now())
     assert row[2:] == [0, 4 * KiB, "n1/dram"]  # kept by name until the task's fence
     for _, msg in hub.publish():
-        replication.apply_entries(standby, msg.entries)
-    assert [r[2:] for r in standby.quarantine.dump(standby.clock.now())] == [
+        standby.replication.apply_entries(msg.entries)
+    assert [r[2:] for r in standby.fence.quarantine.dump(standby.clock.now())] == [
         [0, 4 * KiB, "n1/dram"]]
     assert core.handle(Mount(client="n1", segment="n1/dram", size=64 * KiB,
                                node="n1")) == m.Ok()
@@ -49,7 +49,7 @@ def test_a_task_destination_on_an_unmounted_segment_stays_fenced_for_its_remount
         for n in ("n0", "n1", "c"):
             core.handle(m.Heartbeat(client=n))
         core.tick()
-    assert len(core.quarantine) == 0 and used(core, "n1/dram") == 4 * KiB  # the retry's range
+    assert len(core.fence.quarantine) == 0 and used(core, "n1/dram") == 4 * KiB  # the retry's range
 
 
 def test_a_migration_landing_on_a_segment_that_began_draining_is_still_at_risk() -> None:

@@ -8,7 +8,6 @@ from drain_factories import KiB, done, drain, holders, make, put, tasks
 
 from yuebing.store import messages as m
 from yuebing.store.cluster_messages import Drain, DrainStatus, TaskKind
-from yuebing.store.master import eviction, segments
 
 C = m.Code
 
@@ -38,7 +37,7 @@ def test_hot_value_with_a_copy_elsewhere_does_not_hold_the_drain() -> None:
         assert _get(core, "hot") == ["n1/dram"]  # never the draining replica
     assert core.objs["hot"].lease > core.clock.now()
     assert _status(core, "n0/dram").leased == 0
-    eviction.drain(core)
+    core.eviction.drain()
     assert [core.segs[s].name for s, _ in core.objs["hot"].reps] == ["n1/dram"]
 
 
@@ -64,18 +63,18 @@ def test_a_reader_from_before_the_drain_is_not_forgotten_when_the_value_is_read_
     put(core, "hot", "n0/dram", "n1/dram")
     assert sorted(_get(core, "hot")) == ["n0/dram", "n1/dram"]  # reader A, before the drain
     assert sorted(_get(core, "hot")) == ["n0/dram", "n1/dram"]
-    assert core.drains.handed == {}  # no drain runs: reads note nothing
+    assert core.leases.handed == {}  # no drain runs: reads note nothing
     t0 = core.clock.now()
     assert drain(core, "n0/dram") == 0
     core.clock.advance_to(t0 + ttl / 4)  # type: ignore[attr-defined]
     assert _get(core, "hot") == ["n1/dram"]  # reader B renews the lease
     assert _status(core, "n0/dram").leased == 1  # reader A may still copy from n0
-    eviction.drain(core)
+    core.eviction.drain()
     assert sorted(holders(core, "hot")) == ["n0/dram", "n1/dram"]
     core.clock.advance_to(t0 + ttl + 0.01)  # type: ignore[attr-defined]
     assert core.objs["hot"].lease > core.clock.now()  # B's lease runs, A's is over
     assert _status(core, "n0/dram").leased == 0
-    eviction.drain(core)
+    core.eviction.drain()
     assert holders(core, "hot") == ["n1/dram"]
 
 
@@ -85,7 +84,7 @@ def test_a_promotion_landing_on_a_segment_that_began_draining_holds_the_drain() 
     put(core, "v", "n0/dram")
     o = core.objs["v"]
     core.clock.advance_to(core.clock.now() + ttl + 1)  # type: ignore[attr-defined]
-    assert segments.start_task(core, "v", o, o.reps[0], core.segs[core.seg_by_name["n0/ssd"]],
+    assert core.tasks.copy("v", o, o.reps[0], core.segs[core.seg_by_name["n0/ssd"]],
                                promote=False)
     done(core, *tasks(core)[0])
     assert holders(core, "v") == ["n0/ssd"]  # offloaded
@@ -97,9 +96,9 @@ def test_a_promotion_landing_on_a_segment_that_began_draining_holds_the_drain() 
     (waiter, reply), = core.ready
     assert waiter == "W" and [r.segment for r in reply.replicas] == ["n0/dram"]
     assert _status(core, "n0/dram") == DrainStatus(at_risk=0, leased=1)  # W copies from n0
-    eviction.drain(core)
+    core.eviction.drain()
     assert holders(core, "v") == ["n0/dram", "n0/ssd"]
     core.clock.advance_to(core.clock.now() + ttl + 0.1)  # type: ignore[attr-defined]
     assert _status(core, "n0/dram").leased == 0
-    eviction.drain(core)
+    core.eviction.drain()
     assert holders(core, "v") == ["n0/ssd"]

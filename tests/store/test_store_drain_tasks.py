@@ -13,7 +13,7 @@ from yuebing.core.errors import StoreError
 from yuebing.store import messages as m
 from yuebing.store.cluster_messages import Drain, DrainStatus, Mount
 from yuebing.store.config import ClientConfig
-from yuebing.store.master import migration, replication
+from yuebing.store.master import replication
 from yuebing.store.master.core import MasterCore
 from yuebing.store.node.service import StorageNode
 
@@ -26,16 +26,16 @@ def status(core: MasterCore, seg: str) -> DrainStatus:
 
 def failover(core: MasterCore, hub: replication.ReplicationHub, standby: MasterCore) -> None:
     for _, msg in hub.publish():
-        replication.apply_entries(standby, msg.entries)
-    replication.take_over(standby)
+        standby.replication.apply_entries(msg.entries)
+    standby.replication.take_over()
 
 
 def leader_and_standby(segs: int = 3) -> tuple[MasterCore, replication.ReplicationHub,
                                                MasterCore]:
     core = make(segs=segs)
-    hub = replication.ReplicationHub(core, 1.0)
+    hub = replication.ReplicationHub(core.replication, 1.0)
     standby = MasterCore(core.cfg, VirtualClock(9000.0))
-    replication.load_snapshot(standby, hub.subscribe("sb", 1).state)
+    standby.replication.load_snapshot(hub.subscribe("sb", 1).state)
     return core, hub, standby
 
 
@@ -51,9 +51,9 @@ def test_stale_task_done_after_failover_matches_no_new_task() -> None:
     assert new.task != old.task and new.task > 1 << 48  # ids never reused across leaders
     assert (new.dst_segment, new.dst_offset) != (old.dst_segment, old.dst_offset)
     done(standby, owner, old)  # the old leader's late answer: its id is unknown here
-    assert holders(standby, "k") == ["n0/dram"] and new.task in standby.tasks
+    assert holders(standby, "k") == ["n0/dram"] and new.task in standby.tasks.tasks
     done(standby, "n1", new)  # an answer from a node the task was not sent to: ignored
-    assert holders(standby, "k") == ["n0/dram"] and new.task in standby.tasks
+    assert holders(standby, "k") == ["n0/dram"] and new.task in standby.tasks.tasks
     done(standby, owner2, new)
     assert holders(standby, "k") == [new.dst_segment, "n0/dram"]
 
@@ -81,20 +81,20 @@ def test_take_over_fences_the_destinations_of_tasks_in_flight() -> None:
 
 def test_snapshot_carries_tasks_in_flight_and_task_end_clears_them() -> None:
     core = make(segs=2)
-    hub = replication.ReplicationHub(core, 1.0)
+    hub = replication.ReplicationHub(core.replication, 1.0)
     put(core, "k", "n0/dram")
     put(core, "j", "n0/dram")
     drain(core, "n0/dram")
     first, second = tasks(core)
     standby = MasterCore(core.cfg, VirtualClock(9000.0))
-    replication.load_snapshot(standby, hub.subscribe("sb", 1).state)
-    assert sorted(standby.drains.inflight) == [first[1].task, second[1].task]
+    standby.replication.load_snapshot(hub.subscribe("sb", 1).state)
+    assert sorted(standby.fence.inflight) == [first[1].task, second[1].task]
     done(core, *first)  # ends without a fence on the standby
     done(core, second[0], second[1], ok=False)  # a failed migration: fenced there too
     for _, msg in hub.publish():
-        replication.apply_entries(standby, msg.entries)
-    assert standby.drains.inflight == {}
-    assert len(standby.quarantine) == 1
+        standby.replication.apply_entries(msg.entries)
+    assert standby.fence.inflight == {}
+    assert len(standby.fence.quarantine) == 1
 
 
 def test_drain_waits_for_readers_leasing_the_draining_replica() -> None:
@@ -131,7 +131,7 @@ def test_drain_requests_and_ticks_walk_only_the_draining_segments_keys() -> None
         put(core, f"k{i}", "n0/dram", size=KiB)
     put(core, "dup", "n0/dram", "n2/dram", size=KiB)
     assert drain(core, "n0/dram") == 6  # the index is built here, once
-    core.objs = NoWalk(core.objs)
+    core.objects.objs = NoWalk(core.objs)
     assert drain(core, "n0/dram") == 6
     for owner, t in tasks(core):
         done(core, owner, t)
@@ -153,11 +153,11 @@ def test_pump_returns_at_once_when_no_segment_has_room() -> None:
         put(core, f"k{i}", "n0/dram")
     put(core, "fill", "n1/dram", size=16 * KiB)
     assert drain(core, "n0/dram") == 4 and tasks(core) == []
-    assert len(core.drains.queue) == 4 and core.drains.min_size == 4 * KiB
+    assert len(core.migrations.queue) == 4 and core.migrations.min_size == 4 * KiB
     objs = core.objs
-    core.objs = NoLookup(objs)
-    assert migration.pump(core) == 0  # the queue is not even looked through
-    core.objs = objs
+    core.objects.objs = NoLookup(objs)
+    assert core.migrations.pump() == 0  # the queue is not even looked through
+    core.objects.objs = objs
     core.tick()
     core.handle(m.Remove(key="fill"))
     core.tick()

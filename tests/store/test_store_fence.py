@@ -10,7 +10,6 @@ from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
 from yuebing.store.cluster_messages import Mount
 from yuebing.store.config import MasterConfig
-from yuebing.store.master import replication
 from yuebing.store.master.core import MasterCore
 
 C = m.Code
@@ -87,17 +86,17 @@ def test_quarantine_survives_snapshot_and_take_over() -> None:
     leader = make(clock)
     leader.log = []
     start(leader, "a", timeout_s=5.0)
-    blob = replication.snapshot(leader)
+    blob = leader.replication.snapshot()
     standby = MasterCore(leader.cfg, VirtualClock(500.0))  # another host's clock
-    replication.load_snapshot(standby, blob)
+    standby.replication.load_snapshot(blob)
     leader.log = []
     leader.handle(m.PutRevoke(client="c", key="a"))  # quarantined on the leader ...
-    replication.apply_entries(standby, leader.log)  # ... and, conservatively, on the standby
-    assert standby.quarantine.ranges(1) == [(0, SEG)]
+    standby.replication.apply_entries(leader.log)  # ... and, conservatively, on the standby
+    assert standby.fence.quarantine.ranges(1) == [(0, SEG)]
     snap_standby = MasterCore(leader.cfg, VirtualClock(900.0))
-    replication.load_snapshot(snap_standby, replication.snapshot(leader))
+    snap_standby.replication.load_snapshot(leader.replication.snapshot())
     for core, clk in ((standby, standby.clock), (snap_standby, snap_standby.clock)):
-        replication.take_over(core)
+        core.replication.take_over()
         assert start(core, "b", client="d").code == C.NO_SPACE
         for _ in range(4):  # the standby's fence: its own now + put_timeout_s + 3 s at most
             clk.advance_to(clk.now() + 4.0)  # type: ignore[attr-defined]
@@ -111,15 +110,15 @@ def test_take_over_drops_a_quarantined_range_the_leader_already_reused() -> None
     leader = make(clock, write_grace_s=0.0, fence_s=0.0)
     leader.log = []
     standby = MasterCore(leader.cfg, VirtualClock(100.0))
-    replication.load_snapshot(standby, replication.snapshot(leader))
+    standby.replication.load_snapshot(leader.replication.snapshot())
     start(leader, "a", timeout_s=1.0)
     leader.handle(m.PutRevoke(client="c", key="a"))
     clock.advance_to(101.5)
     leader.tick()  # the leader's fence is over: it hands the range to "b"
     assert start(leader, "b", client="d").replicas[0].offset == 0
-    replication.apply_entries(standby, leader.log)  # the standby's fence is not over yet
-    replication.take_over(standby)  # no overlap error; "b" holds the range
-    assert standby.segs[1].alloc.used == SEG and len(standby.quarantine) == 0
+    standby.replication.apply_entries(leader.log)  # the standby's fence is not over yet
+    standby.replication.take_over()  # no overlap error; "b" holds the range
+    assert standby.segs[1].alloc.used == SEG and len(standby.fence.quarantine) == 0
     standby.tick()
     assert standby.segs[1].alloc.used == SEG
 
@@ -139,7 +138,7 @@ def test_watermark_does_not_evict_for_quarantined_bytes() -> None:
     assert core.stats().values["dram_used"] == 2 * SEG  # over the watermark, half quarantined
     core.tick()
     assert "v" in core.objs and core.counters["evictions"] == 0
-    assert core.quarantine.held(core.seg_by_name["n0/dram"]) + core.quarantine.held(
+    assert core.fence.quarantine.held(core.seg_by_name["n0/dram"]) + core.fence.quarantine.held(
         core.seg_by_name["n1/dram"]) == SEG
 
 
@@ -177,7 +176,7 @@ def test_a_remounted_segment_keeps_the_fence_of_its_dropped_id() -> None:
     core = partitioned_node(clock)
     assert core.handle(Mount(client="n0", segment="n0/dram", size=2 * SEG)) == m.Ok()
     sid = core.seg_by_name["n0/dram"]
-    assert sorted(core.quarantine.ranges(sid)) == [(0, SEG), (SEG, SEG)]
+    assert sorted(core.fence.quarantine.ranges(sid)) == [(0, SEG), (SEG, SEG)]
     assert core.stats().values["quarantined_bytes"] == 2 * SEG
     assert start(core, "b", client="d").code == C.NO_SPACE  # a late frame of "a" may land
     for now, free_at in ((105.5, SEG), (113.5, 0)):  # "r"'s fence, then "a"'s
@@ -186,13 +185,13 @@ def test_a_remounted_segment_keeps_the_fence_of_its_dropped_id() -> None:
         core.tick()
         assert start(core, f"b{now}", client="d").replicas[0].offset == free_at
         assert core.handle(m.PutEnd(client="d", key=f"b{now}")) == m.Ok()
-    assert len(core.quarantine) == 0 and core.stats().values["dram_used"] == 2 * SEG
+    assert len(core.fence.quarantine) == 0 and core.stats().values["dram_used"] == 2 * SEG
 
 
 def test_a_smaller_remount_keeps_only_the_ranges_inside_it() -> None:
     core = partitioned_node(VirtualClock(100.0))
     assert core.handle(Mount(client="n0", segment="n0/dram", size=SEG + 100)) == m.Ok()
-    assert core.quarantine.ranges(core.seg_by_name["n0/dram"]) == [(0, SEG)]
+    assert core.fence.quarantine.ranges(core.seg_by_name["n0/dram"]) == [(0, SEG)]
     assert core.stats().values["dram_used"] == SEG
 
 
@@ -200,13 +199,13 @@ def test_the_fence_of_a_dropped_segment_survives_snapshot_and_take_over() -> Non
     clock = VirtualClock(100.0)
     leader = partitioned_node(clock)
     standby = MasterCore(leader.cfg, VirtualClock(500.0))
-    replication.load_snapshot(standby, replication.snapshot(leader))  # "n0/dram" by name
+    standby.replication.load_snapshot(leader.replication.snapshot())  # "n0/dram" by name
     leader.log = []
     leader.handle(Mount(client="n0", segment="n0/dram", size=2 * SEG))
-    replication.apply_entries(standby, leader.log)
+    standby.replication.apply_entries(leader.log)
     sid = standby.seg_by_name["n0/dram"]
-    assert sorted(standby.quarantine.ranges(sid)) == [(0, SEG), (SEG, SEG)]
-    replication.take_over(standby)
+    assert sorted(standby.fence.quarantine.ranges(sid)) == [(0, SEG), (SEG, SEG)]
+    standby.replication.take_over()
     assert standby.segs[sid].alloc.used == 2 * SEG
     assert start(standby, "b", client="d").code == C.NO_SPACE
     standby.clock.advance_to(509.0)  # type: ignore[attr-defined]  # past 113 - 104.5 s
@@ -218,4 +217,4 @@ def test_the_fence_of_a_dropped_segment_survives_snapshot_and_take_over() -> Non
 def test_quarantine_load_refuses_malformed_entries() -> None:
     core = make(VirtualClock(100.0))
     with pytest.raises(ValueError, match="4 or 5 items"):
-        core.quarantine.load(100.0, [[1.0, 1, 0]])
+        core.fence.quarantine.load(100.0, [[1.0, 1, 0]])

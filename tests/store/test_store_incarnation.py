@@ -12,7 +12,6 @@ from yuebing.core.clock import VirtualClock
 from yuebing.store import messages as m
 from yuebing.store.cluster_messages import Drain, Mount, Unmount
 from yuebing.store.config import MasterConfig
-from yuebing.store.master import replication
 from yuebing.store.master.core import MasterCore
 
 C = m.Code
@@ -90,14 +89,14 @@ def test_a_standby_knows_each_segment_s_incarnation() -> None:
     leader.log = []
     mount(leader, "n0.dram", "a")
     standby = make()
-    replication.load_snapshot(standby, replication.snapshot(leader))
-    replication.apply_entries(standby, leader.log)
+    standby.replication.load_snapshot(leader.replication.snapshot())
+    standby.replication.apply_entries(leader.log)
     leader.log = []
     mount(leader, "n0.dram", "b")
-    replication.apply_entries(standby, leader.log)
-    replication.take_over(standby)
+    standby.replication.apply_entries(leader.log)
+    standby.replication.take_over()
     assert standby.segs[standby.seg_by_name["n0.dram"]].incarnation == "b"
-    assert standby.sessions["n0"].incarnation == "b"
+    assert standby.sessions.sessions["n0"].incarnation == "b"
 
 
 # ---------------------------------------------------------------------------- real processes

@@ -96,11 +96,10 @@ def test_remove_prefix_reports_the_keys_it_kept() -> None:
 
 
 def test_a_new_leader_s_conservative_lease_is_kept_as_a_floor() -> None:
-    from yuebing.store.master import replication
 
     core, clock = make()
     put(core, "k")
-    replication.take_over(core)  # every value leased for lease_ttl_s (readers of the old one)
+    core.replication.take_over()  # every value leased for lease_ttl_s (readers of the old one)
     release(core, "k", read(core, "k"))
     assert core.handle(m.Remove(key="k")).code == C.LEASED
     clock.advance_to(105.1)
@@ -108,13 +107,12 @@ def test_a_new_leader_s_conservative_lease_is_kept_as_a_floor() -> None:
 
 
 def test_an_expiry_set_without_a_reader_is_a_floor_for_the_open_lease() -> None:
-    from yuebing.store.master import leases
 
     core, clock = make()
     put(core, "k")
     lid = read(core, "k")
     clock.advance_to(102.0)
-    leases.grant(core, "k", core.objs["k"], readers=0)  # e.g. a promotion nobody waits for
+    core.leases.grant("k", core.objs["k"], readers=0)  # e.g. a promotion nobody waits for
     release(core, "k", lid)
     assert core.handle(m.Remove(key="k")).code == C.LEASED
     clock.advance_to(107.1)

@@ -178,7 +178,7 @@ def test_session_expiry_drops_segments_and_pending_puts() -> None:
     core.handle(m.Heartbeat(client="c"))
     clock.advance_to(111.0)
     core.tick()  # n0 and w are dead
-    assert sorted(core.sessions) == ["c", "n1"]
+    assert sorted(core.sessions.sessions) == ["c", "n1"]
     assert exists(core, "both", "only0", "half") == [True, False, False]
     removed = sorted((e[1], e[2]) for e in core.events if e[0] == EventKind.REMOVED)
     assert removed == [("both", ["n0/dram"]), ("only0", ["n0/dram"])]

@@ -7,7 +7,6 @@ from master_factories import KiB, durable, leader_and_standby, ship
 
 from yuebing.store import messages as m
 from yuebing.store.cluster_messages import Mount, Unmount
-from yuebing.store.master import replication
 from yuebing.store.master.state import ObjState
 
 
@@ -19,7 +18,7 @@ def test_snapshot_then_entries_reproduce_durable_state() -> None:
         leader.handle(m.PutEnd(client="c", key=f"k{i}"))
     hub.publish()  # entries before the subscription are inside the snapshot
     snap = hub.subscribe("sb", 1)
-    replication.load_snapshot(standby, snap.state)
+    standby.replication.load_snapshot(snap.state)
     assert durable(standby) == durable(leader)
     leader.handle(Mount(client="n1", segment="s1", size=64 * KiB))
     leader.handle(m.PutStart(client="c", item=m.PutItem(key="p", size=2 * KiB,
@@ -28,7 +27,7 @@ def test_snapshot_then_entries_reproduce_durable_state() -> None:
     leader.handle(m.Pin(keys=["k2"], hard=True))
     ship(hub, standby)
     assert durable(standby) == durable(leader)
-    assert standby.objs["p"].state == ObjState.PENDING and "p" in standby.pending
+    assert standby.objs["p"].state == ObjState.PENDING and "p" in standby.objects.pending
     leader.handle(m.PutEnd(client="c", key="p"))
     leader.handle(Unmount(client="n0", segment="s0"))
     ship(hub, standby)
@@ -38,14 +37,14 @@ def test_snapshot_then_entries_reproduce_durable_state() -> None:
 
 def test_take_over_rebuilds_allocators_without_overlap() -> None:
     leader, standby, hub = leader_and_standby()
-    replication.load_snapshot(standby, hub.subscribe("sb", 1).state)
+    standby.replication.load_snapshot(hub.subscribe("sb", 1).state)
     leader.handle(Mount(client="n0", segment="s0", size=8 * KiB))
     for i in range(4):
         leader.handle(m.PutStart(client="c", item=m.PutItem(key=f"k{i}", size=KiB)))
         leader.handle(m.PutEnd(client="c", key=f"k{i}"))
     leader.handle(m.Remove(key="k1"))
     ship(hub, standby)
-    replication.take_over(standby)
+    standby.replication.take_over()
     used = {o.reps[0][1] for o in standby.objs.values()}
     assert used == {0, 2 * KiB, 3 * KiB}
     r = standby.handle(m.PutStart(client="c", item=m.PutItem(key="new", size=2 * KiB)))
@@ -79,14 +78,14 @@ def test_take_over_leases_every_value_for_a_lease_ttl() -> None:
     """Leases are not replicated: a reader the old leader served may still be copying, so the
     new leader must neither evict nor (unforced) remove anything until such a lease is over."""
     leader, standby, hub = leader_and_standby()
-    replication.load_snapshot(standby, hub.subscribe("sb", 1).state)
+    standby.replication.load_snapshot(hub.subscribe("sb", 1).state)
     leader.handle(Mount(client="n0", segment="s0", size=4 * KiB))
     for i in range(4):
         leader.handle(m.PutStart(client="c", item=m.PutItem(key=f"k{i}", size=KiB)))
         leader.handle(m.PutEnd(client="c", key=f"k{i}"))
     leader.handle(m.GetReplicas(key="k0"))  # a lease the standby never hears of
     ship(hub, standby)
-    replication.take_over(standby)
+    standby.replication.take_over()
     ttl = standby.cfg.lease_ttl_s
     r = standby.handle(m.PutStart(client="c", item=m.PutItem(key="new", size=KiB)))
     assert isinstance(r, m.Err) and r.code == m.Code.NO_SPACE  # full, and nothing evictable
@@ -106,7 +105,7 @@ def test_reservations_and_their_commits_replicate_and_survive_take_over() -> Non
     assert isinstance(t, m.PutTargets) and t.reservation is not None
     leader.handle(m.PutEnd(client="c", key="a"))
     hub.publish()
-    replication.load_snapshot(standby, hub.subscribe("sb", 1).state)
+    standby.replication.load_snapshot(hub.subscribe("sb", 1).state)
     assert durable(standby) == durable(leader)
     assert standby.reservations.by_key == leader.reservations.by_key != {}
     done = leader.handle(m.PutCommit(client="c", reservation=t.reservation.key, item=m.PutItem(
@@ -117,7 +116,7 @@ def test_reservations_and_their_commits_replicate_and_survive_take_over() -> Non
     assert standby.reservations.by_key == leader.reservations.by_key
     assert t.reservation.key not in standby.objs and standby.objs["b"].state == ObjState.COMMITTED
     assert list(standby.objs) == list(leader.objs)  # same recency order
-    replication.take_over(standby)
+    standby.replication.take_over()
     r = standby.handle(m.PutCommit(client="c", reservation=done.reservation.key,
                                    item=m.PutItem(key="c", size=KiB), reserve_next=True))
     assert isinstance(r, m.PutCommitted) and r.reservation is not None

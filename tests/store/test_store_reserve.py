@@ -7,7 +7,6 @@ from master_factories import SIZE, KiB, commit, exists, make, put, start
 
 from yuebing.store import messages as m
 from yuebing.store.cluster_messages import Drain, EventKind, Mount, Unmount
-from yuebing.store.master import eviction
 
 C = m.Code
 
@@ -26,7 +25,7 @@ def test_reservation_is_invisible_to_every_listing_probe_and_removal() -> None:
     assert core.handle(m.Pin(keys=[r.key], hard=True)) == m.Codes(codes=[int(C.NOT_FOUND)])
     assert core.handle(m.RemovePrefix(prefix=m.RESERVED_PREFIX, force=True)) == m.Removed(n=0)
     assert core.handle(m.RemoveAll(force=True)) == m.Removed(n=1)  # "a" only
-    assert eviction.evict_for(core, 64 * KiB) == 0  # nothing committed left; never the reservation
+    assert core.eviction.evict_for(64 * KiB) == 0  # nothing committed left; never the reservation
     assert r.key in core.objs and core.events[-1] == (EventKind.REMOVED, "a", ["n0/dram"])
     st = core.stats().values
     assert (st["objects"], st["pending"], st["reservations"]) == (0, 0, 1)
@@ -93,7 +92,7 @@ def test_asking_again_returns_the_same_reservation_and_a_shape_over_the_cap_gets
         t = core.handle(m.PutStart(client="c", item=m.PutItem(key=f"s{i}", size=SIZE + i * KiB),
                                    reserve_next=True))
         assert isinstance(t, m.PutTargets) and t.reservation is None
-    assert all(k in core.objs for k in keys) and len(core.quarantine) == 0
+    assert all(k in core.objs for k in keys) and len(core.fence.quarantine) == 0
     assert core.stats().values["quarantined_bytes"] == 0
     assert isinstance(commit(core, keys[0], "x"), m.PutCommitted)
     other = start(core, "o", client="d").reservation  # another client has its own

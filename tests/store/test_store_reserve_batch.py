@@ -8,7 +8,7 @@ from master_factories import durable, exists, leader_and_standby, make, put, shi
 
 from yuebing.store import messages as m
 from yuebing.store.cluster_messages import Mount
-from yuebing.store.master import replication, reserve
+from yuebing.store.master import reservations, reserve
 from yuebing.store.master.core import MasterCore
 
 C = m.Code
@@ -51,7 +51,7 @@ def test_a_batch_reserves_the_next_batch_and_commits_it_with_one_call() -> None:
     assert got.replicas == t.reservations[1].replicas  # item i went into reservation i
     nxt = [r.key for r in done.reservations]
     assert len(nxt) == 3 and not set(nxt) & set(names)
-    assert core.reservations.held("c", reserve.shape_of(items("x")[0])) == nxt
+    assert core.reservations.held("c", reservations.shape_of(items("x")[0])) == nxt
     assert core.counters["reservations_committed"] == 3
     assert core.stats().values["reservations"] == 3
 
@@ -101,16 +101,16 @@ def test_mixed_shapes_get_none_and_the_caps_hold() -> None:
     other = start(core, ["o0"], 4, size=2 * SIZE)
     assert other.reservations == []
     first = [r.key for r in big.reservations]
-    assert all(k in core.objs for k in first) and len(core.quarantine) == 0
+    assert all(k in core.objs for k in first) and len(core.fence.quarantine) == 0
     # given back unused (freed at once, not fenced), they make room for other shapes
     codes = core.handle(m.BatchPutRevoke(client="c", keys=[], unused=first[:60] + ["nope"]))
     assert codes.codes == [0] * 60 + [C.NOT_PENDING]
-    assert core.reservations.count("c") == 4 and len(core.quarantine) == 0
+    assert core.reservations.count("c") == 4 and len(core.fence.quarantine) == 0
     for i in range(3, 3 + reserve.MAX_SHAPES):  # new shapes: 3 more within the cap, then none
         got = start(core, [f"s{i}"], 1, size=i * SIZE).reservations
         assert len(got) == (1 if i < 3 + reserve.MAX_SHAPES - 1 else 0)
     assert len(core.reservations.by_client["c"]) == reserve.MAX_SHAPES
-    assert reserve.shape_of(items("x")[0]) in core.reservations.by_client["c"]
+    assert reservations.shape_of(items("x")[0]) in core.reservations.by_client["c"]
 
 
 def test_standbys_hold_the_same_lists_and_commit_after_take_over() -> None:
@@ -119,8 +119,8 @@ def test_standbys_hold_the_same_lists_and_commit_after_take_over() -> None:
     t = start(leader, ["a0", "a1"], 2, size=KiB)
     leader.handle(m.BatchPutEnd(client="c", keys=["a0", "a1"]))
     hub.publish()
-    replication.load_snapshot(standby, hub.subscribe("sb", 1).state)  # type: ignore[attr-defined]
-    shape = reserve.shape_of(items("x", size=KiB)[0])
+    standby.replication.load_snapshot(hub.subscribe("sb", 1).state)  # type: ignore[attr-defined]
+    shape = reservations.shape_of(items("x", size=KiB)[0])
     names = [r.key for r in t.reservations]
     assert standby.reservations.held("c", shape) == names
     done = bcommit(leader, names, ["b0", "b1"], n=2, size=KiB)
@@ -128,7 +128,7 @@ def test_standbys_hold_the_same_lists_and_commit_after_take_over() -> None:
     ship(hub, standby)
     assert durable(standby) == durable(leader)
     assert standby.reservations.held("c", shape) == [r.key for r in done.reservations]
-    replication.take_over(standby)  # the client's reservations commit on the new leader
+    standby.replication.take_over()  # the client's reservations commit on the new leader
     after = bcommit(standby, [r.key for r in done.reservations], ["c0", "c1"], n=2, size=KiB)
     assert isinstance(after, m.BatchPutCommitted) and after.codes == [0, 0]
     retry = bcommit(standby, names, ["b0", "b1"], size=KiB)  # a retry reaching the new leader

@@ -202,7 +202,7 @@ class HeldReservations:
     def keep_many(self, shape: Shape, rs: list[m.Reservation], sent: float) -> None:
         """Hold ``rs`` (from a reply to a request sent at monotonic ``sent``; the master lists
         the ones the client may hold already first: those are refreshed in place, not held
-        twice). Mirrors what the master did when it placed ``rs`` (`reserve.reserve_many`), so
+        twice). Mirrors what the master did when it placed ``rs`` (`Reserve.reserve_many`), so
         that no held reservation is one it dropped: a shape not held over `MAX_HELD` shapes
         drops the oldest shape's; more than `MAX_PER_CLIENT` in all drop the oldest of the
         first other shape (shapes and reservations in the master's order, oldest first). A

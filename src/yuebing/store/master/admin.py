@@ -1,15 +1,10 @@
-"""Admin HTTP of the master (`ops.admin.AdminServer`, ``--admin-host``/``--admin-port``).
+"""Admin HTTP of the master (`ops.admin.AdminServer`, ``--admin-host``/``--admin-port``),
+started by `MasterService`.
 
-Endpoints: ``/health`` (role and leader), ``/keys?prefix=P&limit=N`` (committed keys),
-``/segments`` (per segment: tier, node, capacity, used, state), ``/usage`` (the core's usage and
-counters, JSON) and ``/metrics`` (Prometheus text). Every read takes the service lock for a
-consistent snapshot. Bad query strings get HTTP 400 and change nothing.
-
-Metrics (`collect`): levels are gauges — ``yuebing_store_{objects,pending,reservations,
-segments,sessions,tasks}``, ``yuebing_store_{dram,ssd}_{capacity,used}_bytes``,
-``yuebing_store_quarantined_bytes``, per segment ``yuebing_store_segment_{capacity,used}_bytes``
-and ``yuebing_store_leader``; the core's event counts are counters ``yuebing_store_<name>_total``
-(``puts``, ``gets``, ``evictions``, ``quarantined``, ``migrations_done``, ...).
+Endpoints: ``/health`` (role, leader), ``/keys?prefix=P&limit=N``, ``/segments``, ``/usage`` (JSON)
+and ``/metrics`` (`collect`: levels as gauges — objects, segments, bytes per tier and segment,
+quarantined bytes, leader —, the core's event counts as ``yuebing_store_<name>_total``). Every
+read takes the service lock; a bad query string gets HTTP 400 and changes nothing.
 """
 
 from __future__ import annotations

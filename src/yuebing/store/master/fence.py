@@ -1,31 +1,11 @@
-"""The master's half of the write fence: space of a put that ended without a commit is not
-reused until no byte of that put can still land in it.
-
-Life cycle: ``put_start`` decides the put's write expiry (`write_expiry`: now + the shorter of
-``put_timeout_s`` and the client's transfer timeout) and returns it to the client as seconds
-from now; the client's transfer engine stamps it on every write frame, and targets refuse or
-cut writes after it (plus their ``write_grace_s``). When the put is revoked, reclaimed as a
-zombie or dropped with its client's session, `release` does not free its ranges: they wait in
-the `Quarantine` until expiry + ``write_grace_s`` + ``fence_s`` (clock skew between master,
-client and nodes), and `Quarantine.release_due` (from the core's tick) frees them then. Ranges
-of committed objects are freed at once: their writes completed before ``put_end``.
-
-Standbys keep quarantines too (their pending puts' expiries are taken conservatively as now +
-``put_timeout_s`` when an entry arrives); snapshots carry them, and ``take_over`` keeps their
-ranges allocated until they are due.
-
-A segment dropped with its node's session (`segment_dropped`, from ``segments.drop_segment``)
-keeps its fence: the ranges its pending puts held there join the quarantine (so do the
-destinations of node tasks writing there: `segments.drop_segment` fails those tasks first, while
-the segment is mounted), and its entries are kept by segment name until due. A node that was only partitioned still has its buffer and may
-still receive a late frame, so when it mounts the same name again (under a new id,
-``segments.add_segment``) `Quarantine.adopt` moves the entries to the new segment and takes
-their ranges out of its fresh allocator. Eviction counts quarantined bytes as free-soon, not
-used (`Quarantine.held` per segment, O(1)), and releases due entries before it evicts.
-
-Node tasks on a standby: the leader replicates each task's destination (`apply_task`) and its
-end (`apply_task_end`: quarantined here too when it was there); `fence_inflight` quarantines the
-destinations of the old leader's tasks still in flight when the standby takes over.
+"""The write fence: space of a put that ended without a commit is not reused until no byte of
+that put can still land in it. `WriteFence` owns each pending put's write expiry (returned to
+the client as ``expires_in_s``; targets refuse writes after it plus ``write_grace_s``), the
+`Quarantine` of ranges held back until expiry + ``write_grace_s`` + ``fence_s``, and a
+standby's copy of the leader's node-task destinations (`inflight`, quarantined at takeover).
+`Objects.drop` gives ranges back through `release`; `Membership` fences an unmounted segment
+(`segment_dropped`; a re-mount by name adopts its entries); `Tasks` quarantines a failed task's
+destination; the tick frees due entries; `Eviction` counts them as free soon, not used.
 """
 
 from __future__ import annotations
@@ -33,14 +13,14 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from yuebing.store.master.state import ObjState
-
-if TYPE_CHECKING:
-    from yuebing.store.master.allocator import OffsetAllocator
-    from yuebing.store.master.core import MasterCore
-    from yuebing.store.master.state import Obj, Seg
+from yuebing.core.clock import Clock
+from yuebing.store.config import MasterConfig
+from yuebing.store.master.allocator import OffsetAllocator
+from yuebing.store.master.effects import Effects
+from yuebing.store.master.segments import Segments
+from yuebing.store.master.state import Obj, ObjState, Seg
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +67,7 @@ class Quarantine:
         return freed
 
     def held(self, sid: int) -> int:
-        """Bytes held back on segment ``sid`` (`eviction.watermark`: they free themselves)."""
+        """Bytes held back on segment ``sid`` (`Eviction.watermark`: they free themselves)."""
         return self._held.get(sid, 0)
 
     def bytes(self, segs: dict[int, Seg]) -> int:
@@ -130,7 +110,7 @@ class Quarantine:
 
     def settle(self, sid: int, taken: list[tuple[int, int]], alignment: int) -> list[tuple[int, int]]:
         """Make the entries of segment ``sid`` consistent with ``taken`` (its objects' ranges)
-        before an allocator rebuild (`replication.take_over`), and return the ranges they hold.
+        before an allocator rebuild (`Replication.take_over`), and return the ranges they hold.
         A standby's fence ends later than its leader's, so the leader may already have given a
         quarantined range to a new object: such entries are dropped (that object holds the
         range); overlapping entries are merged into one, due at the later time."""
@@ -183,97 +163,143 @@ class Quarantine:
                 self._names[int(sid)] = str(row[4])
 
 
-def write_expiry(core: MasterCore, now: float, requested_s: float) -> float:
-    """When the put started ``now`` must stop writing: the shorter of ``put_timeout_s`` and the
-    client's requested transfer timeout (0 = none requested)."""
-    limit = core.cfg.put_timeout_s
-    return now + (min(limit, requested_s) if requested_s > 0 else limit)
+class WriteFence:
+    """``expiry`` (key -> write expiry of each pending put, the master's clock), the
+    ``quarantine`` and, on a standby, ``inflight`` (the leader's task id -> destination
+    segment, offset, size, write expiry)."""
 
+    __slots__ = ("cfg", "clock", "effects", "expiry", "inflight", "quarantine", "segments")
 
-def expires_in(core: MasterCore, keys: list[str]) -> float:
-    """Seconds from now until the earliest write expiry of the pending puts ``keys`` (what
-    `PutTargets` / `BatchPutTargets` return; 0 if it passed already)."""
-    now = core.clock.now()
-    ends = [core.expiry[k] for k in keys if k in core.expiry]
-    return max(0.0, min(ends) - now) if ends else 0.0
+    def __init__(self, cfg: MasterConfig, clock: Clock, segments: Segments,
+                 effects: Effects) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.segments = segments
+        self.effects = effects
+        self.expiry: dict[str, float] = {}
+        self.quarantine = Quarantine()
+        self.inflight: dict[int, tuple[int, int, int, float]] = {}
 
+    def write_expiry(self, now: float, requested_s: float) -> float:
+        """When the put started ``now`` must stop writing: the shorter of ``put_timeout_s`` and
+        the client's requested transfer timeout (0 = none requested)."""
+        limit = self.cfg.put_timeout_s
+        return now + (min(limit, requested_s) if requested_s > 0 else limit)
 
-def release(core: MasterCore, key: str, o: Obj, fenced: bool = True) -> list[str]:
-    """Give back the ranges of ``o`` (being dropped by the core): a committed object's at once,
-    a pending put's into the quarantine until its fence (at once if that passed already, or
-    when not ``fenced``: a reservation its client gave back unused — no write touched it).
-    Returns the names of the segments that held it."""
-    holders: list[str] = []
-    until = 0.0
-    now = core.clock.now()
-    if fenced and o.state == ObjState.PENDING and o.reps:
-        until = _fence_of(core, key, now)
-    for sid, off in o.reps:
-        s = core.segs.get(sid)
-        if s is None:
-            continue
-        holders.append(s.name)
+    def expires_in(self, keys: list[str]) -> float:
+        """Seconds from now until the earliest write expiry of the pending puts ``keys`` (what
+        `PutTargets` / `BatchPutTargets` return; 0 if it passed already)."""
+        now = self.clock.now()
+        expiry = self.expiry
+        ends = [expiry[k] for k in keys if k in expiry]
+        return max(0.0, min(ends) - now) if ends else 0.0
+
+    def start(self, key: str, now: float, requested_s: float) -> None:
+        """The put of ``key`` started ``now``: record its write expiry (`write_expiry`)."""
+        self.expiry[key] = self.write_expiry(now, requested_s)
+
+    def set(self, key: str, until: float) -> None:
+        """Record ``until`` as the write expiry of ``key`` (standby entries, takeover)."""
+        self.expiry[key] = until
+
+    def forget(self, key: str) -> None:
+        """``key`` committed: no write of it can land after its commit."""
+        self.expiry.pop(key, None)
+
+    def forget_all(self) -> None:
+        """Every pending put is gone (a standby loading a snapshot)."""
+        self.expiry.clear()
+
+    def rename(self, name: str, key: str) -> None:
+        """A reservation ``name`` became the put of ``key``: its write expiry moves along."""
+        if name in self.expiry:
+            self.expiry[key] = self.expiry.pop(name)
+
+    def release(self, key: str, o: Obj, fenced: bool = True) -> list[str]:
+        """Give back the ranges of ``o`` (being dropped): a committed object's at once, a
+        pending put's into the quarantine until its fence (at once if that passed already, or
+        when not ``fenced``: a reservation its client gave back unused — no write touched it).
+        Returns the names of the segments that held it."""
+        holders: list[str] = []
+        until = 0.0
+        now = self.clock.now()
+        if fenced and o.state == ObjState.PENDING and o.reps:
+            until = self.fence_of(key, now)
+        segs = self.segments.segs
+        for sid, off in o.reps:
+            s = segs.get(sid)
+            if s is None:
+                continue
+            holders.append(s.name)
+            if until > now:
+                self.quarantine.add(until, sid, off, o.size)
+            elif s.alloc is not None:
+                s.alloc.free_range(off, o.size)
         if until > now:
-            core.quarantine.add(until, sid, off, o.size)
-        elif s.alloc is not None:
-            s.alloc.free_range(off, o.size)
-    if until > now:
-        core.counters["quarantined"] += 1
-        log.info("put %s ended uncommitted: %d range(s) quarantined for %.2fs", key,
-                 len(holders), until - now)
-    core.expiry.pop(key, None)
-    return holders
+            self.effects.counters["quarantined"] += 1
+            log.info("put %s ended uncommitted: %d range(s) quarantined for %.2fs", key,
+                     len(holders), until - now)
+        self.expiry.pop(key, None)
+        return holders
 
+    def fence_of(self, key: str, now: float) -> float:
+        """When no byte of the pending put ``key`` can land any more: its write expiry (now +
+        ``put_timeout_s`` if unknown) + ``write_grace_s`` + ``fence_s``."""
+        expiry = self.expiry.get(key, now + self.cfg.put_timeout_s)
+        return expiry + self.cfg.write_grace_s + self.cfg.fence_s
 
-def _fence_of(core: MasterCore, key: str, now: float) -> float:
-    """When no byte of the pending put ``key`` can land any more: its write expiry (now +
-    ``put_timeout_s`` if unknown) + ``write_grace_s`` + ``fence_s``."""
-    expiry = core.expiry.get(key, now + core.cfg.put_timeout_s)
-    return expiry + core.cfg.write_grace_s + core.cfg.fence_s
+    def task_failed(self, until: float, s: Seg, off: int, size: int) -> None:
+        """A node task writing ``s`` at ``off`` ended without a copy while its writes may still
+        land: quarantine the range until ``until`` (`Tasks.end`)."""
+        self.quarantine.add(until, s.id, off, size)
+        self.effects.counters["quarantined"] += 1
 
+    def segment_dropped(self, s: Seg, pending: list[tuple[str, int, int]]) -> None:
+        """``s`` was unmounted: the ranges ``(key, offset, size)`` that pending puts held on it
+        are quarantined until their fence (their writers may still be sending), and every
+        entry of ``s`` is kept by its name for a re-mount (`Quarantine.adopt`)."""
+        now = self.clock.now()
+        q = self.quarantine
+        for key, off, size in pending:
+            until = self.fence_of(key, now)
+            if until > now:
+                q.add(until, s.id, off, size)
+        q.orphan(s.id, s.name)
+        if q.held(s.id):
+            log.info("segment %s dropped with %d quarantined bytes; kept for a re-mount",
+                     s.name, q.held(s.id))
 
-def segment_dropped(core: MasterCore, s: Seg, pending: list[tuple[str, int, int]]) -> None:
-    """``segments.drop_segment`` dropped ``s``: the ranges ``(key, offset, size)`` that pending
-    puts held on it are quarantined until their fence (their writers may still be sending),
-    and every entry of ``s`` is kept by its name for a re-mount (`Quarantine.adopt`)."""
-    now = core.clock.now()
-    for key, off, size in pending:
-        until = _fence_of(core, key, now)
-        if until > now:
-            core.quarantine.add(until, s.id, off, size)
-    core.quarantine.orphan(s.id, s.name)
-    if core.quarantine.held(s.id):
-        log.info("segment %s dropped with %d quarantined bytes; kept for a re-mount", s.name,
-                 core.quarantine.held(s.id))
+    def segment_mounted(self, name: str, sid: int, size: int,
+                        alloc: OffsetAllocator | None) -> None:
+        """Segment ``name`` is mounted (again) as ``sid``: its fence comes back with it."""
+        self.quarantine.adopt(name, sid, size, self.cfg.alignment, alloc)
 
+    # -------------------------------------------------------------- standby: node tasks in flight
+    def apply_task(self, e: list) -> None:
+        """Standby: the leader pushed a task writing ``e`` = [_, id, segment, offset, size,
+        expires_in_s]; its write expiry is taken late (from now, when the entry arrives)."""
+        _, tid, sid, off, size, window = e
+        self.inflight[tid] = (sid, off, size, self.clock.now() + window)
 
-# ------------------------------------------------------------------ standby: node tasks in flight
-def apply_task(core: MasterCore, e: list) -> None:
-    """Standby: the leader pushed a task writing ``e`` = [_, id, segment, offset, size,
-    expires_in_s]; its write expiry is taken late (from now, when the entry arrives)."""
-    _, tid, sid, off, size, window = e
-    core.drains.inflight[tid] = (sid, off, size, core.clock.now() + window)
+    def apply_task_end(self, e: list) -> None:
+        """Standby: the leader's task ``e[1]`` ended; ``e[2]``: its destination was quarantined
+        there (a failed or lost migration), so it is here too."""
+        ent = self.inflight.pop(e[1], None)
+        if ent is not None and e[2]:
+            sid, off, size, until = ent
+            self.quarantine.add(until + self.cfg.write_grace_s + self.cfg.fence_s, sid, off, size)
 
-
-def apply_task_end(core: MasterCore, e: list) -> None:
-    """Standby: the leader's task ``e[1]`` ended; ``e[2]``: its destination was quarantined
-    there (a failed or lost migration), so it is here too."""
-    ent = core.drains.inflight.pop(e[1], None)
-    if ent is not None and e[2]:
-        sid, off, size, until = ent
-        core.quarantine.add(until + core.cfg.write_grace_s + core.cfg.fence_s, sid, off, size)
-
-
-def fence_inflight(core: MasterCore) -> int:
-    """`replication.take_over`: quarantine the destinations of the old leader's tasks in flight
-    (its nodes may still write there) until their write expiry + ``write_grace_s`` +
-    ``fence_s``; returns how many."""
-    now = core.clock.now()
-    late = core.cfg.write_grace_s + core.cfg.fence_s
-    n = 0
-    for sid, off, size, until in core.drains.inflight.values():
-        if sid in core.segs:
-            core.quarantine.add(max(until, now) + late, sid, off, size)
-            n += 1
-    core.drains.inflight.clear()
-    return n
+    def fence_inflight(self) -> int:
+        """At takeover: quarantine the destinations of the old leader's tasks in flight (its
+        nodes may still write there) until their write expiry + ``write_grace_s`` +
+        ``fence_s``; returns how many."""
+        now = self.clock.now()
+        late = self.cfg.write_grace_s + self.cfg.fence_s
+        segs = self.segments.segs
+        n = 0
+        for sid, off, size, until in self.inflight.values():
+            if sid in segs:
+                self.quarantine.add(max(until, now) + late, sid, off, size)
+                n += 1
+        self.inflight.clear()
+        return n

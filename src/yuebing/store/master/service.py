@@ -1,17 +1,12 @@
-"""The master process: RPC adapter around `MasterCore`, plus HA roles.
+"""The master process (`yuebing store master`): RPC adapter around `MasterCore`, plus HA roles.
 
-Life of a request here: a peer sends a frame ``[request id, msgpack message]`` over TCP
-(`wire`, `wire_server`); the loop decodes it (a malformed message gets ``Err(BAD_REQUEST)`` and changes
-nothing; a malformed frame closes only that connection), applies it to the core and answers with
-the same request id — at once, or (sync replication) once every standby has acknowledged the
-entries the call produced, or (SSD promotion) when the node reports the copy. Pushes to nodes
-(tier tasks) and to standbys (replication entries) use request id 0. Between polls the loop
-runs the core's tick (TTL sweep, zombie reclaim, watermark eviction), publishes KV events on a
-ZeroMQ PUB socket and forwards replication entries.
-
-Roles: the `Elector` decides. A standby answers every call with ``Err(NOT_LEADER, leader=...)``
-and follows the leader (snapshot + entries); when elected it rebuilds allocators and serves
-(`replication.take_over`). A leader that loses its lease steps down and re-syncs as a standby.
+A peer's frame ``[request id, msgpack message]`` (`wire`, `wire_server`) is decoded (a malformed
+message gets ``Err(BAD_REQUEST)`` and changes nothing), applied to the core and answered with the
+same id — at once, once every standby acknowledged its entries (sync replication), or when a
+node reports a promotion's copy. Pushes (node tasks, replication entries) use id 0. Between
+polls the loop runs the core's tick, publishes KV events (ZeroMQ PUB) and forwards entries.
+Roles: the `Elector` decides; a standby answers ``NOT_LEADER`` and follows the leader, and when
+elected takes over (`Replication.take_over`); a leader that loses its lease re-syncs as standby.
 """
 
 from __future__ import annotations
@@ -37,9 +32,9 @@ from yuebing.store.cluster_messages import (
     TaskDone,
 )
 from yuebing.store.config import MasterConfig
-from yuebing.store.master import replication, segments
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.election import Elector, EtcdElector, SingleElector
+from yuebing.store.master.replication import ReplicationHub
 from yuebing.store.wire import MAX_FRAME, FrameSocket
 from yuebing.store.wire_limits import FrameLimits
 from yuebing.store.wire_server import FrameServer
@@ -106,7 +101,7 @@ class MasterService:
         self.elector = elector or (
             EtcdElector(cfg.etcd, cfg.cluster, self.address, cfg.election_ttl_s) if cfg.etcd
             else SingleElector(self.address))
-        self.hub = replication.ReplicationHub(self.core, cfg.repl_timeout_s)
+        self.hub = ReplicationHub(self.core.replication, cfg.repl_timeout_s)
         self.name = f"master-{uuid.uuid4().hex[:8]}"
         self.lock = threading.Lock()
         self.leading = False
@@ -209,11 +204,11 @@ class MasterService:
             if core.events:
                 self._send_events()
             for client, task in core.outbox:
-                sess = core.sessions.get(client)
+                sess = core.sessions.sessions.get(client)
                 if sess is not None and sess.ident is not None and sess.ident in self.server.conns:
                     send(sess.ident, 0, encode(task))  # type: ignore[arg-type]
                 else:
-                    segments.task_done(core, TaskDone(  # not core.handle: no session touch
+                    core.tiers.task_done(TaskDone(  # not core.handle: no session touch
                         client=client, task=task.task, ok=False,
                         message=f"node {client} is not connected"))
             core.outbox.clear()
@@ -249,14 +244,14 @@ class MasterService:
         if is_leader and not self.leading:
             with self.lock:
                 self._unfollow()
-                replication.take_over(self.core)
+                self.core.replication.take_over()
                 self.leading = True
         elif not is_leader and self.leading:
             log.error("lost leadership; stepping down to standby")
             with self.lock:
                 self.leading = False
                 self.core.log = None
-                self.hub = replication.ReplicationHub(self.core, self.cfg.repl_timeout_s)
+                self.hub = ReplicationHub(self.core.replication, self.cfg.repl_timeout_s)
                 for cid, rid, _ in self._held:
                     self.server.send(cid, rid, encode(m.Err(code=C.NOT_LEADER,
                                                             message="leader stepped down")))
@@ -302,7 +297,7 @@ class MasterService:
         assert self._follow is not None
         with self.lock:
             if isinstance(msg, ReplSnapshot):
-                replication.load_snapshot(self.core, msg.state)
+                self.core.replication.load_snapshot(msg.state)
                 self._follow_seq = msg.seq
             elif isinstance(msg, ReplEntries):
                 if msg.first_seq != self._follow_seq + 1:
@@ -310,7 +305,7 @@ class MasterService:
                               msg.first_seq, self._follow_seq)
                     self._subscribe(self._follow_addr)
                     return
-                replication.apply_entries(self.core, msg.entries)
+                self.core.replication.apply_entries(msg.entries)
                 self._follow_seq += len(msg.entries)
             else:
                 return

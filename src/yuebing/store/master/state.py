@@ -1,5 +1,7 @@
-"""Master metadata records: objects, segments, sessions. Plain ``__slots__`` classes in plain
-dicts keep the hot paths lean (see docs/benchmarks.md for bytes per object)."""
+"""Master metadata records: objects, segments, sessions, node tasks. Plain ``__slots__`` classes
+in plain dicts keep the hot paths lean (see docs/benchmarks.md for bytes per object). The dicts
+belong to `Objects`, `Segments`, `Sessions` and `Tasks`; a record's fields are set by the
+component whose rule applies (a lease by `Leases`, a replica move by `Tiers`, ...)."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ class StorageNode:
         self.client_id = self.name
         self.incarnation = uuid.uuid4().hex
         """This process: a node restarted under the same name retires the segments of the
-        process before it at its first mount (`master.incarnations`)."""
+        process before it at its first mount (`master.sessions`)."""
         self.engine = TransferEngine(transfer or TransferConfig(metadata="p2p"))
         self._local = f"{self.name}.dram"
         self.segment = self.engine.register_segment(self._local, size=cfg.dram,
