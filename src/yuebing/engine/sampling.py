@@ -24,7 +24,6 @@ import torch
 
 from yuebing.core.errors import InputError
 
-
 MAX_LOGPROBS = 20
 MAX_N = 64
 
