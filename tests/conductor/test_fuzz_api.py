@@ -210,6 +210,10 @@ def test_ten_thousand_bad_bodies_no_5xx_flat_rss(tmp_path: Path) -> None:
                               "--max-tokens-cap", "16"], tmp_path, 120)
     try:
         url = str(proc.info["url"])
+        deadline = time.monotonic() + 30
+        while request(url, "GET", "/health?ready=1")[0] != 200:
+            assert time.monotonic() < deadline, "the instances did not join"
+            time.sleep(0.05)
         host, port = url.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         rng = random.Random(30)

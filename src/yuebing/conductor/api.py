@@ -215,16 +215,18 @@ def _sampling(obj: dict[str, Any], chat: bool, prompt_len: int, limits: Limits, 
         raise ApiError(400, f"the prompt ({prompt_len} tokens) plus {name}={max_tokens} exceeds "
                        f"the context length {limits.max_model_len}", param=name,
                        code="context_length_exceeded")
-    temperature = float(_opt(obj, "temperature", (int, float), 1.0))
-    top_p = float(_opt(obj, "top_p", (int, float), 1.0))
+    temperature = _number(obj, "temperature", 1.0)
+    top_p = _number(obj, "top_p", 1.0)
     if not 0.0 <= temperature <= 2.0:
         raise ApiError(400, f"'temperature' must be in [0, 2], got {temperature}",
                        param="temperature")
     if not 0.0 < top_p <= 1.0:
         raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
     top_k = _opt(obj, "top_k", int, 0)
-    if top_k < 0:
-        raise ApiError(400, f"'top_k' must be >= 0, got {top_k}", param="top_k")
+    if not -1 <= top_k < 2**31:
+        raise ApiError(400, f"'top_k' must be in 0..2**31-1 (0 or -1: off), got {top_k}",
+                       param="top_k")
+    top_k = max(top_k, 0)
     seed = _opt(obj, "seed", int, None)
     if seed is not None and not 0 <= seed < 2**63:
         raise ApiError(400, f"'seed' must be in [0, 2**63), got {seed}", param="seed")
@@ -373,6 +375,15 @@ def _opt(obj: dict[str, Any], name: str, types: type | tuple[type, ...], default
         raise ApiError(400, f"'{prefix}{name}' must be {want}, got {_kind(v)}",
                        param=prefix + name)
     return v
+
+
+def _number(obj: dict[str, Any], name: str, default: float) -> float:
+    """``obj[name]`` as a float (an integer too large for one is out of range, not a crash)."""
+    v = _opt(obj, name, (int, float), default)
+    try:
+        return float(v)
+    except OverflowError:
+        raise ApiError(400, f"'{name}' is out of range", param=name) from None
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
