@@ -129,8 +129,9 @@ class Dispatcher:
         keys = (store_block_keys(req.prompt_ids, c.store_block_tokens, c.fingerprint)
                 if c.fingerprint else [])
         now = time.monotonic()
+        # n choices share the prompt's KV; each grows its own output
         info = RequestInfo(rid, now, len(req.prompt_ids), tuple(BlockHash(k) for k in keys),
-                           req.sampling.max_tokens)
+                           req.sampling.max_tokens * req.sampling.n)
         view = c.view(info, prefills, decodes, now)
         decision = self.policy.decide(info, view)
         if coupled and isinstance(decision, Route) and decision.decode_id != decision.prefill_id:
