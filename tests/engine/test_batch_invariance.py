@@ -105,7 +105,8 @@ def test_invariant_attention_matches_reference_math(tiny_weights):
 
 def test_explicit_attention_conflicts_with_batch_invariant():
     with pytest.raises(ConfigError, match="batch_invariant"):
-        EngineConfig(attention="grouped")
+        EngineConfig(attention="grouped", batch_invariant=True)
     with pytest.raises(ConfigError, match="batch_invariant"):
-        EngineConfig(prefill_attention="flash")
-    assert EngineConfig(attention="grouped", batch_invariant=False).attention == "grouped"
+        EngineConfig(prefill_attention="flash", batch_invariant=True)
+    assert EngineConfig(attention="grouped").attention == "grouped"  # invariance is opt-in
+    assert not EngineConfig().batch_invariant

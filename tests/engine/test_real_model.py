@@ -159,7 +159,8 @@ def test_bf16_logits_alone_equal_batched(smol_weights):
 
     def engine() -> LLMEngine:
         return LLMEngine(EngineConfig(dtype="bfloat16", threads=1, num_blocks=64,
-                                      prefix_caching=False), weights=smol_weights)
+                                      prefix_caching=False, batch_invariant=True),
+                         weights=smol_weights)
     alone_engine = engine()
     prompts = [alone_engine.encode_prompt(t) for t in texts]
     alone = _step_logits(alone_engine, [[p] for p in prompts])

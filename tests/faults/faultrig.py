@@ -98,8 +98,10 @@ class Rig:
         self.cluster = f"faults{os.getpid()}"
         """The cluster's name in etcd."""
         find = (("--etcd", etcd, "--cluster", self.cluster) if etcd else ())
+        # batch-invariant: outputs under faults are compared with a reference run's
         inst = ("--model", MODEL, "--store-master", master, "--report-hz", "10",
-                "--kv-cache-bytes", "16MiB", "--staging-bytes", "16MiB", *find)
+                "--kv-cache-bytes", "16MiB", "--staging-bytes", "16MiB", "--batch-invariant",
+                "--no-startup-profile", *find)
         self.args: dict[str, list[str]] = {
             "store-master": ["store", "master", "--rpc-address", master, "--events-address",
                              f"tcp://{ip['store-master']}:{p['events']}", "--admin-host",

@@ -29,7 +29,8 @@ class InstanceProc(CliProc):
     def __init__(self, role: str, model: str = TINY, *extra: str, timeout_s: float = 120.0
                  ) -> None:
         self.role = role
-        super().__init__(["serve", role, "--model", model, "--report-hz", "20", *extra],
+        super().__init__(["serve", role, "--model", model, "--report-hz", "20",
+                          "--no-startup-profile", *extra],
                          name=role, timeout_s=timeout_s)
         self.hello = self.info
         self.address: str = self.hello["control_address"]

@@ -21,7 +21,7 @@ SAMPLING = Sampling(max_tokens=64, temperature=0, ignore_eos=True)
 
 
 def _case(dtype: str) -> tuple[list[list[int]], list[list[int]]]:
-    e = LLMEngine(EngineConfig(model="smollm2", dtype=dtype, threads=1))
+    e = LLMEngine(EngineConfig(model="smollm2", dtype=dtype, threads=1, batch_invariant=True))
     prompts = [e.encode_prompt(t) for t in TEXTS]
     long_text = "Summarize the following notes. " + " ".join(
         f"Note {i}: the transfer engine moved block {i * 7 % 97} to node {i % 5}."
@@ -35,7 +35,8 @@ def _case(dtype: str) -> tuple[list[list[int]], list[list[int]]]:
 def _serve(dtype: str, concurrent: bool) -> None:
     prompts, refs = _case(dtype)
     assert len(prompts[-1]) == 3000
-    flags = ("--dtype", dtype, "--kv-cache-bytes", "256MiB", "--no-warmup")
+    # equal to one engine's tokens, whatever the batching: the batch-invariant mode's promise
+    flags = ("--dtype", dtype, "--kv-cache-bytes", "256MiB", "--no-warmup", "--batch-invariant")
     p_proc = InstanceProc("prefill", "smollm2", *flags, timeout_s=300)
     try:
         d_proc = InstanceProc("decode", "smollm2", *flags, timeout_s=300)

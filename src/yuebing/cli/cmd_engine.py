@@ -154,9 +154,8 @@ def _run_profile(ns: argparse.Namespace) -> int:
                              f"{ns.decode_degree + 1} distinct --{axis} on the decode grid, got "
                              f"{sorted(values)}")
     batches = [*ns.batches, *(b for b, _ in ns.interference_decode)]
-    new_tokens = [*ns.new_tokens, *(n for n, _ in ns.interference_prefill)]
-    engine = LLMEngine(_engine_config(
-        ns, max_num_seqs=max(batches), max_batch_tokens=max(new_tokens)))
+    # the step budget stays as given: it chunks long prompts, and instances run with it
+    engine = LLMEngine(_engine_config(ns, max_num_seqs=max(batches)))
     total = len(ns.new_tokens) * len(ns.cached_tokens) + len(ns.batches) * len(ns.contexts)
     with Progress(transient=True) as bar:
         task = bar.add_task("profiling", total=total)
@@ -178,7 +177,8 @@ def _run_profile(ns: argparse.Namespace) -> int:
                                   for s in samples.decode], ns.decode_degree)
     source = f"yuebing profile: {samples.model} on {samples.device} ({samples.dtype}, " \
              f"{samples.threads} threads)"
-    save_predictors(Predictors(prefill, decode, TransferPredictor(), source), ns.out)
+    save_predictors(Predictors(prefill, decode, TransferPredictor(), source,
+                               engine.signature()), ns.out)
     print(f"wrote {ns.out} ({len(samples.prefill)} prefill, {len(samples.decode)} decode samples)")
     for name, errors in (
             ("prefill", [prefill.predict(s.new_tokens, s.cached_tokens) / s.seconds - 1

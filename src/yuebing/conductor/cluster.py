@@ -90,6 +90,8 @@ class LiveCluster:
         self.max_model_len = 0
         self.pending: dict[str, PendingDecode] = {}
         self.on_dead: list[Callable[[Member], None]] = []
+        self.admit_checks: list[Callable[[Hello], str]] = []
+        """More checks of a joining instance's `Hello` ('' = fine, else why it is refused)."""
         self._wanted: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._liveness: asyncio.Task[None] | None = None
@@ -163,6 +165,9 @@ class LiveCluster:
         if other is not None and other.address != hello.control_address and other.alive \
                 and other.address in self._wanted:
             return f"instance id {hello.instance_id} is already used by {other.address}"
+        for check in self.admit_checks:
+            if problem := check(hello):
+                return problem
         self.fingerprint = hello.fingerprint
         self.max_model_len = min(self.max_model_len or hello.max_model_len, hello.max_model_len)
         return ""

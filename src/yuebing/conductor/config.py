@@ -46,8 +46,12 @@ class ConductorConfig:
         "store master admin URL (http://127.0.0.1:PORT): seed and resync the store index from "
         "/keys ('' = follow events only)"))
     predictors: str = field(default="", metadata=_h(
-        "predictor file from `yuebing profile` ('' = linear predictors from the two rates "
-        "below)"))
+        "predictor file from `yuebing profile`, checked against each instance's engine "
+        "configuration ('' = fitted to the instances' start-up profiles; the two rates below "
+        "until one arrives)"))
+    predictor_online: bool = field(default=True, metadata=_h(
+        "scale the prefill predictor live by how long finished prefills took against their "
+        "estimates (an EWMA; /health shows the scale)"))
     prefill_tokens_per_s: float = field(default=2000.0, metadata=_h(
         "prefill speed assumed without a predictor file (tokens/s)"))
     decode_step_s: float = field(default=0.03, metadata=_h(

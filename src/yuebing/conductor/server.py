@@ -229,6 +229,8 @@ class _Routes:
                 s.error_code = code
             if status == 200 or s.dispatched_s is not None:
                 self.c.metrics.finished(s)
+            if status == 200 and s.breakdown.prefill_s > 0:
+                self.c.calibration.observe(s.est_prefill_s, s.breakdown.prefill_s)
             if self.c.cfg.access_log:
                 access.info("%s", s.log_line(status))
 

@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from yuebing.conductor.api import Limits
+from yuebing.conductor.calibration import Calibration
 from yuebing.conductor.cluster import LiveCluster, Member
 from yuebing.conductor.config import ConductorConfig
 from yuebing.conductor.dispatch import Dispatcher
@@ -68,6 +69,10 @@ class Conductor:
         """Token strings and bytes for logprobs (`yuebing.conductor.render`)."""
         self.policy = Policy(replace(cfg.policy, kv_bytes_per_token=kv),
                              predictors or default_predictors(cfg))
+        self.calibration = Calibration(
+            self.policy.predictors,
+            cfg.predictors or ("given" if predictors is not None else ""), self._use_predictors,
+            cfg.predictor_online)
         self.metrics = ConductorMetrics()
         self.started = int(time.time())
         self.inflight = 0
@@ -81,6 +86,7 @@ class Conductor:
                                    cfg.prefill_gate_tokens)
         self.dispatcher = Dispatcher(self.cluster, self.policy, self.metrics,
                                      cfg.request_timeout_s, cfg.reserve_wait_s)
+        self.cluster.admit_checks.append(self.calibration.admit)
         self.feed: StoreFeed | None = None
         self._closers: list[Any] = []
         self._listed: set[str] = set(cfg.instances)
@@ -107,6 +113,13 @@ class Conductor:
                                   loop).start()
         if self.cfg.etcd:
             await asyncio.to_thread(self._discover, loop)
+
+    def _use_predictors(self, predictors: Predictors) -> None:
+        """A start-up profile gave new predictors (`Calibration`): every user of the policy
+        takes the new one (decisions in flight keep the one they started with)."""
+        self.policy = Policy(self.policy.config, predictors)
+        self.dispatcher.policy = self.policy
+        self.cluster.prefill_time = self.policy.prefill_time
 
     def _discover(self, loop: asyncio.AbstractEventLoop) -> None:
         from yuebing.cluster.discovery import Discovery
@@ -187,7 +200,8 @@ class Conductor:
         return {"status": "ok", "ready": ready, "model": self.cfg.model_name,
                 "instances": roles, "load": load, "inflight": self.inflight,
                 "kv_index_blocks": len(c.index),
-                "kv_index_store_blocks": len(c.index.keys_of(STORE_HOLDER))}
+                "kv_index_store_blocks": len(c.index.keys_of(STORE_HOLDER)),
+                "predictors": self.calibration.state()}
 
     def metrics_text(self) -> bytes:
         for r in Role:

@@ -136,11 +136,12 @@ class EngineConfig:
     weights_seed: int = field(default=0, metadata={"help": "seed of dummy random weights"})
     packed_weights: bool = field(default=True, metadata={
         "help": "pack bf16/fp16 matmul weights into oneDNN's layout once at load (CPU)"})
-    batch_invariant: bool = field(default=True, metadata={
+    batch_invariant: bool = field(default=False, metadata={
         "help": "outputs do not depend on what else is batched, on chunking, prefix hits or "
                 "preemption: every token attends alone to its own context in one fixed-order "
                 "kernel (native paged, else a torch loop); needs attention auto or paged and "
-                "prefill_attention same or auto (see docs/engine.md, determinism)"})
+                "prefill_attention same or auto. Opt-in: it costs long prefills several times "
+                "their time (docs/engine.md, determinism; docs/benchmarks.md)"})
 
     def __post_init__(self) -> None:
         require(bool(self.model), "model must name a model (smollm2, a path, or dummy)")

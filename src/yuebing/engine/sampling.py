@@ -7,7 +7,7 @@ pick yet (``min_tokens``); greedy rows take the argmax, the others apply tempera
 top-p and draw from the request's own generator (seeded from ``seed``), so other requests'
 draws never shift a seeded request's. A seeded (or greedy) request's tokens are the same
 whatever else is batched only when its logits are: the engine's batch-invariant mode
-(``EngineConfig.batch_invariant``, on by default) makes them so; with it off, bf16 logits move
+(``EngineConfig.batch_invariant``, opt-in) makes them so; with it off, bf16 logits move
 slightly with the batch and near-ties can flip (docs/engine.md, determinism). Optional
 logprobs are the log-softmax of the raw float32 logits (before temperature, top-k/top-p and
 the stop-token mask: vLLM's default ``raw_logprobs``), computed for the whole batch at once

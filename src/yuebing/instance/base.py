@@ -44,6 +44,7 @@ from yuebing.instance.connector import KVConnector, KVConnectorConfig
 from yuebing.instance.control import ControlServer, Refused  # roles import Refused here
 from yuebing.instance.driver import EngineDriver
 from yuebing.instance.reports import LocalCache, report_loop
+from yuebing.instance.startup_profile import startup_profile
 from yuebing.protocol import Message
 from yuebing.protocol.instance import (
     Ack,
@@ -150,6 +151,8 @@ class Instance:
             staging, saver=self.saver)
         if cfg.warmup:
             self.engine.warmup()
+        self.profile = startup_profile(self.engine, self.role) if cfg.startup_profile else None
+        """The engine's start-up profile, sent to the Conductors in `Hello` (their predictors)."""
         name = cfg.instance_id or f"{cfg.role}-{os.getpid()}"  # the id is set once bound
         trace = Path(cfg.step_trace_dir) / f"{name}.steps.jsonl" if cfg.step_trace_dir else None
         self.driver = EngineDriver(self.engine, self._outputs_from_driver, cfg.threads,
@@ -187,7 +190,7 @@ class Instance:
                      kv_segment=self.transfer.segment_name("kv") if self.exposes_pool else "",
                      block_size=e.block_size, store_block_tokens=self.cfg.store_block_tokens,
                      num_blocks=e.allocator.num_blocks, max_model_len=e.max_model_len,
-                     incarnation=self.incarnation)
+                     incarnation=self.incarnation, engine=e.signature(), profile=self.profile)
 
     async def start(self) -> str:
         """Bind the control socket; returns its address."""

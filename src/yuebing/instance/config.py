@@ -51,10 +51,11 @@ class InstanceConfig:
     prefill_attention: str = field(default="same", metadata={
         "help": "engine prefill attention path (same, auto, grouped, sdpa, blas, flash)"})
     kernels: str = field(default="auto", metadata={"help": "engine kernels: auto, native, torch"})
-    batch_invariant: bool = field(default=True, metadata={
+    batch_invariant: bool = field(default=False, metadata={
         "help": "outputs independent of batching, chunking and prefix hits (the engine's "
-                "batch-invariant attention; costs long prefills time, see docs/engine.md); "
-                "every instance of a cluster must use the same setting"})
+                "batch-invariant attention; opt-in: it costs long prefills several times "
+                "their time, see docs/engine.md); every instance of a cluster must use the "
+                "same setting"})
     step_trace_dir: str = field(default="", metadata={
         "help": "append one JSON line per engine step (start, engine seconds, batch) to "
                 "DIR/<instance-id>.steps.jsonl ('' = off; for profiling a live run)"})
@@ -95,6 +96,10 @@ class InstanceConfig:
     ready_file: str = field(default="", metadata={
         "help": "write this instance's Hello as JSON here once ready"})
     warmup: bool = field(default=True, metadata={"help": "one tiny forward pass at start"})
+    startup_profile: bool = field(default=True, metadata={
+        "help": "time the engine on a grid of prompts / batches at start and send it to the "
+                "Conductors, which fit their predictors to it (cached per configuration and "
+                "machine under ~/.cache/yuebing/profiles: only a first start pays)"})
     event_loop: str = field(default="uvloop", metadata={
         "help": "the control loop's implementation: uvloop (less CPU per message) or asyncio"})
 

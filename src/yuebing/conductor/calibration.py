@@ -1,0 +1,168 @@
+"""Which predictors the Conductor's policy uses, and which instances they hold for.
+
+`LiveCluster` asks `Calibration.admit` about each joining instance's `Hello`:
+
+- with ``--predictors FILE``, the file holds as long as each instance runs the engine
+  configuration it was profiled on (``yuebing profile`` records it); an instance running
+  another is refused, the message naming both configurations;
+- without a file, the first instance that brings a start-up profile sets the predictor of
+  what it does (prefill: a prefill or coupled instance; decode: a decode or coupled one),
+  fitted here; later instances doing the same must run the same configuration.
+
+Until a profile arrives the linear defaults (``--prefill-tokens-per-s``, ``--decode-step-s``)
+apply. Live, `observe` scales the prefill predictor by how long finished prefills really took
+against their estimate (an EWMA of the ratio; ``--predictor-online``), so contention and
+interference the profile did not see are predicted too. A change of predictors reaches the
+policy through ``on_change``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+from yuebing.conductor.policy import (
+    BivariatePolynomial,
+    DecodePredictor,
+    Predictors,
+    PrefillPredictor,
+)
+from yuebing.conductor.policy.predictors import ATTENTION_TERMS
+from yuebing.core.errors import InputError
+from yuebing.protocol.instance import EngineProfile, Hello, Role
+
+log = logging.getLogger(__name__)
+
+PREFILL, DECODE = "prefill", "decode"
+MIN_OBSERVED_S = 0.05
+"""Prefills estimated shorter than this do not move the scale (fixed costs dominate them)."""
+ALPHA = 0.3
+"""Weight of the newest prefill in the scale's EWMA."""
+RESCALE_STEP = 0.05
+"""The policy takes a new scale once it moved this much (relative) from the one in force."""
+SCALE_LIMITS = (0.25, 4.0)
+
+
+def _parts(role: Role) -> tuple[str, ...]:
+    return {Role.PREFILL: (PREFILL,), Role.DECODE: (DECODE,)}.get(role, (PREFILL, DECODE))
+
+
+def describe(configuration: Mapping[str, str]) -> str:
+    """``k=v, ...`` of a configuration, for messages."""
+    return ", ".join(f"{k}={v}" for k, v in sorted(configuration.items())) or "(none recorded)"
+
+
+def difference(a: Mapping[str, str], b: Mapping[str, str]) -> str:
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    return "; ".join(f"{k}: {a.get(k, '-')} vs {b.get(k, '-')}" for k in keys)
+
+
+def fit_profile(profile: EngineProfile, part: str) -> PrefillPredictor | DecodePredictor:
+    """The ``part`` predictor fitted to ``profile`` (prefill: `ATTENTION_TERMS`; decode:
+    linear in batch and context)."""
+    if part == PREFILL:
+        return PrefillPredictor.fit(profile.prefill, exponents=ATTENTION_TERMS)
+    return DecodePredictor.fit(profile.decode, degree=1)
+
+
+def scaled(p: PrefillPredictor, k: float) -> PrefillPredictor:
+    poly = p.poly
+    return p if k == 1.0 else PrefillPredictor(BivariatePolynomial(
+        poly.exponents, tuple(k * c for c in poly.coefficients)))
+
+
+class Calibration:
+    """The predictors in use, per part (prefill, decode) the configuration they hold for."""
+
+    def __init__(self, predictors: Predictors, from_file: str,
+                 on_change: Callable[[Predictors], None], online: bool = True) -> None:
+        self.predictors = predictors
+        self.on_change = on_change
+        self.online = online
+        self.base_prefill = predictors.prefill
+        """The prefill predictor before the online scale."""
+        self.scale = 1.0
+        """Live prefill seconds per estimated second, as the policy uses it now."""
+        self._ewma: float | None = None
+        self.fixed = bool(from_file)
+        """Predictors given (a file): profiles never replace them."""
+        origin = f"file {from_file}" if from_file else ""
+        self.origin = {PREFILL: origin, DECODE: origin}
+        """Where each part's predictor came from ('' = the linear defaults)."""
+        self.pinned: dict[str, Mapping[str, str] | None] = {PREFILL: None, DECODE: None}
+        """The configuration each part holds for (None: not known yet)."""
+        if from_file and predictors.configuration:
+            self.pinned = {PREFILL: predictors.configuration, DECODE: predictors.configuration}
+        elif from_file:
+            log.warning("predictor file %s records no engine configuration, so it cannot be "
+                        "checked against the instances; re-run `yuebing profile` to record it",
+                        from_file)
+
+    def state(self) -> dict[str, object]:
+        """For ``/health``: each part's origin and the configuration it holds for, and the
+        online prefill scale."""
+        return {**{part: {"origin": self.origin[part] or "linear defaults",
+                          "configuration": dict(self.pinned[part] or {})}
+                   for part in (PREFILL, DECODE)}, "prefill_scale": round(self.scale, 4)}
+
+    def observe(self, est_prefill_s: float, prefill_s: float) -> None:
+        """A finished prefill took ``prefill_s`` where the policy estimated ``est_prefill_s``:
+        move the scale's EWMA, and hand the policy a rescaled predictor when it moved enough."""
+        if not self.online or est_prefill_s < MIN_OBSERVED_S or prefill_s <= 0:
+            return
+        target = self.scale * prefill_s / est_prefill_s
+        self._ewma = target if self._ewma is None else (1 - ALPHA) * self._ewma + ALPHA * target
+        k = min(max(self._ewma, SCALE_LIMITS[0]), SCALE_LIMITS[1])
+        if abs(k / self.scale - 1) <= RESCALE_STEP:
+            return
+        self.scale = k
+        self.predictors = replace(self.predictors, prefill=scaled(self.base_prefill, k))
+        log.info("prefill predictor scaled by %.3f (live prefills against their estimates)", k)
+        self.on_change(self.predictors)
+
+    def admit(self, hello: Hello) -> str:
+        """'' if the predictors hold for ``hello``'s instance (adopting its profile where a
+        part has none yet), else why it is refused."""
+        if not hello.engine:
+            log.warning("instance %s reports no engine configuration: the predictors (%s) "
+                        "cannot be checked against it", hello.instance_id, self.predictors.source)
+            return ""
+        for part in _parts(hello.role):
+            pinned = self.pinned[part]
+            if pinned is not None and dict(pinned) != hello.engine:
+                return (f"it runs the engine configuration {{{describe(hello.engine)}}}, but "
+                        f"the {part} predictor ({self.origin[part]}) holds for "
+                        f"{{{describe(pinned)}}} — they differ in {difference(pinned, hello.engine)}"
+                        f". Start it with the same engine flags, or "
+                        + ("profile it with `yuebing profile` and pass that file"
+                           if self.origin[part].startswith("file ") else
+                           "give the Conductor a predictor file (`yuebing profile`)"))
+        adopted = [p for p in _parts(hello.role) if self.pinned[p] is None]
+        if adopted and hello.profile is not None and not self.fixed:
+            self._adopt(hello, adopted, hello.profile)
+        return ""
+
+    def _adopt(self, hello: Hello, parts: list[str], profile: EngineProfile) -> None:
+        fits: dict[str, PrefillPredictor | DecodePredictor] = {}
+        try:
+            fits = {part: fit_profile(profile, part) for part in parts}
+        except InputError as e:  # too few points (a tiny model's context cut the grid)
+            log.warning("instance %s's start-up profile cannot be fitted (%s); the predictors "
+                        "stay %s", hello.instance_id, e, self.predictors.source)
+            return
+        p = self.predictors
+        for part, fit in fits.items():
+            self.pinned[part] = dict(profile.configuration)
+            self.origin[part] = f"start-up profile of {hello.instance_id}"
+            if isinstance(fit, PrefillPredictor):
+                self.base_prefill = fit
+                p = replace(p, prefill=scaled(fit, self.scale))
+            else:
+                p = replace(p, decode=fit)
+        source = "; ".join(f"{part}: {self.origin[part] or 'linear defaults'}"
+                           for part in (PREFILL, DECODE))
+        self.predictors = replace(p, source=source, configuration=dict(profile.configuration))
+        log.info("predictors from %s's start-up profile (%s): %s", hello.instance_id,
+                 ", ".join(parts), describe(profile.configuration))
+        self.on_change(self.predictors)

@@ -1,0 +1,142 @@
+"""`Calibration`: predictors from start-up profiles, and instances refused whose engine
+configuration differs from the one the predictors hold for."""
+
+from __future__ import annotations
+
+import pytest
+
+from yuebing.conductor.calibration import Calibration
+from yuebing.conductor.policy import (
+    BivariatePolynomial,
+    DecodePredictor,
+    Predictors,
+    PrefillPredictor,
+    TransferPredictor,
+)
+from yuebing.conductor.policy.predictors import load_predictors, save_predictors
+from yuebing.protocol.instance import EngineProfile, Hello, Role
+
+CONF = {"model": "smollm2:abc", "dtype": "bfloat16", "threads": "1", "attention": "paged",
+        "batch_invariant": "false", "machine": "cpu X | amx_bf16 | 2 cores"}
+
+
+def linear(prefill_s_per_token: float = 1e-3, step_s: float = 0.03,
+           configuration: dict[str, str] | None = None) -> Predictors:
+    return Predictors(PrefillPredictor(BivariatePolynomial(((1, 0),), (prefill_s_per_token,))),
+                      DecodePredictor(BivariatePolynomial(((0, 0),), (step_s,))),
+                      TransferPredictor(), "test", configuration or {})
+
+
+def profile(conf: dict[str, str], per_token: float = 2e-4, square: float = 1e-8,
+            step: float = 0.02) -> EngineProfile:
+    """A profile whose prefill time is per_token·n + square·n·(n + 2c)."""
+    pre = [(n, c, per_token * n + square * n * (n + 2 * c))
+           for c in (0, 1024) for n in (128, 512, 1536, 4096)]
+    dec = [(b, ctx, step + 1e-3 * b + 1e-6 * ctx) for b in (1, 8, 32) for ctx in (512, 4096)]
+    return EngineProfile(configuration=conf, prefill=pre, decode=dec)
+
+
+def hello(name: str, role: Role, conf: dict[str, str] | None,
+          prof: EngineProfile | None = None) -> Hello:
+    return Hello(seq=0, instance_id=name, role=role, model="m", fingerprint="fp", host="h",
+                 control_address=f"tcp://h:{len(name)}", kv_segment="", block_size=16,
+                 store_block_tokens=256, num_blocks=100, max_model_len=8192, incarnation="i",
+                 engine=conf or {}, profile=prof)
+
+
+class Seen:
+    def __init__(self) -> None:
+        self.changes: list[Predictors] = []
+
+    def __call__(self, p: Predictors) -> None:
+        self.changes.append(p)
+
+
+def test_profiles_set_each_part_and_pin_its_configuration() -> None:
+    seen = Seen()
+    cal = Calibration(linear(), "", seen)
+    assert cal.admit(hello("p0", Role.PREFILL, CONF, profile(CONF))) == ""
+    assert len(seen.changes) == 1
+    p = seen.changes[-1]
+    want = 2e-4 * 4000 + 1e-8 * 4000 * 4000
+    assert p.prefill.predict(4000, 0) == pytest.approx(want, rel=0.02)
+    assert p.decode.predict(8, 1000) == pytest.approx(0.03)  # decode part untouched
+    assert cal.state()["decode"]["origin"] == "linear defaults"
+    # a decode instance of another configuration sets the decode part
+    other = {**CONF, "threads": "2"}
+    assert cal.admit(hello("d0", Role.DECODE, other, profile(other, step=0.01))) == ""
+    assert seen.changes[-1].decode.predict(8, 1000) == pytest.approx(0.01 + 8e-3 + 1e-3,
+                                                                      rel=0.02)
+    assert seen.changes[-1].prefill.predict(4000, 0) == pytest.approx(want, rel=0.02)
+    # a second prefill instance of another configuration is refused, naming both
+    problem = cal.admit(hello("p1", Role.PREFILL, other, profile(other)))
+    assert "threads: 1 vs 2" in problem and "threads=2" in problem and "threads=1" in problem
+    # the same configuration joins without changing anything
+    assert cal.admit(hello("p2", Role.PREFILL, CONF, profile(CONF, per_token=1.0))) == ""
+    assert len(seen.changes) == 2
+
+
+def test_coupled_instance_sets_both_parts() -> None:
+    seen = Seen()
+    cal = Calibration(linear(), "", seen)
+    assert cal.admit(hello("c0", Role.COUPLED, CONF, profile(CONF))) == ""
+    assert len(seen.changes) == 1
+    assert "c0" in seen.changes[0].source and seen.changes[0].configuration == CONF
+    assert "threads" in cal.admit(hello("c1", Role.DECODE, {**CONF, "threads": "2"}))
+
+
+def test_file_with_configuration_refuses_other_instances(tmp_path) -> None:
+    path = tmp_path / "pred.json"
+    save_predictors(linear(configuration=CONF), path)
+    loaded = load_predictors(path)
+    assert dict(loaded.configuration) == CONF
+    seen = Seen()
+    cal = Calibration(loaded, str(path), seen)
+    assert cal.admit(hello("p0", Role.PREFILL, CONF, profile(CONF))) == ""
+    assert seen.changes == []  # the file wins over profiles
+    problem = cal.admit(hello("d0", Role.DECODE, {**CONF, "batch_invariant": "true"}))
+    assert f"file {path}" in problem and "batch_invariant: false vs true" in problem
+
+
+def test_file_without_configuration_warns_and_is_kept(caplog) -> None:
+    seen = Seen()
+    cal = Calibration(linear(), "old.json", seen)
+    assert "records no engine configuration" in caplog.text
+    assert cal.admit(hello("p0", Role.PREFILL, CONF, profile(CONF))) == ""
+    assert seen.changes == []
+
+
+def test_profile_too_small_to_fit_keeps_defaults(caplog) -> None:
+    seen = Seen()
+    cal = Calibration(linear(), "", seen)
+    tiny = EngineProfile(configuration=CONF, prefill=[], decode=[])
+    assert cal.admit(hello("c0", Role.COUPLED, CONF, tiny)) == ""
+    assert seen.changes == [] and "cannot be fitted" in caplog.text
+
+
+def test_online_scale_follows_live_prefills_and_survives_a_new_profile() -> None:
+    seen = Seen()
+    cal = Calibration(linear(prefill_s_per_token=1e-3), "", seen)
+    cal.observe(0.01, 5.0)  # too short to count
+    cal.observe(1.0, 1.03)  # within the step: nothing changes
+    assert seen.changes == [] and cal.scale == 1.0
+    for _ in range(20):  # prefills take twice their estimate
+        cal.observe(1000 * 1e-3 * cal.scale, 2.0)
+    assert cal.scale == pytest.approx(2.0, rel=0.06)
+    assert seen.changes[-1].prefill.predict(1000, 0) == pytest.approx(1000 * 1e-3 * cal.scale)
+    # a profile arriving later keeps the scale measured live
+    assert cal.admit(hello("p0", Role.PREFILL, CONF, profile(CONF))) == ""
+    base = 2e-4 * 4000 + 1e-8 * 4000 * 4000
+    assert seen.changes[-1].prefill.predict(4000, 0) == pytest.approx(base * cal.scale, rel=0.02)
+    assert cal.state()["prefill_scale"] == round(cal.scale, 4)
+    for _ in range(50):  # absurd ratios are clamped
+        cal.observe(1.0 * cal.scale, 1e6)
+    assert cal.scale == 4.0
+
+
+def test_online_scale_off() -> None:
+    seen = Seen()
+    cal = Calibration(linear(), "", seen, online=False)
+    for _ in range(10):
+        cal.observe(1.0, 3.0)
+    assert cal.scale == 1.0 and seen.changes == []

@@ -1,0 +1,76 @@
+"""The instance's start-up profile: the grid each role times, the cache per signature."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
+from engine_factories import make_engine, tiny  # noqa: E402
+
+from yuebing.instance import startup_profile as sp  # noqa: E402
+from yuebing.protocol.instance import Role  # noqa: E402
+
+
+@pytest.fixture
+def small_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sp, "PREFILL_NEW", (16, 64, 200))
+    monkeypatch.setattr(sp, "PREFILL_CACHED", (0, 128, 400))
+    monkeypatch.setattr(sp, "DECODE_BATCHES", (1, 4, 32))
+    monkeypatch.setattr(sp, "DECODE_CONTEXTS", (64, 256))
+
+
+def test_roles_time_their_grids_within_the_engine_limits(small_grid: None) -> None:
+    engine = make_engine(tiny(), num_blocks=256)
+    pre = sp.measure(engine, Role.PREFILL, engine.signature())
+    # 400 cached + 200 new does not fit the 512-token context; the rest is timed
+    assert [(n, c) for n, c, _ in pre.prefill] == [(16, 0), (64, 0), (200, 0), (16, 128),
+                                                    (64, 128), (200, 128), (16, 400), (64, 400)]
+    assert pre.decode == [] and all(s > 0 for *_, s in pre.prefill)
+    dec = sp.measure(engine, Role.DECODE, engine.signature())
+    # batch 32 exceeds max_num_seqs (16); batch 1 of 256 tokens is fine
+    assert [(b, c) for b, c, _ in dec.decode] == [(1, 64), (1, 256), (4, 64), (4, 256)]
+    assert dec.prefill == []
+    assert dec.configuration == engine.signature()
+
+
+def test_cached_per_signature_and_role(small_grid: None, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = make_engine(tiny(), num_blocks=256)
+    calls: list[Role] = []
+    real = sp.measure
+
+    def counting(e, role, signature):  # type: ignore[no-untyped-def]
+        calls.append(role)
+        return real(e, role, signature)
+
+    monkeypatch.setattr(sp, "measure", counting)
+    first = sp.startup_profile(engine, Role.PREFILL, tmp_path)
+    again = sp.startup_profile(engine, Role.PREFILL, tmp_path)
+    assert again == first and calls == [Role.PREFILL]
+    sp.startup_profile(engine, Role.DECODE, tmp_path)  # another role: its own grid
+    assert calls == [Role.PREFILL, Role.DECODE]
+    # another configuration (threads differ) is profiled afresh, never served the old one
+    other = make_engine(tiny(), num_blocks=256, attention="sdpa")
+    assert other.signature()["attention"] != engine.signature()["attention"]
+    assert sp.startup_profile(other, Role.PREFILL, tmp_path).configuration == other.signature()
+    assert calls == [Role.PREFILL, Role.DECODE, Role.PREFILL]
+    # a corrupt cache file is measured again and replaced
+    path = tmp_path / f"{sp.cache_key(engine.signature(), Role.PREFILL)}.json"
+    path.write_text("{not json")
+    assert sp.startup_profile(engine, Role.PREFILL, tmp_path).configuration == \
+        engine.signature()
+    assert len(calls) == 4
+
+
+def test_signature_names_what_changes_step_times() -> None:
+    a = make_engine(tiny())
+    sig = a.signature()
+    for key in ("model", "dtype", "device", "threads", "attention", "prefill_attention",
+                "kernels", "batch_invariant", "max_batch_tokens", "machine"):
+        assert sig[key], key
+    assert make_engine(tiny(), max_batch_tokens=32).signature()["max_batch_tokens"] == "32"
+    assert make_engine(tiny(), batch_invariant=True, attention="auto").signature()[
+        "batch_invariant"] == "true"
