@@ -209,3 +209,25 @@ def test_parse_request_fields() -> None:
     with pytest.raises(ApiError) as e:
         parse_request({"model": MODEL, "prompt": [1], "seed": True}, False, None, LIMITS)
     assert e.value.param == "seed"
+
+
+def test_nesting_is_measured_outside_strings_and_fast() -> None:
+    """Brackets inside string literals (escaped quotes too) are not nesting; a million ``[``
+    is refused before it is decoded, in well under a second."""
+    import json
+    import time
+
+    from yuebing.conductor.api import MAX_NESTING, decode_body
+
+    text = 'say "[[[" \\" [' + "[" * 5000 + "{" * 100
+    obj = decode_body(json.dumps({"model": MODEL, "prompt": text,
+                                  "user": [[[[1]]]]}).encode())
+    assert obj["prompt"] == text
+    ok = b'{"a": ' + b"[" * (MAX_NESTING - 1) + b"]" * (MAX_NESTING - 1) + b"}"
+    assert decode_body(ok)["a"]
+    for deep in (b"[" * 10**6, b'{"a": ' + b"[" * (MAX_NESTING) + b"]" * MAX_NESTING + b"}"):
+        start = time.perf_counter()
+        with pytest.raises(ApiError) as e:
+            decode_body(deep)
+        assert e.value.status == 400 and e.value.code == "invalid_json"
+        assert time.perf_counter() - start < 1.0
