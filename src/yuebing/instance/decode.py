@@ -80,7 +80,8 @@ class DecodeInstance(Instance):
             forks = (params.n - 1) * (1 if len(ids) % e.block_size else 0)  # copied last blocks
             if e.allocator.num_free - need - forks < headroom:
                 raise Refused(ErrorCode.NO_KV, f"KV cache has {e.allocator.num_free} free "
-                              f"blocks; the request needs {need} and {headroom} are kept free")
+                              f"blocks; the request needs {need + forks} and {headroom} are "
+                              "kept free")
             return reserve_blocks(e, len(ids))
 
         blocks = await self.driver.run(reserve)
@@ -162,7 +163,7 @@ class DecodeInstance(Instance):
 
     def _adopted(self, task: Task, blocks: list[int],
                  fut: concurrent.futures.Future[list[RequestOutput]]) -> None:
-        """Loop thread: the driver ran `adopt_request` for ``task``."""
+        """Loop thread: the driver ran `adopt_choices` for ``task``."""
         err = fut.exception()
         if err is not None:
             self.driver.call(lambda eng: eng.allocator.release_all(blocks))
