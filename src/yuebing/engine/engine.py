@@ -45,7 +45,7 @@ from yuebing.engine.kernels import NATIVE_ATTENTION, resolve_kernels
 from yuebing.engine.kv_cache import KVPool
 from yuebing.engine.model import LayerHook, LlamaModel
 from yuebing.engine.runner import ModelRunner
-from yuebing.engine.sampling import SamplingParams, make_generator, sample
+from yuebing.engine.sampling import SamplingParams, TokenLogprobs, make_generator, sample
 from yuebing.engine.scheduler import Scheduler, StepPlan
 from yuebing.engine.sequence import FinishReason, Phase, RequestOutput, Sequence
 from yuebing.engine.tokenizer import IncrementalDetokenizer, tokenizer_from_source
@@ -366,7 +366,7 @@ class LLMEngine:
         seq.finish = FinishReason.LENGTH
         return self._output(seq, [], "")
 
-    def _append(self, seq: Sequence, token: int, lp: dict[int, float] | None) -> RequestOutput:
+    def _append(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> RequestOutput:
         p = seq.params
         seq.output_ids.append(token)
         seq.logprobs.append(lp)

@@ -98,8 +98,8 @@ def to_params(s: Sampling, max_tokens: int | None = None) -> SamplingParams:
 def logprob_fields(out: RequestOutput) -> dict[str, Any]:
     """The logprob fields of the `TaskEvent` carrying ``out``'s new tokens (none unless the
     request asked for logprobs)."""
-    lps = out.logprobs
-    if not lps or any(lp is None for lp in lps) or len(lps) != len(out.new_token_ids):
+    lps = [lp for lp in out.logprobs if lp is not None]
+    if not lps or len(lps) != len(out.new_token_ids):
         return {}
     return {"logprobs": [lp.logprob for lp in lps], "top_ids": [lp.top_ids for lp in lps],
             "top_logprobs": [lp.top_logprobs for lp in lps]}
