@@ -49,6 +49,16 @@ from yuebing.protocol.instance import (
 FINGERPRINT = "fake-fp"
 
 
+def _logprobs(task: SubmitTask, tok: int) -> dict[str, Any]:
+    """Made-up logprob fields of token ``tok`` when the task asked for logprobs: the token is
+    the most likely one (-0.5), then ``tok + 1``, ``tok + 2``, ... ."""
+    k = task.sampling.logprobs
+    if k is None:
+        return {}
+    return {"logprobs": [-0.5], "top_ids": [[tok + i for i in range(k)]],
+            "top_logprobs": [[-0.5 - i for i in range(k)]]}
+
+
 class FakeLoop:
     """An asyncio loop in a daemon thread hosting fakes (`run` submits a coroutine)."""
 
@@ -246,10 +256,16 @@ class FakeInstance:
         if self.silent or rid in self._cancelled:
             return
         first = 1000 + len(task.token_ids) % 100
-        bd = Breakdown(queue_s=0.001, prefill_s=self.prefill_delay_s)
-        self._event(rid, EventKind.FIRST_TOKEN, token_ids=[first], token_times=[time.time()],
-                    text=f" t{first}", cached_tokens=task.prefix.tokens if task.prefix else 0,
-                    prompt_tokens=len(task.token_ids), breakdown=bd)
+        firsts = [first + 10 * j for j in range(task.sampling.n)]
+        bd = Breakdown(queue_s=0.001, prefill_s=self.prefill_delay_s,
+                       prefill_tokens=len(task.token_ids) - (task.prefix.tokens if task.prefix
+                                                             else 0))
+        for j, tok in enumerate(firsts):
+            self._event(rid, EventKind.FIRST_TOKEN, token_ids=[tok],
+                        token_times=[time.time()], text=f" t{tok}",
+                        cached_tokens=task.prefix.tokens if task.prefix else 0,
+                        prompt_tokens=len(task.token_ids), breakdown=bd if j == 0 else None,
+                        index=j, **_logprobs(task, tok))
         if task.mode == TaskMode.PREFILL:
             assert task.decode is not None
             if self.die_before_handoff:
@@ -259,26 +275,34 @@ class FakeInstance:
             self._event(rid, EventKind.FINISH, finish_reason="handoff",
                         breakdown=Breakdown(transfer_s=0.0005))
             self.owner.pop(rid, None)
-            await decode_fake.kv_ready(task, first)
+            await decode_fake.kv_ready(task, firsts)
         else:
-            await self._decode(task, first)
+            await self._decode(task, firsts)
 
-    async def kv_ready(self, task: SubmitTask, first: int) -> None:
-        self._spawn(self._decode(task, first))
+    async def kv_ready(self, task: SubmitTask, firsts: list[int]) -> None:
+        self._spawn(self._decode(task, firsts))
 
-    async def _decode(self, task: SubmitTask, first: int) -> None:
+    async def _decode(self, task: SubmitTask, firsts: list[int]) -> None:
+        """``max_tokens`` tokens per choice (the first came from the prefill); each choice but
+        the last ends with ``finish_reason`` on its last token, the last with FINISH."""
         rid = task.request_id
-        n = task.sampling.max_tokens
+        n, last = task.sampling.max_tokens, len(firsts) - 1
+        if n == 1:
+            for j in range(last):
+                self._event(rid, EventKind.TOKENS, index=j, finish_reason="length")
         for i in range(1, n):
             await asyncio.sleep(self.step_s)
             if self.die_after_tokens is not None and i > self.die_after_tokens:
                 self.silent = True
             if self.silent or rid in self._cancelled:
                 return
-            tok = first + i
-            self._event(rid, EventKind.TOKENS, token_ids=[tok], token_times=[time.time()],
-                        text=f" t{tok}")
-        self._event(rid, EventKind.FINISH, finish_reason="length" if n > 1 else "length",
+            for j, first in enumerate(firsts):
+                tok = first + i
+                self._event(rid, EventKind.TOKENS, token_ids=[tok], token_times=[time.time()],
+                            text=f" t{tok}", index=j,
+                            finish_reason="length" if i == n - 1 and j < last else None,
+                            **_logprobs(task, tok))
+        self._event(rid, EventKind.FINISH, finish_reason="length", index=last,
                     breakdown=Breakdown(decode_wait_s=0.0002))
         self._free(rid)
         self.owner.pop(rid, None)

@@ -64,15 +64,54 @@ CASES = [
      "stream", None),
     ("top_p out of range", "/v1/completions", {"model": MODEL, "prompt": [1], "top_p": 0},
      400, "top_p", None),
-    ("n=2", "/v1/completions", {"model": MODEL, "prompt": [1], "n": 2}, 400, "n", None),
+    ("n over max_n", "/v1/completions", {"model": MODEL, "prompt": [1], "n": 9}, 400, "n",
+     None),
+    ("n=0", "/v1/completions", {"model": MODEL, "prompt": [1], "n": 0}, 400, "n", None),
+    ("best_of other than n", "/v1/completions", {"model": MODEL, "prompt": [1], "n": 2,
+                                                 "best_of": 3}, 400, "best_of", None),
+    ("logprobs over max", "/v1/completions", {"model": MODEL, "prompt": [1], "logprobs": 21},
+     400, "logprobs", None),
+    ("logprobs a bool on completions", "/v1/completions",
+     {"model": MODEL, "prompt": [1], "logprobs": True}, 400, "logprobs", None),
+    ("echo", "/v1/completions", {"model": MODEL, "prompt": [1], "echo": True}, 400, "echo",
+     None),
+    ("suffix", "/v1/completions", {"model": MODEL, "prompt": [1], "suffix": "x"}, 400,
+     "suffix", None),
+    ("presence_penalty", "/v1/completions", {"model": MODEL, "prompt": [1],
+                                             "presence_penalty": 0.5}, 400,
+     "presence_penalty", None),
+    ("response_format", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+      "response_format": {"type": "json_object"}}, 400, "response_format", None),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+     400, "top_logprobs", None),
+    ("top_logprobs over max", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "logprobs": True,
+      "top_logprobs": 21}, 400, "top_logprobs", None),
+    ("not utf-8", "/v1/completions", b'{"model": "\xff\xfe"}', 400, None, "invalid_json"),
+    ("nested 4000 deep", "/v1/completions", b"[" * 4000, 400, None, "invalid_json"),
+    ("nested in a field", "/v1/completions",
+     b'{"model": "m", "user": ' + b"[" * 70 + b"]" * 70 + b"}", 400, None, "invalid_json"),
+    ("NaN", "/v1/completions", b'{"model": "m", "temperature": NaN}', 400, None,
+     "invalid_json"),
+    ("number out of range", "/v1/completions", b'{"model": "m", "temperature": 1e400}', 400,
+     None, "invalid_json"),
+    ("huge token id", "/v1/completions", {"model": MODEL, "prompt": [1, 2**80]}, 400,
+     "prompt", None),
+    ("huge stop token id", "/v1/completions", {"model": MODEL, "prompt": [1],
+                                               "stop_token_ids": [2**70]}, 400,
+     "stop_token_ids", None),
+    ("bad prompt in a list", "/v1/completions", {"model": MODEL, "prompt": [[1], []]}, 400,
+     "prompt[1]", None),
+    ("mixed prompt list", "/v1/completions", {"model": MODEL, "prompt": [[1], 2]}, 400,
+     "prompt", None),
     ("stop wrong type", "/v1/completions", {"model": MODEL, "prompt": [1], "stop": 3}, 400,
      "stop", None),
     ("text prompt without tokenizer", "/v1/completions", {"model": MODEL, "prompt": "hi"}, 400,
      "prompt", None),
     ("chat without template", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, 400, "messages", None),
-    ("two prompts", "/v1/completions", {"model": MODEL, "prompt": [[1], [2]]}, 400, "prompt",
-     None),
     ("negative token id", "/v1/completions", {"model": MODEL, "prompt": [1, -2]}, 400, "prompt",
      None),
     ("stream_options without stream", "/v1/completions",
@@ -170,3 +209,25 @@ def test_parse_request_fields() -> None:
     with pytest.raises(ApiError) as e:
         parse_request({"model": MODEL, "prompt": [1], "seed": True}, False, None, LIMITS)
     assert e.value.param == "seed"
+
+
+def test_nesting_is_measured_outside_strings_and_fast() -> None:
+    """Brackets inside string literals (escaped quotes too) are not nesting; a million ``[``
+    is refused before it is decoded, in well under a second."""
+    import json
+    import time
+
+    from yuebing.conductor.api import MAX_NESTING, decode_body
+
+    text = 'say "[[[" \\" [' + "[" * 5000 + "{" * 100
+    obj = decode_body(json.dumps({"model": MODEL, "prompt": text,
+                                  "user": [[[[1]]]]}).encode())
+    assert obj["prompt"] == text
+    ok = b'{"a": ' + b"[" * (MAX_NESTING - 1) + b"]" * (MAX_NESTING - 1) + b"}"
+    assert decode_body(ok)["a"]
+    for deep in (b"[" * 10**6, b'{"a": ' + b"[" * (MAX_NESTING) + b"]" * MAX_NESTING + b"}"):
+        start = time.perf_counter()
+        with pytest.raises(ApiError) as e:
+            decode_body(deep)
+        assert e.value.status == 400 and e.value.code == "invalid_json"
+        assert time.perf_counter() - start < 1.0

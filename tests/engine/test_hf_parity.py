@@ -72,3 +72,31 @@ def test_hf_config_is_read(hf_case):
     assert (mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim) == (3, 8, 2, 8)
     assert mc.tie_embeddings == hf.config.tie_word_embeddings
     assert mc.qkv_bias == (hf.config.model_type == "qwen2")
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_logprobs_match_transformers(hf_case, batch_invariant):
+    """The logprobs a request gets (raw float32 log-softmax, chosen token and top 5) equal
+    transformers' on the same weights in float32 within 1e-3, on the first token (from the
+    prefill, of each of n=2 choices) and on the decode steps after it."""
+    path, hf = hf_case
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", threads=1,
+                                    block_size=4, num_blocks=32, max_num_seqs=4,
+                                    batch_invariant=batch_invariant))
+    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=1.0, seed=1, n=2,
+                                                    logprobs=5, ignore_eos=True))
+    outs = [o for _ in range(20) for o in engine.step() if o.request_id == rid]
+    with torch.no_grad():
+        for j in (0, 1):
+            mine = [o for o in outs if o.index == j]
+            ids = list(PROMPT) + mine[-1].output_token_ids
+            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+            for step, o in enumerate(mine):
+                (lp,) = o.logprobs
+                row = ref[len(PROMPT) - 1 + step]
+                tok = o.new_token_ids[0]
+                assert abs(lp.logprob - float(row[tok])) < 1e-3, (j, step)
+                top = torch.topk(row, 5)
+                assert lp.top_ids == top.indices.tolist()
+                assert max(abs(a - b) for a, b in zip(lp.top_logprobs, top.values.tolist(),
+                                                      strict=True)) < 1e-3

@@ -46,9 +46,14 @@ def test_seeded_sampling_is_reproducible_and_logprobs_are_exact():
     assert a.token_ids[1] == int(logits[1].argmax()) and a.token_ids[2] == int(logits[2].argmax())
     lp = torch.log_softmax(logits, -1)
     chosen = a.token_ids[0]
-    assert list(a.logprobs[0])[0] == chosen and len(a.logprobs[0]) in (2, 3)
-    assert math.isclose(a.logprobs[0][chosen], float(lp[0, chosen]), rel_tol=1e-6)
-    assert a.logprobs[1] is None and a.logprobs[2] == {a.token_ids[2]: float(lp[2].max())}
+    first = a.logprobs[0]
+    assert math.isclose(first.logprob, float(lp[0, chosen]), rel_tol=1e-6)
+    top = torch.topk(lp[0], 2)
+    assert first.top_ids == top.indices.tolist()
+    assert first.top_logprobs == pytest.approx(top.values.tolist(), rel=1e-6)
+    assert a.logprobs[1] is None
+    third = a.logprobs[2]
+    assert (third.logprob, third.top_ids) == (pytest.approx(float(lp[2].max())), [])
 
 
 def test_engine_sampling_seed_independent_of_batch(tiny_weights):
@@ -105,7 +110,7 @@ def test_sample_banned_tokens_and_raw_logprobs():
     res = sample(logits, params, gens, [{1}, {1, 2, 99}])
     assert res.token_ids[0] == 2 and res.token_ids[1] in (0, 3)
     lp = torch.log_softmax(logits, dim=-1)
-    assert res.logprobs[0] == {2: float(lp[0, 2])}  # of the raw logits
+    assert res.logprobs[0].logprob == pytest.approx(float(lp[0, 2]))  # of the raw logits
     assert torch.equal(logits[0], torch.tensor([0.0, 5.0, 4.0, 1.0]))  # caller's untouched
 
 
@@ -121,6 +126,7 @@ def test_engine_streams_logprobs_of_the_step_logits(tiny_weights):
         lp = torch.log_softmax(logits.float(), dim=-1)
         top = torch.topk(lp, 3)
         (entry,) = out.logprobs
-        assert list(entry) == top.indices.tolist()  # greedy: the chosen token is the top one
+        assert entry.top_ids == top.indices.tolist()  # greedy: the chosen token is the top one
         assert out.new_token_ids == [int(top.indices[0])]
-        assert list(entry.values()) == top.values.tolist()
+        assert entry.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-6)
+        assert entry.logprob == pytest.approx(float(top.values[0]), abs=1e-6)

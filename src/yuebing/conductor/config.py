@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from yuebing.conductor.policy import PolicyConfig
 from yuebing.core.auth import TOKEN_HELP, env_cluster_token, is_loopback
 from yuebing.core.config import require
+from yuebing.protocol.instance import MAX_LOGPROBS, MAX_N
 
 
 def _h(text: str, **extra: object) -> dict[str, object]:
@@ -81,6 +82,13 @@ class ConductorConfig:
         "longest prompt accepted in tokens (0 = the instances' context length)"))
     max_tokens_cap: int = field(default=4096, metadata=_h(
         "largest max_tokens a request may ask for (also the default when it asks none)"))
+    max_n: int = field(default=8, metadata=_h(
+        "largest n (choices per prompt, sharing one prefill) a request may ask for"))
+    max_logprobs: int = field(default=20, metadata=_h(
+        "most top logprobs per token a request may ask for (chat top_logprobs, completions "
+        "logprobs; at most 20)"))
+    max_prompts: int = field(default=64, metadata=_h(
+        "most prompts in one /v1/completions prompt list"))
     max_concurrent: int = field(default=256, metadata=_h(
         "most requests in flight at once; more get HTTP 429"))
     api_key: str = field(default="", metadata=_h(
@@ -118,9 +126,13 @@ class ConductorConfig:
         for name, least in (("kv_bytes_per_token", 0), ("store_block_tokens", 1),
                             ("prefill_gate_tokens", 0),
                             ("max_body_bytes", 1024), ("max_prompt_tokens", 0),
-                            ("max_tokens_cap", 1), ("max_concurrent", 1)):
+                            ("max_tokens_cap", 1), ("max_concurrent", 1), ("max_n", 1),
+                            ("max_logprobs", 0), ("max_prompts", 1)):
             v = getattr(self, name)
             require(v >= least, f"--{name.replace('_', '-')} must be >= {least}, got {v}")
+        require(self.max_logprobs <= MAX_LOGPROBS and self.max_n <= MAX_N,
+                f"--max-logprobs must be <= {MAX_LOGPROBS} and --max-n <= {MAX_N} (what the "
+                f"engine computes), got {self.max_logprobs} and {self.max_n}")
         require(self.policy.block_tokens == self.store_block_tokens,
                 f"the policy's block_tokens ({self.policy.block_tokens}) must equal "
                 f"--store-block-tokens ({self.store_block_tokens}): the KV index keys are "

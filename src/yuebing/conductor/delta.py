@@ -23,8 +23,17 @@ class Delta:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    """Set when the choice ``index`` ended with this delta."""
     received_s: float = 0.0
     """``time.perf_counter()`` when the event's frame arrived from the instance."""
+    index: int = 0
+    """The choice (``n > 1``; in a prompt list, offset to the response's numbering)."""
+    last: bool = False
+    """The request's stream ends here (the instance's FINISH)."""
+    logprobs: list[float] | None = None
+    """Per token (when asked): its logprob; ``top_ids`` / ``top_logprobs`` the best ones."""
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
 
 def delta(ev: TaskEvent, stats: RequestStats, received: float) -> Delta:
@@ -42,8 +51,13 @@ def delta(ev: TaskEvent, stats: RequestStats, received: float) -> Delta:
         stats.token_times.extend([now] * n)
     stats.completion_tokens += n
     reason = None
-    if ev.kind == EventKind.FINISH or ev.finish_reason:
+    last = ev.kind == EventKind.FINISH
+    if last or ev.finish_reason:
         reason = _FINISH.get(ev.finish_reason or "stop", "stop")
         stats.finish_reason = reason
+    if last:
         stats.end_s = now
-    return Delta(list(ev.token_ids), ev.text, reason, received)
+    if ev.logprobs and len(ev.logprobs) == n:
+        return Delta(list(ev.token_ids), ev.text, reason, received, ev.index, last,
+                     list(ev.logprobs), list(ev.top_ids), list(ev.top_logprobs))
+    return Delta(list(ev.token_ids), ev.text, reason, received, ev.index, last)

@@ -12,8 +12,9 @@ Life cycle of a request (called by the HTTP routes with a validated `GenRequest`
    not held by requests that cannot start yet), then ``reserve`` on the decode instance (retried while it has no free KV,
    up to ``reserve_wait_s``), then ``submit`` of the prefill task with its `PrefixPlan` and the
    reservation's `DecodeTarget`. Coupled: one ``submit``.
-3. Relay: the prefill's FIRST_TOKEN, then the decode's TOKENS … FINISH, as `Delta`s (decode
-   events that overtake the first token wait for it). The instances' `Breakdown`s and token
+3. Relay: the prefill's FIRST_TOKEN (one per choice with ``n > 1``: the one prefill samples
+   every choice's first token), then the decode's TOKENS … FINISH, as `Delta`s (decode events
+   that overtake the first token wait for it; each carries its choice's index). The instances' `Breakdown`s and token
    times land in the request's `RequestStats`.
 
 Faults: an ERROR from an instance the cluster found dead (no heartbeats: `LiveCluster` fails
@@ -128,8 +129,9 @@ class Dispatcher:
         keys = (store_block_keys(req.prompt_ids, c.store_block_tokens, c.fingerprint)
                 if c.fingerprint else [])
         now = time.monotonic()
+        # n choices share the prompt's KV; each grows its own output
         info = RequestInfo(rid, now, len(req.prompt_ids), tuple(BlockHash(k) for k in keys),
-                           req.sampling.max_tokens)
+                           req.sampling.max_tokens * req.sampling.n)
         view = c.view(info, prefills, decodes, now)
         decision = self.policy.decide(info, view)
         if coupled and isinstance(decision, Route) and decision.decode_id != decision.prefill_id:
@@ -197,7 +199,8 @@ class Dispatcher:
                     seq=0, request_id=rid, token_ids=req.prompt_ids, sampling=req.sampling,
                     mode=TaskMode.PREFILL, prefix=plan, decode=reserved.target))
             m.overhead.observe(stats.dispatch_s)
-            async for delta in self._relay(rid, pre, dec, coupled, stats, deadline, out):
+            async for delta in self._relay(rid, pre, dec, coupled, stats, deadline, out,
+                                           req.sampling.n):
                 yield delta
             finished = True
         except InstanceUnavailable as e:
@@ -250,9 +253,10 @@ class Dispatcher:
             delay = min(0.25, delay * 2)
 
     async def _relay(self, rid: str, pre: Member, dec: Member, coupled: bool,
-                     stats: RequestStats, deadline: float,
-                     out: Pusher | None) -> AsyncIterator[Delta]:
-        """The prefill's first token, then the decode's stream (coupled: one stream). Events
+                     stats: RequestStats, deadline: float, out: Pusher | None,
+                     n: int = 1) -> AsyncIterator[Delta]:
+        """The prefill's first token (of each of the ``n`` choices), then the decode's stream
+        until its FINISH (coupled: one stream). Events
         are read straight from the clients' per-request queues (no task per event); the
         prefill's own end of stream (its breakdown) is drained by a background task. One
         timer per request (not one per event) ends the stream being read at the deadline, and
@@ -265,18 +269,20 @@ class Dispatcher:
         drain: asyncio.Task[bool] | None = None
         diverted: InstanceClient | None = None
         try:
-            ev, received = await self._first_event(pre_events, rid, pre, dec, stats)
-            stats.cached_tokens = ev.cached_tokens
+            firsts = await self._first_events(pre_events, rid, pre, dec, stats, n)
+            stats.cached_tokens = firsts[0][0].cached_tokens
             self.cluster.prefill_done(rid, pre.id)
-            delta = make_delta(ev, stats, received)
-            if not coupled and delta.finish_reason is None:
+            deltas = [make_delta(ev, stats, received) for ev, received in firsts]
+            last = any(d.last for d in deltas)
+            if not coupled and not last:
                 # the decode's stream is the one read next: the timer ends it from here on,
                 # also while the first token is with the client
                 if loop.time() >= timer.when():  # it fired into the prefill's stream
                     raise self._timed_out(rid)
                 reading[0] = dec
-            yield delta
-            if delta.finish_reason is not None:
+            for delta in deltas:
+                yield delta
+            if last:
                 return
             if coupled:
                 events = pre_events
@@ -296,10 +302,10 @@ class Dispatcher:
                 if ev.kind == EventKind.ERROR:
                     raise _failed(dec, ev)
                 delta = make_delta(ev, stats, received)
-                if delta.finish_reason is not None and drain is not None and not drain.done():
+                if delta.last and drain is not None and not drain.done():
                     await asyncio.wait({drain}, timeout=0.2)  # the prefill's breakdown
                 yield delta
-                if delta.finish_reason is not None:
+                if delta.last:
                     return
         finally:
             timer.cancel()
@@ -308,10 +314,13 @@ class Dispatcher:
             if drain is not None:
                 drain.cancel()
 
-    async def _first_event(self, events: _Events, rid: str, pre: Member, dec: Member,
-                           stats: RequestStats) -> tuple[TaskEvent, float]:
-        """The prefill's first event with a token (or its end). An ERROR raises `_Retry`
+    async def _first_events(self, events: _Events, rid: str, pre: Member, dec: Member,
+                            stats: RequestStats, n: int) -> list[tuple[TaskEvent, float]]:
+        """The prefill's first event with a token of each of the request's ``n`` choices (one
+        prefill samples them all; they arrive together), or its end. An ERROR raises `_Retry`
         when an instance of the request died (re-dispatch), else `RequestFailed`."""
+        got: list[tuple[TaskEvent, float]] = []
+        seen: set[int] = set()
         while True:
             ev, received = await self._next(events, rid)
             stats.merge(ev.breakdown)
@@ -319,8 +328,12 @@ class Dispatcher:
                 if not (pre.alive and dec.alive):
                     raise _Retry(ev.error or "an instance of the request died")
                 raise _failed(pre, ev)
-            if ev.token_ids or ev.kind >= EventKind.FINISH:
-                return ev, received
+            if ev.token_ids or ev.finish_reason or ev.kind >= EventKind.FINISH:
+                got.append((ev, received))
+                if ev.token_ids:
+                    seen.add(ev.index)
+                if len(seen) >= n or ev.kind >= EventKind.FINISH:
+                    return got
 
     async def _next(self, events: _Events, rid: str) -> tuple[TaskEvent, float]:
         """The next event and when its frame arrived."""

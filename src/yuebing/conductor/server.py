@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Coroutine
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.applications import Starlette
@@ -33,7 +34,7 @@ from yuebing.conductor.delta import Delta
 from yuebing.conductor.dispatch import Rejected, RequestFailed
 from yuebing.conductor.policy import RejectReason
 from yuebing.conductor.push import Pusher, SseResponse
-from yuebing.conductor.render import DONE, Renderer, error_event
+from yuebing.conductor.render import DONE, Choices, Renderer, error_event
 from yuebing.conductor.stats import RequestStats
 from yuebing.ops.admin import METRICS_CONTENT_TYPE
 
@@ -137,29 +138,31 @@ class _Routes:
             raise ApiError(429, f"more than {c.cfg.max_concurrent} requests in flight; retry",
                            type="server_overloaded", code="too_many_requests",
                            headers={"Retry-After": "1"})
-        stats = RequestStats(f"{'chatcmpl' if chat else 'cmpl'}-{c.id_prefix}{next(c.ids):x}",
-                             arrival)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{c.id_prefix}{next(c.ids):x}"
+        parts = req.each_prompt()
+        stats = [RequestStats(rid if len(parts) == 1 else f"{rid}-p{i}", arrival)
+                 for i in range(len(parts))]
         c.inflight += 1
         c.metrics.running.inc()
         handed_over = False
-        pusher = None
-        if req.stream:
-            renderer = Renderer(req.chat, c.cfg.model_name, stats.request_id,
-                                req.include_usage, req.return_token_ids)
-            pusher = Pusher(lambda d: renderer.chunk(d.text, d.finish_reason, d.token_ids),
-                            c.metrics.relay.observe)
-        gen = c.dispatcher.generate(req, stats, pusher)
+        renderer = Renderer(req.chat, c.cfg.model_name, rid, req.include_usage and req.stream,
+                            req.return_token_ids, req.sampling.logprobs is not None, c.tokens)
+        pusher = Pusher(renderer.chunk, c.metrics.relay.observe) if req.stream else None
+        if len(parts) == 1:
+            gen = c.dispatcher.generate(req, stats[0], pusher)
+        else:  # each prompt routed on its own; choice i * n + j is prompt i's j-th
+            gen = _merge([c.dispatcher.generate(p, s, None) for p, s in zip(parts, stats,
+                                                                            strict=True)],
+                         req.n)
         try:
             if pusher is not None:
                 first = await _race(_first(gen), request.receive)
                 handed_over = True
                 return SseResponse(self._sse(gen, first, req, stats, renderer, pusher), pusher,
                                    headers={"Cache-Control": "no-cache"})
-            text, ids = await _race(_collect(gen, None), request.receive)
-            renderer = Renderer(chat, c.cfg.model_name, stats.request_id, False,
-                                req.return_token_ids)
+            choices = await _race(_collect(gen), request.receive)
             self._done(stats, 200)
-            return Response(renderer.full(text, stats, ids), media_type="application/json")
+            return Response(renderer.full(choices, stats), media_type="application/json")
         except Rejected as e:
             err = _rejection(e)
             self._done(stats, err.status)
@@ -173,9 +176,12 @@ class _Routes:
         finally:
             if not handed_over:
                 self._release()
+                if len(parts) > 1:
+                    c.cluster.spawn(_close(gen))
 
     async def _sse(self, gen: AsyncIterator[Delta], first: Delta | None, req: GenRequest,
-                   stats: RequestStats, r: Renderer, pusher: Pusher) -> AsyncIterator[bytes]:
+                   stats: list[RequestStats], r: Renderer,
+                   pusher: Pusher) -> AsyncIterator[bytes]:
         """The body of a streamed response: what ``gen`` yields (the first token, the end,
         anything that found earlier events queued); plain tokens in between are written by
         ``pusher`` while this waits (`yuebing.conductor.push`)."""
@@ -183,7 +189,8 @@ class _Routes:
         status, code = 499, "client_disconnected"
         try:
             if req.chat:
-                yield r.role_chunk()
+                for index in range(req.n):
+                    yield r.role_chunk(index)
             relay = c.metrics.relay.observe
             if first is not None:
                 yield pusher.render(first)
@@ -216,15 +223,16 @@ class _Routes:
         self.c.inflight -= 1
         self.c.metrics.running.dec()
 
-    def _done(self, stats: RequestStats, status: int, code: str = "") -> None:
-        if code and not stats.error_code:
-            stats.error_code = code
-        if status == 200 or stats.dispatched_s is not None:
-            self.c.metrics.finished(stats)
-        if status == 200 and stats.breakdown.prefill_s > 0:
-            self.c.calibration.observe(stats.est_prefill_s, stats.breakdown.prefill_s)
-        if self.c.cfg.access_log:
-            access.info("%s", stats.log_line(status))
+    def _done(self, stats: list[RequestStats], status: int, code: str = "") -> None:
+        for s in stats:
+            if code and not s.error_code:
+                s.error_code = code
+            if status == 200 or s.dispatched_s is not None:
+                self.c.metrics.finished(s)
+            if status == 200 and s.breakdown.prefill_s > 0:
+                self.c.calibration.observe(s.est_prefill_s, s.breakdown.prefill_s)
+            if self.c.cfg.access_log:
+                access.info("%s", s.log_line(status))
 
 
 async def _first(gen: AsyncIterator[Delta]) -> Delta | None:
@@ -234,13 +242,51 @@ async def _first(gen: AsyncIterator[Delta]) -> Delta | None:
         return None
 
 
-async def _collect(gen: AsyncIterator[Delta], first: Delta | None) -> tuple[str, list[int]]:
-    parts = [first.text] if first is not None else []
-    ids = list(first.token_ids) if first is not None else []
+async def _collect(gen: AsyncIterator[Delta]) -> Choices:
+    choices = Choices()
     async for d in gen:
-        parts.append(d.text)
-        ids.extend(d.token_ids)
-    return "".join(parts), ids
+        choices.add(d)
+    return choices
+
+
+async def _merge(gens: list[AsyncIterator[Delta]], n: int) -> AsyncIterator[Delta]:
+    """The deltas of a prompt list's requests (one per prompt, each dispatched on its own) as
+    they come, prompt ``i``'s choice ``j`` renumbered ``i * n + j``. The first failure ends
+    it (a rejection after deltas went out becomes `RequestFailed`); closing it cancels the
+    requests still running."""
+    q: asyncio.Queue[tuple[int, Delta | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[Delta]) -> None:
+        try:
+            async for d in gen:
+                q.put_nowait((i, d, None))
+            q.put_nowait((i, None, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            q.put_nowait((i, None, e))
+        finally:
+            await _close(gen)
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    sent = False
+    try:
+        left = len(gens)
+        while left:
+            i, d, err = await q.get()
+            if err is not None:
+                if sent and isinstance(err, Rejected):
+                    raise RequestFailed(err.reason, str(err)) from None
+                raise err
+            if d is None:
+                left -= 1
+                continue
+            sent = True
+            yield replace(d, index=i * n + d.index)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _close(gen: AsyncIterator[Delta]) -> None:

@@ -40,6 +40,7 @@ from yuebing.conductor.policy import (
     TransferPredictor,
     load_predictors,
 )
+from yuebing.conductor.render import TokenText
 from yuebing.conductor.view import STORE_HOLDER
 from yuebing.core.errors import ConfigError
 from yuebing.instance.client import InstanceError, InstanceUnavailable
@@ -64,6 +65,8 @@ class Conductor:
         kv = cfg.kv_bytes_per_token or model.kv_bytes_per_token
         self.cfg = cfg
         self.model = model
+        self.tokens = TokenText(model.tokenizer)
+        """Token strings and bytes for logprobs (`yuebing.conductor.render`)."""
         self.policy = Policy(replace(cfg.policy, kv_bytes_per_token=kv),
                              predictors or default_predictors(cfg))
         self.calibration = Calibration(
@@ -176,7 +179,9 @@ class Conductor:
     def limits(self) -> Limits:
         ctx = self.max_model_len()
         cap = self.cfg.max_prompt_tokens or ctx
-        return Limits(self.cfg.model_name, ctx, min(cap, ctx), self.cfg.max_tokens_cap)
+        cfg = self.cfg
+        return Limits(cfg.model_name, ctx, min(cap, ctx), cfg.max_tokens_cap, cfg.max_n,
+                      cfg.max_logprobs, cfg.max_prompts)
 
     def health(self) -> dict[str, Any]:
         c = self.cluster

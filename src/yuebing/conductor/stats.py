@@ -54,7 +54,8 @@ class RequestStats:
             prefix_load_s=max(mine.prefix_load_s, b.prefix_load_s),
             prefill_s=max(mine.prefill_s, b.prefill_s),
             transfer_s=max(mine.transfer_s, b.transfer_s),
-            decode_wait_s=max(mine.decode_wait_s, b.decode_wait_s))
+            decode_wait_s=max(mine.decode_wait_s, b.decode_wait_s),
+            prefill_tokens=max(mine.prefill_tokens, b.prefill_tokens))
 
     @property
     def queue_s(self) -> float:
@@ -90,6 +91,7 @@ class RequestStats:
                 "queue_s": round(self.queue_s, 6), "prefix_load_s": round(b.prefix_load_s, 6),
                 "prefill_s": round(b.prefill_s, 6), "transfer_s": round(b.transfer_s, 6),
                 "decode_wait_s": round(b.decode_wait_s, 6),
+                "prefill_tokens": b.prefill_tokens,
                 "conductor_s": round(self.dispatch_s, 6), "prefill_instance": self.prefill_id,
                 "decode_instance": self.decode_id, "prefix_source": self.prefix_source,
                 "redispatched": self.redispatched,

@@ -5,7 +5,11 @@ Life cycle of a request: `add_request` validates and tokenizes the prompt and qu
 the token budget, prefix-cache hits reused, preemption when KV runs out), runs one forward pass,
 samples a token for each sequence that reached the end of its tokens, applies stop conditions
 (stop ids / EOS, stop strings, max_tokens, context length) and returns a `RequestOutput` per
-sequence that produced something. `abort` ends a request at any time. Prefill and decode
+sequence that produced something. A request with ``n > 1`` forks where its prefill samples:
+the last prompt position's logits are sampled ``n`` times (choice ``j`` with its own
+generator, ``seed + j``) and choices 1..n-1 become sequences sharing the prompt's full KV
+blocks, each with a copy of the partly filled last block (`_fork`). `abort` ends a request
+(every choice) at any time. Prefill and decode
 instances (`yuebing.instance`) wrap an engine: they stream KV layer by layer through
 `add_layer_hook`, and install or adopt KV with `yuebing.engine.kv_transfer`.
 """
@@ -41,7 +45,7 @@ from yuebing.engine.kernels import NATIVE_ATTENTION, resolve_kernels
 from yuebing.engine.kv_cache import KVPool
 from yuebing.engine.model import LayerHook, LlamaModel
 from yuebing.engine.runner import ModelRunner
-from yuebing.engine.sampling import SamplingParams, make_generator, sample
+from yuebing.engine.sampling import SamplingParams, TokenLogprobs, make_generator, sample
 from yuebing.engine.scheduler import Scheduler, StepPlan
 from yuebing.engine.sequence import FinishReason, Phase, RequestOutput, Sequence
 from yuebing.engine.tokenizer import IncrementalDetokenizer, tokenizer_from_source
@@ -237,15 +241,15 @@ class LLMEngine:
         return seq
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its KV (also held KV); False if unknown or released."""
-        if self.release(request_id):
-            return True
-        seq = self._seqs.pop(request_id, None)
-        if seq is None:
-            return False
-        self.scheduler.free(seq)
-        seq.phase, seq.finish = Phase.ABORTED, FinishReason.ABORT
-        return True
+        """Stop a request (every choice) now and free its KV (also held KV); False if unknown
+        or released."""
+        released = self.release(request_id)
+        seqs = [s for s in self._seqs.values() if s.group == request_id]
+        for seq in seqs:
+            del self._seqs[seq.request_id]
+            self.scheduler.free(seq)
+            seq.phase, seq.finish = Phase.ABORTED, FinishReason.ABORT
+        return released or bool(seqs)
 
     def release(self, request_id: str) -> bool:
         """Free the blocks of a finished ``hold_kv`` request; False if none is held."""
@@ -295,11 +299,60 @@ class LLMEngine:
         if sampled and self.logits_hook is not None:
             self.logits_hook([s.request_id for s in sampled], logits)
         if sampled:
+            logits, sampled = self._forks(logits, sampled)
             result = sample(logits, [s.params for s in sampled], [s.generator for s in sampled],
                             [self._banned(s) for s in sampled])
             for seq, tok, lp in zip(sampled, result.token_ids, result.logprobs, strict=True):
                 outputs.append(self._append(seq, tok, lp))
         return outputs
+
+    def _forks(self, logits: torch.Tensor, sampled: list[Sequence]
+               ) -> tuple[torch.Tensor, list[Sequence]]:
+        """The rows to sample: every sequence of ``sampled``, each ``n > 1`` request that just
+        finished its prefill followed by its new choices 1..n-1 (`_fork`), which sample from
+        its logits row."""
+        if all(s.params.n == 1 or s.output_ids for s in sampled):
+            return logits, sampled
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for row, seq in enumerate(sampled):
+            rows.append(row)
+            seqs.append(seq)
+            if seq.params.n > 1 and not seq.output_ids and seq.index == 0:
+                for j in range(1, seq.params.n):
+                    rows.append(row)
+                    seqs.append(self._fork(seq, j, share_kv=seq.params.max_tokens > 1))
+        return logits.index_select(0, torch.as_tensor(rows, device=logits.device)), seqs
+
+    def _fork(self, parent: Sequence, j: int, share_kv: bool = True) -> Sequence:
+        """Choice ``j`` of ``parent``'s request (whose prompt's KV is computed): a running
+        sequence with the prompt's full blocks shared (one more reference each) and its
+        partly filled last block copied (copy on write; when no block is free, that tail is
+        recomputed instead). ``share_kv=False``: no KV (a choice that ends at its first token,
+        e.g. on a prefill instance)."""
+        params = parent.params.choice(j)
+        child = Sequence(f"{parent.request_id}#{j}", parent.prompt_ids, params,
+                         parent.arrival, generator=make_generator(params), group=parent.group,
+                         index=j, num_cached_tokens=parent.num_cached_tokens)
+        if self.tokenizer is not None:
+            child.detok = IncrementalDetokenizer(self.tokenizer, child.prompt_ids)
+        self._seqs[child.request_id] = child
+        if not share_kv:
+            return child
+        bs, alloc = self.block_size, self.allocator
+        full = parent.num_computed // bs
+        for b in parent.blocks[:full]:
+            alloc.acquire(b)
+        child.blocks, child.keys = parent.blocks[:full], parent.keys[:full]
+        child.num_computed = full * bs
+        if parent.num_computed % bs and alloc.num_free:
+            block = alloc.allocate()
+            self.pool.copy_block(parent.blocks[full], block)
+            child.blocks.append(block)
+            child.num_computed = parent.num_computed
+        child.phase = Phase.RUNNING
+        self.scheduler.running.append(child)
+        return child
 
     def _banned(self, seq: Sequence) -> frozenset[int]:
         """Stop tokens ``seq`` may not sample yet: until ``min_tokens`` are out, its stop ids
@@ -313,7 +366,7 @@ class LLMEngine:
         seq.finish = FinishReason.LENGTH
         return self._output(seq, [], "")
 
-    def _append(self, seq: Sequence, token: int, lp: dict[int, float] | None) -> RequestOutput:
+    def _append(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> RequestOutput:
         p = seq.params
         seq.output_ids.append(token)
         seq.logprobs.append(lp)
@@ -338,8 +391,8 @@ class LLMEngine:
         return self._output(seq, [token], delta)
 
     def _output(self, seq: Sequence, new: list[int], delta: str) -> RequestOutput:
-        done = seq.finish != FinishReason.NONE
-        if done:
+        finished = seq.finish != FinishReason.NONE
+        if finished:
             seq.phase = Phase.FINISHED
             self._seqs.pop(seq.request_id, None)
             if seq.hold_kv:
@@ -347,9 +400,11 @@ class LLMEngine:
                 self._held[seq.request_id] = seq
             else:
                 self.scheduler.free(seq)
-        return RequestOutput(seq.request_id, new, delta, list(seq.output_ids), seq.text, done,
+        done = finished and (seq.params.n == 1 and seq.index == 0
+                             or not any(s.group == seq.group for s in self._seqs.values()))
+        return RequestOutput(seq.group, new, delta, list(seq.output_ids), seq.text, finished,
                              seq.finish.label, len(seq.prompt_ids), seq.num_cached_tokens,
-                             seq.logprobs[-1:] if new else [])
+                             seq.logprobs[-1:] if new else [], seq.index, done)
 
     # ------------------------------------------------------------------------ helpers
 
@@ -358,7 +413,8 @@ class LLMEngine:
         """Run ``prompts`` to completion together; final outputs in prompt order. Requests
         queued before advance too; their outputs are deferred to the next `step`."""
         rids = [self.add_request(p, params, chat=chat) for p in prompts]
-        final = {out.request_id: out for out in self._own_outputs(set(rids)) if out.finished}
+        final = {out.request_id: out for out in self._own_outputs(set(rids))
+                 if out.finished and out.index == 0}
         return [final[r] for r in rids]
 
     def stream(self, prompt: str | Seq[int] | list[dict[str, str]],
@@ -372,12 +428,12 @@ class LLMEngine:
         """Step until every request of ``rids`` finished (or was aborted), yielding their
         outputs; the others' outputs (and those deferred before) wait for the next `step`."""
         left = set(rids)
-        while left & self._seqs.keys():
+        while any(s.group in left for s in self._seqs.values()):
             deferred, self._deferred = self._deferred, []
             for out in self.step():
                 if out.request_id in left:
                     yield out
-                    if out.finished:
+                    if out.finished and out.done:
                         left.discard(out.request_id)
                 else:
                     deferred.append(out)

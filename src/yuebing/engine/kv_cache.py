@@ -155,5 +155,11 @@ class KVPool:
         for i, b in enumerate(ids):
             dst[:, b].copy_(src[i])
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src`` (all layers, K and V) into block ``dst`` (copy on write of a
+        forked sequence's partly filled last block)."""
+        by_block = self._by_block()
+        by_block[:, dst].copy_(by_block[:, src])
+
     def zero_(self) -> None:
         self.data.zero_()

@@ -2,7 +2,7 @@
 
 Who calls what: the decode instance (`yuebing.instance.decode`) reserves blocks for a request
 whose KV a prefill streams in (`reserve_blocks`) and adopts the request once it landed
-(`adopt_request`); the KV connector and the peer fetch (`yuebing.instance.connector`,
+(`adopt_request`; `adopt_choices` for n > 1, forking the prompt's blocks per choice); the KV connector and the peer fetch (`yuebing.instance.connector`,
 `yuebing.instance.prefix`) install a prefix loaded from the store or another instance into the
 prefix cache (`import_prefix`). The prefill instance streams with its own layer hook
 (`yuebing.instance.streaming.KvStreamer`) and saves blocks through the connector, so the forms
@@ -123,24 +123,43 @@ def adopt_request(engine: LLMEngine, request_id: str, prompt_ids: Seq[int], bloc
     and whose first token was sampled elsewhere: the blocks become the request's (published in
     the prefix cache), the first token is appended with the usual stop checks, and unless that
     ended it the request joins the batch. Returns the first token's output."""
+    return adopt_choices(engine, request_id, prompt_ids, blocks, [first_token], params,
+                         cached_tokens)[0]
+
+
+def adopt_choices(engine: LLMEngine, request_id: str, prompt_ids: Seq[int], blocks: list[int],
+                  first_tokens: Seq[int], params: SamplingParams,
+                  cached_tokens: int = 0) -> list[RequestOutput]:
+    """`adopt_request` for a request of ``params.n`` choices whose first tokens (one per
+    choice, sampled elsewhere from the one prefill) are ``first_tokens``: choices 1..n-1 fork
+    from the adopted prompt KV (shared full blocks, the last one copied). Returns each
+    choice's first output, in choice order."""
     ids = engine.encode_prompt(list(prompt_ids))
     n = -(-len(ids) // engine.block_size)
     if len(blocks) != n:
         raise InputError(f"{len(blocks)} blocks cannot hold a prompt of {len(ids)} tokens "
                          f"({n} blocks of {engine.block_size})")
-    if not 0 <= first_token < engine.model_config.vocab_size:
-        raise InputError(f"first token {first_token} is not in the vocabulary")
+    if len(first_tokens) != params.n:
+        raise InputError(f"{len(first_tokens)} first tokens for a request of n={params.n}")
+    vocab = engine.model_config.vocab_size
+    if not all(isinstance(t, int) and 0 <= t < vocab for t in first_tokens):
+        raise InputError(f"a first token of {list(first_tokens)} is not in the vocabulary")
     seq = engine._new_sequence(ids, params, request_id)
     seq.blocks, seq.num_computed = list(blocks), len(ids)
     seq.num_cached_tokens = cached_tokens
     engine.scheduler.publish(seq)
-    out = engine._append(seq, first_token, None)
-    if not out.finished:
-        # the first token's text went to the client with the first token (from the prefill,
-        # which applied the same stop strings); later deltas start after it
-        seq.emitted = len(seq.text)
-        engine.scheduler.add(seq)
-    return out
+    choices = [seq] + [engine._fork(seq, j) for j in range(1, params.n)]
+    outs = []
+    for choice, token in zip(choices, first_tokens, strict=True):
+        out = engine._append(choice, token, None)
+        if not out.finished:
+            # the first token's text went to the client with the first token (from the
+            # prefill, which applied the same stop strings); later deltas start after it
+            choice.emitted = len(choice.text)
+            if choice is seq:
+                engine.scheduler.add(seq)
+        outs.append(out)
+    return outs
 
 
 def export_prefix(engine: LLMEngine, token_ids: Seq[int]) -> tuple[list[BlockHash], torch.Tensor]:

@@ -9,18 +9,23 @@ draws never shift a seeded request's. A seeded (or greedy) request's tokens are 
 whatever else is batched only when its logits are: the engine's batch-invariant mode
 (``EngineConfig.batch_invariant``, opt-in) makes them so; with it off, bf16 logits move
 slightly with the batch and near-ties can flip (docs/engine.md, determinism). Optional
-logprobs are the log-softmax of the raw logits (before the stop-token mask).
+logprobs are the log-softmax of the raw float32 logits (before temperature, top-k/top-p and
+the stop-token mask: vLLM's default ``raw_logprobs``), computed for the whole batch at once
+(one log-softmax, one gather, one top-k over the rows that asked, one copy to the host).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from yuebing.core.errors import InputError
+
+MAX_LOGPROBS = 20
+MAX_N = 64
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """Return the chosen token's logprob and this many top alternatives (0 = chosen only)."""
+    n: int = 1
+    """Choices sampled from the one prefill of the prompt: after it, the request forks into
+    ``n`` sequences sharing the prompt's KV blocks; choice ``j`` draws with ``seed + j``."""
     min_tokens: int = 0
     """Until this many tokens were generated, stop ids and EOS (unless ``ignore_eos``) are
     masked out of sampling and stop strings are ignored."""
@@ -54,8 +62,10 @@ class SamplingParams:
         check(self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}")
         check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64),
               f"seed must be an integer in {-2**63}..{2**64 - 1}, got {self.seed!r}")
-        check(self.logprobs is None or 0 <= self.logprobs <= 20,
-              f"logprobs must be in 0..20, got {self.logprobs}")
+        check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+              f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
+        check(isinstance(self.n, int) and 1 <= self.n <= MAX_N,
+              f"n must be an integer in 1..{MAX_N}, got {self.n!r}")
         check(all(isinstance(s, str) and s for s in self.stop),
               f"stop strings must be non-empty strings, got {self.stop!r}")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
@@ -67,12 +77,25 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    def choice(self, j: int) -> SamplingParams:
+        """The parameters of choice ``j`` of an ``n > 1`` request (its own seed stream)."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + j)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One sampled token's logprob and the most likely tokens of its step, best first."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
 
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
-    """Per row: {token id: logprob} with the chosen token first, or None."""
+    logprobs: list[TokenLogprobs | None]
+    """Per row, or None where the row asked for none."""
 
 
 def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -115,19 +138,29 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         tok = torch.multinomial(probs.cpu(), 1, generator=gen) if gen is not None else \
             torch.multinomial(probs.cpu(), 1)
         tokens.append(int(tok))
-    logprobs: list[dict[int, float] | None] = [None] * len(params)
-    if any(p.logprobs is not None for p in params):
-        lp = torch.log_softmax(raw, dim=-1)
-        for row, p in enumerate(params):
-            if p.logprobs is None:
-                continue
-            entry = {tokens[row]: float(lp[row, tokens[row]])}
-            if p.logprobs:
-                top = torch.topk(lp[row], p.logprobs)
-                for v, i in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                    entry.setdefault(int(i), float(v))
-            logprobs[row] = entry
-    return SampleResult(tokens, logprobs)
+    return SampleResult(tokens, batch_logprobs(raw, tokens, params))
+
+
+def batch_logprobs(raw: torch.Tensor, tokens: list[int],
+                   params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+    """Logprobs of the rows of ``raw [B, vocab]`` that ask for them: tensor ops over those
+    rows together, then one copy of the results to the host."""
+    want = [r for r, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    if not want:
+        return out
+    k = max(params[r].logprobs or 0 for r in want)
+    rows = torch.as_tensor(want, device=raw.device)
+    lp = torch.log_softmax(raw.index_select(0, rows).float(), dim=-1)
+    chosen = lp.gather(1, torch.as_tensor([tokens[r] for r in want],
+                                          device=raw.device)[:, None])
+    top_v, top_i = torch.topk(lp, k, dim=-1) if k else (lp[:, :0], lp[:, :0])
+    host = torch.cat([chosen, top_v, top_i.to(lp.dtype)], 1).double().cpu().tolist()
+    for i, r in enumerate(want):
+        kr = params[r].logprobs or 0
+        row = host[i]
+        out[r] = TokenLogprobs(row[0], [int(t) for t in row[1 + k:1 + k + kr]], row[1:1 + kr])
+    return out
 
 
 def make_generator(p: SamplingParams) -> torch.Generator | None:

@@ -4,6 +4,8 @@ Life cycle: `add_request` creates a `Sequence` in ``WAITING``; the scheduler adm
 (``RUNNING``), its prompt is prefilled in one or more chunks, then it decodes one token per
 step until a stop condition (``FINISHED``). When KV runs out it may be preempted back to
 ``WAITING`` (its blocks are freed and its tokens recomputed later). ``ABORTED`` ends it early.
+A request with ``n > 1`` forks after its prefill into ``n`` sequences (choice ``index`` 0..n-1,
+one ``group``: the request id) that share the prompt's KV blocks.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from enum import IntEnum
 import torch
 
 from yuebing.core.ids import BlockHash
-from yuebing.engine.sampling import SamplingParams
+from yuebing.engine.sampling import SamplingParams, TokenLogprobs
 
 
 class Phase(IntEnum):
@@ -56,10 +58,17 @@ class Sequence:
     text: str = ""
     emitted: int = 0
     """Characters of ``text`` already streamed (the tail may be held back for stop strings)."""
-    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     preemptions: int = 0
     hold_kv: bool = False
     """Keep the blocks allocated after finishing, until `LLMEngine.release`."""
+    group: str = ""
+    """The request id its outputs carry: its own, or for a forked choice its request's."""
+    index: int = 0
+    """Its choice among the request's ``n`` (0: the sequence that prefilled)."""
+
+    def __post_init__(self) -> None:
+        self.group = self.group or self.request_id
 
     @property
     def all_ids(self) -> list[int]:
@@ -96,4 +105,8 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
-    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    index: int = 0
+    """The choice (n > 1) this output belongs to; ``finished``: that choice ended."""
+    done: bool = True
+    """The whole request ended (every choice finished); meaningful when ``finished``."""

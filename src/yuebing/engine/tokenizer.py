@@ -24,6 +24,22 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
 _CONTROL_TOKEN_TYPES = (3, 4)  # llama.cpp CONTROL and USER_DEFINED
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character standing for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_level_alphabet()
+
+
 class Tokenizer:
     """Text ↔ token ids, special tokens, and the model's chat template."""
 
@@ -53,6 +69,16 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (a byte-level BPE piece may be part of a UTF-8
+        character); its decoded text's UTF-8 for a vocabulary that is not byte-level."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return self.decode([token_id], skip_special=False).encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict[str, str]],
                             add_generation_prompt: bool = True) -> str:

@@ -93,7 +93,17 @@ def to_params(s: Sampling, max_tokens: int | None = None) -> SamplingParams:
                           stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
                           ignore_eos=s.ignore_eos,
                           min_tokens=min(s.min_tokens, s.max_tokens if max_tokens is None
-                                         else max_tokens))
+                                         else max_tokens), n=s.n, logprobs=s.logprobs)
+
+
+def logprob_fields(out: RequestOutput) -> dict[str, Any]:
+    """The logprob fields of the `TaskEvent` carrying ``out``'s new tokens (none unless the
+    request asked for logprobs)."""
+    lps = [lp for lp in out.logprobs if lp is not None]
+    if not lps or len(lps) != len(out.new_token_ids):
+        return {}
+    return {"logprobs": [lp.logprob for lp in lps], "top_ids": [lp.top_ids for lp in lps],
+            "top_logprobs": [lp.top_logprobs for lp in lps]}
 
 
 def _close_quietly(store: Any) -> None:
@@ -310,26 +320,37 @@ class Instance:
             self.loop.call_soon_threadsafe(self.control.on_outputs, outputs, step_start)
 
     def stream_output(self, task: Task, out: RequestOutput) -> None:
-        """Send an engine output as FIRST_TOKEN/TOKENS, then FINISH when it ends."""
+        """Send an engine output as FIRST_TOKEN/TOKENS of its choice, then FINISH when the
+        request ends (a choice of several that ends earlier: ``finish_reason`` on its last
+        TOKENS event, or on a token-less one)."""
         now = time.time()
+        ended = out.finished and not out.done
         if out.new_token_ids:
             kind = EventKind.FIRST_TOKEN if task.outputs == 0 else EventKind.TOKENS
             task.outputs += len(out.new_token_ids)
             self._event(task, kind, token_ids=list(out.new_token_ids),
                         token_times=[now] * len(out.new_token_ids), text=out.text_delta,
                         cached_tokens=task.cached_tokens or out.num_cached_tokens,
-                        prompt_tokens=out.num_prompt_tokens)
-        if out.finished:
+                        prompt_tokens=out.num_prompt_tokens, index=out.index,
+                        finish_reason=(out.finish_reason or "stop") if ended else None,
+                        **logprob_fields(out))
+        elif ended:
+            self.end_choice(task, out.index, out.finish_reason or "stop", out.text_delta)
+        if out.finished and out.done:
             self.finish(task, out.finish_reason or "stop", out.text_delta
-                        if not out.new_token_ids else "")
+                        if not out.new_token_ids else "", out.index)
 
-    def finish(self, task: Task, reason: str, text: str = "") -> None:
+    def end_choice(self, task: Task, index: int, reason: str, text: str = "") -> None:
+        """Choice ``index`` of several ended with no new token: a token-less event says so."""
+        self._event(task, EventKind.TOKENS, text=text, index=index, finish_reason=reason)
+
+    def finish(self, task: Task, reason: str, text: str = "", index: int = 0) -> None:
         if reason == "error":
             self.fail(task, ErrorCode.INTERNAL, "the engine failed while running the request")
             return
         self._event(task, EventKind.FINISH, finish_reason=reason, text=text,
                     breakdown=task.breakdown, cached_tokens=task.cached_tokens,
-                    prompt_tokens=len(task.token_ids))
+                    prompt_tokens=len(task.token_ids), index=index)
         self._end(task)
 
     def spawn(self, task: Task, coro: Coroutine[Any, Any, Any]) -> None:

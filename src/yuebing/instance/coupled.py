@@ -95,21 +95,26 @@ class CoupledInstance(Instance):
         return task.params
 
     def _mark_started(self, layer: int, meta: object) -> None:
-        """Layer hook (driver thread): stamp when a task's first prefill chunk runs."""
+        """Layer hook (driver thread): stamp when a task's first prefill chunk runs, and count
+        the prompt tokens each step computes for it (`Breakdown.prefill_tokens`)."""
         plan = self.engine.current_plan
         if layer != 0 or plan is None:
             return
         now = time.time()
-        for seq, _ in plan.prefills:
-            task = self.tasks.get(seq.request_id)
-            if task is not None and "started" not in task.extra:
+        for seq, n in plan.prefills:
+            task = self.tasks.get(seq.group)
+            if task is None:
+                continue
+            task.breakdown.prefill_tokens += min(n, max(0, len(seq.prompt_ids) -
+                                                         seq.num_computed))
+            if "started" not in task.extra:
                 task.extra["started"] = now
                 task.breakdown.queue_s = max(0.0, now - task.arrived -
                                              task.breakdown.prefix_load_s)
 
     def on_output_driver(self, engine: LLMEngine, task: Task, out: RequestOutput) -> None:
-        if len(out.output_token_ids) != 1 or not out.new_token_ids:
-            return  # only right after the prefill
+        if len(out.output_token_ids) != 1 or not out.new_token_ids or out.index:
+            return  # only right after the prefill (once for all choices)
         task.extra["first_at"] = time.time()
         self.local_cache.note(engine, task.token_ids)
         if self.cfg.save_to_store:

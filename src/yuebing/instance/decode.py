@@ -5,7 +5,8 @@ Life cycle of a request: `Reserve` allocates the blocks the prompt's KV needs (r
 ``kv_headroom_blocks`` to spare) and answers `Reserved` with the KV pool's transfer segment,
 its layout and the block ids. The prefill writes each layer straight into those blocks and then
 sends `KvReady` through the transfer engine (notification topic `KV_READY_TOPIC`); the request
-is adopted into the engine with its first token (`kv_transfer.adopt_request`) and decodes in
+is adopted into the engine with its first token (`kv_transfer.adopt_choices`; with ``n > 1``
+the prefill's first token of every choice, each choice forking the prompt's blocks) and decodes in
 the continuous batch, each step's tokens streamed as `TaskEvent`s to the Conductor connection
 that reserved it, ending with FINISH. A reservation whose KV does not arrive within its
 timeout, a `KvReady(ok=False)` or a `Cancel` ends the request with its blocks freed — after a
@@ -23,7 +24,7 @@ import logging
 import time
 
 from yuebing.engine.engine import LLMEngine
-from yuebing.engine.kv_transfer import adopt_request, reserve_blocks
+from yuebing.engine.kv_transfer import adopt_choices, reserve_blocks
 from yuebing.engine.sequence import RequestOutput
 from yuebing.instance.base import Instance, Refused, Task, to_params
 from yuebing.instance.prefill import KV_READY_TOPIC
@@ -76,9 +77,11 @@ class DecodeInstance(Instance):
 
         def reserve(e: LLMEngine) -> list[int]:
             need = -(-len(ids) // e.block_size)
-            if e.allocator.num_free - need < headroom:
+            forks = (params.n - 1) * (1 if len(ids) % e.block_size else 0)  # copied last blocks
+            if e.allocator.num_free - need - forks < headroom:
                 raise Refused(ErrorCode.NO_KV, f"KV cache has {e.allocator.num_free} free "
-                              f"blocks; the request needs {need} and {headroom} are kept free")
+                              f"blocks; the request needs {need + forks} and {headroom} are "
+                              "kept free")
             return reserve_blocks(e, len(ids))
 
         blocks = await self.driver.run(reserve)
@@ -139,10 +142,12 @@ class DecodeInstance(Instance):
             self._free_later(task.extra.pop("blocks"))
             self.fail(task, ErrorCode.TRANSFER, f"the prefill failed: {msg.error}")
             return
-        if msg.num_tokens != len(task.token_ids):
+        firsts = list(msg.first_tokens) or [msg.first_token]
+        if msg.num_tokens != len(task.token_ids) or len(firsts) != task.params.n:
             self._free_later(task.extra.pop("blocks"))
-            self.fail(task, ErrorCode.BAD_REQUEST, f"KvReady covers {msg.num_tokens} tokens, "
-                      f"the reservation {len(task.token_ids)}")
+            self.fail(task, ErrorCode.BAD_REQUEST, f"KvReady covers {msg.num_tokens} tokens "
+                      f"and {len(firsts)} choices, the reservation {len(task.token_ids)} and "
+                      f"{task.params.n}")
             return
         task.extra["adopted"] = True
         task.extra["ready_at"] = arrived
@@ -152,13 +157,13 @@ class DecodeInstance(Instance):
             else 0.0
         blocks = task.extra["blocks"]
         rid, ids, params = task.request_id, task.token_ids, task.params
-        self.driver_then(task, lambda e: adopt_request(
-            e, rid, ids, blocks, msg.first_token, params, msg.cached_tokens),
+        self.driver_then(task, lambda e: adopt_choices(
+            e, rid, ids, blocks, firsts, params, msg.cached_tokens),
             lambda f: self._adopted(task, blocks, f))
 
     def _adopted(self, task: Task, blocks: list[int],
-                 fut: concurrent.futures.Future[RequestOutput]) -> None:
-        """Loop thread: the driver ran `adopt_request` for ``task``."""
+                 fut: concurrent.futures.Future[list[RequestOutput]]) -> None:
+        """Loop thread: the driver ran `adopt_choices` for ``task``."""
         err = fut.exception()
         if err is not None:
             self.driver.call(lambda eng: eng.allocator.release_all(blocks))
@@ -168,9 +173,11 @@ class DecodeInstance(Instance):
         if task.done:  # cancelled while adopting
             self.driver.call(lambda e: e.abort(task.request_id))
             return
-        out = fut.result()
-        if out.finished:
-            self.finish(task, out.finish_reason or "stop")
+        for out in fut.result():  # each choice's first token (sent by the prefill)
+            if out.finished and out.done:
+                self.finish(task, out.finish_reason or "stop", index=out.index)
+            elif out.finished:
+                self.end_choice(task, out.index, out.finish_reason or "stop")
 
     def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:
         if "decode_wait" not in task.extra and "ready_at" in task.extra:

@@ -214,11 +214,10 @@ class EngineDriver:
 
     def _abort_all(self, reason: str) -> list[RequestOutput]:
         outs = []
-        for rid in list(self.engine._seqs):
-            seq = self.engine.get_sequence(rid)
-            self.engine.abort(rid)
-            if seq is not None:
-                outs.append(RequestOutput(rid, [], "", list(seq.output_ids), seq.text, True,
-                                          "error", len(seq.prompt_ids), seq.num_cached_tokens))
+        for seq in list(self.engine._seqs.values()):
+            if self.engine.abort(seq.group):  # every choice of the request at once
+                outs.append(RequestOutput(seq.group, [], "", list(seq.output_ids), seq.text,
+                                          True, "error", len(seq.prompt_ids),
+                                          seq.num_cached_tokens))
         log.error("aborted %d requests: %s", len(outs), reason)
         return outs

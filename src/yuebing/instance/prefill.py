@@ -11,6 +11,9 @@ TTFT path — the streamer's batches are awaited, the decode is told with a tran
 notification (`KvReady`, carrying the first token), the held blocks are released, `FINISH`
 (``finish_reason="handoff"``, with the breakdown) ends this instance's part, and the snapshot is
 saved to the store. A streaming failure sends `KvReady(ok=False)` and an `ERROR` event.
+With ``n > 1`` the one prefill samples each choice's first token (the engine forks the request
+where it samples; the choices end there, only choice 0 holds the KV): one `FIRST_TOKEN` per
+choice, and `KvReady.first_tokens` gives the decode all of them.
 A prefill instance also takes COUPLED tasks (prefill and decode here), e.g. for an operator
 or a Conductor without a decode instance.
 """
@@ -19,13 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from typing import Any
 
 from yuebing.engine.sampling import SamplingParams
 from yuebing.engine.sequence import RequestOutput
-from yuebing.instance.base import Refused, Task, to_params
+from yuebing.instance.base import Refused, Task, logprob_fields, to_params
 from yuebing.instance.coupled import CoupledInstance
 from yuebing.instance.driver import DriverStopped
 from yuebing.instance.streaming import KvStreamer, StreamResult
@@ -79,10 +83,7 @@ class PrefillInstance(CoupledInstance):
         if "target" not in task.extra:
             return task.params
         p = task.params
-        return SamplingParams(max_tokens=1, temperature=p.temperature, top_p=p.top_p,
-                              top_k=p.top_k, seed=p.seed, stop=p.stop,
-                              stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
-                              min_tokens=min(p.min_tokens, 1))
+        return dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1))
 
     def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:
         if "target" not in task.extra:
@@ -94,19 +95,25 @@ class PrefillInstance(CoupledInstance):
                 task, None, "the prefill ended without a first token"))
             self.fail(task, ErrorCode.INTERNAL, "the prefill ended without a first token")
             return
+        firsts: dict[int, int] = task.extra.setdefault("firsts", {})
         first_at = task.extra.get("first_at", time.time())
-        if "started" in task.extra:
-            task.breakdown.prefill_s = first_at - task.extra["started"]
+        if not firsts:
+            if "started" in task.extra:
+                task.breakdown.prefill_s = first_at - task.extra["started"]
+            task.cached_tokens = out.num_cached_tokens
+        firsts[out.index] = out.new_token_ids[0]
         task.outputs = 1
         self._event(task, EventKind.FIRST_TOKEN, token_ids=list(out.new_token_ids),
                     token_times=[first_at], text=out.text_delta,
-                    cached_tokens=out.num_cached_tokens, prompt_tokens=len(task.token_ids))
-        task.cached_tokens = out.num_cached_tokens
-        self.spawn(task, self._hand_off(task, out, first_at))
+                    cached_tokens=out.num_cached_tokens, prompt_tokens=len(task.token_ids),
+                    index=out.index, **logprob_fields(out))
+        if len(firsts) == task.params.n:
+            tokens = [firsts[j] for j in range(task.params.n)]
+            self.spawn(task, self._hand_off(task, tokens, first_at))
 
-    async def _hand_off(self, task: Task, out: RequestOutput, first_at: float) -> None:
+    async def _hand_off(self, task: Task, tokens: list[int], first_at: float) -> None:
         result, err = await asyncio.get_running_loop().run_in_executor(
-            None, self._finish_stream, task, out.new_token_ids[0], first_at)
+            None, self._finish_stream, task, tokens, first_at)
         if task.done:
             return  # cancelled while streaming
         if not result.ok:
@@ -123,7 +130,7 @@ class PrefillInstance(CoupledInstance):
         b.layers_before_prefill_end = result.layers_before_last
         self.finish(task, "handoff")
 
-    def _finish_stream(self, task: Task, token: int,
+    def _finish_stream(self, task: Task, tokens: list[int],
                        first_at: float) -> tuple[StreamResult, str]:
         """Executor thread, one hop for the whole hand-off: wait for the request's KV writes,
         tell the decode (`KvReady`, or its failure), queue the release of the held blocks to
@@ -136,23 +143,26 @@ class PrefillInstance(CoupledInstance):
             if not result.ok:
                 return result, self._tell_decode(task, None, result.error)
             prefill_end = time.time() - (time.perf_counter() - result.last_layer_at)
-            return result, self._tell_decode(task, (token, first_at, prefill_end))
+            return result, self._tell_decode(task, (tokens, first_at, prefill_end))
         finally:
             self.driver.call(lambda e: e.release(rid)).add_done_callback(_log_release)
 
-    async def _tell_decode_async(self, task: Task, first: tuple[int, float, float] | None,
+    async def _tell_decode_async(self, task: Task,
+                                 first: tuple[list[int], float, float] | None,
                                  error: str = "") -> str:
         return await asyncio.get_running_loop().run_in_executor(
             None, self._tell_decode, task, first, error)
 
-    def _tell_decode(self, task: Task, first: tuple[int, float, float] | None,
+    def _tell_decode(self, task: Task, first: tuple[list[int], float, float] | None,
                      error: str = "") -> str:
         """Send `KvReady` to the decode (any thread); returns an error text or ''."""
         target = task.extra["target"]
-        token, first_at, prefill_end = first if first is not None else (0, 0.0, 0.0)
+        tokens, first_at, prefill_end = first if first is not None else ([0], 0.0, 0.0)
         msg = KvReady(request_id=task.request_id, num_tokens=len(task.token_ids),
-                      first_token=token, first_token_time_s=first_at, prefill_end_s=prefill_end,
-                      cached_tokens=task.cached_tokens, ok=first is not None, error=error)
+                      first_token=tokens[0], first_token_time_s=first_at,
+                      prefill_end_s=prefill_end, cached_tokens=task.cached_tokens,
+                      ok=first is not None, error=error,
+                      first_tokens=tokens if len(tokens) > 1 else [])
         try:
             self.transfer.notify(target.segment, KV_READY_TOPIC, encode(msg),
                                  timeout_s=self.cfg.transfer_timeout_s)

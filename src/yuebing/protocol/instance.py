@@ -78,6 +78,12 @@ class EventKind(IntEnum):
     ERROR = 3
 
 
+MAX_LOGPROBS = 20
+"""Most top logprobs per token an instance computes (= `yuebing.engine.sampling`'s)."""
+MAX_N = 64
+"""Most choices per request an instance samples (= `yuebing.engine.sampling`'s)."""
+
+
 class Sampling(Message, tag="inst.sampling"):
     """Sampling parameters as sent on the wire (validated again by the engine)."""
 
@@ -90,6 +96,10 @@ class Sampling(Message, tag="inst.sampling"):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     min_tokens: int = 0
+    n: int = 1
+    """Choices sampled from one prefill (choice ``j`` seeded with ``seed + j``)."""
+    logprobs: int | None = None
+    """Per token: the chosen token's logprob and this many top alternatives (None: none)."""
 
 
 class PrefixPlan(Message, tag="inst.prefix_plan"):
@@ -283,6 +293,9 @@ class Breakdown(Message, tag="inst.breakdown"):
     layers_before_prefill_end: int = 0
     """Layers whose KV had fully reached the decode before the prefill's last layer was
     computed (layer-wise streaming at work: ideally all but the last)."""
+    prefill_tokens: int = 0
+    """Prompt tokens the instance that prefilled computed for the request (its forward
+    passes, all choices together: n choices share one prefill)."""
 
 
 @register_message
@@ -301,6 +314,14 @@ class TaskEvent(Message, tag="inst.event"):
     error: str = ""
     breakdown: Breakdown | None = None
     time_s: float = 0.0
+    index: int = 0
+    """The choice (0..n-1) the tokens and ``finish_reason`` belong to. A choice that ends
+    before the request sets ``finish_reason`` on a TOKENS event; FINISH ends the request."""
+    logprobs: list[float] = []
+    """Per token of ``token_ids`` (when asked): its logprob (raw float32 log-softmax)."""
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+    """Per token: the most likely tokens and their logprobs, best first."""
 
 
 @register_message
@@ -351,6 +372,8 @@ class KvReady(Message, tag="inst.kv_ready"):
     cached_tokens: int = 0
     ok: bool = True
     error: str = ""
+    first_tokens: list[int] = []
+    """With n > 1: each choice's first token (``first_token`` is choice 0's)."""
 
 
 ControlRequest = Subscribe | SubmitTask | Reserve | Cancel | Ping | FetchPrefix
