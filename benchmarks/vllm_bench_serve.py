@@ -72,9 +72,9 @@ WORKLOADS = {
 def server_argv(system: str, logs: Path) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     if system == "yuebing":
-        return [str(YB), "serve", "--port", str(PORT), "--log-dir", str(logs)], env
-    if system == "yuebing_coupled":
-        return [str(YB), "serve", "--coupled", "1", "--threads", "2", "--port", str(PORT),
+        return [str(YB), "-v", "serve", "--port", str(PORT), "--log-dir", str(logs)], env
+    if system == "yuebing_coupled":  # -v: the Conductor's access log (estimates) is INFO
+        return [str(YB), "-v", "serve", "--coupled", "1", "--threads", "2", "--port", str(PORT),
                 "--log-dir", str(logs)], env
     tcmalloc = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
     env.update(OMP_NUM_THREADS="2", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1",
@@ -158,7 +158,8 @@ def estimate_ratios(logs: Path) -> dict[str, float]:
     """Median over the run's requests of the Conductor's estimate / the measured value, for
     TTFT and prefill time (from its access log; yuebing only)."""
     ttft, prefill = [], []
-    for line in (logs / "conductor.log").read_text(errors="replace").splitlines():
+    lines = (logs / "conductor.log").read_text(errors="replace").split("--- ")[-1]  # this run
+    for line in lines.splitlines():
         f = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
         if f.get("status") != "200" or "est_ttft" not in f:
             continue
