@@ -11,8 +11,8 @@ condition when there is neither work nor a call. The step time of every step is 
 With a ``step_trace`` file (``yuebing serve ... --step-trace-dir DIR``: one file per instance)
 the driver also appends one JSON line per engine step — ``{"t": wall-clock start, "step_s":
 engine.step() seconds, "out_s": seconds until the outputs were handed on, "decodes": n,
-"prefill_tokens": n, "context_tokens": n}`` — which is what tells a live run's token interval
-from the engine's step time (benchmarks/sim_vs_live.py reads it). Lines are buffered and the
+"prefill_tokens": n, "threads": n, "context_tokens": n}`` — which is what tells a live run's
+token interval from the engine's step time (benchmarks/sim_vs_live.py reads it). Lines are buffered and the
 file is closed with the driver.
 
 With a `CoreLedger` (``--lend-cores``, `yuebing.instance.cores`) each step runs with this
@@ -208,7 +208,7 @@ class EngineDriver:
             self._trace.write(json.dumps({
                 "t": round(wall, 6), "step_s": round(dt, 6),
                 "out_s": round(time.perf_counter() - t0, 6), "decodes": len(plan.decodes),
-                "prefill_tokens": sum(n for _, n in plan.prefills),
+                "prefill_tokens": sum(n for _, n in plan.prefills), "threads": self._threads_now,
                 # each decode has its new token by now: the step attended over one fewer
                 "context_tokens": sum(seq.num_tokens - 1 for seq in plan.decodes)}) + "\n")
 
