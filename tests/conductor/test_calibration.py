@@ -124,14 +124,18 @@ def test_online_scale_follows_live_prefills_and_survives_a_new_profile() -> None
         cal.observe(1000 * 1e-3 * cal.scale, 2.0)
     assert cal.scale == pytest.approx(2.0, rel=0.06)
     assert seen.changes[-1].prefill.predict(1000, 0) == pytest.approx(1000 * 1e-3 * cal.scale)
-    # a profile arriving later keeps the scale measured live
+    # a profile arriving later starts a new scale (the old one was learned on another fit)
     assert cal.admit(hello("p0", Role.PREFILL, CONF, profile(CONF))) == ""
     base = 2e-4 * 4000 + 1e-8 * 4000 * 4000
-    assert seen.changes[-1].prefill.predict(4000, 0) == pytest.approx(base * cal.scale, rel=0.02)
-    assert cal.state()["prefill_scale"] == round(cal.scale, 4)
+    assert cal.scale == 1.0
+    assert seen.changes[-1].prefill.predict(4000, 0) == pytest.approx(base, rel=0.02)
+    assert cal.state()["prefill_scale"] == 1.0
     for _ in range(50):  # absurd ratios are clamped
         cal.observe(1.0 * cal.scale, 1e6)
-    assert cal.scale == 4.0
+    assert cal.scale == pytest.approx(4.0)
+    for _ in range(6):  # and one outlier does not hold the scale: it comes back within a few
+        cal.observe(1.0 * cal.scale, 1.0 * cal.scale / 4)
+    assert cal.scale < 1.5
 
 
 def test_online_scale_off() -> None:
@@ -140,3 +144,10 @@ def test_online_scale_off() -> None:
     for _ in range(10):
         cal.observe(1.0, 3.0)
     assert cal.scale == 1.0 and seen.changes == []
+
+
+def test_predictor_check_warn_admits_other_configurations(caplog) -> None:
+    cal = Calibration(linear(), "", Seen(), check="warn")
+    assert cal.admit(hello("p0", Role.PREFILL, CONF, profile(CONF))) == ""
+    assert cal.admit(hello("p1", Role.PREFILL, {**CONF, "threads": "2"})) == ""
+    assert "threads: 1 vs 2" in caplog.text

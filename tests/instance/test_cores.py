@@ -73,12 +73,15 @@ def test_borrows_idle_peers_threads_up_to_its_cores(tmp_path: Path) -> None:
         me.close()
 
 
-def test_busy_flag_and_slot_reuse(tmp_path: Path) -> None:
+def test_slots_are_never_shared(tmp_path: Path) -> None:
     path = tmp_path / "ledger"
     first = CoreLedger(1, path)
+    second = CoreLedger(1, path)  # a second ledger of one process takes another slot
+    assert second.slot != first.slot
     first.set_busy(True)
     first.close()
-    second = CoreLedger(1, path)  # the same process registers again: its slot is free
-    assert second.slot == first.slot
-    assert path.stat().st_size >= SLOTS * 16
+    third = CoreLedger(1, path)  # a closed slot is free again
+    assert third.slot == first.slot
+    assert path.stat().st_size >= SLOTS * 24
     second.close()
+    third.close()

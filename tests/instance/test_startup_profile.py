@@ -52,7 +52,7 @@ def test_cached_per_signature_and_role(small_grid: None, tmp_path: Path,
     assert again == first and calls == [Role.PREFILL]
     sp.startup_profile(engine, Role.DECODE, tmp_path)  # another role: its own grid
     assert calls == [Role.PREFILL, Role.DECODE]
-    # another configuration (threads differ) is profiled afresh, never served the old one
+    # another configuration (the attention path differs) is profiled afresh, never served the old one
     other = make_engine(tiny(), num_blocks=256, attention="sdpa")
     assert other.signature()["attention"] != engine.signature()["attention"]
     assert sp.startup_profile(other, Role.PREFILL, tmp_path).configuration == other.signature()
@@ -74,3 +74,11 @@ def test_signature_names_what_changes_step_times() -> None:
     assert make_engine(tiny(), max_batch_tokens=32).signature()["max_batch_tokens"] == "32"
     assert make_engine(tiny(), batch_invariant=True, attention="auto").signature()[
         "batch_invariant"] == "true"
+
+
+def test_unusable_cache_directory_still_profiles(small_grid: None, tmp_path: Path) -> None:
+    engine = make_engine(tiny(), num_blocks=256)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    profile = sp.startup_profile(engine, Role.DECODE, blocker / "profiles")
+    assert profile.decode and profile.configuration == engine.signature()

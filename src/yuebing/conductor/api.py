@@ -34,7 +34,9 @@ NEUTRAL = {"echo": False, "presence_penalty": 0, "frequency_penalty": 0,
 MAX_STOP = 16
 MAX_NESTING = 64
 """Deepest JSON nesting accepted (an OpenAI body needs about 5; checked before decoding)."""
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_STRING = re.compile(rb'"[^"\\]*+(?:\\(?:.|\Z)[^"\\]*+)*+(?:"|\Z)', re.S)
+"""A string literal, or an unterminated one up to the end (possessive: linear time on any body,
+escaped quotes included)."""
 _BRACKETS = bytes(range(256)).translate(None, b"[]{}")
 _DEPTH = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
 

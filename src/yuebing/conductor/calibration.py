@@ -76,8 +76,11 @@ class Calibration:
     """The predictors in use, per part (prefill, decode) the configuration they hold for."""
 
     def __init__(self, predictors: Predictors, from_file: str,
-                 on_change: Callable[[Predictors], None], online: bool = True) -> None:
+                 on_change: Callable[[Predictors], None], online: bool = True,
+                 check: str = "refuse") -> None:
         self.predictors = predictors
+        self.check = check
+        """``refuse`` an instance whose configuration differs, or ``warn`` and route to it."""
         self.on_change = on_change
         self.online = online
         self.base_prefill = predictors.prefill
@@ -111,9 +114,10 @@ class Calibration:
         move the scale's EWMA, and hand the policy a rescaled predictor when it moved enough."""
         if not self.online or est_prefill_s < MIN_OBSERVED_S or prefill_s <= 0:
             return
-        target = self.scale * prefill_s / est_prefill_s
+        lo, hi = SCALE_LIMITS  # one stalled prefill must not hold the scale at its limit
+        target = min(max(self.scale * prefill_s / est_prefill_s, lo), hi)
         self._ewma = target if self._ewma is None else (1 - ALPHA) * self._ewma + ALPHA * target
-        k = min(max(self._ewma, SCALE_LIMITS[0]), SCALE_LIMITS[1])
+        k = self._ewma
         if abs(k / self.scale - 1) <= RESCALE_STEP:
             return
         self.scale = k
@@ -131,13 +135,17 @@ class Calibration:
         for part in _parts(hello.role):
             pinned = self.pinned[part]
             if pinned is not None and dict(pinned) != hello.engine:
-                return (f"it runs the engine configuration {{{describe(hello.engine)}}}, but "
+                problem = (f"it runs the engine configuration {{{describe(hello.engine)}}}, but "
                         f"the {part} predictor ({self.origin[part]}) holds for "
                         f"{{{describe(pinned)}}} — they differ in {difference(pinned, hello.engine)}"
                         f". Start it with the same engine flags, or "
                         + ("profile it with `yuebing profile` and pass that file"
                            if self.origin[part].startswith("file ") else
                            "give the Conductor a predictor file (`yuebing profile`)"))
+                if self.check == "refuse":
+                    return problem + " (--predictor-check warn routes to it anyway)"
+                log.warning("instance %s is predicted by another configuration's predictor: %s",
+                            hello.instance_id, problem)
         adopted = [p for p in _parts(hello.role) if self.pinned[p] is None]
         if adopted and hello.profile is not None and not self.fixed:
             self._adopt(hello, adopted, hello.profile)
@@ -155,9 +163,9 @@ class Calibration:
         for part, fit in fits.items():
             self.pinned[part] = dict(profile.configuration)
             self.origin[part] = f"start-up profile of {hello.instance_id}"
-            if isinstance(fit, PrefillPredictor):
-                self.base_prefill = fit
-                p = replace(p, prefill=scaled(fit, self.scale))
+            if isinstance(fit, PrefillPredictor):  # a scale learned on the old fit is void
+                self.base_prefill, self.scale, self._ewma = fit, 1.0, None
+                p = replace(p, prefill=fit)
             else:
                 p = replace(p, decode=fit)
         source = "; ".join(f"{part}: {self.origin[part] or 'linear defaults'}"

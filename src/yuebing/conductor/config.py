@@ -49,6 +49,9 @@ class ConductorConfig:
         "predictor file from `yuebing profile`, checked against each instance's engine "
         "configuration ('' = fitted to the instances' start-up profiles; the two rates below "
         "until one arrives)"))
+    predictor_check: str = field(default="refuse", metadata=_h(
+        "an instance whose engine configuration differs from the one the predictors hold for: "
+        "refuse it, or warn and route to it (heterogeneous hosts)"))
     predictor_online: bool = field(default=True, metadata=_h(
         "scale the prefill predictor live by how long finished prefills took against their "
         "estimates (an EWMA; /health shows the scale)"))
@@ -103,6 +106,8 @@ class ConductorConfig:
     def __post_init__(self) -> None:
         require(1 <= len(self.host) <= 255, "--host must name an address")
         require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
+        require(self.predictor_check in ("refuse", "warn"),
+                f"--predictor-check must be refuse or warn, got {self.predictor_check!r}")
         require(bool(self.api_key) or is_loopback(self.host),
                 f"--host {self.host!r} exposes the HTTP API beyond this host: set --api-key "
                 "(clients then send 'Authorization: Bearer KEY') or bind 127.0.0.1")

@@ -38,17 +38,18 @@ class Delta:
 
 def delta(ev: TaskEvent, stats: RequestStats, received: float) -> Delta:
     """The `Delta` of ``ev`` (its frame read at ``received``), recorded in ``stats``: token
-    times shifted to the Conductor's clock by the event's own spacing, the completion count,
-    and the finish."""
+    times (choice 0's) shifted to the Conductor's clock by the event's own spacing, the
+    completion count, and the finish."""
     now = received
     n = len(ev.token_ids)
     if stats.first_token_s is None and n:
         stats.first_token_s = now
-    if n and len(ev.token_times) == n:
-        last = ev.token_times[-1]
-        stats.token_times.extend(now - (last - t) for t in ev.token_times)
-    else:
-        stats.token_times.extend([now] * n)
+    if ev.index == 0:  # TBT follows one stream: other choices' tokens interleave with it
+        if n and len(ev.token_times) == n:
+            last = ev.token_times[-1]
+            stats.token_times.extend(now - (last - t) for t in ev.token_times)
+        else:
+            stats.token_times.extend([now] * n)
     stats.completion_tokens += n
     reason = None
     last = ev.kind == EventKind.FINISH

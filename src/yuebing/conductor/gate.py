@@ -91,6 +91,7 @@ class PrefillGate:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = _Waiter(request_id, tokens, item, fut)
         self._waiting.append(entry)
+        self._pump()  # the order may put it first, and it may fit where the head does not
         try:
             await fut
         except asyncio.CancelledError:

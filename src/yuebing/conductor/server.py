@@ -133,17 +133,21 @@ class _Routes:
         self._auth(request)
         obj = decode_body(await self._body(request))
         req = parse_request(obj, chat, c.model.tokenizer, c.limits())
-        if c.inflight >= c.cfg.max_concurrent:
+        parts = req.each_prompt()  # each prompt of a list takes a slot of max_concurrent
+        if len(parts) > c.cfg.max_concurrent:
+            raise ApiError(400, f"{len(parts)} prompts in one request exceed the "
+                           f"{c.cfg.max_concurrent} requests this server runs at once",
+                           param="prompt")
+        if c.inflight + len(parts) > c.cfg.max_concurrent:
             c.metrics.rejected_requests.labels("too_many_requests").inc()
             raise ApiError(429, f"more than {c.cfg.max_concurrent} requests in flight; retry",
                            type="server_overloaded", code="too_many_requests",
                            headers={"Retry-After": "1"})
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{c.id_prefix}{next(c.ids):x}"
-        parts = req.each_prompt()
         stats = [RequestStats(rid if len(parts) == 1 else f"{rid}-p{i}", arrival)
                  for i in range(len(parts))]
-        c.inflight += 1
-        c.metrics.running.inc()
+        c.inflight += len(parts)
+        c.metrics.running.inc(len(parts))
         handed_over = False
         renderer = Renderer(req.chat, c.cfg.model_name, rid, req.include_usage and req.stream,
                             req.return_token_ids, req.sampling.logprobs is not None, c.tokens)
@@ -175,7 +179,7 @@ class _Routes:
             return Response(status_code=499)
         finally:
             if not handed_over:
-                self._release()
+                self._release(len(parts))
                 if len(parts) > 1:
                     c.cluster.spawn(_close(gen))
 
@@ -217,11 +221,11 @@ class _Routes:
             pusher.close()
             c.cluster.spawn(_close(gen))
             self._done(stats, status, code)
-            self._release()
+            self._release(len(stats))
 
-    def _release(self) -> None:
-        self.c.inflight -= 1
-        self.c.metrics.running.dec()
+    def _release(self, slots: int) -> None:
+        self.c.inflight -= slots
+        self.c.metrics.running.dec(slots)
 
     def _done(self, stats: list[RequestStats], status: int, code: str = "") -> None:
         for s in stats:

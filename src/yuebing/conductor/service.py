@@ -72,7 +72,7 @@ class Conductor:
         self.calibration = Calibration(
             self.policy.predictors,
             cfg.predictors or ("given" if predictors is not None else ""), self._use_predictors,
-            cfg.predictor_online)
+            cfg.predictor_online, cfg.predictor_check)
         self.metrics = ConductorMetrics()
         self.started = int(time.time())
         self.inflight = 0

@@ -60,8 +60,11 @@ class SamplingParams:
               f"temperature must be >= 0, got {self.temperature}")
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         check(self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64),
-              f"seed must be an integer in {-2**63}..{2**64 - 1}, got {self.seed!r}")
+        n = self.n if isinstance(self.n, int) and self.n > 0 else 1
+        check(self.seed is None or (isinstance(self.seed, int) and
+                                    -2**63 <= self.seed <= 2**64 - n),
+              f"seed must be an integer in {-2**63}..{2**64 - n} (choice j of n draws with "
+              f"seed + j), got {self.seed!r}")
         check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
               f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
         check(isinstance(self.n, int) and 1 <= self.n <= MAX_N,

@@ -3,7 +3,7 @@
 On a small host (`yuebing serve` on 2 cores: a prefill and a decode instance, one thread each)
 one instance often idles while the other works: in prefix-heavy chat the prefill takes
 milliseconds and the decode then steps for seconds. Each instance's `EngineDriver` holds a slot
-in a host-wide ledger (a small shared-memory file, ``/dev/shm/yuebing-cores-<uid>``) with its
+in a host-wide ledger (a small shared-memory file, ``/dev/shm/yuebing-cores-v2-<uid>``) with its
 own thread count and whether it is stepping. Before each step it takes its own threads plus those
 of every live instance of the ledger that is idle, up to the cores this process may use. A lender
 that gets work marks itself busy at once and steps with its own threads; the borrower gives them
@@ -23,23 +23,29 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SLOTS = 64
-_SLOT = struct.Struct("<qii")
-"""pid (0 = free), threads, busy."""
+LAYOUT = 2
+"""Part of the ledger's file name: another slot layout is another file."""
+_SLOT = struct.Struct("<qiiq")
+"""pid (0 = free), threads, busy, the process's start time (clock ticks since boot: a recycled
+pid is not the instance that wrote the slot)."""
 
 
 def ledger_path() -> Path:
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
-    return base / f"yuebing-cores-{os.getuid()}"
+    return base / f"yuebing-cores-v{LAYOUT}-{os.getuid()}"
 
 
-def _alive(pid: int) -> bool:
+def _started(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (/proc/PID/stat field 22), 0 if gone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(b")") + 2:].split()[19])
+
+
+def _alive(pid: int, started: int) -> bool:
+    return pid > 0 and _started(pid) == started
 
 
 class CoreLedger:
@@ -49,6 +55,7 @@ class CoreLedger:
         self.threads = threads
         self.cores = len(os.sched_getaffinity(0))
         self.path = path or ledger_path()
+        self._start = _started(os.getpid())
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -64,14 +71,15 @@ class CoreLedger:
 
     def _claim(self) -> int:
         for i in range(SLOTS):
-            pid, _, _ = _SLOT.unpack_from(self._map, i * _SLOT.size)
-            if pid == 0 or pid == os.getpid() or not _alive(pid):
+            pid, _, _, started = _SLOT.unpack_from(self._map, i * _SLOT.size)
+            if pid == 0 or not _alive(pid, started):
                 return i
         raise RuntimeError(f"the core ledger {self.path} has no free slot ({SLOTS} instances "
                            "on this host)")
 
     def _write(self, busy: bool) -> None:
-        _SLOT.pack_into(self._map, self.slot * _SLOT.size, os.getpid(), self.threads, int(busy))
+        _SLOT.pack_into(self._map, self.slot * _SLOT.size, os.getpid(), self.threads, int(busy),
+                        self._start)
 
     def set_busy(self, busy: bool) -> None:
         if busy != self._busy:
@@ -84,13 +92,13 @@ class CoreLedger:
         for i in range(SLOTS):
             if i == self.slot:
                 continue
-            pid, threads, busy = _SLOT.unpack_from(self._map, i * _SLOT.size)
-            if pid and not busy and pid != os.getpid() and _alive(pid):
+            pid, threads, busy, started = _SLOT.unpack_from(self._map, i * _SLOT.size)
+            if pid and not busy and pid != os.getpid() and _alive(pid, started):
                 total += threads
         return max(1, min(total, self.cores))
 
     def close(self) -> None:
         """Give the slot back (a killed process's slot is reclaimed by the next to register)."""
         with contextlib.suppress(ValueError):
-            _SLOT.pack_into(self._map, self.slot * _SLOT.size, 0, 0, 0)
+            _SLOT.pack_into(self._map, self.slot * _SLOT.size, 0, 0, 0, 0)
             self._map.close()

@@ -10,7 +10,7 @@ the prefill's first token of every choice, each choice forking the prompt's bloc
 the continuous batch, each step's tokens streamed as `TaskEvent`s to the Conductor connection
 that reserved it, ending with FINISH. A reservation whose KV does not arrive within its
 timeout, a `KvReady(ok=False)` or a `Cancel` ends the request with its blocks freed — after a
-fence of ``reserve_fence_s`` when a prefill may still be writing into them.
+fence of ``FENCE_S`` when a prefill may still be writing into them.
 
 KV shortage mid-decode is explicit: the engine preempts the newest running request and
 recomputes it later (`LoadReport.preemptions` counts them); new reservations are refused

@@ -6,7 +6,8 @@ between two steps; an asyncio control loop never blocks on a step. The thread lo
 calls, then one `engine.step()` if there is work, handing each step's outputs to ``on_outputs``
 (called in the driver thread; instances forward them to their event loop). It sleeps on a
 condition when there is neither work nor a call. The step time of every step is recorded
-(`StepStats`) for load reports. Created by each role (`instance.roles`); stopped by `close`.
+(`StepStats`) for load reports. Created by `Instance` (`instance/base.py`) for every role;
+stopped by `close`.
 
 With a ``step_trace`` file (``yuebing serve ... --step-trace-dir DIR``: one file per instance)
 the driver also appends one JSON line per engine step — ``{"t": wall-clock start, "step_s":
@@ -142,8 +143,9 @@ class EngineDriver:
                 with self._cv:
                     while not self._stop and not self._calls and \
                             not self.engine.has_unfinished():
-                        if self.ledger is not None:
+                        if self.ledger is not None:  # idle: lend, and keep only our own
                             self.ledger.set_busy(False)
+                            self._use_threads(max(1, self.threads))
                         self._cv.wait()
                     if self._stop:
                         break

@@ -4,8 +4,9 @@
 roles that prefill time a grid of prompts, roles that decode a grid of batches, on the engine
 they will serve with. The result is cached per engine signature (`LLMEngine.signature`: the
 configuration and the machine) under ``$XDG_CACHE_HOME/yuebing/profiles``, so only the first
-start of a configuration on a machine pays (seconds). Instances of one host profile one at a
-time (a file lock): two profiling side by side would each measure the other's load.
+start of a configuration on a machine pays (seconds). Instances sharing that cache directory
+profile one at a time (a file lock): two profiling side by side would each measure the other's
+load.
 """
 
 from __future__ import annotations
@@ -50,26 +51,36 @@ def cache_key(signature: dict[str, str], role: Role) -> str:
 
 
 def startup_profile(engine: LLMEngine, role: Role, cache: Path | None = None) -> EngineProfile:
-    """The cached profile of this engine's signature for ``role``, or a fresh one (cached)."""
+    """The cached profile of this engine's signature for ``role``, or a fresh one (cached; an
+    unusable cache directory — read-only, no home — is logged and the profile measured anyway)."""
     signature = engine.signature()
-    root = cache or profile_dir()
-    path = root / f"{cache_key(signature, role)}.json"
-    cached = _read(path, signature)
-    if cached is not None:
-        log.info("start-up profile: cached %s", path)
-        return cached
-    with _host_lock(root):
-        cached = _read(path, signature)  # another instance may have taken it meanwhile
+    try:
+        root = cache or profile_dir()
+        path = root / f"{cache_key(signature, role)}.json"
+        cached = _read(path, signature)
         if cached is not None:
+            log.info("start-up profile: cached %s", path)
             return cached
-        t0 = time.perf_counter()
-        profile = measure(engine, role, signature)
-        log.info("start-up profile: %s prefill and %s decode points in %.1f s -> %s",
-                 len(profile.prefill), len(profile.decode), time.perf_counter() - t0, path)
+        with _cache_lock(root):
+            cached = _read(path, signature)  # another instance may have taken it meanwhile
+            return cached if cached is not None else _measure_and_save(engine, role, path)
+    except (OSError, RuntimeError) as e:
+        log.warning("start-up profile: the cache cannot be used (%s); measuring without it", e)
+        return measure(engine, role, signature)
+
+
+def _measure_and_save(engine: LLMEngine, role: Role, path: Path) -> EngineProfile:
+    t0 = time.perf_counter()
+    profile = measure(engine, role, engine.signature())
+    log.info("start-up profile: %s prefill and %s decode points in %.1f s -> %s",
+             len(profile.prefill), len(profile.decode), time.perf_counter() - t0, path)
+    try:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(msgspec.json.encode(profile))
         tmp.replace(path)
-        return profile
+    except OSError as e:
+        log.warning("start-up profile: not cached (%s)", e)
+    return profile
 
 
 def measure(engine: LLMEngine, role: Role, signature: dict[str, str]) -> EngineProfile:
@@ -105,7 +116,7 @@ def _read(path: Path, signature: dict[str, str]) -> EngineProfile | None:
 
 
 @contextlib.contextmanager
-def _host_lock(root: Path) -> Iterator[None]:
+def _cache_lock(root: Path) -> Iterator[None]:
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
