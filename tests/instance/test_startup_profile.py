@@ -69,7 +69,7 @@ def test_signature_names_what_changes_step_times() -> None:
     a = make_engine(tiny())
     sig = a.signature()
     for key in ("model", "dtype", "device", "threads", "attention", "prefill_attention",
-                "kernels", "batch_invariant", "max_batch_tokens", "machine"):
+                "kernels", "batch_invariant", "max_batch_tokens", "machine", "matmul"):
         assert sig[key], key
     assert make_engine(tiny(), max_batch_tokens=32).signature()["max_batch_tokens"] == "32"
     assert make_engine(tiny(), batch_invariant=True, attention="auto").signature()[

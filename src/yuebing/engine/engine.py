@@ -440,14 +440,16 @@ class LLMEngine:
             self._deferred = deferred + self._deferred
     def signature(self) -> dict[str, str]:
         """What this engine runs, as the Conductor's predictors are keyed: weights, dtype,
-        device, threads, the attention paths chosen at start-up, kernels, invariance, the step
-        budget and the machine. Two engines with equal signatures take the same time per step."""
+        device, threads, the matmul path and attention paths chosen at start-up, kernels,
+        invariance, the step budget and the machine (its best matmul ISA: oneDNN's packed bf16
+        path runs on AMX tiles where the CPU has them). Two engines with equal signatures take
+        the same time per step."""
         c = self.config
         return {"model": self.weights_fingerprint, "dtype": str(self.dtype).removeprefix("torch."),
                 "device": str(self.device), "threads": str(torch.get_num_threads()),
                 "attention": self.attention, "prefill_attention": self.prefill_attention,
                 "kernels": self.kernels.name, "batch_invariant": str(c.batch_invariant).lower(),
-                "packed_weights": str(c.packed_weights).lower(),
+                "matmul": "onednn-packed" if self.model.packed else "F.linear",
                 "max_batch_tokens": str(c.max_batch_tokens), "block_size": str(c.block_size),
                 "machine": runtime.machine() if self.device.type == "cpu" else
                 torch.cuda.get_device_name(self.device)}
