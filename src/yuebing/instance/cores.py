@@ -3,11 +3,14 @@
 On a small host (`yuebing serve` on 2 cores: a prefill and a decode instance, one thread each)
 one instance often idles while the other works: in prefix-heavy chat the prefill takes
 milliseconds and the decode then steps for seconds. Each instance's `EngineDriver` holds a slot
-in a host-wide ledger (a small shared-memory file, ``/dev/shm/yuebing-cores-v2-<uid>``) with its
-own thread count and whether it is stepping. Before each step it takes its own threads plus those
-of every live instance of the ledger that is idle, up to the cores this process may use. A lender
-that gets work marks itself busy at once and steps with its own threads; the borrower gives them
-back at its next step, so the two overlap by at most one step.
+in a host-wide ledger (a small shared-memory file, ``/dev/shm/yuebing-cores-v3-<uid>``): its
+own threads, its *claim* (its own threads while it has work, 0 when idle) and the threads it
+*uses* during a step (0 between steps). Before each step (`acquire`) an instance claims its own
+threads, waits until the others' steps leave room for them, and steps with its own threads plus
+every core nobody claims. A lender that gets work therefore waits for the borrower's current
+step to end (one decode step, or one prefill chunk), and the borrower's next step leaves it its
+cores: steps never run more threads than the host has cores. That matters: OpenMP threads spin
+at every barrier, and an oversubscribed step was measured 10–20x slower.
 """
 
 from __future__ import annotations
@@ -18,16 +21,20 @@ import logging
 import mmap
 import os
 import struct
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 SLOTS = 64
-LAYOUT = 2
+LAYOUT = 3
 """Part of the ledger's file name: another slot layout is another file."""
-_SLOT = struct.Struct("<qiiq")
-"""pid (0 = free), threads, busy, the process's start time (clock ticks since boot: a recycled
-pid is not the instance that wrote the slot)."""
+_SLOT = struct.Struct("<qiiiq")
+"""pid (0 = free), own threads, claim, threads in use, the process's start time (clock ticks
+since boot: a recycled pid is not the instance that wrote the slot)."""
+WAIT_POLL_S = 0.0005
+WAIT_MAX_S = 2.0
+"""The longest a claimer waits for a borrower's step (a stuck peer must not stall it)."""
 
 
 def ledger_path() -> Path:
@@ -63,42 +70,53 @@ class CoreLedger:
                 os.ftruncate(fd, SLOTS * _SLOT.size)
             self._map = mmap.mmap(fd, SLOTS * _SLOT.size)
             self.slot = self._claim()
-            self._write(busy=False)
+            self._write(0, 0)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
-        self._busy = False
 
     def _claim(self) -> int:
         for i in range(SLOTS):
-            pid, _, _, started = _SLOT.unpack_from(self._map, i * _SLOT.size)
+            pid, _, _, _, started = _SLOT.unpack_from(self._map, i * _SLOT.size)
             if pid == 0 or not _alive(pid, started):
                 return i
         raise RuntimeError(f"the core ledger {self.path} has no free slot ({SLOTS} instances "
                            "on this host)")
 
-    def _write(self, busy: bool) -> None:
-        _SLOT.pack_into(self._map, self.slot * _SLOT.size, os.getpid(), self.threads, int(busy),
-                        self._start)
+    def _write(self, claim: int, using: int) -> None:
+        _SLOT.pack_into(self._map, self.slot * _SLOT.size, os.getpid(), self.threads, claim,
+                        using, self._start)
 
-    def set_busy(self, busy: bool) -> None:
-        if busy != self._busy:
-            self._busy = busy
-            self._write(busy)
-
-    def threads_now(self) -> int:
-        """Own threads plus the idle live instances' ones, at most this process's cores."""
-        total = self.threads
+    def _others(self) -> tuple[int, int]:
+        """(threads the live others use now, cores they claim or use) over the ledger."""
+        using = taken = 0
         for i in range(SLOTS):
             if i == self.slot:
                 continue
-            pid, threads, busy, started = _SLOT.unpack_from(self._map, i * _SLOT.size)
-            if pid and not busy and pid != os.getpid() and _alive(pid, started):
-                total += threads
-        return max(1, min(total, self.cores))
+            pid, _, claim, used, started = _SLOT.unpack_from(self._map, i * _SLOT.size)
+            if pid and (claim or used) and _alive(pid, started):
+                using += used
+                taken += max(claim, used)
+        return using, taken
+
+    def acquire(self, borrow: bool = True) -> int:
+        """Before a step: claim our threads, wait (at most `WAIT_MAX_S`) until the others'
+        steps leave room for them, and return the threads to step with — ours, plus every core
+        no one claims when ``borrow``."""
+        self._write(self.threads, 0)
+        deadline = time.monotonic() + WAIT_MAX_S
+        while self._others()[0] + self.threads > self.cores and time.monotonic() < deadline:
+            time.sleep(WAIT_POLL_S)
+        n = max(self.threads, self.cores - self._others()[1]) if borrow else self.threads
+        self._write(self.threads, n)
+        return n
+
+    def release(self, idle: bool) -> None:
+        """After a step: the threads are free again; ``idle``: no claim until the next step."""
+        self._write(0 if idle else self.threads, 0)
 
     def close(self) -> None:
         """Give the slot back (a killed process's slot is reclaimed by the next to register)."""
         with contextlib.suppress(ValueError):
-            _SLOT.pack_into(self._map, self.slot * _SLOT.size, 0, 0, 0, 0)
+            _SLOT.pack_into(self._map, self.slot * _SLOT.size, 0, 0, 0, 0, 0)
             self._map.close()

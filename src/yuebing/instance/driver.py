@@ -17,7 +17,7 @@ token interval from the engine's step time (benchmarks/sim_vs_live.py reads it).
 file is closed with the driver.
 
 With a `CoreLedger` (``--lend-cores``, `yuebing.instance.cores`) each step runs with this
-instance's threads plus those of the host's idle instances.
+instance's threads plus the host's unclaimed cores, never more threads than the host has.
 """
 
 from __future__ import annotations
@@ -143,9 +143,8 @@ class EngineDriver:
                 with self._cv:
                     while not self._stop and not self._calls and \
                             not self.engine.has_unfinished():
-                        if self.ledger is not None:  # idle: lend, and keep only our own
-                            self.ledger.set_busy(False)
-                            self._use_threads(max(1, self.threads))
+                        if self.ledger is not None:  # idle: lend our cores
+                            self.ledger.release(idle=True)
                         self._cv.wait()
                     if self._stop:
                         break
@@ -155,9 +154,12 @@ class EngineDriver:
                     self._run_call(fn, fut)
                 if self.engine.has_unfinished():
                     if self.ledger is not None:
-                        self.ledger.set_busy(True)
-                        self._use_threads(self.ledger.threads_now())
-                    self._step()
+                        self._use_threads(self.ledger.acquire())
+                    try:
+                        self._step()
+                    finally:
+                        if self.ledger is not None:
+                            self.ledger.release(idle=False)
         if self.ledger is not None:
             self.ledger.close()
         with self._cv:
