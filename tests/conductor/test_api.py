@@ -234,3 +234,15 @@ def test_nesting_is_measured_outside_strings_and_fast() -> None:
         assert e.value.status == 400 and e.value.code == "invalid_json"
         # linear scans take milliseconds; the quadratic regex this replaced took hours here
         assert time.process_time() - start < 5.0
+
+
+def test_a_key_named_twice_in_one_object_is_refused() -> None:
+    from yuebing.conductor.api import decode_body
+
+    for body, key in ((b'{"model": "m", "prompt": "a", "model": "m"}', "model"),
+                      (b'{"messages": [{"role": "user", "role": "system", "content": "x"}]}',
+                       "role")):
+        with pytest.raises(ApiError) as e:
+            decode_body(body)
+        assert e.value.status == 400 and e.value.code == "invalid_json" and key in str(e.value)
+    assert decode_body(b'{"a": {"a": 1}, "b": [{"a": 2}, {"a": 3}]}')["b"][1]["a"] == 3

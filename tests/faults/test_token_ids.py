@@ -9,7 +9,8 @@ import json
 import pytest
 
 from yuebing.conductor.api import ApiError, Limits, parse_request
-from yuebing.conductor.render import Renderer
+from yuebing.conductor.delta import Delta
+from yuebing.conductor.render import Choices, Renderer
 from yuebing.conductor.stats import RequestStats
 
 LIMITS = Limits(model_name="m", max_model_len=64, max_prompt_tokens=64, max_tokens_cap=8)
@@ -29,11 +30,14 @@ def test_parse_takes_return_token_ids_and_refuses_a_wrong_type() -> None:
 def test_renderer_adds_token_ids_only_when_asked(chat: bool) -> None:
     with_ids = Renderer(chat, "m", "r1", False, token_ids=True)
     plain = Renderer(chat, "m", "r1", False)
-    chunk = json.loads(with_ids.chunk("", None, [5, 6])[len(b"data: "):])
+    chunk = json.loads(with_ids.chunk(Delta([5, 6], "", None, 0.0))[len(b"data: "):])
     assert chunk["choices"][0]["token_ids"] == [5, 6]
-    assert "token_ids" not in json.loads(plain.chunk("", None, [5])[len(b"data: "):])[
-        "choices"][0]
+    assert "token_ids" not in json.loads(plain.chunk(Delta([5], "", None, 0.0))[
+        len(b"data: "):])["choices"][0]
     stats = RequestStats(request_id="r1", arrival_s=0.0, prompt_tokens=2)
-    body = json.loads(with_ids.full("", stats, [5, 6, 7]))
+    three, one = Choices(), Choices()
+    three.add(Delta([5, 6, 7], "", "stop", 0.0))
+    one.add(Delta([5], "", "stop", 0.0))
+    body = json.loads(with_ids.full(three, [stats]))
     assert body["choices"][0]["token_ids"] == [5, 6, 7]
-    assert "token_ids" not in json.loads(plain.full("", stats, [5]))["choices"][0]
+    assert "token_ids" not in json.loads(plain.full(one, [stats]))["choices"][0]

@@ -12,6 +12,7 @@ are all 400s (duplicate keys: the last one wins, as in Python's ``json``).
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, replace
 from itertools import accumulate
@@ -114,7 +115,25 @@ def decode_body(body: bytes) -> dict[str, Any]:
                        code="invalid_json") from None
     if not isinstance(obj, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_kind(obj)}")
+    try:  # msgspec keeps the last of duplicate keys; a body that names a field twice is refused
+        json.loads(body, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise ApiError(400, f"the request body names {str(e)!r} twice in one object",
+                       code="invalid_json", param=str(e)) from None
     return obj
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def _nesting(body: bytes) -> int:
