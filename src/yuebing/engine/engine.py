@@ -116,6 +116,8 @@ class LLMEngine:
         else:
             self._choose_attention(config)
         self.runner = ModelRunner(self.model, self.pool, per_token=config.batch_invariant)
+        self._signature = self._describe()
+        """`signature`: taken here, in the thread that set the engine's threads up."""
         self._ids = itertools.count()
         self._arrival = itertools.count()
         self._seqs: dict[str, Sequence] = {}
@@ -438,12 +440,16 @@ class LLMEngine:
                 else:
                     deferred.append(out)
             self._deferred = deferred + self._deferred
+
     def signature(self) -> dict[str, str]:
         """What this engine runs, as the Conductor's predictors are keyed: weights, dtype,
         device, threads, the matmul path and attention paths chosen at start-up, kernels,
         invariance, the step budget and the machine (its best matmul ISA: oneDNN's packed bf16
         path runs on AMX tiles where the CPU has them). Two engines with equal signatures take
-        the same time per step."""
+        the same time per step. Fixed once the engine is built (a copy each call)."""
+        return dict(self._signature)
+
+    def _describe(self) -> dict[str, str]:
         c = self.config
         return {"model": self.weights_fingerprint, "dtype": str(self.dtype).removeprefix("torch."),
                 "device": str(self.device), "threads": str(torch.get_num_threads()),

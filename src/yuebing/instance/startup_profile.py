@@ -63,15 +63,17 @@ def startup_profile(engine: LLMEngine, role: Role, cache: Path | None = None) ->
             return cached
         with _cache_lock(root):
             cached = _read(path, signature)  # another instance may have taken it meanwhile
-            return cached if cached is not None else _measure_and_save(engine, role, path)
+            return cached if cached is not None else \
+                _measure_and_save(engine, role, signature, path)
     except (OSError, RuntimeError) as e:
         log.warning("start-up profile: the cache cannot be used (%s); measuring without it", e)
         return measure(engine, role, signature)
 
 
-def _measure_and_save(engine: LLMEngine, role: Role, path: Path) -> EngineProfile:
+def _measure_and_save(engine: LLMEngine, role: Role, signature: dict[str, str],
+                      path: Path) -> EngineProfile:
     t0 = time.perf_counter()
-    profile = measure(engine, role, engine.signature())
+    profile = measure(engine, role, signature)
     log.info("start-up profile: %s prefill and %s decode points in %.1f s -> %s",
              len(profile.prefill), len(profile.decode), time.perf_counter() - t0, path)
     try:
