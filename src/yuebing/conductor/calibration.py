@@ -93,11 +93,10 @@ class Calibration:
         origin = f"file {from_file}" if from_file else ""
         self.origin = {PREFILL: origin, DECODE: origin}
         """Where each part's predictor came from ('' = the linear defaults)."""
-        self.pinned: dict[str, Mapping[str, str] | None] = {PREFILL: None, DECODE: None}
+        known = predictors.configuration if from_file and predictors.configuration else None
+        self.pinned: dict[str, Mapping[str, str] | None] = {PREFILL: known, DECODE: known}
         """The configuration each part holds for (None: not known yet)."""
-        if from_file and predictors.configuration:
-            self.pinned = {PREFILL: predictors.configuration, DECODE: predictors.configuration}
-        elif from_file:
+        if from_file and known is None:
             log.warning("predictor file %s records no engine configuration, so it cannot be "
                         "checked against the instances; re-run `yuebing profile` to record it",
                         from_file)
@@ -135,13 +134,14 @@ class Calibration:
         for part in _parts(hello.role):
             pinned = self.pinned[part]
             if pinned is not None and dict(pinned) != hello.engine:
-                problem = (f"it runs the engine configuration {{{describe(hello.engine)}}}, but "
-                        f"the {part} predictor ({self.origin[part]}) holds for "
-                        f"{{{describe(pinned)}}} — they differ in {difference(pinned, hello.engine)}"
-                        f". Start it with the same engine flags, or "
-                        + ("profile it with `yuebing profile` and pass that file"
-                           if self.origin[part].startswith("file ") else
-                           "give the Conductor a predictor file (`yuebing profile`)"))
+                fix = ("profile it with `yuebing profile` and pass that file"
+                       if self.origin[part].startswith("file ") else
+                       "give the Conductor a predictor file (`yuebing profile`)")
+                problem = (f"it runs the engine configuration {{{describe(hello.engine)}}}, "
+                           f"but the {part} predictor ({self.origin[part]}) holds for "
+                           f"{{{describe(pinned)}}} — they differ in "
+                           f"{difference(pinned, hello.engine)}. Start it with the same engine "
+                           f"flags, or {fix}")
                 if self.check == "refuse":
                     return problem + " (--predictor-check warn routes to it anyway)"
                 log.warning("instance %s is predicted by another configuration's predictor: %s",

@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import logging
 import mmap
 import os
 import struct
 import time
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 SLOTS = 64
 LAYOUT = 3

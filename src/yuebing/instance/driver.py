@@ -13,8 +13,8 @@ With a ``step_trace`` file (``yuebing serve ... --step-trace-dir DIR``: one file
 the driver also appends one JSON line per engine step — ``{"t": wall-clock start, "step_s":
 engine.step() seconds, "out_s": seconds until the outputs were handed on, "decodes": n,
 "prefill_tokens": n, "threads": n, "context_tokens": n}`` — which is what tells a live run's
-token interval from the engine's step time (benchmarks/sim_vs_live.py reads it). Lines are buffered and the
-file is closed with the driver.
+token interval from the engine's step time (benchmarks/sim_vs_live.py reads it). Lines are
+buffered and the file is closed with the driver.
 
 With a `CoreLedger` (``--lend-cores``, `yuebing.instance.cores`) each step runs with this
 instance's threads plus the host's unclaimed cores, never more threads than the host has.
