@@ -56,6 +56,10 @@ def startup_profile(engine: LLMEngine, role: Role, cache: Path | None = None) ->
     signature = engine.signature()
     try:
         root = cache or profile_dir()
+    except RuntimeError as e:  # no home directory to find the cache in
+        log.warning("start-up profile: no cache directory (%s); measuring without it", e)
+        return measure(engine, role, signature)
+    try:
         path = root / f"{cache_key(signature, role)}.json"
         cached = _read(path, signature)
         if cached is not None:
@@ -65,7 +69,7 @@ def startup_profile(engine: LLMEngine, role: Role, cache: Path | None = None) ->
             cached = _read(path, signature)  # another instance may have taken it meanwhile
             return cached if cached is not None else \
                 _measure_and_save(engine, role, signature, path)
-    except (OSError, RuntimeError) as e:
+    except OSError as e:  # read-only, not a directory: not a failing measurement's RuntimeError
         log.warning("start-up profile: the cache cannot be used (%s); measuring without it", e)
         return measure(engine, role, signature)
 
