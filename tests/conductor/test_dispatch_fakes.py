@@ -5,6 +5,7 @@ usage/breakdown, 429s, and the faults of issue 13 (dead prefill → re-dispatch 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 import uuid
@@ -15,6 +16,7 @@ from fake_instance import FINGERPRINT, FakeInstance, FakeLoop
 from harness import MODEL, ConductorThread, request, response, sse_events
 
 from yuebing.conductor.cluster import LiveCluster
+from yuebing.conductor.policy import Predictors
 from yuebing.core.ids import InstanceId
 from yuebing.instance.client import InstanceClient
 from yuebing.instance.kvkeys import store_block_keys
@@ -170,6 +172,25 @@ def test_reject_is_429_with_retry_after_and_health_stays_ok(fl: FakeLoop) -> Non
         assert request(c.url, "GET", "/health")[0] == 200
         assert 'yuebing:rejected_requests_total{reason="ttft_slo"} 1.0' in \
             request(c.url, "GET", "/metrics")[1]
+    finally:
+        c.stop()
+
+
+def test_pool_loads_and_predictors_are_served(fl: FakeLoop) -> None:
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"), ttft_slo_s=1.0,
+                   p0_kw={"queued_prefill_tokens": 30_000, "prefill_tokens_per_s": 10_000.0})
+    try:
+        pools = request(c.url, "GET", "/health")[1]["pools"]
+        assert pools["prefill"] == pytest.approx(3.0, abs=0.3)  # 3 s queued / 1 s SLO
+        assert pools["decode"] == 0.0 and pools["decode_kv"] == 0.0  # nothing running
+        metrics = request(c.url, "GET", "/metrics")[1]
+        line = next(x for x in metrics.splitlines()
+                    if x.startswith('yuebing:pool_load{pool="prefill"}'))
+        assert float(line.split()[-1]) == pytest.approx(3.0, abs=0.3)
+        status, text = request(c.url, "GET", "/predictors")
+        assert status == 200
+        got = Predictors.from_json(json.dumps(text))
+        assert got.to_json() == c.conductor.policy.predictors.to_json()
     finally:
         c.stop()
 

@@ -297,6 +297,25 @@ class LiveCluster:
         return PrefillLoad(m.id, max(reported, own, 0.0) + sum(w.prefill_s for w in waiting),
                            max(r.queued_requests, len(m.prefilling)), waiting=waiting)
 
+    def pool_loads(self, decode_time: Callable[[int, int], float], ttft_slo_s: float,
+                   tbt_slo_s: float, now_s: float) -> dict[str, float]:
+        """The pools' load as the arXiv report defines it (and the simulator samples it):
+        ``prefill`` = mean predicted queued seconds of the prefill instances / TTFT SLO,
+        ``decode`` = mean predicted step time of the decode instances' running batches / TBT
+        SLO (an idle instance counts 0), ``decode_kv`` = mean share of decode KV in use.
+        Coupled instances count in both pools."""
+        prefills = self.alive(Role.PREFILL) or self.alive(Role.COUPLED)
+        decodes = self.alive(Role.DECODE) or self.alive(Role.COUPLED)
+        queued = [self._prefill_load(m, now_s).queue_s for m in prefills]
+        states = [decode_state(m.report, m.hello.block_size, m.id)
+                  for m in decodes if m.report is not None]
+        tbt = [decode_time(d.batch_size, d.context_tokens) if d.batch_size else 0.0
+               for d in states]
+        return {"prefill": sum(queued) / len(queued) / ttft_slo_s if queued else 0.0,
+                "decode": sum(tbt) / len(tbt) / tbt_slo_s if tbt else 0.0,
+                "decode_kv": (sum(d.kv_used_tokens / d.kv_capacity_tokens for d in states)
+                              / len(states)) if states else 0.0}
+
     # ------------------------------------------------------------------ this Conductor's work
 
     def routed(self, info: RequestInfo, route: Route, now_s: float) -> None:

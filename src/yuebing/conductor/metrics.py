@@ -55,6 +55,10 @@ class ConductorMetrics:
             "yuebing:blocks_replicated", "store blocks planned to be copied to the prefill "
             "instance from the store or a peer (replicating hot blocks)", ["source"], registry=r)
         self.running = Gauge("yuebing:num_requests_running", "requests in flight", registry=r)
+        self.pool_load = Gauge(
+            "yuebing:pool_load", "load of each pool (prefill: queued seconds / TTFT SLO; "
+            "decode: predicted step / TBT SLO; decode_kv: share of KV in use)", ["pool"],
+            registry=r)
         self.instances = Gauge("yuebing:instances_alive", "instances in the view", ["role"],
                                registry=r)
         self.ttft = hist("time_to_first_token_seconds",

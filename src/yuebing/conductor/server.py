@@ -3,8 +3,8 @@
 `create_app(conductor)` builds the ASGI app; `yuebing.conductor.service.run_conductor` serves it.
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``),
 ``GET /v1/models``, ``GET /health`` (``?ready=1``: 503 until a request could be routed),
-``GET /metrics``. A generation request's path here: authenticate (optional Bearer key), read the
-body under the size limit, validate and tokenize (`yuebing.conductor.api`), take one of the
+``GET /metrics``, ``GET /predictors`` (the predictor file in use). A generation request's
+path here: authenticate (optional Bearer key), read the body under the size limit, validate and tokenize (`yuebing.conductor.api`), take one of the
 ``max_concurrent`` slots, start `Dispatcher.generate` and wait for its first delta while
 watching for a client disconnect — so a rejection is still a plain 429/503 response — then
 stream (or collect) the rest. Every error body is OpenAI's; every request ends in one access log
@@ -70,7 +70,8 @@ def create_app(conductor: Conductor) -> Starlette:
                 Route("/v1/chat/completions", routes.chat, methods=["POST"]),
                 Route("/v1/models", routes.models, methods=["GET"]),
                 Route("/health", routes.health, methods=["GET"]),
-                Route("/metrics", routes.metrics, methods=["GET"])],
+                Route("/metrics", routes.metrics, methods=["GET"]),
+                Route("/predictors", routes.predictors, methods=["GET"])],
         exception_handlers={ApiError: api_error, StarletteHTTPException: http_error},
         lifespan=conductor.lifespan)
 
@@ -97,6 +98,11 @@ class _Routes:
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.c.metrics_text(), media_type=METRICS_CONTENT_TYPE)
+
+    async def predictors(self, request: Request) -> Response:
+        """The predictors the policy uses now, as a predictor file (``--predictors``, the
+        simulator's ``--profile``)."""
+        return Response(self.c.policy.predictors.to_json(), media_type="application/json")
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)

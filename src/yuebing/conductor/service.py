@@ -198,14 +198,24 @@ class Conductor:
                             "decode_step_s": m.report.decode_step_s}
                 for r in Role for m in c.alive(r) if m.report is not None}
         return {"status": "ok", "ready": ready, "model": self.cfg.model_name,
-                "instances": roles, "load": load, "inflight": self.inflight,
+                "instances": roles, "load": load, "pools": self.pool_loads(),
+                "inflight": self.inflight,
                 "kv_index_blocks": len(c.index),
                 "kv_index_store_blocks": len(c.index.keys_of(STORE_HOLDER)),
                 "predictors": self.calibration.state()}
 
+    def pool_loads(self) -> dict[str, float]:
+        """The pools' load now (`LiveCluster.pool_loads`, with this policy's predictor and
+        SLOs): what early rejection compares with its threshold, per pool."""
+        cfg = self.policy.config
+        return self.cluster.pool_loads(self.policy.decode_time, cfg.ttft_slo_s, cfg.tbt_slo_s,
+                                       time.monotonic())
+
     def metrics_text(self) -> bytes:
         for r in Role:
             self.metrics.instances.labels(r.label).set(len(self.cluster.alive(r)))
+        for pool, value in self.pool_loads().items():
+            self.metrics.pool_load.labels(pool).set(value)
         return self.metrics.exposition()
 
 
