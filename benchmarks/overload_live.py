@@ -1,0 +1,577 @@
+"""Benchmark: overload on the live cluster (issue 26), each admission policy beside the simulator.
+
+Per topology (``--topologies 1P1D,2P1D``; one engine thread per instance, defaults otherwise):
+
+1. The cluster's maximum rate at >= 90 % SLO attainment (unless ``--base-rate``): a fresh
+   ``yuebing serve`` with admission ``none`` swept over ``--find-rates`` by ``yuebing bench
+   serve`` (highest first, each rate stopped once decided). Its Conductor's predictors (``GET
+   /predictors``: the start-up profiles, scaled by what the live prefills took) are saved for
+   the simulator.
+2. For each multiplier of that rate and each policy: a fresh cluster with ``--admission POLICY``
+   (``predictive_early_rejection`` routes decode by the same forecast, ``--decode-selector
+   forecast``), the same requests (the conversation trace's first ``--requests``, 64 tokens per
+   hash block, Poisson arrivals of ``--seed``) from ``yuebing bench serve``, the pools' load
+   (``GET /health`` ``pools``: the arXiv definitions) sampled every ``--sample-s``.
+3. The simulator on the same requests, nodes, SLOs and predictors (``cost_model=fitted``).
+
+Reported per run: goodput (requests within both SLOs per second of the run), rejections by
+stage and reason (the Conductor's ``yuebing:rejected_requests`` counter: ``arrival`` = the
+policy, ``reserve`` = no decode KV after ``reserve_wait_s``, ``limit`` = the concurrency limit;
+a live cluster reserves decode KV before it prefills, so it has no re-check after the prefill),
+prefill thrown away (prompt tokens prefilled for requests then cut off or served outside their
+SLO, from the Conductor's access log), TTFT/TBT percentiles of the requests answered, the pools'
+load std and swing (`yuebing.sim.paper.overload.oscillation`), and with ``--retry-429`` the
+share of rejected requests that got through on a retry. Writes ``OUTDIR/overload_live.json``,
+``overload_live.md``, ``overload_load.png`` (load over time, one panel per policy) and
+``overload_goodput.png`` (goodput against load, live and simulated).
+
+    nice -n 5 .venv/bin/python benchmarks/overload_live.py OUTDIR --topologies 1P1D,2P1D \\
+        --multipliers 1.5,2,3 --requests 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+
+from yuebing.bench.config import BenchConfig
+from yuebing.bench.workload import scaled_request, send_times
+from yuebing.conductor.policy.admission import ADMISSIONS
+from yuebing.sim.paper.overload import oscillation
+from yuebing.sim.runner import simulate
+from yuebing.sim.system import SimConfig
+from yuebing.sim.workload import SimRequest
+from yuebing.trace.io import load_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+YB = str(ROOT / ".venv" / "bin" / "yuebing")
+TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+POLICIES = ("none", "early_rejection", "predictive_early_rejection")
+TARGET = 0.9
+RESERVE_REASONS = {"decode_kv_full", "instance_overloaded"}
+console = Console(stderr=True)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every run of one invocation shares."""
+
+    out: Path
+    requests: int
+    seed: int
+    max_input: int
+    max_output: int
+    ttft_slo_s: float
+    tbt_slo_s: float
+    sample_s: float
+    timeout_s: float
+    retry_429: bool
+    port: int
+    serve_flags: tuple[str, ...] = ()
+
+    def bench_args(self) -> list[str]:
+        return [str(TRACE), "--block-tokens", "64", "--max-input", str(self.max_input),
+                "--max-output", str(self.max_output), "--limit", str(self.requests),
+                "--seed", str(self.seed), "--slo-ttft", f"{self.ttft_slo_s:g}",
+                "--slo-tbt", f"{self.tbt_slo_s:g}", "--timeout-s", f"{self.timeout_s:g}",
+                "--no-progress", "--json"]
+
+
+def parse_topology(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)P(\d+)D", text.strip())
+    if not m or int(m[1]) < 1 or int(m[2]) < 1:
+        raise ValueError(f"topology {text!r} is not like 1P1D or 2P1D")
+    return int(m[1]), int(m[2])
+
+
+def positive_floats(text: str, what: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what}: {text!r} is not a comma-separated list of numbers") from None
+    if not vals or any(not (math.isfinite(v) and v > 0) for v in vals):
+        raise ValueError(f"{what}: every value must be a positive number, got {text!r}")
+    return vals
+
+
+# ---------------------------------------------------------------------------- a live cluster
+
+
+class Cluster:
+    """One ``yuebing serve`` (``prefill`` + ``decode`` instances, one thread each) on ``port``,
+    its logs under ``logs``; a context manager that stops it (SIGINT, then SIGKILL)."""
+
+    def __init__(self, setup: Setup, nodes: tuple[int, int], policy: str, logs: Path) -> None:
+        self.url = f"http://127.0.0.1:{setup.port}"
+        self.logs = logs
+        logs.mkdir(parents=True, exist_ok=True)
+        selector = ["--decode-selector", "forecast"] if policy == "predictive_early_rejection" \
+            else []
+        self.argv = [YB, "-v", "serve", "--prefill", str(nodes[0]), "--decode", str(nodes[1]),
+                     "--threads", "1", "--port", str(setup.port), "--log-dir", str(logs),
+                     "--restart", "never", "--admission", policy, *selector,
+                     "--ttft-slo-s", f"{setup.ttft_slo_s:g}",
+                     "--tbt-slo-s", f"{setup.tbt_slo_s:g}", *setup.serve_flags]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Cluster:
+        with (self.logs / "serve.out").open("wb") as fh:
+            self.proc = subprocess.Popen(self.argv, stdout=fh, stderr=subprocess.STDOUT)
+        end = time.monotonic() + 900
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                tail = (self.logs / "serve.out").read_text(errors="replace")[-1500:]
+                raise RuntimeError(f"yuebing serve exited while starting "
+                                   f"({self.proc.returncode}):\n{tail}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health?ready=1", timeout=2):
+                    return self
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError("yuebing serve was not ready after 900 s")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def get(self, path: str) -> bytes:
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=10) as r:
+            return bytes(r.read())
+
+
+class LoadSampler(threading.Thread):
+    """Polls the Conductor's ``/health`` pools every ``period_s`` until `stop`."""
+
+    def __init__(self, cluster: Cluster, period_s: float) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.period_s = cluster, period_s
+        self.samples: list[dict[str, float]] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        while not self._halt.wait(self.period_s):
+            try:
+                pools = json.loads(self.cluster.get("/health"))["pools"]
+            except (OSError, ValueError, KeyError):
+                continue
+            self.samples.append({"t": time.monotonic() - t0, **pools})
+
+    def stop(self) -> list[dict[str, float]]:
+        self._halt.set()
+        self.join()
+        return self.samples
+
+
+def rejected_by_reason(metrics_text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for m in re.finditer(r'^yuebing:rejected_requests_total\{reason="([^"]+)"\} (\S+)$',
+                         metrics_text, re.M):
+        out[m[1]] = int(float(m[2]))
+    return out
+
+
+def stage_of(reason: str) -> str:
+    if reason in RESERVE_REASONS:
+        return "reserve"
+    return "limit" if reason == "too_many_requests" else "arrival"
+
+
+ACCESS = re.compile(r"status=(\d+) prefill=\S+ decode=\S+ prompt=(\d+) cached=(\d+) out=\d+ "
+                    r"finish=\S+ ttft=([\d.]+)ms tbt=([\d.]+)ms queue=\S+ prefix_load=\S+ "
+                    r"prefill=([\d.]+)ms")
+
+
+def wasted_prefill(log: Path, ttft_slo_s: float, tbt_slo_s: float) -> dict[str, int]:
+    """Prompt tokens prefilled (prompt - cached, for requests whose prefill ran) in all, and
+    for requests then cut off (not 200) or served outside an SLO, from the access log."""
+    total = wasted = 0
+    text = log.read_text(errors="replace") if log.exists() else ""
+    for m in ACCESS.finditer(text):
+        status, prompt, cached = int(m[1]), int(m[2]), int(m[3])
+        ttft, tbt, prefill_ms = float(m[4]) / 1e3, float(m[5]) / 1e3, float(m[6])
+        if prefill_ms <= 0 and status != 200:
+            continue  # never reached its prefill
+        tokens = max(0, prompt - cached)
+        total += tokens
+        if status != 200 or ttft > ttft_slo_s or tbt > tbt_slo_s:
+            wasted += tokens
+    return {"prefilled_tokens": total, "wasted_tokens": wasted}
+
+
+def pct(values: list[float], q: float) -> float | None:
+    vals = sorted(v for v in values if v is not None and math.isfinite(v))
+    if not vals:
+        return None
+    return vals[min(len(vals) - 1, max(0, math.ceil(q * len(vals)) - 1))]
+
+
+def latency(ttft: list[float], tbt: list[float]) -> dict[str, float | None]:
+    return {"ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9), "ttft_p99": pct(ttft, 0.99),
+            "tbt_p50": pct(tbt, 0.5), "tbt_p90": pct(tbt, 0.9), "tbt_p99": pct(tbt, 0.99)}
+
+
+def load_stats(samples: list[dict[str, float]], period_s: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pool in ("prefill", "decode"):
+        series = [s[pool] for s in samples]
+        osc = oscillation(series, period_s)
+        out[pool] = {"mean": sum(series) / len(series) if series else 0.0,
+                     "std": osc["std"], "swing": osc["swing"]}
+    return out
+
+
+def live_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
+             name: str) -> dict[str, Any]:
+    """One fresh cluster under ``policy`` at ``rate``: the run's figures (see module doc)."""
+    logs = setup.out / "logs" / name
+    records = setup.out / f"{name}.records.jsonl"
+    with Cluster(setup, nodes, policy, logs) as cluster:
+        sampler = LoadSampler(cluster, setup.sample_s)
+        sampler.start()
+        argv = [YB, "bench", "serve", *setup.bench_args(), "--endpoint", cluster.url,
+                "--rate", f"{rate:g}", "--records", str(records)]
+        if setup.retry_429:
+            argv.append("--retry-429")
+        bench = subprocess.run(argv, capture_output=True)
+        samples = sampler.stop()
+        reasons = rejected_by_reason(cluster.get("/metrics").decode())
+    if bench.returncode != 0:
+        raise RuntimeError(f"yuebing bench serve failed ({bench.returncode}): "
+                           f"{bench.stderr.decode(errors='replace')[-1000:]}")
+    rows = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
+    return summarize_live(setup, rows, reasons, samples,
+                          wasted_prefill(logs / "conductor.log", setup.ttft_slo_s,
+                                         setup.tbt_slo_s))
+
+
+def summarize_live(setup: Setup, rows: list[dict[str, Any]], reasons: dict[str, int],
+                   samples: list[dict[str, float]], waste: dict[str, int]) -> dict[str, Any]:
+    ok = [r for r in rows if r["status"] == "ok"]
+    good = [r for r in ok if r["ttft_s"] <= setup.ttft_slo_s
+            and (r["tbt_s"] is None or r["tbt_s"] <= setup.tbt_slo_s)]
+    ends = [r["end_s"] for r in rows if r["end_s"] is not None]
+    starts = [r["scheduled_s"] for r in rows]
+    span = (max(ends) - min(starts)) if ends and starts else 0.0
+    stages: dict[str, int] = {}
+    for reason, n in reasons.items():
+        stages[stage_of(reason)] = stages.get(stage_of(reason), 0) + n
+    retried = [r for r in rows if r.get("retries", 0) > 0]
+    errors: dict[str, int] = {}
+    for r in rows:
+        if r["status"] == "error":
+            errors[r["error"]] = errors.get(r["error"], 0) + 1
+    out: dict[str, Any] = {
+        "requests": len(rows), "answered": len(ok), "within_slo": len(good),
+        "rejected": sum(1 for r in rows if r["status"] == "rejected"), "errors": errors,
+        "goodput_rps": len(good) / span if span > 0 else 0.0, "span_s": span,
+        "rejections_by_reason": reasons, "rejections_by_stage": stages, **waste,
+        "latency": latency([r["ttft_s"] for r in ok], [r["tbt_s"] for r in ok]),
+        "load": load_stats(samples, setup.sample_s), "samples": samples}
+    if setup.retry_429:
+        out["retried"] = len(retried)
+        out["retried_then_answered"] = sum(1 for r in retried if r["status"] == "ok")
+        out["retried_then_within_slo"] = sum(1 for r in retried if r in good)
+    if not ok:
+        out["verdict"] = ("the cluster rejected every request" if out["rejected"] == len(rows)
+                          else "the cluster answered no request")
+    return out
+
+
+def find_max_rate(setup: Setup, nodes: tuple[int, int], rates: list[float],
+                  name: str) -> tuple[float | None, Path]:
+    """The largest of ``rates`` with attainment >= 90 % under admission ``none``, and the
+    Conductor's predictors after the sweep (saved as ``OUTDIR/<name>.predictors.json``)."""
+    logs = setup.out / "logs" / name
+    path = setup.out / f"{name}.predictors.json"
+    with Cluster(setup, nodes, "none", logs) as cluster:
+        argv = [YB, "bench", "serve", *setup.bench_args(), "--endpoint", cluster.url,
+                "--sweep-rates", ",".join(f"{r:g}" for r in rates), "--sweep-down",
+                "--stop-when-decided", "--target-attainment", f"{TARGET:g}",
+                "--records", str(setup.out / f"{name}.records.jsonl")]
+        bench = subprocess.run(argv, capture_output=True)
+        path.write_bytes(cluster.get("/predictors"))
+    if bench.returncode != 0:
+        raise RuntimeError(f"yuebing bench serve failed ({bench.returncode}): "
+                           f"{bench.stderr.decode(errors='replace')[-1000:]}")
+    report = json.loads(bench.stdout)
+    (setup.out / f"{name}.json").write_bytes(bench.stdout)
+    rate = report.get("max_rate")
+    return (float(rate) if rate is not None else None), path
+
+
+# ---------------------------------------------------------------------------- the simulator
+
+
+def sim_requests(setup: Setup, rate: float) -> list[SimRequest]:
+    """The requests ``yuebing bench serve`` sends at ``rate`` (same lengths, hash blocks and
+    arrival times: `scaled_request` and `send_times`, the functions the load generator uses)."""
+    trace = load_trace(TRACE)
+    cfg = BenchConfig(block_tokens=64, max_input=setup.max_input, max_output=setup.max_output,
+                      limit=setup.requests, rate=rate, seed=setup.seed)
+    reqs = [scaled_request(r, trace.block_size, cfg)
+            for r in trace.in_time_order()[:setup.requests]]
+    return [SimRequest(i, t, r.input_length, r.output_length, tuple(r.hash_ids))
+            for i, (r, t) in enumerate(zip(reqs, send_times(reqs, cfg, rate), strict=True))]
+
+
+def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
+            predictors: Path) -> dict[str, Any]:
+    cfg = SimConfig(system="mooncake", prefill_nodes=nodes[0], decode_nodes=nodes[1],
+                    admission=policy, decode_policy="forecast"
+                    if policy == "predictive_early_rejection" else "least_loaded",
+                    cost_model="fitted", profile=str(predictors), block_tokens=64,
+                    ttft_slo_s=setup.ttft_slo_s, tbt_slo_s=setup.tbt_slo_s,
+                    cpp_threshold_tokens=1 << 30, sample_interval_s=setup.sample_s)
+    res = simulate(sim_requests(setup, rate), cfg)
+    recs = res.records
+    done = [r for r in recs if r.rejected is None and not math.isnan(r.finish_s)]
+    good = [r for r in done if r.ttft_s <= setup.ttft_slo_s and r.tbt_s <= setup.tbt_slo_s]
+    ends = [r.finish_s for r in done] + [r.arrival_s for r in recs if r.rejected is not None]
+    span = max(ends) - min(r.arrival_s for r in recs) if ends else 0.0
+    wasted = sum(max(0, r.input_tokens - r.hit_tokens) for r in done if r not in good)
+    series = {"prefill": res.timeseries["prefill_load"],
+              "decode": res.timeseries["decode_tbt_load"]}
+    samples = [{"t": i * setup.sample_s, "prefill": p, "decode": d}
+               for i, (p, d) in enumerate(zip(series["prefill"], series["decode"], strict=True))]
+    return {"requests": len(recs), "answered": len(done), "within_slo": len(good),
+            "rejected": sum(1 for r in recs if r.rejected is not None),
+            "goodput_rps": len(good) / span if span > 0 else 0.0, "span_s": span,
+            "wasted_tokens": wasted,
+            "latency": latency([r.ttft_s for r in done], [r.tbt_s for r in done]),
+            "load": load_stats(samples, setup.sample_s), "samples": samples}
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = ["| cluster | load | policy | goodput live / sim (req/s) | within SLO | rejected "
+             "(arrival / reserve) | prefill thrown away (tokens) | TTFT p50 / p99 (s) | "
+             "TBT p99 (ms) | prefill load std / swing | decode load std / swing |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for topo in result["topologies"]:
+        for run in topo["runs"]:
+            live, sim = run["live"], run["sim"]
+            lat = live["latency"]
+            st = live["rejections_by_stage"]
+
+            def f(v: float | None, k: float = 1.0, d: int = 2) -> str:
+                return "–" if v is None else f"{v * k:.{d}f}"
+
+            lines.append(
+                f"| {topo['name']} | {run['multiplier']:g}× ({run['rate']:.3g} req/s) | "
+                f"{run['policy']} | {live['goodput_rps']:.3f} / {sim['goodput_rps']:.3f} | "
+                f"{live['within_slo']}/{live['requests']} | {live['rejected']} "
+                f"({st.get('arrival', 0)} / {st.get('reserve', 0)}) | "
+                f"{live['wasted_tokens']:,} of {live['prefilled_tokens']:,} | "
+                f"{f(lat['ttft_p50'])} / {f(lat['ttft_p99'])} | {f(lat['tbt_p99'], 1e3, 0)} | "
+                f"{live['load']['prefill']['std']:.2f} / {live['load']['prefill']['swing']:.2f}"
+                f" | {live['load']['decode']['std']:.2f} / {live['load']['decode']['swing']:.2f}"
+                f" |")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for topo in result["topologies"]:
+        runs = topo["runs"]
+        mults = sorted({r["multiplier"] for r in runs})
+        mid = mults[len(mults) // 2]
+        shown = [r for r in runs if r["multiplier"] == mid]
+        fig, axes = plt.subplots(len(shown), 1, figsize=(8, 2.4 * len(shown)), sharex=True,
+                                 squeeze=False)
+        for ax, run in zip(axes[:, 0], shown, strict=True):
+            s = run["live"]["samples"]
+            ax.plot([x["t"] for x in s], [x["prefill"] for x in s], label="prefill load")
+            ax.plot([x["t"] for x in s], [x["decode"] for x in s], label="decode load")
+            ax.axhline(1.0, color="grey", lw=0.6, ls="--")
+            ax.set(title=f"{topo['name']} at {mid:g}×: {run['policy']}", ylabel="load")
+            ax.legend(loc="upper right", fontsize=7)
+        axes[-1, 0].set_xlabel("seconds")
+        fig.tight_layout()
+        fig.savefig(out / f"overload_load_{topo['name']}.png", dpi=120)
+        plt.close(fig)
+    fig, axes = plt.subplots(1, len(result["topologies"]),
+                             figsize=(5 * len(result["topologies"]), 3.6), squeeze=False)
+    for ax, topo in zip(axes[0], result["topologies"], strict=True):
+        for policy in topo["policies"]:
+            runs = sorted((r for r in topo["runs"] if r["policy"] == policy),
+                          key=lambda r: r["multiplier"])
+            xs = [r["multiplier"] for r in runs]
+            line, = ax.plot(xs, [r["live"]["goodput_rps"] for r in runs], "o-", label=policy)
+            ax.plot(xs, [r["sim"]["goodput_rps"] for r in runs], "x--", color=line.get_color())
+        ax.set(title=f"{topo['name']} (max rate {topo['max_rate']:.3g} req/s; × = sim)",
+               xlabel="load (× max rate)", ylabel="goodput (req/s within SLO)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "overload_goodput.png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("outdir", type=Path)
+    p.add_argument("--topologies", default="1P1D,2P1D")
+    p.add_argument("--multipliers", default="1.5,2,3")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="admission policies, each on fresh clusters (offered: "
+                        + ", ".join(ADMISSIONS.names()) + ")")
+    p.add_argument("--base-rate", default="",
+                   help="the maximum rate per topology (comma-separated, one per topology): "
+                        "skips the search")
+    p.add_argument("--find-rates", default="0.2,0.3,0.4,0.5,0.6,0.8",
+                   help="rates the maximum rate is searched among (req/s)")
+    p.add_argument("--requests", type=int, default=60)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-input", type=int, default=2048)
+    p.add_argument("--max-output", type=int, default=128)
+    p.add_argument("--ttft-slo-s", type=float, default=10.0)
+    p.add_argument("--tbt-slo-s", type=float, default=0.1)
+    p.add_argument("--sample-s", type=float, default=1.0)
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--retry-429", action="store_true",
+                   help="clients wait Retry-After and resend (yuebing bench serve --retry-429)")
+    p.add_argument("--port", type=int, default=8767)
+    p.add_argument("--serve-flags", default="", help="extra `yuebing serve` flags")
+    p.add_argument("--no-sim", action="store_true")
+    ns = p.parse_args()
+    try:
+        topologies = [parse_topology(t) for t in ns.topologies.split(",")]
+        mults = positive_floats(ns.multipliers, "--multipliers")
+        find = positive_floats(ns.find_rates, "--find-rates")
+        bases = positive_floats(ns.base_rate, "--base-rate") if ns.base_rate else []
+        policies = [x.strip() for x in ns.policies.split(",") if x.strip()]
+        unknown = [x for x in policies if x not in ADMISSIONS.names()]
+        if unknown or not policies:
+            raise ValueError(f"--policies: {', '.join(unknown) or 'none given'} not offered; "
+                             f"use {', '.join(ADMISSIONS.names())}")
+        if bases and len(bases) != len(topologies):
+            raise ValueError(f"--base-rate: {len(bases)} rates for {len(topologies)} topologies")
+        for name in ("requests", "max_input", "max_output"):
+            if getattr(ns, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        for name in ("ttft_slo_s", "tbt_slo_s", "sample_s", "timeout_s"):
+            if not (math.isfinite(getattr(ns, name)) and getattr(ns, name) > 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number")
+    except ValueError as e:
+        print(f"overload_live: {e}", file=sys.stderr)
+        return 2
+    ns.outdir.mkdir(parents=True, exist_ok=True)
+    setup = Setup(ns.outdir, ns.requests, ns.seed, ns.max_input, ns.max_output, ns.ttft_slo_s,
+                  ns.tbt_slo_s, ns.sample_s, ns.timeout_s, ns.retry_429, ns.port,
+                  tuple(ns.serve_flags.split()))
+    result: dict[str, Any] = {"setup": {k: v for k, v in vars(ns).items() if k != "outdir"},
+                              "machine": machine(), "topologies": []}
+    total = len(topologies) * (len(mults) * len(policies) + (0 if bases else 1))
+    with Progress(console=console) as bar:
+        task = bar.add_task("overload runs", total=total)
+        for i, nodes in enumerate(topologies):
+            name = f"{nodes[0]}P{nodes[1]}D"
+            topo: dict[str, Any] = {"name": name, "policies": policies, "runs": []}
+            if bases:
+                base, predictors = bases[i], None
+            else:
+                bar.update(task, description=f"{name}: maximum rate")
+                found, predictors = find_max_rate(setup, nodes, find, f"{name}-max")
+                bar.advance(task)
+                if found is None:
+                    topo["verdict"] = (f"no rate of {find} reached {TARGET:.0%} attainment; "
+                                       "give lower --find-rates")
+                    result["topologies"].append(topo)
+                    continue
+                base = found
+            topo["max_rate"] = base
+            topo["predictors"] = str(predictors) if predictors else None
+            for mult in mults:
+                for policy in policies:
+                    run_name = f"{name}-x{mult:g}-{policy}"
+                    bar.update(task, description=run_name)
+                    live = live_run(setup, nodes, policy, base * mult, run_name)
+                    sim = (sim_run(setup, nodes, policy, base * mult, predictors)
+                           if predictors and not ns.no_sim else None)
+                    topo["runs"].append({"multiplier": mult, "rate": base * mult,
+                                         "policy": policy, "live": live,
+                                         "sim": sim or {"goodput_rps": math.nan}})
+                    bar.advance(task)
+                    (ns.outdir / "overload_live.json").write_text(json.dumps(result, indent=1))
+            result["topologies"].append(topo)
+    result["checks"] = checks(result)
+    (ns.outdir / "overload_live.json").write_text(json.dumps(result, indent=1) + "\n")
+    md = table(result) + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in result["checks"].items())
+    (ns.outdir / "overload_live.md").write_text(md + "\n")
+    if any(t["runs"] for t in result["topologies"]):
+        plot(result, ns.outdir)
+    print(md)
+    return 0
+
+
+def checks(result: dict[str, Any]) -> dict[str, str]:
+    """The issue's targets, evaluated per topology at the 2× runs (where present)."""
+    out: dict[str, str] = {}
+    for topo in result["topologies"]:
+        at = {r["policy"]: r for r in topo["runs"] if r["multiplier"] == 2.0}
+        if not {"none", "early_rejection", "predictive_early_rejection"} <= set(at):
+            continue
+        g = {k: v["live"]["goodput_rps"] for k, v in at.items()}
+        n, e, pr = g["none"], g["early_rejection"], g["predictive_early_rejection"]
+        name = topo["name"]
+        out[f"{name} goodput pred >= early >= none"] = str(pr >= e >= n)
+        out[f"{name} rejecting policies >= 1.2x none"] = str(min(e, pr) >= 1.2 * n)
+        wp = at["predictive_early_rejection"]["live"]["wasted_tokens"]
+        wn = at["none"]["live"]["wasted_tokens"]
+        out[f"{name} thrown-away prefill pred <= 0.5x none"] = f"{wp <= 0.5 * wn} ({wp} vs {wn})"
+        sp = at["predictive_early_rejection"]["live"]["load"]["prefill"]["swing"]
+        se = at["early_rejection"]["live"]["load"]["prefill"]["swing"]
+        out[f"{name} prefill swing pred < early"] = f"{sp < se} ({sp:.3f} vs {se:.3f})"
+        sims = {k: v["sim"]["goodput_rps"] for k, v in at.items()}
+        if all(math.isfinite(x) for x in sims.values()):
+            order_live = sorted(g, key=g.__getitem__)
+            order_sim = sorted(sims, key=sims.__getitem__)
+            out[f"{name} sim order matches live"] = f"{order_live == order_sim} " \
+                f"(live {order_live}, sim {order_sim})"
+            errs = {k: (sims[k] - g[k]) / g[k] if g[k] else math.inf for k in g}
+            out[f"{name} sim goodput within ±25 %"] = ", ".join(
+                f"{k} {v:+.0%}" for k, v in errs.items())
+    return out
+
+
+def machine() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        model = re.search(r"model name\s*:\s*(.*)", text)
+        flags = re.search(r"flags\s*:\s*(.*)", text)
+        extra = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+                 if flags and f in flags[1].split()]
+        import os
+        return f"{model[1] if model else '?'} ({', '.join(extra)}), {os.cpu_count()} cores"
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
