@@ -3,9 +3,11 @@ configuration differs from the one the predictors hold for."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from yuebing.conductor.calibration import Calibration
+from yuebing.conductor.calibration import Calibration, DecodeDurations
 from yuebing.conductor.policy import (
     BivariatePolynomial,
     DecodePredictor,
@@ -13,6 +15,7 @@ from yuebing.conductor.policy import (
     PrefillPredictor,
     TransferPredictor,
 )
+from yuebing.conductor.policy.decode import duration_quantiles
 from yuebing.conductor.policy.predictors import load_predictors, save_predictors
 from yuebing.protocol.instance import EngineProfile, Hello, Role
 
@@ -151,3 +154,30 @@ def test_predictor_check_warn_admits_other_configurations(caplog) -> None:
     assert cal.admit(hello("p0", Role.PREFILL, CONF, profile(CONF))) == ""
     assert cal.admit(hello("p1", Role.PREFILL, {**CONF, "threads": "2"})) == ""
     assert "threads: 1 vs 2" in caplog.text
+
+
+def test_duration_quantiles_are_equal_probability_midpoints() -> None:
+    assert duration_quantiles(list(range(1, 101)), 4) == pytest.approx((13.375, 38.125, 62.875, 87.625))
+    assert duration_quantiles([5.0], 3) == (5.0, 5.0, 5.0)
+    assert duration_quantiles([0.0, 4.0], 2) == (1.0, 3.0)
+    assert duration_quantiles([0.0, 0.0], 1) == (1e-3,)  # at least 1 ms
+    with pytest.raises(ValueError):
+        duration_quantiles([], 4)
+
+
+def test_decode_durations_are_learned_from_finished_requests() -> None:
+    got: list[tuple[float, ...]] = []
+    d = DecodeDurations(got.append, window=8, every=4, k=2)
+    for s in (1.0, 2.0, 3.0):
+        d.observe(s)
+    d.observe(math.nan)  # ignored, as are zero and negative times
+    d.observe(0.0)
+    assert got == [] and d.state()["in_use"] == "configured"
+    d.observe(4.0)
+    assert got == [(1.75, 3.25)]
+    for s in (10.0,) * 8:  # the window keeps the latest 8
+        d.observe(s)
+    assert got[-1] == (10.0, 10.0) and d.state()["samples"] == 8
+    off = DecodeDurations(got.append, learn=False, every=1)
+    off.observe(1.0)
+    assert len(got) == 3 and off.state()["samples"] == 0

@@ -195,6 +195,21 @@ def test_pool_loads_and_predictors_are_served(fl: FakeLoop) -> None:
         c.stop()
 
 
+def test_decode_durations_are_learned_by_the_live_policy(fl: FakeLoop) -> None:
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"),
+                   admission="predictive_early_rejection", decode_selector="forecast")
+    try:
+        assert c.conductor.policy.config.decode_durations_s == (20.0,)
+        for _ in range(16):
+            assert _complete(c, prompt=[1, 2, 3], max_tokens=3)[0] == 200
+        state = request(c.url, "GET", "/health")[1]["decode_durations"]
+        assert state["in_use"] == "learned" and state["samples"] == 16
+        learned = c.conductor.policy.config.decode_durations_s
+        assert len(learned) == 16 and max(learned) < 5.0  # fakes decode 3 tokens in ms
+    finally:
+        c.stop()
+
+
 def test_dead_prefill_before_first_token_is_redispatched_once(fl: FakeLoop) -> None:
     # a heartbeat timeout of 4 s: a loaded machine that stalls the fakes' thread for 2 s would
     # drop p0 before the request is routed (it then goes to p1 and nothing is re-dispatched)

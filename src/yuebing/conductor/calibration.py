@@ -9,6 +9,10 @@
   what it does (prefill: a prefill or coupled instance; decode: a decode or coupled one),
   fitted here; later instances doing the same must run the same configuration.
 
+`DecodeDurations` learns the decode-duration distribution of the predictive early rejection
+forecast the same way: from the finished requests' decode times (first token to last), in place
+of the fixed ``--decode-durations-s``.
+
 Until a profile arrives the linear defaults (``--prefill-tokens-per-s``, ``--decode-step-s``)
 apply. Live, `observe` scales the prefill predictor by how long finished prefills really took
 against their estimate (an EWMA of the ratio; ``--predictor-online``), so contention and
@@ -19,6 +23,8 @@ policy through ``on_change``.
 from __future__ import annotations
 
 import logging
+import math
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
@@ -28,6 +34,7 @@ from yuebing.conductor.policy import (
     Predictors,
     PrefillPredictor,
 )
+from yuebing.conductor.policy.decode import duration_quantiles
 from yuebing.conductor.policy.predictors import ATTENTION_TERMS
 from yuebing.core.errors import InputError
 from yuebing.protocol.instance import EngineProfile, Hello, Role
@@ -174,3 +181,46 @@ class Calibration:
         log.info("predictors from %s's start-up profile (%s): %s", hello.instance_id,
                  ", ".join(parts), describe(profile.configuration))
         self.on_change(self.predictors)
+
+
+DURATION_WINDOW = 256
+"""Finished requests whose decode times stand for the distribution (the latest ones)."""
+DURATION_QUANTILES = 16
+"""Equally likely values of the learned distribution."""
+DURATION_EVERY = 16
+"""The distribution is refreshed after this many new decode times."""
+
+
+class DecodeDurations:
+    """The decode durations the forecast assumes, learned from finished requests."""
+
+    def __init__(self, on_change: Callable[[tuple[float, ...]], None], learn: bool = True,
+                 window: int = DURATION_WINDOW, every: int = DURATION_EVERY,
+                 k: int = DURATION_QUANTILES) -> None:
+        self.on_change = on_change
+        self.learn = learn
+        self.every, self.k = every, k
+        self.window: deque[float] = deque(maxlen=window)
+        self.current: tuple[float, ...] | None = None
+        """The distribution handed to the policy (None: still the configured one)."""
+        self._new = 0
+
+    def observe(self, seconds: float) -> None:
+        """A request decoded for ``seconds`` (its first token to its last); every ``every``
+        such times the policy gets the window's `duration_quantiles`."""
+        if not self.learn or not (math.isfinite(seconds) and seconds > 0):
+            return
+        self.window.append(seconds)
+        self._new += 1
+        if self._new < self.every:
+            return
+        self._new = 0
+        self.current = duration_quantiles(self.window, min(self.k, len(self.window)))
+        self.on_change(self.current)
+
+    def state(self) -> dict[str, object]:
+        """For ``/health``: whether it learns, how many times it holds, their mean."""
+        n = len(self.window)
+        return {"learn": self.learn, "samples": n,
+                "mean_s": round(sum(self.window) / n, 4) if n else None,
+                "in_use": "learned" if self.current else "configured"}

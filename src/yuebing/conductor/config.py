@@ -55,6 +55,9 @@ class ConductorConfig:
     predictor_online: bool = field(default=True, metadata=_h(
         "scale the prefill predictor live by how long finished prefills took against their "
         "estimates (an EWMA; /health shows the scale)"))
+    learn_decode_durations: bool = field(default=True, metadata=_h(
+        "predictive early rejection: learn the decode durations the forecast assumes from the "
+        "finished requests (first token to last) instead of keeping --decode-durations-s"))
     prefill_tokens_per_s: float = field(default=2000.0, metadata=_h(
         "prefill speed assumed without a predictor file (tokens/s)"))
     decode_step_s: float = field(default=0.03, metadata=_h(

@@ -241,6 +241,8 @@ class _Routes:
                 self.c.metrics.finished(s)
             if status == 200 and s.breakdown.prefill_s > 0:
                 self.c.calibration.observe(s.est_prefill_s, s.breakdown.prefill_s)
+            if status == 200 and s.completion_tokens > 1:
+                self.c.durations.observe(s.e2e_s - s.ttft_s)
             if self.c.cfg.access_log:
                 access.info("%s", s.log_line(status))
 

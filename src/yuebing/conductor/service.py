@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from yuebing.conductor.api import Limits
-from yuebing.conductor.calibration import Calibration
+from yuebing.conductor.calibration import Calibration, DecodeDurations
 from yuebing.conductor.cluster import LiveCluster, Member
 from yuebing.conductor.config import ConductorConfig
 from yuebing.conductor.dispatch import Dispatcher
@@ -73,6 +73,7 @@ class Conductor:
             self.policy.predictors,
             cfg.predictors or ("given" if predictors is not None else ""), self._use_predictors,
             cfg.predictor_online, cfg.predictor_check)
+        self.durations = DecodeDurations(self._use_durations, cfg.learn_decode_durations)
         self.metrics = ConductorMetrics()
         self.started = int(time.time())
         self.inflight = 0
@@ -117,9 +118,17 @@ class Conductor:
     def _use_predictors(self, predictors: Predictors) -> None:
         """A start-up profile gave new predictors (`Calibration`): every user of the policy
         takes the new one (decisions in flight keep the one they started with)."""
-        self.policy = Policy(self.policy.config, predictors)
-        self.dispatcher.policy = self.policy
-        self.cluster.prefill_time = self.policy.prefill_time
+        self._use_policy(Policy(self.policy.config, predictors))
+
+    def _use_durations(self, durations: tuple[float, ...]) -> None:
+        """Finished requests gave a new decode-duration distribution (`DecodeDurations`)."""
+        self._use_policy(Policy(replace(self.policy.config, decode_durations_s=durations),
+                                self.policy.predictors))
+
+    def _use_policy(self, policy: Policy) -> None:
+        self.policy = policy
+        self.dispatcher.policy = policy
+        self.cluster.prefill_time = policy.prefill_time
 
     def _discover(self, loop: asyncio.AbstractEventLoop) -> None:
         from yuebing.cluster.discovery import Discovery
@@ -202,7 +211,8 @@ class Conductor:
                 "inflight": self.inflight,
                 "kv_index_blocks": len(c.index),
                 "kv_index_store_blocks": len(c.index.keys_of(STORE_HOLDER)),
-                "predictors": self.calibration.state()}
+                "predictors": self.calibration.state(),
+                "decode_durations": self.durations.state()}
 
     def pool_loads(self) -> dict[str, float]:
         """The pools' load now (`LiveCluster.pool_loads`, with this policy's predictor and

@@ -28,6 +28,7 @@ from yuebing.conductor.policy import (
     PrefillPredictor,
     TransferPredictor,
 )
+from yuebing.conductor.policy.decode import duration_quantiles
 from yuebing.sim.hardware import CostModel
 from yuebing.sim.system import SimConfig
 from yuebing.sim.workload import SimRequest
@@ -73,9 +74,7 @@ def decode_durations(cost: CostModel, requests: Sequence[SimRequest],
     full = cost.decode_kv_capacity_tokens
     batch = max(1, math.floor(full / mean_ctx))
     step = min(cost.decode_step_time(batch, full), tbt_slo_s)
-    k = DURATION_QUANTILES
-    qs = np.quantile(outputs, (np.arange(k) + 0.5) / k) * step
-    return tuple(float(max(q, 1e-3)) for q in qs)
+    return duration_quantiles([float(o) * step for o in outputs], DURATION_QUANTILES)
 
 
 def policy_config(config: SimConfig, cost: CostModel,

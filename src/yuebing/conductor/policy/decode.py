@@ -22,11 +22,14 @@ distribution (``PolicyConfig.decode_durations_s``, equally likely values), so a 
 now still decodes Δ seconds later with the equilibrium residual-life probability
 ``E[max(0, D - Δ)] / E[D]``, and a waiting request, or a routed one reaching decode at ``s``,
 with ``P(D > age)``; routed requests reaching decode after the forecast instant are not counted.
+`duration_quantiles` turns durations (the simulator's predicted ones, the live Conductor's
+observed ones) into that distribution.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,6 +39,23 @@ from yuebing.core.registry import Registry
 
 if TYPE_CHECKING:
     from yuebing.conductor.policy.policy import Policy
+
+
+def duration_quantiles(durations: Sequence[float], k: int) -> tuple[float, ...]:
+    """``k`` equally likely decode durations standing for ``durations``: their quantiles at
+    the midpoints of ``k`` equal-probability bins (linear interpolation, as numpy's default;
+    each at least 1 ms)."""
+    if not durations or k < 1:
+        raise ValueError("duration_quantiles needs at least one duration and k >= 1")
+    vals = sorted(durations)
+    top = len(vals) - 1
+    out = []
+    for i in range(k):
+        h = (i + 0.5) / k * top
+        lo = math.floor(h)
+        hi = min(lo + 1, top)
+        out.append(max(vals[lo] + (h - lo) * (vals[hi] - vals[lo]), 1e-3))
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
