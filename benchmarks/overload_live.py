@@ -20,10 +20,11 @@ policy, ``reserve`` = no decode KV after ``reserve_wait_s``, ``limit`` = the con
 a live cluster reserves decode KV before it prefills, so it has no re-check after the prefill),
 prefill thrown away (prompt tokens prefilled for requests then cut off or served outside their
 SLO, from the Conductor's access log), TTFT/TBT percentiles of the requests answered, the pools'
-load std and swing (`yuebing.sim.paper.overload.oscillation`), and with ``--retry-429`` the
-share of rejected requests that got through on a retry. Writes ``OUTDIR/overload_live.json``,
-``overload_live.md``, ``overload_load.png`` (load over time, one panel per policy) and
-``overload_goodput.png`` (goodput against load, live and simulated).
+load std and swing (`yuebing.sim.paper.overload.oscillation`), and the share of rejected
+requests that got through on a retry (one more run per topology, ``--retry-policy``).
+Writes ``OUTDIR/overload_live.json``, ``overload_live.md``, ``overload_load_<cluster>.png``
+(load over time at the middle multiplier, one panel per policy) and ``overload_goodput.png``
+(goodput against load, live and simulated).
 
     nice -n 5 .venv/bin/python benchmarks/overload_live.py OUTDIR --topologies 1P1D,2P1D \\
         --multipliers 1.5,2,3 --requests 60
@@ -79,7 +80,6 @@ class Setup:
     tbt_slo_s: float
     sample_s: float
     timeout_s: float
-    retry_429: bool
     port: int
     serve_flags: tuple[str, ...] = ()
 
@@ -242,8 +242,9 @@ def load_stats(samples: list[dict[str, float]], period_s: float) -> dict[str, An
 
 
 def live_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
-             name: str) -> dict[str, Any]:
-    """One fresh cluster under ``policy`` at ``rate``: the run's figures (see module doc)."""
+             name: str, retry: bool = False) -> dict[str, Any]:
+    """One fresh cluster under ``policy`` at ``rate`` (``retry``: clients resend a 429 after
+    its Retry-After): the run's figures (see module doc)."""
     logs = setup.out / "logs" / name
     records = setup.out / f"{name}.records.jsonl"
     with Cluster(setup, nodes, policy, logs) as cluster:
@@ -251,7 +252,7 @@ def live_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
         sampler.start()
         argv = [YB, "bench", "serve", *setup.bench_args(), "--endpoint", cluster.url,
                 "--rate", f"{rate:g}", "--records", str(records)]
-        if setup.retry_429:
+        if retry:
             argv.append("--retry-429")
         bench = subprocess.run(argv, capture_output=True)
         samples = sampler.stop()
@@ -262,11 +263,12 @@ def live_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
     rows = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
     return summarize_live(setup, rows, reasons, samples,
                           wasted_prefill(logs / "conductor.log", setup.ttft_slo_s,
-                                         setup.tbt_slo_s))
+                                         setup.tbt_slo_s), retry)
 
 
 def summarize_live(setup: Setup, rows: list[dict[str, Any]], reasons: dict[str, int],
-                   samples: list[dict[str, float]], waste: dict[str, int]) -> dict[str, Any]:
+                   samples: list[dict[str, float]], waste: dict[str, int],
+                   retry: bool = False) -> dict[str, Any]:
     ok = [r for r in rows if r["status"] == "ok"]
     good = [r for r in ok if r["ttft_s"] <= setup.ttft_slo_s
             and (r["tbt_s"] is None or r["tbt_s"] <= setup.tbt_slo_s)]
@@ -288,7 +290,7 @@ def summarize_live(setup: Setup, rows: list[dict[str, Any]], reasons: dict[str, 
         "rejections_by_reason": reasons, "rejections_by_stage": stages, **waste,
         "latency": latency([r["ttft_s"] for r in ok], [r["tbt_s"] for r in ok]),
         "load": load_stats(samples, setup.sample_s), "samples": samples}
-    if setup.retry_429:
+    if retry:
         out["retried"] = len(retried)
         out["retried_then_answered"] = sum(1 for r in retried if r["status"] == "ok")
         out["retried_then_within_slo"] = sum(1 for r in retried if r in good)
@@ -454,8 +456,9 @@ def main() -> int:
     p.add_argument("--tbt-slo-s", type=float, default=0.1)
     p.add_argument("--sample-s", type=float, default=1.0)
     p.add_argument("--timeout-s", type=float, default=120.0)
-    p.add_argument("--retry-429", action="store_true",
-                   help="clients wait Retry-After and resend (yuebing bench serve --retry-429)")
+    p.add_argument("--retry-policy", default="predictive_early_rejection",
+                   help="one more run per topology at the middle multiplier under this policy, "
+                        "its clients resending each 429 after its Retry-After ('' : none)")
     p.add_argument("--port", type=int, default=8767)
     p.add_argument("--serve-flags", default="", help="extra `yuebing serve` flags")
     p.add_argument("--no-sim", action="store_true")
@@ -470,6 +473,9 @@ def main() -> int:
         if unknown or not policies:
             raise ValueError(f"--policies: {', '.join(unknown) or 'none given'} not offered; "
                              f"use {', '.join(ADMISSIONS.names())}")
+        if ns.retry_policy and ns.retry_policy not in ADMISSIONS.names():
+            raise ValueError(f"--retry-policy: {ns.retry_policy} not offered; use "
+                             f"{', '.join(ADMISSIONS.names())}")
         if bases and len(bases) != len(topologies):
             raise ValueError(f"--base-rate: {len(bases)} rates for {len(topologies)} topologies")
         for name in ("requests", "max_input", "max_output"):
@@ -483,11 +489,12 @@ def main() -> int:
         return 2
     ns.outdir.mkdir(parents=True, exist_ok=True)
     setup = Setup(ns.outdir, ns.requests, ns.seed, ns.max_input, ns.max_output, ns.ttft_slo_s,
-                  ns.tbt_slo_s, ns.sample_s, ns.timeout_s, ns.retry_429, ns.port,
+                  ns.tbt_slo_s, ns.sample_s, ns.timeout_s, ns.port,
                   tuple(ns.serve_flags.split()))
     result: dict[str, Any] = {"setup": {k: v for k, v in vars(ns).items() if k != "outdir"},
                               "machine": machine(), "topologies": []}
-    total = len(topologies) * (len(mults) * len(policies) + (0 if bases else 1))
+    total = len(topologies) * (len(mults) * len(policies) + (0 if bases else 1)
+                               + (1 if ns.retry_policy else 0))
     with Progress(console=console) as bar:
         task = bar.add_task("overload runs", total=total)
         for i, nodes in enumerate(topologies):
@@ -519,6 +526,15 @@ def main() -> int:
                                          "sim": sim or {"goodput_rps": math.nan}})
                     bar.advance(task)
                     (ns.outdir / "overload_live.json").write_text(json.dumps(result, indent=1))
+            if ns.retry_policy:
+                mid = sorted(mults)[len(mults) // 2]
+                run_name = f"{name}-x{mid:g}-{ns.retry_policy}-retry"
+                bar.update(task, description=run_name)
+                topo["retry_run"] = {"multiplier": mid, "rate": base * mid,
+                                     "policy": ns.retry_policy,
+                                     "live": live_run(setup, nodes, ns.retry_policy,
+                                                      base * mid, run_name, retry=True)}
+                bar.advance(task)
             result["topologies"].append(topo)
     result["checks"] = checks(result)
     (ns.outdir / "overload_live.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -548,6 +564,12 @@ def checks(result: dict[str, Any]) -> dict[str, str]:
         sp = at["predictive_early_rejection"]["live"]["load"]["prefill"]["swing"]
         se = at["early_rejection"]["live"]["load"]["prefill"]["swing"]
         out[f"{name} prefill swing pred < early"] = f"{sp < se} ({sp:.3f} vs {se:.3f})"
+        rr = topo.get("retry_run")
+        if rr:
+            lv = rr["live"]
+            out[f"{name} retried 429s then answered / within SLO"] = (
+                f"{lv['retried_then_answered']} / {lv['retried_then_within_slo']} of "
+                f"{lv['retried']} retried ({rr['policy']} at {rr['multiplier']:g}x)")
         sims = {k: v["sim"]["goodput_rps"] for k, v in at.items()}
         if all(math.isfinite(x) for x in sims.values()):
             order_live = sorted(g, key=g.__getitem__)
