@@ -1,0 +1,126 @@
+"""`benchmarks/overload_live.py` without clusters: bad arguments exit 2 with one line before any
+load, and its bookkeeping (rejection stages, thrown-away prefill, goodput, verdicts, the
+simulated run) on given records."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "overload_live.py"
+spec = importlib.util.spec_from_file_location("overload_live", SCRIPT)
+assert spec is not None and spec.loader is not None
+ol: Any = importlib.util.module_from_spec(spec)
+sys.modules["overload_live"] = ol
+spec.loader.exec_module(ol)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--multipliers", "2,0"], "--multipliers"),
+    (["--base-rate", "-1"], "--base-rate"),
+    (["--find-rates", "x"], "--find-rates"),
+    (["--policies", "none,bogus"], "bogus not offered"),
+    (["--retry-policy", "bogus"], "--retry-policy"),
+    (["--topologies", "1P0D"], "1P0D"),
+    (["--requests", "0"], "--requests"),
+    (["--ttft-slo-s", "nan"], "--ttft-slo-s"),
+])
+def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str], says: str) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], proc.stderr
+    assert not out.exists()  # nothing started, nothing written
+
+
+def _setup(tmp_path: Path) -> Any:
+    return ol.Setup(tmp_path, requests=4, seed=0, max_input=512, max_output=16, ttft_slo_s=2.0,
+                    tbt_slo_s=0.1, sample_s=1.0, timeout_s=30.0, port=1)
+
+
+def _record(i: int, status: str, ttft: float | None = None, tbt: float | None = None,
+            end: float = 10.0, retries: int = 0) -> dict[str, Any]:
+    return {"index": i, "scheduled_s": float(i), "status": status, "error": "" if status == "ok"
+            else ("rejected" if status == "rejected" else "timeout"), "ttft_s": ttft,
+            "tbt_s": tbt, "end_s": end, "retries": retries}
+
+
+def test_live_summary_counts_goodput_stages_waste_and_retries(tmp_path: Path) -> None:
+    log = tmp_path / "conductor.log"
+    line = ("x INFO yuebing.conductor.access: cmpl-{i} status={st} prefill=prefill-0 "
+            "decode=decode-0 prompt={p} cached={c} out=4 finish=length ttft={t}ms tbt=20.0ms "
+            "queue=1.0ms prefix_load=0.0ms prefill={pf}ms transfer=1.0ms decode_wait=1.0ms "
+            "conductor=0.5ms e2e=9.0ms est_ttft=1.0ms est_prefill=1.0ms\n")
+    log.write_text(line.format(i=0, st=200, p=1000, c=200, t=500.0, pf=400.0)      # within SLO
+                   + line.format(i=1, st=200, p=600, c=0, t=3000.0, pf=300.0)      # late: waste
+                   + line.format(i=2, st=499, p=700, c=0, t=0.0, pf=0.0)           # never prefilled
+                   + line.format(i=3, st=499, p=300, c=100, t=0.0, pf=50.0))       # cut off: waste
+    waste = ol.wasted_prefill(log, 2.0, 0.1)
+    assert waste == {"prefilled_tokens": 800 + 600 + 200, "wasted_tokens": 600 + 200}
+    rows = [_record(0, "ok", 0.5, 0.02, end=4.0), _record(1, "ok", 3.0, 0.02, end=8.0),
+            _record(2, "rejected", end=2.5, retries=2), _record(3, "ok", 1.0, 0.02, end=5.0,
+                                                               retries=1)]
+    metrics = ('yuebing:rejected_requests_total{reason="prefill_overload"} 3.0\n'
+               'yuebing:rejected_requests_total{reason="decode_kv_full"} 1.0\n')
+    reasons = ol.rejected_by_reason(metrics)
+    samples = [{"t": 1.0, "prefill": 0.5, "decode": 0.2}, {"t": 2.0, "prefill": 1.5,
+                                                          "decode": 0.2}]
+    out = ol.summarize_live(_setup(tmp_path), rows, reasons, samples, waste, retry=True)
+    assert (out["answered"], out["within_slo"], out["rejected"]) == (3, 2, 1)
+    assert out["goodput_rps"] == pytest.approx(2 / 8.0)  # span: first send (0) to last end (8)
+    assert out["rejections_by_stage"] == {"arrival": 3, "reserve": 1}
+    assert (out["retried"], out["retried_then_answered"], out["retried_then_within_slo"]) == \
+        (2, 1, 1)
+    assert out["load"]["prefill"]["swing"] == pytest.approx(1.0)
+    assert out["latency"]["ttft_p50"] == 1.0 and "verdict" not in out
+    none = ol.summarize_live(_setup(tmp_path), [_record(0, "rejected")], {}, [], waste)
+    assert none["verdict"] == "the cluster rejected every request"
+    silent = ol.summarize_live(_setup(tmp_path), [_record(0, "error")], {}, [], waste)
+    assert silent["verdict"] == "the cluster answered no request"
+
+
+def test_checks_compare_policies_at_2x() -> None:
+    def run(policy: str, goodput: float, wasted: int, swing: float, sim: float) -> dict:
+        return {"multiplier": 2.0, "policy": policy, "sim": {"goodput_rps": sim},
+                "live": {"goodput_rps": goodput, "wasted_tokens": wasted,
+                         "load": {"prefill": {"swing": swing}}}}
+    result = {"topologies": [{"name": "1P1D", "runs": [
+        run("none", 0.2, 1000, 0.3, 0.25), run("early_rejection", 0.3, 600, 0.2, 0.28),
+        run("predictive_early_rejection", 0.35, 400, 0.1, 0.3)]}]}
+    c = ol.checks(result)
+    assert c["1P1D goodput pred >= early >= none"] == "True"
+    assert c["1P1D rejecting policies >= 1.2x none"] == "True"
+    assert c["1P1D thrown-away prefill pred <= 0.5x none"].startswith("True")
+    assert c["1P1D prefill swing pred < early"].startswith("True")
+    assert c["1P1D sim order matches live"].startswith("True")
+    assert "none +25%" in c["1P1D sim goodput within ±25 %"]
+
+
+def test_simulated_run_uses_the_bench_requests_and_the_given_predictors(tmp_path: Path) -> None:
+    from yuebing.conductor.policy import (
+        BivariatePolynomial,
+        DecodePredictor,
+        Predictors,
+        PrefillPredictor,
+        TransferPredictor,
+    )
+    from yuebing.conductor.policy.predictors import save_predictors
+
+    path = tmp_path / "p.json"
+    save_predictors(Predictors(PrefillPredictor(BivariatePolynomial(((1, 0),), (1e-4,))),
+                               DecodePredictor(BivariatePolynomial(((0, 0),), (0.01,))),
+                               TransferPredictor(), "test"), path)
+    setup = _setup(tmp_path)
+    reqs = ol.sim_requests(setup, 1.0)
+    assert len(reqs) == 4 and max(r.input_tokens for r in reqs) <= 512
+    assert all(r.output_tokens <= 16 for r in reqs)
+    out = ol.sim_run(setup, (1, 1), "early_rejection", 1.0, path)
+    assert out["requests"] == 4 and out["within_slo"] == 4 and out["rejected"] == 0
+    assert out["goodput_rps"] > 0 and out["samples"]
