@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from yuebing.core.config import require
+from yuebing.core.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -98,6 +99,25 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
+def parse_layers(text: str, num_layers: int | None) -> tuple[int, int]:
+    """``"A:B"`` → (A, B), a non-empty half-open range of layers, within ``num_layers`` when
+    given; ``""`` → every layer (needs ``num_layers``). Raises `ConfigError` naming the range."""
+    if not text:
+        if num_layers is None:
+            raise ConfigError("layers: an empty range needs the model's layer count")
+        return 0, num_layers
+    a, sep, b = text.partition(":")
+    if not (sep and a.strip().isdigit() and b.strip().isdigit()):
+        raise ConfigError(f"layers {text!r} is not a range A:B of layer numbers, e.g. 0:15")
+    lo, hi = int(a), int(b)
+    if lo >= hi:
+        raise ConfigError(f"layers {text!r} is empty: A must be below B")
+    if num_layers is not None and hi > num_layers:
+        raise ConfigError(f"layers {text!r} reach past the model's {num_layers} layers "
+                          f"(0:{num_layers})")
+    return lo, hi
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Runtime knobs of one engine instance."""
@@ -136,6 +156,10 @@ class EngineConfig:
     weights_seed: int = field(default=0, metadata={"help": "seed of dummy random weights"})
     packed_weights: bool = field(default=True, metadata={
         "help": "pack bf16/fp16 matmul weights into oneDNN's layout once at load (CPU)"})
+    layers: str = field(default="", metadata={
+        "help": "run only layers A:B of the model (half-open, 0-based): a stage of a chunked "
+                "pipeline parallel prefill group; the first stage embeds, the last computes the "
+                "logits; '' = every layer"})
     batch_invariant: bool = field(default=False, metadata={
         "help": "outputs do not depend on what else is batched, on chunking, prefix hits or "
                 "preemption: every token attends alone to its own context in one fixed-order "
@@ -145,6 +169,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.model), "model must name a model (smollm2, a path, or dummy)")
+        if self.layers:
+            parse_layers(self.layers, None)
         require(1 <= self.block_size <= 4096, f"block_size must be in 1..4096, got {self.block_size}")
         require(0 <= self.num_blocks <= MAX_BLOCKS,
                 f"num_blocks must be in 0..{MAX_BLOCKS} (block ids are int32), got "

@@ -21,6 +21,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 import torch
 
@@ -40,14 +41,14 @@ from yuebing.engine.attention import (
     prefill_supported,
 )
 from yuebing.engine.block_manager import BlockAllocator
-from yuebing.engine.config import EngineConfig
+from yuebing.engine.config import EngineConfig, parse_layers
 from yuebing.engine.kernels import NATIVE_ATTENTION, resolve_kernels
 from yuebing.engine.kv_cache import KVPool
-from yuebing.engine.model import LayerHook, LlamaModel
+from yuebing.engine.model import Boundary, LayerHook, LlamaModel
 from yuebing.engine.runner import ModelRunner
 from yuebing.engine.sampling import SamplingParams, TokenLogprobs, make_generator, sample
 from yuebing.engine.scheduler import Scheduler, StepPlan
-from yuebing.engine.sequence import FinishReason, Phase, RequestOutput, Sequence
+from yuebing.engine.sequence import FinishReason, Phase, RequestOutput, Sequence, StageInput
 from yuebing.engine.tokenizer import IncrementalDetokenizer, tokenizer_from_source
 from yuebing.engine.weights import LoadedWeights, load_weights
 
@@ -55,13 +56,17 @@ log = logging.getLogger(__name__)
 
 
 def kv_fingerprint(weights_fingerprint: str, dtype: torch.dtype,
-                   block_shape: tuple[int, ...], batch_invariant: bool = False) -> str:
+                   block_shape: tuple[int, ...], batch_invariant: bool = False,
+                   layers: tuple[int, int] | None = None) -> str:
     """``model:digest`` of everything that makes KV bytes differ between two engines
-    (batch-invariant engines share KV only with each other: their attention's bits differ)."""
+    (batch-invariant engines share KV only with each other: their attention's bits differ;
+    a pipeline stage's blocks hold only its ``layers``)."""
     name = weights_fingerprint.split(":", 1)[0]
     what: tuple[object, ...] = (weights_fingerprint, str(dtype), block_shape)
     if batch_invariant:
         what += ("batch-invariant",)
+    if layers is not None:
+        what += ("layers", layers)
     digest = hashlib.blake2b(repr(what).encode(), digest_size=8).hexdigest()
     return f"{name}:{digest}"
 
@@ -80,8 +85,14 @@ class LLMEngine:
         self.weights_fingerprint = w.fingerprint
         self.tokenizer = tokenizer_from_source(w.tokenizer_source)
         self.eos_token_ids = frozenset(w.eos_token_ids)
+        self.layers = parse_layers(config.layers, mc.num_layers)
+        """The layers this engine runs, [A, B): every layer, or a pipeline stage's."""
+        self.staged = self.layers != (0, mc.num_layers)
+        """A stage of a chunked pipeline parallel prefill: its requests are only prefilled
+        (`feed` gives a later stage its input; the last stage samples one token)."""
         self.model = LlamaModel(mc, w.tensors, self.dtype, self.device,
-                                 config.packed_weights)
+                                config.packed_weights, self.layers)
+        kv_cfg = replace(mc, num_layers=self.layers[1] - self.layers[0])
         if config.max_model_len > mc.max_position:
             raise ConfigError(f"max_model_len {config.max_model_len} exceeds the context of "
                               f"model {mc.name} ({mc.max_position} tokens); give at most "
@@ -89,12 +100,13 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mc.max_position
         bs = config.block_size
         nb = config.num_blocks or max(
-            1, config.kv_cache_bytes // KVPool.bytes_per_block(mc, bs, self.dtype))
+            1, config.kv_cache_bytes // KVPool.bytes_per_block(kv_cfg, bs, self.dtype))
         storage = None if kv_storage is None else \
-            kv_storage(nb * KVPool.bytes_per_block(mc, bs, self.dtype))
-        self.pool = KVPool(mc, nb, bs, self.dtype, self.device, storage)
+            kv_storage(nb * KVPool.bytes_per_block(kv_cfg, bs, self.dtype))
+        self.pool = KVPool(kv_cfg, nb, bs, self.dtype, self.device, storage)
         self.fingerprint = kv_fingerprint(w.fingerprint, self.dtype, self.pool.block_shape,
-                                          config.batch_invariant)
+                                          config.batch_invariant,
+                                          self.layers if self.staged else None)
         """Names the KV bytes this engine computes: weights' content, dtype, block geometry.
         KV is exchanged (store, peers) only between engines with equal fingerprints."""
         # a sequence must fit the pool alone, else preempting it could never make room
@@ -217,17 +229,64 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Seq[int] | list[dict[str, str]],
                     params: SamplingParams | None = None, request_id: str | None = None,
-                    chat: bool = False, hold_kv: bool = False) -> str:
+                    chat: bool = False, hold_kv: bool = False,
+                    prefix_tokens: int | None = None) -> str:
         """Queue a request; returns its id. Bad input raises `InputError` and queues nothing.
 
         ``hold_kv``: when the request finishes its blocks stay allocated (readable with
-        `held_sequence`, e.g. to stream or save them) until `release` or `abort`."""
+        `held_sequence`, e.g. to stream or save them) until `release` or `abort`.
+        ``prefix_tokens`` (pipeline stages): reuse exactly this many cached prompt tokens, the
+        prefix every stage of the group holds (a whole number of blocks)."""
         params = params if params is not None else SamplingParams()
         ids = self.encode_prompt(prompt, chat)
+        if prefix_tokens is not None:
+            if not self.staged:
+                raise InputError("prefix_tokens is for pipeline stages (engine layers A:B)")
+            if prefix_tokens < 0 or prefix_tokens % self.block_size or prefix_tokens >= len(ids):
+                raise InputError(f"prefix_tokens {prefix_tokens} must be a multiple of the "
+                                 f"block size {self.block_size} below the prompt's {len(ids)}")
+            have = self.scheduler.cached_tokens(ids, prefix_tokens)
+            if have < prefix_tokens:
+                raise InputError(f"layers {self.config.layers} hold {have} tokens of this "
+                                 f"prompt's prefix, not the {prefix_tokens} asked for")
         seq = self._new_sequence(ids, params, request_id)
         seq.hold_kv = hold_kv
+        if self.staged:
+            seq.staged, seq.prefix_tokens = True, prefix_tokens
+            if not self.model.is_first:
+                seq.stage_input = StageInput()
         self.scheduler.add(seq)
         return seq.request_id
+
+    def feed(self, request_id: str, start: int, residual: torch.Tensor,
+             x: torch.Tensor) -> None:
+        """A later pipeline stage: the previous stage's output (a `RequestOutput.boundary`)
+        for prompt positions ``[start, start + rows)`` of ``request_id``; chunks come in order,
+        each starting where the last ended. Raises `InputError` (and keeps nothing) for an
+        unknown request, a first stage, rows out of order or of the wrong shape."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.stage_input is None:
+            raise InputError(f"request {request_id!r} is not waiting for a stage's input here"
+                             + ("" if seq is None else " (this is the first stage)"))
+        inp = seq.stage_input
+        n = residual.shape[0] if residual.dim() == 2 else -1
+        hidden = self.model_config.hidden_size
+        if residual.shape != (n, hidden) or x.shape != residual.shape or n < 1:
+            raise InputError(f"stage input rows must be two [rows, {hidden}] tensors, got "
+                             f"{tuple(residual.shape)} and {tuple(x.shape)}")
+        if start != (inp.available if inp.start >= 0 else start) or start < 0 \
+                or start + n > len(seq.prompt_ids):
+            raise InputError(f"stage input for positions {start}..{start + n} does not follow "
+                             f"the {inp.available} received of {len(seq.prompt_ids)}")
+        if inp.start < 0:
+            have = self.scheduler.cached_tokens(seq.prompt_ids, seq.prefix_tokens)
+            if start > have:
+                raise InputError(f"stage input starts at position {start}, but layers "
+                                 f"{self.config.layers} hold only {have} tokens of its prefix")
+            inp.start = start
+        inp.residual.append(residual.to(self.device, self.dtype))
+        inp.x.append(x.to(self.device, self.dtype))
+        inp.available = start + n
 
     def _new_sequence(self, ids: list[int], params: SamplingParams,
                       request_id: str | None) -> Sequence:
@@ -295,9 +354,12 @@ class LLMEngine:
             logits, sampled = self.runner.run(plan)
         finally:
             self.current_plan = None
+        starts = [seq.num_computed for seq, _ in plan.prefills]
         self.scheduler.commit(plan)
         self.last_plan = plan
         self.num_steps += 1
+        if isinstance(logits, Boundary):  # a stage before the last: hand the rows on
+            return outputs + self._boundaries(plan, starts, logits)
         if sampled and self.logits_hook is not None:
             self.logits_hook([s.request_id for s in sampled], logits)
         if sampled:
@@ -356,6 +418,22 @@ class LLMEngine:
         self.scheduler.running.append(child)
         return child
 
+    def _boundaries(self, plan: StepPlan, starts: list[int],
+                    out: Boundary) -> list[RequestOutput]:
+        """A stage before the last: one output per prefill chunk with its rows; a sequence
+        whose whole prompt is through ends (its KV stays for the caller to ship or hold)."""
+        outputs = []
+        row = 0
+        for (seq, n), start in zip(plan.prefills, starts, strict=True):
+            rows = (start, out.residual[row:row + n], out.x[row:row + n])
+            row += n
+            if not seq.is_prefilling:
+                seq.finish = FinishReason.LENGTH
+            result = self._output(seq, [], "")
+            result.boundary = rows
+            outputs.append(result)
+        return outputs
+
     def _banned(self, seq: Sequence) -> frozenset[int]:
         """Stop tokens ``seq`` may not sample yet: until ``min_tokens`` are out, its stop ids
         and (unless ``ignore_eos``) EOS are masked, as vLLM does."""
@@ -384,8 +462,8 @@ class LLMEngine:
                 if at >= 0:
                     seq.finish, seq.text = FinishReason.STOP, seq.text[:at]
         if seq.finish == FinishReason.NONE and (
-                n >= p.max_tokens or seq.num_tokens >= self.max_model_len):
-            seq.finish = FinishReason.LENGTH
+                n >= p.max_tokens or seq.num_tokens >= self.max_model_len or seq.staged):
+            seq.finish = FinishReason.LENGTH  # a pipeline stage only prefills
         # hold back a tail that could still become a stop string
         hold = 0 if seq.finish != FinishReason.NONE else max(map(len, p.stop), default=1) - 1
         upto = max(seq.emitted, len(seq.text) - hold)

@@ -32,6 +32,15 @@ log = logging.getLogger(__name__)
 LayerHook = Callable[[int, AttnMetadata], None]
 
 
+class Boundary(NamedTuple):
+    """The residual stream between two pipeline stages, one row per token of the flat batch:
+    the residual sum so far and the last layer's MLP output, not yet added (the next layer's
+    fused add + norm adds them, as in one model, so a pipeline computes the same bits)."""
+
+    residual: torch.Tensor
+    x: torch.Tensor
+
+
 def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse frequencies (float32) with the configured scaling, as Hugging Face computes them."""
     dim = cfg.head_dim
@@ -69,8 +78,14 @@ class LlamaModel:
     """Weights on one device in one dtype, and the forward pass over a paged KV pool."""
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, pack_weights: bool = True) -> None:
+                 device: torch.device, pack_weights: bool = True,
+                 layers: tuple[int, int] | None = None) -> None:
+        """``layers``: hold and run only layers [A, B) (a pipeline stage); the first stage
+        holds the embedding, the last the final norm and LM head."""
         self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.first_layer, self.end_layer = layers or (0, cfg.num_layers)
+        self.is_first = self.first_layer == 0
+        self.is_last = self.end_layer == cfg.num_layers
         self.hooks: list[LayerHook] = []
         self.ops: KernelOps = TorchOps()
         """Per-layer small ops (the engine sets the native ones, see `yuebing.engine.kernels`)."""
@@ -94,11 +109,17 @@ class LlamaModel:
             return Linear(w.to(device=device, dtype=dtype).contiguous(),
                           None if bias is None else bias.to(device=device, dtype=dtype), pack)
 
-        self.embed = take("model.embed_tokens.weight")
-        self.lm_head = lin(self.embed if cfg.tie_embeddings else take("lm_head.weight"))
-        self.norm = take("model.norm.weight")
+        embed = take("model.embed_tokens.weight") \
+            if self.is_first or (self.is_last and cfg.tie_embeddings) else None
+        self.embed = embed if self.is_first else None
+        self.lm_head: Linear | None = None
+        self.norm: torch.Tensor | None = None
+        if self.is_last:  # tied weights: the LM head's (packed) copy of the embedding
+            self.lm_head = lin(embed if embed is not None and cfg.tie_embeddings
+                               else take("lm_head.weight"))
+            self.norm = take("model.norm.weight")
         self.layers: list[_Layer] = []
-        for i in range(cfg.num_layers):
+        for i in range(self.first_layer, self.end_layer):
             p = f"model.layers.{i}."
             qkv = torch.cat([tensors[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
             bias = None
@@ -110,7 +131,7 @@ class LlamaModel:
                 take(p + "input_layernorm.weight"), take(p + "post_attention_layernorm.weight"),
                 lin(qkv, bias), lin(take(p + "self_attn.o_proj.weight")), lin(gate_up),
                 lin(take(p + "mlp.down_proj.weight"))))
-        self.packed = pack and self.lm_head.is_packed
+        self.packed = pack and self.layers[0].qkv.is_packed
         """Whether the matmul weights are oneDNN-packed (see `yuebing.engine.linear`)."""
         inv = rope_inv_freq(cfg, tensors.get("rope_freqs"))
         pos = torch.arange(cfg.max_position, dtype=torch.float32)
@@ -123,8 +144,9 @@ class LlamaModel:
         row the same bits at any batch size (`yuebing.engine.linear.invariant_min_rows`).
         Called by the engine in batch-invariant mode; returns that row count, or None (and
         leaves the matmuls as they are) where no candidate holds."""
-        linears = [self.lm_head, *(lin for layer in self.layers
-                                   for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+        linears = [*([self.lm_head] if self.lm_head is not None else []),
+                   *(lin for layer in self.layers
+                     for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))]
         rows = invariant_min_rows(linears)
         if rows is None:
             log.warning("batch invariance: this CPU's %s matmuls depend on the batch size at "
@@ -136,27 +158,39 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                logits_rows: torch.Tensor) -> torch.Tensor:
-        """Run all layers on the flat batch; return float32 logits of ``logits_rows``."""
+                logits_rows: torch.Tensor, boundary: Boundary | None = None
+                ) -> torch.Tensor | Boundary:
+        """Run this model's layers on the flat batch (``kv[i]``: local layer i's cache; hooks
+        get the model's layer number). The first stage embeds ``input_ids``, a later one starts
+        from the previous stage's ``boundary``. The last stage returns float32 logits of
+        ``logits_rows``, any other the `Boundary` of every row."""
         cfg, ops = self.cfg, self.ops
         h, kvh, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         rope = ops.prepare_rope(positions, self._cos, self._sin)
-        residual = F.embedding(input_ids, self.embed)
+        if self.embed is not None:
+            residual = F.embedding(input_ids, self.embed)
+            x = residual  # reassigned by every layer: its MLP output, added by the next norm
+        elif boundary is None:
+            raise ValueError(f"layers {self.first_layer}:{self.end_layer} start from the "
+                             "previous stage's boundary, and none was given")
+        else:
+            residual, x = boundary
         n = residual.shape[0]
-        x = residual  # reassigned by every layer: its MLP output, added by the next norm
         for i, layer in enumerate(self.layers):
-            if i == 0:
+            if i == 0 and self.is_first:
                 hidden = ops.rms_norm(residual, layer.ln1, eps)
             else:  # residual += previous MLP output, fused with the norm
                 hidden, residual = ops.add_rms_norm(x, residual, layer.ln1, eps)
             k_cache, v_cache = kv[i]
             q = ops.rope_write_kv(layer.qkv(hidden), rope, k_cache, v_cache, meta, h, kvh)
             for hook in self.hooks:
-                hook(i, meta)
+                hook(self.first_layer + i, meta)
             attn = self._attention(q, k_cache, v_cache, meta)
             hidden, residual = ops.add_rms_norm(layer.o(attn.reshape(n, h * hd)), residual,
                                                 layer.ln2, eps)
             x = layer.down(ops.silu_mul(layer.gate_up(hidden)))
+        if self.lm_head is None or self.norm is None:
+            return Boundary(residual, x)
         last = residual.index_select(0, logits_rows) + x.index_select(0, logits_rows)
         return self.lm_head(ops.rms_norm(last, self.norm, eps)).float()
 

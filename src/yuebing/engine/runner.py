@@ -22,7 +22,7 @@ from yuebing.engine.attention import (
     slot_index,
 )
 from yuebing.engine.kv_cache import KVPool
-from yuebing.engine.model import LlamaModel
+from yuebing.engine.model import Boundary, LlamaModel
 from yuebing.engine.scheduler import StepPlan
 from yuebing.engine.sequence import Sequence
 
@@ -34,6 +34,8 @@ class StepInputs:
     meta: AttnMetadata
     logits_rows: torch.Tensor
     sampled: list[Sequence]
+    boundary: Boundary | None = None
+    """A later pipeline stage's input rows (the previous stage's output), in batch order."""
 
 
 class ModelRunner:
@@ -61,9 +63,12 @@ class ModelRunner:
         decode_index, max_len, bias, decode_table = self._decode_meta(plan, lens)
         slices: list[PrefillSlice] = []
         start = len(plan.decodes)
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for seq, n in plan.prefills:
             nc = seq.num_computed
             ids.extend(seq.all_ids[nc:nc + n])
+            if seq.stage_input is not None:
+                staged.append(seq.stage_input.rows(nc, n))
             p = torch.arange(nc, nc + n)
             positions.append(p)
             table = torch.as_tensor(seq.blocks[: -(-(nc + n) // bs)], dtype=torch.long)
@@ -71,7 +76,7 @@ class ModelRunner:
             table = table.to(dev)
             slices.append(PrefillSlice(start, n, nc + n, head_index(table, kvh),
                                        causal_mask(n, nc + n, dev), table))
-            if nc + n == seq.num_tokens:
+            if nc + n == seq.num_tokens and self.model.is_last:
                 rows.append(start + n - 1)
                 sampled.append(seq)
             start += n
@@ -84,8 +89,14 @@ class ModelRunner:
                             decode_lens=torch.as_tensor(lens, dtype=torch.int32).to(dev))
         if self.per_token:
             meta.token_table, meta.token_lens = self._token_meta(plan, len(ids))
+        boundary = None
+        if not self.model.is_first:
+            if plan.decodes or len(staged) != len(plan.prefills):
+                raise RuntimeError("a later pipeline stage runs only staged prefills")
+            boundary = Boundary(torch.cat([r for r, _ in staged]).to(dev),
+                                torch.cat([x for _, x in staged]).to(dev))
         return StepInputs(torch.as_tensor(ids, dtype=torch.long).to(dev), all_pos.to(dev), meta,
-                          torch.as_tensor(rows, dtype=torch.long).to(dev), sampled)
+                          torch.as_tensor(rows, dtype=torch.long).to(dev), sampled, boundary)
 
     def _decode_meta(self, plan: StepPlan, lens: list[int]) -> tuple[
             torch.Tensor | None, int, torch.Tensor | None, torch.Tensor | None]:
@@ -133,9 +144,10 @@ class ModelRunner:
             row += count
         return table.to(self.device), torch.as_tensor(lens, dtype=torch.int32).to(self.device)
 
-    def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
-        """Forward pass of ``plan``; returns (logits of sampled rows, their sequences)."""
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor | Boundary, list[Sequence]]:
+        """Forward pass of ``plan``; returns (logits of sampled rows, their sequences), or on
+        a pipeline stage before the last (every row's `Boundary`, no sequences)."""
         inputs = self.prepare(plan)
-        logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
-                                    self.pool.layers, inputs.logits_rows)
-        return logits, inputs.sampled
+        out = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
+                                 self.pool.layers, inputs.logits_rows, inputs.boundary)
+        return out, inputs.sampled

@@ -116,7 +116,7 @@ class Scheduler:
                 return
             if not seq.is_prefilling:
                 continue
-            n = min(seq.num_pending, budget, self._fit(seq))
+            n = min(seq.num_ready, budget, self._fit(seq))
             if n > 0 and self._grow(seq, n):
                 plan.prefills.append((seq, n))
                 budget -= n
@@ -124,7 +124,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not self._admit(seq):
                 break
-            n = min(seq.num_pending, budget, self._fit(seq))
+            n = min(seq.num_ready, budget, self._fit(seq))
             if n <= 0 or not self._grow(seq, n):
                 self.allocator.release_all(seq.blocks)
                 seq.blocks, seq.keys, seq.num_computed, seq.num_cached_tokens = [], [], 0, 0
@@ -146,11 +146,13 @@ class Scheduler:
             return True  # KV already imported for it
         ids = seq.all_ids
         full = (len(ids) - 1) // self.block_size
-        if full and self.allocator.enable_prefix_cache:
+        if full and self.allocator.enable_prefix_cache and seq.prefix_tokens != 0:
             bs = self.block_size
             keys = hash_blocks(ids[: full * bs], bs, self.key_extra)
             hits = self.allocator.match_prefix(keys, [ids[i * bs:(i + 1) * bs]
                                                       for i in range(full)])
+            if seq.prefix_tokens is not None:  # a pipeline stage: the group's common prefix
+                hits = hits[:seq.prefix_tokens // bs]
             for b in hits:
                 self.allocator.acquire(b)
             seq.blocks = hits
@@ -158,6 +160,18 @@ class Scheduler:
             seq.num_computed = len(hits) * bs
         seq.num_cached_tokens = seq.num_computed
         return True
+
+    def cached_tokens(self, ids: list[int], limit: int | None = None) -> int:
+        """Prompt tokens of ``ids`` the prefix cache holds now (up to ``limit``), in whole
+        blocks, as `_admit` would reuse them (nothing acquired)."""
+        bs = self.block_size
+        full = (len(ids) - 1) // bs
+        if not (full and self.allocator.enable_prefix_cache) or limit == 0:
+            return 0
+        keys = hash_blocks(ids[: full * bs], bs, self.key_extra)
+        hits = len(self.allocator.match_prefix(keys, [ids[i * bs:(i + 1) * bs]
+                                                      for i in range(full)]))
+        return min(hits * bs, limit if limit is not None else hits * bs)
 
     def commit(self, plan: StepPlan) -> None:
         """After the forward pass: advance ``num_computed`` and publish newly full blocks."""

@@ -38,6 +38,26 @@ class FinishReason(IntEnum):
 
 
 @dataclass
+class StageInput:
+    """A later pipeline stage's input for one sequence: the previous stage's `Boundary` rows
+    of the prompt positions ``[start, available)``, as they arrive (`LLMEngine.feed`)."""
+
+    start: int = -1
+    """The first position received (-1: nothing yet)."""
+    residual: list[torch.Tensor] = field(default_factory=list)
+    x: list[torch.Tensor] = field(default_factory=list)
+    available: int = 0
+    """Prompt positions whose input has arrived (all below it)."""
+
+    def rows(self, begin: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input rows of positions ``[begin, begin + n)`` (all arrived)."""
+        res, x = torch.cat(self.residual), torch.cat(self.x)
+        self.residual, self.x = [res], [x]  # one tensor from here on
+        lo = begin - self.start
+        return res[lo:lo + n], x[lo:lo + n]
+
+
+@dataclass
 class Sequence:
     request_id: str
     prompt_ids: list[int]
@@ -66,6 +86,14 @@ class Sequence:
     """The request id its outputs carry: its own, or for a forked choice its request's."""
     index: int = 0
     """Its choice among the request's ``n`` (0: the sequence that prefilled)."""
+    staged: bool = False
+    """Run by a pipeline stage: its prompt is only prefilled (every position, the last one
+    too, in prefill chunks), and the last stage samples its first token and ends it."""
+    stage_input: StageInput | None = None
+    """On a later pipeline stage: the previous stage's output it computes from."""
+    prefix_tokens: int | None = None
+    """On a pipeline stage: use exactly this many cached prompt tokens (every stage of the
+    group the same), else the longest cached prefix."""
 
     def __post_init__(self) -> None:
         self.group = self.group or self.request_id
@@ -84,7 +112,19 @@ class Sequence:
         return self.num_tokens - self.num_computed
 
     @property
+    def num_ready(self) -> int:
+        """Pending tokens that can run now (on a later stage: those whose input arrived)."""
+        inp = self.stage_input
+        if inp is None:
+            return self.num_pending
+        if inp.start < 0 or inp.start > self.num_computed:
+            return 0  # nothing arrived, or not from where this stage's KV ends
+        return max(0, inp.available - self.num_computed)
+
+    @property
     def is_prefilling(self) -> bool:
+        if self.staged:
+            return self.num_computed < len(self.prompt_ids)
         return self.num_pending > 1
 
     @property
@@ -110,3 +150,6 @@ class RequestOutput:
     """The choice (n > 1) this output belongs to; ``finished``: that choice ended."""
     done: bool = True
     """The whole request ended (every choice finished); meaningful when ``finished``."""
+    boundary: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    """A pipeline stage before the last: (first position, residual rows, MLP output rows)
+    of the prompt chunk this step computed, for the next stage (`LLMEngine.feed`)."""
