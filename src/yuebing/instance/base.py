@@ -35,7 +35,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from yuebing.engine.config import EngineConfig
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
 from yuebing.engine.sequence import RequestOutput
@@ -51,6 +50,7 @@ from yuebing.protocol.instance import (
     Ack,
     Breakdown,
     Cancel,
+    DecodeTarget,
     ErrorCode,
     EventKind,
     FetchPrefix,
@@ -69,9 +69,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@dataclass
+@dataclass(slots=True)
 class Task:
-    """One request on this instance (any role)."""
+    """One request on this instance: what every role keeps, then what one role adds (left at
+    its default by the others)."""
 
     request_id: str
     owner: bytes
@@ -83,7 +84,29 @@ class Task:
     breakdown: Breakdown = field(default_factory=Breakdown)
     outputs: int = 0
     done: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    # roles that prefill (coupled, prefill)
+    loading: bool = False
+    """Its planned prefix is being loaded (its prompt counts as pending, not yet in the engine)."""
+    started: float | None = None
+    """When its first prefill chunk ran (wall clock; driver thread)."""
+    first_at: float | None = None
+    """When the step that sampled its first token ended (wall clock; driver thread)."""
+    # prefill
+    target: DecodeTarget | None = None
+    """A PREFILL task's decode reservation (None: a COUPLED task)."""
+    firsts: dict[int, int] = field(default_factory=dict)
+    """First token per choice index, sent together in `KvReady` once every choice has one."""
+    # decode
+    blocks: list[int] | None = None
+    """The reserved KV blocks until the request is adopted or they are freed."""
+    deadline: float | None = None
+    """`time.monotonic()` by which its KV must arrive (a reservation)."""
+    adopted: bool = False
+    """Its KV arrived and the engine runs it."""
+    ready_at: float | None = None
+    """When its `KvReady` arrived (wall clock)."""
+    waited: bool = False
+    """Its decode wait (`Breakdown.decode_wait_s`) is recorded."""
 
 
 def to_params(s: Sampling, max_tokens: int | None = None) -> SamplingParams:
@@ -113,15 +136,6 @@ def _close_quietly(store: Any) -> None:
         store.close()
 
 
-def engine_config(cfg: InstanceConfig) -> EngineConfig:
-    return EngineConfig(model=cfg.model, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads,
-                        num_blocks=cfg.num_blocks, kv_cache_bytes=cfg.kv_cache_bytes,
-                        max_batch_tokens=cfg.max_batch_tokens, max_num_seqs=cfg.max_num_seqs,
-                        max_model_len=cfg.max_model_len, weights_seed=cfg.weights_seed,
-                        attention=cfg.attention, prefill_attention=cfg.prefill_attention,
-                        kernels=cfg.kernels, batch_invariant=cfg.batch_invariant)
-
-
 class Instance:
     """Base of the roles; see the module docstring."""
 
@@ -139,7 +153,7 @@ class Instance:
             tcfg = dataclasses.replace(tcfg, host_id=cfg.host_id)
         self.transfer = TransferEngine(tcfg)
         storage = self._pool_storage if self.exposes_pool else None
-        self.engine = engine or LLMEngine(engine_config(cfg), kv_storage=storage)
+        self.engine = engine or LLMEngine(cfg.engine, kv_storage=storage)
         self.store = self._open_store()
         self.saver = self._open_store() if cfg.save_to_store else None
         """The store client of saves (their thread's own: `StoreClient` is single-threaded)."""
@@ -157,9 +171,11 @@ class Instance:
         name = cfg.instance_id or f"{cfg.role}-{os.getpid()}"  # the id is set once bound
         trace = Path(cfg.step_trace_dir) / f"{name}.steps.jsonl" if cfg.step_trace_dir else None
         # a step's bits depend on its thread count: a batch-invariant engine keeps its own
-        lends = cfg.lend_cores and not cfg.batch_invariant and self.engine.device.type == "cpu"
-        ledger = CoreLedger(cfg.threads) if lends else None
-        self.driver = EngineDriver(self.engine, self._outputs_from_driver, cfg.threads,
+        threads = cfg.engine.threads
+        lends = cfg.lend_cores and not cfg.engine.batch_invariant and \
+            self.engine.device.type == "cpu"
+        ledger = CoreLedger(threads) if lends else None
+        self.driver = EngineDriver(self.engine, self._outputs_from_driver, threads,
                                    f"engine-{cfg.role}", trace, ledger)
         self.tasks: dict[str, Task] = {}
         self.control = ControlServer(self)
@@ -423,7 +439,7 @@ class Instance:
 
     def pending_tokens(self) -> int:
         """Prompt tokens accepted but not yet in the engine (loading their prefix)."""
-        return sum(len(t.token_ids) for t in self.tasks.values() if t.extra.get("loading"))
+        return sum(len(t.token_ids) for t in self.tasks.values() if t.loading)
 
     async def _sweep_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -65,7 +65,7 @@ class CoupledInstance(Instance):
 
     async def run_task(self, task: Task, msg: SubmitTask, hold_kv: bool = False) -> None:
         """Load the prefix, then queue the request in the engine (events follow)."""
-        task.extra["loading"] = True
+        task.loading = True
         try:
             task.cached_tokens = await load_prefix(self, task, msg.prefix)
         except Refused as e:
@@ -74,7 +74,7 @@ class CoupledInstance(Instance):
         except Exception as e:
             log.warning("%s: prefix load failed, computing it: %s", task.request_id, e)
         finally:
-            task.extra["loading"] = False
+            task.loading = False
         if task.done or task.request_id not in self.tasks:
             return  # cancelled meanwhile
         self._add(task, hold_kv)
@@ -107,15 +107,15 @@ class CoupledInstance(Instance):
                 continue
             task.breakdown.prefill_tokens += min(n, max(0, len(seq.prompt_ids) -
                                                          seq.num_computed))
-            if "started" not in task.extra:
-                task.extra["started"] = now
+            if task.started is None:
+                task.started = now
                 task.breakdown.queue_s = max(0.0, now - task.arrived -
                                              task.breakdown.prefix_load_s)
 
     def on_output_driver(self, engine: LLMEngine, task: Task, out: RequestOutput) -> None:
         if len(out.output_token_ids) != 1 or not out.new_token_ids or out.index:
             return  # only right after the prefill (once for all choices)
-        task.extra["first_at"] = time.time()
+        task.first_at = time.time()
         self.local_cache.note(engine, task.token_ids)
         if self.cfg.save_to_store:
             snap = self.connector.snapshot(engine, task.token_ids)
@@ -123,9 +123,9 @@ class CoupledInstance(Instance):
                 self.connector.submit_save(snap)
 
     def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:
-        if task.outputs == 0 and "started" in task.extra:
-            task.breakdown.prefill_s = task.extra.get("first_at", time.time()) - \
-                task.extra["started"]
+        if task.outputs == 0 and task.started is not None:
+            first_at = time.time() if task.first_at is None else task.first_at
+            task.breakdown.prefill_s = first_at - task.started
         self.stream_output(task, out)
 
     async def on_cancel(self, request_id: str) -> bool:

@@ -87,15 +87,21 @@ class DecodeInstance(Instance):
         blocks = await self.driver.run(reserve)
         task = Task(msg.request_id, ident, ids, params)
         timeout = min(msg.timeout_s, self.cfg.reserve_timeout_s)
-        task.extra.update(blocks=blocks, deadline=time.monotonic() + timeout)
+        task.blocks, task.deadline = blocks, time.monotonic() + timeout
         self.tasks[task.request_id] = task
         return Reserved(seq=msg.seq, target=DecodeTarget(
             instance_id=self.instance_id, segment=self.transfer.segment_name("kv"),
             blocks=blocks, layout=self.layout, expires_at_s=time.time() + timeout))
 
     def reserved_blocks(self) -> int:
-        return sum(len(t.extra["blocks"]) for t in self.tasks.values()
-                   if "blocks" in t.extra and "adopted" not in t.extra)
+        return sum(len(t.blocks) for t in self.tasks.values()
+                   if t.blocks is not None and not t.adopted)
+
+    @staticmethod
+    def _take_blocks(task: Task) -> list[int]:
+        """``task``'s reserved blocks, no longer its own (none: [])."""
+        blocks, task.blocks = task.blocks or [], None
+        return blocks
 
     def _free_later(self, blocks: list[int]) -> None:
         if blocks:
@@ -104,8 +110,8 @@ class DecodeInstance(Instance):
     def sweep(self) -> None:
         now = time.monotonic()
         for task in list(self.tasks.values()):
-            if "adopted" not in task.extra and task.extra.get("deadline", now + 1) <= now:
-                self._free_later(task.extra.pop("blocks", []))
+            if not task.adopted and task.deadline is not None and task.deadline <= now:
+                self._free_later(self._take_blocks(task))
                 self.fail(task, ErrorCode.TRANSFER, "no KV arrived for the reservation in time")
         due = [b for t, b in self._fenced if t <= now]
         if due:
@@ -135,27 +141,27 @@ class DecodeInstance(Instance):
 
     def _kv_ready(self, msg: KvReady, arrived: float) -> None:
         task = self.tasks.get(msg.request_id)
-        if task is None or "adopted" in task.extra or "blocks" not in task.extra:
+        if task is None or task.adopted or task.blocks is None:
             log.info("KvReady for unknown or finished request %s ignored", msg.request_id)
             return
         if not msg.ok:
-            self._free_later(task.extra.pop("blocks"))
+            self._free_later(self._take_blocks(task))
             self.fail(task, ErrorCode.TRANSFER, f"the prefill failed: {msg.error}")
             return
         firsts = list(msg.first_tokens) or [msg.first_token]
         if msg.num_tokens != len(task.token_ids) or len(firsts) != task.params.n:
-            self._free_later(task.extra.pop("blocks"))
+            self._free_later(self._take_blocks(task))
             self.fail(task, ErrorCode.BAD_REQUEST, f"KvReady covers {msg.num_tokens} tokens "
                       f"and {len(firsts)} choices, the reservation {len(task.token_ids)} and "
                       f"{task.params.n}")
             return
-        task.extra["adopted"] = True
-        task.extra["ready_at"] = arrived
+        task.adopted = True
+        task.ready_at = arrived
         task.cached_tokens = msg.cached_tokens
         task.outputs = 1  # the prefill sent the first token
         task.breakdown.transfer_s = max(0.0, arrived - msg.prefill_end_s) if msg.prefill_end_s \
             else 0.0
-        blocks = task.extra["blocks"]
+        blocks = task.blocks
         rid, ids, params = task.request_id, task.token_ids, task.params
         self.driver_then(task, lambda e: adopt_choices(
             e, rid, ids, blocks, firsts, params, msg.cached_tokens),
@@ -180,9 +186,9 @@ class DecodeInstance(Instance):
                 self.end_choice(task, out.index, out.finish_reason or "stop")
 
     def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:
-        if "decode_wait" not in task.extra and "ready_at" in task.extra:
-            task.extra["decode_wait"] = True
-            task.breakdown.decode_wait_s = max(0.0, step_start - task.extra["ready_at"])
+        if not task.waited and task.ready_at is not None:
+            task.waited = True
+            task.breakdown.decode_wait_s = max(0.0, step_start - task.ready_at)
         self.stream_output(task, out)
 
     async def on_cancel(self, request_id: str) -> bool:
@@ -190,8 +196,8 @@ class DecodeInstance(Instance):
         if task is None:
             return await self.driver.run(lambda e: e.abort(request_id))
         task.done = True
-        if "adopted" in task.extra:
+        if task.adopted:
             await self.driver.run(lambda e: e.abort(request_id))
         else:
-            self._free_later(task.extra.pop("blocks", []))
+            self._free_later(self._take_blocks(task))
         return True

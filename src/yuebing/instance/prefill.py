@@ -73,20 +73,20 @@ class PrefillInstance(CoupledInstance):
                           f"the decode target's {len(msg.decode.blocks)} blocks cannot hold "
                           f"{len(msg.token_ids)} prompt tokens")
         task = Task(msg.request_id, ident, list(msg.token_ids), to_params(msg.sampling))
-        task.extra["target"] = msg.decode
+        task.target = msg.decode
         self.streamer.watch(task.request_id, msg.decode)  # ValueError: another KV layout
         self.tasks[task.request_id] = task
         self.start_task(task, msg, hold_kv=True)
         return Ack(seq=msg.seq)
 
     def engine_params(self, task: Task) -> SamplingParams:
-        if "target" not in task.extra:
+        if task.target is None:
             return task.params
         p = task.params
         return dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1))
 
     def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:
-        if "target" not in task.extra:
+        if task.target is None:
             super().on_output(task, out, step_start)
             return
         if not out.new_token_ids:  # ended without a token: aborted or failed in the engine
@@ -95,11 +95,11 @@ class PrefillInstance(CoupledInstance):
                 task, None, "the prefill ended without a first token"))
             self.fail(task, ErrorCode.INTERNAL, "the prefill ended without a first token")
             return
-        firsts: dict[int, int] = task.extra.setdefault("firsts", {})
-        first_at = task.extra.get("first_at", time.time())
+        firsts = task.firsts
+        first_at = time.time() if task.first_at is None else task.first_at
         if not firsts:
-            if "started" in task.extra:
-                task.breakdown.prefill_s = first_at - task.extra["started"]
+            if task.started is not None:
+                task.breakdown.prefill_s = first_at - task.started
             task.cached_tokens = out.num_cached_tokens
         firsts[out.index] = out.new_token_ids[0]
         task.outputs = 1
@@ -123,7 +123,6 @@ class PrefillInstance(CoupledInstance):
         if err:
             self.fail(task, ErrorCode.TRANSFER, f"notifying the decode failed: {err}")
             return
-        task.extra["stream"] = result
         b = task.breakdown
         b.transfer_s = max(0.0, result.complete_at - result.last_layer_at)
         b.kv_bytes, b.streamed_layers = result.bytes, result.layers
@@ -156,7 +155,8 @@ class PrefillInstance(CoupledInstance):
     def _tell_decode(self, task: Task, first: tuple[list[int], float, float] | None,
                      error: str = "") -> str:
         """Send `KvReady` to the decode (any thread); returns an error text or ''."""
-        target = task.extra["target"]
+        target = task.target
+        assert target is not None, "only PREFILL tasks tell a decode"
         tokens, first_at, prefill_end = first if first is not None else ([0], 0.0, 0.0)
         msg = KvReady(request_id=task.request_id, num_tokens=len(task.token_ids),
                       first_token=tokens[0], first_token_time_s=first_at,
