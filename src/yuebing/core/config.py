@@ -95,24 +95,26 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, prefix: str = ""
     field named in ``only`` (a command that uses a few of them offers no flags it ignores).
 
     A nested dataclass field is skipped (compose it with its own prefix) unless its metadata
-    names ``"flags"``: those fields of it become flags of this command, with the nested
-    default's values (``defaults``) as their defaults. Defaults are left
+    names ``"flags"``: those fields of it (``only`` may name them) become flags of this
+    command, with the nested default's values (``defaults``) as theirs. Defaults are left
     as ``None`` so `config_from_args` only overrides what the user typed. A field whose
     metadata says ``"secret": True`` (the cluster token) never shows its default in the help.
     """
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = set(config_flags(cls))
     if only is not None and not set(only) <= names:
         raise ValueError(f"{cls.__name__} has no fields {sorted(set(only) - names)}")
     for f in dataclasses.fields(cls):
-        if not f.init or (only is not None and f.name not in only):
-            continue
         tp = _base_type(hints[f.name])
         default = _default(f)
-        if dataclasses.is_dataclass(tp):
-            if "flags" in f.metadata:  # a composed config whose named fields are flags here
-                add_config_args(parser, typing.cast(type, tp), prefix, only=f.metadata["flags"],
-                                defaults=default)
+        if f.init and dataclasses.is_dataclass(tp) and "flags" in f.metadata:
+            # a composed config whose named fields are flags here
+            nested = [n for n in f.metadata["flags"] if only is None or n in only]
+            add_config_args(parser, typing.cast(type, tp), prefix, only=nested,
+                            defaults=default)
+            continue
+        if not f.init or (only is not None and f.name not in only) or \
+                dataclasses.is_dataclass(tp):
             continue
         if defaults is not None:
             default = getattr(defaults, f.name)
@@ -133,6 +135,21 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, prefix: str = ""
                                 type=_tuple_of(item))
         else:
             parser.add_argument(flag, dest=dest, type=str, default=None, help=help_text)
+
+
+def config_flags(cls: type) -> tuple[str, ...]:
+    """The names of the flags `add_config_args` can make for ``cls``: its init fields that are
+    not configs, and the ``"flags"`` named by its composed ones."""
+    hints = typing.get_type_hints(cls)
+    out: list[str] = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if dataclasses.is_dataclass(_base_type(hints[f.name])):
+            out += f.metadata.get("flags", ())
+        else:
+            out.append(f.name)
+    return tuple(out)
 
 
 def _tuple_of(item: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
