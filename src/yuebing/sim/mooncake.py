@@ -1,33 +1,12 @@
-"""The simulated Mooncake cluster: P prefill nodes + D decode nodes over a global KV pool.
+"""The simulated Mooncake cluster (system ``mooncake``): P prefill + D decode nodes over a
+global KV pool, driven by `sim.runner` through the shared Conductor policy.
 
-Life cycle of a request (paper §3-§4):
-
-1. Arrival: the Conductor looks up the request's prefix blocks in the global pool index, builds
-   a `ClusterView` (per prefill node: queued work and its own cached prefix; per decode node:
-   batch, context, KV use; the best prefix anywhere) and calls the shared policy
-   (`yuebing.conductor.policy.Policy.decide`). A `Reject` is recorded with its stage and reason.
-   A request whose KV (input + output tokens) exceeds a decode instance's whole capacity is
-   rejected at arrival (reason ``kv_capacity``), as the vLLM baselines do.
-2. Route: the chosen prefill node refreshes its reused blocks; when the policy plans a fetch,
-   the missing prefix blocks are copied from the holder over both nodes' NICs (serialised per
-   NIC), which also replicates hot blocks. Prefill starts when the node (or, for inputs with
-   more than ``cpp_threshold_tokens`` new tokens, a chunked-pipeline-parallel group of up to
-   ``cpp_max_nodes`` nodes) is free and the fetch is done. Each node serves its queue in the
-   policy's queue order (`yuebing.conductor.policy.queue`, the order of the live Conductor's
-   gate): in FIFO a request's turn is known at arrival, so its prefill is placed on the node's
-   timeline then; in another order it waits in the node's queue, and whenever the node is free
-   the order picks the next one (`_dispatch`). With ``prefill_reject`` a request whose prefill
-   would end past its TTFT SLO is dropped when its prefill is placed.
-   With ``colocated`` prefill node i shares a host with decode node i (`yuebing.sim.colocation`):
-   the prefill is stretched by the measured factor over the window in which that decode node is
-   estimated busy, and the decode node's steps inside the prefill's interval are stretched too.
-3. Prefill end = first token. The new KV was stored layer by layer into the node's DRAM pool
-   while computing (inserted now); the whole KV then moves to the decode node
-   (``cost.transfer_time``), after the prefill, as the paper's Figure 14 measures it.
-4. Decode: continuous batching bounded by HBM (`yuebing.sim.decode.DecodeInstance`). With
-   ``decode_reject`` a request whose KV cannot join the batch at the next iteration (KV full)
-   or would push the iteration past the TBT SLO (by the Conductor's decode predictor, the one
-   its arrival-time checks use) is rejected at decode (its prefill wasted).
+Life cycle of a request (paper §3–§4): at arrival the policy decides on a `ClusterView` built
+from the pool index and the nodes (a `Reject` is recorded); the chosen prefill node fetches a
+planned remote prefix over the NICs (replicating hot blocks) and serves its queue in the
+policy's queue order (CPP groups for long inputs); at prefill end the KV moves to the decode
+node, which batches it continuously within HBM (`sim.decode.DecodeInstance`). `MooncakeSystem`
+spells out each stage and its options (``prefill_reject``, ``decode_reject``, ``colocated``).
 """
 
 from __future__ import annotations
@@ -108,7 +87,22 @@ class _Waiting:
 
 
 class MooncakeSystem(SimSystem):
-    """Disaggregated prefill/decode with a global cache-aware Conductor (see module docstring)."""
+    """Disaggregated prefill/decode with a global cache-aware Conductor (see module docstring).
+
+    Stages: (1) arrival — the prefix blocks are looked up in the pool index, the view built (per
+    prefill node: queued work and its own prefix; per decode node: batch, context, KV use; the best
+    prefix anywhere) and `Policy.decide` called; a request whose KV exceeds a decode instance's
+    capacity is rejected (``kv_capacity``), as the vLLM baselines do. (2) route — the node
+    refreshes its reused blocks; a planned fetch copies the missing blocks from the holder over both
+    NICs (serialised per NIC). Prefill starts when the node (or a chunked-pipeline group of up to
+    ``cpp_max_nodes`` for more than ``cpp_threshold_tokens`` new tokens) is free and the fetch done;
+    in FIFO a request's turn is placed at arrival, in another order the node picks the next when it
+    is free (`_dispatch`). With ``prefill_reject`` a prefill that would end past its TTFT SLO is
+    dropped when placed; with ``colocated`` prefill node i and decode node i share a host and
+    stretch each other (`sim.colocation`). (3) prefill end = first token; the KV stored layer by
+    layer into the node's DRAM pool moves to the decode node after the prefill (Figure 14). (4)
+    decode: with ``decode_reject`` a request whose KV cannot join at the next iteration, or would
+    push it past the TBT SLO (by the Conductor's decode predictor), is rejected there."""
 
     def __init__(self, ctx: SystemContext) -> None:
         super().__init__(ctx)
