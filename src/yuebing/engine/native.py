@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from yuebing.core import env
+
 log = logging.getLogger(__name__)
 
 SOURCES = ("common.h", "vec.h", "decode_attention.cpp", "flash_prefill.cpp", "layer_ops.cpp",
@@ -82,7 +84,7 @@ def _cpu_identity() -> str:
 def cflags() -> tuple[str, ...]:
     """Compiler flags: `CFLAGS` plus the debug knob ``$YUEBING_KERNELS_CFLAGS`` (e.g.
     ``-mno-avx512f`` builds the portable code paths, as on a CPU without AVX-512)."""
-    return CFLAGS + tuple(os.environ.get("YUEBING_KERNELS_CFLAGS", "").split())
+    return CFLAGS + env.kernels_cflags()
 
 
 @functools.lru_cache(maxsize=8)
@@ -107,7 +109,7 @@ def build_key() -> str:
         h.update((source_dir() / name).read_bytes())
     compiler = _compiler()
     for part in (" ".join(cflags() + LDFLAGS), torch.__version__, os.path.dirname(torch.__file__),
-                 str(source_dir()), sys.prefix, os.environ.get("CXX", ""), str(compiler),
+                 str(source_dir()), sys.prefix, env.compiler(), str(compiler),
                  _compiler_version(compiler), _cpu_identity()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
@@ -115,12 +117,11 @@ def build_key() -> str:
 
 def cache_dir() -> Path:
     """Parent of the build directories (``$XDG_CACHE_HOME/yuebing/kernels`` or ~/.cache/...)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "yuebing" / "kernels"
+    return env.cache_home() / "yuebing" / "kernels"
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "c++"))
+    return shutil.which(env.compiler() or "c++")
 
 
 def _first_error(text: str) -> str:
@@ -136,7 +137,7 @@ def _ensure_ninja_on_path() -> None:
     if shutil.which("ninja") is None:
         scripts = sysconfig.get_path("scripts")
         if scripts and shutil.which("ninja", path=scripts):
-            os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+            env.prepend_path(scripts)
 
 
 @contextmanager
