@@ -234,7 +234,7 @@ class Instance:
     async def close(self) -> None:
         self._stopping = True
         for task in list(self.tasks.values()):
-            self._event(task, EventKind.ERROR, error_code=ErrorCode.SHUTTING_DOWN,
+            self.event(task, EventKind.ERROR, error_code=ErrorCode.SHUTTING_DOWN,
                         error="the instance is shutting down")
         try:
             await self.role.close()
@@ -268,7 +268,7 @@ class Instance:
             return Ack(seq=msg.seq)
         if isinstance(msg, SubmitTask):
             self._check_new(msg.request_id)
-            self._check_prompt(msg.token_ids)
+            self.check_prompt(msg.token_ids)
             reply = await self.role.on_submit(ident, msg)
             self.changed()
             return reply
@@ -287,7 +287,9 @@ class Instance:
         if request_id in self.tasks:
             raise Refused(ErrorCode.DUPLICATE, f"request {request_id!r} is already here")
 
-    def _check_prompt(self, ids: list[int]) -> None:
+    def check_prompt(self, ids: list[int]) -> None:
+        """Refuse a prompt this engine cannot take: empty, too long, or out of its vocabulary
+        (`dispatch` for tasks; the decode role for reservations)."""
         vocab, limit = self.engine.model_config.vocab_size, self.engine.max_model_len
         if not ids:
             raise Refused(ErrorCode.BAD_REQUEST, "token_ids must not be empty")
@@ -334,7 +336,7 @@ class Instance:
         if out.new_token_ids:
             kind = EventKind.FIRST_TOKEN if task.outputs == 0 else EventKind.TOKENS
             task.outputs += len(out.new_token_ids)
-            self._event(task, kind, token_ids=list(out.new_token_ids),
+            self.event(task, kind, token_ids=list(out.new_token_ids),
                         token_times=[now] * len(out.new_token_ids), text=out.text_delta,
                         cached_tokens=task.cached_tokens or out.num_cached_tokens,
                         prompt_tokens=out.num_prompt_tokens, index=out.index,
@@ -348,13 +350,13 @@ class Instance:
 
     def end_choice(self, task: Task, index: int, reason: str, text: str = "") -> None:
         """Choice ``index`` of several ended with no new token: a token-less event says so."""
-        self._event(task, EventKind.TOKENS, text=text, index=index, finish_reason=reason)
+        self.event(task, EventKind.TOKENS, text=text, index=index, finish_reason=reason)
 
     def finish(self, task: Task, reason: str, text: str = "", index: int = 0) -> None:
         if reason == "error":
             self.fail(task, ErrorCode.INTERNAL, "the engine failed while running the request")
             return
-        self._event(task, EventKind.FINISH, finish_reason=reason, text=text,
+        self.event(task, EventKind.FINISH, finish_reason=reason, text=text,
                     breakdown=task.breakdown, cached_tokens=task.cached_tokens,
                     prompt_tokens=len(task.token_ids), index=index)
         self._end(task)
@@ -396,7 +398,7 @@ class Instance:
         self.driver.call(call).add_done_callback(back)
 
     def fail(self, task: Task, code: ErrorCode, error: str) -> None:
-        self._event(task, EventKind.ERROR, error_code=code, error=error)
+        self.event(task, EventKind.ERROR, error_code=code, error=error)
         self._end(task)
 
     def _end(self, task: Task) -> None:
@@ -404,7 +406,7 @@ class Instance:
         self.tasks.pop(task.request_id, None)
         self.changed()
 
-    def _event(self, task: Task, kind: EventKind, **kw: Any) -> None:
+    def event(self, task: Task, kind: EventKind, **kw: Any) -> None:
         """An event of ``task`` to the connection that owns it (inside `on_outputs`: sent with
         the step's others)."""
         ev = TaskEvent(request_id=task.request_id, kind=kind, time_s=time.time(), **kw)

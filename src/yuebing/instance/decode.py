@@ -62,7 +62,7 @@ class DecodeRole(InstanceRole):
         if len(ids) != msg.prompt_tokens:
             raise Refused(ErrorCode.BAD_REQUEST, f"prompt_tokens={msg.prompt_tokens} but "
                           f"{len(ids)} token ids were sent")
-        self.inst._check_prompt(ids)
+        self.inst.check_prompt(ids)
         if not msg.timeout_s > 0:
             raise Refused(ErrorCode.BAD_REQUEST, f"timeout_s must be > 0, got {msg.timeout_s}")
         params = to_params(msg.sampling)

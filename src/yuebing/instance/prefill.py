@@ -104,7 +104,7 @@ class PrefillRole(InstanceRole):
             task.cached_tokens = out.num_cached_tokens
         firsts[out.index] = out.new_token_ids[0]
         task.outputs = 1
-        inst._event(task, EventKind.FIRST_TOKEN, token_ids=list(out.new_token_ids),
+        inst.event(task, EventKind.FIRST_TOKEN, token_ids=list(out.new_token_ids),
                     token_times=[first_at], text=out.text_delta,
                     cached_tokens=out.num_cached_tokens, prompt_tokens=len(task.token_ids),
                     index=out.index, **logprob_fields(out))
