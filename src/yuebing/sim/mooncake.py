@@ -108,7 +108,7 @@ class MooncakeSystem(SimSystem):
         super().__init__(ctx)
         cfg = self.config
         self.P, self.D = cfg.prefill_nodes, cfg.decode_nodes
-        self.pool = GlobalKVPool(self.P, cfg.dram_kv_tokens // cfg.block_tokens)
+        self.pool = GlobalKVPool(self.P, cfg.dram_kv_tokens // cfg.policy.block_tokens)
         self.prefill_ids = [InstanceId(f"p{i}") for i in range(self.P)]
         self.prefill_index = {pid: i for i, pid in enumerate(self.prefill_ids)}
         self.decode_ids = [InstanceId(f"d{j}") for j in range(self.D)]
@@ -181,7 +181,7 @@ class MooncakeSystem(SimSystem):
             return
         i = self.prefill_index[decision.prefill_id]
         j = self.decode_index[decision.decode_id]
-        bt = self.config.block_tokens
+        bt = self.config.policy.block_tokens
         n_in = request.input_tokens
         local = lengths[i]
         reused = max(decision.reused_blocks, local)
@@ -233,9 +233,10 @@ class MooncakeSystem(SimSystem):
 
     def _group(self, i: int, new_tokens: int) -> list[int]:
         cfg = self.config
-        if new_tokens <= cfg.cpp_threshold_tokens or cfg.cpp_max_nodes == 1 or self.P == 1:
+        pol = cfg.policy
+        if new_tokens <= pol.cpp_threshold_tokens or pol.cpp_max_nodes == 1 or self.P == 1:
             return [i]
-        size = min(cfg.cpp_max_nodes, self.P, math.ceil(new_tokens / cfg.cpp_threshold_tokens))
+        size = min(pol.cpp_max_nodes, self.P, math.ceil(new_tokens / pol.cpp_threshold_tokens))
         others = heapq.nsmallest(size - 1, (k for k in range(self.P) if k != i),
                                  key=lambda k: (self.free_at[k], k))
         return [i, *others]
@@ -257,7 +258,7 @@ class MooncakeSystem(SimSystem):
             duration = stretch(start, duration, *self._decode_busy(i),
                                self.interference.prefill_factor)
         end = start + duration
-        if self.config.prefill_reject and end - request.arrival_s > self.config.ttft_slo_s:
+        if self.config.prefill_reject and end - request.arrival_s > self.config.policy.ttft_slo_s:
             record.rejected = RejectStage.PREFILL
             record.reject_reason = "prefill_ttft_slo"
             self.pending.pop(request.index, None)
@@ -312,7 +313,7 @@ class MooncakeSystem(SimSystem):
             reason = ""
             if not d.can_admit_now(job):
                 reason = "decode_kv_full"
-            elif self._predicted_tbt(d, job) > self.config.tbt_slo_s:
+            elif self._predicted_tbt(d, job) > self.config.policy.tbt_slo_s:
                 reason = "decode_tbt_slo"
             if reason:
                 record.rejected = RejectStage.DECODE
@@ -332,7 +333,7 @@ class MooncakeSystem(SimSystem):
     # -- observation ---------------------------------------------------------------------------
     def load(self) -> dict[str, float]:
         now = self.loop.now
-        slo = self.config.ttft_slo_s
+        slo = self.config.policy.ttft_slo_s
         for k in self.hot_keys:
             self.replica_series[str(k)].append(self.pool.replicas(k))
         for rank, k in self.ranked.items():
@@ -352,7 +353,7 @@ class MooncakeSystem(SimSystem):
         """arXiv §7.1's decode load: predicted TBT of each node's running batch / TBT SLO,
         averaged over the decode nodes (an idle node counts 0)."""
         assert self.policy is not None, "prepare() runs before the first sample"
-        predict, slo = self.policy.decode_time, self.config.tbt_slo_s
+        predict, slo = self.policy.decode_time, self.config.policy.tbt_slo_s
         return sum(predict(d.batch_size, d.context_tokens) / slo
                    for d in self.decodes if d.batch_size) / self.D
 

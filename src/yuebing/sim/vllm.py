@@ -85,7 +85,7 @@ class VllmSystem(SimSystem):
         step_cost = CoupledCost(self.cost, options.cached_attention_efficiency)
         self.capacity = self.cost.decode_kv_capacity_tokens
         self.instances = [
-            CoupledInstance(f"n{i}", self.loop, step_cost, self.capacity, cfg.block_tokens,
+            CoupledInstance(f"n{i}", self.loop, step_cost, self.capacity, cfg.policy.block_tokens,
                             options.prefix_caching, options.chunked_prefill, options.budget,
                             options.max_num_seqs)
             for i in range(n)]

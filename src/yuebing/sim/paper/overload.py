@@ -27,7 +27,7 @@ from yuebing.sim.paper.common import (
     save_figure,
     workload_path,
 )
-from yuebing.sim.system import SimConfig
+from yuebing.sim.system import SimConfig, sim_policy
 from yuebing.trace.io import load_trace
 from yuebing.trace.model import Trace
 from yuebing.trace.transform import scale_lengths, scale_time
@@ -87,7 +87,8 @@ register_workload(WORKLOAD, arxiv_like)
 
 def config(name: str, fast: bool = False, nodes: tuple[int, int] = NODES) -> SimConfig:
     return fast_config(SimConfig(system="mooncake", prefill_nodes=nodes[0], decode_nodes=nodes[1],
-                                 admission=ADMISSIONS[name], decode_policy=DECODE[name],
+                                 policy=sim_policy(admission=ADMISSIONS[name],
+                                                   decode_selector=DECODE[name]),
                                  speed=SPEED, prefill_reject=name == "baseline",
                                  decode_reject=name == "baseline",
                                  sample_interval_s=INTERVAL_S), fast)
@@ -135,7 +136,7 @@ def _oscillation(res: object) -> dict[str, object]:
                                     if r.rejected is RejectStage.DECODE),
         # share of all requests served within the TTFT and TBT SLOs (the price of admitting)
         "slo_met_share": capacity_curve(res.records,  # type: ignore[attr-defined]
-                                        [res.config.tbt_slo_s])[0][1],  # type: ignore[attr-defined]
+                                        [res.config.policy.tbt_slo_s])[0][1],  # type: ignore[attr-defined]
     }
     for pool, series in LOAD_SERIES.items():
         out[f"{pool}_load_mean"] = float(np.mean(ts[series]))
