@@ -1,22 +1,11 @@
-"""Building and loading yuebing's native CPU kernels (``csrc/*.cpp`` → ``torch.ops.yuebing.*``).
+"""Building and loading yuebing's native CPU kernels (``csrc/*.cpp`` → ``torch.ops.yuebing.*``);
+`load` is called by the first engine whose ``kernels`` is ``auto`` or ``native``, and ahead of
+time by ``yuebing engine build-kernels``.
 
-Life cycle: the first engine that resolves ``kernels`` to ``auto`` or ``native`` calls `load`.
-When ``~/.cache/yuebing/kernels/<key>/yuebing_kernels_<key>.so`` exists it is loaded directly
-with ``torch.ops.load_library`` (no compiler, no ninja, ~50 ms). The key hashes everything the
-library depends on: the sources and their directory, the flags, the torch version and
-installation, the interpreter prefix (the venv), ``$CXX`` and the compiler's version, and this
-CPU's model and flags, so two checkouts, venvs or compilers never share (or relink) one build and
-a cache shared between machines never hands one CPU another's build. Otherwise the process takes
-an ``fcntl.flock`` on ``<key>.lock`` (the kernel drops it if the holder dies, so a killed build
-never blocks later ones), looks again (another process may have finished while it waited),
-compiles the C++ sources shipped in the package with ``torch.utils.cpp_extension.load``
-(``-O3 -march=native``: built on the machine that runs them) in a private ``<key>.tmp-<pid>``
-directory and moves the finished library into place with an atomic ``os.replace``, so readers
-see either no library or a complete one. The library registers its operators with
-``TORCH_LIBRARY(yuebing, ...)`` when loaded, once per process. `load` reports success or failure
-(with the reason, cached for the process; an unwritable cache is a failure, not an exception);
-``yuebing engine build-kernels`` runs it ahead of time so the first request does not pay the
-compile (~30 s on 2 cores).
+A built library is cached under a key hashing everything it depends on (sources, flags, torch,
+venv, compiler, this CPU), so checkouts, venvs, compilers and machines never share a build.
+`load` loads a cached one at once, else builds it under a file lock into a private directory
+and moves it into place atomically. It reports success or failure, never raises.
 """
 
 from __future__ import annotations
@@ -255,7 +244,14 @@ def _build() -> BuildResult:
 
 
 def load() -> BuildResult:
-    """Build (if needed) and load the kernels once per process; the result is cached."""
+    """Build (if needed) and load the kernels once per process; the result is cached.
+
+    The cached library (``<cache>/yuebing/kernels/<key>/yuebing_kernels_<key>.so``) loads with
+    ``torch.ops.load_library`` in ~50 ms. Otherwise the process takes an ``fcntl.flock`` on
+    ``<key>.lock`` (dropped by the kernel if the holder dies), looks again, compiles with
+    ``torch.utils.cpp_extension.load`` (``-O3 -march=native``) in ``<key>.tmp-<pid>`` and
+    ``os.replace``s the result into place, so readers see no library or a complete one (~30 s on 2
+    cores). The failure reason is cached for the process; an unwritable cache is a failure."""
     global _result
     with _lock:
         if _result is None:
