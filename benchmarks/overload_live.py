@@ -52,9 +52,10 @@ from rich.progress import Progress
 from yuebing.bench.config import BenchConfig
 from yuebing.bench.workload import scaled_request, send_times
 from yuebing.conductor.policy.admission import ADMISSIONS
+from yuebing.conductor.policy.queue import DEFAULT_QUEUE
 from yuebing.sim.paper.overload import oscillation
 from yuebing.sim.runner import simulate
-from yuebing.sim.system import SimConfig
+from yuebing.sim.system import SimConfig, sim_policy
 from yuebing.sim.workload import SimRequest
 from yuebing.trace.io import load_trace
 
@@ -339,12 +340,14 @@ def sim_requests(setup: Setup, rate: float) -> list[SimRequest]:
 
 def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
             predictors: Path) -> dict[str, Any]:
+    selector = "forecast" if policy == "predictive_early_rejection" else "least_loaded"
     cfg = SimConfig(system="mooncake", prefill_nodes=nodes[0], decode_nodes=nodes[1],
-                    admission=policy, decode_policy="forecast"
-                    if policy == "predictive_early_rejection" else "least_loaded",
-                    cost_model="fitted", profile=str(predictors), block_tokens=64,
-                    ttft_slo_s=setup.ttft_slo_s, tbt_slo_s=setup.tbt_slo_s,
-                    cpp_threshold_tokens=1 << 30, sample_interval_s=setup.sample_s)
+                    policy=sim_policy(admission=policy, decode_selector=selector,
+                                      block_tokens=64, ttft_slo_s=setup.ttft_slo_s,
+                                      tbt_slo_s=setup.tbt_slo_s, cpp_threshold_tokens=1 << 30,
+                                      prefill_queue=DEFAULT_QUEUE),  # the live Conductor's
+                    cost_model="fitted", profile=str(predictors),
+                    sample_interval_s=setup.sample_s)
     res = simulate(sim_requests(setup, rate), cfg)
     recs = res.records
     done = [r for r in recs if r.rejected is None and not math.isnan(r.finish_s)]

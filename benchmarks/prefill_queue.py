@@ -41,7 +41,7 @@ from yuebing.conductor.policy import (  # noqa: E402
 )
 from yuebing.sim.hardware import FittedCostModel  # noqa: E402
 from yuebing.sim.runner import simulate  # noqa: E402
-from yuebing.sim.system import SimConfig  # noqa: E402
+from yuebing.sim.system import SimConfig, sim_policy  # noqa: E402
 
 
 def parse_order(spec: str) -> tuple[str, float | None]:
@@ -55,11 +55,12 @@ def run_one(requests: list[Any], profile: Path, interference: Path | None, order
     """One simulated 1P1D run (``interference`` None: the nodes do not slow each other)."""
     extra = {} if aging is None else {"prefill_queue_aging": aging}
     cfg = SimConfig(system="mooncake", prefill_nodes=1, decode_nodes=1, cost_model="fitted",
-                    profile=str(profile), block_tokens=64, ttft_slo_s=ttft_slo,
-                    tbt_slo_s=tbt_slo, cpp_threshold_tokens=1 << 30, sample_interval_s=1.0,
+                    profile=str(profile), sample_interval_s=1.0,
+                    policy=sim_policy(block_tokens=64, ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo,
+                                      cpp_threshold_tokens=1 << 30, prefill_queue=order, **extra),
                     colocated=interference is not None,
                     interference_profile=str(interference or ""),
-                    prefill_queue=order, **extra)  # type: ignore[arg-type]
+                    )
     res = simulate(requests, cfg)
     done = [r for r in res.records if r.rejected is None and not math.isnan(r.finish_s)]
     ttft = [r.first_token_s - r.arrival_s for r in done]

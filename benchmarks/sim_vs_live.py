@@ -50,7 +50,7 @@ from yuebing.bench.workload import scaled_request, send_times
 from yuebing.conductor.policy.queue import DEFAULT_QUEUE
 from yuebing.sim.colocation import load_interference
 from yuebing.sim.runner import simulate
-from yuebing.sim.system import SimConfig
+from yuebing.sim.system import SimConfig, sim_policy
 from yuebing.sim.workload import SimRequest
 from yuebing.trace.io import load_trace
 
@@ -94,10 +94,11 @@ def simulated(requests: list[SimRequest], profile: Path, interference: Path | No
     nodes on one host with ``interference``'s factors (None: each node alone), the prefill
     queue in ``prefill_queue``'s order (the live Conductor's default unless told)."""
     cfg = SimConfig(system="mooncake", prefill_nodes=1, decode_nodes=1, cost_model="fitted",
-                    profile=str(profile), block_tokens=64, ttft_slo_s=10.0, tbt_slo_s=0.1,
-                    cpp_threshold_tokens=1 << 30, sample_interval_s=1.0,
+                    profile=str(profile), sample_interval_s=1.0,
+                    policy=sim_policy(block_tokens=64, ttft_slo_s=10.0, tbt_slo_s=0.1,
+                                      cpp_threshold_tokens=1 << 30, prefill_queue=prefill_queue),
                     colocated=interference is not None,
-                    interference_profile=str(interference or ""), prefill_queue=prefill_queue)
+                    interference_profile=str(interference or ""))
     res = simulate(requests, cfg)
     done = [r for r in res.records if r.rejected is None and not math.isnan(r.finish_s)]
     ttft = [r.first_token_s - r.arrival_s for r in done]

@@ -5,14 +5,13 @@ command line."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from yuebing.cli.main import main
-from yuebing.cluster.cli import MANAGED, forward_args, role_parser
-from yuebing.cluster.serve import ServeConfig
+from yuebing.cluster.serve import MANAGED, ServeConfig, ServePlan
 from yuebing.conductor.config import ConductorConfig
 from yuebing.core.auth import CLUSTER_TOKEN_ENV, is_loopback
 from yuebing.core.errors import ConfigError
@@ -56,15 +55,13 @@ def test_serve_beyond_loopback_needs_token_and_api_key(monkeypatch: pytest.Monke
     assert ServeConfig(advertise_host="10.0.0.1").cluster_token == TOKEN
 
 
-def test_token_is_never_forwarded_on_a_command_line() -> None:
-    assert {"--cluster-token"} <= MANAGED["conductor"] & MANAGED["instance"]
-    parser = role_parser(("serve", "prefill"))
-    assert parser is not None
-    ns = argparse.Namespace(cluster_token=TOKEN, model="dummy")
-    actions = {o: a for a in parser._actions for o in a.option_strings}
-    assert "--cluster-token" in actions
-    args = forward_args(parser, "instance", actions, ns)
-    assert TOKEN not in args and "--cluster-token" not in args
+def test_token_is_never_forwarded_on_a_command_line(tmp_path: Path) -> None:
+    assert {"cluster_token"} <= set(MANAGED["conductor"]) & set(MANAGED["instance"])
+    cfg = ServeConfig(cluster_token=TOKEN, conductor=ConductorConfig(cluster_token=TOKEN),
+                      instance=InstanceConfig(cluster_token=TOKEN))
+    for stage in ServePlan(cfg, tmp_path).stages():
+        for spec, _ in stage:
+            assert TOKEN not in spec.argv and "--cluster-token" not in spec.argv, spec.argv
 
 
 def test_cli_refuses_to_start_exposed_without_a_token(monkeypatch: pytest.MonkeyPatch,

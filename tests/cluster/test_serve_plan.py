@@ -4,16 +4,20 @@ the real ``yuebing store master|node`` processes under the supervisor."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 
 import pytest
 
 from yuebing.cluster import Supervisor, SupervisorConfig
-from yuebing.cluster.cli import forward_args
-from yuebing.cluster.serve import ServeConfig, ServePlan, banner, local_url_host
-from yuebing.core.config import add_config_args
+from yuebing.cluster.serve import MANAGED, ServeConfig, ServePlan, banner, local_url_host
+from yuebing.conductor.cli import conductor_args
+from yuebing.conductor.config import ConductorConfig
+from yuebing.conductor.policy import PolicyConfig
+from yuebing.core.config import add_config_args, config_args, config_from_args
 from yuebing.core.errors import ConfigError
+from yuebing.instance.config import InstanceConfig
 
 
 def test_serve_config_validation() -> None:
@@ -58,13 +62,11 @@ def test_serve_config_validation() -> None:
 ])
 def test_bad_role_flags_fail_while_parsing(args: list[str], error: str) -> None:
     from yuebing.cli.main import build_parser
-    from yuebing.cluster.cli import add_serve_args, serve_config_from_args
+    from yuebing.cluster.cli import serve_config_from_args
 
-    probe = argparse.ArgumentParser()
-    add_serve_args(probe)
     ns = build_parser().parse_args(["serve", *args])
     with pytest.raises(ConfigError, match=error):
-        serve_config_from_args(ns, probe._option_string_actions)
+        serve_config_from_args(ns)
 
 
 def test_serve_refuses_bad_flags_before_starting_anything(tmp_path: Path) -> None:
@@ -79,34 +81,40 @@ def test_serve_refuses_bad_flags_before_starting_anything(tmp_path: Path) -> Non
     assert not (tmp_path / "logs").exists()  # no role was started
 
 
-def test_forward_args_rebuilds_the_role_flags() -> None:
-    from dataclasses import dataclass, field
+@dataclasses.dataclass(frozen=True)
+class Inner:
+    model: str = "smollm2"
+    threads: int = 1
+    hidden: int = 0
 
-    @dataclass(frozen=True)
-    class RoleCfg:
-        model: str = "smollm2"
-        threads: int = 1
-        warm: bool = True
-        sizes: tuple[int, ...] = ()
-        instance_id: str = field(default="", metadata={"help": "set per child"})
 
+@dataclasses.dataclass(frozen=True)
+class RoleCfg:
+    warm: bool = True
+    sizes: tuple[int, ...] = ()
+    inner: Inner = dataclasses.field(default_factory=Inner,
+                                     metadata={"flags": ("model", "threads")})
+    instance_id: str = dataclasses.field(default="", metadata={"help": "set per child"})
+    token: str = dataclasses.field(default="", metadata={"secret": True})
+
+
+def test_config_args_rebuild_the_config() -> None:
     role = argparse.ArgumentParser()
     add_config_args(role, RoleCfg)
-    role.add_argument("--dense", action="store_true")
-    serve = argparse.ArgumentParser()
-    add_config_args(serve, RoleCfg, only=("model", "threads", "warm", "sizes"))
-    serve.add_argument("--dense", action="store_true")
-    ns = serve.parse_args(["--model", "dummy", "--no-warm", "--sizes", "1,2", "--dense"])
-    got = forward_args(role, "instance", serve._option_string_actions, ns)
-    assert got == ("--model", "dummy", "--no-warm", "--sizes", "1,2", "--dense")
-    assert role.parse_args(list(got)).sizes == (1, 2)
-    assert forward_args(role, "instance", serve._option_string_actions,
-                        serve.parse_args([])) == ()
+    assert "--hidden" not in role.format_help() and "--model" in role.format_help()
+    cfg = RoleCfg(warm=False, sizes=(1, 2), inner=Inner(model="dummy"), instance_id="x",
+                  token="s3cret")
+    got = config_args(cfg, skip=("instance_id",))
+    assert got == ("--no-warm", "--sizes", "1,2", "--model", "dummy")
+    assert config_from_args(RoleCfg, role.parse_args(list(got))) == RoleCfg(
+        warm=False, sizes=(1, 2), inner=Inner(model="dummy"))
+    assert config_args(RoleCfg()) == ()
 
 
 def test_plan_command_lines(tmp_path: Path) -> None:
-    cfg = ServeConfig(prefill=1, decode=1, port=8123, instance_args=("--model", "dummy"),
-                      conductor_args=("--admission", "slo"))
+    cfg = ServeConfig(prefill=1, decode=1, port=8123, instance=InstanceConfig(
+        engine=dataclasses.replace(InstanceConfig().engine, model="dummy")),
+        conductor=ConductorConfig(policy=PolicyConfig(block_tokens=256, admission="slo")))
     plan = ServePlan(cfg, tmp_path)
     stages = plan.stages()
     assert [[s.name for s, _ in st] for st in stages] == [
@@ -115,16 +123,19 @@ def test_plan_command_lines(tmp_path: Path) -> None:
     assert prefill[3:7] == ("serve", "prefill", "--instance-id", "prefill-0")
     assert ("--store-master", plan.master_addr) == prefill[prefill.index("--store-master"):][:2]
     assert prefill[-2:] == ("--model", "dummy")
+    assert "--role" not in prefill and "--cluster-token" not in prefill
     conductor = stages[3][0][0].argv
     inst = conductor[conductor.index("--instances") + 1].split(",")
     assert inst == [f"tcp://127.0.0.1:{plan.control[n]}" for n in ("prefill-0", "decode-0")]
     assert conductor[-2:] == ("--admission", "slo") and "--store-events" in conductor
     assert plan.base_url == "http://127.0.0.1:8123"
-    etcd = ServePlan(ServeConfig(coupled=1, etcd="http://10.0.0.1:2379", store=False), tmp_path,
-                     has_option=lambda role, opt: role != "coupled")
+    etcd = ServePlan(ServeConfig(coupled=1, etcd="http://10.0.0.1:2379", store=False), tmp_path)
     roles = etcd.stages()
     assert [[s.name for s, _ in st] for st in roles] == [["coupled-0"], ["conductor"]]
-    assert "--cluster" not in roles[0][0][0].argv and "--store-master" not in roles[0][0][0].argv
+    assert "--store-master" not in roles[0][0][0].argv
+    argv = roles[0][0][0].argv
+    assert argv[argv.index("--etcd"):][:4] == ("--etcd", "http://10.0.0.1:2379", "--cluster",
+                                               "default")
     assert "--instances" not in roles[1][0][0].argv
     assert roles[1][0][0].argv[-4:] == ("--etcd", "http://10.0.0.1:2379", "--cluster", "default")
 
@@ -159,45 +170,28 @@ def test_store_stages_start_and_stop(tmp_path: Path) -> None:
                 dummy, sup, "dummy")
 
 
-def test_serve_cli_offers_and_forwards_role_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`yuebing serve` takes the role commands' flags from their parsers (fake roles here) and
-    `yuebing serve <role>` still reaches the role's own command."""
+def test_serve_cli_offers_and_passes_role_flags() -> None:
+    """`yuebing serve` offers the Conductor's and the instances' flags (less those the plan
+    sets per child), builds their configs, and the plan starts each child with its config's
+    flags; `yuebing serve <role>` still reaches the role's own command."""
     import yuebing.cli.main as main
-    from yuebing.cluster.cli import add_serve_args, serve_config_from_args
+    from yuebing.cluster.cli import serve_config_from_args
 
-    def conductor_args(p: argparse.ArgumentParser) -> None:
-        for flag in ("--host", "--model", "--admission", "--instances", "--etcd"):
-            p.add_argument(flag)
-        p.add_argument("--port", type=int)
-        p.add_argument("--ttft-slo-s", type=float)
-        p.add_argument("--ttft-slo", dest="ttft_slo_s", type=float)  # an alias
-
-    def instance_args(p: argparse.ArgumentParser) -> None:
-        for flag in ("--host", "--model", "--instance-id", "--store-master"):
-            p.add_argument(flag)
-        p.add_argument("--threads", type=int)
-        p.add_argument("--warmup", action=argparse.BooleanOptionalAction)
-
-    real = main._discover()
-    fakes = [main.Command(("serve", "conductor"), "c", conductor_args, lambda ns: 7),
-             main.Command(("serve", "prefill"), "p", instance_args, lambda ns: 8)]
-    monkeypatch.setattr(main, "_discover", lambda: [c for c in real if c.path[:1] != ("serve",)
-                                                    or c.path == ("serve",)] + fakes)
     parser = main.build_parser()
     ns = parser.parse_args(["serve", "--model", "dummy", "--admission", "slo", "--ttft-slo",
                             "5", "--threads", "2", "--no-warmup", "--port", "9000"])
-    probe = argparse.ArgumentParser()
-    add_serve_args(probe)
-    assert "--instance-id" not in probe._option_string_actions
-    cfg = serve_config_from_args(ns, probe._option_string_actions)
-    assert cfg.port == 9000
-    assert cfg.conductor_args == ("--model", "dummy", "--admission", "slo", "--ttft-slo-s",
-                                   "5.0")
-    assert cfg.instance_args == ("--model", "dummy", "--threads", "2", "--no-warmup")
-    assert parser.parse_args(["serve", "conductor", "--port", "1"])._run(ns) == 7
-    with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "--instances", "tcp://x:1"])  # set by the plan, not offered
-
+    cfg = serve_config_from_args(ns)
+    assert cfg.port == 9000 and cfg.conductor.port == ConductorConfig().port
+    assert cfg.conductor.model == cfg.instance.engine.model == "dummy"
+    assert cfg.conductor.policy.ttft_slo_s == 5.0 and cfg.instance.engine.threads == 2
+    assert not cfg.instance.warmup and cfg.instance.role == "prefill"
+    assert conductor_args(cfg.conductor, skip=MANAGED["conductor"]) == (
+        "--model", "dummy", "--admission", "slo", "--ttft-slo-s", "5.0")
+    assert config_args(cfg.instance, skip=MANAGED["instance"]) == (
+        "--model", "dummy", "--threads", "2", "--no-warmup")
+    for flags in (["serve", "--instances", "tcp://x:1"], ["serve", "--instance-id", "x"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(flags)  # set by the plan, not offered
 
 def test_taken_fixed_ports_are_refused_before_anything_starts() -> None:
     import socket

@@ -513,7 +513,10 @@ def test_decode_kv_is_reserved_when_the_prefill_turn_comes_not_at_dispatch(
         while not p0.kinds(SubmitTask):
             assert time.monotonic() < end
             time.sleep(0.01)
-        time.sleep(0.1)  # the first prefill runs; the other three wait in the Conductor
+        gate = c.conductor.cluster.alive(Role.PREFILL)[0].gate
+        while gate.waiting < 3:  # the first prefill runs; the other three wait in the Conductor
+            assert time.monotonic() < end, gate.waiting
+            time.sleep(0.01)
         assert len(d0.kinds(Reserve)) == 1
         for t in threads:
             t.join(30)

@@ -28,7 +28,7 @@ from yuebing.sim.hardware import CostModel
 from yuebing.sim.kvpool import GlobalKVPool
 from yuebing.sim.loop import EventLoop
 from yuebing.sim.mooncake import MooncakeSystem
-from yuebing.sim.system import SimConfig, SystemContext
+from yuebing.sim.system import SimConfig, SystemContext, sim_policy
 from yuebing.store.cluster_messages import EventKind, KvEvents
 
 BT = 256
@@ -79,7 +79,8 @@ def _live(queues: list[float], queued: list[int], decodes: int) -> LiveCluster:
 
 
 def _sim(queues: list[float], queued: list[int], decodes: int) -> MooncakeSystem:
-    cfg = SimConfig(prefill_nodes=len(queues), decode_nodes=decodes, block_tokens=BT,
+    cfg = SimConfig(prefill_nodes=len(queues), decode_nodes=decodes,
+                    policy=sim_policy(block_tokens=BT),
                     dram_kv_tokens=10**9)
     sim = MooncakeSystem(SystemContext(EventLoop(), _Cost(), cfg))
     sim.loop.now = NOW

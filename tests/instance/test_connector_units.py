@@ -141,7 +141,10 @@ def test_a_background_job_that_raises_fails_its_task_with_an_error_event():
     async def go() -> None:
         Instance.spawn(stub, task, boom())  # type: ignore[arg-type]
         Instance.spawn(stub, Task("r2", b"o", [1], SamplingParams()), fine())  # type: ignore[arg-type]
-        await asyncio.sleep(0.05)
+        for _ in range(100):  # until both jobs are done and forgotten
+            if not stub._handlers:
+                break
+            await asyncio.sleep(0)
     asyncio.run(go())
     assert failed == [("r1", ErrorCode.INTERNAL, "KeyError: 'lost'")]
     assert not stub._handlers

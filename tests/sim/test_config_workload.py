@@ -6,7 +6,7 @@ import pytest
 
 from yuebing.core.errors import ConfigError, InputError
 from yuebing.sim.runner import simulate
-from yuebing.sim.system import SimConfig
+from yuebing.sim.system import SimConfig, sim_policy
 from yuebing.sim.workload import SimRequest, from_trace_requests
 from yuebing.trace.model import Request
 
@@ -16,7 +16,6 @@ from yuebing.trace.model import Request
     ({"speed": 0.0}, "speed must be > 0"),
     ({"speed": float("inf")}, "speed must be > 0 and finite, got inf"),
     ({"dram_kv_tokens": 100}, "dram_kv_tokens must hold at least one block"),
-    ({"balancing_threshold": 0.5}, "balancing_threshold must be >= 1"),
     ({"cost_model": "fitted"}, "needs --profile"),
     ({"limit": -1}, "limit must be >= 0"),
     ({"output_tokens": -1}, "output_tokens must be >= 0"),
@@ -31,7 +30,9 @@ def test_unknown_system_and_policy_names_list_the_known_ones() -> None:
     with pytest.raises(ConfigError, match="known: .*mooncake"):
         simulate(reqs, SimConfig(system="sglang"))
     with pytest.raises(ConfigError, match="prefill_selector 'fastest' unknown"):
-        simulate(reqs, SimConfig(prefill_policy="fastest"))
+        simulate(reqs, SimConfig(policy=sim_policy(prefill_selector="fastest")))
+    with pytest.raises(ConfigError, match="kvcache_balancing_threshold must be ≥ 1"):
+        SimConfig(policy=sim_policy(kvcache_balancing_threshold=0.5))
 
 
 def test_workload_conversion_and_its_errors() -> None:

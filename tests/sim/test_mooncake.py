@@ -8,7 +8,7 @@ from sim_fakes import LinearCost
 from yuebing.conductor.policy.types import RejectStage
 from yuebing.sim.mooncake import ranked_keys
 from yuebing.sim.runner import simulate
-from yuebing.sim.system import SimConfig
+from yuebing.sim.system import POLICY_FLAGS, SimConfig, sim_policy
 from yuebing.sim.workload import SimRequest
 
 
@@ -17,8 +17,10 @@ def _req(i: int, t: float, keys: list[int], n_in: int, n_out: int = 3) -> SimReq
 
 
 def _config(**kw: object) -> SimConfig:
+    """A 2P1D config; keywords naming `PolicyConfig` fields go to its policy."""
+    policy = {k: kw.pop(k) for k in list(kw) if k in POLICY_FLAGS}
     base: dict[str, object] = {"prefill_nodes": 2, "decode_nodes": 1,
-                               "prefill_policy": "global_cache_aware"}
+                               "policy": sim_policy(**policy)}
     base.update(kw)
     return SimConfig(**base)  # type: ignore[arg-type]
 
@@ -58,7 +60,7 @@ def test_local_cache_aware_waits_for_the_busy_holder_instead() -> None:
     long_keys = list(range(100, 140))
     reqs = [_req(0, 0.0, [1, 2, 3, 4], 2048), _req(1, 3.0, long_keys, 20_000),
             _req(2, 4.0, [1, 2, 3, 4, 5], 2560)]
-    res = simulate(reqs, _config(prefill_policy="local_cache_aware"), cost=LinearCost())
+    res = simulate(reqs, _config(prefill_selector="local_cache_aware"), cost=LinearCost())
     r2 = res.records[2]
     # p1 recomputes everything (2.56 s) rather than queueing 19 s behind the long prompt
     assert (r2.prefill_id, r2.fetched_tokens, r2.hit_tokens) == ("p1", 0, 0)
@@ -88,8 +90,8 @@ def test_chunked_pipeline_parallel_spreads_a_long_prompt() -> None:
 
 def test_same_seed_same_result() -> None:
     reqs = [_req(i, i * 0.3, [i % 3, 10 + i], 1000, 5) for i in range(30)]
-    a = simulate(reqs, _config(prefill_policy="random", seed=3), cost=LinearCost())
-    b = simulate(reqs, _config(prefill_policy="random", seed=3), cost=LinearCost())
+    a = simulate(reqs, _config(prefill_selector="random", seed=3), cost=LinearCost())
+    b = simulate(reqs, _config(prefill_selector="random", seed=3), cost=LinearCost())
     assert [r.prefill_id for r in a.records] == [r.prefill_id for r in b.records]
     assert a.summary == b.summary
 

@@ -11,7 +11,7 @@ import pytest
 from yuebing.sim.hardware import RooflineCostModel
 from yuebing.sim.paper import fig1, overload
 from yuebing.sim.predict import decode_durations, policy_config
-from yuebing.sim.system import SimConfig
+from yuebing.sim.system import SimConfig, sim_policy
 from yuebing.sim.workload import SimRequest
 
 
@@ -21,7 +21,8 @@ def _requests() -> list[SimRequest]:
 
 def test_policy_gets_the_simulators_pipeline_settings() -> None:
     cost = RooflineCostModel()
-    cfg = policy_config(SimConfig(cpp_threshold_tokens=32_768, cpp_max_nodes=3), cost,
+    cfg = policy_config(SimConfig(policy=sim_policy(cpp_threshold_tokens=32_768, cpp_max_nodes=3)),
+                        cost,
                         _requests())
     assert (cfg.cpp_threshold_tokens, cfg.cpp_max_nodes, cfg.cpp_chunk_tokens) == (32_768, 3,
                                                                                     8192)
@@ -40,7 +41,7 @@ def test_decode_durations_use_a_full_decode_node_capped_by_the_tbt_slo() -> None
     assert decode_durations(cost, reqs) == pytest.approx(tuple(qs * step), rel=1e-12)
     capped = decode_durations(cost, reqs, tbt_slo_s=0.05)
     assert capped == pytest.approx(tuple(qs * 0.05), rel=1e-12)
-    assert policy_config(SimConfig(tbt_slo_s=0.05), cost, reqs).decode_durations_s == capped
+    assert policy_config(SimConfig(policy=sim_policy(tbt_slo_s=0.05)), cost, reqs).decode_durations_s == capped
 
 
 def test_decode_durations_keep_the_tail_the_residual_life_forecast_weighs() -> None:
@@ -74,11 +75,11 @@ def test_oscillation_std_swing_and_band_variance() -> None:
 
 def test_overload_and_figure1_setups() -> None:
     pred = overload.config("predictive_early_rejection")
-    assert (pred.decode_policy, pred.admission, pred.speed) == (
+    assert (pred.policy.decode_selector, pred.policy.admission, pred.speed) == (
         "forecast", "predictive_early_rejection", 2.0)
-    assert overload.config("early_rejection").decode_policy == "least_loaded"
+    assert overload.config("early_rejection").policy.decode_selector == "least_loaded"
     base = overload.config("baseline")
-    assert (base.prefill_nodes, base.decode_nodes, base.admission) == (8, 8, "none")
+    assert (base.prefill_nodes, base.decode_nodes, base.policy.admission) == (8, 8, "none")
     assert base.prefill_reject and base.decode_reject
     # the early policies decide once, at arrival: no stage re-checks that waste a prefill
     for name in ("early_rejection", "predictive_early_rejection"):

@@ -13,7 +13,7 @@ from yuebing.conductor.policy import QueuedPrefill
 from yuebing.core.errors import ConfigError
 from yuebing.sim.predict import policy_for
 from yuebing.sim.runner import simulate
-from yuebing.sim.system import SimConfig
+from yuebing.sim.system import SimConfig, sim_policy
 from yuebing.sim.workload import SimRequest
 
 # one long prompt occupies the node while four more arrive (1 ms per token: 4 s, 3 s, 0.5 s, …)
@@ -26,7 +26,8 @@ def _requests() -> list[SimRequest]:
 
 
 def _config(order: str) -> SimConfig:
-    return SimConfig(prefill_nodes=1, decode_nodes=1, prefill_queue=order, ttft_slo_s=5.0)
+    return SimConfig(prefill_nodes=1, decode_nodes=1,
+                     policy=sim_policy(prefill_queue=order, ttft_slo_s=5.0))
 
 
 def _sim_order(order: str) -> list[str]:
@@ -46,7 +47,7 @@ def _gate_order(order: str) -> list[str]:
 
         async def go(r: SimRequest) -> None:
             item = QueuedPrefill(str(r.index), r.arrival_s, pol.prefill_time(r.input_tokens, 0),
-                                 r.arrival_s + cfg.ttft_slo_s)
+                                 r.arrival_s + cfg.policy.ttft_slo_s)
             await gate.acquire(str(r.index), r.input_tokens, item)
             admitted.append(str(r.index))
         tasks = []
@@ -94,14 +95,14 @@ def test_a_long_prompt_is_served_within_its_ageing_window() -> None:
     arrivals = sorted([*shorts, (0.2, 6144)])
     reqs = [SimRequest(i, t, n, 2, tuple(range(100 * i, 100 * i + n // 512)))
             for i, (t, n) in enumerate(arrivals)]
-    cfg = SimConfig(prefill_nodes=1, decode_nodes=1, prefill_queue="sjf_aging",
-                    prefill_queue_aging=0.5, ttft_slo_s=1000.0)
+    cfg = SimConfig(prefill_nodes=1, decode_nodes=1, policy=sim_policy(
+        prefill_queue="sjf_aging", prefill_queue_aging=0.5, ttft_slo_s=1000.0))
     long_one = next(r for r in simulate(reqs, cfg, cost=LinearCost()).records
                     if r.input_tokens == 6144)
     # overtaken by the ones arriving within 12 s: ≤ 25 of 1.024 s, plus the one running
     assert long_one.queue_s <= 26 * 1.024
-    pure = SimConfig(prefill_nodes=1, decode_nodes=1, prefill_queue="sjf_aging",
-                     prefill_queue_aging=1e-6, ttft_slo_s=1000.0)
+    pure = SimConfig(prefill_nodes=1, decode_nodes=1, policy=sim_policy(
+        prefill_queue="sjf_aging", prefill_queue_aging=1e-6, ttft_slo_s=1000.0))
     long_pure = next(r for r in simulate(reqs, pure, cost=LinearCost()).records
                      if r.input_tokens == 6144)
     assert long_pure.queue_s > 150.0  # after (nearly) all 200 short ones
@@ -112,7 +113,7 @@ def test_the_order_is_a_checked_flag_of_sim_run(conversation_trace, capsys) -> N
 
     with pytest.raises(ConfigError, match="prefill_queue 'lifo' unknown; use one of edf, fifo, "
                                           "sjf_aging"):
-        SimConfig(prefill_queue="lifo")
+        sim_policy(prefill_queue="lifo")
     assert main(["sim", "run", str(conversation_trace), "--limit", "50", "--prefill-queue",
                  "lifo"]) == 2
     assert "prefill_queue 'lifo' unknown" in capsys.readouterr().err
@@ -123,8 +124,8 @@ def test_a_pipelined_prefill_holds_its_group_and_the_queue_goes_on_after_it() ->
     short prompts queued on p0: the shorter one first, each once the group is free."""
     reqs = [SimRequest(0, 0.0, 20_000, 2, tuple(range(39))),
             SimRequest(1, 1.0, 1000, 2, (100,)), SimRequest(2, 2.0, 500, 2, ())]
-    cfg = SimConfig(prefill_nodes=2, decode_nodes=1, prefill_queue="sjf_aging",
-                    cpp_threshold_tokens=10_000, cpp_max_nodes=2)
+    cfg = SimConfig(prefill_nodes=2, decode_nodes=1, policy=sim_policy(
+        prefill_queue="sjf_aging", cpp_threshold_tokens=10_000, cpp_max_nodes=2))
     r0, r1, r2 = simulate(reqs, cfg, cost=LinearCost()).records
     group_s = 20.0 / 2 * (1 + 1 / 3)
     assert r0.ttft_s == pytest.approx(group_s) and r0.prefill_gpu_s == pytest.approx(2 * group_s)

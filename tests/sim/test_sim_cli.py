@@ -16,7 +16,7 @@ def test_sim_run_json(conversation_trace: Path, capsys: pytest.CaptureFixture[st
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["requests"] == 300
-    assert out["config"]["prefill_policy"] == "load_balance"
+    assert out["config"]["policy"]["prefill_selector"] == "load_balance"
     assert out["summary"]["completed"] + out["summary"]["rejected"] == 300
     assert set(out["summary"]["effective_capacity"]) == {"100", "200", "300"}
     assert out["events"] > 0 and out["events_per_s"] > 0

@@ -3,6 +3,8 @@ stopped by the handle that started them."""
 
 from __future__ import annotations
 
+import time
+
 from cli_procs import CliProc
 
 
@@ -23,3 +25,13 @@ def master(*extra: str) -> Proc:
 def node(master_addr: str, dram: str = "16MiB", *extra: str) -> Proc:
     return Proc(["store", "node", "--master", master_addr, "--dram", dram, "--heartbeat-s",
                  "0.2", *extra])
+
+
+def wait_leader(etcd_url: str, cluster: str, master: Proc, timeout_s: float = 20.0) -> None:
+    """Until ``master`` holds the store's election key in etcd (it leads)."""
+    from yuebing.cluster.discovery import Discovery
+
+    disc, end = Discovery(etcd_url, cluster), time.monotonic() + timeout_s
+    while disc.store_master() != master.info["address"]:
+        assert time.monotonic() < end, f"{master.info['address']} did not win the election"
+        time.sleep(0.05)

@@ -33,7 +33,7 @@ from contextlib import ExitStack
 
 import pytest
 from chaos_workers import SEED, Chaos, Cluster, Logged, poll, run_for
-from store_procs import master, node
+from store_procs import master, node, wait_leader
 
 from etcd_util import EtcdServer, find_etcd, free_port
 from yuebing.store.client.client import StoreClient
@@ -120,7 +120,7 @@ def test_chaos_leader_failover() -> None:
         ha = ("--etcd", etcd.url, "--cluster", "chaos", "--election-ttl-s", "1", *HA_FLAGS)
         m1 = Logged(master(*ha), "master1")
         stack.callback(m1.p.kill)
-        time.sleep(1.0)  # m1 wins the election before m2 starts
+        wait_leader(etcd.url, "chaos", m1.p)  # m1 wins the election before m2 starts
         m2 = Logged(master(*ha), "master2")
         stack.callback(m2.p.stop)
         addrs = f"{m1.p.info['address']},{m2.p.info['address']}"

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
-from store_procs import master, node
+from store_procs import master, node, wait_leader
 
 from etcd_util import EtcdServer, find_etcd
 from yuebing.store.client.client import StoreClient
@@ -21,7 +19,7 @@ def test_failover_keeps_committed_objects_readable() -> None:
         ha = ("--etcd", etcd.url, "--cluster", "ft", "--election-ttl-s", "1",
               "--client-ttl-s", "5")
         m1 = master(*ha)
-        time.sleep(1.0)  # m1 wins the election before m2 starts
+        wait_leader(etcd.url, "ft", m1)  # m1 wins the election before m2 starts
         m2 = master(*ha)
         addrs = f"{m1.info['address']},{m2.info['address']}"
         n = node(addrs, "16MiB", "--name", "ha-node")

@@ -100,7 +100,11 @@ def test_events_and_admin(cluster, client: StoreClient) -> None:
     import urllib.request
 
     sub = KvEventSubscriber(cluster[0].info["events"])
-    time.sleep(0.3)  # PUB/SUB join
+    end = time.monotonic() + 5
+    while not sub.poll(0.05):  # PUB/SUB joined once a probe's events arrive
+        assert time.monotonic() < end, "no KV event reached the subscriber"
+        client.put("ev/probe", b"p", preferred=[], strategy="random")
+        client.remove("ev/probe")
     client.put("ev/1", b"x" * 10, preferred=[], strategy="random")
     client.remove("ev/1")
     client.put("ev/1", b"y" * 10, preferred=[], strategy="random")
@@ -108,7 +112,8 @@ def test_events_and_admin(cluster, client: StoreClient) -> None:
     end = time.monotonic() + 5
     while len(events) < 3 and time.monotonic() < end:
         events += [(k, key, h) for b in sub.poll(1.0)
-                   for k, key, h in zip(b.kinds, b.keys, b.holders, strict=True)]
+                   for k, key, h in zip(b.kinds, b.keys, b.holders, strict=True)
+                   if key != "ev/probe"]
     assert [(k, key) for k, key, _ in events] == [
         (EventKind.STORED, "ev/1"), (EventKind.REMOVED, "ev/1"), (EventKind.STORED, "ev/1")]
     assert events[0][2][0].endswith(("nodeA.dram", "nodeB.dram")) and sub.gaps == 0

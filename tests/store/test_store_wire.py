@@ -3,10 +3,21 @@ both ends do before sleeping (served at once, never more CPU than the window).""
 
 from __future__ import annotations
 
+import array
+import fcntl
+import socket
+import termios
 import time
 
-from yuebing.store.wire import FrameSocket
+from yuebing.store.wire import FrameSocket, frame
 from yuebing.store.wire_server import FrameServer
+
+
+def _unread(s: socket.socket) -> int:
+    """Bytes received on ``s`` and not read yet."""
+    n = array.array("i", [0])
+    fcntl.ioctl(s.fileno(), termios.FIONREAD, n)
+    return n[0]
 
 
 def _echo_server(spin_s: float) -> FrameServer:
@@ -89,9 +100,10 @@ def test_recv_zero_reads_what_has_arrived_without_waiting() -> None:
         assert _roundtrip(srv, sock, 1, b"x") == (1, b"x")  # connection accepted and warm
         sock.send(2, b"ab")
         sock.send(3, b"cd")
-        for _ in range(20):
+        want, end = len(frame(2, b"ba")) + len(frame(3, b"dc")), time.monotonic() + 5
+        while _unread(sock.sock) < want:  # both replies on the socket, none read yet
+            assert time.monotonic() < end, _unread(sock.sock)
             srv.poll(0.01)
-        time.sleep(0.05)  # both replies are on the socket now, none read yet
         t0 = time.perf_counter()
         assert sock.recv(0.0) == (2, b"ba")
         assert sock.recv(0.0) == (3, b"dc")

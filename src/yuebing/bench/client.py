@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +29,7 @@ import msgspec
 from yuebing.bench.config import BenchConfig
 from yuebing.bench.result import RequestResult, Status
 from yuebing.bench.workload import BenchRequest
+from yuebing.core import env
 from yuebing.core.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def open_session(cfg: BenchConfig) -> aiohttp.ClientSession:
     sending JSON and, with ``--api-key-env NAME``, ``Authorization: Bearer $NAME``."""
     headers = {"Content-Type": "application/json"}
     if cfg.api_key_env:
-        key = os.environ.get(cfg.api_key_env)
+        key = env.get(cfg.api_key_env)
         if not key:
             raise InputError(f"--api-key-env {cfg.api_key_env}: that environment variable is "
                              "not set")

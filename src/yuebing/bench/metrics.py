@@ -1,19 +1,11 @@
-"""Aggregates of a bench run: SLO attainment, goodput, latency percentiles, errors by kind.
+"""Aggregates of a bench run: SLO attainment, goodput, latency percentiles, errors by kind;
+called by `bench.runner` after each run (one per rate of a sweep) on its `RequestResult`s.
 
-Who calls it: `yuebing.bench.runner` after each run (one per rate of a sweep), on the finished
-`RequestResult`s. Definitions:
-
-- *Attainment* at (TTFT x, TBT y) = requests served with TTFT ≤ x and TBT ≤ y / all requests
-  sent (rejected and failed ones count as misses) — the paper's effective request capacity
-  (`yuebing.sim.metrics.effective_capacity` is the simulator's side). ``capacity`` maps each
-  TBT threshold in ms to the attainment at the first TTFT threshold, the simulator's layout.
-- *Goodput* = requests (and their output tokens) meeting the first TTFT and first TBT
-  thresholds per second of the run; throughput counts every completed request.
-- The run lasts from its first send to its last answer. ``send_lag_s`` is how late the
-  client sent requests against their schedule (an overloaded client shows here, not as
-  server latency).
-- ``max_rate`` of a sweep: the largest swept rate whose attainment at the first thresholds
-  reaches the target (0.9); None when none does.
+*Attainment* at (TTFT x, TBT y) = requests served within both / all sent (`attainment`: the
+paper's effective request capacity, as `sim.metrics.effective_capacity`); *goodput* = requests
+and tokens meeting the first thresholds per second of the run (`run_span_s`: first send to last
+answer); ``send_lag_s`` shows a late client; `max_sustained_rate` is a sweep's largest rate
+reaching the target attainment.
 """
 
 from __future__ import annotations
@@ -73,7 +65,11 @@ def _token_totals(results: Sequence[RequestResult]) -> dict[str, Any]:
 
 
 def summarize(results: Sequence[RequestResult], cfg: BenchConfig) -> dict[str, Any]:
-    """The run's aggregates (JSON-ready; a value that does not exist is NaN or None)."""
+    """The run's aggregates (JSON-ready; a value that does not exist is NaN or None).
+
+    ``capacity`` maps each TBT threshold in ms to the attainment at the first TTFT threshold (the
+    simulator's layout); throughput counts every completed request, goodput only those meeting the
+    first TTFT and TBT thresholds."""
     span = run_span_s(results)
     ok = [r for r in results if r.status is Status.OK]
     slo = _slo_table(results, cfg, span)

@@ -1,23 +1,12 @@
-"""Drives a bench: check the endpoint, send the requests on schedule, collect the results.
+"""Drives a bench (`yuebing bench serve`): check the endpoint, send the requests on schedule,
+collect the results.
 
-Life cycle (`run_bench`): every workload is built before this is called (bad traces and
-options fail there); one aiohttp session is opened; `check_endpoint` resolves the model (an
-unreachable endpoint or a model it lacks is an `InputError` before any load); then each
-workload (one, or one per rate of a sweep, in order) runs to completion:
-
-- open loop (`open_loop`): request i is sent at its ``send_s`` after the run's start,
-  whatever is still in flight (arrivals as in the trace, or Poisson);
-- closed loop (`closed_loop`, ``--concurrency N``): N workers each send the next request as
-  soon as their previous one ends.
-
-With ``stop_on_miss`` the workloads after the first whose attainment misses the target are
-not run. With ``sweep_down`` the workloads come highest rate first and the sweep stops at the
-first that reaches the target. With ``stop_when_decided`` an open-loop run ends as soon as
-more of its requests missed the first SLOs than the target allows (`Decider`): it stops
-sending, drops the requests in flight, and its summary's ``attainment`` is the bound
-``(sent − missed) / sent`` that the rest could not have lifted to the target
-(``"cut_short"`` says how far it got; `bound_summary`). ``on_done`` is called with each finished `RequestResult` (the CLI's progress bar).
-Each run's results come back in request order with their `summarize` aggregates.
+`run_bench` opens one aiohttp session, resolves the model (`check_endpoint`: an unreachable
+endpoint or a missing model fails before any load), then runs each workload (one, or one per
+rate of a sweep) open loop (each request at its ``send_s``) or closed loop (``--concurrency N``
+workers). ``stop_on_miss``, ``sweep_down`` and ``stop_when_decided`` (`Decider`,
+`bound_summary`) end a sweep or a run early; results come back in request order with their
+`summarize` aggregates.
 """
 
 from __future__ import annotations
@@ -59,7 +48,12 @@ class Run:
 
 class Decider:
     """Counts a run's misses as answers arrive; `missed_for_certain` turns true once the run
-    cannot reach ``cfg.target_attainment`` whatever its unanswered requests do."""
+    cannot reach ``cfg.target_attainment`` whatever its unanswered requests do.
+
+    With ``stop_when_decided`` an open-loop run ends as soon as more of its requests missed the
+    first SLOs than the target allows: it stops sending, drops the requests in flight, and its
+    summary's ``attainment`` is the bound ``(sent − missed) / sent`` that the rest could not have
+    lifted to the target (``"cut_short"`` says how far it got; `bound_summary`)."""
 
     def __init__(self, cfg: BenchConfig, total: int) -> None:
         self.ttft_s, self.tbt_s = cfg.slo_ttft[0], cfg.slo_tbt[0]

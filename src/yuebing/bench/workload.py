@@ -1,22 +1,11 @@
-"""The requests a bench run sends: prompts, output lengths and send times from a trace.
+"""The requests a bench run sends (`yuebing bench serve`): prompts, output lengths and send
+times from a loaded or generated trace, all built before anything is sent.
 
-Life cycle: ``yuebing bench serve`` loads a Mooncake trace (`yuebing.trace.load_trace`) or
-generates one (`yuebing.trace.synth`), and `build_workload` turns it, before anything is sent,
-into `BenchRequest`s:
-
-1. requests in arrival order (stable), the first ``limit``;
-2. each hash block of the trace becomes ``block_tokens`` prompt tokens: a prompt of ``n``
-   tokens in blocks of ``trace.block_size`` becomes ``ceil(n · block_tokens / block_size)``
-   tokens in as many blocks, then is cut to ``max_input`` (a cut keeps a prefix, so sharing
-   stays exact); the output length is capped at ``max_output`` and raised to at least 1 (a
-   request must produce a first token);
-3. `yuebing.trace.PromptSynthesizer` fills the blocks with token ids, equal ``hash_ids`` giving
-   equal token blocks, so the server's prefix cache sees the reuse the trace describes; text
-   prompts decode those ids with the ``--tokenizer`` (equal id prefixes give equal text
-   prefixes);
-4. send times: the trace's timestamps divided by ``speed``, or seeded Poisson arrivals at
-   ``rate``, the first at 0 s (a closed-loop run ignores them). `sweep_workloads` builds one
-   workload per rate of a sweep, each with its own prompt tokens (same sharing).
+`build_workload` takes the first ``limit`` requests in arrival order, makes each hash block
+``block_tokens`` prompt tokens (cut to ``max_input``, a prefix, so sharing stays exact), caps
+the output, fills the blocks with `trace.PromptSynthesizer` token ids (equal ``hash_ids`` →
+equal blocks; text prompts decode them with ``--tokenizer``) and sets send times (the trace's
+over ``speed``, or seeded Poisson at ``rate``). `sweep_workloads` builds one per rate.
 """
 
 from __future__ import annotations

@@ -39,13 +39,11 @@ def _run_conductor(ns: argparse.Namespace) -> int:
 
 
 def _add_instance(p: argparse.ArgumentParser) -> None:
-    import dataclasses
-
-    from yuebing.core.config import add_config_args
+    from yuebing.core.config import add_config_args, config_flags
     from yuebing.instance.config import InstanceConfig
 
-    add_config_args(p, InstanceConfig,
-                    only=[f.name for f in dataclasses.fields(InstanceConfig) if f.name != "role"])
+    add_config_args(p, InstanceConfig, only=[n for n in config_flags(InstanceConfig)
+                                             if n != "role"])
 
 
 def _instance_runner(role: str) -> Callable[[argparse.Namespace], int]:

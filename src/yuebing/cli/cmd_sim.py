@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from yuebing.sim.metrics import RequestRecord
 
 _DEFAULT_TRACE = Path("..") / "shared" / "traces" / "conversation_trace.jsonl"
+SIM_ALIASES = {"--prefill-policy": "prefill_selector", "--decode-policy": "decode_selector",
+               "--balancing-threshold": "kvcache_balancing_threshold"}
+"""``sim run``'s names for three of the policy's flags (the paper's words)."""
 
 
 def _add_run(p: argparse.ArgumentParser) -> None:
@@ -34,6 +37,9 @@ def _add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--records", type=Path, default=None,
                    help="also write one JSON line per request to this file")
     add_config_args(p, SimConfig)
+    for flag, dest in SIM_ALIASES.items():
+        p.add_argument(flag, dest=dest, default=None, help=f"same as --{dest.replace('_', '-')}",
+                       type=float if dest.endswith("threshold") else str)
 
 
 def _check_out_file(path: Path | None, flag: str) -> None:

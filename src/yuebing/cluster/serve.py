@@ -23,7 +23,6 @@ import json
 import logging
 import socket
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -39,6 +38,7 @@ from yuebing.cluster.readiness import (
     ReadyFile,
 )
 from yuebing.cluster.supervisor import Interrupted, RoleFailed, Supervisor
+from yuebing.conductor.cli import conductor_args
 from yuebing.conductor.config import ConductorConfig
 from yuebing.core.auth import (
     TOKEN_HELP,
@@ -47,22 +47,30 @@ from yuebing.core.auth import (
     is_loopback,
     require_token,
 )
-from yuebing.core.config import format_size, require
+from yuebing.core.config import config_args, format_size, require
 from yuebing.core.errors import ConfigError
 from yuebing.instance.config import InstanceConfig
 
 log = logging.getLogger(__name__)
 
 YUEBING = (sys.executable, "-m", "yuebing.cli.main")
+MANAGED = {
+    "conductor": ("host", "port", "instances", "etcd", "cluster", "store_events", "store_admin",
+                  "ready_file", "cluster_token"),
+    "instance": ("instance_id", "host", "advertise_host", "control_port", "role",
+                 "store_master", "etcd", "cluster", "ready_file", "cluster_token", "admin_host",
+                 "admin_port"),
+}
+"""Fields of a role's config that the plan sets itself for each child (not offered to the user;
+the cluster token reaches every child through its environment, never its command line)."""
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     """One host's cluster, composed of the roles' configs: how many of each role, where the
-    API listens, the store's size, the supervisor's behaviour, the Conductor's and the
-    instances' configs (``conductor``, ``instance``: validated here, before anything starts)
-    and the flags that built them (``conductor_args``, ``instance_args``: what each child is
-    given besides the addresses, ids and ready files the plan sets)."""
+    API listens, the store's size, the supervisor's behaviour, and the Conductor's and the
+    instances' configs (``conductor``, ``instance``: each child is started with the flags of
+    its config, besides the addresses, ids and ready files the plan sets)."""
 
     prefill: int = field(default=1, metadata={"help": "prefill instances"})
     decode: int = field(default=1, metadata={"help": "decode instances"})
@@ -90,8 +98,6 @@ class ServeConfig:
         "help": TOKEN_HELP + "; handed to every role through its environment",
         "secret": True})
     verbose: int = 0
-    conductor_args: tuple[str, ...] = ()
-    instance_args: tuple[str, ...] = ()
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
     instance: InstanceConfig = field(default_factory=InstanceConfig)
@@ -168,13 +174,11 @@ def local_url_host(host: str) -> str:
 
 class ServePlan:
     """The roles' command lines and readiness checks for one `ServeConfig` (ports chosen on
-    construction). ``has_option`` tells whether a role's CLI offers a flag (from its parser)."""
+    construction)."""
 
-    def __init__(self, cfg: ServeConfig, log_dir: Path,
-                 has_option: Callable[[str, str], bool] = lambda role, opt: True) -> None:
+    def __init__(self, cfg: ServeConfig, log_dir: Path) -> None:
         self.cfg = cfg
         self.dir = log_dir
-        self.has_option = has_option
         adv = cfg.advertise_host
         rpc, events = ((cfg.store_port, cfg.store_port + 1) if cfg.store_port
                        else (free_port(adv), free_port(adv)))
@@ -190,17 +194,13 @@ class ServePlan:
     def _ready(self, name: str) -> Path:
         return self.dir / f"{name}.ready.json"
 
-    def _etcd(self, role: str) -> tuple[str, ...]:
-        if not self.cfg.etcd:
-            return ()
-        cluster = (("--cluster", self.cfg.cluster) if self.has_option(role, "--cluster")
-                   else ())
-        return ("--etcd", self.cfg.etcd, *cluster)
+    def _etcd(self) -> tuple[str, ...]:
+        return ("--etcd", self.cfg.etcd, "--cluster", self.cfg.cluster) if self.cfg.etcd else ()
 
     def store_master(self) -> tuple[RoleSpec, Readiness]:
         argv = (*YUEBING, *self._v(), "store", "master", "--rpc-address", self.master_addr,
                 "--events-address", self.events_addr, "--admin-port", str(self.admin_port),
-                "--ready-file", str(self._ready("store-master")), *self._etcd("store"))
+                "--ready-file", str(self._ready("store-master")), *self._etcd())
         health = HttpOk(f"http://127.0.0.1:{self.admin_port}/health")
         return RoleSpec("store-master", argv), AllOf(ReadyFile(self._ready("store-master")),
                                                      health)
@@ -215,22 +215,24 @@ class ServePlan:
         adv = self.cfg.advertise_host
         store = ("--store-master", self.master_addr) if self.cfg.store else ()
         argv = (*YUEBING, *self._v(), "serve", role, "--instance-id", name, "--host", adv,
-                "--control-port", str(self.control[name]), *store, *self._etcd(role),
-                "--ready-file", str(self._ready(name)), *self.cfg.instance_args)
+                "--control-port", str(self.control[name]), *store, *self._etcd(),
+                "--ready-file", str(self._ready(name)),
+                *config_args(self.cfg.instance, skip=MANAGED["instance"]))
         address = f"tcp://{local_url_host(adv)}:{self.control[name]}"
         return RoleSpec(name, argv), AllOf(ReadyFile(self._ready(name)), InstancePing(address))
 
     def conductor(self) -> tuple[RoleSpec, Readiness]:
         cfg = self.cfg
         if cfg.etcd:
-            find: tuple[str, ...] = self._etcd("conductor")
+            find: tuple[str, ...] = self._etcd()
         else:
             find = ("--instances", ",".join(f"tcp://{local_url_host(cfg.advertise_host)}:{p}"
                                             for p in self.control.values()))
         store = (("--store-events", self.events_addr,
                   "--store-admin", f"http://127.0.0.1:{self.admin_port}") if cfg.store else ())
         argv = (*YUEBING, *self._v(), "serve", "conductor", "--host", cfg.host, "--port",
-                str(self.http_port), *find, *store, *cfg.conductor_args)
+                str(self.http_port), *find, *store,
+                *conductor_args(cfg.conductor, skip=MANAGED["conductor"]))
         expected = set(self.control)
         return RoleSpec("conductor", argv), HttpJson(
             self.base_url + "/health", lambda body: expected <= _instances_in_view(body))
@@ -281,8 +283,7 @@ def banner(plan: ServePlan, sup: Supervisor, model: str) -> str:
             "Ctrl-C stops every process.")
 
 
-def run_serve(cfg: ServeConfig, has_option: Callable[[str, str], bool] = lambda r, o: True,
-              out: TextIO = sys.stdout) -> int:
+def run_serve(cfg: ServeConfig, out: TextIO = sys.stdout) -> int:
     """Start every role, print the URL, watch until SIGINT/SIGTERM, stop everything.
     Returns the exit code: 0 after a signal, 1 if a role failed, 130 if stopped while
     starting. Call from the main thread."""
@@ -290,7 +291,7 @@ def run_serve(cfg: ServeConfig, has_option: Callable[[str, str], bool] = lambda 
     adopt_cluster_token(cfg.cluster_token)  # every child inherits it; readiness pings use it
     sup = Supervisor(cfg.supervisor)
     sup.install_signal_handlers()
-    plan = ServePlan(cfg, sup.log_dir, has_option)
+    plan = ServePlan(cfg, sup.log_dir)
     print(f"yuebing serve: starting; logs in {sup.log_dir}", file=out, flush=True)
     try:
         for stage in plan.stages():

@@ -1,23 +1,13 @@
 """Which predictors the Conductor's policy uses, and which instances they hold for.
 
-`LiveCluster` asks `Calibration.admit` about each joining instance's `Hello`:
-
-- with ``--predictors FILE``, the file holds as long as each instance runs the engine
-  configuration it was profiled on (``yuebing profile`` records it); an instance running
-  another is refused, the message naming both configurations;
-- without a file, the first instance that brings a start-up profile sets the predictor of
-  what it does (prefill: a prefill or coupled instance; decode: a decode or coupled one),
-  fitted here; later instances doing the same must run the same configuration.
-
-`DecodeDurations` learns the decode-duration distribution of the predictive early rejection
-forecast the same way: from the finished requests' decode times (first token to last), in place
-of the fixed ``--decode-durations-s``.
-
-Until a profile arrives the linear defaults (``--prefill-tokens-per-s``, ``--decode-step-s``)
-apply. Live, `observe` scales the prefill predictor by how long finished prefills really took
-against their estimate (an EWMA of the ratio; ``--predictor-online``), so contention and
-interference the profile did not see are predicted too. A change of predictors reaches the
-policy through ``on_change``.
+`LiveCluster` asks `Calibration.admit` about each joining instance's `Hello`: with
+``--predictors FILE`` an instance must run the engine configuration the file was profiled on;
+without one, the first instance bringing a start-up profile sets the predictor of what it does
+(prefill or decode), and later ones must match it. Until then the linear defaults apply. Live,
+`observe` scales the prefill predictor by how long finished prefills really took against their
+estimate (``--predictor-online``); a change reaches the policy through ``on_change``.
+`DecodeDurations` learns the forecast's decode durations from finished requests (first token
+to last), in place of the fixed ``--decode-durations-s``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
-"""`LiveCluster`: the Conductor's picture of its instances, turned into a `ClusterView` per request.
+"""`LiveCluster`: the Conductor's picture of its instances, turned into a `ClusterView` per
+request (all on the Conductor's loop; built by `conductor.service`, read by `conductor.dispatch`).
 
-Life cycle (all on the Conductor's event loop):
-
-1. `add(address)` (from ``--instances`` or etcd discovery) connects an `InstanceClient`,
-   subscribes and keeps the instance's `Hello`; an instance that does not answer yet is retried.
-2. Every `LoadReport` refreshes the instance's load and last-seen time, and its
-   ``cache_added``/``cache_removed`` (or a full resync) update the `KvIndex`. The store's KV
-   events update the index's ``store`` holder (`yuebing.conductor.kvfeed`).
-3. `view(info)` reduces the live members to the pure builder's inputs (`PrefillLoad`s,
-   `PrefixLookup`, `DecodeState`s, routed requests still in prefill) and calls
-   `yuebing.conductor.view.build_view`, the same builder the simulator uses.
-4. The liveness task marks an instance that sent no report for ``heartbeat_timeout_s`` dead, and
-   so does a dropped connection (`_on_link`: killed, or restarted at the same address): it
-   leaves the view, its cache leaves the index, and every open event stream on its client ends
-   with one ERROR naming the instance (so no request waits on it): the cluster is the one
-   owner of that ERROR for its clients, which leave it to their ``on_link``. A dead instance is
-   re-subscribed in the background and rejoins when it answers (a restarted one with its new
-   incarnation).
-
-The dispatcher (`yuebing.conductor.dispatch`) tells the cluster what it routed (`routed`,
-`admitted` out of the gate, `prefill_done`) so the load between two reports includes this
-Conductor's own work.
+`add(address)` connects an `InstanceClient` and subscribes; each `LoadReport` refreshes the
+member's load and its cache keys in the `KvIndex` (the store's holder comes from
+`conductor.kvfeed`). `view` reduces the live members to the pure builder's inputs
+(`conductor.view.build_view`, shared with the simulator). The dispatcher reports what it routed
+(`routed`, `admitted`, `prefill_done`) so the load between two reports includes its own work.
 """
 
 from __future__ import annotations
@@ -77,7 +62,13 @@ class Member:
 
 
 class LiveCluster:
-    """Members, their loads, the KV index and the routed-but-not-decoding requests."""
+    """Members, their loads, the KV index and the routed-but-not-decoding requests.
+
+    Liveness: an instance with no report for ``heartbeat_timeout_s``, or whose connection
+    dropped (`_on_link`), is dead: it leaves the view, its cache leaves the index, and every
+    open event stream on its client ends with one ERROR naming it (the cluster owns that ERROR
+    for its clients). A dead instance is re-subscribed in the background and rejoins when it
+    answers (a restarted one with its new incarnation)."""
 
     def __init__(self, heartbeat_timeout_s: float, rpc_timeout_s: float,
                  store_block_tokens: int, prefill_time: Callable[[float, float], float],

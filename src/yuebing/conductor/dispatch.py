@@ -1,28 +1,12 @@
-"""`Dispatcher`: one request from its token ids to the tokens relayed back.
+"""`Dispatcher`: one request from its token ids to the tokens relayed back; called by the HTTP
+routes with a validated `GenRequest`.
 
-Life cycle of a request (called by the HTTP routes with a validated `GenRequest`):
-
-1. Block keys of the prompt (`yuebing.instance.kvkeys.store_block_keys`), a `RequestInfo`,
-   the request's `ClusterView` (`LiveCluster.view`) and `Policy.decide`. A `Reject` raises
-   `Rejected` (the route answers 429 + Retry-After). Disaggregated when prefill and decode
-   instances are alive, else coupled over the coupled instances (the decode choice is then
-   re-taken on the chosen instance alone, so admission judges the instance that decodes).
-2. Disaggregated: the request waits for its turn on the prefill instance (`PrefillGate`: the
-   Conductor keeps each prefill instance's queue, in the policy's queue order, so decode KV is
-   not held by requests that cannot start yet), then ``reserve`` on the decode instance (retried while it has no free KV,
-   up to ``reserve_wait_s``), then ``submit`` of the prefill task with its `PrefixPlan` and the
-   reservation's `DecodeTarget`. Coupled: one ``submit``.
-3. Relay: the prefill's FIRST_TOKEN (one per choice with ``n > 1``: the one prefill samples
-   every choice's first token), then the decode's TOKENS … FINISH, as `Delta`s (decode events
-   that overtake the first token wait for it; each carries its choice's index). The instances' `Breakdown`s and token
-   times land in the request's `RequestStats`.
-
-Faults: an ERROR from an instance the cluster found dead (no heartbeats: `LiveCluster` fails
-its streams), or no answer to a call, before any token reached the client re-dispatches the
-request once; any other ERROR, or one after tokens were sent, raises `RequestFailed` (the
-route ends the stream with an error event). Every exit other than a finished request —
-errors, the request timeout, a client disconnect (the consumer closes the generator) —
-cancels the request on every instance involved, in the background, freeing their blocks.
+Life cycle: block keys → `RequestInfo` → the request's `ClusterView` → `Policy.decide` (a
+`Reject` raises `Rejected`: 429 + Retry-After). Disaggregated when prefill and decode instances
+are alive: the request waits for its turn in the prefill's `PrefillGate`, then ``reserve`` on
+the decode (retried up to ``reserve_wait_s`` while it has no free KV), then ``submit`` of the
+prefill task with its `PrefixPlan` and the `DecodeTarget`; else one coupled ``submit``. The
+instances' events are relayed as `Delta`s (decode events that overtake a first token wait).
 """
 
 from __future__ import annotations
@@ -85,7 +69,13 @@ _Events = AsyncIterator[tuple[TaskEvent, float]]
 """An instance client's `timed_events`: each event with its arrival time."""
 
 class Dispatcher:
-    """Routes and relays requests over one `LiveCluster` with one `Policy`."""
+    """Routes and relays requests over one `LiveCluster` with one `Policy`.
+
+    Faults: an ERROR from an instance the cluster found dead, or no answer to a call, before
+    any token reached the client re-dispatches the request once; any other ERROR, or one after
+    tokens were sent, raises `RequestFailed`. Every exit other than a finished request (errors,
+    the request timeout, a client disconnect) cancels it on every instance involved, in the
+    background, freeing their blocks."""
 
     def __init__(self, cluster: LiveCluster, policy: Policy, metrics: ConductorMetrics,
                  request_timeout_s: float, reserve_wait_s: float = 10.0) -> None:

@@ -1,24 +1,11 @@
 """`PrefillGate`: a prefill instance's queue, kept by the Conductor, so decode KV is reserved late.
 
-A disaggregated request holds decode KV from its ``reserve`` until the decode adopts its KV.
-Reserving at dispatch would let a long prefill queue hold decode KV it cannot use yet (new
-requests refused while the decode idles). So the dispatcher gives each prefill instance its
-requests only while the instance has fewer than ``max_tokens`` uncached prompt tokens in
-prefill (always at least one request); a request waits here holding nothing but its place, then
-reserves its decode blocks and is submitted. Its place is given back at its first token, when it
-fails or when it is cancelled. The waiting requests go in the policy's queue order
-(`yuebing.conductor.policy.queue`: FIFO, shortest prefill first with ageing, or earliest
-deadline first), the order the simulator's prefill nodes keep; the next in that order goes
-when it fits (a shorter one behind it does not slip past).
-
-With the default ``max_tokens`` (2,048) the instance itself holds at most one long prompt or a
-few short ones, so this is where a prefill instance's queue is, and where it is ordered.
-
-Called by `yuebing.conductor.dispatch.Dispatcher` (`acquire`, `release`) and by
-`yuebing.conductor.cluster.LiveCluster` (`fail` when the instance dies; `queued` for the
-view). The waiting requests are in the instance's load in the policy's view, as requests not
-started yet (`LiveCluster.routed`, `PrefillLoad.waiting`), so the TTFT estimate includes the
-time they wait here under the queue order. Event-loop only; not thread-safe.
+A request holds decode KV from its ``reserve`` until the decode adopts its KV; reserving at
+dispatch would let a long prefill queue hold KV it cannot use yet. So each prefill instance gets
+requests only while it has fewer than ``max_tokens`` uncached prompt tokens in prefill (at least
+one request); the others wait here, holding only their place, in the policy's queue order
+(`conductor.policy.queue`), the order the simulator keeps. Called by `conductor.dispatch`
+(`acquire`, `release`) and `conductor.cluster` (`fail`, `queued`). Event-loop only.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The store's side of the Conductor's KV index: which store-block keys the store holds.
 
-`StoreHoldings` (pure, on the event loop) keeps key → segments from the master's `KvEvents`
-(STORED on / REMOVED from segments) and tells the `KvIndex` when a key enters the store (first
-segment) or leaves it (last segment gone). Only keys of this cluster's KV fingerprint count
-(`yuebing.instance.kvkeys.parse_store_key`).
-
-`StoreFeed` runs a `KvEventSubscriber` in a daemon thread and hands each batch to the loop.
-Batches sent before the subscription settled, or lost in a gap (``seq`` jumps), are repaired by
-a resync: the committed keys are listed from the master's admin ``/keys`` (when ``admin_url``
-is given) and replace the store holder's keys; events that follow are applied on top. A key
-listed by the resync has unknown segments, so a later REMOVED of any segment drops it (a miss
-only costs a recompute, never wrong KV).
+`StoreHoldings` (pure, on the loop) keeps key → segments from the master's `KvEvents` and tells
+the `KvIndex` when a key enters the store or leaves it (only keys of this cluster's KV
+fingerprint). `StoreFeed` runs a `KvEventSubscriber` in a daemon thread, hands each batch to the
+loop, and repairs a gap by a resync from the master's admin ``/keys``. Built by
+`conductor.service`.
 """
 
 from __future__ import annotations
@@ -77,7 +71,12 @@ class StoreHoldings:
 
 
 class StoreFeed:
-    """Follows the master's event stream from a thread (see the module docstring)."""
+    """Follows the master's event stream from a thread (see the module docstring).
+
+    Batches sent before the subscription settled, or lost in a gap (``seq`` jumps), are repaired
+    by a resync: the committed keys listed from ``admin_url``'s ``/keys`` replace the store
+    holder's keys, and events that follow apply on top. A resynced key has unknown segments, so a
+    later REMOVED of any segment drops it (a miss only costs a recompute, never wrong KV)."""
 
     def __init__(self, events_address: str, admin_url: str, holdings: StoreHoldings,
                  loop: asyncio.AbstractEventLoop) -> None:

@@ -1,20 +1,11 @@
-"""The relay's fast path: token deltas written into their HTTP response by the instance
-client's reader, with no queue, task wake-up or generator chain per token.
+"""The relay's fast path: token deltas written into their HTTP response by the instance client's
+reader, with no queue, task wake-up or generator chain per token. Used by `conductor.server`
+(`SseResponse`, `Pusher`) and `conductor.dispatch` (`token_sink`).
 
-A decode step's events for every request on one Conductor arrive in one frame. Through the
-queue path each event costs a queue put, a task wake-up, six async generators and Starlette's
-send loop before its bytes reach the socket, and the last stream of a 50-stream frame waits for
-the 49 before it. On the fast path the reader (`InstanceClient`) hands a plain TOKENS event to
-the request's sink (`Dispatcher._relay` installs it once the first token is out), which renders
-the chunk and drives the response's ASGI ``send`` to completion right there — for a body chunk
-uvicorn's ``send`` writes to the transport and returns without suspending unless the client
-stopped reading (flow control), and then the rest of that send finishes in a task
-(`_resume`) that the response's own next write waits for (`Pusher.hold`).
-
-Everything else (the first token, FINISH, errors, the request's timer, an event that found
-earlier ones still queued) takes the queue path, so order and the dispatcher's rules are the
-same. Used by `yuebing.conductor.server` (`SseResponse`, `Pusher`) and
-`yuebing.conductor.dispatch` (`token_sink`).
+The reader (`InstanceClient`) hands a plain TOKENS event to the request's sink (installed by
+`Dispatcher._relay` once the first token is out), which renders the chunk and drives the
+response's ASGI ``send`` right there. Everything else (first token, FINISH, errors, the timer,
+an event behind queued ones) takes the queue path, so order and rules are the same.
 """
 
 from __future__ import annotations
@@ -40,7 +31,13 @@ class Pusher:
 
     The response's own generator (`yuebing.conductor.server`) sets ``waiting`` while it waits
     for its next delta; `ready` is true only then, once the response has started and no pushed
-    send is still pending, so a pushed chunk never overtakes one the generator yields."""
+    send is still pending, so a pushed chunk never overtakes one the generator yields.
+
+    Through the queue path each event costs a queue put, a task wake-up, six async generators
+    and Starlette's send loop, and the last stream of a 50-stream frame waits for the 49 before it.
+    For a body chunk uvicorn's ``send`` writes to the transport and returns without suspending
+    unless the client stopped reading; then the rest of that send finishes in a task (`_resume`)
+    that the response's own next write waits for (`hold`)."""
 
     __slots__ = ("send", "waiting", "pending", "failed", "render", "_observe")
 

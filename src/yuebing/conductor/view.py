@@ -1,21 +1,12 @@
 """Building the policy's `ClusterView`: the one pure view builder of the simulator and the live
-Conductor.
+Conductor, both of which call `build_view` for every arriving request.
 
-Both adapters call `build_view` for every arriving request. Each owns its own sources — the
-simulator its event-loop state and `yuebing.sim.kvpool.GlobalKVPool`, the live Conductor the
-instances' load reports (`yuebing.conductor.cluster`) and a `KvIndex` fed by the store's KV
-events and the instances' cache changes — and reduces them to the same three inputs:
-
-- per prefill instance, in a fixed order, a `PrefillLoad` (queued work in seconds, queued
-  requests, the requests among them not started yet);
-- a `PrefixLookup` of the request's block keys: the leading blocks each prefill instance holds
-  locally, and the longest run held anywhere with its holder;
-- per decode instance a `DecodeState`; plus the routed requests still in prefill.
-
-The semantics of a lookup (shared with ``yuebing trace hit-rate``): an instance reuses the
-longest run of the request's *leading* blocks it holds; the best holder is the first, in
-`KvIndex.lookup`'s order, of those holding the longest run. Nothing here reads a clock or does
-I/O, so a parity test can feed both adapters the same inputs and compare decisions.
+Each adapter reduces its own sources (the simulator's state and `GlobalKVPool`; the live
+instances' reports and a `KvIndex` fed by store and cache events) to the same inputs: a
+`PrefillLoad` per prefill instance, a `PrefixLookup` of the request's leading blocks (each
+instance's local run, the longest run anywhere and its holder), a `DecodeState` per decode
+instance and the routed requests still in prefill. No clock, no I/O: the parity test feeds both
+adapters the same inputs and compares decisions.
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ trust, or in a tunnel).
 from __future__ import annotations
 
 import ipaddress
-import os
 
+from yuebing.core import env
 from yuebing.core.errors import ConfigError
 
-CLUSTER_TOKEN_ENV = "YUEBING_CLUSTER_TOKEN"
+CLUSTER_TOKEN_ENV = env.CLUSTER_TOKEN
 """Environment variable holding the cluster token (default of every ``--cluster-token``)."""
 
 TOKEN_HELP = ("shared secret every RPC/control port of the cluster requires (required when a "
@@ -30,14 +30,14 @@ TOKEN_HELP = ("shared secret every RPC/control port of the cluster requires (req
 
 def env_cluster_token() -> str:
     """The token from ``YUEBING_CLUSTER_TOKEN`` ('' when unset)."""
-    return os.environ.get(CLUSTER_TOKEN_ENV, "")
+    return env.cluster_token()
 
 
 def adopt_cluster_token(token: str) -> None:
     """Make ``token`` (a role's ``--cluster-token``) the process's, so the dialers that default
     to the environment (store clients, instance clients) send it too."""
     if token:
-        os.environ[CLUSTER_TOKEN_ENV] = token
+        env.set_cluster_token(token)
 
 
 def host_of(address: str) -> str:

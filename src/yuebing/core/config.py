@@ -83,27 +83,41 @@ def _base_type(tp: Any) -> Any:
     return tp
 
 
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+
+
 def add_config_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
-                    only: Collection[str] | None = None) -> None:
+                    only: Collection[str] | None = None, defaults: Any = None) -> None:
     """Add one ``--flag`` per field of dataclass ``cls`` (bools become ``--x/--no-x``), or per
     field named in ``only`` (a command that uses a few of them offers no flags it ignores).
 
-    Nested dataclass fields are skipped (compose them with their own prefix). Defaults are left
+    A nested dataclass field is skipped (compose it with its own prefix) unless its metadata
+    names ``"flags"``: those fields of it (``only`` may name them) become flags of this
+    command, with the nested default's values (``defaults``) as theirs. Defaults are left
     as ``None`` so `config_from_args` only overrides what the user typed. A field whose
     metadata says ``"secret": True`` (the cluster token) never shows its default in the help.
     """
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = set(config_flags(cls))
     if only is not None and not set(only) <= names:
         raise ValueError(f"{cls.__name__} has no fields {sorted(set(only) - names)}")
     for f in dataclasses.fields(cls):
-        if not f.init or (only is not None and f.name not in only):
-            continue
         tp = _base_type(hints[f.name])
-        if dataclasses.is_dataclass(tp):
+        default = _default(f)
+        if f.init and dataclasses.is_dataclass(tp) and "flags" in f.metadata:
+            # a composed config whose named fields are flags here
+            nested = [n for n in f.metadata["flags"] if only is None or n in only]
+            add_config_args(parser, typing.cast(type, tp), prefix, only=nested,
+                            defaults=default)
             continue
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        if not f.init or (only is not None and f.name not in only) or \
+                dataclasses.is_dataclass(tp):
+            continue
+        if defaults is not None:
+            default = getattr(defaults, f.name)
         help_text = f.metadata.get('help', '')
         if not f.metadata.get("secret"):  # a secret's default (from the environment) stays unseen
             help_text += f" (default: {default})"
@@ -123,6 +137,21 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, prefix: str = ""
             parser.add_argument(flag, dest=dest, type=str, default=None, help=help_text)
 
 
+def config_flags(cls: type) -> tuple[str, ...]:
+    """The names of the flags `add_config_args` can make for ``cls``: its init fields that are
+    not configs, and the ``"flags"`` named by its composed ones."""
+    hints = typing.get_type_hints(cls)
+    out: list[str] = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if dataclasses.is_dataclass(_base_type(hints[f.name])):
+            out += f.metadata.get("flags", ())
+        else:
+            out.append(f.name)
+    return tuple(out)
+
+
 def _tuple_of(item: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
     """An argparse ``type=`` converter for a comma-separated tuple of ``item`` values."""
     def convert(text: str) -> tuple[Any, ...]:
@@ -135,6 +164,14 @@ def config_from_args(cls: type[C], ns: argparse.Namespace, prefix: str = "", **b
     """Build ``cls`` from parsed flags: ``base`` values, overridden by flags the user gave."""
     values = dict(base)
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if "flags" in f.metadata:
+            nested = values.get(f.name, _default(f))
+            given = {n: getattr(ns, prefix + n) for n in f.metadata["flags"]
+                     if getattr(ns, prefix + n, None) is not None}
+            if given:
+                values[f.name] = config_from_args(type(nested), ns, prefix,
+                                                  **{**_values(nested), **given})
+            continue
         v = getattr(ns, prefix + f.name, None)
         if v is not None:
             values[f.name] = v
@@ -142,6 +179,41 @@ def config_from_args(cls: type[C], ns: argparse.Namespace, prefix: str = "", **b
         return cls(**values)
     except TypeError as e:
         raise ConfigError(f"{cls.__name__}: {e}") from None
+
+
+def _values(cfg: Any) -> dict[str, Any]:
+    """A config's init fields by name (nested configs kept as objects)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
+
+
+def config_args(cfg: Any, prefix: str = "", skip: Collection[str] = ()) -> tuple[str, ...]:
+    """The flags that rebuild ``cfg`` through `add_config_args` + `config_from_args`: one per
+    field whose value differs from its default (fields in ``skip`` and secrets left out; a
+    composed config's flagged fields included). The supervisor starts its children with these."""
+    out: list[str] = []
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, default = getattr(cfg, f.name), _default(f)
+        if not f.init or f.name in skip or f.metadata.get("secret") or value == default:
+            continue
+        if dataclasses.is_dataclass(value):
+            if "flags" in f.metadata:
+                out += [a for n in f.metadata["flags"] if n not in skip and
+                        getattr(value, n) != getattr(default, n)
+                        for a in _flag_value(_flag(prefix, n), getattr(value, n))]
+            continue
+        if dataclasses.is_dataclass(_base_type(hints[f.name])):
+            continue
+        out += _flag_value(_flag(prefix, f.name), value)
+    return tuple(out)
+
+
+def _flag_value(flag: str, value: Any) -> list[str]:
+    if isinstance(value, bool):
+        return [flag if value else "--no-" + flag[2:]]
+    if isinstance(value, tuple | list):
+        return [flag, ",".join(map(str, value))]
+    return [flag, str(value)]
 
 
 def replace(cfg: C, **changes: Any) -> C:

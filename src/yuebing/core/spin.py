@@ -1,26 +1,10 @@
-"""`Spinner`: bounded, adaptive busy-polling before a blocking wait.
+"""`Spinner`: bounded, adaptive busy-polling before a blocking wait; `GapPredictor`: whether a
+server should spin for its next request.
 
-It lives in `core` because both the transfer engine and the store use it. Who calls it: the
-inline TCP path (`transfer.transport.tcp_inline.InlineConn`, waiting for a peer's answer) and the
-store's RPC framing (`yuebing.store.wire`: a client waiting for the master's reply, the master
-waiting for the next request), each from its own thread, just before it would block in the
-kernel. A process that sleeps waiting for a loopback answer is woken by an inter-processor
-interrupt, which on a virtual machine without guest halt-polling costs ~20 us — more than the
-master's work per call. Polling for a short window instead avoids that wake-up.
-
-Between polls the thread yields the CPU (``sched_yield``), so a peer sharing the CPU (the
-master, when client and master run on one core) runs first. When the CPU is contended by other
-work the yield hands it away for a whole time slice, and a task that never sleeps loses the
-wake-up preemption a sleeping one gets — spinning then costs milliseconds. So a yield that
-takes longer than `LOST_S` without the awaited event turns spinning off for a back-off period
-that doubles with every loss up to `MAX_BACKOFF_S` and halves with every spin that catches its
-event (on a busy machine spinning resumes about once a second, costing at most one lost time
-slice per second; once the machine is quiet again it is back within a few calls); the caller
-then blocks as usual.
-
-A server that spins after every request it serves (the store master) also uses a
-`GapPredictor`: it spins only while requests have recently been arriving within the window, so a
-steady trickle of requests further apart than the window (heartbeats) costs no spinning at all.
+In `core` because two packages use it, each from its own thread just before it would block:
+the inline TCP path (`transfer.transport.tcp_inline`) and the store's RPC framing (`store.wire`,
+client and master). On a virtual machine without guest halt-polling, waking a sleeping process
+costs ~20 µs — more than the master's work per call; polling a short window avoids it.
 """
 
 from __future__ import annotations
@@ -39,7 +23,13 @@ MAX_BACKOFF_S = 1.0
 
 
 class Spinner:
-    """Per-thread spin state (not thread-safe: one per connection / serving loop)."""
+    """Per-thread spin state (not thread-safe: one per connection / serving loop).
+
+    Between polls the thread yields (``sched_yield``) so a peer on the same CPU runs first. On a
+    contended CPU a yield can hand the CPU away for a whole time slice, so a yield longer than
+    `LOST_S` without the event turns spinning off for a back-off that doubles per loss up to
+    `MAX_BACKOFF_S` and halves per spin that catches its event (at most one lost slice a second on
+    a busy machine); the caller then blocks as usual."""
 
     __slots__ = ("_backoff", "_off_until", "lost")
 
@@ -83,7 +73,10 @@ class Spinner:
 class GapPredictor:
     """Whether the next request is likely to arrive within ``window_s``: an exponentially
     weighted mean of the gaps between arrivals (each gap capped at 4 windows, so one idle period
-    does not disable spinning for long). Called by a serving loop once per arrival."""
+    does not disable spinning for long). Called by a serving loop once per arrival.
+
+    A server that spins after every request (the store master) spins only while requests have
+    recently arrived within the window, so a trickle further apart (heartbeats) costs no spinning."""
 
     __slots__ = ("_last", "alpha", "mean", "window_s")
 

@@ -1,28 +1,12 @@
-"""Paged attention over the KV pool: the torch paths and the registry of all paths.
+"""Paged attention over the KV pool: the torch paths and the registry of all paths; called by
+`LlamaModel.forward` once per layer and step.
 
-Called by `LlamaModel.forward` once per layer and step. A step's tokens are laid out flat:
-first one token per decoding sequence, then the chunk of each prefilling sequence. Each
-layer writes its new K/V into the pool at the tokens' slots (`write_kv`), then runs
-
-- **decode** for all decoding sequences at once: the context blocks of every sequence are
-  gathered with one ``index_select`` straight into ``[seq·kv_head, tokens, head_dim]`` (the
-  pool's per-layer layout ``[blocks, kv_heads, block_size, head_dim]`` makes that one copy) and
-  attention is two grouped batched matmuls (``grouped``) or ``scaled_dot_product_attention``
-  (``sdpa``);
-- **prefill** per sequence: its whole context (cached prefix + this chunk) gathered the same
-  way, causal mask offset by the cached length; grouped matmuls over query tiles or SDPA.
-
-In batch-invariant mode (``EngineConfig.batch_invariant``) neither runs: every token of the
-step, decode or prefill, attends alone to its own context through one `TOKEN_IMPLS` path
-(``tokens_loop`` here, the native ``paged`` kernel from `yuebing.engine.kernels`), so its result
-does not depend on the rest of the batch.
-
-Other modules register more paths when imported (`register_decode` / `register_prefill`, with
-the dtypes and devices they run on): ``paged`` decode and ``flash`` prefill over the native
-kernels (`yuebing.engine.kernels`), ``blas`` prefill on MKL's bf16 GEMM
-(`yuebing.engine.blas_attention`). `choose_attention` times every allowed path of each kind when
-the engine starts (``attention`` / ``prefill_attention`` = ``auto``) and the engine keeps the
-fastest.
+A step's tokens are laid out flat: one per decoding sequence, then each prefilling sequence's
+chunk. Each layer writes its new K/V at the tokens' slots (`write_kv`), then runs **decode**
+for all decoding sequences at once (contexts gathered with one ``index_select``; ``grouped``
+matmuls or ``sdpa``) and **prefill** per sequence (cached prefix + chunk, causal mask offset).
+Batch-invariant engines run one `TOKEN_IMPLS` path per token instead. Other modules register
+more paths (``paged``, ``flash``, ``blas``); `choose_attention` times the allowed ones at start.
 """
 
 from __future__ import annotations
@@ -291,7 +275,14 @@ def choose_attention(num_kv_heads: int, num_heads: int, head_dim: int, dtype: to
                      ) -> tuple[str, str, dict[str, float]]:
     """Time the decode and prefill paths on this device/dtype; return the faster names
     (decode, prefill) and all timings in seconds. ``decode_names`` / ``prefill_names`` limit
-    the candidates (default: every registered one that supports this dtype/device)."""
+    the candidates (default: every registered one that supports this dtype/device).
+
+    With ``attention`` / ``prefill_attention`` = ``auto`` the engine keeps the fastest path of each
+    kind; registered paths name the dtypes and devices they run on (`register_decode`,
+    `register_prefill`): ``paged`` decode and ``flash`` prefill over the native kernels
+    (`engine.kernels`), ``blas`` prefill on MKL's bf16 GEMM (`engine.blas_attention`). In
+    batch-invariant mode every token attends alone to its own context (``tokens_loop``, or the
+    native ``paged`` kernel), so its result does not depend on the rest of the batch."""
     bs = 16
     blocks = batch * context // bs
     k_cache = torch.randn(blocks, num_kv_heads, bs, head_dim, device=device).to(dtype)

@@ -1,20 +1,11 @@
-"""Causal prefill attention on MKL's bf16 x bf16 -> fp32 GEMM (``prefill_blas``).
+"""Causal prefill attention on MKL's bf16 × bf16 → fp32 GEMM (``prefill_blas``), called through
+`PREFILL_IMPLS` by `LlamaModel._attention` when `choose_attention` measured it fastest.
 
-Called through `PREFILL_IMPLS` by `LlamaModel._attention` for each prefilling sequence of a
-step, when `choose_attention` measured it fastest on this machine. Torch's CPU SDPA runs bf16
-causal attention at ~35-60 GFLOP/s on a 2-core AVX-512 CPU; plain bf16 ``bmm`` is ~400 GFLOP/s
-but rounds the attention scores to bf16, which visibly corrupts a small model's answers, and an
-fp32 ``bmm`` over upcast K pays for the copy and runs at fp32 speed. MKL (linked into every
-x86-64 torch build as ``libtorch_cpu``) has ``cblas_gemm_bf16bf16f32``: bf16 inputs, exact fp32
-products and sums, fp32 output. So per tile of queries:
-
-1. ``scores = scale * Q_tile @ K[:end]^T`` in fp32 through that GEMM, one call per KV head with
-   the head's query group stacked as rows (``end`` = the last key the tile may see: causal);
-2. the diagonal block masked, softmax in fp32, probabilities cast to the model dtype;
-3. ``P @ V`` as a bf16 ``bmm`` (oneDNN; fp32 accumulation inside, output in the model dtype).
-
-`available` says whether the GEMM symbol was found (x86-64 torch builds with MKL); where it is
-not, the implementation is simply not registered and the torch paths remain.
+Torch's CPU SDPA runs bf16 causal attention at ~35–60 GFLOP/s on 2 AVX-512 cores; a bf16
+``bmm`` is ~400 GFLOP/s but rounds the scores to bf16, which corrupts a small model's answers.
+MKL's ``cblas_gemm_bf16bf16f32`` takes bf16 inputs with exact fp32 products and output: per
+query tile, scores through it (one call per KV head), fp32 softmax, then ``P @ V`` as a bf16
+``bmm``. Where the symbol is missing (`available`) the path is not registered.
 """
 
 from __future__ import annotations

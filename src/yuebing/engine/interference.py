@@ -1,25 +1,11 @@
-"""Interference between two engines sharing one machine (``yuebing profile --interference``).
+"""Interference between two engines sharing one machine (``yuebing profile --interference``;
+called by the CLI's ``_run_profile`` after the grid).
 
-Live on this machine a prefill and a decode instance run one engine thread each on the same
-host (sharing its last-level cache and memory bandwidth, and its cores with the Conductor and
-the load generator). A decode step that runs while the prefill instance computes takes longer
-than the profile's step measured with the machine to itself, and a prefill that runs while the
-decode instance steps takes longer than its profiled time. This module measures both:
-
-- decode: the median step time of ``batch`` sequences holding ``context`` tokens, alone and
-  with a neighbour process prefilling ``NEIGHBOUR_PREFILL_TOKENS``-token prompts back to back;
-- prefill: the median time to first token of ``new`` tokens, alone and with a neighbour
-  decoding ``NEIGHBOUR_DECODE_BATCH`` sequences continuously.
-
-Alone and shared rounds alternate (the neighbour is paused between its units of work, not
-restarted), so drift in the machine's other load affects both alike; each point's value is the
-median over the rounds.
-
-The neighbour is a spawned process running its own `LLMEngine` with the same `EngineConfig`
-(model, dtype, threads) as the timed engine, as the live instances do. Called by the CLI's
-``_run_profile`` after the grid; the result (`Interference`, the factors = shared / alone,
-geometric means over the points) is stored in the samples file (`ProfileSamples.interference`)
-and read by the simulator's colocated mode (`yuebing.sim.colocation`).
+Live, a prefill and a decode instance share a host (its cache, memory bandwidth and cores):
+each runs slower beside the other than its profile measured alone. `measure_interference`
+times decode steps beside a prefilling neighbour process and prefills beside a decoding one,
+alone and shared rounds alternating; the factors (shared / alone, geometric means) go into the
+samples file (`ProfileSamples.interference`) for the simulator's colocated mode.
 """
 
 from __future__ import annotations
@@ -170,7 +156,14 @@ def measure_interference(engine: LLMEngine, decode_points: Sequence[tuple[int, i
                          progress: Callable[[str], None] | None = None) -> Interference:
     """Time each decode point alone and beside a prefilling neighbour, each prefill point alone
     and beside a decoding neighbour, alternating alone and shared rounds ``repeats`` times;
-    medians per point (see module docstring)."""
+    medians per point (see module docstring).
+
+    Decode: the median step time of ``batch`` sequences holding ``context`` tokens, alone and
+    beside a neighbour prefilling ``NEIGHBOUR_PREFILL_TOKENS``-token prompts back to back. Prefill:
+    the median time to first token of ``new`` tokens, alone and beside a neighbour decoding
+    ``NEIGHBOUR_DECODE_BATCH`` sequences. The neighbour is a spawned process with its own
+    `LLMEngine` of the same `EngineConfig`, paused (not restarted) between its units of work, so
+    drift in the machine's other load affects both kinds of round alike."""
     if not decode_points or not prefill_points:
         raise InputError("interference needs at least one decode and one prefill point")
     if repeats < 1:

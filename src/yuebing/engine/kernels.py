@@ -1,21 +1,11 @@
 """The decoder's small per-layer ops behind one seam: plain torch or native C++ kernels.
 
-`LlamaModel.forward` calls a `KernelOps` once per layer and step for everything but the matmuls
-and attention: RMSNorm (the residual add fused in), RoPE on q/k together with the K/V cache
-write, and SiLU(gate)·up. The engine picks the implementation once at start-up with
-`resolve_kernels` from ``EngineConfig.kernels``:
-
-- ``torch`` — `TorchOps`, the reference (a dozen small torch ops per layer; runs anywhere);
-- ``native`` — `NativeOps` over ``torch.ops.yuebing.*`` (`yuebing.engine.native` builds them on
-  first use); CPU only, and it fails with `ConfigError` if they cannot be built;
-- ``auto`` — native on CPU when the build works, else torch after one warning.
-
-Importing this module also registers the native paged decode attention as the ``paged`` entry of
-`DECODE_IMPLS` (and, for batch-invariant mode, as the ``paged`` entry of `TOKEN_IMPLS`) and the
-native causal flash prefill attention (bf16, AVX512-BF16 micro-kernels) as
-the ``flash`` entry of `PREFILL_IMPLS` (both read K/V in place through the block table; usable
-once the kernels are loaded), so `choose_attention` can measure them against the torch paths.
-`NATIVE_ATTENTION` names them, for the engine to drop them when it runs the torch ops.
+`LlamaModel.forward` calls a `KernelOps` once per layer and step for RMSNorm (residual fused),
+RoPE with the K/V cache write, and SiLU(gate)·up. `resolve_kernels` picks it at start-up from
+``EngineConfig.kernels``: ``torch`` (`TorchOps`, the reference), ``native`` (`NativeOps` over
+``torch.ops.yuebing``; CPU; fails if it cannot be built) or ``auto``. Importing this module
+also registers the native ``paged`` decode (and batch-invariant token) attention and ``flash``
+prefill attention, so `choose_attention` can measure them; `NATIVE_ATTENTION` names them.
 """
 
 from __future__ import annotations

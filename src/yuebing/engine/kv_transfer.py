@@ -1,22 +1,11 @@
 """Moving KV between engines: whole blocks, whole requests, or layer by layer.
 
-Who calls what: the decode instance (`yuebing.instance.decode`) reserves blocks for a request
-whose KV a prefill streams in (`reserve_blocks`) and adopts the request once it landed
-(`adopt_request`; `adopt_choices` for n > 1, forking the prompt's blocks per choice); the KV connector and the peer fetch (`yuebing.instance.connector`,
-`yuebing.instance.prefix`) install a prefix loaded from the store or another instance into the
-prefix cache (`import_prefix`). The prefill instance streams with its own layer hook
-(`yuebing.instance.streaming.KvStreamer`) and saves blocks through the connector, so the forms
-below marked "engine API" are called by the engine's tests only, no instance uses them:
-
-- `export_request` / `import_request` (engine API): the KV of a request's computed tokens as
-  one contiguous ``[blocks, layers, 2, kv_heads, block_size, head_dim]`` buffer plus its tokens
-  (`RequestKV`); the import allocates blocks, writes the buffer, publishes the full blocks in the
-  prefix cache and queues the request to continue decoding where it stopped.
-- `export_prefix` (engine API) / `import_prefix`: cached prefix blocks by token content; the
-  import loads a reusable prefix before a request is scheduled.
-- `LayerStreamer` (engine API): a layer hook that hands each layer's freshly written KV of
-  watched requests to a callback while the next layer computes (the blocks of one layer are a
-  zero-copy view when consecutive).
+The decode role reserves blocks for a request whose KV a prefill streams in (`reserve_blocks`)
+and adopts it once it landed (`adopt_request`, `adopt_choices` for n > 1); the KV connector and
+the peer fetch install a loaded prefix in the prefix cache (`import_prefix`). The other forms
+(`export_request` / `import_request`, `export_prefix`, `LayerStreamer`) are the engine's API,
+used by its tests only: the prefill role streams with its own hook
+(`instance.streaming.KvStreamer`).
 """
 
 from __future__ import annotations
@@ -52,7 +41,10 @@ class RequestKV:
 
 
 def export_request(engine: LLMEngine, request_id: str) -> RequestKV:
-    """Snapshot a live request's KV (all tokens computed so far)."""
+    """Snapshot a live request's KV (all tokens computed so far).
+
+    Engine API: the KV of a request's computed tokens as one contiguous ``[blocks, layers, 2,
+    kv_heads, block_size, head_dim]`` buffer plus its tokens (`RequestKV`)."""
     seq = engine.get_sequence(request_id)
     if seq is None:
         raise InputError(f"unknown or finished request {request_id!r}")

@@ -1,23 +1,11 @@
-"""Matmul weights of the model, optionally pre-packed for oneDNN on CPU.
+"""Matmul weights of the model, optionally pre-packed for oneDNN on CPU; `LlamaModel` wraps each
+projection in a `Linear` when it is built and calls it once per layer and step.
 
-`LlamaModel` wraps each projection (fused QKV, output, fused gate/up, down, lm_head) in a
-`Linear` when it is built, and calls it once per layer and step. On CPU in bfloat16/float16,
-``F.linear`` hands a plain row-major weight to oneDNN, which re-lays it out into its blocked
-format on every call (a full extra pass over the weight); at decode batch sizes that pass is as
-costly as the matmul itself. `pack_weight` does that re-layout once at load time
-(``torch.ops.mkldnn._reorder_linear_weight``) and `Linear.__call__` then runs
-``torch.ops.mkldnn._linear_pointwise`` on the packed weight. float32, CUDA, builds without
-oneDNN, or a packing call that fails keep the plain ``F.linear`` path (same math);
-``EngineConfig.packed_weights`` switches packing off, and ``benchmarks/engine_hotpath.py``
-measures both paths side by side.
-
-Batch invariance (``EngineConfig.batch_invariant``): a row's product must not depend on how
-many rows are multiplied with it. oneDNN picks its kernel by row count, and on CPUs with
-native bf16 (AVX-512 BF16, AMX) the kernel for fewer than 8 rows sums over the inner
-dimension in another order than the kernel for 8 or more. `invariant_min_rows` finds, once
-per engine, the smallest row count from which every matmul of the model gives each row the
-same bits at any row count; `Linear` then pads smaller inputs up to it (zero rows, dropped
-after), so a decode step of 3 sequences computes exactly like a 2,000-token prefill chunk.
+On CPU in bf16/fp16, ``F.linear`` re-lays a row-major weight out into oneDNN's blocked format on
+every call — at decode batch sizes as costly as the matmul. `pack_weight` does it once at load
+and `Linear` runs oneDNN's linear on the packed weight (``EngineConfig.packed_weights``;
+float32, CUDA or a failed packing keep ``F.linear``). `invariant_min_rows` serves batch
+invariance: inputs shorter than it are padded, so a row's bits never depend on the row count.
 """
 
 from __future__ import annotations
@@ -129,7 +117,11 @@ def invariant_min_rows(linears: list[Linear], seed: int = 0) -> int | None:
     candidate, the first rows multiplied in slices of each row count of `_PROBE_ROWS` must
     equal, bit for bit, the same rows of one `_PROBE_FULL`-row call. Verdicts are kept for the
     process (an engine built again with the same shapes pays nothing).
-    """
+
+    oneDNN picks its kernel by row count, and on CPUs with native bf16 (AVX-512 BF16, AMX) the
+    kernel for fewer than 8 rows sums over the inner dimension in another order than the one for 8
+    or more. Found once per engine; `Linear` then pads smaller inputs up to it (zero rows, dropped
+    after), so a decode step of 3 sequences computes exactly like a 2,000-token prefill chunk."""
     gen = torch.Generator().manual_seed(seed)
     probes: dict[tuple[int, int], Linear] = {}
     for lin in sorted(linears, key=lambda lin: lin.shape[0] * lin.shape[1]):

@@ -1,22 +1,11 @@
-"""Building and loading yuebing's native CPU kernels (``csrc/*.cpp`` → ``torch.ops.yuebing.*``).
+"""Building and loading yuebing's native CPU kernels (``csrc/*.cpp`` → ``torch.ops.yuebing.*``);
+`load` is called by the first engine whose ``kernels`` is ``auto`` or ``native``, and ahead of
+time by ``yuebing engine build-kernels``.
 
-Life cycle: the first engine that resolves ``kernels`` to ``auto`` or ``native`` calls `load`.
-When ``~/.cache/yuebing/kernels/<key>/yuebing_kernels_<key>.so`` exists it is loaded directly
-with ``torch.ops.load_library`` (no compiler, no ninja, ~50 ms). The key hashes everything the
-library depends on: the sources and their directory, the flags, the torch version and
-installation, the interpreter prefix (the venv), ``$CXX`` and the compiler's version, and this
-CPU's model and flags, so two checkouts, venvs or compilers never share (or relink) one build and
-a cache shared between machines never hands one CPU another's build. Otherwise the process takes
-an ``fcntl.flock`` on ``<key>.lock`` (the kernel drops it if the holder dies, so a killed build
-never blocks later ones), looks again (another process may have finished while it waited),
-compiles the C++ sources shipped in the package with ``torch.utils.cpp_extension.load``
-(``-O3 -march=native``: built on the machine that runs them) in a private ``<key>.tmp-<pid>``
-directory and moves the finished library into place with an atomic ``os.replace``, so readers
-see either no library or a complete one. The library registers its operators with
-``TORCH_LIBRARY(yuebing, ...)`` when loaded, once per process. `load` reports success or failure
-(with the reason, cached for the process; an unwritable cache is a failure, not an exception);
-``yuebing engine build-kernels`` runs it ahead of time so the first request does not pay the
-compile (~30 s on 2 cores).
+A built library is cached under a key hashing everything it depends on (sources, flags, torch,
+venv, compiler, this CPU), so checkouts, venvs, compilers and machines never share a build.
+`load` loads a cached one at once, else builds it under a file lock into a private directory
+and moves it into place atomically. It reports success or failure, never raises.
 """
 
 from __future__ import annotations
@@ -41,6 +30,8 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+
+from yuebing.core import env
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +73,7 @@ def _cpu_identity() -> str:
 def cflags() -> tuple[str, ...]:
     """Compiler flags: `CFLAGS` plus the debug knob ``$YUEBING_KERNELS_CFLAGS`` (e.g.
     ``-mno-avx512f`` builds the portable code paths, as on a CPU without AVX-512)."""
-    return CFLAGS + tuple(os.environ.get("YUEBING_KERNELS_CFLAGS", "").split())
+    return CFLAGS + env.kernels_cflags()
 
 
 @functools.lru_cache(maxsize=8)
@@ -107,7 +98,7 @@ def build_key() -> str:
         h.update((source_dir() / name).read_bytes())
     compiler = _compiler()
     for part in (" ".join(cflags() + LDFLAGS), torch.__version__, os.path.dirname(torch.__file__),
-                 str(source_dir()), sys.prefix, os.environ.get("CXX", ""), str(compiler),
+                 str(source_dir()), sys.prefix, env.compiler(), str(compiler),
                  _compiler_version(compiler), _cpu_identity()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
@@ -115,12 +106,11 @@ def build_key() -> str:
 
 def cache_dir() -> Path:
     """Parent of the build directories (``$XDG_CACHE_HOME/yuebing/kernels`` or ~/.cache/...)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "yuebing" / "kernels"
+    return env.cache_home() / "yuebing" / "kernels"
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "c++"))
+    return shutil.which(env.compiler() or "c++")
 
 
 def _first_error(text: str) -> str:
@@ -136,7 +126,7 @@ def _ensure_ninja_on_path() -> None:
     if shutil.which("ninja") is None:
         scripts = sysconfig.get_path("scripts")
         if scripts and shutil.which("ninja", path=scripts):
-            os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+            env.prepend_path(scripts)
 
 
 @contextmanager
@@ -254,7 +244,14 @@ def _build() -> BuildResult:
 
 
 def load() -> BuildResult:
-    """Build (if needed) and load the kernels once per process; the result is cached."""
+    """Build (if needed) and load the kernels once per process; the result is cached.
+
+    The cached library (``<cache>/yuebing/kernels/<key>/yuebing_kernels_<key>.so``) loads with
+    ``torch.ops.load_library`` in ~50 ms. Otherwise the process takes an ``fcntl.flock`` on
+    ``<key>.lock`` (dropped by the kernel if the holder dies), looks again, compiles with
+    ``torch.utils.cpp_extension.load`` (``-O3 -march=native``) in ``<key>.tmp-<pid>`` and
+    ``os.replace``s the result into place, so readers see no library or a complete one (~30 s on 2
+    cores). The failure reason is cached for the process; an unwritable cache is a failure."""
     global _result
     with _lock:
         if _result is None:

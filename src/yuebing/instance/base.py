@@ -1,21 +1,13 @@
-"""`Instance`: what every serving role shares — engine + driver thread, transfer engine, KV
-connector, the control server (`yuebing.instance.control.ControlServer`: the zmq ROUTER to the
-Conductors, events out) and load reports.
+"""`Instance`: the host every serving role runs on — engine + driver thread, transfer engine,
+KV connector, control server (`control.ControlServer`), tasks, events and load reports. Its role
+(`role.InstanceRole`: `prefill.PrefillRole`, `decode.DecodeRole`, `coupled.CoupledRole`) is a
+sibling object it composes and calls: `dispatch` hands it control requests, `on_outputs` each
+engine output; the role answers through the host (`stream_output`, `finish`, `fail`).
 
-Threads of an instance process: the asyncio control loop (this class; never blocks on a step),
-the engine's driver thread (`EngineDriver`), the connector's store threads (one for loads, one
-for saves, each with a store client of its own: a load never waits for a save), the transfer
-engine's threads. The control server decodes each frame and `dispatch` checks and answers it
-in the loop; engine work is queued to the driver; engine outputs come back through
-`_outputs_from_driver` (driver thread) → `ControlServer.on_outputs` (loop), which hands them to
-the role's `on_output` and sends the resulting `TaskEvent`s to the Conductor connection that
-owns each task.
-
-Roles subclass it (`prefill.PrefillInstance`, `decode.DecodeInstance`,
-`coupled.CoupledInstance`) and implement `on_submit` / `on_reserve` / `on_cancel` /
-`on_fetch_prefix` and the per-output handling; the roles that prefill load a task's planned
-prefix through `yuebing.instance.prefix`. Load reports live in `yuebing.instance.reports`;
-`yuebing.instance.run` builds the role and serves it until SIGINT/SIGTERM.
+Threads: the asyncio control loop (never blocks on a step), the engine's driver thread, the
+connector's store threads (loads, saves), the transfer engine's. Engine outputs leave the driver
+through `_outputs_from_driver` and reach the wire in one pass on the loop (`on_outputs`: one
+`TaskEvents` frame per connection). Built and served by `yuebing.instance.run`.
 """
 
 from __future__ import annotations
@@ -35,7 +27,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from yuebing.engine.config import EngineConfig
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
 from yuebing.engine.sequence import RequestOutput
@@ -45,12 +36,14 @@ from yuebing.instance.control import ControlServer, Refused  # roles import Refu
 from yuebing.instance.cores import CoreLedger
 from yuebing.instance.driver import EngineDriver
 from yuebing.instance.reports import LocalCache, report_loop
+from yuebing.instance.role import InstanceRole
 from yuebing.instance.startup_profile import startup_profile
 from yuebing.protocol import Message
 from yuebing.protocol.instance import (
     Ack,
     Breakdown,
     Cancel,
+    DecodeTarget,
     ErrorCode,
     EventKind,
     FetchPrefix,
@@ -61,6 +54,8 @@ from yuebing.protocol.instance import (
     Sampling,
     SubmitTask,
     Subscribe,
+    TaskEvent,
+    TaskEvents,
 )
 from yuebing.transfer.config import TransferConfig
 from yuebing.transfer.engine import TransferEngine
@@ -69,9 +64,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@dataclass
+@dataclass(slots=True)
 class Task:
-    """One request on this instance (any role)."""
+    """One request on this instance: what every role keeps, then what one role adds (left at
+    its default by the others)."""
 
     request_id: str
     owner: bytes
@@ -83,7 +79,29 @@ class Task:
     breakdown: Breakdown = field(default_factory=Breakdown)
     outputs: int = 0
     done: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    # roles that prefill (coupled, prefill)
+    loading: bool = False
+    """Its planned prefix is being loaded (its prompt counts as pending, not yet in the engine)."""
+    started: float | None = None
+    """When its first prefill chunk ran (wall clock; driver thread)."""
+    first_at: float | None = None
+    """When the step that sampled its first token ended (wall clock; driver thread)."""
+    # prefill
+    target: DecodeTarget | None = None
+    """A PREFILL task's decode reservation (None: a COUPLED task)."""
+    firsts: dict[int, int] = field(default_factory=dict)
+    """First token per choice index, sent together in `KvReady` once every choice has one."""
+    # decode
+    blocks: list[int] | None = None
+    """The reserved KV blocks until the request is adopted or they are freed."""
+    deadline: float | None = None
+    """`time.monotonic()` by which its KV must arrive (a reservation)."""
+    adopted: bool = False
+    """Its KV arrived and the engine runs it."""
+    ready_at: float | None = None
+    """When its `KvReady` arrived (wall clock)."""
+    waited: bool = False
+    """Its decode wait (`Breakdown.decode_wait_s`) is recorded."""
 
 
 def to_params(s: Sampling, max_tokens: int | None = None) -> SamplingParams:
@@ -113,38 +131,27 @@ def _close_quietly(store: Any) -> None:
         store.close()
 
 
-def engine_config(cfg: InstanceConfig) -> EngineConfig:
-    return EngineConfig(model=cfg.model, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads,
-                        num_blocks=cfg.num_blocks, kv_cache_bytes=cfg.kv_cache_bytes,
-                        max_batch_tokens=cfg.max_batch_tokens, max_num_seqs=cfg.max_num_seqs,
-                        max_model_len=cfg.max_model_len, weights_seed=cfg.weights_seed,
-                        attention=cfg.attention, prefill_attention=cfg.prefill_attention,
-                        kernels=cfg.kernels, batch_invariant=cfg.batch_invariant)
-
-
 class Instance:
-    """Base of the roles; see the module docstring."""
+    """The host of one role; see the module docstring."""
 
-    role: Role = Role.COUPLED
-    uses_store: bool = True
-    exposes_pool: bool = False
-    """Register the KV pool as a transfer segment (decode: prefills write into it)."""
-
-    def __init__(self, cfg: InstanceConfig, engine: LLMEngine | None = None) -> None:
+    def __init__(self, cfg: InstanceConfig, role: type[InstanceRole],
+                 engine: LLMEngine | None = None) -> None:
         self.cfg = cfg
+        self.kind: Role = role.kind
         self.incarnation = secrets.token_hex(8)
         tcfg = TransferConfig(host=cfg.host, advertise_host=cfg.advertise_host, metadata="p2p",
                               timeout_s=cfg.transfer_timeout_s)
         if cfg.host_id:
             tcfg = dataclasses.replace(tcfg, host_id=cfg.host_id)
         self.transfer = TransferEngine(tcfg)
+        self.exposes_pool = role.exposes_pool
         storage = self._pool_storage if self.exposes_pool else None
-        self.engine = engine or LLMEngine(engine_config(cfg), kv_storage=storage)
-        self.store = self._open_store()
-        self.saver = self._open_store() if cfg.save_to_store else None
+        self.engine = engine or LLMEngine(cfg.engine, kv_storage=storage)
+        self.store = self._open_store(role.uses_store)
+        self.saver = self._open_store(role.uses_store) if cfg.save_to_store else None
         """The store client of saves (their thread's own: `StoreClient` is single-threaded)."""
         staging = None
-        if self.store is not None or self.role != Role.DECODE:
+        if self.store is not None or self.kind != Role.DECODE:
             seg = self.transfer.register_segment("staging", size=cfg.staging_bytes)
             staging = torch.frombuffer(seg.view, dtype=torch.uint8)
         self.connector = KVConnector(self.engine, self.store, KVConnectorConfig(
@@ -152,14 +159,16 @@ class Instance:
             staging, saver=self.saver)
         if cfg.warmup:
             self.engine.warmup()
-        self.profile = startup_profile(self.engine, self.role) if cfg.startup_profile else None
+        self.profile = startup_profile(self.engine, self.kind) if cfg.startup_profile else None
         """The engine's start-up profile, sent to the Conductors in `Hello` (their predictors)."""
         name = cfg.instance_id or f"{cfg.role}-{os.getpid()}"  # the id is set once bound
         trace = Path(cfg.step_trace_dir) / f"{name}.steps.jsonl" if cfg.step_trace_dir else None
         # a step's bits depend on its thread count: a batch-invariant engine keeps its own
-        lends = cfg.lend_cores and not cfg.batch_invariant and self.engine.device.type == "cpu"
-        ledger = CoreLedger(cfg.threads) if lends else None
-        self.driver = EngineDriver(self.engine, self._outputs_from_driver, cfg.threads,
+        threads = cfg.engine.threads
+        lends = cfg.lend_cores and not cfg.engine.batch_invariant and \
+            self.engine.device.type == "cpu"
+        ledger = CoreLedger(threads) if lends else None
+        self.driver = EngineDriver(self.engine, self._outputs_from_driver, threads,
                                    f"engine-{cfg.role}", trace, ledger)
         self.tasks: dict[str, Task] = {}
         self.control = ControlServer(self)
@@ -172,6 +181,9 @@ class Instance:
         self._stopping = False
         self.load_changed = asyncio.Event()
         self._handlers: set[asyncio.Future[Any]] = set()
+        self._batch: dict[bytes, list[TaskEvent]] | None = None
+        """While `on_outputs` runs: the step's events per connection, sent together."""
+        self.role = role(self)
 
     # ------------------------------------------------------------------ set-up
 
@@ -179,8 +191,8 @@ class Instance:
         seg = self.transfer.register_segment("kv", size=nbytes)
         return torch.frombuffer(seg.view, dtype=torch.uint8)
 
-    def _open_store(self) -> Any:
-        if not self.cfg.store_master or not self.uses_store:
+    def _open_store(self, wanted: bool) -> Any:
+        if not self.cfg.store_master or not wanted:
             return None
         from yuebing.store.client.client import StoreClient
         from yuebing.store.config import ClientConfig
@@ -188,7 +200,7 @@ class Instance:
 
     def hello(self, seq: int = 0) -> Hello:
         e = self.engine
-        return Hello(seq=seq, instance_id=self.instance_id, role=self.role,
+        return Hello(seq=seq, instance_id=self.instance_id, role=self.kind,
                      model=e.model_config.name, fingerprint=e.fingerprint,
                      host=self.cfg.public_host, control_address=self.control_address,
                      kv_segment=self.transfer.segment_name("kv") if self.exposes_pool else "",
@@ -222,10 +234,13 @@ class Instance:
     async def close(self) -> None:
         self._stopping = True
         for task in list(self.tasks.values()):
-            self._event(task, EventKind.ERROR, error_code=ErrorCode.SHUTTING_DOWN,
+            self.event(task, EventKind.ERROR, error_code=ErrorCode.SHUTTING_DOWN,
                         error="the instance is shutting down")
-        self.driver.close()
-        self.connector.close()
+        try:
+            await self.role.close()
+        finally:
+            self.driver.close()
+            self.connector.close()
         await asyncio.gather(*(asyncio.to_thread(_close_quietly, c)
                                for c in (self.store, self.saver) if c is not None))
         self.control.close()  # the last events (shutdown errors) get 500 ms to go out
@@ -235,8 +250,8 @@ class Instance:
 
     async def dispatch(self, ident: bytes, msg: Message) -> Message | None:
         """Loop thread, from `ControlServer._handle`: the reply to a decoded control request
-        from the connection ``ident`` (None: none); what it raises (`Refused`, bad input, an
-        engine error) goes back as an `ErrorReply`."""
+        from the connection ``ident`` (None: none), the role's for tasks; what it raises
+        (`Refused`, bad input, an engine error) goes back as an `ErrorReply`."""
         if self._stopping:
             raise Refused(ErrorCode.SHUTTING_DOWN, "the instance is shutting down")
         if isinstance(msg, Ping):
@@ -246,24 +261,24 @@ class Instance:
             self.resync = True
             return self.hello(msg.seq)
         if isinstance(msg, Cancel):
-            known = await self.on_cancel(msg.request_id)
+            known = await self.role.on_cancel(msg.request_id)
             self.changed()
             if not known:
                 raise Refused(ErrorCode.UNKNOWN_TASK, f"no task {msg.request_id!r} here")
             return Ack(seq=msg.seq)
         if isinstance(msg, SubmitTask):
             self._check_new(msg.request_id)
-            self._check_prompt(msg.token_ids)
-            reply = await self.on_submit(ident, msg)
+            self.check_prompt(msg.token_ids)
+            reply = await self.role.on_submit(ident, msg)
             self.changed()
             return reply
         if isinstance(msg, Reserve):
             self._check_new(msg.request_id)
-            reply = await self.on_reserve(ident, msg)
+            reply = await self.role.on_reserve(ident, msg)
             self.changed()
             return reply
         if isinstance(msg, FetchPrefix):
-            return await self.on_fetch_prefix(msg)
+            return await self.role.on_fetch_prefix(msg)
         raise Refused(ErrorCode.BAD_REQUEST, f"{type(msg).__name__} is not a control request")
 
     def _check_new(self, request_id: str) -> None:
@@ -272,7 +287,9 @@ class Instance:
         if request_id in self.tasks:
             raise Refused(ErrorCode.DUPLICATE, f"request {request_id!r} is already here")
 
-    def _check_prompt(self, ids: list[int]) -> None:
+    def check_prompt(self, ids: list[int]) -> None:
+        """Refuse a prompt this engine cannot take: empty, too long, or out of its vocabulary
+        (`dispatch` for tasks; the decode role for reservations)."""
         vocab, limit = self.engine.model_config.vocab_size, self.engine.max_model_len
         if not ids:
             raise Refused(ErrorCode.BAD_REQUEST, "token_ids must not be empty")
@@ -282,42 +299,33 @@ class Instance:
         if min(ids) < 0 or max(ids) >= vocab:
             raise Refused(ErrorCode.BAD_REQUEST, f"token ids must be in 0..{vocab - 1}")
 
-    # role hooks -----------------------------------------------------------------------------
-
-    async def on_submit(self, ident: bytes, msg: SubmitTask) -> Message:
-        raise Refused(ErrorCode.BAD_REQUEST, f"a {self.role.label} instance takes no tasks")
-
-    async def on_reserve(self, ident: bytes, msg: Reserve) -> Message:
-        raise Refused(ErrorCode.BAD_REQUEST,
-                      f"a {self.role.label} instance takes no reservations")
-
-    async def on_fetch_prefix(self, msg: FetchPrefix) -> Message:
-        """Another instance asks for this one's cached prefix (the roles that prefill serve
-        it: `CoupledInstance.on_fetch_prefix` → `prefix.serve_fetch`)."""
-        raise Refused(ErrorCode.BAD_REQUEST, f"a {self.role.label} instance serves no prefixes")
-
-    async def on_cancel(self, request_id: str) -> bool:
-        task = self.tasks.pop(request_id, None)
-        await self.driver.run(lambda e: e.abort(request_id))
-        return task is not None
-
-    def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:
-        """Loop thread: one engine output of ``task`` (default: stream it as events)."""
-        self.stream_output(task, out)
-
-    def on_output_driver(self, engine: LLMEngine, task: Task, out: RequestOutput) -> None:
-        """Driver thread, right after the step that produced ``out`` (its KV still intact)."""
-
     # ------------------------------------------------------------------ outputs and events
 
     def _outputs_from_driver(self, outputs: list[RequestOutput]) -> None:
+        """Driver thread, after each step: the role's look at each output while its KV is
+        intact (`InstanceRole.on_output_driver`), then `on_outputs` on the loop."""
         step_start = time.time() - self.driver.stats.last_step_s
         for out in outputs:
             task = self.tasks.get(out.request_id)
             if task is not None:
-                self.on_output_driver(self.engine, task, out)
+                self.role.on_output_driver(self.engine, task, out)
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.control.on_outputs, outputs, step_start)
+            self.loop.call_soon_threadsafe(self.on_outputs, outputs, step_start)
+
+    def on_outputs(self, outputs: list[RequestOutput], step_start: float) -> None:
+        """Loop thread: one step's outputs through the role (`InstanceRole.on_output`); their
+        events leave as one `TaskEvents` frame per connection."""
+        self._batch = {}
+        try:
+            for out in outputs:
+                task = self.tasks.get(out.request_id)
+                if task is not None and not task.done:
+                    self.role.on_output(task, out, step_start)
+        finally:
+            batch, self._batch = self._batch, None
+            for ident, events in batch.items():
+                self.control.send(ident, events[0] if len(events) == 1
+                                  else TaskEvents(events=events))
 
     def stream_output(self, task: Task, out: RequestOutput) -> None:
         """Send an engine output as FIRST_TOKEN/TOKENS of its choice, then FINISH when the
@@ -328,7 +336,7 @@ class Instance:
         if out.new_token_ids:
             kind = EventKind.FIRST_TOKEN if task.outputs == 0 else EventKind.TOKENS
             task.outputs += len(out.new_token_ids)
-            self._event(task, kind, token_ids=list(out.new_token_ids),
+            self.event(task, kind, token_ids=list(out.new_token_ids),
                         token_times=[now] * len(out.new_token_ids), text=out.text_delta,
                         cached_tokens=task.cached_tokens or out.num_cached_tokens,
                         prompt_tokens=out.num_prompt_tokens, index=out.index,
@@ -342,13 +350,13 @@ class Instance:
 
     def end_choice(self, task: Task, index: int, reason: str, text: str = "") -> None:
         """Choice ``index`` of several ended with no new token: a token-less event says so."""
-        self._event(task, EventKind.TOKENS, text=text, index=index, finish_reason=reason)
+        self.event(task, EventKind.TOKENS, text=text, index=index, finish_reason=reason)
 
     def finish(self, task: Task, reason: str, text: str = "", index: int = 0) -> None:
         if reason == "error":
             self.fail(task, ErrorCode.INTERNAL, "the engine failed while running the request")
             return
-        self._event(task, EventKind.FINISH, finish_reason=reason, text=text,
+        self.event(task, EventKind.FINISH, finish_reason=reason, text=text,
                     breakdown=task.breakdown, cached_tokens=task.cached_tokens,
                     prompt_tokens=len(task.token_ids), index=index)
         self._end(task)
@@ -390,7 +398,7 @@ class Instance:
         self.driver.call(call).add_done_callback(back)
 
     def fail(self, task: Task, code: ErrorCode, error: str) -> None:
-        self._event(task, EventKind.ERROR, error_code=code, error=error)
+        self.event(task, EventKind.ERROR, error_code=code, error=error)
         self._end(task)
 
     def _end(self, task: Task) -> None:
@@ -398,9 +406,14 @@ class Instance:
         self.tasks.pop(task.request_id, None)
         self.changed()
 
-    def _event(self, task: Task, kind: EventKind, **kw: Any) -> None:
-        """An event of ``task`` to its connection (`ControlServer.event`)."""
-        self.control.event(task, kind, **kw)
+    def event(self, task: Task, kind: EventKind, **kw: Any) -> None:
+        """An event of ``task`` to the connection that owns it (inside `on_outputs`: sent with
+        the step's others)."""
+        ev = TaskEvent(request_id=task.request_id, kind=kind, time_s=time.time(), **kw)
+        if self._batch is not None:
+            self._batch.setdefault(task.owner, []).append(ev)
+        else:
+            self.control.send(task.owner, ev)
 
     def send(self, ident: bytes, msg: Message) -> None:
         """A message to the connection ``ident`` (`ControlServer.send`; `reports`)."""
@@ -411,6 +424,18 @@ class Instance:
         """The connections subscribed to load reports (`reports`, `admin`)."""
         return self.control.subscribers
 
+    def peer_gone(self, ident: bytes) -> None:
+        """Loop thread, from `ControlServer`: the connection ``ident`` closed (its Conductor
+        was killed or restarted). Nobody can receive its tasks' events or cancel them any
+        more, so they end now — their KV freed — instead of running for nobody."""
+        orphans = [t for t in self.tasks.values() if t.owner == ident and not t.done]
+        if orphans:
+            log.warning("connection %s is gone: cancelling its %d task(s)", ident.hex(),
+                        len(orphans))
+        for task in orphans:
+            self.spawn(task, self.role.on_cancel(task.request_id))
+        self.changed()
+
     # ------------------------------------------------------------------ load reports
 
     def changed(self) -> None:
@@ -419,17 +444,15 @@ class Instance:
         self.load_changed.set()
 
     def reserved_blocks(self) -> int:
-        return 0
+        """KV blocks held for requests whose KV has not arrived (decode reservations)."""
+        return self.role.reserved_blocks()
 
     def pending_tokens(self) -> int:
         """Prompt tokens accepted but not yet in the engine (loading their prefix)."""
-        return sum(len(t.token_ids) for t in self.tasks.values() if t.extra.get("loading"))
+        return sum(len(t.token_ids) for t in self.tasks.values() if t.loading)
 
     async def _sweep_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
-            self.sweep()
-
-    def sweep(self) -> None:
-        """Loop thread, twice a second: expire what has a deadline (decode reservations)."""
+            self.role.sweep()

@@ -1,21 +1,11 @@
 """`yuebing bench instance`: what the instances add to an engine, measured on real processes.
 
-One run starts a store master and node, two prefill instances, a decode instance (and, for the
-TCP case, a second decode reachable only over TCP), all one engine thread each, and measures
-side by side:
-
-- ``cold_ttft_s`` / ``store_hit_ttft_s`` / ``hit_ratio``: TTFT of a 4,096-token prompt on an
-  instance that never saw it, computed (cold) vs with 3,840 tokens loaded from the store after
-  another instance computed them (median over rounds, alternating, fresh prompts each round);
-  ``greedy_identical``: both runs give the same tokens;
-- ``prefill_s`` / ``handoff_gap_s``: a 2,048-token prompt through prefill → decode: the
-  prefill's compute time and the gap from its last layer to the decode's first step;
-  ``layers_before_prefill_end`` / ``num_layers``: layers whose KV had reached the decode's pool
-  before the prefill computed its last layer (shared memory and TCP);
-- ``decode_step_ms_b8`` / ``engine_decode_step_ms_b8``: the decode instance's step at batch 8
-  (median inter-token time) while the prefill instance computes on the other core, beside the
-  bare engine's decode step at batch 8 on one thread in this process;
-- ``kv_load_gbps``: store → engine pool on one host (`measure_kv_load`).
+`run_bench` starts a store master and node, two prefill instances and a decode instance (and a
+second decode reachable only over TCP), one engine thread each, and measures side by side: a
+4,096-token prompt's TTFT cold vs loaded from the store (``hit_ratio``, ``greedy_identical``);
+a 2,048-token prefill → decode hand-off (``handoff_gap_s``, layers streamed before the prefill
+ended, over shared memory and TCP); the decode step beside a busy prefill vs the bare engine;
+store → pool bandwidth (`measure_kv_load`).
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """`InstanceClient`: the Conductor's asyncio connection to one instance's control server.
 
 One zmq DEALER per instance. Calls (`subscribe`, `submit`, `reserve`, `cancel`, `ping`,
-`fetch_prefix`) send a request with a fresh ``seq`` and await the reply with that ``seq``
-(`Ack`, `Hello`, `Reserved`, `Fetched`; an `ErrorReply` raises `InstanceError`). Pushed
-messages are routed by a reader task: `LoadReport`s to ``on_report``, `TaskEvent`s to the
-queue of their request (`events(request_id)`), created by `submit`/`reserve` before the
-request is sent so no event is lost. If the instance goes silent, calls time out
-(`InstanceUnavailable`); the Conductor's liveness check (no report for the heartbeat timeout)
-decides when it is dead. A socket monitor watches the connection: when an established one
-drops (the instance was killed, or restarted at the same address) every open stream and call
-must fail at once — the instance can no longer route their events here, since the DEALER's
-next connection is a new peer to it. ``on_link(False)`` is called, and its owner fails them
-(`fail_all`: the Conductor's cluster marks the instance dead, as it does at a heartbeat
-timeout, naming the instance); a client without ``on_link``, or whose ``on_link`` raised,
-fails them itself. `fail_all` ends each stream once: a later one (the instance found dead
-again, say restarted) adds no second ERROR. ``on_link(True)`` when a connection is up again
-(it has no subscription there yet: `subscribe` again). Used by `yuebing.conductor`,
-`yuebing bench instance` and tests.
-With a cluster token (``token``, by default the process's ``$YUEBING_CLUSTER_TOKEN``) the
-DEALER presents it (`ops.zap.dial_plain`); an instance that requires another one, or none,
-never answers, so calls time out.
+`fetch_prefix`) send a request with a fresh ``seq`` and await the reply with that ``seq`` (an
+`ErrorReply` raises `InstanceError`, silence `InstanceUnavailable`). A reader task routes pushed
+messages: `LoadReport`s to ``on_report``, `TaskEvent`s to their request's queue (made before the
+request is sent, so no event is lost). Used by `yuebing.conductor`, `yuebing bench instance`,
+peer instances (`instance.prefix`) and tests.
 """
 
 from __future__ import annotations
@@ -82,7 +68,17 @@ class InstanceUnavailable(YuebingError):
 
 
 class InstanceClient:
-    """Asyncio client of one instance (create inside the event loop that uses it)."""
+    """Asyncio client of one instance (create inside the event loop that uses it).
+
+    A socket monitor watches the connection: when an established one drops (the instance was
+    killed, or restarted at the same address) every open stream and call fails at once — the
+    DEALER's next connection is a new peer to the instance, which cannot route their events
+    here. ``on_link(False)`` is called and its owner fails them (`fail_all`: the Conductor marks
+    the instance dead); without ``on_link``, or if it raised, the client fails them itself.
+    `fail_all` ends each stream once. ``on_link(True)``: a connection is up again (no
+    subscription there yet). With a cluster token (``token``, default
+    ``$YUEBING_CLUSTER_TOKEN``) the DEALER presents it; a mismatch never answers (calls time
+    out)."""
 
     def __init__(self, address: str, timeout_s: float = 5.0,
                  on_report: Callable[[LoadReport], None] | None = None,

@@ -1,5 +1,6 @@
 """`InstanceConfig`: what an operator sets for one serving instance (every field a CLI flag of
-``yuebing serve prefill|decode|coupled``). Built by the CLI or `yuebing.cluster`; read by
+``yuebing serve prefill|decode|coupled``; the engine's own knobs are its `EngineConfig`'s,
+``ENGINE_FLAGS`` of them offered as flags). Built by the CLI or `yuebing.cluster`; read by
 `instance.base.Instance` and the role modules."""
 
 from __future__ import annotations
@@ -11,9 +12,16 @@ from pathlib import Path
 
 from yuebing.core.auth import TOKEN_HELP, env_cluster_token, require_token
 from yuebing.core.config import require
+from yuebing.engine.config import EngineConfig
 
 ROLES = ("prefill", "decode", "coupled")
 EVENT_LOOPS = ("uvloop", "asyncio")
+ENGINE_FLAGS = ("model", "num_blocks", "kv_cache_bytes", "max_num_seqs", "max_batch_tokens",
+                "max_model_len", "dtype", "device", "threads", "attention", "kernels",
+                "prefill_attention", "weights_seed", "batch_invariant")
+"""The `EngineConfig` fields an instance offers as its own flags (same names)."""
+DEFAULT_ENGINE = EngineConfig(device="cpu", threads=1, kv_cache_bytes=512 << 20)
+"""An instance's engine unless flags say otherwise: CPU, one thread, a 512 MiB KV pool."""
 
 
 @dataclass(frozen=True)
@@ -32,41 +40,18 @@ class InstanceConfig:
     admin_host: str = field(default="127.0.0.1", metadata={
         "help": "address the admin HTTP (/health /metrics) binds (127.0.0.1: this host only)"})
     admin_port: int = field(default=0, metadata={"help": "admin HTTP port (0 = off)"})
-    model: str = field(default="smollm2", metadata={
-        "help": "smollm2 (bundled SmolLM2-135M-Instruct), a .gguf file, a HF directory, or "
-                "dummy[:preset=...]"})
-    dtype: str = field(default="auto", metadata={"help": "auto, float32, bfloat16, float16"})
-    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
-    threads: int = field(default=1, metadata={"help": "torch threads of the engine thread"})
+    engine: EngineConfig = field(default_factory=lambda: DEFAULT_ENGINE, metadata={
+        "flags": ENGINE_FLAGS})
+    """The engine's configuration; its ``ENGINE_FLAGS`` fields are flags of the instance."""
     lend_cores: bool = field(default=True, metadata={
         "help": "lend this instance's cores to the other instances of this host while it is "
                 "idle, and borrow theirs while they are (a shared-memory ledger in /dev/shm; "
                 "each step runs with its own threads plus the idle instances', at most the "
                 "cores it may use; not with --batch-invariant: a step's bits depend on its "
                 "thread count)"})
-    num_blocks: int = field(default=0, metadata={
-        "help": "KV blocks of 16 tokens (0 = from --kv-cache-bytes)"})
-    kv_cache_bytes: int = field(default=512 << 20, metadata={
-        "help": "KV pool bytes (e.g. 512MiB)", "size": True})
-    max_batch_tokens: int = field(default=512, metadata={
-        "help": "tokens per engine step (prefill chunk budget)"})
-    max_num_seqs: int = field(default=64, metadata={"help": "requests in a batch"})
-    attention: str = field(default="auto", metadata={
-        "help": "engine attention path (auto = measured at start; pin it so instances compute "
-                "bit-identical KV)"})
-    prefill_attention: str = field(default="same", metadata={
-        "help": "engine prefill attention path (same, auto, grouped, sdpa, blas, flash)"})
-    kernels: str = field(default="auto", metadata={"help": "engine kernels: auto, native, torch"})
-    batch_invariant: bool = field(default=False, metadata={
-        "help": "outputs independent of batching, chunking and prefix hits (the engine's "
-                "batch-invariant attention; opt-in: it costs long prefills several times "
-                "their time, see docs/engine.md); every instance of a cluster must use the "
-                "same setting"})
     step_trace_dir: str = field(default="", metadata={
         "help": "append one JSON line per engine step (start, engine seconds, batch) to "
                 "DIR/<instance-id>.steps.jsonl ('' = off; for profiling a live run)"})
-    max_model_len: int = field(default=0, metadata={"help": "context limit (0 = the model's)"})
-    weights_seed: int = field(default=0, metadata={"help": "seed of dummy weights"})
     store_master: str = field(default="", metadata={
         "help": "store master address(es) ('' = no KV pool: local prefix cache only)"})
     store_block_tokens: int = field(default=256, metadata={"help": "tokens per store object"})
@@ -117,7 +102,7 @@ class InstanceConfig:
                 f"{self.admin_port}")
         require(bool(self.admin_host), "admin_host must name an address, e.g. 127.0.0.1")
         require_token("--host", self.host, self.cluster_token)
-        require(self.threads >= 1, f"threads must be >= 1, got {self.threads}")
+        require(self.engine.threads >= 1, f"threads must be >= 1, got {self.engine.threads}")
         if self.step_trace_dir:
             d = Path(self.step_trace_dir)
             existing = next(p for p in (d, *d.absolute().parents) if p.exists())

@@ -1,33 +1,12 @@
-"""`KVConnector`: engine KV blocks ↔ store objects (DESIGN §3 "KV keys").
+"""`KVConnector`: engine KV blocks ↔ store objects (DESIGN §3 "KV keys"), for the roles that
+prefill (`instance.coupled`, `instance.prefill`).
 
-A store block is ``store_block_tokens`` tokens = ``store_block_tokens / block_size`` engine
-blocks of all layers, kept as ONE store object laid out like `KVPool.export_blocks`, named by
-`kvkeys.store_key` (chained hash with the engine's KV fingerprint: another model, dtype or
-geometry is another key — a miss, never wrong KV).
-
-The engine belongs to the driver thread, so each job is split in two halves:
-
-- loading a prefix: `fetch` (the connector's load thread, `submit_fetch`) reads the longest
-  run of stored blocks into registered staging memory (one `batch_get_into`, zero-copy from a
-  same-host node's segment or off the TCP socket); `install` (driver thread) copies the staging
-  buffer into the engine's prefix cache (`kv_transfer.import_prefix`, fingerprint-checked), so
-  when the request is added the scheduler finds the prefix and computes only the suffix;
-- saving new blocks: `snapshot` (driver thread, right after the prefill step) copies the
-  request's full store blocks that this connector has not seen in the store into staging;
-  `save` (the save thread, `submit_save`: saves run one at a time, in order) puts them with one
-  `batch_put`, off the TTFT path. A failed save is logged and counted, never raised.
-
-Loads and saves have a thread each, and a store client each (``store``, ``saver``; a
-`StoreClient` is for one thread at a time), so a load never queues behind a save. Misses
-(evicted between lookup and read, a node gone) load less; the rest is computed. Staging memory
-is bounded (`staging_bytes`): a fetch that finds no room loads less, a snapshot is skipped, and
-snapshots waiting for their save hold at most `save_staging_share` of it, so loads (from the
-store or a peer) find room while saves wait for a store in trouble. A load is on the request's
-TTFT path: each of its master calls gives up after `load_timeout_s` (`StoreClient.limited`) and
-the prefix is computed; a save keeps the client's failover budget (15 s). After a failed call,
-fetches and saves skip the store (loads compute, saves drop) for `store_retry_s` and until the
-store client's heartbeat is answered again. Used by the prefill and coupled roles
-(`instance.prefill`, `instance.coupled`).
+A store block (``store_block_tokens`` tokens of all layers) is one store object named by
+`kvkeys.store_key`: another model, dtype or geometry is another key — a miss, never wrong KV.
+The engine belongs to the driver thread, so a load is `fetch` (load thread: store → staging)
+then `install` (driver: staging → prefix cache), and a save is `snapshot` (driver, right after
+the prefill step) then `save` (save thread: one `batch_put`, off the TTFT path). Loads and
+saves have a thread and a store client each, so a load never queues behind a save.
 """
 
 from __future__ import annotations
@@ -156,7 +135,15 @@ class ConnectorStats:
 class KVConnector:
     """See the module docstring. ``store`` None: no store (every lookup is 0, saves drop);
     ``saver``: the store client of saves, used on their own thread (None: saves use ``store``
-    on the loads' thread, one client being for one thread at a time)."""
+    on the loads' thread, one client being for one thread at a time).
+
+    Misses (evicted between lookup and read, a node gone) load less; the rest is computed.
+    Staging is bounded: a fetch that finds no room loads less, a snapshot is skipped, and
+    snapshots waiting for their save hold at most ``save_staging_share`` of it. A load's master
+    calls give up after ``load_timeout_s`` (it is on the TTFT path); a save keeps the client's
+    failover budget. After a failed call, loads compute and saves drop without asking the
+    store for ``store_retry_s`` and until its heartbeat is answered again. A failed save is
+    logged and counted, never raised."""
 
     def __init__(self, engine: LLMEngine, store: StoreClient | None,
                  config: KVConnectorConfig, staging: torch.Tensor | None = None,

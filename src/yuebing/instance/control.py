@@ -1,38 +1,28 @@
-"""`ControlServer`: an instance's control-plane connection to its Conductors — the zmq ROUTER
-(`protocol.instance` messages), the connections subscribed to load reports, and the events
-that go back to the connection that owns each task. Loop thread only.
+"""`ControlServer`: an instance's zmq ROUTER to its Conductors (`protocol.instance` messages)
+and the connections subscribed to load reports. Loop thread only.
 
-Who calls what. `Instance.start` → `bind`; `Instance.serve` → `serve`, the frame loop: one
-asyncio task per frame, `_handle` decodes it, `Instance.dispatch` answers it, and its reply —
-or an `ErrorReply` for a `Refused` request, a frame that does not decode or is invalid
-(BAD_REQUEST) — goes back; the instance keeps serving. Engine outputs arrive through
-`Instance._outputs_from_driver` (driver thread) → `on_outputs` (loop), which hands each live
-task's output to the role's `Instance.on_output` and sends the step's events as one
-`TaskEvents` frame per connection. Events outside a step come from `Instance._event` → `event`;
-load reports from `reports.report_loop` → `Instance.send` → `send`, to each of `subscribers`
-(added by `Instance.dispatch` on `Subscribe`). A send that finds its connection gone (its
-Conductor died) → `_peer_gone`, which cancels the tasks that connection owned
-(`Instance.spawn` of `Instance.on_cancel`). `Instance.close` → `close`.
+`Instance.start` → `bind`; `Instance.serve` → `serve`: one asyncio task per frame, `_handle`
+decodes it and `Instance.dispatch` answers it (a `Refused` or bad frame: an `ErrorReply`).
+Events and reports leave through `send`; a send that finds its connection gone tells
+`Instance.peer_gone`. `Instance.close` → `close`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 import zmq.asyncio
 
 from yuebing.core.errors import EngineError, InputError
-from yuebing.engine.sequence import RequestOutput
 from yuebing.ops.zap import TokenAuthenticator, serve_plain
 from yuebing.protocol import Message, ProtocolError, decode, encode
-from yuebing.protocol.instance import ErrorCode, ErrorReply, EventKind, TaskEvent, TaskEvents
+from yuebing.protocol.instance import ErrorCode, ErrorReply
 
 if TYPE_CHECKING:
-    from yuebing.instance.base import Instance, Task
+    from yuebing.instance.base import Instance
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +44,6 @@ class ControlServer:
         self.zap: TokenAuthenticator | None = None
         self.subscribers: set[bytes] = set()
         """Connections that sent `Subscribe`: load reports go to each."""
-        self._batch: dict[bytes, list[TaskEvent]] | None = None
-        """While `on_outputs` runs: the step's events per connection, sent together."""
         self._handlers: set[asyncio.Future[Any]] = set()
         """The frames being handled (a reference is kept until each is done)."""
 
@@ -150,30 +138,6 @@ class ControlServer:
         if reply is not None:
             self.send(ident, reply)
 
-    # ------------------------------------------------------------------ events out
-
-    def on_outputs(self, outputs: list[RequestOutput], step_start: float) -> None:
-        """One step's outputs; their events leave as one `TaskEvents` frame per connection."""
-        inst = self.inst
-        self._batch = {}
-        try:
-            for out in outputs:
-                task = inst.tasks.get(out.request_id)
-                if task is not None and not task.done:
-                    inst.on_output(task, out, step_start)
-        finally:
-            batch, self._batch = self._batch, None
-            for ident, events in batch.items():
-                self.send(ident, events[0] if len(events) == 1 else TaskEvents(events=events))
-
-    def event(self, task: Task, kind: EventKind, **kw: Any) -> None:
-        """An event of ``task`` to the connection that owns it."""
-        ev = TaskEvent(request_id=task.request_id, kind=kind, time_s=time.time(), **kw)
-        if self._batch is not None:  # inside `on_outputs`: sent with the step's others
-            self._batch.setdefault(task.owner, []).append(ev)
-        else:
-            self.send(task.owner, ev)
-
     def send(self, ident: bytes, msg: Message) -> None:
         """Send without waiting: a message to a full pipe is dropped (as a plain ROUTER does);
         one to a connection that is gone (its Conductor died) ends what it owned."""
@@ -191,16 +155,7 @@ class ControlServer:
             self._peer_gone(ident)
 
     def _peer_gone(self, ident: bytes) -> None:
-        """The connection ``ident`` closed (its Conductor was killed or restarted: a new one
-        connects anew). Nobody can receive its tasks' events or cancel them any more, so its
-        reservations and requests end now — their KV is freed — instead of decoding for
-        nobody or holding blocks until the reservation's timeout."""
-        inst = self.inst
+        """The connection ``ident`` closed: no more reports to it; its tasks end
+        (`Instance.peer_gone`)."""
         self.subscribers.discard(ident)
-        orphans = [t for t in inst.tasks.values() if t.owner == ident and not t.done]
-        if orphans:
-            log.warning("connection %s is gone: cancelling its %d task(s)", ident.hex(),
-                        len(orphans))
-        for task in orphans:
-            inst.spawn(task, inst.on_cancel(task.request_id))
-        inst.changed()
+        self.inst.peer_gone(ident)

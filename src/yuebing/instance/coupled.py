@@ -1,12 +1,11 @@
 """Coupled role (the vLLM-like baseline): prefill and decode in one engine.
 
-Life cycle of a request: `SubmitTask(mode=COUPLED)` is checked and acknowledged; the planned
-prefix is loaded from the store or a peer into the engine's prefix cache (`prefix.load_prefix`;
-a local plan needs nothing); the request joins the engine's continuous batch; right after the
-step that produced its first token (driver thread) the prompt's new full store blocks are copied
-to staging and saved to the store in the background; every output becomes a `TaskEvent`
-(FIRST_TOKEN, TOKENS, FINISH). `Cancel` aborts it and frees its blocks. Another instance's
-`FetchPrefix` is served from this engine's prefix cache (`prefix.serve_fetch`).
+Life cycle of a request: `SubmitTask(mode=COUPLED)` is checked and acknowledged; its planned
+prefix is loaded from the store or a peer (`prefix.load_prefix`; a local plan needs nothing);
+it joins the engine's continuous batch; right after the step of its first token (driver thread)
+its new full store blocks are saved in the background; every output becomes a `TaskEvent`.
+`Cancel` aborts it. A peer's `FetchPrefix` is served from this engine's prefix cache.
+`prefill.PrefillRole` composes one of these for its prefix loads and COUPLED tasks.
 """
 
 from __future__ import annotations
@@ -21,116 +20,114 @@ from yuebing.engine.sampling import SamplingParams
 from yuebing.engine.sequence import RequestOutput
 from yuebing.instance.base import Instance, Refused, Task, to_params
 from yuebing.instance.prefix import PeerClients, load_prefix, serve_fetch
+from yuebing.instance.role import InstanceRole
 from yuebing.protocol import Message
 from yuebing.protocol.instance import Ack, ErrorCode, FetchPrefix, Role, SubmitTask, TaskMode
 
 log = logging.getLogger(__name__)
 
 
-class CoupledInstance(Instance):
-    role = Role.COUPLED
+class CoupledRole(InstanceRole):
+    kind = Role.COUPLED
 
-    def __init__(self, *args: object, **kw: object) -> None:
-        super().__init__(*args, **kw)  # type: ignore[arg-type]
+    def __init__(self, inst: Instance) -> None:
+        super().__init__(inst)
         self.peers = PeerClients()
         """Clients of the instances this one fetches prefixes from (`prefix.fetch_from_peer`)."""
-        self.engine.add_layer_hook(self._mark_started)
+        inst.engine.add_layer_hook(self._mark_started)
 
     async def close(self) -> None:
-        try:
-            await super().close()
-        finally:
-            await self.peers.close()
+        await self.peers.close()
 
     async def on_fetch_prefix(self, msg: FetchPrefix) -> Message:
-        return await serve_fetch(self, msg)
+        return await serve_fetch(self.inst, msg)
 
     async def on_submit(self, ident: bytes, msg: SubmitTask) -> Message:
         if msg.mode != TaskMode.COUPLED:
-            raise Refused(ErrorCode.BAD_REQUEST,
-                          f"a {self.role.label} instance runs COUPLED tasks, got {msg.mode.name}")
+            raise Refused(ErrorCode.BAD_REQUEST, f"a {self.inst.kind.label} instance runs "
+                          f"COUPLED tasks, got {msg.mode.name}")
         task = Task(msg.request_id, ident, list(msg.token_ids), to_params(msg.sampling))
-        self.tasks[task.request_id] = task
-        self.start_task(task, msg)
+        self.inst.tasks[task.request_id] = task
+        self.start_task(task, msg, task.params)
         return Ack(seq=msg.seq)
 
-    def start_task(self, task: Task, msg: SubmitTask, hold_kv: bool = False) -> None:
-        """Queue the request in the engine now when its prefix plan loads nothing (no task,
-        no await), else load the prefix in the background first (`run_task`)."""
+    def start_task(self, task: Task, msg: SubmitTask, params: SamplingParams,
+                   hold_kv: bool = False) -> None:
+        """Queue the request in the engine with ``params`` now when its prefix plan loads
+        nothing (no task, no await), else load the prefix in the background first."""
         plan = msg.prefix
         if plan is None or plan.tokens <= 0 or plan.source == "local":
-            self._add(task, hold_kv)
+            self._add(task, params, hold_kv)
         else:
-            self.spawn(task, self.run_task(task, msg, hold_kv))
+            self.inst.spawn(task, self._load_then_add(task, msg, params, hold_kv))
 
-    async def run_task(self, task: Task, msg: SubmitTask, hold_kv: bool = False) -> None:
+    async def _load_then_add(self, task: Task, msg: SubmitTask, params: SamplingParams,
+                             hold_kv: bool) -> None:
         """Load the prefix, then queue the request in the engine (events follow)."""
-        task.extra["loading"] = True
+        task.loading = True
         try:
-            task.cached_tokens = await load_prefix(self, task, msg.prefix)
+            task.cached_tokens = await load_prefix(self.inst, self.peers, task, msg.prefix)
         except Refused as e:
-            self.fail(task, e.code, str(e))
+            self.inst.fail(task, e.code, str(e))
             return
         except Exception as e:
             log.warning("%s: prefix load failed, computing it: %s", task.request_id, e)
         finally:
-            task.extra["loading"] = False
-        if task.done or task.request_id not in self.tasks:
+            task.loading = False
+        if task.done or task.request_id not in self.inst.tasks:
             return  # cancelled meanwhile
-        self._add(task, hold_kv)
+        self._add(task, params, hold_kv)
 
-    def _add(self, task: Task, hold_kv: bool) -> None:
+    def _add(self, task: Task, params: SamplingParams, hold_kv: bool) -> None:
         """A driver call adding the request, not awaited: only a refusal comes back to the
         loop (as the task's error)."""
-        params, rid, ids = self.engine_params(task), task.request_id, task.token_ids
-        self.driver_then(task, lambda e: e.add_request(ids, params, rid, hold_kv=hold_kv),
-                         lambda f: self._added(task, f))
+        rid, ids = task.request_id, task.token_ids
+        self.inst.driver_then(task, lambda e: e.add_request(ids, params, rid, hold_kv=hold_kv),
+                              lambda f: self._added(task, f))
 
     def _added(self, task: Task, fut: concurrent.futures.Future[Any]) -> None:
         err = None if fut.cancelled() else fut.exception()
         if err is not None and not task.done:
-            self.fail(task, ErrorCode.INTERNAL, f"the engine refused the request: {err}")
-
-    def engine_params(self, task: Task) -> SamplingParams:
-        return task.params
+            self.inst.fail(task, ErrorCode.INTERNAL, f"the engine refused the request: {err}")
 
     def _mark_started(self, layer: int, meta: object) -> None:
         """Layer hook (driver thread): stamp when a task's first prefill chunk runs, and count
         the prompt tokens each step computes for it (`Breakdown.prefill_tokens`)."""
-        plan = self.engine.current_plan
+        plan = self.inst.engine.current_plan
         if layer != 0 or plan is None:
             return
         now = time.time()
         for seq, n in plan.prefills:
-            task = self.tasks.get(seq.group)
+            task = self.inst.tasks.get(seq.group)
             if task is None:
                 continue
             task.breakdown.prefill_tokens += min(n, max(0, len(seq.prompt_ids) -
                                                          seq.num_computed))
-            if "started" not in task.extra:
-                task.extra["started"] = now
+            if task.started is None:
+                task.started = now
                 task.breakdown.queue_s = max(0.0, now - task.arrived -
                                              task.breakdown.prefix_load_s)
 
     def on_output_driver(self, engine: LLMEngine, task: Task, out: RequestOutput) -> None:
         if len(out.output_token_ids) != 1 or not out.new_token_ids or out.index:
             return  # only right after the prefill (once for all choices)
-        task.extra["first_at"] = time.time()
-        self.local_cache.note(engine, task.token_ids)
-        if self.cfg.save_to_store:
-            snap = self.connector.snapshot(engine, task.token_ids)
+        task.first_at = time.time()
+        inst = self.inst
+        inst.local_cache.note(engine, task.token_ids)
+        if inst.cfg.save_to_store:
+            snap = inst.connector.snapshot(engine, task.token_ids)
             if snap is not None:
-                self.connector.submit_save(snap)
+                inst.connector.submit_save(snap)
 
     def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:
-        if task.outputs == 0 and "started" in task.extra:
-            task.breakdown.prefill_s = task.extra.get("first_at", time.time()) - \
-                task.extra["started"]
-        self.stream_output(task, out)
+        if task.outputs == 0 and task.started is not None:
+            first_at = time.time() if task.first_at is None else task.first_at
+            task.breakdown.prefill_s = first_at - task.started
+        self.inst.stream_output(task, out)
 
     async def on_cancel(self, request_id: str) -> bool:
-        task = self.tasks.pop(request_id, None)
+        task = self.inst.tasks.pop(request_id, None)
         if task is not None:
             task.done = True
-        aborted = await self.driver.run(lambda e: e.abort(request_id))
+        aborted = await self.inst.driver.run(lambda e: e.abort(request_id))
         return task is not None or aborted

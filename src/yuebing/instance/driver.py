@@ -1,23 +1,11 @@
-"""`EngineDriver`: the one thread that owns an `LLMEngine`.
+"""`EngineDriver`: the one thread that owns an `LLMEngine`, created by `Instance` for every role.
 
-The engine is single-threaded, so every call into it (add, abort, release, export, import,
-reserve, stats) is a closure queued with `call` / `run` and executed by the driver thread
-between two steps; an asyncio control loop never blocks on a step. The thread loops: run queued
-calls, then one `engine.step()` if there is work, handing each step's outputs to ``on_outputs``
-(called in the driver thread; instances forward them to their event loop). It sleeps on a
-condition when there is neither work nor a call. The step time of every step is recorded
-(`StepStats`) for load reports. Created by `Instance` (`instance/base.py`) for every role;
-stopped by `close`.
-
-With a ``step_trace`` file (``yuebing serve ... --step-trace-dir DIR``: one file per instance)
-the driver also appends one JSON line per engine step — ``{"t": wall-clock start, "step_s":
-engine.step() seconds, "out_s": seconds until the outputs were handed on, "decodes": n,
-"prefill_tokens": n, "threads": n, "context_tokens": n}`` — which is what tells a live run's
-token interval from the engine's step time (benchmarks/sim_vs_live.py reads it). Lines are
-buffered and the file is closed with the driver.
-
-With a `CoreLedger` (``--lend-cores``, `yuebing.instance.cores`) each step runs with this
-instance's threads plus the host's unclaimed cores, never more threads than the host has.
+The engine is single-threaded, so every call into it is a closure queued with `call` / `run`
+and run by the driver thread between two steps; the control loop never blocks on a step. The
+thread runs queued calls, then one `engine.step()` if there is work, handing the outputs to
+``on_outputs`` (driver thread), and sleeps when there is neither. Each step's time is recorded
+(`StepStats`, for load reports); ``--step-trace-dir`` appends one JSON line per step; with a
+`CoreLedger` (``--lend-cores``) a step also runs on the host's idle cores.
 """
 
 from __future__ import annotations
@@ -78,7 +66,14 @@ class DriverStopped(RuntimeError):
 
 
 class EngineDriver:
-    """Runs ``engine`` in a dedicated thread; see the module docstring."""
+    """Runs ``engine`` in a dedicated thread; see the module docstring.
+
+    ``step_trace``: a file to append one JSON line per step to — ``{"t": wall-clock start,
+    "step_s": engine.step() seconds, "out_s": seconds until the outputs were handed on,
+    "decodes", "prefill_tokens", "threads", "context_tokens"}`` — which tells a live run's
+    token interval from the engine's step time (benchmarks/sim_vs_live.py reads it); buffered,
+    closed with the driver. ``ledger``: each step runs with this instance's threads plus the
+    host's unclaimed cores, never more threads than the host has."""
 
     def __init__(self, engine: LLMEngine,
                  on_outputs: Callable[[list[RequestOutput]], None],

@@ -1,21 +1,12 @@
 """Prefill role: prefix load, chunked prefill, layer-wise KV streaming, hand-off, save.
 
-Life cycle of a request: `SubmitTask(mode=PREFILL, prefix=PrefixPlan, decode=DecodeTarget)`
-is checked (the decode's KV layout must match this engine's) and acknowledged; the planned
-prefix is loaded from the store or a peer into the prefix cache; the request joins the engine
-(``max_tokens=1``, ``hold_kv``) with its `KvStreamer` watch, so each chunk's K/V of each layer is
-written into the decode's reserved blocks while the next layer computes. The step that samples
-the first token ends the engine request with its blocks held: the first token goes to the
-Conductor at once (`FIRST_TOKEN`), the new store blocks are copied to staging, then — off the
-TTFT path — the streamer's batches are awaited, the decode is told with a transfer-engine
-notification (`KvReady`, carrying the first token), the held blocks are released, `FINISH`
-(``finish_reason="handoff"``, with the breakdown) ends this instance's part, and the snapshot is
-saved to the store. A streaming failure sends `KvReady(ok=False)` and an `ERROR` event.
-With ``n > 1`` the one prefill samples each choice's first token (the engine forks the request
-where it samples; the choices end there, only choice 0 holds the KV): one `FIRST_TOKEN` per
-choice, and `KvReady.first_tokens` gives the decode all of them.
-A prefill instance also takes COUPLED tasks (prefill and decode here), e.g. for an operator
-or a Conductor without a decode instance.
+Life cycle of a request: `SubmitTask(mode=PREFILL, decode=DecodeTarget)` is checked (same KV
+layout as the decode's) and acknowledged; its prefix is loaded and it joins the engine
+(``max_tokens=1``, ``hold_kv``) through the composed `coupled.CoupledRole`; its `KvStreamer`
+writes each layer's K/V into the decode's reserved blocks while the next layer computes. The
+first token goes out at once (`FIRST_TOKEN`, one per choice); then, off the TTFT path, the
+writes are awaited, the decode is told (`KvReady` notification), the held blocks are released
+and `FINISH` (``handoff``) ends this part. COUPLED tasks are the composed `CoupledRole`'s.
 """
 
 from __future__ import annotations
@@ -27,17 +18,19 @@ import logging
 import time
 from typing import Any
 
-from yuebing.engine.sampling import SamplingParams
+from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sequence import RequestOutput
-from yuebing.instance.base import Refused, Task, logprob_fields, to_params
-from yuebing.instance.coupled import CoupledInstance
+from yuebing.instance.base import Instance, Refused, Task, logprob_fields, to_params
+from yuebing.instance.coupled import CoupledRole
 from yuebing.instance.driver import DriverStopped
+from yuebing.instance.role import InstanceRole
 from yuebing.instance.streaming import KvStreamer, StreamResult
 from yuebing.protocol import Message, encode
 from yuebing.protocol.instance import (
     Ack,
     ErrorCode,
     EventKind,
+    FetchPrefix,
     KvReady,
     Role,
     SubmitTask,
@@ -55,61 +48,69 @@ def _log_release(fut: concurrent.futures.Future[Any]) -> None:
         log.warning("releasing a handed-off request's blocks failed: %s", err)
 
 
-class PrefillInstance(CoupledInstance):
-    role = Role.PREFILL
+class PrefillRole(InstanceRole):
+    kind = Role.PREFILL
 
-    def __init__(self, *args: object, **kw: object) -> None:
-        super().__init__(*args, **kw)
-        self.streamer = KvStreamer(self.engine, self.transfer, self.cfg.transfer_timeout_s,
-                                   self.cfg.layerwise_min_bytes)
+    def __init__(self, inst: Instance) -> None:
+        super().__init__(inst)
+        self.coupled = CoupledRole(inst)
+        """Prefix loads, engine adds, saves, prefix serving, and the COUPLED tasks."""
+        self.streamer = KvStreamer(inst.engine, inst.transfer, inst.cfg.transfer_timeout_s,
+                                   inst.cfg.layerwise_min_bytes)
+
+    async def close(self) -> None:
+        await self.coupled.close()
+
+    async def on_fetch_prefix(self, msg: FetchPrefix) -> Message:
+        return await self.coupled.on_fetch_prefix(msg)
+
+    def on_output_driver(self, engine: LLMEngine, task: Task, out: RequestOutput) -> None:
+        self.coupled.on_output_driver(engine, task, out)
 
     async def on_submit(self, ident: bytes, msg: SubmitTask) -> Message:
         if msg.mode == TaskMode.COUPLED:
-            return await CoupledInstance.on_submit(self, ident, msg)
+            return await self.coupled.on_submit(ident, msg)
         if msg.decode is None:
             raise Refused(ErrorCode.BAD_REQUEST, "a PREFILL task needs a decode target")
-        if len(msg.decode.blocks) * self.engine.block_size < len(msg.token_ids):
+        if len(msg.decode.blocks) * self.inst.engine.block_size < len(msg.token_ids):
             raise Refused(ErrorCode.BAD_REQUEST,
                           f"the decode target's {len(msg.decode.blocks)} blocks cannot hold "
                           f"{len(msg.token_ids)} prompt tokens")
         task = Task(msg.request_id, ident, list(msg.token_ids), to_params(msg.sampling))
-        task.extra["target"] = msg.decode
+        task.target = msg.decode
         self.streamer.watch(task.request_id, msg.decode)  # ValueError: another KV layout
-        self.tasks[task.request_id] = task
-        self.start_task(task, msg, hold_kv=True)
+        self.inst.tasks[task.request_id] = task
+        p = task.params
+        self.coupled.start_task(task, msg, dataclasses.replace(
+            p, max_tokens=1, min_tokens=min(p.min_tokens, 1)), hold_kv=True)
         return Ack(seq=msg.seq)
 
-    def engine_params(self, task: Task) -> SamplingParams:
-        if "target" not in task.extra:
-            return task.params
-        p = task.params
-        return dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1))
-
     def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:
-        if "target" not in task.extra:
-            super().on_output(task, out, step_start)
+        if task.target is None:
+            self.coupled.on_output(task, out, step_start)
             return
+        inst = self.inst
         if not out.new_token_ids:  # ended without a token: aborted or failed in the engine
             self.streamer.drop(task.request_id)
-            self.spawn(task, self._tell_decode_async(
+            inst.spawn(task, self._tell_decode_async(
                 task, None, "the prefill ended without a first token"))
-            self.fail(task, ErrorCode.INTERNAL, "the prefill ended without a first token")
+            inst.fail(task, ErrorCode.INTERNAL, "the prefill ended without a first token")
             return
-        firsts: dict[int, int] = task.extra.setdefault("firsts", {})
-        first_at = task.extra.get("first_at", time.time())
+        firsts = task.firsts
+        first_at = time.time() if task.first_at is None else task.first_at
         if not firsts:
-            if "started" in task.extra:
-                task.breakdown.prefill_s = first_at - task.extra["started"]
+            if task.started is not None:
+                task.breakdown.prefill_s = first_at - task.started
             task.cached_tokens = out.num_cached_tokens
         firsts[out.index] = out.new_token_ids[0]
         task.outputs = 1
-        self._event(task, EventKind.FIRST_TOKEN, token_ids=list(out.new_token_ids),
+        inst.event(task, EventKind.FIRST_TOKEN, token_ids=list(out.new_token_ids),
                     token_times=[first_at], text=out.text_delta,
                     cached_tokens=out.num_cached_tokens, prompt_tokens=len(task.token_ids),
                     index=out.index, **logprob_fields(out))
         if len(firsts) == task.params.n:
             tokens = [firsts[j] for j in range(task.params.n)]
-            self.spawn(task, self._hand_off(task, tokens, first_at))
+            inst.spawn(task, self._hand_off(task, tokens, first_at))
 
     async def _hand_off(self, task: Task, tokens: list[int], first_at: float) -> None:
         result, err = await asyncio.get_running_loop().run_in_executor(
@@ -117,18 +118,17 @@ class PrefillInstance(CoupledInstance):
         if task.done:
             return  # cancelled while streaming
         if not result.ok:
-            self.fail(task, ErrorCode.TRANSFER, f"streaming KV to the decode failed: "
-                      f"{result.error}")
+            self.inst.fail(task, ErrorCode.TRANSFER, f"streaming KV to the decode failed: "
+                           f"{result.error}")
             return
         if err:
-            self.fail(task, ErrorCode.TRANSFER, f"notifying the decode failed: {err}")
+            self.inst.fail(task, ErrorCode.TRANSFER, f"notifying the decode failed: {err}")
             return
-        task.extra["stream"] = result
         b = task.breakdown
         b.transfer_s = max(0.0, result.complete_at - result.last_layer_at)
         b.kv_bytes, b.streamed_layers = result.bytes, result.layers
         b.layers_before_prefill_end = result.layers_before_last
-        self.finish(task, "handoff")
+        self.inst.finish(task, "handoff")
 
     def _finish_stream(self, task: Task, tokens: list[int],
                        first_at: float) -> tuple[StreamResult, str]:
@@ -145,7 +145,7 @@ class PrefillInstance(CoupledInstance):
             prefill_end = time.time() - (time.perf_counter() - result.last_layer_at)
             return result, self._tell_decode(task, (tokens, first_at, prefill_end))
         finally:
-            self.driver.call(lambda e: e.release(rid)).add_done_callback(_log_release)
+            self.inst.driver.call(lambda e: e.release(rid)).add_done_callback(_log_release)
 
     async def _tell_decode_async(self, task: Task,
                                  first: tuple[list[int], float, float] | None,
@@ -156,7 +156,8 @@ class PrefillInstance(CoupledInstance):
     def _tell_decode(self, task: Task, first: tuple[list[int], float, float] | None,
                      error: str = "") -> str:
         """Send `KvReady` to the decode (any thread); returns an error text or ''."""
-        target = task.extra["target"]
+        target = task.target
+        assert target is not None, "only PREFILL tasks tell a decode"
         tokens, first_at, prefill_end = first if first is not None else ([0], 0.0, 0.0)
         msg = KvReady(request_id=task.request_id, num_tokens=len(task.token_ids),
                       first_token=tokens[0], first_token_time_s=first_at,
@@ -164,8 +165,8 @@ class PrefillInstance(CoupledInstance):
                       ok=first is not None, error=error,
                       first_tokens=tokens if len(tokens) > 1 else [])
         try:
-            self.transfer.notify(target.segment, KV_READY_TOPIC, encode(msg),
-                                 timeout_s=self.cfg.transfer_timeout_s)
+            self.inst.transfer.notify(target.segment, KV_READY_TOPIC, encode(msg),
+                                      timeout_s=self.inst.cfg.transfer_timeout_s)
         except Exception as e:
             log.warning("%s: KvReady to %s failed: %s", task.request_id, target.instance_id, e)
             return str(e)
@@ -174,9 +175,9 @@ class PrefillInstance(CoupledInstance):
     async def on_cancel(self, request_id: str) -> bool:
         """Answered once no KV write of the request is in flight any more (the Conductor then
         cancels the decode, which may free the reserved blocks)."""
+        timeout = self.inst.cfg.transfer_timeout_s
         quiet = await asyncio.get_running_loop().run_in_executor(
-            None, self.streamer.drop, request_id, self.cfg.transfer_timeout_s)
+            None, self.streamer.drop, request_id, timeout)
         if not quiet:
-            log.warning("%s: KV writes still in flight after %.0f s", request_id,
-                        self.cfg.transfer_timeout_s)
-        return await super().on_cancel(request_id)
+            log.warning("%s: KV writes still in flight after %.0f s", request_id, timeout)
+        return await self.coupled.on_cancel(request_id)

@@ -2,14 +2,11 @@
 (the KV connector) or from another instance (Algorithm 1's transfer from the holder, which also
 replicates hot blocks), and the holder's half of that transfer.
 
-Called by the roles that prefill (`coupled.CoupledInstance` and its subclass
-`prefill.PrefillInstance`): `load_prefix` from `CoupledInstance.run_task` (loop thread; a local
-plan loads nothing), `serve_fetch` from `CoupledInstance.on_fetch_prefix`; each holds its
-`PeerClients`. From a peer: the instance told to load ``PrefixPlan(source="peer")`` asks the
-holder with `FetchPrefix` to WRITE the KV of its longest cached run of the prompt's blocks into
-this instance's registered staging memory, then installs it in its own prefix cache
-(`fetch_from_peer`). A fingerprint mismatch or a cold holder answers 0 blocks: a miss, never an
-error, never wrong KV.
+Called by `coupled.CoupledRole` (also inside `prefill.PrefillRole`) on the loop: `load_prefix`
+before a task joins the engine, `serve_fetch` for a peer's `FetchPrefix`; the role holds the
+`PeerClients`. From a peer: the holder WRITEs the KV of its longest cached run of the prompt's
+blocks into this instance's staging memory, then it is installed in the prefix cache
+(`fetch_from_peer`). A fingerprint mismatch or a cold holder is a miss, never wrong KV.
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ from yuebing.protocol.instance import ErrorCode, Fetched, FetchPrefix, PrefixPla
 from yuebing.transfer.types import OpCode, TransferRequest
 
 if TYPE_CHECKING:
-    from yuebing.instance.base import Task
-    from yuebing.instance.coupled import CoupledInstance
+    from yuebing.instance.base import Instance, Task
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +36,8 @@ LATE_WRITE_S = 2.0
 """Beyond the transfer timeout, how long a failed fetch's staging range stays out of use."""
 
 
-async def load_prefix(inst: CoupledInstance, task: Task, plan: PrefixPlan | None) -> int:
+async def load_prefix(inst: Instance, peers: PeerClients, task: Task,
+                      plan: PrefixPlan | None) -> int:
     """Bring the planned prefix into the engine's prefix cache (store or peer); returns
     tokens loaded into it (0 for a local plan or a miss: the engine finds what it has)."""
     if plan is None or plan.tokens <= 0 or plan.source == "local":
@@ -53,7 +50,7 @@ async def load_prefix(inst: CoupledInstance, task: Task, plan: PrefixPlan | None
             ids = task.token_ids
             return await inst.driver.run(lambda e: inst.connector.install(e, ids, loaded))
         if plan.source == "peer":
-            return await fetch_from_peer(inst, task, plan)
+            return await fetch_from_peer(inst, peers, task, plan)
         raise Refused(ErrorCode.BAD_REQUEST, f"prefix source must be local, store or peer, "
                       f"got {plan.source!r}")
     finally:
@@ -71,7 +68,7 @@ def _cached_run(engine: LLMEngine, ids: list[int], max_blocks: int) -> list[int]
     return blocks
 
 
-async def serve_fetch(inst: CoupledInstance, msg: FetchPrefix) -> Fetched:
+async def serve_fetch(inst: Instance, msg: FetchPrefix) -> Fetched:
     """Holder side: copy the cached run out (driver thread), WRITE it to the requester."""
     engine = inst.engine
     if msg.fingerprint != engine.fingerprint or msg.max_tokens <= 0:
@@ -95,7 +92,8 @@ async def serve_fetch(inst: CoupledInstance, msg: FetchPrefix) -> Fetched:
     return Fetched(seq=msg.seq, blocks=int(data.shape[0]))
 
 
-async def fetch_from_peer(inst: CoupledInstance, task: Task, plan: PrefixPlan) -> int:
+async def fetch_from_peer(inst: Instance, peers: PeerClients, task: Task,
+                          plan: PrefixPlan) -> int:
     """Requester side: returns the tokens now in this engine's prefix cache from the peer."""
     if not plan.peer_address:
         log.warning("%s: a peer prefix plan without peer_address; computing it",
@@ -110,7 +108,7 @@ async def fetch_from_peer(inst: CoupledInstance, task: Task, plan: PrefixPlan) -
     give_now = True
     deadline = time.time() + inst.cfg.transfer_timeout_s
     try:
-        client = inst.peers.get(plan.peer_address)
+        client = peers.get(plan.peer_address)
         n = await client.fetch_prefix(FetchPrefix(
             seq=0, token_ids=task.token_ids, max_tokens=nblocks * engine.block_size,
             segment=inst.transfer.segment_name("staging"), offset=lease - 1,
@@ -139,7 +137,7 @@ async def fetch_from_peer(inst: CoupledInstance, task: Task, plan: PrefixPlan) -
 
 class PeerClients:
     """The clients of other instances' control servers, one per address (kept open, made anew
-    once closed); closed with the instance (`CoupledInstance.close`)."""
+    once closed); closed with the role (`CoupledRole.close`)."""
 
     def __init__(self) -> None:
         self._clients: dict[str, InstanceClient] = {}

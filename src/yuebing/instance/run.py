@@ -26,14 +26,13 @@ T = TypeVar("T")
 
 
 def build_instance(cfg: InstanceConfig) -> Instance:
-    """The role object for ``cfg.role`` (engine loaded, not yet serving)."""
-    from yuebing.instance.coupled import CoupledInstance
-    from yuebing.instance.decode import DecodeInstance
-    from yuebing.instance.prefill import PrefillInstance
+    """The host with its role for ``cfg.role`` (engine loaded, not yet serving)."""
+    from yuebing.instance.coupled import CoupledRole
+    from yuebing.instance.decode import DecodeRole
+    from yuebing.instance.prefill import PrefillRole
 
-    cls = {"prefill": PrefillInstance, "decode": DecodeInstance,
-           "coupled": CoupledInstance}[cfg.role]
-    return cls(cfg)
+    role = {"prefill": PrefillRole, "decode": DecodeRole, "coupled": CoupledRole}[cfg.role]
+    return Instance(cfg, role)
 
 
 def run_instance(cfg: InstanceConfig) -> int:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgspec
 
+from yuebing.core import env
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.profile import _Tokens, time_decode, time_prefill
 from yuebing.protocol.instance import EngineProfile, Role
@@ -40,8 +41,7 @@ DECODE_CONTEXTS = (512, 4096)
 
 def profile_dir() -> Path:
     """Where cached profiles live (``$XDG_CACHE_HOME/yuebing/profiles`` or ~/.cache/...)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "yuebing" / "profiles"
+    return env.cache_home() / "yuebing" / "profiles"
 
 
 def cache_key(signature: dict[str, str], role: Role) -> str:

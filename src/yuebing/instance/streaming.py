@@ -1,19 +1,11 @@
 """`KvStreamer`: layer-wise KV streaming from a prefill engine into a decode's reserved blocks.
 
-A layer hook on the prefill engine (runs in the driver thread, inside `LLMEngine.step`): right
-after layer ``l`` wrote its K/V, for every watched request in the step, it submits transfer
-WRITEs of layer ``l``'s K and V of the blocks the step touched (plus, on the request's first
-step, its prefix-cache hits) straight into the decode's KV pool segment at the `KvLayout`
-offsets, then returns so layer ``l+1`` computes while the bytes move. Consecutive runs of
-(prefill block, decode block) pairs become one request each; the requests of every watched
-request of the step bound for one decode segment go as one transfer batch per layer (each
-request's part judged on its own). A chunk whose KV per layer is under ``whole_below`` bytes
-(``--layerwise-min-bytes``) goes in one batch of all its layers after its last layer. A waiter
-thread stamps when each batch completes, so `finish` can tell how many layers had landed
-before the prefill's last layer was computed (the streaming proof in `yuebing bench instance`).
-
-Called by the prefill role (`instance.prefill`): `watch` before adding the request, `finish`
-(blocking; run it in an executor) after its first token, `drop` on cancel.
+A layer hook on the prefill engine (driver thread): right after layer ``l`` wrote its K/V it
+submits transfer WRITEs of that layer's K and V for every watched request of the step straight
+into the decode's KV pool segment, then returns, so layer ``l+1`` computes while the bytes move.
+A waiter thread stamps each batch's completion, so `finish` can tell how many layers landed
+before the prefill's last one was computed. Called by the prefill role: `watch` before adding
+the request, `finish` (blocking) after its first token, `drop` on cancel.
 """
 
 from __future__ import annotations
@@ -75,7 +67,13 @@ class StreamResult:
 
 
 class KvStreamer:
-    """See the module docstring."""
+    """See the module docstring.
+
+    The blocks the step touched (plus, on a request's first step, its prefix-cache hits) are
+    written at the `KvLayout` offsets; consecutive (prefill block, decode block) runs become one
+    transfer request, and a step's requests bound for one decode segment go as one batch per layer
+    (each request's part judged on its own). A chunk whose KV per layer is under ``whole_below``
+    bytes (``--layerwise-min-bytes``) goes in one batch of all its layers after its last layer."""
 
     def __init__(self, engine: LLMEngine, transfer: TransferEngine,
                  timeout_s: float = 30.0, whole_below: int = 0) -> None:

@@ -1,22 +1,10 @@
-"""The admin HTTP endpoint every service exposes: ``GET /health`` and ``GET /metrics``
-(Prometheus text), plus JSON routes of the service's own (the store master's ``/keys``).
+"""The admin HTTP endpoint every service exposes: ``GET /health``, ``GET /metrics`` (Prometheus
+text) and JSON routes of the service's own (the store master's ``/keys``).
 
-Who uses it: the store master and node (``yuebing store master|node --admin-port``), the
-instances (``yuebing serve prefill|decode|coupled --admin-port``) start an `AdminServer`; the
-Conductor serves ``/health`` and ``/metrics`` inside its own API app and renders its registry
-with `exposition` / `METRICS_CONTENT_TYPE` from here.
-
-`AdminServer` binds its socket in the constructor (a taken port is an error at start, port 0
-picks one: `.port`), then serves a small Starlette app with uvicorn on a daemon thread of its
-own, so a service's main loop (the master's selector loop, an instance's asyncio loop) never
-runs HTTP. Route handlers are plain functions run in uvicorn's thread pool; they may take the
-service's lock. A handler raising `ValueError` answers 400 ``{"error": ...}`` and changes
-nothing; an unknown path answers 404 ``{"error": "unknown path"}``. ``/health`` answers 200
-with the health function's JSON, 503 when it says ``"ok": false``.
-
-Metrics: a service describes its state as data (`families` turns a dict of levels into gauges
-and a dict of event counts into counters named ``..._total``) in a collector read at scrape
-time (`FunctionCollector`), on a registry of its own (`new_registry`).
+The store master and node and the instances start an `AdminServer` (``--admin-port``); the
+Conductor serves both paths in its own app with `exposition` from here. A service describes its
+state as data (`families`: levels → gauges, event counts → ``_total`` counters) in a
+`FunctionCollector` read at scrape time, on a registry of its own (`new_registry`).
 """
 
 from __future__ import annotations
@@ -133,7 +121,13 @@ def build_app(health: Callable[[], Mapping[str, Any]], registry: CollectorRegist
 
 class AdminServer:
     """``/health``, ``/metrics`` and ``routes`` of one service on ``host:port`` (port 0 =
-    pick one), served from a daemon thread between `start` and `close`."""
+    pick one), served from a daemon thread between `start` and `close`.
+
+    The socket is bound in the constructor (a taken port fails at start; port 0 picks one:
+    `.port`); a small Starlette app is served by uvicorn on a daemon thread, so a service's main loop
+    never runs HTTP. Handlers run in uvicorn's thread pool and may take the service's lock; one
+    raising `ValueError` answers 400 ``{"error": ...}``, an unknown path 404; ``/health`` answers
+    200 with the health function's JSON, 503 when it says ``"ok": false``."""
 
     def __init__(self, host: str, port: int, health: Callable[[], Mapping[str, Any]],
                  registry: CollectorRegistry, routes: Mapping[str, JsonRoute] | None = None,

@@ -1,30 +1,12 @@
 """Control-plane messages between the Conductor and serving instances (prefill/decode/coupled).
 
-Transport: one zmq ROUTER socket per instance (``tcp://host:port``); each Conductor connects one
-DEALER. Every frame is one `encode`d message. Requests from the Conductor carry ``seq``; the
-instance answers each with `Ack` or `ErrorReply` echoing that ``seq``. After `Subscribe` the
-instance pushes `LoadReport`s (at ``report_hz`` and on change) and the `TaskEvent`s of every
-task that connection submitted to that same DEALER (the events of one engine step for one
-connection travel together as one `TaskEvents` frame). Bytes of KV never travel here: they move
-instance→instance through the transfer engine, and a prefill tells its decode target that the
-KV has landed with a transfer-engine notification carrying `KvReady`.
-
-A disaggregated request (who sends what):
-
-1. Conductor → decode: `Reserve` (prompt length, max tokens). The decode instance allocates
-   KV blocks for the prompt and answers `Reserved` (its KV segment, layout, block ids) or
-   `ErrorReply(code=NO_KV)` before any prefill work starts.
-2. Conductor → prefill: `SubmitTask(mode=PREFILL, prefix=PrefixPlan, decode=DecodeTarget)`.
-   The prefill loads the prefix, computes the rest and writes each layer's KV into the decode's
-   reserved blocks while later layers compute. It emits `TaskEvent(FIRST_TOKEN)` at once, then
-   (once every write landed) notifies the decode (`KvReady`, carrying the first token), emits
-   `TaskEvent(FINISH, finish_reason="handoff")` and saves the new store blocks.
-3. The decode adds the request to its batch and emits `TaskEvent(TOKENS…, FINISH)` to the
-   Conductor connection that reserved it.
-
-`Cancel` ends a task or reservation anywhere in that life and frees its blocks. A prefill
-answers it only once none of the request's KV writes is in flight, so the Conductor cancels the
-prefill first, then the decode.
+One zmq ROUTER per instance, one DEALER per Conductor; every frame is one `encode`d message.
+Requests carry ``seq``; the instance answers each with the reply or an `ErrorReply` echoing it.
+After `Subscribe` the instance pushes `LoadReport`s and the `TaskEvent`s of the tasks that
+connection submitted (one engine step's as one `TaskEvents` frame). KV bytes never travel here:
+a prefill writes them through the transfer engine and tells its decode with a `KvReady`
+notification. A disaggregated request: `Reserve` (decode) → `SubmitTask(PREFILL)` → events of
+both; docs/instances.md tells it step by step. Used by `yuebing.instance` and the Conductor.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
-"""Calibration of the roofline's free choices to the paper's single-request latencies (Fig. 14).
+"""Calibration of the roofline's free choices to the paper's single-request latencies (FAST'25
+Figure 14; ../shared/paper/targets.md).
 
-The paper (FAST'25 Figure 14; ../shared/paper/targets.md) measures one request at a time on one
-8×A800 node: prefill of 8k–128k-token prompts with no cache and with 95 % of the prompt cached,
-the transfer and cache-load stages, and the total with 128 decoded tokens. `fig14_rows` computes
-the same rows from a `RooflineCostModel` (what the simulator does for a lone request; the paper
-module `yuebing.sim.paper.fig14` checks it against the simulator itself), and `fit` fits the
-roofline's free choices to them:
-
-- prefill: the linear layers' asymptotic MFU, the attention MFU and the per-request schedule
-  overhead, by weighted linear least squares on the two prefill rows (relative errors; the
-  efficiency curve's half point ``mfu_half_tokens`` and the per-chunk overhead are not
-  identified by prompts of ≥ 8k tokens and stay as given);
-- decode: the memory-bandwidth utilisation and the per-step overhead, by the same least squares
-  on the two total rows after their prefill, load and transfer parts.
-
-Who calls it: `NodeSpec`'s defaults are `fit`'s result (rounded; a test pins that), the
-Figure 14 report rows, and ``python -m yuebing.sim.calibrate`` (prints the fit and the rows).
+`fig14_rows` computes Figure 14's rows (8k–128k-token prompts, cold and 95 % cached, transfer,
+cache load, total with 128 tokens) from a `RooflineCostModel`; `fit` fits the free choices to
+the paper's rows by weighted least squares: prefill MFU, attention MFU and schedule overhead,
+then decode MBU and step overhead. `NodeSpec`'s defaults are `fit`'s result (a test pins it);
+``python -m yuebing.sim.calibrate`` prints the fit and the rows.
 """
 
 from __future__ import annotations
@@ -152,7 +142,11 @@ def _fit_decode(model: ModelSpec, node: NodeSpec) -> NodeSpec:
 
 def fit(model: ModelSpec | None = None, node: NodeSpec | None = None) -> Fit:
     """Fit the prefill then the decode free choices of ``node`` (default: `NodeSpec()`) to
-    Figure 14; the other fields of ``node`` are kept."""
+    Figure 14; the other fields of ``node`` are kept.
+
+    The efficiency curve's half point ``mfu_half_tokens`` and the per-chunk overhead are not
+    identified by prompts of ≥ 8k tokens and stay as given; errors are relative. The decode fit
+    uses the two total rows after their prefill, load and transfer parts."""
     model = model or ModelSpec()
     node = _fit_decode(model, _fit_prefill(model, node or NodeSpec()))
     errors = relative_errors(fig14_rows(RooflineCostModel(model, node)))

@@ -1,25 +1,11 @@
 """Colocated nodes: a prefill and a decode node sharing one host slow each other down.
 
-With ``SimConfig.colocated`` prefill node i and decode node i share host i (nodes without a
-partner run alone), as 1P1D ``yuebing serve`` runs on one machine. The slowdown factors are
-measured, not fitted: ``yuebing profile --interference`` times a decode step beside a
-prefilling neighbour and a prefill beside a decoding neighbour and stores the ratios in the
-samples file; `load_interference` reads them back.
-
-Who calls what: `yuebing.sim.mooncake.MooncakeSystem` builds one `HostMate` per prefill node
-with a partner and
-
-- when it schedules a prefill, stretches its duration with `stretch` over the window in which
-  the partner decode node is estimated busy (its running batch's remaining steps and the
-  requests whose KV is on its way there), then records the prefill's interval here
-  (`HostMate.add_prefill`) and has the decode node re-plan from its next step boundary;
-- the decode node (`yuebing.sim.decode.DecodeInstance`, ``stretch=``) stretches each step it
-  plans with `HostMate.decode_step` over the partner's recorded prefill intervals.
-
-Approximations (documented in docs/reproduction.md): a prefill's duration is decided when it is
-scheduled, from the decode work known then (a request that joins the decode batch later does not
-lengthen a prefill already scheduled); a decode step is stretched only over the prefill interval
-it starts in or runs into (steps are tens of ms, prefills seconds).
+With ``SimConfig.colocated`` prefill node i and decode node i share host i, as 1P1D ``yuebing
+serve`` runs on one machine. The factors are measured (``yuebing profile --interference``,
+read by `load_interference`). `sim.mooncake.MooncakeSystem` keeps one `HostMate` per paired
+prefill node: a prefill is stretched (`stretch`) over the window its partner decode node is
+estimated busy, and the decode node (`sim.decode.DecodeInstance`, ``stretch=``) stretches each
+step over the partner's prefill intervals (`HostMate.decode_step`).
 """
 
 from __future__ import annotations
@@ -97,7 +83,13 @@ def stretch(start: float, work: float, busy_from: float, busy_until: float,
 
 class HostMate:
     """The prefill intervals of the prefill node sharing a decode node's host (FIFO, so their
-    starts increase), and the factor a decode step takes inside one."""
+    starts increase), and the factor a decode step takes inside one.
+
+    Approximations (docs/reproduction.md): a prefill's duration is decided when it is scheduled,
+    from the decode work known then (a request joining the decode batch later does not lengthen
+    it); a decode step is stretched only over the prefill interval it starts in or runs into (steps
+    are tens of ms, prefills seconds). After a prefill is recorded (`add_prefill`) the decode node
+    re-plans from its next step boundary."""
 
     def __init__(self, decode_factor: float) -> None:
         self.decode_factor = decode_factor

@@ -1,18 +1,11 @@
-"""A simulated decode instance: continuous batching bounded by HBM.
+"""A simulated decode instance (`DecodeInstance`): continuous batching bounded by HBM, used by
+`sim.mooncake`.
 
-Life cycle of a request here: its KV arrives (`DecodeInstance.enqueue`) and waits in FIFO
-order until its whole footprint (prompt + every output token, reserved up front so no running
-request is ever preempted) fits in the instance's KV capacity; it is then admitted at the next
-iteration boundary, produces one token per iteration, and leaves after its last token, freeing
-its KV. Each iteration takes ``cost.decode_step_time(batch, context)`` where ``context`` is the
-batch's total KV tokens (it grows by ``batch`` every iteration); on a host shared with a prefill
-node (``stretch``, `yuebing.sim.colocation`) longer while that node prefills.
-
-Speed: between two changes of the batch the iterations are fully determined, so the instance
-plans them all at once (appending their end times to ``step_ends``) and schedules one event at
-the boundary where the next request finishes. A request arriving mid-plan truncates the plan
-after the iteration in progress, so it joins at the very next boundary, exactly as with one
-event per iteration. A request's token times are a slice of ``step_ends``; no per-token events.
+A request's KV arrives (`enqueue`) and waits FIFO until its whole footprint (prompt + every
+output token, reserved up front: no preemption) fits; it joins at the next iteration boundary,
+makes one token per iteration and leaves after its last, freeing its KV. An iteration takes
+``cost.decode_step_time(batch, context)`` (longer beside a prefilling host-mate: ``stretch``).
+Between two batch changes the iterations are planned at once, one event per change.
 """
 
 from __future__ import annotations
@@ -50,7 +43,12 @@ class DecodeJob:
 class DecodeInstance:
     """One decode node. Driven by the event loop; `enqueue` is called by the owning system
     when a request's KV is complete on this node; ``on_finish`` (optional) is called after a
-    request's record is finalized."""
+    request's record is finalized.
+
+    The plan appends the iterations' end times to ``step_ends`` and schedules one event where the
+    next request finishes; a request arriving mid-plan truncates it after the iteration in
+    progress, so it joins at the very next boundary, exactly as with one event per iteration. A
+    request's token times are a slice of ``step_ends``: no per-token events."""
 
     def __init__(self, name: str, loop: EventLoop, cost: CostModel,
                  on_finish: Callable[[DecodeJob], None] | None = None,

@@ -1,30 +1,10 @@
 """Hardware cost models of the simulator: how long prefill, a decode step and a transfer take.
 
-Life cycle: the runner builds one `CostModel` per run (``roofline`` from the paper's Table 1,
-or ``fitted`` from the predictor or samples file written by ``yuebing profile``) and hands it to the simulated
-system; prefill/decode instances ask it for durations whenever they start work, and the policy
-predictors are fitted from samples of it. Cost models are pure functions of their arguments.
-
-Roofline (paper Table 1, LLaMA3-70B on one node of 8×A800), its free choices calibrated to the
-paper's single-request latencies (Figure 14; `yuebing.sim.calibrate` fits them):
-
-- prefill of ``n`` new tokens after ``c`` cached ones costs FLOPs(c+n) − FLOPs(c), with
-  FLOPs(x) = l·(a·x²·d + b·x·d²), computed chunk by chunk (``chunk_tokens``). The linear part
-  l·b·n·d² of a forward pass over ``t`` tokens runs at ``gpus · gpu_flops · mfu(t)`` with the
-  efficiency curve ``mfu(t) = mfu · t / (t + mfu_half_tokens)`` (small passes use the GPUs far
-  worse: skinny GEMMs, tensor-parallel all-reduces and launches that do not shrink with ``t``;
-  every system — Mooncake and the coupled baselines — uses this one curve). The attention part
-  l·a·d·(n² + 2·n·c) counts every query-key pair twice over a causal kernel, which computes
-  the n·c pairs over earlier tokens and half of the n² among the new ones: it runs half those
-  FLOPs at ``attention_mfu``. The time is ``prefill_overhead_s`` (scheduling the request) +
-  loading the cached prefix from DRAM over the host link (``h2d_Bps``, before the compute: the
-  paper's Figure 14 shows cache load as its own stage) + max(compute, storing the new KV
-  layer by layer) + ``chunk_overhead_s`` per chunk of ``chunk_tokens``;
-- a decode step reads the weights and the whole batch's KV once: bytes / (HBM bandwidth · mbu),
-  or the batch's matmul FLOPs if that is larger, plus ``step_overhead_s`` (8-way tensor
-  parallel all-reduces of every layer, sampling, the engine's scheduler) and
-  ``seq_overhead_s`` per sequence (sampling, attention launches, batch bookkeeping);
-- a transfer of ``B`` bytes takes ``nic_latency_s + B / nic_Bps``.
+The runner builds one `CostModel` per run — ``roofline`` (`RooflineCostModel`, the paper's
+Table 1, its free choices fitted to Figure 14 by `yuebing.sim.calibrate`) or ``fitted``
+(`FittedCostModel`, from a ``yuebing profile`` file) — and hands it to the simulated system;
+instances ask it for durations when they start work, and the policy's predictors are fitted
+from samples of it. Cost models are pure functions of their arguments.
 """
 
 from __future__ import annotations
@@ -176,7 +156,19 @@ SAMPLES_FORMAT = "yuebing-profile-samples"
 
 @COST_MODELS.register("roofline")
 class RooflineCostModel(CostModel):
-    """Analytic roofline from the paper's Table 1 (see the module docstring)."""
+    """Analytic roofline from the paper's Table 1 (see the module docstring).
+
+    - prefill of ``n`` new tokens after ``c`` cached costs FLOPs(c+n) − FLOPs(c), FLOPs(x) =
+      l·(a·x²·d + b·x·d²), chunk by chunk (``chunk_tokens``). The linear part of a pass over ``t``
+      tokens runs at ``gpus · gpu_flops · mfu(t)``, ``mfu(t) = mfu · t / (t + mfu_half_tokens)``
+      (small passes use the GPUs far worse; every system uses this one curve). The attention part
+      l·a·d·(n² + 2·n·c) runs half those FLOPs (a causal kernel) at ``attention_mfu``. Time =
+      ``prefill_overhead_s`` + loading the cached prefix over the host link (``h2d_Bps``) +
+      max(compute, storing the new KV layer by layer) + ``chunk_overhead_s`` per chunk;
+    - a decode step reads the weights and the batch's KV once: bytes / (HBM bandwidth · mbu), or
+      the batch's matmul FLOPs if larger, plus ``step_overhead_s`` and ``seq_overhead_s`` per
+      sequence;
+    - a transfer of ``B`` bytes takes ``nic_latency_s + B / nic_Bps``."""
 
     def __init__(self, model: ModelSpec | None = None, node: NodeSpec | None = None) -> None:
         self.model = model or ModelSpec()

@@ -1,19 +1,11 @@
 """Discrete-event loop of the simulator: one heap, one seed, deterministic.
 
-Life cycle: a system (`yuebing.sim.system.SimSystem`) and the runner schedule callbacks with
-`EventLoop.at` / `EventLoop.after`; `EventLoop.run` pops them in order, advances ``now`` and
-calls them; callbacks schedule further events. Nothing reads a wall clock.
-
-Tie-break order (documented and tested): events fire by
-
-1. time (earlier first);
-2. `Priority` class at equal time: ``COMPLETE`` (work finishing: prefill end, KV arrival,
-   decode step end — resources are freed first) before ``ARRIVAL`` (new requests then see the
-   freed resources) before ``SAMPLE`` (periodic observers see the settled state);
-3. scheduling order (a global sequence number: first scheduled, first fired).
-
-All randomness of a run comes from ``loop.rng``, a `random.Random` seeded once, so equal
-inputs and seed give bit-identical results.
+A system (`sim.system.SimSystem`) and the runner schedule callbacks with `EventLoop.at` /
+`EventLoop.after`; `EventLoop.run` pops them in order, advances ``now`` and calls them. Events
+fire by time, then `Priority` (``COMPLETE`` before ``ARRIVAL`` before ``SAMPLE``: freed
+resources are seen by new requests, settled state by observers), then scheduling order. All
+randomness comes from ``loop.rng``, seeded once; nothing reads a wall clock, so equal inputs
+and seed give bit-identical results.
 """
 
 from __future__ import annotations

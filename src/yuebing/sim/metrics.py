@@ -1,19 +1,10 @@
 """Per-request records and aggregate metrics of a simulation.
 
-Life cycle: the runner creates one `RequestRecord` per trace request before its arrival; the
-simulated system fills in its fields as the request moves (routing → prefill → transfer →
-decode, or rejection) and calls `finish_decode` with the request's token times when the last
-token is out. After the run, `summarize` turns the records into the report's aggregates.
-
-Definitions (pinned by tests):
-
-- TTFT = first token time − arrival. TBT (paper definition) = mean of the longest
-  ``ceil(10 %)`` of the request's token intervals; we also keep P90 and the plain mean. A
-  request with one output token has no interval and TBT 0. `tbt_summary`, the latency stats
-  and the paper's thresholds live in `yuebing.trace.latency`, shared with the live bench.
-- A request *meets the SLO* at threshold ``x`` when it was not rejected, TTFT ≤ ``ttft_slo_s``
-  (30 s) and TBT ≤ ``x``. Effective request capacity = requests meeting the SLO / all requests
-  (rejected ones included, counting as misses).
+The runner creates one `RequestRecord` per trace request before its arrival; the simulated
+system fills it in as the request moves (routing → prefill → transfer → decode, or rejection)
+and calls `finish_decode` with its token times. After the run `summarize` aggregates the
+records; `effective_capacity` and `capacity_curve` give the paper's effective request capacity
+(TBT and latency stats come from `yuebing.trace.latency`, shared with the live bench).
 """
 
 from __future__ import annotations
@@ -101,7 +92,12 @@ class RequestRecord:
 
 def effective_capacity(records: Sequence[RequestRecord], tbt_threshold_s: float,
                        ttft_slo_s: float = TTFT_SLO_S) -> float:
-    """Share of ``records`` meeting TTFT ≤ ``ttft_slo_s`` and TBT ≤ ``tbt_threshold_s``."""
+    """Share of ``records`` meeting TTFT ≤ ``ttft_slo_s`` and TBT ≤ ``tbt_threshold_s``.
+
+    Definitions (pinned by tests): TTFT = first token − arrival; TBT (the paper's) = mean of the
+    longest ``ceil(10 %)`` of the request's token intervals (0 with one output token). A request
+    meets the SLO at ``x`` when not rejected, TTFT ≤ ``ttft_slo_s`` (30 s) and TBT ≤ ``x``;
+    effective capacity = requests meeting it / all requests (rejected ones count as misses)."""
     if not records:
         return 0.0
     ok = sum(1 for r in records if r.meets_slo(tbt_threshold_s, ttft_slo_s))

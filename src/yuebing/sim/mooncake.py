@@ -1,33 +1,12 @@
-"""The simulated Mooncake cluster: P prefill nodes + D decode nodes over a global KV pool.
+"""The simulated Mooncake cluster (system ``mooncake``): P prefill + D decode nodes over a
+global KV pool, driven by `sim.runner` through the shared Conductor policy.
 
-Life cycle of a request (paper §3-§4):
-
-1. Arrival: the Conductor looks up the request's prefix blocks in the global pool index, builds
-   a `ClusterView` (per prefill node: queued work and its own cached prefix; per decode node:
-   batch, context, KV use; the best prefix anywhere) and calls the shared policy
-   (`yuebing.conductor.policy.Policy.decide`). A `Reject` is recorded with its stage and reason.
-   A request whose KV (input + output tokens) exceeds a decode instance's whole capacity is
-   rejected at arrival (reason ``kv_capacity``), as the vLLM baselines do.
-2. Route: the chosen prefill node refreshes its reused blocks; when the policy plans a fetch,
-   the missing prefix blocks are copied from the holder over both nodes' NICs (serialised per
-   NIC), which also replicates hot blocks. Prefill starts when the node (or, for inputs with
-   more than ``cpp_threshold_tokens`` new tokens, a chunked-pipeline-parallel group of up to
-   ``cpp_max_nodes`` nodes) is free and the fetch is done. Each node serves its queue in the
-   policy's queue order (`yuebing.conductor.policy.queue`, the order of the live Conductor's
-   gate): in FIFO a request's turn is known at arrival, so its prefill is placed on the node's
-   timeline then; in another order it waits in the node's queue, and whenever the node is free
-   the order picks the next one (`_dispatch`). With ``prefill_reject`` a request whose prefill
-   would end past its TTFT SLO is dropped when its prefill is placed.
-   With ``colocated`` prefill node i shares a host with decode node i (`yuebing.sim.colocation`):
-   the prefill is stretched by the measured factor over the window in which that decode node is
-   estimated busy, and the decode node's steps inside the prefill's interval are stretched too.
-3. Prefill end = first token. The new KV was stored layer by layer into the node's DRAM pool
-   while computing (inserted now); the whole KV then moves to the decode node
-   (``cost.transfer_time``), after the prefill, as the paper's Figure 14 measures it.
-4. Decode: continuous batching bounded by HBM (`yuebing.sim.decode.DecodeInstance`). With
-   ``decode_reject`` a request whose KV cannot join the batch at the next iteration (KV full)
-   or would push the iteration past the TBT SLO (by the Conductor's decode predictor, the one
-   its arrival-time checks use) is rejected at decode (its prefill wasted).
+Life cycle of a request (paper §3–§4): at arrival the policy decides on a `ClusterView` built
+from the pool index and the nodes (a `Reject` is recorded); the chosen prefill node fetches a
+planned remote prefix over the NICs (replicating hot blocks) and serves its queue in the
+policy's queue order (CPP groups for long inputs); at prefill end the KV moves to the decode
+node, which batches it continuously within HBM (`sim.decode.DecodeInstance`). `MooncakeSystem`
+spells out each stage and its options (``prefill_reject``, ``decode_reject``, ``colocated``).
 """
 
 from __future__ import annotations
@@ -108,13 +87,28 @@ class _Waiting:
 
 
 class MooncakeSystem(SimSystem):
-    """Disaggregated prefill/decode with a global cache-aware Conductor (see module docstring)."""
+    """Disaggregated prefill/decode with a global cache-aware Conductor (see module docstring).
+
+    Stages: (1) arrival — the prefix blocks are looked up in the pool index, the view built (per
+    prefill node: queued work and its own prefix; per decode node: batch, context, KV use; the best
+    prefix anywhere) and `Policy.decide` called; a request whose KV exceeds a decode instance's
+    capacity is rejected (``kv_capacity``), as the vLLM baselines do. (2) route — the node
+    refreshes its reused blocks; a planned fetch copies the missing blocks from the holder over both
+    NICs (serialised per NIC). Prefill starts when the node (or a chunked-pipeline group of up to
+    ``cpp_max_nodes`` for more than ``cpp_threshold_tokens`` new tokens) is free and the fetch done;
+    in FIFO a request's turn is placed at arrival, in another order the node picks the next when it
+    is free (`_dispatch`). With ``prefill_reject`` a prefill that would end past its TTFT SLO is
+    dropped when placed; with ``colocated`` prefill node i and decode node i share a host and
+    stretch each other (`sim.colocation`). (3) prefill end = first token; the KV stored layer by
+    layer into the node's DRAM pool moves to the decode node after the prefill (Figure 14). (4)
+    decode: with ``decode_reject`` a request whose KV cannot join at the next iteration, or would
+    push it past the TBT SLO (by the Conductor's decode predictor), is rejected there."""
 
     def __init__(self, ctx: SystemContext) -> None:
         super().__init__(ctx)
         cfg = self.config
         self.P, self.D = cfg.prefill_nodes, cfg.decode_nodes
-        self.pool = GlobalKVPool(self.P, cfg.dram_kv_tokens // cfg.block_tokens)
+        self.pool = GlobalKVPool(self.P, cfg.dram_kv_tokens // cfg.policy.block_tokens)
         self.prefill_ids = [InstanceId(f"p{i}") for i in range(self.P)]
         self.prefill_index = {pid: i for i, pid in enumerate(self.prefill_ids)}
         self.decode_ids = [InstanceId(f"d{j}") for j in range(self.D)]
@@ -187,7 +181,7 @@ class MooncakeSystem(SimSystem):
             return
         i = self.prefill_index[decision.prefill_id]
         j = self.decode_index[decision.decode_id]
-        bt = self.config.block_tokens
+        bt = self.config.policy.block_tokens
         n_in = request.input_tokens
         local = lengths[i]
         reused = max(decision.reused_blocks, local)
@@ -239,9 +233,10 @@ class MooncakeSystem(SimSystem):
 
     def _group(self, i: int, new_tokens: int) -> list[int]:
         cfg = self.config
-        if new_tokens <= cfg.cpp_threshold_tokens or cfg.cpp_max_nodes == 1 or self.P == 1:
+        pol = cfg.policy
+        if new_tokens <= pol.cpp_threshold_tokens or pol.cpp_max_nodes == 1 or self.P == 1:
             return [i]
-        size = min(cfg.cpp_max_nodes, self.P, math.ceil(new_tokens / cfg.cpp_threshold_tokens))
+        size = min(pol.cpp_max_nodes, self.P, math.ceil(new_tokens / pol.cpp_threshold_tokens))
         others = heapq.nsmallest(size - 1, (k for k in range(self.P) if k != i),
                                  key=lambda k: (self.free_at[k], k))
         return [i, *others]
@@ -263,7 +258,7 @@ class MooncakeSystem(SimSystem):
             duration = stretch(start, duration, *self._decode_busy(i),
                                self.interference.prefill_factor)
         end = start + duration
-        if self.config.prefill_reject and end - request.arrival_s > self.config.ttft_slo_s:
+        if self.config.prefill_reject and end - request.arrival_s > self.config.policy.ttft_slo_s:
             record.rejected = RejectStage.PREFILL
             record.reject_reason = "prefill_ttft_slo"
             self.pending.pop(request.index, None)
@@ -318,7 +313,7 @@ class MooncakeSystem(SimSystem):
             reason = ""
             if not d.can_admit_now(job):
                 reason = "decode_kv_full"
-            elif self._predicted_tbt(d, job) > self.config.tbt_slo_s:
+            elif self._predicted_tbt(d, job) > self.config.policy.tbt_slo_s:
                 reason = "decode_tbt_slo"
             if reason:
                 record.rejected = RejectStage.DECODE
@@ -338,7 +333,7 @@ class MooncakeSystem(SimSystem):
     # -- observation ---------------------------------------------------------------------------
     def load(self) -> dict[str, float]:
         now = self.loop.now
-        slo = self.config.ttft_slo_s
+        slo = self.config.policy.ttft_slo_s
         for k in self.hot_keys:
             self.replica_series[str(k)].append(self.pool.replicas(k))
         for rank, k in self.ranked.items():
@@ -358,7 +353,7 @@ class MooncakeSystem(SimSystem):
         """arXiv §7.1's decode load: predicted TBT of each node's running batch / TBT SLO,
         averaged over the decode nodes (an idle node counts 0)."""
         assert self.policy is not None, "prepare() runs before the first sample"
-        predict, slo = self.policy.decode_time, self.config.tbt_slo_s
+        predict, slo = self.policy.decode_time, self.config.policy.tbt_slo_s
         return sum(predict(d.batch_size, d.context_tokens) / slo
                    for d in self.decodes if d.batch_size) / self.D
 

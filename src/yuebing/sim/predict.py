@@ -14,6 +14,7 @@ the simulator runs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from weakref import WeakKeyDictionary
@@ -80,21 +81,10 @@ def decode_durations(cost: CostModel, requests: Sequence[SimRequest],
 def policy_config(config: SimConfig, cost: CostModel,
                   requests: Sequence[SimRequest]) -> PolicyConfig:
     """The `PolicyConfig` a simulation run uses."""
-    return PolicyConfig(
-        prefill_selector=config.prefill_policy,
-        decode_selector=config.decode_policy,
-        admission=config.admission,
-        prefill_queue=config.prefill_queue,
-        prefill_queue_aging=config.prefill_queue_aging,
-        block_tokens=config.block_tokens,
+    return dataclasses.replace(
+        config.policy,
         kv_bytes_per_token=cost.kv_bytes_per_token,
-        ttft_slo_s=config.ttft_slo_s,
-        tbt_slo_s=config.tbt_slo_s,
-        kvcache_balancing_threshold=config.balancing_threshold,
-        seed=config.seed,
-        decode_durations_s=decode_durations(cost, requests, config.tbt_slo_s),
-        cpp_threshold_tokens=config.cpp_threshold_tokens,
-        cpp_max_nodes=config.cpp_max_nodes,
+        decode_durations_s=decode_durations(cost, requests, config.policy.tbt_slo_s),
         cpp_chunk_tokens=cost.prefill_chunk_tokens,
     )
 

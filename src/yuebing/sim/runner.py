@@ -114,7 +114,7 @@ def simulate(requests: Sequence[SimRequest], config: SimConfig, cost: CostModel 
     load_systems()
     factory = SYSTEMS.get(config.system)
     cost = cost or build_cost_model(config)
-    loop = EventLoop(seed=config.seed, start_s=min(0.0, requests[0].arrival_s))
+    loop = EventLoop(seed=config.policy.seed, start_s=min(0.0, requests[0].arrival_s))
     system = factory(SystemContext(loop=loop, cost=cost, config=config))
     system.prepare(requests)
     records = [RequestRecord(index=r.index, arrival_s=r.arrival_s, input_tokens=r.input_tokens,

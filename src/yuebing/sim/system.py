@@ -13,18 +13,35 @@ Systems: ``mooncake`` (`yuebing.sim.mooncake`) and the coupled vLLM-like baselin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from yuebing.conductor.policy.queue import DEFAULT_AGING, DEFAULT_QUEUE, PREFILL_QUEUES
+from yuebing.conductor.policy.config import PolicyConfig
 from yuebing.core.config import require
 from yuebing.core.registry import Registry
 from yuebing.sim.hardware import CostModel
 from yuebing.sim.loop import EventLoop
 from yuebing.sim.metrics import RequestRecord
 from yuebing.sim.workload import SimRequest
+
+SIM_POLICY = PolicyConfig(prefill_selector="global_cache_aware", decode_selector="least_loaded",
+                          admission="none", prefill_queue="fifo", block_tokens=512,
+                          ttft_slo_s=30.0, tbt_slo_s=0.1, kvcache_balancing_threshold=1.3,
+                          cpp_threshold_tokens=65_536, cpp_max_nodes=4, seed=0)
+"""A run's policy unless told otherwise: the paper's (Algorithm 1, FIFO prefill queues, the
+trace's 512-token blocks, TTFT 30 s / TBT 100 ms); the live Conductor's queue default differs."""
+POLICY_FLAGS = ("prefill_selector", "decode_selector", "admission", "prefill_queue",
+                "prefill_queue_aging", "block_tokens", "kvcache_balancing_threshold",
+                "ttft_slo_s", "tbt_slo_s", "cpp_threshold_tokens", "cpp_max_nodes", "seed")
+"""The `PolicyConfig` fields ``yuebing sim run`` offers as its own flags."""
+
+
+def sim_policy(**changes: object) -> PolicyConfig:
+    """`SIM_POLICY` with ``changes`` (field names of `PolicyConfig`)."""
+    return dataclasses.replace(SIM_POLICY, **changes)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -36,37 +53,19 @@ class SimConfig:
     prefill_nodes: int = field(default=8, metadata={
         "help": "prefill nodes (coupled baselines use prefill_nodes + decode_nodes instances)"})
     decode_nodes: int = field(default=8, metadata={"help": "decode nodes"})
-    prefill_policy: str = field(default="global_cache_aware", metadata={
-        "help": "prefill selector: random, load_balance, local_cache_aware, global_cache_aware"})
-    decode_policy: str = field(default="least_loaded", metadata={
-        "help": "decode selector: least_loaded, forecast, random"})
-    admission: str = field(default="none", metadata={
-        "help": "admission: none, slo, early_rejection, predictive_early_rejection"})
-    prefill_queue: str = field(default="fifo", metadata={
-        "help": "order of each prefill node's queue (mooncake): "
-                + ", ".join(PREFILL_QUEUES) + " (yuebing.conductor.policy.queue; fifo: the "
-                "order the paper reproduction is pinned on; the live Conductor defaults to "
-                + DEFAULT_QUEUE + ")"})
-    prefill_queue_aging: float = field(default=DEFAULT_AGING, metadata={
-        "help": "sjf_aging: seconds of estimated prefill forgiven per second waited"})
+    policy: PolicyConfig = field(default_factory=lambda: SIM_POLICY, metadata={
+        "flags": POLICY_FLAGS})
+    """The shared Conductor policy's configuration (selectors, admission, queue order, SLOs,
+    block size, CPP, seed); `predict.policy_config` adds what the run's cost model decides."""
     cost_model: str = field(default="roofline", metadata={"help": "roofline or fitted"})
     profile: str = field(default="", metadata={
         "help": "predictor or samples JSON written by yuebing profile (fitted cost model)"})
-    seed: int = field(default=0, metadata={"help": "seed of every random choice in the run"})
     speed: float = field(default=1.0, metadata={"help": "trace replay speed (2 = twice as fast)"})
     limit: int = field(default=0, metadata={"help": "replay only the first N requests (0: all)"})
     output_tokens: int = field(default=0, metadata={
         "help": "give every request this many output tokens (0: the trace's own)"})
     dram_kv_tokens: int = field(default=2_000_000, metadata={
         "help": "KV tokens each node's DRAM pool holds (LRU)"})
-    block_tokens: int = field(default=512, metadata={"help": "tokens per KV block (trace: 512)"})
-    balancing_threshold: float = field(default=1.3, metadata={
-        "help": "kvcache_balancing_threshold: fetch a remote prefix when best/local exceeds it"})
-    ttft_slo_s: float = field(default=30.0, metadata={"help": "TTFT SLO, s"})
-    tbt_slo_s: float = field(default=0.1, metadata={"help": "TBT SLO used by admission, s"})
-    cpp_threshold_tokens: int = field(default=65_536, metadata={
-        "help": "inputs with more uncached tokens use chunked pipeline parallelism"})
-    cpp_max_nodes: int = field(default=4, metadata={"help": "largest pipeline group"})
     prefill_reject: bool = field(default=False, metadata={
         "help": "reject at prefill when the request's prefill would end past its TTFT SLO"})
     decode_reject: bool = field(default=False, metadata={
@@ -88,19 +87,10 @@ class SimConfig:
                 f"speed must be > 0 and finite, got {self.speed}")
         require(self.limit >= 0, "limit must be >= 0 (0 replays the whole trace)")
         require(self.output_tokens >= 0, "output_tokens must be >= 0 (0: the trace's own)")
-        require(self.dram_kv_tokens >= self.block_tokens,
+        require(self.dram_kv_tokens >= self.policy.block_tokens,
                 "dram_kv_tokens must hold at least one block")
-        require(self.block_tokens > 0, "block_tokens must be > 0")
-        require(self.balancing_threshold >= 1.0, "balancing_threshold must be >= 1")
-        require(self.ttft_slo_s > 0 and self.tbt_slo_s > 0, "SLOs must be > 0 s")
-        require(self.cpp_threshold_tokens > 0, "cpp_threshold_tokens must be > 0")
-        require(self.cpp_max_nodes >= 1, "cpp_max_nodes must be >= 1")
+        require(self.policy.cpp_threshold_tokens > 0, "cpp_threshold_tokens must be > 0")
         require(self.sample_interval_s > 0, "sample_interval_s must be > 0")
-        require(self.prefill_queue in PREFILL_QUEUES,
-                f"prefill_queue {self.prefill_queue!r} unknown; use one of "
-                f"{', '.join(PREFILL_QUEUES)}")
-        require(math.isfinite(self.prefill_queue_aging) and self.prefill_queue_aging > 0,
-                f"prefill_queue_aging must be a positive number, got {self.prefill_queue_aging}")
         require(self.cost_model != "fitted" or bool(self.profile),
                 "cost_model 'fitted' needs --profile PATH")
         require(not self.colocated or self.system == "mooncake",

@@ -1,21 +1,11 @@
 """The coupled vLLM-like baselines of paper §5.1: ``vllm``, ``vllm_prefix_caching``,
-``vllm_chunked_prefill``.
+``vllm_chunked_prefill`` (`VllmOptions`), run through the simulator runner
+(``SimConfig(system="vllm", ...)``) or `simulate_vllm`.
 
-Life cycle of a request: at arrival a load balancer in front of ``prefill_nodes +
-decode_nodes`` independent instances (one per node, each serving the whole model) dispatches it
-to the instance with the fewest outstanding prompt tokens (ties: fewer running requests, then
-the lower index); the instance (`yuebing.sim.vllm_instance.CoupledInstance`) queues it,
-prefills it — interrupting its running decodes unless chunked prefill mixes the two — and
-decodes it with continuous batching bounded by HBM, filling the request's record on the way.
-There is no KV transfer and no rejection, except for a request whose KV could never fit in one
-node's HBM (stage ``ARRIVAL``, reason ``kv_capacity``).
-
-Variants (`VllmOptions`): ``vllm`` (prefill priority, prefill-only steps),
-``vllm_prefix_caching`` (+ a local HBM LRU prefix cache per instance) and
-``vllm_chunked_prefill`` (+ a per-iteration token budget with mixed prefill/decode batches;
-vLLM 0.5's default budget of 512 tokens).
-
-Use through the simulator runner (``SimConfig(system="vllm", ...)``) or `simulate_vllm`.
+A load balancer in front of ``prefill_nodes + decode_nodes`` instances (`VllmSystem`) sends each
+request to the one with the fewest outstanding prompt tokens; the instance
+(`sim.vllm_instance.CoupledInstance`) prefills and decodes it. No KV transfer and no rejection,
+except a request whose KV could never fit in one node's HBM (``kv_capacity``).
 """
 
 from __future__ import annotations
@@ -37,7 +27,11 @@ from yuebing.sim.workload import SimRequest
 
 @dataclass(frozen=True)
 class VllmOptions:
-    """Engine features of one coupled baseline."""
+    """Engine features of one coupled baseline.
+
+    ``vllm``: prefill priority, prefill-only steps; ``vllm_prefix_caching``: + a local HBM LRU
+    prefix cache per instance; ``vllm_chunked_prefill``: + a per-iteration token budget with mixed
+    prefill/decode batches (vLLM 0.5's default budget of 512 tokens)."""
 
     prefix_caching: bool = field(default=False, metadata={
         "help": "reuse cached prompt blocks from the instance's HBM (LRU)"})
@@ -91,7 +85,7 @@ class VllmSystem(SimSystem):
         step_cost = CoupledCost(self.cost, options.cached_attention_efficiency)
         self.capacity = self.cost.decode_kv_capacity_tokens
         self.instances = [
-            CoupledInstance(f"n{i}", self.loop, step_cost, self.capacity, cfg.block_tokens,
+            CoupledInstance(f"n{i}", self.loop, step_cost, self.capacity, cfg.policy.block_tokens,
                             options.prefix_caching, options.chunked_prefill, options.budget,
                             options.max_num_seqs)
             for i in range(n)]

@@ -1,32 +1,9 @@
 """Iteration durations of a coupled (vLLM-like) instance, derived from the run's `CostModel`.
 
-Life cycle: `yuebing.sim.vllm.VllmSystem` builds one `CoupledCost` per run from the simulator's
-cost model; each `yuebing.sim.vllm_instance.CoupledInstance` asks it how long its next
-iteration takes: a prefill-only step, a decode-only step or a mixed (chunked-prefill) step.
-
-With the roofline cost model (paper Table 1) the steps follow the same roofline, adapted to a
-coupled engine whose prefix cache lives in HBM (no host-to-device load or store):
-
-- prefill step over parts ``(n new, c cached)``: compute-bound, one forward pass over all the
-  step's tokens (`RooflineCostModel.pass_compute_time`: the linear layers at the efficiency of
-  the pass's token count — a 512-token chunk runs at 2/3 of the MFU of a long prompt — and
-  the attention at the roofline's attention efficiency) plus one ``chunk_overhead_s``;
-- decode step: the cost model's own `decode_step_time`;
-- mixed step: an iteration is bounded below both by its decode work (weights and every KV
-  token read once, per-sequence overheads: ``decode_step_time(batch, context + prompt KV)``)
-  and by its prefill compute (the pass covers the chunks' tokens and one token per decoding
-  sequence), and the two overlap: the maximum of the two.
-
-``cached_attention_efficiency`` (a `VllmOptions` field, 1 by default) runs the attention of new
-tokens over KV computed before this step — a cached prefix, or the earlier chunks of a chunked
-prompt — at that fraction of the pass's efficiency: vLLM 0.5 computed it with its Triton
-prefix-prefill kernel (``context_attention_fwd``), which its developers found slow. The
-default keeps it as fast as the rest; other values are for sensitivity runs
-(``benchmarks/vllm_baselines.py --cached-attention-efficiency``).
-
-Any other cost model (e.g. ``fitted``) only exposes prefill and decode times, so a prefill step
-is the sum of its parts' prefill times and a mixed step is prefill plus decode time (no overlap:
-an upper bound).
+`sim.vllm.VllmSystem` builds one `CoupledCost` per run; each `sim.vllm_instance.CoupledInstance`
+asks it how long its next iteration takes: prefill-only, decode-only or mixed (chunked
+prefill). With the roofline the steps follow it, adapted to a prefix cache in HBM; any other
+cost model only gives prefill and decode times, so a mixed step is their sum (an upper bound).
 """
 
 from __future__ import annotations
@@ -38,7 +15,17 @@ from yuebing.sim.hardware import CostModel, RooflineCostModel
 
 
 class CoupledCost:
-    """Durations of coupled-engine iterations (pure; one instance per run)."""
+    """Durations of coupled-engine iterations (pure; one instance per run).
+
+    Roofline: a prefill step over parts ``(n new, c cached)`` is one compute-bound forward pass
+    over all its tokens (`RooflineCostModel.pass_compute_time`: linear layers at the pass's
+    token-count efficiency — a 512-token chunk runs at 2/3 of a long prompt's MFU — attention at
+    the roofline's) plus one ``chunk_overhead_s``; a decode step is the cost model's
+    `decode_step_time`; a mixed step is the maximum of its decode work (weights and every KV token
+    read once) and its prefill compute (the chunks' tokens plus one per decoding sequence).
+    ``cached_attention_efficiency`` (`VllmOptions`, 1 by default) runs the attention of new tokens
+    over earlier KV at that fraction of the pass's efficiency — vLLM 0.5's Triton prefix-prefill
+    kernel was slow — for sensitivity runs (``benchmarks/vllm_baselines.py``)."""
 
     def __init__(self, cost: CostModel, cached_attention_efficiency: float = 1.0) -> None:
         require(0 < cached_attention_efficiency <= 1,

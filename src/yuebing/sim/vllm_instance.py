@@ -1,29 +1,11 @@
-"""One simulated coupled vLLM-like instance: prefill and decode share the node's GPUs.
+"""One simulated coupled vLLM-like instance (paper §5.1 baselines, vLLM v0 scheduling): prefill
+and decode share the node's GPUs. Driven by `sim.vllm.VllmSystem`.
 
-Life cycle of a request here (paper §5.1 baselines, vLLM v0 scheduler semantics):
-
-1. `CoupledInstance.submit`: the request waits FIFO until its whole KV footprint (prompt +
-   output, reserved up front so nothing is ever preempted) fits in HBM next to the running batch
-   and the batch has fewer than ``max_num_seqs`` sequences.
-2. Prefill. Without chunked prefill, prefill has priority: whenever the head of the queue can
-   be admitted, the next iteration is a prefill-only step over as many admissible waiting
-   requests as fit in ``max_num_batched_tokens`` — the running decodes stall for the whole step
-   (prefill interrupts decode). With chunked prefill every iteration is a mixed batch: first one
-   token for every running request, then prompt chunks (the partly prefilled requests first,
-   then newly admitted ones) until the step's token budget is spent.
-   A request's ``prefill_gpu_s`` is its share (by prompt tokens) of the prefill steps that
-   computed it; in a mixed step that is the step's prefill compute, as if alone.
-3. The step that computes a request's last prompt token emits its first token; from the next
-   decode-carrying iteration on it gets one token per iteration and leaves after its last one,
-   freeing its KV.
-
-With prefix caching, the longest run of the request's leading blocks cached in this instance's
-HBM is reused when its prefill is scheduled (at least one prompt token is always recomputed);
-its blocks are cached when its prefill ends. The cache is an LRU over the HBM the running
-requests do not reserve (blocks of running requests are conservatively counted twice).
-
-As in `yuebing.sim.decode`, decode tokens cost no per-token Python work: the instance keeps the
-end times of its decode-carrying iterations and a request's token times are a slice of them.
+A request waits FIFO until its whole KV (prompt + output, reserved up front: no preemption)
+fits in HBM; without chunked prefill a prefill-only step stalls the running decodes, with it
+every step is mixed under a token budget. With prefix caching the longest cached run of its
+leading blocks is reused (an HBM LRU). As in `sim.decode`, a request's token times are a slice
+of the instance's iteration end times; `CoupledInstance` details each stage.
 """
 
 from __future__ import annotations
@@ -64,7 +46,19 @@ def _share_gpu_time(seconds: float, chunks: list[tuple[CoupledJob, int]]) -> Non
 
 class CoupledInstance:
     """One node running a vLLM-like engine. Driven by the event loop; `submit` is called by
-    the owning system (`yuebing.sim.vllm.VllmSystem`) when a request is dispatched here."""
+    the owning system (`yuebing.sim.vllm.VllmSystem`) when a request is dispatched here.
+
+    1. `submit`: the request waits FIFO until its KV footprint fits in HBM next to the running
+       batch and the batch has fewer than ``max_num_seqs`` sequences.
+    2. Without chunked prefill, prefill has priority: whenever the head of the queue can be
+       admitted, the next iteration is a prefill-only step over as many waiting requests as fit in
+       ``max_num_batched_tokens`` — the running decodes stall for the whole step. With chunked
+       prefill every iteration is mixed: one token per running request, then prompt chunks (partly
+       prefilled requests first) until the budget is spent. A request's ``prefill_gpu_s`` is its
+       share (by prompt tokens) of the steps' prefill compute.
+    3. The step of its last prompt token emits its first token; then one token per decode-carrying
+       iteration until its last, which frees its KV. Prefix-cache blocks are cached when its
+       prefill ends; blocks of running requests are conservatively counted twice."""
 
     def __init__(self, name: str, loop: EventLoop, cost: CoupledCost, capacity_tokens: int,
                  block_tokens: int, prefix_caching: bool, chunked: bool,

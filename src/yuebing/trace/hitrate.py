@@ -1,22 +1,10 @@
 """Prefix-cache hit rate of a trace vs cache capacity (`yuebing trace hit-rate`, Figure 9).
 
-Exact semantics (pinned by tests/trace/test_trace_hitrate.py and test_trace_hitrate_props.py):
-
-1. Requests are replayed in timestamp order; equal timestamps keep file order.
-2. A cache of C tokens holds floor(C / block_size) blocks (block_size = 512 for Mooncake).
-3. A request reuses m blocks: the longest run of its *leading* ``hash_ids`` all resident.
-   Its hit tokens are min(m · block_size, input_length) (the last block may be partial).
-4. Hit rate = Σ hit tokens / Σ input tokens.
-5. After matching, the m matched blocks are refreshed (made most recent, last to first), then
-   all the request's blocks are inserted or touched from last to first, evicting the least
-   recently used block whenever the cache is over capacity. So a prefix is always more recent
-   than its suffix, and the reused prefix is never evicted to make room for its own suffix.
-   (An LRU's contents are the most recent distinct blocks of its touch sequence, so the refresh
-   changes only transient states, never a result: a request longer than the cache keeps its
-   leading blocks.)
-
-"Global" is one cache of C tokens. "Local" is N caches of floor(C / N) tokens each — the same
-total capacity — with every request served by one of them, chosen by a `Router`.
+Requests are replayed in timestamp order through `PrefixLRU` caches: a request reuses the
+longest run of its *leading* ``hash_ids`` that are resident (hit tokens min(m · block_size,
+input_length)); hit rate = Σ hits / Σ input tokens. "Global" is one cache of C tokens
+(`simulate_global`); "local" is N caches of C / N tokens, each request served by one chosen by
+a `Router` (`simulate_local`). `PrefixLRU` states the exact update rule, which the tests pin.
 """
 
 from __future__ import annotations
@@ -41,7 +29,15 @@ UNBOUNDED = math.inf
 
 
 class PrefixLRU:
-    """An LRU set of block ids with the prefix-reuse semantics above (OrderedDict, MRU last)."""
+    """An LRU set of block ids with the prefix-reuse semantics above (OrderedDict, MRU last).
+
+    Exact semantics (pinned by tests/trace/test_trace_hitrate.py and test_trace_hitrate_props.py):
+    equal timestamps keep file order; a cache of C tokens holds floor(C / block_size) blocks; after
+    matching, the m matched blocks are refreshed (last to first), then all the request's blocks are
+    inserted or touched from last to first, evicting the least recently used block whenever the
+    cache is over capacity — so a prefix is always more recent than its suffix and a reused prefix
+    is never evicted for its own suffix. (An LRU's contents are the most recent distinct blocks of
+    its touch sequence, so the refresh changes transient states only, never a result.)"""
 
     def __init__(self, capacity_blocks: float) -> None:
         if not capacity_blocks >= 0:

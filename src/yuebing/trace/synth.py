@@ -1,20 +1,11 @@
-"""Synthetic workloads with controlled prefix sharing (`yuebing trace synth ...`).
+"""Synthetic workloads with controlled prefix sharing (`yuebing trace synth ...`, the simulator's
+long-context figure, the bench): two shapes from the Mooncake arXiv evaluation, each an ordinary
+`Trace` with chained-consistent ``hash_ids`` (equal ids ⇔ equal prefix).
 
-Two shapes from the Mooncake arXiv evaluation, both producing an ordinary `Trace` whose
-``hash_ids`` are chained-consistent (equal ids ⇔ equal prefix), so every tool — stats,
-hit-rate, prompt synthesis, the simulator, the live bench — treats them like a released trace:
-
-- ``fixed``: every prompt has exactly ``input_tokens`` tokens (16k/32k/64k/128k in the paper);
-  its first ``shared_fraction`` of full blocks is one of ``prefix_groups`` shared prefixes
-  (chosen uniformly per request), the rest is unique to the request.
-- ``docqa``: ``documents`` long documents, each asked ``questions_per_document`` questions;
-  a prompt is the document followed by a unique question. The full blocks of the document are
-  shared by all its questions; the block where the document ends and the question starts, and
-  everything after it, are unique. Questions of all documents arrive interleaved at random.
-
-Arrivals are Poisson at ``rate_per_s``; everything is drawn from ``numpy.random.default_rng
-(seed)``, so a config always yields the same trace. Generators register in `WORKLOADS`
-(numpy is imported inside the generators so the CLI can list the configs' flags cheaply).
+``fixed`` (`FixedConfig`): every prompt ``input_tokens`` long, its first ``shared_fraction`` one
+of ``prefix_groups`` shared prefixes. ``docqa`` (`DocQAConfig`): documents each asked many
+questions, a prompt being the document then a unique question. Poisson arrivals, all drawn from
+``numpy.random.default_rng(seed)``; generators register in `WORKLOADS`.
 """
 
 from __future__ import annotations
@@ -78,7 +69,11 @@ class FixedConfig:
 
 @dataclass(frozen=True)
 class DocQAConfig:
-    """Long documents, each followed by many questions."""
+    """Long documents, each followed by many questions.
+
+    The full blocks of a document are shared by all its questions; the block where the document
+    ends and the question starts, and everything after it, are unique. Questions of all documents
+    arrive interleaved at random."""
 
     documents: int = field(default=20, metadata={"help": "number of documents"})
     questions_per_document: int = field(default=20, metadata={"help": "questions per document"})

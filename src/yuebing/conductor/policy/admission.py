@@ -1,23 +1,8 @@
 """Admission control: accept the planned route or reject at arrival, registered by name.
 
-Called by `Policy.decide` after prefill and decode selection with both plans; returns ``None``
-to accept or a `Reject` (reason, stage ``ARRIVAL``, computed ``retry_after_s``):
-
-- ``none``: accept everything (the adapter may still reject later, e.g. at decode).
-- ``slo`` (paper Algorithm 1): reject when the predicted TTFT exceeds its SLO (retry after the
-  excess has drained: ``TTFT - SLO``), when no decode instance has KV room, or when the
-  predicted TBT exceeds its SLO (retry when the decode forecast says the load is back ≤ 1).
-- ``early_rejection`` (arXiv §7.2): reject when ``max(prefill load, decode load)`` exceeds
-  ``early_rejection_threshold``; prefill load = predicted TTFT / TTFT SLO, decode load = the
-  chosen decode instance's load *now* (running and waiting requests only).
-- ``predictive_early_rejection`` (arXiv §7.4): the same, but the decode load of the chosen
-  decode instance is forecast for the moment this request would reach decode (now + predicted
-  TTFT), counting routed requests still in prefill (``view.pending_decodes``) and the decodes
-  expected to finish by then (use it with the ``forecast`` decode selector, which chooses the
-  instance by that same forecast).
-
-A request that cannot be served even by an idle cluster gets reason ``unservable`` and
-``retry_after_s = inf``.
+Called by `Policy.decide` after prefill and decode selection with both plans; an admission
+returns ``None`` to accept or a `Reject` (reason, stage ``ARRIVAL``, ``retry_after_s``). A
+request that even an idle cluster cannot serve gets ``unservable`` and ``retry_after_s = inf``.
 """
 
 from __future__ import annotations
@@ -93,12 +78,16 @@ def _reject(reason: RejectReason, retry_s: float, pol: Policy, plan: PrefillPlan
 @ADMISSIONS.register("none")
 def admit_all(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPlan,
               dplan: DecodePlan) -> Reject | None:
+    """``none``: accept everything (the adapter may still reject later, e.g. at decode)."""
     return None
 
 
 @ADMISSIONS.register("slo")
 def admit_slo(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPlan,
               dplan: DecodePlan) -> Reject | None:
+    """``slo`` (paper Algorithm 1): reject when the predicted TTFT exceeds its SLO (retry after
+    ``TTFT - SLO``), when no decode instance has KV room, or when the predicted TBT exceeds its SLO
+    (retry when the decode forecast says the load is back ≤ 1)."""
     cfg = pol.config
     if plan.ttft_s > cfg.ttft_slo_s:
         return _reject(RejectReason.TTFT_SLO, plan.ttft_s - cfg.ttft_slo_s, pol, plan, dplan)
@@ -128,6 +117,9 @@ def _overload(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPla
 @ADMISSIONS.register("early_rejection")
 def admit_early_rejection(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPlan,
                           dplan: DecodePlan) -> Reject | None:
+    """``early_rejection`` (arXiv §7.2): reject when ``max(prefill load, decode load)`` exceeds
+    ``early_rejection_threshold``; prefill load = predicted TTFT / TTFT SLO, decode load = the
+    chosen decode instance's load now (running and waiting requests)."""
     load = dplan.load
     if view.pending_decodes or pol.config.decode_selector != "least_loaded":
         load = plan_on(pol, req, view, current_state(view, with_pending=False), dplan.index).load
@@ -137,6 +129,10 @@ def admit_early_rejection(pol: Policy, req: RequestInfo, view: ClusterView, plan
 @ADMISSIONS.register("predictive_early_rejection")
 def admit_predictive(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPlan,
                      dplan: DecodePlan) -> Reject | None:
+    """``predictive_early_rejection`` (arXiv §7.4): as ``early_rejection``, but the chosen decode
+    instance's load is forecast for when this request would reach decode (now + predicted TTFT),
+    counting routed requests still in prefill and the decodes expected to end by then (pair it
+    with the ``forecast`` decode selector)."""
     at_s = view.now_s + plan.ttft_s
     if pol.config.decode_selector == "forecast":
         load = dplan.load

@@ -1,29 +1,12 @@
 """Decode instance selection and the decode-load forecast, called by `Policy.decide`.
 
 A decode instance's *load* for a request is ``max(predicted TBT / TBT SLO, KV after admission /
-KV capacity)``: 1.0 means it would sit exactly at the SLO or fill its KV memory. The predicted
-TBT is the decode step time with this request added, ``decode(batch + 1, context + input
-tokens)``; the request reserves ``input + expected output`` tokens of KV.
-
-Selectors (registered by name) differ in which batch, context and KV they count, then pick the
-least loaded instance among those whose predicted TBT holds and whose KV fits, falling back to
-the least loaded instance whose KV fits, then to the least loaded overall (admission decides
-whether to reject); ties go to the instance listed first:
-
-- ``least_loaded``: the state now — running batch, requests waiting to join, and requests
-  already routed there that are still in prefill (``view.pending_decodes``, when the adapter
-  provides them; counting them keeps a burst of arrivals from herding onto one instance).
-- ``forecast``: the state forecast for the moment this request reaches decode (now + its
-  estimated TTFT), see below; pair it with ``predictive_early_rejection``.
-- ``random``: a stable hash of (seed, request id).
-
-The forecast is the system-level prediction of arXiv §7.4: decode durations follow one fixed
-distribution (``PolicyConfig.decode_durations_s``, equally likely values), so a request decoding
-now still decodes Δ seconds later with the equilibrium residual-life probability
-``E[max(0, D - Δ)] / E[D]``, and a waiting request, or a routed one reaching decode at ``s``,
-with ``P(D > age)``; routed requests reaching decode after the forecast instant are not counted.
-`duration_quantiles` turns durations (the simulator's predicted ones, the live Conductor's
-observed ones) into that distribution.
+KV capacity)``, the predicted TBT being ``decode(batch + 1, context + input tokens)``. Each
+selector (registered by name) counts batch, context and KV its way, then picks the least loaded
+instance whose TBT holds and whose KV fits (else whose KV fits, else the least loaded; ties to
+the first listed). `forecast_state` is arXiv §7.4's system-level forecast.
+`duration_quantiles` turns durations (the simulator's predicted, the live Conductor's
+observed) into the forecast's distribution.
 """
 
 from __future__ import annotations
@@ -87,7 +70,13 @@ def current_state(view: ClusterView, with_pending: bool = True) -> State:
 
 
 def forecast_state(pol: Policy, view: ClusterView, at_s: float) -> State:
-    """Expected state at ``at_s`` (≥ ``view.now_s``) under the decode-duration distribution."""
+    """Expected state at ``at_s`` (≥ ``view.now_s``) under the decode-duration distribution.
+
+    Decode durations follow one fixed distribution (``PolicyConfig.decode_durations_s``, equally
+    likely values), so a request decoding now still decodes Δ seconds later with the equilibrium
+    residual-life probability ``E[max(0, D - Δ)] / E[D]``, and a waiting request, or a routed one
+    reaching decode at ``s``, with ``P(D > age)``; routed requests reaching decode after ``at_s``
+    are not counted."""
     dt = max(0.0, at_s - view.now_s)
     s_running = pol.residual_survival(dt)
     s_waiting = pol.survival(dt)
@@ -171,16 +160,22 @@ def least_loaded_in(pol: Policy, req: RequestInfo, view: ClusterView, state: Sta
 @DECODE_SELECTORS.register("least_loaded")
 def select_least_loaded(pol: Policy, req: RequestInfo, view: ClusterView,
                         at_s: float) -> DecodePlan:
+    """``least_loaded``: the state now — running batch, requests waiting to join, and requests
+    routed there still in prefill (``view.pending_decodes``: counting them keeps a burst of
+    arrivals from herding onto one instance)."""
     return least_loaded_in(pol, req, view, current_state(view))
 
 
 @DECODE_SELECTORS.register("forecast")
 def select_forecast(pol: Policy, req: RequestInfo, view: ClusterView, at_s: float) -> DecodePlan:
+    """``forecast``: the state forecast for the moment this request reaches decode (now + its
+    estimated TTFT, `forecast_state`); pair it with ``predictive_early_rejection``."""
     return least_loaded_in(pol, req, view, forecast_state(pol, view, at_s))
 
 
 @DECODE_SELECTORS.register("random")
 def select_random(pol: Policy, req: RequestInfo, view: ClusterView, at_s: float) -> DecodePlan:
+    """``random``: a stable hash of (seed, request id)."""
     index = stable_index(pol.config.seed, "decode", req.request_id, len(view.decodes))
     return plan_on(pol, req, view, current_state(view), index)
 

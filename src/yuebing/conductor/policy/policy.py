@@ -1,17 +1,11 @@
 """`Policy`: the single entry point of the Conductor's scheduling decisions.
 
-Life cycle: an adapter (the simulator or the live Conductor) builds one ``Policy(config,
-predictors)`` at start-up — resolving the registered selectors and precomputing the decode
-duration distribution — then, for every arriving request, builds a `RequestInfo` and a
-`ClusterView` snapshot and calls `Policy.decide`, which
-
-1. checks the inputs (a malformed view raises `InputError` and decides nothing),
-2. picks a prefill instance and a plan for the prefix (`yuebing.conductor.policy.prefill`),
-3. picks a decode instance (`yuebing.conductor.policy.decode`),
-4. runs admission control (`yuebing.conductor.policy.admission`),
-
-and returns a `Route` or a `Reject`. The policy holds no mutable state and reads no clock, so
-the same inputs always give the same decision. `decide` is the functional form.
+An adapter (the simulator or the live Conductor) builds one ``Policy(config, predictors)`` at
+start-up, then for every arriving request calls `Policy.decide` with a `RequestInfo` and a
+`ClusterView`: inputs checked (`InputError`), prefill instance and prefix plan (`prefill`),
+decode instance (`decode`), admission (`admission`) → a `Route` or a `Reject`. The policy holds
+no mutable state and reads no clock: the same inputs give the same decision. `decide` is the
+functional form.
 """
 
 from __future__ import annotations

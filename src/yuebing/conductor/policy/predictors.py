@@ -1,18 +1,11 @@
 """Latency predictors the Conductor policies use to estimate TTFT and TBT.
 
-Life cycle: `yuebing profile` (real engine) or the simulator (analytic roofline) produces samples;
-``PrefillPredictor.fit`` / ``DecodePredictor.fit`` / ``TransferPredictor.fit`` turn them into a few
-coefficients; `Predictors.to_json` writes the predictor file; the simulator and the live Conductor
-read it back with `Predictors.from_json` (or `load_predictors`) and hand the bundle to
-`yuebing.conductor.policy.Policy`, which calls ``predict`` on every routing decision.
-
-- Prefill time is a polynomial of (new tokens n, cached tokens c): the full degree-2 basis
-  1, n, c, n², n·c, c² covers the paper's FLOPs model l·(a·n·(n+c)·d + b·n·d²) exactly.
-- Decode step time is a polynomial of (batch size, total context tokens), degree 1 by default.
-- Transfer time is ``overhead + latency + bytes / (bandwidth · efficiency)``.
-
-Fitting uses numpy least squares (relative error by default, since times span orders of
-magnitude); evaluation is plain Python so a prediction costs about a microsecond.
+`yuebing profile` (the real engine) or the simulator (the roofline) produces samples; the
+``fit`` of `PrefillPredictor` (a degree-2 polynomial of new and cached tokens, which covers the
+paper's FLOPs model exactly), `DecodePredictor` (batch size, total context) and
+`TransferPredictor` (overhead + latency + bytes / bandwidth) turns them into coefficients (numpy
+least squares, relative error); `Predictors` is the bundle, written and read as a JSON file
+(`load_predictors`, `save_predictors`) and handed to `Policy`. A prediction costs ~1 µs.
 """
 
 from __future__ import annotations

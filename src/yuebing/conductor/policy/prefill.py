@@ -1,25 +1,11 @@
 """Prefill instance selection (paper §4.1, Algorithm 1), registered by name.
 
-Called by `Policy.decide` once per arriving request with the request and the view; a selector
-returns a `PrefillPlan` for the chosen instance: which leading blocks it reuses, whether it first
-fetches a longer prefix from a remote holder, and the TTFT estimate
-``transfer + queue + prefill(new tokens, reused tokens)``, where at least the last prompt token is
-always recomputed (its logits give the first token) and the queue time is the work that the
-instance's queue order serves before the request (`Policy.queue_wait`). Every selector reuses the
-chosen instance's own cached prefix (engines always do); they differ in how they choose:
-
-- ``random``: a stable hash of (seed, request id) picks the instance.
-- ``load_balance``: least queued work (``queue_s``), then fewest queued requests.
-- ``local_cache_aware``: minimum estimated TTFT using each instance's own prefix.
-- ``global_cache_aware``: Algorithm 1: when ``best_len / local_len`` exceeds the balancing
-  threshold, plan to fetch the best prefix from its holder and charge the transfer; keep the
-  local prefix (recompute the rest) when the fetch would not win; choose the minimum TTFT.
-
-Long prompts (more new tokens than ``PolicyConfig.cpp_threshold_tokens``) are estimated as the
-adapter runs them: chunked pipeline parallel over a group of instances (paper §3.2), see
-`Policy.prefill_estimate`.
-
-Ties always go to the instance listed first in the view, so decisions are deterministic.
+Called by `Policy.decide` once per request; a selector returns a `PrefillPlan`: the leading
+blocks the chosen instance reuses, whether it first fetches a longer prefix from a holder, and
+the TTFT estimate ``transfer + queue + prefill(new, reused)`` (the last prompt token is always
+recomputed; the queue is what the instance's queue order serves first, `Policy.queue_wait`).
+Long prompts (over ``cpp_threshold_tokens`` new) are estimated as chunked pipeline parallel
+(`Policy.prefill_estimate`). Ties go to the instance listed first.
 """
 
 from __future__ import annotations
@@ -73,12 +59,14 @@ def _local_plan(pol: Policy, req: RequestInfo, view: ClusterView, index: int) ->
 
 @PREFILL_SELECTORS.register("random")
 def select_random(pol: Policy, req: RequestInfo, view: ClusterView) -> PrefillPlan:
+    """``random``: a stable hash of (seed, request id) picks the instance."""
     index = stable_index(pol.config.seed, "prefill", req.request_id, len(view.prefills))
     return _local_plan(pol, req, view, index)
 
 
 @PREFILL_SELECTORS.register("load_balance")
 def select_load_balance(pol: Policy, req: RequestInfo, view: ClusterView) -> PrefillPlan:
+    """``load_balance``: least queued work (``queue_s``), then fewest queued requests."""
     best, best_key = 0, (float("inf"), 0)
     for i, p in enumerate(view.prefills):
         key = (p.queue_s, p.queued_requests)
@@ -89,6 +77,7 @@ def select_load_balance(pol: Policy, req: RequestInfo, view: ClusterView) -> Pre
 
 @PREFILL_SELECTORS.register("local_cache_aware")
 def select_local_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) -> PrefillPlan:
+    """``local_cache_aware``: minimum estimated TTFT using each instance's own prefix."""
     n, bt, predict = req.input_tokens, pol.config.block_tokens, pol.prefill_time
     cpp = pol.cpp_threshold
     best, best_ttft = 0, float("inf")
@@ -106,7 +95,9 @@ def select_local_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) -
 
 @PREFILL_SELECTORS.register("global_cache_aware")
 def select_global_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) -> PrefillPlan:
-    """Paper Algorithm 1 (prefill part)."""
+    """``global_cache_aware``, paper Algorithm 1 (prefill part): when ``best_len / local_len``
+    exceeds the balancing threshold, plan to fetch the best prefix from its holder and charge the
+    transfer; keep the local prefix when the fetch would not win; the minimum TTFT wins."""
     src = view.best_prefix
     best_blocks = src.blocks if src is not None else 0
     n, bt, predict = req.input_tokens, pol.config.block_tokens, pol.prefill_time

@@ -1,21 +1,10 @@
 """Prefill queue orders: which waiting request a prefill instance serves next, registered by name.
 
 Called by the adapters that keep a prefill queue — the live Conductor's `PrefillGate` and the
-simulator's prefill nodes (`yuebing.sim.mooncake`) — with the waiting requests as
-`QueuedPrefill`s (`QueueOrder.first`: the one to serve now), and by `Policy` for a new request's
-queue wait: the work of the waiting requests ordered before it (`QueueOrder.ahead_s`). Each
-order ranks the waiting requests; ties go to the request queued first. ``now_s`` comes from the
-caller; nothing here reads a clock.
-
-- ``fifo``: arrival order.
-- ``sjf_aging``: shortest estimated prefill first, aged: key = prefill_s − aging · waited, the
-  same ranking as prefill_s + aging · arrival_s. A request is overtaken only by requests that
-  arrive within prefill_s / aging seconds after it, so none starves.
-- ``edf``: earliest TTFT deadline first over the most waiting requests that can all still meet
-  their deadlines (Moore-Hodgson: in deadline order, whenever one would be late, the longest so
-  far is set aside); the ones set aside follow, each ranked as if due one TTFT SLO later, so a
-  request yields only to those that arrived within one SLO after it. (With one SLO for every
-  request and nobody late this is arrival order.)
+simulator's prefill nodes — with the waiting `QueuedPrefill`s (`QueueOrder.first`: the one to
+serve now), and by `Policy` for a new request's queue wait (`QueueOrder.ahead_s`). Orders:
+``fifo`` (`Fifo`), ``sjf_aging`` (`ShortestFirstAging`), ``edf`` (`EarliestDeadline`); ties go
+to the request queued first. ``now_s`` comes from the caller; nothing here reads a clock.
 """
 
 from __future__ import annotations
@@ -112,7 +101,11 @@ class Fifo(KeyOrder):
 
 @PREFILL_QUEUES.register("sjf_aging")
 class ShortestFirstAging(KeyOrder):
-    """Shortest estimated prefill first; each second waited counts ``aging`` seconds less."""
+    """Shortest estimated prefill first; each second waited counts ``aging`` seconds less.
+
+    ``sjf_aging``: key = prefill_s − aging · waited, the same ranking as prefill_s + aging ·
+    arrival_s. A request is overtaken only by requests arriving within prefill_s / aging seconds
+    after it, so none starves."""
 
     def key(self, item: QueuedPrefill, now_s: float) -> float:
         return item.prefill_s + self.aging * item.arrival_s
@@ -121,7 +114,12 @@ class ShortestFirstAging(KeyOrder):
 @PREFILL_QUEUES.register("edf")
 class EarliestDeadline(QueueOrder):
     """Earliest deadline first over the most requests that can all meet theirs (Moore-Hodgson);
-    the others follow, each ranked as if due one TTFT SLO later."""
+    the others follow, each ranked as if due one TTFT SLO later.
+
+    ``edf``: Moore-Hodgson — in deadline order, whenever one would be late, the longest so far is
+    set aside; the ones set aside follow, each ranked as if due one TTFT SLO later, so a request
+    yields only to those that arrived within one SLO after it. (With one SLO for every request and
+    nobody late this is arrival order.)"""
 
     def order(self, items: Sequence[QueuedPrefill], now_s: float,
               start_s: float | None = None) -> list[int]:

@@ -3,7 +3,7 @@
 Who builds what:
 - The simulator (`yuebing.sim`) and the live Conductor (`yuebing.conductor`) each build a
   `RequestInfo` and a `ClusterView` for every arriving request and call
-  `yuebing.conductor.policy.decide(request, view, config)`.
+  ``Policy(config, predictors).decide(request, view)`` on the one `Policy` they keep.
 - The policy returns a `Route` (which prefill and decode instance, what prefix to reuse and from
   where, the estimates) or a `Reject` (why, at which stage, when to retry). The adapter applies it.
 

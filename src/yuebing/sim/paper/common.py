@@ -72,7 +72,8 @@ def run(trace_path: str | Path, config: SimConfig) -> SimResult:
     if cached is not None:
         return cached
     reqs = requests(trace_path, config.speed, config.limit)
-    label = f"{config.system}/{config.prefill_policy}/{config.admission} ×{config.speed:g}"
+    label = (f"{config.system}/{config.policy.prefill_selector}/{config.policy.admission} "
+             f"×{config.speed:g}")
     show = sys.stderr.isatty() if SHOW_PROGRESS is None else SHOW_PROGRESS
     if show:
         from rich.progress import Progress

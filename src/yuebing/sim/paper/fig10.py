@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from yuebing.sim.paper.common import fast_config, pyplot, run, save_figure
-from yuebing.sim.system import SimConfig
+from yuebing.sim.system import SimConfig, sim_policy
 
 MODES = {"local": "local_cache_aware", "global": "global_cache_aware"}
 PAPER = {"local": {"hit_rate": 0.167, "prefill_gpu_s_per_request": 1.38},
@@ -25,7 +25,7 @@ POOL_TOKENS = 3_000_000
 
 def config(mode: str, fast: bool = False) -> SimConfig:
     return fast_config(SimConfig(system="mooncake", prefill_nodes=NODES, decode_nodes=1,
-                                 prefill_policy=MODES[mode], dram_kv_tokens=POOL_TOKENS,
+                                 policy=sim_policy(prefill_selector=MODES[mode]), dram_kv_tokens=POOL_TOKENS,
                                  output_tokens=1), fast)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from yuebing.sim.paper.common import fast_config, paired_bars, requests, run, save_figure
-from yuebing.sim.system import SimConfig
+from yuebing.sim.system import SimConfig, sim_policy
 
 POLICIES = ("random", "load_balance", "local_cache_aware", "global_cache_aware")
 PAPER = {"random": 19.65, "load_balance": 5.27, "local_cache_aware": 3.58,
@@ -26,7 +26,7 @@ cache-aware), the compute inside its 3.07 s mean TTFT."""
 
 def config(policy: str, fast: bool = False, seed: int = 0) -> SimConfig:
     return fast_config(SimConfig(system="mooncake", prefill_nodes=8, decode_nodes=8,
-                                 prefill_policy=policy, seed=seed), fast)
+                                 policy=sim_policy(prefill_selector=policy, seed=seed)), fast)
 
 
 def _mean_ttft(trace_path: str | Path, cfg: SimConfig) -> float:

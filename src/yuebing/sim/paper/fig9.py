@@ -1,24 +1,11 @@
 """FAST'25 Mooncake Figure 9: prefix-cache hit rate vs capacity, global pool vs local caches.
+Used by ``yuebing sim paper --figure 9``.
 
-`compute` replays the conversation trace through `yuebing.trace.hitrate` (exact semantics in
-that module's docstring) at a sweep of capacities: one global LRU pool of C tokens, and N local
-LRU caches of floor(C/N) tokens each (the same total memory) with requests spread round-robin —
-a cache-oblivious load balancer, as a cluster without a global pool would route. The full run
-also reports the 16 local caches under longest-prefix ("cache_aware") routing: on this trace
-every request shares block 0, so that rule sends everything to one cache (see the result's
-``notes``). `plot` draws the curves. Used by ``yuebing sim paper --figure 9``.
-
-What the paper gives (searched: the FAST'25 PDF, the arXiv versions, the Mooncake repository
-and its issues). The Figure 9 data points could NOT be retrieved: the paper PDF in
-kvcache-ai/Mooncake/FAST25-release is stored as binary in the searchable index and no text
-rendering of the figure was found, so `PAPER["values"]` is ``None`` and the issue's "paper
-curves within ±0.04" check cannot be made here; the result says so instead of inventing
-numbers. Mooncake issue #452 (a maintainer's reply) confirms only the design: §5.3 compares
-local and global caches built on the same implementation, the local cache not transferring
-KVCache between instances. Related but *not* Figure 9: arXiv v3 §4.2 / Table 1 simulates one
-global cache on the earlier arXiv trace (mean input 7,590 tokens) and states that growing it
-from 1,000 to 50,000 blocks raises the hit ratio from 30 % to 50 %, with little gain beyond;
-kept in `PAPER["related"]` for context only.
+`compute` replays the conversation trace through `yuebing.trace.hitrate` at a sweep of
+capacities: one global LRU pool of C tokens, and N local LRU caches of C/N tokens each with
+requests spread round-robin (a cluster without a global pool); the full run adds 16 local
+caches under longest-prefix routing. `plot` draws the curves. The paper's data points could not
+be retrieved, so `PAPER["values"]` is ``None`` (see `PAPER`'s notes).
 """
 
 from __future__ import annotations
@@ -43,6 +30,10 @@ PAPER: dict[str, Any] = {
         },
     },
 }
+"""What the paper gives. Searched: the FAST'25 PDF, the arXiv versions, the Mooncake repository
+and its issues; the PDF in kvcache-ai/Mooncake/FAST25-release is binary in the searchable index.
+Mooncake issue #452 (a maintainer's reply) confirms only the design: §5.3 compares local and
+global caches built on the same implementation, the local cache not transferring KVCache."""
 
 BLOCK = 512
 FULL_CAPACITIES = [2**k for k in range(17, 28)]
@@ -64,7 +55,9 @@ def compute(trace_path: Path, fast: bool = False) -> dict[str, Any]:
     """Hit-rate curves on ``trace_path``; JSON-able, keyed as in the paper (global, local_N).
 
     ``fast`` uses 4 capacities and only 16 local caches (for tests and quick reports).
-    """
+
+    The full run's 16 local caches under longest-prefix ("cache_aware") routing all get every
+    request on this trace, since every request shares block 0 (see the result's ``notes``)."""
     from yuebing.trace.hitrate import simulate_global, simulate_local
     from yuebing.trace.io import load_trace
 

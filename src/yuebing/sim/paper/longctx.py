@@ -1,21 +1,11 @@
-"""arXiv §8.1: long-context throughput on 4 nodes, Mooncake 3P+1D vs vLLM on 4 coupled nodes.
+"""arXiv §8.1: long-context throughput on 4 nodes, Mooncake 3P+1D vs vLLM on 4 coupled nodes;
+run by `yuebing sim paper`.
 
-Workloads (`yuebing.trace.synth`, the generators behind ``yuebing trace synth``), Poisson
-arrivals:
-
-- ``fixed_16k`` … ``fixed_128k``: every prompt 16k/32k/64k/128k tokens, its first half one
-  shared prefix, output 512 tokens (``synth fixed``);
-- ``arxiv_summarization``: prompts of 8,088 tokens with nothing shared, output 229 (``synth
-  fixed`` with ``shared_fraction`` 0);
-- ``l_eval``: 5 documents of 18,891 tokens each asked 20 questions of 128 tokens (prompt 19,019
-  tokens, 99 % of its blocks shared), output 72 (``synth docqa``).
-
-For each workload and system we find the largest request rate at which the P90 TTFT is at most
-10× and the P90 TBT (over requests, of each request's P90 token interval) at most 5× the
-system's own no-load values (one request at a time): a
-geometric search (`max_rate`) over `REQUESTS` requests per run. Mooncake is 3 prefill + 1
-decode node with global cache-aware scheduling; the baseline is plain vLLM (`yuebing.sim.vllm`)
-on 4 instances. The paper reports Mooncake's gain in that rate.
+Workloads from `yuebing.trace.synth` (Poisson arrivals): ``fixed_16k`` … ``fixed_128k`` (half
+of each prompt one shared prefix), ``arxiv_summarization`` (8,088 tokens, nothing shared) and
+``l_eval`` (5 documents × 20 questions). For each, `max_rate` searches the largest rate at which
+P90 TTFT ≤ 10× and P90 TBT ≤ 5× the system's own no-load values; the paper reports Mooncake's
+gain in that rate.
 """
 
 from __future__ import annotations
@@ -55,6 +45,10 @@ STEPS = 5
 
 
 def workload(name: str, rate: float, fast: bool = False) -> list[SimRequest]:
+    """``fixed_16k`` … ``fixed_128k``: every prompt 16k–128k tokens, its first half one shared
+    prefix, output 512 (``synth fixed``); ``arxiv_summarization``: 8,088-token prompts, nothing
+    shared, output 229; ``l_eval``: 5 documents of 18,891 tokens each asked 20 questions of 128
+    tokens (99 % of the blocks shared), output 72 (``synth docqa``)."""
     kind, params = WORKLOADS[name]
     n = REQUESTS // 2 if fast else REQUESTS
     if kind == "fixed":

@@ -1,36 +1,12 @@
-"""arXiv Table 3 overload experiment: rejections and load oscillation under 2× trace speed.
+"""arXiv Table 3 overload experiment: rejections and load oscillation under 2× trace speed; run
+by `yuebing sim paper` (`sim.paper.report`).
 
-The arXiv report (2407.00079 §7–8.2) replays an arXiv-era Kimi trace (≈ 23,000 requests in an
-hour, mean input 7,590 and output 182 tokens) at twice its speed on 8 prefill + 8 decode
-nodes. That trace is not released, so `arxiv_like` builds its statistics from the conversation
-trace: every prompt and output length scaled so the means are 7,590 and 182 (prefix sharing
-kept block for block, `yuebing.trace.transform.scale_lengths`) and the timestamps compressed to
-23,000 requests an hour (the 12,031 requests then span ≈ 31 minutes). Three admission policies
-of the shared Conductor policy:
-
-- ``baseline``: no check at arrival; the prefill node drops a request whose prefill would end
-  past its TTFT SLO, and after the prefill the decode node re-checks — a request whose KV
-  cannot join the batch at once or would push the step past the TBT SLO is dropped there,
-  wasting its prefill (``prefill_reject`` and ``decode_reject``);
-- ``early_rejection``: decide once, at arrival, on max(prefill load, decode load) with the
-  decode load of now; an admitted request is served (no stage re-checks: it waits at decode
-  for room instead of wasting its prefill);
-- ``predictive_early_rejection``: the same with the decode load forecast at the moment the
-  request's prefill ends (arXiv §7.4), routing to decode by that forecast.
-
-The decode stage's re-check and the arrival checks use the same decode predictor (the
-Conductor's), as the nodes and the Conductor of one system do. Besides the paper's 8P+8D (where
-Table 1 decode nodes never bind on this workload) `details` runs two variants: 8P+2D, where
-the decode pool binds, and 7P+2D, where both pools bind and the prefill more (the regime the
-arXiv's gains need).
-
-Load oscillation of a sampled load series (every 5 s; prefill load = mean queued seconds / TTFT
-SLO; decode load = mean predicted TBT of the running batches / TBT SLO, the arXiv's definition;
-the KV share is reported too): its standard deviation, its mean absolute
-change between consecutive samples, and its variance in the `OSCILLATION_BAND_S` band of periods
-(the arXiv's oscillation is a feedback loop whose delay is a TTFT plus a decode, 10–60 s here,
-so periods of 20 s to 5 min; slower changes follow the trace's own rate, the same for every
-policy).
+The arXiv's Kimi trace is not released, so `arxiv_like` rebuilds its statistics from the
+conversation trace. Three admissions of the shared Conductor policy are compared: ``baseline``
+(drops at prefill and at decode, wasting prefills), ``early_rejection`` (once, at arrival, on
+the decode load of now) and ``predictive_early_rejection`` (the decode load forecast for when
+the prefill ends, arXiv §7.4). `details` adds the decode-bound 8P+2D and 7P+2D variants;
+`oscillation` measures how the sampled loads swing.
 """
 
 from __future__ import annotations
@@ -51,7 +27,7 @@ from yuebing.sim.paper.common import (
     save_figure,
     workload_path,
 )
-from yuebing.sim.system import SimConfig
+from yuebing.sim.system import SimConfig, sim_policy
 from yuebing.trace.io import load_trace
 from yuebing.trace.model import Trace
 from yuebing.trace.transform import scale_lengths, scale_time
@@ -89,7 +65,13 @@ VARIANTS = (VARIANT, PREFILL_BOUND)
 
 def arxiv_like(base: Path) -> Trace:
     """The conversation trace ``base`` with the arXiv trace's mean lengths and request rate
-    (see the module docstring)."""
+    (see the module docstring).
+
+    The arXiv report (2407.00079 §7–8.2) replays ≈ 23,000 requests in an hour (mean input 7,590,
+    output 182 tokens) at twice its speed on 8P+8D. Here every prompt and output length of the
+    conversation trace is scaled so the means are 7,590 and 182 (prefix sharing kept block for
+    block, `yuebing.trace.transform.scale_lengths`) and the timestamps compressed to 23,000 an hour
+    (the 12,031 requests then span ≈ 31 minutes)."""
     trace = load_trace(base)
     reqs = trace.requests
     mean_in = sum(r.input_length for r in reqs) / len(reqs)
@@ -105,7 +87,8 @@ register_workload(WORKLOAD, arxiv_like)
 
 def config(name: str, fast: bool = False, nodes: tuple[int, int] = NODES) -> SimConfig:
     return fast_config(SimConfig(system="mooncake", prefill_nodes=nodes[0], decode_nodes=nodes[1],
-                                 admission=ADMISSIONS[name], decode_policy=DECODE[name],
+                                 policy=sim_policy(admission=ADMISSIONS[name],
+                                                   decode_selector=DECODE[name]),
                                  speed=SPEED, prefill_reject=name == "baseline",
                                  decode_reject=name == "baseline",
                                  sample_interval_s=INTERVAL_S), fast)
@@ -121,7 +104,13 @@ def compute(trace_path: str | Path, fast: bool = False) -> dict[str, int]:
 def oscillation(series: list[float], interval_s: float = INTERVAL_S) -> dict[str, float]:
     """``std``, ``swing`` (mean absolute change between consecutive samples) and ``band_var``
     (variance carried by periods inside `OSCILLATION_BAND_S`, from the one-sided spectrum) of
-    a load series sampled every ``interval_s`` seconds."""
+    a load series sampled every ``interval_s`` seconds.
+
+    The series is sampled every 5 s (prefill load = mean queued seconds / TTFT SLO; decode load =
+    mean predicted TBT of the running batches / TBT SLO, the arXiv's definition). Its standard
+    deviation, mean absolute change between samples, and variance in the `OSCILLATION_BAND_S` band
+    of periods (the arXiv's oscillation is a feedback loop whose delay is a TTFT plus a decode, so
+    periods of 20 s to 5 min; slower changes follow the trace's own rate)."""
     x = np.asarray(series, dtype=float)
     n = len(x)
     if n < 2:
@@ -147,7 +136,7 @@ def _oscillation(res: object) -> dict[str, object]:
                                     if r.rejected is RejectStage.DECODE),
         # share of all requests served within the TTFT and TBT SLOs (the price of admitting)
         "slo_met_share": capacity_curve(res.records,  # type: ignore[attr-defined]
-                                        [res.config.tbt_slo_s])[0][1],  # type: ignore[attr-defined]
+                                        [res.config.policy.tbt_slo_s])[0][1],  # type: ignore[attr-defined]
     }
     for pool, series in LOAD_SERIES.items():
         out[f"{pool}_load_mean"] = float(np.mean(ts[series]))

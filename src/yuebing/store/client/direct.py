@@ -1,40 +1,9 @@
-"""The client's side of a transfer: the same-host fast path (`DirectSegments`), the deadlines
-every transfer of a put or get keeps (`transfer_timeout`: `WriteExpired`, `LeaseExpired`) and the
-buffers of the values a get returns (`new_buffer`, `keep_freed_memory`).
-
-Same-host fast path: copy values straight into / out of a storage node's shared-memory
-segment mapped into the client, with no transfer-engine batch, queue or worker hand-off.
-
-Life cycle: the first request for a segment looks up its descriptor through the client's
-transfer engine (``describe``); a segment that cannot be looked up (its node is gone) fails
-its own requests here, and only those — the other segments' requests of the batch go on, so a
-put blames exactly the segment that failed. A segment on another host, without a
-shared-memory file, or on an engine not allowed to use ``shm`` is remembered as "not direct"
-and its requests go through the engine as before. Otherwise the file is mapped once and kept
-open. The node's transfer engine holds an exclusive ``flock`` on that file for as long as the
-segment is registered (`yuebing.transfer.liveness`); before each batch of copies the client
-probes it with a shared, non-blocking lock: if it gets one, no node holds the file (the node
-died), so the map is dropped and the requests go through the engine, which fails them and
-lets the put be revoked and placed elsewhere. After the copies it probes again: a copy into a
-segment whose node died meanwhile ends FAILED, not DONE, so the store never commits a value
-into a dead node's memory. Copies use
-`yuebing.transfer.streamcopy.copy` (streaming stores, releases the GIL) above `SMALL_COPY` bytes, memoryview assignment below; a batch of at least
-`PARALLEL_MIN` bytes is split over a few copy threads. Writes are fenced like the engine's: none
-starts after the put's deadline and large ones are copied in pieces with it checked between
-them (`copy_until`); a write cut short ends TIMEOUT and the put is revoked. A read that ends
-past its deadline (the read lease's, less a margin) ends TIMEOUT too: the client asks again.
-
-Deadlines: a transfer batch of a put ends by its write deadline, one of a get by its read-lease
-deadline (`transfer_timeout`); one that would start past it raises `WriteExpired` (the put is
-revoked) or `LeaseExpired` (the get asks again) instead.
-
-Value buffers: both clients call `keep_freed_memory` once at construction and the get steps
-(`core`) `new_buffer` for every value returned in a new buffer. Two costs dominate a
-bytes-returning read of multi-MiB values, not the transfer: ``bytearray(n)`` zero-fills its
-memory only for the read to overwrite it, and glibc gives large freed blocks back to the kernel
-(``munmap``, heap trimming), so the next call's buffers are fresh pages whose first touch
-page-faults (~40 ms per 64 MiB here, as long as receiving the bytes). `new_buffer` allocates without zero-filling; `keep_freed_memory`
-raises glibc's mmap and trim thresholds so freed value buffers stay in the heap for reuse.
+"""The client's side of a transfer, for both store clients' steps (`core`): the same-host fast
+path (`DirectSegments`: values copied straight into / out of a node's shared-memory segment
+mapped here, no transfer-engine batch), the deadlines every transfer of a put or get keeps
+(`transfer_timeout`: `WriteExpired`, `LeaseExpired`) and the buffers of the values a get
+returns (`new_buffer`, `keep_freed_memory`: no zero-fill, and freed buffers kept in the heap,
+so a multi-MiB read does not pay page faults as long as the transfer itself).
 """
 
 from __future__ import annotations
@@ -99,7 +68,20 @@ def transfer_timeout(cfg: ClientConfig, deadline: float | None, read: bool = Fal
 
 
 class DirectSegments:
-    """Maps of same-host node segments; `copy` performs the requests it can serve directly."""
+    """Maps of same-host node segments; `copy` performs the requests it can serve directly.
+
+    The first request for a segment looks up its descriptor through the client's transfer engine
+    (``describe``); a segment that cannot be looked up (its node is gone) fails its own requests
+    only, so a put blames exactly that segment. A segment on another host, without a shared-memory
+    file, or on an engine not allowed ``shm`` is remembered as "not direct" and goes through the
+    engine. Otherwise the file is mapped once. The node's engine holds an exclusive ``flock`` on it
+    while the segment is registered; before and after each batch of copies the client probes it
+    with a shared lock: got one means the node died — the map is dropped, the requests go through
+    the engine (which fails them), and a copy that raced the death ends FAILED, never DONE.
+    Copies above `SMALL_COPY` bytes use `yuebing.transfer.streamcopy.copy`; batches of at least
+    `PARALLEL_MIN` bytes use a few threads. No write starts past the put's deadline and large ones
+    check it between pieces (`copy_until`, TIMEOUT: revoked); a read ending past its lease's
+    deadline ends TIMEOUT too (the client asks again)."""
 
     def __init__(self, engine: TransferEngine, enabled: bool = True) -> None:
         self.engine = engine

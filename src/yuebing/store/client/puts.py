@@ -1,35 +1,10 @@
 """The put side of both store clients, written once with no I/O: step generators that yield
 `core`'s operations (`Call`, `Write`, `Revoke`) and are sent their results — `put` (one value)
 and `BatchPut` (many) — plus the request building and write judging they share. Every decision
-(codes per key, which reservations, fallbacks, revokes, write deadlines) is made here; the
-clients (`client`) only run the steps (`core.run` / `core.run_async`).
-
-Life of a put (`put`): with ``reserve_ahead`` and a reservation held for its shape (size,
-replicas, strategy, preferred), write into it and send one ``put_commit``, which commits the
-value and hands out the next reservation; otherwise two phases: ``put_start`` (placement, plus
-``reserve_next`` from the shape's second put on), the writes by its write deadline, ``put_end``.
-A failed write is revoked (naming the blamed segments) and placed again, up to ``put_retries``
-times.
-
-Life of a batch (`BatchPut`, items of one shape, at most `rv.MAX_PER_SHAPE`): with as many
-usable reservations of the shape held, write every item into one of them (one transfer batch,
-by the earliest reservation's write deadline) and send one ``batch_put_commit``, which commits
-each item (a code per item) and hands out the next batch's; a failed write revokes those
-reservations (and held ones on the failed segments), a refused commit or a refused item falls
-back. Otherwise — or for what fell back — two phases: one ``batch_put_start`` (placement of all
-items, plus ``reserve_next`` = n reservations from the shape's second batch on), one transfer
-batch of all writes by the start's write deadline, a revoke of the items whose write failed
-(naming the blamed segments), one ``batch_put_end`` of the others. Items whose write failed
-are put again, up to ``put_retries`` times.
-
-Reservations are `claim`ed (`claim_many` for a batch) by both clients, synchronously (no await
-between taking them and marking them busy): each is written by exactly one put or batch —
-concurrent coroutines of one asyncio client included — and no reply still in flight hands a
-claimed one out again (`reserve`). A claimed reservation whose commit was refused — the whole
-commit, or its item (the key exists, say) — holds nothing and stays the master's: it is
-`release`d before the reply's reservations are kept, so it may be held again. Stale ones are
-given back (``batch_put_revoke`` ``unused``) only while their write expiry has not passed:
-past it the master reclaimed them itself.
+(codes per key, reservations, fallbacks, revokes, write deadlines) is made here; the clients
+(`client`) only run the steps. A put goes through a held reservation of its shape (one
+``put_commit``) when there is one, else in two phases (``put_start``, writes, ``put_end``); a
+failed write is revoked, blaming its segments, and placed again up to ``put_retries`` times.
 """
 
 from __future__ import annotations
@@ -219,7 +194,20 @@ def items_of(cfg: ClientConfig, keys: Sequence[str], values: Sequence[object],
 
 
 class BatchPut:
-    """One batch put of a client (`steps` is the generator; see the module docstring)."""
+    """One batch put of a client (`steps` is the generator; see the module docstring).
+
+    Items of one shape, at most `rv.MAX_PER_SHAPE`. With as many usable reservations of the shape
+    held, every item is written into one (one transfer batch, by the earliest write deadline) and
+    one ``batch_put_commit`` commits each item and hands out the next batch's; a failed write
+    revokes those reservations, a refused commit or item falls back. Otherwise — or for what fell
+    back — two phases: one ``batch_put_start`` (plus ``reserve_next`` = n from the shape's second
+    batch on), one transfer batch, a revoke of the failed items, one ``batch_put_end``.
+
+    Reservations are claimed synchronously (`claim_many`: no await between taking and marking
+    busy), so each is written by exactly one put, concurrent coroutines included, and no reply in
+    flight hands a claimed one out again. One whose commit was refused holds nothing: it is
+    released before the reply's reservations are kept. Stale ones are given back (``unused``) only
+    before their write expiry; past it the master reclaimed them."""
 
     def __init__(self, cfg: ClientConfig, client: str, resv: rv.HeldReservations,
                  keys: Sequence[str], values: Sequence[object], opts: PutOptions) -> None:

@@ -1,32 +1,12 @@
-"""Client side of reserve-ahead puts (`ClientConfig.reserve_ahead`): the reservations a
-store client holds, one per value shape, and when to ask for one.
+"""Client side of reserve-ahead puts (`ClientConfig.reserve_ahead`): the reservations a store
+client holds, one per value shape (a list of n for batches), and when to ask for one. Used by
+the put steps (`puts`).
 
-Life cycle: the second put of a shape (size, replicas, strategy, preferred) within the last
-`RECENT` shapes asks the master for a reservation (`PutStart.reserve_next`); the reply's
-`Reservation` is kept here with its write deadline on this process's monotonic clock (its
-``expires_in_s`` counted from before the request, like a put's). The next put of that shape
-`take`s it: usable while at least half of the write time it was granted is left, so the write
-gets most of a fresh put's budget; older ones (of any shape, `drop_stale`, checked at each
-put through a reservation) are given back to the master as unused (`BatchPutRevoke.unused`:
-never written, so freed at once, not fenced) — lazily: a client that stops putting leaves them
-to the master, which reclaims a reservation at its write expiry. So are the ones held at
-`close` and those on a segment a write failed to reach. A write or commit through a
-reservation that fails falls back to the two-phase put. Reservations of at most `MAX_HELD`
-shapes are held (the master's cap per client too: it places none beyond it). A batch of n same-shaped items asks for n (`BatchPutStart.reserve_next`); the next
-batch of that shape `take_many`s them and commits with one `BatchPutCommit`, which brings the
-next n — a list per shape, at most `MAX_PER_CLIENT` in all (the master's caps, mirrored by
-`HeldReservations.keep_many` so the client never writes into a reservation the master dropped).
-
-Puts `claim` a reservation (`claim_many` for a batch), which `take`s it (`take_many`) and: the
-claimed reservation's key stays *busy* (in use, then committed or revoked) so that a reply still
-in flight that carries it — the master answers a `PutStart` with the reservation of the shape it
-has, which may be the one another coroutine is writing into or just committed — is not kept and
-handed to a second put (which would overwrite the committed value). Each reservation is thus
-written by exactly one put — of concurrent coroutines of one `AsyncStoreClient` too: `claim`
-pops it and marks it busy with no await in between. A busy
-key is forgotten once any copy of it would be unusable anyway (`Held.forget_at`); a commit the
-master refused `release`s it (the master may hand the same, still empty, reservation out again)
-— for a batch (`claim_many`), also each one whose item the commit refused (`puts`).
+The second put of a shape within the last `RECENT` asks the master for one
+(`PutStart.reserve_next`); the next put of that shape `take`s it while at least half of its
+write time is left. Stale ones are given back as unused (never written: freed at once) or
+left to the master, which reclaims them at their write expiry. At most `MAX_HELD` shapes and
+`MAX_PER_CLIENT` reservations are held, the master's own caps.
 """
 
 from __future__ import annotations
@@ -74,7 +54,16 @@ class Held:
 
 class HeldReservations:
     """The reservations of one client (one thread at a time, or the coroutines of one event
-    loop: puts use `claim`/`release`, see the module docstring)."""
+    loop: puts use `claim`/`release`, see the module docstring).
+
+    Puts `claim` a reservation (`claim_many` for a batch), which takes it and keeps its key
+    *busy* (in use, then committed or revoked), so a reply still in flight that carries it — the
+    master answers a `PutStart` with the reservation of the shape it has — is not kept and handed to
+    a second put, which would overwrite the committed value. `claim` pops and marks busy with no
+    await between. A busy key is forgotten once any copy of it would be unusable anyway
+    (`Held.forget_at`); a commit the master refused `release`s it (for a batch, also each item the
+    commit refused). Reservations on a segment a write failed to reach, and those held at `close`,
+    are given back."""
 
     def __init__(self) -> None:
         self.held: dict[Shape, list[Held]] = {}

@@ -1,25 +1,9 @@
-"""A storage node: contributes a DRAM segment (shared memory, registered in the transfer engine)
-and optionally an SSD tier (one preallocated file) to the store.
-
-Life cycle: register the DRAM segment with the transfer engine (clients then READ/WRITE it
-directly; the node's CPU never touches put/get bytes) and the SSD tier's file (mapped, served
-over TCP: a reader copies an SSD-resident value from it when the master has no DRAM room to
-promote it into), mount them at the master,
-then heartbeat every ``heartbeat_s``; a heartbeat reply that lacks one of our segments (the
-master forgot us) triggers a re-mount. Between heartbeats the node runs the master's tasks:
-offload (DRAM range → SSD file) and promotion (SSD file → DRAM range), copied in place, and
-drain migrations (a DRAM range, or an SSD range read from the file, written to another node's
-segment through the transfer engine without blocking the loop), answering each with `TaskDone`.
-A task carries the master's write expiry: the node starts none past it and bounds a migration's
-transfer batch by it, so the master can reuse a lost task's destination later. The expiry counts
-from when the loop last finished reading the master socket before the task's push was read, not
-from the read: a push that waited in the socket while the loop was busy (a long SSD copy) gets no
-extra time (the push cannot have arrived before that moment, give or take the instant between
-the last read and its timestamp).
-Shutdown drains every segment (no new placements; the master migrates the values that would be
-lost elsewhere while the node keeps running its tasks), waits up to a timeout until the master
-counts no value at risk and no value a reader still leases on them (a failed round, e.g. during
-a master failover, is logged and retried), then unmounts and releases the segments.
+"""A storage node (`yuebing store node`, or inside `yuebing serve`): contributes a DRAM segment
+(shared memory, registered in the transfer engine: clients READ/WRITE it directly, the node's
+CPU never touches put/get bytes) and optionally an SSD tier (one preallocated file) to the
+store. It mounts them at the master, heartbeats (re-mounting if the master forgot it), runs the
+master's tasks between heartbeats (offload, promotion, drain migrations, each answered with
+`TaskDone`) and drains its segments before it unmounts at shutdown.
 """
 
 from __future__ import annotations
@@ -60,7 +44,16 @@ SHM_SWEEP_S = 10.0
 
 
 class StorageNode:
-    """One node process's store role. `serve` blocks until `stop`."""
+    """One node process's store role. `serve` blocks until `stop`.
+
+    A task carries the master's write expiry: the node starts none past it and bounds a migration's
+    transfer batch by it, so the master can reuse a lost task's destination later. The expiry counts
+    from when the loop last finished reading the master socket before the task's push was read: a
+    push that waited in the socket while the loop was busy gets no extra time. The SSD file is
+    mapped and registered too, so a reader copies an SSD-resident value from it when the master has
+    no DRAM room to promote it. Shutdown drains every segment (the master migrates what would be
+    lost while the node runs its tasks), waits until no value is at risk or leased on them (failed
+    rounds retried until the deadline), then unmounts and releases the segments."""
 
     def __init__(self, cfg: NodeConfig, client: ClientConfig | None = None,
                  transfer: TransferConfig | None = None) -> None:

@@ -1,0 +1,51 @@
+"""Every environment variable yuebing reads, in one module: the cluster token (a default for
+``--cluster-token``), debug knobs of the native kernels, the cache directory and a variable a
+user names on a command line (``yuebing bench serve --api-key-env``). Callers ask here; nothing
+else reads ``os.environ`` (child processes inherit it whole: `ops.procs`, `cluster.process`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CLUSTER_TOKEN = "YUEBING_CLUSTER_TOKEN"
+"""The cluster token every role and client presents unless a flag gives another."""
+KERNELS_CFLAGS = "YUEBING_KERNELS_CFLAGS"
+"""Extra compiler flags of the native kernels (debug: ``-mno-avx512f`` builds the portable
+code paths)."""
+
+
+def get(name: str) -> str:
+    """The variable ``name`` ('' when unset)."""
+    return os.environ.get(name, "")
+
+
+def cluster_token() -> str:
+    """``$YUEBING_CLUSTER_TOKEN`` ('' when unset)."""
+    return get(CLUSTER_TOKEN)
+
+
+def set_cluster_token(token: str) -> None:
+    """Make ``token`` the process's (and its children's) cluster token."""
+    os.environ[CLUSTER_TOKEN] = token
+
+
+def kernels_cflags() -> tuple[str, ...]:
+    """``$YUEBING_KERNELS_CFLAGS``, split."""
+    return tuple(get(KERNELS_CFLAGS).split())
+
+
+def compiler() -> str:
+    """``$CXX`` ('' when unset: the builder's default)."""
+    return get("CXX")
+
+
+def cache_home() -> Path:
+    """``$XDG_CACHE_HOME``, else ``~/.cache``: where built kernels and start-up profiles live."""
+    return Path(get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
+def prepend_path(directory: str) -> None:
+    """Put ``directory`` first on ``$PATH`` (for tools a builder runs by name)."""
+    os.environ["PATH"] = directory + os.pathsep + get("PATH")
