@@ -88,8 +88,9 @@ class MasterService:
         self.cfg = cfg
         self.core = MasterCore(cfg, clock)
         self.core.log = None
-        self.server = FrameServer(cfg.rpc_address, self._on_frame, window_s(cfg.spin_us, MASTER_SPIN_REF_US),
-                                  limits_of(cfg), self._refused, token=cfg.cluster_token)
+        self.server = FrameServer(cfg.rpc_address, self._on_frame,
+                                  window_s(cfg.spin_us, MASTER_SPIN_REF_US), limits_of(cfg),
+                                  self._refused, token=cfg.cluster_token)
         self.address = self.server.address
         self.ctx: zmq.Context | None = None
         self.pub: zmq.Socket | None = None
