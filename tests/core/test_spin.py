@@ -95,3 +95,31 @@ def test_gap_predictor_spins_only_while_arrivals_come_within_the_window() -> Non
     assert g.arrived(10.0064) == pytest.approx(10.0074)
     # one long idle period counts as 4 windows only
     assert g.arrived(99.0) == 0.0 and g.mean == pytest.approx(0.00232188, rel=1e-4)
+
+
+# ---------------------------------------------------------------- windows chosen per machine
+def test_window_configured_is_kept_and_auto_is_chosen_for_the_machine(monkeypatch) -> None:
+    assert spin.window_s(0, 500) == 0.0
+    assert spin.window_s(70, 500) == pytest.approx(70e-6)
+    ref = spin.Machine(cpus=2, wake_us=20.0, step_us=spin.REF_STEP_US)
+    monkeypatch.setattr(spin, "machine", lambda: ref)
+    assert spin.window_s(spin.AUTO, 500) == pytest.approx(500e-6)  # the reference core
+
+
+@pytest.mark.parametrize(("cpus", "wake_us", "step_us", "window_us"), [
+    (1, 20.0, spin.REF_STEP_US, 0),  # one CPU: the awaited peer needs it
+    (8, 0.5, spin.REF_STEP_US, 0),  # wake-ups as cheap as a poll: nothing to save
+    (8, 20.0, 2 * spin.REF_STEP_US, 200),  # a core half as fast: twice the window
+    (8, 20.0, spin.REF_STEP_US / 2, 50),
+    (8, 20.0, 100 * spin.REF_STEP_US, 400),  # scaled at most 4x either way
+])
+def test_machine_window(cpus: int, wake_us: float, step_us: float, window_us: int) -> None:
+    assert spin.Machine(cpus, wake_us, step_us).window_us(100) == window_us
+
+
+def test_machine_is_measured_once_and_quickly() -> None:
+    t0 = time.perf_counter()
+    m = spin.machine()
+    assert spin.machine() is m
+    assert m.cpus >= 1 and m.wake_us >= 0.0 and m.step_us > 0.0
+    assert time.perf_counter() - t0 < 2.0

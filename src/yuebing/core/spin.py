@@ -4,14 +4,21 @@ server should spin for its next request.
 In `core` because two packages use it, each from its own thread just before it would block:
 the inline TCP path (`transfer.transport.tcp_inline`) and the store's RPC framing (`store.wire`,
 client and master). On a virtual machine without guest halt-polling, waking a sleeping process
-costs ~20 µs — more than the master's work per call; polling a short window avoids it.
+costs ~20 µs — more than the master's work per call; polling a short window avoids it. How long
+to spin is chosen per machine (`window_s`, `machine`): a window of -1 ("auto") is the role's
+reference window scaled by this machine's measured per-core speed and wake-up cost (measured
+once per process), and no spinning where it cannot pay (one CPU, or cheap wake-ups).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import statistics
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -95,3 +102,111 @@ class GapPredictor:
             self.mean += self.alpha * (gap - self.mean)
         self._last = now
         return now + self.window_s if self.mean <= self.window_s else 0.0
+
+
+AUTO = -1
+"""A configured spin window of -1 microseconds: chosen for this machine (`window_s`)."""
+REF_STEP_US = 180.0
+"""`_step_us` on the machine whose windows are the roles' reference windows (the Intel Xeon
+AVX-512/AMX 2-core VM of docs/benchmarks.md, 2026-11-28, where the windows are the former
+fixed defaults)."""
+REF_WAKE_US = 20.0
+"""A VM's cross-CPU wake-up, assumed where it cannot be measured."""
+CHEAP_WAKE_US = 2.0
+"""Below this measured wake-up cost blocking costs about what a poll does: no spinning."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the spin windows are chosen from, measured on this machine (`machine`)."""
+
+    cpus: int
+    """CPUs this process may run on."""
+    wake_us: float
+    """Cost of one wake-up from a blocking wait (median of a thread ping-pong)."""
+    step_us: float
+    """Time of the reference Python loop (median): the per-core speed."""
+
+    def window_us(self, reference_us: float) -> int:
+        """A spin window for this machine, given the role's window on the reference machine."""
+        if self.cpus < 2 or self.wake_us < CHEAP_WAKE_US:
+            return 0
+        scale = min(4.0, max(0.25, self.step_us / REF_STEP_US))
+        return int(reference_us * scale)
+
+
+def _wake_us(cpus: list[int], trips: int = 200) -> float:
+    """One wake-up's cost: a round trip between two threads on two of ``cpus`` (a reply from
+    another process arrives on another CPU: an inter-processor interrupt) over two pipes (each
+    trip wakes both) less the same four system calls made by one thread, halved."""
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+
+    def echo() -> None:
+        os.sched_setaffinity(0, {cpus[1]})  # this thread only
+        for _ in range(trips):
+            os.read(r1, 1)
+            os.write(w2, b"x")
+
+    mine = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {cpus[0]})
+        t = threading.Thread(target=echo, name="spin-calibration", daemon=True)
+        t.start()
+        pong = []
+        for _ in range(trips):
+            t0 = time.perf_counter()
+            os.write(w1, b"x")
+            os.read(r2, 1)
+            pong.append(time.perf_counter() - t0)
+        t.join()
+        base = []
+        for _ in range(trips):
+            t0 = time.perf_counter()
+            os.write(w1, b"x")
+            os.read(r1, 1)
+            os.write(w2, b"x")
+            os.read(r2, 1)
+            base.append(time.perf_counter() - t0)
+    finally:
+        os.sched_setaffinity(0, mine)
+        for fd in (r1, w1, r2, w2):
+            os.close(fd)
+    return max(0.0, (statistics.median(pong) - statistics.median(base)) / 2 * 1e6)
+
+
+def _step_us(rounds: int = 9) -> float:
+    """Least time of a fixed loop of calls and dict work (a request's kind of Python) over
+    ``rounds``: the per-core speed the windows scale with (the least, as other load only ever
+    adds to it)."""
+    d: dict[int, int] = {}
+
+    def f(i: int) -> int:
+        d[i & 63] = i
+        return d.get(i & 31, 0)
+
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for i in range(2000):
+            f(i)
+        out.append(time.perf_counter() - t0)
+    return min(out) * 1e6
+
+
+@functools.cache
+def machine() -> Machine:
+    """This machine, measured once per process (first call)."""
+    if not hasattr(os, "sched_getaffinity"):  # not Linux: no pinning to measure with
+        return Machine(cpus=os.cpu_count() or 1, wake_us=REF_WAKE_US, step_us=_step_us())
+    cpus = sorted(os.sched_getaffinity(0))
+    wake = _wake_us(cpus[:2]) if len(cpus) >= 2 else 0.0
+    return Machine(cpus=len(cpus), wake_us=wake, step_us=_step_us())
+
+
+def window_s(configured_us: int, reference_us: float) -> float:
+    """Seconds to spin: ``configured_us`` as given, or with `AUTO` the role's
+    ``reference_us`` chosen for this machine (`Machine.window_us`)."""
+    if configured_us != AUTO:
+        return configured_us * 1e-6
+    return machine().window_us(reference_us) * 1e-6

@@ -10,6 +10,12 @@ from dataclasses import dataclass, field
 
 from yuebing.core.auth import TOKEN_HELP, env_cluster_token, host_of, require_token
 from yuebing.core.config import require
+from yuebing.core.spin import AUTO
+
+MASTER_SPIN_REF_US = 500
+"""The master's spin window on the reference core (`core.spin.window_s`)."""
+CLIENT_SPIN_REF_US = 100
+"""A client's spin window for a master reply on the reference core."""
 
 PLACEMENTS = ("random", "free_ratio", "local_first", "preferred")
 
@@ -68,10 +74,12 @@ class MasterConfig:
     drain_parallel: int = field(default=8, metadata={
         "help": "most migrations in flight at once while segments drain (copies of values "
                 "whose every replica is on a draining segment, to active DRAM segments)"})
-    spin_us: int = field(default=500, metadata={
+    spin_us: int = field(default=AUTO, metadata={
         "help": "after serving a request, poll this many microseconds for the next one before "
-                "sleeping (a wake-up from sleep costs ~20 us on a VM; 500 covers a client's "
-                "1 MiB write between put_start and put_end); 0 = always sleep"})
+                "sleeping (a wake-up from sleep costs ~6-20 us on a VM); 0 = always sleep; -1 "
+                f"(default) = chosen for this machine at start-up ({MASTER_SPIN_REF_US} us "
+                "on the reference core, scaled by this core's measured speed: a client's 1 MiB "
+                "write between put_start and put_end; 0 on one CPU or where wake-ups are cheap)"})
     max_request_bytes: int = field(default=8 << 20, metadata={
         "help": "largest RPC request the master takes (a batch of ~100k keys fits in 8MiB); a "
                 "longer one is refused with BAD_REQUEST (its bytes read and dropped, never "
@@ -106,7 +114,8 @@ class MasterConfig:
         _seconds("--room-wait-s", self.room_wait_s, zero_ok=True)
         require(self.drain_parallel >= 1,
                 f"--drain-parallel must be >= 1, got {self.drain_parallel}")
-        require(0 <= self.spin_us <= 100_000, f"--spin-us must be in 0..100000, got {self.spin_us}")
+        require(AUTO <= self.spin_us <= 100_000,
+                f"--spin-us must be in 0..100000 or -1 (auto), got {self.spin_us}")
         require(4096 <= self.max_request_bytes <= 1 << 30,
                 f"--max-request-bytes must be in 4KiB..1GiB, got {self.max_request_bytes}")
         require(self.rpc_buffer_bytes >= self.max_request_bytes,
@@ -154,9 +163,12 @@ class ClientConfig:
     direct: bool = field(default=True, metadata={
         "help": "copy to/from a same-host node's shared-memory segment directly (no transfer "
                 "engine batch); off: every byte goes through the engine"})
-    spin_us: int = field(default=100, metadata={
+    spin_us: int = field(default=AUTO, metadata={
         "help": "poll this many microseconds for a master reply before sleeping for it (a "
-                "wake-up from sleep costs ~20 us on a VM); 0 = always sleep"})
+                "wake-up from sleep costs ~6-20 us on a VM); 0 = always sleep; -1 (default) = "
+                f"chosen for this machine at start-up ({CLIENT_SPIN_REF_US} us on the reference "
+                "core, scaled by this core's measured speed; 0 on one CPU or where wake-ups "
+                "are cheap)"})
     keep_freed: int = field(default=0, metadata={
         "help": "glibc mallopt for the WHOLE process, never undone: blocks up to 32 MiB come "
                 "from the heap and up to this many bytes of freed heap top are kept, so the "
@@ -174,7 +186,8 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         require(self.put_retries >= 0, f"--put-retries must be >= 0, got {self.put_retries}")
-        require(0 <= self.spin_us <= 100_000, f"--spin-us must be in 0..100000, got {self.spin_us}")
+        require(AUTO <= self.spin_us <= 100_000,
+                f"--spin-us must be in 0..100000 or -1 (auto), got {self.spin_us}")
         require(self.keep_freed >= 0, f"--keep-freed must be >= 0 bytes, got {self.keep_freed}")
         require(bool(self.masters), "--master needs at least one address like tcp://127.0.0.1:50151")
         _seconds("--rpc-timeout-s", self.rpc_timeout_s)

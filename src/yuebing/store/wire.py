@@ -21,6 +21,7 @@ spinning for a while when the CPU is contended by other work.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import select
@@ -131,27 +132,58 @@ class FrameBuffer:
 
 
 class FrameSocket:
-    """Blocking client connection; `call` sends a frame and waits for the matching reply."""
+    """Blocking client connection; `call` sends a frame and waits for the matching reply.
+
+    The socket itself stays non-blocking from the start, and waiting is one ``poll`` only when
+    a call would block: a Python socket with a timeout polls before every send and receive and
+    costs an ``ioctl`` each time its timeout is set, so a round trip was ~6 system calls; it is
+    now the send, the wait (spin polls, or one blocking ``poll``) and one ``recv_into``."""
 
     def __init__(self, address: str, timeout_s: float, spin_s: float = 0.0,
                  token: str = "") -> None:
         self.address = address
+        self.timeout_s = timeout_s
+        """Bound of a `send` given no ``timeout_s`` of its own."""
         self.sock = socket.create_connection(parse_address(address), timeout=timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if token:
             self.sock.sendall(auth_preamble(token))
+        self.sock.setblocking(False)
         self.spin_s = spin_s
         self._spinner = Spinner()
         self._poll = select.poll()
         self._poll.register(self.sock, select.POLLIN)
+        self._wpoll = select.poll()
+        self._wpoll.register(self.sock, select.POLLOUT)
         self.inb = FrameBuffer()
         self.pending: list[tuple[int, bytes]] = []
         self._rbuf = bytearray(RECV)
         self._rview = memoryview(self._rbuf)
 
-    def send(self, rid: int, payload: bytes, before: bytes = b"") -> None:
-        """Send one frame, preceded in the same system call by the ready frames ``before``."""
-        self.sock.sendall(before + HEADER.pack(len(payload), rid) + payload)
+    def send(self, rid: int, payload: bytes, before: bytes = b"",
+             timeout_s: float | None = None) -> None:
+        """Send one frame, preceded in the same system call by the ready frames ``before``;
+        `TimeoutError` if it cannot all be sent within ``timeout_s`` (default ``timeout_s``)."""
+        self.send_raw(before + HEADER.pack(len(payload), rid) + payload, timeout_s)
+
+    def send_raw(self, data: bytes, timeout_s: float | None = None) -> None:
+        """Send ``data`` (whole frames): one ``send`` when the socket buffer takes it (a
+        request always fits), else waiting for room up to ``timeout_s``."""
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent == len(data):
+            return
+        end = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        view = memoryview(data)[sent:]
+        while view.nbytes:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"sending to master {self.address} timed out")
+            if self._wpoll.poll(max(1, int(left * 1000))):
+                with contextlib.suppress(BlockingIOError):
+                    view = view[self.sock.send(view):]
 
     def ready(self) -> bool:
         """Whether a frame, or the peer's close, can be taken now without waiting (one poll)."""
@@ -162,20 +194,24 @@ class FrameSocket:
         one non-blocking read); raises OSError if the peer closed."""
         if self.pending:
             return self.pending.pop(0)
-        if self.spin_s and timeout_s > 0:  # poll for a quick reply before sleeping for it
-            self._spinner.wait(lambda: self._poll.poll(0), min(self.spin_s, timeout_s))
+        wait = timeout_s > 0
+        if self.spin_s and wait:  # poll for a quick reply before sleeping for it
+            wait = not self._spinner.wait(lambda: self._poll.poll(0), min(self.spin_s, timeout_s))
         end = time.monotonic() + timeout_s
-        first = True
         while True:
-            left = end - time.monotonic()
-            if left <= 0 and not first:
-                return None
-            first = False
-            self.sock.settimeout(max(left, 0.0))
+            if wait:
+                left = end - time.monotonic()
+                if left <= 0 or not self._poll.poll(max(1, int(left * 1000 + 0.999))):
+                    if time.monotonic() >= end:
+                        return None
+                    continue
             try:
                 n = self.sock.recv_into(self._rbuf)
-            except (TimeoutError, BlockingIOError):
-                return None
+            except BlockingIOError:
+                if timeout_s <= 0:
+                    return None
+                wait = True
+                continue
             if not n:
                 raise ConnectionError(f"master {self.address} closed the connection")
             self.inb.buf += self._rview[:n]
@@ -183,6 +219,7 @@ class FrameSocket:
             if frames:
                 self.pending.extend(frames[1:])
                 return frames[0]
+            wait = timeout_s > 0
 
     def close(self) -> None:
         self.sock.close()

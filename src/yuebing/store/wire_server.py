@@ -90,8 +90,11 @@ class FrameServer:
         within ``spin_s`` of the last request served."""
         select = self.sel.select
         window = self._spin_until - time.perf_counter() if timeout_s > 0 else 0.0
-        ready = self._spinner.wait(lambda: select(0), window)
-        if not ready and timeout_s > 0:
+        if window > 0 or timeout_s <= 0:
+            ready = self._spinner.wait(lambda: select(0), window)
+            if not ready and timeout_s > 0:
+                ready = select(timeout_s)
+        else:  # not spinning: one wait, not a poll and then the wait
             ready = select(timeout_s)
         if ready and self.spin_s:  # spin for the next request only if requests come that fast
             self._spin_until = self._gaps.arrived(time.perf_counter())

@@ -7,8 +7,11 @@ import socket
 from dataclasses import dataclass, field
 
 from yuebing.core.config import require
+from yuebing.core.spin import AUTO
 
 TRANSPORT_NAMES = ("shm", "tcp")
+SPIN_REF_US = 50
+"""The inline path's spin window on the reference core (`core.spin.window_s`)."""
 
 
 def default_host_id() -> str:
@@ -60,9 +63,11 @@ class TransferConfig:
         "help": "a batch submitted with inline=True moves over a dedicated TCP connection in "
                 "the submitting thread (no lane threads) when its part for one peer is one "
                 "direction and at most this many bytes; 0 = never", "size": True})
-    spin_us: int = field(default=50, metadata={
+    spin_us: int = field(default=AUTO, metadata={
         "help": "the inline path polls this many microseconds for an answer before sleeping "
-                "(a wake-up from sleep costs ~20 us on a VM); 0 = always sleep"})
+                "(a wake-up from sleep costs ~6-20 us on a VM); 0 = always sleep; -1 (default) "
+                f"= chosen for this machine at start-up ({SPIN_REF_US} us on the reference core, "
+                "scaled by this core's measured speed; 0 on one CPU or where wake-ups are cheap)"})
     shm_workers: int = field(default=1, metadata={"help": "copy threads per shared-memory peer"})
     shm_dir: str = field(default="/dev/shm", metadata={"help": "directory of shm segment files"})
     metadata: str = field(default="embedded", metadata={
@@ -89,7 +94,8 @@ class TransferConfig:
         require(self.socket_buffer == 0 or self.socket_buffer >= 65536,
                 f"socket_buffer must be 0 (auto) or >= 64KiB, got {self.socket_buffer}")
         require(self.inline_bytes >= 0, f"inline_bytes must be >= 0, got {self.inline_bytes}")
-        require(0 <= self.spin_us <= 100_000, f"spin_us must be in 0..100000, got {self.spin_us}")
+        require(AUTO <= self.spin_us <= 100_000,
+                f"spin_us must be in 0..100000 or -1 (auto), got {self.spin_us}")
         require(1 <= self.shm_workers <= 16, f"shm_workers must be in 1..16, got {self.shm_workers}")
         require(os.path.isdir(self.shm_dir), f"shm_dir {self.shm_dir!r} is not a directory")
         require(self.metadata in ("embedded", "p2p") or self.metadata.startswith("etcd://"),

@@ -26,13 +26,14 @@ from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
 
 from yuebing.core.errors import StoreError
+from yuebing.core.spin import window_s
 from yuebing.store import messages as m
 from yuebing.store.client import core, gets
 from yuebing.store.client import reserve as rv
 from yuebing.store.client.direct import DirectSegments, keep_freed_memory, transfer_timeout
 from yuebing.store.client.puts import BatchPut, PutOptions, give_back, put
 from yuebing.store.client.rpc import RELEASE_FLUSH_S, AsyncMasterConnection, MasterConnection
-from yuebing.store.config import ClientConfig
+from yuebing.store.config import CLIENT_SPIN_REF_US, ClientConfig
 from yuebing.transfer import BatchStatus, TransferConfig, TransferEngine, TransferRequest
 from yuebing.transfer.types import RequestStatus
 
@@ -87,7 +88,7 @@ class StoreClient(_Client[MasterConnection]):
                  heartbeat: bool = True) -> None:
         cfg = cfg or ClientConfig()
         super().__init__(cfg, engine, MasterConnection(
-            cfg.masters, cfg.rpc_timeout_s, cfg.failover_s, spin_s=cfg.spin_us * 1e-6), "client")
+            cfg.masters, cfg.rpc_timeout_s, cfg.failover_s, spin_s=window_s(cfg.spin_us, CLIENT_SPIN_REF_US)), "client")
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
         self._hb_conn = MasterConnection(cfg.masters, cfg.rpc_timeout_s, cfg.failover_s)

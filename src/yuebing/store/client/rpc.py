@@ -178,7 +178,7 @@ class MasterConnection(_Base):
             try:
                 sock = self._open_socket(try_s)
                 sent = True
-                sock.send(rid, payload, self._carried(type(msg)))
+                sock.send(rid, payload, self._carried(type(msg)), try_s)
                 reply = self._wait(sock, rid, try_s)
             except OSError as e:
                 log.info("master %s unreachable: %s", self.address, e)
@@ -212,7 +212,7 @@ class MasterConnection(_Base):
         try:
             if left <= 0:
                 raise TimeoutError("the connection's deadline passed")
-            self._open_socket(left).sock.sendall(frames)
+            self._open_socket(left).send_raw(frames, left)
         except OSError as e:
             log.info("master %s: %d bytes of lease releases not sent: %s", self.address,
                      len(frames), e)
@@ -228,11 +228,8 @@ class MasterConnection(_Base):
                 while (got := self.sock.recv(0.0)) is not None:
                     if got[0] == 0:
                         self._push(got[1])
-                self.sock.sock.settimeout(timeout_s)  # recv(0.0) left it non-blocking
             except OSError:
                 self.close()
-        elif self.sock is not None:  # the send, cut to this try's time (and a limited
-            self.sock.sock.settimeout(timeout_s)  # call's shorter one not left behind)
         return self.sock or self._connect(timeout_s)
 
     def _wait(self, sock: FrameSocket, rid: int, timeout_s: float) -> Message | None:

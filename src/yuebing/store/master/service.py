@@ -21,6 +21,7 @@ import uuid
 import zmq
 
 from yuebing.core.clock import Clock
+from yuebing.core.spin import window_s
 from yuebing.protocol import Message, ProtocolError, decode, encode
 from yuebing.store import messages as m
 from yuebing.store.cluster_messages import (
@@ -31,7 +32,7 @@ from yuebing.store.cluster_messages import (
     ReplSubscribe,
     TaskDone,
 )
-from yuebing.store.config import MasterConfig
+from yuebing.store.config import MASTER_SPIN_REF_US, MasterConfig
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.election import Elector, EtcdElector, SingleElector
 from yuebing.store.master.replication import ReplicationHub
@@ -87,8 +88,9 @@ class MasterService:
         self.cfg = cfg
         self.core = MasterCore(cfg, clock)
         self.core.log = None
-        self.server = FrameServer(cfg.rpc_address, self._on_frame, cfg.spin_us * 1e-6,
-                                  limits_of(cfg), self._refused, token=cfg.cluster_token)
+        self.server = FrameServer(cfg.rpc_address, self._on_frame,
+                                  window_s(cfg.spin_us, MASTER_SPIN_REF_US), limits_of(cfg),
+                                  self._refused, token=cfg.cluster_token)
         self.address = self.server.address
         self.ctx: zmq.Context | None = None
         self.pub: zmq.Socket | None = None

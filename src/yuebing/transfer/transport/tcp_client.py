@@ -23,8 +23,10 @@ import socket
 import threading
 
 from yuebing.core.errors import TransferError
+from yuebing.core.spin import window_s
 from yuebing.protocol import ProtocolError
 from yuebing.transfer.batch import Slice
+from yuebing.transfer.config import SPIN_REF_US
 from yuebing.transfer.messages import Hello, HelloReply, SegmentDescriptor
 from yuebing.transfer.transport.base import TRANSPORTS, Endpoint, LocalContext, Transport
 from yuebing.transfer.transport.framing import (
@@ -193,7 +195,7 @@ class TcpEndpoint(Endpoint):
                 log.debug("no inline connection to %s: %s", self.address, e)
                 return None
             cfg = self.ctx.config
-            self._inline = InlineConn(sock, self.address, cfg.io_timeout_s, cfg.spin_us * 1e-6)
+            self._inline = InlineConn(sock, self.address, cfg.io_timeout_s, window_s(cfg.spin_us, SPIN_REF_US))
         return self._inline
 
     def notify(self, op: NotifyOp) -> None:

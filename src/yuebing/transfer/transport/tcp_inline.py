@@ -74,6 +74,7 @@ class InlineConn:
 
     def __init__(self, sock: socket.socket, address: str, io_timeout_s: float,
                  spin_s: float) -> None:
+        sock.settimeout(0.0)  # non-blocking: `DeadlineSocket` waits only when a call would block
         self.sock = sock
         self.address = address
         self.io_timeout_s = io_timeout_s

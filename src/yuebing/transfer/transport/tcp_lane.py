@@ -16,7 +16,9 @@ import socket
 import threading
 from typing import TYPE_CHECKING
 
+from yuebing.core.spin import window_s
 from yuebing.protocol import Message, ProtocolError
+from yuebing.transfer.config import SPIN_REF_US
 from yuebing.transfer.transport.framing import FrameReader, IdleTimeout, send_parts
 from yuebing.transfer.transport.lane_ops import (
     NotifyOp,
@@ -134,7 +136,7 @@ class Lane:
         return ops[:n], ops[n:]
 
     def _recv_loop(self) -> None:
-        reader = FrameReader(self.sock, spin_s=self.endpoint.ctx.config.spin_us * 1e-6)
+        reader = FrameReader(self.sock, spin_s=window_s(self.endpoint.ctx.config.spin_us, SPIN_REF_US))
         while True:
             try:
                 msg = reader.read(idle_ok=True)

@@ -35,8 +35,9 @@ import time
 from collections.abc import Callable
 
 from yuebing.core.errors import TransferError
+from yuebing.core.spin import window_s
 from yuebing.protocol import Message, ProtocolError
-from yuebing.transfer.config import TransferConfig
+from yuebing.transfer.config import SPIN_REF_US, TransferConfig
 from yuebing.transfer.messages import (
     Hello,
     HelloReply,
@@ -108,7 +109,7 @@ class TcpServer:
                              name=f"tx-serve-{peer[1]}").start()
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
-        reader = FrameReader(conn, spin_s=self._config.spin_us * 1e-6)
+        reader = FrameReader(conn, spin_s=window_s(self._config.spin_us, SPIN_REF_US))
         readable = select.poll()
         readable.register(conn, select.POLLIN)
         out: list[memoryview] = []
