@@ -20,8 +20,8 @@ import time
 
 def measure(n: int) -> list[dict]:
     from yuebing.core.clock import VirtualClock
-    from yuebing.store import messages as m
-    from yuebing.store.cluster_messages import Mount
+    from yuebing.protocol import store as m
+    from yuebing.protocol.store_cluster import Mount
     from yuebing.store.config import MasterConfig
     from yuebing.store.master.core import MasterCore
 

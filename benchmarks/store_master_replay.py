@@ -15,8 +15,8 @@ import secrets
 import sys
 
 from yuebing.core.clock import VirtualClock
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import Drain, Mount, TaskDone, Unmount
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import Drain, Mount, TaskDone, Unmount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master import replication as R
 from yuebing.store.master.core import MasterCore

@@ -27,7 +27,7 @@ import statistics
 import threading
 import time
 
-from yuebing.transfer.messages import SlicesDone, WriteSlices
+from yuebing.protocol.transfer import SlicesDone, WriteSlices
 from yuebing.transfer.transport.framing import FrameReader, frame_parts, send_parts, tune_socket
 
 VARIANTS = ("floor", "frame_spin", "frame_sleep")

@@ -15,7 +15,7 @@ import pytest
 from serve_util import Serve, cmdline, descendants, post
 
 from yuebing.protocol import encode
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.wire import parse_address
 
 pytestmark = pytest.mark.slow

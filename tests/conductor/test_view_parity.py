@@ -24,12 +24,12 @@ from yuebing.conductor.view import STORE_HOLDER, KvIndex
 from yuebing.core.ids import BlockHash, InstanceId
 from yuebing.instance.kvkeys import store_key
 from yuebing.protocol.instance import Hello, LoadReport, Role
+from yuebing.protocol.store_cluster import EventKind, KvEvents
 from yuebing.sim.hardware import CostModel
 from yuebing.sim.kvpool import GlobalKVPool
 from yuebing.sim.loop import EventLoop
 from yuebing.sim.mooncake import MooncakeSystem
 from yuebing.sim.system import SimConfig, SystemContext, sim_policy
-from yuebing.store.cluster_messages import EventKind, KvEvents
 
 BT = 256
 NOW = 100.0

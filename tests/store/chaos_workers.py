@@ -17,11 +17,11 @@ import numpy as np
 from store_procs import Proc
 
 from yuebing.core.errors import StoreError, TransferError
+from yuebing.protocol.store import Code
 from yuebing.store.client.client import StoreClient
 from yuebing.store.client.gets import ChecksumError, NotFoundError
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig
-from yuebing.store.messages import Code
 
 SEED = int(os.environ.get("YB_CHAOS_SEED", "20261121"))
 SIZES = (16_384, 200_000)  # × replicas 1 or 2: 4 shapes, the per-client reservation cap

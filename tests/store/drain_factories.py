@@ -5,8 +5,8 @@ Imported by `test_store_drain*` and `test_store_drain_index`."""
 from __future__ import annotations
 
 from yuebing.core.clock import VirtualClock
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import Drain, DrainStatus, Mount, NodeTask, TaskDone, TaskKind
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import Drain, DrainStatus, Mount, NodeTask, TaskDone, TaskKind
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.core import MasterCore
 

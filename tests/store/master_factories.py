@@ -5,8 +5,8 @@ replication. Imported by the `test_store_*` modules of the master core."""
 from __future__ import annotations
 
 from yuebing.core.clock import VirtualClock
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import Mount
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import Mount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master import replication
 from yuebing.store.master.core import MasterCore

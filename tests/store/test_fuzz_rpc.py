@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 
 from fuzz_factories import plain
 from yuebing.protocol import decode, encode
+from yuebing.protocol import store as m
 from yuebing.protocol.codec import Message
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import Drain, Mount, Unmount
+from yuebing.protocol.store_cluster import Drain, Mount, Unmount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.service import MasterService
 from yuebing.store.wire import FrameSocket, parse_address

@@ -49,7 +49,7 @@ def test_a_late_client_revokes_without_naming_the_healthy_node() -> None:
     from store_procs import master, node
 
     from yuebing.core.errors import StoreError
-    from yuebing.store import messages as m
+    from yuebing.protocol import store as m
     from yuebing.store.client.client import StoreClient
 
     mst = master()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from yuebing.core.errors import InputError, StoreError, TransferError
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.client import core, gets
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig

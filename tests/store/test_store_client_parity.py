@@ -15,7 +15,7 @@ import pytest
 from store_procs import master, node
 
 from yuebing.core.errors import YuebingError
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.client import reserve as rv
 from yuebing.store.client.client import AsyncStoreClient, StoreClient
 from yuebing.store.config import ClientConfig

@@ -9,8 +9,8 @@ from __future__ import annotations
 import msgspec
 from master_factories import SIZE, commit, durable, leader_and_standby, make, put, ship, start
 
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import Drain, DrainStatus, EventKind, Mount
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import Drain, DrainStatus, EventKind, Mount
 from yuebing.store.master import reservations
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.state import ObjState

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from store_procs import Proc, master, node
 
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.client.client import AsyncStoreClient, StoreClient
 from yuebing.store.client.direct import DirectSegments
 from yuebing.store.config import ClientConfig

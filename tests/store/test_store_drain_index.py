@@ -7,8 +7,8 @@ from __future__ import annotations
 from drain_factories import done, drain, holders, make, put, tasks
 
 from yuebing.core.clock import VirtualClock
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import Drain, Unmount
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import Drain, Unmount
 from yuebing.store.master.core import MasterCore
 
 

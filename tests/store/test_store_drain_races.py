@@ -11,8 +11,8 @@ import pytest
 from drain_factories import KiB, done, drain, holders, make, put, tasks, used
 
 from yuebing.core.clock import VirtualClock
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import Mount, NodeTask, TaskDone, TaskKind, Unmount
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import Mount, NodeTask, TaskDone, TaskKind, Unmount
 from yuebing.store.config import ClientConfig
 from yuebing.store.master import replication
 from yuebing.store.master.core import MasterCore

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from drain_factories import KiB, done, drain, holders, make, put, tasks
 
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import Drain, DrainStatus, TaskKind
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import Drain, DrainStatus, TaskKind
 
 C = m.Code
 

@@ -10,8 +10,8 @@ from drain_factories import MIGRATE, KiB, done, drain, holders, make, put, tasks
 
 from yuebing.core.clock import VirtualClock
 from yuebing.core.errors import StoreError
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import Drain, DrainStatus, Mount
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import Drain, DrainStatus, Mount
 from yuebing.store.config import ClientConfig
 from yuebing.store.master import replication
 from yuebing.store.master.core import MasterCore

@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 
 from yuebing.core.clock import VirtualClock
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import Mount, TaskDone, TaskKind
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import Mount, TaskDone, TaskKind
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.core import MasterCore
 

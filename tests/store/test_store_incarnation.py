@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from yuebing.core.clock import VirtualClock
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import Drain, Mount, Unmount
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import Drain, Mount, Unmount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.core import MasterCore
 

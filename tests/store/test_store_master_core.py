@@ -7,9 +7,9 @@ from master_factories import KiB, exists, make, put
 
 from yuebing.core.config import replace
 from yuebing.core.errors import ConfigError
+from yuebing.protocol import store as m
 from yuebing.protocol.codec import decode, encode
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import Drain, EventKind, Mount, TaskDone, Unmount
+from yuebing.protocol.store_cluster import Drain, EventKind, Mount, TaskDone, Unmount
 from yuebing.store.config import ClientConfig, MasterConfig
 from yuebing.store.master.allocator import OffsetAllocator
 

@@ -15,11 +15,11 @@ from store_procs import Proc, master, node
 from etcd_util import free_port
 from yuebing.core.errors import StoreError
 from yuebing.protocol import decode, encode
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import EventKind
 from yuebing.store.client.client import StoreClient
 from yuebing.store.client.gets import ChecksumError, NotFoundError
 from yuebing.store.client.rpc import StoreRpcError
-from yuebing.store.cluster_messages import EventKind
 from yuebing.store.config import ClientConfig
 from yuebing.store.events import KvEventSubscriber
 from yuebing.store.wire import parse_address

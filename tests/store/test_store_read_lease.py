@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.client import gets
 from yuebing.store.client.client import AsyncStoreClient, StoreClient
 from yuebing.store.config import ClientConfig

@@ -14,7 +14,7 @@ import time
 from store_procs import master, node
 
 from yuebing.core.errors import StoreError
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.client.client import StoreClient
 from yuebing.store.client.gets import ReadLeaseExpired
 from yuebing.store.client.rpc import StoreRpcError

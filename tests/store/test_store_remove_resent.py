@@ -14,7 +14,7 @@ import time
 import pytest
 
 from yuebing.protocol import decode, encode
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.client.client import AsyncStoreClient, StoreClient
 from yuebing.store.client.rpc import AsyncMasterConnection, MasterConnection, StoreRpcError
 from yuebing.store.config import ClientConfig

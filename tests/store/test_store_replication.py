@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from master_factories import KiB, durable, leader_and_standby, ship
 
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import Mount, Unmount
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import Mount, Unmount
 from yuebing.store.master.state import ObjState
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from master_factories import SIZE, KiB, commit, exists, make, put, start
 
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import Drain, EventKind, Mount, Unmount
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import Drain, EventKind, Mount, Unmount
 
 C = m.Code
 

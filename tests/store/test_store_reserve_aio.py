@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.client.client import AsyncStoreClient
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig

@@ -14,7 +14,7 @@ import pytest
 from store_procs import Proc, master, node
 
 from yuebing.protocol import Message
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.client.client import AsyncStoreClient
 from yuebing.store.config import ClientConfig
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from master_factories import durable, exists, leader_and_standby, make, put, ship
 
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import Mount
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import Mount
 from yuebing.store.master import reservations, reserve
 from yuebing.store.master.core import MasterCore
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.client.reserve import MAX_HELD, MAX_PER_SHAPE, HeldReservations, shape_of
 
 

@@ -14,7 +14,7 @@ from store_procs import Proc, master, node
 
 from yuebing.core.errors import InputError
 from yuebing.protocol import Message
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.client.client import AsyncStoreClient, StoreClient
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig

@@ -177,7 +177,7 @@ def test_balloon_against_a_master_process_is_cut_and_it_keeps_serving() -> None:
     scaled down, against a master with its default limits (8 MiB per request)."""
     from store_procs import master
 
-    from yuebing.store import messages as m
+    from yuebing.protocol import store as m
     from yuebing.store.client.client import StoreClient
     from yuebing.store.client.rpc import StoreRpcError
     from yuebing.store.config import ClientConfig

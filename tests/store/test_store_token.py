@@ -13,7 +13,7 @@ from store_procs import master, node
 
 from yuebing.core.errors import ConfigError, StoreError
 from yuebing.protocol import encode
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.client.rpc import MasterConnection
 from yuebing.store.config import MasterConfig, NodeConfig
 from yuebing.store.wire import AUTH_LEN, FrameSocket, auth_preamble, parse_address

@@ -7,8 +7,8 @@ import socket
 import threading
 from collections.abc import Callable
 
+from yuebing.protocol.transfer import HelloReply, SlicesDone
 from yuebing.transfer import EmbeddedMetadata, SegmentDescriptor
-from yuebing.transfer.messages import HelloReply, SlicesDone
 from yuebing.transfer.transport.framing import recv_frame, send_frame
 
 Behaviour = Callable[[socket.socket, int], None]

@@ -9,8 +9,8 @@ import contextlib
 import socket
 import time
 
+from yuebing.protocol.transfer import Hello, HelloReply, WriteSlices
 from yuebing.transfer import TransferConfig, TransferEngine
-from yuebing.transfer.messages import Hello, HelloReply, WriteSlices
 from yuebing.transfer.transport.framing import MAX_HEADER, FrameReader, pack, recv_frame, send_frame
 
 IO_S = 0.5

@@ -10,6 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from yuebing.protocol.transfer import Hello, HelloReply, SlicesDone, WriteSlices
 from yuebing.transfer import (
     EmbeddedMetadata,
     OpCode,
@@ -19,7 +20,6 @@ from yuebing.transfer import (
     TransferStatus,
 )
 from yuebing.transfer.batch import Batch, RequestState, Slice, complete_slices
-from yuebing.transfer.messages import Hello, HelloReply, SlicesDone, WriteSlices
 from yuebing.transfer.transport.framing import (
     FrameReader,
     PeerClosed,

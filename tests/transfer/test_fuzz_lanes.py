@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from yuebing.protocol.transfer import Hello, Notify, ReadSlices, WriteSlices
 from yuebing.transfer import (
     EmbeddedMetadata,
     OpCode,
@@ -24,7 +25,6 @@ from yuebing.transfer import (
     TransferRequest,
     TransferStatus,
 )
-from yuebing.transfer.messages import Hello, Notify, ReadSlices, WriteSlices
 from yuebing.transfer.transport.framing import pack
 
 SEG = 1 << 20
@@ -106,7 +106,7 @@ def test_connection_threads_end_with_their_connections(target) -> None:
 
 
 def test_a_bad_write_gets_a_precise_error_and_writes_nothing(target) -> None:
-    from yuebing.transfer.messages import HelloReply, SlicesDone
+    from yuebing.protocol.transfer import HelloReply, SlicesDone
     from yuebing.transfer.transport.framing import recv_frame
 
     _tgt, cli, name, addr = target

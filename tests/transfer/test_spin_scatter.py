@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from yuebing.transfer.messages import SliceAck
+from yuebing.protocol.transfer import SliceAck
 from yuebing.transfer.transport import framing
 from yuebing.transfer.transport.framing import FrameReader, PeerClosed, spin_scatter
 

@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
+from yuebing.protocol.transfer import Hello, HelloReply, SlicesDone, WriteSlices
 from yuebing.transfer import EmbeddedMetadata, OpCode, TransferConfig, TransferEngine
 from yuebing.transfer.batch import Batch, RequestState, Slice
-from yuebing.transfer.messages import Hello, HelloReply, SlicesDone, WriteSlices
 from yuebing.transfer.transport.framing import PeerClosed, pack, recv_frame, send_frame
 from yuebing.transfer.transport.lane_ops import frame_iovec
 from yuebing.transfer.transport.shm import FENCE_CHUNK, copy_slice

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from yuebing.conductor.view import STORE_HOLDER, KvIndex
 from yuebing.instance.kvkeys import KEY_PREFIX, parse_store_key
-from yuebing.store.cluster_messages import EventKind, KvEvents
+from yuebing.protocol.store_cluster import EventKind, KvEvents
 
 log = logging.getLogger(__name__)
 _UNKNOWN = "?"

@@ -15,7 +15,7 @@ import typing
 import zmq
 
 from yuebing.protocol import ProtocolError, decode
-from yuebing.store.cluster_messages import KvEvents
+from yuebing.protocol.store_cluster import KvEvents
 
 log = logging.getLogger(__name__)
 

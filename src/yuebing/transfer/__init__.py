@@ -22,10 +22,10 @@ new ones implement `Transport`/`Endpoint` and register in `TRANSPORTS`.
 supervisor calls it when a child dies; it never removes a live owner's file).
 """
 
+from yuebing.protocol.transfer import SegmentDescriptor
 from yuebing.transfer.config import TransferConfig
 from yuebing.transfer.engine import TransferEngine
 from yuebing.transfer.liveness import sweep_dead_segments
-from yuebing.transfer.messages import SegmentDescriptor
 from yuebing.transfer.metadata import (
     EmbeddedMetadata,
     EtcdMetadata,

@@ -26,10 +26,10 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from yuebing.core.errors import InputError, TransferError
+from yuebing.protocol.transfer import Hello, HelloReply, Notify, SegmentDescriptor
 from yuebing.transfer.batch import Batch, RequestState
 from yuebing.transfer.config import TransferConfig
 from yuebing.transfer.liveness import sweep_dead_segments
-from yuebing.transfer.messages import Hello, HelloReply, Notify, SegmentDescriptor
 from yuebing.transfer.metadata import (
     DEFAULT_EMBEDDED,
     EtcdMetadata,

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from yuebing.core.errors import ConfigError, TransferError
-from yuebing.transfer.messages import HelloReply, SegmentDescriptor
+from yuebing.protocol.transfer import HelloReply, SegmentDescriptor
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import queue
 from collections.abc import Callable
 
 from yuebing.core.errors import TransferError
-from yuebing.transfer.messages import Notify
+from yuebing.protocol.transfer import Notify
 from yuebing.transfer.types import Notification
 
 

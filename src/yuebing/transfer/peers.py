@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable
 
 from yuebing.core.errors import TransferError
-from yuebing.transfer.messages import SegmentDescriptor
+from yuebing.protocol.transfer import SegmentDescriptor
 from yuebing.transfer.metadata import MetadataService
 from yuebing.transfer.pool import SieveCache
 from yuebing.transfer.routing import Plan

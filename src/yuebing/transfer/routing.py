@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from yuebing.core.errors import TransferError
+from yuebing.protocol.transfer import SegmentDescriptor
 from yuebing.transfer.batch import Batch, Slice
-from yuebing.transfer.messages import SegmentDescriptor
 from yuebing.transfer.transport.base import Endpoint
 from yuebing.transfer.types import (
     BatchId,

@@ -25,8 +25,8 @@ import threading
 import numpy as np
 
 from yuebing.core.errors import InputError, TransferError
+from yuebing.protocol.transfer import SegmentDescriptor
 from yuebing.transfer.liveness import create_owned_file
-from yuebing.transfer.messages import SegmentDescriptor
 from yuebing.transfer.types import as_buffer, as_int
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from typing import Generic, TypeVar
 
 from yuebing.core.errors import StoreError
 from yuebing.core.spin import window_s
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.client import core, gets
 from yuebing.store.client import reserve as rv
 from yuebing.store.client.direct import DirectSegments, keep_freed_memory, transfer_timeout

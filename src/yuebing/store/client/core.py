@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 import xxhash
 
 from yuebing.core.errors import InputError, StoreError, TransferError
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.client.rpc import StoreRpcError, removed_codes
 from yuebing.transfer import TransferRequest
 from yuebing.transfer.types import as_buffer

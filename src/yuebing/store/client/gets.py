@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from yuebing.core.errors import InputError, StoreError, TransferError
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.client.core import Call, Read, Release, Steps, checksum, view
 from yuebing.store.client.direct import LeaseExpired, new_buffer
 from yuebing.store.client.rpc import StoreRpcError

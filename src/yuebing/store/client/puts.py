@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from yuebing.core.errors import InputError, StoreError
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.client import core as cm
 from yuebing.store.client import reserve as rv
 from yuebing.store.client.core import Call, Revoke, Steps, Write

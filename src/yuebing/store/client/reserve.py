@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 
 MAX_HELD = 4
 """Shapes held (the master's `reserve.MAX_SHAPES`)."""

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from yuebing.core.auth import env_cluster_token
 from yuebing.core.errors import StoreError
 from yuebing.protocol import Message, ProtocolError, decode, encode
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.wire import HEADER, FrameSocket, auth_preamble, parse_address
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ from typing import Any
 
 from yuebing.core.clock import Clock, WallClock
 from yuebing.protocol import Message
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import Drain, Mount, NodeTask, TaskDone, Unmount
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import Drain, Mount, NodeTask, TaskDone, Unmount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.effects import Effects
 from yuebing.store.master.eviction import Eviction

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from yuebing.protocol import Message
-from yuebing.store.cluster_messages import NodeTask
+from yuebing.protocol.store_cluster import NodeTask
 
 COUNTERS = ("puts", "gets", "removes", "evictions", "offloads", "promotions", "zombies",
             "dead_sessions", "no_space", "suspects", "migrations_started", "migrations_done",

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from enum import IntEnum
 
-from yuebing.store.cluster_messages import TaskKind
+from yuebing.protocol.store_cluster import TaskKind
 from yuebing.store.master.state import Obj, ObjState, Seg, Task
 
 FREE, VICTIM, SOON, LATER = range(4)

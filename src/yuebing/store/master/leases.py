@@ -14,7 +14,7 @@ from __future__ import annotations
 import secrets
 
 from yuebing.core.clock import Clock
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.objects import Objects
 from yuebing.store.master.state import Obj

@@ -15,8 +15,8 @@ import itertools
 import logging
 
 from yuebing.core.clock import Clock
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import DRAIN_SAMPLE, Drain, DrainStatus, Mount, Unmount
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import DRAIN_SAMPLE, Drain, DrainStatus, Mount, Unmount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.allocator import OffsetAllocator
 from yuebing.store.master.effects import Effects

@@ -17,8 +17,8 @@ import logging
 import random
 
 from yuebing.core.clock import Clock
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import TaskKind
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import TaskKind
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.effects import Effects
 from yuebing.store.master.leases import Leases

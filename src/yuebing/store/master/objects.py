@@ -11,8 +11,8 @@ through the write fence, REMOVED event, ``del`` replication entry). Called by `P
 from __future__ import annotations
 
 from yuebing.core.clock import Clock
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import EventKind
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import EventKind
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.effects import Effects
 from yuebing.store.master.fence import WriteFence

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from yuebing.core.clock import Clock
 from yuebing.protocol import Message
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.effects import Effects
 from yuebing.store.master.eviction import Eviction

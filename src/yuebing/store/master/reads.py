@@ -12,7 +12,7 @@ no DRAM room can be made at once. Probes grant nothing and change nothing. Calle
 from __future__ import annotations
 
 from yuebing.core.clock import Clock
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.effects import Effects
 from yuebing.store.master.leases import Leases

@@ -11,7 +11,7 @@ remaining seconds). Called by `MasterCore.handle`.
 from __future__ import annotations
 
 from yuebing.core.clock import Clock
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.effects import Effects
 from yuebing.store.master.objects import Objects

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from yuebing.core.clock import Clock
-from yuebing.store.cluster_messages import ReplEntries, ReplSnapshot
+from yuebing.protocol.store_cluster import ReplEntries, ReplSnapshot
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.allocator import OffsetAllocator
 from yuebing.store.master.effects import Effects

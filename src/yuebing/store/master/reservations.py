@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 
 PREFIX = m.RESERVED_PREFIX
 RECENT_PER_CLIENT = 64

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import random
 
-from yuebing.store import messages as m
+from yuebing.protocol import store as m
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.allocator import OffsetAllocator
 from yuebing.store.master.effects import Effects

@@ -23,8 +23,8 @@ import zmq
 from yuebing.core.clock import Clock
 from yuebing.core.spin import window_s
 from yuebing.protocol import Message, ProtocolError, decode, encode
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import (
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import (
     KvEvents,
     ReplAck,
     ReplEntries,

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 
 from yuebing.core.clock import Clock
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import Drain, Mount, Unmount
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import Drain, Mount, Unmount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.effects import Effects
 from yuebing.store.master.segments import Segments

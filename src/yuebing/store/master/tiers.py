@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 
 from yuebing.core.clock import Clock
-from yuebing.store import messages as m
-from yuebing.store.cluster_messages import EventKind, TaskDone, TaskKind
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import EventKind, TaskDone, TaskKind
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.effects import Effects
 from yuebing.store.master.eviction import Eviction

@@ -19,9 +19,8 @@ from collections import deque
 
 from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.protocol import Message
-from yuebing.store import messages as m
-from yuebing.store.client.rpc import MasterConnection, StoreRpcError
-from yuebing.store.cluster_messages import (
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import (
     Drain,
     DrainStatus,
     Mount,
@@ -30,6 +29,7 @@ from yuebing.store.cluster_messages import (
     TaskKind,
     Unmount,
 )
+from yuebing.store.client.rpc import MasterConnection, StoreRpcError
 from yuebing.store.config import ClientConfig, NodeConfig
 from yuebing.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
 from yuebing.transfer.liveness import sweep_dead_segments

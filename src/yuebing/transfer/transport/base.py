@@ -16,9 +16,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from yuebing.core.registry import Registry
+from yuebing.protocol.transfer import SegmentDescriptor
 from yuebing.transfer.batch import Slice
 from yuebing.transfer.config import TransferConfig
-from yuebing.transfer.messages import SegmentDescriptor
 from yuebing.transfer.segment import SegmentTable
 from yuebing.transfer.types import OpCode
 

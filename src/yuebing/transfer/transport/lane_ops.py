@@ -13,8 +13,8 @@ from __future__ import annotations
 import threading
 import time
 
+from yuebing.protocol.transfer import Notify, ReadSlices, WriteSlices
 from yuebing.transfer.batch import Slice
-from yuebing.transfer.messages import Notify, ReadSlices, WriteSlices
 from yuebing.transfer.transport.framing import frame_parts, pack
 from yuebing.transfer.types import OpCode
 

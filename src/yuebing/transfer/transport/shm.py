@@ -30,10 +30,10 @@ import time
 import numpy as np
 
 from yuebing.core.errors import TransferError
+from yuebing.protocol.transfer import SegmentDescriptor
 from yuebing.transfer import streamcopy
 from yuebing.transfer.batch import Slice, complete_slices
 from yuebing.transfer.liveness import MappedFile, sweep_dead_segments
-from yuebing.transfer.messages import SegmentDescriptor
 from yuebing.transfer.segment import check_range
 from yuebing.transfer.transport.base import TRANSPORTS, Endpoint, LocalContext, Transport
 from yuebing.transfer.transport.framing import IdleTimeout, recv_frame

@@ -25,9 +25,9 @@ import threading
 from yuebing.core.errors import TransferError
 from yuebing.core.spin import window_s
 from yuebing.protocol import ProtocolError
+from yuebing.protocol.transfer import Hello, HelloReply, SegmentDescriptor
 from yuebing.transfer.batch import Slice
 from yuebing.transfer.config import SPIN_REF_US
-from yuebing.transfer.messages import Hello, HelloReply, SegmentDescriptor
 from yuebing.transfer.transport.base import TRANSPORTS, Endpoint, LocalContext, Transport
 from yuebing.transfer.transport.framing import (
     recv_frame,

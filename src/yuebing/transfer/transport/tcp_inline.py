@@ -32,8 +32,8 @@ import time
 
 from yuebing.core.spin import Spinner
 from yuebing.protocol import Message, ProtocolError
+from yuebing.protocol.transfer import ReadSlices, SliceAck, SlicesDone, WriteSlices
 from yuebing.transfer.batch import Slice, complete_slices
-from yuebing.transfer.messages import ReadSlices, SliceAck, SlicesDone, WriteSlices
 from yuebing.transfer.transport.framing import DeadlineSocket, FrameReader, pack, send_parts
 from yuebing.transfer.transport.lane_ops import NotifyOp, Op, frame_iovec, group_frames
 from yuebing.transfer.types import OpCode

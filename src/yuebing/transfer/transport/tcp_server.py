@@ -37,8 +37,7 @@ from collections.abc import Callable
 from yuebing.core.errors import TransferError
 from yuebing.core.spin import window_s
 from yuebing.protocol import Message, ProtocolError
-from yuebing.transfer.config import SPIN_REF_US, TransferConfig
-from yuebing.transfer.messages import (
+from yuebing.protocol.transfer import (
     Hello,
     HelloReply,
     Notify,
@@ -48,6 +47,7 @@ from yuebing.transfer.messages import (
     SliceSpec,
     WriteSlices,
 )
+from yuebing.transfer.config import SPIN_REF_US, TransferConfig
 from yuebing.transfer.segment import SegmentTable
 from yuebing.transfer.transport.framing import (
     DeadlineSocket,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import IntEnum
 
 from yuebing.protocol import Message, register_message
-from yuebing.store.messages import Tier
+from yuebing.protocol.store import Tier
 
 # ---------------------------------------------------------------- node -> master: segments
 
