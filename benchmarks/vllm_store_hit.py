@@ -39,6 +39,10 @@ def prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(100, VOCAB - 100) for _ in range(n)]
 
 
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def run(tokens: int, max_tokens: int, port: int, logs: Path) -> dict[str, object]:
     env = VllmEnv()
     why = env.missing()
@@ -52,7 +56,7 @@ def run(tokens: int, max_tokens: int, port: int, logs: Path) -> dict[str, object
                                max_model_len=max(4352, tokens + max_tokens + 64))
         p, q = prompt(1, tokens), prompt(2, tokens)
         out: dict[str, object] = {"tokens": tokens, "max_tokens": max_tokens,
-                                  "argv": cfg.argv(env)[1:]}
+                                  "argv": cfg.argv(env)[1:], "loadavg_start": loadavg()}
         t0 = time.monotonic()
         with VllmServer(cfg, logs / "vllm_a.log", env) as a:
             a.wait_ready()
@@ -69,6 +73,7 @@ def run(tokens: int, max_tokens: int, port: int, logs: Path) -> dict[str, object
                     "b_hit_ttft_s": round(ttft_hit, 3),
                     "hit_over_cold": round(ttft_hit / ttft_cold, 3),
                     "output_identical": text_a == text_b, "a_text": text_a, "b_text": text_b,
+                    "loadavg_end": loadavg(),
                     "b_log_hits": (logs / "vllm_b.log").read_text(errors="replace").count(
                         "yuebing store hit")})
         return out
