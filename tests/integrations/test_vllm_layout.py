@@ -176,3 +176,18 @@ def test_a_vllm_without_the_connector_api_is_refused_in_one_line(monkeypatch):
     msg = str(e.value)
     assert "\n" not in msg and "supported vLLM: 0.32.x" in msg and "vLLM 0.5.0" in msg
     assert version.supported("0.32.0") and not version.supported("0.3.2")
+
+
+def test_vllm_metrics_become_a_load():
+    from yuebing.integrations.vllm.load import parse_metrics
+
+    text = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="400"} 1.0
+"""
+    load = parse_metrics(text)
+    assert (load.running, load.waiting, load.kv_usage, load.total_blocks) == (3, 2, 0.25, 400)
+    assert load.free_blocks == 300
+    assert parse_metrics("garbage\n") == parse_metrics("")

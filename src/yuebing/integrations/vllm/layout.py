@@ -117,6 +117,23 @@ class KvLayout:
                              f"({self.layout}, {self.fingerprint()})")
 
 
+def layout_from_hf(config: dict[str, object], model: str, dtype: str, block_tokens: int,
+                   store_block_tokens: int) -> KvLayout:
+    """The layout vLLM gives a LLaMA-family model from its HF ``config.json`` (what the
+    connector inside vLLM computes from vLLM's config, for the side that has no vLLM)."""
+    def num(key: str, default: object = None) -> int:
+        value = config.get(key, default)
+        if not isinstance(value, int):
+            raise ValueError(f"the model's config.json has no integer {key!r}")
+        return value
+    heads = num("num_attention_heads")
+    head_size = config.get("head_dim") or num("hidden_size") // heads
+    assert isinstance(head_size, int)
+    return KvLayout(model=model_id(model), dtype=dtype, layers=num("num_hidden_layers"),
+                    kv_heads=num("num_key_value_heads", heads), head_size=head_size,
+                    block_tokens=block_tokens, store_block_tokens=store_block_tokens)
+
+
 def check_expected(layout: KvLayout, model: str | None, block_tokens: int | None) -> None:
     """Refuse an instance whose model or block size is not the one the Conductor expects
     (ValueError naming both); None expects nothing."""
