@@ -248,16 +248,24 @@ class VllmInstance:
 
     # ------------------------------------------------------------------ load reports
     async def _reports(self) -> None:
-        assert self.http is not None
+        """A report every ``report_s`` from the last load seen, whatever vLLM's ``/metrics``
+        takes to answer (a busy vLLM answers late; a late report would make the Conductor
+        think the instance dead)."""
+        poll: asyncio.Task[None] | None = None
         while True:
-            try:
-                async with self.http.get(self.cfg.vllm_url + "/metrics",
-                                         timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    self.load = parse_metrics(await r.text())
-            except Exception as e:  # noqa: BLE001 - a missed report is a stale one
-                log.debug("vLLM /metrics: %s", e)
+            if poll is None or poll.done():
+                poll = asyncio.get_running_loop().create_task(self._poll_metrics())
             self._report()
             await asyncio.sleep(self.cfg.report_s)
+
+    async def _poll_metrics(self) -> None:
+        assert self.http is not None
+        try:
+            async with self.http.get(self.cfg.vllm_url + "/metrics",
+                                     timeout=aiohttp.ClientTimeout(total=10)) as r:
+                self.load = parse_metrics(await r.text())
+        except Exception as e:  # noqa: BLE001 - a missed poll keeps the last load
+            log.debug("vLLM /metrics: %s", e)
 
     def _report(self) -> None:
         self.report_seq += 1

