@@ -2,12 +2,15 @@
 absent): ``yuebing vllm instance`` starts vLLM with `YuebingConnector` and joins the Conductor as
 a coupled instance; 8 fixed chat prompts through the Conductor answer token for token like the
 same vLLM asked directly (greedy); a second adapter announcing another block size (another KV
-fingerprint) and joining later is refused at registration, naming both."""
+fingerprint) and joining later is refused at registration, naming both. ``yuebing serve
+--engine vllm`` starts store, vLLM instance and Conductor, answers, and stops them all."""
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
 import sys
 import time
 import urllib.request
@@ -94,3 +97,27 @@ def test_the_conductor_drives_a_vllm_instance(tmp_path):
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+def test_yuebing_serve_engine_vllm_answers_and_stops_everything(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(yuebing_argv(["serve", "--engine", "vllm", "--coupled", "1",
+                                          "--port", str(port), "--log-dir", str(tmp_path)]),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        lines = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "yuebing serve: ready" in line or "failed" in line:
+                break
+        assert "yuebing serve: ready (1 coupled" in "".join(lines), "".join(lines)
+        assert "Paris" in chat(f"http://127.0.0.1:{port}", PROMPTS[0])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    assert "yuebing serve: stopped" in out
+    vllm_url = json.loads((tmp_path / "coupled-0.ready.json").read_text())["vllm_url"]
+    with pytest.raises(OSError):
+        urllib.request.urlopen(vllm_url + "/health", timeout=2)

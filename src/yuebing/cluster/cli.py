@@ -23,7 +23,7 @@ from yuebing.core.errors import ConfigError
 log = logging.getLogger(__name__)
 
 SERVE_FIELDS = ("prefill", "decode", "coupled", "host", "port", "advertise_host", "etcd",
-                "cluster", "store", "store_dram", "store_port", "cluster_token")
+                "cluster", "store", "store_dram", "store_port", "cluster_token", "engine")
 
 MANAGED = {
     "conductor": {"--host", "--port", "--instances", "--etcd", "--cluster", "--store-events",

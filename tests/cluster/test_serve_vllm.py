@@ -1,0 +1,31 @@
+"""``yuebing serve --engine vllm``: the plan starts ``yuebing vllm instance`` per coupled
+instance (with the store master and a port for its vLLM), and refuses what is not built yet."""
+
+from __future__ import annotations
+
+import pytest
+
+from yuebing.cluster.serve import ServeConfig, ServePlan
+from yuebing.core.errors import ConfigError
+
+
+def test_vllm_instances_are_started_through_the_adapter(tmp_path):
+    plan = ServePlan(ServeConfig(coupled=1, engine="vllm"), tmp_path)
+    spec, _ = plan.instance("coupled-0", "coupled")
+    argv = list(spec.argv)
+    at = argv.index("vllm")
+    assert argv[at:at + 2] == ["vllm", "instance"]
+    assert argv[argv.index("--master") + 1] == plan.master_addr
+    assert argv[argv.index("--control-port") + 1] == str(plan.control["coupled-0"])
+    assert argv[argv.index("--store-block-tokens") + 1] == "256"
+    assert "--vllm-port" in argv and "serve" not in argv
+
+
+def test_what_vllm_instances_cannot_do_yet_is_refused():
+    for bad in ({"prefill": 1, "decode": 1}, {"coupled": 1, "store": False},
+                {"coupled": 1, "instance_args": ("--threads", "2")}):
+        with pytest.raises(ConfigError, match="--engine vllm runs --coupled K"):
+            ServeConfig(engine="vllm", **bad)
+    with pytest.raises(ConfigError, match="--engine must be yuebing or vllm"):
+        ServeConfig(coupled=1, engine="sglang")
+    assert ServeConfig(coupled=1).engine == "yuebing"
