@@ -1,5 +1,6 @@
-"""``yuebing serve --engine vllm``: the plan starts ``yuebing vllm instance`` per coupled
-instance (with the store master and a port for its vLLM), and refuses what is not built yet."""
+"""``yuebing serve --engine vllm``: the plan starts ``yuebing vllm instance`` per
+instance (with its role, the store master and a port for its vLLM), and refuses what is not
+built yet."""
 
 from __future__ import annotations
 
@@ -19,12 +20,19 @@ def test_vllm_instances_are_started_through_the_adapter(tmp_path):
     assert argv[argv.index("--control-port") + 1] == str(plan.control["coupled-0"])
     assert argv[argv.index("--store-block-tokens") + 1] == "256"
     assert "--vllm-port" in argv and "serve" not in argv
+    assert argv[argv.index("--role") + 1] == "coupled"
+    pd = ServePlan(ServeConfig(prefill=1, decode=1, engine="vllm"), tmp_path)
+    roles = []
+    for name, role in pd.cfg.instance_roles:
+        a = list(pd.instance(name, role)[0].argv)
+        roles.append(a[a.index("--role") + 1])
+    assert roles == ["prefill", "decode"]
 
 
 def test_what_vllm_instances_cannot_do_yet_is_refused():
-    for bad in ({"prefill": 1, "decode": 1}, {"coupled": 1, "store": False},
+    for bad in ({"coupled": 1, "store": False}, {"coupled": 1, "etcd": "http://h:2379"},
                 {"coupled": 1, "instance_args": ("--threads", "2")}):
-        with pytest.raises(ConfigError, match="--engine vllm runs --coupled K"):
+        with pytest.raises(ConfigError, match="--engine vllm runs vLLM instances next to"):
             ServeConfig(engine="vllm", **bad)
     with pytest.raises(ConfigError, match="--engine must be yuebing or vllm"):
         ServeConfig(coupled=1, engine="sglang")

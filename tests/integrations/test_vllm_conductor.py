@@ -3,11 +3,13 @@ absent): ``yuebing vllm instance`` starts vLLM with `YuebingConnector` and joins
 a coupled instance; 8 fixed chat prompts through the Conductor answer token for token like the
 same vLLM asked directly (greedy); a second adapter announcing another block size (another KV
 fingerprint) and joining later is refused at registration, naming both. ``yuebing serve
---engine vllm`` starts store, vLLM instance and Conductor, answers, and stops them all."""
+--engine vllm`` starts store, vLLM instances and Conductor, coupled or 1P1D (the KV handed
+off through the store), answers like vLLM alone, and stops them all."""
 
 from __future__ import annotations
 
 import json
+import random
 import signal
 import socket
 import subprocess
@@ -99,25 +101,68 @@ def test_the_conductor_drives_a_vllm_instance(tmp_path):
             p.stop()
 
 
-def test_yuebing_serve_engine_vllm_answers_and_stops_everything(tmp_path):
-    port = free_port()
-    proc = subprocess.Popen(yuebing_argv(["serve", "--engine", "vllm", "--coupled", "1",
-                                          "--port", str(port), "--log-dir", str(tmp_path)]),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        lines = []
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
+class Serve:
+    """``yuebing serve --engine vllm ARGS`` until its banner; `stop` ends it (SIGTERM) and
+    returns its output."""
+
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            yuebing_argv(["serve", "--engine", "vllm", *args, "--port", str(self.port),
+                          "--log-dir", str(tmp_path)]),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
             if "yuebing serve: ready" in line or "failed" in line:
                 break
-        assert "yuebing serve: ready (1 coupled" in "".join(lines), "".join(lines)
-        assert "Paris" in chat(f"http://127.0.0.1:{port}", PROMPTS[0])
+
+    def stop(self) -> str:
+        self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=120)
+        return "".join(self.lines) + out
+
+
+def completion(url: str, prompt: list[int]) -> str:
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 12,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return str(json.loads(r.read())["choices"][0]["text"])
+
+
+def test_yuebing_serve_engine_vllm_answers_and_stops_everything(tmp_path):
+    serve = Serve(tmp_path, "--coupled", "1")
+    try:
+        assert "yuebing serve: ready (1 coupled" in "".join(serve.lines), "".join(serve.lines)
+        assert "Paris" in chat(serve.url, PROMPTS[0])
     finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
+        out = serve.stop()
     assert "yuebing serve: stopped" in out
     vllm_url = json.loads((tmp_path / "coupled-0.ready.json").read_text())["vllm_url"]
     with pytest.raises(OSError):
         urllib.request.urlopen(vllm_url + "/health", timeout=2)
+
+
+def test_one_prefill_one_decode_answer_like_vllm_alone(tmp_path):
+    """1P1D: the prefill's vLLM gives the first token and saves the prompt's store blocks; the
+    decode's vLLM loads them and goes on. 8 greedy chat prompts and one 1,000-token prompt
+    (3 store blocks loaded by the decode) answer as vLLM alone does."""
+    serve = Serve(tmp_path, "--prefill", "1", "--decode", "1")
+    try:
+        assert "yuebing serve: ready (1 prefill + 1 decode" in "".join(serve.lines)
+        plain = json.loads((tmp_path / "prefill-0.ready.json").read_text())["vllm_url"]
+        through = [chat(serve.url, p) for p in PROMPTS]
+        rng = random.Random(5)
+        long = [rng.randrange(100, 49000) for _ in range(1000)]
+        long_through = completion(serve.url, long)
+        log = (tmp_path / "decode-0.vllm.log").read_text()
+        assert "yuebing store load: request" in log and "3/3 objects, 6 vLLM blocks" in log
+        assert through == [chat(plain, p) for p in PROMPTS]
+        assert long_through == completion(plain, long)
+    finally:
+        out = serve.stop()
+    assert "yuebing serve: stopped" in out

@@ -20,6 +20,7 @@ from yuebing.protocol.instance import (
     Hello,
     Ping,
     Reserve,
+    Reserved,
     Role,
     Sampling,
     SubmitTask,
@@ -51,10 +52,10 @@ def test_hello_names_the_vllm_layout_like_the_connector_inside_vllm(inst):
 def test_what_is_not_built_is_refused_and_nothing_changes(inst):
     r = inst.dispatch(b"c", Reserve(seq=1, request_id="r", prompt_tokens=4, sampling=Sampling()))
     assert isinstance(r, ErrorReply) and r.code == ErrorCode.BAD_REQUEST
-    assert "Reserve is not built yet" in r.message
+    assert "a coupled vLLM instance does not take Reserve" in r.message
     r = inst.dispatch(b"c", SubmitTask(seq=2, request_id="r", token_ids=[1], sampling=Sampling(),
                                        mode=TaskMode.PREFILL))
-    assert isinstance(r, ErrorReply) and "COUPLED tasks, got PREFILL" in r.message
+    assert isinstance(r, ErrorReply) and "does not run PREFILL tasks" in r.message
     r = inst.dispatch(b"c", SubmitTask(seq=3, request_id="r", token_ids=[1],
                                        sampling=Sampling(n=2)))
     assert isinstance(r, ErrorReply) and "one choice" in r.message
@@ -65,11 +66,40 @@ def test_what_is_not_built_is_refused_and_nothing_changes(inst):
 
 def test_the_completion_body_carries_the_sampling():
     cfg = VllmInstanceConfig(vllm_url="http://h:1")
-    body = completion_body(cfg, SubmitTask(seq=1, request_id="r", token_ids=[5, 6], sampling=
-                                           Sampling(max_tokens=7, temperature=0.0, top_k=3,
-                                                    seed=9, stop=["x"], stop_token_ids=[2])))
+    body = completion_body(cfg, [5, 6], Sampling(max_tokens=7, temperature=0.0, top_k=3,
+                                                 seed=9, stop=["x"], stop_token_ids=[2]))
     assert body["prompt"] == [5, 6] and body["max_tokens"] == 7 and body["temperature"] == 0.0
     assert body["top_k"] == 3 and body["seed"] == 9 and body["stop"] == ["x"]
     assert body["stop_token_ids"] == [2] and body["return_token_ids"] and body["stream"]
-    assert "top_k" not in completion_body(cfg, SubmitTask(seq=1, request_id="r", token_ids=[5],
-                                                          sampling=Sampling()))
+    assert "top_k" not in completion_body(cfg, [5], Sampling())
+
+
+def test_a_decode_reserves_and_answers_with_its_notify_segment(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**HF, "eos_token_id": 2}))
+    dec = VllmInstance(VllmInstanceConfig(vllm_url="http://127.0.0.1:9", role="decode",
+                                          model_dir=str(tmp_path)))
+    try:
+        hello = dec.dispatch(b"c", Subscribe(seq=1))
+        assert isinstance(hello, Hello) and hello.role == Role.DECODE
+        assert dec.handoff is not None and hello.kv_segment == dec.handoff.segment
+        r = dec.dispatch(b"c", Reserve(seq=2, request_id="r", prompt_tokens=300,
+                                       token_ids=list(range(300)), sampling=Sampling()))
+        assert isinstance(r, Reserved) and r.target.segment == dec.handoff.segment
+        assert r.target.blocks == [0, 1, 2] and r.target.layout.fingerprint == hello.fingerprint
+        assert "r" in dec.reserved and dec.eos == {2}
+        bad = dec.dispatch(b"c", Reserve(seq=3, request_id="q", prompt_tokens=5, token_ids=[1],
+                                         sampling=Sampling()))
+        assert isinstance(bad, ErrorReply) and "prompt_tokens=5 with 1 token ids" in bad.message
+        assert dec.dispatch(b"c", Cancel(seq=4, request_id="r")) == Ack(seq=4)
+        assert dec.reserved == {}
+    finally:
+        dec.handoff.close()
+        dec.sock.close()
+        dec.ctx.term()
+
+
+def test_the_hand_off_topic_is_yuebings():
+    from yuebing.instance.prefill import KV_READY_TOPIC
+    from yuebing.integrations.vllm.handoff import KV_READY_TOPIC as OURS
+
+    assert OURS == KV_READY_TOPIC

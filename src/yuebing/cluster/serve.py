@@ -115,10 +115,10 @@ class ServeConfig:
         require(self.engine in ("yuebing", "vllm"),
                 f"--engine must be yuebing or vllm, got {self.engine!r}")
         if self.engine == "vllm":
-            require(self.coupled > 0 and self.store and not self.etcd and not
-                    self.instance_args, "--engine vllm runs --coupled K vLLM instances next "
-                    "to the store on this host, without engine flags (prefill/decode vLLM "
-                    "instances, etcd: not built yet; docs/serving.md \"vLLM instances\")")
+            require(self.store and not self.etcd and not self.instance_args,
+                    "--engine vllm runs vLLM instances next to the store on this host, without "
+                    "engine flags (--no-store, --etcd: not built yet; docs/serving.md \"vLLM "
+                    "instances\")")
         require(bool(self.etcd) or bool(self.instance_roles),
                 "no instances to serve: give --prefill/--decode or --coupled (or --etcd, "
                 "for instances started on other hosts)")
@@ -229,8 +229,8 @@ class ServePlan:
                 "--control-port", str(self.control[name]), *store, *self._etcd(role),
                 "--ready-file", str(self._ready(name)), *self.cfg.instance_args)
         if self.cfg.engine == "vllm":  # yuebing.integrations.vllm.run
-            argv = (*YUEBING, *self._v(), "vllm", "instance", "--instance-id", name, "--host",
-                    adv, "--control-port", str(self.control[name]), "--master",
+            argv = (*YUEBING, *self._v(), "vllm", "instance", "--instance-id", name, "--role",
+                    role, "--host", adv, "--control-port", str(self.control[name]), "--master",
                     self.master_addr, "--vllm-port", str(free_port("127.0.0.1")),
                     "--store-block-tokens", str(self.cfg.instance.store_block_tokens),
                     "--log-dir", str(self.dir), "--ready-file", str(self._ready(name)))

@@ -28,22 +28,28 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import zmq
 import zmq.asyncio
 
 from yuebing.core.config import require
+from yuebing.integrations.vllm.handoff import Handoff
 from yuebing.integrations.vllm.layout import KvLayout, layout_from_hf
 from yuebing.integrations.vllm.load import VllmLoad, parse_metrics
 from yuebing.protocol import Message, ProtocolError, decode, encode
 from yuebing.protocol.instance import (
     Ack,
     Cancel,
+    DecodeTarget,
     ErrorCode,
     ErrorReply,
     EventKind,
     Hello,
+    KvReady,
     LoadReport,
     Ping,
+    Reserve,
+    Reserved,
     Role,
     Sampling,
     SubmitTask,
@@ -52,6 +58,7 @@ from yuebing.protocol.instance import (
     TaskEvents,
     TaskMode,
 )
+from yuebing.protocol.instance import KvLayout as WireLayout
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +83,15 @@ class VllmInstanceConfig:
     store_block_tokens: int = field(default=256, metadata={"help": "tokens per store block"})
     max_model_len: int = field(default=4352, metadata={"help": "vLLM's --max-model-len"})
     report_s: float = field(default=0.5, metadata={"help": "load report period"})
+    role: str = field(default="coupled", metadata={
+        "help": "coupled, prefill or decode (prefill/decode hand the KV off through the store)"})
+    handoff_wait_s: float = field(default=5.0, metadata={
+        "help": "prefill: how long to wait for the store to hold the prompt's blocks before "
+                "telling the decode (it computes what is missing)"})
 
     def __post_init__(self) -> None:
+        require(self.role in ("coupled", "prefill", "decode"),
+                f"role must be coupled, prefill or decode, got {self.role!r}")
         require(not self.vllm_url or self.vllm_url.startswith("http"),
                 f"vllm_url must be http(s)://host:port, got {self.vllm_url!r}")
         require(self.report_s > 0, "report_s must be > 0")
@@ -88,14 +102,14 @@ class VllmInstanceConfig:
                               self.store_block_tokens)
 
 
-def completion_body(cfg: VllmInstanceConfig, msg: SubmitTask) -> dict[str, Any]:
-    """vLLM's ``/v1/completions`` body for a task (refused with ValueError where vLLM's answer
+def completion_body(cfg: VllmInstanceConfig, token_ids: list[int], s: Sampling
+                    ) -> dict[str, Any]:
+    """vLLM's ``/v1/completions`` body for a prompt (refused with ValueError where vLLM's answer
     could not be relayed: several choices, logprobs)."""
-    s: Sampling = msg.sampling
     if s.n != 1 or s.logprobs is not None:
         raise ValueError("a vLLM instance relays one choice without logprobs (n=1)")
     body: dict[str, Any] = {
-        "model": cfg.served_name, "prompt": list(msg.token_ids), "max_tokens": s.max_tokens,
+        "model": cfg.served_name, "prompt": list(token_ids), "max_tokens": s.max_tokens,
         "temperature": s.temperature, "top_p": s.top_p, "stream": True,
         "return_token_ids": True, "ignore_eos": s.ignore_eos, "min_tokens": s.min_tokens,
         "stream_options": {"include_usage": True}}
@@ -110,12 +124,23 @@ def completion_body(cfg: VllmInstanceConfig, msg: SubmitTask) -> dict[str, Any]:
     return body
 
 
+class HandoffError(RuntimeError):
+    """The prefill could not tell its decode that the KV is ready."""
+
+
+ROLES = {"coupled": Role.COUPLED, "prefill": Role.PREFILL, "decode": Role.DECODE}
+
+
 class VllmInstance:
-    """The control socket, the relayed tasks and the load reports of one vLLM server."""
+    """The control socket, the relayed tasks, the reservations (decode), the hand-off
+    (`handoff.Handoff`: prefill, decode) and the load reports of one vLLM server."""
 
     def __init__(self, cfg: VllmInstanceConfig) -> None:
         self.cfg = cfg
         self.layout = cfg.layout()
+        hf = json.loads((Path(cfg.model_dir) / "config.json").read_text())
+        eos = hf.get("eos_token_id")
+        self.eos = set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
         self.incarnation = uuid.uuid4().hex
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -125,18 +150,26 @@ class VllmInstance:
         self.address = f"tcp://{cfg.host}:{port}"
         self.subscribers: set[bytes] = set()
         self.tasks: dict[str, tuple[bytes, asyncio.Task[None]]] = {}
+        self.reserved: dict[str, tuple[bytes, Reserve, float]] = {}
+        """Decode: reservations waiting for their `KvReady` (connection, request, deadline)."""
         self.load = VllmLoad()
         self.report_seq = 0
         self.http: aiohttp.ClientSession | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.handoff: Handoff | None = None
+        if cfg.role != "coupled":
+            self.handoff = Handoff(cfg.host, self.layout, cfg.master, cfg.handoff_wait_s,
+                                   on_ready=self._notified)
 
     def _bind(self, port: int) -> int:
         self.sock.bind(f"tcp://{self.cfg.host}:{port}")
         return port
 
     def hello(self, seq: int) -> Hello:
-        return Hello(seq=seq, instance_id=self.cfg.instance_id, role=Role.COUPLED,
+        segment = self.handoff.segment if self.handoff and self.cfg.role == "decode" else ""
+        return Hello(seq=seq, instance_id=self.cfg.instance_id, role=ROLES[self.cfg.role],
                      model=self.cfg.served_name, fingerprint=self.layout.fingerprint(),
-                     host=self.cfg.host, control_address=self.address, kv_segment="",
+                     host=self.cfg.host, control_address=self.address, kv_segment=segment,
                      block_size=self.cfg.block_size,
                      store_block_tokens=self.cfg.store_block_tokens,
                      num_blocks=self.load.total_blocks, max_model_len=self.cfg.max_model_len,
@@ -147,8 +180,9 @@ class VllmInstance:
     # ------------------------------------------------------------------ control
     async def serve(self) -> None:
         """Answer control messages and send load reports until cancelled."""
+        self.loop = asyncio.get_running_loop()
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-        reports = asyncio.get_running_loop().create_task(self._reports())
+        reports = self.loop.create_task(self._reports())
         try:
             while True:
                 ident, frame = await self.sock.recv_multipart()
@@ -157,7 +191,12 @@ class VllmInstance:
                 except ProtocolError as e:
                     log.warning("bad control frame: %s", e)
                     continue
-                reply = self.dispatch(ident, msg)
+                try:
+                    reply = self.dispatch(ident, msg)
+                except Exception as e:  # noqa: BLE001 - one bad request never ends the instance
+                    log.exception("handling %s failed", type(msg).__name__)
+                    reply = ErrorReply(seq=getattr(msg, "seq", 0), code=ErrorCode.INTERNAL,
+                                       message=f"{type(e).__name__}: {e}")
                 if reply is not None:
                     await self.sock.send_multipart([ident, encode(reply)])
         finally:
@@ -165,6 +204,8 @@ class VllmInstance:
             for _, job in list(self.tasks.values()):
                 job.cancel()
             await self.http.close()
+            if self.handoff is not None:
+                self.handoff.close()
             self.sock.close()
             self.ctx.term()
 
@@ -177,30 +218,108 @@ class VllmInstance:
             return Ack(seq=seq)
         if isinstance(msg, Cancel):
             found = self.tasks.pop(msg.request_id, None)
-            if found is None:
+            if found is not None:
+                found[1].cancel()
+            elif self.reserved.pop(msg.request_id, None) is None:
                 return ErrorReply(seq=seq, code=ErrorCode.UNKNOWN_TASK,
                                   message=f"no task {msg.request_id}")
-            found[1].cancel()
             return Ack(seq=seq)
         if isinstance(msg, SubmitTask):
             return self._submit(ident, msg)
+        if isinstance(msg, Reserve) and self.cfg.role == "decode":
+            return self._reserve(ident, msg)
         return ErrorReply(seq=seq, code=ErrorCode.BAD_REQUEST, message=(
-            f"a vLLM instance runs COUPLED tasks only; {type(msg).__name__} is not built yet"))
+            f"a {self.cfg.role} vLLM instance does not take {type(msg).__name__}"))
 
     def _submit(self, ident: bytes, msg: SubmitTask) -> Message:
-        if msg.mode != TaskMode.COUPLED:
-            return ErrorReply(seq=msg.seq, code=ErrorCode.BAD_REQUEST,
-                              message=f"a vLLM instance runs COUPLED tasks, got {msg.mode.name}")
+        mode_ok = (msg.mode == TaskMode.COUPLED and self.cfg.role != "decode") or (
+            msg.mode == TaskMode.PREFILL and self.cfg.role == "prefill" and msg.decode)
+        if not mode_ok:
+            return ErrorReply(seq=msg.seq, code=ErrorCode.BAD_REQUEST, message=(
+                f"a {self.cfg.role} vLLM instance does not run {msg.mode.name} tasks"
+                + ("" if msg.decode or msg.mode != TaskMode.PREFILL else " without a decode")))
         if msg.request_id in self.tasks:
             return ErrorReply(seq=msg.seq, code=ErrorCode.DUPLICATE,
                               message=f"task {msg.request_id} exists")
+        s = msg.sampling
+        if msg.mode == TaskMode.PREFILL:  # the first token here, the rest at the decode
+            s = msgspec.structs.replace(s, max_tokens=1, min_tokens=0)
         try:
-            body = completion_body(self.cfg, msg)
+            body = completion_body(self.cfg, list(msg.token_ids), s)
         except ValueError as e:
             return ErrorReply(seq=msg.seq, code=ErrorCode.BAD_REQUEST, message=str(e))
-        job = asyncio.get_running_loop().create_task(self._relay(ident, msg, body))
-        self.tasks[msg.request_id] = (ident, job)
+        self._start(ident, msg.request_id, body, len(msg.token_ids), 0, msg.decode)
         return Ack(seq=msg.seq)
+
+    def _start(self, ident: bytes, rid: str, body: dict[str, Any], n: int, outputs: int,
+               target: DecodeTarget | None = None) -> None:
+        assert self.loop is not None
+        job = self.loop.create_task(self._relay(ident, rid, body, n, outputs, target))
+        self.tasks[rid] = (ident, job)
+
+    # ------------------------------------------------------------------ decode
+    def _reserve(self, ident: bytes, msg: Reserve) -> Message:
+        assert self.handoff is not None
+        if len(msg.token_ids) != msg.prompt_tokens or not msg.timeout_s > 0:
+            return ErrorReply(seq=msg.seq, code=ErrorCode.BAD_REQUEST, message=(
+                f"prompt_tokens={msg.prompt_tokens} with {len(msg.token_ids)} token ids, "
+                f"timeout_s={msg.timeout_s}"))
+        try:
+            completion_body(self.cfg, list(msg.token_ids), msg.sampling)
+        except ValueError as e:
+            return ErrorReply(seq=msg.seq, code=ErrorCode.BAD_REQUEST, message=str(e))
+        if msg.request_id in self.reserved or msg.request_id in self.tasks:
+            return ErrorReply(seq=msg.seq, code=ErrorCode.DUPLICATE,
+                              message=f"request {msg.request_id} exists")
+        self.reserved[msg.request_id] = (ident, msg, time.monotonic() + msg.timeout_s)
+        lay, bs = self.layout, self.cfg.block_size
+        blocks = list(range(-(-msg.prompt_tokens // bs)))
+        return Reserved(seq=msg.seq, target=DecodeTarget(
+            instance_id=self.cfg.instance_id, segment=self.handoff.segment, blocks=blocks,
+            layout=WireLayout(num_layers=lay.layers, num_blocks=max(len(blocks),
+                                                                     self.load.total_blocks),
+                              block_size=bs, chunk_bytes=lay.block_bytes // 2,
+                              fingerprint=lay.fingerprint()),
+            expires_at_s=time.time() + msg.timeout_s))
+
+    def _notified(self, msg: KvReady) -> None:
+        """Transfer-engine thread: a prefill's `KvReady`."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._kv_ready, msg)
+
+    def _kv_ready(self, msg: KvReady) -> None:
+        found = self.reserved.pop(msg.request_id, None)
+        if found is None:
+            log.info("KvReady for unknown request %s ignored", msg.request_id)
+            return
+        ident, res, _ = found
+        rid, n, s = res.request_id, len(res.token_ids), res.sampling
+        if not msg.ok:
+            self._event(ident, TaskEvent(request_id=rid, kind=EventKind.ERROR,
+                                         error_code=ErrorCode.TRANSFER,
+                                         error=f"the prefill failed: {msg.error}"))
+            return
+        first = msg.first_token
+        if s.max_tokens <= 1 or (first in self.eos and not s.ignore_eos) or \
+                first in s.stop_token_ids:
+            reason = "length" if s.max_tokens <= 1 else "stop"
+            self._event(ident, TaskEvent(request_id=rid, kind=EventKind.FINISH,
+                                         finish_reason=reason, prompt_tokens=n))
+            return
+        rest = msgspec.structs.replace(s, max_tokens=s.max_tokens - 1,
+                                   min_tokens=max(0, s.min_tokens - 1))
+        body = completion_body(self.cfg, [*res.token_ids, first], rest)
+        self._start(ident, rid, body, n, 1)
+
+    def sweep(self) -> None:
+        """Reservations whose `KvReady` did not come in time end with an error."""
+        now = time.monotonic()
+        for rid, (ident, _, deadline) in list(self.reserved.items()):
+            if deadline <= now:
+                del self.reserved[rid]
+                self._event(ident, TaskEvent(request_id=rid, kind=EventKind.ERROR,
+                                             error_code=ErrorCode.TRANSFER,
+                                             error="no KV arrived for the reservation in time"))
 
     # ------------------------------------------------------------------ tasks
     def _event(self, ident: bytes, ev: TaskEvent) -> None:
@@ -208,10 +327,12 @@ class VllmInstance:
         with contextlib.suppress(zmq.ZMQError):
             self.sock.send_multipart([ident, encode(TaskEvents(events=[ev]))], zmq.NOBLOCK)
 
-    async def _relay(self, ident: bytes, msg: SubmitTask, body: dict[str, Any]) -> None:
-        rid, n = msg.request_id, len(msg.token_ids)
-        outputs = 0
+    async def _relay(self, ident: bytes, rid: str, body: dict[str, Any], n: int, outputs: int,
+                     target: DecodeTarget | None) -> None:
+        """Stream vLLM's answer as events (``outputs``: tokens sent before, by the prefill);
+        with ``target`` (prefill), hand the KV off to that decode before FINISH."""
         reason: str | None = None
+        first: tuple[int, float] | None = None
         assert self.http is not None
         try:
             async with self.http.post(self.cfg.vllm_url + "/v1/completions", json=body) as r:
@@ -228,23 +349,45 @@ class VllmInstance:
                     ids = list(c.get("token_ids") or [])
                     reason = c.get("finish_reason") or reason
                     if ids or c.get("text"):
+                        now = time.time()
+                        first = first or ((ids or [0])[0], now)
                         kind = EventKind.FIRST_TOKEN if outputs == 0 else EventKind.TOKENS
                         outputs += len(ids)
                         self._event(ident, TaskEvent(
-                            request_id=rid, kind=kind, token_ids=ids,
-                            token_times=[time.time()] * len(ids), text=c.get("text", ""),
-                            prompt_tokens=n))
+                            request_id=rid, kind=kind, token_ids=ids, token_times=[now] * len(ids),
+                            text=c.get("text", ""), prompt_tokens=n))
+            if target is not None:
+                if first is None:
+                    raise RuntimeError("vLLM gave no first token")
+                await self._hand_off(rid, body["prompt"], first, target)
+                reason = "handoff"
             self._event(ident, TaskEvent(request_id=rid, kind=EventKind.FINISH,
                                          finish_reason=reason or "stop", prompt_tokens=n))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure ends the task with an error event
             log.warning("%s: vLLM request failed: %s", rid, e)
+            code = ErrorCode.TRANSFER if isinstance(e, HandoffError) else ErrorCode.INTERNAL
             self._event(ident, TaskEvent(request_id=rid, kind=EventKind.ERROR,
-                                         error_code=ErrorCode.INTERNAL, error=str(e)))
+                                         error_code=code, error=str(e)))
         finally:
             if self.tasks.get(rid, (None, None))[1] is asyncio.current_task():
                 self.tasks.pop(rid, None)
+
+    async def _hand_off(self, rid: str, prompt: list[int], first: tuple[int, float],
+                        target: DecodeTarget) -> None:
+        """Prefill: wait for the store to hold the prompt's blocks, then `KvReady` to the
+        decode (`HandoffError` if it cannot be told)."""
+        assert self.handoff is not None and self.loop is not None
+        end = time.time()
+        held = await self.loop.run_in_executor(None, self.handoff.wait_stored, prompt)
+        log.info("%s: hand-off to %s with %d store blocks held", rid, target.instance_id, held)
+        msg = KvReady(request_id=rid, num_tokens=len(prompt), first_token=first[0],
+                      first_token_time_s=first[1], prefill_end_s=end)
+        err = await self.loop.run_in_executor(None, self.handoff.tell, target.segment, msg)
+        if err:
+            raise HandoffError(f"telling decode {target.instance_id} failed: {err}")
+
 
     # ------------------------------------------------------------------ load reports
     async def _reports(self) -> None:
@@ -255,6 +398,7 @@ class VllmInstance:
         while True:
             if poll is None or poll.done():
                 poll = asyncio.get_running_loop().create_task(self._poll_metrics())
+            self.sweep()
             self._report()
             await asyncio.sleep(self.cfg.report_s)
 
