@@ -1,5 +1,5 @@
-"""``yuebing vllm instance``: a vLLM OpenAI server as a yuebing (coupled) instance under the
-Conductor (`yuebing.integrations.vllm.run`)."""
+"""``yuebing vllm instance``: a vLLM OpenAI server as a yuebing instance (coupled, prefill or
+decode) under the Conductor (`yuebing.integrations.vllm.run`)."""
 
 from __future__ import annotations
 
@@ -29,5 +29,5 @@ def _run(ns: argparse.Namespace) -> int:
 
 
 COMMANDS = [Command(("vllm", "instance"),
-                    "a vLLM server as a coupled instance of the Conductor (its own venv)",
+                    "a vLLM server as an instance of the Conductor (vLLM in its own venv)",
                     _add, _run)]

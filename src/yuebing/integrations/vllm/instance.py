@@ -1,20 +1,21 @@
-"""`VllmInstance`: a vLLM OpenAI server as a yuebing serving instance (coupled role), so the
-Conductor routes to it, admits against it and relays its tokens as it does for yuebing's own
-instances.
+"""`VllmInstance`: a vLLM OpenAI server as a yuebing serving instance (role coupled, prefill
+or decode), so the Conductor routes to it, admits against it and relays its tokens as it does
+for yuebing's own instances.
 
-A request's life: the Conductor's `SubmitTask(mode=COUPLED)` is acknowledged and relayed to vLLM
-as a streamed greedy-or-sampled ``/v1/completions`` with the prompt's token ids
-(``return_token_ids``); each chunk becomes a `TaskEvent` (FIRST_TOKEN, TOKENS, then FINISH with
-the finish reason) to the connection that submitted it; `Cancel` closes the stream (vLLM aborts
-the request). The prefix plan is not followed here: vLLM's own `YuebingConnector` looks the
-prompt up in the store with the same keys. Load reports come from vLLM's ``/metrics``
-(`load.parse_metrics`) every ``report_s``. `Hello` carries the fingerprint of the vLLM
-instance's `KvLayout` (from the model's ``config.json``), so the Conductor refuses an instance
-whose model, dtype or block size differs from the cluster's, naming both. Prefill/decode roles
-(`Reserve`, `FetchPrefix`) are refused: not built yet (docs/serving.md, "vLLM instances").
-Started by ``yuebing vllm instance`` (`cli/cmd_vllm.py`), which may also start the vLLM server.
+A request's life: the Conductor's `SubmitTask` is acknowledged and relayed to vLLM as a streamed
+``/v1/completions`` with the prompt's token ids (``return_token_ids``); each chunk becomes a
+`TaskEvent` (FIRST_TOKEN, TOKENS, then FINISH with the finish reason) to the connection that
+submitted it; `Cancel` closes the stream (vLLM aborts the request). Disaggregated: the decode
+answers `Reserve` and keeps the request; the prefill runs the prompt with ``max_tokens`` 1 and
+hands off through the store (`handoff.Handoff`: `KvReady`, FINISH ``handoff``); the decode then
+relays the rest of the answer, asked with the prompt plus the first token. The prefix plan is
+not followed here: vLLM's own `YuebingConnector` looks the prompt up in the store with the same
+keys. Load reports come from vLLM's ``/metrics`` (`load.parse_metrics`) every ``report_s``.
+`Hello` carries the fingerprint of the vLLM instance's `KvLayout` (from the model's
+``config.json``), so the Conductor refuses an instance whose model, dtype or block size differs
+from the cluster's, naming both. Started by ``yuebing vllm instance`` (`cli/cmd_vllm.py`, which
+may also start the vLLM server) and by ``yuebing serve --engine vllm``.
 """
-
 from __future__ import annotations
 
 import asyncio
