@@ -9,6 +9,7 @@ off through the store), answers like vLLM alone, and stops them all."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import socket
@@ -166,3 +167,58 @@ def test_one_prefill_one_decode_answer_like_vllm_alone(tmp_path):
     finally:
         out = serve.stop()
     assert "yuebing serve: stopped" in out
+
+
+def vllm_pid(url: str) -> int:
+    """The pid of the vLLM API server listening on ``url``'s port (started by this test's
+    ``yuebing serve``)."""
+    port = url.rsplit(":", 1)[1]
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in argv and port.encode() in argv:
+            return int(proc.name)
+    raise AssertionError(f"no vLLM server on {url}")
+
+
+def test_a_vllm_server_dying_mid_request_ends_the_stream_and_comes_back(tmp_path):
+    """Its stream ends (an error, no hang), the adapter exits with its vLLM, the supervisor
+    restarts both, and the next request is answered."""
+    serve = Serve(tmp_path, "--coupled", "1")
+    try:
+        vllm_url = json.loads((tmp_path / "coupled-0.ready.json").read_text())["vllm_url"]
+        body = json.dumps({"model": MODEL, "prompt": list(range(1000, 1100)), "max_tokens": 400,
+                           "temperature": 0, "stream": True}).encode()
+        req = urllib.request.Request(serve.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        lines: list[str] = []
+        t0 = time.monotonic()
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                for raw in r:
+                    line = raw.decode().strip()
+                    if line.startswith("data:") and not lines:
+                        os.kill(vllm_pid(vllm_url), signal.SIGKILL)
+                    if line.startswith("data:"):
+                        lines.append(line)
+        except OSError as e:  # the connection cut is an acceptable end too
+            lines.append(f"cut: {e}")
+        assert time.monotonic() - t0 < 60
+        assert any('"error"' in x or x.startswith("cut:") for x in lines[1:]), lines[-3:]
+        assert not any('"finish_reason": "length"' in x or '"finish_reason":"length"' in x
+                       for x in lines), lines[-3:]
+        end = time.monotonic() + 300
+        while time.monotonic() < end:
+            try:
+                if "Paris" in chat(serve.url, PROMPTS[0]):
+                    break
+            except OSError:
+                time.sleep(2)
+        else:
+            raise AssertionError("the restarted vLLM instance did not answer within 300 s")
+    finally:
+        out = serve.stop()
+    assert "yuebing serve: stopped" in out
+    assert "vLLM exited with" in (tmp_path / "coupled-0.log").read_text()

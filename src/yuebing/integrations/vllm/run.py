@@ -48,21 +48,36 @@ def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
         server.wait_ready()
         cfg = dataclasses.replace(cfg, vllm_url=server.url)
     try:
-        return asyncio.run(_serve(cfg, ready_file))
+        return asyncio.run(_serve(cfg, ready_file, server))
     finally:
         if server is not None:
             server.stop()
 
 
-async def _serve(cfg: VllmInstanceConfig, ready_file: str) -> int:
+async def _serve(cfg: VllmInstanceConfig, ready_file: str, server: VllmServer | None) -> int:
+    """Serve until SIGTERM/SIGINT (0), or until the vLLM server this process started exits
+    (1: the instance is gone with it; under ``yuebing serve`` the supervisor restarts both)."""
     inst = VllmInstance(cfg)
     job = asyncio.get_running_loop().create_task(inst.serve())
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, job.cancel)
+    lost = False
+
+    async def watch() -> None:
+        nonlocal lost
+        while server is not None and server.proc.poll() is None:
+            await asyncio.sleep(0.5)
+        if server is not None:
+            lost = True
+            log.error("vLLM exited with %s; this instance ends with it", server.proc.returncode)
+            job.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
     _write_ready(ready_file, {"control_address": inst.address, "vllm_url": cfg.vllm_url,
                               "fingerprint": inst.layout.fingerprint(), "pid": os.getpid()})
     print(f"vLLM instance {cfg.instance_id} on {inst.address} relaying to {cfg.vllm_url}",
           flush=True)
     with contextlib.suppress(asyncio.CancelledError):
         await job
-    return 0
+    watcher.cancel()
+    return 1 if lost else 0
