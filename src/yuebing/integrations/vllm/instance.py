@@ -1,0 +1,428 @@
+"""`VllmInstance`: a vLLM OpenAI server as a yuebing serving instance (role coupled, prefill
+or decode), so the Conductor routes to it, admits against it and relays its tokens as it does
+for yuebing's own instances.
+
+A request's life: the Conductor's `SubmitTask` is acknowledged and relayed to vLLM as a streamed
+``/v1/completions`` with the prompt's token ids (``return_token_ids``); each chunk becomes a
+`TaskEvent` (FIRST_TOKEN, TOKENS, then FINISH with the finish reason) to the connection that
+submitted it; `Cancel` closes the stream (vLLM aborts the request). Disaggregated: the decode
+answers `Reserve` and keeps the request; the prefill runs the prompt with ``max_tokens`` 1 and
+hands off through the store (`handoff.Handoff`: `KvReady`, FINISH ``handoff``); the decode then
+relays the rest of the answer, asked with the prompt plus the first token. The prefix plan is
+not followed here: vLLM's own `YuebingConnector` looks the prompt up in the store with the same
+keys. Load reports come from vLLM's ``/metrics`` (`load.parse_metrics`) every ``report_s``.
+`Hello` carries the fingerprint of the vLLM instance's `KvLayout` (from the model's
+``config.json``), so the Conductor refuses an instance whose model, dtype or block size differs
+from the cluster's, naming both. Started by ``yuebing vllm instance`` (`cli/cmd_vllm.py`, which
+may also start the vLLM server) and by ``yuebing serve --engine vllm``.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import zmq
+import zmq.asyncio
+
+from yuebing.core.config import require
+from yuebing.integrations.vllm.handoff import Handoff
+from yuebing.integrations.vllm.layout import KvLayout, layout_from_hf
+from yuebing.integrations.vllm.load import VllmLoad, parse_metrics
+from yuebing.protocol import Message, ProtocolError, decode, encode
+from yuebing.protocol.instance import (
+    Ack,
+    Cancel,
+    DecodeTarget,
+    ErrorCode,
+    ErrorReply,
+    EventKind,
+    Hello,
+    KvReady,
+    LoadReport,
+    Ping,
+    Reserve,
+    Reserved,
+    Role,
+    Sampling,
+    SubmitTask,
+    Subscribe,
+    TaskEvent,
+    TaskEvents,
+    TaskMode,
+)
+from yuebing.protocol.instance import KvLayout as WireLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VllmInstanceConfig:
+    vllm_url: str = field(default="", metadata={
+        "help": "a running vLLM OpenAI server to relay to, e.g. http://127.0.0.1:8001 ('' = "
+                "start one from the peers venv on --vllm-port, with the connector on --master)"})
+    vllm_port: int = field(default=8001, metadata={"help": "port of the vLLM server started"})
+    master: str = field(default="", metadata={
+        "help": "store master of the started vLLM's YuebingConnector ('' = no connector)"})
+    model_dir: str = field(default="", metadata={
+        "help": "the HF model folder vLLM serves ('' = the peers venv's SmolLM2 export)"})
+    instance_id: str = field(default="vllm-0", metadata={"help": "this instance's id"})
+    host: str = field(default="127.0.0.1", metadata={"help": "control socket host"})
+    control_port: int = field(default=0, metadata={"help": "control socket port (0 = any)"})
+    served_name: str = field(default="smollm2-135m-instruct", metadata={
+        "help": "vLLM's --served-model-name (also the model's name in the KV fingerprint)"})
+    dtype: str = field(default="float32", metadata={"help": "vLLM's --dtype"})
+    block_size: int = field(default=128, metadata={"help": "vLLM's --block-size"})
+    store_block_tokens: int = field(default=256, metadata={"help": "tokens per store block"})
+    max_model_len: int = field(default=4352, metadata={"help": "vLLM's --max-model-len"})
+    report_s: float = field(default=0.5, metadata={"help": "load report period"})
+    role: str = field(default="coupled", metadata={
+        "help": "coupled, prefill or decode (prefill/decode hand the KV off through the store)"})
+    handoff_wait_s: float = field(default=5.0, metadata={
+        "help": "prefill: how long to wait for the store to hold the prompt's blocks before "
+                "telling the decode (it computes what is missing)"})
+
+    def __post_init__(self) -> None:
+        require(self.role in ("coupled", "prefill", "decode"),
+                f"role must be coupled, prefill or decode, got {self.role!r}")
+        require(not self.vllm_url or self.vllm_url.startswith("http"),
+                f"vllm_url must be http(s)://host:port, got {self.vllm_url!r}")
+        require(self.report_s > 0, "report_s must be > 0")
+
+    def layout(self) -> KvLayout:
+        config = json.loads((Path(self.model_dir) / "config.json").read_text())
+        return layout_from_hf(config, self.served_name, self.dtype, self.block_size,
+                              self.store_block_tokens)
+
+
+def completion_body(cfg: VllmInstanceConfig, token_ids: list[int], s: Sampling
+                    ) -> dict[str, Any]:
+    """vLLM's ``/v1/completions`` body for a prompt (refused with ValueError where vLLM's answer
+    could not be relayed: several choices, logprobs)."""
+    if s.n != 1 or s.logprobs is not None:
+        raise ValueError("a vLLM instance relays one choice without logprobs (n=1)")
+    body: dict[str, Any] = {
+        "model": cfg.served_name, "prompt": list(token_ids), "max_tokens": s.max_tokens,
+        "temperature": s.temperature, "top_p": s.top_p, "stream": True,
+        "return_token_ids": True, "ignore_eos": s.ignore_eos, "min_tokens": s.min_tokens,
+        "stream_options": {"include_usage": True}}
+    if s.top_k > 0:
+        body["top_k"] = s.top_k
+    if s.seed is not None:
+        body["seed"] = s.seed
+    if s.stop:
+        body["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        body["stop_token_ids"] = list(s.stop_token_ids)
+    return body
+
+
+class HandoffError(RuntimeError):
+    """The prefill could not tell its decode that the KV is ready."""
+
+
+ROLES = {"coupled": Role.COUPLED, "prefill": Role.PREFILL, "decode": Role.DECODE}
+
+
+class VllmInstance:
+    """The control socket, the relayed tasks, the reservations (decode), the hand-off
+    (`handoff.Handoff`: prefill, decode) and the load reports of one vLLM server."""
+
+    def __init__(self, cfg: VllmInstanceConfig) -> None:
+        self.cfg = cfg
+        self.layout = cfg.layout()
+        hf = json.loads((Path(cfg.model_dir) / "config.json").read_text())
+        eos = hf.get("eos_token_id")
+        self.eos = set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+        self.incarnation = uuid.uuid4().hex
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port(f"tcp://{cfg.host}") if cfg.control_port == 0 \
+            else self._bind(cfg.control_port)
+        self.address = f"tcp://{cfg.host}:{port}"
+        self.subscribers: set[bytes] = set()
+        self.tasks: dict[str, tuple[bytes, asyncio.Task[None]]] = {}
+        self.reserved: dict[str, tuple[bytes, Reserve, float]] = {}
+        """Decode: reservations waiting for their `KvReady` (connection, request, deadline)."""
+        self.load = VllmLoad()
+        self.report_seq = 0
+        self.http: aiohttp.ClientSession | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.handoff: Handoff | None = None
+        if cfg.role != "coupled":
+            self.handoff = Handoff(cfg.host, self.layout, cfg.master, cfg.handoff_wait_s,
+                                   on_ready=self._notified)
+
+    def _bind(self, port: int) -> int:
+        self.sock.bind(f"tcp://{self.cfg.host}:{port}")
+        return port
+
+    def hello(self, seq: int) -> Hello:
+        segment = self.handoff.segment if self.handoff and self.cfg.role == "decode" else ""
+        return Hello(seq=seq, instance_id=self.cfg.instance_id, role=ROLES[self.cfg.role],
+                     model=self.cfg.served_name, fingerprint=self.layout.fingerprint(),
+                     host=self.cfg.host, control_address=self.address, kv_segment=segment,
+                     block_size=self.cfg.block_size,
+                     store_block_tokens=self.cfg.store_block_tokens,
+                     num_blocks=self.load.total_blocks, max_model_len=self.cfg.max_model_len,
+                     incarnation=self.incarnation,
+                     engine={"engine": "vllm", "model": self.cfg.served_name,
+                             "dtype": self.cfg.dtype, "block_size": str(self.cfg.block_size)})
+
+    # ------------------------------------------------------------------ control
+    async def serve(self) -> None:
+        """Answer control messages and send load reports until cancelled."""
+        self.loop = asyncio.get_running_loop()
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        reports = self.loop.create_task(self._reports())
+        try:
+            while True:
+                ident, frame = await self.sock.recv_multipart()
+                try:
+                    msg = decode(frame)
+                except ProtocolError as e:
+                    log.warning("bad control frame: %s", e)
+                    continue
+                try:
+                    reply = self.dispatch(ident, msg)
+                except Exception as e:  # noqa: BLE001 - one bad request never ends the instance
+                    log.exception("handling %s failed", type(msg).__name__)
+                    reply = ErrorReply(seq=getattr(msg, "seq", 0), code=ErrorCode.INTERNAL,
+                                       message=f"{type(e).__name__}: {e}")
+                if reply is not None:
+                    await self.sock.send_multipart([ident, encode(reply)])
+        finally:
+            reports.cancel()
+            for _, job in list(self.tasks.values()):
+                job.cancel()
+            await self.http.close()
+            if self.handoff is not None:
+                self.handoff.close()
+            self.sock.close()
+            self.ctx.term()
+
+    def dispatch(self, ident: bytes, msg: Message) -> Message | None:
+        seq = getattr(msg, "seq", 0)
+        if isinstance(msg, Subscribe):
+            self.subscribers.add(ident)
+            return self.hello(seq)
+        if isinstance(msg, Ping):
+            return Ack(seq=seq)
+        if isinstance(msg, Cancel):
+            found = self.tasks.pop(msg.request_id, None)
+            if found is not None:
+                found[1].cancel()
+            elif self.reserved.pop(msg.request_id, None) is None:
+                return ErrorReply(seq=seq, code=ErrorCode.UNKNOWN_TASK,
+                                  message=f"no task {msg.request_id}")
+            return Ack(seq=seq)
+        if isinstance(msg, SubmitTask):
+            return self._submit(ident, msg)
+        if isinstance(msg, Reserve) and self.cfg.role == "decode":
+            return self._reserve(ident, msg)
+        return ErrorReply(seq=seq, code=ErrorCode.BAD_REQUEST, message=(
+            f"a {self.cfg.role} vLLM instance does not take {type(msg).__name__}"))
+
+    def _submit(self, ident: bytes, msg: SubmitTask) -> Message:
+        mode_ok = (msg.mode == TaskMode.COUPLED and self.cfg.role != "decode") or (
+            msg.mode == TaskMode.PREFILL and self.cfg.role == "prefill" and msg.decode)
+        if not mode_ok:
+            return ErrorReply(seq=msg.seq, code=ErrorCode.BAD_REQUEST, message=(
+                f"a {self.cfg.role} vLLM instance does not run {msg.mode.name} tasks"
+                + ("" if msg.decode or msg.mode != TaskMode.PREFILL else " without a decode")))
+        if msg.request_id in self.tasks:
+            return ErrorReply(seq=msg.seq, code=ErrorCode.DUPLICATE,
+                              message=f"task {msg.request_id} exists")
+        s = msg.sampling
+        if msg.mode == TaskMode.PREFILL:  # the first token here, the rest at the decode
+            s = msgspec.structs.replace(s, max_tokens=1, min_tokens=0)
+        try:
+            body = completion_body(self.cfg, list(msg.token_ids), s)
+        except ValueError as e:
+            return ErrorReply(seq=msg.seq, code=ErrorCode.BAD_REQUEST, message=str(e))
+        self._start(ident, msg.request_id, body, len(msg.token_ids), 0, msg.decode)
+        return Ack(seq=msg.seq)
+
+    def _start(self, ident: bytes, rid: str, body: dict[str, Any], n: int, outputs: int,
+               target: DecodeTarget | None = None) -> None:
+        assert self.loop is not None
+        job = self.loop.create_task(self._relay(ident, rid, body, n, outputs, target))
+        self.tasks[rid] = (ident, job)
+
+    # ------------------------------------------------------------------ decode
+    def _reserve(self, ident: bytes, msg: Reserve) -> Message:
+        assert self.handoff is not None
+        if len(msg.token_ids) != msg.prompt_tokens or not msg.timeout_s > 0:
+            return ErrorReply(seq=msg.seq, code=ErrorCode.BAD_REQUEST, message=(
+                f"prompt_tokens={msg.prompt_tokens} with {len(msg.token_ids)} token ids, "
+                f"timeout_s={msg.timeout_s}"))
+        try:
+            completion_body(self.cfg, list(msg.token_ids), msg.sampling)
+        except ValueError as e:
+            return ErrorReply(seq=msg.seq, code=ErrorCode.BAD_REQUEST, message=str(e))
+        if msg.request_id in self.reserved or msg.request_id in self.tasks:
+            return ErrorReply(seq=msg.seq, code=ErrorCode.DUPLICATE,
+                              message=f"request {msg.request_id} exists")
+        self.reserved[msg.request_id] = (ident, msg, time.monotonic() + msg.timeout_s)
+        lay, bs = self.layout, self.cfg.block_size
+        blocks = list(range(-(-msg.prompt_tokens // bs)))
+        return Reserved(seq=msg.seq, target=DecodeTarget(
+            instance_id=self.cfg.instance_id, segment=self.handoff.segment, blocks=blocks,
+            layout=WireLayout(num_layers=lay.layers, num_blocks=max(len(blocks),
+                                                                     self.load.total_blocks),
+                              block_size=bs, chunk_bytes=lay.block_bytes // 2,
+                              fingerprint=lay.fingerprint()),
+            expires_at_s=time.time() + msg.timeout_s))
+
+    def _notified(self, msg: KvReady) -> None:
+        """Transfer-engine thread: a prefill's `KvReady`."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._kv_ready, msg)
+
+    def _kv_ready(self, msg: KvReady) -> None:
+        found = self.reserved.pop(msg.request_id, None)
+        if found is None:
+            log.info("KvReady for unknown request %s ignored", msg.request_id)
+            return
+        ident, res, _ = found
+        rid, n, s = res.request_id, len(res.token_ids), res.sampling
+        if not msg.ok:
+            self._event(ident, TaskEvent(request_id=rid, kind=EventKind.ERROR,
+                                         error_code=ErrorCode.TRANSFER,
+                                         error=f"the prefill failed: {msg.error}"))
+            return
+        first = msg.first_token
+        if s.max_tokens <= 1 or (first in self.eos and not s.ignore_eos) or \
+                first in s.stop_token_ids:
+            reason = "length" if s.max_tokens <= 1 else "stop"
+            self._event(ident, TaskEvent(request_id=rid, kind=EventKind.FINISH,
+                                         finish_reason=reason, prompt_tokens=n))
+            return
+        rest = msgspec.structs.replace(s, max_tokens=s.max_tokens - 1,
+                                   min_tokens=max(0, s.min_tokens - 1))
+        body = completion_body(self.cfg, [*res.token_ids, first], rest)
+        self._start(ident, rid, body, n, 1)
+
+    def sweep(self) -> None:
+        """Reservations whose `KvReady` did not come in time end with an error."""
+        now = time.monotonic()
+        for rid, (ident, _, deadline) in list(self.reserved.items()):
+            if deadline <= now:
+                del self.reserved[rid]
+                self._event(ident, TaskEvent(request_id=rid, kind=EventKind.ERROR,
+                                             error_code=ErrorCode.TRANSFER,
+                                             error="no KV arrived for the reservation in time"))
+
+    # ------------------------------------------------------------------ tasks
+    def _event(self, ident: bytes, ev: TaskEvent) -> None:
+        ev.time_s = time.time()
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.send_multipart([ident, encode(TaskEvents(events=[ev]))], zmq.NOBLOCK)
+
+    async def _relay(self, ident: bytes, rid: str, body: dict[str, Any], n: int, outputs: int,
+                     target: DecodeTarget | None) -> None:
+        """Stream vLLM's answer as events (``outputs``: tokens sent before, by the prefill);
+        with ``target`` (prefill), hand the KV off to that decode before FINISH."""
+        reason: str | None = None
+        first: tuple[int, float] | None = None
+        assert self.http is not None
+        try:
+            async with self.http.post(self.cfg.vllm_url + "/v1/completions", json=body) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"vLLM answered {r.status}: {(await r.text())[:300]}")
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    choices = json.loads(line[5:]).get("choices") or []
+                    if not choices:
+                        continue
+                    c = choices[0]
+                    ids = list(c.get("token_ids") or [])
+                    reason = c.get("finish_reason") or reason
+                    if ids or c.get("text"):
+                        now = time.time()
+                        first = first or ((ids or [0])[0], now)
+                        kind = EventKind.FIRST_TOKEN if outputs == 0 else EventKind.TOKENS
+                        outputs += len(ids)
+                        self._event(ident, TaskEvent(
+                            request_id=rid, kind=kind, token_ids=ids, token_times=[now] * len(ids),
+                            text=c.get("text", ""), prompt_tokens=n))
+            if target is not None:
+                if first is None:
+                    raise RuntimeError("vLLM gave no first token")
+                await self._hand_off(rid, body["prompt"], first, target)
+                reason = "handoff"
+            self._event(ident, TaskEvent(request_id=rid, kind=EventKind.FINISH,
+                                         finish_reason=reason or "stop", prompt_tokens=n))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure ends the task with an error event
+            log.warning("%s: vLLM request failed: %s", rid, e)
+            code = ErrorCode.TRANSFER if isinstance(e, HandoffError) else ErrorCode.INTERNAL
+            self._event(ident, TaskEvent(request_id=rid, kind=EventKind.ERROR,
+                                         error_code=code, error=str(e)))
+        finally:
+            if self.tasks.get(rid, (None, None))[1] is asyncio.current_task():
+                self.tasks.pop(rid, None)
+
+    async def _hand_off(self, rid: str, prompt: list[int], first: tuple[int, float],
+                        target: DecodeTarget) -> None:
+        """Prefill: wait for the store to hold the prompt's blocks, then `KvReady` to the
+        decode (`HandoffError` if it cannot be told)."""
+        assert self.handoff is not None and self.loop is not None
+        end = time.time()
+        held = await self.loop.run_in_executor(None, self.handoff.wait_stored, prompt)
+        log.info("%s: hand-off to %s with %d store blocks held", rid, target.instance_id, held)
+        msg = KvReady(request_id=rid, num_tokens=len(prompt), first_token=first[0],
+                      first_token_time_s=first[1], prefill_end_s=end)
+        err = await self.loop.run_in_executor(None, self.handoff.tell, target.segment, msg)
+        if err:
+            raise HandoffError(f"telling decode {target.instance_id} failed: {err}")
+
+
+    # ------------------------------------------------------------------ load reports
+    async def _reports(self) -> None:
+        """A report every ``report_s`` from the last load seen, whatever vLLM's ``/metrics``
+        takes to answer (a busy vLLM answers late; a late report would make the Conductor
+        think the instance dead)."""
+        poll: asyncio.Task[None] | None = None
+        while True:
+            if poll is None or poll.done():
+                poll = asyncio.get_running_loop().create_task(self._poll_metrics())
+            self.sweep()
+            self._report()
+            await asyncio.sleep(self.cfg.report_s)
+
+    async def _poll_metrics(self) -> None:
+        assert self.http is not None
+        try:
+            async with self.http.get(self.cfg.vllm_url + "/metrics",
+                                     timeout=aiohttp.ClientTimeout(total=10)) as r:
+                self.load = parse_metrics(await r.text())
+        except Exception as e:  # noqa: BLE001 - a missed poll keeps the last load
+            log.debug("vLLM /metrics: %s", e)
+
+    def _report(self) -> None:
+        self.report_seq += 1
+        load = self.load
+        report = LoadReport(
+            instance_id=self.cfg.instance_id, incarnation=self.incarnation,
+            report_seq=self.report_seq, time_s=time.time(), queued_prefill_tokens=0,
+            queued_requests=load.waiting, running=load.running, waiting=load.waiting,
+            context_tokens=0, free_blocks=load.free_blocks, total_blocks=load.total_blocks,
+            reserved_blocks=0, prefill_tokens_per_s=0.0, decode_step_s=0.0,
+            cache_full_resync=self.report_seq == 1)
+        frame = encode(report)
+        for ident in list(self.subscribers):
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.send_multipart([ident, frame], zmq.NOBLOCK)

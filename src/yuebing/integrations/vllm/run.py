@@ -1,0 +1,83 @@
+"""`run_vllm_instance`: the process behind ``yuebing vllm instance`` — starts the vLLM server
+(unless one is given), serves `instance.VllmInstance` until SIGTERM/SIGINT, stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import tempfile
+from pathlib import Path
+
+from yuebing.integrations.vllm.instance import VllmInstance, VllmInstanceConfig
+from yuebing.integrations.vllm.server import VllmEnv, VllmServer, VllmServerConfig
+
+log = logging.getLogger(__name__)
+
+
+def _write_ready(path: str, data: dict[str, object]) -> None:
+    if path:
+        tmp = path + ".tmp"
+        Path(tmp).write_text(json.dumps(data))
+        os.replace(tmp, path)
+
+
+def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
+                      log_dir: Path | None = None) -> int:
+    env = VllmEnv()
+    if not cfg.model_dir:
+        cfg = dataclasses.replace(cfg, model_dir=str(env.model))
+    server = None
+    if not cfg.vllm_url:
+        why = env.missing()
+        if why:
+            raise SystemExit(f"cannot start vLLM: {why}")
+        scfg = VllmServerConfig(port=cfg.vllm_port, master=cfg.master,
+                                served_name=cfg.served_name, dtype=cfg.dtype,
+                                block_size=cfg.block_size,
+                                store_block_tokens=cfg.store_block_tokens,
+                                max_model_len=cfg.max_model_len)
+        logs = log_dir or Path(tempfile.mkdtemp(prefix="yb-vllm-"))
+        server = VllmServer(scfg, logs / f"{cfg.instance_id}.vllm.log", env)
+        log.info("starting vLLM on %s (log %s)", server.url, server.log_path)
+        server.wait_ready()
+        cfg = dataclasses.replace(cfg, vllm_url=server.url)
+    try:
+        return asyncio.run(_serve(cfg, ready_file, server))
+    finally:
+        if server is not None:
+            server.stop()
+
+
+async def _serve(cfg: VllmInstanceConfig, ready_file: str, server: VllmServer | None) -> int:
+    """Serve until SIGTERM/SIGINT (0), or until the vLLM server this process started exits
+    (1: the instance is gone with it; under ``yuebing serve`` the supervisor restarts both)."""
+    inst = VllmInstance(cfg)
+    job = asyncio.get_running_loop().create_task(inst.serve())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, job.cancel)
+    lost = False
+
+    async def watch() -> None:
+        nonlocal lost
+        while server is not None and server.proc.poll() is None:
+            await asyncio.sleep(0.5)
+        if server is not None:
+            lost = True
+            log.error("vLLM exited with %s; this instance ends with it", server.proc.returncode)
+            job.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    _write_ready(ready_file, {"control_address": inst.address, "vllm_url": cfg.vllm_url,
+                              "fingerprint": inst.layout.fingerprint(), "pid": os.getpid()})
+    print(f"vLLM instance {cfg.instance_id} on {inst.address} relaying to {cfg.vllm_url}",
+          flush=True)
+    with contextlib.suppress(asyncio.CancelledError):
+        await job
+    watcher.cancel()
+    return 1 if lost else 0

@@ -1,0 +1,121 @@
+"""`SchedulerSide`: the half of `YuebingConnector` that runs in vLLM's scheduler (EngineCore).
+
+A request's life here: vLLM asks how many of its prompt tokens the store can give beyond its
+own prefix cache (`matched`: the prompt's store keys, `KvLayout.store_keys`, and one
+``prefix_match`` on the store master — the same keys the Conductor's index and yuebing's own
+instances use); after allocating blocks it says how many to load (`allocated`); each step
+`build` turns the scheduled requests into the worker's `LoadJob`s and `SaveJob`s; `finished`
+forgets the request. Loads here are synchronous (done inside the step's forward), so
+``get_num_new_matched_tokens`` answers ``(n, False)``. A store that does not answer within
+``load_timeout_s`` counts as holding nothing (the prefix is computed).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from yuebing.integrations.vllm.layout import KvLayout
+from yuebing.integrations.vllm.plan import LoadJob, RequestPlan, SaveJob
+
+log = logging.getLogger(__name__)
+
+Lookup = Callable[[Sequence[str]], int]
+"""Store keys → how many leading ones the store holds."""
+
+
+class StoreLookup:
+    """`Lookup` on a store client: ``prefix_match`` bounded by ``timeout_s``; any failure is
+    logged and counts as a miss."""
+
+    def __init__(self, client: Any, timeout_s: float) -> None:
+        self.client = client
+        self.timeout_s = timeout_s
+
+    def __call__(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        try:
+            with self.client.limited(self.timeout_s):
+                return int(self.client.prefix_match(list(keys)))
+        except Exception as e:  # noqa: BLE001 - a store in trouble is a miss, never an error
+            log.warning("yuebing store lookup failed (%s); computing the prefix", e)
+            return 0
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class SchedulerSide:
+    """Per-request `RequestPlan`s and the jobs of each step."""
+
+    def __init__(self, layout: KvLayout, lookup: Lookup, load: bool = True,
+                 save: bool = True) -> None:
+        self.layout = layout
+        self.lookup = lookup
+        self.load = load
+        self.save = save
+        self.plans: dict[str, RequestPlan] = {}
+        self.lookups = 0
+        self.hit_tokens = 0
+
+    def _plan(self, req_id: str, prompt: Sequence[int]) -> RequestPlan:
+        plan = self.plans.get(req_id)
+        if plan is None:
+            plan = RequestPlan(req_id, self.layout.store_keys(prompt), len(prompt), self.layout)
+            self.plans[req_id] = plan
+        return plan
+
+    def matched(self, req_id: str, prompt: Sequence[int], num_computed: int) -> int:
+        """Tokens the store can give beyond vLLM's ``num_computed`` (0 when loads are off)."""
+        plan = self._plan(req_id, prompt)
+        if not self.load or not plan.keys:
+            return 0
+        self.lookups += 1
+        n = plan.matched_tokens(self.lookup(plan.keys), num_computed)
+        if n:
+            log.info("yuebing store hit: request %s, %d tokens beyond %d", req_id, n,
+                     num_computed)
+        return n
+
+    def allocated(self, req_id: str, prompt: Sequence[int], block_ids: list[int],
+                  num_external: int) -> None:
+        """vLLM allocated the request's blocks; ``num_external`` tokens after the hit `matched`
+        was told of are to be loaded."""
+        plan = self._plan(req_id, prompt)
+        plan.allocated(block_ids, num_external)
+        self.hit_tokens += num_external
+
+    def build(self, out: Any) -> tuple[list[LoadJob], list[SaveJob]]:
+        """The jobs of the step vLLM scheduled (``out``: its ``SchedulerOutput``)."""
+        loads: list[LoadJob] = []
+        saves: list[SaveJob] = []
+        for new in out.scheduled_new_reqs:
+            plan = self._plan(new.req_id, new.prompt_token_ids or [])
+            plan.add_blocks(new.block_ids[0], replace=True)
+            self._jobs(plan, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id],
+                       loads, saves)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            cached_plan = self.plans.get(req_id)
+            if cached_plan is None:
+                continue
+            plan = cached_plan
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                plan.add_blocks(new_ids[0], replace=req_id in cached.resumed_req_ids)
+            self._jobs(plan, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id],
+                       loads, saves)
+        return loads, saves
+
+    def _jobs(self, plan: RequestPlan, end_tokens: int, loads: list[LoadJob],
+              saves: list[SaveJob]) -> None:
+        job = plan.load_job()
+        if job is not None:
+            loads.append(job)
+        if self.save:
+            saves.extend(plan.save_jobs(end_tokens))
+
+    def finished(self, req_id: str) -> None:
+        self.plans.pop(req_id, None)

@@ -1,0 +1,188 @@
+"""`VllmServer`: one vLLM OpenAI server process with `YuebingConnector` configured, started from
+yuebing's own Python (the benchmark ``benchmarks/vllm_store_hit.py``, the vLLM tests) in vLLM's
+separate venv (`VllmEnv`), waited for on ``/health``, stopped through its process group (SIGTERM,
+then SIGKILL). `VllmServerConfig` holds the flags that work on CPU (see docs/serving.md "vLLM
+instances"). No vLLM import here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from yuebing.core.config import require
+
+SRC = Path(__file__).resolve().parents[3]
+"""The ``src`` folder holding ``yuebing`` (put on vLLM's PYTHONPATH)."""
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+@dataclass(frozen=True)
+class VllmEnv:
+    """Where vLLM and the model are (``benchmarks/peers/install_vllm_cpu.sh`` puts them)."""
+
+    peers_dir: Path = field(default_factory=lambda: Path(os.environ.get(
+        "YUEBING_PEERS_DIR", Path.home() / ".cache" / "yuebing-peers")))
+
+    @property
+    def python(self) -> Path:
+        return self.peers_dir / "vllm" / "bin" / "python"
+
+    @property
+    def model(self) -> Path:
+        return self.peers_dir / "smollm2-135m-instruct-hf"
+
+    def missing(self) -> str | None:
+        """Why vLLM cannot run here (None if it can)."""
+        if not self.python.exists():
+            return f"no vLLM venv at {self.python.parent.parent} (run make test-vllm)"
+        if not (self.model / "config.json").exists():
+            return f"no HF model at {self.model} (run benchmarks/peers/install_vllm_cpu.sh)"
+        return None
+
+
+@dataclass(frozen=True)
+class VllmServerConfig:
+    port: int
+    master: str = field(default="", metadata={"help": "store master ('' = no connector)"})
+    served_name: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+    block_size: int = 128
+    store_block_tokens: int = 256
+    max_model_len: int = 4352
+    kv_role: str = "kv_both"
+    kv_cache_gib: int = 1
+    threads: int = 2
+    enforce_eager: bool = True
+    extra: tuple[tuple[str, Any], ...] = ()
+    """More ``kv_connector_extra_config`` settings."""
+
+    def __post_init__(self) -> None:
+        require(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
+        require(self.store_block_tokens % self.block_size == 0,
+                f"store_block_tokens {self.store_block_tokens} must be a multiple of "
+                f"block_size {self.block_size}")
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        return {"kv_connector": "YuebingConnector",
+                "kv_connector_module_path": "yuebing.integrations.vllm.connector",
+                "kv_role": self.kv_role, "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"master": self.master,
+                                              "store_block_tokens": self.store_block_tokens,
+                                              **dict(self.extra)}}
+
+    def argv(self, env: VllmEnv) -> list[str]:
+        argv = [str(env.python), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(env.model), "--served-model-name", self.served_name,
+                "--dtype", self.dtype, "--block-size", str(self.block_size),
+                "--enable-prefix-caching", "--max-model-len", str(self.max_model_len),
+                "--host", "127.0.0.1", "--port", str(self.port)]
+        if self.enforce_eager:
+            argv.append("--enforce-eager")
+        if self.master:
+            argv += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
+        return argv
+
+    def environ(self) -> dict[str, str]:
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads),
+               "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+               "VLLM_CPU_OMP_THREADS_BIND": f"0-{self.threads - 1}",
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+               "PYTHONPATH": os.pathsep.join(
+                   p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)}
+        if TCMALLOC.exists():
+            env["LD_PRELOAD"] = str(TCMALLOC)
+        return env
+
+
+def _term_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the process that started it dies, so a
+    killed benchmark or adapter leaves no vLLM server behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class VllmServer:
+    """A started vLLM server; `wait_ready`, `stop` (its whole process group), `log`."""
+
+    def __init__(self, cfg: VllmServerConfig, log_path: Path, env: VllmEnv | None = None) -> None:
+        self.cfg = cfg
+        self.env = env or VllmEnv()
+        self.log_path = log_path
+        self.url = f"http://127.0.0.1:{cfg.port}"
+        with log_path.open("wb") as out:
+            self.proc = subprocess.Popen(cfg.argv(self.env), env=cfg.environ(), stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_term_with_parent)
+
+    def log(self, tail: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-tail:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode} before it was "
+                                   f"ready:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"vLLM not ready within {timeout_s}s:\n{self.log()}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+            except ProcessLookupError:
+                pass
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def stream_completion(url: str, model: str, prompt: list[int], max_tokens: int,
+                      timeout_s: float = 600.0) -> tuple[float, str]:
+    """(TTFT in seconds, text) of one greedy streamed ``/v1/completions`` request."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0.0, "stream": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft = -1.0
+    text = []
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            piece = chunk["choices"][0].get("text", "")
+            if ttft < 0:
+                ttft = time.perf_counter() - t0
+            text.append(piece)
+    return ttft, "".join(text)

@@ -1,0 +1,45 @@
+"""``yuebing serve --engine vllm``: the plan starts ``yuebing vllm instance`` per
+instance (with its role, the store master and a port for its vLLM), and refuses what is not
+built yet."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from yuebing.cluster.serve import ServeConfig, ServePlan
+from yuebing.core.errors import ConfigError
+from yuebing.instance.config import DEFAULT_ENGINE, InstanceConfig
+
+
+def test_vllm_instances_are_started_through_the_adapter(tmp_path):
+    plan = ServePlan(ServeConfig(coupled=1, engine="vllm"), tmp_path)
+    spec, _ = plan.instance("coupled-0", "coupled")
+    argv = list(spec.argv)
+    at = argv.index("vllm")
+    assert argv[at:at + 2] == ["vllm", "instance"]
+    assert argv[argv.index("--master") + 1] == plan.master_addr
+    assert argv[argv.index("--control-port") + 1] == str(plan.control["coupled-0"])
+    assert argv[argv.index("--store-block-tokens") + 1] == "256"
+    assert "--vllm-port" in argv and "serve" not in argv
+    assert argv[argv.index("--role") + 1] == "coupled"
+    pd = ServePlan(ServeConfig(prefill=1, decode=1, engine="vllm"), tmp_path)
+    roles = []
+    for name, role in pd.cfg.instance_roles:
+        a = list(pd.instance(name, role)[0].argv)
+        roles.append(a[a.index("--role") + 1])
+    assert roles == ["prefill", "decode"]
+
+
+def test_what_vllm_instances_cannot_do_yet_is_refused():
+    threads = InstanceConfig(engine=replace(DEFAULT_ENGINE, threads=2))
+    for bad in ({"coupled": 1, "store": False}, {"coupled": 1, "etcd": "http://h:2379"},
+                {"coupled": 1, "instance": threads}):
+        with pytest.raises(ConfigError, match="--engine vllm runs vLLM instances next to"):
+            ServeConfig(engine="vllm", **bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="given: --threads 2"):
+        ServeConfig(engine="vllm", coupled=1, instance=threads)
+    with pytest.raises(ConfigError, match="--engine must be yuebing or vllm"):
+        ServeConfig(coupled=1, engine="sglang")
+    assert ServeConfig(coupled=1).engine == "yuebing"

