@@ -148,15 +148,21 @@ class VllmServer:
         raise RuntimeError(f"vLLM not ready within {timeout_s}s:\n{self.log()}")
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left of it after ``timeout_s``;
+        also when the server itself already died (a killed API server leaves its engine-core
+        and worker processes running in the group)."""
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-            except ProcessLookupError:
                 pass
+            except ProcessLookupError:
+                return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
 
     def __enter__(self) -> VllmServer:
         return self
