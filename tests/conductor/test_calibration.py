@@ -141,22 +141,6 @@ def test_online_scale_follows_live_prefills_and_survives_a_new_profile() -> None
     assert cal.scale < 1.5
 
 
-def test_decode_scale_follows_finished_requests_tbt_and_resets_with_a_new_profile() -> None:
-    seen = Seen()
-    cal = Calibration(linear(step_s=0.03), "", seen)
-    cal.observe_decode(1e-4, 1.0)  # a step predicted under 1 ms does not count
-    cal.observe_decode(0.03, 0.0)  # nor a request without a TBT
-    assert seen.changes == [] and cal.state()["decode_scale"] == 1.0
-    for _ in range(20):  # the SLO's tail (longest 10 % of intervals) runs 1.5x the mean step
-        k = cal.decode_scale.value
-        cal.observe_decode(0.03 * k, 0.045)
-    assert cal.decode_scale.value == pytest.approx(1.5, rel=0.06)
-    assert seen.changes[-1].decode.predict(4, 1000) == pytest.approx(0.03 * cal.decode_scale.value)
-    assert cal.scale == 1.0  # the prefill scale is its own
-    assert cal.admit(hello("d0", Role.DECODE, CONF, profile(CONF))) == ""
-    assert cal.decode_scale.value == 1.0 and cal.state()["decode_scale"] == 1.0
-
-
 def test_online_scale_off() -> None:
     seen = Seen()
     cal = Calibration(linear(), "", seen, online=False)

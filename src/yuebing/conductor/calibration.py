@@ -6,8 +6,6 @@ without one, the first instance bringing a start-up profile sets the predictor o
 (prefill or decode), and later ones must match it. Until then the linear defaults apply. Live,
 `observe` scales the prefill predictor by how long finished prefills really took against their
 estimate (``--predictor-online``); a change reaches the policy through ``on_change``.
-`observe_decode` scales the decode predictor the same way by finished requests' TBT (the
-SLO's tail metric) against the step predicted when their decode instance was chosen.
 `DecodeDurations` learns the forecast's decode durations from finished requests (first token
 to last), in place of the fixed ``--decode-durations-s``.
 """
@@ -41,8 +39,6 @@ ALPHA = 0.3
 RESCALE_STEP = 0.05
 """The policy takes a new scale once it moved this much (relative) from the one in force."""
 SCALE_LIMITS = (0.25, 4.0)
-MIN_OBSERVED_STEP_S = 1e-3
-"""Decode steps predicted shorter than this do not move the decode scale."""
 
 
 def _parts(role: Role) -> tuple[str, ...]:
@@ -73,37 +69,6 @@ def scaled(p: PrefillPredictor, k: float) -> PrefillPredictor:
         poly.exponents, tuple(k * c for c in poly.coefficients)))
 
 
-def scaled_decode(p: DecodePredictor, k: float) -> DecodePredictor:
-    poly = p.poly
-    return p if k == 1.0 else DecodePredictor(BivariatePolynomial(
-        poly.exponents, tuple(k * c for c in poly.coefficients)))
-
-
-class OnlineScale:
-    """Live seconds per predicted second: an EWMA of the ratio, each sample limited to
-    `SCALE_LIMITS` (one stall must not hold it at a limit)."""
-
-    def __init__(self) -> None:
-        self.value = 1.0
-        """The scale the policy uses now."""
-        self._ewma: float | None = None
-
-    def reset(self) -> None:
-        """A new fit: what was learned on the old one is void."""
-        self.value, self._ewma = 1.0, None
-
-    def update(self, predicted_s: float, measured_s: float) -> bool:
-        """Take one sample (``predicted_s`` under the scale in force); True when the EWMA
-        moved more than `RESCALE_STEP` from it and became the new `value`."""
-        lo, hi = SCALE_LIMITS
-        target = min(max(self.value * measured_s / predicted_s, lo), hi)
-        self._ewma = target if self._ewma is None else (1 - ALPHA) * self._ewma + ALPHA * target
-        if abs(self._ewma / self.value - 1) <= RESCALE_STEP:
-            return False
-        self.value = self._ewma
-        return True
-
-
 class Calibration:
     """The predictors in use, per part (prefill, decode) the configuration they hold for."""
 
@@ -117,13 +82,9 @@ class Calibration:
         self.online = online
         self.base_prefill = predictors.prefill
         """The prefill predictor before the online scale."""
-        self.base_decode = predictors.decode
-        """The decode predictor before the online scale."""
-        self.prefill_scale = OnlineScale()
-        """Live prefill seconds per estimated second."""
-        self.decode_scale = OnlineScale()
-        """Finished requests' TBT (the paper's: the mean of their longest 10 % token intervals)
-        per predicted decode step: the SLO is on the tail, the profile measured the mean step."""
+        self.scale = 1.0
+        """Live prefill seconds per estimated second, as the policy uses it now."""
+        self._ewma: float | None = None
         self.fixed = bool(from_file)
         """Predictors given (a file): profiles never replace them."""
         origin = f"file {from_file}" if from_file else ""
@@ -137,43 +98,27 @@ class Calibration:
                         "checked against the instances; re-run `yuebing profile` to record it",
                         from_file)
 
-    @property
-    def scale(self) -> float:
-        """The online prefill scale in force."""
-        return self.prefill_scale.value
-
     def state(self) -> dict[str, object]:
         """For ``/health``: each part's origin and the configuration it holds for, and the
-        online scales."""
+        online prefill scale."""
         return {**{part: {"origin": self.origin[part] or "linear defaults",
                           "configuration": dict(self.pinned[part] or {})}
-                   for part in (PREFILL, DECODE)}, "prefill_scale": round(self.scale, 4),
-                "decode_scale": round(self.decode_scale.value, 4)}
+                   for part in (PREFILL, DECODE)}, "prefill_scale": round(self.scale, 4)}
 
     def observe(self, est_prefill_s: float, prefill_s: float) -> None:
         """A finished prefill took ``prefill_s`` where the policy estimated ``est_prefill_s``:
         move the scale's EWMA, and hand the policy a rescaled predictor when it moved enough."""
         if not self.online or est_prefill_s < MIN_OBSERVED_S or prefill_s <= 0:
             return
-        if not self.prefill_scale.update(est_prefill_s, prefill_s):
+        lo, hi = SCALE_LIMITS  # one stalled prefill must not hold the scale at its limit
+        target = min(max(self.scale * prefill_s / est_prefill_s, lo), hi)
+        self._ewma = target if self._ewma is None else (1 - ALPHA) * self._ewma + ALPHA * target
+        k = self._ewma
+        if abs(k / self.scale - 1) <= RESCALE_STEP:
             return
-        k = self.prefill_scale.value
+        self.scale = k
         self.predictors = replace(self.predictors, prefill=scaled(self.base_prefill, k))
         log.info("prefill predictor scaled by %.3f (live prefills against their estimates)", k)
-        self.on_change(self.predictors)
-
-    def observe_decode(self, est_tbt_s: float, tbt_s: float) -> None:
-        """A finished request's TBT was ``tbt_s`` where the policy predicted a step of
-        ``est_tbt_s`` when it chose its decode instance: as `observe`, for the decode
-        predictor, so TBT-SLO checks and decode loads are about the tail the SLO is on."""
-        if not self.online or est_tbt_s < MIN_OBSERVED_STEP_S or not tbt_s > 0:
-            return
-        if not self.decode_scale.update(est_tbt_s, tbt_s):
-            return
-        k = self.decode_scale.value
-        self.predictors = replace(self.predictors, decode=scaled_decode(self.base_decode, k))
-        log.info("decode predictor scaled by %.3f (finished requests' TBT against the "
-                 "predicted step)", k)
         self.on_change(self.predictors)
 
     def admit(self, hello: Hello) -> str:
@@ -216,12 +161,9 @@ class Calibration:
             self.pinned[part] = dict(profile.configuration)
             self.origin[part] = f"start-up profile of {hello.instance_id}"
             if isinstance(fit, PrefillPredictor):  # a scale learned on the old fit is void
-                self.base_prefill = fit
-                self.prefill_scale.reset()
+                self.base_prefill, self.scale, self._ewma = fit, 1.0, None
                 p = replace(p, prefill=fit)
             else:
-                self.base_decode = fit
-                self.decode_scale.reset()
                 p = replace(p, decode=fit)
         source = "; ".join(f"{part}: {self.origin[part] or 'linear defaults'}"
                            for part in (PREFILL, DECODE))

@@ -43,9 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("yuebing.conductor.access")
-MIN_TBT_TOKENS = 20
-"""A request's TBT moves the decode scale once it has this many tokens (its longest 10 % of
-intervals are then at least two)."""
 T = TypeVar("T")
 
 
@@ -246,8 +243,6 @@ class _Routes:
                 self.c.calibration.observe(s.est_prefill_s, s.breakdown.prefill_s)
             if status == 200 and s.completion_tokens > 1:
                 self.c.durations.observe(s.e2e_s - s.ttft_s)
-            if status == 200 and s.completion_tokens >= MIN_TBT_TOKENS:
-                self.c.calibration.observe_decode(s.est_tbt_s, s.tbt_s)
             if self.c.cfg.access_log:
                 access.info("%s", s.log_line(status))
 

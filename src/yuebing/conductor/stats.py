@@ -43,8 +43,6 @@ class RequestStats:
     est_transfer_s: float = 0.0
     est_queue_s: float = 0.0
     est_prefill_s: float = 0.0
-    est_tbt_s: float = 0.0
-    """The decode step the policy predicted for this request on its decode instance."""
 
     def merge(self, b: Breakdown | None) -> None:
         """Fold an instance's breakdown in (each part is filled by the instance that did it)."""
