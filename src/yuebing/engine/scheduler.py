@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from yuebing.core.hashing import hash_block, hash_blocks
+from yuebing.core.ids import BlockHash
 from yuebing.engine.block_manager import BlockAllocator
 from yuebing.engine.sequence import Phase, Sequence
 
@@ -144,34 +145,32 @@ class Scheduler:
         """Prefix-cache lookup for a new (or preempted) sequence; acquires the hit blocks."""
         if seq.num_computed or seq.blocks:
             return True  # KV already imported for it
-        ids = seq.all_ids
-        full = (len(ids) - 1) // self.block_size
-        if full and self.allocator.enable_prefix_cache and seq.prefix_tokens != 0:
-            bs = self.block_size
-            keys = hash_blocks(ids[: full * bs], bs, self.key_extra)
-            hits = self.allocator.match_prefix(keys, [ids[i * bs:(i + 1) * bs]
-                                                      for i in range(full)])
-            if seq.prefix_tokens is not None:  # a pipeline stage: the group's common prefix
-                hits = hits[:seq.prefix_tokens // bs]
-            for b in hits:
-                self.allocator.acquire(b)
-            seq.blocks = hits
-            seq.keys = keys[: len(hits)]
-            seq.num_computed = len(hits) * bs
+        keys, hits = self._prefix_hits(seq.all_ids, seq.prefix_tokens)
+        for b in hits:
+            self.allocator.acquire(b)
+        seq.blocks = hits
+        seq.keys = keys[: len(hits)]
+        seq.num_computed = len(hits) * self.block_size
         seq.num_cached_tokens = seq.num_computed
         return True
 
     def cached_tokens(self, ids: list[int], limit: int | None = None) -> int:
         """Prompt tokens of ``ids`` the prefix cache holds now (up to ``limit``), in whole
         blocks, as `_admit` would reuse them (nothing acquired)."""
+        return len(self._prefix_hits(ids, limit)[1]) * self.block_size
+
+    def _prefix_hits(self, ids: list[int], limit: int | None
+                     ) -> tuple[list[BlockHash], list[int]]:
+        """The chained keys of ``ids``' full blocks (all but the last token) and the cached
+        blocks of its leading run, at most ``limit`` tokens of them (a pipeline stage: the
+        group's common prefix; None: no limit); not acquired."""
         bs = self.block_size
         full = (len(ids) - 1) // bs
         if not (full and self.allocator.enable_prefix_cache) or limit == 0:
-            return 0
+            return [], []
         keys = hash_blocks(ids[: full * bs], bs, self.key_extra)
-        hits = len(self.allocator.match_prefix(keys, [ids[i * bs:(i + 1) * bs]
-                                                      for i in range(full)]))
-        return min(hits * bs, limit if limit is not None else hits * bs)
+        hits = self.allocator.match_prefix(keys, [ids[i * bs:(i + 1) * bs] for i in range(full)])
+        return keys, hits if limit is None else hits[:limit // bs]
 
     def commit(self, plan: StepPlan) -> None:
         """After the forward pass: advance ``num_computed`` and publish newly full blocks."""
