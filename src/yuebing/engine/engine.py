@@ -109,6 +109,11 @@ class LLMEngine:
                                           self.layers if self.staged else None)
         """Names the KV bytes this engine computes: weights' content, dtype, block geometry.
         KV is exchanged (store, peers) only between engines with equal fingerprints."""
+        self.model_fingerprint = self.fingerprint if not self.staged else kv_fingerprint(
+            w.fingerprint, self.dtype, (mc.num_layers, *self.pool.block_shape[1:]),
+            config.batch_invariant)
+        """The fingerprint of the whole model's KV (= `fingerprint` unless a pipeline stage):
+        a stage streams its layers into a decode whose pool has this one."""
         # a sequence must fit the pool alone, else preempting it could never make room
         self._too_long_hint = "shorten the prompt"
         if nb * bs < self.max_model_len:

@@ -206,7 +206,9 @@ class Instance:
                      kv_segment=self.transfer.segment_name("kv") if self.exposes_pool else "",
                      block_size=e.block_size, store_block_tokens=self.cfg.store_block_tokens,
                      num_blocks=e.allocator.num_blocks, max_model_len=e.max_model_len,
-                     incarnation=self.incarnation, engine=e.signature(), profile=self.profile)
+                     incarnation=self.incarnation, engine=e.signature(), profile=self.profile,
+                     layers=self.cfg.engine.layers, num_layers=e.model_config.num_layers,
+                     stage_segment=self.role.stage_segment)
 
     async def start(self) -> str:
         """Bind the control socket; returns its address."""

@@ -18,7 +18,7 @@ ROLES = ("prefill", "decode", "coupled")
 EVENT_LOOPS = ("uvloop", "asyncio")
 ENGINE_FLAGS = ("model", "num_blocks", "kv_cache_bytes", "max_num_seqs", "max_batch_tokens",
                 "max_model_len", "dtype", "device", "threads", "attention", "kernels",
-                "prefill_attention", "weights_seed", "batch_invariant")
+                "prefill_attention", "weights_seed", "batch_invariant", "layers")
 """The `EngineConfig` fields an instance offers as its own flags (same names)."""
 DEFAULT_ENGINE = EngineConfig(device="cpu", threads=1, kv_cache_bytes=512 << 20)
 """An instance's engine unless flags say otherwise: CPU, one thread, a 512 MiB KV pool."""
@@ -102,6 +102,9 @@ class InstanceConfig:
                 f"{self.admin_port}")
         require(bool(self.admin_host), "admin_host must name an address, e.g. 127.0.0.1")
         require_token("--host", self.host, self.cluster_token)
+        require(not self.engine.layers or self.role == "prefill", f"--layers "
+                f"{self.engine.layers}: only a prefill instance runs a layer range (a pipeline "
+                f"stage), not a {self.role} one")
         require(self.engine.threads >= 1, f"threads must be >= 1, got {self.engine.threads}")
         if self.step_trace_dir:
             d = Path(self.step_trace_dir)

@@ -54,9 +54,12 @@ class CoupledRole(InstanceRole):
     def start_task(self, task: Task, msg: SubmitTask, params: SamplingParams,
                    hold_kv: bool = False) -> None:
         """Queue the request in the engine with ``params`` now when its prefix plan loads
-        nothing (no task, no await), else load the prefix in the background first."""
+        nothing (no task, no await), else load the prefix in the background first. A pipeline
+        stage's task reuses exactly its group's ``StagePlan.prefix_tokens``."""
         plan = msg.prefix
-        if plan is None or plan.tokens <= 0 or plan.source == "local":
+        if msg.stage is not None:
+            self._add(task, params, hold_kv, msg.stage.prefix_tokens)
+        elif plan is None or plan.tokens <= 0 or plan.source == "local":
             self._add(task, params, hold_kv)
         else:
             self.inst.spawn(task, self._load_then_add(task, msg, params, hold_kv))
@@ -78,12 +81,14 @@ class CoupledRole(InstanceRole):
             return  # cancelled meanwhile
         self._add(task, params, hold_kv)
 
-    def _add(self, task: Task, params: SamplingParams, hold_kv: bool) -> None:
+    def _add(self, task: Task, params: SamplingParams, hold_kv: bool,
+             prefix_tokens: int | None = None) -> None:
         """A driver call adding the request, not awaited: only a refusal comes back to the
         loop (as the task's error)."""
         rid, ids = task.request_id, task.token_ids
-        self.inst.driver_then(task, lambda e: e.add_request(ids, params, rid, hold_kv=hold_kv),
-                              lambda f: self._added(task, f))
+        self.inst.driver_then(task, lambda e: e.add_request(
+            ids, params, rid, hold_kv=hold_kv, prefix_tokens=prefix_tokens),
+            lambda f: self._added(task, f))
 
     def _added(self, task: Task, fut: concurrent.futures.Future[Any]) -> None:
         err = None if fut.cancelled() else fut.exception()

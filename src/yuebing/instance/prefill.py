@@ -16,6 +16,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from yuebing.engine.engine import LLMEngine
@@ -57,6 +58,9 @@ class PrefillRole(InstanceRole):
         """Prefix loads, engine adds, saves, prefix serving, and the COUPLED tasks."""
         self.streamer = KvStreamer(inst.engine, inst.transfer, inst.cfg.transfer_timeout_s,
                                    inst.cfg.layerwise_min_bytes)
+        self.upstream: Callable[[Task], Awaitable[str]] | None = None
+        """Set by a pipeline group's last stage (`stage.StageRole`): awaited before the
+        decode is told, it returns '' once every earlier stage's KV is there, else why not."""
 
     async def close(self) -> None:
         await self.coupled.close()
@@ -92,7 +96,7 @@ class PrefillRole(InstanceRole):
         inst = self.inst
         if not out.new_token_ids:  # ended without a token: aborted or failed in the engine
             self.streamer.drop(task.request_id)
-            inst.spawn(task, self._tell_decode_async(
+            inst.spawn(task, self.tell_decode_async(
                 task, None, "the prefill ended without a first token"))
             inst.fail(task, ErrorCode.INTERNAL, "the prefill ended without a first token")
             return
@@ -113,6 +117,13 @@ class PrefillRole(InstanceRole):
             inst.spawn(task, self._hand_off(task, tokens, first_at))
 
     async def _hand_off(self, task: Task, tokens: list[int], first_at: float) -> None:
+        if self.upstream is not None and (err := await self.upstream(task)):
+            self.streamer.drop(task.request_id)
+            await self.tell_decode_async(task, None, err)
+            self.inst.driver.call(lambda e: e.release(task.request_id))
+            if not task.done:
+                self.inst.fail(task, ErrorCode.TRANSFER, err)
+            return
         result, err = await asyncio.get_running_loop().run_in_executor(
             None, self._finish_stream, task, tokens, first_at)
         if task.done:
@@ -147,7 +158,7 @@ class PrefillRole(InstanceRole):
         finally:
             self.inst.driver.call(lambda e: e.release(rid)).add_done_callback(_log_release)
 
-    async def _tell_decode_async(self, task: Task,
+    async def tell_decode_async(self, task: Task,
                                  first: tuple[list[int], float, float] | None,
                                  error: str = "") -> str:
         return await asyncio.get_running_loop().run_in_executor(

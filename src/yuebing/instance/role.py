@@ -1,7 +1,8 @@
 """`InstanceRole`: what a serving role adds to its host (`base.Instance`) — the seam the host
 calls for control requests, engine outputs, reservations and sweeps. The roles are siblings:
 `coupled.CoupledRole`, `prefill.PrefillRole` (which composes a `CoupledRole` for its prompts'
-prefix loading and COUPLED tasks) and `decode.DecodeRole`. `run.build_instance` picks one.
+prefix loading and COUPLED tasks), `stage.StageRole` (a prefill of layers ``A:B``, composing a
+`PrefillRole`) and `decode.DecodeRole`. `run.build_instance` picks one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ class InstanceRole:
 
     def __init__(self, inst: Instance) -> None:
         self.inst = inst
+
+    @property
+    def stage_segment(self) -> str:
+        """A pipeline stage's segment for the previous stage's rows (`Hello`); '' otherwise."""
+        return ""
 
     async def on_submit(self, ident: bytes, msg: SubmitTask) -> Message:
         """A `SubmitTask` from the connection ``ident`` (checked new, prompt valid): the

@@ -19,6 +19,7 @@ import msgspec
 from yuebing.core.auth import adopt_cluster_token
 from yuebing.instance.base import Instance
 from yuebing.instance.config import InstanceConfig
+from yuebing.instance.role import InstanceRole
 from yuebing.protocol.instance import Hello
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,12 @@ def build_instance(cfg: InstanceConfig) -> Instance:
     from yuebing.instance.coupled import CoupledRole
     from yuebing.instance.decode import DecodeRole
     from yuebing.instance.prefill import PrefillRole
+    from yuebing.instance.stage import StageRole
 
-    role = {"prefill": PrefillRole, "decode": DecodeRole, "coupled": CoupledRole}[cfg.role]
+    role: type[InstanceRole] = {"prefill": PrefillRole, "decode": DecodeRole,
+                                "coupled": CoupledRole}[cfg.role]
+    if cfg.engine.layers:
+        role = StageRole  # a prefill of one layer range: a pipeline group's stage
     return Instance(cfg, role)
 
 

@@ -83,6 +83,9 @@ class KvStreamer:
         self.whole_below = whole_below
         pool = engine.pool
         self.num_layers = pool.num_layers
+        self.first_layer = engine.layers[0]
+        """A pipeline stage streams only its layers, at their place in the decode's pool."""
+        self.model_layers = engine.model_config.num_layers
         self.chunk = pool.chunk_nbytes
         self._bytes = pool.data.view(torch.uint8).reshape(-1).numpy()
         self._states: dict[str, StreamState] = {}
@@ -98,13 +101,14 @@ class KvStreamer:
 
     def watch(self, request_id: str, target: DecodeTarget) -> None:
         lay = target.layout
-        if lay.num_layers != self.num_layers or lay.block_size != self.engine.block_size or \
-                lay.chunk_bytes != self.chunk or lay.fingerprint != self.engine.fingerprint:
+        fp = self.engine.model_fingerprint
+        if lay.num_layers != self.model_layers or lay.block_size != self.engine.block_size or \
+                lay.chunk_bytes != self.chunk or lay.fingerprint != fp:
             raise ValueError(
                 f"decode {target.instance_id} computes other KV (fingerprint "
                 f"{lay.fingerprint}, {lay.num_layers} layers, block {lay.block_size}, chunk "
-                f"{lay.chunk_bytes} B); this prefill has {self.engine.fingerprint}, "
-                f"{self.num_layers} layers, block {self.engine.block_size}, chunk {self.chunk} B")
+                f"{lay.chunk_bytes} B); this prefill has {fp}, "
+                f"{self.model_layers} layers, block {self.engine.block_size}, chunk {self.chunk} B")
         with self._lock:
             self._states[request_id] = StreamState(target)
 
@@ -180,7 +184,7 @@ class KvStreamer:
         end = min(-(-done // bs) if final else done // bs, len(st.target.blocks))
         pairs = list(zip(seq.blocks[st.sent_blocks:end], st.target.blocks[st.sent_blocks:end],
                          strict=True))
-        last = layer == self.num_layers - 1
+        last = layer == self.first_layer + self.num_layers - 1
         if last:
             st.sent_blocks = end
             if final:
@@ -191,7 +195,7 @@ class KvStreamer:
             return st, [layer], self._requests(st.target, layer, pairs)
         if not last:
             return None
-        layers = list(range(self.num_layers))
+        layers = list(range(self.first_layer, self.first_layer + self.num_layers))
         return st, layers, [r for i in layers for r in self._requests(st.target, i, pairs)]
 
     def _submit(self, layer: int, parts: list[_Part]) -> None:
@@ -232,7 +236,7 @@ class KvStreamer:
         reqs = []
         for kv in (0, 1):
             for s, d, k in runs:
-                src = ((layer * 2 + kv) * src_nb + s) * c
+                src = (((layer - self.first_layer) * 2 + kv) * src_nb + s) * c
                 dst = ((layer * 2 + kv) * lay.num_blocks + d) * c
                 reqs.append(TransferRequest(OpCode.WRITE, self._bytes[src:src + k * c],
                                             target.segment, dst, k * c))

@@ -127,6 +127,19 @@ class DecodeTarget(Message, tag="inst.decode_target"):
     into it ``EXPIRY_MARGIN_S`` before (0: no expiry)."""
 
 
+class StagePlan(Message, tag="inst.stage_plan"):
+    """A PREFILL task's place in a chunked pipeline parallel group (issue 27): every stage of
+    the group gets the same task with its own ``index``; stage ``index`` sends its boundary
+    rows to ``next_segment`` (the next stage's `Hello.stage_segment`; '' on the last stage),
+    and every stage streams its own layers' KV into ``decode``'s reserved blocks."""
+
+    index: int
+    count: int
+    next_segment: str = ""
+    prefix_tokens: int = 0
+    """Prompt tokens every stage reuses from its own prefix cache (whole engine blocks)."""
+
+
 class EngineProfile(Message, tag="inst.engine_profile"):
     """An instance's start-up profile of its own engine (``instance/startup_profile.py``): the
     Conductor fits its prefill / decode predictors to it. ``configuration`` is the engine's
@@ -159,6 +172,8 @@ class SubmitTask(Message, tag="inst.submit"):
     mode: TaskMode = TaskMode.COUPLED
     prefix: PrefixPlan | None = None
     decode: DecodeTarget | None = None
+    stage: StagePlan | None = None
+    """On a stage instance (``--layers``): its part of a pipeline group's prefill."""
 
 
 @register_message
@@ -231,6 +246,12 @@ class Hello(Message, tag="inst.hello"):
     instance whose configuration differs from the one its predictors were profiled for."""
     profile: EngineProfile | None = None
     """Its start-up profile (``--startup-profile``), or None."""
+    layers: str = ""
+    """A stage of a pipeline group: the layers ``A:B`` it runs ('' = the whole model)."""
+    num_layers: int = 0
+    """The model's layer count (0: not said)."""
+    stage_segment: str = ""
+    """A stage's transfer segment: the previous stage notifies its boundary rows there."""
 
 
 @register_message

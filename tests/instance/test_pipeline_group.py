@@ -1,0 +1,120 @@
+"""A chunked pipeline parallel prefill group as real processes (dummy model, float32): two stage
+instances (``--layers 0:2`` and ``2:4``) prefill a long prompt chunk by chunk, rows passing
+through the transfer engine, each streaming its layers' KV to one decode; the tokens equal one
+in-process engine's. A stage killed mid-request ends the request with an error on the others
+and the decode (nothing hangs); bad layer ranges exit 2 with one line."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import time
+
+import pytest
+from instance_procs import TINY, Result, collect
+
+from yuebing.engine.config import EngineConfig
+from yuebing.engine.engine import LLMEngine
+from yuebing.engine.sampling import SamplingParams
+from yuebing.instance.client import InstanceClient
+from yuebing.ops.procs import yuebing_argv
+from yuebing.protocol.instance import Sampling, StagePlan, SubmitTask, TaskMode
+
+GREEDY = Sampling(max_tokens=8, temperature=0, ignore_eos=True)
+LONG = [random.Random(7).randrange(512) for _ in range(700)]
+"""Three prefill chunks of 256 on each stage."""
+
+
+@pytest.fixture(scope="module")
+def reference():
+    e = LLMEngine(EngineConfig(model=TINY, dtype="float32", threads=1, max_batch_tokens=256))
+    return e.generate([LONG], SamplingParams(max_tokens=8, temperature=0,
+                                             ignore_eos=True))[0].output_token_ids
+
+
+async def run_group(stages: list[InstanceClient], segments: list[str], d: InstanceClient,
+                    rid: str, ids: list[int], decode_too: bool = True,
+                    ) -> tuple[list[Result], Result]:
+    """Reserve on the decode, submit the request to every stage, collect each stage's part,
+    then the decode's tokens."""
+    r = await d.reserve(rid, ids, GREEDY, timeout_s=900)
+    n = len(stages)
+    for i, s in enumerate(stages):
+        plan = StagePlan(index=i, count=n, next_segment=segments[i + 1] if i + 1 < n else "")
+        await s.submit(SubmitTask(seq=0, request_id=rid, token_ids=ids, sampling=GREEDY,
+                                  mode=TaskMode.PREFILL, decode=r.target, stage=plan))
+    parts = await asyncio.gather(*[collect(s, rid, Result()) for s in stages])
+    out = Result()
+    if decode_too:
+        out = await asyncio.wait_for(collect(d, rid, Result(tokens=list(parts[-1].tokens))),
+                                     60)
+    return list(parts), out
+
+
+async def _clients(*procs):
+    clients = []
+    for p in procs:
+        c = InstanceClient(p.address)
+        await c.subscribe()
+        clients.append(c)
+    return clients
+
+
+def test_two_stage_group_gives_one_engines_tokens(procs, reference, run):
+    s0, s1 = procs("prefill", "--layers", "0:2"), procs("prefill", "--layers", "2:4")
+    d = procs("decode")
+    assert s0.hello["layers"] == "0:2" and s1.hello["stage_segment"]
+
+    async def go():
+        c0, c1, cd = await _clients(s0, s1, d)
+        segs = [s0.hello["stage_segment"], s1.hello["stage_segment"]]
+        first = await run_group([c0, c1], segs, cd, "g1", LONG)
+        again = await run_group([c0, c1], segs, cd, "g2", LONG)  # a second one, same links
+        for c in (c0, c1, cd):
+            await c.close()
+        return first, again
+    (parts, out), (_, out2) = run(go())
+    assert [p.error for p in parts] == ["", ""]
+    assert [p.finish for p in parts] == ["handoff", "handoff"]
+    b0, b1 = (p.events[-1].breakdown for p in parts)
+    assert b0 is not None and b1 is not None
+    assert b0.streamed_layers == 2 and b1.streamed_layers == 2 and b0.kv_bytes == b1.kv_bytes
+    assert out.error == "" and out.tokens == reference
+    assert out2.tokens == reference
+
+
+def test_a_stage_killed_mid_request_ends_it_everywhere(procs, run):
+    s0 = procs("prefill", "--layers", "0:2")
+    s1 = procs("prefill", "--layers", "2:4", "--transfer-timeout-s", "3")
+    d = procs("decode")
+
+    async def go():
+        c0, c1, cd = await _clients(s0, s1, d)
+        segs = [s0.hello["stage_segment"], s1.hello["stage_segment"]]
+        r = await cd.reserve("k1", LONG, GREEDY, timeout_s=900)
+        plan1 = StagePlan(index=1, count=2)
+        await c1.submit(SubmitTask(seq=0, request_id="k1", token_ids=LONG, sampling=GREEDY,
+                                   mode=TaskMode.PREFILL, decode=r.target, stage=plan1))
+        s0.kill()  # the first stage dies before it sent a row
+        t = time.monotonic()
+        last = await asyncio.wait_for(collect(c1, "k1", Result()), 30)
+        dec = await asyncio.wait_for(collect(cd, "k1", Result()), 30)
+        for c in (c0, c1, cd):
+            await c.close()
+        return last, dec, time.monotonic() - t, segs
+    last, dec, took, _ = run(go())
+    assert "went quiet" in last.error, last
+    assert dec.error and took < 20, (dec, took)
+
+
+@pytest.mark.parametrize(("role", "layers", "says"), [
+    ("prefill", "0:9", "reach past the model's 4 layers"),
+    ("decode", "0:2", "only a prefill instance runs a layer range"),
+])
+def test_bad_layer_ranges_exit_2_with_one_line(role, layers, says):
+    p = subprocess.run(yuebing_argv(["serve", role, "--model", TINY, "--layers", layers,
+                                     "--no-warmup", "--no-startup-profile"]),
+                       capture_output=True, text=True, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and says in lines[0], p.stderr
