@@ -9,17 +9,25 @@ from __future__ import annotations
 import asyncio
 import random
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
-from instance_procs import TINY, Result, collect
+from instance_procs import TINY, Result, collect, run_coupled
 
 from yuebing.engine.config import EngineConfig
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
 from yuebing.instance.client import InstanceClient
+from yuebing.instance.kvkeys import store_block_keys, store_key
 from yuebing.ops.procs import yuebing_argv
-from yuebing.protocol.instance import Sampling, StagePlan, SubmitTask, TaskMode
+from yuebing.protocol.instance import PrefixPlan, Sampling, StagePlan, SubmitTask, TaskMode
+from yuebing.store.client.client import StoreClient
+from yuebing.store.config import ClientConfig
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "store"))
+import store_procs  # noqa: E402
 
 GREEDY = Sampling(max_tokens=8, temperature=0, ignore_eos=True)
 LONG = [random.Random(7).randrange(512) for _ in range(700)]
@@ -34,21 +42,20 @@ def reference():
 
 
 async def run_group(stages: list[InstanceClient], segments: list[str], d: InstanceClient,
-                    rid: str, ids: list[int], decode_too: bool = True,
-                    ) -> tuple[list[Result], Result]:
-    """Reserve on the decode, submit the request to every stage, collect each stage's part,
-    then the decode's tokens."""
+                    rid: str, ids: list[int], prefix: PrefixPlan | None = None,
+                    reuse: int = 0) -> tuple[list[Result], Result]:
+    """Reserve on the decode, submit the request to every stage (each loading ``prefix``,
+    all reusing ``reuse`` tokens), collect each stage's part, then the decode's tokens."""
     r = await d.reserve(rid, ids, GREEDY, timeout_s=900)
     n = len(stages)
     for i, s in enumerate(stages):
-        plan = StagePlan(index=i, count=n, next_segment=segments[i + 1] if i + 1 < n else "")
+        plan = StagePlan(index=i, count=n, next_segment=segments[i + 1] if i + 1 < n else "",
+                         prefix_tokens=reuse)
         await s.submit(SubmitTask(seq=0, request_id=rid, token_ids=ids, sampling=GREEDY,
-                                  mode=TaskMode.PREFILL, decode=r.target, stage=plan))
+                                  mode=TaskMode.PREFILL, decode=r.target, stage=plan,
+                                  prefix=prefix))
     parts = await asyncio.gather(*[collect(s, rid, Result()) for s in stages])
-    out = Result()
-    if decode_too:
-        out = await asyncio.wait_for(collect(d, rid, Result(tokens=list(parts[-1].tokens))),
-                                     60)
+    out = await asyncio.wait_for(collect(d, rid, Result(tokens=list(parts[-1].tokens))), 60)
     return list(parts), out
 
 
@@ -82,6 +89,54 @@ def test_two_stage_group_gives_one_engines_tokens(procs, reference, run):
     assert b0.streamed_layers == 2 and b1.streamed_layers == 2 and b0.kv_bytes == b1.kv_bytes
     assert out.error == "" and out.tokens == reference
     assert out2.tokens == reference
+
+
+def _wait_saved(master_addr: str, fingerprint: str, ranges: list[tuple[int, int]],
+                blocks: int, timeout_s: float = 30) -> None:
+    keys = store_block_keys(LONG, 256, fingerprint)
+    with StoreClient(ClientConfig(master=master_addr), heartbeat=False) as c:
+        end = time.monotonic() + timeout_s
+        while min(c.prefix_match([store_key(fingerprint, k, r) for k in keys])
+                  for r in ranges) < blocks:
+            assert time.monotonic() < end, "the stages' blocks never reached the store"
+            time.sleep(0.1)
+
+
+def test_stages_store_their_layers_and_any_instance_reuses_them(procs, reference, run):
+    """Each stage saves its layers' objects (``kv/<model fp>/<key>@A:B``); a single instance
+    assembles them, and a fresh group loads each stage's own: only the suffix is computed."""
+    master = store_procs.master()
+    node = store_procs.node(master.info["address"], "64MiB")
+    try:
+        flags = ("--store-master", master.info["address"])
+        s0, s1 = procs("prefill", "--layers", "0:2", *flags), \
+            procs("prefill", "--layers", "2:4", *flags)
+        d, single = procs("decode"), procs("coupled", *flags)
+        t0, t1 = procs("prefill", "--layers", "0:2", *flags), \
+            procs("prefill", "--layers", "2:4", *flags)
+        model_fp = d.hello["fingerprint"]
+
+        async def go():
+            c0, c1, cd, cs, f0, f1 = await _clients(s0, s1, d, single, t0, t1)
+            cold = await run_group([c0, c1], [s0.hello["stage_segment"],
+                                              s1.hello["stage_segment"]], cd, "cold", LONG)
+            _wait_saved(master.info["address"], model_fp, [(0, 2), (2, 4)], 2)
+            plan = PrefixPlan(tokens=512, source="store", layer_ranges=["0:2", "2:4"])
+            one = await run_coupled(cs, "one", LONG, GREEDY, plan)
+            warm = await run_group([f0, f1], [t0.hello["stage_segment"],
+                                              t1.hello["stage_segment"]], cd, "warm", LONG,
+                                   PrefixPlan(tokens=512, source="store"), reuse=512)
+            for c in (c0, c1, cd, cs, f0, f1):
+                await c.close()
+            return cold, one, warm
+        (_, cold), one, (parts, warm) = run(go())
+    finally:
+        node.kill()
+        master.stop()
+    assert cold.tokens == reference
+    assert one.error == "" and one.cached_tokens == 512 and one.tokens == reference
+    assert [p.error for p in parts] == ["", ""] and parts[1].cached_tokens == 512
+    assert warm.tokens == reference
 
 
 def test_a_stage_killed_mid_request_ends_it_everywhere(procs, run):

@@ -118,6 +118,27 @@ def parse_layers(text: str, num_layers: int | None) -> tuple[int, int]:
     return lo, hi
 
 
+def parse_group_layers(texts: list[str], num_layers: int | None) -> list[tuple[int, int]]:
+    """The ranges of a pipeline group's stages, in order: they must tile the model's layers,
+    ``0:a, a:b, ..., y:num_layers``. Raises `ConfigError` naming the ranges (overlap, gap,
+    not starting at 0 or not ending at the model's last layer)."""
+    ranges = [parse_layers(t, num_layers) for t in texts]
+    named = ", ".join(texts)
+    if not ranges:
+        raise ConfigError("a pipeline group needs at least one layer range")
+    if ranges[0][0] != 0:
+        raise ConfigError(f"layer ranges {named} must start at layer 0")
+    for (_, hi), (lo, _) in zip(ranges, ranges[1:], strict=False):
+        if lo < hi:
+            raise ConfigError(f"layer ranges {named} overlap at {lo}:{hi}")
+        if lo > hi:
+            raise ConfigError(f"layer ranges {named} leave a gap at {hi}:{lo}")
+    if num_layers is not None and ranges[-1][1] != num_layers:
+        raise ConfigError(f"layer ranges {named} end at layer {ranges[-1][1]}, not at the "
+                          f"model's {num_layers}")
+    return ranges
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Runtime knobs of one engine instance."""

@@ -3,6 +3,8 @@ prefill (`instance.coupled`, `instance.prefill`).
 
 A store block (``store_block_tokens`` tokens of all layers) is one store object named by
 `kvkeys.store_key`: another model, dtype or geometry is another key — a miss, never wrong KV.
+A pipeline stage (``--layers A:B``) stores and loads its range's objects (``...@A:B``); a
+whole-model engine assembles a group's range objects when a `PrefixPlan` names the ranges.
 The engine belongs to the driver thread, so a load is `fetch` (load thread: store → staging)
 then `install` (driver: staging → prefix cache), and a save is `snapshot` (driver, right after
 the prefill step) then `save` (save thread: one `batch_put`, off the TTFT path). Loads and
@@ -155,6 +157,10 @@ class KVConnector:
         self.saver = saver if saver is not None else store
         self.config = config
         self.fingerprint = engine.fingerprint
+        self.key_fingerprint = engine.model_fingerprint
+        """Keys are the whole model's; a pipeline stage's name its ``layers`` too (`keys`)."""
+        self.layers = engine.layers if engine.staged else None
+        self.num_layers = engine.model_config.num_layers
         self.dtype = engine.pool.dtype
         self.block_shape = engine.pool.block_shape
         self.per_store_block = config.store_block_tokens // engine.block_size
@@ -176,11 +182,12 @@ class KVConnector:
         self._jobs: set[concurrent.futures.Future[Any]] = set()
         """Loads and saves submitted and not done (`close` waits for the running ones)."""
 
-    def submit_fetch(self, token_ids: Sequence[int], max_tokens: int
+    def submit_fetch(self, token_ids: Sequence[int], max_tokens: int,
+                     ranges: Sequence[tuple[int, int]] = ()
                      ) -> concurrent.futures.Future[Loaded]:
         """`fetch` on the load thread (loads one at a time; behind no save if saves have a
         ``saver``)."""
-        return self._track(self._loads.submit(self.fetch, token_ids, max_tokens))
+        return self._track(self._loads.submit(self.fetch, token_ids, max_tokens, ranges))
 
     def submit_save(self, snap: Snapshot) -> concurrent.futures.Future[int]:
         """`save` on the save thread (saves one at a time, in the order submitted; without a
@@ -207,11 +214,14 @@ class KVConnector:
 
     # ------------------------------------------------------------------ keys
 
-    def keys(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[str]:
-        """Store keys of the full store blocks of ``token_ids`` (up to ``max_tokens``)."""
+    def keys(self, token_ids: Sequence[int], max_tokens: int | None = None,
+             layers: tuple[int, int] | None = None) -> list[str]:
+        """Store keys of the full store blocks of ``token_ids`` (up to ``max_tokens``): of
+        this engine's objects, or with ``layers`` of that range's (a pipeline stage's)."""
         ids = list(token_ids if max_tokens is None else token_ids[:max_tokens])
-        return [store_key(self.fingerprint, k)
-                for k in store_block_keys(ids, self.config.store_block_tokens, self.fingerprint)]
+        fp = self.key_fingerprint
+        return [store_key(fp, k, layers or self.layers)
+                for k in store_block_keys(ids, self.config.store_block_tokens, fp)]
 
     def _remember(self, keys: Sequence[str]) -> None:
         now = time.monotonic()
@@ -266,9 +276,12 @@ class KVConnector:
         with self._limited():
             return self.store.prefix_match(keys) * self.config.store_block_tokens
 
-    def fetch(self, token_ids: Sequence[int], max_tokens: int) -> Loaded:
+    def fetch(self, token_ids: Sequence[int], max_tokens: int,
+              ranges: Sequence[tuple[int, int]] = ()) -> Loaded:
         """Read the longest stored run of the prompt's first ``max_tokens`` tokens' store
-        blocks into staging (load thread). Never raises for a miss: fewer blocks load."""
+        blocks into staging (load thread). Never raises for a miss: fewer blocks load. With
+        ``ranges`` (a pipeline group's stages, tiling the model's layers; whole-model engines
+        only), a longer run of the group's range objects is assembled instead."""
         keys = self.keys(token_ids, max_tokens)
         if self.store is None or not keys or self._store_down():
             return Loaded(0, None)
@@ -276,6 +289,11 @@ class KVConnector:
         try:
             with self._limited():
                 n = self.store.prefix_match(keys)
+                if ranges and n < len(keys) and self.layers is None:
+                    parts = [self.keys(token_ids, max_tokens, r) for r in ranges]
+                    m = min(self.store.prefix_match(k) for k in parts)
+                    if m > n:
+                        return self._assemble(parts, ranges, m, t0)
         except Exception as e:  # the store is optional for correctness
             self._store_failed()
             log.warning("prefix lookup failed, computing the whole prompt: %s", e)
@@ -309,6 +327,43 @@ class KVConnector:
         self._remember(keys[:good])
         dt = time.perf_counter() - t0
         return Loaded(good, buf[:good * self.object_bytes], lease, good * self.object_bytes, dt)
+
+    def _assemble(self, parts: list[list[str]], ranges: Sequence[tuple[int, int]], n: int,
+                  t0: float) -> Loaded:
+        """Read ``n`` store blocks of each layer range (``parts``: each range's keys) and lay
+        them out as whole-model objects in staging (load thread)."""
+        assert self.store is not None, "fetch checked the store"
+        taken = None
+        while n and taken is None:
+            taken = self.staging.take(2 * n * self.object_bytes)  # the whole, then the parts
+            if taken is None:
+                self.stats.add(staging_full=1)
+                n //= 2
+        if taken is None:
+            return Loaded(0, None)
+        lease, buf = taken
+        blocks = n * self.per_store_block
+        whole = buf[:n * self.object_bytes].view(self.dtype).view(blocks, *self.block_shape)
+        good, at, reads = n, n * self.object_bytes, []
+        try:
+            for (lo, hi), keys in zip(ranges, parts, strict=True):
+                size = self.object_bytes * (hi - lo) // self.num_layers
+                views = [buf[at + i * size:at + (i + 1) * size] for i in range(n)]
+                sizes = self.store.batch_get_into(keys[:n], [v.numpy() for v in views])
+                good = min(good, next((i for i, z in enumerate(sizes) if z != size), n))
+                reads.append((lo, hi, buf[at:at + n * size]))
+                at += n * size
+        except Exception:
+            self.staging.give(lease)
+            raise
+        if good == 0:
+            self.staging.give(lease)
+            return Loaded(0, None)
+        for lo, hi, part in reads:
+            shape = (blocks, hi - lo, *self.block_shape[1:])
+            whole[:, lo:hi].copy_(part.view(self.dtype).view(shape))
+        nbytes = good * self.object_bytes
+        return Loaded(good, buf[:nbytes], lease, nbytes, time.perf_counter() - t0)
 
     def save(self, snap: Snapshot) -> int:
         """Put a snapshot's blocks (save thread); returns how many were stored. Never raises."""

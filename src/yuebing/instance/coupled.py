@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from yuebing.engine.engine import LLMEngine
@@ -52,20 +53,23 @@ class CoupledRole(InstanceRole):
         return Ack(seq=msg.seq)
 
     def start_task(self, task: Task, msg: SubmitTask, params: SamplingParams,
-                   hold_kv: bool = False) -> None:
+                   hold_kv: bool = False, then: Callable[[], None] | None = None) -> None:
         """Queue the request in the engine with ``params`` now when its prefix plan loads
-        nothing (no task, no await), else load the prefix in the background first. A pipeline
-        stage's task reuses exactly its group's ``StagePlan.prefix_tokens``."""
+        nothing (no task, no await), else load the prefix in the background first; ``then``
+        runs on the loop right after the add is queued. A pipeline stage's task reuses exactly
+        its group's ``StagePlan.prefix_tokens``."""
         plan = msg.prefix
-        if msg.stage is not None:
-            self._add(task, params, hold_kv, msg.stage.prefix_tokens)
-        elif plan is None or plan.tokens <= 0 or plan.source == "local":
-            self._add(task, params, hold_kv)
+        reuse = None if msg.stage is None else msg.stage.prefix_tokens
+        if plan is None or plan.tokens <= 0 or plan.source == "local":
+            self._add(task, params, hold_kv, reuse)
+            if then is not None:
+                then()
         else:
-            self.inst.spawn(task, self._load_then_add(task, msg, params, hold_kv))
+            self.inst.spawn(task, self._load_then_add(task, msg, params, hold_kv, reuse, then))
 
     async def _load_then_add(self, task: Task, msg: SubmitTask, params: SamplingParams,
-                             hold_kv: bool) -> None:
+                             hold_kv: bool, reuse: int | None,
+                             then: Callable[[], None] | None) -> None:
         """Load the prefix, then queue the request in the engine (events follow)."""
         task.loading = True
         try:
@@ -79,7 +83,9 @@ class CoupledRole(InstanceRole):
             task.loading = False
         if task.done or task.request_id not in self.inst.tasks:
             return  # cancelled meanwhile
-        self._add(task, params, hold_kv)
+        self._add(task, params, hold_kv, reuse)
+        if then is not None:
+            then()
 
     def _add(self, task: Task, params: SamplingParams, hold_kv: bool,
              prefix_tokens: int | None = None) -> None:

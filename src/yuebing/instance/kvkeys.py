@@ -6,8 +6,8 @@ stored by one instance is found under the same keys by the Conductor and by ever
 instance. A key is the chained `yuebing.core.hashing.hash_block` over store-block-sized
 chunks of the prompt (full chunks only) with the KV fingerprint in ``extra``: instances whose
 KV bytes differ (another model, weights, dtype or layout) never share a key. `store_key` is the
-string under which the store holds a block's KV; `parse_store_key` inverts it (the Conductor
-reads the store's KV events with it).
+string under which the store holds a block's KV (or one layer range of it: a pipeline stage's
+object); `parse_store_key` inverts it (the Conductor reads the store's KV events with it).
 """
 
 from __future__ import annotations
@@ -30,13 +30,18 @@ def store_block_keys(token_ids: Sequence[int], store_block_tokens: int,
     return hash_blocks(token_ids, store_block_tokens, (fingerprint,))
 
 
-def store_key(fingerprint: str, key: int) -> str:
-    """The store's key of block ``key``: ``kv/<fingerprint>/<key as 16 hex digits>``."""
-    return f"{KEY_PREFIX}{fingerprint}/{key:016x}"
+def store_key(fingerprint: str, key: int, layers: tuple[int, int] | None = None) -> str:
+    """The store's key of block ``key``: ``kv/<fingerprint>/<key as 16 hex digits>``, and
+    for the object of only ``layers`` [A, B) (a pipeline stage's) ``...@A:B``: ``fingerprint``
+    and ``key`` are then the whole model's, so the group's range objects of a block sit beside
+    the whole object a single instance writes, and a single instance can assemble them."""
+    name = f"{KEY_PREFIX}{fingerprint}/{key:016x}"
+    return name if layers is None else f"{name}@{layers[0]}:{layers[1]}"
 
 
 def parse_store_key(name: str) -> tuple[str, BlockHash] | None:
-    """(fingerprint, block key) of a `store_key` string; None for any other store key."""
+    """(fingerprint, block key) of a whole-model `store_key` string; None for any other store
+    key (a layer range's object too: the Conductor's index counts whole objects only)."""
     if not name.startswith(KEY_PREFIX):
         return None
     fingerprint, sep, hexkey = name[len(KEY_PREFIX):].rpartition("/")

@@ -71,7 +71,9 @@ class PrefillRole(InstanceRole):
     def on_output_driver(self, engine: LLMEngine, task: Task, out: RequestOutput) -> None:
         self.coupled.on_output_driver(engine, task, out)
 
-    async def on_submit(self, ident: bytes, msg: SubmitTask) -> Message:
+    async def on_submit(self, ident: bytes, msg: SubmitTask,
+                        then: Callable[[], None] | None = None) -> Message:
+        """``then``: run once the engine add is queued (a pipeline stage feeds rows after)."""
         if msg.mode == TaskMode.COUPLED:
             return await self.coupled.on_submit(ident, msg)
         if msg.decode is None:
@@ -86,7 +88,7 @@ class PrefillRole(InstanceRole):
         self.inst.tasks[task.request_id] = task
         p = task.params
         self.coupled.start_task(task, msg, dataclasses.replace(
-            p, max_tokens=1, min_tokens=min(p.min_tokens, 1)), hold_kv=True)
+            p, max_tokens=1, min_tokens=min(p.min_tokens, 1)), hold_kv=True, then=then)
         return Ack(seq=msg.seq)
 
     def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from yuebing.core.errors import ConfigError
+from yuebing.engine.config import parse_group_layers
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.kv_transfer import import_prefix
 from yuebing.instance.base import Refused
@@ -45,8 +47,9 @@ async def load_prefix(inst: Instance, peers: PeerClients, task: Task,
     t0 = time.time()
     try:
         if plan.source == "store":
+            ranges = _ranges(inst, plan)
             loaded: Loaded = await asyncio.wrap_future(
-                inst.connector.submit_fetch(task.token_ids, plan.tokens))
+                inst.connector.submit_fetch(task.token_ids, plan.tokens, ranges))
             ids = task.token_ids
             return await inst.driver.run(lambda e: inst.connector.install(e, ids, loaded))
         if plan.source == "peer":
@@ -55,6 +58,17 @@ async def load_prefix(inst: Instance, peers: PeerClients, task: Task,
                       f"got {plan.source!r}")
     finally:
         task.breakdown.prefix_load_s = time.time() - t0
+
+
+def _ranges(inst: Instance, plan: PrefixPlan) -> list[tuple[int, int]]:
+    """The plan's pipeline-group layer ranges (checked to tile the model; a stage loads its
+    own range's objects only, so none)."""
+    if not plan.layer_ranges or inst.engine.staged:
+        return []
+    try:
+        return parse_group_layers(plan.layer_ranges, inst.engine.model_config.num_layers)
+    except ConfigError as e:
+        raise Refused(ErrorCode.BAD_REQUEST, f"prefix plan: {e}") from e
 
 
 def _cached_run(engine: LLMEngine, ids: list[int], max_blocks: int) -> list[int]:

@@ -49,6 +49,8 @@ class _Group:
     """The previous stage's `StageDone`: '' ok, else its error (the first stage: '' at once)."""
     heard_at: float = field(default_factory=time.monotonic)
     """When rows or the request itself last arrived (a stalled previous stage times out)."""
+    added: bool = False
+    """Its engine add is queued (after a store prefix load): rows can be fed."""
 
 
 class StageRole(InstanceRole):
@@ -81,7 +83,17 @@ class StageRole(InstanceRole):
                       f"layers {self.inst.cfg.engine.layers} only)")
 
     def on_output_driver(self, engine: LLMEngine, task: Task, out: RequestOutput) -> None:
-        self.prefill.on_output_driver(engine, task, out)
+        """Right after the step that took the prompt through this stage: its layers' new
+        store blocks are saved (objects ``...@A:B``, `kvkeys.store_key`)."""
+        if not out.finished or (out.boundary is None and not out.new_token_ids):
+            return
+        if out.new_token_ids:
+            task.first_at = time.time()
+        inst = self.inst
+        if inst.cfg.save_to_store:
+            snap = inst.connector.snapshot(engine, task.token_ids)
+            if snap is not None:
+                inst.connector.submit_save(snap)
 
     # ------------------------------------------------------------------ tasks
 
@@ -97,22 +109,31 @@ class StageRole(InstanceRole):
             raise Refused(ErrorCode.BAD_REQUEST, f"stage {plan.index} of {plan.count} (next "
                           f"{plan.next_segment!r}) does not fit layers "
                           f"{self.inst.cfg.engine.layers} of {self.inst.engine.model_config.num_layers}")
-        if msg.prefix is not None and msg.prefix.tokens > 0:
-            raise Refused(ErrorCode.BAD_REQUEST, "a pipeline stage reuses only its own cache "
-                          "(StagePlan.prefix_tokens), not a PrefixPlan")
-        loop = asyncio.get_running_loop()
-        upstream: asyncio.Future[str] = loop.create_future()
+        if msg.prefix is not None and msg.prefix.source not in ("local", "store"):
+            raise Refused(ErrorCode.BAD_REQUEST, "a pipeline stage loads a prefix from its "
+                          "own cache or the store (its layers' objects), not a peer")
+        upstream: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         if plan.index == 0:
             upstream.set_result("")
-        reply = await self.prefill.on_submit(ident, msg)  # the add is queued to the driver
         rid = msg.request_id
         self.groups[rid] = _Group(plan.index, plan.count, plan.next_segment, upstream)
+        try:
+            return await self.prefill.on_submit(ident, msg, lambda: self._added(rid))
+        except BaseException:
+            self.groups.pop(rid, None)
+            raise
+
+    def _added(self, rid: str) -> None:
+        """The request's engine add is queued: feed the rows that came before it."""
+        g = self.groups.get(rid)
+        if g is None:
+            return
+        g.added, g.heard_at = True, time.monotonic()
         _, rows, done = self.early.pop(rid, (0.0, [], None))
         for start, residual, x in rows:
             self._feed(rid, start, residual, x)
         if done is not None:
             self._done(rid, *done)
-        return reply
 
     def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:
         g = self.groups.get(task.request_id)
@@ -220,9 +241,10 @@ class StageRole(InstanceRole):
         self._post(self._failed, rid, error)
 
     def _rows(self, rid: str, start: int, residual: torch.Tensor, x: torch.Tensor) -> None:
-        if rid in self.groups:
+        g = self.groups.get(rid)
+        if g is not None and g.added:
             self._feed(rid, start, residual, x)
-        elif rid not in self.inst.tasks:
+        elif g is not None or rid not in self.inst.tasks:
             entry = self.early.setdefault(rid, (time.monotonic(), [], None))
             entry[1].append((start, residual, x))
 
@@ -240,8 +262,8 @@ class StageRole(InstanceRole):
 
     def _done(self, rid: str, ok: bool, error: str) -> None:
         g = self.groups.get(rid)
-        if g is None:
-            if rid not in self.inst.tasks:
+        if g is None or not g.added:
+            if g is not None or rid not in self.inst.tasks:
                 t, rows, _ = self.early.get(rid, (time.monotonic(), [], None))
                 self.early[rid] = (t, rows, (ok, error))
             return

@@ -97,6 +97,9 @@ class PrefixPlan(Message, tag="inst.prefix_plan"):
     source: str = "local"
     peer: str = ""
     peer_address: str = ""
+    layer_ranges: list[str] = []
+    """``store``: the prefix may also be stored as these layer ranges' objects (``A:B``, the
+    stages of a pipeline group, tiling the model): a whole-model instance assembles them."""
 
 
 class KvLayout(Message, tag="inst.kv_layout"):
