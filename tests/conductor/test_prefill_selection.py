@@ -7,7 +7,8 @@ import hashlib
 import pytest
 from policy_factories import PREDICTORS, config, decode, prefill, request, view
 
-from yuebing.conductor.policy import Policy, PrefixSource, Route
+from yuebing.conductor.policy import Policy, PrefillGroup, PrefixSource, Route
+from yuebing.core.ids import InstanceId
 
 # input 1000 tokens = 10 blocks of 100; prefill costs 1 ms per new token
 FOUR = (prefill("p0", 0.5, local=0), prefill("p1", 0.2, local=2),
@@ -126,3 +127,36 @@ def test_long_prompts_are_estimated_as_chunked_pipeline_parallel():
     assert route("global_cache_aware", view(FOUR), **kw) == local
     small = route("local_cache_aware", view(FOUR), cpp_threshold_tokens=1000)
     assert small == route("local_cache_aware", view(FOUR))  # 1000 new tokens: not above
+
+
+def _group(name: str, *queues: float) -> PrefillGroup:
+    return PrefillGroup(InstanceId(name), tuple(prefill(f"{name}s{i}", q)
+                                                for i, q in enumerate(queues)))
+
+
+def test_declared_groups_take_long_prompts_when_their_estimate_is_lower():
+    # 1000 new tokens, chunks of 250 (4), hand-off 250 tok x 4000 B / 10 MB/s = 0.1 s per
+    # boundary: a group of 2 = 1.0 / 2 * (1 + 1/4) + 0.1 = 0.725 s after its slowest queue
+    kw = dict(cpp_threshold_tokens=500, cpp_chunk_tokens=250, cpp_boundary_bytes_per_token=4000)
+    v = view((prefill("p0", 0.2),), groups=(_group("g", 0.0, 0.1),))
+    r = route("load_balance", v, **kw)
+    assert (r.prefill_id, r.stages, r.est_queue_s) == ("g", ("gs0", "gs1"), 0.1)
+    assert r.est_prefill_s == pytest.approx(0.725, rel=1e-12)
+    # its slowest stage's queue counts: 0.5 + 0.725 s loses to the single's 0.2 + 1.0 s
+    busy = view((prefill("p0", 0.2),), groups=(_group("g", 0.5, 0.0),))
+    assert route("load_balance", busy, **kw).prefill_id == "p0"
+    # a short prompt (400 new) goes to the single instance even though the group is idle
+    short = Policy(config(prefill_selector="load_balance", **kw), PREDICTORS).decide(
+        request(400), v)
+    assert isinstance(short, Route) and (short.prefill_id, short.stages) == ("p0", ())
+    # declared groups: the single instance's estimate is its own (no dynamic group)
+    assert route("load_balance", view((prefill("p0", 0.2),), groups=(_group("g", 9, 9),)),
+                 **kw).est_prefill_s == pytest.approx(1.0)
+
+
+def test_a_view_of_groups_only_routes_every_prompt_to_a_group():
+    v = view((), groups=(_group("g", 0.3, 0.0), _group("h", 0.0, 0.1)))
+    for n in (50, 1000):
+        r = Policy(config(cpp_threshold_tokens=500), PREDICTORS).decide(request(n), v)
+        assert isinstance(r, Route) and r.prefill_id == "h" and r.stages == ("hs0", "hs1")
+    assert Policy(config(), PREDICTORS).decide(request(50), view(())).reason == "no_instances"

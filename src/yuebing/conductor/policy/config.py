@@ -62,7 +62,11 @@ class PolicyConfig:
         "prefill instances (0: never; must match the adapter)"))
     cpp_max_nodes: int = field(default=4, metadata=_help("largest pipeline group"))
     cpp_chunk_tokens: int = field(default=8192, metadata=_help(
-        "chunk size of the pipelined prefill (one chunk of pipeline bubble per extra node)"))
+        "chunk size of the pipelined prefill (one chunk of pipeline bubble per extra node; "
+        "live: the stages' --max-batch-tokens)"))
+    cpp_boundary_bytes_per_token: int = field(default=0, metadata=_help(
+        "bytes of boundary activations a pipeline stage hands the next per token (live: "
+        "2 x hidden x dtype bytes); each extra stage adds one chunk's hand-off to the TTFT"))
 
     def __post_init__(self) -> None:
         for name, registry in (("prefill_selector", PREFILL_SELECTORS),
@@ -87,6 +91,9 @@ class PolicyConfig:
             require(math.isfinite(v) and v >= 0, f"{name} must be ≥ 0, got {v}")
         require(self.cpp_threshold_tokens >= 0,
                 f"cpp_threshold_tokens must be ≥ 0 (0 disables), got {self.cpp_threshold_tokens}")
+        require(self.cpp_boundary_bytes_per_token >= 0,
+                f"cpp_boundary_bytes_per_token must be ≥ 0, got "
+                f"{self.cpp_boundary_bytes_per_token}")
         require(self.cpp_max_nodes >= 1 and self.cpp_chunk_tokens >= 1,
                 f"cpp_max_nodes and cpp_chunk_tokens must be ≥ 1, got {self.cpp_max_nodes}, "
                 f"{self.cpp_chunk_tokens}")

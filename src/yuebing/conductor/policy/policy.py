@@ -17,7 +17,7 @@ from yuebing.conductor.policy.admission import ADMISSIONS, RejectReason
 from yuebing.conductor.policy.config import PolicyConfig
 from yuebing.conductor.policy.decode import DECODE_SELECTORS
 from yuebing.conductor.policy.predictors import Predictors
-from yuebing.conductor.policy.prefill import PREFILL_SELECTORS
+from yuebing.conductor.policy.prefill import PREFILL_SELECTORS, choose_group
 from yuebing.conductor.policy.queue import PREFILL_QUEUES
 from yuebing.conductor.policy.types import (
     ClusterView,
@@ -99,7 +99,7 @@ class Policy:
         """
         single = self.prefill_time(new_tokens, cached_tokens)
         cfg = self.config
-        if new_tokens <= self.cpp_threshold:
+        if new_tokens <= self.cpp_threshold or view.groups:  # declared groups: `group_estimate`
             return self.queue_wait(view, index, single), single
         k = min(cfg.cpp_max_nodes, len(view.prefills),
                 -(-new_tokens // cfg.cpp_threshold_tokens))
@@ -109,6 +109,21 @@ class Policy:
         t = single / k * (1.0 + (k - 1) / chunks)
         others = sorted(q.queue_s for j, q in enumerate(view.prefills) if j != index)
         return max(self.queue_wait(view, index, t), others[k - 2]), t
+
+    def group_estimate(self, view: ClusterView, index: int, new_tokens: int,
+                       cached_tokens: int) -> tuple[float, float]:
+        """(queue seconds, prefill seconds) of a prefill on the declared pipeline group
+        ``view.groups[index]`` of k stages: it starts when its slowest stage's queue is through;
+        each stage computes 1/k of the layers, plus one chunk of pipeline bubble per extra
+        stage and one chunk's hand-off of boundary rows per stage boundary:
+        t = t₁ / k · (1 + (k-1) / chunks) + (k-1) · hop(chunk)."""
+        group = view.groups[index]
+        k, cfg = len(group.stages), self.config
+        chunk = min(new_tokens, cfg.cpp_chunk_tokens)
+        chunks = -(-new_tokens // cfg.cpp_chunk_tokens)
+        hop = self.transfer_time(chunk * cfg.cpp_boundary_bytes_per_token, view)
+        t = self.prefill_time(new_tokens, cached_tokens) / k * (1.0 + (k - 1) / chunks)
+        return group.queue_s, t + (k - 1) * hop
 
     def transfer_time(self, nbytes: float, view: ClusterView) -> float:
         return self._tp(nbytes, view.link_bandwidth_Bps, view.link_latency_s)
@@ -128,17 +143,21 @@ class Policy:
     def decide(self, request: RequestInfo, view: ClusterView) -> Decision:
         """Route ``request`` or reject it, given the snapshot ``view``."""
         check_inputs(request, view, self.config.block_tokens)
-        if not view.prefills or not view.decodes:
+        if not (view.prefills or view.groups) or not view.decodes:
             return Reject(str(RejectReason.NO_INSTANCES), RejectStage.ARRIVAL,
                           self.config.min_retry_after_s, None, None)
-        plan = self._prefill(self, request, view)
+        plan = self._prefill(self, request, view) if view.prefills else None
+        if view.groups:
+            plan = choose_group(self, request, view, plan)
+        assert plan is not None, "a view with no prefill instance has a group"
         dplan = self._decode(self, request, view, view.now_s + plan.ttft_s)
         rejection = self._admission(self, request, view, plan, dplan)
         if rejection is not None:
             return rejection
         src = view.best_prefix
+        group = view.groups[plan.group] if plan.group >= 0 else None
         return Route(
-            prefill_id=view.prefills[plan.index].instance_id,
+            prefill_id=group.group_id if group else view.prefills[plan.index].instance_id,
             decode_id=view.decodes[dplan.index].instance_id,
             reused_blocks=plan.reused_blocks,
             fetch_from=src.holder if plan.fetch_blocks and src is not None else None,
@@ -148,6 +167,7 @@ class Policy:
             est_prefill_s=plan.prefill_s,
             est_ttft_s=plan.ttft_s,
             est_tbt_s=dplan.tbt_s,
+            stages=tuple(st.instance_id for st in group.stages) if group else (),
         )
 
 
@@ -172,7 +192,9 @@ def check_inputs(req: RequestInfo, view: ClusterView, block_tokens: int) -> None
         raise InputError("view: now_s must be finite, link_bandwidth_Bps > 0, "
                          f"link_latency_s ≥ 0; got {view.now_s}, {view.link_bandwidth_Bps}, "
                          f"{view.link_latency_s}")
-    for p in view.prefills:
+    if any(not g.stages for g in view.groups):
+        raise InputError("view: every pipeline group needs at least one stage")
+    for p in (*view.prefills, *(s for g in view.groups for s in g.stages)):
         if not (0 <= p.local_prefix_blocks <= nkeys) or not p.queue_s >= 0:
             raise InputError(f"view: prefill {p.instance_id}: local_prefix_blocks must be in "
                              f"0..{nkeys} and queue_s ≥ 0, got {p.local_prefix_blocks}, "

@@ -5,7 +5,9 @@ blocks the chosen instance reuses, whether it first fetches a longer prefix from
 the TTFT estimate ``transfer + queue + prefill(new, reused)`` (the last prompt token is always
 recomputed; the queue is what the instance's queue order serves first, `Policy.queue_wait`).
 Long prompts (over ``cpp_threshold_tokens`` new) are estimated as chunked pipeline parallel
-(`Policy.prefill_estimate`). Ties go to the instance listed first.
+(`Policy.prefill_estimate`); with declared groups in the view (`ClusterView.groups`),
+`choose_group` weighs each group against the selector's single instance instead. Ties go to
+the instance listed first.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class PrefillPlan:
     transfer_s: float
     queue_s: float
     prefill_s: float
+    group: int = -1
+    """Position of the chosen pipeline group in ``view.groups`` (-1: ``index``'s instance)."""
 
     @property
     def ttft_s(self) -> float:
@@ -136,3 +140,23 @@ def select_global_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) 
         (best_tokens - min(p.local_prefix_blocks * bt, n - 1)) * pol.config.kv_bytes_per_token, view)
     queue_s, prefill_s = pol.prefill_estimate(view, index, n - best_tokens, best_tokens)
     return PrefillPlan(index, best_blocks, fetch, transfer_s, queue_s, prefill_s)
+
+
+def choose_group(pol: Policy, req: RequestInfo, view: ClusterView,
+                 single: PrefillPlan | None) -> PrefillPlan | None:
+    """The declared pipeline group to prefill ``req`` on instead of ``single`` (the selector's
+    plan; None when no single instance is in the view), or ``single``. A group is considered
+    when the uncached suffix exceeds ``cpp_threshold_tokens`` (or no single instance exists);
+    the lowest estimated TTFT wins, the group's counting its slowest stage's queue and a
+    hand-off per extra stage (`Policy.group_estimate`)."""
+    best = single
+    n, bt = req.input_tokens, pol.config.block_tokens
+    for g, group in enumerate(view.groups):
+        cached = min(group.local_prefix_blocks * bt, n - 1)
+        if n - cached <= pol.cpp_threshold and single is not None:
+            continue
+        queue_s, prefill_s = pol.group_estimate(view, g, n - cached, cached)
+        plan = PrefillPlan(-1, group.local_prefix_blocks, 0, 0.0, queue_s, prefill_s, g)
+        if best is None or plan.ttft_s < best.ttft_s:
+            best = plan
+    return best

@@ -63,6 +63,25 @@ class PrefillState:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillGroup:
+    """A declared chunked pipeline parallel group: prefill instances that each hold a range of
+    the layers (``stages`` in layer order). It is in the view only while every stage is; its
+    prefill starts when every stage's queue is through."""
+
+    group_id: InstanceId
+    stages: tuple[PrefillState, ...]
+
+    @property
+    def queue_s(self) -> float:
+        return max(s.queue_s for s in self.stages)
+
+    @property
+    def local_prefix_blocks(self) -> int:
+        """Leading blocks every stage holds for its own layers."""
+        return min(s.local_prefix_blocks for s in self.stages)
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeState:
     """Snapshot of one decode instance."""
 
@@ -114,6 +133,10 @@ class ClusterView:
     link_latency_s: float = 0.0
     pending_decodes: tuple[PendingDecode, ...] = field(default=())
     """Routed requests still in prefill/transfer (predictive early rejection uses these)."""
+    groups: tuple[PrefillGroup, ...] = field(default=())
+    """Declared pipeline groups (live: stage instances, ``--layers``). With none, a long
+    prefill's estimate assumes a group formed from any prefill instances (the simulator's
+    default)."""
 
 
 class RejectStage(IntEnum):
@@ -142,6 +165,9 @@ class Route:
     est_prefill_s: float
     est_ttft_s: float
     est_tbt_s: float
+    stages: tuple[InstanceId, ...] = ()
+    """A route to a pipeline group (``prefill_id`` is its ``group_id``): its stages in layer
+    order; empty for a single prefill instance."""
 
 
 @dataclass(frozen=True, slots=True)
