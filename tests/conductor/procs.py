@@ -25,18 +25,20 @@ class Proc(CliProc):
 
 
 class Cluster:
-    """Instances (``roles``: e.g. ["prefill", "prefill", "decode"]) and a Conductor."""
+    """Instances (``roles``: e.g. ["prefill", "prefill", "decode"], each optionally with its
+    own flags: "prefill --layers 0:2") and a Conductor."""
 
     def __init__(self, roles: list[str], model: str = TINY, conductor_args: tuple[str, ...] = (),
                  instance_args: tuple[str, ...] = (), timeout_s: float = 240.0) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="yb-conductor-e2e-"))
         self.procs: dict[str, Proc] = {}
         try:
-            for i, role in enumerate(roles):
+            for i, spec in enumerate(roles):  # "prefill --layers 0:2": a role and its flags
+                role, *flags = spec.split()
                 name = f"{role}-{i}"
                 self.procs[name] = Proc(name, [role, "--model", model, "--instance-id", name,
                                                "--report-hz", "20", "--no-startup-profile",
-                                               *instance_args],
+                                               *instance_args, *flags],
                                         self.dir, timeout_s)
             addresses = ",".join(p.info["control_address"] for p in self.procs.values())
             self.conductor = Proc("conductor", ["conductor", "--model", model, "--port", "0",

@@ -124,6 +124,8 @@ class Calibration:
     def admit(self, hello: Hello) -> str:
         """'' if the predictors hold for ``hello``'s instance (adopting its profile where a
         part has none yet), else why it is refused."""
+        if hello.layers:  # a pipeline stage: predicted as its share of the whole model
+            return ""
         if not hello.engine:
             log.warning("instance %s reports no engine configuration: the predictors (%s) "
                         "cannot be checked against it", hello.instance_id, self.predictors.source)

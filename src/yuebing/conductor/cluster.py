@@ -29,7 +29,9 @@ from yuebing.conductor.policy import (
 )
 from yuebing.conductor.policy.types import ClusterView
 from yuebing.conductor.view import KvIndex, PrefillLoad, build_view
+from yuebing.core.errors import ConfigError
 from yuebing.core.ids import InstanceId
+from yuebing.engine.config import parse_group_layers, parse_layers
 from yuebing.instance.client import InstanceClient, InstanceError, InstanceUnavailable
 from yuebing.protocol.instance import Hello, LoadReport, Role
 
@@ -257,18 +259,50 @@ class LiveCluster:
     # ------------------------------------------------------------------ views
 
     def alive(self, *roles: Role) -> list[Member]:
+        """The alive members of ``roles`` that serve alone (pipeline stages: `groups`)."""
         return [m for m in self.members.values() if m.alive and m.report is not None
-                and m.role in roles]
+                and m.role in roles and not m.hello.layers]
+
+    def stages(self) -> list[Member]:
+        """The alive pipeline stages (prefill instances of one layer range)."""
+        return [m for m in self.members.values() if m.alive and m.report is not None
+                and m.hello.layers]
+
+    def groups(self) -> list[tuple[InstanceId, list[Member]]]:
+        """The complete pipeline groups: stages of one ``--cpp-group`` name, in layer order,
+        whose ranges tile the model's layers and which are all alive. A group with a stage
+        down (or missing) is out until every stage answers again."""
+        named: dict[str, list[Member]] = {}
+        for m in self.members.values():
+            if m.hello.layers and m.role == Role.PREFILL:
+                named.setdefault(m.hello.group, []).append(m)
+        out = []
+        for name, stages in sorted(named.items()):
+            if not all(m.alive and m.report is not None for m in stages):
+                continue
+            stages.sort(key=lambda m: parse_layers(m.hello.layers, None))
+            try:
+                parse_group_layers([m.hello.layers for m in stages],
+                                   stages[0].hello.num_layers or None)
+            except ConfigError:
+                continue  # not (yet) covering the model
+            out.append((InstanceId(name or "cpp"), stages))
+        return out
 
     def view(self, info: RequestInfo, prefills: list[Member], decodes: list[Member],
-             now_s: float) -> ClusterView:
-        """The request's `ClusterView` over ``prefills`` × ``decodes`` at ``now_s``."""
+             now_s: float, groups: list[tuple[InstanceId, list[Member]]] | None = None
+             ) -> ClusterView:
+        """The request's `ClusterView` over ``prefills`` (and pipeline ``groups``) ×
+        ``decodes`` at ``now_s``."""
         loads = [self._prefill_load(m, now_s) for m in prefills]
         lookup = self.index.lookup(info.block_keys, [m.id for m in prefills])
         states = [decode_state(m.report, m.hello.block_size, m.id)
                   for m in decodes if m.report is not None]
+        glo = [(gid, [self._prefill_load(m, now_s) for m in stages])
+               for gid, stages in groups or ()]
         return build_view(now_s, loads, lookup, states, link_bandwidth_Bps=self.link_bandwidth_Bps,
-                          link_latency_s=self.link_latency_s, pending=self.pending.values())
+                          link_latency_s=self.link_latency_s, pending=self.pending.values(),
+                          groups=glo)
 
     def _prefill_load(self, m: Member, now_s: float) -> PrefillLoad:
         r = m.report
@@ -310,9 +344,11 @@ class LiveCluster:
     # ------------------------------------------------------------------ this Conductor's work
 
     def routed(self, info: RequestInfo, route: Route, now_s: float) -> None:
-        p = self.members.get(route.prefill_id)
-        if p is not None:
-            p.prefilling[info.request_id] = (route.est_prefill_s + route.est_transfer_s, now_s)
+        for pid in route.stages or (route.prefill_id,):  # a group's prefill busies every stage
+            p = self.members.get(pid)
+            if p is not None:
+                p.prefilling[info.request_id] = (route.est_prefill_s + route.est_transfer_s,
+                                                 now_s)
         self.pending[info.request_id] = PendingDecode(
             now_s + route.est_ttft_s, info.expected_output_tokens, route.decode_id,
             info.input_tokens)

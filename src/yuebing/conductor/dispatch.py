@@ -18,6 +18,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+import msgspec
+
 from yuebing.conductor.api import GenRequest
 from yuebing.conductor.cluster import LiveCluster, Member
 from yuebing.conductor.delta import Delta
@@ -36,6 +38,7 @@ from yuebing.protocol.instance import (
     PrefixPlan,
     Reserved,
     Role,
+    StagePlan,
     SubmitTask,
     TaskEvent,
     TaskMode,
@@ -113,16 +116,18 @@ class Dispatcher:
     def _decide(self, req: GenRequest, rid: str) -> tuple[RequestInfo, Route, bool]:
         c = self.cluster
         prefills, decodes = c.alive(Role.PREFILL), c.alive(Role.DECODE)
-        coupled = not (prefills and decodes)
+        groups = c.groups() if decodes else []
+        coupled = not ((prefills or groups) and decodes)
         if coupled:
             prefills = decodes = c.alive(Role.COUPLED)
+            groups = []
         keys = (store_block_keys(req.prompt_ids, c.store_block_tokens, c.fingerprint)
                 if c.fingerprint else [])
         now = time.monotonic()
         # n choices share the prompt's KV; each grows its own output
         info = RequestInfo(rid, now, len(req.prompt_ids), tuple(BlockHash(k) for k in keys),
                            req.sampling.max_tokens * req.sampling.n)
-        view = c.view(info, prefills, decodes, now)
+        view = c.view(info, prefills, decodes, now, groups)
         decision = self.policy.decide(info, view)
         if coupled and isinstance(decision, Route) and decision.decode_id != decision.prefill_id:
             mine = tuple(d for d in view.decodes if d.instance_id == decision.prefill_id)
@@ -140,6 +145,8 @@ class Dispatcher:
         tokens = self.policy.prefix_tokens
         n = info.input_tokens
         src = route.fetch_from
+        if route.stages:  # a pipeline group computes the whole prompt (see docs/serving.md)
+            return PrefixPlan(), 0
         if src == STORE_HOLDER:
             return PrefixPlan(tokens=tokens(route.reused_blocks, n), source="store"), \
                 route.fetch_blocks
@@ -161,7 +168,9 @@ class Dispatcher:
                        stats: RequestStats, deadline: float,
                        out: Pusher | None) -> AsyncIterator[Delta]:
         c, m = self.cluster, self.metrics
-        pre, dec = c.members[route.prefill_id], c.members[route.decode_id]
+        pres = [c.members[s] for s in route.stages or (route.prefill_id,)]
+        pre, dec = pres[-1], c.members[route.decode_id]
+        """``pres``: the prefill instance, or a group's stages (the last samples the token)."""
         rid = info.request_id
         plan = self._routed(info, route, coupled, stats)
         involved: list[Member] = []
@@ -175,23 +184,32 @@ class Dispatcher:
                     mode=TaskMode.COUPLED, prefix=plan))
             else:
                 t0 = time.perf_counter()
-                await pre.gate.acquire(rid, info.input_tokens - plan.tokens,
-                                       self.policy.queued(info, route))
+                await pres[0].gate.acquire(rid, info.input_tokens - plan.tokens,
+                                           self.policy.queued(info, route))
                 stats.gate_s += time.perf_counter() - t0
-                c.admitted(rid, pre.id, time.monotonic())
+                for p in pres:
+                    c.admitted(rid, p.id, time.monotonic())
                 involved.append(dec)
                 t0 = time.perf_counter()
                 reserved = await self._reserve(dec, rid, req, deadline)
                 stats.reserve_s += time.perf_counter() - t0
-                involved.append(pre)
                 stats.dispatched_s = time.perf_counter()
-                await pre.client.submit(SubmitTask(
-                    seq=0, request_id=rid, token_ids=req.prompt_ids, sampling=req.sampling,
-                    mode=TaskMode.PREFILL, prefix=plan, decode=reserved.target))
+                for i, p in enumerate(pres):
+                    involved.append(p)
+                    await p.client.submit(SubmitTask(
+                        seq=0, request_id=rid, token_ids=req.prompt_ids, sampling=req.sampling,
+                        mode=TaskMode.PREFILL, prefix=plan, decode=reserved.target,
+                        stage=_stage_plan(pres, i) if route.stages else None))
             m.overhead.observe(stats.dispatch_s)
-            async for delta in self._relay(rid, pre, dec, coupled, stats, deadline, out,
-                                           req.sampling.n):
-                yield delta
+            loop = asyncio.get_running_loop()
+            watch = [loop.create_task(_watch_stage(s, pre, rid)) for s in pres[:-1]]
+            try:
+                async for delta in self._relay(rid, pres, dec, coupled, stats, deadline, out,
+                                               req.sampling.n):
+                    yield delta
+            finally:
+                for w in watch:
+                    w.cancel()
             finished = True
         except InstanceUnavailable as e:
             raise _Retry(str(e)) from None
@@ -202,7 +220,8 @@ class Dispatcher:
                 raise Rejected(reason, self.policy.config.min_retry_after_s, str(e)) from None
             raise RequestFailed(e.code.name.lower(), str(e)) from None
         finally:
-            c.prefill_done(rid, pre.id)
+            for p in pres:
+                c.prefill_done(rid, p.id)
             if not finished and involved:
                 c.spawn(_cancel(involved, rid))
 
@@ -242,7 +261,7 @@ class Dispatcher:
             await asyncio.sleep(min(delay, left))
             delay = min(0.25, delay * 2)
 
-    async def _relay(self, rid: str, pre: Member, dec: Member, coupled: bool,
+    async def _relay(self, rid: str, pres: list[Member], dec: Member, coupled: bool,
                      stats: RequestStats, deadline: float, out: Pusher | None,
                      n: int = 1) -> AsyncIterator[Delta]:
         """The prefill's first token (of each of the ``n`` choices), then the decode's stream
@@ -252,6 +271,7 @@ class Dispatcher:
         timer per request (not one per event) ends the stream being read at the deadline, and
         a prefill lost before its hand-off ends the decode's stream, both with a marker."""
         loop = asyncio.get_running_loop()
+        pre = pres[-1]
         reading = [pre]
         timer = loop.call_at(loop.time() + (deadline - time.monotonic()),
                              lambda: reading[0].client.interrupt(rid, _TIMED_OUT))
@@ -259,9 +279,10 @@ class Dispatcher:
         drain: asyncio.Task[bool] | None = None
         diverted: InstanceClient | None = None
         try:
-            firsts = await self._first_events(pre_events, rid, pre, dec, stats, n)
+            firsts = await self._first_events(pre_events, rid, pres, dec, stats, n)
             stats.cached_tokens = firsts[0][0].cached_tokens
-            self.cluster.prefill_done(rid, pre.id)
+            for p in pres:
+                self.cluster.prefill_done(rid, p.id)
             deltas = [make_delta(ev, stats, received) for ev, received in firsts]
             last = any(d.last for d in deltas)
             if not coupled and not last:
@@ -304,20 +325,21 @@ class Dispatcher:
             if drain is not None:
                 drain.cancel()
 
-    async def _first_events(self, events: _Events, rid: str, pre: Member, dec: Member,
+    async def _first_events(self, events: _Events, rid: str, pres: list[Member], dec: Member,
                             stats: RequestStats, n: int) -> list[tuple[TaskEvent, float]]:
-        """The prefill's first event with a token of each of the request's ``n`` choices (one
-        prefill samples them all; they arrive together), or its end. An ERROR raises `_Retry`
-        when an instance of the request died (re-dispatch), else `RequestFailed`."""
+        """The prefill's (a group's last stage's) first event with a token of each of the
+        request's ``n`` choices (one prefill samples them all; they arrive together), or its
+        end. An ERROR raises `_Retry` when an instance of the request died (re-dispatch), else
+        `RequestFailed`."""
         got: list[tuple[TaskEvent, float]] = []
         seen: set[int] = set()
         while True:
             ev, received = await self._next(events, rid)
             stats.merge(ev.breakdown)
             if ev.kind == EventKind.ERROR:
-                if not (pre.alive and dec.alive):
+                if not all(m.alive for m in (*pres, dec)):
                     raise _Retry(ev.error or "an instance of the request died")
-                raise _failed(pre, ev)
+                raise _failed(pres[-1], ev)
             if ev.token_ids or ev.finish_reason or ev.kind >= EventKind.FINISH:
                 got.append((ev, received))
                 if ev.token_ids:
@@ -351,6 +373,25 @@ def _lost_prefill(drain: asyncio.Task[bool], dec: Member, rid: str) -> None:
     would wait for KV that never comes, so its stream ends with `_PREFILL_LOST`."""
     if not drain.cancelled() and drain.exception() is None and not drain.result():
         dec.client.interrupt(rid, _PREFILL_LOST)
+
+
+def _stage_plan(stages: list[Member], i: int) -> StagePlan:
+    last = i == len(stages) - 1
+    return StagePlan(index=i, count=len(stages),
+                     next_segment="" if last else stages[i + 1].hello.stage_segment)
+
+
+async def _watch_stage(stage: Member, last: Member, rid: str) -> None:
+    """A group's stage before the last: its ERROR (it failed, or died: the cluster ends its
+    streams) ends the request's stream on the last stage at once, which would otherwise wait
+    out its transfer timeout for rows that never come."""
+    async for ev in stage.client.events(rid):
+        if ev.kind == EventKind.ERROR:
+            last.client.interrupt(rid, msgspec.structs.replace(
+                ev, error=f"pipeline stage {stage.id}: {ev.error}"))
+            return
+        if ev.kind == EventKind.FINISH:
+            return
 
 
 def _failed(m: Member, ev: TaskEvent) -> RequestFailed:

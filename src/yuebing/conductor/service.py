@@ -195,7 +195,9 @@ class Conductor:
     def health(self) -> dict[str, Any]:
         c = self.cluster
         roles = {r.label: [str(m.id) for m in c.alive(r)] for r in Role}
-        ready = bool((roles["prefill"] and roles["decode"]) or roles["coupled"])
+        roles["stage"] = [str(m.id) for m in c.stages()]
+        groups = {str(gid): [str(m.id) for m in stages] for gid, stages in c.groups()}
+        ready = bool(((roles["prefill"] or groups) and roles["decode"]) or roles["coupled"])
         load = {str(m.id): {"incarnation": m.report.incarnation,
                             "free_blocks": m.report.free_blocks,
                             "total_blocks": m.report.total_blocks,
@@ -205,9 +207,10 @@ class Conductor:
                             "queued_prefill_tokens": m.report.queued_prefill_tokens,
                             "prefill_tokens_per_s": m.report.prefill_tokens_per_s,
                             "decode_step_s": m.report.decode_step_s}
-                for r in Role for m in c.alive(r) if m.report is not None}
+                for m in [*(m for r in Role for m in c.alive(r)), *c.stages()]
+                if m.report is not None}
         return {"status": "ok", "ready": ready, "model": self.cfg.model_name,
-                "instances": roles, "load": load, "pools": self.pool_loads(),
+                "instances": roles, "groups": groups, "load": load, "pools": self.pool_loads(),
                 "inflight": self.inflight,
                 "kv_index_blocks": len(c.index),
                 "kv_index_store_blocks": len(c.index.keys_of(STORE_HOLDER)),

@@ -18,6 +18,7 @@ from yuebing.conductor.policy.types import (
     ClusterView,
     DecodeState,
     PendingDecode,
+    PrefillGroup,
     PrefillState,
     PrefixSource,
     QueuedPrefill,
@@ -57,8 +58,11 @@ class PrefixLookup:
 
 def build_view(now_s: float, prefills: Sequence[PrefillLoad], lookup: PrefixLookup,
                decodes: Sequence[DecodeState], *, link_bandwidth_Bps: float,
-               link_latency_s: float, pending: Iterable[PendingDecode] = ()) -> ClusterView:
-    """The `ClusterView` of one request (see the module docstring for who calls it)."""
+               link_latency_s: float, pending: Iterable[PendingDecode] = (),
+               groups: Sequence[tuple[InstanceId, Sequence[PrefillLoad]]] = ()) -> ClusterView:
+    """The `ClusterView` of one request (see the module docstring for who calls it).
+    ``groups``: declared pipeline groups (id, stage loads in layer order); their stages hold
+    no indexed prefix (each caches only its layers, under its range's keys)."""
     if len(lookup.local_blocks) != len(prefills):
         raise InputError(f"prefix lookup has {len(lookup.local_blocks)} local lengths for "
                          f"{len(prefills)} prefill instances")
@@ -67,9 +71,12 @@ def build_view(now_s: float, prefills: Sequence[PrefillLoad], lookup: PrefixLook
                    for p, n in zip(prefills, lookup.local_blocks, strict=True))
     src = (PrefixSource(lookup.holder, lookup.best_blocks)
            if lookup.best_blocks > 0 and lookup.holder is not None else None)
+    pgroups = tuple(PrefillGroup(gid, tuple(
+        PrefillState(p.instance_id, max(0.0, p.queue_s), p.queued_requests, 0, p.node, p.waiting)
+        for p in stages)) for gid, stages in groups)
     return ClusterView(now_s=now_s, prefills=states, decodes=tuple(decodes), best_prefix=src,
                        link_bandwidth_Bps=link_bandwidth_Bps, link_latency_s=link_latency_s,
-                       pending_decodes=tuple(pending))
+                       pending_decodes=tuple(pending), groups=pgroups)
 
 
 class KvIndex:

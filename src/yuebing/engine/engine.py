@@ -556,5 +556,14 @@ class LLMEngine:
     def warmup(self) -> None:
         """One tiny forward pass so the first request does not pay one-time costs."""
         n = max(1, min(4, self.max_model_len - 2))
-        self.generate([[i % self.model_config.vocab_size for i in range(n)]],
-                      SamplingParams(max_tokens=1, temperature=0))
+        ids = [i % self.model_config.vocab_size for i in range(n)]
+        if not self.staged:
+            self.generate([ids], SamplingParams(max_tokens=1, temperature=0))
+            return
+        rid = self.add_request(ids, SamplingParams(max_tokens=1, temperature=0))
+        if not self.model.is_first:  # a later stage: zero rows stand for the previous one's
+            rows = torch.zeros(n, self.model_config.hidden_size)
+            self.feed(rid, 0, rows, rows)
+        while self.has_unfinished():
+            self.step()
+        self.abort(rid)

@@ -159,8 +159,10 @@ class Instance:
             staging, saver=self.saver)
         if cfg.warmup:
             self.engine.warmup()
-        self.profile = startup_profile(self.engine, self.kind) if cfg.startup_profile else None
-        """The engine's start-up profile, sent to the Conductors in `Hello` (their predictors)."""
+        self.profile = startup_profile(self.engine, self.kind) \
+            if cfg.startup_profile and not self.engine.staged else None
+        """The engine's start-up profile, sent to the Conductors in `Hello` (their predictors;
+        a pipeline stage has none: the Conductor predicts a group from the whole model's)."""
         name = cfg.instance_id or f"{cfg.role}-{os.getpid()}"  # the id is set once bound
         trace = Path(cfg.step_trace_dir) / f"{name}.steps.jsonl" if cfg.step_trace_dir else None
         # a step's bits depend on its thread count: a batch-invariant engine keeps its own
@@ -201,14 +203,14 @@ class Instance:
     def hello(self, seq: int = 0) -> Hello:
         e = self.engine
         return Hello(seq=seq, instance_id=self.instance_id, role=self.kind,
-                     model=e.model_config.name, fingerprint=e.fingerprint,
+                     model=e.model_config.name, fingerprint=e.model_fingerprint,
                      host=self.cfg.public_host, control_address=self.control_address,
                      kv_segment=self.transfer.segment_name("kv") if self.exposes_pool else "",
                      block_size=e.block_size, store_block_tokens=self.cfg.store_block_tokens,
                      num_blocks=e.allocator.num_blocks, max_model_len=e.max_model_len,
                      incarnation=self.incarnation, engine=e.signature(), profile=self.profile,
                      layers=self.cfg.engine.layers, num_layers=e.model_config.num_layers,
-                     stage_segment=self.role.stage_segment)
+                     stage_segment=self.role.stage_segment, group=self.cfg.cpp_group)
 
     async def start(self) -> str:
         """Bind the control socket; returns its address."""

@@ -43,6 +43,9 @@ class InstanceConfig:
     engine: EngineConfig = field(default_factory=lambda: DEFAULT_ENGINE, metadata={
         "flags": ENGINE_FLAGS})
     """The engine's configuration; its ``ENGINE_FLAGS`` fields are flags of the instance."""
+    cpp_group: str = field(default="", metadata={
+        "help": "with --layers: the pipeline group this stage belongs to; the Conductor routes "
+                "long prompts to a group once stages of one name cover every layer"})
     lend_cores: bool = field(default=True, metadata={
         "help": "lend this instance's cores to the other instances of this host while it is "
                 "idle, and borrow theirs while they are (a shared-memory ledger in /dev/shm; "
@@ -105,6 +108,9 @@ class InstanceConfig:
         require(not self.engine.layers or self.role == "prefill", f"--layers "
                 f"{self.engine.layers}: only a prefill instance runs a layer range (a pipeline "
                 f"stage), not a {self.role} one")
+        require(not self.cpp_group or bool(self.engine.layers),
+                f"--cpp-group {self.cpp_group}: a group's stages each run a layer range "
+                f"(--layers A:B)")
         require(self.engine.threads >= 1, f"threads must be >= 1, got {self.engine.threads}")
         if self.step_trace_dir:
             d = Path(self.step_trace_dir)

@@ -235,6 +235,7 @@ class Hello(Message, tag="inst.hello"):
     role: Role
     model: str
     fingerprint: str
+    """Its KV fingerprint (a pipeline stage's: the whole model's; ``layers`` names its part)."""
     host: str
     control_address: str
     kv_segment: str
@@ -255,6 +256,8 @@ class Hello(Message, tag="inst.hello"):
     """The model's layer count (0: not said)."""
     stage_segment: str = ""
     """A stage's transfer segment: the previous stage notifies its boundary rows there."""
+    group: str = ""
+    """A stage's pipeline group (``--cpp-group``): the Conductor's group of stages of one name."""
 
 
 @register_message
