@@ -208,3 +208,43 @@ def test_taken_fixed_ports_are_refused_before_anything_starts() -> None:
         with pytest.raises(ConfigError, match=r"--store-port.*: cannot listen on 127.0.0.1:"):
             check_ports(ServeConfig(port=0, store_port=port - 1))
         check_ports(ServeConfig(port=0, store=False, store_port=port))  # no store: not used
+
+
+TINY4 = "dummy:preset=tiny,layers=4"
+
+
+def test_cpp_group_plan_gives_stages_their_layers(tmp_path: Path) -> None:
+    cfg = ServeConfig(prefill=3, decode=1, cpp_group=2, store=False, instance=InstanceConfig(
+        engine=dataclasses.replace(InstanceConfig().engine, model=TINY4, max_batch_tokens=256)),
+        conductor=ConductorConfig(model=TINY4))
+    plan = ServePlan(cfg, tmp_path)
+    argv = {s.name: s.argv for st in plan.stages() for s, _ in st}
+    assert argv["prefill-0"][-4:] == ("--layers", "0:2", "--cpp-group", "cpp-0")
+    assert argv["prefill-1"][-4:] == ("--layers", "2:4", "--cpp-group", "cpp-0")
+    assert "--layers" not in argv["prefill-2"] and "--layers" not in argv["decode-0"]
+    conductor = argv["conductor"]
+    assert conductor[conductor.index("--cpp-threshold-tokens") + 1] == "256"
+    assert conductor[conductor.index("--cpp-chunk-tokens") + 1] == "256"
+    with pytest.raises(ConfigError, match="a group is 2 or more"):
+        ServeConfig(prefill=1, decode=1, cpp_group=2)
+    with pytest.raises(ConfigError, match="one range per stage"):
+        ServeConfig(prefill=2, decode=1, cpp_group=2, cpp_layers="0:4")
+
+
+@pytest.mark.parametrize(("ranges", "says"), [
+    ("0:2,1:4", "layer ranges 0:2, 1:4 overlap at 1:2"),
+    ("0:1,2:4", "layer ranges 0:1, 2:4 leave a gap at 1:2"),
+    ("0:2,2:6", "layers '2:6' reach past the model's 4 layers (0:4)"),
+])
+def test_serve_refuses_bad_group_ranges_with_one_line(tmp_path: Path, ranges: str,
+                                                      says: str) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "yuebing.cli.main", "serve", "--log-dir",
+                          str(tmp_path / "logs"), "--model", TINY4, "--prefill", "2",
+                          "--decode", "1", "--cpp-group", "2", "--cpp-layers", ranges],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip() == f"yuebing: error: {says}", out.stderr
+    assert not (tmp_path / "logs").exists()

@@ -20,8 +20,9 @@ from yuebing.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-SERVE_FIELDS = ("prefill", "decode", "coupled", "host", "port", "advertise_host", "etcd",
-                "cluster", "store", "store_dram", "store_port", "cluster_token", "engine")
+SERVE_FIELDS = ("prefill", "decode", "coupled", "cpp_group", "cpp_layers", "host", "port",
+                "advertise_host", "etcd", "cluster", "store", "store_dram", "store_port",
+                "cluster_token", "engine")
 
 def conductor_flags() -> list[str]:
     """The Conductor's fields offered by ``yuebing serve`` (the managed ones and the

@@ -6,7 +6,8 @@ and waited for before the next:
 1. ``store-master`` (``yuebing store master``; ready file + admin ``/health``),
 2. ``store-node`` (``yuebing store node`` with ``--store-dram`` of shared memory),
 3. ``prefill-i`` / ``decode-i`` or ``coupled-i`` (``yuebing serve prefill|decode|coupled``;
-   ready file with the instance's `Hello`, then a control-plane `Ping`),
+   ready file with the instance's `Hello`, then a control-plane `Ping`); with ``--cpp-group
+   k`` the first prefill instances are pipeline stages (``--layers``, ``--cpp-group cpp-g``),
 4. ``conductor`` (``yuebing serve conductor``; ``GET /health`` answers 200 and lists every
    instance of this host in its view, so the first request finds them).
 
@@ -19,6 +20,7 @@ Then the URL and a curl line are printed and the supervisor watches until SIGINT
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -40,6 +42,7 @@ from yuebing.cluster.readiness import (
 from yuebing.cluster.supervisor import Interrupted, RoleFailed, Supervisor
 from yuebing.conductor.cli import conductor_args
 from yuebing.conductor.config import ConductorConfig
+from yuebing.conductor.model import load_model_info
 from yuebing.core.auth import (
     TOKEN_HELP,
     adopt_cluster_token,
@@ -49,6 +52,7 @@ from yuebing.core.auth import (
 )
 from yuebing.core.config import config_args, format_size, require
 from yuebing.core.errors import ConfigError
+from yuebing.engine.config import parse_group_layers
 from yuebing.instance.config import InstanceConfig
 
 log = logging.getLogger(__name__)
@@ -59,7 +63,7 @@ MANAGED = {
                   "ready_file", "cluster_token"),
     "instance": ("instance_id", "host", "advertise_host", "control_port", "role",
                  "store_master", "etcd", "cluster", "ready_file", "cluster_token", "admin_host",
-                 "admin_port"),
+                 "admin_port", "layers", "cpp_group"),
 }
 """Fields of a role's config that the plan sets itself for each child (not offered to the user;
 the cluster token reaches every child through its environment, never its command line)."""
@@ -74,6 +78,12 @@ class ServeConfig:
 
     prefill: int = field(default=1, metadata={"help": "prefill instances"})
     decode: int = field(default=1, metadata={"help": "decode instances"})
+    cpp_group: int = field(default=0, metadata={
+        "help": "stages per chunked pipeline parallel group: the first --prefill instances "
+                "form groups of this many stages, each running a share of the layers; the "
+                "Conductor routes long prompts to a group (0 = no groups)"})
+    cpp_layers: str = field(default="", metadata={
+        "help": "the stages' layer ranges, e.g. 0:10,10:30 ('' = equal shares)"})
     coupled: int = field(default=0, metadata={
         "help": "coupled instances (prefill + decode in one engine, the vLLM-like baseline); "
                 "> 0 replaces --prefill/--decode"})
@@ -126,6 +136,15 @@ class ServeConfig:
                     "--engine vllm runs vLLM instances next to the store on this host, without "
                     "yuebing engine flags (--no-store, --etcd: not built yet; docs/serving.md "
                     "\"vLLM instances\")" + (f"; given: {' '.join(given)}" if given else ""))
+        require(self.cpp_group != 1 and 0 <= self.cpp_group <= max(self.prefill, 0) and
+                (self.cpp_group == 0 or not self.coupled),
+                f"--cpp-group {self.cpp_group}: a group is 2 or more of the --prefill "
+                f"{self.prefill} instances (0: none)")
+        require(not self.cpp_layers or len(self.cpp_layers.split(",")) == self.cpp_group,
+                f"--cpp-layers {self.cpp_layers}: give one range per stage of --cpp-group "
+                f"{self.cpp_group}")
+        require(self.cpp_group == 0 or self.engine == "yuebing",
+                "--cpp-group: vLLM instances run no layer ranges")
         require(bool(self.etcd) or bool(self.instance_roles),
                 "no instances to serve: give --prefill/--decode or --coupled (or --etcd, "
                 "for instances started on other hosts)")
@@ -147,6 +166,19 @@ class ServeConfig:
             return [(f"coupled-{i}", "coupled") for i in range(self.coupled)]
         return ([(f"prefill-{i}", "prefill") for i in range(self.prefill)]
                 + [(f"decode-{i}", "decode") for i in range(self.decode)])
+
+    def stage_flags(self, num_layers: int) -> dict[str, tuple[str, ...]]:
+        """Per prefill instance of a pipeline group, its ``--layers`` and ``--cpp-group``:
+        groups ``cpp-0``, ``cpp-1``, ... of ``cpp_group`` stages (the first prefill instances).
+        Raises `ConfigError` naming the ranges when they do not tile the model's layers."""
+        if not self.cpp_group:
+            return {}
+        k = self.cpp_group
+        texts = self.cpp_layers.split(",") if self.cpp_layers else \
+            [f"{num_layers * i // k}:{num_layers * (i + 1) // k}" for i in range(k)]
+        parse_group_layers([t.strip() for t in texts], num_layers)
+        return {f"prefill-{g * k + i}": ("--layers", texts[i].strip(), "--cpp-group", f"cpp-{g}")
+                for g in range(self.prefill // k) for i in range(k)}
 
 
 def free_port(host: str) -> int:
@@ -199,6 +231,13 @@ class ServePlan:
         self.admin_port = free_port("127.0.0.1")
         self.http_port = cfg.port or free_port(cfg.host if cfg.host != "0.0.0.0" else "")
         self.control = {name: free_port(adv) for name, _ in cfg.instance_roles}
+        self.stage_flags: dict[str, tuple[str, ...]] = {}
+        """Per stage instance: its ``--layers`` and ``--cpp-group``."""
+        self.conductor_cfg = cfg.conductor
+        if cfg.cpp_group:
+            info = load_model_info(cfg.conductor.model)
+            self.stage_flags = cfg.stage_flags(info.config.num_layers)
+            self.conductor_cfg = cpp_conductor(cfg, info.config.hidden_size)
 
     def _v(self) -> tuple[str, ...]:
         return ("-v",) * min(self.cfg.verbose, 2)
@@ -229,7 +268,8 @@ class ServePlan:
         argv = (*YUEBING, *self._v(), "serve", role, "--instance-id", name, "--host", adv,
                 "--control-port", str(self.control[name]), *store, *self._etcd(),
                 "--ready-file", str(self._ready(name)),
-                *config_args(self.cfg.instance, skip=MANAGED["instance"]))
+                *config_args(self.cfg.instance, skip=MANAGED["instance"]),
+                *self.stage_flags.get(name, ()))
         if self.cfg.engine == "vllm":  # yuebing.integrations.vllm.run
             argv = (*YUEBING, *self._v(), "vllm", "instance", "--instance-id", name, "--role",
                     role, "--host", adv, "--control-port", str(self.control[name]), "--master",
@@ -250,7 +290,7 @@ class ServePlan:
                   "--store-admin", f"http://127.0.0.1:{self.admin_port}") if cfg.store else ())
         argv = (*YUEBING, *self._v(), "serve", "conductor", "--host", cfg.host, "--port",
                 str(self.http_port), *find, *store,
-                *conductor_args(cfg.conductor, skip=MANAGED["conductor"]))
+                *conductor_args(self.conductor_cfg, skip=MANAGED["conductor"]))
         expected = set(self.control)
         return RoleSpec("conductor", argv), HttpJson(
             self.base_url + "/health", lambda body: expected <= _instances_in_view(body))
@@ -270,6 +310,19 @@ class ServePlan:
         return [*out, [self.conductor()]]
 
 
+def cpp_conductor(cfg: ServeConfig, hidden_size: int) -> ConductorConfig:
+    """The Conductor's config with pipeline groups: unless given, groups take prompts of more
+    than one prefill chunk (``--cpp-threshold-tokens`` = the instances' ``--max-batch-tokens``),
+    chunks are the stages' (``--cpp-chunk-tokens``) and a hand-off moves a chunk's residual and
+    MLP-output rows (``--cpp-boundary-bytes-per-token``)."""
+    pol, eng = cfg.conductor.policy, cfg.instance.engine
+    elem = 4 if eng.dtype == "float32" else 2
+    return dataclasses.replace(cfg.conductor, policy=dataclasses.replace(
+        pol, cpp_threshold_tokens=pol.cpp_threshold_tokens or eng.max_batch_tokens,
+        cpp_chunk_tokens=eng.max_batch_tokens,
+        cpp_boundary_bytes_per_token=pol.cpp_boundary_bytes_per_token or 2 * hidden_size * elem))
+
+
 def _instances_in_view(health: object) -> set[str]:
     """Instance ids in the Conductor's ``/health`` body (``{"instances": {role: [id...]}}``)."""
     roles = health.get("instances") if isinstance(health, dict) else None
@@ -284,6 +337,9 @@ def banner(plan: ServePlan, sup: Supervisor, model: str) -> str:
     cfg = plan.cfg
     roles = (f"{cfg.coupled} coupled" if cfg.coupled
              else f"{cfg.prefill} prefill + {cfg.decode} decode")
+    if plan.stage_flags:
+        roles += f", pipeline groups of {cfg.cpp_group} stages: " + ", ".join(
+            f"{name} {flags[1]}" for name, flags in plan.stage_flags.items())
     store = f", store {format_size(cfg.store_dram)}" if cfg.store else ", no store"
     if cfg.conductor.model.startswith("dummy"):
         path, body = "completions", json.dumps({"model": model, "prompt": [1, 2, 3],
@@ -306,6 +362,8 @@ def run_serve(cfg: ServeConfig, out: TextIO = sys.stdout) -> int:
     Returns the exit code: 0 after a signal, 1 if a role failed, 130 if stopped while
     starting. Call from the main thread."""
     check_ports(cfg)
+    if cfg.cpp_group:  # refuse bad layer ranges before anything starts
+        cfg.stage_flags(load_model_info(cfg.conductor.model).config.num_layers)
     adopt_cluster_token(cfg.cluster_token)  # every child inherits it; readiness pings use it
     sup = Supervisor(cfg.supervisor)
     sup.install_signal_handlers()
