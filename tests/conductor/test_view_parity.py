@@ -8,6 +8,7 @@ import random
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 from policy_factories import PREDICTORS
 
@@ -123,6 +124,49 @@ def test_live_and_simulated_views_give_the_same_decisions(selector: str) -> None
         decisions.add((a.prefill_id, getattr(a, "fetch_blocks", 0) > 0))  # type: ignore[union-attr]
     if selector.endswith("cache_aware"):  # the workload exercises more than one outcome
         assert len(decisions) >= 2, decisions
+
+
+def test_declared_groups_give_the_same_views_and_decisions() -> None:
+    """Two single prefill instances and a pipeline group of two stages (live: ``--layers`` +
+    ``--cpp-group g0`` instances; simulated: `SimConfig.cpp_groups`): long prompts go to the
+    group unless its slowest stage's queue makes it lose, short ones to a single instance."""
+    rng = random.Random(5)
+    queues, queued = [0.5, 1.0], [1, 2]
+    sim = MooncakeSystem(SystemContext(EventLoop(), _Cost(), SimConfig(
+        prefill_nodes=2, decode_nodes=2, cpp_groups=1, policy=sim_policy(block_tokens=BT),
+        dram_kv_tokens=10**9)))
+    sim.loop.now = NOW
+    sim.free_at, sim.queued = [NOW + q for q in queues], list(queued)
+    live = _live(queues, queued, 2)
+    for i in range(2):  # the group's stages, reporting like any instance
+        h = msgspec.structs.replace(_hello(f"g0s{i}", Role.PREFILL), layers=f"{2 * i}:{2 * i + 2}",
+                    num_layers=4, group="g0")
+        live.members[h.instance_id] = Member(f"tcp://g0s{i}:1", SimpleNamespace(), h,  # type: ignore[arg-type]
+                                             _report(h.instance_id, 0, 0), seen_s=NOW)
+    prefills = live.alive(Role.PREFILL)
+    decodes = live.alive(Role.DECODE)
+    assert [m.id for m in prefills] == ["p0", "p1"]
+    policy = Policy(PolicyConfig(prefill_selector="global_cache_aware", block_tokens=BT,
+                                 kv_bytes_per_token=1000, decode_durations_s=(10.0,),
+                                 cpp_threshold_tokens=1000, cpp_chunk_tokens=512), PREDICTORS)
+    doc = [rng.randrange(1 << 60) for _ in range(16)]
+    sim.pool.insert(0, doc[:4])
+    live.index.add("p0", doc[:4])
+    chosen = set()
+    for r, (blocks, busy) in enumerate([(2, 0.0), (12, 0.0), (16, 0.0), (16, 9.0), (6, 0.0)]):
+        sim.stage_free[0], sim.stage_queued[0] = NOW + busy, int(busy > 0)
+        for i in range(2):
+            m = live.members[InstanceId(f"g0s{i}")]
+            m.report = _report(str(m.id), int(busy * 1000), int(busy > 0))
+        keys = tuple(BlockHash(k) for k in doc[:blocks])
+        info = RequestInfo(f"r{r}", NOW, blocks * BT, keys, 100)
+        sim_view = sim._view(None, *sim.pool.prefix_lengths(keys))  # type: ignore[arg-type]
+        live_view = live.view(info, prefills, decodes, NOW, live.groups())
+        assert live_view == sim_view and len(live_view.groups) == 1
+        a, b = policy.decide(info, sim_view), policy.decide(info, live_view)
+        assert a == b
+        chosen.add((blocks, busy, a.prefill_id))  # type: ignore[union-attr]
+    assert {(16, 0.0, "g0"), (16, 9.0, "p0"), (2, 0.0, "p0")} <= chosen, chosen
 
 
 def test_kv_index_matches_the_simulated_pool() -> None:

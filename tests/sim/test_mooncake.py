@@ -88,6 +88,19 @@ def test_chunked_pipeline_parallel_spreads_a_long_prompt() -> None:
     assert r.prefill_gpu_s == pytest.approx(4 * r.ttft_s)
 
 
+def test_declared_pipeline_groups_take_long_prompts_when_they_finish_sooner() -> None:
+    reqs = [_req(0, 0.0, list(range(78)), 40_000), _req(1, 1.0, [1, 2, 3, 4], 2048),
+            _req(2, 2.0, list(range(200, 278)), 40_000)]
+    res = simulate(reqs, _config(cpp_threshold_tokens=10_000, cpp_groups=1), cost=LinearCost())
+    r0, r1, r2 = res.records
+    # 2 stages, 5 chunks of 8192: 40 s / 2 · (1 + 1/5) = 24 s, against 40 s on one node
+    assert (r0.prefill_id, r0.ttft_s) == ("g0", pytest.approx(24.0))
+    assert r0.prefill_gpu_s == pytest.approx(48.0)
+    assert r1.prefill_id == "p0"  # a short prompt: a single node
+    # the group is busy until 24 s: 22 + 24 s there loses to 40 s on the idle p1
+    assert (r2.prefill_id, r2.ttft_s) == ("p1", pytest.approx(40.0))
+
+
 def test_same_seed_same_result() -> None:
     reqs = [_req(i, i * 0.3, [i % 3, 10 + i], 1000, 5) for i in range(30)]
     a = simulate(reqs, _config(prefill_selector="random", seed=3), cost=LinearCost())

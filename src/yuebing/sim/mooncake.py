@@ -95,7 +95,8 @@ class MooncakeSystem(SimSystem):
     capacity is rejected (``kv_capacity``), as the vLLM baselines do. (2) route — the node
     refreshes its reused blocks; a planned fetch copies the missing blocks from the holder over both
     NICs (serialised per NIC). Prefill starts when the node (or a chunked-pipeline group of up to
-    ``cpp_max_nodes`` for more than ``cpp_threshold_tokens`` new tokens) is free and the fetch done;
+    ``cpp_max_nodes`` for more than ``cpp_threshold_tokens`` new tokens; with ``cpp_groups`` a
+    declared group of dedicated stage nodes, `_start_group`) is free and the fetch done;
     in FIFO a request's turn is placed at arrival, in another order the node picks the next when it
     is free (`_dispatch`). With ``prefill_reject`` a prefill that would end past its TTFT SLO is
     dropped when placed; with ``colocated`` prefill node i and decode node i share a host and
@@ -120,6 +121,15 @@ class MooncakeSystem(SimSystem):
         self.dispatch_at = [-1.0] * self.P
         """When each node's `_dispatch` is next scheduled."""
         self.nic_free = [0.0] * self.P
+        k = cfg.cpp_group_stages
+        self.group_ids = [InstanceId(f"g{g}") for g in range(cfg.cpp_groups)]
+        self.group_index = {gid: g for g, gid in enumerate(self.group_ids)}
+        self.stage_ids = [[InstanceId(f"g{g}s{i}") for i in range(k)]
+                          for g in range(cfg.cpp_groups)]
+        """Declared groups' stage nodes (`SimConfig.cpp_groups`): no prefix cache of their
+        own, busy together (one request at a time per group, in arrival order)."""
+        self.stage_free = [0.0] * cfg.cpp_groups
+        self.stage_queued = [0] * cfg.cpp_groups
         self.mates = self._host_mates()
         self.decodes = [DecodeInstance(str(d), self.loop, self.cost, stretch=(
             self.mates[j].decode_step if j in self.mates else None))
@@ -161,8 +171,12 @@ class MooncakeSystem(SimSystem):
                                d.capacity, len(d.waiting), d.waiting_tokens)
                    for j, d in enumerate(self.decodes)]
         lookup = PrefixLookup(tuple(lengths), best, self.prefill_ids[holder] if best > 0 else None)
+        groups = [(gid, [PrefillLoad(sid, max(0.0, self.stage_free[g] - now),
+                                     self.stage_queued[g]) for sid in self.stage_ids[g]])
+                  for g, gid in enumerate(self.group_ids)]
         return build_view(now, loads, lookup, decodes, link_bandwidth_Bps=self.cost.link_Bps,
-                          link_latency_s=self.cost.link_latency_s, pending=self.pending.values())
+                          link_latency_s=self.cost.link_latency_s, pending=self.pending.values(),
+                          groups=groups)
 
     def on_arrival(self, request: SimRequest, record: RequestRecord) -> None:
         assert self.policy is not None, "prepare() runs before the first arrival"
@@ -179,8 +193,11 @@ class MooncakeSystem(SimSystem):
             record.rejected = decision.stage
             record.reject_reason = decision.reason
             return
-        i = self.prefill_index[decision.prefill_id]
         j = self.decode_index[decision.decode_id]
+        if decision.stages:
+            self._start_group(request, record, self.group_index[decision.prefill_id], j)
+            return
+        i = self.prefill_index[decision.prefill_id]
         bt = self.config.policy.block_tokens
         n_in = request.input_tokens
         local = lengths[i]
@@ -234,7 +251,8 @@ class MooncakeSystem(SimSystem):
     def _group(self, i: int, new_tokens: int) -> list[int]:
         cfg = self.config
         pol = cfg.policy
-        if new_tokens <= pol.cpp_threshold_tokens or pol.cpp_max_nodes == 1 or self.P == 1:
+        if new_tokens <= pol.cpp_threshold_tokens or pol.cpp_max_nodes == 1 or self.P == 1 \
+                or cfg.cpp_groups:  # declared groups: single nodes prefill alone
             return [i]
         size = min(pol.cpp_max_nodes, self.P, math.ceil(new_tokens / pol.cpp_threshold_tokens))
         others = heapq.nsmallest(size - 1, (k for k in range(self.P) if k != i),
@@ -278,6 +296,35 @@ class MooncakeSystem(SimSystem):
                      kv_ready)
         return group
 
+    def _start_group(self, request: SimRequest, record: RequestRecord, g: int, j: int) -> None:
+        """Place a request routed to declared group ``g``: it starts when the group is free
+        and runs t₁/k · (1 + (k-1)/chunks) plus a chunk's hand-off per stage boundary (the
+        policy's estimate, with the cost model's prefill and transfer times)."""
+        pol, k = self.config.policy, self.config.cpp_group_stages
+        new = request.input_tokens
+        chunks = math.ceil(new / pol.cpp_chunk_tokens)
+        hop = self.cost.transfer_time(min(new, pol.cpp_chunk_tokens)
+                                      * pol.cpp_boundary_bytes_per_token)
+        duration = self.cost.prefill_time(new, 0) / k * (1.0 + (k - 1) / chunks) + (k - 1) * hop
+        start = max(self.loop.now, self.stage_free[g])
+        end = start + duration
+        if self.config.prefill_reject and end - request.arrival_s > pol.ttft_slo_s:
+            record.rejected, record.reject_reason = RejectStage.PREFILL, "prefill_ttft_slo"
+            return
+        self.stage_free[g] = end
+        self.stage_queued[g] += 1
+        record.prefill_id, record.decode_id = str(self.group_ids[g]), str(self.decode_ids[j])
+        record.prefill_start_s, record.prefill_gpu_s = start, duration * k
+        kv_ready = end + self.cost.transfer_time(request.input_tokens * self._kvb)
+        self.pending[request.index] = PendingDecode(
+            kv_ready, request.output_tokens, self.decode_ids[j], request.input_tokens)
+        self.loop.at(end, Priority.COMPLETE, self._group_done, request, record, g, j, kv_ready)
+
+    def _group_done(self, request: SimRequest, record: RequestRecord, g: int, j: int,
+                    kv_ready: float) -> None:
+        self.stage_queued[g] -= 1
+        self._prefill_done(request, record, [], j, kv_ready)
+
     def _decode_busy(self, j: int) -> tuple[float, float]:
         """Estimated window in which decode node ``j`` steps: from now while it runs (else
         from the first KV arriving for it) to the end of its running batch or of the requests
@@ -295,7 +342,8 @@ class MooncakeSystem(SimSystem):
                       j: int, kv_ready: float) -> None:
         for g in group:
             self.queued[g] -= 1
-        self.pool.insert(group[0], request.block_keys)
+        if group:  # a declared group's stages cache no whole-model prefix
+            self.pool.insert(group[0], request.block_keys)
         record.first_token_s = self.loop.now
         if request.output_tokens < 2:
             self.pending.pop(request.index, None)

@@ -64,6 +64,12 @@ class SimConfig:
     limit: int = field(default=0, metadata={"help": "replay only the first N requests (0: all)"})
     output_tokens: int = field(default=0, metadata={
         "help": "give every request this many output tokens (0: the trace's own)"})
+    cpp_groups: int = field(default=0, metadata={
+        "help": "mooncake: declared pipeline groups of cpp_group_stages dedicated stage nodes "
+                "each, beside the prefill nodes (as live stage instances: a node of a group "
+                "holds a layer range and prefills only with its group; 0: none, long prefills "
+                "form groups of any prefill nodes)"})
+    cpp_group_stages: int = field(default=2, metadata={"help": "stages per declared group"})
     dram_kv_tokens: int = field(default=2_000_000, metadata={
         "help": "KV tokens each node's DRAM pool holds (LRU)"})
     prefill_reject: bool = field(default=False, metadata={
@@ -83,6 +89,12 @@ class SimConfig:
     def __post_init__(self) -> None:
         require(self.prefill_nodes >= 1, "prefill_nodes must be >= 1")
         require(self.decode_nodes >= 1, "decode_nodes must be >= 1")
+        require(self.cpp_groups >= 0 and self.cpp_group_stages >= 2,
+                f"cpp_groups must be >= 0 and cpp_group_stages >= 2, got {self.cpp_groups}, "
+                f"{self.cpp_group_stages}")
+        require(not self.cpp_groups or self.system == "mooncake",
+                f"declared pipeline groups are modelled for system mooncake only, not "
+                f"{self.system!r}")
         require(math.isfinite(self.speed) and self.speed > 0,
                 f"speed must be > 0 and finite, got {self.speed}")
         require(self.limit >= 0, "limit must be >= 0 (0 replays the whole trace)")
