@@ -1,14 +1,18 @@
 """The Conductor over a pipeline group (real processes, dummy model, float32): one single prefill
 instance, a group of two stages (``--layers 0:2 / 2:4 --cpp-group g``) and a decode. A long
 prompt goes to the group and its greedy tokens equal one engine's; a short one to the single
-instance; with a stage killed the group leaves the view and long prompts go to the single
+instance; the stages' store objects serve a single instance (assembled) and a later group
+request (each stage its layers); with a stage killed the group leaves the view and long prompts go to the single
 instance (re-dispatched when the dead stage had them)."""
 
 from __future__ import annotations
 
 import random
+import socket
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from harness import request
@@ -17,6 +21,9 @@ from procs import Cluster
 from yuebing.engine.config import EngineConfig
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "store"))
+import store_procs  # noqa: E402
 
 MODEL = "dummy:preset=tiny,vocab=512,layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,ctx=4096,tie=0"
 LONG = [random.Random(3).randrange(512) for _ in range(700)]
@@ -33,12 +40,28 @@ def _reference(ids: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = Cluster(["prefill", "prefill --layers 0:2 --cpp-group g",
-                 "prefill --layers 2:4 --cpp-group g", "decode"], model=MODEL,
-                instance_args=FLAGS,
-                conductor_args=("--cpp-threshold-tokens", "300", "--cpp-chunk-tokens", "256"))
-    yield c
-    c.stop()
+    events, admin = _free_port(), _free_port()
+    master = store_procs.master("--events-address", f"tcp://127.0.0.1:{events}",
+                                "--admin-port", str(admin))
+    node = store_procs.node(master.info["address"], "64MiB")
+    try:
+        c = Cluster(["prefill", "prefill --layers 0:2 --cpp-group g",
+                     "prefill --layers 2:4 --cpp-group g", "decode"], model=MODEL,
+                    instance_args=(*FLAGS, "--store-master", master.info["address"]),
+                    conductor_args=("--cpp-threshold-tokens", "300", "--cpp-chunk-tokens",
+                                    "256", "--store-events", f"tcp://127.0.0.1:{events}",
+                                    "--store-admin", f"http://127.0.0.1:{admin}"))
+        yield c
+        c.stop()
+    finally:
+        node.stop()
+        master.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _complete(c: Cluster, ids: list[int]) -> tuple[list[int], dict]:  # type: ignore[type-arg]
@@ -46,7 +69,9 @@ def _complete(c: Cluster, ids: list[int]) -> tuple[list[int], dict]:  # type: ig
         "model": MODEL, "prompt": ids, "max_tokens": 8, "temperature": 0,
         "ignore_eos": True, "return_token_ids": True}, timeout_s=120)
     assert status == 200, body
-    return body["choices"][0]["token_ids"], body["usage"]["yuebing"]
+    ext = dict(body["usage"]["yuebing"], cached_tokens=body["usage"][
+        "prompt_tokens_details"]["cached_tokens"])
+    return body["choices"][0]["token_ids"], ext
 
 
 def test_long_prompts_go_to_the_group_short_ones_to_the_single_instance(cluster: Cluster
@@ -57,9 +82,26 @@ def test_long_prompts_go_to_the_group_short_ones_to_the_single_instance(cluster:
     short_tokens, short_ext = _complete(cluster, SHORT)
     assert long_ext["prefill_instance"] == "g"
     assert short_ext["prefill_instance"] == "prefill-0"
-    again, again_ext = _complete(cluster, LONG)  # the group again: the same tokens
-    assert again_ext["prefill_instance"] == "g" and again == long_tokens
     assert long_tokens == _reference(LONG) and short_tokens == _reference(SHORT)
+
+
+def test_the_groups_store_objects_serve_later_groups_and_single_instances(cluster: Cluster
+                                                                           ) -> None:
+    """After the group prefilled LONG, each stage's two store blocks of its layers are in the
+    store: LONG again (188 uncached tokens, below the threshold) goes to the single instance,
+    which assembles them; a longer prompt on that prefix goes to the group, every stage
+    loading its layers' 512 tokens."""
+    end = time.monotonic() + 30
+    while cluster.health()["kv_index_range_blocks"] != {"0:2": 2, "2:4": 2}:
+        assert time.monotonic() < end, cluster.health()["kv_index_range_blocks"]
+        time.sleep(0.1)
+    tokens, ext = _complete(cluster, LONG)
+    assert (ext["prefill_instance"], ext["cached_tokens"]) == ("prefill-0", 512)
+    assert tokens == _reference(LONG)
+    longer = LONG[:512] + [random.Random(4).randrange(512) for _ in range(400)]
+    tokens, ext = _complete(cluster, longer)
+    assert (ext["prefill_instance"], ext["cached_tokens"]) == ("g", 512)
+    assert tokens == _reference(longer)
 
 
 def test_a_dead_stage_takes_its_group_out_of_the_view(cluster: Cluster) -> None:

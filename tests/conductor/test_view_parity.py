@@ -226,6 +226,21 @@ def test_store_holdings_follow_events_and_resync() -> None:
     assert index.keys_of(STORE_HOLDER) == {21}
 
 
+def test_store_holdings_keep_layer_range_objects_apart() -> None:
+    index, ranges = KvIndex(), KvIndex()
+    h = StoreHoldings(index, lambda: "fp", ranges)
+    s, r = int(EventKind.STORED), int(EventKind.REMOVED)
+    h.apply(_events(1, (s, store_key("fp", 10, (0, 2)), ["a"]),
+                    (s, store_key("fp", 10, (2, 4)), ["a"]), (s, store_key("fp", 11), ["a"]),
+                    (s, store_key("other", 12, (0, 2)), ["a"]), (s, "kv/fp/x@0:2", ["a"])))
+    assert index.keys_of(STORE_HOLDER) == {11}  # range objects never count as whole blocks
+    assert (ranges.keys_of("0:2"), ranges.keys_of("2:4")) == ({10}, {10})
+    h.apply(_events(2, (r, store_key("fp", 10, (2, 4)), ["a"])))
+    assert ranges.keys_of("2:4") == set() and ranges.keys_of("0:2") == {10}
+    h.resync([store_key("fp", 20, (0, 2)), store_key("fp", 21)])
+    assert ranges.keys_of("0:2") == {20} and index.keys_of(STORE_HOLDER) == {21}
+
+
 def test_store_feed_end_to_end_with_a_real_master(tmp_path: Any) -> None:
     pytest.importorskip("zmq")
     import asyncio

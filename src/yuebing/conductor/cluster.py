@@ -88,6 +88,8 @@ class LiveCluster:
         self.queue_order = queue_order
         """The order of each prefill instance's gate (the policy's; None: FIFO)."""
         self.index = KvIndex()
+        self.ranges = KvIndex()
+        """The store's layer-range objects (pipeline stages'): holder ``"A:B"`` → block keys."""
         self.members: dict[InstanceId, Member] = {}
         self.by_address: dict[str, Member] = {}
         self.fingerprint = ""
@@ -289,6 +291,25 @@ class LiveCluster:
             out.append((InstanceId(name or "cpp"), stages))
         return out
 
+    def assembled_run(self, keys: tuple[int, ...]) -> tuple[int, list[str]]:
+        """The longest leading run of ``keys`` whose every layer is in the store as the range
+        objects of one group's tiling (any group ever seen, alive or not), and those ranges."""
+        tilings: dict[str, list[str]] = {}
+        for m in self.members.values():
+            if m.hello.layers:
+                tilings.setdefault(m.hello.group, []).append(m.hello.layers)
+        best: tuple[int, list[str]] = (0, [])
+        for ranges in tilings.values():
+            ranges.sort(key=lambda r: parse_layers(r, None))
+            try:
+                parse_group_layers(ranges, None)
+            except ConfigError:
+                continue
+            run = min(self.ranges.run_of(r, keys) for r in ranges)
+            if run > best[0]:
+                best = (run, ranges)
+        return best
+
     def view(self, info: RequestInfo, prefills: list[Member], decodes: list[Member],
              now_s: float, groups: list[tuple[InstanceId, list[Member]]] | None = None
              ) -> ClusterView:
@@ -298,7 +319,8 @@ class LiveCluster:
         lookup = self.index.lookup(info.block_keys, [m.id for m in prefills])
         states = [decode_state(m.report, m.hello.block_size, m.id)
                   for m in decodes if m.report is not None]
-        glo = [(gid, [self._prefill_load(m, now_s) for m in stages])
+        glo = [(gid, [(self._prefill_load(m, now_s),
+                       self.ranges.run_of(m.hello.layers, info.block_keys)) for m in stages])
                for gid, stages in groups or ()]
         return build_view(now_s, loads, lookup, states, link_bandwidth_Bps=self.link_bandwidth_Bps,
                           link_latency_s=self.link_latency_s, pending=self.pending.values(),

@@ -145,8 +145,12 @@ class Dispatcher:
         tokens = self.policy.prefix_tokens
         n = info.input_tokens
         src = route.fetch_from
-        if route.stages:  # a pipeline group computes the whole prompt (see docs/serving.md)
-            return PrefixPlan(), 0
+        if route.stages:  # every stage loads its range's store objects of the same prefix
+            bt = self.cluster.store_block_tokens
+            blocks = route.reused_blocks if route.reused_blocks * bt < n else \
+                route.reused_blocks - 1  # whole engine blocks, below the prompt's end
+            return (PrefixPlan(tokens=blocks * bt, source="store") if blocks > 0
+                    else PrefixPlan()), 0
         if src == STORE_HOLDER:
             return PrefixPlan(tokens=tokens(route.reused_blocks, n), source="store"), \
                 route.fetch_blocks
@@ -156,6 +160,10 @@ class Dispatcher:
                               peer=str(src), peer_address=peer.address if peer else ""), \
                 route.fetch_blocks
         stored = self.cluster.index.run_of(STORE_HOLDER, info.block_keys)
+        assembled, ranges = self.cluster.assembled_run(info.block_keys)
+        if assembled > max(stored, route.reused_blocks):  # a group's range objects
+            return PrefixPlan(tokens=tokens(assembled, n), source="store",
+                              layer_ranges=ranges), assembled - route.reused_blocks
         if stored > route.reused_blocks:
             return PrefixPlan(tokens=tokens(stored, n), source="store"), \
                 stored - route.reused_blocks
@@ -199,7 +207,7 @@ class Dispatcher:
                     await p.client.submit(SubmitTask(
                         seq=0, request_id=rid, token_ids=req.prompt_ids, sampling=req.sampling,
                         mode=TaskMode.PREFILL, prefix=plan, decode=reserved.target,
-                        stage=_stage_plan(pres, i) if route.stages else None))
+                        stage=_stage_plan(pres, i, plan.tokens) if route.stages else None))
             m.overhead.observe(stats.dispatch_s)
             loop = asyncio.get_running_loop()
             watch = [loop.create_task(_watch_stage(s, pre, rid)) for s in pres[:-1]]
@@ -375,9 +383,9 @@ def _lost_prefill(drain: asyncio.Task[bool], dec: Member, rid: str) -> None:
         dec.client.interrupt(rid, _PREFILL_LOST)
 
 
-def _stage_plan(stages: list[Member], i: int) -> StagePlan:
+def _stage_plan(stages: list[Member], i: int, reuse: int) -> StagePlan:
     last = i == len(stages) - 1
-    return StagePlan(index=i, count=len(stages),
+    return StagePlan(index=i, count=len(stages), prefix_tokens=reuse,
                      next_segment="" if last else stages[i + 1].hello.stage_segment)
 
 

@@ -18,7 +18,7 @@ import urllib.request
 from collections.abc import Callable
 
 from yuebing.conductor.view import STORE_HOLDER, KvIndex
-from yuebing.instance.kvkeys import KEY_PREFIX, parse_store_key
+from yuebing.instance.kvkeys import KEY_PREFIX, parse_range_key, parse_store_key
 from yuebing.protocol.store_cluster import EventKind, KvEvents
 
 log = logging.getLogger(__name__)
@@ -27,47 +27,67 @@ RESYNC_LIMIT = 10_000_000
 
 
 class StoreHoldings:
-    """Key → segments of this fingerprint's store blocks, mirrored into ``index``."""
+    """Key → segments of this fingerprint's store blocks, mirrored into ``index``; with
+    ``ranges``, the pipeline stages' layer-range objects (``...@A:B``) too, mirrored into
+    ``ranges`` with the range as the holder."""
 
-    def __init__(self, index: KvIndex, fingerprint: Callable[[], str]) -> None:
+    def __init__(self, index: KvIndex, fingerprint: Callable[[], str],
+                 ranges: KvIndex | None = None) -> None:
         self.index = index
+        self.ranges = ranges
         self.fingerprint = fingerprint
-        self.segments: dict[int, set[str]] = {}
+        self.segments: dict[tuple[int, str], set[str]] = {}
+        """(block key, layer range or '' for a whole object) → segments holding it."""
         self.events = 0
+
+    def _parse(self, name: str, fp: str) -> tuple[int, str] | None:
+        parsed = parse_store_key(name)
+        if parsed is not None:
+            return (parsed[1], "") if parsed[0] == fp else None
+        ranged = parse_range_key(name) if self.ranges is not None else None
+        return (ranged[1], ranged[2]) if ranged is not None and ranged[0] == fp else None
 
     def apply(self, batch: KvEvents) -> None:
         fp = self.fingerprint()
         if not fp:
             return
-        added: list[int] = []
-        removed: list[int] = []
+        added: dict[str, list[int]] = {}
+        removed: dict[str, list[int]] = {}
         for kind, name, holders in zip(batch.kinds, batch.keys, batch.holders, strict=False):
-            parsed = parse_store_key(name)
-            if parsed is None or parsed[0] != fp:
+            what = self._parse(name, fp)
+            if what is None:
                 continue
-            key = parsed[1]
             self.events += 1
-            segs = self.segments.get(key)
+            segs = self.segments.get(what)
             if kind == EventKind.STORED:
                 if segs is None:
-                    self.segments[key] = segs = set()
-                    added.append(key)
+                    self.segments[what] = segs = set()
+                    added.setdefault(what[1], []).append(what[0])
                 segs.update(holders)
             elif segs is not None:
                 segs.difference_update(holders)
                 segs.discard(_UNKNOWN)
                 if not segs:
-                    del self.segments[key]
-                    removed.append(key)
-        self.index.add(STORE_HOLDER, added)
-        self.index.remove(STORE_HOLDER, removed)
+                    del self.segments[what]
+                    removed.setdefault(what[1], []).append(what[0])
+        for layers in {*added, *removed}:
+            index = self.index if not layers else self.ranges
+            assert index is not None
+            holder = layers or STORE_HOLDER
+            index.add(holder, added.get(layers, []))
+            index.remove(holder, removed.get(layers, []))
 
     def resync(self, names: list[str]) -> None:
         fp = self.fingerprint()
-        keys = [p[1] for p in map(parse_store_key, names) if p is not None and p[0] == fp]
-        self.segments = {k: {_UNKNOWN} for k in keys}
-        self.index.replace(STORE_HOLDER, keys)
-        log.info("store index resynced: %d keys", len(keys))
+        found = [w for w in (self._parse(n, fp) for n in names) if w is not None]
+        self.segments = {w: {_UNKNOWN} for w in found}
+        self.index.replace(STORE_HOLDER, [k for k, layers in found if not layers])
+        if self.ranges is not None:
+            for holder in self.ranges.holder_names():
+                self.ranges.replace(holder, [])
+            for layers in {layers for _, layers in found if layers}:
+                self.ranges.replace(layers, [k for k, r in found if r == layers])
+        log.info("store index resynced: %d keys", len(found))
 
 
 class StoreFeed:

@@ -109,7 +109,8 @@ class Conductor:
         for address in self.cfg.instances:
             self.cluster.add(address)
         if self.cfg.store_events:
-            holdings = StoreHoldings(self.cluster.index, lambda: self.cluster.fingerprint)
+            holdings = StoreHoldings(self.cluster.index, lambda: self.cluster.fingerprint,
+                                     self.cluster.ranges)
             self.feed = StoreFeed(self.cfg.store_events, self.cfg.store_admin, holdings,
                                   loop).start()
         if self.cfg.etcd:
@@ -214,6 +215,8 @@ class Conductor:
                 "inflight": self.inflight,
                 "kv_index_blocks": len(c.index),
                 "kv_index_store_blocks": len(c.index.keys_of(STORE_HOLDER)),
+                "kv_index_range_blocks": {r: len(c.ranges.keys_of(r))
+                                          for r in c.ranges.holder_names()},
                 "predictors": self.calibration.state(),
                 "decode_durations": self.durations.state()}
 

@@ -59,10 +59,11 @@ class PrefixLookup:
 def build_view(now_s: float, prefills: Sequence[PrefillLoad], lookup: PrefixLookup,
                decodes: Sequence[DecodeState], *, link_bandwidth_Bps: float,
                link_latency_s: float, pending: Iterable[PendingDecode] = (),
-               groups: Sequence[tuple[InstanceId, Sequence[PrefillLoad]]] = ()) -> ClusterView:
+               groups: Sequence[tuple[InstanceId, Sequence[tuple[PrefillLoad, int]]]] = ()
+               ) -> ClusterView:
     """The `ClusterView` of one request (see the module docstring for who calls it).
-    ``groups``: declared pipeline groups (id, stage loads in layer order); their stages hold
-    no indexed prefix (each caches only its layers, under its range's keys)."""
+    ``groups``: declared pipeline groups (id, per stage in layer order its load and the
+    leading blocks of the request it can load: its range's store objects)."""
     if len(lookup.local_blocks) != len(prefills):
         raise InputError(f"prefix lookup has {len(lookup.local_blocks)} local lengths for "
                          f"{len(prefills)} prefill instances")
@@ -72,8 +73,8 @@ def build_view(now_s: float, prefills: Sequence[PrefillLoad], lookup: PrefixLook
     src = (PrefixSource(lookup.holder, lookup.best_blocks)
            if lookup.best_blocks > 0 and lookup.holder is not None else None)
     pgroups = tuple(PrefillGroup(gid, tuple(
-        PrefillState(p.instance_id, max(0.0, p.queue_s), p.queued_requests, 0, p.node, p.waiting)
-        for p in stages)) for gid, stages in groups)
+        PrefillState(p.instance_id, max(0.0, p.queue_s), p.queued_requests, n, p.node, p.waiting)
+        for p, n in stages)) for gid, stages in groups)
     return ClusterView(now_s=now_s, prefills=states, decodes=tuple(decodes), best_prefix=src,
                        link_bandwidth_Bps=link_bandwidth_Bps, link_latency_s=link_latency_s,
                        pending_decodes=tuple(pending), groups=pgroups)
@@ -101,6 +102,9 @@ class KvIndex:
 
     def keys_of(self, holder: str) -> frozenset[int]:
         return frozenset(self._keys.get(holder, ()))
+
+    def holder_names(self) -> list[str]:
+        return list(self._keys)
 
     def add(self, holder: str, keys: Iterable[int]) -> None:
         mine = self._keys.setdefault(holder, set())

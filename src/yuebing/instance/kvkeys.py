@@ -51,3 +51,13 @@ def parse_store_key(name: str) -> tuple[str, BlockHash] | None:
         return fingerprint, BlockHash(int(hexkey, 16))
     except ValueError:
         return None
+
+
+def parse_range_key(name: str) -> tuple[str, BlockHash, str] | None:
+    """(fingerprint, block key, ``"A:B"``) of a layer range's `store_key`; None otherwise."""
+    base, sep, layers = name.rpartition("@")
+    parsed = parse_store_key(base) if sep else None
+    lo, colon, hi = layers.partition(":")
+    if parsed is None or not (colon and lo.isdigit() and hi.isdigit()):
+        return None
+    return parsed[0], parsed[1], layers

@@ -171,8 +171,8 @@ class MooncakeSystem(SimSystem):
                                d.capacity, len(d.waiting), d.waiting_tokens)
                    for j, d in enumerate(self.decodes)]
         lookup = PrefixLookup(tuple(lengths), best, self.prefill_ids[holder] if best > 0 else None)
-        groups = [(gid, [PrefillLoad(sid, max(0.0, self.stage_free[g] - now),
-                                     self.stage_queued[g]) for sid in self.stage_ids[g]])
+        groups = [(gid, [(PrefillLoad(sid, max(0.0, self.stage_free[g] - now),
+                                      self.stage_queued[g]), 0) for sid in self.stage_ids[g]])
                   for g, gid in enumerate(self.group_ids)]
         return build_view(now, loads, lookup, decodes, link_bandwidth_Bps=self.cost.link_Bps,
                           link_latency_s=self.cost.link_latency_s, pending=self.pending.values(),
