@@ -1,8 +1,8 @@
 """TTFT of one long prompt on one prefill instance vs a pipeline group of stages (issue 27).
 
 Starts a decode instance, one whole-model prefill instance and ``--stages`` stage instances
-(``--layers`` equal shares, ``--cpp-group bench``), each with ``--threads`` threads, all on this
-host; answers a short warm-up prompt on each path (not timed), then one ``--tokens``-token prompt
+(``--layers`` equal shares, ``--cpp-group bench``), each with ``--threads`` threads and the same
+pinned attention kernels (`PINNED`), all on this host; answers a short warm-up prompt on each path (not timed), then one ``--tokens``-token prompt
 of random ids, greedy, ``--max-tokens`` tokens, first through the single instance, then through
 the group (a different prompt each time: nothing cached). TTFT is from the submit to the first
 token's event at the client (the instances' own clocks are not used). Prints JSON with
@@ -31,10 +31,16 @@ def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+PINNED = ("--attention", "paged", "--prefill-attention", "sdpa")
+"""Every process runs the same attention kernels: chosen by timing at start (the default), two
+processes on a loaded machine may pick different ones, and their bits (so greedy tokens after a
+while) differ whatever the path."""
+
+
 def start(role: str, model: str, threads: int, *extra: str) -> ReadyProcess:
     return ReadyProcess(yuebing_argv(["serve", role, "--model", model, "--threads",
                                       str(threads), "--no-startup-profile", "--no-lend-cores",
-                                      *extra]), name=role, timeout_s=600)
+                                      *PINNED, *extra]), name=role, timeout_s=600)
 
 
 async def run_one(prefills: list[tuple[InstanceClient, str]], d: InstanceClient, rid: str,
@@ -119,7 +125,9 @@ def main() -> None:
                                        f"{n * i // k}:{n * (i + 1) // k}", "--cpp-group", "bench")
         before = loadavg()
         out = asyncio.run(bench(args, procs))
-        out.update(loadavg_before=before, loadavg_after=loadavg())
+        out.update(loadavg_before=before, loadavg_after=loadavg(), attention={
+            k: f"{p.info['engine']['attention']}/{p.info['engine']['prefill_attention']}"
+            for k, p in procs.items()})
         print(json.dumps(out, indent=2))
     finally:
         stop_all(procs.values())
