@@ -5,8 +5,10 @@ Life cycle: block keys → `RequestInfo` → the request's `ClusterView` → `Po
 `Reject` raises `Rejected`: 429 + Retry-After). Disaggregated when prefill and decode instances
 are alive: the request waits for its turn in the prefill's `PrefillGate`, then ``reserve`` on
 the decode (retried up to ``reserve_wait_s`` while it has no free KV), then ``submit`` of the
-prefill task with its `PrefixPlan` and the `DecodeTarget`; else one coupled ``submit``. The
-instances' events are relayed as `Delta`s (decode events that overtake a first token wait).
+prefill task with its `PrefixPlan` and the `DecodeTarget` (to every stage of a pipeline group,
+each with its `StagePlan`; the last stage's first token is relayed, an earlier stage's error
+ends it at once); else one coupled ``submit``. The instances' events are relayed as `Delta`s
+(decode events that overtake a first token wait).
 """
 
 from __future__ import annotations
@@ -191,23 +193,8 @@ class Dispatcher:
                     seq=0, request_id=rid, token_ids=req.prompt_ids, sampling=req.sampling,
                     mode=TaskMode.COUPLED, prefix=plan))
             else:
-                t0 = time.perf_counter()
-                await pres[0].gate.acquire(rid, info.input_tokens - plan.tokens,
-                                           self.policy.queued(info, route))
-                stats.gate_s += time.perf_counter() - t0
-                for p in pres:
-                    c.admitted(rid, p.id, time.monotonic())
-                involved.append(dec)
-                t0 = time.perf_counter()
-                reserved = await self._reserve(dec, rid, req, deadline)
-                stats.reserve_s += time.perf_counter() - t0
-                stats.dispatched_s = time.perf_counter()
-                for i, p in enumerate(pres):
-                    involved.append(p)
-                    await p.client.submit(SubmitTask(
-                        seq=0, request_id=rid, token_ids=req.prompt_ids, sampling=req.sampling,
-                        mode=TaskMode.PREFILL, prefix=plan, decode=reserved.target,
-                        stage=_stage_plan(pres, i, plan.tokens) if route.stages else None))
+                await self._disaggregated(req, info, route, plan, pres, dec, stats, deadline,
+                                          involved)
             m.overhead.observe(stats.dispatch_s)
             loop = asyncio.get_running_loop()
             watch = [loop.create_task(_watch_stage(s, pre, rid)) for s in pres[:-1]]
@@ -232,6 +219,32 @@ class Dispatcher:
                 c.prefill_done(rid, p.id)
             if not finished and involved:
                 c.spawn(_cancel(involved, rid))
+
+    async def _disaggregated(self, req: GenRequest, info: RequestInfo, route: Route,
+                             plan: PrefixPlan, pres: list[Member], dec: Member,
+                             stats: RequestStats, deadline: float,
+                             involved: list[Member]) -> None:
+        """The request's turn at its prefill instance's gate (a group's: its first stage's),
+        the decode's reservation, then the PREFILL task to the instance or to every stage
+        (each added to ``involved`` before its call, for the cancel on exit)."""
+        c, rid = self.cluster, info.request_id
+        t0 = time.perf_counter()
+        await pres[0].gate.acquire(rid, info.input_tokens - plan.tokens,
+                                   self.policy.queued(info, route))
+        stats.gate_s += time.perf_counter() - t0
+        for p in pres:
+            c.admitted(rid, p.id, time.monotonic())
+        involved.append(dec)
+        t0 = time.perf_counter()
+        reserved = await self._reserve(dec, rid, req, deadline)
+        stats.reserve_s += time.perf_counter() - t0
+        stats.dispatched_s = time.perf_counter()
+        for i, p in enumerate(pres):
+            involved.append(p)
+            await p.client.submit(SubmitTask(
+                seq=0, request_id=rid, token_ids=req.prompt_ids, sampling=req.sampling,
+                mode=TaskMode.PREFILL, prefix=plan, decode=reserved.target,
+                stage=_stage_plan(pres, i, plan.tokens) if route.stages else None))
 
     def _routed(self, info: RequestInfo, route: Route, coupled: bool,
                 stats: RequestStats) -> PrefixPlan:
