@@ -19,7 +19,7 @@ from instance_procs import TINY, Result, collect, run_coupled
 from yuebing.engine.config import EngineConfig
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
-from yuebing.instance.client import InstanceClient
+from yuebing.instance.client import InstanceClient, InstanceError
 from yuebing.instance.kvkeys import store_block_keys, store_key
 from yuebing.ops.procs import yuebing_argv
 from yuebing.protocol.instance import PrefixPlan, Sampling, StagePlan, SubmitTask, TaskMode
@@ -78,6 +78,12 @@ def test_two_stage_group_gives_one_engines_tokens(procs, reference, run):
         segs = [s0.hello["stage_segment"], s1.hello["stage_segment"]]
         first = await run_group([c0, c1], segs, cd, "g1", LONG)
         again = await run_group([c0, c1], segs, cd, "g2", LONG)  # a second one, same links
+        r = await cd.reserve("n2", LONG, GREEDY, timeout_s=60)
+        with pytest.raises(InstanceError, match="one choice"):  # refused, nothing started
+            await c0.submit(SubmitTask(seq=0, request_id="n2", token_ids=LONG, mode=TaskMode.PREFILL,
+                                       sampling=Sampling(max_tokens=2, n=2), decode=r.target,
+                                       stage=StagePlan(index=0, count=2, next_segment=segs[1])))
+        await cd.cancel("n2")
         for c in (c0, c1, cd):
             await c.close()
         return first, again

@@ -118,7 +118,7 @@ class Dispatcher:
     def _decide(self, req: GenRequest, rid: str) -> tuple[RequestInfo, Route, bool]:
         c = self.cluster
         prefills, decodes = c.alive(Role.PREFILL), c.alive(Role.DECODE)
-        groups = c.groups() if decodes else []
+        groups = c.groups() if decodes and req.sampling.n == 1 else []  # groups: one choice
         coupled = not ((prefills or groups) and decodes)
         if coupled:
             prefills = decodes = c.alive(Role.COUPLED)

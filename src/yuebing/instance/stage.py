@@ -109,6 +109,8 @@ class StageRole(InstanceRole):
             raise Refused(ErrorCode.BAD_REQUEST, f"stage {plan.index} of {plan.count} (next "
                           f"{plan.next_segment!r}) does not fit layers "
                           f"{self.inst.cfg.engine.layers} of {self.inst.engine.model_config.num_layers}")
+        if msg.sampling.n > 1:
+            raise Refused(ErrorCode.BAD_REQUEST, "a pipeline group samples one choice (n = 1)")
         if msg.prefix is not None and msg.prefix.source not in ("local", "store"):
             raise Refused(ErrorCode.BAD_REQUEST, "a pipeline stage loads a prefix from its "
                           "own cache or the store (its layers' objects), not a peer")
