@@ -169,6 +169,28 @@ def test_declared_groups_give_the_same_views_and_decisions() -> None:
     assert {(16, 0.0, "g0"), (16, 9.0, "p0"), (2, 0.0, "p0")} <= chosen, chosen
 
 
+def test_groups_need_every_stage_alive_and_ranges_that_tile_the_model(caplog: Any) -> None:
+    live = _live([], [], 1)
+
+    def stage(name: str, layers: str, group: str) -> Member:
+        h = msgspec.structs.replace(_hello(name, Role.PREFILL), layers=layers, num_layers=4,
+                                    group=group)
+        m = Member(f"tcp://{name}:1", SimpleNamespace(), h,  # type: ignore[arg-type]
+                   _report(name, 0, 0), seen_s=NOW)
+        live.members[m.id] = m
+        return m
+    stage("a1", "2:4", "a")
+    a0 = stage("a0", "0:2", "a")
+    stage("b0", "0:3", "b")
+    stage("b1", "2:4", "b")
+    stage("c0", "0:2", "c")  # c1 has not joined (yet)
+    assert [(g, [m.id for m in ms]) for g, ms in live.groups()] == [("a", ["a0", "a1"])]
+    assert live.alive(Role.PREFILL) == []  # stages never serve alone
+    assert "pipeline group 'b' is not used: layer ranges 0:3, 2:4 overlap at 2:3" in caplog.text
+    a0.alive = False
+    assert live.groups() == []
+
+
 def test_kv_index_matches_the_simulated_pool() -> None:
     rng = random.Random(3)
     pool, index = GlobalKVPool(5, 10**6), KvIndex()

@@ -99,6 +99,8 @@ class LiveCluster:
         self.admit_checks: list[Callable[[Hello], str]] = []
         """More checks of a joining instance's `Hello` ('' = fine, else why it is refused)."""
         self._wanted: set[str] = set()
+        self._group_problems: set[tuple[str, str]] = set()
+        """(group, problem) pairs already logged by `groups`."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._liveness: asyncio.Task[None] | None = None
 
@@ -286,8 +288,11 @@ class LiveCluster:
             try:
                 parse_group_layers([m.hello.layers for m in stages],
                                    stages[0].hello.num_layers or None)
-            except ConfigError:
-                continue  # not (yet) covering the model
+            except ConfigError as e:  # not (yet) covering the model, or overlapping
+                if (name, str(e)) not in self._group_problems:
+                    self._group_problems.add((name, str(e)))
+                    log.warning("pipeline group %r is not used: %s", name or "cpp", e)
+                continue
             out.append((InstanceId(name or "cpp"), stages))
         return out
 
