@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from yuebing.conductor.calibration import Calibration, DecodeDurations
+from yuebing.conductor.calibration import Calibration, DecodeDurations, TbtTail
 from yuebing.conductor.policy import (
     BivariatePolynomial,
     DecodePredictor,
@@ -181,3 +181,26 @@ def test_decode_durations_are_learned_from_finished_requests() -> None:
     off = DecodeDurations(got.append, learn=False, every=1)
     off.observe(1.0)
     assert len(got) == 3 and off.state()["samples"] == 0
+
+
+def test_tbt_tail_is_the_median_ratio_of_recent_requests_within_limits():
+    got: list[float] = []
+    tail = TbtTail(got.append, min_samples=4, every=2)
+    for tbt in (0.06, 0.09, 0.12):  # ratios 2, 3, 4 over a 30 ms step: too few yet
+        tail.observe(tbt, 0.03)
+    assert got == [] and tail.current == 1.0
+    tail.observe(0.3, 0.03)  # ratio 10, held at the limit 4
+    assert got == [3.5] and tail.state() == {"learn": True, "tail": 3.5, "samples": 4}
+    tail.observe(0.01, 0.03)  # ratio 1/3 counts as 1
+    tail.observe(0.12, 0.03)  # 4: the median of 1, 2, 3, 4, 4, 4 is 3.5 again, no change
+    assert got == [3.5]
+    for bad in ((math.nan, 0.03), (0.1, 0.0), (0.1, 1e-4), (-1.0, 0.03), (0.1, math.inf)):
+        tail.observe(*bad)
+    assert len(tail.window) == 6
+
+
+def test_tbt_tail_not_learned_keeps_the_configured_one():
+    got: list[float] = []
+    tail = TbtTail(got.append, learn=False, initial=1.5, min_samples=1, every=1)
+    tail.observe(0.3, 0.03)
+    assert got == [] and tail.current == 1.5 and tail.state()["samples"] == 0

@@ -210,6 +210,22 @@ def test_decode_durations_are_learned_by_the_live_policy(fl: FakeLoop) -> None:
         c.stop()
 
 
+def test_the_tbt_tail_is_learned_by_the_live_policy(fl: FakeLoop) -> None:
+    """The fake decodes a step in 60 ms where the default predictor says 30 ms: after 8
+    requests the policy's tail is their paper TBT per predicted step, about 2."""
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"), d0_kw={"step_s": 0.06})
+    try:
+        assert c.conductor.policy.config.tbt_tail == 1.0
+        for _ in range(8):
+            assert _complete(c, prompt=[1, 2, 3], max_tokens=4)[0] == 200
+        state = request(c.url, "GET", "/health")[1]["tbt_tail"]
+        assert state["learn"] and state["samples"] == 8
+        assert 1.8 <= state["tail"] <= 3.0, state  # a loaded machine stretches the steps
+        assert c.conductor.policy.config.tbt_tail == pytest.approx(state["tail"], abs=1e-4)
+    finally:
+        c.stop()
+
+
 def test_dead_prefill_before_first_token_is_redispatched_once(fl: FakeLoop) -> None:
     # a heartbeat timeout of 4 s: a loaded machine that stalls the fakes' thread for 2 s would
     # drop p0 before the request is routed (it then goes to p1 and nothing is re-dispatched)

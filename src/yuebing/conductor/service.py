@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from yuebing.conductor.api import Limits
-from yuebing.conductor.calibration import Calibration, DecodeDurations
+from yuebing.conductor.calibration import Calibration, DecodeDurations, TbtTail
 from yuebing.conductor.cluster import LiveCluster, Member
 from yuebing.conductor.config import ConductorConfig
 from yuebing.conductor.dispatch import Dispatcher
@@ -74,6 +74,7 @@ class Conductor:
             cfg.predictors or ("given" if predictors is not None else ""), self._use_predictors,
             cfg.predictor_online, cfg.predictor_check)
         self.durations = DecodeDurations(self._use_durations, cfg.learn_decode_durations)
+        self.tail = TbtTail(self._use_tail, cfg.learn_tbt_tail, cfg.policy.tbt_tail)
         self.metrics = ConductorMetrics()
         self.started = int(time.time())
         self.inflight = 0
@@ -123,6 +124,11 @@ class Conductor:
     def _use_durations(self, durations: tuple[float, ...]) -> None:
         """Finished requests gave a new decode-duration distribution (`DecodeDurations`)."""
         self._use_policy(Policy(replace(self.policy.config, decode_durations_s=durations),
+                                self.policy.predictors))
+
+    def _use_tail(self, tail: float) -> None:
+        """Finished requests gave a new TBT tail (`TbtTail`)."""
+        self._use_policy(Policy(replace(self.policy.config, tbt_tail=tail),
                                 self.policy.predictors))
 
     def _use_policy(self, policy: Policy) -> None:
@@ -212,7 +218,7 @@ class Conductor:
                 "kv_index_blocks": len(c.index),
                 "kv_index_store_blocks": len(c.index.keys_of(STORE_HOLDER)),
                 "predictors": self.calibration.state(),
-                "decode_durations": self.durations.state()}
+                "decode_durations": self.durations.state(), "tbt_tail": self.tail.state()}
 
     def pool_loads(self) -> dict[str, float]:
         """The pools' load now (`LiveCluster.pool_loads`, with this policy's predictor and

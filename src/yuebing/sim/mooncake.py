@@ -328,7 +328,9 @@ class MooncakeSystem(SimSystem):
         request's share of a step — would make every arrival-time check pass that this check
         then fails)."""
         assert self.policy is not None, "prepare() runs before the first arrival"
-        return self.policy.decode_time(d.batch_size + 1, d.context_tokens + job.input_tokens + 1)
+        pol = self.policy
+        return pol.tbt(d.batch_size + 1, d.context_tokens + job.input_tokens + 1,
+                       pol.decode_time(1, job.input_tokens))
 
     # -- observation ---------------------------------------------------------------------------
     def load(self) -> dict[str, float]:

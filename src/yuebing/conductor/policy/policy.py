@@ -36,7 +36,7 @@ class Policy:
 
     __slots__ = ("config", "predictors", "max_decode_duration_s", "_prefill", "_decode",
                  "_admission", "_durations", "_mean_duration", "_tail_sums", "prefill_time",
-                 "decode_time", "_tp", "cpp_threshold", "queue_order")
+                 "decode_time", "_tp", "cpp_threshold", "queue_order", "tbt_tail")
 
     def __init__(self, config: PolicyConfig, predictors: Predictors) -> None:
         self.config = config
@@ -51,6 +51,7 @@ class Policy:
         """``prefill_time(new_tokens, cached_tokens)`` seconds (the prefill predictor)."""
         self.decode_time = predictors.decode.predict
         """``decode_time(batch_size, context_tokens)`` seconds per step (the decode predictor)."""
+        self.tbt_tail = config.tbt_tail
         self._tp = predictors.transfer.predict
         self.cpp_threshold: float = float(config.cpp_threshold_tokens or math.inf)
         """New-token count above which a prefill runs pipeline-parallel (inf: never)."""
@@ -110,6 +111,15 @@ class Policy:
         others = sorted(q.queue_s for j, q in enumerate(view.prefills) if j != index)
         return max(self.queue_wait(view, index, t), others[k - 2]), t
 
+    def tbt(self, batch: float, context: float, alone_s: float) -> float:
+        """Predicted paper TBT of a request in a step of ``batch`` requests over ``context``
+        tokens: the step, its part above ``alone_s`` (the request decoding alone,
+        ``decode_time(1, its input)``) scaled by ``tbt_tail``."""
+        step = self.decode_time(batch, context)
+        if self.tbt_tail == 1.0 or step <= alone_s:
+            return step
+        return alone_s + self.tbt_tail * (step - alone_s)
+
     def transfer_time(self, nbytes: float, view: ClusterView) -> float:
         return self._tp(nbytes, view.link_bandwidth_Bps, view.link_latency_s)
 
@@ -148,6 +158,7 @@ class Policy:
             est_prefill_s=plan.prefill_s,
             est_ttft_s=plan.ttft_s,
             est_tbt_s=dplan.tbt_s,
+            est_step_s=dplan.step_s,
         )
 
 

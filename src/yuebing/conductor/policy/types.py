@@ -142,6 +142,9 @@ class Route:
     est_prefill_s: float
     est_ttft_s: float
     est_tbt_s: float
+    """Predicted paper TBT (the mean step with its tail, `Policy.tbt`)."""
+    est_step_s: float = 0.0
+    """Predicted mean decode step on joining (before the tail)."""
 
 
 @dataclass(frozen=True, slots=True)
