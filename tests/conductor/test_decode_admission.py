@@ -220,26 +220,25 @@ def test_policy_config_cli_flags_round_trip():
         config_from_args(type(config()), bad, prefix="policy_")
 
 
-def test_tbt_tail_scales_the_step_above_the_request_alone():
-    """Step of 8 at 1000 context tokens 91 ms, the request alone 21 ms: with a tail of 1.5 the
-    predicted paper TBT is 21 + 1.5 · 70 = 126 ms, over the 100 ms SLO."""
-    busy = view(P0, (decode("d0", batch=7),))
+def test_tbt_tail_scales_the_step_while_the_prefill_pool_is_busy():
+    """A step of 8 at 1000 context tokens takes 91 ms: with a tail of 1.5 and a prefill busy
+    for another 0.5 s, the predicted paper TBT is 136.5 ms, over the 100 ms SLO."""
+    busy = view((prefill("p0", 0.5),), (decode("d0", batch=7),))
     assert isinstance(decide_with(busy, admission="slo"), Route)
     r = decide_with(busy, admission="slo", tbt_tail=1.5)
-    assert r.reason == "tbt_slo" and r.est_tbt_s == pytest.approx(0.126)
+    assert r.reason == "tbt_slo" and r.est_tbt_s == pytest.approx(0.1365)
     r = decide_with(busy, admission="early_rejection", tbt_tail=1.5)
-    assert r.reason == "decode_overload"
-    route = decide_with(busy, tbt_tail=1.5)
-    assert (route.est_tbt_s, route.est_step_s) == (pytest.approx(0.126), pytest.approx(0.091))
-
-
-def test_tbt_tail_leaves_an_idle_instance_and_the_unservable_check_alone():
-    idle = view(P0, (decode("d0"),))
-    route = decide_with(idle, admission="early_rejection", tbt_tail=4.0)
-    assert isinstance(route, Route) and route.est_tbt_s == pytest.approx(0.021)
-    # a busy instance is overloaded, not unservable: the request alone meets the SLO
-    r = decide_with(view(P0, (decode("d0", batch=7),)), admission="early_rejection", tbt_tail=4.0)
     assert r.reason == "decode_overload" and math.isfinite(r.retry_after_s)
+    route = decide_with(busy, tbt_tail=1.5)
+    assert (route.est_tbt_s, route.est_step_s) == (pytest.approx(0.1365), pytest.approx(0.091))
+
+
+def test_tbt_tail_is_off_while_the_prefill_pool_is_idle():
+    """An idle prefill pool: no prefill passes to meet, so the tail cannot keep a cluster that
+    rejected everything (and drained) rejecting."""
+    idle = view(P0, (decode("d0", batch=7),))
+    route = decide_with(idle, admission="early_rejection", tbt_tail=4.0)
+    assert isinstance(route, Route) and route.est_tbt_s == pytest.approx(0.091)
 
 
 @pytest.mark.parametrize("tail", [0.5, math.nan, math.inf])

@@ -57,8 +57,8 @@ class PolicyConfig:
         "distribution the system-level forecast assumes)"))
     tbt_tail: float = field(default=1.0, metadata=_help(
         "a request's paper TBT (the mean of its longest tenth of token intervals) per predicted "
-        "mean decode step, applied to the step's part above the request decoding alone (so an "
-        "idle instance's TBT is never scaled); ≥ 1, learned live by the Conductor"))
+        "mean decode step, applied while a prefill instance has work (decode steps then meet "
+        "prefill passes); ≥ 1, learned live by the Conductor"))
     min_retry_after_s: float = field(default=1.0, metadata=_help(
         "smallest Retry-After a rejection suggests, seconds"))
     cpp_threshold_tokens: int = field(default=0, metadata=_help(

@@ -1,8 +1,8 @@
 """Decode instance selection and the decode-load forecast, called by `Policy.decide`.
 
 A decode instance's *load* for a request is ``max(predicted TBT / TBT SLO, KV after admission /
-KV capacity)``, the predicted TBT being ``decode(batch + 1, context + input tokens)`` with its
-part above the request decoding alone scaled by the learned tail (`Policy.tbt`). Each
+KV capacity)``, the predicted TBT being ``decode(batch + 1, context + input tokens)``, times
+the learned tail while the prefill pool is busy (`Policy.tbt`). Each
 selector (registered by name) counts batch, context and KV its way, then picks the least loaded
 instance whose TBT holds and whose KV fits (else whose KV fits, else the least loaded; ties to
 the first listed). `forecast_state` is arXiv §7.4's system-level forecast.
@@ -135,7 +135,7 @@ def plan_on(pol: Policy, req: RequestInfo, view: ClusterView, state: State,
     batch, ctx, kv = state
     cap = view.decodes[index].kv_capacity_tokens
     context = ctx[index] + req.input_tokens
-    tbt = pol.tbt(batch[index] + 1, context, pol.decode_time(1, req.input_tokens))
+    tbt = pol.tbt(batch[index] + 1, context, pol.prefill_busy(view))
     kv_after = kv[index] + req.input_tokens + req.expected_output_tokens
     return DecodePlan(index, tbt, kv_after <= cap, max(tbt / pol.config.tbt_slo_s, kv_after / cap),
                       pol.decode_time(batch[index] + 1, context))
@@ -148,10 +148,10 @@ def least_loaded_in(pol: Policy, req: RequestInfo, view: ClusterView, state: Sta
     n_in = req.input_tokens
     need = n_in + req.expected_output_tokens
     tbt_of = pol.tbt
-    alone = pol.decode_time(1, n_in)
+    busy = pol.prefill_busy(view)
     best, best_key = 0, (3, 0.0)
     for i, d in enumerate(view.decodes):
-        tbt = tbt_of(batch[i] + 1, ctx[i] + n_in, alone)
+        tbt = tbt_of(batch[i] + 1, ctx[i] + n_in, busy)
         kv_after = kv[i] + need
         fits = kv_after <= d.kv_capacity_tokens
         load = tbt / slo

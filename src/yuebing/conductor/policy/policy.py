@@ -111,14 +111,18 @@ class Policy:
         others = sorted(q.queue_s for j, q in enumerate(view.prefills) if j != index)
         return max(self.queue_wait(view, index, t), others[k - 2]), t
 
-    def tbt(self, batch: float, context: float, alone_s: float) -> float:
+    def tbt(self, batch: float, context: float, busy: bool) -> float:
         """Predicted paper TBT of a request in a step of ``batch`` requests over ``context``
-        tokens: the step, its part above ``alone_s`` (the request decoding alone,
-        ``decode_time(1, its input)``) scaled by ``tbt_tail``."""
+        tokens: the step, times ``tbt_tail`` while the prefill pool is ``busy``."""
         step = self.decode_time(batch, context)
-        if self.tbt_tail == 1.0 or step <= alone_s:
-            return step
-        return alone_s + self.tbt_tail * (step - alone_s)
+        return step * self.tbt_tail if busy else step
+
+    def prefill_busy(self, view: ClusterView) -> bool:
+        """Whether the TBT tail applies: a prefill instance has work queued or running, so
+        decode steps are likely to meet prefill passes (on shared cores, a stretched step).
+        Once admission lets the prefill pool drain, the tail no longer applies: it cannot hold
+        the cluster in rejection."""
+        return self.tbt_tail != 1.0 and any(p.queue_s > 0 for p in view.prefills)
 
     def transfer_time(self, nbytes: float, view: ClusterView) -> float:
         return self._tp(nbytes, view.link_bandwidth_Bps, view.link_latency_s)
