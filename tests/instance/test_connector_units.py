@@ -185,7 +185,7 @@ def test_a_failed_store_call_makes_loads_and_saves_skip_the_store_for_a_while():
     assert conn.save(snap) == 0 and store.calls == 1  # dropped without a call
     assert conn.stats.store_skipped == 2
     assert conn.staging.take(1 << 22) is not None  # every staging byte given back
-    time.sleep(0.35)
+    time.sleep(0.35)  # past store_retry_s: the skipping window is over
     assert conn.fetch(ids, 512).blocks == 0 and store.calls == 1  # no heartbeat answered yet
     store.last_heartbeat = time.monotonic()  # the master answers again
     assert conn.fetch(ids, 512).blocks == 0 and store.calls == 2  # tries again
