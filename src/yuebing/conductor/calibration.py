@@ -1,14 +1,11 @@
-"""Which predictors the Conductor's policy uses, and which instances they hold for.
+"""What the Conductor's policy predicts with, kept true to the instances it routes to.
 
-`LiveCluster` asks `Calibration.admit` about each joining instance's `Hello`: with
-``--predictors FILE`` an instance must run the engine configuration the file was profiled on;
-without one, the first instance bringing a start-up profile sets the predictor of what it does
-(prefill or decode), and later ones must match it. Until then the linear defaults apply. Live,
-`observe` scales the prefill predictor by how long finished prefills really took against their
-estimate (``--predictor-online``); a change reaches the policy through ``on_change``.
-`DecodeDurations` learns the forecast's decode durations from finished requests (first token
-to last), in place of the fixed ``--decode-durations-s``; `TbtTail` the decode load's TBT tail
-(paper TBT per predicted mean step), in place of ``--tbt-tail``.
+`Calibration.admit` (asked by `LiveCluster` per joining `Hello`): with ``--predictors FILE`` an
+instance must run the configuration the file was profiled on; without one, the first start-up
+profile of a role sets that part's predictor and later instances must match it. `observe`
+scales the prefill predictor by finished prefills' time over their estimate. Learned from
+finished requests, in place of flags: `DecodeDurations` (the forecast's decode durations) and
+`TbtTail` (paper TBT per predicted step). Changes reach the policy through ``on_change``.
 """
 
 from __future__ import annotations
