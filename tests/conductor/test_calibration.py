@@ -120,11 +120,11 @@ def test_profile_too_small_to_fit_keeps_defaults(caplog) -> None:
 def test_online_scale_follows_live_prefills_and_survives_a_new_profile() -> None:
     seen = Seen()
     cal = Calibration(linear(prefill_s_per_token=1e-3), "", seen)
-    cal.observe(0.01, 5.0)  # too short to count
-    cal.observe(1.0, 1.03)  # within the step: nothing changes
+    cal.observe(10, 0, 5.0)  # too short to count
+    cal.observe(1000, 0, 1.03)  # within the step: nothing changes
     assert seen.changes == [] and cal.scale == 1.0
     for _ in range(20):  # prefills take twice their estimate
-        cal.observe(1000 * 1e-3 * cal.scale, 2.0)
+        cal.observe(1000, 0, 2.0)
     assert cal.scale == pytest.approx(2.0, rel=0.06)
     assert seen.changes[-1].prefill.predict(1000, 0) == pytest.approx(1000 * 1e-3 * cal.scale)
     # a profile arriving later starts a new scale (the old one was learned on another fit)
@@ -134,18 +134,31 @@ def test_online_scale_follows_live_prefills_and_survives_a_new_profile() -> None
     assert seen.changes[-1].prefill.predict(4000, 0) == pytest.approx(base, rel=0.02)
     assert cal.state()["prefill_scale"] == 1.0
     for _ in range(50):  # absurd ratios are clamped
-        cal.observe(1.0 * cal.scale, 1e6)
+        cal.observe(4000, 0, 1e6)
     assert cal.scale == pytest.approx(4.0)
     for _ in range(6):  # and one outlier does not hold the scale: it comes back within a few
-        cal.observe(1.0 * cal.scale, 1.0 * cal.scale / 4)
+        cal.observe(4000, 0, base / 4)
     assert cal.scale < 1.5
+
+
+def test_online_scale_settles_on_the_ratio_without_overshoot() -> None:
+    """Regression: the target was the scale now times measured / the estimate made at
+    dispatch (under an older scale), so while the scale rose every target was inflated by the
+    rise: a steady 2x overshot to 3.7x in a live run (est/measured TTFT median 0.74)."""
+    seen = Seen()
+    cal = Calibration(linear(prefill_s_per_token=1e-3), "", seen)
+    scales = []
+    for _ in range(30):
+        cal.observe(1000, 0, 2.0)
+        scales.append(cal.scale)
+    assert max(scales) <= 2.0 + 1e-9 and scales[-1] == pytest.approx(2.0, rel=0.06)
 
 
 def test_online_scale_off() -> None:
     seen = Seen()
     cal = Calibration(linear(), "", seen, online=False)
     for _ in range(10):
-        cal.observe(1.0, 3.0)
+        cal.observe(1000, 0, 3.0)
     assert cal.scale == 1.0 and seen.changes == []
 
 

@@ -103,13 +103,18 @@ class Calibration:
                           "configuration": dict(self.pinned[part] or {})}
                    for part in (PREFILL, DECODE)}, "prefill_scale": round(self.scale, 4)}
 
-    def observe(self, est_prefill_s: float, prefill_s: float) -> None:
-        """A finished prefill took ``prefill_s`` where the policy estimated ``est_prefill_s``:
-        move the scale's EWMA, and hand the policy a rescaled predictor when it moved enough."""
-        if not self.online or est_prefill_s < MIN_OBSERVED_S or prefill_s <= 0:
+    def observe(self, new_tokens: int, cached_tokens: int, prefill_s: float) -> None:
+        """A finished prefill computed ``new_tokens`` after ``cached_tokens`` in ``prefill_s``:
+        move the scale's EWMA toward ``prefill_s`` over the unscaled prediction, and hand the
+        policy a rescaled predictor when it moved enough. (Against the unscaled prediction: an
+        estimate made under an older scale would feed that scale back into the new one.)"""
+        if not self.online or new_tokens < 1 or not prefill_s > 0:
+            return
+        base = self.base_prefill.predict(new_tokens, cached_tokens)
+        if base * self.scale < MIN_OBSERVED_S:
             return
         lo, hi = SCALE_LIMITS  # one stalled prefill must not hold the scale at its limit
-        target = min(max(self.scale * prefill_s / est_prefill_s, lo), hi)
+        target = min(max(prefill_s / base, lo), hi)
         self._ewma = target if self._ewma is None else (1 - ALPHA) * self._ewma + ALPHA * target
         k = self._ewma
         if abs(k / self.scale - 1) <= RESCALE_STEP:

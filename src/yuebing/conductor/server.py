@@ -244,7 +244,8 @@ class _Routes:
             if status == 200 or s.dispatched_s is not None:
                 self.c.metrics.finished(s)
             if status == 200 and s.breakdown.prefill_s > 0:
-                self.c.calibration.observe(s.est_prefill_s, s.breakdown.prefill_s)
+                self.c.calibration.observe(s.prompt_tokens - s.cached_tokens, s.cached_tokens,
+                                           s.breakdown.prefill_s)
             if status == 200 and s.completion_tokens > 1:
                 self.c.durations.observe(s.e2e_s - s.ttft_s)
                 self.c.tail.observe(s.tbt_s, s.est_step_s)
