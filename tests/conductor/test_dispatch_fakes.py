@@ -156,9 +156,11 @@ def test_cache_aware_routing_and_prefix_plan(fl: FakeLoop) -> None:
         c.stop()
 
 
-def test_reject_is_429_with_retry_after_and_health_stays_ok(fl: FakeLoop) -> None:
+def test_reject_is_429_with_retry_after_and_health_stays_ok(
+        fl: FakeLoop, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="yuebing.conductor.access")
     c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"), admission="slo",
-                   ttft_slo_s=1.0, p0_kw={"queued_prefill_tokens": 30_000,
+                   ttft_slo_s=1.0, access_log=True, p0_kw={"queued_prefill_tokens": 30_000,
                                           "prefill_tokens_per_s": 10_000.0})
     try:
         conn, resp = response(c.url, "/v1/completions",
@@ -172,6 +174,8 @@ def test_reject_is_429_with_retry_after_and_health_stays_ok(fl: FakeLoop) -> Non
         assert request(c.url, "GET", "/health")[0] == 200
         assert 'yuebing:rejected_requests_total{reason="ttft_slo"} 1.0' in \
             request(c.url, "GET", "/metrics")[1]
+        line = next(r.getMessage() for r in caplog.records if "status=429" in r.getMessage())
+        assert " finish=ttft_slo " in line  # the access log names why
     finally:
         c.stop()
 

@@ -179,7 +179,7 @@ class _Routes:
             return Response(renderer.full(choices, stats), media_type="application/json")
         except Rejected as e:
             err = _rejection(e)
-            self._done(stats, err.status)
+            self._done(stats, err.status, e.reason)  # the access log names why
             raise err from None
         except RequestFailed as e:
             self._done(stats, 500, e.code)
