@@ -258,13 +258,19 @@ def live_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
         bench = subprocess.run(argv, capture_output=True)
         samples = sampler.stop()
         reasons = rejected_by_reason(cluster.get("/metrics").decode())
+        tail = learned_tail(cluster)
     if bench.returncode != 0:
         raise RuntimeError(f"yuebing bench serve failed ({bench.returncode}): "
                            f"{bench.stderr.decode(errors='replace')[-1000:]}")
     rows = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
-    return summarize_live(setup, rows, reasons, samples,
-                          wasted_prefill(logs / "conductor.log", setup.ttft_slo_s,
-                                         setup.tbt_slo_s), retry)
+    return {**summarize_live(setup, rows, reasons, samples,
+                             wasted_prefill(logs / "conductor.log", setup.ttft_slo_s,
+                                            setup.tbt_slo_s), retry), "tbt_tail": tail}
+
+
+def learned_tail(cluster: Cluster) -> float:
+    """The TBT tail the Conductor's policy learned (``/health``), 1.0 if it reports none."""
+    return float(json.loads(cluster.get("/health")).get("tbt_tail", {}).get("tail", 1.0))
 
 
 def summarize_live(setup: Setup, rows: list[dict[str, Any]], reasons: dict[str, int],
@@ -302,9 +308,10 @@ def summarize_live(setup: Setup, rows: list[dict[str, Any]], reasons: dict[str, 
 
 
 def find_max_rate(setup: Setup, nodes: tuple[int, int], rates: list[float],
-                  name: str) -> tuple[float | None, Path]:
+                  name: str) -> tuple[float | None, Path, float]:
     """The largest of ``rates`` with attainment >= 90 % under admission ``none``, and the
-    Conductor's predictors after the sweep (saved as ``OUTDIR/<name>.predictors.json``)."""
+    Conductor's predictors and TBT tail after the sweep (the predictors saved as
+    ``OUTDIR/<name>.predictors.json``)."""
     logs = setup.out / "logs" / name
     path = setup.out / f"{name}.predictors.json"
     with Cluster(setup, nodes, "none", logs) as cluster:
@@ -314,13 +321,14 @@ def find_max_rate(setup: Setup, nodes: tuple[int, int], rates: list[float],
                 "--records", str(setup.out / f"{name}.records.jsonl")]
         bench = subprocess.run(argv, capture_output=True)
         path.write_bytes(cluster.get("/predictors"))
+        tail = learned_tail(cluster)
     if bench.returncode != 0:
         raise RuntimeError(f"yuebing bench serve failed ({bench.returncode}): "
                            f"{bench.stderr.decode(errors='replace')[-1000:]}")
     report = json.loads(bench.stdout)
     (setup.out / f"{name}.json").write_bytes(bench.stdout)
     rate = report.get("max_rate")
-    return (float(rate) if rate is not None else None), path
+    return (float(rate) if rate is not None else None), path, tail
 
 
 # ---------------------------------------------------------------------------- the simulator
@@ -339,12 +347,13 @@ def sim_requests(setup: Setup, rate: float) -> list[SimRequest]:
 
 
 def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
-            predictors: Path) -> dict[str, Any]:
+            predictors: Path, tail: float = 1.0) -> dict[str, Any]:
     selector = "forecast" if policy == "predictive_early_rejection" else "least_loaded"
     cfg = SimConfig(system="mooncake", prefill_nodes=nodes[0], decode_nodes=nodes[1],
                     policy=sim_policy(admission=policy, decode_selector=selector,
                                       block_tokens=64, ttft_slo_s=setup.ttft_slo_s,
                                       tbt_slo_s=setup.tbt_slo_s, cpp_threshold_tokens=1 << 30,
+                                      tbt_tail=tail,
                                       prefill_queue=DEFAULT_QUEUE),  # the live Conductor's
                     cost_model="fitted", profile=str(predictors),
                     sample_interval_s=setup.sample_s)
@@ -373,8 +382,8 @@ def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
 def table(result: dict[str, Any]) -> str:
     lines = ["| cluster | load | policy | goodput live / sim (req/s) | within SLO | rejected "
              "(arrival / reserve) | prefill thrown away (tokens) | TTFT p50 / p99 (s) | "
-             "TBT p99 (ms) | prefill load std / swing | decode load std / swing |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "TBT p99 (ms) | TBT tail | prefill load std / swing | decode load std / swing |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for topo in result["topologies"]:
         for run in topo["runs"]:
             live, sim = run["live"], run["sim"]
@@ -391,6 +400,7 @@ def table(result: dict[str, Any]) -> str:
                 f"({st.get('arrival', 0)} / {st.get('reserve', 0)}) | "
                 f"{live['wasted_tokens']:,} of {live['prefilled_tokens']:,} | "
                 f"{f(lat['ttft_p50'])} / {f(lat['ttft_p99'])} | {f(lat['tbt_p99'], 1e3, 0)} | "
+                f"{f(live.get('tbt_tail'))} | "
                 f"{live['load']['prefill']['std']:.2f} / {live['load']['prefill']['swing']:.2f}"
                 f" | {live['load']['decode']['std']:.2f} / {live['load']['decode']['swing']:.2f}"
                 f" |")
@@ -504,10 +514,10 @@ def main() -> int:
             name = f"{nodes[0]}P{nodes[1]}D"
             topo: dict[str, Any] = {"name": name, "policies": policies, "runs": []}
             if bases:
-                base, predictors = bases[i], None
+                base, predictors, tail = bases[i], None, 1.0
             else:
                 bar.update(task, description=f"{name}: maximum rate")
-                found, predictors = find_max_rate(setup, nodes, find, f"{name}-max")
+                found, predictors, tail = find_max_rate(setup, nodes, find, f"{name}-max")
                 bar.advance(task)
                 if found is None:
                     topo["verdict"] = (f"no rate of {find} reached {TARGET:.0%} attainment; "
@@ -517,12 +527,13 @@ def main() -> int:
                 base = found
             topo["max_rate"] = base
             topo["predictors"] = str(predictors) if predictors else None
+            topo["tbt_tail"] = tail
             for mult in mults:
                 for policy in policies:
                     run_name = f"{name}-x{mult:g}-{policy}"
                     bar.update(task, description=run_name)
                     live = live_run(setup, nodes, policy, base * mult, run_name)
-                    sim = (sim_run(setup, nodes, policy, base * mult, predictors)
+                    sim = (sim_run(setup, nodes, policy, base * mult, predictors, tail)
                            if predictors and not ns.no_sim else None)
                     topo["runs"].append({"multiplier": mult, "rate": base * mult,
                                          "policy": policy, "live": live,

@@ -159,9 +159,10 @@ class FakeServer:
             return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
         if action == "hang":
-            await asyncio.sleep(30)
+            await asyncio.sleep(30)  # the fake server hangs (behaviour under test)
         if chat:
             yield event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+        # the fake's configured first-token delay:
         await asyncio.sleep(self.behaviour.first_token_delay_s)
         n = 0 if action == "no_tokens" else int(body["max_tokens"])
         for i in range(n):

@@ -37,12 +37,12 @@ def main() -> None:
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"standin {a.mode} pid {os.getpid()}", flush=True)
-    time.sleep(a.delay if a.mode != "die-after" else 0)
+    time.sleep(a.delay if a.mode != "die-after" else 0)  # the stand-in's configured start-up delay
     if a.mode == "fail":
         print("standin: cannot bind 127.0.0.1:1 (permission denied)", flush=True)
         sys.exit(3)
     if a.mode == "never":
-        time.sleep(3600)
+        time.sleep(3600)  # a role that never becomes ready
     if a.mode == "stubborn":
         signal.signal(signal.SIGTERM, lambda *_: print("standin: SIGTERM ignored", flush=True))
     extra: dict[str, object] = {}
@@ -72,7 +72,7 @@ def main() -> None:
         http.server.HTTPServer(("127.0.0.1", a.port), H).serve_forever()
     ready(a.ready, **extra)
     if a.mode == "die-after":
-        time.sleep(a.delay)
+        time.sleep(a.delay)  # it dies this long after it was ready
         sys.exit(5)
     while True:
         time.sleep(3600)

@@ -248,7 +248,7 @@ class FakeInstance:
         self.prefilling += 1
         self.max_prefilling = max(self.max_prefilling, self.prefilling)
         try:
-            await asyncio.sleep(self.prefill_delay_s)
+            await asyncio.sleep(self.prefill_delay_s)  # the fake's configured prefill time
             while self.hang and not self.silent and rid not in self._cancelled:
                 await asyncio.sleep(0.01)
         finally:

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from yuebing.conductor.calibration import Calibration, DecodeDurations
+from yuebing.conductor.calibration import Calibration, DecodeDurations, TbtTail
 from yuebing.conductor.policy import (
     BivariatePolynomial,
     DecodePredictor,
@@ -120,11 +120,11 @@ def test_profile_too_small_to_fit_keeps_defaults(caplog) -> None:
 def test_online_scale_follows_live_prefills_and_survives_a_new_profile() -> None:
     seen = Seen()
     cal = Calibration(linear(prefill_s_per_token=1e-3), "", seen)
-    cal.observe(0.01, 5.0)  # too short to count
-    cal.observe(1.0, 1.03)  # within the step: nothing changes
+    cal.observe(10, 0, 5.0)  # too short to count
+    cal.observe(1000, 0, 1.03)  # within the step: nothing changes
     assert seen.changes == [] and cal.scale == 1.0
     for _ in range(20):  # prefills take twice their estimate
-        cal.observe(1000 * 1e-3 * cal.scale, 2.0)
+        cal.observe(1000, 0, 2.0)
     assert cal.scale == pytest.approx(2.0, rel=0.06)
     assert seen.changes[-1].prefill.predict(1000, 0) == pytest.approx(1000 * 1e-3 * cal.scale)
     # a profile arriving later starts a new scale (the old one was learned on another fit)
@@ -134,18 +134,31 @@ def test_online_scale_follows_live_prefills_and_survives_a_new_profile() -> None
     assert seen.changes[-1].prefill.predict(4000, 0) == pytest.approx(base, rel=0.02)
     assert cal.state()["prefill_scale"] == 1.0
     for _ in range(50):  # absurd ratios are clamped
-        cal.observe(1.0 * cal.scale, 1e6)
+        cal.observe(4000, 0, 1e6)
     assert cal.scale == pytest.approx(4.0)
     for _ in range(6):  # and one outlier does not hold the scale: it comes back within a few
-        cal.observe(1.0 * cal.scale, 1.0 * cal.scale / 4)
+        cal.observe(4000, 0, base / 4)
     assert cal.scale < 1.5
+
+
+def test_online_scale_settles_on_the_ratio_without_overshoot() -> None:
+    """Regression: the target was the scale now times measured / the estimate made at
+    dispatch (under an older scale), so while the scale rose every target was inflated by the
+    rise: a steady 2x overshot to 3.7x in a live run (est/measured TTFT median 0.74)."""
+    seen = Seen()
+    cal = Calibration(linear(prefill_s_per_token=1e-3), "", seen)
+    scales = []
+    for _ in range(30):
+        cal.observe(1000, 0, 2.0)
+        scales.append(cal.scale)
+    assert max(scales) <= 2.0 + 1e-9 and scales[-1] == pytest.approx(2.0, rel=0.06)
 
 
 def test_online_scale_off() -> None:
     seen = Seen()
     cal = Calibration(linear(), "", seen, online=False)
     for _ in range(10):
-        cal.observe(1.0, 3.0)
+        cal.observe(1000, 0, 3.0)
     assert cal.scale == 1.0 and seen.changes == []
 
 
@@ -181,3 +194,26 @@ def test_decode_durations_are_learned_from_finished_requests() -> None:
     off = DecodeDurations(got.append, learn=False, every=1)
     off.observe(1.0)
     assert len(got) == 3 and off.state()["samples"] == 0
+
+
+def test_tbt_tail_is_the_median_ratio_of_recent_requests_within_limits():
+    got: list[float] = []
+    tail = TbtTail(got.append, min_samples=4, every=2)
+    for tbt in (0.06, 0.09, 0.12):  # ratios 2, 3, 4 over a 30 ms step: too few yet
+        tail.observe(tbt, 0.03)
+    assert got == [] and tail.current == 1.0
+    tail.observe(0.3, 0.03)  # ratio 10, held at the limit 4
+    assert got == [3.5] and tail.state() == {"learn": True, "tail": 3.5, "samples": 4}
+    tail.observe(0.01, 0.03)  # ratio 1/3 counts as 1
+    tail.observe(0.12, 0.03)  # 4: the median of 1, 2, 3, 4, 4, 4 is 3.5 again, no change
+    assert got == [3.5]
+    for bad in ((math.nan, 0.03), (0.1, 0.0), (0.1, 1e-4), (-1.0, 0.03), (0.1, math.inf)):
+        tail.observe(*bad)
+    assert len(tail.window) == 6
+
+
+def test_tbt_tail_not_learned_keeps_the_configured_one():
+    got: list[float] = []
+    tail = TbtTail(got.append, learn=False, initial=1.5, min_samples=1, every=1)
+    tail.observe(0.3, 0.03)
+    assert got == [] and tail.current == 1.5 and tail.state()["samples"] == 0

@@ -218,3 +218,30 @@ def test_policy_config_cli_flags_round_trip():
     with pytest.raises(ConfigError, match="decode_selector 'fastest' unknown; use one of "
                                           "forecast, least_loaded, random"):
         config_from_args(type(config()), bad, prefix="policy_")
+
+
+def test_tbt_tail_scales_the_step_while_the_prefill_pool_is_busy():
+    """A step of 8 at 1000 context tokens takes 91 ms: with a tail of 1.5 and a prefill busy
+    for another 0.5 s, the predicted paper TBT is 136.5 ms, over the 100 ms SLO."""
+    busy = view((prefill("p0", 0.5),), (decode("d0", batch=7),))
+    assert isinstance(decide_with(busy, admission="slo"), Route)
+    r = decide_with(busy, admission="slo", tbt_tail=1.5)
+    assert r.reason == "tbt_slo" and r.est_tbt_s == pytest.approx(0.1365)
+    r = decide_with(busy, admission="early_rejection", tbt_tail=1.5)
+    assert r.reason == "decode_overload" and math.isfinite(r.retry_after_s)
+    route = decide_with(busy, tbt_tail=1.5)
+    assert (route.est_tbt_s, route.est_step_s) == (pytest.approx(0.1365), pytest.approx(0.091))
+
+
+def test_tbt_tail_is_off_while_the_prefill_pool_is_idle():
+    """An idle prefill pool: no prefill passes to meet, so the tail cannot keep a cluster that
+    rejected everything (and drained) rejecting."""
+    idle = view(P0, (decode("d0", batch=7),))
+    route = decide_with(idle, admission="early_rejection", tbt_tail=4.0)
+    assert isinstance(route, Route) and route.est_tbt_s == pytest.approx(0.091)
+
+
+@pytest.mark.parametrize("tail", [0.5, math.nan, math.inf])
+def test_tbt_tail_below_one_or_not_finite_is_refused(tail):
+    with pytest.raises(ConfigError, match="tbt_tail"):
+        config(tbt_tail=tail)

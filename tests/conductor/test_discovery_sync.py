@@ -67,7 +67,7 @@ def test_instances_stay_while_etcd_drops_their_keys_and_go_once_gone(fl: FakeLoo
                 c.url, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3],
                                            "max_tokens": 60, "stream": True})[1])))
             stream.start()  # 60 tokens at 50 ms: ~3 s in flight
-            time.sleep(0.5)
+            _until("streaming", lambda: len(events) > 1)
             for p in pubs.values():  # their keys go, as etcd drops leases it saw no refresh
                 p.close()            # of (the instances publish again a moment later)
             assert disc.list("instances") == {}

@@ -156,9 +156,11 @@ def test_cache_aware_routing_and_prefix_plan(fl: FakeLoop) -> None:
         c.stop()
 
 
-def test_reject_is_429_with_retry_after_and_health_stays_ok(fl: FakeLoop) -> None:
+def test_reject_is_429_with_retry_after_and_health_stays_ok(
+        fl: FakeLoop, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="yuebing.conductor.access")
     c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"), admission="slo",
-                   ttft_slo_s=1.0, p0_kw={"queued_prefill_tokens": 30_000,
+                   ttft_slo_s=1.0, access_log=True, p0_kw={"queued_prefill_tokens": 30_000,
                                           "prefill_tokens_per_s": 10_000.0})
     try:
         conn, resp = response(c.url, "/v1/completions",
@@ -172,6 +174,8 @@ def test_reject_is_429_with_retry_after_and_health_stays_ok(fl: FakeLoop) -> Non
         assert request(c.url, "GET", "/health")[0] == 200
         assert 'yuebing:rejected_requests_total{reason="ttft_slo"} 1.0' in \
             request(c.url, "GET", "/metrics")[1]
+        line = next(r.getMessage() for r in caplog.records if "status=429" in r.getMessage())
+        assert " finish=ttft_slo " in line  # the access log names why
     finally:
         c.stop()
 
@@ -206,6 +210,22 @@ def test_decode_durations_are_learned_by_the_live_policy(fl: FakeLoop) -> None:
         assert state["in_use"] == "learned" and state["samples"] == 16
         learned = c.conductor.policy.config.decode_durations_s
         assert len(learned) == 16 and max(learned) < 5.0  # fakes decode 3 tokens in ms
+    finally:
+        c.stop()
+
+
+def test_the_tbt_tail_is_learned_by_the_live_policy(fl: FakeLoop) -> None:
+    """The fake decodes a step in 60 ms where the default predictor says 30 ms: after 8
+    requests the policy's tail is their paper TBT per predicted step, about 2."""
+    c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"), d0_kw={"step_s": 0.06})
+    try:
+        assert c.conductor.policy.config.tbt_tail == 1.0
+        for _ in range(8):
+            assert _complete(c, prompt=[1, 2, 3], max_tokens=4)[0] == 200
+        state = request(c.url, "GET", "/health")[1]["tbt_tail"]
+        assert state["learn"] and state["samples"] == 8
+        assert 1.8 <= state["tail"] <= 3.0, state  # a loaded machine stretches the steps
+        assert c.conductor.policy.config.tbt_tail == pytest.approx(state["tail"], abs=1e-4)
     finally:
         c.stop()
 

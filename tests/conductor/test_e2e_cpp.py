@@ -105,16 +105,24 @@ def test_the_groups_store_objects_serve_later_groups_and_single_instances(cluste
     assert tokens == _reference(longer)
 
 
+def _busy(c: Cluster, name: str) -> bool:
+    load = c.health()["load"].get(name, {})
+    return bool(load.get("running") or load.get("queued_prefill_tokens"))
+
+
 def test_a_stage_killed_mid_request_is_survived_and_takes_its_group_out(cluster: Cluster
                                                                         ) -> None:
-    """The first stage is killed while a long prompt is (most likely) in the group: the
+    """The first stage is killed once its load report shows a long prompt in the group: the
     request is re-dispatched to the single instance (or had finished): 200, the right tokens,
     no hang; the group leaves the view."""
     prompt = [random.Random(9).randrange(512) for _ in range(4000)]
     result: list[tuple[list[int], dict]] = []  # type: ignore[type-arg]
     t = threading.Thread(target=lambda: result.append(_complete(cluster, prompt)))
     t.start()
-    time.sleep(0.15)
+    end = time.monotonic() + 60
+    while not result and not _busy(cluster, "prefill-1"):  # until the first stage has it
+        assert time.monotonic() < end, "the request never reached the group"
+        time.sleep(0.01)
     cluster.procs["prefill-1"].kill()
     t.join(90)
     assert result, "the request hung"

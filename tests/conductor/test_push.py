@@ -93,7 +93,7 @@ def test_a_send_held_by_flow_control_finishes_before_the_next_write() -> None:
         assert sent == [b" t1"] and p.ready()
         p.push(Delta([2], " t2", None, time.perf_counter()))
         assert sent == [b" t1"] and not p.ready()  # held: later events take the queue path
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # nothing more may be sent meanwhile
         assert sent == [b" t1"]
         writable.set()
         await p.hold()  # the response's own next write waits for the held send

@@ -30,7 +30,7 @@ def _run(main: Any) -> list[dict[str, Any]]:
 def test_the_work_wins_while_the_client_stays() -> None:
     async def main() -> None:
         async def receive() -> dict[str, Any]:
-            await asyncio.sleep(10)
+            await asyncio.sleep(10)  # a receive that never ends
             return {"type": "http.disconnect"}
         assert await _race(asyncio.sleep(0.01, result=7), receive) == 7
     assert _run(main) == []
@@ -59,7 +59,7 @@ def test_a_watch_that_fails_after_the_race_leaves_no_exception_unretrieved() -> 
     async def main() -> None:
         async def receive() -> dict[str, Any]:
             try:
-                await asyncio.sleep(10)
+                await asyncio.sleep(10)  # a body that never ends
             except asyncio.CancelledError:
                 raise RuntimeError("receive after the response ended") from None
             return {"type": "http.disconnect"}

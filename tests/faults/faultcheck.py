@@ -42,6 +42,21 @@ SERVED = frozenset({Outcome.OK, Outcome.ERROR_STATUS, Outcome.ERROR_EVENT})
 OpenAI error body, or an SSE error event then [DONE])."""
 
 
+def at_rest(rig: Rig, timeout_s: float = 30.0) -> dict[str, Any]:
+    """The levels once nothing runs (no request in flight or running, no pending put) and two
+    readings 0.25 s apart agree: the saves of the last requests have landed."""
+    end = time.monotonic() + timeout_s
+    last: dict[str, Any] = {}
+    while True:
+        got = rig.levels()
+        idle = got["inflight"] == 0 and not got.get("store.pending") and not any(
+            v for k, v in got.items() if k.endswith(".running"))
+        if (idle and got == last) or time.monotonic() > end:
+            return got
+        last = got
+        time.sleep(0.25)
+
+
 class Baseline:
     """The rig, the reference outputs (taken twice: a warm cluster gives the same), the
     levels at rest and the store's bytes per object."""
@@ -50,8 +65,7 @@ class Baseline:
         self.rig = rig
         self.ref = reference(rig.url)
         assert reference(rig.url) == self.ref
-        time.sleep(1.0)
-        self.base = rig.levels()
+        self.base = at_rest(rig)
         used, objects, reservations = rig.store_accounting()
         assert objects > 0
         self.object_bytes = used / (objects + reservations)
@@ -78,7 +92,7 @@ def kill_restart(rig: Rig, role: str) -> Fault:
 def stop_cont(rig: Rig, role: str, seconds: float) -> Fault:
     """``SIGSTOP``, ``seconds``, ``SIGCONT`` (a hung process)."""
     def cont() -> None:
-        time.sleep(seconds)
+        time.sleep(seconds)  # the fault lasts this long
         rig.signal(role, signal.SIGCONT)
     return Fault(lambda: rig.signal(role, signal.SIGSTOP), cont)
 
@@ -111,9 +125,9 @@ def fault_under_load(state: Baseline, role: str, name: str, fault: Fault,
     ``first_error_s``, ``last_error_s``: `_gaps`; ``errors``: the most frequent error details)."""
     rig = state.rig
     load = Load(rig.url, workers, deadline_s)
-    time.sleep(2.0)
+    time.sleep(2.0)  # the load runs before the fault
     t0, down_s, recovery_s = measure(rig, fault)
-    time.sleep(2.0)
+    time.sleep(2.0)  # and after it
     results = load.stop()
     outcomes = Counter(r.outcome.name for r in results)
     during = Counter(r.outcome.name for r in results if t0 <= r.start and r.end <= t0 + down_s)

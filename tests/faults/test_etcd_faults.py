@@ -72,11 +72,11 @@ def _fault(s: EtcdRig, kind: str, late: list[str]) -> Fault:
             etcd.proc.send_signal(signal.SIGSTOP)
 
     def end() -> None:
-        time.sleep(OUT_S / 2)
+        time.sleep(OUT_S / 2)  # etcd stays out this long
         starter = threading.Thread(target=lambda: late.append(rig.add_instance("prefill")),
                                    daemon=True)
         starter.start()
-        time.sleep(OUT_S / 2)
+        time.sleep(OUT_S / 2)  # the second half of the outage
         if kind in ("kill", "wipe"):
             etcd.start()
         else:

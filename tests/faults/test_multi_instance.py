@@ -58,7 +58,7 @@ def test_kill_one_prefill_and_one_decode(state: Baseline) -> None:
             rig.kill(v)
 
     def end() -> None:
-        time.sleep(DOWN_S)
+        time.sleep(DOWN_S)  # the instances stay down this long
         for v in victims:
             rig.start(v)
         rig.wait_joined()

@@ -55,7 +55,7 @@ def state() -> Iterator[tuple[Baseline, Hosts]]:
 
 def _cut(hosts: Hosts, a: str, b: str, seconds: float) -> Fault:
     def heal() -> None:
-        time.sleep(seconds)
+        time.sleep(seconds)  # the cut lasts this long
         hosts.heal(a, b)
     return Fault(lambda: hosts.cut(a, b), heal)
 

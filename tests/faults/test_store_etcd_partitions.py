@@ -109,7 +109,7 @@ def _cut(s: State, links: tuple[tuple[str, str], ...], late: list[str] | None) -
         if late is not None:
             starter.join(s.base.rig.timeout_s)
             end = max(end, time.monotonic() + 1.0)
-        time.sleep(max(0.0, end - time.monotonic()))
+        time.sleep(max(0.0, end - time.monotonic()))  # the fault lasts until end
         for a, b in links:
             s.hosts.heal(a, b)
     return Fault(cut, heal)
@@ -149,15 +149,20 @@ def test_store_etcd_partition_under_load(state: State, case: str) -> None:
     assert row["during"].get("OK", 0) > 0, row  # served during the cut
 
 
-def _served_on(rig: Rig, name: str) -> list[tuple[int, float]]:
+def _served_on(rig: Rig, name: str, count: int) -> list[tuple[int, float]]:
     """(``cached`` tokens, ``prefix_load`` ms) of every request the Conductor's access log
-    shows on prefill instance ``name``."""
-    out = []
-    for line in rig.procs["conductor"].log().splitlines():
-        if f" prefill={name} " in line and "prefix_load=" in line:
-            out.append((int(line.split(" cached=")[1].split()[0]),
-                        float(line.split("prefix_load=")[1].split("ms")[0])))
-    return out
+    shows on prefill instance ``name``, once it shows ``count`` of them (the line is written
+    as the response ends)."""
+    end = time.monotonic() + 10
+    while True:
+        out = []
+        for line in rig.procs["conductor"].log().splitlines():
+            if f" prefill={name} " in line and "prefix_load=" in line:
+                out.append((int(line.split(" cached=")[1].split()[0]),
+                            float(line.split("prefix_load=")[1].split("ms")[0])))
+        if len(out) >= count or time.monotonic() > end:
+            return out
+        time.sleep(0.1)
 
 
 @pytest.mark.timeout(600)
@@ -184,14 +189,12 @@ def test_cold_prefill_across_store_partition(state: State) -> None:
         finally:
             for a, b in links:
                 hosts.heal(a, b)
-        time.sleep(1.0)
-        during = _served_on(rig, new)
+        during = _served_on(rig, new, 3)
         time.sleep(KVConnectorConfig.store_retry_s + 1.0)  # a failed call's skipping is over
         for i in range(3, len(ref)):
             r = one_request(rig.url, i, 30.0)
             assert r.outcome == Outcome.OK and r.tokens == ref[i], r
-        time.sleep(1.0)
-        after = _served_on(rig, new)[len(during):]
+        after = _served_on(rig, new, len(ref))[len(during):]
         print(f"(cached tokens, prefix_load ms) on {new}: during the cut {during}, "
               f"after the heal {after}")
         assert [c for c, _ in during] == [0, 0, 0], during  # computed

@@ -97,7 +97,7 @@ def test_a_claimer_waits_for_the_borrowers_step(tmp_path: Path) -> None:
         got: list[tuple[int, float]] = []
         t = threading.Thread(target=lambda: got.append((lender.acquire(), time.monotonic())))
         t.start()
-        time.sleep(0.3)
+        time.sleep(0.3)  # the lender's claim does not end the borrower's step
         assert not got  # still waiting: the borrower's step holds both cores
         ended = time.monotonic()
         assert borrower.say("end") == "ok"

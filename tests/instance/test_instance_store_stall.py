@@ -36,7 +36,10 @@ def test_a_load_does_not_queue_behind_a_save_stuck_on_a_master_that_never_answer
             c = InstanceClient(inst.address)
             try:
                 cold = await run_coupled(c, "cold", cold_ids, GREEDY)  # its save gets stuck
-                await asyncio.sleep(0.5)  # the save's first master call is out, unanswered
+                end = time.monotonic() + 5
+                while master.received == 0:  # the save's first master call is out, unanswered
+                    assert time.monotonic() < end
+                    await asyncio.sleep(0.01)
                 t0 = time.monotonic()
                 warm = await run_coupled(c, "warm", warm_ids, GREEDY,
                                          PrefixPlan(tokens=512, source="store"))

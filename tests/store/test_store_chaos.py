@@ -83,7 +83,7 @@ def test_chaos_nodes_drain_stall_kill(tmp_path) -> None:
         run_for(chaos, 1, [mst, b, c, d])
         fenced = cl.checker.stats()["quarantined"]
         b.p.proc.send_signal(signal.SIGSTOP)  # stalled past the put timeout: fenced writes
-        time.sleep(2 * PUT_TIMEOUT_S + 1)
+        time.sleep(2 * PUT_TIMEOUT_S + 1)  # past the put timeout: the writes are fenced
         b.p.proc.send_signal(signal.SIGCONT)
         run_for(chaos, 2, [mst, b, c, d])
         with cl.paused():

@@ -122,7 +122,7 @@ def test_a_cancelled_async_get_still_releases_its_read_lease() -> None:
     class Stalled(AsyncIo):
         async def transfer(self, reqs: list, deadline: float, read: bool) -> Any:  # type: ignore[override]
             started.set()
-            await asyncio.sleep(60)
+            await asyncio.sleep(60)  # a transfer that never ends
 
     io = Stalled(AsyncRpc({m.GetReplicas: reps}), DONE)
 

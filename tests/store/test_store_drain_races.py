@@ -114,7 +114,7 @@ def test_a_push_read_after_a_long_copy_gets_no_extra_write_time(busy: str) -> No
 
     def slow(t: NodeTask, *_: object) -> None:
         if t.task == 1:
-            time.sleep(0.4)
+            time.sleep(0.4)  # a slow copy keeps the node's loop busy
             conn.queued.append(late)  # pushed while the loop was busy
         else:
             started.append(t.task)

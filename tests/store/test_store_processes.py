@@ -135,7 +135,7 @@ def test_client_death_drops_its_replicas_only(cluster, client: StoreClient) -> N
     client.put("on/a", b"a" * 100, strategy="preferred", preferred=[seg_a])
     client.put("on/both", b"b" * 100, replicas=2, strategy="preferred", preferred=[seg_c, seg_a])
     c.kill()
-    time.sleep(float(TTL) + 0.6)
+    time.sleep(float(TTL) + 0.6)  # past the node's TTL: the master drops it
     assert client.batch_exists(["on/c", "on/a", "on/both"]) == [False, True, True]
     assert client.get("on/a") == b"a" * 100 and client.get("on/both") == b"b" * 100
 

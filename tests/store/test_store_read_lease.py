@@ -116,7 +116,7 @@ class StallingEngine:
 
     def wait(self, bid: int) -> BatchStatus:
         st, stall = self._finish(bid)
-        time.sleep(stall)
+        time.sleep(stall)  # the injected stall
         return st
 
     def transfer_status(self, reqs: list, timeout: float, inline: bool = True) -> BatchStatus:
@@ -124,7 +124,7 @@ class StallingEngine:
 
     async def wait_async(self, bid: int) -> BatchStatus:
         st, stall = self._finish(bid)
-        await asyncio.sleep(stall)
+        await asyncio.sleep(stall)  # the injected stall
         return st
 
     def free(self, bid: int) -> None:

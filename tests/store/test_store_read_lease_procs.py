@@ -72,7 +72,7 @@ def test_stalled_read_never_returns_a_reused_range() -> None:
 
         t = threading.Thread(target=read)
         t.start()
-        time.sleep(LEASE)
+        time.sleep(LEASE)  # the read outlasts the lease
         _remove_when_unleased(writer, "v", 5.0)
         writer.put("w", W, strategy="preferred", preferred=[second.segment])
         w = writer.rpc.call(m.GetReplicas(key="w")).replicas  # type: ignore[attr-defined]

@@ -149,7 +149,7 @@ class RecordingEngine:
 
     async def wait_async(self, bid: int) -> BatchStatus:
         reqs = self._batches[bid]
-        await asyncio.sleep(self.master.rng.uniform(0, 0.002))
+        await asyncio.sleep(self.master.rng.uniform(0, 0.002))  # the transfer on its way
         for r in reqs:
             self.writes.append(r.offset)
             if r.offset in self.master.committed:

@@ -179,7 +179,7 @@ def test_reservation_idle_too_long_is_not_used(cluster) -> None:
         for i in range(3):
             c.put(f"idle/{i}", bytes([i]) * 5000)
         assert calls.take()[-1:] == ["PutCommit"]
-        time.sleep(0.6)
+        time.sleep(0.6)  # half the write time passes
         c.put("idle/3", b"\x03" * 5000)  # the held one has < half its write time left
         assert calls.take() == ["BatchPutRevoke", "PutStart", "PutEnd"]
         c.put("idle/4", b"\x04" * 5000)
@@ -291,7 +291,7 @@ def test_async_reservation_idle_too_long_goes_back(cluster) -> None:
             for i in range(3):
                 await c.put(f"aidle/{i}", bytes([i]) * 5000)
             assert calls.take()[-1:] == ["PutCommit"]
-            await asyncio.sleep(0.6)
+            await asyncio.sleep(0.6)  # half the write time passes
             await c.put("aidle/3", b"\x03" * 5000)  # < half its write time left: give back
             assert calls.take() == ["BatchPutRevoke", "PutStart", "PutEnd"]
             await c.put("aidle/4", b"\x04" * 5000)

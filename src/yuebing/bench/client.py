@@ -1,17 +1,11 @@
 """Streaming OpenAI-API client of the load generator (aiohttp, Server-Sent Events).
 
-Who calls what: `yuebing.bench.runner` opens one `open_session` (with the bearer token of
-``--api-key-env``, when given), calls `check_endpoint` once
-before any load (unreachable endpoint, not an OpenAI server, unknown model → `InputError`, one
-line), then `send` once per request, concurrently. `send` posts a streaming request to
-``/v1/completions`` (prompt as token ids or text) or ``/v1/chat/completions``, timestamps every
-SSE event that carries output text or token ids on the run's clock, reads ``usage`` (completion,
-prompt and cached prompt tokens) from the final chunk (``stream_options.include_usage``), judges
-the stream (`StreamReader`: completed, and tokens counted) and returns a finished
-`RequestResult`. It never raises for a request's failure: the failure's kind is the
-result's ``error`` (see `RequestResult`). A 429 is a rejection unless ``--retry-429``, which
-waits the ``Retry-After`` (seconds or an HTTP date; 1 s when absent) and resends while the
-request's timeout allows.
+`yuebing.bench.runner` opens one `open_session`, calls `check_endpoint` once before any load
+(unreachable, not an OpenAI server, unknown model → `InputError`), then `send` per request.
+`send` streams ``/v1/completions`` or ``/v1/chat/completions``, timestamps each SSE event with
+output, reads ``usage`` from the final chunk, judges the stream (`StreamReader`) and returns a
+`RequestResult`; a failure is the result's ``error``, never an exception. A 429 is a rejection
+unless ``--retry-429``, which waits ``Retry-After`` and resends within the request's timeout.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """``yuebing bench serve``: replay a Mooncake trace (or a synthetic workload) against any
 OpenAI-compatible endpoint and report SLO attainment, goodput and latency (`yuebing.bench`).
 
-Flags of the run come from `yuebing.bench.config.BenchConfig`; the workload is a trace file or
-``--synth fixed|docqa`` with that generator's flags (``--fixed-*``, ``--docqa-*``, as in
-``yuebing trace synth``); ``--prompt-low/--prompt-high/--prompt-seed`` set the synthesized token
-ids. Everything that can be checked is checked before any load is sent: options, output
-paths, the trace, every prompt, then the endpoint (reachable, an OpenAI server, serving the
-model); a problem exits with status 2 and one line. ``--json`` prints one JSON object (NaN →
-null): ``{"config", "model", "workload", "summary"}``, or for ``--sweep-rates`` ``{...,
-"sweep": [{"rate", "summary"}], "target_attainment", "max_rate"}``. Ctrl-C stops the run:
-the requests in flight are dropped, the report covers those answered (``"interrupted":
-true``), and the exit status is 130.
+Flags come from `yuebing.bench.config.BenchConfig`; the workload is a trace file or ``--synth
+fixed|docqa``. Options, output paths, the trace, every prompt and the endpoint are checked
+before any load; a problem exits 2 with one line. ``--json`` prints one object (``config``,
+``model``, ``workload``, ``summary``; with ``--sweep-rates`` also ``sweep`` and ``max_rate``).
+Ctrl-C drops the requests in flight, reports those answered (``"interrupted": true``), exit 130.
 """
 
 from __future__ import annotations

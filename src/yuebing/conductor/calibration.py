@@ -1,13 +1,11 @@
-"""Which predictors the Conductor's policy uses, and which instances they hold for.
+"""What the Conductor's policy predicts with, kept true to the instances it routes to.
 
-`LiveCluster` asks `Calibration.admit` about each joining instance's `Hello`: with
-``--predictors FILE`` an instance must run the engine configuration the file was profiled on;
-without one, the first instance bringing a start-up profile sets the predictor of what it does
-(prefill or decode), and later ones must match it. Until then the linear defaults apply. Live,
-`observe` scales the prefill predictor by how long finished prefills really took against their
-estimate (``--predictor-online``); a change reaches the policy through ``on_change``.
-`DecodeDurations` learns the forecast's decode durations from finished requests (first token
-to last), in place of the fixed ``--decode-durations-s``.
+`Calibration.admit` (asked by `LiveCluster` per joining `Hello`): with ``--predictors FILE`` an
+instance must run the configuration the file was profiled on; without one, the first start-up
+profile of a role sets that part's predictor and later instances must match it. `observe`
+scales the prefill predictor by finished prefills' time over their estimate. Learned from
+finished requests, in place of flags: `DecodeDurations` (the forecast's decode durations) and
+`TbtTail` (paper TBT per predicted step). Changes reach the policy through ``on_change``.
 """
 
 from __future__ import annotations
@@ -105,13 +103,18 @@ class Calibration:
                           "configuration": dict(self.pinned[part] or {})}
                    for part in (PREFILL, DECODE)}, "prefill_scale": round(self.scale, 4)}
 
-    def observe(self, est_prefill_s: float, prefill_s: float) -> None:
-        """A finished prefill took ``prefill_s`` where the policy estimated ``est_prefill_s``:
-        move the scale's EWMA, and hand the policy a rescaled predictor when it moved enough."""
-        if not self.online or est_prefill_s < MIN_OBSERVED_S or prefill_s <= 0:
+    def observe(self, new_tokens: int, cached_tokens: int, prefill_s: float) -> None:
+        """A finished prefill computed ``new_tokens`` after ``cached_tokens`` in ``prefill_s``:
+        move the scale's EWMA toward ``prefill_s`` over the unscaled prediction, and hand the
+        policy a rescaled predictor when it moved enough. (Against the unscaled prediction: an
+        estimate made under an older scale would feed that scale back into the new one.)"""
+        if not self.online or new_tokens < 1 or not prefill_s > 0:
+            return
+        base = self.base_prefill.predict(new_tokens, cached_tokens)
+        if base * self.scale < MIN_OBSERVED_S:
             return
         lo, hi = SCALE_LIMITS  # one stalled prefill must not hold the scale at its limit
-        target = min(max(self.scale * prefill_s / est_prefill_s, lo), hi)
+        target = min(max(prefill_s / base, lo), hi)
         self._ewma = target if self._ewma is None else (1 - ALPHA) * self._ewma + ALPHA * target
         k = self._ewma
         if abs(k / self.scale - 1) <= RESCALE_STEP:
@@ -216,3 +219,60 @@ class DecodeDurations:
         return {"learn": self.learn, "samples": n,
                 "mean_s": round(sum(self.window) / n, 4) if n else None,
                 "in_use": "learned" if self.current else "configured"}
+
+
+TAIL_WINDOW = 32
+"""Finished requests whose paper TBT per predicted step stand for the tail (the latest ones)."""
+TAIL_MIN_SAMPLES = 8
+TAIL_EVERY = 4
+"""The tail is recomputed after this many new requests."""
+TAIL_LIMITS = (1.0, 4.0)
+MIN_STEP_S = 1e-3
+"""Requests predicted a shorter step than this do not count (no prediction to compare with)."""
+
+
+class TbtTail:
+    """The policy's TBT tail (`PolicyConfig.tbt_tail`), learned from finished requests.
+
+    The SLO is on a request's paper TBT, the mean of its longest tenth of token intervals,
+    while the decode predictor gives the mean step: on hosts where a decode step can meet a
+    neighbour's prefill, the first runs well above the second. The tail is the median of
+    paper TBT / predicted step over the last `TAIL_WINDOW` requests, within `TAIL_LIMITS`."""
+
+    def __init__(self, on_change: Callable[[float], None], learn: bool = True,
+                 initial: float = 1.0, window: int = TAIL_WINDOW,
+                 min_samples: int = TAIL_MIN_SAMPLES, every: int = TAIL_EVERY) -> None:
+        self.on_change = on_change
+        self.learn = learn
+        self.current = initial
+        """The tail the policy uses now."""
+        self.window: deque[float] = deque(maxlen=window)
+        self.min_samples, self.every = min_samples, every
+        self._new = 0
+
+    def observe(self, tbt_s: float, est_step_s: float) -> None:
+        """A request finished with paper TBT ``tbt_s`` where the policy predicted a mean step
+        of ``est_step_s``; refreshes the tail every ``every`` requests once ``min_samples``
+        are in, and hands it to the policy when it moved by more than `RESCALE_STEP`."""
+        if not (self.learn and math.isfinite(tbt_s) and tbt_s > 0
+                and math.isfinite(est_step_s) and est_step_s >= MIN_STEP_S):
+            return
+        lo, hi = TAIL_LIMITS
+        self.window.append(min(max(tbt_s / est_step_s, lo), hi))
+        self._new += 1
+        if len(self.window) < self.min_samples or self._new < self.every:
+            return
+        self._new = 0
+        ratios = sorted(self.window)
+        n = len(ratios)
+        tail = ratios[n // 2] if n % 2 else (ratios[n // 2 - 1] + ratios[n // 2]) / 2
+        if abs(tail / self.current - 1) <= RESCALE_STEP:
+            return
+        self.current = tail
+        log.info("TBT tail now %.3f (paper TBT per predicted step, median of %d requests)",
+                 tail, n)
+        self.on_change(tail)
+
+    def state(self) -> dict[str, object]:
+        """For ``/health``: whether it learns, the tail in use, how many requests it holds."""
+        return {"learn": self.learn, "tail": round(self.current, 4), "samples": len(self.window)}

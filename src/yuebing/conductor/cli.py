@@ -66,7 +66,7 @@ def conductor_config(ns: argparse.Namespace) -> ConductorConfig:
 
 
 def run_conductor_command(ns: argparse.Namespace) -> int:
-    from yuebing.conductor.service import run_conductor
+    from yuebing.conductor.server import run_conductor
 
     cfg = conductor_config(ns)
     adopt_cluster_token(cfg.cluster_token)  # its instance clients present it

@@ -58,6 +58,9 @@ class ConductorConfig:
     learn_decode_durations: bool = field(default=True, metadata=_h(
         "predictive early rejection: learn the decode durations the forecast assumes from the "
         "finished requests (first token to last) instead of keeping --decode-durations-s"))
+    learn_tbt_tail: bool = field(default=True, metadata=_h(
+        "learn the policy's TBT tail (a request's paper TBT per predicted mean step, the "
+        "median over recent finished requests) instead of keeping --tbt-tail"))
     prefill_tokens_per_s: float = field(default=2000.0, metadata=_h(
         "prefill speed assumed without a predictor file (tokens/s)"))
     decode_step_s: float = field(default=0.03, metadata=_h(

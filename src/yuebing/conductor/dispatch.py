@@ -256,6 +256,7 @@ class Dispatcher:
         stats.prefill_id, stats.decode_id, stats.prefix_source = str(pre), str(dec), plan.source
         stats.est_ttft_s, stats.est_transfer_s = route.est_ttft_s, route.est_transfer_s
         stats.est_queue_s, stats.est_prefill_s = route.est_queue_s, route.est_prefill_s
+        stats.est_step_s = route.est_step_s
         c.routed(info, route, time.monotonic())
         m.routed_requests.labels(pre, "coupled" if coupled else "prefill").inc()
         if not coupled:

@@ -1,6 +1,6 @@
 """What the Conductor needs of the model: its tokenizer, chat template and shape — not its weights.
 
-`load_model_info(spec)` is called once by `run_conductor` with the same model spec the
+`load_model_info(spec)` is called once by `build_conductor` with the same model spec the
 instances load (``smollm2``, a ``.gguf`` file, a Hugging Face directory, ``dummy[:...]``). It
 reads only metadata (the GGUF header and vocabulary, ``config.json``/``tokenizer.json``), so
 the Conductor starts in about a second and holds no tensors.

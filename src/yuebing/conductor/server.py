@@ -1,6 +1,7 @@
 """The Conductor's HTTP server: OpenAI-compatible routes on Starlette + uvicorn.
 
-`create_app(conductor)` builds the ASGI app; `yuebing.conductor.service.run_conductor` serves it.
+`create_app(conductor)` builds the ASGI app; `run_conductor(cfg)` builds the `Conductor` and
+serves it (called by ``yuebing serve conductor``).
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``),
 ``GET /v1/models``, ``GET /health`` (``?ready=1``: 503 until a request could be routed),
 ``GET /metrics``, ``GET /predictors`` (the predictor file in use). A generation request's
@@ -14,13 +15,16 @@ line and the histograms.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
+import json
 import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -30,16 +34,16 @@ from starlette.routing import Route
 from starlette.types import Receive
 
 from yuebing.conductor.api import ApiError, GenRequest, decode_body, parse_request
+from yuebing.conductor.config import ConductorConfig
 from yuebing.conductor.delta import Delta
 from yuebing.conductor.dispatch import Rejected, RequestFailed
 from yuebing.conductor.policy import RejectReason
 from yuebing.conductor.push import Pusher, SseResponse
 from yuebing.conductor.render import DONE, Choices, Renderer, error_event
+from yuebing.conductor.service import Conductor, build_conductor
 from yuebing.conductor.stats import RequestStats
+from yuebing.core.errors import ConfigError
 from yuebing.ops.admin import METRICS_CONTENT_TYPE
-
-if TYPE_CHECKING:
-    from yuebing.conductor.service import Conductor
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("yuebing.conductor.access")
@@ -175,7 +179,7 @@ class _Routes:
             return Response(renderer.full(choices, stats), media_type="application/json")
         except Rejected as e:
             err = _rejection(e)
-            self._done(stats, err.status)
+            self._done(stats, err.status, e.reason)  # the access log names why
             raise err from None
         except RequestFailed as e:
             self._done(stats, 500, e.code)
@@ -240,9 +244,11 @@ class _Routes:
             if status == 200 or s.dispatched_s is not None:
                 self.c.metrics.finished(s)
             if status == 200 and s.breakdown.prefill_s > 0:
-                self.c.calibration.observe(s.est_prefill_s, s.breakdown.prefill_s)
+                self.c.calibration.observe(s.prompt_tokens - s.cached_tokens, s.cached_tokens,
+                                           s.breakdown.prefill_s)
             if status == 200 and s.completion_tokens > 1:
                 self.c.durations.observe(s.e2e_s - s.ttft_s)
+                self.c.tail.observe(s.tbt_s, s.est_step_s)
             if self.c.cfg.access_log:
                 access.info("%s", s.log_line(status))
 
@@ -348,3 +354,36 @@ def _rejection(e: Rejected) -> ApiError:
     status = 503 if e.reason == RejectReason.NO_INSTANCES else 429
     return ApiError(status, str(e), type="server_overloaded", code=e.reason,
                     headers={"Retry-After": retry})
+
+
+def run_conductor(cfg: ConductorConfig, ready_file: str = "") -> int:
+    """Serve until SIGINT/SIGTERM; returns the exit code. With ``ready_file``, ``{"url": ...}``
+    is written there (atomically) once the socket listens (useful with ``port=0``)."""
+    import socket
+
+    import uvicorn
+
+    conductor = build_conductor(cfg)
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((cfg.host, cfg.port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror}") from None
+    sock.listen(1024)
+    host = f"[{cfg.host}]" if family == socket.AF_INET6 else cfg.host
+    conductor.url = f"http://{host}:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(create_app(conductor), log_level="warning",
+                                           access_log=False, lifespan="on",
+                                           timeout_graceful_shutdown=5))
+    if ready_file:
+        tmp = ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"url": conductor.url, "pid": os.getpid()}, f)
+        os.replace(tmp, ready_file)
+    print(f"conductor serving {cfg.model_name} on {conductor.url}", flush=True)
+    gc.freeze()  # start-up's objects (tokenizer, modules) out of every later collection
+    server.run(sockets=[sock])
+    return 0

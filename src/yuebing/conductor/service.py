@@ -1,22 +1,18 @@
-"""`run_conductor(cfg)`: the Conductor process (``yuebing serve conductor``).
+"""`Conductor`: what one Conductor process holds (cluster view, policy, dispatcher, metrics).
 
-Start-up: read the model's tokenizer and shape (`load_model_info`), the predictors (a file from
-``yuebing profile`` or linear ones from the configured rates), build the `Policy`, then serve the
-app of `yuebing.conductor.server` with uvicorn. The app's lifespan (on the server's event loop)
-starts the `LiveCluster` (instances from ``--instances`` and/or etcd discovery), the store's KV
-event feed, and publishes this Conductor's URL in etcd; it stops them on shutdown (SIGINT or
-SIGTERM, handled by uvicorn). Readiness: ``GET /health`` answers 200 once the server listens.
+`build_conductor(cfg)` reads the model's tokenizer and shape (`load_model_info`) and the
+predictors (a file from ``yuebing profile``, or linear ones from the configured rates).
+`yuebing.conductor.server.run_conductor` serves it; the app's lifespan (`Conductor.lifespan`)
+starts the `LiveCluster` (``--instances`` and/or etcd discovery) and the store's KV event feed,
+publishes this Conductor's URL in etcd, and stops them on shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import itertools
-import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from yuebing.conductor.api import Limits
-from yuebing.conductor.calibration import Calibration, DecodeDurations
+from yuebing.conductor.calibration import Calibration, DecodeDurations, TbtTail
 from yuebing.conductor.cluster import LiveCluster, Member
 from yuebing.conductor.config import ConductorConfig
 from yuebing.conductor.dispatch import Dispatcher
@@ -42,7 +38,6 @@ from yuebing.conductor.policy import (
 )
 from yuebing.conductor.render import TokenText
 from yuebing.conductor.view import STORE_HOLDER
-from yuebing.core.errors import ConfigError
 from yuebing.instance.client import InstanceError, InstanceUnavailable
 from yuebing.protocol.instance import Role
 
@@ -74,6 +69,7 @@ class Conductor:
             cfg.predictors or ("given" if predictors is not None else ""), self._use_predictors,
             cfg.predictor_online, cfg.predictor_check)
         self.durations = DecodeDurations(self._use_durations, cfg.learn_decode_durations)
+        self.tail = TbtTail(self._use_tail, cfg.learn_tbt_tail, cfg.policy.tbt_tail)
         self.metrics = ConductorMetrics()
         self.started = int(time.time())
         self.inflight = 0
@@ -124,6 +120,11 @@ class Conductor:
     def _use_durations(self, durations: tuple[float, ...]) -> None:
         """Finished requests gave a new decode-duration distribution (`DecodeDurations`)."""
         self._use_policy(Policy(replace(self.policy.config, decode_durations_s=durations),
+                                self.policy.predictors))
+
+    def _use_tail(self, tail: float) -> None:
+        """Finished requests gave a new TBT tail (`TbtTail`)."""
+        self._use_policy(Policy(replace(self.policy.config, tbt_tail=tail),
                                 self.policy.predictors))
 
     def _use_policy(self, policy: Policy) -> None:
@@ -218,7 +219,7 @@ class Conductor:
                 "kv_index_range_blocks": {r: len(c.ranges.keys_of(r))
                                           for r in c.ranges.holder_names()},
                 "predictors": self.calibration.state(),
-                "decode_durations": self.durations.state()}
+                "decode_durations": self.durations.state(), "tbt_tail": self.tail.state()}
 
     def pool_loads(self) -> dict[str, float]:
         """The pools' load now (`LiveCluster.pool_loads`, with this policy's predictor and
@@ -240,38 +241,3 @@ def build_conductor(cfg: ConductorConfig) -> Conductor:
     model = load_model_info(cfg.model)
     predictors = load_predictors(cfg.predictors) if cfg.predictors else None
     return Conductor(cfg, model, predictors)
-
-
-def run_conductor(cfg: ConductorConfig, ready_file: str = "") -> int:
-    """Serve until SIGINT/SIGTERM; returns the exit code. With ``ready_file``, ``{"url": ...}``
-    is written there (atomically) once the socket listens (useful with ``port=0``)."""
-    import socket
-
-    import uvicorn
-
-    from yuebing.conductor.server import create_app
-
-    conductor = build_conductor(cfg)
-    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((cfg.host, cfg.port))
-    except OSError as e:
-        sock.close()
-        raise ConfigError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror}") from None
-    sock.listen(1024)
-    host = f"[{cfg.host}]" if family == socket.AF_INET6 else cfg.host
-    conductor.url = f"http://{host}:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(create_app(conductor), log_level="warning",
-                                           access_log=False, lifespan="on",
-                                           timeout_graceful_shutdown=5))
-    if ready_file:
-        tmp = ready_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"url": conductor.url, "pid": os.getpid()}, f)
-        os.replace(tmp, ready_file)
-    print(f"conductor serving {cfg.model_name} on {conductor.url}", flush=True)
-    gc.freeze()  # start-up's objects (tokenizer, modules) out of every later collection
-    server.run(sockets=[sock])
-    return 0

@@ -43,6 +43,8 @@ class RequestStats:
     est_transfer_s: float = 0.0
     est_queue_s: float = 0.0
     est_prefill_s: float = 0.0
+    est_step_s: float = 0.0
+    """The predicted mean decode step when it joins (before the TBT tail)."""
 
     def merge(self, b: Breakdown | None) -> None:
         """Fold an instance's breakdown in (each part is filled by the instance that did it)."""

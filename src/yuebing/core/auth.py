@@ -1,16 +1,11 @@
-"""The cluster token: one shared secret that every RPC and control port of a cluster requires
-once a process binds beyond loopback (the store master's RPC, the instances' control sockets;
-the Conductor's HTTP API requires ``--api-key`` instead).
+"""The cluster token: one shared secret every RPC and control port of a cluster requires once a
+process binds beyond loopback (the Conductor's HTTP API takes ``--api-key`` instead).
 
-Rules (`require_token`, called by the configs' validation): a port bound to a loopback address
-(127.0.0.0/8, ::1, ``localhost``) or to ``ipc://``/``inproc://`` needs no token; any other bind
-without a token is a start-up error naming the flag. With a token set, a process requires it
-on every port it serves and sends it on every connection it dials, whatever the address: one
-cluster, one token. The token is ``--cluster-token`` or, when that flag is absent, the
-environment variable ``YUEBING_CLUSTER_TOKEN`` (`env_cluster_token`, the configs' default) —
-the variable is how ``yuebing serve`` hands it to the roles it starts, keeping it off their
-command lines. The token authenticates; it does not encrypt (run a cluster on a network you
-trust, or in a tunnel).
+`require_token` (called by the configs' validation): a loopback, ``ipc://`` or ``inproc://``
+bind needs no token; any other bind without one is a start-up error naming the flag. With a
+token set, a process requires it on every port it serves and sends it on every connection it
+dials. It is ``--cluster-token`` or ``$YUEBING_CLUSTER_TOKEN`` (how ``yuebing serve`` hands it
+to its roles, off their command lines). It authenticates; it does not encrypt.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Child processes that say when they serve, started and stopped through their handle.
 
-`ReadyProcess` starts a command with ``--ready-file F`` appended (every ``yuebing`` service
-command takes it), waits until the process has written the JSON it writes to ``F`` once it
-serves (``info``), and stops it (SIGTERM, then SIGKILL after ``stop_s``) or kills it through the
-handle that started it — never by name. A process that exits or is not ready in time is
-killed, and the error carries the tail of its output. `stop_all` stops several at once.
-
-Who uses it: the benchmarks' process starters (`yuebing.store.benchprocs.Child`, behind
-``yuebing bench store`` and ``yuebing bench instance``; ``benchmarks/conductor_overhead.py``)
-and the multi-process tests (``tests/cli_procs.py``). No I/O but the children's and their
-files in a temporary folder (or ``workdir``).
+`ReadyProcess` starts a command with ``--ready-file F`` appended, waits for the JSON the process
+writes there once it serves (``info``), and stops it (SIGTERM, then SIGKILL) or kills it through
+its handle, never by name. A child that exits or is late is killed, and the error carries its
+output's tail. Used by the benchmarks' process starters (`yuebing.store.benchprocs.Child`,
+``benchmarks/conductor_overhead.py``) and the multi-process tests (``tests/cli_procs.py``).
 """
 
 from __future__ import annotations

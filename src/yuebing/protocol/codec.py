@@ -1,15 +1,8 @@
-"""msgspec-based codec for tagged message structs.
+"""msgspec codec for the tagged message structs of every process boundary (`yuebing.protocol`).
 
-Callers: transfer engine control frames, store master RPC, instance reports. Each package
-declares its messages next to itself, e.g.::
-
-    @register_message
-    class PutStart(Message, tag="store.put_start"):
-        key: str
-        size: int
-
-and sends ``encode(msg)``; the receiver calls ``decode(buf)`` (any registered type) or
-``decode(buf, PutStart)`` (exactly that type).
+A message is declared once, e.g. ``@register_message class PutStart(Message,
+tag="store.put_start")``; the sender calls ``encode(msg)``, the receiver ``decode(buf)`` (any
+registered type) or ``decode(buf, PutStart)`` (exactly that type).
 """
 
 from __future__ import annotations

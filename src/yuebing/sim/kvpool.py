@@ -1,15 +1,11 @@
 """The simulated global KV pool: one LRU block cache per node plus a global index.
 
-Life cycle (Mooncake, paper §3/§4): when a request is routed, the Conductor asks the index for
-the request's longest cached prefix on every prefill node (`GlobalKVPool.prefix_lengths`); the
-chosen node touches the blocks it reuses (`touch`), copies a longer prefix from the holder when
-the policy says so (`insert`: a new replica of hot blocks), and on prefill completion stores all
-of the request's blocks (`insert`). Each node's pool evicts least-recently-used blocks when it
-exceeds its capacity; the index (block → bitmask of holders) follows every insert and eviction.
-
-Semantics shared with ``yuebing trace hit-rate``: a request reuses the longest run of its
-*leading* blocks resident in a pool; blocks are inserted/touched from last to first so a prefix
-is always more recent than its suffix.
+At routing the Conductor asks for each prefill node's longest cached prefix
+(`GlobalKVPool.prefix_lengths`); the chosen node touches what it reuses (`touch`), copies a
+longer prefix when the policy says so (`insert`: a replica of hot blocks), and stores all the
+request's blocks when its prefill ends. Nodes evict least-recently-used blocks over capacity;
+the index (block → bitmask of holders) follows. As in ``yuebing trace hit-rate``, a request
+reuses its longest run of *leading* resident blocks.
 """
 
 from __future__ import annotations

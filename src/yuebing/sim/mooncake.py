@@ -376,7 +376,9 @@ class MooncakeSystem(SimSystem):
         request's share of a step — would make every arrival-time check pass that this check
         then fails)."""
         assert self.policy is not None, "prepare() runs before the first arrival"
-        return self.policy.decode_time(d.batch_size + 1, d.context_tokens + job.input_tokens + 1)
+        busy = self.policy.tbt_tail != 1.0 and any(
+            f > self.loop.now or q for f, q in zip(self.free_at, self.waiting, strict=True))
+        return self.policy.tbt(d.batch_size + 1, d.context_tokens + job.input_tokens + 1, busy)
 
     # -- observation ---------------------------------------------------------------------------
     def load(self) -> dict[str, float]:

@@ -1,15 +1,11 @@
 """The simulator's bridge to the shared Conductor policy: predictors and policy config.
 
-Life cycle: a simulated system calls `policy_for` once before the run. The policy's latency
-predictors are fitted from samples of the run's cost model (exactly what ``yuebing profile``
-does against the real engine), so the policy code sees the same kind of inputs in the
-simulator as live; fits are cached per cost model object. The predictive-early-rejection
-decode-duration distribution is 100 equal-probability quantiles of the workload's output
-lengths times the decode step time of a loaded decode node — the step at full KV capacity,
-capped by the TBT SLO the decode batch is kept under — because the forecast matters exactly
-when decode is loaded (the arXiv §7.4 "fixed distribution"). The policy gets the simulator's
-chunked-pipeline-parallel settings so its TTFT estimate of a long prompt is the pipelined one
-the simulator runs.
+A simulated system calls `policy_for` once before the run. The predictors are fitted from
+samples of the run's cost model (as ``yuebing profile`` does against the engine; cached per cost
+model). The forecast's decode durations are 100 quantiles of the workload's output lengths
+times the step of a loaded decode node (capped by the TBT SLO), since the forecast matters when
+decode is loaded. The policy gets the simulator's CPP settings, so its long-prompt TTFT
+estimate is the pipelined one the simulator runs.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""Prompt synthesis: token ids that realize a trace's ``hash_ids`` sharing.
+"""Prompt synthesis: token ids that realize a trace's ``hash_ids`` sharing, for live benchmarks.
 
-The live bench sends these prompts to real servers, so a server's own prefix cache sees exactly
-the reuse the trace describes. Block j of a request (tokens [j·B, (j+1)·B)) is filled with
-tokens that depend only on (seed, hash_ids[j], position in block): equal hash ids give equal
-token blocks, different ids give different blocks (with overwhelming probability), so chained
-block keys computed over the tokens (`yuebing.core.hash_blocks`) agree exactly where the
-trace's ids agree. A partial last block uses the first tokens of its block. Tokens the
-``hash_ids`` do not cover (a trace may list fewer ids than blocks) are unique to the request:
-they depend on a caller-supplied ``salt`` (by default the request's index in the trace).
-
-Tokens are drawn by a SplitMix64 counter hash in numpy (vectorized, identical on every
-platform), mapped into [low, high) so special tokens of the target tokenizer can be avoided.
+Block j of a request is filled with tokens that depend only on (seed, hash_ids[j], position):
+equal ids give equal blocks and different ids different ones, so block keys over the tokens
+(`yuebing.core.hash_blocks`) agree exactly where the trace's ids do. Tokens no id covers are
+unique to the request (a caller's ``salt``, by default its index). A SplitMix64 counter hash in
+numpy (identical on every platform) maps them into [low, high), avoiding special tokens.
 """
 
 from __future__ import annotations

@@ -55,6 +55,10 @@ class PolicyConfig:
     decode_durations_s: tuple[float, ...] = field(default=(20.0,), metadata=_help(
         "predictive early rejection: equally likely decode durations in seconds (the fixed "
         "distribution the system-level forecast assumes)"))
+    tbt_tail: float = field(default=1.0, metadata=_help(
+        "a request's paper TBT (the mean of its longest tenth of token intervals) per predicted "
+        "mean decode step, applied while a prefill instance has work (decode steps then meet "
+        "prefill passes); ≥ 1, learned live by the Conductor"))
     min_retry_after_s: float = field(default=1.0, metadata=_help(
         "smallest Retry-After a rejection suggests, seconds"))
     cpp_threshold_tokens: int = field(default=0, metadata=_help(
@@ -86,6 +90,8 @@ class PolicyConfig:
                 and self.kvcache_balancing_threshold >= 1.0,
                 "kvcache_balancing_threshold must be ≥ 1 (a ratio of prefix lengths), got "
                 f"{self.kvcache_balancing_threshold}")
+        require(math.isfinite(self.tbt_tail) and self.tbt_tail >= 1.0,
+                f"tbt_tail must be a number ≥ 1, got {self.tbt_tail}")
         for name in ("min_transfer_gain_s", "min_retry_after_s"):
             v = getattr(self, name)
             require(math.isfinite(v) and v >= 0, f"{name} must be ≥ 0, got {v}")

@@ -1,7 +1,8 @@
 """Decode instance selection and the decode-load forecast, called by `Policy.decide`.
 
 A decode instance's *load* for a request is ``max(predicted TBT / TBT SLO, KV after admission /
-KV capacity)``, the predicted TBT being ``decode(batch + 1, context + input tokens)``. Each
+KV capacity)``, the predicted TBT being ``decode(batch + 1, context + input tokens)``, times
+the learned tail while the prefill pool is busy (`Policy.tbt`). Each
 selector (registered by name) counts batch, context and KV its way, then picks the least loaded
 instance whose TBT holds and whose KV fits (else whose KV fits, else the least loaded; ties to
 the first listed). `forecast_state` is arXiv §7.4's system-level forecast.
@@ -47,8 +48,11 @@ class DecodePlan:
 
     index: int
     tbt_s: float
+    """Predicted paper TBT (`Policy.tbt`)."""
     kv_fits: bool
     load: float
+    step_s: float
+    """Predicted mean step, before the tail (what `TbtTail` compares the paper TBT with)."""
 
 
 DecodeSelector = Callable[["Policy", RequestInfo, ClusterView, float], DecodePlan]
@@ -130,9 +134,11 @@ def plan_on(pol: Policy, req: RequestInfo, view: ClusterView, state: State,
     """TBT, KV fit and load of ``req`` joining instance ``index`` in ``state``."""
     batch, ctx, kv = state
     cap = view.decodes[index].kv_capacity_tokens
-    tbt = pol.decode_time(batch[index] + 1, ctx[index] + req.input_tokens)
+    context = ctx[index] + req.input_tokens
+    tbt = pol.tbt(batch[index] + 1, context, pol.prefill_busy(view))
     kv_after = kv[index] + req.input_tokens + req.expected_output_tokens
-    return DecodePlan(index, tbt, kv_after <= cap, max(tbt / pol.config.tbt_slo_s, kv_after / cap))
+    return DecodePlan(index, tbt, kv_after <= cap, max(tbt / pol.config.tbt_slo_s, kv_after / cap),
+                      pol.decode_time(batch[index] + 1, context))
 
 
 def least_loaded_in(pol: Policy, req: RequestInfo, view: ClusterView, state: State) -> DecodePlan:
@@ -141,10 +147,11 @@ def least_loaded_in(pol: Policy, req: RequestInfo, view: ClusterView, state: Sta
     slo = pol.config.tbt_slo_s
     n_in = req.input_tokens
     need = n_in + req.expected_output_tokens
-    decode_time = pol.decode_time
+    tbt_of = pol.tbt
+    busy = pol.prefill_busy(view)
     best, best_key = 0, (3, 0.0)
     for i, d in enumerate(view.decodes):
-        tbt = decode_time(batch[i] + 1, ctx[i] + n_in)
+        tbt = tbt_of(batch[i] + 1, ctx[i] + n_in, busy)
         kv_after = kv[i] + need
         fits = kv_after <= d.kv_capacity_tokens
         load = tbt / slo

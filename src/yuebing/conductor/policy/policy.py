@@ -36,7 +36,7 @@ class Policy:
 
     __slots__ = ("config", "predictors", "max_decode_duration_s", "_prefill", "_decode",
                  "_admission", "_durations", "_mean_duration", "_tail_sums", "prefill_time",
-                 "decode_time", "_tp", "cpp_threshold", "queue_order")
+                 "decode_time", "_tp", "cpp_threshold", "queue_order", "tbt_tail")
 
     def __init__(self, config: PolicyConfig, predictors: Predictors) -> None:
         self.config = config
@@ -51,6 +51,7 @@ class Policy:
         """``prefill_time(new_tokens, cached_tokens)`` seconds (the prefill predictor)."""
         self.decode_time = predictors.decode.predict
         """``decode_time(batch_size, context_tokens)`` seconds per step (the decode predictor)."""
+        self.tbt_tail = config.tbt_tail
         self._tp = predictors.transfer.predict
         self.cpp_threshold: float = float(config.cpp_threshold_tokens or math.inf)
         """New-token count above which a prefill runs pipeline-parallel (inf: never)."""
@@ -125,6 +126,20 @@ class Policy:
         t = self.prefill_time(new_tokens, cached_tokens) / k * (1.0 + (k - 1) / chunks)
         return group.queue_s, t + (k - 1) * hop
 
+    def tbt(self, batch: float, context: float, busy: bool) -> float:
+        """Predicted paper TBT of a request in a step of ``batch`` requests over ``context``
+        tokens: the step, times ``tbt_tail`` while the prefill pool is ``busy``."""
+        step = self.decode_time(batch, context)
+        return step * self.tbt_tail if busy else step
+
+    def prefill_busy(self, view: ClusterView) -> bool:
+        """Whether the TBT tail applies: a prefill instance has work queued or running, so
+        decode steps are likely to meet prefill passes (on shared cores, a stretched step).
+        Once admission lets the prefill pool drain, the tail no longer applies: it cannot hold
+        the cluster in rejection."""
+        stages = (s for g in view.groups for s in g.stages)
+        return self.tbt_tail != 1.0 and any(p.queue_s > 0 for p in (*view.prefills, *stages))
+
     def transfer_time(self, nbytes: float, view: ClusterView) -> float:
         return self._tp(nbytes, view.link_bandwidth_Bps, view.link_latency_s)
 
@@ -167,6 +182,7 @@ class Policy:
             est_prefill_s=plan.prefill_s,
             est_ttft_s=plan.ttft_s,
             est_tbt_s=dplan.tbt_s,
+            est_step_s=dplan.step_s,
             stages=tuple(st.instance_id for st in group.stages) if group else (),
         )
 

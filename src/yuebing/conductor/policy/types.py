@@ -1,15 +1,10 @@
-"""Inputs and outputs of the pure Conductor policies.
+"""Inputs and outputs of the pure Conductor policies, frozen and free of I/O.
 
-Who builds what:
-- The simulator (`yuebing.sim`) and the live Conductor (`yuebing.conductor`) each build a
-  `RequestInfo` and a `ClusterView` for every arriving request and call
-  ``Policy(config, predictors).decide(request, view)`` on the one `Policy` they keep.
-- The policy returns a `Route` (which prefill and decode instance, what prefix to reuse and from
-  where, the estimates) or a `Reject` (why, at which stage, when to retry). The adapter applies it.
-
-Everything here is frozen and free of I/O; ``now_s`` comes in the view, never from a clock.
-Per-request facts (how many leading blocks of *this* request each instance holds) are filled in
-by the adapter, which owns the caches and the global KV index.
+The simulator and the live Conductor each build a `RequestInfo` and a `ClusterView` per
+arriving request (filling in the per-request facts they own: which instance holds how many of
+its leading blocks; ``now_s`` comes in the view, never from a clock) and call
+``Policy.decide``. It returns a `Route` (prefill and decode instance, the prefix to reuse and
+from where, the estimates) or a `Reject` (why, at which stage, when to retry).
 """
 
 from __future__ import annotations
@@ -165,6 +160,9 @@ class Route:
     est_prefill_s: float
     est_ttft_s: float
     est_tbt_s: float
+    """Predicted paper TBT (the mean step with its tail, `Policy.tbt`)."""
+    est_step_s: float = 0.0
+    """Predicted mean decode step on joining (before the tail)."""
     stages: tuple[InstanceId, ...] = ()
     """A route to a pipeline group (``prefill_id`` is its ``group_id``): its stages in layer
     order; empty for a single prefill instance."""

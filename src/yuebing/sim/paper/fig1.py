@@ -1,15 +1,11 @@
 """Figure 1: effective request capacity of Mooncake vs the vLLM baselines at TBT 100/200/300 ms.
 
-16 nodes replay the conversation trace at `SPEED`: Mooncake as 8 prefill + 8 decode nodes
-with global cache-aware scheduling; each coupled baseline (`yuebing.sim.vllm`: vLLM, + prefix
-caching, + chunked prefill) as 16 instances. Effective capacity = share of all requests with
-TTFT ≤ 30 s and TBT (mean of the longest 10 % intervals) ≤ the threshold.
-
-The paper does not state Figure 1's request rate. At the trace's own pace the 16 coupled
-instances are lightly loaded (≈ 2 requests each) and interference is rare, so we replay it
-faster; `SPEED` is one documented choice for all four systems, and `details` reruns the figure
-at every speed of `SENSITIVITY_SPEEDS` (plus Mooncake as 10P+6D) so the dependence on it is
-in the report (docs/reproduction.md).
+16 nodes replay the conversation trace at `SPEED`: Mooncake as 8P + 8D with global
+cache-aware scheduling, each coupled baseline (`yuebing.sim.vllm`) as 16 instances. Effective
+capacity = share of requests with TTFT ≤ 30 s and paper TBT ≤ the threshold. The paper does
+not state the rate; at the trace's own pace the coupled instances are barely loaded, so
+`SPEED` is one documented choice for all four, and `details` reruns at every
+`SENSITIVITY_SPEEDS` (plus Mooncake 10P+6D) so the report shows the dependence.
 """
 
 from __future__ import annotations
