@@ -254,6 +254,7 @@ class Dispatcher:
         pre, dec = route.prefill_id, route.decode_id
         plan, copied = self._plan(route, info)
         stats.prefill_id, stats.decode_id, stats.prefix_source = str(pre), str(dec), plan.source
+        stats.pipelined = bool(route.stages)
         stats.est_ttft_s, stats.est_transfer_s = route.est_ttft_s, route.est_transfer_s
         stats.est_queue_s, stats.est_prefill_s = route.est_queue_s, route.est_prefill_s
         stats.est_step_s = route.est_step_s

@@ -243,7 +243,7 @@ class _Routes:
                 s.error_code = code
             if status == 200 or s.dispatched_s is not None:
                 self.c.metrics.finished(s)
-            if status == 200 and s.breakdown.prefill_s > 0:
+            if status == 200 and s.breakdown.prefill_s > 0 and not s.pipelined:
                 self.c.calibration.observe(s.prompt_tokens - s.cached_tokens, s.cached_tokens,
                                            s.breakdown.prefill_s)
             if status == 200 and s.completion_tokens > 1:

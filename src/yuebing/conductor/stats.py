@@ -23,6 +23,9 @@ class RequestStats:
     completion_tokens: int = 0
     cached_tokens: int = 0
     prefill_id: str = ""
+    pipelined: bool = False
+    """Prefilled by a pipeline group (``prefill_id`` names it): its prefill time is no
+    single instance's, so it does not scale the prefill predictor."""
     decode_id: str = ""
     prefix_source: str = ""
     dispatched_s: float | None = None
