@@ -43,7 +43,7 @@ def test_the_next_commit_hands_out_the_spare_made_after_the_reply() -> None:
     assert (st["reservations"], st["reservations_spare"]) == (1, 0)
     core.idle()
     st = core.stats().values
-    assert (st["reservations"], st["reservations_spare"], st["objects"]) == (1, 1, 3)
+    assert (st["reservations"], st["reservations_spare"], st["objects"]) == (2, 1, 3)
     assert st["dram_used"] == 5 * SIZE  # three values, the held one and the spare
 
 

@@ -207,11 +207,10 @@ class MasterCore:
 
     def stats(self, msg: m.GetStats | None = None) -> m.Stats:
         n_resv = len(self.reservations)  # counted apart: reservations are not values
-        n_spare = len(self.reservations.spares)  # made ahead, not handed out yet
         out: dict[str, float] = {"objects": len(self.objects.objs) - n_resv,
                                  "pending": len(self.objects.pending) - n_resv,
-                                 "reservations": n_resv - n_spare,
-                                 "reservations_spare": n_spare,
+                                 "reservations": n_resv,  # of which made ahead, unnamed:
+                                 "reservations_spare": len(self.reservations.spares),
                                  "segments": len(self.segments.segs),
                                  "sessions": len(self.sessions.sessions),
                                  "tasks": len(self.tasks.tasks)}
