@@ -187,12 +187,6 @@ class MasterCore:
         self.puts.retry(self.handlers)  # an offload may have made room for a waiting put
         return m.Ok()
 
-    def idle(self) -> None:
-        """Work that can wait until the replies are out, called by the adapter after each
-        round of requests (leader only): the reservations made ahead (`Reserve.make_spares`)."""
-        if self.reserve.wanted:
-            self.reserve.make_spares()
-
     def tick(self) -> None:
         """Housekeeping, called every ``tick_s`` by the adapter."""
         self.fence.quarantine.release_due(self.clock.now(), self.segments.segs)
@@ -209,9 +203,7 @@ class MasterCore:
         n_resv = len(self.reservations)  # counted apart: reservations are not values
         out: dict[str, float] = {"objects": len(self.objects.objs) - n_resv,
                                  "pending": len(self.objects.pending) - n_resv,
-                                 "reservations": n_resv,  # of which made ahead, unnamed:
-                                 "reservations_spare": len(self.reservations.spares),
-                                 "segments": len(self.segments.segs),
+                                 "reservations": n_resv, "segments": len(self.segments.segs),
                                  "sessions": len(self.sessions.sessions),
                                  "tasks": len(self.tasks.tasks)}
         out.update(self.segments.usage())

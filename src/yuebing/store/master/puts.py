@@ -165,8 +165,7 @@ class Puts:
             else:
                 self.effects.counters["zombies"] += 1
                 log.warning("reclaiming zombie put %s", key)
-            # a spare no reply named was never written: freed unfenced
-            self.objects.drop(key, objs[key], event=False, fenced=key not in self.book.spares)
+            self.objects.drop(key, objs[key], event=False)
 
     # -------------------------------------------------------------- waiting for room
     def first_try(self, msg: Message, waiter: object, handler: Handler) -> Message | None:

@@ -33,16 +33,11 @@ class Reservations:
     ``recent`` maps a client to the names of its last consumed reservations and the key each
     one's commit stored (oldest first; clients in the order they last committed)."""
 
-    __slots__ = ("by_client", "by_key", "recent", "seq", "spares")
+    __slots__ = ("by_client", "by_key", "recent", "seq")
 
     def __init__(self) -> None:
         self.by_key: dict[str, tuple[str, Shape]] = {}
         self.by_client: dict[str, dict[Shape, list[str]]] = {}
-        self.spares: dict[str, float] = {}
-        """Reservations made ahead that no reply has named yet (`Reserve.make_spares`), with
-        when each was made: no client can have written into one, so it is freed unfenced when
-        dropped. The leader's alone — not in snapshots or entries: a new leader fences every
-        reservation."""
         self.recent: dict[str, dict[str, str]] = {}
         self.seq = 0
 
@@ -65,7 +60,6 @@ class Reservations:
         got = self.by_key.pop(key, None)
         if got is None:
             return
-        self.spares.pop(key, None)
         client, shape = got
         mine = self.by_client.get(client)
         keys = mine.get(shape) if mine is not None else None
@@ -109,7 +103,6 @@ class Reservations:
         self.seq = max(self.seq, base)
 
     def clear(self) -> None:
-        self.spares.clear()
         self.by_key.clear()
         self.by_client.clear()
         self.recent.clear()

@@ -21,7 +21,7 @@ from yuebing.store.config import MasterConfig
 from yuebing.store.master.effects import Effects
 from yuebing.store.master.objects import Objects
 from yuebing.store.master.puts import Puts
-from yuebing.store.master.reservations import Reservations, Shape, check_key, shape_of
+from yuebing.store.master.reservations import Reservations, check_key, shape_of
 from yuebing.store.master.state import ObjState
 
 log = logging.getLogger(__name__)
@@ -46,15 +46,9 @@ def one_shape(items: list[m.PutItem]) -> bool:
 
 
 class Reserve:
-    """The reservation rules over the book (`Reservations`, which it writes) and `Puts`.
+    """The reservation rules over the book (`Reservations`, which it writes) and `Puts`."""
 
-    A `PutCommit` hands out the next reservation; placing it costs the master about twice the
-    commit itself. So after a commit the master makes the client's following one ahead — a
-    spare, once the replies are out (`make_spares`, `MasterCore.idle`) — and the next commit
-    hands the spare out instead of placing one while its client waits. A spare no reply has
-    named is freed unfenced when it expires or is given up (no write can be under way)."""
-
-    __slots__ = ("book", "cfg", "clock", "effects", "objects", "puts", "wanted")
+    __slots__ = ("book", "cfg", "clock", "effects", "objects", "puts")
 
     def __init__(self, cfg: MasterConfig, clock: Clock, book: Reservations, objects: Objects,
                  puts: Puts, effects: Effects) -> None:
@@ -64,8 +58,6 @@ class Reserve:
         self.objects = objects
         self.puts = puts
         self.effects = effects
-        self.wanted: dict[tuple[str, Shape], m.PutItem] = {}
-        """Spares to make once the replies are out (`make_spares`): per client and shape."""
 
     def reserve(self, client: str, item: m.PutItem) -> m.Reservation | None:
         """A reservation of ``item``'s shape for ``client`` (its oldest one of that shape, or
@@ -83,85 +75,30 @@ class Reserve:
         shape = shape_of(item)
         n = max(0, min(n, MAX_PER_CLIENT))
         keys = rs.held(client, shape)
-        if rs.spares and keys:
-            keys = self._fresh(keys)
-        if not keys and len(rs.by_client.get(client, {})) >= MAX_SHAPES:
-            self.drop_spares(client)  # a spare never holds a new shape back
         count = rs.count(client)
         if (not keys and len(rs.by_client.get(client, {})) >= MAX_SHAPES) \
                 or count + n - len(keys) > MAX_PER_CLIENT:
             n = min(n, len(keys))
-        while len(keys) < n:
-            key = self._place(client, item, shape)
-            if key is None:
-                break
-            keys.append(key)
         objects, expiry = self.objects, self.objects.fence.expiry
+        while len(keys) < n:
+            key = rs.new_key(client, self.objects.objs)
+            resv = m.PutItem(key=key, size=item.size, replicas=item.replicas,
+                             strategy=item.strategy, preferred=item.preferred,
+                             timeout_s=item.timeout_s)
+            code, _ = self.puts.put_one(client, resv, internal=True)
+            if code != C.OK:
+                break
+            rs.add(key, client, shape)
+            objects.due_at_expiry(key)  # useless after its write expiry: reclaimed then
+            self.effects.entry(["resv", key, item.replicas, item.strategy, list(item.preferred)])
+            self.effects.counters["reservations_made"] += 1
+            keys.append(key)
+            count += 1
         segs, objs, now = objects.segments.segs, objects.objs, self.clock.now()
-        out = keys[:n]
-        if rs.spares:
-            for key in out:
-                rs.spares.pop(key, None)  # named in a reply: fenced from now on
         return [m.Reservation(key=key, replicas=[m.Replica(segment=segs[s].name, offset=off)
                                                  for s, off in objs[key].reps],
                               expires_in_s=max(0.0, expiry[key] - now))  # as `expires_in`
-                for key in out]
-
-    def _place(self, client: str, item: m.PutItem, shape: Shape) -> str | None:
-        """A new reservation of ``item``'s shape for ``client`` from free space (its key), or
-        None when there is no room."""
-        key = self.book.new_key(client, self.objects.objs)
-        resv = m.PutItem(key=key, size=item.size, replicas=item.replicas,
-                         strategy=item.strategy, preferred=item.preferred,
-                         timeout_s=item.timeout_s)
-        code, _ = self.puts.put_one(client, resv, internal=True)
-        if code != C.OK:
-            return None
-        self.book.add(key, client, shape)
-        self.objects.due_at_expiry(key)  # useless after its write expiry: reclaimed then
-        self.effects.entry(["resv", key, item.replicas, item.strategy, list(item.preferred)])
-        self.effects.counters["reservations_made"] += 1
-        return key
-
-    # -------------------------------------------------------------- spares
-    def _fresh(self, keys: list[str]) -> list[str]:
-        """``keys`` less the spares among them with under half their write time left, which
-        are freed (unfenced): a reply hands out no reservation that old."""
-        spares, expiry, now = self.book.spares, self.objects.fence.expiry, self.clock.now()
-        out = []
-        for key in keys:
-            made = spares.get(key)
-            if made is not None and expiry[key] - now < (expiry[key] - made) / 2:
-                self.objects.drop(key, self.objects.objs[key], event=False, fenced=False)
-            else:
-                out.append(key)
-        return out
-
-    def make_spares(self) -> None:
-        """Make the spares the commits since the last call asked for (`commit`): one per
-        client and shape at most, within the caps, from free space. Called by
-        `MasterCore.idle` once the replies are out, off the clients' waiting."""
-        wanted, self.wanted = self.wanted, {}
-        rs = self.book
-        for (client, shape), item in wanted.items():
-            keys = rs.held(client, shape)
-            if any(k in rs.spares for k in keys) or rs.count(client) >= MAX_PER_CLIENT \
-                    or (not keys and len(rs.by_client.get(client, {})) >= MAX_SHAPES):
-                continue
-            key = self._place(client, item, shape)
-            if key is not None:
-                rs.spares[key] = self.clock.now()
-
-    def drop_spares(self, client: str) -> None:
-        """Free ``client``'s spares at once, unfenced (no reply named them)."""
-        rs, objs = self.book, self.objects.objs
-        if not rs.spares:
-            return
-        for keys in list(rs.by_client.get(client, {}).values()):
-            for key in [k for k in keys if k in rs.spares]:
-                o = objs.get(key)
-                if o is not None and o.state == ObjState.PENDING:
-                    self.objects.drop(key, o, event=False, fenced=False)
+                for key in keys[:n]]
 
     # -------------------------------------------------------------- commits
     def commit(self, msg: m.PutCommit) -> m.Message:
@@ -170,12 +107,8 @@ class Reserve:
         code, text = self._commit_one(msg.client, msg.reservation, msg.item)
         if code != C.OK:
             return m.Err(code=int(code), message=text)
-        if not msg.reserve_next:
-            return m.PutCommitted(reservation=None)
-        nxt = self.reserve(msg.client, msg.item)  # the spare, when one was made
-        if nxt is not None:
-            self.wanted[(msg.client, shape_of(msg.item))] = msg.item  # the one after it
-        return m.PutCommitted(reservation=nxt)
+        return m.PutCommitted(reservation=self.reserve(msg.client, msg.item)
+                              if msg.reserve_next else None)
 
     def batch_commit(self, msg: m.BatchPutCommit) -> m.Message:
         """Handle `BatchPutCommit`: each item as a `PutCommit` into its reservation, then
@@ -282,7 +215,6 @@ class Reserve:
             self.objects.drop(key, o, event=False, fenced=False)
             self.effects.counters["reservations_returned"] += 1
             out.append(int(C.OK))
-        self.drop_spares(client)  # it stops, or changes shapes: made again if it streams on
         return out
 
     def drop_on_segment(self, sid: int, why: str) -> None:

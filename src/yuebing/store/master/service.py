@@ -131,9 +131,6 @@ class MasterService:
                     next_freeze = time.monotonic() + GC_FREEZE_S
                 self._roles()
                 self.server.poll(min(0.1, max(0.0, next_tick - clock.now())))
-                if self.leading:  # the replies are out
-                    with self.lock:
-                        self.core.idle()
                 if clock.now() >= next_tick:
                     if self.leading:
                         with self.lock:
