@@ -1,4 +1,4 @@
-"""Per-op cost of small remote store calls: N puts then N gets of one value size (4 KiB by
+"""Per-op cost of small remote store calls: N puts, N gets, N exists of one value size (4 KiB by
 default) from a client whose transfer engine is TCP only (every byte crosses loopback), against a
 master and a node started as child processes, as in ``yuebing bench store``'s ``remote_tcp``.
 
@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=3000, help="calls per phase")
     ap.add_argument("--size", default="4KiB")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--ops", default="put,get", help="phases, in order, per round")
+    ap.add_argument("--ops", default="put,get,exists",
+                    help="phases, in order, per round (put, get, exists)")
     ap.add_argument("--hold", type=float, default=0.0,
                     help="seconds to wait after writing --pids-to (attach a profiler)")
     ap.add_argument("--pids-to", default="")
@@ -76,12 +77,14 @@ def main() -> None:
         for r in range(ns.rounds):
             keys = [f"k/{r}/{i}" for i in range(ns.n)]
             for op in res:
-                fn = c.put if op == "put" else None
                 c0 = {who: cpu_s(pid) for who, pid in pids.items()}
                 t = time.perf_counter()
-                if fn is not None:
+                if op == "put":
                     for k in keys:
-                        fn(k, val)
+                        c.put(k, val)
+                elif op == "exists":  # one master round trip: the floor of any remote op
+                    for k in keys:
+                        c.exists(k)
                 else:
                     for k in keys:
                         c.get(k)

@@ -75,6 +75,15 @@ def test_broken_inline_connection_retries_on_the_lanes(make_engine: Make) -> Non
     assert ep._inline is not None and bytes(seg[:1]) == b"y"
 
 
+def test_blocking_transfer_of_one_frame_moves_inline_by_default(make_engine: Make) -> None:
+    _, eng, seg = _pair(make_engine, inline_bytes=64 << 10)
+    eng.transfer([TransferRequest(OpCode.WRITE, b"d" * 8, "inl", 64)])  # no lane hand-off
+    assert bytes(seg[64:72]) == b"d" * 8
+    ep = _endpoint(eng)
+    assert ep._inline is not None
+    assert sum(lane.outstanding for lane in ep._lanes) == 0
+
+
 @pytest.mark.parametrize("case", ["mixed", "too_big", "not_asked"])
 def test_what_does_not_qualify_goes_through_the_lanes(make_engine: Make, case: str) -> None:
     _, eng, seg = _pair(make_engine, inline_bytes=64 << 10)

@@ -11,7 +11,7 @@ Quick use (see `TransferEngine` for the life cycle of a batch)::
     bid = peer.submit([TransferRequest(OpCode.WRITE, b"x" * 4096, "node0/dram", 0),
                        TransferRequest(OpCode.READ, buf, "node0/dram", 8192)])
     peer.wait(bid).raise_for_status(); peer.free(bid)
-    peer.transfer([...])                # submit + wait + free, raises TransferError
+    peer.transfer([...])                # submit + wait + free (one frame: in this thread), raises
     await peer.transfer_async([...])    # asyncio
     peer.notify("node0/dram", "topic", b"payload"); owner.next_notify(1.0)
 

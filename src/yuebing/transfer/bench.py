@@ -198,7 +198,7 @@ def measure_cell(remote: str, transport: str, op: str, size: int, batch: int, la
         reqs = [TransferRequest(opcode, local[i * size:(i + 1) * size], remote, i * size)
                 for i in range(batch)]
         for _ in range(2):
-            engine.transfer(reqs)
+            engine.transfer(reqs, inline=False)  # warm the lanes the cell measures
         lat, elapsed, ref_bytes, ref_s, cpu = [], 0.0, 0, 0.0, [0.0, 0.0]
         bufs = (np.ones(size * batch, np.uint8), np.ones(size * batch, np.uint8)) \
             if pair_memcpy else None

@@ -255,8 +255,10 @@ class TransferEngine:
         self._batches.pop(batch_id, None)
 
     def transfer(self, requests: Sequence[TransferRequest],
-                 timeout_s: float | None = None, inline: bool = False) -> BatchStatus:
-        """`transfer_status`, raising `TransferError` unless every request is DONE."""
+                 timeout_s: float | None = None, inline: bool = True) -> BatchStatus:
+        """`transfer_status`, raising `TransferError` unless every request is DONE. A blocking
+        call, so by default (``inline``) a batch of one frame's worth moves in the calling
+        thread, as with `transfer_status`: no lane hand-off for a batch of one."""
         status = self.transfer_status(requests, timeout_s, inline)
         status.raise_for_status()
         return status
