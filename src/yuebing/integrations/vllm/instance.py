@@ -13,7 +13,9 @@ decode, once its pool holds the KV (`KvStreamed`), relays the rest of the answer
 the prompt plus the first token and ``yuebing_recv``. Without pool blocks the KV goes through
 the store (`handoff.Handoff`). The prefix plan is
 not followed here: vLLM's own `YuebingConnector` looks the prompt up in the store with the same
-keys. Load reports come from vLLM's ``/metrics`` (`load.parse_metrics`) every ``report_s``.
+keys. Load reports come from vLLM's ``/metrics`` (`load.parse_metrics`) every ``report_s``,
+with the store-block keys vLLM's own prefix cache gained and lost since the last one (its
+KV-cache events, `events.KvEventIndex`) for the Conductor's KV index.
 `Hello` carries the fingerprint of the vLLM instance's `KvLayout` (from the model's
 ``config.json``), so the Conductor refuses an instance whose model, dtype or block size differs
 from the cluster's, naming both. Started by ``yuebing vllm instance`` (`cli/cmd_vllm.py`, which
@@ -37,6 +39,7 @@ import zmq
 import zmq.asyncio
 
 from yuebing.core.config import require
+from yuebing.integrations.vllm.events import KvEventIndex
 from yuebing.integrations.vllm.handoff import Handoff
 from yuebing.integrations.vllm.layout import KvLayout, layout_from_hf
 from yuebing.integrations.vllm.load import VllmLoad, parse_metrics
@@ -96,6 +99,10 @@ class VllmInstanceConfig:
         "help": "prefill: how long to wait for the store to hold the prompt's blocks before "
                 "telling the decode (it computes what is missing); decode: how long to wait "
                 "for a layer-wise stream's end after KvReady before using the store"})
+    kv_events_port: int = field(default=0, metadata={
+        "help": "port of vLLM's KV-cache event publisher on the vLLM host, subscribed to for "
+                "the Conductor's KV index (0 = a free port when this instance starts vLLM, "
+                "none with --vllm-url; -1 = none)"})
     handoff_pool_blocks: int = field(default=48, metadata={
         "help": "decode: vLLM blocks (of every layer) in the shared-memory pool that prefills "
                 "stream the KV into layer by layer (0 = hand off through the store)"})
@@ -170,6 +177,10 @@ class VllmInstance:
         """Decode: `KvStreamed` of requests whose `KvReady` has not come yet."""
         self.stream_waits: dict[str, asyncio.Future[KvStreamed]] = {}
         self.load = VllmLoad()
+        self.kv_index = KvEventIndex(self.layout)
+        self.kv_sub = self.ctx.socket(zmq.SUB)
+        self.kv_sub.setsockopt(zmq.LINGER, 0)
+        self.kv_sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.report_seq = 0
         self.http: aiohttp.ClientSession | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -202,6 +213,8 @@ class VllmInstance:
         self.loop = asyncio.get_running_loop()
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         reports = self.loop.create_task(self._reports())
+        events = self.loop.create_task(self._kv_events()) if self.cfg.kv_events_port > 0 \
+            else None
         try:
             while True:
                 ident, frame = await self.sock.recv_multipart()
@@ -220,6 +233,9 @@ class VllmInstance:
                     await self.sock.send_multipart([ident, encode(reply)])
         finally:
             reports.cancel()
+            if events is not None:
+                events.cancel()
+            self.kv_sub.close()  # before the context ends (the task has not run yet)
             for _, job in list(self.tasks.values()):
                 job.cancel()
             await self.http.close()
@@ -480,6 +496,15 @@ class VllmInstance:
             raise HandoffError(f"telling decode {target.instance_id} failed: {err}")
 
 
+    # ------------------------------------------------------------------ KV events
+    async def _kv_events(self) -> None:
+        """Feed vLLM's KV-cache events into `kv_index` (its keys go out in the reports)."""
+        host = self.cfg.vllm_url.split("://", 1)[-1].rsplit(":", 1)[0] or "127.0.0.1"
+        sub = self.kv_sub
+        sub.connect(f"tcp://{host}:{self.cfg.kv_events_port}")
+        while True:
+            self.kv_index.frame(await sub.recv_multipart())
+
     # ------------------------------------------------------------------ load reports
     async def _reports(self) -> None:
         """A report every ``report_s`` from the last load seen, whatever vLLM's ``/metrics``
@@ -505,13 +530,14 @@ class VllmInstance:
     def _report(self) -> None:
         self.report_seq += 1
         load = self.load
+        added, removed = self.kv_index.take()
         report = LoadReport(
             instance_id=self.cfg.instance_id, incarnation=self.incarnation,
             report_seq=self.report_seq, time_s=time.time(), queued_prefill_tokens=0,
             queued_requests=load.waiting, running=load.running, waiting=load.waiting,
             context_tokens=0, free_blocks=load.free_blocks, total_blocks=load.total_blocks,
             reserved_blocks=0, prefill_tokens_per_s=0.0, decode_step_s=0.0,
-            cache_full_resync=self.report_seq == 1)
+            cache_added=added, cache_removed=removed, cache_full_resync=self.report_seq == 1)
         frame = encode(report)
         for ident in list(self.subscribers):
             with contextlib.suppress(zmq.ZMQError):
