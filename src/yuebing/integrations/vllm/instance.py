@@ -100,9 +100,10 @@ class VllmInstanceConfig:
                 "telling the decode (it computes what is missing); decode: how long to wait "
                 "for a layer-wise stream's end after KvReady before using the store"})
     kv_events_port: int = field(default=0, metadata={
-        "help": "port of vLLM's KV-cache event publisher on the vLLM host, subscribed to for "
-                "the Conductor's KV index (0 = a free port when this instance starts vLLM, "
-                "none with --vllm-url; -1 = none)"})
+        "help": "port on 127.0.0.1 this instance takes vLLM's KV-cache events on, for the "
+                "Conductor's KV index; vLLM's publisher connects to it (--kv-events-config "
+                "endpoint tcp://127.0.0.1:PORT). 0 = a free port when this instance starts "
+                "vLLM, none with --vllm-url; -1 = none"})
     handoff_pool_blocks: int = field(default=48, metadata={
         "help": "decode: vLLM blocks (of every layer) in the shared-memory pool that prefills "
                 "stream the KV into layer by layer (0 = hand off through the store)"})
@@ -499,9 +500,8 @@ class VllmInstance:
     # ------------------------------------------------------------------ KV events
     async def _kv_events(self) -> None:
         """Feed vLLM's KV-cache events into `kv_index` (its keys go out in the reports)."""
-        host = self.cfg.vllm_url.split("://", 1)[-1].rsplit(":", 1)[0] or "127.0.0.1"
         sub = self.kv_sub
-        sub.connect(f"tcp://{host}:{self.cfg.kv_events_port}")
+        sub.bind(f"tcp://127.0.0.1:{self.cfg.kv_events_port}")  # vLLM's publisher connects
         while True:
             self.kv_index.frame(await sub.recv_multipart())
 

@@ -67,7 +67,8 @@ class VllmServerConfig:
     extra: tuple[tuple[str, Any], ...] = ()
     """More ``kv_connector_extra_config`` settings."""
     kv_events_port: int = 0
-    """Port of vLLM's ZMQ KV-cache event publisher on 127.0.0.1 (0 = no events)."""
+    """vLLM's ZMQ KV-cache event publisher connects to this port on 127.0.0.1, where the
+    instance adapter listens (0 = no events)."""
 
     def __post_init__(self) -> None:
         require(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
