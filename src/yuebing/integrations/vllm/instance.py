@@ -179,9 +179,7 @@ class VllmInstance:
         self.stream_waits: dict[str, asyncio.Future[KvStreamed]] = {}
         self.load = VllmLoad()
         self.kv_index = KvEventIndex(self.layout)
-        self.kv_sub = self.ctx.socket(zmq.SUB)
-        self.kv_sub.setsockopt(zmq.LINGER, 0)
-        self.kv_sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.kv_sub: zmq.asyncio.Socket | None = None
         self.report_seq = 0
         self.http: aiohttp.ClientSession | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -214,8 +212,14 @@ class VllmInstance:
         self.loop = asyncio.get_running_loop()
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         reports = self.loop.create_task(self._reports())
-        events = self.loop.create_task(self._kv_events()) if self.cfg.kv_events_port > 0 \
-            else None
+        events = None
+        if self.cfg.kv_events_port > 0:
+            self.kv_sub = self.ctx.socket(zmq.SUB)
+            self.kv_sub.setsockopt(zmq.LINGER, 0)
+            self.kv_sub.setsockopt(zmq.SUBSCRIBE, b"")
+            # vLLM's publisher connects here (it binds only wildcard endpoints)
+            self.kv_sub.bind(f"tcp://127.0.0.1:{self.cfg.kv_events_port}")
+            events = self.loop.create_task(self._kv_events(self.kv_sub))
         try:
             while True:
                 ident, frame = await self.sock.recv_multipart()
@@ -234,9 +238,9 @@ class VllmInstance:
                     await self.sock.send_multipart([ident, encode(reply)])
         finally:
             reports.cancel()
-            if events is not None:
+            if events is not None and self.kv_sub is not None:
                 events.cancel()
-            self.kv_sub.close()  # before the context ends (the task has not run yet)
+                self.kv_sub.close()  # before the context ends (the task has not run yet)
             for _, job in list(self.tasks.values()):
                 job.cancel()
             await self.http.close()
@@ -498,10 +502,8 @@ class VllmInstance:
 
 
     # ------------------------------------------------------------------ KV events
-    async def _kv_events(self) -> None:
+    async def _kv_events(self, sub: zmq.asyncio.Socket) -> None:
         """Feed vLLM's KV-cache events into `kv_index` (its keys go out in the reports)."""
-        sub = self.kv_sub
-        sub.bind(f"tcp://127.0.0.1:{self.cfg.kv_events_port}")  # vLLM's publisher connects
         while True:
             self.kv_index.frame(await sub.recv_multipart())
 
