@@ -153,7 +153,8 @@ def test_a_prefill_asks_its_vllm_to_stream_into_the_decodes_blocks(tmp_path, mon
     body = started[0][2]
     assert body["max_tokens"] == 1
     assert body["kv_transfer_params"] == {"yuebing_send": {
-        "id": "r", "segment": "h:1/kv", "num_blocks": 8, "blocks": [4, 2], "tokens": 200}}
+        "id": "r", "segment": "h:1/kv", "num_blocks": 8, "blocks": [4, 2], "tokens": 200,
+        "expires_at_s": 0.0}}
     assert i.handoff is not None
     i.handoff.close()
     i.sock.close()

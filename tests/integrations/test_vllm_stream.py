@@ -63,6 +63,13 @@ def test_a_prompt_goes_layer_by_layer_into_the_pool_and_back_into_other_blocks()
             assert torch.equal(dst[li][[1, 3, 4]], src[li][[2, 7, 8]])
             assert not dst[li][[0, 2, 5]].any()
         assert recv.load_errors() == set()
+        late = StreamJob("v", "r3", seg, 8, (1,), (2,), last=True, expires_at_s=1.0)
+        sender.send_layer(0, src[0], [late])  # the reservation has expired: nothing written
+        sender.end_step([late])
+        note = owner.next_notify(5.0)
+        assert note is not None
+        msg = decode(note.payload, KvStreamed)
+        assert isinstance(msg, KvStreamed) and not msg.ok and "expires" in msg.error
         sender.close()
 
 

@@ -294,7 +294,7 @@ class VllmInstance:
                 target.layout.fingerprint == self.layout.fingerprint():
             body["kv_transfer_params"] = {SEND_KEY: StreamParams(
                 msg.request_id, target.segment, target.layout.num_blocks, tuple(target.blocks),
-                len(msg.token_ids)).to_params()}
+                len(msg.token_ids), target.expires_at_s).to_params()}
         self._start(ident, msg.request_id, body, len(msg.token_ids), 0, msg.decode)
         return Ack(seq=msg.seq)
 

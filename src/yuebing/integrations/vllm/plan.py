@@ -57,10 +57,13 @@ class StreamParams:
     num_blocks: int
     pool_blocks: tuple[int, ...]
     tokens: int
+    expires_at_s: float = 0.0
+    """Send: the decode's reservation expires then (time.time()); 0 = never."""
 
     def to_params(self) -> dict[str, Any]:
         return {"id": self.handoff_id, "segment": self.segment, "num_blocks": self.num_blocks,
-                "blocks": list(self.pool_blocks), "tokens": self.tokens}
+                "blocks": list(self.pool_blocks), "tokens": self.tokens,
+                "expires_at_s": self.expires_at_s}
 
     @classmethod
     def parse(cls, params: Mapping[str, Any] | None, key: str) -> StreamParams | None:
@@ -70,7 +73,8 @@ class StreamParams:
             return None
         try:
             out = cls(str(raw["id"]), str(raw["segment"]), int(raw["num_blocks"]),
-                      tuple(int(b) for b in raw["blocks"]), int(raw["tokens"]))
+                      tuple(int(b) for b in raw["blocks"]), int(raw["tokens"]),
+                      float(raw.get("expires_at_s", 0.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"bad {key} in kv_transfer_params: {raw!r} ({e})") from None
         if not out.segment or out.tokens <= 0 or not out.pool_blocks or any(
@@ -171,7 +175,8 @@ class RequestPlan:
         if last:
             self.send = None
         return StreamJob(self.req_id, s.handoff_id, s.segment, s.num_blocks,
-                         tuple(self.block_ids[first:stop]), s.pool_blocks[first:stop], last)
+                         tuple(self.block_ids[first:stop]), s.pool_blocks[first:stop], last,
+                         s.expires_at_s)
 
     def save_jobs(self, end_tokens: int) -> list[SaveJob]:
         """Store blocks that are full once ``end_tokens`` tokens are computed and not saved

@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 KV_STREAMED_TOPIC = "yuebing.vllm.kv_streamed"
 """The notification topic of `KvStreamed` (prefill worker → decode adapter)."""
 
+EXPIRY_MARGIN_S = 2.0
+"""A prefill stops writing into a decode's pool blocks this long before its reservation
+expires (after that the decode may give them to another request)."""
+
 
 @dataclass(frozen=True)
 class RecvPool:
@@ -76,6 +80,8 @@ class StreamJob:
     block_ids: tuple[int, ...]
     pool_blocks: tuple[int, ...]
     last: bool = False
+    expires_at_s: float = 0.0
+    """Send: stop writing ``EXPIRY_MARGIN_S`` before this time.time() (0 = never)."""
 
 
 def runs(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -135,6 +141,8 @@ class LayerSender:
             st = self.streams.get(job.req_id)
             if st is None:
                 st = self.streams[job.req_id] = _Sending(job)
+            if job.expires_at_s and time.time() > job.expires_at_s - EXPIRY_MARGIN_S:
+                st.error = st.error or "the decode's reservation expires"
             if st.error:
                 continue
             p = RecvPool(self.layout.layers, job.pool_blocks_total, bb)
