@@ -189,6 +189,7 @@ def test_one_prefill_one_decode_answer_like_vllm_alone(tmp_path):
         sent = (tmp_path / "prefill-0.vllm.log").read_text()
         assert "yuebing layer-wise hand-off: request" in sent and "30 layers" in sent
         assert usage["streamed_layers"] == 30 and usage["layers_before_prefill_end"] >= 28
+        assert usage["prefill_s"] > 0 and usage["transfer_s"] > 0
         assert through == [chat(plain, p) for p in PROMPTS]
         assert long_through == completion(plain, long)
     finally:

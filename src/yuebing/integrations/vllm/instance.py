@@ -436,9 +436,11 @@ class VllmInstance:
                      target: DecodeTarget | None, breakdown: Breakdown | None = None) -> None:
         """Stream vLLM's answer as events (``outputs``: tokens sent before, by the prefill);
         with ``target`` (prefill), hand the KV off to that decode before FINISH; FINISH
-        carries ``breakdown``."""
+        carries ``breakdown``, and where this relay gave the first token, ``prefill_s``: from
+        the request sent to vLLM to its first token (vLLM's own queue included)."""
         reason: str | None = None
         first: tuple[int, float] | None = None
+        sent_at, outputs_before = time.time(), outputs
         assert self.http is not None
         try:
             async with self.http.post(self.cfg.vllm_url + "/v1/completions", json=body) as r:
@@ -469,6 +471,9 @@ class VllmInstance:
                 await self._hand_off(rid, body["prompt"], first, target,
                                      layerwise="kv_transfer_params" in body)
                 reason = "handoff"
+            if first is not None and outputs_before == 0:
+                breakdown = msgspec.structs.replace(breakdown or Breakdown(),
+                                                    prefill_s=first[1] - sent_at)
             self._event(ident, TaskEvent(request_id=rid, kind=EventKind.FINISH,
                                          finish_reason=reason or "stop", prompt_tokens=n,
                                          breakdown=breakdown))
