@@ -214,6 +214,10 @@ def test_a_prefill_sends_each_steps_blocks_and_the_partial_last_one_again():
     sends = side.build(_out(cached=[("a", ([6],), 6)], scheduled={"a": 4})).sends
     assert [(j.block_ids, j.pool_blocks, j.last) for j in sends] == [((5, 6), (4, 7), True)]
     assert side.build(_out(cached=[("a", None, 10)], scheduled={"a": 1})).sends == []
+    side.finished("a")  # complete: nothing for the worker to forget
+    assert side.matched("b", prompt, 0, _handoff("yuebing_send", [9, 4, 7], 10)) == 0
+    side.finished("b")  # aborted before its last step
+    assert side.build(_out()).unsent == ["b"] and side.build(_out()).unsent == []
 
 
 def test_a_decode_reads_the_whole_prompt_from_the_pool_instead_of_the_store():

@@ -66,6 +66,7 @@ class YuebingMeta(KVConnectorMetadata):
     saves: list[SaveJob] = field(default_factory=list)
     sends: list[StreamJob] = field(default_factory=list)
     recvs: list[StreamJob] = field(default_factory=list)
+    unsent: list[str] = field(default_factory=list)
 
 
 def layout_of(vllm_config: VllmConfig, cfg: VllmConnectorConfig) -> KvLayout:
@@ -140,6 +141,7 @@ class YuebingConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.work is not None
         meta = self._meta()
+        self.work.forget_sends(meta.unsent)
         self.work.start_receive(meta.recvs)
         self.work.start_load(meta.loads)
 
@@ -192,7 +194,7 @@ class YuebingConnector(KVConnectorBase_V1):
         assert self.sched is not None
         jobs = self.sched.build(scheduler_output)
         return YuebingMeta(loads=jobs.loads, saves=jobs.saves, sends=jobs.sends,
-                           recvs=jobs.recvs)
+                           recvs=jobs.recvs, unsent=jobs.unsent)
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

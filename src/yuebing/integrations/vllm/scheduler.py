@@ -67,6 +67,8 @@ class StepJobs:
     saves: list[SaveJob] = field(default_factory=list)
     sends: list[StreamJob] = field(default_factory=list)
     recvs: list[StreamJob] = field(default_factory=list)
+    unsent: list[str] = field(default_factory=list)
+    """Requests that ended before their stream to the decode did (the worker forgets it)."""
 
 
 class SchedulerSide:
@@ -81,6 +83,7 @@ class SchedulerSide:
         self.plans: dict[str, RequestPlan] = {}
         self.lookups = 0
         self.hit_tokens = 0
+        self.unsent: list[str] = []
 
     def _plan(self, req_id: str, prompt: Sequence[int]) -> RequestPlan:
         plan = self.plans.get(req_id)
@@ -124,7 +127,8 @@ class SchedulerSide:
 
     def build(self, out: Any) -> StepJobs:
         """The jobs of the step vLLM scheduled (``out``: its ``SchedulerOutput``)."""
-        jobs = StepJobs()
+        jobs = StepJobs(unsent=self.unsent)
+        self.unsent = []
         for new in out.scheduled_new_reqs:
             plan = self._plan(new.req_id, new.prompt_token_ids or [])
             plan.add_blocks(new.block_ids[0], replace=True)
@@ -159,4 +163,6 @@ class SchedulerSide:
             jobs.saves.extend(plan.save_jobs(end_tokens))
 
     def finished(self, req_id: str) -> None:
-        self.plans.pop(req_id, None)
+        plan = self.plans.pop(req_id, None)
+        if plan is not None and plan.send is not None:
+            self.unsent.append(req_id)

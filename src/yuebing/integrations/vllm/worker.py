@@ -137,6 +137,12 @@ class WorkerSide:
         if li is not None and jobs:
             self.sender().send_layer(li, kv_layer, jobs)
 
+    def forget_sends(self, req_ids: list[str]) -> None:
+        """Requests that ended before their stream did (aborted)."""
+        if self._sender is not None:
+            for rid in req_ids:
+                self._sender.drop(rid)
+
     def end_send(self, jobs: list[StreamJob]) -> None:
         if jobs:
             self.sender().end_step(jobs)
