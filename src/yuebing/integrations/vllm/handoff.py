@@ -1,5 +1,12 @@
-"""`Handoff`: the prefill → decode hand-off between two vLLM instances, through the yuebing
-store. `instance.VllmInstance` owns one in the prefill and decode roles.
+"""`Handoff`: the prefill → decode hand-off between two vLLM instances. `instance.VllmInstance`
+owns one in the prefill and decode roles.
+
+Layer-wise (the default): the decode's `Handoff` owns the receive pool (`stream.RecvPool`, a
+shared-memory transfer-engine segment) and its free blocks (`take` at `Reserve`, `give_back`
+once the decode's vLLM has read them); the prefill's vLLM writes the prompt's KV into them
+layer by layer (`stream.LayerSender`) and tells the decode with `KvStreamed` (``on_streamed``);
+the prefill's adapter sends `KvReady` with the first token as soon as vLLM answers. Without
+pool blocks (pool full, or ``--handoff-pool-blocks 0``) the hand-off goes through the store:
 
 A disaggregated request's life: the Conductor's `Reserve` reaches the decode instance, which
 answers `Reserved` with its transfer-engine segment (nothing is written into it: vLLM's KV
@@ -9,7 +16,7 @@ them (`wait_stored`, bounded by ``wait_s``) it tells the decode with `KvReady` t
 transfer engine (`tell`; topic `KV_READY_TOPIC`, as yuebing's own prefill); the decode
 (`_notified` → ``on_ready``) asks its vLLM for the rest with the prompt plus the first token,
 and its connector loads the stored blocks (the tail past the last full store block, and the
-first token, are computed there). Not layer-wise: the decode starts once the prefill is done.
+first token, are computed there).
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ from collections.abc import Callable
 from typing import Any
 
 from yuebing.integrations.vllm.layout import KvLayout
+from yuebing.integrations.vllm.stream import KV_STREAMED_TOPIC, RecvPool, pool
 from yuebing.protocol import ProtocolError, decode, encode
-from yuebing.protocol.instance import KvReady
+from yuebing.protocol.instance import KvReady, KvStreamed
 from yuebing.transfer import TransferConfig, TransferEngine
 
 log = logging.getLogger(__name__)
@@ -31,17 +39,22 @@ KV_READY_TOPIC = "yuebing.kv_ready"
 
 
 class Handoff:
-    """A transfer engine for `KvReady` notifications and a store client for the prefill's
-    wait; ``on_ready(msg)`` is called from a transfer-engine thread when one arrives."""
+    """A transfer engine for `KvReady` / `KvStreamed` notifications and the decode's receive
+    pool of ``pool_blocks`` blocks, and a store client for the prefill's wait; ``on_ready(msg)``
+    / ``on_streamed(msg)`` are called from a transfer-engine thread when one arrives."""
 
     def __init__(self, host: str, layout: KvLayout, master: str, wait_s: float = 5.0,
-                 on_ready: Callable[[KvReady], None] | None = None) -> None:
+                 on_ready: Callable[[KvReady], None] | None = None, pool_blocks: int = 0,
+                 on_streamed: Callable[[KvStreamed], None] | None = None) -> None:
         self.layout = layout
         self.wait_s = wait_s
         self.transfer = TransferEngine(TransferConfig(host=host, metadata="p2p"))
-        self.transfer.register_segment("kv", size=4096)
+        self.pool: RecvPool = pool(layout, pool_blocks)
+        self.transfer.register_segment("kv", size=max(4096, self.pool.nbytes))
         self.segment = self.transfer.segment_name("kv")
+        self.free: list[int] = list(range(pool_blocks))
         self.on_ready = on_ready
+        self.on_streamed = on_streamed
         self.transfer.on_notify(self._notified)
         self.store: Any = None
         if master:
@@ -50,7 +63,27 @@ class Handoff:
             self.store = StoreClient(ClientConfig(master=master, rpc_timeout_s=wait_s,
                                                   failover_s=wait_s))
 
+    def take(self, tokens: int) -> list[int]:
+        """Pool blocks for a prompt of ``tokens`` tokens, or none if the pool lacks them."""
+        n = -(-tokens // self.layout.block_tokens)
+        if n > len(self.free) or n == 0:
+            return []
+        taken, self.free = self.free[:n], self.free[n:]
+        return taken
+
+    def give_back(self, blocks: list[int]) -> None:
+        self.free.extend(blocks)
+
     def _notified(self, n: Any) -> None:
+        if n.topic == KV_STREAMED_TOPIC and self.on_streamed is not None:
+            try:
+                streamed = decode(n.payload, KvStreamed)
+            except ProtocolError as e:
+                log.warning("bad KvStreamed from %s: %s", n.sender, e)
+                return
+            assert isinstance(streamed, KvStreamed)
+            self.on_streamed(streamed)
+            return
         if n.topic != KV_READY_TOPIC or self.on_ready is None:
             return
         try:

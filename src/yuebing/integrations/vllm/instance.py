@@ -6,11 +6,16 @@ A request's life: the Conductor's `SubmitTask` is acknowledged and relayed to vL
 ``/v1/completions`` with the prompt's token ids (``return_token_ids``); each chunk becomes a
 `TaskEvent` (FIRST_TOKEN, TOKENS, then FINISH with the finish reason) to the connection that
 submitted it; `Cancel` closes the stream (vLLM aborts the request). Disaggregated: the decode
-answers `Reserve` and keeps the request; the prefill runs the prompt with ``max_tokens`` 1 and
-hands off through the store (`handoff.Handoff`: `KvReady`, FINISH ``handoff``); the decode then
-relays the rest of the answer, asked with the prompt plus the first token. The prefix plan is
+answers `Reserve` with blocks of its receive pool and keeps the request; the prefill runs the
+prompt with ``max_tokens`` 1 and ``yuebing_send`` (its vLLM streams the KV into those blocks
+layer by layer: `stream`), then sends `KvReady` with the first token (FINISH ``handoff``); the
+decode, once its pool holds the KV (`KvStreamed`), relays the rest of the answer, asked with
+the prompt plus the first token and ``yuebing_recv``. Without pool blocks the KV goes through
+the store (`handoff.Handoff`). The prefix plan is
 not followed here: vLLM's own `YuebingConnector` looks the prompt up in the store with the same
-keys. Load reports come from vLLM's ``/metrics`` (`load.parse_metrics`) every ``report_s``.
+keys. Load reports come from vLLM's ``/metrics`` (`load.parse_metrics`) every ``report_s``,
+with the store-block keys vLLM's own prefix cache gained and lost since the last one (its
+KV-cache events, `events.KvEventIndex`) for the Conductor's KV index.
 `Hello` carries the fingerprint of the vLLM instance's `KvLayout` (from the model's
 ``config.json``), so the Conductor refuses an instance whose model, dtype or block size differs
 from the cluster's, naming both. Started by ``yuebing vllm instance`` (`cli/cmd_vllm.py`, which
@@ -34,12 +39,15 @@ import zmq
 import zmq.asyncio
 
 from yuebing.core.config import require
+from yuebing.integrations.vllm.events import KvEventIndex
 from yuebing.integrations.vllm.handoff import Handoff
 from yuebing.integrations.vllm.layout import KvLayout, layout_from_hf
 from yuebing.integrations.vllm.load import VllmLoad, parse_metrics
+from yuebing.integrations.vllm.plan import RECV_KEY, SEND_KEY, StreamParams
 from yuebing.protocol import Message, ProtocolError, decode, encode
 from yuebing.protocol.instance import (
     Ack,
+    Breakdown,
     Cancel,
     DecodeTarget,
     ErrorCode,
@@ -47,6 +55,7 @@ from yuebing.protocol.instance import (
     EventKind,
     Hello,
     KvReady,
+    KvStreamed,
     LoadReport,
     Ping,
     Reserve,
@@ -88,7 +97,16 @@ class VllmInstanceConfig:
         "help": "coupled, prefill or decode (prefill/decode hand the KV off through the store)"})
     handoff_wait_s: float = field(default=5.0, metadata={
         "help": "prefill: how long to wait for the store to hold the prompt's blocks before "
-                "telling the decode (it computes what is missing)"})
+                "telling the decode (it computes what is missing); decode: how long to wait "
+                "for a layer-wise stream's end after KvReady before using the store"})
+    kv_events_port: int = field(default=0, metadata={
+        "help": "port on 127.0.0.1 this instance takes vLLM's KV-cache events on, for the "
+                "Conductor's KV index; vLLM's publisher connects to it (--kv-events-config "
+                "endpoint tcp://127.0.0.1:PORT). 0 = a free port when this instance starts "
+                "vLLM, none with --vllm-url; -1 = none"})
+    handoff_pool_blocks: int = field(default=48, metadata={
+        "help": "decode: vLLM blocks (of every layer) in the shared-memory pool that prefills "
+                "stream the KV into layer by layer (0 = hand off through the store)"})
 
     def __post_init__(self) -> None:
         require(self.role in ("coupled", "prefill", "decode"),
@@ -96,6 +114,7 @@ class VllmInstanceConfig:
         require(not self.vllm_url or self.vllm_url.startswith("http"),
                 f"vllm_url must be http(s)://host:port, got {self.vllm_url!r}")
         require(self.report_s > 0, "report_s must be > 0")
+        require(self.handoff_pool_blocks >= 0, "handoff_pool_blocks must be >= 0")
 
     def layout(self) -> KvLayout:
         config = json.loads((Path(self.model_dir) / "config.json").read_text())
@@ -153,14 +172,23 @@ class VllmInstance:
         self.tasks: dict[str, tuple[bytes, asyncio.Task[None]]] = {}
         self.reserved: dict[str, tuple[bytes, Reserve, float]] = {}
         """Decode: reservations waiting for their `KvReady` (connection, request, deadline)."""
+        self.pool_held: dict[str, list[int]] = {}
+        """Decode: receive-pool blocks per request, until its vLLM has read them."""
+        self.streamed: dict[str, KvStreamed] = {}
+        """Decode: `KvStreamed` of requests whose `KvReady` has not come yet."""
+        self.stream_waits: dict[str, asyncio.Future[KvStreamed]] = {}
         self.load = VllmLoad()
+        self.kv_index = KvEventIndex(self.layout)
+        self.kv_sub: zmq.asyncio.Socket | None = None
         self.report_seq = 0
         self.http: aiohttp.ClientSession | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.handoff: Handoff | None = None
         if cfg.role != "coupled":
+            blocks = cfg.handoff_pool_blocks if cfg.role == "decode" else 0
             self.handoff = Handoff(cfg.host, self.layout, cfg.master, cfg.handoff_wait_s,
-                                   on_ready=self._notified)
+                                   on_ready=self._notified, pool_blocks=blocks,
+                                   on_streamed=self._streamed_notified)
 
     def _bind(self, port: int) -> int:
         self.sock.bind(f"tcp://{self.cfg.host}:{port}")
@@ -184,6 +212,14 @@ class VllmInstance:
         self.loop = asyncio.get_running_loop()
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         reports = self.loop.create_task(self._reports())
+        events = None
+        if self.cfg.kv_events_port > 0:
+            self.kv_sub = self.ctx.socket(zmq.SUB)
+            self.kv_sub.setsockopt(zmq.LINGER, 0)
+            self.kv_sub.setsockopt(zmq.SUBSCRIBE, b"")
+            # vLLM's publisher connects here (it binds only wildcard endpoints)
+            self.kv_sub.bind(f"tcp://127.0.0.1:{self.cfg.kv_events_port}")
+            events = self.loop.create_task(self._kv_events(self.kv_sub))
         try:
             while True:
                 ident, frame = await self.sock.recv_multipart()
@@ -202,6 +238,9 @@ class VllmInstance:
                     await self.sock.send_multipart([ident, encode(reply)])
         finally:
             reports.cancel()
+            if events is not None and self.kv_sub is not None:
+                events.cancel()
+                self.kv_sub.close()  # before the context ends (the task has not run yet)
             for _, job in list(self.tasks.values()):
                 job.cancel()
             await self.http.close()
@@ -224,6 +263,7 @@ class VllmInstance:
             elif self.reserved.pop(msg.request_id, None) is None:
                 return ErrorReply(seq=seq, code=ErrorCode.UNKNOWN_TASK,
                                   message=f"no task {msg.request_id}")
+            self._release(msg.request_id)
             return Ack(seq=seq)
         if isinstance(msg, SubmitTask):
             return self._submit(ident, msg)
@@ -249,6 +289,12 @@ class VllmInstance:
             body = completion_body(self.cfg, list(msg.token_ids), s)
         except ValueError as e:
             return ErrorReply(seq=msg.seq, code=ErrorCode.BAD_REQUEST, message=str(e))
+        target = msg.decode
+        if target is not None and target.blocks and \
+                target.layout.fingerprint == self.layout.fingerprint():
+            body["kv_transfer_params"] = {SEND_KEY: StreamParams(
+                msg.request_id, target.segment, target.layout.num_blocks, tuple(target.blocks),
+                len(msg.token_ids), target.expires_at_s).to_params()}
         self._start(ident, msg.request_id, body, len(msg.token_ids), 0, msg.decode)
         return Ack(seq=msg.seq)
 
@@ -273,15 +319,35 @@ class VllmInstance:
             return ErrorReply(seq=msg.seq, code=ErrorCode.DUPLICATE,
                               message=f"request {msg.request_id} exists")
         self.reserved[msg.request_id] = (ident, msg, time.monotonic() + msg.timeout_s)
-        lay, bs = self.layout, self.cfg.block_size
-        blocks = list(range(-(-msg.prompt_tokens // bs)))
+        blocks = self.handoff.take(msg.prompt_tokens)
+        if blocks:
+            self.pool_held[msg.request_id] = blocks
+        lay, pool = self.layout, self.handoff.pool
         return Reserved(seq=msg.seq, target=DecodeTarget(
             instance_id=self.cfg.instance_id, segment=self.handoff.segment, blocks=blocks,
-            layout=WireLayout(num_layers=lay.layers, num_blocks=max(len(blocks),
-                                                                     self.load.total_blocks),
-                              block_size=bs, chunk_bytes=lay.block_bytes // 2,
+            layout=WireLayout(num_layers=lay.layers, num_blocks=pool.num_blocks,
+                              block_size=self.cfg.block_size, chunk_bytes=pool.block_bytes,
                               fingerprint=lay.fingerprint()),
             expires_at_s=time.time() + msg.timeout_s))
+
+    def _release(self, rid: str) -> None:
+        """Decode: the request's pool blocks are free again (read, or never to be)."""
+        blocks = self.pool_held.pop(rid, None)
+        if blocks and self.handoff is not None:
+            self.handoff.give_back(blocks)
+        self.streamed.pop(rid, None)
+
+    def _streamed_notified(self, msg: KvStreamed) -> None:
+        """Transfer-engine thread: a prefill's vLLM finished streaming a request's KV."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._streamed, msg)
+
+    def _streamed(self, msg: KvStreamed) -> None:
+        wait = self.stream_waits.pop(msg.request_id, None)
+        if wait is not None and not wait.done():
+            wait.set_result(msg)
+        elif msg.request_id in self.pool_held:
+            self.streamed[msg.request_id] = msg
 
     def _notified(self, msg: KvReady) -> None:
         """Transfer-engine thread: a prefill's `KvReady`."""
@@ -296,6 +362,7 @@ class VllmInstance:
         ident, res, _ = found
         rid, n, s = res.request_id, len(res.token_ids), res.sampling
         if not msg.ok:
+            self._release(rid)
             self._event(ident, TaskEvent(request_id=rid, kind=EventKind.ERROR,
                                          error_code=ErrorCode.TRANSFER,
                                          error=f"the prefill failed: {msg.error}"))
@@ -303,6 +370,7 @@ class VllmInstance:
         first = msg.first_token
         if s.max_tokens <= 1 or (first in self.eos and not s.ignore_eos) or \
                 first in s.stop_token_ids:
+            self._release(rid)
             reason = "length" if s.max_tokens <= 1 else "stop"
             self._event(ident, TaskEvent(request_id=rid, kind=EventKind.FINISH,
                                          finish_reason=reason, prompt_tokens=n))
@@ -310,7 +378,42 @@ class VllmInstance:
         rest = msgspec.structs.replace(s, max_tokens=s.max_tokens - 1,
                                    min_tokens=max(0, s.min_tokens - 1))
         body = completion_body(self.cfg, [*res.token_ids, first], rest)
-        self._start(ident, rid, body, n, 1)
+        if rid not in self.pool_held:
+            self._start(ident, rid, body, n, 1)
+            return
+        assert self.loop is not None
+        job = self.loop.create_task(self._continue(ident, rid, body, n))
+        self.tasks[rid] = (ident, job)
+
+    async def _continue(self, ident: bytes, rid: str, body: dict[str, Any], n: int) -> None:
+        """Decode: wait (at most ``handoff_wait_s``) for the prefill's `KvStreamed`, then ask
+        vLLM for the rest reading the pool (``yuebing_recv``), or from the store if the stream
+        failed or did not end in time."""
+        assert self.loop is not None and self.handoff is not None
+        streamed = self.streamed.pop(rid, None)
+        if streamed is None:
+            wait = self.stream_waits[rid] = self.loop.create_future()
+            try:
+                streamed = await asyncio.wait_for(wait, self.cfg.handoff_wait_s)
+            except TimeoutError:
+                streamed = None
+            finally:
+                self.stream_waits.pop(rid, None)
+        breakdown = None
+        if streamed is not None and streamed.ok:
+            body["kv_transfer_params"] = {RECV_KEY: StreamParams(
+                rid, self.handoff.segment, self.handoff.pool.num_blocks,
+                tuple(self.pool_held[rid]), n).to_params()}
+            breakdown = Breakdown(
+                transfer_s=max(0.0, streamed.complete_at_s - streamed.last_layer_at_s),
+                kv_bytes=streamed.bytes, streamed_layers=streamed.layers,
+                layers_before_prefill_end=streamed.layers_before_last)
+        else:
+            log.warning("%s: %s; the decode loads the KV from the store", rid,
+                        "no layer-wise stream in time" if streamed is None else
+                        f"the layer-wise stream failed ({streamed.error})")
+            self._release(rid)
+        await self._relay(ident, rid, body, n, 1, None, breakdown)
 
     def sweep(self) -> None:
         """Reservations whose `KvReady` did not come in time end with an error."""
@@ -318,6 +421,7 @@ class VllmInstance:
         for rid, (ident, _, deadline) in list(self.reserved.items()):
             if deadline <= now:
                 del self.reserved[rid]
+                self._release(rid)
                 self._event(ident, TaskEvent(request_id=rid, kind=EventKind.ERROR,
                                              error_code=ErrorCode.TRANSFER,
                                              error="no KV arrived for the reservation in time"))
@@ -329,11 +433,14 @@ class VllmInstance:
             self.sock.send_multipart([ident, encode(TaskEvents(events=[ev]))], zmq.NOBLOCK)
 
     async def _relay(self, ident: bytes, rid: str, body: dict[str, Any], n: int, outputs: int,
-                     target: DecodeTarget | None) -> None:
+                     target: DecodeTarget | None, breakdown: Breakdown | None = None) -> None:
         """Stream vLLM's answer as events (``outputs``: tokens sent before, by the prefill);
-        with ``target`` (prefill), hand the KV off to that decode before FINISH."""
+        with ``target`` (prefill), hand the KV off to that decode before FINISH; FINISH
+        carries ``breakdown``, and where this relay gave the first token, ``prefill_s``: from
+        the request sent to vLLM to its first token (vLLM's own queue included)."""
         reason: str | None = None
         first: tuple[int, float] | None = None
+        sent_at, outputs_before = time.time(), outputs
         assert self.http is not None
         try:
             async with self.http.post(self.cfg.vllm_url + "/v1/completions", json=body) as r:
@@ -350,6 +457,7 @@ class VllmInstance:
                     ids = list(c.get("token_ids") or [])
                     reason = c.get("finish_reason") or reason
                     if ids or c.get("text"):
+                        self._release(rid)  # the decode's vLLM has read its pool blocks
                         now = time.time()
                         first = first or ((ids or [0])[0], now)
                         kind = EventKind.FIRST_TOKEN if outputs == 0 else EventKind.TOKENS
@@ -360,10 +468,15 @@ class VllmInstance:
             if target is not None:
                 if first is None:
                     raise RuntimeError("vLLM gave no first token")
-                await self._hand_off(rid, body["prompt"], first, target)
+                await self._hand_off(rid, body["prompt"], first, target,
+                                     layerwise="kv_transfer_params" in body)
                 reason = "handoff"
+            if first is not None and outputs_before == 0:
+                breakdown = msgspec.structs.replace(breakdown or Breakdown(),
+                                                    prefill_s=first[1] - sent_at)
             self._event(ident, TaskEvent(request_id=rid, kind=EventKind.FINISH,
-                                         finish_reason=reason or "stop", prompt_tokens=n))
+                                         finish_reason=reason or "stop", prompt_tokens=n,
+                                         breakdown=breakdown))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure ends the task with an error event
@@ -372,23 +485,32 @@ class VllmInstance:
             self._event(ident, TaskEvent(request_id=rid, kind=EventKind.ERROR,
                                          error_code=code, error=str(e)))
         finally:
+            self._release(rid)
             if self.tasks.get(rid, (None, None))[1] is asyncio.current_task():
                 self.tasks.pop(rid, None)
 
     async def _hand_off(self, rid: str, prompt: list[int], first: tuple[int, float],
-                        target: DecodeTarget) -> None:
-        """Prefill: wait for the store to hold the prompt's blocks, then `KvReady` to the
-        decode (`HandoffError` if it cannot be told)."""
+                        target: DecodeTarget, layerwise: bool) -> None:
+        """Prefill: `KvReady` to the decode, at once when its vLLM streamed the KV layer-wise,
+        else once the store holds the prompt's blocks (`HandoffError` if it cannot be told)."""
         assert self.handoff is not None and self.loop is not None
         end = time.time()
-        held = await self.loop.run_in_executor(None, self.handoff.wait_stored, prompt)
-        log.info("%s: hand-off to %s with %d store blocks held", rid, target.instance_id, held)
+        if not layerwise:
+            held = await self.loop.run_in_executor(None, self.handoff.wait_stored, prompt)
+            log.info("%s: hand-off to %s through the store, %d store blocks held", rid,
+                     target.instance_id, held)
         msg = KvReady(request_id=rid, num_tokens=len(prompt), first_token=first[0],
                       first_token_time_s=first[1], prefill_end_s=end)
         err = await self.loop.run_in_executor(None, self.handoff.tell, target.segment, msg)
         if err:
             raise HandoffError(f"telling decode {target.instance_id} failed: {err}")
 
+
+    # ------------------------------------------------------------------ KV events
+    async def _kv_events(self, sub: zmq.asyncio.Socket) -> None:
+        """Feed vLLM's KV-cache events into `kv_index` (its keys go out in the reports)."""
+        while True:
+            self.kv_index.frame(await sub.recv_multipart())
 
     # ------------------------------------------------------------------ load reports
     async def _reports(self) -> None:
@@ -415,13 +537,14 @@ class VllmInstance:
     def _report(self) -> None:
         self.report_seq += 1
         load = self.load
+        added, removed = self.kv_index.take()
         report = LoadReport(
             instance_id=self.cfg.instance_id, incarnation=self.incarnation,
             report_seq=self.report_seq, time_s=time.time(), queued_prefill_tokens=0,
             queued_requests=load.waiting, running=load.running, waiting=load.waiting,
             context_tokens=0, free_blocks=load.free_blocks, total_blocks=load.total_blocks,
             reserved_blocks=0, prefill_tokens_per_s=0.0, decode_step_s=0.0,
-            cache_full_resync=self.report_seq == 1)
+            cache_added=added, cache_removed=removed, cache_full_resync=self.report_seq == 1)
         frame = encode(report)
         for ident in list(self.subscribers):
             with contextlib.suppress(zmq.ZMQError):

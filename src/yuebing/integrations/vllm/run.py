@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import tempfile
 from pathlib import Path
 
@@ -27,12 +28,20 @@ def _write_ready(path: str, data: dict[str, object]) -> None:
         os.replace(tmp, path)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
                       log_dir: Path | None = None) -> int:
     env = VllmEnv()
     if not cfg.model_dir:
         cfg = dataclasses.replace(cfg, model_dir=str(env.model))
     server = None
+    if not cfg.vllm_url and cfg.kv_events_port == 0:
+        cfg = dataclasses.replace(cfg, kv_events_port=_free_port())
     if not cfg.vllm_url:
         why = env.missing()
         if why:
@@ -41,7 +50,8 @@ def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
                                 served_name=cfg.served_name, dtype=cfg.dtype,
                                 block_size=cfg.block_size,
                                 store_block_tokens=cfg.store_block_tokens,
-                                max_model_len=cfg.max_model_len)
+                                max_model_len=cfg.max_model_len,
+                                kv_events_port=max(0, cfg.kv_events_port))
         logs = log_dir or Path(tempfile.mkdtemp(prefix="yb-vllm-"))
         server = VllmServer(scfg, logs / f"{cfg.instance_id}.vllm.log", env)
         log.info("starting vLLM on %s (log %s)", server.url, server.log_path)

@@ -5,7 +5,10 @@ own prefix cache (`matched`: the prompt's store keys, `KvLayout.store_keys`, and
 ``prefix_match`` on the store master — the same keys the Conductor's index and yuebing's own
 instances use); after allocating blocks it says how many to load (`allocated`); each step
 `build` turns the scheduled requests into the worker's `LoadJob`s and `SaveJob`s; `finished`
-forgets the request. Loads here are synchronous (done inside the step's forward), so
+forgets the request. A request whose ``kv_transfer_params`` carry a layer-wise hand-off
+(`plan.StreamParams`) gets `StreamJob`s instead: sends of each step's blocks to its decode
+(prefill), or one read of the whole prompt from the decode's pool in place of the store
+lookup (decode). Loads here are synchronous (done inside the step's forward), so
 ``get_num_new_matched_tokens`` answers ``(n, False)``. A store that does not answer within
 ``load_timeout_s`` counts as holding nothing (the prefix is computed).
 """
@@ -13,11 +16,20 @@ forgets the request. Loads here are synchronous (done inside the step's forward)
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from yuebing.integrations.vllm.layout import KvLayout
-from yuebing.integrations.vllm.plan import LoadJob, RequestPlan, SaveJob
+from yuebing.integrations.vllm.plan import (
+    RECV_KEY,
+    SEND_KEY,
+    LoadJob,
+    RequestPlan,
+    SaveJob,
+    StreamParams,
+)
+from yuebing.integrations.vllm.stream import StreamJob
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +59,18 @@ class StoreLookup:
         self.client.close()
 
 
+@dataclass
+class StepJobs:
+    """One step's work for the worker half."""
+
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    sends: list[StreamJob] = field(default_factory=list)
+    recvs: list[StreamJob] = field(default_factory=list)
+    unsent: list[str] = field(default_factory=list)
+    """Requests that ended before their stream to the decode did (the worker forgets it)."""
+
+
 class SchedulerSide:
     """Per-request `RequestPlan`s and the jobs of each step."""
 
@@ -59,6 +83,7 @@ class SchedulerSide:
         self.plans: dict[str, RequestPlan] = {}
         self.lookups = 0
         self.hit_tokens = 0
+        self.unsent: list[str] = []
 
     def _plan(self, req_id: str, prompt: Sequence[int]) -> RequestPlan:
         plan = self.plans.get(req_id)
@@ -67,9 +92,22 @@ class SchedulerSide:
             self.plans[req_id] = plan
         return plan
 
-    def matched(self, req_id: str, prompt: Sequence[int], num_computed: int) -> int:
-        """Tokens the store can give beyond vLLM's ``num_computed`` (0 when loads are off)."""
+    def matched(self, req_id: str, prompt: Sequence[int], num_computed: int,
+                params: Mapping[str, Any] | None = None) -> int:
+        """Tokens the store (or, with ``yuebing_recv`` in ``params``, the decode's receive
+        pool) can give beyond vLLM's ``num_computed`` (0 when loads are off)."""
         plan = self._plan(req_id, prompt)
+        try:
+            plan.send = StreamParams.parse(params, SEND_KEY)
+            plan.recv = StreamParams.parse(params, RECV_KEY)
+        except ValueError as e:
+            log.warning("request %s: %s; no layer-wise hand-off", req_id, e)
+            plan.send = plan.recv = None
+        if plan.recv is not None:
+            n = plan.recv_tokens(num_computed)
+            log.info("yuebing layer-wise receive: request %s, %d tokens beyond %d", req_id, n,
+                     num_computed)
+            return n
         if not self.load or not plan.keys:
             return 0
         self.lookups += 1
@@ -87,15 +125,15 @@ class SchedulerSide:
         plan.allocated(block_ids, num_external)
         self.hit_tokens += num_external
 
-    def build(self, out: Any) -> tuple[list[LoadJob], list[SaveJob]]:
+    def build(self, out: Any) -> StepJobs:
         """The jobs of the step vLLM scheduled (``out``: its ``SchedulerOutput``)."""
-        loads: list[LoadJob] = []
-        saves: list[SaveJob] = []
+        jobs = StepJobs(unsent=self.unsent)
+        self.unsent = []
         for new in out.scheduled_new_reqs:
             plan = self._plan(new.req_id, new.prompt_token_ids or [])
             plan.add_blocks(new.block_ids[0], replace=True)
             self._jobs(plan, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id],
-                       loads, saves)
+                       jobs)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             cached_plan = self.plans.get(req_id)
@@ -106,16 +144,25 @@ class SchedulerSide:
             if new_ids is not None:
                 plan.add_blocks(new_ids[0], replace=req_id in cached.resumed_req_ids)
             self._jobs(plan, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id],
-                       loads, saves)
-        return loads, saves
+                       jobs)
+        return jobs
 
-    def _jobs(self, plan: RequestPlan, end_tokens: int, loads: list[LoadJob],
-              saves: list[SaveJob]) -> None:
-        job = plan.load_job()
-        if job is not None:
-            loads.append(job)
+    def _jobs(self, plan: RequestPlan, end_tokens: int, jobs: StepJobs) -> None:
+        if plan.recv is not None:
+            recv = plan.recv_job()
+            if recv is not None and recv.block_ids:
+                jobs.recvs.append(recv)
+        else:
+            job = plan.load_job()
+            if job is not None:
+                jobs.loads.append(job)
+        send = plan.send_job(end_tokens)
+        if send is not None:
+            jobs.sends.append(send)
         if self.save:
-            saves.extend(plan.save_jobs(end_tokens))
+            jobs.saves.extend(plan.save_jobs(end_tokens))
 
     def finished(self, req_id: str) -> None:
-        self.plans.pop(req_id, None)
+        plan = self.plans.pop(req_id, None)
+        if plan is not None and plan.send is not None:
+            self.unsent.append(req_id)

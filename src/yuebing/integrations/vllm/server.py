@@ -66,6 +66,9 @@ class VllmServerConfig:
     enforce_eager: bool = True
     extra: tuple[tuple[str, Any], ...] = ()
     """More ``kv_connector_extra_config`` settings."""
+    kv_events_port: int = 0
+    """vLLM's ZMQ KV-cache event publisher connects to this port on 127.0.0.1, where the
+    instance adapter listens (0 = no events)."""
 
     def __post_init__(self) -> None:
         require(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
@@ -91,6 +94,10 @@ class VllmServerConfig:
             argv.append("--enforce-eager")
         if self.master:
             argv += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
+        if self.kv_events_port:
+            argv += ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": f"tcp://127.0.0.1:{self.kv_events_port}"})]
         return argv
 
     def environ(self) -> dict[str, str]:

@@ -12,6 +12,8 @@ off the step's path. A missing or unreadable object, a store that does not answe
 of the wrong size fails the load of that object and every later one of the request: their vLLM
 block ids go to `load_errors`, which vLLM's scheduler recomputes
 (``kv_load_failure_policy: recompute``) — never wrong KV. A failed save is logged and dropped.
+Layer-wise hand-offs between a prefill and a decode (`stream.LayerSender`,
+`stream.LayerReceiver`) run beside these, on a transfer engine made at the first one.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import concurrent.futures
 import logging
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +30,7 @@ import torch
 
 from yuebing.integrations.vllm.layout import KvLayout
 from yuebing.integrations.vllm.plan import LoadJob, SaveJob
+from yuebing.integrations.vllm.stream import LayerReceiver, LayerSender, StreamJob
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +62,13 @@ class WorkerSide:
 
     def __init__(self, layout: KvLayout, reader: Any | None, writer: Any | None,
                  load_timeout_s: float = 2.0, save_timeout_s: float = 15.0,
-                 max_pending_save_bytes: int = 256 << 20) -> None:
+                 max_pending_save_bytes: int = 256 << 20,
+                 transfer: Callable[[], Any] | None = None) -> None:
         self.layout = layout
+        self._transfer_factory = transfer
+        self._transfer: Any = None
+        self._sender: LayerSender | None = None
+        self._receiver: LayerReceiver | None = None
         self.reader = reader
         self.writer = writer
         self.load_timeout_s = load_timeout_s
@@ -99,6 +108,44 @@ class WorkerSide:
         lay = self.layout
         return torch.empty(n * nbytes, dtype=torch.uint8).view(self.dtype).view(
             n, lay.layers, lay.blocks_per_object, *lay.block_shape)
+
+    # ------------------------------------------------------------------ layer-wise hand-off
+    def _engine(self) -> Any:
+        if self._transfer is None:
+            if self._transfer_factory is None:
+                raise RuntimeError("no transfer engine for a layer-wise hand-off")
+            self._transfer = self._transfer_factory()
+        return self._transfer
+
+    def sender(self) -> LayerSender:
+        if self._sender is None:
+            self._sender = LayerSender(self.layout, self._engine(), self.load_timeout_s * 5)
+        return self._sender
+
+    def receiver(self) -> LayerReceiver:
+        if self._receiver is None:
+            self._receiver = LayerReceiver(self.layout, self._engine(), self.load_timeout_s * 5)
+        return self._receiver
+
+    def start_receive(self, jobs: list[StreamJob]) -> None:
+        """Start reading the step's layer-wise hand-offs into their vLLM blocks."""
+        if jobs:
+            self.receiver().start(jobs, list(self.kv.values()))
+
+    def send_layer(self, name: str, kv_layer: torch.Tensor, jobs: list[StreamJob]) -> None:
+        li = self.layers.get(name)
+        if li is not None and jobs:
+            self.sender().send_layer(li, kv_layer, jobs)
+
+    def forget_sends(self, req_ids: list[str]) -> None:
+        """Requests that ended before their stream did (aborted)."""
+        if self._sender is not None:
+            for rid in req_ids:
+                self._sender.drop(rid)
+
+    def end_send(self, jobs: list[StreamJob]) -> None:
+        if jobs:
+            self.sender().end_step(jobs)
 
     # ------------------------------------------------------------------ loads
     def start_load(self, jobs: list[LoadJob]) -> None:
@@ -148,9 +195,12 @@ class WorkerSide:
                      f.job.req_id, f.ok, len(f.job.keys), len(f.job.blocks) - len(failed))
 
     def wait_layer(self, name: str) -> None:
-        """Copy this layer of the step's loaded objects into its vLLM blocks."""
-        self._wait_fetch()
+        """Wait for this layer of the step's hand-offs; copy this layer of the step's loaded
+        objects into its vLLM blocks."""
         li = self.layers.get(name)
+        if li is not None and self._receiver is not None:
+            self._receiver.wait_layer(li)
+        self._wait_fetch()
         if li is None or not self._fetched:
             return
         kv = self.kv[name]
@@ -165,12 +215,16 @@ class WorkerSide:
 
     def end_load(self) -> None:
         """The step's forward is over: the loaded objects are no longer needed."""
+        if self._receiver is not None:
+            self._receiver.end()
         self._wait_fetch()
         self._fetched = []
 
     def load_errors(self) -> set[int]:
         """vLLM block ids whose load failed since the last call."""
         errors, self._errors = self._errors, set()
+        if self._receiver is not None:
+            errors |= self._receiver.load_errors()
         return errors
 
     # ------------------------------------------------------------------ saves
@@ -219,6 +273,10 @@ class WorkerSide:
         self._saves.submit(lambda: None).result(timeout=timeout_s)
 
     def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+        if self._transfer is not None:
+            self._transfer.close()
         self._loads.shutdown(wait=True, cancel_futures=True)
         self._saves.shutdown(wait=True)
         for client in (self.reader, self.writer):

@@ -1,0 +1,150 @@
+"""`KvEventIndex`: vLLM's KV-cache events (its ZMQ publisher, ``--kv-events-config``) turned
+into the yuebing store-block keys a vLLM instance holds in its own prefix cache, for the
+Conductor's KV index (`instance.VllmInstance` sends them in its load reports'
+``cache_added`` / ``cache_removed``, as yuebing's own instances do).
+
+vLLM publishes ``[topic, seq, msgpack EventBatch]`` frames: an array ``[ts, events, rank]``
+whose events are maps tagged ``type``: ``BlockStored`` (``block_hashes``,
+``parent_block_hash``, ``token_ids``, ``block_size``), ``BlockRemoved`` (``block_hashes``),
+``AllBlocksCleared``. vLLM's hashes are its own; the Conductor speaks yuebing's keys (chained
+`hash_block` over store blocks, the instance's KV fingerprint in ``extra``:
+`KvLayout.block_keys`). So each stored vLLM block keeps the key of the last complete store
+block before it and the tokens since; the vLLM block that completes a store block gives that
+store block's key, held while every vLLM block in it is. A block whose parent is unknown
+(events lost) is skipped with its descendants: the index then misses a prefix, never claims
+one the instance does not hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from yuebing.core.hashing import hash_block
+from yuebing.core.ids import BlockHash
+from yuebing.integrations.vllm.layout import KvLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Block:
+    """One vLLM block as the index knows it."""
+
+    parent_key: BlockHash | None
+    """Key of the last complete store block before this block's store block (None: root)."""
+    pending: tuple[int, ...]
+    """Tokens of this block's store block up to and including this block (() once the block
+    completes it)."""
+    pending_blocks: tuple[Any, ...]
+    keys: list[BlockHash] = field(default_factory=list)
+    """Store keys this block is part of."""
+
+
+class KvEventIndex:
+    """Store-block keys held by one vLLM instance's prefix cache, from its KV events."""
+
+    def __init__(self, layout: KvLayout) -> None:
+        self.layout = layout
+        self.extra = (layout.fingerprint(),)
+        self.blocks: dict[Any, _Block] = {}
+        self.held: set[BlockHash] = set()
+        self.added: set[BlockHash] = set()
+        self.removed: set[BlockHash] = set()
+        self.last_seq = -1
+        self.gaps = 0
+        self.skipped = 0
+
+    # ------------------------------------------------------------------ frames
+    def frame(self, parts: list[bytes]) -> None:
+        """One ZMQ frame ``[topic, seq, payload]`` from vLLM's publisher."""
+        if len(parts) != 3:
+            log.warning("vLLM KV event frame of %d parts ignored", len(parts))
+            return
+        seq = int.from_bytes(parts[1], "big")
+        if self.last_seq >= 0 and seq != self.last_seq + 1:
+            self.gaps += 1
+            log.warning("vLLM KV events %d..%d lost: the index may miss prefixes",
+                        self.last_seq + 1, seq - 1)
+        self.last_seq = seq
+        try:
+            batch = msgspec.msgpack.decode(parts[2])
+            events = batch[1]
+        except (msgspec.DecodeError, IndexError, TypeError) as e:
+            log.warning("bad vLLM KV event batch: %s", e)
+            return
+        self.apply(events)
+
+    def apply(self, events: Iterable[Mapping[str, Any]]) -> None:
+        for ev in events:
+            kind = ev.get("type") if isinstance(ev, Mapping) else None
+            if kind == "BlockStored":
+                self.stored(ev["block_hashes"], ev.get("parent_block_hash"), ev["token_ids"],
+                            int(ev["block_size"]))
+            elif kind == "BlockRemoved":
+                self.dropped(ev["block_hashes"])
+            elif kind == "AllBlocksCleared":
+                self.cleared()
+
+    # ------------------------------------------------------------------ events
+    def stored(self, hashes: list[Any], parent: Any, token_ids: list[int],
+               block_size: int) -> None:
+        """vLLM cached ``hashes`` (each ``block_size`` tokens of ``token_ids``) after block
+        ``parent`` (None: from the prompt's start)."""
+        if block_size != self.layout.block_tokens:
+            log.warning("vLLM KV event with block size %d, the layout has %d: ignored",
+                        block_size, self.layout.block_tokens)
+            return
+        prev = _Block(None, (), ()) if parent is None else self.blocks.get(parent)
+        if prev is None:
+            self.skipped += len(hashes)
+            return
+        sbt = self.layout.store_block_tokens
+        for i, h in enumerate(hashes):
+            tokens = tuple(token_ids[i * block_size:(i + 1) * block_size])
+            pending = prev.pending + tokens
+            in_block = (*prev.pending_blocks, h)
+            if len(pending) < sbt:
+                prev = self.blocks[h] = _Block(prev.parent_key, pending, in_block)
+                continue
+            key = hash_block(prev.parent_key, pending, self.extra)
+            prev = self.blocks[h] = _Block(key, (), ())
+            for vb in in_block:
+                known = self.blocks.get(vb)
+                if known is not None:
+                    known.keys.append(key)
+            if key not in self.held:
+                self.held.add(key)
+                self.added.add(key)
+                self.removed.discard(key)
+
+    def dropped(self, hashes: list[Any]) -> None:
+        for h in hashes:
+            block = self.blocks.pop(h, None)
+            if block is None:
+                continue
+            for key in block.keys:
+                if key in self.held:
+                    self.held.discard(key)
+                    if key in self.added:  # never reported: nothing to take back
+                        self.added.discard(key)
+                    else:
+                        self.removed.add(key)
+
+    def cleared(self) -> None:
+        self.removed |= self.held - self.added
+        self.added.clear()
+        self.held.clear()
+        self.blocks.clear()
+
+    def take(self) -> tuple[list[int], list[int]]:
+        """Keys added and removed since the last call."""
+        added: list[int] = sorted(self.added)
+        removed: list[int] = sorted(self.removed)
+        self.added.clear()
+        self.removed.clear()
+        return added, removed
