@@ -1,13 +1,14 @@
 """`Instance`: the host every serving role runs on — engine + driver thread, transfer engine,
-KV connector, control server (`control.ControlServer`), tasks, events and load reports. Its role
-(`role.InstanceRole`: `prefill.PrefillRole`, `decode.DecodeRole`, `coupled.CoupledRole`) is a
-sibling object it composes and calls: `dispatch` hands it control requests, `on_outputs` each
-engine output; the role answers through the host (`stream_output`, `finish`, `fail`).
+KV connector, control server (`control.ControlServer`), tasks, events and load reports — and
+`InstanceRole`, the seam it calls a role through: `dispatch` hands it control requests,
+`on_outputs` each engine output; the role answers through the host (`stream_output`,
+`finish`, `fail`). The roles are siblings above it: `coupled.CoupledRole`, `prefill.PrefillRole`
+(composing a `CoupledRole`), `stage.StageRole` (a prefill of layers ``A:B``) and
+`decode.DecodeRole`; `run.build_instance` picks one.
 
 Threads: the asyncio control loop (never blocks on a step), the engine's driver thread, the
-connector's store threads (loads, saves), the transfer engine's. Engine outputs leave the driver
-through `_outputs_from_driver` and reach the wire in one pass on the loop (`on_outputs`: one
-`TaskEvents` frame per connection). Built and served by `yuebing.instance.run`.
+connector's store threads, the transfer engine's. Engine outputs reach the wire in one pass on
+the loop (`on_outputs`: one `TaskEvents` frame per connection).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -36,7 +37,6 @@ from yuebing.instance.control import ControlServer, Refused  # roles import Refu
 from yuebing.instance.cores import CoreLedger
 from yuebing.instance.driver import EngineDriver
 from yuebing.instance.reports import LocalCache, report_loop
-from yuebing.instance.role import InstanceRole
 from yuebing.instance.startup_profile import startup_profile
 from yuebing.protocol import Message
 from yuebing.protocol.instance import (
@@ -131,6 +131,63 @@ def _close_quietly(store: Any) -> None:
         store.close()
 
 
+class InstanceRole:
+    """One role on its host ``inst``. Every method is called by the host on the control loop
+    unless it says otherwise; the defaults refuse what the role does not take."""
+
+    kind: ClassVar[Role]
+    uses_store: ClassVar[bool] = True
+    """Open store clients (``--store-master``) for prefix loads and saves."""
+    exposes_pool: ClassVar[bool] = False
+    """Register the KV pool as a transfer segment (decode: prefills write into it)."""
+
+    def __init__(self, inst: Instance) -> None:
+        self.inst = inst
+
+    @property
+    def stage_segment(self) -> str:
+        """A pipeline stage's segment for the previous stage's rows (`Hello`); '' otherwise."""
+        return ""
+
+    async def on_submit(self, ident: bytes, msg: SubmitTask) -> Message:
+        """A `SubmitTask` from the connection ``ident`` (checked new, prompt valid): the
+        reply; the task's events follow through the host."""
+        raise Refused(ErrorCode.BAD_REQUEST, f"a {self.kind.label} instance takes no tasks")
+
+    async def on_reserve(self, ident: bytes, msg: Reserve) -> Message:
+        """A `Reserve` (decode): the reply naming the reserved blocks."""
+        raise Refused(ErrorCode.BAD_REQUEST,
+                      f"a {self.kind.label} instance takes no reservations")
+
+    async def on_fetch_prefix(self, msg: FetchPrefix) -> Message:
+        """Another instance asks for this one's cached prefix (the roles that prefill)."""
+        raise Refused(ErrorCode.BAD_REQUEST, f"a {self.kind.label} instance serves no prefixes")
+
+    async def on_cancel(self, request_id: str) -> bool:
+        """End the request (a `Cancel`, or its connection is gone); returns whether it was
+        known. Default: forget the task and abort it in the engine."""
+        task = self.inst.tasks.pop(request_id, None)
+        await self.inst.driver.run(lambda e: e.abort(request_id))
+        return task is not None
+
+    def on_output(self, task: Task, out: RequestOutput, step_start: float) -> None:
+        """One engine output of a live ``task`` (default: stream it as events)."""
+        self.inst.stream_output(task, out)
+
+    def on_output_driver(self, engine: LLMEngine, task: Task, out: RequestOutput) -> None:
+        """Driver thread, right after the step that produced ``out`` (its KV still intact)."""
+
+    def reserved_blocks(self) -> int:
+        """KV blocks held for requests whose KV has not arrived (load reports)."""
+        return 0
+
+    def sweep(self) -> None:
+        """Twice a second: expire what has a deadline (decode reservations)."""
+
+    async def close(self) -> None:
+        """The host is stopping (before its driver and connector close)."""
+
+
 class Instance:
     """The host of one role; see the module docstring."""
 
@@ -173,7 +230,7 @@ class Instance:
         self.driver = EngineDriver(self.engine, self._outputs_from_driver, threads,
                                    f"engine-{cfg.role}", trace, ledger)
         self.tasks: dict[str, Task] = {}
-        self.control = ControlServer(self)
+        self.control = ControlServer(cfg, self.dispatch, self.peer_gone)
         self.local_cache = LocalCache(cfg.store_block_tokens)
         self.resync = True
         """The next load report lists the whole local cache (a Conductor subscribed)."""

@@ -1,28 +1,27 @@
 """`ControlServer`: an instance's zmq ROUTER to its Conductors (`protocol.instance` messages)
 and the connections subscribed to load reports. Loop thread only.
 
-`Instance.start` → `bind`; `Instance.serve` → `serve`: one asyncio task per frame, `_handle`
-decodes it and `Instance.dispatch` answers it (a `Refused` or bad frame: an `ErrorReply`).
-Events and reports leave through `send`; a send that finds its connection gone tells
-`Instance.peer_gone`. `Instance.close` → `close`.
+The host (`base.Instance`) builds it with its config and two callbacks, then `bind`, `serve`
+and `close`: one asyncio task per frame, `_handle` decodes it and ``dispatch`` answers it (a
+`Refused` or bad frame: an `ErrorReply`). Events and reports leave through `send`; a send that
+finds its connection gone calls ``peer_gone``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
 
 from yuebing.core.errors import EngineError, InputError
+from yuebing.instance.config import InstanceConfig
 from yuebing.ops.zap import TokenAuthenticator, serve_plain
 from yuebing.protocol import Message, ProtocolError, decode, encode
 from yuebing.protocol.instance import ErrorCode, ErrorReply
-
-if TYPE_CHECKING:
-    from yuebing.instance.base import Instance
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +35,16 @@ class Refused(Exception):
 
 
 class ControlServer:
-    """The control ROUTER of one `Instance`; see the module docstring."""
+    """The control ROUTER of one instance; see the module docstring."""
 
-    def __init__(self, inst: Instance) -> None:
-        self.inst = inst
+    def __init__(self, cfg: InstanceConfig,
+                 dispatch: Callable[[bytes, Message], Awaitable[Message | None]],
+                 peer_gone: Callable[[bytes], None]) -> None:
+        self.cfg = cfg
+        self.dispatch = dispatch
+        """Answers one decoded frame from a connection (None: no reply)."""
+        self.peer_gone = peer_gone
+        """Told of a connection found gone."""
         self.sock: zmq.asyncio.Socket | None = None
         self.zap: TokenAuthenticator | None = None
         self.subscribers: set[bytes] = set()
@@ -50,7 +55,7 @@ class ControlServer:
     def bind(self) -> int:
         """Open the ROUTER on ``cfg.host`` at ``cfg.control_port`` (none: a free port);
         returns the port."""
-        cfg = self.inst.cfg
+        cfg = self.cfg
         self.sock = self._socket()
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -63,7 +68,7 @@ class ControlServer:
     def _socket(self) -> zmq.asyncio.Socket:
         """The control ROUTER; with a cluster token, in a context of its own whose ZAP handler
         admits only peers presenting it (`ops.zap`)."""
-        token = self.inst.cfg.cluster_token
+        token = self.cfg.cluster_token
         if not token:
             return zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         ctx = zmq.asyncio.Context()
@@ -122,7 +127,7 @@ class ControlServer:
         try:
             msg = decode(payload)
             seq = int(getattr(msg, "seq", 0))
-            reply = await self.inst.dispatch(ident, msg)
+            reply = await self.dispatch(ident, msg)
         except ProtocolError as e:
             reply = ErrorReply(seq=seq, code=ErrorCode.BAD_REQUEST, message=str(e))
         except Refused as e:
@@ -156,6 +161,6 @@ class ControlServer:
 
     def _peer_gone(self, ident: bytes) -> None:
         """The connection ``ident`` closed: no more reports to it; its tasks end
-        (`Instance.peer_gone`)."""
+        (``peer_gone``)."""
         self.subscribers.discard(ident)
-        self.inst.peer_gone(ident)
+        self.peer_gone(ident)

@@ -19,9 +19,8 @@ from typing import Any
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
 from yuebing.engine.sequence import RequestOutput
-from yuebing.instance.base import Instance, Refused, Task, to_params
+from yuebing.instance.base import Instance, InstanceRole, Refused, Task, to_params
 from yuebing.instance.prefix import PeerClients, load_prefix, serve_fetch
-from yuebing.instance.role import InstanceRole
 from yuebing.protocol import Message
 from yuebing.protocol.instance import Ack, ErrorCode, FetchPrefix, Role, SubmitTask, TaskMode
 

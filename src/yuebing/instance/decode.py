@@ -18,9 +18,8 @@ import time
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.kv_transfer import adopt_choices, reserve_blocks
 from yuebing.engine.sequence import RequestOutput
-from yuebing.instance.base import Instance, Refused, Task, to_params
+from yuebing.instance.base import Instance, InstanceRole, Refused, Task, to_params
 from yuebing.instance.prefill import KV_READY_TOPIC
-from yuebing.instance.role import InstanceRole
 from yuebing.protocol import Message, ProtocolError, decode
 from yuebing.protocol.instance import (
     DecodeTarget,

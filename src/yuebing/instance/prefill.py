@@ -21,10 +21,9 @@ from typing import Any
 
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sequence import RequestOutput
-from yuebing.instance.base import Instance, Refused, Task, logprob_fields, to_params
+from yuebing.instance.base import Instance, InstanceRole, Refused, Task, logprob_fields, to_params
 from yuebing.instance.coupled import CoupledRole
 from yuebing.instance.driver import DriverStopped
-from yuebing.instance.role import InstanceRole
 from yuebing.instance.streaming import KvStreamer, StreamResult
 from yuebing.protocol import Message, encode
 from yuebing.protocol.instance import (

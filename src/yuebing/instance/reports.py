@@ -3,8 +3,8 @@
 `LocalCache` (driver thread) follows which store blocks' KV sits in this engine's prefix cache:
 `note` after a prefill, `check_evicted` before each report, `take` for the report's
 ``cache_added``/``cache_removed`` (or the full list on a resync). `report_loop` (control loop)
-sends `LoadReport`s to every subscribed Conductor at ``report_hz`` and whenever the instance
-says its load changed (`Instance.changed`). Called by `yuebing.instance.base.Instance.serve`.
+sends `LoadReport`s to every subscribed Conductor at ``report_hz`` and whenever its host says
+its load changed; the host (`base.Instance`, started from its ``serve``) is a `ReportHost`.
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 
 from yuebing.core.ids import BlockHash
 from yuebing.engine.engine import LLMEngine
+from yuebing.instance.config import InstanceConfig
+from yuebing.instance.driver import EngineDriver
 from yuebing.instance.kvkeys import store_block_keys
+from yuebing.protocol import Message
 from yuebing.protocol.instance import LoadReport
-
-if TYPE_CHECKING:
-    from yuebing.instance.base import Instance
 
 
 class LocalCache:
@@ -66,7 +66,29 @@ class LocalCache:
         return added, removed
 
 
-def measure(inst: Instance, engine: LLMEngine, resync: bool) -> LoadReport:
+class ReportHost(Protocol):
+    """What the report loop reads of the instance it reports for."""
+
+    cfg: InstanceConfig
+    instance_id: str
+    incarnation: str
+    local_cache: LocalCache
+    driver: EngineDriver
+    resync: bool
+    """The next report lists every cached key (a new subscriber, a gap)."""
+    load_changed: asyncio.Event
+
+    @property
+    def subscribers(self) -> set[bytes]: ...
+
+    def send(self, ident: bytes, msg: Message) -> None: ...
+
+    def reserved_blocks(self) -> int: ...
+
+    def pending_tokens(self) -> int: ...
+
+
+def measure(inst: ReportHost, engine: LLMEngine, resync: bool) -> LoadReport:
     """Driver thread: the engine's side of a load report (the control loop adds what the
     instance's tasks hold: reserved blocks, prompts still loading their prefix)."""
     inst.local_cache.check_evicted(engine)
@@ -86,7 +108,7 @@ def measure(inst: Instance, engine: LLMEngine, resync: bool) -> LoadReport:
         cache_full_resync=resync)
 
 
-async def report_loop(inst: Instance, stop: asyncio.Event) -> None:
+async def report_loop(inst: ReportHost, stop: asyncio.Event) -> None:
     """Reports at ``report_hz`` and on change. The load is measured in the driver thread
     between steps; while a long step runs, the last measurement goes out again as a
     heartbeat (fresh time and sequence, no cache changes), so a busy instance never looks

@@ -17,9 +17,8 @@ from typing import Any, TypeVar
 import msgspec
 
 from yuebing.core.auth import adopt_cluster_token
-from yuebing.instance.base import Instance
+from yuebing.instance.base import Instance, InstanceRole
 from yuebing.instance.config import InstanceConfig
-from yuebing.instance.role import InstanceRole
 from yuebing.protocol.instance import Hello
 
 log = logging.getLogger(__name__)

@@ -25,9 +25,8 @@ import torch
 
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sequence import RequestOutput
-from yuebing.instance.base import Instance, Refused, Task
+from yuebing.instance.base import Instance, InstanceRole, Refused, Task
 from yuebing.instance.prefill import PrefillRole
-from yuebing.instance.role import InstanceRole
 from yuebing.instance.stagelink import StageLink
 from yuebing.protocol import Message
 from yuebing.protocol.instance import ErrorCode, FetchPrefix, Role, SubmitTask, TaskMode

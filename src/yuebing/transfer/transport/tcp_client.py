@@ -117,7 +117,8 @@ class TcpEndpoint(Endpoint):
         return sock
 
     def _open_lane(self) -> Lane:
-        return Lane(self, self._open_sock(), next(self._next_index))
+        return Lane(self.address, self.ctx.config, self.lane_failed, self._open_sock(),
+                    next(self._next_index))
 
     @property
     def alive(self) -> bool:

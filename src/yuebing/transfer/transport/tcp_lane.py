@@ -2,8 +2,9 @@
 a sender thread (coalesces queued slices into frames, registers them as pending, sends them in
 one ``sendmsg``; ops whose request already ended are completed instead of sent) and a receiver
 thread (matches answers to pending frames, receives read payloads into the callers' buffers).
-When the connection breaks, `Lane.fail` hands every queued and pending op back to the endpoint
-(`TcpEndpoint.lane_failed`), which retries them on other lanes or fails them.
+When the connection breaks, `Lane.fail` hands every queued and pending op back through the
+``failed`` callback it was built with (`TcpEndpoint.lane_failed`: retried on other lanes or
+failed).
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import logging
 import queue
 import socket
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from yuebing.core.spin import window_s
 from yuebing.protocol import Message, ProtocolError
-from yuebing.transfer.config import SPIN_REF_US
+from yuebing.transfer.config import SPIN_REF_US, TransferConfig
 from yuebing.transfer.transport.framing import FrameReader, IdleTimeout, send_parts
 from yuebing.transfer.transport.lane_ops import (
     NotifyOp,
@@ -28,9 +29,6 @@ from yuebing.transfer.transport.lane_ops import (
     group_frames,
 )
 from yuebing.transfer.transport.tcp_inline import finish_frame
-
-if TYPE_CHECKING:
-    from yuebing.transfer.transport.tcp_client import TcpEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +42,12 @@ COALESCE_OPS = 256
 class Lane:
     """One persistent connection with a sender and a receiver thread."""
 
-    def __init__(self, endpoint: TcpEndpoint, sock: socket.socket, index: int) -> None:
-        self.endpoint = endpoint
+    def __init__(self, address: str, config: TransferConfig,
+                 failed: Callable[[Lane, list[Op], str], None], sock: socket.socket,
+                 index: int) -> None:
+        self.address, self.config = address, config
+        self.failed = failed
+        """Takes the ops of a lane that broke or closed (the endpoint retries or fails them)."""
         self.sock = sock
         self.index = index
         self.outstanding = 0
@@ -55,8 +57,8 @@ class Lane:
         """Frames sent and not yet answered: frame id → its ops, in wire order."""
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        sock.settimeout(endpoint.ctx.config.io_timeout_s)
-        name = f"tx-lane-{endpoint.address}-{index}"
+        sock.settimeout(config.io_timeout_s)
+        name = f"tx-lane-{address}-{index}"
         threading.Thread(target=self._send_loop, name=name + "-tx", daemon=True).start()
         threading.Thread(target=self._recv_loop, name=name + "-rx", daemon=True).start()
 
@@ -100,7 +102,7 @@ class Lane:
             if not ops:
                 if stop:
                     if carry:
-                        self.endpoint.lane_failed(self, carry, "lane closed")
+                        self.failed(self, carry, "lane closed")
                     return
                 continue
             frames = group_frames(ops)
@@ -110,17 +112,17 @@ class Lane:
                 if not dead:
                     self._pending.update(zip(ids, frames, strict=True))
             if dead:
-                self.endpoint.lane_failed(self, ops + carry, "lane closed")
+                self.failed(self, ops + carry, "lane closed")
                 return
             try:
                 send_parts(self.sock, [p for fid, frame in zip(ids, frames, strict=True)
                                        for p in frame_iovec(fid, frame)])
             except OSError as e:
-                self.fail(f"send to {self.endpoint.address} failed: {e}")
+                self.fail(f"send to {self.address} failed: {e}")
                 stop = True
             if stop:
                 if carry:
-                    self.endpoint.lane_failed(self, carry, "lane closed")
+                    self.failed(self, carry, "lane closed")
                 return
 
     @staticmethod
@@ -136,18 +138,18 @@ class Lane:
         return ops[:n], ops[n:]
 
     def _recv_loop(self) -> None:
-        reader = FrameReader(self.sock, spin_s=window_s(self.endpoint.ctx.config.spin_us, SPIN_REF_US))
+        reader = FrameReader(self.sock, spin_s=window_s(self.config.spin_us, SPIN_REF_US))
         while True:
             try:
                 msg = reader.read(idle_ok=True)
                 self._on_reply(reader, msg)
             except IdleTimeout:
                 if self._pending:
-                    self.fail(f"peer {self.endpoint.address} sent nothing for "
-                              f"{self.endpoint.ctx.config.io_timeout_s}s")
+                    self.fail(f"peer {self.address} sent nothing for "
+                              f"{self.config.io_timeout_s}s")
                     return
             except (OSError, ProtocolError) as e:
-                self.fail(f"connection to {self.endpoint.address} broke: {e}")
+                self.fail(f"connection to {self.address} broke: {e}")
                 return
 
     def _on_reply(self, reader: FrameReader, msg: Message) -> None:
@@ -161,7 +163,7 @@ class Lane:
             with self._lock:
                 self.outstanding -= sum(op.length for op in frame)
         try:
-            finish_frame(reader, frame, msg, self.endpoint.address)
+            finish_frame(reader, frame, msg, self.address)
         except (OSError, ProtocolError):
             # broke while receiving the payload: nothing of the frame is completed yet
             # (finish_frame completes last), so it goes back for `fail` to retry or fail it
@@ -187,6 +189,6 @@ class Lane:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
-        log.debug("lane %s/%d failed with %d ops: %s", self.endpoint.address, self.index,
+        log.debug("lane %s/%d failed with %d ops: %s", self.address, self.index,
                   len(ops), error)
-        self.endpoint.lane_failed(self, ops, error)
+        self.failed(self, ops, error)
