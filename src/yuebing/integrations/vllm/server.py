@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from yuebing.core import env as environment
 from yuebing.core.config import require
 
 SRC = Path(__file__).resolve().parents[3]
@@ -31,8 +32,7 @@ TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 class VllmEnv:
     """Where vLLM and the model are (``benchmarks/peers/install_vllm_cpu.sh`` puts them)."""
 
-    peers_dir: Path = field(default_factory=lambda: Path(os.environ.get(
-        "YUEBING_PEERS_DIR", Path.home() / ".cache" / "yuebing-peers")))
+    peers_dir: Path = field(default_factory=environment.peers_dir)
 
     @property
     def python(self) -> Path:
@@ -106,7 +106,7 @@ class VllmServerConfig:
                "VLLM_CPU_OMP_THREADS_BIND": f"0-{self.threads - 1}",
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                "PYTHONPATH": os.pathsep.join(
-                   p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)}
+                   p for p in (str(SRC), environment.get("PYTHONPATH")) if p)}
         if TCMALLOC.exists():
             env["LD_PRELOAD"] = str(TCMALLOC)
         return env
