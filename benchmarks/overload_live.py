@@ -36,7 +36,6 @@ import argparse
 import json
 import math
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -53,11 +52,13 @@ from yuebing.bench.config import BenchConfig
 from yuebing.bench.workload import scaled_request, send_times
 from yuebing.conductor.policy.admission import ADMISSIONS
 from yuebing.conductor.policy.queue import DEFAULT_QUEUE
+from yuebing.ops.procs import ReadyProcess
 from yuebing.sim.paper.overload import oscillation
 from yuebing.sim.runner import simulate
 from yuebing.sim.system import SimConfig, sim_policy
 from yuebing.sim.workload import SimRequest
 from yuebing.trace.io import load_trace
+from yuebing.trace.latency import nearest_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 YB = str(ROOT / ".venv" / "bin" / "yuebing")
@@ -127,33 +128,17 @@ class Cluster:
                      "--restart", "never", "--admission", policy, *selector,
                      "--ttft-slo-s", f"{setup.ttft_slo_s:g}",
                      "--tbt-slo-s", f"{setup.tbt_slo_s:g}", *setup.serve_flags]
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: ReadyProcess | None = None
 
     def __enter__(self) -> Cluster:
-        with (self.logs / "serve.out").open("wb") as fh:
-            self.proc = subprocess.Popen(self.argv, stdout=fh, stderr=subprocess.STDOUT)
-        end = time.monotonic() + 900
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                tail = (self.logs / "serve.out").read_text(errors="replace")[-1500:]
-                raise RuntimeError(f"yuebing serve exited while starting "
-                                   f"({self.proc.returncode}):\n{tail}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health?ready=1", timeout=2):
-                    return self
-            except OSError:
-                time.sleep(1)
-        raise RuntimeError("yuebing serve was not ready after 900 s")
+        """Start it and wait for its ready file (every role ready; output in ``serve.log``)."""
+        self.proc = ReadyProcess(self.argv, name="serve", workdir=self.logs, timeout_s=900,
+                                 stop_s=60)
+        return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            self.proc.stop()
 
     def get(self, path: str) -> bytes:
         with urllib.request.urlopen(f"{self.url}{path}", timeout=10) as r:
@@ -221,10 +206,9 @@ def wasted_prefill(log: Path, ttft_slo_s: float, tbt_slo_s: float) -> dict[str, 
 
 
 def pct(values: list[float], q: float) -> float | None:
-    vals = sorted(v for v in values if v is not None and math.isfinite(v))
-    if not vals:
-        return None
-    return vals[min(len(vals) - 1, max(0, math.ceil(q * len(vals)) - 1))]
+    """`nearest_rank`, None (JSON null) for no values."""
+    v = nearest_rank(values, q)
+    return None if math.isnan(v) else v
 
 
 def latency(ttft: list[float], tbt: list[float]) -> dict[str, float | None]:

