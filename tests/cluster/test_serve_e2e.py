@@ -5,6 +5,7 @@ message naming it."""
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -35,9 +36,10 @@ def free_port() -> int:
 def test_serve_answers_and_sigint_stops_everything(tmp_path: Path) -> None:
     port = free_port()
     # a generous heartbeat timeout: on a loaded machine a busy instance's reports can lag 2 s
+    ready = tmp_path / "serve.ready.json"
     serve = Serve(["serve", "--port", str(port), "--log-dir", str(tmp_path),
                    "--store-dram", "64MiB", "--stop-grace-s", "20",
-                   "--heartbeat-timeout-s", "30"])
+                   "--heartbeat-timeout-s", "30", "--ready-file", str(ready)])
     try:
         url_line = serve.wait_for("OpenAI API:")
         base = f"http://127.0.0.1:{port}"
@@ -45,6 +47,8 @@ def test_serve_answers_and_sigint_stops_everything(tmp_path: Path) -> None:
         curl = serve.wait_for("curl ")
         assert f"curl {base}/v1/chat/completions" in curl and '"stream": true' in curl
         serve.wait_for("Ctrl-C stops every process.")
+        assert json.loads(ready.read_text()) == {"url": base, "pid": serve.proc.pid,
+                                                 "log_dir": str(tmp_path)}
         pids = descendants(serve.proc.pid)
         assert len(pids) >= 5  # master, node, prefill, decode, conductor (+ their children)
         assert {p.name for p in tmp_path.glob("*.log")} >= {
