@@ -1,17 +1,11 @@
-"""etcd discovery of a multi-host cluster's roles.
+"""etcd discovery of a multi-host cluster's roles: `Discovery`, `Publication`, `Watch`.
 
-Keys live under ``/yuebing/<cluster>/<kind>/<id>`` with a JSON object as value:
-``instances/<instance_id>`` -> the instance's `Hello` (``msgspec.to_builtins``), published by
-the instance with a TTL lease it keeps alive; ``conductor/<id>`` -> ``{"url": ...}``. The store
-master's address is the store's own election key (``/yuebing/store/<cluster>/leader``, see
-`yuebing.store.master.election`), read by `Discovery.store_master`.
-
-Callers: an instance (``yuebing serve prefill|decode|coupled --etcd URL``) calls `publish` once
-ready and `Publication.close` on shutdown (the key disappears at once; a crash makes it vanish
-when the lease expires, ``ttl_s`` later). The Conductor polls `list` (or `watch`) from a
-thread or through ``asyncio.to_thread``. Every call is synchronous HTTP to etcd's v3 gateway
-(``etcd3gw``); an unreachable etcd raises `DiscoveryError` (``publish(..., retry=True)``, as the
-roles publish themselves, keeps trying instead).
+Keys ``/yuebing/<cluster>/<kind>/<id>`` hold JSON objects: ``instances/<instance_id>`` -> the
+instance's `Hello` (``msgspec.to_builtins``), ``conductor/<id>`` -> ``{"url": ...}``. An
+instance (``yuebing serve prefill|decode|coupled --etcd URL``) calls `publish` once ready and
+`Publication.close` on shutdown (after a crash the key expires with its lease); the Conductor
+polls `list` or `watch`. Every call is synchronous HTTP to etcd's v3 gateway (``etcd3gw``); an
+unreachable etcd raises `DiscoveryError` (``publish(..., retry=True)`` keeps trying instead).
 """
 
 from __future__ import annotations
@@ -242,7 +236,8 @@ class Discovery:
         return Watch(self, kind, callback, interval_s)
 
     def store_master(self) -> str:
-        """The store leader's RPC address from the store's election key ('' if none)."""
+        """The store leader's RPC address from the store's election key
+        (``/yuebing/store/<cluster>/leader``, `yuebing.store.master.election`; '' if none)."""
         try:
             values = self.client.get(f"/yuebing/store/{self.cluster}/leader")
         except Exception as e:

@@ -1,18 +1,11 @@
 """Readiness checks of role processes, polled by the supervisor until they pass.
 
-A check's `poll` is called every ~50 ms from the supervisor's thread while the role starts; it
-returns None (not ready yet) or a dict of what the role reported (its ready file's JSON, e.g.
-the store master's ``{"address", "events", "admin"}`` or an instance's `Hello`), which the
-plan uses to start the roles that depend on it. A check must not block for long: each probe
-has a short timeout.
-
-- `ReadyFile`: the role writes JSON to a path once it serves (``--ready-file``; atomically,
-  by rename). Store master and node, instances.
-- `HttpOk`: GET a URL answers 200 (the store admin ``/health``).
-- `HttpJson`: GET a URL answers 200 with a JSON body a predicate accepts (the Conductor's
-  ``/health`` once every instance of the host is in its view).
-- `InstancePing`: the instance's control server answers `Ping` (``InstanceClient.ping``).
-- `AllOf`: every given check passes; their dicts are merged.
+The supervisor's thread calls a check's `poll` every ~50 ms while the role starts; it returns
+None (not ready yet) or a dict of what the role reported (e.g. the store master's address or an
+instance's `Hello`), which the plan uses to start the roles that depend on it. A check must not
+block for long: each probe has a short timeout. Checks: `ReadyFile` (the role's
+``--ready-file``, written atomically by rename), `HttpOk`, `HttpJson`, `InstancePing` and
+`AllOf` (every check passes; their dicts are merged).
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """``yuebing serve`` (no role): every role of a one-host cluster under one `Supervisor`.
 
-Called by the CLI (`yuebing.cluster.cli`) with a `ServeConfig`. Stages, each started together
-and waited for before the next:
-
-1. ``store-master`` (``yuebing store master``; ready file + admin ``/health``),
-2. ``store-node`` (``yuebing store node`` with ``--store-dram`` of shared memory),
-3. ``prefill-i`` / ``decode-i`` or ``coupled-i`` (``yuebing serve prefill|decode|coupled``;
-   ready file with the instance's `Hello`, then a control-plane `Ping`); with ``--cpp-group
-   k`` the first prefill instances are pipeline stages (``--layers``, ``--cpp-group cpp-g``),
-4. ``conductor`` (``yuebing serve conductor``; ``GET /health`` answers 200 and lists every
-   instance of this host in its view, so the first request finds them).
-
+`run_serve` (called by `yuebing.cluster.cli` with a `ServeConfig`) starts `ServePlan.stages`,
+each waited for before the next: ``store-master``, ``store-node``, the instances (``prefill-i``
+/ ``decode-i`` or ``coupled-i``; with ``--cpp-group k`` the first prefill instances are pipeline
+stages) and ``conductor`` (ready once its ``/health`` lists every instance of this host).
 Every address is chosen before its role starts (free ports on ``advertise_host``), so a role
 restarted by the watch loop comes back where the others expect it. With ``etcd`` the store
-master campaigns there, the instances publish their `Hello` and the Conductor finds them
-there, so roles started on other hosts (``yuebing serve decode --etcd ...``) join this cluster.
-Then the URL and a curl line are printed and the supervisor watches until SIGINT/SIGTERM.
+master campaigns there and the instances publish their `Hello`, so roles on other hosts join.
 """
 
 from __future__ import annotations

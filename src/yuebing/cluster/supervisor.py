@@ -1,21 +1,12 @@
 """`Supervisor`: start role processes in stages, wait for their readiness, watch, stop.
 
-Called by `yuebing.cluster.serve.run_serve` (``yuebing serve``) from the main thread, which
-owns the supervisor for its whole life (children die with the thread that spawned them). Life
-of a cluster:
-
-1. ``start_stage([(spec, readiness), ...])`` spawns the stage's roles at once (one log file
-   each under ``log_dir``) and polls their readiness checks until all pass. A role that exits
-   or is not ready within ``ready_timeout_s`` raises `RoleFailed` naming it, with the tail of
-   its log; the caller then calls `stop`. Later stages use earlier roles' reported info
-   (`info`), e.g. the store master's address.
-2. `watch` polls the roles until `request_stop` (a signal handler) is called. A role that dies
-   is reported (name, exit status, log tail), its dead processes' shared-memory segments are
-   swept, and it is restarted with backoff or, past the restart limit or with
-   ``restart="never"``, the whole cluster stops and `watch` returns 1.
-3. `stop` stops the stages in reverse order (the conductor first, the store master last):
-   SIGTERM to each role's process group, SIGKILL after ``stop_grace_s`` or at once after a
-   second `request_stop`.
+Owned by `yuebing.cluster.serve.run_serve` on the main thread for its whole life (children die
+with the thread that spawned them). `start_stage` spawns a stage's roles at once (a log file
+each under ``log_dir``) and polls their readiness; a role that exits or misses
+``ready_timeout_s`` raises `RoleFailed` with its log tail. `watch` runs until `request_stop`: a
+dead role's shared-memory segments are swept and it is restarted with backoff, or past the
+restart limit (or ``restart="never"``) `watch` returns 1. `stop` stops stages in reverse order:
+SIGTERM to each process group, SIGKILL after ``stop_grace_s`` or at once on a second request.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """The Conductor's HTTP server: OpenAI-compatible routes on Starlette + uvicorn.
 
 `create_app(conductor)` builds the ASGI app; `run_conductor(cfg)` builds the `Conductor` and
-serves it (called by ``yuebing serve conductor``).
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``),
-``GET /v1/models``, ``GET /health`` (``?ready=1``: 503 until a request could be routed),
-``GET /metrics``, ``GET /predictors`` (the predictor file in use). A generation request's
-path here: authenticate (optional Bearer key), read the body under the size limit, validate and tokenize (`yuebing.conductor.api`), take one of the
-``max_concurrent`` slots, start `Dispatcher.generate` and wait for its first delta while
-watching for a client disconnect — so a rejection is still a plain 429/503 response — then
-stream (or collect) the rest. Every error body is OpenAI's; every request ends in one access log
-line and the histograms.
+serves it (called by ``yuebing serve conductor``). Routes: ``POST /v1/completions``,
+``POST /v1/chat/completions`` (SSE when ``stream``), ``GET /v1/models``, ``GET /health``
+(``?ready=1``: 503 until a request could be routed), ``GET /metrics``, ``GET /predictors``.
+A generation request (`_Routes._generate`) waits for its first delta before answering, so a
+rejection is still a plain 429/503 response. Every error body is OpenAI's; every request ends
+in one access log line and the histograms.
 """
 
 from __future__ import annotations
@@ -138,6 +135,10 @@ class _Routes:
         return b"".join(parts)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
+        """Authenticate (optional Bearer key), read the body under the size limit, validate and
+        tokenize (`yuebing.conductor.api`), take ``max_concurrent`` slots, start
+        `Dispatcher.generate` and wait for its first delta while watching for a client
+        disconnect, then stream (or collect) the rest."""
         arrival = time.perf_counter()
         c = self.c
         self._auth(request)

@@ -1,16 +1,11 @@
 """Engine micro-benchmarks (``yuebing bench engine``).
 
-For each variant (dtype × decode-attention path) one engine is built over the same loaded
-weights and measured side by side in one process:
-
-- decode step time at each batch size (each sequence holding ``prompt_len`` tokens), and the
-  resulting decode tokens/s;
-- prefill tokens/s for single prompts of each length (time to first token);
-- decode and prefill also in process CPU time (with one thread, close to what a quiet machine
-  would show when other processes share the cores);
-- paging cost: decode attention of all layers gathering K/V through block tables from the
-  pool vs the same math on already-contiguous K/V tensors, next to the full step time;
-- KV export/import throughput (GB/s) for one block and for a batch of blocks.
+For each variant (dtype × decode-attention path, `run_variant`) one engine is built over the
+same loaded weights and measured side by side in one process: decode step time and tokens/s
+per batch size (each sequence holding ``prompt_len`` tokens), prefill tokens/s per prompt
+length (time to first token), both also in process CPU time, the paging cost of decode
+attention (`paging_cost`: gather through block tables vs contiguous K/V) and KV export/import
+throughput for one block and a batch of blocks (`transfer_rates`).
 """
 
 from __future__ import annotations

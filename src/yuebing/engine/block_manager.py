@@ -1,16 +1,11 @@
-"""KV block allocator with a local prefix cache.
+"""KV block allocator with a local prefix cache: `BlockAllocator`.
 
 The scheduler calls it when it admits, extends, preempts, finishes or aborts a sequence:
-
-- `match_prefix(keys, token_blocks)` → the longest run of cached blocks holding exactly these
-  tokens (keys come from `yuebing.core.hashing.hash_block`; a key hit whose stored tokens differ
-  is a hash collision and ends the match); the caller then `acquire`s them.
-- `allocate()` hands out a free block: never-used blocks first, then the least recently freed
-  cached block (its key is dropped from the cache at that moment).
-- `register(block, key, tokens)` publishes a block once it is *full* so later requests share it.
-- `release(block)` drops one reference; at zero the block becomes free but stays findable by its
-  key until it is reused (LRU).
-
+`match_prefix` finds the longest run of cached blocks holding exactly the given tokens (keys
+from `yuebing.core.hashing.hash_block`; a key hit whose stored tokens differ is a collision and
+ends the match), which the caller then `acquire`s; `allocate` hands out never-used blocks
+first, then the least recently freed cached block (dropping its key); `register` publishes a
+full block; a `release`d block at zero references stays findable by its key until reused.
 Pure Python and single-threaded (the engine loop owns it); no torch.
 """
 

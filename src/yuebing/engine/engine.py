@@ -1,17 +1,12 @@
-"""The inference engine: one model, one paged KV pool, a continuous batch.
+"""The inference engine: `LLMEngine`, one model, one paged KV pool, a continuous batch.
 
-Life cycle of a request: `add_request` validates and tokenizes the prompt and queues a
-`Sequence`; every `step` asks the scheduler for a plan (decode tokens plus prefill chunks under
-the token budget, prefix-cache hits reused, preemption when KV runs out), runs one forward pass,
-samples a token for each sequence that reached the end of its tokens, applies stop conditions
-(stop ids / EOS, stop strings, max_tokens, context length) and returns a `RequestOutput` per
-sequence that produced something. A request with ``n > 1`` forks where its prefill samples:
-the last prompt position's logits are sampled ``n`` times (choice ``j`` with its own
-generator, ``seed + j``) and choices 1..n-1 become sequences sharing the prompt's full KV
-blocks, each with a copy of the partly filled last block (`_fork`). `abort` ends a request
-(every choice) at any time. Prefill and decode
-instances (`yuebing.instance`) wrap an engine: they stream KV layer by layer through
-`add_layer_hook`, and install or adopt KV with `yuebing.engine.kv_transfer`.
+`add_request` validates and tokenizes the prompt and queues a `Sequence`; every `step` asks the
+scheduler for a plan (decode tokens plus prefill chunks under the token budget), runs one
+forward pass, samples for each sequence that reached the end of its tokens, applies stop
+conditions and returns a `RequestOutput` per sequence that produced something. A request with
+``n > 1`` forks where its prefill samples (`_forks`, `_fork`); `abort` ends one at any time.
+Prefill and decode instances (`yuebing.instance`) wrap an engine: they stream KV layer by
+layer through `add_layer_hook` and install or adopt KV with `yuebing.engine.kv_transfer`.
 """
 
 from __future__ import annotations

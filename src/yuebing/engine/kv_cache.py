@@ -1,17 +1,12 @@
-"""The KV pool: one preallocated tensor holding every block's K and V for every layer.
+"""The KV pool: `KVPool`, one preallocated tensor holding every block's K and V for every layer.
 
-Layout ``[layers, 2 (K/V), blocks, kv_heads, block_size, head_dim]``. Each layer's K (and V) is a
-contiguous ``[blocks, kv_heads, block_size, head_dim]`` tensor, so decode attention gathers a
-batch's context with a single ``index_select`` straight into the matmul layout (measured the
-fastest on CPU). Consequences for moving KV between engines:
-
-- `layer_view` / `export_layer` — one layer of a run of blocks — are zero-copy views when the
-  blocks are consecutive (used by per-layer streaming while the next layer computes);
-- `export_blocks` packs whole blocks (all layers) into one contiguous buffer
-  ``[n, layers, 2, kv_heads, block_size, head_dim]`` (one copy; the unit the store keeps);
-- `import_blocks` / `import_layer` write such buffers into this pool.
-
-The engine owns the pool; the block allocator decides which block ids are in use.
+Layout ``[layers, 2 (K/V), blocks, kv_heads, block_size, head_dim]``: each layer's K (and V) is
+a contiguous ``[blocks, kv_heads, block_size, head_dim]`` tensor, so decode attention gathers a
+batch's context with a single ``index_select`` straight into the matmul layout. The engine owns
+the pool; the block allocator decides which block ids are in use. To move KV between engines:
+`layer_view` / `export_layer` (one layer of a run of blocks; zero-copy when the blocks are
+consecutive), `export_blocks` (whole blocks as one contiguous buffer, the unit the store keeps)
+and `import_blocks` / `import_layer`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
-"""LLaMA-family decoder in plain torch (Llama, SmolLM, Qwen2): RMSNorm, RoPE (with llama3 /
-linear scaling), grouped-query attention over the paged KV pool, SwiGLU, tied embeddings.
+"""LLaMA-family decoder in plain torch (Llama, SmolLM, Qwen2): `LlamaModel`.
 
-Built once per engine from a `LoadedWeights` (Hugging Face tensor names): Q/K/V and gate/up are
-fused into one matrix each so a layer is four matmuls, and on CPU in bf16/fp16 every matmul
-weight is packed once into oneDNN's blocked layout (`yuebing.engine.linear`). `forward` is
-called by the model runner once per step with the flat batch of token ids and positions, the
-`AttnMetadata` and the per-layer KV pool; after each layer's K/V is written it calls the registered layer hooks (so a
-prefill instance can ship layer i while layer i+1 computes). It returns logits (float32) only for
-the rows the sampler needs. Everything but the matmuls and attention (RMSNorm fused with the
-residual add, RoPE with the KV write, SiLU·mul) goes through ``self.ops``, a
-`yuebing.engine.kernels.KernelOps` (plain torch, or native C++ kernels set by the engine).
+RMSNorm, RoPE (with llama3 / linear scaling), grouped-query attention over the paged KV pool,
+SwiGLU, tied embeddings. Built once per engine from a `LoadedWeights`: Q/K/V and gate/up are
+fused so a layer is four matmuls, and on CPU in bf16/fp16 every matmul weight is packed once
+into oneDNN's blocked layout (`yuebing.engine.linear`). The model runner calls `forward` once
+per step; after each layer's K/V is written it calls the layer hooks (so a prefill instance
+ships layer i while layer i+1 computes). The small ops (add + norm, RoPE with the KV write,
+SiLU·mul) go through ``self.ops``, a `yuebing.engine.kernels.KernelOps` (torch or native C++).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""Profiling the engine for the latency predictors (``yuebing profile``).
+"""Profiling the engine for the latency predictors (``yuebing profile``): `profile_engine`.
 
-Measures, on a live `LLMEngine`:
-
-- prefill: wall time from queueing a request of ``cached + new`` tokens (whose first ``cached``
-  tokens are already in the prefix cache) to its first token, over a grid of (new, cached);
-- decode: time of one decode step of ``batch`` sequences holding ``context`` tokens in all;
-- optionally (``--interference``, `yuebing.engine.interference`) how much a decode step and a
-  prefill slow down while a neighbour engine runs the other phase on the same machine.
-
-Results are `ProfileSamples`, saved as JSON (format ``yuebing-profile-samples`` v1, documented
-in docs/engine.md) and fitted by the CLI with `yuebing.conductor.policy.predictors`. Every
-measurement uses fresh random tokens so only the intended prefix is cached.
+On a live `LLMEngine` it times prefill (`time_prefill`: from queueing ``cached + new`` tokens,
+the first ``cached`` already in the prefix cache, to the first token, over a grid of (new,
+cached)), decode (`time_decode`: one step of ``batch`` sequences, ``context`` tokens in all)
+and, with ``--interference`` (`yuebing.engine.interference`), each phase's slowdown while a
+neighbour engine runs the other. Results are `ProfileSamples`, saved as JSON (format
+``yuebing-profile-samples`` v1, docs/engine.md) and fitted by the CLI with
+`yuebing.conductor.policy.predictors`. Fresh random tokens keep other prefixes out of the cache.
 """
 
 from __future__ import annotations

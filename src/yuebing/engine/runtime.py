@@ -1,17 +1,12 @@
-"""Process-level runtime choices made once when an engine starts: device, dtype, CPU threads
-and the C allocator.
+"""Process-level runtime choices made once when an engine starts (`setup`).
 
-- device ``auto`` → CUDA when available, else CPU (the same model code runs on both);
-- dtype ``auto`` → bfloat16 on CUDA and on CPUs with native bf16 instructions (AVX512-BF16 /
-  AMX; measured faster there, see docs/benchmarks.md), float32 otherwise;
-- threads: ``torch.set_num_threads`` is always set explicitly; ``0`` (auto) times a decode-sized
-  matmul loop with one thread and with all usable cores and keeps the faster (on a CPU shared
-  with other busy processes, OpenMP's spinning threads made two threads up to 8× slower than
-  one, see docs/benchmarks.md);
-- the KV pool gets transparent huge pages where the kernel allows (`advise_hugepages`);
-- glibc malloc: large temporary tensors are otherwise returned to the OS and page-faulted back
-  in on every layer (we saw small gathers run far slower than with a warm heap), so the mmap/trim
-  thresholds are raised with ``mallopt`` (a no-op on other C libraries).
+Device ``auto`` → CUDA when available, else CPU (the same model code runs on both). Dtype
+``auto`` → bfloat16 on CUDA and on CPUs with native bf16 instructions (AVX512-BF16 / AMX),
+float32 otherwise. ``torch.set_num_threads`` is always set explicitly (`choose_threads`: on a
+CPU shared with busy processes, OpenMP's spinning threads can make two threads far slower than
+one). The KV pool gets transparent huge pages where the kernel allows (`advise_hugepages`) and
+glibc malloc keeps large freed blocks (`tune_malloc`). `machine` names this processor for the
+predictors.
 """
 
 from __future__ import annotations
@@ -35,7 +30,9 @@ _tuned = False
 
 
 def tune_malloc(threshold: int = 1 << 30) -> bool:
-    """Keep freed large blocks in the heap (glibc); returns whether it applied."""
+    """Keep freed large blocks in the heap (glibc ``mallopt``: mmap and trim thresholds), so
+    large temporary tensors are not returned to the OS and page-faulted back in on every layer;
+    returns whether it applied (a no-op on other C libraries)."""
     global _tuned
     if _tuned:
         return True

@@ -1,17 +1,12 @@
-"""Sampling: per-request parameters and the batched sampler.
+"""Sampling: per-request parameters (`SamplingParams`) and the batched sampler (`sample`).
 
 `SamplingParams` arrive with each request and are validated there (bad values raise
 `InputError` before anything is queued). After every model step the engine hands `sample` the
-float32 logits of the sequences that produce a token, with the stop tokens each row may not
-pick yet (``min_tokens``); greedy rows take the argmax, the others apply temperature, top-k and
-top-p and draw from the request's own generator (seeded from ``seed``), so other requests'
-draws never shift a seeded request's. A seeded (or greedy) request's tokens are the same
-whatever else is batched only when its logits are: the engine's batch-invariant mode
-(``EngineConfig.batch_invariant``, opt-in) makes them so; with it off, bf16 logits move
-slightly with the batch and near-ties can flip (docs/engine.md, determinism). Optional
-logprobs are the log-softmax of the raw float32 logits (before temperature, top-k/top-p and
-the stop-token mask: vLLM's default ``raw_logprobs``), computed for the whole batch at once
-(one log-softmax, one gather, one top-k over the rows that asked, one copy to the host).
+float32 logits of the rows that produce a token, with the stop tokens each may not pick yet
+(``min_tokens``); greedy rows take the argmax, the others draw from the request's own generator
+(`make_generator`), so other requests never shift a seeded request's draws. Its tokens are
+batch-independent only if its logits are (``EngineConfig.batch_invariant``; docs/engine.md).
+Logprobs (`batch_logprobs`) are of the raw float32 logits, as vLLM's default ``raw_logprobs``.
 """
 
 from __future__ import annotations

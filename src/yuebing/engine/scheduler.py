@@ -1,15 +1,12 @@
-"""Continuous-batching scheduler with chunked prefill, prefix caching and preemption.
+"""Continuous-batching scheduler with chunked prefill, prefix caching and preemption: `Scheduler`.
 
-The engine calls `schedule` at the start of every step. Each step has a token budget
-(``max_batch_tokens``): every running decoding sequence gets one token, then prefilling
-sequences get chunks of their prompt — first those already started, then new ones admitted
-from the waiting queue (FIFO, up to ``max_num_seqs`` running) after a prefix-cache lookup.
-With ``mixed_batches`` off a step is either all prefill or all decode (prefill first).
-When a sequence needs a new KV block and none is free, the newest running sequence is
-preempted: its blocks are released and it goes back to the head of the queue to be recomputed
-(its full blocks usually survive in the prefix cache). After the forward pass the engine calls
-`commit` (publishes newly full blocks under their `hash_block` key) and `free` for finished or
-aborted sequences.
+The engine calls `schedule` at the start of every step. Within the token budget
+(``max_batch_tokens``) every running decoding sequence gets one token, then prefilling
+sequences get prompt chunks: those already started first, then new ones admitted from the
+waiting queue (FIFO, up to ``max_num_seqs`` running) after a prefix-cache lookup. With
+``mixed_batches`` off a step is all prefill or all decode (prefill first). When no KV block is
+free the newest running sequence is preempted (`preempt`) and later recomputed. After the
+forward pass the engine calls `commit`, and `free` for finished or aborted sequences.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""`CoreLedger`: the instances of one host lend each other their idle cores.
+"""`CoreLedger`: the instances of one host lend each other their idle cores (``--lend-cores``).
 
-On a small host (`yuebing serve` on 2 cores: a prefill and a decode instance, one thread each)
-one instance often idles while the other works: in prefix-heavy chat the prefill takes
-milliseconds and the decode then steps for seconds. Each instance's `EngineDriver` holds a slot
-in a host-wide ledger (a small shared-memory file, ``/dev/shm/yuebing-cores-v3-<uid>``): its
-own threads, its *claim* (its own threads while it has work, 0 when idle) and the threads it
-*uses* during a step (0 between steps). Before each step (`acquire`) an instance claims its own
-threads, waits until the others' steps leave room for them, and steps with its own threads plus
-every core nobody claims. A lender that gets work therefore waits for the borrower's current
-step to end (one decode step, or one prefill chunk), and the borrower's next step leaves it its
-cores: steps never run more threads than the host has cores. That matters: OpenMP threads spin
-at every barrier, and an oversubscribed step was measured 10–20x slower.
+Each instance's `EngineDriver` holds a slot in a host-wide ledger (a small shared-memory file,
+``/dev/shm/yuebing-cores-v3-<uid>``): its own threads, its *claim* (its own threads while it
+has work, 0 when idle) and the threads it *uses* during a step (0 between steps). Before each
+step `acquire` claims its own threads, waits until the others' steps leave room for them and
+steps with its own threads plus every core nobody claims; `release` after the step. A lender
+that gets work so waits for the borrower's current step to end, and steps never run more
+threads than the host has cores (OpenMP threads spin at every barrier).
 """
 
 from __future__ import annotations

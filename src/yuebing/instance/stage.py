@@ -1,17 +1,12 @@
-"""Stage role: one stage of a chunked pipeline parallel prefill group (``--layers A:B``).
+"""`StageRole`: one stage of a chunked pipeline parallel prefill group (``--layers A:B``).
 
-Life cycle of a request: every stage of the group gets the same `SubmitTask(mode=PREFILL)` with
-its `StagePlan` and the decode's reservation; it joins the engine (``hold_kv``, reusing exactly
-the group's ``prefix_tokens``) through the composed `prefill.PrefillRole`, whose `KvStreamer`
-writes this stage's layers into the decode's blocks while the next layers compute. A stage
-before the last sends each chunk's boundary rows on (`stagelink.StageLink`) as soon as it ran,
-so chunk i+1 enters this stage while chunk i is in the next; once its last chunk ran and its
-KV writes are done, and the previous stage's `StageDone` came, it sends its own `StageDone`,
-releases the blocks and ends its part (`FINISH` ``handoff``). The last stage samples the first
-token (`FIRST_TOKEN`) and, once the previous stage's `StageDone` came, tells the decode
-(`KvReady`): the PREFILL hand-off. A failure anywhere ends the request on every later stage
-(`StageDone(ok=False)`, or no rows within the transfer timeout) and the decode hears `KvReady`
-with ``ok`` False: nothing waits for a dead stage.
+Every stage of the group gets the same `SubmitTask(mode=PREFILL)` with its `StagePlan` and the
+decode's reservation, and joins the engine (``hold_kv``) through the composed
+`prefill.PrefillRole`, whose `KvStreamer` writes this stage's layers into the decode's blocks.
+A stage before the last sends each chunk's boundary rows on (`stagelink.StageLink`) as soon as
+it ran, then its `StageDone` (`_pass_on`); the last samples the first token and sends the
+decode `KvReady` once the previous `StageDone` came. A failure ends the request on every later
+stage (`_end`, `sweep`), and the decode hears `KvReady` with ``ok`` False.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Framing of the store's RPC over plain TCP: ``[u32 length][u64 request id][payload]``.
 
-Plain non-blocking sockets under one ``selectors`` loop are about twice as fast per round trip
-as a ZeroMQ socket pair in Python (no I/O-thread hops), which the master's single-key rate
-needs. Here: the frame format, the incremental parser (`FrameBuffer`) and `FrameSocket`, the
-blocking client side, which talks only to masters and accepts frames up to ``MAX_FRAME``; the
-master's side, with the limits it puts on peers, is `wire_server.FrameServer`. Request id 0
-marks a push (master → node task, replication entries).
-
-With a cluster token (`core.auth`), a connection starts with `auth_preamble(token)` (magic +
-SHA-256 of the token, ``AUTH_LEN`` bytes) before its first frame; the server reads nothing
-else from a connection until it has checked it (`TokenCheck`), and closes one that sends
-anything else.
-
-The client can poll briefly before it blocks (``spin_s``, `Spinner`): a process that sleeps in
-the kernel waiting for a loopback reply is woken by an inter-processor interrupt, which on a
-virtual machine without guest halt-polling costs ~20 us per wake-up — more than the master's
-work per call. It blocks once the window passes (at most ``spin_s`` of CPU per call) and stops
-spinning for a while when the CPU is contended by other work.
+Plain non-blocking sockets under one ``selectors`` loop, not ZeroMQ: about twice as fast per
+round trip in Python (no I/O-thread hops), which the master's single-key rate needs. Here: the
+frame format, the incremental parser (`FrameBuffer`) and `FrameSocket`, the blocking client
+side (to masters; frames up to ``MAX_FRAME``; it may spin ``spin_s`` before it blocks,
+`Spinner`); the master's side is `wire_server.FrameServer`. Request id 0 marks a push (master →
+node task, replication entries). With a cluster token (`core.auth`) a connection starts with
+`auth_preamble(token)`; the server reads nothing else until `TokenCheck` accepted it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
-"""What the master's RPC port lets its peers make it hold: `FrameLimits` and `Intake`, the
-bookkeeping of the input `wire_server.FrameServer` reads (serving thread only).
+"""What the master's RPC port lets its peers make it hold: `FrameLimits` and `Intake`.
 
-`FrameServer` owns one `Intake` and calls it as bytes arrive: `authenticate` (the cluster-token
-preamble, checked by `wire.TokenCheck` before any frame is parsed), `refuse` (a frame header
-announcing more than ``max_frame`` bytes: its payload dropped as it arrives, `on_refused` told
-once it is all read; beyond ``discard_max`` the connection is closed), `count` (bytes of
-incomplete frames across connections, bounded by ``budget``: over it, the connection holding
-the most is closed), `track` / `sweep` (a frame whose bytes are still arriving
-``frame_timeout_s`` after its first byte closes its connection; so does no preamble within it)
-and `forget` (a connection closed). The `Intake` closes a connection through the server's
-``close(conn id)``, which calls `forget`; each cut is logged with the peer and why.
+`wire_server.FrameServer` owns one `Intake` and calls it from its serving thread as bytes
+arrive: `admit` and `authenticate` (the cluster-token preamble, `wire.TokenCheck`), `refuse` /
+`skip` (a frame over ``max_frame``, dropped as it arrives), `count` (incomplete frames across
+connections against ``budget``), `track` / `sweep` (``frame_timeout_s`` per frame, and for the
+preamble) and `forget` (a connection closed). The `Intake` closes a connection through the
+server's ``close(conn id)``, which calls `forget`; each cut is logged with the peer and why.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """The master's side of the store's RPC framing (`wire`): `FrameServer`, a ``selectors`` loop
 over non-blocking sockets, called from the master's serving thread only.
 
-It bounds what peers make it hold (`wire_limits.FrameLimits`, the master's
-``--max-request-bytes``, ``--rpc-buffer-bytes``, ``--frame-timeout-s``; enforced by its
-`wire_limits.Intake`): bytes are only ever buffered as they arrive, never reserved for a length
-a header announces; an oversized frame is refused on a connection that stays usable, or far
-over the limit closes it; a frame trickling in past its deadline, the connection holding the
-most when all together exceed the budget, and (with a cluster token) a connection without the
-right `wire.auth_preamble` are closed. A peer that sends requests without reading the replies
-is not read from while its unsent replies exceed ``max_frame`` (here). Each cut is logged with
-the peer's address and why; the server keeps serving the others.
-
-After serving a request it polls briefly for the next (``spin_s``, `Spinner`) — only while
-requests have lately been arriving within the window (`GapPredictor`: a steady trickle of
-requests further apart, such as heartbeats, costs no spinning), at most ``spin_s`` of CPU per
-request, and not while the CPU is contended.
+It bounds what peers make it hold (`wire_limits.FrameLimits`: ``--max-request-bytes``,
+``--rpc-buffer-bytes``, ``--frame-timeout-s``; enforced by its `wire_limits.Intake`): bytes are
+buffered only as they arrive, never reserved for a length a header announces, and a peer that
+does not read its replies is not read from (`_watch_out`). Each cut is logged with the peer and
+why; the others are still served. After a request it may poll briefly for the next (``spin_s``,
+`Spinner`), only while requests lately came within the window (`GapPredictor`).
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """yuebing.transfer — batched zero-copy transfers between registered memory of processes.
 
-Quick use (see `TransferEngine` for the life cycle of a batch)::
-
-    from yuebing.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
-
-    owner = TransferEngine(TransferConfig(metadata="embedded"))      # or p2p / etcd://h:p
-    seg = owner.register_segment("node0/dram", size=64 << 20)        # shm-backed segment
-    peer = TransferEngine()
-    buf = bytearray(4096)
-    bid = peer.submit([TransferRequest(OpCode.WRITE, b"x" * 4096, "node0/dram", 0),
-                       TransferRequest(OpCode.READ, buf, "node0/dram", 8192)])
-    peer.wait(bid).raise_for_status(); peer.free(bid)
-    peer.transfer([...])                # submit + wait + free (one frame: in this thread), raises
-    await peer.transfer_async([...])    # asyncio
-    peer.notify("node0/dram", "topic", b"payload"); owner.next_notify(1.0)
-
-Status per request and batch is the ordered `TransferStatus` (PENDING < TRANSFERRING < DONE;
-FAILED, TIMEOUT). Transports: ``local`` (own segments), ``shm`` (same host), ``tcp`` (lanes);
-new ones implement `Transport`/`Endpoint` and register in `TRANSPORTS`.
-`sweep_dead_segments(shm_dir)` unlinks the shared-memory segment files of dead engines (a
-supervisor calls it when a child dies; it never removes a live owner's file).
+`TransferEngine` (quick use in its docstring) registers segments and moves batches of READ /
+WRITE `TransferRequest`s to any peer's segments, for the store, the instances and the vLLM
+hand-off. Status per request and batch is the ordered `TransferStatus` (PENDING <
+TRANSFERRING < DONE; FAILED, TIMEOUT). Transports: ``local`` (own segments), ``shm`` (same
+host), ``tcp`` (lanes); new ones implement `Transport` / `Endpoint` and register in
+`TRANSPORTS`. `sweep_dead_segments(shm_dir)` unlinks the shared-memory segment files of dead
+engines (a supervisor calls it when a child dies; it never removes a live owner's file).
 """
 
 from yuebing.protocol.transfer import SegmentDescriptor

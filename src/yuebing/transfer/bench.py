@@ -1,16 +1,12 @@
 """``yuebing bench transfer``: bandwidth and latency of the transfer engine between two processes.
 
-Life cycle: the initiator (this process) starts a target process (``python -m
-yuebing.transfer.bench BYTES``) that registers one pre-faulted shared-memory segment and serves it
-in P2P mode; for every cell (transport, op, size, batch, lanes) the initiator builds an engine
-restricted to that transport, warms the path up, then submits batches of ``batch`` requests of
-``size`` bytes back to back for ``duration_s`` and records each batch's latency. A cell's row:
-GB/s (1e9 payload bytes per wall second), p50/p99 batch latency in µs and the wall time per
-request. Single-thread memcpy of the same sizes is measured in the same run as the reference for
-shared memory — with the copy primitive the shm transport itself uses (`copy_bytes`) — once per
-size at the start through a 256 MiB working set (rows ``memcpy``), and inside each shared-memory
-cell, alternating with the engine in `PAIRS` slices through the cell's own working set
-(size × batch), which its ``vs_memcpy`` ratio uses (same caches, same load on a shared machine).
+`run_bench` starts a target process (``python -m yuebing.transfer.bench BYTES``: `serve`, one
+pre-faulted shared-memory segment in P2P mode); for every cell (transport, op, size, batch,
+lanes) it builds an engine restricted to that transport, warms the path up and submits batches
+back to back for ``duration_s`` (`measure_cell`). A row: GB/s (1e9 payload bytes per wall
+second), p50/p99 batch latency in µs, wall time per request. Single-thread memcpy (`copy_bytes`)
+is the shared-memory reference: once per size (`measure_memcpy`, rows ``memcpy``) and, for each
+shm cell's ``vs_memcpy``, alternating with the engine in `PAIRS` slices of its working set.
 """
 
 from __future__ import annotations

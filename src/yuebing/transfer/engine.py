@@ -1,17 +1,12 @@
 """`TransferEngine`: the public face of the transfer engine, one per process (or more).
 
-Life cycle of a batch: the application registers memory (`register_segment`) — published to the
-metadata service so peers can address it as (segment, offset, length). To move bytes it calls
-`submit` with READ/WRITE `TransferRequest`s: every request is validated and every remote range
-checked against the segment's descriptor *before* anything moves (a bad batch raises and changes
-nothing); each request is cut into slices sized for the transport picked for its peer — this
-engine's own segments are copied in place, same-host shared-memory segments are copied directly
-into the peer's mapping, anything else goes over TCP lanes — and handed to an endpoint from the
-SIEVE-capped pool (opened lazily). The caller polls `status`, blocks in `wait`, or awaits
-`wait_async`; a reaper thread times out batches whose deadline passes; `free` forgets the batch.
-`transfer` / `transfer_async` do all three steps and raise `TransferError` on failure;
-`transfer_status` does them for blocking callers and returns the status — a batch that fits one
-inline frame then skips the batch bookkeeping altogether (`Endpoint.exchange_frame`).
+The application registers memory (`register_segment`), published to the metadata service so
+peers address it as (segment, offset, length), then `submit`s READ/WRITE `TransferRequest`s:
+every request and remote range is checked *before* anything moves (a bad batch raises and
+changes nothing); each is cut into slices for its peer's transport (own segments copied in
+place, same-host shared memory into the peer's mapping, else TCP lanes) and handed to a pooled
+endpoint (`Peers`). The caller polls `status`, blocks in `wait` or awaits `wait_async`, then
+`free`s (or `transfer` / `transfer_status` do all three); a reaper thread times out batches.
 """
 
 from __future__ import annotations
@@ -67,7 +62,21 @@ NOTIFY_QUEUE = 65536
 
 
 class TransferEngine:
-    """Registered segments + batched READ/WRITE to any peer's segments. Thread-safe."""
+    """Registered segments + batched READ/WRITE to any peer's segments. Thread-safe.
+
+    Quick use::
+
+        owner = TransferEngine(TransferConfig(metadata="embedded"))   # or p2p / etcd://h:p
+        seg = owner.register_segment("node0/dram", size=64 << 20)     # shm-backed segment
+        peer = TransferEngine()
+        buf = bytearray(4096)
+        bid = peer.submit([TransferRequest(OpCode.WRITE, b"x" * 4096, "node0/dram", 0),
+                           TransferRequest(OpCode.READ, buf, "node0/dram", 8192)])
+        peer.wait(bid).raise_for_status(); peer.free(bid)
+        peer.transfer([...])              # submit + wait + free (one frame: in this thread)
+        await peer.transfer_async([...])  # asyncio
+        peer.notify("node0/dram", "topic", b"payload"); owner.next_notify(1.0)
+    """
 
     def __init__(self, config: TransferConfig | None = None,
                  metadata: MetadataService | None = None) -> None:

@@ -1,22 +1,12 @@
 """Liveness of shared-memory segment files: whoever owns a segment holds a lock on its file.
 
-The owner (`create_owned_file`, called by `segment.create_shm_segment` when an engine registers
-a shared-memory segment) takes an exclusive ``flock`` on the file before the file can be seen
-under its final name and keeps it until it unregisters the segment or dies — the kernel drops
-the lock with the process, ``kill -9`` included. Everyone else only ever takes *shared* locks,
-so they never contend with each other, only with a live owner:
-
-* a peer that maps the file (`MappedFile`: the shm transport's copy threads, the store's
-  same-host direct path) probes `MappedFile.owner_alive` before a batch of copies and again
-  before it reports them DONE: a shared lock that it *gets* means no owner — the process died,
-  or it unregistered the segment (and may have registered a new incarnation under the same
-  name) — so the copy is not reported done;
-* `sweep_dead_segments` (engine start, a shm peer's death noticed by its watcher, every store
-  node periodically, and the `yuebing serve` supervisor) unlinks the files no owner holds.
-
-A forked child (``fork`` without ``exec``) shares its parent's lock: the segment stays alive
-until both are gone. ``exec``ed children do not inherit it (Python's descriptors are not
-inheritable).
+The owner (`create_owned_file`, via `segment.create_shm_segment`) takes an exclusive ``flock``
+before the file appears under its final name and holds it until it unregisters the segment or
+dies (``kill -9`` too). Everyone else takes only *shared* locks, so they contend only with a
+live owner: a peer that maps the file (`MappedFile`: shm copy threads, the store's same-host
+path) probes `MappedFile.owner_alive` around its copies; `sweep_dead_segments` (engine start, a
+shm peer's death, store nodes, the ``yuebing serve`` supervisor) unlinks unowned files. A
+``fork`` without ``exec`` shares the parent's lock; ``exec``ed children do not inherit it.
 """
 
 from __future__ import annotations

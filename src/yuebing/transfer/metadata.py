@@ -1,15 +1,12 @@
 """Segment directories: where an engine publishes its segment descriptors and finds peers'.
 
-Called by `TransferEngine`: `publish` when a segment is registered, `withdraw` when it is
-unregistered or the engine closes, `lookup` (from the submitting thread) the first time a
-request names a segment the engine has not cached, and again after a peer failure.
-
-* `EmbeddedMetadata` — in-process dictionary; engines of one process share the default one.
-* `EtcdMetadata` — etcd v3 (via its HTTP gateway, ``etcd3gw``) for multi-host clusters; every
-  descriptor is attached to a lease kept alive by a thread, so a crashed engine's segments
-  disappear after ``ttl_s``.
-* `P2PMetadata` — no service at all: segments are named ``host:port/name`` and resolved by a
-  handshake with the owner, which answers with its descriptors (Mooncake's P2P handshake mode).
+`TransferEngine` calls `publish` when a segment is registered, `withdraw` when it is
+unregistered or the engine closes, and `lookup` (from the submitting thread) the first time a
+request names an uncached segment, and again after a peer failure. `EmbeddedMetadata`: an
+in-process dictionary (engines of one process share the default one). `EtcdMetadata`: etcd v3
+through its HTTP gateway (``etcd3gw``); descriptors hang on a lease kept alive by a thread, so a
+crashed engine's segments disappear after ``ttl_s``. `P2PMetadata`: no service; names are
+``host:port/name``, resolved by a handshake with the owner (Mooncake's P2P handshake mode).
 """
 
 from __future__ import annotations

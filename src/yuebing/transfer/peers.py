@@ -1,21 +1,12 @@
-"""`Peers`: how a `TransferEngine` reaches the segments its requests name — the cache of
-segment descriptors looked up in the metadata service, and the SIEVE-capped pool of endpoints
-to their owners (one per transport and peer engine, opened lazily).
+"""`Peers`: how a `TransferEngine` reaches the segments its requests name — a cache of segment
+descriptors from the metadata service and a SIEVE-capped pool of endpoints (lazily opened).
 
-Called by the engine in the submitting thread: `describe` while validating a batch, `connect`
-once per batch to pick each segment's endpoint, `notify_endpoint` for notifications,
-`forget` when the engine unregisters a segment of its own.
-
-A cached descriptor can go stale: its owner dies and a new one publishes the name (at another
-address, or the same), or the owner unregisters the segment and registers a new incarnation. It
-is dropped and looked up again as soon as that shows: when no endpoint to its owner can be
-opened (connection refused, another engine answers at the address — an endpoint that never
-connected, too), when its pooled endpoint is found dead, or when the endpoint says so
-(`Endpoint.stale`: a shared-memory file whose owner lock is free). If the fresh descriptor
-differs, this very batch goes to it (its ranges checked against it); otherwise the segment's
-requests fail with the reason, and the next batch looks it up again. (With p2p metadata, whose
-lookup asks the owner's address itself, an address that did not answer is not asked again
-within the same batch: the next batch does.)
+The engine calls it from the submitting thread: `describe` while validating a batch, `connect`
+once per batch, `notify_endpoint` for notifications, `forget` when it unregisters a segment. A
+cached descriptor goes stale when its owner dies or re-registers the name; it is dropped and
+looked up again as soon as that shows (no endpoint opens, the pooled one is dead, or
+`Endpoint.stale`). A fresh descriptor that differs takes this very batch; otherwise the
+segment's requests fail with the reason, and the next batch looks it up again.
 """
 
 from __future__ import annotations
@@ -73,8 +64,9 @@ class Peers:
             self._descs.pop(name, None)
 
     def endpoint(self, desc: SegmentDescriptor) -> Endpoint:
-        """The pooled endpoint of the first transport that reaches ``desc`` (a dead one is
-        replaced, and its engine's descriptors forgotten); `TransferError` if none opens."""
+        """The pooled endpoint (one per transport and peer engine) of the first transport that
+        reaches ``desc`` (a dead one is replaced, and its engine's descriptors forgotten);
+        `TransferError` if none opens."""
         for t in self.transports:
             if t.can_reach(desc):
                 return self._pooled(t.name, desc, functools.partial(t.connect, desc))
@@ -122,7 +114,8 @@ class Peers:
               ) -> tuple[Endpoint | str, SegmentDescriptor]:
         """(endpoint or why none, the descriptor it serves) for segment ``name``: with the
         cached ``desc`` if it reaches a live segment, else with a fresh lookup if that
-        differs."""
+        differs. With p2p metadata (whose lookup asks the owner's address itself) an address
+        that did not answer is not asked again in this batch: the next batch does."""
         ep, why, unreachable = self._reach(desc)
         if ep is not None:
             return ep, desc

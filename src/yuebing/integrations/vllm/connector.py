@@ -1,17 +1,12 @@
-"""`YuebingConnector`: vLLM's ``KVConnectorBase_V1`` over the yuebing store. vLLM builds it
-from ``--kv-transfer-config`` in its scheduler (role SCHEDULER → `scheduler.SchedulerSide`) and
-in each worker (role WORKER → `worker.WorkerSide`); this module only adapts vLLM's calls and
-objects to those two halves, and is the only one that imports vLLM.
+"""`YuebingConnector`: vLLM's ``KVConnectorBase_V1`` over the yuebing store.
 
-Start vLLM with, e.g.::
-
-    --block-size 128 --kv-transfer-config '{"kv_connector": "YuebingConnector",
-      "kv_connector_module_path": "yuebing.integrations.vllm.connector", "kv_role": "kv_both",
-      "kv_load_failure_policy": "recompute",
-      "kv_connector_extra_config": {"master": "tcp://127.0.0.1:50151"}}'
-
-(settings: `config.VllmConnectorConfig`). A vLLM without this API fails here with one line
-naming the supported versions (`version.require_connector_api`).
+vLLM builds it from ``--kv-transfer-config`` (``"kv_connector": "YuebingConnector",
+"kv_connector_module_path": "yuebing.integrations.vllm.connector"``; a full example in
+docs/serving.md, settings in `config.VllmConnectorConfig`) in its scheduler (role SCHEDULER →
+`scheduler.SchedulerSide`) and in each worker (role WORKER → `worker.WorkerSide`). This module
+only adapts vLLM's calls and objects to those two halves, and is the only one that imports
+vLLM. A vLLM without this API fails here with one line naming the supported versions
+(`version.require_connector_api`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
-"""`KvEventIndex`: vLLM's KV-cache events (its ZMQ publisher, ``--kv-events-config``) turned
-into the yuebing store-block keys a vLLM instance holds in its own prefix cache, for the
-Conductor's KV index (`instance.VllmInstance` sends them in its load reports'
-``cache_added`` / ``cache_removed``, as yuebing's own instances do).
+"""`KvEventIndex`: vLLM's KV-cache events as the yuebing store-block keys its prefix cache holds.
 
-vLLM publishes ``[topic, seq, msgpack EventBatch]`` frames: an array ``[ts, events, rank]``
-whose events are maps tagged ``type``: ``BlockStored`` (``block_hashes``,
-``parent_block_hash``, ``token_ids``, ``block_size``), ``BlockRemoved`` (``block_hashes``),
-``AllBlocksCleared``. vLLM's hashes are its own; the Conductor speaks yuebing's keys (chained
-`hash_block` over store blocks, the instance's KV fingerprint in ``extra``:
-`KvLayout.block_keys`). So each stored vLLM block keeps the key of the last complete store
-block before it and the tokens since; the vLLM block that completes a store block gives that
-store block's key, held while every vLLM block in it is. A block whose parent is unknown
-(events lost) is skipped with its descendants: the index then misses a prefix, never claims
-one the instance does not hold.
+`instance.VllmInstance` feeds it vLLM's ZMQ frames (``--kv-events-config``; format at `frame`)
+and sends what `take` returns in its load reports' ``cache_added`` / ``cache_removed``, for the
+Conductor's KV index, as yuebing's own instances do. The Conductor speaks chained `hash_block`
+keys of store blocks (`KvLayout.block_keys`), not vLLM's hashes: each vLLM block keeps the key
+of the last complete store block before it and the tokens since (`stored`). A block whose
+parent is unknown (events lost) is skipped with its descendants: the index may miss a prefix,
+never claim one the instance does not hold.
 """
 
 from __future__ import annotations
@@ -61,7 +55,9 @@ class KvEventIndex:
 
     # ------------------------------------------------------------------ frames
     def frame(self, parts: list[bytes]) -> None:
-        """One ZMQ frame ``[topic, seq, payload]`` from vLLM's publisher."""
+        """One ZMQ frame ``[topic, seq, payload]`` from vLLM's publisher: the payload is a
+        msgpack EventBatch ``[ts, events, rank]``, its events maps tagged ``type``
+        (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``)."""
         if len(parts) != 3:
             log.warning("vLLM KV event frame of %d parts ignored", len(parts))
             return
@@ -94,7 +90,8 @@ class KvEventIndex:
     def stored(self, hashes: list[Any], parent: Any, token_ids: list[int],
                block_size: int) -> None:
         """vLLM cached ``hashes`` (each ``block_size`` tokens of ``token_ids``) after block
-        ``parent`` (None: from the prompt's start)."""
+        ``parent`` (None: from the prompt's start). The vLLM block that completes a store block
+        gives that store block's key, held while every vLLM block in it is."""
         if block_size != self.layout.block_tokens:
             log.warning("vLLM KV event with block size %d, the layout has %d: ignored",
                         block_size, self.layout.block_tokens)

@@ -1,22 +1,12 @@
-"""`Handoff`: the prefill → decode hand-off between two vLLM instances. `instance.VllmInstance`
-owns one in the prefill and decode roles.
+"""`Handoff`: the prefill → decode hand-off of two vLLM instances; `instance.VllmInstance` owns one.
 
-Layer-wise (the default): the decode's `Handoff` owns the receive pool (`stream.RecvPool`, a
-shared-memory transfer-engine segment) and its free blocks (`take` at `Reserve`, `give_back`
-once the decode's vLLM has read them); the prefill's vLLM writes the prompt's KV into them
-layer by layer (`stream.LayerSender`) and tells the decode with `KvStreamed` (``on_streamed``);
-the prefill's adapter sends `KvReady` with the first token as soon as vLLM answers. Without
-pool blocks (pool full, or ``--handoff-pool-blocks 0``) the hand-off goes through the store:
-
-A disaggregated request's life: the Conductor's `Reserve` reaches the decode instance, which
-answers `Reserved` with its transfer-engine segment (nothing is written into it: vLLM's KV
-stays in vLLM) and keeps the request (`reserve`); the prefill instance runs the prompt with
-``max_tokens`` 1, its `YuebingConnector` saving every full store block; once the store holds
-them (`wait_stored`, bounded by ``wait_s``) it tells the decode with `KvReady` through the
-transfer engine (`tell`; topic `KV_READY_TOPIC`, as yuebing's own prefill); the decode
-(`_notified` → ``on_ready``) asks its vLLM for the rest with the prompt plus the first token,
-and its connector loads the stored blocks (the tail past the last full store block, and the
-first token, are computed there).
+The prefill `tell`s the decode `KvReady` with the first token (``on_ready``, called from a
+transfer-engine thread). Layer-wise (the default): the decode owns the receive pool
+(`stream.RecvPool`, a shared-memory segment; `take` at `Reserve`, `give_back` once its vLLM
+read them); the prefill's vLLM writes the prompt's KV there layer by layer and tells the decode
+with `KvStreamed` (``on_streamed``). Without pool blocks it goes through the store: the
+prefill's connector saves every full store block, `wait_stored` waits (at most ``wait_s``)
+until the store holds them before `KvReady` is sent, and the decode's connector loads them.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
-"""`VllmInstance`: a vLLM OpenAI server as a yuebing serving instance (role coupled, prefill
-or decode), so the Conductor routes to it, admits against it and relays its tokens as it does
-for yuebing's own instances.
+"""`VllmInstance`: a vLLM OpenAI server as a yuebing instance (role coupled, prefill or decode).
 
-A request's life: the Conductor's `SubmitTask` is acknowledged and relayed to vLLM as a streamed
-``/v1/completions`` with the prompt's token ids (``return_token_ids``); each chunk becomes a
-`TaskEvent` (FIRST_TOKEN, TOKENS, then FINISH with the finish reason) to the connection that
-submitted it; `Cancel` closes the stream (vLLM aborts the request). Disaggregated: the decode
-answers `Reserve` with blocks of its receive pool and keeps the request; the prefill runs the
-prompt with ``max_tokens`` 1 and ``yuebing_send`` (its vLLM streams the KV into those blocks
-layer by layer: `stream`), then sends `KvReady` with the first token (FINISH ``handoff``); the
-decode, once its pool holds the KV (`KvStreamed`), relays the rest of the answer, asked with
-the prompt plus the first token and ``yuebing_recv``. Without pool blocks the KV goes through
-the store (`handoff.Handoff`). The prefix plan is
-not followed here: vLLM's own `YuebingConnector` looks the prompt up in the store with the same
-keys. Load reports come from vLLM's ``/metrics`` (`load.parse_metrics`) every ``report_s``,
-with the store-block keys vLLM's own prefix cache gained and lost since the last one (its
-KV-cache events, `events.KvEventIndex`) for the Conductor's KV index.
-`Hello` carries the fingerprint of the vLLM instance's `KvLayout` (from the model's
-``config.json``), so the Conductor refuses an instance whose model, dtype or block size differs
-from the cluster's, naming both. Started by ``yuebing vllm instance`` (`cli/cmd_vllm.py`, which
-may also start the vLLM server) and by ``yuebing serve --engine vllm``.
+Started by ``yuebing vllm instance`` (`cli/cmd_vllm.py`, which may also start vLLM) and by
+``yuebing serve --engine vllm``; the Conductor routes to it and relays its tokens as for its
+own instances. A `SubmitTask` becomes a streamed ``/v1/completions`` of the prompt's token ids,
+each chunk a `TaskEvent` (FIRST_TOKEN, TOKENS, FINISH); `Cancel` closes the stream. Hand-offs:
+`_submit`, `_reserve`, `_kv_ready` over `handoff.Handoff`. The Conductor's prefix plan is not
+followed: vLLM's `YuebingConnector` looks the prompt up in the store. Load reports come from
+vLLM's ``/metrics`` every ``report_s``, with the keys its cache gained and lost (`KvEventIndex`).
 """
 from __future__ import annotations
 
@@ -195,6 +182,9 @@ class VllmInstance:
         return port
 
     def hello(self, seq: int) -> Hello:
+        """Carries the fingerprint of this instance's `KvLayout` (from the model's
+        ``config.json``), so the Conductor refuses an instance whose model, dtype or block size
+        differs from the cluster's, naming both."""
         segment = self.handoff.segment if self.handoff and self.cfg.role == "decode" else ""
         return Hello(seq=seq, instance_id=self.cfg.instance_id, role=ROLES[self.cfg.role],
                      model=self.cfg.served_name, fingerprint=self.layout.fingerprint(),
@@ -273,6 +263,9 @@ class VllmInstance:
             f"a {self.cfg.role} vLLM instance does not take {type(msg).__name__}"))
 
     def _submit(self, ident: bytes, msg: SubmitTask) -> Message:
+        """Acknowledge and relay to vLLM. Prefill: ``max_tokens`` 1 and, with pool blocks of a
+        decode of the same layout, ``yuebing_send`` (its vLLM streams the KV into them layer by
+        layer: `stream`); the first token then goes to the decode in `KvReady` (`_hand_off`)."""
         mode_ok = (msg.mode == TaskMode.COUPLED and self.cfg.role != "decode") or (
             msg.mode == TaskMode.PREFILL and self.cfg.role == "prefill" and msg.decode)
         if not mode_ok:
@@ -306,6 +299,8 @@ class VllmInstance:
 
     # ------------------------------------------------------------------ decode
     def _reserve(self, ident: bytes, msg: Reserve) -> Message:
+        """Decode: answer with blocks of the receive pool (none when it lacks them: the KV then
+        goes through the store) and keep the request until its `KvReady`."""
         assert self.handoff is not None
         if len(msg.token_ids) != msg.prompt_tokens or not msg.timeout_s > 0:
             return ErrorReply(seq=msg.seq, code=ErrorCode.BAD_REQUEST, message=(
@@ -355,6 +350,8 @@ class VllmInstance:
             self.loop.call_soon_threadsafe(self._kv_ready, msg)
 
     def _kv_ready(self, msg: KvReady) -> None:
+        """Decode: relay the rest of the answer, asked with the prompt plus the first token
+        (reading the pool once it holds the KV: `_continue`; else from the store)."""
         found = self.reserved.pop(msg.request_id, None)
         if found is None:
             log.info("KvReady for unknown request %s ignored", msg.request_id)

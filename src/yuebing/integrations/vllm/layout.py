@@ -1,15 +1,12 @@
 """`KvLayout`: how a vLLM instance's paged KV maps to yuebing store objects, and the fingerprint
 that names it in the store's keys.
 
-vLLM's CPU attention keeps each layer's KV as ``[num_blocks, kv_heads, block_tokens,
-2 * head_size]`` (layout ``LBHNC``: K then V in the last dimension's halves, blocks at dim 0).
-A yuebing store block of ``store_block_tokens`` tokens is ``store_block_tokens / block_tokens``
-vLLM blocks of every layer, kept as ONE store object laid out ``[layer][vLLM block in the store
-block][kv_heads, block_tokens, 2 * head_size]``, named by `yuebing.instance.kvkeys.store_key`
-with this layout's `fingerprint`. The fingerprint names the model, dtype, layout, geometry and
-both block sizes, so an instance with another model, dtype or block size looks up other keys:
-a miss, never wrong KV. The scheduler half (`plan`, `scheduler`) and the worker half
-(`worker`) of `YuebingConnector` build one each from vLLM's config.
+vLLM's CPU attention keeps each layer's KV as `LAYOUT_LBHNC`. A store block of
+``store_block_tokens`` tokens is ``store_block_tokens / block_tokens`` vLLM blocks of every
+layer, kept as ONE store object laid out ``[layer][vLLM block][kv_heads, block_tokens,
+2 * head_size]`` and named by `yuebing.instance.kvkeys.store_key` with the `fingerprint`
+(model, dtype, layout, geometry, both block sizes: a mismatch is a miss, never wrong KV). The
+connector's scheduler and worker halves build one each from vLLM's config.
 """
 
 from __future__ import annotations

@@ -3,14 +3,10 @@ load from which store objects (`LoadJob`) and which full store blocks are saved 
 (`SaveJob`). Pure: `scheduler.SchedulerSide` keeps one per request and hands the jobs to the
 worker half (`worker.WorkerSide`) in the step's connector metadata.
 
-Only prompt tokens are stored, and only whole store blocks (``layout.store_block_tokens``). A
-load covers whole vLLM blocks, leaves at least the prompt's last token to compute (vLLM needs
-one to sample from) and starts after vLLM's own prefix-cache hit (``num_computed``).
-
-A request's ``kv_transfer_params`` may also carry a layer-wise hand-off (`StreamParams`):
-``yuebing_send`` on a prefill (each step's blocks go to the decode's receive pool as they are
-computed: `RequestPlan.send_job`) or ``yuebing_recv`` on its decode (the prompt's KV, partial
-last block included, is read from that pool instead of the store: `RequestPlan.recv_job`).
+Only whole store blocks of prompt tokens are stored. A load covers whole vLLM blocks, starts
+after vLLM's own prefix-cache hit and leaves at least the prompt's last token to compute. A
+layer-wise hand-off (`StreamParams`): a prefill also sends each step's blocks (`send_job`); its
+decode reads the whole prompt's KV from the pool (`recv_job`) in place of the store load.
 """
 
 from __future__ import annotations

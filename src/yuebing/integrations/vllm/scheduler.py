@@ -1,16 +1,12 @@
 """`SchedulerSide`: the half of `YuebingConnector` that runs in vLLM's scheduler (EngineCore).
 
-A request's life here: vLLM asks how many of its prompt tokens the store can give beyond its
-own prefix cache (`matched`: the prompt's store keys, `KvLayout.store_keys`, and one
-``prefix_match`` on the store master — the same keys the Conductor's index and yuebing's own
-instances use); after allocating blocks it says how many to load (`allocated`); each step
-`build` turns the scheduled requests into the worker's `LoadJob`s and `SaveJob`s; `finished`
-forgets the request. A request whose ``kv_transfer_params`` carry a layer-wise hand-off
-(`plan.StreamParams`) gets `StreamJob`s instead: sends of each step's blocks to its decode
-(prefill), or one read of the whole prompt from the decode's pool in place of the store
-lookup (decode). Loads here are synchronous (done inside the step's forward), so
-``get_num_new_matched_tokens`` answers ``(n, False)``. A store that does not answer within
-``load_timeout_s`` counts as holding nothing (the prefix is computed).
+vLLM asks how many prompt tokens the store can give beyond its own prefix cache (`matched`: the
+prompt's `KvLayout.store_keys`, one ``prefix_match`` on the store master), then, once blocks are
+allocated, how many to load (`allocated`); each step `build` turns the scheduled requests into
+the worker's `LoadJob`s, `SaveJob`s and, for a layer-wise hand-off (`plan.StreamParams`),
+`StreamJob`s; `finished` forgets the request. Loads are synchronous (inside the step's
+forward), so ``get_num_new_matched_tokens`` answers ``(n, False)``. A store that does not
+answer within ``load_timeout_s`` counts as holding nothing (the prefix is computed).
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
-"""Layer-wise prefill → decode KV streaming between two vLLM instances, through the yuebing
-transfer engine: `RecvPool` (the decode's receive pool), `LayerSender` (in the prefill's vLLM
-worker) and `LayerReceiver` (in the decode's vLLM worker).
+"""Layer-wise prefill → decode KV streaming between two vLLM instances, over the transfer engine.
 
-A disaggregated request's KV path: the decode's adapter (`instance.VllmInstance`) owns a
-shared-memory transfer-engine segment laid out as a pool of vLLM blocks of every layer
-(`RecvPool`: layer ``l``, pool block ``b`` at ``(l * num_blocks + b) * block_bytes``), and the
-Conductor's `Reserve` takes the prompt's blocks from it (the partial last block included). The
-prefill's vLLM gets them in its request's ``kv_transfer_params`` (``yuebing_send``); each step
-of that request, as soon as attention layer ``l`` has written its K/V, `LayerSender.send_layer`
-submits WRITEs of the step's blocks of layer ``l`` straight out of vLLM's paged cache into the
-pool (the one copy out of the paged cache; consecutive blocks are one WRITE) and returns, so
-layer ``l+1`` computes while layer ``l`` moves. A waiter thread stamps each layer's completion.
-`end_step` (vLLM's ``wait_for_save``: the paged blocks must not change before they are sent)
-waits for the step's WRITEs and, once the prompt is complete, tells the decode's adapter with
-`KvStreamed` (how many layers had landed before the last layer was computed). The decode's
-adapter then asks its vLLM for the rest with ``yuebing_recv``: `LayerReceiver.start` READs the
-pool blocks straight into the request's new vLLM blocks, one batch per layer, and
-`wait_layer` waits for the layer's batch before its attention — the one copy into the paged
-cache; no tail is recomputed. A failed WRITE ends in ``KvStreamed(ok=False)`` (the decode
-falls back to the store); a failed READ sends the request's blocks to vLLM's recompute.
+The decode's adapter (`instance.VllmInstance`) owns a `RecvPool`, a shared-memory segment of
+vLLM blocks of every layer; the Conductor's `Reserve` takes the prompt's blocks there and the
+prefill's vLLM gets them in ``kv_transfer_params`` (``yuebing_send``). `LayerSender` (prefill
+worker) WRITEs each layer out of the paged cache as soon as it is computed; `LayerReceiver`
+(decode worker, asked with ``yuebing_recv``) READs each layer in before its attention: one copy
+each way, no tail recomputed. A failed WRITE ends in ``KvStreamed(ok=False)`` (the decode falls
+back to the store); a failed READ sends the request's blocks to vLLM's recompute.
 """
 
 from __future__ import annotations
@@ -51,7 +39,9 @@ expires (after that the decode may give them to another request)."""
 @dataclass(frozen=True)
 class RecvPool:
     """The decode's receive pool: ``num_blocks`` vLLM blocks of each of ``layers`` layers,
-    ``block_bytes`` each, laid out layer-major."""
+    ``block_bytes`` each, laid out layer-major (layer ``l``, block ``b`` at
+    ``(l * num_blocks + b) * block_bytes``). A `Reserve` takes a prompt's blocks from it, the
+    partial last block included."""
 
     layers: int
     num_blocks: int
@@ -118,7 +108,12 @@ class _Sending:
 
 
 class LayerSender:
-    """The prefill worker's half (see the module docstring)."""
+    """The prefill worker's half. Each step, as soon as attention layer ``l`` has written its
+    K/V, `send_layer` submits WRITEs of the step's blocks of layer ``l`` straight out of vLLM's
+    paged cache into the pool (consecutive blocks are one WRITE) and returns, so layer ``l+1``
+    computes while ``l`` moves; a waiter thread stamps each layer's completion. `end_step`
+    (vLLM's ``wait_for_save``) waits for the WRITEs and, once the prompt is complete, tells the
+    decode's adapter `KvStreamed` (with how many layers landed before the last was computed)."""
 
     def __init__(self, layout: KvLayout, transfer: TransferEngine,
                  timeout_s: float = 10.0) -> None:
@@ -225,8 +220,9 @@ class LayerSender:
 
 
 class LayerReceiver:
-    """The decode worker's half: READs from the pool into vLLM's paged blocks, one batch per
-    layer (see the module docstring)."""
+    """The decode worker's half: `start` READs the pool blocks straight into the request's
+    new vLLM blocks, one batch per layer; `wait_layer` waits for a layer's batch before its
+    attention."""
 
     def __init__(self, layout: KvLayout, transfer: TransferEngine,
                  timeout_s: float = 10.0) -> None:

@@ -1,19 +1,12 @@
-"""`WorkerSide`: the half of `YuebingConnector` that runs in vLLM's worker, next to the paged
-KV tensors.
+"""`WorkerSide`: the half of `YuebingConnector` that runs in vLLM's worker, next to the paged KV.
 
-A step's life here: `start_load` reads the step's `LoadJob` objects from the store (one
-``batch_get_into`` into a staging buffer, on the load thread, bounded by ``load_timeout_s``);
-each attention layer's `wait_layer` waits for that read once, then copies the layer's slice of
-every object into its vLLM blocks (``index_copy_``: the one copy into the paged cache);
-`save_layer` copies each `SaveJob`'s vLLM blocks of the layer into the job's object buffer (the
-one copy out of the paged cache: vLLM may reuse the blocks as soon as the step ends); `end_step`
-hands the step's complete objects to the save thread, which puts them with one ``batch_put``
-off the step's path. A missing or unreadable object, a store that does not answer or an object
-of the wrong size fails the load of that object and every later one of the request: their vLLM
-block ids go to `load_errors`, which vLLM's scheduler recomputes
-(``kv_load_failure_policy: recompute``) — never wrong KV. A failed save is logged and dropped.
-Layer-wise hand-offs between a prefill and a decode (`stream.LayerSender`,
-`stream.LayerReceiver`) run beside these, on a transfer engine made at the first one.
+Per step: `start_load` reads the step's `LoadJob` objects from the store (one ``batch_get_into``
+into a staging buffer on the load thread, bounded by ``load_timeout_s``); each attention layer's
+`wait_layer` copies its slice of every object into its vLLM blocks; `save_layer` copies each
+`SaveJob`'s blocks of the layer out (vLLM may reuse them once the step ends); `end_step` hands
+complete objects to the save thread (one ``batch_put``, off the step's path). A failed load
+fails that object and every later one of the request: their blocks go to `load_errors`, which
+vLLM recomputes, never wrong KV. A failed save is logged and dropped; hand-offs: `stream`.
 """
 
 from __future__ import annotations
@@ -58,7 +51,9 @@ class _Fetched:
 
 
 class WorkerSide:
-    """Store reads into and writes out of one worker's paged KV tensors."""
+    """Store reads into and writes out of one worker's paged KV tensors. Layer-wise hand-offs
+    (`stream.LayerSender`, `stream.LayerReceiver`) run beside them, on a transfer engine made
+    at the first one."""
 
     def __init__(self, layout: KvLayout, reader: Any | None, writer: Any | None,
                  load_timeout_s: float = 2.0, save_timeout_s: float = 15.0,

@@ -1,17 +1,12 @@
-"""The two store clients: `StoreClient` (blocking) and `AsyncStoreClient` (asyncio), thin drivers
-over one sans-IO core. Every protocol step — puts (`puts`), gets, batch forms and removes
-(`core`) — is a generator written once; a client only performs what it yields (`core.drive`):
-a master call on its connection, a transfer of a batch, a revoke, a lease release. So both
-clients have the same semantics by construction, and differ only in how they wait.
+"""The two store clients: `StoreClient` (blocking) and `AsyncStoreClient` (asyncio).
 
-Life of a call: the public method builds the steps and runs them (`core.run` blocking,
-``await core.drive`` in the event loop). Transfers copy what they can straight into or out of
-a live node's segment on this host (`DirectSegments`, in the calling thread) and send the rest
-through the transfer engine (`transfer_status`, or ``submit`` + ``wait_async``). A heartbeat —
-a thread on its own connection, or a task of the loop — keeps the session alive and sends the
-lease releases no call carried. ``close`` gives held reservations back (one try) and releases
-everything. `StoreClient` is for one thread at a time; many coroutines may share one
-`AsyncStoreClient` (its master calls share one connection).
+Both are thin drivers over one sans-IO core: every protocol step — puts (`puts`), gets, batch
+forms and removes (`core`) — is a generator written once, and a client only performs what it
+yields (`core.drive`: a master call, a transfer of a batch, a revoke, a lease release), so both
+have the same semantics by construction and differ only in how they wait. Transfers copy what
+they can straight into or out of a live node's segment on this host (`DirectSegments`, in the
+calling thread) and send the rest through the transfer engine. A heartbeat (a thread on its own
+connection, or a task of the loop) keeps the session alive.
 """
 
 from __future__ import annotations

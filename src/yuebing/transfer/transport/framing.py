@@ -1,21 +1,12 @@
 """Frame I/O on a lane socket: ``[u32 header length][msgpack header][payload bytes]``.
 
-Used by both ends of a TCP lane (`tcp_client`, `tcp_server`) from their own threads. Payloads are
-not copied by Python: writes go out with ``sendmsg`` straight from the caller's buffer (several
-frames per call when slices are small, `send_parts`), and reads land with ``recv_into`` straight
-in registered memory. `FrameReader` reads headers with one ``recv`` of up to `PEEK` bytes, so a
-run of small frames (acks, small slices) costs one system call instead of two per frame; the
-few payload bytes that arrive in that read are copied out of its buffer. No buffer is sized by
-what a header announces before the bytes arrive: a header's buffer grows (doubling) as its
-bytes come in, so a peer announcing `MAX_HEADER` and sending little makes the reader hold
-little; with ``within_s`` the rest of a header must arrive within that long of its first bytes.
-
-A payload follows its header on the wire at once, so a reader built with ``spin_s`` receives it
-with non-blocking ``readv`` calls in a loop (`spin_scatter`) while bytes keep arriving, instead
-of sleeping in the kernel between segments: on loopback the sender pays for every wake-up of a
-sleeping receiver (a 1 MiB write + answer: sleeping 1.02–1.31× the time of polling over three
-runs, polling 1.08–1.13× a bare-socket floor; benchmarks/tcp_receive_spin.py).
-It falls back to the blocking receive after ``spin_s`` without progress.
+Used by both ends of a TCP lane (`tcp_client`, `tcp_inline`, `tcp_server`) from their own
+threads. Payloads are not copied by Python: writes go out with ``sendmsg`` straight from the
+caller's buffer (several frames per call, `send_parts`) and reads land with ``recv_into``
+straight in registered memory. `FrameReader` reads headers with one ``recv`` of up to `PEEK`
+bytes, so a run of small frames costs fewer system calls; no buffer is sized by what a header
+announces before its bytes arrive. A reader with ``spin_s`` receives a payload with
+non-blocking ``readv`` calls while bytes keep arriving (`spin_scatter`) instead of sleeping.
 """
 
 from __future__ import annotations
@@ -125,7 +116,9 @@ def spin_scatter(sock: socket.socket, views: list[memoryview], spin_s: float) ->
     is still unfilled once ``spin_s`` passes without progress, or `SPIN_CAP_S` in all, or the
     socket's ``end`` (monotonic deadline: `DeadlineSocket`, the server's fenced payloads) has
     passed — the caller finishes with its blocking receive, which enforces that deadline.
-    Needs a socket in timeout mode (its descriptor is non-blocking); `PeerClosed` on EOF."""
+    Needs a socket in timeout mode (its descriptor is non-blocking); `PeerClosed` on EOF.
+    Polling pays because on loopback the sender pays for every wake-up of a sleeping receiver
+    (benchmarks/tcp_receive_spin.py)."""
     fd = sock.fileno()
     if os.get_blocking(fd):  # no timeout mode: readv would block past any io timeout
         return views

@@ -1,21 +1,12 @@
 """Same-host transports: `ShmTransport` copies straight into (or out of) the peer's segment file
 mapped into this process; `LocalTransport` serves segments registered by this very engine.
 
-Life cycle of a shared-memory slice: on first use of a peer, `ShmEndpoint` opens one TCP control
-connection to it (handshake, which must answer with the descriptor's engine; its end-of-file is
-how a dead peer is noticed, and then this process sweeps the files no owner holds any more) and
-maps each of the peer's segment files on first access (`liveness.MappedFile`). Before each batch
-the engine asks `ShmEndpoint.stale`: a file whose owner no longer holds its lock (the owner died,
-or unregistered the segment and maybe registered a new incarnation under the same name) is
-unmapped, and the engine looks the segment up again. `submit` queues slices for ``shm_workers``
-copy threads; a worker re-checks the range against the published descriptor and copies with
-`yuebing.transfer.streamcopy.copy` (streaming stores; releases the GIL), then probes the owner's
-lock once more and completes the slices — DONE only if the owner still held the segment after
-the copy, so bytes that went into a dead or replaced segment are never reported done. Writes are
-fenced: a write slice is not started past its batch deadline and large ones are copied in
-`FENCE_CHUNK` pieces with the deadline checked between them, so a stalled copy thread cannot
-write after its sender gave up. No kernel socket carries the bytes. When the control connection
-drops, queued slices fail with an error naming the peer and the maps close.
+`ShmEndpoint` keeps one TCP control connection per peer (its end-of-file is how a dead peer is
+noticed, `_watch`) and maps the peer's files on first access (`liveness.MappedFile`); the
+engine asks `ShmEndpoint.stale` before each batch. ``shm_workers`` copy threads (`_Worker`)
+copy with `yuebing.transfer.streamcopy.copy` (releasing the GIL), then `confirm` the owner's
+lock: DONE only if the owner still held the segment after the copy. Writes are fenced by the
+batch deadline (`copy_until`), so a stalled copy thread cannot write after its sender gave up.
 """
 
 from __future__ import annotations
@@ -177,7 +168,9 @@ class _Worker:
 
 
 class ShmEndpoint(Endpoint):
-    """Direct copies into a same-host peer's shared-memory segments."""
+    """Direct copies into a same-host peer's shared-memory segments. The control connection's
+    handshake must answer with the descriptor's engine; when it drops, queued slices fail with
+    an error naming the peer."""
 
     def __init__(self, ctx: LocalContext, desc: SegmentDescriptor) -> None:
         self.ctx = ctx

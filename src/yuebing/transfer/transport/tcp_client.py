@@ -1,18 +1,12 @@
-"""The initiator side of TCP: `TcpTransport` opens a `TcpEndpoint` per peer engine, which keeps
-``lanes`` persistent connections (`Lane`, in `tcp_lane`), each with a sender and a receiver
-thread.
+"""The initiator side of TCP: `TcpTransport` opens a `TcpEndpoint` per peer engine.
 
-Life cycle of a slice: `TcpEndpoint.submit` spreads a batch's slices over the lanes (each to
-the lane with the fewest outstanding bytes); a lane's sender thread coalesces what it has queued
-into frames — consecutive slices of one segment and direction share one `WriteSlices` /
-`ReadSlices` header listing their (offset, length) — records each frame as pending and sends
-the frames, write payloads straight from the callers' buffers, in one ``sendmsg``. The receiver
-thread matches the answer (`SlicesDone`, one status per slice) by frame id: a write's slices
-complete once the target applied them, a read's payloads are received with ``recv_into``
-directly into the callers' buffers; the frame's slices are completed with one batch update. When a lane breaks (reset, EOF, stall past ``io_timeout_s``) all its
-queued and pending slices are retried on another lane after a backoff that doubles per attempt
-(up to ``max_retries``); lanes are re-opened on demand, and if the peer no longer accepts
-connections every affected slice fails at once with an error naming the peer.
+An endpoint keeps ``lanes`` persistent connections (`tcp_lane.Lane`: a sender and a receiver
+thread each); `TcpEndpoint.submit` spreads a batch's slices over them (`_dispatch`). A lane
+coalesces consecutive slices of one segment and direction into one `WriteSlices` / `ReadSlices`
+frame; writes leave from, and reads land straight in, the callers' buffers. When a lane breaks
+(reset, EOF, stall past ``io_timeout_s``) its queued and pending slices are retried on another
+lane after a backoff that doubles per attempt (up to ``max_retries``, `lane_failed`); lanes
+reopen on demand, and a peer that no longer accepts connections fails them at once.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
-"""A TCP lane without threads, driven by the submitting thread (`TransferEngine.submit` with
-``inline=True``): for small one-direction batches where the lanes' thread hand-offs cost more
-than the bytes.
+"""A TCP lane without threads, driven by the submitting thread (small one-direction batches).
 
-Who calls what: `TcpEndpoint.submit_inline` (in the thread that called ``submit``) gives an
-`InlineConn` the slices of one peer; `exchange` sends them as frames in one ``sendmsg`` and reads
-every frame's answer itself — reads land straight in the callers' buffers, each frame's slices
-are completed with one batch update (`finish_frame`, shared with the lanes' receiver threads) —
-so ``submit`` returns with the batch already terminal and ``wait`` does not block.
-`exchange_frame` is the leanest form, for `TransferEngine.transfer_status`: one frame of whole
-requests and its answer, no batch objects at all (on a VM each Python step between the system
-calls costs several times what it does in a tight loop: branch predictors and caches come back
-cold from the kernel, so a 1 MiB put paid ~100 us for the batch bookkeeping). Only one
-direction per exchange: the peer answers writes with small acks and reads with payloads, so
-neither side can fill its send buffer while the other is still sending (the deadlock a
-mixed-direction exchange without a receiver thread could hit). A connection that breaks,
-stalls past ``io_timeout_s`` or runs into the batch deadline is closed and the unfinished
-slices are handed back to the endpoint, which retries them on its lanes.
-
-While waiting for an answer the thread polls the socket for ``spin_s`` before it sleeps
-(`Spinner`: a wake-up from sleep costs ~20 us on a VM; off for a while when the CPU is
-contended).
+The lanes' thread hand-offs would cost more than the bytes. `TcpEndpoint.submit_inline` (in the
+thread that called ``submit``) gives an `InlineConn` one peer's slices; `exchange` sends them in
+one ``sendmsg`` and reads every answer itself (`finish_frame`, shared with the lanes'
+receivers), so ``submit`` returns with the batch terminal; `exchange_frame` (for
+`TransferEngine.transfer_status`) moves one frame of whole requests, no batch objects at all.
+One direction per exchange: neither side can then fill its send buffer while the other still
+sends. A broken or stalled connection is closed; its unfinished slices go back to the lanes.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
-"""The target side of TCP lanes: a listener thread plus one thread per accepted connection.
+"""The target side of TCP lanes: `TcpServer`, a listener thread plus one thread per connection.
 
-Life cycle of a frame arriving on a connection: the first frame must be `Hello`, answered with
-`HelloReply` (this engine's id and segment descriptors; P2P handshakes use exactly this). Then,
-in order: `WriteSlices` → every listed slice's range is validated against the registered
-segment and its payload received with ``recv_into`` directly into segment memory (a refused
-slice's payload is drained into scratch, so nothing of it is written), then one `SlicesDone`
-with a status per slice. The write fence: a frame whose ``expiry`` passed before it is started
-is refused whole ("expired"), and an accepted one still arriving at expiry + ``write_grace_s``
-closes the connection (`_land`), so a sender's late bytes never land after it gave up;
-`ReadSlices` → validated, answered with `SlicesDone` + the bytes of the accepted slices sent
-straight from the segment; `Notify` → handed to the engine's notify
-callback, then acked with `SliceAck`. Replies are held back while more
-requests are already arriving (bounded by `ACK_HOLD_FRAMES` / `ACK_HOLD_BYTES`) and leave together
-in one ``sendmsg``, so a stream of small slices costs a few sends instead of one per slice. A connection that breaks or
-stalls longer than ``io_timeout_s`` mid-frame is closed; the server keeps serving the others.
-Nothing a peer announces is allocated before its bytes arrive: a frame's payload lands only in
-the registered range its slices name (a refused slice's payload is read through a fixed scratch
-buffer and dropped), a header's buffer grows as it arrives, and each part of a frame has a
-deadline, not just each receive call: a header must be complete ``io_timeout_s`` after its
-length arrived, accepted payloads by the write's expiry + ``write_grace_s``, refused ones by
-that or ``io_timeout_s`` from when they start, whichever is later (`_skip`), so a peer
-trickling bytes is cut.
+A connection's first frame must be `Hello`, answered with `HelloReply` (P2P handshakes use
+exactly this); then its frames are applied in order (`_handle`: `WriteSlices`, `ReadSlices`,
+`Notify`). The write fence: a frame whose ``expiry`` passed before it is started is refused
+whole, and one still arriving at expiry + ``write_grace_s`` closes the connection, so a sender's
+late bytes never land after it gave up. Replies are held back while more requests arrive
+(`ACK_HOLD_FRAMES`) and leave in one ``sendmsg``. Nothing a peer announces is allocated before
+its bytes arrive, and every part of a frame has a deadline (`_land`, `_skip`): tricklers are cut.
 """
 
 from __future__ import annotations
@@ -73,7 +59,8 @@ MAX_FRAME_SLICES = 4096
 
 
 class TcpServer:
-    """Serves this engine's segments to TCP lanes of peer engines."""
+    """Serves this engine's segments to TCP lanes of peer engines. A connection that breaks or
+    stalls past ``io_timeout_s`` mid-frame is closed; the others are still served."""
 
     def __init__(self, config: TransferConfig, segments: SegmentTable,
                  hello: Callable[[Hello], HelloReply],
@@ -145,7 +132,11 @@ class TcpServer:
 
     def _handle(self, reader: FrameReader, msg: Message, out: list[memoryview]) -> int:
         """Apply one request frame; append the reply frame(s) to ``out``; returns the payload
-        bytes the frame carried (written or read)."""
+        bytes the frame carried (written or read). `WriteSlices`: each slice validated against
+        its segment and its payload received straight into segment memory (`_land`; a refused
+        slice's payload drained, `_skip`), then `SlicesDone` with a status per slice;
+        `ReadSlices`: `SlicesDone`, then the accepted slices' bytes straight from the segment;
+        `Notify`: handed to the engine's callback, then acked with `SliceAck`."""
         if isinstance(msg, WriteSlices):
             views = self._resolve_all(msg.segment, msg.slices)
             if not math.isfinite(msg.expiry):  # NaN would pass every fence comparison
