@@ -119,6 +119,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, prefix: str = ""
         if defaults is not None:
             default = getattr(defaults, f.name)
         help_text = f.metadata.get('help', '')
+        if callable(help_text):  # computed when the flags are built
+            help_text = help_text()
         if not f.metadata.get("secret"):  # a secret's default (from the environment) stays unseen
             help_text += f" (default: {default})"
         flag = _flag(prefix, f.name)

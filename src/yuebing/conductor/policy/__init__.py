@@ -5,9 +5,9 @@ Build one `Policy(PolicyConfig(...), Predictors(...))` and call ``policy.decide(
 No I/O, no clock reads, no torch: the simulator and the live Conductor share this code.
 """
 
-from yuebing.conductor.policy.admission import ADMISSIONS, RejectReason
+from yuebing.conductor.policy import admission, prefill  # noqa: F401  (they register their parts)
 from yuebing.conductor.policy.config import PolicyConfig
-from yuebing.conductor.policy.decode import DECODE_SELECTORS, forecast_decode_load
+from yuebing.conductor.policy.decode import forecast_decode_load
 from yuebing.conductor.policy.policy import Policy, check_inputs, decide
 from yuebing.conductor.policy.predictors import (
     BivariatePolynomial,
@@ -18,8 +18,8 @@ from yuebing.conductor.policy.predictors import (
     load_predictors,
     save_predictors,
 )
-from yuebing.conductor.policy.prefill import PREFILL_SELECTORS
 from yuebing.conductor.policy.queue import PREFILL_QUEUES, QueueOrder
+from yuebing.conductor.policy.registries import ADMISSIONS, DECODE_SELECTORS, PREFILL_SELECTORS
 from yuebing.conductor.policy.types import (
     ClusterView,
     Decision,
@@ -30,6 +30,7 @@ from yuebing.conductor.policy.types import (
     PrefixSource,
     QueuedPrefill,
     Reject,
+    RejectReason,
     RejectStage,
     RequestInfo,
     Route,

@@ -8,39 +8,29 @@ request that even an idle cluster cannot serve gets ``unservable`` and ``retry_a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from yuebing.conductor.policy.decode import (
-    DecodePlan,
     current_state,
     forecast_decode_load,
     forecast_state,
     plan_on,
 )
-from yuebing.conductor.policy.prefill import PrefillPlan
-from yuebing.conductor.policy.types import ClusterView, Reject, RejectStage, RequestInfo
-from yuebing.core.registry import Registry
+from yuebing.conductor.policy.registries import ADMISSIONS
+from yuebing.conductor.policy.types import (
+    ClusterView,
+    DecodePlan,
+    PrefillPlan,
+    Reject,
+    RejectReason,
+    RejectStage,
+    RequestInfo,
+)
 
 if TYPE_CHECKING:
     from yuebing.conductor.policy.policy import Policy
 
 
-class RejectReason(StrEnum):
-    """Why a request was rejected (the ``reason`` of a `Reject`)."""
-
-    NO_INSTANCES = "no_instances"
-    UNSERVABLE = "unservable"
-    TTFT_SLO = "ttft_slo"
-    TBT_SLO = "tbt_slo"
-    KV_CAPACITY = "kv_capacity"
-    PREFILL_OVERLOAD = "prefill_overload"
-    DECODE_OVERLOAD = "decode_overload"
-
-
-Admission = Callable[["Policy", RequestInfo, ClusterView, PrefillPlan, DecodePlan], Reject | None]
-ADMISSIONS: Registry[Admission] = Registry("admission policy")
 
 
 def decode_retry_after(pol: Policy, req: RequestInfo, view: ClusterView, from_s: float,

@@ -8,29 +8,35 @@ from it; the policy precomputes what it can from the config so each decision sta
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from yuebing.conductor.policy.admission import ADMISSIONS
-from yuebing.conductor.policy.decode import DECODE_SELECTORS
-from yuebing.conductor.policy.prefill import PREFILL_SELECTORS
 from yuebing.conductor.policy.queue import DEFAULT_AGING, DEFAULT_QUEUE, PREFILL_QUEUES
+from yuebing.conductor.policy.registries import ADMISSIONS, DECODE_SELECTORS, PREFILL_SELECTORS
 from yuebing.core.config import require
+from yuebing.core.registry import Registry
 
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
 
 
+def _names(what: str, registry: Registry[Any]) -> dict[str, Callable[[], str]]:
+    """Help naming what ``registry`` holds when the flags are built (its modules register
+    into it after this one is imported)."""
+    return {"help": lambda: f"{what}: " + ", ".join(registry)}
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
     """Which policies to run and their parameters (paper §4 / arXiv §7 defaults)."""
 
-    prefill_selector: str = field(default="global_cache_aware", metadata=_help(
-        "prefill instance selection: " + ", ".join(PREFILL_SELECTORS)))
-    decode_selector: str = field(default="least_loaded", metadata=_help(
-        "decode instance selection: " + ", ".join(DECODE_SELECTORS)))
-    admission: str = field(default="none", metadata=_help(
-        "admission control: " + ", ".join(ADMISSIONS)))
+    prefill_selector: str = field(default="global_cache_aware", metadata=_names(
+        "prefill instance selection", PREFILL_SELECTORS))
+    decode_selector: str = field(default="least_loaded", metadata=_names(
+        "decode instance selection", DECODE_SELECTORS))
+    admission: str = field(default="none", metadata=_names("admission control", ADMISSIONS))
     prefill_queue: str = field(default=DEFAULT_QUEUE, metadata=_help(
         "order of each prefill instance's queue: fifo, sjf_aging (shortest estimated prefill "
         "first, aged by --prefill-queue-aging), edf (earliest TTFT deadline first among the most "

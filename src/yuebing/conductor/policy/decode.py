@@ -13,13 +13,12 @@ observed) into the forecast's distribution.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from yuebing.conductor.policy.prefill import stable_index
-from yuebing.conductor.policy.types import ClusterView, RequestInfo
-from yuebing.core.registry import Registry
+from yuebing.conductor.policy.registries import DECODE_SELECTORS
+from yuebing.conductor.policy.types import ClusterView, DecodePlan, RequestInfo
 
 if TYPE_CHECKING:
     from yuebing.conductor.policy.policy import Policy
@@ -41,23 +40,6 @@ def duration_quantiles(durations: Sequence[float], k: int) -> tuple[float, ...]:
         out.append(max(vals[lo] + (h - lo) * (vals[hi] - vals[lo]), 1e-3))
     return tuple(out)
 
-
-@dataclass(frozen=True, slots=True)
-class DecodePlan:
-    """The chosen decode instance with its predicted TBT and load for this request."""
-
-    index: int
-    tbt_s: float
-    """Predicted paper TBT (`Policy.tbt`)."""
-    kv_fits: bool
-    load: float
-    step_s: float
-    """Predicted mean step, before the tail (what `TbtTail` compares the paper TBT with)."""
-
-
-DecodeSelector = Callable[["Policy", RequestInfo, ClusterView, float], DecodePlan]
-"""``(policy, request, view, at_s)``: ``at_s`` is when the request is expected to reach decode."""
-DECODE_SELECTORS: Registry[DecodeSelector] = Registry("decode selector")
 
 State = tuple[list[float], list[float], list[float]]
 """Per decode instance: (batch, context tokens, KV tokens) before this request joins."""

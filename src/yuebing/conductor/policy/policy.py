@@ -13,17 +13,21 @@ from __future__ import annotations
 import bisect
 import math
 
-from yuebing.conductor.policy.admission import ADMISSIONS, RejectReason
 from yuebing.conductor.policy.config import PolicyConfig
-from yuebing.conductor.policy.decode import DECODE_SELECTORS
 from yuebing.conductor.policy.predictors import Predictors
-from yuebing.conductor.policy.prefill import PREFILL_SELECTORS, choose_group
 from yuebing.conductor.policy.queue import PREFILL_QUEUES
+from yuebing.conductor.policy.registries import (
+    ADMISSIONS,
+    DECODE_SELECTORS,
+    PREFILL_SELECTORS,
+)
 from yuebing.conductor.policy.types import (
     ClusterView,
     Decision,
+    PrefillPlan,
     QueuedPrefill,
     Reject,
+    RejectReason,
     RejectStage,
     RequestInfo,
     Route,
@@ -227,3 +231,23 @@ def check_inputs(req: RequestInfo, view: ClusterView, block_tokens: int) -> None
     if view.best_prefix is not None and not 0 <= view.best_prefix.blocks <= nkeys:
         raise InputError(f"view: best_prefix.blocks must be in 0..{nkeys}, "
                          f"got {view.best_prefix.blocks}")
+
+
+def choose_group(pol: Policy, req: RequestInfo, view: ClusterView,
+                 single: PrefillPlan | None) -> PrefillPlan | None:
+    """The declared pipeline group to prefill ``req`` on instead of ``single`` (the selector's
+    plan; None when no single instance is in the view), or ``single``. A group is considered
+    when the uncached suffix exceeds ``cpp_threshold_tokens`` (or no single instance exists);
+    the lowest estimated TTFT wins, the group's counting its slowest stage's queue and a
+    hand-off per extra stage (`Policy.group_estimate`)."""
+    best = single
+    n, bt = req.input_tokens, pol.config.block_tokens
+    for g, group in enumerate(view.groups):
+        cached = min(group.local_prefix_blocks * bt, n - 1)
+        if n - cached <= pol.cpp_threshold and single is not None:
+            continue
+        queue_s, prefill_s = pol.group_estimate(view, g, n - cached, cached)
+        plan = PrefillPlan(-1, group.local_prefix_blocks, 0, 0.0, queue_s, prefill_s, g)
+        if best is None or plan.ttft_s < best.ttft_s:
+            best = plan
+    return best

@@ -6,46 +6,22 @@ the TTFT estimate ``transfer + queue + prefill(new, reused)`` (the last prompt t
 recomputed; the queue is what the instance's queue order serves first, `Policy.queue_wait`).
 Long prompts (over ``cpp_threshold_tokens`` new) are estimated as chunked pipeline parallel
 (`Policy.prefill_estimate`); with declared groups in the view (`ClusterView.groups`),
-`choose_group` weighs each group against the selector's single instance instead. Ties go to
-the instance listed first.
+`Policy.decide` weighs each group against the selector's single instance. Ties go to the
+instance listed first.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from yuebing.conductor.policy.types import ClusterView, RequestInfo
-from yuebing.core.registry import Registry
+from yuebing.conductor.policy.registries import PREFILL_SELECTORS
+from yuebing.conductor.policy.types import ClusterView, PrefillPlan, RequestInfo
 
 if TYPE_CHECKING:
     from yuebing.conductor.policy.policy import Policy
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillPlan:
-    """The chosen prefill instance and the TTFT estimate with its parts."""
-
-    index: int
-    """Position of the instance in ``view.prefills``."""
-    reused_blocks: int
-    fetch_blocks: int
-    """Blocks copied from ``view.best_prefix.holder`` first (0: local prefix only)."""
-    transfer_s: float
-    queue_s: float
-    prefill_s: float
-    group: int = -1
-    """Position of the chosen pipeline group in ``view.groups`` (-1: ``index``'s instance)."""
-
-    @property
-    def ttft_s(self) -> float:
-        return self.transfer_s + self.queue_s + self.prefill_s
-
-
-PrefillSelector = Callable[["Policy", RequestInfo, ClusterView], PrefillPlan]
-PREFILL_SELECTORS: Registry[PrefillSelector] = Registry("prefill selector")
 
 
 def stable_index(seed: int, salt: str, request_id: str, n: int) -> int:
@@ -140,23 +116,3 @@ def select_global_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) 
         (best_tokens - min(p.local_prefix_blocks * bt, n - 1)) * pol.config.kv_bytes_per_token, view)
     queue_s, prefill_s = pol.prefill_estimate(view, index, n - best_tokens, best_tokens)
     return PrefillPlan(index, best_blocks, fetch, transfer_s, queue_s, prefill_s)
-
-
-def choose_group(pol: Policy, req: RequestInfo, view: ClusterView,
-                 single: PrefillPlan | None) -> PrefillPlan | None:
-    """The declared pipeline group to prefill ``req`` on instead of ``single`` (the selector's
-    plan; None when no single instance is in the view), or ``single``. A group is considered
-    when the uncached suffix exceeds ``cpp_threshold_tokens`` (or no single instance exists);
-    the lowest estimated TTFT wins, the group's counting its slowest stage's queue and a
-    hand-off per extra stage (`Policy.group_estimate`)."""
-    best = single
-    n, bt = req.input_tokens, pol.config.block_tokens
-    for g, group in enumerate(view.groups):
-        cached = min(group.local_prefix_blocks * bt, n - 1)
-        if n - cached <= pol.cpp_threshold and single is not None:
-            continue
-        queue_s, prefill_s = pol.group_estimate(view, g, n - cached, cached)
-        plan = PrefillPlan(-1, group.local_prefix_blocks, 0, 0.0, queue_s, prefill_s, g)
-        if best is None or plan.ttft_s < best.ttft_s:
-            best = plan
-    return best

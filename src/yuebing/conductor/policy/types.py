@@ -10,7 +10,7 @@ from where, the estimates) or a `Reject` (why, at which stage, when to retry).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 
 from yuebing.core.ids import BlockHash, InstanceId
 
@@ -183,3 +183,48 @@ class Reject:
 
 
 Decision = Route | Reject
+
+
+class RejectReason(StrEnum):
+    """Why a request was rejected (the ``reason`` of a `Reject`)."""
+
+    NO_INSTANCES = "no_instances"
+    UNSERVABLE = "unservable"
+    TTFT_SLO = "ttft_slo"
+    TBT_SLO = "tbt_slo"
+    KV_CAPACITY = "kv_capacity"
+    PREFILL_OVERLOAD = "prefill_overload"
+    DECODE_OVERLOAD = "decode_overload"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """The chosen prefill instance and the TTFT estimate with its parts."""
+
+    index: int
+    """Position of the instance in ``view.prefills``."""
+    reused_blocks: int
+    fetch_blocks: int
+    """Blocks copied from ``view.best_prefix.holder`` first (0: local prefix only)."""
+    transfer_s: float
+    queue_s: float
+    prefill_s: float
+    group: int = -1
+    """Position of the chosen pipeline group in ``view.groups`` (-1: ``index``'s instance)."""
+
+    @property
+    def ttft_s(self) -> float:
+        return self.transfer_s + self.queue_s + self.prefill_s
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """The chosen decode instance with its predicted TBT and load for this request."""
+
+    index: int
+    tbt_s: float
+    """Predicted paper TBT (`Policy.tbt`)."""
+    kv_fits: bool
+    load: float
+    step_s: float
+    """Predicted mean step, before the tail (what `TbtTail` compares the paper TBT with)."""
