@@ -65,24 +65,18 @@ class Handoff:
         self.free.extend(blocks)
 
     def _notified(self, n: Any) -> None:
-        if n.topic == KV_STREAMED_TOPIC and self.on_streamed is not None:
-            try:
-                streamed = decode(n.payload, KvStreamed)
-            except ProtocolError as e:
-                log.warning("bad KvStreamed from %s: %s", n.sender, e)
-                return
-            assert isinstance(streamed, KvStreamed)
-            self.on_streamed(streamed)
-            return
-        if n.topic != KV_READY_TOPIC or self.on_ready is None:
+        handlers: dict[str, tuple[type[KvReady] | type[KvStreamed], Callable[[Any], None] | None]]
+        handlers = {KV_STREAMED_TOPIC: (KvStreamed, self.on_streamed),
+                    KV_READY_TOPIC: (KvReady, self.on_ready)}
+        kind, handle = handlers.get(n.topic, (KvReady, None))
+        if handle is None:
             return
         try:
-            msg = decode(n.payload, KvReady)
+            msg = decode(n.payload, kind)
         except ProtocolError as e:
-            log.warning("bad KvReady from %s: %s", n.sender, e)
+            log.warning("bad %s from %s: %s", kind.__name__, n.sender, e)
             return
-        assert isinstance(msg, KvReady)
-        self.on_ready(msg)
+        handle(msg)
 
     def wait_stored(self, token_ids: list[int]) -> int:
         """Blocking (an executor thread): wait until the store holds every full store block of
