@@ -231,6 +231,7 @@ def test_tbt_tail_scales_the_step_while_the_prefill_pool_is_busy():
     assert r.reason == "decode_overload" and math.isfinite(r.retry_after_s)
     route = decide_with(busy, tbt_tail=1.5)
     assert (route.est_tbt_s, route.est_step_s) == (pytest.approx(0.1365), pytest.approx(0.091))
+    assert route.prefill_busy and decide_with(busy).prefill_busy  # known with or without a tail
 
 
 def test_tbt_tail_is_off_while_the_prefill_pool_is_idle():
@@ -239,6 +240,7 @@ def test_tbt_tail_is_off_while_the_prefill_pool_is_idle():
     idle = view(P0, (decode("d0", batch=7),))
     route = decide_with(idle, admission="early_rejection", tbt_tail=4.0)
     assert isinstance(route, Route) and route.est_tbt_s == pytest.approx(0.091)
+    assert not route.prefill_busy  # the Conductor learns no tail from it
 
 
 @pytest.mark.parametrize("tail", [0.5, math.nan, math.inf])

@@ -372,14 +372,17 @@ def run_serve(cfg: ServeConfig, out: TextIO = sys.stdout) -> int:
     sup.install_signal_handlers()
     plan = ServePlan(cfg, sup.log_dir)
     print(f"yuebing serve: starting; logs in {sup.log_dir}", file=out, flush=True)
+    ready = Path(cfg.ready_file) if cfg.ready_file else None
+    if ready is not None:
+        ready.unlink(missing_ok=True)  # a previous run's file must not say this one is ready
     try:
         for stage in plan.stages():
             sup.start_stage(stage)
             log.info("ready: %s", ", ".join(spec.name for spec, _ in stage))
+        if ready is not None:  # before the banner: whoever reads the banner finds the file
+            write_ready(str(ready), {"url": plan.base_url, "pid": os.getpid(),
+                                     "log_dir": str(sup.log_dir)})
         print(banner(plan, sup, cfg.conductor.model_name), file=out, flush=True)
-        if cfg.ready_file:
-            write_ready(cfg.ready_file, {"url": plan.base_url, "pid": os.getpid(),
-                                         "log_dir": str(sup.log_dir)})
         code = sup.watch()
         if code:
             print(f"yuebing serve: {sup.failed}; stopping", file=sys.stderr, flush=True)
@@ -391,4 +394,6 @@ def run_serve(cfg: ServeConfig, out: TextIO = sys.stdout) -> int:
         return 130
     finally:
         sup.stop()
+        if ready is not None:
+            ready.unlink(missing_ok=True)
         print("yuebing serve: stopped", file=out, flush=True)

@@ -48,6 +48,8 @@ class RequestStats:
     est_prefill_s: float = 0.0
     est_step_s: float = 0.0
     """The predicted mean decode step when it joins (before the TBT tail)."""
+    prefill_busy: bool = False
+    """Routed while a prefill instance had work (`Route.prefill_busy`)."""
 
     def merge(self, b: Breakdown | None) -> None:
         """Fold an instance's breakdown in (each part is filled by the instance that did it)."""

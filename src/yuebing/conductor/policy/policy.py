@@ -134,15 +134,15 @@ class Policy:
         """Predicted paper TBT of a request in a step of ``batch`` requests over ``context``
         tokens: the step, times ``tbt_tail`` while the prefill pool is ``busy``."""
         step = self.decode_time(batch, context)
-        return step * self.tbt_tail if busy else step
+        return step * self.tbt_tail if busy and self.tbt_tail != 1.0 else step
 
     def prefill_busy(self, view: ClusterView) -> bool:
         """Whether the TBT tail applies: a prefill instance has work queued or running, so
         decode steps are likely to meet prefill passes (on shared cores, a stretched step).
         Once admission lets the prefill pool drain, the tail no longer applies: it cannot hold
-        the cluster in rejection."""
+        the cluster in rejection. (The live Conductor learns the tail from such requests only.)"""
         stages = (s for g in view.groups for s in g.stages)
-        return self.tbt_tail != 1.0 and any(p.queue_s > 0 for p in (*view.prefills, *stages))
+        return any(p.queue_s > 0 for p in (*view.prefills, *stages))
 
     def transfer_time(self, nbytes: float, view: ClusterView) -> float:
         return self._tp(nbytes, view.link_bandwidth_Bps, view.link_latency_s)
@@ -187,6 +187,7 @@ class Policy:
             est_ttft_s=plan.ttft_s,
             est_tbt_s=dplan.tbt_s,
             est_step_s=dplan.step_s,
+            prefill_busy=self.prefill_busy(view),
             stages=tuple(st.instance_id for st in group.stages) if group else (),
         )
 

@@ -163,6 +163,8 @@ class Route:
     """Predicted paper TBT (the mean step with its tail, `Policy.tbt`)."""
     est_step_s: float = 0.0
     """Predicted mean decode step on joining (before the tail)."""
+    prefill_busy: bool = False
+    """A prefill instance had work when it was routed: its TBT was predicted with the tail."""
     stages: tuple[InstanceId, ...] = ()
     """A route to a pipeline group (``prefill_id`` is its ``group_id``): its stages in layer
     order; empty for a single prefill instance."""
