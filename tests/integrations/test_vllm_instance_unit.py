@@ -5,6 +5,7 @@ hand-off's side of it (the decode's receive-pool blocks, the prefill's ``yuebing
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -20,6 +21,7 @@ from yuebing.protocol.instance import (
     ErrorCode,
     ErrorReply,
     Hello,
+    KvStreamed,
     Ping,
     Reserve,
     Reserved,
@@ -122,9 +124,11 @@ def decode(tmp_path):
 
 def test_a_decode_reserves_receive_pool_blocks_and_falls_back_to_the_store_when_full(decode):
     """Blocks of 128 tokens: 300 tokens take 3 of the 5 pool blocks (the partial one too); a
-    second 300-token request finds 2 and goes through the store (no blocks); a cancel frees."""
+    second 300-token request finds 2 and goes through the store (no blocks). A cancel frees
+    them only once the reservation has expired: until then the prefill may still write."""
     r = decode.dispatch(b"c", Reserve(seq=1, request_id="a", prompt_tokens=300,
-                                      sampling=Sampling(), token_ids=list(range(300))))
+                                      sampling=Sampling(), token_ids=list(range(300)),
+                                      timeout_s=0.3))
     assert isinstance(r, Reserved) and r.target.blocks == [0, 1, 2]
     lay = r.target.layout
     assert (lay.num_layers, lay.num_blocks, lay.chunk_bytes) == (30, 5, 3 * 128 * 128 * 4)
@@ -133,7 +137,22 @@ def test_a_decode_reserves_receive_pool_blocks_and_falls_back_to_the_store_when_
                                       sampling=Sampling(), token_ids=list(range(300))))
     assert isinstance(r, Reserved) and r.target.blocks == []
     assert isinstance(decode.dispatch(b"c", Cancel(seq=3, request_id="a")), Ack)
-    assert sorted(decode.handoff.free) == [0, 1, 2, 3, 4]
+    assert sorted(decode.handoff.free) == [3, 4]  # quarantined: a late write may still land
+    end = time.monotonic() + 5
+    while sorted(decode.handoff.free) != [0, 1, 2, 3, 4]:  # the sweep after the expiry
+        assert time.monotonic() < end, decode.quarantined
+        decode.sweep()
+        time.sleep(0.05)
+
+
+def test_a_finished_stream_frees_its_pool_blocks_at_once(decode):
+    r = decode.dispatch(b"c", Reserve(seq=1, request_id="a", prompt_tokens=300,
+                                      sampling=Sampling(), token_ids=list(range(300))))
+    assert isinstance(r, Reserved) and r.target.blocks == [0, 1, 2]
+    decode._streamed(KvStreamed(request_id="a", ok=False, layers=30, layers_before_last=3,
+                                bytes=0, last_layer_at_s=1.0, complete_at_s=1.0, error="x"))
+    assert isinstance(decode.dispatch(b"c", Cancel(seq=2, request_id="a")), Ack)
+    assert sorted(decode.handoff.free) == [0, 1, 2, 3, 4] and not decode.quarantined
 
 
 def test_a_prefill_asks_its_vllm_to_stream_into_the_decodes_blocks(tmp_path, monkeypatch):

@@ -161,6 +161,12 @@ class VllmInstance:
         """Decode: reservations waiting for their `KvReady` (connection, request, deadline)."""
         self.pool_held: dict[str, list[int]] = {}
         """Decode: receive-pool blocks per request, until its vLLM has read them."""
+        self.pool_expiry: dict[str, float] = {}
+        """Decode: when each request's reservation expires (wall clock): a prefill writes
+        into its blocks until shortly before, never after."""
+        self.quarantined: list[tuple[float, list[int]]] = []
+        """Decode: blocks released while their prefill may still be writing into them, and
+        when they are safe to reuse (`sweep` gives them back)."""
         self.streamed: dict[str, KvStreamed] = {}
         """Decode: `KvStreamed` of requests whose `KvReady` has not come yet."""
         self.stream_waits: dict[str, asyncio.Future[KvStreamed]] = {}
@@ -317,6 +323,7 @@ class VllmInstance:
         blocks = self.handoff.take(msg.prompt_tokens)
         if blocks:
             self.pool_held[msg.request_id] = blocks
+            self.pool_expiry[msg.request_id] = time.time() + msg.timeout_s
         lay, pool = self.layout, self.handoff.pool
         return Reserved(seq=msg.seq, target=DecodeTarget(
             instance_id=self.cfg.instance_id, segment=self.handoff.segment, blocks=blocks,
@@ -325,12 +332,19 @@ class VllmInstance:
                               fingerprint=lay.fingerprint()),
             expires_at_s=time.time() + msg.timeout_s))
 
-    def _release(self, rid: str) -> None:
-        """Decode: the request's pool blocks are free again (read, or never to be)."""
+    def _release(self, rid: str, settled: bool = False) -> None:
+        """Decode: the request no longer needs its pool blocks. They are free again at once
+        when its stream is ``settled`` (its `KvStreamed` came: the prefill writes no more) or
+        its reservation has expired; else they wait in `quarantined` until it expires, so a
+        late write cannot land in another request's KV."""
         blocks = self.pool_held.pop(rid, None)
+        expiry = self.pool_expiry.pop(rid, 0.0)
+        settled = settled or self.streamed.pop(rid, None) is not None
         if blocks and self.handoff is not None:
-            self.handoff.give_back(blocks)
-        self.streamed.pop(rid, None)
+            if settled or time.time() >= expiry:
+                self.handoff.give_back(blocks)
+            else:
+                self.quarantined.append((expiry, blocks))
 
     def _streamed_notified(self, msg: KvStreamed) -> None:
         """Transfer-engine thread: a prefill's vLLM finished streaming a request's KV."""
@@ -409,11 +423,17 @@ class VllmInstance:
             log.warning("%s: %s; the decode loads the KV from the store", rid,
                         "no layer-wise stream in time" if streamed is None else
                         f"the layer-wise stream failed ({streamed.error})")
-            self._release(rid)
+            self._release(rid, settled=streamed is not None)
         await self._relay(ident, rid, body, n, 1, None, breakdown)
 
     def sweep(self) -> None:
-        """Reservations whose `KvReady` did not come in time end with an error."""
+        """Reservations whose `KvReady` did not come in time end with an error; quarantined
+        pool blocks whose reservation expired are free again."""
+        if self.quarantined and self.handoff is not None:
+            wall = time.time()
+            for _, blocks in [q for q in self.quarantined if q[0] <= wall]:
+                self.handoff.give_back(blocks)
+            self.quarantined = [q for q in self.quarantined if q[0] > wall]
         now = time.monotonic()
         for rid, (ident, _, deadline) in list(self.reserved.items()):
             if deadline <= now:
@@ -454,7 +474,7 @@ class VllmInstance:
                     ids = list(c.get("token_ids") or [])
                     reason = c.get("finish_reason") or reason
                     if ids or c.get("text"):
-                        self._release(rid)  # the decode's vLLM has read its pool blocks
+                        self._release(rid, settled=True)  # its vLLM has read the pool blocks
                         now = time.time()
                         first = first or ((ids or [0])[0], now)
                         kind = EventKind.FIRST_TOKEN if outputs == 0 else EventKind.TOKENS
