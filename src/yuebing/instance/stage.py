@@ -63,6 +63,9 @@ class StageRole(InstanceRole):
         self.early: dict[str, tuple[float, list[tuple[int, torch.Tensor, torch.Tensor]],
                                     tuple[bool, str] | None]] = {}
         """Rows (and a `StageDone`) that came before their request (arrival time first)."""
+        self.upstream_heard = 0.0
+        """When rows of any request last came from the previous stage: a stage queued behind
+        other work is busy, not quiet."""
 
     @property
     def stage_segment(self) -> str:
@@ -214,7 +217,8 @@ class StageRole(InstanceRole):
             task = self.inst.tasks.get(rid)
             if task is None:
                 self.groups.pop(rid, None)
-            elif g.index > 0 and not g.upstream.done() and now - g.heard_at > timeout:
+            elif g.index > 0 and not g.upstream.done() and \
+                    now - max(g.heard_at, self.upstream_heard) > timeout:
                 self._end(task, f"the previous pipeline stage went quiet for {timeout:.0f} s")
         for rid in [r for r, (t, _, _) in self.early.items() if now - t > timeout]:
             self.early.pop(rid, None)
@@ -237,6 +241,7 @@ class StageRole(InstanceRole):
         self._post(self._failed, rid, error)
 
     def _rows(self, rid: str, start: int, residual: torch.Tensor, x: torch.Tensor) -> None:
+        self.upstream_heard = time.monotonic()
         g = self.groups.get(rid)
         if g is not None and g.added:
             self._feed(rid, start, residual, x)
