@@ -81,3 +81,4 @@ def test_deadline_before_the_first_token_is_read_is_a_timeout_not_a_lost_prefill
                 await asyncio.sleep(0.05)  # the timer fires while the first token is out
         assert e.value.code == "timeout"
     asyncio.run(asyncio.wait_for(main(), 5.0))
+

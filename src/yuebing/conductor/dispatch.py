@@ -119,6 +119,11 @@ class Dispatcher:
         c = self.cluster
         prefills, decodes = c.alive(Role.PREFILL), c.alive(Role.DECODE)
         groups = c.groups() if decodes and req.sampling.n == 1 else []  # groups: one choice
+        if req.sampling.n > 1 and decodes and not prefills and not c.alive(Role.COUPLED) \
+                and c.groups():
+            self.metrics.rejected_requests.labels(RejectReason.UNSERVABLE).inc()
+            raise Rejected(RejectReason.UNSERVABLE, math.inf, "n > 1 needs a single prefill "
+                           "instance or a coupled one: pipeline groups sample one choice")
         coupled = not ((prefills or groups) and decodes)
         if coupled:
             prefills = decodes = c.alive(Role.COUPLED)
