@@ -10,7 +10,6 @@ view, at_s)`` (``at_s``: when the request is expected to reach decode), an admis
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from yuebing.conductor.policy.types import DecodePlan, PrefillPlan, Reject
 from yuebing.core.registry import Registry
@@ -18,5 +17,3 @@ from yuebing.core.registry import Registry
 PREFILL_SELECTORS: Registry[Callable[..., PrefillPlan]] = Registry("prefill selector")
 DECODE_SELECTORS: Registry[Callable[..., DecodePlan]] = Registry("decode selector")
 ADMISSIONS: Registry[Callable[..., Reject | None]] = Registry("admission policy")
-
-__all__ = ["ADMISSIONS", "DECODE_SELECTORS", "PREFILL_SELECTORS", "Any"]
