@@ -378,7 +378,8 @@ class MooncakeSystem(SimSystem):
         assert self.policy is not None, "prepare() runs before the first arrival"
         busy = self.policy.tbt_tail != 1.0 and any(
             f > self.loop.now or q for f, q in zip(self.free_at, self.waiting, strict=True))
-        return self.policy.tbt(d.batch_size + 1, d.context_tokens + job.input_tokens + 1, busy)
+        step = self.policy.decode_time(d.batch_size + 1, d.context_tokens + job.input_tokens + 1)
+        return self.policy.tbt(step, busy)
 
     # -- observation ---------------------------------------------------------------------------
     def load(self) -> dict[str, float]:

@@ -116,11 +116,11 @@ def plan_on(pol: Policy, req: RequestInfo, view: ClusterView, state: State,
     """TBT, KV fit and load of ``req`` joining instance ``index`` in ``state``."""
     batch, ctx, kv = state
     cap = view.decodes[index].kv_capacity_tokens
-    context = ctx[index] + req.input_tokens
-    tbt = pol.tbt(batch[index] + 1, context, pol.prefill_busy(view))
+    step = pol.decode_time(batch[index] + 1, ctx[index] + req.input_tokens)
+    tbt = pol.tbt(step, pol.prefill_busy(view))
     kv_after = kv[index] + req.input_tokens + req.expected_output_tokens
     return DecodePlan(index, tbt, kv_after <= cap, max(tbt / pol.config.tbt_slo_s, kv_after / cap),
-                      pol.decode_time(batch[index] + 1, context))
+                      step)
 
 
 def least_loaded_in(pol: Policy, req: RequestInfo, view: ClusterView, state: State) -> DecodePlan:
@@ -129,11 +129,10 @@ def least_loaded_in(pol: Policy, req: RequestInfo, view: ClusterView, state: Sta
     slo = pol.config.tbt_slo_s
     n_in = req.input_tokens
     need = n_in + req.expected_output_tokens
-    tbt_of = pol.tbt
-    busy = pol.prefill_busy(view)
+    decode_time, tbt_of, busy = pol.decode_time, pol.tbt, pol.prefill_busy(view)
     best, best_key = 0, (3, 0.0)
     for i, d in enumerate(view.decodes):
-        tbt = tbt_of(batch[i] + 1, ctx[i] + n_in, busy)
+        tbt = tbt_of(decode_time(batch[i] + 1, ctx[i] + n_in), busy)
         kv_after = kv[i] + need
         fits = kv_after <= d.kv_capacity_tokens
         load = tbt / slo

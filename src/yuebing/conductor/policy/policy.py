@@ -130,11 +130,10 @@ class Policy:
         t = self.prefill_time(new_tokens, cached_tokens) / k * (1.0 + (k - 1) / chunks)
         return group.queue_s, t + (k - 1) * hop
 
-    def tbt(self, batch: float, context: float, busy: bool) -> float:
-        """Predicted paper TBT of a request in a step of ``batch`` requests over ``context``
-        tokens: the step, times ``tbt_tail`` while the prefill pool is ``busy``."""
-        step = self.decode_time(batch, context)
-        return step * self.tbt_tail if busy and self.tbt_tail != 1.0 else step
+    def tbt(self, step_s: float, busy: bool) -> float:
+        """Predicted paper TBT of a request in a step predicted at ``step_s`` (`decode_time`):
+        the step, times ``tbt_tail`` while the prefill pool is ``busy``."""
+        return step_s * self.tbt_tail if busy else step_s
 
     def prefill_busy(self, view: ClusterView) -> bool:
         """Whether the TBT tail applies: a prefill instance has work queued or running, so
