@@ -119,11 +119,42 @@ def test_early_rejection_uses_current_decode_load():
     assert isinstance(decide_with(FILLING, admission="early_rejection"), Route)
 
 
+# Scenario C: as A, but the prefill pool is idle and the request's own prefill takes 5 s: no
+# arrivals queue behind it yet, so the batch of 10 drains to 5 by then (load .76).
+DRAINING_IDLE = view((prefill("p0", 0.0),), (decode("d0", batch=10),))
+LONG = request(5000)
+
+
+def decide_long(v, **kw):
+    return Policy(config(**kw), PREDICTORS).decide(LONG, v)
+
+
 def test_predictive_early_rejection_forecasts_load_at_decode_arrival():
-    assert isinstance(decide_with(DRAINING, admission="predictive_early_rejection"), Route)
+    assert isinstance(decide_long(DRAINING_IDLE, admission="predictive_early_rejection"), Route)
+    assert decide_long(DRAINING_IDLE, admission="early_rejection").reason == "decode_overload"
     r = decide_with(FILLING, admission="predictive_early_rejection")
     # pending requests all finish 11 s from now; probes at 6+1, 6+2, 6+4, 6+8 s
     assert (r.reason, r.retry_after_s) == ("decode_overload", 8.0)
+
+
+def test_predictive_holds_the_running_batch_while_the_prefill_pool_is_busy():
+    """A: the prefill pool has work, so requests arriving after this one refill the batch during
+    its decode; the 10 running requests are not forecast to drain (load 1.21, as now)."""
+    r = decide_with(DRAINING, admission="predictive_early_rejection")
+    assert (r.reason, r.est_tbt_s) == ("decode_overload", pytest.approx(0.121))
+    pol = Policy(config(), PREDICTORS)
+    route = decide_with(DRAINING, decode_selector="forecast")
+    assert route.est_step_s == pytest.approx(0.121)  # what the Conductor learns the tail against
+    assert forecast_decode_load(pol, request(), DRAINING, 106.0) == pytest.approx(0.61)  # retry
+
+
+@pytest.mark.parametrize("queue_s", [0.5, 2.0, 5.0, 10.0, 20.0])
+def test_a_longer_prefill_queue_never_lightens_the_predicted_decode_load(queue_s):
+    """The bug it guards: decaying the running batch over the prefill wait made the forecast
+    lighter the longer the queue, so the predictive policy admitted most while overloaded."""
+    v = view((prefill("p0", queue_s),), (decode("d0", batch=8, ctx=1000),))  # step .102 now
+    r = decide_with(v, admission="predictive_early_rejection", decode_selector="forecast")
+    assert (r.reason, r.est_tbt_s) == ("decode_overload", pytest.approx(0.102))
 
 
 def test_forecast_values():
@@ -192,14 +223,19 @@ def test_least_loaded_counts_routed_requests_still_in_prefill():
 
 
 def test_forecast_selector_picks_the_instance_that_will_be_least_loaded():
-    # at t+6 s: d0's batch 10 drains to 4; d1's 4 drain to 1.6 but 5 routed ones join -> 6.6
-    v = ClusterView(100.0, (prefill("p0", 5.0),), (decode("d0", batch=10), decode("d1", batch=4)),
+    # idle prefill pool, a 5 s prefill: at t+5 s d0's batch 10 drains to 5; d1's 4 drain to 2
+    # but 5 routed ones join -> 7
+    v = ClusterView(100.0, (prefill("p0", 0.0),), (decode("d0", batch=10), decode("d1", batch=4)),
                     link_bandwidth_Bps=1e7,
-                    pending_decodes=tuple(PendingDecode(101.0, 0, InstanceId("d1"))
+                    pending_decodes=tuple(PendingDecode(100.5, 0, InstanceId("d1"))
                                           for _ in range(5)))
-    assert decide_with(v).decode_id == "d1"  # now: d0 10, d1 4 + 5 = 9
-    r = decide_with(v, decode_selector="forecast", admission="predictive_early_rejection")
-    assert (r.decode_id, r.est_tbt_s) == ("d0", pytest.approx(0.061, rel=1e-12))
+    assert decide_long(v).decode_id == "d1"  # now: d0 10, d1 4 + 5 = 9
+    r = decide_long(v, decode_selector="forecast", admission="predictive_early_rejection")
+    assert (r.decode_id, r.est_tbt_s) == ("d0", pytest.approx(0.075, rel=1e-12))
+    # with prefill work queued the running batches are held: d0 10, d1 4 + 5 -> d1
+    busy = ClusterView(100.0, (prefill("p0", 0.1),), v.decodes, link_bandwidth_Bps=1e7,
+                       pending_decodes=v.pending_decodes)
+    assert decide_long(busy, decode_selector="forecast").decode_id == "d1"
 
 
 def test_policy_config_cli_flags_round_trip():

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 from yuebing.conductor.policy.decode import (
     current_state,
+    decode_forecast,
     forecast_decode_load,
-    forecast_state,
     plan_on,
 )
 from yuebing.conductor.policy.registries import ADMISSIONS
@@ -120,12 +120,13 @@ def admit_early_rejection(pol: Policy, req: RequestInfo, view: ClusterView, plan
 def admit_predictive(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPlan,
                      dplan: DecodePlan) -> Reject | None:
     """``predictive_early_rejection`` (arXiv §7.4): as ``early_rejection``, but the chosen decode
-    instance's load is forecast for when this request would reach decode (now + predicted TTFT),
-    counting routed requests still in prefill and the decodes expected to end by then (pair it
-    with the ``forecast`` decode selector)."""
+    instance's load is forecast for when this request would reach decode (now + predicted TTFT,
+    `decode_forecast`): routed requests still in prefill count, and the decodes expected to end
+    by then drop out only while the prefill pool is idle (pair it with the ``forecast`` decode
+    selector)."""
     at_s = view.now_s + plan.ttft_s
     if pol.config.decode_selector == "forecast":
         load = dplan.load
     else:
-        load = plan_on(pol, req, view, forecast_state(pol, view, at_s), dplan.index).load
+        load = plan_on(pol, req, view, decode_forecast(pol, view, at_s), dplan.index).load
     return _overload(pol, req, view, plan, dplan, load, at_s)

@@ -2,14 +2,13 @@
 
 A decode instance's *load* for a request is ``max(predicted TBT / TBT SLO, KV after admission /
 KV capacity)``, the predicted TBT being ``decode(batch + 1, context + input tokens)``, times
-the learned tail while the prefill pool is busy (`Policy.tbt`). Each
-selector (registered by name) counts batch, context and KV its way, then picks the least loaded
-instance whose TBT holds and whose KV fits (else whose KV fits, else the least loaded; ties to
-the first listed). `forecast_state` is arXiv §7.4's system-level forecast.
-`duration_quantiles` turns durations (the simulator's predicted, the live Conductor's
-observed) into the forecast's distribution.
+the learned tail while the prefill pool is busy (`Policy.tbt`). Each selector (registered by
+name) counts batch, context and KV its way, then picks the least loaded instance whose TBT holds
+and whose KV fits (else whose KV fits, else the least loaded; ties to the first listed).
+`forecast_state` is arXiv §7.4's system-level forecast, `decode_forecast` the state admission
+judges with it. `duration_quantiles` turns durations (the simulator's predicted, the live
+Conductor's observed) into the forecast's distribution.
 """
-
 from __future__ import annotations
 
 import math
@@ -55,17 +54,18 @@ def current_state(view: ClusterView, with_pending: bool = True) -> State:
     return batch, ctx, kv
 
 
-def forecast_state(pol: Policy, view: ClusterView, at_s: float) -> State:
+def forecast_state(pol: Policy, view: ClusterView, at_s: float, hold: bool = False) -> State:
     """Expected state at ``at_s`` (≥ ``view.now_s``) under the decode-duration distribution.
 
     Decode durations follow one fixed distribution (``PolicyConfig.decode_durations_s``, equally
     likely values), so a request decoding now still decodes Δ seconds later with the equilibrium
     residual-life probability ``E[max(0, D - Δ)] / E[D]``, and a waiting request, or a routed one
     reaching decode at ``s``, with ``P(D > age)``; routed requests reaching decode after ``at_s``
-    are not counted."""
+    are not counted. With ``hold`` the running and waiting requests are not decayed (see
+    `decode_forecast`)."""
     dt = max(0.0, at_s - view.now_s)
-    s_running = pol.residual_survival(dt)
-    s_waiting = pol.survival(dt)
+    s_running = 1.0 if hold else pol.residual_survival(dt)
+    s_waiting = 1.0 if hold else pol.survival(dt)
     batch, ctx, kv = [], [], []
     for d in view.decodes:
         running_kv = max(0, d.kv_used_tokens - d.waiting_context_tokens)
@@ -75,6 +75,18 @@ def forecast_state(pol: Policy, view: ClusterView, at_s: float) -> State:
     if view.pending_decodes:
         _add_pending(view, pol, at_s, batch, ctx, kv)
     return batch, ctx, kv
+
+
+def decode_forecast(pol: Policy, view: ClusterView, at_s: float) -> State:
+    """The state a request reaching decode at ``at_s`` meets: what the ``forecast`` selector and
+    ``predictive_early_rejection`` judge. Its paper TBT is set by the most loaded tenth of its
+    whole decode, not by the instant it joins, and the requests arriving after it join during
+    that decode. While the prefill pool has work (overload, where admission acts) they at least
+    replace the decodes that end before ``at_s``, so the running batch is held
+    (`forecast_state` ``hold``) and only the routed requests still in prefill are forecast.
+    Decaying it instead made the forecast lighter the longer the prefill queue: more admitted
+    while overloaded, and the learned tail inflated for the calm after."""
+    return forecast_state(pol, view, at_s, hold=pol.prefill_busy(view))
 
 
 def _add_pending(view: ClusterView, pol: Policy | None, at_s: float | None, batch: list[float],
@@ -157,8 +169,8 @@ def select_least_loaded(pol: Policy, req: RequestInfo, view: ClusterView,
 @DECODE_SELECTORS.register("forecast")
 def select_forecast(pol: Policy, req: RequestInfo, view: ClusterView, at_s: float) -> DecodePlan:
     """``forecast``: the state forecast for the moment this request reaches decode (now + its
-    estimated TTFT, `forecast_state`); pair it with ``predictive_early_rejection``."""
-    return least_loaded_in(pol, req, view, forecast_state(pol, view, at_s))
+    estimated TTFT, `decode_forecast`); pair it with ``predictive_early_rejection``."""
+    return least_loaded_in(pol, req, view, decode_forecast(pol, view, at_s))
 
 
 @DECODE_SELECTORS.register("random")
