@@ -12,7 +12,9 @@ Per topology (``--topologies 1P1D,2P1D``; one engine thread per instance, defaul
    forecast``), the same requests (the conversation trace's first ``--requests``, 64 tokens per
    hash block, Poisson arrivals of ``--seed``) from ``yuebing bench serve``, the pools' load
    (``GET /health`` ``pools``: the arXiv definitions) sampled every ``--sample-s``.
-3. The simulator on the same requests, nodes, SLOs and predictors (``cost_model=fitted``).
+3. The simulator on the same requests, nodes, SLOs and predictors (``cost_model=fitted``),
+   colocated: a decode step that meets a prefill is stretched by the TBT tail the live ``none``
+   run at that load learned (else the search's), which is also the simulated policy's tail.
 
 Reported per run: goodput (requests within both SLOs per second of the run), rejections by
 stage and reason (the Conductor's ``yuebing:rejected_requests`` counter: ``arrival`` = the
@@ -41,7 +43,7 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -330,6 +332,17 @@ def sim_requests(setup: Setup, rate: float) -> list[SimRequest]:
             for i, (r, t) in enumerate(zip(reqs, send_times(reqs, cfg, rate), strict=True))]
 
 
+def interference_file(setup: Setup, tail: float) -> Path:
+    """The colocation factors the simulator runs with (``OUTDIR/interference.json``): a decode
+    step that meets a prefill pass is stretched by the TBT tail the live Conductor learned (the
+    paper TBT is set by such steps while the prefill pool has work); a prefill is not slowed
+    (the live predictors already carry what the prefills took)."""
+    path = setup.out / "interference.json"
+    path.write_text(json.dumps({"interference": {"decode_factor": max(tail, 1.0),
+                                                 "prefill_factor": 1.0}}))
+    return path
+
+
 def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
             predictors: Path, tail: float = 1.0) -> dict[str, Any]:
     selector = "forecast" if policy == "predictive_early_rejection" else "least_loaded"
@@ -340,7 +353,8 @@ def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
                                       tbt_tail=tail,
                                       prefill_queue=DEFAULT_QUEUE),  # the live Conductor's
                     cost_model="fitted", profile=str(predictors),
-                    sample_interval_s=setup.sample_s)
+                    sample_interval_s=setup.sample_s, colocated=tail > 1.0,
+                    interference_profile=str(interference_file(setup, tail)))
     res = simulate(sim_requests(setup, rate), cfg)
     recs = res.records
     done = [r for r in recs if r.rejected is None and not math.isnan(r.finish_s)]
@@ -378,7 +392,8 @@ def table(result: dict[str, Any]) -> str:
                 return "–" if v is None else f"{v * k:.{d}f}"
 
             lines.append(
-                f"| {topo['name']} | {run['multiplier']:g}× ({run['rate']:.3g} req/s) | "
+                f"| {topo['name']} | {run['multiplier']:g}× ({run['rate']:.3g} req/s)"
+                f"{' seed ' + str(run['seed']) if 'seed' in run else ''} | "
                 f"{run['policy']} | {live['goodput_rps']:.3f} / {sim['goodput_rps']:.3f} | "
                 f"{live['within_slo']}/{live['requests']} | {live['rejected']} "
                 f"({st.get('arrival', 0)} / {st.get('reserve', 0)}) | "
@@ -401,7 +416,7 @@ def plot(result: dict[str, Any], out: Path) -> None:
         runs = topo["runs"]
         mults = sorted({r["multiplier"] for r in runs})
         mid = mults[len(mults) // 2]
-        shown = [r for r in runs if r["multiplier"] == mid]
+        shown = [r for r in runs if r["multiplier"] == mid and not r.get("repeat")]
         fig, axes = plt.subplots(len(shown), 1, figsize=(8, 2.4 * len(shown)), sharex=True,
                                  squeeze=False)
         for ax, run in zip(axes[:, 0], shown, strict=True):
@@ -419,9 +434,9 @@ def plot(result: dict[str, Any], out: Path) -> None:
                              figsize=(5 * len(result["topologies"]), 3.6), squeeze=False)
     for ax, topo in zip(axes[0], result["topologies"], strict=True):
         for policy in topo["policies"]:
-            runs = sorted((r for r in topo["runs"] if r["policy"] == policy),
-                          key=lambda r: r["multiplier"])
-            xs = [r["multiplier"] for r in runs]
+            xs = sorted({r["multiplier"] for r in topo["runs"] if r["policy"] == policy})
+            runs = [mean_runs([r for r in topo["runs"] if r["multiplier"] == x])[policy]
+                    for x in xs]
             line, = ax.plot(xs, [r["live"]["goodput_rps"] for r in runs], "o-", label=policy)
             ax.plot(xs, [r["sim"]["goodput_rps"] for r in runs], "x--", color=line.get_color())
         ax.set(title=f"{topo['name']} (max rate {topo['max_rate']:.3g} req/s; × = sim)",
@@ -446,6 +461,9 @@ def main() -> int:
     p.add_argument("--find-rates", default="0.2,0.3,0.4,0.5,0.6,0.8",
                    help="rates the maximum rate is searched among (req/s)")
     p.add_argument("--requests", type=int, default=60)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per load and policy, seeds --seed, --seed+1, ... (the policies "
+                        "interleaved per seed; the checks compare their means)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-input", type=int, default=2048)
     p.add_argument("--max-output", type=int, default=128)
@@ -475,7 +493,7 @@ def main() -> int:
                              f"{', '.join(ADMISSIONS.names())}")
         if bases and len(bases) != len(topologies):
             raise ValueError(f"--base-rate: {len(bases)} rates for {len(topologies)} topologies")
-        for name in ("requests", "max_input", "max_output"):
+        for name in ("requests", "repeats", "max_input", "max_output"):
             if getattr(ns, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         for name in ("ttft_slo_s", "tbt_slo_s", "sample_s", "timeout_s"):
@@ -490,7 +508,7 @@ def main() -> int:
                   tuple(ns.serve_flags.split()))
     result: dict[str, Any] = {"setup": {k: v for k, v in vars(ns).items() if k != "outdir"},
                               "machine": machine(), "topologies": []}
-    total = len(topologies) * (len(mults) * len(policies) + (0 if bases else 1)
+    total = len(topologies) * (len(mults) * len(policies) * ns.repeats + (0 if bases else 1)
                                + (1 if ns.retry_policy else 0))
     with Progress(console=console) as bar:
         task = bar.add_task("overload runs", total=total)
@@ -512,15 +530,19 @@ def main() -> int:
             topo["max_rate"] = base
             topo["predictors"] = str(predictors) if predictors else None
             topo["tbt_tail"] = tail
-            for mult in mults:
+            for mult, r in ((m, r) for m in mults for r in range(ns.repeats)):
+                sim_tail, rs = tail, replace(setup, seed=setup.seed + r)
                 for policy in policies:
-                    run_name = f"{name}-x{mult:g}-{policy}"
+                    run_name = f"{name}-x{mult:g}-{policy}" + (f"-r{r}" if r else "")
                     bar.update(task, description=run_name)
-                    live = live_run(setup, nodes, policy, base * mult, run_name)
-                    sim = (sim_run(setup, nodes, policy, base * mult, predictors, tail)
+                    live = live_run(rs, nodes, policy, base * mult, run_name)
+                    if policy == "none":  # the tail this load makes, unmoved by admission
+                        sim_tail = live["tbt_tail"]
+                    sim = (sim_run(rs, nodes, policy, base * mult, predictors, sim_tail)
                            if predictors and not ns.no_sim else None)
                     topo["runs"].append({"multiplier": mult, "rate": base * mult,
-                                         "policy": policy, "live": live,
+                                         "policy": policy, "repeat": r, "seed": rs.seed,
+                                         "live": live,
                                          "sim": sim or {"goodput_rps": math.nan}})
                     bar.advance(task)
                     (ns.outdir / "overload_live.json").write_text(json.dumps(result, indent=1))
@@ -548,7 +570,7 @@ def checks(result: dict[str, Any]) -> dict[str, str]:
     """The issue's targets, evaluated per topology at the 2× runs (where present)."""
     out: dict[str, str] = {}
     for topo in result["topologies"]:
-        at = {r["policy"]: r for r in topo["runs"] if r["multiplier"] == 2.0}
+        at = mean_runs([r for r in topo["runs"] if r["multiplier"] == 2.0])
         if not {"none", "early_rejection", "predictive_early_rejection"} <= set(at):
             continue
         g = {k: v["live"]["goodput_rps"] for k, v in at.items()}
@@ -577,6 +599,24 @@ def checks(result: dict[str, Any]) -> dict[str, str]:
             errs = {k: (sims[k] - g[k]) / g[k] if g[k] else math.inf for k in g}
             out[f"{name} sim goodput within ±25 %"] = ", ".join(
                 f"{k} {v:+.0%}" for k, v in errs.items())
+    return out
+
+
+def mean_runs(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per policy, the mean over its repeats of what `checks` compares (goodput live and
+    simulated, thrown-away prefill, prefill-load swing)."""
+    out: dict[str, dict[str, Any]] = {}
+    for policy in dict.fromkeys(r["policy"] for r in runs):
+        mine = [r for r in runs if r["policy"] == policy]
+
+        def mean(get: Any, mine: list[dict[str, Any]] = mine) -> float:
+            return sum(get(r) for r in mine) / len(mine)
+
+        out[policy] = {"live": {
+            "goodput_rps": mean(lambda r: r["live"]["goodput_rps"]),
+            "wasted_tokens": round(mean(lambda r: r["live"]["wasted_tokens"])),
+            "load": {"prefill": {"swing": mean(lambda r: r["live"]["load"]["prefill"]["swing"])}}},
+            "sim": {"goodput_rps": mean(lambda r: r["sim"]["goodput_rps"])}}
     return out
 
 

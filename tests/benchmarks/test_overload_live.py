@@ -5,6 +5,7 @@ simulated run) on given records."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ spec.loader.exec_module(ol)
     (["--retry-policy", "bogus"], "--retry-policy"),
     (["--topologies", "1P0D"], "1P0D"),
     (["--requests", "0"], "--requests"),
+    (["--repeats", "0"], "--repeats"),
     (["--ttft-slo-s", "nan"], "--ttft-slo-s"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str], says: str) -> None:
@@ -103,6 +105,18 @@ def test_checks_compare_policies_at_2x() -> None:
     assert "none +25%" in c["1P1D sim goodput within ±25 %"]
 
 
+def test_checks_compare_the_means_over_repeats() -> None:
+    def run(policy: str, goodput: float) -> dict:
+        return {"multiplier": 2.0, "policy": policy, "sim": {"goodput_rps": goodput},
+                "live": {"goodput_rps": goodput, "wasted_tokens": 10,
+                         "load": {"prefill": {"swing": 0.1}}}}
+    runs = [run("none", 0.2), run("early_rejection", 0.5), run("predictive_early_rejection", 0.3),
+            run("none", 0.2), run("early_rejection", 0.1), run("predictive_early_rejection", 0.4)]
+    c = ol.checks({"topologies": [{"name": "1P1D", "runs": runs}]})
+    assert c["1P1D goodput pred >= early >= none"] == "True"  # 0.35 >= 0.3 >= 0.2
+    assert c["1P1D rejecting policies >= 1.2x none"] == "True"
+
+
 def test_simulated_run_uses_the_bench_requests_and_the_given_predictors(tmp_path: Path) -> None:
     from yuebing.conductor.policy import (
         BivariatePolynomial,
@@ -124,3 +138,26 @@ def test_simulated_run_uses_the_bench_requests_and_the_given_predictors(tmp_path
     out = ol.sim_run(setup, (1, 1), "early_rejection", 1.0, path)
     assert out["requests"] == 4 and out["within_slo"] == 4 and out["rejected"] == 0
     assert out["goodput_rps"] > 0 and out["samples"]
+
+
+def test_simulated_decode_steps_meet_prefills_stretched_by_the_live_tail(tmp_path: Path) -> None:
+    from yuebing.conductor.policy import (
+        BivariatePolynomial,
+        DecodePredictor,
+        Predictors,
+        PrefillPredictor,
+        TransferPredictor,
+    )
+    from yuebing.conductor.policy.predictors import save_predictors
+
+    path = tmp_path / "p.json"
+    save_predictors(Predictors(PrefillPredictor(BivariatePolynomial(((1, 0),), (2e-3,))),
+                               DecodePredictor(BivariatePolynomial(((0, 0),), (0.02,))),
+                               TransferPredictor(), "test"), path)
+    setup = _setup(tmp_path)
+    alone = ol.sim_run(setup, (1, 1), "none", 2.0, path, tail=1.0)
+    mated = ol.sim_run(setup, (1, 1), "none", 2.0, path, tail=3.0)
+    assert alone["latency"]["tbt_p99"] < 0.025  # steps of 20 ms (+ the KV hand-over)
+    assert mated["latency"]["tbt_p99"] > 0.05  # steps during a prefill take 3 x 20 ms
+    factors = json.loads((tmp_path / "interference.json").read_text())["interference"]
+    assert factors == {"decode_factor": 3.0, "prefill_factor": 1.0}
