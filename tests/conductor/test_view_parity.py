@@ -90,14 +90,18 @@ def _sim(queues: list[float], queued: list[int], decodes: int) -> MooncakeSystem
     return sim
 
 
-@pytest.mark.parametrize("selector", ["global_cache_aware", "local_cache_aware", "load_balance",
-                                      "random"])
-def test_live_and_simulated_views_give_the_same_decisions(selector: str) -> None:
+@pytest.mark.parametrize("selector, admission", [
+    ("global_cache_aware", "none"), ("local_cache_aware", "none"), ("load_balance", "none"),
+    ("random", "none"), ("global_cache_aware", "predictive_early_rejection")])
+def test_live_and_simulated_views_give_the_same_decisions(selector: str, admission: str) -> None:
     rng = random.Random(7)
     queues, queued = [0.5, 1.25, 0.0, 2.0], [1, 2, 0, 3]
     sim, live = _sim(queues, queued, 2), _live(queues, queued, 2)
+    predictive = admission == "predictive_early_rejection"  # the forecast, held while busy
     policy = Policy(PolicyConfig(prefill_selector=selector, block_tokens=BT,
-                                 kv_bytes_per_token=1000, decode_durations_s=(10.0,)),
+                                 kv_bytes_per_token=1000, decode_durations_s=(10.0,),
+                                 admission=admission, tbt_tail=2.0 if predictive else 1.0,
+                                 decode_selector="forecast" if predictive else "least_loaded"),
                     PREDICTORS)
     docs = [[rng.randrange(1 << 60) for _ in range(12)] for _ in range(5)]
     for i in range(4):  # each prefill caches prefixes of some documents
