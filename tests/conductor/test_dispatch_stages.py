@@ -65,3 +65,23 @@ def test_an_evicted_stage_prefix_is_recomputed_on_a_redispatch(fl: FakeLoop) -> 
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     finally:
         c.stop()
+
+
+def test_the_prefill_pool_load_counts_the_stages(fl: FakeLoop) -> None:
+    """Stage s0 reports 10 s of queued prefill (10,000 tokens at 1,000 tokens/s): the prefill
+    pool's load is the stages' mean over the TTFT SLO."""
+    fl.add(Role.PREFILL, "s0", layers="0:2", group="g", queued_prefill_tokens=10_000,
+           prefill_tokens_per_s=1000.0)
+    fl.add(Role.PREFILL, "s1", layers="2:4", group="g")
+    fl.add(Role.DECODE, "d0")
+    c = ConductorThread(instances=tuple(fl.fakes[n].address for n in ("s0", "s1", "d0")),
+                        heartbeat_timeout_s=4.0, cpp_threshold_tokens=300, ttft_slo_s=20.0)
+    try:
+        c.wait_ready()
+        end = time.monotonic() + 10
+        while (pools := request(c.url, "GET", "/health")[1]["pools"])["prefill"] == 0:
+            assert time.monotonic() < end, pools
+            time.sleep(0.05)
+        assert pools["prefill"] == pytest.approx(10.0 / 2 / 20.0, rel=0.05)
+    finally:
+        c.stop()

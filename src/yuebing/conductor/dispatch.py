@@ -242,13 +242,15 @@ class Dispatcher:
                              plan: PrefixPlan, pres: list[Member], dec: Member,
                              stats: RequestStats, deadline: float,
                              involved: list[Member]) -> None:
-        """The request's turn at its prefill instance's gate (a group's: its first stage's),
-        the decode's reservation, then the PREFILL task to the instance or to every stage
-        (each added to ``involved`` before its call, for the cancel on exit)."""
+        """The request's turn at its prefill instance's gate (a group's: at every stage's, in
+        layer order, so no two requests wait on each other), the decode's reservation, then
+        the PREFILL task to the instance or to every stage (each added to ``involved`` before
+        its call, for the cancel on exit)."""
         c, rid = self.cluster, info.request_id
         t0 = time.perf_counter()
-        await pres[0].gate.acquire(rid, info.input_tokens - plan.tokens,
-                                   self.policy.queued(info, route))
+        for p in pres:
+            await p.gate.acquire(rid, info.input_tokens - plan.tokens,
+                                 self.policy.queued(info, route))
         stats.gate_s += time.perf_counter() - t0
         for p in pres:
             c.admitted(rid, p.id, time.monotonic())
