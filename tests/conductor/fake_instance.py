@@ -103,8 +103,13 @@ class FakeInstance:
     def __init__(self, fl: FakeLoop, role: Role, name: str, prefill_delay_s: float = 0.0,
                  step_s: float = 0.001, total_blocks: int = 1000, block_size: int = 16,
                  store_block_tokens: int = 256, max_model_len: int = 4096,
-                 queued_prefill_tokens: int = 0, prefill_tokens_per_s: float = 10000.0) -> None:
+                 queued_prefill_tokens: int = 0, prefill_tokens_per_s: float = 10000.0,
+                 layers: str = "", group: str = "") -> None:
         self.fl = fl
+        self.layers, self.group = layers, group
+        """A pipeline stage's layers ``A:B`` of 4 and ``--cpp-group`` ('' = a whole model)."""
+        self.missing_prefix = False
+        """A stage: refuse tasks that reuse a prefix (its store objects were evicted)."""
         self.role = role
         self.name = name
         self.prefill_delay_s = prefill_delay_s
@@ -229,7 +234,10 @@ class FakeInstance:
                      fingerprint=FINGERPRINT, host="127.0.0.1", control_address=self.address,
                      kv_segment=f"seg-{self.name}", block_size=self.block_size,
                      store_block_tokens=self.store_block_tokens, num_blocks=self.total_blocks,
-                     max_model_len=self.max_model_len, incarnation=self.incarnation)
+                     max_model_len=self.max_model_len, incarnation=self.incarnation,
+                     layers=self.layers, num_layers=4 if self.layers else 0,
+                     stage_segment=f"stage-{self.name}" if self.layers else "",
+                     group=self.group)
 
     def _free(self, rid: str) -> bool:
         n = self.held.pop(rid, None)
@@ -254,6 +262,14 @@ class FakeInstance:
         finally:
             self.prefilling -= 1
         if self.silent or rid in self._cancelled:
+            return
+        plan = task.stage
+        if plan is not None and self.missing_prefix and plan.prefix_tokens > 0:
+            self._event(rid, EventKind.ERROR, error_code=ErrorCode.PREFIX_MISSING,
+                        error=f"layers {self.layers} hold 0 tokens of this prompt's prefix")
+            return
+        if plan is not None and plan.index < plan.count - 1:  # not the last: rows passed on
+            self._event(rid, EventKind.FINISH, finish_reason="handoff")
             return
         first = 1000 + len(task.token_ids) % 100
         firsts = [first + 10 * j for j in range(task.sampling.n)]

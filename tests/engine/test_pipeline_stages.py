@@ -10,7 +10,7 @@ import pytest
 import torch
 from engine_factories import TINY, make_engine, prompts
 
-from yuebing.core.errors import ConfigError, InputError
+from yuebing.core.errors import ConfigError, InputError, PrefixMissing
 from yuebing.engine.config import EngineConfig, parse_layers
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
@@ -96,7 +96,7 @@ def test_stages_reuse_a_common_cached_prefix(four: LoadedWeights) -> None:
         seq = e.held_sequence("b")
         assert seq is not None and seq.num_cached_tokens == 40
     third = shared + list(range(20, 29))  # block 10 differs from both prompts'
-    with pytest.raises(InputError, match="hold 40 tokens"):
+    with pytest.raises(PrefixMissing, match="hold 40 tokens"):
         stages[1].add_request(third, FIRST, request_id="c", prefix_tokens=48)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,20 @@ def test_fitted_model_rejects_bad_files(tmp_path: Path) -> None:
         FittedCostModel.from_file(bad)
     with pytest.raises(InputError, match="cannot read"):
         FittedCostModel.from_file(tmp_path / "missing.json")
+
+
+def test_a_fitted_cost_model_chunks_as_the_profiled_engine() -> None:
+    """A pipeline stage's chunk is its engine's ``max_batch_tokens`` (the live CPP unit);
+    without it in the profile the default chunk stays."""
+    from yuebing.conductor.policy.predictors import (
+        DecodePredictor,
+        Predictors,
+        PrefillPredictor,
+        TransferPredictor,
+    )
+    from yuebing.sim.hardware import FittedCostModel
+    pred = Predictors(PrefillPredictor.from_function(lambda n, c: 1e-3 * n),
+                      DecodePredictor.from_function(lambda b, t: 0.05), TransferPredictor(),
+                      configuration={"max_batch_tokens": "512"})
+    assert FittedCostModel(pred).prefill_chunk_tokens == 512
+    assert FittedCostModel(replace(pred, configuration={})).prefill_chunk_tokens == 8192

@@ -188,3 +188,16 @@ def test_decode_tbt_load_is_the_predicted_step_over_the_tbt_slo() -> None:
     loads = res.timeseries["decode_tbt_load"]
     # one busy node of two, 50 ms steps, 100 ms SLO: (0.5 + 0) / 2 while it decodes
     assert loads[0] == 0.0 and loads[1:3] == pytest.approx([0.25, 0.25], rel=0.02)
+
+
+def test_a_busy_pipeline_group_counts_in_the_prefill_load() -> None:
+    """Sampled at 1 s: only the group is prefilling (0 to 24 s); each of its 2 stages counts as
+    a prefill instance with 23 s queued, the 2 idle single nodes with 0 (TTFT SLO 30 s)."""
+    reqs = [_req(0, 0.0, list(range(78)), 40_000), _req(1, 2.0, [1], 10)]
+    res = simulate(reqs, _config(cpp_threshold_tokens=10_000, cpp_groups=1,
+                                 sample_interval_s=1.0), cost=LinearCost())
+    assert res.records[0].prefill_id == "g0"
+    ts = res.timeseries
+    at = ts["t_s"].index(1.0)
+    assert ts["prefill_load"][at] == pytest.approx(2 * 23.0 / 4 / 30.0)
+    assert ts["prefill_queued"][at] == 1.0

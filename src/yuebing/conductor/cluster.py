@@ -355,8 +355,8 @@ class LiveCluster:
         ``prefill`` = mean predicted queued seconds of the prefill instances / TTFT SLO,
         ``decode`` = mean predicted step time of the decode instances' running batches / TBT
         SLO (an idle instance counts 0), ``decode_kv`` = mean share of decode KV in use.
-        Coupled instances count in both pools."""
-        prefills = self.alive(Role.PREFILL) or self.alive(Role.COUPLED)
+        Coupled instances count in both pools; pipeline stages are prefill instances."""
+        prefills = (self.alive(Role.PREFILL) + self.stages()) or self.alive(Role.COUPLED)
         decodes = self.alive(Role.DECODE) or self.alive(Role.COUPLED)
         queued = [self._prefill_load(m, now_s).queue_s for m in prefills]
         states = [decode_state(m.report, m.hello.block_size, m.id)

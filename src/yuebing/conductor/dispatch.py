@@ -67,7 +67,12 @@ class RequestFailed(Exception):
 
 
 class _Retry(Exception):
-    """The attempt failed before any token: the request may be re-dispatched."""
+    """The attempt failed before any token: the request may be re-dispatched (``recompute``:
+    without reusing a pipeline group's store prefix, which a stage found missing)."""
+
+    def __init__(self, message: str, recompute: bool = False) -> None:
+        super().__init__(message)
+        self.recompute = recompute
 
 
 _Events = AsyncIterator[tuple[TaskEvent, float]]
@@ -77,7 +82,9 @@ class Dispatcher:
     """Routes and relays requests over one `LiveCluster` with one `Policy`.
 
     Faults: an ERROR from an instance the cluster found dead, or no answer to a call, before
-    any token reached the client re-dispatches the request once; any other ERROR, or one after
+    any token reached the client re-dispatches the request once, as does a stage's
+    ``PREFIX_MISSING`` (its range's store objects were evicted after the look: the group
+    recomputes the prefix); any other ERROR, or one after
     tokens were sent, raises `RequestFailed`. Every exit other than a finished request (errors,
     the request timeout, a client disconnect) cancels it on every instance involved, in the
     background, freeing their blocks."""
@@ -97,12 +104,13 @@ class Dispatcher:
         from the instance client's reader whenever it is ready, not yielded here."""
         deadline = time.monotonic() + self.request_timeout_s
         stats.prompt_tokens = len(req.prompt_ids)
+        recompute = False
         for attempt in (0, 1):
             rid = stats.request_id if attempt == 0 else f"{stats.request_id}-r{attempt}"
             info, route, coupled = self._decide(req, rid)
             try:
                 async for delta in self._attempt(req, info, route, coupled, stats, deadline,
-                                                 out):
+                                                 out, recompute):
                     yield delta
                 return
             except _Retry as e:
@@ -110,6 +118,7 @@ class Dispatcher:
                     log.warning("%s: %s; re-dispatching", stats.request_id, e)
                     stats.redispatched += 1
                     self.metrics.redispatched.inc()
+                    recompute = e.recompute
                     continue
                 raise RequestFailed("instance_failed", str(e)) from None
 
@@ -145,13 +154,17 @@ class Dispatcher:
                            _reject_message(decision))
         return info, decision, coupled
 
-    def _plan(self, route: Route, info: RequestInfo) -> tuple[PrefixPlan, int]:
+    def _plan(self, route: Route, info: RequestInfo,
+              recompute: bool = False) -> tuple[PrefixPlan, int]:
         """The prefill's `PrefixPlan` and how many store blocks it copies to the instance. A
         route on the local prefix is topped up from the store when the store holds a longer
-        run of the prompt (loading beats recomputing)."""
+        run of the prompt (loading beats recomputing). ``recompute``: a group reuses no
+        prefix (a stage of the first attempt found its objects evicted)."""
         tokens = self.policy.prefix_tokens
         n = info.input_tokens
         src = route.fetch_from
+        if route.stages and recompute:
+            return PrefixPlan(), 0
         if route.stages:  # every stage loads its range's store objects of the same prefix
             bt = self.cluster.store_block_tokens
             blocks = route.reused_blocks if route.reused_blocks * bt < n else \
@@ -180,14 +193,14 @@ class Dispatcher:
     # ------------------------------------------------------------------ one attempt
 
     async def _attempt(self, req: GenRequest, info: RequestInfo, route: Route, coupled: bool,
-                       stats: RequestStats, deadline: float,
-                       out: Pusher | None) -> AsyncIterator[Delta]:
+                       stats: RequestStats, deadline: float, out: Pusher | None,
+                       recompute: bool = False) -> AsyncIterator[Delta]:
         c, m = self.cluster, self.metrics
         pres = [c.members[s] for s in route.stages or (route.prefill_id,)]
         pre, dec = pres[-1], c.members[route.decode_id]
         """``pres``: the prefill instance, or a group's stages (the last samples the token)."""
         rid = info.request_id
-        plan = self._routed(info, route, coupled, stats)
+        plan = self._routed(info, route, coupled, stats, recompute)
         involved: list[Member] = []
         finished = False
         try:
@@ -229,13 +242,15 @@ class Dispatcher:
                              plan: PrefixPlan, pres: list[Member], dec: Member,
                              stats: RequestStats, deadline: float,
                              involved: list[Member]) -> None:
-        """The request's turn at its prefill instance's gate (a group's: its first stage's),
-        the decode's reservation, then the PREFILL task to the instance or to every stage
-        (each added to ``involved`` before its call, for the cancel on exit)."""
+        """The request's turn at its prefill instance's gate (a group's: at every stage's, in
+        layer order, so no two requests wait on each other), the decode's reservation, then
+        the PREFILL task to the instance or to every stage (each added to ``involved`` before
+        its call, for the cancel on exit)."""
         c, rid = self.cluster, info.request_id
         t0 = time.perf_counter()
-        await pres[0].gate.acquire(rid, info.input_tokens - plan.tokens,
-                                   self.policy.queued(info, route))
+        for p in pres:
+            await p.gate.acquire(rid, info.input_tokens - plan.tokens,
+                                 self.policy.queued(info, route))
         stats.gate_s += time.perf_counter() - t0
         for p in pres:
             c.admitted(rid, p.id, time.monotonic())
@@ -252,12 +267,12 @@ class Dispatcher:
                 stage=_stage_plan(pres, i, plan.tokens) if route.stages else None))
 
     def _routed(self, info: RequestInfo, route: Route, coupled: bool,
-                stats: RequestStats) -> PrefixPlan:
+                stats: RequestStats, recompute: bool = False) -> PrefixPlan:
         """The request's prefix plan; the route recorded in ``stats``, the cluster's own
         accounting and the routing/replication counters."""
         c, m = self.cluster, self.metrics
         pre, dec = route.prefill_id, route.decode_id
-        plan, copied = self._plan(route, info)
+        plan, copied = self._plan(route, info, recompute)
         stats.prefill_id, stats.decode_id, stats.prefix_source = str(pre), str(dec), plan.source
         stats.pipelined = bool(route.stages)
         stats.est_ttft_s, stats.est_transfer_s = route.est_ttft_s, route.est_transfer_s
@@ -367,6 +382,8 @@ class Dispatcher:
             if ev.kind == EventKind.ERROR:
                 if not all(m.alive for m in (*pres, dec)):
                     raise _Retry(ev.error or "an instance of the request died")
+                if ev.error_code == ErrorCode.PREFIX_MISSING:
+                    raise _Retry(ev.error, recompute=True)
                 raise _failed(pres[-1], ev)
             if ev.token_ids or ev.finish_reason or ev.kind >= EventKind.FINISH:
                 got.append((ev, received))

@@ -14,6 +14,10 @@ class InputError(YuebingError, ValueError):
     """Bad input at a boundary (file, CLI, HTTP, RPC); nothing was changed."""
 
 
+class PrefixMissing(InputError):
+    """A pipeline stage holds less of a prompt's prefix than its group planned to reuse."""
+
+
 class TraceFormatError(InputError):
     """A malformed trace file; the message names file, line and field."""
 

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from yuebing.core.errors import ConfigError, InputError
+from yuebing.core.errors import ConfigError, InputError, PrefixMissing
 from yuebing.core.hashing import hash_blocks
 from yuebing.core.ids import BlockHash
 from yuebing.engine import (
@@ -247,7 +247,7 @@ class LLMEngine:
                                  f"block size {self.block_size} below the prompt's {len(ids)}")
             have = self.scheduler.cached_tokens(ids, prefix_tokens)
             if have < prefix_tokens:
-                raise InputError(f"layers {self.config.layers} hold {have} tokens of this "
+                raise PrefixMissing(f"layers {self.config.layers} hold {have} tokens of this "
                                  f"prompt's prefix, not the {prefix_tokens} asked for")
         seq = self._new_sequence(ids, params, request_id)
         seq.hold_kv = hold_kv

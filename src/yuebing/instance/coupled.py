@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from yuebing.core.errors import PrefixMissing
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
 from yuebing.engine.sequence import RequestOutput
@@ -98,7 +99,9 @@ class CoupledRole(InstanceRole):
     def _added(self, task: Task, fut: concurrent.futures.Future[Any]) -> None:
         err = None if fut.cancelled() else fut.exception()
         if err is not None and not task.done:
-            self.inst.fail(task, ErrorCode.INTERNAL, f"the engine refused the request: {err}")
+            code = ErrorCode.PREFIX_MISSING if isinstance(err, PrefixMissing) \
+                else ErrorCode.INTERNAL
+            self.inst.fail(task, code, f"the engine refused the request: {err}")
 
     def _mark_started(self, layer: int, meta: object) -> None:
         """Layer hook (driver thread): stamp when a task's first prefill chunk runs, and count

@@ -79,9 +79,6 @@ class StageLink:
         self._sends.put(_Send(request_id, segment,
                               done=StageDone(request_id=request_id, ok=ok, error=error)))
 
-    def forget(self, request_id: str) -> None:
-        self._failed.discard(request_id)
-
     def close(self) -> None:
         self._sends.put(None)
         self._recvs.put(None)

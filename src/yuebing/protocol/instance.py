@@ -49,6 +49,9 @@ class ErrorCode(IntEnum):
     """KV could not be moved to / from a peer."""
     CANCELLED = 8
     SHUTTING_DOWN = 9
+    PREFIX_MISSING = 10
+    """A pipeline stage lacks the planned prefix (its range's store objects were evicted after
+    the Conductor looked): the Conductor re-dispatches the request, recomputing the prefix."""
 
 
 class EventKind(IntEnum):

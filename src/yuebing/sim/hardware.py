@@ -275,8 +275,9 @@ class FittedCostModel(CostModel):
     """Durations from the shared latency predictors (`yuebing.conductor.policy.predictors`),
     i.e. from profiling the real engine: prefill a degree-2 polynomial of (new, cached tokens),
     decode a polynomial of (batch, context tokens), transfer ``overhead + latency + bytes /
-    (bandwidth · efficiency)``. KV size per token and the decode KV capacity are not in the
-    profile; they default to the Table 1 model on one 8×A800 node (the roofline's values)."""
+    (bandwidth · efficiency)``; the chunk (`prefill_chunk_tokens`, a pipeline stage's unit) is
+    the profiled engine's ``max_batch_tokens``. KV size per token and the decode KV capacity are
+    not in the profile; they default to the Table 1 model on one 8×A800 node (the roofline's values)."""
 
     def __init__(self, predictors: Predictors, kv_bytes_per_token: int | None = None,
                  decode_kv_capacity_tokens: int | None = None, link_Bps: float = 100e9,
@@ -294,6 +295,9 @@ class FittedCostModel(CostModel):
         self.link_latency_s = link_latency_s
         self._prefill = predictors.prefill.predict
         self._decode = predictors.decode.predict
+        chunk = predictors.configuration.get("max_batch_tokens", "")
+        if chunk.isdigit() and int(chunk) > 0:  # the profiled engine's chunk: a CPP stage's
+            self.prefill_chunk_tokens = int(chunk)
 
     @classmethod
     def from_file(cls, path: str | Path) -> FittedCostModel:

@@ -376,8 +376,10 @@ class MooncakeSystem(SimSystem):
         request's share of a step — would make every arrival-time check pass that this check
         then fails)."""
         assert self.policy is not None, "prepare() runs before the first arrival"
-        busy = self.policy.tbt_tail != 1.0 and any(
-            f > self.loop.now or q for f, q in zip(self.free_at, self.waiting, strict=True))
+        now = self.loop.now
+        busy = self.policy.tbt_tail != 1.0 and (any(
+            f > now or q for f, q in zip(self.free_at, self.waiting, strict=True))
+            or any(f > now for f in self.stage_free))
         step = self.policy.decode_time(d.batch_size + 1, d.context_tokens + job.input_tokens + 1)
         return self.policy.tbt(step, busy)
 
@@ -389,11 +391,13 @@ class MooncakeSystem(SimSystem):
             self.replica_series[str(k)].append(self.pool.replicas(k))
         for rank, k in self.ranked.items():
             self.rank_series[str(rank)].append(self.pool.replicas(k))
-        return {
-            "prefill_load": sum(max(0.0, f - now) + sum(w.item.prefill_s for w in q)
-                                for f, q in zip(self.free_at, self.waiting, strict=True))
-            / self.P / slo,
-            "prefill_queued": float(sum(self.queued)),
+        stages = self.config.cpp_group_stages * len(self.stage_free)
+        return {  # a declared group's queue counts once per stage (each is a prefill instance)
+            "prefill_load": (sum(max(0.0, f - now) + sum(w.item.prefill_s for w in q)
+                                 for f, q in zip(self.free_at, self.waiting, strict=True))
+                             + sum(max(0.0, f - now) for f in self.stage_free)
+                             * self.config.cpp_group_stages) / (self.P + stages) / slo,
+            "prefill_queued": float(sum(self.queued) + sum(self.stage_queued)),
             "decode_load": sum(d.kv_used / d.capacity for d in self.decodes) / self.D,
             "decode_tbt_load": self._tbt_load(),
             "decode_batch": sum(d.batch_size for d in self.decodes) / self.D,
