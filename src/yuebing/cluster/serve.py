@@ -55,7 +55,7 @@ MANAGED = {
                   "ready_file", "cluster_token"),
     "instance": ("instance_id", "host", "advertise_host", "control_port", "role",
                  "store_master", "etcd", "cluster", "ready_file", "cluster_token", "admin_host",
-                 "admin_port", "layers", "cpp_group"),
+                 "admin_port", "layers", "cpp_group", "twin_of"),
 }
 """Fields of a role's config that the plan sets itself for each child (not offered to the user;
 the cluster token reaches every child through its environment, never its command line)."""
@@ -74,6 +74,10 @@ class ServeConfig:
         "help": "stages per chunked pipeline parallel group: the first --prefill instances "
                 "form groups of this many stages, each running a share of the layers; the "
                 "Conductor routes long prompts to a group (0 = no groups)"})
+    cpp_twins: bool = field(default=True, metadata={
+        "help": "with --cpp-group: beside each stage a whole-model prefill instance (twin-i, "
+                "--twin-of) sharing the stage's machine and Conductor gate, which prefills short "
+                "prompts while its group is idle (costs a full copy of the weights per stage)"})
     cpp_layers: str = field(default="", metadata={
         "help": "the stages' layer ranges, e.g. 0:10,10:30 ('' = equal shares)"})
     coupled: int = field(default=0, metadata={
@@ -159,12 +163,16 @@ class ServeConfig:
         """(name, role) of every instance: ``("prefill-0", "prefill")``, ..."""
         if self.coupled:
             return [(f"coupled-{i}", "coupled") for i in range(self.coupled)]
+        k = self.cpp_group
+        twins = self.prefill // k * k if k and self.cpp_twins else 0
         return ([(f"prefill-{i}", "prefill") for i in range(self.prefill)]
+                + [(f"twin-{i}", "prefill") for i in range(twins)]
                 + [(f"decode-{i}", "decode") for i in range(self.decode)])
 
     def stage_flags(self, num_layers: int) -> dict[str, tuple[str, ...]]:
         """Per prefill instance of a pipeline group, its ``--layers`` and ``--cpp-group``:
-        groups ``cpp-0``, ``cpp-1``, ... of ``cpp_group`` stages (the first prefill instances).
+        groups ``cpp-0``, ``cpp-1``, ... of ``cpp_group`` stages (the first prefill instances);
+        per twin (``twin-i``, stage ``prefill-i``'s) its ``--cpp-group`` and ``--twin-of``.
         Raises `ConfigError` naming the ranges when they do not tile the model's layers."""
         if not self.cpp_group:
             return {}
@@ -172,8 +180,11 @@ class ServeConfig:
         texts = self.cpp_layers.split(",") if self.cpp_layers else \
             [f"{num_layers * i // k}:{num_layers * (i + 1) // k}" for i in range(k)]
         parse_group_layers([t.strip() for t in texts], num_layers)
-        return {f"prefill-{g * k + i}": ("--layers", texts[i].strip(), "--cpp-group", f"cpp-{g}")
-                for g in range(self.prefill // k) for i in range(k)}
+        stages = {f"prefill-{g * k + i}": ("--layers", texts[i].strip(), "--cpp-group", f"cpp-{g}")
+                  for g in range(self.prefill // k) for i in range(k)}
+        twins = {f"twin-{g * k + i}": ("--twin-of", texts[i].strip(), "--cpp-group", f"cpp-{g}")
+                 for g in range(self.prefill // k) for i in range(k) if self.cpp_twins}
+        return stages | twins
 
 
 def free_port(host: str) -> int:
@@ -334,7 +345,10 @@ def banner(plan: ServePlan, sup: Supervisor, model: str) -> str:
              else f"{cfg.prefill} prefill + {cfg.decode} decode")
     if plan.stage_flags:
         roles += f", pipeline groups of {cfg.cpp_group} stages: " + ", ".join(
-            f"{name} {flags[1]}" for name, flags in plan.stage_flags.items())
+            f"{name} {flags[1]}" for name, flags in plan.stage_flags.items()
+            if flags[0] == "--layers")
+        twins = [name for name, flags in plan.stage_flags.items() if flags[0] == "--twin-of"]
+        roles += f" (whole-model twins {', '.join(twins)})" if twins else ""
     store = f", store {format_size(cfg.store_dram)}" if cfg.store else ", no store"
     if cfg.conductor.model.startswith("dummy"):
         path, body = "completions", json.dumps({"model": model, "prompt": [1, 2, 3],

@@ -99,6 +99,9 @@ class LiveCluster:
         self.admit_checks: list[Callable[[Hello], str]] = []
         """More checks of a joining instance's `Hello` ('' = fine, else why it is refused)."""
         self._wanted: set[str] = set()
+        self._seat_gates: dict[tuple[str, str], PrefillGate] = {}
+        """The gate of each pipeline stage's machine (group, layers), which the stage and its
+        whole-model twin (``--twin-of``) share."""
         self._group_problems: set[tuple[str, str]] = set()
         """(group, problem) pairs already logged by `groups`."""
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -154,13 +157,22 @@ class LiveCluster:
             if old is not None:
                 old.client.fail_all(f"instance {old.id} restarted")
                 self.spawn(old.client.close())
-            m = Member(address, client, hello, seen_s=time.monotonic(),
-                       gate=PrefillGate(self.prefill_gate_tokens, self.queue_order))
+            m = Member(address, client, hello, seen_s=time.monotonic(), gate=self._gate(hello))
             self.members[m.id] = m
             self.by_address[address] = m
             log.info("instance %s (%s, %s) joined from %s", m.id, m.role.label, hello.model,
                      address)
             return
+
+    def _gate(self, hello: Hello) -> PrefillGate:
+        """A new gate, or the one of the stage's machine a stage and its twin share."""
+        seat = hello.layers or hello.twin_of
+        if not (hello.group and seat and hello.role == Role.PREFILL):
+            return PrefillGate(self.prefill_gate_tokens, self.queue_order)
+        key = (hello.group, seat)
+        if key not in self._seat_gates:
+            self._seat_gates[key] = PrefillGate(self.prefill_gate_tokens, self.queue_order)
+        return self._seat_gates[key]
 
     def _admit(self, hello: Hello) -> str:
         if hello.store_block_tokens != self.store_block_tokens:
@@ -253,8 +265,10 @@ class LiveCluster:
         if m.alive:
             log.warning("%s: it leaves the view", reason)
         m.alive = False
+        seat = m.hello.group and (m.hello.layers or m.hello.twin_of)
+        m.gate.fail(InstanceUnavailable(reason),  # a shared gate: only this one's requests
+                    set(m.prefilling) if seat else None)
         m.prefilling.clear()
-        m.gate.fail(InstanceUnavailable(reason))
         self.index.drop(m.id)
         for cb in self.on_dead:
             cb(m)
@@ -296,6 +310,14 @@ class LiveCluster:
             out.append((InstanceId(name or "cpp"), stages))
         return out
 
+    def twins(self, stages: list[Member]) -> list[Member]:
+        """The alive whole-model twins (``--twin-of``) of a group's ``stages``, in stage order."""
+        seats = {(m.hello.group, m.hello.layers): i for i, m in enumerate(stages)}
+        found = sorted((seats[(m.hello.group, m.hello.twin_of)], m.hello.instance_id, m)
+                       for m in self.alive(Role.PREFILL)
+                       if (m.hello.group, m.hello.twin_of) in seats)
+        return [m for _, _, m in found]
+
     def assembled_run(self, keys: tuple[int, ...]) -> tuple[int, list[str]]:
         """The longest leading run of ``keys`` whose every layer is in the store as the range
         objects of one group's tiling (any group ever seen, alive or not), and those ranges."""
@@ -327,9 +349,11 @@ class LiveCluster:
         glo = [(gid, [(self._prefill_load(m, now_s),
                        self.ranges.run_of(m.hello.layers, info.block_keys)) for m in stages])
                for gid, stages in groups or ()]
+        twins = [[self._prefill_load(t, now_s) for t in self.twins(stages)]
+                 for _, stages in groups or ()]
         return build_view(now_s, loads, lookup, states, link_bandwidth_Bps=self.link_bandwidth_Bps,
                           link_latency_s=self.link_latency_s, pending=self.pending.values(),
-                          groups=glo)
+                          groups=glo, twins=twins)
 
     def _prefill_load(self, m: Member, now_s: float) -> PrefillLoad:
         r = m.report
@@ -341,6 +365,8 @@ class LiveCluster:
                 if r.queued_prefill_tokens else 0.0
         reported -= max(0.0, now_s - m.seen_s)
         waiting = m.gate.queued()
+        if m.hello.group and m.hello.role == Role.PREFILL:  # a shared gate: this one's waiters
+            waiting = tuple(w for w in waiting if w.request_id in m.prefilling)
         held = {w.request_id for w in waiting}
         started = [(est, t) for rid, (est, t) in m.prefilling.items() if rid not in held]
         own = 0.0

@@ -250,7 +250,7 @@ class Dispatcher:
         t0 = time.perf_counter()
         for p in pres:
             await p.gate.acquire(rid, info.input_tokens - plan.tokens,
-                                 self.policy.queued(info, route))
+                                 self.policy.queued(info, route), owner=p.id)
         stats.gate_s += time.perf_counter() - t0
         for p in pres:
             c.admitted(rid, p.id, time.monotonic())

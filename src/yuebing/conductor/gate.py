@@ -4,7 +4,8 @@ A request holds decode KV from its ``reserve`` until the decode adopts its KV; r
 dispatch would let a long prefill queue hold KV it cannot use yet. So each prefill instance gets
 requests only while it has fewer than ``max_tokens`` uncached prompt tokens in prefill (at least
 one request); the others wait here, holding only their place, in the policy's queue order
-(`conductor.policy.queue`), the order the simulator keeps. Called by `conductor.dispatch`
+(`conductor.policy.queue`), the order the simulator keeps. A pipeline stage and its whole-model twin share one gate (one
+machine). Called by `conductor.dispatch`
 (`acquire`, `release`) and `conductor.cluster` (`fail`, `queued`). Event-loop only.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from yuebing.conductor.policy import QueuedPrefill, QueueOrder
@@ -26,6 +27,7 @@ class _Waiter:
     tokens: int
     item: QueuedPrefill
     fut: asyncio.Future[None]
+    owner: str = ""
 
 
 class PrefillGate:
@@ -42,6 +44,8 @@ class PrefillGate:
         self.clock = clock
         """The ``now`` the order is judged at (the time `QueuedPrefill.arrival_s` is on)."""
         self.inflight: dict[str, int] = {}
+        self._owners: dict[str, str] = {}
+        """Who each place is for: a shared gate admits one owner's requests at a time."""
         self.inflight_tokens = 0
         self._waiting: list[_Waiter] = []
 
@@ -53,30 +57,37 @@ class PrefillGate:
         """The waiting requests, in queueing order."""
         return tuple(w.item for w in self._waiting if not w.fut.done())
 
-    def _fits(self, tokens: int) -> bool:
-        return (not self.max_tokens or not self.inflight
-                or self.inflight_tokens + tokens <= self.max_tokens)
+    def _fits(self, tokens: int, owner: str) -> bool:
+        if not self.inflight:
+            return True
+        if any(o != owner for o in self._owners.values()):
+            return False  # the machine runs the other instance's work (stage or twin)
+        return not self.max_tokens or self.inflight_tokens + tokens <= self.max_tokens
 
-    def _admit(self, request_id: str, tokens: int) -> None:
+    def _admit(self, request_id: str, tokens: int, owner: str) -> None:
         self.inflight[request_id] = tokens
+        self._owners[request_id] = owner
         self.inflight_tokens += tokens
 
     async def acquire(self, request_id: str, tokens: int,
-                      item: QueuedPrefill | None = None) -> None:
+                      item: QueuedPrefill | None = None, owner: str = "") -> None:
         """Wait for ``request_id``'s turn (``item``: how the queue order sees it; none: no
-        work, due now); it then counts ``tokens`` until `release`. Raises what `fail` was
-        given if the instance dies meanwhile; a cancelled wait leaves no trace."""
+        work, due now); it then counts ``tokens`` until `release`. ``owner``: the instance
+        it is for, on a gate two instances of one machine share (a pipeline stage and its
+        twin): requests of one owner are admitted only while no other owner's are in. Raises
+        what `fail` was given if the instance dies meanwhile; a cancelled wait leaves no
+        trace."""
         if request_id in self.inflight:
             raise ValueError(f"request {request_id} already holds a place")
         tokens = max(0, tokens)
-        if not self._waiting and self._fits(tokens):
-            self._admit(request_id, tokens)
+        if not self._waiting and self._fits(tokens, owner):
+            self._admit(request_id, tokens, owner)
             return
         if item is None:
             now = self.clock()
             item = QueuedPrefill(request_id, now, 0.0, now)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = _Waiter(request_id, tokens, item, fut)
+        entry = _Waiter(request_id, tokens, item, fut, owner)
         self._waiting.append(entry)
         self._pump()  # the order may put it first, and it may fit where the head does not
         try:
@@ -95,17 +106,22 @@ class PrefillGate:
         tokens = self.inflight.pop(request_id, None)
         if tokens is None:
             return
+        self._owners.pop(request_id, None)
         self.inflight_tokens -= tokens
         self._pump()
 
-    def fail(self, exc: BaseException) -> None:
-        """The instance is gone: every waiter raises ``exc``; places held are dropped."""
-        waiting, self._waiting = self._waiting, []
-        for w in waiting:
+    def fail(self, exc: BaseException, requests: Collection[str] | None = None) -> None:
+        """The instance is gone: every waiter (of ``requests`` only, when given: a gate
+        shared by a pipeline stage and its twin) raises ``exc``; their places are dropped."""
+        gone = [w for w in self._waiting if requests is None or w.request_id in requests]
+        self._waiting = [w for w in self._waiting if w not in gone]
+        for w in gone:
             if not w.fut.done():
                 w.fut.set_exception(exc)
-        self.inflight.clear()
-        self.inflight_tokens = 0
+        for rid in list(self.inflight) if requests is None else requests:
+            self.inflight_tokens -= self.inflight.pop(rid, 0)
+            self._owners.pop(rid, None)
+        self._pump()
 
     def _pump(self) -> None:
         while True:
@@ -113,8 +129,8 @@ class PrefillGate:
             if not self._waiting:
                 return
             w = self._waiting[self.order.first([w.item for w in self._waiting], self.clock())]
-            if not self._fits(w.tokens):
+            if not self._fits(w.tokens, w.owner):
                 return
             self._waiting.remove(w)
-            self._admit(w.request_id, w.tokens)
+            self._admit(w.request_id, w.tokens, w.owner)
             w.fut.set_result(None)

@@ -59,11 +59,12 @@ class PrefixLookup:
 def build_view(now_s: float, prefills: Sequence[PrefillLoad], lookup: PrefixLookup,
                decodes: Sequence[DecodeState], *, link_bandwidth_Bps: float,
                link_latency_s: float, pending: Iterable[PendingDecode] = (),
-               groups: Sequence[tuple[InstanceId, Sequence[tuple[PrefillLoad, int]]]] = ()
-               ) -> ClusterView:
+               groups: Sequence[tuple[InstanceId, Sequence[tuple[PrefillLoad, int]]]] = (),
+               twins: Sequence[Sequence[PrefillLoad]] = ()) -> ClusterView:
     """The `ClusterView` of one request (see the module docstring for who calls it).
     ``groups``: declared pipeline groups (id, per stage in layer order its load and the
-    leading blocks of the request it can load: its range's store objects)."""
+    leading blocks of the request it can load: its range's store objects); ``twins``: per
+    group, the loads of its whole-model twins (also among ``prefills``), or none."""
     if len(lookup.local_blocks) != len(prefills):
         raise InputError(f"prefix lookup has {len(lookup.local_blocks)} local lengths for "
                          f"{len(prefills)} prefill instances")
@@ -72,9 +73,16 @@ def build_view(now_s: float, prefills: Sequence[PrefillLoad], lookup: PrefixLook
                    for p, n in zip(prefills, lookup.local_blocks, strict=True))
     src = (PrefixSource(lookup.holder, lookup.best_blocks)
            if lookup.best_blocks > 0 and lookup.holder is not None else None)
-    pgroups = tuple(PrefillGroup(gid, tuple(
-        PrefillState(p.instance_id, max(0.0, p.queue_s), p.queued_requests, n, p.node, p.waiting)
-        for p, n in stages)) for gid, stages in groups)
+    if twins and len(twins) != len(groups):
+        raise InputError(f"{len(twins)} twin lists for {len(groups)} pipeline groups")
+
+    def state(p: PrefillLoad, n: int) -> PrefillState:
+        return PrefillState(p.instance_id, max(0.0, p.queue_s), p.queued_requests, n, p.node,
+                            p.waiting)
+
+    pgroups = tuple(PrefillGroup(gid, tuple(state(p, n) for p, n in stages),
+                                 tuple(state(t, 0) for t in (twins[g] if twins else ())))
+                    for g, (gid, stages) in enumerate(groups))
     return ClusterView(now_s=now_s, prefills=states, decodes=tuple(decodes), best_prefix=src,
                        link_bandwidth_Bps=link_bandwidth_Bps, link_latency_s=link_latency_s,
                        pending_decodes=tuple(pending), groups=pgroups)

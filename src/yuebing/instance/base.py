@@ -267,7 +267,8 @@ class Instance:
                      num_blocks=e.allocator.num_blocks, max_model_len=e.max_model_len,
                      incarnation=self.incarnation, engine=e.signature(), profile=self.profile,
                      layers=self.cfg.engine.layers, num_layers=e.model_config.num_layers,
-                     stage_segment=self.role.stage_segment, group=self.cfg.cpp_group)
+                     stage_segment=self.role.stage_segment, group=self.cfg.cpp_group,
+                     twin_of=self.cfg.twin_of)
 
     async def start(self) -> str:
         """Bind the control socket; returns its address."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from yuebing.core.auth import TOKEN_HELP, env_cluster_token, require_token
 from yuebing.core.config import require
-from yuebing.engine.config import EngineConfig
+from yuebing.engine.config import EngineConfig, parse_layers
 
 ROLES = ("prefill", "decode", "coupled")
 EVENT_LOOPS = ("uvloop", "asyncio")
@@ -45,7 +45,12 @@ class InstanceConfig:
     """The engine's configuration; its ``ENGINE_FLAGS`` fields are flags of the instance."""
     cpp_group: str = field(default="", metadata={
         "help": "with --layers: the pipeline group this stage belongs to; the Conductor routes "
-                "long prompts to a group once stages of one name cover every layer"})
+                "long prompts to a group once stages of one name cover every layer (with "
+                "--twin-of: the group of the stage this whole-model instance twins)"})
+    twin_of: str = field(default="", metadata={
+        "help": "with --cpp-group, on a whole-model prefill instance: the layer range A:B of "
+                "the group's stage on this machine; it shares that stage's Conductor gate and "
+                "gets short prompts while the group has no work ('' = not a twin)"})
     lend_cores: bool = field(default=True, metadata={
         "help": "lend this instance's cores to the other instances of this host while it is "
                 "idle, and borrow theirs while they are (a shared-memory ledger in /dev/shm; "
@@ -108,9 +113,14 @@ class InstanceConfig:
         require(not self.engine.layers or self.role == "prefill", f"--layers "
                 f"{self.engine.layers}: only a prefill instance runs a layer range (a pipeline "
                 f"stage), not a {self.role} one")
-        require(not self.cpp_group or bool(self.engine.layers),
+        require(not self.cpp_group or bool(self.engine.layers) or bool(self.twin_of),
                 f"--cpp-group {self.cpp_group}: a group's stages each run a layer range "
-                f"(--layers A:B)")
+                f"(--layers A:B); a whole-model twin names its stage (--twin-of A:B)")
+        if self.twin_of:
+            require(bool(self.cpp_group) and not self.engine.layers and self.role == "prefill",
+                    f"--twin-of {self.twin_of}: a twin is a whole-model prefill instance (no "
+                    f"--layers) of a pipeline group (--cpp-group NAME)")
+            parse_layers(self.twin_of, None)
         require(self.engine.threads >= 1, f"threads must be >= 1, got {self.engine.threads}")
         if self.step_trace_dir:
             d = Path(self.step_trace_dir)

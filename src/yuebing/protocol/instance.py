@@ -265,6 +265,9 @@ class Hello(Message, tag="inst.hello"):
     """A stage's transfer segment: the previous stage notifies its boundary rows there."""
     group: str = ""
     """A stage's pipeline group (``--cpp-group``): the Conductor's group of stages of one name."""
+    twin_of: str = ""
+    """A whole-model twin (``--twin-of A:B``): it shares the machine, and the Conductor's gate,
+    of stage ``A:B`` of ``group``, and prefills short prompts while the group is idle."""
 
 
 @register_message

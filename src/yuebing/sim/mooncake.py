@@ -96,7 +96,9 @@ class MooncakeSystem(SimSystem):
     refreshes its reused blocks; a planned fetch copies the missing blocks from the holder over both
     NICs (serialised per NIC). Prefill starts when the node (or a chunked-pipeline group of up to
     ``cpp_max_nodes`` for more than ``cpp_threshold_tokens`` new tokens; with ``cpp_groups`` a
-    declared group of dedicated stage nodes, `_start_group`) is free and the fetch done;
+    declared group of dedicated stage nodes, `_start_group`, and with ``cpp_twins`` a
+    whole-model twin node per stage that waits for its group and holds it up) is free and the
+    fetch done;
     in FIFO a request's turn is placed at arrival, in another order the node picks the next when it
     is free (`_dispatch`). With ``prefill_reject`` a prefill that would end past its TTFT SLO is
     dropped when placed; with ``colocated`` prefill node i and decode node i share a host and
@@ -108,9 +110,19 @@ class MooncakeSystem(SimSystem):
     def __init__(self, ctx: SystemContext) -> None:
         super().__init__(ctx)
         cfg = self.config
-        self.P, self.D = cfg.prefill_nodes, cfg.decode_nodes
+        k = cfg.cpp_group_stages
+        self.twin_group: dict[int, int] = {}
+        """Twin nodes (`SimConfig.cpp_twins`, after the prefill nodes) → their group: each a
+        whole-model node on a stage's machine, busy while the group is and holding it up."""
+        self.prefill_ids = [InstanceId(f"p{i}") for i in range(cfg.prefill_nodes)]
+        for g in range(cfg.cpp_groups if cfg.cpp_twins else 0):
+            for s in range(k):
+                self.twin_group[len(self.prefill_ids)] = g
+                self.prefill_ids.append(InstanceId(f"g{g}t{s}"))
+        self.twins = [[i for i, tg in self.twin_group.items() if tg == g]
+                      for g in range(cfg.cpp_groups)]
+        self.P, self.D = len(self.prefill_ids), cfg.decode_nodes
         self.pool = GlobalKVPool(self.P, cfg.dram_kv_tokens // cfg.policy.block_tokens)
-        self.prefill_ids = [InstanceId(f"p{i}") for i in range(self.P)]
         self.prefill_index = {pid: i for i, pid in enumerate(self.prefill_ids)}
         self.decode_ids = [InstanceId(f"d{j}") for j in range(self.D)]
         self.decode_index = {did: j for j, did in enumerate(self.decode_ids)}
@@ -121,7 +133,6 @@ class MooncakeSystem(SimSystem):
         self.dispatch_at = [-1.0] * self.P
         """When each node's `_dispatch` is next scheduled."""
         self.nic_free = [0.0] * self.P
-        k = cfg.cpp_group_stages
         self.group_ids = [InstanceId(f"g{g}") for g in range(cfg.cpp_groups)]
         self.group_index = {gid: g for g, gid in enumerate(self.group_ids)}
         self.stage_ids = [[InstanceId(f"g{g}s{i}") for i in range(k)]
@@ -150,7 +161,7 @@ class MooncakeSystem(SimSystem):
             self.interference = Interference()
             return {}
         self.interference = load_interference(cfg.interference_profile or cfg.profile)
-        return {i: HostMate(self.interference.decode_factor) for i in range(min(self.P, self.D))}
+        return {i: HostMate(self.interference.decode_factor) for i in range(min(cfg.prefill_nodes, self.D))}
 
     def prepare(self, requests: Sequence[SimRequest]) -> None:
         self.policy = policy_for(self.config, self.cost, requests)
@@ -174,9 +185,10 @@ class MooncakeSystem(SimSystem):
         groups = [(gid, [(PrefillLoad(sid, max(0.0, self.stage_free[g] - now),
                                       self.stage_queued[g]), 0) for sid in self.stage_ids[g]])
                   for g, gid in enumerate(self.group_ids)]
+        twins = [[loads[t] for t in ts] for ts in self.twins] if self.twin_group else []
         return build_view(now, loads, lookup, decodes, link_bandwidth_Bps=self.cost.link_Bps,
                           link_latency_s=self.cost.link_latency_s, pending=self.pending.values(),
-                          groups=groups)
+                          groups=groups, twins=twins)
 
     def on_arrival(self, request: SimRequest, record: RequestRecord) -> None:
         assert self.policy is not None, "prepare() runs before the first arrival"
@@ -237,16 +249,22 @@ class MooncakeSystem(SimSystem):
         assert self.policy is not None, "prepare() runs before the first arrival"
         order, queue, now = self.policy.queue_order, self.waiting[i], self.loop.now
         while queue:
-            if self.free_at[i] > now:
-                if self.dispatch_at[i] != self.free_at[i]:
-                    self.dispatch_at[i] = self.free_at[i]
-                    self.loop.at(self.free_at[i], Priority.COMPLETE, self._dispatch, i)
+            free = self._free(i)
+            if free > now:
+                if self.dispatch_at[i] != free:
+                    self.dispatch_at[i] = free
+                    self.loop.at(free, Priority.COMPLETE, self._dispatch, i)
                 return
             w = queue.pop(order.first([w.item for w in queue], now))
             self.queued[i] -= 1
             for g in self._start_prefill(w.request, w.record, i, w.decode, w.hit, w.ready):
                 if g != i:
                     self._dispatch(g)  # a pipeline group took its time: come back later
+
+    def _free(self, i: int) -> float:
+        """When node ``i`` is free (a twin: and its group, which runs on its machine)."""
+        g = self.twin_group.get(i)
+        return self.free_at[i] if g is None else max(self.free_at[i], self.stage_free[g])
 
     def _group(self, i: int, new_tokens: int) -> list[int]:
         cfg = self.config
@@ -270,7 +288,7 @@ class MooncakeSystem(SimSystem):
         if k > 1:  # pipeline over k nodes: 1/k of the layers each, bubbles of one chunk
             chunks = math.ceil(new / self.cost.prefill_chunk_tokens)
             duration = duration / k * (1.0 + (k - 1) / chunks)
-        start = max(ready, *(self.free_at[g] for g in group))
+        start = max(ready, *(self._free(g) for g in group))
         mate = self.mates.get(i) if k == 1 else None
         if mate is not None:
             duration = stretch(start, duration, *self._decode_busy(i),
@@ -306,7 +324,8 @@ class MooncakeSystem(SimSystem):
         hop = self.cost.transfer_time(min(new, pol.cpp_chunk_tokens)
                                       * pol.cpp_boundary_bytes_per_token)
         duration = self.cost.prefill_time(new, 0) / k * (1.0 + (k - 1) / chunks) + (k - 1) * hop
-        start = max(self.loop.now, self.stage_free[g])
+        start = max(self.loop.now, self.stage_free[g],
+                    *(self.free_at[t] for t in self.twins[g]))  # twins' work on its machines
         end = start + duration
         if self.config.prefill_reject and end - request.arrival_s > pol.ttft_slo_s:
             record.rejected, record.reject_reason = RejectStage.PREFILL, "prefill_ttft_slo"

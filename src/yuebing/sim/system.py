@@ -71,6 +71,10 @@ class SimConfig:
                 "holds a layer range and prefills only with its group; 0: none, long prefills "
                 "form groups of any prefill nodes)"})
     cpp_group_stages: int = field(default=2, metadata={"help": "stages per declared group"})
+    cpp_twins: bool = field(default=False, metadata={
+        "help": "mooncake with cpp_groups: a whole-model twin prefill node beside each stage "
+                "(live: --twin-of): it prefills short prompts while its group is idle, and "
+                "the group waits for its work"})
     dram_kv_tokens: int = field(default=2_000_000, metadata={
         "help": "KV tokens each node's DRAM pool holds (LRU)"})
     prefill_reject: bool = field(default=False, metadata={
@@ -93,6 +97,8 @@ class SimConfig:
         require(self.cpp_groups >= 0 and self.cpp_group_stages >= 2,
                 f"cpp_groups must be >= 0 and cpp_group_stages >= 2, got {self.cpp_groups}, "
                 f"{self.cpp_group_stages}")
+        require(not self.cpp_twins or self.cpp_groups > 0,
+                "cpp_twins needs declared pipeline groups (cpp_groups > 0)")
         require(not self.cpp_groups or self.system == "mooncake",
                 f"declared pipeline groups are modelled for system mooncake only, not "
                 f"{self.system!r}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import replace
 
 from yuebing.conductor.policy.config import PolicyConfig
 from yuebing.conductor.policy.predictors import Predictors
@@ -140,7 +141,7 @@ class Policy:
         decode steps are likely to meet prefill passes (on shared cores, a stretched step).
         Once admission lets the prefill pool drain, the tail no longer applies: it cannot hold
         the cluster in rejection. (The live Conductor learns the tail from such requests only.)"""
-        stages = (s for g in view.groups for s in g.stages)
+        stages = (s for g in view.groups for s in (*g.stages, *g.twins))
         return any(p.queue_s > 0 for p in (*view.prefills, *stages))
 
     def transfer_time(self, nbytes: float, view: ClusterView) -> float:
@@ -161,6 +162,7 @@ class Policy:
     def decide(self, request: RequestInfo, view: ClusterView) -> Decision:
         """Route ``request`` or reject it, given the snapshot ``view``."""
         check_inputs(request, view, self.config.block_tokens)
+        view = offered(self, request, view)
         if not (view.prefills or view.groups) or not view.decodes:
             return Reject(str(RejectReason.NO_INSTANCES), RejectStage.ARRIVAL,
                           self.config.min_retry_after_s, None, None)
@@ -231,6 +233,22 @@ def check_inputs(req: RequestInfo, view: ClusterView, block_tokens: int) -> None
     if view.best_prefix is not None and not 0 <= view.best_prefix.blocks <= nkeys:
         raise InputError(f"view: best_prefix.blocks must be in 0..{nkeys}, "
                          f"got {view.best_prefix.blocks}")
+
+
+def offered(pol: Policy, req: RequestInfo, view: ClusterView) -> ClusterView:
+    """``view`` less the pipeline groups' twins ``req`` may not go to: a twin (a whole-model
+    instance on a stage's machine) prefills a prompt alone only while its group is `idle` and
+    only when the prompt's uncached suffix on it is at most ``cpp_threshold_tokens`` (longer
+    ones are the group's to weigh, `choose_group`). Shorter prompts so use the group's
+    machines when it is idle, and never hold it up for long (paper §3.2)."""
+    twins = {t.instance_id: g.idle for g in view.groups for t in g.twins}
+    if not twins:
+        return view
+    n = req.input_tokens
+    keep = tuple(p for p in view.prefills if p.instance_id not in twins
+                 or (twins[p.instance_id]
+                     and n - pol.prefix_tokens(p.local_prefix_blocks, n) <= pol.cpp_threshold))
+    return view if len(keep) == len(view.prefills) else replace(view, prefills=keep)
 
 
 def choose_group(pol: Policy, req: RequestInfo, view: ClusterView,

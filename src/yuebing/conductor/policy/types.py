@@ -65,10 +65,20 @@ class PrefillGroup:
 
     group_id: InstanceId
     stages: tuple[PrefillState, ...]
+    twins: tuple[PrefillState, ...] = ()
+    """Its whole-model twins (``--twin-of``, each on a stage's machine, also in
+    ``ClusterView.prefills``): their work delays the group's start, and they are offered short
+    prompts only while the group is `idle`."""
 
     @property
     def queue_s(self) -> float:
-        return max(s.queue_s for s in self.stages)
+        """When its slowest machine is through: its stages' queues and its twins'."""
+        return max(s.queue_s for s in (*self.stages, *self.twins))
+
+    @property
+    def idle(self) -> bool:
+        """No group request is queued or running on it."""
+        return all(s.queue_s <= 0 and s.queued_requests == 0 for s in self.stages)
 
     @property
     def local_prefix_blocks(self) -> int:
