@@ -129,3 +129,24 @@ def test_waiters_go_in_the_queue_order_and_the_next_one_must_fit() -> None:
         await asyncio.gather(*waits)
         assert order == ["small", "mid", "big"] and g.queued() == ()
     _run(main())
+
+
+def test_a_shared_gate_admits_one_owners_work_at_a_time() -> None:
+    """A pipeline stage and its whole-model twin share one machine's gate: a twin's short
+    prompt waits for the group's request and the next group request for the twin's."""
+    async def main() -> None:
+        g = PrefillGate(10_000)
+        await g.acquire("short", 100, owner="twin")
+        group = asyncio.ensure_future(g.acquire("long", 800, owner="stage"))
+        await asyncio.sleep(0)
+        assert not group.done()              # tokens fit, but the twin runs on the machine
+        more = asyncio.ensure_future(g.acquire("short2", 100, owner="twin"))
+        await asyncio.sleep(0)
+        assert not more.done()               # behind the waiting group request (FIFO)
+        g.release("short")
+        await asyncio.sleep(0)
+        assert group.done() and not more.done() and g.inflight == {"long": 800}
+        g.fail(RuntimeError("stage died"), {"long"})   # only the stage's requests go
+        await asyncio.sleep(0)
+        assert more.done() and g.inflight == {"short2": 100}
+    _run(main())

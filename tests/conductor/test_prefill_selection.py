@@ -160,3 +160,34 @@ def test_a_view_of_groups_only_routes_every_prompt_to_a_group():
         r = Policy(config(cpp_threshold_tokens=500), PREDICTORS).decide(request(n), v)
         assert isinstance(r, Route) and r.prefill_id == "h" and r.stages == ("hs0", "hs1")
     assert Policy(config(), PREDICTORS).decide(request(50), view(())).reason == "no_instances"
+
+
+def test_twins_take_short_prompts_only_while_their_group_is_idle():
+    # a group of 2 stages with a whole-model twin on each stage's machine (also in prefills):
+    # 1000 new tokens on the group: 1.0 / 2 * (1 + 1/4) + 0.1 = 0.725 s; threshold 500
+    kw = dict(prefill_selector="load_balance", cpp_threshold_tokens=500, cpp_chunk_tokens=250,
+              cpp_boundary_bytes_per_token=4000)
+    pol = Policy(config(**kw), PREDICTORS)
+
+    def group_view(stage_q: float, stage_n: int, twin_q: tuple[float, float]) -> object:
+        twins = (prefill("t0", twin_q[0]), prefill("t1", twin_q[1]))
+        g = PrefillGroup(InstanceId("g"), (prefill("gs0", stage_q, queued=stage_n),
+                                           prefill("gs1", stage_q, queued=stage_n)), twins)
+        return view(twins, groups=(g,))
+
+    idle = group_view(0.0, 0, (0.0, 0.3))
+    short = pol.decide(request(400), idle)
+    assert isinstance(short, Route) and (short.prefill_id, short.stages) == ("t0", ())
+    long = pol.decide(request(1000), idle)  # above the threshold: never a twin's
+    assert isinstance(long, Route) and long.prefill_id == "g"
+    # the twins' work holds the group up: it starts when t1's 0.3 s are through
+    assert (long.est_queue_s, long.stages) == (0.3, ("gs0", "gs1"))
+    # group work queued or running: the short prompt goes to the group, not to a twin
+    for stage_q, stage_n in ((0.4, 1), (0.0, 1)):
+        busy = pol.decide(request(400), group_view(stage_q, stage_n, (0.0, 0.0)))
+        assert isinstance(busy, Route) and busy.prefill_id == "g", (stage_q, stage_n)
+    # a twin's local prefix counts: 1000 tokens with 6 cached blocks leave 400 new
+    cached = view((prefill("t0", 0.0, local=6), prefill("t1")), groups=(PrefillGroup(
+        InstanceId("g"), (prefill("gs0"), prefill("gs1")), (prefill("t0"), prefill("t1"))),))
+    r = pol.decide(request(1000), cached)
+    assert isinstance(r, Route) and (r.prefill_id, r.reused_blocks) == ("t0", 6)

@@ -347,3 +347,54 @@ def test_requests_waiting_in_the_gate_and_in_a_simulated_queue_give_the_same_vie
     # 1 s of prefill (+ 0.1·NOW) goes before "a" (3 s) on p0, after "b" (0.2 s): 1.5 + 0.2
     assert policy.queue_wait(live_view, 0, 1.0) == pytest.approx(1.7)
     assert policy.queue_wait(live_view, 1, 1.0) == pytest.approx(0.75)  # after "c" (0.5 s)
+
+
+def test_group_twins_give_the_same_views_and_decisions() -> None:
+    """A pipeline group with a whole-model twin beside each stage (live: ``--twin-of``
+    instances; simulated: `SimConfig.cpp_twins`) and one single instance: short prompts go to a
+    twin while the group is idle, to the group or the single instance while it is busy; long
+    ones wait for the twins' work."""
+    rng = random.Random(7)
+    sim = MooncakeSystem(SystemContext(EventLoop(), _Cost(), SimConfig(
+        prefill_nodes=1, decode_nodes=1, cpp_groups=1, cpp_twins=True,
+        policy=sim_policy(block_tokens=BT), dram_kv_tokens=10**9)))
+    sim.loop.now = NOW
+    assert sim.prefill_ids == ["p0", "g0t0", "g0t1"]
+    live = _live([2.0], [1], 1)
+    for i in range(2):
+        for name, field in ((f"g0s{i}", "layers"), (f"g0t{i}", "twin_of")):
+            h = msgspec.structs.replace(_hello(name, Role.PREFILL), num_layers=4, group="g0",
+                                        **{field: f"{2 * i}:{2 * i + 2}"})
+            live.members[h.instance_id] = Member(f"tcp://{name}:1", SimpleNamespace(), h,  # type: ignore[arg-type]
+                                                 _report(name, 0, 0), seen_s=NOW)
+    prefills, decodes = live.alive(Role.PREFILL), live.alive(Role.DECODE)
+    assert [m.id for m in prefills] == ["p0", "g0t0", "g0t1"]
+    assert [m.id for m in live.twins(live.groups()[0][1])] == ["g0t0", "g0t1"]
+    policy = Policy(PolicyConfig(prefill_selector="global_cache_aware", block_tokens=BT,
+                                 kv_bytes_per_token=1000, decode_durations_s=(10.0,),
+                                 cpp_threshold_tokens=1000, cpp_chunk_tokens=512), PREDICTORS)
+    doc = [rng.randrange(1 << 60) for _ in range(16)]
+    sim.free_at[0], sim.queued[0] = NOW + 2.0, 1
+    sim.pool.insert(2, doc[:4])
+    live.index.add("g0t1", doc[:4])
+    chosen = []
+    for r, (blocks, busy, twin_q) in enumerate([(2, 0.0, 0.0), (12, 0.0, 0.0), (2, 3.0, 0.0),
+                                               (16, 0.0, 1.5), (6, 0.0, 0.5), (16, 0.0, 0.0)]):
+        sim.stage_free[0], sim.stage_queued[0] = NOW + busy, int(busy > 0)
+        sim.free_at[1], sim.queued[1] = NOW + twin_q, int(twin_q > 0)
+        for name, (q, n) in {"g0s0": (busy, int(busy > 0)), "g0s1": (busy, int(busy > 0)),
+                             "g0t0": (twin_q, int(twin_q > 0))}.items():
+            live.members[InstanceId(name)].report = _report(name, int(q * 1000), n)
+        keys = tuple(BlockHash(k) for k in doc[:blocks])
+        info = RequestInfo(f"r{r}", NOW, blocks * BT, keys, 100)
+        sim_view = sim._view(None, *sim.pool.prefix_lengths(keys))  # type: ignore[arg-type]
+        live_view = live.view(info, prefills, decodes, NOW, live.groups())
+        assert live_view == sim_view and len(live_view.groups[0].twins) == 2
+        a, b = policy.decide(info, sim_view), policy.decide(info, live_view)
+        assert a == b
+        chosen.append((a.prefill_id, a.est_queue_s))  # type: ignore[union-attr]
+    assert chosen[0] == ("g0t1", 0.0)   # short, idle group: the twin holding its prefix
+    assert chosen[1] == ("g0", 0.0)     # long: the group
+    assert chosen[2][0] in ("g0", "p0")  # short, group busy: never a twin
+    assert chosen[3] == ("g0", 1.5)     # long: the group waits for twin g0t0's work
+    assert chosen[4][0] == "g0t1"       # 1536 tokens, 1024 cached on g0t1: 512 new, a twin's
