@@ -1,6 +1,7 @@
 """`yuebing serve --prefill 2 --cpp-group 2` end to end (dummy model, no store): the two
-prefill instances are the stages of one pipeline group, every prompt goes through it (there is
-no single prefill instance), and SIGINT stops everything."""
+prefill instances are the stages of one pipeline group with a whole-model twin each; a long
+prompt goes through the group, a short one to a twin (the group is idle), and SIGINT stops
+everything."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import signal
 import socket
 from pathlib import Path
 
+import pytest
 from serve_util import Serve, post
 
 MODEL = "dummy:preset=tiny,layers=4,ctx=4096"
 
 
+@pytest.mark.slow  # four prefill instances start: ~90 s on a busy 2-core machine
 def test_serve_sets_up_a_pipeline_group_on_one_host(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -29,6 +32,11 @@ def test_serve_sets_up_a_pipeline_group_on_one_host(tmp_path: Path) -> None:
                                                 "max_tokens": 4, "ignore_eos": True})
         assert body["usage"]["completion_tokens"] == 4
         assert body["usage"]["yuebing"]["prefill_instance"] == "cpp-0"
+        assert "whole-model twins twin-0, twin-1" in ready, ready
+        short = post(base + "/v1/completions", {"model": MODEL, "prompt": list(range(1, 60)),
+                                                 "max_tokens": 4, "ignore_eos": True})
+        assert short["usage"]["completion_tokens"] == 4
+        assert short["usage"]["yuebing"]["prefill_instance"] in ("twin-0", "twin-1"), short
     except BaseException:
         serve.kill()
         raise

@@ -180,9 +180,9 @@ class ServeConfig:
         texts = self.cpp_layers.split(",") if self.cpp_layers else \
             [f"{num_layers * i // k}:{num_layers * (i + 1) // k}" for i in range(k)]
         parse_group_layers([t.strip() for t in texts], num_layers)
-        stages = {f"prefill-{g * k + i}": ("--layers", texts[i].strip(), "--cpp-group", f"cpp-{g}")
+        stages: dict[str, tuple[str, ...]] = {f"prefill-{g * k + i}": ("--layers", texts[i].strip(), "--cpp-group", f"cpp-{g}")
                   for g in range(self.prefill // k) for i in range(k)}
-        twins = {f"twin-{g * k + i}": ("--twin-of", texts[i].strip(), "--cpp-group", f"cpp-{g}")
+        twins: dict[str, tuple[str, ...]] = {f"twin-{g * k + i}": ("--twin-of", texts[i].strip(), "--cpp-group", f"cpp-{g}")
                  for g in range(self.prefill // k) for i in range(k) if self.cpp_twins}
         return stages | twins
 
