@@ -222,6 +222,18 @@ def test_cpp_group_plan_gives_stages_their_layers(tmp_path: Path) -> None:
     assert argv["prefill-0"][-4:] == ("--layers", "0:2", "--cpp-group", "cpp-0")
     assert argv["prefill-1"][-4:] == ("--layers", "2:4", "--cpp-group", "cpp-0")
     assert "--layers" not in argv["prefill-2"] and "--layers" not in argv["decode-0"]
+    # a whole-model twin beside each stage, on the stage's machine (group and range)
+    assert argv["twin-0"][-4:] == ("--twin-of", "0:2", "--cpp-group", "cpp-0")
+    assert argv["twin-1"][-4:] == ("--twin-of", "2:4", "--cpp-group", "cpp-0")
+    assert "twin-2" not in argv  # prefill-2 is a single instance: no twin
+    bare = ServePlan(dataclasses.replace(cfg, cpp_twins=False), tmp_path)
+    assert not any(s.name.startswith("twin") for st in bare.stages() for s, _ in st)
+    with pytest.raises(ConfigError, match="a twin is a whole-model prefill instance"):
+        InstanceConfig(role="decode", cpp_group="g", twin_of="0:2")
+    with pytest.raises(ConfigError, match="not a range A:B"):
+        InstanceConfig(role="prefill", cpp_group="g", twin_of="x")
+    with pytest.raises(ConfigError, match="names its stage"):
+        InstanceConfig(role="prefill", cpp_group="g")
     conductor = argv["conductor"]
     assert conductor[conductor.index("--cpp-threshold-tokens") + 1] == "256"
     assert conductor[conductor.index("--cpp-chunk-tokens") + 1] == "256"
