@@ -29,13 +29,14 @@ from yuebing.transfer.transport.lane_ops import (
     group_frames,
 )
 from yuebing.transfer.transport.tcp_inline import finish_frame
+from yuebing.transfer.types import OpCode
 
 log = logging.getLogger(__name__)
 
 COALESCE_BYTES = 1 << 20
 COALESCE_OPS = 256
-"""A lane's sender sends queued slices together, up to this many payload bytes / slices per
-``sendmsg``; consecutive slices of one segment and direction share one frame (one header, one
+"""A lane's sender sends queued slices together, up to this many payload bytes sent / slices
+per ``sendmsg``; consecutive slices of one segment and direction share one frame (one header, one
 `SlicesDone` answer)."""
 
 
@@ -127,14 +128,16 @@ class Lane:
 
     @staticmethod
     def _take(ops: list[Op], limit: int = COALESCE_OPS) -> tuple[list[Op], list[Op]]:
-        """Split ``ops`` into what goes in one ``sendmsg`` (≤ ``limit`` frames, about
-        `COALESCE_BYTES` of payload) and the rest."""
+        """Split ``ops`` into what goes in one ``sendmsg`` (≤ ``limit`` ops, about
+        `COALESCE_BYTES` of payload sent) and the rest. A read sends no payload, so a run of
+        reads leaves as one frame (one header, one answer) however much it brings back."""
         size, n = 0, 0
         for op in ops[:limit]:
             n += 1
-            size += op.length
-            if size >= COALESCE_BYTES:
-                break
+            if getattr(op, "op", None) is OpCode.WRITE:
+                size += op.length
+                if size >= COALESCE_BYTES:
+                    break
         return ops[:n], ops[n:]
 
     def _recv_loop(self) -> None:
