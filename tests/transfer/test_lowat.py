@@ -98,3 +98,38 @@ def test_frame_reader_long_payload_then_a_small_frame(tcp_pair, spin_s: float) -
     assert out == payload and _mark(b) == 1
     send_frame(a, SliceAck(id=2, error=""))  # would never wake a receiver left at a high mark
     assert reader.read().id == 2  # type: ignore[attr-defined]
+
+
+def test_a_lane_sends_a_run_of_reads_as_one_frame_and_writes_by_the_mib() -> None:
+    from types import SimpleNamespace
+
+    from yuebing.transfer.transport.tcp_lane import COALESCE_BYTES, Lane
+    from yuebing.transfer.types import OpCode
+
+    reads = [SimpleNamespace(op=OpCode.READ, length=COALESCE_BYTES) for _ in range(16)]
+    writes = [SimpleNamespace(op=OpCode.WRITE, length=COALESCE_BYTES) for _ in range(16)]
+    assert Lane._take(reads) == (reads, [])  # type: ignore[arg-type]
+    assert Lane._take(writes) == (writes[:1], writes[1:])  # type: ignore[arg-type]
+
+
+def test_inline_answer_to_a_long_write_is_slept_for_not_spun_for() -> None:
+    from yuebing.transfer.transport.tcp_inline import InlineConn
+
+    a, b = socket.socketpair()
+    conn = InlineConn(b, "peer", io_timeout_s=5.0, spin_s=0.01)
+    spun: list[float] = []
+
+    class Spy:
+        def wait(self, poll, window):  # type: ignore[no-untyped-def]
+            spun.append(window)
+
+    conn._spinner = Spy()  # type: ignore[assignment]
+    try:
+        conn._await_reply(LOWAT_MIN + 1)
+        assert spun == []
+        conn._await_reply(LOWAT_MIN)
+        conn._await_reply(0)  # a read's request frame carries no payload
+        assert spun == [0.01, 0.01]
+    finally:
+        conn.close()
+        a.close()
