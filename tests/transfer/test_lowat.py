@@ -110,6 +110,7 @@ def test_a_lane_sends_a_run_of_reads_as_one_frame_and_writes_by_the_mib() -> Non
     writes = [SimpleNamespace(op=OpCode.WRITE, length=COALESCE_BYTES) for _ in range(16)]
     assert Lane._take(reads) == (reads, [])  # type: ignore[arg-type]
     assert Lane._take(writes) == (writes[:1], writes[1:])  # type: ignore[arg-type]
+    assert Lane._take(writes, 256, 4 * COALESCE_BYTES) == (writes[:4], writes[4:])  # type: ignore[arg-type]
 
 
 def test_inline_answer_to_a_long_write_is_slept_for_not_spun_for() -> None:
