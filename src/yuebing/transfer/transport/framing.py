@@ -5,8 +5,9 @@ threads. Payloads are not copied by Python: writes go out with ``sendmsg`` strai
 caller's buffer (several frames per call, `send_parts`) and reads land with ``recv_into``
 straight in registered memory. `FrameReader` reads headers with one ``recv`` of up to `PEEK`
 bytes, so a run of small frames costs fewer system calls; no buffer is sized by what a header
-announces before its bytes arrive. A reader with ``spin_s`` receives a payload with
-non-blocking ``readv`` calls while bytes keep arriving (`spin_scatter`) instead of sleeping.
+announces before its bytes arrive. A reader with ``spin_s`` receives a short payload with
+non-blocking ``readv`` calls while bytes keep arriving (`spin_scatter`) instead of sleeping; a
+long one sleeps once, until all of it is there (``SO_RCVLOWAT``, `_Lowat`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ _DRAIN_CHUNK = 1 << 20
 PEEK = 16 << 10
 IOV_MAX = 512
 """Most buffers handed to one ``sendmsg`` / ``recvmsg_into`` (Linux allows 1024)."""
+LOWAT_MIN = 4 * PEEK
+"""A payload run longer than this (a `FrameReader`'s buffer) is received in one wake-up
+(`_Lowat`) rather than spun for (`spin_scatter` only takes what has already arrived)."""
 SPIN_CAP_S = 0.05
 """Longest one `spin_scatter` call polls before handing over to the blocking receive."""
 
@@ -86,18 +90,57 @@ def recv_exact(sock: socket.socket, view: memoryview, idle_ok: bool = False) -> 
 
 def recv_scatter(sock: socket.socket, views: list[memoryview]) -> None:
     """Fill every view completely, in order, with as few ``recvmsg_into`` calls as the kernel
-    allows (up to `IOV_MAX` views each); `PeerClosed` on EOF."""
-    i, n = 0, len(views)
-    while i < n:
-        k = sock.recvmsg_into(views[i:i + IOV_MAX], socket.MSG_WAITALL)[0]
-        if k == 0:
-            raise PeerClosed("peer closed the connection")
-        while i < n and k >= views[i].nbytes:
-            k -= views[i].nbytes
-            i += 1
-        if k:
-            views = [views[i][k:], *views[i + 1:]]
-            i, n = 0, len(views)
+    allows (up to `IOV_MAX` views each); `PeerClosed` on EOF. A run longer than `LOWAT_MIN`
+    is received with ``SO_RCVLOWAT`` set to what is still missing (`_Lowat`)."""
+    left = sum(v.nbytes for v in views)
+    with _Lowat(sock, left) as lowat:
+        i, n = 0, len(views)
+        while i < n:
+            k = sock.recvmsg_into(views[i:i + IOV_MAX], socket.MSG_WAITALL)[0]
+            if k == 0:
+                raise PeerClosed("peer closed the connection")
+            left -= k
+            while i < n and k >= views[i].nbytes:
+                k -= views[i].nbytes
+                i += 1
+            if k:
+                views = [views[i][k:], *views[i + 1:]]
+                i, n = 0, len(views)
+            if i < n:
+                lowat.set(left)
+
+
+class _Lowat:
+    """``SO_RCVLOWAT`` of a socket at the bytes a receive still waits for, back to 1 on exit.
+    The kernel then wakes the receiver (and answers its ``poll``) once the whole run is there
+    (or its receive window runs low) instead of at every arriving segment: one sleep and one
+    ``recvmsg`` per payload instead of a wake-up, ``poll`` and ``recvmsg`` per segment, and the
+    sender stops paying for the receiver's wake-ups. Lowered as bytes arrive, never above what
+    the peer still owes (a mark above it would wait forever); only for runs over `LOWAT_MIN`."""
+
+    __slots__ = ("sock", "mark")
+
+    def __init__(self, sock: socket.socket, nbytes: int) -> None:
+        raw = getattr(sock, "sock", sock)  # a `DeadlineSocket` wraps the socket
+        self.sock = raw if nbytes > LOWAT_MIN and isinstance(raw, socket.socket) else None
+        self.mark = 1
+        self.set(nbytes)
+
+    def set(self, nbytes: int) -> None:
+        if self.sock is not None and nbytes != self.mark:
+            mark = max(1, nbytes if nbytes > LOWAT_MIN else 1)
+            if mark != self.mark:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, mark)
+                self.mark = mark
+
+    def __enter__(self) -> _Lowat:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.mark != 1 and self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            self.mark = 1
 
 
 def _advance(views: list[memoryview], k: int) -> list[memoryview]:
@@ -299,8 +342,9 @@ class FrameReader:
             else:
                 i += 1
         views = views[i:]
-        if views and self.spin_s:
-            views = spin_scatter(self.sock, views, self.spin_s)
+        if views and self.spin_s:  # a long run: take what is there, then sleep once (_Lowat)
+            long = sum(v.nbytes for v in views) > LOWAT_MIN
+            views = spin_scatter(self.sock, views, 0.0 if long else self.spin_s)
         if views:
             recv_scatter(self.sock, views)
 

@@ -21,7 +21,13 @@ from yuebing.core.spin import Spinner
 from yuebing.protocol import Message, ProtocolError
 from yuebing.protocol.transfer import ReadSlices, SliceAck, SlicesDone, WriteSlices
 from yuebing.transfer.batch import Slice, complete_slices
-from yuebing.transfer.transport.framing import DeadlineSocket, FrameReader, pack, send_parts
+from yuebing.transfer.transport.framing import (
+    LOWAT_MIN,
+    DeadlineSocket,
+    FrameReader,
+    pack,
+    send_parts,
+)
 from yuebing.transfer.transport.lane_ops import NotifyOp, Op, frame_iovec, group_frames
 from yuebing.transfer.types import OpCode
 
@@ -56,6 +62,12 @@ def finish_frame(reader: FrameReader, frame: list[Op], msg: Message, address: st
 
 
 
+def _sent_bytes(frame: list[Op]) -> int:
+    """Payload bytes a frame carries to the peer (a write's; a read or notify carries none)."""
+    first = frame[0]
+    return sum(op.length for op in frame) if getattr(first, "op", None) is OpCode.WRITE else 0
+
+
 class InlineConn:
     """One connection used by one submitting thread at a time (the endpoint holds a lock)."""
 
@@ -85,7 +97,7 @@ class InlineConn:
             send_parts(self._timed, [p for fid, frame in zip(ids, frames, strict=True)  # type: ignore[arg-type]
                                      for p in frame_iovec(fid, frame)])
             for fid, frame in zip(ids, frames, strict=True):
-                self._await_reply()
+                self._await_reply(_sent_bytes(frame))
                 msg = self.reader.read()
                 if getattr(msg, "id", -1) != fid:
                     raise ProtocolError(f"reply {type(msg).__name__} does not answer frame {fid}")
@@ -113,7 +125,7 @@ class InlineConn:
             else:
                 parts = [memoryview(pack(ReadSlices(id=fid, segment=segment, slices=specs)))]
             send_parts(self._timed, parts)  # type: ignore[arg-type]
-            self._await_reply()
+            self._await_reply(sum(v.nbytes for v, _ in items) if op is OpCode.WRITE else 0)
             msg = self.reader.read()
             if not isinstance(msg, SlicesDone) or msg.id != fid or len(msg.errors) != len(items):
                 raise ProtocolError(f"reply {type(msg).__name__} does not answer frame {fid} "
@@ -133,9 +145,12 @@ class InlineConn:
             raise TimeoutError("batch deadline passed")
         self._timed.end = min(deadline, time.monotonic() + self.io_timeout_s)
 
-    def _await_reply(self) -> None:
-        """Poll for the next answer for up to ``spin_s`` before the blocking read sleeps."""
-        if self.spin_s and not self.reader.buffered:
+    def _await_reply(self, sent: int) -> None:
+        """Poll for the next answer for up to ``spin_s`` before the blocking read sleeps — not
+        after a write of more than `LOWAT_MIN` bytes (``sent``): the peer answers only once it
+        has received them all, which takes longer than a wake-up costs, and polling here would
+        take the CPU from the very processes moving those bytes."""
+        if self.spin_s and not self.reader.buffered and sent <= LOWAT_MIN:
             self._spinner.wait(lambda: self._poll.poll(0), self.spin_s)
 
     def close(self) -> None:

@@ -29,13 +29,14 @@ from yuebing.transfer.transport.lane_ops import (
     group_frames,
 )
 from yuebing.transfer.transport.tcp_inline import finish_frame
+from yuebing.transfer.types import OpCode
 
 log = logging.getLogger(__name__)
 
 COALESCE_BYTES = 1 << 20
 COALESCE_OPS = 256
-"""A lane's sender sends queued slices together, up to this many payload bytes / slices per
-``sendmsg``; consecutive slices of one segment and direction share one frame (one header, one
+"""A lane's sender sends queued slices together, up to this many payload bytes sent / slices
+per ``sendmsg``; consecutive slices of one segment and direction share one frame (one header, one
 `SlicesDone` answer)."""
 
 
@@ -58,6 +59,9 @@ class Lane:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         sock.settimeout(config.io_timeout_s)
+        self.coalesce = max(COALESCE_BYTES, sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2)
+        """Payload bytes one ``sendmsg`` takes at most: `COALESCE_BYTES`, or half this
+        connection's kernel send buffer when that is larger (it takes them without blocking)."""
         name = f"tx-lane-{address}-{index}"
         threading.Thread(target=self._send_loop, name=name + "-tx", daemon=True).start()
         threading.Thread(target=self._recv_loop, name=name + "-rx", daemon=True).start()
@@ -82,7 +86,7 @@ class Lane:
                 if item is None:
                     return
                 carry = item
-            ops, carry = self._take(carry)
+            ops, carry = self._take(carry, COALESCE_OPS, self.coalesce)
             stop = False
             while not carry and len(ops) < COALESCE_OPS:
                 try:
@@ -92,7 +96,7 @@ class Lane:
                 if item is None:
                     stop = True
                     break
-                more, carry = self._take(item, COALESCE_OPS - len(ops))
+                more, carry = self._take(item, COALESCE_OPS - len(ops), self.coalesce)
                 ops += more
             live = drop_ended(ops)
             if len(live) < len(ops):
@@ -126,15 +130,18 @@ class Lane:
                 return
 
     @staticmethod
-    def _take(ops: list[Op], limit: int = COALESCE_OPS) -> tuple[list[Op], list[Op]]:
-        """Split ``ops`` into what goes in one ``sendmsg`` (≤ ``limit`` frames, about
-        `COALESCE_BYTES` of payload) and the rest."""
+    def _take(ops: list[Op], limit: int = COALESCE_OPS,
+              nbytes: int = COALESCE_BYTES) -> tuple[list[Op], list[Op]]:
+        """Split ``ops`` into what goes in one ``sendmsg`` (≤ ``limit`` ops, about ``nbytes``
+        of payload sent) and the rest. A read sends no payload, so a run of
+        reads leaves as one frame (one header, one answer) however much it brings back."""
         size, n = 0, 0
         for op in ops[:limit]:
             n += 1
-            size += op.length
-            if size >= COALESCE_BYTES:
-                break
+            if getattr(op, "op", None) is OpCode.WRITE:
+                size += op.length
+                if size >= nbytes:
+                    break
         return ops[:n], ops[n:]
 
     def _recv_loop(self) -> None:
