@@ -20,6 +20,11 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define YB_FLASH_AVX512 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define YB_FLASH_AMX 1
+#endif
 #endif
 
 namespace yuebing {
@@ -37,12 +42,14 @@ struct FlashShape {
 //   kp[c][i][k][e] = K[c*kChunk + k][2i + e]   (pairs along head_dim, keys in lanes)
 //   vp[c][m][d][e] = V[c*kChunk + 2m + e][d]   (pairs along keys, head_dim in lanes)
 // with the padding keys past ctx (up to a whole chunk) zero. The buffers are not initialised.
+// Only chunks [c0, c1) are written (the caller splits the work).
 void pack_head(const FlashShape& s, const uint16_t* kc, const uint16_t* vc,
-               const int64_t* table, int64_t h, uint16_t* kp, uint16_t* vp) {
+               const int64_t* table, int64_t h, int64_t c0, int64_t c1, uint16_t* kp,
+               uint16_t* vp) {
   const int64_t hd = s.hd, head_stride = s.block_size * hd, block_stride = s.kv_heads * head_stride;
   const int64_t chunk_elems = kChunk * hd;
   const std::vector<uint16_t> zeros(hd, 0);
-  for (int64_t t = 0; t < s.chunks * kChunk; ++t) {
+  for (int64_t t = c0 * kChunk; t < c1 * kChunk; ++t) {
     const uint16_t* k = zeros.data();
     const uint16_t* v = zeros.data();
     if (t < s.ctx) {
@@ -199,9 +206,9 @@ void block_scores(const FlashShape& s, const uint16_t* const* qrow, const uint16
 // Online-softmax update of rows [r0, r0 + kRows) with the scores `sc`; writes bf16
 // probabilities to `pb[kRows][kChunk]` and rescales the rows' partial outputs.
 void block_softmax(const FlashShape& s, float* sc, const float* rowmax, uint16_t* pb, RowState st,
-                   int64_t r0) {
+                   int64_t r0, int nrows = kRows) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int r = 0; r < kRows; ++r) {
+  for (int r = 0; r < nrows; ++r) {
     float* row = sc + r * kChunk;
     const float mx = rowmax[r];
     const float m_old = st.m[r0 + r];
@@ -340,6 +347,133 @@ void flash_task(const FlashShape& s, const uint16_t* q, const uint16_t* kp, cons
   }
 }
 
+#ifdef YB_FLASH_AMX
+// AMX tiles: blocks of 16 rows. tmm0 holds A (16 rows × 32 bf16: Q or P), tmm1 B (16 bf16 pairs ×
+// 16 columns: K or V as packed by pack_head), tmm2..5 the four 16 × 16 float32 C tiles of a block
+// (64 keys of scores, or 64 output columns). TDPBF16PS sums exact bf16 products in float32.
+constexpr int64_t kAmxRows = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 6; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// sc[16][kChunk] = qb[16][hd] · K chunkᵀ (raw float32 dot products).
+inline void amx_scores(const uint16_t* qb, const uint16_t* kpc, int64_t hd, float* sc) {
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  for (int64_t k0 = 0; k0 < hd; k0 += 32) {
+    _tile_loadd(0, qb + k0, hd * 2);
+    const uint16_t* kb = kpc + (k0 / 2) * kChunk * 2;  // pairs k0/2 .. k0/2 + 15
+    _tile_loadd(1, kb, kChunk * 4);
+    _tile_dpbf16ps(2, 0, 1);
+    _tile_loadd(1, kb + 32, kChunk * 4);
+    _tile_dpbf16ps(3, 0, 1);
+    _tile_loadd(1, kb + 64, kChunk * 4);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_loadd(1, kb + 96, kChunk * 4);
+    _tile_dpbf16ps(5, 0, 1);
+  }
+  _tile_stored(2, sc, kChunk * 4);
+  _tile_stored(3, sc + 16, kChunk * 4);
+  _tile_stored(4, sc + 32, kChunk * 4);
+  _tile_stored(5, sc + 48, kChunk * 4);
+}
+
+// o[16][hd] += pb[16][kChunk] · V chunk (float32 accumulation in the C tiles).
+inline void amx_pv(const uint16_t* pb, const uint16_t* vpc, int64_t hd, float* o) {
+  for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+    _tile_loadd(2, o + d0, hd * 4);
+    _tile_loadd(3, o + d0 + 16, hd * 4);
+    _tile_loadd(4, o + d0 + 32, hd * 4);
+    _tile_loadd(5, o + d0 + 48, hd * 4);
+    for (int64_t k0 = 0; k0 < kChunk; k0 += 32) {
+      _tile_loadd(0, pb + k0, kChunk * 2);
+      const uint16_t* vb = vpc + (k0 / 2) * hd * 2 + d0 * 2;  // key pairs k0/2 .. k0/2 + 15
+      _tile_loadd(1, vb, hd * 4);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_loadd(1, vb + 32, hd * 4);
+      _tile_dpbf16ps(3, 0, 1);
+      _tile_loadd(1, vb + 64, hd * 4);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(1, vb + 96, hd * 4);
+      _tile_dpbf16ps(5, 0, 1);
+    }
+    _tile_stored(2, o + d0, hd * 4);
+    _tile_stored(3, o + d0 + 16, hd * 4);
+    _tile_stored(4, o + d0 + 32, hd * 4);
+    _tile_stored(5, o + d0 + 48, hd * 4);
+  }
+}
+
+// flash_task with AMX tiles (head_dim a multiple of 64): the task's query rows are first copied
+// into one contiguous buffer (tiles load rows at a fixed stride), then each block of 16 rows
+// walks the chunks it can see; scale, mask and online softmax as in the AVX512-BF16 kernel.
+void flash_task_amx(const FlashShape& s, const uint16_t* q, const uint16_t* kp, const uint16_t* vp,
+                    int64_t h, int64_t t0, int64_t t1, float scale, uint16_t* out) {
+  const int64_t g = s.group, rows = (t1 - t0) * g, hd = s.hd, offset = s.ctx - s.n;
+  const int64_t padded = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
+  std::vector<uint16_t> qb(padded * hd), pb(kAmxRows * kChunk);
+  std::vector<float> o(padded * hd, 0.f), m(padded, -std::numeric_limits<float>::infinity()),
+      l(padded, 0.f), sc(kAmxRows * kChunk), rowmax(kAmxRows);
+  std::vector<int64_t> limit(padded);
+  for (int64_t row = 0; row < padded; ++row) {
+    const int64_t src = std::min(row, rows - 1);  // padding rows repeat the last row
+    const int64_t t = t0 + src / g;
+    std::memcpy(qb.data() + row * hd, q + t * s.q_tok + (h * g + src % g) * s.q_head, hd * 2);
+    limit[row] = offset + t;  // last visible key
+  }
+  RowState st{o.data(), m.data(), l.data()};
+  const int64_t chunk_elems = kChunk * hd;
+  for (int64_t r0 = 0; r0 < padded; r0 += kAmxRows) {
+    const int64_t last_chunk = limit[r0 + kAmxRows - 1] / kChunk;  // rows ascend in position
+    for (int64_t c = 0; c <= last_chunk; ++c) {
+      amx_scores(qb.data() + r0 * hd, kp + c * chunk_elems, hd, sc.data());
+      for (int64_t r = 0; r < kAmxRows; ++r) {
+        float* row = sc.data() + r * kChunk;
+        const Row4 acc{_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16),
+                       _mm512_loadu_ps(row + 32), _mm512_loadu_ps(row + 48)};
+        rowmax[r] = finish_row(acc, c * kChunk, limit[r0 + r], scale, row);
+      }
+      block_softmax(s, sc.data(), rowmax.data(), pb.data(), st, r0, kAmxRows);
+      amx_pv(pb.data(), vp + c * chunk_elems, hd, o.data() + r0 * hd);
+    }
+  }
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t t = t0 + row / g;
+    uint16_t* dst = out + t * s.heads * hd + (h * g + row % g) * hd;
+    const float inv = 1.f / l[row];
+    for (int64_t d = 0; d < hd; ++d) dst[d] = float_to_bf16(o[row * hd + d] * inv);
+  }
+}
+#endif
+
+// Whether this process may use AMX tiles: built for a CPU with AMX-BF16 and granted the tile
+// state by the kernel (arch_prctl ARCH_REQ_XCOMP_PERM; fails on CPUs without AMX). Asked once.
+bool amx_usable() {
+#ifdef YB_FLASH_AMX
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 // Validates the operands (every block id the context uses must lie in the pool) and returns
 // the shape; bad input raises with a message naming the operand.
 FlashShape check_flash_inputs(const at::Tensor& q, const at::Tensor& k_cache,
@@ -386,9 +520,11 @@ FlashShape check_flash_inputs(const at::Tensor& q, const at::Tensor& k_cache,
 
 }  // namespace
 
-at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                   const at::Tensor& v_cache, const at::Tensor& block_table,
-                                   int64_t context_len, double scale) {
+namespace {
+
+at::Tensor run_flash(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_table, int64_t context_len, double scale,
+                     bool amx) {
   const FlashShape s = check_flash_inputs(q, k_cache, v_cache, block_table, context_len);
   auto out = at::empty({s.n, s.heads, s.hd}, q.options().memory_format(at::MemoryFormat::Contiguous));
   const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
@@ -400,23 +536,63 @@ at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   const int64_t head_elems = s.chunks * kChunk * s.hd;
   std::unique_ptr<uint16_t[]> kp(new uint16_t[s.kv_heads * head_elems]);
   std::unique_ptr<uint16_t[]> vp(new uint16_t[s.kv_heads * head_elems]);
-  at::parallel_for(0, s.kv_heads, 1, [&](int64_t b, int64_t e) {
-    for (int64_t h = b; h < e; ++h)
-      pack_head(s, kc, vc, table, h, kp.get() + h * head_elems, vp.get() + h * head_elems);
+  // (kv head, chunk) pieces: a few kv heads alone would leave threads idle
+  at::parallel_for(0, s.kv_heads * s.chunks, 8, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e;) {
+      const int64_t h = i / s.chunks, c0 = i % s.chunks, c1 = std::min(s.chunks, c0 + (e - i));
+      pack_head(s, kc, vc, table, h, c0, c1, kp.get() + h * head_elems, vp.get() + h * head_elems);
+      i += c1 - c0;
+    }
   });
+#ifdef YB_FLASH_AMX
+  amx = amx && s.hd % 64 == 0;
+#else
+  amx = false;
+#endif
   const int64_t tiles = (s.n + kTile - 1) / kTile, tasks = s.kv_heads * tiles;
   const float fscale = static_cast<float>(scale);
   // later tiles see more keys: every thread of torch's pool takes the costliest task left
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+#ifdef YB_FLASH_AMX
+    if (amx) amx_configure();
+#endif
     for (int64_t i = next++; i < tasks; i = next++) {
       const int64_t tile = tiles - 1 - i / s.kv_heads, h = i % s.kv_heads;
       const int64_t t0 = tile * kTile, t1 = std::min(s.n, t0 + kTile);
+#ifdef YB_FLASH_AMX
+      if (amx) {
+        flash_task_amx(s, qp, kp.get() + h * head_elems, vp.get() + h * head_elems, h, t0, t1,
+                       fscale, op);
+        continue;
+      }
+#endif
       flash_task(s, qp, kp.get() + h * head_elems, vp.get() + h * head_elems, h, t0, t1,
                  fscale, op);
     }
+#ifdef YB_FLASH_AMX
+    if (amx) _tile_release();
+#endif
   });
   return out;
 }
+
+}  // namespace
+
+at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_table,
+                                   int64_t context_len, double scale) {
+  return run_flash(q, k_cache, v_cache, block_table, context_len, scale, false);
+}
+
+at::Tensor flash_prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache,
+                                       const at::Tensor& v_cache, const at::Tensor& block_table,
+                                       int64_t context_len, double scale) {
+  TORCH_CHECK(amx_usable(), "flash_prefill_attention_amx: this CPU or build has no AMX-BF16 "
+              "tiles (see amx_available)");
+  return run_flash(q, k_cache, v_cache, block_table, context_len, scale, true);
+}
+
+bool amx_available() { return amx_usable(); }
 
 }  // namespace yuebing
