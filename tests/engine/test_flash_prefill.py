@@ -117,3 +117,21 @@ def test_nan_in_one_key_poisons_exactly_the_rows_that_see_it(flash):
     ref = prefill_sdpa(q.float(), k_cache.float(), v_cache.float(), sl, 0.125)
     assert torch.equal(out.float().isnan().any(-1), ref.isnan().any(-1))
     assert out[19:, :2].isnan().all() and not out[:19].isnan().any() and not out[:, 2:].isnan().any()
+
+
+@pytest.mark.parametrize("slope", [0.05, 0.5, -0.5])
+def test_scores_rising_or_falling_along_the_keys(flash, slope):
+    """Scores that climb by more than 8 per 32 keys make the AMX kernel replace its reference
+    max (and rescale the output tiles) at every step; falling scores never do. Both must still
+    match the float32 reference."""
+    q, k_cache, v_cache, sl = _case(300, 700, 6, 2, 64, seed=21)
+    k_cache, q = k_cache.clone(), q.clone()
+    keys = torch.arange(700, dtype=torch.float32)
+    table = sl.block_table
+    for i in range(700):  # key i: (i · slope · 8) in dim 0, so a unit q scores i · slope
+        k_cache[table[i // BS], :, i % BS, :] *= 0.01
+        k_cache[table[i // BS], :, i % BS, 0] = keys[i] * slope * 8
+    q[..., 0] = 1.0
+    out = flash(q, k_cache, v_cache, sl, 0.125)
+    ref = prefill_sdpa(q.float(), k_cache.float(), v_cache.float(), sl, 0.125)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=3e-2)
