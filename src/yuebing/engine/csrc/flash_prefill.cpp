@@ -12,6 +12,8 @@
 // (running max and sum per row), casts the probabilities to bf16 and accumulates P·V in float32.
 // The output is normalised and cast to bf16 at the end. Tasks are scheduled dynamically (causal
 // tiles differ in cost). Without AVX512-BF16 the same algorithm runs in portable C++.
+// flash_prefill_attention_amx runs the score and P·V blocks on AMX tiles instead (built only
+// where -march=native has AMX-BF16; refused at run time where the kernel denies the tiles).
 #include <atomic>
 #include <memory>
 
