@@ -245,8 +245,11 @@ def test_portable_code_paths_pass_the_parity_tests(tmp_path, flags):
     env = dict(os.environ, YUEBING_KERNELS_CFLAGS=flags, XDG_CACHE_HOME=str(tmp_path))
     tests = [str(Path(__file__).with_name(f)) for f in ("test_native_kernels.py",
                                                         "test_flash_prefill.py")]
+    # the AMX kernel is not built here (it needs AVX512-BF16): its tests would skip; the
+    # refusal of its operator (test_flash_rejects_bad_inputs[flash_prefill_attention_amx-…]) runs
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           *tests], env=env, capture_output=True, text=True, timeout=600)
+                           "-k", "not flash_amx and not test_amx_agrees", *tests], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout
     built = list((tmp_path / "yuebing" / "kernels").glob("*/yuebing_kernels_*.so"))

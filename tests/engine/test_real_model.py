@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from yuebing.engine import native
 from yuebing.engine.config import EngineConfig
 from yuebing.engine.engine import LLMEngine
+from yuebing.engine.kernels import amx_available
 from yuebing.engine.sampling import SamplingParams
 from yuebing.engine.weights import bundled_model_path, load_weights
 
@@ -85,10 +87,13 @@ def fp32_reference(smol_weights) -> tuple[list[int], list[torch.Tensor]]:
 
 @pytest.mark.parametrize(("attention", "prefill"), [("grouped", "same"), ("sdpa", "same"),
                                                     ("grouped", "blas"), ("grouped", "flash"),
+                                                    ("grouped", "flash_amx"),
                                                     ("paged", "grouped")])
 def test_bf16_paths_track_float32(smol_weights, fp32_reference, attention, prefill):
     """bf16 weights + each attention path stay close to the float32 model (a regression
     test: bf16-rounded attention scores once turned the answer into nonsense)."""
+    if prefill == "flash_amx" and not (native.load().ok and amx_available()):
+        pytest.skip("no AMX-BF16 tiles on this CPU / build")
     ref_tokens, ref_logits = fp32_reference
     bf = LLMEngine(EngineConfig(dtype="bfloat16", attention=attention, num_blocks=64,
                                 threads=1, prefill_attention=prefill, batch_invariant=False),

@@ -280,7 +280,8 @@ def choose_attention(num_kv_heads: int, num_heads: int, head_dim: int, dtype: to
     With ``attention`` / ``prefill_attention`` = ``auto`` the engine keeps the fastest path of each
     kind; registered paths name the dtypes and devices they run on (`register_decode`,
     `register_prefill`): ``paged`` decode and ``flash`` prefill over the native kernels
-    (`engine.kernels`), ``blas`` prefill on MKL's bf16 GEMM (`engine.blas_attention`). In
+    (`engine.kernels`; ``flash_amx`` too where the CPU has AMX-BF16 tiles), ``blas`` prefill on
+    MKL's bf16 GEMM (`engine.blas_attention`). In
     batch-invariant mode every token attends alone to its own context (``tokens_loop``, or the
     native ``paged`` kernel), so its result does not depend on the rest of the batch."""
     bs = 16

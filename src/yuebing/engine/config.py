@@ -17,7 +17,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION = ("auto", "grouped", "sdpa", "paged")
 KERNELS = ("auto", "native", "torch")
-PREFILL_ATTENTION = ("same", "auto", "grouped", "sdpa", "blas", "flash")
+PREFILL_ATTENTION = ("same", "auto", "grouped", "sdpa", "blas", "flash", "flash_amx")
 MAX_BLOCKS = 2**31 - 1
 """Most KV blocks of one pool: block tables are int32."""
 
@@ -172,8 +172,8 @@ class EngineConfig:
                 "builds, else torch)"})
     prefill_attention: str = field(default="same", metadata={
         "help": "prefill attention path: same (as --attention), auto (measured), grouped, "
-                "sdpa, blas (MKL bf16 GEMM with fp32 scores; bf16 on x86-64 CPUs) or flash (native "
-                "kernel; bf16 CPU)"})
+                "sdpa, blas (MKL bf16 GEMM with fp32 scores; bf16 on x86-64 CPUs), flash (native "
+                "kernel; bf16 CPU) or flash_amx (its AMX-tile build; CPUs with AMX-BF16)"})
     weights_seed: int = field(default=0, metadata={"help": "seed of dummy random weights"})
     packed_weights: bool = field(default=True, metadata={
         "help": "pack bf16/fp16 matmul weights into oneDNN's layout once at load (CPU)"})

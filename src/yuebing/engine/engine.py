@@ -186,7 +186,8 @@ class LLMEngine:
         if not (prefill in prefills and prefill_supported(prefill, self.dtype, self.device)):
             raise ConfigError(f"prefill attention {prefill!r} does not run with {self.dtype} on "
                               f"{self.device.type} with kernels={self.kernels.name}; use auto, "
-                              "grouped or sdpa (flash needs the native kernels and bf16)")
+                              "grouped or sdpa (flash needs the native kernels and bf16, "
+                              "flash_amx also a CPU with AMX-BF16)")
         self.attention, self.prefill_attention = decode, prefill
         self.model.decode_impl = DECODE_IMPLS[decode]
         self.model.prefill_impl = PREFILL_IMPLS[prefill]

@@ -177,7 +177,28 @@ def _flash_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 register_prefill("flash", prefill_flash, _flash_supported)
-NATIVE_ATTENTION = frozenset({"paged", "flash"})
+
+
+def prefill_flash_amx(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      sl: PrefillSlice, scale: float) -> torch.Tensor:
+    """`prefill_flash` with the score and P·V blocks on AMX tiles (bf16 in, float32 sums; the
+    softmax stays AVX-512). Head sizes not a multiple of 64 run the AVX512-BF16 kernel."""
+    assert sl.block_table is not None, "flash prefill needs the sequence's block table"
+    return torch.ops.yuebing.flash_prefill_attention_amx(q, k_cache, v_cache, sl.block_table,
+                                                         sl.context_len, scale)
+
+
+def amx_available() -> bool:
+    """Whether the native kernels were built with AMX-BF16 and this process may use the tiles."""
+    return native.available() and bool(torch.ops.yuebing.amx_available())
+
+
+def _flash_amx_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    return _flash_supported(dtype, device) and amx_available()
+
+
+register_prefill("flash_amx", prefill_flash_amx, _flash_amx_supported)
+NATIVE_ATTENTION = frozenset({"paged", "flash", "flash_amx"})
 """Attention paths that need the native kernels (the engine drops them with kernels=torch)."""
 
 

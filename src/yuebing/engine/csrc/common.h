@@ -68,5 +68,9 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_table,
                                    int64_t context_len, double scale);
+at::Tensor flash_prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache,
+                                       const at::Tensor& v_cache, const at::Tensor& block_table,
+                                       int64_t context_len, double scale);
+bool amx_available();
 
 }  // namespace yuebing

@@ -12,6 +12,8 @@
 // (running max and sum per row), casts the probabilities to bf16 and accumulates P·V in float32.
 // The output is normalised and cast to bf16 at the end. Tasks are scheduled dynamically (causal
 // tiles differ in cost). Without AVX512-BF16 the same algorithm runs in portable C++.
+// flash_prefill_attention_amx runs the score and P·V blocks on AMX tiles instead (built only
+// where -march=native has AMX-BF16; refused at run time where the kernel denies the tiles).
 #include <atomic>
 #include <memory>
 
@@ -20,6 +22,11 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define YB_FLASH_AVX512 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define YB_FLASH_AMX 1
+#endif
 #endif
 
 namespace yuebing {
@@ -37,12 +44,14 @@ struct FlashShape {
 //   kp[c][i][k][e] = K[c*kChunk + k][2i + e]   (pairs along head_dim, keys in lanes)
 //   vp[c][m][d][e] = V[c*kChunk + 2m + e][d]   (pairs along keys, head_dim in lanes)
 // with the padding keys past ctx (up to a whole chunk) zero. The buffers are not initialised.
+// Only chunks [c0, c1) are written (the caller splits the work).
 void pack_head(const FlashShape& s, const uint16_t* kc, const uint16_t* vc,
-               const int64_t* table, int64_t h, uint16_t* kp, uint16_t* vp) {
+               const int64_t* table, int64_t h, int64_t c0, int64_t c1, uint16_t* kp,
+               uint16_t* vp) {
   const int64_t hd = s.hd, head_stride = s.block_size * hd, block_stride = s.kv_heads * head_stride;
   const int64_t chunk_elems = kChunk * hd;
   const std::vector<uint16_t> zeros(hd, 0);
-  for (int64_t t = 0; t < s.chunks * kChunk; ++t) {
+  for (int64_t t = c0 * kChunk; t < c1 * kChunk; ++t) {
     const uint16_t* k = zeros.data();
     const uint16_t* v = zeros.data();
     if (t < s.ctx) {
@@ -78,6 +87,16 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even (as torch doe
 }
 
 #ifdef YB_FLASH_AVX512
+// float32 → bf16 bits in the low half of each lane: round to nearest even, NaN → 0x7fc0.
+inline __m512i bf16_bits_avx(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                            _mm512_set1_epi32(0x7fc00000));
+  return _mm512_srli_epi32(r, 16);
+}
+
 // e^x for x <= 0 (the softmax argument); exactly 0 below -87 and for -inf; NaN stays NaN
 // (VMAXPS returns its second operand when one is NaN, and an unordered compare keeps the lane).
 inline __m512 exp_nonpositive(__m512 x) {
@@ -198,10 +217,11 @@ void block_scores(const FlashShape& s, const uint16_t* const* qrow, const uint16
 
 // Online-softmax update of rows [r0, r0 + kRows) with the scores `sc`; writes bf16
 // probabilities to `pb[kRows][kChunk]` and rescales the rows' partial outputs.
+// With `alphas`, the rows' rescale factors are written there instead of applied to the outputs.
 void block_softmax(const FlashShape& s, float* sc, const float* rowmax, uint16_t* pb, RowState st,
-                   int64_t r0) {
+                   int64_t r0, int nrows = kRows, float* alphas = nullptr) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int r = 0; r < kRows; ++r) {
+  for (int r = 0; r < nrows; ++r) {
     float* row = sc + r * kChunk;
     const float mx = rowmax[r];
     const float m_old = st.m[r0 + r];
@@ -209,9 +229,11 @@ void block_softmax(const FlashShape& s, float* sc, const float* rowmax, uint16_t
     float* o = st.o + (r0 + r) * s.hd;
     if (m_new == neg_inf) {  // nothing visible yet in this row
       std::fill(pb + r * kChunk, pb + (r + 1) * kChunk, 0);
+      if (alphas) alphas[r] = 1.f;
       continue;
     }
     const float alpha = m_old == neg_inf ? 0.f : std::exp(m_old - m_new);
+    if (alphas) alphas[r] = alpha;
     float sum = 0.f;
 #ifdef YB_FLASH_AVX512
     const __m512 vm = _mm512_set1_ps(m_new);
@@ -224,7 +246,7 @@ void block_softmax(const FlashShape& s, float* sc, const float* rowmax, uint16_t
       _mm512_storeu_si512(pb + r * kChunk + k, (__m512i)packed);
     }
     sum = _mm512_reduce_add_ps(vsum);
-    if (alpha != 1.f) {
+    if (alpha != 1.f && !alphas) {
       const __m512 va = _mm512_set1_ps(alpha);
       for (int64_t d = 0; d < s.hd; d += 16)
         _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), va));
@@ -235,7 +257,8 @@ void block_softmax(const FlashShape& s, float* sc, const float* rowmax, uint16_t
       sum += p;
       pb[r * kChunk + k] = float_to_bf16(p);
     }
-    for (int64_t d = 0; d < s.hd; ++d) o[d] *= alpha;
+    if (!alphas)
+      for (int64_t d = 0; d < s.hd; ++d) o[d] *= alpha;
 #endif
     st.m[r0 + r] = m_new;
     st.l[r0 + r] = st.l[r0 + r] * alpha + sum;
@@ -340,6 +363,324 @@ void flash_task(const FlashShape& s, const uint16_t* q, const uint16_t* kp, cons
   }
 }
 
+#ifdef YB_FLASH_AMX
+// AMX tiles: blocks of 16 rows. tmm0 holds A (16 rows × 32 bf16: Q or P), tmm1 B (16 bf16 pairs ×
+// 16 columns: K or V as packed by pack_head), tmm2..5 the four 16 × 16 float32 C tiles of a block
+// (64 keys of scores, or 64 output columns). TDPBF16PS sums exact bf16 products in float32.
+constexpr int64_t kAmxRows = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// sc[16][kChunk] = qb[16][hd] · K chunkᵀ (raw float32 dot products).
+inline void amx_scores(const uint16_t* qb, const uint16_t* kpc, int64_t hd, float* sc) {
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  for (int64_t k0 = 0; k0 < hd; k0 += 32) {
+    _tile_loadd(0, qb + k0, hd * 2);
+    const uint16_t* kb = kpc + (k0 / 2) * kChunk * 2;  // pairs k0/2 .. k0/2 + 15
+    _tile_loadd(1, kb, kChunk * 4);
+    _tile_dpbf16ps(2, 0, 1);
+    _tile_loadd(1, kb + 32, kChunk * 4);
+    _tile_dpbf16ps(3, 0, 1);
+    _tile_loadd(1, kb + 64, kChunk * 4);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_loadd(1, kb + 96, kChunk * 4);
+    _tile_dpbf16ps(5, 0, 1);
+  }
+  _tile_stored(2, sc, kChunk * 4);
+  _tile_stored(3, sc + 16, kChunk * 4);
+  _tile_stored(4, sc + 32, kChunk * 4);
+  _tile_stored(5, sc + 48, kChunk * 4);
+}
+
+// pv[16][hd] = pb[16][kChunk] · V chunk (fresh C tiles: loading them from outputs the vector
+// code has just rescaled would stall on store forwarding).
+inline void amx_pv(const uint16_t* pb, const uint16_t* vpc, int64_t hd, float* pv) {
+  for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int64_t k0 = 0; k0 < kChunk; k0 += 32) {
+      _tile_loadd(0, pb + k0, kChunk * 2);
+      const uint16_t* vb = vpc + (k0 / 2) * hd * 2 + d0 * 2;  // key pairs k0/2 .. k0/2 + 15
+      _tile_loadd(1, vb, hd * 4);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_loadd(1, vb + 32, hd * 4);
+      _tile_dpbf16ps(3, 0, 1);
+      _tile_loadd(1, vb + 64, hd * 4);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(1, vb + 96, hd * 4);
+      _tile_dpbf16ps(5, 0, 1);
+    }
+    _tile_stored(2, pv + d0, hd * 4);
+    _tile_stored(3, pv + d0 + 16, hd * 4);
+    _tile_stored(4, pv + d0 + 32, hd * 4);
+    _tile_stored(5, pv + d0 + 48, hd * 4);
+  }
+}
+
+// o = o·alpha + pv for 16 rows of hd (a multiple of 16) columns.
+inline void rescale_add(float* o, const float* pv, const float* alphas, int64_t hd) {
+  for (int64_t r = 0; r < kAmxRows; ++r) {
+    const __m512 va = _mm512_set1_ps(alphas[r]);
+    float* dst = o + r * hd;
+    const float* src = pv + r * hd;
+    for (int64_t d = 0; d < hd; d += 16)
+      _mm512_storeu_ps(dst + d, _mm512_fmadd_ps(_mm512_loadu_ps(dst + d), va,
+                                                _mm512_loadu_ps(src + d)));
+  }
+}
+
+// flash_task with AMX tiles (head_dim a multiple of 64): the task's query rows are first copied
+// into one contiguous buffer (tiles load rows at a fixed stride), then each block of 16 rows
+// walks the chunks it can see; scale, mask and online softmax as in the AVX512-BF16 kernel.
+void flash_task_amx(const FlashShape& s, const uint16_t* q, const uint16_t* kp, const uint16_t* vp,
+                    int64_t h, int64_t t0, int64_t t1, float scale, uint16_t* out) {
+  const int64_t g = s.group, rows = (t1 - t0) * g, hd = s.hd, offset = s.ctx - s.n;
+  const int64_t padded = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
+  std::vector<uint16_t> qb(padded * hd), pb(2 * kAmxRows * kChunk);
+  std::vector<float> o(padded * hd, 0.f), m(padded, -std::numeric_limits<float>::infinity()),
+      l(padded, 0.f), sc(2 * kAmxRows * kChunk), rowmax(kAmxRows), alphas(2 * kAmxRows),
+      pv(2 * kAmxRows * hd);
+  std::vector<int64_t> limit(padded);
+  for (int64_t row = 0; row < padded; ++row) {
+    const int64_t src = std::min(row, rows - 1);  // padding rows repeat the last row
+    const int64_t t = t0 + src / g;
+    std::memcpy(qb.data() + row * hd, q + t * s.q_tok + (h * g + src % g) * s.q_head, hd * 2);
+    limit[row] = offset + t;  // last visible key
+  }
+  RowState st{o.data(), m.data(), l.data()};
+  const int64_t chunk_elems = kChunk * hd;
+  // two blocks of 16 rows at a time, each phase run for both before the next: a tile load of
+  // what the vector code has just stored (scores → probabilities → P·V) waits for the stores
+  // to reach the cache, and the other block's work fills that wait
+  for (int64_t r0 = 0; r0 < padded; r0 += 2 * kAmxRows) {
+    const int nb = padded - r0 > kAmxRows ? 2 : 1;
+    int64_t last[2] = {0, 0};
+    for (int b = 0; b < nb; ++b)  // rows ascend in position: a block's last row sees most
+      last[b] = limit[r0 + b * kAmxRows + kAmxRows - 1] / kChunk;
+    for (int64_t c = 0; c <= last[nb - 1]; ++c) {
+      const int b0 = c <= last[0] ? 0 : 1;  // blocks still seeing chunk c: [b0, nb)
+      for (int b = b0; b < nb; ++b)
+        amx_scores(qb.data() + (r0 + b * kAmxRows) * hd, kp + c * chunk_elems, hd,
+                   sc.data() + b * kAmxRows * kChunk);
+      for (int b = b0; b < nb; ++b) {
+        float* scb = sc.data() + b * kAmxRows * kChunk;
+        const int64_t rb = r0 + b * kAmxRows;
+        for (int64_t r = 0; r < kAmxRows; ++r) {
+          float* row = scb + r * kChunk;
+          const Row4 acc{_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16),
+                         _mm512_loadu_ps(row + 32), _mm512_loadu_ps(row + 48)};
+          rowmax[r] = finish_row(acc, c * kChunk, limit[rb + r], scale, row);
+        }
+        block_softmax(s, scb, rowmax.data(), pb.data() + b * kAmxRows * kChunk, st, rb,
+                      kAmxRows, alphas.data() + b * kAmxRows);
+      }
+      for (int b = b0; b < nb; ++b)
+        amx_pv(pb.data() + b * kAmxRows * kChunk, vp + c * chunk_elems, hd,
+               pv.data() + b * kAmxRows * hd);
+      for (int b = b0; b < nb; ++b)
+        rescale_add(o.data() + (r0 + b * kAmxRows) * hd, pv.data() + b * kAmxRows * hd,
+                    alphas.data() + b * kAmxRows, hd);
+    }
+  }
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t t = t0 + row / g;
+    uint16_t* dst = out + t * s.heads * hd + (h * g + row % g) * hd;
+    const float inv = 1.f / l[row];
+    for (int64_t d = 0; d < hd; ++d) dst[d] = float_to_bf16(o[row * hd + d] * inv);
+  }
+}
+
+// head_dim 64 (SmolLM2, Llama 3.2 1B...): the 16 × 64 float32 output of a block of 16 rows
+// stays in tmm4..7 across the whole context; keys go 32 at a time (scores in tmm2..3), the
+// scores of step j+1 computed before P·V of step j (a tile load of just-stored probabilities
+// waits for the stores, and that work fills the wait). The softmax keeps a per-row reference
+// max m and rescales (tiles out, rows scaled, tiles in) only when a score exceeds m + 8: the
+// probabilities exp(s - m) stay ≤ e^8 (bf16 keeps its relative precision at any magnitude),
+// and the sum uses the same reference, so the normalised result is the same function.
+constexpr float kLazyMax = 8.f;
+
+inline void amx_scores32(const uint16_t* qb, const uint16_t* kp, int64_t step, float* sc) {
+  const uint16_t* kpc = kp + (step / 2) * kChunk * 64 + (step % 2) * 64;
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k0 = 0; k0 < 64; k0 += 32) {
+    _tile_loadd(0, qb + k0, 128);
+    const uint16_t* kb = kpc + (k0 / 2) * kChunk * 2;
+    _tile_loadd(1, kb, kChunk * 4);
+    _tile_dpbf16ps(2, 0, 1);
+    _tile_loadd(1, kb + 32, kChunk * 4);
+    _tile_dpbf16ps(3, 0, 1);
+  }
+  _tile_stored(2, sc, 128);
+  _tile_stored(3, sc + 16, 128);
+}
+
+inline void amx_pv32(const uint16_t* pb, const uint16_t* vp, int64_t step) {
+  const uint16_t* vb = vp + (step / 2) * kChunk * 64 + (step % 2) * 16 * 64 * 2;
+  _tile_loadd(0, pb, 64);
+  _tile_loadd(1, vb, 256);
+  _tile_dpbf16ps(4, 0, 1);
+  _tile_loadd(1, vb + 32, 256);
+  _tile_dpbf16ps(5, 0, 1);
+  _tile_loadd(1, vb + 64, 256);
+  _tile_dpbf16ps(6, 0, 1);
+  _tile_loadd(1, vb + 96, 256);
+  _tile_dpbf16ps(7, 0, 1);
+}
+
+struct LazyRows {
+  float m[kAmxRows];             // reference max per row (-inf: nothing visible yet)
+  float alpha[kAmxRows];         // rescale factor of the outputs this step (1: none)
+  alignas(64) float lsum[kAmxRows * 16];  // per-row running sums, 16 lanes each
+};
+
+// Probabilities of step `step` (keys step·32 ..) for 16 rows from raw scores sc[16][32] into
+// pb[16][32] bf16; returns whether any row's outputs must be rescaled by rows.alpha.
+inline bool lazy_softmax(const float* sc, const int64_t* limit, int64_t step, float scale,
+                         LazyRows& rows, uint16_t* pb) {
+  const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
+  const __m512 lazy = _mm512_set1_ps(kLazyMax);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int64_t first = step * 32;
+  bool rescale = false;
+  for (int64_t r = 0; r < kAmxRows; ++r) {
+    __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(sc + r * 32), vscale);
+    __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(sc + r * 32 + 16), vscale);
+    const int64_t visible = limit[r] - first + 1;  // keys [0, visible) of the step are visible
+    if (visible < 32) {
+      const __m512i vis = _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(visible, 0)));
+      x0 = _mm512_mask_mov_ps(neg_inf, _mm512_cmp_epi32_mask(lane, vis, _MM_CMPINT_LT), x0);
+      x1 = _mm512_mask_mov_ps(
+          neg_inf,
+          _mm512_cmp_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), vis, _MM_CMPINT_LT),
+          x1);
+    }
+    float m = rows.m[r];
+    __m512 vm = _mm512_set1_ps(m);
+    __m512 y0 = _mm512_sub_ps(x0, vm), y1 = _mm512_sub_ps(x1, vm);
+    rows.alpha[r] = 1.f;
+    // above the reference by more than kLazyMax, or NaN (either operand): a new reference
+    if (_mm512_cmp_ps_mask(y0, lazy, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(y1, lazy, _CMP_NLE_UQ)) {
+      const __mmask16 nan = _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) |
+                            _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q);
+      const float mx = nan || std::isnan(m) ? NAN
+                                            : std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+      const float alpha = m == -INFINITY ? 0.f : std::exp(m - mx);  // NaN stays NaN
+      if (m != -INFINITY) {  // outputs of a row that saw nothing yet are 0 already
+        rows.alpha[r] = alpha;
+        rescale = true;
+      }
+      float* ls = rows.lsum + r * 16;
+      _mm512_storeu_ps(ls, _mm512_mul_ps(_mm512_loadu_ps(ls), _mm512_set1_ps(alpha)));
+      rows.m[r] = m = mx;
+      vm = _mm512_set1_ps(m);
+      y0 = _mm512_sub_ps(x0, vm);
+      y1 = _mm512_sub_ps(x1, vm);
+    }
+    const __m512 p0 = exp_nonpositive(y0), p1 = exp_nonpositive(y1);  // ≤ e^8: exact enough
+    float* ls = rows.lsum + r * 16;
+    _mm512_storeu_ps(ls, _mm512_add_ps(_mm512_loadu_ps(ls), _mm512_add_ps(p0, p1)));
+    _mm512_storeu_si512(pb + r * 32, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+  }
+  return rescale;
+}
+
+void flash_task_amx64(const FlashShape& s, const uint16_t* q, const uint16_t* kp,
+                      const uint16_t* vp, int64_t h, int64_t t0, int64_t t1, float scale,
+                      uint16_t* out) {
+  const int64_t g = s.group, rows = (t1 - t0) * g, hd = 64, offset = s.ctx - s.n;
+  const int64_t padded = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
+  std::vector<uint16_t> qb(padded * hd);
+  std::vector<int64_t> limit(padded);
+  for (int64_t row = 0; row < padded; ++row) {
+    const int64_t src = std::min(row, rows - 1);  // padding rows repeat the last row
+    const int64_t t = t0 + src / g;
+    std::memcpy(qb.data() + row * hd, q + t * s.q_tok + (h * g + src % g) * s.q_head, hd * 2);
+    limit[row] = offset + t;  // last visible key
+  }
+  alignas(64) float sc[kAmxRows * 32], ob[kAmxRows * 64];
+  alignas(64) uint16_t pb[2][kAmxRows * 32];
+  LazyRows lr;
+  for (int64_t r0 = 0; r0 < padded; r0 += kAmxRows) {
+    const uint16_t* qr = qb.data() + r0 * hd;
+    const int64_t* lim = limit.data() + r0;
+    const int64_t steps = lim[kAmxRows - 1] / 32 + 1;  // rows ascend in position
+    std::fill(lr.m, lr.m + kAmxRows, -INFINITY);
+    std::fill(lr.lsum, lr.lsum + kAmxRows * 16, 0.f);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    amx_scores32(qr, kp, 0, sc);
+    lazy_softmax(sc, lim, 0, scale, lr, pb[0]);  // outputs are 0: nothing to rescale
+    for (int64_t j = 0; j < steps; ++j) {
+      if (j + 1 < steps) amx_scores32(qr, kp, j + 1, sc);
+      amx_pv32(pb[j % 2], vp, j);
+      if (j + 1 < steps && lazy_softmax(sc, lim, j + 1, scale, lr, pb[(j + 1) % 2])) {
+        _tile_stored(4, ob, 256);
+        _tile_stored(5, ob + 16, 256);
+        _tile_stored(6, ob + 32, 256);
+        _tile_stored(7, ob + 48, 256);
+        for (int64_t r = 0; r < kAmxRows; ++r) {
+          if (lr.alpha[r] == 1.f) continue;
+          const __m512 va = _mm512_set1_ps(lr.alpha[r]);
+          for (int64_t d = 0; d < 64; d += 16)
+            _mm512_storeu_ps(ob + r * 64 + d, _mm512_mul_ps(_mm512_loadu_ps(ob + r * 64 + d), va));
+        }
+        _tile_loadd(4, ob, 256);
+        _tile_loadd(5, ob + 16, 256);
+        _tile_loadd(6, ob + 32, 256);
+        _tile_loadd(7, ob + 48, 256);
+      }
+    }
+    _tile_stored(4, ob, 256);
+    _tile_stored(5, ob + 16, 256);
+    _tile_stored(6, ob + 32, 256);
+    _tile_stored(7, ob + 48, 256);
+    for (int64_t r = 0; r < kAmxRows && r0 + r < rows; ++r) {
+      const int64_t row = r0 + r, t = t0 + row / g;
+      uint16_t* dst = out + t * s.heads * hd + (h * g + row % g) * hd;
+      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(lr.lsum + r * 16)));
+      for (int64_t d = 0; d < 64; d += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                            _mm512_cvtepi32_epi16(bf16_bits_avx(_mm512_mul_ps(_mm512_loadu_ps(ob + r * 64 + d), inv))));
+    }
+  }
+}
+#endif
+
+// Whether this process may use AMX tiles: built for a CPU with AMX-BF16 and granted the tile
+// state by the kernel (arch_prctl ARCH_REQ_XCOMP_PERM; fails on CPUs without AMX). Asked once.
+bool amx_usable() {
+#ifdef YB_FLASH_AMX
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 // Validates the operands (every block id the context uses must lie in the pool) and returns
 // the shape; bad input raises with a message naming the operand.
 FlashShape check_flash_inputs(const at::Tensor& q, const at::Tensor& k_cache,
@@ -386,9 +727,11 @@ FlashShape check_flash_inputs(const at::Tensor& q, const at::Tensor& k_cache,
 
 }  // namespace
 
-at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                   const at::Tensor& v_cache, const at::Tensor& block_table,
-                                   int64_t context_len, double scale) {
+namespace {
+
+at::Tensor run_flash(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_table, int64_t context_len, double scale,
+                     bool amx) {
   const FlashShape s = check_flash_inputs(q, k_cache, v_cache, block_table, context_len);
   auto out = at::empty({s.n, s.heads, s.hd}, q.options().memory_format(at::MemoryFormat::Contiguous));
   const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
@@ -400,23 +743,68 @@ at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   const int64_t head_elems = s.chunks * kChunk * s.hd;
   std::unique_ptr<uint16_t[]> kp(new uint16_t[s.kv_heads * head_elems]);
   std::unique_ptr<uint16_t[]> vp(new uint16_t[s.kv_heads * head_elems]);
-  at::parallel_for(0, s.kv_heads, 1, [&](int64_t b, int64_t e) {
-    for (int64_t h = b; h < e; ++h)
-      pack_head(s, kc, vc, table, h, kp.get() + h * head_elems, vp.get() + h * head_elems);
+  // (kv head, chunk) pieces: a few kv heads alone would leave threads idle
+  at::parallel_for(0, s.kv_heads * s.chunks, 8, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e;) {
+      const int64_t h = i / s.chunks, c0 = i % s.chunks, c1 = std::min(s.chunks, c0 + (e - i));
+      pack_head(s, kc, vc, table, h, c0, c1, kp.get() + h * head_elems, vp.get() + h * head_elems);
+      i += c1 - c0;
+    }
   });
+#ifdef YB_FLASH_AMX
+  amx = amx && s.hd % 64 == 0;
+#else
+  amx = false;
+#endif
   const int64_t tiles = (s.n + kTile - 1) / kTile, tasks = s.kv_heads * tiles;
   const float fscale = static_cast<float>(scale);
   // later tiles see more keys: every thread of torch's pool takes the costliest task left
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+#ifdef YB_FLASH_AMX
+    if (amx) amx_configure();
+#endif
     for (int64_t i = next++; i < tasks; i = next++) {
       const int64_t tile = tiles - 1 - i / s.kv_heads, h = i % s.kv_heads;
       const int64_t t0 = tile * kTile, t1 = std::min(s.n, t0 + kTile);
+#ifdef YB_FLASH_AMX
+      if (amx && s.hd == 64) {
+        flash_task_amx64(s, qp, kp.get() + h * head_elems, vp.get() + h * head_elems, h, t0, t1,
+                         fscale, op);
+        continue;
+      }
+      if (amx) {
+        flash_task_amx(s, qp, kp.get() + h * head_elems, vp.get() + h * head_elems, h, t0, t1,
+                       fscale, op);
+        continue;
+      }
+#endif
       flash_task(s, qp, kp.get() + h * head_elems, vp.get() + h * head_elems, h, t0, t1,
                  fscale, op);
     }
+#ifdef YB_FLASH_AMX
+    if (amx) _tile_release();
+#endif
   });
   return out;
 }
+
+}  // namespace
+
+at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_table,
+                                   int64_t context_len, double scale) {
+  return run_flash(q, k_cache, v_cache, block_table, context_len, scale, false);
+}
+
+at::Tensor flash_prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache,
+                                       const at::Tensor& v_cache, const at::Tensor& block_table,
+                                       int64_t context_len, double scale) {
+  TORCH_CHECK(amx_usable(), "flash_prefill_attention_amx: this CPU or build has no AMX-BF16 "
+              "tiles (see amx_available)");
+  return run_flash(q, k_cache, v_cache, block_table, context_len, scale, true);
+}
+
+bool amx_available() { return amx_usable(); }
 
 }  // namespace yuebing

@@ -14,6 +14,9 @@ TORCH_LIBRARY(yuebing, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("flash_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
         "int context_len, float scale) -> Tensor");
+  m.def("flash_prefill_attention_amx(Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_table, int context_len, float scale) -> Tensor");
+  m.def("amx_available() -> bool", &yuebing::amx_available);  // no tensors: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(yuebing, CPU, m) {
@@ -23,4 +26,5 @@ TORCH_LIBRARY_IMPL(yuebing, CPU, m) {
   m.impl("rope_write_kv", &yuebing::rope_write_kv);
   m.impl("silu_and_mul", &yuebing::silu_and_mul);
   m.impl("flash_prefill_attention", &yuebing::flash_prefill_attention);
+  m.impl("flash_prefill_attention_amx", &yuebing::flash_prefill_attention_amx);
 }
