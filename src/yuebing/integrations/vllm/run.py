@@ -42,6 +42,8 @@ def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
     server = None
     if not cfg.vllm_url and cfg.kv_events_port == 0:
         cfg = dataclasses.replace(cfg, kv_events_port=_free_port())
+    if not cfg.vllm_url and cfg.kv_replay_port == 0 and cfg.kv_events_port > 0:
+        cfg = dataclasses.replace(cfg, kv_replay_port=_free_port())
     if not cfg.vllm_url:
         why = env.missing()
         if why:
@@ -51,7 +53,8 @@ def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
                                 block_size=cfg.block_size,
                                 store_block_tokens=cfg.store_block_tokens,
                                 max_model_len=cfg.max_model_len,
-                                kv_events_port=max(0, cfg.kv_events_port))
+                                kv_events_port=max(0, cfg.kv_events_port),
+                                kv_replay_port=max(0, cfg.kv_replay_port))
         logs = log_dir or Path(tempfile.mkdtemp(prefix="yb-vllm-"))
         server = VllmServer(scfg, logs / f"{cfg.instance_id}.vllm.log", env)
         log.info("starting vLLM on %s (log %s)", server.url, server.log_path)
