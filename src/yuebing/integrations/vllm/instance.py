@@ -25,12 +25,15 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from yuebing.cluster.discovery import parse_etcd_url
+from yuebing.core.auth import TOKEN_HELP, env_cluster_token, require_token
 from yuebing.core.config import require
 from yuebing.integrations.vllm.events import KvEventIndex
 from yuebing.integrations.vllm.handoff import Handoff
 from yuebing.integrations.vllm.layout import KvLayout, layout_from_hf
 from yuebing.integrations.vllm.load import VllmLoad, parse_metrics
 from yuebing.integrations.vllm.plan import RECV_KEY, SEND_KEY, StreamParams
+from yuebing.ops.zap import TokenAuthenticator, serve_plain
 from yuebing.protocol import Message, ProtocolError, decode, encode
 from yuebing.protocol.instance import (
     Ack,
@@ -67,11 +70,15 @@ class VllmInstanceConfig:
                 "start one from the peers venv on --vllm-port, with the connector on --master)"})
     vllm_port: int = field(default=8001, metadata={"help": "port of the vLLM server started"})
     master: str = field(default="", metadata={
-        "help": "store master of the started vLLM's YuebingConnector ('' = no connector)"})
+        "help": "store master of the started vLLM's YuebingConnector ('' = the store leader "
+                "named in --etcd, else no connector)"})
     model_dir: str = field(default="", metadata={
         "help": "the HF model folder vLLM serves ('' = the peers venv's SmolLM2 export)"})
     instance_id: str = field(default="vllm-0", metadata={"help": "this instance's id"})
-    host: str = field(default="127.0.0.1", metadata={"help": "control socket host"})
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "control socket host (beyond loopback: a cluster token is required)"})
+    cluster_token: str = field(default_factory=env_cluster_token, repr=False, metadata={
+        "help": TOKEN_HELP, "secret": True})
     control_port: int = field(default=0, metadata={"help": "control socket port (0 = any)"})
     served_name: str = field(default="smollm2-135m-instruct", metadata={
         "help": "vLLM's --served-model-name (also the model's name in the KV fingerprint)"})
@@ -79,6 +86,10 @@ class VllmInstanceConfig:
     block_size: int = field(default=128, metadata={"help": "vLLM's --block-size"})
     store_block_tokens: int = field(default=256, metadata={"help": "tokens per store block"})
     max_model_len: int = field(default=4352, metadata={"help": "vLLM's --max-model-len"})
+    etcd: str = field(default="", metadata={
+        "help": "etcd URL: publish this instance for the Conductor's discovery, and find the "
+                "store master there when --master is not given ('' = none)"})
+    cluster: str = field(default="default", metadata={"help": "cluster name in etcd"})
     report_s: float = field(default=0.5, metadata={"help": "load report period"})
     role: str = field(default="coupled", metadata={
         "help": "coupled, prefill or decode (prefill/decode hand the KV off through the store)"})
@@ -110,6 +121,9 @@ class VllmInstanceConfig:
         require(self.report_s > 0, "report_s must be > 0")
         require(self.handoff_pool_blocks >= 0, "handoff_pool_blocks must be >= 0")
         require(self.replay_timeout_s > 0, "replay_timeout_s must be > 0")
+        if self.etcd:
+            parse_etcd_url(self.etcd)  # ValueError naming --etcd
+        require_token("--host", self.host, self.cluster_token)
         for name in ("kv_events_port", "kv_replay_port"):
             port = getattr(self, name)
             require(-1 <= port < 65536, f"{name} must be -1, 0 or a port, got {port}")
@@ -161,7 +175,13 @@ class VllmInstance:
         self.eos = set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
         self.incarnation = uuid.uuid4().hex
         self.ctx = zmq.asyncio.Context()
+        self.zap: TokenAuthenticator | None = None
+        if cfg.cluster_token:  # only peers presenting the token (`ops.zap`)
+            self.zap = TokenAuthenticator(self.ctx, cfg.cluster_token)
+            self.zap.start()
         self.sock = self.ctx.socket(zmq.ROUTER)
+        if cfg.cluster_token:
+            serve_plain(self.sock)
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port(f"tcp://{cfg.host}") if cfg.control_port == 0 \
             else self._bind(cfg.control_port)
@@ -257,6 +277,8 @@ class VllmInstance:
             if self.handoff is not None:
                 self.handoff.close()
             self.sock.close()
+            if self.zap is not None:
+                self.zap.stop()
             self.ctx.term()
 
     def dispatch(self, ident: bytes, msg: Message) -> Message | None:
