@@ -80,6 +80,10 @@ class ConductorMetrics:
         self.overhead = hist("conductor_dispatch_seconds",
                              "Conductor overhead: HTTP arrival to the task sent to the instances "
                              "(the decode reservation's round trip excluded)", overhead)
+        self.dispatch_phase = Histogram(
+            "yuebing:conductor_dispatch_phase_seconds", "conductor_dispatch_seconds in parts: "
+            "body (read), parse (validate, tokenize), start (to the dispatcher's task), route "
+            "(keys, policy), send (the rest)", ["phase"], registry=r, buckets=overhead)
         self.relay = hist("conductor_relay_seconds", "Conductor overhead: a token event's "
                           "frame read from the instance's socket to its chunk handed to the "
                           "HTTP transport", overhead)
