@@ -53,7 +53,7 @@ def find_master(cfg: VllmInstanceConfig, timeout_s: float = 60.0) -> str:
         else:
             why = "no store leader elected"
         if master:
-            log.info("store master %s (from etcd %s)", master, cfg.etcd)
+            print(f"store master {master} (from etcd {cfg.etcd})", flush=True)
             return master
         if time.monotonic() >= deadline:
             raise SystemExit(f"no store master in etcd {cfg.etcd} cluster {cfg.cluster!r} "
