@@ -46,6 +46,11 @@ def get_json(url: str) -> dict:
         return dict(json.loads(r.read()))
 
 
+def get_list(url: str) -> list:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return list(json.loads(r.read()))
+
+
 def chat(url: str, content: str) -> dict:
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}],
                        "max_tokens": 16, "temperature": 0}).encode()
@@ -109,12 +114,14 @@ def vllm_pid(url: str) -> int:
 HELD = ("pending", "reservations", "leases")
 
 
-def test_a_vllm_killed_mid_request_leaves_nothing_held_in_the_store(tmp_path):
-    """The request's prompt repeats a prefix computed before (its vLLM loads it from the
-    store: read leases) and adds new blocks (puts, reservations); vLLM is killed -9 at the
-    first token, while its connector still saves. The stream ends with an error, and the
-    master's pending puts, reservations and read leases go back to none (what the dead
-    connector held is reclaimed at its write or lease expiry)."""
+def test_a_vllm_killed_mid_request_leaves_nothing_held_in_the_store(tmp_path, monkeypatch):
+    """The request's prompt repeats a prefix computed before and dropped from vLLM's own
+    cache (vLLM's dev endpoint ``/reset_prefix_cache``), so its vLLM loads it from the store
+    (read leases), and adds new blocks (puts, reservations); vLLM is killed -9 at the first
+    token, while its connector still saves. The stream ends with an error, and the master's
+    pending puts, reservations and read leases go back to none (what the dead connector held
+    is reclaimed at its write or lease expiry)."""
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # for /reset_prefix_cache
     procs: list[ReadyProcess] = []
     try:
         admin = free_port()
@@ -123,6 +130,7 @@ def test_a_vllm_killed_mid_request_leaves_nothing_held_in_the_store(tmp_path):
         procs.append(store_procs.node(m.info["address"], "512MiB"))
         usage = f"http://127.0.0.1:{admin}/usage"
         inst = ReadyProcess(yuebing_argv(["vllm", "instance", "--master", m.info["address"],
+                                          "--instance-id", "vllm-k",
                                           "--vllm-port", str(free_port()),
                                           "--log-dir", str(tmp_path)]),
                             name="vllm-k", workdir=tmp_path, timeout_s=600)
@@ -131,6 +139,10 @@ def test_a_vllm_killed_mid_request_leaves_nothing_held_in_the_store(tmp_path):
                                           inst.info["control_address"]]),
                             name="conductor", workdir=tmp_path, timeout_s=120)
         procs.append(cond)
+        end = time.monotonic() + 60
+        while not get_json(cond.info["url"] + "/health")["instances"].get("coupled") and \
+                time.monotonic() < end:
+            time.sleep(0.2)
         rng = random.Random(11)
         prefix = [rng.randrange(100, 49000) for _ in range(1024)]
         body = {"model": MODEL, "prompt": prefix, "max_tokens": 1, "temperature": 0}
@@ -139,10 +151,15 @@ def test_a_vllm_killed_mid_request_leaves_nothing_held_in_the_store(tmp_path):
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=300) as r:
             r.read()
-        end = time.monotonic() + 60  # its saves land after the answer
-        while get_json(usage)["objects"] < 4 and time.monotonic() < end:
+        keys = f"http://127.0.0.1:{admin}/keys?prefix=kv/"
+        end = time.monotonic() + 60  # its saves are committed after the answer
+        while len(get_list(keys)) < 4 and time.monotonic() < end:
             time.sleep(0.2)
-        assert get_json(usage)["objects"] >= 4
+        assert len(get_list(keys)) == 4
+        reset = urllib.request.Request(inst.info["vllm_url"] + "/reset_prefix_cache",
+                                       data=b"", method="POST")
+        with urllib.request.urlopen(reset, timeout=30) as r:
+            r.read()
         longer = [*prefix, *(rng.randrange(100, 49000) for _ in range(2048))]
         body = {"model": MODEL, "prompt": longer, "max_tokens": 200, "temperature": 0,
                 "stream": True}
@@ -163,6 +180,8 @@ def test_a_vllm_killed_mid_request_leaves_nothing_held_in_the_store(tmp_path):
         except OSError as e:  # a cut connection is an acceptable end too
             lines.append(f"cut: {e}")
         assert any('"error"' in x or x.startswith("cut:") for x in lines[1:]), lines[-3:]
+        print("held at the kill:", {k: at_kill[k] for k in HELD})
+        assert any(at_kill[k] for k in HELD), at_kill  # the dead connector held something
         log = (tmp_path / "vllm-k.vllm.log").read_text()
         assert "yuebing store load: request" in log  # the prefix came from the store
         end = time.monotonic() + 120
