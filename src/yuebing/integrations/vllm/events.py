@@ -3,9 +3,11 @@
 `instance.VllmInstance` feeds it vLLM's ZMQ frames (``--kv-events-config``; format at `frame`)
 and sends what `take` returns in its load reports (``cache_added`` / ``cache_removed``) for the
 Conductor's KV index. Keys are chained `hash_block` keys of store blocks (`KvLayout.block_keys`):
-each vLLM block keeps the key of the last complete store block before it and the tokens since. A block whose
-parent is unknown (events lost) is skipped with its descendants: the index may miss a prefix,
-never claim one the instance does not hold.
+each vLLM block keeps the key of the last complete store block before it and the tokens since.
+Lost events (a sequence gap) are asked again from vLLM's replay endpoint (`frame` says from
+where, `replay` applies them); where they cannot be had, `reset` forgets every block and the
+next `take` is a full resync. A block whose parent is unknown is skipped with its descendants:
+the index may miss a prefix, never claim one the instance does not hold.
 """
 
 from __future__ import annotations

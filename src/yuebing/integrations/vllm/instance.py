@@ -571,9 +571,11 @@ class VllmInstance:
             if start is None:
                 continue
             frames = await self._replay(start)
-            if frames is None or not self.kv_index.replay(frames):
+            # after the replay, this frame is a repeat of one of its frames, or the next
+            if frames is None or not self.kv_index.replay(frames) or \
+                    self.kv_index.frame(parts) is not None:
                 self.kv_index.reset(int.from_bytes(parts[1], "big") - 1)
-            self.kv_index.frame(parts)  # a repeat of the replay's by now, or the next
+                self.kv_index.frame(parts)
 
     async def _replay(self, start: int) -> list[list[bytes]] | None:
         """vLLM's buffered event frames from ``start`` on (its ROUTER answers ``[b"", topic,
