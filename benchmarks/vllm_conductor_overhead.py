@@ -6,8 +6,8 @@ the prefill turn and the decode reservation's round trip excluded; target p99 â‰
 relay time per token event (``yuebing:conductor_relay_seconds``), as in
 ``benchmarks/conductor_overhead.py`` (whose bucket interpolation this reuses), and where the
 dispatch time goes (``yuebing:conductor_dispatch_phase_seconds``: body, parse, start, route,
-send). With ``--renice N`` the same load runs a second time in the same cluster with the
-Conductor's process at nice N (e.g. -10). With ``--nice-vllm N`` rounds alternate (A, B, A,
+send) and its garbage collections (``yuebing:conductor_gc_seconds``). With ``--renice N`` the
+same load runs a second time in the same cluster with the Conductor's process at nice N. With ``--nice-vllm N`` rounds alternate (A, B, A,
 B, ...: ``--rounds``) between the vLLM servers at their nice and at nice N, every thread of
 theirs (going back needs root; without it the rounds stop after the first B). Prints JSON.
 
@@ -82,18 +82,24 @@ PHASES = ("body", "parse", "start", "route", "send")
 PHASE = "yuebing:conductor_dispatch_phase_seconds"
 
 
-def phases(before: str, after: str) -> dict[str, dict[str, float]]:
-    """`delta_stats` of each phase of the dispatch histogram."""
-    def only(text: str, phase: str) -> str:
-        keep = re.compile(rf'^{re.escape(PHASE)}_(bucket|count)\{{(.*?)phase="{phase}"(.*?)\}}'
+def labelled(before: str, after: str, name: str, label: str,
+             values: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """`delta_stats` of histogram ``name`` for each value of its ``label``."""
+    def only(text: str, value: str) -> str:
+        keep = re.compile(rf'^{re.escape(name)}_(bucket|count)\{{(.*?){label}="{value}"(.*?)\}}'
                           r" (\S+)$", re.M)
         out = []
         for m in keep.finditer(text):
             labels = ",".join(x for x in (m.group(2) + m.group(3)).split(",") if x)
-            out.append(f"{PHASE}_{m.group(1)}" + (f"{{{labels}}}" if labels else "") +
+            out.append(f"{name}_{m.group(1)}" + (f"{{{labels}}}" if labels else "") +
                        f" {m.group(4)}")
         return "\n".join(out)
-    return {p: delta_stats(only(before, p), only(after, p), PHASE) for p in PHASES}
+    return {v: delta_stats(only(before, v), only(after, v), name) for v in values}
+
+
+def phases(before: str, after: str) -> dict[str, dict[str, float]]:
+    """`delta_stats` of each phase of the dispatch histogram."""
+    return labelled(before, after, PHASE, "phase", PHASES)
 
 
 def vllm_threads(serve_pid: int) -> list[int]:
@@ -201,7 +207,9 @@ def main() -> int:
            "wall_s": round(wall, 2), "mean_latency_s": round(sum(latencies) / len(latencies), 3),
            "dispatch": delta_stats(before, after, "yuebing:conductor_dispatch_seconds"),
            "relay": delta_stats(before, after, "yuebing:conductor_relay_seconds"),
-           "dispatch_phases": phases(before, after), **reniced,
+           "dispatch_phases": phases(before, after),
+           "gc": labelled(before, after, "yuebing:conductor_gc_seconds", "generation",
+                          ("0", "1", "2")), **reniced,
            "logs": str(logs), "loadavg": " ".join(Path("/proc/loadavg").read_text().split()[:3])}
     print(json.dumps(out, indent=2))
     return 0

@@ -126,3 +126,20 @@ def test_the_dispatch_phases_add_up_to_the_dispatch_time():
     assert list(p) == ["body", "parse", "start", "route", "send"]
     assert abs(sum(p.values()) - s.dispatch_s) < 1e-9
     assert abs(p["route"] - 0.002) < 1e-9 and abs(p["send"] - 0.004) < 1e-9
+
+
+def test_the_conductors_garbage_collections_are_timed():
+    import gc
+
+    from yuebing.conductor.metrics import ConductorMetrics
+
+    m = ConductorMetrics()
+    m.watch_gc()
+    try:
+        gc.collect(2)
+    finally:
+        m.unwatch_gc()
+    gc.collect(2)  # no longer watched
+    count = m.registry.get_sample_value("yuebing:conductor_gc_seconds_count",
+                                        {"generation": "2"})
+    assert count == 1

@@ -389,5 +389,9 @@ def run_conductor(cfg: ConductorConfig, ready_file: str = "") -> int:
         os.replace(tmp, ready_file)
     print(f"conductor serving {cfg.model_name} on {conductor.url}", flush=True)
     gc.freeze()  # start-up's objects (tokenizer, modules) out of every later collection
-    server.run(sockets=[sock])
+    conductor.metrics.watch_gc()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        conductor.metrics.unwatch_gc()
     return 0
