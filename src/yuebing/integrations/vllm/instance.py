@@ -122,7 +122,10 @@ class VllmInstanceConfig:
         require(self.handoff_pool_blocks >= 0, "handoff_pool_blocks must be >= 0")
         require(self.replay_timeout_s > 0, "replay_timeout_s must be > 0")
         if self.etcd:
-            parse_etcd_url(self.etcd)  # ValueError naming --etcd
+            try:
+                parse_etcd_url(self.etcd)
+            except ValueError as e:
+                require(False, str(e))
         require_token("--host", self.host, self.cluster_token)
         for name in ("kv_events_port", "kv_replay_port"):
             port = getattr(self, name)
