@@ -4,21 +4,26 @@ time; the Conductor's own histograms, read from ``/metrics`` before and after, g
 dispatch time (``yuebing:conductor_dispatch_seconds``: HTTP arrival → task sent, the wait for
 the prefill turn and the decode reservation's round trip excluded; target p99 ≤ 5 ms) and its
 relay time per token event (``yuebing:conductor_relay_seconds``), as in
-``benchmarks/conductor_overhead.py`` (whose bucket interpolation this reuses). With
-``--renice N`` the same load runs a second time in the same cluster with the Conductor's
-process at nice N (e.g. -10): if the tail goes away, it was the host's load (the Conductor
-waiting for a core), not the Conductor's code. Prints JSON.
+``benchmarks/conductor_overhead.py`` (whose bucket interpolation this reuses), and where the
+dispatch time goes (``yuebing:conductor_dispatch_phase_seconds``: body, parse, start, route,
+send) and its garbage collections (``yuebing:conductor_gc_seconds``). With ``--renice N`` the
+same load runs a second time in the same cluster with the Conductor's process at nice N. With ``--nice-vllm N`` rounds alternate (A, B, A,
+B, ...: ``--rounds``) between the vLLM servers at their nice and at nice N, every thread of
+theirs (going back needs root; without it the rounds stop after the first B). Prints JSON.
 
 Usage:  PYTHONPATH=src .venv/bin/python benchmarks/vllm_conductor_overhead.py
         [--requests 40] [--concurrency 4] [--roles "--prefill 1 --decode 1"] [--renice -10]
+        [--nice-vllm 10 --rounds 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -73,6 +78,57 @@ def conductor_pid(serve_pid: int) -> int:
     raise SystemExit("no Conductor process found")
 
 
+PHASES = ("body", "parse", "start", "route", "send")
+PHASE = "yuebing:conductor_dispatch_phase_seconds"
+
+
+def labelled(before: str, after: str, name: str, label: str,
+             values: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """`delta_stats` of histogram ``name`` for each value of its ``label``."""
+    def only(text: str, value: str) -> str:
+        keep = re.compile(rf'^{re.escape(name)}_(bucket|count)\{{(.*?){label}="{value}"(.*?)\}}'
+                          r" (\S+)$", re.M)
+        out = []
+        for m in keep.finditer(text):
+            labels = ",".join(x for x in (m.group(2) + m.group(3)).split(",") if x)
+            out.append(f"{name}_{m.group(1)}" + (f"{{{labels}}}" if labels else "") +
+                       f" {m.group(4)}")
+        return "\n".join(out)
+    return {v: delta_stats(only(before, v), only(after, v), name) for v in values}
+
+
+def phases(before: str, after: str) -> dict[str, dict[str, float]]:
+    """`delta_stats` of each phase of the dispatch histogram."""
+    return labelled(before, after, PHASE, "phase", PHASES)
+
+
+def vllm_threads(serve_pid: int) -> list[int]:
+    """Every thread of the vLLM processes (API server, engine core) under ``yuebing serve``
+    (its session), not of yuebing's own processes."""
+    tids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            sid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[3])
+            argv = (proc / "cmdline").read_bytes()
+            if sid != serve_pid or b"yuebing" in argv or int(proc.name) == serve_pid:
+                continue
+            tids += [int(t.name) for t in (proc / "task").iterdir()]
+        except (OSError, IndexError, ValueError):
+            continue
+    return tids
+
+
+def renice(tids: list[int], nice: int) -> bool:
+    """Set each thread's nice; False where that is not allowed (lowering it needs root)."""
+    try:
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except PermissionError:
+        return False
+    return True
+
+
 def load(url: str, n: int, concurrency: int) -> tuple[list[float], float, str, str]:
     """``n`` chats, ``concurrency`` at a time: latencies, wall time, /metrics before, after."""
     before = metrics(url)
@@ -82,6 +138,32 @@ def load(url: str, n: int, concurrency: int) -> tuple[list[float], float, str, s
     return latencies, time.perf_counter() - t0, before, metrics(url)
 
 
+def ab_nice(serve_pid: int, url: str, ns: argparse.Namespace) -> dict[str, object]:
+    """Rounds A (vLLM at nice 0), B (at ``--nice-vllm``), A, B, ...: per arm, the dispatch
+    p50/p99 (and the route phase's p99) of each round, and the mean request latency."""
+    arms: dict[str, list[tuple[str, str, float]]] = {"A": [], "B": []}
+    for i in range(ns.rounds):
+        arm = "AB"[i % 2]
+        if not renice(vllm_threads(serve_pid), ns.nice_vllm if arm == "B" else 0):
+            print(f"round {i}: cannot renice vLLM back to 0 without root; stopping",
+                  file=sys.stderr)
+            break
+        lat, _, before, after = load(url, ns.requests, ns.concurrency)
+        arms[arm].append((before, after, sum(lat) / len(lat)))
+    out: dict[str, object] = {"nice_b": ns.nice_vllm}
+    for arm, runs in arms.items():
+        if not runs:
+            continue
+        per = [delta_stats(b, a, "yuebing:conductor_dispatch_seconds") for b, a, _ in runs]
+        merged = {"rounds": len(runs), "p99_ms_per_round": [round(p["p99_ms"], 2) for p in per],
+                  "p50_ms_per_round": [round(p["p50_ms"], 3) for p in per],
+                  "route_p99_ms_per_round": [round(phases(b, a)["route"]["p99_ms"], 2)
+                                             for b, a, _ in runs],
+                  "mean_latency_s": round(sum(r[2] for r in runs) / len(runs), 3)}
+        out[arm] = merged
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=40)
@@ -89,6 +171,9 @@ def main() -> int:
     ap.add_argument("--roles", default="--prefill 1 --decode 1")
     ap.add_argument("--renice", type=int, default=None,
                     help="run the load again with the Conductor at this nice value")
+    ap.add_argument("--nice-vllm", type=int, default=None,
+                    help="alternate rounds with the vLLM servers at this nice value")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of --nice-vllm (A, B, ...)")
     ns = ap.parse_args()
     port, logs = free_port(), Path(tempfile.mkdtemp(prefix="yb-vllm-overhead-"))
     url = f"http://127.0.0.1:{port}"
@@ -113,13 +198,18 @@ def main() -> int:
             _, _, b2, a2 = load(url, ns.requests, ns.concurrency)
             reniced = {"renice": ns.renice, "dispatch_reniced": delta_stats(
                 b2, a2, "yuebing:conductor_dispatch_seconds")}
+        if ns.nice_vllm is not None:
+            reniced["nice_vllm"] = ab_nice(proc.pid, url, ns)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=120)
     out = {"roles": ns.roles, "requests": ns.requests, "concurrency": ns.concurrency,
            "wall_s": round(wall, 2), "mean_latency_s": round(sum(latencies) / len(latencies), 3),
            "dispatch": delta_stats(before, after, "yuebing:conductor_dispatch_seconds"),
-           "relay": delta_stats(before, after, "yuebing:conductor_relay_seconds"), **reniced,
+           "relay": delta_stats(before, after, "yuebing:conductor_relay_seconds"),
+           "dispatch_phases": phases(before, after),
+           "gc": labelled(before, after, "yuebing:conductor_gc_seconds", "generation",
+                          ("0", "1", "2")), **reniced,
            "logs": str(logs), "loadavg": " ".join(Path("/proc/loadavg").read_text().split()[:3])}
     print(json.dumps(out, indent=2))
     return 0

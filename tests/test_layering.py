@@ -33,7 +33,8 @@ ALLOWED: dict[str, set[str]] = {
     "transfer": {"core", "protocol"},
     "sim": {"core", "conductor.policy", "conductor.view", "trace"},
     "bench": {"core", "trace"},
-    "integrations": {"core", "protocol", "store", "transfer", "instance.kvkeys", "ops"},
+    "integrations": {"core", "protocol", "store", "transfer", "instance.kvkeys", "ops",
+                     "cluster.discovery"},
     "cluster": {"*"},
     "cli": {"*"},
 }

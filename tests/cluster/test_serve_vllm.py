@@ -30,11 +30,16 @@ def test_vllm_instances_are_started_through_the_adapter(tmp_path):
         a = list(pd.instance(name, role)[0].argv)
         roles.append(a[a.index("--role") + 1])
     assert roles == ["prefill", "decode"]
+    etcd = ServePlan(ServeConfig(prefill=1, engine="vllm", etcd="http://127.0.0.1:2379",
+                                 cluster="c1"), tmp_path)
+    a = list(etcd.instance("prefill-0", "prefill")[0].argv)
+    assert a[a.index("--etcd") + 1] == "http://127.0.0.1:2379"
+    assert a[a.index("--cluster") + 1] == "c1"
 
 
 def test_what_vllm_instances_cannot_do_yet_is_refused():
     threads = InstanceConfig(engine=replace(DEFAULT_ENGINE, threads=2))
-    for bad in ({"coupled": 1, "store": False}, {"coupled": 1, "etcd": "http://h:2379"},
+    for bad in ({"coupled": 1, "store": False},
                 {"coupled": 1, "instance": threads}):
         with pytest.raises(ConfigError, match="--engine vllm runs vLLM instances next to"):
             ServeConfig(engine="vllm", **bad)  # type: ignore[arg-type]

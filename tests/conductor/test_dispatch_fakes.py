@@ -113,6 +113,9 @@ def test_disaggregated_stream_usage_and_metrics(fl: FakeLoop) -> None:
         assert 'yuebing:routed_requests_total{instance="d0",role="decode"} 1.0' in metrics
         assert "yuebing:time_to_first_token_seconds_count 1.0" in metrics
         assert "yuebing:request_transfer_time_seconds_count 1.0" in metrics
+        for phase in ("body", "parse", "start", "route", "send"):
+            assert f'yuebing:conductor_dispatch_phase_seconds_count{{phase="{phase}"}} 1.0' \
+                in metrics
         # non-streamed: the same text in one body
         status, body = _complete(c, prompt=list(range(1, 41)), max_tokens=4)
         assert status == 200 and body["choices"][0]["text"] == text

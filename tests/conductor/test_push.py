@@ -113,3 +113,33 @@ def test_a_failed_send_stops_the_fast_path_and_is_raised_to_the_response() -> No
         with pytest.raises(RuntimeError, match="already complete"):
             await p.hold()
     asyncio.run(main())
+
+
+def test_the_dispatch_phases_add_up_to_the_dispatch_time():
+    from yuebing.conductor.stats import RequestStats
+
+    s = RequestStats("r", arrival_s=10.0, body_s=10.001, parsed_s=10.003)
+    assert s.dispatch_phases() == {}  # not dispatched yet
+    s.started_s, s.decided_s, s.dispatched_s = 10.004, 10.006, 10.050
+    s.gate_s, s.reserve_s = 0.030, 0.010
+    p = s.dispatch_phases()
+    assert list(p) == ["body", "parse", "start", "route", "send"]
+    assert abs(sum(p.values()) - s.dispatch_s) < 1e-9
+    assert abs(p["route"] - 0.002) < 1e-9 and abs(p["send"] - 0.004) < 1e-9
+
+
+def test_the_conductors_garbage_collections_are_timed():
+    import gc
+
+    from yuebing.conductor.metrics import ConductorMetrics
+
+    m = ConductorMetrics()
+    m.watch_gc()
+    try:
+        gc.collect(2)
+    finally:
+        m.unwatch_gc()
+    gc.collect(2)  # no longer watched
+    count = m.registry.get_sample_value("yuebing:conductor_gc_seconds_count",
+                                        {"generation": "2"})
+    assert count == 1

@@ -4,16 +4,24 @@ hand-off's side of it (the decode's receive-pool blocks, the prefill's ``yuebing
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 
 import pytest
+import zmq
+import zmq.asyncio
 
+from yuebing.core.errors import ConfigError
 from yuebing.integrations.vllm.instance import (
     VllmInstance,
     VllmInstanceConfig,
     completion_body,
 )
+from yuebing.ops.zap import dial_plain
+from yuebing.protocol import decode as decode_msg
+from yuebing.protocol import encode
 from yuebing.protocol.instance import (
     Ack,
     Cancel,
@@ -178,3 +186,48 @@ def test_a_prefill_asks_its_vllm_to_stream_into_the_decodes_blocks(tmp_path, mon
     i.handoff.close()
     i.sock.close()
     i.ctx.term()
+
+
+def test_bad_etcd_ports_and_exposed_hosts_are_refused_naming_the_flag():
+    with pytest.raises(ConfigError, match="--etcd must be an URL like http://127.0.0.1:2379"):
+        VllmInstanceConfig(etcd="foo")
+    with pytest.raises(ConfigError, match="kv_replay_port must be -1, 0 or a port, got 70000"):
+        VllmInstanceConfig(kv_replay_port=70000)
+    with pytest.raises(ConfigError, match="--host binds '10.1.1.1', beyond this host"):
+        VllmInstanceConfig(host="10.1.1.1", cluster_token="")
+    assert VllmInstanceConfig(host="10.1.1.1", cluster_token="t").cluster_token == "t"
+
+
+def test_with_a_cluster_token_only_peers_presenting_it_are_answered(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(HF))
+    inst = VllmInstance(VllmInstanceConfig(vllm_url="http://127.0.0.1:9",
+                                           model_dir=str(tmp_path), cluster_token="secret",
+                                           kv_events_port=-1))
+
+    async def ask(token: str) -> object:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        dial_plain(sock, token)
+        sock.connect(inst.address)
+        try:
+            await sock.send(encode(Subscribe(seq=7)))
+            if await sock.poll(3000):  # a refused peer hears nothing: wait this long for it
+                return decode_msg(await sock.recv())
+            return None
+        finally:
+            sock.close()
+            ctx.term()
+
+    async def main() -> tuple[object, object]:
+        job = asyncio.get_running_loop().create_task(inst.serve())
+        try:
+            return await ask("wrong"), await ask("secret")
+        finally:
+            job.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await job
+
+    wrong, right = asyncio.run(main())
+    assert wrong is None
+    assert isinstance(right, Hello) and right.seq == 7

@@ -105,8 +105,7 @@ class ServeConfig:
         "secret": True})
     engine: str = field(default="yuebing", metadata={
         "help": "the instances' engine: yuebing (embedded) or vllm (vLLM-CPU servers from the "
-                "peers venv with YuebingConnector, under `yuebing vllm instance`; coupled "
-                "instances only for now)"})
+                "peers venv with YuebingConnector, under `yuebing vllm instance`)"})
     ready_file: str = field(default="", metadata={
         "help": "once every role is ready, write {\"url\", \"pid\", \"log_dir\"} here as JSON "
                 "(atomically), for a script that starts the cluster ('' = none)"})
@@ -131,9 +130,9 @@ class ServeConfig:
                 f"--engine must be yuebing or vllm, got {self.engine!r}")
         if self.engine == "vllm":
             given = config_args(self.instance, skip=(*MANAGED["instance"], "store_block_tokens"))
-            require(self.store and not self.etcd and not given,
+            require(self.store and not given,
                     "--engine vllm runs vLLM instances next to the store on this host, without "
-                    "yuebing engine flags (--no-store, --etcd: not built yet; docs/serving.md "
+                    "yuebing engine flags (--no-store: not built yet; docs/serving.md "
                     "\"vLLM instances\")" + (f"; given: {' '.join(given)}" if given else ""))
         require(self.cpp_group != 1 and 0 <= self.cpp_group <= max(self.prefill, 0) and
                 (self.cpp_group == 0 or not self.coupled),
@@ -281,7 +280,7 @@ class ServePlan:
                     role, "--host", adv, "--control-port", str(self.control[name]), "--master",
                     self.master_addr, "--vllm-port", str(free_port("127.0.0.1")),
                     "--store-block-tokens", str(self.cfg.instance.store_block_tokens),
-                    "--log-dir", str(self.dir), "--ready-file", str(self._ready(name)))
+                    *self._etcd(), "--log-dir", str(self.dir), "--ready-file", str(self._ready(name)))
         address = f"tcp://{local_url_host(adv)}:{self.control[name]}"
         return RoleSpec(name, argv), AllOf(ReadyFile(self._ready(name)), InstancePing(address))
 

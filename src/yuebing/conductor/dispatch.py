@@ -107,7 +107,9 @@ class Dispatcher:
         recompute = False
         for attempt in (0, 1):
             rid = stats.request_id if attempt == 0 else f"{stats.request_id}-r{attempt}"
+            stats.started_s = time.perf_counter()
             info, route, coupled = self._decide(req, rid)
+            stats.decided_s = time.perf_counter()
             try:
                 async for delta in self._attempt(req, info, route, coupled, stats, deadline,
                                                  out, recompute):
@@ -214,6 +216,8 @@ class Dispatcher:
                 await self._disaggregated(req, info, route, plan, pres, dec, stats, deadline,
                                           involved)
             m.overhead.observe(stats.dispatch_s)
+            for phase, took in stats.dispatch_phases().items():
+                m.dispatch_phase.labels(phase).observe(took)
             loop = asyncio.get_running_loop()
             watch = [loop.create_task(_watch_stage(s, pre, rid)) for s in pres[:-1]]
             try:

@@ -8,6 +8,10 @@ servers in one process, as in tests, never share counters). The dispatcher calls
 
 from __future__ import annotations
 
+import gc
+import time
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from yuebing.conductor.stats import RequestStats
@@ -80,9 +84,34 @@ class ConductorMetrics:
         self.overhead = hist("conductor_dispatch_seconds",
                              "Conductor overhead: HTTP arrival to the task sent to the instances "
                              "(the decode reservation's round trip excluded)", overhead)
+        self.dispatch_phase = Histogram(
+            "yuebing:conductor_dispatch_phase_seconds", "conductor_dispatch_seconds in parts: "
+            "body (read), parse (validate, tokenize), start (to the dispatcher's task), route "
+            "(keys, policy), send (the rest)", ["phase"], registry=r, buckets=overhead)
+        self.gc = Histogram("yuebing:conductor_gc_seconds", "the Conductor's garbage "
+                            "collections (the event loop stands still meanwhile), by generation",
+                            ["generation"], registry=r, buckets=overhead)
+        self._gc_start = 0.0
         self.relay = hist("conductor_relay_seconds", "Conductor overhead: a token event's "
                           "frame read from the instance's socket to its chunk handed to the "
                           "HTTP transport", overhead)
+
+    def watch_gc(self) -> None:
+        """Time every garbage collection of this process into ``gc`` (the Conductor's own
+        process, `server.run_conductor`; `unwatch_gc` stops)."""
+        gc.callbacks.append(self._on_gc)
+
+    def unwatch_gc(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start:
+            self.gc.labels(str(info.get("generation", "?"))).observe(
+                time.perf_counter() - self._gc_start)
+            self._gc_start = 0.0
 
     def finished(self, s: RequestStats) -> None:
         self.prompt_tokens.inc(s.prompt_tokens)

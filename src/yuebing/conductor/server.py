@@ -142,8 +142,10 @@ class _Routes:
         arrival = time.perf_counter()
         c = self.c
         self._auth(request)
-        obj = decode_body(await self._body(request))
-        req = parse_request(obj, chat, c.model.tokenizer, c.limits())
+        raw = await self._body(request)
+        body_s = time.perf_counter()
+        req = parse_request(decode_body(raw), chat, c.model.tokenizer, c.limits())
+        parsed_s = time.perf_counter()
         parts = req.each_prompt()  # each prompt of a list takes a slot of max_concurrent
         if len(parts) > c.cfg.max_concurrent:
             raise ApiError(400, f"{len(parts)} prompts in one request exceed the "
@@ -155,8 +157,8 @@ class _Routes:
                            type="server_overloaded", code="too_many_requests",
                            headers={"Retry-After": "1"})
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{c.id_prefix}{next(c.ids):x}"
-        stats = [RequestStats(rid if len(parts) == 1 else f"{rid}-p{i}", arrival)
-                 for i in range(len(parts))]
+        stats = [RequestStats(rid if len(parts) == 1 else f"{rid}-p{i}", arrival,
+                              body_s=body_s, parsed_s=parsed_s) for i in range(len(parts))]
         c.inflight += len(parts)
         c.metrics.running.inc(len(parts))
         handed_over = False
@@ -387,5 +389,9 @@ def run_conductor(cfg: ConductorConfig, ready_file: str = "") -> int:
         os.replace(tmp, ready_file)
     print(f"conductor serving {cfg.model_name} on {conductor.url}", flush=True)
     gc.freeze()  # start-up's objects (tokenizer, modules) out of every later collection
-    server.run(sockets=[sock])
+    conductor.metrics.watch_gc()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        conductor.metrics.unwatch_gc()
     return 0

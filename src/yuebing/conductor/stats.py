@@ -30,6 +30,12 @@ class RequestStats:
     prefix_source: str = ""
     dispatched_s: float | None = None
     """When the prefill (or coupled) task was sent."""
+    body_s: float = 0.0
+    """When the HTTP body was read; then ``parsed_s`` (validated, tokenized), ``started_s``
+    (the dispatcher's first step) and ``decided_s`` (routed): `dispatch_phases`."""
+    parsed_s: float = 0.0
+    started_s: float = 0.0
+    decided_s: float = 0.0
     reserve_s: float = 0.0
     """Round trip of the decode reservation (the decode instance's time, not the Conductor's)."""
     gate_s: float = 0.0
@@ -94,6 +100,18 @@ class RequestStats:
         if self.dispatched_s is None:
             return 0.0
         return self.dispatched_s - self.arrival_s - self.reserve_s - self.gate_s
+
+    def dispatch_phases(self) -> dict[str, float]:
+        """`dispatch_s` in parts: ``body`` (reading the body), ``parse`` (validating and
+        tokenizing), ``start`` (to the dispatcher's task), ``route`` (block keys and the
+        policy), ``send`` (the rest: the prefill's turn and the reservation excluded)."""
+        if not (self.body_s and self.parsed_s and self.started_s and self.decided_s):
+            return {}
+        parts = {"body": self.body_s - self.arrival_s, "parse": self.parsed_s - self.body_s,
+                 "start": self.started_s - self.parsed_s,
+                 "route": self.decided_s - self.started_s}
+        parts["send"] = self.dispatch_s - sum(parts.values())
+        return parts
 
     def extension(self) -> dict[str, object]:
         """The ``usage.yuebing`` extension field of the final usage."""

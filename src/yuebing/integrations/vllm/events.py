@@ -1,12 +1,13 @@
 """`KvEventIndex`: vLLM's KV-cache events as the yuebing store-block keys its prefix cache holds.
 
 `instance.VllmInstance` feeds it vLLM's ZMQ frames (``--kv-events-config``; format at `frame`)
-and sends what `take` returns in its load reports' ``cache_added`` / ``cache_removed``, for the
-Conductor's KV index, as yuebing's own instances do. The Conductor speaks chained `hash_block`
-keys of store blocks (`KvLayout.block_keys`), not vLLM's hashes: each vLLM block keeps the key
-of the last complete store block before it and the tokens since (`stored`). A block whose
-parent is unknown (events lost) is skipped with its descendants: the index may miss a prefix,
-never claim one the instance does not hold.
+and sends what `take` returns in its load reports (``cache_added`` / ``cache_removed``) for the
+Conductor's KV index. Keys are chained `hash_block` keys of store blocks (`KvLayout.block_keys`):
+each vLLM block keeps the key of the last complete store block before it and the tokens since.
+Lost events (a sequence gap) are asked again from vLLM's replay endpoint (`frame` says from
+where, `replay` applies them); where they cannot be had, `reset` forgets every block and the
+next `take` is a full resync. A block whose parent is unknown is skipped with its descendants:
+the index may miss a prefix, never claim one the instance does not hold.
 """
 
 from __future__ import annotations
@@ -50,25 +51,66 @@ class KvEventIndex:
         self.added: set[BlockHash] = set()
         self.removed: set[BlockHash] = set()
         self.last_seq = -1
+        self.full = False
+        """The index was reset: the next `take` sends every key held as a full resync."""
         self.gaps = 0
+        self.replays = 0
+        self.resets = 0
         self.skipped = 0
 
     # ------------------------------------------------------------------ frames
-    def frame(self, parts: list[bytes]) -> None:
+    def frame(self, parts: list[bytes]) -> int | None:
         """One ZMQ frame ``[topic, seq, payload]`` from vLLM's publisher: the payload is a
         msgpack EventBatch ``[ts, events, rank]``, its events maps tagged ``type``
-        (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``)."""
+        (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``). Applied when it is the next
+        in sequence (a repeat is skipped; a publisher that restarts at 0 resets the index);
+        after a gap nothing is applied and the first lost sequence number is returned: the
+        caller asks vLLM's replay endpoint from there and hands the answer to `replay` (or
+        calls `reset` where there is none)."""
         if len(parts) != 3:
             log.warning("vLLM KV event frame of %d parts ignored", len(parts))
-            return
+            return None
         seq = int.from_bytes(parts[1], "big")
-        if self.last_seq >= 0 and seq != self.last_seq + 1:
+        if seq <= self.last_seq:
+            if seq == 0:  # vLLM restarted: its cache starts empty
+                log.warning("vLLM's KV event publisher restarted; the index starts over")
+                self.reset(-1)
+            else:
+                return None
+        elif seq != self.last_seq + 1:
             self.gaps += 1
-            log.warning("vLLM KV events %d..%d lost: the index may miss prefixes",
-                        self.last_seq + 1, seq - 1)
+            return self.last_seq + 1
         self.last_seq = seq
+        self._apply_payload(parts[2])
+        return None
+
+    def replay(self, frames: list[list[bytes]]) -> bool:
+        """The replay endpoint's answer to a gap (frames in order, from the first lost one):
+        applied if it closes the gap; else (vLLM's buffer no longer holds them) False, and
+        nothing applied."""
+        seqs = [int.from_bytes(f[1], "big") for f in frames if len(f) == 3]
+        if len(seqs) != len(frames) or not seqs or seqs[0] > self.last_seq + 1 or \
+                any(b != a + 1 for a, b in zip(seqs, seqs[1:], strict=False)):
+            return False
+        for f in frames:
+            self.frame(f)
+        self.replays += 1
+        return True
+
+    def reset(self, seq: int) -> None:
+        """Forget every block (lost events may have removed any of them) and go on from frame
+        ``seq``; the next `take` is a full resync, so the Conductor drops the instance's keys
+        and rebuilds them from the events that follow."""
+        log.warning("vLLM KV events lost before %d and not replayed: the index starts over",
+                    seq)
+        self.cleared()
+        self.full = True
+        self.resets += 1
+        self.last_seq = seq
+
+    def _apply_payload(self, payload: bytes) -> None:
         try:
-            batch = msgspec.msgpack.decode(parts[2])
+            batch = msgspec.msgpack.decode(payload)
             events = batch[1]
         except (msgspec.DecodeError, IndexError, TypeError) as e:
             log.warning("bad vLLM KV event batch: %s", e)
@@ -138,10 +180,13 @@ class KvEventIndex:
         self.held.clear()
         self.blocks.clear()
 
-    def take(self) -> tuple[list[int], list[int]]:
-        """Keys added and removed since the last call."""
-        added: list[int] = sorted(self.added)
-        removed: list[int] = sorted(self.removed)
+    def take(self, full: bool = False) -> tuple[list[int], list[int], bool]:
+        """(keys added, keys removed, full) since the last call; ``full`` (asked, or after a
+        `reset`): every key held and none removed, for a report with ``cache_full_resync``."""
+        full = full or self.full
+        added: list[int] = sorted(self.held if full else self.added)
+        removed: list[int] = [] if full else sorted(self.removed)
         self.added.clear()
         self.removed.clear()
-        return added, removed
+        self.full = False
+        return added, removed, full

@@ -25,12 +25,15 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from yuebing.cluster.discovery import parse_etcd_url
+from yuebing.core.auth import TOKEN_HELP, env_cluster_token, require_token
 from yuebing.core.config import require
 from yuebing.integrations.vllm.events import KvEventIndex
 from yuebing.integrations.vllm.handoff import Handoff
 from yuebing.integrations.vllm.layout import KvLayout, layout_from_hf
 from yuebing.integrations.vllm.load import VllmLoad, parse_metrics
 from yuebing.integrations.vllm.plan import RECV_KEY, SEND_KEY, StreamParams
+from yuebing.ops.zap import TokenAuthenticator, serve_plain
 from yuebing.protocol import Message, ProtocolError, decode, encode
 from yuebing.protocol.instance import (
     Ack,
@@ -67,11 +70,15 @@ class VllmInstanceConfig:
                 "start one from the peers venv on --vllm-port, with the connector on --master)"})
     vllm_port: int = field(default=8001, metadata={"help": "port of the vLLM server started"})
     master: str = field(default="", metadata={
-        "help": "store master of the started vLLM's YuebingConnector ('' = no connector)"})
+        "help": "store master of the started vLLM's YuebingConnector ('' = the store leader "
+                "named in --etcd, else no connector)"})
     model_dir: str = field(default="", metadata={
         "help": "the HF model folder vLLM serves ('' = the peers venv's SmolLM2 export)"})
     instance_id: str = field(default="vllm-0", metadata={"help": "this instance's id"})
-    host: str = field(default="127.0.0.1", metadata={"help": "control socket host"})
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "control socket host (beyond loopback: a cluster token is required)"})
+    cluster_token: str = field(default_factory=env_cluster_token, repr=False, metadata={
+        "help": TOKEN_HELP, "secret": True})
     control_port: int = field(default=0, metadata={"help": "control socket port (0 = any)"})
     served_name: str = field(default="smollm2-135m-instruct", metadata={
         "help": "vLLM's --served-model-name (also the model's name in the KV fingerprint)"})
@@ -79,6 +86,10 @@ class VllmInstanceConfig:
     block_size: int = field(default=128, metadata={"help": "vLLM's --block-size"})
     store_block_tokens: int = field(default=256, metadata={"help": "tokens per store block"})
     max_model_len: int = field(default=4352, metadata={"help": "vLLM's --max-model-len"})
+    etcd: str = field(default="", metadata={
+        "help": "etcd URL: publish this instance for the Conductor's discovery, and find the "
+                "store master there when --master is not given ('' = none)"})
+    cluster: str = field(default="default", metadata={"help": "cluster name in etcd"})
     report_s: float = field(default=0.5, metadata={"help": "load report period"})
     role: str = field(default="coupled", metadata={
         "help": "coupled, prefill or decode (prefill/decode hand the KV off through the store)"})
@@ -91,6 +102,13 @@ class VllmInstanceConfig:
                 "Conductor's KV index; vLLM's publisher connects to it (--kv-events-config "
                 "endpoint tcp://127.0.0.1:PORT). 0 = a free port when this instance starts "
                 "vLLM, none with --vllm-url; -1 = none"})
+    kv_replay_port: int = field(default=0, metadata={
+        "help": "port on 127.0.0.1 of vLLM's KV-event replay endpoint (its ROUTER binds it), "
+                "asked for the events lost in a gap; without one a gap resets this "
+                "instance's part of the Conductor's index. 0 = a free port when this "
+                "instance starts vLLM, none with --vllm-url; -1 = none"})
+    replay_timeout_s: float = field(default=2.0, metadata={
+        "help": "how long a replay of lost KV events may take before the index is reset"})
     handoff_pool_blocks: int = field(default=48, metadata={
         "help": "decode: vLLM blocks (of every layer) in the shared-memory pool that prefills "
                 "stream the KV into layer by layer (0 = hand off through the store)"})
@@ -102,6 +120,16 @@ class VllmInstanceConfig:
                 f"vllm_url must be http(s)://host:port, got {self.vllm_url!r}")
         require(self.report_s > 0, "report_s must be > 0")
         require(self.handoff_pool_blocks >= 0, "handoff_pool_blocks must be >= 0")
+        require(self.replay_timeout_s > 0, "replay_timeout_s must be > 0")
+        if self.etcd:
+            try:
+                parse_etcd_url(self.etcd)
+            except ValueError as e:
+                require(False, str(e))
+        require_token("--host", self.host, self.cluster_token)
+        for name in ("kv_events_port", "kv_replay_port"):
+            port = getattr(self, name)
+            require(-1 <= port < 65536, f"{name} must be -1, 0 or a port, got {port}")
 
     def layout(self) -> KvLayout:
         config = json.loads((Path(self.model_dir) / "config.json").read_text())
@@ -150,7 +178,13 @@ class VllmInstance:
         self.eos = set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
         self.incarnation = uuid.uuid4().hex
         self.ctx = zmq.asyncio.Context()
+        self.zap: TokenAuthenticator | None = None
+        if cfg.cluster_token:  # only peers presenting the token (`ops.zap`)
+            self.zap = TokenAuthenticator(self.ctx, cfg.cluster_token)
+            self.zap.start()
         self.sock = self.ctx.socket(zmq.ROUTER)
+        if cfg.cluster_token:
+            serve_plain(self.sock)
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port(f"tcp://{cfg.host}") if cfg.control_port == 0 \
             else self._bind(cfg.control_port)
@@ -173,6 +207,9 @@ class VllmInstance:
         self.load = VllmLoad()
         self.kv_index = KvEventIndex(self.layout)
         self.kv_sub: zmq.asyncio.Socket | None = None
+        self.resync = True
+        """The next report carries every key held (`cache_full_resync`): the first one, and
+        the first after a (re-)subscription, which is how the Conductor asks for one."""
         self.report_seq = 0
         self.http: aiohttp.ClientSession | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -243,12 +280,15 @@ class VllmInstance:
             if self.handoff is not None:
                 self.handoff.close()
             self.sock.close()
+            if self.zap is not None:
+                self.zap.stop()
             self.ctx.term()
 
     def dispatch(self, ident: bytes, msg: Message) -> Message | None:
         seq = getattr(msg, "seq", 0)
         if isinstance(msg, Subscribe):
             self.subscribers.add(ident)
+            self.resync = True
             return self.hello(seq)
         if isinstance(msg, Ping):
             return Ack(seq=seq)
@@ -525,9 +565,47 @@ class VllmInstance:
 
     # ------------------------------------------------------------------ KV events
     async def _kv_events(self, sub: zmq.asyncio.Socket) -> None:
-        """Feed vLLM's KV-cache events into `kv_index` (its keys go out in the reports)."""
+        """Feed vLLM's KV-cache events into `kv_index` (its keys go out in the reports). After
+        a gap, the lost events are asked from vLLM's replay endpoint; without them the index
+        is reset (`KvEventIndex.reset`). Frames that arrive meanwhile wait in the socket."""
         while True:
-            self.kv_index.frame(await sub.recv_multipart())
+            parts = await sub.recv_multipart()
+            start = self.kv_index.frame(parts)
+            if start is None:
+                continue
+            frames = await self._replay(start)
+            # after the replay, this frame is a repeat of one of its frames, or the next
+            if frames is None or not self.kv_index.replay(frames) or \
+                    self.kv_index.frame(parts) is not None:
+                self.kv_index.reset(int.from_bytes(parts[1], "big") - 1)
+                self.kv_index.frame(parts)
+
+    async def _replay(self, start: int) -> list[list[bytes]] | None:
+        """vLLM's buffered event frames from ``start`` on (its ROUTER answers ``[b"", topic,
+        seq, payload]`` each, then an end marker of seq -1); None without a replay endpoint,
+        or when it does not answer within ``replay_timeout_s``."""
+        if self.cfg.kv_replay_port <= 0:
+            return None
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{self.cfg.kv_replay_port}")
+        frames: list[list[bytes]] = []
+        try:
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            async with asyncio.timeout(self.cfg.replay_timeout_s):
+                while True:
+                    reply = await sock.recv_multipart()
+                    if len(reply) != 4:
+                        return None
+                    if int.from_bytes(reply[2], "big", signed=True) < 0:
+                        return frames
+                    frames.append(reply[1:])
+        except TimeoutError:
+            log.warning("vLLM's KV event replay from %d did not answer in %.1f s", start,
+                        self.cfg.replay_timeout_s)
+            return None
+        finally:
+            sock.close()
 
     # ------------------------------------------------------------------ load reports
     async def _reports(self) -> None:
@@ -554,14 +632,15 @@ class VllmInstance:
     def _report(self) -> None:
         self.report_seq += 1
         load = self.load
-        added, removed = self.kv_index.take()
+        added, removed, full = self.kv_index.take(self.resync)
+        self.resync = False
         report = LoadReport(
             instance_id=self.cfg.instance_id, incarnation=self.incarnation,
             report_seq=self.report_seq, time_s=time.time(), queued_prefill_tokens=0,
             queued_requests=load.waiting, running=load.running, waiting=load.waiting,
             context_tokens=0, free_blocks=load.free_blocks, total_blocks=load.total_blocks,
             reserved_blocks=0, prefill_tokens_per_s=0.0, decode_step_s=0.0,
-            cache_added=added, cache_removed=removed, cache_full_resync=self.report_seq == 1)
+            cache_added=added, cache_removed=removed, cache_full_resync=full)
         frame = encode(report)
         for ident in list(self.subscribers):
             with contextlib.suppress(zmq.ZMQError):

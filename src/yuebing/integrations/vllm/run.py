@@ -13,8 +13,12 @@ import os
 import signal
 import socket
 import tempfile
+import time
 from pathlib import Path
 
+import msgspec
+
+from yuebing.core.auth import adopt_cluster_token
 from yuebing.integrations.vllm.instance import VllmInstance, VllmInstanceConfig
 from yuebing.integrations.vllm.server import VllmEnv, VllmServer, VllmServerConfig
 
@@ -34,14 +38,43 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def find_master(cfg: VllmInstanceConfig, timeout_s: float = 60.0) -> str:
+    """The store leader named in etcd (``--etcd`` without ``--master``), waited for up to
+    ``timeout_s`` (the store may start after this instance); SystemExit if none comes."""
+    from yuebing.cluster.discovery import Discovery, DiscoveryError
+
+    disc = Discovery(cfg.etcd, cfg.cluster)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            master = disc.store_master()
+        except DiscoveryError as e:
+            master, why = "", str(e)
+        else:
+            why = "no store leader elected"
+        if master:
+            print(f"store master {master} (from etcd {cfg.etcd})", flush=True)
+            return master
+        if time.monotonic() >= deadline:
+            raise SystemExit(f"no store master in etcd {cfg.etcd} cluster {cfg.cluster!r} "
+                             f"after {timeout_s:.0f} s ({why}); start `yuebing store master "
+                             f"--etcd {cfg.etcd}` or give --master")
+        time.sleep(0.5)
+
+
 def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
                       log_dir: Path | None = None) -> int:
     env = VllmEnv()
+    adopt_cluster_token(cfg.cluster_token)  # the store clients here and in vLLM present it
+    if cfg.etcd and not cfg.master:
+        cfg = dataclasses.replace(cfg, master=find_master(cfg))
     if not cfg.model_dir:
         cfg = dataclasses.replace(cfg, model_dir=str(env.model))
     server = None
     if not cfg.vllm_url and cfg.kv_events_port == 0:
         cfg = dataclasses.replace(cfg, kv_events_port=_free_port())
+    if not cfg.vllm_url and cfg.kv_replay_port == 0 and cfg.kv_events_port > 0:
+        cfg = dataclasses.replace(cfg, kv_replay_port=_free_port())
     if not cfg.vllm_url:
         why = env.missing()
         if why:
@@ -51,7 +84,8 @@ def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
                                 block_size=cfg.block_size,
                                 store_block_tokens=cfg.store_block_tokens,
                                 max_model_len=cfg.max_model_len,
-                                kv_events_port=max(0, cfg.kv_events_port))
+                                kv_events_port=max(0, cfg.kv_events_port),
+                                kv_replay_port=max(0, cfg.kv_replay_port))
         logs = log_dir or Path(tempfile.mkdtemp(prefix="yb-vllm-"))
         server = VllmServer(scfg, logs / f"{cfg.instance_id}.vllm.log", env)
         log.info("starting vLLM on %s (log %s)", server.url, server.log_path)
@@ -83,11 +117,22 @@ async def _serve(cfg: VllmInstanceConfig, ready_file: str, server: VllmServer | 
             job.cancel()
 
     watcher = asyncio.get_running_loop().create_task(watch())
+    publication = None
+    if cfg.etcd:  # as `yuebing serve prefill|decode|coupled --etcd` (instance.run)
+        from yuebing.cluster.discovery import Discovery
+        publication = await asyncio.to_thread(
+            Discovery(cfg.etcd, cfg.cluster).publish, "instances", cfg.instance_id,
+            msgspec.to_builtins(inst.hello(0)), 5, True)
     _write_ready(ready_file, {"control_address": inst.address, "vllm_url": cfg.vllm_url,
                               "fingerprint": inst.layout.fingerprint(), "pid": os.getpid()})
     print(f"vLLM instance {cfg.instance_id} on {inst.address} relaying to {cfg.vllm_url}",
           flush=True)
-    with contextlib.suppress(asyncio.CancelledError):
-        await job
-    watcher.cancel()
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            await job
+    finally:
+        watcher.cancel()
+        if publication is not None:
+            with contextlib.suppress(Exception):
+                publication.close()
     return 1 if lost else 0

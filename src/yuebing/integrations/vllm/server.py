@@ -69,6 +69,9 @@ class VllmServerConfig:
     kv_events_port: int = 0
     """vLLM's ZMQ KV-cache event publisher connects to this port on 127.0.0.1, where the
     instance adapter listens (0 = no events)."""
+    kv_replay_port: int = 0
+    """vLLM's publisher binds its replay endpoint (lost events asked again) on this port on
+    127.0.0.1 (0 = none)."""
 
     def __post_init__(self) -> None:
         require(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
@@ -97,7 +100,9 @@ class VllmServerConfig:
         if self.kv_events_port:
             argv += ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq",
-                "endpoint": f"tcp://127.0.0.1:{self.kv_events_port}"})]
+                "endpoint": f"tcp://127.0.0.1:{self.kv_events_port}",
+                **({"replay_endpoint": f"tcp://127.0.0.1:{self.kv_replay_port}"}
+                   if self.kv_replay_port else {})})]
         return argv
 
     def environ(self) -> dict[str, str]:

@@ -203,7 +203,8 @@ class MasterCore:
         n_resv = len(self.reservations)  # counted apart: reservations are not values
         out: dict[str, float] = {"objects": len(self.objects.objs) - n_resv,
                                  "pending": len(self.objects.pending) - n_resv,
-                                 "reservations": n_resv, "segments": len(self.segments.segs),
+                                 "reservations": n_resv, "leases": len(self.leases.open),
+                                 "segments": len(self.segments.segs),
                                  "sessions": len(self.sessions.sessions),
                                  "tasks": len(self.tasks.tasks)}
         out.update(self.segments.usage())
