@@ -128,10 +128,13 @@ class LLMEngine:
         """Fused small-batch decode (`yuebing.engine.fused_decode`): ``b<=N`` or off."""
         self.fused_timings: dict[str, float] = {}
         if config.batch_invariant:
+            if config.fused_decode > 0:
+                raise ConfigError("fused_decode cannot be used with batch_invariant: its sums "
+                                  "are ordered unlike the prefill's matmuls; use 0 or -1")
             self._use_token_attention(config)
         else:
             self._choose_attention(config)
-            self._choose_fused_decode()
+            self._choose_fused_decode(config.fused_decode)
         self.model.use_fused(self.model.fused)
         self.runner = ModelRunner(self.model, self.pool, per_token=config.batch_invariant)
         self._signature = self._describe()
@@ -198,13 +201,22 @@ class LLMEngine:
         self.model.decode_impl = DECODE_IMPLS[decode]
         self.model.prefill_impl = PREFILL_IMPLS[prefill]
 
-    def _choose_fused_decode(self) -> None:
-        """Where the native kernels run bf16 with AVX512-BF16: time the fused decode layer
-        against the op-by-op one and keep it up to the largest batch where it wins. Not in
+    def _choose_fused_decode(self, rows: int) -> None:
+        """``rows`` -1: where the native kernels run bf16 with AVX512-BF16, time the fused
+        decode layer against the op-by-op one and keep it up to the largest batch where it
+        wins; 0: off; N: up to N rows (ConfigError where it cannot run). Never in
         batch-invariant mode (its sums are ordered unlike the prefill's matmuls)."""
-        cand = self.model.fused_candidate() if self.kernels.name == "native" \
+        cand = self.model.fused_candidate() if rows and self.kernels.name == "native" \
             and fused_decode.available() else None
+        if cand is None and rows > 0:
+            raise ConfigError(f"fused_decode {rows} needs the native kernels built with "
+                              f"AVX512-BF16, bf16 weights on CPU without a QKV bias; here: "
+                              f"kernels={self.kernels.name}, {self.dtype}, {self.device.type}; "
+                              "use -1 or 0")
         if cand is None:
+            return
+        if rows > 0:
+            cand.max_rows, self.model.fused, self.decode_fused = rows, cand, f"b<={rows}"
             return
         mc = self.model.cfg
         scratch = torch.randn(2, fused_decode.MAX_ROWS * 8, mc.num_kv_heads, 16,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from yuebing.engine import native
-from yuebing.engine.attention import AttnMetadata
+from yuebing.engine.attention import AttnMetadata, head_index, slot_index
 
 if TYPE_CHECKING:
     from yuebing.engine.model import LlamaModel
@@ -50,7 +50,7 @@ class FusedDecode:
         """Decode-only steps of at most this many sequences run fused (0: never)."""
 
     def applies(self, rows: int, meta: AttnMetadata) -> bool:
-        return 0 < rows <= self.max_rows and not meta.prefills \
+        return 0 < rows <= self.max_rows and not meta.prefills and meta.slots is not None \
             and meta.decode_table is not None and meta.decode_lens is not None
 
     def layer(self, model: LlamaModel, i: int, x: torch.Tensor, residual: torch.Tensor,
@@ -84,7 +84,7 @@ def choose_max_rows(model: LlamaModel, kv: Sequence[tuple[torch.Tensor, torch.Te
     fused = model.fused
     assert fused is not None
     k_cache, v_cache = kv[0]
-    per_seq = -(-context // block_size)
+    per_seq = context // block_size  # whole blocks: the torch paths need no mask
     timings: dict[str, float] = {}
     best = 0
     for b in rows:
@@ -93,8 +93,10 @@ def choose_max_rows(model: LlamaModel, kv: Sequence[tuple[torch.Tensor, torch.Te
         table = torch.arange(b * per_seq, dtype=torch.int32).view(b, per_seq)
         pos = torch.full((b,), context - 1, dtype=torch.long)
         slots = table[:, -1].long() * block_size + (context - 1) % block_size
-        meta = AttnMetadata(torch.zeros(0, dtype=torch.long), b, None, per_seq * block_size,
-                            None, [], slots=slots, decode_table=table,
+        slot_rows = slot_index(table[:, -1].long(), pos % block_size, model.cfg.num_kv_heads,
+                               block_size)
+        meta = AttnMetadata(slot_rows, b, head_index(table.long(), model.cfg.num_kv_heads),
+                            per_seq * block_size, None, [], slots=slots, decode_table=table,
                             decode_lens=torch.full((b,), context, dtype=torch.int32))
         x = torch.randn(b, model.cfg.hidden_size).to(model.dtype)
         res = torch.randn(b, model.cfg.hidden_size).to(model.dtype)

@@ -30,12 +30,26 @@ inline __mmask32 mask32(int64_t left) {
   return left >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << left) - 1);
 }
 
-// out[r] = sum_k w[k]·x[r·K + k] in float32 for R batch rows.
+#ifndef YB_PREFETCH_BYTES
+#define YB_PREFETCH_BYTES 2048
+#endif
+
+// out[r] = sum_k w[k]·x[r·K + k] in float32 for R batch rows. The weight streams from memory
+// once: its line YB_PREFETCH_BYTES ahead is prefetched (the rows follow each other).
 template <int R>
 inline void dot_rows(const bf16* w, const bf16* x, int64_t K, float* out) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
+  const char* ahead = reinterpret_cast<const char*>(w) + YB_PREFETCH_BYTES;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    _mm_prefetch(ahead + 2 * k, _MM_HINT_T0);
+    const __m512i wv = _mm512_loadu_si512(w + k);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)wv,
+                                (__m512bh)_mm512_loadu_si512(x + r * K + k));
+  }
+  if (k < K) {
     const __mmask32 m = mask32(K - k);
     const __m512i wv = _mm512_maskz_loadu_epi16(m, w + k);
     for (int r = 0; r < R; ++r)
