@@ -221,9 +221,8 @@ class LLMEngine:
         mc = self.model.cfg
         scratch = torch.randn(2, fused_decode.MAX_ROWS * 8, mc.num_kv_heads, 16,
                               mc.head_dim).to(self.dtype)
-        self.model.fused = cand
         rows, self.fused_timings = fused_decode.choose_max_rows(
-            self.model, [(scratch[0], scratch[1])], 16)
+            cand, self.model.first_layer_ops, (scratch[0], scratch[1]), 16)
         cand.max_rows = rows
         self.model.fused = cand if rows else None
         self.decode_fused = f"b<={rows}" if rows else "off"

@@ -16,15 +16,12 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 
 from yuebing.engine import native
 from yuebing.engine.attention import AttnMetadata, head_index, slot_index
-
-if TYPE_CHECKING:
-    from yuebing.engine.model import LlamaModel
+from yuebing.engine.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +37,16 @@ def available() -> bool:
 class FusedDecode:
     """Plain bf16 weights of one model's layers and the fused decode over them."""
 
-    def __init__(self, layers: Sequence[tuple[torch.Tensor, ...]],
-                 lm_head: torch.Tensor | None, max_rows: int = MAX_ROWS) -> None:
-        """``layers``: per layer (qkv, o, gate_up, down) row-major ``[out, in]`` weights;
-        ``lm_head``: ``[vocab, hidden]`` or None (not the last pipeline stage)."""
+    def __init__(self, cfg: ModelConfig, layers: Sequence[tuple[torch.Tensor, ...]],
+                 rope: tuple[torch.Tensor, torch.Tensor],
+                 head: tuple[torch.Tensor, torch.Tensor] | None, max_rows: int = MAX_ROWS) -> None:
+        """``layers``: per layer (ln1, qkv, o, ln2, gate_up, down), the matmul weights row-major
+        ``[out, in]``; ``rope``: the cos/sin tables; ``head``: the final norm and the LM head
+        ``[vocab, hidden]``, or None (not the last pipeline stage)."""
+        self.cfg = cfg
         self.layers = [tuple(w.contiguous() for w in layer) for layer in layers]
-        self.lm_head = None if lm_head is None else lm_head.contiguous()
+        self.rope = rope
+        self.head = head
         self.max_rows = max_rows
         """Decode-only steps of at most this many sequences run fused (0: never)."""
 
@@ -53,37 +54,41 @@ class FusedDecode:
         return 0 < rows <= self.max_rows and not meta.prefills and meta.slots is not None \
             and meta.decode_table is not None and meta.decode_lens is not None
 
-    def layer(self, model: LlamaModel, i: int, x: torch.Tensor, residual: torch.Tensor,
-              positions: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-              meta: AttnMetadata, first: bool) -> torch.Tensor:
+    def layer(self, i: int, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+              kv: tuple[torch.Tensor, torch.Tensor], meta: AttnMetadata,
+              first: bool) -> torch.Tensor:
         """Layer ``i`` (local): updates ``residual`` in place, writes the K/V, returns the MLP
         output (added to ``residual`` by the next layer)."""
-        cfg, lay = model.cfg, model.layers[i]
-        wqkv, wo, wgu, wdown = self.layers[i]
+        cfg = self.cfg
+        ln1, wqkv, wo, ln2, wgu, wdown = self.layers[i]
         assert meta.slots is not None and meta.decode_table is not None \
             and meta.decode_lens is not None
         return torch.ops.yuebing.decode_layer(
-            x, residual, lay.ln1, wqkv, wo, lay.ln2, wgu, wdown, model.rope_cos, model.rope_sin,
-            positions, kv[0], kv[1], meta.slots, meta.decode_table, meta.decode_lens,
-            cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cfg.head_dim**-0.5, first)
+            x, residual, ln1, wqkv, wo, ln2, wgu, wdown, self.rope[0], self.rope[1], positions,
+            kv[0], kv[1], meta.slots, meta.decode_table, meta.decode_lens, cfg.num_heads,
+            cfg.num_kv_heads, cfg.rms_norm_eps, cfg.head_dim**-0.5, first)
 
-    def logits(self, model: LlamaModel, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """float32 logits of the rows (final norm of ``residual + x``, then the LM head)."""
-        assert self.lm_head is not None and model.norm is not None
-        return torch.ops.yuebing.decode_logits(residual, x, model.norm, self.lm_head,
-                                               model.cfg.rms_norm_eps)
+        assert self.head is not None
+        return torch.ops.yuebing.decode_logits(residual, x, self.head[0], self.head[1],
+                                               self.cfg.rms_norm_eps)
 
 
-def choose_max_rows(model: LlamaModel, kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                    block_size: int, context: int = 128, rounds: int = 5,
+OpsLayer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor,
+                     tuple[torch.Tensor, torch.Tensor], AttnMetadata], torch.Tensor]
+"""Layer 0 op by op: (x, residual, positions, kv, meta) -> MLP output."""
+
+
+def choose_max_rows(fused: FusedDecode, ops_layer: OpsLayer,
+                    kv: tuple[torch.Tensor, torch.Tensor], block_size: int,
+                    context: int = 128, rounds: int = 5,
                     rows: Sequence[int] = (1, 2, 4, MAX_ROWS)) -> tuple[int, dict[str, float]]:
     """The largest batch of ``rows`` up to which the fused layer beats the op-by-op one here
-    (0 if it never does), and the timings (median seconds, interleaved): one layer of a decode
-    step at ``context`` tokens per sequence, on layer 0's weights and a scratch region of the
-    engine's pool (``kv[0]``, written before any request runs)."""
-    fused = model.fused
-    assert fused is not None
-    k_cache, v_cache = kv[0]
+    (0 if it never does), and the timings (median seconds, interleaved): layer 0 of a decode
+    step at ``context`` tokens per sequence, over the scratch cache ``kv``."""
+    cfg = fused.cfg
+    k_cache = kv[0]
     per_seq = context // block_size  # whole blocks: the torch paths need no mask
     timings: dict[str, float] = {}
     best = 0
@@ -93,16 +98,16 @@ def choose_max_rows(model: LlamaModel, kv: Sequence[tuple[torch.Tensor, torch.Te
         table = torch.arange(b * per_seq, dtype=torch.int32).view(b, per_seq)
         pos = torch.full((b,), context - 1, dtype=torch.long)
         slots = table[:, -1].long() * block_size + (context - 1) % block_size
-        slot_rows = slot_index(table[:, -1].long(), pos % block_size, model.cfg.num_kv_heads,
+        slot_rows = slot_index(table[:, -1].long(), pos % block_size, cfg.num_kv_heads,
                                block_size)
-        meta = AttnMetadata(slot_rows, b, head_index(table.long(), model.cfg.num_kv_heads),
+        meta = AttnMetadata(slot_rows, b, head_index(table.long(), cfg.num_kv_heads),
                             per_seq * block_size, None, [], slots=slots, decode_table=table,
                             decode_lens=torch.full((b,), context, dtype=torch.int32))
-        x = torch.randn(b, model.cfg.hidden_size).to(model.dtype)
-        res = torch.randn(b, model.cfg.hidden_size).to(model.dtype)
+        x = torch.randn(b, cfg.hidden_size).to(k_cache.dtype)
+        res = torch.randn(b, cfg.hidden_size).to(k_cache.dtype)
         fns: dict[str, Callable[[], object]] = {
-            "fused": partial(_fused_once, model, fused, x, res, pos, kv[0], meta),
-            "ops": partial(_ops_once, model, x, res, pos, kv[0], meta)}
+            "fused": partial(_fused_once, fused, x, res, pos, kv, meta),
+            "ops": partial(_ops_once, ops_layer, x, res, pos, kv, meta)}
         med = _interleaved(fns, rounds)
         timings.update({f"b{b}_{k}": v for k, v in med.items()})
         if med["fused"] >= med["ops"]:
@@ -111,15 +116,14 @@ def choose_max_rows(model: LlamaModel, kv: Sequence[tuple[torch.Tensor, torch.Te
     return best, timings
 
 
-def _fused_once(model: LlamaModel, fused: FusedDecode, x: torch.Tensor, res: torch.Tensor,
-                pos: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                meta: AttnMetadata) -> torch.Tensor:
-    return fused.layer(model, 0, x, res.clone(), pos, kv, meta, False)
+def _fused_once(fused: FusedDecode, x: torch.Tensor, res: torch.Tensor, pos: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor], meta: AttnMetadata) -> torch.Tensor:
+    return fused.layer(0, x, res.clone(), pos, kv, meta, False)
 
 
-def _ops_once(model: LlamaModel, x: torch.Tensor, res: torch.Tensor, pos: torch.Tensor,
+def _ops_once(ops_layer: OpsLayer, x: torch.Tensor, res: torch.Tensor, pos: torch.Tensor,
               kv: tuple[torch.Tensor, torch.Tensor], meta: AttnMetadata) -> torch.Tensor:
-    return model.layer_ops(0, x.clone(), res.clone(), pos, kv, meta)
+    return ops_layer(x.clone(), res.clone(), pos, kv, meta)
 
 
 def _interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:

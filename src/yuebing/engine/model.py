@@ -155,7 +155,11 @@ class LlamaModel:
         if not self._plain or len(self._plain) != len(self.layers) or self.dtype != torch.bfloat16 \
                 or self.device.type != "cpu":
             return None
-        return FusedDecode(self._plain, self._plain_head)
+        layers = [(lay.ln1, qkv, o, lay.ln2, gu, down)
+                  for lay, (qkv, o, gu, down) in zip(self.layers, self._plain, strict=True)]
+        head = None if self._plain_head is None or self.norm is None \
+            else (self.norm, self._plain_head)
+        return FusedDecode(self.cfg, layers, (self.rope_cos, self.rope_sin), head)
 
     def use_fused(self, fused: FusedDecode | None) -> None:
         """Run small decode steps through ``fused`` (None: never); drops the plain weights
@@ -206,15 +210,15 @@ class LlamaModel:
         for i in range(len(self.layers)):
             first = i == 0 and self.is_first
             if fused is not None:
-                x = fused.layer(self, i, x, residual, positions, kv[i], meta, first)
+                x = fused.layer(i, x, residual, positions, kv[i], meta, first)
                 for hook in self.hooks:
                     hook(self.first_layer + i, meta)
             else:
                 x, residual = self._layer(i, x, residual, rope, kv[i], meta, first)
         if self.lm_head is None or self.norm is None:
             return Boundary(residual, x)
-        if fused is not None and fused.lm_head is not None:
-            return fused.logits(self, residual.index_select(0, logits_rows),
+        if fused is not None and fused.head is not None:
+            return fused.logits(residual.index_select(0, logits_rows),
                                 x.index_select(0, logits_rows))
         last = residual.index_select(0, logits_rows) + x.index_select(0, logits_rows)
         return self.lm_head(ops.rms_norm(last, self.norm, eps)).float()
@@ -240,13 +244,12 @@ class LlamaModel:
                                             layer.ln2, eps)
         return layer.down(ops.silu_mul(layer.gate_up(hidden))), residual
 
-    def layer_ops(self, i: int, x: torch.Tensor, residual: torch.Tensor,
-                  positions: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                  meta: AttnMetadata) -> torch.Tensor:
-        """One op-by-op layer as a step runs it (rope tables included; timing the fused
-        decode against it, `fused_decode.choose_max_rows`)."""
+    def first_layer_ops(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+                        kv: tuple[torch.Tensor, torch.Tensor], meta: AttnMetadata) -> torch.Tensor:
+        """Local layer 0 op by op as a step runs it, rope tables included (what
+        `fused_decode.choose_max_rows` times the fused layer against)."""
         rope = self.ops.prepare_rope(positions, self.rope_cos, self.rope_sin)
-        return self._layer(i, x, residual, rope, kv, meta, False)[0]
+        return self._layer(0, x, residual, rope, kv, meta, False)[0]
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttnMetadata) -> torch.Tensor:
