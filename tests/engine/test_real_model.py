@@ -104,6 +104,37 @@ def test_bf16_paths_track_float32(smol_weights, fp32_reference, attention, prefi
     assert worst < 1.0, worst
 
 
+def test_fused_decode_answers_like_op_by_op(smol_weights, fp32_reference):
+    """The fused small-batch decode (bf16 GEMVs on AVX512-BF16) tracks the float32 model and
+    gives the op-by-op path's greedy answer, alone and batched. (bf16 runs of this model part
+    from each other on open-ended prompts after ~10 tokens whatever the path: oneDNN's own
+    kernels for 1 and 3 rows do too.)"""
+    from yuebing.engine import fused_decode
+    if not (native.load().ok and fused_decode.available()):
+        pytest.skip("no AVX512-BF16 build of the native kernels")
+    bf = LLMEngine(EngineConfig(dtype="bfloat16", num_blocks=128, threads=1, fused_decode=8,
+                                batch_invariant=False), weights=smol_weights)
+    tokens, logits = _chat_logits(bf)
+    assert tokens == fp32_reference[0]
+    worst = max(float((a - b).abs().max()) for a, b in zip(logits, fp32_reference[1],
+                                                           strict=True))
+    assert worst < 1.0, worst
+    # batched with other chats, the France answer stays the op-by-op path's, alone or not
+    chats = [[{"role": "user", "content": q}] for q in
+             (QUESTION, "Write a haiku about the sea.", "List three prime numbers.")]
+    ids = [bf.tokenizer.encode_chat(c) for c in chats]
+    fused = bf.generate(ids, GREEDY)[0].output_token_ids
+    alone = bf.generate(ids[:1], GREEDY)[0].output_token_ids
+    fused_model = bf.model.fused
+    bf.model.fused = None
+    try:
+        ops = bf.generate(ids, GREEDY)[0].output_token_ids
+    finally:
+        bf.model.fused = fused_model
+    assert fused == ops == alone
+    assert "Paris" in bf.tokenizer.decode(fused)
+
+
 @pytest.mark.slow
 def test_logits_match_transformers_gguf_loader(smol_weights):
     transformers = pytest.importorskip("transformers")

@@ -177,6 +177,10 @@ class EngineConfig:
     weights_seed: int = field(default=0, metadata={"help": "seed of dummy random weights"})
     packed_weights: bool = field(default=True, metadata={
         "help": "pack bf16/fp16 matmul weights into oneDNN's layout once at load (CPU)"})
+    fused_decode: int = field(default=-1, metadata={
+        "help": "decode-only steps of at most N sequences run each layer as one native op "
+                "(bf16 with AVX512-BF16, native kernels, not batch-invariant): -1 = measured at "
+                "start-up against the op-by-op path, 0 = off, 1..8 = N"})
     layers: str = field(default="", metadata={
         "help": "run only layers A:B of the model (half-open, 0-based): a stage of a chunked "
                 "pipeline parallel prefill group; the first stage embeds, the last computes the "
@@ -211,6 +215,8 @@ class EngineConfig:
                 f"weights_seed must be in 0..{2**63 - 1}, got {self.weights_seed}")
         require(self.attention in ATTENTION,
                 f"attention {self.attention!r} unknown; use one of {ATTENTION}")
+        require(-1 <= self.fused_decode <= 8,
+                f"fused_decode must be -1 (measured), 0 (off) or 1..8, got {self.fused_decode}")
         require(self.kernels in KERNELS,
                 f"kernels {self.kernels!r} unknown; use one of {KERNELS}")
         require(self.prefill_attention in PREFILL_ATTENTION,

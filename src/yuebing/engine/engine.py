@@ -25,6 +25,7 @@ from yuebing.core.hashing import hash_blocks
 from yuebing.core.ids import BlockHash
 from yuebing.engine import (
     blas_attention,  # noqa: F401  (registers the "blas" prefill path)
+    fused_decode,
     runtime,
 )
 from yuebing.engine.attention import (
@@ -123,10 +124,18 @@ class LLMEngine:
         self.model.ops = self.kernels
         self.matmul_min_rows: int | None = 1
         """Matmul inputs are padded to this many rows (None: invariance not reached)."""
+        self.decode_fused = "off"
+        """Fused small-batch decode (`yuebing.engine.fused_decode`): ``b<=N`` or off."""
+        self.fused_timings: dict[str, float] = {}
         if config.batch_invariant:
+            if config.fused_decode > 0:
+                raise ConfigError("fused_decode cannot be used with batch_invariant: its sums "
+                                  "are ordered unlike the prefill's matmuls; use 0 or -1")
             self._use_token_attention(config)
         else:
             self._choose_attention(config)
+            self._choose_fused_decode(config.fused_decode)
+        self.model.use_fused(self.model.fused)
         self.runner = ModelRunner(self.model, self.pool, per_token=config.batch_invariant)
         self._signature = self._describe()
         """`signature`: taken here, in the thread that set the engine's threads up."""
@@ -191,6 +200,34 @@ class LLMEngine:
         self.attention, self.prefill_attention = decode, prefill
         self.model.decode_impl = DECODE_IMPLS[decode]
         self.model.prefill_impl = PREFILL_IMPLS[prefill]
+
+    def _choose_fused_decode(self, rows: int) -> None:
+        """``rows`` -1: where the native kernels run bf16 with AVX512-BF16, time the fused
+        decode layer against the op-by-op one and keep it up to the largest batch where it
+        wins; 0: off; N: up to N rows (ConfigError where it cannot run). Never in
+        batch-invariant mode (its sums are ordered unlike the prefill's matmuls)."""
+        cand = self.model.fused_candidate() if rows and self.kernels.name == "native" \
+            and fused_decode.available() else None
+        if cand is None and rows > 0:
+            raise ConfigError(f"fused_decode {rows} needs the native kernels built with "
+                              f"AVX512-BF16, bf16 weights on CPU without a QKV bias; here: "
+                              f"kernels={self.kernels.name}, {self.dtype}, {self.device.type}; "
+                              "use -1 or 0")
+        if cand is None:
+            return
+        if rows > 0:
+            cand.max_rows, self.model.fused, self.decode_fused = rows, cand, f"b<={rows}"
+            return
+        mc = self.model.cfg
+        scratch = torch.randn(2, fused_decode.MAX_ROWS * 8, mc.num_kv_heads, 16,
+                              mc.head_dim).to(self.dtype)
+        rows, self.fused_timings = fused_decode.choose_max_rows(
+            cand, self.model.first_layer_ops, (scratch[0], scratch[1]), 16)
+        cand.max_rows = rows
+        self.model.fused = cand if rows else None
+        self.decode_fused = f"b<={rows}" if rows else "off"
+        log.info("fused decode: %s (%s)", self.decode_fused,
+                 ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in self.fused_timings.items()))
 
     # ------------------------------------------------------------------------ requests
 
@@ -533,6 +570,7 @@ class LLMEngine:
         return {"model": self.weights_fingerprint, "dtype": str(self.dtype).removeprefix("torch."),
                 "device": str(self.device), "threads": str(torch.get_num_threads()),
                 "attention": self.attention, "prefill_attention": self.prefill_attention,
+                "decode_fused": self.decode_fused,
                 "kernels": self.kernels.name, "batch_invariant": str(c.batch_invariant).lower(),
                 "matmul": "onednn-packed" if self.model.packed else "F.linear",
                 "max_batch_tokens": str(c.max_batch_tokens), "block_size": str(c.block_size),

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from yuebing.engine.attention import DECODE_IMPLS, PREFILL_IMPLS, AttnMetadata
 from yuebing.engine.config import ModelConfig, RopeScaling
+from yuebing.engine.fused_decode import FusedDecode
 from yuebing.engine.kernels import KernelOps, TorchOps
 from yuebing.engine.linear import Linear, can_pack, invariant_min_rows
 
@@ -92,6 +93,13 @@ class LlamaModel:
         """Batch-invariant mode: one attention for every token (`attention.TOKEN_IMPLS`),
         used instead of the decode/prefill paths when set."""
         self._scale = cfg.head_dim**-0.5
+        self.fused: FusedDecode | None = None
+        """Small decode-only steps run fused (`yuebing.engine.fused_decode`), set by the
+        engine with `use_fused`."""
+        self._plain: list[tuple[torch.Tensor, ...]] = []
+        """Row-major (qkv, o, gate_up, down) weights of each layer, kept from load until
+        the engine decides on the fused decode (`use_fused` / `drop_plain`)."""
+        self._plain_head: torch.Tensor | None = None
 
         def take(name: str) -> torch.Tensor:
             try:
@@ -112,8 +120,9 @@ class LlamaModel:
         self.lm_head: Linear | None = None
         self.norm: torch.Tensor | None = None
         if self.is_last:  # tied weights: the LM head's (packed) copy of the embedding
-            self.lm_head = lin(embed if embed is not None and cfg.tie_embeddings
-                               else take("lm_head.weight"))
+            head = embed if embed is not None and cfg.tie_embeddings else take("lm_head.weight")
+            self.lm_head = lin(head)
+            self._plain_head = head
             self.norm = take("model.norm.weight")
         self.layers: list[_Layer] = []
         for i in range(self.first_layer, self.end_layer):
@@ -124,17 +133,39 @@ class LlamaModel:
                 bias = torch.cat([tensors[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
             gate_up = torch.cat([tensors[p + "mlp.gate_proj.weight"],
                                  tensors[p + "mlp.up_proj.weight"]])
+            o, down = take(p + "self_attn.o_proj.weight"), take(p + "mlp.down_proj.weight")
+            qkv, gate_up = qkv.to(device=device, dtype=dtype), gate_up.to(device=device, dtype=dtype)
             self.layers.append(_Layer(
                 take(p + "input_layernorm.weight"), take(p + "post_attention_layernorm.weight"),
-                lin(qkv, bias), lin(take(p + "self_attn.o_proj.weight")), lin(gate_up),
-                lin(take(p + "mlp.down_proj.weight"))))
+                lin(qkv, bias), lin(o), lin(gate_up), lin(down)))
+            if bias is None:
+                self._plain.append((qkv, o, gate_up, down))
         self.packed = pack and self.layers[0].qkv.is_packed
         """Whether the matmul weights are oneDNN-packed (see `yuebing.engine.linear`)."""
         inv = rope_inv_freq(cfg, tensors.get("rope_freqs"))
         pos = torch.arange(cfg.max_position, dtype=torch.float32)
         freqs = pos[:, None] * inv[None, :]
-        self._cos = freqs.cos().to(device=device, dtype=dtype)
-        self._sin = freqs.sin().to(device=device, dtype=dtype)
+        self.rope_cos = freqs.cos().to(device=device, dtype=dtype)
+        self.rope_sin = freqs.sin().to(device=device, dtype=dtype)
+        """RoPE tables ``[max_position, head_dim/2]`` in the model's dtype."""
+
+    def fused_candidate(self) -> FusedDecode | None:
+        """The fused decode over the kept plain weights (max_rows unset), or None where it
+        cannot run: no plain weights (a QKV bias), not bf16 on CPU."""
+        if not self._plain or len(self._plain) != len(self.layers) or self.dtype != torch.bfloat16 \
+                or self.device.type != "cpu":
+            return None
+        layers = [(lay.ln1, qkv, o, lay.ln2, gu, down)
+                  for lay, (qkv, o, gu, down) in zip(self.layers, self._plain, strict=True)]
+        head = None if self._plain_head is None or self.norm is None \
+            else (self.norm, self._plain_head)
+        return FusedDecode(self.cfg, layers, (self.rope_cos, self.rope_sin), head)
+
+    def use_fused(self, fused: FusedDecode | None) -> None:
+        """Run small decode steps through ``fused`` (None: never); drops the plain weights
+        when unused (the fused decode holds its own references)."""
+        self.fused = fused
+        self._plain, self._plain_head = [], None
 
     def make_matmuls_invariant(self) -> int | None:
         """Pad every matmul's input to the row count from which this CPU's kernels give each
@@ -161,9 +192,11 @@ class LlamaModel:
         get the model's layer number). The first stage embeds ``input_ids``, a later one starts
         from the previous stage's ``boundary``. The last stage returns float32 logits of
         ``logits_rows``, any other the `Boundary` of every row."""
-        cfg, ops = self.cfg, self.ops
-        h, kvh, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-        rope = ops.prepare_rope(positions, self._cos, self._sin)
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        fused = self.fused if self.fused is not None and self.token_impl is None \
+            and self.fused.applies(positions.shape[0], meta) else None
+        rope = None if fused is not None else ops.prepare_rope(positions, self.rope_cos,
+                                                               self.rope_sin)
         if self.embed is not None:
             residual = F.embedding(input_ids, self.embed)
             x = residual  # reassigned by every layer: its MLP output, added by the next norm
@@ -172,24 +205,51 @@ class LlamaModel:
                              "previous stage's boundary, and none was given")
         else:
             residual, x = boundary
-        n = residual.shape[0]
-        for i, layer in enumerate(self.layers):
-            if i == 0 and self.is_first:
-                hidden = ops.rms_norm(residual, layer.ln1, eps)
-            else:  # residual += previous MLP output, fused with the norm
-                hidden, residual = ops.add_rms_norm(x, residual, layer.ln1, eps)
-            k_cache, v_cache = kv[i]
-            q = ops.rope_write_kv(layer.qkv(hidden), rope, k_cache, v_cache, meta, h, kvh)
-            for hook in self.hooks:
-                hook(self.first_layer + i, meta)
-            attn = self._attention(q, k_cache, v_cache, meta)
-            hidden, residual = ops.add_rms_norm(layer.o(attn.reshape(n, h * hd)), residual,
-                                                layer.ln2, eps)
-            x = layer.down(ops.silu_mul(layer.gate_up(hidden)))
+        if fused is not None:  # the fused op updates the residual in place
+            residual, x = residual.contiguous(), x.contiguous()
+        for i in range(len(self.layers)):
+            first = i == 0 and self.is_first
+            if fused is not None:
+                x = fused.layer(i, x, residual, positions, kv[i], meta, first)
+                for hook in self.hooks:
+                    hook(self.first_layer + i, meta)
+            else:
+                x, residual = self._layer(i, x, residual, rope, kv[i], meta, first)
         if self.lm_head is None or self.norm is None:
             return Boundary(residual, x)
+        if fused is not None and fused.head is not None:
+            return fused.logits(residual.index_select(0, logits_rows),
+                                x.index_select(0, logits_rows))
         last = residual.index_select(0, logits_rows) + x.index_select(0, logits_rows)
         return self.lm_head(ops.rms_norm(last, self.norm, eps)).float()
+
+    def _layer(self, i: int, x: torch.Tensor, residual: torch.Tensor, rope: object,
+               kv: tuple[torch.Tensor, torch.Tensor], meta: AttnMetadata,
+               first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local layer ``i`` op by op: returns (MLP output, residual); calls the hooks after
+        the K/V write."""
+        cfg, ops, layer = self.cfg, self.ops, self.layers[i]
+        h, kvh, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        n = residual.shape[0]
+        if first:
+            hidden = ops.rms_norm(residual, layer.ln1, eps)
+        else:  # residual += previous MLP output, fused with the norm
+            hidden, residual = ops.add_rms_norm(x, residual, layer.ln1, eps)
+        k_cache, v_cache = kv
+        q = ops.rope_write_kv(layer.qkv(hidden), rope, k_cache, v_cache, meta, h, kvh)
+        for hook in self.hooks:
+            hook(self.first_layer + i, meta)
+        attn = self._attention(q, k_cache, v_cache, meta)
+        hidden, residual = ops.add_rms_norm(layer.o(attn.reshape(n, h * hd)), residual,
+                                            layer.ln2, eps)
+        return layer.down(ops.silu_mul(layer.gate_up(hidden))), residual
+
+    def first_layer_ops(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+                        kv: tuple[torch.Tensor, torch.Tensor], meta: AttnMetadata) -> torch.Tensor:
+        """Local layer 0 op by op as a step runs it, rope tables included (what
+        `fused_decode.choose_max_rows` times the fused layer against)."""
+        rope = self.ops.prepare_rope(positions, self.rope_cos, self.rope_sin)
+        return self._layer(0, x, residual, rope, kv, meta, False)[0]
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttnMetadata) -> torch.Tensor:

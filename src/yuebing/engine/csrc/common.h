@@ -72,5 +72,16 @@ at::Tensor flash_prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_
                                        const at::Tensor& v_cache, const at::Tensor& block_table,
                                        int64_t context_len, double scale);
 bool amx_available();
+bool fused_decode_available();
+at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, const at::Tensor& ln1,
+                        const at::Tensor& wqkv, const at::Tensor& wo, const at::Tensor& ln2,
+                        const at::Tensor& wgu, const at::Tensor& wdown, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& positions,
+                        at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                        const at::Tensor& block_table, const at::Tensor& context_lens,
+                        int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+                        bool first);
+at::Tensor decode_logits(const at::Tensor& residual, const at::Tensor& x,
+                         const at::Tensor& norm, const at::Tensor& weight, double eps);
 
 }  // namespace yuebing

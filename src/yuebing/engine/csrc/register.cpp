@@ -17,6 +17,14 @@ TORCH_LIBRARY(yuebing, m) {
   m.def("flash_prefill_attention_amx(Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_table, int context_len, float scale) -> Tensor");
   m.def("amx_available() -> bool", &yuebing::amx_available);  // no tensors: a catch-all kernel
+  m.def("fused_decode_available() -> bool", &yuebing::fused_decode_available);
+  m.def("decode_layer(Tensor x, Tensor(a!) residual, Tensor ln1, Tensor wqkv, Tensor wo, "
+        "Tensor ln2, Tensor wgu, Tensor wdown, Tensor cos, Tensor sin, Tensor positions, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor block_table, "
+        "Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, "
+        "bool first) -> Tensor");
+  m.def("decode_logits(Tensor residual, Tensor x, Tensor norm, Tensor weight, float eps) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(yuebing, CPU, m) {
@@ -27,4 +35,6 @@ TORCH_LIBRARY_IMPL(yuebing, CPU, m) {
   m.impl("silu_and_mul", &yuebing::silu_and_mul);
   m.impl("flash_prefill_attention", &yuebing::flash_prefill_attention);
   m.impl("flash_prefill_attention_amx", &yuebing::flash_prefill_attention_amx);
+  m.impl("decode_layer", &yuebing::decode_layer);
+  m.impl("decode_logits", &yuebing::decode_logits);
 }

@@ -144,4 +144,59 @@ inline float max_row(const float* x, int64_t n) {
   return m;
 }
 
+// RMSNorm of one float32 row ``r`` into ``out``, scaled by ``w`` (used by layer_ops and
+// decode_fused).
+template <typename T>
+inline void normalize_row(const float* r, const T* w, T* out, int64_t n, float eps) {
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_maskz_loadu_ps(tail_mask(n - i), r + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const __m512 inv = _mm512_set1_ps(
+      1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 v = round16<T>(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, r + i), inv));
+    store16(out + i, _mm512_mul_ps(v, load16(w + i, m)), m);
+  }
+#else
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += r[i] * r[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(round_through<T>(r[i] * inv) * to_float(w[i]));
+#endif
+}
+
+// Rotate-half RoPE of one head: y1 = x1·c − x2·s, y2 = x2·c + x1·s, each product and sum
+// rounded through T as the torch path does.
+template <typename T>
+inline void rotate(const T* x, const T* c, const T* s, T* y, int64_t half) {
+#ifdef __AVX512F__
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = tail_mask(half - i);
+    const __m512 x1 = load16(x + i, m), x2 = load16(x + i + half, m);
+    const __m512 ci = load16(c + i, m), si = load16(s + i, m);
+    const __m512 y1 = _mm512_sub_ps(round16<T>(_mm512_mul_ps(x1, ci)),
+                                    round16<T>(_mm512_mul_ps(x2, si)));
+    const __m512 y2 = _mm512_add_ps(round16<T>(_mm512_mul_ps(x2, ci)),
+                                    round16<T>(_mm512_mul_ps(x1, si)));
+    store16(y + i, y1, m);
+    store16(y + i + half, y2, m);
+  }
+#else
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+    const float ci = to_float(c[i]), si = to_float(s[i]);
+    const T y1 = from_float<T>(round_through<T>(x1 * ci) - round_through<T>(x2 * si));
+    const T y2 = from_float<T>(round_through<T>(x2 * ci) + round_through<T>(x1 * si));
+    y[i] = y1;
+    y[i + half] = y2;
+  }
+#endif
+}
+
 }  // namespace yuebing

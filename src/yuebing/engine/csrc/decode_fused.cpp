@@ -1,0 +1,340 @@
+// Fused decode for small batches (bfloat16, AVX512-BF16): a whole decoder layer, and the final
+// norm with the LM head, each in one OpenMP parallel region instead of ~15 torch ops with a
+// fork/join each. Matmuls are row-major bf16 GEMVs on vdpbf16ps (float32 sums, rows of the
+// weight split between the threads, each weight row read once for all batch rows); RMSNorm,
+// RoPE with the K/V cache write, paged attention and SiLU·mul are fused between them, with a
+// barrier between stages. Intermediates are rounded to bf16 where the torch path stores them.
+// Each batch row is computed the same way whatever the other rows are; the summation order
+// differs from oneDNN's, so results match the unfused path in tokens, not in bits.
+#include <omp.h>
+
+#include "vec.h"
+
+namespace yuebing {
+
+bool fused_decode_available() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+namespace {
+
+using bf16 = c10::BFloat16;
+constexpr int64_t kMaxRows = 8;
+
+inline __mmask32 mask32(int64_t left) {
+  return left >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << left) - 1);
+}
+
+#ifndef YB_PREFETCH_BYTES
+#define YB_PREFETCH_BYTES 2048
+#endif
+
+// out[r] = sum_k w[k]·x[r·K + k] in float32 for R batch rows. The weight streams from memory
+// once: its line YB_PREFETCH_BYTES ahead is prefetched (the rows follow each other).
+template <int R>
+inline void dot_rows(const bf16* w, const bf16* x, int64_t K, float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const char* ahead = reinterpret_cast<const char*>(w) + YB_PREFETCH_BYTES;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    _mm_prefetch(ahead + 2 * k, _MM_HINT_T0);
+    const __m512i wv = _mm512_loadu_si512(w + k);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)wv,
+                                (__m512bh)_mm512_loadu_si512(x + r * K + k));
+  }
+  if (k < K) {
+    const __mmask32 m = mask32(K - k);
+    const __m512i wv = _mm512_maskz_loadu_epi16(m, w + k);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)wv,
+                                (__m512bh)_mm512_maskz_loadu_epi16(m, x + r * K + k));
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+inline void dot_any(int64_t R, const bf16* w, const bf16* x, int64_t K, float* out) {
+  switch (R) {
+    case 1: return dot_rows<1>(w, x, K, out);
+    case 2: return dot_rows<2>(w, x, K, out);
+    case 3: return dot_rows<3>(w, x, K, out);
+    case 4: return dot_rows<4>(w, x, K, out);
+    case 5: return dot_rows<5>(w, x, K, out);
+    case 6: return dot_rows<6>(w, x, K, out);
+    case 7: return dot_rows<7>(w, x, K, out);
+    default: return dot_rows<8>(w, x, K, out);
+  }
+}
+
+// y[r, o] = bf16(W[o]·x[r]) for o in [o0, o1); y has row stride ldy.
+inline void gemv(const bf16* W, int64_t K, const bf16* x, int64_t R, int64_t o0, int64_t o1,
+                 bf16* y, int64_t ldy) {
+  float out[kMaxRows];
+  for (int64_t o = o0; o < o1; ++o) {
+    dot_any(R, W + o * K, x, K, out);
+    for (int64_t r = 0; r < R; ++r) y[r * ldy + o] = bf16(out[r]);
+  }
+}
+
+// This thread's share [first, second) of n items, in multiples of 16 (cache lines of rows).
+inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) {
+  const int64_t units = (n + 15) / 16;
+  const int64_t a = units * tid / nt, b = units * (tid + 1) / nt;
+  return {std::min(n, a * 16), std::min(n, b * 16)};
+}
+
+// residual (+= x unless first) → RMSNorm → hidden, for every row.
+void add_norm(const bf16* x, bf16* res, const bf16* w, bf16* hidden, int64_t R, int64_t H,
+              float eps, bool add, float* buf) {
+  for (int64_t r = 0; r < R; ++r) {
+    bf16* rr = res + r * H;
+    for (int64_t i = 0; i < H; i += 16) {
+      const __mmask16 m = tail_mask(H - i);
+      __m512 v = load16(rr + i, m);
+      if (add) {
+        v = round16<bf16>(_mm512_add_ps(load16(x + r * H + i, m), v));
+        store16(rr + i, v, m);
+      }
+      _mm512_mask_storeu_ps(buf + i, m, v);
+    }
+    normalize_row<bf16>(buf, w, hidden + r * H, H, eps);
+  }
+}
+
+struct LayerArgs {
+  int64_t R, H, heads, kv_heads, hd, F, block_size, table_stride;
+  float eps, scale;
+  bool first;
+  const bf16 *x, *ln1, *wqkv, *wo, *ln2, *wgu, *wdown, *cos, *sin;
+  bf16 *res, *kc, *vc, *hidden, *qkv, *attn, *act, *out;
+  const int64_t *pos, *slots;
+  const int32_t *table, *lens;
+};
+
+// One query head of one row over its whole context, read in place through the block table.
+void attend(const LayerArgs& a, int64_t r, int64_t h, std::vector<float>& scores,
+            std::vector<float>& q, std::vector<float>& acc) {
+  const int64_t hd = a.hd, kvh = h / (a.heads / a.kv_heads), n = a.lens[r];
+  const int64_t head_stride = a.block_size * hd, block_stride = a.kv_heads * head_stride;
+  const int32_t* row = a.table + r * a.table_stride;
+  const bf16* qh = a.qkv + r * (a.heads + 2 * a.kv_heads) * hd + h * hd;
+  for (int64_t i = 0; i < hd; ++i) q[i] = to_float(qh[i]);
+  scores.resize(n);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t off = row[t / a.block_size] * block_stride + kvh * head_stride +
+                        (t % a.block_size) * hd;
+    scores[t] = dot_row(q.data(), a.kc + off, hd) * a.scale;
+  }
+  const float mx = max_row(scores.data(), n);
+  const float sum = exp_sub_sum(scores.data(), n, mx);
+  std::fill(acc.begin(), acc.end(), 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t off = row[t / a.block_size] * block_stride + kvh * head_stride +
+                        (t % a.block_size) * hd;
+    axpy_row(scores[t], a.vc + off, acc.data(), hd);
+  }
+  bf16* o = a.attn + r * a.heads * hd + h * hd;
+  const float inv = 1.f / sum;
+  for (int64_t i = 0; i < hd; ++i) o[i] = bf16(acc[i] * inv);
+}
+
+void layer(const LayerArgs& a, int nt) {
+  const int64_t R = a.R, H = a.H, hd = a.hd, nq = (a.heads + 2 * a.kv_heads) * hd;
+  const int64_t half = hd / 2, F = a.F;
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+    std::vector<float> buf(std::max(H, hd)), scores, q(hd), acc(hd);
+#pragma omp single
+    add_norm(a.x, a.res, a.ln1, a.hidden, R, H, a.eps, !a.first, buf.data());
+    auto [q0, q1] = share(nq, tid, n);
+    gemv(a.wqkv, H, a.hidden, R, q0, q1, a.qkv, nq);
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < R * (a.heads + a.kv_heads); ++i) {
+      const int64_t r = i / (a.heads + a.kv_heads), h = i % (a.heads + a.kv_heads);
+      bf16* row = a.qkv + r * nq;
+      const bf16* c = a.cos + a.pos[r] * half;
+      const bf16* s = a.sin + a.pos[r] * half;
+      if (h < a.heads) {
+        rotate<bf16>(row + h * hd, c, s, row + h * hd, half);
+        continue;
+      }
+      const int64_t j = h - a.heads;
+      const int64_t blk = a.slots[r] / a.block_size, off = a.slots[r] % a.block_size;
+      const int64_t dst = ((blk * a.kv_heads + j) * a.block_size + off) * hd;
+      rotate<bf16>(row + h * hd, c, s, a.kc + dst, half);
+      const bf16* v = row + (a.heads + a.kv_heads + j) * hd;
+      std::copy(v, v + hd, a.vc + dst);
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < R * a.heads; ++i) attend(a, i / a.heads, i % a.heads, scores, q, acc);
+    auto [h0, h1] = share(H, tid, n);
+    gemv(a.wo, a.heads * hd, a.attn, R, h0, h1, a.out, H);
+#pragma omp barrier
+#pragma omp single
+    add_norm(a.out, a.res, a.ln2, a.hidden, R, H, a.eps, true, buf.data());
+    auto [f0, f1] = share(F, tid, n);
+    float g[kMaxRows], u[kMaxRows];
+    for (int64_t j = f0; j < f1; ++j) {
+      dot_any(R, a.wgu + j * H, a.hidden, H, g);
+      dot_any(R, a.wgu + (F + j) * H, a.hidden, H, u);
+      for (int64_t r = 0; r < R; ++r) {  // as silu_and_mul on the bf16 matmul outputs
+        const float gr = round_through<bf16>(g[r]), ur = round_through<bf16>(u[r]);
+        const float act = round_through<bf16>(gr / (1.f + std::exp(-gr)));
+        a.act[r * F + j] = bf16(act * ur);
+      }
+    }
+#pragma omp barrier
+    gemv(a.wdown, F, a.act, R, h0, h1, a.out, H);
+  }
+}
+
+void check_weight(const at::Tensor& w, int64_t rows, int64_t cols, const char* name) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() &&
+              w.size(0) == rows && w.size(1) == cols, "decode_layer: ", name,
+              " must be a contiguous bfloat16 [", rows, ", ", cols, "], got ", w.sizes(), " ",
+              w.scalar_type());
+}
+
+}  // namespace
+
+at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, const at::Tensor& ln1,
+                        const at::Tensor& wqkv, const at::Tensor& wo, const at::Tensor& ln2,
+                        const at::Tensor& wgu, const at::Tensor& wdown, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& positions,
+                        at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                        const at::Tensor& block_table, const at::Tensor& context_lens,
+                        int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+                        bool first) {
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() &&
+              residual.scalar_type() == at::kBFloat16 && residual.size(0) >= 1 &&
+              residual.size(0) <= kMaxRows, "decode_layer: residual must be a contiguous "
+              "bfloat16 [rows <= ", kMaxRows, ", hidden], got ", residual.sizes());
+  const int64_t R = residual.size(0), H = residual.size(1);
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.is_contiguous() &&
+              x.scalar_type() == at::kBFloat16, "decode_layer: x must be like residual");
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+              "decode_layer: num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
+              k_cache.size(1) == num_kv_heads, "decode_layer: caches must be contiguous bfloat16 "
+              "[blocks, ", num_kv_heads, ", block_size, head_dim]");
+  const int64_t hd = k_cache.size(3), F = wdown.size(1);
+  check_weight(wqkv, (num_heads + 2 * num_kv_heads) * hd, H, "wqkv");
+  check_weight(wo, H, num_heads * hd, "wo");
+  check_weight(wgu, 2 * F, H, "wgu");
+  check_weight(wdown, H, F, "wdown");
+  for (const at::Tensor* w : {&ln1, &ln2})
+    TORCH_CHECK(w->scalar_type() == at::kBFloat16 && w->dim() == 1 && w->size(0) == H &&
+                w->is_contiguous(), "decode_layer: norm weights must be bfloat16 [", H, "]");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) * 2 == hd &&
+              cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kBFloat16 &&
+              sin.scalar_type() == at::kBFloat16, "decode_layer: cos/sin must be bfloat16 "
+              "[positions, ", hd / 2, "]");
+  for (const at::Tensor* t : {&positions, &slots})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == R &&
+                t->is_contiguous(), "decode_layer: positions and slots must be int64 [", R, "]");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+              block_table.size(0) == R && block_table.stride(1) == 1 &&
+              context_lens.scalar_type() == at::kInt && context_lens.dim() == 1 &&
+              context_lens.size(0) == R && context_lens.is_contiguous(),
+              "decode_layer: block_table must be int32 [", R, ", blocks] and context_lens "
+              "int32 [", R, "]");
+  const int64_t bs = k_cache.size(2), capacity = k_cache.size(0) * bs;
+  const int64_t* p = positions.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(p[r] >= 0 && p[r] < cos.size(0), "decode_layer: position ", p[r],
+                " outside the table of ", cos.size(0));
+    TORCH_CHECK(sl[r] >= 0 && sl[r] < capacity, "decode_layer: slot ", sl[r],
+                " outside the pool of ", capacity, " slots");
+    TORCH_CHECK(lens[r] >= 1 && lens[r] <= block_table.size(1) * bs, "decode_layer: context ",
+                lens[r], " outside 1..", block_table.size(1) * bs);
+    for (int64_t b = 0; b < (lens[r] + bs - 1) / bs; ++b) {
+      const int32_t blk = table[r * block_table.stride(0) + b];
+      TORCH_CHECK(blk >= 0 && blk < k_cache.size(0), "decode_layer: block ", blk,
+                  " outside the pool of ", k_cache.size(0));
+    }
+  }
+  auto opts = residual.options();
+  at::Tensor hidden = at::empty({R, H}, opts), qkv = at::empty({R, wqkv.size(0)}, opts);
+  at::Tensor attn = at::empty({R, num_heads * hd}, opts), act = at::empty({R, F}, opts);
+  at::Tensor out = at::empty({R, H}, opts);
+  LayerArgs a{R, H, num_heads, num_kv_heads, hd, F, bs, block_table.stride(0),
+              static_cast<float>(eps), static_cast<float>(scale), first,
+              x.data_ptr<bf16>(), ln1.data_ptr<bf16>(), wqkv.data_ptr<bf16>(),
+              wo.data_ptr<bf16>(), ln2.data_ptr<bf16>(), wgu.data_ptr<bf16>(),
+              wdown.data_ptr<bf16>(), cos.data_ptr<bf16>(), sin.data_ptr<bf16>(),
+              residual.data_ptr<bf16>(), k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(),
+              hidden.data_ptr<bf16>(), qkv.data_ptr<bf16>(), attn.data_ptr<bf16>(),
+              act.data_ptr<bf16>(), out.data_ptr<bf16>(), p, sl, table, lens};
+  layer(a, at::get_num_threads());
+  return out;
+}
+
+at::Tensor decode_logits(const at::Tensor& residual, const at::Tensor& x,
+                         const at::Tensor& norm, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() &&
+              residual.scalar_type() == at::kBFloat16 && residual.size(0) >= 1 &&
+              residual.size(0) <= kMaxRows && x.sizes() == residual.sizes() &&
+              x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "decode_logits: residual and x must be contiguous bfloat16 [rows <= ", kMaxRows,
+              ", hidden], got ", residual.sizes(), " and ", x.sizes());
+  const int64_t R = residual.size(0), H = residual.size(1);
+  check_weight(weight, weight.size(0), H, "weight");
+  TORCH_CHECK(norm.scalar_type() == at::kBFloat16 && norm.dim() == 1 && norm.size(0) == H &&
+              norm.is_contiguous(), "decode_logits: norm must be bfloat16 [", H, "]");
+  const int64_t V = weight.size(0);
+  at::Tensor res = residual.clone(), hidden = at::empty({R, H}, residual.options());
+  at::Tensor logits = at::empty({R, V}, residual.options().dtype(at::kFloat));
+  const bf16* w = weight.data_ptr<bf16>();
+  const bf16* hp = hidden.data_ptr<bf16>();
+  float* lp = logits.data_ptr<float>();
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+#pragma omp single
+    {
+      std::vector<float> buf(H);
+      add_norm(x.data_ptr<bf16>(), res.data_ptr<bf16>(), norm.data_ptr<bf16>(),
+               hidden.data_ptr<bf16>(), R, H, static_cast<float>(eps), true, buf.data());
+    }
+    auto [v0, v1] = share(V, tid, n);
+    float out[kMaxRows];
+    for (int64_t o = v0; o < v1; ++o) {
+      dot_any(R, w + o * H, hp, H, out);
+      for (int64_t r = 0; r < R; ++r) lp[r * V + o] = round_through<bf16>(out[r]);
+    }
+  }
+  return logits;
+}
+
+#else  // no AVX512-BF16: the ops exist but refuse (fused_decode_available() is false)
+
+at::Tensor decode_layer(const at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, const at::Tensor&, int64_t, int64_t, double, double,
+                        bool) {
+  TORCH_CHECK(false, "decode_layer: built without AVX512-BF16 (see fused_decode_available)");
+}
+
+at::Tensor decode_logits(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, double) {
+  TORCH_CHECK(false, "decode_logits: built without AVX512-BF16 (see fused_decode_available)");
+}
+
+#endif
+
+}  // namespace yuebing

@@ -1,0 +1,121 @@
+"""Fused small-batch decode (`yuebing.engine.fused_decode`): the fused layer against the op-by-op
+one on a random bf16 model (logits close, K/V written alike), input checks of the native ops,
+the engine's choice and its report, and batch-invariant mode never using it. Token parity on
+the real model is in test_real_model.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_factories import make_engine, prompts, tiny
+
+from yuebing.core.errors import ConfigError
+from yuebing.engine import fused_decode
+from yuebing.engine.config import EngineConfig
+from yuebing.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
+
+@pytest.fixture(autouse=True)
+def _needs_bf16_dot() -> None:
+    if not fused_decode.available():
+        pytest.skip("native kernels built without AVX512-BF16: the fused decode does not run")
+
+
+def _engine(**kw: object):
+    return make_engine(tiny(), dtype="bfloat16", kernels="native", attention="auto", **kw)
+
+
+def _decode_logits(engine, fused, batch: list[list[int]], steps: int = 4):
+    engine.model.fused = fused
+    captured: list[torch.Tensor] = []
+    engine.logits_hook = lambda rids, logits: captured.append(logits.clone())
+    outs = engine.generate(batch, SamplingParams(max_tokens=steps, temperature=0,
+                                                 ignore_eos=True))
+    engine.logits_hook = None
+    return [o.output_token_ids for o in outs], captured
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_fused_step_matches_op_by_op(rows: int) -> None:
+    engine = _engine(fused_decode=8, prefix_caching=False)
+    cand = engine.model.fused
+    assert cand is not None and engine.decode_fused == "b<=8"
+    batch = prompts(rows, seed=rows)
+    _, fused = _decode_logits(engine, cand, batch)
+    _, ops = _decode_logits(engine, None, batch)
+    assert len(fused) == len(ops)
+    # the same steps (no prefix hits): prefill rows equal, decode rows close
+    for a, b in zip(fused, ops, strict=True):
+        scale = float(b.abs().max())
+        assert float((a - b).abs().max()) <= 0.05 * scale + 0.05
+
+
+def test_engine_reports_its_choice_and_invariant_mode_never_fuses() -> None:
+    engine = _engine()
+    sig = engine.signature()
+    assert sig["decode_fused"] == engine.decode_fused
+    assert engine.decode_fused == "off" or engine.decode_fused.startswith("b<=")
+    assert (engine.model.fused is None) == (engine.decode_fused == "off")
+    if engine.model.fused is not None:
+        assert engine.decode_fused == f"b<={engine.model.fused.max_rows}"
+    inv = make_engine(tiny(), dtype="bfloat16", kernels="native", attention="auto",
+                      batch_invariant=True)
+    assert inv.decode_fused == "off" and inv.model.fused is None
+    assert inv.signature()["decode_fused"] == "off"
+    torch_ops = make_engine(tiny(), dtype="bfloat16", kernels="torch")
+    assert torch_ops.decode_fused == "off" and torch_ops.model.fused is None
+    assert _engine(fused_decode=0).decode_fused == "off"
+
+
+def test_forced_fused_decode_where_it_cannot_run_is_refused() -> None:
+    with pytest.raises(ConfigError, match="fused_decode 2 needs the native kernels"):
+        make_engine(tiny(), dtype="float32", kernels="native", fused_decode=2)
+    with pytest.raises(ConfigError, match="cannot be used with batch_invariant"):
+        make_engine(tiny(), dtype="bfloat16", kernels="native", attention="auto",
+                    batch_invariant=True, fused_decode=2)
+    with pytest.raises(ConfigError, match="fused_decode must be -1"):
+        EngineConfig(fused_decode=9)
+
+
+def _layer_args(rows: int = 1, hd: int = 16, heads: int = 4, kvh: int = 2, hidden: int = 64,
+                ffn: int = 96) -> list[object]:
+    bf = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(bf)
+
+    return [r(rows, hidden), r(rows, hidden), r(hidden), r((heads + 2 * kvh) * hd, hidden),
+            r(hidden, heads * hd), r(hidden), r(2 * ffn, hidden), r(hidden, ffn), r(32, hd // 2),
+            r(32, hd // 2), torch.zeros(rows, dtype=torch.long), r(4, kvh, 4, hd),
+            r(4, kvh, 4, hd), torch.zeros(rows, dtype=torch.long),
+            torch.zeros(rows, 1, dtype=torch.int32), torch.ones(rows, dtype=torch.int32),
+            heads, kvh, 1e-5, hd**-0.5, False]
+
+
+def test_native_layer_runs_and_refuses_bad_input() -> None:
+    op = torch.ops.yuebing.decode_layer
+    out = op(*_layer_args())
+    assert out.shape == (1, 64) and out.dtype == torch.bfloat16 and bool(out.isfinite().all())
+    too_many = _layer_args(rows=9)
+    with pytest.raises(RuntimeError, match="rows <= 8"):
+        op(*too_many)
+    bad_slot = _layer_args()
+    bad_slot[13] = torch.tensor([16])  # the pool has 4 blocks of 4 slots
+    with pytest.raises(RuntimeError, match="slot 16 outside the pool of 16 slots"):
+        op(*bad_slot)
+    bad_block = _layer_args()
+    bad_block[14] = torch.tensor([[7]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="block 7 outside the pool of 4"):
+        op(*bad_block)
+    fp32 = _layer_args()
+    fp32[3] = fp32[3].float()  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="wqkv must be a contiguous bfloat16"):
+        op(*fp32)
+    with pytest.raises(RuntimeError, match="rows <= 8"):
+        torch.ops.yuebing.decode_logits(torch.zeros(9, 64, dtype=torch.bfloat16),
+                                        torch.zeros(9, 64, dtype=torch.bfloat16),
+                                        torch.ones(64, dtype=torch.bfloat16),
+                                        torch.zeros(10, 64, dtype=torch.bfloat16), 1e-5)
