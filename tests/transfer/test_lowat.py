@@ -83,7 +83,8 @@ def test_short_run_leaves_the_mark_alone(tcp_pair, monkeypatch) -> None:
     out = bytearray(len(data))
     recv_scatter(b, [memoryview(out)])
     t.join()
-    assert out == data and marks[0] == len(data) and marks[-1] == 1
+    cap = b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4  # never above a quarter
+    assert out == data and marks[0] == min(len(data), cap) and marks[-1] == 1
 
 
 @pytest.mark.parametrize("spin_s", [0.0, 0.05])
