@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
+from yuebing.conductor.cluster import LiveCluster, Member
 from yuebing.conductor.gate import PrefillGate
+from yuebing.instance.client import InstanceUnavailable
+from yuebing.protocol.instance import Hello, LoadReport, Role
 
 
 def _run(coro):  # type: ignore[no-untyped-def]
@@ -149,4 +153,44 @@ def test_a_shared_gate_admits_one_owners_work_at_a_time() -> None:
         g.fail(RuntimeError("stage died"), {"long"})   # only the stage's requests go
         await asyncio.sleep(0)
         assert more.done() and g.inflight == {"short2": 100}
+    _run(main())
+
+
+def _stage_member(c, name: str, **seat):  # type: ignore[no-untyped-def]
+    h = Hello(seq=0, instance_id=name, role=Role.PREFILL, model="m", fingerprint="fp", host="h",
+              control_address=f"tcp://{name}:1", kv_segment="s", block_size=16,
+              store_block_tokens=256, num_blocks=64, max_model_len=4096, incarnation="i",
+              num_layers=4, group="g", **seat)
+    report = LoadReport(instance_id=name, incarnation="i", report_seq=1, time_s=0.0,
+                        queued_prefill_tokens=0, queued_requests=0, running=0, waiting=0,
+                        context_tokens=0, free_blocks=64, total_blocks=64, reserved_blocks=0,
+                        prefill_tokens_per_s=1000.0, decode_step_s=0.05)
+    m = Member(f"tcp://{name}:1", SimpleNamespace(fail_all=lambda reason: None), h,  # type: ignore[arg-type]
+               report, gate=c._gate(h))
+    c.members[m.id] = m
+    return m
+
+
+def test_a_dead_stage_fails_its_group_requests_at_every_stage_gate() -> None:
+    """Stage s0 dies while a group request holds s0's gate and waits at s1's (behind s1's
+    twin, whose seat is spelled differently): the request fails at once, not after its turn,
+    both places are dropped, and the twin's own work is untouched."""
+    async def main() -> None:
+        c = LiveCluster(2.0, 1.0, 256, lambda n, k: 0.0, 1e7, 0.0)
+        s0 = _stage_member(c, "s0", layers="0:2")
+        s1 = _stage_member(c, "s1", layers="2:4")
+        twin = _stage_member(c, "t1", twin_of="2: 4")
+        assert twin.gate is s1.gate and c.twins([s0, s1]) == [twin]
+        await twin.gate.acquire("short", 100, owner="t1")
+        twin.prefilling["short"] = (0.1, 0.0)
+        await s0.gate.acquire("long", 800, owner="s0")
+        for s in (s0, s1):
+            s.prefilling["long"] = (9.0, 0.0)
+        waiting = asyncio.ensure_future(s1.gate.acquire("long", 800, owner="s1"))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        c._mark_dead(s0, "s0 died")
+        await asyncio.sleep(0)
+        assert waiting.done() and isinstance(waiting.exception(), InstanceUnavailable)
+        assert s0.gate.inflight == {} and s1.gate.inflight == {"short": 100}
     _run(main())

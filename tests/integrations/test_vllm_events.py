@@ -87,7 +87,7 @@ def test_a_gap_is_closed_by_the_replay_and_repeats_are_skipped():
     assert not idx.replay([frame(3)])  # does not reach back to 1: refused, nothing applied
     assert idx.last_seq == 0
     assert idx.replay([lost, live]) and idx.replays == 1
-    assert idx.frame(live) is None  # the live frame again: a repeat
+    assert idx.frame(live, live=False) is None  # the live frame again: a repeat
     assert idx.take() == (LAYOUT.block_keys(B), LAYOUT.block_keys(A), False)
 
 
@@ -110,6 +110,17 @@ def test_a_restarted_publisher_starts_the_index_over():
     idx.take()
     assert idx.frame(frame(0, stored([3, 4], None, B))) is None
     assert idx.take() == (LAYOUT.block_keys(B), [], True)
+
+
+def test_a_restart_whose_first_frames_were_lost_still_starts_over():
+    idx = KvEventIndex(LAYOUT)
+    for seq in range(6):
+        idx.frame(frame(seq, *([stored([1, 2], None, A)] if seq == 0 else [])))
+    idx.take()
+    # the restarted publisher's frames 0-1 never arrived (slow joiner): frame 2 is a restart,
+    # not a repeat, and what the old process held is no longer claimed
+    assert idx.frame(frame(2, stored([3, 4], None, B))) is None
+    assert idx.take() == (LAYOUT.block_keys(B), [], True) and idx.resets == 1
 
 
 HF = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,

@@ -83,7 +83,8 @@ def test_short_run_leaves_the_mark_alone(tcp_pair, monkeypatch) -> None:
     out = bytearray(len(data))
     recv_scatter(b, [memoryview(out)])
     t.join()
-    assert out == data and marks[0] == len(data) and marks[-1] == 1
+    # the mark: what is missing, at most a quarter of the receive buffer as it was then
+    assert out == data and 1 < marks[0] <= len(data) and marks[-1] == 1
 
 
 @pytest.mark.parametrize("spin_s", [0.0, 0.05])

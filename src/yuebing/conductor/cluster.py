@@ -38,6 +38,20 @@ from yuebing.protocol.instance import Hello, LoadReport, Role
 log = logging.getLogger(__name__)
 
 
+def seat_of(hello: Hello) -> tuple[str, str] | None:
+    """The pipeline seat a stage (``--layers``) or its whole-model twin (``--twin-of``) sits
+    in: its group and its layer range written canonically (``0: 15`` is ``0:15``), so a stage
+    and its twin meet whatever spelling each was given; None for any other instance."""
+    seat = hello.layers or hello.twin_of
+    if not (hello.group and seat and hello.role == Role.PREFILL):
+        return None
+    try:
+        a, b = parse_layers(seat, None)
+    except ConfigError:
+        return hello.group, seat
+    return hello.group, f"{a}:{b}"
+
+
 @dataclass
 class Member:
     """One instance as the Conductor knows it."""
@@ -166,10 +180,9 @@ class LiveCluster:
 
     def _gate(self, hello: Hello) -> PrefillGate:
         """A new gate, or the one of the stage's machine a stage and its twin share."""
-        seat = hello.layers or hello.twin_of
-        if not (hello.group and seat and hello.role == Role.PREFILL):
+        key = seat_of(hello)
+        if key is None:
             return PrefillGate(self.prefill_gate_tokens, self.queue_order)
-        key = (hello.group, seat)
         if key not in self._seat_gates:
             self._seat_gates[key] = PrefillGate(self.prefill_gate_tokens, self.queue_order)
         return self._seat_gates[key]
@@ -265,9 +278,14 @@ class LiveCluster:
         if m.alive:
             log.warning("%s: it leaves the view", reason)
         m.alive = False
-        seat = m.hello.group and (m.hello.layers or m.hello.twin_of)
-        m.gate.fail(InstanceUnavailable(reason),  # a shared gate: only this one's requests
-                    set(m.prefilling) if seat else None)
+        exc = InstanceUnavailable(reason)
+        if seat_of(m.hello) is None:
+            m.gate.fail(exc)
+        else:  # a shared gate: only this one's requests, and a group request fails at every
+            mine = set(m.prefilling)  # stage's gate it waits at or holds, not after its turn
+            for gate in {id(x.gate): x.gate for x in self.members.values()
+                         if x.hello.group == m.hello.group and seat_of(x.hello)}.values():
+                gate.fail(exc, mine)
         m.prefilling.clear()
         self.index.drop(m.id)
         for cb in self.on_dead:
@@ -312,10 +330,10 @@ class LiveCluster:
 
     def twins(self, stages: list[Member]) -> list[Member]:
         """The alive whole-model twins (``--twin-of``) of a group's ``stages``, in stage order."""
-        seats = {(m.hello.group, m.hello.layers): i for i, m in enumerate(stages)}
-        found = sorted((seats[(m.hello.group, m.hello.twin_of)], m.hello.instance_id, m)
+        seats = {seat_of(m.hello): i for i, m in enumerate(stages)}
+        found = sorted((seats[seat_of(m.hello)], m.hello.instance_id, m)
                        for m in self.alive(Role.PREFILL)
-                       if (m.hello.group, m.hello.twin_of) in seats)
+                       if m.hello.twin_of and seat_of(m.hello) in seats)
         return [m for _, _, m in found]
 
     def assembled_run(self, keys: tuple[int, ...]) -> tuple[int, list[str]]:
@@ -365,7 +383,7 @@ class LiveCluster:
                 if r.queued_prefill_tokens else 0.0
         reported -= max(0.0, now_s - m.seen_s)
         waiting = m.gate.queued()
-        if m.hello.group and m.hello.role == Role.PREFILL:  # a shared gate: this one's waiters
+        if seat_of(m.hello) is not None:  # a shared gate: this one's waiters
             waiting = tuple(w for w in waiting if w.request_id in m.prefilling)
         held = {w.request_id for w in waiting}
         started = [(est, t) for rid, (est, t) in m.prefilling.items() if rid not in held]

@@ -216,8 +216,9 @@ class Dispatcher:
                 await self._disaggregated(req, info, route, plan, pres, dec, stats, deadline,
                                           involved)
             m.overhead.observe(stats.dispatch_s)
-            for phase, took in stats.dispatch_phases().items():
-                m.dispatch_phase.labels(phase).observe(took)
+            if not stats.redispatched:  # a second attempt's phases overlap the first's
+                for phase, took in stats.dispatch_phases().items():
+                    m.dispatch_phase.labels(phase).observe(took)
             loop = asyncio.get_running_loop()
             watch = [loop.create_task(_watch_stage(s, pre, rid)) for s in pres[:-1]]
             try:

@@ -4,9 +4,10 @@ A request holds decode KV from its ``reserve`` until the decode adopts its KV; r
 dispatch would let a long prefill queue hold KV it cannot use yet. So each prefill instance gets
 requests only while it has fewer than ``max_tokens`` uncached prompt tokens in prefill (at least
 one request); the others wait here, holding only their place, in the policy's queue order
-(`conductor.policy.queue`), the order the simulator keeps. A pipeline stage and its whole-model twin share one gate (one
-machine). Called by `conductor.dispatch`
-(`acquire`, `release`) and `conductor.cluster` (`fail`, `queued`). Event-loop only.
+(`conductor.policy.queue`), the order the simulator keeps. A pipeline stage and its
+whole-model twin share one gate (one machine), which admits one owner's work at a time. Called
+by `conductor.dispatch` (`acquire`, `release`) and `conductor.cluster` (`fail`, `queued`).
+Event-loop only.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class PrefillGate:
         """The instance is gone: every waiter (of ``requests`` only, when given: a gate
         shared by a pipeline stage and its twin) raises ``exc``; their places are dropped."""
         gone = [w for w in self._waiting if requests is None or w.request_id in requests]
-        self._waiting = [w for w in self._waiting if w not in gone]
+        gone_ids = {id(w) for w in gone}
+        self._waiting = [w for w in self._waiting if id(w) not in gone_ids]
         for w in gone:
             if not w.fut.done():
                 w.fut.set_exception(exc)

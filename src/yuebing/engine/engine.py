@@ -26,6 +26,7 @@ from yuebing.core.ids import BlockHash
 from yuebing.engine import (
     blas_attention,  # noqa: F401  (registers the "blas" prefill path)
     fused_decode,
+    native,
     runtime,
 )
 from yuebing.engine.attention import (
@@ -37,6 +38,7 @@ from yuebing.engine.attention import (
     prefill_supported,
 )
 from yuebing.engine.block_manager import BlockAllocator
+from yuebing.engine.choices import shared_choice
 from yuebing.engine.config import EngineConfig, parse_layers
 from yuebing.engine.kernels import NATIVE_ATTENTION, resolve_kernels
 from yuebing.engine.kv_cache import KVPool
@@ -187,9 +189,18 @@ class LLMEngine:
                               "grouped or sdpa (paged needs the native kernels)")
         self.attention_timings = {}
         if "auto" in (decode, prefill):
-            best_decode, best_prefill, self.attention_timings = choose_attention(
-                mc.num_kv_heads, mc.num_heads, mc.head_dim, self.dtype, self.device,
-                decode_names=decodes, prefill_names=prefills)
+            parts: dict[str, object] = {
+                "machine": runtime.machine(), "torch": torch.__version__, "dtype": str(self.dtype),
+                "device": str(self.device), "threads": torch.get_num_threads(),
+                "shape": [mc.num_kv_heads, mc.num_heads, mc.head_dim],
+                "kernels": native.build_key() if native_ok else "", "decodes": decodes,
+                "prefills": prefills}
+            (best_decode, best_prefill, self.attention_timings), cached = shared_choice(
+                parts, lambda: choose_attention(
+                    mc.num_kv_heads, mc.num_heads, mc.head_dim, self.dtype, self.device,
+                    decode_names=decodes, prefill_names=prefills))
+            log.info("attention measured %s: decode %s, prefill %s",
+                     "earlier on this machine" if cached else "now", best_decode, best_prefill)
             decode = best_decode if decode == "auto" else decode
             prefill = best_prefill if prefill == "auto" else prefill
         if not (prefill in prefills and prefill_supported(prefill, self.dtype, self.device)):

@@ -59,24 +59,26 @@ class KvEventIndex:
         self.skipped = 0
 
     # ------------------------------------------------------------------ frames
-    def frame(self, parts: list[bytes]) -> int | None:
+    def frame(self, parts: list[bytes], live: bool = True) -> int | None:
         """One ZMQ frame ``[topic, seq, payload]`` from vLLM's publisher: the payload is a
         msgpack EventBatch ``[ts, events, rank]``, its events maps tagged ``type``
         (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``). Applied when it is the next
-        in sequence (a repeat is skipped; a publisher that restarts at 0 resets the index);
-        after a gap nothing is applied and the first lost sequence number is returned: the
-        caller asks vLLM's replay endpoint from there and hands the answer to `replay` (or
-        calls `reset` where there is none)."""
+        in sequence; after a gap nothing is applied and the first lost sequence number is
+        returned: the caller asks vLLM's replay endpoint from there and hands the answer to
+        `replay` (or calls `reset` where there is none). A ``live`` frame (the SUB socket,
+        which never reorders or repeats) at or below the last one means the publisher
+        restarted, even if its frame 0 was lost: the index starts over from it. Frames that
+        are not ``live`` (a replay, or the live frame again after one) skip repeats."""
         if len(parts) != 3:
             log.warning("vLLM KV event frame of %d parts ignored", len(parts))
             return None
         seq = int.from_bytes(parts[1], "big")
         if seq <= self.last_seq:
-            if seq == 0:  # vLLM restarted: its cache starts empty
-                log.warning("vLLM's KV event publisher restarted; the index starts over")
-                self.reset(-1)
-            else:
+            if not live:
                 return None
+            log.warning("vLLM's KV event publisher restarted (frame %d after %d); the index "
+                        "starts over", seq, self.last_seq)
+            self._start_over(seq - 1)
         elif seq != self.last_seq + 1:
             self.gaps += 1
             return self.last_seq + 1
@@ -93,7 +95,7 @@ class KvEventIndex:
                 any(b != a + 1 for a, b in zip(seqs, seqs[1:], strict=False)):
             return False
         for f in frames:
-            self.frame(f)
+            self.frame(f, live=False)
         self.replays += 1
         return True
 
@@ -102,7 +104,11 @@ class KvEventIndex:
         ``seq``; the next `take` is a full resync, so the Conductor drops the instance's keys
         and rebuilds them from the events that follow."""
         log.warning("vLLM KV events lost before %d and not replayed: the index starts over",
-                    seq)
+                    seq + 1)
+        self._start_over(seq)
+
+    def _start_over(self, seq: int) -> None:
+        """Forget every block and go on from frame ``seq`` (see `reset`)."""
         self.cleared()
         self.full = True
         self.resets += 1

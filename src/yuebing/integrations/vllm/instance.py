@@ -576,7 +576,7 @@ class VllmInstance:
             frames = await self._replay(start)
             # after the replay, this frame is a repeat of one of its frames, or the next
             if frames is None or not self.kv_index.replay(frames) or \
-                    self.kv_index.frame(parts) is not None:
+                    self.kv_index.frame(parts, live=False) is not None:
                 self.kv_index.reset(int.from_bytes(parts[1], "big") - 1)
                 self.kv_index.frame(parts)
 

@@ -112,23 +112,28 @@ def recv_scatter(sock: socket.socket, views: list[memoryview]) -> None:
 
 class _Lowat:
     """``SO_RCVLOWAT`` of a socket at the bytes a receive still waits for, back to 1 on exit.
-    The kernel then wakes the receiver (and answers its ``poll``) once the whole run is there
-    (or its receive window runs low) instead of at every arriving segment: one sleep and one
-    ``recvmsg`` per payload instead of a wake-up, ``poll`` and ``recvmsg`` per segment, and the
-    sender stops paying for the receiver's wake-ups. Lowered as bytes arrive, never above what
-    the peer still owes (a mark above it would wait forever); only for runs over `LOWAT_MIN`."""
+    The kernel then wakes the receiver (and answers its ``poll``) once that much is there
+    instead of at every arriving segment: one sleep and one ``recvmsg`` per quarter receive
+    buffer instead of a wake-up, ``poll`` and ``recvmsg`` per segment, and the sender stops
+    paying for the receiver's wake-ups. Lowered as bytes arrive, never above what the peer
+    still owes (a mark above it would wait forever), and at most a quarter of the receive
+    buffer: kernels before 5.11 do not wake a receiver whose window fills below its mark.
+    Only for runs over `LOWAT_MIN`."""
 
-    __slots__ = ("sock", "mark")
+    __slots__ = ("sock", "mark", "cap")
 
     def __init__(self, sock: socket.socket, nbytes: int) -> None:
         raw = getattr(sock, "sock", sock)  # a `DeadlineSocket` wraps the socket
         self.sock = raw if nbytes > LOWAT_MIN and isinstance(raw, socket.socket) else None
         self.mark = 1
+        self.cap = 1
+        if self.sock is not None:
+            self.cap = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4
         self.set(nbytes)
 
     def set(self, nbytes: int) -> None:
         if self.sock is not None and nbytes != self.mark:
-            mark = max(1, nbytes if nbytes > LOWAT_MIN else 1)
+            mark = max(1, min(nbytes, self.cap) if nbytes > LOWAT_MIN else 1)
             if mark != self.mark:
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, mark)
                 self.mark = mark

@@ -1,0 +1,85 @@
+"""The attention paths an ``auto`` engine measures at start-up, shared by every process of one
+machine; called by `LLMEngine._choose_attention`.
+
+Timing under load can tip a close race either way, and two instances of one cluster that pick
+differently run two engine configurations (the Conductor then refuses the second's predictor).
+So the first process measures, under a file lock, and keeps the choice in
+``$XDG_CACHE_HOME/yuebing/choices/<key>.json``; the others read it. The key covers the machine,
+torch, the native kernels' build, the model's attention shape, dtype, device and candidates, so
+any change measures again (as does deleting the directory). An unusable cache is logged and
+the choice measured anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from yuebing.core import env
+
+log = logging.getLogger(__name__)
+
+Choice = tuple[str, str, dict[str, float]]
+"""(decode path, prefill path, every candidate's time in seconds), as `choose_attention`."""
+
+
+def choice_dir() -> Path:
+    return env.cache_home() / "yuebing" / "choices"
+
+
+def choice_key(parts: dict[str, object]) -> str:
+    what = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.blake2b(what.encode(), digest_size=10).hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _read(path: Path) -> Choice | None:
+    try:
+        got = json.loads(path.read_text())
+        decode, prefill, timings = got["decode"], got["prefill"], got["timings"]
+        if isinstance(decode, str) and isinstance(prefill, str) and isinstance(timings, dict):
+            return decode, prefill, {str(k): float(v) for k, v in timings.items()}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("attention choice %s unreadable (%s); measuring again", path, e)
+    return None
+
+
+def shared_choice(parts: dict[str, object], measure: Callable[[], Choice],
+                  root: Path | None = None) -> tuple[Choice, bool]:
+    """The machine's choice for ``parts`` (and True), or ``measure()``'s, kept for the next
+    process (and False)."""
+    try:
+        base = root or choice_dir()
+        base.mkdir(parents=True, exist_ok=True)
+        path = base / f"{choice_key(parts)}.json"
+        with _locked(base / ".lock"):
+            found = _read(path)
+            if found is not None:
+                return found, True
+            choice = measure()
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"decode": choice[0], "prefill": choice[1],
+                                       "timings": choice[2], "parts": parts},
+                                      default=str, indent=1))
+            os.replace(tmp, path)
+            return choice, False
+    except (OSError, RuntimeError) as e:  # read-only cache, no home directory
+        log.warning("attention choice: no usable cache (%s); measuring without it", e)
+        return measure(), False
