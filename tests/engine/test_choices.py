@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from yuebing.engine.choices import shared_choice
+from yuebing.engine.choices import attention_choice, shared_choice
 
 PARTS = {"machine": "m", "decodes": ["a", "b"], "prefills": ["c", "d"]}
 
@@ -17,21 +17,22 @@ def test_the_first_measures_and_the_next_reads(tmp_path: Path) -> None:
         calls.append(1)
         return pick, "d", {"decode_b": 0.5}
 
-    assert shared_choice(PARTS, measure, tmp_path) == (("b", "d", {"decode_b": 0.5}), False)
+    assert shared_choice(PARTS, measure, attention_choice, tmp_path) == (("b", "d", {"decode_b": 0.5}), False)
     # a second process on a loaded machine would have measured "a": it reads "b" instead
-    assert shared_choice(PARTS, lambda: measure("a"), tmp_path) == \
+    assert shared_choice(PARTS, lambda: measure("a"), attention_choice, tmp_path) == \
         (("b", "d", {"decode_b": 0.5}), True)
     assert len(calls) == 1
-    assert shared_choice({**PARTS, "machine": "other"}, lambda: measure("a"), tmp_path)[1] \
+    assert shared_choice({**PARTS, "machine": "other"}, lambda: measure("a"), attention_choice,
+                         tmp_path)[1] \
         is False
 
 
 def test_a_bad_file_or_an_unusable_cache_measures(tmp_path: Path) -> None:
-    shared_choice(PARTS, lambda: ("a", "c", {}), tmp_path)
+    shared_choice(PARTS, lambda: ("a", "c", {}), attention_choice, tmp_path)
     for f in tmp_path.glob("*.json"):
         f.write_text("{not json")
-    assert shared_choice(PARTS, lambda: ("b", "d", {}), tmp_path) == (("b", "d", {}), False)
+    assert shared_choice(PARTS, lambda: ("b", "d", {}), attention_choice, tmp_path) == (("b", "d", {}), False)
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert shared_choice(PARTS, lambda: ("a", "d", {}), blocker / "sub") == \
+    assert shared_choice(PARTS, lambda: ("a", "d", {}), attention_choice, blocker / "sub") == \
         (("a", "d", {}), False)

@@ -1,5 +1,5 @@
-"""The attention paths an ``auto`` engine measures at start-up, shared by every process of one
-machine; called by `LLMEngine._choose_attention`.
+"""What an engine measures at start-up (the ``auto`` attention paths, the fused decode's rows),
+shared by every process of one machine; called by `LLMEngine`.
 
 Timing under load can tip a close race either way, and two instances of one cluster that pick
 differently run two engine configurations (the Conductor then refuses the second's predictor).
@@ -20,13 +20,13 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 from yuebing.core import env
 
 log = logging.getLogger(__name__)
 
-Choice = tuple[str, str, dict[str, float]]
-"""(decode path, prefill path, every candidate's time in seconds), as `choose_attention`."""
+T = TypeVar("T")
 
 
 def choice_dir() -> Path:
@@ -48,38 +48,51 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _read(path: Path) -> Choice | None:
+def _read(path: Path, parse: Callable[[Any], T]) -> T | None:
     try:
-        got = json.loads(path.read_text())
-        decode, prefill, timings = got["decode"], got["prefill"], got["timings"]
-        if isinstance(decode, str) and isinstance(prefill, str) and isinstance(timings, dict):
-            return decode, prefill, {str(k): float(v) for k, v in timings.items()}
+        return parse(json.loads(path.read_text())["value"])
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        log.warning("attention choice %s unreadable (%s); measuring again", path, e)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        log.warning("start-up choice %s unreadable (%s); measuring again", path, e)
     return None
 
 
-def shared_choice(parts: dict[str, object], measure: Callable[[], Choice],
-                  root: Path | None = None) -> tuple[Choice, bool]:
+def shared_choice(parts: dict[str, object], measure: Callable[[], T],
+                  parse: Callable[[Any], T], root: Path | None = None) -> tuple[T, bool]:
     """The machine's choice for ``parts`` (and True), or ``measure()``'s, kept for the next
-    process (and False)."""
+    process (and False). ``parse`` turns the kept JSON back into a choice, raising
+    ValueError, KeyError, TypeError or IndexError on a malformed one (measured again)."""
     try:
         base = root or choice_dir()
         base.mkdir(parents=True, exist_ok=True)
         path = base / f"{choice_key(parts)}.json"
         with _locked(base / ".lock"):
-            found = _read(path)
+            found = _read(path, parse)
             if found is not None:
                 return found, True
             choice = measure()
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"decode": choice[0], "prefill": choice[1],
-                                       "timings": choice[2], "parts": parts},
-                                      default=str, indent=1))
+            tmp.write_text(json.dumps({"value": choice, "parts": parts}, default=str,
+                                      indent=1))
             os.replace(tmp, path)
             return choice, False
     except (OSError, RuntimeError) as e:  # read-only cache, no home directory
-        log.warning("attention choice: no usable cache (%s); measuring without it", e)
+        log.warning("start-up choice: no usable cache (%s); measuring without it", e)
         return measure(), False
+
+
+def attention_choice(raw: Any) -> tuple[str, str, dict[str, float]]:
+    """`choose_attention`'s (decode, prefill, timings) from JSON."""
+    decode, prefill, timings = raw
+    if not (isinstance(decode, str) and isinstance(prefill, str) and isinstance(timings, dict)):
+        raise TypeError(f"not an attention choice: {raw!r}")
+    return decode, prefill, {str(k): float(v) for k, v in timings.items()}
+
+
+def rows_choice(raw: Any) -> tuple[int, dict[str, float]]:
+    """`fused_decode.choose_max_rows`'s (rows, timings) from JSON."""
+    rows, timings = raw
+    if not (isinstance(rows, int) and isinstance(timings, dict)):
+        raise TypeError(f"not a fused-decode choice: {raw!r}")
+    return rows, {str(k): float(v) for k, v in timings.items()}

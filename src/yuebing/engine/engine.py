@@ -38,7 +38,7 @@ from yuebing.engine.attention import (
     prefill_supported,
 )
 from yuebing.engine.block_manager import BlockAllocator
-from yuebing.engine.choices import shared_choice
+from yuebing.engine.choices import attention_choice, rows_choice, shared_choice
 from yuebing.engine.config import EngineConfig, parse_layers
 from yuebing.engine.kernels import NATIVE_ATTENTION, resolve_kernels
 from yuebing.engine.kv_cache import KVPool
@@ -198,7 +198,7 @@ class LLMEngine:
             (best_decode, best_prefill, self.attention_timings), cached = shared_choice(
                 parts, lambda: choose_attention(
                     mc.num_kv_heads, mc.num_heads, mc.head_dim, self.dtype, self.device,
-                    decode_names=decodes, prefill_names=prefills))
+                    decode_names=decodes, prefill_names=prefills), attention_choice)
             log.info("attention measured %s: decode %s, prefill %s",
                      "earlier on this machine" if cached else "now", best_decode, best_prefill)
             decode = best_decode if decode == "auto" else decode
@@ -232,8 +232,14 @@ class LLMEngine:
         mc = self.model.cfg
         scratch = torch.randn(2, fused_decode.MAX_ROWS * 8, mc.num_kv_heads, 16,
                               mc.head_dim).to(self.dtype)
-        rows, self.fused_timings = fused_decode.choose_max_rows(
-            cand, self.model.first_layer_ops, (scratch[0], scratch[1]), 16)
+        parts: dict[str, object] = {
+            "kind": "fused_decode", "machine": runtime.machine(), "torch": torch.__version__,
+            "kernels": native.build_key(), "threads": torch.get_num_threads(),
+            "shape": [mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads,
+                      mc.head_dim, mc.intermediate_size]}
+        (rows, self.fused_timings), _ = shared_choice(
+            parts, lambda: fused_decode.choose_max_rows(
+                cand, self.model.first_layer_ops, (scratch[0], scratch[1]), 16), rows_choice)
         cand.max_rows = rows
         self.model.fused = cand if rows else None
         self.decode_fused = f"b<={rows}" if rows else "off"
