@@ -276,8 +276,11 @@ class FittedCostModel(CostModel):
     i.e. from profiling the real engine: prefill a degree-2 polynomial of (new, cached tokens),
     decode a polynomial of (batch, context tokens), transfer ``overhead + latency + bytes /
     (bandwidth · efficiency)``; the chunk (`prefill_chunk_tokens`, a pipeline stage's unit) is
-    the profiled engine's ``max_batch_tokens``. KV size per token and the decode KV capacity are
-    not in the profile; they default to the Table 1 model on one 8×A800 node (the roofline's values)."""
+    the profiled engine's ``max_batch_tokens``, and a longer prefill is timed as the engine runs
+    it: chunk after chunk, each on top of the ones before (the polynomial, fitted on chunk-sized
+    samples, is never extrapolated to the whole prompt). KV size per token and the decode KV
+    capacity are not in the profile; they default to the Table 1 model on one 8×A800 node (the
+    roofline's values)."""
 
     def __init__(self, predictors: Predictors, kv_bytes_per_token: int | None = None,
                  decode_kv_capacity_tokens: int | None = None, link_Bps: float = 100e9,
@@ -295,9 +298,10 @@ class FittedCostModel(CostModel):
         self.link_latency_s = link_latency_s
         self._prefill = predictors.prefill.predict
         self._decode = predictors.decode.predict
+        self._engine_chunk = 0
         chunk = predictors.configuration.get("max_batch_tokens", "")
         if chunk.isdigit() and int(chunk) > 0:  # the profiled engine's chunk: a CPP stage's
-            self.prefill_chunk_tokens = int(chunk)
+            self.prefill_chunk_tokens = self._engine_chunk = int(chunk)
 
     @classmethod
     def from_file(cls, path: str | Path) -> FittedCostModel:
@@ -331,7 +335,12 @@ class FittedCostModel(CostModel):
     def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
         if new_tokens <= 0:
             return 0.0
-        return self._prefill(new_tokens, cached_tokens)
+        chunk = self._engine_chunk
+        if not chunk or new_tokens <= chunk:
+            return self._prefill(new_tokens, cached_tokens)
+        whole, rest = divmod(new_tokens, chunk)
+        t = sum(self._prefill(chunk, cached_tokens + i * chunk) for i in range(whole))
+        return t + (self._prefill(rest, cached_tokens + whole * chunk) if rest else 0.0)
 
     def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
         if batch_size <= 0:
