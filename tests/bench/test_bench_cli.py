@@ -179,7 +179,9 @@ def test_ctrl_c_reports_what_was_answered(fake: FakeServer) -> None:
         [sys.executable, "-m", "yuebing.cli.main", *_serve(fake, *_SMALL_DOCQA,
                                                              "--docqa-output-tokens", "40",
                                                              "--concurrency", "2", "--json")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # a SIGINT ignored in this process (left by another test) would be inherited
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while len(fake.bodies) < 2 and proc.poll() is None and time.monotonic() < deadline:
