@@ -18,6 +18,7 @@
 #include <memory>
 
 #include "common.h"
+#include "vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -87,16 +88,6 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even (as torch doe
 }
 
 #ifdef YB_FLASH_AVX512
-// float32 → bf16 bits in the low half of each lane: round to nearest even, NaN → 0x7fc0.
-inline __m512i bf16_bits_avx(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                            _mm512_set1_epi32(0x7fc00000));
-  return _mm512_srli_epi32(r, 16);
-}
-
 // e^x for x <= 0 (the softmax argument); exactly 0 below -87 and for -inf; NaN stays NaN
 // (VMAXPS returns its second operand when one is NaN, and an unordered compare keeps the lane).
 inline __m512 exp_nonpositive(__m512 x) {
@@ -661,7 +652,7 @@ void flash_task_amx64(const FlashShape& s, const uint16_t* q, const uint16_t* kp
       const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(lr.lsum + r * 16)));
       for (int64_t d = 0; d < 64; d += 16)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
-                            _mm512_cvtepi32_epi16(bf16_bits_avx(_mm512_mul_ps(_mm512_loadu_ps(ob + r * 64 + d), inv))));
+                            _mm512_cvtepi32_epi16(bf16_bits(_mm512_mul_ps(_mm512_loadu_ps(ob + r * 64 + d), inv))));
     }
   }
 }
