@@ -117,7 +117,8 @@ def test_checks_compare_the_means_over_repeats() -> None:
     assert c["1P1D rejecting policies >= 1.2x none"] == "True"
 
 
-def test_simulated_run_uses_the_bench_requests_and_the_given_predictors(tmp_path: Path) -> None:
+def _predictors(tmp_path: Path, prefill_s_per_token: float, decode_step_s: float) -> Path:
+    """A predictor file: prefill linear in new tokens, a constant decode step."""
     from yuebing.conductor.policy import (
         BivariatePolynomial,
         DecodePredictor,
@@ -128,9 +129,15 @@ def test_simulated_run_uses_the_bench_requests_and_the_given_predictors(tmp_path
     from yuebing.conductor.policy.predictors import save_predictors
 
     path = tmp_path / "p.json"
-    save_predictors(Predictors(PrefillPredictor(BivariatePolynomial(((1, 0),), (1e-4,))),
-                               DecodePredictor(BivariatePolynomial(((0, 0),), (0.01,))),
-                               TransferPredictor(), "test"), path)
+    save_predictors(Predictors(
+        PrefillPredictor(BivariatePolynomial(((1, 0),), (prefill_s_per_token,))),
+        DecodePredictor(BivariatePolynomial(((0, 0),), (decode_step_s,))),
+        TransferPredictor(), "test"), path)
+    return path
+
+
+def test_simulated_run_uses_the_bench_requests_and_the_given_predictors(tmp_path: Path) -> None:
+    path = _predictors(tmp_path, 1e-4, 0.01)
     setup = _setup(tmp_path)
     reqs = ol.sim_requests(setup, 1.0)
     assert len(reqs) == 4 and max(r.input_tokens for r in reqs) <= 512
@@ -141,19 +148,7 @@ def test_simulated_run_uses_the_bench_requests_and_the_given_predictors(tmp_path
 
 
 def test_simulated_decode_steps_meet_prefills_stretched_by_the_live_tail(tmp_path: Path) -> None:
-    from yuebing.conductor.policy import (
-        BivariatePolynomial,
-        DecodePredictor,
-        Predictors,
-        PrefillPredictor,
-        TransferPredictor,
-    )
-    from yuebing.conductor.policy.predictors import save_predictors
-
-    path = tmp_path / "p.json"
-    save_predictors(Predictors(PrefillPredictor(BivariatePolynomial(((1, 0),), (2e-3,))),
-                               DecodePredictor(BivariatePolynomial(((0, 0),), (0.02,))),
-                               TransferPredictor(), "test"), path)
+    path = _predictors(tmp_path, 2e-3, 0.02)
     setup = _setup(tmp_path)
     alone = ol.sim_run(setup, (1, 1), "none", 2.0, path, tail=1.0)
     mated = ol.sim_run(setup, (1, 1), "none", 2.0, path, tail=3.0)
