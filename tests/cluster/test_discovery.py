@@ -175,3 +175,18 @@ def test_close_during_a_write_leaves_no_key(etcd_server, race: str) -> None:  # 
     finally:
         gate.set()
         pub.close()
+
+
+def test_an_instance_publishes_its_hello_as_a_conductor_reads_it(etcd_server) -> None:  # noqa: F811
+    import msgspec
+
+    from yuebing.protocol.instance import Hello, Role
+
+    hello = Hello(seq=0, instance_id="p0", role=Role.PREFILL, model="m", fingerprint="fp",
+                  host="h", control_address="tcp://10.0.0.1:5000", kv_segment="s",
+                  block_size=16, store_block_tokens=256, num_blocks=64, max_model_len=4096,
+                  incarnation="i", layers="0:15", group="g")
+    d = Discovery(etcd_server.url, cluster="t3")
+    with d.publish_instance("p0", hello) as pub:
+        assert pub.key == "/yuebing/t3/instances/p0"
+        assert msgspec.convert(d.list("instances")["p0"], Hello) == hello

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
+import msgspec
+
 from yuebing.core.errors import YuebingError
 
 log = logging.getLogger(__name__)
@@ -188,6 +190,12 @@ class Discovery:
     def prefix(self, kind: str) -> str:
         _check_name("kind", kind)
         return f"/yuebing/{self.cluster}/{kind}/"
+
+    def publish_instance(self, instance_id: str, hello: msgspec.Struct) -> Publication:
+        """An instance's ``Hello`` at ``instances/<id>`` (5 s lease, written once etcd answers):
+        how yuebing's own and the vLLM adapter's instances register."""
+        return self.publish("instances", instance_id, msgspec.to_builtins(hello), ttl_s=5,
+                            retry=True)
 
     def publish(self, kind: str, id: str, value: dict[str, Any], ttl_s: int = 5,
                 retry: bool = False) -> Publication:

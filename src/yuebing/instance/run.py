@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
-import json
 import logging
 import os
 import signal
@@ -93,10 +92,8 @@ async def serve_instance(inst: Instance) -> None:
     publication = None
     if inst.cfg.etcd:
         from yuebing.cluster.discovery import Discovery
-        disc = Discovery(inst.cfg.etcd, inst.cfg.cluster)
-        publication = disc.publish("instances", inst.instance_id,
-                                   json.loads(msgspec.json.encode(inst.hello())), ttl_s=5,
-                                   retry=True)
+        publication = Discovery(inst.cfg.etcd, inst.cfg.cluster).publish_instance(
+            inst.instance_id, inst.hello())
     if inst.cfg.ready_file:
         write_ready_file(inst.cfg.ready_file, inst.hello())
     gc.freeze()  # start-up's objects (model, torch, modules) out of every later collection

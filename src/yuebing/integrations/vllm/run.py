@@ -16,8 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import msgspec
-
 from yuebing.core.auth import adopt_cluster_token
 from yuebing.integrations.vllm.instance import VllmInstance, VllmInstanceConfig
 from yuebing.integrations.vllm.server import VllmEnv, VllmServer, VllmServerConfig
@@ -121,8 +119,7 @@ async def _serve(cfg: VllmInstanceConfig, ready_file: str, server: VllmServer | 
     if cfg.etcd:  # as `yuebing serve prefill|decode|coupled --etcd` (instance.run)
         from yuebing.cluster.discovery import Discovery
         publication = await asyncio.to_thread(
-            Discovery(cfg.etcd, cfg.cluster).publish, "instances", cfg.instance_id,
-            msgspec.to_builtins(inst.hello(0)), 5, True)
+            Discovery(cfg.etcd, cfg.cluster).publish_instance, cfg.instance_id, inst.hello(0))
     _write_ready(ready_file, {"control_address": inst.address, "vllm_url": cfg.vllm_url,
                               "fingerprint": inst.layout.fingerprint(), "pid": os.getpid()})
     print(f"vLLM instance {cfg.instance_id} on {inst.address} relaying to {cfg.vllm_url}",
