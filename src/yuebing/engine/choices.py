@@ -5,7 +5,7 @@ Timing under load can tip a close race either way, and two instances of one clus
 differently run two engine configurations (the Conductor then refuses the second's predictor).
 So the first process measures, under a file lock, and keeps the choice in
 ``$XDG_CACHE_HOME/yuebing/choices/<key>.json``; the others read it. The key covers the machine,
-torch, the native kernels' build, the model's attention shape, dtype, device and candidates, so
+torch and threads (always) and what the caller names (kernel build, shape, dtype, candidates), so
 any change measures again (as does deleting the directory). An unusable cache is logged and
 the choice measured anyway.
 """
@@ -22,7 +22,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+
 from yuebing.core import env
+from yuebing.engine.runtime import machine
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +37,10 @@ def choice_dir() -> Path:
 
 
 def choice_key(parts: dict[str, object]) -> str:
-    what = json.dumps(parts, sort_keys=True, default=str)
+    """The cache key of ``parts`` on this machine: its processor, torch and thread count are
+    always part of it."""
+    here = {"machine": machine(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    what = json.dumps({**here, **parts}, sort_keys=True, default=str)
     return hashlib.blake2b(what.encode(), digest_size=10).hexdigest()
 
 

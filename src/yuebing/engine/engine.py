@@ -190,8 +190,7 @@ class LLMEngine:
         self.attention_timings = {}
         if "auto" in (decode, prefill):
             parts: dict[str, object] = {
-                "machine": runtime.machine(), "torch": torch.__version__, "dtype": str(self.dtype),
-                "device": str(self.device), "threads": torch.get_num_threads(),
+                "dtype": str(self.dtype), "device": str(self.device),
                 "shape": [mc.num_kv_heads, mc.num_heads, mc.head_dim],
                 "kernels": native.build_key() if native_ok else "", "decodes": decodes,
                 "prefills": prefills}
@@ -233,8 +232,7 @@ class LLMEngine:
         scratch = torch.randn(2, fused_decode.MAX_ROWS * 8, mc.num_kv_heads, 16,
                               mc.head_dim).to(self.dtype)
         parts: dict[str, object] = {
-            "kind": "fused_decode", "machine": runtime.machine(), "torch": torch.__version__,
-            "kernels": native.build_key(), "threads": torch.get_num_threads(),
+            "kind": "fused_decode", "kernels": native.build_key(),
             "shape": [mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads,
                       mc.head_dim, mc.intermediate_size]}
         (rows, self.fused_timings), _ = shared_choice(
