@@ -180,7 +180,8 @@ def test_ctrl_c_reports_what_was_answered(fake: FakeServer) -> None:
                                                              "--docqa-output-tokens", "40",
                                                              "--concurrency", "2", "--json")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        # a SIGINT ignored in this process (left by another test) would be inherited
+        # pytest started in the background by a non-interactive shell (as CI may run it) has
+        # SIGINT ignored, and a child would inherit that: give the client the default back
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
