@@ -35,7 +35,7 @@ servers:
 	bash scripts/install_test_servers.sh
 
 test: install servers
-	$(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -m "not slow" --durations=25 $(PYTEST_ARGS)
 
 test-all: install servers
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
