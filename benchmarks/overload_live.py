@@ -412,7 +412,8 @@ def plot(result: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for topo in result["topologies"]:
+    measured = [t for t in result["topologies"] if t["runs"]]
+    for topo in measured:
         runs = topo["runs"]
         mults = sorted({r["multiplier"] for r in runs})
         mid = mults[len(mults) // 2]
@@ -430,9 +431,8 @@ def plot(result: dict[str, Any], out: Path) -> None:
         fig.tight_layout()
         fig.savefig(out / f"overload_load_{topo['name']}.png", dpi=120)
         plt.close(fig)
-    fig, axes = plt.subplots(1, len(result["topologies"]),
-                             figsize=(5 * len(result["topologies"]), 3.6), squeeze=False)
-    for ax, topo in zip(axes[0], result["topologies"], strict=True):
+    fig, axes = plt.subplots(1, len(measured), figsize=(5 * len(measured), 3.6), squeeze=False)
+    for ax, topo in zip(axes[0], measured, strict=True):
         for policy in topo["policies"]:
             xs = sorted({r["multiplier"] for r in topo["runs"] if r["policy"] == policy})
             runs = [mean_runs([r for r in topo["runs"] if r["multiplier"] == x])[policy]

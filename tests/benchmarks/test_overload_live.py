@@ -156,3 +156,22 @@ def test_simulated_decode_steps_meet_prefills_stretched_by_the_live_tail(tmp_pat
     assert mated["latency"]["tbt_p99"] > 0.05  # steps during a prefill take 3 x 20 ms
     factors = json.loads((tmp_path / "interference.json").read_text())["interference"]
     assert factors == {"decode_factor": 3.0, "prefill_factor": 1.0}
+
+
+def test_plot_leaves_out_a_topology_that_found_no_rate(tmp_path: Path) -> None:
+    """2P1D passed no searched rate (so it has a verdict and no runs): 1P1D's plots are still
+    drawn, where the run used to end in an IndexError before its report was written."""
+    samples = [{"t": 1.0, "prefill": 0.2, "decode": 0.4}, {"t": 2.0, "prefill": 0.1,
+                                                          "decode": 0.5}]
+    runs = [{"multiplier": 2.0, "policy": p, "repeat": 0, "sim": {"goodput_rps": 0.2},
+             "live": {"goodput_rps": 0.3, "samples": samples, "wasted_tokens": 0,
+                      "load": {"prefill": {"swing": 0.1}}}}
+            for p in ("none", "early_rejection")]
+    result = {"topologies": [
+        {"name": "1P1D", "max_rate": 0.3, "policies": ["none", "early_rejection"], "runs": runs},
+        {"name": "2P1D", "policies": ["none", "early_rejection"], "runs": [],
+         "verdict": "no rate of [0.3] reached 90% attainment; give lower --find-rates"}]}
+    ol.plot(result, tmp_path)
+    assert (tmp_path / "overload_load_1P1D.png").stat().st_size > 0
+    assert (tmp_path / "overload_goodput.png").stat().st_size > 0
+    assert not (tmp_path / "overload_load_2P1D.png").exists()

@@ -58,6 +58,7 @@ def test_serve_config_validation() -> None:
     (["--prefill-queue", "lifo"], "prefill_queue 'lifo' unknown; use one of edf, fifo, sjf_aging"),
     (["--prefill-queue-aging", "-1"], "prefill_queue_aging must be a positive number"),
     (["--threads", "0"], "threads"),
+    (["--tbt-tail-quantile", "1.5"], r"--tbt-tail-quantile must be in \(0, 1\], got 1.5"),
     (["--store-block-tokens", "100"], "store_block_tokens must be a positive multiple of 16"),
 ])
 def test_bad_role_flags_fail_while_parsing(args: list[str], error: str) -> None:

@@ -196,20 +196,30 @@ def test_decode_durations_are_learned_from_finished_requests() -> None:
     assert len(got) == 3 and off.state()["samples"] == 0
 
 
-def test_tbt_tail_is_the_median_ratio_of_recent_requests_within_limits():
+def test_tbt_tail_is_a_quantile_of_recent_ratios_within_limits():
     got: list[float] = []
-    tail = TbtTail(got.append, min_samples=4, every=2)
+    tail = TbtTail(got.append, min_samples=4, every=2)  # the default quantile, 0.9
     for tbt in (0.06, 0.09, 0.12):  # ratios 2, 3, 4 over a 30 ms step: too few yet
         tail.observe(tbt, 0.03)
     assert got == [] and tail.current == 1.0
     tail.observe(0.3, 0.03)  # ratio 10, held at the limit 4
-    assert got == [3.5] and tail.state() == {"learn": True, "tail": 3.5, "samples": 4}
-    tail.observe(0.01, 0.03)  # ratio 1/3 counts as 1
-    tail.observe(0.12, 0.03)  # 4: the median of 1, 2, 3, 4, 4, 4 is 3.5 again, no change
-    assert got == [3.5]
+    assert got == [4.0] and tail.state() == {"learn": True, "tail": 4.0, "samples": 4}
     for bad in ((math.nan, 0.03), (0.1, 0.0), (0.1, 1e-4), (-1.0, 0.03), (0.1, math.inf)):
         tail.observe(*bad)
-    assert len(tail.window) == 6
+    assert len(tail.window) == 4
+
+
+def test_tbt_tail_median_quantile_and_clamped_ratios():
+    got: list[float] = []
+    tail = TbtTail(got.append, min_samples=4, every=2, quantile=0.5)
+    for tbt in (0.06, 0.09, 0.12, 0.3):  # ratios 2, 3, 4, 10 -> 4
+        tail.observe(tbt, 0.03)
+    assert got == [3.0]  # nearest rank: the 2nd of 2, 3, 4, 4
+    tail.observe(0.01, 0.03)  # ratio 1/3 counts as 1
+    tail.observe(0.12, 0.03)  # 1, 2, 3, 4, 4, 4: the 3rd is 3 again, no change
+    assert got == [3.0]
+    with pytest.raises(ValueError, match="quantile must be in"):
+        TbtTail(got.append, quantile=0.0)
 
 
 def test_tbt_tail_not_learned_keeps_the_configured_one():

@@ -26,6 +26,7 @@ from yuebing.conductor.policy.decode import duration_quantiles
 from yuebing.conductor.policy.predictors import ATTENTION_TERMS
 from yuebing.core.errors import InputError
 from yuebing.protocol.instance import EngineProfile, Hello, Role
+from yuebing.trace.latency import nearest_rank
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +228,8 @@ TAIL_MIN_SAMPLES = 8
 TAIL_EVERY = 4
 """The tail is recomputed after this many new requests."""
 TAIL_LIMITS = (1.0, 4.0)
+TAIL_QUANTILE = 0.9
+"""The ratio's quantile the tail is: the paper's SLO attainment target."""
 MIN_STEP_S = 1e-3
 """Requests predicted a shorter step than this do not count (no prediction to compare with)."""
 
@@ -236,14 +239,19 @@ class TbtTail:
 
     The SLO is on a request's paper TBT, the mean of its longest tenth of token intervals,
     while the decode predictor gives the mean step: on hosts where a decode step can meet a
-    neighbour's prefill, the first runs well above the second. The tail is the median of
-    paper TBT / predicted step over the last `TAIL_WINDOW` requests, within `TAIL_LIMITS`."""
+    neighbour's prefill, the first runs well above the second. The tail is the ``quantile``
+    (nearest rank; by default the SLO's target attainment, 0.9) of paper TBT / predicted step
+    over the last `TAIL_WINDOW` requests, within `TAIL_LIMITS`: a request predicted at the SLO
+    then meets it as often as the attainment target asks, where a median would miss half."""
 
     def __init__(self, on_change: Callable[[float], None], learn: bool = True,
                  initial: float = 1.0, window: int = TAIL_WINDOW,
-                 min_samples: int = TAIL_MIN_SAMPLES, every: int = TAIL_EVERY) -> None:
+                 min_samples: int = TAIL_MIN_SAMPLES, every: int = TAIL_EVERY,
+                 quantile: float = TAIL_QUANTILE) -> None:
+        if not 0.0 < quantile <= 1.0:
+            raise ValueError(f"the TBT tail quantile must be in (0, 1], got {quantile}")
         self.on_change = on_change
-        self.learn = learn
+        self.learn, self.quantile = learn, quantile
         self.current = initial
         """The tail the policy uses now."""
         self.window: deque[float] = deque(maxlen=window)
@@ -263,14 +271,12 @@ class TbtTail:
         if len(self.window) < self.min_samples or self._new < self.every:
             return
         self._new = 0
-        ratios = sorted(self.window)
-        n = len(ratios)
-        tail = ratios[n // 2] if n % 2 else (ratios[n // 2 - 1] + ratios[n // 2]) / 2
+        tail = nearest_rank(self.window, self.quantile)
         if abs(tail / self.current - 1) <= RESCALE_STEP:
             return
         self.current = tail
-        log.info("TBT tail now %.3f (paper TBT per predicted step, median of %d requests)",
-                 tail, n)
+        log.info("TBT tail now %.3f (paper TBT per predicted step, quantile %g of %d requests)",
+                 tail, self.quantile, len(self.window))
         self.on_change(tail)
 
     def state(self) -> dict[str, object]:

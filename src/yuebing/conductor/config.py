@@ -59,8 +59,11 @@ class ConductorConfig:
         "predictive early rejection: learn the decode durations the forecast assumes from the "
         "finished requests (first token to last) instead of keeping --decode-durations-s"))
     learn_tbt_tail: bool = field(default=True, metadata=_h(
-        "learn the policy's TBT tail (a request's paper TBT per predicted mean step, the "
-        "median over recent finished requests) instead of keeping --tbt-tail"))
+        "learn the policy's TBT tail (a request's paper TBT per predicted mean step, its "
+        "--tbt-tail-quantile over recent finished requests) instead of keeping --tbt-tail"))
+    tbt_tail_quantile: float = field(default=0.9, metadata=_h(
+        "the quantile of paper TBT / predicted step the learned tail is (0 < q ≤ 1; the "
+        "default is the SLO attainment target, 0.5 the median)"))
     prefill_tokens_per_s: float = field(default=2000.0, metadata=_h(
         "prefill speed assumed without a predictor file (tokens/s)"))
     decode_step_s: float = field(default=0.03, metadata=_h(
@@ -132,6 +135,8 @@ class ConductorConfig:
             v = getattr(self, name)
             require(math.isfinite(v) and v > 0,
                     f"--{name.replace('_', '-')} must be a positive number, got {v}")
+        require(0 < self.tbt_tail_quantile <= 1,
+                f"--tbt-tail-quantile must be in (0, 1], got {self.tbt_tail_quantile}")
         require(math.isfinite(self.link_latency_s) and self.link_latency_s >= 0,
                 f"--link-latency-s must be >= 0, got {self.link_latency_s}")
         for name, least in (("kv_bytes_per_token", 0), ("store_block_tokens", 1),

@@ -69,7 +69,8 @@ class Conductor:
             cfg.predictors or ("given" if predictors is not None else ""), self._use_predictors,
             cfg.predictor_online, cfg.predictor_check)
         self.durations = DecodeDurations(self._use_durations, cfg.learn_decode_durations)
-        self.tail = TbtTail(self._use_tail, cfg.learn_tbt_tail, cfg.policy.tbt_tail)
+        self.tail = TbtTail(self._use_tail, cfg.learn_tbt_tail, cfg.policy.tbt_tail,
+                            quantile=cfg.tbt_tail_quantile)
         self.metrics = ConductorMetrics()
         self.started = int(time.time())
         self.inflight = 0
