@@ -92,7 +92,8 @@ class SimConfig:
         "help": "samples file with the interference factors for colocated (default: profile)"})
 
     def __post_init__(self) -> None:
-        require(self.prefill_nodes >= 1, "prefill_nodes must be >= 1")
+        require(self.prefill_nodes >= 1 or self.cpp_twins,
+                "prefill_nodes must be >= 1 (0 only with cpp_twins: the twins prefill alone)")
         require(self.decode_nodes >= 1, "decode_nodes must be >= 1")
         require(self.cpp_groups >= 0 and self.cpp_group_stages >= 2,
                 f"cpp_groups must be >= 0 and cpp_group_stages >= 2, got {self.cpp_groups}, "
