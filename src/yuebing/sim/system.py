@@ -52,7 +52,7 @@ class SimConfig:
     system: str = field(default="mooncake", metadata={
         "help": "system to simulate: mooncake, vllm, vllm_prefix_caching, vllm_chunked_prefill"})
     prefill_nodes: int = field(default=8, metadata={
-        "help": "prefill nodes (coupled baselines use prefill_nodes + decode_nodes instances)"})
+        "help": "prefill nodes (coupled baselines use prefill_nodes + decode_nodes instances; 0 with cpp_twins: the twins are the single nodes)"})
     decode_nodes: int = field(default=8, metadata={"help": "decode nodes"})
     policy: PolicyConfig = field(default_factory=lambda: SIM_POLICY, metadata={
         "flags": POLICY_FLAGS})
