@@ -43,6 +43,17 @@ def sim_ttfts(cost: CostModel, tokens: int, stages: int, chunk: int,
     return single.ttft_s, group.ttft_s
 
 
+SAME = ("model", "dtype", "device", "threads", "attention", "prefill_attention", "kernels",
+        "matmul", "max_batch_tokens", "block_size", "machine")
+"""What the profile and the live instances must share for the comparison to mean anything."""
+
+
+def mismatches(profile: dict[str, str], live: dict[str, str]) -> list[str]:
+    """``key: profile value != live value`` for each of `SAME` both name and disagree on."""
+    return [f"{k}: profile {profile[k]!r} != live {live[k]!r}" for k in SAME
+            if k in profile and k in live and str(profile[k]) != str(live[k])]
+
+
 def first_prompt_steps(path: Path, tokens: int) -> list[dict[str, float]]:
     """The steps of the first prompt of ``tokens`` tokens in a step trace: consecutive prefill
     steps from 0 cached tokens whose chunks add up to it."""
@@ -83,6 +94,8 @@ def main() -> None:
     ap.add_argument("--live", default="", help="cpp_ttft.py's JSON output (optional)")
     ap.add_argument("--live-steps", type=Path, default=None,
                     help="cpp_ttft.py's --step-trace-dir: single.steps.jsonl, stage0... (optional)")
+    ap.add_argument("--allow-mismatch", action="store_true",
+                    help="compare even when the profile's engine differs from the live one")
     ap.add_argument("--tokens", type=int, default=8000)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=512, help="the stages' --max-batch-tokens")
@@ -97,6 +110,12 @@ def main() -> None:
                               "sim_group_over_single": round(group / single, 3)}
     if args.live:
         live = json.loads(Path(args.live).read_text())
+        differ = mismatches(dict(cost.predictors.configuration), live.get("engine", {}))
+        if differ and not args.allow_mismatch:
+            raise SystemExit(f"{args.profile} was profiled on another engine than {args.live}'s "
+                             f"instances: {'; '.join(differ)} (--allow-mismatch to compare "
+                             "anyway)")
+        out["engine_mismatches"] = differ
         for key in ("single", "group"):
             ratio = out[f"sim_ttft_{key}_s"] / live[f"ttft_{key}_s"]  # type: ignore[operator]
             out[f"live_ttft_{key}_s"] = live[f"ttft_{key}_s"]

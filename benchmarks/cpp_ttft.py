@@ -7,7 +7,8 @@ of random ids, greedy, ``--max-tokens`` tokens, first through the single instanc
 the group (a different prompt each time: nothing cached). TTFT is from the submit to the first
 token's event at the client (the instances' own clocks are not used). Prints JSON with
 `yuebing bench instance`-style keys: both TTFTs, their ratio, whether the two outputs (each
-against the other path's on the same prompt) are equal, the load average before and after.
+against the other path's on the same prompt) are equal, the load average before and after, the
+single instance's engine signature (``engine``: cpp_sim_vs_live.py checks the profile's against it).
 
 Usage:  PYTHONPATH=src .venv/bin/python benchmarks/cpp_ttft.py [--tokens 4096] [--stages 2]
         [--threads 1] [--model smollm2] [--max-tokens 8] [--step-trace-dir DIR]
@@ -139,7 +140,7 @@ def main() -> None:
         out = asyncio.run(bench(args, procs))
         out.update(loadavg_before=before, loadavg_after=loadavg(), attention={
             k: f"{p.info['engine']['attention']}/{p.info['engine']['prefill_attention']}"
-            for k, p in procs.items()})
+            for k, p in procs.items()}, engine=procs["single"].info["engine"])
         print(json.dumps(out, indent=2))
     finally:
         stop_all(procs.values())

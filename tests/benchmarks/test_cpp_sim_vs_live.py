@@ -98,3 +98,17 @@ def test_rate_benchmark_takes_each_slo_s_max_rate_before_the_first_miss() -> Non
     assert cpp == {"20": 0.05, "30": 0.07} and plain == {"20": None, "30": 0.03}
     assert mod.ratios(cpp, plain) == {"20": "plain: none", "30": pytest.approx(0.07 / 0.03,
                                                                                abs=1e-3)}
+
+
+def test_a_profile_of_another_engine_than_the_live_one_is_named() -> None:
+    """Threads, kernels or chunk that differ between the profile and the live instances make
+    sim / live meaningless: each is named; keys outside `SAME` (decode paths) are not compared."""
+    mod: Any = _load("cpp_sim_vs_live")
+    profile = {"threads": "2", "prefill_attention": "flash_amx", "max_batch_tokens": "512",
+               "decode_fused": "b<=2"}
+    live = {"threads": "1", "prefill_attention": "sdpa", "max_batch_tokens": "512",
+            "decode_fused": "b<=4"}
+    assert mod.mismatches(profile, live) == [
+        "threads: profile '2' != live '1'",
+        "prefill_attention: profile 'flash_amx' != live 'sdpa'"]
+    assert mod.mismatches(profile, {}) == []
