@@ -326,8 +326,8 @@ def main() -> int:
                          "--prefill-attention sdpa)")
     ap.add_argument("--sim-only", action="store_true",
                     help="only the simulator's curve (seconds; needs --sim-profile)")
-    ap.add_argument("--sim-requests", type=int, default=200)
-    ap.add_argument("--sim-seeds", type=int, default=5)
+    ap.add_argument("--sim-requests", type=int, default=100)
+    ap.add_argument("--sim-seeds", type=int, default=4)
     ap.add_argument("--boundary-bytes", type=int, default=2 * 576 * 2,
                     help="boundary bytes per token for the simulated group (SmolLM2)")
     ap.add_argument("--yuebing", default=YB, help="the yuebing command (default: the repo's)")
