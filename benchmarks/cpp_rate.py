@@ -263,8 +263,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
                     style, color=color, label=f"{system} ({kind})")
     ratio = result.get("max_rate_ratio", {})
     tx = ax.twinx()
-    tx.plot(slos, [v if isinstance(v, float) else float("nan") for v in
-                   (ratio.get(f"{s:g}") for s in slos)], "s--", color="grey", label="cpp / plain")
+    ys = [v if isinstance(v, float) else float("nan") for v in (ratio.get(f"{s:g}") for s in slos)]
+    tx.plot(slos, ys, "s--", color="grey", label="cpp / plain")
+    tx.set_ylim(0, max([2.0, *(1.1 * y for y in ys if y == y)]))
     tx.axhline(1.5, color="grey", lw=0.6, ls=":")
     tx.set_ylabel("cpp / plain (target 1.5)")
     ax.set_xlabel("TTFT SLO (s)")
