@@ -14,7 +14,7 @@ largest SLO. ``--sim-profile`` adds the simulator's curve (same mix, same profil
 requests). Prints the expected duration first, progress per rate; writes ``OUTDIR/cpp_rate.json``,
 ``OUTDIR/cpp_rate.png`` (max rate vs SLO, attainment vs rate) and a markdown table on stdout.
 
-    nice -n 5 .venv/bin/python benchmarks/cpp_rate.py OUTDIR    # ~33 min on SmolLM2, 2 cores
+    nice -n 5 .venv/bin/python benchmarks/cpp_rate.py OUTDIR --sim-profile P   # ~36 min, 2 cores
 """
 
 from __future__ import annotations
