@@ -7,10 +7,11 @@ of random ids, greedy, ``--max-tokens`` tokens, first through the single instanc
 the group (a different prompt each time: nothing cached). TTFT is from the submit to the first
 token's event at the client (the instances' own clocks are not used). Prints JSON with
 `yuebing bench instance`-style keys: both TTFTs, their ratio, whether the two outputs (each
-against the other path's on the same prompt) are equal, the load average before and after.
+against the other path's on the same prompt) are equal, the load average before and after, the
+single instance's engine signature (``engine``: cpp_sim_vs_live.py checks the profile's against it).
 
 Usage:  PYTHONPATH=src .venv/bin/python benchmarks/cpp_ttft.py [--tokens 4096] [--stages 2]
-        [--threads 1] [--model smollm2] [--max-tokens 8]
+        [--threads 1] [--model smollm2] [--max-tokens 8] [--step-trace-dir DIR]
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def start(role: str, model: str, threads: int, *extra: str) -> ReadyProcess:
     return ReadyProcess(yuebing_argv(["serve", role, "--model", model, "--threads",
                                       str(threads), "--no-startup-profile", "--no-lend-cores",
                                       *PINNED, *extra]), name=role, timeout_s=600)
+
+
+def trace_flags(args: argparse.Namespace, name: str) -> tuple[str, ...]:
+    """``--step-trace-dir`` for an instance (its file: ``DIR/<instance id>.steps.jsonl``)."""
+    return ("--step-trace-dir", args.step_trace_dir, "--instance-id", name) \
+        if args.step_trace_dir else ()
 
 
 async def run_one(prefills: list[tuple[InstanceClient, str]], d: InstanceClient, rid: str,
@@ -114,20 +121,26 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30, help="the model's layer count")
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--step-trace-dir", default="",
+                    help="each instance writes its engine steps to DIR/<name>.steps.jsonl "
+                         "(single, stage0, ...): cpp_sim_vs_live.py --live-steps sets each "
+                         "chunk's time beside the profile's")
     args = ap.parse_args()
     k, n = args.stages, args.layers
     procs: dict[str, ReadyProcess] = {}
     try:
         procs["decode"] = start("decode", args.model, args.threads)
-        procs["single"] = start("prefill", args.model, args.threads)
+        procs["single"] = start("prefill", args.model, args.threads,
+                                *trace_flags(args, "single"))
         for i in range(k):
             procs[f"stage{i}"] = start("prefill", args.model, args.threads, "--layers",
-                                       f"{n * i // k}:{n * (i + 1) // k}", "--cpp-group", "bench")
+                                       f"{n * i // k}:{n * (i + 1) // k}", "--cpp-group", "bench",
+                                       *trace_flags(args, f"stage{i}"))
         before = loadavg()
         out = asyncio.run(bench(args, procs))
         out.update(loadavg_before=before, loadavg_after=loadavg(), attention={
             k: f"{p.info['engine']['attention']}/{p.info['engine']['prefill_attention']}"
-            for k, p in procs.items()})
+            for k, p in procs.items()}, engine=procs["single"].info["engine"])
         print(json.dumps(out, indent=2))
     finally:
         stop_all(procs.values())

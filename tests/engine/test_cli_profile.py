@@ -33,6 +33,23 @@ def test_profile_writes_predictor_and_samples(tmp_path, capsys):
     assert "decode fit vs its samples: mean |error|" in capsys.readouterr().out
 
 
+def test_profile_long_prompt_adds_each_chunk_on_top_of_the_ones_before(tmp_path, capsys):
+    """``--long-prompt``: the chunks of one long prompt as the engine prefills it (chunks of
+    ``--max-batch-tokens``), so a long or CPP prefill is fitted on what it runs, not only on
+    prefix-cached points of the grid."""
+    samples = tmp_path / "samples.json"
+    rc = main(["profile", "--out", str(tmp_path / "pred.json"), "--samples", str(samples),
+               "--new-tokens", "8,32", "--cached-tokens", "0,16", "--batches", "1,2",
+               "--contexts", "32,64", "--repeats", "2", "--long-prompt", "100",
+               "--max-batch-tokens", "32", "--max-num-seqs", "2", *COMMON])
+    assert rc == 0, capsys.readouterr().err
+    s = ProfileSamples.from_json(samples.read_bytes(), str(samples))
+    assert [(p.new_tokens, p.cached_tokens) for p in s.prefill][-4:] == [
+        (32, 0), (32, 32), (32, 64), (4, 96)]
+    assert main(["profile", "--long-prompt", "-1", *COMMON]) == 2
+    assert "--long-prompt must be >= 0" in capsys.readouterr().err
+
+
 def test_profile_decode_degree_sets_the_decode_polynomial(tmp_path, capsys):
     out = tmp_path / "pred.json"
     rc = main(["profile", "--out", str(out), "--new-tokens", "8,32,64", "--cached-tokens", "0,16,32",

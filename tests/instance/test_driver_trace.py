@@ -38,6 +38,23 @@ def test_each_step_is_one_line_with_its_batch(tmp_path: Path) -> None:
     assert [s["t"] for s in steps] == sorted(s["t"] for s in steps)
 
 
+def test_a_chunked_prompt_s_steps_say_what_each_chunk_attended_over(tmp_path: Path) -> None:
+    """A long prompt's chunks (``max_batch_tokens`` each) carry the tokens before them, so
+    their step times can be set beside a profile's (new, cached) prediction (cpp_sim_vs_live)."""
+    engine = LLMEngine(EngineConfig(model=TINY, dtype="float32", threads=1, num_blocks=64,
+                                    max_batch_tokens=32, max_num_seqs=4))
+    finished = threading.Event()
+    trace = tmp_path / "p0.steps.jsonl"
+    driver = EngineDriver(engine, lambda outs: finished.set() if any(o.finished for o in outs)
+                          else None, step_trace=trace)
+    driver.call(lambda e: e.add_request(list(range(100)), SamplingParams(max_tokens=1)))
+    assert finished.wait(30)
+    driver.close()
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [(s["prefill_tokens"], s["prefill_cached_tokens"]) for s in steps] == \
+        [(32, 0), (32, 32), (32, 64), (4, 96)]
+
+
 def test_a_step_trace_dir_that_cannot_be_written_is_refused_by_the_config(tmp_path: Path) -> None:
     import pytest
 

@@ -6,6 +6,7 @@ import pytest
 from sim_fakes import LinearCost
 
 from yuebing.conductor.policy.types import RejectStage
+from yuebing.core.errors import ConfigError
 from yuebing.sim.mooncake import ranked_keys
 from yuebing.sim.runner import simulate
 from yuebing.sim.system import POLICY_FLAGS, SimConfig, sim_policy
@@ -99,6 +100,20 @@ def test_declared_pipeline_groups_take_long_prompts_when_they_finish_sooner() ->
     assert r1.prefill_id == "p0"  # a short prompt: a single node
     # the group is busy until 24 s: 22 + 24 s there loses to 40 s on the idle p1
     assert (r2.prefill_id, r2.ttft_s) == ("p1", pytest.approx(40.0))
+
+
+def test_a_group_with_twins_and_no_single_node_is_serve_s_cpp_cluster() -> None:
+    """``serve --prefill 2 --cpp-group 2`` has no single instance: its twins take the short
+    prompts, the group the long ones (``prefill_nodes=0`` with ``cpp_twins``); without twins
+    a cluster needs a prefill node."""
+    reqs = [_req(0, 0.0, list(range(78)), 40_000), _req(1, 30.0, [1, 2, 3, 4], 2048)]
+    res = simulate(reqs, _config(prefill_nodes=0, cpp_threshold_tokens=10_000, cpp_groups=1,
+                                 cpp_twins=True), cost=LinearCost())
+    r0, r1 = res.records
+    assert (r0.prefill_id, r0.ttft_s) == ("g0", pytest.approx(24.0))
+    assert r1.prefill_id in ("g0t0", "g0t1") and r1.ttft_s == pytest.approx(2.048)
+    with pytest.raises(ConfigError, match="prefill_nodes must be >= 1"):
+        _config(prefill_nodes=0, cpp_groups=1)
 
 
 def test_same_seed_same_result() -> None:

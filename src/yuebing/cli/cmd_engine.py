@@ -95,6 +95,10 @@ def _add_profile(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cached-tokens", type=_int_list, default=[0, 256, 1024])
     p.add_argument("--batches", type=_pos_list, default=[1, 4, 16, 32])
     p.add_argument("--contexts", type=_pos_list, default=[256, 1024, 4096])
+    p.add_argument("--long-prompt", type=int, default=0,
+                   help="also time each chunk of a prompt of this many tokens as the engine "
+                        "prefills it (chunk, tokens before it): the samples a long or CPP "
+                        "prefill is timed with, e.g. the longest prompt served (0: off)")
     p.add_argument("--repeats", type=int, default=3,
                    help="measurements per grid point (the median is kept)")
     p.add_argument("--decode-degree", type=int, default=1, choices=(1, 2, 3),
@@ -144,6 +148,8 @@ def _run_profile(ns: argparse.Namespace) -> int:
 
     if ns.repeats < 1:
         raise InputError("--repeats must be >= 1")
+    if ns.long_prompt < 0:
+        raise InputError(f"--long-prompt must be >= 0, got {ns.long_prompt}")
     if ns.interference and not ns.samples:
         raise InputError("--interference writes its factors into the samples file: give "
                          "--samples PATH")
@@ -156,7 +162,8 @@ def _run_profile(ns: argparse.Namespace) -> int:
     batches = [*ns.batches, *(b for b, _ in ns.interference_decode)]
     # the step budget stays as given: it chunks long prompts, and instances run with it
     engine = LLMEngine(_engine_config(ns, max_num_seqs=max(batches)))
-    total = len(ns.new_tokens) * len(ns.cached_tokens) + len(ns.batches) * len(ns.contexts)
+    total = len(ns.new_tokens) * len(ns.cached_tokens) + len(ns.batches) * len(ns.contexts) \
+        + bool(ns.long_prompt)
     with Progress(transient=True) as bar:
         task = bar.add_task("profiling", total=total)
 
@@ -164,7 +171,7 @@ def _run_profile(ns: argparse.Namespace) -> int:
             bar.update(task, advance=1, description=label)
 
         samples = profile_engine(engine, ns.new_tokens, ns.cached_tokens, ns.batches,
-                                 ns.contexts, ns.repeats, progress)
+                                 ns.contexts, ns.repeats, progress, ns.long_prompt)
         if ns.interference:
             samples.interference = measure_interference(
                 engine, ns.interference_decode, ns.interference_prefill,

@@ -2,7 +2,7 @@
 
 On a live `LLMEngine` it times prefill (`time_prefill`: from queueing ``cached + new`` tokens,
 the first ``cached`` already in the prefix cache, to the first token, over a grid of (new,
-cached)), decode (`time_decode`: one step of ``batch`` sequences, ``context`` tokens in all)
+cached); `time_chunks`: each chunk of one long prompt as the engine prefills it), decode (`time_decode`: one step of ``batch`` sequences, ``context`` tokens in all)
 and, with ``--interference`` (`yuebing.engine.interference`), each phase's slowdown while a
 neighbour engine runs the other. Results are `ProfileSamples`, saved as JSON (format
 ``yuebing-profile-samples`` v1, docs/engine.md) and fitted by the CLI with
@@ -143,6 +143,25 @@ def time_prefill(engine: LLMEngine, new: int, cached: int, tokens: _Tokens) -> T
     return seconds
 
 
+def time_chunks(engine: LLMEngine, n: int, tokens: _Tokens) -> list[tuple[int, int, float]]:
+    """(new, cached, seconds) of each step of one ``n``-token prompt's prefill: chunks of
+    ``max_batch_tokens``, each on top of the ones before (what a long prefill, e.g. a CPP
+    stage's, costs chunk by chunk)."""
+    rid = engine.add_request(tokens(n), _ONE)
+    out: list[tuple[int, int, float]] = []
+    done = False
+    while not done:
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        plan = engine.last_plan
+        for seq, k in plan.prefills if plan is not None else ():
+            if seq.request_id == rid:  # its chunk is in; what it attended over before it
+                out.append((k, seq.num_computed - k, dt))
+        done = any(o.request_id == rid for o in outs)
+    return out
+
+
 def start_decoding(engine: LLMEngine, batch: int, prompt_len: int, max_tokens: int,
                    tokens: Callable[[int], list[int]]) -> list[str]:
     """Add ``batch`` greedy requests of ``prompt_len`` tokens and step the engine until every
@@ -211,9 +230,12 @@ def median_timing(times: Iterable[Timing]) -> Timing:
 
 def profile_engine(engine: LLMEngine, new_tokens: Iterable[int], cached_tokens: Iterable[int],
                    batches: Iterable[int], contexts: Iterable[int], repeats: int = 3,
-                   progress: Callable[[str], None] | None = None) -> ProfileSamples:
+                   progress: Callable[[str], None] | None = None,
+                   long_prompt: int = 0) -> ProfileSamples:
     """Measure the whole grid, each point the median of ``repeats`` measurements (a decode
-    measurement: the median of 8 steps); ``progress(label)`` is called before each point."""
+    measurement: the median of 8 steps), and with ``long_prompt`` the chunks of such a prompt
+    (`time_chunks`, each the median of ``repeats`` prompts); ``progress(label)`` is called
+    before each point."""
     tokens = _Tokens(engine.model_config.vocab_size)
     engine.warmup()
     prefill: list[PrefillSample] = []
@@ -228,6 +250,16 @@ def profile_engine(engine: LLMEngine, new_tokens: Iterable[int], cached_tokens: 
             t = statistics.median(time_prefill(engine, n, c, tokens).wall
                                   for _ in range(repeats))
             prefill.append(PrefillSample(n, c, t))
+    if long_prompt:
+        if long_prompt >= engine.max_model_len:
+            raise InputError(f"--long-prompt {long_prompt} does not fit the model's context "
+                             f"of {engine.max_model_len} tokens")
+        if progress:
+            progress(f"prefill chunks of a {long_prompt}-token prompt")
+        runs = [time_chunks(engine, long_prompt, tokens) for _ in range(repeats)]
+        for chunk in zip(*runs, strict=True):
+            prefill.append(PrefillSample(chunk[0][0], chunk[0][1],
+                                         statistics.median(s for _, _, s in chunk)))
     decode: list[DecodeSample] = []
     for b in batches:
         for ctx in contexts:

@@ -70,7 +70,7 @@ class EngineDriver:
 
     ``step_trace``: a file to append one JSON line per step to — ``{"t": wall-clock start,
     "step_s": engine.step() seconds, "out_s": seconds until the outputs were handed on,
-    "decodes", "prefill_tokens", "threads", "context_tokens"}`` — which tells a live run's
+    "decodes", "prefill_tokens", "prefill_cached_tokens", "threads", "context_tokens"}`` — which tells a live run's
     token interval from the engine's step time (benchmarks/sim_vs_live.py reads it); buffered,
     closed with the driver. ``ledger``: each step runs with this instance's threads plus the
     host's unclaimed cores, never more threads than the host has."""
@@ -207,7 +207,10 @@ class EngineDriver:
             self._trace.write(json.dumps({
                 "t": round(wall, 6), "step_s": round(dt, 6),
                 "out_s": round(time.perf_counter() - t0, 6), "decodes": len(plan.decodes),
-                "prefill_tokens": sum(n for _, n in plan.prefills), "threads": self._threads_now,
+                "prefill_tokens": sum(n for _, n in plan.prefills),
+                # what the chunks attended over before them (a prompt's prefix, earlier chunks)
+                "prefill_cached_tokens": sum(seq.num_computed - n for seq, n in plan.prefills),
+                "threads": self._threads_now,
                 # each decode has its new token by now: the step attended over one fewer
                 "context_tokens": sum(seq.num_tokens - 1 for seq in plan.decodes)}) + "\n")
 

@@ -52,7 +52,7 @@ class SimConfig:
     system: str = field(default="mooncake", metadata={
         "help": "system to simulate: mooncake, vllm, vllm_prefix_caching, vllm_chunked_prefill"})
     prefill_nodes: int = field(default=8, metadata={
-        "help": "prefill nodes (coupled baselines use prefill_nodes + decode_nodes instances)"})
+        "help": "prefill nodes (coupled baselines use prefill_nodes + decode_nodes instances; 0 with cpp_twins: the twins are the single nodes)"})
     decode_nodes: int = field(default=8, metadata={"help": "decode nodes"})
     policy: PolicyConfig = field(default_factory=lambda: SIM_POLICY, metadata={
         "flags": POLICY_FLAGS})
@@ -92,7 +92,8 @@ class SimConfig:
         "help": "samples file with the interference factors for colocated (default: profile)"})
 
     def __post_init__(self) -> None:
-        require(self.prefill_nodes >= 1, "prefill_nodes must be >= 1")
+        require(self.prefill_nodes >= 1 or self.cpp_twins,
+                "prefill_nodes must be >= 1 (0 only with cpp_twins: the twins prefill alone)")
         require(self.decode_nodes >= 1, "decode_nodes must be >= 1")
         require(self.cpp_groups >= 0 and self.cpp_group_stages >= 2,
                 f"cpp_groups must be >= 0 and cpp_group_stages >= 2, got {self.cpp_groups}, "
