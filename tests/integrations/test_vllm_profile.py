@@ -48,22 +48,25 @@ def test_the_conductor_fits_its_predictors_to_the_vllm_profile(tmp_path: Path,
     procs: list[ReadyProcess] = []
     try:
         t0 = time.monotonic()
-        first = ReadyProcess(yuebing_argv(["vllm", "instance", "--vllm-port", str(free_port()),
+        first = ReadyProcess(yuebing_argv(["-v", "vllm", "instance", "--vllm-port", str(free_port()),
                                            "--log-dir", str(tmp_path)]),
                              name="vllm-0", workdir=tmp_path, timeout_s=800)
         procs.append(first)
-        print(f"vLLM up and profiled in {time.monotonic() - t0:.0f} s")
+        print(f"vLLM up and profiled in {time.monotonic() - t0:.0f} s;",
+              [line for line in first.log().splitlines() if "profile" in line])
         [path] = profiles.glob("*.json")
         profile = msgspec.json.decode(path.read_bytes(), type=EngineProfile)
         assert profile.configuration["engine"] == "vllm"
         assert profile.configuration["vllm"].startswith("0.32")
         assert len(profile.prefill) == 8 and len(profile.decode) == 6
         assert all(s > 0 for *_, s in profile.prefill + profile.decode)
+        print("profile:", profile.prefill, profile.decode)
         # a second adapter of the same configuration (relaying to the same vLLM) reuses it
         second_port = free_port()
         t1 = time.monotonic()
         second = ReadyProcess(yuebing_argv([
-            "vllm", "instance", "--vllm-url", first.info["vllm_url"], "--instance-id", "vllm-1",
+            "-v", "vllm", "instance", "--vllm-url", first.info["vllm_url"],
+            "--instance-id", "vllm-1",
             "--control-port", str(second_port)]), name="vllm-1", workdir=tmp_path,
             timeout_s=120)
         procs.append(second)

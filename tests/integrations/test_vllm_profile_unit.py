@@ -1,17 +1,26 @@
 """A vLLM instance's start-up profile without vLLM: the grid `profile.measure` times on a probe
 that answers like a server with a prefix cache, the Conductor's fit of it, the cache per
-signature and role, and vLLM's per-request queue time read from a stream's usage chunk."""
+signature and role, the decode prompts, and vLLM's per-request queue time from a stream's usage
+chunk."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from yuebing.conductor.calibration import fit_profile
 from yuebing.integrations.vllm import profile as vp
-from yuebing.integrations.vllm.instance import VllmInstance, VllmInstanceConfig, vllm_queue_s
-from yuebing.protocol.instance import Role
+from yuebing.integrations.vllm.instance import (
+    VllmInstance,
+    VllmInstanceConfig,
+    completion_body,
+    vllm_queue_s,
+)
+from yuebing.protocol.instance import EventKind, Role, Sampling
 
 
 def truth_prefill(new: int, cached: int) -> float:
@@ -112,3 +121,59 @@ def test_queue_time_from_the_usage_chunk() -> None:
     assert vllm_queue_s({"metrics": {"queue_time_ms": None}}) is None
     assert vllm_queue_s({"metrics": "x"}) is None
     assert vllm_queue_s({"metrics": {"queue_time_ms": -1}}) == 0.0
+
+
+def test_decode_prompts_share_one_base_and_end_fresh() -> None:
+    probe = vp.VllmProbe("http://127.0.0.1:9", "m", 50000, seed=3)
+    a, b, long = probe.decode_prompt(512), probe.decode_prompt(512), probe.decode_prompt(2048)
+    assert len(a) == len(b) == 512 and len(long) == 2048
+    tail = vp.DECODE_TAIL
+    assert a[:-tail] == b[:-tail] == long[:512 - tail] and a[-tail:] != b[-tail:]
+    assert len(probe.decode_prompt(4)) == 4  # shorter than the tail: all fresh
+
+
+def test_vllm_queue_time_is_split_out_of_prefill(tmp_path) -> None:
+    """A fake vLLM answers after 0.2 s and says the request queued 150 ms of it: FINISH's
+    breakdown has queue_s 0.15 and prefill_s the rest."""
+    async def completions(request: web.Request) -> web.StreamResponse:
+        r = web.StreamResponse()
+        await r.prepare(request)
+        await asyncio.sleep(0.2)  # a fake's delay: the time to its first token
+        for chunk in ({"choices": [{"token_ids": [5], "text": "a"}]},
+                      {"choices": [{"token_ids": [6], "text": "b", "finish_reason": "length"}]},
+                      {"choices": [], "usage": {}, "metrics": {"queue_time_ms": 150.0}}):
+            await r.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await r.write(b"data: [DONE]\n\n")
+        return r
+
+    async def run() -> list:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        (tmp_path / "config.json").write_text(json.dumps(
+            {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+             "hidden_size": 576, "head_dim": 64}))
+        inst = VllmInstance(VllmInstanceConfig(vllm_url=f"http://127.0.0.1:{port}",
+                                               model_dir=str(tmp_path)))
+        events: list = []
+        inst._event = lambda ident, ev: events.append(ev)  # type: ignore[method-assign]
+        inst.http = aiohttp.ClientSession()
+        try:
+            body = completion_body(inst.cfg, [1, 2, 3], Sampling(max_tokens=2))
+            await inst._relay(b"c", "r1", body, 3, 0, None)
+        finally:
+            await inst.http.close()
+            inst.sock.close()
+            inst.ctx.term()
+            await runner.cleanup()
+        return events
+
+    events = asyncio.run(run())
+    assert [e.kind for e in events] == [EventKind.FIRST_TOKEN, EventKind.TOKENS, EventKind.FINISH]
+    b = events[-1].breakdown
+    assert b.queue_s == pytest.approx(0.15)
+    assert 0.05 <= b.prefill_s < 5.0

@@ -35,6 +35,8 @@ DECODE_CONTEXTS = (512, 2048)
 """Context tokens of the whole batch (as yuebing's engine profile counts them)."""
 DECODE_STEPS = 12
 """Tokens each sequence of a decode point generates (the steps between are timed)."""
+DECODE_TAIL = 8
+"""Fresh tokens at the end of each decode prompt (the rest is a shared base prompt)."""
 TIMEOUT_S = 300.0
 """One request of the grid may take this long before the profile fails."""
 
@@ -62,6 +64,7 @@ class VllmProbe:
         self.url, self.model = url, model
         self.rng = random.Random(seed if seed is not None else random.randrange(1 << 31))
         self.vocab = vocab_size
+        self.base: list[int] = []
 
     def tokens(self, n: int) -> list[int]:
         """``n`` fresh random token ids (every call: no prefix shared with another)."""
@@ -90,13 +93,22 @@ class VllmProbe:
                         json.loads(line[5:]).get("choices"):
                     out.append(time.perf_counter())
 
+    def decode_prompt(self, length: int) -> list[int]:
+        """A ``length``-token prompt for a decode point: the start of one base prompt shared
+        by every decode point (vLLM's prefix cache computes its full blocks once: a decode
+        step reads a shared block as it reads its own) and `DECODE_TAIL` fresh tokens."""
+        tail = min(DECODE_TAIL, length)
+        if len(self.base) < length - tail:
+            self.base += self.tokens(length - tail - len(self.base))
+        return self.base[:length - tail] + self.tokens(tail)
+
     def decode_step(self, batch: int, context: int) -> float:
         """The median step while ``batch`` sequences of ``context // batch`` prompt tokens
         each decode together: token gaps after the last sequence's first token and before
         the first sequence's last one."""
         times: list[list[float]] = [[] for _ in range(batch)]
         threads = [threading.Thread(target=self._stream_times,
-                                    args=(self.tokens(context // batch), times[i]))
+                                    args=(self.decode_prompt(context // batch), times[i]))
                    for i in range(batch)]
         for t in threads:
             t.start()
