@@ -134,7 +134,8 @@ def test_decode_prompts_share_one_base_and_end_fresh() -> None:
 
 def test_vllm_queue_time_is_split_out_of_prefill(tmp_path) -> None:
     """A fake vLLM answers after 0.2 s and says the request queued 150 ms of it: FINISH's
-    breakdown has queue_s 0.15 and prefill_s the rest."""
+    breakdown has queue_s 0.15 and prefill_s the rest; a decode's continuation, decode_wait_s
+    0.15."""
     async def completions(request: web.Request) -> web.StreamResponse:
         r = web.StreamResponse()
         await r.prepare(request)
@@ -165,6 +166,8 @@ def test_vllm_queue_time_is_split_out_of_prefill(tmp_path) -> None:
         try:
             body = completion_body(inst.cfg, [1, 2, 3], Sampling(max_tokens=2))
             await inst._relay(b"c", "r1", body, 3, 0, None)
+            # a decode's continuation (one token came from the prefill): its vLLM's queue
+            await inst._relay(b"c", "r2", body, 3, 1, None)
         finally:
             await inst.http.close()
             inst.sock.close()
@@ -173,7 +176,11 @@ def test_vllm_queue_time_is_split_out_of_prefill(tmp_path) -> None:
         return events
 
     events = asyncio.run(run())
-    assert [e.kind for e in events] == [EventKind.FIRST_TOKEN, EventKind.TOKENS, EventKind.FINISH]
-    b = events[-1].breakdown
+    assert [e.kind for e in events] == [EventKind.FIRST_TOKEN, EventKind.TOKENS,
+                                        EventKind.FINISH] + [EventKind.TOKENS] * 2 + \
+        [EventKind.FINISH]
+    b = events[2].breakdown
     assert b.queue_s == pytest.approx(0.15)
-    assert 0.05 <= b.prefill_s < 5.0
+    assert 0.05 <= b.prefill_s < 5.0 and b.decode_wait_s == 0
+    d = events[-1].breakdown
+    assert d.decode_wait_s == pytest.approx(0.15) and d.queue_s == d.prefill_s == 0

@@ -518,7 +518,8 @@ class VllmInstance:
         with ``target`` (prefill), hand the KV off to that decode before FINISH; FINISH
         carries ``breakdown``, and where this relay gave the first token, ``queue_s``: vLLM's
         own queue (its per-request metrics, 0 without them) and ``prefill_s``: the rest of the
-        time from the request sent to vLLM to its first token."""
+        time from the request sent to vLLM to its first token; on a decode's continuation,
+        vLLM's queue there as ``decode_wait_s``."""
         reason: str | None = None
         queue_s: float | None = None
         first: tuple[int, float] | None = None
@@ -559,6 +560,9 @@ class VllmInstance:
                 queued = min(queue_s or 0.0, first[1] - sent_at)
                 breakdown = msgspec.structs.replace(breakdown or Breakdown(), queue_s=queued,
                                                     prefill_s=first[1] - sent_at - queued)
+            elif queue_s:  # a decode's continuation: vLLM's queue delays its first step
+                breakdown = msgspec.structs.replace(breakdown or Breakdown(),
+                                                    decode_wait_s=queue_s)
             self._event(ident, TaskEvent(request_id=rid, kind=EventKind.FINISH,
                                          finish_reason=reason or "stop", prompt_tokens=n,
                                          breakdown=breakdown))
