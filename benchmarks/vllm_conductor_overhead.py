@@ -9,11 +9,15 @@ dispatch time goes (``yuebing:conductor_dispatch_phase_seconds``: body, parse, s
 send) and its garbage collections (``yuebing:conductor_gc_seconds``). With ``--renice N`` the
 same load runs a second time in the same cluster with the Conductor's process at nice N. With ``--nice-vllm N`` rounds alternate (A, B, A,
 B, ...: ``--rounds``) between the vLLM servers at their nice and at nice N, every thread of
-theirs (going back needs root; without it the rounds stop after the first B). Prints JSON.
+theirs (going back needs root; without it the rounds stop after the first B). Prints JSON,
+with ``target_met``: dispatch p99 ≤ ``--target-ms``. The whole run is bounded by
+``--timeout-s`` (the cluster is stopped and the run fails, naming the limit). The vLLM
+instances start without their start-up profile (the dispatch does not depend on it;
+``--startup-profile`` takes it, cached after a first start).
 
 Usage:  PYTHONPATH=src .venv/bin/python benchmarks/vllm_conductor_overhead.py
         [--requests 40] [--concurrency 4] [--roles "--prefill 1 --decode 1"] [--renice -10]
-        [--nice-vllm 10 --rounds 4]
+        [--nice-vllm 10 --rounds 4] [--timeout-s 900] [--target-ms 5] [--startup-profile]
 """
 
 from __future__ import annotations
@@ -174,13 +178,31 @@ def main() -> int:
     ap.add_argument("--nice-vllm", type=int, default=None,
                     help="alternate rounds with the vLLM servers at this nice value")
     ap.add_argument("--rounds", type=int, default=4, help="rounds of --nice-vllm (A, B, ...)")
+    ap.add_argument("--timeout-s", type=int, default=900,
+                    help="stop everything and fail if the run takes longer (start included)")
+    ap.add_argument("--target-ms", type=float, default=5.0, help="dispatch p99 target")
+    ap.add_argument("--startup-profile", action="store_true",
+                    help="let the vLLM instances take their start-up profile")
     ns = ap.parse_args()
+    if ns.requests < 1 or ns.concurrency < 1 or ns.timeout_s < 1:
+        ap.error("--requests, --concurrency and --timeout-s must be >= 1")
     port, logs = free_port(), Path(tempfile.mkdtemp(prefix="yb-vllm-overhead-"))
     url = f"http://127.0.0.1:{port}"
+    profile = () if ns.startup_profile else ("--no-startup-profile",)
     proc = subprocess.Popen(yuebing_argv(["serve", "--engine", "vllm", *shlex.split(ns.roles),
-                                          "--port", str(port), "--log-dir", str(logs)]),
+                                          *profile, "--port", str(port),
+                                          "--log-dir", str(logs)]),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+
+    def expired(signum: int, frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):  # the load's requests fail at once
+            os.killpg(proc.pid, signal.SIGTERM)
+        raise SystemExit(f"vllm_conductor_overhead: not done within --timeout-s "
+                         f"{ns.timeout_s} s; stopped (logs in {logs})")
+
+    signal.signal(signal.SIGALRM, expired)
+    signal.alarm(ns.timeout_s)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -188,6 +210,9 @@ def main() -> int:
                 break
             if "failed" in line:
                 raise SystemExit(line)
+        else:
+            raise SystemExit(f"yuebing serve exited with {proc.wait()} before it was ready "
+                             f"(logs in {logs})")
         for p in PROMPTS[:2]:
             chat(url, p)  # warm-up
         latencies, wall, before, after = load(url, ns.requests, ns.concurrency)
@@ -201,11 +226,15 @@ def main() -> int:
         if ns.nice_vllm is not None:
             reniced["nice_vllm"] = ab_nice(proc.pid, url, ns)
     finally:
-        proc.send_signal(signal.SIGTERM)
+        signal.alarm(0)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=120)
+    dispatch = delta_stats(before, after, "yuebing:conductor_dispatch_seconds")
     out = {"roles": ns.roles, "requests": ns.requests, "concurrency": ns.concurrency,
            "wall_s": round(wall, 2), "mean_latency_s": round(sum(latencies) / len(latencies), 3),
-           "dispatch": delta_stats(before, after, "yuebing:conductor_dispatch_seconds"),
+           "dispatch": dispatch, "target_p99_ms": ns.target_ms,
+           "target_met": dispatch["p99_ms"] <= ns.target_ms,
            "relay": delta_stats(before, after, "yuebing:conductor_relay_seconds"),
            "dispatch_phases": phases(before, after),
            "gc": labelled(before, after, "yuebing:conductor_gc_seconds", "generation",

@@ -24,6 +24,11 @@ def test_vllm_instances_are_started_through_the_adapter(tmp_path):
     assert argv[argv.index("--store-block-tokens") + 1] == "256"
     assert "--vllm-port" in argv and "serve" not in argv
     assert argv[argv.index("--role") + 1] == "coupled"
+    assert "--no-startup-profile" not in argv
+    quick = ServeConfig(coupled=1, engine="vllm",
+                        instance=InstanceConfig(startup_profile=False))  # passed on, not refused
+    assert "--no-startup-profile" in ServePlan(quick, tmp_path).instance("coupled-0",
+                                                                          "coupled")[0].argv
     pd = ServePlan(ServeConfig(prefill=1, decode=1, engine="vllm"), tmp_path)
     roles = []
     for name, role in pd.cfg.instance_roles:

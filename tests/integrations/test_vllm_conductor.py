@@ -74,7 +74,8 @@ def test_the_conductor_drives_a_vllm_instance(tmp_path):
         procs.append(m)
         procs.append(store_procs.node(m.info["address"], "256MiB"))
         inst = ReadyProcess(yuebing_argv(["vllm", "instance", "--master", m.info["address"],
-                                          "--vllm-port", "8796", "--log-dir", str(tmp_path)]),
+                                          "--vllm-port", "8796", "--log-dir", str(tmp_path),
+                                          "--no-startup-profile"]),
                             name="vllm-0", workdir=tmp_path, timeout_s=600)
         procs.append(inst)
         bad_port = free_port()
@@ -90,7 +91,7 @@ def test_the_conductor_drives_a_vllm_instance(tmp_path):
         # only now the second one answers (the Conductor keeps retrying its address)
         procs.append(ReadyProcess(yuebing_argv([
             "vllm", "instance", "--vllm-url", inst.info["vllm_url"], "--instance-id", "vllm-bad",
-            "--block-size", "64", "--control-port", str(bad_port)]),
+            "--block-size", "64", "--control-port", str(bad_port), "--no-startup-profile"]),
             name="vllm-bad", workdir=tmp_path, timeout_s=60))
         end = time.monotonic() + 30
         while "not using instance vllm-bad" not in (tmp_path / "conductor.log").read_text() \
@@ -124,7 +125,8 @@ class Serve:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            yuebing_argv(["serve", "--engine", "vllm", *args, "--port", str(self.port),
+            yuebing_argv(["serve", "--engine", "vllm", *args, "--no-startup-profile",
+                          "--port", str(self.port),
                           "--log-dir", str(tmp_path)]),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[str] = []

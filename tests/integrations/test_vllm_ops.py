@@ -69,8 +69,8 @@ def test_prefill_and_decode_started_alone_find_each_other_through_etcd(tmp_path)
             for role in ("prefill", "decode"):  # no --master: the store leader in etcd
                 procs.append(ReadyProcess(yuebing_argv([
                     "vllm", "instance", "--role", role, "--instance-id", f"{role}-x", *where,
-                    "--vllm-port", str(free_port()), "--log-dir", str(tmp_path)]),
-                    name=role, workdir=tmp_path, timeout_s=600))
+                    "--vllm-port", str(free_port()), "--log-dir", str(tmp_path),
+                    "--no-startup-profile"]), name=role, workdir=tmp_path, timeout_s=600))
             url = cond.info["url"]
             end = time.monotonic() + 60
             while time.monotonic() < end:
@@ -125,7 +125,7 @@ def test_a_vllm_killed_mid_request_leaves_nothing_held_in_the_store(tmp_path, mo
         inst = ReadyProcess(yuebing_argv(["vllm", "instance", "--master", m.info["address"],
                                           "--instance-id", "vllm-k",
                                           "--vllm-port", str(free_port()),
-                                          "--log-dir", str(tmp_path)]),
+                                          "--log-dir", str(tmp_path), "--no-startup-profile"]),
                             name="vllm-k", workdir=tmp_path, timeout_s=600)
         procs.append(inst)
         cond = ReadyProcess(yuebing_argv(["serve", "conductor", "--port", "0", "--instances",

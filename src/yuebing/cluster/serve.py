@@ -129,7 +129,8 @@ class ServeConfig:
         require(self.engine in ("yuebing", "vllm"),
                 f"--engine must be yuebing or vllm, got {self.engine!r}")
         if self.engine == "vllm":
-            given = config_args(self.instance, skip=(*MANAGED["instance"], "store_block_tokens"))
+            given = config_args(self.instance, skip=(*MANAGED["instance"], "store_block_tokens",
+                                                     "startup_profile"))
             require(self.store and not given,
                     "--engine vllm runs vLLM instances next to the store on this host, without "
                     "yuebing engine flags (--no-store: not built yet; docs/serving.md "
@@ -280,6 +281,7 @@ class ServePlan:
                     role, "--host", adv, "--control-port", str(self.control[name]), "--master",
                     self.master_addr, "--vllm-port", str(free_port("127.0.0.1")),
                     "--store-block-tokens", str(self.cfg.instance.store_block_tokens),
+                    *(() if self.cfg.instance.startup_profile else ("--no-startup-profile",)),
                     *self._etcd(), "--log-dir", str(self.dir), "--ready-file", str(self._ready(name)))
         address = f"tcp://{local_url_host(adv)}:{self.control[name]}"
         return RoleSpec(name, argv), AllOf(ReadyFile(self._ready(name)), InstancePing(address))

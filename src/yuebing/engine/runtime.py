@@ -14,12 +14,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import platform
 import time
 
 import torch
 
 from yuebing.core.errors import ConfigError
+from yuebing.core.host import cpu_name
 from yuebing.engine.config import EngineConfig, default_threads
 
 log = logging.getLogger(__name__)
@@ -82,25 +82,10 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-_ISA = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
-
-
 def machine() -> str:
-    """This processor as the predictors name it: model name, the best matmul ISA it has, and
-    the cores this process may use (a profile taken on one machine predicts only that one)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-    except OSError:
-        pass
-    isa = next((i for i in _ISA if i in flags), "baseline")
-    return f"{model} | {isa} | {default_threads()} cores"
+    """This processor as the predictors name it (`core.host.cpu_name`) and the cores this
+    process may use (a profile taken on one machine predicts only that one)."""
+    return f"{cpu_name()} | {default_threads()} cores"
 
 
 def resolve_device(name: str) -> torch.device:

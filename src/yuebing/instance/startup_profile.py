@@ -3,33 +3,19 @@
 `Instance` calls `startup_profile` once when it starts (``--startup-profile``, on by default):
 roles that prefill time a grid of prompts, roles that decode a grid of batches, on the engine
 they will serve with. The result is cached per engine signature (`LLMEngine.signature`: the
-configuration and the machine) under ``$XDG_CACHE_HOME/yuebing/profiles``, so only the first
-start of a configuration on a machine pays (seconds). Instances sharing that cache directory
-profile one at a time (a file lock): two profiling side by side would each measure the other's
-load.
+configuration and the machine) by `profile_cache`, so only the first start of a configuration
+on a machine pays (seconds).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import json
-import logging
-import os
 import random
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
-
-from yuebing.core import env
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.profile import _Tokens, time_decode, time_prefill
+from yuebing.instance import profile_cache
 from yuebing.protocol.instance import EngineProfile, Role
-
-log = logging.getLogger(__name__)
 
 GRID_VERSION = 1
 """Part of the cache key: a new grid makes old cached profiles stale."""
@@ -39,54 +25,16 @@ DECODE_BATCHES = (1, 8, 32)
 DECODE_CONTEXTS = (512, 4096)
 
 
-def profile_dir() -> Path:
-    """Where cached profiles live (``$XDG_CACHE_HOME/yuebing/profiles`` or ~/.cache/...)."""
-    return env.cache_home() / "yuebing" / "profiles"
-
-
 def cache_key(signature: dict[str, str], role: Role) -> str:
-    what = json.dumps({"grid": GRID_VERSION, "prefill": role != Role.DECODE,
-                       "decode": role != Role.PREFILL, **signature}, sort_keys=True)
-    return hashlib.blake2b(what.encode(), digest_size=10).hexdigest()
+    return profile_cache.cache_key(signature, role, GRID_VERSION)
 
 
 def startup_profile(engine: LLMEngine, role: Role, cache: Path | None = None) -> EngineProfile:
     """The cached profile of this engine's signature for ``role``, or a fresh one (cached; an
     unusable cache directory — read-only, no home — is logged and the profile measured anyway)."""
     signature = engine.signature()
-    try:
-        root = cache or profile_dir()
-    except RuntimeError as e:  # no home directory to find the cache in
-        log.warning("start-up profile: no cache directory (%s); measuring without it", e)
-        return measure(engine, role, signature)
-    try:
-        path = root / f"{cache_key(signature, role)}.json"
-        cached = _read(path, signature)
-        if cached is not None:
-            log.info("start-up profile: cached %s", path)
-            return cached
-        with _cache_lock(root):
-            cached = _read(path, signature)  # another instance may have taken it meanwhile
-            return cached if cached is not None else \
-                _measure_and_save(engine, role, signature, path)
-    except OSError as e:  # read-only, not a directory: not a failing measurement's RuntimeError
-        log.warning("start-up profile: the cache cannot be used (%s); measuring without it", e)
-        return measure(engine, role, signature)
-
-
-def _measure_and_save(engine: LLMEngine, role: Role, signature: dict[str, str],
-                      path: Path) -> EngineProfile:
-    t0 = time.perf_counter()
-    profile = measure(engine, role, signature)
-    log.info("start-up profile: %s prefill and %s decode points in %.1f s -> %s",
-             len(profile.prefill), len(profile.decode), time.perf_counter() - t0, path)
-    try:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(msgspec.json.encode(profile))
-        tmp.replace(path)
-    except OSError as e:
-        log.warning("start-up profile: not cached (%s)", e)
-    return profile
+    return profile_cache.cached_profile(signature, role, GRID_VERSION,
+                                        lambda: measure(engine, role, signature), cache)
 
 
 def measure(engine: LLMEngine, role: Role, signature: dict[str, str]) -> EngineProfile:
@@ -110,24 +58,3 @@ def measure(engine: LLMEngine, role: Role, signature: dict[str, str]) -> EngineP
                     decode.append((batch, context,
                                    time_decode(engine, batch, context, tokens).wall))
     return EngineProfile(configuration=signature, prefill=prefill, decode=decode)
-
-
-def _read(path: Path, signature: dict[str, str]) -> EngineProfile | None:
-    """The profile cached at ``path`` if it is one of this very signature, else None."""
-    try:
-        profile = msgspec.json.decode(path.read_bytes(), type=EngineProfile)
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    return profile if profile.configuration == signature else None
-
-
-@contextlib.contextmanager
-def _cache_lock(root: Path) -> Iterator[None]:
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-

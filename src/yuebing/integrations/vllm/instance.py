@@ -40,6 +40,7 @@ from yuebing.protocol.instance import (
     Breakdown,
     Cancel,
     DecodeTarget,
+    EngineProfile,
     ErrorCode,
     ErrorReply,
     EventKind,
@@ -86,6 +87,13 @@ class VllmInstanceConfig:
     block_size: int = field(default=128, metadata={"help": "vLLM's --block-size"})
     store_block_tokens: int = field(default=256, metadata={"help": "tokens per store block"})
     max_model_len: int = field(default=4352, metadata={"help": "vLLM's --max-model-len"})
+    threads: int = field(default=2, metadata={
+        "help": "vLLM's CPU threads (OMP_NUM_THREADS of the vLLM started; with --vllm-url, the "
+                "ones it runs: part of the configuration its start-up profile holds for)"})
+    startup_profile: bool = field(default=True, metadata={
+        "help": "time vLLM on a small grid of prompts / batches once it is up and send it to "
+                "the Conductors, which fit their predictors to it (cached per configuration "
+                "and machine under ~/.cache/yuebing/profiles: only a first start pays)"})
     etcd: str = field(default="", metadata={
         "help": "etcd URL: publish this instance for the Conductor's discovery, and find the "
                 "store master there when --master is not given ('' = none)"})
@@ -119,6 +127,7 @@ class VllmInstanceConfig:
         require(not self.vllm_url or self.vllm_url.startswith("http"),
                 f"vllm_url must be http(s)://host:port, got {self.vllm_url!r}")
         require(self.report_s > 0, "report_s must be > 0")
+        require(self.threads >= 1, f"threads must be >= 1, got {self.threads}")
         require(self.handoff_pool_blocks >= 0, "handoff_pool_blocks must be >= 0")
         require(self.replay_timeout_s > 0, "replay_timeout_s must be > 0")
         if self.etcd:
@@ -159,6 +168,14 @@ def completion_body(cfg: VllmInstanceConfig, token_ids: list[int], s: Sampling
     return body
 
 
+def vllm_queue_s(chunk: dict[str, Any]) -> float | None:
+    """vLLM's queue time for the request, seconds, from a stream's usage chunk
+    (``metrics.queue_time_ms``: ``--enable-per-request-metrics``); None where it has none."""
+    metrics = chunk.get("metrics")
+    ms = metrics.get("queue_time_ms") if isinstance(metrics, dict) else None
+    return max(0.0, float(ms)) / 1e3 if isinstance(ms, int | float) else None
+
+
 class HandoffError(RuntimeError):
     """The prefill could not tell its decode that the KV is ready."""
 
@@ -170,9 +187,15 @@ class VllmInstance:
     """The control socket, the relayed tasks, the reservations (decode), the hand-off
     (`handoff.Handoff`: prefill, decode) and the load reports of one vLLM server."""
 
-    def __init__(self, cfg: VllmInstanceConfig) -> None:
+    def __init__(self, cfg: VllmInstanceConfig, engine: dict[str, str] | None = None,
+                 profile: EngineProfile | None = None) -> None:
         self.cfg = cfg
         self.layout = cfg.layout()
+        self.engine = engine or {"engine": "vllm", "model": cfg.served_name, "dtype": cfg.dtype,
+                                 "block_size": str(cfg.block_size)}
+        """The configuration the Conductor's predictors must hold for (`profile.signature`)."""
+        self.profile = profile
+        """Its start-up profile (`profile.vllm_profile`), sent in `Hello`; None: none."""
         hf = json.loads((Path(cfg.model_dir) / "config.json").read_text())
         eos = hf.get("eos_token_id")
         self.eos = set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
@@ -227,7 +250,8 @@ class VllmInstance:
     def hello(self, seq: int) -> Hello:
         """Carries the fingerprint of this instance's `KvLayout` (from the model's
         ``config.json``), so the Conductor refuses an instance whose model, dtype or block size
-        differs from the cluster's, naming both."""
+        differs from the cluster's, naming both; and the vLLM configuration (``engine``) and
+        start-up profile the Conductor's predictors are fitted to and checked against."""
         segment = self.handoff.segment if self.handoff and self.cfg.role == "decode" else ""
         return Hello(seq=seq, instance_id=self.cfg.instance_id, role=ROLES[self.cfg.role],
                      model=self.cfg.served_name, fingerprint=self.layout.fingerprint(),
@@ -235,9 +259,8 @@ class VllmInstance:
                      block_size=self.cfg.block_size,
                      store_block_tokens=self.cfg.store_block_tokens,
                      num_blocks=self.load.total_blocks, max_model_len=self.cfg.max_model_len,
-                     incarnation=self.incarnation,
-                     engine={"engine": "vllm", "model": self.cfg.served_name,
-                             "dtype": self.cfg.dtype, "block_size": str(self.cfg.block_size)})
+                     incarnation=self.incarnation, engine=dict(self.engine),
+                     profile=self.profile)
 
     # ------------------------------------------------------------------ control
     async def serve(self) -> None:
@@ -493,9 +516,12 @@ class VllmInstance:
                      target: DecodeTarget | None, breakdown: Breakdown | None = None) -> None:
         """Stream vLLM's answer as events (``outputs``: tokens sent before, by the prefill);
         with ``target`` (prefill), hand the KV off to that decode before FINISH; FINISH
-        carries ``breakdown``, and where this relay gave the first token, ``prefill_s``: from
-        the request sent to vLLM to its first token (vLLM's own queue included)."""
+        carries ``breakdown``, and where this relay gave the first token, ``queue_s``: vLLM's
+        own queue (its per-request metrics, 0 without them) and ``prefill_s``: the rest of the
+        time from the request sent to vLLM to its first token; on a decode's continuation,
+        vLLM's queue there as ``decode_wait_s``."""
         reason: str | None = None
+        queue_s: float | None = None
         first: tuple[int, float] | None = None
         sent_at, outputs_before = time.time(), outputs
         assert self.http is not None
@@ -507,8 +533,10 @@ class VllmInstance:
                     line = raw.decode().strip()
                     if not line.startswith("data:") or line == "data: [DONE]":
                         continue
-                    choices = json.loads(line[5:]).get("choices") or []
-                    if not choices:
+                    chunk = json.loads(line[5:])
+                    choices = chunk.get("choices") or []
+                    if not choices:  # the usage chunk: vLLM's per-request metrics ride on it
+                        queue_s = vllm_queue_s(chunk) if queue_s is None else queue_s
                         continue
                     c = choices[0]
                     ids = list(c.get("token_ids") or [])
@@ -529,8 +557,12 @@ class VllmInstance:
                                      layerwise="kv_transfer_params" in body)
                 reason = "handoff"
             if first is not None and outputs_before == 0:
+                queued = min(queue_s or 0.0, first[1] - sent_at)
+                breakdown = msgspec.structs.replace(breakdown or Breakdown(), queue_s=queued,
+                                                    prefill_s=first[1] - sent_at - queued)
+            elif queue_s:  # a decode's continuation: vLLM's queue delays its first step
                 breakdown = msgspec.structs.replace(breakdown or Breakdown(),
-                                                    prefill_s=first[1] - sent_at)
+                                                    decode_wait_s=queue_s)
             self._event(ident, TaskEvent(request_id=rid, kind=EventKind.FINISH,
                                          finish_reason=reason or "stop", prompt_tokens=n,
                                          breakdown=breakdown))

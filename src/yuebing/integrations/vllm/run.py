@@ -1,5 +1,6 @@
 """`run_vllm_instance`: the process behind ``yuebing vllm instance`` — starts the vLLM server
-(unless one is given), serves `instance.VllmInstance` until SIGTERM/SIGINT, stops the server.
+(unless one is given), takes its start-up profile (`profile.vllm_profile`), serves
+`instance.VllmInstance` until SIGTERM/SIGINT, stops the server.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import time
 from pathlib import Path
 
 from yuebing.core.auth import adopt_cluster_token
-from yuebing.integrations.vllm.instance import VllmInstance, VllmInstanceConfig
+from yuebing.integrations.vllm.instance import ROLES, VllmInstance, VllmInstanceConfig
+from yuebing.integrations.vllm.profile import VllmProbe, server_version, signature, vllm_profile
 from yuebing.integrations.vllm.server import VllmEnv, VllmServer, VllmServerConfig
+from yuebing.protocol.instance import EngineProfile
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +84,7 @@ def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
                                 served_name=cfg.served_name, dtype=cfg.dtype,
                                 block_size=cfg.block_size,
                                 store_block_tokens=cfg.store_block_tokens,
-                                max_model_len=cfg.max_model_len,
+                                max_model_len=cfg.max_model_len, threads=cfg.threads,
                                 kv_events_port=max(0, cfg.kv_events_port),
                                 kv_replay_port=max(0, cfg.kv_replay_port))
         logs = log_dir or Path(tempfile.mkdtemp(prefix="yb-vllm-"))
@@ -90,16 +93,37 @@ def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
         server.wait_ready()
         cfg = dataclasses.replace(cfg, vllm_url=server.url)
     try:
-        return asyncio.run(_serve(cfg, ready_file, server))
+        engine, profile = startup_profile(cfg)
+        return asyncio.run(_serve(cfg, ready_file, server, engine, profile))
     finally:
         if server is not None:
             server.stop()
 
 
-async def _serve(cfg: VllmInstanceConfig, ready_file: str, server: VllmServer | None) -> int:
+def startup_profile(cfg: VllmInstanceConfig) -> tuple[dict[str, str], EngineProfile | None]:
+    """The running vLLM's configuration (`profile.signature`) and, unless
+    ``--no-startup-profile``, its start-up profile (cached or measured now); SystemExit
+    naming the cause when vLLM does not answer or the profile fails."""
+    layout = cfg.layout()
+    try:
+        version = server_version(cfg.vllm_url)
+        sig = signature(version, cfg.served_name, cfg.dtype, cfg.block_size, cfg.threads,
+                        layout.fingerprint())
+        if not cfg.startup_profile:
+            return sig, None
+        hf = json.loads((Path(cfg.model_dir) / "config.json").read_text())
+        probe = VllmProbe(cfg.vllm_url, cfg.served_name, int(hf["vocab_size"]))
+        return sig, vllm_profile(probe, ROLES[cfg.role], sig, cfg.max_model_len)
+    except (OSError, RuntimeError, ValueError, KeyError) as e:
+        raise SystemExit(f"start-up profile of vLLM at {cfg.vllm_url} failed: "
+                         f"{type(e).__name__}: {e} (--no-startup-profile skips it)") from e
+
+
+async def _serve(cfg: VllmInstanceConfig, ready_file: str, server: VllmServer | None,
+                 engine: dict[str, str], profile: EngineProfile | None) -> int:
     """Serve until SIGTERM/SIGINT (0), or until the vLLM server this process started exits
     (1: the instance is gone with it; under ``yuebing serve`` the supervisor restarts both)."""
-    inst = VllmInstance(cfg)
+    inst = VllmInstance(cfg, engine, profile)
     job = asyncio.get_running_loop().create_task(inst.serve())
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, job.cancel)

@@ -92,7 +92,9 @@ class VllmServerConfig:
                 "--model", str(env.model), "--served-model-name", self.served_name,
                 "--dtype", self.dtype, "--block-size", str(self.block_size),
                 "--enable-prefix-caching", "--max-model-len", str(self.max_model_len),
-                "--host", "127.0.0.1", "--port", str(self.port)]
+                "--host", "127.0.0.1", "--port", str(self.port),
+                # each stream's last chunk carries the request's queue time (`usage.yuebing`)
+                "--enable-per-request-metrics"]
         if self.enforce_eager:
             argv.append("--enforce-eager")
         if self.master:

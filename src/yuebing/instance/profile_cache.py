@@ -1,0 +1,99 @@
+"""The on-disk cache of start-up profiles, keyed by engine configuration, machine and role.
+
+`instance.startup_profile` (yuebing's engine) and `integrations.vllm.profile` (a vLLM server)
+call `cached_profile` with their configuration and a function that measures one. Profiles live
+under ``$XDG_CACHE_HOME/yuebing/profiles``, one file per configuration and role; a file whose
+configuration is not this one is never used (re-measured). Profilers sharing the directory
+measure one at a time (a file lock): two side by side would each measure the other's load. An
+unusable directory (read-only, no home) is logged and the profile measured without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+
+from yuebing.core import env
+from yuebing.protocol.instance import EngineProfile, Role
+
+log = logging.getLogger(__name__)
+
+
+def profile_dir() -> Path:
+    """Where cached profiles live (``$XDG_CACHE_HOME/yuebing/profiles`` or ~/.cache/...)."""
+    return env.cache_home() / "yuebing" / "profiles"
+
+
+def cache_key(signature: dict[str, str], role: Role, grid: int) -> str:
+    """The file name (without ``.json``) of ``signature``'s profile for ``role`` on grid
+    version ``grid`` (a new grid makes old cached profiles stale)."""
+    what = json.dumps({"grid": grid, "prefill": role != Role.DECODE,
+                       "decode": role != Role.PREFILL, **signature}, sort_keys=True)
+    return hashlib.blake2b(what.encode(), digest_size=10).hexdigest()
+
+
+def cached_profile(signature: dict[str, str], role: Role, grid: int,
+                   measure: Callable[[], EngineProfile], cache: Path | None = None
+                   ) -> EngineProfile:
+    """The profile cached for ``signature`` and ``role`` under ``cache`` (default
+    `profile_dir`), or ``measure()``'s, then cached."""
+    try:
+        root = cache or profile_dir()
+    except RuntimeError as e:  # no home directory to find the cache in
+        log.warning("start-up profile: no cache directory (%s); measuring without it", e)
+        return measure()
+    try:
+        path = root / f"{cache_key(signature, role, grid)}.json"
+        cached = _read(path, signature)
+        if cached is not None:
+            log.info("start-up profile: cached %s", path)
+            return cached
+        with _cache_lock(root):
+            cached = _read(path, signature)  # another instance may have taken it meanwhile
+            return cached if cached is not None else _measure_and_save(measure, path)
+    except OSError as e:  # read-only, not a directory: not a failing measurement's RuntimeError
+        log.warning("start-up profile: the cache cannot be used (%s); measuring without it", e)
+        return measure()
+
+
+def _measure_and_save(measure: Callable[[], EngineProfile], path: Path) -> EngineProfile:
+    t0 = time.perf_counter()
+    profile = measure()
+    log.info("start-up profile: %s prefill and %s decode points in %.1f s -> %s",
+             len(profile.prefill), len(profile.decode), time.perf_counter() - t0, path)
+    try:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(msgspec.json.encode(profile))
+        tmp.replace(path)
+    except OSError as e:
+        log.warning("start-up profile: not cached (%s)", e)
+    return profile
+
+
+def _read(path: Path, signature: dict[str, str]) -> EngineProfile | None:
+    """The profile cached at ``path`` if it is one of this very signature, else None."""
+    try:
+        profile = msgspec.json.decode(path.read_bytes(), type=EngineProfile)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return profile if profile.configuration == signature else None
+
+
+@contextlib.contextmanager
+def _cache_lock(root: Path) -> Iterator[None]:
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
