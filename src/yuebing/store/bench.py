@@ -155,8 +155,8 @@ class Bench:
         assert self.raw is not None
         put_name, get_name, _ = PAIRS[pair]
         n = self._calls(size, 1)
-        p = rpc_loop(self.raw, "put", [memoryview(self.src[:size])], 0.0, n)
-        g = rpc_loop(self.raw, "get", [memoryview(self.dst[:size])], 0.0, n)
+        p = rpc_loop(self.raw, "put", [self.src[:size].data], 0.0, n)
+        g = rpc_loop(self.raw, "get", [self.dst[:size].data], 0.0, n)
         return (f"raw_{put_name}", 1, (*p, n)), (f"raw_{get_name}", 1, (*g, n))
 
     def data(self, progress: Any) -> None:
