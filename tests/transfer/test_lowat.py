@@ -118,7 +118,7 @@ def test_inline_answer_to_a_long_write_is_slept_for_not_spun_for() -> None:
     from yuebing.transfer.transport.tcp_inline import InlineConn
 
     a, b = socket.socketpair()
-    conn = InlineConn(b, "peer", io_timeout_s=5.0, spin_s=0.01)
+    conn = InlineConn(b, "peer", io_timeout_s=5.0, spin_s=0.01, max_frame_bytes=1 << 20)
     spun: list[float] = []
 
     class Spy:
