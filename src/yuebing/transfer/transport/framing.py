@@ -172,9 +172,9 @@ def spin_scatter(sock: socket.socket, views: list[memoryview], spin_s: float) ->
     Needs a socket in timeout mode (its descriptor is non-blocking); `PeerClosed` on EOF.
     Polling pays because on loopback the sender pays for every wake-up of a sleeping receiver
     (benchmarks/tcp_receive_spin.py)."""
+    if getattr(sock, "sock", sock).gettimeout() is None:  # a blocking descriptor (no timeout
+        return views  # mode; known without a system call): readv would block past any timeout
     fd = sock.fileno()
-    if os.get_blocking(fd):  # no timeout mode: readv would block past any io timeout
-        return views
     now = time.monotonic()
     stop = min(now + SPIN_CAP_S, getattr(sock, "end", 0.0) or now + SPIN_CAP_S)
     if now >= stop:
