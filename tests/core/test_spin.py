@@ -72,12 +72,17 @@ def test_a_peer_answering_during_a_long_yield_is_not_a_loss(monkeypatch: pytest.
     assert (s.lost, s.enabled) == (0, True)
 
 
-def test_a_spin_that_catches_its_event_halves_the_backoff() -> None:
+def test_spins_that_catch_their_event_halve_the_backoff_slowly() -> None:
+    """One catch saves a wake-up, one loss costs a time slice: `CATCHES_TO_HALVE` catches
+    halve the back-off, not one (which let a busy machine lose a slice every few calls)."""
     s = Spinner()
     s._backoff = 8 * spin.BACKOFF_S
     assert s.wait(Poll(ready_at=2), 1.0) == ["ready"]
+    assert 4 * spin.BACKOFF_S < s._backoff < 8 * spin.BACKOFF_S
+    for _ in range(spin.CATCHES_TO_HALVE - 1):
+        s.wait(Poll(ready_at=2), 1.0)
     assert s._backoff == pytest.approx(4 * spin.BACKOFF_S)
-    for _ in range(5):
+    for _ in range(2 * spin.CATCHES_TO_HALVE + 1):
         s.wait(Poll(ready_at=2), 1.0)
     assert s._backoff == spin.BACKOFF_S
 

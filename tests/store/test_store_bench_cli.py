@@ -29,3 +29,24 @@ def test_bench_store_json_rows() -> None:
         assert r["size_bytes"] == {"put_4k": 4096, "get_4k": 4096}.get(
             r["op"], 0 if r["op"] in {"exists_hit", "exists_miss", "batch_exists", "remove"}
             else 65536)
+
+
+def test_bench_store_raw_reference_rows() -> None:
+    """``--raw``: single-value pairs on ``remote_tcp`` alternate with raw socket RPCs (rows
+    ``raw_<op>``) and carry the ratio to them with its spread; batch pairs do not."""
+    out = subprocess.run(
+        [sys.executable, "-m", "yuebing.cli.main", "bench", "store", "--json", "--sizes", "64KiB",
+         "--runs", "2", "--target-bytes", "1MiB", "--warm-bytes", "0", "--dram", "64MiB",
+         "--paths", "remote_tcp", "--pairs", "single,batch", "--batch", "4", "--skip-meta",
+         "--raw"], capture_output=True, text=True, timeout=120, check=True)
+    rows = json.loads(out.stdout)
+    assert [r["op"] for r in rows] == ["put", "get", "raw_put", "raw_get", "batch_put",
+                                       "batch_get"]
+    ratio = {"vs_raw", "vs_raw_min", "vs_raw_max"}
+    for r in rows:
+        assert r["gbps"] > 0
+        if r["op"] in ("put", "get"):
+            assert set(r) == KEYS | ratio
+            assert 0 < r["vs_raw_min"] <= r["vs_raw"] <= r["vs_raw_max"]
+        else:
+            assert set(r) == KEYS

@@ -10,7 +10,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from yuebing.protocol.transfer import Hello, HelloReply, SlicesDone, WriteSlices
+from yuebing.core.errors import ConfigError
+from yuebing.protocol.transfer import Hello, HelloReply, ReadSlices, SlicesDone, WriteSlices
 from yuebing.transfer import (
     EmbeddedMetadata,
     OpCode,
@@ -46,7 +47,8 @@ def test_frames_group_runs_of_same_segment_and_direction() -> None:
     w_a2 = Slice(b, 4, OpCode.WRITE, mv, "a", 16)
     note = NotifyOp("me", "t", b"")
     ops = [*w_a, r_a, w_b, note, w_a2]
-    assert group_frames(ops) == [w_a, [r_a], [w_b], [note], [w_a2]]
+    assert group_frames(ops, 1 << 20) == [w_a, [r_a], [w_b], [note], [w_a2]]
+    assert group_frames(ops, 4) == [[w_a[0]], [w_a[1]], [r_a], [w_b], [note], [w_a2]]
 
 
 def test_complete_slices_updates_each_batch_once_per_request() -> None:
@@ -148,3 +150,38 @@ def test_malformed_frame_closes_only_that_lane(slices: list[tuple[int, int, int,
             eng.transfer([TransferRequest(OpCode.WRITE, np.full(8, 2, np.uint8), "seg", 0)])
         assert (owner.segment("seg").array[:8] == 2).all()
         assert (owner.segment("seg").array[8:] == 7).all()
+
+
+def test_frame_over_the_byte_cap_closes_the_lane_with_a_precise_error(caplog) -> None:
+    """A peer's read frame asking for more than ``max_frame_bytes`` (here 4 slices of the whole
+    segment) is refused before a byte is sent; an engine with the same cap splits its own."""
+    cap = SIZE
+    meta = EmbeddedMetadata()
+    cfg = TransferConfig(engine_id="owner", max_frame_bytes=cap, slice_size=4096,
+                         inline_bytes=cap)
+    with TransferEngine(cfg, metadata=meta) as owner:
+        owner.register_segment("seg", size=SIZE).array[:] = 7
+        host, _, port = owner.address.rpartition(":")
+        caplog.set_level("DEBUG", logger="yuebing.transfer.transport.tcp_server")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            send_frame(sock, Hello(engine_id="raw", host_id="h"))
+            assert isinstance(recv_frame(sock), HelloReply)
+            send_frame(sock, ReadSlices(id=1, segment="seg", slices=[(0, SIZE, 0, SIZE)] * 4))
+            with pytest.raises(PeerClosed):
+                recv_frame(sock)
+        assert f"frame of 4 slices moves {4 * SIZE} payload bytes, over the cap of {cap} " \
+               "(max_frame_bytes)" in caplog.text
+        sender = TransferConfig(transports=("tcp",), lanes=1, slice_size=4096,
+                                max_frame_bytes=cap, inline_bytes=cap)
+        with TransferEngine(sender, metadata=meta) as eng:
+            outs = [np.zeros(SIZE, np.uint8) for _ in range(4)]
+            st = eng.wait(eng.submit([TransferRequest(OpCode.READ, o, "seg", 0) for o in outs]), 10)
+            assert st.status == TransferStatus.DONE, st.errors
+            assert all((o == 7).all() for o in outs)
+
+
+def test_max_frame_bytes_bounds_slices_and_inline_frames() -> None:
+    with pytest.raises(ConfigError, match=r"max_frame_bytes must be in slice_size \(1048576\)"):
+        TransferConfig(max_frame_bytes=64 << 10)
+    with pytest.raises(ConfigError, match=r"inline_bytes must be in 0..max_frame_bytes"):
+        TransferConfig(max_frame_bytes=2 << 20, inline_bytes=4 << 20)

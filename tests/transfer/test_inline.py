@@ -102,7 +102,7 @@ def test_what_does_not_qualify_goes_through_the_lanes(make_engine: Make, case: s
 
 
 @pytest.mark.parametrize(("field", "value", "match"), [
-    ("inline_bytes", -1, "inline_bytes must be >= 0, got -1"),
+    ("inline_bytes", -1, r"inline_bytes must be in 0..max_frame_bytes \(67108864\), got -1"),
     ("spin_us", -5, r"spin_us must be in 0..100000 or -1 \(auto\), got -5"),
 ])
 def test_inline_config_rejects_bad_values(field: str, value: int, match: str) -> None:

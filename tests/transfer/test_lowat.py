@@ -13,6 +13,7 @@ import pytest
 from yuebing.protocol.transfer import SliceAck
 from yuebing.transfer.transport.framing import (
     LOWAT_MIN,
+    LOWAT_PARTS,
     FrameReader,
     PeerClosed,
     recv_scatter,
@@ -87,6 +88,29 @@ def test_short_run_leaves_the_mark_alone(tcp_pair, monkeypatch) -> None:
     assert out == data and 1 < marks[0] <= len(data) and marks[-1] == 1
 
 
+def test_a_long_run_wakes_the_receiver_by_parts(tcp_pair, monkeypatch) -> None:
+    """The mark is a part of the run (`LOWAT_PARTS`), not all of it: the receiver copies each
+    part out while the sender still sends the next, so only the last part's copy trails."""
+    a, b = tcp_pair
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)  # the buffer does not clamp it
+    marks: list[int] = []
+    real = socket.socket.setsockopt
+
+    def spy(self, level, opt, value):  # type: ignore[no-untyped-def]
+        if opt == socket.SO_RCVLOWAT:
+            marks.append(value)
+        return real(self, level, opt, value)
+
+    monkeypatch.setattr(socket.socket, "setsockopt", spy)
+    data = bytes(range(256)) * 4096  # 1 MiB
+    t = _send(a, data)
+    out = bytearray(len(data))
+    recv_scatter(b, [memoryview(out)])
+    t.join()
+    assert out == data and marks[0] == len(data) // LOWAT_PARTS and marks[-1] == 1
+    assert max(marks) == len(data) // LOWAT_PARTS
+
+
 @pytest.mark.parametrize("spin_s", [0.0, 0.05])
 def test_frame_reader_long_payload_then_a_small_frame(tcp_pair, spin_s: float) -> None:
     a, b = tcp_pair
@@ -118,7 +142,7 @@ def test_inline_answer_to_a_long_write_is_slept_for_not_spun_for() -> None:
     from yuebing.transfer.transport.tcp_inline import InlineConn
 
     a, b = socket.socketpair()
-    conn = InlineConn(b, "peer", io_timeout_s=5.0, spin_s=0.01)
+    conn = InlineConn(b, "peer", io_timeout_s=5.0, spin_s=0.01, max_frame_bytes=1 << 20)
     spun: list[float] = []
 
     class Spy:

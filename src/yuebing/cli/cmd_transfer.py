@@ -44,6 +44,9 @@ def _add(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=parse_size, default=256 << 20,
                    help="cap of bytes per batch (large sizes use smaller batches)")
     p.add_argument("--no-memcpy", action="store_true", help="skip the memcpy reference")
+    p.add_argument("--raw", type=int, default=0, metavar="ROUNDS",
+                   help="TCP cells alternate with a raw Python socket RPC of one request's size "
+                        "in ROUNDS rounds (row: vs_raw median ratio, vs_raw_min/max; 0 = off)")
     p.add_argument("--json", action="store_true", help="print a JSON list of rows")
     p.add_argument("--plot", type=Path, default=None, help="write PNG plots into this folder")
 
@@ -58,7 +61,8 @@ def _run(ns: argparse.Namespace) -> int:
                           ops=tuple(ns.ops), transports=tuple(ns.transports),
                           duration_s=ns.duration, small_batch=ns.small_batch,
                           slice_size=ns.slice_size, socket_buffer=ns.socket_buffer,
-                          max_inflight=ns.max_inflight, memcpy=not ns.no_memcpy)
+                          max_inflight=ns.max_inflight, memcpy=not ns.no_memcpy,
+                          raw_rounds=ns.raw)
     except TypeError as e:
         raise ConfigError(str(e)) from None
     rows = _measure(cfg)

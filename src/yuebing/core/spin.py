@@ -27,6 +27,9 @@ LOST_S = 500e-6
 """A yield this long means another task had the CPU (a peer's answer takes microseconds)."""
 BACKOFF_S = 0.05
 MAX_BACKOFF_S = 1.0
+CATCHES_TO_HALVE = 64
+"""Spins that catch their event before the back-off halves: a lost slice costs milliseconds,
+a caught event saves one wake-up (~10-20 µs), so one catch must not undo a loss."""
 
 
 class Spinner:
@@ -35,8 +38,9 @@ class Spinner:
     Between polls the thread yields (``sched_yield``) so a peer on the same CPU runs first. On a
     contended CPU a yield can hand the CPU away for a whole time slice, so a yield longer than
     `LOST_S` without the event turns spinning off for a back-off that doubles per loss up to
-    `MAX_BACKOFF_S` and halves per spin that catches its event (at most one lost slice a second on
-    a busy machine); the caller then blocks as usual."""
+    `MAX_BACKOFF_S` and halves per `CATCHES_TO_HALVE` spins that catch their event (a busy
+    machine settles near one lost slice a second; halving per catch let a 2-core VM at load 8
+    lose a slice every few calls, ~60 a second); the caller then blocks as usual."""
 
     __slots__ = ("_backoff", "_off_until", "lost")
 
@@ -65,8 +69,8 @@ class Spinner:
             os.sched_yield()  # a peer runnable on this CPU runs first
             after = time.perf_counter()
             got = poll()
-            if got:
-                self._backoff = max(BACKOFF_S, self._backoff / 2)  # spinning pays again
+            if got:  # spinning pays again, slowly: one catch saves far less than a loss costs
+                self._backoff = max(BACKOFF_S, self._backoff * 0.5 ** (1 / CATCHES_TO_HALVE))
                 return got
             if after - now > LOST_S:  # the CPU went to other work: stop spinning for a while
                 self.lost += 1

@@ -9,6 +9,9 @@ at ``--time-cap`` s), reads them back (one value's content checked), then force-
 Metadata ops use 4 KiB values. A warm-up writes ``--warm-bytes`` first so first-touch page
 faults are not counted (as the original's harness does). Rows: {path, op, size_bytes, batch,
 gbps, ops_per_s, p50_us, p99_us} (median throughput of the runs, pooled latency percentiles).
+With ``--raw``, each ``remote_tcp`` run of a single-value pair alternates with as many raw
+socket put / get RPCs of the value (`yuebing.transfer.rawsock`; rows ``raw_<op>``); the pair's
+rows get ``vs_raw`` (median of the runs' ratios) and its spread ``vs_raw_min`` / ``vs_raw_max``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from yuebing.core.config import format_size, parse_size, parse_size_list
+from yuebing.transfer.rawsock import RawClient, RawServer, rpc_loop
 
 PAIRS = {"single": ("put", "get", 1), "batch": ("batch_put", "batch_get", 0),
          "zc": ("put_from", "get_into", 1), "zcbatch": ("batch_put_from", "batch_get_into", 0)}
@@ -51,6 +55,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="every put in two phases (put_start + put_end RPCs), not a write into "
                         "space the master reserved ahead + one put_commit RPC "
                         "(ClientConfig.reserve_ahead)")
+    p.add_argument("--raw", action="store_true",
+                   help="remote_tcp single-value pairs: alternate each run with raw Python socket "
+                        "put/get RPCs of the same value (rows raw_<op>, vs_raw and its spread)")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     p.add_argument("--out", default="", help="also write the JSON rows to this file")
 
@@ -62,8 +69,11 @@ def _pct(lat: list[float], p: float) -> float:
 class Bench:
     """One client (process B) against one master + node (process A)."""
 
-    def __init__(self, ns: argparse.Namespace, client: Any, path: str) -> None:
+    def __init__(self, ns: argparse.Namespace, client: Any, path: str,
+                 raw: RawClient | None = None) -> None:
         self.ns, self.c, self.path = ns, client, path
+        self.raw = raw
+        """The raw socket reference's connection (``--raw``, path ``remote_tcp``)."""
         self.sizes = parse_size_list(ns.sizes)
         self.batch = ns.batch
         slab = self.batch * max(self.sizes)
@@ -140,16 +150,39 @@ class Bench:
                 break
         return lat, time.perf_counter() - start, len(lat)
 
+    def raw_pair(self, pair: str, size: int) -> tuple[tuple, tuple]:
+        """As many raw socket put and get RPCs of one value as `pair` makes calls."""
+        assert self.raw is not None
+        put_name, get_name, _ = PAIRS[pair]
+        n = self._calls(size, 1)
+        p = rpc_loop(self.raw, "put", [self.src[:size].data], 0.0, n)
+        g = rpc_loop(self.raw, "get", [self.dst[:size].data], 0.0, n)
+        return (f"raw_{put_name}", 1, (*p, n)), (f"raw_{get_name}", 1, (*g, n))
+
     def data(self, progress: Any) -> None:
         for size in self.sizes:
             for pair in [p.strip() for p in self.ns.pairs.split(",") if p.strip()]:
+                raw = self.raw is not None and PAIRS[pair][2] == 1
                 cells: dict[str, tuple[int, list]] = {}
-                for run in range(self.ns.runs):
-                    for op, b, r in self.pair(pair, size, run):
-                        cells.setdefault(op, (b, []))[1].append(r)
+                for run in range(self.ns.runs):  # the raw reference first in odd runs
+                    order = ("raw", "yb") if raw and run % 2 else ("yb", "raw") if raw else ("yb",)
+                    for who in order:
+                        got = self.raw_pair(pair, size) if who == "raw" else \
+                            self.pair(pair, size, run)
+                        for op, b, r in got:
+                            cells.setdefault(op, (b, []))[1].append(r)
                 for op, (b, runs) in cells.items():
                     self.cell(op, size, b, runs)
+                    if raw and not op.startswith("raw_"):
+                        self._vs_raw(runs, cells[f"raw_{op}"][1])
                 progress()
+
+    def _vs_raw(self, runs: list[tuple], raw: list[tuple]) -> None:
+        """The last row's ratio to the raw RPC: median of the runs' rates and its spread."""
+        ratios = [(r[2] / r[1]) / (q[2] / q[1]) if r[1] and q[1] and q[2] else 0.0
+                  for r, q in zip(runs, raw, strict=True)]
+        self.rows[-1].update(vs_raw=round(statistics.median(ratios), 3),
+                             vs_raw_min=round(min(ratios), 3), vs_raw_max=round(max(ratios), 3))
 
     def meta(self, progress: Any) -> None:
         cells: dict[str, tuple[int, int, list]] = {}
@@ -223,6 +256,8 @@ def run_bench(ns: argparse.Namespace) -> int:
     if bad or ns.batch < 1 or ns.runs < 1:
         raise SystemExit(f"bad --paths {bad} / --batch / --runs")
     procs, master = _start(ns)
+    raw = RawServer(ns.batch * max(parse_size_list(ns.sizes)), 4 << 20) \
+        if ns.raw and "remote_tcp" in paths else None  # 4 MiB: the engine's socket_buffer
     rows: list[dict[str, Any]] = []
     steps = len(paths) * ((0 if ns.skip_data else len(parse_size_list(ns.sizes))
                            * len(ns.pairs.split(","))) + (0 if ns.skip_meta else 1))
@@ -231,8 +266,9 @@ def run_bench(ns: argparse.Namespace) -> int:
             task = prog.add_task("bench store", total=steps)
             for path in paths:
                 c = _client(ns, master, path)
+                rc = RawClient(raw.port, 4 << 20) if raw and path == "remote_tcp" else None
                 try:
-                    b = Bench(ns, c, path)
+                    b = Bench(ns, c, path, rc)
                     b.warmup()
                     if not ns.skip_data:
                         b.data(lambda: prog.advance(task))
@@ -241,9 +277,13 @@ def run_bench(ns: argparse.Namespace) -> int:
                     rows.extend(b.rows)
                 finally:
                     c.close()
+                    if rc is not None:
+                        rc.close()
     finally:
         for p in procs:
             p.stop()
+        if raw is not None:
+            raw.close()
     _report(ns, rows)
     return 0
 
@@ -259,10 +299,12 @@ def _report(ns: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     t = Table(title="yuebing store")
-    for col in ("path", "op", "size", "batch", "GB/s", "ops/s", "p50 us", "p99 us"):
+    for col in ("path", "op", "size", "batch", "GB/s", "ops/s", "p50 us", "p99 us",
+                "vs raw (min-max)"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(r["path"], r["op"], format_size(r["size_bytes"]), str(r["batch"]),
                   f"{r['gbps']:.3f}", f"{r['ops_per_s']:.0f}", f"{r['p50_us']:.0f}",
-                  f"{r['p99_us']:.0f}")
+                  f"{r['p99_us']:.0f}", f"{r['vs_raw']:.2f} ({r['vs_raw_min']:.2f}-"
+                  f"{r['vs_raw_max']:.2f})" if "vs_raw" in r else "")
     Console().print(t)

@@ -4,9 +4,10 @@
 pre-faulted shared-memory segment in P2P mode); for every cell (transport, op, size, batch,
 lanes) it builds an engine restricted to that transport, warms the path up and submits batches
 back to back for ``duration_s`` (`measure_cell`). A row: GB/s (1e9 payload bytes per wall
-second), p50/p99 batch latency in µs, wall time per request. Single-thread memcpy (`copy_bytes`)
-is the shared-memory reference: once per size (`measure_memcpy`, rows ``memcpy``) and, for each
-shm cell's ``vs_memcpy``, alternating with the engine in `PAIRS` slices of its working set.
+second), p50/p99 batch latency in µs, wall time per request. References, alternated with the
+engine in rounds of the same working set: single-thread memcpy (`copy_bytes`) for shm cells
+(``vs_memcpy``), a raw Python socket RPC (`rawsock`, ``raw_rounds``) for TCP cells (``vs_raw``:
+the median of the per-round ratios, with their lowest and highest).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from yuebing.core.config import require
 from yuebing.core.errors import TransferError
 from yuebing.transfer.config import TransferConfig
 from yuebing.transfer.engine import TransferEngine
+from yuebing.transfer.rawsock import RawClient, RawServer, interleave, rpc_loop
 from yuebing.transfer.transport.shm import SMALL_COPY
 from yuebing.transfer.types import OpCode, TransferRequest
 
@@ -51,6 +53,9 @@ class BenchConfig:
     slice_size: int = 1 << 20
     socket_buffer: int = 4 << 20
     memcpy: bool = True
+    raw_rounds: int = 0
+    """TCP cells alternate with a raw Python socket RPC of one request's size in this many
+    rounds (each side ``duration_s / raw_rounds`` a round); 0 = no raw reference."""
 
     def __post_init__(self) -> None:
         require(len(self.sizes) > 0 and all(s >= 4096 for s in self.sizes),
@@ -64,6 +69,7 @@ class BenchConfig:
                 f"transports must be tcp and/or shm, got {self.transports}")
         require(self.duration_s > 0, f"duration_s must be > 0, got {self.duration_s}")
         require(self.small_batch >= 0, f"small_batch must be >= 0, got {self.small_batch}")
+        require(0 <= self.raw_rounds <= 1000, f"raw_rounds must be in 0..1000, got {self.raw_rounds}")
         require(self.max_inflight >= max(self.sizes),
                 f"max_inflight ({self.max_inflight}) must be >= the largest size")
 
@@ -179,13 +185,15 @@ def process_cpu_s(pid: int | None = None) -> float:
 
 def measure_cell(remote: str, transport: str, op: str, size: int, batch: int, lanes: int,
                  cfg: BenchConfig, local: np.ndarray, pair_memcpy: bool = False,
-                 target_pid: int | None = None) -> Row:
+                 target_pid: int | None = None, raw_port: int = 0) -> Row:
     """Run one cell against the target segment ``remote`` and return its row. With
     ``pair_memcpy`` the measurement alternates with single-thread memcpy of the same size
     through the same working set (size × batch), so both see the same machine load and caches;
     the row gets ``memcpy_gbps`` and ``vs_memcpy``. CPU time spent per request while the engine
     ran is recorded for this process (``cpu_us_initiator``) and, given ``target_pid``, for the
-    target (``cpu_us_target``): what a request costs, whatever else the machine is doing."""
+    target (``cpu_us_target``): what a request costs, whatever else the machine is doing.
+    With ``raw_port`` (a `RawServer`) the engine alternates with raw socket RPCs of ``size``
+    through the same views in ``cfg.raw_rounds`` rounds (`_vs_raw`)."""
     engine = TransferEngine(TransferConfig(
         metadata="p2p", transports=(transport,), lanes=lanes, slice_size=cfg.slice_size,
         socket_buffer=cfg.socket_buffer, connect_timeout_s=30.0))
@@ -195,6 +203,9 @@ def measure_cell(remote: str, transport: str, op: str, size: int, batch: int, la
                 for i in range(batch)]
         for _ in range(2):
             engine.transfer(reqs, inline=False)  # warm the lanes the cell measures
+        if raw_port:
+            return _vs_raw(engine, reqs, Row(transport, op, size, batch, lanes, 0.0, 0.0, 0.0),
+                           cfg, raw_port, target_pid)
         lat, elapsed, ref_bytes, ref_s, cpu = [], 0.0, 0, 0.0, [0.0, 0.0]
         bufs = (np.ones(size * batch, np.uint8), np.ones(size * batch, np.uint8)) \
             if pair_memcpy else None
@@ -220,6 +231,51 @@ def measure_cell(remote: str, transport: str, op: str, size: int, batch: int, la
         return row
     finally:
         engine.close()
+
+
+def _vs_raw(engine: TransferEngine, reqs: list[TransferRequest], row: Row, cfg: BenchConfig,
+            raw_port: int, target_pid: int | None) -> Row:
+    """Fill ``row`` from ``cfg.raw_rounds`` rounds alternating the engine's batches with raw
+    socket RPCs (`rawsock.rpc_loop`: one request's size, the same local views and remote
+    offsets, one after the other); ``vs_raw`` is the median of the rounds' engine ÷ raw rates,
+    ``vs_raw_min`` / ``vs_raw_max`` their spread."""
+    slice_s = cfg.duration_s / cfg.raw_rounds
+    views = [memoryview(r.local) for r in reqs]  # type: ignore[arg-type]
+    lat: list[float] = []
+    raw_lat: list[float] = []
+    took = [0.0, 0.0, 0.0]  # engine seconds, initiator CPU, target CPU
+    raw = RawClient(raw_port, cfg.socket_buffer)
+
+    def engine_round() -> float:
+        c0 = process_cpu_s(), process_cpu_s(target_pid) if target_pid else 0.0
+        part, spent = _timed_batches(engine, reqs, slice_s)
+        took[1] += process_cpu_s() - c0[0]
+        took[2] += (process_cpu_s(target_pid) - c0[1]) if target_pid else 0.0
+        lat.extend(part)
+        took[0] += spent
+        return len(part) * len(reqs) * row.size_bytes / spent
+
+    def raw_round() -> float:
+        part, spent = rpc_loop(raw, row.op, views, slice_s)
+        raw_lat.extend(part)
+        return len(part) * row.size_bytes / spent
+
+    try:
+        rpc_loop(raw, row.op, views, 0.0, len(views))  # warm: connection and buffers
+        res = interleave(engine_round, raw_round, cfg.raw_rounds)
+    finally:
+        raw.close()
+    n = len(lat) * len(reqs)
+    row.gbps = n * row.size_bytes / took[0] / 1e9
+    row.p50_us, row.p99_us = _percentile(lat, 50) * 1e6, _percentile(lat, 99) * 1e6
+    row.per_request_us, row.samples = took[0] / n * 1e6, len(lat)
+    row.extra.update(cpu_us_initiator=round(took[1] / n * 1e6, 2),
+                     raw_gbps=round(res.b / 1e9, 3), raw_p50_us=round(_percentile(raw_lat, 50) * 1e6, 1),
+                     vs_raw=round(res.ratio, 3), vs_raw_min=round(res.ratio_min, 3),
+                     vs_raw_max=round(res.ratio_max, 3), raw_rounds=res.rounds)
+    if target_pid:
+        row.extra["cpu_us_target"] = round(took[2] / n * 1e6, 2)
+    return row
 
 
 def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
@@ -273,9 +329,12 @@ def measure_memcpy(sizes: Iterable[int], duration_s: float, working_set: int) ->
 
 
 def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> list[Row]:
-    """Start the target process, measure memcpy and every cell, stop the target."""
+    """Start the target process (and the raw socket server with ``raw_rounds``), measure
+    memcpy and every cell, stop them."""
     proc, remote = start_target(cfg.segment_bytes())
     rows: list[Row] = []
+    raw = RawServer(cfg.segment_bytes(), cfg.socket_buffer) \
+        if cfg.raw_rounds and "tcp" in cfg.transports else None
     try:
         local = np.ones(cfg.segment_bytes(), np.uint8)
         if cfg.memcpy:
@@ -289,13 +348,16 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
             try:
                 row = measure_cell(remote, *cell, cfg=cfg, local=local,
                                    pair_memcpy=cell[0] == "shm" and cfg.memcpy,
-                                   target_pid=proc.pid)
+                                   target_pid=proc.pid,
+                                   raw_port=raw.port if raw and cell[0] == "tcp" else 0)
             except TransferError as e:  # keep the other cells; the row says what went wrong
                 log.warning("bench cell %s failed: %s", cell, e)
                 row = Row(*cell, gbps=0.0, p50_us=0.0, p99_us=0.0, extra={"error": str(e)})
             rows.append(row)
     finally:
         stop_target(proc)
+        if raw is not None:
+            raw.close()
     return rows
 
 

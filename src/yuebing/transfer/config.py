@@ -59,6 +59,11 @@ class TransferConfig:
         "help": "cap of open peer endpoints (SIEVE eviction beyond it)"})
     socket_buffer: int = field(default=4 << 20, metadata={
         "help": "SO_SNDBUF/SO_RCVBUF of every lane (0 = kernel auto-tuning)", "size": True})
+    max_frame_bytes: int = field(default=64 << 20, metadata={
+        "help": "most payload bytes one TCP lane frame may move (a write's bytes, or what a "
+                "read asks back); this engine splits its own frames at it and closes a "
+                "connection whose peer announces a larger one (give peers the same value)",
+        "size": True})
     inline_bytes: int = field(default=4 << 20, metadata={
         "help": "a batch submitted with inline=True moves over a dedicated TCP connection in "
                 "the submitting thread (no lane threads) when its part for one peer is one "
@@ -93,7 +98,12 @@ class TransferConfig:
         require(self.max_endpoints >= 1, f"max_endpoints must be >= 1, got {self.max_endpoints}")
         require(self.socket_buffer == 0 or self.socket_buffer >= 65536,
                 f"socket_buffer must be 0 (auto) or >= 64KiB, got {self.socket_buffer}")
-        require(self.inline_bytes >= 0, f"inline_bytes must be >= 0, got {self.inline_bytes}")
+        require(self.slice_size <= self.max_frame_bytes <= 1 << 32,
+                f"max_frame_bytes must be in slice_size ({self.slice_size})..4GiB, "
+                f"got {self.max_frame_bytes}")
+        require(0 <= self.inline_bytes <= self.max_frame_bytes,
+                f"inline_bytes must be in 0..max_frame_bytes ({self.max_frame_bytes}), "
+                f"got {self.inline_bytes}")
         require(AUTO <= self.spin_us <= 100_000,
                 f"spin_us must be in 0..100000 or -1 (auto), got {self.spin_us}")
         require(1 <= self.shm_workers <= 16, f"shm_workers must be in 1..16, got {self.shm_workers}")

@@ -16,7 +16,7 @@ def print_table(rows: list[Row], title: str = "yuebing bench transfer") -> None:
 
     table = Table(title=title)
     for col in ("transport", "op", "size", "batch", "lanes", "GB/s", "p50 µs", "p99 µs",
-                "µs/request", "CPU µs/req init+target", "vs memcpy"):
+                "µs/request", "CPU µs/req init+target", "vs memcpy", "vs raw (min-max)"):
         table.add_column(col, justify="right" if col not in ("transport", "op") else "left")
     for r in rows:
         ratio = r.extra.get("vs_memcpy")
@@ -25,8 +25,14 @@ def print_table(rows: list[Row], title: str = "yuebing bench transfer") -> None:
         table.add_row(r.transport, r.op, format_size(r.size_bytes), str(r.batch), str(r.lanes),
                       f"{r.gbps:.2f}", f"{r.p50_us:.0f}", f"{r.p99_us:.0f}",
                       f"{r.per_request_us:.1f}", cpu,
-                      f"{ratio:.2f}" if isinstance(ratio, float) else "")
+                      f"{ratio:.2f}" if isinstance(ratio, float) else "", _vs_raw(r))
     Console(width=None if sys.stdout.isatty() else 132).print(table)
+
+
+def _vs_raw(r: Row) -> str:
+    if "vs_raw" not in r.extra:
+        return ""
+    return f"{r.extra['vs_raw']:.2f} ({r.extra['vs_raw_min']:.2f}-{r.extra['vs_raw_max']:.2f})"
 
 
 def plot(rows: list[Row], out_dir: Path, batch: int) -> list[Path]:

@@ -7,7 +7,7 @@ straight in registered memory. `FrameReader` reads headers with one ``recv`` of 
 bytes, so a run of small frames costs fewer system calls; no buffer is sized by what a header
 announces before its bytes arrive. A reader with ``spin_s`` receives a short payload with
 non-blocking ``readv`` calls while bytes keep arriving (`spin_scatter`) instead of sleeping; a
-long one sleeps once, until all of it is there (``SO_RCVLOWAT``, `_Lowat`).
+long one sleeps a few times, once per part of it (``SO_RCVLOWAT``, `_Lowat`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ IOV_MAX = 512
 LOWAT_MIN = 4 * PEEK
 """A payload run longer than this (a `FrameReader`'s buffer) is received in one wake-up
 (`_Lowat`) rather than spun for (`spin_scatter` only takes what has already arrived)."""
+LOWAT_PARTS = 4
+"""A long payload run is received in about this many wake-ups (`_Lowat`): each part is copied
+out while the sender still sends the next, so only the last part's copy follows the sender's."""
 SPIN_CAP_S = 0.05
 """Longest one `spin_scatter` call polls before handing over to the blocking receive."""
 
@@ -111,12 +114,13 @@ def recv_scatter(sock: socket.socket, views: list[memoryview]) -> None:
 
 
 class _Lowat:
-    """``SO_RCVLOWAT`` of a socket at the bytes a receive still waits for, back to 1 on exit.
+    """``SO_RCVLOWAT`` of a socket at a part of the run a receive waits for, back to 1 on exit.
     The kernel then wakes the receiver (and answers its ``poll``) once that much is there
-    instead of at every arriving segment: one sleep and one ``recvmsg`` per quarter receive
-    buffer instead of a wake-up, ``poll`` and ``recvmsg`` per segment, and the sender stops
-    paying for the receiver's wake-ups. Lowered as bytes arrive, never above what the peer
-    still owes (a mark above it would wait forever), and at most a quarter of the receive
+    instead of at every arriving segment: about `LOWAT_PARTS` sleeps and ``recvmsg`` calls per
+    run instead of a wake-up, ``poll`` and ``recvmsg`` per segment, and the sender stops paying
+    for the receiver's wake-ups; yet each part is copied out while the next still arrives (a
+    mark at the whole run made the receiver's copy wait for the sender's). Never above what the
+    peer still owes (a mark above it would wait forever), and at most a quarter of the receive
     buffer: kernels before 5.11 do not wake a receiver whose window fills below its mark.
     Only for runs over `LOWAT_MIN`."""
 
@@ -128,7 +132,8 @@ class _Lowat:
         self.mark = 1
         self.cap = 1
         if self.sock is not None:
-            self.cap = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4
+            self.cap = min(max(LOWAT_MIN, nbytes // LOWAT_PARTS),
+                           self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4)
         self.set(nbytes)
 
     def set(self, nbytes: int) -> None:
@@ -167,9 +172,9 @@ def spin_scatter(sock: socket.socket, views: list[memoryview], spin_s: float) ->
     Needs a socket in timeout mode (its descriptor is non-blocking); `PeerClosed` on EOF.
     Polling pays because on loopback the sender pays for every wake-up of a sleeping receiver
     (benchmarks/tcp_receive_spin.py)."""
+    if getattr(sock, "sock", sock).gettimeout() is None:  # a blocking descriptor (no timeout
+        return views  # mode; known without a system call): readv would block past any timeout
     fd = sock.fileno()
-    if os.get_blocking(fd):  # no timeout mode: readv would block past any io timeout
-        return views
     now = time.monotonic()
     stop = min(now + SPIN_CAP_S, getattr(sock, "end", 0.0) or now + SPIN_CAP_S)
     if now >= stop:

@@ -40,17 +40,21 @@ class NotifyOp:
 Op = Slice | NotifyOp
 
 
-def group_frames(ops: list[Op]) -> list[list[Op]]:
+def group_frames(ops: list[Op], max_bytes: int) -> list[list[Op]]:
     """Group ``ops`` (in order) into frames: runs of slices with the same direction and
-    segment share one; a notify travels alone."""
+    segment share one, up to ``max_bytes`` of payload (`TransferConfig.max_frame_bytes`, which
+    the target enforces); a notify travels alone."""
     frames: list[list[Op]] = []
     key: object = None
+    size = 0
     for op in ops:
         k = None if isinstance(op, NotifyOp) else (op.op, op.segment)
-        if k is None or k != key:
+        if k is None or k != key or size + op.length > max_bytes:
             frames.append([op])
+            size = op.length
         else:
             frames[-1].append(op)
+            size += op.length
         key = k
     return frames
 

@@ -190,7 +190,8 @@ class TcpEndpoint(Endpoint):
                 log.debug("no inline connection to %s: %s", self.address, e)
                 return None
             cfg = self.ctx.config
-            self._inline = InlineConn(sock, self.address, cfg.io_timeout_s, window_s(cfg.spin_us, SPIN_REF_US))
+            self._inline = InlineConn(sock, self.address, cfg.io_timeout_s, window_s(cfg.spin_us, SPIN_REF_US),
+                                      cfg.max_frame_bytes)
         return self._inline
 
     def notify(self, op: NotifyOp) -> None:

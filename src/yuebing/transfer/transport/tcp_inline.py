@@ -72,12 +72,13 @@ class InlineConn:
     """One connection used by one submitting thread at a time (the endpoint holds a lock)."""
 
     def __init__(self, sock: socket.socket, address: str, io_timeout_s: float,
-                 spin_s: float) -> None:
+                 spin_s: float, max_frame_bytes: int) -> None:
         sock.settimeout(0.0)  # non-blocking: `DeadlineSocket` waits only when a call would block
         self.sock = sock
         self.address = address
         self.io_timeout_s = io_timeout_s
         self.spin_s = spin_s
+        self.max_frame_bytes = max_frame_bytes
         self._timed = DeadlineSocket(sock, why="inline exchange ran past its deadline")
         self.reader = FrameReader(self._timed, spin_s=spin_s)  # type: ignore[arg-type]
         self._poll = select.poll()
@@ -89,7 +90,7 @@ class InlineConn:
         """Move ``slices`` (one direction) and complete them. Returns the slices left
         unfinished and why — ``([], "")`` when all were answered; otherwise the connection is
         broken (close it) and the caller must retry or fail the slices it got back."""
-        frames = group_frames(slices)  # type: ignore[arg-type]
+        frames = group_frames(slices, self.max_frame_bytes)  # type: ignore[arg-type]
         ids = [next(self._ids) for _ in frames]
         done = 0
         try:

@@ -109,7 +109,7 @@ class Lane:
                         self.failed(self, carry, "lane closed")
                     return
                 continue
-            frames = group_frames(ops)
+            frames = group_frames(ops, self.config.max_frame_bytes)
             with self._lock:
                 dead = self.dead
                 ids = [] if dead else [next(self._ids) for _ in frames]

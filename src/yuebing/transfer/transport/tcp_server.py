@@ -224,14 +224,21 @@ class TcpServer:
 
     def _resolve_all(self, segment: str, slices: list[SliceSpec]) -> list[memoryview | str]:
         """Each slice's segment bytes, or the error refusing it. A malformed frame (too many
-        slices, a length outside 1..`MAX_SLICE`) breaks the lane: its payload size is unknown."""
+        slices, a length outside 1..`MAX_SLICE`, more than ``max_frame_bytes`` in all) breaks
+        the lane before any of its bytes is read or sent."""
         if not 0 < len(slices) <= MAX_FRAME_SLICES:
             raise ProtocolError(f"frame of {len(slices)} slices outside 1..{MAX_FRAME_SLICES}")
+        total = 0
+        for spec in slices:
+            if not 0 < spec[1] <= MAX_SLICE:
+                raise ProtocolError(f"slice length {spec[1]} outside 1..{MAX_SLICE}")
+            total += spec[1]
+        if total > self._config.max_frame_bytes:
+            raise ProtocolError(f"frame of {len(slices)} slices moves {total} payload bytes, over "
+                                f"the cap of {self._config.max_frame_bytes} (max_frame_bytes)")
         resolve = self._segments.resolve
         views: list[memoryview | str] = []
         for offset, length, span_off, span_len in slices:
-            if not 0 < length <= MAX_SLICE:
-                raise ProtocolError(f"slice length {length} outside 1..{MAX_SLICE}")
             try:
                 views.append(resolve(segment, offset, length, (span_off, span_len)))
             except TransferError as e:
