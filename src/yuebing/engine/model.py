@@ -258,6 +258,9 @@ class LlamaModel:
             return self.token_impl(q, k_cache, v_cache, meta, self._scale)
         if not meta.prefills:
             return self.decode_impl(q, k_cache, v_cache, meta, self._scale)
+        if not meta.num_decode and len(meta.prefills) == 1 and meta.prefills[0].start == 0 \
+                and meta.prefills[0].length == q.shape[0]:  # one prefill alone: no copy
+            return self.prefill_impl(q, k_cache, v_cache, meta.prefills[0], self._scale)
         out = torch.empty_like(q)
         d = meta.num_decode
         if d:

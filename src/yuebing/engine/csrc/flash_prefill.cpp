@@ -375,6 +375,23 @@ void amx_configure() {
   _tile_loadconfig(&cfg);
 }
 
+// The calling thread's tiles, configured for its scope and released on every way out of it
+// (a return or an exception), so no thread of torch's pool keeps the tile state.
+class AmxScope {
+ public:
+  explicit AmxScope(bool on) : on_(on) {
+    if (on_) amx_configure();
+  }
+  ~AmxScope() {
+    if (on_) _tile_release();
+  }
+  AmxScope(const AmxScope&) = delete;
+  AmxScope& operator=(const AmxScope&) = delete;
+
+ private:
+  bool on_;
+};
+
 // sc[16][kChunk] = qb[16][hd] · K chunkᵀ (raw float32 dot products).
 inline void amx_scores(const uint16_t* qb, const uint16_t* kpc, int64_t hd, float* sc) {
   _tile_zero(2);
@@ -500,13 +517,34 @@ void flash_task_amx(const FlashShape& s, const uint16_t* q, const uint16_t* kp, 
 }
 
 // head_dim 64 (SmolLM2, Llama 3.2 1B...): the 16 × 64 float32 output of a block of 16 rows
-// stays in tmm4..7 across the whole context; keys go 32 at a time (scores in tmm2..3), the
-// scores of step j+1 computed before P·V of step j (a tile load of just-stored probabilities
-// waits for the stores, and that work fills the wait). The softmax keeps a per-row reference
+// stays in tmm4..7 across the whole context; keys go 32 at a time (scores in tmm2..3). The
+// tiles run two steps ahead of the vectors: while the softmax of step j+1 runs, the tiles
+// compute the scores of step j+2 and P·V of step j (a tile load of just-stored data, or a
+// vector load of just-stored tiles, waits for the stores; each side reads what the other
+// stored one step earlier, so neither waits). The softmax keeps a per-row reference
 // max m and rescales (tiles out, rows scaled, tiles in) only when a score exceeds m + 8: the
-// probabilities exp(s - m) stay ≤ e^8 (bf16 keeps its relative precision at any magnitude),
-// and the sum uses the same reference, so the normalised result is the same function.
+// probabilities stay ≤ 2^8 (bf16 keeps its relative precision at any magnitude), and the sum
+// uses the same reference, so the normalised result is the same function. Scores and m are in
+// base-2 units (raw score · scale · log2 e, one FMA with the subtraction): p = 2^(s - m).
 constexpr float kLazyMax = 8.f;
+constexpr float kLog2e = 1.44269504088896341f;
+
+// 2^y for the softmax argument y ≤ kLazyMax: y below -126 counts as -126 (p = 2^-126, nothing
+// next to a row's sum ≥ 1; masked keys are zeroed by the caller); NaN stays NaN (VMAXPS returns
+// its second operand when one is NaN). 2^r on [-1/2, 1/2] by its Taylor series to degree 5:
+// relative error < 3e-6, far below the bf16 rounding of the probabilities.
+inline __m512 exp2_softmax(__m512 y) {
+  y = _mm512_max_ps(_mm512_set1_ps(-126.f), y);
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.3333558146e-3f);            // ln2^5 / 120
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076e-3f));  // ln2^4 / 24
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108665e-2f));  // ln2^3 / 6
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650696e-1f));  // ln2^2 / 2
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718056e-1f));  // ln2
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
 
 inline void amx_scores32(const uint16_t* qb, const uint16_t* kp, int64_t step, float* sc) {
   const uint16_t* kpc = kp + (step / 2) * kChunk * 64 + (step % 2) * 64;
@@ -544,37 +582,37 @@ struct LazyRows {
 };
 
 // Probabilities of step `step` (keys step·32 ..) for 16 rows from raw scores sc[16][32] into
-// pb[16][32] bf16; returns whether any row's outputs must be rescaled by rows.alpha.
-inline bool lazy_softmax(const float* sc, const int64_t* limit, int64_t step, float scale,
+// pb[16][32] bf16 (`scale2`: the softmax scale · log2 e); returns whether any row's outputs must
+// be rescaled by rows.alpha.
+inline bool lazy_softmax(const float* sc, const int64_t* limit, int64_t step, float scale2,
                          LazyRows& rows, uint16_t* pb) {
-  const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
+  const __m512 vscale = _mm512_set1_ps(scale2), neg_inf = _mm512_set1_ps(-INFINITY);
   const __m512 lazy = _mm512_set1_ps(kLazyMax);
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const int64_t first = step * 32;
   bool rescale = false;
   for (int64_t r = 0; r < kAmxRows; ++r) {
-    __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(sc + r * 32), vscale);
-    __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(sc + r * 32 + 16), vscale);
-    const int64_t visible = limit[r] - first + 1;  // keys [0, visible) of the step are visible
-    if (visible < 32) {
-      const __m512i vis = _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(visible, 0)));
-      x0 = _mm512_mask_mov_ps(neg_inf, _mm512_cmp_epi32_mask(lane, vis, _MM_CMPINT_LT), x0);
-      x1 = _mm512_mask_mov_ps(
-          neg_inf,
-          _mm512_cmp_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), vis, _MM_CMPINT_LT),
-          x1);
-    }
     float m = rows.m[r];
     __m512 vm = _mm512_set1_ps(m);
-    __m512 y0 = _mm512_sub_ps(x0, vm), y1 = _mm512_sub_ps(x1, vm);
+    const __m512 s0 = _mm512_loadu_ps(sc + r * 32), s1 = _mm512_loadu_ps(sc + r * 32 + 16);
+    __m512 y0 = _mm512_fmsub_ps(s0, vscale, vm), y1 = _mm512_fmsub_ps(s1, vscale, vm);
+    const int64_t visible = limit[r] - first + 1;  // keys [0, visible) of the step are visible
+    __mmask16 k0 = 0xFFFF, k1 = 0xFFFF;
+    if (visible < 32) {
+      k0 = visible >= 16 ? 0xFFFF : visible <= 0 ? 0 : static_cast<__mmask16>((1u << visible) - 1);
+      k1 = visible <= 16 ? 0 : static_cast<__mmask16>((1u << (visible - 16)) - 1);
+      y0 = _mm512_mask_mov_ps(neg_inf, k0, y0);
+      y1 = _mm512_mask_mov_ps(neg_inf, k1, y1);
+    }
     rows.alpha[r] = 1.f;
     // above the reference by more than kLazyMax, or NaN (either operand): a new reference
     if (_mm512_cmp_ps_mask(y0, lazy, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(y1, lazy, _CMP_NLE_UQ)) {
+      const __m512 x0 = _mm512_mask_mov_ps(neg_inf, k0, _mm512_mul_ps(s0, vscale));
+      const __m512 x1 = _mm512_mask_mov_ps(neg_inf, k1, _mm512_mul_ps(s1, vscale));
       const __mmask16 nan = _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) |
                             _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q);
       const float mx = nan || std::isnan(m) ? NAN
                                             : std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
-      const float alpha = m == -INFINITY ? 0.f : std::exp(m - mx);  // NaN stays NaN
+      const float alpha = m == -INFINITY ? 0.f : std::exp2(m - mx);  // NaN stays NaN
       if (m != -INFINITY) {  // outputs of a row that saw nothing yet are 0 already
         rows.alpha[r] = alpha;
         rescale = true;
@@ -586,7 +624,11 @@ inline bool lazy_softmax(const float* sc, const int64_t* limit, int64_t step, fl
       y0 = _mm512_sub_ps(x0, vm);
       y1 = _mm512_sub_ps(x1, vm);
     }
-    const __m512 p0 = exp_nonpositive(y0), p1 = exp_nonpositive(y1);  // ≤ e^8: exact enough
+    __m512 p0 = exp2_softmax(y0), p1 = exp2_softmax(y1);  // ≤ 2^8: exact enough
+    if (visible < 32) {  // masked keys: exactly 0
+      p0 = _mm512_maskz_mov_ps(k0, p0);
+      p1 = _mm512_maskz_mov_ps(k1, p1);
+    }
     float* ls = rows.lsum + r * 16;
     _mm512_storeu_ps(ls, _mm512_add_ps(_mm512_loadu_ps(ls), _mm512_add_ps(p0, p1)));
     _mm512_storeu_si512(pb + r * 32, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
@@ -599,6 +641,7 @@ void flash_task_amx64(const FlashShape& s, const uint16_t* q, const uint16_t* kp
                       uint16_t* out) {
   const int64_t g = s.group, rows = (t1 - t0) * g, hd = 64, offset = s.ctx - s.n;
   const int64_t padded = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
+  const float scale2 = scale * kLog2e;
   std::vector<uint16_t> qb(padded * hd);
   std::vector<int64_t> limit(padded);
   for (int64_t row = 0; row < padded; ++row) {
@@ -607,7 +650,7 @@ void flash_task_amx64(const FlashShape& s, const uint16_t* q, const uint16_t* kp
     std::memcpy(qb.data() + row * hd, q + t * s.q_tok + (h * g + src % g) * s.q_head, hd * 2);
     limit[row] = offset + t;  // last visible key
   }
-  alignas(64) float sc[kAmxRows * 32], ob[kAmxRows * 64];
+  alignas(64) float sc[2][kAmxRows * 32], ob[kAmxRows * 64];
   alignas(64) uint16_t pb[2][kAmxRows * 32];
   LazyRows lr;
   for (int64_t r0 = 0; r0 < padded; r0 += kAmxRows) {
@@ -620,12 +663,14 @@ void flash_task_amx64(const FlashShape& s, const uint16_t* q, const uint16_t* kp
     _tile_zero(5);
     _tile_zero(6);
     _tile_zero(7);
-    amx_scores32(qr, kp, 0, sc);
-    lazy_softmax(sc, lim, 0, scale, lr, pb[0]);  // outputs are 0: nothing to rescale
+    amx_scores32(qr, kp, 0, sc[0]);
+    if (steps > 1) amx_scores32(qr, kp, 1, sc[1]);
+    lazy_softmax(sc[0], lim, 0, scale2, lr, pb[0]);  // outputs are 0: nothing to rescale
     for (int64_t j = 0; j < steps; ++j) {
-      if (j + 1 < steps) amx_scores32(qr, kp, j + 1, sc);
+      // tiles of step j + 2 and j, vectors of step j + 1: independent, so they overlap
+      if (j + 2 < steps) amx_scores32(qr, kp, j + 2, sc[j % 2]);
       amx_pv32(pb[j % 2], vp, j);
-      if (j + 1 < steps && lazy_softmax(sc, lim, j + 1, scale, lr, pb[(j + 1) % 2])) {
+      if (j + 1 < steps && lazy_softmax(sc[(j + 1) % 2], lim, j + 1, scale2, lr, pb[(j + 1) % 2])) {
         _tile_stored(4, ob, 256);
         _tile_stored(5, ob + 16, 256);
         _tile_stored(6, ob + 32, 256);
@@ -753,7 +798,7 @@ at::Tensor run_flash(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
 #ifdef YB_FLASH_AMX
-    if (amx) amx_configure();
+    const AmxScope amx_scope(amx);
 #endif
     for (int64_t i = next++; i < tasks; i = next++) {
       const int64_t tile = tiles - 1 - i / s.kv_heads, h = i % s.kv_heads;
@@ -773,9 +818,6 @@ at::Tensor run_flash(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       flash_task(s, qp, kp.get() + h * head_elems, vp.get() + h * head_elems, h, t0, t1,
                  fscale, op);
     }
-#ifdef YB_FLASH_AMX
-    if (amx) _tile_release();
-#endif
   });
   return out;
 }
