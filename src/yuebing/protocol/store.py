@@ -29,12 +29,18 @@ class Code(IntEnum):
     PROMOTING = 9
     PINNED = 10
     INTERNAL = 11
+    NOT_INLINE = 12
+    """The master does not hold this value itself (inline off, over its limit or its budget,
+    replicas or a placement it cannot honour): put it the normal way (`PutInline`)."""
 
 
 class Tier(IntEnum):
     DRAM = 0
     SSD = 1
 
+
+INLINE_HOLDER = "@master"
+"""The holder a STORED / REMOVED event names for a value the master holds itself (`PutInline`)."""
 
 RESERVED_PREFIX = "\x00resv/"
 """Keys of reservations (space allocated ahead for a client's next put, `Reservation`) start
@@ -93,6 +99,29 @@ class PutCommit(Message, tag="store.put_commit"):
     reservation: str
     item: PutItem
     reserve_next: bool = False
+
+
+@register_message
+class PutInline(Message, tag="store.put_inline"):
+    """One-RPC put of a small value the master holds itself: ``value`` (``item.size`` bytes)
+    rides in the request and the value is committed (visible, a STORED event) when it is
+    applied. Reply `Ok`; `Err` NOT_INLINE when the master will not hold it (the client puts
+    it the normal way), EXISTS for a key that exists (a resend of the same client's put of the
+    same bytes answers OK)."""
+
+    client: str
+    item: PutItem
+    value: bytes
+
+
+@register_message
+class BatchPutInline(Message, tag="store.batch_put_inline"):
+    """`PutInline` of many items (``values[i]`` is item ``i``'s); reply `Codes`, one per
+    item (NOT_INLINE: put that one the normal way)."""
+
+    client: str
+    items: list[PutItem]
+    values: list[bytes]
 
 
 @register_message
@@ -330,6 +359,8 @@ class ReplicaList(Message, tag="store.replica_list"):
     replicas: list[Replica]
     lease_s: float
     lease_id: int = 0
+    value: bytes | None = None
+    """The value itself when the master holds it (`PutInline`): no replicas, no lease."""
 
 
 @register_message
@@ -343,6 +374,8 @@ class BatchReplicaList(Message, tag="store.batch_replica_list"):
     replicas: list[list[Replica]]
     lease_s: float
     lease_ids: list[int] = []
+    values: list[bytes | None] = []
+    """When any key's value is held by the master (`PutInline`): a value or None per key."""
 
 
 @register_message
