@@ -5,7 +5,7 @@ master (`Objects.add_inline`), committed in the one request that carries it, rep
 standbys in that commit's entry; a get answers it in its reply (`Reads`). The held values share
 ``inline_capacity``: a put past it evicts the least recently read ones that are neither pinned
 nor soft-pinned (soft-pinned ones last), or is refused NOT_INLINE (the client then puts it on
-a segment). Called by `MasterCore.handle`.
+a segment); each counts its bytes plus `HELD_OVERHEAD`. Called by `MasterCore.handle`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from yuebing.core.clock import Clock
 from yuebing.protocol import store as m
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.effects import Effects
-from yuebing.store.master.objects import Objects
+from yuebing.store.master.objects import HELD_OVERHEAD, Objects
 from yuebing.store.master.puts import Puts, err
 from yuebing.store.master.reservations import check_key
 from yuebing.store.master.state import ObjState
@@ -78,7 +78,7 @@ class Inline:
         ``inline_capacity``: unpinned ones first, then soft-pinned ones; nothing when even
         that leaves too little (hard-pinned values are never evicted)."""
         objs = self.objects
-        over = objs.inline_bytes + size - self.cfg.inline_capacity
+        over = objs.inline_bytes + size + HELD_OVERHEAD - self.cfg.inline_capacity
         if over <= 0:
             return True
         now = self.clock.now()
@@ -91,7 +91,7 @@ class Inline:
                 if o.pin or (o.soft > now) != soft_ok:
                     continue
                 victims.append(key)
-                over -= len(value)
+                over -= len(value) + HELD_OVERHEAD
             if over <= 0:
                 break
         if over > 0:

@@ -23,6 +23,9 @@ from yuebing.store.master.state import Obj, ObjState
 
 C = m.Code
 MAX_OWNERS = 1 << 16
+HELD_OVERHEAD = 512
+"""Bytes a value the master holds counts against ``inline_capacity`` beyond its own: its
+metadata (key, `Obj`, table entries; ~420 B measured), so tiny values cannot pile up unbounded."""
 COMMITTED = ObjState.COMMITTED
 PENDING = ObjState.PENDING
 
@@ -49,6 +52,7 @@ class Objects:
         self.inline: dict[str, bytes] = {}
         """Values the master holds itself (no replicas), least recently read first."""
         self.inline_bytes = 0
+        """What the held values count against ``inline_capacity`` (`HELD_OVERHEAD` each)."""
 
     def add(self, client: str, it: m.PutItem, placed: list[tuple[int, int]]) -> None:
         """Record the pending put of ``it`` by ``client`` on ``placed`` ranges: its deadline
@@ -77,7 +81,7 @@ class Objects:
         o.state = COMMITTED
         self.objs[it.key] = o
         self.inline[it.key] = value
-        self.inline_bytes += len(value)
+        self.inline_bytes += len(value) + HELD_OVERHEAD
         self.effects.entry(["inline", it.key, it.size, it.checksum, value, client, it.hard_pin,
                             it.soft_pin_s])
         self.effects.events.append((EventKind.STORED, it.key, [m.INLINE_HOLDER]))
@@ -152,7 +156,7 @@ class Objects:
         holders = self.fence.release(key, o, fenced)
         value = self.inline.pop(key, None)
         if value is not None:
-            self.inline_bytes -= len(value)
+            self.inline_bytes -= len(value) + HELD_OVERHEAD
             holders.append(m.INLINE_HOLDER)
         self.effects.entry(["del", key] if fenced else ["del", key, False])
         if event and o.state == COMMITTED:
@@ -206,7 +210,7 @@ class Objects:
         self.objs[key] = o
         old = self.inline.get(key)
         self.inline[key] = value
-        self.inline_bytes += len(value) - (len(old) if old is not None else 0)
+        self.inline_bytes += len(value) - (len(old) if old is not None else -HELD_OVERHEAD)
 
     def restore_commit(self, key: str) -> None:
         """A ``commit`` entry on a standby."""
