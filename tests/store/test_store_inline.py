@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from master_factories import KiB, leader_and_standby, make, ship
 
-from yuebing.store.master.objects import HELD_OVERHEAD
-
 from yuebing.protocol import store as m
 from yuebing.protocol.store_cluster import EventKind
+from yuebing.store.master.objects import HELD_OVERHEAD
 
 C = m.Code
 H = m.INLINE_HOLDER
@@ -22,6 +21,8 @@ def inline(core, key: str, value: bytes, client: str = "c", **kw) -> m.Message:
 
 
 def code(reply: m.Message) -> int:
+    if isinstance(reply, m.InlineRefused):
+        return C.NOT_INLINE
     return reply.code if isinstance(reply, m.Err) else 0
 
 
@@ -55,7 +56,8 @@ def test_resent_put_answers_ok_for_its_client_only_and_keys_stay_immutable() -> 
 
 def test_what_the_master_will_not_hold_goes_the_normal_way() -> None:
     core, _ = make(inline_max_bytes=2 * KiB)
-    assert code(inline(core, "big", b"x" * (2 * KiB + 1))) == C.NOT_INLINE
+    big = inline(core, "big", b"x" * (2 * KiB + 1))
+    assert big == m.InlineRefused(max_bytes=2 * KiB, message=big.message)  # smaller ones: ask
     assert code(inline(core, "two", b"x", replicas=2)) == C.NOT_INLINE
     assert code(inline(core, "placed", b"x", strategy="random")) == C.NOT_INLINE
     assert inline(core, "best", b"x", replicas=2, min_replicas=1) == m.Ok()
@@ -64,7 +66,7 @@ def test_what_the_master_will_not_hold_goes_the_normal_way() -> None:
     assert code(bad) == C.BAD_REQUEST and "3 bytes" in bad.message
     assert not core.handle(m.Exists(key="big")).values[0]
     off, _ = make(inline_max_bytes=0)
-    assert code(inline(off, "k", b"x")) == C.NOT_INLINE
+    assert inline(off, "k", b"x").max_bytes == 0  # none: the client stops asking a while
 
 
 def test_capacity_evicts_least_recently_read_and_never_a_pinned_value() -> None:
@@ -84,7 +86,8 @@ def test_capacity_evicts_least_recently_read_and_never_a_pinned_value() -> None:
     assert inline(core, "f", b"x" * KiB) == m.Ok()  # the soft pin gives way last
     assert sorted(core.objects.inline) == ["d", "e", "f"]
     core.handle(m.Pin(keys=["f"], hard=True))
-    assert code(inline(core, "g", b"x" * KiB)) == C.NOT_INLINE  # all hard-pinned: refused
+    full = inline(core, "g", b"x" * 10)  # all hard-pinned: refused, even a small one
+    assert isinstance(full, m.InlineRefused) and full.max_bytes == 0
     s = core.stats().values
     assert (s["inline_used"], s["inline_refused"], s["evictions"]) == (3 * each, 1, 3)
 
@@ -94,7 +97,7 @@ def test_removal_and_batches_treat_held_values_as_any_value() -> None:
     r = core.handle(m.BatchPutInline(client="c", items=[
         m.PutItem(key=f"p/{i}", size=10) for i in range(3)] + [m.PutItem(key="q", size=10)],
         values=[bytes([i]) * 10 for i in range(4)]))
-    assert r == m.Codes(codes=[0, 0, 0, 0])
+    assert r == m.InlineCodes(codes=[0, 0, 0, 0], max_bytes=16 * KiB)
     mixed = core.handle(m.BatchPutInline(client="c", items=[m.PutItem(key="q", size=10),
                                                             m.PutItem(key="r", size=1)],
                                          values=[b"z" * 10]))

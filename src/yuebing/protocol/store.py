@@ -105,9 +105,9 @@ class PutCommit(Message, tag="store.put_commit"):
 class PutInline(Message, tag="store.put_inline"):
     """One-RPC put of a small value the master holds itself: ``value`` (``item.size`` bytes)
     rides in the request and the value is committed (visible, a STORED event) when it is
-    applied. Reply `Ok`; `Err` NOT_INLINE when the master will not hold it (the client puts
-    it the normal way), EXISTS for a key that exists (a resend of the same client's put of the
-    same bytes answers OK)."""
+    applied. Reply `Ok`; `InlineRefused` when the master will not hold it (the client puts it
+    the normal way); `Err` EXISTS for a key that exists (a resend of the same client's put of
+    the same bytes answers OK) or BAD_REQUEST."""
 
     client: str
     item: PutItem
@@ -116,8 +116,8 @@ class PutInline(Message, tag="store.put_inline"):
 
 @register_message
 class BatchPutInline(Message, tag="store.batch_put_inline"):
-    """`PutInline` of many items (``values[i]`` is item ``i``'s); reply `Codes`, one per
-    item (NOT_INLINE: put that one the normal way)."""
+    """`PutInline` of many items (``values[i]`` is item ``i``'s); reply `InlineCodes`, a code
+    per item (NOT_INLINE: put that one the normal way)."""
 
     client: str
     items: list[PutItem]
@@ -290,6 +290,24 @@ class Err(Message, tag="store.err"):
     code: int
     message: str
     leader: str = ""
+
+
+@register_message
+class InlineRefused(Message, tag="store.inline_refused"):
+    """Reply of `PutInline`: the master does not hold this value (``message`` says why); it
+    holds values of at most ``max_bytes`` now (0: none — inline off, or its budget is full of
+    pinned values), so the client stops asking for larger ones for a while."""
+
+    max_bytes: int
+    message: str
+
+
+@register_message
+class InlineCodes(Message, tag="store.inline_codes"):
+    """Reply of `BatchPutInline`: a `Code` per item, and ``max_bytes`` as in `InlineRefused`."""
+
+    codes: list[int]
+    max_bytes: int
 
 
 @register_message

@@ -1,8 +1,8 @@
 """Small values the master holds itself, client side: whether a put asks (`wants`,
 `InlineGate`), the steps of a put that asks (`put`: one `PutInline`) and of a batch of them
 (`batch_put`: one `BatchPutInline`), and the copy of a value a get's reply carries (`copy_in`).
-A refusal (NOT_INLINE) sends the value the normal way and keeps values of that size or more off
-the inline path for `RETRY_S`. Called by `puts` and `gets` (both clients run these steps).
+A refusal sends the value the normal way and keeps values over the size the master says it
+holds off the inline path for `RETRY_S`. Called by `puts` and `gets` (both clients run these steps).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import msgspec
 from yuebing.core.errors import InputError
 from yuebing.protocol import store as m
 from yuebing.store.client.core import Call, Steps
-from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig
 
 C = m.Code
@@ -28,25 +27,26 @@ NEVER = 1 << 62
 
 
 class InlineGate:
-    """The smallest size the master lately refused to hold (``refused``) and until when
-    (monotonic ``until``) values of that size or more go the normal way."""
+    """The largest value the master lately said it holds (``limit``; 0: none, e.g. inline
+    off) and until when (monotonic ``until``) larger values go the normal way."""
 
-    __slots__ = ("refused", "until")
+    __slots__ = ("limit", "until")
 
     def __init__(self) -> None:
-        self.refused = NEVER
+        self.limit = NEVER
         self.until = 0.0
 
     def open(self, size: int) -> bool:
-        if size < self.refused:
+        if size <= self.limit:
             return True
         if time.monotonic() >= self.until:
-            self.refused = NEVER
+            self.limit = NEVER
             return True
         return False
 
-    def refuse(self, size: int) -> None:
-        self.refused = min(self.refused, size)
+    def refuse(self, max_bytes: int) -> None:
+        """The master refused a value and holds at most ``max_bytes`` now."""
+        self.limit = max_bytes
         self.until = time.monotonic() + RETRY_S
 
 
@@ -61,14 +61,12 @@ def wants(cfg: ClientConfig, gate: InlineGate | None, size: int, replicas: int |
 
 
 def put(client: str, gate: InlineGate, item: m.PutItem, mv: memoryview) -> Steps[bool]:
-    """Ask the master to hold ``item``'s value ``mv``; False when it will not (NOT_INLINE:
-    the caller puts it the normal way). Other refusals raise (`StoreRpcError`)."""
-    try:
-        yield Call(m.PutInline(client=client, item=item, value=bytes(mv)))
-    except StoreRpcError as e:
-        if e.code != C.NOT_INLINE:
-            raise
-        gate.refuse(item.size)
+    """Ask the master to hold ``item``'s value ``mv``; False when it will not
+    (`InlineRefused`: the caller puts it the normal way). Other refusals raise
+    (`StoreRpcError`)."""
+    r = yield Call(m.PutInline(client=client, item=item, value=bytes(mv)))
+    if isinstance(r, m.InlineRefused):
+        gate.refuse(r.max_bytes)
         return False
     return True
 
@@ -82,14 +80,15 @@ def batch_put(client: str, gate: InlineGate, items: list[m.PutItem], mvs: list[m
     r = yield Call(m.BatchPutInline(
         client=client, items=[strip(items[i], strategy="", preferred=[]) for i in todo],
         values=[bytes(mvs[i]) for i in todo]))
-    assert isinstance(r, m.Codes)
+    assert isinstance(r, m.InlineCodes)
     left = []
     for i, code in zip(todo, r.codes, strict=True):
         if code == C.NOT_INLINE:
-            gate.refuse(items[i].size)
             left.append(i)
         else:
             codes[i] = code
+    if left:
+        gate.refuse(r.max_bytes)
     return left
 
 

@@ -39,14 +39,24 @@ class Inline:
 
     def put(self, msg: m.PutInline) -> m.Message:
         code, text = self.put_one(msg.client, msg.item, msg.value)
+        if code == C.NOT_INLINE:
+            return m.InlineRefused(max_bytes=self.max_bytes, message=text)
         return m.Ok() if code == C.OK else err(code, text)
 
     def batch_put(self, msg: m.BatchPutInline) -> m.Message:
         if len(msg.items) != len(msg.values):
             return err(C.BAD_REQUEST, f"{len(msg.items)} items but {len(msg.values)} values")
         one = self.put_one
-        return m.Codes(codes=[int(one(msg.client, it, v)[0])
-                              for it, v in zip(msg.items, msg.values, strict=True)])
+        codes = [int(one(msg.client, it, v)[0]) for it, v in zip(msg.items, msg.values,
+                                                                   strict=True)]
+        return m.InlineCodes(codes=codes, max_bytes=self.max_bytes)
+
+    @property
+    def max_bytes(self) -> int:
+        """The largest value a put may expect the master to hold now: ``inline_max_bytes``,
+        or 0 when its budget cannot take even that (what is held is pinned)."""
+        limit = self.cfg.inline_max_bytes
+        return limit if limit and self.make_room(limit, dry=True) else 0
 
     def put_one(self, client: str, it: m.PutItem, value: bytes) -> tuple[C, str]:
         """Hold ``value`` as ``it`` for ``client``: OK, NOT_INLINE (put it the normal way),
@@ -73,10 +83,11 @@ class Inline:
         objs.add_inline(client, it, value)
         return C.OK, ""
 
-    def make_room(self, size: int) -> bool:
+    def make_room(self, size: int, dry: bool = False) -> bool:
         """Evict the least recently read held values until ``size`` more bytes fit in
         ``inline_capacity``: unpinned ones first, then soft-pinned ones; nothing when even
-        that leaves too little (hard-pinned values are never evicted)."""
+        that leaves too little (hard-pinned values are never evicted). ``dry``: only whether
+        it could."""
         objs = self.objects
         over = objs.inline_bytes + size + HELD_OVERHEAD - self.cfg.inline_capacity
         if over <= 0:
@@ -94,8 +105,8 @@ class Inline:
                 over -= len(value) + HELD_OVERHEAD
             if over <= 0:
                 break
-        if over > 0:
-            return False
+        if over > 0 or dry:
+            return over <= 0
         for key in victims:
             objs.drop(key, objs.objs[key])
         self.effects.counters["evictions"] += len(victims)
