@@ -7,12 +7,15 @@ a segment, then stops asking for a while; held values survive a failover (etcd).
 from __future__ import annotations
 
 import asyncio
+import json
+import time
+import urllib.request
 
 import pytest
 from store_procs import master, node, wait_leader
 from test_store_client_parity import recording
 
-from etcd_util import EtcdServer, find_etcd
+from etcd_util import EtcdServer, find_etcd, free_port
 from yuebing.store.client.client import AsyncStoreClient, StoreClient
 from yuebing.store.config import ClientConfig
 from yuebing.store.master.objects import HELD_OVERHEAD
@@ -95,7 +98,8 @@ def test_held_values_survive_a_master_failover() -> None:
         ha = ("--etcd", etcd.url, "--cluster", "inl", "--election-ttl-s", "1")
         m1 = master(*ha)
         wait_leader(etcd.url, "inl", m1)
-        m2 = master(*ha)
+        admin = free_port()
+        m2 = master(*ha, "--admin-port", str(admin))
         addrs = f"{m1.info['address']},{m2.info['address']}"
         c = StoreClient(ClientConfig(master=addrs, failover_s=20.0))
         try:
@@ -104,6 +108,10 @@ def test_held_values_survive_a_master_failover() -> None:
                 assert c.put(k, v) == 1
             assert c.batch_put(["f/b0", "f/b1"], [b"p", b"q"]) == [0, 0]
             assert c.stats()["inline_objects"] == 22
+            end = time.monotonic() + 30.0  # the standby has them (it may have subscribed late)
+            while standby_usage(admin)["inline_objects"] != 22:
+                assert time.monotonic() < end, standby_usage(admin)
+                time.sleep(0.05)
             m1.kill()
             assert all(c.get(k) == v for k, v in vals.items())  # from m2, once elected
             assert c.rpc.address == m2.info["address"]
@@ -114,3 +122,8 @@ def test_held_values_survive_a_master_failover() -> None:
             c.close()
             m2.stop()
             m1.kill()
+
+
+def standby_usage(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/usage", timeout=5) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
