@@ -11,7 +11,9 @@ profiler can attach to the master and the node during ``--hold`` seconds of each
     # CPU per step: py-spy record --native -p <pid> (or run this under py-spy for the client)
 
 ``--pids-to FILE`` writes {"master": pid, "node": pid, "client": pid} before the first phase
-and waits ``--hold`` seconds so attaching is done before any op is timed.
+and waits ``--hold`` seconds so attaching is done before any op is timed. ``--ab-inline`` runs
+each phase twice per round, interleaved: a client whose small values the master holds (keys
+``*_inline``) and one with that off (``*_segment``), and prints ``*_segment_over_inline``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def main() -> None:
                     help="seconds to wait after writing --pids-to (attach a profiler)")
     ap.add_argument("--pids-to", default="")
     ap.add_argument("--checksum", action="store_true")
+    ap.add_argument("--ab-inline", action="store_true",
+                    help="A/B: the master holds small values (one RPC) vs every value on the node")
     ap.add_argument("--master-args", default="", help="extra flags of `yuebing store master`")
     ap.add_argument("--node-args", default="", help="extra flags of `yuebing store node`")
     ap.add_argument("--spin-us", type=int, default=None,
@@ -58,25 +62,29 @@ def main() -> None:
     node = start_node(mst.info["address"], "256MiB", *ns.node_args.split())
     spin = {} if ns.spin_us is None else {"spin_us": ns.spin_us}
     engine = TransferEngine(TransferConfig(metadata="p2p", transports=("tcp",), **spin))
-    c = StoreClient(ClientConfig(master=mst.info["address"], checksum=ns.checksum, **spin),
-                    engine=engine)
+    variants = {"_inline": -1, "_segment": 0} if ns.ab_inline else {"": -1}
+    clients = {v: StoreClient(ClientConfig(
+        master=mst.info["address"], checksum=ns.checksum, **spin,
+        **({"inline_max_bytes": lim} if lim >= 0 else {})), engine=engine)
+        for v, lim in variants.items()}
     val = os.urandom(size)
-    res: dict[str, list[float]] = {op: [] for op in ns.ops.split(",")}
+    res: dict[str, list[float]] = {op + v: [] for op in ns.ops.split(",") for v in variants}
     pids = {"client": os.getpid(), "master": mst.proc.pid, "node": node.proc.pid}
     cpu: dict[str, list[float]] = {f"{op}_{kind}_{who}": [] for op in res for who in pids
                                    for kind in ("usr", "sys")}
     try:
-        for i in range(200):  # warm: connections, reservations
-            c.put(f"w/{i}", val)
-            c.get(f"w/{i}")
+        for v, c in clients.items():
+            for i in range(200):  # warm: connections, reservations
+                c.put(f"w{v}/{i}", val)
+                c.get(f"w{v}/{i}")
         if ns.pids_to:
             with open(ns.pids_to, "w") as f:
                 json.dump({"master": mst.proc.pid, "node": node.proc.pid,
                            "client": os.getpid()}, f)
             time.sleep(ns.hold)
-        for r in range(ns.rounds):
-            keys = [f"k/{r}/{i}" for i in range(ns.n)]
-            for op in res:
+        for r, (v, c) in ((r, vc) for r in range(ns.rounds) for vc in clients.items()):
+            keys = [f"k{v}/{r}/{i}" for i in range(ns.n)]
+            for op in ns.ops.split(","):
                 c0 = {who: cpu_s(pid) for who, pid in pids.items()}
                 t = time.perf_counter()
                 if op == "put":
@@ -88,17 +96,21 @@ def main() -> None:
                 else:
                     for k in keys:
                         c.get(k)
-                res[op].append((time.perf_counter() - t) / ns.n * 1e6)
+                res[op + v].append((time.perf_counter() - t) / ns.n * 1e6)
                 for who, pid in pids.items():
                     (u1, s1), (u0, s0) = cpu_s(pid), c0[who]
-                    cpu[f"{op}_usr_{who}"].append((u1 - u0) / ns.n * 1e6)
-                    cpu[f"{op}_sys_{who}"].append((s1 - s0) / ns.n * 1e6)
+                    cpu[f"{op}{v}_usr_{who}"].append((u1 - u0) / ns.n * 1e6)
+                    cpu[f"{op}{v}_sys_{who}"].append((s1 - s0) / ns.n * 1e6)
             c.batch_remove(keys, force=True)
     finally:
-        c.close()
+        for c in clients.values():
+            c.close()
         node.stop()
         mst.stop()
-    print(json.dumps({"size": size, "n": ns.n,
+    med = {op: statistics.median(x) for op, x in res.items()}
+    ab = {f"{op}_segment_over_inline": round(med[f"{op}_segment"] / med[f"{op}_inline"], 2)
+          for op in ns.ops.split(",")} if ns.ab_inline else {}
+    print(json.dumps({"size": size, "n": ns.n, **ab,
                       **{f"{op}_us": round(statistics.median(v), 1) for op, v in res.items()},
                       **{k: round(statistics.median(v), 1) for k, v in cpu.items()},
                       **{f"{op}_us_rounds": [round(x, 1) for x in v] for op, v in res.items()}}))

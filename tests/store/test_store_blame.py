@@ -56,7 +56,8 @@ def test_a_late_client_revokes_without_naming_the_healthy_node() -> None:
     nd = node(mst.info["address"], "16MiB", "--name", "blame")
     try:
         late = StoreClient(ClientConfig(master=mst.info["address"], transfer_timeout_s=1e-6,
-                                        reserve_ahead=False), heartbeat=False)
+                                        reserve_ahead=False, inline_max_bytes=0),
+                           heartbeat=False)  # a write to the node, not a value the master holds
         revokes: list[m.Message] = []
         call = late.rpc.call
 
@@ -69,7 +70,8 @@ def test_a_late_client_revokes_without_naming_the_healthy_node() -> None:
         with late, pytest.raises(StoreError, match="put revoked"):
             late.put("k", b"x" * 4096)
         assert revokes and all(r.failed == [] for r in revokes)  # type: ignore[attr-defined]
-        with StoreClient(ClientConfig(master=mst.info["address"]), heartbeat=False) as ok:
+        with StoreClient(ClientConfig(master=mst.info["address"], inline_max_bytes=0),
+                         heartbeat=False) as ok:
             ok.put("k2", b"y" * 4096)  # the node was not marked suspect
             assert bytes(ok.get("k2")) == b"y" * 4096
     finally:

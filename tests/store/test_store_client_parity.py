@@ -140,7 +140,8 @@ def claimed_only(c: StoreClient | AsyncStoreClient, committed: Callable[[str], b
 def test_sync_and_async_clients_give_the_same_outcomes() -> None:
     mst = master()
     nd = node(mst.info["address"], "32MiB", "--name", "parity")
-    cfg = ClientConfig(master=mst.info["address"])
+    cfg = ClientConfig(master=mst.info["address"],  # the segment path and its reservations
+                       inline_max_bytes=0)              # (test_store_inline_client: held values)
     try:
         with StoreClient(cfg) as sc:
             sync = run_sync(sc, script("s/"))

@@ -88,7 +88,7 @@ def test_malformed_rpc_rejected_master_keeps_serving(cluster, client: StoreClien
 
 
 def test_checksum_mismatch_detected(cluster, client: StoreClient) -> None:
-    client.put("sum", b"A" * 4096)
+    client.put("sum", b"A" * (64 << 10))  # over --inline-max-bytes: its bytes are on the node
     rep = client.rpc.call(m.GetReplicas(key="sum")).replicas[0]
     client.engine.transfer([TransferRequest(OpCode.WRITE, b"B", rep.segment, rep.offset + 100)])
     with pytest.raises(ChecksumError, match="checksum mismatch reading 'sum'"):

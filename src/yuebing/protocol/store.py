@@ -29,12 +29,18 @@ class Code(IntEnum):
     PROMOTING = 9
     PINNED = 10
     INTERNAL = 11
+    NOT_INLINE = 12
+    """The master does not hold this value itself (inline off, over its limit or its budget,
+    replicas or a placement it cannot honour): put it the normal way (`PutInline`)."""
 
 
 class Tier(IntEnum):
     DRAM = 0
     SSD = 1
 
+
+INLINE_HOLDER = "@master"
+"""The holder a STORED / REMOVED event names for a value the master holds itself (`PutInline`)."""
 
 RESERVED_PREFIX = "\x00resv/"
 """Keys of reservations (space allocated ahead for a client's next put, `Reservation`) start
@@ -93,6 +99,29 @@ class PutCommit(Message, tag="store.put_commit"):
     reservation: str
     item: PutItem
     reserve_next: bool = False
+
+
+@register_message
+class PutInline(Message, tag="store.put_inline"):
+    """One-RPC put of a small value the master holds itself: ``value`` (``item.size`` bytes)
+    rides in the request and the value is committed (visible, a STORED event) when it is
+    applied. Reply `Ok`; `InlineRefused` when the master will not hold it (the client puts it
+    the normal way); `Err` EXISTS for a key that exists (a resend of the same client's put of
+    the same bytes answers OK) or BAD_REQUEST."""
+
+    client: str
+    item: PutItem
+    value: bytes
+
+
+@register_message
+class BatchPutInline(Message, tag="store.batch_put_inline"):
+    """`PutInline` of many items (``values[i]`` is item ``i``'s); reply `InlineCodes`, a code
+    per item (NOT_INLINE: put that one the normal way)."""
+
+    client: str
+    items: list[PutItem]
+    values: list[bytes]
 
 
 @register_message
@@ -264,6 +293,24 @@ class Err(Message, tag="store.err"):
 
 
 @register_message
+class InlineRefused(Message, tag="store.inline_refused"):
+    """Reply of `PutInline`: the master does not hold this value (``message`` says why); it
+    holds values of at most ``max_bytes`` now (0: none — inline off, or its budget is full of
+    pinned values), so the client stops asking for larger ones for a while."""
+
+    max_bytes: int
+    message: str
+
+
+@register_message
+class InlineCodes(Message, tag="store.inline_codes"):
+    """Reply of `BatchPutInline`: a `Code` per item, and ``max_bytes`` as in `InlineRefused`."""
+
+    codes: list[int]
+    max_bytes: int
+
+
+@register_message
 class PutTargets(Message, tag="store.put_targets"):
     """Where to write a put's bytes, and ``expires_in_s``: seconds from the master's reply until
     the put's write expiry. The client must finish its writes by then (it converts this to its
@@ -330,6 +377,8 @@ class ReplicaList(Message, tag="store.replica_list"):
     replicas: list[Replica]
     lease_s: float
     lease_id: int = 0
+    value: bytes | None = None
+    """The value itself when the master holds it (`PutInline`): no replicas, no lease."""
 
 
 @register_message
@@ -343,6 +392,8 @@ class BatchReplicaList(Message, tag="store.batch_replica_list"):
     replicas: list[list[Replica]]
     lease_s: float
     lease_ids: list[int] = []
+    values: list[bytes | None] = []
+    """When any key's value is held by the master (`PutInline`): a value or None per key."""
 
 
 @register_message

@@ -58,6 +58,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", action="store_true",
                    help="remote_tcp single-value pairs: alternate each run with raw Python socket "
                         "put/get RPCs of the same value (rows raw_<op>, vs_raw and its spread)")
+    p.add_argument("--no-inline", action="store_true",
+                   help="never ask the master to hold a small value itself (one put RPC, the "
+                        "value in a get's reply); every put writes to a node "
+                        "(ClientConfig.inline_max_bytes=0)")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     p.add_argument("--out", default="", help="also write the JSON rows to this file")
 
@@ -228,14 +232,15 @@ class Bench:
 
 def _client(ns: argparse.Namespace, master: str, path: str) -> Any:
     from yuebing.store.client.client import StoreClient
-    from yuebing.store.config import ClientConfig
+    from yuebing.store.config import INLINE_MAX_BYTES, ClientConfig
     from yuebing.transfer import TransferConfig, TransferEngine
 
     transports = ("tcp",) if path == "remote_tcp" else ("shm", "tcp")
     engine = TransferEngine(TransferConfig(metadata="p2p", transports=transports))
     return StoreClient(ClientConfig(master=master, checksum=not ns.no_checksum,
                                     direct=not ns.no_direct, keep_freed=ns.keep_freed,
-                                    reserve_ahead=not ns.no_reserve_ahead),
+                                    reserve_ahead=not ns.no_reserve_ahead,
+                                    inline_max_bytes=0 if ns.no_inline else INLINE_MAX_BYTES),
                        engine=engine)
 
 

@@ -18,6 +18,8 @@ CLIENT_SPIN_REF_US = 100
 """A client's spin window for a master reply on the reference core."""
 
 PLACEMENTS = ("random", "free_ratio", "local_first", "preferred")
+INLINE_MAX_BYTES = 16 << 10
+"""Default largest value the master holds itself (client and master `inline_max_bytes`)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,14 @@ class MasterConfig:
         "help": "a request's bytes must all arrive within this many seconds of its first "
                 "byte, else its connection is closed (a peer trickling bytes holds nothing "
                 "for long)"})
+    inline_max_bytes: int = field(default=INLINE_MAX_BYTES, metadata={
+        "help": "the master holds a value of at most this many bytes itself (one put RPC, "
+                "the value in a get's reply: one round trip each), replicated to its standbys "
+                "with the commit; 0 = off (every value goes to a node's segment)", "size": True})
+    inline_capacity: int = field(default=256 << 20, metadata={
+        "help": "bytes of values the master holds itself (--inline-max-bytes); a put past it "
+                "evicts the least recently used unpinned ones, or goes to a segment",
+                "size": True})
 
     def __post_init__(self) -> None:
         require(self.rpc_address.startswith(("tcp://", "ipc://", "inproc://")),
@@ -122,6 +132,12 @@ class MasterConfig:
                 f"--rpc-buffer-bytes ({self.rpc_buffer_bytes}) must be at least "
                 f"--max-request-bytes ({self.max_request_bytes})")
         _seconds("--frame-timeout-s", self.frame_timeout_s)
+        require(0 <= self.inline_max_bytes <= min(1 << 20, self.max_request_bytes // 2),
+                f"--inline-max-bytes must be in 0..min(1MiB, --max-request-bytes / 2), "
+                f"got {self.inline_max_bytes}")
+        require(self.inline_max_bytes <= self.inline_capacity <= 512 << 20,
+                f"--inline-capacity must be in --inline-max-bytes ({self.inline_max_bytes})"
+                f"..512MiB (a standby's snapshot carries the values), got {self.inline_capacity}")
         require_token("--rpc-address", host_of(self.rpc_address), self.cluster_token)
         require(0 <= self.admin_port < 65536, f"--admin-port out of range: {self.admin_port}")
         require(bool(self.admin_host), "--admin-host must name an address, e.g. 127.0.0.1")
@@ -180,6 +196,10 @@ class ClientConfig:
         "help": "puts of a shape put before (size, replicas, placement) ask the master to "
                 "reserve space for the next one; that next put is then a write into it plus "
                 "one commit RPC (one RPC instead of two); off: every put is two-phase"})
+    inline_max_bytes: int = field(default=INLINE_MAX_BYTES, metadata={
+        "help": "a put of at most this many bytes (one replica, no placement asked for) asks "
+                "the master to hold the value itself: one RPC instead of a write and a commit; "
+                "the master's own --inline-max-bytes decides; 0 = never ask", "size": True})
     put_retries: int = field(default=1, metadata={
         "help": "times a put whose write failed is placed again (the master avoids the "
                 "segments that failed)"})
@@ -189,6 +209,8 @@ class ClientConfig:
         require(AUTO <= self.spin_us <= 100_000,
                 f"--spin-us must be in 0..100000 or -1 (auto), got {self.spin_us}")
         require(self.keep_freed >= 0, f"--keep-freed must be >= 0 bytes, got {self.keep_freed}")
+        require(self.inline_max_bytes >= 0,
+                f"--inline-max-bytes must be >= 0 bytes, got {self.inline_max_bytes}")
         require(bool(self.masters), "--master needs at least one address like tcp://127.0.0.1:50151")
         _seconds("--rpc-timeout-s", self.rpc_timeout_s)
         _seconds("--heartbeat-s", self.heartbeat_s)

@@ -26,6 +26,7 @@ from yuebing.protocol import store as m
 from yuebing.store.client import core, gets
 from yuebing.store.client import reserve as rv
 from yuebing.store.client.direct import DirectSegments, keep_freed_memory, transfer_timeout
+from yuebing.store.client.inline import InlineGate
 from yuebing.store.client.puts import BatchPut, PutOptions, give_back, put
 from yuebing.store.client.rpc import RELEASE_FLUSH_S, AsyncMasterConnection, MasterConnection
 from yuebing.store.config import CLIENT_SPIN_REF_US, ClientConfig
@@ -38,7 +39,7 @@ R = TypeVar("R", MasterConnection, AsyncMasterConnection)
 
 class _Client(Generic[R]):
     """What both clients hold (config, identity, master connection, transfer engine, same-host
-    copies, reservations) and do without I/O."""
+    copies, reservations, the sizes the master lately refused to hold) and do without I/O."""
 
     def __init__(self, cfg: ClientConfig, engine: TransferEngine | None, rpc: R,
                  prefix: str) -> None:
@@ -50,6 +51,7 @@ class _Client(Generic[R]):
         self.direct = DirectSegments(self.engine, cfg.direct)
         keep_freed_memory(cfg.keep_freed)
         self._resv = rv.HeldReservations()
+        self._inline = InlineGate()
 
     def _copy_direct(self, reqs: list[TransferRequest], deadline: float | None,
                      read: bool) -> tuple[list[RequestStatus | None], list[TransferRequest]]:
@@ -165,7 +167,8 @@ class StoreClient(_Client[MasterConnection]):
         distinct DRAM segments raises `StoreRpcError` NO_SPACE, unless ``best_effort`` (then
         at least one). The steps are `puts.put`'s."""
         opts = PutOptions(replicas, strategy, preferred, hard_pin, soft_pin_s, best_effort)
-        return core.run(put(self.cfg, self.client_id, self._resv, key, value, opts), self)
+        return core.run(put(self.cfg, self.client_id, self._resv, key, value, opts,
+                            self._inline), self)
 
     put_from = put
     """Zero-copy put: the engine reads straight from the caller's (registered) buffer."""
@@ -179,7 +182,7 @@ class StoreClient(_Client[MasterConnection]):
         revoked and put again up to ``put_retries`` times; a refusal of the whole batch raises
         (`StoreRpcError`). The steps are `puts.BatchPut`'s."""
         opts = PutOptions(replicas, strategy, preferred, hard_pin, soft_pin_s)
-        batch = BatchPut(self.cfg, self.client_id, self._resv, keys, values, opts)
+        batch = BatchPut(self.cfg, self.client_id, self._resv, keys, values, opts, self._inline)
         return core.run(batch.steps(), self)
 
     batch_put_from = batch_put
@@ -325,7 +328,7 @@ class AsyncStoreClient(_Client[AsyncMasterConnection]):
         first is not waited for: this put goes the two-phase way."""
         return await core.drive(put(self.cfg, self.client_id, self._resv, key, value,
                                     PutOptions(replicas, strategy, preferred, hard_pin,
-                                               soft_pin_s, best_effort)), self)
+                                               soft_pin_s, best_effort), self._inline), self)
 
     put_from = put
     """Zero-copy put (`StoreClient.put_from`)."""
@@ -338,7 +341,7 @@ class AsyncStoreClient(_Client[AsyncMasterConnection]):
         a concurrent put or batch; a `Code` per key."""
         return await core.drive(BatchPut(self.cfg, self.client_id, self._resv, keys, values,
                                          PutOptions(replicas, strategy, preferred, hard_pin,
-                                                    soft_pin_s)).steps(), self)
+                                                    soft_pin_s), self._inline).steps(), self)
 
     batch_put_from = batch_put
     """Zero-copy batch put (`StoreClient.batch_put_from`)."""

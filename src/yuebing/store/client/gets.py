@@ -4,7 +4,8 @@
 the errors a get raises. Called by `StoreClient` and `AsyncStoreClient` (`client`).
 
 Life of a get (`get_leased`): ``get_replicas`` (a read lease), READ one replica straight into the
-caller's buffer and verify its checksum, then release the lease. Reads run only within the
+caller's buffer and verify its checksum, then release the lease; a value the master holds comes
+in the reply (no lease, no read). Reads run only within the
 lease (less a margin, `read_deadline`): one it cuts, or a fallback to another replica it would
 outlast, is not read from those ranges (another value may hold them by then) but asked for
 again, up to ``put_retries`` times. Batch forms do one master call and one transfer batch for
@@ -22,6 +23,7 @@ from yuebing.core.errors import InputError, StoreError, TransferError
 from yuebing.protocol import store as m
 from yuebing.store.client.core import Call, Read, Release, Steps, checksum, view
 from yuebing.store.client.direct import LeaseExpired, new_buffer
+from yuebing.store.client.inline import copy_in
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import OpCode, TransferRequest, TransferStatus
@@ -106,6 +108,11 @@ def get_leased(cfg: ClientConfig, key: str, buffer: BufferFor) -> Steps[tuple[in
                 raise NotFoundError(f"no value for {key!r}") from None
             raise
         assert isinstance(r, m.ReplicaList)
+        if r.value is not None:  # the master holds it: the bytes came in the reply
+            mv = buffer(r.size)
+            copy_in(key, mv, r.value)
+            verify(cfg, key, mv, r.size, r.checksum)
+            return r.size, mv
         try:
             mv = buffer(r.size)
             if (yield from read_one(cfg, key, mv, r.size, r.checksum, r.replicas,
@@ -204,9 +211,14 @@ def _batch_read_once(cfg: ClientConfig, keys: Sequence[str], mvs: list[memoryvie
     ``sizes``, returns the keys to ask for again (their lease ran out first). SSD-only keys
     being promoted are read with a single get, which waits for the promotion."""
     reqs, idx = [], []
-    for i, code, size, sum_, reps in zip(todo, r.codes, r.sizes, r.checksums, r.replicas,
-                                         strict=True):
-        if code == C.OK:
+    for i, code, size, sum_, reps, value in zip(todo, r.codes, r.sizes, r.checksums,
+                                                r.replicas, r.values or [None] * len(todo),
+                                                strict=True):
+        if value is not None:  # the master holds it: the bytes came in the reply
+            copy_in(keys[i], mvs[i], value)
+            verify(cfg, keys[i], mvs[i], size, sum_)
+            sizes[i] = size
+        elif code == C.OK:
             reqs.append(read(mvs[i], keys[i], size, reps[0]))
             idx.append((i, size, sum_, reps))
         elif code == C.PROMOTING:  # SSD-only: a single get waits for the promotion

@@ -2,9 +2,10 @@
 `core`'s operations (`Call`, `Write`, `Revoke`) and are sent their results — `put` (one value)
 and `BatchPut` (many) — plus the request building and write judging they share. Every decision
 (codes per key, reservations, fallbacks, revokes, write deadlines) is made here; the clients
-(`client`) only run the steps. A put goes through a held reservation of its shape (one
-``put_commit``) when there is one, else in two phases (``put_start``, writes, ``put_end``); a
-failed write is revoked, blaming its segments, and placed again up to ``put_retries`` times.
+(`client`) only run the steps. A small value asks the master to hold it (one `PutInline`,
+`inline`); else a put goes through a held reservation of its shape (one ``put_commit``) when
+there is one, else in two phases (``put_start``, writes, ``put_end``); a failed write is
+revoked, blaming its segments, and placed again up to ``put_retries`` times.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from yuebing.core.errors import InputError, StoreError
 from yuebing.protocol import store as m
 from yuebing.store.client import core as cm
+from yuebing.store.client import inline
 from yuebing.store.client import reserve as rv
 from yuebing.store.client.core import Call, Revoke, Steps, Write
 from yuebing.store.client.direct import WriteExpired
@@ -45,9 +47,10 @@ class PutOptions:
     best_effort: bool = False
 
 
-def put_item(cfg: ClientConfig, key: str, mv: memoryview, opts: PutOptions) -> m.PutItem:
+def put_item(cfg: ClientConfig, key: str, mv: memoryview, opts: PutOptions,
+             placed: bool = True) -> m.PutItem:
     """The `PutItem` of a put (`InputError` for a bad key or an empty value: nothing is sent
-    then)."""
+    then); not ``placed``: without a placement (a value the master holds)."""
     if not isinstance(key, str) or not key:
         raise InputError(f"key must be a non-empty str, got {key!r}")
     if key.startswith(m.RESERVED_PREFIX):
@@ -57,7 +60,9 @@ def put_item(cfg: ClientConfig, key: str, mv: memoryview, opts: PutOptions) -> m
         raise InputError(f"value of {key!r} is empty; the store keeps values of >= 1 byte")
     pref = list(opts.preferred) if opts.preferred is not None else list(cfg.preferred)
     strat = opts.strategy if opts.strategy is not None else cfg.placement
-    if not strat and cfg.local_segment:
+    if not placed:
+        strat, pref = "", []
+    elif not strat and cfg.local_segment:
         strat, pref = "preferred", [cfg.local_segment, *pref]
     return m.PutItem(key=key, size=mv.nbytes, checksum=cm.checksum(mv) if cfg.checksum else -1,
                      replicas=opts.replicas or cfg.replicas, strategy=strat, preferred=pref,
@@ -112,13 +117,19 @@ def write_outcome(reqs: Sequence[TransferRequest],
 
 # ---------------------------------------------------------------- single put
 def put(cfg: ClientConfig, client: str, resv: rv.HeldReservations, key: str, value: object,
-        opts: PutOptions) -> Steps[int]:
-    """Store ``value`` (any contiguous buffer) under ``key``; values are immutable. Through
+        opts: PutOptions, gate: inline.InlineGate | None = None) -> Steps[int]:
+    """Store ``value`` (any contiguous buffer) under ``key``; values are immutable. A small
+    one (`inline.wants`; ``gate``: None = never) is held by the master if it takes it (one
+    RPC; counts as one replica); else through
     the held reservation of its shape when there is one (`_put_reserved`), else in two
     phases: ``put_start``, the writes by the start's write deadline, ``put_end``; a write that
     fails is revoked (naming the blamed segments, which the master then avoids) and placed
     again up to ``put_retries`` times. Returns the number of replicas stored."""
     mv = cm.view(value, writable=False)
+    if gate is not None and inline.wants(cfg, gate, mv.nbytes, opts.replicas, opts.strategy,
+                                         opts.preferred, opts.best_effort) and (
+            yield from inline.put(client, gate, put_item(cfg, key, mv, opts, placed=False), mv)):
+        return 1
     item = put_item(cfg, key, mv, opts)
     shape = rv.shape_of(item) if cfg.reserve_ahead else None
     if shape is not None and (yield from _put_reserved(client, resv, item, mv, shape)):
@@ -210,15 +221,25 @@ class BatchPut:
     before their write expiry; past it the master reclaimed them."""
 
     def __init__(self, cfg: ClientConfig, client: str, resv: rv.HeldReservations,
-                 keys: Sequence[str], values: Sequence[object], opts: PutOptions) -> None:
+                 keys: Sequence[str], values: Sequence[object], opts: PutOptions,
+                 gate: inline.InlineGate | None = None) -> None:
         self.cfg, self.client, self.resv = cfg, client, resv
         self.items, self.mvs = items_of(cfg, keys, values, opts)
+        self.gate = gate if all(inline.wants(
+            cfg, gate, mv.nbytes, opts.replicas, opts.strategy, opts.preferred,
+            opts.best_effort) for mv in self.mvs) and inline.batch_fits(
+                sum(mv.nbytes for mv in self.mvs), len(self.mvs)) else None
+        """Set when every value of the batch may ask the master to hold it."""
         self.codes = [int(C.INTERNAL)] * len(self.items)
         """A `Code` per item: what the caller gets back."""
 
     def steps(self) -> Steps[list[int]]:
-        """The whole batch put; returns a `Code` per item."""
+        """The whole batch put; returns a `Code` per item (small values first ask the master
+        to hold them, all with one `BatchPutInline`)."""
         todo = list(range(len(self.items)))
+        if self.gate is not None:
+            todo = yield from inline.batch_put(self.client, self.gate, self.items, self.mvs,
+                                               todo, self.codes)
         for _ in range(self.cfg.put_retries + 1):
             if not todo:
                 break

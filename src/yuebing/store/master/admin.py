@@ -19,7 +19,8 @@ from yuebing.ops.admin import AdminServer, FunctionCollector, families, new_regi
 if TYPE_CHECKING:
     from yuebing.store.master.service import MasterService
 
-_BYTES = {"dram_capacity", "dram_used", "ssd_capacity", "ssd_used"}
+_BYTES = {"dram_capacity", "dram_used", "ssd_capacity", "ssd_used", "inline_capacity",
+          "inline_used"}
 """Usage entries in bytes: exported with the ``_bytes`` unit suffix."""
 
 

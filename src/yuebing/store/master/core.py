@@ -2,7 +2,7 @@
 
 It owns no metadata itself: each concern is a component that owns its state (segments,
 sessions, the write fence, the reservation book, objects, leases, node tasks, migrations,
-eviction, tiers, puts, reservations, reads, removal, membership, replication), and `handle`
+eviction, tiers, puts, held values, reservations, reads, removal, membership, replication), and `handle`
 routes each request to its owner. The core never does I/O: it reads time from a `Clock`, and
 leaves KV events, replication entries, node tasks and deferred replies in `Effects` for its
 adapter, `MasterService`, which also calls `tick` every ``tick_s``.
@@ -22,6 +22,7 @@ from yuebing.store.config import MasterConfig
 from yuebing.store.master.effects import Effects
 from yuebing.store.master.eviction import Eviction
 from yuebing.store.master.fence import WriteFence
+from yuebing.store.master.inline import Inline
 from yuebing.store.master.leases import Leases
 from yuebing.store.master.membership import Membership
 from yuebing.store.master.migration import Migrations
@@ -65,6 +66,7 @@ class MasterCore:
                            self.migrations, self.eviction, fx)
         self.puts = Puts(cfg, clock, self.segments, self.objects, self.eviction,
                          self.reservations, fx)
+        self.inline = Inline(cfg, clock, self.objects, self.puts, fx)
         self.reserve = Reserve(cfg, clock, self.reservations, self.objects, self.puts, fx)
         self.reads = Reads(cfg, clock, self.objects, self.leases, self.migrations, self.tiers, fx)
         self.removal = Removal(cfg, clock, self.objects, fx)
@@ -79,6 +81,7 @@ class MasterCore:
         self.handlers: dict[type, Callable[..., Message | None]] = {
             m.PutStart: self.put_start, m.PutEnd: puts.put_end, m.PutRevoke: puts.put_revoke,
             m.PutCommit: self.reserve.commit, m.BatchPutCommit: self.reserve.batch_commit,
+            m.PutInline: self.inline.put, m.BatchPutInline: self.inline.batch_put,
             m.BatchPutStart: self.batch_put_start, m.BatchPutEnd: puts.batch_put_end,
             m.BatchPutRevoke: self.batch_put_revoke,
             m.GetReplicas: reads.get_replicas, m.BatchGetReplicas: reads.batch_get_replicas,
@@ -208,6 +211,9 @@ class MasterCore:
                                  "sessions": len(self.sessions.sessions),
                                  "tasks": len(self.tasks.tasks)}
         out.update(self.segments.usage())
+        out.update(inline_objects=len(self.objects.inline),
+                   inline_used=float(self.objects.inline_bytes),
+                   inline_capacity=float(self.cfg.inline_capacity))
         out.update({k: float(v) for k, v in self.effects.counters.items()})
         out["quarantined_bytes"] = float(self.fence.quarantine.bytes(self.segments.segs))
         return m.Stats(values=out)

@@ -16,7 +16,8 @@ from yuebing.protocol.store_cluster import NodeTask
 COUNTERS = ("puts", "gets", "removes", "evictions", "offloads", "promotions", "zombies",
             "dead_sessions", "no_space", "suspects", "migrations_started", "migrations_done",
             "migrations_failed", "migrations_given_up", "quarantined", "reservations_made",
-            "reservations_committed", "reservations_expired", "reservations_returned")
+            "reservations_committed", "reservations_expired", "reservations_returned",
+            "inline_refused")
 """The core's event counts (exported as ``_total`` counters)."""
 
 

@@ -101,8 +101,12 @@ class Eviction:
     def _victims(self, only: set[int] | None, tier: int, soft_ok: bool):
         now = self.clock.now()
         segs = self.segments.segs
-        for n, (key, o) in enumerate(self.objects.objs.items()):
-            if n >= SCAN_LIMIT:
+        n = 0
+        for key, o in self.objects.objs.items():
+            if not o.reps:  # on no segment (a value the master holds, `Inline`)
+                continue
+            n += 1
+            if n > SCAN_LIMIT:
                 return
             if (o.state != ObjState.COMMITTED or o.lease > now or o.pin or o.moving
                     or (not soft_ok and o.soft > now)):

@@ -3,9 +3,10 @@
 It owns ``objs`` (key -> `Obj`; a read moves its key to the end, so the order is the LRU order
 eviction walks), each pending put's deadline (``pending``; zombie reclaim after it), and the
 shared strings of sizes and owners. Its rules are the ones every component relies on: record a
-placed put (`add`), commit or revoke it (`end`, `revoke`), and `drop` an object (ranges back
-through the write fence, REMOVED event, ``del`` replication entry). Called by `Puts`,
-`Reserve`, `Removal`, `Eviction`, `Tasks`, `Membership` and `Replication`.
+placed put (`add`), commit or revoke it (`end`, `revoke`), store a value the master holds
+itself (`add_inline`: ``inline``, in recency order), and `drop` an object (ranges back through
+the write fence, REMOVED event, ``del`` entry). Called by `Puts`, `Reserve`, `Inline`,
+`Removal`, `Eviction`, `Tasks`, `Membership` and `Replication`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from yuebing.store.master.state import Obj, ObjState
 
 C = m.Code
 MAX_OWNERS = 1 << 16
+HELD_OVERHEAD = 512
+"""Bytes a value the master holds counts against ``inline_capacity`` beyond its own: its
+metadata (key, `Obj`, table entries; ~420 B measured), so tiny values cannot pile up unbounded."""
 COMMITTED = ObjState.COMMITTED
 PENDING = ObjState.PENDING
 
@@ -30,8 +34,8 @@ class Objects:
     """``objs`` (recency order), ``pending`` (key -> deadline of a pending put), and the
     tables that let objects share their size and owner strings."""
 
-    __slots__ = ("book", "cfg", "clock", "effects", "fence", "objs", "owners", "pending",
-                 "segments", "sizes")
+    __slots__ = ("book", "cfg", "clock", "effects", "fence", "inline", "inline_bytes", "objs",
+                 "owners", "pending", "segments", "sizes")
 
     def __init__(self, cfg: MasterConfig, clock: Clock, segments: Segments, fence: WriteFence,
                  book: Reservations, effects: Effects) -> None:
@@ -45,6 +49,10 @@ class Objects:
         self.pending: dict[str, float] = {}
         self.sizes: dict[int, int] = {}
         self.owners: dict[str, str] = {}
+        self.inline: dict[str, bytes] = {}
+        """Values the master holds itself (no replicas), least recently read first."""
+        self.inline_bytes = 0
+        """What the held values count against ``inline_capacity`` (`HELD_OVERHEAD` each)."""
 
     def add(self, client: str, it: m.PutItem, placed: list[tuple[int, int]]) -> None:
         """Record the pending put of ``it`` by ``client`` on ``placed`` ranges: its deadline
@@ -62,6 +70,22 @@ class Objects:
         self.fence.start(it.key, now, it.timeout_s)
         self.effects.entry(["put", it.key, it.size, it.checksum, placed, client, it.hard_pin,
                             it.soft_pin_s])
+
+    def add_inline(self, client: str, it: m.PutItem, value: bytes) -> None:
+        """Store ``value`` of ``client``'s put ``it`` in the master, committed at once (one
+        ``inline`` entry carries the bytes to the standbys, a STORED event names
+        `INLINE_HOLDER`); ``client`` stays its owner, so a resent put answers OK."""
+        now = self.clock.now()
+        o = Obj(it.size, it.checksum, (), self.owner_id(client), it.hard_pin,
+                now + it.soft_pin_s if it.soft_pin_s else 0.0)
+        o.state = COMMITTED
+        self.objs[it.key] = o
+        self.inline[it.key] = value
+        self.inline_bytes += len(value) + HELD_OVERHEAD
+        self.effects.entry(["inline", it.key, it.size, it.checksum, value, client, it.hard_pin,
+                            it.soft_pin_s])
+        self.effects.events.append((EventKind.STORED, it.key, [m.INLINE_HOLDER]))
+        self.effects.counters["puts"] += 1
 
     def due_at_expiry(self, key: str) -> None:
         """Reclaim the pending put ``key`` at its write expiry (a reservation: useless after
@@ -130,6 +154,10 @@ class Objects:
         self.pending.pop(key, None)
         self.book.discard(key)
         holders = self.fence.release(key, o, fenced)
+        value = self.inline.pop(key, None)
+        if value is not None:
+            self.inline_bytes -= len(value) + HELD_OVERHEAD
+            holders.append(m.INLINE_HOLDER)
         self.effects.entry(["del", key] if fenced else ["del", key, False])
         if event and o.state == COMMITTED:
             self.effects.events.append((EventKind.REMOVED, key, holders))
@@ -173,6 +201,17 @@ class Objects:
         self.pending[key] = until = now + self.cfg.put_timeout_s
         self.fence.set(key, until)
 
+    def restore_inline(self, key: str, size: int, checksum: int, value: bytes,
+                       owner: str | None, pin: bool, soft_s: float) -> None:
+        """An ``inline`` entry (or snapshot row) on a standby: the value, committed."""
+        o = Obj(size, checksum, (), owner and self.owner_id(owner), pin,
+                self.clock.now() + soft_s if soft_s else 0.0)
+        o.state = COMMITTED
+        self.objs[key] = o
+        old = self.inline.get(key)
+        self.inline[key] = value
+        self.inline_bytes += len(value) - (len(old) if old is not None else -HELD_OVERHEAD)
+
     def restore_commit(self, key: str) -> None:
         """A ``commit`` entry on a standby."""
         o = self.objs[key]
@@ -191,5 +230,7 @@ class Objects:
 
     def clear(self) -> None:
         self.objs.clear()
+        self.inline.clear()
+        self.inline_bytes = 0
         self.pending.clear()
         self.fence.forget_all()

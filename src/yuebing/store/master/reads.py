@@ -5,7 +5,8 @@ A read of a COMMITTED value moves it to the recent end of the LRU order, grants 
 (`Leases.grant`; while a drain runs, `Migrations.keep_lease` keeps a reader from before it
 counted) and answers with its DRAM replicas (`Migrations.dram_replicas`). An SSD-only value is
 promoted first (`Tiers.promote`: the reply waits in ``ready``), or read from the SSD tier when
-no DRAM room can be made at once. Probes grant nothing and change nothing. Called by
+no DRAM room can be made at once. A value the master holds (`Inline`) is answered in the reply,
+with no lease. Probes grant nothing and change nothing. Called by
 `MasterCore.handle`.
 """
 
@@ -48,6 +49,13 @@ class Reads:
         if o is None or o.state != COMMITTED:
             return m.Err(code=int(C.NOT_FOUND), message=f"no value for {key!r}")
         self.effects.counters["gets"] += 1
+        held = self.objects.inline
+        value = held.get(key)
+        if value is not None:  # the bytes travel in the reply: no lease, nothing to release
+            objs[key] = objs.pop(key)
+            held[key] = held.pop(key)
+            return m.ReplicaList(key=key, size=o.size, checksum=o.checksum, replicas=[],
+                                 lease_s=0.0, value=value)
         now = self.clock.now()
         drains = self.migrations
         if drains.since and o.lease > now:  # only while a drain runs: a reader from
@@ -74,6 +82,7 @@ class Reads:
         sums: list[int] = []
         reps: list[list[m.Replica]] = []
         lids: list[int] = []
+        values: list[bytes | None] = []
         for key in msg.keys:
             r = self.get_replicas(m.GetReplicas(key=key), None)
             if isinstance(r, m.ReplicaList):
@@ -82,14 +91,17 @@ class Reads:
                 sums.append(r.checksum)
                 reps.append(r.replicas)
                 lids.append(r.lease_id)
+                values.append(r.value)
             else:
                 codes.append(r.code if isinstance(r, m.Err) else int(C.PROMOTING))
                 sizes.append(0)
                 sums.append(-1)
                 reps.append([])
                 lids.append(0)
+                values.append(None)
         return m.BatchReplicaList(codes=codes, sizes=sizes, checksums=sums, replicas=reps,
-                                  lease_s=self.cfg.lease_ttl_s, lease_ids=lids)
+                                  lease_s=self.cfg.lease_ttl_s, lease_ids=lids,
+                                  values=values if any(v is not None for v in values) else [])
 
     def exists(self, msg: m.Exists) -> m.Message:
         o = self.objects.objs.get(msg.key)

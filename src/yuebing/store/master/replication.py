@@ -2,7 +2,8 @@
 
 The leader's components append an entry to ``Effects.log`` for every change of durable
 metadata (segments, puts, reservations and their renames, commits, deletions, replica moves,
-pins, node tasks' destinations); leases and recency are not replicated. `ReplicationHub`
+pins, node tasks' destinations, and the values the master holds itself, with their commit);
+leases and recency are not replicated. `ReplicationHub`
 (leader side, driven by `MasterService`) answers a `ReplSubscribe` with a snapshot, streams the
 entries and, with ``sync_replication``, holds replies until every standby acknowledged them.
 `Replication` (standby side) replays entries and snapshots into the components, and
@@ -60,6 +61,7 @@ class Replication:
         self.migrations = migrations
         self.membership = membership
         self._apply = {"put": self._put, "commit": self._commit, "del": self._del,
+                       "inline": self._inline,
                        "reps": self._reps, "pin": self._pin, "mount": self._mount,
                        "unmount": self._unmount, "drain": self._drain,
                        "resv": reserve.apply_resv, "rename": reserve.apply_rename,
@@ -69,6 +71,10 @@ class Replication:
     def _put(self, e: list[Any]) -> None:
         _, key, size, checksum, reps, owner, pin, soft_s = e
         self.objects.restore(key, size, checksum, reps, owner, pin, soft_s)
+
+    def _inline(self, e: list[Any]) -> None:
+        _, key, size, checksum, value, owner, pin, soft_s = e
+        self.objects.restore_inline(key, size, checksum, value, owner, pin, soft_s)
 
     def _commit(self, e: list[Any]) -> None:
         self.objects.restore_commit(e[1])
@@ -108,14 +114,16 @@ class Replication:
     def snapshot(self) -> bytes:
         """Every durable record as one msgpack blob (times made relative). An object's owner
         (pending: the writer; committed: the client whose retried commit answers OK) is an
-        index into ``owners``, so a client's id is sent once, not once per value."""
+        index into ``owners``, so a client's id is sent once, not once per value. A value the
+        master holds itself has its bytes as a ninth column."""
         now = self.clock.now()
+        held = self.objects.inline
         segs = [[s.id, s.name, s.size, s.tier, s.node, s.client, int(s.state), s.incarnation]
                 for s in self.segments.segs.values()]
         owners: dict[str | None, int | None] = {None: None}  # each owner once, rows index it
         objs = [[k, o.size, o.checksum, o.reps, int(o.state),
                  owners.setdefault(o.owner, len(owners) - 1), o.pin,
-                 max(0.0, o.soft - now) if o.soft else 0.0]
+                 max(0.0, o.soft - now) if o.soft else 0.0, *((held[k],) if k in held else ())]
                 for k, o in self.objects.objs.items()]
         tasks = [[tid, t.dst[0], t.dst[1], t.size, max(0.0, t.expiry - now)]
                  for tid, t in self.tasks.tasks.items()]
@@ -141,9 +149,12 @@ class Replication:
             self.membership.add_segment(sid, name, size, tier, node, client, None,
                                         *inc).state = SegState(st)
         owners = state.get("owners", [])
-        for key, size, checksum, reps, st, owner, pin, soft_s in state["objs"]:
+        for key, size, checksum, reps, st, owner, pin, soft_s, *value in state["objs"]:
             if isinstance(owner, int):
                 owner = owners[owner]
+            if value:
+                self.objects.restore_inline(key, size, checksum, value[0], owner, pin, soft_s)
+                continue
             self.objects.restore(key, size, checksum, reps, owner, pin, soft_s)
             if st == ObjState.COMMITTED:
                 self.objects.restore_commit(key)
@@ -159,8 +170,8 @@ class Replication:
         """Make a standby authoritative: allocators from replicas and quarantined ranges (kept
         out of use until due), fresh session deadlines; pending puts get a fresh
         ``put_timeout_s`` and a write expiry as late. Read leases are not replicated, so every
-        value is treated as leased for ``lease_ttl_s`` (a reader of the old leader may still be
-        copying). The old leader's node tasks are forgotten, their destinations quarantined
+        value on a segment is treated as leased for ``lease_ttl_s`` (a reader of the old leader
+        may still be copying; a held value's reader got the bytes in its reply). The old leader's node tasks are forgotten, their destinations quarantined
         until their write expiry (`WriteFence.fence_inflight`); task ids restart at 2**48 + a
         random 48-bit number (a late `TaskDone` is also checked against the node it was sent
         to), reservation numbers from a random base."""
@@ -169,7 +180,8 @@ class Replication:
         lease = self.clock.now() + self.cfg.lease_ttl_s
         for o in self.objects.objs.values():
             o.moving = 0
-            o.lease = max(o.lease, lease)
+            if o.reps:
+                o.lease = max(o.lease, lease)
             for sid, off in o.reps:
                 used[sid].append((off, o.size))
         fenced = self.fence.fence_inflight()
