@@ -64,6 +64,7 @@ def _serve(dtype: str, concurrent: bool) -> None:
     assert outs[-1].cached_tokens == 0
 
 
+@pytest.mark.slow  # 140 s on 2 cores; test_instance_serving keeps a fast parity check
 @pytest.mark.timeout(1200)
 def test_disaggregated_greedy_equals_one_engine_fp32_all_at_once():
     _serve("float32", concurrent=True)
