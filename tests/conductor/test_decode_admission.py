@@ -308,7 +308,25 @@ def test_prefill_activity_share_over_the_recent_window():
     for t in range(40):  # two instances back to back over the window add up, at most 1
         a.add(300.0 + t * 0.5, 1.0)
     assert a.share(320.0) == 1.0
-    a.add(0.0, 0.0)  # no work: nothing recorded
+    held = len(a._spans)
+    a.add(319.0, 0.0)  # no work: nothing recorded
+    assert a.share(320.0) == 1.0 and len(a._spans) == held
+
+
+def test_recent_prefills_change_the_tail_but_not_the_forecast_hold():
+    """The running batch is held in the forecast only while a prefill has work now (the
+    overload); a pool that was busy lately but is idle now lets it decay as before."""
+    from dataclasses import replace
+
+    from yuebing.conductor.policy.decode import decode_forecast
+    pol = Policy(config(), PREDICTORS)
+    idle = view(P0, (decode("d0", batch=7),))
+    lately = replace(idle, prefill_busy_share=0.5)
+    assert pol.prefill_busy(lately) and not pol.prefill_has_work(lately)
+    at = idle.now_s + 5.0  # half of the 10 s decodes have ended by then
+    assert decode_forecast(pol, lately, at) == decode_forecast(pol, idle, at)
+    busy = view((prefill("p0", 0.5),), (decode("d0", batch=7),))
+    assert decode_forecast(pol, busy, at) != decode_forecast(pol, idle, at)
 
 
 @pytest.mark.parametrize("tail", [0.5, math.nan, math.inf])

@@ -28,6 +28,7 @@ from yuebing.conductor.policy import (
     RequestInfo,
     Route,
 )
+from yuebing.conductor.policy.policy import TAIL_BUSY_SHARE
 from yuebing.conductor.view import PrefillActivity, PrefillLoad, PrefixLookup, build_view
 from yuebing.core.ids import BlockHash, InstanceId
 from yuebing.sim.colocation import HostMate, Interference, load_interference, stretch
@@ -400,7 +401,8 @@ class MooncakeSystem(SimSystem):
         now = self.loop.now
         busy = self.policy.tbt_tail != 1.0 and (any(
             f > now or q for f, q in zip(self.free_at, self.waiting, strict=True))
-            or any(f > now for f in self.stage_free))
+            or any(f > now for f in self.stage_free)
+            or self.activity.share(now) >= TAIL_BUSY_SHARE)  # as `Policy.prefill_busy`
         step = self.policy.decode_time(d.batch_size + 1, d.context_tokens + job.input_tokens + 1)
         return self.policy.tbt(step, busy)
 

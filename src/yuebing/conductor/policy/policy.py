@@ -141,15 +141,20 @@ class Policy:
         return step_s * self.tbt_tail if busy else step_s
 
     def prefill_busy(self, view: ClusterView) -> bool:
-        """Whether the TBT tail applies: a prefill instance has work queued or running, or
+        """Whether the TBT tail applies: a prefill instance has work (`prefill_has_work`), or
         prefills ran for at least `TAIL_BUSY_SHARE` of the recent window
         (`ClusterView.prefill_busy_share`), so decode steps are likely to meet prefill passes
-        (on shared cores, a stretched step).
-        Once admission lets the prefill pool drain, the tail no longer applies: it cannot hold
-        the cluster in rejection. (The live Conductor learns the tail from such requests only.)"""
+        (on shared cores, a stretched step). Once admission lets the prefill pool drain and
+        no prefill is routed for a window, the tail no longer applies: it cannot hold the
+        cluster in rejection. (The live Conductor learns the tail from such requests only.)"""
+        return view.prefill_busy_share >= TAIL_BUSY_SHARE or self.prefill_has_work(view)
+
+    @staticmethod
+    def prefill_has_work(view: ClusterView) -> bool:
+        """A prefill instance (or a group's stage or twin) has work queued or running now:
+        the overload in which `decode_forecast` holds the running batch."""
         stages = (s for g in view.groups for s in (*g.stages, *g.twins))
-        return (view.prefill_busy_share >= TAIL_BUSY_SHARE
-                or any(p.queue_s > 0 for p in (*view.prefills, *stages)))
+        return any(p.queue_s > 0 for p in (*view.prefills, *stages))
 
     def transfer_time(self, nbytes: float, view: ClusterView) -> float:
         return self._tp(nbytes, view.link_bandwidth_Bps, view.link_latency_s)
