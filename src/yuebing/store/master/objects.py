@@ -14,7 +14,7 @@ from __future__ import annotations
 from yuebing.core.clock import Clock
 from yuebing.protocol import store as m
 from yuebing.protocol.store_cluster import EventKind
-from yuebing.store.config import MasterConfig
+from yuebing.store.config import HELD_OVERHEAD, MasterConfig
 from yuebing.store.master.effects import Effects
 from yuebing.store.master.fence import WriteFence
 from yuebing.store.master.reservations import Reservations
@@ -23,9 +23,6 @@ from yuebing.store.master.state import Obj, ObjState
 
 C = m.Code
 MAX_OWNERS = 1 << 16
-HELD_OVERHEAD = 512
-"""Bytes a value the master holds counts against ``inline_capacity`` beyond its own: its
-metadata (key, `Obj`, table entries; ~420 B measured), so tiny values cannot pile up unbounded."""
 COMMITTED = ObjState.COMMITTED
 PENDING = ObjState.PENDING
 
