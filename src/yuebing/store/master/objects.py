@@ -84,6 +84,12 @@ class Objects:
         self.effects.events.append((EventKind.STORED, it.key, [m.INLINE_HOLDER]))
         self.effects.counters["puts"] += 1
 
+    def touch_held(self, key: str) -> None:
+        """A held value was read: it moves to the recently used end of both orders (the
+        objects' and the held values', which their evictions walk from the front)."""
+        self.objs[key] = self.objs.pop(key)
+        self.inline[key] = self.inline.pop(key)
+
     def due_at_expiry(self, key: str) -> None:
         """Reclaim the pending put ``key`` at its write expiry (a reservation: useless after
         it) rather than at its deadline."""
