@@ -86,7 +86,7 @@ def decode_forecast(pol: Policy, view: ClusterView, at_s: float) -> State:
     (`forecast_state` ``hold``) and only the routed requests still in prefill are forecast.
     Decaying it instead made the forecast lighter the longer the prefill queue: more admitted
     while overloaded, and the learned tail inflated for the calm after."""
-    return forecast_state(pol, view, at_s, hold=pol.prefill_has_work(view))
+    return forecast_state(pol, view, at_s, hold=pol.prefill_busy(view))
 
 
 def _add_pending(view: ClusterView, pol: Policy | None, at_s: float | None, batch: list[float],
