@@ -209,6 +209,20 @@ def test_tbt_tail_is_a_quantile_of_recent_ratios_within_limits():
     assert len(tail.window) == 4
 
 
+def test_tbt_tail_waits_until_one_outlier_cannot_be_the_quantile():
+    from yuebing.conductor.calibration import outlier_free_samples
+    assert outlier_free_samples(0.9, 32) == 10 and outlier_free_samples(0.5, 32) == 2
+    assert outlier_free_samples(1.0, 32) == 32  # the maximum: wait for a full window
+    got: list[float] = []
+    tail = TbtTail(got.append, every=1)  # the defaults: quantile 0.9, so 10 samples
+    for _ in range(8):
+        tail.observe(0.06, 0.03)  # ratio 2
+    tail.observe(0.3, 0.03)  # one outlier, held at 4: 9 samples, not yet
+    assert got == []
+    tail.observe(0.06, 0.03)  # the 10th: the 9th of ten sorted is 2, not the outlier
+    assert got == [2.0]
+
+
 def test_tbt_tail_median_quantile_and_clamped_ratios():
     got: list[float] = []
     tail = TbtTail(got.append, min_samples=4, every=2, quantile=0.5)

@@ -279,38 +279,6 @@ def test_tbt_tail_is_off_while_the_prefill_pool_is_idle():
     assert not route.prefill_busy  # the Conductor learns no tail from it
 
 
-def test_tbt_tail_applies_while_prefills_ran_lately_though_none_queues_now():
-    """Idle at this moment but busy a tenth of the recent window: a request decoding from now
-    on will meet prefill passes, so its TBT is predicted with the tail (at 1.5, 136.5 ms: over
-    the SLO); below a tenth it is not."""
-    from dataclasses import replace
-    idle = view(P0, (decode("d0", batch=7),))
-    lately = replace(idle, prefill_busy_share=0.1)
-    r = decide_with(lately, admission="early_rejection", tbt_tail=1.5)
-    assert r.reason == "decode_overload"
-    route = decide_with(lately, tbt_tail=1.5)
-    assert route.prefill_busy and route.est_tbt_s == pytest.approx(0.1365)
-    calm = replace(idle, prefill_busy_share=0.09)
-    assert not decide_with(calm, tbt_tail=1.5).prefill_busy
-
-
-def test_prefill_activity_share_over_the_recent_window():
-    from yuebing.conductor.view import BUSY_WINDOW_S, PrefillActivity
-    a = PrefillActivity()
-    assert a.share(100.0) == 0.0
-    a.add(95.0, 1.0)  # ran 95-96
-    a.add(99.5, 2.0)  # started 0.5 s ago, runs on: only the half second past counts
-    a.add(50.0, 1.0)  # long gone
-    assert a.share(100.0) == pytest.approx(1.5 / BUSY_WINDOW_S)
-    # 5.5 s later the first span is half out of the window and the second ran whole
-    assert a.share(100.0 + 5.5) == pytest.approx(2.5 / BUSY_WINDOW_S)
-    assert a.share(200.0) == 0.0  # a cluster that stopped routing calms down
-    for t in range(40):  # two instances back to back over the window add up, at most 1
-        a.add(300.0 + t * 0.5, 1.0)
-    assert a.share(320.0) == 1.0
-    a.add(0.0, 0.0)  # no work: nothing recorded
-
-
 @pytest.mark.parametrize("tail", [0.5, math.nan, math.inf])
 def test_tbt_tail_below_one_or_not_finite_is_refused(tail):
     with pytest.raises(ConfigError, match="tbt_tail"):

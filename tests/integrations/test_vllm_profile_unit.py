@@ -123,12 +123,17 @@ def test_queue_time_from_the_usage_chunk() -> None:
     assert vllm_queue_s({"metrics": {"queue_time_ms": -1}}) == 0.0
 
 
-def test_decode_prompts_share_one_base_and_end_fresh() -> None:
+def test_decode_prompts_share_a_base_per_slot_and_end_fresh() -> None:
+    """The points share each slot's base (cached once); the sequences of one batch do not
+    (a shared prefix's KV is read once for all, and the step would be measured too fast)."""
     probe = vp.VllmProbe("http://127.0.0.1:9", "m", 50000, seed=3)
     a, b, long = probe.decode_prompt(512), probe.decode_prompt(512), probe.decode_prompt(2048)
     assert len(a) == len(b) == 512 and len(long) == 2048
     tail = vp.DECODE_TAIL
     assert a[:-tail] == b[:-tail] == long[:512 - tail] and a[-tail:] != b[-tail:]
+    other = probe.decode_prompt(512, slot=1)
+    assert len(other) == 512 and other[:64] != a[:64]
+    assert probe.decode_prompt(1024, slot=1)[:512 - tail] == other[:-tail]
     assert len(probe.decode_prompt(4)) == 4  # shorter than the tail: all fresh
 
 

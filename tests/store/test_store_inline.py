@@ -5,6 +5,7 @@ OK only for its own client, and they survive replication, snapshots and a takeov
 
 from __future__ import annotations
 
+import pytest
 from master_factories import KiB, leader_and_standby, make, ship
 
 from yuebing.protocol import store as m
@@ -133,3 +134,11 @@ def test_held_values_survive_entries_snapshot_and_takeover() -> None:
                                       value=b"a" * 200)) == m.Ok()  # resent across failover
     assert standby.handle(m.Remove(key="before")) == m.Ok()  # no blanket lease: no reader
     assert standby.log[-1] == ["del", "before"]
+
+
+def test_a_capacity_that_cannot_hold_one_largest_value_is_refused() -> None:
+    from yuebing.core.errors import ConfigError
+    from yuebing.store.config import MasterConfig
+    with pytest.raises(ConfigError, match=r"--inline-capacity must be in 16896 \(--inline-max"):
+        MasterConfig(inline_max_bytes=16 << 10, inline_capacity=16 << 10)
+    MasterConfig(inline_max_bytes=0, inline_capacity=0)  # off: no budget needed

@@ -89,6 +89,26 @@ def test_a_master_with_inline_off_gets_segment_puts() -> None:
         mst.stop()
 
 
+def test_a_batch_over_the_masters_request_limit_goes_the_normal_way() -> None:
+    """A master taking requests of 64 KiB: a 960 KiB batch of small values is answered
+    BAD_REQUEST (read whole, not a closed connection), and the client puts them on a node."""
+    mst = master("--max-request-bytes", "64KiB", "--rpc-buffer-bytes", "256KiB")
+    nd = node(mst.info["address"], "16MiB", "--name", "inl64")
+    try:
+        with StoreClient(ClientConfig(master=mst.info["address"])) as c:
+            sent = recording(c)
+            keys = [f"b/{i}" for i in range(80)]
+            values = [bytes([i]) * (12 << 10) for i in range(80)]
+            assert c.batch_put(keys, values) == [0] * 80
+            assert sent[0][0] == "BatchPutInline" and "BatchPutStart" in sent[0]
+            assert c.batch_get(keys) == values
+            assert c.put("one", b"1" * 100) == 1  # the gate: the normal way for a while
+            assert sent[0][-2:] == ["PutStart", "PutEnd"]
+    finally:
+        nd.stop()
+        mst.stop()
+
+
 @pytest.mark.etcd
 @pytest.mark.skipif(find_etcd() is None, reason="etcd binary not installed")
 def test_held_values_survive_a_master_failover() -> None:

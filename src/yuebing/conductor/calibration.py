@@ -234,6 +234,15 @@ MIN_STEP_S = 1e-3
 """Requests predicted a shorter step than this do not count (no prediction to compare with)."""
 
 
+def outlier_free_samples(quantile: float, most: int) -> int:
+    """The fewest samples whose nearest-rank ``quantile`` is not their largest (at most
+    ``most``): 10 at 0.9, so one outlier alone never becomes the tail."""
+    n = 1
+    while n < most and math.ceil(quantile * n) >= n:
+        n += 1
+    return n
+
+
 class TbtTail:
     """The policy's TBT tail (`PolicyConfig.tbt_tail`), learned from finished requests.
 
@@ -246,10 +255,12 @@ class TbtTail:
 
     def __init__(self, on_change: Callable[[float], None], learn: bool = True,
                  initial: float = 1.0, window: int = TAIL_WINDOW,
-                 min_samples: int = TAIL_MIN_SAMPLES, every: int = TAIL_EVERY,
+                 min_samples: int | None = None, every: int = TAIL_EVERY,
                  quantile: float = TAIL_QUANTILE) -> None:
         if not 0.0 < quantile <= 1.0:
             raise ValueError(f"the TBT tail quantile must be in (0, 1], got {quantile}")
+        if min_samples is None:  # enough that the quantile is never the one largest ratio
+            min_samples = max(TAIL_MIN_SAMPLES, outlier_free_samples(quantile, window))
         self.on_change = on_change
         self.learn, self.quantile = learn, quantile
         self.current = initial

@@ -28,7 +28,7 @@ from yuebing.conductor.policy import (
     Route,
 )
 from yuebing.conductor.policy.types import ClusterView
-from yuebing.conductor.view import KvIndex, PrefillActivity, PrefillLoad, build_view
+from yuebing.conductor.view import KvIndex, PrefillLoad, build_view
 from yuebing.core.errors import ConfigError
 from yuebing.core.ids import InstanceId
 from yuebing.engine.config import parse_group_layers, parse_layers
@@ -109,8 +109,6 @@ class LiveCluster:
         self.fingerprint = ""
         self.max_model_len = 0
         self.pending: dict[str, PendingDecode] = {}
-        self.activity = PrefillActivity()
-        """Prefill work routed lately (the view's ``prefill_busy_share``)."""
         self.on_dead: list[Callable[[Member], None]] = []
         self.admit_checks: list[Callable[[Hello], str]] = []
         """More checks of a joining instance's `Hello` ('' = fine, else why it is refused)."""
@@ -373,7 +371,7 @@ class LiveCluster:
                  for _, stages in groups or ()]
         return build_view(now_s, loads, lookup, states, link_bandwidth_Bps=self.link_bandwidth_Bps,
                           link_latency_s=self.link_latency_s, pending=self.pending.values(),
-                          groups=glo, twins=twins, prefill_busy_share=self.activity.share(now_s))
+                          groups=glo, twins=twins)
 
     def _prefill_load(self, m: Member, now_s: float) -> PrefillLoad:
         r = m.report
@@ -425,7 +423,6 @@ class LiveCluster:
         self.pending[info.request_id] = PendingDecode(
             now_s + route.est_ttft_s, info.expected_output_tokens, route.decode_id,
             info.input_tokens)
-        self.activity.add(now_s + route.est_queue_s, route.est_prefill_s)
 
     def admitted(self, request_id: str, prefill_id: InstanceId, now_s: float) -> None:
         """``request_id`` left the instance's gate: its prefill starts counting down now."""

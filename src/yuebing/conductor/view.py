@@ -11,7 +11,6 @@ adapters the same inputs and compares decisions.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -29,36 +28,6 @@ from yuebing.core.ids import InstanceId
 
 STORE_HOLDER = "store"
 """Holder name of blocks in the store (the KV pool shared by every instance)."""
-BUSY_WINDOW_S = 10.0
-"""How far back `PrefillActivity.share` looks: about one request's decode life (128 tokens at
-tens of ms), the time over which its paper TBT meets the prefill passes that run."""
-
-
-class PrefillActivity:
-    """The prefill work routed lately, for `ClusterView.prefill_busy_share`.
-
-    Both adapters `add` every routed prefill (its predicted start and seconds) and read `share`
-    when they build a view; the policy applies the TBT tail while the share is high, even at a
-    moment when no prefill queues (`Policy.prefill_busy`). Pure: times come from the caller."""
-
-    __slots__ = ("_spans",)
-
-    def __init__(self) -> None:
-        self._spans: deque[tuple[float, float]] = deque()
-
-    def add(self, start_s: float, seconds: float) -> None:
-        if seconds > 0:
-            self._spans.append((start_s, start_s + seconds))
-
-    def share(self, now_s: float) -> float:
-        """Prefill seconds that ran in [now − `BUSY_WINDOW_S`, now], over the window (spans of
-        several instances add up: on a shared host each one stretches the decode's steps), at
-        most 1."""
-        lo = now_s - BUSY_WINDOW_S
-        if self._spans and min(end for _, end in self._spans) <= lo:
-            self._spans = deque(span for span in self._spans if span[1] > lo)
-        busy = sum(max(0.0, min(end, now_s) - max(start, lo)) for start, end in self._spans)
-        return min(1.0, busy / BUSY_WINDOW_S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +60,7 @@ def build_view(now_s: float, prefills: Sequence[PrefillLoad], lookup: PrefixLook
                decodes: Sequence[DecodeState], *, link_bandwidth_Bps: float,
                link_latency_s: float, pending: Iterable[PendingDecode] = (),
                groups: Sequence[tuple[InstanceId, Sequence[tuple[PrefillLoad, int]]]] = (),
-               twins: Sequence[Sequence[PrefillLoad]] = (),
-               prefill_busy_share: float = 0.0) -> ClusterView:
+               twins: Sequence[Sequence[PrefillLoad]] = ()) -> ClusterView:
     """The `ClusterView` of one request (see the module docstring for who calls it).
     ``groups``: declared pipeline groups (id, per stage in layer order its load and the
     leading blocks of the request it can load: its range's store objects); ``twins``: per
@@ -117,8 +85,7 @@ def build_view(now_s: float, prefills: Sequence[PrefillLoad], lookup: PrefixLook
                     for g, (gid, stages) in enumerate(groups))
     return ClusterView(now_s=now_s, prefills=states, decodes=tuple(decodes), best_prefix=src,
                        link_bandwidth_Bps=link_bandwidth_Bps, link_latency_s=link_latency_s,
-                       pending_decodes=tuple(pending), groups=pgroups,
-                       prefill_busy_share=prefill_busy_share)
+                       pending_decodes=tuple(pending), groups=pgroups)
 
 
 class KvIndex:

@@ -28,7 +28,7 @@ from yuebing.conductor.policy import (
     RequestInfo,
     Route,
 )
-from yuebing.conductor.view import PrefillActivity, PrefillLoad, PrefixLookup, build_view
+from yuebing.conductor.view import PrefillLoad, PrefixLookup, build_view
 from yuebing.core.ids import BlockHash, InstanceId
 from yuebing.sim.colocation import HostMate, Interference, load_interference, stretch
 from yuebing.sim.decode import DecodeInstance, DecodeJob
@@ -146,7 +146,6 @@ class MooncakeSystem(SimSystem):
             self.mates[j].decode_step if j in self.mates else None))
             for j, d in enumerate(self.decode_ids)]
         self.pending: dict[int, PendingDecode] = {}
-        self.activity = PrefillActivity()
         self.policy: Policy | None = None
         self.hot_keys: list[int] = []
         self.replica_series: dict[str, list[int]] = {}
@@ -189,7 +188,7 @@ class MooncakeSystem(SimSystem):
         twins = [[loads[t] for t in ts] for ts in self.twins] if self.twin_group else []
         return build_view(now, loads, lookup, decodes, link_bandwidth_Bps=self.cost.link_Bps,
                           link_latency_s=self.cost.link_latency_s, pending=self.pending.values(),
-                          groups=groups, twins=twins, prefill_busy_share=self.activity.share(now))
+                          groups=groups, twins=twins)
 
     def on_arrival(self, request: SimRequest, record: RequestRecord) -> None:
         assert self.policy is not None, "prepare() runs before the first arrival"
@@ -206,7 +205,6 @@ class MooncakeSystem(SimSystem):
             record.rejected = decision.stage
             record.reject_reason = decision.reason
             return
-        self.activity.add(self.loop.now + decision.est_queue_s, decision.est_prefill_s)
         j = self.decode_index[decision.decode_id]
         if decision.stages:
             self._start_group(request, record, self.group_index[decision.prefill_id], j)

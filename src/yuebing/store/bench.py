@@ -261,12 +261,13 @@ def run_bench(ns: argparse.Namespace) -> int:
     if bad or ns.batch < 1 or ns.runs < 1:
         raise SystemExit(f"bad --paths {bad} / --batch / --runs")
     procs, master = _start(ns)
-    raw = RawServer(ns.batch * max(parse_size_list(ns.sizes)), 4 << 20) \
-        if ns.raw and "remote_tcp" in paths else None  # 4 MiB: the engine's socket_buffer
+    raw: RawServer | None = None
     rows: list[dict[str, Any]] = []
     steps = len(paths) * ((0 if ns.skip_data else len(parse_size_list(ns.sizes))
                            * len(ns.pairs.split(","))) + (0 if ns.skip_meta else 1))
     try:
+        if ns.raw and "remote_tcp" in paths:  # 4 MiB: the engine's socket_buffer
+            raw = RawServer(ns.batch * max(parse_size_list(ns.sizes)), 4 << 20)
         with Progress(console=Console(stderr=True), transient=ns.json) as prog:
             task = prog.add_task("bench store", total=steps)
             for path in paths:

@@ -18,6 +18,13 @@ CLIENT_SPIN_REF_US = 100
 """A client's spin window for a master reply on the reference core."""
 
 PLACEMENTS = ("random", "free_ratio", "local_first", "preferred")
+HELD_OVERHEAD = 512
+"""Bytes a value the master holds counts against ``inline_capacity`` beyond its own: its
+metadata (key, `Obj`, table entries; ~420 B measured), so tiny values cannot pile up unbounded."""
+INLINE_BATCH_BYTES = 1 << 20
+"""Most value bytes one `BatchPutInline` of a client carries; a master with a smaller
+``max_request_bytes`` still reads it whole and answers BAD_REQUEST (the client then puts the
+values the normal way)."""
 INLINE_MAX_BYTES = 16 << 10
 """Default largest value the master holds itself (client and master `inline_max_bytes`)."""
 
@@ -135,9 +142,11 @@ class MasterConfig:
         require(0 <= self.inline_max_bytes <= min(1 << 20, self.max_request_bytes // 2),
                 f"--inline-max-bytes must be in 0..min(1MiB, --max-request-bytes / 2), "
                 f"got {self.inline_max_bytes}")
-        require(self.inline_max_bytes <= self.inline_capacity <= 512 << 20,
-                f"--inline-capacity must be in --inline-max-bytes ({self.inline_max_bytes})"
-                f"..512MiB (a standby's snapshot carries the values), got {self.inline_capacity}")
+        least = self.inline_max_bytes + HELD_OVERHEAD if self.inline_max_bytes else 0
+        require(least <= self.inline_capacity <= 512 << 20,
+                f"--inline-capacity must be in {least} (--inline-max-bytes + {HELD_OVERHEAD} "
+                f"bytes of metadata)..512MiB (a standby's snapshot carries the values), got "
+                f"{self.inline_capacity}")
         require_token("--rpc-address", host_of(self.rpc_address), self.cluster_token)
         require(0 <= self.admin_port < 65536, f"--admin-port out of range: {self.admin_port}")
         require(bool(self.admin_host), "--admin-host must name an address, e.g. 127.0.0.1")

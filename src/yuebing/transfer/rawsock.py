@@ -2,7 +2,7 @@
 --raw`` hold TCP against: a put (``sendall`` of a header and the payload, an 8-byte answer once
 the server ``recv_into``'d all of it) and a get (a header; the payload ``recv_into``'d).
 
-`start_raw_server` runs the server (``python -m yuebing.transfer.rawsock BYTES``: one buffer of
+`RawServer` runs the server (``python -m yuebing.transfer.rawsock BYTES``: one buffer of
 BYTES, a thread per connection) as a child process; `RawClient` makes the calls, from and into
 the caller's views at the offsets the engine uses, so both walk the same working set.
 `interleave` alternates rounds of two measurements and reports medians and their spread.

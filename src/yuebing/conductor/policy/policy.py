@@ -35,10 +35,6 @@ from yuebing.conductor.policy.types import (
 )
 from yuebing.core.errors import InputError
 
-TAIL_BUSY_SHARE = 0.1
-"""A request's paper TBT is the mean of its longest tenth of intervals: once prefills run a
-tenth of the time, that tenth is steps stretched by them, and the TBT tail applies."""
-
 
 class Policy:
     """Routing + admission for one `PolicyConfig` and one `Predictors` bundle (immutable)."""
@@ -141,15 +137,12 @@ class Policy:
         return step_s * self.tbt_tail if busy else step_s
 
     def prefill_busy(self, view: ClusterView) -> bool:
-        """Whether the TBT tail applies: a prefill instance has work queued or running, or
-        prefills ran for at least `TAIL_BUSY_SHARE` of the recent window
-        (`ClusterView.prefill_busy_share`), so decode steps are likely to meet prefill passes
-        (on shared cores, a stretched step).
+        """Whether the TBT tail applies: a prefill instance has work queued or running, so
+        decode steps are likely to meet prefill passes (on shared cores, a stretched step).
         Once admission lets the prefill pool drain, the tail no longer applies: it cannot hold
         the cluster in rejection. (The live Conductor learns the tail from such requests only.)"""
         stages = (s for g in view.groups for s in (*g.stages, *g.twins))
-        return (view.prefill_busy_share >= TAIL_BUSY_SHARE
-                or any(p.queue_s > 0 for p in (*view.prefills, *stages)))
+        return any(p.queue_s > 0 for p in (*view.prefills, *stages))
 
     def transfer_time(self, nbytes: float, view: ClusterView) -> float:
         return self._tp(nbytes, view.link_bandwidth_Bps, view.link_latency_s)

@@ -142,9 +142,6 @@ class ClusterView:
     """Declared pipeline groups (live: stage instances, ``--layers``). With none, a long
     prefill's estimate assumes a group formed from any prefill instances (the simulator's
     default)."""
-    prefill_busy_share: float = 0.0
-    """Share of the last `conductor.view.BUSY_WINDOW_S` in which routed prefill work ran
-    (`PrefillActivity`): how often a request decoding now will meet a prefill pass."""
 
 
 class RejectStage(IntEnum):

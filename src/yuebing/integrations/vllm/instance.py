@@ -560,7 +560,8 @@ class VllmInstance:
                 queued = min(queue_s or 0.0, first[1] - sent_at)
                 breakdown = msgspec.structs.replace(breakdown or Breakdown(), queue_s=queued,
                                                     prefill_s=first[1] - sent_at - queued)
-            elif queue_s:  # a decode's continuation: vLLM's queue delays its first step
+            elif queue_s and outputs_before > 0:  # a decode's continuation: vLLM's queue
+                # delays its first step
                 breakdown = msgspec.structs.replace(breakdown or Breakdown(),
                                                     decode_wait_s=queue_s)
             self._event(ident, TaskEvent(request_id=rid, kind=EventKind.FINISH,

@@ -64,7 +64,8 @@ class VllmProbe:
         self.url, self.model = url, model
         self.rng = random.Random(seed if seed is not None else random.randrange(1 << 31))
         self.vocab = vocab_size
-        self.base: list[int] = []
+        self.bases: list[list[int]] = []
+        """One base prompt per slot of a decode batch, shared by the decode points."""
 
     def tokens(self, n: int) -> list[int]:
         """``n`` fresh random token ids (every call: no prefix shared with another)."""
@@ -93,14 +94,18 @@ class VllmProbe:
                         json.loads(line[5:]).get("choices"):
                     out.append(time.perf_counter())
 
-    def decode_prompt(self, length: int) -> list[int]:
-        """A ``length``-token prompt for a decode point: the start of one base prompt shared
-        by every decode point (vLLM's prefix cache computes its full blocks once: a decode
-        step reads a shared block as it reads its own) and `DECODE_TAIL` fresh tokens."""
+    def decode_prompt(self, length: int, slot: int = 0) -> list[int]:
+        """A ``length``-token prompt for sequence ``slot`` of a decode point: the start of that
+        slot's base prompt and `DECODE_TAIL` fresh tokens. The sequences of one batch have
+        their own bases (a shared prefix would be KV read once for all, and the step too
+        fast); the decode points share them (vLLM's prefix cache computes their blocks once)."""
         tail = min(DECODE_TAIL, length)
-        if len(self.base) < length - tail:
-            self.base += self.tokens(length - tail - len(self.base))
-        return self.base[:length - tail] + self.tokens(tail)
+        while len(self.bases) <= slot:
+            self.bases.append([])
+        base = self.bases[slot]
+        if len(base) < length - tail:
+            base += self.tokens(length - tail - len(base))
+        return base[:length - tail] + self.tokens(tail)
 
     def decode_step(self, batch: int, context: int) -> float:
         """The median step while ``batch`` sequences of ``context // batch`` prompt tokens
@@ -108,7 +113,7 @@ class VllmProbe:
         the first sequence's last one."""
         times: list[list[float]] = [[] for _ in range(batch)]
         threads = [threading.Thread(target=self._stream_times,
-                                    args=(self.decode_prompt(context // batch), times[i]))
+                                    args=(self.decode_prompt(context // batch, i), times[i]))
                    for i in range(batch)]
         for t in threads:
             t.start()

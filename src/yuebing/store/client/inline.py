@@ -2,7 +2,8 @@
 `InlineGate`), the steps of a put that asks (`put`: one `PutInline`) and of a batch of them
 (`batch_put`: one `BatchPutInline`), and the copy of a value a get's reply carries (`copy_in`).
 A refusal sends the value the normal way and keeps values over the size the master says it
-holds off the inline path for `RETRY_S`. Called by `puts` and `gets` (both clients run these steps).
+holds off the inline path for `RETRY_S`. Called by `puts` and `gets` (both clients run these
+steps).
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ import msgspec
 from yuebing.core.errors import InputError
 from yuebing.protocol import store as m
 from yuebing.store.client.core import Call, Steps
-from yuebing.store.config import ClientConfig
+from yuebing.store.client.rpc import StoreRpcError
+from yuebing.store.config import INLINE_BATCH_BYTES, ClientConfig
 
 C = m.Code
 RETRY_S = 5.0
 """How long values of a size the master refused to hold are put the normal way before asking
 again (its budget may have room again, or a new leader may hold them)."""
-BATCH_MAX_BYTES = 1 << 20
-"""Most value bytes one `BatchPutInline` carries (the master's requests are <= 8 MiB)."""
+BATCH_MAX_BYTES = INLINE_BATCH_BYTES
+"""Most value bytes one `BatchPutInline` carries (a master holding values takes requests of
+at least twice that, `MasterConfig`)."""
 NEVER = 1 << 62
 
 
@@ -62,9 +65,16 @@ def wants(cfg: ClientConfig, gate: InlineGate | None, size: int, replicas: int |
 
 def put(client: str, gate: InlineGate, item: m.PutItem, mv: memoryview) -> Steps[bool]:
     """Ask the master to hold ``item``'s value ``mv``; False when it will not
-    (`InlineRefused`: the caller puts it the normal way). Other refusals raise
+    (`InlineRefused`, or BAD_REQUEST: an older master, or a request over its size limit; the
+    normal put then names any fault of the item itself). Other refusals raise
     (`StoreRpcError`)."""
-    r = yield Call(m.PutInline(client=client, item=item, value=bytes(mv)))
+    try:
+        r = yield Call(m.PutInline(client=client, item=item, value=bytes(mv)))
+    except StoreRpcError as e:
+        if e.code != C.BAD_REQUEST:
+            raise
+        gate.refuse(0)
+        return False
     if isinstance(r, m.InlineRefused):
         gate.refuse(r.max_bytes)
         return False
@@ -75,11 +85,18 @@ def batch_put(client: str, gate: InlineGate, items: list[m.PutItem], mvs: list[m
               todo: list[int], codes: list[int]) -> Steps[list[int]]:
     """Ask the master to hold the items ``todo`` (all of them small enough, `BATCH_MAX_BYTES`
     in all) with one `BatchPutInline`; fills ``codes`` of those it took or refused for good,
-    returns the ones to put the normal way (NOT_INLINE)."""
+    returns the ones to put the normal way (NOT_INLINE; all of them on BAD_REQUEST, as `put`).
+    """
     strip = msgspec.structs.replace
-    r = yield Call(m.BatchPutInline(
-        client=client, items=[strip(items[i], strategy="", preferred=[]) for i in todo],
-        values=[bytes(mvs[i]) for i in todo]))
+    try:
+        r = yield Call(m.BatchPutInline(
+            client=client, items=[strip(items[i], strategy="", preferred=[]) for i in todo],
+            values=[bytes(mvs[i]) for i in todo]))
+    except StoreRpcError as e:
+        if e.code != C.BAD_REQUEST:
+            raise
+        gate.refuse(0)
+        return list(todo)
     assert isinstance(r, m.InlineCodes)
     left = []
     for i, code in zip(todo, r.codes, strict=True):

@@ -103,11 +103,11 @@ class Eviction:
         segs = self.segments.segs
         n = 0
         for key, o in self.objects.objs.items():
-            if not o.reps:  # on no segment (a value the master holds, `Inline`)
-                continue
-            n += 1
+            n += 1  # held values count too: they cannot make the walk unbounded
             if n > SCAN_LIMIT:
                 return
+            if not o.reps:  # on no segment (a value the master holds, `Inline`)
+                continue
             if (o.state != ObjState.COMMITTED or o.lease > now or o.pin or o.moving
                     or (not soft_ok and o.soft > now)):
                 continue

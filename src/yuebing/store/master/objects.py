@@ -14,7 +14,7 @@ from __future__ import annotations
 from yuebing.core.clock import Clock
 from yuebing.protocol import store as m
 from yuebing.protocol.store_cluster import EventKind
-from yuebing.store.config import MasterConfig
+from yuebing.store.config import HELD_OVERHEAD, MasterConfig
 from yuebing.store.master.effects import Effects
 from yuebing.store.master.fence import WriteFence
 from yuebing.store.master.reservations import Reservations
@@ -23,9 +23,6 @@ from yuebing.store.master.state import Obj, ObjState
 
 C = m.Code
 MAX_OWNERS = 1 << 16
-HELD_OVERHEAD = 512
-"""Bytes a value the master holds counts against ``inline_capacity`` beyond its own: its
-metadata (key, `Obj`, table entries; ~420 B measured), so tiny values cannot pile up unbounded."""
 COMMITTED = ObjState.COMMITTED
 PENDING = ObjState.PENDING
 
@@ -86,6 +83,12 @@ class Objects:
                             it.soft_pin_s])
         self.effects.events.append((EventKind.STORED, it.key, [m.INLINE_HOLDER]))
         self.effects.counters["puts"] += 1
+
+    def touch_held(self, key: str) -> None:
+        """A held value was read: it moves to the recently used end of both orders (the
+        objects' and the held values', which their evictions walk from the front)."""
+        self.objs[key] = self.objs.pop(key)
+        self.inline[key] = self.inline.pop(key)
 
     def due_at_expiry(self, key: str) -> None:
         """Reclaim the pending put ``key`` at its write expiry (a reservation: useless after

@@ -49,11 +49,9 @@ class Reads:
         if o is None or o.state != COMMITTED:
             return m.Err(code=int(C.NOT_FOUND), message=f"no value for {key!r}")
         self.effects.counters["gets"] += 1
-        held = self.objects.inline
-        value = held.get(key)
+        value = self.objects.inline.get(key)
         if value is not None:  # the bytes travel in the reply: no lease, nothing to release
-            objs[key] = objs.pop(key)
-            held[key] = held.pop(key)
+            self.objects.touch_held(key)
             return m.ReplicaList(key=key, size=o.size, checksum=o.checksum, replicas=[],
                                  lease_s=0.0, value=value)
         now = self.clock.now()

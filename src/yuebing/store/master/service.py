@@ -32,7 +32,7 @@ from yuebing.protocol.store_cluster import (
     ReplSubscribe,
     TaskDone,
 )
-from yuebing.store.config import MASTER_SPIN_REF_US, MasterConfig
+from yuebing.store.config import INLINE_BATCH_BYTES, MASTER_SPIN_REF_US, MasterConfig
 from yuebing.store.master.core import MasterCore
 from yuebing.store.master.election import Elector, EtcdElector, SingleElector
 from yuebing.store.master.replication import ReplicationHub
@@ -60,11 +60,15 @@ GC_FREEZE_S = 30.0
 
 def limits_of(cfg: MasterConfig) -> FrameLimits:
     """The RPC port's limits (`wire_limits.FrameLimits`) from the master's config: frames up to
-    ``max_request_bytes`` (8x that is still read and dropped with an error reply, more closes
-    the connection), ``rpc_buffer_bytes`` of incomplete frames, ``frame_timeout_s`` each."""
+    ``max_request_bytes`` (8x that, and while it holds small values at least twice a client's
+    batch of them, is still read and dropped with an error reply: the client then puts them
+    the normal way; more closes the connection), ``rpc_buffer_bytes`` of incomplete frames,
+    ``frame_timeout_s`` each."""
+    discard = 8 * cfg.max_request_bytes
+    if cfg.inline_max_bytes:
+        discard = max(discard, 2 * INLINE_BATCH_BYTES)
     return FrameLimits(max_frame=cfg.max_request_bytes, budget=cfg.rpc_buffer_bytes,
-                       frame_timeout_s=cfg.frame_timeout_s,
-                       discard_max=min(8 * cfg.max_request_bytes, MAX_FRAME))
+                       frame_timeout_s=cfg.frame_timeout_s, discard_max=min(discard, MAX_FRAME))
 
 
 def freeze_long_lived() -> None:
