@@ -63,13 +63,19 @@ def wants(cfg: ClientConfig, gate: InlineGate | None, size: int, replicas: int |
             and ((replicas or cfg.replicas) == 1 or best_effort) and gate.open(size))
 
 
+def unplaced(item: m.PutItem) -> m.PutItem:
+    """``item`` without its placement (strategy, preferred segments): a held value has none,
+    and the same-host preference the client adds is no request (`wants`)."""
+    return msgspec.structs.replace(item, strategy="", preferred=[])
+
+
 def put(client: str, gate: InlineGate, item: m.PutItem, mv: memoryview) -> Steps[bool]:
     """Ask the master to hold ``item``'s value ``mv``; False when it will not
     (`InlineRefused`, or BAD_REQUEST: an older master, or a request over its size limit; the
     normal put then names any fault of the item itself). Other refusals raise
     (`StoreRpcError`)."""
     try:
-        r = yield Call(m.PutInline(client=client, item=item, value=bytes(mv)))
+        r = yield Call(m.PutInline(client=client, item=unplaced(item), value=bytes(mv)))
     except StoreRpcError as e:
         if e.code != C.BAD_REQUEST:
             raise
@@ -87,10 +93,9 @@ def batch_put(client: str, gate: InlineGate, items: list[m.PutItem], mvs: list[m
     in all) with one `BatchPutInline`; fills ``codes`` of those it took or refused for good,
     returns the ones to put the normal way (NOT_INLINE; all of them on BAD_REQUEST, as `put`).
     """
-    strip = msgspec.structs.replace
     try:
         r = yield Call(m.BatchPutInline(
-            client=client, items=[strip(items[i], strategy="", preferred=[]) for i in todo],
+            client=client, items=[unplaced(items[i]) for i in todo],
             values=[bytes(mvs[i]) for i in todo]))
     except StoreRpcError as e:
         if e.code != C.BAD_REQUEST:

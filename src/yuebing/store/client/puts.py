@@ -47,10 +47,9 @@ class PutOptions:
     best_effort: bool = False
 
 
-def put_item(cfg: ClientConfig, key: str, mv: memoryview, opts: PutOptions,
-             placed: bool = True) -> m.PutItem:
+def put_item(cfg: ClientConfig, key: str, mv: memoryview, opts: PutOptions) -> m.PutItem:
     """The `PutItem` of a put (`InputError` for a bad key or an empty value: nothing is sent
-    then); not ``placed``: without a placement (a value the master holds)."""
+    then)."""
     if not isinstance(key, str) or not key:
         raise InputError(f"key must be a non-empty str, got {key!r}")
     if key.startswith(m.RESERVED_PREFIX):
@@ -60,9 +59,7 @@ def put_item(cfg: ClientConfig, key: str, mv: memoryview, opts: PutOptions,
         raise InputError(f"value of {key!r} is empty; the store keeps values of >= 1 byte")
     pref = list(opts.preferred) if opts.preferred is not None else list(cfg.preferred)
     strat = opts.strategy if opts.strategy is not None else cfg.placement
-    if not placed:
-        strat, pref = "", []
-    elif not strat and cfg.local_segment:
+    if not strat and cfg.local_segment:
         strat, pref = "preferred", [cfg.local_segment, *pref]
     return m.PutItem(key=key, size=mv.nbytes, checksum=cm.checksum(mv) if cfg.checksum else -1,
                      replicas=opts.replicas or cfg.replicas, strategy=strat, preferred=pref,
@@ -126,11 +123,11 @@ def put(cfg: ClientConfig, client: str, resv: rv.HeldReservations, key: str, val
     fails is revoked (naming the blamed segments, which the master then avoids) and placed
     again up to ``put_retries`` times. Returns the number of replicas stored."""
     mv = cm.view(value, writable=False)
+    item = put_item(cfg, key, mv, opts)  # one checksum, whichever way the value goes
     if gate is not None and inline.wants(cfg, gate, mv.nbytes, opts.replicas, opts.strategy,
                                          opts.preferred, opts.best_effort) and (
-            yield from inline.put(client, gate, put_item(cfg, key, mv, opts, placed=False), mv)):
+            yield from inline.put(client, gate, item, mv)):
         return 1
-    item = put_item(cfg, key, mv, opts)
     shape = rv.shape_of(item) if cfg.reserve_ahead else None
     if shape is not None and (yield from _put_reserved(client, resv, item, mv, shape)):
         return item.replicas  # a reservation holds every replica of its shape
