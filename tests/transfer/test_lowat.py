@@ -64,8 +64,8 @@ def test_mark_is_reset_after_eof(tcp_pair) -> None:
     assert _mark(b) == 1
 
 
-def test_short_run_leaves_the_mark_alone(tcp_pair, monkeypatch) -> None:
-    a, b = tcp_pair
+def _spy_marks(monkeypatch) -> list[int]:  # type: ignore[no-untyped-def]
+    """Every receive low-water mark set from now on, in order."""
     marks: list[int] = []
     real = socket.socket.setsockopt
 
@@ -75,6 +75,12 @@ def test_short_run_leaves_the_mark_alone(tcp_pair, monkeypatch) -> None:
         return real(self, level, opt, value)
 
     monkeypatch.setattr(socket.socket, "setsockopt", spy)
+    return marks
+
+
+def test_short_run_leaves_the_mark_alone(tcp_pair, monkeypatch) -> None:
+    a, b = tcp_pair
+    marks = _spy_marks(monkeypatch)
     a.sendall(b"y" * LOWAT_MIN)
     out = bytearray(LOWAT_MIN)
     recv_scatter(b, [memoryview(out)])
@@ -93,18 +99,10 @@ def test_a_long_run_wakes_the_receiver_by_parts(tcp_pair, monkeypatch) -> None:
     part out while the sender still sends the next, so only the last part's copy trails."""
     a, b = tcp_pair
     b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)  # the buffer does not clamp it
-    marks: list[int] = []
-    real = socket.socket.setsockopt
-
-    def spy(self, level, opt, value):  # type: ignore[no-untyped-def]
-        if opt == socket.SO_RCVLOWAT:
-            marks.append(value)
-        return real(self, level, opt, value)
-
     data = bytes(range(256)) * 4096  # 1 MiB
     if b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4 < len(data) // LOWAT_PARTS:
         pytest.skip("net.core.rmem_max clamps the receive buffer below what a part needs")
-    monkeypatch.setattr(socket.socket, "setsockopt", spy)
+    marks = _spy_marks(monkeypatch)
     t = _send(a, data)
     out = bytearray(len(data))
     recv_scatter(b, [memoryview(out)])
