@@ -271,12 +271,49 @@ def test_tbt_tail_scales_the_step_while_the_prefill_pool_is_busy():
 
 
 def test_tbt_tail_is_off_while_the_prefill_pool_is_idle():
-    """An idle prefill pool: no prefill passes to meet, so the tail cannot keep a cluster that
-    rejected everything (and drained) rejecting."""
+    """An idle prefill pool: the request's own TBT meets no prefill passes, so it is predicted
+    without the tail, and a drained cluster (nothing decoding) is never held in rejection."""
     idle = view(P0, (decode("d0", batch=7),))
-    route = decide_with(idle, admission="early_rejection", tbt_tail=4.0)
-    assert isinstance(route, Route) and route.est_tbt_s == pytest.approx(0.091)
+    r = decide_with(idle, admission="early_rejection", tbt_tail=4.0)
+    assert r.est_tbt_s == pytest.approx(0.091)  # own TBT: no tail (it is rejected for others')
+    route = Policy(config(admission="early_rejection", tbt_tail=4.0), PREDICTORS).decide(
+        request(20), idle)  # a 20 ms prefill stretches 2 % of the running tenth
+    assert isinstance(route, Route) and route.est_tbt_s == pytest.approx(0.09002)
     assert not route.prefill_busy  # the Conductor learns no tail from it
+    drained = view(P0, (decode("d0"),))
+    assert isinstance(decide_with(drained, admission="early_rejection", tbt_tail=4.0), Route)
+
+
+# Running decodes beside a new prefill: batch 7 steps 80 ms; a tail of 2; decode durations
+# 10 s, so the paper TBT's longest tenth is 1 s of intervals.
+RUNNING_IDLE_POOL = view(P0, (decode("d0", batch=7),))
+
+
+@pytest.mark.parametrize("admission", ["early_rejection", "predictive_early_rejection"])
+def test_a_prefill_that_would_push_the_running_decodes_over_the_slo_is_rejected(admission):
+    """The 1,000-token request's own TBT holds (91 ms, pool idle), but its 1 s prefill covers
+    the running requests' whole longest tenth: 80 ms x 2 = 160 ms, over the SLO. Retry when
+    the draining batch (7 x (1 - t/10)) takes it: probes 1, 2, 4 s (4.2: 104 ms), 8 s (48 ms)."""
+    r = decide_with(RUNNING_IDLE_POOL, admission=admission, tbt_tail=2.0)
+    assert (r.reason, r.est_tbt_s) == ("running_tbt", pytest.approx(0.091))
+    assert r.retry_after_s == 8.0
+    assert isinstance(decide_with(RUNNING_IDLE_POOL, admission="none", tbt_tail=2.0), Route)
+
+
+@pytest.mark.parametrize("tokens, admitted", [(250, True), (300, False)])
+def test_the_running_decodes_take_the_prefills_share_of_their_longest_tenth(tokens, admitted):
+    """A 0.25 s prefill covers a quarter of the 1 s tenth: tail 1 + 1 x 0.25, 80 ms -> 100 ms,
+    at the SLO (admitted); 0.3 s -> 104 ms (rejected)."""
+    pol = Policy(config(admission="early_rejection", tbt_tail=2.0), PREDICTORS)
+    assert pol.prefill_tail(RUNNING_IDLE_POOL, tokens / 1000) == pytest.approx(1 + tokens / 1000)
+    r = pol.decide(request(tokens), RUNNING_IDLE_POOL)
+    assert isinstance(r, Route) if admitted else r.reason == "running_tbt"
+
+
+def test_prefill_tail_is_the_whole_tail_while_the_pool_is_busy():
+    busy = view((prefill("p0", 0.5),), (decode("d0", batch=7),))
+    assert Policy(config(tbt_tail=2.0), PREDICTORS).prefill_tail(busy, 0.01) == 2.0
+    assert Policy(config(), PREDICTORS).prefill_tail(RUNNING_IDLE_POOL, 5.0) == 1.0
 
 
 @pytest.mark.parametrize("tail", [0.5, math.nan, math.inf])

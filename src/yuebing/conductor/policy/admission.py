@@ -11,9 +11,11 @@ import math
 from typing import TYPE_CHECKING
 
 from yuebing.conductor.policy.decode import (
+    State,
     current_state,
     decode_forecast,
     forecast_decode_load,
+    forecast_state,
     plan_on,
 )
 from yuebing.conductor.policy.registries import ADMISSIONS
@@ -90,15 +92,49 @@ def admit_slo(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPla
     return _reject(reason, retry, pol, plan, dplan)
 
 
+def running_load(pol: Policy, view: ClusterView, plan: PrefillPlan, state: State,
+                 index: int) -> float:
+    """The load (predicted paper TBT / SLO) of the requests decoding on instance ``index``
+    (``state``, without the new request) while the new request's prefill runs beside them:
+    their step times `Policy.prefill_tail`; 0 with none decoding."""
+    batch, ctx, _ = state
+    if batch[index] <= 0:
+        return 0.0
+    step = pol.decode_time(batch[index], ctx[index])
+    return step * pol.prefill_tail(view, plan.prefill_s) / pol.config.tbt_slo_s
+
+
+def running_retry_after(pol: Policy, view: ClusterView, plan: PrefillPlan, index: int,
+                        from_s: float, threshold: float) -> float:
+    """Seconds after ``from_s`` until the forecast running batch of ``index`` takes this
+    prefill within ``threshold`` (doubling probes as `decode_retry_after`)."""
+    wait = max(pol.config.min_retry_after_s, 0.25)
+    horizon = 2.0 * pol.max_decode_duration_s
+    while wait < horizon:
+        state = forecast_state(pol, view, from_s + wait)
+        if running_load(pol, view, plan, state, index) <= threshold:
+            return wait
+        wait *= 2.0
+    return horizon
+
+
 def _overload(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPlan,
-              dplan: DecodePlan, decode_load: float, decode_at_s: float) -> Reject | None:
+              dplan: DecodePlan, decode_load: float, decode_at_s: float,
+              state: State) -> Reject | None:
+    """Reject on the largest of the prefill load, the request's decode load and the running
+    decodes' load under its prefill (`running_load`: admitting work that pushes the requests
+    already decoding over their SLO loses more than it gains)."""
     threshold = pol.config.early_rejection_threshold
     prefill_load = plan.ttft_s / pol.config.ttft_slo_s
-    if max(prefill_load, decode_load) <= threshold:
+    running = running_load(pol, view, plan, state, dplan.index)
+    if max(prefill_load, decode_load, running) <= threshold:
         return None
-    if prefill_load >= decode_load:
+    if prefill_load >= max(decode_load, running):
         excess_s = plan.ttft_s - threshold * pol.config.ttft_slo_s
         return _reject(RejectReason.PREFILL_OVERLOAD, excess_s, pol, plan, dplan)
+    if running > decode_load:
+        retry = running_retry_after(pol, view, plan, dplan.index, view.now_s, threshold)
+        return _reject(RejectReason.RUNNING_TBT, retry, pol, plan, dplan)
     retry = decode_retry_after(pol, req, view, decode_at_s, threshold)
     reason = RejectReason.UNSERVABLE if math.isinf(retry) else RejectReason.DECODE_OVERLOAD
     return _reject(reason, retry, pol, plan, dplan)
@@ -109,11 +145,13 @@ def admit_early_rejection(pol: Policy, req: RequestInfo, view: ClusterView, plan
                           dplan: DecodePlan) -> Reject | None:
     """``early_rejection`` (arXiv §7.2): reject when ``max(prefill load, decode load)`` exceeds
     ``early_rejection_threshold``; prefill load = predicted TTFT / TTFT SLO, decode load = the
-    chosen decode instance's load now (running and waiting requests)."""
+    chosen decode instance's load now (running and waiting requests); the running requests'
+    load under this request's prefill counts too (`running_load`)."""
+    state = current_state(view, with_pending=False)
     load = dplan.load
     if view.pending_decodes or pol.config.decode_selector != "least_loaded":
-        load = plan_on(pol, req, view, current_state(view, with_pending=False), dplan.index).load
-    return _overload(pol, req, view, plan, dplan, load, view.now_s)
+        load = plan_on(pol, req, view, state, dplan.index).load
+    return _overload(pol, req, view, plan, dplan, load, view.now_s, state)
 
 
 @ADMISSIONS.register("predictive_early_rejection")
@@ -123,10 +161,9 @@ def admit_predictive(pol: Policy, req: RequestInfo, view: ClusterView, plan: Pre
     instance's load is forecast for when this request would reach decode (now + predicted TTFT,
     `decode_forecast`): routed requests still in prefill count, and the decodes expected to end
     by then drop out only while the prefill pool is idle (pair it with the ``forecast`` decode
-    selector)."""
+    selector); the running requests' load under its prefill counts too (`running_load`)."""
     at_s = view.now_s + plan.ttft_s
-    if pol.config.decode_selector == "forecast":
-        load = dplan.load
-    else:
-        load = plan_on(pol, req, view, decode_forecast(pol, view, at_s), dplan.index).load
-    return _overload(pol, req, view, plan, dplan, load, at_s)
+    state = decode_forecast(pol, view, at_s)
+    load = dplan.load if pol.config.decode_selector == "forecast" else \
+        plan_on(pol, req, view, state, dplan.index).load
+    return _overload(pol, req, view, plan, dplan, load, at_s, state)

@@ -35,6 +35,9 @@ from yuebing.conductor.policy.types import (
 )
 from yuebing.core.errors import InputError
 
+TOP_SHARE = 0.1
+"""The share of a request's token intervals its paper TBT averages (its longest tenth)."""
+
 
 class Policy:
     """Routing + admission for one `PolicyConfig` and one `Predictors` bundle (immutable)."""
@@ -135,6 +138,17 @@ class Policy:
         """Predicted paper TBT of a request in a step predicted at ``step_s`` (`decode_time`):
         the step, times ``tbt_tail`` while the prefill pool is ``busy``."""
         return step_s * self.tbt_tail if busy else step_s
+
+    def prefill_tail(self, view: ClusterView, prefill_s: float) -> float:
+        """The tail the *running* decodes' paper TBT takes while a new prefill of ``prefill_s``
+        seconds runs beside them: the whole ``tbt_tail`` while the prefill pool has work anyway,
+        else its share of their longest tenth of intervals (a tenth of the mean decode
+        duration): ``1 + (tail - 1) · min(1, prefill_s / (0.1 · E[D]))``. An idle pool does not
+        stretch them; the admitted request's own prefill does."""
+        if self.tbt_tail == 1.0 or self.prefill_busy(view):
+            return self.tbt_tail
+        share = min(1.0, max(0.0, prefill_s) / (TOP_SHARE * self._mean_duration))
+        return 1.0 + (self.tbt_tail - 1.0) * share
 
     def prefill_busy(self, view: ClusterView) -> bool:
         """Whether the TBT tail applies: a prefill instance has work queued or running, so

@@ -207,6 +207,8 @@ class RejectReason(StrEnum):
     KV_CAPACITY = "kv_capacity"
     PREFILL_OVERLOAD = "prefill_overload"
     DECODE_OVERLOAD = "decode_overload"
+    RUNNING_TBT = "running_tbt"
+    """Its prefill, beside the running decodes, would push their TBT over the SLO."""
 
 
 @dataclass(frozen=True, slots=True)
