@@ -477,6 +477,15 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8767)
     p.add_argument("--serve-flags", default="", help="extra `yuebing serve` flags")
     p.add_argument("--no-sim", action="store_true")
+    p.add_argument("--sim-only", action="store_true",
+                   help="no cluster: the simulator alone at --base-rate x --multipliers over "
+                        "--repeats seeds, on --predictors with --tbt-tail (means, min-max, "
+                        "paired bootstrap interval against none); writes OUTDIR/overload_sim.*")
+    p.add_argument("--predictors", type=Path, default=None,
+                   help="--sim-only: a predictor file (e.g. a live run's <cluster>-max."
+                        "predictors.json)")
+    p.add_argument("--tbt-tail", type=float, default=2.27,
+                   help="--sim-only: the TBT tail (a live none run's learned tail)")
     ns = p.parse_args()
     try:
         topologies = [parse_topology(t) for t in ns.topologies.split(",")]
@@ -496,6 +505,10 @@ def main() -> int:
         for name in ("requests", "repeats", "max_input", "max_output"):
             if getattr(ns, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if ns.sim_only and not (bases and ns.predictors and ns.predictors.is_file()):
+            raise ValueError("--sim-only needs --base-rate and an existing --predictors file")
+        if not (math.isfinite(ns.tbt_tail) and ns.tbt_tail >= 1.0):
+            raise ValueError(f"--tbt-tail must be a number >= 1, got {ns.tbt_tail}")
         for name in ("ttft_slo_s", "tbt_slo_s", "sample_s", "timeout_s"):
             if not (math.isfinite(getattr(ns, name)) and getattr(ns, name) > 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number")
@@ -506,7 +519,11 @@ def main() -> int:
     setup = Setup(ns.outdir, ns.requests, ns.seed, ns.max_input, ns.max_output, ns.ttft_slo_s,
                   ns.tbt_slo_s, ns.sample_s, ns.timeout_s, ns.port,
                   tuple(ns.serve_flags.split()))
-    result: dict[str, Any] = {"setup": {k: v for k, v in vars(ns).items() if k != "outdir"},
+    if ns.sim_only:
+        return sim_only(setup, topologies, bases, mults, policies, ns.repeats, ns.predictors,
+                        ns.tbt_tail)
+    result: dict[str, Any] = {"setup": {k: str(v) if isinstance(v, Path) else v
+                                        for k, v in vars(ns).items() if k != "outdir"},
                               "machine": machine(), "topologies": []}
     total = len(topologies) * (len(mults) * len(policies) * ns.repeats + (0 if bases else 1)
                                + (1 if ns.retry_policy else 0))
@@ -618,6 +635,73 @@ def mean_runs(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "load": {"prefill": {"swing": mean(lambda r: r["live"]["load"]["prefill"]["swing"])}}},
             "sim": {"goodput_rps": mean(lambda r: r["sim"]["goodput_rps"])}}
     return out
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Mean, min and max of ``values`` (one per seed)."""
+    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+
+
+def paired_interval(a: list[float], b: list[float], level: float = 0.9,
+                    draws: int = 2000) -> tuple[float, float, float]:
+    """Mean of ``a[i] - b[i]`` (the same seed's requests under two policies) and its
+    bootstrap interval at ``level`` (seeds resampled with replacement, a fixed RNG)."""
+    import random
+
+    if len(a) != len(b) or not a:
+        raise ValueError("paired_interval needs two equally long, non-empty lists")
+    diffs = [x - y for x, y in zip(a, b, strict=True)]
+    rng = random.Random(0)
+    means = sorted(sum(rng.choices(diffs, k=len(diffs))) / len(diffs) for _ in range(draws))
+    lo = means[int((1 - level) / 2 * draws)]
+    hi = means[min(draws - 1, int((1 + level) / 2 * draws))]
+    return sum(diffs) / len(diffs), lo, hi
+
+
+def spread_table(goodput: dict[str, list[float]], header: str) -> str:
+    """Per policy: goodput mean (min–max over seeds) and, against ``none`` on the same seeds,
+    the ratio of means and the paired difference with its 90 % bootstrap interval."""
+    lines = [f"| {header} | policy | goodput mean (min–max) req/s | / none | − none, paired "
+             "(90 % interval) |", "|---|---|---|---|---|"]
+    base = goodput.get("none")
+    for policy, vals in goodput.items():
+        sp = spread(vals)
+        ratio = diff = "–"
+        if base is not None and policy != "none" and len(base) == len(vals):
+            m, lo, hi = paired_interval(vals, base)
+            b = spread(base)["mean"]
+            ratio = f"{sp['mean'] / b:.2f}×" if b > 0 else "–"
+            diff = f"{m:+.3f} ({lo:+.3f} … {hi:+.3f})"
+        lines.append(f"| {len(vals)} seeds | {policy} | {sp['mean']:.3f} ({sp['min']:.3f}–"
+                     f"{sp['max']:.3f}) | {ratio} | {diff} |")
+    return "\n".join(lines)
+
+
+def sim_only(setup: Setup, topologies: list[tuple[int, int]], bases: list[float],
+             mults: list[float], policies: list[str], repeats: int, predictors: Path,
+             tail: float) -> int:
+    """The simulator alone (``--sim-only``): every policy on seeds ``setup.seed`` … + repeats-1
+    (the same requests and arrivals per seed across policies), per topology and multiplier."""
+    out: dict[str, Any] = {"predictors": str(predictors), "tbt_tail": tail, "runs": []}
+    md = []
+    for nodes, base in zip(topologies, bases, strict=True):
+        name = f"{nodes[0]}P{nodes[1]}D"
+        for mult in mults:
+            goodput: dict[str, list[float]] = {p: [] for p in policies}
+            for r in range(repeats):
+                rs = replace(setup, seed=setup.seed + r)
+                for policy in policies:
+                    sim = sim_run(rs, nodes, policy, base * mult, predictors, tail)
+                    goodput[policy].append(sim["goodput_rps"])
+                    out["runs"].append({"cluster": name, "multiplier": mult, "seed": rs.seed,
+                                        "policy": policy, **{k: v for k, v in sim.items()
+                                                             if k != "samples"}})
+            md.append(spread_table(goodput, f"{name} {mult:g}× ({base * mult:.3g} req/s)"))
+    (setup.out / "overload_sim.json").write_text(json.dumps(out, indent=1) + "\n")
+    text = "\n\n".join(md)
+    (setup.out / "overload_sim.md").write_text(text + "\n")
+    print(text)
+    return 0
 
 
 def machine() -> str:
