@@ -575,7 +575,8 @@ def main() -> int:
             result["topologies"].append(topo)
     result["checks"] = checks(result)
     (ns.outdir / "overload_live.json").write_text(json.dumps(result, indent=1) + "\n")
-    md = table(result) + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in result["checks"].items())
+    md = table(result) + "\n\n" + spreads(result) + "\n\n" + "\n".join(
+        f"- {k}: {v}" for k, v in result["checks"].items())
     (ns.outdir / "overload_live.md").write_text(md + "\n")
     if any(t["runs"] for t in result["topologies"]):
         plot(result, ns.outdir)
@@ -675,6 +676,23 @@ def spread_table(goodput: dict[str, list[float]], header: str) -> str:
         lines.append(f"| {len(vals)} seeds | {policy} | {sp['mean']:.3f} ({sp['min']:.3f}–"
                      f"{sp['max']:.3f}) | {ratio} | {diff} |")
     return "\n".join(lines)
+
+
+def spreads(result: dict[str, Any]) -> str:
+    """`spread_table` of the live goodput (and the simulated, where run) per topology and
+    multiplier: the runs of one seed share their requests and arrivals across policies."""
+    parts = []
+    for topo in result["topologies"]:
+        for mult in dict.fromkeys(r["multiplier"] for r in topo["runs"]):
+            runs = sorted((r for r in topo["runs"] if r["multiplier"] == mult),
+                          key=lambda r: r["seed"])
+            for side in ("live", "sim"):
+                goodput: dict[str, list[float]] = {}
+                for r in runs:
+                    goodput.setdefault(r["policy"], []).append(r[side]["goodput_rps"])
+                if all(math.isfinite(v) for vals in goodput.values() for v in vals):
+                    parts.append(spread_table(goodput, f"{topo['name']} {mult:g}× {side}"))
+    return "\n\n".join(parts)
 
 
 def sim_only(setup: Setup, topologies: list[tuple[int, int]], bases: list[float],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,8 @@ spec.loader.exec_module(ol)
     (["--requests", "0"], "--requests"),
     (["--repeats", "0"], "--repeats"),
     (["--ttft-slo-s", "nan"], "--ttft-slo-s"),
+    (["--sim-only", "--topologies", "1P1D", "--base-rate", "0.3"], "--sim-only needs"),
+    (["--tbt-tail", "0.5"], "--tbt-tail"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str], says: str) -> None:
     out = tmp_path / "out"
@@ -115,6 +118,29 @@ def test_checks_compare_the_means_over_repeats() -> None:
     c = ol.checks({"topologies": [{"name": "1P1D", "runs": runs}]})
     assert c["1P1D goodput pred >= early >= none"] == "True"  # 0.35 >= 0.3 >= 0.2
     assert c["1P1D rejecting policies >= 1.2x none"] == "True"
+
+
+def test_paired_interval_and_spread_table_on_paired_seeds() -> None:
+    """Differences per seed +0.1, +0.1, +0.4: mean +0.2; every bootstrap mean lies in
+    [0.1, 0.4], and the 90 % interval inside it."""
+    m, lo, hi = ol.paired_interval([0.3, 0.2, 0.5], [0.2, 0.1, 0.1])
+    assert m == pytest.approx(0.2) and 0.1 - 1e-9 <= lo <= m <= hi <= 0.4 + 1e-9 and lo < hi
+    with pytest.raises(ValueError):
+        ol.paired_interval([0.1], [0.1, 0.2])
+    text = ol.spread_table({"none": [0.2, 0.1, 0.1], "early_rejection": [0.3, 0.2, 0.5]}, "x")
+    assert "| 3 seeds | none | 0.133 (0.100–0.200) | – | – |" in text
+    assert "| 3 seeds | early_rejection | 0.333 (0.200–0.500) | 2.50× | +0.200 (" in text
+
+
+def test_spreads_pair_the_runs_of_one_seed() -> None:
+    def run(policy: str, seed: int, goodput: float) -> dict:
+        return {"multiplier": 2.0, "policy": policy, "seed": seed,
+                "live": {"goodput_rps": goodput}, "sim": {"goodput_rps": math.nan}}
+    runs = [run("none", 1, 0.1), run("early_rejection", 1, 0.3),
+            run("none", 0, 0.2), run("early_rejection", 0, 0.2)]
+    text = ol.spreads({"topologies": [{"name": "1P1D", "runs": runs}]})
+    assert "1P1D 2× live" in text and "sim" not in text  # no finite simulated goodput
+    assert "| 2 seeds | early_rejection | 0.250 (0.200–0.300) | 1.67× | +0.100 (" in text
 
 
 def _predictors(tmp_path: Path, prefill_s_per_token: float, decode_step_s: float) -> Path:
