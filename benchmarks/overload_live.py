@@ -344,7 +344,10 @@ def interference_file(setup: Setup, tail: float) -> Path:
 
 
 def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
-            predictors: Path, tail: float = 1.0) -> dict[str, Any]:
+            predictors: Path, tail: float = 1.0, stretch: float | None = None) -> dict[str, Any]:
+    """One simulated run: the policy predicts with ``tail``; a decode step that meets a
+    prefill is stretched by ``stretch`` (default: ``tail``)."""
+    stretch = tail if stretch is None else stretch
     selector = "forecast" if policy == "predictive_early_rejection" else "least_loaded"
     cfg = SimConfig(system="mooncake", prefill_nodes=nodes[0], decode_nodes=nodes[1],
                     policy=sim_policy(admission=policy, decode_selector=selector,
@@ -353,8 +356,8 @@ def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
                                       tbt_tail=tail,
                                       prefill_queue=DEFAULT_QUEUE),  # the live Conductor's
                     cost_model="fitted", profile=str(predictors),
-                    sample_interval_s=setup.sample_s, colocated=tail > 1.0,
-                    interference_profile=str(interference_file(setup, tail)))
+                    sample_interval_s=setup.sample_s, colocated=stretch > 1.0,
+                    interference_profile=str(interference_file(setup, stretch)))
     res = simulate(sim_requests(setup, rate), cfg)
     recs = res.records
     done = [r for r in recs if r.rejected is None and not math.isnan(r.finish_s)]
@@ -486,6 +489,9 @@ def main() -> int:
                         "predictors.json)")
     p.add_argument("--tbt-tail", type=float, default=2.27,
                    help="--sim-only: the TBT tail (a live none run's learned tail)")
+    p.add_argument("--sim-stretch", type=float, default=0.0,
+                   help="--sim-only: the factor a simulated decode step meeting a prefill takes "
+                        "(0: the --tbt-tail)")
     ns = p.parse_args()
     try:
         topologies = [parse_topology(t) for t in ns.topologies.split(",")]
@@ -509,6 +515,8 @@ def main() -> int:
             raise ValueError("--sim-only needs --base-rate and an existing --predictors file")
         if not (math.isfinite(ns.tbt_tail) and ns.tbt_tail >= 1.0):
             raise ValueError(f"--tbt-tail must be a number >= 1, got {ns.tbt_tail}")
+        if not (math.isfinite(ns.sim_stretch) and (ns.sim_stretch == 0 or ns.sim_stretch >= 1)):
+            raise ValueError(f"--sim-stretch must be 0 or a number >= 1, got {ns.sim_stretch}")
         for name in ("ttft_slo_s", "tbt_slo_s", "sample_s", "timeout_s"):
             if not (math.isfinite(getattr(ns, name)) and getattr(ns, name) > 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number")
@@ -521,7 +529,7 @@ def main() -> int:
                   tuple(ns.serve_flags.split()))
     if ns.sim_only:
         return sim_only(setup, topologies, bases, mults, policies, ns.repeats, ns.predictors,
-                        ns.tbt_tail)
+                        ns.tbt_tail, ns.sim_stretch or ns.tbt_tail)
     result: dict[str, Any] = {"setup": {k: str(v) if isinstance(v, Path) else v
                                         for k, v in vars(ns).items() if k != "outdir"},
                               "machine": machine(), "topologies": []}
@@ -697,10 +705,11 @@ def spreads(result: dict[str, Any]) -> str:
 
 def sim_only(setup: Setup, topologies: list[tuple[int, int]], bases: list[float],
              mults: list[float], policies: list[str], repeats: int, predictors: Path,
-             tail: float) -> int:
+             tail: float, stretch: float) -> int:
     """The simulator alone (``--sim-only``): every policy on seeds ``setup.seed`` … + repeats-1
     (the same requests and arrivals per seed across policies), per topology and multiplier."""
-    out: dict[str, Any] = {"predictors": str(predictors), "tbt_tail": tail, "runs": []}
+    out: dict[str, Any] = {"predictors": str(predictors), "tbt_tail": tail,
+                           "sim_stretch": stretch, "runs": []}
     md = []
     for nodes, base in zip(topologies, bases, strict=True):
         name = f"{nodes[0]}P{nodes[1]}D"
@@ -709,7 +718,7 @@ def sim_only(setup: Setup, topologies: list[tuple[int, int]], bases: list[float]
             for r in range(repeats):
                 rs = replace(setup, seed=setup.seed + r)
                 for policy in policies:
-                    sim = sim_run(rs, nodes, policy, base * mult, predictors, tail)
+                    sim = sim_run(rs, nodes, policy, base * mult, predictors, tail, stretch)
                     goodput[policy].append(sim["goodput_rps"])
                     out["runs"].append({"cluster": name, "multiplier": mult, "seed": rs.seed,
                                         "policy": policy, **{k: v for k, v in sim.items()
