@@ -14,7 +14,8 @@ Per topology (``--topologies 1P1D,2P1D``; one engine thread per instance, defaul
    (``GET /health`` ``pools``: the arXiv definitions) sampled every ``--sample-s``.
 3. The simulator on the same requests, nodes, SLOs and predictors (``cost_model=fitted``),
    colocated: a decode step that meets a prefill is stretched by the TBT tail the live ``none``
-   run at that load learned (else the search's), which is also the simulated policy's tail.
+   run at that load learned (else the search's), which is also the simulated policy's tail;
+   ``--sim-stretch`` sets the stretch apart. ``--sim-only``: no cluster, the simulator alone.
 
 Reported per run: goodput (requests within both SLOs per second of the run), rejections by
 stage and reason (the Conductor's ``yuebing:rejected_requests`` counter: ``arrival`` = the
@@ -26,7 +27,9 @@ load std and swing (`yuebing.sim.paper.overload.oscillation`), and the share of 
 requests that got through on a retry (one more run per topology, ``--retry-policy``).
 Writes ``OUTDIR/overload_live.json``, ``overload_live.md``, ``overload_load_<cluster>.png``
 (load over time at the middle multiplier, one panel per policy) and ``overload_goodput.png``
-(goodput against load, live and simulated).
+(goodput against load, live and simulated), with each policy's goodput over the seeds (mean,
+min-max, and the paired difference to ``none`` with a 90 % bootstrap interval: a seed's runs
+share their requests and arrival times across policies).
 
     nice -n 5 .venv/bin/python benchmarks/overload_live.py OUTDIR --topologies 1P1D,2P1D \\
         --multipliers 1.5,2,3 --requests 60
@@ -490,8 +493,8 @@ def main() -> int:
     p.add_argument("--tbt-tail", type=float, default=2.27,
                    help="--sim-only: the TBT tail (a live none run's learned tail)")
     p.add_argument("--sim-stretch", type=float, default=0.0,
-                   help="--sim-only: the factor a simulated decode step meeting a prefill takes "
-                        "(0: the --tbt-tail)")
+                   help="the factor a simulated decode step meeting a prefill takes (0: the "
+                        "policy's tail: --tbt-tail with --sim-only, else the live none run's)")
     ns = p.parse_args()
     try:
         topologies = [parse_topology(t) for t in ns.topologies.split(",")]
@@ -563,7 +566,8 @@ def main() -> int:
                     live = live_run(rs, nodes, policy, base * mult, run_name)
                     if policy == "none":  # the tail this load makes, unmoved by admission
                         sim_tail = live["tbt_tail"]
-                    sim = (sim_run(rs, nodes, policy, base * mult, predictors, sim_tail)
+                    sim = (sim_run(rs, nodes, policy, base * mult, predictors, sim_tail,
+                                   ns.sim_stretch or None)
                            if predictors and not ns.no_sim else None)
                     topo["runs"].append({"multiplier": mult, "rate": base * mult,
                                          "policy": policy, "repeat": r, "seed": rs.seed,
