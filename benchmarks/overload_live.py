@@ -488,8 +488,9 @@ def main() -> int:
                         "--repeats seeds, on --predictors with --tbt-tail (means, min-max, "
                         "paired bootstrap interval against none); writes OUTDIR/overload_sim.*")
     p.add_argument("--predictors", type=Path, default=None,
-                   help="--sim-only: a predictor file (e.g. a live run's <cluster>-max."
-                        "predictors.json)")
+                   help="a predictor file for the simulator (e.g. a live run's <cluster>-max."
+                        "predictors.json): needed by --sim-only, used with --base-rate (which "
+                        "skips the search that saves one)")
     p.add_argument("--tbt-tail", type=float, default=2.27,
                    help="--sim-only: the TBT tail (a live none run's learned tail)")
     p.add_argument("--sim-stretch", type=float, default=0.0,
@@ -514,8 +515,10 @@ def main() -> int:
         for name in ("requests", "repeats", "max_input", "max_output"):
             if getattr(ns, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if ns.sim_only and not (bases and ns.predictors and ns.predictors.is_file()):
-            raise ValueError("--sim-only needs --base-rate and an existing --predictors file")
+        if ns.sim_only and not (bases and ns.predictors):
+            raise ValueError("--sim-only needs --base-rate and --predictors")
+        if ns.predictors and not ns.predictors.is_file():
+            raise ValueError(f"--predictors: no file {ns.predictors}")
         if not (math.isfinite(ns.tbt_tail) and ns.tbt_tail >= 1.0):
             raise ValueError(f"--tbt-tail must be a number >= 1, got {ns.tbt_tail}")
         if not (math.isfinite(ns.sim_stretch) and (ns.sim_stretch == 0 or ns.sim_stretch >= 1)):
@@ -544,7 +547,7 @@ def main() -> int:
             name = f"{nodes[0]}P{nodes[1]}D"
             topo: dict[str, Any] = {"name": name, "policies": policies, "runs": []}
             if bases:
-                base, predictors, tail = bases[i], None, 1.0
+                base, predictors, tail = bases[i], ns.predictors, 1.0
             else:
                 bar.update(task, description=f"{name}: maximum rate")
                 found, predictors, tail = find_max_rate(setup, nodes, find, f"{name}-max")

@@ -35,6 +35,7 @@ spec.loader.exec_module(ol)
     (["--sim-only", "--topologies", "1P1D", "--base-rate", "0.3"], "--sim-only needs"),
     (["--tbt-tail", "0.5"], "--tbt-tail"),
     (["--sim-stretch", "0.5"], "--sim-stretch"),
+    (["--predictors", "/nonexistent/p.json"], "--predictors: no file"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str], says: str) -> None:
     out = tmp_path / "out"
