@@ -82,3 +82,42 @@ def test_set_streaming_switches_and_off_is_numpy(monkeypatch):
         assert calls == [8] and (dst == 1).all() and not streamcopy.streaming()
     finally:
         streamcopy.set_streaming(before)
+
+
+def test_the_small_copy_limit_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
+    if not streamcopy.BUILT:
+        pytest.skip("no streaming stores: the limit is the fixed default")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(streamcopy, "_streaming", True)
+    monkeypatch.setattr(streamcopy, "_small", None)
+    limit = streamcopy.small_copy()
+    assert limit in streamcopy.SMALL_CANDIDATES
+    assert len(list((tmp_path / "yuebing" / "choices").glob("*.json"))) == 1
+
+    def never() -> tuple[int, dict[str, list[float]]]:
+        raise AssertionError("measured again though this machine's limit is kept")
+
+    monkeypatch.setattr(streamcopy, "_small", None)  # a later process reads the kept limit
+    monkeypatch.setattr(streamcopy, "measure_small_copy", never)
+    assert streamcopy.small_copy() == limit
+    monkeypatch.setattr(streamcopy, "_streaming", False)
+    assert streamcopy.small_copy() == streamcopy.SMALL_DEFAULT
+
+
+def test_the_measurement_stops_at_the_first_size_where_streaming_wins():
+    limit, timings = streamcopy.measure_small_copy(reps=3, arena=8 << 20)
+    sizes = [int(k) for k in timings]
+    assert sizes == list(streamcopy.SMALL_CANDIDATES[:len(sizes)])
+    assert all(len(t) == 2 and min(t) > 0 for t in timings.values())
+    plain, streamed = timings[str(sizes[-1])]
+    if streamed <= plain:  # won at the last size timed: the limit is the size below it
+        assert limit == (sizes[-2] if len(sizes) > 1 else sizes[0])
+    else:  # never won: only copies above the largest candidate stream
+        assert len(sizes) == len(streamcopy.SMALL_CANDIDATES)
+        assert limit == streamcopy.SMALL_CANDIDATES[-1]
+
+
+@pytest.mark.parametrize("raw", [[0, {}], ["65536", {}], [65536, []], [65536]])
+def test_a_malformed_kept_limit_is_refused(raw):
+    with pytest.raises((TypeError, ValueError)):
+        streamcopy.small_choice(raw)

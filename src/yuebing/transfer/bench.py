@@ -28,7 +28,7 @@ from yuebing.core.errors import TransferError
 from yuebing.transfer.config import TransferConfig
 from yuebing.transfer.engine import TransferEngine
 from yuebing.transfer.rawsock import RawClient, RawServer, interleave, rpc_loop
-from yuebing.transfer.transport.shm import SMALL_COPY
+from yuebing.transfer.streamcopy import small_copy
 from yuebing.transfer.types import OpCode, TransferRequest
 
 SEGMENT = "bench"
@@ -281,10 +281,10 @@ def _vs_raw(engine: TransferEngine, reqs: list[TransferRequest], row: Row, cfg: 
 
 
 def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
-    """The single-thread memcpy reference: memoryview assignment up to `SMALL_COPY`,
-    ``numpy.copyto`` (glibc memcpy) above — the transport's own copies above `SMALL_COPY` use
+    """The single-thread memcpy reference: memoryview assignment up to `small_copy`,
+    ``numpy.copyto`` (glibc memcpy) above — the transport's own copies above `small_copy` use
     streaming stores (`yuebing.transfer.streamcopy`) where the extension is built."""
-    if len(src) <= SMALL_COPY:
+    if len(src) <= small_copy():
         memoryview(dst)[:] = memoryview(src)  # type: ignore[arg-type]
     else:
         np.copyto(dst, src)

@@ -7,16 +7,24 @@ install`` when a C compiler is there): non-temporal stores, which skip the read 
 destination cache line a plain memcpy does first and leave the caches alone — about 1.5–2× the
 copy rate of ``numpy.copyto`` into a segment on the machines we measured (docs/benchmarks.md).
 Without the extension, or with ``YUEBING_STREAM_COPY=0`` in the environment, it is
-``numpy.copyto``. Both release the GIL while copying.
+``numpy.copyto``. Both release the GIL while copying. Copies up to `small_copy` bytes are a
+memoryview assignment instead: the limit is measured once per machine (`core.choices`).
 """
 
 from __future__ import annotations
 
+import logging
+import statistics
+import time
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
 from yuebing.core import env
+from yuebing.core.choices import machine_parts, shared_choice
+
+log = logging.getLogger(__name__)
 
 _native: ModuleType | None
 try:
@@ -48,3 +56,68 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
         _native.copy(dst, src)  # type: ignore[union-attr]
     else:
         np.copyto(dst, src)
+
+
+SMALL_DEFAULT = 256 << 10
+"""The small-copy limit without streaming stores (``numpy.copyto`` and an assignment are both
+plain memcpy; the assignment's call is cheaper)."""
+SMALL_CANDIDATES = (64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20)
+SMALL_VERSION = 1
+"""Bump when the measurement changes: every machine measures again."""
+_small: int | None = None
+
+
+def small_copy() -> int:
+    """Copies of at most this many bytes are a memoryview assignment (cheapest call; holds the
+    GIL), larger ones `copy`. With streaming stores it is this machine's: the smallest of
+    `SMALL_CANDIDATES` at which `copy` into cold memory is no slower than the assignment
+    (streaming stores lose on copies a cache absorbs), measured once per machine and kept;
+    `SMALL_DEFAULT` otherwise. Measured at the first call in a process."""
+    global _small
+    if not _streaming:
+        return SMALL_DEFAULT
+    if _small is None:
+        parts = {"kind": "transfer.small_copy", "version": SMALL_VERSION, **machine_parts(),
+                 "candidates": SMALL_CANDIDATES}
+        (_small, timings), kept = shared_choice(parts, measure_small_copy, small_choice)
+        log.info("small-copy limit %d bytes (%s); µs per copy, assignment / streaming: %s",
+                 _small, "kept for this machine" if kept else "measured now", timings)
+    return _small
+
+
+def small_choice(raw: Any) -> tuple[int, dict[str, list[float]]]:
+    """`measure_small_copy`'s (limit, timings) from JSON."""
+    limit, timings = raw
+    if not (isinstance(limit, int) and 0 < limit <= 1 << 30 and isinstance(timings, dict)):
+        raise TypeError(f"not a small-copy choice: {raw!r}")
+    return limit, {str(k): [float(x) for x in v] for k, v in timings.items()}
+
+
+def measure_small_copy(reps: int = 15,
+                       arena: int = 64 << 20) -> tuple[int, dict[str, list[float]]]:
+    """Time an assignment and `copy` per candidate size into an ``arena`` of touched memory
+    (each copy to the next place, so the destination is cold as a segment's is), alternating,
+    ``reps`` each; the limit is the largest candidate below the first where `copy`'s median
+    is no slower (the largest candidate if it never is)."""
+    dst = np.ones(arena, np.uint8)
+    src = np.ones(SMALL_CANDIDATES[-1], np.uint8)
+    dmv, smv = dst.data, src.data
+    timings: dict[str, list[float]] = {}
+    at = 0
+    limit = SMALL_CANDIDATES[-1]
+    for i, size in enumerate(SMALL_CANDIDATES):
+        took: tuple[list[float], list[float]] = ([], [])
+        for r in range(2 * reps):
+            at = at + size if at + 2 * size <= arena else 0
+            t0 = time.perf_counter()
+            if r % 2:
+                copy(dst[at:at + size], src[:size])
+            else:
+                dmv[at:at + size] = smv[:size]
+            took[r % 2].append(time.perf_counter() - t0)
+        plain, streamed = (statistics.median(t) * 1e6 for t in took)
+        timings[str(size)] = [round(plain, 2), round(streamed, 2)]
+        if streamed <= plain:
+            limit = SMALL_CANDIDATES[i - 1] if i else size
+            break
+    return limit, timings
