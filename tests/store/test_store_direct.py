@@ -8,8 +8,8 @@ import time
 
 import numpy as np
 
-from yuebing.store.client.direct import SMALL_COPY, _copy
-from yuebing.transfer import OpCode
+from yuebing.store.client.direct import _copy
+from yuebing.transfer import OpCode, streamcopy
 from yuebing.transfer.liveness import MappedFile
 
 
@@ -18,6 +18,10 @@ def hold_liveness_lock(path: str) -> int:
     fd = os.open(path, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     return fd
+
+
+SMALL_COPY = streamcopy.small_copy()
+"""This machine's small-copy limit: copies above it stream."""
 
 
 def test_liveness_lock_and_copies_both_ways(tmp_path) -> None:
