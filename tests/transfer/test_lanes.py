@@ -38,6 +38,16 @@ def test_measured_once_kept_and_measured_again_on_another_machine(
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
+def test_measuring_engines_never_take_the_callers_port_or_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ln, "machine_parts", lambda: {"cpu": "test cpu", "cpus": 1})
+    with TransferEngine(TransferConfig(lanes=1)) as holder:  # the caller's port, taken
+        port = int(holder.address.rpartition(":")[2])
+        make = Counting()
+        cfg, how = ln.resolve_lanes(TransferConfig(port=port, engine_id="mine"), make, tmp_path)
+    assert how == "measured now" and make.made == [1, 2] and cfg.port == port
+
+
 def test_a_flag_wins_and_no_tcp_measures_nothing(tmp_path: Path) -> None:
     make = Counting()
     assert ln.resolve_lanes(TransferConfig(lanes=3), make, tmp_path) == \

@@ -119,7 +119,9 @@ def measure_lanes(cfg: TransferConfig, make: Callable[[TransferConfig], Initiato
                                      i * REQUEST) for i in range(BATCH)]
                 for op in (OpCode.WRITE, OpCode.READ)}
         for n in cands:
-            engines[n] = make(replace(cfg, lanes=n, transports=("tcp",), metadata="p2p"))
+            engines[n] = make(replace(cfg, lanes=n, transports=("tcp",), metadata="p2p",
+                                      host="127.0.0.1", port=0, advertise_host="",
+                                      engine_id=""))  # never the caller's port or name
             _round(engines[n], reqs)  # connect and warm the lanes
         took: dict[int, list[float]] = {n: [] for n in cands}
         for r in range(ROUNDS):
