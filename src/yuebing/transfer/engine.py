@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 from yuebing.core.errors import InputError, TransferError
 from yuebing.protocol.transfer import Hello, HelloReply, Notify, SegmentDescriptor
+from yuebing.transfer import streamcopy
 from yuebing.transfer.batch import Batch, RequestState
 from yuebing.transfer.config import TransferConfig
 from yuebing.transfer.lanes import resolve_lanes
@@ -103,9 +104,10 @@ class TransferEngine:
         self._reaper = threading.Thread(target=self._reap, name="tx-reaper", daemon=True)
         self._reaper.start()
         sweep_dead_segments(cfg.shm_dir)
-        log.info("transfer engine %s listening on %s (transports %s, %d TCP lanes: %s)",
-                 self.engine_id, self.address, ",".join(cfg.transports), cfg.lanes,
-                 self.lanes_from)
+        small = streamcopy.small_copy() if "shm" in cfg.transports else 0  # settled now
+        log.info("transfer engine %s listening on %s (transports %s, %d TCP lanes: %s, "
+                 "streamed copies above %d bytes)", self.engine_id, self.address,
+                 ",".join(cfg.transports), cfg.lanes, self.lanes_from, small)
 
     def _default_metadata(self) -> MetadataService:
         m = self.config.metadata
