@@ -21,7 +21,9 @@ def hold_liveness_lock(path: str) -> int:
 
 
 SMALL_COPY = streamcopy.small_copy()
-"""This machine's small-copy limit: copies above it stream."""
+"""This machine's small-copy limit of writes: copies above it stream."""
+READ_LIMIT = streamcopy.small_copy(read=True)
+"""The same of reads."""
 
 
 def test_liveness_lock_and_copies_both_ways(tmp_path) -> None:
@@ -78,12 +80,12 @@ def test_a_read_ending_past_its_deadline_is_not_trusted(tmp_path) -> None:
     from yuebing.transfer import TransferRequest, TransferStatus
 
     path = tmp_path / "seg"
-    size = 4 * SMALL_COPY
+    size = 4 * READ_LIMIT
     path.write_bytes(bytes(range(256)) * (size // 256))
     fd = hold_liveness_lock(str(path))
     direct = DirectSegments(_Engine(str(path), size))  # type: ignore[arg-type]
     try:
-        for n in (5, 2 * SMALL_COPY):  # memoryview and streamed copies
+        for n in (5, 2 * READ_LIMIT):  # memoryview and streamed copies
             out = bytearray(n)
             req = TransferRequest(OpCode.READ, memoryview(out), "seg", 256, n)
             (late,) = direct.copy([req], time.monotonic() - 1e-3)

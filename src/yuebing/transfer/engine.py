@@ -106,8 +106,9 @@ class TransferEngine:
         sweep_dead_segments(cfg.shm_dir)
         small = streamcopy.small_copy() if "shm" in cfg.transports else 0  # settled now
         log.info("transfer engine %s listening on %s (transports %s, %d TCP lanes: %s, "
-                 "streamed copies above %d bytes)", self.engine_id, self.address,
-                 ",".join(cfg.transports), cfg.lanes, self.lanes_from, small)
+                 "streamed writes above %d bytes, reads above %d)", self.engine_id,
+                 self.address, ",".join(cfg.transports), cfg.lanes, self.lanes_from, small,
+                 streamcopy.small_copy(read=True) if small else 0)
 
     def _default_metadata(self) -> MetadataService:
         m = self.config.metadata

@@ -224,7 +224,7 @@ def _copy(op: OpCode, local: memoryview, mapped: MappedFile, off: int, n: int,
     """Copy one request; returns the bytes copied (a write stops at ``deadline``)."""
     if op == OpCode.WRITE and time.monotonic() >= deadline:
         return 0
-    if n <= streamcopy.small_copy():
+    if n <= streamcopy.small_copy(op == OpCode.READ):
         if op == OpCode.WRITE:
             mapped.mv[off:off + n] = local[:n]
         else:

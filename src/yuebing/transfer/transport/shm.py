@@ -94,7 +94,7 @@ def copy_slice(s: Slice, remote: np.ndarray, remote_mv: memoryview) -> str | Non
     end = s.offset + s.length
     if s.op == OpCode.WRITE and time.monotonic() >= s.deadline:
         return expired_write(0, s.length)
-    if s.length <= streamcopy.small_copy():
+    if s.length <= streamcopy.small_copy(s.op == OpCode.READ):
         if s.op == OpCode.WRITE:
             remote_mv[s.offset:end] = s.local
         else:
