@@ -16,3 +16,15 @@ def conversation_trace() -> Path:
     if not TRACE.exists():
         pytest.skip(f"trace not found at {TRACE}")
     return TRACE
+
+
+@pytest.fixture(scope="session", autouse=True)
+def machine_choices() -> None:
+    """This machine's transfer choices (TCP lanes, small-copy limit) settled once before any
+    test: on a machine that has not measured them yet, the first engine a test starts (maybe
+    in a child process, under a test's short timeouts) would measure them instead."""
+    from yuebing.transfer import TransferConfig, TransferEngine, streamcopy
+    from yuebing.transfer.lanes import resolve_lanes
+
+    resolve_lanes(TransferConfig(), TransferEngine)
+    streamcopy.small_copy()

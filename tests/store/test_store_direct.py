@@ -8,8 +8,8 @@ import time
 
 import numpy as np
 
-from yuebing.store.client.direct import SMALL_COPY, _copy
-from yuebing.transfer import OpCode
+from yuebing.store.client.direct import _copy
+from yuebing.transfer import OpCode, streamcopy
 from yuebing.transfer.liveness import MappedFile
 
 
@@ -18,6 +18,12 @@ def hold_liveness_lock(path: str) -> int:
     fd = os.open(path, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     return fd
+
+
+SMALL_COPY = streamcopy.small_copy()
+"""This machine's small-copy limit of writes: copies above it stream."""
+READ_LIMIT = streamcopy.small_copy(read=True)
+"""The same of reads."""
 
 
 def test_liveness_lock_and_copies_both_ways(tmp_path) -> None:
@@ -74,12 +80,12 @@ def test_a_read_ending_past_its_deadline_is_not_trusted(tmp_path) -> None:
     from yuebing.transfer import TransferRequest, TransferStatus
 
     path = tmp_path / "seg"
-    size = 4 * SMALL_COPY
+    size = 4 * READ_LIMIT
     path.write_bytes(bytes(range(256)) * (size // 256))
     fd = hold_liveness_lock(str(path))
     direct = DirectSegments(_Engine(str(path), size))  # type: ignore[arg-type]
     try:
-        for n in (5, 2 * SMALL_COPY):  # memoryview and streamed copies
+        for n in (5, 2 * READ_LIMIT):  # memoryview and streamed copies
             out = bytearray(n)
             req = TransferRequest(OpCode.READ, memoryview(out), "seg", 256, n)
             (late,) = direct.copy([req], time.monotonic() - 1e-3)

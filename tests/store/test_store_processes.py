@@ -168,7 +168,7 @@ def test_storage_node_killed_mid_put_retried_elsewhere_or_leaves_nothing(cluster
 
 def test_same_host_direct_path_skips_the_engine(cluster) -> None:
     addr, seg_a = cluster[0].info["address"], cluster[1].info["dram"]
-    big = np.arange(1 << 20, dtype=np.uint8)  # above SMALL_COPY: numpy copies
+    big = np.arange(1 << 20, dtype=np.uint8)  # at the default small-copy limit or above it
     with StoreClient(ClientConfig(master=addr)) as c, \
             StoreClient(ClientConfig(master=addr, direct=False)) as e:
         c.put("d/big", big, strategy="preferred", preferred=[seg_a])

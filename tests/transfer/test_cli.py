@@ -43,7 +43,7 @@ def test_bench_transfer_json_rows_and_plots(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["--sizes", "1KiB"], "sizes must be >= 4KiB"),
     (["--transports", "rdma"], "transports must be tcp and/or shm"),
-    (["--lanes", "0"], "lanes must be in 1..64"),
+    (["--lanes", "0"], "lanes must be in 1..64 or -1"),
     (["--raw", "-1"], "raw_rounds must be in 0..1000"),
 ])
 def test_bench_transfer_rejects_bad_flags(args: list[str], message: str, capsys) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 
@@ -150,8 +151,14 @@ def test_inline_answer_to_a_long_write_is_slept_for_not_spun_for() -> None:
             spun.append(window)
 
     conn._spinner = Spy()  # type: ignore[assignment]
-    try:
+    try:  # nothing to read yet: it sleeps in poll until its deadline (the old code returned)
+        conn._timed.end = time.monotonic() + 0.05
+        with pytest.raises(TimeoutError):
+            conn._await_reply(LOWAT_MIN + 1)
+        a.sendall(b"x")  # an answer arriving: the sleep ends
+        conn._timed.end = time.monotonic() + 5.0
         conn._await_reply(LOWAT_MIN + 1)
+        conn._await_reply(LOWAT_MIN + 1, first=False)  # a later frame's: straight to the read
         assert spun == []
         conn._await_reply(LOWAT_MIN)
         conn._await_reply(0)  # a read's request frame carries no payload

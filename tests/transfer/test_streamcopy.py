@@ -82,3 +82,44 @@ def test_set_streaming_switches_and_off_is_numpy(monkeypatch):
         assert calls == [8] and (dst == 1).all() and not streamcopy.streaming()
     finally:
         streamcopy.set_streaming(before)
+
+
+def test_the_small_copy_limits_are_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
+    if not streamcopy.BUILT:
+        pytest.skip("no streaming stores: the limit is the fixed default")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(streamcopy, "_streaming", True)
+    monkeypatch.setattr(streamcopy, "_small", None)
+    write, read = streamcopy.small_copy(), streamcopy.small_copy(read=True)
+    assert write in streamcopy.SMALL_CANDIDATES and read in streamcopy.SMALL_CANDIDATES
+    assert len(list((tmp_path / "yuebing" / "choices").glob("*.json"))) == 1
+
+    def never():  # type: ignore[no-untyped-def]
+        raise AssertionError("measured again though this machine's limits are kept")
+
+    monkeypatch.setattr(streamcopy, "_small", None)  # a later process reads the kept limits
+    monkeypatch.setattr(streamcopy, "measure_small_copy", never)
+    assert (streamcopy.small_copy(), streamcopy.small_copy(read=True)) == (write, read)
+    monkeypatch.setattr(streamcopy, "_streaming", False)
+    assert streamcopy.small_copy() == streamcopy.small_copy(read=True) == streamcopy.SMALL_DEFAULT
+
+
+def test_each_crossover_stops_at_the_first_size_where_streaming_wins():
+    write, read, timings = streamcopy.measure_small_copy(reps=3, arena=8 << 20)
+    for limit, times in ((write, timings["write"]), (read, timings["read"])):
+        sizes = [int(k) for k in times]
+        assert sizes == list(streamcopy.SMALL_CANDIDATES[:len(sizes)])
+        assert all(len(t) == 2 and min(t) > 0 for t in times.values())
+        plain, streamed = times[str(sizes[-1])]
+        if streamed <= plain:  # won at the last size timed: the limit is the size below it
+            assert limit == (sizes[-2] if len(sizes) > 1 else sizes[0])
+        else:  # never won: only copies above the largest candidate stream
+            assert len(sizes) == len(streamcopy.SMALL_CANDIDATES)
+            assert limit == streamcopy.SMALL_CANDIDATES[-1]
+
+
+@pytest.mark.parametrize("raw", [[0, 65536, {}], ["65536", 65536, {}], [65536, 65536, []],
+                                 [65536, {}], [65536, 1 << 31, {}]])
+def test_a_malformed_kept_limit_is_refused(raw):
+    with pytest.raises((TypeError, ValueError)):
+        streamcopy.small_choice(raw)

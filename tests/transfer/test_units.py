@@ -156,7 +156,7 @@ def test_request_validation_errors() -> None:
 
 
 @pytest.mark.parametrize(("field", "value", "match"), [
-    ("lanes", 0, "lanes must be in 1..64"),
+    ("lanes", 0, "lanes must be in 1..64 or -1"),
     ("slice_size", 100, "slice_size must be in 4KiB..1GiB"),
     ("timeout_s", 0.0, "timeout_s must be a finite number of seconds > 0"),
     ("timeout_s", float("inf"), "timeout_s must be a finite number of seconds > 0"),

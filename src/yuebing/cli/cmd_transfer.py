@@ -32,7 +32,8 @@ def _add(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", type=parse_size_list, default="64KiB,1MiB,4MiB,16MiB,64MiB",
                    help="request sizes (default: 64KiB,1MiB,4MiB,16MiB,64MiB)")
     p.add_argument("--batch", type=int, default=16, help="requests per batch (default 16)")
-    p.add_argument("--lanes", type=_ints, default=(4,), help="TCP lane counts, e.g. 1,2,4,8")
+    p.add_argument("--lanes", type=_ints, default=(-1,),
+                   help="TCP lane counts, e.g. 1,2,4,8 (default -1: this machine's choice)")
     p.add_argument("--ops", type=_words, default=("write", "read"), help="write,read")
     p.add_argument("--transports", type=_words, default=("tcp", "shm"), help="tcp,shm")
     p.add_argument("--duration", type=float, default=1.0, help="seconds per cell (default 1)")

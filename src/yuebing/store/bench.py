@@ -248,7 +248,11 @@ def _start(ns: argparse.Namespace) -> tuple[list[Any], str]:
     from yuebing.store.benchprocs import start_master, start_node
 
     mst = start_master()
-    node = start_node(mst.info["address"], ns.dram)
+    try:
+        node = start_node(mst.info["address"], ns.dram)
+    except BaseException:  # the master must not outlive a node that never came up
+        mst.stop()
+        raise
     return [node, mst], mst.info["address"]
 
 

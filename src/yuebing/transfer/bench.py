@@ -28,7 +28,7 @@ from yuebing.core.errors import TransferError
 from yuebing.transfer.config import TransferConfig
 from yuebing.transfer.engine import TransferEngine
 from yuebing.transfer.rawsock import RawClient, RawServer, interleave, rpc_loop
-from yuebing.transfer.transport.shm import SMALL_COPY
+from yuebing.transfer.streamcopy import small_copy
 from yuebing.transfer.types import OpCode, TransferRequest
 
 SEGMENT = "bench"
@@ -41,7 +41,8 @@ class BenchConfig:
 
     sizes: tuple[int, ...] = (64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
     batch: int = 16
-    lanes: tuple[int, ...] = (4,)
+    lanes: tuple[int, ...] = (-1,)
+    """TCP lane counts; -1: this machine's choice (`transfer.lanes`), shown as its number."""
     ops: tuple[str, ...] = ("write", "read")
     transports: tuple[str, ...] = ("tcp", "shm")
     duration_s: float = 1.0
@@ -61,8 +62,8 @@ class BenchConfig:
         require(len(self.sizes) > 0 and all(s >= 4096 for s in self.sizes),
                 f"sizes must be >= 4KiB, got {self.sizes}")
         require(self.batch >= 1, f"batch must be >= 1, got {self.batch}")
-        require(len(self.lanes) > 0 and all(1 <= n <= 64 for n in self.lanes),
-                f"lanes must be in 1..64, got {self.lanes}")
+        require(len(self.lanes) > 0 and all(n == -1 or 1 <= n <= 64 for n in self.lanes),
+                f"lanes must be in 1..64 or -1 (this machine's choice), got {self.lanes}")
         require(bool(self.ops) and set(self.ops) <= {"read", "write"},
                 f"ops must be read and/or write, got {self.ops}")
         require(bool(self.transports) and set(self.transports) <= {"tcp", "shm"},
@@ -118,7 +119,7 @@ class Row:
 def serve(segment_bytes: int) -> None:
     """Body of the target process: serve one pre-faulted segment, print its P2P name on stdout,
     and exit when stdin closes (the initiator finished or died)."""
-    engine = TransferEngine(TransferConfig(metadata="p2p"))
+    engine = TransferEngine(TransferConfig(metadata="p2p", lanes=1))  # it never initiates
     engine.register_segment(SEGMENT, size=segment_bytes, prefault=True)
     print(engine.segment_name(SEGMENT), flush=True)
     try:
@@ -197,6 +198,7 @@ def measure_cell(remote: str, transport: str, op: str, size: int, batch: int, la
     engine = TransferEngine(TransferConfig(
         metadata="p2p", transports=(transport,), lanes=lanes, slice_size=cfg.slice_size,
         socket_buffer=cfg.socket_buffer, connect_timeout_s=30.0))
+    lanes = engine.config.lanes  # this machine's choice where -1 was asked
     try:
         opcode = OpCode.WRITE if op == "write" else OpCode.READ
         reqs = [TransferRequest(opcode, local[i * size:(i + 1) * size], remote, i * size)
@@ -279,10 +281,10 @@ def _vs_raw(engine: TransferEngine, reqs: list[TransferRequest], row: Row, cfg: 
 
 
 def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
-    """The single-thread memcpy reference: memoryview assignment up to `SMALL_COPY`,
-    ``numpy.copyto`` (glibc memcpy) above — the transport's own copies above `SMALL_COPY` use
+    """The single-thread memcpy reference: memoryview assignment up to `small_copy`,
+    ``numpy.copyto`` (glibc memcpy) above — the transport's own copies above `small_copy` use
     streaming stores (`yuebing.transfer.streamcopy`) where the extension is built."""
-    if len(src) <= SMALL_COPY:
+    if len(src) <= small_copy():
         memoryview(dst)[:] = memoryview(src)  # type: ignore[arg-type]
     else:
         np.copyto(dst, src)

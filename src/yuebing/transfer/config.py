@@ -38,7 +38,9 @@ class TransferConfig:
         "help": "machine identity; equal ids on both ends enable the shared-memory transport"})
     transports: tuple[str, ...] = field(default=TRANSPORT_NAMES, metadata={
         "help": "transports in order of preference (shm, tcp)"})
-    lanes: int = field(default=4, metadata={"help": "persistent TCP connections per peer"})
+    lanes: int = field(default=AUTO, metadata={
+        "help": "persistent TCP connections per peer; -1 (default) = measured once per machine "
+                "over loopback and kept (transfer.lanes; the engine logs its choice)"})
     slice_size: int = field(default=1 << 20, metadata={
         "help": "requests are cut into slices of at most this many bytes", "size": True})
     timeout_s: float = field(default=30.0, metadata={"help": "default deadline of a batch"})
@@ -85,7 +87,8 @@ class TransferConfig:
         require(bool(self.host_id), "host_id must not be empty")
         require(len(self.transports) > 0 and all(t in TRANSPORT_NAMES for t in self.transports),
                 f"transports must be a non-empty subset of {TRANSPORT_NAMES}, got {self.transports}")
-        require(1 <= self.lanes <= 64, f"lanes must be in 1..64, got {self.lanes}")
+        require(self.lanes == AUTO or 1 <= self.lanes <= 64,
+                f"lanes must be in 1..64 or -1 (chosen for this machine), got {self.lanes}")
         require(4096 <= self.slice_size <= 1 << 30,
                 f"slice_size must be in 4KiB..1GiB, got {self.slice_size}")
         for name in ("timeout_s", "connect_timeout_s", "io_timeout_s"):

@@ -22,8 +22,10 @@ from collections.abc import Callable, Sequence
 
 from yuebing.core.errors import InputError, TransferError
 from yuebing.protocol.transfer import Hello, HelloReply, Notify, SegmentDescriptor
+from yuebing.transfer import streamcopy
 from yuebing.transfer.batch import Batch, RequestState
 from yuebing.transfer.config import TransferConfig
+from yuebing.transfer.lanes import resolve_lanes
 from yuebing.transfer.liveness import sweep_dead_segments
 from yuebing.transfer.metadata import (
     DEFAULT_EMBEDDED,
@@ -80,7 +82,8 @@ class TransferEngine:
 
     def __init__(self, config: TransferConfig | None = None,
                  metadata: MetadataService | None = None) -> None:
-        self.config = cfg = config or TransferConfig()
+        self.config, self.lanes_from = resolve_lanes(config or TransferConfig(), TransferEngine)
+        cfg = self.config
         self.engine_id = cfg.engine_id or uuid.uuid4().hex[:12]
         self.host_id = cfg.host_id
         self._segments = SegmentTable()
@@ -101,7 +104,11 @@ class TransferEngine:
         self._reaper = threading.Thread(target=self._reap, name="tx-reaper", daemon=True)
         self._reaper.start()
         sweep_dead_segments(cfg.shm_dir)
-        log.info("transfer engine %s listening on %s", self.engine_id, self.address)
+        small = streamcopy.small_copy() if "shm" in cfg.transports else 0  # settled now
+        log.info("transfer engine %s listening on %s (transports %s, %d TCP lanes: %s, "
+                 "streamed writes above %d bytes, reads above %d)", self.engine_id,
+                 self.address, ",".join(cfg.transports), cfg.lanes, self.lanes_from, small,
+                 streamcopy.small_copy(read=True) if small else 0)
 
     def _default_metadata(self) -> MetadataService:
         m = self.config.metadata
@@ -353,7 +360,7 @@ class TransferEngine:
 
     def stats(self) -> dict[str, int]:
         pool = self._peers.pool
-        return {"endpoints": len(pool), "evictions": pool.evictions,
+        return {"endpoints": len(pool), "evictions": pool.evictions, "lanes": self.config.lanes,
                 "batches": len(self._batches), "served_slices": self._server.served_slices,
                 "segments": len(self._segments.names())}
 

@@ -7,16 +7,24 @@ install`` when a C compiler is there): non-temporal stores, which skip the read 
 destination cache line a plain memcpy does first and leave the caches alone — about 1.5–2× the
 copy rate of ``numpy.copyto`` into a segment on the machines we measured (docs/benchmarks.md).
 Without the extension, or with ``YUEBING_STREAM_COPY=0`` in the environment, it is
-``numpy.copyto``. Both release the GIL while copying.
+``numpy.copyto``. Both release the GIL while copying. Copies up to `small_copy` bytes are a
+memoryview assignment instead: the limits are measured once per machine (`core.choices`).
 """
 
 from __future__ import annotations
 
+import logging
+import statistics
+import time
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
 from yuebing.core import env
+from yuebing.core.choices import machine_parts, shared_choice
+
+log = logging.getLogger(__name__)
 
 _native: ModuleType | None
 try:
@@ -48,3 +56,84 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
         _native.copy(dst, src)  # type: ignore[union-attr]
     else:
         np.copyto(dst, src)
+
+
+SMALL_DEFAULT = 256 << 10
+"""The small-copy limit without streaming stores (``numpy.copyto`` and an assignment are both
+plain memcpy; the assignment's call is cheaper)."""
+SMALL_CANDIDATES = (64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20)
+SMALL_VERSION = 2
+"""Bump when the measurement changes: every machine measures again."""
+_small: tuple[int, int] | None = None
+
+
+def small_copy(read: bool = False) -> int:
+    """Copies of at most this many bytes are a memoryview assignment (cheapest call; holds the
+    GIL), larger ones `copy`. With streaming stores it is this machine's, for writes into a
+    segment (cold memory) and for ``read``s out of one into the caller's buffer (warm: reused):
+    the smallest of `SMALL_CANDIDATES` at which `copy` is no slower than the assignment
+    (streaming stores lose on copies a cache absorbs), measured once per machine and kept;
+    `SMALL_DEFAULT` otherwise. Settled at the first call in a process (`TransferEngine`)."""
+    global _small
+    if not _streaming:
+        return SMALL_DEFAULT
+    if _small is None:
+        parts = {"kind": "transfer.small_copy", "version": SMALL_VERSION, **machine_parts(),
+                 "candidates": SMALL_CANDIDATES}
+        (write, rd, timings), kept = shared_choice(parts, measure_small_copy, small_choice)
+        _small = (write, rd)
+        log.info("small-copy limits: writes %d, reads %d bytes (%s); µs per copy, "
+                 "assignment / streaming: %s", write, rd,
+                 "kept for this machine" if kept else "measured now", timings)
+    return _small[1] if read else _small[0]
+
+
+def small_choice(raw: Any) -> tuple[int, int, dict[str, dict[str, list[float]]]]:
+    """`measure_small_copy`'s (write limit, read limit, timings) from JSON."""
+    write, rd, timings = raw
+    if not all(isinstance(x, int) and 0 < x <= 1 << 30 for x in (write, rd)) or \
+            not isinstance(timings, dict):
+        raise TypeError(f"not a small-copy choice: {raw!r}")
+    return write, rd, {str(k): {str(n): [float(x) for x in t] for n, t in v.items()}
+                       for k, v in timings.items()}
+
+
+def measure_small_copy(reps: int = 15, arena: int = 64 << 20
+                       ) -> tuple[int, int, dict[str, dict[str, list[float]]]]:
+    """The write and read limits (`_crossover`): writes go from one buffer into the next place
+    of an ``arena`` of touched memory (cold, as a segment's), reads from the next place of it
+    into one reused buffer (warm, as a caller's)."""
+    big = np.ones(arena, np.uint8)
+    one = np.ones(SMALL_CANDIDATES[-1], np.uint8)
+    write, wt = _crossover(big, one, reps, into_arena=True)
+    rd, rt = _crossover(big, one, reps, into_arena=False)
+    return write, rd, {"write": wt, "read": rt}
+
+
+def _crossover(big: np.ndarray, one: np.ndarray, reps: int,
+               into_arena: bool) -> tuple[int, dict[str, list[float]]]:
+    """An assignment and `copy` per candidate size, alternating, ``reps`` each, between the
+    next place of ``big`` and ``one``; the limit is the candidate below the first where
+    `copy`'s median is no slower (the largest candidate if it never is)."""
+    bmv, omv = big.data, one.data
+    timings: dict[str, list[float]] = {}
+    at = 0
+    for i, size in enumerate(SMALL_CANDIDATES):
+        took: tuple[list[float], list[float]] = ([], [])
+        for r in range(2 * reps):
+            at = at + size if at + 2 * size <= big.nbytes else 0
+            t0 = time.perf_counter()
+            if r % 2 and into_arena:
+                copy(big[at:at + size], one[:size])
+            elif r % 2:
+                copy(one[:size], big[at:at + size])
+            elif into_arena:
+                bmv[at:at + size] = omv[:size]
+            else:
+                omv[:size] = bmv[at:at + size]
+            took[r % 2].append(time.perf_counter() - t0)
+        plain, streamed = (statistics.median(t) * 1e6 for t in took)
+        timings[str(size)] = [round(plain, 2), round(streamed, 2)]
+        if streamed <= plain:
+            return (SMALL_CANDIDATES[i - 1] if i else size), timings
+    return SMALL_CANDIDATES[-1], timings

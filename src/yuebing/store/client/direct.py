@@ -35,7 +35,6 @@ from yuebing.transfer.types import BatchId, RequestStatus
 
 log = logging.getLogger(__name__)
 
-SMALL_COPY = 256 << 10
 PARALLEL_MIN = 4 << 20
 """Batches of at least this many bytes are copied by several threads."""
 
@@ -78,7 +77,7 @@ class DirectSegments:
     while the segment is registered; before and after each batch of copies the client probes it
     with a shared lock: got one means the node died — the map is dropped, the requests go through
     the engine (which fails them), and a copy that raced the death ends FAILED, never DONE.
-    Copies above `SMALL_COPY` bytes use `yuebing.transfer.streamcopy.copy`; batches of at least
+    Copies above `streamcopy.small_copy` bytes use `yuebing.transfer.streamcopy.copy`; batches of at least
     `PARALLEL_MIN` bytes use a few threads. No write starts past the put's deadline and large ones
     check it between pieces (`copy_until`, TIMEOUT: revoked); a read ending past its lease's
     deadline ends TIMEOUT too (the client asks again)."""
@@ -225,7 +224,7 @@ def _copy(op: OpCode, local: memoryview, mapped: MappedFile, off: int, n: int,
     """Copy one request; returns the bytes copied (a write stops at ``deadline``)."""
     if op == OpCode.WRITE and time.monotonic() >= deadline:
         return 0
-    if n <= SMALL_COPY:
+    if n <= streamcopy.small_copy(op == OpCode.READ):
         if op == OpCode.WRITE:
             mapped.mv[off:off + n] = local[:n]
         else:

@@ -385,13 +385,22 @@ class DeadlineSocket:
         self.end = end
         self.cap_s = cap_s
         self.why = why
+        self.armed = False
+        """Whether a call changed the socket's timeout (its owner restores it only then: a
+        ``settimeout`` is a system call)."""
         self._polls: dict[int, select.poll] = {}
 
     def _arm(self) -> None:
         left = self.end - time.monotonic()
         if left <= 0:
             raise TimeoutError(self.why)
+        self.armed = True
         self.sock.settimeout(left if self.cap_s is None else min(left, self.cap_s))
+
+    def wait_readable(self) -> None:
+        """Sleep until the (non-blocking) socket is readable, within the deadline: for a
+        caller that knows the answer is not there yet (a receive would fail first)."""
+        self._wait(select.POLLIN)
 
     def _wait(self, events: int) -> None:
         """Wait until the non-blocking socket is ready for ``events``, within what is left of

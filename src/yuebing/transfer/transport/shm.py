@@ -34,11 +34,6 @@ from yuebing.transfer.types import OpCode
 log = logging.getLogger(__name__)
 
 
-SMALL_COPY = 256 << 10
-"""Slices up to this size are copied with a memoryview assignment (cheapest call, holds the
-GIL for a few µs); larger ones with `streamcopy.copy`, which releases the GIL while it copies."""
-
-
 FENCE_CHUNK = 8 << 20
 """Writes are copied in pieces of at most this many bytes with the deadline checked before
 each (`copy_until`): the write fence of the shared-memory paths (a few ms past the deadline
@@ -99,7 +94,7 @@ def copy_slice(s: Slice, remote: np.ndarray, remote_mv: memoryview) -> str | Non
     end = s.offset + s.length
     if s.op == OpCode.WRITE and time.monotonic() >= s.deadline:
         return expired_write(0, s.length)
-    if s.length <= SMALL_COPY:
+    if s.length <= streamcopy.small_copy(s.op == OpCode.READ):
         if s.op == OpCode.WRITE:
             remote_mv[s.offset:end] = s.local
         else:

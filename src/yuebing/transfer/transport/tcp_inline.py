@@ -98,7 +98,7 @@ class InlineConn:
             send_parts(self._timed, [p for fid, frame in zip(ids, frames, strict=True)  # type: ignore[arg-type]
                                      for p in frame_iovec(fid, frame)])
             for fid, frame in zip(ids, frames, strict=True):
-                self._await_reply(_sent_bytes(frame))
+                self._await_reply(_sent_bytes(frame), first=done == 0)
                 msg = self.reader.read()
                 if getattr(msg, "id", -1) != fid:
                     raise ProtocolError(f"reply {type(msg).__name__} does not answer frame {fid}")
@@ -146,12 +146,19 @@ class InlineConn:
             raise TimeoutError("batch deadline passed")
         self._timed.end = min(deadline, time.monotonic() + self.io_timeout_s)
 
-    def _await_reply(self, sent: int) -> None:
+    def _await_reply(self, sent: int, first: bool = True) -> None:
         """Poll for the next answer for up to ``spin_s`` before the blocking read sleeps — not
         after a write of more than `LOWAT_MIN` bytes (``sent``): the peer answers only once it
         has received them all, which takes longer than a wake-up costs, and polling here would
-        take the CPU from the very processes moving those bytes."""
-        if self.spin_s and not self.reader.buffered and sent <= LOWAT_MIN:
+        take the CPU from the very processes moving those bytes; it sleeps in ``poll`` at once
+        then (for the ``first`` answer of an exchange: later ones have mostly arrived meanwhile),
+        saving the receive that would fail first."""
+        if self.reader.buffered:
+            return
+        if sent > LOWAT_MIN:  # not there yet: sleep at once (a receive would fail first)
+            if first:
+                self._timed.wait_readable()
+        elif self.spin_s:
             self._spinner.wait(lambda: self._poll.poll(0), self.spin_s)
 
     def close(self) -> None:

@@ -183,7 +183,8 @@ class TcpServer:
         the frame's expiry + ``write_grace_s``): past it the receive raises `TimeoutError`
         and the connection closes. A payload already buffered with its header is copied with
         no system call; otherwise every receive call is armed with the time left (one
-        ``settimeout`` each, and one to restore the lane's ``io_timeout_s`` afterwards)."""
+        ``settimeout`` each, and one to restore the lane's ``io_timeout_s`` afterwards if any was
+        made: a payload taken by non-blocking reads costs none)."""
         if not views:
             return
         if time.time() >= end:  # e.g. refused slices before these took the frame past it
@@ -193,7 +194,7 @@ class TcpServer:
             reader.read_into_many(views)
             return
         sock = reader.sock
-        reader.sock = DeadlineSocket(  # type: ignore[assignment]
+        reader.sock = timed = DeadlineSocket(  # type: ignore[assignment]
             sock, time.monotonic() + (end - time.time()), self._config.io_timeout_s,
             "write frame still arriving past its expiry + grace; closing the lane so nothing "
             "more of it is written")
@@ -201,7 +202,8 @@ class TcpServer:
             reader.read_into_many(views)
         finally:
             reader.sock = sock
-            sock.settimeout(self._config.io_timeout_s)
+            if timed.armed:  # else the payload came by non-blocking reads: timeout unchanged
+                sock.settimeout(self._config.io_timeout_s)
 
     def _skip(self, reader: FrameReader, nbytes: int, end: float) -> None:
         """Drop a refused slice's ``nbytes`` of payload (through the reader's fixed scratch
@@ -213,14 +215,15 @@ class TcpServer:
             return
         io_s = self._config.io_timeout_s
         sock = reader.sock
-        reader.sock = DeadlineSocket(  # type: ignore[assignment]
+        reader.sock = timed = DeadlineSocket(  # type: ignore[assignment]
             sock, time.monotonic() + max(end - time.time(), io_s), io_s,
             "a refused slice's payload still arriving past its deadline; closing the lane")
         try:
             reader.skip(nbytes)
         finally:
             reader.sock = sock
-            sock.settimeout(io_s)
+            if timed.armed:
+                sock.settimeout(io_s)
 
     def _resolve_all(self, segment: str, slices: list[SliceSpec]) -> list[memoryview | str]:
         """Each slice's segment bytes, or the error refusing it. A malformed frame (too many
