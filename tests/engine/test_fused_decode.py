@@ -46,10 +46,29 @@ def test_fused_step_matches_op_by_op(rows: int) -> None:
     _, fused = _decode_logits(engine, cand, batch)
     _, ops = _decode_logits(engine, None, batch)
     assert len(fused) == len(ops)
-    # the same steps (no prefix hits): prefill rows equal, decode rows close
+    # the same steps (no prefix hits), each row close (prefill logits too: the fused head)
     for a, b in zip(fused, ops, strict=True):
         scale = float(b.abs().max())
         assert float((a - b).abs().max()) <= 0.05 * scale + 0.05
+
+
+@pytest.mark.parametrize("seqs", [1, fused_decode.MAX_ROWS + 1])
+def test_prefill_logits_take_the_fused_head_up_to_its_rows(seqs: int) -> None:
+    """A prefill step's logits rows (one per finishing sequence) run the fused LM head when
+    there are at most `fused_decode.MAX_ROWS` of them, else oneDNN's; both agree."""
+    engine = _engine(fused_decode=1, prefix_caching=False, max_batch_tokens=512, num_blocks=128)
+    cand = engine.model.fused
+    assert cand is not None
+    calls: list[int] = []
+    real = cand.logits
+    cand.logits = lambda res, x: calls.append(res.shape[0]) or real(res, x)  # type: ignore
+    batch = prompts(seqs, seed=7)
+    _, fused = _decode_logits(engine, cand, batch, steps=1)
+    _, ops = _decode_logits(engine, None, batch, steps=1)
+    assert calls == ([seqs] if seqs <= fused_decode.MAX_ROWS else [])
+    assert len(fused) == len(ops) == 1 and fused[0].shape[0] == seqs
+    scale = float(ops[0].abs().max())
+    assert float((fused[0] - ops[0]).abs().max()) <= 0.05 * scale + 0.05
 
 
 def test_engine_reports_its_choice_and_invariant_mode_never_fuses() -> None:

@@ -6,7 +6,7 @@ fork/join; the fused op pays one. `FusedDecode` holds the plain row-major weight
 (a second copy beside oneDNN's packed one). The engine builds it at start-up where the native
 kernels run bf16 with AVX512-BF16 outside batch-invariant mode, and `choose_max_rows` times it
 against the op-by-op path on this machine; `LlamaModel.forward` uses it for decode-only steps
-of at most ``max_rows`` sequences.
+of at most ``max_rows`` sequences, and its LM head for any step with at most `MAX_ROWS` logits rows.
 """
 
 from __future__ import annotations

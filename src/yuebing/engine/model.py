@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from yuebing.engine.attention import DECODE_IMPLS, PREFILL_IMPLS, AttnMetadata
 from yuebing.engine.config import ModelConfig, RopeScaling
-from yuebing.engine.fused_decode import FusedDecode
+from yuebing.engine.fused_decode import MAX_ROWS, FusedDecode
 from yuebing.engine.kernels import KernelOps, TorchOps
 from yuebing.engine.linear import Linear, can_pack, invariant_min_rows
 
@@ -217,9 +217,13 @@ class LlamaModel:
                 x, residual = self._layer(i, x, residual, rope, kv[i], meta, first)
         if self.lm_head is None or self.norm is None:
             return Boundary(residual, x)
-        if fused is not None and fused.head is not None:
-            return fused.logits(residual.index_select(0, logits_rows),
-                                x.index_select(0, logits_rows))
+        head = self.fused if self.fused is not None and self.token_impl is None \
+            and 0 < logits_rows.shape[0] <= MAX_ROWS else None
+        if head is not None and head.head is not None:
+            # a few rows (decode, a prefill's last token): one pass over the LM head at memory
+            # speed; oneDNN's packed GEMM at so few rows reads it several times slower
+            return head.logits(residual.index_select(0, logits_rows),
+                               x.index_select(0, logits_rows))
         last = residual.index_select(0, logits_rows) + x.index_select(0, logits_rows)
         return self.lm_head(ops.rms_norm(last, self.norm, eps)).float()
 
