@@ -204,6 +204,10 @@ class FrameSocket:
                 continue
             if not n:
                 raise ConnectionError(f"master {self.address} closed the connection")
+            if n >= 12 and not self.inb.buf:  # the usual reply: one whole frame, nothing before
+                length, rid = HEADER.unpack_from(self._rbuf)
+                if n == 12 + length:
+                    return rid, bytes(self._rview[12:n])
             self.inb.buf += self._rview[:n]
             frames = self.inb.frames()
             if frames:

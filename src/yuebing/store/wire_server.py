@@ -131,6 +131,11 @@ class FrameServer:
         if not n:
             self.close_conn(c.cid)
             return
+        if n >= 12 and c.auth is None and not (c.skip or c.inb.buf or c.backlog):
+            length, rid = HEADER.unpack_from(self._rbuf)  # the usual request: one whole
+            if n == 12 + length and length <= self.limits.max_frame:  # frame, nothing before
+                self.on_frame(c.cid, rid, bytes(self._rview[12:n]))  # (no partial frame to
+                return  # count or time)
         data = self._rview[:n]
         if c.auth is not None:
             data = self.intake.authenticate(c, data)
