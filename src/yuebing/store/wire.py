@@ -1,6 +1,6 @@
 """Framing of the store's RPC over plain TCP: ``[u32 length][u64 request id][payload]``.
 
-Plain non-blocking sockets under one ``selectors`` loop, not ZeroMQ: about twice as fast per
+Plain non-blocking sockets under one ``epoll`` loop, not ZeroMQ: about twice as fast per
 round trip in Python (no I/O-thread hops), which the master's single-key rate needs. Here: the
 frame format, the incremental parser (`FrameBuffer`) and `FrameSocket`, the blocking client
 side (to masters; frames up to ``MAX_FRAME``; it may spin ``spin_s`` before it blocks,

@@ -232,8 +232,7 @@ class StoreClient(_Client[MasterConnection]):
         try:
             self.rpc.call(m.Remove(key=key, force=force))
         except StoreRpcError as e:
-            if core.remove_failed(e):
-                raise
+            core.remove_failed(e)
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
         """A `Code` per key (NOT_FOUND counts as OK when the request had to be resent)."""
@@ -389,8 +388,7 @@ class AsyncStoreClient(_Client[AsyncMasterConnection]):
         try:
             await self.rpc.call(m.Remove(key=key, force=force))
         except StoreRpcError as e:
-            if core.remove_failed(e):
-                raise
+            core.remove_failed(e)
 
     async def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
         """`StoreClient.batch_remove`: a `Code` per key."""

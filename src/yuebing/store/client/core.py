@@ -176,11 +176,12 @@ def view(value: object, writable: bool) -> memoryview:
 
 
 # ---------------------------------------------------------------- probes and removal
-def remove_failed(e: StoreRpcError) -> bool:
-    """Whether a single remove's error stands: all but NOT_FOUND on a request that had to be
-    resent (its first reply lost, e.g. at a failover): then the first try removed the key.
+def remove_failed(e: StoreRpcError) -> None:
+    """A single remove's error ``e``, re-raised unless it is NOT_FOUND on a request that had to
+    be resent (its first reply lost, e.g. at a failover): then the first try removed the key.
     A helper, not steps: a remove is one call, and both clients make it straight."""
-    return not (e.code == C.NOT_FOUND and e.resent)
+    if not (e.code == C.NOT_FOUND and e.resent):
+        raise e
 
 
 def batch_remove(keys: Sequence[str], force: bool) -> Steps[list[int]]:
