@@ -1,4 +1,4 @@
-"""Per-op cost of small remote store calls: N puts, N gets, N exists of one value size (4 KiB by
+"""Per-op cost of small remote store calls: N puts, gets, exists, removes of one value size (4 KiB by
 default) from a client whose transfer engine is TCP only (every byte crosses loopback), against a
 master and a node started as child processes, as in ``yuebing bench store``'s ``remote_tcp``.
 
@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--size", default="4KiB")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ops", default="put,get,exists",
-                    help="phases, in order, per round (put, get, exists)")
+                    help="phases, in order, per round (put, get, exists, remove: of the keys put)")
     ap.add_argument("--hold", type=float, default=0.0,
                     help="seconds to wait after writing --pids-to (attach a profiler)")
     ap.add_argument("--pids-to", default="")
@@ -93,6 +93,9 @@ def main() -> None:
                 elif op == "exists":  # one master round trip: the floor of any remote op
                     for k in keys:
                         c.exists(k)
+                elif op == "remove":  # forced: a get phase before it leaves read leases
+                    for k in keys:
+                        c.remove(k, force=True)
                 else:
                     for k in keys:
                         c.get(k)
@@ -101,7 +104,8 @@ def main() -> None:
                     (u1, s1), (u0, s0) = cpu_s(pid), c0[who]
                     cpu[f"{op}{v}_usr_{who}"].append((u1 - u0) / ns.n * 1e6)
                     cpu[f"{op}{v}_sys_{who}"].append((s1 - s0) / ns.n * 1e6)
-            c.batch_remove(keys, force=True)
+            if "remove" not in ns.ops:
+                c.batch_remove(keys, force=True)
     finally:
         for c in clients.values():
             c.close()

@@ -28,7 +28,12 @@ from yuebing.store.client import reserve as rv
 from yuebing.store.client.direct import DirectSegments, keep_freed_memory, transfer_timeout
 from yuebing.store.client.inline import InlineGate
 from yuebing.store.client.puts import BatchPut, PutOptions, give_back, put
-from yuebing.store.client.rpc import RELEASE_FLUSH_S, AsyncMasterConnection, MasterConnection
+from yuebing.store.client.rpc import (
+    RELEASE_FLUSH_S,
+    AsyncMasterConnection,
+    MasterConnection,
+    StoreRpcError,
+)
 from yuebing.store.config import CLIENT_SPIN_REF_US, ClientConfig
 from yuebing.transfer import BatchStatus, TransferConfig, TransferEngine, TransferRequest
 from yuebing.transfer.types import RequestStatus
@@ -224,7 +229,10 @@ class StoreClient(_Client[MasterConnection]):
     def remove(self, key: str, force: bool = False) -> None:
         """Remove ``key``; `StoreRpcError` NOT_FOUND if absent, unless the request had to be
         resent (its first reply lost, e.g. at a failover): then the first try removed it."""
-        core.run(core.remove(key, force), self)
+        try:
+            self.rpc.call(m.Remove(key=key, force=force))
+        except StoreRpcError as e:
+            core.remove_failed(e)
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
         """A `Code` per key (NOT_FOUND counts as OK when the request had to be resent)."""
@@ -377,7 +385,10 @@ class AsyncStoreClient(_Client[AsyncMasterConnection]):
 
     async def remove(self, key: str, force: bool = False) -> None:
         """`StoreClient.remove` (a resent remove answered NOT_FOUND succeeded)."""
-        await core.drive(core.remove(key, force), self)
+        try:
+            await self.rpc.call(m.Remove(key=key, force=force))
+        except StoreRpcError as e:
+            core.remove_failed(e)
 
     async def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
         """`StoreClient.batch_remove`: a `Code` per key."""

@@ -176,14 +176,12 @@ def view(value: object, writable: bool) -> memoryview:
 
 
 # ---------------------------------------------------------------- probes and removal
-def remove(key: str, force: bool) -> Steps[None]:
-    """Remove ``key``; `StoreRpcError` NOT_FOUND if absent, unless the request had to be
-    resent (its first reply lost, e.g. at a failover): then the first try removed it."""
-    try:
-        yield Call(m.Remove(key=key, force=force))
-    except StoreRpcError as e:
-        if not (e.code == C.NOT_FOUND and e.resent):
-            raise
+def remove_failed(e: StoreRpcError) -> None:
+    """A single remove's error ``e``, re-raised unless it is NOT_FOUND on a request that had to
+    be resent (its first reply lost, e.g. at a failover): then the first try removed the key.
+    A helper, not steps: a remove is one call, and both clients make it straight."""
+    if not (e.code == C.NOT_FOUND and e.resent):
+        raise e
 
 
 def batch_remove(keys: Sequence[str], force: bool) -> Steps[list[int]]:

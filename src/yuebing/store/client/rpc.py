@@ -37,6 +37,11 @@ the clients' heartbeat loops send older ones on their own."""
 RELEASE_BATCH = 64
 """Releases a read-only call carries along at once; fewer wait for a call that may need their
 space or their keys (a put, a remove: any call not in `READS`), or `RELEASE_FLUSH_S`."""
+IDLE_CHECK_S = 0.001
+"""A connection whose last reply came this recently is sent on without first checking whether
+the master closed it (`MasterConnection._open_socket`: one ``poll`` per call saved on a busy
+connection); a close that soon after answering is a master going down mid-stream, which that
+check could miss just as well."""
 READS = frozenset({m.GetReplicas, m.BatchGetReplicas, m.Exists, m.BatchExists, m.PrefixMatch,
                    m.GetStats, m.Heartbeat})
 
@@ -150,6 +155,7 @@ class MasterConnection(_Base):
         self.on_push = on_push
         self.spin_s = spin_s
         self.sock: FrameSocket | None = None
+        self._answered = 0.0  # monotonic time of the last reply: see IDLE_CHECK_S
         self.call_limit_s = float("inf")
         """Seconds one call may take, all its tries and failovers together (each try cut to
         it); `StoreError` past it. ``inf``: ``failover_s`` bounds the retries and each try gets
@@ -194,6 +200,7 @@ class MasterConnection(_Base):
                 self._move("")
                 time.sleep(0.05)
                 continue
+            self._answered = time.monotonic()
             if type(reply) is m.Err:
                 if reply.code == C.NOT_LEADER and time.monotonic() < deadline:
                     if not reply.leader:
@@ -222,8 +229,10 @@ class MasterConnection(_Base):
         """The connection to send on: the open one unless the master closed it while it was
         idle (frames that arrived meanwhile are taken first: pushes handed on, late replies
         dropped), else a new one — so a request sent into a connection already closed is not
-        counted as a lost try (it never reached the master)."""
-        if self.sock is not None and self.sock.ready():
+        counted as a lost try (it never reached the master). Not checked within
+        `IDLE_CHECK_S` of a reply on it."""
+        if self.sock is not None and time.monotonic() - self._answered > IDLE_CHECK_S \
+                and self.sock.ready():
             try:
                 while (got := self.sock.recv(0.0)) is not None:
                     if got[0] == 0:
@@ -274,6 +283,7 @@ class MasterConnection(_Base):
             self.close()
 
     def close(self) -> None:
+        self._answered = 0.0
         if self.sock is not None:
             self.sock.close()
             self.sock = None

@@ -78,6 +78,11 @@ class MasterCore:
                                        self.reserve, self.tasks, self.leases, self.migrations,
                                        self.membership)
         puts, reads, removal, member = self.puts, self.reads, self.removal, self.membership
+        self.probes: dict[type, Callable[..., Message]] = {
+            m.Exists: reads.exists, m.BatchExists: reads.batch_exists,
+            m.PrefixMatch: reads.prefix_match}
+        """Read-only requests of no client session, changing nothing (no entry, no event):
+        `MasterService` answers them without the dispatch of `handle`."""
         self.handlers: dict[type, Callable[..., Message | None]] = {
             m.PutStart: self.put_start, m.PutEnd: puts.put_end, m.PutRevoke: puts.put_revoke,
             m.PutCommit: self.reserve.commit, m.BatchPutCommit: self.reserve.batch_commit,
@@ -85,8 +90,7 @@ class MasterCore:
             m.BatchPutStart: self.batch_put_start, m.BatchPutEnd: puts.batch_put_end,
             m.BatchPutRevoke: self.batch_put_revoke,
             m.GetReplicas: reads.get_replicas, m.BatchGetReplicas: reads.batch_get_replicas,
-            m.Exists: reads.exists, m.ReleaseLeases: self.leases.release,
-            m.BatchExists: reads.batch_exists, m.PrefixMatch: reads.prefix_match,
+            m.ReleaseLeases: self.leases.release, **self.probes,
             m.Remove: removal.remove, m.BatchRemove: removal.batch_remove,
             m.RemovePrefix: removal.remove_prefix, m.RemoveAll: removal.remove_all,
             m.Pin: removal.pin,

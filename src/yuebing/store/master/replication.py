@@ -239,6 +239,9 @@ class ReplicationHub:
         if not entries:
             return []
         effects.log = []
+        if not self.standbys:  # one that subscribes later starts from a snapshot
+            self.seq += len(entries)
+            return []
         first = self.seq + 1
         now = self.source.clock.now()
         for s in self.standbys.values():

@@ -165,6 +165,10 @@ class MasterService:
             except ProtocolError as e:
                 reply: Message | None = m.Err(code=C.BAD_REQUEST, message=str(e))
             else:
+                probe = core.probes.get(type(msg))
+                if probe is not None and self.leading:  # read-only, no session: answered at
+                    self.server.send(cid, rid, encode(probe(msg)))  # once, never held
+                    return
                 reply = self._dispatch(msg, cid, rid)
             if reply is None:
                 return
@@ -205,7 +209,10 @@ class MasterService:
 
     # ------------------------------------------------------------------ outputs
     def _flush(self) -> None:
-        core, send = self.core, self.server.send
+        core, send, fx, hub = self.core, self.server.send, self.core.effects, self.hub
+        if not (fx.events or fx.outbox or fx.log or fx.ready or self._held or hub.held
+                or hub.standbys):  # only this thread adds to them: nothing to do
+            return
         with self.lock:
             if core.events:
                 self._send_events()
