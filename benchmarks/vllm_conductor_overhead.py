@@ -174,12 +174,25 @@ def renice(tids: list[int], nice: int) -> bool:
 
 
 def load(url: str, n: int, concurrency: int) -> tuple[list[float], float, str, str]:
-    """``n`` chats, ``concurrency`` at a time: latencies, wall time, /metrics before, after."""
+    """``n`` chats, ``concurrency`` at a time: the answered ones' latencies (fewer than ``n``
+    where some failed: a 503 on a host too loaded for an instance's reports), wall time,
+    /metrics before, after."""
+    def one(i: int) -> float | None:
+        try:
+            return chat(url, PROMPTS[i % len(PROMPTS)])
+        except OSError as e:  # urllib's HTTPError and URLError included
+            print(f"request {i}: {e}", file=sys.stderr, flush=True)
+            return None
+
     before = metrics(url)
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        latencies = list(pool.map(lambda i: chat(url, PROMPTS[i % len(PROMPTS)]), range(n)))
+        latencies = [x for x in pool.map(one, range(n)) if x is not None]
     return latencies, time.perf_counter() - t0, before, metrics(url)
+
+
+def mean(xs: list[float]) -> float:
+    return round(sum(xs) / len(xs), 3) if xs else float("nan")
 
 
 def ab_nice(serve_pid: int, url: str, ns: argparse.Namespace) -> dict[str, object]:
@@ -193,7 +206,7 @@ def ab_nice(serve_pid: int, url: str, ns: argparse.Namespace) -> dict[str, objec
                   file=sys.stderr)
             break
         lat, _, before, after = load(url, ns.requests, ns.concurrency)
-        arms[arm].append((before, after, sum(lat) / len(lat)))
+        arms[arm].append((before, after, mean(lat)))
     out: dict[str, object] = {"nice_b": ns.nice_vllm}
     for arm, runs in arms.items():
         if not runs:
@@ -258,8 +271,8 @@ def ab_flags(ns: argparse.Namespace, clusters: list[Cluster]) -> dict[str, objec
             clusters.clear()
             d = delta_stats(before, after, "yuebing:conductor_dispatch_seconds")
             arms[arm].append({"p50_ms": round(d["p50_ms"], 3), "p99_ms": round(d["p99_ms"], 2),
-                              "req_per_s": round(ns.requests / wall, 3),
-                              "mean_latency_s": round(sum(lat) / len(lat), 3),
+                              "req_per_s": round(len(lat) / wall, 3),
+                              "failed": ns.requests - len(lat), "mean_latency_s": mean(lat),
                               "priorities": prio})
             print(f"pair {i} {arm} ({ns.ab['AB'.index(arm)] or 'defaults'}): "
                   f"{json.dumps({k: v for k, v in arms[arm][-1].items() if k != 'priorities'})}",
@@ -332,8 +345,8 @@ def one_cluster(ns: argparse.Namespace, clusters: list[Cluster]) -> dict[str, ob
         reniced["nice_vllm"] = ab_nice(c.proc.pid, c.url, ns)
     dispatch = delta_stats(before, after, "yuebing:conductor_dispatch_seconds")
     return {"roles": ns.roles, "requests": ns.requests, "concurrency": ns.concurrency,
-            "wall_s": round(wall, 2), "req_per_s": round(ns.requests / wall, 3),
-            "mean_latency_s": round(sum(latencies) / len(latencies), 3),
+            "wall_s": round(wall, 2), "req_per_s": round(len(latencies) / wall, 3),
+            "failed": ns.requests - len(latencies), "mean_latency_s": mean(latencies),
             "dispatch": dispatch, "target_p99_ms": ns.target_ms,
             "target_met": dispatch["p99_ms"] <= ns.target_ms,
             "relay": delta_stats(before, after, "yuebing:conductor_relay_seconds"),
