@@ -125,7 +125,7 @@ class InstanceConfig:
                     f"--layers) of a pipeline group (--cpp-group NAME)")
             parse_layers(self.twin_of, None)
         require(self.engine.threads >= 1, f"threads must be >= 1, got {self.engine.threads}")
-        self.priority  # noqa: B018  (refuses a bad --engine-nice)
+        EnginePriority(self.engine_nice, self.engine_idle)  # refuses a bad --engine-nice
         if self.step_trace_dir:
             d = Path(self.step_trace_dir)
             existing = next(p for p in (d, *d.absolute().parents) if p.exists())

@@ -150,7 +150,7 @@ class VllmInstanceConfig:
                     "(--threads)")
         require(self.handoff_pool_blocks >= 0, "handoff_pool_blocks must be >= 0")
         require(self.replay_timeout_s > 0, "replay_timeout_s must be > 0")
-        self.priority  # noqa: B018  (refuses a bad --engine-nice)
+        EnginePriority(self.engine_nice, self.engine_idle)  # refuses a bad --engine-nice
         if self.etcd:
             try:
                 parse_etcd_url(self.etcd)

@@ -106,12 +106,12 @@ def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
         if server is not None:
             log.info("starting vLLM on %s (log %s)", server.url, server.log_path)
             server.wait_ready()
-            loading.close()  # a vLLM loading may not act on SIGTERM: killed at once below
+            loading.close()
             cfg = dataclasses.replace(cfg, vllm_url=server.url, accelerator="cpu")
         engine, profile = startup_profile(cfg, started=server is not None)
         return asyncio.run(_serve(cfg, ready_file, server, engine, profile))
     finally:
-        if server is not None:
+        if server is not None:  # one still loading may not act on SIGTERM: killed soon
             server.stop(timeout_s=30.0 if cfg.vllm_url else 3.0)
         loading.close()
 
