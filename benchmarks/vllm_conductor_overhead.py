@@ -222,9 +222,10 @@ def ab_nice(serve_pid: int, url: str, ns: argparse.Namespace) -> dict[str, objec
 
 
 class Cluster:
-    """``yuebing serve --engine vllm`` with ``flags``, waited for until ready; `stop`."""
+    """``yuebing serve --engine vllm`` with ``flags``, waited for until ready (put in
+    ``started`` before, so a timeout while it starts stops it too); `stop`."""
 
-    def __init__(self, ns: argparse.Namespace, flags: str = "") -> None:
+    def __init__(self, ns: argparse.Namespace, started: list[Cluster], flags: str = "") -> None:
         port, self.logs = free_port(), Path(tempfile.mkdtemp(prefix="yb-vllm-overhead-"))
         self.url = f"http://127.0.0.1:{port}"
         profile = () if ns.startup_profile else ("--no-startup-profile",)
@@ -233,6 +234,7 @@ class Cluster:
                           *shlex.split(flags), "--port", str(port), "--log-dir",
                           str(self.logs)]),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        started.append(self)
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if "yuebing serve: ready" in line:
@@ -251,6 +253,8 @@ class Cluster:
             os.killpg(self.proc.pid, signal.SIGTERM)
 
     def stop(self) -> None:
+        if self.proc.returncode is not None:  # stopped before
+            return
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(signal.SIGTERM)
         self.proc.communicate(timeout=120)
@@ -263,8 +267,7 @@ def ab_flags(ns: argparse.Namespace, clusters: list[Cluster]) -> dict[str, objec
     arms: dict[str, list[dict[str, object]]] = {"A": [], "B": []}
     for i in range(ns.pairs):
         for arm in ("AB" if i % 2 == 0 else "BA"):
-            clusters[:] = [Cluster(ns, ns.ab[0] if arm == "A" else ns.ab[1])]
-            c = clusters[0]
+            c = Cluster(ns, clusters, ns.ab[0] if arm == "A" else ns.ab[1])
             prio = priorities(c.proc.pid)
             lat, wall, before, after = load(c.url, ns.requests, ns.concurrency)
             c.stop()
@@ -331,8 +334,7 @@ def main() -> int:
 
 def one_cluster(ns: argparse.Namespace, clusters: list[Cluster]) -> dict[str, object]:
     """One cluster at the defaults: the load, then the ``--renice`` / ``--nice-vllm`` rounds."""
-    clusters.append(Cluster(ns))
-    c = clusters[0]
+    c = Cluster(ns, clusters)
     prio = priorities(c.proc.pid)
     latencies, wall, before, after = load(c.url, ns.requests, ns.concurrency)
     reniced: dict[str, object] = {}
