@@ -53,3 +53,34 @@ def test_what_vllm_instances_cannot_do_yet_is_refused():
     with pytest.raises(ConfigError, match="--engine must be yuebing or vllm"):
         ServeConfig(coupled=1, engine="sglang")
     assert ServeConfig(coupled=1).engine == "yuebing"
+
+
+def test_the_engines_cpu_priority_reaches_every_instance(tmp_path):
+    import argparse
+
+    from yuebing.core.config import add_config_args, config_from_args
+    from yuebing.integrations.vllm.instance import VllmInstanceConfig
+
+    def argv(cfg: ServeConfig) -> list[str]:
+        name, role = cfg.instance_roles[0]
+        return list(ServePlan(cfg, tmp_path).instance(name, role)[0].argv)
+
+    # the default (nice +10) is each instance's own default: nothing to pass
+    assert "--engine-nice" not in argv(ServeConfig(coupled=1, engine="vllm"))
+    off = InstanceConfig(engine_nice=0, engine_idle=True)
+    for engine in ("vllm", "yuebing"):
+        a = argv(ServeConfig(coupled=1, engine=engine, instance=off))
+        assert a[a.index("--engine-nice") + 1] == "0" and "--engine-idle" in a
+    a = argv(ServeConfig(coupled=1, engine="vllm", instance=off))
+    p = argparse.ArgumentParser()
+    add_config_args(p, VllmInstanceConfig)
+    p.add_argument("--log-dir")  # `yuebing vllm instance`'s own
+    p.add_argument("--ready-file")
+    parsed = config_from_args(VllmInstanceConfig, p.parse_args(a[a.index("instance") + 1:]))
+    assert parsed.priority.nice == 0 and parsed.priority.idle
+    assert VllmInstanceConfig().priority.nice == InstanceConfig().priority.nice == 10
+    for bad in (-1, 20):
+        with pytest.raises(ValueError, match=f"--engine-nice must be in 0..19 .*got {bad}"):
+            InstanceConfig(engine_nice=bad)
+        with pytest.raises(ValueError, match=f"--engine-nice must be in 0..19 .*got {bad}"):
+            VllmInstanceConfig(engine_nice=bad)

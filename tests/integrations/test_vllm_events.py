@@ -168,7 +168,7 @@ def test_the_adapter_replays_lost_events_from_vllms_endpoint_or_resets(tmp_path,
     (tmp_path / "config.json").write_text(json.dumps(HF))
     events, replay = free_port(), free_port()
     inst = VllmInstance(VllmInstanceConfig(
-        vllm_url="http://127.0.0.1:9", model_dir=str(tmp_path), block_size=64,
+        startup_profile=False, vllm_url="http://127.0.0.1:9", model_dir=str(tmp_path), block_size=64,
         store_block_tokens=128, kv_events_port=events, kv_replay_port=replay))
     lay = inst.layout
     a, b = list(range(128)), list(range(1000, 1128))
@@ -219,7 +219,7 @@ def test_a_resubscribing_conductor_gets_a_full_resync_report(tmp_path):
     """The Conductor asks for a full resync by subscribing again (a report sequence gap): the
     adapter's next report carries every key held, not the changes since the last one."""
     (tmp_path / "config.json").write_text(json.dumps(HF))
-    inst = VllmInstance(VllmInstanceConfig(vllm_url="http://127.0.0.1:9",
+    inst = VllmInstance(VllmInstanceConfig(startup_profile=False, vllm_url="http://127.0.0.1:9",
                                            model_dir=str(tmp_path), block_size=64,
                                            store_block_tokens=128))
     sent = []

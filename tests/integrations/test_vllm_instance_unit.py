@@ -48,7 +48,7 @@ HF = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 
 @pytest.fixture
 def inst(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(HF))
-    i = VllmInstance(VllmInstanceConfig(vllm_url="http://127.0.0.1:9", model_dir=str(tmp_path)))
+    i = VllmInstance(VllmInstanceConfig(startup_profile=False, vllm_url="http://127.0.0.1:9", model_dir=str(tmp_path)))
     yield i
     i.sock.close()
     i.ctx.term()
@@ -78,7 +78,7 @@ def test_what_is_not_built_is_refused_and_nothing_changes(inst):
 
 
 def test_the_completion_body_carries_the_sampling():
-    cfg = VllmInstanceConfig(vllm_url="http://h:1")
+    cfg = VllmInstanceConfig(startup_profile=False, vllm_url="http://h:1")
     body = completion_body(cfg, [5, 6], Sampling(max_tokens=7, temperature=0.0, top_k=3,
                                                  seed=9, stop=["x"], stop_token_ids=[2]))
     assert body["prompt"] == [5, 6] and body["max_tokens"] == 7 and body["temperature"] == 0.0
@@ -89,7 +89,7 @@ def test_the_completion_body_carries_the_sampling():
 
 def test_a_decode_reserves_and_answers_with_its_notify_segment(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**HF, "eos_token_id": 2}))
-    dec = VllmInstance(VllmInstanceConfig(vllm_url="http://127.0.0.1:9", role="decode",
+    dec = VllmInstance(VllmInstanceConfig(startup_profile=False, vllm_url="http://127.0.0.1:9", role="decode",
                                           model_dir=str(tmp_path)))
     try:
         hello = dec.dispatch(b"c", Subscribe(seq=1))
@@ -121,7 +121,7 @@ def test_the_hand_off_topic_is_yuebings():
 @pytest.fixture
 def decode(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(HF))
-    i = VllmInstance(VllmInstanceConfig(vllm_url="http://127.0.0.1:9", model_dir=str(tmp_path),
+    i = VllmInstance(VllmInstanceConfig(startup_profile=False, vllm_url="http://127.0.0.1:9", model_dir=str(tmp_path),
                                         role="decode", handoff_pool_blocks=5))
     yield i
     assert i.handoff is not None
@@ -165,7 +165,7 @@ def test_a_finished_stream_frees_its_pool_blocks_at_once(decode):
 
 def test_a_prefill_asks_its_vllm_to_stream_into_the_decodes_blocks(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps(HF))
-    i = VllmInstance(VllmInstanceConfig(vllm_url="http://127.0.0.1:9", model_dir=str(tmp_path),
+    i = VllmInstance(VllmInstanceConfig(startup_profile=False, vllm_url="http://127.0.0.1:9", model_dir=str(tmp_path),
                                         role="prefill"))
     started = []
     monkeypatch.setattr(i, "_start", lambda *a: started.append(a))
@@ -200,7 +200,7 @@ def test_bad_etcd_ports_and_exposed_hosts_are_refused_naming_the_flag():
 
 def test_with_a_cluster_token_only_peers_presenting_it_are_answered(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(HF))
-    inst = VllmInstance(VllmInstanceConfig(vllm_url="http://127.0.0.1:9",
+    inst = VllmInstance(VllmInstanceConfig(startup_profile=False, vllm_url="http://127.0.0.1:9",
                                            model_dir=str(tmp_path), cluster_token="secret",
                                            kv_events_port=-1))
 

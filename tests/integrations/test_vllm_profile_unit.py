@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from yuebing.conductor.calibration import fit_profile
+from yuebing.instance import profile_cache
 from yuebing.integrations.vllm import profile as vp
 from yuebing.integrations.vllm.instance import (
     VllmInstance,
@@ -50,7 +51,7 @@ class FakeProbe(vp.VllmProbe):
         return truth_step(batch, context)
 
 
-SIG = vp.signature("0.32.0", "m", "float32", 128, 2, "fp")
+SIG = vp.signature("0.32.0", "m", "float32", 128, "fp", vp.started_hardware(2))
 
 
 def test_grid_per_role_and_the_conductor_fits_it() -> None:
@@ -97,7 +98,26 @@ def test_signature_names_the_vllm_configuration_and_the_machine() -> None:
                                 "kv")} == {"engine": "vllm", "vllm": "0.32.0", "model": "m",
                                            "dtype": "float32", "block_size": "128",
                                            "threads": "2", "kv": "fp"}
-    assert SIG["machine"].endswith("| 2 cores")
+    assert SIG["machine"].endswith("| 2 cores") and SIG["accelerator"] == "cpu"
+    # a vLLM at --vllm-url: keyed by the accelerator its operator names, not this host's CPU
+    # or yuebing's --threads; two names, two cache files
+    given = vp.signature("0.32.0", "m", "float32", 128, "fp", vp.given_hardware("8x H100 TP8"))
+    assert given["accelerator"] == "8x H100 TP8" and "threads" not in given
+    assert given["machine"] == "given"
+    keys = {profile_cache.cache_key(s, Role.PREFILL, 1) for s in (
+        SIG, given, {**given, "accelerator": "cpu"})}
+    assert len(keys) == 3
+
+
+def test_a_given_vllm_must_name_its_accelerator_to_be_profiled() -> None:
+    with pytest.raises(ValueError, match="--vllm-url http://h:1: name what that vLLM runs on "
+                                         "with --accelerator"):
+        VllmInstanceConfig(vllm_url="http://h:1")
+    assert VllmInstanceConfig(vllm_url="http://h:1", accelerator="8x H100").accelerator
+    assert not VllmInstanceConfig(vllm_url="http://h:1", startup_profile=False).startup_profile
+    with pytest.raises(ValueError, match="--accelerator 'gpu' names the hardware of a vLLM at "
+                                         "--vllm-url"):
+        VllmInstanceConfig(accelerator="gpu")
 
 
 def test_hello_carries_the_signature_and_profile(tmp_path) -> None:
@@ -105,7 +125,7 @@ def test_hello_carries_the_signature_and_profile(tmp_path) -> None:
         {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
          "hidden_size": 576, "head_dim": 64}))
     profile = vp.measure(FakeProbe(), Role.COUPLED, SIG, 4352)
-    inst = VllmInstance(VllmInstanceConfig(vllm_url="http://127.0.0.1:9",
+    inst = VllmInstance(VllmInstanceConfig(startup_profile=False, vllm_url="http://127.0.0.1:9",
                                            model_dir=str(tmp_path)), SIG, profile)
     try:
         hello = inst.hello(0)
@@ -163,7 +183,8 @@ def test_vllm_queue_time_is_split_out_of_prefill(tmp_path) -> None:
         (tmp_path / "config.json").write_text(json.dumps(
             {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
              "hidden_size": 576, "head_dim": 64}))
-        inst = VllmInstance(VllmInstanceConfig(vllm_url=f"http://127.0.0.1:{port}",
+        inst = VllmInstance(VllmInstanceConfig(startup_profile=False,
+                                               vllm_url=f"http://127.0.0.1:{port}",
                                                model_dir=str(tmp_path)))
         events: list = []
         inst._event = lambda ident, ev: events.append(ev)  # type: ignore[method-assign]

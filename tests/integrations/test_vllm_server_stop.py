@@ -1,15 +1,20 @@
 """`VllmServer.stop` leaves nothing of the server's process group behind, also when the API
-server itself was killed first (its engine-core and worker processes outlive it), without a
-real vLLM: a shell stands in, with a child in its group."""
+server itself was killed first (its engine-core and worker processes outlive it) or its adapter
+is stopped while it loads; the server runs at the priority given. Without a real vLLM: a shell
+stands in, with a child in its group."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 from yuebing.integrations.vllm.server import VllmServer, VllmServerConfig
+from yuebing.ops.priority import EnginePriority
+from yuebing.ops.procs import yuebing_argv
 
 
 class _ShellConfig(VllmServerConfig):
@@ -61,3 +66,53 @@ def test_stop_ends_a_running_server_and_its_group(tmp_path: Path) -> None:
     while _alive(child):
         assert time.monotonic() < end, "the server's child outlived stop()"
         time.sleep(0.02)
+
+
+def test_the_server_runs_at_the_priority_given_from_its_exec_on(tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+    server = VllmServer(_ShellConfig(port=1, extra=(("pidfile", str(pidfile)),),
+                                     priority=EnginePriority(nice=4, idle=True)),
+                        tmp_path / "vllm.log")
+    try:
+        child = _child(pidfile)  # started by the server: inherits what was set before exec
+        for pid in (server.proc.pid, child):
+            assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+            assert os.getpriority(os.PRIO_PROCESS, pid) == min(
+                19, os.getpriority(os.PRIO_PROCESS, 0) + 4)
+            if Path("/proc/self/autogroup").exists():  # the server's session is its group
+                assert Path(f"/proc/{pid}/autogroup").read_text().split()[-1] == "4"
+    finally:
+        server.stop(timeout_s=5)
+
+
+def test_an_adapter_stopped_while_its_vllm_loads_stops_it(tmp_path: Path) -> None:
+    """A supervisor's ready timeout SIGTERMs the adapter while vLLM still loads: vLLM (in a
+    session of its own, so not in the adapter's process group) must go with it."""
+    peers, pidfile = tmp_path / "peers", tmp_path / "server.pid"
+    python = peers / "vllm" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    # never ready, and deaf to SIGTERM (as a vLLM still loading its model can be)
+    python.write_text(f"#!/bin/bash\ntrap '' TERM\necho $$ > {pidfile}\nexec sleep 300\n")
+    python.chmod(0o755)
+    (peers / "smollm2-135m-instruct-hf").mkdir()
+    (peers / "smollm2-135m-instruct-hf" / "config.json").write_text("{}")
+    env = {**os.environ, "YUEBING_PEERS_DIR": str(peers), "XDG_CACHE_HOME": str(tmp_path)}
+    adapter = subprocess.Popen(yuebing_argv(["vllm", "instance", "--vllm-port", "1",
+                                             "--log-dir", str(tmp_path)]),
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = 0
+    try:
+        server = _child(pidfile)
+        adapter.terminate()
+        code = adapter.wait(30)
+        end = time.monotonic() + 10
+        while _alive(server):
+            assert time.monotonic() < end, "the loading vLLM outlived its adapter"
+            time.sleep(0.02)
+        assert code == 128 + signal.SIGTERM
+    finally:
+        adapter.kill()
+        adapter.wait(10)
+        if server:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server, signal.SIGKILL)  # its session's group, if it outlived it

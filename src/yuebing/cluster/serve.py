@@ -59,6 +59,8 @@ MANAGED = {
 }
 """Fields of a role's config that the plan sets itself for each child (not offered to the user;
 the cluster token reaches every child through its environment, never its command line)."""
+VLLM_PASSED = ("engine_nice", "engine_idle")
+"""Instance flags that ``--engine vllm`` gives each ``yuebing vllm instance`` too."""
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ class ServeConfig:
                 f"--engine must be yuebing or vllm, got {self.engine!r}")
         if self.engine == "vllm":
             given = config_args(self.instance, skip=(*MANAGED["instance"], "store_block_tokens",
-                                                     "startup_profile"))
+                                                     "startup_profile", *VLLM_PASSED))
             require(self.store and not given,
                     "--engine vllm runs vLLM instances next to the store on this host, without "
                     "yuebing engine flags (--no-store: not built yet; docs/serving.md "
@@ -282,6 +284,9 @@ class ServePlan:
                     self.master_addr, "--vllm-port", str(free_port("127.0.0.1")),
                     "--store-block-tokens", str(self.cfg.instance.store_block_tokens),
                     *(() if self.cfg.instance.startup_profile else ("--no-startup-profile",)),
+                    *config_args(self.cfg.instance, skip=[
+                        f.name for f in dataclasses.fields(self.cfg.instance)
+                        if f.name not in VLLM_PASSED]),
                     *self._etcd(), "--log-dir", str(self.dir), "--ready-file", str(self._ready(name)))
         address = f"tcp://{local_url_host(adv)}:{self.control[name]}"
         return RoleSpec(name, argv), AllOf(ReadyFile(self._ready(name)), InstancePing(address))

@@ -13,6 +13,7 @@ from pathlib import Path
 from yuebing.core.auth import TOKEN_HELP, env_cluster_token, require_token
 from yuebing.core.config import require
 from yuebing.engine.config import EngineConfig, parse_layers
+from yuebing.ops.priority import IDLE_HELP, NICE_HELP, EnginePriority
 
 ROLES = ("prefill", "decode", "coupled")
 EVENT_LOOPS = ("uvloop", "asyncio")
@@ -99,6 +100,8 @@ class InstanceConfig:
         "help": "time the engine on a grid of prompts / batches at start and send it to the "
                 "Conductors, which fit their predictors to it (cached per configuration and "
                 "machine under ~/.cache/yuebing/profiles: only a first start pays)"})
+    engine_nice: int = field(default=10, metadata={"help": NICE_HELP})
+    engine_idle: bool = field(default=False, metadata={"help": IDLE_HELP})
     event_loop: str = field(default="uvloop", metadata={
         "help": "the control loop's implementation: uvloop (less CPU per message) or asyncio"})
 
@@ -122,6 +125,7 @@ class InstanceConfig:
                     f"--layers) of a pipeline group (--cpp-group NAME)")
             parse_layers(self.twin_of, None)
         require(self.engine.threads >= 1, f"threads must be >= 1, got {self.engine.threads}")
+        EnginePriority(self.engine_nice, self.engine_idle)  # refuses a bad --engine-nice
         if self.step_trace_dir:
             d = Path(self.step_trace_dir)
             existing = next(p for p in (d, *d.absolute().parents) if p.exists())
@@ -141,6 +145,11 @@ class InstanceConfig:
         require(self.layerwise_min_bytes >= 0, "layerwise_min_bytes must be >= 0")
         require(self.event_loop in EVENT_LOOPS, f"event_loop must be one of "
                 f"{', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")
+
+    @property
+    def priority(self) -> EnginePriority:
+        """This instance process's CPU priority (`ops.priority`, applied at its start)."""
+        return EnginePriority(self.engine_nice, self.engine_idle)
 
     @property
     def public_host(self) -> str:

@@ -4,8 +4,9 @@
 call `cached_profile` with their configuration and a function that measures one. Profiles live
 under ``$XDG_CACHE_HOME/yuebing/profiles``, one file per configuration and role; a file whose
 configuration is not this one is never used (re-measured). Profilers sharing the directory
-measure one at a time (a file lock): two side by side would each measure the other's load. An
-unusable directory (read-only, no home) is logged and the profile measured without it.
+measure one at a time (a file lock): two side by side would each measure the other's load; a
+server that starts (`starting`: a vLLM loading) holds the lock shared, so no profile runs while
+a sibling loads. An unusable directory (read-only, no home) is logged and used without a lock.
 """
 
 from __future__ import annotations
@@ -89,10 +90,24 @@ def _read(path: Path, signature: dict[str, str]) -> EngineProfile | None:
 
 
 @contextlib.contextmanager
-def _cache_lock(root: Path) -> Iterator[None]:
+def starting(cache: Path | None = None) -> Iterator[None]:
+    """Hold the profilers' lock shared while a server starts: a profile measured meanwhile would
+    time the start-up's load with it. Servers start side by side; a profiler waits for them all,
+    and a server starting while one measures waits for it. Without a usable cache directory:
+    no lock."""
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(_cache_lock(cache or profile_dir(), shared=True))
+        except (RuntimeError, OSError) as e:  # no home, read-only: start without the lock
+            log.warning("start-up profile: no lock to start under (%s)", e)
+        yield
+
+
+@contextlib.contextmanager
+def _cache_lock(root: Path, shared: bool = False) -> Iterator[None]:
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    with open(root / ".lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         try:
             yield
         finally:

@@ -43,6 +43,7 @@ def run_instance(cfg: InstanceConfig) -> int:
     from yuebing.instance.admin import admin_server
 
     adopt_cluster_token(cfg.cluster_token)  # the store client and peer clients dial with it
+    log.info("%s", cfg.priority.apply_self())  # before the engine starts its threads
     inst = build_instance(cfg)
     admin = admin_server(inst).start() if cfg.admin_port else None
     try:

@@ -33,6 +33,7 @@ from yuebing.integrations.vllm.handoff import Handoff
 from yuebing.integrations.vllm.layout import KvLayout, layout_from_hf
 from yuebing.integrations.vllm.load import VllmLoad, parse_metrics
 from yuebing.integrations.vllm.plan import RECV_KEY, SEND_KEY, StreamParams
+from yuebing.ops.priority import IDLE_HELP, NICE_HELP, EnginePriority
 from yuebing.ops.zap import TokenAuthenticator, serve_plain
 from yuebing.protocol import Message, ProtocolError, decode, encode
 from yuebing.protocol.instance import (
@@ -88,12 +89,21 @@ class VllmInstanceConfig:
     store_block_tokens: int = field(default=256, metadata={"help": "tokens per store block"})
     max_model_len: int = field(default=4352, metadata={"help": "vLLM's --max-model-len"})
     threads: int = field(default=2, metadata={
-        "help": "vLLM's CPU threads (OMP_NUM_THREADS of the vLLM started; with --vllm-url, the "
-                "ones it runs: part of the configuration its start-up profile holds for)"})
+        "help": "the started vLLM's CPU threads (its OMP_NUM_THREADS; part of the configuration "
+                "its start-up profile holds for)"})
+    accelerator: str = field(default="", metadata={
+        "help": "with --vllm-url: what that vLLM runs on, e.g. '8x H100-80GB TP8' or 'Xeon "
+                "8480 cpu 32 threads', the key its start-up profile is cached and shared "
+                "under (required unless --no-startup-profile; '' without --vllm-url: the vLLM "
+                "started here runs on this CPU with --threads)"})
     startup_profile: bool = field(default=True, metadata={
         "help": "time vLLM on a small grid of prompts / batches once it is up and send it to "
                 "the Conductors, which fit their predictors to it (cached per configuration "
                 "and machine under ~/.cache/yuebing/profiles: only a first start pays)"})
+    engine_nice: int = field(default=10, metadata={
+        "help": "the vLLM server started here (not one at --vllm-url, not this adapter): "
+                + NICE_HELP})
+    engine_idle: bool = field(default=False, metadata={"help": IDLE_HELP})
     etcd: str = field(default="", metadata={
         "help": "etcd URL: publish this instance for the Conductor's discovery, and find the "
                 "store master there when --master is not given ('' = none)"})
@@ -128,8 +138,19 @@ class VllmInstanceConfig:
                 f"vllm_url must be http(s)://host:port, got {self.vllm_url!r}")
         require(self.report_s > 0, "report_s must be > 0")
         require(self.threads >= 1, f"threads must be >= 1, got {self.threads}")
+        if self.vllm_url:
+            require(bool(self.accelerator.strip()) or not self.startup_profile,
+                    f"--vllm-url {self.vllm_url}: name what that vLLM runs on with --accelerator "
+                    "(e.g. '8x H100-80GB TP8': its start-up profile is cached under it, and "
+                    "this host's CPU and --threads say nothing about it), or give "
+                    "--no-startup-profile")
+        else:
+            require(not self.accelerator, f"--accelerator {self.accelerator!r} names the "
+                    "hardware of a vLLM at --vllm-url; the vLLM started here runs on this CPU "
+                    "(--threads)")
         require(self.handoff_pool_blocks >= 0, "handoff_pool_blocks must be >= 0")
         require(self.replay_timeout_s > 0, "replay_timeout_s must be > 0")
+        EnginePriority(self.engine_nice, self.engine_idle)  # refuses a bad --engine-nice
         if self.etcd:
             try:
                 parse_etcd_url(self.etcd)
@@ -139,6 +160,11 @@ class VllmInstanceConfig:
         for name in ("kv_events_port", "kv_replay_port"):
             port = getattr(self, name)
             require(-1 <= port < 65536, f"{name} must be -1, 0 or a port, got {port}")
+
+    @property
+    def priority(self) -> EnginePriority:
+        """The started vLLM server's CPU priority (`ops.priority`)."""
+        return EnginePriority(self.engine_nice, self.engine_idle)
 
     def layout(self) -> KvLayout:
         config = json.loads((Path(self.model_dir) / "config.json").read_text())

@@ -4,8 +4,8 @@
 default): roles that prefill time prompts of `PREFILL_NEW` new tokens after 0 and
 `PREFILL_CACHED` tokens held in vLLM's prefix cache, roles that decode time steps of batches of
 `DECODE_BATCHES` sequences, all through vLLM's OpenAI API. The result goes to the Conductor in
-`Hello.profile`, keyed by `signature` (vLLM version, model, dtype, block size, threads,
-machine) and cached per signature and role by `instance.profile_cache` beside yuebing's own
+`Hello.profile`, keyed by `signature` (vLLM version, model, dtype, block size, accelerator,
+threads and processor of a vLLM started here) and cached per signature and role by `instance.profile_cache` beside yuebing's own
 engine profiles: only the first start of a configuration on a machine pays.
 """
 
@@ -41,13 +41,26 @@ TIMEOUT_S = 300.0
 """One request of the grid may take this long before the profile fails."""
 
 
-def signature(version: str, model: str, dtype: str, block_size: int, threads: int,
-              layout: str) -> dict[str, str]:
+def signature(version: str, model: str, dtype: str, block_size: int, layout: str,
+              hardware: dict[str, str]) -> dict[str, str]:
     """The configuration a vLLM profile holds for (and `Hello.engine`): two vLLM servers with
-    equal signatures take the same time per step."""
+    equal signatures take the same time per step. ``hardware`` is `started_hardware` or
+    `given_hardware`."""
     return {"engine": "vllm", "vllm": version, "model": model, "dtype": dtype,
-            "block_size": str(block_size), "threads": str(threads), "kv": layout,
+            "block_size": str(block_size), "kv": layout, **hardware}
+
+
+def started_hardware(threads: int) -> dict[str, str]:
+    """What the vLLM-CPU server a ``yuebing vllm instance`` starts runs on: this processor,
+    with ``threads`` OpenMP threads."""
+    return {"accelerator": "cpu", "threads": str(threads),
             "machine": f"{cpu_name()} | {threads} cores"}
+
+
+def given_hardware(accelerator: str) -> dict[str, str]:
+    """What a vLLM at ``--vllm-url`` runs on, as its operator names it (``--accelerator``):
+    neither this host's processor nor yuebing's ``--threads`` say anything about it."""
+    return {"accelerator": accelerator, "machine": "given"}
 
 
 def server_version(url: str) -> str:

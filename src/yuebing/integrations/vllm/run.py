@@ -18,8 +18,16 @@ import time
 from pathlib import Path
 
 from yuebing.core.auth import adopt_cluster_token
+from yuebing.instance import profile_cache
 from yuebing.integrations.vllm.instance import ROLES, VllmInstance, VllmInstanceConfig
-from yuebing.integrations.vllm.profile import VllmProbe, server_version, signature, vllm_profile
+from yuebing.integrations.vllm.profile import (
+    VllmProbe,
+    given_hardware,
+    server_version,
+    signature,
+    started_hardware,
+    vllm_profile,
+)
 from yuebing.integrations.vllm.server import VllmEnv, VllmServer, VllmServerConfig
 from yuebing.protocol.instance import EngineProfile
 
@@ -71,7 +79,7 @@ def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
         cfg = dataclasses.replace(cfg, master=find_master(cfg))
     if not cfg.model_dir:
         cfg = dataclasses.replace(cfg, model_dir=str(env.model))
-    server = None
+    server, loading = None, contextlib.ExitStack()
     if not cfg.vllm_url and cfg.kv_events_port == 0:
         cfg = dataclasses.replace(cfg, kv_events_port=_free_port())
     if not cfg.vllm_url and cfg.kv_replay_port == 0 and cfg.kv_events_port > 0:
@@ -86,29 +94,44 @@ def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
                                 store_block_tokens=cfg.store_block_tokens,
                                 max_model_len=cfg.max_model_len, threads=cfg.threads,
                                 kv_events_port=max(0, cfg.kv_events_port),
-                                kv_replay_port=max(0, cfg.kv_replay_port))
+                                kv_replay_port=max(0, cfg.kv_replay_port),
+                                priority=cfg.priority)
         logs = log_dir or Path(tempfile.mkdtemp(prefix="yb-vllm-"))
+        # SIGTERM while vLLM loads (a supervisor's ready timeout) ends this process through
+        # the `finally` below, which stops vLLM's process group: it leads a session of its own
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        loading.enter_context(profile_cache.starting())  # no sibling profiles while it loads
         server = VllmServer(scfg, logs / f"{cfg.instance_id}.vllm.log", env)
-        log.info("starting vLLM on %s (log %s)", server.url, server.log_path)
-        server.wait_ready()
-        cfg = dataclasses.replace(cfg, vllm_url=server.url)
     try:
-        engine, profile = startup_profile(cfg)
+        if server is not None:
+            log.info("starting vLLM on %s (log %s)", server.url, server.log_path)
+            server.wait_ready()
+            loading.close()
+            cfg = dataclasses.replace(cfg, vllm_url=server.url, accelerator="cpu")
+        engine, profile = startup_profile(cfg, started=server is not None)
         return asyncio.run(_serve(cfg, ready_file, server, engine, profile))
     finally:
-        if server is not None:
-            server.stop()
+        if server is not None:  # one still loading may not act on SIGTERM: killed soon
+            server.stop(timeout_s=30.0 if cfg.vllm_url else 3.0)
+        loading.close()
 
 
-def startup_profile(cfg: VllmInstanceConfig) -> tuple[dict[str, str], EngineProfile | None]:
-    """The running vLLM's configuration (`profile.signature`) and, unless
-    ``--no-startup-profile``, its start-up profile (cached or measured now); SystemExit
-    naming the cause when vLLM does not answer or the profile fails."""
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def startup_profile(cfg: VllmInstanceConfig, started: bool
+                    ) -> tuple[dict[str, str], EngineProfile | None]:
+    """The running vLLM's configuration (`profile.signature`: ``started`` here, or at
+    ``--vllm-url`` on the ``--accelerator`` named) and, unless ``--no-startup-profile``, its
+    start-up profile (cached or measured now); SystemExit naming the cause when vLLM does not
+    answer or the profile fails."""
     layout = cfg.layout()
+    hardware = started_hardware(cfg.threads) if started else given_hardware(cfg.accelerator)
     try:
         version = server_version(cfg.vllm_url)
-        sig = signature(version, cfg.served_name, cfg.dtype, cfg.block_size, cfg.threads,
-                        layout.fingerprint())
+        sig = signature(version, cfg.served_name, cfg.dtype, cfg.block_size,
+                        layout.fingerprint(), hardware)
         if not cfg.startup_profile:
             return sig, None
         hf = json.loads((Path(cfg.model_dir) / "config.json").read_text())

@@ -22,6 +22,7 @@ from typing import Any
 
 from yuebing.core import env as environment
 from yuebing.core.config import require
+from yuebing.ops.priority import EnginePriority
 
 SRC = Path(__file__).resolve().parents[3]
 """The ``src`` folder holding ``yuebing`` (put on vLLM's PYTHONPATH)."""
@@ -72,6 +73,9 @@ class VllmServerConfig:
     kv_replay_port: int = 0
     """vLLM's publisher binds its replay endpoint (lost events asked again) on this port on
     127.0.0.1 (0 = none)."""
+    priority: EnginePriority = EnginePriority(nice=0)
+    """The server's CPU priority, set before its exec (every process and thread of it inherits
+    it; `yuebing vllm instance` gives its ``--engine-nice``)."""
 
     def __post_init__(self) -> None:
         require(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
@@ -119,11 +123,13 @@ class VllmServerConfig:
         return env
 
 
-def _term_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM when the process that started it dies, so a
-    killed benchmark or adapter leaves no vLLM server behind."""
+def _child_setup(priority: EnginePriority) -> None:
+    """In the child before exec (Linux), after its ``setsid``: SIGTERM when the process that
+    started it dies, so a killed benchmark or adapter leaves no vLLM server behind; then its
+    CPU priority (its session's new autogroup included)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    priority.apply_child()
 
 
 class VllmServer:
@@ -137,7 +143,7 @@ class VllmServer:
         with log_path.open("wb") as out:
             self.proc = subprocess.Popen(cfg.argv(self.env), env=cfg.environ(), stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=_term_with_parent)
+                                         preexec_fn=lambda: _child_setup(cfg.priority))
 
     def log(self, tail: int = 4000) -> str:
         try:
