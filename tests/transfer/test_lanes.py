@@ -80,3 +80,19 @@ def test_pick_takes_more_lanes_only_when_they_win_by_the_margin() -> None:
 def test_a_malformed_kept_choice_is_refused(raw: object) -> None:
     with pytest.raises((TypeError, ValueError)):
         ln.lanes_choice(raw)
+
+
+def test_a_first_engine_measures_without_waiting_on_its_own_choice_lock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lane measurement holds the choices' lock while its target process starts; the
+    target must not ask for a choice under that lock (it waited 60 s and fell back)."""
+    import time
+
+    from yuebing.transfer import streamcopy
+    if not streamcopy.BUILT:
+        pytest.skip("the streaming-copy extension is not built: the target never asks")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing kept: both kinds measure
+    t0 = time.monotonic()
+    cfg, how = ln.resolve_lanes(TransferConfig(), TransferEngine)
+    assert how == "measured now" and time.monotonic() - t0 < ln.TARGET_READY_S / 2
+    assert list((tmp_path / "yuebing" / "choices").glob("*.json"))

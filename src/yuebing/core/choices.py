@@ -72,11 +72,15 @@ def shared_choice(parts: dict[str, object], measure: Callable[[], T],
     """The machine's choice for ``parts`` (and True), or ``measure()``'s, kept for the next
     process (and False). ``parse`` turns the kept JSON back into a choice, raising
     ValueError, KeyError, TypeError or IndexError on a malformed one (measured again).
-    Measurements of all kinds take turns (one lock): each would time the other's load."""
+    Measurements of all kinds take turns (one lock): each would time the other's load; a kept
+    choice is read without the lock, so a measurement's own helper processes never wait on it."""
     try:
         base = root or choice_dir()
         base.mkdir(parents=True, exist_ok=True)
         path = base / f"{choice_key(parts)}.json"
+        found = _read(path, parse)  # kept ones are read without waiting (written atomically)
+        if found is not None:
+            return found, True
         with _locked(base / ".lock"):
             found = _read(path, parse)
             if found is not None:

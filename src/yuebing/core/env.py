@@ -56,6 +56,11 @@ def prepend_path(directory: str) -> None:
     os.environ["PATH"] = directory + os.pathsep + get("PATH")
 
 
+def child_env(overrides: dict[str, str]) -> dict[str, str]:
+    """This process's environment with ``overrides``, for a child that must differ."""
+    return {**os.environ, **overrides}
+
+
 def stream_copy() -> bool:
     """Whether large copies may use streaming stores (``$YUEBING_STREAM_COPY`` is not ``0``)."""
     return get(STREAM_COPY) != "0"

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -27,6 +26,7 @@ from yuebing.core.config import require
 from yuebing.core.errors import TransferError
 from yuebing.transfer.config import TransferConfig
 from yuebing.transfer.engine import TransferEngine
+from yuebing.transfer.lanes import start_target, stop_target
 from yuebing.transfer.rawsock import RawClient, RawServer, interleave, rpc_loop
 from yuebing.transfer.streamcopy import small_copy
 from yuebing.transfer.types import OpCode, TransferRequest
@@ -126,28 +126,6 @@ def serve(segment_bytes: int) -> None:
         sys.stdin.read()
     finally:
         engine.close()
-
-
-def start_target(segment_bytes: int) -> tuple[subprocess.Popen[str], str]:
-    """Start the target process; returns (process, P2P segment name)."""
-    proc = subprocess.Popen([sys.executable, "-m", "yuebing.transfer.bench", str(segment_bytes)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline().strip()
-    if not line:
-        proc.kill()
-        raise RuntimeError(f"bench target exited with {proc.wait()} before serving")
-    return proc, line
-
-
-def stop_target(proc: subprocess.Popen[str]) -> None:
-    assert proc.stdin is not None
-    proc.stdin.close()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from yuebing.core import env
 from yuebing.core.choices import machine_parts, shared_choice
 from yuebing.core.errors import InputError, TransferError
 from yuebing.core.spin import AUTO
@@ -111,7 +112,7 @@ def measure_lanes(cfg: TransferConfig, make: Callable[[TransferConfig], Initiato
                   cands: tuple[int, ...]) -> tuple[int, dict[str, float]]:
     """Time a write and a read batch (`BATCH` × `REQUEST`) per candidate lane count against a
     target child, `ROUNDS` interleaved rounds; (`pick` of the medians, ms per candidate)."""
-    proc, remote = _start_target(BATCH * REQUEST)
+    proc, remote = start_target(BATCH * REQUEST, streaming=False)
     engines: dict[int, Initiator] = {}
     try:
         local = np.ones(BATCH * REQUEST, np.uint8)
@@ -132,7 +133,7 @@ def measure_lanes(cfg: TransferConfig, make: Callable[[TransferConfig], Initiato
     finally:
         for eng in engines.values():
             eng.close()
-        _stop_target(proc)
+        stop_target(proc)
     medians = {n: statistics.median(t) for n, t in took.items()}
     return pick(medians), {str(n): round(t * 1e3, 3) for n, t in medians.items()}
 
@@ -146,24 +147,27 @@ def _round(engine: Initiator, reqs: dict[OpCode, list[TransferRequest]]) -> floa
     return time.perf_counter() - t0
 
 
-def _start_target(segment_bytes: int) -> tuple[subprocess.Popen[str], str]:
-    """The benchmark's target process (`transfer.bench.serve`) and its P2P segment name."""
+def start_target(segment_bytes: int, streaming: bool = True) -> tuple[subprocess.Popen[str], str]:
+    """The benchmark's target process (`transfer.bench.serve`) and its P2P segment name.
+    ``streaming=False`` gives it plain copies: it then never asks for the small-copy choice,
+    whose lock a lane measurement holds while it waits for this process."""
+    extra = {} if streaming else {env.STREAM_COPY: "0"}
     try:
         proc = subprocess.Popen([sys.executable, "-m", "yuebing.transfer.bench",
                                  str(segment_bytes)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, text=True, env=env.child_env(extra))
     except OSError as e:
         raise MeasureFailed(f"cannot start the target process: {e}") from e
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], TARGET_READY_S)
     line = proc.stdout.readline().strip() if ready else ""
     if not line:
-        _stop_target(proc)
+        stop_target(proc)
         raise MeasureFailed(f"the target process did not serve within {TARGET_READY_S} s")
     return proc, line
 
 
-def _stop_target(proc: subprocess.Popen[str]) -> None:
+def stop_target(proc: subprocess.Popen[str]) -> None:
     if proc.stdin is not None:
         proc.stdin.close()
     try:
