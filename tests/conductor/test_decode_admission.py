@@ -320,3 +320,21 @@ def test_prefill_tail_is_the_whole_tail_while_the_pool_is_busy():
 def test_tbt_tail_below_one_or_not_finite_is_refused(tail):
     with pytest.raises(ConfigError, match="tbt_tail"):
         config(tbt_tail=tail)
+
+
+def test_running_decodes_are_protected_on_every_decode_instance_not_only_the_chosen_one():
+    """The request goes to the idle d1, but its prefill shares the host's cores with d0's 7
+    running requests too: 80 ms x 2 = 160 ms there, so it is rejected."""
+    two = view(P0, (decode("d0", batch=7), decode("d1")))
+    r = decide_with(two, admission="early_rejection", tbt_tail=2.0)
+    assert r.reason == "running_tbt"
+
+
+def test_running_decodes_that_no_admission_can_protect_do_not_block_every_prefill():
+    """With a tail of 6 one running request alone steps 20 ms x 6 = 120 ms beside any
+    prefill: rejecting this request would not bring it within the SLO, so it is admitted
+    (with 5, 100 ms, protecting the batch of 7 still rejects)."""
+    assert isinstance(decide_with(RUNNING_IDLE_POOL, admission="early_rejection",
+                                  tbt_tail=6.0), Route)
+    r = decide_with(RUNNING_IDLE_POOL, admission="early_rejection", tbt_tail=5.0)
+    assert r.reason == "running_tbt"

@@ -92,27 +92,33 @@ def admit_slo(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPla
     return _reject(reason, retry, pol, plan, dplan)
 
 
-def running_load(pol: Policy, view: ClusterView, plan: PrefillPlan, state: State,
-                 index: int) -> float:
-    """The load (predicted paper TBT / SLO) of the requests decoding on instance ``index``
-    (``state``, without the new request) while the new request's prefill runs beside them:
-    their step times `Policy.prefill_tail`; 0 with none decoding."""
+def running_load(pol: Policy, view: ClusterView, plan: PrefillPlan, state: State) -> float:
+    """The load (predicted paper TBT / SLO) of the requests decoding while the new request's
+    prefill runs beside them (``state``, without the new request): their step times
+    `Policy.prefill_tail`, on the most loaded decode instance (on one host every decode shares
+    the prefill's cores). 0 with none decoding. An instance where one request alone would be
+    over the threshold under the tail is left out: no admission can protect it, and counting
+    it would refuse every prefill while anything decodes there."""
     batch, ctx, _ = state
-    if batch[index] <= 0:
-        return 0.0
-    step = pol.decode_time(batch[index], ctx[index])
-    return step * pol.prefill_tail(view, plan.prefill_s) / pol.config.tbt_slo_s
+    tail = pol.prefill_tail(view, plan.prefill_s)
+    slo = pol.config.tbt_slo_s
+    worst = 0.0
+    for n, tokens in zip(batch, ctx, strict=True):
+        alone = pol.decode_time(1, tokens / n) * tail if n > 0 else 0.0
+        if n <= 0 or alone > pol.config.early_rejection_threshold * slo:
+            continue
+        worst = max(worst, pol.decode_time(n, tokens) * tail / slo)
+    return worst
 
 
-def running_retry_after(pol: Policy, view: ClusterView, plan: PrefillPlan, index: int,
-                        from_s: float, threshold: float) -> float:
-    """Seconds after ``from_s`` until the forecast running batch of ``index`` takes this
-    prefill within ``threshold`` (doubling probes as `decode_retry_after`)."""
+def running_retry_after(pol: Policy, view: ClusterView, plan: PrefillPlan, from_s: float,
+                        threshold: float) -> float:
+    """Seconds after ``from_s`` until the forecast running batches take this prefill within
+    ``threshold`` (doubling probes as `decode_retry_after`)."""
     wait = max(pol.config.min_retry_after_s, 0.25)
     horizon = 2.0 * pol.max_decode_duration_s
     while wait < horizon:
-        state = forecast_state(pol, view, from_s + wait)
-        if running_load(pol, view, plan, state, index) <= threshold:
+        if running_load(pol, view, plan, forecast_state(pol, view, from_s + wait)) <= threshold:
             return wait
         wait *= 2.0
     return horizon
@@ -126,14 +132,14 @@ def _overload(pol: Policy, req: RequestInfo, view: ClusterView, plan: PrefillPla
     already decoding over their SLO loses more than it gains)."""
     threshold = pol.config.early_rejection_threshold
     prefill_load = plan.ttft_s / pol.config.ttft_slo_s
-    running = running_load(pol, view, plan, state, dplan.index)
+    running = running_load(pol, view, plan, state)
     if max(prefill_load, decode_load, running) <= threshold:
         return None
     if prefill_load >= max(decode_load, running):
         excess_s = plan.ttft_s - threshold * pol.config.ttft_slo_s
         return _reject(RejectReason.PREFILL_OVERLOAD, excess_s, pol, plan, dplan)
     if running > decode_load:
-        retry = running_retry_after(pol, view, plan, dplan.index, view.now_s, threshold)
+        retry = running_retry_after(pol, view, plan, view.now_s, threshold)
         return _reject(RejectReason.RUNNING_TBT, retry, pol, plan, dplan)
     retry = decode_retry_after(pol, req, view, decode_at_s, threshold)
     reason = RejectReason.UNSERVABLE if math.isinf(retry) else RejectReason.DECODE_OVERLOAD
