@@ -43,8 +43,8 @@ def run_instance(cfg: InstanceConfig) -> int:
     from yuebing.instance.admin import admin_server
 
     adopt_cluster_token(cfg.cluster_token)  # the store client and peer clients dial with it
-    log.info("%s", cfg.priority.apply_self())  # before the engine starts its threads
-    inst = build_instance(cfg)
+    inst = build_instance(cfg)  # its start-up measurements run at the normal priority
+    log.info("%s", cfg.priority.apply_self())  # lowers every thread the engine started too
     admin = admin_server(inst).start() if cfg.admin_port else None
     try:
         run_loop(serve_instance(inst), cfg.event_loop)
