@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 Handler = Callable[[int, int, bytes], None]
 """``on_frame(conn id, request id, payload)``: a complete frame to serve."""
 IN, OUT = select.EPOLLIN, select.EPOLLOUT
+HUP_ERR = select.EPOLLHUP | select.EPOLLERR
+"""A hang-up or an error: it wakes the side a connection waits on, as `selectors` has it."""
 
 
 class FrameServer:
@@ -128,9 +130,9 @@ class FrameServer:
                 data()
             else:
                 try:  # a hang-up or an error wakes both sides, as `selectors` has it
-                    if ev & ~OUT & want & IN:
+                    if ev & (IN | HUP_ERR) and want & IN:
                         self._read(data)
-                    if ev & ~IN & want & OUT and data.cid in self.conns:
+                    if ev & (OUT | HUP_ERR) and want & OUT and data.cid in self.conns:
                         self._write(data)
                 except Exception:  # a bug must cost one connection, never the serving loop
                     log.exception("connection %d from %s: closing it after an internal error",

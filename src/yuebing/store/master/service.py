@@ -167,7 +167,12 @@ class MasterService:
             else:
                 probe = core.probes.get(type(msg))
                 if probe is not None and self.leading:  # read-only, no session: answered at
-                    self.server.send(cid, rid, encode(probe(msg)))  # once, never held
+                    try:  # once, never held
+                        answer: Message = probe(msg)
+                    except Exception as e:  # a bug must not take the master down
+                        log.exception("probe %s failed", type(msg).__name__)
+                        answer = m.Err(code=C.INTERNAL, message=f"{type(msg).__name__} failed: {e}")
+                    self.server.send(cid, rid, encode(answer))
                     return
                 reply = self._dispatch(msg, cid, rid)
             if reply is None:
