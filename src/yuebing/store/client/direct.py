@@ -77,8 +77,8 @@ class DirectSegments:
     while the segment is registered; before and after each batch of copies the client probes it
     with a shared lock: got one means the node died — the map is dropped, the requests go through
     the engine (which fails them), and a copy that raced the death ends FAILED, never DONE.
-    Copies above `streamcopy.small_copy` bytes use `yuebing.transfer.streamcopy.copy`; batches of at least
-    `PARALLEL_MIN` bytes use a few threads. No write starts past the put's deadline and large ones
+    Copies above `streamcopy.small_copy` bytes use `yuebing.transfer.streamcopy.copy`;
+    batches of at least `PARALLEL_MIN` bytes use a few threads. No write starts past the put's deadline and large ones
     check it between pieces (`copy_until`, TIMEOUT: revoked); a read ending past its lease's
     deadline ends TIMEOUT too (the client asks again)."""
 
