@@ -160,3 +160,26 @@ def test_an_internal_error_costs_its_connection_not_the_server() -> None:
         if good is not None:
             good.close()
         srv.close()
+
+
+def test_frames_in_one_read_and_a_frame_over_two_reads_are_all_served() -> None:
+    """The one-whole-frame fast path must hand the rest to the parser: two frames arriving in
+    one read, then one frame whose bytes arrive in two reads, are each answered once."""
+    srv = _echo_server(0.0)
+    host, port = srv.address.removeprefix("tcp://").rsplit(":", 1)
+    raw = socket.create_connection((host, int(port)), 2.0)
+    try:
+        split = frame(3, b"split")
+        for chunk in (frame(1, b"ab") + frame(2, b"cd"), split[:9], split[9:]):
+            raw.sendall(chunk)
+            for _ in range(20):  # the server reads what has arrived
+                srv.poll(0.01)
+        want = frame(1, b"ba") + frame(2, b"dc") + frame(3, b"tilps")
+        got, end = b"", time.monotonic() + 5
+        while len(got) < len(want) and time.monotonic() < end:
+            srv.poll(0.01)
+            got += raw.recv(4096)
+        assert got == want
+    finally:
+        raw.close()
+        srv.close()

@@ -6,7 +6,8 @@ under ``$XDG_CACHE_HOME/yuebing/profiles``, one file per configuration and role;
 configuration is not this one is never used (re-measured). Profilers sharing the directory
 measure one at a time (a file lock): two side by side would each measure the other's load; a
 server that starts (`starting`: a vLLM loading) holds the lock shared, so no profile runs while
-a sibling loads. An unusable directory (read-only, no home) is logged and used without a lock.
+a sibling loads. An unusable directory (read-only, no home) is logged: profiles are then measured
+without the cache, and servers start without the lock.
 """
 
 from __future__ import annotations

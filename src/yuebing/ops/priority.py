@@ -14,6 +14,7 @@ import contextlib
 import errno
 import logging
 import os
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +24,9 @@ from yuebing.core.config import require
 log = logging.getLogger(__name__)
 
 MAX_NICE = 19
-AUTOGROUP_RETRY_S = 1.0
+AUTOGROUP_RETRY_S = 5.0
 """The kernel lets an unprivileged process set an autogroup's nice once per 100 ms host-wide
-(EAGAIN between): several engines starting together retry this long."""
+(EAGAIN between): several engines starting together retry this long (tens of them fit)."""
 NICE_HELP = ("added to the engine's nice and, where it leads its session, its autogroup's (max "
              "19), so the Conductor and the store master win a core when they wake: on a host "
              "whose engines fill every core their requests wait for one otherwise (dispatch "
@@ -71,6 +72,7 @@ class EnginePriority:
             group = self._autogroup()
         except OSError as e:
             group = f"left as it is ({e})"
+            log.warning("engine priority: autogroup %s", group)
         return (f"engine priority: nice {os.getpriority(os.PRIO_PROCESS, 0)}"
                 f"{', SCHED_IDLE' if self.idle else ''}, autogroup {group}")
 
@@ -109,4 +111,4 @@ class EnginePriority:
             except OSError as e:
                 if e.errno != errno.EAGAIN or time.monotonic() > end:
                     raise
-                time.sleep(0.02)
+                time.sleep(random.uniform(0.01, 0.05))  # siblings spread their tries

@@ -71,8 +71,8 @@ def small_copy(read: bool = False) -> int:
     """Copies of at most this many bytes are a memoryview assignment (cheapest call; holds the
     GIL), larger ones `copy`. With streaming stores it is this machine's, for writes into a
     segment (cold memory) and for ``read``s out of one into the caller's buffer (warm: reused):
-    the smallest of `SMALL_CANDIDATES` at which `copy` is no slower than the assignment
-    (streaming stores lose on copies a cache absorbs), measured once per machine and kept;
+    the candidate of `SMALL_CANDIDATES` below the first at which `copy` is no slower than the
+    assignment (the first itself if it already is; streaming stores lose on copies a cache absorbs), measured once per machine and kept;
     `SMALL_DEFAULT` otherwise. Settled at the first call in a process (`TransferEngine`)."""
     global _small
     if not _streaming:

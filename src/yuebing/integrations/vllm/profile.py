@@ -5,8 +5,9 @@ default): roles that prefill time prompts of `PREFILL_NEW` new tokens after 0 an
 `PREFILL_CACHED` tokens held in vLLM's prefix cache, roles that decode time steps of batches of
 `DECODE_BATCHES` sequences, all through vLLM's OpenAI API. The result goes to the Conductor in
 `Hello.profile`, keyed by `signature` (vLLM version, model, dtype, block size, accelerator,
-threads and processor of a vLLM started here) and cached per signature and role by `instance.profile_cache` beside yuebing's own
-engine profiles: only the first start of a configuration on a machine pays.
+threads and processor of a vLLM started here) and cached per signature and role by
+`instance.profile_cache` beside yuebing's own engine profiles: only the first start of a
+configuration on a machine pays.
 """
 
 from __future__ import annotations
