@@ -20,7 +20,7 @@ def state(pid):
     tids = os.listdir(f"/proc/{pid}/task")
     return {"nice": sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in tids}),
             "idle": sorted({os.sched_getscheduler(int(t)) == os.SCHED_IDLE for t in tids}),
-            "group": open(f"/proc/{pid}/autogroup").read().split()[-1]}
+            "group": (open(f"/proc/{pid}/autogroup").read().split() or ["root"])[-1]}
 """
 SELF = REPORT + """
 gate = threading.Event()
@@ -59,7 +59,7 @@ def test_a_session_leader_lowers_its_threads_children_and_autogroup() -> None:
 
 @pytest.mark.skipif(not AUTOGROUPS, reason="kernel without autogroups")
 def test_a_process_in_its_parents_session_leaves_the_autogroup_alone() -> None:
-    mine = Path("/proc/self/autogroup").read_text().split()[-1]
+    mine = (Path("/proc/self/autogroup").read_text().split() or ["root"])[-1]  # empty in CI
     out = run(SELF)
     assert out["group"] == mine and "left as it is" in out["done"]
     assert out["nice"] == [expected(3)]

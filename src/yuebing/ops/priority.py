@@ -101,7 +101,10 @@ class EnginePriority:
             return "none (kernel without autogroups)"
         if os.getsid(0) != os.getpid():
             return "shared with the session's other processes, left as it is"
-        now = int(path.read_text().split()[-1])
+        shown = path.read_text().split()  # empty in the root group (no autogroup of its own)
+        if not shown:
+            return "none (the process is in the root task group)"
+        now = int(shown[-1])
         want = min(MAX_NICE, now + ((self.nice or MAX_NICE) if self.idle else self.nice))
         end = time.monotonic() + AUTOGROUP_RETRY_S
         while True:
