@@ -83,6 +83,9 @@ class MasterCore:
             m.PrefixMatch: reads.prefix_match}
         """Read-only requests of no client session, changing nothing (no entry, no event):
         `MasterService` answers them without the dispatch of `handle`."""
+        self.direct: dict[type, Callable[..., Message]] = {m.Remove: removal.remove}
+        """Requests of no client session answered at once (never deferred): `MasterService`
+        skips the dispatch of `handle` for them too; their entries and events go out as any."""
         self.handlers: dict[type, Callable[..., Message | None]] = {
             m.PutStart: self.put_start, m.PutEnd: puts.put_end, m.PutRevoke: puts.put_revoke,
             m.PutCommit: self.reserve.commit, m.BatchPutCommit: self.reserve.batch_commit,

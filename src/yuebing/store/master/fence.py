@@ -221,9 +221,9 @@ class WriteFence:
         when not ``fenced``: a reservation its client gave back unused — no write touched it).
         Returns the names of the segments that held it."""
         holders: list[str] = []
-        until = 0.0
-        now = self.clock.now()
-        if fenced and o.state == ObjState.PENDING and o.reps:
+        until = now = 0.0
+        if fenced and o.state == ObjState.PENDING and o.reps:  # a committed one: no clock read
+            now = self.clock.now()
             until = self.fence_of(key, now)
         segs = self.segments.segs
         for sid, off in o.reps:

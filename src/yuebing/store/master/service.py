@@ -174,7 +174,15 @@ class MasterService:
                         answer = m.Err(code=C.INTERNAL, message=f"{type(msg).__name__} failed: {e}")
                     self.server.send(cid, rid, encode(answer))
                     return
-                reply = self._dispatch(msg, cid, rid)
+                direct = core.direct.get(type(msg))
+                if direct is not None and self.leading:
+                    try:
+                        reply = direct(msg)
+                    except Exception as e:  # a bug must not take the master down
+                        log.exception("handler of %s failed", type(msg).__name__)
+                        reply = m.Err(code=C.INTERNAL, message=f"{type(msg).__name__} failed: {e}")
+                else:
+                    reply = self._dispatch(msg, cid, rid)
             if reply is None:
                 return
             out = encode(reply)
@@ -218,6 +226,13 @@ class MasterService:
         if not (fx.events or fx.outbox or fx.log or fx.ready or self._held or hub.held
                 or hub.standbys):  # only this thread adds to them: nothing to do
             return
+        if not (fx.outbox or fx.ready or self._held or hub.held or hub.standbys):
+            with self.lock:  # the usual case: entries (no standby takes them) and events
+                if fx.events:
+                    self._send_events()
+                if self.leading:
+                    hub.publish()
+                return
         with self.lock:
             if core.events:
                 self._send_events()
