@@ -21,11 +21,6 @@ C = m.Code
 COMMITTED = ObjState.COMMITTED
 
 
-def _reply(code: C, text: str) -> m.Message:
-    return m.Ok() if code == C.OK else m.Err(code=int(code), message=text)
-
-
-
 class Removal:
     """Remove and pin handlers over `Objects`; no state of its own."""
 
@@ -39,7 +34,8 @@ class Removal:
         self.effects = effects
 
     def remove(self, msg: m.Remove) -> m.Message:
-        return _reply(*self.remove_one(msg.key, msg.force, self.clock.now()))
+        code, text = self.remove_one(msg.key, msg.force, self.clock.now())
+        return m.Ok() if code == C.OK else m.Err(code=int(code), message=text)
 
     def batch_remove(self, msg: m.BatchRemove) -> m.Message:
         now = self.clock.now()

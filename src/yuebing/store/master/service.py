@@ -158,8 +158,9 @@ class MasterService:
     # ------------------------------------------------------------------ requests
     def _on_frame(self, cid: int, rid: int, payload: bytes) -> None:
         core = self.core
+        fx = core.effects
         with self.lock:
-            before = len(core.log) if core.log is not None else 0
+            before = len(fx.log) if fx.log is not None else 0
             try:
                 msg = decode(payload)
             except ProtocolError as e:
@@ -186,8 +187,8 @@ class MasterService:
             if reply is None:
                 return
             out = encode(reply)
-            if core.log is not None and len(core.log) > before and self.hub.must_hold \
-                    and self.cfg.sync_replication:
+            if self.hub.standbys and fx.log is not None and len(fx.log) > before \
+                    and self.cfg.sync_replication:  # standbys: `hub.must_hold`
                 self._held.append((cid, rid, out))
             else:
                 self.server.send(cid, rid, out)
@@ -222,17 +223,19 @@ class MasterService:
 
     # ------------------------------------------------------------------ outputs
     def _flush(self) -> None:
-        core, send, fx, hub = self.core, self.server.send, self.core.effects, self.hub
-        if not (fx.events or fx.outbox or fx.log or fx.ready or self._held or hub.held
-                or hub.standbys):  # only this thread adds to them: nothing to do
-            return
-        if not (fx.outbox or fx.ready or self._held or hub.held or hub.standbys):
-            with self.lock:  # the usual case: entries (no standby takes them) and events
+        fx, hub = self.core.effects, self.hub
+        if fx.outbox or fx.ready or self._held or hub.held or hub.standbys:
+            self._flush_all()
+        elif fx.events or fx.log:  # the usual case: events, entries that no standby takes
+            with self.lock:
                 if fx.events:
                     self._send_events()
                 if self.leading:
                     hub.publish()
-                return
+        # else nothing to do (only this thread adds to them)
+
+    def _flush_all(self) -> None:
+        core, send = self.core, self.server.send
         with self.lock:
             if core.events:
                 self._send_events()
@@ -263,8 +266,8 @@ class MasterService:
                 send(conn, req, out)
 
     def _send_events(self) -> None:
-        evs = self.core.events
-        self.core.events = []
+        fx = self.core.effects
+        evs, fx.events = fx.events, []
         if self.pub is None:
             return
         self.event_seq += 1
