@@ -3,8 +3,9 @@
 # package at git revision BEFORE (exported to a temp dir, first on PYTHONPATH for the bench and
 # the master and node it starts) and the working tree, running the same `yuebing bench store`
 # alternately ROUNDS times (the order swapped every other round) so both see the same machine
-# load. Prints per cell the median over rounds of GB/s and of `vs_raw` (with --raw: the ratio
-# to a raw socket RPC of the value in the same run), and writes OUT/before_N.json, after_N.json.
+# load. Prints per cell the median over rounds of GB/s (metadata and 4 KiB cells: k ops/s), of the rounds'
+# after/before ratios, and of `vs_raw` (with --raw: the ratio to a raw socket RPC of the value
+# in the same run), and writes OUT/before_N.json, after_N.json.
 #
 #   bash benchmarks/store_before_after.sh BEFORE [OUT]   (default OUT ./store-before-after)
 # Env: ROUNDS (7), ARGS (bench arguments; default: remote put/get of 1 and 4 MiB vs the raw RPC),
@@ -49,14 +50,21 @@ for which in ("before", "after"):
             continue
         for row in rows:
             key = (row["path"], row["op"], row["size_bytes"], row["batch"])
-            cells.setdefault(key, {}).setdefault(which, []).append(row)
-print(f"{'cell':34} {'GB/s before':>11} {'after':>7} {'x':>5}  {'vs_raw before':>13} {'after':>7}")
+            cells.setdefault(key, {}).setdefault(which, {})[r] = row
+# a data cell's rate is GB/s, a metadata or 4 KiB cell's k ops/s; "x" is the median of the
+# rounds' after/before ratios (each round ran both, back to back)
+print(f"{'cell':44} {'rate before':>11} {'after':>7} {'x':>5}  {'vs_raw before':>13} {'after':>7}")
 for key, d in sorted(cells.items()):
-    b, a = d.get("before", []), d.get("after", [])
+    b, a = d.get("before", {}), d.get("after", {})
     if not b or not a:
         continue
-    med = lambda rows, f: statistics.median(r.get(f, 0.0) or 0.0 for r in rows)
-    gb, ga = med(b, "gbps"), med(a, "gbps")
-    vr = f"{med(b, 'vs_raw'):13.2f} {med(a, 'vs_raw'):7.2f}" if "vs_raw" in b[0] else ""
-    print(f"{'/'.join(map(str, key)):34} {gb:11.2f} {ga:7.2f} {ga / gb if gb else 0:5.2f}  {vr}")
+    unit = "gbps" if key[2] > 4096 else "ops_per_s"
+    rate = lambda row: (row.get(unit) or 0.0) / (1 if unit == "gbps" else 1000)
+    med = lambda rows, f: statistics.median(r.get(f, 0.0) or 0.0 for r in rows.values())
+    rb, ra = statistics.median(map(rate, b.values())), statistics.median(map(rate, a.values()))
+    per = [rate(a[r]) / rate(b[r]) for r in b if r in a and rate(b[r])]
+    x = statistics.median(per) if per else 0.0
+    vr = f"{med(b, 'vs_raw'):13.2f} {med(a, 'vs_raw'):7.2f}" if "vs_raw" in next(iter(b.values())) else ""
+    name = "/".join(map(str, key)) + ("" if unit == "gbps" else " (k ops/s)")
+    print(f"{name:44} {rb:11.2f} {ra:7.2f} {x:5.2f}  {vr}")
 PYEOF
