@@ -203,3 +203,24 @@ def test_plot_leaves_out_a_topology_that_found_no_rate(tmp_path: Path) -> None:
     assert (tmp_path / "overload_load_1P1D.png").stat().st_size > 0
     assert (tmp_path / "overload_goodput.png").stat().st_size > 0
     assert not (tmp_path / "overload_load_2P1D.png").exists()
+
+
+def test_each_cluster_starts_from_its_own_copy_of_the_warm_up_state(tmp_path: Path) -> None:
+    """``--learned warm``: every measured Conductor gets ``--learned-dir`` on a fresh copy of
+    the warm-up's learned state (what it writes is its own); ``cold``: an empty one."""
+    from dataclasses import replace
+
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    (warm / "k.json").write_text('{"parts": {}, "learned": {}}')
+    setup = replace(_setup(tmp_path), learned_from=warm)
+    logs = tmp_path / "logs" / "run"
+    (logs / "learned").mkdir(parents=True)
+    (logs / "learned" / "stale.json").write_text("{}")  # a previous invocation's
+    c = ol.Cluster(setup, (1, 1), "none", logs)
+    i = c.argv.index("--learned-dir")
+    assert c.argv[i + 1] == str(logs / "learned")
+    assert sorted(p.name for p in (logs / "learned").iterdir()) == ["k.json"]
+    cold = ol.Cluster(replace(setup, learned_from=None), (1, 1), "none", logs)
+    assert cold.argv[i + 1] == str(logs / "learned") and not any((logs / "learned").iterdir())
+    assert (warm / "k.json").exists()

@@ -64,6 +64,17 @@ class ConductorConfig:
     tbt_tail_quantile: float = field(default=0.9, metadata=_h(
         "the quantile of paper TBT / predicted step the learned tail is (0 < q ≤ 1; the "
         "default is the SLO attainment target, 0.5 the median)"))
+    persist_learned: bool = field(default=True, metadata=_h(
+        "keep the TBT tail, decode durations and prefill scale learned online in a file per "
+        "cluster configuration (model, instances' engine configurations, machine, predictors), "
+        "so a restarted Conductor on the same configuration starts from them; a file of "
+        "another configuration or a corrupt one is refused (logged) and relearned"))
+    learned_dir: str = field(default="", metadata=_h(
+        "where the learned state is kept ('' = $YUEBING_LEARNED_DIR, else "
+        "$XDG_CACHE_HOME/yuebing/learned)"))
+    learned_save_s: float = field(default=30.0, metadata=_h(
+        "write the learned state at most once per this many seconds (and at a configuration "
+        "change and at shutdown)"))
     prefill_tokens_per_s: float = field(default=2000.0, metadata=_h(
         "prefill speed assumed without a predictor file (tokens/s)"))
     decode_step_s: float = field(default=0.03, metadata=_h(
@@ -131,7 +142,7 @@ class ConductorConfig:
                 f"{self.store_admin!r}")
         for name in ("prefill_tokens_per_s", "decode_step_s", "link_bandwidth_Bps",
                      "heartbeat_timeout_s", "rpc_timeout_s", "request_timeout_s",
-                     "reserve_wait_s"):
+                     "reserve_wait_s", "learned_save_s"):
             v = getattr(self, name)
             require(math.isfinite(v) and v > 0,
                     f"--{name.replace('_', '-')} must be a positive number, got {v}")
