@@ -8,10 +8,11 @@ Per topology (``--topologies 1P1D,2P1D``; one engine thread per instance, defaul
    /predictors``: the start-up profiles, scaled by what the live prefills took) are saved for
    the simulator.
 2. What the Conductor learns online (``--learned``): ``warm`` (the default) runs admission
-   ``none`` once at the middle multiplier on a seed no measured run uses, and every measured
-   cluster starts from a copy of what that Conductor learned (TBT tail, decode durations,
-   prefill scale: ``--learned-dir``), so no run admits its first requests blind and none
-   inherits another's; ``cold``: every cluster learns from nothing (before 2026-11-29).
+   ``none`` once per decode selector the policies use, at the middle multiplier on a seed no
+   measured run uses, and every measured cluster starts from a copy of what the warm-up of its
+   selector learned (TBT tail, decode durations, prefill scale: ``--learned-dir``), so no run
+   admits its first requests blind and none inherits another's; ``cold``: every cluster learns
+   from nothing (before 2026-11-29).
 3. For each multiplier of that rate and each policy: a fresh cluster with ``--admission POLICY``
    (``predictive_early_rejection`` routes decode by the same forecast, ``--decode-selector
    forecast``), the same requests (the conversation trace's first ``--requests``, 64 tokens per
@@ -95,8 +96,9 @@ class Setup:
     timeout_s: float
     port: int
     serve_flags: tuple[str, ...] = ()
-    learned_from: Path | None = None
-    """A learned-state directory (``--learned-dir``) every cluster starts from a copy of."""
+    learned_from: tuple[tuple[str, Path], ...] = ()
+    """Per decode selector, the learned-state directory (``--learned-dir``) its clusters start
+    from a copy of."""
 
     def bench_args(self) -> list[str]:
         return [str(TRACE), "--block-tokens", "64", "--max-input", str(self.max_input),
@@ -126,22 +128,29 @@ def positive_floats(text: str, what: str) -> list[float]:
 # ---------------------------------------------------------------------------- a live cluster
 
 
+def selector_of(policy: str) -> str:
+    """The decode selector ``policy`` runs with (the predictive one routes by its forecast)."""
+    return "forecast" if policy == "predictive_early_rejection" else "least_loaded"
+
+
 class Cluster:
     """One ``yuebing serve`` (``prefill`` + ``decode`` instances, one thread each) on ``port``,
     its logs under ``logs``; a context manager that stops it (SIGINT, then SIGKILL)."""
 
-    def __init__(self, setup: Setup, nodes: tuple[int, int], policy: str, logs: Path) -> None:
+    def __init__(self, setup: Setup, nodes: tuple[int, int], policy: str, logs: Path,
+                 selector: str = "") -> None:
         self.url = f"http://127.0.0.1:{setup.port}"
         self.logs = logs
         logs.mkdir(parents=True, exist_ok=True)
+        self.selector = selector or selector_of(policy)
         self.learned = logs / "learned"
-        """This Conductor's learned state: a copy of ``setup.learned_from`` (or empty)."""
+        """This Conductor's learned state: a copy of its selector's ``setup.learned_from``."""
         shutil.rmtree(self.learned, ignore_errors=True)
-        if setup.learned_from is not None:
-            shutil.copytree(setup.learned_from, self.learned)
+        source = dict(setup.learned_from).get(self.selector)
+        if source is not None and source.is_dir():
+            shutil.copytree(source, self.learned)
         self.learned.mkdir(exist_ok=True)
-        selector = ["--decode-selector", "forecast"] if policy == "predictive_early_rejection" \
-            else []
+        selector = ["--decode-selector", self.selector]
         self.argv = [YB, "-v", "serve", "--prefill", str(nodes[0]), "--decode", str(nodes[1]),
                      "--threads", "1", "--port", str(setup.port), "--log-dir", str(logs),
                      "--restart", "never", "--admission", policy, *selector,
@@ -247,12 +256,13 @@ def load_stats(samples: list[dict[str, float]], period_s: float) -> dict[str, An
 
 
 def live_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
-             name: str, retry: bool = False) -> dict[str, Any]:
+             name: str, retry: bool = False, selector: str = "") -> dict[str, Any]:
     """One fresh cluster under ``policy`` at ``rate`` (``retry``: clients resend a 429 after
-    its Retry-After): the run's figures (see module doc)."""
+    its Retry-After; ``selector``: another decode selector than the policy's): the run's
+    figures (see module doc)."""
     logs = setup.out / "logs" / name
     records = setup.out / f"{name}.records.jsonl"
-    with Cluster(setup, nodes, policy, logs) as cluster:
+    with Cluster(setup, nodes, policy, logs, selector) as cluster:
         start_tail = learned_tail(cluster)
         sampler = LoadSampler(cluster, setup.sample_s)
         sampler.start()
@@ -560,9 +570,10 @@ def main() -> int:
     result: dict[str, Any] = {"setup": {k: str(v) if isinstance(v, Path) else v
                                         for k, v in vars(ns).items() if k != "outdir"},
                               "machine": machine(), "topologies": []}
-    warm = ns.learned == "warm"
+    warm = sorted({selector_of(x) for x in [*policies, ns.retry_policy] if x}) \
+        if ns.learned == "warm" else []
     total = len(topologies) * (len(mults) * len(policies) * ns.repeats + (0 if bases else 1)
-                               + (1 if ns.retry_policy else 0) + (1 if warm else 0))
+                               + (1 if ns.retry_policy else 0) + len(warm))
     with Progress(console=console) as bar:
         task = bar.add_task("overload runs", total=total)
         for i, nodes in enumerate(topologies):
@@ -583,17 +594,19 @@ def main() -> int:
             topo["max_rate"] = base
             topo["predictors"] = str(predictors) if predictors else None
             topo["tbt_tail"] = tail
-            setup = replace(setup, learned_from=None)
-            if warm:
+            setup = replace(setup, learned_from=())
+            learned, topo["warmup"] = [], {}
+            for selector in warm:  # admission none, the middle load, a seed not measured
                 mid = sorted(mults)[len(mults) // 2]
-                bar.update(task, description=f"{name}: warm-up")
+                bar.update(task, description=f"{name}: warm-up ({selector})")
                 warmup = live_run(replace(setup, seed=setup.seed + ns.repeats), nodes, "none",
-                                  base * mid, f"{name}-warmup")
-                topo["warmup"] = {"rate": base * mid, "tbt_tail": warmup["tbt_tail"],
-                                  "goodput_rps": warmup["goodput_rps"]}
-                setup = replace(setup, learned_from=ns.outdir / "logs" / f"{name}-warmup"
-                                / "learned")
+                                  base * mid, f"{name}-warmup-{selector}", selector=selector)
+                topo["warmup"][selector] = {"rate": base * mid, "tbt_tail": warmup["tbt_tail"],
+                                            "goodput_rps": warmup["goodput_rps"]}
+                learned.append((selector, ns.outdir / "logs" / f"{name}-warmup-{selector}"
+                                / "learned"))
                 bar.advance(task)
+            setup = replace(setup, learned_from=tuple(learned))
             for mult, r in ((m, r) for m in mults for r in range(ns.repeats)):
                 sim_tail, rs = tail, replace(setup, seed=setup.seed + r)
                 for policy in policies:

@@ -29,6 +29,7 @@ from yuebing.protocol.instance import (
     SubmitTask,
     TaskMode,
 )
+from yuebing.trace.latency import nearest_rank
 
 
 @pytest.fixture
@@ -246,15 +247,17 @@ def test_a_fresh_conductor_starts_from_the_tail_learned_on_its_configuration(
     try:
         for _ in range(16):
             assert _complete(a, prompt=[1, 2, 3], max_tokens=4)[0] == 200
-        learned = a.conductor.policy.config.tbt_tail
-        assert learned > 1.5
     finally:
-        a.stop()
+        a.stop()  # every finished request observed, the rest written
         for name in ("p0", "d0"):  # the next fakes take their names
             fl.run(fl.fakes.pop(name).close())
+    ratios = list(a.conductor.tail.window)
+    assert len(ratios) >= 10 and a.conductor.policy.config.tbt_tail > 1.5
+    learned = nearest_rank(ratios, 0.9)
     b = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"), **fakes)
     try:
         assert b.conductor.policy.config.tbt_tail == learned
+        assert list(b.conductor.tail.window) == ratios
         h = request(b.url, "GET", "/health")[1]
         assert h["tbt_tail"]["samples"] >= 8 and "tbt_tail" in h["learned"]["loaded"], h
     finally:

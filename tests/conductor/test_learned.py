@@ -20,7 +20,7 @@ from yuebing.conductor.policy import (
 )
 
 ENGINE = {"model": "smollm2:abc", "threads": "1", "machine": "cpu X | 2 cores"}
-PARTS = configuration("fp", [("prefill", ENGINE), ("decode", ENGINE)], "linear")
+PARTS = configuration("fp", [("prefill", ENGINE), ("decode", ENGINE)], "linear", "forecast")
 RATIOS = [1.2, 1.5, 1.8, 2.0, 2.2, 2.4, 2.6, 2.8, 3.0, 3.2]  # the tail refreshes at 10
 
 
@@ -89,8 +89,9 @@ def test_another_configuration_has_its_own_file_and_starts_afresh(tmp_path: Path
     a.learn()
     state.note()
     two_prefills = configuration("fp", [("prefill", ENGINE), ("prefill", ENGINE),
-                                        ("decode", ENGINE)], "linear")
+                                        ("decode", ENGINE)], "linear", "forecast")
     state.switch(two_prefills)  # the old one is kept, the learners forget it
+    state.wait()
     assert a.tail.current == 1.0 and a.dur.current is None and a.cal.scale == 1.0
     assert a.tails[-1] == 1.0 and a.durations[-1] == (20.0,)
     assert len(list(tmp_path.glob("*.json"))) == 1
@@ -154,22 +155,22 @@ def test_writes_are_capped_and_the_rest_kept_at_shutdown(tmp_path: Path) -> None
     a, clock = Learners(), Clock()
     state = a.state(tmp_path, clock, save_every_s=30.0)
     state.switch(PARTS)
-    a.tail.observe(0.1, 0.05)
-    state.note()  # the first write
-    for _ in range(20):
+    for _ in range(29):
         a.tail.observe(0.1, 0.05)
         state.note()
         clock.t += 1.0
+    state.wait()
+    assert state.saves == 0
+    clock.t += 1.0
+    state.note()  # 30 s after the switch
+    state.wait()
     assert state.saves == 1
-    clock.t += 10.0
-    state.note()
-    assert state.saves == 2
     a.tail.observe(0.1, 0.05)
     state.note()
-    state.close()
-    assert state.saves == 3
+    state.close()  # waits for its write
+    assert state.saves == 2
     assert state.path is not None
-    assert len(json.loads(state.path.read_text())["learned"]["tbt_tail"]["ratios"]) == 22
+    assert len(json.loads(state.path.read_text())["learned"]["tbt_tail"]["ratios"]) == 30
 
 
 def test_nothing_is_kept_when_persistence_is_off(tmp_path: Path) -> None:

@@ -6,8 +6,9 @@ ratios, the decode durations and the prefill scale (each learner's ``snapshot``)
 JSON file per configuration under ``--learned-dir``, named by a hash of it and recording it, so
 a fresh Conductor on the same configuration starts from them. A file that records another
 configuration, or does not parse, is refused with a warning that says why, and everything is
-learned afresh. Written atomically (temporary file, fsync, rename), at most once per
-``--learned-save-s`` and at a configuration change and shutdown.
+learned afresh. Written atomically (temporary file, fsync, rename) by a thread of its own, never
+on the event loop, at most once per ``--learned-save-s`` and at a configuration change and
+shutdown.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,14 +46,16 @@ class Learner(Protocol):
 
 
 def configuration(fingerprint: str, instances: list[tuple[str, Mapping[str, str]]],
-                  predictors: str) -> dict[str, Any]:
+                  predictors: str, decode_selector: str) -> dict[str, Any]:
     """The configuration learned state is kept for: the model's KV fingerprint, each serving
     instance's role and engine configuration (as its `Hello` reports it; how many of each), this
-    machine (`machine_parts`) and the predictors the ratios and scale are relative to."""
+    machine (`machine_parts`), the predictors the ratios and scale are relative to, and the
+    decode selector, whose state the tail's predicted step is taken in (``forecast``: the
+    state at the request's decode start; the others: the state now)."""
     return {"version": VERSION, "machine": machine_parts(), "model": fingerprint,
             "instances": sorted(f"{role}: " + ", ".join(f"{k}={v}" for k, v in sorted(e.items()))
                                 for role, e in instances),
-            "predictors": predictors}
+            "predictors": predictors, "decode_selector": decode_selector}
 
 
 def _flat(parts: Mapping[str, Any]) -> dict[str, str]:
@@ -73,8 +77,10 @@ class LearnedState:
         self.loaded = ""
         """What the current file gave ('' = nothing: learned here)."""
         self.dirty = False
-        self.saved_at: float | None = None
+        self.saved_at = 0.0
         self.saves = 0
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="learned-state")
+        """Writes one file at a time, in order, off the caller's (event loop) thread."""
 
     def switch(self, parts: dict[str, Any]) -> None:
         """The cluster now runs ``parts``: keep what was learned on the previous configuration,
@@ -85,7 +91,7 @@ class LearnedState:
             self._save()
             for learner in self.learners.values():
                 learner.reset()
-        self.parts, self.loaded, self.dirty, self.saved_at = parts, "", False, None
+        self.parts, self.loaded, self.dirty, self.saved_at = parts, "", False, self.clock()
         if self.directory is None:
             return
         self.path = self.directory / f"{choice_key(parts)}.json"
@@ -132,13 +138,17 @@ class LearnedState:
     def note(self) -> None:
         """Something may have been learned: write it when the last write is old enough."""
         self.dirty = True
-        now = self.clock()
-        if self.saved_at is None or now - self.saved_at >= self.save_every_s:
+        if self.clock() - self.saved_at >= self.save_every_s:
             self._save()
 
+    def wait(self) -> None:
+        """Until the writes asked for so far are done."""
+        self._writer.submit(lambda: None).result()
+
     def close(self) -> None:
-        """Shutdown: write what was learned since the last write."""
+        """Shutdown: write what was learned since the last write (and wait for the writes)."""
         self._save()
+        self._writer.shutdown(wait=True)
 
     def _save(self) -> None:
         if not self.dirty or self.path is None or self.parts is None:
@@ -146,16 +156,18 @@ class LearnedState:
         learned = {name: s for name, learner in self.learners.items()
                    if (s := learner.snapshot()) is not None}
         self.dirty, self.saved_at = False, self.clock()
-        if not learned:
-            return
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        if learned:
+            self._writer.submit(self._write, self.path, {"parts": self.parts, "learned": learned})
+
+    def _write(self, path: Path, doc: dict[str, Any]) -> None:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "w") as f:
-                json.dump({"parts": self.parts, "learned": learned}, f, indent=1)
+                json.dump(doc, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            os.replace(tmp, path)
         except OSError as e:
             log.warning("learned state not kept (%s)", e)
             return

@@ -151,7 +151,7 @@ class Conductor:
         self.learned.switch(configuration(
             c.fingerprint, [(m.role.label + (f" layers {m.hello.layers}" if m.hello.layers
                                              else ""), m.hello.engine) for m in members],
-            self.calibration.key()))
+            self.calibration.key(), self.policy.config.decode_selector))
 
     def _use_policy(self, policy: Policy) -> None:
         self.policy = policy
