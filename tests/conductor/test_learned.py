@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import pytest
 
 from yuebing.conductor.calibration import Calibration, DecodeDurations, TbtTail
+from yuebing.conductor.config import ConductorConfig
 from yuebing.conductor.learned import LearnedState, configuration
 from yuebing.conductor.policy import (
     BivariatePolynomial,
@@ -181,3 +183,20 @@ def test_nothing_is_kept_when_persistence_is_off(tmp_path: Path) -> None:
     state.note()
     state.close()
     assert state.saves == 0 and state.state()["file"] is None
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"learned_save_s": 0.0}, "--learned-save-s must be a positive number"),
+    ({"learned_save_s": math.nan}, "--learned-save-s must be a positive number"),
+])
+def test_bad_learned_flags_are_refused(kw: dict, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        ConductorConfig(**kw)
+
+
+def test_a_learned_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "f"
+    f.write_text("")
+    with pytest.raises(ValueError, match="--learned-dir .* is not a directory"):
+        ConductorConfig(learned_dir=str(f))
+    assert ConductorConfig(learned_dir=str(tmp_path / "new")).learned_dir  # made when written

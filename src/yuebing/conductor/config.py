@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from yuebing.conductor.policy import PolicyConfig
 from yuebing.core.auth import TOKEN_HELP, env_cluster_token, is_loopback
@@ -66,7 +67,8 @@ class ConductorConfig:
         "default is the SLO attainment target, 0.5 the median)"))
     persist_learned: bool = field(default=True, metadata=_h(
         "keep the TBT tail, decode durations and prefill scale learned online in a file per "
-        "cluster configuration (model, instances' engine configurations, machine, predictors), "
+        "cluster configuration (model, instances' engine configurations, machine, predictors, "
+        "decode selector), "
         "so a restarted Conductor on the same configuration starts from them; a file of "
         "another configuration or a corrupt one is refused (logged) and relearned"))
     learned_dir: str = field(default="", metadata=_h(
@@ -146,6 +148,9 @@ class ConductorConfig:
             v = getattr(self, name)
             require(math.isfinite(v) and v > 0,
                     f"--{name.replace('_', '-')} must be a positive number, got {v}")
+        require(not self.learned_dir or not Path(self.learned_dir).exists()
+                or Path(self.learned_dir).is_dir(),
+                f"--learned-dir {self.learned_dir} exists and is not a directory")
         require(0 < self.tbt_tail_quantile <= 1,
                 f"--tbt-tail-quantile must be in (0, 1], got {self.tbt_tail_quantile}")
         require(math.isfinite(self.link_latency_s) and self.link_latency_s >= 0,
