@@ -200,3 +200,18 @@ def test_a_learned_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--learned-dir .* is not a directory"):
         ConductorConfig(learned_dir=str(f))
     assert ConductorConfig(learned_dir=str(tmp_path / "new")).learned_dir  # made when written
+
+
+def test_nothing_is_switched_or_written_after_close(tmp_path: Path) -> None:
+    """Instances that leave while the Conductor stops change nothing kept."""
+    a = Learners()
+    state = a.state(tmp_path, Clock())
+    state.switch(PARTS)
+    a.learn()
+    state.note()
+    state.close()
+    kept = state.path.read_text() if state.path else ""
+    state.switch(configuration("fp", [("prefill", ENGINE)], "linear", "forecast"))
+    state.note()
+    state.close()
+    assert a.tail.current > 2.0 and state.path is not None and state.path.read_text() == kept

@@ -81,11 +81,12 @@ class LearnedState:
         self.saves = 0
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="learned-state")
         """Writes one file at a time, in order, off the caller's (event loop) thread."""
+        self.closed = False
 
     def switch(self, parts: dict[str, Any]) -> None:
         """The cluster now runs ``parts``: keep what was learned on the previous configuration,
         then start from this one's file (or afresh)."""
-        if parts == self.parts:
+        if parts == self.parts or self.closed:
             return
         if self.parts is not None:
             self._save()
@@ -146,12 +147,16 @@ class LearnedState:
         self._writer.submit(lambda: None).result()
 
     def close(self) -> None:
-        """Shutdown: write what was learned since the last write (and wait for the writes)."""
+        """Shutdown: write what was learned since the last write (and wait for the writes);
+        nothing is switched or written after it."""
+        if self.closed:
+            return
         self._save()
+        self.closed = True
         self._writer.shutdown(wait=True)
 
     def _save(self) -> None:
-        if not self.dirty or self.path is None or self.parts is None:
+        if not self.dirty or self.closed or self.path is None or self.parts is None:
             return
         learned = {name: s for name, learner in self.learners.items()
                    if (s := learner.snapshot()) is not None}
