@@ -7,12 +7,18 @@ Per topology (``--topologies 1P1D,2P1D``; one engine thread per instance, defaul
    serve`` (highest first, each rate stopped once decided). Its Conductor's predictors (``GET
    /predictors``: the start-up profiles, scaled by what the live prefills took) are saved for
    the simulator.
-2. For each multiplier of that rate and each policy: a fresh cluster with ``--admission POLICY``
+2. What the Conductor learns online (``--learned``): ``warm`` (the default) runs admission
+   ``none`` once per decode selector the policies use, at the middle multiplier on a seed no
+   measured run uses, and every measured cluster starts from a copy of what the warm-up of its
+   selector learned (TBT tail, decode durations, prefill scale: ``--learned-dir``), so no run
+   admits its first requests blind and none inherits another's; ``cold``: every cluster learns
+   from nothing (before 2026-11-29).
+3. For each multiplier of that rate and each policy: a fresh cluster with ``--admission POLICY``
    (``predictive_early_rejection`` routes decode by the same forecast, ``--decode-selector
    forecast``), the same requests (the conversation trace's first ``--requests``, 64 tokens per
    hash block, Poisson arrivals of ``--seed``) from ``yuebing bench serve``, the pools' load
    (``GET /health`` ``pools``: the arXiv definitions) sampled every ``--sample-s``.
-3. The simulator on the same requests, nodes, SLOs and predictors (``cost_model=fitted``),
+4. The simulator on the same requests, nodes, SLOs and predictors (``cost_model=fitted``),
    colocated: a decode step that meets a prefill is stretched by the TBT tail the live ``none``
    run at that load learned (else the search's), which is also the simulated policy's tail;
    ``--sim-stretch`` sets the stretch apart. ``--sim-only``: no cluster, the simulator alone.
@@ -41,6 +47,7 @@ import argparse
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -89,6 +96,9 @@ class Setup:
     timeout_s: float
     port: int
     serve_flags: tuple[str, ...] = ()
+    learned_from: tuple[tuple[str, Path], ...] = ()
+    """Per decode selector, the learned-state directory (``--learned-dir``) its clusters start
+    from a copy of."""
 
     def bench_args(self) -> list[str]:
         return [str(TRACE), "--block-tokens", "64", "--max-input", str(self.max_input),
@@ -118,21 +128,35 @@ def positive_floats(text: str, what: str) -> list[float]:
 # ---------------------------------------------------------------------------- a live cluster
 
 
+def selector_of(policy: str) -> str:
+    """The decode selector ``policy`` runs with (the predictive one routes by its forecast)."""
+    return "forecast" if policy == "predictive_early_rejection" else "least_loaded"
+
+
 class Cluster:
     """One ``yuebing serve`` (``prefill`` + ``decode`` instances, one thread each) on ``port``,
     its logs under ``logs``; a context manager that stops it (SIGINT, then SIGKILL)."""
 
-    def __init__(self, setup: Setup, nodes: tuple[int, int], policy: str, logs: Path) -> None:
+    def __init__(self, setup: Setup, nodes: tuple[int, int], policy: str, logs: Path,
+                 selector: str = "") -> None:
         self.url = f"http://127.0.0.1:{setup.port}"
         self.logs = logs
         logs.mkdir(parents=True, exist_ok=True)
-        selector = ["--decode-selector", "forecast"] if policy == "predictive_early_rejection" \
-            else []
+        self.selector = selector or selector_of(policy)
+        self.learned = logs / "learned"
+        """This Conductor's learned state: a copy of its selector's ``setup.learned_from``."""
+        shutil.rmtree(self.learned, ignore_errors=True)
+        source = dict(setup.learned_from).get(self.selector)
+        if source is not None and source.is_dir():
+            shutil.copytree(source, self.learned)
+        self.learned.mkdir(exist_ok=True)
+        selector = ["--decode-selector", self.selector]
         self.argv = [YB, "-v", "serve", "--prefill", str(nodes[0]), "--decode", str(nodes[1]),
                      "--threads", "1", "--port", str(setup.port), "--log-dir", str(logs),
                      "--restart", "never", "--admission", policy, *selector,
                      "--ttft-slo-s", f"{setup.ttft_slo_s:g}",
-                     "--tbt-slo-s", f"{setup.tbt_slo_s:g}", *setup.serve_flags]
+                     "--tbt-slo-s", f"{setup.tbt_slo_s:g}",
+                     "--learned-dir", str(self.learned), *setup.serve_flags]
         self.proc: ReadyProcess | None = None
 
     def __enter__(self) -> Cluster:
@@ -232,12 +256,14 @@ def load_stats(samples: list[dict[str, float]], period_s: float) -> dict[str, An
 
 
 def live_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
-             name: str, retry: bool = False) -> dict[str, Any]:
+             name: str, retry: bool = False, selector: str = "") -> dict[str, Any]:
     """One fresh cluster under ``policy`` at ``rate`` (``retry``: clients resend a 429 after
-    its Retry-After): the run's figures (see module doc)."""
+    its Retry-After; ``selector``: another decode selector than the policy's): the run's
+    figures (see module doc)."""
     logs = setup.out / "logs" / name
     records = setup.out / f"{name}.records.jsonl"
-    with Cluster(setup, nodes, policy, logs) as cluster:
+    with Cluster(setup, nodes, policy, logs, selector) as cluster:
+        start_tail = learned_tail(cluster)
         sampler = LoadSampler(cluster, setup.sample_s)
         sampler.start()
         argv = [YB, "bench", "serve", *setup.bench_args(), "--endpoint", cluster.url,
@@ -254,7 +280,8 @@ def live_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
     rows = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
     return {**summarize_live(setup, rows, reasons, samples,
                              wasted_prefill(logs / "conductor.log", setup.ttft_slo_s,
-                                            setup.tbt_slo_s), retry), "tbt_tail": tail}
+                                            setup.tbt_slo_s), retry), "tbt_tail": tail,
+            "tbt_tail_start": start_tail}
 
 
 def learned_tail(cluster: Cluster) -> float:
@@ -482,6 +509,10 @@ def main() -> int:
                         "its clients resending each 429 after its Retry-After ('' : none)")
     p.add_argument("--port", type=int, default=8767)
     p.add_argument("--serve-flags", default="", help="extra `yuebing serve` flags")
+    p.add_argument("--learned", choices=("warm", "cold"), default="warm",
+                   help="warm: every measured cluster starts from what one warm-up run (none, "
+                        "the middle multiplier, another seed) learned online; cold: each "
+                        "learns from nothing")
     p.add_argument("--no-sim", action="store_true")
     p.add_argument("--sim-only", action="store_true",
                    help="no cluster: the simulator alone at --base-rate x --multipliers over "
@@ -539,8 +570,10 @@ def main() -> int:
     result: dict[str, Any] = {"setup": {k: str(v) if isinstance(v, Path) else v
                                         for k, v in vars(ns).items() if k != "outdir"},
                               "machine": machine(), "topologies": []}
+    warm = sorted({selector_of(x) for x in [*policies, ns.retry_policy] if x}) \
+        if ns.learned == "warm" else []
     total = len(topologies) * (len(mults) * len(policies) * ns.repeats + (0 if bases else 1)
-                               + (1 if ns.retry_policy else 0))
+                               + (1 if ns.retry_policy else 0) + len(warm))
     with Progress(console=console) as bar:
         task = bar.add_task("overload runs", total=total)
         for i, nodes in enumerate(topologies):
@@ -561,6 +594,19 @@ def main() -> int:
             topo["max_rate"] = base
             topo["predictors"] = str(predictors) if predictors else None
             topo["tbt_tail"] = tail
+            setup = replace(setup, learned_from=())
+            learned, topo["warmup"] = [], {}
+            for selector in warm:  # admission none, the middle load, a seed not measured
+                mid = sorted(mults)[len(mults) // 2]
+                bar.update(task, description=f"{name}: warm-up ({selector})")
+                warmup = live_run(replace(setup, seed=setup.seed + ns.repeats), nodes, "none",
+                                  base * mid, f"{name}-warmup-{selector}", selector=selector)
+                topo["warmup"][selector] = {"rate": base * mid, "tbt_tail": warmup["tbt_tail"],
+                                            "goodput_rps": warmup["goodput_rps"]}
+                learned.append((selector, ns.outdir / "logs" / f"{name}-warmup-{selector}"
+                                / "learned"))
+                bar.advance(task)
+            setup = replace(setup, learned_from=tuple(learned))
             for mult, r in ((m, r) for m in mults for r in range(ns.repeats)):
                 sim_tail, rs = tail, replace(setup, seed=setup.seed + r)
                 for policy in policies:

@@ -28,3 +28,12 @@ def machine_choices() -> None:
 
     resolve_lanes(TransferConfig(), TransferEngine)
     streamcopy.small_copy()
+
+
+@pytest.fixture(autouse=True)
+def learned_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's Conductors (and those of the clusters it starts) keep what they learn
+    (`conductor.learned`) in its own directory: one test's tail must not start the next's."""
+    path = tmp_path / "learned"
+    monkeypatch.setenv("YUEBING_LEARNED_DIR", str(path))
+    return path

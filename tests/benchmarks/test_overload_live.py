@@ -203,3 +203,29 @@ def test_plot_leaves_out_a_topology_that_found_no_rate(tmp_path: Path) -> None:
     assert (tmp_path / "overload_load_1P1D.png").stat().st_size > 0
     assert (tmp_path / "overload_goodput.png").stat().st_size > 0
     assert not (tmp_path / "overload_load_2P1D.png").exists()
+
+
+def test_each_cluster_starts_from_its_own_copy_of_the_warm_up_state(tmp_path: Path) -> None:
+    """``--learned warm``: every measured Conductor gets ``--learned-dir`` on a fresh copy of
+    the warm-up state of its decode selector (what it writes is its own); none kept for its
+    selector (or ``cold``): an empty one."""
+    from dataclasses import replace
+
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    (warm / "k.json").write_text('{"parts": {}, "learned": {}}')
+    setup = replace(_setup(tmp_path), learned_from=(("forecast", warm),))
+    logs = tmp_path / "logs" / "run"
+    (logs / "learned").mkdir(parents=True)
+    (logs / "learned" / "stale.json").write_text("{}")  # a previous invocation's
+    c = ol.Cluster(setup, (1, 1), "predictive_early_rejection", logs)
+    i = c.argv.index("--learned-dir")
+    assert c.argv[i + 1] == str(logs / "learned")
+    assert c.argv[c.argv.index("--decode-selector") + 1] == "forecast"
+    assert sorted(p.name for p in (logs / "learned").iterdir()) == ["k.json"]
+    other = ol.Cluster(setup, (1, 1), "early_rejection", logs)
+    assert other.argv[other.argv.index("--decode-selector") + 1] == "least_loaded"
+    assert other.argv[i + 1] == str(logs / "learned") and not any((logs / "learned").iterdir())
+    warmup = ol.Cluster(setup, (1, 1), "none", logs, selector="forecast")
+    assert warmup.argv[warmup.argv.index("--decode-selector") + 1] == "forecast"
+    assert (warm / "k.json").exists()

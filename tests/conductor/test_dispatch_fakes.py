@@ -29,6 +29,7 @@ from yuebing.protocol.instance import (
     SubmitTask,
     TaskMode,
 )
+from yuebing.trace.latency import nearest_rank
 
 
 @pytest.fixture
@@ -234,6 +235,33 @@ def test_the_tbt_tail_is_learned_by_the_live_policy(fl: FakeLoop) -> None:
         assert c.conductor.policy.config.tbt_tail == pytest.approx(state["tail"], abs=1e-4)
     finally:
         c.stop()
+
+
+def test_a_fresh_conductor_starts_from_the_tail_learned_on_its_configuration(
+        fl: FakeLoop) -> None:
+    """The tail a Conductor learned is kept (`conductor.learned`) when it stops; the next one,
+    on fakes of the same configuration, predicts with it from its first request."""
+    fakes = {"d0_kw": {"step_s": 0.06},
+             "p0_kw": {"queued_prefill_tokens": 500, "prefill_tokens_per_s": 10_000.0}}
+    a = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"), **fakes)
+    try:
+        for _ in range(16):
+            assert _complete(a, prompt=[1, 2, 3], max_tokens=4)[0] == 200
+    finally:
+        a.stop()  # every finished request observed, the rest written
+        for name in ("p0", "d0"):  # the next fakes take their names
+            fl.run(fl.fakes.pop(name).close())
+    ratios = list(a.conductor.tail.window)
+    assert len(ratios) >= 10 and a.conductor.policy.config.tbt_tail > 1.5
+    learned = nearest_rank(ratios, 0.9)
+    b = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"), **fakes)
+    try:
+        assert b.conductor.policy.config.tbt_tail == learned
+        assert list(b.conductor.tail.window) == ratios
+        h = request(b.url, "GET", "/health")[1]
+        assert h["tbt_tail"]["samples"] >= 8 and "tbt_tail" in h["learned"]["loaded"], h
+    finally:
+        b.stop()
 
 
 def test_dead_prefill_before_first_token_is_redispatched_once(fl: FakeLoop) -> None:

@@ -120,9 +120,40 @@ class Calibration:
         k = self._ewma
         if abs(k / self.scale - 1) <= RESCALE_STEP:
             return
+        log.info("prefill predictor scaled by %.3f (live prefills against their estimates)", k)
+        self._rescale(k)
+
+    def key(self) -> str:
+        """The predictors the learned scale is relative to (the unscaled prefill and the
+        decode polynomials), for `learned.configuration`."""
+        return "; ".join(f"{part} {p.poly.exponents} {tuple(f'{c:.6g}' for c in p.poly.coefficients)}"
+                         for part, p in ((PREFILL, self.base_prefill),
+                                         (DECODE, self.predictors.decode)))
+
+    def snapshot(self) -> dict[str, object] | None:
+        """The learned prefill scale (`learned.LearnedState`)."""
+        return {"scale": self._ewma} if self.online and self._ewma is not None else None
+
+    def restore(self, kept: Mapping[str, object]) -> str:
+        """Take a kept scale (within `SCALE_LIMITS`; ValueError, changing nothing, if not)."""
+        k = kept.get("scale")
+        lo, hi = SCALE_LIMITS
+        if isinstance(k, bool) or not isinstance(k, (int, float)) or not lo <= k <= hi:
+            raise ValueError(f"prefill scale {k!r} is not a number in [{lo}, {hi}]")
+        if not self.online:
+            return "(not used: --no-predictor-online)"
+        self._ewma = float(k)
+        self._rescale(float(k))
+        return f"{k:.3f}"
+
+    def reset(self) -> None:
+        self._ewma = None
+        if self.scale != 1.0:
+            self._rescale(1.0)
+
+    def _rescale(self, k: float) -> None:
         self.scale = k
         self.predictors = replace(self.predictors, prefill=scaled(self.base_prefill, k))
-        log.info("prefill predictor scaled by %.3f (live prefills against their estimates)", k)
         self.on_change(self.predictors)
 
     def admit(self, hello: Hello) -> str:
@@ -192,9 +223,11 @@ class DecodeDurations:
 
     def __init__(self, on_change: Callable[[tuple[float, ...]], None], learn: bool = True,
                  window: int = DURATION_WINDOW, every: int = DURATION_EVERY,
-                 k: int = DURATION_QUANTILES) -> None:
+                 k: int = DURATION_QUANTILES, configured: tuple[float, ...] = (20.0,)) -> None:
         self.on_change = on_change
         self.learn = learn
+        self.configured = configured
+        """The flag's distribution (``--decode-durations-s``), in use until one is learned."""
         self.every, self.k = every, k
         self.window: deque[float] = deque(maxlen=window)
         self.current: tuple[float, ...] | None = None
@@ -213,6 +246,32 @@ class DecodeDurations:
         self._new = 0
         self.current = duration_quantiles(self.window, min(self.k, len(self.window)))
         self.on_change(self.current)
+
+    def snapshot(self) -> dict[str, object] | None:
+        """The decode times held (`learned.LearnedState`)."""
+        return {"seconds": list(self.window)} if self.learn and self.window else None
+
+    def restore(self, kept: Mapping[str, object]) -> str:
+        """Take kept decode times (ValueError, changing nothing, on a malformed list); in use
+        at once when there are ``every`` of them."""
+        seconds = _numbers(kept.get("seconds"), "decode durations", self.window.maxlen,
+                           lambda v: v > 0)
+        if not self.learn:
+            return "(not used: --no-learn-decode-durations)"
+        self.window.clear()
+        self.window.extend(seconds)
+        self._new = 0
+        if len(self.window) >= self.every:
+            self.current = duration_quantiles(self.window, min(self.k, len(self.window)))
+            self.on_change(self.current)
+        return f"{len(self.window)} requests"
+
+    def reset(self) -> None:
+        self.window.clear()
+        self._new = 0
+        if self.current is not None:
+            self.current = None
+            self.on_change(self.configured)
 
     def state(self) -> dict[str, object]:
         """For ``/health``: whether it learns, how many times it holds, their mean."""
@@ -263,6 +322,8 @@ class TbtTail:
             min_samples = max(TAIL_MIN_SAMPLES, outlier_free_samples(quantile, window))
         self.on_change = on_change
         self.learn, self.quantile = learn, quantile
+        self.initial = initial
+        """The flag's tail (``--tbt-tail``), in use until one is learned."""
         self.current = initial
         """The tail the policy uses now."""
         self.window: deque[float] = deque(maxlen=window)
@@ -285,11 +346,51 @@ class TbtTail:
         tail = nearest_rank(self.window, self.quantile)
         if abs(tail / self.current - 1) <= RESCALE_STEP:
             return
-        self.current = tail
         log.info("TBT tail now %.3f (paper TBT per predicted step, quantile %g of %d requests)",
                  tail, self.quantile, len(self.window))
-        self.on_change(tail)
+        self._use(tail)
+
+    def _use(self, tail: float) -> None:
+        if tail != self.current:
+            self.current = tail
+            self.on_change(tail)
+
+    def snapshot(self) -> dict[str, object] | None:
+        """The ratios held (`learned.LearnedState`)."""
+        return {"ratios": list(self.window)} if self.learn and self.window else None
+
+    def restore(self, kept: Mapping[str, object]) -> str:
+        """Take kept ratios (each within `TAIL_LIMITS`; ValueError, changing nothing, if not);
+        the tail is their quantile at once when there are ``min_samples`` of them."""
+        lo, hi = TAIL_LIMITS
+        ratios = _numbers(kept.get("ratios"), "TBT tail ratios", self.window.maxlen,
+                          lambda v: lo <= v <= hi)
+        if not self.learn:
+            return "(not used: --no-learn-tbt-tail)"
+        self.window.clear()
+        self.window.extend(ratios)
+        self._new = 0
+        if len(self.window) >= self.min_samples:
+            self._use(nearest_rank(self.window, self.quantile))
+        return f"{self.current:.3f} ({len(self.window)} requests)"
+
+    def reset(self) -> None:
+        self.window.clear()
+        self._new = 0
+        self._use(self.initial)
 
     def state(self) -> dict[str, object]:
         """For ``/health``: whether it learns, the tail in use, how many requests it holds."""
         return {"learn": self.learn, "tail": round(self.current, 4), "samples": len(self.window)}
+
+
+def _numbers(value: object, what: str, most: int | None,
+             ok: Callable[[float], bool]) -> list[float]:
+    """``value`` as a list of at most ``most`` finite numbers each ``ok``, else ValueError."""
+    if not isinstance(value, list) or (most is not None and len(value) > most):
+        raise ValueError(f"{what}: not a list of at most {most} numbers")
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or not ok(v):
+            raise ValueError(f"{what}: {v!r} is out of range")
+    return [float(v) for v in value]

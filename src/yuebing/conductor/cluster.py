@@ -110,6 +110,8 @@ class LiveCluster:
         self.max_model_len = 0
         self.pending: dict[str, PendingDecode] = {}
         self.on_dead: list[Callable[[Member], None]] = []
+        self.on_members: list[Callable[[], None]] = []
+        """Called when an instance enters or leaves `alive` (its first report, back, dead)."""
         self.admit_checks: list[Callable[[Hello], str]] = []
         """More checks of a joining instance's `Hello` ('' = fine, else why it is refused)."""
         self._wanted: set[str] = set()
@@ -224,11 +226,15 @@ class LiveCluster:
             log.warning("instance %s: load report %d after %d; asking for a full resync", m.id,
                         r.report_seq, m.report.report_seq)
             self.spawn(self._resubscribe(m))
+        joined = m.report is None or not m.alive
         m.report = r
         m.seen_s = time.monotonic()
         if not m.alive:
             log.info("instance %s is back", m.id)
             m.alive = True
+        if joined:
+            for changed in self.on_members:
+                changed()
         if m.role != Role.DECODE:
             if r.cache_full_resync:
                 self.index.replace(m.id, r.cache_added)
@@ -275,6 +281,7 @@ class LiveCluster:
     def _mark_dead(self, m: Member, reason: str) -> None:
         """Out of the view and the index; its gate's waiters, calls and open event streams
         fail with ``reason`` (each stream once, `InstanceClient.fail_all`)."""
+        left = m.alive
         if m.alive:
             log.warning("%s: it leaves the view", reason)
         m.alive = False
@@ -290,6 +297,9 @@ class LiveCluster:
         self.index.drop(m.id)
         for cb in self.on_dead:
             cb(m)
+        if left:
+            for changed in self.on_members:
+                changed()
         m.client.fail_all(reason)
 
     # ------------------------------------------------------------------ views

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from yuebing.conductor.policy import PolicyConfig
 from yuebing.core.auth import TOKEN_HELP, env_cluster_token, is_loopback
@@ -64,6 +65,18 @@ class ConductorConfig:
     tbt_tail_quantile: float = field(default=0.9, metadata=_h(
         "the quantile of paper TBT / predicted step the learned tail is (0 < q ≤ 1; the "
         "default is the SLO attainment target, 0.5 the median)"))
+    persist_learned: bool = field(default=True, metadata=_h(
+        "keep the TBT tail, decode durations and prefill scale learned online in a file per "
+        "cluster configuration (model, instances' engine configurations, machine, predictors, "
+        "decode selector), "
+        "so a restarted Conductor on the same configuration starts from them; a file of "
+        "another configuration or a corrupt one is refused (logged) and relearned"))
+    learned_dir: str = field(default="", metadata=_h(
+        "where the learned state is kept ('' = $YUEBING_LEARNED_DIR, else "
+        "$XDG_CACHE_HOME/yuebing/learned)"))
+    learned_save_s: float = field(default=30.0, metadata=_h(
+        "write the learned state at most once per this many seconds (and at a configuration "
+        "change and at shutdown)"))
     prefill_tokens_per_s: float = field(default=2000.0, metadata=_h(
         "prefill speed assumed without a predictor file (tokens/s)"))
     decode_step_s: float = field(default=0.03, metadata=_h(
@@ -131,10 +144,13 @@ class ConductorConfig:
                 f"{self.store_admin!r}")
         for name in ("prefill_tokens_per_s", "decode_step_s", "link_bandwidth_Bps",
                      "heartbeat_timeout_s", "rpc_timeout_s", "request_timeout_s",
-                     "reserve_wait_s"):
+                     "reserve_wait_s", "learned_save_s"):
             v = getattr(self, name)
             require(math.isfinite(v) and v > 0,
                     f"--{name.replace('_', '-')} must be a positive number, got {v}")
+        require(not self.learned_dir or not Path(self.learned_dir).exists()
+                or Path(self.learned_dir).is_dir(),
+                f"--learned-dir {self.learned_dir} exists and is not a directory")
         require(0 < self.tbt_tail_quantile <= 1,
                 f"--tbt-tail-quantile must be in (0, 1], got {self.tbt_tail_quantile}")
         require(math.isfinite(self.link_latency_s) and self.link_latency_s >= 0,

@@ -253,6 +253,8 @@ class _Routes:
                 self.c.durations.observe(s.e2e_s - s.ttft_s)
                 if s.prefill_busy:  # the tail applies to such requests only (`Policy.tbt`)
                     self.c.tail.observe(s.tbt_s, s.est_step_s)
+            if status == 200:
+                self.c.learned.note()
             if self.c.cfg.access_log:
                 access.info("%s", s.log_line(status))
 

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from yuebing.conductor.api import Limits
@@ -25,6 +26,7 @@ from yuebing.conductor.cluster import LiveCluster, Member
 from yuebing.conductor.config import ConductorConfig
 from yuebing.conductor.dispatch import Dispatcher
 from yuebing.conductor.kvfeed import StoreFeed, StoreHoldings
+from yuebing.conductor.learned import LearnedState, configuration
 from yuebing.conductor.metrics import ConductorMetrics
 from yuebing.conductor.model import ModelInfo, load_model_info
 from yuebing.conductor.policy import (
@@ -38,6 +40,7 @@ from yuebing.conductor.policy import (
 )
 from yuebing.conductor.render import TokenText
 from yuebing.conductor.view import STORE_HOLDER
+from yuebing.core import env
 from yuebing.instance.client import InstanceError, InstanceUnavailable
 from yuebing.protocol.instance import Role
 
@@ -68,9 +71,16 @@ class Conductor:
             self.policy.predictors,
             cfg.predictors or ("given" if predictors is not None else ""), self._use_predictors,
             cfg.predictor_online, cfg.predictor_check)
-        self.durations = DecodeDurations(self._use_durations, cfg.learn_decode_durations)
+        self.durations = DecodeDurations(self._use_durations, cfg.learn_decode_durations,
+                                         configured=cfg.policy.decode_durations_s)
         self.tail = TbtTail(self._use_tail, cfg.learn_tbt_tail, cfg.policy.tbt_tail,
                             quantile=cfg.tbt_tail_quantile)
+        self.learned = LearnedState(
+            (Path(cfg.learned_dir) if cfg.learned_dir else env.learned_dir())
+            if cfg.persist_learned else None,
+            {"tbt_tail": self.tail, "decode_durations": self.durations,
+             "prefill_scale": self.calibration}, cfg.learned_save_s)
+        """What the three learners hold, kept per cluster configuration (`_members_changed`)."""
         self.metrics = ConductorMetrics()
         self.started = int(time.time())
         self.inflight = 0
@@ -85,6 +95,7 @@ class Conductor:
         self.dispatcher = Dispatcher(self.cluster, self.policy, self.metrics,
                                      cfg.request_timeout_s, cfg.reserve_wait_s)
         self.cluster.admit_checks.append(self.calibration.admit)
+        self.cluster.on_members.append(self._members_changed)
         self.feed: StoreFeed | None = None
         self._closers: list[Any] = []
         self._listed: set[str] = set(cfg.instances)
@@ -127,6 +138,20 @@ class Conductor:
         """Finished requests gave a new TBT tail (`TbtTail`)."""
         self._use_policy(Policy(replace(self.policy.config, tbt_tail=tail),
                                 self.policy.predictors))
+
+    def _members_changed(self) -> None:
+        """An instance joined or left: once prefill and decode both serve, what was learned
+        is kept for the configuration they make and taken from its file (`LearnedState`)."""
+        c = self.cluster
+        members = [*(m for r in Role for m in c.alive(r)), *c.stages()]
+        roles = {m.role for m in members}
+        if not (roles & {Role.PREFILL, Role.COUPLED} or c.stages()) \
+                or not roles & {Role.DECODE, Role.COUPLED}:
+            return
+        self.learned.switch(configuration(
+            c.fingerprint, [(m.role.label + (f" layers {m.hello.layers}" if m.hello.layers
+                                             else ""), m.hello.engine) for m in members],
+            self.calibration.key(), self.policy.config.decode_selector))
 
     def _use_policy(self, policy: Policy) -> None:
         self.policy = policy
@@ -182,6 +207,7 @@ class Conductor:
         if self.feed is not None:
             await asyncio.to_thread(self.feed.close)
         await self.cluster.close()
+        self.learned.close()  # after the last request and membership change: its last write
 
     # ------------------------------------------------------------------ read by the routes
 
@@ -221,7 +247,8 @@ class Conductor:
                 "kv_index_range_blocks": {r: len(c.ranges.keys_of(r))
                                           for r in c.ranges.holder_names()},
                 "predictors": self.calibration.state(),
-                "decode_durations": self.durations.state(), "tbt_tail": self.tail.state()}
+                "decode_durations": self.durations.state(), "tbt_tail": self.tail.state(),
+                "learned": self.learned.state()}
 
     def pool_loads(self) -> dict[str, float]:
         """The pools' load now (`LiveCluster.pool_loads`, with this policy's predictor and

