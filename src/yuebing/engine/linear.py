@@ -132,6 +132,11 @@ ROUTE_POINTS = (128, 256, 512, 1024, 2048, 4096)
 factor √2 of it (the last for every larger count; fewer than 128/√2 rows stay packed)."""
 
 
+ROUTE_MARGIN = 0.95
+"""``torch.mm`` takes a row count only where it is this much faster: a near tie keeps the packed
+weight (the decode's, and no second copy where the fused decode does not keep one)."""
+
+
 def shape_key(lin: Linear) -> str:
     """``"<out>x<in>"``: how route choices name a projection shape."""
     return "x".join(map(str, lin.shape))
@@ -142,7 +147,7 @@ def choose_routes(linears: Sequence[tuple[Linear, torch.Tensor]],
                   seed: int = 0) -> tuple[dict[str, list[int]], dict[str, float]]:
     """Per distinct shape of the packed ``linears`` (each with its row-major weight): the row
     counts of ``points`` at which ``torch.mm`` on the row-major weight beat the packed oneDNN
-    call here, and every timing (fastest of ``rounds`` seconds, the two routes interleaved:
+    call here by `ROUTE_MARGIN`, and every timing (fastest of ``rounds`` seconds, the two routes interleaved:
     two fixed kernels, so load only adds to either; keys ``"<shape>@<rows>_packed|mm"``).
     Called once per machine by `LLMEngine` (outside batch-invariant mode); oneDNN picks its
     kernel by row count and shape, and at some prefill sizes its packed kernel runs at about
@@ -162,7 +167,7 @@ def choose_routes(linears: Sequence[tuple[Linear, torch.Tensor]],
                     "packed": functools.partial(lin._matmul, x),
                     "mm": functools.partial(torch.mm, x, w.t())}, w.device, rounds, min)
                 timings.update({f"{key}@{m}_{k}": v for k, v in med.items()})
-                if med["mm"] < med["packed"]:
+                if med["mm"] < ROUTE_MARGIN * med["packed"]:
                     plain.setdefault(key, []).append(m)
     return plain, timings
 
