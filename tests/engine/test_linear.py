@@ -105,8 +105,8 @@ def test_plain_ranges_cover_a_factor_sqrt2_around_each_chosen_point():
     points = (128, 256, 512, 1024)
     assert plain_ranges(points, []) == ()
     assert plain_ranges(points, [512]) == ((363, 725),)
-    # neighbours merge; the last point stands for every larger row count
-    assert plain_ranges(points, [128, 256, 1024]) == ((91, 363), (725, 1 << 62))
+    # neighbours merge; rows beyond the points stay packed
+    assert plain_ranges(points, [128, 256, 1024]) == ((91, 363), (725, 1449))
 
 
 @needs_pack
@@ -130,7 +130,7 @@ def test_choose_routes_times_both_routes_per_shape_and_row_count():
     gen = torch.Generator().manual_seed(3)
     ws = [torch.randn(48, 32, generator=gen).bfloat16() for _ in range(2)]
     pairs = [(Linear(w, pack=True), w) for w in ws] + [(Linear(ws[0]), ws[0])]  # one unpacked
-    plain, timings = choose_routes(pairs, points=(8, 16), rounds=1)
+    plain, timings = choose_routes(pairs, points=(8, 16), rounds=1)  # 2 weights of one shape
     assert set(timings) == {f"48x32@{m}_{r}" for m in (8, 16) for r in ("packed", "mm")}
     assert set(plain) <= {"48x32"} and all(set(v) <= {8, 16} for v in plain.values())
 
@@ -144,14 +144,14 @@ def test_engine_routes_what_the_machine_measured_and_the_next_engine_reads_it(
 
     def measure(pairs: list[tuple[Linear, torch.Tensor]]):  # type: ignore[no-untyped-def]
         calls.append(1)
-        return {shape_key(pairs[1][0]): [256, 4096]}, {"t": 1.0}  # the O projection's shape
+        return {shape_key(pairs[1][0]): [256, 2048]}, {"t": 1.0}  # the O projection's shape
 
     monkeypatch.setattr(engine_module, "choose_routes", measure)
     for _ in range(2):
         eng = make_engine(w, dtype="bfloat16")
         o = eng.model.layers[0].o
-        assert o.plain_rows == ((182, 363), (2897, 1 << 62)) and o.plain is not None
-        assert eng.signature()["matmul"] == f"onednn-packed mm:{shape_key(o)}@256,4096"
+        assert o.plain_rows == ((182, 363), (1449, 2897)) and o.plain is not None
+        assert eng.signature()["matmul"] == f"onednn-packed mm:{shape_key(o)}@256,2048"
         assert all(lay.o.plain_rows == o.plain_rows and lay.qkv.plain_rows == ()
                    and lay.gate_up.plain_rows == lay.down.plain_rows == ()
                    for lay in eng.model.layers)

@@ -42,7 +42,13 @@ from yuebing.engine.choices import attention_choice, routes_choice, rows_choice,
 from yuebing.engine.config import EngineConfig, parse_layers
 from yuebing.engine.kernels import NATIVE_ATTENTION, resolve_kernels
 from yuebing.engine.kv_cache import KVPool
-from yuebing.engine.linear import ROUTE_MARGIN, ROUTE_POINTS, choose_routes, shape_key
+from yuebing.engine.linear import (
+    ROUTE_MARGIN,
+    ROUTE_POINTS,
+    ROUTE_WEIGHTS,
+    choose_routes,
+    shape_key,
+)
 from yuebing.engine.model import Boundary, LayerHook, LlamaModel
 from yuebing.engine.runner import ModelRunner
 from yuebing.engine.sampling import SamplingParams, TokenLogprobs, make_generator, sample
@@ -258,7 +264,7 @@ class LLMEngine:
             return
         parts: dict[str, object] = {
             "kind": "matmul_routes", "dtype": str(self.dtype), "points": list(ROUTE_POINTS),
-            "routes": ["packed", "mm"], "margin": ROUTE_MARGIN,
+            "routes": ["packed", "mm"], "margin": ROUTE_MARGIN, "weights": ROUTE_WEIGHTS,
             "shapes": sorted({shape_key(lin) for lin, _ in pairs})}
         (plain, self.route_timings), cached = shared_choice(
             parts, lambda: choose_routes(pairs), routes_choice)

@@ -127,14 +127,18 @@ class Linear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-ROUTE_POINTS = (128, 256, 512, 1024, 2048, 4096)
+ROUTE_POINTS = (256, 512, 1024, 2048)
 """Row counts at which `choose_routes` times the routes; each stands for the rows within a
-factor √2 of it (the last for every larger count; fewer than 128/√2 rows stay packed)."""
+factor √2 of it (fewer or more rows than these cover stay packed)."""
 
 
 ROUTE_MARGIN = 0.95
 """``torch.mm`` takes a row count only where it is this much faster: a near tie keeps the packed
 weight (the decode's, and no second copy where the fused decode does not keep one)."""
+
+
+ROUTE_WEIGHTS = 8
+"""Weights of one shape per timed sample (a model's layers hold one each)."""
 
 
 def shape_key(lin: Linear) -> str:
@@ -143,45 +147,55 @@ def shape_key(lin: Linear) -> str:
 
 
 def choose_routes(linears: Sequence[tuple[Linear, torch.Tensor]],
-                  points: Sequence[int] = ROUTE_POINTS, rounds: int = 9,
+                  points: Sequence[int] = ROUTE_POINTS, rounds: int = 5,
                   seed: int = 0) -> tuple[dict[str, list[int]], dict[str, float]]:
-    """Per distinct shape of the packed ``linears`` (each with its row-major weight): the row
-    counts of ``points`` at which ``torch.mm`` on the row-major weight beat the packed oneDNN
-    call here by `ROUTE_MARGIN`, and every timing (fastest of ``rounds`` seconds, the two routes interleaved:
-    two fixed kernels, so load only adds to either; keys ``"<shape>@<rows>_packed|mm"``).
-    Called once per machine by `LLMEngine` (outside batch-invariant mode); oneDNN picks its
-    kernel by row count and shape, and at some prefill sizes its packed kernel runs at about
-    half the speed of the plain one."""
+    """Per shape of the packed ``linears`` (each with its row-major weight): the row counts
+    of ``points`` at which ``torch.mm`` on the row-major weights beat the packed oneDNN calls
+    here by `ROUTE_MARGIN`, and every timing (keys ``"<shape>@<rows>_packed|mm"``). Called
+    once per machine by `LLMEngine` outside batch-invariant mode: oneDNN picks its kernel by
+    row count and shape, and at some prefill sizes the plain weight's kernel runs faster.
+
+    A sample multiplies one input by `ROUTE_WEIGHTS` weights of the shape in turn, as a
+    forward pass does, so they come from beyond the core's cache as they do there (one weight
+    timed alone stays in cache, which favours ``torch.mm``: it re-lays its weight out on every
+    call); the routes are interleaved and the fastest of ``rounds`` samples kept (load only
+    adds to either)."""
     gen = torch.Generator().manual_seed(seed)
     plain: dict[str, list[int]] = {}
     timings: dict[str, float] = {}
-    probes: dict[str, tuple[Linear, torch.Tensor]] = {}
+    groups: dict[str, list[tuple[Linear, torch.Tensor]]] = {}
     for lin, w in linears:
         if lin.is_packed:
-            probes.setdefault(shape_key(lin), (lin, w))
+            group = groups.setdefault(shape_key(lin), [])
+            if len(group) < ROUTE_WEIGHTS:
+                group.append((lin, w))
+
+    def run(x: torch.Tensor, group: list[tuple[Linear, torch.Tensor]], mm: bool) -> None:
+        for lin, w in group:
+            torch.mm(x, w.t()) if mm else lin._matmul(x)
+
     with torch.inference_mode():
-        for key, (lin, w) in probes.items():
+        for key, group in groups.items():
+            w0 = group[0][1]
             for m in points:
-                x = torch.randn(m, lin.shape[1], generator=gen).to(w.dtype)
-                med = interleaved_times({
-                    "packed": functools.partial(lin._matmul, x),
-                    "mm": functools.partial(torch.mm, x, w.t())}, w.device, rounds, min)
-                timings.update({f"{key}@{m}_{k}": v for k, v in med.items()})
-                if med["mm"] < ROUTE_MARGIN * med["packed"]:
+                x = torch.randn(m, w0.shape[1], generator=gen).to(w0.dtype)
+                best = interleaved_times({
+                    "packed": functools.partial(run, x, group, False),
+                    "mm": functools.partial(run, x, group, True)}, w0.device, rounds, min)
+                timings.update({f"{key}@{m}_{k}": v for k, v in best.items()})
+                if best["mm"] < ROUTE_MARGIN * best["packed"]:
                     plain.setdefault(key, []).append(m)
     return plain, timings
 
 
 def plain_ranges(points: Sequence[int], chosen: Sequence[int]) -> tuple[tuple[int, int], ...]:
     """The row ranges ``[lo, hi)`` that ``chosen`` (a subset of ``points``) stand for:
-    within a factor √2 of each, the last point's range unbounded; touching ranges merged."""
-    ordered = sorted(points)
+    within a factor √2 of each; touching ranges merged."""
     out: list[tuple[int, int]] = []
-    for i, p in enumerate(ordered):
+    for p in sorted(points):
         if p not in chosen:
             continue
-        lo = math.ceil(p / math.sqrt(2))
-        hi = math.ceil(p * math.sqrt(2)) if i + 1 < len(ordered) else 1 << 62
+        lo, hi = math.ceil(p / math.sqrt(2)), math.ceil(p * math.sqrt(2))
         if out and out[-1][1] >= lo:
             out[-1] = (out[-1][0], hi)
         else:
