@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from yuebing.engine.attention import _interleaved_times, choose_attention
+from yuebing.engine.attention import choose_attention
+from yuebing.engine.choices import interleaved_times
 
 
 def test_candidates_are_interleaved_and_the_median_is_kept(monkeypatch) -> None:
@@ -19,8 +20,8 @@ def test_candidates_are_interleaved_and_the_median_is_kept(monkeypatch) -> None:
             calls.append(name)
             now[0] += next(cost[name])
         return fn
-    monkeypatch.setattr("yuebing.engine.attention.time.perf_counter", lambda: now[0])
-    times = _interleaved_times({"a": make("a"), "b": make("b")}, torch.device("cpu"), 3)
+    monkeypatch.setattr("yuebing.engine.choices.time.perf_counter", lambda: now[0])
+    times = interleaved_times({"a": make("a"), "b": make("b")}, torch.device("cpu"), 3)
     assert calls == ["a", "b", "a", "b", "a", "b", "a", "b"]  # warm-up, then 3 rounds
     assert times == {"a": 1.0, "b": 2.0}
 

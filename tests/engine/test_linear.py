@@ -1,13 +1,26 @@
-"""oneDNN-packed matmul weights: same products as F.linear, used by bf16 CPU engines."""
+"""oneDNN-packed matmul weights: same products as F.linear, used by bf16 CPU engines; the
+measured plain route at prefill row counts."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from engine_factories import make_engine, prompts, tiny
 
-from yuebing.engine.linear import MIN_ROWS_CANDIDATES, Linear, can_pack, invariant_min_rows
+from yuebing.core import choices as core_choices
+from yuebing.engine import engine as engine_module
+from yuebing.engine.linear import (
+    MIN_ROWS_CANDIDATES,
+    Linear,
+    can_pack,
+    choose_routes,
+    invariant_min_rows,
+    plain_ranges,
+    shape_key,
+)
 from yuebing.engine.sampling import SamplingParams
 
 needs_pack = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
@@ -86,3 +99,63 @@ def test_probe_multiplies_on_the_weights_device():
     the default, probes at start-up)."""
     lin = Linear(torch.randn(64, 128, device="cuda", dtype=torch.bfloat16))
     assert invariant_min_rows([lin]) in (*MIN_ROWS_CANDIDATES, None)
+
+
+def test_plain_ranges_cover_a_factor_sqrt2_around_each_chosen_point():
+    points = (128, 256, 512, 1024)
+    assert plain_ranges(points, []) == ()
+    assert plain_ranges(points, [512]) == ((363, 725),)
+    # neighbours merge; rows beyond the points stay packed
+    assert plain_ranges(points, [128, 256, 1024]) == ((91, 363), (725, 1449))
+
+
+@needs_pack
+def test_plain_rows_run_torch_mm_and_the_rest_the_packed_weight():
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(48, 32, generator=gen).bfloat16()
+    x = torch.randn(40, 32, generator=gen).bfloat16()
+    lin, ref = Linear(w, pack=True), Linear(w, pack=True)
+    lin.use_plain(w, ((10, 20),))
+    for rows in (9, 10, 19, 20):
+        want = torch.mm(x[:rows], w.t()) if 10 <= rows < 20 else ref(x[:rows])
+        assert torch.equal(lin(x[:rows]), want), rows
+    with pytest.raises(ValueError, match="not this"):
+        lin.use_plain(w.t().contiguous(), ((10, 20),))
+    lin.use_plain(None, ((10, 20),))
+    assert lin.plain is None and lin.plain_rows == ()
+
+
+@needs_pack
+def test_choose_routes_times_both_routes_per_shape_and_row_count():
+    gen = torch.Generator().manual_seed(3)
+    ws = [torch.randn(48, 32, generator=gen).bfloat16() for _ in range(2)]
+    pairs = [(Linear(w, pack=True), w) for w in ws] + [(Linear(ws[0]), ws[0])]  # one unpacked
+    plain, timings = choose_routes(pairs, points=(8, 16), rounds=1)  # 2 weights of one shape
+    assert set(timings) == {f"48x32@{m}_{r}" for m in (8, 16) for r in ("packed", "mm")}
+    assert set(plain) <= {"48x32"} and all(set(v) <= {8, 16} for v in plain.values())
+
+
+@needs_pack
+def test_engine_routes_what_the_machine_measured_and_the_next_engine_reads_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setattr(core_choices, "choice_dir", lambda: tmp_path)
+    w = tiny()
+    calls: list[int] = []
+
+    def measure(pairs: list[tuple[Linear, torch.Tensor]]):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return {shape_key(pairs[1][0]): [256, 2048]}, {"t": 1.0}  # the O projection's shape
+
+    monkeypatch.setattr(engine_module, "choose_routes", measure)
+    for _ in range(2):
+        eng = make_engine(w, dtype="bfloat16")
+        o = eng.model.layers[0].o
+        assert o.plain_rows == ((182, 363), (1449, 2897)) and o.plain is not None
+        assert eng.signature()["matmul"] == f"onednn-packed mm:{shape_key(o)}@256,2048"
+        assert all(lay.o.plain_rows == o.plain_rows and lay.qkv.plain_rows == ()
+                   and lay.gate_up.plain_rows == lay.down.plain_rows == ()
+                   for lay in eng.model.layers)
+    assert calls == [1]  # the second engine read the first one's choice
+    inv = make_engine(w, dtype="bfloat16", batch_invariant=True, attention="auto")  # one route
+    assert all(lay.o.plain_rows == () for lay in inv.model.layers)
+    assert inv.signature()["matmul"] == "onednn-packed"

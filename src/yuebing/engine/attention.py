@@ -11,14 +11,14 @@ more paths (``paged``, ``flash``, ``blas``); `choose_attention` times the allowe
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as F
+
+from yuebing.engine.choices import interleaved_times
 
 
 @dataclass
@@ -244,30 +244,6 @@ def causal_mask(length: int, context_len: int, device: torch.device) -> torch.Te
     return torch.arange(context_len, device=device)[None, :] <= rows
 
 
-def _interleaved_times(fns: dict[str, Callable[[], object]], device: torch.device,
-                       rounds: int) -> dict[str, float]:
-    """Median seconds of each candidate over ``rounds`` rounds, the candidates interleaved
-    within each round: a burst of load from another process slows every candidate of that
-    round alike instead of deciding the choice (timing the candidates one after the other
-    is the suspected cause of a benchmark run whose prefill was 1.8x slower than the next)."""
-    def once(fn: Callable[[], object]) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - t0
-
-    for fn in fns.values():
-        fn()  # warm-up (first-call allocation, kernel loading)
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name].append(once(fn))
-    return {name: statistics.median(v) for name, v in samples.items()}
-
-
 def choose_attention(num_kv_heads: int, num_heads: int, head_dim: int, dtype: torch.dtype,
                      device: torch.device, batch: int = 8, context: int = 512,
                      repeats: int = 5, decode_names: Collection[str] | None = None,
@@ -299,7 +275,7 @@ def choose_attention(num_kv_heads: int, num_heads: int, head_dim: int, dtype: to
     decodes = {name: fn for name, fn in DECODE_IMPLS.items()
                if (decode_names is None or name in decode_names)
                and decode_supported(name, dtype, device)}
-    timings = {f"decode_{name}": t for name, t in _interleaved_times(
+    timings = {f"decode_{name}": t for name, t in interleaved_times(
         {name: partial(fn, q, k_cache, v_cache, meta, scale) for name, fn in decodes.items()},
         device, repeats).items()}
     n = context // 2  # a chunk on top of as many cached tokens
@@ -309,7 +285,7 @@ def choose_attention(num_kv_heads: int, num_heads: int, head_dim: int, dtype: to
     prefills = {name: fn for name, fn in PREFILL_IMPLS.items()
                 if (prefill_names is None or name in prefill_names)
                 and prefill_supported(name, dtype, device)}
-    timings.update({f"prefill_{name}": t for name, t in _interleaved_times(
+    timings.update({f"prefill_{name}": t for name, t in interleaved_times(
         {name: partial(fn, qp, k_cache, v_cache, sl, scale) for name, fn in prefills.items()},
         device, repeats).items()})
 

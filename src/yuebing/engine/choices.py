@@ -1,14 +1,17 @@
-"""What an engine measures at start-up (the ``auto`` attention paths, the fused decode's rows),
-shared by every process of one machine (`core.choices`); called by `LLMEngine`.
+"""What an engine measures at start-up (the ``auto`` attention paths, the fused decode's rows,
+the matmul route per projection shape and row count), shared by every process of one machine
+(`core.choices`); called by `LLMEngine`, timed with `interleaved_times`.
 
 Two instances of one cluster that pick differently run two engine configurations (the Conductor
 then refuses the second's predictor), so the first process measures and the others read. The
-key covers the machine, torch and threads (always) and what the caller names (kernel build,
-shape, dtype, candidates), so any change measures again.
+key covers the machine (`core.choices.machine_parts`), torch, threads and `VERSION` (always) and
+what the caller names (kernel build, shape, dtype, candidates), so any change measures again.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -16,16 +19,46 @@ from typing import Any, TypeVar
 import torch
 
 from yuebing.core import choices
-from yuebing.engine.runtime import machine
 
 T = TypeVar("T")
+
+VERSION = 2
+"""Of the engine's choice set: raised when a choice's candidates or meaning change (2: the
+matmul routes; the machine named by `core.choices.machine_parts`)."""
 
 
 def shared_choice(parts: dict[str, object], measure: Callable[[], T],
                   parse: Callable[[Any], T], root: Path | None = None) -> tuple[T, bool]:
     """`core.choices.shared_choice` for ``parts`` on this machine, torch and thread count."""
-    here = {"machine": machine(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    here = {**choices.machine_parts(), "engine_choices": VERSION, "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
     return choices.shared_choice({**here, **parts}, measure, parse, root)
+
+
+def interleaved_times(fns: dict[str, Callable[[], object]], device: torch.device,
+                      rounds: int, reduce: Callable[[list[float]], float] = statistics.median
+                      ) -> dict[str, float]:
+    """Median (or ``reduce``) seconds of each candidate over ``rounds`` rounds, the candidates
+    interleaved within each round: a burst of load from another process slows every candidate
+    of that round alike instead of deciding the choice (timing the candidates one after the
+    other is the suspected cause of a benchmark run whose prefill was 1.8x slower than the
+    next)."""
+    def once(fn: Callable[[], object]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    for fn in fns.values():
+        fn()  # warm-up (first-call allocation, kernel loading)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(once(fn))
+    return {name: reduce(v) for name, v in samples.items()}
 
 
 def attention_choice(raw: Any) -> tuple[str, str, dict[str, float]]:
@@ -42,3 +75,14 @@ def rows_choice(raw: Any) -> tuple[int, dict[str, float]]:
     if not (isinstance(rows, int) and isinstance(timings, dict)):
         raise TypeError(f"not a fused-decode choice: {raw!r}")
     return rows, {str(k): float(v) for k, v in timings.items()}
+
+
+def routes_choice(raw: Any) -> tuple[dict[str, list[int]], dict[str, float]]:
+    """`linear.choose_routes`' (plain-route row counts per shape, timings) from JSON."""
+    plain, timings = raw
+    if not (isinstance(plain, dict) and isinstance(timings, dict)
+            and all(isinstance(v, list) and all(isinstance(r, int) for r in v)
+                    for v in plain.values())):
+        raise TypeError(f"not a matmul route choice: {raw!r}")
+    return {str(k): list(v) for k, v in plain.items()}, {str(k): float(v)
+                                                        for k, v in timings.items()}

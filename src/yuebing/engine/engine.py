@@ -38,10 +38,17 @@ from yuebing.engine.attention import (
     prefill_supported,
 )
 from yuebing.engine.block_manager import BlockAllocator
-from yuebing.engine.choices import attention_choice, rows_choice, shared_choice
+from yuebing.engine.choices import attention_choice, routes_choice, rows_choice, shared_choice
 from yuebing.engine.config import EngineConfig, parse_layers
 from yuebing.engine.kernels import NATIVE_ATTENTION, resolve_kernels
 from yuebing.engine.kv_cache import KVPool
+from yuebing.engine.linear import (
+    ROUTE_MARGIN,
+    ROUTE_POINTS,
+    ROUTE_WEIGHTS,
+    choose_routes,
+    shape_key,
+)
 from yuebing.engine.model import Boundary, LayerHook, LlamaModel
 from yuebing.engine.runner import ModelRunner
 from yuebing.engine.sampling import SamplingParams, TokenLogprobs, make_generator, sample
@@ -129,6 +136,10 @@ class LLMEngine:
         self.decode_fused = "off"
         """Fused small-batch decode (`yuebing.engine.fused_decode`): ``b<=N`` or off."""
         self.fused_timings: dict[str, float] = {}
+        self.matmul_routes = ""
+        """Projection shapes and row counts run by ``torch.mm`` on the row-major weight instead
+        of the packed one (`linear.choose_routes`; ``""``: none)."""
+        self.route_timings: dict[str, float] = {}
         if config.batch_invariant:
             if config.fused_decode > 0:
                 raise ConfigError("fused_decode cannot be used with batch_invariant: its sums "
@@ -137,6 +148,7 @@ class LLMEngine:
         else:
             self._choose_attention(config)
             self._choose_fused_decode(config.fused_decode)
+            self._choose_routes()
         self.model.use_fused(self.model.fused)
         self.runner = ModelRunner(self.model, self.pool, per_token=config.batch_invariant)
         self._signature = self._describe()
@@ -243,6 +255,22 @@ class LLMEngine:
         self.decode_fused = f"b<={rows}" if rows else "off"
         log.info("fused decode: %s (%s)", self.decode_fused,
                  ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in self.fused_timings.items()))
+
+    def _choose_routes(self) -> None:
+        """Where the weights are packed, time the packed and the plain matmul per projection
+        shape at prefill row counts (once per machine) and route the rows where plain wins."""
+        pairs = self.model.plain_matmuls()
+        if not self.model.packed or not pairs:
+            return
+        parts: dict[str, object] = {
+            "kind": "matmul_routes", "dtype": str(self.dtype), "points": list(ROUTE_POINTS),
+            "routes": ["packed", "mm"], "margin": ROUTE_MARGIN, "weights": ROUTE_WEIGHTS,
+            "shapes": sorted({shape_key(lin) for lin, _ in pairs})}
+        (plain, self.route_timings), cached = shared_choice(
+            parts, lambda: choose_routes(pairs), routes_choice)
+        self.matmul_routes = self.model.use_plain_routes(plain)
+        log.info("matmul routes measured %s: mm for %s", "earlier on this machine" if cached
+                 else "now", self.matmul_routes or "none")
 
     # ------------------------------------------------------------------------ requests
 
@@ -587,7 +615,9 @@ class LLMEngine:
                 "attention": self.attention, "prefill_attention": self.prefill_attention,
                 "decode_fused": self.decode_fused,
                 "kernels": self.kernels.name, "batch_invariant": str(c.batch_invariant).lower(),
-                "matmul": "onednn-packed" if self.model.packed else "F.linear",
+                "matmul": ("onednn-packed" + (f" mm:{self.matmul_routes}"
+                                              if self.matmul_routes else ""))
+                if self.model.packed else "F.linear",
                 "max_batch_tokens": str(c.max_batch_tokens), "block_size": str(c.block_size),
                 "machine": runtime.machine() if self.device.type == "cpu" else
                 torch.cuda.get_device_name(self.device)}

@@ -4,17 +4,24 @@ projection in a `Linear` when it is built and calls it once per layer and step.
 On CPU in bf16/fp16, ``F.linear`` re-lays a row-major weight out into oneDNN's blocked format on
 every call — at decode batch sizes as costly as the matmul. `pack_weight` does it once at load
 and `Linear` runs oneDNN's linear on the packed weight (``EngineConfig.packed_weights``;
-float32, CUDA or a failed packing keep ``F.linear``). `invariant_min_rows` serves batch
-invariance: inputs shorter than it are padded, so a row's bits never depend on the row count.
+float32, CUDA or a failed packing keep ``F.linear``). At prefill sizes oneDNN's packed kernel
+is not always the fastest: `choose_routes` times it against ``torch.mm`` on the row-major weight
+per shape and row count at start-up (`LLMEngine`, cached per machine) and `Linear.use_plain`
+routes those rows there. `invariant_min_rows` serves batch invariance: inputs shorter than it
+are padded, so a row's bits never depend on the row count (invariant engines keep one route).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from yuebing.engine.choices import interleaved_times
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +67,7 @@ def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
 class Linear:
     """``y = x @ weight.T + bias``: plain ``F.linear`` or a oneDNN-packed weight."""
 
-    __slots__ = ("bias", "min_rows", "packed", "weight")
+    __slots__ = ("bias", "min_rows", "packed", "plain", "plain_rows", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  pack: bool = False, batch_hint: int = 16) -> None:
@@ -70,6 +77,20 @@ class Linear:
         self.weight = weight if self.packed is None else None
         self.min_rows = 1
         """Inputs of fewer rows are padded to this many (batch invariance; see the module)."""
+        self.plain: torch.Tensor | None = None
+        """Row-major ``[out, in]`` weight of the plain route beside the packed one."""
+        self.plain_rows: tuple[tuple[int, int], ...] = ()
+        """Row counts ``[lo, hi)`` that run ``torch.mm`` on `plain` (`use_plain`)."""
+
+    def use_plain(self, weight: torch.Tensor | None, rows: tuple[tuple[int, int], ...]) -> None:
+        """Run inputs whose row count lies in one of ``rows`` through ``torch.mm`` on the
+        row-major ``weight`` (a packed `Linear` only; ``rows=()`` or None: packed alone)."""
+        if self.packed is None or weight is None or not rows:
+            self.plain, self.plain_rows = None, ()
+            return
+        if tuple(weight.shape) != self.shape:
+            raise ValueError(f"plain weight {tuple(weight.shape)} is not this {self.shape}")
+        self.plain, self.plain_rows = weight, rows
 
     @property
     def is_packed(self) -> bool:
@@ -88,13 +109,98 @@ class Linear:
         if rows < self.min_rows:
             pad = x.new_zeros((self.min_rows - rows, *x.shape[1:]))
             return self._matmul(torch.cat((x, pad)))[:rows]
+        for lo, hi in self.plain_rows:
+            if lo <= rows < hi:
+                return self._mm(x)
         return self._matmul(x)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.plain is not None
+        if self.bias is None:
+            return torch.mm(x, self.plain.t())
+        return torch.addmm(self.bias, x, self.plain.t())
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             assert self.weight is not None
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+ROUTE_POINTS = (256, 512, 1024, 2048)
+"""Row counts at which `choose_routes` times the routes; each stands for the rows within a
+factor √2 of it (fewer or more rows than these cover stay packed)."""
+
+
+ROUTE_MARGIN = 0.95
+"""``torch.mm`` takes a row count only where it is this much faster: a near tie keeps the packed
+weight (the decode's, and no second copy where the fused decode does not keep one)."""
+
+
+ROUTE_WEIGHTS = 8
+"""Weights of one shape per timed sample (a model's layers hold one each)."""
+
+
+def shape_key(lin: Linear) -> str:
+    """``"<out>x<in>"``: how route choices name a projection shape."""
+    return "x".join(map(str, lin.shape))
+
+
+def choose_routes(linears: Sequence[tuple[Linear, torch.Tensor]],
+                  points: Sequence[int] = ROUTE_POINTS, rounds: int = 5,
+                  seed: int = 0) -> tuple[dict[str, list[int]], dict[str, float]]:
+    """Per shape of the packed ``linears`` (each with its row-major weight): the row counts
+    of ``points`` at which ``torch.mm`` on the row-major weights beat the packed oneDNN calls
+    here by `ROUTE_MARGIN`, and every timing (keys ``"<shape>@<rows>_packed|mm"``). Called
+    once per machine by `LLMEngine` outside batch-invariant mode: oneDNN picks its kernel by
+    row count and shape, and at some prefill sizes the plain weight's kernel runs faster.
+
+    A sample multiplies one input by `ROUTE_WEIGHTS` weights of the shape in turn, as a
+    forward pass does, so they come from beyond the core's cache as they do there (one weight
+    timed alone stays in cache, which favours ``torch.mm``: it re-lays its weight out on every
+    call); the routes are interleaved and the fastest of ``rounds`` samples kept (load only
+    adds to either)."""
+    gen = torch.Generator().manual_seed(seed)
+    plain: dict[str, list[int]] = {}
+    timings: dict[str, float] = {}
+    groups: dict[str, list[tuple[Linear, torch.Tensor]]] = {}
+    for lin, w in linears:
+        if lin.is_packed:
+            group = groups.setdefault(shape_key(lin), [])
+            if len(group) < ROUTE_WEIGHTS:
+                group.append((lin, w))
+
+    def run(x: torch.Tensor, group: list[tuple[Linear, torch.Tensor]], mm: bool) -> None:
+        for lin, w in group:
+            torch.mm(x, w.t()) if mm else lin._matmul(x)
+
+    with torch.inference_mode():
+        for key, group in groups.items():
+            w0 = group[0][1]
+            for m in points:
+                x = torch.randn(m, w0.shape[1], generator=gen).to(w0.dtype)
+                best = interleaved_times({
+                    "packed": functools.partial(run, x, group, False),
+                    "mm": functools.partial(run, x, group, True)}, w0.device, rounds, min)
+                timings.update({f"{key}@{m}_{k}": v for k, v in best.items()})
+                if best["mm"] < ROUTE_MARGIN * best["packed"]:
+                    plain.setdefault(key, []).append(m)
+    return plain, timings
+
+
+def plain_ranges(points: Sequence[int], chosen: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """The row ranges ``[lo, hi)`` that ``chosen`` (a subset of ``points``) stand for:
+    within a factor √2 of each; touching ranges merged."""
+    out: list[tuple[int, int]] = []
+    for p in sorted(points):
+        if p not in chosen:
+            continue
+        lo, hi = math.ceil(p / math.sqrt(2)), math.ceil(p * math.sqrt(2))
+        if out and out[-1][1] >= lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return tuple(out)
 
 
 MIN_ROWS_CANDIDATES = (1, 8, 16, 32, 64)

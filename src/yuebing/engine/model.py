@@ -23,7 +23,14 @@ from yuebing.engine.attention import DECODE_IMPLS, PREFILL_IMPLS, AttnMetadata
 from yuebing.engine.config import ModelConfig, RopeScaling
 from yuebing.engine.fused_decode import MAX_ROWS, FusedDecode
 from yuebing.engine.kernels import KernelOps, TorchOps
-from yuebing.engine.linear import Linear, can_pack, invariant_min_rows
+from yuebing.engine.linear import (
+    ROUTE_POINTS,
+    Linear,
+    can_pack,
+    invariant_min_rows,
+    plain_ranges,
+    shape_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +104,9 @@ class LlamaModel:
         """Small decode-only steps run fused (`yuebing.engine.fused_decode`), set by the
         engine with `use_fused`."""
         self._plain: list[tuple[torch.Tensor, ...]] = []
-        """Row-major (qkv, o, gate_up, down) weights of each layer, kept from load until
-        the engine decides on the fused decode (`use_fused` / `drop_plain`)."""
+        """Row-major (qkv, o, gate_up, down) weights of each layer, kept from load until the
+        engine decides on the matmul routes and the fused decode (`use_plain_routes`,
+        `use_fused`)."""
         self._plain_head: torch.Tensor | None = None
 
         def take(name: str) -> torch.Tensor:
@@ -138,8 +146,7 @@ class LlamaModel:
             self.layers.append(_Layer(
                 take(p + "input_layernorm.weight"), take(p + "post_attention_layernorm.weight"),
                 lin(qkv, bias), lin(o), lin(gate_up), lin(down)))
-            if bias is None:
-                self._plain.append((qkv, o, gate_up, down))
+            self._plain.append((qkv, o, gate_up, down))
         self.packed = pack and self.layers[0].qkv.is_packed
         """Whether the matmul weights are oneDNN-packed (see `yuebing.engine.linear`)."""
         inv = rope_inv_freq(cfg, tensors.get("rope_freqs"))
@@ -152,7 +159,7 @@ class LlamaModel:
     def fused_candidate(self) -> FusedDecode | None:
         """The fused decode over the kept plain weights (max_rows unset), or None where it
         cannot run: no plain weights (a QKV bias), not bf16 on CPU."""
-        if not self._plain or len(self._plain) != len(self.layers) or self.dtype != torch.bfloat16 \
+        if not self._plain or self.cfg.qkv_bias or self.dtype != torch.bfloat16 \
                 or self.device.type != "cpu":
             return None
         layers = [(lay.ln1, qkv, o, lay.ln2, gu, down)
@@ -160,6 +167,21 @@ class LlamaModel:
         head = None if self._plain_head is None or self.norm is None \
             else (self.norm, self._plain_head)
         return FusedDecode(self.cfg, layers, (self.rope_cos, self.rope_sin), head)
+
+    def plain_matmuls(self) -> list[tuple[Linear, torch.Tensor]]:
+        """Each layer's projections with their row-major weights (empty once dropped)."""
+        return [(lin, w) for lay, ws in zip(self.layers, self._plain, strict=False)
+                for lin, w in zip((lay.qkv, lay.o, lay.gate_up, lay.down), ws, strict=True)]
+
+    def use_plain_routes(self, plain: dict[str, list[int]]) -> str:
+        """Route each projection's row counts that `linear.choose_routes` found faster on the
+        row-major weight there (``plain``: shape → points); returns the routes as the
+        engine's signature names them (``""``: none). Call before `use_fused`."""
+        for lin, w in self.plain_matmuls():
+            chosen = plain.get(shape_key(lin), [])
+            lin.use_plain(w, plain_ranges(ROUTE_POINTS, chosen))
+        return ";".join(f"{k}@{','.join(map(str, sorted(v)))}" for k, v in sorted(plain.items())
+                        if v)
 
     def use_fused(self, fused: FusedDecode | None) -> None:
         """Run small decode steps through ``fused`` (None: never); drops the plain weights

@@ -18,8 +18,8 @@ import time
 
 import torch
 
+from yuebing.core.choices import machine_parts
 from yuebing.core.errors import ConfigError
-from yuebing.core.host import cpu_name
 from yuebing.engine.config import EngineConfig, default_threads
 
 log = logging.getLogger(__name__)
@@ -83,9 +83,11 @@ def cpu_has_bf16() -> bool:
 
 
 def machine() -> str:
-    """This processor as the predictors name it (`core.host.cpu_name`) and the cores this
-    process may use (a profile taken on one machine predicts only that one)."""
-    return f"{cpu_name()} | {default_threads()} cores"
+    """This machine as the predictors name it: the processor and the cores this process may
+    use, the same `core.choices.machine_parts` that key the start-up choices (a profile taken
+    on one machine predicts only that one)."""
+    parts = machine_parts()
+    return f"{parts['cpu']} | {parts['cpus']} cores"
 
 
 def resolve_device(name: str) -> torch.device:

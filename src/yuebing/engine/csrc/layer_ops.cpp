@@ -2,7 +2,7 @@
 // with the K/V cache write, and SiLU(gate)·up. Intermediate values are rounded through the
 // element type exactly where the plain-torch path stores them in that type (bfloat16 / float16
 // ops compute in float32 and round their result), so the fused ops reproduce the torch path's
-// rounding steps; only reduction order (RMSNorm) and exp (SiLU) differ.
+// rounding steps; only reduction order (RMSNorm) and exp and 1/x (SiLU) differ.
 #include <ATen/MemoryOverlap.h>
 
 #include "vec.h"
@@ -140,7 +140,7 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
         const __mmask16 m = tail_mask(n - i);
         const __m512 g = load16(gate + i, m);
         const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 act = round16<T>(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+        const __m512 act = round16<T>(_mm512_mul_ps(g, reciprocal16(_mm512_add_ps(one, e))));
         store16(dst + i, _mm512_mul_ps(act, load16(up + i, m)), m);
       }
 #else
