@@ -37,10 +37,10 @@ log = logging.getLogger(__name__)
 
 PARALLEL_MIN = 4 << 20
 """Batches of at least this many bytes are copied by several threads."""
-SPLIT_READ_MIN = 1 << 20
-"""A single read of at least this many bytes is cut into one piece per thread: one copy
-thread runs at a fraction of the memory's rate (a 1 MiB copy takes hundreds of µs, a wake-up
-of a pool thread tens)."""
+SPLIT_READ_MIN = PARALLEL_MIN
+"""A single read of at least this many bytes is cut into one piece per thread (quiet A/B, 2-core
+Xeon: same-host `get_into` 4 MiB 1.20×, 1 MiB 0.80× — a pool thread's wake-up costs more than
+half a 1 MiB copy saves)."""
 
 LATE_READ = "read ended past its deadline: its read lease may have ended mid-copy"
 
