@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,20 @@ def machine_choices() -> None:
 
     resolve_lanes(TransferConfig(), TransferEngine)
     streamcopy.small_copy()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_learned_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Clusters of module- and session-scoped fixtures (started before any test's own
+    directory) keep what their Conductors learn here, never in the user's cache."""
+    path = tmp_path_factory.mktemp("learned")
+    before = os.environ.get("YUEBING_LEARNED_DIR")
+    os.environ["YUEBING_LEARNED_DIR"] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop("YUEBING_LEARNED_DIR", None)
+    else:
+        os.environ["YUEBING_LEARNED_DIR"] = before
 
 
 @pytest.fixture(autouse=True)

@@ -97,8 +97,24 @@ def test_another_configuration_has_its_own_file_and_starts_afresh(tmp_path: Path
     assert a.tail.current == 1.0 and a.dur.current is None and a.cal.scale == 1.0
     assert a.tails[-1] == 1.0 and a.durations[-1] == (20.0,)
     assert len(list(tmp_path.glob("*.json"))) == 1
-    state.switch(PARTS)  # back: taken from its file
+    state.switch(PARTS)  # back: resumed
     assert a.tail.current > 2.0
+
+
+def test_switching_back_resumes_what_this_process_learned_even_without_files(
+        tmp_path: Path) -> None:
+    a = Learners()
+    state = LearnedState(None, {"tbt_tail": a.tail, "decode_durations": a.dur}, 30.0)
+    state.switch(PARTS)
+    a.learn()
+    learned = (a.tail.current, a.dur.current)
+    other = configuration("fp", [("prefill", ENGINE)] * 2 + [("decode", ENGINE)], "linear",
+                          "forecast")
+    state.switch(other)  # an instance joined
+    assert (a.tail.current, a.dur.current) == (1.0, None)
+    state.switch(PARTS)  # it left again: not blind again
+    assert (a.tail.current, a.dur.current) == learned
+    assert "tbt_tail" in state.state()["loaded"]  # type: ignore[operator]
 
 
 def _kept_file(tmp_path: Path) -> Path:
@@ -151,6 +167,17 @@ def test_a_corrupt_file_is_refused_with_nothing_of_it_used(
     state.note()
     state.close()
     assert json.loads(path.read_text())["learned"]["tbt_tail"]["ratios"] == pytest.approx(RATIOS)
+
+
+def test_a_file_that_is_not_text_is_refused(tmp_path: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    path = _kept_file(tmp_path)
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    b = Learners()
+    with caplog.at_level(logging.WARNING):
+        b.state(tmp_path, Clock()).switch(PARTS)  # a warning, not an exception
+    assert "refused: unreadable" in caplog.text and str(path) in caplog.text
+    assert (b.tail.current, b.dur.current, b.cal.scale) == (1.0, None, 1.0)
 
 
 def test_writes_are_capped_and_the_rest_kept_at_shutdown(tmp_path: Path) -> None:

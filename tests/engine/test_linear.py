@@ -140,22 +140,27 @@ def test_engine_routes_what_the_machine_measured_and_the_next_engine_reads_it(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.setattr(core_choices, "choice_dir", lambda: tmp_path)
     w = tiny()
-    calls: list[int] = []
+    calls: list[list[int]] = []
 
-    def measure(pairs: list[tuple[Linear, torch.Tensor]]):  # type: ignore[no-untyped-def]
-        calls.append(1)
+    def measure(pairs: list[tuple[Linear, torch.Tensor]],  # type: ignore[no-untyped-def]
+                points: list[int]):
+        calls.append(points)
         return {shape_key(pairs[1][0]): [256, 2048]}, {"t": 1.0}  # the O projection's shape
 
     monkeypatch.setattr(engine_module, "choose_routes", measure)
     for _ in range(2):
-        eng = make_engine(w, dtype="bfloat16")
+        eng = make_engine(w, dtype="bfloat16", max_batch_tokens=2048)
         o = eng.model.layers[0].o
         assert o.plain_rows == ((182, 363), (1449, 2897)) and o.plain is not None
         assert eng.signature()["matmul"] == f"onednn-packed mm:{shape_key(o)}@256,2048"
         assert all(lay.o.plain_rows == o.plain_rows and lay.qkv.plain_rows == ()
                    and lay.gate_up.plain_rows == lay.down.plain_rows == ()
                    for lay in eng.model.layers)
-    assert calls == [1]  # the second engine read the first one's choice
+    assert calls == [[256, 512, 1024, 2048]]  # the second engine read the first one's choice
+    make_engine(w, dtype="bfloat16", max_batch_tokens=512)  # only the points for such steps
+    assert calls[1:] == [[256, 512]]
+    small = make_engine(w, dtype="bfloat16")  # 64-row steps: nothing to measure, one route
+    assert len(calls) == 2 and small.signature()["matmul"] == "onednn-packed"
     inv = make_engine(w, dtype="bfloat16", batch_invariant=True, attention="auto")  # one route
     assert all(lay.o.plain_rows == () for lay in inv.model.layers)
     assert inv.signature()["matmul"] == "onednn-packed"

@@ -97,3 +97,39 @@ def test_a_read_ending_past_its_deadline_is_not_trusted(tmp_path) -> None:
     finally:
         direct.close()
         os.close(fd)
+
+
+def test_a_large_single_read_is_cut_into_pieces_copied_by_several_threads(tmp_path) -> None:
+    """One read of `SPLIT_READ_MIN` bytes or more is copied by the pool's threads too, piece by
+    piece, and lands whole (odd sizes and offsets included); a smaller one stays in the caller."""
+    from yuebing.store.client.direct import SPLIT_READ_MIN, DirectSegments, _pieces
+    from yuebing.transfer import TransferRequest, TransferStatus
+
+    for n, k in ((SPLIT_READ_MIN + 4099, 2), (SPLIT_READ_MIN, 4), (5000, 4), (1, 3)):
+        job = (OpCode.READ, memoryview(bytearray(n)), None, 7, n)
+        pieces = _pieces(job, k)  # type: ignore[arg-type]
+        assert 1 <= len(pieces) <= k and sum(p[4] for p in pieces) == n
+        starts = [7 + sum(q[4] for q in pieces[:i]) for i in range(len(pieces))]
+        assert [p[3] for p in pieces] == starts
+        assert all(len(p[1]) == p[4] for p in pieces)
+    size = 4 * SPLIT_READ_MIN
+    path = tmp_path / "seg"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+    fd = hold_liveness_lock(str(path))
+    direct = DirectSegments(_Engine(str(path), size))  # type: ignore[arg-type]
+    direct.workers = 2
+    try:
+        small = bytearray(4096)
+        direct.copy([TransferRequest(OpCode.READ, memoryview(small), "seg", 0, 4096)],
+                    time.monotonic() + 30)
+        assert direct._pool is None  # a small read: this thread alone
+        n = SPLIT_READ_MIN + 4099
+        out = bytearray(n)
+        (ok,) = direct.copy([TransferRequest(OpCode.READ, memoryview(out), "seg", 333, n)],
+                            time.monotonic() + 30)
+        assert ok is not None and ok.status == TransferStatus.DONE and ok.transferred == n
+        assert direct._pool is not None  # the other piece went to a pool thread
+        assert bytes(out) == path.read_bytes()[333:333 + n]
+    finally:
+        direct.close()
+        os.close(fd)

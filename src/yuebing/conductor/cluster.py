@@ -233,8 +233,7 @@ class LiveCluster:
             log.info("instance %s is back", m.id)
             m.alive = True
         if joined:
-            for changed in self.on_members:
-                changed()
+            self._members_changed()
         if m.role != Role.DECODE:
             if r.cache_full_resync:
                 self.index.replace(m.id, r.cache_added)
@@ -298,9 +297,15 @@ class LiveCluster:
         for cb in self.on_dead:
             cb(m)
         if left:
-            for changed in self.on_members:
-                changed()
+            self._members_changed()
         m.client.fail_all(reason)
+
+    def _members_changed(self) -> None:
+        for changed in self.on_members:
+            try:
+                changed()
+            except Exception:  # a listener's bug must not end this instance's reports
+                log.exception("membership listener %s failed", changed)
 
     # ------------------------------------------------------------------ views
 

@@ -3,8 +3,9 @@
 `Conductor` calls `switch` with the cluster's configuration (`configuration`) whenever its
 membership changes, `note` after each finished request, `close` at shutdown. The TBT tail's
 ratios, the decode durations and the prefill scale (each learner's ``snapshot``) live in one
-JSON file per configuration under ``--learned-dir``, named by a hash of it and recording it, so
-a fresh Conductor on the same configuration starts from them. A file that records another
+JSON file per configuration (model, instances, machine, predictors, decode selector) under
+``--learned-dir``, named by its hash and recording it, so a fresh Conductor on it starts from
+them (and one switching back, from what it held in memory). A file that records another
 configuration, or does not parse, is refused with a warning that says why, and everything is
 learned afresh. Written atomically (temporary file, fsync, rename) by a thread of its own, never
 on the event loop, at most once per ``--learned-save-s`` and at a configuration change and
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -82,21 +84,29 @@ class LearnedState:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="learned-state")
         """Writes one file at a time, in order, off the caller's (event loop) thread."""
         self.closed = False
+        self._memory: dict[str, dict[str, Any]] = {}
+        """What was learned on each configuration this process left (by `choice_key`)."""
 
     def switch(self, parts: dict[str, Any]) -> None:
-        """The cluster now runs ``parts``: keep what was learned on the previous configuration,
-        then start from this one's file (or afresh)."""
+        """The cluster now runs ``parts``: keep what was learned on the previous configuration
+        (in memory, and in its file), then start from this one's: what this process learned on
+        it before (fresher than its file, whose write may still be queued), else its file, else
+        afresh."""
         if parts == self.parts or self.closed:
             return
         if self.parts is not None:
+            self._memory[choice_key(self.parts)] = self._snapshot()
             self._save()
             for learner in self.learners.values():
                 learner.reset()
         self.parts, self.loaded, self.dirty, self.saved_at = parts, "", False, self.clock()
-        if self.directory is None:
-            return
-        self.path = self.directory / f"{choice_key(parts)}.json"
-        self._load(self.path, parts)
+        self.path = None if self.directory is None else \
+            self.directory / f"{choice_key(parts)}.json"
+        held = self._memory.get(choice_key(parts))
+        if held:
+            self._restore(held, "this process's earlier run of it")
+        elif self.path is not None:
+            self._load(self.path, parts)
 
     def _load(self, path: Path, parts: dict[str, Any]) -> None:
         try:
@@ -104,7 +114,7 @@ class LearnedState:
         except FileNotFoundError:
             log.info("learned state: none kept for this configuration yet (%s); learning", path)
             return
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: not UTF-8
             log.warning("learned state %s refused: unreadable (%s); learning afresh", path, e)
             return
         try:
@@ -120,10 +130,13 @@ class LearnedState:
                         "(%s); learning afresh", path,
                         difference(_flat(doc["parts"]), _flat(parts)))
             return
+        self._restore(doc["learned"], str(path))
+
+    def _restore(self, learned: Mapping[str, Any], source: str) -> None:
         held: list[str] = []
         try:
             for name, learner in self.learners.items():
-                kept = doc["learned"].get(name)
+                kept = learned.get(name)
                 if kept is not None:
                     if not isinstance(kept, dict):
                         raise ValueError(f"{name}: not an object")
@@ -131,10 +144,14 @@ class LearnedState:
         except ValueError as e:
             for learner in self.learners.values():
                 learner.reset()
-            log.warning("learned state %s refused: corrupt (%s); learning afresh", path, e)
+            log.warning("learned state %s refused: corrupt (%s); learning afresh", source, e)
             return
         self.loaded = "; ".join(held) or "nothing learned"
-        log.info("learned state from %s: %s", path, self.loaded)
+        log.info("learned state from %s: %s", source, self.loaded)
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {name: s for name, learner in self.learners.items()
+                if (s := learner.snapshot()) is not None}
 
     def note(self) -> None:
         """Something may have been learned: write it when the last write is old enough."""
@@ -143,8 +160,9 @@ class LearnedState:
             self._save()
 
     def wait(self) -> None:
-        """Until the writes asked for so far are done."""
-        self._writer.submit(lambda: None).result()
+        """Until the writes asked for so far are done (at once after `close`)."""
+        if not self.closed:
+            self._writer.submit(lambda: None).result()
 
     def close(self) -> None:
         """Shutdown: write what was learned since the last write (and wait for the writes);
@@ -158,14 +176,13 @@ class LearnedState:
     def _save(self) -> None:
         if not self.dirty or self.closed or self.path is None or self.parts is None:
             return
-        learned = {name: s for name, learner in self.learners.items()
-                   if (s := learner.snapshot()) is not None}
+        learned = self._snapshot()
         self.dirty, self.saved_at = False, self.clock()
         if learned:
             self._writer.submit(self._write, self.path, {"parts": self.parts, "learned": learned})
 
     def _write(self, path: Path, doc: dict[str, Any]) -> None:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "w") as f:

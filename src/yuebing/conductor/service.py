@@ -202,12 +202,14 @@ class Conductor:
             self.cluster.spawn(self._let_go(m.address))
 
     async def stop(self) -> None:
-        for closer in self._closers:
-            await asyncio.to_thread(closer.close)
-        if self.feed is not None:
-            await asyncio.to_thread(self.feed.close)
-        await self.cluster.close()
-        self.learned.close()  # after the last request and membership change: its last write
+        try:
+            for closer in self._closers:
+                await asyncio.to_thread(closer.close)
+            if self.feed is not None:
+                await asyncio.to_thread(self.feed.close)
+            await self.cluster.close()
+        finally:  # after the last request and membership change: its last write, even so
+            await asyncio.to_thread(self.learned.close)
 
     # ------------------------------------------------------------------ read by the routes
 

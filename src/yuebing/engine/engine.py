@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import math
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import replace
@@ -260,14 +261,16 @@ class LLMEngine:
         """Where the weights are packed, time the packed and the plain matmul per projection
         shape at prefill row counts (once per machine) and route the rows where plain wins."""
         pairs = self.model.plain_matmuls()
-        if not self.model.packed or not pairs:
+        # a step never has more rows than max_batch_tokens: only the points that stand for it
+        points = [p for p in ROUTE_POINTS if p <= self.config.max_batch_tokens * math.sqrt(2)]
+        if not self.model.packed or not pairs or not points:
             return
         parts: dict[str, object] = {
-            "kind": "matmul_routes", "dtype": str(self.dtype), "points": list(ROUTE_POINTS),
+            "kind": "matmul_routes", "dtype": str(self.dtype), "points": points,
             "routes": ["packed", "mm"], "margin": ROUTE_MARGIN, "weights": ROUTE_WEIGHTS,
             "shapes": sorted({shape_key(lin) for lin, _ in pairs})}
         (plain, self.route_timings), cached = shared_choice(
-            parts, lambda: choose_routes(pairs), routes_choice)
+            parts, lambda: choose_routes(pairs, points), routes_choice)
         self.matmul_routes = self.model.use_plain_routes(plain)
         log.info("matmul routes measured %s: mm for %s", "earlier on this machine" if cached
                  else "now", self.matmul_routes or "none")
