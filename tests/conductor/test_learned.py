@@ -117,15 +117,21 @@ def test_switching_back_resumes_what_this_process_learned_even_without_files(
     assert "tbt_tail" in state.state()["loaded"]  # type: ignore[operator]
 
 
-def _kept_file(tmp_path: Path) -> Path:
+def _closed(tmp_path: Path) -> tuple[Learners, LearnedState]:
+    """Learners that learned on `PARTS`, and their state, written and closed."""
     a = Learners()
     state = a.state(tmp_path, Clock())
     state.switch(PARTS)
     a.learn()
     state.note()
     state.close()
-    assert state.path is not None
-    return state.path
+    return a, state
+
+
+def _kept_file(tmp_path: Path) -> Path:
+    path = _closed(tmp_path)[1].path
+    assert path is not None
+    return path
 
 
 def test_a_file_that_records_another_configuration_is_refused_and_relearned(
@@ -231,12 +237,7 @@ def test_a_learned_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
 
 def test_nothing_is_switched_or_written_after_close(tmp_path: Path) -> None:
     """Instances that leave while the Conductor stops change nothing kept."""
-    a = Learners()
-    state = a.state(tmp_path, Clock())
-    state.switch(PARTS)
-    a.learn()
-    state.note()
-    state.close()
+    a, state = _closed(tmp_path)
     kept = state.path.read_text() if state.path else ""
     state.switch(configuration("fp", [("prefill", ENGINE)], "linear", "forecast"))
     state.note()
