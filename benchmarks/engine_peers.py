@@ -5,7 +5,8 @@ each round run every peer sequentially, each in its own subprocess and virtualen
 (``benchmarks/peers/run_<peer>.py``: ours in this repo's .venv, vLLM and transformers in the
 peers venv made by ``benchmarks/peers/install_vllm_cpu.sh``), follow their progress lines in a
 rich progress bar, collect their JSON, merge the samples of all rounds per peer (medians), print
-a table with ratios ours/peer and the target verdicts, and write the JSON report and a PNG plot.
+a table with ratios ours/peer (pooled, and per round: a round's pair shares the host's state)
+and the target verdicts, and write the JSON report and a PNG plot.
 A peer that cannot run (not installed, crashed) is recorded with the reason and the others go on.
 
     .venv/bin/python benchmarks/engine_peers.py --out reports/engine_peers.json \
@@ -151,6 +152,31 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "errors": [r["error"] for r in runs if "error" in r]}
 
 
+def paired_ratios(runs: dict[str, list[dict[str, Any]]], w: Workload) -> dict[str, Any]:
+    """Ours/peer per round: each round's medians against the same round's, then the median of
+    those ratios. Rounds run back to back, so a round's pair shares the host's state: slow
+    minutes on a shared host move both sides of a pair, where the pooled medians mix them."""
+    out: dict[str, Any] = {}
+    for name, peer_runs in runs.items():
+        if name == OURS or OURS not in runs:
+            continue
+        pairs = [(a, b) for a, b in zip(runs[OURS], peer_runs, strict=True)
+                 if "error" not in a and "error" not in b]
+        if not pairs:
+            continue
+        per: dict[str, Any] = {}
+        for b in map(str, w.batches):  # ms per step: the peer's over ours is ours' speed-up
+            rs = [statistics.median(p["decode"][b]["samples_ms"])
+                  / statistics.median(o["decode"][b]["samples_ms"]) for o, p in pairs]
+            per[f"decode_b{b}"] = {"per_round": rs, "median": statistics.median(rs)}
+        for n in map(str, w.prefill_lens):
+            rs = [statistics.median(o["prefill"][n]["samples_tokens_per_s"])
+                  / statistics.median(p["prefill"][n]["samples_tokens_per_s"]) for o, p in pairs]
+            per[f"prefill_{n}"] = {"per_round": rs, "median": statistics.median(rs)}
+        out[name] = per
+    return out
+
+
 def fmt(value: float | None) -> str:
     """A measured value; None where the decode difference came out <= 0 (noise swamped it)."""
     return "n/a" if value is None else f"{value:.1f}"
@@ -207,6 +233,10 @@ def print_table(merged: dict[str, dict[str, Any]], summary: dict[str, Any], w: W
                   *["-" if r is None else f"{r:.2f}" for r in rs])
     console = Console()
     console.print(t)
+    for peer, per in summary.get("paired_ratios_ours_over_peer", {}).items():
+        for key, r in per.items():
+            rounds = ", ".join(f"{x:.2f}" for x in r["per_round"])
+            console.print(f"ours/{peer} {key} per round: {rounds} (median {r['median']:.2f})")
     for tg in summary["targets"]:
         verdict = {True: "[green]met[/]", False: "[red]missed[/]", None: "n/a"}[tg["met"]]
         shown = "-" if tg["ratio"] is None else f"{tg['ratio']:.2f}x"
@@ -238,6 +268,11 @@ def markdown(merged: dict[str, dict[str, Any]], summary: dict[str, Any], w: Work
         rs = [summary["ratios_ours_over_peer"][p].get(rkey) for p in peers]
         lines.append("| " + " | ".join([label, *vals, *[f"{r:.2f}" if r else "-" for r in rs]])
                      + " |")
+    for peer, per in summary.get("paired_ratios_ours_over_peer", {}).items():
+        lines.append("")
+        lines.append(f"ours/{peer} per round (median): " + "; ".join(
+            f"{k} {', '.join(f'{x:.2f}' for x in r['per_round'])} ({r['median']:.2f})"
+            for k, r in per.items()))
     return "\n".join(lines) + "\n"
 
 
@@ -368,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = run_all(ns, w)
     merged = {n: merge_runs(r) for n, r in runs.items()}
     summary = summarize(merged, w)
+    summary["paired_ratios_ours_over_peer"] = paired_ratios(runs, w)
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "started_unix": started, "elapsed_s": time.time() - started,

