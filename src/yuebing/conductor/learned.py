@@ -29,8 +29,9 @@ from yuebing.core.choices import choice_key, machine_parts
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
-"""Part of every configuration: a new layout of the learned state makes old files unused."""
+VERSION = 2
+"""Part of every configuration: a new layout or meaning of the learned state makes old files
+unused (2: the tail's ratios per the step of the batch decoded in, `StepLedger`)."""
 
 
 class Learner(Protocol):
