@@ -53,8 +53,7 @@ def configuration(fingerprint: str, instances: list[tuple[str, Mapping[str, str]
     """The configuration learned state is kept for: the model's KV fingerprint, each serving
     instance's role and engine configuration (as its `Hello` reports it; how many of each), this
     machine (`machine_parts`), the predictors the ratios and scale are relative to, and the
-    decode selector, whose state the tail's predicted step is taken in (``forecast``: the
-    state at the request's decode start; the others: the state now)."""
+    decode selector, which shapes the batches the tail's ratios were taken in."""
     return {"version": VERSION, "machine": machine_parts(), "model": fingerprint,
             "instances": sorted(f"{role}: " + ", ".join(f"{k}={v}" for k, v in sorted(e.items()))
                                 for role, e in instances),
