@@ -13,6 +13,7 @@ Every control message received is recorded (``received``) and blocks are account
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -130,6 +131,9 @@ class FakeInstance:
         self.received: list[Any] = []
         self.held: dict[str, int] = {}
         self.owner: dict[str, bytes] = {}
+        self.decoding: dict[str, int] = {}
+        """Requests in their decode here → context tokens (what the reports' batch shows)."""
+        self._changed: asyncio.Event | None = None
         self.subscribers: set[bytes] = set()
         self.sock = fl.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -303,6 +307,21 @@ class FakeInstance:
         the last ends with ``finish_reason`` on its last token, the last with FINISH."""
         rid = task.request_id
         n, last = task.sampling.max_tokens, len(firsts) - 1
+        self.decoding[rid] = len(task.token_ids)
+        self._load_changed()
+        try:
+            await self._decode_steps(task, firsts, n, last)
+        finally:
+            self.decoding.pop(rid, None)
+            self._load_changed()
+
+    def _load_changed(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    async def _decode_steps(self, task: SubmitTask, firsts: list[int], n: int,
+                            last: int) -> None:
+        rid = task.request_id
         if n == 1:
             for j in range(last):
                 self._event(rid, EventKind.TOKENS, index=j, finish_reason="length")
@@ -324,14 +343,19 @@ class FakeInstance:
         self.owner.pop(rid, None)
 
     async def _report(self) -> None:
+        """Every 50 ms, and at once when a decode starts or ends (as a real instance does)."""
+        self._changed = asyncio.Event()
         while True:
-            await asyncio.sleep(0.05)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), 0.05)
+            self._changed.clear()
             if self.silent:
                 continue
             r = LoadReport(instance_id=self.name, incarnation=self.incarnation,
                            report_seq=next(self._seq), time_s=time.time(),
                            queued_prefill_tokens=self.queued_prefill_tokens,
-                           queued_requests=0, running=0, waiting=0, context_tokens=0,
+                           queued_requests=0, running=len(self.decoding), waiting=0,
+                           context_tokens=sum(self.decoding.values()),
                            free_blocks=self.free_blocks, total_blocks=self.total_blocks,
                            reserved_blocks=sum(self.held.values()),
                            prefill_tokens_per_s=self.prefill_tokens_per_s, decode_step_s=0.01,

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from yuebing.conductor.calibration import Calibration, DecodeDurations, TbtTail
+from yuebing.conductor.calibration import Calibration, DecodeDurations, StepLedger, TbtTail
 from yuebing.conductor.policy import (
     BivariatePolynomial,
     DecodePredictor,
@@ -207,6 +207,27 @@ def test_tbt_tail_is_a_quantile_of_recent_ratios_within_limits():
     for bad in ((math.nan, 0.03), (0.1, 0.0), (0.1, 1e-4), (-1.0, 0.03), (0.1, math.inf)):
         tail.observe(*bad)
     assert len(tail.window) == 4
+
+
+def test_step_ledger_means_the_step_over_a_decode():
+    """The tail's denominator: the time-mean of the step an instance's reports predicted over a
+    request's decode (30 ms for 10 s, then 50 ms for 10 s, then idle), not the step it joined
+    at: a batch that grew under it counts as it grew."""
+    ledger = StepLedger(keep_s=100.0)
+    ledger.record("d0", 0.03, 10.0)
+    ledger.record("d0", 0.03, 15.0)  # unchanged: nothing new to keep
+    ledger.record("d0", 0.05, 20.0)
+    ledger.record("d0", 0.0, 30.0)
+    ledger.record("d0", 0.05, 29.0)  # out of order: ignored
+    assert ledger.mean_step("d0", 10.0, 30.0) == pytest.approx(0.04)
+    assert ledger.mean_step("d0", 15.0, 25.0) == pytest.approx(0.04)
+    assert ledger.mean_step("d0", 25.0, 35.0) == pytest.approx(0.025)
+    assert ledger.mean_step("d0", 12.0, 18.0) == pytest.approx(0.03)
+    for unknown in (("d0", 5.0, 15.0), ("d0", 20.0, 20.0), ("d1", 10.0, 20.0)):
+        assert ledger.mean_step(*unknown) is None  # before its first report, empty, no reports
+    ledger.record("d0", 0.02, 200.0)  # steps older than keep_s go, the one in force stays
+    assert ledger.mean_step("d0", 25.0, 35.0) is None
+    assert ledger.mean_step("d0", 150.0, 210.0) == pytest.approx((50 * 0.0 + 10 * 0.02) / 60)
 
 
 def test_tbt_tail_waits_until_one_outlier_cannot_be_the_quantile():

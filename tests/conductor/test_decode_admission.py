@@ -144,7 +144,7 @@ def test_predictive_holds_the_running_batch_while_the_prefill_pool_is_busy():
     assert (r.reason, r.est_tbt_s) == ("decode_overload", pytest.approx(0.121))
     pol = Policy(config(), PREDICTORS)
     route = decide_with(DRAINING, decode_selector="forecast")
-    assert route.est_step_s == pytest.approx(0.121)  # what the Conductor learns the tail against
+    assert route.est_step_s == pytest.approx(0.121)  # the step the route predicts
     assert forecast_decode_load(pol, request(), DRAINING, 106.0) == pytest.approx(0.61)  # retry
 
 

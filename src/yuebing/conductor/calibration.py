@@ -5,11 +5,14 @@ instance must run the configuration the file was profiled on; without one, the f
 profile of a role sets that part's predictor and later instances must match it. `observe`
 scales the prefill predictor by finished prefills' time over their estimate. Learned from
 finished requests, in place of flags: `DecodeDurations` (the forecast's decode durations) and
-`TbtTail` (paper TBT per predicted step). Changes reach the policy through ``on_change``.
+`TbtTail` (paper TBT per step predicted for the batch the request decoded in, from the
+`StepLedger` of the decode instances' load reports). Changes reach the policy through
+``on_change``.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from collections import deque
@@ -302,6 +305,57 @@ def outlier_free_samples(quantile: float, most: int) -> int:
     return n
 
 
+class StepLedger:
+    """Each decode instance's predicted step over time, from its load reports: the TBT tail's
+    denominator (`mean_step`).
+
+    The tail is a request's paper TBT per the step predicted for the batch it *decoded in*, the
+    time-mean over its decode. Taken per the step predicted when it was routed (before
+    2026-11-30), the ratio also carried the batch's growth after that, which only admission
+    ``none`` leaves unchecked (each later admission's decode check bounds it): a tail learned
+    under ``none`` overstated what a rejecting policy's requests meet (live: 0.9 quantile 2.48
+    against 1.66 for the predictive policy's own requests)."""
+
+    def __init__(self, keep_s: float = 900.0) -> None:
+        self.keep_s = keep_s
+        """How far back the steps are kept (longer than any request's decode)."""
+        self._times: dict[str, list[float]] = {}
+        self._areas: dict[str, list[float]] = {}
+        """Per instance: when its step changed, ∫ step dt up to then, and the step from then."""
+        self._steps: dict[str, list[float]] = {}
+
+    def record(self, instance: str, step_s: float, now_s: float) -> None:
+        """``instance`` steps at ``step_s`` (0: idle) from ``now_s`` (its latest report)."""
+        times = self._times.setdefault(instance, [])
+        areas = self._areas.setdefault(instance, [])
+        steps = self._steps.setdefault(instance, [])
+        if times and now_s < times[-1]:
+            return
+        if steps and steps[-1] == step_s:
+            return
+        areas.append(areas[-1] + steps[-1] * (now_s - times[-1]) if times else 0.0)
+        times.append(now_s)
+        steps.append(step_s)
+        cut = bisect.bisect_left(times, now_s - self.keep_s) - 1
+        if cut > 0 and 2 * cut >= len(times):  # in chunks: a busy instance reports each step
+            del times[:cut], areas[:cut], steps[:cut]
+
+    def _area(self, instance: str, t: float) -> float | None:
+        times = self._times.get(instance)
+        if not times or t < times[0]:
+            return None
+        k = bisect.bisect_right(times, t) - 1
+        return self._areas[instance][k] + self._steps[instance][k] * (t - times[k])
+
+    def mean_step(self, instance: str, start_s: float, end_s: float) -> float | None:
+        """The time-mean predicted step of ``instance`` over [``start_s``, ``end_s``]; None when
+        the interval is empty or begins before its first recorded report."""
+        if not end_s > start_s:
+            return None
+        a, b = self._area(instance, start_s), self._area(instance, end_s)
+        return None if a is None or b is None else (b - a) / (end_s - start_s)
+
+
 class TbtTail:
     """The policy's TBT tail (`PolicyConfig.tbt_tail`), learned from finished requests.
 
@@ -309,8 +363,9 @@ class TbtTail:
     while the decode predictor gives the mean step: on hosts where a decode step can meet a
     neighbour's prefill, the first runs well above the second. The tail is the ``quantile``
     (nearest rank; by default the SLO's target attainment, 0.9) of paper TBT / predicted step
-    over the last `TAIL_WINDOW` requests, within `TAIL_LIMITS`: a request predicted at the SLO
-    then meets it as often as the attainment target asks, where a median would miss half."""
+    (over the request's decode, `StepLedger`) over the last `TAIL_WINDOW` requests, within
+    `TAIL_LIMITS`: a request predicted at the SLO then meets it as often as the attainment
+    target asks, where a median would miss half."""
 
     def __init__(self, on_change: Callable[[float], None], learn: bool = True,
                  initial: float = 1.0, window: int = TAIL_WINDOW,
@@ -331,9 +386,9 @@ class TbtTail:
         self._new = 0
 
     def observe(self, tbt_s: float, est_step_s: float) -> None:
-        """A request finished with paper TBT ``tbt_s`` where the policy predicted a mean step
-        of ``est_step_s``; refreshes the tail every ``every`` requests once ``min_samples``
-        are in, and hands it to the policy when it moved by more than `RESCALE_STEP`."""
+        """A request finished with paper TBT ``tbt_s`` where the predicted mean step of the
+        batch it decoded in was ``est_step_s``; refreshes the tail every ``every`` requests
+        once ``min_samples`` are in, and hands it to the policy when it moved by more than `RESCALE_STEP`."""
         if not (self.learn and math.isfinite(tbt_s) and tbt_s > 0
                 and math.isfinite(est_step_s) and est_step_s >= MIN_STEP_S):
             return

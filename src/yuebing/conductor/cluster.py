@@ -111,6 +111,8 @@ class LiveCluster:
         self.pending: dict[str, PendingDecode] = {}
         self.on_dead: list[Callable[[Member], None]] = []
         self.on_members: list[Callable[[], None]] = []
+        self.on_reports: list[Callable[[Member, LoadReport], None]] = []
+        """Called with each accepted load report (after the member took it)."""
         """Called when an instance enters or leaves `alive` (its first report, back, dead)."""
         self.admit_checks: list[Callable[[Hello], str]] = []
         """More checks of a joining instance's `Hello` ('' = fine, else why it is refused)."""
@@ -229,6 +231,8 @@ class LiveCluster:
         joined = m.report is None or not m.alive
         m.report = r
         m.seen_s = time.monotonic()
+        for f in self.on_reports:
+            f(m, r)
         if not m.alive:
             log.info("instance %s is back", m.id)
             m.alive = True

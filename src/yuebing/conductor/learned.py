@@ -29,8 +29,9 @@ from yuebing.core.choices import choice_key, machine_parts
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
-"""Part of every configuration: a new layout of the learned state makes old files unused."""
+VERSION = 2
+"""Part of every configuration: a new layout or meaning of the learned state makes old files
+unused (2: the tail's ratios per the step of the batch decoded in, `StepLedger`)."""
 
 
 class Learner(Protocol):
@@ -52,8 +53,7 @@ def configuration(fingerprint: str, instances: list[tuple[str, Mapping[str, str]
     """The configuration learned state is kept for: the model's KV fingerprint, each serving
     instance's role and engine configuration (as its `Hello` reports it; how many of each), this
     machine (`machine_parts`), the predictors the ratios and scale are relative to, and the
-    decode selector, whose state the tail's predicted step is taken in (``forecast``: the
-    state at the request's decode start; the others: the state now)."""
+    decode selector, which shapes the batches the tail's ratios were taken in."""
     return {"version": VERSION, "machine": machine_parts(), "model": fingerprint,
             "instances": sorted(f"{role}: " + ", ".join(f"{k}={v}" for k, v in sorted(e.items()))
                                 for role, e in instances),

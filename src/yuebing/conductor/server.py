@@ -251,8 +251,12 @@ class _Routes:
                                            s.breakdown.prefill_s)
             if status == 200 and s.completion_tokens > 1:
                 self.c.durations.observe(s.e2e_s - s.ttft_s)
-                if s.prefill_busy:  # the tail applies to such requests only (`Policy.tbt`)
-                    self.c.tail.observe(s.tbt_s, s.est_step_s)
+                if s.prefill_busy and len(s.token_times) > 1:  # the tail applies to such
+                    # requests only (`Policy.tbt`); per the step of the batch it decoded in
+                    step = self.c.steps.mean_step(s.decode_id, s.token_times[0],
+                                                  s.token_times[-1])
+                    if step is not None:
+                        self.c.tail.observe(s.tbt_s, step)
             if status == 200:
                 self.c.learned.note()
             if self.c.cfg.access_log:

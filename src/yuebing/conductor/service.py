@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from yuebing.conductor.api import Limits
-from yuebing.conductor.calibration import Calibration, DecodeDurations, TbtTail
+from yuebing.conductor.calibration import Calibration, DecodeDurations, StepLedger, TbtTail
 from yuebing.conductor.cluster import LiveCluster, Member
 from yuebing.conductor.config import ConductorConfig
 from yuebing.conductor.dispatch import Dispatcher
@@ -42,7 +42,7 @@ from yuebing.conductor.render import TokenText
 from yuebing.conductor.view import STORE_HOLDER
 from yuebing.core import env
 from yuebing.instance.client import InstanceError, InstanceUnavailable
-from yuebing.protocol.instance import Role
+from yuebing.protocol.instance import LoadReport, Role
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ class Conductor:
                                          configured=cfg.policy.decode_durations_s)
         self.tail = TbtTail(self._use_tail, cfg.learn_tbt_tail, cfg.policy.tbt_tail,
                             quantile=cfg.tbt_tail_quantile)
+        self.steps = StepLedger()
+        """Each decode instance's predicted step over time: the tail's denominator."""
         self.learned = LearnedState(
             (Path(cfg.learned_dir) if cfg.learned_dir else env.learned_dir())
             if cfg.persist_learned else None,
@@ -96,6 +98,7 @@ class Conductor:
                                      cfg.request_timeout_s, cfg.reserve_wait_s)
         self.cluster.admit_checks.append(self.calibration.admit)
         self.cluster.on_members.append(self._members_changed)
+        self.cluster.on_reports.append(self._on_report)
         self.feed: StoreFeed | None = None
         self._closers: list[Any] = []
         self._listed: set[str] = set(cfg.instances)
@@ -123,6 +126,13 @@ class Conductor:
                                   loop).start()
         if self.cfg.etcd:
             await asyncio.to_thread(self._discover, loop)
+
+    def _on_report(self, m: Member, r: LoadReport) -> None:
+        """A decode instance's report: the step its batch now takes (`StepLedger`), on the
+        clock of the token times (``time.perf_counter``)."""
+        if m.role in (Role.DECODE, Role.COUPLED):
+            step = self.policy.decode_time(r.running, r.context_tokens) if r.running else 0.0
+            self.steps.record(m.id, step, time.perf_counter())
 
     def _use_predictors(self, predictors: Predictors) -> None:
         """A start-up profile gave new predictors (`Calibration`): every user of the policy

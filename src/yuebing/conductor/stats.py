@@ -52,8 +52,6 @@ class RequestStats:
     est_transfer_s: float = 0.0
     est_queue_s: float = 0.0
     est_prefill_s: float = 0.0
-    est_step_s: float = 0.0
-    """The predicted mean decode step when it joins (before the TBT tail)."""
     prefill_busy: bool = False
     """Routed while a prefill instance had work (`Route.prefill_busy`)."""
 
