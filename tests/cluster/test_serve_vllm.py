@@ -84,3 +84,40 @@ def test_the_engines_cpu_priority_reaches_every_instance(tmp_path):
             InstanceConfig(engine_nice=bad)
         with pytest.raises(ValueError, match=f"--engine-nice must be in 0..19 .*got {bad}"):
             VllmInstanceConfig(engine_nice=bad)
+
+
+def test_the_vllm_instances_of_a_host_get_disjoint_cpus(tmp_path, monkeypatch):
+    import argparse
+
+    import yuebing.cluster.serve as serve
+    from yuebing.core.config import add_config_args, config_from_args
+    from yuebing.integrations.vllm.instance import VllmInstanceConfig
+
+    def cpus(cfg: ServeConfig) -> dict[str, str]:
+        plan = ServePlan(cfg, tmp_path)
+        out = {}
+        for name, role in cfg.instance_roles:
+            a = list(plan.instance(name, role)[0].argv)
+            out[name] = a[a.index("--cpus") + 1]
+        return out
+
+    monkeypatch.setattr(serve, "usable_cpus", lambda: (0, 1))
+    assert cpus(ServeConfig(prefill=1, decode=1, engine="vllm")) == {"prefill-0": "0",
+                                                                     "decode-0": "1"}
+    assert cpus(ServeConfig(coupled=1, engine="vllm")) == {"coupled-0": "0-1"}
+    monkeypatch.setattr(serve, "usable_cpus", lambda: (2, 3, 4, 5, 6))
+    assert cpus(ServeConfig(prefill=2, decode=1, engine="vllm")) == {
+        "prefill-0": "2-3", "prefill-1": "4-5", "decode-0": "6"}
+    assert "--cpus" not in ServePlan(ServeConfig(coupled=1), tmp_path).instance(
+        "coupled-0", "coupled")[0].argv  # yuebing's engine: not pinned
+    monkeypatch.undo()
+    # what the plan passes, `yuebing vllm instance` takes: one thread per CPU of its share
+    plan = ServePlan(ServeConfig(prefill=1, decode=1, engine="vllm"), tmp_path)
+    a = list(plan.instance("decode-0", "decode")[0].argv)
+    p = argparse.ArgumentParser()
+    add_config_args(p, VllmInstanceConfig)
+    p.add_argument("--log-dir")
+    p.add_argument("--ready-file")
+    parsed = config_from_args(VllmInstanceConfig, p.parse_args(a[a.index("instance") + 1:]))
+    assert parsed.cpus == plan.cpus["decode-0"]
+    assert parsed.omp_threads == len(parsed.cpu_set())
