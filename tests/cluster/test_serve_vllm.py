@@ -24,7 +24,11 @@ def test_vllm_instances_are_started_through_the_adapter(tmp_path):
     assert argv[argv.index("--store-block-tokens") + 1] == "256"
     assert "--vllm-port" in argv and "serve" not in argv
     assert argv[argv.index("--role") + 1] == "coupled"
-    assert "--no-startup-profile" not in argv
+    assert "--no-startup-profile" not in argv and "--dtype" not in argv  # vLLM's float32
+    bf16 = ServeConfig(coupled=1, engine="vllm",
+                       instance=InstanceConfig(engine=replace(DEFAULT_ENGINE, dtype="bfloat16")))
+    a = list(ServePlan(bf16, tmp_path).instance("coupled-0", "coupled")[0].argv)
+    assert a[a.index("--dtype") + 1] == "bfloat16"
     quick = ServeConfig(coupled=1, engine="vllm",
                         instance=InstanceConfig(startup_profile=False))  # passed on, not refused
     assert "--no-startup-profile" in ServePlan(quick, tmp_path).instance("coupled-0",

@@ -133,7 +133,7 @@ class ServeConfig:
                 f"--engine must be yuebing or vllm, got {self.engine!r}")
         if self.engine == "vllm":
             given = config_args(self.instance, skip=(*MANAGED["instance"], "store_block_tokens",
-                                                     "startup_profile", *VLLM_PASSED))
+                                                     "startup_profile", "dtype", *VLLM_PASSED))
             require(self.store and not given,
                     "--engine vllm runs vLLM instances next to the store on this host, without "
                     "yuebing engine flags (--no-store: not built yet; docs/serving.md "
@@ -290,6 +290,9 @@ class ServePlan:
                     role, "--host", adv, "--control-port", str(self.control[name]), "--master",
                     self.master_addr, "--vllm-port", str(free_port("127.0.0.1")),
                     "--cpus", self.cpus[name],
+                    # --dtype auto: the adapter's default (float32, right on every CPU)
+                    *(("--dtype", dtype) if (dtype := self.cfg.instance.engine.dtype) != "auto"
+                      else ()),
                     "--store-block-tokens", str(self.cfg.instance.store_block_tokens),
                     *(() if self.cfg.instance.startup_profile else ("--no-startup-profile",)),
                     *config_args(self.cfg.instance, skip=[
