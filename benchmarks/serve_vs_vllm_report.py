@@ -3,13 +3,15 @@
 Called by serve_vs_vllm.sh once every system has been swept (or by hand on an OUTDIR, plus the
 OUTDIRs of later runs that swept more rates of the same systems). Reads each
 ``OUTDIR/<system>.json`` (the report of ``yuebing bench serve --sweep-rates ... --json``)
-and, for yuebing systems, the Conductor's access log (``logs/<system>/conductor.log``, one line
+and, for the systems under the Conductor, its access log (``logs/<system>/conductor.log``, one line
 per request with the per-request breakdown: queue, prefix load, prefill, transfer, decode wait),
 and writes
 
 - ``summary.json``: ``{"systems": {name: {"max_rate", "capacity", "sweep": [...],
   "breakdown": {...}}}, "ratio_max_rate_vs_vllm", "ratio_coupled_vs_vllm",
-  "ratio_1p1d_vs_coupled"}`` and for each ratio a ``..._above`` bound (where the first system
+  "ratio_1p1d_vs_coupled", "ratio_vllm_1p1d_vs_vllm", "ratio_1p1d_vs_vllm_1p1d"}`` (issue 31:
+  vLLM 1P1D under the Conductor over one coupled vLLM; yuebing's 1P1D over it) and for each
+  ratio a ``..._above`` bound (where the first system
   met the 90 % target and the second met it at no swept rate: the ratio is more than the
   first's max rate over the second's lowest swept rate; else null); ``capacity`` is the
   attainment per TBT threshold (ms) at the system's max rate (at its lowest rate when no rate
@@ -35,7 +37,7 @@ from typing import Any
 
 log = logging.getLogger("serve_vs_vllm_report")
 
-SYSTEMS = ("yuebing_1p1d", "yuebing_coupled", "vllm_cpu")
+SYSTEMS = ("yuebing_1p1d", "yuebing_coupled", "vllm_cpu", "vllm_1p1d")
 _ACCESS = re.compile(r" status=200 .*? prompt=(\d+) cached=(\d+) out=(\d+) .*?ttft=([\d.]+)ms "
                      r"tbt=([\d.]+)ms queue=([\d.]+)ms prefix_load=([\d.]+)ms prefill=([\d.]+)ms "
                      r"transfer=([\d.]+)ms decode_wait=([\d.]+)ms")
@@ -108,7 +110,7 @@ def plot(out: Path, systems: dict[str, dict[str, Any]]) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, (name, s) in enumerate(systems.items()):
         line, = ax.plot([r["rate"] for r in s["sweep"]], [r["attainment"] for r in s["sweep"]],
-                        ls=("-", "--", ":")[i % 3], label=name)
+                        ls=("-", "--", ":", "-.")[i % 4], label=name)
         for cut, marker in ((False, "o"), (True, "v")):  # ▼: a run cut short, "at most"
             pts = [r for r in s["sweep"] if bool(r.get("cut_short")) == cut]
             # cut runs share their bound (0.897 of 300): each later system's ▼ is drawn
@@ -206,7 +208,9 @@ def summarize(out: Path, more: list[Path] | None = None) -> dict[str, Any]:
 
     pairs = {"ratio_max_rate_vs_vllm": ("yuebing_1p1d", "vllm_cpu"),
              "ratio_coupled_vs_vllm": ("yuebing_coupled", "vllm_cpu"),
-             "ratio_1p1d_vs_coupled": ("yuebing_1p1d", "yuebing_coupled")}
+             "ratio_1p1d_vs_coupled": ("yuebing_1p1d", "yuebing_coupled"),
+             "ratio_vllm_1p1d_vs_vllm": ("vllm_1p1d", "vllm_cpu"),
+             "ratio_1p1d_vs_vllm_1p1d": ("yuebing_1p1d", "vllm_1p1d")}
     out: dict[str, Any] = {"systems": systems}
     for key, (a, b) in pairs.items():
         out[key] = ratio(a, b)

@@ -117,6 +117,23 @@ def test_report_of_a_downward_sweep_with_runs_cut_short(tmp_path: Path) -> None:
     assert (tmp_path / "attainment_vs_rate.png").stat().st_size > 0
 
 
+def test_report_puts_vllm_1p1d_beside_coupled_vllm_and_yuebing(tmp_path: Path) -> None:
+    for name, best in (("vllm_1p1d", 0.15), ("vllm_cpu", 0.1), ("yuebing_1p1d", 0.3)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(
+            {"sweep": [{"rate": best, "summary": _summary(0.95)}], "max_rate": best}))
+    logs = tmp_path / "logs" / "vllm_1p1d"  # under the Conductor: its breakdown too
+    logs.mkdir(parents=True)
+    (logs / "conductor.log").write_text(
+        "x status=200 prefill=prefill-0 decode=decode-0 prompt=500 cached=0 out=1 "
+        "finish=length ttft=1.0ms tbt=1.0ms queue=1.0ms prefix_load=0.0ms prefill=9.0ms "
+        "transfer=1.0ms decode_wait=0.0ms conductor=0.1ms e2e=2.0ms\n")
+    out = report.summarize(tmp_path)
+    assert out["ratio_vllm_1p1d_vs_vllm"] == 1.5 and out["ratio_1p1d_vs_vllm_1p1d"] == 2.0
+    assert out["systems"]["vllm_1p1d"]["breakdown_ms"]["0.15"]["prefill"]["mean"] == 9.0
+    report.plot(tmp_path, out["systems"])
+    assert (tmp_path / "capacity_vs_tbt.png").stat().st_size > 0
+
+
 def test_report_merges_a_sweep_continued_in_another_dir(tmp_path: Path) -> None:
     first, later = tmp_path / "a", tmp_path / "b"
     for d in (first, later):

@@ -24,7 +24,11 @@ def test_vllm_instances_are_started_through_the_adapter(tmp_path):
     assert argv[argv.index("--store-block-tokens") + 1] == "256"
     assert "--vllm-port" in argv and "serve" not in argv
     assert argv[argv.index("--role") + 1] == "coupled"
-    assert "--no-startup-profile" not in argv
+    assert "--no-startup-profile" not in argv and "--dtype" not in argv  # vLLM's float32
+    bf16 = ServeConfig(coupled=1, engine="vllm",
+                       instance=InstanceConfig(engine=replace(DEFAULT_ENGINE, dtype="bfloat16")))
+    a = list(ServePlan(bf16, tmp_path).instance("coupled-0", "coupled")[0].argv)
+    assert a[a.index("--dtype") + 1] == "bfloat16"
     quick = ServeConfig(coupled=1, engine="vllm",
                         instance=InstanceConfig(startup_profile=False))  # passed on, not refused
     assert "--no-startup-profile" in ServePlan(quick, tmp_path).instance("coupled-0",
@@ -84,3 +88,40 @@ def test_the_engines_cpu_priority_reaches_every_instance(tmp_path):
             InstanceConfig(engine_nice=bad)
         with pytest.raises(ValueError, match=f"--engine-nice must be in 0..19 .*got {bad}"):
             VllmInstanceConfig(engine_nice=bad)
+
+
+def test_the_vllm_instances_of_a_host_get_disjoint_cpus(tmp_path, monkeypatch):
+    import argparse
+
+    import yuebing.cluster.serve as serve
+    from yuebing.core.config import add_config_args, config_from_args
+    from yuebing.integrations.vllm.instance import VllmInstanceConfig
+
+    def cpus(cfg: ServeConfig) -> dict[str, str]:
+        plan = ServePlan(cfg, tmp_path)
+        out = {}
+        for name, role in cfg.instance_roles:
+            a = list(plan.instance(name, role)[0].argv)
+            out[name] = a[a.index("--cpus") + 1]
+        return out
+
+    monkeypatch.setattr(serve, "usable_cpus", lambda: (0, 1))
+    assert cpus(ServeConfig(prefill=1, decode=1, engine="vllm")) == {"prefill-0": "0",
+                                                                     "decode-0": "1"}
+    assert cpus(ServeConfig(coupled=1, engine="vllm")) == {"coupled-0": "0-1"}
+    monkeypatch.setattr(serve, "usable_cpus", lambda: (2, 3, 4, 5, 6))
+    assert cpus(ServeConfig(prefill=2, decode=1, engine="vllm")) == {
+        "prefill-0": "2-3", "prefill-1": "4-5", "decode-0": "6"}
+    assert "--cpus" not in ServePlan(ServeConfig(coupled=1), tmp_path).instance(
+        "coupled-0", "coupled")[0].argv  # yuebing's engine: not pinned
+    monkeypatch.undo()
+    # what the plan passes, `yuebing vllm instance` takes: one thread per CPU of its share
+    plan = ServePlan(ServeConfig(prefill=1, decode=1, engine="vllm"), tmp_path)
+    a = list(plan.instance("decode-0", "decode")[0].argv)
+    p = argparse.ArgumentParser()
+    add_config_args(p, VllmInstanceConfig)
+    p.add_argument("--log-dir")
+    p.add_argument("--ready-file")
+    parsed = config_from_args(VllmInstanceConfig, p.parse_args(a[a.index("instance") + 1:]))
+    assert parsed.cpus == plan.cpus["decode-0"]
+    assert parsed.omp_threads == len(parsed.cpu_set())

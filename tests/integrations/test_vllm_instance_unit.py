@@ -231,3 +231,32 @@ def test_with_a_cluster_token_only_peers_presenting_it_are_answered(tmp_path):
     wrong, right = asyncio.run(main())
     assert wrong is None
     assert isinstance(right, Hello) and right.seq == 7
+
+
+def test_the_started_vllms_cpus_and_threads():
+    from yuebing.core.cpus import format_cpus, usable_cpus
+    from yuebing.integrations.vllm.profile import started_hardware
+    from yuebing.integrations.vllm.run import started_config
+
+    usable = usable_cpus()
+    every = VllmInstanceConfig()
+    assert every.cpu_set() == usable and every.omp_threads == len(usable)
+    one = VllmInstanceConfig(cpus=str(usable[-1]))
+    assert one.cpu_set() == (usable[-1],) and one.omp_threads == 1
+    # relayed to once up, its profile keyed by the threads it was started with
+    relayed = started_config(one, "http://127.0.0.1:8001")
+    assert relayed.vllm_url and relayed.omp_threads == 1
+    assert started_hardware(relayed.omp_threads)["threads"] == "1"
+    assert VllmInstanceConfig(cpus=format_cpus(usable), threads=1).omp_threads == 1
+    with pytest.raises(ConfigError, match="--cpus 'x': 'x' is not a CPU number N or a range"):
+        VllmInstanceConfig(cpus="x")
+    with pytest.raises(ConfigError, match=f"--cpus {usable[-1] + 1}: CPU {usable[-1] + 1} is "
+                       f"not one this process may run on \\(usable: {format_cpus(usable)}\\)"):
+        VllmInstanceConfig(cpus=str(usable[-1] + 1))
+    with pytest.raises(ConfigError, match=f"--threads 2: vLLM binds each OpenMP thread to a "
+                       f"CPU of its own, and --cpus {usable[0]} has 1"):
+        VllmInstanceConfig(cpus=str(usable[0]), threads=2)
+    with pytest.raises(ConfigError, match="--cpus 0 names the CPUs of the vLLM started here"):
+        VllmInstanceConfig(cpus="0", vllm_url="http://127.0.0.1:8001", accelerator="a")
+    with pytest.raises(ConfigError, match="--threads must be >= 0"):
+        VllmInstanceConfig(threads=-1)

@@ -1,7 +1,7 @@
 """`VllmServer.stop` leaves nothing of the server's process group behind, also when the API
 server itself was killed first (its engine-core and worker processes outlive it) or its adapter
-is stopped while it loads; the server runs at the priority given. Without a real vLLM: a shell
-stands in, with a child in its group."""
+is stopped while it loads; the server runs at the priority and on the CPUs given. Without a
+real vLLM: a shell stands in, with a child in its group."""
 
 from __future__ import annotations
 
@@ -83,6 +83,25 @@ def test_the_server_runs_at_the_priority_given_from_its_exec_on(tmp_path: Path) 
                 assert Path(f"/proc/{pid}/autogroup").read_text().split()[-1] == "4"
     finally:
         server.stop(timeout_s=5)
+
+
+def test_the_server_runs_on_the_cpus_given_its_threads_bound_to_them(tmp_path: Path) -> None:
+    from yuebing.core.cpus import usable_cpus
+
+    cpus = usable_cpus()[-1:]
+    cfg = _ShellConfig(port=1, extra=(("pidfile", str(tmp_path / "child.pid")),), threads=1,
+                       cpus=cpus)
+    assert cfg.environ()["VLLM_CPU_OMP_THREADS_BIND"] == str(cpus[0])
+    assert cfg.environ()["OMP_NUM_THREADS"] == "1"
+    server = VllmServer(cfg, tmp_path / "vllm.log")
+    try:
+        child = _child(tmp_path / "child.pid")
+        for pid in (server.proc.pid, child):
+            assert os.sched_getaffinity(pid) == set(cpus)
+    finally:
+        server.stop(timeout_s=5)
+    unpinned = VllmServerConfig(port=1, threads=1)
+    assert unpinned.environ()["VLLM_CPU_OMP_THREADS_BIND"] == str(usable_cpus()[0])
 
 
 def test_an_adapter_stopped_while_its_vllm_loads_stops_it(tmp_path: Path) -> None:

@@ -43,6 +43,7 @@ from yuebing.core.auth import (
     require_token,
 )
 from yuebing.core.config import config_args, format_size, require
+from yuebing.core.cpus import format_cpus, split_cpus, usable_cpus
 from yuebing.core.errors import ConfigError
 from yuebing.engine.config import parse_group_layers
 from yuebing.instance.config import InstanceConfig
@@ -132,7 +133,7 @@ class ServeConfig:
                 f"--engine must be yuebing or vllm, got {self.engine!r}")
         if self.engine == "vllm":
             given = config_args(self.instance, skip=(*MANAGED["instance"], "store_block_tokens",
-                                                     "startup_profile", *VLLM_PASSED))
+                                                     "startup_profile", "dtype", *VLLM_PASSED))
             require(self.store and not given,
                     "--engine vllm runs vLLM instances next to the store on this host, without "
                     "yuebing engine flags (--no-store: not built yet; docs/serving.md "
@@ -239,6 +240,12 @@ class ServePlan:
         self.admin_port = free_port("127.0.0.1")
         self.http_port = cfg.port or free_port(cfg.host if cfg.host != "0.0.0.0" else "")
         self.control = {name: free_port(adv) for name, _ in cfg.instance_roles}
+        self.cpus: dict[str, str] = {}
+        """Per vLLM instance: its ``--cpus``, its share of this host's usable CPUs."""
+        if cfg.engine == "vllm" and cfg.instance_roles:
+            shares = split_cpus(usable_cpus(), len(cfg.instance_roles))
+            self.cpus = {name: format_cpus(share)
+                         for (name, _), share in zip(cfg.instance_roles, shares, strict=True)}
         self.stage_flags: dict[str, tuple[str, ...]] = {}
         """Per stage instance: its ``--layers`` and ``--cpp-group``."""
         self.conductor_cfg = cfg.conductor
@@ -282,6 +289,10 @@ class ServePlan:
             argv = (*YUEBING, *self._v(), "vllm", "instance", "--instance-id", name, "--role",
                     role, "--host", adv, "--control-port", str(self.control[name]), "--master",
                     self.master_addr, "--vllm-port", str(free_port("127.0.0.1")),
+                    "--cpus", self.cpus[name],
+                    # --dtype auto: the adapter's default (float32, right on every CPU)
+                    *(("--dtype", dtype) if (dtype := self.cfg.instance.engine.dtype) != "auto"
+                      else ()),
                     "--store-block-tokens", str(self.cfg.instance.store_block_tokens),
                     *(() if self.cfg.instance.startup_profile else ("--no-startup-profile",)),
                     *config_args(self.cfg.instance, skip=[

@@ -28,6 +28,7 @@ import zmq.asyncio
 from yuebing.cluster.discovery import parse_etcd_url
 from yuebing.core.auth import TOKEN_HELP, env_cluster_token, require_token
 from yuebing.core.config import require
+from yuebing.core.cpus import format_cpus, parse_cpus, require_usable, usable_cpus
 from yuebing.integrations.vllm.events import KvEventIndex
 from yuebing.integrations.vllm.handoff import Handoff
 from yuebing.integrations.vllm.layout import KvLayout, layout_from_hf
@@ -88,9 +89,14 @@ class VllmInstanceConfig:
     block_size: int = field(default=128, metadata={"help": "vLLM's --block-size"})
     store_block_tokens: int = field(default=256, metadata={"help": "tokens per store block"})
     max_model_len: int = field(default=4352, metadata={"help": "vLLM's --max-model-len"})
-    threads: int = field(default=2, metadata={
-        "help": "the started vLLM's CPU threads (its OMP_NUM_THREADS; part of the configuration "
-                "its start-up profile holds for)"})
+    cpus: str = field(default="", metadata={
+        "help": "the CPUs the started vLLM runs on, e.g. 1, 0-3 or 0,2-3 (its processes' "
+                "affinity; its OpenMP threads are bound to them, one each). '' = every CPU this "
+                "process may use; `yuebing serve --engine vllm` gives each instance its own "
+                "share of the host's"})
+    threads: int = field(default=0, metadata={
+        "help": "the started vLLM's OpenMP threads, bound to the first of --cpus (0 = one per "
+                "CPU of --cpus; part of the configuration its start-up profile holds for)"})
     accelerator: str = field(default="", metadata={
         "help": "with --vllm-url: what that vLLM runs on, e.g. '8x H100-80GB TP8' or 'Xeon "
                 "8480 cpu 32 threads', the key its start-up profile is cached and shared "
@@ -137,7 +143,12 @@ class VllmInstanceConfig:
         require(not self.vllm_url or self.vllm_url.startswith("http"),
                 f"vllm_url must be http(s)://host:port, got {self.vllm_url!r}")
         require(self.report_s > 0, "report_s must be > 0")
-        require(self.threads >= 1, f"threads must be >= 1, got {self.threads}")
+        require(self.threads >= 0, f"--threads must be >= 0 (0 = one per CPU of --cpus), "
+                f"got {self.threads}")
+        if self.cpus:
+            require(not self.vllm_url, f"--cpus {self.cpus} names the CPUs of the vLLM started "
+                    f"here; the one at --vllm-url {self.vllm_url} runs where it was started")
+            require_usable(parse_cpus(self.cpus))
         if self.vllm_url:
             require(bool(self.accelerator.strip()) or not self.startup_profile,
                     f"--vllm-url {self.vllm_url}: name what that vLLM runs on with --accelerator "
@@ -147,7 +158,11 @@ class VllmInstanceConfig:
         else:
             require(not self.accelerator, f"--accelerator {self.accelerator!r} names the "
                     "hardware of a vLLM at --vllm-url; the vLLM started here runs on this CPU "
-                    "(--threads)")
+                    "(--cpus, --threads)")
+            cpus = self.cpu_set()
+            require(self.threads <= len(cpus),
+                    f"--threads {self.threads}: vLLM binds each OpenMP thread to a CPU of its "
+                    f"own, and --cpus {format_cpus(cpus)} has {len(cpus)}")
         require(self.handoff_pool_blocks >= 0, "handoff_pool_blocks must be >= 0")
         require(self.replay_timeout_s > 0, "replay_timeout_s must be > 0")
         EnginePriority(self.engine_nice, self.engine_idle)  # refuses a bad --engine-nice
@@ -160,6 +175,15 @@ class VllmInstanceConfig:
         for name in ("kv_events_port", "kv_replay_port"):
             port = getattr(self, name)
             require(-1 <= port < 65536, f"{name} must be -1, 0 or a port, got {port}")
+
+    def cpu_set(self) -> tuple[int, ...]:
+        """The CPUs the vLLM started here runs on (--cpus, else all this process may use)."""
+        return parse_cpus(self.cpus) if self.cpus else usable_cpus()
+
+    @property
+    def omp_threads(self) -> int:
+        """The started vLLM's OpenMP threads (--threads, else one per CPU of `cpu_set`)."""
+        return self.threads or len(self.cpu_set())
 
     @property
     def priority(self) -> EnginePriority:

@@ -92,7 +92,8 @@ def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
                                 served_name=cfg.served_name, dtype=cfg.dtype,
                                 block_size=cfg.block_size,
                                 store_block_tokens=cfg.store_block_tokens,
-                                max_model_len=cfg.max_model_len, threads=cfg.threads,
+                                max_model_len=cfg.max_model_len, threads=cfg.omp_threads,
+                                cpus=cfg.cpu_set(),
                                 kv_events_port=max(0, cfg.kv_events_port),
                                 kv_replay_port=max(0, cfg.kv_replay_port),
                                 priority=cfg.priority)
@@ -107,13 +108,20 @@ def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
             log.info("starting vLLM on %s (log %s)", server.url, server.log_path)
             server.wait_ready()
             loading.close()
-            cfg = dataclasses.replace(cfg, vllm_url=server.url, accelerator="cpu")
+            cfg = started_config(cfg, server.url)
         engine, profile = startup_profile(cfg, started=server is not None)
         return asyncio.run(_serve(cfg, ready_file, server, engine, profile))
     finally:
         if server is not None:  # one still loading may not act on SIGTERM: killed soon
             server.stop(timeout_s=30.0 if cfg.vllm_url else 3.0)
         loading.close()
+
+
+def started_config(cfg: VllmInstanceConfig, url: str) -> VllmInstanceConfig:
+    """``cfg`` once the vLLM it started answers at ``url``: relayed to like one at
+    ``--vllm-url``, with the OpenMP threads it was started with (its profile's key)."""
+    return dataclasses.replace(cfg, vllm_url=url, accelerator="cpu", cpus="",
+                               threads=cfg.omp_threads)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -127,7 +135,7 @@ def startup_profile(cfg: VllmInstanceConfig, started: bool
     start-up profile (cached or measured now); SystemExit naming the cause when vLLM does not
     answer or the profile fails."""
     layout = cfg.layout()
-    hardware = started_hardware(cfg.threads) if started else given_hardware(cfg.accelerator)
+    hardware = started_hardware(cfg.omp_threads) if started else given_hardware(cfg.accelerator)
     try:
         version = server_version(cfg.vllm_url)
         sig = signature(version, cfg.served_name, cfg.dtype, cfg.block_size,

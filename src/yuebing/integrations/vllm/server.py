@@ -22,6 +22,7 @@ from typing import Any
 
 from yuebing.core import env as environment
 from yuebing.core.config import require
+from yuebing.core.cpus import format_cpus, usable_cpus
 from yuebing.ops.priority import EnginePriority
 
 SRC = Path(__file__).resolve().parents[3]
@@ -64,6 +65,10 @@ class VllmServerConfig:
     kv_role: str = "kv_both"
     kv_cache_gib: int = 1
     threads: int = 2
+    cpus: tuple[int, ...] = ()
+    """The CPUs the server's processes run on (its affinity, set before its exec); its
+    ``threads`` OpenMP threads are bound to the first ``threads`` of them (() = not pinned,
+    the threads bound to the first CPUs this process may use)."""
     enforce_eager: bool = True
     extra: tuple[tuple[str, Any], ...] = ()
     """More ``kv_connector_extra_config`` settings."""
@@ -82,6 +87,14 @@ class VllmServerConfig:
         require(self.store_block_tokens % self.block_size == 0,
                 f"store_block_tokens {self.store_block_tokens} must be a multiple of "
                 f"block_size {self.block_size}")
+        require(1 <= self.threads <= len(self.cpus or usable_cpus()),
+                f"threads {self.threads}: vLLM binds each OpenMP thread to a CPU of its own, "
+                f"and it has {format_cpus(self.cpus or usable_cpus())}")
+
+    @property
+    def omp_cpus(self) -> tuple[int, ...]:
+        """The CPUs vLLM's OpenMP threads are bound to, one each."""
+        return (self.cpus or usable_cpus())[:self.threads]
 
     def kv_transfer_config(self) -> dict[str, Any]:
         return {"kv_connector": "YuebingConnector",
@@ -114,7 +127,7 @@ class VllmServerConfig:
     def environ(self) -> dict[str, str]:
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads),
                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-               "VLLM_CPU_OMP_THREADS_BIND": f"0-{self.threads - 1}",
+               "VLLM_CPU_OMP_THREADS_BIND": format_cpus(self.omp_cpus),
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                "PYTHONPATH": os.pathsep.join(
                    p for p in (str(SRC), environment.get("PYTHONPATH")) if p)}
@@ -123,13 +136,15 @@ class VllmServerConfig:
         return env
 
 
-def _child_setup(priority: EnginePriority) -> None:
+def _child_setup(priority: EnginePriority, cpus: tuple[int, ...]) -> None:
     """In the child before exec (Linux), after its ``setsid``: SIGTERM when the process that
     started it dies, so a killed benchmark or adapter leaves no vLLM server behind; then its
-    CPU priority (its session's new autogroup included)."""
+    CPU priority (its session's new autogroup included) and, if given, its CPUs."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     priority.apply_child()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 class VllmServer:
@@ -143,7 +158,7 @@ class VllmServer:
         with log_path.open("wb") as out:
             self.proc = subprocess.Popen(cfg.argv(self.env), env=cfg.environ(), stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=lambda: _child_setup(cfg.priority))
+                                         preexec_fn=lambda: _child_setup(cfg.priority, cfg.cpus))
 
     def log(self, tail: int = 4000) -> str:
         try:
