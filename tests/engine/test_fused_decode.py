@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_factories import make_engine, prompts, tiny
+from engine_factories import TINY, make_engine, prompts, tiny
 
 from yuebing.core.errors import ConfigError
 from yuebing.engine import fused_decode
 from yuebing.engine.config import EngineConfig
 from yuebing.engine.sampling import SamplingParams
+from yuebing.engine.weights import dummy_weights, parse_dummy_spec
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
 
@@ -47,6 +48,27 @@ def test_fused_step_matches_op_by_op(rows: int) -> None:
     _, ops = _decode_logits(engine, None, batch)
     assert len(fused) == len(ops)
     # the same steps (no prefix hits), each row close (prefill logits too: the fused head)
+    for a, b in zip(fused, ops, strict=True):
+        scale = float(b.abs().max())
+        assert float((a - b).abs().max()) <= 0.05 * scale + 0.05
+
+
+@pytest.mark.parametrize(("hidden", "threads"), [(64, 1), (256, 1), (256, 2)])
+def test_fused_step_over_several_partitions_matches_op_by_op(hidden: int, threads: int) -> None:
+    """Contexts past the 512-token partitions of the paged attention: the fused layer runs a task
+    per (row, partition, kv head) and merges the partials like the paged op (head_dim 16: the
+    portable loops; 64: the AVX-512 ones)."""
+    spec = TINY.replace("hidden=64", f"hidden={hidden}").replace("ctx=512", "ctx=2048")
+    weights = dummy_weights(parse_dummy_spec(spec), seed=3)
+    engine = make_engine(weights, model=spec, dtype="bfloat16", kernels="native",
+                         attention="auto", fused_decode=8, prefix_caching=False,
+                         num_blocks=1024, max_batch_tokens=512, threads=threads)
+    assert engine.model.fused is not None
+    gen = torch.Generator().manual_seed(11)
+    batch = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1100, 600, 30)]
+    _, fused = _decode_logits(engine, engine.model.fused, batch, steps=3)
+    _, ops = _decode_logits(engine, None, batch, steps=3)
+    assert len(fused) == len(ops)
     for a, b in zip(fused, ops, strict=True):
         scale = float(b.abs().max())
         assert float((a - b).abs().max()) <= 0.05 * scale + 0.05

@@ -38,6 +38,32 @@ def test_abort_frees_held_kv(tiny_weights):
     assert e.abort(rid) and e.allocator.num_free == e.allocator.num_blocks
 
 
+def test_an_adopted_request_joins_the_running_decodes_as_a_decode_row(tiny_weights):
+    """Its KV is all there and one token is left: its first step is one more decode row (the
+    step stays decode-only, e.g. fused), not a 1-token prefill chunk; tokens as if local."""
+    p, q = prompts(2, seed=8, lo=21, hi=30)
+    ref = make_engine(tiny_weights).generate([p], GREEDY)[0].output_token_ids
+    pre, dec = make_engine(tiny_weights), make_engine(tiny_weights)
+    qid = dec.add_request(q, GREEDY)
+    while not dec.get_sequence(qid).output_ids:  # q decodes when r arrives
+        dec.step()
+    rid = pre.add_request(p, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+                          hold_kv=True)
+    first = [o for o in pre.step()][0].new_token_ids[0]
+    held = pre.held_sequence(rid)
+    assert held is not None
+    blocks = reserve_blocks(dec, len(p))
+    for layer in range(dec.pool.num_layers):
+        dec.pool.import_layer(layer, blocks, pre.pool.export_layer(layer, held.blocks))
+    adopt_request(dec, "r", p, blocks, first, GREEDY)
+    dec.step()
+    plan = dec.last_plan
+    assert plan is not None and not plan.prefills
+    assert [s.request_id for s in plan.joined] == ["r"] and len(plan.decodes) == 2
+    final = {o.request_id: o for _ in range(40) for o in dec.step() if o.finished}
+    assert final["r"].output_token_ids == ref
+
+
 def test_adopted_request_continues_exactly_like_a_local_one(tiny_weights):
     p = prompts(1, seed=6, lo=21, hi=22)[0]
     ref = make_engine(tiny_weights).generate([p], GREEDY)[0].output_token_ids

@@ -3,7 +3,8 @@
 The engine calls `schedule` at the start of every step. Within the token budget
 (``max_batch_tokens``) every running decoding sequence gets one token, then prefilling
 sequences get prompt chunks: those already started first, then new ones admitted from the
-waiting queue (FIFO, up to ``max_num_seqs`` running) after a prefix-cache lookup. With
+waiting queue (FIFO, up to ``max_num_seqs`` running) after a prefix-cache lookup; one admitted
+with a single token left (its KV imported) joins the decodes instead. With
 ``mixed_batches`` off a step is all prefill or all decode (prefill first). When no KV block is
 free the newest running sequence is preempted (`preempt`) and later recomputed. After the
 forward pass the engine calls `commit`, and `free` for finished or aborted sequences.
@@ -30,6 +31,9 @@ class StepPlan:
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    joined: list[Sequence] = field(default_factory=list)
+    """Decodes admitted this step from the waiting queue with one token left (KV imported:
+    a decode instance's new request), already in ``decodes``."""
 
     @property
     def num_tokens(self) -> int:
@@ -130,7 +134,13 @@ class Scheduler:
             self.waiting.popleft()
             seq.phase = Phase.RUNNING
             self.running.append(seq)
-            plan.prefills.append((seq, n))
+            if self.mixed_batches and seq.num_pending == 1 and not seq.staged:
+                # its KV is all there (imported, or a full prefix hit): one more decode row
+                # instead of a 1-token prefill chunk, which would run the whole step op by op
+                plan.decodes.append(seq)
+                plan.joined.append(seq)
+            else:
+                plan.prefills.append((seq, n))
             budget -= n
 
     def _fit(self, seq: Sequence) -> int:

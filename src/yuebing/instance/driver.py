@@ -70,7 +70,8 @@ class EngineDriver:
 
     ``step_trace``: a file to append one JSON line per step to — ``{"t": wall-clock start,
     "step_s": engine.step() seconds, "out_s": seconds until the outputs were handed on,
-    "decodes", "prefill_tokens", "prefill_cached_tokens", "threads", "context_tokens"}`` — which tells a live run's
+    "decodes", "prefill_tokens", "prefill_cached_tokens", "joined", "joined_context", "threads",
+    "context_tokens"}`` — which tells a live run's
     token interval from the engine's step time (benchmarks/sim_vs_live.py reads it); buffered,
     closed with the driver. ``ledger``: each step runs with this instance's threads plus the
     host's unclaimed cores, never more threads than the host has."""
@@ -210,6 +211,10 @@ class EngineDriver:
                 "prefill_tokens": sum(n for _, n in plan.prefills),
                 # what the chunks attended over before them (a prompt's prefix, earlier chunks)
                 "prefill_cached_tokens": sum(seq.num_computed - n for seq, n in plan.prefills),
+                # decodes that joined this step (a new request's first step here) and the
+                # context they attended over (its prompt, on a decode instance)
+                "joined": len(plan.joined),
+                "joined_context": sum(seq.num_computed - 1 for seq in plan.joined),
                 "threads": self._threads_now,
                 # each decode has its new token by now: the step attended over one fewer
                 "context_tokens": sum(seq.num_tokens - 1 for seq in plan.decodes)}) + "\n")

@@ -8,6 +8,7 @@
 // differs from oneDNN's, so results match the unfused path in tokens, not in bits.
 #include <omp.h>
 
+#include "decode_attention.h"
 #include "vec.h"
 
 namespace yuebing {
@@ -115,34 +116,12 @@ struct LayerArgs {
   bf16 *res, *kc, *vc, *hidden, *qkv, *attn, *act, *out;
   const int64_t *pos, *slots;
   const int32_t *table, *lens;
+  // the attention's tasks (decode_attention.h): (row, partition) pairs, largest first, each
+  // for every kv head, and the partials of rows with several partitions
+  const decode::DecodeShape* shape;
+  const std::vector<std::pair<int32_t, int32_t>>* items;
+  decode::Partials* partials;
 };
-
-// One query head of one row over its whole context, read in place through the block table.
-void attend(const LayerArgs& a, int64_t r, int64_t h, std::vector<float>& scores,
-            std::vector<float>& q, std::vector<float>& acc) {
-  const int64_t hd = a.hd, kvh = h / (a.heads / a.kv_heads), n = a.lens[r];
-  const int64_t head_stride = a.block_size * hd, block_stride = a.kv_heads * head_stride;
-  const int32_t* row = a.table + r * a.table_stride;
-  const bf16* qh = a.qkv + r * (a.heads + 2 * a.kv_heads) * hd + h * hd;
-  for (int64_t i = 0; i < hd; ++i) q[i] = to_float(qh[i]);
-  scores.resize(n);
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t off = row[t / a.block_size] * block_stride + kvh * head_stride +
-                        (t % a.block_size) * hd;
-    scores[t] = dot_row(q.data(), a.kc + off, hd) * a.scale;
-  }
-  const float mx = max_row(scores.data(), n);
-  const float sum = exp_sub_sum(scores.data(), n, mx);
-  std::fill(acc.begin(), acc.end(), 0.f);
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t off = row[t / a.block_size] * block_stride + kvh * head_stride +
-                        (t % a.block_size) * hd;
-    axpy_row(scores[t], a.vc + off, acc.data(), hd);
-  }
-  bf16* o = a.attn + r * a.heads * hd + h * hd;
-  const float inv = 1.f / sum;
-  for (int64_t i = 0; i < hd; ++i) o[i] = bf16(acc[i] * inv);
-}
 
 void layer(const LayerArgs& a, int nt) {
   const int64_t R = a.R, H = a.H, hd = a.hd, nq = (a.heads + 2 * a.kv_heads) * hd;
@@ -150,7 +129,7 @@ void layer(const LayerArgs& a, int nt) {
 #pragma omp parallel num_threads(nt)
   {
     const int tid = omp_get_thread_num(), n = omp_get_num_threads();
-    std::vector<float> buf(std::max(H, hd)), scores, q(hd), acc(hd);
+    std::vector<float> buf(std::max(H, hd)), acc(hd);
 #pragma omp single
     add_norm(a.x, a.res, a.ln1, a.hidden, R, H, a.eps, !a.first, buf.data());
     auto [q0, q1] = share(nq, tid, n);
@@ -173,8 +152,19 @@ void layer(const LayerArgs& a, int nt) {
       const bf16* v = row + (a.heads + a.kv_heads + j) * hd;
       std::copy(v, v + hd, a.vc + dst);
     }
+    {  // attention: a task per (row, partition, kv head) with all its query heads, then merges
+      const decode::DecodeIo<bf16> io{a.qkv, a.kc, a.vc, a.table, a.lens, a.scale, a.attn};
+      decode::Scratch w(*a.shape);
+      const int64_t tasks = static_cast<int64_t>(a.items->size()) * a.kv_heads;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < tasks; ++i) {
+        const auto [seq, part] = (*a.items)[i / a.kv_heads];
+        decode::decode_task<bf16>(*a.shape, io, *a.partials, w, seq, i % a.kv_heads, part);
+      }
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < R * a.heads; ++i) attend(a, i / a.heads, i % a.heads, scores, q, acc);
+      for (int64_t i = 0; i < static_cast<int64_t>(a.partials->multi.size()) * a.heads; ++i)
+        decode::merge_one<bf16>(*a.shape, a.lens, *a.partials, i, acc.data(), a.attn);
+    }
     auto [h0, h1] = share(H, tid, n);
     gemv(a.wo, a.heads * hd, a.attn, R, h0, h1, a.out, H);
 #pragma omp barrier
@@ -270,6 +260,13 @@ at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, const at::Ten
   at::Tensor hidden = at::empty({R, H}, opts), qkv = at::empty({R, wqkv.size(0)}, opts);
   at::Tensor attn = at::empty({R, num_heads * hd}, opts), act = at::empty({R, F}, opts);
   at::Tensor out = at::empty({R, H}, opts);
+  int64_t max_len = 0;
+  for (int64_t r = 0; r < R; ++r) max_len = std::max<int64_t>(max_len, lens[r]);
+  const decode::DecodeShape shape{R, num_heads, hd, num_kv_heads, num_heads / num_kv_heads, bs,
+                                  block_table.stride(0), decode::parts_of(static_cast<int32_t>(max_len)),
+                                  wqkv.size(0), hd};
+  const auto items = decode::work_items(shape, lens);
+  decode::Partials partials = decode::make_partials(shape, lens);
   LayerArgs a{R, H, num_heads, num_kv_heads, hd, F, bs, block_table.stride(0),
               static_cast<float>(eps), static_cast<float>(scale), first,
               x.data_ptr<bf16>(), ln1.data_ptr<bf16>(), wqkv.data_ptr<bf16>(),
@@ -277,7 +274,8 @@ at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, const at::Ten
               wdown.data_ptr<bf16>(), cos.data_ptr<bf16>(), sin.data_ptr<bf16>(),
               residual.data_ptr<bf16>(), k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(),
               hidden.data_ptr<bf16>(), qkv.data_ptr<bf16>(), attn.data_ptr<bf16>(),
-              act.data_ptr<bf16>(), out.data_ptr<bf16>(), p, sl, table, lens};
+              act.data_ptr<bf16>(), out.data_ptr<bf16>(), p, sl, table, lens, &shape, &items,
+              &partials};
   layer(a, at::get_num_threads());
   return out;
 }
