@@ -1,11 +1,8 @@
 """`Spinner`: returns as soon as the poll is ready, is bounded by its window, and turns itself
-off (with a doubling back-off) when a yield shows the CPU went to other work; windows scale with
-the machine's fastest kept speed."""
+off (with a doubling back-off) when a yield shows the CPU went to other work."""
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import pytest
@@ -131,38 +128,3 @@ def test_machine_is_measured_once_and_quickly() -> None:
     assert spin.machine() is m
     assert m.cpus >= 1 and m.wake_us >= 0.0 and m.step_us > 0.0
     assert time.perf_counter() - t0 < 2.0
-
-
-@pytest.fixture
-def fresh_machine(tmp_path, monkeypatch: pytest.MonkeyPatch):
-    """`spin.machine` measured again, its kept value in ``tmp_path``'s cache, and the wake-up
-    measurement skipped; the next test measures afresh."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(spin, "_wake_us", lambda cpus: 20.0)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    spin.machine.cache_clear()
-    yield tmp_path
-    spin.machine.cache_clear()
-
-
-def test_the_fastest_speed_measured_on_the_machine_is_kept(fresh_machine, monkeypatch) -> None:
-    """A process measuring on a busy machine takes the quiet core's speed (and its wake-up cost)
-    a former process kept; a faster measurement replaces it."""
-    for step_us, wake_us, kept_step, kept_wake in [(500.0, 30.0, 500.0, 30.0), (200.0, 20.0, 200.0, 20.0),
-                                                   (900.0, 40.0, 200.0, 20.0)]:
-        monkeypatch.setattr(spin, "_step_us", lambda s=step_us: s)
-        monkeypatch.setattr(spin, "_wake_us", lambda cpus, w=wake_us: w)
-        spin.machine.cache_clear()
-        assert spin.machine() == spin.Machine(cpus=2, wake_us=kept_wake, step_us=kept_step)
-    assert spin.machine().window_us(100) == int(100 * 200.0 / spin.REF_STEP_US)
-
-
-@pytest.mark.parametrize("kept", ['{"value": [0, 20]}', '{"value": [1.0]}', '{"value": "x"}', "{"])
-def test_a_malformed_kept_speed_is_measured_again(fresh_machine, monkeypatch, kept: str) -> None:
-    monkeypatch.setattr(spin, "_step_us", lambda: 300.0)
-    spin.machine()  # writes the kept file
-    (path,) = (fresh_machine / "yuebing" / "choices").glob("*.json")
-    path.write_text(kept)
-    spin.machine.cache_clear()
-    assert spin.machine().step_us == 300.0
-    assert json.loads(path.read_text())["value"] == [300.0, 20.0]  # the bad one replaced

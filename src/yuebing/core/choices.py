@@ -1,7 +1,6 @@
 """Start-up choices measured once per machine and read by every later process
 (`shared_choice`): the engine's attention paths and fused-decode rows (`engine.choices`), the
-transfer engine's TCP lane count (`transfer.lanes`); `kept` / `keep` hold the best of many cheap
-measurements instead (`core.spin`'s per-core speed).
+transfer engine's TCP lane count (`transfer.lanes`).
 
 Timing under load can tip a close race either way, and two processes of one cluster that pick
 differently run two configurations. So the first process measures, under a file lock, and keeps
@@ -95,28 +94,3 @@ def shared_choice(parts: dict[str, object], measure: Callable[[], T],
     except (OSError, RuntimeError) as e:  # read-only cache, no home directory
         log.warning("start-up choice: no usable cache (%s); measuring without it", e)
         return measure(), False
-
-
-
-def kept(parts: dict[str, object], parse: Callable[[Any], T], root: Path | None = None) -> T | None:
-    """The value `keep` kept for ``parts`` on this machine, or None (none, or unusable: logged).
-    Without `shared_choice`'s lock, so a process measuring under it may call this."""
-    try:
-        return _read((root or choice_dir()) / f"{choice_key(parts)}.json", parse)
-    except (OSError, RuntimeError):  # no home directory
-        return None
-
-
-def keep(parts: dict[str, object], value: object, root: Path | None = None) -> None:
-    """Keep ``value`` for ``parts`` (atomically, without the lock: for a cheap measurement that
-    every process takes and keeps when it beats the kept one, e.g. `core.spin`'s fastest core
-    speed; two racing writers leave one of theirs, and a lost better value is found again)."""
-    try:
-        base = root or choice_dir()
-        base.mkdir(parents=True, exist_ok=True)
-        path = base / f"{choice_key(parts)}.json"
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"value": value, "parts": parts}, default=str, indent=1))
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # read-only cache, no home directory
-        log.warning("kept measurement %s not kept (%s)", parts, e)

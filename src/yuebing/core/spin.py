@@ -6,8 +6,8 @@ the inline TCP path (`transfer.transport.tcp_inline`) and the store's RPC framin
 client and master). On a virtual machine without guest halt-polling, waking a sleeping process
 costs ~20 µs — more than the master's work per call; polling a short window avoids it. How long
 to spin is chosen per machine (`window_s`, `machine`): a window of -1 ("auto") is the role's
-reference window scaled by this machine's per-core speed and wake-up cost (measured per process,
-the fastest kept per machine), and no spinning where it cannot pay (one CPU, or cheap wake-ups).
+reference window scaled by this machine's measured per-core speed and wake-up cost (measured
+once per process), and no spinning where it cannot pay (one CPU, or cheap wake-ups).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
-
-from yuebing.core.choices import keep, kept, machine_parts
 
 T = TypeVar("T")
 
@@ -200,35 +198,14 @@ def _step_us(rounds: int = 9) -> float:
     return min(out) * 1e6
 
 
-def _speeds(raw: object) -> tuple[float, float]:
-    """A kept (step_us, wake_us) pair, checked; raises ValueError or TypeError."""
-    if not isinstance(raw, list) or len(raw) != 2:
-        raise ValueError(f"expected [step_us, wake_us], got {raw!r}")
-    step, wake = (float(v) for v in raw)
-    if not (step > 0 and wake >= 0):
-        raise ValueError(f"step_us must be > 0 and wake_us >= 0, got {raw!r}")
-    return step, wake
-
-
 @functools.cache
 def machine() -> Machine:
-    """This machine: its core speed measured once per process (first call) against the fastest
-    one kept for this machine (`choices.kept`), with that measurement's wake-up cost: load only
-    ever slows the reference loop, so a process started on a busy machine takes its quiet core's
-    windows, not up to 4x them (and skips timing wake-ups)."""
+    """This machine, measured once per process (first call)."""
     if not hasattr(os, "sched_getaffinity"):  # not Linux: no pinning to measure with
         return Machine(cpus=os.cpu_count() or 1, wake_us=REF_WAKE_US, step_us=_step_us())
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return Machine(cpus=len(cpus), wake_us=0.0, step_us=_step_us())
-    step = _step_us()
-    parts = {"choice": "spin.machine", "version": 1, **machine_parts()}
-    best = kept(parts, _speeds)
-    if best is not None and best[0] <= step:
-        return Machine(cpus=len(cpus), wake_us=best[1], step_us=best[0])
-    wake = _wake_us(cpus[:2])  # ~0.1 s quiet, seconds on a busy machine: only when kept
-    keep(parts, [step, wake])
-    return Machine(cpus=len(cpus), wake_us=wake, step_us=step)
+    wake = _wake_us(cpus[:2]) if len(cpus) >= 2 else 0.0
+    return Machine(cpus=len(cpus), wake_us=wake, step_us=_step_us())
 
 
 def window_s(configured_us: int, reference_us: float) -> float:
