@@ -133,3 +133,35 @@ def test_a_large_single_read_is_cut_into_pieces_copied_by_several_threads(tmp_pa
     finally:
         direct.close()
         os.close(fd)
+
+
+def test_a_node_dying_during_a_copy_fails_it_alone_or_in_a_batch(tmp_path) -> None:
+    """A copy whose node let go of the segment (died) while it ran ends FAILED, never DONE: a
+    single request (its own path) and each request of a batch to that segment alike; out of
+    range, a request is left to the engine (None)."""
+    from yuebing.store.client.direct import DirectSegments
+    from yuebing.transfer import TransferRequest, TransferStatus
+
+    path = tmp_path / "seg"
+    size = 1 << 20
+    path.write_bytes(bytes(size))
+    for count in (1, 2):
+        fd = hold_liveness_lock(str(path))
+        direct = DirectSegments(_Engine(str(path), size))  # type: ignore[arg-type]
+        run = direct._run
+
+        def dying(jobs, deadline, fd=fd, run=run):  # the node exits mid-copy
+            os.close(fd)
+            return run(jobs, deadline)
+
+        direct._run = dying  # type: ignore[method-assign]
+        try:
+            far = TransferRequest(OpCode.READ, memoryview(bytearray(8)), "seg", size, 8)
+            assert direct.copy([far], time.monotonic() + 30) == [None]  # no copy ran
+            reqs = [TransferRequest(OpCode.READ, memoryview(bytearray(4096)), "seg", 4096 * i, 4096)
+                    for i in range(count)]
+            done = direct.copy(reqs, time.monotonic() + 30)
+            assert [d.status if d else None for d in done] == [TransferStatus.FAILED] * count
+            assert all(d is not None and d.transferred == 0 and "seg" in (d.error or "") for d in done)
+        finally:
+            direct.close()

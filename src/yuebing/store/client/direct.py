@@ -142,6 +142,8 @@ class DirectSegments:
         the segment cannot be looked up, or its node was found dead after the copy), None for
         those left to the transfer engine.
         Requests were built by the store client: contiguous memoryviews, ``length`` set."""
+        if len(reqs) == 1:  # a single get or put: no per-segment bookkeeping
+            return [self._copy_one(reqs[0], deadline)]
         done: list[RequestStatus | None] = [None] * len(reqs)
         targets: dict[str, MappedFile | str | None] = {}
         jobs: list[tuple[OpCode, memoryview, MappedFile, int, int]] = []
@@ -163,17 +165,21 @@ class DirectSegments:
         gone = {seg: confirm(t, seg, [None])[0] for seg, t in targets.items()
                 if isinstance(t, MappedFile)}
         for i, job, copied in zip(index, jobs, results, strict=True):
-            n = job[4]
-            why = gone[str(reqs[i].segment)]
-            if why is not None:  # its node died: nothing copied there counts
-                done[i] = RequestStatus(TransferStatus.FAILED, 0, n, why)
-            elif job[0] == OpCode.READ and late:  # e.g. preempted mid-copy past the read lease
-                done[i] = RequestStatus(TransferStatus.TIMEOUT, copied, n, LATE_READ)
-            elif copied == n:
-                done[i] = RequestStatus(TransferStatus.DONE, n, n)
-            else:
-                done[i] = RequestStatus(TransferStatus.TIMEOUT, copied, n, expired_write(copied, n))
+            done[i] = _judged(job[0], job[4], copied, gone[str(reqs[i].segment)], late)
         return done
+
+    def _copy_one(self, r: TransferRequest, deadline: float) -> RequestStatus | None:
+        """`copy` of one request."""
+        seg = str(r.segment)
+        target = self._target(seg)
+        n = r.length
+        if isinstance(target, str):
+            return RequestStatus(TransferStatus.FAILED, 0, n or 0, target)
+        if target is None or n is None or r.offset + n > target.size:
+            return None
+        copied = self._run([(r.op, r.local, target, r.offset, n)], deadline)[0]  # type: ignore[list-item]
+        late = time.monotonic() >= deadline
+        return _judged(r.op, n, copied, confirm(target, seg, [None])[0], late)
 
     def _run(self, jobs: list[tuple[OpCode, memoryview, MappedFile, int, int]],
              deadline: float) -> list[int]:
@@ -209,6 +215,8 @@ class DirectSegments:
         engine's ``status`` itself when it had every request)."""
         if status is not None and len(status.requests) == len(results):
             return status
+        if status is None and len(results) == 1 and results[0] is not None:
+            return BatchStatus(BatchId(0), results[0].status, (results[0],))
         it = iter(status.requests if status is not None else ())
         out = tuple(r if r is not None else next(it) for r in results)
         codes = {r.status for r in out}
@@ -226,6 +234,19 @@ class DirectSegments:
         for mapped in maps.values():
             if mapped is not None:
                 mapped.close()
+
+
+def _judged(op: OpCode, n: int, copied: int, gone: str | None, late: bool) -> RequestStatus:
+    """The status of a copy of ``n`` bytes that copied ``copied``: FAILED if its node was found
+    dead after it (``gone``: why), TIMEOUT for a read ended ``late`` (past its lease's
+    deadline) or a write the deadline cut, else DONE."""
+    if gone is not None:  # its node died: nothing copied there counts
+        return RequestStatus(TransferStatus.FAILED, 0, n, gone)
+    if op == OpCode.READ and late:  # e.g. preempted mid-copy past the read lease
+        return RequestStatus(TransferStatus.TIMEOUT, copied, n, LATE_READ)
+    if copied == n:
+        return RequestStatus(TransferStatus.DONE, n, n)
+    return RequestStatus(TransferStatus.TIMEOUT, copied, n, expired_write(copied, n))
 
 
 def _pieces(job: tuple[OpCode, memoryview, MappedFile, int, int],
