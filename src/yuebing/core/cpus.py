@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 
 from yuebing.core.config import require
 
-_PART = re.compile(r"(\d+)(?:-(\d+))?")
+_PART = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+MAX_CPU = (1 << 16) - 1
+"""The highest CPU number a list may name (checked before a range is expanded)."""
 
 
 def usable_cpus() -> tuple[int, ...]:
@@ -22,7 +25,8 @@ def usable_cpus() -> tuple[int, ...]:
 
 def parse_cpus(text: str, flag: str = "--cpus") -> tuple[int, ...]:
     """``"0-2,5"`` -> ``(0, 1, 2, 5)``; `ConfigError` naming ``flag`` and the bad part for an
-    empty list, a part that is not N or N-M, a range that runs backwards or a repeated CPU."""
+    empty list, a part that is not N or N-M, a CPU above `MAX_CPU`, a range that runs backwards
+    or a repeated CPU."""
     out: list[int] = []
     require(bool(text.strip()), f"{flag}: empty CPU list (give e.g. 1, 0-3 or 0,2-3)")
     for part in text.split(","):
@@ -31,9 +35,12 @@ def parse_cpus(text: str, flag: str = "--cpus") -> tuple[int, ...]:
                 "range N-M (give e.g. 1, 0-3 or 0,2-3)")
         assert m is not None
         lo, hi = int(m[1]), int(m[2] if m[2] is not None else m[1])
+        top = max(lo, hi)
+        require(top <= MAX_CPU, f"{flag} {text!r}: CPU {top} in {part.strip()!r} is above "
+                f"{MAX_CPU}, the highest CPU number taken")
         require(lo <= hi, f"{flag} {text!r}: range {part.strip()!r} runs backwards")
         out.extend(range(lo, hi + 1))
-    dup = sorted({c for c in out if out.count(c) > 1})
+    dup = sorted(c for c, k in Counter(out).items() if k > 1)
     require(not dup, f"{flag} {text!r}: CPU {format_cpus(tuple(dup))} given twice")
     return tuple(sorted(out))
 
@@ -41,7 +48,8 @@ def parse_cpus(text: str, flag: str = "--cpus") -> tuple[int, ...]:
 def require_usable(cpus: tuple[int, ...], flag: str = "--cpus") -> None:
     """`ConfigError` unless this process may run on every CPU of ``cpus``."""
     usable = usable_cpus()
-    bad = tuple(c for c in cpus if c not in usable)
+    allowed = set(usable)
+    bad = tuple(c for c in cpus if c not in allowed)
     require(not bad, f"{flag} {format_cpus(cpus)}: CPU {format_cpus(bad)} is not one this "
             f"process may run on (usable: {format_cpus(usable)})")
 
