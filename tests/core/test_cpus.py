@@ -53,8 +53,12 @@ def test_a_huge_range_is_refused_before_it_is_expanded():
 def test_the_split_is_disjoint_and_even_while_there_are_enough_cpus():
     assert split_cpus((0, 1), 2) == [(0,), (1,)]
     assert split_cpus((0, 1), 1) == [(0, 1)]
-    assert split_cpus((0, 1, 2), 2) == [(0, 1), (2,)]
-    assert split_cpus(tuple(range(8)), 3) == [(0, 1, 2), (3, 4, 5), (6, 7)]
+    # every instance the same count (a role's instances share one engine configuration);
+    # the remainder is left to the control plane
+    assert split_cpus((0, 1, 2), 2) == [(0,), (1,)]
+    assert split_cpus(tuple(range(4)), 3) == [(0,), (1,), (2,)]
+    assert split_cpus(tuple(range(8)), 3) == [(0, 1), (2, 3), (4, 5)]
+    assert split_cpus((1, 4, 5, 9), 2) == [(1, 4), (5, 9)]  # runs of the list, not of numbers
     assert split_cpus((2, 5, 6), 3) == [(2,), (5,), (6,)]
     assert split_cpus((0, 1), 3) == [(0,), (1,), (0,)]  # too few: shared round robin
     with pytest.raises(ConfigError, match="cannot split 2 CPUs among 0 instances"):

@@ -67,16 +67,14 @@ def format_cpus(cpus: tuple[int, ...]) -> str:
 
 
 def split_cpus(cpus: tuple[int, ...], n: int) -> list[tuple[int, ...]]:
-    """``cpus`` shared among ``n`` instances: disjoint runs of consecutive CPUs whose sizes
-    differ by at most one (the first instances get the larger runs) when there are at least
-    ``n`` CPUs; else one CPU each, round robin (instances share a CPU only then)."""
+    """``cpus`` shared among ``n`` instances, every one the same number of CPUs (its thread
+    count is part of its engine configuration, so instances of one role must match): when
+    there are at least ``n`` CPUs, disjoint runs of ``len(cpus) // n``, a run being
+    consecutive in ``cpus`` (not necessarily in number: ``(2, 5)`` is one), the remainder at
+    the end left to no instance (the control plane's); else one CPU each, round robin
+    (instances share a CPU only then)."""
     require(n >= 1 and bool(cpus), f"cannot split {len(cpus)} CPUs among {n} instances")
     if len(cpus) < n:
         return [(cpus[i % len(cpus)],) for i in range(n)]
-    base, extra = divmod(len(cpus), n)
-    out, at = [], 0
-    for i in range(n):
-        size = base + (i < extra)
-        out.append(tuple(cpus[at:at + size]))
-        at += size
-    return out
+    size = len(cpus) // n
+    return [tuple(cpus[i * size:(i + 1) * size]) for i in range(n)]
