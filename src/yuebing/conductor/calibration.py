@@ -336,6 +336,12 @@ class StepLedger:
         if cut > 0 and 2 * cut >= len(times):  # in chunks: a busy instance reports each step
             del times[:cut], areas[:cut], steps[:cut]
 
+    def forget(self, instance: str) -> None:
+        """Drop ``instance``'s steps (it died or left: its requests failed with it)."""
+        self._times.pop(instance, None)
+        self._areas.pop(instance, None)
+        self._steps.pop(instance, None)
+
     def _area(self, instance: str, t: float) -> float | None:
         times = self._times.get(instance)
         if not times or t < times[0]:
