@@ -9,8 +9,8 @@ so each round starts one worker per build and thread count, alternating (A, B, A
 load from other processes hits both alike; the report is the median over rounds of each
 worker's median step. ``--baseline`` is a directory holding the other build's ``csrc`` sources:
 
-    mkdir /tmp/base && git archive BASE src/yuebing/engine/csrc | tar -x -C /tmp/base --strip-components=4
-    .venv/bin/python benchmarks/decode_context.py --baseline /tmp/base --threads 1,2
+    mkdir /tmp/b && git archive BASE src/yuebing/engine/csrc | tar -xC /tmp/b --strip-components=4
+    .venv/bin/python benchmarks/decode_context.py --baseline /tmp/b --threads 1,2
 """
 
 from __future__ import annotations

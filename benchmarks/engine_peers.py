@@ -155,7 +155,13 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def paired_ratios(runs: dict[str, list[dict[str, Any]]], w: Workload) -> dict[str, Any]:
     """Ours/peer per round: each round's medians against the same round's, then the median of
     those ratios. Rounds run back to back, so a round's pair shares the host's state: slow
-    minutes on a shared host move both sides of a pair, where the pooled medians mix them."""
+    minutes on a shared host move both sides of a pair, where the pooled medians mix them.
+    A round where either median is not above 0 gives no ratio (no round left: median None)."""
+
+    def ratios(pairs: list[tuple[float, float]]) -> dict[str, Any]:
+        rs = [num / den for num, den in pairs if num > 0 and den > 0]
+        return {"per_round": rs, "median": statistics.median(rs) if rs else None}
+
     out: dict[str, Any] = {}
     for name, peer_runs in runs.items():
         if name == OURS or OURS not in runs:
@@ -166,15 +172,21 @@ def paired_ratios(runs: dict[str, list[dict[str, Any]]], w: Workload) -> dict[st
             continue
         per: dict[str, Any] = {}
         for b in map(str, w.batches):  # ms per step: the peer's over ours is ours' speed-up
-            rs = [statistics.median(p["decode"][b]["samples_ms"])
-                  / statistics.median(o["decode"][b]["samples_ms"]) for o, p in pairs]
-            per[f"decode_b{b}"] = {"per_round": rs, "median": statistics.median(rs)}
+            per[f"decode_b{b}"] = ratios([(statistics.median(p["decode"][b]["samples_ms"]),
+                                           statistics.median(o["decode"][b]["samples_ms"]))
+                                          for o, p in pairs])
         for n in map(str, w.prefill_lens):
-            rs = [statistics.median(o["prefill"][n]["samples_tokens_per_s"])
-                  / statistics.median(p["prefill"][n]["samples_tokens_per_s"]) for o, p in pairs]
-            per[f"prefill_{n}"] = {"per_round": rs, "median": statistics.median(rs)}
+            key = "samples_tokens_per_s"
+            per[f"prefill_{n}"] = ratios([(statistics.median(o["prefill"][n][key]),
+                                           statistics.median(p["prefill"][n][key]))
+                                          for o, p in pairs])
         out[name] = per
     return out
+
+
+def _two(value: float | None) -> str:
+    """A ratio to two places; "n/a" where there was none."""
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def fmt(value: float | None) -> str:
@@ -235,8 +247,8 @@ def print_table(merged: dict[str, dict[str, Any]], summary: dict[str, Any], w: W
     console.print(t)
     for peer, per in summary.get("paired_ratios_ours_over_peer", {}).items():
         for key, r in per.items():
-            rounds = ", ".join(f"{x:.2f}" for x in r["per_round"])
-            console.print(f"ours/{peer} {key} per round: {rounds} (median {r['median']:.2f})")
+            rounds = ", ".join(f"{x:.2f}" for x in r["per_round"]) or "-"
+            console.print(f"ours/{peer} {key} per round: {rounds} (median {_two(r['median'])})")
     for tg in summary["targets"]:
         verdict = {True: "[green]met[/]", False: "[red]missed[/]", None: "n/a"}[tg["met"]]
         shown = "-" if tg["ratio"] is None else f"{tg['ratio']:.2f}x"
@@ -271,7 +283,7 @@ def markdown(merged: dict[str, dict[str, Any]], summary: dict[str, Any], w: Work
     for peer, per in summary.get("paired_ratios_ours_over_peer", {}).items():
         lines.append("")
         lines.append(f"ours/{peer} per round (median): " + "; ".join(
-            f"{k} {', '.join(f'{x:.2f}' for x in r['per_round'])} ({r['median']:.2f})"
+            f"{k} {', '.join(f'{x:.2f}' for x in r['per_round']) or '-'} ({_two(r['median'])})"
             for k, r in per.items()))
     return "\n".join(lines) + "\n"
 

@@ -127,7 +127,8 @@ def plot(out: Path, systems: dict[str, dict[str, Any]]) -> None:
         ax.plot([], [], ls="none", marker="o", mfc="none", color="gray",
                 label="cut short: attainment of those answered")
     ax.axhline(0.9, ls="--", c="gray")
-    ax.set(xlabel="request rate (req/s, Poisson)", ylabel="SLO attainment (TTFT≤10 s, TBT≤100 ms)",
+    ax.set(xlabel="request rate (req/s, Poisson)",
+           ylabel="SLO attainment (TTFT≤10 s, TBT≤100 ms)",
            ylim=(0, 1.02), title="SmolLM2-135M, 2 cores, conversation trace")
     ax.legend()
     fig.tight_layout()

@@ -64,7 +64,8 @@ def offset(records: list[dict], steps: list[Step]) -> float:
     return best[1]
 
 
-def intervals(records: list[dict], steps: list[Step], off: float) -> list[tuple[dict, list[Interval]]]:
+def intervals(records: list[dict], steps: list[Step], off: float
+              ) -> list[tuple[dict, list[Interval]]]:
     """Each answered request (≥ 3 tokens) with the token intervals its decode steps made."""
     joins = [i for i, s in enumerate(steps) if _joins(s)]
     join_t = [steps[i]["t"] for i in joins]

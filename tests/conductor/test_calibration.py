@@ -262,3 +262,69 @@ def test_tbt_tail_not_learned_keeps_the_configured_one():
     tail = TbtTail(got.append, learn=False, initial=1.5, min_samples=1, every=1)
     tail.observe(0.3, 0.03)
     assert got == [] and tail.current == 1.5 and tail.state()["samples"] == 0
+
+
+def test_step_ledger_forgets_an_instance():
+    ledger = StepLedger(keep_s=100.0)
+    for name in ("d0", "d1"):
+        ledger.record(name, 0.03, 10.0)
+    ledger.forget("d0")
+    ledger.forget("d9")  # never seen: nothing to do
+    assert ledger.mean_step("d0", 10.0, 20.0) is None
+    assert ledger.mean_step("d1", 10.0, 20.0) == pytest.approx(0.03)
+
+
+def _conductor():  # type: ignore[no-untyped-def]
+    from yuebing.conductor.config import ConductorConfig
+    from yuebing.conductor.model import load_model_info
+    from yuebing.conductor.service import Conductor
+    cfg = ConductorConfig(model="dummy:preset=tiny", access_log=False, persist_learned=False,
+                          request_timeout_s=1000.0)
+    return Conductor(cfg, load_model_info(cfg.model))
+
+
+def test_the_conductor_keeps_steps_past_its_timeout_and_drops_a_dead_instances():
+    from types import SimpleNamespace
+
+    from yuebing.conductor.cluster import Member
+    c = _conductor()
+    assert c.steps.keep_s == 1500.0
+    c.steps.record("d0", 0.03, 10.0)
+    h = Hello(seq=0, instance_id="d0", role=Role.DECODE, model="m", fingerprint="fp", host="h",
+              control_address="tcp://d0:1", kv_segment="s", block_size=16,
+              store_block_tokens=256, num_blocks=64, max_model_len=4096, incarnation="i",
+              num_layers=4)
+    client = SimpleNamespace(fail_all=lambda reason: None)
+    m = Member("tcp://d0:1", client, h)  # type: ignore[arg-type]
+    c.cluster.members[m.id] = m
+    c.cluster._mark_dead(m, "d0 died")
+    assert c.steps.mean_step("d0", 10.0, 20.0) is None
+
+
+def test_the_tail_is_taken_over_the_decode_from_the_second_token():
+    """The first token is the prefill's (in 1P1D it comes before the KV transfer and before the
+    decode's batch holds the request): the ledger is asked from the second token to the last."""
+    from yuebing.conductor.server import _Routes
+    from yuebing.conductor.stats import RequestStats
+
+    asked: list[tuple[str, float, float]] = []
+
+    class Spy(StepLedger):
+        def mean_step(self, instance: str, start_s: float, end_s: float) -> float | None:
+            asked.append((instance, start_s, end_s))
+            return super().mean_step(instance, start_s, end_s)
+
+    c = _conductor()
+    c.steps = Spy()
+    c.steps.record("d0", 0.01, 0.0)
+    c.steps.record("d0", 0.02, 1.0)  # the decode's batch from t = 1: 20 ms a step
+    times = [0.96 + 0.04 * k for k in range(11)]
+    done = RequestStats("r1", arrival_s=0.0, completion_tokens=len(times), decode_id="d0",
+                        first_token_s=times[0], token_times=times, end_s=times[-1],
+                        prefill_busy=True)
+    short = RequestStats("r2", arrival_s=0.0, completion_tokens=2, decode_id="d0",
+                         first_token_s=1.0, token_times=[1.0, 1.04], end_s=1.04,
+                         prefill_busy=True)
+    _Routes(c)._done([done, short], 200)
+    assert asked == [("d0", times[1], times[-1])]  # the two-token one: no decode to average
+    assert list(c.tail.window) == [pytest.approx(done.tbt_s / 0.02)]

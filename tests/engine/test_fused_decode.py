@@ -1,7 +1,8 @@
 """Fused small-batch decode (`yuebing.engine.fused_decode`): the fused layer against the op-by-op
-one on a random bf16 model (logits close, K/V written alike), input checks of the native ops,
-the engine's choice and its report, and batch-invariant mode never using it. Token parity on
-the real model is in test_real_model.py."""
+one on a random bf16 model (logits close, K/V written alike; across partitions, GQA 4), input
+checks of the native ops, an adopted request's joined step, the engine's choice and its report,
+and batch-invariant mode never using it. Token parity on the real model is in
+test_real_model.py."""
 
 from __future__ import annotations
 
@@ -72,6 +73,59 @@ def test_fused_step_over_several_partitions_matches_op_by_op(hidden: int, thread
     for a, b in zip(fused, ops, strict=True):
         scale = float(b.abs().max())
         assert float((a - b).abs().max()) <= 0.05 * scale + 0.05
+
+
+@pytest.mark.parametrize("hidden", [64, 256])
+def test_fused_step_across_a_partition_boundary_with_gqa_4_matches_op_by_op(hidden: int) -> None:
+    """Contexts that cross the 512-token partitions during the decode (a prompt of 510: 511,
+    512, then 513 tokens; of 1022: 1023 to 1025), with four query heads on one KV head."""
+    spec = (TINY.replace("hidden=64", f"hidden={hidden}").replace("kv_heads=2", "kv_heads=1")
+            .replace("ctx=512", "ctx=2048"))
+    weights = dummy_weights(parse_dummy_spec(spec), seed=5)
+    engine = make_engine(weights, model=spec, dtype="bfloat16", kernels="native",
+                         attention="auto", fused_decode=8, prefix_caching=False,
+                         num_blocks=512, max_batch_tokens=512)
+    assert engine.model.fused is not None
+    gen = torch.Generator().manual_seed(13)
+    batch = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (510, 1022)]
+    _, fused = _decode_logits(engine, engine.model.fused, batch, steps=4)
+    _, ops = _decode_logits(engine, None, batch, steps=4)
+    assert len(fused) == len(ops)
+    for a, b in zip(fused, ops, strict=True):
+        scale = float(b.abs().max())
+        assert float((a - b).abs().max()) <= 0.05 * scale + 0.05
+
+
+def test_an_adopted_request_joins_a_fused_decode_step() -> None:
+    """A decode instance's new request (KV imported, one token left) joins the running decodes
+    as one more row: its first step is decode-only, so the fused layer runs it."""
+    from yuebing.engine.kv_transfer import adopt_request, reserve_blocks
+
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    pre, dec = (_engine(fused_decode=8, prefix_caching=False) for _ in range(2))
+    fused = dec.model.fused
+    assert fused is not None
+    p, q = prompts(2, seed=8, lo=21, hi=30)
+    qid = dec.add_request(q, greedy)
+    while not dec.get_sequence(qid).output_ids:
+        dec.step()
+    rid = pre.add_request(p, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+                          hold_kv=True)
+    first = pre.step()[0].new_token_ids[0]
+    held = pre.held_sequence(rid)
+    assert held is not None
+    blocks = reserve_blocks(dec, len(p))
+    for layer in range(dec.pool.num_layers):
+        dec.pool.import_layer(layer, blocks, pre.pool.export_layer(layer, held.blocks))
+    adopt_request(dec, "r", p, blocks, first, greedy)
+    layers: list[int] = []
+    real = fused.layer
+    fused.layer = lambda i, *a: layers.append(i) or real(i, *a)  # type: ignore[method-assign]
+    dec.step()
+    plan = dec.last_plan
+    assert plan is not None and not plan.prefills and len(plan.decodes) == 2
+    assert [s.request_id for s in plan.joined] == ["r"]
+    assert layers == list(range(dec.pool.num_layers))  # every layer of that step fused
 
 
 @pytest.mark.parametrize("seqs", [1, fused_decode.MAX_ROWS + 1])

@@ -40,7 +40,8 @@ def test_abort_frees_held_kv(tiny_weights):
 
 def test_an_adopted_request_joins_the_running_decodes_as_a_decode_row(tiny_weights):
     """Its KV is all there and one token is left: its first step is one more decode row (the
-    step stays decode-only, e.g. fused), not a 1-token prefill chunk; tokens as if local."""
+    step stays decode-only: test_fused_decode.py shows the fused layer runs it), not a 1-token
+    prefill chunk; tokens as if local."""
     p, q = prompts(2, seed=8, lo=21, hi=30)
     ref = make_engine(tiny_weights).generate([p], GREEDY)[0].output_token_ids
     pre, dec = make_engine(tiny_weights), make_engine(tiny_weights)

@@ -1,7 +1,8 @@
 """`VllmServer.stop` leaves nothing of the server's process group behind, also when the API
 server itself was killed first (its engine-core and worker processes outlive it) or its adapter
-is stopped while it loads; the server runs at the priority and on the CPUs given. Without a
-real vLLM: a shell stands in, with a child in its group."""
+is stopped while it loads; the server runs at the priority and on the CPUs given, and CPUs it
+cannot run on are refused naming them. Without a real vLLM: a shell stands in, with a child in
+its group."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+
+import pytest
 
 from yuebing.integrations.vllm.server import VllmServer, VllmServerConfig
 from yuebing.ops.priority import EnginePriority
@@ -102,6 +105,30 @@ def test_the_server_runs_on_the_cpus_given_its_threads_bound_to_them(tmp_path: P
         server.stop(timeout_s=5)
     unpinned = VllmServerConfig(port=1, threads=1)
     assert unpinned.environ()["VLLM_CPU_OMP_THREADS_BIND"] == str(usable_cpus()[0])
+
+
+def test_cpus_it_may_not_run_on_are_refused_naming_them(tmp_path: Path, monkeypatch) -> None:
+    import yuebing.integrations.vllm.server as server_mod
+    from yuebing.core.cpus import format_cpus, usable_cpus
+    from yuebing.core.errors import ConfigError
+
+    usable = usable_cpus()
+    cfg = _ShellConfig(port=1, extra=(("pidfile", str(tmp_path / "child.pid")),), threads=1,
+                       cpus=(max(usable) + 1,))
+    with pytest.raises(ConfigError, match=f"^vLLM server CPUs {max(usable) + 1}: CPU "
+                       f"{max(usable) + 1} is not one this process may run on"):
+        VllmServer(cfg, tmp_path / "vllm.log")
+
+    def failing(priority: EnginePriority, cpus: tuple[int, ...]) -> None:
+        raise OSError(22, "Invalid argument")  # as sched_setaffinity when a CPU went offline
+
+    monkeypatch.setattr(server_mod, "_child_setup", failing)  # what the child calls
+    cfg = _ShellConfig(port=1, extra=(("pidfile", str(tmp_path / "child.pid")),), threads=1,
+                       cpus=usable[-1:])
+    with pytest.raises(ConfigError, match=f"^vLLM server: setting its CPUs {usable[-1]} "
+                       f"\\(usable: {format_cpus(usable)}\\) and priority \\(nice 0\\) "
+                       "before its exec failed"):
+        VllmServer(cfg, tmp_path / "vllm.log")
 
 
 def test_an_adapter_stopped_while_its_vllm_loads_stops_it(tmp_path: Path) -> None:

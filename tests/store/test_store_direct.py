@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import time
@@ -147,21 +148,26 @@ def test_a_node_dying_during_a_copy_fails_it_alone_or_in_a_batch(tmp_path) -> No
     path.write_bytes(bytes(size))
     for count in (1, 2):
         fd = hold_liveness_lock(str(path))
+        held = [fd]  # until the "node" lets go (closed once: the number may be reused after)
         direct = DirectSegments(_Engine(str(path), size))  # type: ignore[arg-type]
         run = direct._run
 
-        def dying(jobs, deadline, fd=fd, run=run):  # the node exits mid-copy
-            os.close(fd)
+        def dying(jobs, deadline, held=held, run=run):  # the node exits mid-copy
+            os.close(held.pop())
             return run(jobs, deadline)
 
         direct._run = dying  # type: ignore[method-assign]
         try:
             far = TransferRequest(OpCode.READ, memoryview(bytearray(8)), "seg", size, 8)
             assert direct.copy([far], time.monotonic() + 30) == [None]  # no copy ran
-            reqs = [TransferRequest(OpCode.READ, memoryview(bytearray(4096)), "seg", 4096 * i, 4096)
-                    for i in range(count)]
+            reqs = [TransferRequest(OpCode.READ, memoryview(bytearray(4096)), "seg", 4096 * i,
+                                    4096) for i in range(count)]
             done = direct.copy(reqs, time.monotonic() + 30)
             assert [d.status if d else None for d in done] == [TransferStatus.FAILED] * count
-            assert all(d is not None and d.transferred == 0 and "seg" in (d.error or "") for d in done)
+            assert all(d is not None and d.transferred == 0 and "seg" in (d.error or "")
+                       for d in done)
         finally:
             direct.close()
+            for left in held:  # a failure before the copy ran: the lock is still ours
+                with contextlib.suppress(OSError):
+                    os.close(left)

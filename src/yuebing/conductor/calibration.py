@@ -307,18 +307,14 @@ def outlier_free_samples(quantile: float, most: int) -> int:
 
 class StepLedger:
     """Each decode instance's predicted step over time, from its load reports: the TBT tail's
-    denominator (`mean_step`).
-
-    The tail is a request's paper TBT per the step predicted for the batch it *decoded in*, the
-    time-mean over its decode. Taken per the step predicted when it was routed (before
-    2026-11-30), the ratio also carried the batch's growth after that, which only admission
-    ``none`` leaves unchecked (each later admission's decode check bounds it): a tail learned
-    under ``none`` overstated what a rejecting policy's requests meet (live: 0.9 quantile 2.48
-    against 1.66 for the predictive policy's own requests)."""
+    denominator (`mean_step`). The tail is a request's paper TBT per the step predicted for the
+    batch it *decoded in* (the time-mean over its decode), not the one it was routed at, which
+    would carry the batch's later growth that only admission ``none`` leaves unchecked."""
 
     def __init__(self, keep_s: float = 900.0) -> None:
         self.keep_s = keep_s
-        """How far back the steps are kept (longer than any request's decode)."""
+        """How far back the steps are kept (longer than any request's decode: the Conductor
+        gives its request timeout and more)."""
         self._times: dict[str, list[float]] = {}
         self._areas: dict[str, list[float]] = {}
         """Per instance: when its step changed, ∫ step dt up to then, and the step from then."""
@@ -339,6 +335,12 @@ class StepLedger:
         cut = bisect.bisect_left(times, now_s - self.keep_s) - 1
         if cut > 0 and 2 * cut >= len(times):  # in chunks: a busy instance reports each step
             del times[:cut], areas[:cut], steps[:cut]
+
+    def forget(self, instance: str) -> None:
+        """Drop ``instance``'s steps (it died or left: its requests failed with it)."""
+        self._times.pop(instance, None)
+        self._areas.pop(instance, None)
+        self._steps.pop(instance, None)
 
     def _area(self, instance: str, t: float) -> float | None:
         times = self._times.get(instance)
@@ -388,7 +390,8 @@ class TbtTail:
     def observe(self, tbt_s: float, est_step_s: float) -> None:
         """A request finished with paper TBT ``tbt_s`` where the predicted mean step of the
         batch it decoded in was ``est_step_s``; refreshes the tail every ``every`` requests
-        once ``min_samples`` are in, and hands it to the policy when it moved by more than `RESCALE_STEP`."""
+        once ``min_samples`` are in, and hands it to the policy when it moved by more than
+        `RESCALE_STEP`."""
         if not (self.learn and math.isfinite(tbt_s) and tbt_s > 0
                 and math.isfinite(est_step_s) and est_step_s >= MIN_STEP_S):
             return

@@ -111,9 +111,10 @@ class LiveCluster:
         self.pending: dict[str, PendingDecode] = {}
         self.on_dead: list[Callable[[Member], None]] = []
         self.on_members: list[Callable[[], None]] = []
-        self.on_reports: list[Callable[[Member, LoadReport], None]] = []
-        """Called with each accepted load report (after the member took it)."""
         """Called when an instance enters or leaves `alive` (its first report, back, dead)."""
+        self.on_reports: list[Callable[[Member, LoadReport], None]] = []
+        """Called with each accepted load report, after the member, the view and the index took
+        it (a callback's exception is logged, not raised)."""
         self.admit_checks: list[Callable[[Hello], str]] = []
         """More checks of a joining instance's `Hello` ('' = fine, else why it is refused)."""
         self._wanted: set[str] = set()
@@ -231,8 +232,6 @@ class LiveCluster:
         joined = m.report is None or not m.alive
         m.report = r
         m.seen_s = time.monotonic()
-        for f in self.on_reports:
-            f(m, r)
         if not m.alive:
             log.info("instance %s is back", m.id)
             m.alive = True
@@ -244,6 +243,11 @@ class LiveCluster:
             else:
                 self.index.add(m.id, r.cache_added)
                 self.index.remove(m.id, r.cache_removed)
+        for took in self.on_reports:
+            try:
+                took(m, r)
+            except Exception:  # a listener's bug must not end this instance's reports
+                log.exception("load report listener %s failed", took)
 
     def _on_link(self, address: str, client: InstanceClient, up: bool) -> None:
         """The connection of ``client`` dropped (the instance at ``address`` died or restarted:

@@ -251,9 +251,10 @@ class _Routes:
                                            s.breakdown.prefill_s)
             if status == 200 and s.completion_tokens > 1:
                 self.c.durations.observe(s.e2e_s - s.ttft_s)
-                if s.prefill_busy and len(s.token_times) > 1:  # the tail applies to such
-                    # requests only (`Policy.tbt`); per the step of the batch it decoded in
-                    step = self.c.steps.mean_step(s.decode_id, s.token_times[0],
+                if s.prefill_busy and len(s.token_times) > 2:  # the tail applies to such
+                    # requests only (`Policy.tbt`); per the step of the batch it decoded in,
+                    # from its second token (the first is the prefill's, before it joined)
+                    step = self.c.steps.mean_step(s.decode_id, s.token_times[1],
                                                   s.token_times[-1])
                     if step is not None:
                         self.c.tail.observe(s.tbt_s, step)

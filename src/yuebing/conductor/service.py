@@ -75,8 +75,9 @@ class Conductor:
                                          configured=cfg.policy.decode_durations_s)
         self.tail = TbtTail(self._use_tail, cfg.learn_tbt_tail, cfg.policy.tbt_tail,
                             quantile=cfg.tbt_tail_quantile)
-        self.steps = StepLedger()
-        """Each decode instance's predicted step over time: the tail's denominator."""
+        self.steps = StepLedger(keep_s=max(900.0, 1.5 * cfg.request_timeout_s))
+        """Each decode instance's predicted step over time: the tail's denominator (kept for
+        longer than a request may run; an instance's, until it dies or leaves)."""
         self.learned = LearnedState(
             (Path(cfg.learned_dir) if cfg.learned_dir else env.learned_dir())
             if cfg.persist_learned else None,
@@ -99,6 +100,7 @@ class Conductor:
         self.cluster.admit_checks.append(self.calibration.admit)
         self.cluster.on_members.append(self._members_changed)
         self.cluster.on_reports.append(self._on_report)
+        self.cluster.on_dead.append(lambda m: self.steps.forget(m.id))
         self.feed: StoreFeed | None = None
         self._closers: list[Any] = []
         self._listed: set[str] = set(cfg.instances)

@@ -6,9 +6,14 @@
 // A sequence's result depends only on its own context, whatever else is in the batch.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
 #include <memory>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "vec.h"
 

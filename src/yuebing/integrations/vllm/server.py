@@ -22,7 +22,8 @@ from typing import Any
 
 from yuebing.core import env as environment
 from yuebing.core.config import require
-from yuebing.core.cpus import format_cpus, usable_cpus
+from yuebing.core.cpus import format_cpus, require_usable, usable_cpus
+from yuebing.core.errors import ConfigError
 from yuebing.ops.priority import EnginePriority
 
 SRC = Path(__file__).resolve().parents[3]
@@ -155,10 +156,19 @@ class VllmServer:
         self.env = env or VllmEnv()
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{cfg.port}"
+        require_usable(cfg.cpus, "vLLM server CPUs")  # before the child: its error is opaque
         with log_path.open("wb") as out:
-            self.proc = subprocess.Popen(cfg.argv(self.env), env=cfg.environ(), stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=lambda: _child_setup(cfg.priority, cfg.cpus))
+            try:
+                self.proc = subprocess.Popen(
+                    cfg.argv(self.env), env=cfg.environ(), stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=lambda: _child_setup(cfg.priority, cfg.cpus))
+            except subprocess.SubprocessError as e:  # the set-up before exec failed
+                raise ConfigError(
+                    f"vLLM server: setting its CPUs {format_cpus(cfg.cpus) or '(not pinned)'} "
+                    f"(usable: {format_cpus(usable_cpus())}) and priority (nice "
+                    f"{cfg.priority.nice}{', idle' if cfg.priority.idle else ''}) before its "
+                    f"exec failed: {e}") from e
 
     def log(self, tail: int = 4000) -> str:
         try:

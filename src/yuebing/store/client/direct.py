@@ -177,7 +177,8 @@ class DirectSegments:
             return RequestStatus(TransferStatus.FAILED, 0, n or 0, target)
         if target is None or n is None or r.offset + n > target.size:
             return None
-        copied = self._run([(r.op, r.local, target, r.offset, n)], deadline)[0]  # type: ignore[list-item]
+        job = (r.op, r.local, target, r.offset, n)
+        copied = self._run([job], deadline)[0]  # type: ignore[list-item]
         late = time.monotonic() >= deadline
         return _judged(r.op, n, copied, confirm(target, seg, [None])[0], late)
 

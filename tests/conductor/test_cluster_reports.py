@@ -1,0 +1,45 @@
+"""`LiveCluster._on_report`: a load report reaches the member, the view and the KV index
+before the report listeners (`on_reports`), and a listener that raises is logged without
+stopping either."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+from yuebing.conductor.cluster import LiveCluster, Member
+from yuebing.protocol.instance import Hello, LoadReport, Role
+
+
+def _report(seq: int, added: list[int]) -> LoadReport:
+    return LoadReport(instance_id="p0", incarnation="i", report_seq=seq, time_s=0.0,
+                      queued_prefill_tokens=0, queued_requests=0, running=0, waiting=0,
+                      context_tokens=0, free_blocks=64, total_blocks=64, reserved_blocks=0,
+                      prefill_tokens_per_s=1000.0, decode_step_s=0.05, cache_added=added)
+
+
+def test_a_raising_report_listener_does_not_stop_the_index_update(caplog) -> None:
+    c = LiveCluster(2.0, 1.0, 256, lambda n, k: 0.0, 1e7, 0.0)
+    h = Hello(seq=0, instance_id="p0", role=Role.PREFILL, model="m", fingerprint="fp",
+              host="h", control_address="tcp://p0:1", kv_segment="s", block_size=16,
+              store_block_tokens=256, num_blocks=64, max_model_len=4096, incarnation="i",
+              num_layers=4)
+    m = Member("tcp://p0:1", SimpleNamespace(), h, alive=False)  # type: ignore[arg-type]
+    c.members[m.id] = m
+    c.by_address[m.address] = m
+    seen: list[tuple[bool, frozenset[int]]] = []
+    joins: list[bool] = []
+
+    def broken(_m: Member, _r: LoadReport) -> None:
+        raise RuntimeError("listener bug")
+
+    c.on_reports += [broken, lambda mem, r: seen.append((mem.alive, c.index.keys_of("p0")))]
+    c.on_members.append(lambda: joins.append(True))
+    with caplog.at_level(logging.ERROR, logger="yuebing.conductor.cluster"):
+        c._on_report(m.address, _report(1, [7, 8]))
+        c._on_report(m.address, _report(2, [9]))
+    assert m.alive and joins == [True] and m.report is not None and m.report.report_seq == 2
+    assert c.index.keys_of("p0") == frozenset({7, 8, 9})
+    # the listeners run after the view and the index took each report
+    assert seen == [(True, frozenset({7, 8})), (True, frozenset({7, 8, 9}))]
+    assert sum("load report listener" in r.getMessage() for r in caplog.records) == 2
