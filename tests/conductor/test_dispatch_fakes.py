@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import threading
 import time
 import uuid
@@ -221,7 +222,8 @@ def test_decode_durations_are_learned_by_the_live_policy(fl: FakeLoop) -> None:
 def test_the_tbt_tail_is_learned_by_the_live_policy(fl: FakeLoop) -> None:
     """The fake decodes a step in 60 ms where the default predictor says 30 ms, and its
     prefill reports queued work: once 8 requests routed while the prefill was busy have
-    finished, the policy's tail is their paper TBT per predicted step, about 2."""
+    finished, the policy's tail is the 0.9 quantile of their paper TBT per predicted step, and
+    the typical ratio is about 2 (the median: a loaded machine stretches a few steps)."""
     c = _conductor(fl, (Role.PREFILL, "p0"), (Role.DECODE, "d0"), d0_kw={"step_s": 0.06},
                    p0_kw={"queued_prefill_tokens": 500, "prefill_tokens_per_s": 10_000.0})
     try:
@@ -231,7 +233,9 @@ def test_the_tbt_tail_is_learned_by_the_live_policy(fl: FakeLoop) -> None:
         state = request(c.url, "GET", "/health")[1]["tbt_tail"]
         assert state["learn"] and 8 <= state["samples"] <= 16  # the first, before p0's report:
         # routed with the prefill idle, not observed
-        assert 1.8 <= state["tail"] <= 3.0, state  # a loaded machine stretches the steps
+        ratios = list(c.conductor.tail.window)
+        assert 1.8 <= statistics.median(ratios) <= 3.0, ratios
+        assert statistics.median(ratios) <= state["tail"] <= max(ratios), (state, ratios)
         assert c.conductor.policy.config.tbt_tail == pytest.approx(state["tail"], abs=1e-4)
     finally:
         c.stop()
