@@ -39,19 +39,22 @@ def _decode_logits(engine, fused, batch: list[list[int]], steps: int = 4):
     return [o.output_token_ids for o in outs], captured
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_fused_step_matches_op_by_op(rows: int) -> None:
-    engine = _engine(fused_decode=8, prefix_caching=False)
-    cand = engine.model.fused
-    assert cand is not None and engine.decode_fused == "b<=8"
-    batch = prompts(rows, seed=rows)
-    _, fused = _decode_logits(engine, cand, batch)
-    _, ops = _decode_logits(engine, None, batch)
+def _assert_fused_matches_ops(engine, batch: list[list[int]], steps: int) -> None:
+    """The fused layer's decode logits against op by op's, step by step, within bf16 noise."""
+    _, fused = _decode_logits(engine, engine.model.fused, batch, steps=steps)
+    _, ops = _decode_logits(engine, None, batch, steps=steps)
     assert len(fused) == len(ops)
-    # the same steps (no prefix hits), each row close (prefill logits too: the fused head)
     for a, b in zip(fused, ops, strict=True):
         scale = float(b.abs().max())
         assert float((a - b).abs().max()) <= 0.05 * scale + 0.05
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_fused_step_matches_op_by_op(rows: int) -> None:
+    engine = _engine(fused_decode=8, prefix_caching=False)
+    assert engine.model.fused is not None and engine.decode_fused == "b<=8"
+    # the same steps (no prefix hits), each row close (prefill logits too: the fused head)
+    _assert_fused_matches_ops(engine, prompts(rows, seed=rows), steps=4)
 
 
 @pytest.mark.parametrize(("hidden", "threads"), [(64, 1), (256, 1), (256, 2)])
@@ -67,12 +70,7 @@ def test_fused_step_over_several_partitions_matches_op_by_op(hidden: int, thread
     assert engine.model.fused is not None
     gen = torch.Generator().manual_seed(11)
     batch = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1100, 600, 30)]
-    _, fused = _decode_logits(engine, engine.model.fused, batch, steps=3)
-    _, ops = _decode_logits(engine, None, batch, steps=3)
-    assert len(fused) == len(ops)
-    for a, b in zip(fused, ops, strict=True):
-        scale = float(b.abs().max())
-        assert float((a - b).abs().max()) <= 0.05 * scale + 0.05
+    _assert_fused_matches_ops(engine, batch, steps=3)
 
 
 @pytest.mark.parametrize("hidden", [64, 256])
@@ -88,12 +86,7 @@ def test_fused_step_across_a_partition_boundary_with_gqa_4_matches_op_by_op(hidd
     assert engine.model.fused is not None
     gen = torch.Generator().manual_seed(13)
     batch = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (510, 1022)]
-    _, fused = _decode_logits(engine, engine.model.fused, batch, steps=4)
-    _, ops = _decode_logits(engine, None, batch, steps=4)
-    assert len(fused) == len(ops)
-    for a, b in zip(fused, ops, strict=True):
-        scale = float(b.abs().max())
-        assert float((a - b).abs().max()) <= 0.05 * scale + 0.05
+    _assert_fused_matches_ops(engine, batch, steps=4)
 
 
 def test_an_adopted_request_joins_a_fused_decode_step() -> None:

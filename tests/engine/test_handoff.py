@@ -38,6 +38,21 @@ def test_abort_frees_held_kv(tiny_weights):
     assert e.abort(rid) and e.allocator.num_free == e.allocator.num_blocks
 
 
+def _prefill_into(pre, dec, p: list[int]) -> tuple[str, list[int], int]:
+    """Prefill ``p`` on ``pre`` holding its KV, copy that KV layer by layer into blocks reserved
+    on ``dec`` (what the streamer's writes do); the prefill's request id, the blocks, the first
+    token."""
+    rid = pre.add_request(p, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+                          hold_kv=True)
+    first = [o for o in pre.step()][0].new_token_ids[0]
+    held = pre.held_sequence(rid)
+    assert held is not None
+    blocks = reserve_blocks(dec, len(p))
+    for layer in range(dec.pool.num_layers):
+        dec.pool.import_layer(layer, blocks, pre.pool.export_layer(layer, held.blocks))
+    return rid, blocks, first
+
+
 def test_an_adopted_request_joins_the_running_decodes_as_a_decode_row(tiny_weights):
     """Its KV is all there and one token is left: its first step is one more decode row (the
     step stays decode-only: test_fused_decode.py shows the fused layer runs it), not a 1-token
@@ -48,14 +63,7 @@ def test_an_adopted_request_joins_the_running_decodes_as_a_decode_row(tiny_weigh
     qid = dec.add_request(q, GREEDY)
     while not dec.get_sequence(qid).output_ids:  # q decodes when r arrives
         dec.step()
-    rid = pre.add_request(p, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
-                          hold_kv=True)
-    first = [o for o in pre.step()][0].new_token_ids[0]
-    held = pre.held_sequence(rid)
-    assert held is not None
-    blocks = reserve_blocks(dec, len(p))
-    for layer in range(dec.pool.num_layers):
-        dec.pool.import_layer(layer, blocks, pre.pool.export_layer(layer, held.blocks))
+    _, blocks, first = _prefill_into(pre, dec, p)
     adopt_request(dec, "r", p, blocks, first, GREEDY)
     dec.step()
     plan = dec.last_plan
@@ -69,15 +77,8 @@ def test_adopted_request_continues_exactly_like_a_local_one(tiny_weights):
     p = prompts(1, seed=6, lo=21, hi=22)[0]
     ref = make_engine(tiny_weights).generate([p], GREEDY)[0].output_token_ids
     pre, dec = make_engine(tiny_weights), make_engine(tiny_weights)
-    rid = pre.add_request(p, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
-                          hold_kv=True)
-    first = [o for o in pre.step()][0].new_token_ids[0]
-    held = pre.held_sequence(rid)
-    assert held is not None
-    blocks = reserve_blocks(dec, len(p))
+    rid, blocks, first = _prefill_into(pre, dec, p)
     assert len(blocks) == 6 and dec.allocator.num_free == dec.allocator.num_blocks - 6
-    for layer in range(dec.pool.num_layers):  # what the streamer's writes do
-        dec.pool.import_layer(layer, blocks, pre.pool.export_layer(layer, held.blocks))
     pre.release(rid)
     out = adopt_request(dec, "r", p, blocks, first, GREEDY)
     assert out.new_token_ids == [first] and not out.finished
