@@ -7,13 +7,15 @@ client and master). On a virtual machine without guest halt-polling, waking a sl
 costs ~20 µs — more than the master's work per call; polling a short window avoids it. How long
 to spin is chosen per machine (`window_s`, `machine`): a window of -1 ("auto") is the role's
 reference window scaled by this machine's measured per-core speed and wake-up cost (measured
-once per process), and no spinning where it cannot pay (one CPU, or cheap wake-ups).
+once per process), and no spinning where it cannot pay (one CPU, or cheap wake-ups), nor while
+other tasks want the CPU (`Spinner`).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import resource
 import statistics
 import threading
 import time
@@ -30,25 +32,42 @@ MAX_BACKOFF_S = 1.0
 CATCHES_TO_HALVE = 64
 """Spins that catch their event before the back-off halves: a lost slice costs milliseconds,
 a caught event saves one wake-up (~10-20 µs), so one catch must not undo a loss."""
+_THREAD = getattr(resource, "RUSAGE_THREAD", None)
+"""Linux: the calling thread's own counters (`switched_out`); elsewhere no contention signal."""
+
+
+def switched_out() -> int:
+    """Times the calling thread lost its CPU while it could still run (preempted by another
+    task, or a yield that handed the CPU away); -1 where the platform does not count them."""
+    return -1 if _THREAD is None else resource.getrusage(_THREAD).ru_nivcsw
 
 
 class Spinner:
     """Per-thread spin state (not thread-safe: one per connection / serving loop).
 
-    Between polls the thread yields (``sched_yield``) so a peer on the same CPU runs first. On a
-    contended CPU a yield can hand the CPU away for a whole time slice, so a yield longer than
-    `LOST_S` without the event turns spinning off for a back-off that doubles per loss up to
-    `MAX_BACKOFF_S` and halves per `CATCHES_TO_HALVE` spins that catch their event (a busy
-    machine settles near one lost slice a second; halving per catch let a 2-core VM at load 8
-    lose a slice every few calls, ~60 a second); the caller then blocks as usual."""
+    Between polls the thread yields (``sched_yield``) so a peer on the same CPU runs first.
+    Spinning pays only on a CPU nobody else wants: where other tasks compete for it, the CPU
+    burnt spinning counts against this process's fair share, so its wake-ups stop preempting
+    them and each reply waits out their time slice (a nice-19 ping-pong beside busy tasks:
+    ~1 ms per round trip spinning, ~0.1 ms blocking). So spinning turns off for a back-off
+    when this thread was switched out while runnable since its last spin (`switched_out`:
+    preempted, or a yield that handed the CPU away) within `CATCHES_TO_HALVE` spins of the
+    previous switch-out (a lone one — a kernel thread, a timer — is not contention), or when
+    one yield takes longer than `LOST_S` (where the count is missing). The back-off doubles per
+    loss up to `MAX_BACKOFF_S` and halves per `CATCHES_TO_HALVE` spins that catch their event;
+    the caller then blocks as usual. The first spin after a back-off takes the count anew."""
 
-    __slots__ = ("_backoff", "_off_until", "lost")
+    __slots__ = ("_backoff", "_clean", "_off_until", "_switched", "lost")
 
     def __init__(self) -> None:
         self._off_until = 0.0
         self._backoff = BACKOFF_S
+        self._switched = -1
+        """`switched_out` at the last spin; -1: take it anew (start, after a back-off)."""
+        self._clean = CATCHES_TO_HALVE
+        """Spins since the thread was last switched out (after a loss: since the loss)."""
         self.lost = 0
-        """Times spinning was turned off because the CPU was lost (for tests and stats)."""
+        """Times spinning was turned off because the CPU was contended (tests and stats)."""
 
     @property
     def enabled(self) -> bool:
@@ -64,6 +83,16 @@ class Spinner:
         now = time.perf_counter()
         if now < self._off_until:
             return got
+        switched = switched_out()
+        if switched == self._switched:
+            self._clean += 1
+        else:
+            known, self._switched = self._switched >= 0, switched
+            if known:  # something else wanted this CPU since the last spin
+                if self._clean < CATCHES_TO_HALVE:  # and not long ago before: contended
+                    self._lose(now)
+                    return got
+                self._clean = 0
         stop = now + window_s
         while now < stop:
             os.sched_yield()  # a peer runnable on this CPU runs first
@@ -73,12 +102,17 @@ class Spinner:
                 self._backoff = max(BACKOFF_S, self._backoff * 0.5 ** (1 / CATCHES_TO_HALVE))
                 return got
             if after - now > LOST_S:  # the CPU went to other work: stop spinning for a while
-                self.lost += 1
-                self._off_until = after + self._backoff
-                self._backoff = min(2 * self._backoff, MAX_BACKOFF_S)
+                self._lose(after)
                 return got
             now = after
         return got
+
+    def _lose(self, now: float) -> None:
+        """Spinning off until ``now`` plus the back-off, which doubles."""
+        self.lost += 1
+        self._switched, self._clean = -1, 0
+        self._off_until = now + self._backoff
+        self._backoff = min(2 * self._backoff, MAX_BACKOFF_S)
 
 
 class GapPredictor:
