@@ -49,7 +49,7 @@ class Spinner:
     Spinning pays only on a CPU nobody else wants: where other tasks compete for it, the CPU
     burnt spinning counts against this process's fair share, so its wake-ups stop preempting
     them and each reply waits out their time slice (a nice-19 ping-pong beside busy tasks:
-    ~1 ms per round trip spinning, ~0.1 ms blocking). So spinning turns off for a back-off
+    4-15x slower than blocking, benchmarks/spin_contention.py). So spinning turns off for a back-off
     when this thread was switched out while runnable since its last spin (`switched_out`:
     preempted, or a yield that handed the CPU away) within `CATCHES_TO_HALVE` spins of the
     previous switch-out (a lone one — a kernel thread, a timer — is not contention), or when
