@@ -1,0 +1,152 @@
+"""A/B of vLLM core lending (`integrations/vllm/lend.py`): a decode vLLM's step, lent vs pinned.
+
+Starts a store and two pairs of vLLM-CPU servers with `YuebingConnector`: "lend" (server P on
+CPU 0 and D on CPU 1, both lending over CPUs 0-1) and "pinned" (the same, no lending). Then, in
+interleaved rounds, times D's decode step (median token gap of `--batch` greedy streams of
+--decode-tokens, ignore_eos) while P is idle and while P prefills distinct --prefill-tokens
+prompts back to back, and the CPU seconds per second D's and P's processes used meanwhile
+(lent and idle: about 2 for D; pinned: at most 1). Prints one JSON object: the medians.
+
+Usage:  nice -n 19 env PYTHONPATH=src .venv/bin/python benchmarks/vllm_lend_ab.py \
+            [--dtype bfloat16] [--rounds 3] [--batch 1,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from yuebing.integrations.vllm.server import VllmEnv, VllmServer, VllmServerConfig
+from yuebing.ops.priority import EnginePriority
+from yuebing.store.benchprocs import start_master, start_node
+
+VOCAB = 49152
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, VOCAB - 100) for _ in range(n)]
+
+
+def complete(url: str, ids: list[int], max_tokens: int) -> list[float]:
+    """Arrival times of a greedy stream's chunks."""
+    body = json.dumps({"model": "smollm2-135m-instruct", "prompt": ids, "stream": True,
+                       "max_tokens": max_tokens, "temperature": 0.0,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    times = []
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            if raw.startswith(b"data:") and b"[DONE]" not in raw:
+                times.append(time.perf_counter())
+    return times
+
+
+def cpu_s(session: int) -> float:
+    """CPU seconds used so far by the processes of a session (a vLLM server's group)."""
+    total = 0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            f = (d / "stat").read_text()
+        except OSError:
+            continue
+        rest = f[f.rindex(")") + 2:].split()
+        if int(rest[3]) == session:
+            total += int(rest[11]) + int(rest[12])
+    return total / TICK
+
+
+def decode_step(url: str, batch: int, tokens: int, rng: random.Random) -> float:
+    """Median token gap over ``batch`` concurrent streams, the first 3 tokens skipped."""
+    with ThreadPoolExecutor(batch) as ex:
+        runs = list(ex.map(lambda ids: complete(url, ids, tokens),
+                           [prompt(rng, 32) for _ in range(batch)]))
+    gaps = [b - a for t in runs for a, b in zip(t[3:], t[4:], strict=False)]
+    return statistics.median(gaps)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", default="1,4")
+    ap.add_argument("--decode-tokens", type=int, default=40)
+    ap.add_argument("--prefill-tokens", type=int, default=1500)
+    ap.add_argument("--port", type=int, default=8931)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batch.split(",")]
+    env = VllmEnv()
+    if why := env.missing():
+        raise SystemExit(why)
+    logs = Path(tempfile.mkdtemp(prefix="yb-lend-ab-"))
+    master = start_master()
+    node = start_node(master.info["address"], "1GiB")
+    servers: dict[str, VllmServer] = {}
+    try:
+        port = args.port
+        for mode in ("lend", "pinned"):
+            for role, cpu in (("P", 0), ("D", 1)):
+                cfg = VllmServerConfig(port=port, master=master.info["address"],
+                                       dtype=args.dtype, threads=1, cpus=(cpu,),
+                                       lend_cpus=(0, 1) if mode == "lend" else (),
+                                       priority=EnginePriority(nice=19))
+                servers[mode + role] = VllmServer(cfg, logs / f"{mode}{role}.log", env)
+                port += 1
+        for s in servers.values():
+            s.wait_ready(1200)
+        rng = random.Random(7)
+        for s in servers.values():  # warm each (first steps build kernels)
+            decode_step(s.url, 2, 8, rng)
+        out: dict[str, list[float]] = {}
+        for _ in range(args.rounds):
+            for busy in (False, True):
+                for batch in batches:
+                    for mode in ("lend", "pinned"):
+                        p, d = servers[mode + "P"], servers[mode + "D"]
+                        stop = threading.Event()
+
+                        def prefills(url: str = p.url, stop: threading.Event = stop) -> None:
+                            r = random.Random()
+                            while not stop.is_set():
+                                complete(url, prompt(r, args.prefill_tokens), 1)
+
+                        bg = threading.Thread(target=prefills, daemon=True)
+                        if busy:
+                            bg.start()
+                            time.sleep(0.5)
+                        c0 = (cpu_s(d.proc.pid), cpu_s(p.proc.pid), time.perf_counter())
+                        step = decode_step(d.url, batch, args.decode_tokens, rng)
+                        c1 = (cpu_s(d.proc.pid), cpu_s(p.proc.pid), time.perf_counter())
+                        stop.set()
+                        if busy:
+                            bg.join()
+                        key = f"{mode} b{batch} {'prefilling' if busy else 'idle'}"
+                        wall = c1[2] - c0[2]
+                        out.setdefault(key + " step_ms", []).append(step * 1e3)
+                        out.setdefault(key + " D_cpu", []).append((c1[0] - c0[0]) / wall)
+                        out.setdefault(key + " P_cpu", []).append((c1[1] - c0[1]) / wall)
+        print(json.dumps({k: round(statistics.median(v), 2) for k, v in sorted(out.items())}
+                         | {"raw": {k: [round(x, 2) for x in v] for k, v in out.items()},
+                            "logs": str(logs)}, indent=1))
+        return 0
+    finally:
+        for s in servers.values():
+            s.stop()
+        node.stop()
+        master.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
