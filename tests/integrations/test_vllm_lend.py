@@ -11,11 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from yuebing.core.cpus import format_cpus
 from yuebing.core.errors import ConfigError
 from yuebing.instance.cores import CoreLedger
 from yuebing.integrations.vllm.config import VllmConnectorConfig
 from yuebing.integrations.vllm.lend import StepThreads
 from yuebing.integrations.vllm.server import VllmServerConfig
+
+
+def environ_outside() -> str | None:
+    import os
+    return os.environ.get("GOMP_CPU_AFFINITY")
 
 
 def _until(cond, timeout_s: float = 10.0) -> None:
@@ -70,10 +76,17 @@ def test_the_settings_that_turn_lending_on_and_their_refusals() -> None:
                            lend_cpus=usable)
     env = cfg.environ()
     assert cfg.affinity == usable and env["OMP_NUM_THREADS"] == str(len(usable))
+    # bound by libgomp in this order, own CPU first (vLLM's own binding sorts them)
+    order = own + tuple(c for c in usable if c not in own)
+    assert env["GOMP_CPU_AFFINITY"] == " ".join(map(str, order))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     extra = cfg.kv_transfer_config()["kv_connector_extra_config"]
     assert (extra["lend_threads"], extra["lend_cores"]) == (1, len(usable))
     pinned = VllmServerConfig(port=8001, master="tcp://127.0.0.1:1", threads=1, cpus=own)
     assert pinned.affinity == own and pinned.environ()["OMP_NUM_THREADS"] == "1"
+    assert "GOMP_CPU_AFFINITY" not in pinned.environ() or pinned.environ()[
+        "GOMP_CPU_AFFINITY"] == environ_outside()
+    assert pinned.environ()["VLLM_CPU_OMP_THREADS_BIND"] == format_cpus(own)
     assert "lend_threads" not in pinned.kv_transfer_config()["kv_connector_extra_config"]
     with pytest.raises(ConfigError, match="lend_cpus: the cores are lent by the connector"):
         VllmServerConfig(port=8001, threads=1, cpus=own, lend_cpus=usable)

