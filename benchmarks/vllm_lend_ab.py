@@ -38,8 +38,9 @@ def prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, VOCAB - 100) for _ in range(n)]
 
 
-def complete(url: str, ids: list[int], max_tokens: int) -> list[float]:
-    """Arrival times of a greedy stream's chunks."""
+def complete(url: str, ids: list[int], max_tokens: int, text: list[str] | None = None
+             ) -> list[float]:
+    """Arrival times of a greedy stream's chunks (its text appended to ``text``)."""
     body = json.dumps({"model": "smollm2-135m-instruct", "prompt": ids, "stream": True,
                        "max_tokens": max_tokens, "temperature": 0.0,
                        "ignore_eos": True}).encode()
@@ -50,6 +51,8 @@ def complete(url: str, ids: list[int], max_tokens: int) -> list[float]:
         for raw in r:
             if raw.startswith(b"data:") and b"[DONE]" not in raw:
                 times.append(time.perf_counter())
+                if text is not None:
+                    text.append(json.loads(raw[5:])["choices"][0].get("text", ""))
     return times
 
 
@@ -69,13 +72,16 @@ def cpu_s(session: int) -> float:
     return total / TICK
 
 
-def decode_step(url: str, batch: int, tokens: int, rng: random.Random) -> float:
-    """Median token gap over ``batch`` concurrent streams, the first 3 tokens skipped."""
+def decode_step(url: str, batch: int, tokens: int, rng: random.Random
+                ) -> tuple[float, list[str]]:
+    """Median token gap over ``batch`` concurrent streams, the first 3 tokens skipped, and
+    the streams' texts."""
+    texts: list[list[str]] = [[] for _ in range(batch)]
+    prompts = [prompt(rng, 32) for _ in range(batch)]
     with ThreadPoolExecutor(batch) as ex:
-        runs = list(ex.map(lambda ids: complete(url, ids, tokens),
-                           [prompt(rng, 32) for _ in range(batch)]))
+        runs = list(ex.map(lambda i: complete(url, prompts[i], tokens, texts[i]), range(batch)))
     gaps = [b - a for t in runs for a, b in zip(t[3:], t[4:], strict=False)]
-    return statistics.median(gaps)
+    return statistics.median(gaps), ["".join(t) for t in texts]
 
 
 def main() -> int:
@@ -108,9 +114,12 @@ def main() -> int:
         for s in servers.values():  # warm each (first steps build kernels)
             decode_step(s.url, 2, 8, rng)
         out: dict[str, list[float]] = {}
+        texts_same = [0, 0]  # streams whose greedy text was the same lent and pinned, of all
         for _ in range(args.rounds):
             for busy in (False, True):
                 for batch in batches:
+                    seed = rng.random()
+                    said: dict[str, list[str]] = {}
                     for mode in ("lend", "pinned"):
                         p, d = servers["P"], servers["D"]
                         if mode == "pinned":
@@ -128,7 +137,8 @@ def main() -> int:
                             bg.start()
                             time.sleep(0.5)
                         c0 = (cpu_s(d.proc.pid), cpu_s(p.proc.pid), time.perf_counter())
-                        step = decode_step(d.url, batch, args.decode_tokens, rng)
+                        step, said[mode] = decode_step(d.url, batch, args.decode_tokens,
+                                                       random.Random(seed))
                         c1 = (cpu_s(d.proc.pid), cpu_s(p.proc.pid), time.perf_counter())
                         stop.set()
                         if busy:
@@ -139,8 +149,12 @@ def main() -> int:
                         out.setdefault(key + " step_ms", []).append(step * 1e3)
                         out.setdefault(key + " D_cpu", []).append((c1[0] - c0[0]) / wall)
                         out.setdefault(key + " P_cpu", []).append((c1[1] - c0[1]) / wall)
+                    same = sum(a == b for a, b in zip(said["lend"], said["pinned"], strict=True))
+                    texts_same[0] += same
+                    texts_same[1] += batch
         print(json.dumps({k: round(statistics.median(v), 2) for k, v in sorted(out.items())}
                          | {"raw": {k: [round(x, 2) for x in v] for k, v in out.items()},
+                            "same_text_lent_vs_pinned": texts_same,
                             "logs": str(logs)}, indent=1))
         return 0
     finally:
