@@ -50,9 +50,12 @@ def complete(url: str, ids: list[int], max_tokens: int, text: list[str] | None =
     with urllib.request.urlopen(req, timeout=600) as r:
         for raw in r:
             if raw.startswith(b"data:") and b"[DONE]" not in raw:
+                chunk = json.loads(raw[5:])
+                if "choices" not in chunk:
+                    raise RuntimeError(f"{url}: {chunk}")
                 times.append(time.perf_counter())
                 if text is not None:
-                    text.append(json.loads(raw[5:])["choices"][0].get("text", ""))
+                    text.append(chunk["choices"][0].get("text", "") if chunk["choices"] else "")
     return times
 
 

@@ -138,10 +138,12 @@ class YuebingConnector(KVConnectorBase_V1):
         assert isinstance(meta, YuebingMeta)
         return meta
 
-    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
-        if self.lend is not None:  # before the step's forward
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM calls this first in each step, before it builds the step's attention metadata,
+        # which holds the thread count its CPU attention kernel must then run with
+        if self.lend is not None:
             self.lend.begin()
+        super().handle_preemptions(kv_connector_metadata)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()

@@ -1,7 +1,8 @@
 """`StepThreads`: a vLLM worker's steps borrow the idle cores of the host's other instances.
 
-`YuebingConnector`'s worker half calls `begin` when vLLM binds a step's connector metadata
-(before the forward) and `end` when it clears it (after the forward and the saves): `begin`
+`YuebingConnector`'s worker half calls `begin` at the start of vLLM's step (`handle_preemptions`,
+before the attention metadata, which holds the thread count) and `end` when vLLM clears the
+step's connector metadata (after the forward and the saves): `begin`
 takes a slot's threads from the host's `CoreLedger` (``instance/cores.py``, as yuebing's own
 instances do with ``--lend-cores``) and sets the step's OpenMP threads; `end` sets them back to
 the instance's own and keeps its claim. vLLM says nothing when it runs out of work, so a claim
