@@ -75,6 +75,25 @@ def cpu_s(session: int) -> float:
     return total / TICK
 
 
+def thread_cpu_s(session: int) -> dict[int, float]:
+    """CPU seconds so far of each thread of a session's processes."""
+    out: dict[int, float] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            f = (d / "stat").read_text()
+            if int(f[f.rindex(")") + 2:].split()[3]) != session:
+                continue
+            for t in (d / "task").iterdir():
+                r = (t / "stat").read_text()
+                rest = r[r.rindex(")") + 2:].split()
+                out[int(t.name)] = (int(rest[11]) + int(rest[12])) / TICK
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def decode_step(url: str, batch: int, tokens: int, rng: random.Random
                 ) -> tuple[float, list[str]]:
     """Median token gap over ``batch`` concurrent streams, the first 3 tokens skipped, and
@@ -117,7 +136,8 @@ def main() -> int:
         for s in servers.values():  # warm each (first steps build kernels)
             decode_step(s.url, 2, 8, rng)
         out: dict[str, list[float]] = {}
-        texts_same = [0, 0]  # streams whose greedy text was the same lent and pinned, of all
+        # per batch: streams whose greedy text was the same lent and pinned, of all compared
+        texts_same: dict[str, list[int]] = {}
         for _ in range(args.rounds):
             for busy in (False, True):
                 for batch in batches:
@@ -139,10 +159,12 @@ def main() -> int:
                         if busy:
                             bg.start()
                             time.sleep(0.5)
+                        t0 = thread_cpu_s(d.proc.pid)
                         c0 = (cpu_s(d.proc.pid), cpu_s(p.proc.pid), time.perf_counter())
                         step, said[mode] = decode_step(d.url, batch, args.decode_tokens,
                                                        random.Random(seed))
                         c1 = (cpu_s(d.proc.pid), cpu_s(p.proc.pid), time.perf_counter())
+                        t1 = thread_cpu_s(d.proc.pid)
                         stop.set()
                         if busy:
                             bg.join()
@@ -152,9 +174,13 @@ def main() -> int:
                         out.setdefault(key + " step_ms", []).append(step * 1e3)
                         out.setdefault(key + " D_cpu", []).append((c1[0] - c0[0]) / wall)
                         out.setdefault(key + " P_cpu", []).append((c1[1] - c0[1]) / wall)
+                        busy_threads = sorted((t1[t] - t0.get(t, 0.0)) / wall for t in t1)
+                        out.setdefault(key + " D_2nd_busiest_thread_cpu", []).append(
+                            busy_threads[-2] if len(busy_threads) > 1 else 0.0)
                     same = sum(a == b for a, b in zip(said["lend"], said["pinned"], strict=True))
-                    texts_same[0] += same
-                    texts_same[1] += batch
+                    texts_same.setdefault(f"b{batch}", [0, 0])
+                    texts_same[f"b{batch}"][0] += same
+                    texts_same[f"b{batch}"][1] += batch
         print(json.dumps({k: round(statistics.median(v), 2) for k, v in sorted(out.items())}
                          | {"raw": {k: [round(x, 2) for x in v] for k, v in out.items()},
                             "same_text_lent_vs_pinned": texts_same,

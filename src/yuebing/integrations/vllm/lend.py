@@ -1,12 +1,12 @@
 """`StepThreads`: a vLLM worker's steps borrow the idle cores of the host's other instances.
 
-`YuebingConnector`'s worker half calls `begin` at the start of vLLM's step (`handle_preemptions`,
+`YuebingConnector`'s worker half calls `begin` first in each vLLM step (`handle_preemptions`,
 before the attention metadata, which holds the thread count) and `end` when vLLM clears the
-step's connector metadata (after the forward and the saves): `begin`
-takes a slot's threads from the host's `CoreLedger` (``instance/cores.py``, as yuebing's own
-instances do with ``--lend-cores``) and sets the step's OpenMP threads; `end` sets them back to
-the instance's own and keeps its claim. vLLM says nothing when it runs out of work, so a claim
-no step renews within `IDLE_AFTER_S` is dropped by a timer thread: the instance is then idle.
+step's connector metadata (after the forward and the saves). `begin` takes the threads of the
+host's `CoreLedger` (``instance/cores.py``, as yuebing's own instances with ``--lend-cores``)
+and sets the step's OpenMP threads; `end` sets back the instance's own and keeps its claim.
+vLLM says nothing when it runs out of work, so a claim that no step renews within
+`IDLE_AFTER_S` is dropped by a timer thread: the instance is then idle.
 """
 
 from __future__ import annotations
