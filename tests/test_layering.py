@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "sim": {"core", "conductor.policy", "conductor.view", "trace"},
     "bench": {"core", "trace"},
     "integrations": {"core", "protocol", "store", "transfer", "instance.kvkeys",
-                     "instance.profile_cache", "ops",
+                     "instance.profile_cache", "instance.cores", "ops",
                      "cluster.discovery"},
     "cluster": {"*"},
     "cli": {"*"},

@@ -60,7 +60,7 @@ MANAGED = {
 }
 """Fields of a role's config that the plan sets itself for each child (not offered to the user;
 the cluster token reaches every child through its environment, never its command line)."""
-VLLM_PASSED = ("engine_nice", "engine_idle")
+VLLM_PASSED = ("engine_nice", "engine_idle", "lend_cores")
 """Instance flags that ``--engine vllm`` gives each ``yuebing vllm instance`` too (besides
 ``--dtype``, passed on its own: ``auto`` stays the adapter's default)."""
 

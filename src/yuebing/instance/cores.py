@@ -51,9 +51,10 @@ def _alive(pid: int, started: int) -> bool:
 class CoreLedger:
     """This process's slot in the host's ledger; see the module docstring."""
 
-    def __init__(self, threads: int, path: Path | None = None) -> None:
+    def __init__(self, threads: int, path: Path | None = None, cores: int = 0) -> None:
         self.threads = threads
-        self.cores = len(os.sched_getaffinity(0))
+        self.cores = cores or len(os.sched_getaffinity(0))
+        """The host's cores the steps share (default: the calling thread's affinity)."""
         self.path = path or ledger_path()
         self._start = _started(os.getpid())
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)

@@ -36,6 +36,13 @@ class VllmConnectorConfig:
     max_pending_save_bytes: int = field(default=256 << 20, metadata={
         "help": "copies of blocks waiting for their put hold at most this much memory; a save "
                 "beyond it is dropped (a later miss, never a stall)"})
+    lend_threads: int = field(default=0, metadata={
+        "help": "lend cores: each step runs with this many OpenMP threads (the instance's "
+                "own) plus the host's cores no other instance claims, through the host's core "
+                "ledger; vLLM's OpenMP pool must span lend_cores (0 = no lending)"})
+    lend_cores: int = field(default=0, metadata={
+        "help": "with lend_threads: the cores the host's instances share, vLLM's OpenMP "
+                "threads (0 = the worker's CPU affinity)"})
 
     def __post_init__(self) -> None:
         require(bool(self.master), "master (the store master's address) is required")
@@ -45,6 +52,12 @@ class VllmConnectorConfig:
         require(self.load_timeout_s > 0 and self.save_timeout_s > 0,
                 "load_timeout_s and save_timeout_s must be > 0")
         require(self.max_pending_save_bytes >= 0, "max_pending_save_bytes must be >= 0")
+        require(self.lend_threads >= 0 and self.lend_cores >= 0,
+                f"lend_threads and lend_cores must be >= 0, got {self.lend_threads} and "
+                f"{self.lend_cores}")
+        require(not self.lend_cores or self.lend_threads <= self.lend_cores,
+                f"lend_threads {self.lend_threads} (the instance's own threads) is more than "
+                f"lend_cores {self.lend_cores} (the cores shared)")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> VllmConnectorConfig:

@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 
 from yuebing.integrations.vllm.config import VllmConnectorConfig  # noqa: E402
 from yuebing.integrations.vllm.layout import KvLayout, check_expected, model_id  # noqa: E402
+from yuebing.integrations.vllm.lend import StepThreads  # noqa: E402
 from yuebing.integrations.vllm.plan import LoadJob, SaveJob  # noqa: E402
 from yuebing.integrations.vllm.scheduler import SchedulerSide, StoreLookup  # noqa: E402
 from yuebing.integrations.vllm.stream import StreamJob  # noqa: E402
@@ -110,6 +111,7 @@ class YuebingConnector(KVConnectorBase_V1):
         save = self.cfg.save and ktc.kv_role != "kv_consumer"
         self.sched: SchedulerSide | None = None
         self.work: WorkerSide | None = None
+        self.lend: StepThreads | None = None
         if role == KVConnectorRole.SCHEDULER:
             lookup = StoreLookup(_client(self.cfg, self.cfg.load_timeout_s),
                                  self.cfg.load_timeout_s)
@@ -120,6 +122,13 @@ class YuebingConnector(KVConnectorBase_V1):
                 _client(self.cfg, self.cfg.save_timeout_s) if save else None,
                 self.cfg.load_timeout_s, self.cfg.save_timeout_s,
                 self.cfg.max_pending_save_bytes, transfer=_transfer_engine)
+            if self.cfg.lend_threads:
+                from yuebing.instance.cores import CoreLedger
+                # vLLM-CPU's worker replaces torch.set_num_threads with a no-op after its
+                # thread binding; torch._C.set_num_threads (omp_set_num_threads) is the original
+                self.lend = StepThreads(CoreLedger(self.cfg.lend_threads,
+                                                   cores=self.cfg.lend_cores),
+                                        torch._C.set_num_threads)
         log.info("yuebing connector (%s): store %s, fingerprint %s, load %s, save %s",
                  role, self.cfg.master, self.layout.fingerprint(), load, save)
 
@@ -128,6 +137,18 @@ class YuebingConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, YuebingMeta)
         return meta
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM calls this first in each step, before it builds the step's attention metadata,
+        # which holds the thread count its CPU attention kernel must then run with
+        if self.lend is not None:
+            self.lend.begin()
+        super().handle_preemptions(kv_connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self.lend is not None:  # after its forward and its saves
+            self.lend.end()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.work is not None
@@ -163,6 +184,8 @@ class YuebingConnector(KVConnectorBase_V1):
         return self.work.load_errors() if self.work is not None else set()
 
     def shutdown(self) -> None:
+        if self.lend is not None:
+            self.lend.close()
         if self.work is not None:
             self.work.close()
         if self.sched is not None and isinstance(self.sched.lookup, StoreLookup):

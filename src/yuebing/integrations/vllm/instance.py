@@ -97,6 +97,11 @@ class VllmInstanceConfig:
     threads: int = field(default=0, metadata={
         "help": "the started vLLM's OpenMP threads, bound to the first of --cpus (0 = one per "
                 "CPU of --cpus; part of the configuration its start-up profile holds for)"})
+    lend_cores: bool = field(default=True, metadata={
+        "help": "with --cpus narrower than the CPUs this process may use: the started vLLM "
+                "runs on all of those, steps with --threads of its own and borrows the cores "
+                "no other instance of this host claims (yuebing's core ledger in /dev/shm, as "
+                "`yuebing serve --lend-cores`); --no-lend-cores keeps it on --cpus"})
     accelerator: str = field(default="", metadata={
         "help": "with --vllm-url: what that vLLM runs on, e.g. '8x H100-80GB TP8' or 'Xeon "
                 "8480 cpu 32 threads', the key its start-up profile is cached and shared "
@@ -179,6 +184,14 @@ class VllmInstanceConfig:
     def cpu_set(self) -> tuple[int, ...]:
         """The CPUs the vLLM started here runs on (--cpus, else all this process may use)."""
         return parse_cpus(self.cpus) if self.cpus else usable_cpus()
+
+    def lend_cpus(self) -> tuple[int, ...]:
+        """The CPUs the started vLLM shares with the host's other instances, its own first
+        (() = it keeps to `cpu_set`: --no-lend-cores, --vllm-url, or --cpus all it may use)."""
+        if not self.lend_cores or self.vllm_url or not self.cpus:
+            return ()
+        own, usable = self.cpu_set(), usable_cpus()
+        return usable if set(usable) - set(own) else ()
 
     @property
     def omp_threads(self) -> int:

@@ -51,11 +51,14 @@ def signature(version: str, model: str, dtype: str, block_size: int, layout: str
             "block_size": str(block_size), "kv": layout, **hardware}
 
 
-def started_hardware(threads: int) -> dict[str, str]:
+def started_hardware(threads: int, lend_cores: int = 0) -> dict[str, str]:
     """What the vLLM-CPU server a ``yuebing vllm instance`` starts runs on: this processor,
-    with ``threads`` OpenMP threads."""
-    return {"accelerator": "cpu", "threads": str(threads),
-            "machine": f"{cpu_name()} | {threads} cores"}
+    with ``threads`` OpenMP threads of its own (and borrowing among ``lend_cores``)."""
+    if not lend_cores:
+        return {"accelerator": "cpu", "threads": str(threads),
+                "machine": f"{cpu_name()} | {threads} cores"}
+    return {"accelerator": "cpu", "threads": str(threads), "lend_cores": str(lend_cores),
+            "machine": f"{cpu_name()} | {threads} cores, lending among {lend_cores}"}
 
 
 def given_hardware(accelerator: str) -> dict[str, str]:

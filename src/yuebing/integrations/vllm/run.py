@@ -93,7 +93,7 @@ def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
                                 block_size=cfg.block_size,
                                 store_block_tokens=cfg.store_block_tokens,
                                 max_model_len=cfg.max_model_len, threads=cfg.omp_threads,
-                                cpus=cfg.cpu_set(),
+                                cpus=cfg.cpu_set(), lend_cpus=cfg.lend_cpus(),
                                 kv_events_port=max(0, cfg.kv_events_port),
                                 kv_replay_port=max(0, cfg.kv_replay_port),
                                 priority=cfg.priority)
@@ -109,7 +109,9 @@ def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
             server.wait_ready()
             loading.close()
             cfg = started_config(cfg, server.url)
-        engine, profile = startup_profile(cfg, started=server is not None)
+        engine, profile = startup_profile(
+            cfg, started=server is not None,
+            lend_cores=len(server.cfg.lend_cpus) if server is not None else 0)
         return asyncio.run(_serve(cfg, ready_file, server, engine, profile))
     finally:
         if server is not None:  # one still loading may not act on SIGTERM: killed soon
@@ -128,14 +130,15 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def startup_profile(cfg: VllmInstanceConfig, started: bool
+def startup_profile(cfg: VllmInstanceConfig, started: bool, lend_cores: int = 0
                     ) -> tuple[dict[str, str], EngineProfile | None]:
     """The running vLLM's configuration (`profile.signature`: ``started`` here, or at
     ``--vllm-url`` on the ``--accelerator`` named) and, unless ``--no-startup-profile``, its
     start-up profile (cached or measured now); SystemExit naming the cause when vLLM does not
     answer or the profile fails."""
     layout = cfg.layout()
-    hardware = started_hardware(cfg.omp_threads) if started else given_hardware(cfg.accelerator)
+    hardware = (started_hardware(cfg.omp_threads, lend_cores) if started
+                else given_hardware(cfg.accelerator))
     try:
         version = server_version(cfg.vllm_url)
         sig = signature(version, cfg.served_name, cfg.dtype, cfg.block_size,

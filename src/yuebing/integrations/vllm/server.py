@@ -70,6 +70,11 @@ class VllmServerConfig:
     """The CPUs the server's processes run on (its affinity, set before its exec); its
     ``threads`` OpenMP threads are bound to the first ``threads`` of them (() = not pinned,
     the threads bound to the first CPUs this process may use)."""
+    lend_cpus: tuple[int, ...] = ()
+    """The host's CPUs this server shares with the host's other instances (() = no lending):
+    its processes run on all of them, its OpenMP pool spans them, and each step runs with
+    ``threads`` plus the ones no other instance claims (the connector's `lend.StepThreads`
+    on the host's core ledger). ``cpus`` must be among them."""
     enforce_eager: bool = True
     extra: tuple[tuple[str, Any], ...] = ()
     """More ``kv_connector_extra_config`` settings."""
@@ -91,11 +96,28 @@ class VllmServerConfig:
         require(1 <= self.threads <= len(self.cpus or usable_cpus()),
                 f"threads {self.threads}: vLLM binds each OpenMP thread to a CPU of its own, "
                 f"and it has {format_cpus(self.cpus or usable_cpus())}")
+        if self.lend_cpus:
+            require(bool(self.master), "lend_cpus: the cores are lent by the connector, and "
+                    "this server has none (no store master)")
+            outside = tuple(c for c in self.cpus if c not in self.lend_cpus)
+            require(bool(self.cpus) and not outside,
+                    f"lend_cpus {format_cpus(self.lend_cpus)} must hold the server's own CPUs "
+                    f"{format_cpus(self.cpus) or '(none given)'}")
 
     @property
     def omp_cpus(self) -> tuple[int, ...]:
-        """The CPUs vLLM's OpenMP threads are bound to, one each."""
+        """The CPUs vLLM's OpenMP threads are bound to, one each, in the threads' order (when
+        lending: all of `lend_cpus`, its own `cpus` first, so that the thread that runs the
+        forward, OpenMP's first, stays on its own core)."""
+        if self.lend_cpus:
+            own = self.cpus[:self.threads]
+            return own + tuple(c for c in self.lend_cpus if c not in own)
         return (self.cpus or usable_cpus())[:self.threads]
+
+    @property
+    def affinity(self) -> tuple[int, ...]:
+        """The CPUs the server's processes run on (() = not pinned)."""
+        return self.lend_cpus or self.cpus
 
     def kv_transfer_config(self) -> dict[str, Any]:
         return {"kv_connector": "YuebingConnector",
@@ -103,6 +125,9 @@ class VllmServerConfig:
                 "kv_role": self.kv_role, "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"master": self.master,
                                               "store_block_tokens": self.store_block_tokens,
+                                              **({"lend_threads": self.threads,
+                                                  "lend_cores": len(self.lend_cpus)}
+                                                 if self.lend_cpus else {}),
                                               **dict(self.extra)}}
 
     def argv(self, env: VllmEnv) -> list[str]:
@@ -126,9 +151,15 @@ class VllmServerConfig:
         return argv
 
     def environ(self) -> dict[str, str]:
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads),
+        env = {**os.environ, "OMP_NUM_THREADS": str(len(self.omp_cpus)),
                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                "VLLM_CPU_OMP_THREADS_BIND": format_cpus(self.omp_cpus),
+               # lending: vLLM's binding sorts the CPUs (its first thread would sit on the
+               # lowest, in every instance); bound here instead, own CPUs first, through
+               # the libgomp vLLM preloads (torch's)
+               **({"VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                   "GOMP_CPU_AFFINITY": " ".join(map(str, self.omp_cpus))}
+                  if self.lend_cpus else {}),
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                "PYTHONPATH": os.pathsep.join(
                    p for p in (str(SRC), environment.get("PYTHONPATH")) if p)}
@@ -156,16 +187,16 @@ class VllmServer:
         self.env = env or VllmEnv()
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{cfg.port}"
-        require_usable(cfg.cpus, "vLLM server CPUs")  # before the child: its error is opaque
+        require_usable(cfg.affinity, "vLLM server CPUs")  # before the child: its error is opaque
         with log_path.open("wb") as out:
             try:
                 self.proc = subprocess.Popen(
                     cfg.argv(self.env), env=cfg.environ(), stdout=out, stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=lambda: _child_setup(cfg.priority, cfg.cpus))
+                    preexec_fn=lambda: _child_setup(cfg.priority, cfg.affinity))
             except subprocess.SubprocessError as e:  # the set-up before exec failed
                 raise ConfigError(
-                    f"vLLM server: setting its CPUs {format_cpus(cfg.cpus) or '(not pinned)'} "
+                    f"vLLM server: setting its CPUs {format_cpus(cfg.affinity) or '(not pinned)'} "
                     f"(usable: {format_cpus(usable_cpus())}) and priority (nice "
                     f"{cfg.priority.nice}{', idle' if cfg.priority.idle else ''}) before its "
                     f"exec failed: {e}") from e
