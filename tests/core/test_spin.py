@@ -5,6 +5,7 @@ spin, or a yield shows the CPU went to other work."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -105,6 +106,28 @@ def test_a_switch_out_since_the_last_spin_turns_spinning_off(
     assert s.wait(Poll(ready_at=3), 1.0) == ["ready"] and s.lost == 1
     switches[0] += 1  # but a switch-out soon after a loss is contention again
     assert s.wait(Poll(ready_at=3), 1.0) == [] and s.lost == 2
+
+
+def test_another_thread_taking_the_spinner_over_is_not_contention(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The count is per thread, a Spinner per connection: a connection used by one submitting
+    thread at a time sees another count when the thread changes, which is no switch-out."""
+    monkeypatch.setattr(spin, "LOST_S", float("inf"))
+    counts = {"a": 5, "b": 900}
+    who = ["a"]
+    monkeypatch.setattr(spin, "switched_out", lambda: counts[who[0]])
+    monkeypatch.setattr(spin, "threading", SimpleNamespace(get_ident=lambda: ord(who[0])))
+    s = Spinner()
+    for name in ("a", "b", "a", "b", "a", "b"):
+        who[0] = name
+        assert s.wait(Poll(ready_at=3), 1.0) == ["ready"]
+    assert s.lost == 0
+    who[0] = "a"
+    assert s.wait(Poll(ready_at=3), 1.0) == ["ready"]  # a's turn again: takes its count anew
+    for _ in range(2):  # then preempted between its spins, twice in a row: contended
+        counts["a"] += 1
+        s.wait(Poll(ready_at=3), 1.0)
+    assert s.lost == 1
 
 
 def test_switched_out_counts_this_threads_involuntary_switches() -> None:

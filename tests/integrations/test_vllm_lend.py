@@ -95,7 +95,7 @@ def test_the_settings_that_turn_lending_on_and_their_refusals() -> None:
                          lend_cpus=(0,))
 
 
-def test_vllm_instances_lend_their_cores_unless_told_not_to(tmp_path, monkeypatch) -> None:
+def test_vllm_instances_lend_their_cores_only_when_asked(tmp_path, monkeypatch) -> None:
     import argparse
 
     import yuebing.cluster.serve as serve
@@ -107,8 +107,8 @@ def test_vllm_instances_lend_their_cores_unless_told_not_to(tmp_path, monkeypatc
     from yuebing.integrations.vllm.profile import started_hardware
 
     monkeypatch.setattr(instance, "usable_cpus", lambda: (0, 1))
-    assert VllmInstanceConfig(cpus="1").lend_cpus() == (0, 1)
-    assert VllmInstanceConfig(cpus="1", lend_cores=False).lend_cpus() == ()
+    assert VllmInstanceConfig(cpus="1", lend_cores=True).lend_cpus() == (0, 1)
+    assert VllmInstanceConfig(cpus="1").lend_cpus() == ()  # opt-in
     assert VllmInstanceConfig().lend_cpus() == ()  # every CPU already its own
     assert started_hardware(1, 2)["lend_cores"] == "2"  # another profile than pinned
     assert "lend_cores" not in started_hardware(1)
@@ -124,8 +124,9 @@ def test_vllm_instances_lend_their_cores_unless_told_not_to(tmp_path, monkeypatc
         p.add_argument("--ready-file")
         return config_from_args(VllmInstanceConfig, p.parse_args(a[a.index("instance") + 1:]))
 
-    on = adapter(ServeConfig(prefill=1, decode=1, engine="vllm"))
-    assert on.cpus == "1" and on.lend_cores
-    off = adapter(ServeConfig(prefill=1, decode=1, engine="vllm",
-                              instance=InstanceConfig(lend_cores=False)))
-    assert off.cpus == "1" and not off.lend_cores
+    # `serve --engine vllm` keeps each vLLM on its own CPUs, whatever its --lend-cores (which
+    # lends yuebing's own instances' cores, on by default)
+    for lend in (True, False):
+        got = adapter(ServeConfig(prefill=1, decode=1, engine="vllm",
+                                  instance=InstanceConfig(lend_cores=lend)))
+        assert got.cpus == "1" and not got.lend_cores

@@ -50,9 +50,10 @@ class Spinner:
     burnt spinning counts against this process's fair share, so its wake-ups stop preempting
     them and each reply waits out their time slice (a nice-19 ping-pong beside busy tasks:
     4-15x slower than blocking, benchmarks/spin_contention.py). So spinning turns off for a back-off
-    when this thread was switched out while runnable since its last spin (`switched_out`:
-    preempted, or a yield that handed the CPU away) within `CATCHES_TO_HALVE` spins of the
-    previous switch-out (a lone one — a kernel thread, a timer — is not contention), or when
+    when this thread was preempted between two of its spins (`switched_out`; the yields inside
+    a spin, which hand the CPU to a peer on purpose, are not counted) within `CATCHES_TO_HALVE`
+    spins of the previous preemption (a lone one — a kernel thread, a timer — is not
+    contention; another thread taking the Spinner over takes the count anew), or when
     one yield takes longer than `LOST_S` (where the count is missing). The back-off doubles per
     loss up to `MAX_BACKOFF_S` and halves per `CATCHES_TO_HALVE` spins that catch their event;
     the caller then blocks as usual. The first spin after a back-off takes the count anew."""
@@ -62,8 +63,10 @@ class Spinner:
     def __init__(self) -> None:
         self._off_until = 0.0
         self._backoff = BACKOFF_S
-        self._switched = -1
-        """`switched_out` at the last spin; -1: take it anew (start, after a back-off)."""
+        self._switched: tuple[int, int] | None = None
+        """(thread, `switched_out`) when the last spin ended; None: take it anew (start, after
+        a back-off). Only switches between spins count: a yield inside one that hands the CPU
+        to a peer is counted by the kernel too, and is what the spin is for."""
         self._clean = CATCHES_TO_HALVE
         """Spins since the thread was last switched out (after a loss: since the loss)."""
         self.lost = 0
@@ -83,13 +86,13 @@ class Spinner:
         now = time.perf_counter()
         if now < self._off_until:
             return got
-        switched = switched_out()
-        if switched == self._switched:
-            self._clean += 1
-        else:
-            known, self._switched = self._switched >= 0, switched
-            if known:  # something else wanted this CPU since the last spin
-                if self._clean < CATCHES_TO_HALVE:  # and not long ago before: contended
+        thread = threading.get_ident()
+        last = self._switched
+        if last is not None and last[0] == thread and last[1] >= 0:
+            if switched_out() == last[1]:
+                self._clean += 1
+            else:  # something else took this CPU from us since the last spin
+                if self._clean < CATCHES_TO_HALVE:  # and not long before: contended
                     self._lose(now)
                     return got
                 self._clean = 0
@@ -100,17 +103,18 @@ class Spinner:
             got = poll()
             if got:  # spinning pays again, slowly: one catch saves far less than a loss costs
                 self._backoff = max(BACKOFF_S, self._backoff * 0.5 ** (1 / CATCHES_TO_HALVE))
-                return got
+                break
             if after - now > LOST_S:  # the CPU went to other work: stop spinning for a while
                 self._lose(after)
                 return got
             now = after
+        self._switched = (thread, switched_out())
         return got
 
     def _lose(self, now: float) -> None:
         """Spinning off until ``now`` plus the back-off, which doubles."""
         self.lost += 1
-        self._switched, self._clean = -1, 0
+        self._switched, self._clean = None, 0
         self._off_until = now + self._backoff
         self._backoff = min(2 * self._backoff, MAX_BACKOFF_S)
 

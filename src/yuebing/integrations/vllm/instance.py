@@ -97,11 +97,12 @@ class VllmInstanceConfig:
     threads: int = field(default=0, metadata={
         "help": "the started vLLM's OpenMP threads, bound to the first of --cpus (0 = one per "
                 "CPU of --cpus; part of the configuration its start-up profile holds for)"})
-    lend_cores: bool = field(default=True, metadata={
-        "help": "with --cpus narrower than the CPUs this process may use: the started vLLM "
-                "runs on all of those, steps with --threads of its own and borrows the cores "
-                "no other instance of this host claims (yuebing's core ledger in /dev/shm, as "
-                "`yuebing serve --lend-cores`); --no-lend-cores keeps it on --cpus"})
+    lend_cores: bool = field(default=False, metadata={
+        "help": "opt-in, for two vLLM instances alone on a host: with --cpus narrower than the "
+                "CPUs this process may use, the started vLLM runs on all of those, steps with "
+                "--threads of its own and borrows the cores no other instance of this host "
+                "claims (yuebing's core ledger in /dev/shm); off: it keeps to --cpus. Off by "
+                "default: it showed no step gain here (docs/serving.md, \"Lending cores\")"})
     accelerator: str = field(default="", metadata={
         "help": "with --vllm-url: what that vLLM runs on, e.g. '8x H100-80GB TP8' or 'Xeon "
                 "8480 cpu 32 threads', the key its start-up profile is cached and shared "
