@@ -35,13 +35,14 @@ def test_a_step_borrows_the_idle_peers_core_and_an_instance_without_steps_goes_i
         tmp_path: Path) -> None:
     path = tmp_path / "ledger"
     set_to: list[int] = []
-    lend = StepThreads(CoreLedger(1, path, cores=2), set_to.append, idle_after_s=0.05)
+    lend = StepThreads(CoreLedger(1, path, cores=2), set_to.append, idle_after_s=0.5)
     peer = CoreLedger(1, path, cores=2)  # the other instance (another slot of the file)
     try:
         assert lend.begin() == 2 and set_to == [2]  # the peer is idle: both cores
         lend.end()
         assert set_to == [2, 1]  # own threads again for what vLLM runs after the forward
-        assert peer.acquire() == 1  # our claim outlives the step: the peer keeps to its own
+        assert peer.acquire() == 1  # our claim outlives the step (idle_after_s: long, so a
+        # starved test process is not idle yet): the peer keeps to its own
         peer.release(idle=True)
         _until(lambda: peer.acquire() == 2)  # no step for idle_after_s: we are idle
         # the peer steps on both cores: our next step waits for it, then runs on our own

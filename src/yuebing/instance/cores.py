@@ -1,12 +1,13 @@
 """`CoreLedger`: the instances of one host lend each other their idle cores (``--lend-cores``).
 
-Each instance's `EngineDriver` holds a slot in a host-wide ledger (a small shared-memory file,
+Each instance's `EngineDriver` (a vLLM worker's `integrations.vllm.lend.StepThreads`, opt-in)
+holds a slot in a host-wide ledger (a small shared-memory file,
 ``/dev/shm/yuebing-cores-v3-<uid>``): its own threads, its *claim* (its own threads while it
 has work, 0 when idle) and the threads it *uses* during a step (0 between steps). Before each
 step `acquire` claims its own threads, waits until the others' steps leave room for them and
 steps with its own threads plus every core nobody claims; `release` after the step. A lender
-that gets work so waits for the borrower's current step to end, and steps never run more
-threads than the host has cores (OpenMP threads spin at every barrier).
+that gets work so waits for the borrower's current step to end (at most `WAIT_MAX_S`), so
+steps keep within the host's cores (OpenMP threads spin at every barrier).
 """
 
 from __future__ import annotations
