@@ -1,7 +1,7 @@
 """What spinning costs on a contended CPU: a request/answer ping-pong between two processes over a
 socket pair (each side does a few µs of Python per message, as the store's client and master do),
-the waiting side using `core.spin.Spinner` as the store's RPC does, with and without its
-contention check (`switched_out`), or always sleeping in ``poll``. Modes alternate per round.
+the waiting side either spinning with `core.spin.Spinner` as the store's RPC does, or always
+sleeping in ``poll``. Modes alternate per round.
 
     .venv/bin/python benchmarks/spin_contention.py --rounds 5                 # as the machine is
     .venv/bin/python benchmarks/spin_contention.py --rounds 5 --busy 2 --nice 19   # beside busy tasks
@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from yuebing.core import spin
 
-MODES = ("check", "nocheck", "block")
+MODES = ("spin", "block")
 
 
 def _work() -> int:
@@ -49,8 +49,6 @@ def _waiter(sock: socket.socket, mode: str, window_s: float) -> Callable[[], Non
 
 
 def one(mode: str, n: int, window_s: float) -> dict[str, float]:
-    if mode == "nocheck":
-        spin.switched_out = lambda: -1  # the spinner as it was: no contention check
     a, b = socket.socketpair()
     a.setblocking(False)
     b.setblocking(False)
@@ -108,7 +106,7 @@ def main() -> None:
     print(json.dumps({
         "busy": ns.busy, "nice": ns.nice,
         **{f"{m}_{k}": round(v, 2) for m, d in med.items() for k, v in d.items()},
-        **{f"{m}_over_block": round(med[m]["us"] / med["block"]["us"], 2) for m in MODES[:2]},
+        "spin_over_block": round(med["spin"]["us"] / med["block"]["us"], 2),
         "rounds_us": {m: [round(x["us"], 1) for x in v] for m, v in res.items()}}))
 
 

@@ -1,23 +1,14 @@
 """`Spinner`: returns as soon as the poll is ready, is bounded by its window, and turns itself
-off (with a doubling back-off) when the thread was switched out while runnable since its last
-spin, or a yield shows the CPU went to other work."""
+off (with a doubling back-off) when a yield shows the CPU went to other work."""
 
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from yuebing.core import spin
-from yuebing.core.spin import GapPredictor, Spinner, switched_out
-
-
-@pytest.fixture(autouse=True)
-def _uncontended(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No switch count (as where the platform has none): a test machine's own load must not
-    turn spinning off; the tests of the count set their own."""
-    monkeypatch.setattr(spin, "switched_out", lambda: -1)
+from yuebing.core.spin import GapPredictor, Spinner
 
 
 class Poll:
@@ -79,60 +70,6 @@ def test_a_peer_answering_during_a_long_yield_is_not_a_loss(monkeypatch: pytest.
     s = Spinner()
     assert s.wait(Poll(ready_at=2), 1.0) == ["ready"]
     assert (s.lost, s.enabled) == (0, True)
-
-
-def test_a_switch_out_since_the_last_spin_turns_spinning_off(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Another task took this thread's CPU between two spins (preempted, or a yield handed it
-    away) within `CATCHES_TO_HALVE` spins of the last time: spinning would burn the share that
-    lets its wake-ups preempt, so it backs off; the first spin after it takes the count anew."""
-    monkeypatch.setattr(spin, "LOST_S", float("inf"))
-    switches = [7]
-    monkeypatch.setattr(spin, "switched_out", lambda: switches[0])
-    s = Spinner()
-    assert s.wait(Poll(ready_at=3), 1.0) == ["ready"]  # the first spin takes the count
-    assert s.wait(Poll(ready_at=3), 1.0) == ["ready"] and s.lost == 0  # unchanged: spins
-    switches[0] += 1  # a lone switch-out (none in the spins before): still spins
-    assert s.wait(Poll(ready_at=3), 1.0) == ["ready"] and s.lost == 0
-    for _ in range(3):
-        assert s.wait(Poll(ready_at=3), 1.0) == ["ready"]
-    switches[0] += 1  # another, a few spins later: contended
-    p = Poll(ready_at=3)
-    assert s.wait(p, 1.0) == [] and p.calls == 1  # one poll, then off
-    assert (s.lost, s.enabled) == (1, False)
-    assert s._backoff == pytest.approx(2 * spin.BACKOFF_S)
-    s._off_until = 0.0  # the back-off is over
-    switches[0] += 5  # switched out during it: not held against the next spin
-    assert s.wait(Poll(ready_at=3), 1.0) == ["ready"] and s.lost == 1
-    switches[0] += 1  # but a switch-out soon after a loss is contention again
-    assert s.wait(Poll(ready_at=3), 1.0) == [] and s.lost == 2
-
-
-def test_another_thread_taking_the_spinner_over_is_not_contention(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The count is per thread, a Spinner per connection: a connection used by one submitting
-    thread at a time sees another count when the thread changes, which is no switch-out."""
-    monkeypatch.setattr(spin, "LOST_S", float("inf"))
-    counts = {"a": 5, "b": 900}
-    who = ["a"]
-    monkeypatch.setattr(spin, "switched_out", lambda: counts[who[0]])
-    monkeypatch.setattr(spin, "threading", SimpleNamespace(get_ident=lambda: ord(who[0])))
-    s = Spinner()
-    for name in ("a", "b", "a", "b", "a", "b"):
-        who[0] = name
-        assert s.wait(Poll(ready_at=3), 1.0) == ["ready"]
-    assert s.lost == 0
-    who[0] = "a"
-    assert s.wait(Poll(ready_at=3), 1.0) == ["ready"]  # a's turn again: takes its count anew
-    for _ in range(2):  # then preempted between its spins, twice in a row: contended
-        counts["a"] += 1
-        s.wait(Poll(ready_at=3), 1.0)
-    assert s.lost == 1
-
-
-def test_switched_out_counts_this_threads_involuntary_switches() -> None:
-    n = switched_out()  # the real one (the fixture patches the module's)
-    assert n >= 0 if hasattr(spin.resource, "RUSAGE_THREAD") else n == -1
 
 
 def test_spins_that_catch_their_event_halve_the_backoff_slowly() -> None:

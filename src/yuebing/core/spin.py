@@ -7,15 +7,13 @@ client and master). On a virtual machine without guest halt-polling, waking a sl
 costs ~20 µs — more than the master's work per call; polling a short window avoids it. How long
 to spin is chosen per machine (`window_s`, `machine`): a window of -1 ("auto") is the role's
 reference window scaled by this machine's measured per-core speed and wake-up cost (measured
-once per process), and no spinning where it cannot pay (one CPU, or cheap wake-ups), nor while
-other tasks want the CPU (`Spinner`).
+once per process), and no spinning where it cannot pay (one CPU, or cheap wake-ups).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import resource
 import statistics
 import threading
 import time
@@ -32,45 +30,25 @@ MAX_BACKOFF_S = 1.0
 CATCHES_TO_HALVE = 64
 """Spins that catch their event before the back-off halves: a lost slice costs milliseconds,
 a caught event saves one wake-up (~10-20 µs), so one catch must not undo a loss."""
-_THREAD = getattr(resource, "RUSAGE_THREAD", None)
-"""Linux: the calling thread's own counters (`switched_out`); elsewhere no contention signal."""
-
-
-def switched_out() -> int:
-    """Times the calling thread lost its CPU while it could still run (preempted by another
-    task, or a yield that handed the CPU away); -1 where the platform does not count them."""
-    return -1 if _THREAD is None else resource.getrusage(_THREAD).ru_nivcsw
 
 
 class Spinner:
     """Per-thread spin state (not thread-safe: one per connection / serving loop).
 
-    Between polls the thread yields (``sched_yield``) so a peer on the same CPU runs first.
-    Spinning pays only on a CPU nobody else wants: where other tasks compete for it, the CPU
-    burnt spinning counts against this process's fair share, so its wake-ups stop preempting
-    them and each reply waits out their time slice (a nice-19 ping-pong beside busy tasks:
-    4-15x slower than blocking, benchmarks/spin_contention.py). So spinning turns off for a back-off
-    when this thread was preempted between two of its spins (`switched_out`; the yields inside
-    a spin, which hand the CPU to a peer on purpose, are not counted) within `CATCHES_TO_HALVE`
-    spins of the previous preemption (a lone one — a kernel thread, a timer — is not
-    contention; another thread taking the Spinner over takes the count anew), or when
-    one yield takes longer than `LOST_S` (where the count is missing). The back-off doubles per
-    loss up to `MAX_BACKOFF_S` and halves per `CATCHES_TO_HALVE` spins that catch their event;
-    the caller then blocks as usual. The first spin after a back-off takes the count anew."""
+    Between polls the thread yields (``sched_yield``) so a peer on the same CPU runs first. On a
+    contended CPU a yield can hand the CPU away for a whole time slice, so a yield longer than
+    `LOST_S` without the event turns spinning off for a back-off that doubles per loss up to
+    `MAX_BACKOFF_S` and halves per `CATCHES_TO_HALVE` spins that catch their event (a busy
+    machine settles near one lost slice a second; halving per catch let a 2-core VM at load 8
+    lose a slice every few calls, ~60 a second); the caller then blocks as usual."""
 
-    __slots__ = ("_backoff", "_clean", "_off_until", "_switched", "lost")
+    __slots__ = ("_backoff", "_off_until", "lost")
 
     def __init__(self) -> None:
         self._off_until = 0.0
         self._backoff = BACKOFF_S
-        self._switched: tuple[int, int] | None = None
-        """(thread, `switched_out`) when the last spin ended; None: take it anew (start, after
-        a back-off). Only switches between spins count: a yield inside one that hands the CPU
-        to a peer is counted by the kernel too, and is what the spin is for."""
-        self._clean = CATCHES_TO_HALVE
-        """Spins since the thread was last switched out (after a loss: since the loss)."""
         self.lost = 0
-        """Times spinning was turned off because the CPU was contended (tests and stats)."""
+        """Times spinning was turned off because the CPU was lost (for tests and stats)."""
 
     @property
     def enabled(self) -> bool:
@@ -86,16 +64,6 @@ class Spinner:
         now = time.perf_counter()
         if now < self._off_until:
             return got
-        thread = threading.get_ident()
-        last = self._switched
-        if last is not None and last[0] == thread and last[1] >= 0:
-            if switched_out() == last[1]:
-                self._clean += 1
-            else:  # something else took this CPU from us since the last spin
-                if self._clean < CATCHES_TO_HALVE:  # and not long before: contended
-                    self._lose(now)
-                    return got
-                self._clean = 0
         stop = now + window_s
         while now < stop:
             os.sched_yield()  # a peer runnable on this CPU runs first
@@ -103,20 +71,14 @@ class Spinner:
             got = poll()
             if got:  # spinning pays again, slowly: one catch saves far less than a loss costs
                 self._backoff = max(BACKOFF_S, self._backoff * 0.5 ** (1 / CATCHES_TO_HALVE))
-                break
+                return got
             if after - now > LOST_S:  # the CPU went to other work: stop spinning for a while
-                self._lose(after)
+                self.lost += 1
+                self._off_until = after + self._backoff
+                self._backoff = min(2 * self._backoff, MAX_BACKOFF_S)
                 return got
             now = after
-        self._switched = (thread, switched_out())
         return got
-
-    def _lose(self, now: float) -> None:
-        """Spinning off until ``now`` plus the back-off, which doubles."""
-        self.lost += 1
-        self._switched, self._clean = None, 0
-        self._off_until = now + self._backoff
-        self._backoff = min(2 * self._backoff, MAX_BACKOFF_S)
 
 
 class GapPredictor:
