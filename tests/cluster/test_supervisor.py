@@ -171,7 +171,7 @@ def test_dead_role_shm_segments_are_swept(tmp_path: Path, sup: Supervisor) -> No
 
 
 SUPERVISOR_SCRIPT = """
-import json, sys
+import json, os, sys
 from yuebing.cluster import Interrupted, RoleSpec, Supervisor, SupervisorConfig
 from yuebing.cluster.readiness import ReadyFile
 d, standin, second = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -180,7 +180,8 @@ s.install_signal_handlers()
 s.start_stage([(RoleSpec(n, (sys.executable, standin, m, "--ready", f"{d}/{n}.ready")),
                 ReadyFile(f"{d}/{n}.ready")) for n, m in (("a", "serve"), ("b", "parent"))])
 pids = dict(s.pids(), grandchild=s.info("b")["child"])
-open(f"{d}/pids.json", "w").write(json.dumps(pids))
+open(f"{d}/pids.tmp", "w").write(json.dumps(pids))
+os.replace(f"{d}/pids.tmp", f"{d}/pids.json")  # whole when seen: the test polls for it
 try:
     if second != "-":
         s.start_stage([(RoleSpec("c", (sys.executable, standin, second, "--ready",
