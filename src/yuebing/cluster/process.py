@@ -13,7 +13,6 @@ shared-memory segments are then swept by the next transfer engine started on the
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -23,20 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from yuebing.ops.procs import die_with_parent
+
 log = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _child_setup(parent_pid: int) -> None:
-    """Runs in the child between fork and exec: die with the parent (Linux only)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the process group still gets stopped
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 @dataclass(frozen=True)
@@ -72,7 +60,7 @@ class RoleProcess:
             parent = os.getpid()
             self.proc = subprocess.Popen(
                 list(spec.argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True, preexec_fn=lambda: _child_setup(parent))
+                env=env, start_new_session=True, preexec_fn=lambda: die_with_parent(parent, signal.SIGKILL))
         self.pid = self.proc.pid
         log.info("started %s (pid %d), log %s", spec.name, self.pid, log_path)
 

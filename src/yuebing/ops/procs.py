@@ -3,18 +3,22 @@
 `ReadyProcess` starts a command with ``--ready-file F`` appended, waits for the JSON the process
 writes there once it serves (``info``), and stops it (SIGTERM, then SIGKILL) or kills it through
 its handle, never by name. A child that exits or is late is killed, and the error carries its
-output's tail. Used by the benchmarks' process starters (`yuebing.store.benchprocs.Child`,
+output's tail; one started from the main thread gets SIGTERM when its starter dies
+(`die_with_parent`), so a killed benchmark leaves no cluster behind. Used by the benchmarks' process starters (`yuebing.store.benchprocs.Child`,
 ``benchmarks/conductor_overhead.py``) and the multi-process tests (``tests/cli_procs.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -22,6 +26,24 @@ from typing import Any
 
 KILL_WAIT_S = 10.0
 """How long a killed process is waited for."""
+_PR_SET_PDEATHSIG = 1
+_PRCTL: Any = None
+"""libc's ``prctl``, resolved here in the parent: a child between fork and exec must not load
+libraries (None: not Linux)."""
+with contextlib.suppress(OSError, AttributeError):
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
+    """For ``preexec_fn`` (in the child, between fork and exec; Linux): the kernel sends ``sig``
+    when the *thread* that forked it exits, so spawn from a thread that lives as long as the
+    child should (the main thread). A parent that died before this took effect ends the child
+    at once. Elsewhere than Linux a no-op."""
+    if _PRCTL is None:
+        return
+    _PRCTL(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
 
 
 def yuebing_argv(args: Sequence[str], prefix: Sequence[str] = ()) -> list[str]:
@@ -48,13 +70,16 @@ class ReadyProcess:
         self.stop_s = stop_s
         self.log_tail = log_tail
         cmd = [*argv, "--ready-file", str(self.ready)]
+        parent = os.getpid()
+        setup = (None if threading.current_thread() is not threading.main_thread()
+                 else lambda: die_with_parent(parent))
         if pipe:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         env={**os.environ})
+                                         env={**os.environ}, preexec_fn=setup)
         else:
             with self.log_path.open("wb") as out:
                 self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                             env={**os.environ})
+                                             env={**os.environ}, preexec_fn=setup)
         try:
             self.info: dict[str, Any] = self._wait_ready(timeout_s)
         except BaseException:

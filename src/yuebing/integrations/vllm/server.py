@@ -8,8 +8,8 @@ instances"). No vLLM import here.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -25,8 +25,13 @@ from yuebing.core.config import require
 from yuebing.core.cpus import format_cpus, require_usable, usable_cpus
 from yuebing.core.errors import ConfigError
 from yuebing.ops.priority import EnginePriority
+from yuebing.ops.procs import die_with_parent
+from yuebing.ops.shm import group_alive, group_files, sweep
 
 SRC = Path(__file__).resolve().parents[3]
+log = logging.getLogger(__name__)
+GROUP_EXIT_WAIT_S = 5.0
+"""How long `VllmServer.stop` waits for the killed group's last processes to exit."""
 """The ``src`` folder holding ``yuebing`` (put on vLLM's PYTHONPATH)."""
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
@@ -168,12 +173,11 @@ class VllmServerConfig:
         return env
 
 
-def _child_setup(priority: EnginePriority, cpus: tuple[int, ...]) -> None:
+def _child_setup(parent: int, priority: EnginePriority, cpus: tuple[int, ...]) -> None:
     """In the child before exec (Linux), after its ``setsid``: SIGTERM when the process that
     started it dies, so a killed benchmark or adapter leaves no vLLM server behind; then its
     CPU priority (its session's new autogroup included) and, if given, its CPUs."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    die_with_parent(parent)
     priority.apply_child()
     if cpus:
         os.sched_setaffinity(0, cpus)
@@ -188,12 +192,15 @@ class VllmServer:
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{cfg.port}"
         require_usable(cfg.affinity, "vLLM server CPUs")  # before the child: its error is opaque
+        self._segments: set[Path] = set()
+        """Shared-memory files seen held by the server's process group (swept by `stop`)."""
+        parent = os.getpid()
         with log_path.open("wb") as out:
             try:
                 self.proc = subprocess.Popen(
                     cfg.argv(self.env), env=cfg.environ(), stdout=out, stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=lambda: _child_setup(cfg.priority, cfg.affinity))
+                    preexec_fn=lambda: _child_setup(parent, cfg.priority, cfg.affinity))
             except subprocess.SubprocessError as e:  # the set-up before exec failed
                 raise ConfigError(
                     f"vLLM server: setting its CPUs {format_cpus(cfg.affinity) or '(not pinned)'} "
@@ -216,6 +223,7 @@ class VllmServer:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
+                        self._segments |= group_files(self.proc.pid)
                         return
             except (urllib.error.URLError, OSError):
                 pass
@@ -226,19 +234,26 @@ class VllmServer:
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the server's process group, SIGKILL what is left of it after ``timeout_s``;
         also when the server itself already died (a killed API server leaves its engine-core
-        and worker processes running in the group)."""
+        and worker processes running in the group). Then the shared-memory files the group
+        held and nobody holds now are removed (`yuebing.ops.shm`: a killed vLLM leaves its
+        message queues behind)."""
+        self._segments |= group_files(self.proc.pid)
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-            except ProcessLookupError:
-                return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
+        end = time.monotonic() + GROUP_EXIT_WAIT_S
+        while group_alive(self.proc.pid) and time.monotonic() < end:
+            time.sleep(0.05)
+        removed = sweep(self._segments)
+        if removed:
+            log.info("removed %d shared-memory files vLLM left: %s", len(removed),
+                     " ".join(p.name for p in removed))
 
     def __enter__(self) -> VllmServer:
         return self

@@ -1,0 +1,73 @@
+"""`yuebing.ops.shm`: the files a killed process group held are swept, those another living
+process holds are kept, and files the group never held are never candidates."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from yuebing.ops.shm import group_alive, group_files, sweep
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+
+HOLDER = textwrap.dedent("""
+    import mmap, os, sys, time
+    for path in sys.argv[1:]:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, 4096)
+        globals().setdefault("maps", []).append(mmap.mmap(fd, 4096))
+        os.close(fd)
+    print("ready", flush=True)
+    time.sleep(120)
+""")
+
+
+def _hold(*paths: Path) -> subprocess.Popen[str]:
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, *map(str, paths)], text=True,
+                         stdout=subprocess.PIPE, start_new_session=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_a_killed_groups_files_are_swept_and_held_ones_kept(tmp_path: Path) -> None:
+    mine, shared, other = (tmp_path / f"psm_{n}" for n in ("mine", "shared", "other"))
+    other.write_bytes(b"x")  # never held by the group: not a candidate
+    group = _hold(mine, shared)
+    keeper = _hold(shared)
+    try:
+        held = group_files(group.pid, tmp_path)
+        assert held == {mine, shared}
+        os.killpg(group.pid, signal.SIGKILL)
+        group.wait(10)
+        end = time.monotonic() + 5
+        while group_alive(group.pid) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not group_alive(group.pid)
+        assert sweep(held) == [mine]
+        assert not mine.exists() and shared.exists() and other.exists()
+    finally:
+        for p in (group, keeper):
+            _reap(p)
+
+
+def test_only_files_with_the_prefix_count(tmp_path: Path) -> None:
+    psm, ours = tmp_path / "psm_a", tmp_path / "yuebing-seg"
+    group = _hold(psm, ours)
+    try:
+        assert group_files(group.pid, tmp_path) == {psm}
+        assert sweep({psm}) == []  # still held
+    finally:
+        _reap(group)
+
+
+def _reap(p: subprocess.Popen[str]) -> None:
+    if p.poll() is None:
+        p.kill()
+    p.wait(10)
