@@ -20,6 +20,7 @@ import pytest
 
 from yuebing.integrations.vllm.server import VllmEnv
 from yuebing.ops.procs import ReadyProcess, yuebing_argv
+from yuebing.ops.shm import group_files
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "store"))
 import store_procs  # noqa: E402
@@ -113,7 +114,8 @@ def test_a_vllm_killed_mid_request_leaves_nothing_held_in_the_store(tmp_path, mo
     (read leases), and adds new blocks (puts, reservations); vLLM is killed -9 at the first
     token, while its connector still saves. The stream ends with an error, and the master's
     pending puts, reservations and read leases go back to none (what the dead connector held
-    is reclaimed at its write or lease expiry)."""
+    is reclaimed at its write or lease expiry). The instance then ends, and the shared-memory
+    queues the killed vLLM left are removed."""
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # for /reset_prefix_cache
     procs: list[ReadyProcess] = []
     try:
@@ -161,13 +163,16 @@ def test_a_vllm_killed_mid_request_leaves_nothing_held_in_the_store(tmp_path, mo
                                      headers={"Content-Type": "application/json"})
         lines: list[str] = []
         at_kill: dict = {}
+        queues: set[Path] = set()
         try:
             with urllib.request.urlopen(req, timeout=300) as r:
                 for raw in r:
                     line = raw.decode().strip()
                     if line.startswith("data:") and not lines:
                         at_kill = get_json(usage)
-                        os.kill(vllm_pid(inst.info["vllm_url"]), signal.SIGKILL)
+                        victim = vllm_pid(inst.info["vllm_url"])
+                        queues = group_files(os.getpgid(victim))  # vLLM's psm_* queues
+                        os.kill(victim, signal.SIGKILL)
                     if line.startswith("data:"):
                         lines.append(line)
         except OSError as e:  # a cut connection is an acceptable end too
@@ -183,6 +188,8 @@ def test_a_vllm_killed_mid_request_leaves_nothing_held_in_the_store(tmp_path, mo
             time.sleep(0.5)
             now = get_json(usage)
         assert {k: now[k] for k in HELD} == dict.fromkeys(HELD, 0), (at_kill, now)
+        assert inst.proc.wait(60) == 1  # the instance ends with its vLLM ...
+        assert queues and not [q for q in queues if q.exists()]  # ... and sweeps its queues
     finally:
         for p in reversed(procs):
             p.stop()

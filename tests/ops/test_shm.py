@@ -58,10 +58,10 @@ def test_a_killed_groups_files_are_swept_and_held_ones_kept(tmp_path: Path) -> N
 
 
 def test_only_files_with_the_prefix_count(tmp_path: Path) -> None:
-    psm, ours = tmp_path / "psm_a", tmp_path / "yuebing-seg"
-    group = _hold(psm, ours)
+    psm, sem, ours = tmp_path / "psm_a", tmp_path / "sem.mp-b", tmp_path / "yuebing-seg"
+    group = _hold(psm, sem, ours)
     try:
-        assert group_files(group.pid, tmp_path) == {psm}
+        assert group_files(group.pid, tmp_path) == {psm, sem}
         assert sweep({psm}) == []  # still held
     finally:
         _reap(group)

@@ -1,7 +1,7 @@
 """Shared-memory files a process group holds, and the sweep of those nobody holds any more.
 
 A process killed with SIGKILL never unlinks its POSIX shared memory: vLLM's message queues
-(``/dev/shm/psm_*``, ~200 MB per server) then stay until reboot. `VllmServer`
+(``/dev/shm/psm_*``, ~200 MB per server) and semaphores (``sem.mp-*``) then stay until reboot. `VllmServer`
 (`yuebing.integrations.vllm.server`) notes the files its server's process group maps or has
 open (`group_files`) once it is ready and again when it stops it, and afterwards removes
 those no living process holds (`sweep`). Only files seen held by that group are candidates,
@@ -60,12 +60,17 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def group_files(pgid: int, where: Path = Path("/dev/shm"), prefix: str = "psm_") -> set[Path]:
-    """The files ``where/prefix*`` that the processes of group ``pgid`` map or have open."""
+PYTHON_SHM = ("psm_", "sem.mp-")
+"""Python's `multiprocessing.shared_memory` segments and its named semaphores."""
+
+
+def group_files(pgid: int, where: Path = Path("/dev/shm"),
+                prefixes: tuple[str, ...] = PYTHON_SHM) -> set[Path]:
+    """The files ``where/<prefix>*`` that the processes of group ``pgid`` map or have open."""
     out: set[Path] = set()
     for pid in _pids():
         if _pgid(pid) == pgid:
-            out |= {f for f in _held(pid, where) if f.name.startswith(prefix)}
+            out |= {f for f in _held(pid, where) if f.name.startswith(prefixes)}
     return out
 
 
