@@ -21,7 +21,9 @@ Per topology (``--topologies 1P1D,2P1D``; one engine thread per instance, defaul
 4. The simulator on the same requests, nodes, SLOs and predictors (``cost_model=fitted``),
    colocated: a decode step that meets a prefill is stretched by the TBT tail the live ``none``
    run at that load learned (else the search's), which is also the simulated policy's tail;
-   ``--sim-stretch`` sets the stretch apart. ``--sim-only``: no cluster, the simulator alone.
+   ``--sim-stretch`` sets the stretch apart. Its forecast assumes the decode durations a
+   simulated ``none`` warm-up realizes, as the live Conductor learns them (``--sim-durations``).
+   ``--sim-only``: no cluster, the simulator alone.
 
 Reported per run: goodput (requests within both SLOs per second of the run), rejections by
 stage and reason (the Conductor's ``yuebing:rejected_requests`` counter: ``arrival`` = the
@@ -62,11 +64,13 @@ from rich.progress import Progress
 
 from yuebing.bench.config import BenchConfig
 from yuebing.bench.workload import scaled_request, send_times
+from yuebing.conductor.calibration import DURATION_QUANTILES
 from yuebing.conductor.policy.admission import ADMISSIONS
+from yuebing.conductor.policy.decode import duration_quantiles
 from yuebing.conductor.policy.queue import DEFAULT_QUEUE
 from yuebing.ops.procs import ReadyProcess
 from yuebing.sim.paper.overload import oscillation
-from yuebing.sim.runner import simulate
+from yuebing.sim.runner import SimResult, simulate
 from yuebing.sim.system import SimConfig, sim_policy
 from yuebing.sim.workload import SimRequest
 from yuebing.trace.io import load_trace
@@ -373,11 +377,12 @@ def interference_file(setup: Setup, tail: float) -> Path:
     return path
 
 
-def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
-            predictors: Path, tail: float = 1.0, stretch: float | None = None) -> dict[str, Any]:
-    """One simulated run: the policy predicts with ``tail``; a decode step that meets a
-    prefill is stretched by ``stretch`` (default: ``tail``)."""
-    stretch = tail if stretch is None else stretch
+def simulated(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
+              predictors: Path, tail: float, stretch: float,
+              durations: tuple[float, ...] = ()) -> SimResult:
+    """The simulator on the bench requests: the policy predicts with ``tail`` and forecasts
+    with decode ``durations`` (empty: the simulator's own); a decode step that meets a prefill
+    is stretched by ``stretch``."""
     selector = "forecast" if policy == "predictive_early_rejection" else "least_loaded"
     cfg = SimConfig(system="mooncake", prefill_nodes=nodes[0], decode_nodes=nodes[1],
                     policy=sim_policy(admission=policy, decode_selector=selector,
@@ -387,8 +392,30 @@ def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
                                       prefill_queue=DEFAULT_QUEUE),  # the live Conductor's
                     cost_model="fitted", profile=str(predictors),
                     sample_interval_s=setup.sample_s, colocated=stretch > 1.0,
-                    interference_profile=str(interference_file(setup, stretch)))
-    res = simulate(sim_requests(setup, rate), cfg)
+                    interference_profile=str(interference_file(setup, stretch)),
+                    forecast_durations_s=durations)
+    return simulate(sim_requests(setup, rate), cfg)
+
+
+def warm_durations(setup: Setup, nodes: tuple[int, int], rate: float, predictors: Path,
+                   tail: float, stretch: float) -> tuple[float, ...]:
+    """The decode durations a live Conductor's warm-up teaches it (``--learned warm``), here
+    from a simulated ``none`` run on ``setup``'s seed: `duration_quantiles` of its requests'
+    first token to last, as `yuebing.conductor.calibration.DecodeDurations` learns them
+    (empty when no request finished)."""
+    res = simulated(setup, nodes, "none", rate, predictors, tail, stretch)
+    seconds = [r.finish_s - r.first_token_s for r in res.records
+               if r.rejected is None and r.finish_s > r.first_token_s]
+    return duration_quantiles(seconds, min(DURATION_QUANTILES, len(seconds))) if seconds else ()
+
+
+def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
+            predictors: Path, tail: float = 1.0, stretch: float | None = None,
+            durations: tuple[float, ...] = ()) -> dict[str, Any]:
+    """One simulated run (`simulated`; ``stretch`` defaults to ``tail``), summarized as a
+    live run is."""
+    stretch = tail if stretch is None else stretch
+    res = simulated(setup, nodes, policy, rate, predictors, tail, stretch, durations)
     recs = res.records
     done = [r for r in recs if r.rejected is None and not math.isnan(r.finish_s)]
     good = [r for r in done if r.ttft_s <= setup.ttft_slo_s and r.tbt_s <= setup.tbt_slo_s]
@@ -524,6 +551,12 @@ def main() -> int:
                         "skips the search that saves one)")
     p.add_argument("--tbt-tail", type=float, default=2.27,
                    help="--sim-only: the TBT tail (a live none run's learned tail)")
+    p.add_argument("--sim-durations", choices=("warm", "cost"), default="warm",
+                   help="the decode durations the simulated forecast assumes: warm (the "
+                        "default) those a simulated none run at the middle multiplier on a "
+                        "seed no measured run uses realizes, as the live warm-up teaches the "
+                        "Conductor; cost: the workload's outputs times a loaded node's step, "
+                        "capped at the TBT SLO (before 2026-11-30)")
     p.add_argument("--sim-stretch", type=float, default=0.0,
                    help="the factor a simulated decode step meeting a prefill takes (0: the "
                         "policy's tail: --tbt-tail with --sim-only, else the live none run's)")
@@ -566,7 +599,7 @@ def main() -> int:
                   tuple(ns.serve_flags.split()))
     if ns.sim_only:
         return sim_only(setup, topologies, bases, mults, policies, ns.repeats, ns.predictors,
-                        ns.tbt_tail, ns.sim_stretch or ns.tbt_tail)
+                        ns.tbt_tail, ns.sim_stretch or ns.tbt_tail, ns.sim_durations == "warm")
     result: dict[str, Any] = {"setup": {k: str(v) if isinstance(v, Path) else v
                                         for k, v in vars(ns).items() if k != "outdir"},
                               "machine": machine(), "topologies": []}
@@ -607,6 +640,7 @@ def main() -> int:
                                 / "learned"))
                 bar.advance(task)
             setup = replace(setup, learned_from=tuple(learned))
+            learned_durations: dict[float, tuple[float, ...]] = {}
             for mult, r in ((m, r) for m in mults for r in range(ns.repeats)):
                 sim_tail, rs = tail, replace(setup, seed=setup.seed + r)
                 for policy in policies:
@@ -615,9 +649,16 @@ def main() -> int:
                     live = live_run(rs, nodes, policy, base * mult, run_name)
                     if policy == "none":  # the tail this load makes, unmoved by admission
                         sim_tail = live["tbt_tail"]
-                    sim = (sim_run(rs, nodes, policy, base * mult, predictors, sim_tail,
-                                   ns.sim_stretch or None)
-                           if predictors and not ns.no_sim else None)
+                    sim = None
+                    if predictors and not ns.no_sim:
+                        stretch = ns.sim_stretch or sim_tail
+                        if ns.sim_durations == "warm" and sim_tail not in learned_durations:
+                            learned_durations[sim_tail] = warm_durations(
+                                replace(setup, seed=setup.seed + ns.repeats), nodes,
+                                base * sorted(mults)[len(mults) // 2], predictors, sim_tail,
+                                stretch)
+                        sim = sim_run(rs, nodes, policy, base * mult, predictors, sim_tail,
+                                      stretch, learned_durations.get(sim_tail, ()))
                     topo["runs"].append({"multiplier": mult, "rate": base * mult,
                                          "policy": policy, "repeat": r, "seed": rs.seed,
                                          "live": live,
@@ -758,20 +799,27 @@ def spreads(result: dict[str, Any]) -> str:
 
 def sim_only(setup: Setup, topologies: list[tuple[int, int]], bases: list[float],
              mults: list[float], policies: list[str], repeats: int, predictors: Path,
-             tail: float, stretch: float) -> int:
+             tail: float, stretch: float, warm: bool = True) -> int:
     """The simulator alone (``--sim-only``): every policy on seeds ``setup.seed`` … + repeats-1
-    (the same requests and arrivals per seed across policies), per topology and multiplier."""
+    (the same requests and arrivals per seed across policies), per topology and multiplier;
+    ``warm``: the forecast's decode durations are `warm_durations` at the middle multiplier on
+    seed + repeats (as the live benchmark's warm-up), else the simulator's own."""
     out: dict[str, Any] = {"predictors": str(predictors), "tbt_tail": tail,
                            "sim_stretch": stretch, "runs": []}
     md = []
     for nodes, base in zip(topologies, bases, strict=True):
         name = f"{nodes[0]}P{nodes[1]}D"
+        mid = sorted(mults)[len(mults) // 2]
+        durations = warm_durations(replace(setup, seed=setup.seed + repeats), nodes, base * mid,
+                                   predictors, tail, stretch) if warm else ()
+        out.setdefault("forecast_durations_s", {})[name] = list(durations)
         for mult in mults:
             goodput: dict[str, list[float]] = {p: [] for p in policies}
             for r in range(repeats):
                 rs = replace(setup, seed=setup.seed + r)
                 for policy in policies:
-                    sim = sim_run(rs, nodes, policy, base * mult, predictors, tail, stretch)
+                    sim = sim_run(rs, nodes, policy, base * mult, predictors, tail, stretch,
+                                  durations)
                     goodput[policy].append(sim["goodput_rps"])
                     out["runs"].append({"cluster": name, "multiplier": mult, "seed": rs.seed,
                                         "policy": policy, **{k: v for k, v in sim.items()

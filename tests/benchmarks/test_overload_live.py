@@ -229,3 +229,39 @@ def test_each_cluster_starts_from_its_own_copy_of_the_warm_up_state(tmp_path: Pa
     warmup = ol.Cluster(setup, (1, 1), "none", logs, selector="forecast")
     assert warmup.argv[warmup.argv.index("--decode-selector") + 1] == "forecast"
     assert (warm / "k.json").exists()
+
+
+def test_the_simulated_forecast_assumes_the_durations_a_warm_up_realizes(tmp_path: Path) -> None:
+    """``--sim-durations warm``: the simulated policy forecasts with the decode durations (first
+    token to last) of a simulated ``none`` run, as the live Conductor learns them in its
+    warm-up, not the outputs times a loaded node's step capped at the TBT SLO (here 0.1 s a
+    token against a realized 20-30 ms)."""
+    from yuebing.conductor.policy import (
+        BivariatePolynomial,
+        DecodePredictor,
+        Predictors,
+        PrefillPredictor,
+        TransferPredictor,
+    )
+    from yuebing.conductor.policy.decode import duration_quantiles
+    from yuebing.conductor.policy.predictors import save_predictors
+
+    path = tmp_path / "p.json"
+    save_predictors(Predictors(  # decode step 20 ms + 5 ms per sequence
+        PrefillPredictor(BivariatePolynomial(((1, 0),), (1e-4,))),
+        DecodePredictor(BivariatePolynomial(((0, 0), (1, 0)), (0.02, 0.005))),
+        TransferPredictor(), "test"), path)
+    setup = _setup(tmp_path)
+    learned = ol.warm_durations(setup, (1, 1), 1.0, path, 1.0, 1.0)
+    run = ol.simulated(setup, (1, 1), "none", 1.0, path, 1.0, 1.0)
+    seconds = [r.finish_s - r.first_token_s for r in run.records]
+    assert learned == duration_quantiles(seconds, 4) and len(learned) == 4
+    for r in run.records:  # 25-30 ms a token, not the SLO's 100 ms
+        assert 0.024 * (r.output_tokens - 1) <= r.finish_s - r.first_token_s \
+            <= 0.031 * r.output_tokens
+    own = ol.simulated(setup, (1, 1), "predictive_early_rejection", 1.0, path, 1.0, 1.0)
+    given = ol.simulated(setup, (1, 1), "predictive_early_rejection", 1.0, path, 1.0, 1.0,
+                         learned)
+    assert own.config.forecast_durations_s == () and given.config.forecast_durations_s == learned
+    assert ol.sim_run(setup, (1, 1), "predictive_early_rejection", 1.0, path, 1.0, 1.0,
+                      learned)["requests"] == 4

@@ -138,3 +138,21 @@ def test_long_context_workloads_have_the_arxiv_shapes() -> None:
     # Poisson arrivals at the asked rate (mean gap 1 s, loosely)
     gaps = np.diff([r.arrival_s for r in leval])
     assert 0.7 < gaps.mean() < 1.3
+
+
+def test_given_forecast_durations_replace_the_cost_models() -> None:
+    """A live Conductor learns its decode durations; the simulator takes them as given
+    (`SimConfig.forecast_durations_s`) instead of outputs × a loaded node's step."""
+    cost, reqs = RooflineCostModel(), _requests()
+    cfg = policy_config(SimConfig(forecast_durations_s=(0.5, 2.0, 4.0)), cost, reqs)
+    assert cfg.decode_durations_s == (0.5, 2.0, 4.0)
+    assert policy_config(SimConfig(), cost, reqs).decode_durations_s == decode_durations(
+        cost, reqs, SimConfig().policy.tbt_slo_s)
+
+
+@pytest.mark.parametrize("bad", [(0.0,), (1.0, -2.0), (math.nan,), (math.inf,)])
+def test_forecast_durations_must_be_positive_seconds(bad: tuple[float, ...]) -> None:
+    from yuebing.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="forecast_durations_s"):
+        SimConfig(forecast_durations_s=bad)

@@ -2,9 +2,10 @@
 
 A simulated system calls `policy_for` once before the run. The predictors are fitted from
 samples of the run's cost model (as ``yuebing profile`` does against the engine; cached per cost
-model). The forecast's decode durations are 100 quantiles of the workload's output lengths
-times the step of a loaded decode node (capped by the TBT SLO), since the forecast matters when
-decode is loaded. The policy gets the simulator's CPP settings, so its long-prompt TTFT
+model). The forecast's decode durations are `SimConfig.forecast_durations_s` where given (what
+a live Conductor learns), else 100 quantiles of the workload's output lengths times the step of
+a loaded decode node (capped by the TBT SLO), since the forecast matters when decode is
+loaded. The policy gets the simulator's CPP settings, so its long-prompt TTFT
 estimate is the pipelined one the simulator runs.
 """
 
@@ -80,7 +81,8 @@ def policy_config(config: SimConfig, cost: CostModel,
     return dataclasses.replace(
         config.policy,
         kv_bytes_per_token=cost.kv_bytes_per_token,
-        decode_durations_s=decode_durations(cost, requests, config.policy.tbt_slo_s),
+        decode_durations_s=(config.forecast_durations_s
+                            or decode_durations(cost, requests, config.policy.tbt_slo_s)),
         cpp_chunk_tokens=cost.prefill_chunk_tokens,
     )
 

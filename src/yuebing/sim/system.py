@@ -90,6 +90,10 @@ class SimConfig:
                 "(yuebing.sim.colocation)"})
     interference_profile: str = field(default="", metadata={
         "help": "samples file with the interference factors for colocated (default: profile)"})
+    forecast_durations_s: tuple[float, ...] = field(default=(), metadata={
+        "help": "the decode durations (equally likely, seconds) the predictive early rejection "
+                "forecast assumes, e.g. those a live Conductor learned (empty: the workload's "
+                "output lengths times a loaded decode node's step, `predict.decode_durations`)"})
 
     def __post_init__(self) -> None:
         require(self.prefill_nodes >= 1 or self.cpp_twins,
@@ -115,6 +119,8 @@ class SimConfig:
                 "cost_model 'fitted' needs --profile PATH")
         require(not self.colocated or self.system == "mooncake",
                 f"colocated is modelled for system mooncake only, not {self.system!r}")
+        require(all(math.isfinite(d) and d > 0 for d in self.forecast_durations_s),
+                f"forecast_durations_s must be positive seconds, got {self.forecast_durations_s}")
         require(not self.colocated or bool(self.interference_profile or self.profile),
                 "colocated needs the interference factors: --interference-profile PATH (the "
                 "samples file of yuebing profile --interference)")
