@@ -164,7 +164,7 @@ def main() -> int:
     p.add_argument("--rates", default="0.1,0.15,0.2,0.25,0.3")
     p.add_argument("--seeds", default="0,1,2,3,4", help="Poisson arrival seeds (repeats)")
     p.add_argument("--limit", type=int, default=300)
-    p.add_argument("--orders", default="fifo,sjf_aging,edf",
+    p.add_argument("--orders", default="fifo,sjf_aging,edf,sjf_slack",
                    help="queue orders: name or sjf_aging:AGING")
     p.add_argument("--ttft-slo", type=float, default=10.0)
     p.add_argument("--tbt-slo", type=float, default=0.1)

@@ -3,6 +3,7 @@ the queue wait the policy estimates under each, and the flag's validation."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -39,6 +40,12 @@ def test_orders_rank_as_documented() -> None:
     assert _order("edf").order(items, 1.0) == [1, 2, 0]
     relaxed = [_item(i.request_id, i.arrival_s, i.prefill_s, slo=30.0) for i in items]
     assert _order("edf").order(relaxed, 1.0) == [0, 1, 2]  # all make it: arrival order
+    # sjf_slack at 0 s: all three make it in deadline order (8, 11, 11.5 s); "short" first would
+    # end "long" at 11.5 s, "mid" first at 11 s, past its 10 s: nobody overtakes it
+    assert _order("sjf_slack").order(items, 0.0) == [0, 1, 2]
+    assert _order("sjf_aging").order(items, 0.0) == [2, 1, 0]
+    # at 5 s "long" is late whatever comes first: shortest first, as sjf_aging
+    assert _order("sjf_slack").order(items, 5.0) == [2, 1, 0]
     # the estimate starts when the instance is free: "long" makes it from now, not from 5 s
     long_, new = items[0], _item("new", 0.0, 1.0)
     assert _order("edf").ahead_s([long_], new, 0.0) == 8.0
@@ -46,7 +53,7 @@ def test_orders_rank_as_documented() -> None:
     assert _order("sjf_aging").first(items, 5.0) == 2 and _order("edf").first(items, 5.0) == 1
     # ties go to the request queued first
     twins = [_item("a", 0.0, 1.0), _item("b", 0.0, 1.0)]
-    assert [_order(n).first(twins, 0.0) for n in PREFILL_QUEUES] == [0, 0, 0]
+    assert [_order(n).first(twins, 0.0) for n in PREFILL_QUEUES] == [0, 0, 0, 0]
 
 
 def test_ageing_lets_a_long_wait_go_before_a_newer_short_one() -> None:
@@ -80,6 +87,8 @@ def _served_at(order: QueueOrder, arrivals: list[QueuedPrefill]) -> dict[str, fl
     ("sjf_aging", 1.0 + 161.0),
     # overtaken only by requests arriving within one SLO (10 s) after it: ≤ 21 + 1 of 1 s
     ("edf", 22.0),
+    # on time when it is queued (8 s of work behind ≤ 1 s, due in 10 s): it stays on time
+    ("sjf_slack", 10.0 - 8.0),
 ])
 def test_a_long_prompt_under_a_stream_of_short_ones_does_not_starve(name: str,
                                                                     bound_s: float) -> None:
@@ -93,6 +102,78 @@ def test_a_long_prompt_under_a_stream_of_short_ones_does_not_starve(name: str,
     assert pure_sjf > 900.0  # after every short one
 
 
+def _stream(seed: int, n: int = 400) -> list[QueuedPrefill]:
+    """Poisson arrivals at 1.5× one server's capacity, prefills of 0.2-4 s, TTFT SLO 10 s."""
+    rng = random.Random(seed)
+    sizes = (0.2, 0.5, 1.0, 2.0, 4.0)
+    t, out = 0.0, []
+    for k in range(n):
+        t += rng.expovariate(1.5 / (sum(sizes) / len(sizes)))
+        out.append(_item(f"r{k}", t, rng.choice(sizes)))
+    return out
+
+
+def _admitted_late(order: QueueOrder, arrivals: list[QueuedPrefill]) -> tuple[int, int]:
+    """(admitted, admitted but late) on one server when each request is admitted only if the
+    order's wait estimate (`QueueOrder.ahead_s`, exact prefills) ends it by its deadline."""
+    pending, queue = list(arrivals), []
+    now = free = 0.0
+    admitted = late = 0
+    while pending or queue:
+        if pending and (not queue or pending[0].arrival_s <= free):
+            new = pending.pop(0)
+            now = new.arrival_s
+            start = max(now, free)
+            if start + order.ahead_s(queue, new, now, start) + new.prefill_s <= new.deadline_s:
+                queue.append(new)
+                admitted += 1
+            continue
+        now = free = max(free, now)
+        item = queue.pop(order.first(queue, now))
+        free = now + item.prefill_s
+        late += free > item.deadline_s
+    return admitted, late
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_request_admitted_on_time_is_not_made_late_by_later_ones(seed: int) -> None:
+    """The admission promise (early rejection): what the estimate says is on time stays on
+    time under sjf_slack; under sjf_aging later short requests overtake admitted ones."""
+    stream = _stream(seed)
+    admitted, late = _admitted_late(_order("sjf_slack"), stream)
+    assert admitted > 150 and late == 0
+    assert _admitted_late(_order("sjf_aging"), stream)[1] > 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_sjf_slack_keeps_on_time_whom_the_deadline_order_would(seed: int) -> None:
+    """Random queues within one SLO: every request the deadline order (FIFO here) would serve
+    on time is on time in sjf_slack's order; first() is order()[0], and ahead_s() is the work
+    order() puts before the new request."""
+    rng = random.Random(seed)
+    items = [_item(f"q{k}", rng.uniform(0.0, 9.0), rng.choice((0.2, 0.5, 1.0, 2.0, 4.0)))
+             for k in range(rng.randint(1, 12))]
+    items.sort(key=lambda i: i.arrival_s)
+    now = 9.0
+    slack = _order("sjf_slack")
+    seq = slack.order(items, now)
+    assert sorted(seq) == list(range(len(items))) and slack.first(items, now) == seq[0]
+
+    def ends(seq: list[int]) -> dict[int, float]:
+        t, out = now, {}
+        for i in seq:
+            t += items[i].prefill_s
+            out[i] = t
+        return out
+    fifo, mine = ends(list(range(len(items)))), ends(seq)
+    assert all(mine[i] <= items[i].deadline_s for i in fifo if fifo[i] <= items[i].deadline_s)
+    new = _item("new", now, rng.choice((0.2, 1.0, 4.0)))
+    with_new = slack.order([*items, new], now)
+    pos = with_new.index(len(items))
+    assert slack.ahead_s(items, new, now) == pytest.approx(
+        sum(items[i].prefill_s for i in with_new[:pos]))
+
+
 def _queued_view(waiting: tuple[QueuedPrefill, ...], started_s: float = 2.0) -> ClusterView:
     """One prefill instance at 100 s: ``started_s`` of started work, then ``waiting``."""
     total = started_s + sum(w.prefill_s for w in waiting)
@@ -104,6 +185,7 @@ def _queued_view(waiting: tuple[QueuedPrefill, ...], started_s: float = 2.0) -> 
     ("fifo", 2.0 + 4.0 + 4.0),     # behind everything
     ("sjf_aging", 2.0),            # 1 s (+10 s of age) beats 4 s (+9.9 s): only the started work
     ("edf", 2.0 + 4.0 + 4.0),      # everyone can still make the 30 s SLO: arrival order
+    ("sjf_slack", 2.0),            # shortest first: "a" and "b" still end by their 129 s
 ])
 def test_the_queue_estimate_is_the_work_the_order_serves_first(name: str,
                                                                queue_s: float) -> None:
@@ -134,7 +216,7 @@ def test_queued_is_what_both_adapters_put_in_the_queue() -> None:
 
 def test_bad_names_and_values_are_refused_precisely() -> None:
     with pytest.raises(ConfigError, match="prefill_queue 'lifo' unknown; use one of "
-                                          "edf, fifo, sjf_aging"):
+                                          "edf, fifo, sjf_aging, sjf_slack"):
         PolicyConfig(prefill_queue="lifo")
     with pytest.raises(ConfigError, match="prefill_queue_aging must be a positive number"):
         PolicyConfig(prefill_queue_aging=0.0)

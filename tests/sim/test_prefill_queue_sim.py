@@ -72,6 +72,8 @@ def _gate_order(order: str) -> list[str]:
     ("sjf_aging", ["0", "4", "2", "3", "1"]),
     # at 4 s "1" (due 5.5 s, 3 s of work) is late: it yields to the others, due 6-7 s
     ("edf", ["0", "2", "3", "4", "1"]),
+    # at 4 s "1" is late whatever comes first; "4" fits in the slack of "2" and "3" (due 6, 6.5 s)
+    ("sjf_slack", ["0", "4", "2", "3", "1"]),
 ])
 def test_the_simulator_and_the_gate_serve_the_same_inputs_in_the_same_order(
         order: str, expected: list[str]) -> None:
@@ -112,7 +114,7 @@ def test_the_order_is_a_checked_flag_of_sim_run(conversation_trace, capsys) -> N
     from yuebing.cli.main import main
 
     with pytest.raises(ConfigError, match="prefill_queue 'lifo' unknown; use one of edf, fifo, "
-                                          "sjf_aging"):
+                                          "sjf_aging, sjf_slack"):
         sim_policy(prefill_queue="lifo")
     assert main(["sim", "run", str(conversation_trace), "--limit", "50", "--prefill-queue",
                  "lifo"]) == 2

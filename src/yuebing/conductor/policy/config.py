@@ -40,10 +40,11 @@ class PolicyConfig:
     prefill_queue: str = field(default=DEFAULT_QUEUE, metadata=_help(
         "order of each prefill instance's queue: fifo, sjf_aging (shortest estimated prefill "
         "first, aged by --prefill-queue-aging), edf (earliest TTFT deadline first among the most "
-        "requests that can all meet theirs; the others yield for one TTFT SLO)"))
+        "requests that can all meet theirs; the others yield for one TTFT SLO), sjf_slack "
+        "(sjf_aging's choice where it makes late no request the deadline order serves on time)"))
     prefill_queue_aging: float = field(default=DEFAULT_AGING, metadata=_help(
-        "sjf_aging: seconds of estimated prefill a request is forgiven per second it waits (a "
-        "request is overtaken only by those arriving within its prefill / this after it)"))
+        "sjf_aging, sjf_slack: seconds of estimated prefill a request is forgiven per second it "
+        "waits (a request is overtaken only by those arriving within its prefill / this after it)"))
     block_tokens: int = field(default=512, metadata=_help(
         "tokens per KV block key (the trace's hash_ids cover 512 tokens)"))
     kv_bytes_per_token: int = field(default=327_680, metadata=_help(

@@ -3,8 +3,8 @@
 Called by the adapters that keep a prefill queue — the live Conductor's `PrefillGate` and the
 simulator's prefill nodes — with the waiting `QueuedPrefill`s (`QueueOrder.first`: the one to
 serve now), and by `Policy` for a new request's queue wait (`QueueOrder.ahead_s`). Orders:
-``fifo`` (`Fifo`), ``sjf_aging`` (`ShortestFirstAging`), ``edf`` (`EarliestDeadline`); ties go
-to the request queued first. ``now_s`` comes from the caller; nothing here reads a clock.
+``fifo`` (`Fifo`), ``sjf_aging`` (`ShortestFirstAging`), ``edf`` (`EarliestDeadline`),
+``sjf_slack`` (`ShortestFirstInSlack`); ties go to the request queued first. ``now_s`` comes from the caller; nothing here reads a clock.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from yuebing.conductor.policy.types import QueuedPrefill
 from yuebing.core.registry import Registry
@@ -86,7 +86,8 @@ head's workload it sustains the highest rate at ≥ 90 % SLO attainment (docs/be
 ``benchmarks/prefill_queue.py``). The simulator defaults to ``fifo``, the order its paper
 reproduction is pinned on."""
 DEFAULT_AGING = 0.1
-"""``sjf_aging``'s default ageing (seconds of estimated prefill forgiven per second waited)."""
+"""``sjf_aging``'s and ``sjf_slack``'s default ageing (seconds of estimated prefill forgiven per
+second waited)."""
 
 
 @PREFILL_QUEUES.register("fifo")
@@ -138,3 +139,70 @@ class EarliestDeadline(QueueOrder):
         slo = self.ttft_slo_s
         return sorted(range(len(items)),
                       key=lambda i: (items[i].deadline_s + (slo if i in dropped else 0.0), i))
+
+
+@PREFILL_QUEUES.register("sjf_slack")
+class ShortestFirstInSlack(QueueOrder):
+    """Shortest first (``sjf_aging``'s key) wherever it makes no request late that the
+    deadline order would serve on time; otherwise the deadline order's next.
+
+    ``sjf_slack``, at each choice from time t: the reference order R walks the requests by
+    deadline (ties: queued first) and keeps each whose prefill still ends by its deadline after
+    those kept before it; a request not kept ranks as due one TTFT SLO later (as in ``edf``),
+    among the kept by that rank. The requests on time in R are protected: the first request in
+    ``sjf_aging``'s key order that, moved to the front of R, delays no protected request past
+    its deadline, is served (R's first always qualifies). A new request with the latest
+    deadline is kept only behind all kept before it, so it never displaces one; hence a request
+    on time when it is queued stays on time (with exact estimates) unless one queued over a
+    TTFT SLO before it is late. Nobody starves: a request is passed only by those with a lower
+    key (arrived within prefill_s / aging after it) or those fitting in the slack of the
+    protected ones ahead of it in R, whose set stops growing one SLO after its deadline."""
+
+    def _serve(self, items: Sequence[QueuedPrefill], t: float) -> Iterator[int]:
+        """Indices of ``items`` in the order served from ``t`` on (lazily: each O(n))."""
+        n, slo = len(items), self.ttft_slo_s
+        by_deadline = sorted(range(n), key=lambda i: (items[i].deadline_s, i))
+        by_key = sorted(range(n), key=lambda i: (items[i].prefill_s
+                                                 + self.aging * items[i].arrival_s, i))
+        served = [False] * n
+        room = [0.0] * n  # slack of the protected requests ahead of each one in R
+        for _ in range(n):
+            kept: list[int] = []
+            late: list[int] = []
+            end = t
+            for i in by_deadline:
+                if served[i]:
+                    continue
+                if end + items[i].prefill_s <= items[i].deadline_s:
+                    kept.append(i)
+                    end += items[i].prefill_s
+                else:
+                    late.append(i)
+            end, slack = t, math.inf
+            ref = heapq.merge(((items[i].deadline_s, i) for i in kept),
+                              ((items[i].deadline_s + slo, i) for i in late))
+            for _, i in ref:
+                room[i] = slack
+                end += items[i].prefill_s
+                if end <= items[i].deadline_s:
+                    slack = min(slack, items[i].deadline_s - end)
+            c = next(i for i in by_key if not served[i] and items[i].prefill_s <= room[i])
+            served[c] = True
+            t += items[c].prefill_s
+            yield c
+
+    def order(self, items: Sequence[QueuedPrefill], now_s: float,
+              start_s: float | None = None) -> list[int]:
+        return list(self._serve(items, now_s if start_s is None else start_s))
+
+    def first(self, items: Sequence[QueuedPrefill], now_s: float) -> int:
+        return next(self._serve(items, now_s))
+
+    def ahead_s(self, items: Sequence[QueuedPrefill], new: QueuedPrefill, now_s: float,
+                start_s: float | None = None) -> float:
+        ahead = 0.0
+        for i in self._serve([*items, new], now_s if start_s is None else start_s):
+            if i == len(items):
+                return ahead
+            ahead += items[i].prefill_s
+        raise AssertionError("_serve() lost an item")
