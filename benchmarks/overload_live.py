@@ -23,7 +23,8 @@ Per topology (``--topologies 1P1D,2P1D``; one engine thread per instance, defaul
    run at that load learned (else the search's), which is also the simulated policy's tail;
    ``--sim-stretch`` sets the stretch apart. Its forecast assumes the decode durations a
    simulated ``none`` warm-up realizes, as the live Conductor learns them (``--sim-durations``).
-   ``--sim-only``: no cluster, the simulator alone.
+   ``--sim-only``: no cluster, the simulator alone. Every cluster, live and simulated, keeps
+   its prefill queues in the ``--prefill-queue`` order (default: the Conductor's).
 
 Reported per run: goodput (requests within both SLOs per second of the run), rejections by
 stage and reason (the Conductor's ``yuebing:rejected_requests`` counter: ``arrival`` = the
@@ -67,7 +68,7 @@ from yuebing.bench.workload import scaled_request, send_times
 from yuebing.conductor.calibration import DURATION_QUANTILES
 from yuebing.conductor.policy.admission import ADMISSIONS
 from yuebing.conductor.policy.decode import duration_quantiles
-from yuebing.conductor.policy.queue import DEFAULT_QUEUE
+from yuebing.conductor.policy.queue import DEFAULT_QUEUE, PREFILL_QUEUES
 from yuebing.ops.procs import ReadyProcess
 from yuebing.sim.paper.overload import oscillation
 from yuebing.sim.runner import SimResult, simulate
@@ -100,6 +101,8 @@ class Setup:
     timeout_s: float
     port: int
     serve_flags: tuple[str, ...] = ()
+    prefill_queue: str = DEFAULT_QUEUE
+    """The prefill queue order of every cluster, live (``--prefill-queue``) and simulated."""
     learned_from: tuple[tuple[str, Path], ...] = ()
     """Per decode selector, the learned-state directory (``--learned-dir``) its clusters start
     from a copy of."""
@@ -154,13 +157,13 @@ class Cluster:
         if source is not None and source.is_dir():
             shutil.copytree(source, self.learned)
         self.learned.mkdir(exist_ok=True)
-        selector = ["--decode-selector", self.selector]
         self.argv = [YB, "-v", "serve", "--prefill", str(nodes[0]), "--decode", str(nodes[1]),
                      "--threads", "1", "--port", str(setup.port), "--log-dir", str(logs),
-                     "--restart", "never", "--admission", policy, *selector,
+                     "--restart", "never", "--admission", policy, "--decode-selector", self.selector,
                      "--ttft-slo-s", f"{setup.ttft_slo_s:g}",
                      "--tbt-slo-s", f"{setup.tbt_slo_s:g}",
-                     "--learned-dir", str(self.learned), *setup.serve_flags]
+                     "--learned-dir", str(self.learned), "--prefill-queue", setup.prefill_queue,
+                     *setup.serve_flags]
         self.proc: ReadyProcess | None = None
 
     def __enter__(self) -> Cluster:
@@ -389,7 +392,7 @@ def simulated(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
                                       block_tokens=64, ttft_slo_s=setup.ttft_slo_s,
                                       tbt_slo_s=setup.tbt_slo_s, cpp_threshold_tokens=1 << 30,
                                       tbt_tail=tail,
-                                      prefill_queue=DEFAULT_QUEUE),  # the live Conductor's
+                                      prefill_queue=setup.prefill_queue),
                     cost_model="fitted", profile=str(predictors),
                     sample_interval_s=setup.sample_s, colocated=stretch > 1.0,
                     interference_profile=str(interference_file(setup, stretch)),
@@ -540,6 +543,9 @@ def main() -> int:
                    help="warm: every measured cluster starts from what one warm-up run (none, "
                         "the middle multiplier, another seed) learned online; cold: each "
                         "learns from nothing")
+    p.add_argument("--prefill-queue", default=DEFAULT_QUEUE, choices=PREFILL_QUEUES.names(),
+                   help="the prefill queue order of every cluster, live and simulated "
+                        "(default: the live Conductor's)")
     p.add_argument("--no-sim", action="store_true")
     p.add_argument("--sim-only", action="store_true",
                    help="no cluster: the simulator alone at --base-rate x --multipliers over "
@@ -596,7 +602,7 @@ def main() -> int:
     ns.outdir.mkdir(parents=True, exist_ok=True)
     setup = Setup(ns.outdir, ns.requests, ns.seed, ns.max_input, ns.max_output, ns.ttft_slo_s,
                   ns.tbt_slo_s, ns.sample_s, ns.timeout_s, ns.port,
-                  tuple(ns.serve_flags.split()))
+                  tuple(ns.serve_flags.split()), ns.prefill_queue)
     if ns.sim_only:
         return sim_only(setup, topologies, bases, mults, policies, ns.repeats, ns.predictors,
                         ns.tbt_tail, ns.sim_stretch or ns.tbt_tail, ns.sim_durations == "warm")
