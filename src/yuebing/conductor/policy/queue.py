@@ -80,11 +80,12 @@ class KeyOrder(QueueOrder):
 
 
 PREFILL_QUEUES: Registry[type[QueueOrder]] = Registry("prefill queue order")
-DEFAULT_QUEUE = "sjf_aging"
+DEFAULT_QUEUE = "sjf_slack"
 """The live Conductor's order unless told otherwise: in the simulated 1P1D on the serving head to
-head's workload it sustains the highest rate at ≥ 90 % SLO attainment (docs/benchmarks.md,
-``benchmarks/prefill_queue.py``). The simulator defaults to ``fifo``, the order its paper
-reproduction is pinned on."""
+head's workload it sustains the highest rate at ≥ 90 % SLO attainment, and under overload it keeps
+early rejection's promise to the requests admitted (docs/benchmarks.md, ``benchmarks/
+prefill_queue.py``, ``benchmarks/overload_live.py --sim-only``). The simulator defaults to
+``fifo``, the order its paper reproduction is pinned on."""
 DEFAULT_AGING = 0.1
 """``sjf_aging``'s and ``sjf_slack``'s default ageing (seconds of estimated prefill forgiven per
 second waited)."""
