@@ -4,7 +4,8 @@ Called by the adapters that keep a prefill queue — the live Conductor's `Prefi
 simulator's prefill nodes — with the waiting `QueuedPrefill`s (`QueueOrder.first`: the one to
 serve now), and by `Policy` for a new request's queue wait (`QueueOrder.ahead_s`). Orders:
 ``fifo`` (`Fifo`), ``sjf_aging`` (`ShortestFirstAging`), ``edf`` (`EarliestDeadline`),
-``sjf_slack`` (`ShortestFirstInSlack`); ties go to the request queued first. ``now_s`` comes from the caller; nothing here reads a clock.
+``sjf_slack`` (`ShortestFirstInSlack`, the live default); ties go to the request queued first.
+``now_s`` comes from the caller; nothing here reads a clock.
 """
 
 from __future__ import annotations
