@@ -173,8 +173,8 @@ def choose_routes(linears: Sequence[tuple[Linear, torch.Tensor]],
     timed alone stays in cache, which favours ``torch.mm``: it re-lays its weight out on every
     call). The routes run back to back in `interleaved_samples`' alternating order and are
     compared round by round. On a loaded host the fastest of 5 samples each (packed always
-    first) chose ``torch.mm`` at 4-7 of 16 points, differently at each start, and whole
-    prefills with those routes were no faster (1.00-1.03x the CPU time of packed everywhere)."""
+    first) chose ``torch.mm`` at 7 of 16 points (2 of 8 and 0 of 8 at two other starts), and
+    whole prefills with those routes were no faster (1.00-1.03x the CPU time of packed)."""
     gen = torch.Generator().manual_seed(seed)
     plain: dict[str, list[int]] = {}
     timings: dict[str, float] = {}
