@@ -1,20 +1,13 @@
 """The engine benchmark's workload and measurement method, shared by every peer.
 
-Life cycle: ``benchmarks/engine_peers.py`` builds a :class:`Workload`, serializes it to JSON and
-starts one worker subprocess per peer (``run_vllm.py`` / ``run_transformers.py`` in the peers
-venv, ``run_ours.py`` in the project venv), all loaded at once. Each peer script wraps its runtime
-in a :class:`Backend` and calls :func:`main`: with ``--serve`` it warms up, says ``READY`` and
-then takes one sample per stdin command (:func:`serve`), so the harness can alternate the peers
-sample by sample; without, :func:`measure` runs the whole workload and writes one JSON result.
-Only the ``Backend.generate`` call differs between peers, so the method is identical.
-
-Method (one sample, :func:`sample`):
-- decode ms/step at batch B: B distinct prompts of ``decode_prompt_len`` tokens; time
-  ``generate(max_tokens=1)`` (prefill + first token) and ``generate(max_tokens=1+decode_steps)``
-  on fresh prompts of the same shape; per-step time = (T_long - T_short) / decode_steps.
-- prefill tokens/s at L: one fresh prompt of L tokens, ``generate(max_tokens=1)``; L / T.
-Every sample's prompts come from its tag (fresh tokens, so no peer's prefix cache can hit), every
-call checks that each sequence produced exactly ``max_tokens`` tokens (EOS ignored).
+``benchmarks/engine_peers.py`` serializes a :class:`Workload` to JSON and starts a worker per
+peer (``run_vllm.py`` / ``run_transformers.py`` in the peers venv, ``run_ours.py`` here). Each
+wraps its runtime in a :class:`Backend` and calls :func:`main`: ``--serve`` warms up, says READY
+and takes one :func:`sample` per stdin command (:func:`serve`); ``--out`` runs :func:`measure`.
+A sample: decode ms/step at batch B = (T(1 + steps tokens) - T(1 token)) / steps on B fresh
+prompts each; prefill tokens/s at L = L / T(1 token) on one fresh prompt. Prompts come from the
+sample's tag (no prefix cache can hit), and every call must return exactly ``max_tokens`` tokens
+per sequence (EOS ignored). Only ``Backend.generate`` differs between peers.
 
 Stdlib only: this module is imported from two different virtualenvs.
 """
