@@ -132,16 +132,21 @@ class Worker:
         """CPU time used so far by every thread of the worker's process group (0 if gone)."""
         return 0.0 if self.proc is None else group_cpu_seconds(self.proc.pid)
 
-    def stop(self) -> None:
-        """Ask the worker to quit, then SIGKILL its process group (vLLM forks workers)."""
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Ask the worker to quit and give its process group ``grace_s`` to exit (vLLM forks
+        an engine process; one killed leaves Intel OpenMP's file in /dev/shm), then SIGKILL
+        what is left of the group."""
         if self.proc is None:
             return
         with contextlib.suppress(BrokenPipeError, OSError, ValueError):
             assert self.proc.stdin is not None
             self.proc.stdin.write("quit\n")
             self.proc.stdin.close()
+        deadline = time.monotonic() + grace_s
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=grace_s)
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
         _kill_group(self.proc)
         self.proc.wait()
         if self._reader is not None:
@@ -212,6 +217,17 @@ def wait_idle(workers: dict[str, Any], settle_s: float, cap_s: float,
         if sum(m() for m in meters) - before < IDLE_CPU_S:
             break
     return time.perf_counter() - t0
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is left (signal 0 to the group)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
