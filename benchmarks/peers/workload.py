@@ -1,18 +1,13 @@
 """The engine benchmark's workload and measurement method, shared by every peer.
 
-Life cycle: ``benchmarks/engine_peers.py`` builds a :class:`Workload`, serializes it to JSON and
-starts one subprocess per peer (``run_vllm.py`` / ``run_transformers.py`` in the peers venv,
-``run_ours.py`` in the project venv). Each peer script wraps its runtime in a :class:`Backend`
-and calls :func:`measure`, which drives the *same* token-id prompts through it and writes one
-JSON result. Only the ``Backend.generate`` call differs between peers, so the method is identical.
-
-Method:
-- decode ms/step at batch B: B distinct prompts of ``decode_prompt_len`` tokens; time
-  ``generate(max_tokens=1)`` (prefill + first token) and ``generate(max_tokens=1+decode_steps)``
-  on fresh prompts of the same shape; per-step time = (T_long - T_short) / decode_steps.
-- prefill tokens/s at L: one fresh prompt of L tokens, ``generate(max_tokens=1)``; L / T.
-Every repeat uses new prompt tokens (so no peer's prefix cache can hit), every call checks that
-each sequence produced exactly ``max_tokens`` tokens (EOS ignored), and results are medians.
+``benchmarks/engine_peers.py`` serializes a :class:`Workload` to JSON and starts a worker per
+peer (``run_vllm.py`` / ``run_transformers.py`` in the peers venv, ``run_ours.py`` here). Each
+wraps its runtime in a :class:`Backend` and calls :func:`main`: ``--serve`` warms up, says READY
+and takes one :func:`sample` per stdin command (:func:`serve`); ``--out`` runs :func:`measure`.
+A sample: decode ms/step at batch B = (T(1 + steps tokens) - T(1 token)) / steps on B fresh
+prompts each; prefill tokens/s at L = L / T(1 token) on one fresh prompt. Prompts come from the
+sample's tag (no prefix cache can hit), and every call must return exactly ``max_tokens`` tokens
+per sequence (EOS ignored). Only ``Backend.generate`` differs between peers.
 
 Stdlib only: this module is imported from two different virtualenvs.
 """
@@ -27,7 +22,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import IO, Any
 
 
 class WorkloadError(ValueError):
@@ -122,8 +117,10 @@ def progress(done: int, total: int, label: str) -> None:
 
 
 class _Timer:
-    def __init__(self, backend: Backend, total: int) -> None:
-        self.backend, self.total, self.done = backend, total, 0
+    """Times one ``generate`` call, checks its token counts and reports progress."""
+
+    def __init__(self, backend: Backend, total: int, quiet: bool = False) -> None:
+        self.backend, self.total, self.done, self.quiet = backend, total, 0, quiet
 
     def run(self, prompts: list[list[int]], max_tokens: int, label: str) -> float:
         t0 = time.perf_counter()
@@ -134,34 +131,56 @@ class _Timer:
                 f"{self.backend.name}: asked for {max_tokens} tokens x {len(prompts)} prompts, "
                 f"got {list(counts)} (EOS not ignored?)")
         self.done += 1
-        progress(self.done, self.total, label)
+        if not self.quiet:
+            progress(self.done, self.total, label)
         return elapsed
 
 
-def measure(backend: Backend, w: Workload) -> dict[str, Any]:
-    """Run the whole workload through ``backend``; return the result document."""
-    timer = _Timer(backend, w.total_calls)
-    load_before = os.getloadavg()
-    t_start = time.perf_counter()
-    # Warm-up (untimed): first calls allocate caches, pick kernels, compile.
+CELLS = ("decode", "prefill")
+"""Kinds of measurement: decode ms/step at a batch size, prefill tokens/s at a prompt length."""
+
+
+def cells(w: Workload) -> list[tuple[str, int]]:
+    """Every (kind, size) the workload measures, in report order."""
+    return [("decode", b) for b in w.batches] + [("prefill", n) for n in w.prefill_lens]
+
+
+def warm_up(backend: Backend, w: Workload) -> None:
+    """Untimed first calls: they allocate caches, pick kernels, compile."""
     backend.generate(make_prompts(w, 1, w.decode_prompt_len, "warm-d"), 4)
     backend.generate(make_prompts(w, max(w.batches), w.decode_prompt_len, "warm-b"), 2)
     backend.generate(make_prompts(w, 1, max(w.prefill_lens), "warm-p"), 1)
+
+
+def sample(timer: _Timer, w: Workload, kind: str, size: int, tag: str) -> float:
+    """One sample of a cell on fresh prompts named by ``tag``: decode ms/step at batch ``size``
+    or prefill tokens/s at ``size`` prompt tokens."""
+    if kind == "decode":
+        short = timer.run(make_prompts(w, size, w.decode_prompt_len, f"{tag}s"), 1,
+                          f"decode b={size}")
+        long = timer.run(make_prompts(w, size, w.decode_prompt_len, f"{tag}l"),
+                         1 + w.decode_steps, f"decode b={size}")
+        return 1000.0 * (long - short) / w.decode_steps
+    if kind == "prefill":
+        return size / timer.run(make_prompts(w, 1, size, tag), 1, f"prefill {size}")
+    raise WorkloadError(f"cell kind must be one of {CELLS}, got {kind!r}")
+
+
+def measure(backend: Backend, w: Workload) -> dict[str, Any]:
+    """Run the whole workload through ``backend`` alone; return the result document."""
+    timer = _Timer(backend, w.total_calls)
+    load_before = os.getloadavg()
+    t_start = time.perf_counter()
+    warm_up(backend, w)
     decode: dict[str, Any] = {}
     for b in w.batches:
-        steps = []
-        for r in range(w.repeats):
-            short = timer.run(make_prompts(w, b, w.decode_prompt_len, f"d{b}s{r}"), 1, f"decode b={b}")
-            long = timer.run(make_prompts(w, b, w.decode_prompt_len, f"d{b}l{r}"),
-                             1 + w.decode_steps, f"decode b={b}")
-            steps.append(1000.0 * (long - short) / w.decode_steps)
+        steps = [sample(timer, w, "decode", b, f"d{b}r{r}") for r in range(w.repeats)]
         med = statistics.median(steps)
         decode[str(b)] = {"ms_per_step": med, "tokens_per_s": b * 1000.0 / med if med > 0 else None,
                           "samples_ms": steps}
     prefill: dict[str, Any] = {}
     for n in w.prefill_lens:
-        rates = [n / timer.run(make_prompts(w, 1, n, f"p{n}r{r}"), 1, f"prefill {n}")
-                 for r in range(w.repeats)]
+        rates = [sample(timer, w, "prefill", n, f"p{n}r{r}") for r in range(w.repeats)]
         prefill[str(n)] = {"tokens_per_s": statistics.median(rates), "samples_tokens_per_s": rates}
     return {
         "peer": backend.name,
@@ -175,17 +194,51 @@ def measure(backend: Backend, w: Workload) -> dict[str, Any]:
     }
 
 
+def serve(backend: Backend, w: Workload, commands: IO[str], replies: IO[str]) -> int:
+    """Worker mode: warm up, write ``READY <describe() as JSON>``, then per command line
+    ``{"kind": K, "size": S, "tag": T}`` take one :func:`sample` and write
+    ``SAMPLE {"value": V, "seconds": wall}``; ``quit`` or end of input ends it (0). A bad
+    command or a failed call writes ``ERROR <reason>`` and returns 1."""
+    warm_up(backend, w)
+    replies.write("READY " + json.dumps(backend.describe()) + "\n")
+    replies.flush()
+    timer = _Timer(backend, 0, quiet=True)
+    for line in commands:
+        if line.strip() in ("", "quit"):
+            break
+        try:
+            cmd = json.loads(line)
+            t0 = time.perf_counter()
+            value = sample(timer, w, cmd["kind"], int(cmd["size"]), str(cmd["tag"]))
+            reply = {"value": value, "seconds": time.perf_counter() - t0}
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            replies.write(f"ERROR {type(exc).__name__}: {exc} (command {line.strip()!r})\n")
+            replies.flush()
+            return 1
+        replies.write("SAMPLE " + json.dumps(reply) + "\n")
+        replies.flush()
+    return 0
+
+
 def main(make_backend: Any) -> int:
-    """Entry point of a peer script: ``--workload JSON --out PATH [--model PATH]``."""
+    """Entry point of a peer script: ``--workload JSON --model PATH`` and either ``--serve``
+    (commands on stdin, replies on stdout: :func:`serve`) or ``--out PATH`` (:func:`measure`)."""
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", required=True, help="Workload as JSON (see workload.py)")
-    p.add_argument("--out", required=True, help="where to write the result JSON")
+    p.add_argument("--out", help="where to write the result JSON of the whole workload")
+    p.add_argument("--serve", action="store_true",
+                   help="take samples as commanded on stdin (engine_peers.py's workers)")
     p.add_argument("--model", required=True, help="model path (HF dir, or GGUF for ours)")
     ns = p.parse_args()
+    if bool(ns.out) == ns.serve:
+        p.error("give exactly one of --out and --serve")
     w = Workload.from_json(ns.workload)
     backend = make_backend(ns.model, w)
+    if ns.serve:
+        # the peer's own log lines may go to stdout: replies stay on their own lines
+        return serve(backend, w, sys.stdin, sys.stdout)
     result = measure(backend, w)
     with open(ns.out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)

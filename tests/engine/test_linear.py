@@ -12,8 +12,10 @@ from engine_factories import make_engine, prompts, tiny
 
 from yuebing.core import choices as core_choices
 from yuebing.engine import engine as engine_module
+from yuebing.engine import linear as linear_module
 from yuebing.engine.linear import (
     MIN_ROWS_CANDIDATES,
+    ROUTE_ROUNDS,
     Linear,
     can_pack,
     choose_routes,
@@ -131,8 +133,26 @@ def test_choose_routes_times_both_routes_per_shape_and_row_count():
     ws = [torch.randn(48, 32, generator=gen).bfloat16() for _ in range(2)]
     pairs = [(Linear(w, pack=True), w) for w in ws] + [(Linear(ws[0]), ws[0])]  # one unpacked
     plain, timings = choose_routes(pairs, points=(8, 16), rounds=1)  # 2 weights of one shape
-    assert set(timings) == {f"48x32@{m}_{r}" for m in (8, 16) for r in ("packed", "mm")}
+    assert set(timings) == {f"48x32@{m}_{r}" for m in (8, 16)
+                            for r in ("packed", "mm", "ratio", "ratio_hi")}
     assert set(plain) <= {"48x32"} and all(set(v) <= {8, 16} for v in plain.values())
+
+
+@needs_pack
+@pytest.mark.parametrize(("wins", "chosen"), [(9, True), (7, True), (6, False), (0, False)])
+def test_torch_mm_takes_rows_only_where_it_wins_most_rounds(
+        monkeypatch: pytest.MonkeyPatch, wins: int, chosen: bool):
+    """9 rounds: mm at 0.5x the packed time in ``wins`` of them, 3x in the rest (a loaded host's
+    bursts). Its median ratio is 0.5 from 5 wins on; it takes the rows from 7 (3/4 of 9)."""
+    def samples(fns, device, rounds):  # type: ignore[no-untyped-def]
+        assert rounds == ROUTE_ROUNDS == 9 and list(fns) == ["packed", "mm"]
+        return {"packed": [1.0] * 9, "mm": [0.5] * wins + [3.0] * (9 - wins)}
+
+    monkeypatch.setattr(linear_module, "interleaved_samples", samples)
+    w = torch.randn(48, 32).bfloat16()
+    plain, timings = choose_routes([(Linear(w, pack=True), w)], points=(16,))
+    assert plain == ({"48x32": [16]} if chosen else {})
+    assert timings["48x32@16_ratio_hi"] == (0.5 if chosen else 3.0)
 
 
 @needs_pack

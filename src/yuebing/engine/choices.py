@@ -22,9 +22,10 @@ from yuebing.core import choices
 
 T = TypeVar("T")
 
-VERSION = 2
+VERSION = 3
 """Of the engine's choice set: raised when a choice's candidates or meaning change (2: the
-matmul routes; the machine named by `core.choices.machine_parts`)."""
+matmul routes; the machine named by `core.choices.machine_parts`; 3: candidates run in an
+order reversed every other round, routes decided on paired ratios)."""
 
 
 def shared_choice(parts: dict[str, object], measure: Callable[[], T],
@@ -35,14 +36,13 @@ def shared_choice(parts: dict[str, object], measure: Callable[[], T],
     return choices.shared_choice({**here, **parts}, measure, parse, root)
 
 
-def interleaved_times(fns: dict[str, Callable[[], object]], device: torch.device,
-                      rounds: int, reduce: Callable[[list[float]], float] = statistics.median
-                      ) -> dict[str, float]:
-    """Median (or ``reduce``) seconds of each candidate over ``rounds`` rounds, the candidates
-    interleaved within each round: a burst of load from another process slows every candidate
-    of that round alike instead of deciding the choice (timing the candidates one after the
-    other is the suspected cause of a benchmark run whose prefill was 1.8x slower than the
-    next)."""
+def interleaved_samples(fns: dict[str, Callable[[], object]], device: torch.device,
+                        rounds: int) -> dict[str, list[float]]:
+    """Seconds of each candidate in each of ``rounds`` rounds (after one untimed warm-up call
+    each). The candidates of a round run back to back, in the given order in even rounds and
+    reversed in odd ones: a burst of load from another process slows every candidate of that
+    round alike instead of deciding the choice, and a position effect (the first of a round ran
+    10-20 % slower in loaded tests here) falls on each candidate equally."""
     def once(fn: Callable[[], object]) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -55,10 +55,26 @@ def interleaved_times(fns: dict[str, Callable[[], object]], device: torch.device
     for fn in fns.values():
         fn()  # warm-up (first-call allocation, kernel loading)
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name].append(once(fn))
-    return {name: reduce(v) for name, v in samples.items()}
+    order = list(fns)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else reversed(order):
+            samples[name].append(once(fns[name]))
+    return samples
+
+
+def interleaved_times(fns: dict[str, Callable[[], object]], device: torch.device,
+                      rounds: int, reduce: Callable[[list[float]], float] = statistics.median
+                      ) -> dict[str, float]:
+    """Median (or ``reduce``) seconds of each candidate over `interleaved_samples`' rounds
+    (timing the candidates one after the other is the suspected cause of a benchmark run whose
+    prefill was 1.8x slower than the next)."""
+    return {name: reduce(v) for name, v in interleaved_samples(fns, device, rounds).items()}
+
+
+def paired_ratios(samples: dict[str, list[float]], name: str, base: str) -> list[float]:
+    """``name``'s time over ``base``'s in each round, sorted: the two ran back to back, so a slow
+    phase of the host moves both sides of a ratio."""
+    return sorted(a / b for a, b in zip(samples[name], samples[base], strict=True) if b > 0)
 
 
 def attention_choice(raw: Any) -> tuple[str, str, dict[str, float]]:

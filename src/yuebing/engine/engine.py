@@ -44,8 +44,10 @@ from yuebing.engine.config import EngineConfig, parse_layers
 from yuebing.engine.kernels import NATIVE_ATTENTION, resolve_kernels
 from yuebing.engine.kv_cache import KVPool
 from yuebing.engine.linear import (
+    ROUTE_CONSISTENCY,
     ROUTE_MARGIN,
     ROUTE_POINTS,
+    ROUTE_ROUNDS,
     ROUTE_WEIGHTS,
     choose_routes,
     shape_key,
@@ -268,6 +270,7 @@ class LLMEngine:
         parts: dict[str, object] = {
             "kind": "matmul_routes", "dtype": str(self.dtype), "points": points,
             "routes": ["packed", "mm"], "margin": ROUTE_MARGIN, "weights": ROUTE_WEIGHTS,
+            "rounds": ROUTE_ROUNDS, "consistency": ROUTE_CONSISTENCY,
             "shapes": sorted({shape_key(lin) for lin, _ in pairs})}
         (plain, self.route_timings), cached = shared_choice(
             parts, lambda: choose_routes(pairs, points), routes_choice)

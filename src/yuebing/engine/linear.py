@@ -16,12 +16,13 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import statistics
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from yuebing.engine.choices import interleaved_times
+from yuebing.engine.choices import interleaved_samples, paired_ratios
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,17 @@ factor √2 of it (fewer or more rows than these cover stay packed)."""
 
 
 ROUTE_MARGIN = 0.95
-"""``torch.mm`` takes a row count only where it is this much faster: a near tie keeps the packed
-weight (the decode's, and no second copy where the fused decode does not keep one)."""
+"""``torch.mm`` takes a row count only where its time over the packed weight's, round by round,
+stays below this in `ROUTE_CONSISTENCY` of the rounds: a near tie or a noisy verdict keeps the
+packed weight (the decode's, and no second copy where the fused decode does not keep one)."""
+
+
+ROUTE_CONSISTENCY = 0.75
+"""Share of the rounds in which ``torch.mm`` must win by `ROUTE_MARGIN` to take a row count."""
+
+
+ROUTE_ROUNDS = 9
+"""Rounds `choose_routes` times each shape and row count (their ratios decide)."""
 
 
 ROUTE_WEIGHTS = 8
@@ -147,19 +157,24 @@ def shape_key(lin: Linear) -> str:
 
 
 def choose_routes(linears: Sequence[tuple[Linear, torch.Tensor]],
-                  points: Sequence[int] = ROUTE_POINTS, rounds: int = 5,
+                  points: Sequence[int] = ROUTE_POINTS, rounds: int = ROUTE_ROUNDS,
                   seed: int = 0) -> tuple[dict[str, list[int]], dict[str, float]]:
     """Per shape of the packed ``linears`` (each with its row-major weight): the row counts
     of ``points`` at which ``torch.mm`` on the row-major weights beat the packed oneDNN calls
-    here by `ROUTE_MARGIN`, and every timing (keys ``"<shape>@<rows>_packed|mm"``). Called
-    once per machine by `LLMEngine` outside batch-invariant mode: oneDNN picks its kernel by
-    row count and shape, and at some prefill sizes the plain weight's kernel runs faster.
+    here (their ratio within a round below `ROUTE_MARGIN` in `ROUTE_CONSISTENCY` of the rounds),
+    and every timing (keys ``"<shape>@<rows>_packed|mm"``: medians; ``_ratio``: mm over
+    packed, the median of the rounds; ``_ratio_hi``: the round at `ROUTE_CONSISTENCY`, which
+    decides). Called once per
+    machine by `LLMEngine` outside batch-invariant mode: oneDNN picks its kernel by row count
+    and shape, and at some prefill sizes the plain weight's kernel runs faster.
 
     A sample multiplies one input by `ROUTE_WEIGHTS` weights of the shape in turn, as a
     forward pass does, so they come from beyond the core's cache as they do there (one weight
     timed alone stays in cache, which favours ``torch.mm``: it re-lays its weight out on every
-    call); the routes are interleaved and the fastest of ``rounds`` samples kept (load only
-    adds to either)."""
+    call). The routes run back to back in `interleaved_samples`' alternating order and are
+    compared round by round. On a loaded host the fastest of 5 samples each (packed always
+    first) chose ``torch.mm`` at 7 of 16 points (2 of 8 and 0 of 8 at two other starts), and
+    whole prefills with those routes were no faster (1.00-1.03x the CPU time of packed)."""
     gen = torch.Generator().manual_seed(seed)
     plain: dict[str, list[int]] = {}
     timings: dict[str, float] = {}
@@ -179,11 +194,16 @@ def choose_routes(linears: Sequence[tuple[Linear, torch.Tensor]],
             w0 = group[0][1]
             for m in points:
                 x = torch.randn(m, w0.shape[1], generator=gen).to(w0.dtype)
-                best = interleaved_times({
+                samples = interleaved_samples({
                     "packed": functools.partial(run, x, group, False),
-                    "mm": functools.partial(run, x, group, True)}, w0.device, rounds, min)
-                timings.update({f"{key}@{m}_{k}": v for k, v in best.items()})
-                if best["mm"] < ROUTE_MARGIN * best["packed"]:
+                    "mm": functools.partial(run, x, group, True)}, w0.device, rounds)
+                ratios = paired_ratios(samples, "mm", "packed")
+                decisive = ratios[min(len(ratios) - 1, int(ROUTE_CONSISTENCY * len(ratios)))]
+                timings.update({f"{key}@{m}_{k}": statistics.median(v)
+                                for k, v in samples.items()})
+                timings[f"{key}@{m}_ratio"] = statistics.median(ratios)
+                timings[f"{key}@{m}_ratio_hi"] = decisive
+                if decisive < ROUTE_MARGIN:
                     plain.setdefault(key, []).append(m)
     return plain, timings
 
