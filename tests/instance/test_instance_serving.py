@@ -112,6 +112,29 @@ def test_layer_by_layer_streaming_and_the_asyncio_loop_give_the_same_outputs(
     assert hand is not None and hand.streamed_layers == 4 and hand.kv_bytes > 0
 
 
+def test_a_prompt_cached_but_its_last_token_counts_that_token_as_its_prefill(cluster, run):
+    """A repeat of a prompt one token longer than whole blocks finds all but its last token in
+    the prefill's cache and joins the decodes; that token is still its prefill in the breakdown
+    (``usage.yuebing``, the access log, the prefill predictor's calibration)."""
+    ids = [rng.randrange(500) for _ in range(2 * 16 + 1)]
+
+    async def go():
+        (p, d), _ = await _clients(cluster[0], cluster[1])
+        cold = await run_disagg(p, d, "rep0", ids, GREEDY)
+        warm = await run_disagg(p, d, "rep1", ids, GREEDY)
+        for x in (p, d):
+            await x.close()
+        return cold, warm
+    cold, warm = run(go())
+    assert cold.error == warm.error == ""
+    first = [e for e in warm.events if e.kind == EventKind.FIRST_TOKEN][0]
+    assert first.cached_tokens == 32
+    hand = [[e for e in r.events if e.finish_reason == "handoff"][0].breakdown
+            for r in (cold, warm)]
+    assert [b.prefill_tokens for b in hand] == [33, 1]
+    assert all(b.prefill_s > 0 for b in hand)
+
+
 def test_bad_frames_get_precise_errors_and_the_instance_keeps_serving(cluster, run):
     prefill, decode_, _ = cluster
 

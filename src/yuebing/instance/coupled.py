@@ -105,12 +105,14 @@ class CoupledRole(InstanceRole):
 
     def _mark_started(self, layer: int, meta: object) -> None:
         """Layer hook (driver thread): stamp when a task's first prefill chunk runs, and count
-        the prompt tokens each step computes for it (`Breakdown.prefill_tokens`)."""
+        the prompt tokens each step computes for it (`Breakdown.prefill_tokens`). A request
+        whose prompt is all cached but its last token joins the decodes (``plan.joined``):
+        that token is its prefill."""
         plan = self.inst.engine.current_plan
         if layer != 0 or plan is None:
             return
         now = time.time()
-        for seq, n in plan.prefills:
+        for seq, n in (*plan.prefills, *((seq, 1) for seq in plan.joined)):
             task = self.inst.tasks.get(seq.group)
             if task is None:
                 continue
