@@ -562,7 +562,7 @@ def main() -> int:
                         "default) those a simulated none run at the middle multiplier on a "
                         "seed no measured run uses realizes, as the live warm-up teaches the "
                         "Conductor; cost: the workload's outputs times a loaded node's step, "
-                        "capped at the TBT SLO (before 2026-11-30)")
+                        "capped at the TBT SLO")
     p.add_argument("--sim-stretch", type=float, default=0.0,
                    help="the factor a simulated decode step meeting a prefill takes (0: the "
                         "policy's tail: --tbt-tail with --sim-only, else the live none run's)")

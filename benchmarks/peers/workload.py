@@ -97,7 +97,8 @@ def make_prompts(w: Workload, count: int, length: int, tag: str) -> list[list[in
 
 
 class Backend(abc.ABC):
-    """One runtime under test. :func:`measure` (in the peer's own subprocess) is the only caller."""
+    """One runtime under test, driven in the peer's own subprocess by :func:`measure` and by
+    the worker loop (`serve`, `sample`)."""
 
     name: str = "?"
 

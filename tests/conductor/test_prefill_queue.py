@@ -224,3 +224,18 @@ def test_bad_names_and_values_are_refused_precisely() -> None:
     with pytest.raises(InputError, match="waiting requests need finite times and prefill_s"):
         Policy(config(prefill_queue="sjf_aging"), PREDICTORS).decide(request(1000),
                                                                      _queued_view(bad))
+
+
+def test_sjf_slack_bounds_a_long_queues_wait_by_serving_the_new_request_last() -> None:
+    """Past `EXACT_AHEAD_MAX` queued, the estimate is the bound of all their work (cheap);
+    at or below it, the replay (a short new request goes ahead of long ones)."""
+    from yuebing.conductor.policy.queue import EXACT_AHEAD_MAX, ShortestFirstInSlack
+    order = ShortestFirstInSlack(aging=0.1, ttft_slo_s=1000.0)
+
+    def item(k: int, prefill_s: float) -> QueuedPrefill:
+        return QueuedPrefill(f"r{k}", k * 1e-3, prefill_s, 1000.0 + k * 1e-3)
+    short = item(EXACT_AHEAD_MAX + 1, 0.01)
+    few = [item(k, 1.0) for k in range(EXACT_AHEAD_MAX)]
+    many = [item(k, 1.0) for k in range(EXACT_AHEAD_MAX + 1)]
+    assert order.ahead_s(few, short, 0.0) == 0.0
+    assert order.ahead_s(many, short, 0.0) == pytest.approx(EXACT_AHEAD_MAX + 1.0)

@@ -172,9 +172,8 @@ def choose_routes(linears: Sequence[tuple[Linear, torch.Tensor]],
     forward pass does, so they come from beyond the core's cache as they do there (one weight
     timed alone stays in cache, which favours ``torch.mm``: it re-lays its weight out on every
     call). The routes run back to back in `interleaved_samples`' alternating order and are
-    compared round by round. On a loaded host the fastest of 5 samples each (packed always
-    first) chose ``torch.mm`` at 7 of 16 points (2 of 8 and 0 of 8 at two other starts), and
-    whole prefills with those routes were no faster (1.00-1.03x the CPU time of packed)."""
+    compared round by round, so a loaded host's noise does not pick ``torch.mm`` (whole
+    prefills on noise-picked routes were no faster: docs/engine.md)."""
     gen = torch.Generator().manual_seed(seed)
     plain: dict[str, list[int]] = {}
     timings: dict[str, float] = {}

@@ -38,12 +38,12 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
     """For ``preexec_fn`` (in the child, between fork and exec; Linux): the kernel sends ``sig``
     when the *thread* that forked it exits, so spawn from a thread that lives as long as the
     child should (the main thread). A parent that died before this took effect ends the child
-    at once. Elsewhere than Linux a no-op."""
+    at once (exit status 1). Elsewhere than Linux a no-op."""
     if _PRCTL is None:
         return
     _PRCTL(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os.kill(os.getpid(), sig)
+    if os.getppid() != parent_pid:  # no Python handler of the parent's may run here
+        os._exit(1)
 
 
 def yuebing_argv(args: Sequence[str], prefix: Sequence[str] = ()) -> list[str]:

@@ -143,6 +143,10 @@ class EarliestDeadline(QueueOrder):
                       key=lambda i: (items[i].deadline_s + (slo if i in dropped else 0.0), i))
 
 
+EXACT_AHEAD_MAX = 64
+"""``sjf_slack``'s `ShortestFirstInSlack.ahead_s` is exact up to this many queued requests."""
+
+
 @PREFILL_QUEUES.register("sjf_slack")
 class ShortestFirstInSlack(QueueOrder):
     """Shortest first (``sjf_aging``'s key) wherever it makes no request late that the
@@ -202,6 +206,11 @@ class ShortestFirstInSlack(QueueOrder):
 
     def ahead_s(self, items: Sequence[QueuedPrefill], new: QueuedPrefill, now_s: float,
                 start_s: float | None = None) -> float:
+        """Replays the choices until ``new`` is served: O(n^2) for n queued. Beyond
+        `EXACT_AHEAD_MAX` queued (an overloaded instance, on the Conductor's path per arrival)
+        the bound of serving it last: all of their work."""
+        if len(items) > EXACT_AHEAD_MAX:
+            return sum(item.prefill_s for item in items)
         ahead = 0.0
         for i in self._serve([*items, new], now_s if start_s is None else start_s):
             if i == len(items):

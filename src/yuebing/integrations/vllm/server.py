@@ -29,10 +29,10 @@ from yuebing.ops.procs import die_with_parent
 from yuebing.ops.shm import group_alive, group_files, sweep
 
 SRC = Path(__file__).resolve().parents[3]
+"""The ``src`` folder holding ``yuebing`` (put on vLLM's PYTHONPATH)."""
 log = logging.getLogger(__name__)
 GROUP_EXIT_WAIT_S = 5.0
 """How long `VllmServer.stop` waits for the killed group's last processes to exit."""
-"""The ``src`` folder holding ``yuebing`` (put on vLLM's PYTHONPATH)."""
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
 
