@@ -121,9 +121,13 @@ class InstanceClient:
         seq = next(self._seq)
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[seq] = fut
-        try:
+        async def exchange() -> Message:
+            # the send counts against the timeout too: a DEALER with no peer (a refused
+            # handshake, a wrong cluster token) blocks its send
             await self._sock.send(encode(make(seq)))
-            reply = await asyncio.wait_for(fut, timeout_s or self.timeout_s)
+            return await fut
+        try:
+            reply = await asyncio.wait_for(exchange(), timeout_s or self.timeout_s)
         except BaseException as e:
             if reserving:  # the instance may still reserve (it was stopped, or slow)
                 self._abandoned[seq] = reserving
