@@ -145,8 +145,10 @@ def test_spreads_pair_the_runs_of_one_seed() -> None:
     assert "| 2 seeds | early_rejection | 0.250 (0.200–0.300) | 1.67× | +0.100 (" in text
 
 
-def _predictors(tmp_path: Path, prefill_s_per_token: float, decode_step_s: float) -> Path:
-    """A predictor file: prefill linear in new tokens, a constant decode step."""
+def _predictors(tmp_path: Path, prefill_s_per_token: float, decode_step_s: float,
+                decode_s_per_sequence: float = 0.0) -> Path:
+    """A predictor file: prefill linear in new tokens, a decode step of a constant plus, if
+    given, a term per sequence in the batch."""
     from yuebing.conductor.policy import (
         BivariatePolynomial,
         DecodePredictor,
@@ -159,7 +161,8 @@ def _predictors(tmp_path: Path, prefill_s_per_token: float, decode_step_s: float
     path = tmp_path / "p.json"
     save_predictors(Predictors(
         PrefillPredictor(BivariatePolynomial(((1, 0),), (prefill_s_per_token,))),
-        DecodePredictor(BivariatePolynomial(((0, 0),), (decode_step_s,))),
+        DecodePredictor(BivariatePolynomial(((0, 0), (1, 0)),
+                                            (decode_step_s, decode_s_per_sequence))),
         TransferPredictor(), "test"), path)
     return path
 
@@ -236,21 +239,9 @@ def test_the_simulated_forecast_assumes_the_durations_a_warm_up_realizes(tmp_pat
     token to last) of a simulated ``none`` run, as the live Conductor learns them in its
     warm-up, not the outputs times a loaded node's step capped at the TBT SLO (here 0.1 s a
     token against a realized 20-30 ms)."""
-    from yuebing.conductor.policy import (
-        BivariatePolynomial,
-        DecodePredictor,
-        Predictors,
-        PrefillPredictor,
-        TransferPredictor,
-    )
     from yuebing.conductor.policy.decode import duration_quantiles
-    from yuebing.conductor.policy.predictors import save_predictors
 
-    path = tmp_path / "p.json"
-    save_predictors(Predictors(  # decode step 20 ms + 5 ms per sequence
-        PrefillPredictor(BivariatePolynomial(((1, 0),), (1e-4,))),
-        DecodePredictor(BivariatePolynomial(((0, 0), (1, 0)), (0.02, 0.005))),
-        TransferPredictor(), "test"), path)
+    path = _predictors(tmp_path, 1e-4, 0.02, 0.005)  # decode step 20 ms + 5 ms per sequence
     setup = _setup(tmp_path)
     learned = ol.warm_durations(setup, (1, 1), 1.0, path, 1.0, 1.0)
     run = ol.simulated(setup, (1, 1), "none", 1.0, path, 1.0, 1.0)
