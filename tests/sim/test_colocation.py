@@ -10,7 +10,13 @@ import pytest
 from sim_fakes import LinearCost
 
 from yuebing.core.errors import InputError
-from yuebing.sim.colocation import HostMate, Interference, load_interference, stretch
+from yuebing.sim.colocation import (
+    HostMate,
+    Interference,
+    SharedHost,
+    load_interference,
+    stretch,
+)
 from yuebing.sim.runner import simulate
 from yuebing.sim.system import SimConfig
 from yuebing.sim.workload import SimRequest
@@ -90,3 +96,53 @@ def test_colocated_steps_slow_down_only_while_the_host_mate_is_busy(tmp_path: Pa
     # 1.151-1.2255: 0.049 s inside (B ends at 1.2) at half speed, then 0.0255 s alone;
     # 1.2255-1.2755 alone
     assert a_end == pytest.approx(1.2755)
+
+
+def test_a_shared_host_time_shares_its_cores_among_more_threads() -> None:
+    """2 cores, 2 prefill nodes and 1 decode node, one thread each: a step beside one prefill
+    has a core of its own, beside two it gets 2/3 of one; the measured factor multiplies."""
+    host = SharedHost(cores=2, decode_factor=1.0, prefill_nodes=2, decode_nodes=1)
+    host.add_prefill(0, 1.0, 3.0, now=0.0)
+    host.add_prefill(1, 2.0, 4.0, now=0.0)
+    assert [host.factor(k) for k in (0, 1, 2)] == [1.0, 1.0, 1.5]
+    assert host.decode_step(0.0, 0.5) == 0.5
+    # 1.5-2: one prefill (0.5 s of work); 2-2.75: both, the other 0.5 s at 2/3 speed
+    assert host.decode_step(1.5, 1.0) == pytest.approx(1.25)
+    assert host.busy_at(2.5) == 2 and host.busy_at(2.5, but=0) == 1 and host.busy_at(5.0) == 0
+    assert host.prefill_factors(0, 1.0) == (1.0, 1.0)  # itself and the decode: a core each
+    assert host.prefill_factors(1, 1.0) == (1.0, 1.5)  # three threads while the decode steps
+    host.add_prefill(0, 5.0, 6.0, now=3.5)  # node 0's first interval is over: dropped
+    assert list(host.intervals[0]) == [(5.0, 6.0)]
+    measured = SharedHost(cores=2, decode_factor=1.2, prefill_nodes=1, decode_nodes=1)
+    assert [measured.factor(k) for k in (0, 1)] == [1.0, 1.2]
+    with pytest.raises(ValueError, match="cores"):
+        SharedHost(cores=0, decode_factor=1.0, prefill_nodes=1, decode_nodes=1)
+
+
+def test_host_cores_needs_colocated() -> None:
+    with pytest.raises(ValueError, match="host_cores"):
+        SimConfig(host_cores=2)
+
+
+def test_steps_beside_both_prefills_of_a_two_core_host_take_half_again(tmp_path: Path) -> None:
+    """2P1D on 2 cores: A (100 tokens at 0 s, 20 output tokens) decodes from 0.1001 s at 50 ms
+    a step; B and C (500 tokens each at 0.2 s) prefill on the two prefill nodes. B prefills
+    0.2-0.7 s (it and the decode: a core each); C, scheduled beside B, takes 1.5x while the
+    decode steps: 0.2-0.95 s. A's 0.95 s of steps: 0.0999 s alone, 0.2-0.7 s at 2/3 speed
+    (0.333 s of work), then alone again: it ends at 0.95 + 0.2668 s. Paired nodes (host_cores
+    0) leave A's steps alone: it ends at 1.0501 s."""
+    path = _write(tmp_path, {"interference": {"decode_factor": 1.0, "prefill_factor": 1.0}})
+    reqs = [SimRequest(0, 0.0, 100, 20, (1,)), SimRequest(1, 0.2, 500, 3, (2,)),
+            SimRequest(2, 0.2, 500, 3, (3,))]
+    ends = {}
+    for cores in (0, 2):
+        cfg = SimConfig(prefill_nodes=2, decode_nodes=1, colocated=True, host_cores=cores,
+                        interference_profile=str(path))
+        res = simulate(reqs, cfg, cost=LinearCost())
+        a, b, c = res.records
+        assert b.prefill_id != c.prefill_id
+        ends[cores] = a.finish_s
+        if cores:
+            assert (b.first_token_s, c.first_token_s) == pytest.approx((0.7, 0.95))
+    assert ends[0] == pytest.approx(1.0501)
+    assert ends[2] == pytest.approx(0.95 + 0.2668, abs=1e-3)

@@ -1,11 +1,12 @@
-"""Colocated nodes: a prefill and a decode node sharing one host slow each other down.
+"""Colocated nodes: prefill and decode nodes sharing one host slow each other down.
 
-With ``SimConfig.colocated`` prefill node i and decode node i share host i, as 1P1D ``yuebing
-serve`` runs on one machine. The factors are measured (``yuebing profile --interference``,
-read by `load_interference`). `sim.mooncake.MooncakeSystem` keeps one `HostMate` per paired
-prefill node: a prefill is stretched (`stretch`) over the window its partner decode node is
-estimated busy, and the decode node (`sim.decode.DecodeInstance`, ``stretch=``) stretches each
-step over the partner's prefill intervals (`HostMate.decode_step`).
+With ``SimConfig.colocated`` prefill node i and decode node i share host i (`HostMate`); with
+``SimConfig.host_cores`` as well, every node shares one host of that many cores, one engine
+thread each, as ``yuebing serve`` runs on one machine (`SharedHost`). The factors beside a
+neighbour are measured (``yuebing profile --interference``, read by `load_interference`).
+`sim.mooncake.MooncakeSystem` stretches a prefill (`stretch`) over the window the decode is
+estimated busy, and each decode step (`sim.decode.DecodeInstance`, ``stretch=``) over the
+prefill intervals it meets (`HostMate.decode_step`, `SharedHost.decode_step`).
 """
 
 from __future__ import annotations
@@ -110,3 +111,66 @@ class HostMate:
             if hi > t:
                 return stretch(t, work, lo, hi, self.decode_factor)
         return work
+
+
+class SharedHost:
+    """Every node on one host of ``cores`` cores, one engine thread each: the prefill intervals
+    of each prefill node, and the time a step takes among them.
+
+    While more threads want to step than there are cores, they share the cores: a step beside
+    k prefilling nodes (and the ``other_decodes`` other decode nodes, counted busy) runs
+    ``factor(k)`` = max(1, (k + other_decodes + 1) / cores) times slower than alone, times
+    the measured ``decode_factor`` (caches, memory bandwidth) while k >= 1. On 2 cores 1P1D
+    thus steps at its profiled time (each instance has a core), 2P1D 1.5x slower while both
+    prefills run. Not modelled: cores lent by idle instances (live ``--lend-cores``), the
+    Conductor's and the load generator's CPU."""
+
+    def __init__(self, cores: int, decode_factor: float, prefill_nodes: int,
+                 decode_nodes: int) -> None:
+        require(cores >= 1 and prefill_nodes >= 1 and decode_nodes >= 1,
+                f"a shared host needs cores, prefill and decode nodes >= 1, got {cores}, "
+                f"{prefill_nodes}, {decode_nodes}")
+        self.cores = cores
+        self.decode_factor = decode_factor
+        self.other_decodes = decode_nodes - 1
+        self.intervals: list[deque[tuple[float, float]]] = [deque() for _ in range(prefill_nodes)]
+
+    def factor(self, busy_prefills: int) -> float:
+        """How much slower a decode step runs beside ``busy_prefills`` prefilling nodes."""
+        shared = max(1.0, (busy_prefills + self.other_decodes + 1) / self.cores)
+        return shared * (self.decode_factor if busy_prefills else 1.0)
+
+    def prefill_factors(self, busy_prefills: int, prefill_factor: float) -> tuple[float, float]:
+        """A prefill's slowdown beside ``busy_prefills`` other prefilling nodes: (while the
+        decode nodes are idle, extra while they step)."""
+        alone = max(1.0, (busy_prefills + 1) / self.cores)
+        beside = max(1.0, (busy_prefills + self.other_decodes + 2) / self.cores)
+        return alone, prefill_factor * beside / alone
+
+    def add_prefill(self, node: int, start: float, end: float, now: float) -> None:
+        """Called by the system at ``now`` when it schedules a prefill on prefill ``node``;
+        that node's intervals over by ``now`` are dropped."""
+        ivs = self.intervals[node]
+        while ivs and ivs[0][1] <= now:
+            ivs.popleft()
+        ivs.append((start, end))
+
+    def busy_at(self, t: float, but: int = -1) -> int:
+        """Prefill nodes (other than ``but``) prefilling at ``t``."""
+        return sum(1 for n, ivs in enumerate(self.intervals) if n != but
+                   and any(lo <= t < hi for lo, hi in ivs))
+
+    def decode_step(self, t: float, work: float) -> float:
+        """Duration of a decode step of ``work`` s (alone) starting at ``t``, each stretch of
+        it at the factor of the prefills running then."""
+        ivs = [(lo, hi) for q in self.intervals for lo, hi in q if hi > t]
+        if work <= 0 or not ivs:
+            return max(work, 0.0) * self.factor(0)
+        now, left = t, work
+        for edge in [*sorted({x for iv in ivs for x in iv if x > t}), math.inf]:
+            f = self.factor(sum(1 for lo, hi in ivs if lo <= now < hi))
+            if left * f <= edge - now:
+                return now + left * f - t
+            left -= (edge - now) / f
+            now = edge
+        raise AssertionError("unreachable: the last edge is infinite")
