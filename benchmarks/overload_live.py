@@ -595,6 +595,11 @@ def main() -> int:
                    help="the prefill queue order of every cluster, live and simulated "
                         "(default: the live Conductor's)")
     p.add_argument("--no-sim", action="store_true")
+    p.add_argument("--resim", type=Path, default=None,
+                   help="no cluster: a finished live run's OUTDIR, its simulator columns run "
+                        "again on its workload (its setup), the start-up profiles of its "
+                        "<cluster>-max logs (or --predictors) and each seed's none tail; writes "
+                        "OUTDIR/overload_live.json and .md with the checks")
     p.add_argument("--sim-only", action="store_true",
                    help="no cluster: the simulator alone at --base-rate x --multipliers over "
                         "--repeats seeds, on --predictors with --tbt-tail (means, min-max, "
@@ -636,6 +641,8 @@ def main() -> int:
         for name in ("requests", "repeats", "max_input", "max_output"):
             if getattr(ns, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if ns.resim is not None and not (ns.resim / "overload_live.json").is_file():
+            raise ValueError(f"--resim: no {ns.resim / 'overload_live.json'}")
         if ns.sim_only and not (bases and ns.predictors):
             raise ValueError("--sim-only needs --base-rate and --predictors")
         given = [Path(x.strip()) for x in ns.predictors.split(",") if x.strip()]
@@ -666,6 +673,9 @@ def main() -> int:
     except ValueError as e:
         print(f"overload_live: --predictors: {e}", file=sys.stderr)
         return 2
+    if ns.resim is not None:
+        return resim(ns.resim, ns.outdir, chosen, ns.sim_stretch or 1.0,
+                     ns.sim_durations == "warm")
     if ns.sim_only:
         return sim_only(setup, topologies, bases, mults, policies, ns.repeats, chosen,
                         ns.tbt_tail, ns.sim_stretch or 1.0, ns.sim_durations == "warm")
@@ -903,6 +913,47 @@ def sim_only(setup: Setup, topologies: list[tuple[int, int]], bases: list[float]
     text = "\n\n".join(md)
     (setup.out / "overload_sim.md").write_text(text + "\n")
     print(text)
+    return 0
+
+
+def resim(live_dir: Path, out: Path, chosen: list[Path], stretch: float, warm: bool) -> int:
+    """``--resim``: the simulator columns of the live run in ``live_dir`` again, as the live
+    benchmark runs them (each seed's policy tail the one its live ``none`` run learned, the
+    forecast's durations from a simulated warm-up), on ``chosen`` (per topology) or the
+    start-up profiles in ``live_dir/logs/<cluster>-max``; the report written to ``out``."""
+    result = json.loads((live_dir / "overload_live.json").read_text())
+    conf = result["setup"]
+    setup = Setup(out, conf["requests"], conf["seed"], conf["max_input"], conf["max_output"],
+                  conf["ttft_slo_s"], conf["tbt_slo_s"], conf["sample_s"], conf["timeout_s"],
+                  0, prefill_queue=conf.get("prefill_queue", DEFAULT_QUEUE))
+    for i, topo in enumerate(result["topologies"]):
+        nodes = parse_topology(topo["name"])
+        try:
+            pred = chosen[min(i, len(chosen) - 1)] if chosen else startup_predictors(
+                live_dir / "logs" / f"{topo['name']}-max",
+                out / f"{topo['name']}.startup.predictors.json")
+        except ValueError as e:
+            print(f"overload_live: --resim {topo['name']}: {e}; give --predictors",
+                  file=sys.stderr)
+            return 2
+        topo["sim_predictors"] = str(pred)
+        mults = sorted({r["multiplier"] for r in topo["runs"]})
+        durations: dict[float, tuple[float, ...]] = {}
+        for run in topo["runs"]:
+            tail = next(r["live"]["tbt_tail"] for r in topo["runs"] if r["policy"] == "none"
+                        and r["seed"] == run["seed"] and r["multiplier"] == run["multiplier"])
+            if warm and tail not in durations:
+                durations[tail] = warm_durations(
+                    replace(setup, seed=setup.seed + conf["repeats"]), nodes,
+                    topo["max_rate"] * mults[len(mults) // 2], pred, tail, stretch)
+            run["sim"] = sim_run(replace(setup, seed=run["seed"]), nodes, run["policy"],
+                                 run["rate"], pred, tail, stretch, durations.get(tail, ()))
+    result["checks"] = checks(result)
+    (out / "overload_live.json").write_text(json.dumps(result, indent=1) + "\n")
+    md = table(result) + "\n\n" + spreads(result) + "\n\n" + "\n".join(
+        f"- {k}: {v}" for k, v in result["checks"].items())
+    (out / "overload_live.md").write_text(md + "\n")
+    print(md)
     return 0
 
 

@@ -38,6 +38,7 @@ spec.loader.exec_module(ol)
     (["--sim-stretch", "0.5"], "--sim-stretch"),
     (["--predictors", "/nonexistent/p.json"], "--predictors: no file"),
     (["--topologies", "1P1D,2P1D", "--predictors", "a,b,c"], "3 paths for 2 topologies"),
+    (["--resim", "/nonexistent"], "--resim: no /nonexistent/overload_live.json"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str], says: str) -> None:
     out = tmp_path / "out"
@@ -299,3 +300,30 @@ def test_the_simulated_forecast_assumes_the_durations_a_warm_up_realizes(tmp_pat
     assert own.config.forecast_durations_s == () and given.config.forecast_durations_s == learned
     assert ol.sim_run(setup, (1, 1), "predictive_early_rejection", 1.0, path, 1.0, 1.0,
                       learned)["requests"] == 4
+
+
+def test_resim_runs_the_simulator_columns_of_a_live_run_again(tmp_path: Path) -> None:
+    """``--resim DIR``: each run's simulator column again on the live run's workload, with the
+    tail its seed's live ``none`` run learned; the checks compare the new columns."""
+    path = _predictors(tmp_path, 1e-4, 0.01)
+    rows = [_record(i, "ok", ttft=0.5, tbt=0.05) for i in range(4)]
+    live = ol.summarize_live(_setup(tmp_path), rows, {}, [], {"prefilled_tokens": 9,
+                                                                "wasted_tokens": 0})
+    runs = [{"multiplier": 2.0, "rate": 1.0, "policy": p, "repeat": 0, "seed": 0,
+             "live": {**live, "tbt_tail": 1.5}, "sim": {"goodput_rps": 0.0}}
+            for p in ("none", "early_rejection", "predictive_early_rejection")]
+    setup = {"requests": 4, "seed": 0, "max_input": 512, "max_output": 16, "ttft_slo_s": 2.0,
+             "tbt_slo_s": 0.1, "sample_s": 1.0, "timeout_s": 30.0, "repeats": 1}
+    src = tmp_path / "live"
+    src.mkdir()
+    (src / "overload_live.json").write_text(json.dumps(
+        {"setup": setup, "topologies": [{"name": "1P1D", "max_rate": 0.5, "runs": runs}]}))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert ol.resim(src, out, [path], 1.0, True) == 0
+    again = json.loads((out / "overload_live.json").read_text())
+    sims = [r["sim"] for r in again["topologies"][0]["runs"]]
+    assert all(s["requests"] == 4 and s["goodput_rps"] > 0 for s in sims)
+    assert "1P1D sim goodput within ±25 %" in again["checks"]
+    assert "| 1P1D 2× sim |" in (out / "overload_live.md").read_text()
+    assert ol.resim(src, out, [], 1.0, False) == 2  # no <cluster>-max logs to fit
