@@ -23,10 +23,11 @@ Per topology (``--topologies 1P1D,2P1D``; one engine thread per instance, defaul
    fitted``), every node on one host of the profiled machine's cores, one thread each
    (``host_cores``: a step beside more threads than cores is time-shared; ``--sim-stretch``
    adds a measured slowdown beside a prefill); its policy predicts with the TBT tail the live
-   ``none`` run at that load learned (else the search's). Its forecast assumes the decode durations a
-   simulated ``none`` warm-up realizes, as the live Conductor learns them (``--sim-durations``).
-   ``--sim-only``: no cluster, the simulator alone. Every cluster, live and simulated, keeps
-   its prefill queues in the ``--prefill-queue`` order (default: the Conductor's).
+   ``none`` run at that load learned (else the search's). Its forecast assumes the decode
+   durations a simulated ``none`` warm-up realizes, as the live Conductor learns them
+   (``--sim-durations``). ``--sim-only``: no cluster, the simulator alone; ``--resim DIR``:
+   a finished run's simulator columns again. Every cluster, live and simulated, keeps its
+   prefill queues in the ``--prefill-queue`` order (default: the Conductor's).
 
 Reported per run: goodput (requests within both SLOs per second of the run), rejections by
 stage and reason (the Conductor's ``yuebing:rejected_requests`` counter: ``arrival`` = the
