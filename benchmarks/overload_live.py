@@ -21,8 +21,8 @@ Per topology (``--topologies 1P1D,2P1D``; one engine thread per instance, defaul
    (``GET /health`` ``pools``: the arXiv definitions) sampled every ``--sample-s``.
 4. The simulator on the same requests, nodes, SLOs and start-up profiles (``cost_model=
    fitted``), every node on one host of the profiled machine's cores, one thread each
-   (``host_cores``: a step beside more threads than cores is time-shared; ``--sim-stretch``
-   adds a measured slowdown beside a prefill); its policy predicts with the TBT tail the live
+   (``host_cores``: a step waits for a core, as live; ``--sim-stretch`` adds a measured
+   slowdown beside a prefill); its policy predicts with the TBT tail the live
    ``none`` run at that load learned (else the search's). Its forecast assumes the decode
    durations a simulated ``none`` warm-up realizes, as the live Conductor learns them
    (``--sim-durations``). ``--sim-only``: no cluster, the simulator alone; ``--resim DIR``:

@@ -308,9 +308,13 @@ class MooncakeSystem(SimSystem):
             duration = stretch(start, duration, *self._decode_busy(i),
                                self.interference.prefill_factor)
         host = self.host if k == 1 else None
+        chunks = max(1, math.ceil(new / self.cost.prefill_chunk_tokens))
         if host is not None:
+            d = self.decodes[0]
+            step = self.cost.decode_step_time(max(1, d.batch_size), max(1, d.context_tokens))
             alone, beside = host.prefill_factors(host.busy_at(start, but=i),
-                                                 self.interference.prefill_factor)
+                                                 self.interference.prefill_factor,
+                                                 duration / chunks, step)
             duration = stretch(start, duration * alone, *self._decode_busy_any(), beside)
         end = start + duration
         if self.config.prefill_reject and end - request.arrival_s > self.config.policy.ttft_slo_s:
@@ -327,7 +331,7 @@ class MooncakeSystem(SimSystem):
             mate.add_prefill(start, end, self.loop.now)
             self.decodes[i].replan()
         if host is not None:
-            host.add_prefill(i, start, end, self.loop.now)
+            host.add_prefill(i, start, end, self.loop.now, chunks)
             for d in self.decodes:
                 d.replan()
         kv_ready = end + self.cost.transfer_time(request.input_tokens * self._kvb)

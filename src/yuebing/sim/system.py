@@ -90,9 +90,9 @@ class SimConfig:
                 "(yuebing.sim.colocation)"})
     host_cores: int = field(default=0, metadata={
         "help": "mooncake, colocated: every node shares one host of this many cores, one engine "
-                "thread each, as yuebing serve on one machine (a step beside more threads than "
-                "cores is time-shared, yuebing.sim.colocation.SharedHost); 0: prefill node i "
-                "and decode node i pair up"})
+                "thread each, as yuebing serve on one machine (a step waits for a core, "
+                "yuebing.sim.colocation.SharedHost); 0: prefill node i and decode node i pair "
+                "up"})
     interference_profile: str = field(default="", metadata={
         "help": "samples file with the interference factors for colocated (default: profile)"})
     forecast_durations_s: tuple[float, ...] = field(default=(), metadata={
