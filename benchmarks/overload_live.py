@@ -355,7 +355,12 @@ def find_max_rate(setup: Setup, nodes: tuple[int, int], rates: list[float],
     report = json.loads(bench.stdout)
     (setup.out / f"{name}.json").write_bytes(bench.stdout)
     rate = report.get("max_rate")
-    startup = startup_predictors(logs, setup.out / f"{name}.startup.predictors.json")
+    try:
+        startup = startup_predictors(logs, setup.out / f"{name}.startup.predictors.json")
+    except ValueError as e:  # instances started without a profile: the scaled ones, said so
+        console.print(f"[yellow]{name}: {e}; the simulator takes the Conductor's predictors "
+                      "(their prefill scaled online)[/]")
+        startup = path
     return (float(rate) if rate is not None else None), startup, tail
 
 
