@@ -4,9 +4,10 @@ Per topology (``--topologies 1P1D,2P1D``; one engine thread per instance, defaul
 
 1. The cluster's maximum rate at >= 90 % SLO attainment (unless ``--base-rate``): a fresh
    ``yuebing serve`` with admission ``none`` swept over ``--find-rates`` by ``yuebing bench
-   serve`` (highest first, each rate stopped once decided). Its Conductor's predictors (``GET
-   /predictors``: the start-up profiles, scaled by what the live prefills took) are saved for
-   the simulator.
+   serve`` (highest first, each rate stopped once decided). Its instances' start-up profiles
+   (one engine thread, nothing beside it) are saved as a predictor file for the simulator
+   (`startup_predictors`), and the Conductor's predictors (``GET /predictors``: those, the
+   prefill scaled by what the latest live prefills took) beside it.
 2. What the Conductor learns online (``--learned``): ``warm`` (the default) runs admission
    ``none`` once per decode selector the policies use, at the middle multiplier on a seed no
    measured run uses, and every measured cluster starts from a copy of what the warm-up of its
@@ -18,13 +19,15 @@ Per topology (``--topologies 1P1D,2P1D``; one engine thread per instance, defaul
    forecast``), the same requests (the conversation trace's first ``--requests``, 64 tokens per
    hash block, Poisson arrivals of ``--seed``) from ``yuebing bench serve``, the pools' load
    (``GET /health`` ``pools``: the arXiv definitions) sampled every ``--sample-s``.
-4. The simulator on the same requests, nodes, SLOs and predictors (``cost_model=fitted``),
-   colocated: a decode step that meets a prefill is stretched by the TBT tail the live ``none``
-   run at that load learned (else the search's), which is also the simulated policy's tail;
-   ``--sim-stretch`` sets the stretch apart. Its forecast assumes the decode durations a
-   simulated ``none`` warm-up realizes, as the live Conductor learns them (``--sim-durations``).
-   ``--sim-only``: no cluster, the simulator alone. Every cluster, live and simulated, keeps
-   its prefill queues in the ``--prefill-queue`` order (default: the Conductor's).
+4. The simulator on the same requests, nodes, SLOs and start-up profiles (``cost_model=
+   fitted``), every node on one host of the profiled machine's cores, one thread each
+   (``host_cores``: a step waits for a core, as live; ``--sim-stretch`` adds a measured
+   slowdown beside a prefill); its policy predicts with the TBT tail the live
+   ``none`` run at that load learned (else the search's). Its forecast assumes the decode
+   durations a simulated ``none`` warm-up realizes, as the live Conductor learns them
+   (``--sim-durations``). ``--sim-only``: no cluster, the simulator alone; ``--resim DIR``:
+   a finished run's simulator columns again. Every cluster, live and simulated, keeps its
+   prefill queues in the ``--prefill-queue`` order (default: the Conductor's).
 
 Reported per run: goodput (requests within both SLOs per second of the run), rejections by
 stage and reason (the Conductor's ``yuebing:rejected_requests`` counter: ``arrival`` = the
@@ -332,9 +335,10 @@ def summarize_live(setup: Setup, rows: list[dict[str, Any]], reasons: dict[str, 
 
 def find_max_rate(setup: Setup, nodes: tuple[int, int], rates: list[float],
                   name: str) -> tuple[float | None, Path, float]:
-    """The largest of ``rates`` with attainment >= 90 % under admission ``none``, and the
-    Conductor's predictors and TBT tail after the sweep (the predictors saved as
-    ``OUTDIR/<name>.predictors.json``)."""
+    """The largest of ``rates`` with attainment >= 90 % under admission ``none``, the
+    instances' start-up predictors (``OUTDIR/<name>.startup.predictors.json``, for the
+    simulator) and the Conductor's TBT tail after the sweep (its predictors, scaled online,
+    saved as ``OUTDIR/<name>.predictors.json``)."""
     logs = setup.out / "logs" / name
     path = setup.out / f"{name}.predictors.json"
     with Cluster(setup, nodes, "none", logs) as cluster:
@@ -351,7 +355,58 @@ def find_max_rate(setup: Setup, nodes: tuple[int, int], rates: list[float],
     report = json.loads(bench.stdout)
     (setup.out / f"{name}.json").write_bytes(bench.stdout)
     rate = report.get("max_rate")
-    return (float(rate) if rate is not None else None), path, tail
+    try:
+        startup = startup_predictors(logs, setup.out / f"{name}.startup.predictors.json")
+    except ValueError as e:  # instances started without a profile: the scaled ones, said so
+        console.print(f"[yellow]{name}: {e}; the simulator takes the Conductor's predictors "
+                      "(their prefill scaled online)[/]")
+        startup = path
+    return (float(rate) if rate is not None else None), startup, tail
+
+
+def startup_predictors(logs: Path, out: Path) -> Path:
+    """A predictor file (``out``) fitted, as the Conductor fits them, to the start-up profiles
+    in the ready files of the cluster logged in ``logs`` (``prefill-0`` and ``decode-0``): the
+    engine alone at its one thread. The simulator's cost model: the Conductor's own predictors
+    carry an online prefill scale (an average of the latest prefills, 0.6x-3x on these runs),
+    which mixes the host's load of that moment into every simulated prefill."""
+    import msgspec
+
+    from yuebing.conductor.calibration import DECODE, PREFILL, fit_profile
+    from yuebing.conductor.policy import Predictors, TransferPredictor
+    from yuebing.protocol.instance import EngineProfile
+
+    fits: dict[str, Any] = {}
+    for part, role in ((PREFILL, "prefill-0"), (DECODE, "decode-0")):
+        ready = logs / f"{role}.ready.json"
+        try:
+            profile = msgspec.convert(json.loads(ready.read_text())["profile"], EngineProfile)
+        except (OSError, ValueError, KeyError, TypeError, msgspec.ValidationError) as e:
+            raise ValueError(f"{ready}: no start-up profile to fit ({e})") from None
+        fits[part] = (fit_profile(profile, part), dict(profile.configuration))
+    pred = Predictors(fits[PREFILL][0], fits[DECODE][0], TransferPredictor(),
+                      source=f"start-up profiles in {logs}", configuration=fits[PREFILL][1])
+    out.write_text(pred.to_json())
+    return out
+
+
+def sim_predictors(path: Path, out: Path) -> Path:
+    """``--predictors``: a predictor file as is, or a cluster's log directory whose start-up
+    profiles are fitted (`startup_predictors`, written to ``out``)."""
+    return startup_predictors(path, out) if path.is_dir() else path
+
+
+def host_cores(predictors: Path) -> int:
+    """The cores of the machine the predictors were profiled on (their configuration's
+    ``machine``: ``... | 2 cores``), else this machine's."""
+    import os
+
+    from yuebing.conductor.policy import Predictors
+
+    machine = Predictors.from_json(predictors.read_bytes(), str(predictors)).configuration.get(
+        "machine", "")
+    m = re.search(r"(\d+) cores", machine)
+    return int(m[1]) if m else (os.cpu_count() or 1)
 
 
 # ---------------------------------------------------------------------------- the simulator
@@ -369,13 +424,12 @@ def sim_requests(setup: Setup, rate: float) -> list[SimRequest]:
             for i, (r, t) in enumerate(zip(reqs, send_times(reqs, cfg, rate), strict=True))]
 
 
-def interference_file(setup: Setup, tail: float) -> Path:
+def interference_file(setup: Setup, factor: float) -> Path:
     """The colocation factors the simulator runs with (``OUTDIR/interference.json``): a decode
-    step that meets a prefill pass is stretched by the TBT tail the live Conductor learned (the
-    paper TBT is set by such steps while the prefill pool has work); a prefill is not slowed
-    (the live predictors already carry what the prefills took)."""
+    step beside a prefill takes ``factor`` (``--sim-stretch``; 1: none measured) on top of the
+    cores' sharing; a prefill none."""
     path = setup.out / "interference.json"
-    path.write_text(json.dumps({"interference": {"decode_factor": max(tail, 1.0),
+    path.write_text(json.dumps({"interference": {"decode_factor": max(factor, 1.0),
                                                  "prefill_factor": 1.0}}))
     return path
 
@@ -383,9 +437,10 @@ def interference_file(setup: Setup, tail: float) -> Path:
 def simulated(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
               predictors: Path, tail: float, stretch: float,
               durations: tuple[float, ...] = ()) -> SimResult:
-    """The simulator on the bench requests: the policy predicts with ``tail`` and forecasts
-    with decode ``durations`` (empty: the simulator's own); a decode step that meets a prefill
-    is stretched by ``stretch``."""
+    """The simulator on the bench requests, every node on one host of the predictors'
+    machine's cores (`host_cores`): the policy predicts with ``tail`` and forecasts with decode
+    ``durations`` (empty: the simulator's own); a decode step beside a prefill takes
+    ``stretch`` on top of the cores' sharing."""
     selector = "forecast" if policy == "predictive_early_rejection" else "least_loaded"
     cfg = SimConfig(system="mooncake", prefill_nodes=nodes[0], decode_nodes=nodes[1],
                     policy=sim_policy(admission=policy, decode_selector=selector,
@@ -394,7 +449,8 @@ def simulated(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
                                       tbt_tail=tail,
                                       prefill_queue=setup.prefill_queue),
                     cost_model="fitted", profile=str(predictors),
-                    sample_interval_s=setup.sample_s, colocated=stretch > 1.0,
+                    sample_interval_s=setup.sample_s, colocated=True,
+                    host_cores=host_cores(predictors),
                     interference_profile=str(interference_file(setup, stretch)),
                     forecast_durations_s=durations)
     return simulate(sim_requests(setup, rate), cfg)
@@ -413,11 +469,9 @@ def warm_durations(setup: Setup, nodes: tuple[int, int], rate: float, predictors
 
 
 def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
-            predictors: Path, tail: float = 1.0, stretch: float | None = None,
+            predictors: Path, tail: float = 1.0, stretch: float = 1.0,
             durations: tuple[float, ...] = ()) -> dict[str, Any]:
-    """One simulated run (`simulated`; ``stretch`` defaults to ``tail``), summarized as a
-    live run is."""
-    stretch = tail if stretch is None else stretch
+    """One simulated run (`simulated`), summarized as a live run is."""
     res = simulated(setup, nodes, policy, rate, predictors, tail, stretch, durations)
     recs = res.records
     done = [r for r in recs if r.rejected is None and not math.isnan(r.finish_s)]
@@ -547,14 +601,21 @@ def main() -> int:
                    help="the prefill queue order of every cluster, live and simulated "
                         "(default: the live Conductor's)")
     p.add_argument("--no-sim", action="store_true")
+    p.add_argument("--resim", type=Path, default=None,
+                   help="no cluster: a finished live run's OUTDIR, its simulator columns run "
+                        "again on its workload (its setup), the start-up profiles of its "
+                        "<cluster>-max logs (or --predictors) and each seed's none tail; writes "
+                        "OUTDIR/overload_live.json and .md with the checks")
     p.add_argument("--sim-only", action="store_true",
                    help="no cluster: the simulator alone at --base-rate x --multipliers over "
                         "--repeats seeds, on --predictors with --tbt-tail (means, min-max, "
                         "paired bootstrap interval against none); writes OUTDIR/overload_sim.*")
-    p.add_argument("--predictors", type=Path, default=None,
-                   help="a predictor file for the simulator (e.g. a live run's <cluster>-max."
-                        "predictors.json): needed by --sim-only, used with --base-rate (which "
-                        "skips the search that saves one)")
+    p.add_argument("--predictors", default="",
+                   help="the simulator's cost model, one for all topologies or one per topology "
+                        "(comma-separated): a predictor file (a live run's <cluster>-max.startup."
+                        "predictors.json) or a cluster's log directory (its start-up profiles "
+                        "are fitted); needed by --sim-only, used with --base-rate (which skips "
+                        "the search that saves one)")
     p.add_argument("--tbt-tail", type=float, default=2.27,
                    help="--sim-only: the TBT tail (a live none run's learned tail)")
     p.add_argument("--sim-durations", choices=("warm", "cost"), default="warm",
@@ -564,8 +625,9 @@ def main() -> int:
                         "Conductor; cost: the workload's outputs times a loaded node's step, "
                         "capped at the TBT SLO")
     p.add_argument("--sim-stretch", type=float, default=0.0,
-                   help="the factor a simulated decode step meeting a prefill takes (0: the "
-                        "policy's tail: --tbt-tail with --sim-only, else the live none run's)")
+                   help="a measured slowdown of a simulated decode step beside a prefill "
+                        "(`yuebing profile --interference`'s decode factor), on top of the "
+                        "cores' sharing (0: none)")
     ns = p.parse_args()
     try:
         topologies = [parse_topology(t) for t in ns.topologies.split(",")]
@@ -585,10 +647,17 @@ def main() -> int:
         for name in ("requests", "repeats", "max_input", "max_output"):
             if getattr(ns, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if ns.resim is not None and not (ns.resim / "overload_live.json").is_file():
+            raise ValueError(f"--resim: no {ns.resim / 'overload_live.json'}")
         if ns.sim_only and not (bases and ns.predictors):
             raise ValueError("--sim-only needs --base-rate and --predictors")
-        if ns.predictors and not ns.predictors.is_file():
-            raise ValueError(f"--predictors: no file {ns.predictors}")
+        given = [Path(x.strip()) for x in ns.predictors.split(",") if x.strip()]
+        if len(given) not in (0, 1, len(topologies)):
+            raise ValueError(f"--predictors: {len(given)} paths for {len(topologies)} "
+                             "topologies (give one, or one per topology)")
+        missing = [str(x) for x in given if not x.exists()]
+        if missing:
+            raise ValueError(f"--predictors: no file or directory {', '.join(missing)}")
         if not (math.isfinite(ns.tbt_tail) and ns.tbt_tail >= 1.0):
             raise ValueError(f"--tbt-tail must be a number >= 1, got {ns.tbt_tail}")
         if not (math.isfinite(ns.sim_stretch) and (ns.sim_stretch == 0 or ns.sim_stretch >= 1)):
@@ -603,9 +672,19 @@ def main() -> int:
     setup = Setup(ns.outdir, ns.requests, ns.seed, ns.max_input, ns.max_output, ns.ttft_slo_s,
                   ns.tbt_slo_s, ns.sample_s, ns.timeout_s, ns.port,
                   tuple(ns.serve_flags.split()), ns.prefill_queue)
+    try:
+        chosen = [sim_predictors(given[min(i, len(given) - 1)],
+                                 ns.outdir / f"{n[0]}P{n[1]}D.startup.predictors.json")
+                  for i, n in enumerate(topologies)] if given else []
+    except ValueError as e:
+        print(f"overload_live: --predictors: {e}", file=sys.stderr)
+        return 2
+    if ns.resim is not None:
+        return resim(ns.resim, ns.outdir, chosen, ns.sim_stretch or 1.0,
+                     ns.sim_durations == "warm")
     if ns.sim_only:
-        return sim_only(setup, topologies, bases, mults, policies, ns.repeats, ns.predictors,
-                        ns.tbt_tail, ns.sim_stretch or ns.tbt_tail, ns.sim_durations == "warm")
+        return sim_only(setup, topologies, bases, mults, policies, ns.repeats, chosen,
+                        ns.tbt_tail, ns.sim_stretch or 1.0, ns.sim_durations == "warm")
     result: dict[str, Any] = {"setup": {k: str(v) if isinstance(v, Path) else v
                                         for k, v in vars(ns).items() if k != "outdir"},
                               "machine": machine(), "topologies": []}
@@ -619,7 +698,7 @@ def main() -> int:
             name = f"{nodes[0]}P{nodes[1]}D"
             topo: dict[str, Any] = {"name": name, "policies": policies, "runs": []}
             if bases:
-                base, predictors, tail = bases[i], ns.predictors, 1.0
+                base, predictors, tail = bases[i], (chosen[i] if chosen else None), 1.0
             else:
                 bar.update(task, description=f"{name}: maximum rate")
                 found, predictors, tail = find_max_rate(setup, nodes, find, f"{name}-max")
@@ -657,7 +736,7 @@ def main() -> int:
                         sim_tail = live["tbt_tail"]
                     sim = None
                     if predictors and not ns.no_sim:
-                        stretch = ns.sim_stretch or sim_tail
+                        stretch = ns.sim_stretch or 1.0
                         if ns.sim_durations == "warm" and sim_tail not in learned_durations:
                             learned_durations[sim_tail] = warm_durations(
                                 replace(setup, seed=setup.seed + ns.repeats), nodes,
@@ -804,16 +883,18 @@ def spreads(result: dict[str, Any]) -> str:
 
 
 def sim_only(setup: Setup, topologies: list[tuple[int, int]], bases: list[float],
-             mults: list[float], policies: list[str], repeats: int, predictors: Path,
+             mults: list[float], policies: list[str], repeats: int, chosen: list[Path],
              tail: float, stretch: float, warm: bool = True) -> int:
     """The simulator alone (``--sim-only``): every policy on seeds ``setup.seed`` … + repeats-1
     (the same requests and arrivals per seed across policies), per topology and multiplier;
     ``warm``: the forecast's decode durations are `warm_durations` at the middle multiplier on
-    seed + repeats (as the live benchmark's warm-up), else the simulator's own."""
-    out: dict[str, Any] = {"predictors": str(predictors), "tbt_tail": tail,
+    seed + repeats (as the live benchmark's warm-up), else the simulator's own. ``chosen``:
+    the predictor file per topology (or one for all)."""
+    out: dict[str, Any] = {"predictors": [str(c) for c in chosen], "tbt_tail": tail,
                            "sim_stretch": stretch, "runs": []}
     md = []
-    for nodes, base in zip(topologies, bases, strict=True):
+    for i, (nodes, base) in enumerate(zip(topologies, bases, strict=True)):
+        predictors = chosen[min(i, len(chosen) - 1)]
         name = f"{nodes[0]}P{nodes[1]}D"
         mid = sorted(mults)[len(mults) // 2]
         durations = warm_durations(replace(setup, seed=setup.seed + repeats), nodes, base * mid,
@@ -821,21 +902,85 @@ def sim_only(setup: Setup, topologies: list[tuple[int, int]], bases: list[float]
         out.setdefault("forecast_durations_s", {})[name] = list(durations)
         for mult in mults:
             goodput: dict[str, list[float]] = {p: [] for p in policies}
+            runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
             for r in range(repeats):
                 rs = replace(setup, seed=setup.seed + r)
                 for policy in policies:
                     sim = sim_run(rs, nodes, policy, base * mult, predictors, tail, stretch,
                                   durations)
                     goodput[policy].append(sim["goodput_rps"])
+                    runs[policy].append(sim)
                     out["runs"].append({"cluster": name, "multiplier": mult, "seed": rs.seed,
                                         "policy": policy, **{k: v for k, v in sim.items()
                                                              if k != "samples"}})
-            md.append(spread_table(goodput, f"{name} {mult:g}× ({base * mult:.3g} req/s)"))
+            title = f"{name} {mult:g}× ({base * mult:.3g} req/s)"
+            md += [spread_table(goodput, title), detail_table(runs, title)]
     (setup.out / "overload_sim.json").write_text(json.dumps(out, indent=1) + "\n")
     text = "\n\n".join(md)
     (setup.out / "overload_sim.md").write_text(text + "\n")
     print(text)
     return 0
+
+
+def resim(live_dir: Path, out: Path, chosen: list[Path], stretch: float, warm: bool) -> int:
+    """``--resim``: the simulator columns of the live run in ``live_dir`` again, as the live
+    benchmark runs them (each seed's policy tail the one its live ``none`` run learned, the
+    forecast's durations from a simulated warm-up), on ``chosen`` (per topology) or the
+    start-up profiles in ``live_dir/logs/<cluster>-max``; the report written to ``out``."""
+    result = json.loads((live_dir / "overload_live.json").read_text())
+    conf = result["setup"]
+    setup = Setup(out, conf["requests"], conf["seed"], conf["max_input"], conf["max_output"],
+                  conf["ttft_slo_s"], conf["tbt_slo_s"], conf["sample_s"], conf["timeout_s"],
+                  0, prefill_queue=conf.get("prefill_queue", DEFAULT_QUEUE))
+    for i, topo in enumerate(result["topologies"]):
+        nodes = parse_topology(topo["name"])
+        try:
+            pred = chosen[min(i, len(chosen) - 1)] if chosen else startup_predictors(
+                live_dir / "logs" / f"{topo['name']}-max",
+                out / f"{topo['name']}.startup.predictors.json")
+        except ValueError as e:
+            print(f"overload_live: --resim {topo['name']}: {e}; give --predictors",
+                  file=sys.stderr)
+            return 2
+        topo["sim_predictors"] = str(pred)
+        mults = sorted({r["multiplier"] for r in topo["runs"]})
+        durations: dict[float, tuple[float, ...]] = {}
+        for run in topo["runs"]:
+            tail = next(r["live"]["tbt_tail"] for r in topo["runs"] if r["policy"] == "none"
+                        and r["seed"] == run["seed"] and r["multiplier"] == run["multiplier"])
+            if warm and tail not in durations:
+                durations[tail] = warm_durations(
+                    replace(setup, seed=setup.seed + conf["repeats"]), nodes,
+                    topo["max_rate"] * mults[len(mults) // 2], pred, tail, stretch)
+            run["sim"] = sim_run(replace(setup, seed=run["seed"]), nodes, run["policy"],
+                                 run["rate"], pred, tail, stretch, durations.get(tail, ()))
+    result["checks"] = checks(result)
+    (out / "overload_live.json").write_text(json.dumps(result, indent=1) + "\n")
+    md = table(result) + "\n\n" + spreads(result) + "\n\n" + "\n".join(
+        f"- {k}: {v}" for k, v in result["checks"].items())
+    (out / "overload_live.md").write_text(md + "\n")
+    print(md)
+    return 0
+
+
+def detail_table(runs: dict[str, list[dict[str, Any]]], header: str) -> str:
+    """Per policy, means over its runs (simulated or live summaries): requests within SLO,
+    rejected, TTFT p50 / p90, TBT p50 / p90 of the answered, mean prefill and decode load."""
+    lines = [f"| {header} | policy | within SLO | rejected | TTFT p50 / p90 (s) | TBT p50 / p90 "
+             "(ms) | prefill / decode load |", "|---|---|---|---|---|---|---|"]
+    for policy, mine in runs.items():
+        def mean(get: Any, mine: list[dict[str, Any]] = mine) -> float:
+            vals = [v for v in (get(r) for r in mine) if v is not None]
+            return sum(vals) / len(vals) if vals else math.nan
+
+        lat = [mean(lambda r, k=k: r["latency"][k])
+               for k in ("ttft_p50", "ttft_p90", "tbt_p50", "tbt_p90")]
+        lines.append(f"| {len(mine)} runs | {policy} | {mean(lambda r: r['within_slo']):.1f} | "
+                     f"{mean(lambda r: r['rejected']):.1f} | {lat[0]:.2f} / {lat[1]:.2f} | "
+                     f"{lat[2] * 1e3:.0f} / {lat[3] * 1e3:.0f} | "
+                     f"{mean(lambda r: r['load']['prefill']['mean']):.2f} / "
+                     f"{mean(lambda r: r['load']['decode']['mean']):.2f} |")
+    return "\n".join(lines)
 
 
 def machine() -> str:

@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,8 @@ spec.loader.exec_module(ol)
     (["--tbt-tail", "0.5"], "--tbt-tail"),
     (["--sim-stretch", "0.5"], "--sim-stretch"),
     (["--predictors", "/nonexistent/p.json"], "--predictors: no file"),
+    (["--topologies", "1P1D,2P1D", "--predictors", "a,b,c"], "3 paths for 2 topologies"),
+    (["--resim", "/nonexistent"], "--resim: no /nonexistent/overload_live.json"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str], says: str) -> None:
     out = tmp_path / "out"
@@ -147,8 +150,9 @@ def test_spreads_pair_the_runs_of_one_seed() -> None:
 
 def _predictors(tmp_path: Path, prefill_s_per_token: float, decode_step_s: float,
                 decode_s_per_sequence: float = 0.0) -> Path:
-    """A predictor file: prefill linear in new tokens, a decode step of a constant plus, if
-    given, a term per sequence in the batch."""
+    """A predictor file profiled on a 2-core machine with 64-token prefill chunks: prefill
+    linear in new tokens, a decode step of a constant plus, if given, a term per sequence in
+    the batch."""
     from yuebing.conductor.policy import (
         BivariatePolynomial,
         DecodePredictor,
@@ -163,7 +167,8 @@ def _predictors(tmp_path: Path, prefill_s_per_token: float, decode_step_s: float
         PrefillPredictor(BivariatePolynomial(((1, 0),), (prefill_s_per_token,))),
         DecodePredictor(BivariatePolynomial(((0, 0), (1, 0)),
                                             (decode_step_s, decode_s_per_sequence))),
-        TransferPredictor(), "test"), path)
+        TransferPredictor(), "test", {"machine": "Test CPU | amx_bf16 | 2 cores",
+                                      "max_batch_tokens": "64"}), path)
     return path
 
 
@@ -178,15 +183,57 @@ def test_simulated_run_uses_the_bench_requests_and_the_given_predictors(tmp_path
     assert out["goodput_rps"] > 0 and out["samples"]
 
 
-def test_simulated_decode_steps_meet_prefills_stretched_by_the_live_tail(tmp_path: Path) -> None:
+def test_simulated_nodes_share_the_profiled_machines_cores(tmp_path: Path) -> None:
+    """The simulated cluster runs on one host of the predictors' 2 cores, one thread each:
+    1P1D steps at its profile beside a prefill (and the policy's tail does not slow it); in
+    2P1D a step beside both prefills waits for one's 64-token chunk (128 ms) to end;
+    ``stretch`` (a measured factor) multiplies the steps beside a prefill."""
     path = _predictors(tmp_path, 2e-3, 0.02)
-    setup = _setup(tmp_path)
-    alone = ol.sim_run(setup, (1, 1), "none", 2.0, path, tail=1.0)
-    mated = ol.sim_run(setup, (1, 1), "none", 2.0, path, tail=3.0)
+    assert ol.host_cores(path) == 2
+    setup = replace(_setup(tmp_path), requests=8)
+    alone = ol.sim_run(setup, (1, 1), "none", 4.0, path, tail=3.0)
     assert alone["latency"]["tbt_p99"] < 0.025  # steps of 20 ms (+ the KV hand-over)
+    shared = ol.sim_run(setup, (2, 1), "none", 4.0, path, tail=3.0)
+    assert 0.1 < shared["latency"]["tbt_p99"] <= 0.02 + 0.128 + 0.02
+    mated = ol.sim_run(setup, (1, 1), "none", 4.0, path, stretch=3.0)
     assert mated["latency"]["tbt_p99"] > 0.05  # steps during a prefill take 3 x 20 ms
     factors = json.loads((tmp_path / "interference.json").read_text())["interference"]
     assert factors == {"decode_factor": 3.0, "prefill_factor": 1.0}
+
+
+def test_the_simulator_fits_the_start_up_profiles_of_a_clusters_logs(tmp_path: Path) -> None:
+    """``--predictors LOGDIR``: the prefill and decode predictors fitted to the start-up
+    profiles in the instances' ready files, as the Conductor fits them before any online
+    scale; a directory without them is a one-line error."""
+    from yuebing.conductor.calibration import fit_profile
+    from yuebing.conductor.policy import Predictors
+    from yuebing.protocol.instance import EngineProfile
+
+    conf = {"threads": "1", "machine": "Test CPU | amx_bf16 | 2 cores"}
+    prefill = [[128, 0, 0.16], [512, 0, 0.35], [1536, 0, 1.06], [4096, 0, 5.3],
+               [128, 1024, 0.18], [512, 1024, 0.37], [1536, 1024, 0.95], [4096, 1024, 7.0]]
+    decode = [[1, 512, 0.024], [1, 4096, 0.034], [8, 512, 0.039], [8, 4096, 0.086],
+              [32, 512, 0.103], [32, 4096, 0.106]]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for role, pre, dec in (("prefill-0", prefill, []), ("decode-0", [], decode)):
+        (logs / f"{role}.ready.json").write_text(json.dumps({"profile": {
+            "type": "inst.engine_profile", "configuration": conf, "prefill": pre,
+            "decode": dec, "v": 1}}))
+    out = ol.sim_predictors(logs, tmp_path / "fit.json")
+    assert out == tmp_path / "fit.json"
+    got = Predictors.from_json(out.read_bytes())
+    want = EngineProfile(configuration=conf,
+                         prefill=[(int(n), int(c), float(t)) for n, c, t in prefill],
+                         decode=[(int(b), int(c), float(t)) for b, c, t in decode])
+    assert got.prefill.predict(845, 0) == pytest.approx(
+        fit_profile(want, "prefill").predict(845, 0))
+    assert got.decode.predict(8, 8000) == pytest.approx(fit_profile(want, "decode").predict(8, 8000))
+    assert got.configuration["machine"] == conf["machine"] and ol.host_cores(out) == 2
+    assert ol.sim_predictors(out, tmp_path / "unused.json") == out  # a file: as is
+    (logs / "decode-0.ready.json").unlink()
+    with pytest.raises(ValueError, match="decode-0.ready.json: no start-up profile"):
+        ol.sim_predictors(logs, tmp_path / "fit2.json")
 
 
 def test_plot_leaves_out_a_topology_that_found_no_rate(tmp_path: Path) -> None:
@@ -256,3 +303,30 @@ def test_the_simulated_forecast_assumes_the_durations_a_warm_up_realizes(tmp_pat
     assert own.config.forecast_durations_s == () and given.config.forecast_durations_s == learned
     assert ol.sim_run(setup, (1, 1), "predictive_early_rejection", 1.0, path, 1.0, 1.0,
                       learned)["requests"] == 4
+
+
+def test_resim_runs_the_simulator_columns_of_a_live_run_again(tmp_path: Path) -> None:
+    """``--resim DIR``: each run's simulator column again on the live run's workload, with the
+    tail its seed's live ``none`` run learned; the checks compare the new columns."""
+    path = _predictors(tmp_path, 1e-4, 0.01)
+    rows = [_record(i, "ok", ttft=0.5, tbt=0.05) for i in range(4)]
+    live = ol.summarize_live(_setup(tmp_path), rows, {}, [], {"prefilled_tokens": 9,
+                                                                "wasted_tokens": 0})
+    runs = [{"multiplier": 2.0, "rate": 1.0, "policy": p, "repeat": 0, "seed": 0,
+             "live": {**live, "tbt_tail": 1.5}, "sim": {"goodput_rps": 0.0}}
+            for p in ("none", "early_rejection", "predictive_early_rejection")]
+    setup = {"requests": 4, "seed": 0, "max_input": 512, "max_output": 16, "ttft_slo_s": 2.0,
+             "tbt_slo_s": 0.1, "sample_s": 1.0, "timeout_s": 30.0, "repeats": 1}
+    src = tmp_path / "live"
+    src.mkdir()
+    (src / "overload_live.json").write_text(json.dumps(
+        {"setup": setup, "topologies": [{"name": "1P1D", "max_rate": 0.5, "runs": runs}]}))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert ol.resim(src, out, [path], 1.0, True) == 0
+    again = json.loads((out / "overload_live.json").read_text())
+    sims = [r["sim"] for r in again["topologies"][0]["runs"]]
+    assert all(s["requests"] == 4 and s["goodput_rps"] > 0 for s in sims)
+    assert "1P1D sim goodput within ±25 %" in again["checks"]
+    assert "| 1P1D 2× sim |" in (out / "overload_live.md").read_text()
+    assert ol.resim(src, out, [], 1.0, False) == 2  # no <cluster>-max logs to fit

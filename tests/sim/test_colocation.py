@@ -10,7 +10,13 @@ import pytest
 from sim_fakes import LinearCost
 
 from yuebing.core.errors import InputError
-from yuebing.sim.colocation import HostMate, Interference, load_interference, stretch
+from yuebing.sim.colocation import (
+    HostMate,
+    Interference,
+    SharedHost,
+    load_interference,
+    stretch,
+)
 from yuebing.sim.runner import simulate
 from yuebing.sim.system import SimConfig
 from yuebing.sim.workload import SimRequest
@@ -90,3 +96,60 @@ def test_colocated_steps_slow_down_only_while_the_host_mate_is_busy(tmp_path: Pa
     # 1.151-1.2255: 0.049 s inside (B ends at 1.2) at half speed, then 0.0255 s alone;
     # 1.2255-1.2755 alone
     assert a_end == pytest.approx(1.2755)
+
+
+def test_a_shared_host_starts_a_step_when_the_running_steps_leave_a_core() -> None:
+    """2 cores, 2 prefill nodes and 1 decode node, one thread each: beside one prefill a decode
+    step has a core of its own; beside two it waits for the first of their chunks to end."""
+    host = SharedHost(cores=2, decode_factor=1.0, prefill_nodes=2, decode_nodes=1)
+    host.add_prefill(0, 1.0, 3.0, now=0.0, chunks=4)  # chunks end at 1.5, 2, 2.5, 3
+    host.add_prefill(1, 2.1, 4.1, now=0.0, chunks=2)  # chunks end at 3.1, 4.1
+    assert host.decode_step(0.0, 0.5) == 0.5
+    assert host.decode_step(1.2, 0.5) == 0.5  # one prefill: a core each
+    assert host.decode_step(2.2, 0.1) == pytest.approx(0.3 + 0.1)  # waits for 2.5
+    assert host.decode_step(3.05, 0.1) == pytest.approx(0.1)  # node 0 has ended
+    assert host.busy_at(2.5) == 2 and host.busy_at(2.5, but=0) == 1 and host.busy_at(5.0) == 0
+    assert host.prefill_factors(0, 1.0, 0.3, 0.05) == (1.0, 1.0)  # it and the decode: a core each
+    # beside the other prefill and a stepping decode: a step of 50 ms per 0.2 s chunk
+    assert host.prefill_factors(1, 1.0, 0.2, 0.05) == (1.0, pytest.approx(1.25))
+    assert host.prefill_factors(2, 1.0, 0.2, 0.05)[0] == 1.5  # three prefills on 2 cores
+    host.add_prefill(0, 5.0, 6.0, now=3.5)  # node 0's first interval is over: dropped
+    assert list(host.intervals[0]) == [(5.0, 6.0, 1)]
+    measured = SharedHost(cores=2, decode_factor=1.2, prefill_nodes=1, decode_nodes=1)
+    measured.add_prefill(0, 0.0, 1.0, now=0.0)
+    assert measured.decode_step(0.5, 0.1) == pytest.approx(0.12)
+    with pytest.raises(ValueError, match="cores"):
+        SharedHost(cores=0, decode_factor=1.0, prefill_nodes=1, decode_nodes=1)
+
+
+def test_host_cores_needs_colocated() -> None:
+    with pytest.raises(ValueError, match="host_cores"):
+        SimConfig(host_cores=2)
+
+
+def test_a_step_beside_both_prefills_of_a_two_core_host_waits_for_a_chunk(
+        tmp_path: Path) -> None:
+    """2P1D on 2 cores, 1 ms per prefill token, 512-token chunks, 50 ms decode steps: A (100
+    tokens at 0 s, 20 output tokens, 19 steps) decodes from 0.1001 s; B and C (1,024 tokens
+    each at 0.2 s) prefill on the two prefill nodes. B, scheduled first, takes 1.024 s (it and
+    the decode: a core each), chunk ends 0.712 and 1.224; C, beside B and the stepping decode,
+    yields a 50 ms step per 0.512 s chunk: 1.124 s, chunk ends 0.762 and 1.324. A's steps end
+    at 0.1501 and 0.2001; the next waits for 0.712 (ends 0.762), the next starts at C's chunk
+    end 0.762 (ends 0.812), the next waits for B's end 1.224 (ends 1.274); 14 more: 1.974 s.
+    Paired nodes (host_cores 0) leave A alone: it ends at 1.0501 s."""
+    path = _write(tmp_path, {"interference": {"decode_factor": 1.0, "prefill_factor": 1.0}})
+    reqs = [SimRequest(0, 0.0, 100, 20, (1,)), SimRequest(1, 0.2, 1024, 3, (2,)),
+            SimRequest(2, 0.2, 1024, 3, (3,))]
+    ends, firsts = {}, {}
+    for cores in (0, 2):
+        cfg = SimConfig(prefill_nodes=2, decode_nodes=1, colocated=True, host_cores=cores,
+                        interference_profile=str(path))
+        cost = LinearCost()
+        cost.prefill_chunk_tokens = 512
+        res = simulate(reqs, cfg, cost=cost)
+        a, b, c = res.records
+        assert b.prefill_id != c.prefill_id
+        ends[cores], firsts[cores] = a.finish_s, (b.first_token_s, c.first_token_s)
+    assert ends[0] == pytest.approx(1.0501)
+    assert firsts[2] == pytest.approx((0.2 + 1.024, 0.2 + 1.124))
+    assert ends[2] == pytest.approx(1.974)

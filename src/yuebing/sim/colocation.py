@@ -1,11 +1,12 @@
-"""Colocated nodes: a prefill and a decode node sharing one host slow each other down.
+"""Colocated nodes: prefill and decode nodes sharing one host slow each other down.
 
-With ``SimConfig.colocated`` prefill node i and decode node i share host i, as 1P1D ``yuebing
-serve`` runs on one machine. The factors are measured (``yuebing profile --interference``,
-read by `load_interference`). `sim.mooncake.MooncakeSystem` keeps one `HostMate` per paired
-prefill node: a prefill is stretched (`stretch`) over the window its partner decode node is
-estimated busy, and the decode node (`sim.decode.DecodeInstance`, ``stretch=``) stretches each
-step over the partner's prefill intervals (`HostMate.decode_step`).
+With ``SimConfig.colocated`` prefill node i and decode node i share host i (`HostMate`); with
+``SimConfig.host_cores`` as well, every node shares one host of that many cores, one engine
+thread each, as ``yuebing serve`` runs on one machine (`SharedHost`). The factors beside a
+neighbour are measured (``yuebing profile --interference``, read by `load_interference`).
+`sim.mooncake.MooncakeSystem` stretches a prefill (`stretch`) over the window the decode is
+estimated busy, and each decode step (`sim.decode.DecodeInstance`, ``stretch=``) over the
+prefill intervals it meets (`HostMate.decode_step`, `SharedHost.decode_step`).
 """
 
 from __future__ import annotations
@@ -110,3 +111,72 @@ class HostMate:
             if hi > t:
                 return stretch(t, work, lo, hi, self.decode_factor)
         return work
+
+
+EDGE = 1e-9
+"""A step asked for this close (in chunks) after a chunk end starts at it (float rounding)."""
+
+
+class SharedHost:
+    """Every node on one host of ``cores`` cores, one engine thread each: the prefill intervals
+    of each prefill node (with their chunk counts), and the time a step takes among them.
+
+    As live (`yuebing.instance.cores.CoreLedger`), a step starts only when the steps running
+    leave it a core, and a prefill's step is one chunk: a decode step beside k prefilling nodes
+    (and the ``other_decodes`` other decode nodes, counted busy) runs at once when k +
+    other_decodes + 1 <= cores, slowed by the measured ``decode_factor`` (caches, memory
+    bandwidth) while k >= 1; with more, it waits for the first of their chunks to end. On 2
+    cores 1P1D thus steps at its profiled time, and 2P1D's decode waits for a chunk end while
+    both prefills run; a prefill then loses one decode step per chunk (`prefill_factors`). Not
+    modelled: cores lent by idle instances (live ``--lend-cores``), a decode that loses the race
+    for a freed core, the Conductor's and the load generator's CPU."""
+
+    def __init__(self, cores: int, decode_factor: float, prefill_nodes: int,
+                 decode_nodes: int) -> None:
+        require(cores >= 1 and prefill_nodes >= 1 and decode_nodes >= 1,
+                f"a shared host needs cores, prefill and decode nodes >= 1, got {cores}, "
+                f"{prefill_nodes}, {decode_nodes}")
+        self.cores = cores
+        self.decode_factor = decode_factor
+        self.other_decodes = decode_nodes - 1
+        self.intervals: list[deque[tuple[float, float, int]]] = [
+            deque() for _ in range(prefill_nodes)]
+        """Per prefill node, its scheduled prefills: (start, end, chunks)."""
+
+    def prefill_factors(self, busy_prefills: int, prefill_factor: float, chunk_s: float,
+                        step_s: float) -> tuple[float, float]:
+        """A prefill's slowdown beside ``busy_prefills`` other prefilling nodes, its chunks
+        ``chunk_s`` long: (while the decode nodes are idle: the cores time-shared if the
+        prefills alone outnumber them; extra while they step: a decode step of ``step_s`` per
+        chunk when they leave the decode no core, times the measured ``prefill_factor``)."""
+        alone = max(1.0, (busy_prefills + 1) / self.cores)
+        crowded = busy_prefills + self.other_decodes + 2 > self.cores
+        beside = (chunk_s + step_s) / chunk_s if crowded and chunk_s > 0 else 1.0
+        return alone, prefill_factor * beside
+
+    def add_prefill(self, node: int, start: float, end: float, now: float,
+                    chunks: int = 1) -> None:
+        """Called by the system at ``now`` when it schedules a prefill of ``chunks`` engine
+        steps on prefill ``node``; that node's intervals over by ``now`` are dropped."""
+        ivs = self.intervals[node]
+        while ivs and ivs[0][1] <= now:
+            ivs.popleft()
+        ivs.append((start, end, max(1, chunks)))
+
+    def busy_at(self, t: float, but: int = -1) -> int:
+        """Prefill nodes (other than ``but``) prefilling at ``t``."""
+        return sum(1 for n, ivs in enumerate(self.intervals) if n != but
+                   and any(lo <= t < hi for lo, hi, _ in ivs))
+
+    def decode_step(self, t: float, work: float) -> float:
+        """Duration of a decode step of ``work`` s (alone) asked for at ``t``: the wait for a
+        core (the first chunk end of the prefills running, when they leave none), then the
+        step, slowed by ``decode_factor`` beside a prefill."""
+        busy = [iv for q in self.intervals for iv in q if iv[0] <= t < iv[1]]
+        if not busy:
+            return work
+        if len(busy) + self.other_decodes + 1 <= self.cores:
+            return work * self.decode_factor
+        start = min(min(hi, lo + math.ceil((t - lo) * n / (hi - lo) - EDGE) * (hi - lo) / n)
+                    for lo, hi, n in busy)  # the first chunk end at or after t
+        return max(0.0, start - t) + work * self.decode_factor

@@ -30,7 +30,13 @@ from yuebing.conductor.policy import (
 )
 from yuebing.conductor.view import PrefillLoad, PrefixLookup, build_view
 from yuebing.core.ids import BlockHash, InstanceId
-from yuebing.sim.colocation import HostMate, Interference, load_interference, stretch
+from yuebing.sim.colocation import (
+    HostMate,
+    Interference,
+    SharedHost,
+    load_interference,
+    stretch,
+)
 from yuebing.sim.decode import DecodeInstance, DecodeJob
 from yuebing.sim.kvpool import GlobalKVPool
 from yuebing.sim.loop import Priority
@@ -101,9 +107,10 @@ class MooncakeSystem(SimSystem):
     fetch done;
     in FIFO a request's turn is placed at arrival, in another order the node picks the next when it
     is free (`_dispatch`). With ``prefill_reject`` a prefill that would end past its TTFT SLO is
-    dropped when placed; with ``colocated`` prefill node i and decode node i share a host and
-    stretch each other (`sim.colocation`). (3) prefill end = first token; the KV stored layer by
-    layer into the node's DRAM pool moves to the decode node after the prefill (Figure 14). (4)
+    dropped when placed; with ``colocated`` prefill node i and decode node i share a host
+    (with ``host_cores``, all nodes share one) and stretch each other (`sim.colocation`). (3)
+    prefill end = first token; the KV stored layer by layer into the node's DRAM pool moves to
+    the decode node after the prefill (Figure 14). (4)
     decode: with ``decode_reject`` a request whose KV cannot join at the next iteration, or would
     push it past the TBT SLO (by the Conductor's decode predictor), is rejected there."""
 
@@ -141,9 +148,12 @@ class MooncakeSystem(SimSystem):
         own, busy together (one request at a time per group, in arrival order)."""
         self.stage_free = [0.0] * cfg.cpp_groups
         self.stage_queued = [0] * cfg.cpp_groups
+        self.host: SharedHost | None = None
+        """All nodes on one host (`SimConfig.host_cores`), else None."""
         self.mates = self._host_mates()
         self.decodes = [DecodeInstance(str(d), self.loop, self.cost, stretch=(
-            self.mates[j].decode_step if j in self.mates else None))
+            self.host.decode_step if self.host is not None
+            else self.mates[j].decode_step if j in self.mates else None))
             for j, d in enumerate(self.decode_ids)]
         self.pending: dict[int, PendingDecode] = {}
         self.policy: Policy | None = None
@@ -161,6 +171,10 @@ class MooncakeSystem(SimSystem):
             self.interference = Interference()
             return {}
         self.interference = load_interference(cfg.interference_profile or cfg.profile)
+        if cfg.host_cores:
+            self.host = SharedHost(cfg.host_cores, self.interference.decode_factor, self.P,
+                                   self.D)
+            return {}
         return {i: HostMate(self.interference.decode_factor) for i in range(min(cfg.prefill_nodes, self.D))}
 
     def prepare(self, requests: Sequence[SimRequest]) -> None:
@@ -293,6 +307,15 @@ class MooncakeSystem(SimSystem):
         if mate is not None:
             duration = stretch(start, duration, *self._decode_busy(i),
                                self.interference.prefill_factor)
+        host = self.host if k == 1 else None
+        chunks = max(1, math.ceil(new / self.cost.prefill_chunk_tokens))
+        if host is not None:
+            d = self.decodes[0]
+            step = self.cost.decode_step_time(max(1, d.batch_size), max(1, d.context_tokens))
+            alone, beside = host.prefill_factors(host.busy_at(start, but=i),
+                                                 self.interference.prefill_factor,
+                                                 duration / chunks, step)
+            duration = stretch(start, duration * alone, *self._decode_busy_any(), beside)
         end = start + duration
         if self.config.prefill_reject and end - request.arrival_s > self.config.policy.ttft_slo_s:
             record.rejected = RejectStage.PREFILL
@@ -307,6 +330,10 @@ class MooncakeSystem(SimSystem):
         if mate is not None:
             mate.add_prefill(start, end, self.loop.now)
             self.decodes[i].replan()
+        if host is not None:
+            host.add_prefill(i, start, end, self.loop.now, chunks)
+            for d in self.decodes:
+                d.replan()
         kv_ready = end + self.cost.transfer_time(request.input_tokens * self._kvb)
         self.pending[request.index] = PendingDecode(
             kv_ready, request.output_tokens, self.decode_ids[j], request.input_tokens)
@@ -356,6 +383,11 @@ class MooncakeSystem(SimSystem):
         begin = self.loop.now if d.batch_size else min((s for s, _ in coming), default=math.inf)
         until = max([d.busy_until(), *(s + (n - 1) * step for s, n in coming)])
         return begin, until
+
+    def _decode_busy_any(self) -> tuple[float, float]:
+        """The union of the decode nodes' `_decode_busy` windows (a shared host)."""
+        windows = [self._decode_busy(j) for j in range(self.D)]
+        return min(w[0] for w in windows), max(w[1] for w in windows)
 
     def _prefill_done(self, request: SimRequest, record: RequestRecord, group: list[int],
                       j: int, kv_ready: float) -> None:

@@ -88,6 +88,11 @@ class SimConfig:
         "help": "mooncake: prefill node i and decode node i share a host and slow each other "
                 "down by the factors `yuebing profile --interference` measured "
                 "(yuebing.sim.colocation)"})
+    host_cores: int = field(default=0, metadata={
+        "help": "mooncake, colocated: every node shares one host of this many cores, one engine "
+                "thread each, as yuebing serve on one machine (a step waits for a core, "
+                "yuebing.sim.colocation.SharedHost); 0: prefill node i and decode node i pair "
+                "up"})
     interference_profile: str = field(default="", metadata={
         "help": "samples file with the interference factors for colocated (default: profile)"})
     forecast_durations_s: tuple[float, ...] = field(default=(), metadata={
@@ -119,6 +124,8 @@ class SimConfig:
                 "cost_model 'fitted' needs --profile PATH")
         require(not self.colocated or self.system == "mooncake",
                 f"colocated is modelled for system mooncake only, not {self.system!r}")
+        require(self.host_cores >= 0 and (not self.host_cores or self.colocated),
+                f"host_cores must be >= 0 and needs colocated, got {self.host_cores}")
         require(all(math.isfinite(d) and d > 0 for d in self.forecast_durations_s),
                 f"forecast_durations_s must be positive seconds, got {self.forecast_durations_s}")
         require(not self.colocated or bool(self.interference_profile or self.profile),
