@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -32,6 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from yuebing.ops import ports
 
 ETCD_BINARY_ENV = "YUEBING_ETCD_BIN"
 """Environment variable naming an etcd binary to use instead of the one on ``PATH``."""
@@ -43,10 +44,8 @@ def find_etcd() -> str | None:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port on 127.0.0.1 outside the ephemeral range, free a moment ago (`yuebing.ops.ports`)."""
+    return ports.free_port("127.0.0.1")
 
 
 class EtcdServer:

@@ -24,7 +24,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from cli_procs import CliProc
+from yuebing.ops import ports
 
 MODEL = "dummy:preset=tiny"
 MAX_TOKENS = 16
@@ -46,9 +46,8 @@ ROLES = ("store-master", "store-node", "prefill-0", "decode-0", "conductor")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port on 127.0.0.1 outside the ephemeral range, free a moment ago (`yuebing.ops.ports`)."""
+    return ports.free_port("127.0.0.1")
 
 
 def _host_id(flag: str, place: Place) -> tuple[str, ...]:

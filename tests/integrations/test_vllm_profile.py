@@ -8,7 +8,6 @@ vLLM's per-request queue time reaches ``usage.yuebing`` apart from ``prefill_s``
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -20,6 +19,7 @@ from yuebing.conductor.calibration import fit_profile
 from yuebing.conductor.policy import Predictors
 from yuebing.integrations.vllm.instance import vllm_queue_s
 from yuebing.integrations.vllm.server import VllmEnv
+from yuebing.ops import ports
 from yuebing.ops.procs import ReadyProcess, yuebing_argv
 from yuebing.protocol.instance import EngineProfile
 
@@ -31,9 +31,8 @@ MODEL = "smollm2-135m-instruct"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port on 127.0.0.1 outside the ephemeral range, free a moment ago (`yuebing.ops.ports`)."""
+    return ports.free_port("127.0.0.1")
 
 
 def get(url: str) -> dict:

@@ -47,6 +47,7 @@ from yuebing.core.cpus import format_cpus, split_cpus, usable_cpus
 from yuebing.core.errors import ConfigError
 from yuebing.engine.config import parse_group_layers
 from yuebing.instance.config import InstanceConfig
+from yuebing.ops.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -189,13 +190,6 @@ class ServeConfig:
         twins: dict[str, tuple[str, ...]] = {f"twin-{g * k + i}": ("--twin-of", texts[i].strip(), "--cpp-group", f"cpp-{g}")
                  for g in range(self.prefill // k) for i in range(k) if self.cpp_twins}
         return stages | twins
-
-
-def free_port(host: str) -> int:
-    """A TCP port on ``host`` that was free a moment ago."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def check_ports(cfg: ServeConfig) -> None:

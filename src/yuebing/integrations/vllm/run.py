@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from yuebing.integrations.vllm.profile import (
     vllm_profile,
 )
 from yuebing.integrations.vllm.server import VllmEnv, VllmServer, VllmServerConfig
+from yuebing.ops.ports import free_port
 from yuebing.protocol.instance import EngineProfile
 
 log = logging.getLogger(__name__)
@@ -39,12 +39,6 @@ def _write_ready(path: str, data: dict[str, object]) -> None:
         tmp = path + ".tmp"
         Path(tmp).write_text(json.dumps(data))
         os.replace(tmp, path)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def find_master(cfg: VllmInstanceConfig, timeout_s: float = 60.0) -> str:
@@ -81,9 +75,9 @@ def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
         cfg = dataclasses.replace(cfg, model_dir=str(env.model))
     server, loading = None, contextlib.ExitStack()
     if not cfg.vllm_url and cfg.kv_events_port == 0:
-        cfg = dataclasses.replace(cfg, kv_events_port=_free_port())
+        cfg = dataclasses.replace(cfg, kv_events_port=free_port("127.0.0.1"))
     if not cfg.vllm_url and cfg.kv_replay_port == 0 and cfg.kv_events_port > 0:
-        cfg = dataclasses.replace(cfg, kv_replay_port=_free_port())
+        cfg = dataclasses.replace(cfg, kv_replay_port=free_port("127.0.0.1"))
     if not cfg.vllm_url:
         why = env.missing()
         if why:
