@@ -959,6 +959,7 @@ def resim(live_dir: Path, out: Path, chosen: list[Path], stretch: float, warm: b
     md = table(result) + "\n\n" + spreads(result) + "\n\n" + "\n".join(
         f"- {k}: {v}" for k, v in result["checks"].items())
     (out / "overload_live.md").write_text(md + "\n")
+    plot(result, out)
     print(md)
     return 0
 
