@@ -35,6 +35,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "peers"))
 from workload import Workload, cells  # noqa: E402
 
+from yuebing.ops.pgroup import group_alive, group_cpu_seconds  # noqa: E402
+
 log = logging.getLogger("engine_peers")
 REPO = HERE.parent
 DEFAULT_PEERS_DIR = Path(os.environ.get("YUEBING_PEERS_DIR", Path.home() / ".cache/yuebing-peers"))
@@ -145,7 +147,7 @@ class Worker:
         deadline = time.monotonic() + grace_s
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=grace_s)
-        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+        while group_alive(self.proc.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         _kill_group(self.proc)
         self.proc.wait()
@@ -182,20 +184,6 @@ class Worker:
         return payload
 
 
-def group_cpu_seconds(pgid: int, proc_dir: Path = Path("/proc")) -> float:
-    """User + system CPU seconds of every thread whose process group is ``pgid`` (Linux
-    ``/proc/<pid>/task/<tid>/stat``; threads that end while read are skipped)."""
-    ticks = 0
-    for task in proc_dir.glob("[0-9]*/task/[0-9]*/stat"):
-        try:
-            fields = task.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 IDLE_WINDOW_S = 0.2
 """`wait_idle` looks at the workers' CPU time over windows this long."""
 IDLE_CPU_S = 0.02
@@ -217,17 +205,6 @@ def wait_idle(workers: dict[str, Any], settle_s: float, cap_s: float,
         if sum(m() for m in meters) - before < IDLE_CPU_S:
             break
     return time.perf_counter() - t0
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether any process of group ``pgid`` is left (signal 0 to the group)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from yuebing.ops.pgroup import group_alive, group_pids
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -330,22 +332,6 @@ def test_wait_idle_waits_until_no_worker_uses_the_cpu_up_to_a_cap() -> None:
     assert ep.wait_idle({"n": object()}, 0.0, 5.0, window_s=0.01) < 1.0
 
 
-def test_group_cpu_seconds_sums_the_threads_of_one_process_group(tmp_path: Path) -> None:
-    def task(pid: int, tid: int, pgrp: int, utime: int, stime: int, name: str = "py") -> None:
-        d = tmp_path / str(pid) / "task" / str(tid)
-        d.mkdir(parents=True)
-        # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
-        (d / "stat").write_text(f"{tid} ({name}) S 1 {pgrp} 1 0 -1 0 0 0 0 0 {utime} {stime} 0 0")
-
-    task(10, 10, 10, 100, 50)
-    task(10, 11, 10, 30, 20, name="odd) name")  # a ")" in the thread's name
-    task(12, 12, 10, 5, 5)  # a child process in the group
-    task(20, 20, 20, 999, 999)  # another group
-    hz = ep.os.sysconf("SC_CLK_TCK")
-    assert ep.group_cpu_seconds(10, tmp_path) == pytest.approx(210 / hz)
-    assert ep.group_cpu_seconds(30, tmp_path) == 0.0
-
-
 FAKE_PEER = """
 import sys, time
 sys.path.insert(0, {peers!r})
@@ -355,6 +341,9 @@ class Instant(Backend):
     name = "instant"
     def __init__(self, model, w):
         assert model == "M"
+        if {linger}:  # a child in the group that outlives the worker (vLLM's engine process)
+            import subprocess
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         if {slow}:
             time.sleep(60)
     def generate(self, prompts, max_tokens):
@@ -367,10 +356,10 @@ sys.exit(main(Instant))
 """
 
 
-def _fake(tmp_path: Path, slow: bool = False, short_at: int = -1) -> Any:
+def _fake(tmp_path: Path, slow: bool = False, short_at: int = -1, linger: bool = False) -> Any:
     script = tmp_path / "fake_peer.py"
     script.write_text(textwrap.dedent(FAKE_PEER.format(peers=str(BENCH / "peers"), slow=slow,
-                                                       short_at=short_at)))
+                                                       short_at=short_at, linger=linger)))
     return ep.PeerSpec("instant", str(script), Path(sys.executable), "M")
 
 
@@ -412,6 +401,32 @@ def test_worker_reports_a_failed_call_missing_install_and_a_crash(tmp_path: Path
         worker.start()
     worker.stop()
     assert str(err.value) == f"exit status 3 at start-up; log {tmp_path / 'b.log'}: it broke"
+
+
+def test_stop_waits_out_the_grace_then_kills_what_is_left_of_the_group(tmp_path: Path) -> None:
+    """The worker quits at once; its child still runs: stop waits ``grace_s`` for it, then
+    SIGKILLs the group, and no process of the group runs after (a zombie left to be reaped
+    by init does not count)."""
+    worker = ep.Worker(_fake(tmp_path, linger=True), wl.Workload(**SMALL), tmp_path / "l.log",
+                       timeout_s=60)
+    worker.start()
+    assert worker.proc is not None
+    pgid = worker.proc.pid
+    assert len(group_pids(pgid)) == 2
+    t0 = time.monotonic()
+    worker.stop(grace_s=1.0)
+    assert 1.0 <= time.monotonic() - t0 < 15
+    assert worker.proc.returncode == 0  # it quit when asked; the child was killed
+    assert not group_alive(pgid)
+
+
+def test_stop_of_a_worker_whose_group_ends_returns_without_the_grace(tmp_path: Path) -> None:
+    worker = ep.Worker(_fake(tmp_path), wl.Workload(**SMALL), tmp_path / "q.log", timeout_s=60)
+    worker.start()
+    t0 = time.monotonic()
+    worker.stop(grace_s=30.0)
+    assert time.monotonic() - t0 < 15 and worker.proc is not None
+    assert worker.proc.returncode == 0 and not group_alive(worker.proc.pid)
 
 
 def test_worker_is_killed_past_its_timeout(tmp_path: Path) -> None:

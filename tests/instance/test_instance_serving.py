@@ -127,6 +127,7 @@ def test_a_prompt_cached_but_its_last_token_counts_that_token_as_its_prefill(clu
         return cold, warm
     cold, warm = run(go())
     assert cold.error == warm.error == ""
+    assert len(warm.tokens) == 12 and warm.tokens == cold.tokens, (cold, warm)
     first = [e for e in warm.events if e.kind == EventKind.FIRST_TOKEN][0]
     assert first.cached_tokens == 32
     hand = [[e for e in r.events if e.finish_reason == "handoff"][0].breakdown

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from yuebing.ops.shm import group_alive, group_files, sweep
+from yuebing.ops.pgroup import group_alive
+from yuebing.ops.shm import group_files, sweep
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
 

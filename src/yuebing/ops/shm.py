@@ -15,19 +15,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-PROC = Path("/proc")
-
-
-def _pids() -> list[int]:
-    return [int(p.name) for p in PROC.iterdir() if p.name.isdigit()] if PROC.is_dir() else []
-
-
-def _pgid(pid: int) -> int:
-    try:
-        stat = (PROC / str(pid) / "stat").read_bytes()
-    except OSError:
-        return -1
-    return int(stat[stat.rindex(b")") + 2:].split()[2])
+from yuebing.ops.pgroup import PROC, group_pids, pids
 
 
 def _held(pid: int, where: Path) -> set[Path]:
@@ -49,17 +37,6 @@ def _held(pid: int, where: Path) -> set[Path]:
     return found
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` still runs (a zombie holds no memory)."""
-    for pid in _pids():
-        if _pgid(pid) == pgid:
-            with contextlib.suppress(OSError):
-                stat = (PROC / str(pid) / "stat").read_bytes()
-                if stat[stat.rindex(b")") + 2:].split()[0] != b"Z":
-                    return True
-    return False
-
-
 PYTHON_SHM = ("psm_", "sem.mp-")
 """Python's `multiprocessing.shared_memory` segments and its named semaphores."""
 
@@ -68,9 +45,8 @@ def group_files(pgid: int, where: Path = Path("/dev/shm"),
                 prefixes: tuple[str, ...] = PYTHON_SHM) -> set[Path]:
     """The files ``where/<prefix>*`` that the processes of group ``pgid`` map or have open."""
     out: set[Path] = set()
-    for pid in _pids():
-        if _pgid(pid) == pgid:
-            out |= {f for f in _held(pid, where) if f.name.startswith(prefixes)}
+    for pid in group_pids(pgid):
+        out |= {f for f in _held(pid, where) if f.name.startswith(prefixes)}
     return out
 
 
@@ -81,7 +57,7 @@ def sweep(candidates: Iterable[Path]) -> list[Path]:
     if not left:
         return []
     dirs = {c.parent for c in left}
-    for pid in _pids():
+    for pid in pids():
         for d in dirs:
             left -= _held(pid, d)
         if not left:

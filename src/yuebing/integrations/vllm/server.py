@@ -24,9 +24,10 @@ from yuebing.core import env as environment
 from yuebing.core.config import require
 from yuebing.core.cpus import format_cpus, require_usable, usable_cpus
 from yuebing.core.errors import ConfigError
+from yuebing.ops.pgroup import group_alive
 from yuebing.ops.priority import EnginePriority
 from yuebing.ops.procs import die_with_parent
-from yuebing.ops.shm import group_alive, group_files, sweep
+from yuebing.ops.shm import group_files, sweep
 
 SRC = Path(__file__).resolve().parents[3]
 """The ``src`` folder holding ``yuebing`` (put on vLLM's PYTHONPATH)."""

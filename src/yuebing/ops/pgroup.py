@@ -1,0 +1,78 @@
+"""A process group read from ``/proc``: its processes (`group_pids`), whether one still runs
+(`group_alive`: a zombie, exited but not reaped, does not) and the CPU time its processes have
+used (`group_cpu_seconds`). Called by `ops.shm` (whose files a killed group held), by
+`integrations.vllm.server` and by ``benchmarks/engine_peers.py`` (stopping and metering a peer
+started in its own session). Linux only; without ``/proc`` a group has no processes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of ``/proc/<pid>/stat`` used here (the name, which may hold spaces and ``)``,
+    is skipped: fields are counted after its last ``)``)."""
+
+    state: str
+    pgid: int
+    cpu_ticks: int
+    """utime + stime: every thread of the process, those ended included."""
+
+    @classmethod
+    def parse(cls, raw: bytes) -> ProcStat:
+        try:
+            fields = raw[raw.rindex(b")") + 2:].split()
+            return cls(fields[0].decode(), int(fields[2]), int(fields[11]) + int(fields[12]))
+        except (ValueError, IndexError) as e:
+            raise ValueError(f"not a /proc/<pid>/stat line: {raw[:120]!r}") from e
+
+
+def proc_stat(pid: int, proc_dir: Path = PROC) -> ProcStat | None:
+    """``pid``'s stat, or None once it is gone (reaped)."""
+    try:
+        return ProcStat.parse((proc_dir / str(pid) / "stat").read_bytes())
+    except OSError:
+        return None
+
+
+def pids(proc_dir: Path = PROC) -> list[int]:
+    """Every process id on the host (none without ``proc_dir``)."""
+    try:
+        return [int(p.name) for p in proc_dir.iterdir() if p.name.isdigit()]
+    except OSError:
+        return []
+
+
+def group_stats(pgid: int, proc_dir: Path = PROC) -> dict[int, ProcStat]:
+    """The stat of each process (zombies included) whose process group is ``pgid``."""
+    out = {}
+    for pid in pids(proc_dir):
+        st = proc_stat(pid, proc_dir)
+        if st is not None and st.pgid == pgid:
+            out[pid] = st
+    return out
+
+
+def group_pids(pgid: int, proc_dir: Path = PROC) -> list[int]:
+    """The processes of group ``pgid``, zombies included (they may still hold a file open only
+    until they exit; `group_alive` is the test for "still runs")."""
+    return sorted(group_stats(pgid, proc_dir))
+
+
+def group_alive(pgid: int, proc_dir: Path = PROC) -> bool:
+    """Whether a process of group ``pgid`` still runs: one that is not a zombie (exited, not yet
+    reaped by its parent; it holds no memory and runs no code)."""
+    return any(st.state != "Z" for st in group_stats(pgid, proc_dir).values())
+
+
+def group_cpu_seconds(pgid: int, proc_dir: Path = PROC) -> float:
+    """User + system CPU seconds of the processes of group ``pgid`` that are still listed (a
+    process's own total covers its ended threads too; a reaped process drops out)."""
+    ticks = sum(st.cpu_ticks for st in group_stats(pgid, proc_dir).values())
+    return ticks / os.sysconf("SC_CLK_TCK")
