@@ -330,6 +330,17 @@ def test_running_decodes_are_protected_on_every_decode_instance_not_only_the_cho
     assert r.reason == "running_tbt"
 
 
+@pytest.mark.parametrize("admission", ["early_rejection", "predictive_early_rejection"])
+def test_without_a_tail_an_overloaded_instance_does_not_block_prefills_for_another(admission):
+    """Tail 1: a prefill does not stretch d0's steps (12 running: 142 ms, over the SLO), so
+    rejecting a request bound for the idle d1 would protect nobody: it is admitted there. With
+    a tail of 2 its prefill would stretch d0 further, and it is rejected."""
+    two = view(P0, (decode("d0", batch=12), decode("d1")))
+    r = decide_with(two, admission=admission)
+    assert isinstance(r, Route) and r.decode_id == "d1"
+    assert decide_with(two, admission=admission, tbt_tail=2.0).reason == "running_tbt"
+
+
 def test_running_decodes_that_no_admission_can_protect_do_not_block_every_prefill():
     """With a tail of 6 one running request alone steps 20 ms x 6 = 120 ms beside any
     prefill: rejecting this request would not bring it within the SLO, so it is admitted
