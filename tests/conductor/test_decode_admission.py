@@ -148,6 +148,15 @@ def test_predictive_holds_the_running_batch_while_the_prefill_pool_is_busy():
     assert forecast_decode_load(pol, request(), DRAINING, 106.0) == pytest.approx(0.61)  # retry
 
 
+def test_without_forecast_hold_predictive_drains_the_running_batch_as_arxiv_7_4():
+    """A again with ``forecast_hold`` off (the paper report's overload runs): the batch of 10
+    is forecast to drain to 4 by the time the request reaches decode (load .61), admitted."""
+    assert isinstance(decide_with(DRAINING, admission="predictive_early_rejection",
+                                  forecast_hold=False), Route)
+    route = decide_with(DRAINING, decode_selector="forecast", forecast_hold=False)
+    assert route.est_step_s == pytest.approx(0.061)
+
+
 @pytest.mark.parametrize("queue_s", [0.5, 2.0, 5.0, 10.0, 20.0])
 def test_a_longer_prefill_queue_never_lightens_the_predicted_decode_load(queue_s):
     """The bug it guards: decaying the running batch over the prefill wait made the forecast
