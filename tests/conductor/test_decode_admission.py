@@ -148,6 +148,15 @@ def test_predictive_holds_the_running_batch_while_the_prefill_pool_is_busy():
     assert forecast_decode_load(pol, request(), DRAINING, 106.0) == pytest.approx(0.61)  # retry
 
 
+def test_without_forecast_hold_predictive_drains_the_running_batch_as_arxiv_7_4():
+    """A again with ``forecast_hold`` off (the paper report's overload runs): the batch of 10
+    is forecast to drain to 4 by the time the request reaches decode (load .61), admitted."""
+    assert isinstance(decide_with(DRAINING, admission="predictive_early_rejection",
+                                  forecast_hold=False), Route)
+    route = decide_with(DRAINING, decode_selector="forecast", forecast_hold=False)
+    assert route.est_step_s == pytest.approx(0.061)
+
+
 @pytest.mark.parametrize("queue_s", [0.5, 2.0, 5.0, 10.0, 20.0])
 def test_a_longer_prefill_queue_never_lightens_the_predicted_decode_load(queue_s):
     """The bug it guards: decaying the running batch over the prefill wait made the forecast
@@ -328,6 +337,17 @@ def test_running_decodes_are_protected_on_every_decode_instance_not_only_the_cho
     two = view(P0, (decode("d0", batch=7), decode("d1")))
     r = decide_with(two, admission="early_rejection", tbt_tail=2.0)
     assert r.reason == "running_tbt"
+
+
+@pytest.mark.parametrize("admission", ["early_rejection", "predictive_early_rejection"])
+def test_without_a_tail_an_overloaded_instance_does_not_block_prefills_for_another(admission):
+    """Tail 1: a prefill does not stretch d0's steps (12 running: 142 ms, over the SLO), so
+    rejecting a request bound for the idle d1 would protect nobody: it is admitted there. With
+    a tail of 2 its prefill would stretch d0 further, and it is rejected."""
+    two = view(P0, (decode("d0", batch=12), decode("d1")))
+    r = decide_with(two, admission=admission)
+    assert isinstance(r, Route) and r.decode_id == "d1"
+    assert decide_with(two, admission=admission, tbt_tail=2.0).reason == "running_tbt"
 
 
 def test_running_decodes_that_no_admission_can_protect_do_not_block_every_prefill():

@@ -35,8 +35,8 @@ SIM_POLICY = PolicyConfig(prefill_selector="global_cache_aware", decode_selector
 trace's 512-token blocks, TTFT 30 s / TBT 100 ms); the live Conductor's queue default differs."""
 POLICY_FLAGS = ("prefill_selector", "decode_selector", "admission", "prefill_queue",
                 "prefill_queue_aging", "block_tokens", "kvcache_balancing_threshold",
-                "ttft_slo_s", "tbt_slo_s", "tbt_tail", "cpp_threshold_tokens", "cpp_max_nodes",
-                "seed")
+                "ttft_slo_s", "tbt_slo_s", "tbt_tail", "forecast_hold", "cpp_threshold_tokens",
+                "cpp_max_nodes", "seed")
 """The `PolicyConfig` fields ``yuebing sim run`` offers as its own flags."""
 
 

@@ -98,9 +98,13 @@ def running_load(pol: Policy, view: ClusterView, plan: PrefillPlan, state: State
     `Policy.prefill_tail`, on the most loaded decode instance (on one host every decode shares
     the prefill's cores). 0 with none decoding. An instance where one request alone would be
     over the threshold under the tail is left out: no admission can protect it, and counting
-    it would refuse every prefill while anything decodes there."""
+    it would refuse every prefill while anything decodes there. 0 under a tail of 1 (decode on
+    its own cores, as the paper's nodes): the prefill does not stretch their steps, so rejecting
+    it protects none of them (the chosen instance's own load is the request's decode load)."""
     batch, ctx, _ = state
     tail = pol.prefill_tail(view, plan.prefill_s)
+    if tail == 1.0:
+        return 0.0
     slo = pol.config.tbt_slo_s
     worst = 0.0
     for n, tokens in zip(batch, ctx, strict=True):

@@ -66,6 +66,10 @@ class PolicyConfig:
         "a request's paper TBT (the mean of its longest tenth of token intervals) per predicted "
         "mean decode step, applied while a prefill instance has work (decode steps then meet "
         "prefill passes); ≥ 1, learned live by the Conductor"))
+    forecast_hold: bool = field(default=True, metadata=_help(
+        "predictive early rejection and the forecast decode selector: while the prefill pool "
+        "has work, hold the running decode batch (later arrivals refill it) and forecast only "
+        "the routed prefills; off: the arXiv §7.4 forecast, which drains it by residual life"))
     min_retry_after_s: float = field(default=1.0, metadata=_help(
         "smallest Retry-After a rejection suggests, seconds"))
     cpp_threshold_tokens: int = field(default=0, metadata=_help(

@@ -85,8 +85,11 @@ def decode_forecast(pol: Policy, view: ClusterView, at_s: float) -> State:
     replace the decodes that end before ``at_s``, so the running batch is held
     (`forecast_state` ``hold``) and only the routed requests still in prefill are forecast.
     Decaying it instead made the forecast lighter the longer the prefill queue: more admitted
-    while overloaded, and the learned tail inflated for the calm after."""
-    return forecast_state(pol, view, at_s, hold=pol.prefill_busy(view))
+    while overloaded, and the learned tail inflated for the calm after. Without
+    ``PolicyConfig.forecast_hold`` (the paper report's overload runs) it is arXiv §7.4's
+    `forecast_state`, decayed whatever the prefill pool holds."""
+    return forecast_state(pol, view, at_s,
+                          hold=pol.config.forecast_hold and pol.prefill_busy(view))
 
 
 def _add_pending(view: ClusterView, pol: Policy | None, at_s: float | None, batch: list[float],
