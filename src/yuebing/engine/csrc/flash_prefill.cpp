@@ -534,19 +534,19 @@ constexpr float kLog2e = 1.44269504088896341f;
 
 // 2^y for the softmax argument y ≤ kLazyMax: y below -126 counts as -126 (p = 2^-126, nothing
 // next to a row's sum ≥ 1; masked keys are zeroed by the caller); NaN stays NaN (VMAXPS returns
-// its second operand when one is NaN). 2^r on [-1/2, 1/2] by its Taylor series to degree 5:
-// relative error < 3e-6, far below the bf16 rounding of the probabilities.
+// its second operand when one is NaN). 2^f for f = y - floor(y) in [0, 1) (one VREDUCEPS) by a
+// degree-4 polynomial fitted for relative error (< 3e-6, as the degree-5 Taylor series about 0
+// it replaced, far below the bf16 rounding of the probabilities); VSCALEFPS multiplies by
+// 2^floor(y) itself, so no separate rounding of y.
 inline __m512 exp2_softmax(__m512 y) {
   y = _mm512_max_ps(_mm512_set1_ps(-126.f), y);
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(1.3333558146e-3f);            // ln2^5 / 120
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076e-3f));  // ln2^4 / 24
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108665e-2f));  // ln2^3 / 6
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650696e-1f));  // ln2^2 / 2
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718056e-1f));  // ln2
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(1.3534159400e-02f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.2011474967e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4144275486e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9300383329e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026226e+00f));
+  return _mm512_scalef_ps(p, y);
 }
 
 inline const uint16_t* k_step(const uint16_t* kp, int64_t step) {  // keys step·32 .. + 31
