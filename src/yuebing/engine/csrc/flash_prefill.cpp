@@ -23,7 +23,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define YB_FLASH_AVX512 1
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512DQ__)  // DQ: VREDUCEPS
 #include <sys/syscall.h>
 #include <unistd.h>
 #define YB_FLASH_AMX 1
