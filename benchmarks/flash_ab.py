@@ -14,9 +14,9 @@ SmolLM2-135M (9 query heads, 3 kv heads, head_dim 64), bf16, one chunk of ``new`
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,11 +38,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
 def load_baseline(src: Path) -> Any:
     """The baseline's flash kernels as a Python module (``flash``, ``flash_amx``)."""
-    build = Path(tempfile.mkdtemp(prefix="flash_base_"))
+    h = hashlib.sha256(_BIND.encode() + " ".join(native.cflags()).encode())
     for name in ("common.h", "vec.h", "flash_prefill.cpp"):
-        if (src / name).exists():
-            (build / name).write_bytes((src / name).read_bytes())
-    (build / "bind.cpp").write_text(_BIND)
+        h.update(name.encode() + ((src / name).read_bytes() if (src / name).exists() else b""))
+    build = native.cache_dir().parent / "flash_ab" / h.hexdigest()[:16]  # reused by later runs
+    build.mkdir(parents=True, exist_ok=True)
+    files = {n: (src / n).read_bytes() for n in ("common.h", "vec.h", "flash_prefill.cpp")
+             if (src / n).exists()}
+    files["bind.cpp"] = _BIND.encode()
+    for name, data in files.items():  # rewritten only when missing: ninja goes by mtimes
+        if not (build / name).exists() or (build / name).read_bytes() != data:
+            (build / name).write_bytes(data)
     return cpp_extension.load(
         name="yuebing_flash_base", sources=[str(build / "flash_prefill.cpp"), str(build / "bind.cpp")],
         extra_cflags=[*native.cflags(), "-Dyuebing=yuebing_base"], extra_ldflags=list(native.LDFLAGS),
