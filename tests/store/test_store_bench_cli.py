@@ -33,16 +33,17 @@ def test_bench_store_json_rows() -> None:
 
 def test_bench_store_raw_reference_rows() -> None:
     """``--raw``: single-value pairs on ``remote_tcp`` alternate with raw socket RPCs (rows
-    ``raw_<op>``) and carry the ratio to them with its spread; batch pairs do not."""
+    ``raw_<op>`` walking a slot per call, ``raw_hot_<op>`` one slot) and carry the ratio to them
+    with its spread (and to the one-slot RPC); batch pairs do not."""
     out = subprocess.run(
         [sys.executable, "-m", "yuebing.cli.main", "bench", "store", "--json", "--sizes", "64KiB",
          "--runs", "2", "--target-bytes", "1MiB", "--warm-bytes", "0", "--dram", "64MiB",
          "--paths", "remote_tcp", "--pairs", "single,batch", "--batch", "4", "--skip-meta",
          "--raw"], capture_output=True, text=True, timeout=120, check=True)
     rows = json.loads(out.stdout)
-    assert [r["op"] for r in rows] == ["put", "get", "raw_put", "raw_get", "batch_put",
-                                       "batch_get"]
-    ratio = {"vs_raw", "vs_raw_min", "vs_raw_max"}
+    assert [r["op"] for r in rows] == ["put", "get", "raw_put", "raw_get", "raw_hot_put",
+                                       "raw_hot_get", "batch_put", "batch_get"]
+    ratio = {"vs_raw", "vs_raw_min", "vs_raw_max", "vs_raw_hot"}
     for r in rows:
         assert r["gbps"] > 0
         if r["op"] in ("put", "get"):
