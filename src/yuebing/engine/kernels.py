@@ -189,7 +189,8 @@ def prefill_flash_amx(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def amx_available() -> bool:
-    """Whether the native kernels were built with AMX-BF16 and this process may use the tiles."""
+    """Whether the native kernels were built with AMX-BF16 and AVX512DQ and this process may use
+    the tiles."""
     return native.available() and bool(torch.ops.yuebing.amx_available())
 
 

@@ -13,7 +13,8 @@
 // The output is normalised and cast to bf16 at the end. Tasks are scheduled dynamically (causal
 // tiles differ in cost). Without AVX512-BF16 the same algorithm runs in portable C++.
 // flash_prefill_attention_amx runs the score and P·V blocks on AMX tiles instead (built only
-// where -march=native has AMX-BF16; refused at run time where the kernel denies the tiles).
+// where -march=native has AMX-BF16 and AVX512DQ, whose VREDUCEPS its exp2 uses; refused at run
+// time where the kernel denies the tiles).
 #include <atomic>
 #include <memory>
 
