@@ -550,7 +550,8 @@ def plot(result: dict[str, Any], out: Path) -> None:
         plt.close(fig)
     fig, axes = plt.subplots(1, len(measured), figsize=(5 * len(measured), 3.6), squeeze=False)
     for ax, topo in zip(axes[0], measured, strict=True):
-        for policy in topo["policies"]:
+        # a run's own order of policies; the runs' where a result does not name it
+        for policy in topo.get("policies") or dict.fromkeys(r["policy"] for r in topo["runs"]):
             xs = sorted({r["multiplier"] for r in topo["runs"] if r["policy"] == policy})
             runs = [mean_runs([r for r in topo["runs"] if r["multiplier"] == x])[policy]
                     for x in xs]
