@@ -310,8 +310,9 @@ class MooncakeSystem(SimSystem):
         host = self.host if k == 1 else None
         chunks = max(1, math.ceil(new / self.cost.prefill_chunk_tokens))
         if host is not None:
-            d = self.decodes[0]
-            step = self.cost.decode_step_time(max(1, d.batch_size), max(1, d.context_tokens))
+            # any decode node may take the core a chunk end frees: the longest step of theirs
+            step = max(self.cost.decode_step_time(max(1, d.batch_size), max(1, d.context_tokens))
+                       for d in self.decodes)
             alone, beside = host.prefill_factors(host.busy_at(start, but=i),
                                                  self.interference.prefill_factor,
                                                  duration / chunks, step)
