@@ -13,7 +13,7 @@ With ``--raw``, each ``remote_tcp`` run of a single-value pair alternates with a
 socket put / get RPCs of the value (`yuebing.transfer.rawsock`): rows ``raw_<op>`` put call i
 into slot i of the server's buffer and get it back, walking as much memory as the store's run
 does in its node's segment (a value per key), and rows ``raw_hot_<op>`` use one cache-hot slot
-for every call (the reference before; it flatters the raw side). The pair's rows get
+for every call (a cache-hot reference that flatters the raw side). The pair's rows get
 ``vs_raw`` (median of the runs' ratios to the walking raw RPC) and its spread ``vs_raw_min`` /
 ``vs_raw_max``, and ``vs_raw_hot`` (the same median against the one-slot raw RPC).
 """
