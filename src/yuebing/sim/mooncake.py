@@ -299,8 +299,8 @@ class MooncakeSystem(SimSystem):
         group = self._group(i, new)
         k = len(group)
         duration = self.cost.prefill_time(new, hit)
+        chunks = max(1, math.ceil(new / self.cost.prefill_chunk_tokens))
         if k > 1:  # pipeline over k nodes: 1/k of the layers each, bubbles of one chunk
-            chunks = math.ceil(new / self.cost.prefill_chunk_tokens)
             duration = duration / k * (1.0 + (k - 1) / chunks)
         start = max(ready, *(self._free(g) for g in group))
         mate = self.mates.get(i) if k == 1 else None
@@ -308,7 +308,6 @@ class MooncakeSystem(SimSystem):
             duration = stretch(start, duration, *self._decode_busy(i),
                                self.interference.prefill_factor)
         host = self.host if k == 1 else None
-        chunks = max(1, math.ceil(new / self.cost.prefill_chunk_tokens))
         if host is not None:
             # any decode node may take the core a chunk end frees: the longest step of theirs
             step = max(self.cost.decode_step_time(max(1, d.batch_size), max(1, d.context_tokens))
