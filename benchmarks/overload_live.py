@@ -1,50 +1,13 @@
 """Benchmark: overload on the live cluster (issue 26), each admission policy beside the simulator.
 
-Per topology (``--topologies 1P1D,2P1D``; one engine thread per instance, defaults otherwise):
-
-1. The cluster's maximum rate at >= 90 % SLO attainment (unless ``--base-rate``): a fresh
-   ``yuebing serve`` with admission ``none`` swept over ``--find-rates`` by ``yuebing bench
-   serve`` (highest first, each rate stopped once decided). Its instances' start-up profiles
-   (one engine thread, nothing beside it) are saved as a predictor file for the simulator
-   (`startup_predictors`), and the Conductor's predictors (``GET /predictors``: those, the
-   prefill scaled by what the latest live prefills took) beside it.
-2. What the Conductor learns online (``--learned``): ``warm`` (the default) runs admission
-   ``none`` once per decode selector the policies use, at the middle multiplier on a seed no
-   measured run uses, and every measured cluster starts from a copy of what the warm-up of its
-   selector learned (TBT tail, decode durations, prefill scale: ``--learned-dir``), so no run
-   admits its first requests blind and none inherits another's; ``cold``: every cluster learns
-   from nothing (before 2026-11-29).
-3. For each multiplier of that rate and each policy: a fresh cluster with ``--admission POLICY``
-   (``predictive_early_rejection`` routes decode by the same forecast, ``--decode-selector
-   forecast``), the same requests (the conversation trace's first ``--requests``, 64 tokens per
-   hash block, Poisson arrivals of ``--seed``) from ``yuebing bench serve``, the pools' load
-   (``GET /health`` ``pools``: the arXiv definitions) sampled every ``--sample-s``.
-4. The simulator on the same requests, nodes, SLOs and start-up profiles (``cost_model=
-   fitted``), every node on one host of the profiled machine's cores, one thread each
-   (``host_cores``: a step waits for a core, as live; ``--sim-stretch`` adds a measured
-   slowdown beside a prefill); its policy predicts with the TBT tail the live
-   ``none`` run at that load learned (else the search's). Its forecast assumes the decode
-   durations a simulated ``none`` warm-up realizes, as the live Conductor learns them
-   (``--sim-durations``). ``--sim-only``: no cluster, the simulator alone; ``--resim DIR``:
-   a finished run's simulator columns again. Every cluster, live and simulated, keeps its
-   prefill queues in the ``--prefill-queue`` order (default: the Conductor's).
-
-Reported per run: goodput (requests within both SLOs per second of the run), rejections by
-stage and reason (the Conductor's ``yuebing:rejected_requests`` counter: ``arrival`` = the
-policy, ``reserve`` = no decode KV after ``reserve_wait_s``, ``limit`` = the concurrency limit;
-a live cluster reserves decode KV before it prefills, so it has no re-check after the prefill),
-prefill thrown away (prompt tokens prefilled for requests then cut off or served outside their
-SLO, from the Conductor's access log), TTFT/TBT percentiles of the requests answered, the pools'
-load std and swing (`yuebing.sim.paper.overload.oscillation`), and the share of rejected
-requests that got through on a retry (one more run per topology, ``--retry-policy``).
-Writes ``OUTDIR/overload_live.json``, ``overload_live.md``, ``overload_load_<cluster>.png``
-(load over time at the middle multiplier, one panel per policy) and ``overload_goodput.png``
-(goodput against load, live and simulated), with each policy's goodput over the seeds (mean,
-min-max, and the paired difference to ``none`` with a 90 % bootstrap interval: a seed's runs
-share their requests and arrival times across policies).
-
-    nice -n 5 .venv/bin/python benchmarks/overload_live.py OUTDIR --topologies 1P1D,2P1D \\
-        --multipliers 1.5,2,3 --requests 60
+Per topology: the rate at which admission ``none`` keeps >= 90 % within the SLOs (a search),
+a warm-up of what the Conductor learns, then a fresh ``yuebing serve`` per multiplier of that
+rate, policy and seed under ``yuebing bench serve``, and the simulator on the same requests
+and the instances' start-up profiles (``--sim-only``: it alone; ``--resim DIR``: a finished
+run's simulator columns again). Writes ``OUTDIR/overload_live.json``, ``overload_live.md`` and
+plots. Run by hand: commands and latest results in docs/benchmarks.md "Overload, live", the
+method step by step in docs/reproduction.md "Overload, live"; tests/benchmarks/
+test_overload_live.py checks its parts.
 """
 
 from __future__ import annotations

@@ -34,7 +34,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,16 +44,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conductor_overhead import delta_stats  # noqa: E402
 
+from yuebing.ops.ports import free_port  # noqa: E402
 from yuebing.ops.procs import yuebing_argv  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Name three primary colors.",
            "Write a haiku about the sea.", "What is 12 times 12?"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def chat(url: str, content: str) -> float:
@@ -226,7 +220,8 @@ class Cluster:
     ``started`` before, so a timeout while it starts stops it too); `stop`."""
 
     def __init__(self, ns: argparse.Namespace, started: list[Cluster], flags: str = "") -> None:
-        port, self.logs = free_port(), Path(tempfile.mkdtemp(prefix="yb-vllm-overhead-"))
+        port = free_port("127.0.0.1")
+        self.logs = Path(tempfile.mkdtemp(prefix="yb-vllm-overhead-"))
         self.url = f"http://127.0.0.1:{port}"
         profile = () if ns.startup_profile else ("--no-startup-profile",)
         self.proc = subprocess.Popen(

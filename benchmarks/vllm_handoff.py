@@ -20,7 +20,6 @@ import argparse
 import json
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from yuebing.integrations.vllm.server import VllmEnv
+from yuebing.ops.ports import free_port
 from yuebing.ops.procs import yuebing_argv
 
 VOCAB = 49152
@@ -38,12 +38,6 @@ MODEL = "smollm2-135m-instruct"
 
 def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def completion(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -60,7 +54,7 @@ class Serve:
     """``yuebing serve --engine vllm --prefill 1 --decode 1`` until its banner."""
 
     def __init__(self, logs: Path) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
+        self.url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
         self.proc = subprocess.Popen(
             yuebing_argv(["serve", "--engine", "vllm", "--prefill", "1", "--decode", "1",
                           "--port", self.url.rsplit(":", 1)[1], "--log-dir", str(logs)]),

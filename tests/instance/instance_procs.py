@@ -79,10 +79,11 @@ async def run_coupled(c: InstanceClient, rid: str, ids: list[int], sampling: Sam
 
 
 class Reports:
-    """Keeps the latest `LoadReport` of an instance."""
+    """Keeps the `LoadReport`s of an instance (``last``: the latest)."""
 
     def __init__(self) -> None:
         self.last: LoadReport | None = None
+        self.all: list[LoadReport] = []
         self.count = 0
         self.gaps = 0
         """Reports whose sequence number was not the previous one's + 1."""
@@ -90,9 +91,12 @@ class Reports:
     def __call__(self, r: LoadReport) -> None:
         if self.last is not None and r.report_seq != self.last.report_seq + 1:
             self.gaps += 1
+        self.all.append(r)
         self.last, self.count = r, self.count + 1
 
     async def wait(self, pred, timeout_s: float = 10.0) -> LoadReport:  # type: ignore[no-untyped-def]
+        """The latest report, once one received after this call satisfies ``pred`` (a state
+        the instance settles in)."""
         end = time.monotonic() + timeout_s
         n = self.count
         while time.monotonic() < end:
@@ -100,3 +104,18 @@ class Reports:
                 return self.last
             await asyncio.sleep(0.02)
         raise AssertionError(f"no report matched within {timeout_s}s; last: {self.last}")
+
+    async def seen(self, pred, timeout_s: float = 10.0) -> LoadReport:  # type: ignore[no-untyped-def]
+        """The first report received after this call that satisfies ``pred``, each one
+        checked: a passing state (a prefill running) is found even when a starved test
+        process reads several reports at once and the latest shows it over."""
+        end = time.monotonic() + timeout_s
+        n = self.count
+        while True:
+            for r in self.all[n:self.count]:
+                if pred(r):
+                    return r
+            n = self.count
+            if time.monotonic() >= end:
+                raise AssertionError(f"no report matched within {timeout_s}s; last: {self.last}")
+            await asyncio.sleep(0.02)

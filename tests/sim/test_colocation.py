@@ -18,7 +18,7 @@ from yuebing.sim.colocation import (
     stretch,
 )
 from yuebing.sim.runner import simulate
-from yuebing.sim.system import SimConfig
+from yuebing.sim.system import SimConfig, sim_policy
 from yuebing.sim.workload import SimRequest
 
 
@@ -108,11 +108,14 @@ def test_a_shared_host_starts_a_step_when_the_running_steps_leave_a_core() -> No
     assert host.decode_step(1.2, 0.5) == 0.5  # one prefill: a core each
     assert host.decode_step(2.2, 0.1) == pytest.approx(0.3 + 0.1)  # waits for 2.5
     assert host.decode_step(3.05, 0.1) == pytest.approx(0.1)  # node 0 has ended
-    assert host.busy_at(2.5) == 2 and host.busy_at(2.5, but=0) == 1 and host.busy_at(5.0) == 0
+    assert host.busy_at(2.5) == 2 and host.busy_at(2.5, but=[0]) == 1 and host.busy_at(5.0) == 0
     assert host.prefill_factors(0, 1.0, 0.3, 0.05) == (1.0, 1.0)  # it and the decode: a core each
     # beside the other prefill and a stepping decode: a step of 50 ms per 0.2 s chunk
     assert host.prefill_factors(1, 1.0, 0.2, 0.05) == (1.0, pytest.approx(1.25))
     assert host.prefill_factors(2, 1.0, 0.2, 0.05)[0] == 1.5  # three prefills on 2 cores
+    # a pipeline group of both prefill nodes: its two threads leave the decode no core
+    assert host.prefill_factors(0, 1.0, 0.2, 0.05, threads=2) == (1.0, pytest.approx(1.25))
+    assert host.prefill_factors(1, 1.0, 0.2, 0.05, threads=2)[0] == 1.5
     host.add_prefill(0, 5.0, 6.0, now=3.5)  # node 0's first interval is over: dropped
     assert list(host.intervals[0]) == [(5.0, 6.0, 1)]
     measured = SharedHost(cores=2, decode_factor=1.2, prefill_nodes=1, decode_nodes=1)
@@ -153,3 +156,36 @@ def test_a_step_beside_both_prefills_of_a_two_core_host_waits_for_a_chunk(
     assert ends[0] == pytest.approx(1.0501)
     assert firsts[2] == pytest.approx((0.2 + 1.024, 0.2 + 1.124))
     assert ends[2] == pytest.approx(1.974)
+
+
+def test_a_pipeline_group_of_prefill_nodes_shares_their_hosts(tmp_path: Path) -> None:
+    """2P1D, the linear cost model, 512-token chunks: A (100 tokens at 0 s, 20 output tokens)
+    decodes from 0.1001 s; B (2,048 tokens at 0.2 s, threshold 1,000) prefills on a pipeline
+    group of both prefill nodes: 2.048 / 2 × (1 + 1/4) = 1.28 s alone, 5 steps of 0.256 s per
+    node. On 2 cores its two threads leave A's decode no core: B yields a 50 ms step per step
+    while A runs (to 1.0501): 0.8501 + 1.28 − 0.8501 / (0.306 / 0.256) = 1.4189 s; A's steps
+    each wait for a step end (0.4838, 0.7676, 1.0513, 1.3351, 1.6189), then 12 more: 2.2689.
+    Paired hosts (factors 2 / 1.5), prefill node 0 beside decode 0: B takes 0.8501 + 1.28 −
+    0.8501 / 1.5 = 1.5634 s; A's steps inside it take 0.1 s: 15 to 1.7001, one across its end
+    to 1.7817, one more: 1.8317. (Before, both hosts left a group alone: 1.48 and 1.0501.)"""
+    reqs = [SimRequest(0, 0.0, 100, 20, (1,)), SimRequest(1, 0.2, 2048, 1, (2,))]
+    policy = sim_policy(cpp_threshold_tokens=1000, cpp_max_nodes=2)
+    got = {}
+    for cores, factors in ((2, (1.0, 1.0)), (0, (2.0, 1.5))):
+        path = _write(tmp_path, {"interference": {"decode_factor": factors[0],
+                                                  "prefill_factor": factors[1]}})
+        cfg = SimConfig(prefill_nodes=2, decode_nodes=1, colocated=True, host_cores=cores,
+                        interference_profile=str(path), policy=policy)
+        cost = LinearCost()
+        cost.prefill_chunk_tokens = 512
+        a, b = simulate(reqs, cfg, cost=cost).records
+        assert b.prefill_gpu_s == pytest.approx(2 * (b.first_token_s - 0.2))  # both nodes
+        got[cores] = (b.first_token_s, a.finish_s)
+    assert got[2] == pytest.approx((0.2 + 1.4189052, 2.2689052))
+    assert got[0] == pytest.approx((0.2 + 1.5633667, 1.8317333))
+
+
+def test_declared_pipeline_groups_are_refused_on_colocated_hosts() -> None:
+    """Their stage nodes belong to no simulated host: refused, not silently left alone."""
+    with pytest.raises(ValueError, match="cpp_groups"):
+        SimConfig(colocated=True, cpp_groups=1, interference_profile="x")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+
+from yuebing.store.bench import Bench
 
 KEYS = {"path", "op", "size_bytes", "batch", "gbps", "ops_per_s", "p50_us", "p99_us"}
 
@@ -51,3 +54,17 @@ def test_bench_store_raw_reference_rows() -> None:
             assert 0 < r["vs_raw_min"] <= r["vs_raw"] <= r["vs_raw_max"]
         else:
             assert set(r) == KEYS
+
+
+def test_a_starved_run_keeps_a_positive_ratio() -> None:
+    """A run 5000 times slower than its raw reference (one process starved of CPU) shows its
+    ratio to 3 significant digits, not rounded to 0; ordinary ratios keep 3 decimals."""
+    bench = Bench(argparse.Namespace(sizes="64KiB", batch=1), None, "remote_tcp")
+    bench.rows.append({})
+    yb = [([], 10.0, 32), ([], 0.004, 32), ([], 0.002, 32)]  # (latencies, seconds, calls)
+    raw = [([], 0.002, 32)] * 3
+    bench._vs_raw(yb, raw, raw)
+    assert bench.rows[-1] == {"vs_raw": 0.5, "vs_raw_min": 0.0002, "vs_raw_max": 1.0,
+                              "vs_raw_hot": 0.5}
+    bench.cell("put", 65536, 1, [([1e-3], 600.0, 1)])  # 64 KiB in 10 minutes
+    assert bench.rows[-1]["gbps"] == 1.09e-7 and bench.rows[-1]["ops_per_s"] == 0.00167

@@ -35,6 +35,10 @@ class Peer:
         self.proc.kill()
         self.proc.wait()
 
+    def freeze(self) -> None:
+        """SIGSTOP: the process stays connected but answers nothing until killed."""
+        self.proc.send_signal(signal.SIGSTOP)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             assert self.proc.stdin is not None

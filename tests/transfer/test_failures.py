@@ -41,9 +41,14 @@ def test_peer_killed_mid_transfer_fails_fast_and_survivor_serves(spawn_peer, mak
                                       slice_size=1 << 20, retry_backoff_s=0.005)
     eng.register_segment("reply", size=4096)
     data = np.ones(BIG, np.uint8)
+    eng.transfer([TransferRequest(OpCode.WRITE, data[:1 << 20], victim.name, 0)], timeout_s=10)
+    # frozen, the victim acknowledges nothing, so the batch is still in flight at the kill
+    # (unfrozen, 256 MiB over loopback can be all acknowledged in ~0.2 s, before a kill lands)
+    victim.freeze()
     bid = eng.submit([TransferRequest(OpCode.WRITE, data[i << 24:(i + 1) << 24], victim.name,
                                       i << 24) for i in range(16)], timeout_s=30)
-    _wait_in_flight(eng, bid)
+    time.sleep(0.1)  # the lanes fill the frozen peer's socket buffers
+    assert not eng.status(bid).status.terminal
     t0 = time.monotonic()
     victim.kill()
     st = eng.wait(bid, 30)

@@ -2,8 +2,9 @@
 
 With ``SimConfig.colocated`` prefill node i and decode node i share host i (`HostMate`); with
 ``SimConfig.host_cores`` as well, every node shares one host of that many cores, one engine
-thread each, as ``yuebing serve`` runs on one machine (`SharedHost`). The factors beside a
-neighbour are measured (``yuebing profile --interference``, read by `load_interference`).
+thread each, as ``yuebing serve`` runs on one machine (`SharedHost`). A pipeline group of
+prefill nodes keeps each of its nodes busy (declared groups' stage nodes: refused). The factors
+beside a neighbour are measured (``yuebing profile --interference``, read by `load_interference`).
 `sim.mooncake.MooncakeSystem` stretches a prefill (`stretch`) over the window the decode is
 estimated busy, and each decode step (`sim.decode.DecodeInstance`, ``stretch=``) over the
 prefill intervals it meets (`HostMate.decode_step`, `SharedHost.decode_step`).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,13 +146,14 @@ class SharedHost:
         """Per prefill node, its scheduled prefills: (start, end, chunks)."""
 
     def prefill_factors(self, busy_prefills: int, prefill_factor: float, chunk_s: float,
-                        step_s: float) -> tuple[float, float]:
-        """A prefill's slowdown beside ``busy_prefills`` other prefilling nodes, its chunks
-        ``chunk_s`` long: (while the decode nodes are idle: the cores time-shared if the
-        prefills alone outnumber them; extra while they step: a decode step of ``step_s`` per
-        chunk when they leave the decode no core, times the measured ``prefill_factor``)."""
-        alone = max(1.0, (busy_prefills + 1) / self.cores)
-        crowded = busy_prefills + self.other_decodes + 2 > self.cores
+                        step_s: float, threads: int = 1) -> tuple[float, float]:
+        """A prefill's slowdown beside ``busy_prefills`` other prefilling nodes, on ``threads``
+        nodes of its own (a pipeline group: one per stage, all busy), its steps ``chunk_s``
+        long: (while the decode nodes are idle: the cores time-shared if the prefills alone
+        outnumber them; extra while they step: a decode step of ``step_s`` per step when they
+        leave the decode no core, times the measured ``prefill_factor``)."""
+        alone = max(1.0, (busy_prefills + threads) / self.cores)
+        crowded = busy_prefills + threads + self.other_decodes + 1 > self.cores
         beside = (chunk_s + step_s) / chunk_s if crowded and chunk_s > 0 else 1.0
         return alone, prefill_factor * beside
 
@@ -163,9 +166,9 @@ class SharedHost:
             ivs.popleft()
         ivs.append((start, end, max(1, chunks)))
 
-    def busy_at(self, t: float, but: int = -1) -> int:
-        """Prefill nodes (other than ``but``) prefilling at ``t``."""
-        return sum(1 for n, ivs in enumerate(self.intervals) if n != but
+    def busy_at(self, t: float, but: Collection[int] = ()) -> int:
+        """Prefill nodes (other than those in ``but``) prefilling at ``t``."""
+        return sum(1 for n, ivs in enumerate(self.intervals) if n not in but
                    and any(lo <= t < hi for lo, hi, _ in ivs))
 
     def decode_step(self, t: float, work: float) -> float:

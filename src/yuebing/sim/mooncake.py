@@ -299,24 +299,11 @@ class MooncakeSystem(SimSystem):
         group = self._group(i, new)
         k = len(group)
         duration = self.cost.prefill_time(new, hit)
+        chunks = max(1, math.ceil(new / self.cost.prefill_chunk_tokens))
         if k > 1:  # pipeline over k nodes: 1/k of the layers each, bubbles of one chunk
-            chunks = math.ceil(new / self.cost.prefill_chunk_tokens)
             duration = duration / k * (1.0 + (k - 1) / chunks)
         start = max(ready, *(self._free(g) for g in group))
-        mate = self.mates.get(i) if k == 1 else None
-        if mate is not None:
-            duration = stretch(start, duration, *self._decode_busy(i),
-                               self.interference.prefill_factor)
-        host = self.host if k == 1 else None
-        chunks = max(1, math.ceil(new / self.cost.prefill_chunk_tokens))
-        if host is not None:
-            # any decode node may take the core a chunk end frees: the longest step of theirs
-            step = max(self.cost.decode_step_time(max(1, d.batch_size), max(1, d.context_tokens))
-                       for d in self.decodes)
-            alone, beside = host.prefill_factors(host.busy_at(start, but=i),
-                                                 self.interference.prefill_factor,
-                                                 duration / chunks, step)
-            duration = stretch(start, duration * alone, *self._decode_busy_any(), beside)
+        duration = self._colocated(group, start, duration, chunks + k - 1)
         end = start + duration
         if self.config.prefill_reject and end - request.arrival_s > self.config.policy.ttft_slo_s:
             record.rejected = RejectStage.PREFILL
@@ -328,19 +315,48 @@ class MooncakeSystem(SimSystem):
             self.queued[g] += 1
         record.prefill_start_s = start
         record.prefill_gpu_s = duration * k
-        if mate is not None:
-            mate.add_prefill(start, end, self.loop.now)
-            self.decodes[i].replan()
-        if host is not None:
-            host.add_prefill(i, start, end, self.loop.now, chunks)
-            for d in self.decodes:
-                d.replan()
+        self._add_colocated(group, start, end, chunks + k - 1)
         kv_ready = end + self.cost.transfer_time(request.input_tokens * self._kvb)
         self.pending[request.index] = PendingDecode(
             kv_ready, request.output_tokens, self.decode_ids[j], request.input_tokens)
         self.loop.at(end, Priority.COMPLETE, self._prefill_done, request, record, group, j,
                      kv_ready)
         return group
+
+    def _colocated(self, group: list[int], start: float, duration: float, steps: int) -> float:
+        """The prefill's ``duration`` (alone) on ``group``'s nodes from ``start``, ``steps``
+        engine steps per node (chunks, plus a pipeline's fill), stretched by the decode nodes
+        that share their hosts: each node's host-mate (``colocated``), or all of them and the
+        other prefill nodes on the one shared host (``host_cores``)."""
+        mates = [g for g in group if g in self.mates]
+        if mates:
+            busy = [self._decode_busy(g) for g in mates]
+            duration = stretch(start, duration, min(b[0] for b in busy),
+                               max(b[1] for b in busy), self.interference.prefill_factor)
+        host = self.host
+        if host is not None:
+            # any decode node may take the core a step end frees: the longest step of theirs
+            step = max(self.cost.decode_step_time(max(1, d.batch_size), max(1, d.context_tokens))
+                       for d in self.decodes)
+            alone, beside = host.prefill_factors(host.busy_at(start, but=group),
+                                                 self.interference.prefill_factor,
+                                                 duration / steps, step, threads=len(group))
+            duration = stretch(start, duration * alone, *self._decode_busy_any(), beside)
+        return duration
+
+    def _add_colocated(self, group: list[int], start: float, end: float, steps: int) -> None:
+        """Record a prefill placed on ``group``'s nodes with the hosts they share; the decode
+        nodes on them re-plan."""
+        now = self.loop.now
+        for g in group:
+            if g in self.mates:
+                self.mates[g].add_prefill(start, end, now)
+                self.decodes[g].replan()
+        if self.host is not None:
+            for g in group:
+                self.host.add_prefill(g, start, end, now, steps)
+            for d in self.decodes:
+                d.replan()
 
     def _start_group(self, request: SimRequest, record: RequestRecord, g: int, j: int) -> None:
         """Place a request routed to declared group ``g``: it starts when the group is free

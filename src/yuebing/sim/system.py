@@ -87,7 +87,8 @@ class SimConfig:
     colocated: bool = field(default=False, metadata={
         "help": "mooncake: prefill node i and decode node i share a host and slow each other "
                 "down by the factors `yuebing profile --interference` measured "
-                "(yuebing.sim.colocation)"})
+                "(yuebing.sim.colocation; a pipeline group of prefill nodes with each of its "
+                "nodes' hosts; not with cpp_groups)"})
     host_cores: int = field(default=0, metadata={
         "help": "mooncake, colocated: every node shares one host of this many cores, one engine "
                 "thread each, as yuebing serve on one machine (a step waits for a core, "
@@ -126,6 +127,10 @@ class SimConfig:
                 f"colocated is modelled for system mooncake only, not {self.system!r}")
         require(self.host_cores >= 0 and (not self.host_cores or self.colocated),
                 f"host_cores must be >= 0 and needs colocated, got {self.host_cores}")
+        require(not (self.colocated and self.cpp_groups),
+                "colocated is not modelled with declared pipeline groups (cpp_groups): their "
+                "stage nodes belong to no simulated host, so they would neither slow the "
+                "decodes nor wait for a core; drop one of the two")
         require(all(math.isfinite(d) and d > 0 for d in self.forecast_durations_s),
                 f"forecast_durations_s must be positive seconds, got {self.forecast_durations_s}")
         require(not self.colocated or bool(self.interference_profile or self.profile),

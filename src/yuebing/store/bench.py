@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -74,6 +75,14 @@ def _pct(lat: list[float], p: float) -> float:
     return float(np.percentile(lat, p)) * 1e6 if lat else float("nan")
 
 
+def _round(x: float, decimals: int) -> float:
+    """``x`` to ``decimals`` places, or to 3 significant digits where that would show a
+    positive rate as 0 (one run starved of CPU makes a ratio of 1e-4)."""
+    if x <= 0 or x >= 10.0 ** -decimals:
+        return round(x, decimals)
+    return round(x, 2 - math.floor(math.log10(x)))
+
+
 class Bench:
     """One client (process B) against one master + node (process A)."""
 
@@ -95,7 +104,7 @@ class Bench:
         gbps = statistics.median(r[2] * size / r[1] / 1e9 if r[1] else 0.0 for r in runs)
         ops = statistics.median(r[2] / r[1] if r[1] else 0.0 for r in runs)
         self.rows.append({"path": self.path, "op": op, "size_bytes": size, "batch": batch,
-                          "gbps": round(gbps, 4), "ops_per_s": round(ops, 1),
+                          "gbps": _round(gbps, 4), "ops_per_s": _round(ops, 1),
                           "p50_us": round(_pct(lat, 50), 1), "p99_us": round(_pct(lat, 99), 1)})
 
     def warmup(self) -> None:
@@ -196,9 +205,9 @@ class Bench:
             return [(r[2] / r[1]) / (q[2] / q[1]) if r[1] and q[1] and q[2] else 0.0
                     for r, q in zip(runs, ref, strict=True)]
         walk = ratios(raw)
-        self.rows[-1].update(vs_raw=round(statistics.median(walk), 3),
-                             vs_raw_min=round(min(walk), 3), vs_raw_max=round(max(walk), 3),
-                             vs_raw_hot=round(statistics.median(ratios(hot)), 3))
+        self.rows[-1].update(vs_raw=_round(statistics.median(walk), 3),
+                             vs_raw_min=_round(min(walk), 3), vs_raw_max=_round(max(walk), 3),
+                             vs_raw_hot=_round(statistics.median(ratios(hot)), 3))
 
     def meta(self, progress: Any) -> None:
         cells: dict[str, tuple[int, int, list]] = {}
