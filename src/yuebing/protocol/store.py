@@ -102,6 +102,18 @@ class PutCommit(Message, tag="store.put_commit"):
 
 
 @register_message
+class LandingCommit(Message, tag="store.landing_commit"):
+    """A `PutCommit` that rides on the write frame into its reservation (`WriteSlices.note`)
+    instead of going to the master after the write: the node that lands the whole frame hands
+    it on to the master (`store_cluster.Landed`), which commits it and sends the reply to the
+    client as the answer to request id ``rid`` of the client's master connection (one it never
+    sent there). A client that gets no such answer soon sends ``commit`` itself."""
+
+    rid: int
+    commit: PutCommit
+
+
+@register_message
 class PutInline(Message, tag="store.put_inline"):
     """One-RPC put of a small value the master holds itself: ``value`` (``item.size`` bytes)
     rides in the request and the value is committed (visible, a STORED event) when it is

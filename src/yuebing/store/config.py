@@ -205,6 +205,11 @@ class ClientConfig:
         "help": "puts of a shape put before (size, replicas, placement) ask the master to "
                 "reserve space for the next one; that next put is then a write into it plus "
                 "one commit RPC (one RPC instead of two); off: every put is two-phase"})
+    commit_on_landing: bool = field(default=True, metadata={
+        "help": "a put into a reservation on another host sends its commit with the write: the "
+                "node hands it to the master once the bytes landed and the master answers this "
+                "client, with no commit round trip of its own (blocking client; off: the "
+                "commit RPC after the write)"})
     inline_max_bytes: int = field(default=INLINE_MAX_BYTES, metadata={
         "help": "a put of at most this many bytes (one replica, no placement asked for) asks "
                 "the master to hold the value itself: one RPC instead of a write and a commit; "

@@ -18,10 +18,11 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from yuebing.core.errors import StoreError
 from yuebing.core.spin import window_s
+from yuebing.protocol import encode
 from yuebing.protocol import store as m
 from yuebing.store.client import core, gets
 from yuebing.store.client import reserve as rv
@@ -40,6 +41,9 @@ from yuebing.transfer.types import RequestStatus
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", MasterConnection, AsyncMasterConnection)
+LANDING_WAIT_S = 0.2
+"""How long a put whose commit rode on its write waits for the master's answer to it before
+sending the commit itself (a node's report lost, e.g. at a failover)."""
 
 
 class _Client(Generic[R]):
@@ -91,6 +95,9 @@ class StoreClient(_Client[MasterConnection]):
         cfg = cfg or ClientConfig()
         super().__init__(cfg, engine, MasterConnection(
             cfg.masters, cfg.rpc_timeout_s, cfg.failover_s, spin_s=window_s(cfg.spin_us, CLIENT_SPIN_REF_US)), "client")
+        self._landing = 0
+        """The request id of the master's answer to the commit that rode on the last write (0:
+        none did)."""
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
         self._hb_conn = MasterConnection(cfg.masters, cfg.rpc_timeout_s, cfg.failover_s)
@@ -152,13 +159,35 @@ class StoreClient(_Client[MasterConnection]):
             conn.deadline = min(conn.deadline, end)
 
     def transfer(self, reqs: list[TransferRequest], deadline: float | None,
-                 read: bool = False) -> BatchStatus:
+                 read: bool = False, commit: m.PutCommit | None = None) -> BatchStatus:
         """`core.Io.transfer`: same-host copies, the rest through the engine (one inline frame
-        when they fit); one status per request either way."""
+        when they fit); one status per request either way. A put's ``commit`` rides on the
+        frame (`commit_on_landing`) when its write goes as one inline frame to another host:
+        then `commit` waits for the master's answer to it."""
         done, rest = self._copy_direct(reqs, deadline, read)
-        status = self.engine.transfer_status(
-            rest, transfer_timeout(self.cfg, deadline, read)) if rest else None
+        self._landing = 0
+        if not rest:
+            return self.direct.merged(done, None)
+        timeout = transfer_timeout(self.cfg, deadline, read)
+        if commit is None or not self.cfg.commit_on_landing:
+            return self.direct.merged(done, self.engine.transfer_status(rest, timeout))
+        rid = self.rpc.new_id()
+        status, noted = self.engine.transfer_noted(
+            rest, encode(m.LandingCommit(rid=rid, commit=commit)), timeout)
+        if noted:
+            self._landing = rid
         return self.direct.merged(done, status)
+
+    def commit(self, msg: m.PutCommit) -> m.Message:
+        """`core.Io.commit`: the master's answer to the commit that rode on the last write, if
+        it comes within `LANDING_WAIT_S`; else ``msg`` sent now (a commit the node handed on
+        meanwhile is answered OK again: same client, same reservation)."""
+        rid, self._landing = self._landing, 0
+        if rid:
+            got = self.rpc.answer(rid, LANDING_WAIT_S)
+            if got is not None:
+                return got
+        return self.rpc.call(msg)
 
     # ------------------------------------------------------------------ puts
     def put(self, key: str, value: object, *, replicas: int | None = None,
@@ -316,9 +345,10 @@ class AsyncStoreClient(_Client[AsyncMasterConnection]):
                     log.warning("heartbeat failed: %s", e)
 
     async def transfer(self, reqs: list[TransferRequest], deadline: float | None,
-                       read: bool = False) -> BatchStatus:
+                       read: bool = False, commit: m.PutCommit | None = None) -> BatchStatus:
         """`core.Io.transfer`, awaited: same-host copies in the loop's thread (~2 ms for
-        16 MiB), the rest submitted to the engine and awaited."""
+        16 MiB), the rest submitted to the engine and awaited (``commit`` does not ride along:
+        `commit` sends it)."""
         done, rest = self._copy_direct(reqs, deadline, read)
         if not rest:
             return self.direct.merged(done, None)
@@ -327,6 +357,10 @@ class AsyncStoreClient(_Client[AsyncMasterConnection]):
             return self.direct.merged(done, await self.engine.wait_async(bid))
         finally:
             self.engine.free(bid)
+
+    def commit(self, msg: m.PutCommit) -> Any:
+        """`core.Io.commit`: ``msg`` sent (this client's writes carry no commit)."""
+        return self.rpc.call(msg)
 
     async def put(self, key: str, value: object, *, replicas: int | None = None,
                   strategy: str | None = None, preferred: Sequence[str] | None = None,

@@ -42,10 +42,22 @@ class Call:
 @dataclass(slots=True)
 class Write:
     """Transfer the writes ``reqs`` by the monotonic ``deadline``; sent back: the
-    `BatchStatus`, or the `TransferError`/`InputError` the transfer raised (not thrown)."""
+    `BatchStatus`, or the `TransferError`/`InputError` the transfer raised (not thrown).
+    ``commit``: the put's commit, which may ride on the write frame to a node on another host
+    (`m.LandingCommit`; `Commit` then takes the master's answer to it)."""
 
     reqs: list[TransferRequest]
     deadline: float
+    commit: m.PutCommit | None = None
+
+
+@dataclass(slots=True)
+class Commit:
+    """The commit ``msg`` of the put just written with it (`Write.commit`): the master's answer
+    to the commit that landed with the write when one comes soon, else ``msg`` sent now — the
+    same reply either way (a commit the node handed on already is answered OK again)."""
+
+    msg: m.PutCommit
 
 
 @dataclass(slots=True)
@@ -77,7 +89,7 @@ class Release:
     ids: list[int]
 
 
-Op = Call | Write | Read | Revoke | Release
+Op = Call | Write | Read | Revoke | Release | Commit
 Steps = Generator[Op, Any, T]
 
 
@@ -92,15 +104,22 @@ class Io(Protocol):
     @property
     def rpc(self) -> Any: ...
 
-    def transfer(self, reqs: list[TransferRequest], deadline: float, read: bool) -> Any: ...
+    def transfer(self, reqs: list[TransferRequest], deadline: float, read: bool,
+                 commit: m.PutCommit | None = None) -> Any: ...
+
+    def commit(self, msg: m.PutCommit) -> Any: ...
 
 
 def _perform(io: Io, op: Op) -> Any:
     """Start ``op`` on ``io``: its result, or an awaitable of it (the asyncio client)."""
     if type(op) is Call:
         return io.rpc.call_tracked(op.msg) if op.tracked else io.rpc.call(op.msg)
+    if type(op) is Write and op.commit is not None:
+        return io.transfer(op.reqs, op.deadline, False, op.commit)
     if isinstance(op, Write | Read):
         return io.transfer(op.reqs, op.deadline, type(op) is Read)
+    if type(op) is Commit:
+        return io.commit(op.msg)
     if type(op) is Release:
         return io.rpc.release(op.keys, op.ids)
     assert isinstance(op, Revoke)

@@ -3,9 +3,10 @@
 and `BatchPut` (many) — plus the request building and write judging they share. Every decision
 (codes per key, reservations, fallbacks, revokes, write deadlines) is made here; the clients
 (`client`) only run the steps. A small value asks the master to hold it (one `PutInline`,
-`inline`); else a put goes through a held reservation of its shape (one ``put_commit``) when
-there is one, else in two phases (``put_start``, writes, ``put_end``); a failed write is
-revoked, blaming its segments, and placed again up to ``put_retries`` times.
+`inline`); else a put goes through a held reservation of its shape (one ``put_commit``, which
+may ride on the write to the node: `core.Commit`) when there is one, else in two phases
+(``put_start``, writes, ``put_end``); a failed write is revoked, blaming its segments, and placed
+again up to ``put_retries`` times.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from yuebing.protocol import store as m
 from yuebing.store.client import core as cm
 from yuebing.store.client import inline
 from yuebing.store.client import reserve as rv
-from yuebing.store.client.core import Call, Revoke, Steps, Write
+from yuebing.store.client.core import Call, Commit, Revoke, Steps, Write
 from yuebing.store.client.direct import WriteExpired
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig
@@ -167,15 +168,16 @@ def _put_reserved(client: str, resv: rv.HeldReservations, item: m.PutItem, mv: m
     if held is None:
         return False
     reqs = writes(mv, held.replicas)
-    failed, blamed, why = write_outcome(reqs, (yield Write(reqs, held.deadline)))
+    commit = m.PutCommit(client=client, reservation=held.key, item=item, reserve_next=True)
+    sent = time.monotonic()  # the commit may leave with the write
+    failed, blamed, why = write_outcome(reqs, (yield Write(
+        reqs, held.deadline, commit if len(reqs) == 1 else None)))
     if failed:
         yield Revoke([held.key], blamed, resv.touching(failed))
         log.warning("put %s: write into reservation on %s failed: %s", item.key, failed, why)
         return False
-    sent = time.monotonic()
     try:
-        r = yield Call(m.PutCommit(client=client, reservation=held.key, item=item,
-                                   reserve_next=True))
+        r = yield Commit(commit)
     except StoreRpcError as e:
         resv.release(held.key)
         log.info("put %s: reservation refused (%s); putting it in two phases", item.key, e)

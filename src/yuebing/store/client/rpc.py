@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -210,6 +211,31 @@ class MasterConnection(_Base):
                     continue
                 raise StoreRpcError(reply.code, reply.message, lost)
             return reply, lost
+
+    def new_id(self) -> int:
+        """A request id for an answer the master sends to this connection unasked (`answer`):
+        drawn at random above 2**62, so it is no id of a request sent on any connection."""
+        return (1 << 62) | random.getrandbits(62)
+
+    def answer(self, rid: int, wait_s: float) -> Message | None:
+        """The master's answer to request id ``rid``, which another process asked for on this
+        client's behalf (a commit that landed with its write, `store_cluster.Landed`), waited
+        for up to ``wait_s`` on the open connection; None when none came or there is no
+        connection (the caller then asks itself). `StoreRpcError` for an `Err` answer."""
+        sock = self.sock
+        if sock is None:
+            return None
+        try:
+            reply = self._wait(sock, rid, wait_s)
+        except OSError:
+            self.close()
+            return None
+        if reply is None:
+            return None
+        self._answered = time.monotonic()
+        if type(reply) is m.Err:
+            raise StoreRpcError(reply.code, reply.message)
+        return reply
 
     def send_releases(self, frames: bytes) -> None:
         """Send ``frames`` (`take_releases` of this or another connection: the heartbeat

@@ -68,13 +68,16 @@ class Seg:
 
 class Session:
     """A client or node known to the master, alive until ``deadline``. ``incarnation``: the
-    node process whose segments count (the last to mount); ``retired``: earlier ones."""
+    node process whose segments count (the last to mount); ``retired``: earlier ones.
+    ``reply_ident``: the connection of its last request other than a heartbeat (where the answer
+    to a commit that landed with its write goes: `MasterCore.landed`)."""
 
-    __slots__ = ("deadline", "ident", "incarnation", "retired", "segs")
+    __slots__ = ("deadline", "ident", "incarnation", "reply_ident", "retired", "segs")
 
     def __init__(self, deadline: float, ident: bytes | None) -> None:
         self.deadline = deadline
         self.ident = ident
+        self.reply_ident: bytes | None = None
         self.segs: set[int] = set()
         self.incarnation = ""
         self.retired: list[str] = []

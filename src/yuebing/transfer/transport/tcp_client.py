@@ -152,7 +152,7 @@ class TcpEndpoint(Endpoint):
             self._inline_lock.release()
 
     def exchange_frame(self, segment: str, op: OpCode, items: list[tuple[memoryview, int]],
-                       deadline: float) -> list[str] | None:
+                       deadline: float, note: bytes = b"") -> list[str] | None:
         """`Endpoint.exchange_frame` over the inline connection (`InlineConn.exchange_frame`);
         None when another thread holds it, it cannot be opened, or it broke (then it is closed)."""
         if not self.alive or not self._inline_lock.acquire(blocking=False):
@@ -162,7 +162,7 @@ class TcpEndpoint(Endpoint):
             if conn is None:
                 return None
             try:
-                errors, why = conn.exchange_frame(segment, op, items, deadline)
+                errors, why = conn.exchange_frame(segment, op, items, deadline, note)
             except BaseException:  # e.g. KeyboardInterrupt mid-frame: the stream is out of step
                 self._drop_inline()
                 raise

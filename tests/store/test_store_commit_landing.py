@@ -1,0 +1,294 @@
+"""Commit on landing: a put into a reservation on another host sends its `PutCommit` on the write
+frame; the node hands it to the master (`Landed`) once the frame landed whole, and the master
+answers the client. The master side on a virtual clock (the fence: nothing revoked, expired,
+another's, off-range or from a retired node process commits), the target's landing callback
+(only frames that landed whole), and the message count with real processes."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from master_factories import SIZE, exists
+from store_procs import Proc, master, node
+
+from yuebing.core.clock import VirtualClock
+from yuebing.protocol import Message
+from yuebing.protocol import store as m
+from yuebing.protocol.store_cluster import Landed, Mount
+from yuebing.protocol.transfer import Hello, HelloReply, SlicesDone, WriteSlices
+from yuebing.store.client.client import StoreClient
+from yuebing.store.config import ClientConfig, MasterConfig
+from yuebing.store.master.core import MasterCore
+from yuebing.transfer import (
+    EmbeddedMetadata,
+    OpCode,
+    TransferConfig,
+    TransferEngine,
+    TransferRequest,
+    TransferStatus,
+)
+from yuebing.transfer.transport.framing import pack, recv_frame, send_frame
+
+CLIENT_CONN, NODE_CONN, HEARTBEAT_CONN = 7, 3, 8
+
+
+# ---------------------------------------------------------------- master core
+def core_with_node() -> tuple[MasterCore, VirtualClock]:
+    clock = VirtualClock(100.0)
+    core = MasterCore(MasterConfig(alignment=1024), clock)
+    assert core.handle(Mount(client="n0", segment="n0/dram", size=64 << 10, node="n0",
+                             incarnation="i0"), None, NODE_CONN) == m.Ok()  # type: ignore[arg-type]
+    return core, clock
+
+
+def reserved(core: MasterCore, key: str = "a") -> m.Reservation:
+    """Client ``c`` (on connection `CLIENT_CONN`) puts ``key`` and gets the next reservation."""
+    t = core.handle(m.PutStart(client="c", item=m.PutItem(key=key, size=SIZE), reserve_next=True),
+                    None, CLIENT_CONN)  # type: ignore[arg-type]
+    assert isinstance(t, m.PutTargets) and t.reservation is not None
+    assert core.handle(m.PutEnd(client="c", key=key), None, CLIENT_CONN) == m.Ok()  # type: ignore[arg-type]
+    return t.reservation
+
+
+def land(core: MasterCore, resv: m.Reservation, key: str, **kw: object) -> list:
+    """A node's `Landed` for ``key`` written into ``resv`` (fields overridden by ``kw``): what
+    the core leaves to answer (it never answers the node)."""
+    r = resv.replicas[0]
+    fields: dict[str, object] = dict(
+        node="n0", incarnation="i0", segment=r.segment, offset=r.offset, size=SIZE, rid=1 << 62,
+        commit=m.PutCommit(client="c", reservation=resv.key, item=m.PutItem(key=key, size=SIZE),
+                           reserve_next=True))
+    fields.update(kw)
+    assert core.handle(Landed(**fields), None, NODE_CONN) is None  # type: ignore[arg-type]
+    out = list(core.ready)
+    core.ready.clear()
+    return out
+
+
+def test_landed_commit_is_answered_on_the_clients_connection() -> None:
+    core, _ = core_with_node()
+    resv = reserved(core)
+    core.handle(m.Heartbeat(client="c"), None, HEARTBEAT_CONN)  # type: ignore[arg-type]
+    out = land(core, resv, "b")
+    assert len(out) == 1
+    (conn, rid), reply = out[0]
+    assert (conn, rid) == (CLIENT_CONN, 1 << 62)  # not the heartbeat's connection
+    assert isinstance(reply, m.PutCommitted) and reply.reservation is not None
+    assert exists(core, "b") == [True] and core.counters["landed_commits"] == 1
+    # the client's own commit after a lost answer is answered OK, as a retried commit
+    again = core.handle(m.PutCommit(client="c", reservation=resv.key,
+                                    item=m.PutItem(key="b", size=SIZE)), None, CLIENT_CONN)  # type: ignore[arg-type]
+    assert isinstance(again, m.PutCommitted)
+    # and a late report of a commit the client made itself commits nothing more
+    assert land(core, resv, "b") == [] and core.counters["landings_ignored"] == 1
+
+
+@pytest.mark.parametrize("case", ["revoked", "given_back", "other_client", "off_range",
+                                  "short", "retired_node", "other_node", "unknown_segment"])
+def test_landing_never_commits_outside_the_clients_live_reservation(case: str) -> None:
+    core, _ = core_with_node()
+    resv = reserved(core)
+    r = resv.replicas[0]
+    kw: dict[str, object] = {}
+    if case == "revoked":  # the write fence: a revoked put's bytes may still land
+        core.handle(m.BatchPutRevoke(client="c", keys=[resv.key], failed=[]), None, CLIENT_CONN)  # type: ignore[arg-type]
+    elif case == "given_back":
+        core.handle(m.BatchPutRevoke(client="c", keys=[], failed=[], unused=[resv.key]),
+                    None, CLIENT_CONN)  # type: ignore[arg-type]
+    elif case == "other_client":
+        core.handle(m.Heartbeat(client="d"), None, 9)  # type: ignore[arg-type]
+        core.handle(m.Exists(key="x"), None, 9)  # type: ignore[arg-type]
+        kw["commit"] = m.PutCommit(client="d", reservation=resv.key,
+                                   item=m.PutItem(key="b", size=SIZE))
+    elif case == "off_range":
+        kw["offset"] = r.offset + 1024
+    elif case == "short":
+        kw["size"] = SIZE - 1024
+    elif case == "retired_node":
+        kw["incarnation"] = "i-old"
+    elif case == "other_node":
+        assert core.handle(Mount(client="n1", segment="n1/dram", size=64 << 10, node="n1",
+                                 incarnation="j0"), None, 11) == m.Ok()  # type: ignore[arg-type]
+        kw.update(node="n1", incarnation="j0")
+    elif case == "unknown_segment":
+        kw["segment"] = "n9/dram"
+    assert land(core, resv, "b", **kw) == []
+    assert exists(core, "b") == [False]
+    assert core.counters["landed_commits"] == 0 and core.counters["landings_ignored"] == 1
+
+
+def test_landing_past_the_write_expiry_is_refused_not_committed() -> None:
+    core, clock = core_with_node()
+    resv = reserved(core)
+    clock.advance_to(clock.now() + resv.expires_in_s + 0.01)
+    out = land(core, resv, "b")
+    assert len(out) == 1 and isinstance(out[0][1], m.Err)
+    assert out[0][1].code == m.Code.NOT_PENDING and exists(core, "b") == [False]
+
+
+def test_landed_commit_replicates_as_the_clients_commit() -> None:
+    logs = []
+    for landed in (True, False):
+        core, _ = core_with_node()
+        resv = reserved(core)
+        core.log = []
+        if landed:
+            land(core, resv, "b")
+        else:
+            core.handle(m.PutCommit(client="c", reservation=resv.key,
+                                    item=m.PutItem(key="b", size=SIZE), reserve_next=True))
+        logs.append(core.log)
+    assert logs[0] == logs[1] and logs[0][0][0] == "rename"
+
+
+# ---------------------------------------------------------------- the target's callback
+@pytest.fixture
+def owner() -> Iterator[tuple[TransferEngine, list]]:
+    eng = TransferEngine(TransferConfig(engine_id="owner"), metadata=EmbeddedMetadata())
+    eng.register_segment("seg", size=1 << 16)
+    got: list = []
+    eng.on_landed(lambda seg, slices, note: got.append((seg, slices, note)))
+    yield eng, got
+    eng.close()
+
+
+def _lane(owner: TransferEngine) -> socket.socket:
+    host, _, port = owner.address.rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    send_frame(sock, Hello(engine_id="raw", host_id="h"))
+    assert isinstance(recv_frame(sock), HelloReply)
+    return sock
+
+
+def test_landing_callback_only_for_frames_that_landed_whole(owner) -> None:
+    eng, got = owner
+    with _lane(eng) as sock:
+        late = WriteSlices(id=1, segment="seg", slices=[(0, 4096, 0, 4096)],
+                           expiry=time.time() - 0.5, note=b"late")
+        sock.sendall(pack(late) + b"\x01" * 4096)
+        done = recv_frame(sock)
+        assert isinstance(done, SlicesDone) and "expired" in done.errors[0]
+        bad = WriteSlices(id=2, segment="seg", slices=[(0, 16, 0, 16), (1 << 16, 16, 1 << 16, 16)],
+                          expiry=time.time() + 10, note=b"half")
+        sock.sendall(pack(bad) + b"\x02" * 32)
+        done = recv_frame(sock)
+        assert isinstance(done, SlicesDone) and done.errors[0] == "" and done.errors[1]
+        plain = WriteSlices(id=3, segment="seg", slices=[(0, 16, 0, 16)], expiry=time.time() + 10)
+        sock.sendall(pack(plain) + b"\x03" * 16)
+        assert recv_frame(sock) == SlicesDone(id=3, errors=[""])
+        assert got == []  # expired, partly refused, or no note: no landing
+        ok = WriteSlices(id=4, segment="seg", slices=[(64, 16, 64, 32), (80, 16, 64, 32)],
+                         expiry=time.time() + 10, note=b"whole")
+        sock.sendall(pack(ok) + b"\x04" * 32)
+        assert recv_frame(sock) == SlicesDone(id=4, errors=["", ""])
+    assert got == [("seg", [(64, 16, 64, 32), (80, 16, 64, 32)], b"whole")]
+
+
+def test_engine_carries_a_note_on_an_inline_frame_only(owner) -> None:
+    eng, got = owner
+    with TransferEngine(TransferConfig(engine_id="peer", transports=("tcp",)),
+                        metadata=eng.metadata) as peer:
+        src = np.full(4096, 5, np.uint8)
+        req = TransferRequest(OpCode.WRITE, src.data, "seg", 4096, 4096)
+        status, noted = peer.transfer_noted([req], b"n1", 10.0)
+        assert noted and status.status == TransferStatus.DONE
+        assert got == [("seg", [(4096, 4096, 4096, 4096)], b"n1")]
+        big = np.full(32 << 10, 6, np.uint8)  # over the inline limit: the lanes, no note
+        with TransferEngine(TransferConfig(engine_id="lanes", transports=("tcp",),
+                                           inline_bytes=16 << 10), metadata=eng.metadata) as lanes:
+            status, noted = lanes.transfer_noted(
+                [TransferRequest(OpCode.WRITE, big.data, "seg", 0, big.nbytes)], b"n2", 10.0)
+        assert not noted and status.status == TransferStatus.DONE and len(got) == 1
+    assert (eng.segment("seg").array[:32 << 10] == 6).all()
+
+
+# ---------------------------------------------------------------- processes
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[Proc, Proc]]:
+    mst = master()
+    n = node(mst.info["address"], "16MiB", "--name", "landA")
+    yield mst, n
+    for p in (n, mst):
+        p.stop()
+
+
+def tcp_only() -> TransferEngine:
+    """A client's engine that reaches the node as another host's would: TCP frames."""
+    return TransferEngine(TransferConfig(metadata="p2p", transports=("tcp",)))
+
+
+class Calls:
+    """The master RPCs a client sends itself, and the answers it takes that it never asked."""
+
+    def __init__(self, c: StoreClient) -> None:
+        self.msgs: list[str] = []
+        call, answer = c.rpc.call, c.rpc.answer
+
+        def recording(msg: Message) -> Message:
+            self.msgs.append(type(msg).__name__)
+            return call(msg)
+
+        def answered(rid: int, wait_s: float) -> Message | None:
+            got = answer(rid, wait_s)
+            self.msgs.append("answer" if got is not None else "no answer")
+            return got
+
+        c.rpc.call = recording  # type: ignore[method-assign]
+        c.rpc.answer = answered  # type: ignore[method-assign]
+
+    def take(self) -> list[str]:
+        out, self.msgs = self.msgs, []
+        return out
+
+
+@pytest.mark.parametrize("landing", [True, False])
+def test_remote_put_stream_sends_no_commit_of_its_own(cluster, landing: bool) -> None:
+    """A remote put into a reservation: with commit on landing the client sends nothing to the
+    master (3 messages: its write, the node's report, the master's answer); without, one
+    `PutCommit` after the write. Every value reads back."""
+    addr = cluster[0].info["address"]
+    rng = np.random.default_rng(3)
+    vals = [rng.integers(0, 256, 64 << 10, dtype=np.uint8) for _ in range(8)]
+    pre = f"l{int(landing)}/"
+    cfg = ClientConfig(master=addr, direct=False, inline_max_bytes=0, commit_on_landing=landing)
+    with tcp_only() as eng, StoreClient(cfg, engine=eng) as c:
+        before = c.stats()["landed_commits"]
+        calls = Calls(c)
+        per_put = []
+        for i, v in enumerate(vals):
+            c.put(f"{pre}{i}", v)
+            per_put.append(calls.take())
+        assert per_put[:2] == [["PutStart", "PutEnd"]] * 2
+        assert per_put[2:] == ([["answer"]] if landing else [["PutCommit"]]) * 6
+        assert [c.get(f"{pre}{i}") for i in range(8)] == [v.tobytes() for v in vals]
+        assert c.stats()["landed_commits"] - before == (6 if landing else 0)
+        c.remove_all(force=True)
+
+
+def test_late_landing_answer_falls_back_to_the_clients_commit(cluster) -> None:
+    """An answer to a landed commit that the client does not take in time (a lost report, a
+    failover) is followed by the client's own commit, answered OK as a retry of a commit
+    that landed; the late answer is dropped and the stream goes on."""
+    addr = cluster[0].info["address"]
+    v = np.full(64 << 10, 9, np.uint8)
+    with tcp_only() as eng, StoreClient(
+            ClientConfig(master=addr, direct=False, inline_max_bytes=0), engine=eng) as c:
+        for i in range(3):
+            c.put(f"late/{i}", v)
+        calls = Calls(c)
+        c.rpc.answer = lambda rid, wait_s: None  # type: ignore[method-assign]
+        c.put("late/3", v)
+        assert calls.take() == ["PutCommit"]
+        assert c.get("late/3") == v.tobytes()
+        del c.rpc.answer
+        calls = Calls(c)
+        for i in (4, 5):
+            c.put(f"late/{i}", v)
+        assert calls.take() == ["answer", "answer"]
+        assert [c.get(f"late/{i}") for i in (4, 5)] == [v.tobytes()] * 2
+        assert c.stats()["landed_commits"] >= 3
+        c.remove_all(force=True)
