@@ -88,7 +88,8 @@ def test_landed_commit_is_answered_on_the_clients_connection() -> None:
 
 
 @pytest.mark.parametrize("case", ["revoked", "given_back", "other_client", "off_range",
-                                  "short", "retired_node", "other_node", "unknown_segment"])
+                                  "short", "retired_node", "other_node", "unknown_segment",
+                                  "bad_rid"])
 def test_landing_never_commits_outside_the_clients_live_reservation(case: str) -> None:
     core, _ = core_with_node()
     resv = reserved(core)
@@ -116,6 +117,8 @@ def test_landing_never_commits_outside_the_clients_live_reservation(case: str) -
         kw.update(node="n1", incarnation="j0")
     elif case == "unknown_segment":
         kw["segment"] = "n9/dram"
+    elif case == "bad_rid":  # no answer frame could carry it
+        kw["rid"] = 1 << 64
     assert land(core, resv, "b", **kw) == []
     assert exists(core, "b") == [False]
     assert core.counters["landed_commits"] == 0 and core.counters["landings_ignored"] == 1

@@ -206,7 +206,7 @@ class MasterCore:
         node = sessions.get(msg.node)
         client = sessions.get(msg.commit.client)
         reply = None
-        if (seg is not None and node is not None and msg.incarnation
+        if (seg is not None and node is not None and msg.incarnation and 0 < msg.rid < 1 << 64
                 and seg.client == msg.node and seg.incarnation == msg.incarnation
                 and node.incarnation == msg.incarnation and sid in node.segs
                 and client is not None and client.reply_ident is not None):
