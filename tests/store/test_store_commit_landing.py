@@ -295,3 +295,34 @@ def test_late_landing_answer_falls_back_to_the_clients_commit(cluster) -> None:
         assert [c.get(f"late/{i}") for i in (4, 5)] == [v.tobytes()] * 2
         assert c.stats()["landed_commits"] >= 3
         c.remove_all(force=True)
+
+
+def test_node_killed_under_a_landing_put_revokes_and_lands_elsewhere() -> None:
+    """The node of a reservation dies: the write fails, no commit lands (nothing reports it),
+    the reservation is revoked and the put placed again on the other node, whose next
+    reservation commits on landing again."""
+    mst = master()
+    a = node(mst.info["address"], "4MiB", "--name", "landKA")
+    b = node(mst.info["address"], "4MiB", "--name", "landKB")
+    seg_a, seg_b = a.info["dram"], b.info["dram"]
+    try:
+        cfg = ClientConfig(master=mst.info["address"], preferred=(seg_a,), placement="preferred",
+                           inline_max_bytes=0)
+        with tcp_only() as eng, StoreClient(cfg, engine=eng) as c:
+            calls = Calls(c)
+            for i in range(3):
+                c.put(f"k/{i}", bytes([i]) * 100_000)
+            assert calls.take()[-1:] == ["answer"]
+            a.kill()
+            c.put("k/3", b"\x03" * 100_000)
+            assert calls.take() == ["BatchPutRevoke", "PutStart", "PutEnd"]
+            reps = c.rpc.call(m.GetReplicas(key="k/3")).replicas  # type: ignore[attr-defined]
+            assert [r.segment for r in reps] == [seg_b] and c.get("k/3") == b"\x03" * 100_000
+            calls.take()
+            c.put("k/4", b"\x04" * 100_000)
+            assert calls.take() == ["answer"] and c.get("k/4") == b"\x04" * 100_000
+            st = c.stats()
+            assert st["pending"] == 0 and st["landed_commits"] == 2
+    finally:
+        for p in (a, b, mst):
+            p.stop()
