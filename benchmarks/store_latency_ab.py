@@ -12,7 +12,8 @@ no spinning; ``inline`` — transfers of <= 4 MiB per peer in the calling thread
 50 µs, master RPC 100 µs) before sleeping, the defaults; ``no-landing`` — the defaults but a
 put into a reservation commits with an RPC after its write instead of on the write frame
 (`ClientConfig.commit_on_landing`, docs/store.md). The master's own ``--spin-us`` is a
-process flag: run the script once per value (``--master-spin``).
+process flag: run the script once per value (``--master-spin``). With two ``--variants`` the
+table adds the median (and range) of each round's ratio, second / first.
 
     .venv/bin/python benchmarks/store_latency_ab.py --master-spin 500 [--load 2] [--json OUT]
     .venv/bin/python benchmarks/store_latency_ab.py --master-spin -1 --variants inline+spin,no-landing \
@@ -133,7 +134,15 @@ def measure(rig: Rig, ops: list[str], variants: list[str], rounds: int, chunk: f
                     for p in ("p4/", "p1m/", "pf1m/", "pf4m/"):
                         rig.c.remove_prefix(p, force=True)
             progress()
-    return {op: {v: round(statistics.median(res[(op, v)]), 1) for v in variants} for op in ops}
+    out: dict = {op: {v: round(statistics.median(res[(op, v)]), 1) for v in variants}
+                 for op in ops}
+    if len(variants) == 2:  # each round's second / first variant µs: how much faster the first
+        a, b = variants
+        for op in ops:
+            rs = sorted(y / x for x, y in zip(res[(op, a)], res[(op, b)], strict=True))
+            out[op]["x"] = round(statistics.median(rs), 3)
+            out[op]["x_range"] = [round(rs[0], 3), round(rs[-1], 3)]
+    return out
 
 
 def main() -> int:
@@ -174,8 +183,14 @@ def main() -> int:
     t.add_column("op")
     for v in variants:
         t.add_column(v, justify="right")
+    paired = len(variants) == 2
+    if paired:
+        t.add_column(f"{variants[1]} / {variants[0]} per round", justify="right")
     for op, row in out.items():
-        t.add_row(op, *(f"{row[v]:.1f}" for v in variants))
+        cells = [f"{row[v]:.1f}" for v in variants]
+        if paired:
+            cells.append(f"{row['x']:.3f} ({row['x_range'][0]:.2f}–{row['x_range'][1]:.2f})")
+        t.add_row(op, *cells)
     Console().print(t)
     if ns.json:
         with open(ns.json, "w") as f:
