@@ -6,7 +6,9 @@ another's, off-range or from a retired node process commits), the target's landi
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -16,10 +18,11 @@ from master_factories import SIZE, exists
 from store_procs import Proc, master, node
 
 from yuebing.core.clock import VirtualClock
-from yuebing.protocol import Message
+from yuebing.protocol import Message, decode, encode
 from yuebing.protocol import store as m
 from yuebing.protocol.store_cluster import Landed, Mount
 from yuebing.protocol.transfer import Hello, HelloReply, SlicesDone, WriteSlices
+from yuebing.store.client import client as client_module
 from yuebing.store.client.client import StoreClient
 from yuebing.store.config import ClientConfig, MasterConfig
 from yuebing.store.master.core import MasterCore
@@ -32,8 +35,11 @@ from yuebing.transfer import (
     TransferStatus,
 )
 from yuebing.transfer.transport.framing import pack, recv_frame, send_frame
+from yuebing.transfer.types import BatchStatus, RequestStatus
 
 CLIENT_CONN, NODE_CONN, HEARTBEAT_CONN = 7, 3, 8
+NAME = 12345
+"""The client's name for its connection `CLIENT_CONN` (`m.ConnName`)."""
 
 
 # ---------------------------------------------------------------- master core
@@ -46,7 +52,9 @@ def core_with_node() -> tuple[MasterCore, VirtualClock]:
 
 
 def reserved(core: MasterCore, key: str = "a") -> m.Reservation:
-    """Client ``c`` (on connection `CLIENT_CONN`) puts ``key`` and gets the next reservation."""
+    """Client ``c`` (on connection `CLIENT_CONN`, named `NAME`) puts ``key`` and gets the next
+    reservation."""
+    assert core.handle(m.ConnName(client="c", conn=NAME), None, CLIENT_CONN) is None  # type: ignore[arg-type]
     t = core.handle(m.PutStart(client="c", item=m.PutItem(key=key, size=SIZE), reserve_next=True),
                     None, CLIENT_CONN)  # type: ignore[arg-type]
     assert isinstance(t, m.PutTargets) and t.reservation is not None
@@ -60,7 +68,7 @@ def land(core: MasterCore, resv: m.Reservation, key: str, **kw: object) -> list:
     r = resv.replicas[0]
     fields: dict[str, object] = dict(
         node="n0", incarnation="i0", segment=r.segment, offset=r.offset, size=SIZE, rid=1 << 62,
-        commit=m.PutCommit(client="c", reservation=resv.key, item=m.PutItem(key=key, size=SIZE),
+        conn=NAME, commit=m.PutCommit(client="c", reservation=resv.key, item=m.PutItem(key=key, size=SIZE),
                            reserve_next=True))
     fields.update(kw)
     assert core.handle(Landed(**fields), None, NODE_CONN) is None  # type: ignore[arg-type]
@@ -69,14 +77,17 @@ def land(core: MasterCore, resv: m.Reservation, key: str, **kw: object) -> list:
     return out
 
 
-def test_landed_commit_is_answered_on_the_clients_connection() -> None:
+def test_landed_commit_is_answered_on_the_connection_the_client_named() -> None:
     core, _ = core_with_node()
     resv = reserved(core)
     core.handle(m.Heartbeat(client="c"), None, HEARTBEAT_CONN)  # type: ignore[arg-type]
+    core.handle(m.ReleaseLeases(keys=[], ids=[]), None, 9)  # type: ignore[arg-type]
+    core.handle(m.Exists(key="x"), None, 10)  # type: ignore[arg-type]
+    core.handle(m.ConnName(client="c", conn=NAME + 1), None, 11)  # type: ignore[arg-type]
     out = land(core, resv, "b")
     assert len(out) == 1
     (conn, rid), reply = out[0]
-    assert (conn, rid) == (CLIENT_CONN, 1 << 62)  # not the heartbeat's connection
+    assert (conn, rid) == (CLIENT_CONN, 1 << 62)  # not the one of its last request
     assert isinstance(reply, m.PutCommitted) and reply.reservation is not None
     assert exists(core, "b") == [True] and core.counters["landed_commits"] == 1
     # the client's own commit after a lost answer is answered OK, as a retried commit
@@ -89,7 +100,7 @@ def test_landed_commit_is_answered_on_the_clients_connection() -> None:
 
 @pytest.mark.parametrize("case", ["revoked", "given_back", "other_client", "off_range",
                                   "short", "retired_node", "other_node", "unknown_segment",
-                                  "bad_rid"])
+                                  "bad_rid", "unnamed_conn", "other_clients_conn"])
 def test_landing_never_commits_outside_the_clients_live_reservation(case: str) -> None:
     core, _ = core_with_node()
     resv = reserved(core)
@@ -119,9 +130,34 @@ def test_landing_never_commits_outside_the_clients_live_reservation(case: str) -
         kw["segment"] = "n9/dram"
     elif case == "bad_rid":  # no answer frame could carry it
         kw["rid"] = 1 << 64
+    elif case == "unnamed_conn":  # no connection to answer on
+        kw["conn"] = NAME + 1
+    elif case == "other_clients_conn":  # a name is the naming client's only
+        core.handle(m.ConnName(client="d", conn=NAME + 2), None, 9)  # type: ignore[arg-type]
+        kw["conn"] = NAME + 2
     assert land(core, resv, "b", **kw) == []
     assert exists(core, "b") == [False]
     assert core.counters["landed_commits"] == 0 and core.counters["landings_ignored"] == 1
+
+
+def test_revoke_of_a_reservation_a_landed_commit_consumed_answers_committed() -> None:
+    """The node landed the frame and handed on its commit, then died before answering it: the
+    client sees its write fail and revokes. That revoke answers COMMITTED (the put is done: a
+    retry would find the key, EXISTS) and keeps the value; another client's revoke of the name
+    does not. A reservation revoked before its report came is revoked: the report is ignored."""
+    core, _ = core_with_node()
+    resv = reserved(core)
+    (_, answer), = land(core, resv, "b")
+    assert isinstance(answer, m.PutCommitted) and answer.reservation is not None
+    assert core.handle(m.BatchPutRevoke(client="d", keys=[resv.key]), None, 9) == \
+        m.Codes(codes=[m.Code.NOT_PENDING])  # type: ignore[arg-type]
+    got = core.handle(m.BatchPutRevoke(client="c", keys=[resv.key], failed=["n0/dram"]),
+                      None, CLIENT_CONN)  # type: ignore[arg-type]
+    assert got == m.Codes(codes=[m.Code.COMMITTED]) and exists(core, "b") == [True]
+    nxt = answer.reservation
+    assert core.handle(m.BatchPutRevoke(client="c", keys=[nxt.key]), None, CLIENT_CONN) == \
+        m.Codes(codes=[m.Code.OK])  # type: ignore[arg-type]
+    assert land(core, nxt, "c") == [] and exists(core, "c") == [False]
 
 
 def test_landing_past_the_write_expiry_is_refused_not_committed() -> None:
@@ -209,6 +245,34 @@ def test_engine_carries_a_note_on_an_inline_frame_only(owner) -> None:
     assert (eng.segment("seg").array[:32 << 10] == 6).all()
 
 
+def test_noted_frame_whose_connection_broke_is_never_sent_again(owner) -> None:
+    """The target landed a noted frame (and handed on its note) but the sender's connection
+    broke before the answer: the frame may have landed, so the sender fails it ("may have
+    landed") instead of moving it again the submit way, into a range the note's commit may
+    already have un-fenced. An un-noted frame is moved again as before."""
+    eng, got = owner
+    slow = [True]
+
+    def landed(seg: str, slices: list, note: bytes) -> None:
+        got.append(note)
+        if slow[0]:
+            time.sleep(1.5)  # past the sender's io_timeout_s: its connection "breaks"
+
+    eng.on_landed(landed)
+    cfg = TransferConfig(engine_id="peer", transports=("tcp",), io_timeout_s=0.5)
+    with TransferEngine(cfg, metadata=eng.metadata) as peer:
+        src = np.full(4096, 7, np.uint8)
+        req = TransferRequest(OpCode.WRITE, src.data, "seg", 0, 4096)
+        status, noted = peer.transfer_noted([req], b"once", 10.0)
+        assert noted and status.status == TransferStatus.FAILED
+        assert "may have landed" in status.requests[0].error
+        time.sleep(1.5)  # a resubmitted frame would have landed by now
+        assert got == [b"once"]
+        slow[0] = False
+        status, noted = peer.transfer_noted([req], b"twice", 10.0)  # a fresh connection
+        assert noted and status.status == TransferStatus.DONE and got == [b"once", b"twice"]
+
+
 # ---------------------------------------------------------------- processes
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Proc, Proc]]:
@@ -217,6 +281,13 @@ def cluster() -> Iterator[tuple[Proc, Proc]]:
     yield mst, n
     for p in (n, mst):
         p.stop()
+
+
+@pytest.fixture
+def patient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clients wait up to 30 s for a landed commit's answer (not 0.2 s): a test that counts
+    answers then does not depend on how loaded the host is."""
+    monkeypatch.setattr(client_module, "LANDING_WAIT_S", 30.0)
 
 
 def tcp_only() -> TransferEngine:
@@ -231,9 +302,9 @@ class Calls:
         self.msgs: list[str] = []
         call, answer = c.rpc.call, c.rpc.answer
 
-        def recording(msg: Message) -> Message:
+        def recording(msg: Message, *start: float | None) -> Message:
             self.msgs.append(type(msg).__name__)
-            return call(msg)
+            return call(msg, *start)
 
         def answered(rid: int, wait_s: float) -> Message | None:
             got = answer(rid, wait_s)
@@ -249,7 +320,7 @@ class Calls:
 
 
 @pytest.mark.parametrize("landing", [True, False])
-def test_remote_put_stream_sends_no_commit_of_its_own(cluster, landing: bool) -> None:
+def test_remote_put_stream_sends_no_commit_of_its_own(cluster, patient, landing: bool) -> None:
     """A remote put into a reservation: with commit on landing the client sends nothing to the
     master (3 messages: its write, the node's report, the master's answer); without, one
     `PutCommit` after the write. Every value reads back."""
@@ -272,7 +343,7 @@ def test_remote_put_stream_sends_no_commit_of_its_own(cluster, landing: bool) ->
         c.remove_all(force=True)
 
 
-def test_late_landing_answer_falls_back_to_the_clients_commit(cluster) -> None:
+def test_late_landing_answer_falls_back_to_the_clients_commit(cluster, patient) -> None:
     """An answer to a landed commit that the client does not take in time (a lost report, a
     failover) is followed by the client's own commit, answered OK as a retry of a commit
     that landed; the late answer is dropped and the stream goes on."""
@@ -297,7 +368,43 @@ def test_late_landing_answer_falls_back_to_the_clients_commit(cluster) -> None:
         c.remove_all(force=True)
 
 
-def test_node_killed_under_a_landing_put_revokes_and_lands_elsewhere() -> None:
+def test_put_whose_write_fails_after_its_commit_landed_is_done_not_exists(cluster,
+                                                                         patient) -> None:
+    """The node lands a put's frame and hands on its commit, then the client sees the write
+    fail (the node died before its answer: here the answer is dropped). The client's revoke is
+    answered COMMITTED and the put returns: it neither raises EXISTS on its retry nor puts
+    the value twice, and the value reads back."""
+    addr = cluster[0].info["address"]
+    v = np.full(64 << 10, 4, np.uint8)
+    with tcp_only() as eng, StoreClient(
+            ClientConfig(master=addr, direct=False, inline_max_bytes=0), engine=eng) as c:
+        for i in range(3):
+            c.put(f"lost/{i}", v)
+        real = eng.transfer_noted
+
+        def answer_lost(reqs: list, note: bytes, timeout_s: float | None = None) -> tuple:
+            status, noted = real(reqs, note, timeout_s)
+            assert noted and status.status == TransferStatus.DONE
+            end = time.monotonic() + 30  # the master committed it: its answer is on the way
+            while not c.rpc.sock.ready():  # type: ignore[union-attr]
+                assert time.monotonic() < end
+                time.sleep(0.01)
+            failed = RequestStatus(TransferStatus.FAILED, 0, reqs[0].length, "connection broke")
+            return BatchStatus(status.batch_id, TransferStatus.FAILED, (failed,)), noted
+
+        eng.transfer_noted = answer_lost  # type: ignore[method-assign]
+        calls = Calls(c)
+        assert c.put("lost/3", v) == 1
+        assert calls.take() == ["BatchPutRevoke"]
+        del eng.transfer_noted
+        assert c.get("lost/3") == v.tobytes()
+        time.sleep(1.0)  # the revoke blamed the node: placed on again once it heartbeats
+        c.put("lost/4", v)
+        assert c.get("lost/4") == v.tobytes()
+        c.remove_all(force=True)
+
+
+def test_node_killed_under_a_landing_put_revokes_and_lands_elsewhere(patient) -> None:
     """The node of a reservation dies: the write fails, no commit lands (nothing reports it),
     the reservation is revoked and the put placed again on the other node, whose next
     reservation commits on landing again."""
@@ -326,3 +433,88 @@ def test_node_killed_under_a_landing_put_revokes_and_lands_elsewhere() -> None:
     finally:
         for p in (a, b, mst):
             p.stop()
+
+
+# ---------------------------------------------------------------- the node's reports, the client's wait
+class FakeMaster:
+    """A listening socket standing in for the master: reads frames only once told to."""
+
+    def __init__(self) -> None:
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window
+        self.address = f"tcp://127.0.0.1:{self.lsock.getsockname()[1]}"
+        self.conn: socket.socket | None = None
+
+    def accept(self) -> socket.socket:
+        if self.conn is None:
+            self.conn, _ = self.lsock.accept()
+        return self.conn
+
+    def close(self) -> None:
+        for sock in (self.conn, self.lsock):
+            if sock is not None:
+                sock.close()
+
+
+def test_landing_reports_never_wait_on_the_lane_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lane thread makes one non-blocking send at most: connecting, and the rest of a report
+    the socket buffer could not take, are the sender thread's. A master that reads nothing for a
+    while holds up no lane thread, and the reports then arrive whole and in order."""
+    from yuebing.store.node import landing
+    from yuebing.store.wire import FrameBuffer
+
+    waits: list[str] = []
+    for name in ("__init__", "send_raw"):
+        real = getattr(landing.FrameSocket, name)
+
+        def spy(self: object, *a: object, _real=real, **kw: object) -> object:
+            waits.append(threading.current_thread().name)
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(landing.FrameSocket, name, spy)
+    fake = FakeMaster()
+    reports = landing.LandingReports("n0", "i0", lambda: fake.address, "", lambda s: s)
+    try:
+        n = 3000
+        for i in range(n):
+            note = m.LandingCommit(rid=(1 << 62) + i, conn=NAME, commit=m.PutCommit(
+                client="c", reservation="r", item=m.PutItem(key=f"{i}".rjust(4000, "k"), size=SIZE)))
+            reports.landed("seg", [(i * SIZE, SIZE, 0, SIZE)], encode(note))
+            if i == 0:
+                fake.accept()
+        assert reports.queued > 1  # the buffer filled: reports (or their rests) were queued
+        assert waits and set(waits) == {"landing-reports"}
+        conn, buf, got = fake.accept(), FrameBuffer(), []
+        conn.settimeout(10)
+        end = time.monotonic() + 30
+        while len(got) < n - reports.dropped:
+            assert time.monotonic() < end, f"{len(got)} of {n - reports.dropped} arrived"
+            with contextlib.suppress(TimeoutError):
+                data = conn.recv(1 << 16)
+                assert data
+                buf.buf += data
+                got += [decode(p) for _, p in buf.frames()]
+        assert all(type(r) is Landed for r in got) and len(got) == reports.sent
+        rids = [r.rid - (1 << 62) for r in got]
+        assert rids == sorted(rids) and rids[0] == 0
+    finally:
+        reports.close()
+        fake.close()
+
+
+def test_answer_wait_keeps_to_the_calls_limit() -> None:
+    """Within `StoreClient.limited`, a put's wait for a landed commit's answer is cut to the
+    call limit (the master here never answers)."""
+    from yuebing.store.client.rpc import MasterConnection
+
+    fake = FakeMaster()
+    conn = MasterConnection([fake.address], timeout_s=5.0)
+    try:
+        conn._connect(5.0)
+        conn.call_limit_s = 0.1
+        start = time.monotonic()
+        assert conn.answer(conn.new_id(), 20.0) is None
+        assert time.monotonic() - start < 10.0  # not the 20 s asked for
+    finally:
+        conn.close()
+        fake.close()

@@ -115,7 +115,8 @@ class Landed(Message, tag="store.landed"):
     in ``segment`` at [``offset``, ``offset + size``) (the frame's slices, as the node received
     them, within the frame's write expiry). The master commits ``commit`` only when the node is
     the segment's current process and that range is the client's pending single-replica
-    reservation; it answers the client (request id ``rid``), never the node."""
+    reservation; it answers the client (request id ``rid`` on the client's connection named
+    ``conn``: `store.ConnName`), never the node."""
 
     node: str
     incarnation: str
@@ -123,6 +124,7 @@ class Landed(Message, tag="store.landed"):
     offset: int
     size: int
     rid: int
+    conn: int
     commit: PutCommit
 
 

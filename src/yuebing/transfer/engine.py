@@ -292,8 +292,11 @@ class TransferEngine:
     def transfer_noted(self, requests: Sequence[TransferRequest], note: bytes,
                        timeout_s: float | None = None) -> tuple[BatchStatus, bool]:
         """`transfer_status` of writes whose frame carries ``note`` to the target engine's
-        landing callback (`on_landed`): (status, True) when they moved as one inline TCP frame,
-        which carried the note; (status, False) when they went the `submit` way, without it."""
+        landing callback (`on_landed`): (status, True) when they went as one inline TCP frame,
+        which carried the note — a frame whose connection broke is then never sent again (it
+        may have landed, note and all): its requests fail "may have landed" and the caller
+        resolves that; (status, False) when they went the `submit` way, without the note (no
+        byte of them had left)."""
         return self._transfer(requests, timeout_s, True, note)
 
     def _transfer(self, requests: Sequence[TransferRequest], timeout_s: float | None,

@@ -67,7 +67,8 @@ def one_frame(plan: Plan, deadline: float, endpoint: Callable[[SegmentDescriptor
     """Each request's error ("" = done) after moving ``plan`` as one inline frame by
     ``deadline`` (a write carrying ``note``); None when it is not one frame's worth (one
     segment, one direction, at most ``inline_bytes``) or the endpoint could not — then nothing
-    of it is known to have moved (nor the note)."""
+    of it is known to have moved (nor the note; a noted frame that may have left fails
+    instead: `TcpEndpoint.exchange_frame`)."""
     r0, _, desc = plan[0]
     op, segment = r0.op, r0.segment
     total = 0

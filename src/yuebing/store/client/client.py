@@ -95,6 +95,8 @@ class StoreClient(_Client[MasterConnection]):
         cfg = cfg or ClientConfig()
         super().__init__(cfg, engine, MasterConnection(
             cfg.masters, cfg.rpc_timeout_s, cfg.failover_s, spin_s=window_s(cfg.spin_us, CLIENT_SPIN_REF_US)), "client")
+        if cfg.commit_on_landing:  # the master answers landed commits on a named connection
+            self.rpc.name_as = self.client_id
         self._landing = 0
         """The request id of the master's answer to the commit that rode on the last write (0:
         none did)."""
@@ -171,9 +173,12 @@ class StoreClient(_Client[MasterConnection]):
         timeout = transfer_timeout(self.cfg, deadline, read)
         if commit is None or not self.cfg.commit_on_landing:
             return self.direct.merged(done, self.engine.transfer_status(rest, timeout))
+        conn = self.rpc.conn
+        if conn <= 0:  # no named connection to be answered on (yet): the commit RPC
+            return self.direct.merged(done, self.engine.transfer_status(rest, timeout))
         rid = self.rpc.new_id()
         status, noted = self.engine.transfer_noted(
-            rest, encode(m.LandingCommit(rid=rid, commit=commit)), timeout)
+            rest, encode(m.LandingCommit(rid=rid, conn=conn, commit=commit)), timeout)
         if noted:
             self._landing = rid
         return self.direct.merged(done, status)
@@ -181,13 +186,15 @@ class StoreClient(_Client[MasterConnection]):
     def commit(self, msg: m.PutCommit) -> m.Message:
         """`core.Io.commit`: the master's answer to the commit that rode on the last write, if
         it comes within `LANDING_WAIT_S`; else ``msg`` sent now (a commit the node handed on
-        meanwhile is answered OK again: same client, same reservation)."""
+        meanwhile is answered OK again: same client, same reservation). One master call:
+        within `limited`, the wait and the call together give up after its seconds."""
         rid, self._landing = self._landing, 0
+        start = time.monotonic()
         if rid:
             got = self.rpc.answer(rid, LANDING_WAIT_S)
             if got is not None:
                 return got
-        return self.rpc.call(msg)
+        return self.rpc.call(msg, start)
 
     # ------------------------------------------------------------------ puts
     def put(self, key: str, value: object, *, replicas: int | None = None,

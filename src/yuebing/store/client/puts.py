@@ -157,7 +157,9 @@ def _put_reserved(client: str, resv: rv.HeldReservations, item: m.PutItem, mv: m
     shape that have not expired (past its write expiry the master reclaimed one itself), write
     into it, then one ``put_commit`` (which brings the next reservation). False when there is
     none usable or the write or commit failed (the caller then puts it in two phases); a
-    refused commit `release`s the reservation (it stays the master's, empty)."""
+    refused commit `release`s the reservation (it stays the master's, empty). A failed write
+    whose commit rode on it and was applied (the node landed the frame, reported it and died
+    before its answer) is done: the revoke answers COMMITTED."""
     now = time.monotonic()
     stale = resv.drop_stale(now)
     held, one = resv.claim(shape, now)
@@ -173,7 +175,11 @@ def _put_reserved(client: str, resv: rv.HeldReservations, item: m.PutItem, mv: m
     failed, blamed, why = write_outcome(reqs, (yield Write(
         reqs, held.deadline, commit if len(reqs) == 1 else None)))
     if failed:
-        yield Revoke([held.key], blamed, resv.touching(failed))
+        got = yield Revoke([held.key], blamed, resv.touching(failed))
+        if isinstance(got, m.Codes) and got.codes[:1] == [C.COMMITTED]:
+            log.info("put %s: the write into reservation on %s failed (%s) after it landed "
+                     "and its commit was applied: stored", item.key, failed, why)
+            return True
         log.warning("put %s: write into reservation on %s failed: %s", item.key, failed, why)
         return False
     try:

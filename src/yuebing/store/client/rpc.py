@@ -151,11 +151,19 @@ class MasterConnection(_Base):
 
     def __init__(self, masters: list[str], timeout_s: float = 5.0, failover_s: float = 15.0,
                  on_push: Callable[[Message], None] | None = None, spin_s: float = 0.0,
-                 token: str | None = None) -> None:
+                 token: str | None = None, name_as: str = "") -> None:
         super().__init__(masters, timeout_s, failover_s, token)
         self.on_push = on_push
         self.spin_s = spin_s
         self.sock: FrameSocket | None = None
+        self.name_as = name_as
+        """A client id: each connection opened is named to the master as that client's
+        (`m.ConnName`, ahead of its first request) so that it can be answered unasked
+        (`answer`); "" = not named."""
+        self.conn = 0
+        """This connection's name (`m.ConnName.conn`), once the send that carried it went
+        out; 0 while there is none."""
+        self._naming = b""
         self._answered = 0.0  # monotonic time of the last reply: see IDLE_CHECK_S
         self.call_limit_s = float("inf")
         """Seconds one call may take, all its tries and failovers together (each try cut to
@@ -165,17 +173,24 @@ class MasterConnection(_Base):
     def _connect(self, timeout_s: float) -> FrameSocket:
         self.close()
         self.sock = FrameSocket(self.address, timeout_s, self.spin_s, self.token)
+        if self.name_as:
+            name = random.getrandbits(62) or 1
+            payload = encode(m.ConnName(client=self.name_as, conn=name))
+            self._naming = HEADER.pack(len(payload), next(self._ids)) + payload
+            self.conn = -name  # named once the send carrying `_naming` went out
         return self.sock
 
-    def call(self, msg: Message) -> Message:
-        """Send ``msg`` and return the reply; `StoreRpcError` for an `Err` reply."""
-        return self.call_tracked(msg)[0]
+    def call(self, msg: Message, start: float | None = None) -> Message:
+        """Send ``msg`` and return the reply; `StoreRpcError` for an `Err` reply (``start``: as
+        in `call_tracked`)."""
+        return self.call_tracked(msg, start)[0]
 
-    def call_tracked(self, msg: Message) -> tuple[Message, bool]:
+    def call_tracked(self, msg: Message, start: float | None = None) -> tuple[Message, bool]:
         """`call`, and whether the request was sent again after a try whose reply never came
-        (that try may have taken effect); a NOT_LEADER refusal does not count."""
+        (that try may have taken effect); a NOT_LEADER refusal does not count. ``start``: when
+        the call began, if before now (its `call_limit_s` and ``failover_s`` count from it)."""
         payload = encode(msg)
-        start = time.monotonic()
+        start = time.monotonic() if start is None else start
         end = start + self.call_limit_s  # no try runs past it, nor past `deadline`
         deadline = min(start + self.failover_s, end, self.deadline)  # no try starts past it
         lost = False  # a try went out and its reply never came: it may have taken effect
@@ -185,7 +200,11 @@ class MasterConnection(_Base):
             try:
                 sock = self._open_socket(try_s)
                 sent = True
-                sock.send(rid, payload, self._carried(type(msg)), try_s)
+                if self._naming:
+                    sock.send(rid, payload, self._naming + self._carried(type(msg)), try_s)
+                    self._naming, self.conn = b"", -self.conn
+                else:
+                    sock.send(rid, payload, self._carried(type(msg)), try_s)
                 reply = self._wait(sock, rid, try_s)
             except OSError as e:
                 log.info("master %s unreachable: %s", self.address, e)
@@ -220,13 +239,14 @@ class MasterConnection(_Base):
     def answer(self, rid: int, wait_s: float) -> Message | None:
         """The master's answer to request id ``rid``, which another process asked for on this
         client's behalf (a commit that landed with its write, `store_cluster.Landed`), waited
-        for up to ``wait_s`` on the open connection; None when none came or there is no
-        connection (the caller then asks itself). `StoreRpcError` for an `Err` answer."""
+        for up to ``wait_s`` (cut to `call_limit_s`; `deadline` ends it too) on the open
+        connection; None when none came or there is no connection (the caller then asks
+        itself). `StoreRpcError` for an `Err` answer."""
         sock = self.sock
         if sock is None:
             return None
         try:
-            reply = self._wait(sock, rid, wait_s)
+            reply = self._wait(sock, rid, min(wait_s, self.call_limit_s))
         except OSError:
             self.close()
             return None
@@ -310,6 +330,7 @@ class MasterConnection(_Base):
 
     def close(self) -> None:
         self._answered = 0.0
+        self.conn, self._naming = 0, b""
         if self.sock is not None:
             self.sock.close()
             self.sock = None

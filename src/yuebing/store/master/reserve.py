@@ -6,7 +6,8 @@ from free space only (never evicts), at most `MAX_SHAPES` shapes and `MAX_PER_CL
 `commit` checks it (pending, this client's, write expiry not passed, same shape, key free),
 renames it to the key, commits it and may hand out the next; a retried commit that landed
 answers OK (the book's record of recent commits); `commit_landed` is `commit` as a node reports
-it landed with the write (the range checked against the reservation). `give_back` frees unused ones at once;
+it landed with the write (the range checked against the reservation), and a revoke of a reservation
+such a commit consumed answers COMMITTED (`landed_already`). `give_back` frees unused ones at once;
 `drop_on_segment` drops them on a draining or unmounted segment. Its book is `reservations`.
 Called by `MasterCore` (put handlers), `Membership` and `Replication` (``resv``/``rename``).
 """
@@ -126,6 +127,14 @@ class Reserve:
             return None
         self.effects.counters["landed_commits"] += 1
         return self.commit(msg)
+
+    def landed_already(self, client: str, name: str) -> bool:
+        """Whether ``client``'s reservation ``name`` (no longer pending) was consumed by a
+        commit of ``client`` whose value is still stored: a revoke of it comes from a client
+        that saw its write fail after the node had landed the frame and handed on its commit
+        (`commit_landed`), so the put is done (`m.Code.COMMITTED`), not to be put again."""
+        key = self.book.consumed_for(client, name)
+        return key is not None and self.objects.committed_by(client, key) is not None
 
     def batch_commit(self, msg: m.BatchPutCommit) -> m.Message:
         """Handle `BatchPutCommit`: each item as a `PutCommit` into its reservation, then

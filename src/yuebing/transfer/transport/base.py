@@ -58,7 +58,8 @@ class Endpoint(ABC):
         ``op`` — in the calling thread without batch bookkeeping, a write with ``note`` for the
         target's landing callback (`WriteSlices.note`); returns each one's error (""
         when done), or None when this endpoint cannot (then nothing is known of the items and
-        the engine moves them the `submit` way). Called by `TransferEngine.transfer_status`.
+        the engine moves them the `submit` way; never for a noted frame that may have left:
+        that one fails instead, "may have landed"). Called by `TransferEngine.transfer_status`.
         This default never can."""
         return None
 
