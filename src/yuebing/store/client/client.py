@@ -189,12 +189,11 @@ class StoreClient(_Client[MasterConnection]):
         meanwhile is answered OK again: same client, same reservation). One master call:
         within `limited`, the wait and the call together give up after its seconds."""
         rid, self._landing = self._landing, 0
+        if not rid:
+            return self.rpc.call(msg)
         start = time.monotonic()
-        if rid:
-            got = self.rpc.answer(rid, LANDING_WAIT_S)
-            if got is not None:
-                return got
-        return self.rpc.call(msg, start)
+        got = self.rpc.answer(rid, LANDING_WAIT_S)
+        return got if got is not None else self.rpc.call(msg, start)
 
     # ------------------------------------------------------------------ puts
     def put(self, key: str, value: object, *, replicas: int | None = None,
