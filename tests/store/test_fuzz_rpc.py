@@ -34,10 +34,11 @@ from yuebing.store.wire import FrameSocket, parse_address
 REQUESTS = [m.PutStart, m.PutCommit, m.PutEnd, m.PutRevoke, m.BatchPutStart, m.BatchPutCommit,
             m.BatchPutEnd, m.BatchPutRevoke, m.GetReplicas, m.BatchGetReplicas, m.ReleaseLeases,
             m.Exists, m.BatchExists, m.PrefixMatch, m.Remove, m.BatchRemove, m.RemovePrefix,
-            m.RemoveAll, m.Pin, Mount, Unmount, Drain, m.Heartbeat, m.GetStats, Landed]
-ONE_WAY = (m.ReleaseLeases, Landed)
+            m.RemoveAll, m.Pin, Mount, Unmount, Drain, m.Heartbeat, m.GetStats, Landed,
+            m.ConnName]
+ONE_WAY = (m.ReleaseLeases, Landed, m.ConnName)
 """Requests the master answers with nothing (a lease release rides along with other calls; a
-node's landing report is answered, if at all, to the client named in it)."""
+node's landing report is answered, if at all, to the client named in it; a connection's name)."""
 
 scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
            | st.text(max_size=12) | st.binary(max_size=12))

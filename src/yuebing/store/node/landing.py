@@ -39,7 +39,9 @@ DRAIN_S = 1.0
 
 def span(slices: list[SliceSpec]) -> tuple[int, int] | None:
     """The range (offset, size) that ``slices`` cover back to back, or None when they leave a
-    gap (a landing report names one contiguous range)."""
+    gap or there are none (a landing report names one contiguous range)."""
+    if not slices:
+        return None
     offset, size = slices[0][0], 0
     for off, length, _, _ in slices:
         if off != offset + size:
@@ -152,8 +154,9 @@ class LandingReports:
         (re)connecting to the leader when needed; on failure close the connection and drop
         the report."""
         now = time.monotonic()
-        address = self.master()
+        address = "?"
         try:
+            address = self.master()
             if sock is not None and sock.address != address:  # the node follows a new leader
                 with self._cv:
                     self._drop_sock()
@@ -173,7 +176,7 @@ class LandingReports:
                     self._sock = sock
             sock.send_raw(data, SEND_S)
             self.sent += 1
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - whatever breaks one report must not end the thread
             log.info("landing report to master %s not sent: %s", address, e)
             self.dropped += 1
             self._down_until = now + RETRY_S
@@ -189,7 +192,8 @@ class LandingReports:
         try:
             while sock.recv(0.0) is not None:
                 pass
-        except OSError:
+        except Exception as e:  # noqa: BLE001 - a bad reply (e.g. over the size limit) too
+            log.info("landing connection to master %s dropped: %s", sock.address, e)
             self._drop_sock()
 
     def close(self) -> None:
