@@ -18,11 +18,11 @@ from master_factories import SIZE, exists
 from store_procs import Proc, master, node
 
 from yuebing.core.clock import VirtualClock
+from yuebing.core.errors import StoreError
 from yuebing.protocol import Message, decode, encode
 from yuebing.protocol import store as m
 from yuebing.protocol.store_cluster import Landed, Mount
 from yuebing.protocol.transfer import Hello, HelloReply, SlicesDone, WriteSlices
-from yuebing.store.client import client as client_module
 from yuebing.store.client.client import StoreClient
 from yuebing.store.config import ClientConfig, MasterConfig
 from yuebing.store.master.core import MasterCore
@@ -283,11 +283,9 @@ def cluster() -> Iterator[tuple[Proc, Proc]]:
         p.stop()
 
 
-@pytest.fixture
-def patient(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Clients wait up to 30 s for a landed commit's answer (not 0.2 s): a test that counts
-    answers then does not depend on how loaded the host is."""
-    monkeypatch.setattr(client_module, "LANDING_WAIT_S", 30.0)
+PATIENT_S = 30.0
+"""`ClientConfig.landing_wait_s` of the clients here (not 0.2 s): a test that counts answers
+then does not depend on how loaded the host is."""
 
 
 def tcp_only() -> TransferEngine:
@@ -320,7 +318,7 @@ class Calls:
 
 
 @pytest.mark.parametrize("landing", [True, False])
-def test_remote_put_stream_sends_no_commit_of_its_own(cluster, patient, landing: bool) -> None:
+def test_remote_put_stream_sends_no_commit_of_its_own(cluster, landing: bool) -> None:
     """A remote put into a reservation: with commit on landing the client sends nothing to the
     master (3 messages: its write, the node's report, the master's answer); without, one
     `PutCommit` after the write. Every value reads back."""
@@ -328,7 +326,8 @@ def test_remote_put_stream_sends_no_commit_of_its_own(cluster, patient, landing:
     rng = np.random.default_rng(3)
     vals = [rng.integers(0, 256, 64 << 10, dtype=np.uint8) for _ in range(8)]
     pre = f"l{int(landing)}/"
-    cfg = ClientConfig(master=addr, direct=False, inline_max_bytes=0, commit_on_landing=landing)
+    cfg = ClientConfig(master=addr, direct=False, inline_max_bytes=0, commit_on_landing=landing,
+                       landing_wait_s=PATIENT_S)
     with tcp_only() as eng, StoreClient(cfg, engine=eng) as c:
         before = c.stats()["landed_commits"]
         calls = Calls(c)
@@ -343,14 +342,15 @@ def test_remote_put_stream_sends_no_commit_of_its_own(cluster, patient, landing:
         c.remove_all(force=True)
 
 
-def test_late_landing_answer_falls_back_to_the_clients_commit(cluster, patient) -> None:
+def test_late_landing_answer_falls_back_to_the_clients_commit(cluster) -> None:
     """An answer to a landed commit that the client does not take in time (a lost report, a
     failover) is followed by the client's own commit, answered OK as a retry of a commit
     that landed; the late answer is dropped and the stream goes on."""
     addr = cluster[0].info["address"]
     v = np.full(64 << 10, 9, np.uint8)
     with tcp_only() as eng, StoreClient(
-            ClientConfig(master=addr, direct=False, inline_max_bytes=0), engine=eng) as c:
+            ClientConfig(master=addr, direct=False, inline_max_bytes=0,
+                         landing_wait_s=PATIENT_S), engine=eng) as c:
         for i in range(3):
             c.put(f"late/{i}", v)
         calls = Calls(c)
@@ -368,34 +368,45 @@ def test_late_landing_answer_falls_back_to_the_clients_commit(cluster, patient) 
         c.remove_all(force=True)
 
 
-def test_put_whose_write_fails_after_its_commit_landed_is_done_not_exists(cluster,
-                                                                         patient) -> None:
+def answer_lost(c: StoreClient, eng: TransferEngine) -> None:
+    """``eng``'s noted writes land, their commit is applied and its answer reaches ``c``'s
+    connection, but the write is reported failed (as when the node dies before its answer)."""
+    real = eng.transfer_noted
+
+    def lost(reqs: list, note: bytes, timeout_s: float | None = None) -> tuple:
+        status, noted = real(reqs, note, timeout_s)
+        assert noted and status.status == TransferStatus.DONE
+        end = time.monotonic() + 30  # the master committed it: its answer is on the way
+        while not c.rpc.sock.ready():  # type: ignore[union-attr]
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        failed = RequestStatus(TransferStatus.FAILED, 0, reqs[0].length, "connection broke")
+        return BatchStatus(status.batch_id, TransferStatus.FAILED, (failed,)), noted
+
+    eng.transfer_noted = lost  # type: ignore[method-assign]
+
+
+def test_put_whose_write_fails_after_its_commit_landed_is_done_not_exists(cluster) -> None:
     """The node lands a put's frame and hands on its commit, then the client sees the write
     fail (the node died before its answer: here the answer is dropped). The client's revoke is
     answered COMMITTED and the put returns: it neither raises EXISTS on its retry nor puts
-    the value twice, and the value reads back."""
+    the value twice, and the value reads back. The next reservation the landed commit placed
+    is not left to its write expiry: taken from the answer that came while revoking, and given
+    back (it lies on the segment the write failed on)."""
     addr = cluster[0].info["address"]
     v = np.full(64 << 10, 4, np.uint8)
     with tcp_only() as eng, StoreClient(
-            ClientConfig(master=addr, direct=False, inline_max_bytes=0), engine=eng) as c:
+            ClientConfig(master=addr, direct=False, inline_max_bytes=0,
+                         landing_wait_s=PATIENT_S), engine=eng) as c:
         for i in range(3):
             c.put(f"lost/{i}", v)
-        real = eng.transfer_noted
-
-        def answer_lost(reqs: list, note: bytes, timeout_s: float | None = None) -> tuple:
-            status, noted = real(reqs, note, timeout_s)
-            assert noted and status.status == TransferStatus.DONE
-            end = time.monotonic() + 30  # the master committed it: its answer is on the way
-            while not c.rpc.sock.ready():  # type: ignore[union-attr]
-                assert time.monotonic() < end
-                time.sleep(0.01)
-            failed = RequestStatus(TransferStatus.FAILED, 0, reqs[0].length, "connection broke")
-            return BatchStatus(status.batch_id, TransferStatus.FAILED, (failed,)), noted
-
-        eng.transfer_noted = answer_lost  # type: ignore[method-assign]
+        answer_lost(c, eng)
         calls = Calls(c)
+        before = c.stats()["reservations"]  # the one lost/3 writes into among them
+        calls.take()
         assert c.put("lost/3", v) == 1
-        assert calls.take() == ["BatchPutRevoke"]
+        assert calls.take() == ["BatchPutRevoke", "answer", "BatchPutRevoke"]
+        assert c.stats()["reservations"] == before - 1
         del eng.transfer_noted
         assert c.get("lost/3") == v.tobytes()
         time.sleep(1.0)  # the revoke blamed the node: placed on again once it heartbeats
@@ -404,7 +415,36 @@ def test_put_whose_write_fails_after_its_commit_landed_is_done_not_exists(cluste
         c.remove_all(force=True)
 
 
-def test_node_killed_under_a_landing_put_revokes_and_lands_elsewhere(patient) -> None:
+def test_put_whose_revoke_fails_after_its_commit_may_have_landed_says_so(cluster) -> None:
+    """As above, but the revoke gets no answer: the put does not go on to a second placement
+    (which would raise EXISTS for a value it stored itself); it raises `StoreError` saying
+    whether the value is stored is unknown. Here it was: it reads back."""
+    addr = cluster[0].info["address"]
+    v = np.full(64 << 10, 5, np.uint8)
+    with tcp_only() as eng, StoreClient(
+            ClientConfig(master=addr, direct=False, inline_max_bytes=0,
+                         landing_wait_s=PATIENT_S), engine=eng) as c:
+        for i in range(3):
+            c.put(f"unk/{i}", v)
+        answer_lost(c, eng)
+        real = c.rpc.call
+
+        def no_revoke(msg: Message, *start: float | None) -> Message:
+            if type(msg) is m.BatchPutRevoke:
+                raise StoreError("master did not answer (test)")
+            return real(msg, *start)
+
+        c.rpc.call = no_revoke  # type: ignore[method-assign]
+        calls = Calls(c)
+        with pytest.raises(StoreError, match="whether it is stored is unknown"):
+            c.put("unk/3", v)
+        assert calls.take() == ["BatchPutRevoke"]
+        del eng.transfer_noted, c.rpc.call
+        assert c.get("unk/3") == v.tobytes()
+        c.remove_all(force=True)
+
+
+def test_node_killed_under_a_landing_put_revokes_and_lands_elsewhere() -> None:
     """The node of a reservation dies: the write fails, no commit lands (nothing reports it),
     the reservation is revoked and the put placed again on the other node, whose next
     reservation commits on landing again."""
@@ -414,7 +454,7 @@ def test_node_killed_under_a_landing_put_revokes_and_lands_elsewhere(patient) ->
     seg_a, seg_b = a.info["dram"], b.info["dram"]
     try:
         cfg = ClientConfig(master=mst.info["address"], preferred=(seg_a,), placement="preferred",
-                           inline_max_bytes=0)
+                           inline_max_bytes=0, landing_wait_s=PATIENT_S)
         with tcp_only() as eng, StoreClient(cfg, engine=eng) as c:
             calls = Calls(c)
             for i in range(3):

@@ -41,9 +41,6 @@ from yuebing.transfer.types import RequestStatus
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", MasterConnection, AsyncMasterConnection)
-LANDING_WAIT_S = 0.2
-"""How long a put whose commit rode on its write waits for the master's answer to it before
-sending the commit itself (a node's report lost, e.g. at a failover)."""
 
 
 class _Client(Generic[R]):
@@ -183,16 +180,21 @@ class StoreClient(_Client[MasterConnection]):
             self._landing = rid
         return self.direct.merged(done, status)
 
+    @property
+    def noted(self) -> bool:
+        """`core.Io.noted`: whether the last write's commit rode on its frame."""
+        return bool(self._landing)
+
     def commit(self, msg: m.PutCommit) -> m.Message:
         """`core.Io.commit`: the master's answer to the commit that rode on the last write, if
-        it comes within `LANDING_WAIT_S`; else ``msg`` sent now (a commit the node handed on
-        meanwhile is answered OK again: same client, same reservation). One master call:
+        it comes within `ClientConfig.landing_wait_s`; else ``msg`` sent now (a commit the node
+        handed on meanwhile is answered OK again: same client, same reservation). One call:
         within `limited`, the wait and the call together give up after its seconds."""
         rid, self._landing = self._landing, 0
         if not rid:
             return self.rpc.call(msg)
         start = time.monotonic()
-        got = self.rpc.answer(rid, LANDING_WAIT_S)
+        got = self.rpc.answer(rid, self.cfg.landing_wait_s)
         return got if got is not None else self.rpc.call(msg, start)
 
     # ------------------------------------------------------------------ puts
@@ -367,6 +369,9 @@ class AsyncStoreClient(_Client[AsyncMasterConnection]):
     def commit(self, msg: m.PutCommit) -> Any:
         """`core.Io.commit`: ``msg`` sent (this client's writes carry no commit)."""
         return self.rpc.call(msg)
+
+    noted = False
+    """`core.Io.noted`: this client's writes carry no commit."""
 
     async def put(self, key: str, value: object, *, replicas: int | None = None,
                   strategy: str | None = None, preferred: Sequence[str] | None = None,

@@ -73,11 +73,14 @@ class Read:
 class Revoke:
     """``batch_put_revoke`` of ``keys`` naming ``failed`` segments, giving back the held
     reservations ``unused`` (never written: freed at once); the runner logs a failure (the
-    master then reclaims them at their write expiry) and sends back None."""
+    master then reclaims them at their write expiry) and sends back None — unless ``landing``
+    (the failed write carried its put's commit: `Write.commit`) and that commit rode on the
+    frame (`Io.noted`): then the node may have landed it, and the failure is thrown in."""
 
     keys: list[str]
     failed: list[str]
     unused: list[str] = field(default_factory=list)
+    landing: bool = False
 
 
 @dataclass(slots=True)
@@ -109,6 +112,12 @@ class Io(Protocol):
 
     def commit(self, msg: m.PutCommit) -> Any: ...
 
+    @property
+    def noted(self) -> bool:
+        """Whether the last write's commit rode on its frame (a `Commit` then waits for the
+        master's answer to it)."""
+        ...
+
 
 def _perform(io: Io, op: Op) -> Any:
     """Start ``op`` on ``io``: its result, or an awaitable of it (the asyncio client)."""
@@ -127,13 +136,14 @@ def _perform(io: Io, op: Op) -> Any:
                                         unused=op.unused))
 
 
-def _failed(op: Op, e: BaseException) -> tuple[Any, BaseException | None]:
+def _failed(io: Io, op: Op, e: BaseException) -> tuple[Any, BaseException | None]:
     """What the steps get when ``op`` raised ``e``: (reply, error to throw in). A write's
     `TransferError`/`InputError` is its reply (`Write`); a failed revoke is logged (the master
-    reclaims those puts as zombies later); anything else is thrown in."""
+    reclaims those puts as zombies later) unless it follows a write whose commit rode on it
+    (`Revoke.landing`); anything else is thrown in."""
     if type(op) is Write and isinstance(e, TransferError | InputError):
         return e, None
-    if type(op) is Revoke and isinstance(e, StoreError):
+    if type(op) is Revoke and isinstance(e, StoreError) and not (op.landing and io.noted):
         log.warning("revoking %d puts failed: %s", len(op.keys), e)
         return None, None
     return None, e
@@ -157,7 +167,7 @@ async def drive(steps: Steps[T], io: Io) -> T:
             if type(reply) is CoroutineType:
                 reply = await reply
         except BaseException as e:  # noqa: BLE001 - the steps decide, and re-raise the rest
-            reply, error = _failed(op, e)
+            reply, error = _failed(io, op, e)
 
 
 def run(steps: Steps[T], io: Io) -> T:
@@ -170,7 +180,7 @@ def run(steps: Steps[T], io: Io) -> T:
             try:
                 reply = _perform(io, op)
             except BaseException as e:  # noqa: BLE001 - as in `drive`
-                reply, error = _failed(op, e)
+                reply, error = _failed(io, op, e)
                 if error is not None:
                     op = throw(error)
                     continue

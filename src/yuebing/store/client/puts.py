@@ -175,10 +175,17 @@ def _put_reserved(client: str, resv: rv.HeldReservations, item: m.PutItem, mv: m
     failed, blamed, why = write_outcome(reqs, (yield Write(
         reqs, held.deadline, commit if len(reqs) == 1 else None)))
     if failed:
-        got = yield Revoke([held.key], blamed, resv.touching(failed))
+        try:
+            got = yield Revoke([held.key], blamed, resv.touching(failed), landing=True)
+        except StoreError as e:  # the node may have landed it, commit and all: no EXISTS
+            raise StoreError(  # from a put again, the truth instead
+                f"put {item.key!r}: the write into its reservation on {failed} failed ({why}) "
+                f"and revoking it failed ({e}); the node may have landed the value with its "
+                "commit, so whether it is stored is unknown") from e
         if isinstance(got, m.Codes) and got.codes[:1] == [C.COMMITTED]:
             log.info("put %s: the write into reservation on %s failed (%s) after it landed "
                      "and its commit was applied: stored", item.key, failed, why)
+            yield from _landed_next(resv, shape, commit, sent, failed)
             return True
         log.warning("put %s: write into reservation on %s failed: %s", item.key, failed, why)
         return False
@@ -191,6 +198,26 @@ def _put_reserved(client: str, resv: rv.HeldReservations, item: m.PutItem, mv: m
     assert isinstance(r, m.PutCommitted)
     resv.keep(shape, r.reservation, sent)
     return True
+
+
+def _landed_next(resv: rv.HeldReservations, shape: rv.Shape, commit: m.PutCommit, sent: float,
+                 failed: list[str]) -> Steps[None]:
+    """After a revoke answered COMMITTED: the next reservation that the landed ``commit``
+    placed (its answer, taken while revoking, or ``commit`` resent — answered OK, the
+    reservation consumed, nothing new committed) is held, or given back when it lies on a
+    segment of ``failed``; never left to wait out its write expiry unknown to the client. A
+    failure here leaves it to that expiry: the put is done either way."""
+    try:
+        r = yield Commit(commit)
+    except StoreError as e:
+        log.info("put %s: the landed commit's next reservation not fetched: %s",
+                 commit.item.key, e)
+        return
+    if isinstance(r, m.PutCommitted) and r.reservation is not None:
+        resv.keep(shape, r.reservation, sent)
+        bad = resv.touching(failed)
+        if bad:
+            yield Revoke([], [], bad)
 
 
 def give_back(keys: list[str]) -> Steps[None]:

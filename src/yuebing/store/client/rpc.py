@@ -164,6 +164,10 @@ class MasterConnection(_Base):
         """This connection's name (`m.ConnName.conn`), once the send that carried it went
         out; 0 while there is none."""
         self._naming = b""
+        self._awaited = 0
+        """The request id `new_id` drew last: an answer to it that comes while another call
+        waits is kept (``_early``) for `answer`, not dropped."""
+        self._early: bytes | None = None
         self._answered = 0.0  # monotonic time of the last reply: see IDLE_CHECK_S
         self.call_limit_s = float("inf")
         """Seconds one call may take, all its tries and failovers together (each try cut to
@@ -234,22 +238,30 @@ class MasterConnection(_Base):
     def new_id(self) -> int:
         """A request id for an answer the master sends to this connection unasked (`answer`):
         drawn at random above 2**62, so it is no id of a request sent on any connection."""
-        return (1 << 62) | random.getrandbits(62)
+        self._awaited, self._early = (1 << 62) | random.getrandbits(62), None
+        return self._awaited
 
     def answer(self, rid: int, wait_s: float) -> Message | None:
         """The master's answer to request id ``rid``, which another process asked for on this
         client's behalf (a commit that landed with its write, `store_cluster.Landed`), waited
         for up to ``wait_s`` (cut to `call_limit_s`; `deadline` ends it too) on the open
         connection; None when none came or there is no connection (the caller then asks
-        itself). `StoreRpcError` for an `Err` answer."""
+        itself). An answer to the last `new_id` that came while another call waited (a
+        revoke after a write that failed) is taken at once. `StoreRpcError` for an `Err`
+        answer."""
+        early = self._early if rid == self._awaited else None
+        self._awaited, self._early = 0, None
         sock = self.sock
-        if sock is None:
+        if early is not None:
+            reply: Message | None = decode(early)
+        elif sock is None:
             return None
-        try:
-            reply = self._wait(sock, rid, min(wait_s, self.call_limit_s))
-        except OSError:
-            self.close()
-            return None
+        else:
+            try:
+                reply = self._wait(sock, rid, min(wait_s, self.call_limit_s))
+            except OSError:
+                self.close()
+                return None
         if reply is None:
             return None
         self._answered = time.monotonic()
@@ -281,8 +293,7 @@ class MasterConnection(_Base):
                 and self.sock.ready():
             try:
                 while (got := self.sock.recv(0.0)) is not None:
-                    if got[0] == 0:
-                        self._push(got[1])
+                    self._aside(got)
             except OSError:
                 self.close()
         return self.sock or self._connect(timeout_s)
@@ -302,8 +313,15 @@ class MasterConnection(_Base):
                 return None
             if got[0] == rid:
                 return decode(got[1])
-            if got[0] == 0:
-                self._push(got[1])
+            self._aside(got)
+
+    def _aside(self, got: tuple[int, bytes]) -> None:
+        """A frame no call waits for: a push handed on, the answer `answer` may be asked for
+        kept, anything else (a late reply to a call that gave up) dropped."""
+        if got[0] == 0:
+            self._push(got[1])
+        elif got[0] == self._awaited:
+            self._early = got[1]
 
     def _push(self, payload: bytes) -> None:
         try:
@@ -322,8 +340,7 @@ class MasterConnection(_Base):
         try:
             got = self.sock.recv(timeout_s)
             while got is not None:
-                if got[0] == 0:
-                    self._push(got[1])
+                self._aside(got)
                 got = self.sock.recv(0.0)  # everything already arrived, not one read's worth
         except OSError:
             self.close()
