@@ -1,25 +1,15 @@
 #!/usr/bin/env python3
 """Store latency A/B: the client-side latency knobs on and off, interleaved in one process.
 
-One master + one storage node (child processes, loopback), one client whose transfer engine is
-restricted to TCP (the ``remote_tcp`` path of ``yuebing bench store``). For every operation the
-variants take turns in short chunks (``--chunk`` seconds each, ``--rounds`` times), so slow
-drifts of machine load hit them alike; the table gives the median µs per call of the chunks.
+One master + one node (child processes, loopback) and one TCP-only client (``remote_tcp`` of
+``yuebing bench store``). Per operation the variants (`VARIANTS`) take turns in chunks of
+``--chunk`` s, ``--rounds`` times, so load drifts hit them alike: median µs per call, and with
+two ``--variants`` the median (range) of each round's ratio, second / first. The master's
+``--spin-us`` is a process flag: one run per value (``--master-spin``); ``--load N`` adds N
+busy loops. Commit on landing A/B (docs/benchmarks.md):
 
-Variants (client side, switched between chunks): ``plain`` — transfers through the lane threads,
-no spinning; ``inline`` — transfers of <= 4 MiB per peer in the calling thread
-(`TransferConfig.inline_bytes`); ``inline+spin`` — plus polling for answers (transfer engine
-50 µs, master RPC 100 µs) before sleeping, the defaults; ``no-landing`` — the defaults but a
-put into a reservation commits with an RPC after its write instead of on the write frame
-(`ClientConfig.commit_on_landing`, docs/store.md). The master's own ``--spin-us`` is a
-process flag: run the script once per value (``--master-spin``). With two ``--variants`` the
-table adds the median (and range) of each round's ratio, second / first.
-
-    .venv/bin/python benchmarks/store_latency_ab.py --master-spin 500 [--load 2] [--json OUT]
     .venv/bin/python benchmarks/store_latency_ab.py --master-spin -1 --variants inline+spin,no-landing \
-        --ops put_1m,put_from_1m,put_from_4m --rounds 15     # commit on landing, A/B
-
-``--load N`` adds N busy-loop processes for the duration (a contended machine).
+        --ops put_1m,put_from_1m,put_from_4m --rounds 15
 """
 
 from __future__ import annotations
@@ -38,7 +28,11 @@ import numpy as np
 
 VARIANTS = {"plain": (0, 0, 0, True), "inline": (4 << 20, 0, 0, True),
             "inline+spin": (4 << 20, 50, 100, True), "no-landing": (4 << 20, 50, 100, False)}
-"""name → (inline_bytes, transfer spin µs, client RPC spin µs, commit on landing)."""
+"""name → (inline_bytes, transfer spin µs, client RPC spin µs, commit on landing): ``plain``
+transfers through the lane threads, no spinning; ``inline`` transfers of <= 4 MiB per peer in
+the calling thread (`TransferConfig.inline_bytes`); ``inline+spin`` also polls for answers
+before sleeping (the defaults); ``no-landing`` the defaults but a put into a reservation commits
+with an RPC after its write (`ClientConfig.commit_on_landing`, docs/store.md)."""
 OPS = ("exists", "put_4k", "get_4k", "put_1m", "put_from_1m", "get_1m", "put_from_4m", "get_4m")
 
 
