@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,6 +35,7 @@ from yuebing.transfer import (
     TransferRequest,
     TransferStatus,
 )
+from yuebing.transfer.liveness import DEFAULT_SHM_DIR, SHM_PREFIX
 from yuebing.transfer.transport.framing import pack, recv_frame, send_frame
 from yuebing.transfer.types import BatchStatus, RequestStatus
 
@@ -447,7 +449,7 @@ def test_put_whose_revoke_fails_after_its_commit_may_have_landed_says_so(cluster
 def test_node_killed_under_a_landing_put_revokes_and_lands_elsewhere() -> None:
     """The node of a reservation dies: the write fails, no commit lands (nothing reports it),
     the reservation is revoked and the put placed again on the other node, whose next
-    reservation commits on landing again."""
+    reservation commits on landing again. The killed node's segment file does not stay."""
     mst = master()
     a = node(mst.info["address"], "4MiB", "--name", "landKA")
     b = node(mst.info["address"], "4MiB", "--name", "landKB")
@@ -473,6 +475,7 @@ def test_node_killed_under_a_landing_put_revokes_and_lands_elsewhere() -> None:
     finally:
         for p in (a, b, mst):
             p.stop()
+    assert not list(Path(DEFAULT_SHM_DIR).glob(f"{SHM_PREFIX}{a.proc.pid}-*"))  # swept (rig)
 
 
 # ---------------------------------------------------------------- the node's reports, the client's wait
