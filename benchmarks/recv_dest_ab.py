@@ -1,16 +1,11 @@
 #!/usr/bin/env python3
 """Where a loopback TCP receive lands: a put RPC (header + ``--size`` payload, 8-byte answer)
-into destinations of different kinds, interleaved, to tell what a store node's receive into
-its segment pays beside the raw socket RPC's one cache-hot buffer (issue 29).
-
-A child process receives on one connection; each call names its destination: ``hot`` — one
-slot of a prefaulted anonymous buffer (the old ``--raw`` reference); ``walk`` — slot i of
-``--span`` bytes of prefaulted anonymous memory, 4 KiB pages (``MADV_NOHUGEPAGE``); ``walk_thp``
-— the same with ``MADV_HUGEPAGE`` (transparent huge pages, where the machine allows them for
-anonymous memory); ``walk_shm`` — slot i of a prefaulted shared-memory file mapping, as a store
-node's segment. Variants take turns in chunks of ``--chunk`` calls for ``--rounds`` rounds;
-reported: median µs per call, the median of the per-round ratios to ``hot``, and the receiver's
-page faults per call of each variant.
+into destinations of different kinds, interleaved, to tell what a store node's receive into its
+segment pays beside the raw socket RPC's one cache-hot buffer (issue 29). A child receives on
+one connection; each call names its destination (`VARIANTS`). Variants take turns in chunks of
+``--chunk`` calls for ``--rounds`` rounds; reported: median µs per call, the median of the
+per-round ratios to ``hot``, the receiver's page faults per call of each variant (and how much
+of its anonymous memory had huge pages).
 
     .venv/bin/python benchmarks/recv_dest_ab.py --size 1MiB --span 512MiB --rounds 15
 """
@@ -31,6 +26,10 @@ import time
 from yuebing.core.config import parse_size
 
 VARIANTS = ("hot", "walk", "walk_thp", "walk_shm")
+"""``hot``: one slot of a prefaulted anonymous buffer (the raw RPC's reference); ``walk``: slot i
+of ``--span`` bytes of prefaulted anonymous memory, 4 KiB pages (``MADV_NOHUGEPAGE``);
+``walk_thp``: the same with ``MADV_HUGEPAGE`` (where the machine allows it); ``walk_shm``: slot i
+of a prefaulted shared-memory file mapping, as a store node's segment."""
 HEAD = struct.Struct("<BQ")  # variant, slot
 
 
@@ -87,7 +86,11 @@ def receiver(lsock: socket.socket, size: int, span: int) -> None:
             faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
             calls[name] += 1
             conn.sendall(b"\0" * 8)
-    print(json.dumps({k: faults[k] / max(1, calls[k]) for k in VARIANTS}), flush=True)
+    out: dict[str, float] = {k: faults[k] / max(1, calls[k]) for k in VARIANTS}
+    with open("/proc/self/smaps_rollup") as f:  # did walk_thp get huge pages?
+        out["anon_huge_mib"] = next((int(line.split()[1]) / 1024 for line in f
+                                     if line.startswith("AnonHugePages:")), 0.0)
+    print(json.dumps(out), flush=True)
 
 
 def main() -> None:
@@ -142,6 +145,8 @@ def main() -> None:
                      "faults_per_call": round(faults.get(name, 0.0), 2)}
         print(f"{name:9s} {out[name]['us']:8.1f} us  rate vs hot {out[name]['rate_vs_hot']:.3f}"
               f"  faults/call {out[name]['faults_per_call']}")
+    out["receiver"] = {"anon_huge_mib": faults.get("anon_huge_mib", 0.0)}
+    print(f"receiver's anonymous memory in huge pages: {faults.get('anon_huge_mib', 0.0):.0f} MiB")
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -22,6 +22,7 @@ from yuebing.store.client.client import StoreClient
 from yuebing.store.client.gets import ChecksumError, NotFoundError
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig
+from yuebing.transfer import TransferConfig, TransferEngine
 
 SEED = int(os.environ.get("YB_CHAOS_SEED", "20261121"))
 SIZES = (16_384, 200_000)  # × replicas 1 or 2: 4 shapes, the per-client reservation cap
@@ -83,7 +84,11 @@ class Worker(threading.Thread):
     def __init__(self, tid: int, cfg: ClientConfig, chaos: Chaos, peers: list[Worker]) -> None:
         super().__init__(name=f"chaos-{tid}", daemon=True)
         self.tid, self.chaos, self.peers = tid, chaos, peers
-        self.client = StoreClient(cfg)
+        # without the same-host path, TCP frames only: a node as on another host (its puts
+        # into reservations commit on landing)
+        self.engine = None if cfg.direct else TransferEngine(
+            TransferConfig(metadata="p2p", transports=("tcp",)))
+        self.client = StoreClient(cfg, engine=self.engine)
         self.rng = random.Random(SEED * 1000 + tid)
         self.committed: dict[str, None] = {}  # put returned OK, not removed (insertion order)
         self.uncertain: set[str] = set()  # a put or remove raised: either state is fine
@@ -275,6 +280,8 @@ class Worker(threading.Thread):
         if not self.closed:
             self.closed = True
             self.client.close()
+            if self.engine is not None:
+                self.engine.close()
 
     # ---------------------------------------------------------------- loop
     def run(self) -> None:
@@ -302,7 +309,7 @@ class Cluster:
     def __init__(self, chaos: Chaos, addr: str, n: int, stack: ExitStack) -> None:
         self.chaos = chaos
         self.workers: list[Worker] = []
-        for tid in range(n):  # the last worker goes through the engine (TCP) only
+        for tid in range(n):  # the last worker goes through the engine, TCP only
             cfg = ClientConfig(master=addr, failover_s=20.0, transfer_timeout_s=3.0,
                                rpc_timeout_s=5.0, direct=tid != n - 1)
             self.workers.append(Worker(tid, cfg, chaos, self.workers))

@@ -4,8 +4,11 @@ stopped by the handle that started them."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from cli_procs import CliProc
+from yuebing.ops.shm import sweep
+from yuebing.transfer.liveness import DEFAULT_SHM_DIR, SHM_PREFIX
 
 
 class Proc(CliProc):
@@ -15,6 +18,22 @@ class Proc(CliProc):
 
     def __init__(self, args: list[str]) -> None:
         super().__init__(args, name="store", pipe=True, timeout_s=60.0, stop_s=10.0)
+
+    def kill(self) -> None:
+        """SIGKILL, then the shared-memory segment files of its transfer engine (only a clean
+        exit unlinks them)."""
+        super().kill()
+        self.sweep()
+
+    def stop(self) -> None:
+        """`CliProc.stop`; for a process killed earlier, its segment files that a client still
+        mapped when it was killed go now."""
+        super().stop()
+        self.sweep()
+
+    def sweep(self) -> None:
+        """Unlink its segment files that no living process maps (`ops.shm.sweep`)."""
+        sweep(Path(DEFAULT_SHM_DIR).glob(f"{SHM_PREFIX}{self.proc.pid}-*"))
 
 
 def master(*extra: str) -> Proc:

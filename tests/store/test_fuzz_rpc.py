@@ -26,7 +26,7 @@ from fuzz_factories import plain
 from yuebing.protocol import decode, encode
 from yuebing.protocol import store as m
 from yuebing.protocol.codec import Message
-from yuebing.protocol.store_cluster import Drain, Mount, Unmount
+from yuebing.protocol.store_cluster import Drain, Landed, Mount, Unmount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.service import MasterService
 from yuebing.store.wire import FrameSocket, parse_address
@@ -34,9 +34,11 @@ from yuebing.store.wire import FrameSocket, parse_address
 REQUESTS = [m.PutStart, m.PutCommit, m.PutEnd, m.PutRevoke, m.BatchPutStart, m.BatchPutCommit,
             m.BatchPutEnd, m.BatchPutRevoke, m.GetReplicas, m.BatchGetReplicas, m.ReleaseLeases,
             m.Exists, m.BatchExists, m.PrefixMatch, m.Remove, m.BatchRemove, m.RemovePrefix,
-            m.RemoveAll, m.Pin, Mount, Unmount, Drain, m.Heartbeat, m.GetStats]
-ONE_WAY = (m.ReleaseLeases,)
-"""Requests the master answers with nothing (a lease release rides along with other calls)."""
+            m.RemoveAll, m.Pin, Mount, Unmount, Drain, m.Heartbeat, m.GetStats, Landed,
+            m.ConnName]
+ONE_WAY = (m.ReleaseLeases, Landed, m.ConnName)
+"""Requests the master answers with nothing (a lease release rides along with other calls; a
+node's landing report is answered, if at all, to the client named in it; a connection's name)."""
 
 scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
            | st.text(max_size=12) | st.binary(max_size=12))

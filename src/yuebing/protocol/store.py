@@ -32,6 +32,10 @@ class Code(IntEnum):
     NOT_INLINE = 12
     """The master does not hold this value itself (inline off, over its limit or its budget,
     replicas or a placement it cannot honour): put it the normal way (`PutInline`)."""
+    COMMITTED = 13
+    """A revoke (`BatchPutRevoke`) of a reservation that a commit of the same client already
+    consumed — one that landed with its write (`LandingCommit`) while the client saw the write
+    fail: the value is stored, nothing was revoked, the put is done."""
 
 
 class Tier(IntEnum):
@@ -99,6 +103,31 @@ class PutCommit(Message, tag="store.put_commit"):
     reservation: str
     item: PutItem
     reserve_next: bool = False
+
+
+@register_message
+class LandingCommit(Message, tag="store.landing_commit"):
+    """A `PutCommit` that rides on the write frame into its reservation (`WriteSlices.note`)
+    instead of going to the master after the write: the node that lands the whole frame hands
+    it on to the master (`store_cluster.Landed`), which commits it and sends the reply to the
+    client's master connection named ``conn`` (`ConnName`) as the answer to request id ``rid``
+    (one never sent there). A client that gets no such answer soon sends ``commit`` itself."""
+
+    rid: int
+    conn: int
+    commit: PutCommit
+
+
+@register_message
+class ConnName(Message, tag="store.conn_name"):
+    """One-way (no reply): ``client`` names the connection this arrives on ``conn`` (a random
+    nonzero 62-bit number it draws for each connection it opens), so that the master answers a
+    commit that landed with the client's write (`LandingCommit.conn`) on that very connection.
+    A client that commits on landing sends it ahead of its first request on each connection,
+    in the same send."""
+
+    client: str
+    conn: int
 
 
 @register_message

@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import IntEnum
 
 from yuebing.protocol import Message, register_message
-from yuebing.protocol.store import Tier
+from yuebing.protocol.store import PutCommit, Tier
 
 # ---------------------------------------------------------------- node -> master: segments
 
@@ -107,6 +107,25 @@ class TaskDone(Message, tag="store.task_done"):
     task: int
     ok: bool
     message: str = ""
+
+
+@register_message
+class Landed(Message, tag="store.landed"):
+    """One-way, node -> master: a write frame carrying a client's `LandingCommit` landed whole
+    in ``segment`` at [``offset``, ``offset + size``) (the frame's slices, as the node received
+    them, within the frame's write expiry). The master commits ``commit`` only when the node is
+    the segment's current process and that range is the client's pending single-replica
+    reservation; it answers the client (request id ``rid`` on the client's connection named
+    ``conn``: `store.ConnName`), never the node."""
+
+    node: str
+    incarnation: str
+    segment: str
+    offset: int
+    size: int
+    rid: int
+    conn: int
+    commit: PutCommit
 
 
 # ---------------------------------------------------------------- replication (leader <-> standby)

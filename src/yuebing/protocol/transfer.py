@@ -67,6 +67,10 @@ class WriteSlices(Message, tag="transfer.writev.fenced"):
     segment: str
     slices: list[SliceSpec]
     expiry: float
+    note: bytes = b""
+    """Opaque bytes for the target's application, handed to its engine's landing callback
+    (`TransferEngine.on_landed`) once every slice of the frame landed — before the frame is
+    answered; nothing happens with them for a frame with a refused slice or one cut short."""
 
 
 @register_message

@@ -60,6 +60,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="every put in two phases (put_start + put_end RPCs), not a write into "
                         "space the master reserved ahead + one put_commit RPC "
                         "(ClientConfig.reserve_ahead)")
+    p.add_argument("--no-commit-on-landing", action="store_true",
+                   help="a remote put into a reservation sends its commit RPC after the write, "
+                        "not on the write frame for the node to hand on "
+                        "(ClientConfig.commit_on_landing)")
     p.add_argument("--raw", action="store_true",
                    help="remote_tcp single-value pairs: alternate each run with raw Python socket "
                         "put/get RPCs of the same value (rows raw_<op>, vs_raw and its spread)")
@@ -261,6 +265,7 @@ def _client(ns: argparse.Namespace, master: str, path: str) -> Any:
     return StoreClient(ClientConfig(master=master, checksum=not ns.no_checksum,
                                     direct=not ns.no_direct, keep_freed=ns.keep_freed,
                                     reserve_ahead=not ns.no_reserve_ahead,
+                                    commit_on_landing=not ns.no_commit_on_landing,
                                     inline_max_bytes=0 if ns.no_inline else INLINE_MAX_BYTES),
                        engine=engine)
 

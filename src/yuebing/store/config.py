@@ -205,6 +205,15 @@ class ClientConfig:
         "help": "puts of a shape put before (size, replicas, placement) ask the master to "
                 "reserve space for the next one; that next put is then a write into it plus "
                 "one commit RPC (one RPC instead of two); off: every put is two-phase"})
+    commit_on_landing: bool = field(default=True, metadata={
+        "help": "a put into a reservation on another host sends its commit with the write: the "
+                "node hands it to the master once the bytes landed and the master answers this "
+                "client, with no commit round trip of its own (blocking client; off: the "
+                "commit RPC after the write)"})
+    landing_wait_s: float = field(default=0.2, metadata={
+        "help": "with --commit-on-landing, how long a put waits for the master's answer to the "
+                "commit that rode on its write before sending the commit itself (a node's "
+                "report lost, e.g. at a failover; the master answers the resent commit OK)"})
     inline_max_bytes: int = field(default=INLINE_MAX_BYTES, metadata={
         "help": "a put of at most this many bytes (one replica, no placement asked for) asks "
                 "the master to hold the value itself: one RPC instead of a write and a commit; "
@@ -223,6 +232,7 @@ class ClientConfig:
         require(bool(self.masters), "--master needs at least one address like tcp://127.0.0.1:50151")
         _seconds("--rpc-timeout-s", self.rpc_timeout_s)
         _seconds("--heartbeat-s", self.heartbeat_s)
+        _seconds("--landing-wait-s", self.landing_wait_s, zero_ok=True)
         require(self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}")
         require(self.placement in ("", *PLACEMENTS),
                 f"--placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")

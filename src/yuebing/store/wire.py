@@ -156,7 +156,7 @@ class FrameSocket:
         `TimeoutError` if it cannot all be sent within ``timeout_s`` (default ``timeout_s``)."""
         self.send_raw(before + HEADER.pack(len(payload), rid) + payload, timeout_s)
 
-    def send_raw(self, data: bytes, timeout_s: float | None = None) -> None:
+    def send_raw(self, data: bytes | memoryview, timeout_s: float | None = None) -> None:
         """Send ``data`` (whole frames): one ``send`` when the socket buffer takes it (a
         request always fits), else waiting for room up to ``timeout_s``."""
         try:
@@ -174,6 +174,14 @@ class FrameSocket:
             if self._wpoll.poll(max(1, int(left * 1000))):
                 with contextlib.suppress(BlockingIOError):
                     view = view[self.sock.send(view):]
+
+    def send_some(self, data: bytes | memoryview) -> int:
+        """One non-blocking ``send`` of ``data``: the bytes the socket buffer took (0 when it
+        is full); OSError when the connection broke. The rest is the caller's to send."""
+        try:
+            return self.sock.send(data)
+        except BlockingIOError:
+            return 0
 
     def ready(self) -> bool:
         """Whether a frame, or the peer's close, can be taken now without waiting (one poll)."""

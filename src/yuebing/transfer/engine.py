@@ -49,7 +49,7 @@ from yuebing.transfer.transport import tcp_client as _tcp  # noqa: F401 - regist
 from yuebing.transfer.transport.base import TRANSPORTS, LocalContext
 from yuebing.transfer.transport.lane_ops import NotifyOp
 from yuebing.transfer.transport.tcp_client import open_socket
-from yuebing.transfer.transport.tcp_server import TcpServer
+from yuebing.transfer.transport.tcp_server import LandedFn, TcpServer
 from yuebing.transfer.types import (
     BatchId,
     BatchStatus,
@@ -287,22 +287,36 @@ class TransferEngine:
         direction, at most ``inline_bytes``) move in this thread without batch bookkeeping
         (`Endpoint.exchange_frame`); anything else, or a frame whose connection breaks, goes
         the `submit` way within what is left of the same deadline."""
+        return self._transfer(requests, timeout_s, inline, b"")[0]
+
+    def transfer_noted(self, requests: Sequence[TransferRequest], note: bytes,
+                       timeout_s: float | None = None) -> tuple[BatchStatus, bool]:
+        """`transfer_status` of writes whose frame carries ``note`` to the target engine's
+        landing callback (`on_landed`): (status, True) when they went as one inline TCP frame,
+        which carried the note — a frame whose connection broke is then never sent again (it
+        may have landed, note and all): its requests fail "may have landed" and the caller
+        resolves that; (status, False) when they went the `submit` way, without the note (no
+        byte of them had left)."""
+        return self._transfer(requests, timeout_s, True, note)
+
+    def _transfer(self, requests: Sequence[TransferRequest], timeout_s: float | None,
+                  inline: bool, note: bytes) -> tuple[BatchStatus, bool]:
         self._check_open(requests)
         timeout = self._timeout(timeout_s)
         if inline:
             start = time.monotonic()
             plan = self._validate(requests)
             errors = one_frame(plan, start + timeout, self._peers.endpoint,
-                               self.config.inline_bytes)
+                               self.config.inline_bytes, note)
             if errors is not None:
-                return frame_status(BatchId(next(self._ids)), plan, errors)
+                return frame_status(BatchId(next(self._ids)), plan, errors), True
             timeout -= time.monotonic() - start
             if timeout <= 0:
-                return timed_out(BatchId(next(self._ids)), plan)
+                return timed_out(BatchId(next(self._ids)), plan), False
         bid = self.submit(requests, timeout, inline)
         status = self.wait(bid)
         self.free(bid)
-        return status
+        return status, False
 
     async def transfer_async(self, requests: Sequence[TransferRequest],
                              timeout_s: float | None = None) -> BatchStatus:
@@ -351,6 +365,13 @@ class TransferEngine:
         """Call ``callback(notification)`` (from a lane thread) for each arriving notify,
         instead of queueing it for `next_notify`."""
         self._inbox.subscribe(callback)
+
+    def on_landed(self, callback: LandedFn | None) -> None:
+        """Call ``callback(segment, slices, note)`` (from a lane thread, before the frame is
+        answered) for each write frame into this engine's segments that carries a note
+        (`transfer_noted`) and landed whole: every slice accepted within the frame's write
+        expiry and received. None turns it off."""
+        self._server.on_landed = callback
 
     def next_notify(self, timeout_s: float | None = None) -> Notification | None:
         """The oldest queued notification, waiting up to ``timeout_s``; None if none came."""

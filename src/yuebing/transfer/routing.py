@@ -63,10 +63,12 @@ def route(batch: Batch, plan: Plan, eps: dict[str, Endpoint | str], inline_limit
 
 
 def one_frame(plan: Plan, deadline: float, endpoint: Callable[[SegmentDescriptor], Endpoint],
-              inline_bytes: int) -> list[str] | None:
+              inline_bytes: int, note: bytes = b"") -> list[str] | None:
     """Each request's error ("" = done) after moving ``plan`` as one inline frame by
-    ``deadline``; None when it is not one frame's worth (one segment, one direction, at most
-    ``inline_bytes``) or the endpoint could not — then nothing of it is known to have moved."""
+    ``deadline`` (a write carrying ``note``); None when it is not one frame's worth (one
+    segment, one direction, at most ``inline_bytes``) or the endpoint could not — then nothing
+    of it is known to have moved (nor the note; a noted frame that may have left fails
+    instead: `TcpEndpoint.exchange_frame`)."""
     r0, _, desc = plan[0]
     op, segment = r0.op, r0.segment
     total = 0
@@ -80,7 +82,8 @@ def one_frame(plan: Plan, deadline: float, endpoint: Callable[[SegmentDescriptor
         ep = endpoint(desc)
     except TransferError:
         return None  # submit fails the requests with the reason
-    return ep.exchange_frame(desc.name, op, [(local, r.offset) for r, local, _ in plan], deadline)
+    return ep.exchange_frame(desc.name, op, [(local, r.offset) for r, local, _ in plan], deadline,
+                             note)
 
 
 def frame_status(batch_id: BatchId, plan: Plan, errors: list[str]) -> BatchStatus:

@@ -18,10 +18,11 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from yuebing.core.errors import StoreError
 from yuebing.core.spin import window_s
+from yuebing.protocol import encode
 from yuebing.protocol import store as m
 from yuebing.store.client import core, gets
 from yuebing.store.client import reserve as rv
@@ -91,6 +92,11 @@ class StoreClient(_Client[MasterConnection]):
         cfg = cfg or ClientConfig()
         super().__init__(cfg, engine, MasterConnection(
             cfg.masters, cfg.rpc_timeout_s, cfg.failover_s, spin_s=window_s(cfg.spin_us, CLIENT_SPIN_REF_US)), "client")
+        if cfg.commit_on_landing:  # the master answers landed commits on a named connection
+            self.rpc.name_as = self.client_id
+        self._landing = 0
+        """The request id of the master's answer to the commit that rode on the last write (0:
+        none did)."""
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
         self._hb_conn = MasterConnection(cfg.masters, cfg.rpc_timeout_s, cfg.failover_s)
@@ -152,13 +158,44 @@ class StoreClient(_Client[MasterConnection]):
             conn.deadline = min(conn.deadline, end)
 
     def transfer(self, reqs: list[TransferRequest], deadline: float | None,
-                 read: bool = False) -> BatchStatus:
+                 read: bool = False, commit: m.PutCommit | None = None) -> BatchStatus:
         """`core.Io.transfer`: same-host copies, the rest through the engine (one inline frame
-        when they fit); one status per request either way."""
+        when they fit); one status per request either way. A put's ``commit`` rides on the
+        frame (`commit_on_landing`) when its write goes as one inline frame to another host:
+        then `commit` waits for the master's answer to it."""
         done, rest = self._copy_direct(reqs, deadline, read)
-        status = self.engine.transfer_status(
-            rest, transfer_timeout(self.cfg, deadline, read)) if rest else None
+        self._landing = 0
+        if not rest:
+            return self.direct.merged(done, None)
+        timeout = transfer_timeout(self.cfg, deadline, read)
+        if commit is None or not self.cfg.commit_on_landing:
+            return self.direct.merged(done, self.engine.transfer_status(rest, timeout))
+        conn = self.rpc.conn
+        if conn <= 0:  # no named connection to be answered on (yet): the commit RPC
+            return self.direct.merged(done, self.engine.transfer_status(rest, timeout))
+        rid = self.rpc.new_id()
+        status, noted = self.engine.transfer_noted(
+            rest, encode(m.LandingCommit(rid=rid, conn=conn, commit=commit)), timeout)
+        if noted:
+            self._landing = rid
         return self.direct.merged(done, status)
+
+    @property
+    def noted(self) -> bool:
+        """`core.Io.noted`: whether the last write's commit rode on its frame."""
+        return bool(self._landing)
+
+    def commit(self, msg: m.PutCommit) -> m.Message:
+        """`core.Io.commit`: the master's answer to the commit that rode on the last write, if
+        it comes within `ClientConfig.landing_wait_s`; else ``msg`` sent now (a commit the node
+        handed on meanwhile is answered OK again: same client, same reservation). One call:
+        within `limited`, the wait and the call together give up after its seconds."""
+        rid, self._landing = self._landing, 0
+        if not rid:
+            return self.rpc.call(msg)
+        start = time.monotonic()
+        got = self.rpc.answer(rid, self.cfg.landing_wait_s)
+        return got if got is not None else self.rpc.call(msg, start)
 
     # ------------------------------------------------------------------ puts
     def put(self, key: str, value: object, *, replicas: int | None = None,
@@ -316,9 +353,10 @@ class AsyncStoreClient(_Client[AsyncMasterConnection]):
                     log.warning("heartbeat failed: %s", e)
 
     async def transfer(self, reqs: list[TransferRequest], deadline: float | None,
-                       read: bool = False) -> BatchStatus:
+                       read: bool = False, commit: m.PutCommit | None = None) -> BatchStatus:
         """`core.Io.transfer`, awaited: same-host copies in the loop's thread (~2 ms for
-        16 MiB), the rest submitted to the engine and awaited."""
+        16 MiB), the rest submitted to the engine and awaited (``commit`` does not ride along:
+        `commit` sends it)."""
         done, rest = self._copy_direct(reqs, deadline, read)
         if not rest:
             return self.direct.merged(done, None)
@@ -327,6 +365,13 @@ class AsyncStoreClient(_Client[AsyncMasterConnection]):
             return self.direct.merged(done, await self.engine.wait_async(bid))
         finally:
             self.engine.free(bid)
+
+    def commit(self, msg: m.PutCommit) -> Any:
+        """`core.Io.commit`: ``msg`` sent (this client's writes carry no commit)."""
+        return self.rpc.call(msg)
+
+    noted = False
+    """`core.Io.noted`: this client's writes carry no commit."""
 
     async def put(self, key: str, value: object, *, replicas: int | None = None,
                   strategy: str | None = None, preferred: Sequence[str] | None = None,

@@ -42,10 +42,22 @@ class Call:
 @dataclass(slots=True)
 class Write:
     """Transfer the writes ``reqs`` by the monotonic ``deadline``; sent back: the
-    `BatchStatus`, or the `TransferError`/`InputError` the transfer raised (not thrown)."""
+    `BatchStatus`, or the `TransferError`/`InputError` the transfer raised (not thrown).
+    ``commit``: the put's commit, which may ride on the write frame to a node on another host
+    (`m.LandingCommit`; `Commit` then takes the master's answer to it)."""
 
     reqs: list[TransferRequest]
     deadline: float
+    commit: m.PutCommit | None = None
+
+
+@dataclass(slots=True)
+class Commit:
+    """The commit ``msg`` of the put just written with it (`Write.commit`): the master's answer
+    to the commit that landed with the write when one comes soon, else ``msg`` sent now — the
+    same reply either way (a commit the node handed on already is answered OK again)."""
+
+    msg: m.PutCommit
 
 
 @dataclass(slots=True)
@@ -61,11 +73,14 @@ class Read:
 class Revoke:
     """``batch_put_revoke`` of ``keys`` naming ``failed`` segments, giving back the held
     reservations ``unused`` (never written: freed at once); the runner logs a failure (the
-    master then reclaims them at their write expiry) and sends back None."""
+    master then reclaims them at their write expiry) and sends back None — unless ``landing``
+    (the failed write carried its put's commit: `Write.commit`) and that commit rode on the
+    frame (`Io.noted`): then the node may have landed it, and the failure is thrown in."""
 
     keys: list[str]
     failed: list[str]
     unused: list[str] = field(default_factory=list)
+    landing: bool = False
 
 
 @dataclass(slots=True)
@@ -77,7 +92,7 @@ class Release:
     ids: list[int]
 
 
-Op = Call | Write | Read | Revoke | Release
+Op = Call | Write | Read | Revoke | Release | Commit
 Steps = Generator[Op, Any, T]
 
 
@@ -92,15 +107,28 @@ class Io(Protocol):
     @property
     def rpc(self) -> Any: ...
 
-    def transfer(self, reqs: list[TransferRequest], deadline: float, read: bool) -> Any: ...
+    def transfer(self, reqs: list[TransferRequest], deadline: float, read: bool,
+                 commit: m.PutCommit | None = None) -> Any: ...
+
+    def commit(self, msg: m.PutCommit) -> Any: ...
+
+    @property
+    def noted(self) -> bool:
+        """Whether the last write's commit rode on its frame (a `Commit` then waits for the
+        master's answer to it)."""
+        ...
 
 
 def _perform(io: Io, op: Op) -> Any:
     """Start ``op`` on ``io``: its result, or an awaitable of it (the asyncio client)."""
     if type(op) is Call:
         return io.rpc.call_tracked(op.msg) if op.tracked else io.rpc.call(op.msg)
+    if type(op) is Write and op.commit is not None:
+        return io.transfer(op.reqs, op.deadline, False, op.commit)
     if isinstance(op, Write | Read):
         return io.transfer(op.reqs, op.deadline, type(op) is Read)
+    if type(op) is Commit:
+        return io.commit(op.msg)
     if type(op) is Release:
         return io.rpc.release(op.keys, op.ids)
     assert isinstance(op, Revoke)
@@ -108,13 +136,14 @@ def _perform(io: Io, op: Op) -> Any:
                                         unused=op.unused))
 
 
-def _failed(op: Op, e: BaseException) -> tuple[Any, BaseException | None]:
+def _failed(io: Io, op: Op, e: BaseException) -> tuple[Any, BaseException | None]:
     """What the steps get when ``op`` raised ``e``: (reply, error to throw in). A write's
     `TransferError`/`InputError` is its reply (`Write`); a failed revoke is logged (the master
-    reclaims those puts as zombies later); anything else is thrown in."""
+    reclaims those puts as zombies later) unless it follows a write whose commit rode on it
+    (`Revoke.landing`); anything else is thrown in."""
     if type(op) is Write and isinstance(e, TransferError | InputError):
         return e, None
-    if type(op) is Revoke and isinstance(e, StoreError):
+    if type(op) is Revoke and isinstance(e, StoreError) and not (op.landing and io.noted):
         log.warning("revoking %d puts failed: %s", len(op.keys), e)
         return None, None
     return None, e
@@ -138,7 +167,7 @@ async def drive(steps: Steps[T], io: Io) -> T:
             if type(reply) is CoroutineType:
                 reply = await reply
         except BaseException as e:  # noqa: BLE001 - the steps decide, and re-raise the rest
-            reply, error = _failed(op, e)
+            reply, error = _failed(io, op, e)
 
 
 def run(steps: Steps[T], io: Io) -> T:
@@ -151,7 +180,7 @@ def run(steps: Steps[T], io: Io) -> T:
             try:
                 reply = _perform(io, op)
             except BaseException as e:  # noqa: BLE001 - as in `drive`
-                reply, error = _failed(op, e)
+                reply, error = _failed(io, op, e)
                 if error is not None:
                     op = throw(error)
                     continue

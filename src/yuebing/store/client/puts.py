@@ -3,9 +3,10 @@
 and `BatchPut` (many) — plus the request building and write judging they share. Every decision
 (codes per key, reservations, fallbacks, revokes, write deadlines) is made here; the clients
 (`client`) only run the steps. A small value asks the master to hold it (one `PutInline`,
-`inline`); else a put goes through a held reservation of its shape (one ``put_commit``) when
-there is one, else in two phases (``put_start``, writes, ``put_end``); a failed write is
-revoked, blaming its segments, and placed again up to ``put_retries`` times.
+`inline`); else a put goes through a held reservation of its shape (one ``put_commit``, which
+may ride on the write to the node: `core.Commit`) when there is one, else in two phases
+(``put_start``, writes, ``put_end``); a failed write is revoked, blaming its segments, and placed
+again up to ``put_retries`` times.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from yuebing.protocol import store as m
 from yuebing.store.client import core as cm
 from yuebing.store.client import inline
 from yuebing.store.client import reserve as rv
-from yuebing.store.client.core import Call, Revoke, Steps, Write
+from yuebing.store.client.core import Call, Commit, Revoke, Steps, Write
 from yuebing.store.client.direct import WriteExpired
 from yuebing.store.client.rpc import StoreRpcError
 from yuebing.store.config import ClientConfig
@@ -156,7 +157,9 @@ def _put_reserved(client: str, resv: rv.HeldReservations, item: m.PutItem, mv: m
     shape that have not expired (past its write expiry the master reclaimed one itself), write
     into it, then one ``put_commit`` (which brings the next reservation). False when there is
     none usable or the write or commit failed (the caller then puts it in two phases); a
-    refused commit `release`s the reservation (it stays the master's, empty)."""
+    refused commit `release`s the reservation (it stays the master's, empty). A failed write
+    whose commit rode on it and was applied (the node landed the frame, reported it and died
+    before its answer) is done: the revoke answers COMMITTED."""
     now = time.monotonic()
     stale = resv.drop_stale(now)
     held, one = resv.claim(shape, now)
@@ -167,15 +170,27 @@ def _put_reserved(client: str, resv: rv.HeldReservations, item: m.PutItem, mv: m
     if held is None:
         return False
     reqs = writes(mv, held.replicas)
-    failed, blamed, why = write_outcome(reqs, (yield Write(reqs, held.deadline)))
+    commit = m.PutCommit(client=client, reservation=held.key, item=item, reserve_next=True)
+    sent = time.monotonic()  # the commit may leave with the write
+    failed, blamed, why = write_outcome(reqs, (yield Write(
+        reqs, held.deadline, commit if len(reqs) == 1 else None)))
     if failed:
-        yield Revoke([held.key], blamed, resv.touching(failed))
+        try:
+            got = yield Revoke([held.key], blamed, resv.touching(failed), landing=True)
+        except StoreError as e:  # the node may have landed it, commit and all: no EXISTS
+            raise StoreError(  # from a put again, the truth instead
+                f"put {item.key!r}: the write into its reservation on {failed} failed ({why}) "
+                f"and revoking it failed ({e}); the node may have landed the value with its "
+                "commit, so whether it is stored is unknown") from e
+        if isinstance(got, m.Codes) and got.codes[:1] == [C.COMMITTED]:
+            log.info("put %s: the write into reservation on %s failed (%s) after it landed "
+                     "and its commit was applied: stored", item.key, failed, why)
+            yield from _landed_next(resv, shape, commit, sent, failed)
+            return True
         log.warning("put %s: write into reservation on %s failed: %s", item.key, failed, why)
         return False
-    sent = time.monotonic()
     try:
-        r = yield Call(m.PutCommit(client=client, reservation=held.key, item=item,
-                                   reserve_next=True))
+        r = yield Commit(commit)
     except StoreRpcError as e:
         resv.release(held.key)
         log.info("put %s: reservation refused (%s); putting it in two phases", item.key, e)
@@ -183,6 +198,26 @@ def _put_reserved(client: str, resv: rv.HeldReservations, item: m.PutItem, mv: m
     assert isinstance(r, m.PutCommitted)
     resv.keep(shape, r.reservation, sent)
     return True
+
+
+def _landed_next(resv: rv.HeldReservations, shape: rv.Shape, commit: m.PutCommit, sent: float,
+                 failed: list[str]) -> Steps[None]:
+    """After a revoke answered COMMITTED: the next reservation that the landed ``commit``
+    placed (its answer, taken while revoking, or ``commit`` resent — answered OK, the
+    reservation consumed, nothing new committed) is held, or given back when it lies on a
+    segment of ``failed``; never left to wait out its write expiry unknown to the client. A
+    failure here leaves it to that expiry: the put is done either way."""
+    try:
+        r = yield Commit(commit)
+    except StoreError as e:
+        log.info("put %s: the landed commit's next reservation not fetched: %s",
+                 commit.item.key, e)
+        return
+    if isinstance(r, m.PutCommitted) and r.reservation is not None:
+        resv.keep(shape, r.reservation, sent)
+        bad = resv.touching(failed)
+        if bad:
+            yield Revoke([], [], bad)
 
 
 def give_back(keys: list[str]) -> Steps[None]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -150,11 +151,23 @@ class MasterConnection(_Base):
 
     def __init__(self, masters: list[str], timeout_s: float = 5.0, failover_s: float = 15.0,
                  on_push: Callable[[Message], None] | None = None, spin_s: float = 0.0,
-                 token: str | None = None) -> None:
+                 token: str | None = None, name_as: str = "") -> None:
         super().__init__(masters, timeout_s, failover_s, token)
         self.on_push = on_push
         self.spin_s = spin_s
         self.sock: FrameSocket | None = None
+        self.name_as = name_as
+        """A client id: each connection opened is named to the master as that client's
+        (`m.ConnName`, ahead of its first request) so that it can be answered unasked
+        (`answer`); "" = not named."""
+        self.conn = 0
+        """This connection's name (`m.ConnName.conn`), once the send that carried it went
+        out; 0 while there is none."""
+        self._naming = b""
+        self._awaited = 0
+        """The request id `new_id` drew last: an answer to it that comes while another call
+        waits is kept (``_early``) for `answer`, not dropped."""
+        self._early: bytes | None = None
         self._answered = 0.0  # monotonic time of the last reply: see IDLE_CHECK_S
         self.call_limit_s = float("inf")
         """Seconds one call may take, all its tries and failovers together (each try cut to
@@ -164,17 +177,24 @@ class MasterConnection(_Base):
     def _connect(self, timeout_s: float) -> FrameSocket:
         self.close()
         self.sock = FrameSocket(self.address, timeout_s, self.spin_s, self.token)
+        if self.name_as:
+            name = random.getrandbits(62) or 1
+            payload = encode(m.ConnName(client=self.name_as, conn=name))
+            self._naming = HEADER.pack(len(payload), next(self._ids)) + payload
+            self.conn = -name  # named once the send carrying `_naming` went out
         return self.sock
 
-    def call(self, msg: Message) -> Message:
-        """Send ``msg`` and return the reply; `StoreRpcError` for an `Err` reply."""
-        return self.call_tracked(msg)[0]
+    def call(self, msg: Message, start: float | None = None) -> Message:
+        """Send ``msg`` and return the reply; `StoreRpcError` for an `Err` reply (``start``: as
+        in `call_tracked`)."""
+        return self.call_tracked(msg, start)[0]
 
-    def call_tracked(self, msg: Message) -> tuple[Message, bool]:
+    def call_tracked(self, msg: Message, start: float | None = None) -> tuple[Message, bool]:
         """`call`, and whether the request was sent again after a try whose reply never came
-        (that try may have taken effect); a NOT_LEADER refusal does not count."""
+        (that try may have taken effect); a NOT_LEADER refusal does not count. ``start``: when
+        the call began, if before now (its `call_limit_s` and ``failover_s`` count from it)."""
         payload = encode(msg)
-        start = time.monotonic()
+        start = time.monotonic() if start is None else start
         end = start + self.call_limit_s  # no try runs past it, nor past `deadline`
         deadline = min(start + self.failover_s, end, self.deadline)  # no try starts past it
         lost = False  # a try went out and its reply never came: it may have taken effect
@@ -184,7 +204,11 @@ class MasterConnection(_Base):
             try:
                 sock = self._open_socket(try_s)
                 sent = True
-                sock.send(rid, payload, self._carried(type(msg)), try_s)
+                if self._naming:
+                    sock.send(rid, payload, self._naming + self._carried(type(msg)), try_s)
+                    self._naming, self.conn = b"", -self.conn
+                else:
+                    sock.send(rid, payload, self._carried(type(msg)), try_s)
                 reply = self._wait(sock, rid, try_s)
             except OSError as e:
                 log.info("master %s unreachable: %s", self.address, e)
@@ -211,6 +235,40 @@ class MasterConnection(_Base):
                 raise StoreRpcError(reply.code, reply.message, lost)
             return reply, lost
 
+    def new_id(self) -> int:
+        """A request id for an answer the master sends to this connection unasked (`answer`):
+        drawn at random above 2**62, so it is no id of a request sent on any connection."""
+        self._awaited, self._early = (1 << 62) | random.getrandbits(62), None
+        return self._awaited
+
+    def answer(self, rid: int, wait_s: float) -> Message | None:
+        """The master's answer to request id ``rid``, which another process asked for on this
+        client's behalf (a commit that landed with its write, `store_cluster.Landed`), waited
+        for up to ``wait_s`` (cut to `call_limit_s`; `deadline` ends it too) on the open
+        connection; None when none came or there is no connection (the caller then asks
+        itself). An answer to the last `new_id` that came while another call waited (a
+        revoke after a write that failed) is taken at once. `StoreRpcError` for an `Err`
+        answer."""
+        early = self._early if rid == self._awaited else None
+        self._awaited, self._early = 0, None
+        sock = self.sock
+        if early is not None:
+            reply: Message | None = decode(early)
+        elif sock is None:
+            return None
+        else:
+            try:
+                reply = self._wait(sock, rid, min(wait_s, self.call_limit_s))
+            except OSError:
+                self.close()
+                return None
+        if reply is None:
+            return None
+        self._answered = time.monotonic()
+        if type(reply) is m.Err:
+            raise StoreRpcError(reply.code, reply.message)
+        return reply
+
     def send_releases(self, frames: bytes) -> None:
         """Send ``frames`` (`take_releases` of this or another connection: the heartbeat
         thread flushing the main connection's old ones) on this connection; dropped if that
@@ -235,8 +293,7 @@ class MasterConnection(_Base):
                 and self.sock.ready():
             try:
                 while (got := self.sock.recv(0.0)) is not None:
-                    if got[0] == 0:
-                        self._push(got[1])
+                    self._aside(got)
             except OSError:
                 self.close()
         return self.sock or self._connect(timeout_s)
@@ -256,8 +313,15 @@ class MasterConnection(_Base):
                 return None
             if got[0] == rid:
                 return decode(got[1])
-            if got[0] == 0:
-                self._push(got[1])
+            self._aside(got)
+
+    def _aside(self, got: tuple[int, bytes]) -> None:
+        """A frame no call waits for: a push handed on, the answer `answer` may be asked for
+        kept, anything else (a late reply to a call that gave up) dropped."""
+        if got[0] == 0:
+            self._push(got[1])
+        elif got[0] == self._awaited:
+            self._early = got[1]
 
     def _push(self, payload: bytes) -> None:
         try:
@@ -276,14 +340,14 @@ class MasterConnection(_Base):
         try:
             got = self.sock.recv(timeout_s)
             while got is not None:
-                if got[0] == 0:
-                    self._push(got[1])
+                self._aside(got)
                 got = self.sock.recv(0.0)  # everything already arrived, not one read's worth
         except OSError:
             self.close()
 
     def close(self) -> None:
         self._answered = 0.0
+        self.conn, self._naming = 0, b""
         if self.sock is not None:
             self.sock.close()
             self.sock = None

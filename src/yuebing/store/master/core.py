@@ -17,7 +17,7 @@ from typing import Any
 from yuebing.core.clock import Clock, WallClock
 from yuebing.protocol import Message
 from yuebing.protocol import store as m
-from yuebing.protocol.store_cluster import Drain, Mount, NodeTask, TaskDone, Unmount
+from yuebing.protocol.store_cluster import Drain, Landed, Mount, NodeTask, TaskDone, Unmount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.effects import Effects
 from yuebing.store.master.eviction import Eviction
@@ -98,7 +98,7 @@ class MasterCore:
             m.RemovePrefix: removal.remove_prefix, m.RemoveAll: removal.remove_all,
             m.Pin: removal.pin,
             Mount: member.mount, Unmount: member.unmount, Drain: member.drain,
-            m.Heartbeat: self.sessions.heartbeat, TaskDone: self.task_done,
+            m.Heartbeat: self.sessions.heartbeat, TaskDone: self.task_done, Landed: self.landed,
             m.GetStats: self.stats,
         }
 
@@ -148,13 +148,16 @@ class MasterCore:
     def handle(self, msg: Message, waiter: object = None, ident: bytes | None = None) -> Message | None:
         """Apply one request. ``waiter`` identifies the caller for a deferred reply; ``ident`` is
         its transport identity (kept for sessions so the master can push node tasks)."""
-        h = self.handlers.get(type(msg))
+        t = type(msg)
+        if t is m.ConnName:  # one-way; about the connection, so not a handler's
+            self.sessions.name_conn(msg.client, msg.conn, ident)  # type: ignore[attr-defined]
+            return None
+        h = self.handlers.get(t)
         if h is None:
-            return err(C.BAD_REQUEST, f"{type(msg).__name__} is not a master request")
+            return err(C.BAD_REQUEST, f"{t.__name__} is not a master request")
         client = getattr(msg, "client", None)
         if client is not None:
             self.sessions.touch(client, ident)
-        t = type(msg)
         if t is m.GetReplicas:
             return self.reads.get_replicas(msg, waiter)  # type: ignore[arg-type]
         if waiter is not None and (t is m.PutStart or t is m.BatchPutStart):
@@ -189,8 +192,38 @@ class MasterCore:
                                  expires_in_s=self.fence.expires_in(placed), reservations=nxt)
 
     def batch_put_revoke(self, msg: m.BatchPutRevoke) -> Message:
+        """Revoke ``msg.keys`` (a reservation whose commit landed with its write answers
+        COMMITTED: `Reserve.landed_already`) and give back ``msg.unused``."""
         codes = self.puts.revoke_many(msg.client, msg.keys, msg.failed)
+        landed = self.reserve.landed_already
+        codes = [int(C.COMMITTED) if c == C.NOT_PENDING and landed(msg.client, k) else c
+                 for c, k in zip(codes, msg.keys, strict=True)]
         return m.Codes(codes=codes + self.reserve.give_back(msg.client, msg.unused))
+
+    def landed(self, msg: Landed) -> None:
+        """A node's `Landed` (one-way: no reply to the node). The client's commit is applied
+        (`Reserve.commit_landed`) only when the node is the current process holding the
+        segment and the client named the connection ``msg.conn`` (`m.ConnName`) to answer on;
+        the answer — `PutCommitted` or the refusal — goes to that connection as request
+        ``msg.rid``. Anything else is ignored and counted: the client, unanswered, sends its
+        commit itself."""
+        segments, sessions = self.segments, self.sessions.sessions
+        sid = segments.by_name.get(msg.segment)
+        seg = segments.segs.get(sid) if sid is not None else None
+        node = sessions.get(msg.node)
+        client = sessions.get(msg.commit.client)
+        conn = client.conns.get(msg.conn) if client is not None else None
+        reply = None
+        if (seg is not None and node is not None and msg.incarnation and 0 < msg.rid < 1 << 64
+                and seg.client == msg.node and seg.incarnation == msg.incarnation
+                and node.incarnation == msg.incarnation and sid in node.segs
+                and conn is not None):
+            reply = self.reserve.commit_landed(msg.commit, sid, msg.offset, msg.size)
+        if reply is None:
+            self.effects.counters["landings_ignored"] += 1
+            return
+        self.sessions.touch(msg.commit.client, None)
+        self.effects.ready.append(((conn, msg.rid), reply))
 
     def task_done(self, msg: TaskDone) -> Message:
         self.tiers.task_done(msg)

@@ -17,7 +17,7 @@ COUNTERS = ("puts", "gets", "removes", "evictions", "offloads", "promotions", "z
             "dead_sessions", "no_space", "suspects", "migrations_started", "migrations_done",
             "migrations_failed", "migrations_given_up", "quarantined", "reservations_made",
             "reservations_committed", "reservations_expired", "reservations_returned",
-            "inline_refused")
+            "inline_refused", "landed_commits", "landings_ignored")
 """The core's event counts (exported as ``_total`` counters)."""
 
 

@@ -5,7 +5,9 @@ A reservation is a pending put under an internal key (``RESERVED_PREFIX + client
 from free space only (never evicts), at most `MAX_SHAPES` shapes and `MAX_PER_CLIENT` per client.
 `commit` checks it (pending, this client's, write expiry not passed, same shape, key free),
 renames it to the key, commits it and may hand out the next; a retried commit that landed
-answers OK (the book's record of recent commits). `give_back` frees unused ones at once;
+answers OK (the book's record of recent commits); `commit_landed` is `commit` as a node reports
+it landed with the write (the range checked against the reservation), and a revoke of a reservation
+such a commit consumed answers COMMITTED (`landed_already`). `give_back` frees unused ones at once;
 `drop_on_segment` drops them on a draining or unmounted segment. Its book is `reservations`.
 Called by `MasterCore` (put handlers), `Membership` and `Replication` (``resv``/``rename``).
 """
@@ -109,6 +111,30 @@ class Reserve:
             return m.Err(code=int(code), message=text)
         return m.PutCommitted(reservation=self.reserve(msg.client, msg.item)
                               if msg.reserve_next else None)
+
+    def commit_landed(self, msg: m.PutCommit, sid: int, offset: int,
+                      size: int) -> m.Message | None:
+        """`commit` of a `PutCommit` a node reports landed (`store_cluster.Landed`) at
+        [``offset``, ``offset + size``) of segment ``sid``: only when that range is exactly the
+        one replica of ``msg.client``'s pending reservation (never for one revoked, expired,
+        reclaimed, used or another's: the write fence holds as for the client's own commit);
+        None otherwise — nothing changes, and the client commits itself."""
+        name = msg.reservation
+        got = self.book.by_key.get(name)
+        o = self.objects.objs.get(name)
+        if (got is None or got[0] != msg.client or o is None or o.state != ObjState.PENDING
+                or o.size != size or len(o.reps) != 1 or tuple(o.reps[0]) != (sid, offset)):
+            return None
+        self.effects.counters["landed_commits"] += 1
+        return self.commit(msg)
+
+    def landed_already(self, client: str, name: str) -> bool:
+        """Whether ``client``'s reservation ``name`` (no longer pending) was consumed by a
+        commit of ``client`` whose value is still stored: a revoke of it comes from a client
+        that saw its write fail after the node had landed the frame and handed on its commit
+        (`commit_landed`), so the put is done (`m.Code.COMMITTED`), not to be put again."""
+        key = self.book.consumed_for(client, name)
+        return key is not None and self.objects.committed_by(client, key) is not None
 
     def batch_commit(self, msg: m.BatchPutCommit) -> m.Message:
         """Handle `BatchPutCommit`: each item as a `PutCommit` into its reservation, then

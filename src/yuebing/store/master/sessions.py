@@ -18,7 +18,7 @@ from yuebing.protocol.store_cluster import Drain, Mount, Unmount
 from yuebing.store.config import MasterConfig
 from yuebing.store.master.effects import Effects
 from yuebing.store.master.segments import Segments
-from yuebing.store.master.state import Seg, SegState, Session
+from yuebing.store.master.state import MAX_NAMED_CONNS, Seg, SegState, Session
 
 log = logging.getLogger(__name__)
 C = m.Code
@@ -66,6 +66,17 @@ class Sessions:
             if ident is not None:
                 s.ident = ident
         return s
+
+    def name_conn(self, client: str, conn: int, ident: bytes | None) -> None:
+        """``client`` names its connection ``ident`` ``conn`` (`m.ConnName`); a session keeps
+        the `MAX_NAMED_CONNS` named last."""
+        if ident is None or not 0 < conn < 1 << 62:
+            return
+        conns = self.touch(client, ident).conns
+        conns.pop(conn, None)
+        conns[conn] = ident
+        while len(conns) > MAX_NAMED_CONNS:
+            del conns[next(iter(conns))]
 
     def add_segment(self, client: str, sid: int, incarnation: str) -> None:
         """``client`` mounted segment ``sid``; a segment mounted with an ``incarnation`` (also

@@ -66,15 +66,23 @@ class Seg:
         self.incarnation = incarnation
 
 
+MAX_NAMED_CONNS = 4
+"""Connections a session remembers by name (a client opens a new one at each failover)."""
+
+
 class Session:
     """A client or node known to the master, alive until ``deadline``. ``incarnation``: the
-    node process whose segments count (the last to mount); ``retired``: earlier ones."""
+    node process whose segments count (the last to mount); ``retired``: earlier ones.
+    ``conns``: the connections it named (`m.ConnName`: its name for one -> the transport's
+    identity), at most `MAX_NAMED_CONNS`, oldest first — where the answer to a commit that
+    landed with its write goes (`MasterCore.landed`)."""
 
-    __slots__ = ("deadline", "ident", "incarnation", "retired", "segs")
+    __slots__ = ("conns", "deadline", "ident", "incarnation", "retired", "segs")
 
     def __init__(self, deadline: float, ident: bytes | None) -> None:
         self.deadline = deadline
         self.ident = ident
+        self.conns: dict[int, bytes] = {}
         self.segs: set[int] = set()
         self.incarnation = ""
         self.retired: list[str] = []

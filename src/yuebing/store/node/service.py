@@ -1,9 +1,10 @@
 """A storage node (`yuebing store node`, or inside `yuebing serve`): contributes a DRAM segment
 (shared memory, registered in the transfer engine: clients READ/WRITE it directly, the node's
 CPU never touches put/get bytes) and optionally an SSD tier (one preallocated file) to the
-store. It mounts them at the master, heartbeats (re-mounting if the master forgot it), runs the
-master's tasks between heartbeats (offload, promotion, drain migrations, each answered with
-`TaskDone`) and drains its segments before it unmounts at shutdown.
+store. It mounts them at the master, heartbeats (re-mounting if the master forgot it), hands on
+the commits that land with clients' writes (`landing`), runs the master's tasks between
+heartbeats (offload, promotion, drain migrations, each answered with `TaskDone`) and drains its
+segments before it unmounts at shutdown.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from yuebing.protocol.store_cluster import (
 )
 from yuebing.store.client.rpc import MasterConnection, StoreRpcError
 from yuebing.store.config import ClientConfig, NodeConfig
+from yuebing.store.node.landing import LandingReports
 from yuebing.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
 from yuebing.transfer.liveness import sweep_dead_segments
 from yuebing.transfer.types import BatchId, TransferStatus
@@ -84,6 +86,10 @@ class StorageNode:
         self.conn = MasterConnection(self.ccfg.masters, self.ccfg.rpc_timeout_s,
                                      self.ccfg.failover_s, on_push=self._on_push,
                                      token=cfg.cluster_token)
+        self.landings = LandingReports(self.name, self.incarnation, lambda: self.conn.address,
+                                       self.conn.token, self.engine.segment_name)
+        """Commits that ride on clients' write frames, handed on to the master."""
+        self.engine.on_landed(self.landings.landed)
         self._stop = threading.Event()
         self.tasks_done = 0
 
@@ -354,7 +360,9 @@ class StorageNode:
                     self._call(Unmount(client=self.client_id, segment=msg.segment,
                                          incarnation=self.incarnation))
         self.conn.close()
+        self.engine.on_landed(None)
         self.engine.close()
+        self.landings.close()
         if self._ssd_map is not None:
             with contextlib.suppress(BufferError):  # a view still exported: unmapped at exit
                 self._ssd_map.close()

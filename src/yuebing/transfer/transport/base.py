@@ -53,11 +53,13 @@ class Endpoint(ABC):
         return False
 
     def exchange_frame(self, segment: str, op: OpCode, items: list[tuple[memoryview, int]],
-                       deadline: float) -> list[str] | None:
+                       deadline: float, note: bytes = b"") -> list[str] | None:
         """Move whole requests — ``items`` of (local view, remote offset) in ``segment``, all
-        ``op`` — in the calling thread without batch bookkeeping; returns each one's error (""
+        ``op`` — in the calling thread without batch bookkeeping, a write with ``note`` for the
+        target's landing callback (`WriteSlices.note`); returns each one's error (""
         when done), or None when this endpoint cannot (then nothing is known of the items and
-        the engine moves them the `submit` way). Called by `TransferEngine.transfer_status`.
+        the engine moves them the `submit` way; never for a noted frame that may have left:
+        that one fails instead, "may have landed"). Called by `TransferEngine.transfer_status`.
         This default never can."""
         return None
 

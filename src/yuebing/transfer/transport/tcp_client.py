@@ -152,9 +152,12 @@ class TcpEndpoint(Endpoint):
             self._inline_lock.release()
 
     def exchange_frame(self, segment: str, op: OpCode, items: list[tuple[memoryview, int]],
-                       deadline: float) -> list[str] | None:
+                       deadline: float, note: bytes = b"") -> list[str] | None:
         """`Endpoint.exchange_frame` over the inline connection (`InlineConn.exchange_frame`);
-        None when another thread holds it, it cannot be opened, or it broke (then it is closed)."""
+        None when another thread holds it, it cannot be opened, or it broke (then it is closed)
+        under a frame without a ``note``. A noted frame that broke is never moved again: it may
+        have landed, and its note with it (a commit the target handed on, after which the range
+        is no longer fenced), so each item fails "may have landed" and its sender resolves it."""
         if not self.alive or not self._inline_lock.acquire(blocking=False):
             return None
         try:
@@ -162,13 +165,16 @@ class TcpEndpoint(Endpoint):
             if conn is None:
                 return None
             try:
-                errors, why = conn.exchange_frame(segment, op, items, deadline)
+                errors, why = conn.exchange_frame(segment, op, items, deadline, note)
             except BaseException:  # e.g. KeyboardInterrupt mid-frame: the stream is out of step
                 self._drop_inline()
                 raise
             if errors is None:
-                log.debug("%s; the engine moves the frame the submit way", why)
                 self._drop_inline()
+                if note:
+                    return [f"{why}; the frame may have landed, its note too: not sent again"
+                            ] * len(items)
+                log.debug("%s; the engine moves the frame the submit way", why)
             return errors
         finally:
             self._inline_lock.release()

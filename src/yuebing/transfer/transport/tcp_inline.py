@@ -110,9 +110,10 @@ class InlineConn:
         return [], ""
 
     def exchange_frame(self, segment: str, op: OpCode, items: list[tuple[memoryview, int]],
-                       deadline: float) -> tuple[list[str] | None, str]:
+                       deadline: float, note: bytes = b"") -> tuple[list[str] | None, str]:
         """Move ``items`` — (local view, remote offset) pairs, each a whole request — to or from
-        ``segment`` as one frame, by ``deadline`` (monotonic). Returns each item's error (""
+        ``segment`` as one frame, by ``deadline`` (monotonic); a write carries ``note``
+        (`WriteSlices.note`). Returns each item's error (""
         when done) — or ``(None, why)`` when the connection broke: close it; what happened to
         the items is unknown, so the caller moves them again (the same bytes to the same place)."""
         fid = next(self._ids)
@@ -121,7 +122,8 @@ class InlineConn:
             self._set_timeout(deadline)
             if op is OpCode.WRITE:  # the frame's fence: its deadline as wall-clock time
                 head = pack(WriteSlices(id=fid, segment=segment, slices=specs,
-                                        expiry=time.time() + (deadline - time.monotonic())))
+                                        expiry=time.time() + (deadline - time.monotonic()),
+                                        note=note))
                 parts = [memoryview(head), *(v for v, _ in items)]
             else:
                 parts = [memoryview(pack(ReadSlices(id=fid, segment=segment, slices=specs)))]

@@ -4,7 +4,8 @@ A connection's first frame must be `Hello`, answered with `HelloReply` (P2P hand
 exactly this); then its frames are applied in order (`_handle`: `WriteSlices`, `ReadSlices`,
 `Notify`). The write fence: a frame whose ``expiry`` passed before it is started is refused
 whole, and one still arriving at expiry + ``write_grace_s`` closes the connection, so a sender's
-late bytes never land after it gave up. Replies are held back while more requests arrive
+late bytes never land after it gave up. A write frame with a ``note`` that landed whole goes to
+the landing callback (`TransferEngine.on_landed`) before it is answered. Replies are held back while more requests arrive
 (`ACK_HOLD_FRAMES`) and leave in one ``sendmsg``. Nothing a peer announces is allocated before
 its bytes arrive, and every part of a frame has a deadline (`_land`, `_skip`): tricklers are cut.
 """
@@ -58,6 +59,10 @@ MAX_FRAME_SLICES = 4096
 """Most slices one `WriteSlices` / `ReadSlices` frame may list."""
 
 
+LandedFn = Callable[[str, list[SliceSpec], bytes], None]
+"""A landing callback: (segment, the frame's slices, its note), from a connection thread."""
+
+
 class TcpServer:
     """Serves this engine's segments to TCP lanes of peer engines. A connection that breaks or
     stalls past ``io_timeout_s`` mid-frame is closed; the others are still served."""
@@ -69,6 +74,10 @@ class TcpServer:
         self._segments = segments
         self._hello = hello
         self._on_notify = on_notify
+        self.on_landed: LandedFn | None = None
+        """Called with each write frame that carries a ``note`` and landed whole (every slice
+        accepted and received), before its answer is sent; an exception is logged, the frame
+        is answered as landed all the same."""
         self._sock = socket.create_server((config.host, config.port), backlog=128)
         self.port = int(self._sock.getsockname()[1])
         self.address = f"{config.public_host}:{self.port}"
@@ -157,6 +166,11 @@ class TcpServer:
                     run.append(view)
                     errors.append("")
             self._land(reader, run, end)
+            if msg.note and self.on_landed is not None and not any(errors):
+                try:
+                    self.on_landed(msg.segment, msg.slices, msg.note)
+                except Exception as e:  # the application's; the bytes landed all the same
+                    log.warning("landing callback failed: %r", e)
             out += frame_parts(SlicesDone(id=msg.id, errors=errors))
         elif isinstance(msg, ReadSlices):
             views = self._resolve_all(msg.segment, msg.slices)
