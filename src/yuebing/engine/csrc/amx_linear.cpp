@@ -52,6 +52,9 @@ class TileScope {
       cfg.colsb[t] = 64;
       cfg.rows[t] = 16;
     }
+    // GCC does not treat LDTILECFG as reading cfg: without this barrier it moved the stores
+    // to cfg after the load once the constructor was inlined (a zero config, then a fault)
+    asm volatile("" : : "m"(cfg) : "memory");
     _tile_loadconfig(&cfg);
   }
   ~TileScope() { _tile_release(); }
@@ -60,10 +63,12 @@ class TileScope {
 };
 
 // c[32][32] (float32) = a[32 rows at stride lda] · (B blocks b0, b1)ᵀ over k_tiles tiles of 32.
-// With one block (b1 null) only c's first 16 columns are written.
-template <bool kTwo>
+// With one block (b1 null) only c's first 16 columns are written. `between` runs after the tile
+// products are issued and before their results are stored: vector work placed there (the
+// previous block's store) overlaps the tile unit's.
+template <bool kTwo, typename Between>
 inline void block_32(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b1,
-                     int64_t k_tiles, float* c) {
+                     int64_t k_tiles, float* c, const Between& between) {
   _tile_zero(4);
   _tile_zero(6);
   if (kTwo) {
@@ -83,6 +88,7 @@ inline void block_32(const uint16_t* a, int64_t lda, const uint16_t* b0, const u
       _tile_dpbf16ps(7, 1, 3);
     }
   }
+  between();
   _tile_stored(4, c, 128);
   _tile_stored(6, c + 16 * 32, 128);
   if (kTwo) {
@@ -134,33 +140,70 @@ struct LinearShape {
   int64_t m, k, blocks, out_cols;  // blocks: 16-column blocks of the packed weight
 };
 
-// One 32-row block of x (rows [r0, r0 + rows), rows <= kBlockRows) times column group g into out.
-inline void run_block(const LinearShape& s, const uint16_t* x, const uint16_t* w,
-                      const float* bias, Epilogue ep, uint16_t* out, int64_t g, int64_t r0,
-                      int64_t rows, std::vector<uint16_t>& pad, float* c) {
-  const int64_t k_tiles = s.k / 32, tile_elems = k_tiles * 512;
-  const int64_t nb = 2 * g;
-  const bool two = nb + 1 < s.blocks;
-  const uint16_t* b0 = w + nb * tile_elems;
-  const uint16_t* a = x + r0 * s.k;
-  if (rows < kBlockRows) {
-    pad.resize(kBlockRows * s.k);
-    std::memcpy(pad.data(), a, rows * s.k * sizeof(uint16_t));
-    std::memset(pad.data() + rows * s.k, 0, (kBlockRows - rows) * s.k * sizeof(uint16_t));
-    a = pad.data();
+// The blocks of one thread in turn, each block's store (rounding, SiLU·mul) done while the tile
+// unit computes the next block (two result buffers).
+class BlockPipeline {
+ public:
+  BlockPipeline(const LinearShape& s, const uint16_t* x, const uint16_t* w, const float* bias,
+                Epilogue ep, uint16_t* out)
+      : s_(s), x_(x), w_(w), bias_(bias), ep_(ep), out_(out), k_tiles_(s.k / 32),
+        tile_elems_(k_tiles_ * 512) {}
+
+  // Rows [r0, r0 + rows) (rows <= kBlockRows) times column group g.
+  void run(int64_t g, int64_t r0, int64_t rows) {
+    const int64_t nb = 2 * g;
+    const bool two = nb + 1 < s_.blocks;
+    const uint16_t* b0 = w_ + nb * tile_elems_;
+    const uint16_t* a = x_ + r0 * s_.k;
+    if (rows < kBlockRows) {
+      pad_.resize(kBlockRows * s_.k);
+      std::memcpy(pad_.data(), a, rows * s_.k * sizeof(uint16_t));
+      std::memset(pad_.data() + rows * s_.k, 0, (kBlockRows - rows) * s_.k * sizeof(uint16_t));
+      a = pad_.data();
+    }
+    float* c = c_[cur_];
+    const auto flush = [this] { finish(); };
+    if (two)
+      block_32<true>(a, s_.k, b0, b0 + tile_elems_, k_tiles_, c, flush);
+    else
+      block_32<false>(a, s_.k, b0, nullptr, k_tiles_, c, flush);
+    pending_ = {g, r0, rows, cur_};
+    cur_ ^= 1;
   }
-  if (two)
-    block_32<true>(a, s.k, b0, b0 + tile_elems, k_tiles, c);
-  else
-    block_32<false>(a, s.k, b0, nullptr, k_tiles, c);
-  if (ep == kSiluMul) {
-    store_silu_mul(c, rows, bias ? bias + nb * 16 : nullptr, bias ? bias + nb * 16 + 16 : nullptr,
-                   out + r0 * s.out_cols + g * 16, s.out_cols);
-  } else {
-    store_plain(c, rows, two ? 2 : 1, bias ? bias + nb * 16 : nullptr,
-                out + r0 * s.out_cols + nb * 16, s.out_cols);
+
+  // Stores the pending block (if any).
+  void finish() {
+    if (pending_.rows == 0) return;
+    const Pending p = pending_;
+    pending_.rows = 0;
+    const int64_t nb = 2 * p.g;
+    const float* c = c_[p.buf];
+    const float* b = bias_ ? bias_ + nb * 16 : nullptr;
+    if (ep_ == kSiluMul) {
+      store_silu_mul(c, p.rows, b, b ? b + 16 : nullptr, out_ + p.r0 * s_.out_cols + p.g * 16,
+                     s_.out_cols);
+    } else {
+      store_plain(c, p.rows, nb + 1 < s_.blocks ? 2 : 1, b, out_ + p.r0 * s_.out_cols + nb * 16,
+                  s_.out_cols);
+    }
   }
-}
+
+ private:
+  struct Pending {
+    int64_t g = 0, r0 = 0, rows = 0, buf = 0;
+  };
+  const LinearShape& s_;
+  const uint16_t* x_;
+  const uint16_t* w_;
+  const float* bias_;
+  Epilogue ep_;
+  uint16_t* out_;
+  int64_t k_tiles_, tile_elems_;
+  alignas(64) float c_[2][kBlockRows * 32];
+  int64_t cur_ = 0;
+  Pending pending_;
+  std::vector<uint16_t> pad_;  // a short last block of rows, zero-padded to kBlockRows
+};
 
 // Column groups [g0, g1) (a group: two 16-column blocks, the last one alone when `blocks` is odd)
 // for every row of x. Where a 32-row block of x fits L1 (in <= kL1Inner), rows go outer: the
@@ -169,26 +212,25 @@ inline void run_block(const LinearShape& s, const uint16_t* x, const uint16_t* w
 void run_groups(const LinearShape& s, const uint16_t* x, const uint16_t* w, const float* bias,
                 Epilogue ep, uint16_t* out, int64_t g0, int64_t g1) {
   const TileScope tiles;
-  alignas(64) float c[kBlockRows * 32];
-  std::vector<uint16_t> pad;  // a short last block of rows, zero-padded to kBlockRows
+  BlockPipeline pipe(s, x, w, bias, ep, out);
   if (s.k <= kL1Inner) {
     const int64_t panel = std::max<int64_t>(1, kPanelBytes / (s.k * 64));
     for (int64_t p0 = g0; p0 < g1; p0 += panel) {
       const int64_t p1 = std::min(g1, p0 + panel);
       for (int64_t r0 = 0; r0 < s.m; r0 += kBlockRows) {
-        const int64_t rows = std::min(kBlockRows, s.m - r0);
-        for (int64_t g = p0; g < p1; ++g) run_block(s, x, w, bias, ep, out, g, r0, rows, pad, c);
+        for (int64_t g = p0; g < p1; ++g) pipe.run(g, r0, std::min(kBlockRows, s.m - r0));
       }
     }
-    return;
-  }
-  for (int64_t m0 = 0; m0 < s.m; m0 += kRowChunk) {
-    const int64_t m1 = std::min(s.m, m0 + kRowChunk);
-    for (int64_t g = g0; g < g1; ++g) {
-      for (int64_t r0 = m0; r0 < m1; r0 += kBlockRows)
-        run_block(s, x, w, bias, ep, out, g, r0, std::min(kBlockRows, m1 - r0), pad, c);
+  } else {
+    for (int64_t m0 = 0; m0 < s.m; m0 += kRowChunk) {
+      const int64_t m1 = std::min(s.m, m0 + kRowChunk);
+      for (int64_t g = g0; g < g1; ++g) {
+        for (int64_t r0 = m0; r0 < m1; r0 += kBlockRows)
+          pipe.run(g, r0, std::min(kBlockRows, m1 - r0));
+      }
     }
   }
+  pipe.finish();
 }
 #endif
 
