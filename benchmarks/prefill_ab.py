@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ from yuebing.engine import native  # noqa: E402
 from yuebing.engine.attention import PrefillSlice  # noqa: E402
 from yuebing.engine.config import EngineConfig  # noqa: E402
 from yuebing.engine.engine import LLMEngine  # noqa: E402
+from yuebing.engine.kernels import KernelOps  # noqa: E402
+from yuebing.engine.linear import Linear, amx_key  # noqa: E402
 from yuebing.engine.sampling import SamplingParams  # noqa: E402
 
 
@@ -81,6 +84,13 @@ def _amx_sides(engine: LLMEngine) -> Callable[[str], None]:
     return use
 
 
+def _every_point(linears: Seq[tuple[Linear, torch.Tensor, bool]], ops: KernelOps,
+                 points: Seq[int] = (), rounds: int = 0, seed: int = 0
+                 ) -> tuple[dict[str, list[int]], dict[str, float]]:
+    """`linear.choose_amx` without timing: every projection at every point (``--amx all``)."""
+    return {amx_key(lin, silu): list(points) for lin, _, silu in linears}, {}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ab", default="flash", choices=("flash", "amx"),
@@ -104,8 +114,7 @@ def main() -> None:
     if ns.ab == "amx" and ns.amx == "all":
         scratch = tempfile.mkdtemp(prefix="prefill_ab-")
         core_choices.choice_dir = lambda: Path(scratch)
-        engine_module.choose_amx = lambda triples, ops, points: (
-            {engine_module.amx_key(lin, silu): list(points) for lin, _, silu in triples}, {})
+        engine_module.choose_amx = _every_point
     engine = LLMEngine(EngineConfig(
         dtype="bfloat16", threads=ns.threads, kv_cache_bytes=2 << 30, max_num_seqs=8,
         max_batch_tokens=max(lens), max_model_len=max(4096, max(lens) + 1), prefix_caching=False,

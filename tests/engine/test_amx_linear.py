@@ -123,7 +123,7 @@ def test_linear_runs_the_amx_rows_there_and_the_rest_as_before():
 @pytest.mark.parametrize("wins", [True, False])
 def test_choose_amx_takes_a_row_count_only_where_amx_wins_most_rounds(
         monkeypatch: pytest.MonkeyPatch, wins: bool):
-    def samples(fns, device, rounds):  # type: ignore[no-untyped-def]
+    def samples(fns, device, rounds):
         for fn in fns.values():
             fn()  # both candidates run (the AMX one with SiLU fused)
         amx = [0.5] * rounds if wins else [0.5] * (rounds // 2) + [2.0] * (rounds - rounds // 2)
@@ -143,7 +143,7 @@ def test_engine_routes_what_the_machine_measured_and_signs_it(monkeypatch: pytes
     monkeypatch.setattr(core_choices, "choice_dir", lambda: tmp_path)
     calls: list[list[int]] = []
 
-    def measure(triples, ops, points):  # type: ignore[no-untyped-def]
+    def measure(triples, ops, points):
         calls.append(points)
         gate_up = next(lin for lin, _, silu in triples if silu)
         return {amx_key(gate_up, True): [512]}, {"t": 1.0}
