@@ -175,13 +175,13 @@ def test_engine_greedy_tokens_with_every_projection_on_amx(monkeypatch: pytest.M
                         if chosen else ())
     w = tiny()
     amx = make_engine(w, dtype="bfloat16", max_batch_tokens=256, kernels="native",
-                      fused_decode=0)
+                      fused_decode=0, threads=2)  # the column blocks split between threads
     assert all(lin.amx_rows == ALL_ROWS for lay in amx.model.layers
                for lin in (lay.qkv, lay.o, lay.gate_up, lay.down))
     monkeypatch.setattr(engine_module, "choose_amx", lambda *a: ({}, {}))
     monkeypatch.setattr(core_choices, "choice_dir", lambda: tmp_path / "ref")  # not the above
     ref = make_engine(w, dtype="bfloat16", max_batch_tokens=256, kernels="native",
-                      fused_decode=0)
+                      fused_decode=0, threads=2)
     assert "amx" not in ref.signature()["matmul"]
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     ps = prompts(6, seed=5, lo=20, hi=120)
