@@ -1,5 +1,6 @@
 """Whole-engine prefills with this checkout's flash prefill kernel vs a baseline build of its
-source, in one engine, paired on the same prompts.
+source (or, ``--ab amx``, with the projections' AMX routes on vs off), in one engine, paired on
+the same prompts.
 
 The baseline's kernel is built as in `benchmarks/flash_ab.py` (namespace renamed, own module);
 one `LLMEngine` (bundled model, bf16, ``--threads``, ``--op`` as its prefill attention) runs each
@@ -8,8 +9,14 @@ matmul routes and the load from other processes are the same for both. Reported 
 medians of each side's wall time and of the paired ratios, wall and process CPU time (baseline /
 current; > 1: this checkout is faster).
 
+With ``--ab amx`` the baseline is the same engine with every projection on its oneDNN (or
+``torch.mm``) route and "current" the native AMX linear where the engine's start-up choice put
+it (``--amx all``: every projection at every measured row count, chosen in a scratch choice
+directory so the machine's cached choice is untouched).
+
     mkdir /tmp/b && git archive BASE src/yuebing/engine/csrc | tar -xC /tmp/b --strip-components=4
     .venv/bin/python benchmarks/prefill_ab.py --baseline /tmp/b --lens 512,2048,8000 --rounds 9
+    .venv/bin/python benchmarks/prefill_ab.py --ab amx --amx all --lens 512,2048 --rounds 9
 """
 
 from __future__ import annotations
@@ -19,7 +26,10 @@ import json
 import random
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +38,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from flash_ab import load_baseline  # noqa: E402
 
+from yuebing.core import choices as core_choices  # noqa: E402
+from yuebing.engine import engine as engine_module  # noqa: E402
 from yuebing.engine import native  # noqa: E402
 from yuebing.engine.attention import PrefillSlice  # noqa: E402
 from yuebing.engine.config import EngineConfig  # noqa: E402
 from yuebing.engine.engine import LLMEngine  # noqa: E402
+from yuebing.engine.kernels import KernelOps  # noqa: E402
+from yuebing.engine.linear import Linear, amx_key  # noqa: E402
 from yuebing.engine.sampling import SamplingParams  # noqa: E402
 
 
@@ -40,9 +54,50 @@ def _quartiles(xs: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
+def _flash_sides(engine: LLMEngine, baseline_dir: Path, op: str) -> Callable[[str], None]:
+    """Swaps the engine's prefill attention between the baseline build's kernel and its own."""
+    base_op = getattr(load_baseline(baseline_dir), op)
+
+    def baseline(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sl: PrefillSlice,
+                 scale: float) -> torch.Tensor:
+        out: torch.Tensor = base_op(q, k_cache, v_cache, sl.block_table, sl.context_len, scale)
+        return out
+
+    impls = {"baseline": baseline, "current": engine.model.prefill_impl}
+
+    def use(label: str) -> None:
+        engine.model.prefill_impl = impls[label]
+    return use
+
+
+def _amx_sides(engine: LLMEngine) -> Callable[[str], None]:
+    """Turns the projections' AMX routes off ("baseline") and back on ("current")."""
+    lins = [lin for lay in engine.model.layers for lin in (lay.qkv, lay.o, lay.gate_up, lay.down)]
+    rows = [lin.amx_rows for lin in lins]
+    if not any(rows):
+        raise SystemExit("the engine routes no projection to the AMX linear here "
+                         f"(signature: {engine.signature()['matmul']}); try --amx all")
+
+    def use(label: str) -> None:
+        for lin, r in zip(lins, rows, strict=True):
+            lin.amx_rows = r if label == "current" else ()
+    return use
+
+
+def _every_point(linears: Seq[tuple[Linear, torch.Tensor, bool]], ops: KernelOps,
+                 points: Seq[int] = (), rounds: int = 0, seed: int = 0
+                 ) -> tuple[dict[str, list[int]], dict[str, float]]:
+    """`linear.choose_amx` without timing: every projection at every point (``--amx all``)."""
+    return {amx_key(lin, silu): list(points) for lin, _, silu in linears}, {}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--baseline", required=True, help="directory with the baseline's csrc sources")
+    p.add_argument("--ab", default="flash", choices=("flash", "amx"),
+                   help="flash: the prefill kernel vs --baseline's; amx: AMX routes on vs off")
+    p.add_argument("--amx", default="chosen", choices=("chosen", "all"),
+                   help="--ab amx: the start-up choice's routes, or every projection")
+    p.add_argument("--baseline", help="directory with the baseline's csrc sources (--ab flash)")
     p.add_argument("--lens", default="512,2048", help="prompt lengths, comma-separated")
     p.add_argument("--rounds", type=int, default=9, help="paired prefills per length")
     p.add_argument("--threads", type=int, default=2)
@@ -52,20 +107,20 @@ def main() -> None:
     lens = [int(n) for n in ns.lens.split(",")]
     if ns.rounds < 1 or min(lens) < 1:
         p.error("--rounds and every length must be >= 1")
+    if ns.ab == "flash" and not ns.baseline:
+        p.error("--ab flash needs --baseline")
     if not (res := native.load()).ok:
         raise SystemExit(res.error)
-    base_op = getattr(load_baseline(Path(ns.baseline)), ns.op)
+    if ns.ab == "amx" and ns.amx == "all":
+        scratch = tempfile.mkdtemp(prefix="prefill_ab-")
+        core_choices.choice_dir = lambda: Path(scratch)
+        engine_module.choose_amx = _every_point
     engine = LLMEngine(EngineConfig(
         dtype="bfloat16", threads=ns.threads, kv_cache_bytes=2 << 30, max_num_seqs=8,
         max_batch_tokens=max(lens), max_model_len=max(4096, max(lens) + 1), prefix_caching=False,
         prefill_attention=ns.op))
-
-    def baseline(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sl: PrefillSlice,
-                 scale: float) -> torch.Tensor:
-        out: torch.Tensor = base_op(q, k_cache, v_cache, sl.block_table, sl.context_len, scale)
-        return out
-
-    impls = {"baseline": baseline, "current": engine.model.prefill_impl}
+    use = _flash_sides(engine, Path(ns.baseline), ns.op) if ns.ab == "flash" \
+        else _amx_sides(engine)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     samples: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for rnd in range(ns.rounds + 1):  # round 0 warms up
@@ -73,7 +128,7 @@ def main() -> None:
             prompt = [random.Random(rnd * 100_003 + length).randrange(100, 49000)
                       for _ in range(length)]
             for label in (("baseline", "current") if rnd % 2 else ("current", "baseline")):
-                engine.model.prefill_impl = impls[label]
+                use(label)
                 t0, c0 = time.perf_counter(), time.process_time()
                 engine.generate([prompt], params)
                 if rnd:
@@ -81,7 +136,8 @@ def main() -> None:
                         (time.perf_counter() - t0, time.process_time() - c0))
         print(f"round {rnd}/{ns.rounds} done", file=sys.stderr, flush=True)
     cells: list[dict[str, Any]] = []
-    print(f"{ns.op}, {ns.threads} threads, {ns.rounds} rounds\n| tokens | baseline ms | current ms |"
+    what = ns.op if ns.ab == "flash" else f"AMX routes ({ns.amx}) {engine.amx_routes or 'none'}"
+    print(f"{what}, {ns.threads} threads, {ns.rounds} rounds\n| tokens | baseline ms | current ms |"
           " speed-up, paired [quartiles] | CPU speed-up, paired |\n|---|---|---|---|---|")
     for length in lens:
         b, c = samples[(length, "baseline")], samples[(length, "current")]
@@ -97,7 +153,8 @@ def main() -> None:
               f"{cell['speedup']:.3f} [{q1:.3f}–{q3:.3f}] | {cell['cpu_speedup']:.3f} |")
     if ns.out:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.out).write_text(json.dumps({"op": ns.op, "threads": ns.threads,
+        Path(ns.out).write_text(json.dumps({"ab": ns.ab, "amx": engine.amx_routes,
+                                            "op": ns.op, "threads": ns.threads,
                                             "rounds": ns.rounds, "cells": cells}, indent=1))
 
 

@@ -168,6 +168,7 @@ def test_engine_routes_what_the_machine_measured_and_the_next_engine_reads_it(
         return {shape_key(pairs[1][0]): [256, 2048]}, {"t": 1.0}  # the O projection's shape
 
     monkeypatch.setattr(engine_module, "choose_routes", measure)
+    monkeypatch.setattr(engine_module, "choose_amx", lambda *a: ({}, {}))  # routes alone here
     for _ in range(2):
         eng = make_engine(w, dtype="bfloat16", max_batch_tokens=2048)
         o = eng.model.layers[0].o

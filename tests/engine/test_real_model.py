@@ -104,6 +104,31 @@ def test_bf16_paths_track_float32(smol_weights, fp32_reference, attention, prefi
     assert worst < 1.0, worst
 
 
+def test_amx_projections_track_float32(smol_weights, fp32_reference, monkeypatch, tmp_path):
+    """Every row count of every projection on the native AMX linear (gate/up with SiLU·mul
+    fused; decode steps too, fused decode off) gives the float32 model's greedy tokens."""
+    from yuebing.core import choices as core_choices
+    from yuebing.engine import amx_linear
+    from yuebing.engine import engine as engine_module
+    from yuebing.engine import model as model_module
+    from yuebing.engine.linear import amx_key
+    if not (native.load().ok and amx_linear.available()):
+        pytest.skip("no AMX-BF16 tiles on this CPU / build")
+    monkeypatch.setattr(core_choices, "choice_dir", lambda: tmp_path)
+    monkeypatch.setattr(engine_module, "choose_amx", lambda triples, ops, points: (
+        {amx_key(lin, silu): list(points) for lin, _, silu in triples}, {}))
+    monkeypatch.setattr(model_module, "plain_ranges", lambda points, chosen: ((1, 1 << 30),)
+                        if chosen else ())
+    bf = LLMEngine(EngineConfig(dtype="bfloat16", num_blocks=64, threads=1, fused_decode=0,
+                                batch_invariant=False), weights=smol_weights)
+    assert all(lay.gate_up.amx_silu and lay.down.amx is not None for lay in bf.model.layers)
+    tokens, logits = _chat_logits(bf)
+    assert tokens == fp32_reference[0]
+    worst = max(float((a - b).abs().max()) for a, b in zip(logits, fp32_reference[1],
+                                                           strict=True))
+    assert worst < 1.0, worst
+
+
 def test_fused_decode_answers_like_op_by_op(smol_weights, fp32_reference):
     """The fused small-batch decode (bf16 GEMVs on AVX512-BF16) tracks the float32 model and
     gives the op-by-op path's greedy answer, alone and batched. (bf16 runs of this model part

@@ -94,7 +94,8 @@ def rows_choice(raw: Any) -> tuple[int, dict[str, float]]:
 
 
 def routes_choice(raw: Any) -> tuple[dict[str, list[int]], dict[str, float]]:
-    """`linear.choose_routes`' (plain-route row counts per shape, timings) from JSON."""
+    """`linear.choose_routes`' (plain-route row counts per shape, timings), or `choose_amx`'s
+    (AMX row counts per projection), from JSON."""
     plain, timings = raw
     if not (isinstance(plain, dict) and isinstance(timings, dict)
             and all(isinstance(v, list) and all(isinstance(r, int) for r in v)

@@ -25,6 +25,7 @@ from yuebing.core.errors import ConfigError, InputError, PrefixMissing
 from yuebing.core.hashing import hash_blocks
 from yuebing.core.ids import BlockHash
 from yuebing.engine import (
+    amx_linear,
     blas_attention,  # noqa: F401  (registers the "blas" prefill path)
     fused_decode,
     native,
@@ -49,6 +50,8 @@ from yuebing.engine.linear import (
     ROUTE_POINTS,
     ROUTE_ROUNDS,
     ROUTE_WEIGHTS,
+    amx_key,
+    choose_amx,
     choose_routes,
     shape_key,
 )
@@ -143,6 +146,10 @@ class LLMEngine:
         """Projection shapes and row counts run by ``torch.mm`` on the row-major weight instead
         of the packed one (`linear.choose_routes`; ``""``: none)."""
         self.route_timings: dict[str, float] = {}
+        self.amx_routes = ""
+        """Projections and row counts run by the native AMX linear (`linear.choose_amx`;
+        ``""``: none)."""
+        self.amx_timings: dict[str, float] = {}
         if config.batch_invariant:
             if config.fused_decode > 0:
                 raise ConfigError("fused_decode cannot be used with batch_invariant: its sums "
@@ -152,6 +159,7 @@ class LLMEngine:
             self._choose_attention(config)
             self._choose_fused_decode(config.fused_decode)
             self._choose_routes()
+            self._choose_amx()
         self.model.use_fused(self.model.fused)
         self.runner = ModelRunner(self.model, self.pool, per_token=config.batch_invariant)
         self._signature = self._describe()
@@ -277,6 +285,26 @@ class LLMEngine:
         self.matmul_routes = self.model.use_plain_routes(plain)
         log.info("matmul routes measured %s: mm for %s", "earlier on this machine" if cached
                  else "now", self.matmul_routes or "none")
+
+    def _choose_amx(self) -> None:
+        """Where the native kernels run the AMX linear (bf16 on a CPU with AMX-BF16), time it
+        against each projection's current route at prefill row counts (once per machine) and
+        route the rows where it wins (after `_choose_routes`, whose routes it is timed against)."""
+        triples = self.model.amx_matmuls()
+        points = [p for p in ROUTE_POINTS if p <= self.config.max_batch_tokens * math.sqrt(2)]
+        if self.kernels.name != "native" or not amx_linear.available() or not triples \
+                or not points or self.dtype != torch.bfloat16:
+            return
+        parts: dict[str, object] = {
+            "kind": "amx_linear", "kernels": native.build_key(), "dtype": str(self.dtype),
+            "points": points, "matmul_routes": self.matmul_routes, "margin": ROUTE_MARGIN,
+            "weights": ROUTE_WEIGHTS, "rounds": ROUTE_ROUNDS, "consistency": ROUTE_CONSISTENCY,
+            "shapes": sorted({amx_key(lin, silu) for lin, _, silu in triples})}
+        (chosen, self.amx_timings), cached = shared_choice(
+            parts, lambda: choose_amx(triples, self.kernels, points), routes_choice)
+        self.amx_routes = self.model.use_amx(chosen)
+        log.info("AMX linear measured %s: for %s", "earlier on this machine" if cached
+                 else "now", self.amx_routes or "none")
 
     # ------------------------------------------------------------------------ requests
 
@@ -622,7 +650,8 @@ class LLMEngine:
                 "decode_fused": self.decode_fused,
                 "kernels": self.kernels.name, "batch_invariant": str(c.batch_invariant).lower(),
                 "matmul": ("onednn-packed" + (f" mm:{self.matmul_routes}"
-                                              if self.matmul_routes else ""))
+                                              if self.matmul_routes else "")
+                           + (f" amx:{self.amx_routes}" if self.amx_routes else ""))
                 if self.model.packed else "F.linear",
                 "max_batch_tokens": str(c.max_batch_tokens), "block_size": str(c.block_size),
                 "machine": runtime.machine() if self.device.type == "cpu" else

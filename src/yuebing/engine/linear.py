@@ -7,8 +7,11 @@ and `Linear` runs oneDNN's linear on the packed weight (``EngineConfig.packed_we
 float32, CUDA or a failed packing keep ``F.linear``). At prefill sizes oneDNN's packed kernel
 is not always the fastest: `choose_routes` times it against ``torch.mm`` on the row-major weight
 per shape and row count at start-up (`LLMEngine`, cached per machine) and `Linear.use_plain`
-routes those rows there. `invariant_min_rows` serves batch invariance: inputs shorter than it
-are padded, so a row's bits never depend on the row count (invariant engines keep one route).
+routes those rows there. Where the native AMX linear runs (`yuebing.engine.amx_linear`),
+`choose_amx` times it against that per shape and row count too and `Linear.use_amx` routes the
+rows where it wins (the gate/up projection's with SiLU·mul fused: `Linear.silu_mul`).
+`invariant_min_rows` serves batch invariance: inputs shorter than it are padded, so a row's bits
+never depend on the row count (invariant engines keep one route: no torch.mm, no AMX).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from yuebing.engine import amx_linear
 from yuebing.engine.choices import interleaved_samples, paired_ratios
+from yuebing.engine.kernels import KernelOps
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +73,8 @@ def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
 class Linear:
     """``y = x @ weight.T + bias``: plain ``F.linear`` or a oneDNN-packed weight."""
 
-    __slots__ = ("bias", "min_rows", "packed", "plain", "plain_rows", "weight")
+    __slots__ = ("amx", "amx_bias", "amx_rows", "amx_silu", "bias", "min_rows", "packed",
+                 "plain", "plain_rows", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  pack: bool = False, batch_hint: int = 16) -> None:
@@ -82,6 +88,13 @@ class Linear:
         """Row-major ``[out, in]`` weight of the plain route beside the packed one."""
         self.plain_rows: tuple[tuple[int, int], ...] = ()
         """Row counts ``[lo, hi)`` that run ``torch.mm`` on `plain` (`use_plain`)."""
+        self.amx: torch.Tensor | None = None
+        """The weight in the AMX kernel's tiles (`amx_linear.pack`), where `use_amx` set it."""
+        self.amx_bias: torch.Tensor | None = None
+        self.amx_rows: tuple[tuple[int, int], ...] = ()
+        """Row counts ``[lo, hi)`` that run the AMX kernel (before `plain_rows`)."""
+        self.amx_silu = False
+        """`amx` is a gate/up weight in SiLU pairs: only `silu_mul` runs it."""
 
     def use_plain(self, weight: torch.Tensor | None, rows: tuple[tuple[int, int], ...]) -> None:
         """Run inputs whose row count lies in one of ``rows`` through ``torch.mm`` on the
@@ -92,6 +105,35 @@ class Linear:
         if tuple(weight.shape) != self.shape:
             raise ValueError(f"plain weight {tuple(weight.shape)} is not this {self.shape}")
         self.plain, self.plain_rows = weight, rows
+
+    def use_amx(self, weight: torch.Tensor | None, rows: tuple[tuple[int, int], ...],
+                silu: bool = False) -> None:
+        """Run inputs whose row count lies in one of ``rows`` through the native AMX linear on
+        ``weight [out, in]`` (row-major, packed here); ``silu``: this is the fused gate/up
+        projection and only `silu_mul` takes that route. ``rows=()`` or None: off."""
+        if weight is None or not rows:
+            self.amx, self.amx_bias, self.amx_rows, self.amx_silu = None, None, (), False
+            return
+        if tuple(weight.shape) != self.shape:
+            raise ValueError(f"AMX weight {tuple(weight.shape)} is not this {self.shape}")
+        self.amx = amx_linear.pack_silu_pairs(weight) if silu else amx_linear.pack(weight)
+        bias = self.bias
+        self.amx_bias = None if bias is None else (amx_linear.silu_pairs_order(bias) if silu
+                                                   else bias)
+        self.amx_rows, self.amx_silu = rows, silu
+
+    def _amx_applies(self, rows: int) -> bool:
+        return any(lo <= rows < hi for lo, hi in self.amx_rows)
+
+    def silu_mul(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        """``silu(gate)·up`` of this fused gate/up projection of ``x``: one AMX call with the
+        SiLU·mul in its store where `use_amx` routed the row count, else ``ops.silu_mul`` of
+        the projection."""
+        if self.amx_silu and self._amx_applies(x.shape[0]):
+            assert self.amx is not None
+            return amx_linear.linear(x.contiguous(), self.amx, self.amx_bias,
+                                     amx_linear.SILU_MUL)
+        return ops.silu_mul(self(x))
 
     @property
     def is_packed(self) -> bool:
@@ -110,6 +152,8 @@ class Linear:
         if rows < self.min_rows:
             pad = x.new_zeros((self.min_rows - rows, *x.shape[1:]))
             return self._matmul(torch.cat((x, pad)))[:rows]
+        if self.amx is not None and not self.amx_silu and self._amx_applies(rows):
+            return amx_linear.linear(x.contiguous(), self.amx, self.amx_bias)
         for lo, hi in self.plain_rows:
             if lo <= rows < hi:
                 return self._mm(x)
@@ -205,6 +249,61 @@ def choose_routes(linears: Sequence[tuple[Linear, torch.Tensor]],
                 if decisive < ROUTE_MARGIN:
                     plain.setdefault(key, []).append(m)
     return plain, timings
+
+
+def amx_key(lin: Linear, silu: bool) -> str:
+    """How AMX choices name a projection: `shape_key`, ``+silu`` for the gate/up one."""
+    return shape_key(lin) + ("+silu" if silu else "")
+
+
+def choose_amx(linears: Sequence[tuple[Linear, torch.Tensor, bool]], ops: KernelOps,
+               points: Sequence[int] = ROUTE_POINTS, rounds: int = ROUTE_ROUNDS,
+               seed: int = 0) -> tuple[dict[str, list[int]], dict[str, float]]:
+    """Per projection of ``linears`` (each with its row-major weight and whether it is the
+    fused gate/up one) whose shape the AMX kernel takes (`amx_linear.fits`): the row counts of
+    ``points`` at which the native AMX linear beat the projection's current route (oneDNN, or
+    ``torch.mm`` where `use_plain` routed it) here, keyed by `amx_key`; and every timing
+    (``"<key>@<rows>_current|amx"``: medians, ``_ratio``/``_ratio_hi`` as in `choose_routes`).
+    The gate/up projection is timed with its SiLU·mul: ``ops.silu_mul`` after the current
+    route against one AMX call with it fused. Same rounds, margin and consistency as
+    `choose_routes`; called once per machine by `LLMEngine` (not in batch-invariant mode)."""
+    gen = torch.Generator().manual_seed(seed)
+    chosen: dict[str, list[int]] = {}
+    timings: dict[str, float] = {}
+    groups: dict[str, list[tuple[Linear, torch.Tensor, bool]]] = {}
+    for lin, w, silu in linears:
+        if amx_linear.fits(lin.shape, w.dtype, w.device, silu):
+            group = groups.setdefault(amx_key(lin, silu), [])
+            if len(group) < ROUTE_WEIGHTS:
+                group.append((lin, w, silu))
+
+    def current(x: torch.Tensor, group: list[tuple[Linear, torch.Tensor, bool]]) -> None:
+        for lin, _, silu in group:
+            ops.silu_mul(lin(x)) if silu else lin(x)
+
+    def amx(x: torch.Tensor, tiles: list[tuple[torch.Tensor, bool]]) -> None:
+        for packed, silu in tiles:
+            amx_linear.linear(x, packed, None, amx_linear.SILU_MUL if silu else amx_linear.NONE)
+
+    with torch.inference_mode():
+        for key, group in groups.items():
+            tiles = [(amx_linear.pack_silu_pairs(w) if silu else amx_linear.pack(w), silu)
+                     for _, w, silu in group]
+            w0 = group[0][1]
+            for m in points:
+                x = torch.randn(m, w0.shape[1], generator=gen).to(w0.dtype)
+                samples = interleaved_samples({
+                    "current": functools.partial(current, x, group),
+                    "amx": functools.partial(amx, x, tiles)}, w0.device, rounds)
+                ratios = paired_ratios(samples, "amx", "current")
+                decisive = ratios[min(len(ratios) - 1, int(ROUTE_CONSISTENCY * len(ratios)))]
+                timings.update({f"{key}@{m}_{k}": statistics.median(v)
+                                for k, v in samples.items()})
+                timings[f"{key}@{m}_ratio"] = statistics.median(ratios)
+                timings[f"{key}@{m}_ratio_hi"] = decisive
+                if decisive < ROUTE_MARGIN:
+                    chosen.setdefault(key, []).append(m)
+    return chosen, timings
 
 
 def plain_ranges(points: Sequence[int], chosen: Sequence[int]) -> tuple[tuple[int, int], ...]:

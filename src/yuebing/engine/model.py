@@ -6,7 +6,8 @@ fused so a layer is four matmuls, and on CPU in bf16/fp16 every matmul weight is
 into oneDNN's blocked layout (`yuebing.engine.linear`). The model runner calls `forward` once
 per step; after each layer's K/V is written it calls the layer hooks (so a prefill instance
 ships layer i while layer i+1 computes). The small ops (add + norm, RoPE with the KV write,
-SiLU·mul) go through ``self.ops``, a `yuebing.engine.kernels.KernelOps` (torch or native C++).
+SiLU·mul) go through ``self.ops``, a `yuebing.engine.kernels.KernelOps` (torch or native C++);
+where the engine routes prefill rows to the native AMX linear, gate/up and SiLU·mul are one call.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from yuebing.engine.kernels import KernelOps, TorchOps
 from yuebing.engine.linear import (
     ROUTE_POINTS,
     Linear,
+    amx_key,
     can_pack,
     invariant_min_rows,
     plain_ranges,
@@ -183,6 +185,23 @@ class LlamaModel:
         return ";".join(f"{k}@{','.join(map(str, sorted(v)))}" for k, v in sorted(plain.items())
                         if v)
 
+    def amx_matmuls(self) -> list[tuple[Linear, torch.Tensor, bool]]:
+        """`plain_matmuls` with whether each is the fused gate/up projection (the AMX kernel
+        fuses its SiLU·mul; `linear.choose_amx`)."""
+        return [(lin, w, lin is lay.gate_up) for lay, ws in zip(self.layers, self._plain,
+                                                                 strict=False)
+                for lin, w in zip((lay.qkv, lay.o, lay.gate_up, lay.down), ws, strict=True)]
+
+    def use_amx(self, chosen: dict[str, list[int]]) -> str:
+        """Route each projection's row counts that `linear.choose_amx` found faster on the
+        native AMX kernel (``chosen``: `linear.amx_key` → points; the weights are packed into
+        tiles here); returns the routes as the engine's signature names them (``""``: none).
+        Call before `use_fused`."""
+        for lin, w, silu in self.amx_matmuls():
+            lin.use_amx(w, plain_ranges(ROUTE_POINTS, chosen.get(amx_key(lin, silu), [])), silu)
+        return ";".join(f"{k}@{','.join(map(str, sorted(v)))}" for k, v in sorted(chosen.items())
+                        if v)
+
     def use_fused(self, fused: FusedDecode | None) -> None:
         """Run small decode steps through ``fused`` (None: never); drops the plain weights
         when unused (the fused decode holds its own references)."""
@@ -268,7 +287,7 @@ class LlamaModel:
         attn = self._attention(q, k_cache, v_cache, meta)
         hidden, residual = ops.add_rms_norm(layer.o(attn.reshape(n, h * hd)), residual,
                                             layer.ln2, eps)
-        return layer.down(ops.silu_mul(layer.gate_up(hidden))), residual
+        return layer.down(layer.gate_up.silu_mul(hidden, ops)), residual
 
     def first_layer_ops(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
                         kv: tuple[torch.Tensor, torch.Tensor], meta: AttnMetadata) -> torch.Tensor:

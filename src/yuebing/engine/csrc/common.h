@@ -72,6 +72,9 @@ at::Tensor flash_prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_
                                        const at::Tensor& v_cache, const at::Tensor& block_table,
                                        int64_t context_len, double scale);
 bool amx_available();
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
+                      const c10::optional<at::Tensor>& bias, int64_t epilogue);
+bool amx_linear_available();
 bool fused_decode_available();
 at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, const at::Tensor& ln1,
                         const at::Tensor& wqkv, const at::Tensor& wo, const at::Tensor& ln2,

@@ -18,6 +18,8 @@ TORCH_LIBRARY(yuebing, m) {
         "Tensor block_table, int context_len, float scale) -> Tensor");
   m.def("amx_available() -> bool", &yuebing::amx_available);  // no tensors: a catch-all kernel
   m.def("fused_decode_available() -> bool", &yuebing::fused_decode_available);
+  m.def("amx_linear_available() -> bool", &yuebing::amx_linear_available);
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int epilogue) -> Tensor");
   m.def("decode_layer(Tensor x, Tensor(a!) residual, Tensor ln1, Tensor wqkv, Tensor wo, "
         "Tensor ln2, Tensor wgu, Tensor wdown, Tensor cos, Tensor sin, Tensor positions, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor block_table, "
@@ -37,4 +39,5 @@ TORCH_LIBRARY_IMPL(yuebing, CPU, m) {
   m.impl("flash_prefill_attention_amx", &yuebing::flash_prefill_attention_amx);
   m.impl("decode_layer", &yuebing::decode_layer);
   m.impl("decode_logits", &yuebing::decode_logits);
+  m.impl("amx_linear", &yuebing::amx_linear);
 }
