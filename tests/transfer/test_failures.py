@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -161,3 +162,26 @@ def test_silent_peer_handshake_times_out_twice_then_fails() -> None:
     assert st.status == TransferStatus.FAILED
     assert st.requests[0].error == f"handshake with peer at 127.0.0.1:{port} failed: timed out"
     assert 0.4 <= elapsed < 2.0  # two attempts of 0.2 s each
+
+
+def test_the_spin_window_is_chosen_at_start_up_not_in_a_handshake(monkeypatch) -> None:
+    """With ``spin_us`` auto the first choice measures the machine (seconds on a loaded host):
+    the server makes it when it starts, so no peer's handshake waits for it."""
+    from yuebing.transfer.transport import tcp_server
+
+    threads: list[str] = []
+    real = tcp_server.window_s
+
+    def recording(configured_us: int, reference_us: float) -> float:
+        threads.append(threading.current_thread().name)
+        return real(configured_us, reference_us)
+
+    monkeypatch.setattr(tcp_server, "window_s", recording)
+    meta = EmbeddedMetadata()
+    main = threading.current_thread().name
+    with TransferEngine(TransferConfig(engine_id="owner-w"), meta) as owner:
+        owner.register_segment("w", size=4096)
+        assert threads == [main]
+        with TransferEngine(TransferConfig(transports=("tcp",), lanes=2), meta) as peer:
+            peer.transfer([TransferRequest(OpCode.WRITE, b"w" * 64, "w", 0)])
+        assert threads == [main, main]  # each server at its start, none in a connection's thread
