@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,6 +18,12 @@ import pytest
 from yuebing.transfer import TransferConfig, TransferEngine
 
 PEER = Path(__file__).with_name("peer_proc.py")
+
+
+def _state(pid: int) -> str:
+    """A process's scheduler state letter from ``/proc/PID/stat`` (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
 
 
 class Peer:
@@ -36,11 +43,22 @@ class Peer:
         self.proc.wait()
 
     def freeze(self) -> None:
-        """SIGSTOP: the process stays connected but answers nothing until killed."""
+        """SIGSTOP: the process stays connected but answers nothing until killed or thawed.
+        Returns once the kernel shows it stopped (the signal is delivered asynchronously)."""
         self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while _state(self.proc.pid) != "T":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"peer {self.proc.pid} did not stop after SIGSTOP")
+            time.sleep(0.001)
+
+    def thaw(self) -> None:
+        """SIGCONT: a frozen process runs on (and answers what arrived meanwhile)."""
+        self.proc.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            self.thaw()  # a test that failed while it was frozen
             assert self.proc.stdin is not None
             self.proc.stdin.close()
             try:

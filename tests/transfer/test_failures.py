@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -23,15 +24,6 @@ from yuebing.transfer import (
 )
 
 BIG = 256 << 20
-
-
-def _wait_in_flight(eng: TransferEngine, bid, limit_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        st = eng.status(bid)
-        if any(r.transferred for r in st.requests) or st.status.terminal:
-            return
-        time.sleep(0.001)
 
 
 def test_peer_killed_mid_transfer_fails_fast_and_survivor_serves(spawn_peer, make_engine) -> None:
@@ -122,19 +114,34 @@ def test_unreachable_peer_fails_at_once_with_its_address() -> None:
         assert f"peer at 127.0.0.1:{port} is unreachable" in st.requests[0].error
 
 
-def test_broken_lane_is_retried_on_another_lane(make_engine: Callable[..., TransferEngine]) -> None:
-    owner = make_engine(engine_id="owner-r")
-    seg = owner.register_segment("r", size=64 << 20)
-    eng = make_engine(transports=("tcp",), lanes=3, slice_size=256 << 10, retry_backoff_s=0.001)
+def test_broken_lane_is_retried_on_another_lane(spawn_peer, make_engine) -> None:
+    """A lane that breaks with slices in flight hands them back and they are retried on the
+    other lanes: the peer is frozen from before the batch until the lane has broken, so none
+    of them can have been acknowledged (unfrozen, 64 MiB over loopback can all be, first)."""
+    peer = spawn_peer(64 << 20, name="r")
+    eng: TransferEngine = make_engine(metadata="p2p", transports=("tcp",), lanes=3,
+                                      slice_size=256 << 10, retry_backoff_s=0.001)
+    eng.register_segment("reply", size=4096)
+    eng.transfer([TransferRequest(OpCode.WRITE, b"r", peer.name, 0)], timeout_s=10)  # lanes up
+    ep = eng._peers.endpoint(eng.describe(peer.name))  # the one TCP endpoint to the peer
+    broken = ep._lanes[0]
     data = np.random.default_rng(1).integers(0, 256, 64 << 20, dtype=np.uint8)
-    bid = eng.submit([TransferRequest(OpCode.WRITE, data, "r", 0)])
-    _wait_in_flight(eng, bid)
-    (ep,) = [e for _, e in eng._peers.pool.drain()]  # the one TCP endpoint to the owner
-    eng._peers.pool.get_or_create(("tcp", "owner-r", owner.address), lambda: ep)
-    ep._lanes[0].sock.shutdown(socket.SHUT_RDWR)  # break one lane mid-batch
+    peer.freeze()
+    bid = eng.submit([TransferRequest(OpCode.WRITE, data, peer.name, 0)], timeout_s=30)
+    assert broken.outstanding > 0 and not eng.status(bid).status.terminal
+    broken.sock.shutdown(socket.SHUT_RDWR)  # break one lane mid-batch
+    deadline = time.monotonic() + 10
+    while not broken.dead and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert broken.dead and not eng.status(bid).status.terminal  # its slices wait for a retry
+    peer.thaw()
     st = eng.wait(bid, 30)
     assert st.status == TransferStatus.DONE, st.errors
-    assert np.array_equal(seg.array, data)
+    assert broken not in ep._lanes
+    eng.notify(peer.name, "sum", f"0 {data.nbytes} {eng.segment_name('reply')}".encode())
+    note = eng.next_notify(10)
+    assert note is not None
+    assert note.payload.decode() == hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def test_pool_is_capped_with_sieve_eviction(make_engine: Callable[..., TransferEngine]) -> None:
@@ -161,3 +168,26 @@ def test_silent_peer_handshake_times_out_twice_then_fails() -> None:
     assert st.status == TransferStatus.FAILED
     assert st.requests[0].error == f"handshake with peer at 127.0.0.1:{port} failed: timed out"
     assert 0.4 <= elapsed < 2.0  # two attempts of 0.2 s each
+
+
+def test_the_spin_window_is_chosen_at_start_up_not_in_a_handshake(monkeypatch) -> None:
+    """With ``spin_us`` auto the first choice measures the machine (seconds on a loaded host):
+    the server makes it when it starts, so no peer's handshake waits for it."""
+    from yuebing.transfer.transport import tcp_server
+
+    threads: list[str] = []
+    real = tcp_server.window_s
+
+    def recording(configured_us: int, reference_us: float) -> float:
+        threads.append(threading.current_thread().name)
+        return real(configured_us, reference_us)
+
+    monkeypatch.setattr(tcp_server, "window_s", recording)
+    meta = EmbeddedMetadata()
+    main = threading.current_thread().name
+    with TransferEngine(TransferConfig(engine_id="owner-w"), meta) as owner:
+        owner.register_segment("w", size=4096)
+        assert threads == [main]
+        with TransferEngine(TransferConfig(transports=("tcp",), lanes=2), meta) as peer:
+            peer.transfer([TransferRequest(OpCode.WRITE, b"w" * 64, "w", 0)])
+        assert threads == [main, main]  # each server at its start, none in a connection's thread

@@ -78,6 +78,10 @@ class TcpServer:
         """Called with each write frame that carries a ``note`` and landed whole (every slice
         accepted and received), before its answer is sent; an exception is logged, the frame
         is answered as landed all the same."""
+        self._spin_s = window_s(config.spin_us, SPIN_REF_US)
+        """Resolved here, at start-up: with `AUTO` the first call measures the machine (a
+        thread ping-pong, milliseconds; seconds on a loaded host), which must not delay the
+        first peer's handshake past its ``connect_timeout_s``."""
         self._sock = socket.create_server((config.host, config.port), backlog=128)
         self.port = int(self._sock.getsockname()[1])
         self.address = f"{config.public_host}:{self.port}"
@@ -105,7 +109,7 @@ class TcpServer:
                              name=f"tx-serve-{peer[1]}").start()
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
-        reader = FrameReader(conn, spin_s=window_s(self._config.spin_us, SPIN_REF_US))
+        reader = FrameReader(conn, spin_s=self._spin_s)
         readable = select.poll()
         readable.register(conn, select.POLLIN)
         out: list[memoryview] = []
