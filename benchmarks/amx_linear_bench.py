@@ -1,15 +1,9 @@
 """The native AMX linear vs oneDNN's packed bf16 linear per projection shape and row count, in one
-process: interleaved rounds (order alternating), medians of the paired ratios, GFLOP/s of each
-side's fastest round against the tiles' peak.
-
-Shapes default to SmolLM2-135M's four projections (fused QKV 960×576, O 576×576, fused gate/up
-3072×576, down 576×1536). ``gate_up+silu`` is oneDNN's gate/up followed by the native
-``silu_and_mul`` against the AMX kernel with SiLU·mul fused into its store. A sample runs
-``--weights`` weights of the shape in turn (as a forward pass does: weights come from beyond
-the core's cache). The peak is ``threads × GHz × 1024`` (one 16×16×32 TDPBF16PS per 16 cycles
-per core); ``--ghz`` defaults to /proc/cpuinfo's clock. On a loaded host, ``--threads 1 --clock
-cpu`` times the calling thread's CPU time (the kernels then run inline in it), which other
-processes' load barely moves: each kernel's work per core, not the two cores' wall time.
+process: interleaved rounds, medians of paired ratios, GFLOP/s of each side's fastest round
+against the tiles' peak (``threads × GHz × 1024``). Shapes default to SmolLM2-135M's projections;
+``gate_up+silu`` puts oneDNN's gate/up plus ``silu_and_mul`` against the AMX kernel's fused store.
+A sample runs ``--weights`` weights in turn, as a forward pass does. ``--threads 1 --clock cpu``
+times the thread's CPU time, which other processes' load barely moves.
 
     .venv/bin/python benchmarks/amx_linear_bench.py --rows 256,512,1024,2048 --rounds 15
 """

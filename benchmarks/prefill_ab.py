@@ -1,18 +1,8 @@
-"""Whole-engine prefills with this checkout's flash prefill kernel vs a baseline build of its
-source (or, ``--ab amx``, with the projections' AMX routes on vs off), in one engine, paired on
-the same prompts.
-
-The baseline's kernel is built as in `benchmarks/flash_ab.py` (namespace renamed, own module);
-one `LLMEngine` (bundled model, bf16, ``--threads``, ``--op`` as its prefill attention) runs each
-prompt twice, once through either kernel (order alternating every round), so weights, KV pool,
-matmul routes and the load from other processes are the same for both. Reported per length:
-medians of each side's wall time and of the paired ratios, wall and process CPU time (baseline /
-current; > 1: this checkout is faster).
-
-With ``--ab amx`` the baseline is the same engine with every projection on its oneDNN (or
-``torch.mm``) route and "current" the native AMX linear where the engine's start-up choice put
-it (``--amx all``: every projection at every measured row count, chosen in a scratch choice
-directory so the machine's cached choice is untouched).
+"""Whole-engine prefills, paired on the same prompts in one `LLMEngine` (order alternating per
+round): this checkout's flash prefill kernel vs a ``--baseline`` build of its source (built as in
+`flash_ab.py`), or (``--ab amx``) the projections' AMX routes vs their oneDNN / ``torch.mm``
+routes (``--amx all``: every projection, chosen in a scratch directory). Per length: medians of
+each side's wall time and of the paired wall and CPU ratios (> 1: current faster).
 
     mkdir /tmp/b && git archive BASE src/yuebing/engine/csrc | tar -xC /tmp/b --strip-components=4
     .venv/bin/python benchmarks/prefill_ab.py --baseline /tmp/b --lens 512,2048,8000 --rounds 9

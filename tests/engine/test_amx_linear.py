@@ -162,6 +162,10 @@ def test_engine_routes_what_the_machine_measured_and_signs_it(monkeypatch: pytes
     assert "amx" not in inv.signature()["matmul"]
     torch_ops = make_engine(tiny(), dtype="bfloat16", max_batch_tokens=512, kernels="torch")
     assert "amx" not in torch_ops.signature()["matmul"] and len(calls) == 1
+    off = make_engine(tiny(), dtype="bfloat16", max_batch_tokens=512, kernels="native",
+                      amx_linear=False)
+    assert off.amx_routes == "" and all(lay.gate_up.amx is None for lay in off.model.layers)
+    assert "amx" not in off.signature()["matmul"]
 
 
 def test_engine_greedy_tokens_with_every_projection_on_amx(monkeypatch: pytest.MonkeyPatch,

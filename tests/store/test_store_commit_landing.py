@@ -169,6 +169,7 @@ def test_landing_past_the_write_expiry_is_refused_not_committed() -> None:
     out = land(core, resv, "b")
     assert len(out) == 1 and isinstance(out[0][1], m.Err)
     assert out[0][1].code == m.Code.NOT_PENDING and exists(core, "b") == [False]
+    assert core.counters["landed_commits"] == 0, "a refused landing is not a landed commit"
 
 
 def test_landed_commit_replicates_as_the_clients_commit() -> None:

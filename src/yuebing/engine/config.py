@@ -177,6 +177,10 @@ class EngineConfig:
     weights_seed: int = field(default=0, metadata={"help": "seed of dummy random weights"})
     packed_weights: bool = field(default=True, metadata={
         "help": "pack bf16/fp16 matmul weights into oneDNN's layout once at load (CPU)"})
+    amx_linear: bool = field(default=True, metadata={
+        "help": "prefill projections may run the native AMX linear where it timed faster at "
+                "start-up (bf16, native kernels, CPUs with AMX-BF16, not batch-invariant); "
+                "false: oneDNN / torch.mm only"})
     fused_decode: int = field(default=-1, metadata={
         "help": "decode-only steps of at most N sequences run each layer as one native op "
                 "(bf16 with AVX512-BF16, native kernels, not batch-invariant): -1 = measured at "

@@ -292,7 +292,8 @@ class LLMEngine:
         route the rows where it wins (after `_choose_routes`, whose routes it is timed against)."""
         triples = self.model.amx_matmuls()
         points = [p for p in ROUTE_POINTS if p <= self.config.max_batch_tokens * math.sqrt(2)]
-        if self.kernels.name != "native" or not amx_linear.available() or not triples \
+        if not self.config.amx_linear or self.kernels.name != "native" \
+                or not amx_linear.available() or not triples \
                 or not points or self.dtype != torch.bfloat16:
             return
         parts: dict[str, object] = {

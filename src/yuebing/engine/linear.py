@@ -1,17 +1,12 @@
-"""Matmul weights of the model, optionally pre-packed for oneDNN on CPU; `LlamaModel` wraps each
+"""Matmul weights of the model and the route each row count takes; `LlamaModel` wraps each
 projection in a `Linear` when it is built and calls it once per layer and step.
 
-On CPU in bf16/fp16, ``F.linear`` re-lays a row-major weight out into oneDNN's blocked format on
-every call — at decode batch sizes as costly as the matmul. `pack_weight` does it once at load
-and `Linear` runs oneDNN's linear on the packed weight (``EngineConfig.packed_weights``;
-float32, CUDA or a failed packing keep ``F.linear``). At prefill sizes oneDNN's packed kernel
-is not always the fastest: `choose_routes` times it against ``torch.mm`` on the row-major weight
-per shape and row count at start-up (`LLMEngine`, cached per machine) and `Linear.use_plain`
-routes those rows there. Where the native AMX linear runs (`yuebing.engine.amx_linear`),
-`choose_amx` times it against that per shape and row count too and `Linear.use_amx` routes the
-rows where it wins (the gate/up projection's with SiLU·mul fused: `Linear.silu_mul`).
-`invariant_min_rows` serves batch invariance: inputs shorter than it are padded, so a row's bits
-never depend on the row count (invariant engines keep one route: no torch.mm, no AMX).
+On CPU in bf16/fp16 `pack_weight` packs a weight once into oneDNN's blocked layout (plain
+``F.linear`` re-packs it on every call; ``EngineConfig.packed_weights``). At start-up
+(`LLMEngine`, cached per machine) `choose_routes` times the packed kernel against ``torch.mm``
+per shape and row count (`Linear.use_plain`), then `choose_amx` times the native AMX linear
+against that (`Linear.use_amx`, gate/up with SiLU·mul fused: `Linear.silu_mul`). Batch
+invariance (`invariant_min_rows`) pads short inputs and keeps one route. Details: docs/engine.md.
 """
 
 from __future__ import annotations

@@ -125,8 +125,10 @@ class Reserve:
         if (got is None or got[0] != msg.client or o is None or o.state != ObjState.PENDING
                 or o.size != size or len(o.reps) != 1 or tuple(o.reps[0]) != (sid, offset)):
             return None
-        self.effects.counters["landed_commits"] += 1
-        return self.commit(msg)
+        reply = self.commit(msg)
+        if isinstance(reply, m.PutCommitted):
+            self.effects.counters["landed_commits"] += 1
+        return reply
 
     def landed_already(self, client: str, name: str) -> bool:
         """Whether ``client``'s reservation ``name`` (no longer pending) was consumed by a

@@ -161,12 +161,14 @@ class LandingReports:
                 with self._cv:
                     self._drop_sock()
                 if rest:
-                    self.dropped += 1
+                    with self._cv:
+                        self.dropped += 1
                     return
                 sock = None
             if sock is None:
                 if now < self._down_until:
-                    self.dropped += 1
+                    with self._cv:
+                        self.dropped += 1
                     return
                 sock = FrameSocket(address, SEND_S, token=self.token)
                 with self._cv:
@@ -175,12 +177,13 @@ class LandingReports:
                         return
                     self._sock = sock
             sock.send_raw(data, SEND_S)
-            self.sent += 1
+            with self._cv:  # the caller's thread counts under the lock too
+                self.sent += 1
         except Exception as e:  # noqa: BLE001 - whatever breaks one report must not end the thread
             log.info("landing report to master %s not sent: %s", address, e)
-            self.dropped += 1
             self._down_until = now + RETRY_S
             with self._cv:
+                self.dropped += 1
                 if self._sock is sock:
                     self._drop_sock()
 
