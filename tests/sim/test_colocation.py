@@ -98,24 +98,35 @@ def test_colocated_steps_slow_down_only_while_the_host_mate_is_busy(tmp_path: Pa
     assert a_end == pytest.approx(1.2755)
 
 
-def test_a_shared_host_starts_a_step_when_the_running_steps_leave_a_core() -> None:
-    """2 cores, 2 prefill nodes and 1 decode node, one thread each: beside one prefill a decode
-    step has a core of its own; beside two it waits for the first of their chunks to end."""
+def test_a_shared_host_reserves_the_decodes_core_and_the_prefills_take_turns() -> None:
+    """2 cores, 2 prefill nodes and 1 decode node, one thread each: the decode's core is
+    reserved while it has work, so its step never waits, and the prefills take turns on the
+    other core. Only decode nodes beyond the reservation (1P2D) wait for a chunk end."""
     host = SharedHost(cores=2, decode_factor=1.0, prefill_nodes=2, decode_nodes=1)
+    assert (host.reserved, host.free) == (1, 1)
     host.add_prefill(0, 1.0, 3.0, now=0.0, chunks=4)  # chunks end at 1.5, 2, 2.5, 3
     host.add_prefill(1, 2.1, 4.1, now=0.0, chunks=2)  # chunks end at 3.1, 4.1
     assert host.decode_step(0.0, 0.5) == 0.5
     assert host.decode_step(1.2, 0.5) == 0.5  # one prefill: a core each
-    assert host.decode_step(2.2, 0.1) == pytest.approx(0.3 + 0.1)  # waits for 2.5
+    assert host.decode_step(2.2, 0.1) == 0.1  # both prefills: they take turns on one core
     assert host.decode_step(3.05, 0.1) == pytest.approx(0.1)  # node 0 has ended
     assert host.busy_at(2.5) == 2 and host.busy_at(2.5, but=[0]) == 1 and host.busy_at(5.0) == 0
     assert host.prefill_factors(0, 1.0, 0.3, 0.05) == (1.0, 1.0)  # it and the decode: a core each
-    # beside the other prefill and a stepping decode: a step of 50 ms per 0.2 s chunk
-    assert host.prefill_factors(1, 1.0, 0.2, 0.05) == (1.0, pytest.approx(1.25))
-    assert host.prefill_factors(2, 1.0, 0.2, 0.05)[0] == 1.5  # three prefills on 2 cores
-    # a pipeline group of both prefill nodes: its two threads leave the decode no core
-    assert host.prefill_factors(0, 1.0, 0.2, 0.05, threads=2) == (1.0, pytest.approx(1.25))
+    # beside the other prefill and a decode with work: the two take turns on one core
+    assert host.prefill_factors(1, 1.0, 0.2, 0.05) == (1.0, 2.0)
+    assert host.prefill_factors(2, 1.0, 0.2, 0.05) == (1.5, 2.0)  # three: 2 cores, then one
+    # a pipeline group of both prefill nodes: its two threads take turns beside the decode
+    assert host.prefill_factors(0, 1.0, 0.2, 0.05, threads=2) == (1.0, 2.0)
     assert host.prefill_factors(1, 1.0, 0.2, 0.05, threads=2)[0] == 1.5
+    # 1P2D: the decodes claim both cores, the reservation keeps one for the prefill; a decode
+    # step beside it waits for a chunk end, and the prefill yields a 50 ms step per 0.2 s chunk
+    crowded = SharedHost(cores=2, decode_factor=1.0, prefill_nodes=1, decode_nodes=2)
+    assert (crowded.reserved, crowded.free) == (1, 1)
+    crowded.add_prefill(0, 1.0, 3.0, now=0.0, chunks=4)
+    assert crowded.decode_step(2.2, 0.1) == pytest.approx(0.3 + 0.1)  # waits for 2.5
+    assert crowded.prefill_factors(0, 1.0, 0.2, 0.05) == (1.0, pytest.approx(1.25))
+    roomy = SharedHost(cores=3, decode_factor=1.0, prefill_nodes=2, decode_nodes=1)
+    assert roomy.prefill_factors(1, 1.0, 0.2, 0.05) == (1.0, 1.0)  # 2 cores left: both run
     host.add_prefill(0, 5.0, 6.0, now=3.5)  # node 0's first interval is over: dropped
     assert list(host.intervals[0]) == [(5.0, 6.0, 1)]
     measured = SharedHost(cores=2, decode_factor=1.2, prefill_nodes=1, decode_nodes=1)
@@ -130,16 +141,14 @@ def test_host_cores_needs_colocated() -> None:
         SimConfig(host_cores=2)
 
 
-def test_a_step_beside_both_prefills_of_a_two_core_host_waits_for_a_chunk(
-        tmp_path: Path) -> None:
+def test_two_prefills_beside_a_decoding_node_take_turns_on_one_core(tmp_path: Path) -> None:
     """2P1D on 2 cores, 1 ms per prefill token, 512-token chunks, 50 ms decode steps: A (100
     tokens at 0 s, 20 output tokens, 19 steps) decodes from 0.1001 s; B and C (1,024 tokens
-    each at 0.2 s) prefill on the two prefill nodes. B, scheduled first, takes 1.024 s (it and
-    the decode: a core each), chunk ends 0.712 and 1.224; C, beside B and the stepping decode,
-    yields a 50 ms step per 0.512 s chunk: 1.124 s, chunk ends 0.762 and 1.324. A's steps end
-    at 0.1501 and 0.2001; the next waits for 0.712 (ends 0.762), the next starts at C's chunk
-    end 0.762 (ends 0.812), the next waits for B's end 1.224 (ends 1.274); 14 more: 1.974 s.
-    Paired nodes (host_cores 0) leave A alone: it ends at 1.0501 s."""
+    each at 0.2 s) prefill on the two prefill nodes. The decode's core is reserved while it
+    has work, so B and C take turns on the other: B, scheduled first, keeps 1.024 s; C takes
+    the sharing, half speed over the decode's estimated window (A to 1.0501, then B's KV at
+    1.225024 and its 2 steps, to 1.325024): 1.024 + 1.125024 / 2 = 1.586512 s. A never waits
+    for a chunk: it ends at 1.0501 s, as on paired hosts (host_cores 0)."""
     path = _write(tmp_path, {"interference": {"decode_factor": 1.0, "prefill_factor": 1.0}})
     reqs = [SimRequest(0, 0.0, 100, 20, (1,)), SimRequest(1, 0.2, 1024, 3, (2,)),
             SimRequest(2, 0.2, 1024, 3, (3,))]
@@ -154,17 +163,16 @@ def test_a_step_beside_both_prefills_of_a_two_core_host_waits_for_a_chunk(
         assert b.prefill_id != c.prefill_id
         ends[cores], firsts[cores] = a.finish_s, (b.first_token_s, c.first_token_s)
     assert ends[0] == pytest.approx(1.0501)
-    assert firsts[2] == pytest.approx((0.2 + 1.024, 0.2 + 1.124))
-    assert ends[2] == pytest.approx(1.974)
+    assert firsts[2] == pytest.approx((0.2 + 1.024, 0.2 + 1.586512))
+    assert ends[2] == pytest.approx(1.0501)
 
 
 def test_a_pipeline_group_of_prefill_nodes_shares_their_hosts(tmp_path: Path) -> None:
     """2P1D, the linear cost model, 512-token chunks: A (100 tokens at 0 s, 20 output tokens)
     decodes from 0.1001 s; B (2,048 tokens at 0.2 s, threshold 1,000) prefills on a pipeline
     group of both prefill nodes: 2.048 / 2 × (1 + 1/4) = 1.28 s alone, 5 steps of 0.256 s per
-    node. On 2 cores its two threads leave A's decode no core: B yields a 50 ms step per step
-    while A runs (to 1.0501): 0.8501 + 1.28 − 0.8501 / (0.306 / 0.256) = 1.4189 s; A's steps
-    each wait for a step end (0.4838, 0.7676, 1.0513, 1.3351, 1.6189), then 12 more: 2.2689.
+    node. On 2 cores A's core is reserved while it runs (to 1.0501): B's two threads take
+    turns on the other, at half speed, 0.8501 + 1.28 − 0.8501 / 2 = 1.70505 s; A never waits.
     Paired hosts (factors 2 / 1.5), prefill node 0 beside decode 0: B takes 0.8501 + 1.28 −
     0.8501 / 1.5 = 1.5634 s; A's steps inside it take 0.1 s: 15 to 1.7001, one across its end
     to 1.7817, one more: 1.8317. (Before, both hosts left a group alone: 1.48 and 1.0501.)"""
@@ -181,7 +189,7 @@ def test_a_pipeline_group_of_prefill_nodes_shares_their_hosts(tmp_path: Path) ->
         a, b = simulate(reqs, cfg, cost=cost).records
         assert b.prefill_gpu_s == pytest.approx(2 * (b.first_token_s - 0.2))  # both nodes
         got[cores] = (b.first_token_s, a.finish_s)
-    assert got[2] == pytest.approx((0.2 + 1.4189052, 2.2689052))
+    assert got[2] == pytest.approx((0.2 + 1.70505, 1.0501))
     assert got[0] == pytest.approx((0.2 + 1.5633667, 1.8317333))
 
 

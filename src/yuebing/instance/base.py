@@ -226,7 +226,8 @@ class Instance:
         threads = cfg.engine.threads
         lends = cfg.lend_cores and not cfg.engine.batch_invariant and \
             self.engine.device.type == "cpu"
-        ledger = CoreLedger(threads) if lends else None
+        # a decode or coupled step is a token interval: prefill steps keep out of its claim
+        ledger = CoreLedger(threads, critical=self.kind != Role.PREFILL) if lends else None
         self.driver = EngineDriver(self.engine, self._outputs_from_driver, threads,
                                    f"engine-{cfg.role}", trace, ledger)
         self.tasks: dict[str, Task] = {}

@@ -123,15 +123,16 @@ class SharedHost:
     """Every node on one host of ``cores`` cores, one engine thread each: the prefill intervals
     of each prefill node (with their chunk counts), and the time a step takes among them.
 
-    As live (`yuebing.instance.cores.CoreLedger`), a step starts only when the steps running
-    leave it a core, and a prefill's step is one chunk: a decode step beside k prefilling nodes
-    (and the ``other_decodes`` other decode nodes, counted busy) runs at once when k +
-    other_decodes + 1 <= cores, slowed by the measured ``decode_factor`` (caches, memory
-    bandwidth) while k >= 1; with more, it waits for the first of their chunks to end. On 2
-    cores 1P1D thus steps at its profiled time, and 2P1D's decode waits for a chunk end while
-    both prefills run; a prefill then loses one decode step per chunk (`prefill_factors`). Not
-    modelled: cores lent by idle instances (live ``--lend-cores``), a decode that loses the race
-    for a freed core, the Conductor's and the load generator's CPU."""
+    As live (`yuebing.instance.cores.CoreLedger`), a decode node's core is reserved while it has
+    work (``reserved``: one per decode node, all counted busy, at most ``cores`` - 1), so the
+    prefills take turns on the ``free`` rest, and a decode step beside k prefilling nodes runs
+    at once, slowed by the measured ``decode_factor`` (caches, memory bandwidth) while k >= 1.
+    Only when the decode nodes outnumber their reservation (1P2D on 2 cores) does a step wait
+    for the first of the chunks running to end, and a prefill lose one decode step per chunk
+    (`prefill_factors`). On 2 cores 1P1D and 2P1D thus step at their profiled time. Not
+    modelled: cores lent by idle instances (live ``--lend-cores``), a decode that gets work
+    while the prefills hold every core (live: it waits for one chunk end), the Conductor's and
+    the load generator's CPU."""
 
     def __init__(self, cores: int, decode_factor: float, prefill_nodes: int,
                  decode_nodes: int) -> None:
@@ -141,6 +142,11 @@ class SharedHost:
         self.cores = cores
         self.decode_factor = decode_factor
         self.other_decodes = decode_nodes - 1
+        self.reserved = min(decode_nodes, cores - 1)
+        """Cores the decode nodes' claims keep from the prefills while they have work (a
+        prefill's one thread always keeps a core: `CoreLedger`'s cap)."""
+        self.free = cores - self.reserved
+        """Cores the prefills take turns on while the decode nodes have work."""
         self.intervals: list[deque[tuple[float, float, int]]] = [
             deque() for _ in range(prefill_nodes)]
         """Per prefill node, its scheduled prefills: (start, end, chunks)."""
@@ -150,12 +156,15 @@ class SharedHost:
         """A prefill's slowdown beside ``busy_prefills`` other prefilling nodes, on ``threads``
         nodes of its own (a pipeline group: one per stage, all busy), its steps ``chunk_s``
         long: (while the decode nodes are idle: the cores time-shared if the prefills alone
-        outnumber them; extra while they step: a decode step of ``step_s`` per step when they
-        leave the decode no core, times the measured ``prefill_factor``)."""
+        outnumber them; extra while they step: the ``free`` cores time-shared the same way,
+        times the measured ``prefill_factor``, and a decode step of ``step_s`` per step when
+        the decode nodes outnumber their reservation). The prefill placed later takes the
+        whole sharing (one placed earlier keeps its end)."""
         alone = max(1.0, (busy_prefills + threads) / self.cores)
-        crowded = busy_prefills + threads + self.other_decodes + 1 > self.cores
+        turns = max(1.0, (busy_prefills + threads) / self.free)
+        crowded = self.other_decodes + 1 > self.reserved
         beside = (chunk_s + step_s) / chunk_s if crowded and chunk_s > 0 else 1.0
-        return alone, prefill_factor * beside
+        return alone, prefill_factor * beside * turns / alone
 
     def add_prefill(self, node: int, start: float, end: float, now: float,
                     chunks: int = 1) -> None:
@@ -173,12 +182,13 @@ class SharedHost:
 
     def decode_step(self, t: float, work: float) -> float:
         """Duration of a decode step of ``work`` s (alone) asked for at ``t``: the wait for a
-        core (the first chunk end of the prefills running, when they leave none), then the
-        step, slowed by ``decode_factor`` beside a prefill."""
+        core (the first chunk end of the prefills running, when the prefills, at most
+        ``free`` at a time, leave none), then the step, slowed by ``decode_factor`` beside a
+        prefill."""
         busy = [iv for q in self.intervals for iv in q if iv[0] <= t < iv[1]]
         if not busy:
             return work
-        if len(busy) + self.other_decodes + 1 <= self.cores:
+        if min(len(busy), self.free) + self.other_decodes + 1 <= self.cores:
             return work * self.decode_factor
         start = min(min(hi, lo + math.ceil((t - lo) * n / (hi - lo) - EDGE) * (hi - lo) / n)
                     for lo, hi, n in busy)  # the first chunk end at or after t

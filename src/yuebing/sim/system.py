@@ -91,8 +91,8 @@ class SimConfig:
                 "nodes' hosts; not with cpp_groups)"})
     host_cores: int = field(default=0, metadata={
         "help": "mooncake, colocated: every node shares one host of this many cores, one engine "
-                "thread each, as yuebing serve on one machine (a step waits for a core, "
-                "yuebing.sim.colocation.SharedHost); 0: prefill node i and decode node i pair "
+                "thread each, as yuebing serve on one machine (decode cores reserved, prefills "
+                "take turns on the rest: yuebing.sim.colocation.SharedHost); 0: prefill node i and decode node i pair "
                 "up"})
     interference_profile: str = field(default="", metadata={
         "help": "samples file with the interference factors for colocated (default: profile)"})

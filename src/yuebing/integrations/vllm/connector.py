@@ -126,8 +126,10 @@ class YuebingConnector(KVConnectorBase_V1):
                 from yuebing.instance.cores import CoreLedger
                 # vLLM-CPU's worker replaces torch.set_num_threads with a no-op after its
                 # thread binding; torch._C.set_num_threads (omp_set_num_threads) is the original
+                # a consumer's (decode's) or coupled worker's claim is reserved (`CoreLedger`)
                 self.lend = StepThreads(CoreLedger(self.cfg.lend_threads,
-                                                   cores=self.cfg.lend_cores),
+                                                   cores=self.cfg.lend_cores,
+                                                   critical=ktc.kv_role != "kv_producer"),
                                         torch._C.set_num_threads)
         log.info("yuebing connector (%s): store %s, fingerprint %s, load %s, save %s",
                  role, self.cfg.master, self.layout.fingerprint(), load, save)
