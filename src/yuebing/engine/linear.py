@@ -15,7 +15,7 @@ import functools
 import logging
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -232,18 +232,25 @@ def choose_routes(linears: Sequence[tuple[Linear, torch.Tensor]],
             w0 = group[0][1]
             for m in points:
                 x = torch.randn(m, w0.shape[1], generator=gen).to(w0.dtype)
-                samples = interleaved_samples({
-                    "packed": functools.partial(run, x, group, False),
-                    "mm": functools.partial(run, x, group, True)}, w0.device, rounds)
-                ratios = paired_ratios(samples, "mm", "packed")
-                decisive = ratios[min(len(ratios) - 1, int(ROUTE_CONSISTENCY * len(ratios)))]
-                timings.update({f"{key}@{m}_{k}": statistics.median(v)
-                                for k, v in samples.items()})
-                timings[f"{key}@{m}_ratio"] = statistics.median(ratios)
-                timings[f"{key}@{m}_ratio_hi"] = decisive
-                if decisive < ROUTE_MARGIN:
+                if _wins(timings, f"{key}@{m}", w0.device, rounds,
+                         ("mm", functools.partial(run, x, group, True)),
+                         ("packed", functools.partial(run, x, group, False))):
                     plain.setdefault(key, []).append(m)
     return plain, timings
+
+
+def _wins(timings: dict[str, float], name: str, device: torch.device, rounds: int,
+          new: tuple[str, Callable[[], None]], old: tuple[str, Callable[[], None]]) -> bool:
+    """Time ``new`` against ``old`` in ``rounds`` interleaved rounds and record the medians
+    (``"<name>_<label>"``) and paired ratios (``_ratio``, ``_ratio_hi``: the one at
+    `ROUTE_CONSISTENCY`) in ``timings``; whether ``new`` won by `ROUTE_MARGIN` there."""
+    samples = interleaved_samples(dict((old, new)), device, rounds)
+    ratios = paired_ratios(samples, new[0], old[0])
+    decisive = ratios[min(len(ratios) - 1, int(ROUTE_CONSISTENCY * len(ratios)))]
+    timings.update({f"{name}_{k}": statistics.median(v) for k, v in samples.items()})
+    timings[f"{name}_ratio"] = statistics.median(ratios)
+    timings[f"{name}_ratio_hi"] = decisive
+    return decisive < ROUTE_MARGIN
 
 
 def amx_key(lin: Linear, silu: bool) -> str:
@@ -287,16 +294,9 @@ def choose_amx(linears: Sequence[tuple[Linear, torch.Tensor, bool]], ops: Kernel
             w0 = group[0][1]
             for m in points:
                 x = torch.randn(m, w0.shape[1], generator=gen).to(w0.dtype)
-                samples = interleaved_samples({
-                    "current": functools.partial(current, x, group),
-                    "amx": functools.partial(amx, x, tiles)}, w0.device, rounds)
-                ratios = paired_ratios(samples, "amx", "current")
-                decisive = ratios[min(len(ratios) - 1, int(ROUTE_CONSISTENCY * len(ratios)))]
-                timings.update({f"{key}@{m}_{k}": statistics.median(v)
-                                for k, v in samples.items()})
-                timings[f"{key}@{m}_ratio"] = statistics.median(ratios)
-                timings[f"{key}@{m}_ratio_hi"] = decisive
-                if decisive < ROUTE_MARGIN:
+                if _wins(timings, f"{key}@{m}", w0.device, rounds,
+                         ("amx", functools.partial(amx, x, tiles)),
+                         ("current", functools.partial(current, x, group))):
                     chosen.setdefault(key, []).append(m)
     return chosen, timings
 
