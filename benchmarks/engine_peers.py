@@ -21,7 +21,6 @@ import logging
 import os
 import platform
 import queue
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "peers"))
 from workload import Workload, cells  # noqa: E402
 
-from yuebing.ops.pgroup import group_alive, group_cpu_seconds  # noqa: E402
+from yuebing.ops.pgroup import group_alive, group_cpu_seconds, kill_group  # noqa: E402
 
 log = logging.getLogger("engine_peers")
 REPO = HERE.parent
@@ -208,9 +207,9 @@ def wait_idle(workers: dict[str, Any], settle_s: float, cap_s: float,
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL the peer's process group (it was started in its own session)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    """SIGKILL the peer's process group (it was started in its own session) and wait until
+    none of it runs."""
+    kill_group(proc.pid)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from yuebing.ops.pgroup import (
     group_alive,
     group_cpu_seconds,
     group_pids,
+    kill_group,
     proc_stat,
 )
 
@@ -86,3 +87,23 @@ def test_a_running_group_uses_cpu_and_is_alive() -> None:
         p.kill()
         p.wait(10)
     assert not group_alive(p.pid)
+
+
+@REAL
+def test_kill_group_returns_once_no_process_of_the_group_runs() -> None:
+    """A leader and a busy child it forked: when `kill_group` returns True neither runs (the
+    leader, not reaped yet, is a zombie), however late the scheduler lets them exit."""
+    code = ("import subprocess, sys, time\n"
+            "subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
+            "print('up', flush=True)\ntime.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, text=True,
+                         stdout=subprocess.PIPE)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "up"
+        assert len(group_pids(p.pid)) == 2 and group_alive(p.pid)
+        assert kill_group(p.pid, wait_s=30)
+        assert not group_alive(p.pid)
+    finally:
+        p.kill()
+        p.wait(10)
+    assert kill_group(p.pid)  # a group already gone is gone at once

@@ -1,13 +1,16 @@
 """A process group read from ``/proc``: its processes (`group_pids`), whether one still runs
-(`group_alive`: a zombie, exited but not reaped, does not) and the CPU time its processes have
-used (`group_cpu_seconds`). Called by `ops.shm` (whose files a killed group held), by
+(`group_alive`: a zombie, exited but not reaped, does not), the CPU time its processes have
+used (`group_cpu_seconds`) and a SIGKILL that waits until none runs (`kill_group`). Called by `ops.shm` (whose files a killed group held), by
 `integrations.vllm.server` and by ``benchmarks/engine_peers.py`` (stopping and metering a peer
 started in its own session). Linux only; without ``/proc`` a group has no processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,3 +79,16 @@ def group_cpu_seconds(pgid: int, proc_dir: Path = PROC) -> float:
     process's own total covers its ended threads too; a reaped process drops out)."""
     ticks = sum(st.cpu_ticks for st in group_stats(pgid, proc_dir).values())
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def kill_group(pgid: int, wait_s: float = 5.0, proc_dir: Path = PROC) -> bool:
+    """SIGKILL group ``pgid`` and wait up to ``wait_s`` until none of its processes runs (a
+    signalled process exits only once scheduled). Whether the group is gone."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    end = time.monotonic() + wait_s
+    while group_alive(pgid, proc_dir):
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.02)
+    return True

@@ -24,7 +24,7 @@ from yuebing.core import env as environment
 from yuebing.core.config import require
 from yuebing.core.cpus import format_cpus, require_usable, usable_cpus
 from yuebing.core.errors import ConfigError
-from yuebing.ops.pgroup import group_alive
+from yuebing.ops.pgroup import kill_group
 from yuebing.ops.priority import EnginePriority
 from yuebing.ops.procs import die_with_parent
 from yuebing.ops.shm import group_files, sweep
@@ -244,13 +244,9 @@ class VllmServer:
                 os.killpg(self.proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout_s)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        kill_group(self.proc.pid, GROUP_EXIT_WAIT_S)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
-        end = time.monotonic() + GROUP_EXIT_WAIT_S
-        while group_alive(self.proc.pid) and time.monotonic() < end:
-            time.sleep(0.05)
         removed = sweep(self._segments)
         if removed:
             log.info("removed %d shared-memory files vLLM left: %s", len(removed),
