@@ -34,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "peers"))
 from workload import Workload, cells  # noqa: E402
 
+from yuebing.core.host import speed  # noqa: E402
 from yuebing.ops.pgroup import group_alive, group_cpu_seconds, kill_group  # noqa: E402
 
 log = logging.getLogger("engine_peers")
@@ -695,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     ns = parse_args(argv)
     w = build_workload(ns)
-    started = time.time()
+    started, host_start = time.time(), speed().as_dict()
     outcome = run_all(ns, w)
     runs = outcome.runs
     merged = {n: merge_runs(r) for n, r in runs.items()}
@@ -708,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         "started_unix": started, "elapsed_s": time.time() - started,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
+        "host_speed": {"start": host_start, "end": speed().as_dict()},
         "workload": json.loads(w.to_json()), "peers": merged, **summary,
         "start_s": outcome.start_s, "pairs": outcome.pairs,
         "idle_wait_s": {"median": statistics.median(outcome.waited_s or [0.0]),

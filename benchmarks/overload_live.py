@@ -35,6 +35,7 @@ from yuebing.conductor.calibration import DURATION_QUANTILES
 from yuebing.conductor.policy.admission import ADMISSIONS
 from yuebing.conductor.policy.decode import duration_quantiles
 from yuebing.conductor.policy.queue import DEFAULT_QUEUE, PREFILL_QUEUES
+from yuebing.core.host import speed
 from yuebing.ops.procs import ReadyProcess
 from yuebing.sim.paper.overload import oscillation
 from yuebing.sim.runner import SimResult, simulate
@@ -651,7 +652,8 @@ def main() -> int:
                         ns.tbt_tail, ns.sim_stretch or 1.0, ns.sim_durations == "warm")
     result: dict[str, Any] = {"setup": {k: str(v) if isinstance(v, Path) else v
                                         for k, v in vars(ns).items() if k != "outdir"},
-                              "machine": machine(), "topologies": []}
+                              "machine": machine(), "host_speed": {"start": speed().as_dict()},
+                              "topologies": []}
     warm = sorted({selector_of(x) for x in [*policies, ns.retry_policy] if x}) \
         if ns.learned == "warm" else []
     total = len(topologies) * (len(mults) * len(policies) * ns.repeats + (0 if bases else 1)
@@ -724,10 +726,12 @@ def main() -> int:
                                                       base * mid, run_name, retry=True)}
                 bar.advance(task)
             result["topologies"].append(topo)
+    result["host_speed"]["end"] = speed().as_dict()
     result["checks"] = checks(result)
     (ns.outdir / "overload_live.json").write_text(json.dumps(result, indent=1) + "\n")
     md = table(result) + "\n\n" + spreads(result) + "\n\n" + "\n".join(
-        f"- {k}: {v}" for k, v in result["checks"].items())
+        f"- {k}: {v}" for k, v in result["checks"].items()) + "\n- host speed (Python ns per " \
+        f"loop, copy GB/s), start / end: {result['host_speed']}"
     (ns.outdir / "overload_live.md").write_text(md + "\n")
     if any(t["runs"] for t in result["topologies"]):
         plot(result, ns.outdir)
