@@ -10,7 +10,7 @@ import pytest
 from yuebing.sim.decode import SLOW_SHARE, DecodeInstance, DecodeJob, SlowSteps
 from yuebing.sim.hardware import CostModel
 from yuebing.sim.loop import EventLoop, Priority
-from yuebing.sim.metrics import RequestRecord
+from yuebing.sim.metrics import RequestRecord, learned_tail
 from yuebing.trace.latency import nearest_rank
 
 
@@ -180,6 +180,11 @@ def test_the_tails_quantile_over_requests_is_the_decode_tail() -> None:
             loop.at(job.record.arrival_s, Priority.COMPLETE, inst.enqueue, job)
         loop.run()
         means = [j.record.tbt_mean_s for j in jobs]
+        assert all(j.record.step_mean_s == pytest.approx(0.05) for j in jobs)  # as predicted
+        for j in jobs:
+            j.record.prefill_busy = True
+        assert learned_tail([j.record for j in jobs]) == pytest.approx(
+            nearest_rank([j.record.tbt_s / 0.05 for j in jobs[-32:]], 0.9))
         return [j.record.tbt_s / 0.05 for j in jobs], sum(means) / len(means) / 0.05
 
     got, mean = ratios(SlowSteps(2.0, random.Random(3)))
@@ -188,3 +193,21 @@ def test_the_tails_quantile_over_requests_is_the_decode_tail() -> None:
     assert mean == pytest.approx(1 + SLOW_SHARE * (2.0 - 1), rel=0.03)
     even, mean = ratios(None)
     assert max(even) == pytest.approx(1.0) and mean == pytest.approx(1.0)
+
+
+def test_step_mean_is_the_time_mean_predicted_step_from_the_second_token() -> None:
+    """A request's `step_mean_s` weighs each of its iterations after its first by its
+    duration (the Conductor's ledger), at the cost model's step: slow steps do not count."""
+    loop = EventLoop()
+    inst = DecodeInstance("d0", loop, StepCost(capacity=10_000),
+                          slow=SlowSteps(3.0, random.Random(5)))
+    a, b = _job(0, 0.0, 100, 12), _job(1, 0.35, 100, 4)
+    for job in (a, b):
+        loop.at(job.record.arrival_s, Priority.COMPLETE, inst.enqueue, job)
+    loop.run()
+    ends, ref = inst.step_ends, SlowSteps(3.0, random.Random(5))
+    durations = [ends[k] - ends[k - 1] for k in range(1, len(ends))]
+    steps = [d / ref.factor(k) for k, d in enumerate(durations, start=1)]
+    want = sum(p * d for p, d in zip(steps, durations, strict=True)) / sum(durations)
+    assert a.record.step_mean_s == pytest.approx(want)  # its steps 1..10 (a joined at 0)
+    assert b.record.step_mean_s > 0.1 and b.record.step_mean_s != a.record.step_mean_s

@@ -107,6 +107,9 @@ class DecodeInstance:
         self.kv_reserved = 0
         """KV tokens reserved by the running batch."""
         self.step_ends: list[float] = []
+        self._areas: list[float] = []
+        """Per step, ∫ cost-model step dt up to its end (the steps as predicted, without slow
+        steps or ``stretch``): a request's `RequestRecord.step_mean_s`."""
         self._finish_at: dict[int, list[DecodeJob]] = {}
         self._finish_steps: list[int] = []
         self._gen = 0
@@ -171,6 +174,7 @@ class DecodeInstance:
         if m >= len(ends) - 1:
             return  # the next boundary is already the plan's end
         del ends[m + 1:]
+        del self._areas[m + 1:]
         self._gen += 1
         self.loop.at(ends[m], Priority.COMPLETE, self._boundary, self._gen)
 
@@ -206,11 +210,17 @@ class DecodeInstance:
         steps = min(self._finish_steps[0] - start + 1, MAX_PLAN_STEPS)
         b, ctx, t = self.batch_size, self._ctx0, self.loop.now
         step_time, stretch, slow = self.cost.decode_step_time, self.stretch, self.slow
+        areas = self._areas
+        area = areas[-1] if areas else 0.0
         for k in range(start, start + steps):
-            work = step_time(b, ctx) if slow is None else step_time(b, ctx) * slow.factor(k)
-            t += work if stretch is None else stretch(t, work)
+            step = step_time(b, ctx)
+            work = step if slow is None else step * slow.factor(k)
+            end = t + (work if stretch is None else stretch(t, work))
+            area += step * (end - t)
+            t = end
             ctx += b
             ends.append(t)
+            areas.append(area)
         self._gen += 1
         self.loop.at(t, Priority.COMPLETE, self._boundary, self._gen)
 
@@ -229,6 +239,9 @@ class DecodeInstance:
                 self.kv_reserved -= job.kv_tokens
                 rec = job.record
                 rec.finish_decode([rec.first_token_s, *ends[job.first_step:step + 1]])
+                if step > job.first_step:  # from its second token, as the Conductor's ledger
+                    rec.step_mean_s = ((self._areas[step] - self._areas[job.first_step])
+                                       / (ends[step] - ends[job.first_step]))
                 if self.on_finish is not None:
                     self.on_finish(job)
         if self.waiting:

@@ -253,6 +253,7 @@ class MooncakeSystem(SimSystem):
         hit = min(reused * bt, n_in - 1)
         record.hit_tokens = hit
         record.prefill_id, record.decode_id = str(decision.prefill_id), str(decision.decode_id)
+        record.prefill_busy = decision.prefill_busy
         if self.policy.queue_order.arrival_order:  # its turn is known now
             self._start_prefill(request, record, i, j, hit, ready)
             return
