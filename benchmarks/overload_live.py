@@ -36,6 +36,7 @@ from yuebing.conductor.policy.admission import ADMISSIONS
 from yuebing.conductor.policy.decode import duration_quantiles
 from yuebing.conductor.policy.queue import DEFAULT_QUEUE, PREFILL_QUEUES
 from yuebing.ops.procs import ReadyProcess
+from yuebing.sim.metrics import learned_tail as simulated_tail
 from yuebing.sim.paper.overload import oscillation
 from yuebing.sim.runner import SimResult, simulate
 from yuebing.sim.system import SimConfig, sim_policy
@@ -435,7 +436,8 @@ def warm_durations(setup: Setup, nodes: tuple[int, int], rate: float, predictors
 def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
             predictors: Path, tail: float = 1.0, stretch: float = 1.0,
             durations: tuple[float, ...] = (), step_tail: float = 1.0) -> dict[str, Any]:
-    """One simulated run (`simulated`), summarized as a live run is."""
+    """One simulated run (`simulated`), summarized as a live run is (its ``tbt_tail``: the
+    one a live Conductor would learn from it, `yuebing.sim.metrics.learned_tail`)."""
     res = simulated(setup, nodes, policy, rate, predictors, tail, stretch, durations, step_tail)
     recs = res.records
     done = [r for r in recs if r.rejected is None and not math.isnan(r.finish_s)]
@@ -450,7 +452,7 @@ def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
     return {"requests": len(recs), "answered": len(done), "within_slo": len(good),
             "rejected": sum(1 for r in recs if r.rejected is not None),
             "goodput_rps": len(good) / span if span > 0 else 0.0, "span_s": span,
-            "wasted_tokens": wasted,
+            "wasted_tokens": wasted, "tbt_tail": simulated_tail(recs),
             "latency": latency([r.ttft_s for r in done], [r.tbt_s for r in done]),
             "load": load_stats(samples, setup.sample_s), "samples": samples}
 
@@ -461,7 +463,8 @@ def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
 def table(result: dict[str, Any]) -> str:
     lines = ["| cluster | load | policy | goodput live / sim (req/s) | within SLO | rejected "
              "(arrival / reserve) | prefill thrown away (tokens) | TTFT p50 / p99 (s) | "
-             "TBT p99 (ms) | TBT tail | prefill load std / swing | decode load std / swing |",
+             "TBT p99 (ms) | TBT tail live / sim | prefill load std / swing | decode load std / "
+             "swing |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for topo in result["topologies"]:
         for run in topo["runs"]:
@@ -480,7 +483,7 @@ def table(result: dict[str, Any]) -> str:
                 f"({st.get('arrival', 0)} / {st.get('reserve', 0)}) | "
                 f"{live['wasted_tokens']:,} of {live['prefilled_tokens']:,} | "
                 f"{f(lat['ttft_p50'])} / {f(lat['ttft_p99'])} | {f(lat['tbt_p99'], 1e3, 0)} | "
-                f"{f(live.get('tbt_tail'))} | "
+                f"{f(live.get('tbt_tail'))} / {f(sim.get('tbt_tail'))} | "
                 f"{live['load']['prefill']['std']:.2f} / {live['load']['prefill']['swing']:.2f}"
                 f" | {live['load']['decode']['std']:.2f} / {live['load']['decode']['swing']:.2f}"
                 f" |")
@@ -922,6 +925,8 @@ def resim(live_dir: Path, out: Path, chosen: list[Path], stretch: float, warm: b
                   file=sys.stderr)
             return 2
         topo["sim_predictors"] = str(pred)
+        if not topo["runs"]:  # its search found no rate
+            continue
         steps = topo["sim_step_tail"] = step_tail or topo.get("tbt_tail") or 1.0
         mults = sorted({r["multiplier"] for r in topo["runs"]})
         durations: dict[float, tuple[float, ...]] = {}

@@ -222,8 +222,10 @@ def test_simulated_decode_steps_carry_the_given_tail_drawn_from_the_seed(tmp_pat
     assert [r.tbt_s for r in tailed.records] == [r.tbt_s for r in again.records]
     slower = sorted(t.tbt_s / e.tbt_s for t, e in zip(tailed.records, even.records, strict=True))
     assert slower[len(slower) // 2] > 1.5  # most requests' slowest tenth: slow steps
-    assert ol.sim_run(setup, (1, 1), "none", 0.5, path, step_tail=2.5)["latency"] == \
-        ol.sim_run(setup, (1, 1), "none", 0.5, path, 1.0, 1.0, (), 2.5)["latency"]
+    out = ol.sim_run(setup, (1, 1), "none", 0.5, path, step_tail=2.5)
+    assert out["latency"] == ol.sim_run(setup, (1, 1), "none", 0.5, path, 1.0, 1.0, (),
+                                        2.5)["latency"]
+    assert out["tbt_tail"] == 1.0  # 8 requests: fewer than a Conductor learns from
 
 
 def test_the_simulator_fits_the_start_up_profiles_of_a_clusters_logs(tmp_path: Path) -> None:
