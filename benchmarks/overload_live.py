@@ -37,6 +37,7 @@ from yuebing.conductor.policy.decode import duration_quantiles
 from yuebing.conductor.policy.queue import DEFAULT_QUEUE, PREFILL_QUEUES
 from yuebing.core.host import speed
 from yuebing.ops.procs import ReadyProcess
+from yuebing.sim.metrics import learned_tail as simulated_tail
 from yuebing.sim.paper.overload import oscillation
 from yuebing.sim.runner import SimResult, simulate
 from yuebing.sim.system import SimConfig, sim_policy
@@ -400,33 +401,34 @@ def interference_file(setup: Setup, factor: float) -> Path:
 
 def simulated(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
               predictors: Path, tail: float, stretch: float,
-              durations: tuple[float, ...] = ()) -> SimResult:
+              durations: tuple[float, ...] = (), step_tail: float = 1.0) -> SimResult:
     """The simulator on the bench requests, every node on one host of the predictors'
     machine's cores (`host_cores`): the policy predicts with ``tail`` and forecasts with decode
     ``durations`` (empty: the simulator's own); a decode step beside a prefill takes
-    ``stretch`` on top of the cores' sharing."""
+    ``stretch`` on top of the cores' sharing; a tenth of the decode steps, drawn from
+    ``setup.seed``, take ``step_tail`` times their time (`SimConfig.decode_tail`)."""
     selector = "forecast" if policy == "predictive_early_rejection" else "least_loaded"
     cfg = SimConfig(system="mooncake", prefill_nodes=nodes[0], decode_nodes=nodes[1],
                     policy=sim_policy(admission=policy, decode_selector=selector,
                                       block_tokens=64, ttft_slo_s=setup.ttft_slo_s,
                                       tbt_slo_s=setup.tbt_slo_s, cpp_threshold_tokens=1 << 30,
-                                      tbt_tail=tail,
+                                      tbt_tail=tail, seed=setup.seed,
                                       prefill_queue=setup.prefill_queue),
                     cost_model="fitted", profile=str(predictors),
                     sample_interval_s=setup.sample_s, colocated=True,
                     host_cores=host_cores(predictors),
                     interference_profile=str(interference_file(setup, stretch)),
-                    forecast_durations_s=durations)
+                    forecast_durations_s=durations, decode_tail=step_tail)
     return simulate(sim_requests(setup, rate), cfg)
 
 
 def warm_durations(setup: Setup, nodes: tuple[int, int], rate: float, predictors: Path,
-                   tail: float, stretch: float) -> tuple[float, ...]:
+                   tail: float, stretch: float, step_tail: float = 1.0) -> tuple[float, ...]:
     """The decode durations a live Conductor's warm-up teaches it (``--learned warm``), here
     from a simulated ``none`` run on ``setup``'s seed: `duration_quantiles` of its requests'
     first token to last, as `yuebing.conductor.calibration.DecodeDurations` learns them
     (empty when no request finished)."""
-    res = simulated(setup, nodes, "none", rate, predictors, tail, stretch)
+    res = simulated(setup, nodes, "none", rate, predictors, tail, stretch, step_tail=step_tail)
     seconds = [r.finish_s - r.first_token_s for r in res.records
                if r.rejected is None and r.finish_s > r.first_token_s]
     return duration_quantiles(seconds, min(DURATION_QUANTILES, len(seconds))) if seconds else ()
@@ -434,9 +436,10 @@ def warm_durations(setup: Setup, nodes: tuple[int, int], rate: float, predictors
 
 def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
             predictors: Path, tail: float = 1.0, stretch: float = 1.0,
-            durations: tuple[float, ...] = ()) -> dict[str, Any]:
-    """One simulated run (`simulated`), summarized as a live run is."""
-    res = simulated(setup, nodes, policy, rate, predictors, tail, stretch, durations)
+            durations: tuple[float, ...] = (), step_tail: float = 1.0) -> dict[str, Any]:
+    """One simulated run (`simulated`), summarized as a live run is (its ``tbt_tail``: the
+    one a live Conductor would learn from it, `yuebing.sim.metrics.learned_tail`)."""
+    res = simulated(setup, nodes, policy, rate, predictors, tail, stretch, durations, step_tail)
     recs = res.records
     done = [r for r in recs if r.rejected is None and not math.isnan(r.finish_s)]
     good = [r for r in done if r.ttft_s <= setup.ttft_slo_s and r.tbt_s <= setup.tbt_slo_s]
@@ -450,7 +453,7 @@ def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
     return {"requests": len(recs), "answered": len(done), "within_slo": len(good),
             "rejected": sum(1 for r in recs if r.rejected is not None),
             "goodput_rps": len(good) / span if span > 0 else 0.0, "span_s": span,
-            "wasted_tokens": wasted,
+            "wasted_tokens": wasted, "tbt_tail": simulated_tail(recs),
             "latency": latency([r.ttft_s for r in done], [r.tbt_s for r in done]),
             "load": load_stats(samples, setup.sample_s), "samples": samples}
 
@@ -461,7 +464,8 @@ def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
 def table(result: dict[str, Any]) -> str:
     lines = ["| cluster | load | policy | goodput live / sim (req/s) | within SLO | rejected "
              "(arrival / reserve) | prefill thrown away (tokens) | TTFT p50 / p99 (s) | "
-             "TBT p99 (ms) | TBT tail | prefill load std / swing | decode load std / swing |",
+             "TBT p99 (ms) | TBT tail live / sim | prefill load std / swing | decode load std / "
+             "swing |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for topo in result["topologies"]:
         for run in topo["runs"]:
@@ -480,7 +484,7 @@ def table(result: dict[str, Any]) -> str:
                 f"({st.get('arrival', 0)} / {st.get('reserve', 0)}) | "
                 f"{live['wasted_tokens']:,} of {live['prefilled_tokens']:,} | "
                 f"{f(lat['ttft_p50'])} / {f(lat['ttft_p99'])} | {f(lat['tbt_p99'], 1e3, 0)} | "
-                f"{f(live.get('tbt_tail'))} | "
+                f"{f(live.get('tbt_tail'))} / {f(sim.get('tbt_tail'))} | "
                 f"{live['load']['prefill']['std']:.2f} / {live['load']['prefill']['swing']:.2f}"
                 f" | {live['load']['decode']['std']:.2f} / {live['load']['decode']['swing']:.2f}"
                 f" |")
@@ -582,13 +586,20 @@ def main() -> int:
                         "are fitted); needed by --sim-only, used with --base-rate (which skips "
                         "the search that saves one)")
     p.add_argument("--tbt-tail", type=float, default=2.27,
-                   help="--sim-only: the TBT tail (a live none run's learned tail)")
+                   help="--sim-only: the TBT tail the policy predicts with and, unless "
+                        "--sim-step-tail, the decode steps' (a live rate search's learned tail)")
     p.add_argument("--sim-durations", choices=("warm", "cost"), default="warm",
                    help="the decode durations the simulated forecast assumes: warm (the "
                         "default) those a simulated none run at the middle multiplier on a "
                         "seed no measured run uses realizes, as the live warm-up teaches the "
                         "Conductor; cost: the workload's outputs times a loaded node's step, "
                         "capped at the TBT SLO")
+    p.add_argument("--sim-step-tail", type=float, default=None,
+                   help="the simulated decode steps' tail (`SimConfig.decode_tail`: a tenth of "
+                        "the steps this many times slower, so a request's paper TBT carries the "
+                        "live steps' jitter); default: the rate search's learned tail (--resim: "
+                        "the run's; --sim-only: --tbt-tail; --base-rate: 1, none measured); "
+                        "1: even steps")
     p.add_argument("--sim-stretch", type=float, default=0.0,
                    help="a measured slowdown of a simulated decode step beside a prefill "
                         "(`yuebing profile --interference`'s decode factor), on top of the "
@@ -625,6 +636,9 @@ def main() -> int:
             raise ValueError(f"--predictors: no file or directory {', '.join(missing)}")
         if not (math.isfinite(ns.tbt_tail) and ns.tbt_tail >= 1.0):
             raise ValueError(f"--tbt-tail must be a number >= 1, got {ns.tbt_tail}")
+        if ns.sim_step_tail is not None and not (math.isfinite(ns.sim_step_tail)
+                                                 and ns.sim_step_tail >= 1.0):
+            raise ValueError(f"--sim-step-tail must be a number >= 1, got {ns.sim_step_tail}")
         if not (math.isfinite(ns.sim_stretch) and (ns.sim_stretch == 0 or ns.sim_stretch >= 1)):
             raise ValueError(f"--sim-stretch must be 0 or a number >= 1, got {ns.sim_stretch}")
         for name in ("ttft_slo_s", "tbt_slo_s", "sample_s", "timeout_s"):
@@ -646,10 +660,11 @@ def main() -> int:
         return 2
     if ns.resim is not None:
         return resim(ns.resim, ns.outdir, chosen, ns.sim_stretch or 1.0,
-                     ns.sim_durations == "warm")
+                     ns.sim_durations == "warm", ns.sim_step_tail)
     if ns.sim_only:
         return sim_only(setup, topologies, bases, mults, policies, ns.repeats, chosen,
-                        ns.tbt_tail, ns.sim_stretch or 1.0, ns.sim_durations == "warm")
+                        ns.tbt_tail, ns.sim_stretch or 1.0, ns.sim_durations == "warm",
+                        ns.sim_step_tail or ns.tbt_tail)
     result: dict[str, Any] = {"setup": {k: str(v) if isinstance(v, Path) else v
                                         for k, v in vars(ns).items() if k != "outdir"},
                               "machine": machine(), "host_speed": {"start": speed().as_dict()},
@@ -678,6 +693,7 @@ def main() -> int:
             topo["max_rate"] = base
             topo["predictors"] = str(predictors) if predictors else None
             topo["tbt_tail"] = tail
+            step_tail = topo["sim_step_tail"] = ns.sim_step_tail or tail
             setup = replace(setup, learned_from=())
             learned, topo["warmup"] = [], {}
             for selector in warm:  # admission none, the middle load, a seed not measured
@@ -707,9 +723,9 @@ def main() -> int:
                             learned_durations[sim_tail] = warm_durations(
                                 replace(setup, seed=setup.seed + ns.repeats), nodes,
                                 base * sorted(mults)[len(mults) // 2], predictors, sim_tail,
-                                stretch)
+                                stretch, step_tail)
                         sim = sim_run(rs, nodes, policy, base * mult, predictors, sim_tail,
-                                      stretch, learned_durations.get(sim_tail, ()))
+                                      stretch, learned_durations.get(sim_tail, ()), step_tail)
                     topo["runs"].append({"multiplier": mult, "rate": base * mult,
                                          "policy": policy, "repeat": r, "seed": rs.seed,
                                          "live": live,
@@ -852,21 +868,21 @@ def spreads(result: dict[str, Any]) -> str:
 
 def sim_only(setup: Setup, topologies: list[tuple[int, int]], bases: list[float],
              mults: list[float], policies: list[str], repeats: int, chosen: list[Path],
-             tail: float, stretch: float, warm: bool = True) -> int:
+             tail: float, stretch: float, warm: bool = True, step_tail: float = 1.0) -> int:
     """The simulator alone (``--sim-only``): every policy on seeds ``setup.seed`` … + repeats-1
     (the same requests and arrivals per seed across policies), per topology and multiplier;
     ``warm``: the forecast's decode durations are `warm_durations` at the middle multiplier on
     seed + repeats (as the live benchmark's warm-up), else the simulator's own. ``chosen``:
-    the predictor file per topology (or one for all)."""
+    the predictor file per topology (or one for all); ``step_tail``: the decode steps' tail."""
     out: dict[str, Any] = {"predictors": [str(c) for c in chosen], "tbt_tail": tail,
-                           "sim_stretch": stretch, "runs": []}
+                           "sim_step_tail": step_tail, "sim_stretch": stretch, "runs": []}
     md = []
     for i, (nodes, base) in enumerate(zip(topologies, bases, strict=True)):
         predictors = chosen[min(i, len(chosen) - 1)]
         name = f"{nodes[0]}P{nodes[1]}D"
         mid = sorted(mults)[len(mults) // 2]
         durations = warm_durations(replace(setup, seed=setup.seed + repeats), nodes, base * mid,
-                                   predictors, tail, stretch) if warm else ()
+                                   predictors, tail, stretch, step_tail) if warm else ()
         out.setdefault("forecast_durations_s", {})[name] = list(durations)
         for mult in mults:
             goodput: dict[str, list[float]] = {p: [] for p in policies}
@@ -875,7 +891,7 @@ def sim_only(setup: Setup, topologies: list[tuple[int, int]], bases: list[float]
                 rs = replace(setup, seed=setup.seed + r)
                 for policy in policies:
                     sim = sim_run(rs, nodes, policy, base * mult, predictors, tail, stretch,
-                                  durations)
+                                  durations, step_tail)
                     goodput[policy].append(sim["goodput_rps"])
                     runs[policy].append(sim)
                     out["runs"].append({"cluster": name, "multiplier": mult, "seed": rs.seed,
@@ -890,11 +906,13 @@ def sim_only(setup: Setup, topologies: list[tuple[int, int]], bases: list[float]
     return 0
 
 
-def resim(live_dir: Path, out: Path, chosen: list[Path], stretch: float, warm: bool) -> int:
+def resim(live_dir: Path, out: Path, chosen: list[Path], stretch: float, warm: bool,
+          step_tail: float | None = None) -> int:
     """``--resim``: the simulator columns of the live run in ``live_dir`` again, as the live
     benchmark runs them (each seed's policy tail the one its live ``none`` run learned, the
-    forecast's durations from a simulated warm-up), on ``chosen`` (per topology) or the
-    start-up profiles in ``live_dir/logs/<cluster>-max``; the report written to ``out``."""
+    forecast's durations from a simulated warm-up, the decode steps' tail ``step_tail`` or the
+    one its rate search learned), on ``chosen`` (per topology) or the start-up profiles in
+    ``live_dir/logs/<cluster>-max``; the report written to ``out``."""
     result = json.loads((live_dir / "overload_live.json").read_text())
     conf = result["setup"]
     setup = Setup(out, conf["requests"], conf["seed"], conf["max_input"], conf["max_output"],
@@ -911,6 +929,9 @@ def resim(live_dir: Path, out: Path, chosen: list[Path], stretch: float, warm: b
                   file=sys.stderr)
             return 2
         topo["sim_predictors"] = str(pred)
+        if not topo["runs"]:  # its search found no rate
+            continue
+        steps = topo["sim_step_tail"] = step_tail or topo.get("tbt_tail") or 1.0
         mults = sorted({r["multiplier"] for r in topo["runs"]})
         durations: dict[float, tuple[float, ...]] = {}
         for run in topo["runs"]:
@@ -919,9 +940,9 @@ def resim(live_dir: Path, out: Path, chosen: list[Path], stretch: float, warm: b
             if warm and tail not in durations:
                 durations[tail] = warm_durations(
                     replace(setup, seed=setup.seed + conf["repeats"]), nodes,
-                    topo["max_rate"] * mults[len(mults) // 2], pred, tail, stretch)
+                    topo["max_rate"] * mults[len(mults) // 2], pred, tail, stretch, steps)
             run["sim"] = sim_run(replace(setup, seed=run["seed"]), nodes, run["policy"],
-                                 run["rate"], pred, tail, stretch, durations.get(tail, ()))
+                                 run["rate"], pred, tail, stretch, durations.get(tail, ()), steps)
     result["checks"] = checks(result)
     (out / "overload_live.json").write_text(json.dumps(result, indent=1) + "\n")
     md = table(result) + "\n\n" + spreads(result) + "\n\n" + "\n".join(

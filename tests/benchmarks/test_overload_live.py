@@ -36,6 +36,7 @@ spec.loader.exec_module(ol)
     (["--sim-only", "--topologies", "1P1D", "--base-rate", "0.3"], "--sim-only needs"),
     (["--tbt-tail", "0.5"], "--tbt-tail"),
     (["--sim-stretch", "0.5"], "--sim-stretch"),
+    (["--sim-step-tail", "0.9"], "--sim-step-tail"),
     (["--predictors", "/nonexistent/p.json"], "--predictors: no file"),
     (["--topologies", "1P1D,2P1D", "--predictors", "a,b,c"], "3 paths for 2 topologies"),
     (["--resim", "/nonexistent"], "--resim: no /nonexistent/overload_live.json"),
@@ -205,6 +206,28 @@ def test_simulated_nodes_share_the_profiled_machines_cores(tmp_path: Path) -> No
     assert factors == {"decode_factor": 3.0, "prefill_factor": 1.0}
 
 
+def test_simulated_decode_steps_carry_the_given_tail_drawn_from_the_seed(tmp_path: Path) -> None:
+    """``step_tail``: a tenth of the simulated decode steps take it times their profiled time
+    (`SimConfig.decode_tail`), drawn from the run's seed; off (1) unless given."""
+    path = _predictors(tmp_path, 1e-4, 0.02)
+    setup = replace(_setup(tmp_path), requests=8, max_output=64)
+    even = ol.simulated(setup, (1, 1), "none", 0.5, path, 1.0, 1.0)
+    assert even.config.decode_tail == 1.0
+    tailed = ol.simulated(setup, (1, 1), "none", 0.5, path, 1.0, 1.0, step_tail=2.5)
+    again = ol.simulated(setup, (1, 1), "none", 0.5, path, 1.0, 1.0, step_tail=2.5)
+    other = ol.simulated(replace(setup, seed=1), (1, 1), "none", 0.5, path, 1.0, 1.0,
+                         step_tail=2.5)
+    assert tailed.config.decode_tail == 2.5 and tailed.config.policy.seed == 0
+    assert other.config.policy.seed == 1
+    assert [r.tbt_s for r in tailed.records] == [r.tbt_s for r in again.records]
+    slower = sorted(t.tbt_s / e.tbt_s for t, e in zip(tailed.records, even.records, strict=True))
+    assert slower[len(slower) // 2] > 1.5  # most requests' slowest tenth: slow steps
+    out = ol.sim_run(setup, (1, 1), "none", 0.5, path, step_tail=2.5)
+    assert out["latency"] == ol.sim_run(setup, (1, 1), "none", 0.5, path, 1.0, 1.0, (),
+                                        2.5)["latency"]
+    assert out["tbt_tail"] == 1.0  # 8 requests: fewer than a Conductor learns from
+
+
 def test_the_simulator_fits_the_start_up_profiles_of_a_clusters_logs(tmp_path: Path) -> None:
     """``--predictors LOGDIR``: the prefill and decode predictors fitted to the start-up
     profiles in the instances' ready files, as the Conductor fits them before any online
@@ -311,7 +334,8 @@ def test_the_simulated_forecast_assumes_the_durations_a_warm_up_realizes(tmp_pat
 
 def test_resim_runs_the_simulator_columns_of_a_live_run_again(tmp_path: Path) -> None:
     """``--resim DIR``: each run's simulator column again on the live run's workload, with the
-    tail its seed's live ``none`` run learned; the checks compare the new columns."""
+    tail its seed's live ``none`` run learned for the policy and the one its rate search
+    learned for the decode steps (or the one given); the checks compare the new columns."""
     path = _predictors(tmp_path, 1e-4, 0.01)
     rows = [_record(i, "ok", ttft=0.5, tbt=0.05) for i in range(4)]
     live = ol.summarize_live(_setup(tmp_path), rows, {}, [], {"prefilled_tokens": 9,
@@ -324,11 +348,16 @@ def test_resim_runs_the_simulator_columns_of_a_live_run_again(tmp_path: Path) ->
     src = tmp_path / "live"
     src.mkdir()
     (src / "overload_live.json").write_text(json.dumps(
-        {"setup": setup, "topologies": [{"name": "1P1D", "max_rate": 0.5, "runs": runs}]}))
+        {"setup": setup, "topologies": [{"name": "1P1D", "max_rate": 0.5, "tbt_tail": 1.8,
+                                         "runs": runs}]}))
     out = tmp_path / "out"
     out.mkdir()
+    assert ol.resim(src, out, [path], 1.0, True, 1.4) == 0
+    assert json.loads((out / "overload_live.json").read_text())["topologies"][0][
+        "sim_step_tail"] == 1.4
     assert ol.resim(src, out, [path], 1.0, True) == 0
     again = json.loads((out / "overload_live.json").read_text())
+    assert again["topologies"][0]["sim_step_tail"] == 1.8  # the search's
     sims = [r["sim"] for r in again["topologies"][0]["runs"]]
     assert all(s["requests"] == 4 and s["goodput_rps"] > 0 for s in sims)
     assert "1P1D sim goodput within ±25 %" in again["checks"]

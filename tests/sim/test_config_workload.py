@@ -19,6 +19,9 @@ from yuebing.trace.model import Request
     ({"cost_model": "fitted"}, "needs --profile"),
     ({"limit": -1}, "limit must be >= 0"),
     ({"output_tokens": -1}, "output_tokens must be >= 0"),
+    ({"decode_tail": 0.9}, "decode_tail must be a finite number >= 1"),
+    ({"decode_tail": float("nan")}, "decode_tail must be a finite number >= 1"),
+    ({"system": "vllm", "decode_tail": 2.0}, "decode_tail is modelled for system mooncake only"),
 ])
 def test_bad_configs_say_what_to_change(kw: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):

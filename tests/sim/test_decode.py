@@ -7,10 +7,11 @@ import random
 
 import pytest
 
-from yuebing.sim.decode import DecodeInstance, DecodeJob
+from yuebing.sim.decode import SLOW_SHARE, DecodeInstance, DecodeJob, SlowSteps
 from yuebing.sim.hardware import CostModel
 from yuebing.sim.loop import EventLoop, Priority
-from yuebing.sim.metrics import RequestRecord
+from yuebing.sim.metrics import RequestRecord, learned_tail
+from yuebing.trace.latency import nearest_rank
 
 
 class StepCost(CostModel):
@@ -119,3 +120,94 @@ def _tbt(times: list[float]) -> float:
     gaps = sorted((b - a for a, b in zip(times, times[1:], strict=False)), reverse=True)
     k = -(-len(gaps) // 10)
     return sum(gaps[:k]) / k
+
+
+class EvenCost(StepCost):
+    """Every decode iteration takes 50 ms."""
+
+    def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
+        return 0.05
+
+
+def test_slow_steps_are_drawn_by_step_index_whatever_the_order_asked() -> None:
+    """Step k is slow or not from the seed alone: asking far ahead first (a plan) and then
+    again (a re-plan after a truncation) gives the same factors as asking in order."""
+    in_order = SlowSteps(2.5, random.Random(7))
+    ahead = SlowSteps(2.5, random.Random(7))
+    ahead.factor(700)
+    factors = [in_order.factor(k) for k in range(1000)]
+    assert [ahead.factor(k) for k in range(1000)] == factors
+    assert set(factors) == {1.0, 2.5}
+    assert 0.07 < factors.count(2.5) / len(factors) < 0.13  # SLOW_SHARE = 0.1
+    assert [SlowSteps(2.5, random.Random(8)).factor(k) for k in range(1000)] != factors
+    for bad in (0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="decode tail must be a finite number >= 1"):
+            SlowSteps(bad, random.Random(0))
+
+
+def test_slow_steps_lengthen_the_planned_steps_through_re_plans() -> None:
+    """Arrivals mid-plan truncate and re-plan it; each iteration k still takes its cost-model
+    time (50 ms) times the factor of step k, no other."""
+    loop = EventLoop()
+    inst = DecodeInstance("d0", loop, EvenCost(capacity=100_000),
+                          slow=SlowSteps(3.0, random.Random(1)))
+    jobs = [_job(i, 0.37 * i, 50, 40) for i in range(30)]
+    for job in jobs:
+        loop.at(job.record.arrival_s, Priority.COMPLETE, inst.enqueue, job)
+    loop.run()
+    ref = SlowSteps(3.0, random.Random(1))
+    ends = inst.step_ends
+    starts = [jobs[0].record.arrival_s, *ends[:-1]]
+    idle = {j.record.decode_start_s for j in jobs}  # a step after an idle spell starts there
+    for k, (a, b) in enumerate(zip(starts, ends, strict=True)):
+        if a < b - 0.05 * ref.factor(k) - 1e-9:
+            assert b - 0.05 * ref.factor(k) == pytest.approx(max(x for x in idle if x <= b))
+        else:
+            assert b - a == pytest.approx(0.05 * ref.factor(k))
+    assert 3.0 in {ref.factor(k) for k in range(len(ends))}
+
+
+def test_the_tails_quantile_over_requests_is_the_decode_tail() -> None:
+    """One request at a time on a node of even 50 ms steps, a tenth of them 2x slower: the 0.9
+    quantile over requests of paper TBT per step (what the live Conductor learns as its TBT
+    tail) is 2; some requests have fewer slow steps than their slowest tenth, and the mean step
+    is 1 + 0.1 of the extra; without `SlowSteps` every ratio is 1."""
+    def ratios(slow: SlowSteps | None) -> tuple[list[float], float]:
+        loop = EventLoop()
+        inst = DecodeInstance("d0", loop, EvenCost(capacity=100_000), slow=slow)
+        jobs = [_job(i, 10.0 * i, 50, 101) for i in range(300)]  # 100 intervals each
+        for job in jobs:
+            loop.at(job.record.arrival_s, Priority.COMPLETE, inst.enqueue, job)
+        loop.run()
+        means = [j.record.tbt_mean_s for j in jobs]
+        assert all(j.record.step_mean_s == pytest.approx(0.05) for j in jobs)  # as predicted
+        for j in jobs:
+            j.record.prefill_busy = True
+        assert learned_tail([j.record for j in jobs]) == pytest.approx(
+            nearest_rank([j.record.tbt_s / 0.05 for j in jobs[-32:]], 0.9))
+        return [j.record.tbt_s / 0.05 for j in jobs], sum(means) / len(means) / 0.05
+
+    got, mean = ratios(SlowSteps(2.0, random.Random(3)))
+    assert nearest_rank(got, 0.9) == pytest.approx(2.0)
+    assert nearest_rank(got, 0.1) < 1.9
+    assert mean == pytest.approx(1 + SLOW_SHARE * (2.0 - 1), rel=0.03)
+    even, mean = ratios(None)
+    assert max(even) == pytest.approx(1.0) and mean == pytest.approx(1.0)
+
+
+def test_step_mean_is_the_time_mean_predicted_step_from_the_second_token() -> None:
+    """A request's `step_mean_s` weighs each of its iterations after its first by its
+    duration (the Conductor's ledger), at the cost model's step: slow steps do not count."""
+    loop = EventLoop()
+    inst = DecodeInstance("d0", loop, StepCost(capacity=10_000),
+                          slow=SlowSteps(3.0, random.Random(5)))
+    a, b = _job(0, 0.0, 100, 12), _job(1, 0.35, 100, 4)
+    for job in (a, b):
+        loop.at(job.record.arrival_s, Priority.COMPLETE, inst.enqueue, job)
+    loop.run()
+    ends, ref = inst.step_ends, SlowSteps(3.0, random.Random(5))
+    durations = [ends[k] - ends[k - 1] for k in range(1, len(ends))]
+    steps = [d / ref.factor(k) for k, d in enumerate(durations, start=1)]
+    want = sum(p * d for p, d in zip(steps, durations, strict=True)) / sum(durations)
+    assert a.record.step_mean_s == pytest.approx(want)  # its steps 1..10 (a joined at 0)
+    assert b.record.step_mean_s > 0.1 and b.record.step_mean_s != a.record.step_mean_s

@@ -11,6 +11,7 @@ from yuebing.sim.metrics import (
     RequestRecord,
     capacity_curve,
     effective_capacity,
+    learned_tail,
     summarize,
     tbt_summary,
 )
@@ -85,3 +86,23 @@ def test_summary_counts_and_breakdown() -> None:
                                        "300": pytest.approx(2 / 3)}
     assert s["breakdown_mean_s"]["prefill_s"] == pytest.approx(3.0)  # type: ignore[index]
     assert math.isclose(s["breakdown_mean_s"]["queue_s"], 0.0)  # type: ignore[index]
+
+
+def test_learned_tail_is_the_conductors_quantile_over_the_last_busy_requests() -> None:
+    """`learned_tail`: the 0.9 quantile (nearest rank) of paper TBT / step over the last 32
+    finished requests routed while a prefill node had work, each ratio within [1, 4]; 1.0
+    below the Conductor's 10 samples."""
+    def rec(i: int, ratio: float, busy: bool = True) -> RequestRecord:
+        r = RequestRecord(index=i, arrival_s=float(i), input_tokens=10, output_tokens=10)
+        r.finish_s, r.tbt_s, r.step_mean_s, r.prefill_busy = 100.0 + i, 0.02 * ratio, 0.02, busy
+        return r
+
+    assert learned_tail([rec(i, 2.0) for i in range(9)]) == 1.0  # too few to learn
+    ten = [rec(i, 1.0 + i / 10) for i in range(10)]
+    assert learned_tail(ten) == pytest.approx(1.8)  # the 9th of 10, not the largest (1.9)
+    idle = [rec(100 + i, 3.0, busy=False) for i in range(20)]  # not counted
+    assert learned_tail(ten + idle) == pytest.approx(1.8)
+    old = [rec(i - 100, 3.9) for i in range(40)]  # finished before the last 32
+    assert learned_tail(old + [rec(i, 1.5) for i in range(32)]) == pytest.approx(1.5)
+    assert learned_tail([rec(i, 9.0) for i in range(10)]) == 4.0  # within TAIL_LIMITS
+    assert learned_tail([rec(i, 0.5) for i in range(10)]) == 1.0

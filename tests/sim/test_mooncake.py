@@ -124,6 +124,25 @@ def test_same_seed_same_result() -> None:
     assert a.summary == b.summary
 
 
+def test_decode_tail_slows_a_tenth_of_the_steps_per_seed() -> None:
+    """``decode_tail``: off by default (even 50 ms steps, the paper-scale simulator as before);
+    on, the paper TBT of long requests carries the tail, the same seed gives the same steps and
+    another seed other ones."""
+    reqs = [_req(i, i * 5.0, [i], 512, 61) for i in range(20)]  # one at a time, 60 steps
+    even = simulate(reqs, _config(), cost=LinearCost())
+    assert SimConfig().decode_tail == 1.0
+    assert {round(r.tbt_s, 9) for r in even.records} == {round(0.05 + 512e-6 / 6, 9)}  # + KV move
+    a = simulate(reqs, _config(decode_tail=3.0, seed=1), cost=LinearCost())
+    b = simulate(reqs, _config(decode_tail=3.0, seed=1), cost=LinearCost())
+    c = simulate(reqs, _config(decode_tail=3.0, seed=2), cost=LinearCost())
+    assert [r.tbt_s for r in a.records] == [r.tbt_s for r in b.records]
+    assert [r.finish_s for r in a.records] != [r.finish_s for r in c.records]
+    tbt = [r.tbt_s for r in a.records]
+    assert max(tbt) == pytest.approx(0.15, abs=1e-4)  # its slowest tenth all slow steps
+    assert all(0.05 < t <= 0.15 + 1e-4 for t in tbt) and min(tbt) < 0.14
+    assert a.extra["decode_iterations"] == b.extra["decode_iterations"]
+
+
 def test_decode_stage_rejection_wastes_the_prefill() -> None:
     # decode KV holds 3000 tokens: the second request's 2048 + 3 cannot join beside the first
     reqs = [_req(0, 0.0, [1, 2, 3, 4], 2048, 50), _req(1, 0.1, [5, 6, 7, 8], 2048, 3)]

@@ -4,13 +4,16 @@
 A request's KV arrives (`enqueue`) and waits FIFO until its whole footprint (prompt + every
 output token, reserved up front: no preemption) fits; it joins at the next iteration boundary,
 makes one token per iteration and leaves after its last, freeing its KV. An iteration takes
-``cost.decode_step_time(batch, context)`` (longer beside a prefilling host-mate: ``stretch``).
-Between two batch changes the iterations are planned at once, one event per change.
+``cost.decode_step_time(batch, context)`` (longer beside a prefilling host-mate: ``stretch``;
+``tail`` times that on the steps `SlowSteps` draws slow). Between two batch changes the
+iterations are planned at once, one event per change.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+import random
 from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable
@@ -23,6 +26,34 @@ from yuebing.sim.metrics import RequestRecord
 MAX_PLAN_STEPS = 32
 """Longest run of iterations planned in one event (bounds the work thrown away when an
 arrival truncates a plan)."""
+SLOW_SHARE = 0.1
+"""The share of slow steps (`SlowSteps`): the paper TBT's longest tenth of intervals."""
+
+
+class SlowSteps:
+    """Which steps of one decode node are slow (`SimConfig.decode_tail`): each independently
+    with probability `SLOW_SHARE`, drawn in step order from ``rng`` (one stream per node), so
+    step k is slow or not whatever plans and re-plans came before it. A slow step takes
+    ``tail`` times its cost-model time; the others take that time. Then a request with a tenth
+    of its steps slow has a paper TBT of ``tail`` times its step, about half of the long ones
+    do, and the 0.9 quantile of paper TBT per step over requests, what the live Conductor
+    learns as its TBT tail, is ``tail``: the jitter of live steps (the OS, the Conductor and
+    the load generator on the same cores, caches) that the profile's mean step leaves out."""
+
+    def __init__(self, tail: float, rng: random.Random) -> None:
+        if not (math.isfinite(tail) and tail >= 1.0):
+            raise ValueError(f"the decode tail must be a finite number >= 1, got {tail}")
+        self.tail = tail
+        self._rng = rng
+        self._slow = bytearray()
+        """Per step index, whether it is slow (drawn up to the latest step asked for)."""
+
+    def factor(self, step: int) -> float:
+        """The slowdown of the node's step number ``step`` (0-based): ``tail`` or 1."""
+        slow = self._slow
+        while len(slow) <= step:
+            slow.append(self._rng.random() < SLOW_SHARE)
+        return self.tail if slow[step] else 1.0
 
 
 @dataclass(slots=True)
@@ -52,11 +83,14 @@ class DecodeInstance:
 
     def __init__(self, name: str, loop: EventLoop, cost: CostModel,
                  on_finish: Callable[[DecodeJob], None] | None = None,
-                 stretch: Callable[[float, float], float] | None = None) -> None:
+                 stretch: Callable[[float, float], float] | None = None,
+                 slow: SlowSteps | None = None) -> None:
         self.name = name
         self.stretch = stretch
         """Colocated nodes only (`yuebing.sim.colocation.HostMate.decode_step`): ``(start,
         step time) -> duration`` of a step while the host-mate may be busy."""
+        self.slow = slow
+        """The node's slow steps (`SimConfig.decode_tail`), else None: even steps."""
         self.loop = loop
         self.cost = cost
         self.capacity = cost.decode_kv_capacity_tokens
@@ -73,6 +107,9 @@ class DecodeInstance:
         self.kv_reserved = 0
         """KV tokens reserved by the running batch."""
         self.step_ends: list[float] = []
+        self._areas: list[float] = []
+        """Per step, ∫ cost-model step dt up to its end (the steps as predicted, without slow
+        steps or ``stretch``): a request's `RequestRecord.step_mean_s`."""
         self._finish_at: dict[int, list[DecodeJob]] = {}
         self._finish_steps: list[int] = []
         self._gen = 0
@@ -137,6 +174,7 @@ class DecodeInstance:
         if m >= len(ends) - 1:
             return  # the next boundary is already the plan's end
         del ends[m + 1:]
+        del self._areas[m + 1:]
         self._gen += 1
         self.loop.at(ends[m], Priority.COMPLETE, self._boundary, self._gen)
 
@@ -171,11 +209,18 @@ class DecodeInstance:
         self._plan_start = start
         steps = min(self._finish_steps[0] - start + 1, MAX_PLAN_STEPS)
         b, ctx, t = self.batch_size, self._ctx0, self.loop.now
-        step_time, stretch = self.cost.decode_step_time, self.stretch
-        for _ in range(steps):
-            t += step_time(b, ctx) if stretch is None else stretch(t, step_time(b, ctx))
+        step_time, stretch, slow = self.cost.decode_step_time, self.stretch, self.slow
+        areas = self._areas
+        area = areas[-1] if areas else 0.0
+        for k in range(start, start + steps):
+            step = step_time(b, ctx)
+            work = step if slow is None else step * slow.factor(k)
+            end = t + (work if stretch is None else stretch(t, work))
+            area += step * (end - t)
+            t = end
             ctx += b
             ends.append(t)
+            areas.append(area)
         self._gen += 1
         self.loop.at(t, Priority.COMPLETE, self._boundary, self._gen)
 
@@ -194,6 +239,9 @@ class DecodeInstance:
                 self.kv_reserved -= job.kv_tokens
                 rec = job.record
                 rec.finish_decode([rec.first_token_s, *ends[job.first_step:step + 1]])
+                if step > job.first_step:  # from its second token, as the Conductor's ledger
+                    rec.step_mean_s = ((self._areas[step] - self._areas[job.first_step])
+                                       / (ends[step] - ends[job.first_step]))
                 if self.on_finish is not None:
                     self.on_finish(job)
         if self.waiting:

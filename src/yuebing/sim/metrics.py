@@ -3,7 +3,8 @@
 The runner creates one `RequestRecord` per trace request before its arrival; the simulated
 system fills it in as the request moves (routing → prefill → transfer → decode, or rejection)
 and calls `finish_decode` with its token times. After the run `summarize` aggregates the
-records; `effective_capacity` and `capacity_curve` give the paper's effective request capacity
+records; `effective_capacity` and `capacity_curve` give the paper's effective request capacity,
+`learned_tail` the TBT tail a live Conductor would learn from them
 (TBT and latency stats come from `yuebing.trace.latency`, shared with the live bench).
 """
 
@@ -15,12 +16,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from yuebing.conductor.calibration import (
+    MIN_STEP_S,
+    TAIL_LIMITS,
+    TAIL_MIN_SAMPLES,
+    TAIL_QUANTILE,
+    TAIL_WINDOW,
+    outlier_free_samples,
+)
 from yuebing.conductor.policy.types import RejectStage
-from yuebing.trace.latency import TBT_THRESHOLDS_S, TTFT_SLO_S, tbt_summary
+from yuebing.trace.latency import TBT_THRESHOLDS_S, TTFT_SLO_S, nearest_rank, tbt_summary
 from yuebing.trace.latency import latency_stats as _stats
 
 __all__ = ["TBT_THRESHOLDS_S", "TTFT_SLO_S", "RequestRecord", "capacity_curve",
-           "effective_capacity", "summarize", "tbt_summary"]
+           "effective_capacity", "learned_tail", "summarize", "tbt_summary"]
 
 
 @dataclass(slots=True)
@@ -50,6 +59,11 @@ class RequestRecord:
     tbt_s: float = math.nan
     tbt_p90_s: float = math.nan
     tbt_mean_s: float = math.nan
+    step_mean_s: float = math.nan
+    """The time-mean cost-model step of its batch from its second token to its last (without
+    slow steps or a neighbour's slowdown): the denominator of the Conductor's TBT tail."""
+    prefill_busy: bool = False
+    """Routed while a prefill node had work (`Route.prefill_busy`)."""
     rejected: RejectStage | None = None
     reject_reason: str = ""
 
@@ -88,6 +102,22 @@ class RequestRecord:
         self.finish_s = float(times[-1])
         tbt, p90, mean = tbt_summary(np.diff(times))
         self.tbt_s, self.tbt_p90_s, self.tbt_mean_s = tbt, p90, mean
+
+
+def learned_tail(records: Sequence[RequestRecord], quantile: float = TAIL_QUANTILE,
+                 window: int = TAIL_WINDOW) -> float:
+    """The TBT tail a live Conductor learns from ``records`` (`yuebing.conductor.calibration.
+    TbtTail`): the nearest-rank ``quantile`` of paper TBT / `RequestRecord.step_mean_s`, each
+    within `TAIL_LIMITS`, over the last ``window`` requests to finish that were routed while a
+    prefill node had work; 1.0 for fewer than the Conductor needs (`TAIL_MIN_SAMPLES`, or
+    enough that the quantile is not the largest)."""
+    lo, hi = TAIL_LIMITS
+    done = sorted((r for r in records if r.rejected is None and r.prefill_busy
+                   and math.isfinite(r.finish_s) and r.tbt_s > 0
+                   and r.step_mean_s >= MIN_STEP_S), key=lambda r: r.finish_s)[-window:]
+    if len(done) < max(TAIL_MIN_SAMPLES, outlier_free_samples(quantile, window)):
+        return 1.0
+    return nearest_rank([min(max(r.tbt_s / r.step_mean_s, lo), hi) for r in done], quantile)
 
 
 def effective_capacity(records: Sequence[RequestRecord], tbt_threshold_s: float,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from yuebing.sim.colocation import (
     load_interference,
     stretch,
 )
-from yuebing.sim.decode import DecodeInstance, DecodeJob
+from yuebing.sim.decode import DecodeInstance, DecodeJob, SlowSteps
 from yuebing.sim.kvpool import GlobalKVPool
 from yuebing.sim.loop import Priority
 from yuebing.sim.metrics import RequestRecord
@@ -111,7 +112,8 @@ class MooncakeSystem(SimSystem):
     (with ``host_cores``, all nodes share one) and stretch each other (`sim.colocation`). (3)
     prefill end = first token; the KV stored layer by layer into the node's DRAM pool moves to
     the decode node after the prefill (Figure 14). (4)
-    decode: with ``decode_reject`` a request whose KV cannot join at the next iteration, or would
+    decode (a tenth of the steps ``decode_tail`` times slower, `sim.decode.SlowSteps`): with
+    ``decode_reject`` a request whose KV cannot join at the next iteration, or would
     push it past the TBT SLO (by the Conductor's decode predictor), is rejected there."""
 
     def __init__(self, ctx: SystemContext) -> None:
@@ -153,7 +155,7 @@ class MooncakeSystem(SimSystem):
         self.mates = self._host_mates()
         self.decodes = [DecodeInstance(str(d), self.loop, self.cost, stretch=(
             self.host.decode_step if self.host is not None
-            else self.mates[j].decode_step if j in self.mates else None))
+            else self.mates[j].decode_step if j in self.mates else None), slow=self._slow())
             for j, d in enumerate(self.decode_ids)]
         self.pending: dict[int, PendingDecode] = {}
         self.policy: Policy | None = None
@@ -176,6 +178,13 @@ class MooncakeSystem(SimSystem):
                                    self.D)
             return {}
         return {i: HostMate(self.interference.decode_factor) for i in range(min(cfg.prefill_nodes, self.D))}
+
+    def _slow(self) -> SlowSteps | None:
+        """A decode node's slow steps (`SimConfig.decode_tail`; its own stream, seeded from
+        the loop's), else None."""
+        tail = self.config.decode_tail
+        return None if tail == 1.0 else SlowSteps(
+            tail, random.Random(self.loop.rng.getrandbits(64)))
 
     def prepare(self, requests: Sequence[SimRequest]) -> None:
         self.policy = policy_for(self.config, self.cost, requests)
@@ -244,6 +253,7 @@ class MooncakeSystem(SimSystem):
         hit = min(reused * bt, n_in - 1)
         record.hit_tokens = hit
         record.prefill_id, record.decode_id = str(decision.prefill_id), str(decision.decode_id)
+        record.prefill_busy = decision.prefill_busy
         if self.policy.queue_order.arrival_order:  # its turn is known now
             self._start_prefill(request, record, i, j, hit, ready)
             return

@@ -96,6 +96,13 @@ class SimConfig:
                 "up"})
     interference_profile: str = field(default="", metadata={
         "help": "samples file with the interference factors for colocated (default: profile)"})
+    decode_tail: float = field(default=1.0, metadata={
+        "help": "mooncake: the realized TBT tail of the decode steps: each step is slow with "
+                "probability 1/10 (drawn per step and decode node from the run's seed, "
+                "policy.seed), taking this many times its cost-model time, so a request whose "
+                "slowest tenth of intervals are slow steps has a paper TBT of this times its "
+                "step, as the live Conductor's TBT tail measures (`sim.decode.SlowSteps`; a live "
+                "rate search's learned tail); 1: even steps (the default)"})
     forecast_durations_s: tuple[float, ...] = field(default=(), metadata={
         "help": "the decode durations (equally likely, seconds) the predictive early rejection "
                 "forecast assumes, e.g. those a live Conductor learned (empty: the workload's "
@@ -131,6 +138,11 @@ class SimConfig:
                 "colocated is not modelled with declared pipeline groups (cpp_groups): their "
                 "stage nodes belong to no simulated host, so they would neither slow the "
                 "decodes nor wait for a core; drop one of the two")
+        require(math.isfinite(self.decode_tail) and self.decode_tail >= 1.0,
+                f"decode_tail must be a finite number >= 1 (1: even steps), got "
+                f"{self.decode_tail}")
+        require(self.decode_tail == 1.0 or self.system == "mooncake",
+                f"decode_tail is modelled for system mooncake only, not {self.system!r}")
         require(all(math.isfinite(d) and d > 0 for d in self.forecast_durations_s),
                 f"forecast_durations_s must be positive seconds, got {self.forecast_durations_s}")
         require(not self.colocated or bool(self.interference_profile or self.profile),
