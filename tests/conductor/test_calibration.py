@@ -231,7 +231,7 @@ def test_step_ledger_means_the_step_over_a_decode():
 
 
 def test_tbt_tail_waits_until_one_outlier_cannot_be_the_quantile():
-    from yuebing.conductor.calibration import outlier_free_samples
+    from yuebing.conductor.policy.tail import outlier_free_samples
     assert outlier_free_samples(0.9, 32) == 10 and outlier_free_samples(0.5, 32) == 2
     assert outlier_free_samples(1.0, 32) == 32  # the maximum: wait for a full window
     got: list[float] = []

@@ -27,6 +27,14 @@ from yuebing.conductor.policy import (
 )
 from yuebing.conductor.policy.decode import duration_quantiles
 from yuebing.conductor.policy.predictors import ATTENTION_TERMS
+from yuebing.conductor.policy.tail import (
+    MIN_STEP_S,
+    TAIL_LIMITS,
+    TAIL_MIN_SAMPLES,
+    TAIL_QUANTILE,
+    TAIL_WINDOW,
+    outlier_free_samples,
+)
 from yuebing.core.errors import InputError
 from yuebing.protocol.instance import EngineProfile, Hello, Role
 from yuebing.trace.latency import nearest_rank
@@ -284,25 +292,8 @@ class DecodeDurations:
                 "in_use": "learned" if self.current else "configured"}
 
 
-TAIL_WINDOW = 32
-"""Finished requests whose paper TBT per predicted step stand for the tail (the latest ones)."""
-TAIL_MIN_SAMPLES = 8
 TAIL_EVERY = 4
 """The tail is recomputed after this many new requests."""
-TAIL_LIMITS = (1.0, 4.0)
-TAIL_QUANTILE = 0.9
-"""The ratio's quantile the tail is: the paper's SLO attainment target."""
-MIN_STEP_S = 1e-3
-"""Requests predicted a shorter step than this do not count (no prediction to compare with)."""
-
-
-def outlier_free_samples(quantile: float, most: int) -> int:
-    """The fewest samples whose nearest-rank ``quantile`` is not their largest (at most
-    ``most``): 10 at 0.9, so one outlier alone never becomes the tail."""
-    n = 1
-    while n < most and math.ceil(quantile * n) >= n:
-        n += 1
-    return n
 
 
 class StepLedger:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from yuebing.conductor.calibration import (
+from yuebing.conductor.policy.tail import (
     MIN_STEP_S,
     TAIL_LIMITS,
     TAIL_MIN_SAMPLES,

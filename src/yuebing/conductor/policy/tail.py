@@ -1,0 +1,25 @@
+"""The TBT tail's definition, shared by the live Conductor (`conductor.calibration.TbtTail`,
+which learns it) and the simulator (`sim.metrics.learned_tail`, which reports what a Conductor
+would learn from a simulated run): the ratio's quantile, window, sample floor and limits."""
+
+from __future__ import annotations
+
+import math
+
+TAIL_WINDOW = 32
+"""Finished requests whose paper TBT per predicted step stand for the tail (the latest ones)."""
+TAIL_MIN_SAMPLES = 8
+TAIL_LIMITS = (1.0, 4.0)
+TAIL_QUANTILE = 0.9
+"""The ratio's quantile the tail is: the paper's SLO attainment target."""
+MIN_STEP_S = 1e-3
+"""Requests predicted a shorter step than this do not count (no prediction to compare with)."""
+
+
+def outlier_free_samples(quantile: float, most: int) -> int:
+    """The fewest samples whose nearest-rank ``quantile`` is not their largest (at most
+    ``most``): 10 at 0.9, so one outlier alone never becomes the tail."""
+    n = 1
+    while n < most and math.ceil(quantile * n) >= n:
+        n += 1
+    return n
