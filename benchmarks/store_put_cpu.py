@@ -6,7 +6,8 @@ plus a raw socket server (`transfer.rawsock`). Rounds alternate the store call a
 of the same value (order swapped per round) for ``--seconds`` each; per round: p10 / p50 µs per
 call, and per process the CPU µs (``/proc/<pid>/task/*/schedstat``, exact run time, every thread)
 and voluntary context switches (sleeps) per call. CPU per call does not wait for a CPU, so it is
-what a loaded host still measures; p50 is not. Medians over rounds, and store ÷ raw of each:
+what a loaded host still measures; p50 is not. Medians over rounds, and store ÷ raw of each.
+``--steps``: a put's client-side steps (`StepTimer`), p50 µs, from one extra store-only round:
 
     .venv/bin/python benchmarks/store_put_cpu.py --op put --size 1MiB --rounds 6 --seconds 8
 """
@@ -21,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -86,6 +88,60 @@ def one_round(fn: Callable[[], object], pids: dict[str, int], seconds: float,
     return row
 
 
+class StepTimer:
+    """Times a put's client steps by wrapping `StoreClient.transfer` / `commit` and the inline
+    frame's `send_parts` (this process only, while `on`): before the transfer, the send of
+    the write frame, the wait for the node's answer, the steps between, the wait for the
+    master's answer to the commit, after it. Costs a few µs a put: kept off the rounds."""
+
+    NAMES = ("before", "send", "node_answer", "between", "master_answer", "after")
+
+    def __init__(self) -> None:
+        from yuebing.store.client.client import StoreClient
+        from yuebing.transfer.transport import tcp_inline
+
+        self.t: dict[str, float] = {}
+        self.rows: list[tuple[float, ...]] = []
+        t = self.t
+        transfer, commit, send = StoreClient.transfer, StoreClient.commit, tcp_inline.send_parts
+
+        def timed_transfer(client: Any, *a: Any, **k: Any) -> Any:
+            t["transfer"] = time.perf_counter()
+            got = transfer(client, *a, **k)
+            t["answered"] = time.perf_counter()
+            return got
+
+        def timed_commit(client: Any, *a: Any, **k: Any) -> Any:
+            t["commit"] = time.perf_counter()
+            got = commit(client, *a, **k)
+            t["committed"] = time.perf_counter()
+            return got
+
+        def timed_send(*a: Any, **k: Any) -> Any:
+            got = send(*a, **k)
+            t["sent"] = time.perf_counter()
+            return got
+
+        StoreClient.transfer, StoreClient.commit = timed_transfer, timed_commit
+        tcp_inline.send_parts = timed_send
+
+    def put(self, fn: Callable[[], object]) -> None:
+        """One put ``fn``, its steps kept when it went the commit-on-landing way."""
+        t = self.t
+        t.clear()
+        start = time.perf_counter()
+        fn()
+        end = time.perf_counter()
+        marks = ("transfer", "sent", "answered", "commit", "committed")
+        if all(m in t for m in marks):
+            points = [start, *(t[m] for m in marks), end]
+            self.rows.append(tuple(b - a for a, b in zip(points, points[1:], strict=False)))
+
+    def p50_us(self) -> dict[str, float]:
+        return {n: round(statistics.median(r[i] for r in self.rows) * 1e6, 1)
+                for i, n in enumerate(self.NAMES)} if self.rows else {}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--op", choices=("put", "get"), default="put")
@@ -93,6 +149,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--seconds", type=float, default=8.0, help="per side and round")
     ap.add_argument("--master-spin", type=int, default=-1, help="the master's --spin-us")
+    ap.add_argument("--steps", action="store_true", help="also time a put's client steps")
     ap.add_argument("--json", default="", help="also write the rounds and medians here")
     ns = ap.parse_args()
     size = parse_size(ns.size)
@@ -137,6 +194,16 @@ def main() -> int:
                 print(side, r, {a: round(b, 2) for a, b in row.items()}, flush=True)
             if tidy is not None:
                 tidy()
+        steps: dict[str, float] = {}
+        if ns.steps and ns.op == "put":
+            timer = StepTimer()
+            end = time.perf_counter() + ns.seconds
+            while time.perf_counter() < end:
+                timer.put(store)
+                if len(timer.rows) % 500 == 499 and tidy is not None:
+                    tidy()
+            steps = timer.p50_us()
+            print("put steps p50 µs", steps, flush=True)
     finally:
         raw.close()
         srv.close()
@@ -148,7 +215,8 @@ def main() -> int:
     print(json.dumps({"median": med, "store_over_raw": ratio}, indent=1))
     if ns.json:
         Path(ns.json).write_text(json.dumps({"args": vars(ns), "rounds": rounds, "median": med,
-                                             "store_over_raw": ratio}, indent=1))
+                                             "store_over_raw": ratio, "put_steps_p50_us": steps},
+                                            indent=1))
     return 0
 
 
