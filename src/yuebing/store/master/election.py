@@ -91,11 +91,15 @@ class EtcdElector(Elector):
     def _run(self) -> None:
         period = self.ttl_s / 3.0
         while not self._stop.is_set():
-            try:
-                self._leader_step() if self._leader else self._campaign()
-            except Exception as e:  # etcd unreachable or slow
-                self._failed(e)
+            self._step()
             self._stop.wait(period)
+
+    def _step(self) -> None:
+        """One round: a leader refreshes its lease, a standby campaigns."""
+        try:
+            self._leader_step() if self._leader else self._campaign()
+        except Exception as e:  # etcd unreachable or slow
+            self._failed(e)
 
     def _failed(self, e: Exception) -> None:
         """A step failed: a standby waits; a leader whose lease may still live tries its next
