@@ -54,3 +54,18 @@ def wait_leader(etcd_url: str, cluster: str, master: Proc, timeout_s: float = 20
     while disc.store_master() != master.info["address"]:
         assert time.monotonic() < end, f"{master.info['address']} did not win the election"
         time.sleep(0.05)
+
+
+def leader_of(etcd_url: str, cluster: str, masters: list[Proc], timeout_s: float = 20.0) -> Proc:
+    """The one of ``masters`` that holds the store's election key in etcd now (waits while none
+    does: an election in progress)."""
+    from yuebing.cluster.discovery import Discovery
+
+    disc, end = Discovery(etcd_url, cluster), time.monotonic() + timeout_s
+    while True:
+        named = disc.store_master()
+        found = [p for p in masters if p.info["address"] == named]
+        if found:
+            return found[0]
+        assert time.monotonic() < end, f"none of the masters leads (the key names {named!r})"
+        time.sleep(0.05)

@@ -296,6 +296,25 @@ def tcp_only() -> TransferEngine:
     return TransferEngine(TransferConfig(metadata="p2p", transports=("tcp",)))
 
 
+@contextlib.contextmanager
+def landing_client(cluster: tuple[Proc, Proc], prefix: str, fill: int
+                   ) -> Iterator[tuple[StoreClient, TransferEngine, np.ndarray]]:
+    """A TCP-only client of ``cluster`` whose puts commit on landing (patient: `PATIENT_S`),
+    its engine and a 64 KiB value of ``fill`` bytes, put as ``<prefix>/0..2``: the third put's
+    commit landed, and the client holds the reservation that ``<prefix>/3`` writes into. Its
+    keys are removed when the block ends without an error."""
+    cfg = ClientConfig(master=cluster[0].info["address"], direct=False, inline_max_bytes=0,
+                       landing_wait_s=PATIENT_S)
+    v = np.full(64 << 10, fill, np.uint8)
+    with tcp_only() as eng, StoreClient(cfg, engine=eng) as c:
+        before = c.stats()["landed_commits"]
+        for i in range(3):
+            c.put(f"{prefix}/{i}", v)
+        assert c.stats()["landed_commits"] == before + 1
+        yield c, eng, v
+        c.remove_all(force=True)
+
+
 class Calls:
     """The master RPCs a client sends itself, and the answers it takes that it never asked."""
 
@@ -349,13 +368,7 @@ def test_late_landing_answer_falls_back_to_the_clients_commit(cluster) -> None:
     """An answer to a landed commit that the client does not take in time (a lost report, a
     failover) is followed by the client's own commit, answered OK as a retry of a commit
     that landed; the late answer is dropped and the stream goes on."""
-    addr = cluster[0].info["address"]
-    v = np.full(64 << 10, 9, np.uint8)
-    with tcp_only() as eng, StoreClient(
-            ClientConfig(master=addr, direct=False, inline_max_bytes=0,
-                         landing_wait_s=PATIENT_S), engine=eng) as c:
-        for i in range(3):
-            c.put(f"late/{i}", v)
+    with landing_client(cluster, "late", 9) as (c, _, v):
         calls = Calls(c)
         c.rpc.answer = lambda rid, wait_s: None  # type: ignore[method-assign]
         c.put("late/3", v)
@@ -368,7 +381,6 @@ def test_late_landing_answer_falls_back_to_the_clients_commit(cluster) -> None:
         assert calls.take() == ["answer", "answer"]
         assert [c.get(f"late/{i}") for i in (4, 5)] == [v.tobytes()] * 2
         assert c.stats()["landed_commits"] >= 3
-        c.remove_all(force=True)
 
 
 def answer_lost(c: StoreClient, eng: TransferEngine) -> None:
@@ -396,13 +408,7 @@ def test_put_whose_write_fails_after_its_commit_landed_is_done_not_exists(cluste
     the value twice, and the value reads back. The next reservation the landed commit placed
     is not left to its write expiry: taken from the answer that came while revoking, and given
     back (it lies on the segment the write failed on)."""
-    addr = cluster[0].info["address"]
-    v = np.full(64 << 10, 4, np.uint8)
-    with tcp_only() as eng, StoreClient(
-            ClientConfig(master=addr, direct=False, inline_max_bytes=0,
-                         landing_wait_s=PATIENT_S), engine=eng) as c:
-        for i in range(3):
-            c.put(f"lost/{i}", v)
+    with landing_client(cluster, "lost", 4) as (c, eng, v):
         answer_lost(c, eng)
         calls = Calls(c)
         before = c.stats()["reservations"]  # the one lost/3 writes into among them
@@ -415,20 +421,13 @@ def test_put_whose_write_fails_after_its_commit_landed_is_done_not_exists(cluste
         time.sleep(1.0)  # the revoke blamed the node: placed on again once it heartbeats
         c.put("lost/4", v)
         assert c.get("lost/4") == v.tobytes()
-        c.remove_all(force=True)
 
 
 def test_put_whose_revoke_fails_after_its_commit_may_have_landed_says_so(cluster) -> None:
     """As above, but the revoke gets no answer: the put does not go on to a second placement
     (which would raise EXISTS for a value it stored itself); it raises `StoreError` saying
     whether the value is stored is unknown. Here it was: it reads back."""
-    addr = cluster[0].info["address"]
-    v = np.full(64 << 10, 5, np.uint8)
-    with tcp_only() as eng, StoreClient(
-            ClientConfig(master=addr, direct=False, inline_max_bytes=0,
-                         landing_wait_s=PATIENT_S), engine=eng) as c:
-        for i in range(3):
-            c.put(f"unk/{i}", v)
+    with landing_client(cluster, "unk", 5) as (c, eng, v):
         answer_lost(c, eng)
         real = c.rpc.call
 
@@ -444,7 +443,6 @@ def test_put_whose_revoke_fails_after_its_commit_may_have_landed_says_so(cluster
         assert calls.take() == ["BatchPutRevoke"]
         del eng.transfer_noted, c.rpc.call
         assert c.get("unk/3") == v.tobytes()
-        c.remove_all(force=True)
 
 
 def test_node_killed_under_a_landing_put_revokes_and_lands_elsewhere() -> None:

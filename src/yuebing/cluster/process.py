@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from yuebing.ops.pgroup import kill_group
 from yuebing.ops.procs import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,13 @@ class RoleProcess:
         """Send ``sig`` to the child's whole process group (itself and anything it started)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, sig)
+
+    def kill_group(self, wait_s: float = 10.0) -> int | None:
+        """SIGKILL the child's whole process group, wait up to ``wait_s`` until none of its
+        processes runs (`ops.pgroup.kill_group`: a signalled process exits only once
+        scheduled), then reap the child; its exit code (None: it still runs)."""
+        kill_group(self.pid, wait_s)
+        return self.wait(wait_s)
 
     def wait(self, timeout_s: float) -> int | None:
         try:

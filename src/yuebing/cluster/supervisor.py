@@ -6,7 +6,8 @@ each under ``log_dir``) and polls their readiness; a role that exits or misses
 ``ready_timeout_s`` raises `RoleFailed` with its log tail. `watch` runs until `request_stop`: a
 dead role's shared-memory segments are swept and it is restarted with backoff, or past the
 restart limit (or ``restart="never"``) `watch` returns 1. `stop` stops stages in reverse order:
-SIGTERM to each process group, SIGKILL after ``stop_grace_s`` or at once on a second request.
+SIGTERM to each process group, SIGKILL after ``stop_grace_s`` or at once on a second request,
+and no process of a stopped group runs once `stop` returns.
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ class Supervisor:
             return self._follow_restarted(role, proc, now) if role.ready_at is None else ""
         log.error("role %s (pid %d) died: %s; last lines of %s:\n%s", role.spec.name, proc.pid,
                   describe_exit(code), proc.log_path, proc.log_tail())
-        proc.signal_group(signal.SIGKILL)  # anything it started
+        proc.kill_group()  # anything it started, gone before the sweep looks at its files
         sweep_shm()
         return self._after_death(role, now)
 
@@ -210,8 +211,7 @@ class Supervisor:
             self._check_starting(role, proc.started_at + self.cfg.ready_timeout_s)
         except RoleFailed as e:
             log.error("%s", e)
-            proc.signal_group(signal.SIGKILL)
-            proc.wait(10.0)
+            proc.kill_group()
             return self._after_death(role, now)
         if role.ready_at is not None:
             log.warning("%s is back (pid %d)", role.spec.name, proc.pid)
@@ -255,8 +255,7 @@ class Supervisor:
         for p in procs:
             if p.alive():
                 log.warning("%s (pid %d) still running; killing it", p.name, p.pid)
-            p.signal_group(signal.SIGKILL)  # its leftovers too
-            p.wait(10.0)
+            p.kill_group()  # its leftovers too: none runs once `stop` returns
         if procs:
             log.info("stopped %s in %.1fs", ", ".join(p.name for p in procs),
                      time.monotonic() - deadline + grace)

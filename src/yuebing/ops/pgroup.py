@@ -1,8 +1,10 @@
 """A process group read from ``/proc``: its processes (`group_pids`), whether one still runs
 (`group_alive`: a zombie, exited but not reaped, does not), the CPU time its processes have
-used (`group_cpu_seconds`) and a SIGKILL that waits until none runs (`kill_group`). Called by `ops.shm` (whose files a killed group held), by
-`integrations.vllm.server` and by ``benchmarks/engine_peers.py`` (stopping and metering a peer
-started in its own session). Linux only; without ``/proc`` a group has no processes.
+used (`group_cpu_seconds`) and a SIGKILL that waits until none runs (`kill_group`). Called by
+`ops.shm` (whose files a killed group held), by `cluster.process` (a role's group) and
+`integrations.vllm.server` (a server's), and by ``benchmarks/engine_peers.py`` (stopping and
+metering a peer started in its own session). Linux only; without ``/proc`` a group has no
+processes.
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ elector's own thread does the talking). `SingleElector` makes a lone master the 
 key ``/yuebing/store/<cluster>/leader`` bound to a lease of ``ttl_s`` and keeps the lease alive;
 the others read the key to learn the leader's RPC address and retry the create every ``ttl_s/3``
 so one of them takes over within about ``ttl_s`` after the leader dies. A leader whose lease
-cannot be refreshed steps down (``is_leader`` turns false) before its lease can have expired.
+cannot be refreshed steps down (``is_leader`` turns false) before its lease can have expired,
+counted from when the last good refresh was sent; it keeps refreshing, and leads again if one
+succeeds while the lease lives (a slow etcd, a descheduled process), giving the lease up only
+once etcd says it expired or a TTL passed without a good refresh.
 """
 
 from __future__ import annotations
@@ -88,20 +91,34 @@ class EtcdElector(Elector):
     def _run(self) -> None:
         period = self.ttl_s / 3.0
         while not self._stop.is_set():
-            try:
-                self._leader_step() if self._leader else self._campaign()
-            except Exception as e:  # etcd unreachable: a leader steps down, a standby waits
-                if self._leader:
-                    log.error("lost etcd while leading (%s); stepping down", e)
-                self._leader = False
-                self._leader_addr = ""
+            self._step()
             self._stop.wait(period)
 
+    def _step(self) -> None:
+        """One round: a leader refreshes its lease, a standby campaigns."""
+        try:
+            self._leader_step() if self._leader else self._campaign()
+        except Exception as e:  # etcd unreachable or slow
+            self._failed(e)
+
+    def _failed(self, e: Exception) -> None:
+        """A step failed: a standby waits; a leader whose lease may still live tries its next
+        refresh (``is_leader`` is false meanwhile once it is late), one whose lease cannot live
+        any more steps down."""
+        if self._leader and time.monotonic() - self._lease_ok < self.ttl_s:
+            log.warning("could not refresh the leader lease (%s); retrying", e)
+            return
+        if self._leader:
+            log.error("lost etcd while leading (%s); stepping down", e)
+        self._leader = False
+        self._leader_addr = ""
+
     def _campaign(self) -> None:
+        sent = time.monotonic()  # the lease's TTL runs from a moment after this
         lease = self._etcd.lease(self.ttl_s)
         if self._etcd.create(self.key, self.address, lease=lease):
             self._lease = lease
-            self._lease_ok = time.monotonic()
+            self._lease_ok = sent
             self._leader = True
             log.warning("elected store leader at %s", self.address)
             return
@@ -110,9 +127,13 @@ class EtcdElector(Elector):
         self._leader_addr = values[0].decode() if values else ""
 
     def _leader_step(self) -> None:
+        sent = time.monotonic()
         if self._lease.refresh() <= 0:
-            raise RuntimeError("leader lease expired")
-        self._lease_ok = time.monotonic()
+            log.error("the leader lease expired; stepping down")
+            self._leader = False
+            self._leader_addr = ""
+            return
+        self._lease_ok = sent
 
     def close(self) -> None:
         self._stop.set()

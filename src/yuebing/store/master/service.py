@@ -6,7 +6,9 @@ same id — at once, once every standby acknowledged its entries (sync replicati
 node reports a promotion's copy. Pushes (node tasks, replication entries) use id 0. Between
 polls the loop runs the core's tick, publishes KV events (ZeroMQ PUB) and forwards entries.
 Roles: the `Elector` decides; a standby answers ``NOT_LEADER`` and follows the leader, and when
-elected takes over (`Replication.take_over`); a leader that loses its lease re-syncs as standby.
+elected takes over (`Replication.take_over`); a leader that loses its lease re-syncs as standby,
+and its standbys' connections close: they subscribe again to whichever master leads next (this
+one again when its lease was refreshed late but in time), none left following a dead stream.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ def bind(sock: zmq.Socket, address: str) -> str:
     return address
 
 
+RESUBSCRIBE_S = 0.2
+"""A standby that could not subscribe (the leader unreachable, or it refused: not leading at
+the moment) tries again after this."""
 GC_THRESHOLDS = (50_000, 20, 1_000)
 """Young collections every 50k allocations (not 700): a burst of requests rarely triggers one."""
 GC_FREEZE_S = 30.0
@@ -116,6 +121,7 @@ class MasterService:
         self._follow: FrameSocket | None = None
         self._follow_addr = ""
         self._follow_seq = 0
+        self._follow_after = 0.0
         self._stop = threading.Event()
 
     # ------------------------------------------------------------------ loop
@@ -287,6 +293,8 @@ class MasterService:
             with self.lock:
                 self.leading = False
                 self.core.log = None
+                for sb in self.hub.standbys.values():  # they subscribe again to the next leader,
+                    self.server.close_conn(sb.ident)  # this one too (a lease refreshed late)
                 self.hub = ReplicationHub(self.core.replication, self.cfg.repl_timeout_s)
                 for cid, rid, _ in self._held:
                     self.server.send(cid, rid, encode(m.Err(code=C.NOT_LEADER,
@@ -294,7 +302,8 @@ class MasterService:
                 self._held.clear()
         if not self.leading:
             leader = self.elector.leader()
-            if leader and leader != self.address and leader != self._follow_addr:
+            if leader and leader != self.address and leader != self._follow_addr \
+                    and time.monotonic() >= self._follow_after:
                 self._subscribe(leader)
 
     def _subscribe(self, leader: str) -> None:
@@ -304,6 +313,7 @@ class MasterService:
             s.send(1, encode(ReplSubscribe(standby=self.name)))
         except OSError as e:
             log.warning("cannot reach leader %s: %s", leader, e)
+            self._follow_after = time.monotonic() + RESUBSCRIBE_S
             return
         self._follow, self._follow_addr = s, leader
         self.server.watch(s.sock, self._drain_follow)
@@ -343,6 +353,9 @@ class MasterService:
                     return
                 self.core.replication.apply_entries(msg.entries)
                 self._follow_seq += len(msg.entries)
-            else:
+            else:  # `Err(NOT_LEADER)`: it stepped down since this master last read etcd
+                log.warning("leader %s refused the subscription: %s", self._follow_addr, msg)
+                self._unfollow()
+                self._follow_after = time.monotonic() + RESUBSCRIBE_S
                 return
         self._follow.send(2, encode(ReplAck(standby=self.name, seq=self._follow_seq)))
