@@ -77,7 +77,12 @@ def one_round(fn: Callable[[], object], pids: dict[str, int], seconds: float,
         lat.append(b - a)
         spent += b - a
         if tidy is not None and len(lat) % every == 0:
-            tidy()  # its CPU is counted: kept rare (every `every` calls)
+            t_cpu = {k: run_s(p) for k, p in pids.items()}
+            t_sw = {k: sleeps(p) for k, p in pids.items()}
+            tidy()
+            for k, p in pids.items():  # its CPU and sleeps are not the calls'
+                cpu0[k] += run_s(p) - t_cpu[k]
+                sw0[k] += sleeps(p) - t_sw[k]
     n = len(lat)
     lat.sort()
     row = {"n": n, "p10_us": lat[n // 10] * 1e6, "p50_us": lat[n // 2] * 1e6}
@@ -152,6 +157,8 @@ def main() -> int:
     ap.add_argument("--steps", action="store_true", help="also time a put's client steps")
     ap.add_argument("--json", default="", help="also write the rounds and medians here")
     ns = ap.parse_args()
+    if ns.steps and ns.op != "put":
+        ap.error("--steps times a put's client steps: it needs --op put")
     size = parse_size(ns.size)
     if ns.rounds < 1 or ns.seconds <= 0 or not 0 < size <= 4 << 20:
         raise SystemExit("--rounds >= 1, --seconds > 0, --size in 1..4MiB")
@@ -197,10 +204,11 @@ def main() -> int:
         steps: dict[str, float] = {}
         if ns.steps and ns.op == "put":
             timer = StepTimer()
-            end = time.perf_counter() + ns.seconds
+            end, calls = time.perf_counter() + ns.seconds, 0
             while time.perf_counter() < end:
                 timer.put(store)
-                if len(timer.rows) % 500 == 499 and tidy is not None:
+                calls += 1
+                if calls % 500 == 0 and tidy is not None:
                     tidy()
             steps = timer.p50_us()
             print("put steps p50 µs", steps, flush=True)

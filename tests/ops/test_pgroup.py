@@ -21,6 +21,7 @@ from yuebing.ops.pgroup import (
 )
 
 REAL = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+REAL_PID_MAX = Path("/proc/sys/kernel/pid_max").exists()
 
 
 def _stat(root: Path, pid: int, pgid: int, utime: int, stime: int, state: str = "S",
@@ -104,6 +105,25 @@ def test_kill_group_returns_once_no_process_of_the_group_runs() -> None:
         assert kill_group(p.pid, wait_s=30)
         assert not group_alive(p.pid)
     finally:
+        kill_group(p.pid, wait_s=10)  # the spinning child too, if an assertion failed first
         p.kill()
         p.wait(10)
     assert kill_group(p.pid)  # a group already gone is gone at once
+
+
+def test_kill_group_waits_out_its_time_for_a_process_that_still_runs(tmp_path: Path) -> None:
+    """On a fake ``/proc`` (a group id above the kernel's pid_max: nothing real is signalled),
+    a member that keeps running is waited for ``wait_s`` and named; a zombie counts as gone;
+    a group's id of 0 or 1 (the caller's own group, init) is refused."""
+    pgid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1000 if REAL_PID_MAX else 10**7
+    _stat(tmp_path, pgid, pgid, 1, 1, state="R")
+    t0 = time.monotonic()
+    assert not kill_group(pgid, wait_s=0.3, proc_dir=tmp_path)
+    assert time.monotonic() - t0 >= 0.3
+    (tmp_path / str(pgid) / "stat").unlink()
+    (tmp_path / str(pgid)).rmdir()
+    _stat(tmp_path, pgid, pgid, 1, 1, state="Z")
+    assert kill_group(pgid, wait_s=0.3, proc_dir=tmp_path)
+    for bad in (0, 1, -5):
+        with pytest.raises(ValueError, match="not a child's group"):
+            kill_group(bad, proc_dir=tmp_path)

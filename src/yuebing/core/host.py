@@ -1,8 +1,9 @@
 """This processor as the predictors name it (`cpu_name`): yuebing's engine signature
 (`engine.runtime.machine`) and a vLLM instance's start-up profile (`integrations.vllm.profile`)
 both put it, with their thread count, in the configuration a profile holds for. `speed` times
-the host now (a Python loop, a memory copy): benchmarks record it before and after a run, since a
-virtual machine's speed moves between phases that no configuration names."""
+the host now (a Python loop, a memory copy): ``benchmarks/overload_live.py`` and
+``benchmarks/engine_peers.py`` record it before and after a run, since a virtual machine's
+speed moves between phases that no configuration names."""
 
 from __future__ import annotations
 
@@ -44,14 +45,14 @@ class HostSpeed:
 
 
 def speed(loops: int = 1_000_000, copy_bytes: int = 64 << 20, repeats: int = 3) -> HostSpeed:
-    """The best of ``repeats`` timings of each probe (~0.2 s in all on a 2-core Xeon)."""
+    """The best of ``repeats`` timings of each probe (~0.5 s in all on a 2-core Xeon)."""
     def loop() -> float:
         t, total = time.perf_counter(), 0
         for i in range(loops):
             total += i
         return time.perf_counter() - t
 
-    src, dst = bytearray(b"\x01" * copy_bytes), bytearray(copy_bytes)
+    src, dst = bytearray(b"\x01") * copy_bytes, bytearray(copy_bytes)
     dst[:] = src  # fault the pages in before timing (a slice assignment is one memmove)
 
     def copy() -> float:

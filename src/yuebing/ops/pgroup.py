@@ -10,6 +10,7 @@ processes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROC = Path("/proc")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,12 +87,19 @@ def group_cpu_seconds(pgid: int, proc_dir: Path = PROC) -> float:
 
 def kill_group(pgid: int, wait_s: float = 5.0, proc_dir: Path = PROC) -> bool:
     """SIGKILL group ``pgid`` and wait up to ``wait_s`` until none of its processes runs (a
-    signalled process exits only once scheduled). Whether the group is gone."""
+    signalled process exits only once scheduled). Whether the group is gone; a warning names
+    what still runs. A group with no process listed is not signalled (its id may be reused)."""
+    if pgid <= 1:
+        raise ValueError(f"process group {pgid} is not a child's group")
+    if not group_stats(pgid, proc_dir):
+        return True
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
     end = time.monotonic() + wait_s
     while group_alive(pgid, proc_dir):
         if time.monotonic() >= end:
+            log.warning("process group %d still runs %.1f s after SIGKILL: %s", pgid, wait_s,
+                        group_pids(pgid, proc_dir))
             return False
         time.sleep(0.02)
     return True

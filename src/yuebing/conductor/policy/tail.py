@@ -9,7 +9,9 @@ import math
 TAIL_WINDOW = 32
 """Finished requests whose paper TBT per predicted step stand for the tail (the latest ones)."""
 TAIL_MIN_SAMPLES = 8
+"""Fewest requests the tail is taken from (raised to `outlier_free_samples` of the window)."""
 TAIL_LIMITS = (1.0, 4.0)
+"""Each ratio is clamped to these before it counts (kept ratios outside them are refused)."""
 TAIL_QUANTILE = 0.9
 """The ratio's quantile the tail is: the paper's SLO attainment target."""
 MIN_STEP_S = 1e-3
