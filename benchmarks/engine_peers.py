@@ -149,7 +149,7 @@ class Worker:
             self.proc.wait(timeout=grace_s)
         while group_alive(self.proc.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        _kill_group(self.proc)
+        kill_group(self.proc.pid)
         self.proc.wait()
         if self._reader is not None:
             self._reader.join(timeout=10)
@@ -169,7 +169,7 @@ class Worker:
             line = self._replies.get(timeout=self.timeout_s)
         except queue.Empty:
             assert self.proc is not None
-            _kill_group(self.proc)
+            kill_group(self.proc.pid)
             raise PeerFailed(f"timed out after {self.timeout_s:.0f} s at {what} "
                              f"(log {self.log_path})") from None
         if line is None:
@@ -205,12 +205,6 @@ def wait_idle(workers: dict[str, Any], settle_s: float, cap_s: float,
         if sum(m() for m in meters) - before < IDLE_CPU_S:
             break
     return time.perf_counter() - t0
-
-
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL the peer's process group (it was started in its own session) and wait until
-    none of it runs."""
-    kill_group(proc.pid)
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,11 @@ from yuebing.conductor.policy import (
 from yuebing.conductor.policy.decode import duration_quantiles
 from yuebing.conductor.policy.predictors import ATTENTION_TERMS
 from yuebing.conductor.policy.tail import (
-    MIN_STEP_S,
     TAIL_LIMITS,
-    TAIL_MIN_SAMPLES,
     TAIL_QUANTILE,
     TAIL_WINDOW,
-    outlier_free_samples,
+    min_tail_samples,
+    tail_ratio,
 )
 from yuebing.core.errors import InputError
 from yuebing.protocol.instance import EngineProfile, Hello, Role
@@ -366,8 +365,8 @@ class TbtTail:
                  quantile: float = TAIL_QUANTILE) -> None:
         if not 0.0 < quantile <= 1.0:
             raise ValueError(f"the TBT tail quantile must be in (0, 1], got {quantile}")
-        if min_samples is None:  # enough that the quantile is never the one largest ratio
-            min_samples = max(TAIL_MIN_SAMPLES, outlier_free_samples(quantile, window))
+        if min_samples is None:
+            min_samples = min_tail_samples(quantile, window)
         self.on_change = on_change
         self.learn, self.quantile = learn, quantile
         self.initial = initial
@@ -383,11 +382,10 @@ class TbtTail:
         batch it decoded in was ``est_step_s``; refreshes the tail every ``every`` requests
         once ``min_samples`` are in, and hands it to the policy when it moved by more than
         `RESCALE_STEP`."""
-        if not (self.learn and math.isfinite(tbt_s) and tbt_s > 0
-                and math.isfinite(est_step_s) and est_step_s >= MIN_STEP_S):
+        ratio = tail_ratio(tbt_s, est_step_s) if self.learn else None
+        if ratio is None:
             return
-        lo, hi = TAIL_LIMITS
-        self.window.append(min(max(tbt_s / est_step_s, lo), hi))
+        self.window.append(ratio)
         self._new += 1
         if len(self.window) < self.min_samples or self._new < self.every:
             return

@@ -17,12 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from yuebing.conductor.policy.tail import (
-    MIN_STEP_S,
-    TAIL_LIMITS,
-    TAIL_MIN_SAMPLES,
     TAIL_QUANTILE,
     TAIL_WINDOW,
-    outlier_free_samples,
+    min_tail_samples,
+    tail_ratio,
 )
 from yuebing.conductor.policy.types import RejectStage
 from yuebing.trace.latency import TBT_THRESHOLDS_S, TTFT_SLO_S, nearest_rank, tbt_summary
@@ -111,13 +109,14 @@ def learned_tail(records: Sequence[RequestRecord], quantile: float = TAIL_QUANTI
     within `TAIL_LIMITS`, over the last ``window`` requests to finish that were routed while a
     prefill node had work; 1.0 for fewer than the Conductor needs (`TAIL_MIN_SAMPLES`, or
     enough that the quantile is not the largest)."""
-    lo, hi = TAIL_LIMITS
     done = sorted((r for r in records if r.rejected is None and r.prefill_busy
-                   and math.isfinite(r.finish_s) and r.tbt_s > 0
-                   and r.step_mean_s >= MIN_STEP_S), key=lambda r: r.finish_s)[-window:]
-    if len(done) < max(TAIL_MIN_SAMPLES, outlier_free_samples(quantile, window)):
+                   and math.isfinite(r.finish_s)
+                   and tail_ratio(r.tbt_s, r.step_mean_s) is not None),
+                  key=lambda r: r.finish_s)[-window:]
+    if len(done) < min_tail_samples(quantile, window):
         return 1.0
-    return nearest_rank([min(max(r.tbt_s / r.step_mean_s, lo), hi) for r in done], quantile)
+    ratios = [tail_ratio(r.tbt_s, r.step_mean_s) for r in done]
+    return nearest_rank([x for x in ratios if x is not None], quantile)
 
 
 def effective_capacity(records: Sequence[RequestRecord], tbt_threshold_s: float,

@@ -25,3 +25,19 @@ def outlier_free_samples(quantile: float, most: int) -> int:
     while n < most and math.ceil(quantile * n) >= n:
         n += 1
     return n
+
+
+def tail_ratio(tbt_s: float, step_s: float) -> float | None:
+    """A finished request's paper TBT per the step predicted for it, clamped to `TAIL_LIMITS`;
+    None when it cannot count (no TBT, or no prediction to compare with: `MIN_STEP_S`)."""
+    if not (math.isfinite(tbt_s) and tbt_s > 0 and math.isfinite(step_s)
+            and step_s >= MIN_STEP_S):
+        return None
+    lo, hi = TAIL_LIMITS
+    return min(max(tbt_s / step_s, lo), hi)
+
+
+def min_tail_samples(quantile: float, window: int) -> int:
+    """Fewest ratios a tail is taken from: `TAIL_MIN_SAMPLES`, and enough that the quantile is
+    never the one largest ratio (`outlier_free_samples`)."""
+    return max(TAIL_MIN_SAMPLES, outlier_free_samples(quantile, window))
