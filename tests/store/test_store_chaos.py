@@ -33,7 +33,7 @@ from contextlib import ExitStack
 
 import pytest
 from chaos_workers import SEED, Chaos, Cluster, Logged, poll, run_for
-from store_procs import master, node, wait_leader
+from store_procs import leader_of, master, node, wait_leader
 
 from etcd_util import EtcdServer, find_etcd, free_port
 from yuebing.store.client.client import StoreClient
@@ -130,19 +130,23 @@ def test_chaos_leader_failover() -> None:
             stack.callback(n.p.stop)
         cl = Cluster(chaos, addrs, 3, stack)
         run_for(chaos, 3, [m1, m2, *nodes])
-        m1.p.kill()  # the leader dies mid-traffic; m2 takes over
-        run_for(chaos, 5, [m2, *nodes])
+        # The leader dies mid-traffic (whichever leads now: a loaded host may have moved the
+        # lease to m2); the other takes over.
+        lead = leader_of(etcd.url, "chaos", [m1.p, m2.p])
+        dead, survivor = (m1, m2) if lead is m1.p else (m2, m1)
+        dead.p.kill()
+        run_for(chaos, 5, [survivor, *nodes])
         with cl.paused():
             readable = cl.check_all_readable(lossy_ok=False)
         cl.finish()
         chaos.check(cl.checker.stats)
-        assert cl.checker.rpc.address == m2.p.info["address"]
+        assert cl.checker.rpc.address == survivor.p.info["address"]
         st = cl.checker.stats()
         print(f"seed={SEED} ops={sum(w.ops for w in cl.workers)} readable={readable} "
               f"tolerated={chaos.tolerated} removes answered NOT_FOUND after being resent to the "
               f"new leader: {chaos.retried_removes} {st}")
         cl.settle(segments=2)
-        for p in (m2, *nodes):
+        for p in (survivor, *nodes):
             p.alive()
 
 
