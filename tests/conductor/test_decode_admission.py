@@ -157,6 +157,28 @@ def test_without_forecast_hold_predictive_drains_the_running_batch_as_arxiv_7_4(
     assert route.est_step_s == pytest.approx(0.061)
 
 
+def refilling(routed: int) -> ClusterView:
+    """6 decoding, ``routed`` requests still in prefill reaching decode 1 s from now; this
+    request reaches it after 6 s (prefill busy), when 6 · (1 - 0.6) = 2.4 of the 6 still run."""
+    return ClusterView(
+        now_s=100.0, prefills=(prefill("p0", 5.0),), decodes=(decode("d0", batch=6),),
+        link_bandwidth_Bps=1e7,
+        pending_decodes=tuple(PendingDecode(101.0, 0, InstanceId("d0")) for _ in range(routed)))
+
+
+def test_held_batch_is_refilled_by_the_routed_prefills_not_added_to():
+    """The bug it guards: the held batch of 6 plus 3 routed prefills (10 with this request,
+    load 1.11, rejected) counted twice the slots of the 3.6 decodes ending first; the routed
+    ones refill them, so the batch stays 6 (7 with this one, step .081, admitted)."""
+    r = decide_with(refilling(3), admission="predictive_early_rejection",
+                    decode_selector="forecast")
+    assert isinstance(r, Route) and r.est_step_s == pytest.approx(0.081)
+    # routed beyond the ending decodes still add: 2.4 + 6 = 8.4 (9.4 with it, step .105)
+    r = decide_with(refilling(6), admission="predictive_early_rejection",
+                    decode_selector="forecast")
+    assert (r.reason, r.est_tbt_s) == ("decode_overload", pytest.approx(0.105))
+
+
 @pytest.mark.parametrize("queue_s", [0.5, 2.0, 5.0, 10.0, 20.0])
 def test_a_longer_prefill_queue_never_lightens_the_predicted_decode_load(queue_s):
     """The bug it guards: decaying the running batch over the prefill wait made the forecast

@@ -68,8 +68,9 @@ class PolicyConfig:
         "prefill passes); ≥ 1, learned live by the Conductor"))
     forecast_hold: bool = field(default=True, metadata=_help(
         "predictive early rejection and the forecast decode selector: while the prefill pool "
-        "has work, hold the running decode batch (later arrivals refill it) and forecast only "
-        "the routed prefills; off: the arXiv §7.4 forecast, which drains it by residual life"))
+        "has work, forecast no decode batch below its running one (the routed prefills refill "
+        "the slots that end first, later arrivals the rest); off: the arXiv §7.4 forecast, "
+        "which drains it by residual life"))
     min_retry_after_s: float = field(default=1.0, metadata=_help(
         "smallest Retry-After a rejection suggests, seconds"))
     cpp_threshold_tokens: int = field(default=0, metadata=_help(

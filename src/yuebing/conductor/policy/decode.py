@@ -61,11 +61,12 @@ def forecast_state(pol: Policy, view: ClusterView, at_s: float, hold: bool = Fal
     likely values), so a request decoding now still decodes Δ seconds later with the equilibrium
     residual-life probability ``E[max(0, D - Δ)] / E[D]``, and a waiting request, or a routed one
     reaching decode at ``s``, with ``P(D > age)``; routed requests reaching decode after ``at_s``
-    are not counted. With ``hold`` the running and waiting requests are not decayed (see
-    `decode_forecast`)."""
+    are not counted. With ``hold`` no instance is forecast below its running and waiting
+    requests now: the routed requests refill the slots of the decodes that end first, and only
+    those beyond them add to the batch (see `decode_forecast`)."""
     dt = max(0.0, at_s - view.now_s)
-    s_running = 1.0 if hold else pol.residual_survival(dt)
-    s_waiting = 1.0 if hold else pol.survival(dt)
+    s_running = pol.residual_survival(dt)
+    s_waiting = pol.survival(dt)
     batch, ctx, kv = [], [], []
     for d in view.decodes:
         running_kv = max(0, d.kv_used_tokens - d.waiting_context_tokens)
@@ -74,6 +75,11 @@ def forecast_state(pol: Policy, view: ClusterView, at_s: float, hold: bool = Fal
         kv.append(running_kv * s_running + (d.kv_used_tokens - running_kv) * s_waiting)
     if view.pending_decodes:
         _add_pending(view, pol, at_s, batch, ctx, kv)
+    if hold:
+        now_batch, now_ctx, now_kv = current_state(view, with_pending=False)
+        batch = [max(f, c) for f, c in zip(batch, now_batch, strict=True)]
+        ctx = [max(f, c) for f, c in zip(ctx, now_ctx, strict=True)]
+        kv = [max(f, c) for f, c in zip(kv, now_kv, strict=True)]
     return batch, ctx, kv
 
 
@@ -82,10 +88,12 @@ def decode_forecast(pol: Policy, view: ClusterView, at_s: float) -> State:
     ``predictive_early_rejection`` judge. Its paper TBT is set by the most loaded tenth of its
     whole decode, not by the instant it joins, and the requests arriving after it join during
     that decode. While the prefill pool has work (overload, where admission acts) they at least
-    replace the decodes that end before ``at_s``, so the running batch is held
-    (`forecast_state` ``hold``) and only the routed requests still in prefill are forecast.
-    Decaying it instead made the forecast lighter the longer the prefill queue: more admitted
-    while overloaded, and the learned tail inflated for the calm after. Without
+    replace the decodes that end before ``at_s``, so the batch is held at no less than now
+    (`forecast_state` ``hold``). Decaying it instead made the forecast lighter the longer the
+    prefill queue: more admitted while overloaded, and the learned tail inflated for the calm
+    after. The routed requests still in prefill are those replacements, so they add to the
+    batch only beyond the decodes forecast to end; holding the batch and adding them too
+    counted the same slots twice, and refused requests that met their SLO. Without
     ``PolicyConfig.forecast_hold`` (the paper report's overload runs) it is arXiv §7.4's
     `forecast_state`, decayed whatever the prefill pool holds."""
     return forecast_state(pol, view, at_s,
