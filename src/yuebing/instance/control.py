@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from yuebing.core.errors import EngineError, InputError
 from yuebing.instance.config import InstanceConfig
+from yuebing.instance.driver import DriverStopped
 from yuebing.ops.zap import TokenAuthenticator, serve_plain
 from yuebing.protocol import Message, ProtocolError, decode, encode
 from yuebing.protocol.instance import ErrorCode, ErrorReply
@@ -136,6 +137,8 @@ class ControlServer:
             reply = ErrorReply(seq=seq, code=ErrorCode.BAD_REQUEST, message=str(e))
         except EngineError as e:
             reply = ErrorReply(seq=seq, code=ErrorCode.NO_KV, message=str(e))
+        except DriverStopped as e:  # a request racing this instance's shutdown
+            reply = ErrorReply(seq=seq, code=ErrorCode.SHUTTING_DOWN, message=str(e))
         except Exception as e:
             log.exception("control request failed")
             reply = ErrorReply(seq=seq, code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: "

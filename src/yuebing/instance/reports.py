@@ -151,3 +151,5 @@ async def report_loop(inst: ReportHost, stop: asyncio.Event) -> None:
         for w in idle:
             w.cancel()
         await asyncio.sleep(0.01)
+    if pending is not None:  # still queued at the stop: it fails with DriverStopped, unread
+        pending.cancel()
