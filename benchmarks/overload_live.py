@@ -35,7 +35,7 @@ from yuebing.conductor.calibration import DURATION_QUANTILES
 from yuebing.conductor.policy.admission import ADMISSIONS
 from yuebing.conductor.policy.decode import duration_quantiles
 from yuebing.conductor.policy.queue import DEFAULT_QUEUE, PREFILL_QUEUES
-from yuebing.core.host import speed
+from yuebing.core.host import cpu_name, speed
 from yuebing.ops.procs import ReadyProcess
 from yuebing.sim.metrics import learned_tail as simulated_tail
 from yuebing.sim.paper.overload import oscillation
@@ -746,8 +746,8 @@ def main() -> int:
     result["checks"] = checks(result)
     (ns.outdir / "overload_live.json").write_text(json.dumps(result, indent=1) + "\n")
     md = table(result) + "\n\n" + spreads(result) + "\n\n" + "\n".join(
-        f"- {k}: {v}" for k, v in result["checks"].items()) + "\n- host speed (Python ns per " \
-        f"loop, copy GB/s), start / end: {result['host_speed']}"
+        f"- {k}: {v}" for k, v in result["checks"].items()) + "\n- host speed: " \
+        + host_speed_text(result["host_speed"])
     (ns.outdir / "overload_live.md").write_text(md + "\n")
     if any(t["runs"] for t in result["topologies"]):
         plot(result, ns.outdir)
@@ -974,17 +974,16 @@ def detail_table(runs: dict[str, list[dict[str, Any]]], header: str) -> str:
 
 
 def machine() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        model = re.search(r"model name\s*:\s*(.*)", text)
-        flags = re.search(r"flags\s*:\s*(.*)", text)
-        extra = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
-                 if flags and f in flags[1].split()]
-        import os
-        return f"{model[1] if model else '?'} ({', '.join(extra)}), {os.cpu_count()} cores"
-    except OSError:
-        return "unknown"
+    """This processor as the predictors name it (`yuebing.core.host.cpu_name`) and its cores."""
+    import os
 
+    return f"{cpu_name()}, {os.cpu_count()} cores"
+
+
+def host_speed_text(speeds: dict[str, dict[str, float]]) -> str:
+    """``host_speed`` ({"start": ..., "end": ...} of `HostSpeed.as_dict`) as one line."""
+    return "; ".join(f"{when} {s['python_ns']:.1f} ns per Python loop, {s['copy_gbps']:.2f} GB/s "
+                     "copy" for when, s in speeds.items())
 
 if __name__ == "__main__":
     sys.exit(main())

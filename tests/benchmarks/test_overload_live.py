@@ -363,3 +363,13 @@ def test_resim_runs_the_simulator_columns_of_a_live_run_again(tmp_path: Path) ->
     assert "1P1D sim goodput within ±25 %" in again["checks"]
     assert "| 1P1D 2× sim |" in (out / "overload_live.md").read_text()
     assert ol.resim(src, out, [], 1.0, False) == 2  # no <cluster>-max logs to fit
+
+
+def test_the_report_names_the_machine_as_the_predictors_do_and_its_speed_readably() -> None:
+    from yuebing.core.host import cpu_name
+
+    assert ol.machine().startswith(cpu_name() + ", ") and ol.machine().endswith(" cores")
+    speeds = {"start": {"python_ns": 23.031, "copy_gbps": 6.129},
+              "end": {"python_ns": 24.364, "copy_gbps": 5.865}}
+    assert ol.host_speed_text(speeds) == ("start 23.0 ns per Python loop, 6.13 GB/s copy; "
+                                          "end 24.4 ns per Python loop, 5.87 GB/s copy")
