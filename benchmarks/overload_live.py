@@ -31,11 +31,11 @@ from rich.progress import Progress
 
 from yuebing.bench.config import BenchConfig
 from yuebing.bench.workload import scaled_request, send_times
-from yuebing.conductor.calibration import DURATION_QUANTILES
+from yuebing.conductor.calibration import DURATION_QUANTILES, MIN_OBSERVED_S
 from yuebing.conductor.policy.admission import ADMISSIONS
 from yuebing.conductor.policy.decode import duration_quantiles
 from yuebing.conductor.policy.queue import DEFAULT_QUEUE, PREFILL_QUEUES
-from yuebing.core.host import speed
+from yuebing.core.host import cpu_name, speed
 from yuebing.ops.procs import ReadyProcess
 from yuebing.sim.metrics import learned_tail as simulated_tail
 from yuebing.sim.paper.overload import oscillation
@@ -207,6 +207,41 @@ def wasted_prefill(log: Path, ttft_slo_s: float, tbt_slo_s: float) -> dict[str, 
         if status != 200 or ttft > ttft_slo_s or tbt > tbt_slo_s:
             wasted += tokens
     return {"prefilled_tokens": total, "wasted_tokens": wasted}
+
+
+TIMED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?status=200 prefill=(\S+) "
+                   r"decode=\S+ prompt=(\d+) cached=(\d+) .*?queue=([\d.]+)ms "
+                   r"prefix_load=([\d.]+)ms prefill=([\d.]+)ms .*?e2e=([\d.]+)ms", re.M)
+"""An answered request's access line: logged at its end (the time), its prefill instance,
+prompt and cached tokens, and the queue, prefix load, prefill and end-to-end times."""
+
+
+def prefill_slowdown(log: Path, predictors: Path) -> float:
+    """How much slower a cluster's prefills ran than ``predictors`` (its start-up profiles,
+    the engine alone) predict: the median of live over predicted prefill time in the access log
+    ``log`` (a rate search's), over the answered requests predicted at least `MIN_OBSERVED_S`
+    whose prefill overlapped no other prefill instance's (those take turns on a core, which the
+    simulator models itself); at least 1, and 1 when none qualifies. The simulator's slowdown
+    of two engines computing at once (`interference_file`): live, the decode engine steps
+    beside them all along."""
+    import datetime as dt
+    import statistics
+
+    from yuebing.conductor.policy import Predictors
+
+    predict = Predictors.from_json(predictors.read_bytes(), str(predictors)).prefill.predict
+    text = log.read_text(errors="replace") if log.exists() else ""
+    rows = []
+    for m in TIMED.finditer(text):
+        end = dt.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        queue, load, prefill, e2e = (float(m[i]) / 1e3 for i in (5, 6, 7, 8))
+        start = end - e2e + queue + load
+        cached = int(m[4])
+        rows.append((m[2], start, start + prefill, prefill,
+                     predict(max(0, int(m[3]) - cached), cached)))
+    ratios = [live / est for node, lo, hi, live, est in rows if est >= MIN_OBSERVED_S
+              and not any(n != node and a < hi and lo < b for n, a, b, _, _ in rows)]
+    return max(1.0, statistics.median(ratios)) if ratios else 1.0
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -391,11 +426,11 @@ def sim_requests(setup: Setup, rate: float) -> list[SimRequest]:
 
 def interference_file(setup: Setup, factor: float) -> Path:
     """The colocation factors the simulator runs with (``OUTDIR/interference.json``): a decode
-    step beside a prefill takes ``factor`` (``--sim-stretch``; 1: none measured) on top of the
-    cores' sharing; a prefill none."""
+    step beside a prefill and a prefill beside a decode step each take ``factor`` (the rate
+    search's `prefill_slowdown` or ``--sim-stretch``; 1: none) on top of the cores' sharing."""
     path = setup.out / "interference.json"
     path.write_text(json.dumps({"interference": {"decode_factor": max(factor, 1.0),
-                                                 "prefill_factor": 1.0}}))
+                                                 "prefill_factor": max(factor, 1.0)}}))
     return path
 
 
@@ -404,9 +439,10 @@ def simulated(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
               durations: tuple[float, ...] = (), step_tail: float = 1.0) -> SimResult:
     """The simulator on the bench requests, every node on one host of the predictors'
     machine's cores (`host_cores`): the policy predicts with ``tail`` and forecasts with decode
-    ``durations`` (empty: the simulator's own); a decode step beside a prefill takes
-    ``stretch`` on top of the cores' sharing; a tenth of the decode steps, drawn from
-    ``setup.seed``, take ``step_tail`` times their time (`SimConfig.decode_tail`)."""
+    ``durations`` (empty: the simulator's own); a decode step beside a prefill and a prefill
+    beside a decode step take ``stretch`` on top of the cores' sharing (`interference_file`);
+    a tenth of the decode steps, drawn from ``setup.seed``, are slow, so that with the stretch
+    a request's paper TBT is ``step_tail`` times its step (`SimConfig.decode_tail`)."""
     selector = "forecast" if policy == "predictive_early_rejection" else "least_loaded"
     cfg = SimConfig(system="mooncake", prefill_nodes=nodes[0], decode_nodes=nodes[1],
                     policy=sim_policy(admission=policy, decode_selector=selector,
@@ -601,9 +637,11 @@ def main() -> int:
                         "the run's; --sim-only: --tbt-tail; --base-rate: 1, none measured); "
                         "1: even steps")
     p.add_argument("--sim-stretch", type=float, default=0.0,
-                   help="a measured slowdown of a simulated decode step beside a prefill "
-                        "(`yuebing profile --interference`'s decode factor), on top of the "
-                        "cores' sharing (0: none)")
+                   help="the slowdown of a simulated decode step beside a prefill and of a "
+                        "prefill beside a decode step, on top of the cores' sharing (0, the "
+                        "default: the one the rate search measured, its live prefills over the "
+                        "start-up profile's, `prefill_slowdown`; 1 without a rate search; 1: "
+                        "none)")
     ns = p.parse_args()
     try:
         topologies = [parse_topology(t) for t in ns.topologies.split(",")]
@@ -659,7 +697,7 @@ def main() -> int:
         print(f"overload_live: --predictors: {e}", file=sys.stderr)
         return 2
     if ns.resim is not None:
-        return resim(ns.resim, ns.outdir, chosen, ns.sim_stretch or 1.0,
+        return resim(ns.resim, ns.outdir, chosen, ns.sim_stretch,
                      ns.sim_durations == "warm", ns.sim_step_tail)
     if ns.sim_only:
         return sim_only(setup, topologies, bases, mults, policies, ns.repeats, chosen,
@@ -694,6 +732,9 @@ def main() -> int:
             topo["predictors"] = str(predictors) if predictors else None
             topo["tbt_tail"] = tail
             step_tail = topo["sim_step_tail"] = ns.sim_step_tail or tail
+            stretch = topo["sim_stretch"] = ns.sim_stretch or (
+                prefill_slowdown(ns.outdir / "logs" / f"{name}-max" / "conductor.log",
+                                 predictors) if predictors and not bases else 1.0)
             setup = replace(setup, learned_from=())
             learned, topo["warmup"] = [], {}
             for selector in warm:  # admission none, the middle load, a seed not measured
@@ -718,7 +759,6 @@ def main() -> int:
                         sim_tail = live["tbt_tail"]
                     sim = None
                     if predictors and not ns.no_sim:
-                        stretch = ns.sim_stretch or 1.0
                         if ns.sim_durations == "warm" and sim_tail not in learned_durations:
                             learned_durations[sim_tail] = warm_durations(
                                 replace(setup, seed=setup.seed + ns.repeats), nodes,
@@ -746,8 +786,8 @@ def main() -> int:
     result["checks"] = checks(result)
     (ns.outdir / "overload_live.json").write_text(json.dumps(result, indent=1) + "\n")
     md = table(result) + "\n\n" + spreads(result) + "\n\n" + "\n".join(
-        f"- {k}: {v}" for k, v in result["checks"].items()) + "\n- host speed (Python ns per " \
-        f"loop, copy GB/s), start / end: {result['host_speed']}"
+        f"- {k}: {v}" for k, v in result["checks"].items()) + "\n- host speed: " \
+        + host_speed_text(result["host_speed"])
     (ns.outdir / "overload_live.md").write_text(md + "\n")
     if any(t["runs"] for t in result["topologies"]):
         plot(result, ns.outdir)
@@ -788,6 +828,8 @@ def checks(result: dict[str, Any]) -> dict[str, str]:
             errs = {k: (sims[k] - g[k]) / g[k] if g[k] else math.inf for k in g}
             out[f"{name} sim goodput within ±25 %"] = ", ".join(
                 f"{k} {v:+.0%}" for k, v in errs.items())
+            out[f"{name} sim engines beside each other / decode steps' tail"] = (
+                f"x{topo.get('sim_stretch', 1.0):.3f} / {topo.get('sim_step_tail', 1.0):.3f}")
     return out
 
 
@@ -911,7 +953,8 @@ def resim(live_dir: Path, out: Path, chosen: list[Path], stretch: float, warm: b
     """``--resim``: the simulator columns of the live run in ``live_dir`` again, as the live
     benchmark runs them (each seed's policy tail the one its live ``none`` run learned, the
     forecast's durations from a simulated warm-up, the decode steps' tail ``step_tail`` or the
-    one its rate search learned), on ``chosen`` (per topology) or the start-up profiles in
+    one its rate search learned, the engines' slowdown beside each other ``stretch`` or the one
+    its rate search measured), on ``chosen`` (per topology) or the start-up profiles in
     ``live_dir/logs/<cluster>-max``; the report written to ``out``."""
     result = json.loads((live_dir / "overload_live.json").read_text())
     conf = result["setup"]
@@ -932,6 +975,8 @@ def resim(live_dir: Path, out: Path, chosen: list[Path], stretch: float, warm: b
         if not topo["runs"]:  # its search found no rate
             continue
         steps = topo["sim_step_tail"] = step_tail or topo.get("tbt_tail") or 1.0
+        factor = topo["sim_stretch"] = stretch or prefill_slowdown(
+            live_dir / "logs" / f"{topo['name']}-max" / "conductor.log", pred)
         mults = sorted({r["multiplier"] for r in topo["runs"]})
         durations: dict[float, tuple[float, ...]] = {}
         for run in topo["runs"]:
@@ -940,9 +985,9 @@ def resim(live_dir: Path, out: Path, chosen: list[Path], stretch: float, warm: b
             if warm and tail not in durations:
                 durations[tail] = warm_durations(
                     replace(setup, seed=setup.seed + conf["repeats"]), nodes,
-                    topo["max_rate"] * mults[len(mults) // 2], pred, tail, stretch, steps)
+                    topo["max_rate"] * mults[len(mults) // 2], pred, tail, factor, steps)
             run["sim"] = sim_run(replace(setup, seed=run["seed"]), nodes, run["policy"],
-                                 run["rate"], pred, tail, stretch, durations.get(tail, ()), steps)
+                                 run["rate"], pred, tail, factor, durations.get(tail, ()), steps)
     result["checks"] = checks(result)
     (out / "overload_live.json").write_text(json.dumps(result, indent=1) + "\n")
     md = table(result) + "\n\n" + spreads(result) + "\n\n" + "\n".join(
@@ -974,17 +1019,16 @@ def detail_table(runs: dict[str, list[dict[str, Any]]], header: str) -> str:
 
 
 def machine() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        model = re.search(r"model name\s*:\s*(.*)", text)
-        flags = re.search(r"flags\s*:\s*(.*)", text)
-        extra = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
-                 if flags and f in flags[1].split()]
-        import os
-        return f"{model[1] if model else '?'} ({', '.join(extra)}), {os.cpu_count()} cores"
-    except OSError:
-        return "unknown"
+    """This processor as the predictors name it (`yuebing.core.host.cpu_name`) and its cores."""
+    import os
 
+    return f"{cpu_name()}, {os.cpu_count()} cores"
+
+
+def host_speed_text(speeds: dict[str, dict[str, float]]) -> str:
+    """``host_speed`` ({"start": ..., "end": ...} of `HostSpeed.as_dict`) as one line."""
+    return "; ".join(f"{when} {s['python_ns']:.1f} ns per Python loop, {s['copy_gbps']:.2f} GB/s "
+                     "copy" for when, s in speeds.items())
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -190,7 +190,7 @@ def test_simulated_nodes_share_the_profiled_machines_cores(tmp_path: Path) -> No
     so does 2P1D (the decode's core reserved, the prefills take turns on the other); in 1P2D
     the decodes outnumber their reservation, so a step beside the prefill waits for its
     64-token chunk (128 ms) to end; ``stretch`` (a measured factor) multiplies the steps
-    beside a prefill."""
+    beside a prefill and the prefills beside a step."""
     path = _predictors(tmp_path, 2e-3, 0.02)
     assert ol.host_cores(path) == 2
     setup = replace(_setup(tmp_path), requests=8)
@@ -203,7 +203,7 @@ def test_simulated_nodes_share_the_profiled_machines_cores(tmp_path: Path) -> No
     mated = ol.sim_run(setup, (1, 1), "none", 4.0, path, stretch=3.0)
     assert mated["latency"]["tbt_p99"] > 0.05  # steps during a prefill take 3 x 20 ms
     factors = json.loads((tmp_path / "interference.json").read_text())["interference"]
-    assert factors == {"decode_factor": 3.0, "prefill_factor": 1.0}
+    assert factors == {"decode_factor": 3.0, "prefill_factor": 3.0}
 
 
 def test_simulated_decode_steps_carry_the_given_tail_drawn_from_the_seed(tmp_path: Path) -> None:
@@ -363,3 +363,58 @@ def test_resim_runs_the_simulator_columns_of_a_live_run_again(tmp_path: Path) ->
     assert "1P1D sim goodput within ±25 %" in again["checks"]
     assert "| 1P1D 2× sim |" in (out / "overload_live.md").read_text()
     assert ol.resim(src, out, [], 1.0, False) == 2  # no <cluster>-max logs to fit
+    assert ol.resim(src, out, [path], 0.0, True) == 0  # measure it: no rate search's log
+    assert json.loads((out / "overload_live.json").read_text())["topologies"][0][
+        "sim_stretch"] == 1.0
+    logs = src / "logs" / "1P1D-max"
+    logs.mkdir(parents=True)
+    (logs / "conductor.log").write_text(_access(10.0, "prefill-0", 1000, 0, 150.0))
+    assert ol.resim(src, out, [path], 0.0, True) == 0
+    again = json.loads((out / "overload_live.json").read_text())
+    assert again["topologies"][0]["sim_stretch"] == pytest.approx(1.5)
+    assert again["checks"]["1P1D sim engines beside each other / decode steps' tail"] == \
+        "x1.500 / 1.800"
+
+
+def _access(end_s: float, node: str, prompt: int, cached: int, prefill_ms: float,
+            status: int = 200) -> str:
+    """A Conductor access line logged ``end_s`` after 08:00 (1 s end to end, no queue)."""
+    m, sec = divmod(end_s, 60)
+    when = f"2026-11-30 08:{int(m):02d}:{sec:06.3f}".replace(".", ",")
+    return (f"{when} INFO yuebing.conductor.access: cmpl-1 status={status} prefill={node} "
+            f"decode=decode-0 prompt={prompt} cached={cached} out=16 finish=length "
+            f"ttft=300.0ms tbt=50.0ms queue=0.0ms prefix_load=0.0ms prefill={prefill_ms:.1f}ms "
+            f"transfer=1.0ms decode_wait=1.0ms conductor=1.00ms e2e=1000.0ms est_ttft=1.0ms "
+            f"est_prefill=1.0ms\n")
+
+
+def test_prefill_slowdown_is_the_median_of_live_over_profiled_prefills_alone(
+        tmp_path: Path) -> None:
+    """The rate search's live prefills over the start-up profile's (1 ms per new token): the
+    median over answered requests predicted at least 50 ms whose prefill overlapped no other
+    prefill instance's (c and f overlap: they took turns on a core); at least 1, 1 without a
+    log."""
+    path = _predictors(tmp_path, 1e-3, 0.02)
+    lines = [_access(10.0, "prefill-0", 100, 0, 150.0),       # a: 1.5
+             _access(20.0, "prefill-0", 264, 64, 400.0),      # b: 200 new tokens, 2.0
+             _access(30.0, "prefill-0", 300, 0, 330.0),       # c: 1.1, beside f
+             _access(30.1, "prefill-1", 100, 0, 100.0),       # f: 1.0, beside c
+             _access(40.0, "prefill-0", 100, 0, 170.0),       # g: 1.7
+             _access(50.0, "prefill-0", 40, 0, 400.0),        # predicted 40 ms: fixed costs
+             _access(60.0, "prefill-0", 100, 0, 900.0, 503)]  # not answered
+    log = tmp_path / "conductor.log"
+    log.write_text("".join(lines))
+    assert ol.prefill_slowdown(log, path) == pytest.approx(1.7)
+    assert ol.prefill_slowdown(tmp_path / "none.log", path) == 1.0
+    log.write_text(_access(10.0, "prefill-0", 100, 0, 80.0))
+    assert ol.prefill_slowdown(log, path) == 1.0  # faster than the profile: no slowdown
+
+
+def test_the_report_names_the_machine_as_the_predictors_do_and_its_speed_readably() -> None:
+    from yuebing.core.host import cpu_name
+
+    assert ol.machine().startswith(cpu_name() + ", ") and ol.machine().endswith(" cores")
+    speeds = {"start": {"python_ns": 23.031, "copy_gbps": 6.129},
+              "end": {"python_ns": 24.364, "copy_gbps": 5.865}}
+    assert ol.host_speed_text(speeds) == ("start 23.0 ns per Python loop, 6.13 GB/s copy; "
+                                          "end 24.4 ns per Python loop, 5.87 GB/s copy")

@@ -197,3 +197,24 @@ def test_declared_pipeline_groups_are_refused_on_colocated_hosts() -> None:
     """Their stage nodes belong to no simulated host: refused, not silently left alone."""
     with pytest.raises(ValueError, match="cpp_groups"):
         SimConfig(colocated=True, cpp_groups=1, interference_profile="x")
+
+
+def test_colocated_slow_steps_take_the_tail_the_decode_factor_leaves(tmp_path: Path) -> None:
+    """``decode_tail`` is what a live Conductor learns, a tail its steps beside a prefill are
+    part of: colocated, the slow steps take ``decode_tail / decode_factor`` (at least 1). One
+    request at a time (512 tokens, 60 steps of 50 ms), never beside a prefill: with decode
+    factor 2, a tail of 3 leaves slow steps of 1.5x, a tail of 2 none; apart, 3x."""
+    path = _write(tmp_path, {"interference": {"decode_factor": 2.0, "prefill_factor": 1.0}})
+    reqs = [SimRequest(i, i * 5.0, 512, 61, (i,)) for i in range(20)]
+
+    def tbts(tail: float, colocated: bool) -> list[float]:
+        cfg = SimConfig(prefill_nodes=1, decode_nodes=1, colocated=colocated,
+                        interference_profile=str(path), decode_tail=tail,
+                        policy=sim_policy(seed=1))
+        return [r.tbt_s for r in simulate(reqs, cfg, cost=LinearCost()).records]
+
+    even = 0.05 + 512e-6 / 6  # the KV hand-over in the first interval
+    assert {round(t, 9) for t in tbts(2.0, True)} == {round(even, 9)}
+    half = tbts(3.0, True)
+    assert max(half) == pytest.approx(0.075, abs=1e-4) and all(t <= 0.075 + 1e-4 for t in half)
+    assert max(tbts(3.0, False)) == pytest.approx(0.15, abs=1e-4)

@@ -181,8 +181,11 @@ class MooncakeSystem(SimSystem):
 
     def _slow(self) -> SlowSteps | None:
         """A decode node's slow steps (`SimConfig.decode_tail`; its own stream, seeded from
-        the loop's), else None."""
-        tail = self.config.decode_tail
+        the loop's), else None. Colocated, a step beside a prefill already takes the measured
+        ``decode_factor``, which the learned tail counts (its requests' slowest tenth of steps
+        ran beside a prefill): the slow steps take the rest, ``decode_tail / decode_factor``
+        (at least 1), so a step both slow and beside a prefill takes ``decode_tail``."""
+        tail = max(1.0, self.config.decode_tail / self.interference.decode_factor)
         return None if tail == 1.0 else SlowSteps(
             tail, random.Random(self.loop.rng.getrandbits(64)))
 
