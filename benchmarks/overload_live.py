@@ -299,6 +299,15 @@ def learned_tail(cluster: Cluster) -> float:
     return float(json.loads(cluster.get("/health")).get("tbt_tail", {}).get("tail", 1.0))
 
 
+def step_tail_of(topo: dict[str, Any]) -> float:
+    """The simulated decode steps' tail for a topology's runs: the mean of what its warm-ups
+    learned (admission ``none`` at the middle load, on a seed no measured run uses), else its
+    rate search's. The tail is load-dependent (paper TBT over a step that grows with the batch):
+    a search at half the load learned 2.53 where the 2x runs learned 1.56-1.99 (11-30)."""
+    tails = [w["tbt_tail"] for w in topo.get("warmup", {}).values() if w.get("tbt_tail")]
+    return sum(tails) / len(tails) if tails else float(topo.get("tbt_tail") or 1.0)
+
+
 def summarize_live(setup: Setup, rows: list[dict[str, Any]], reasons: dict[str, int],
                    samples: list[dict[str, float]], waste: dict[str, int],
                    retry: bool = False) -> dict[str, Any]:
@@ -633,9 +642,9 @@ def main() -> int:
     p.add_argument("--sim-step-tail", type=float, default=None,
                    help="the simulated decode steps' tail (`SimConfig.decode_tail`: a tenth of "
                         "the steps this many times slower, so a request's paper TBT carries the "
-                        "live steps' jitter); default: the rate search's learned tail (--resim: "
-                        "the run's; --sim-only: --tbt-tail; --base-rate: 1, none measured); "
-                        "1: even steps")
+                        "live steps' jitter); default: the mean tail the live warm-ups learned "
+                        "(without warm-ups the rate search's, 1 with --base-rate; --resim: the "
+                        "run's; --sim-only: --tbt-tail); 1: even steps")
     p.add_argument("--sim-stretch", type=float, default=0.0,
                    help="the slowdown of a simulated decode step beside a prefill and of a "
                         "prefill beside a decode step, on top of the cores' sharing (0, the "
@@ -731,7 +740,6 @@ def main() -> int:
             topo["max_rate"] = base
             topo["predictors"] = str(predictors) if predictors else None
             topo["tbt_tail"] = tail
-            step_tail = topo["sim_step_tail"] = ns.sim_step_tail or tail
             stretch = topo["sim_stretch"] = ns.sim_stretch or (
                 prefill_slowdown(ns.outdir / "logs" / f"{name}-max" / "conductor.log",
                                  predictors) if predictors and not bases else 1.0)
@@ -748,6 +756,7 @@ def main() -> int:
                                 / "learned"))
                 bar.advance(task)
             setup = replace(setup, learned_from=tuple(learned))
+            step_tail = topo["sim_step_tail"] = ns.sim_step_tail or step_tail_of(topo)
             learned_durations: dict[float, tuple[float, ...]] = {}
             for mult, r in ((m, r) for m in mults for r in range(ns.repeats)):
                 sim_tail, rs = tail, replace(setup, seed=setup.seed + r)
@@ -952,8 +961,8 @@ def resim(live_dir: Path, out: Path, chosen: list[Path], stretch: float, warm: b
           step_tail: float | None = None) -> int:
     """``--resim``: the simulator columns of the live run in ``live_dir`` again, as the live
     benchmark runs them (each seed's policy tail the one its live ``none`` run learned, the
-    forecast's durations from a simulated warm-up, the decode steps' tail ``step_tail`` or the
-    one its rate search learned, the engines' slowdown beside each other ``stretch`` or the one
+    forecast's durations from a simulated warm-up, the decode steps' tail ``step_tail`` or
+    `step_tail_of` the run, the engines' slowdown beside each other ``stretch`` or the one
     its rate search measured), on ``chosen`` (per topology) or the start-up profiles in
     ``live_dir/logs/<cluster>-max``; the report written to ``out``."""
     result = json.loads((live_dir / "overload_live.json").read_text())
@@ -974,7 +983,7 @@ def resim(live_dir: Path, out: Path, chosen: list[Path], stretch: float, warm: b
         topo["sim_predictors"] = str(pred)
         if not topo["runs"]:  # its search found no rate
             continue
-        steps = topo["sim_step_tail"] = step_tail or topo.get("tbt_tail") or 1.0
+        steps = topo["sim_step_tail"] = step_tail or step_tail_of(topo)
         factor = topo["sim_stretch"] = stretch or prefill_slowdown(
             live_dir / "logs" / f"{topo['name']}-max" / "conductor.log", pred)
         mults = sorted({r["multiplier"] for r in topo["runs"]})

@@ -357,7 +357,7 @@ def test_resim_runs_the_simulator_columns_of_a_live_run_again(tmp_path: Path) ->
         "sim_step_tail"] == 1.4
     assert ol.resim(src, out, [path], 1.0, True) == 0
     again = json.loads((out / "overload_live.json").read_text())
-    assert again["topologies"][0]["sim_step_tail"] == 1.8  # the search's
+    assert again["topologies"][0]["sim_step_tail"] == 1.8  # the search's: no warm-up
     sims = [r["sim"] for r in again["topologies"][0]["runs"]]
     assert all(s["requests"] == 4 and s["goodput_rps"] > 0 for s in sims)
     assert "1P1D sim goodput within ±25 %" in again["checks"]
@@ -418,3 +418,14 @@ def test_the_report_names_the_machine_as_the_predictors_do_and_its_speed_readabl
               "end": {"python_ns": 24.364, "copy_gbps": 5.865}}
     assert ol.host_speed_text(speeds) == ("start 23.0 ns per Python loop, 6.13 GB/s copy; "
                                           "end 24.4 ns per Python loop, 5.87 GB/s copy")
+
+
+def test_the_decode_steps_tail_is_the_warm_ups_at_the_runs_load_else_the_searchs() -> None:
+    """The bug it guards: the sim's steps took the rate search's tail, learned at half the
+    runs' load (11-30: 2.53 where the 2x runs learned 1.56-1.99), and its goodput fell to
+    -70 % of live; the warm-ups (admission none at the middle load) learned 1.57 / 1.71."""
+    topo = {"tbt_tail": 2.53, "warmup": {"forecast": {"tbt_tail": 1.571},
+                                         "least_loaded": {"tbt_tail": 1.705}}}
+    assert ol.step_tail_of(topo) == pytest.approx(1.638)
+    assert ol.step_tail_of({"tbt_tail": 2.53, "warmup": {}}) == 2.53
+    assert ol.step_tail_of({"tbt_tail": None}) == 1.0
