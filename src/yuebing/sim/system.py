@@ -102,7 +102,7 @@ class SimConfig:
                 "policy.seed), taking this many times its cost-model time, so a request whose "
                 "slowest tenth of intervals are slow steps has a paper TBT of this times its "
                 "step, as the live Conductor's TBT tail measures (`sim.decode.SlowSteps`; a live "
-                "rate search's learned tail; colocated, the slow steps take it divided by the "
+                "Conductor's learned tail; colocated, the slow steps take it divided by the "
                 "decode factor a step beside a prefill already takes); 1: even steps (the "
                 "default)"})
     forecast_durations_s: tuple[float, ...] = field(default=(), metadata={
