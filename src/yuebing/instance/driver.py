@@ -162,7 +162,8 @@ class EngineDriver:
             pending = list(self._calls)
             self._calls.clear()
         for _, fut in pending:
-            fut.set_exception(DriverStopped("the engine driver stopped"))
+            if fut.set_running_or_notify_cancel():  # a caller may have cancelled it
+                fut.set_exception(DriverStopped("the engine driver stopped"))
         if self._trace is not None:
             self._trace.close()
 

@@ -108,6 +108,13 @@ def measure(inst: ReportHost, engine: LLMEngine, resync: bool) -> LoadReport:
         cache_full_resync=resync)
 
 
+def _read_exception(fut: asyncio.Future[LoadReport]) -> None:
+    """Marks a measurement's exception read: one still queued when the instance stops fails
+    with `DriverStopped` after this loop was cancelled, and asyncio would log it as unread."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 async def report_loop(inst: ReportHost, stop: asyncio.Event) -> None:
     """Reports at ``report_hz`` and on change. The load is measured in the driver thread
     between steps; while a long step runs, the last measurement goes out again as a
@@ -125,6 +132,7 @@ async def report_loop(inst: ReportHost, stop: asyncio.Event) -> None:
                 resync, inst.resync = inst.resync, False
                 pending = asyncio.ensure_future(inst.driver.run(
                     lambda e, r=resync: measure(inst, e, r)))  # type: ignore[misc]
+                pending.add_done_callback(_read_exception)  # one left at the stop goes unread
             await asyncio.wait({pending}, timeout=period)
             report: LoadReport | None = None
             if pending.done():
@@ -151,5 +159,3 @@ async def report_loop(inst: ReportHost, stop: asyncio.Event) -> None:
         for w in idle:
             w.cancel()
         await asyncio.sleep(0.01)
-    if pending is not None:  # still queued at the stop: it fails with DriverStopped, unread
-        pending.cancel()
