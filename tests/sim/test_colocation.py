@@ -218,3 +218,25 @@ def test_colocated_slow_steps_take_the_tail_the_decode_factor_leaves(tmp_path: P
     half = tbts(3.0, True)
     assert max(half) == pytest.approx(0.075, abs=1e-4) and all(t <= 0.075 + 1e-4 for t in half)
     assert max(tbts(3.0, False)) == pytest.approx(0.15, abs=1e-4)
+
+
+def test_a_decode_node_without_a_host_mate_takes_the_whole_tail(tmp_path: Path) -> None:
+    """Colocated without ``host_cores`` only decode node i < P has a host-mate to stretch its
+    steps; the others' slow steps take the whole ``decode_tail`` (review: every colocated node
+    divided it by the decode factor), and a factor below 1 never raises the tail."""
+    from yuebing.sim.loop import EventLoop
+    from yuebing.sim.mooncake import MooncakeSystem
+    from yuebing.sim.system import SystemContext
+
+    def tails(factor: float) -> list[float | None]:
+        path = _write(tmp_path, {"interference": {"decode_factor": factor,
+                                                  "prefill_factor": 1.0}})
+        cfg = SimConfig(prefill_nodes=1, decode_nodes=2, colocated=True,
+                        interference_profile=str(path), decode_tail=3.0,
+                        policy=sim_policy(seed=1))
+        system = MooncakeSystem(SystemContext(loop=EventLoop(seed=1), cost=LinearCost(),
+                                              config=cfg))
+        return [d.slow.tail if d.slow is not None else None for d in system.decodes]
+
+    assert tails(2.0) == [1.5, 3.0]
+    assert tails(0.5) == [3.0, 3.0]

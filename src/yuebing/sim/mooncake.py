@@ -112,7 +112,8 @@ class MooncakeSystem(SimSystem):
     (with ``host_cores``, all nodes share one) and stretch each other (`sim.colocation`). (3)
     prefill end = first token; the KV stored layer by layer into the node's DRAM pool moves to
     the decode node after the prefill (Figure 14). (4)
-    decode (a tenth of the steps ``decode_tail`` times slower, `sim.decode.SlowSteps`): with
+    decode (a tenth of the steps ``decode_tail`` times slower, the rest of it beside a prefill:
+    `_slow`, `sim.decode.SlowSteps`): with
     ``decode_reject`` a request whose KV cannot join at the next iteration, or would
     push it past the TBT SLO (by the Conductor's decode predictor), is rejected there."""
 
@@ -155,7 +156,7 @@ class MooncakeSystem(SimSystem):
         self.mates = self._host_mates()
         self.decodes = [DecodeInstance(str(d), self.loop, self.cost, stretch=(
             self.host.decode_step if self.host is not None
-            else self.mates[j].decode_step if j in self.mates else None), slow=self._slow())
+            else self.mates[j].decode_step if j in self.mates else None), slow=self._slow(j))
             for j, d in enumerate(self.decode_ids)]
         self.pending: dict[int, PendingDecode] = {}
         self.policy: Policy | None = None
@@ -179,13 +180,16 @@ class MooncakeSystem(SimSystem):
             return {}
         return {i: HostMate(self.interference.decode_factor) for i in range(min(cfg.prefill_nodes, self.D))}
 
-    def _slow(self) -> SlowSteps | None:
-        """A decode node's slow steps (`SimConfig.decode_tail`; its own stream, seeded from
-        the loop's), else None. Colocated, a step beside a prefill already takes the measured
-        ``decode_factor``, which the learned tail counts (its requests' slowest tenth of steps
-        ran beside a prefill): the slow steps take the rest, ``decode_tail / decode_factor``
-        (at least 1), so a step both slow and beside a prefill takes ``decode_tail``."""
-        tail = max(1.0, self.config.decode_tail / self.interference.decode_factor)
+    def _slow(self, j: int) -> SlowSteps | None:
+        """Decode node ``j``'s slow steps (`SimConfig.decode_tail`; its own stream, seeded from
+        the loop's), else None. A node whose steps beside a prefill already take the measured
+        ``decode_factor`` (on the shared host, or with a host-mate), which the learned tail
+        counts (its requests' slowest tenth of steps ran beside a prefill), has slow steps of
+        the rest, ``decode_tail / decode_factor`` (at least 1), so a step both slow and beside
+        a prefill takes ``decode_tail``."""
+        stretched = self.host is not None or j in self.mates
+        factor = max(1.0, self.interference.decode_factor) if stretched else 1.0
+        tail = max(1.0, self.config.decode_tail / factor)
         return None if tail == 1.0 else SlowSteps(
             tail, random.Random(self.loop.rng.getrandbits(64)))
 
