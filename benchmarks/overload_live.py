@@ -301,10 +301,12 @@ def learned_tail(cluster: Cluster) -> float:
 
 def step_tail_of(topo: dict[str, Any]) -> float:
     """The simulated decode steps' tail for a topology's runs: the mean of what its warm-ups
-    learned (admission ``none`` at the middle load, on a seed no measured run uses), else its
-    rate search's. The tail is load-dependent (paper TBT over a step that grows with the batch):
-    a search at half the load learned 2.53 where the 2x runs learned 1.56-1.99 (11-30)."""
-    tails = [w["tbt_tail"] for w in topo.get("warmup", {}).values() if w.get("tbt_tail")]
+    learned (admission ``none`` at the middle load, on a seed no measured run uses; a warm-up
+    still at 1.0, the Conductor's start, learned nothing), else its rate search's. The tail
+    depends on the load (a paper TBT over a step that grows with the batch), and a search runs
+    at half the 2x runs' load."""
+    tails = [w["tbt_tail"] for w in topo.get("warmup", {}).values()
+             if w.get("tbt_tail") and w["tbt_tail"] != 1.0]
     return sum(tails) / len(tails) if tails else float(topo.get("tbt_tail") or 1.0)
 
 

@@ -422,10 +422,14 @@ def test_the_report_names_the_machine_as_the_predictors_do_and_its_speed_readabl
 
 def test_the_decode_steps_tail_is_the_warm_ups_at_the_runs_load_else_the_searchs() -> None:
     """The bug it guards: the sim's steps took the rate search's tail, learned at half the
-    runs' load (11-30: 2.53 where the 2x runs learned 1.56-1.99), and its goodput fell to
-    -70 % of live; the warm-ups (admission none at the middle load) learned 1.57 / 1.71."""
+    runs' load (2.53 where the 2x runs learned 1.56-1.99), and its goodput fell to a third of
+    live; the warm-ups (admission none at the runs' load) learned 1.57 / 1.71. A warm-up whose
+    Conductor learned nothing reports its start, 1.0, and is left out."""
     topo = {"tbt_tail": 2.53, "warmup": {"forecast": {"tbt_tail": 1.571},
                                          "least_loaded": {"tbt_tail": 1.705}}}
     assert ol.step_tail_of(topo) == pytest.approx(1.638)
     assert ol.step_tail_of({"tbt_tail": 2.53, "warmup": {}}) == 2.53
     assert ol.step_tail_of({"tbt_tail": None}) == 1.0
+    assert ol.step_tail_of({"tbt_tail": 2.0, "warmup": {"a": {"tbt_tail": 1.0},
+                                                        "b": {"tbt_tail": 1.7}}}) == 1.7
+    assert ol.step_tail_of({"tbt_tail": 2.0, "warmup": {"a": {"tbt_tail": 1.0}}}) == 2.0
