@@ -24,6 +24,7 @@ from yuebing.conductor.policy import (
     decide,
     forecast_decode_load,
 )
+from yuebing.conductor.policy.decode import forecast_state
 from yuebing.core.errors import ConfigError, InputError
 from yuebing.core.ids import InstanceId
 
@@ -380,3 +381,26 @@ def test_running_decodes_that_no_admission_can_protect_do_not_block_every_prefil
                                   tbt_tail=6.0), Route)
     r = decide_with(RUNNING_IDLE_POOL, admission="early_rejection", tbt_tail=5.0)
     assert r.reason == "running_tbt"
+
+
+def test_the_hold_keeps_each_instance_at_its_state_of_now_or_its_forecast_as_a_whole():
+    """Per instance: pending requests routed to d1 do not hold d0 up or down; d0, whose
+    forecast (2.4 of 6 still running at +6 s) is below now, keeps its batch, context and KV of
+    now; where the routed requests outnumber the ending decodes the forecast is taken whole, its
+    context that of the requests it counts (review: each of the three was floored apart,
+    pairing a refilled batch with the context of now)."""
+    pol = Policy(config(), PREDICTORS)
+
+    def at(pending: tuple[PendingDecode, ...]) -> ClusterView:
+        return ClusterView(now_s=100.0, prefills=(prefill("p0", 5.0),),
+                           decodes=(decode("d0", batch=6, ctx=6_000), decode("d1")),
+                           link_bandwidth_Bps=1e7, pending_decodes=pending)
+
+    to_d1 = tuple(PendingDecode(101.0, 0, InstanceId("d1")) for _ in range(3))
+    batch, ctx, kv = forecast_state(pol, at(to_d1), 106.0, hold=True)
+    assert (batch, ctx, kv) == ([6, 3.0], [6_000, 0.0], [6_000, 0.0])
+    decayed = forecast_state(pol, at(to_d1), 106.0)
+    assert decayed[0] == pytest.approx([2.4, 3.0]) and decayed[1] == pytest.approx([2_400, 0])
+    to_d0 = tuple(PendingDecode(101.0, 0, InstanceId("d0")) for _ in range(6))
+    batch, ctx, _ = forecast_state(pol, at(to_d0), 106.0, hold=True)
+    assert batch == pytest.approx([8.4, 0.0]) and ctx == pytest.approx([2_400, 0.0])

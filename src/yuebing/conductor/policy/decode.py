@@ -61,9 +61,10 @@ def forecast_state(pol: Policy, view: ClusterView, at_s: float, hold: bool = Fal
     likely values), so a request decoding now still decodes Δ seconds later with the equilibrium
     residual-life probability ``E[max(0, D - Δ)] / E[D]``, and a waiting request, or a routed one
     reaching decode at ``s``, with ``P(D > age)``; routed requests reaching decode after ``at_s``
-    are not counted. With ``hold`` no instance is forecast below its running and waiting
-    requests now: the routed requests refill the slots of the decodes that end first, and only
-    those beyond them add to the batch (see `decode_forecast`)."""
+    are not counted. With ``hold`` an instance whose forecast batch is below its running and
+    waiting requests now keeps its state of now (batch, context and KV together): the routed
+    requests refill the slots of the decodes that end first, and only those beyond them add to
+    the batch (see `decode_forecast`)."""
     dt = max(0.0, at_s - view.now_s)
     s_running = pol.residual_survival(dt)
     s_waiting = pol.survival(dt)
@@ -76,10 +77,10 @@ def forecast_state(pol: Policy, view: ClusterView, at_s: float, hold: bool = Fal
     if view.pending_decodes:
         _add_pending(view, pol, at_s, batch, ctx, kv)
     if hold:
-        now_batch, now_ctx, now_kv = current_state(view, with_pending=False)
-        batch = [max(f, c) for f, c in zip(batch, now_batch, strict=True)]
-        ctx = [max(f, c) for f, c in zip(ctx, now_ctx, strict=True)]
-        kv = [max(f, c) for f, c in zip(kv, now_kv, strict=True)]
+        now = current_state(view, with_pending=False)
+        for i, now_batch in enumerate(now[0]):
+            if batch[i] < now_batch:
+                batch[i], ctx[i], kv[i] = now_batch, now[1][i], now[2][i]
     return batch, ctx, kv
 
 
