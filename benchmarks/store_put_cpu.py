@@ -4,9 +4,10 @@
 One master + one node (child processes, loopback) and one TCP-only client (`store_latency_ab.Rig`),
 plus a raw socket server (`transfer.rawsock`). Rounds alternate the store call and the raw RPC
 of the same value (order swapped per round) for ``--seconds`` each; per round: p10 / p50 µs per
-call, and per process the CPU µs (``/proc/<pid>/task/*/schedstat``, exact run time, every thread)
-and voluntary context switches (sleeps) per call. CPU per call does not wait for a CPU, so it is
-what a loaded host still measures; p50 is not. Medians over rounds, and store ÷ raw of each.
+call, and per process the CPU µs (``/proc/<pid>/task/*/schedstat``, exact run time, every thread),
+its user / kernel split (``/proc/<pid>/stat``, clock ticks) and voluntary context switches (sleeps)
+per call. CPU per call does not wait for a CPU, so it is what a loaded host still measures; p50
+is not. Medians over rounds, and store ÷ raw of each.
 ``--steps``: a put's client-side steps (`StepTimer`), p50 µs, from one extra store-only round:
 
     .venv/bin/python benchmarks/store_put_cpu.py --op put --size 1MiB --rounds 6 --seconds 8
@@ -48,6 +49,17 @@ def run_s(pid: int) -> float:
     return total / 1e9
 
 
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def user_sys_s(pid: int) -> tuple[float, float]:
+    """Seconds ``pid`` (all its threads) has run in user mode (Python, libraries) and in the
+    kernel (copies, the network stack), at clock-tick resolution."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return int(fields[11]) * TICK_S, int(fields[12]) * TICK_S
+
+
 def sleeps(pid: int) -> int:
     """Voluntary context switches of ``pid``, all its threads."""
     n = 0
@@ -68,6 +80,7 @@ def one_round(fn: Callable[[], object], pids: dict[str, int], seconds: float,
     fn()
     cpu0 = {k: run_s(p) for k, p in pids.items()}
     sw0 = {k: sleeps(p) for k, p in pids.items()}
+    us0 = {k: user_sys_s(p) for k, p in pids.items()}
     lat: list[float] = []
     spent = 0.0
     while spent < seconds:
@@ -79,16 +92,22 @@ def one_round(fn: Callable[[], object], pids: dict[str, int], seconds: float,
         if tidy is not None and len(lat) % every == 0:
             t_cpu = {k: run_s(p) for k, p in pids.items()}
             t_sw = {k: sleeps(p) for k, p in pids.items()}
+            t_us = {k: user_sys_s(p) for k, p in pids.items()}
             tidy()
             for k, p in pids.items():  # its CPU and sleeps are not the calls'
                 cpu0[k] += run_s(p) - t_cpu[k]
                 sw0[k] += sleeps(p) - t_sw[k]
+                u, s = user_sys_s(p)
+                us0[k] = (us0[k][0] + u - t_us[k][0], us0[k][1] + s - t_us[k][1])
     n = len(lat)
     lat.sort()
     row = {"n": n, "p10_us": lat[n // 10] * 1e6, "p50_us": lat[n // 2] * 1e6}
     for k, p in pids.items():
         row[f"{k}_cpu_us"] = (run_s(p) - cpu0[k]) / n * 1e6
         row[f"{k}_sleeps"] = (sleeps(p) - sw0[k]) / n
+        u, s = user_sys_s(p)
+        row[f"{k}_user_us"] = (u - us0[k][0]) / n * 1e6
+        row[f"{k}_sys_us"] = (s - us0[k][1]) / n * 1e6
     row["cpu_us"] = sum(row[f"{k}_cpu_us"] for k in pids)
     return row
 
