@@ -5,8 +5,8 @@ The arXiv's Kimi trace is not released, so `arxiv_like` rebuilds its statistics 
 conversation trace. Three admissions of the shared Conductor policy are compared: ``baseline``
 (drops at prefill and at decode, wasting prefills), ``early_rejection`` (once, at arrival, on
 the decode load of now) and ``predictive_early_rejection`` (the decode load forecast for when
-the prefill ends, arXiv §7.4's forecast, not the live one that holds the running batch while
-the prefill pool has work: `config`). `details` adds the decode-bound 8P+2D and 7P+2D variants;
+the prefill ends, arXiv §7.4's forecast, not the live one that keeps the batch no lower than
+now while the prefill pool has work: `config`). `details` adds the decode-bound 8P+2D and 7P+2D variants;
 `oscillation` measures how the sampled loads swing.
 """
 
@@ -88,9 +88,9 @@ register_workload(WORKLOAD, arxiv_like)
 
 def config(name: str, fast: bool = False, nodes: tuple[int, int] = NODES) -> SimConfig:
     """The run of admission ``name`` on ``nodes``. The forecast is arXiv §7.4's
-    (``forecast_hold=False``): holding the running batch while the prefill pool has work, the
-    live default, judges an overloaded 8P+2D by its decode load of now, as plain early rejection
-    does (2,007 rejected against the baseline's 1,367; docs/reproduction.md, gap D)."""
+    (``forecast_hold=False``): the live default, which keeps the decode batch no lower than now
+    while the prefill pool has work, rejects more on an overloaded 8P+2D than the baseline
+    (2,443 against 1,367; docs/reproduction.md, gap D), and Table 3 counts rejections."""
     return fast_config(SimConfig(system="mooncake", prefill_nodes=nodes[0], decode_nodes=nodes[1],
                                  policy=sim_policy(admission=ADMISSIONS[name],
                                                    decode_selector=DECODE[name],
