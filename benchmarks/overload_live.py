@@ -13,10 +13,13 @@ test_overload_live.py checks its parts.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import math
+import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -32,6 +35,7 @@ from rich.progress import Progress
 from yuebing.bench.config import BenchConfig
 from yuebing.bench.workload import scaled_request, send_times
 from yuebing.conductor.calibration import DURATION_QUANTILES, MIN_OBSERVED_S
+from yuebing.conductor.policy import Predictors
 from yuebing.conductor.policy.admission import ADMISSIONS
 from yuebing.conductor.policy.decode import duration_quantiles
 from yuebing.conductor.policy.queue import DEFAULT_QUEUE, PREFILL_QUEUES
@@ -224,11 +228,6 @@ def prefill_slowdown(log: Path, predictors: Path) -> float:
     simulator models itself); at least 1, and 1 when none qualifies. The simulator's slowdown
     of two engines computing at once (`interference_file`): live, the decode engine steps
     beside them all along."""
-    import datetime as dt
-    import statistics
-
-    from yuebing.conductor.policy import Predictors
-
     predict = Predictors.from_json(predictors.read_bytes(), str(predictors)).prefill.predict
     text = log.read_text(errors="replace") if log.exists() else ""
     rows = []
@@ -410,10 +409,6 @@ def sim_predictors(path: Path, out: Path) -> Path:
 def host_cores(predictors: Path) -> int:
     """The cores of the machine the predictors were profiled on (their configuration's
     ``machine``: ``... | 2 cores``), else this machine's."""
-    import os
-
-    from yuebing.conductor.policy import Predictors
-
     machine = Predictors.from_json(predictors.read_bytes(), str(predictors)).configuration.get(
         "machine", "")
     m = re.search(r"(\d+) cores", machine)
@@ -1031,8 +1026,6 @@ def detail_table(runs: dict[str, list[dict[str, Any]]], header: str) -> str:
 
 def machine() -> str:
     """This processor as the predictors name it (`yuebing.core.host.cpu_name`) and its cores."""
-    import os
-
     return f"{cpu_name()}, {os.cpu_count()} cores"
 
 

@@ -169,9 +169,10 @@ def admit_predictive(pol: Policy, req: RequestInfo, view: ClusterView, plan: Pre
                      dplan: DecodePlan) -> Reject | None:
     """``predictive_early_rejection`` (arXiv §7.4): as ``early_rejection``, but the chosen decode
     instance's load is forecast for when this request would reach decode (now + predicted TTFT,
-    `decode_forecast`): routed requests still in prefill count, and the decodes expected to end
-    by then drop out only while the prefill pool is idle (pair it with the ``forecast`` decode
-    selector); the running requests' load under its prefill counts too (`running_load`)."""
+    `decode_forecast`): routed requests still in prefill count; while the prefill pool has work
+    they refill the decodes expected to end by then (the batch no lower than now), else those
+    drop out (pair it with the ``forecast`` decode selector); the running requests' load under
+    its prefill counts too (`running_load`)."""
     at_s = view.now_s + plan.ttft_s
     state = decode_forecast(pol, view, at_s)
     load = dplan.load if pol.config.decode_selector == "forecast" else \
