@@ -14,27 +14,27 @@ from yuebing.protocol import Message, encode
 from yuebing.protocol.instance import Cancel, ErrorCode, ErrorReply
 
 
-def test_a_cancel_reaching_a_stopped_driver_is_answered_shutting_down(caplog) -> None:
+def answer(error: Exception) -> list[tuple[bytes, Message]]:
+    """What the control server sends for a `Cancel` whose handling raises ``error``."""
     async def dispatch(ident: bytes, msg: Message) -> Message | None:
-        raise DriverStopped("the engine driver stopped")
+        raise error
 
     sent: list[tuple[bytes, Message]] = []
     server = ControlServer(InstanceConfig(), dispatch, lambda ident: None)
     server.send = lambda ident, msg: sent.append((ident, msg))  # type: ignore[method-assign]
+    asyncio.run(server._handle([b"c1", encode(Cancel(seq=7, request_id="r1"))]))
+    return sent
+
+
+def test_a_cancel_reaching_a_stopped_driver_is_answered_shutting_down(caplog) -> None:
     with caplog.at_level(logging.INFO):
-        asyncio.run(server._handle([b"c1", encode(Cancel(seq=7, request_id="r1"))]))
+        sent = answer(DriverStopped("the engine driver stopped"))
     assert sent == [(b"c1", ErrorReply(seq=7, code=ErrorCode.SHUTTING_DOWN,
                                        message="the engine driver stopped"))]
     assert "Traceback" not in caplog.text and "control request failed" not in caplog.text
 
 
 def test_any_other_failure_is_still_logged_as_internal(caplog) -> None:
-    async def dispatch(ident: bytes, msg: Message) -> Message | None:
-        raise RuntimeError("boom")
-
-    sent: list[tuple[bytes, Message]] = []
-    server = ControlServer(InstanceConfig(), dispatch, lambda ident: None)
-    server.send = lambda ident, msg: sent.append((ident, msg))  # type: ignore[method-assign]
-    asyncio.run(server._handle([b"c1", encode(Cancel(seq=3, request_id="r1"))]))
+    sent = answer(RuntimeError("boom"))
     assert [m.code for _, m in sent] == [ErrorCode.INTERNAL]  # type: ignore[attr-defined]
     assert "control request failed" in caplog.text
