@@ -271,6 +271,7 @@ def live_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
     figures (see module doc)."""
     logs = setup.out / "logs" / name
     records = setup.out / f"{name}.records.jsonl"
+    host = speed().as_dict()  # the host's phase for this run (it moves within minutes)
     with Cluster(setup, nodes, policy, logs, selector) as cluster:
         start_tail = learned_tail(cluster)
         sampler = LoadSampler(cluster, setup.sample_s)
@@ -290,7 +291,14 @@ def live_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
     return {**summarize_live(setup, rows, reasons, samples,
                              wasted_prefill(logs / "conductor.log", setup.ttft_slo_s,
                                             setup.tbt_slo_s), retry), "tbt_tail": tail,
-            "tbt_tail_start": start_tail}
+            "tbt_tail_start": start_tail, "host_speed": host, "first_ttft_s": first_ttft(rows)}
+
+
+def first_ttft(rows: list[dict[str, Any]]) -> float | None:
+    """The TTFT of the workload's first request, alone on the fresh cluster: the cluster's
+    speed at its start, beside the host's (policies are compared across clusters)."""
+    first = [r for r in rows if r.get("index") == 0 and r.get("status") == "ok"]
+    return float(first[0]["ttft_s"]) if first and first[0].get("ttft_s") is not None else None
 
 
 def learned_tail(cluster: Cluster) -> float:
@@ -507,8 +515,8 @@ def table(result: dict[str, Any]) -> str:
     lines = ["| cluster | load | policy | goodput live / sim (req/s) | within SLO | rejected "
              "(arrival / reserve) | prefill thrown away (tokens) | TTFT p50 / p99 (s) | "
              "TBT p99 (ms) | TBT tail live / sim | prefill load std / swing | decode load std / "
-             "swing |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "swing | first TTFT (s) / host copy GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for topo in result["topologies"]:
         for run in topo["runs"]:
             live, sim = run["live"], run["sim"]
@@ -529,7 +537,8 @@ def table(result: dict[str, Any]) -> str:
                 f"{f(live.get('tbt_tail'))} / {f(sim.get('tbt_tail'))} | "
                 f"{live['load']['prefill']['std']:.2f} / {live['load']['prefill']['swing']:.2f}"
                 f" | {live['load']['decode']['std']:.2f} / {live['load']['decode']['swing']:.2f}"
-                f" |")
+                f" | {f(live.get('first_ttft_s'))} / "
+                f"{f(live.get('host_speed', {}).get('copy_gbps'), d=1)} |")
     return "\n".join(lines)
 
 

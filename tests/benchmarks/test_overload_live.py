@@ -433,3 +433,24 @@ def test_the_decode_steps_tail_is_the_warm_ups_at_the_runs_load_else_the_searchs
     assert ol.step_tail_of({"tbt_tail": 2.0, "warmup": {"a": {"tbt_tail": 1.0},
                                                         "b": {"tbt_tail": 1.7}}}) == 1.7
     assert ol.step_tail_of({"tbt_tail": 2.0, "warmup": {"a": {"tbt_tail": 1.0}}}) == 2.0
+
+
+def test_each_run_reports_its_first_requests_ttft_and_the_hosts_copy_rate() -> None:
+    """Policies are compared across clusters that start minutes apart on a host whose speed
+    moves: each run's row shows its cluster's first, lone request's TTFT and the host's copy
+    rate measured before it started ("–" where a run lacks them, e.g. an older result)."""
+    rows = [_record(1, "ok", ttft=0.9, tbt=0.05), _record(0, "ok", ttft=0.36, tbt=0.04)]
+    assert ol.first_ttft(rows) == 0.36
+    assert ol.first_ttft([_record(0, "rejected"), _record(1, "ok", ttft=0.5)]) is None
+    live = {"goodput_rps": 0.5, "within_slo": 3, "requests": 4, "rejected": 0,
+            "rejections_by_stage": {}, "wasted_tokens": 0, "prefilled_tokens": 9,
+            "latency": {k: 0.1 for k in ("ttft_p50", "ttft_p99", "tbt_p99")},
+            "load": {p: {"std": 0.1, "swing": 0.1} for p in ("prefill", "decode")}}
+    run = {"multiplier": 2.0, "rate": 1.0, "policy": "none", "seed": 0,
+           "sim": {"goodput_rps": 0.4}}
+    result = {"topologies": [{"name": "1P1D", "runs": [
+        {**run, "live": {**live, "first_ttft_s": 0.36, "host_speed": {"copy_gbps": 5.93}}},
+        {**run, "live": live}]}]}
+    rows_md = ol.table(result).splitlines()
+    assert rows_md[0].endswith("| first TTFT (s) / host copy GB/s |")
+    assert rows_md[2].endswith("| 0.36 / 5.9 |") and rows_md[3].endswith("| – / – |")
