@@ -39,6 +39,7 @@ from yuebing.conductor.policy import Predictors
 from yuebing.conductor.policy.admission import ADMISSIONS
 from yuebing.conductor.policy.decode import duration_quantiles
 from yuebing.conductor.policy.queue import DEFAULT_QUEUE, PREFILL_QUEUES
+from yuebing.conductor.stats import parse_log_line
 from yuebing.core.host import cpu_name, speed
 from yuebing.ops.procs import ReadyProcess
 from yuebing.sim.metrics import learned_tail as simulated_tail
@@ -191,33 +192,19 @@ def stage_of(reason: str) -> str:
     return "limit" if reason == "too_many_requests" else "arrival"
 
 
-ACCESS = re.compile(r"status=(\d+) prefill=\S+ decode=\S+ prompt=(\d+) cached=(\d+) out=\d+ "
-                    r"finish=\S+ ttft=([\d.]+)ms tbt=([\d.]+)ms queue=\S+ prefix_load=\S+ "
-                    r"prefill=([\d.]+)ms")
-
-
 def wasted_prefill(log: Path, ttft_slo_s: float, tbt_slo_s: float) -> dict[str, int]:
     """Prompt tokens prefilled (prompt - cached, for requests whose prefill ran) in all, and
     for requests then cut off (not 200) or served outside an SLO, from the access log."""
     total = wasted = 0
     text = log.read_text(errors="replace") if log.exists() else ""
-    for m in ACCESS.finditer(text):
-        status, prompt, cached = int(m[1]), int(m[2]), int(m[3])
-        ttft, tbt, prefill_ms = float(m[4]) / 1e3, float(m[5]) / 1e3, float(m[6])
-        if prefill_ms <= 0 and status != 200:
+    for f in filter(None, map(parse_log_line, text.splitlines())):
+        status, tokens = f["status"], max(0, int(f["prompt"]) - int(f["cached"]))
+        if float(f["prefill"]) <= 0 and status != 200:
             continue  # never reached its prefill
-        tokens = max(0, prompt - cached)
         total += tokens
-        if status != 200 or ttft > ttft_slo_s or tbt > tbt_slo_s:
+        if status != 200 or float(f["ttft"]) > ttft_slo_s or float(f["tbt"]) > tbt_slo_s:
             wasted += tokens
     return {"prefilled_tokens": total, "wasted_tokens": wasted}
-
-
-TIMED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?status=200 prefill=(\S+) "
-                   r"decode=\S+ prompt=(\d+) cached=(\d+) .*?queue=([\d.]+)ms "
-                   r"prefix_load=([\d.]+)ms prefill=([\d.]+)ms .*?e2e=([\d.]+)ms", re.M)
-"""An answered request's access line: logged at its end (the time), its prefill instance,
-prompt and cached tokens, and the queue, prefix load, prefill and end-to-end times."""
 
 
 def prefill_slowdown(log: Path, predictors: Path) -> float:
@@ -231,13 +218,16 @@ def prefill_slowdown(log: Path, predictors: Path) -> float:
     predict = Predictors.from_json(predictors.read_bytes(), str(predictors)).prefill.predict
     text = log.read_text(errors="replace") if log.exists() else ""
     rows = []
-    for m in TIMED.finditer(text):
-        end = dt.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-        queue, load, prefill, e2e = (float(m[i]) / 1e3 for i in (5, 6, 7, 8))
-        start = end - e2e + queue + load
-        cached = int(m[4])
-        rows.append((m[2], start, start + prefill, prefill,
-                     predict(max(0, int(m[3]) - cached), cached)))
+    for line in text.splitlines():
+        f = parse_log_line(line)
+        if f is None or f["status"] != 200 or "e2e" not in f:
+            continue
+        # logged at the request's end: the line's time
+        end = dt.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        start = end - float(f["e2e"]) + float(f["queue"]) + float(f["prefix_load"])
+        prefill, cached = float(f["prefill"]), int(f["cached"])
+        rows.append((str(f["prefill_id"]), start, start + prefill, prefill,
+                     predict(max(0, int(f["prompt"]) - cached), cached)))
     ratios = [live / est for node, lo, hi, live, est in rows if est >= MIN_OBSERVED_S
               and not any(n != node and a < hi and lo < b for n, a, b, _, _ in rows)]
     return max(1.0, statistics.median(ratios)) if ratios else 1.0

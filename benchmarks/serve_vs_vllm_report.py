@@ -29,20 +29,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
+from yuebing.conductor.stats import parse_log_line
+
 log = logging.getLogger("serve_vs_vllm_report")
 
 SYSTEMS = ("yuebing_1p1d", "yuebing_coupled", "vllm_cpu", "vllm_1p1d")
-_ACCESS = re.compile(r" status=200 .*? prompt=(\d+) cached=(\d+) out=(\d+) .*?ttft=([\d.]+)ms "
-                     r"tbt=([\d.]+)ms queue=([\d.]+)ms prefix_load=([\d.]+)ms prefill=([\d.]+)ms "
-                     r"transfer=([\d.]+)ms decode_wait=([\d.]+)ms")
 _FIELDS = ("prompt", "cached", "out", "ttft", "tbt", "queue", "prefix_load", "prefill",
            "transfer", "decode_wait")
+"""The access line's fields averaged per rate (times in ms)."""
+_COUNTS = {"prompt", "cached", "out"}
 
 
 def access_breakdown(conductor_log: Path, completed: list[int],
@@ -56,9 +56,9 @@ def access_breakdown(conductor_log: Path, completed: list[int],
     """
     rows = []
     for line in conductor_log.read_text(errors="replace").splitlines():
-        m = _ACCESS.search(line)
-        if m:
-            rows.append(dict(zip(_FIELDS, (float(g) for g in m.groups()), strict=True)))
+        fields = parse_log_line(line)
+        if fields is not None and fields["status"] == 200 and "decode_wait" in fields:
+            rows.append({k: float(fields[k]) * (1.0 if k in _COUNTS else 1e3) for k in _FIELDS})
     out: dict[str, Any] = {}
     starts = [sum(completed[:k]) for k in range(len(completed))]
     for k, rate in enumerate(rates):

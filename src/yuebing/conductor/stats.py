@@ -2,13 +2,15 @@
 
 Created by the HTTP route when a request arrives, filled by the dispatcher (routing, tokens,
 the instances' `Breakdown`s) and read at the end by the usage extension of the response
-(`extension`), the access log line (`log_line`) and the histograms (`ConductorMetrics.finished`).
+(`extension`), the access log line (`log_line`; `parse_log_line` reads one back, as the
+benchmarks do) and the histograms (`ConductorMetrics.finished`).
 Times are ``time.perf_counter()`` seconds. TBT is the paper's: the mean of the longest 10 % of
 the request's token intervals (`yuebing.trace.latency.tbt_summary`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from yuebing.protocol.instance import Breakdown
@@ -140,3 +142,29 @@ class RequestStats:
                 f"decode_wait={b.decode_wait_s * 1e3:.1f}ms conductor={self.dispatch_s * 1e3:.2f}ms "
                 f"e2e={self.e2e_s * 1e3:.1f}ms est_ttft={self.est_ttft_s * 1e3:.1f}ms "
                 f"est_prefill={self.est_prefill_s * 1e3:.1f}ms")
+
+
+_MS = r"([\d.]+)ms"
+_LOG_LINE = re.compile(
+    r" status=(?P<status>\d+) prefill=(?P<prefill_id>\S+) decode=(?P<decode_id>\S+) "
+    r"prompt=(?P<prompt>\d+) cached=(?P<cached>\d+) out=(?P<out>\d+) finish=\S+ "
+    rf"ttft={_MS} tbt={_MS} queue={_MS} prefix_load={_MS} prefill={_MS}"
+    rf"(?: transfer={_MS} decode_wait={_MS} conductor={_MS} e2e={_MS})?")
+_TIMES = ("ttft", "tbt", "queue", "prefix_load", "prefill", "transfer", "decode_wait",
+          "conductor", "e2e")
+
+
+def parse_log_line(line: str) -> dict[str, str | int | float] | None:
+    """The fields of an access line `RequestStats.log_line` wrote (None: not one): ``status``,
+    ``prompt``, ``cached``, ``out`` as ints, ``prefill_id`` and ``decode_id``, and the times in
+    seconds (``prefill`` is the prefill's time; ``transfer`` … ``e2e`` absent from older lines)."""
+    m = _LOG_LINE.search(line)
+    if m is None:
+        return None
+    out: dict[str, str | int | float] = {
+        "status": int(m["status"]), "prefill_id": m["prefill_id"], "decode_id": m["decode_id"],
+        "prompt": int(m["prompt"]), "cached": int(m["cached"]), "out": int(m["out"])}
+    for name, value in zip(_TIMES, m.groups()[6:], strict=True):
+        if value is not None:
+            out[name] = float(value) / 1e3
+    return out
