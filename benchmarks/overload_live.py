@@ -790,13 +790,7 @@ def main() -> int:
     result["host_speed"]["end"] = speed().as_dict()
     result["checks"] = checks(result)
     (ns.outdir / "overload_live.json").write_text(json.dumps(result, indent=1) + "\n")
-    md = table(result) + "\n\n" + spreads(result) + "\n\n" + "\n".join(
-        f"- {k}: {v}" for k, v in result["checks"].items()) + "\n- host speed: " \
-        + host_speed_text(result["host_speed"])
-    (ns.outdir / "overload_live.md").write_text(md + "\n")
-    if any(t["runs"] for t in result["topologies"]):
-        plot(result, ns.outdir)
-    print(md)
+    report(result, ns.outdir)
     return 0
 
 
@@ -995,12 +989,21 @@ def resim(live_dir: Path, out: Path, chosen: list[Path], stretch: float, warm: b
                                  run["rate"], pred, tail, factor, durations.get(tail, ()), steps)
     result["checks"] = checks(result)
     (out / "overload_live.json").write_text(json.dumps(result, indent=1) + "\n")
+    report(result, out)
+    return 0
+
+
+def report(result: dict[str, Any], out: Path) -> None:
+    """``out/overload_live.md`` (the runs' table, the seeds' spreads, the checks and the host's
+    speed), printed too, and the plots when any run was made (a live run's and a resim's)."""
     md = table(result) + "\n\n" + spreads(result) + "\n\n" + "\n".join(
         f"- {k}: {v}" for k, v in result["checks"].items())
+    if result.get("host_speed"):
+        md += "\n- host speed: " + host_speed_text(result["host_speed"])
     (out / "overload_live.md").write_text(md + "\n")
-    plot(result, out)
+    if any(t["runs"] for t in result["topologies"]):
+        plot(result, out)
     print(md)
-    return 0
 
 
 def detail_table(runs: dict[str, list[dict[str, Any]]], header: str) -> str:
@@ -1032,6 +1035,7 @@ def host_speed_text(speeds: dict[str, dict[str, float]]) -> str:
     """``host_speed`` ({"start": ..., "end": ...} of `HostSpeed.as_dict`) as one line."""
     return "; ".join(f"{when} {s['python_ns']:.1f} ns per Python loop, {s['copy_gbps']:.2f} GB/s "
                      "copy" for when, s in speeds.items())
+
 
 if __name__ == "__main__":
     sys.exit(main())
