@@ -77,10 +77,10 @@ def forecast_state(pol: Policy, view: ClusterView, at_s: float, hold: bool = Fal
     if view.pending_decodes:
         _add_pending(view, pol, at_s, batch, ctx, kv)
     if hold:
-        now = current_state(view, with_pending=False)
-        for i, now_batch in enumerate(now[0]):
-            if batch[i] < now_batch:
-                batch[i], ctx[i], kv[i] = now_batch, now[1][i], now[2][i]
+        now_batch, now_ctx, now_kv = current_state(view, with_pending=False)
+        for i, held in enumerate(now_batch):
+            if batch[i] < held:
+                batch[i], ctx[i], kv[i] = held, now_ctx[i], now_kv[i]
     return batch, ctx, kv
 
 
