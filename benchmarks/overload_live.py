@@ -642,11 +642,11 @@ def main() -> int:
                         "(without warm-ups the rate search's, 1 with --base-rate; --resim: the "
                         "run's; --sim-only: --tbt-tail); 1: even steps")
     p.add_argument("--sim-stretch", type=float, default=0.0,
-                   help="the slowdown of a simulated decode step beside a prefill and of a "
-                        "prefill beside a decode step, on top of the cores' sharing (0, the "
-                        "default: the one the rate search measured, its live prefills over the "
-                        "start-up profile's, `prefill_slowdown`; 1 without a rate search; 1: "
-                        "none)")
+                   help="the slowdown (>= 1) of a simulated decode step beside a prefill and "
+                        "of a prefill beside a decode step, on top of the cores' sharing; 1 "
+                        "adds none. 0 (the default) takes the rate search's `prefill_slowdown` "
+                        "(its live prefills over the start-up profile's), or 1 when the run "
+                        "has no rate search")
     ns = p.parse_args()
     try:
         topologies = [parse_topology(t) for t in ns.topologies.split(",")]

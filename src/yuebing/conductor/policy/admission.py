@@ -41,7 +41,10 @@ def decode_retry_after(pol: Policy, req: RequestInfo, view: ClusterView, from_s:
 
     Probes a doubling grid starting at max(``min_retry_after_s``, 0.25 s) up to twice the
     longest decode duration (returned when no probe is low enough); ``inf`` when even an idle
-    instance could not take the request.
+    instance could not take the request. The probes decay the requests decoding now and never
+    hold them (`forecast_state` without ``hold``), whichever forecast refused the request: the
+    hold stands for the arrivals that refill ending decodes while overloaded, and a client
+    cannot wait those out; the answer is when today's residents leave.
     """
     if _unservable(pol, req, view, threshold):
         return math.inf
