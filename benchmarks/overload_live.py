@@ -590,7 +590,8 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per load and policy, seeds --seed, --seed+1, ... (the policies "
-                        "interleaved per seed; the checks compare their means)")
+                        "interleaved per seed, their order rotated from seed to seed; the "
+                        "checks compare their means)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-input", type=int, default=2048)
     p.add_argument("--max-output", type=int, default=128)
@@ -755,13 +756,17 @@ def main() -> int:
             step_tail = topo["sim_step_tail"] = ns.sim_step_tail or step_tail_of(topo)
             learned_durations: dict[float, tuple[float, ...]] = {}
             for mult, r in ((m, r) for m in mults for r in range(ns.repeats)):
-                sim_tail, rs = tail, replace(setup, seed=setup.seed + r)
-                for policy in policies:
+                rs = replace(setup, seed=setup.seed + r)
+                lives: dict[str, dict[str, Any]] = {}
+                for policy in rotated(policies, r):  # each policy takes each place in turn
                     run_name = f"{name}-x{mult:g}-{policy}" + (f"-r{r}" if r else "")
                     bar.update(task, description=run_name)
-                    live = live_run(rs, nodes, policy, base * mult, run_name)
-                    if policy == "none":  # the tail this load makes, unmoved by admission
-                        sim_tail = live["tbt_tail"]
+                    lives[policy] = live_run(rs, nodes, policy, base * mult, run_name)
+                    lives[policy]["order"] = len(lives)
+                    bar.advance(task)
+                # the tail this load makes, unmoved by admission
+                sim_tail = lives["none"]["tbt_tail"] if "none" in lives else tail
+                for policy in policies:
                     sim = None
                     if predictors and not ns.no_sim:
                         if ns.sim_durations == "warm" and sim_tail not in learned_durations:
@@ -773,10 +778,9 @@ def main() -> int:
                                       stretch, learned_durations.get(sim_tail, ()), step_tail)
                     topo["runs"].append({"multiplier": mult, "rate": base * mult,
                                          "policy": policy, "repeat": r, "seed": rs.seed,
-                                         "live": live,
+                                         "live": lives[policy],
                                          "sim": sim or {"goodput_rps": math.nan}})
-                    bar.advance(task)
-                    (ns.outdir / "overload_live.json").write_text(json.dumps(result, indent=1))
+                (ns.outdir / "overload_live.json").write_text(json.dumps(result, indent=1))
             if ns.retry_policy:
                 mid = sorted(mults)[len(mults) // 2]
                 run_name = f"{name}-x{mid:g}-{ns.retry_policy}-retry"
@@ -792,6 +796,14 @@ def main() -> int:
     (ns.outdir / "overload_live.json").write_text(json.dumps(result, indent=1) + "\n")
     report(result, ns.outdir)
     return 0
+
+
+def rotated(policies: list[str], k: int) -> list[str]:
+    """``policies`` started at place ``k`` (mod their number): seed ``k``'s live order, so over
+    as many seeds as policies each runs first, second, ... once, and a host that slows or
+    speeds up within a seed's runs favours none of them."""
+    k %= len(policies)
+    return policies[k:] + policies[:k]
 
 
 def checks(result: dict[str, Any]) -> dict[str, str]:

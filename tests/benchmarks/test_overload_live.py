@@ -454,3 +454,34 @@ def test_each_run_reports_its_first_requests_ttft_and_the_hosts_copy_rate() -> N
     rows_md = ol.table(result).splitlines()
     assert rows_md[0].endswith("| first TTFT (s) / host copy GB/s |")
     assert rows_md[2].endswith("| 0.36 / 5.9 |") and rows_md[3].endswith("| – / – |")
+
+
+def test_each_seed_runs_the_policies_live_in_a_rotated_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seed k starts its live runs at the k-th policy, so over as many seeds as policies each
+    runs first, second and last once (a host that slows within a seed favours none); the runs
+    are still reported policy by policy, each with its place."""
+    calls: list[tuple[int, str]] = []
+    rows = [_record(i, "ok", ttft=0.5, tbt=0.05) for i in range(4)]
+
+    def fake_live_run(setup: Any, nodes: Any, policy: str, rate: float, name: str,
+                      retry: bool = False, selector: str = "") -> dict[str, Any]:
+        calls.append((setup.seed, policy))
+        live = ol.summarize_live(setup, rows, {}, [], {"prefilled_tokens": 1,
+                                                       "wasted_tokens": 0})
+        return {**live, "tbt_tail": 1.0, "first_ttft_s": 0.5}
+
+    monkeypatch.setattr(ol, "live_run", fake_live_run)
+    monkeypatch.setattr(sys, "argv", ["overload_live.py", str(tmp_path / "out"), "--topologies",
+                                      "1P1D", "--base-rate", "0.5", "--multipliers", "2",
+                                      "--repeats", "4", "--no-sim", "--learned", "cold",
+                                      "--retry-policy", ""])
+    assert ol.main() == 0
+    policies = ["none", "early_rejection", "predictive_early_rejection"]
+    assert [p for _, p in calls] == [*policies, *policies[1:], policies[0], policies[2],
+                                     *policies[:2], *policies]
+    assert [s for s, _ in calls] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+    runs = json.loads((tmp_path / "out" / "overload_live.json").read_text())[
+        "topologies"][0]["runs"]
+    assert [r["policy"] for r in runs] == policies * 4
+    assert [r["live"]["order"] for r in runs[3:6]] == [3, 1, 2]
