@@ -1,5 +1,6 @@
 """`VllmServer.stop` leaves nothing of the server's process group behind, also when the API
-server itself was killed first (its engine-core and worker processes outlive it) or its adapter
+server itself was killed first (its engine-core and worker processes outlive it, and get SIGTERM
+and time to clean up: vLLM's resource tracker unlinks its semaphores only then) or its adapter
 is stopped while it loads; the server runs at the priority and on the CPUs given, and CPUs it
 cannot run on are refused naming them. Without a real vLLM: a shell stands in, with a child in
 its group."""
@@ -10,6 +11,8 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -56,6 +59,41 @@ def test_stop_kills_the_group_even_after_the_server_died(tmp_path: Path) -> None
     while _alive(child):
         assert time.monotonic() < end, "the server's child outlived stop()"
         time.sleep(0.02)
+
+
+class _CleanerConfig(VllmServerConfig):
+    def argv(self, env: object) -> list[str]:
+        # the "engine core": cleans up for a while on SIGTERM, then writes that it did
+        return ["bash", "-c", f"{sys.executable} {self.extra[0][1]} & wait"]
+
+
+CLEANER = textwrap.dedent("""
+    import os, signal, sys, time
+    from pathlib import Path
+    here = Path(sys.argv[0]).parent
+    def cleanup(*_):
+        time.sleep(0.5)
+        (here / "cleaned").write_text("yes")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, cleanup)
+    (here / "child.pid").write_text(str(os.getpid()))
+    while True:
+        time.sleep(1)
+""")
+
+
+def test_after_the_server_died_its_group_gets_sigterm_and_time_to_clean_up(
+        tmp_path: Path) -> None:
+    script = tmp_path / "cleaner.py"
+    script.write_text(CLEANER)
+    server = VllmServer(_CleanerConfig(port=1, extra=(("script", str(script)),)),
+                        tmp_path / "vllm.log")
+    child = _child(tmp_path / "child.pid")
+    os.kill(server.proc.pid, signal.SIGKILL)  # the API server dies, its child lives on
+    server.proc.wait(10)
+    server.stop(timeout_s=60)
+    assert not _alive(child)
+    assert (tmp_path / "cleaned").read_text() == "yes"  # not SIGKILLed in its clean-up
 
 
 def test_stop_ends_a_running_server_and_its_group(tmp_path: Path) -> None:

@@ -1,5 +1,7 @@
 """`yuebing.ops.shm`: the files a killed process group held are swept, those another living
-process holds are kept, and files the group never held are never candidates."""
+process holds are kept, and files the group never held are never candidates; a named semaphore
+of multiprocessing's spawn context (vLLM's on CPU), which its creator maps under a temporary
+name, counts as held by the creator's group and is swept once the group is killed."""
 
 from __future__ import annotations
 
@@ -66,6 +68,43 @@ def test_only_files_with_the_prefix_count(tmp_path: Path) -> None:
         assert sweep({psm}) == []  # still held
     finally:
         _reap(group)
+
+
+SEMAPHORE = textwrap.dedent("""
+    import multiprocessing, time
+    lock = multiprocessing.get_context("spawn").Lock()  # its name stays until the tracker ends
+    print(lock._semlock.name, flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_killed_groups_spawn_semaphore_is_found_and_swept() -> None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm")
+    # its own session: the group holds it and multiprocessing's resource tracker
+    group = subprocess.Popen([sys.executable, "-c", SEMAPHORE], text=True,
+                             stdout=subprocess.PIPE, start_new_session=True)
+    sem = Path("/")
+    try:
+        assert group.stdout is not None
+        sem = shm / ("sem." + group.stdout.readline().strip().lstrip("/"))
+        assert sem.name.startswith("sem.mp-") and sem.exists()
+        held = group_files(group.pid)
+        assert held == {sem}  # mapped by its creator as /dev/shm/sem.XXXXXX (deleted)
+        assert sweep({sem}) == []  # still held
+        os.killpg(group.pid, signal.SIGKILL)  # its resource tracker too: nobody unlinks it
+        group.wait(10)
+        end = time.monotonic() + 10
+        while group_alive(group.pid) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert sem.exists()
+        assert sweep(held) == [sem]
+        assert not sem.exists()
+    finally:
+        _reap(group)
+        if sem.name.startswith("sem.mp-"):
+            sem.unlink(missing_ok=True)
 
 
 def _reap(p: subprocess.Popen[str]) -> None:

@@ -1,11 +1,13 @@
 """Shared-memory files a process group holds, and the sweep of those nobody holds any more.
 
 A process killed with SIGKILL never unlinks its POSIX shared memory: vLLM's message queues
-(``/dev/shm/psm_*``, ~200 MB per server) and semaphores (``sem.mp-*``) then stay until reboot. `VllmServer`
-(`yuebing.integrations.vllm.server`) notes the files its server's process group maps or has
-open (`group_files`) once it is ready and again when it stops it, and afterwards removes
-those no living process holds (`sweep`). Only files seen held by that group are candidates,
-so another program's segments are never touched. Linux only (``/proc``); elsewhere a no-op.
+(``/dev/shm/psm_*``, ~200 MB per server) and semaphores (``sem.mp-*``) then stay until reboot.
+`VllmServer` (`yuebing.integrations.vllm.server`) notes the files its server's process group
+maps or has open (`group_files`) once it is ready and again when it stops it, and afterwards
+removes those no living process holds (`sweep`). Files are matched by inode: a semaphore's
+creator maps it under a temporary name (glibc links ``sem.XXXXXX`` to ``sem.mp-*``, then unlinks
+it). Only files seen held by that group are candidates, so another program's files are never
+touched. Linux only (``/proc``); elsewhere a no-op.
 """
 
 from __future__ import annotations
@@ -18,23 +20,33 @@ from pathlib import Path
 from yuebing.ops.pgroup import PROC, group_pids, pids
 
 
-def _held(pid: int, where: Path) -> set[Path]:
-    """Files under ``where`` that ``pid`` maps or has open."""
-    found: set[Path] = set()
+def _held(pid: int, where: Path) -> set[int]:
+    """The inodes of the files under ``where`` that ``pid`` maps or has open, those unlinked
+    since included (a map or descriptor keeps the inode). By inode alone: ``where`` is one
+    directory (of one file system), and an overlay file system reports another device in
+    ``maps`` than `os.stat` does."""
+    found: set[int] = set()
     prefix = str(where) + "/"
     with contextlib.suppress(OSError):
         for line in (PROC / str(pid) / "maps").read_text(errors="replace").splitlines():
             parts = line.split(maxsplit=5)
-            path = parts[5] if len(parts) == 6 else ""
-            if path.startswith(prefix):
-                found.add(Path(path.removesuffix(" (deleted)")))
+            if len(parts) == 6 and parts[5].startswith(prefix):
+                with contextlib.suppress(ValueError):
+                    found.add(int(parts[4]))
     with contextlib.suppress(OSError):
         for fd in (PROC / str(pid) / "fd").iterdir():
             with contextlib.suppress(OSError):
-                target = os.readlink(fd)
-                if target.startswith(prefix):
-                    found.add(Path(target.removesuffix(" (deleted)")))
+                if os.readlink(fd).startswith(prefix):
+                    found.add(os.stat(fd).st_ino)
     return found
+
+
+def _inode(path: Path) -> int | None:
+    """``path``'s inode, None once it is gone."""
+    try:
+        return path.stat(follow_symlinks=False).st_ino
+    except OSError:
+        return None
 
 
 PYTHON_SHM = ("psm_", "sem.mp-")
@@ -44,27 +56,35 @@ PYTHON_SHM = ("psm_", "sem.mp-")
 def group_files(pgid: int, where: Path = Path("/dev/shm"),
                 prefixes: tuple[str, ...] = PYTHON_SHM) -> set[Path]:
     """The files ``where/<prefix>*`` that the processes of group ``pgid`` map or have open."""
-    out: set[Path] = set()
+    held: set[int] = set()
     for pid in group_pids(pgid):
-        out |= {f for f in _held(pid, where) if f.name.startswith(prefixes)}
-    return out
+        held |= _held(pid, where)
+    if not held:
+        return set()
+    try:
+        names = [where / n for n in os.listdir(where) if n.startswith(prefixes)]
+    except OSError:
+        return set()
+    return {f for f in names if _inode(f) in held}
 
 
 def sweep(candidates: Iterable[Path]) -> list[Path]:
     """Unlink the ``candidates`` that still exist and no living process maps or has open;
     returns those removed."""
-    left = {c for c in candidates if c.exists()}
+    left = {c: i for c in candidates if (i := _inode(c)) is not None}
     if not left:
         return []
     dirs = {c.parent for c in left}
     for pid in pids():
         for d in dirs:
-            left -= _held(pid, d)
+            held = _held(pid, d)
+            left = {c: i for c, i in left.items() if i not in held}
         if not left:
             return []
     removed = []
-    for c in sorted(left):
-        with contextlib.suppress(FileNotFoundError):
-            c.unlink()
-            removed.append(c)
+    for c, i in sorted(left.items()):
+        if _inode(c) == i:  # not replaced by another file of that name meanwhile
+            with contextlib.suppress(FileNotFoundError):
+                c.unlink()
+                removed.append(c)
     return removed

@@ -1,8 +1,8 @@
 """`VllmServer`: one vLLM OpenAI server process with `YuebingConnector` configured, started from
 yuebing's own Python (the benchmark ``benchmarks/vllm_store_hit.py``, the vLLM tests) in vLLM's
-separate venv (`VllmEnv`), waited for on ``/health``, stopped through its process group (SIGTERM,
-then SIGKILL). `VllmServerConfig` holds the flags that work on CPU (see docs/serving.md "vLLM
-instances"). No vLLM import here.
+separate venv (`VllmEnv`), waited for on ``/health``, stopped through its process group (SIGTERM
+until the whole group has exited, then SIGKILL). `VllmServerConfig` holds the flags that work on
+CPU (see docs/serving.md "vLLM instances"). No vLLM import here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from yuebing.core import env as environment
 from yuebing.core.config import require
 from yuebing.core.cpus import format_cpus, require_usable, usable_cpus
 from yuebing.core.errors import ConfigError
-from yuebing.ops.pgroup import kill_group
+from yuebing.ops.pgroup import group_alive, kill_group
 from yuebing.ops.priority import EnginePriority
 from yuebing.ops.procs import die_with_parent
 from yuebing.ops.shm import group_files, sweep
@@ -233,18 +233,26 @@ class VllmServer:
         raise RuntimeError(f"vLLM not ready within {timeout_s}s:\n{self.log()}")
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the server's process group, SIGKILL what is left of it after ``timeout_s``;
-        also when the server itself already died (a killed API server leaves its engine-core
-        and worker processes running in the group). Then the shared-memory files the group
-        held and nobody holds now are removed (`yuebing.ops.shm`: a killed vLLM leaves its
-        message queues behind)."""
-        self._segments |= group_files(self.proc.pid)
-        if self.proc.poll() is None:
+        """SIGTERM the server's process group and wait up to ``timeout_s`` until none of it
+        runs, then SIGKILL what is left; also when the server itself already died (a killed API
+        server leaves its engine-core and worker processes running in the group). The group
+        must end on its own where it can: vLLM's named semaphores (``sem.mp-*``) are unlinked
+        by the resource tracker, one of its processes, once the others have exited. Then the
+        shared-memory files the group held and nobody holds now are removed
+        (`yuebing.ops.shm`: what a killed vLLM leaves behind)."""
+        pgid = self.proc.pid
+        self._segments |= group_files(pgid)
+        if group_alive(pgid):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout_s)
-        kill_group(self.proc.pid, GROUP_EXIT_WAIT_S)
+                os.killpg(pgid, signal.SIGTERM)
+            end = time.monotonic() + timeout_s
+            while self.proc.poll() is None or group_alive(pgid):
+                if time.monotonic() >= end:
+                    log.warning("vLLM's process group %d still runs %.0f s after SIGTERM: "
+                                "killing it", pgid, timeout_s)
+                    break
+                time.sleep(0.05)
+        kill_group(pgid, GROUP_EXIT_WAIT_S)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
         removed = sweep(self._segments)
