@@ -27,7 +27,13 @@ from yuebing.integrations.vllm.profile import (
     started_hardware,
     vllm_profile,
 )
-from yuebing.integrations.vllm.server import VllmEnv, VllmServer, VllmServerConfig
+from yuebing.integrations.vllm.server import (
+    LOADING_STOP_S,
+    STOP_S,
+    VllmEnv,
+    VllmServer,
+    VllmServerConfig,
+)
 from yuebing.ops.ports import free_port
 from yuebing.protocol.instance import EngineProfile
 
@@ -109,7 +115,7 @@ def run_vllm_instance(cfg: VllmInstanceConfig, ready_file: str = "",
         return asyncio.run(_serve(cfg, ready_file, server, engine, profile))
     finally:
         if server is not None:  # one still loading may not act on SIGTERM: killed soon
-            server.stop(timeout_s=30.0 if cfg.vllm_url else 3.0)
+            server.stop(timeout_s=STOP_S if cfg.vllm_url else LOADING_STOP_S)
         loading.close()
 
 

@@ -34,6 +34,11 @@ SRC = Path(__file__).resolve().parents[3]
 log = logging.getLogger(__name__)
 GROUP_EXIT_WAIT_S = 5.0
 """How long `VllmServer.stop` waits for the killed group's last processes to exit."""
+STOP_S = 6.0
+"""How long `VllmServer.stop` gives a serving vLLM's group to exit on SIGTERM: with the kill and
+the sweep after it, within `yuebing serve`'s default ``--stop-grace-s`` (10 s)."""
+LOADING_STOP_S = 3.0
+"""The same for a vLLM still loading, which may not act on SIGTERM."""
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
 
@@ -229,10 +234,10 @@ class VllmServer:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(1.0)
-        self.stop()
+        self.stop(LOADING_STOP_S)
         raise RuntimeError(f"vLLM not ready within {timeout_s}s:\n{self.log()}")
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float = STOP_S) -> None:
         """SIGTERM the server's process group and wait up to ``timeout_s`` until none of it
         runs, then SIGKILL what is left; also when the server itself already died (a killed API
         server leaves its engine-core and worker processes running in the group). The group
@@ -246,12 +251,14 @@ class VllmServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGTERM)
             end = time.monotonic() + timeout_s
-            while self.proc.poll() is None or group_alive(pgid):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout_s)  # the API server first, then the rest of its group
+            while group_alive(pgid):  # each check scans /proc: a few times a second
                 if time.monotonic() >= end:
                     log.warning("vLLM's process group %d still runs %.0f s after SIGTERM: "
                                 "killing it", pgid, timeout_s)
                     break
-                time.sleep(0.05)
+                time.sleep(0.2)
         kill_group(pgid, GROUP_EXIT_WAIT_S)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
