@@ -659,6 +659,8 @@ def main() -> int:
         if unknown or not policies:
             raise ValueError(f"--policies: {', '.join(unknown) or 'none given'} not offered; "
                              f"use {', '.join(ADMISSIONS.names())}")
+        if len(set(policies)) != len(policies):
+            raise ValueError(f"--policies: {ns.policies} names a policy twice")
         if ns.retry_policy and ns.retry_policy not in ADMISSIONS.names():
             raise ValueError(f"--retry-policy: {ns.retry_policy} not offered; use "
                              f"{', '.join(ADMISSIONS.names())}")
@@ -722,6 +724,7 @@ def main() -> int:
         for i, nodes in enumerate(topologies):
             name = f"{nodes[0]}P{nodes[1]}D"
             topo: dict[str, Any] = {"name": name, "policies": policies, "runs": []}
+            result["topologies"].append(topo)  # written after each seed: a killed run keeps it
             if bases:
                 base, predictors, tail = bases[i], (chosen[i] if chosen else None), 1.0
             else:
@@ -731,7 +734,6 @@ def main() -> int:
                 if found is None:
                     topo["verdict"] = (f"no rate of {find} reached {TARGET:.0%} attainment; "
                                        "give lower --find-rates")
-                    result["topologies"].append(topo)
                     continue
                 base = found
             topo["max_rate"] = base
@@ -790,7 +792,6 @@ def main() -> int:
                                      "live": live_run(setup, nodes, ns.retry_policy,
                                                       base * mid, run_name, retry=True)}
                 bar.advance(task)
-            result["topologies"].append(topo)
     result["host_speed"]["end"] = speed().as_dict()
     result["checks"] = checks(result)
     (ns.outdir / "overload_live.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -991,8 +992,9 @@ def resim(live_dir: Path, out: Path, chosen: list[Path], stretch: float, warm: b
         mults = sorted({r["multiplier"] for r in topo["runs"]})
         durations: dict[float, tuple[float, ...]] = {}
         for run in topo["runs"]:
-            tail = next(r["live"]["tbt_tail"] for r in topo["runs"] if r["policy"] == "none"
-                        and r["seed"] == run["seed"] and r["multiplier"] == run["multiplier"])
+            tail = next((r["live"]["tbt_tail"] for r in topo["runs"] if r["policy"] == "none"
+                         and r["seed"] == run["seed"] and r["multiplier"] == run["multiplier"]),
+                        topo["tbt_tail"])  # without a `none` run: the search's, as live
             if warm and tail not in durations:
                 durations[tail] = warm_durations(
                     replace(setup, seed=setup.seed + conf["repeats"]), nodes,

@@ -28,6 +28,7 @@ spec.loader.exec_module(ol)
     (["--base-rate", "-1"], "--base-rate"),
     (["--find-rates", "x"], "--find-rates"),
     (["--policies", "none,bogus"], "bogus not offered"),
+    (["--policies", "none,early_rejection,none"], "names a policy twice"),
     (["--retry-policy", "bogus"], "--retry-policy"),
     (["--topologies", "1P0D"], "1P0D"),
     (["--requests", "0"], "--requests"),
@@ -461,6 +462,8 @@ def test_each_seed_runs_the_policies_live_in_a_rotated_order(
     """Seed k starts its live runs at the k-th policy, so over as many seeds as policies each
     runs first, second and last once (a host that slows within a seed favours none); the runs
     are still reported policy by policy, each with its place."""
+    from yuebing.core.host import HostSpeed
+
     calls: list[tuple[int, str]] = []
     rows = [_record(i, "ok", ttft=0.5, tbt=0.05) for i in range(4)]
 
@@ -472,6 +475,7 @@ def test_each_seed_runs_the_policies_live_in_a_rotated_order(
         return {**live, "tbt_tail": 1.0, "first_ttft_s": 0.5}
 
     monkeypatch.setattr(ol, "live_run", fake_live_run)
+    monkeypatch.setattr(ol, "speed", lambda: HostSpeed(25.0, 6.0))  # no probes: quick
     monkeypatch.setattr(sys, "argv", ["overload_live.py", str(tmp_path / "out"), "--topologies",
                                       "1P1D", "--base-rate", "0.5", "--multipliers", "2",
                                       "--repeats", "4", "--no-sim", "--learned", "cold",
@@ -485,3 +489,28 @@ def test_each_seed_runs_the_policies_live_in_a_rotated_order(
         "topologies"][0]["runs"]
     assert [r["policy"] for r in runs] == policies * 4
     assert [r["live"]["order"] for r in runs[3:6]] == [3, 1, 2]
+
+
+def test_resim_without_a_none_run_takes_the_searchs_tail(tmp_path: Path) -> None:
+    """A live run whose ``--policies`` left out ``none`` is simulated again with the tail its
+    rate search learned, as the live benchmark did, not a crash."""
+    path = _predictors(tmp_path, 1e-4, 0.01)
+    rows = [_record(i, "ok", ttft=0.5, tbt=0.05) for i in range(4)]
+    live = ol.summarize_live(_setup(tmp_path), rows, {}, [], {"prefilled_tokens": 9,
+                                                                "wasted_tokens": 0})
+    runs = [{"multiplier": 2.0, "rate": 1.0, "policy": p, "repeat": 0, "seed": 0,
+             "live": {**live, "tbt_tail": 1.5}, "sim": {"goodput_rps": 0.0}}
+            for p in ("early_rejection", "predictive_early_rejection")]
+    setup = {"requests": 4, "seed": 0, "max_input": 512, "max_output": 16, "ttft_slo_s": 2.0,
+             "tbt_slo_s": 0.1, "sample_s": 1.0, "timeout_s": 30.0, "repeats": 1}
+    src = tmp_path / "live"
+    src.mkdir()
+    (src / "overload_live.json").write_text(json.dumps(
+        {"setup": setup, "topologies": [{"name": "1P1D", "max_rate": 0.5, "tbt_tail": 1.8,
+                                         "runs": runs}]}))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert ol.resim(src, out, [path], 1.0, True, 1.4) == 0
+    sims = [r["sim"] for r in json.loads((out / "overload_live.json").read_text())[
+        "topologies"][0]["runs"]]
+    assert [s["requests"] for s in sims] == [4, 4]
