@@ -333,26 +333,31 @@ def test_the_simulated_forecast_assumes_the_durations_a_warm_up_realizes(tmp_pat
                       learned)["requests"] == 4
 
 
+def _live_result(tmp_path: Path, policies: tuple[str, ...]) -> tuple[Path, Path]:
+    """A finished live run's OUTDIR (1P1D at 2x, seed 0, one run per policy, the search's
+    tail 1.8, each run's 1.5) and an empty OUTDIR for `resim`."""
+    rows = [_record(i, "ok", ttft=0.5, tbt=0.05) for i in range(4)]
+    live = ol.summarize_live(_setup(tmp_path), rows, {}, [], {"prefilled_tokens": 9,
+                                                                "wasted_tokens": 0})
+    runs = [{"multiplier": 2.0, "rate": 1.0, "policy": p, "repeat": 0, "seed": 0,
+             "live": {**live, "tbt_tail": 1.5}, "sim": {"goodput_rps": 0.0}} for p in policies]
+    setup = {"requests": 4, "seed": 0, "max_input": 512, "max_output": 16, "ttft_slo_s": 2.0,
+             "tbt_slo_s": 0.1, "sample_s": 1.0, "timeout_s": 30.0, "repeats": 1}
+    src, out = tmp_path / "live", tmp_path / "out"
+    src.mkdir()
+    out.mkdir()
+    (src / "overload_live.json").write_text(json.dumps(
+        {"setup": setup, "topologies": [{"name": "1P1D", "max_rate": 0.5, "tbt_tail": 1.8,
+                                         "runs": runs}]}))
+    return src, out
+
+
 def test_resim_runs_the_simulator_columns_of_a_live_run_again(tmp_path: Path) -> None:
     """``--resim DIR``: each run's simulator column again on the live run's workload, with the
     tail its seed's live ``none`` run learned for the policy and the one its rate search
     learned for the decode steps (or the one given); the checks compare the new columns."""
     path = _predictors(tmp_path, 1e-4, 0.01)
-    rows = [_record(i, "ok", ttft=0.5, tbt=0.05) for i in range(4)]
-    live = ol.summarize_live(_setup(tmp_path), rows, {}, [], {"prefilled_tokens": 9,
-                                                                "wasted_tokens": 0})
-    runs = [{"multiplier": 2.0, "rate": 1.0, "policy": p, "repeat": 0, "seed": 0,
-             "live": {**live, "tbt_tail": 1.5}, "sim": {"goodput_rps": 0.0}}
-            for p in ("none", "early_rejection", "predictive_early_rejection")]
-    setup = {"requests": 4, "seed": 0, "max_input": 512, "max_output": 16, "ttft_slo_s": 2.0,
-             "tbt_slo_s": 0.1, "sample_s": 1.0, "timeout_s": 30.0, "repeats": 1}
-    src = tmp_path / "live"
-    src.mkdir()
-    (src / "overload_live.json").write_text(json.dumps(
-        {"setup": setup, "topologies": [{"name": "1P1D", "max_rate": 0.5, "tbt_tail": 1.8,
-                                         "runs": runs}]}))
-    out = tmp_path / "out"
-    out.mkdir()
+    src, out = _live_result(tmp_path, ("none", "early_rejection", "predictive_early_rejection"))
     assert ol.resim(src, out, [path], 1.0, True, 1.4) == 0
     assert json.loads((out / "overload_live.json").read_text())["topologies"][0][
         "sim_step_tail"] == 1.4
@@ -495,21 +500,7 @@ def test_resim_without_a_none_run_takes_the_searchs_tail(tmp_path: Path) -> None
     """A live run whose ``--policies`` left out ``none`` is simulated again with the tail its
     rate search learned, as the live benchmark did, not a crash."""
     path = _predictors(tmp_path, 1e-4, 0.01)
-    rows = [_record(i, "ok", ttft=0.5, tbt=0.05) for i in range(4)]
-    live = ol.summarize_live(_setup(tmp_path), rows, {}, [], {"prefilled_tokens": 9,
-                                                                "wasted_tokens": 0})
-    runs = [{"multiplier": 2.0, "rate": 1.0, "policy": p, "repeat": 0, "seed": 0,
-             "live": {**live, "tbt_tail": 1.5}, "sim": {"goodput_rps": 0.0}}
-            for p in ("early_rejection", "predictive_early_rejection")]
-    setup = {"requests": 4, "seed": 0, "max_input": 512, "max_output": 16, "ttft_slo_s": 2.0,
-             "tbt_slo_s": 0.1, "sample_s": 1.0, "timeout_s": 30.0, "repeats": 1}
-    src = tmp_path / "live"
-    src.mkdir()
-    (src / "overload_live.json").write_text(json.dumps(
-        {"setup": setup, "topologies": [{"name": "1P1D", "max_rate": 0.5, "tbt_tail": 1.8,
-                                         "runs": runs}]}))
-    out = tmp_path / "out"
-    out.mkdir()
+    src, out = _live_result(tmp_path, ("early_rejection", "predictive_early_rejection"))
     assert ol.resim(src, out, [path], 1.0, True, 1.4) == 0
     sims = [r["sim"] for r in json.loads((out / "overload_live.json").read_text())[
         "topologies"][0]["runs"]]
