@@ -46,7 +46,7 @@ def test_a_killed_groups_files_are_swept_and_held_ones_kept(tmp_path: Path) -> N
     keeper = _hold(shared)
     try:
         held = group_files(group.pid, tmp_path)
-        assert held == {mine, shared}
+        assert held.keys() == {mine, shared}
         os.killpg(group.pid, signal.SIGKILL)
         group.wait(10)
         end = time.monotonic() + 5
@@ -64,8 +64,9 @@ def test_only_files_with_the_prefix_count(tmp_path: Path) -> None:
     psm, sem, ours = tmp_path / "psm_a", tmp_path / "sem.mp-b", tmp_path / "yuebing-seg"
     group = _hold(psm, sem, ours)
     try:
-        assert group_files(group.pid, tmp_path) == {psm, sem}
-        assert sweep({psm}) == []  # still held
+        held = group_files(group.pid, tmp_path)
+        assert held.keys() == {psm, sem} and held[psm] == psm.stat().st_ino
+        assert sweep({psm: held[psm]}) == []  # still held
     finally:
         _reap(group)
 
@@ -91,8 +92,8 @@ def test_a_killed_groups_spawn_semaphore_is_found_and_swept() -> None:
         sem = shm / ("sem." + group.stdout.readline().strip().lstrip("/"))
         assert sem.name.startswith("sem.mp-") and sem.exists()
         held = group_files(group.pid)
-        assert held == {sem}  # mapped by its creator as /dev/shm/sem.XXXXXX (deleted)
-        assert sweep({sem}) == []  # still held
+        assert held.keys() == {sem}  # mapped by its creator as /dev/shm/sem.XXXXXX (deleted)
+        assert sweep(held) == []  # still held
         os.killpg(group.pid, signal.SIGKILL)  # its resource tracker too: nobody unlinks it
         group.wait(10)
         end = time.monotonic() + 10
@@ -111,3 +112,16 @@ def _reap(p: subprocess.Popen[str]) -> None:
     if p.poll() is None:
         p.kill()
     p.wait(10)
+
+
+def test_a_name_reused_since_it_was_seen_held_is_not_swept(tmp_path: Path) -> None:
+    """`group_files` notes each file's inode; a file that took the name afterwards (another
+    program's) is not the one the group held, so `sweep` leaves it."""
+    f = tmp_path / "psm_x"
+    f.write_bytes(b"old")
+    seen = {f: f.stat().st_ino}
+    os.link(f, tmp_path / "keep")  # the old inode stays allocated: the new file gets another
+    f.unlink()
+    f.write_bytes(b"new")
+    assert sweep(seen) == [] and f.read_bytes() == b"new"
+    assert sweep([f]) == [f] and not f.exists()  # by path alone: whatever it names now

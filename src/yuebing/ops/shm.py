@@ -6,15 +6,15 @@ A process killed with SIGKILL never unlinks its POSIX shared memory: vLLM's mess
 maps or has open (`group_files`) once it is ready and again when it stops it, and afterwards
 removes those no living process holds (`sweep`). Files are matched by inode: a semaphore's
 creator maps it under a temporary name (glibc links ``sem.XXXXXX`` to ``sem.mp-*``, then unlinks
-it). Only files seen held by that group are candidates, so another program's files are never
-touched. Linux only (``/proc``); elsewhere a no-op.
+it). Only the files seen held by that group, still under the names seen, are candidates, so
+another program's files are never touched. Linux only (``/proc``); elsewhere a no-op.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from yuebing.ops.pgroup import PROC, group_pids, pids
@@ -54,24 +54,29 @@ PYTHON_SHM = ("psm_", "sem.mp-")
 
 
 def group_files(pgid: int, where: Path = Path("/dev/shm"),
-                prefixes: tuple[str, ...] = PYTHON_SHM) -> set[Path]:
-    """The files ``where/<prefix>*`` that the processes of group ``pgid`` map or have open."""
+                prefixes: tuple[str, ...] = PYTHON_SHM) -> dict[Path, int]:
+    """The files ``where/<prefix>*`` that the processes of group ``pgid`` map or have open,
+    each with its inode then (what `sweep` checks, so a name reused later is not taken)."""
     held: set[int] = set()
     for pid in group_pids(pgid):
         held |= _held(pid, where)
     if not held:
-        return set()
+        return {}
     try:
         names = [where / n for n in os.listdir(where) if n.startswith(prefixes)]
     except OSError:
-        return set()
-    return {f for f in names if _inode(f) in held}
+        return {}
+    return {f: i for f in names if (i := _inode(f)) in held}
 
 
-def sweep(candidates: Iterable[Path]) -> list[Path]:
-    """Unlink the ``candidates`` that still exist and no living process maps or has open;
-    returns those removed."""
-    left = {c: i for c in candidates if (i := _inode(c)) is not None}
+def sweep(candidates: Mapping[Path, int] | Iterable[Path]) -> list[Path]:
+    """Unlink the ``candidates`` that no living process maps or has open; returns those
+    removed. Given with the inodes seen held (`group_files`), only a name that still is that
+    file; given as paths, whatever file each names now."""
+    if isinstance(candidates, Mapping):
+        left = {c: i for c, i in candidates.items() if _inode(c) == i}
+    else:
+        left = {c: i for c in candidates if (i := _inode(c)) is not None}
     if not left:
         return []
     dirs = {c.parent for c in left}

@@ -198,7 +198,7 @@ class VllmServer:
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{cfg.port}"
         require_usable(cfg.affinity, "vLLM server CPUs")  # before the child: its error is opaque
-        self._segments: set[Path] = set()
+        self._segments: dict[Path, int] = {}
         """Shared-memory files seen held by the server's process group (swept by `stop`)."""
         parent = os.getpid()
         with log_path.open("wb") as out:
