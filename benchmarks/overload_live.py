@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -498,6 +498,44 @@ def sim_run(setup: Setup, nodes: tuple[int, int], policy: str, rate: float,
             "load": load_stats(samples, setup.sample_s), "samples": samples}
 
 
+def none_tail(topo: dict[str, Any], run: dict[str, Any]) -> float:
+    """The TBT tail ``run``'s simulated policy predicts with: the one its seed's live ``none``
+    run learned at its load (the tail that load makes, unmoved by admission), else the rate
+    search's (``topo["tbt_tail"]``: a run whose ``--policies`` left ``none`` out)."""
+    return next((r["live"]["tbt_tail"] for r in topo["runs"] if r["policy"] == "none"
+                 and r["seed"] == run["seed"] and r["multiplier"] == run["multiplier"]),
+                topo["tbt_tail"])
+
+
+@dataclass
+class SimColumn:
+    """The simulator's column of one topology's live runs, filled as the benchmark runs them
+    and again by ``--resim``: each run on its own seed's requests at its rate with
+    `none_tail`; ``warm``: the forecast's decode durations those of a simulated warm-up (at
+    ``warm_rate`` on ``warm_seed``, `warm_durations`), one per tail, kept here."""
+    setup: Setup
+    nodes: tuple[int, int]
+    predictors: Path
+    stretch: float
+    step_tail: float
+    warm: bool
+    warm_rate: float
+    warm_seed: int
+    durations: dict[float, tuple[float, ...]] = field(default_factory=dict)
+
+    def fill(self, topo: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+        """Set ``run["sim"]`` for each of ``runs`` (runs of ``topo``)."""
+        for run in runs:
+            tail = none_tail(topo, run)
+            if self.warm and tail not in self.durations:
+                self.durations[tail] = warm_durations(
+                    replace(self.setup, seed=self.warm_seed), self.nodes, self.warm_rate,
+                    self.predictors, tail, self.stretch, self.step_tail)
+            run["sim"] = sim_run(replace(self.setup, seed=run["seed"]), self.nodes,
+                                 run["policy"], run["rate"], self.predictors, tail,
+                                 self.stretch, self.durations.get(tail, ()), self.step_tail)
+
+
 # ---------------------------------------------------------------------------- report
 
 
@@ -756,7 +794,9 @@ def main() -> int:
                 bar.advance(task)
             setup = replace(setup, learned_from=tuple(learned))
             step_tail = topo["sim_step_tail"] = ns.sim_step_tail or step_tail_of(topo)
-            learned_durations: dict[float, tuple[float, ...]] = {}
+            sims = SimColumn(setup, nodes, predictors, stretch, step_tail,
+                             ns.sim_durations == "warm", base * sorted(mults)[len(mults) // 2],
+                             setup.seed + ns.repeats) if predictors and not ns.no_sim else None
             for mult, r in ((m, r) for m in mults for r in range(ns.repeats)):
                 rs = replace(setup, seed=setup.seed + r)
                 lives: dict[str, dict[str, Any]] = {}
@@ -766,22 +806,12 @@ def main() -> int:
                     lives[policy] = live_run(rs, nodes, policy, base * mult, run_name)
                     lives[policy]["order"] = len(lives)
                     bar.advance(task)
-                # the tail this load makes, unmoved by admission
-                sim_tail = lives["none"]["tbt_tail"] if "none" in lives else tail
-                for policy in policies:
-                    sim = None
-                    if predictors and not ns.no_sim:
-                        if ns.sim_durations == "warm" and sim_tail not in learned_durations:
-                            learned_durations[sim_tail] = warm_durations(
-                                replace(setup, seed=setup.seed + ns.repeats), nodes,
-                                base * sorted(mults)[len(mults) // 2], predictors, sim_tail,
-                                stretch, step_tail)
-                        sim = sim_run(rs, nodes, policy, base * mult, predictors, sim_tail,
-                                      stretch, learned_durations.get(sim_tail, ()), step_tail)
-                    topo["runs"].append({"multiplier": mult, "rate": base * mult,
-                                         "policy": policy, "repeat": r, "seed": rs.seed,
-                                         "live": lives[policy],
-                                         "sim": sim or {"goodput_rps": math.nan}})
+                runs = [{"multiplier": mult, "rate": base * mult, "policy": policy, "repeat": r,
+                         "seed": rs.seed, "live": lives[policy], "sim": {"goodput_rps": math.nan}}
+                        for policy in policies]
+                topo["runs"] += runs
+                if sims is not None:  # after the seed's `none` run, whose tail they predict with
+                    sims.fill(topo, runs)
                 (ns.outdir / "overload_live.json").write_text(json.dumps(result, indent=1))
             if ns.retry_policy:
                 mid = sorted(mults)[len(mults) // 2]
@@ -990,17 +1020,9 @@ def resim(live_dir: Path, out: Path, chosen: list[Path], stretch: float, warm: b
         factor = topo["sim_stretch"] = stretch or prefill_slowdown(
             live_dir / "logs" / f"{topo['name']}-max" / "conductor.log", pred)
         mults = sorted({r["multiplier"] for r in topo["runs"]})
-        durations: dict[float, tuple[float, ...]] = {}
-        for run in topo["runs"]:
-            tail = next((r["live"]["tbt_tail"] for r in topo["runs"] if r["policy"] == "none"
-                         and r["seed"] == run["seed"] and r["multiplier"] == run["multiplier"]),
-                        topo["tbt_tail"])  # without a `none` run: the search's, as live
-            if warm and tail not in durations:
-                durations[tail] = warm_durations(
-                    replace(setup, seed=setup.seed + conf["repeats"]), nodes,
-                    topo["max_rate"] * mults[len(mults) // 2], pred, tail, factor, steps)
-            run["sim"] = sim_run(replace(setup, seed=run["seed"]), nodes, run["policy"],
-                                 run["rate"], pred, tail, factor, durations.get(tail, ()), steps)
+        SimColumn(setup, nodes, pred, factor, steps, warm,
+                  topo["max_rate"] * mults[len(mults) // 2],
+                  setup.seed + conf["repeats"]).fill(topo, topo["runs"])
     result["checks"] = checks(result)
     (out / "overload_live.json").write_text(json.dumps(result, indent=1) + "\n")
     report(result, out)
