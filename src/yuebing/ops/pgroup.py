@@ -95,11 +95,19 @@ def kill_group(pgid: int, wait_s: float = 5.0, proc_dir: Path = PROC) -> bool:
         return True
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
+    if wait_group(pgid, wait_s, proc_dir=proc_dir):
+        return True
+    log.warning("process group %d still runs %.1f s after SIGKILL: %s", pgid, wait_s,
+                group_pids(pgid, proc_dir))
+    return False
+
+
+def wait_group(pgid: int, wait_s: float, poll_s: float = 0.02, proc_dir: Path = PROC) -> bool:
+    """Wait up to ``wait_s`` until no process of group ``pgid`` runs (`group_alive`, checked
+    every ``poll_s``: each check scans ``proc_dir``); whether none does."""
     end = time.monotonic() + wait_s
     while group_alive(pgid, proc_dir):
         if time.monotonic() >= end:
-            log.warning("process group %d still runs %.1f s after SIGKILL: %s", pgid, wait_s,
-                        group_pids(pgid, proc_dir))
             return False
-        time.sleep(0.02)
+        time.sleep(poll_s)
     return True

@@ -24,7 +24,7 @@ from yuebing.core import env as environment
 from yuebing.core.config import require
 from yuebing.core.cpus import format_cpus, require_usable, usable_cpus
 from yuebing.core.errors import ConfigError
-from yuebing.ops.pgroup import group_alive, kill_group
+from yuebing.ops.pgroup import group_alive, kill_group, wait_group
 from yuebing.ops.priority import EnginePriority
 from yuebing.ops.procs import die_with_parent
 from yuebing.ops.shm import group_files, sweep
@@ -253,12 +253,9 @@ class VllmServer:
             end = time.monotonic() + timeout_s
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout_s)  # the API server first, then the rest of its group
-            while group_alive(pgid):  # each check scans /proc: a few times a second
-                if time.monotonic() >= end:
-                    log.warning("vLLM's process group %d still runs %.0f s after SIGTERM: "
-                                "killing it", pgid, timeout_s)
-                    break
-                time.sleep(0.2)
+            if not wait_group(pgid, max(0.0, end - time.monotonic()), poll_s=0.2):
+                log.warning("vLLM's process group %d still runs %.0f s after SIGTERM: "
+                            "killing it", pgid, timeout_s)
         kill_group(pgid, GROUP_EXIT_WAIT_S)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
