@@ -42,10 +42,8 @@ def _reference(ids: list[int]) -> list[int]:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     events, admin = _free_port(), _free_port()
-    master = store_procs.master("--events-address", f"tcp://127.0.0.1:{events}",
-                                "--admin-port", str(admin))
-    node = store_procs.node(master.info["address"], "64MiB")
-    try:
+    feeds = ("--events-address", f"tcp://127.0.0.1:{events}", "--admin-port", str(admin))
+    with store_procs.store_cluster("cpp", dram="64MiB", master_args=feeds) as (master, _):
         c = Cluster(["prefill", "prefill --layers 0:2 --cpp-group g",
                      "prefill --layers 2:4 --cpp-group g", "decode"], model=MODEL,
                     instance_args=(*FLAGS, "--store-master", master.info["address"]),
@@ -54,9 +52,6 @@ def cluster() -> Iterator[Cluster]:
                                     "--store-admin", f"http://127.0.0.1:{admin}"))
         yield c
         c.stop()
-    finally:
-        node.stop()
-        master.stop()
 
 
 def _free_port() -> int:

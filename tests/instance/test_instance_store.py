@@ -41,11 +41,8 @@ def _reference(dtype: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def store():
-    master = store_procs.master()
-    node = store_procs.node(master.info["address"], "256MiB")
-    yield master, node
-    node.stop()
-    master.stop()
+    with store_procs.store_cluster("inst", dram="256MiB") as (master, node):
+        yield master, node
 
 
 def _wait_saved(master_addr: str, fingerprint: str, blocks: int, timeout_s: float = 30) -> None:

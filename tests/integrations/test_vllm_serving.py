@@ -41,13 +41,8 @@ def prompt(seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def store():
-    m = store_procs.master()
-    n = store_procs.node(m.info["address"], "256MiB")
-    try:
+    with store_procs.store_cluster("vllm", dram="256MiB") as (m, n):
         yield m.info["address"], n
-    finally:
-        n.stop()
-        m.stop()
 
 
 def test_a_prefix_saved_by_one_instance_is_loaded_by_another(store, tmp_path):

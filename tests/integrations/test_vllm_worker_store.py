@@ -27,13 +27,8 @@ NAMES = ["model.layers.1.self_attn.attn", "model.layers.0.self_attn.attn"]
 
 @pytest.fixture(scope="module")
 def master():
-    m = store_procs.master()
-    n = store_procs.node(m.info["address"], "32MiB")
-    try:
+    with store_procs.store_cluster("vllmw", dram="32MiB") as (m, _):
         yield m.info["address"]
-    finally:
-        n.stop()
-        m.stop()
 
 
 def client(addr: str) -> StoreClient:

@@ -1,9 +1,12 @@
 """Test helpers: real master and node processes on 127.0.0.1 (started via the CLI, `cli_procs`),
-stopped by the handle that started them."""
+stopped by the handle that started them; `store_cluster` starts a master and its nodes and stops
+them all."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from cli_procs import CliProc
@@ -44,6 +47,23 @@ def master(*extra: str) -> Proc:
 def node(master_addr: str, dram: str = "16MiB", *extra: str) -> Proc:
     return Proc(["store", "node", "--master", master_addr, "--dram", dram, "--heartbeat-s",
                  "0.2", *extra])
+
+
+@contextlib.contextmanager
+def store_cluster(*names: str, dram: str = "16MiB", master_args: Sequence[str] = (),
+                  node_args: Sequence[str] = ()) -> Iterator[list[Proc]]:
+    """A master (`master` with ``master_args``) and a node per name in ``names`` (`node` with
+    ``dram``, ``--name``, ``node_args``): ``[master, *nodes]``. Every process it started is
+    stopped when the block ends, the nodes before the master, also when a later one fails to
+    start."""
+    with contextlib.ExitStack() as stack:
+        mst = master(*master_args)
+        stack.callback(mst.stop)
+        procs = [mst]
+        for name in names:
+            procs.append(node(mst.info["address"], dram, "--name", name, *node_args))
+            stack.callback(procs[-1].stop)
+        yield procs
 
 
 def wait_leader(etcd_url: str, cluster: str, master: Proc, timeout_s: float = 20.0) -> None:

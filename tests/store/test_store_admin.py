@@ -6,16 +6,14 @@ import json
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
-from store_procs import master, node
+from store_procs import store_cluster
 
 from etcd_util import free_port
 
 
 def test_node_admin_health_and_metric_types() -> None:
-    mst = master()
     port = free_port()
-    nd = node(mst.info["address"], "4MiB", "--name", "adm", "--admin-port", str(port))
-    try:
+    with store_cluster("adm", dram="4MiB", node_args=("--admin-port", str(port))) as (_, nd):
         assert nd.info["admin"] == port
         base = f"http://127.0.0.1:{port}"
         health = json.load(urllib.request.urlopen(base + "/health", timeout=5))
@@ -25,6 +23,3 @@ def test_node_admin_health_and_metric_types() -> None:
                  for s in f.samples}
         assert kinds["yuebing_store_node_dram_bytes"] == ("gauge", 4 << 20)
         assert kinds["yuebing_store_node_tasks_done_total"][0] == "counter"
-    finally:
-        nd.stop()
-        mst.stop()

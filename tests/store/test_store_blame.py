@@ -46,15 +46,13 @@ def test_a_write_expiry_passed_before_the_transfer_blames_nobody() -> None:
 def test_a_late_client_revokes_without_naming_the_healthy_node() -> None:
     """End to end: a client whose write time is used up before it writes revokes its puts
     naming no segment, so the master keeps placing on the (healthy) node."""
-    from store_procs import master, node
+    from store_procs import store_cluster
 
     from yuebing.core.errors import StoreError
     from yuebing.protocol import store as m
     from yuebing.store.client.client import StoreClient
 
-    mst = master()
-    nd = node(mst.info["address"], "16MiB", "--name", "blame")
-    try:
+    with store_cluster("blame") as (mst, _):
         late = StoreClient(ClientConfig(master=mst.info["address"], transfer_timeout_s=1e-6,
                                         reserve_ahead=False, inline_max_bytes=0),
                            heartbeat=False)  # a write to the node, not a value the master holds
@@ -74,6 +72,3 @@ def test_a_late_client_revokes_without_naming_the_healthy_node() -> None:
                          heartbeat=False) as ok:
             ok.put("k2", b"y" * 4096)  # the node was not marked suspect
             assert bytes(ok.get("k2")) == b"y" * 4096
-    finally:
-        nd.stop()
-        mst.stop()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from store_procs import master, node
+from store_procs import store_cluster
 
 from yuebing.core.errors import YuebingError
 from yuebing.protocol import store as m
@@ -138,11 +138,9 @@ def claimed_only(c: StoreClient | AsyncStoreClient, committed: Callable[[str], b
 
 @pytest.mark.slow
 def test_sync_and_async_clients_give_the_same_outcomes() -> None:
-    mst = master()
-    nd = node(mst.info["address"], "32MiB", "--name", "parity")
-    cfg = ClientConfig(master=mst.info["address"],  # the segment path and its reservations
-                       inline_max_bytes=0)              # (test_store_inline_client: held values)
-    try:
+    with store_cluster("parity", dram="32MiB") as (mst, _):
+        cfg = ClientConfig(master=mst.info["address"],  # the segment path and reservations
+                           inline_max_bytes=0)          # (test_store_inline_client: held values)
         with StoreClient(cfg) as sc:
             sync = run_sync(sc, script("s/"))
             claimed_only(sc, sc.exists)
@@ -155,9 +153,6 @@ def test_sync_and_async_clients_give_the_same_outcomes() -> None:
                 return got
 
         aio = asyncio.run(main())
-    finally:
-        nd.stop()
-        mst.stop()
     calls = script("s/")
     for (name, args, _), s, a in zip(calls, sync, aio, strict=True):
         assert s == a, f"{name}{args}: sync {s} != async {a}"

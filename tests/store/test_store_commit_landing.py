@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from master_factories import SIZE, exists
-from store_procs import Proc, master, node
+from store_procs import Proc, store_cluster
 
 from yuebing.core.clock import VirtualClock
 from yuebing.core.errors import StoreError
@@ -279,11 +279,8 @@ def test_noted_frame_whose_connection_broke_is_never_sent_again(owner) -> None:
 # ---------------------------------------------------------------- processes
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Proc, Proc]]:
-    mst = master()
-    n = node(mst.info["address"], "16MiB", "--name", "landA")
-    yield mst, n
-    for p in (n, mst):
-        p.stop()
+    with store_cluster("landA") as (mst, n):
+        yield mst, n
 
 
 PATIENT_S = 30.0
@@ -449,11 +446,8 @@ def test_node_killed_under_a_landing_put_revokes_and_lands_elsewhere() -> None:
     """The node of a reservation dies: the write fails, no commit lands (nothing reports it),
     the reservation is revoked and the put placed again on the other node, whose next
     reservation commits on landing again. The killed node's segment file does not stay."""
-    mst = master()
-    a = node(mst.info["address"], "4MiB", "--name", "landKA")
-    b = node(mst.info["address"], "4MiB", "--name", "landKB")
-    seg_a, seg_b = a.info["dram"], b.info["dram"]
-    try:
+    with store_cluster("landKA", "landKB", dram="4MiB") as (mst, a, b):
+        seg_a, seg_b = a.info["dram"], b.info["dram"]
         cfg = ClientConfig(master=mst.info["address"], preferred=(seg_a,), placement="preferred",
                            inline_max_bytes=0, landing_wait_s=PATIENT_S)
         with tcp_only() as eng, StoreClient(cfg, engine=eng) as c:
@@ -471,9 +465,6 @@ def test_node_killed_under_a_landing_put_revokes_and_lands_elsewhere() -> None:
             assert calls.take() == ["answer"] and c.get("k/4") == b"\x04" * 100_000
             st = c.stats()
             assert st["pending"] == 0 and st["landed_commits"] == 2
-    finally:
-        for p in (a, b, mst):
-            p.stop()
     assert not list(Path(DEFAULT_SHM_DIR).glob(f"{SHM_PREFIX}{a.proc.pid}-*"))  # swept (rig)
 
 

@@ -12,7 +12,7 @@ import time
 import urllib.request
 
 import pytest
-from store_procs import leader_of, master, node, wait_leader
+from store_procs import leader_of, master, store_cluster, wait_leader
 from test_store_client_parity import recording
 
 from etcd_util import EtcdServer, find_etcd, free_port
@@ -22,10 +22,8 @@ from yuebing.store.master.objects import HELD_OVERHEAD
 
 
 def test_small_values_take_one_request_each_way_and_large_ones_go_to_the_node() -> None:
-    mst = master("--inline-max-bytes", "8KiB")
-    nd = node(mst.info["address"], "16MiB", "--name", "inl")
-    cfg = ClientConfig(master=mst.info["address"])
-    try:
+    with store_cluster("inl", master_args=("--inline-max-bytes", "8KiB")) as (mst, _):
+        cfg = ClientConfig(master=mst.info["address"])
         with StoreClient(cfg) as c:
             sent = recording(c)
             assert c.put("s/a", b"a" * 4096) == 1
@@ -65,48 +63,36 @@ def test_small_values_take_one_request_each_way_and_large_ones_go_to_the_node() 
             before = c.stats()["inline_objects"]
             c.put("o/a", b"o" * 100)
             assert c.get("o/a") == b"o" * 100 and c.stats()["inline_objects"] == before
-    finally:
-        nd.stop()
-        mst.stop()
 
 
 def test_a_master_with_inline_off_gets_segment_puts() -> None:
-    mst = master("--inline-max-bytes", "0")
-    nd = node(mst.info["address"], "16MiB", "--name", "inl0")
-    try:
-        with StoreClient(ClientConfig(master=mst.info["address"])) as c:
-            sent = recording(c)
-            c.put("k0", b"a" * 100)
-            c.put("k1", b"b" * 100)
-            assert c.batch_put(["k2", "k3"], [b"c", b"d"]) == [0, 0]
-            assert [c.get(f"k{i}") for i in range(4)] == [b"a" * 100, b"b" * 100, b"c", b"d"]
-            assert sent[0][:3] == ["PutInline", "PutStart", "PutEnd"]
-            assert sent[0][3:5] == ["PutStart", "PutEnd"]  # the gate: no second refusal
-            assert "BatchPutInline" not in sent[0]
-            assert c.stats()["inline_objects"] == 0
-    finally:
-        nd.stop()
-        mst.stop()
+    with (store_cluster("inl0", master_args=("--inline-max-bytes", "0")) as (mst, _),
+          StoreClient(ClientConfig(master=mst.info["address"])) as c):
+        sent = recording(c)
+        c.put("k0", b"a" * 100)
+        c.put("k1", b"b" * 100)
+        assert c.batch_put(["k2", "k3"], [b"c", b"d"]) == [0, 0]
+        assert [c.get(f"k{i}") for i in range(4)] == [b"a" * 100, b"b" * 100, b"c", b"d"]
+        assert sent[0][:3] == ["PutInline", "PutStart", "PutEnd"]
+        assert sent[0][3:5] == ["PutStart", "PutEnd"]  # the gate: no second refusal
+        assert "BatchPutInline" not in sent[0]
+        assert c.stats()["inline_objects"] == 0
 
 
 def test_a_batch_over_the_masters_request_limit_goes_the_normal_way() -> None:
     """A master taking requests of 64 KiB: a 960 KiB batch of small values is answered
     BAD_REQUEST (read whole, not a closed connection), and the client puts them on a node."""
-    mst = master("--max-request-bytes", "64KiB", "--rpc-buffer-bytes", "256KiB")
-    nd = node(mst.info["address"], "16MiB", "--name", "inl64")
-    try:
-        with StoreClient(ClientConfig(master=mst.info["address"])) as c:
-            sent = recording(c)
-            keys = [f"b/{i}" for i in range(80)]
-            values = [bytes([i]) * (12 << 10) for i in range(80)]
-            assert c.batch_put(keys, values) == [0] * 80
-            assert sent[0][0] == "BatchPutInline" and "BatchPutStart" in sent[0]
-            assert c.batch_get(keys) == values
-            assert c.put("one", b"1" * 100) == 1  # the gate: the normal way for a while
-            assert sent[0][-2:] == ["PutStart", "PutEnd"]
-    finally:
-        nd.stop()
-        mst.stop()
+    with (store_cluster("inl64", master_args=("--max-request-bytes", "64KiB",
+                                              "--rpc-buffer-bytes", "256KiB")) as (mst, _),
+          StoreClient(ClientConfig(master=mst.info["address"])) as c):
+        sent = recording(c)
+        keys = [f"b/{i}" for i in range(80)]
+        values = [bytes([i]) * (12 << 10) for i in range(80)]
+        assert c.batch_put(keys, values) == [0] * 80
+        assert sent[0][0] == "BatchPutInline" and "BatchPutStart" in sent[0]
+        assert c.batch_get(keys) == values
+        assert c.put("one", b"1" * 100) == 1  # the gate: the normal way for a while
+        assert sent[0][-2:] == ["PutStart", "PutEnd"]
 
 
 @pytest.mark.etcd

@@ -122,16 +122,14 @@ def test_an_expiry_set_without_a_reader_is_a_floor_for_the_open_lease() -> None:
 # ---------------------------------------------------------------------------- real processes
 @pytest.mark.slow
 def test_put_then_get_on_a_full_node_and_removes_after_reads() -> None:
-    from store_procs import master, node
+    from store_procs import store_cluster
 
     from yuebing.store.client.client import StoreClient
     from yuebing.store.config import ClientConfig
 
-    mst = master("--lease-ttl-s", "5", "--room-wait-s", "0")
-    nd = None
-    try:
+    leases = ("--lease-ttl-s", "5", "--room-wait-s", "0")
+    with store_cluster("leases", master_args=leases) as (mst, _):
         addr = mst.info["address"]
-        nd = node(addr, "16MiB")
         with StoreClient(ClientConfig(master=addr, reserve_ahead=False)) as c:
             size = 256 * KiB
             for i in range(200):  # 64 values fill the node; the rest need evictions
@@ -148,7 +146,3 @@ def test_put_then_get_on_a_full_node_and_removes_after_reads() -> None:
                 time.sleep(1.0)  # (within ~0.1 s; the lease would last 5 s)
                 other.remove("kv/198")
             assert c.remove_prefix("kv/").kept == 0
-    finally:
-        for p in (nd, mst):
-            if p is not None:
-                p.stop()

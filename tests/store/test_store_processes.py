@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import msgspec
 import numpy as np
 import pytest
-from store_procs import Proc, master, node
+from store_procs import Proc, node, store_cluster
 
 from etcd_util import free_port
 from yuebing.core.errors import StoreError
@@ -31,13 +31,10 @@ C = m.Code
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Proc, Proc, Proc]]:
-    mst = master("--client-ttl-s", TTL, "--events-address", "tcp://127.0.0.1:0",
-                 "--admin-port", str(free_port()))
-    a = node(mst.info["address"], "16MiB", "--name", "nodeA")
-    b = node(mst.info["address"], "16MiB", "--name", "nodeB")
-    yield mst, a, b
-    for p in (a, b, mst):
-        p.stop()
+    with store_cluster("nodeA", "nodeB", master_args=(
+            "--client-ttl-s", TTL, "--events-address", "tcp://127.0.0.1:0",
+            "--admin-port", str(free_port()))) as (mst, a, b):
+        yield mst, a, b
 
 
 @pytest.fixture()
@@ -192,10 +189,10 @@ def test_same_host_direct_path_skips_the_engine(cluster) -> None:
 
 
 def test_ssd_offload_and_promotion(tmp_path) -> None:
-    mst = master("--high-watermark", "0.5", "--evict-ratio", "0.2", "--lease-ttl-s", "0.2")
-    n = node(mst.info["address"], "1MiB", "--name", "nodeS", "--ssd", f"{tmp_path}:4MiB")
-    c = StoreClient(ClientConfig(master=mst.info["address"]))
-    try:
+    with (store_cluster("nodeS", dram="1MiB", node_args=("--ssd", f"{tmp_path}:4MiB"),
+                        master_args=("--high-watermark", "0.5", "--evict-ratio", "0.2",
+                                     "--lease-ttl-s", "0.2")) as (mst, _),
+          StoreClient(ClientConfig(master=mst.info["address"])) as c):
         vals = {f"s/{i}": bytes([i]) * 200_000 for i in range(4)}
         for k, v in vals.items():
             c.put(k, v)
@@ -207,10 +204,6 @@ def test_ssd_offload_and_promotion(tmp_path) -> None:
         for k, v in vals.items():  # SSD-only values are promoted back on hit
             assert c.get(k) == v
         assert c.stats()["promotions"] >= 2
-    finally:
-        c.close()
-        n.stop()
-        mst.stop()
 
 
 def test_async_client(cluster) -> None:

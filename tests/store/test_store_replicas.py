@@ -77,17 +77,14 @@ def test_clients_refuse_fewer_copies_unless_best_effort() -> None:
     is one copy, and a small best-effort put is held — docs/store.md)."""
     import asyncio
 
-    from store_procs import master, node
+    from store_procs import store_cluster
 
     from yuebing.store.client.client import AsyncStoreClient, StoreClient
     from yuebing.store.client.rpc import StoreRpcError
     from yuebing.store.config import ClientConfig
 
-    mst = master()
-    nodes = []
-    try:
+    with store_cluster("r0", "r1", dram="8MiB") as (mst, *_):
         addr = mst.info["address"]
-        nodes = [node(addr, "8MiB", "--name", f"r{i}") for i in range(2)]
         cfg = ClientConfig(master=addr, inline_max_bytes=0)
         with StoreClient(ClientConfig(master=addr)) as held:
             assert held.put("h", b"v" * 1000, replicas=3, best_effort=True) == 1
@@ -109,6 +106,3 @@ def test_clients_refuse_fewer_copies_unless_best_effort() -> None:
                 assert await a.put("a", b"v", replicas=3, best_effort=True) == 2
 
         asyncio.run(aio())
-    finally:
-        for p in (*nodes, mst):
-            p.stop()

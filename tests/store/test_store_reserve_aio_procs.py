@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from store_procs import Proc, master, node
+from store_procs import Proc, store_cluster
 
 from yuebing.protocol import Message
 from yuebing.protocol import store as m
@@ -27,12 +27,8 @@ C = m.Code
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Proc, Proc, Proc]]:
-    mst = master()
-    a = node(mst.info["address"], "16MiB", "--name", "abatchA")
-    b = node(mst.info["address"], "16MiB", "--name", "abatchB")
-    yield mst, a, b
-    for p in (a, b, mst):
-        p.stop()
+    with store_cluster("abatchA", "abatchB") as (mst, a, b):
+        yield mst, a, b
 
 
 class Calls:
@@ -155,42 +151,37 @@ def test_async_node_killed_under_a_batch_leaves_no_partial_value() -> None:
     """The next batch's reservations lie on two nodes; one is killed: the writes to the other
     land, but the batch revokes every reservation — no key of it is readable then — and puts
     the batch again, two-phase, on the live node; every value reads back exactly."""
-    mst = master()
-    a = node(mst.info["address"], "4MiB", "--name", "abkillA")
-    b = node(mst.info["address"], "4MiB", "--name", "abkillB")
-    seg_a, seg_b = a.info["dram"], b.info["dram"]
-    rng = np.random.default_rng(3)
-    seen_at_revoke: list[list[bool]] = []
+    with store_cluster("abkillA", "abkillB", dram="4MiB") as (mst, a, b):
+        seg_a, seg_b = a.info["dram"], b.info["dram"]
+        rng = np.random.default_rng(3)
+        seen_at_revoke: list[list[bool]] = []
 
-    async def run() -> None:
-        async with AsyncStoreClient(ClientConfig(master=mst.info["address"])) as c:
-            keys = [f"k/{i}" for i in range(8)]
+        async def run() -> None:
+            async with AsyncStoreClient(ClientConfig(master=mst.info["address"])) as c:
+                keys = [f"k/{i}" for i in range(8)]
 
-            async def check(call, msg: m.BatchPutRevoke) -> None:
-                r = await call(m.BatchExists(keys=keys))
-                seen_at_revoke.append(r.values)
+                async def check(call, msg: m.BatchPutRevoke) -> None:
+                    r = await call(m.BatchExists(keys=keys))
+                    seen_at_revoke.append(r.values)
 
-            calls = Calls(c, on_revoke=check)
-            for n in range(2):
-                assert await c.batch_put([f"w/{n}/{i}" for i in range(8)],
-                                         values(rng, 8, 100_000)) == [0] * 8
-            (held,) = c._resv.held.values()
-            assert len(held) == 8 and {r.segment for h in held for r in h.replicas} == {
-                seg_a, seg_b}  # the free-ratio placement spreads them
-            calls.take()
-            a.kill()
-            vals = values(rng, 8, 100_000)
-            assert await c.batch_put(keys, vals) == [0] * 8
-            assert calls.take() == ["BatchPutRevoke", "BatchPutStart", "BatchPutEnd"]
-            assert seen_at_revoke == [[False] * 8]  # the half-written batch was never visible
-            reps = await c.rpc.call(m.BatchGetReplicas(keys=keys))
-            assert {r.segment for rs in reps.replicas for r in rs} == {seg_b}  # type: ignore[attr-defined]
-            assert await c.batch_get(keys) == [v.tobytes() for v in vals]
-            st = await c.stats()
-            assert st["suspects"] == 1 and st["pending"] == 0, st
+                calls = Calls(c, on_revoke=check)
+                for n in range(2):
+                    assert await c.batch_put([f"w/{n}/{i}" for i in range(8)],
+                                             values(rng, 8, 100_000)) == [0] * 8
+                (held,) = c._resv.held.values()
+                spread = {r.segment for h in held for r in h.replicas}
+                assert len(held) == 8 and spread == {seg_a, seg_b}  # free-ratio placement
+                calls.take()
+                a.kill()
+                vals = values(rng, 8, 100_000)
+                assert await c.batch_put(keys, vals) == [0] * 8
+                assert calls.take() == ["BatchPutRevoke", "BatchPutStart", "BatchPutEnd"]
+                assert seen_at_revoke == [[False] * 8]  # the half-written batch was never visible
+                reps = await c.rpc.call(m.BatchGetReplicas(keys=keys))
+                got = {r.segment for rs in reps.replicas for r in rs}  # type: ignore[attr-defined]
+                assert got == {seg_b}
+                assert await c.batch_get(keys) == [v.tobytes() for v in vals]
+                st = await c.stats()
+                assert st["suspects"] == 1 and st["pending"] == 0, st
 
-    try:
         asyncio.run(run())
-    finally:
-        for p in (a, b, mst):
-            p.stop()

@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-from store_procs import Proc, master, node
+from store_procs import Proc, store_cluster
 
 from yuebing.protocol import store as m
 from yuebing.store.client.client import AsyncStoreClient, StoreClient
@@ -20,11 +20,8 @@ KiB = 1024
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Proc, Proc]]:
-    mst = master()
-    nd = node(mst.info["address"], "16MiB", "--name", "giveback")
-    yield mst, nd
-    for p in (nd, mst):
-        p.stop()
+    with store_cluster("giveback") as (mst, nd):
+        yield mst, nd
 
 
 def _stats(addr: str) -> dict[str, float]:

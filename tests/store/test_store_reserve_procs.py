@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from store_procs import Proc, master, node
+from store_procs import Proc, store_cluster
 
 from yuebing.core.errors import InputError
 from yuebing.protocol import Message
@@ -26,12 +26,8 @@ def ClientConfig(**kw):  # noqa: N802  reservations are a segment path: values t
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Proc, Proc, Proc]]:
-    mst = master()
-    a = node(mst.info["address"], "16MiB", "--name", "resvA")
-    b = node(mst.info["address"], "16MiB", "--name", "resvB")
-    yield mst, a, b
-    for p in (a, b, mst):
-        p.stop()
+    with store_cluster("resvA", "resvB") as (mst, a, b):
+        yield mst, a, b
 
 
 class Calls:
@@ -199,11 +195,8 @@ def test_reservation_idle_too_long_is_not_used(cluster) -> None:
 
 @pytest.mark.slow
 def test_node_killed_under_a_reservation_put_lands_elsewhere() -> None:
-    mst = master()
-    a = node(mst.info["address"], "4MiB", "--name", "resvKA")
-    b = node(mst.info["address"], "4MiB", "--name", "resvKB")
-    seg_a, seg_b = a.info["dram"], b.info["dram"]
-    try:
+    with store_cluster("resvKA", "resvKB", dram="4MiB") as (mst, a, b):
+        seg_a, seg_b = a.info["dram"], b.info["dram"]
         with StoreClient(ClientConfig(master=mst.info["address"], preferred=(seg_a,),
                                       placement="preferred")) as c:
             calls = Calls(c)
@@ -223,9 +216,6 @@ def test_node_killed_under_a_reservation_put_lands_elsewhere() -> None:
             assert c.get("k/3") == b"\x03" * 100_000
             st = c.stats()
             assert st["suspects"] == 1 and st["pending"] == 0
-    finally:
-        for p in (a, b, mst):
-            p.stop()
 
 
 class AsyncCalls:
@@ -309,35 +299,31 @@ def test_async_reservation_idle_too_long_goes_back(cluster) -> None:
 
 @pytest.mark.slow
 def test_async_node_killed_under_a_reservation_put_lands_elsewhere() -> None:
-    mst = master()
-    a = node(mst.info["address"], "4MiB", "--name", "aresvKA")
-    b = node(mst.info["address"], "4MiB", "--name", "aresvKB")
-    seg_a, seg_b = a.info["dram"], b.info["dram"]
+    with store_cluster("aresvKA", "aresvKB", dram="4MiB") as (mst, a, b):
+        seg_a, seg_b = a.info["dram"], b.info["dram"]
 
-    async def run() -> None:
-        async with AsyncStoreClient(ClientConfig(master=mst.info["address"], preferred=(seg_a,),
-                                                 placement="preferred")) as c:
-            calls = AsyncCalls(c)
-            for i in range(2):
-                await c.put(f"k/{i}", bytes([i]) * 100_000)
-            ((held,),) = c._resv.held.values()
-            assert [r.segment for r in held.replicas] == [seg_a]
-            calls.take()
-            a.kill()
-            await c.put("k/2", b"\x02" * 100_000)  # the write into it fails: revoke, re-place
-            assert calls.take() == ["BatchPutRevoke", "PutStart", "PutEnd"]
-            reps = (await c.rpc.call(m.GetReplicas(key="k/2"))).replicas  # type: ignore[attr-defined]
-            assert [r.segment for r in reps] == [seg_b]
-            assert await c.get("k/2") == b"\x02" * 100_000
-            calls.take()
-            await c.put("k/3", b"\x03" * 100_000)  # the new reservation avoids the suspect
-            assert calls.take() == ["PutCommit"]
-            assert await c.get("k/3") == b"\x03" * 100_000
-            st = await c.stats()
-            assert st["suspects"] == 1 and st["pending"] == 0
+        async def run() -> None:
+            cfg = ClientConfig(master=mst.info["address"], preferred=(seg_a,),
+                               placement="preferred")
+            async with AsyncStoreClient(cfg) as c:
+                calls = AsyncCalls(c)
+                for i in range(2):
+                    await c.put(f"k/{i}", bytes([i]) * 100_000)
+                ((held,),) = c._resv.held.values()
+                assert [r.segment for r in held.replicas] == [seg_a]
+                calls.take()
+                a.kill()
+                await c.put("k/2", b"\x02" * 100_000)  # the write fails: revoke, re-place
+                assert calls.take() == ["BatchPutRevoke", "PutStart", "PutEnd"]
+                got = await c.rpc.call(m.GetReplicas(key="k/2"))
+                reps = got.replicas  # type: ignore[attr-defined]
+                assert [r.segment for r in reps] == [seg_b]
+                assert await c.get("k/2") == b"\x02" * 100_000
+                calls.take()
+                await c.put("k/3", b"\x03" * 100_000)  # the new reservation avoids the suspect
+                assert calls.take() == ["PutCommit"]
+                assert await c.get("k/3") == b"\x03" * 100_000
+                st = await c.stats()
+                assert st["suspects"] == 1 and st["pending"] == 0
 
-    try:
         asyncio.run(run())
-    finally:
-        for p in (a, b, mst):
-            p.stop()

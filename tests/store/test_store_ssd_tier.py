@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from store_procs import Proc, master, node
+from store_procs import Proc, store_cluster
 
 from yuebing.store.client.client import StoreClient
 from yuebing.store.config import ClientConfig
@@ -21,11 +21,8 @@ MiB = 1024 * KiB
 @pytest.fixture()
 def tiered(tmp_path, request) -> Iterator[tuple[Proc, Proc]]:
     dram, ssd = request.param
-    mst = master()
-    nd = node(mst.info["address"], dram, "--ssd", f"{tmp_path}:{ssd}", "--name", "tiered")
-    yield mst, nd
-    for p in (nd, mst):
-        p.stop()
+    with store_cluster("tiered", dram=dram, node_args=("--ssd", f"{tmp_path}:{ssd}")) as procs:
+        yield procs[0], procs[1]
 
 
 def _put_then_get(addr: str, n: int, size: int, rate: float) -> tuple[int, dict[str, float]]:

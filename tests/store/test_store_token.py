@@ -9,7 +9,7 @@ import socket
 import struct
 
 import pytest
-from store_procs import master, node
+from store_procs import store_cluster
 
 from yuebing.core.errors import ConfigError, StoreError
 from yuebing.protocol import encode
@@ -111,9 +111,8 @@ def test_non_loopback_bind_without_token_is_a_start_error() -> None:
 
 
 def test_master_process_refuses_clients_without_its_token() -> None:
-    mst = master("--cluster-token", TOKEN)
-    nd = node(mst.info["address"], "4MiB", "--name", "tok", "--cluster-token", TOKEN)
-    try:
+    with store_cluster("tok", dram="4MiB", master_args=("--cluster-token", TOKEN),
+                       node_args=("--cluster-token", TOKEN)) as (mst, _):
         addr = mst.info["address"]
         good = MasterConnection([addr], timeout_s=2.0, failover_s=0.0, token=TOKEN)
         stats = good.call(m.GetStats())
@@ -130,6 +129,3 @@ def test_master_process_refuses_clients_without_its_token() -> None:
         s.close()
         assert good.call(m.Exists(key="k")).values == [False]  # type: ignore[attr-defined]
         good.close()
-    finally:
-        nd.stop()
-        mst.stop()

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from msgspec.structs import replace
-from store_procs import master, node
+from store_procs import store_cluster
 
 from yuebing.core.errors import StoreError
 from yuebing.store.client.client import StoreClient
@@ -90,11 +90,10 @@ class Redirect(EmbeddedMetadata):
 
 @pytest.fixture()
 def cluster() -> Iterator[tuple[str, str]]:
-    mst = master("--write-grace-s", "0.2", "--fence-s", "0.3", "--high-watermark", "1.0")
-    nd = node(mst.info["address"], str(SIZE), "--name", "fenced", "--tx-write-grace-s", "0.2")
-    yield mst.info["address"], nd.info["dram"]
-    nd.stop()
-    mst.stop()
+    with store_cluster("fenced", dram=str(SIZE), node_args=("--tx-write-grace-s", "0.2"),
+                       master_args=("--write-grace-s", "0.2", "--fence-s", "0.3",
+                                    "--high-watermark", "1.0")) as (mst, nd):
+        yield mst.info["address"], nd.info["dram"]
 
 
 @pytest.mark.slow
