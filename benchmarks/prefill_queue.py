@@ -2,7 +2,7 @@
 
 The workload is the serving head to head's (`benchmarks/serve_vs_vllm.sh`): the first
 ``--limit`` requests of the conversation trace, 64 tokens per hash block, input ≤ 4,096, output
-≤ 128, Poisson arrivals — the load generator's own requests (`sim_vs_live.workload`), one
+≤ ``--max-output`` (128; 16 is the head to head's prefill-bound variant), Poisson arrivals — the load generator's own requests (`sim_vs_live.workload`), one
 arrival seed per repeat. Each is replayed by `yuebing.sim.runner.simulate` as
 `benchmarks/sim_vs_live.py` does: ``system=mooncake``, 1 prefill + 1 decode node on one host
 (``colocated`` with the interference factors of a ``yuebing profile --interference`` samples
@@ -86,10 +86,11 @@ def with_decode_step(profile: Path, step: str, out: Path) -> Path:
 def sweep(ns: argparse.Namespace) -> dict[str, Any]:
     rates = sorted(float(r) for r in ns.rates.split(","))
     seeds = [int(s) for s in ns.seeds.split(",")]
-    loads = {(rate, seed): workload(ns.trace, ns.limit, rate, seed)
+    loads = {(rate, seed): workload(ns.trace, ns.limit, rate, seed, ns.max_output)
              for rate in rates for seed in seeds}
     interference = None if ns.no_colocated else (ns.interference or ns.profile)
     result: dict[str, Any] = {"orders": {}, "rates": rates, "seeds": seeds, "limit": ns.limit,
+                              "max_output": ns.max_output,
                               "colocated": not ns.no_colocated, "target": ns.target,
                               "ttft_slo_s": ns.ttft_slo, "tbt_slo_s": ns.tbt_slo}
     for spec in ns.orders.split(","):
@@ -164,6 +165,7 @@ def main() -> int:
     p.add_argument("--rates", default="0.1,0.15,0.2,0.25,0.3")
     p.add_argument("--seeds", default="0,1,2,3,4", help="Poisson arrival seeds (repeats)")
     p.add_argument("--limit", type=int, default=300)
+    p.add_argument("--max-output", type=int, default=128, help="cap on output tokens")
     p.add_argument("--orders", default="fifo,sjf_aging,edf,sjf_slack",
                    help="queue orders: name or sjf_aging:AGING")
     p.add_argument("--ttft-slo", type=float, default=10.0)

@@ -11,8 +11,8 @@
 #                    prefill on CPU 0 and decode on CPU 1, one OpenMP thread each (vLLM core
 #                    lending is opt-in on `yuebing vllm instance`; VLLM_1P1D_FLAGS adds serve flags).
 # Every system: SmolLM2-135M-Instruct, the first $LIMIT requests of the trace, 64 tokens per
-# hash block, input <= 4096, output <= 128, Poisson arrivals swept over $RATES (each rate with
-# its own prompt tokens, same sharing), SLO TTFT <= 10 s and TBT <= 100 ms plus the attainment
+# hash block, input <= 4096, output <= $MAX_OUTPUT (128), Poisson arrivals swept over $RATES
+# (each rate with its own prompt tokens, same sharing), SLO TTFT <= 10 s and TBT <= 100 ms plus the attainment
 # over TBT thresholds 50-300 ms. KV: 1 GiB in all for yuebing's systems and vllm_cpu; vllm_1p1d
 # has 1 GiB per server (vLLM-CPU takes whole GiB). One system runs at a time; each server is
 # started fresh and stopped after its sweep.
@@ -33,6 +33,7 @@
 # Env:    DTYPE (yuebing: bfloat16 / float32, see above)  VLLM_DTYPE (vLLM: float32)
 #         VLLM_FLAGS (vllm_cpu: --enforce-eager)  YB_FLAGS (none)
 #         VLLM_1P1D_FLAGS (vllm_1p1d: more `yuebing serve --engine vllm` flags; none)
+#         MAX_OUTPUT (128: the cap on output tokens; e.g. 16 makes 1P1D prefill-bound)
 #         RATES (default 0.1,0.2,0.4,0.8; RATES_<system>, e.g. RATES_vllm_cpu, overrides it for one
 #         system)  LIMIT (300)  SYSTEMS ("yuebing_1p1d yuebing_coupled vllm_cpu vllm_1p1d")
 #         PORT (8765)  TRACE (../shared/traces/conversation_trace.jsonl)
@@ -44,7 +45,8 @@
 # Output: OUTDIR/<system>.json (the bench report), <system>.records.jsonl, <system>/ (its plots),
 #         logs/<system>/ (server logs; for yuebing_* also <instance>.steps.jsonl, one line per
 #         engine step; for vllm_1p1d <instance>.vllm.log and cpus.txt, each vLLM server's CPUs
-#         seen while it served), attainment_vs_rate.png, capacity_vs_tbt.png,
+#         seen while it served), env.txt (settings, commit, load, host speed at start and end),
+#         attainment_vs_rate.png, capacity_vs_tbt.png,
 #         summary.json; the last line on stdout is summary.json's JSON object.
 set -euo pipefail
 
@@ -59,6 +61,7 @@ VLLM_PY="$PEERS_DIR/vllm/bin/python"
 VLLM_MODEL="$PEERS_DIR/smollm2-135m-instruct-hf"
 RATES="${RATES:-0.1,0.2,0.4,0.8}"
 LIMIT="${LIMIT:-300}"
+MAX_OUTPUT="${MAX_OUTPUT:-128}"
 SYSTEMS="${SYSTEMS:-yuebing_1p1d yuebing_coupled vllm_cpu vllm_1p1d}"
 PORT="${PORT:-8765}"
 if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then DTYPE="${DTYPE:-bfloat16}"; else DTYPE="${DTYPE:-float32}"; fi
@@ -148,8 +151,12 @@ record_cpus() {  # $1 = system: the server's processes (all descendants) with th
   done > "$OUT/logs/$1/cpus.txt" 2>/dev/null || true
 }
 
-echo "serve_vs_vllm: $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/loadavg) YB_FLAGS=$YB_FLAGS VLLM_FLAGS=$VLLM_FLAGS VLLM_1P1D_FLAGS=$VLLM_1P1D_FLAGS DTYPE=$DTYPE VLLM_DTYPE=$VLLM_DTYPE LIMIT=$LIMIT RATES=$RATES" | tee "$OUT/env.txt"
+echo "serve_vs_vllm: $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/loadavg) YB_FLAGS=$YB_FLAGS VLLM_FLAGS=$VLLM_FLAGS VLLM_1P1D_FLAGS=$VLLM_1P1D_FLAGS DTYPE=$DTYPE VLLM_DTYPE=$VLLM_DTYPE LIMIT=$LIMIT MAX_OUTPUT=$MAX_OUTPUT RATES=$RATES" | tee "$OUT/env.txt"
 git -C "$ROOT" rev-parse --short HEAD >> "$OUT/env.txt"
+host_speed() {  # the host's phase (core.host.speed), which moves for hours: quote it beside the result
+  echo "host speed $1: $("$PY" -c 'from yuebing.core.host import speed; print(speed().as_dict())')" >> "$OUT/env.txt"
+}
+host_speed start
 BENCH_FLAGS="${BENCH_FLAGS-}"
 echo "BENCH_FLAGS=$BENCH_FLAGS" >> "$OUT/env.txt"
 for s in $SYSTEMS; do
@@ -160,10 +167,11 @@ for s in $SYSTEMS; do
   echo "=== $s: sweeping rates $rates over $LIMIT requests (load average $(cut -d' ' -f1-3 /proc/loadavg))"
   # shellcheck disable=SC2086  # BENCH_FLAGS is a list of flags
   "$YB" bench serve "$TRACE" --endpoint "$URL" --model "$NAME" --block-tokens 64 \
-    --max-input 4096 --max-output 128 --limit "$LIMIT" --sweep-rates "$rates" $BENCH_FLAGS \
+    --max-input 4096 --max-output "$MAX_OUTPUT" --limit "$LIMIT" --sweep-rates "$rates" $BENCH_FLAGS \
     --slo-ttft 10 --slo-tbt 0.1,0.05,0.15,0.2,0.25,0.3 --timeout-s 900 --no-progress \
     --json --plot "$OUT/$s" --records "$OUT/$s.records.jsonl" > "$OUT/$s.json"
   echo "$s load average after: $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/env.txt"
   stop_server
 done
+host_speed end
 "$PY" "$ROOT/benchmarks/serve_vs_vllm_report.py" "$OUT"

@@ -71,11 +71,13 @@ PROFILE_GRID = ["--new-tokens", "64,256,512,1024,2048,4096", "--cached-tokens", 
 pct = nearest_rank
 
 
-def workload(trace_path: Path, limit: int, rate: float, seed: int) -> list[SimRequest]:
-    """The load generator's requests at ``rate`` as simulator requests (see module docstring)."""
+def workload(trace_path: Path, limit: int, rate: float, seed: int,
+             max_output: int = 128) -> list[SimRequest]:
+    """The load generator's requests at ``rate`` as simulator requests (see module docstring;
+    ``max_output``: the head to head's ``MAX_OUTPUT``)."""
     trace = load_trace(trace_path)
-    cfg = BenchConfig(block_tokens=64, max_input=4096, max_output=128, limit=limit, rate=rate,
-                      seed=seed)
+    cfg = BenchConfig(block_tokens=64, max_input=4096, max_output=max_output, limit=limit,
+                      rate=rate, seed=seed)
     reqs = [scaled_request(r, trace.block_size, cfg) for r in trace.in_time_order()[:limit]]
     return [SimRequest(i, t, r.input_length, r.output_length, tuple(r.hash_ids))
             for i, (r, t) in enumerate(zip(reqs, send_times(reqs, cfg, rate), strict=True))]

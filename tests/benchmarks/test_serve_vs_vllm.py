@@ -208,14 +208,16 @@ def test_sim_vs_live_step_check_against_the_predictor(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not TRACE.is_file(), reason="conversation trace not in ../shared/traces")
-def test_sim_workload_is_the_load_generators() -> None:
+@pytest.mark.parametrize("max_output", [128, 16])
+def test_sim_workload_is_the_load_generators(max_output: int) -> None:
     from yuebing.bench.config import BenchConfig
     from yuebing.bench.workload import build_workload
     from yuebing.trace.io import load_trace
 
-    sim = svl.workload(TRACE, 20, 0.5, 0)
-    cfg = BenchConfig(block_tokens=64, max_input=4096, max_output=128, limit=20, rate=0.5)
+    sim = svl.workload(TRACE, 20, 0.5, 0, max_output)
+    cfg = BenchConfig(block_tokens=64, max_input=4096, max_output=max_output, limit=20, rate=0.5)
     live = build_workload(load_trace(TRACE), cfg)
     assert [(r.arrival_s, r.input_tokens, r.output_tokens) for r in sim] == \
         [(b.send_s, b.input_tokens, b.max_tokens) for b in live]
+    assert max(r.output_tokens for r in sim) == max_output  # the cap is reached, and holds
     assert all(len(r.block_keys) == -(-r.input_tokens // 64) for r in sim)
