@@ -1,13 +1,14 @@
 """Prefill queue orders in the simulator (issue 25): 1P1D on one host, FIFO vs SLO-aware orders.
 
-The workload is the serving head to head's (`benchmarks/serve_vs_vllm.sh`): the first
-``--limit`` requests of the conversation trace, 64 tokens per hash block, input ≤ 4,096, output
-≤ ``--max-output`` (128; 16 is the head to head's prefill-bound variant), Poisson arrivals — the load generator's own requests (`sim_vs_live.workload`), one
-arrival seed per repeat. Each is replayed by `yuebing.sim.runner.simulate` as
-`benchmarks/sim_vs_live.py` does: ``system=mooncake``, 1 prefill + 1 decode node on one host
-(``colocated`` with the interference factors of a ``yuebing profile --interference`` samples
-file; ``--no-colocated``: each alone), ``cost_model=fitted`` on its predictor file, and each
-``--orders`` entry as the prefill queue order (``name`` or ``sjf_aging:AGING``).
+The workload is the serving head to head's (`benchmarks/serve_vs_vllm.sh`): the first ``--limit``
+requests of the conversation trace, 64 tokens per hash block, input ≤ 4,096, output ≤
+``--max-output`` (128, as the head to head; its ``MAX_OUTPUT``), Poisson arrivals — the load
+generator's own requests (`sim_vs_live.workload`), one arrival seed per repeat. Each is replayed by
+`yuebing.sim.runner.simulate` as `benchmarks/sim_vs_live.py` does: ``system=mooncake``, 1 prefill +
+1 decode node on one host (``colocated`` with the interference factors of a ``yuebing profile
+--interference`` samples file; ``--no-colocated``: each alone), ``cost_model=fitted`` on its
+predictor file, and each ``--orders`` entry as the prefill queue order (``name`` or
+``sjf_aging:AGING``).
 
 Per order and rate: SLO attainment (TTFT ≤ ``--ttft-slo``, TBT ≤ ``--tbt-slo`` over all
 requests; mean and lowest over the seeds), TTFT p50/p90 and the longest TTFT; per order the

@@ -11,9 +11,9 @@
 #                    prefill on CPU 0 and decode on CPU 1, one OpenMP thread each (vLLM core
 #                    lending is opt-in on `yuebing vllm instance`; VLLM_1P1D_FLAGS adds serve flags).
 # Every system: SmolLM2-135M-Instruct, the first $LIMIT requests of the trace, 64 tokens per
-# hash block, input <= 4096, output <= $MAX_OUTPUT (128), Poisson arrivals swept over $RATES
-# (each rate with its own prompt tokens, same sharing), SLO TTFT <= 10 s and TBT <= 100 ms plus the attainment
-# over TBT thresholds 50-300 ms. KV: 1 GiB in all for yuebing's systems and vllm_cpu; vllm_1p1d
+# hash block, input <= 4096, output <= $MAX_OUTPUT (128), Poisson arrivals swept over
+# $RATES (each rate with its own prompt tokens, same sharing), SLO TTFT <= 10 s and TBT <= 100
+# ms plus the attainment over TBT thresholds 50-300 ms. KV: 1 GiB in all for yuebing's systems and vllm_cpu; vllm_1p1d
 # has 1 GiB per server (vLLM-CPU takes whole GiB). One system runs at a time; each server is
 # started fresh and stopped after its sweep.
 #
@@ -33,7 +33,7 @@
 # Env:    DTYPE (yuebing: bfloat16 / float32, see above)  VLLM_DTYPE (vLLM: float32)
 #         VLLM_FLAGS (vllm_cpu: --enforce-eager)  YB_FLAGS (none)
 #         VLLM_1P1D_FLAGS (vllm_1p1d: more `yuebing serve --engine vllm` flags; none)
-#         MAX_OUTPUT (128: the cap on output tokens; e.g. 16 makes 1P1D prefill-bound)
+#         MAX_OUTPUT (128: the cap on output tokens; a smaller cap shifts 1P1D's load to the prefill)
 #         RATES (default 0.1,0.2,0.4,0.8; RATES_<system>, e.g. RATES_vllm_cpu, overrides it for one
 #         system)  LIMIT (300)  SYSTEMS ("yuebing_1p1d yuebing_coupled vllm_cpu vllm_1p1d")
 #         PORT (8765)  TRACE (../shared/traces/conversation_trace.jsonl)
@@ -151,11 +151,14 @@ record_cpus() {  # $1 = system: the server's processes (all descendants) with th
   done > "$OUT/logs/$1/cpus.txt" 2>/dev/null || true
 }
 
+host_speed() {  # $1 = start / end: the host's phase (core.host.speed; it moves for minutes to hours)
+  local got
+  got="$("$PY" -c 'from yuebing.core.host import speed; print(speed().as_dict())' 2>&1)" || got="failed: $got"
+  echo "host speed $1: $got" >> "$OUT/env.txt"
+}
+
 echo "serve_vs_vllm: $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/loadavg) YB_FLAGS=$YB_FLAGS VLLM_FLAGS=$VLLM_FLAGS VLLM_1P1D_FLAGS=$VLLM_1P1D_FLAGS DTYPE=$DTYPE VLLM_DTYPE=$VLLM_DTYPE LIMIT=$LIMIT MAX_OUTPUT=$MAX_OUTPUT RATES=$RATES" | tee "$OUT/env.txt"
 git -C "$ROOT" rev-parse --short HEAD >> "$OUT/env.txt"
-host_speed() {  # the host's phase (core.host.speed), which moves for hours: quote it beside the result
-  echo "host speed $1: $("$PY" -c 'from yuebing.core.host import speed; print(speed().as_dict())')" >> "$OUT/env.txt"
-}
 host_speed start
 BENCH_FLAGS="${BENCH_FLAGS-}"
 echo "BENCH_FLAGS=$BENCH_FLAGS" >> "$OUT/env.txt"

@@ -21,8 +21,9 @@ MiB = 1024 * KiB
 @pytest.fixture()
 def tiered(tmp_path, request) -> Iterator[tuple[Proc, Proc]]:
     dram, ssd = request.param
-    with store_cluster("tiered", dram=dram, node_args=("--ssd", f"{tmp_path}:{ssd}")) as procs:
-        yield procs[0], procs[1]
+    tier = ("--ssd", f"{tmp_path}:{ssd}")
+    with store_cluster("tiered", dram=dram, node_args=tier) as (mst, nd):
+        yield mst, nd
 
 
 def _put_then_get(addr: str, n: int, size: int, rate: float) -> tuple[int, dict[str, float]]:
