@@ -13,9 +13,9 @@
 # Every system: SmolLM2-135M-Instruct, the first $LIMIT requests of the trace, 64 tokens per
 # hash block, input <= 4096, output <= $MAX_OUTPUT (128), Poisson arrivals swept over
 # $RATES (each rate with its own prompt tokens, same sharing), SLO TTFT <= 10 s and TBT <= 100
-# ms plus the attainment over TBT thresholds 50-300 ms. KV: 1 GiB in all for yuebing's systems and vllm_cpu; vllm_1p1d
-# has 1 GiB per server (vLLM-CPU takes whole GiB). One system runs at a time; each server is
-# started fresh and stopped after its sweep.
+# ms plus the attainment over TBT thresholds 50-300 ms. KV: 1 GiB in all for yuebing's systems
+# and vllm_cpu; vllm_1p1d has 1 GiB per server (vLLM-CPU takes whole GiB). One system runs at
+# a time; each server is started fresh and stopped after its sweep.
 #
 # dtype: yuebing's engine runs $DTYPE (default bfloat16 where the CPU has AVX-512 BF16 or AMX,
 # else float32: without them bf16 matmuls run ~8x slower than fp32). vLLM systems run
