@@ -782,8 +782,8 @@ def main() -> int:
                                  predictors) if predictors and not bases else 1.0)
             setup = replace(setup, learned_from=())
             learned, topo["warmup"] = [], {}
+            mid = sorted(mults)[len(mults) // 2]  # the middle load: warm-ups, retries
             for selector in warm:  # admission none, the middle load, a seed not measured
-                mid = sorted(mults)[len(mults) // 2]
                 bar.update(task, description=f"{name}: warm-up ({selector})")
                 warmup = live_run(replace(setup, seed=setup.seed + ns.repeats), nodes, "none",
                                   base * mid, f"{name}-warmup-{selector}", selector=selector)
@@ -795,7 +795,7 @@ def main() -> int:
             setup = replace(setup, learned_from=tuple(learned))
             step_tail = topo["sim_step_tail"] = ns.sim_step_tail or step_tail_of(topo)
             sims = SimColumn(setup, nodes, predictors, stretch, step_tail,
-                             ns.sim_durations == "warm", base * sorted(mults)[len(mults) // 2],
+                             ns.sim_durations == "warm", base * mid,
                              setup.seed + ns.repeats) if predictors and not ns.no_sim else None
             for mult, r in ((m, r) for m in mults for r in range(ns.repeats)):
                 rs = replace(setup, seed=setup.seed + r)
@@ -814,7 +814,6 @@ def main() -> int:
                     sims.fill(topo, runs)
                 (ns.outdir / "overload_live.json").write_text(json.dumps(result, indent=1))
             if ns.retry_policy:
-                mid = sorted(mults)[len(mults) // 2]
                 run_name = f"{name}-x{mid:g}-{ns.retry_policy}-retry"
                 bar.update(task, description=run_name)
                 topo["retry_run"] = {"multiplier": mid, "rate": base * mid,
