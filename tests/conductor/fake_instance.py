@@ -3,7 +3,7 @@
 All fakes of a test share one `FakeLoop` (an asyncio loop in a daemon thread), so a fake prefill
 can hand a request to a fake decode directly (the real ones use a transfer-engine notification).
 Timing and faults are controlled from the test thread: ``prefill_delay_s`` / ``step_s``,
-``hang`` (never produce the first token), ``silence()`` (stop reports and replies: a hung
+``hang`` (never produce the first token), ``die_on_submit``, ``silence()`` (stop reports and replies: a hung
 process, or a dead one behind a partition, as the Conductor sees it), ``restart()`` (killed and
 started again at the same address: its connections drop), ``die_after_tokens`` (a decode that goes silent mid-stream).
 Every control message received is recorded (``received``) and blocks are accounted
@@ -126,6 +126,8 @@ class FakeInstance:
         self.die_after_tokens: int | None = None
         self.die_before_handoff = False
         """Prefill: go silent right after the first token, before the KV reaches the decode."""
+        self.die_on_submit = False
+        """Go silent when a task arrives, before acknowledging it (no race with the heartbeat)."""
         self.silent = False
         self.cache: list[int] = []
         self.received: list[Any] = []
@@ -198,6 +200,9 @@ class FakeInstance:
                 continue
             msg = decode(frame)
             self.received.append(msg)
+            if self.die_on_submit and isinstance(msg, SubmitTask):
+                self.silent = True
+                continue
             reply = self._handle(ident, msg)
             if reply is not None:
                 await self.sock.send_multipart([ident, encode(reply)])

@@ -540,11 +540,13 @@ def test_a_call_pending_on_an_instance_that_dies_fails_at_the_heartbeat_timeout(
     c = _conductor(fl, (Role.PREFILL, "p0"), (Role.PREFILL, "p1"), (Role.DECODE, "d0"),
                    prefill_selector="load_balance", rpc_timeout_s=30.0,
                    p1_kw={"queued_prefill_tokens": 100})
-    try:
-        fl.fakes["p0"].silence()
+    try:  # p0 dies as the submit arrives: silencing it before could let the heartbeat
+        # find it dead before dispatch on a stalled machine, and p1 would be picked first
+        fl.call(lambda: setattr(fl.fakes["p0"], "die_on_submit", True))
         t0 = time.monotonic()
         status, body = _complete(c, prompt=[1, 2, 3], max_tokens=2)
         assert status == 200, body
+        assert fl.fakes["p0"].kinds(SubmitTask)
         assert body["usage"]["yuebing"]["prefill_instance"] == "p1"
         assert body["usage"]["yuebing"]["redispatched"] == 1
         assert time.monotonic() - t0 < 15
