@@ -131,3 +131,10 @@ def test_vllm_instances_lend_their_cores_only_when_asked(tmp_path, monkeypatch) 
         got = adapter(ServeConfig(prefill=1, decode=1, engine="vllm",
                                   instance=InstanceConfig(lend_cores=lend)))
         assert got.cpus == "1" and not got.lend_cores
+    # --vllm-lend-cores turns the adapters' lending on (each still named its own CPU first)
+    for lend in (True, False):
+        got = adapter(ServeConfig(prefill=1, decode=1, engine="vllm", vllm_lend_cores=True,
+                                  instance=InstanceConfig(lend_cores=lend)))
+        assert got.cpus == "1" and got.lend_cores and got.lend_cpus() == (0, 1)
+    with pytest.raises(ConfigError, match="--vllm-lend-cores is for --engine vllm"):
+        ServeConfig(prefill=1, decode=1, vllm_lend_cores=True)

