@@ -193,6 +193,9 @@ def test_serve_cli_offers_and_passes_role_flags() -> None:
     for flags in (["serve", "--instances", "tcp://x:1"], ["serve", "--instance-id", "x"]):
         with pytest.raises(SystemExit):
             parser.parse_args(flags)  # set by the plan, not offered
+    vllm = serve_config_from_args(parser.parse_args(
+        ["serve", "--engine", "vllm", "--vllm-lend-cores", "--prefill", "1", "--decode", "1"]))
+    assert vllm.vllm_lend_cores and not cfg.vllm_lend_cores
 
 def test_taken_fixed_ports_are_refused_before_anything_starts() -> None:
     import socket

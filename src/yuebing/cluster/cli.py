@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 SERVE_FIELDS = ("prefill", "decode", "coupled", "cpp_group", "cpp_layers", "host", "port",
                 "advertise_host", "etcd", "cluster", "store", "store_dram", "store_port",
-                "cluster_token", "engine", "ready_file")
+                "cluster_token", "engine", "vllm_lend_cores", "ready_file")
 
 def conductor_flags() -> list[str]:
     """The Conductor's fields offered by ``yuebing serve`` (the managed ones and the
