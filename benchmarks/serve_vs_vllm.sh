@@ -34,6 +34,7 @@
 #         VLLM_FLAGS (vllm_cpu: --enforce-eager)  YB_FLAGS (none)
 #         VLLM_1P1D_FLAGS (vllm_1p1d: more `yuebing serve --engine vllm` flags; none)
 #         MAX_OUTPUT (128: the cap on output tokens; a smaller cap shifts 1P1D's load to the prefill)
+#         SLO_TBT (0.1: the TBT SLO in seconds that decides a rate; a looser one lets the TTFT bind)
 #         RATES (default 0.1,0.2,0.4,0.8; RATES_<system>, e.g. RATES_vllm_cpu, overrides it for one
 #         system)  LIMIT (300)  SYSTEMS ("yuebing_1p1d yuebing_coupled vllm_cpu vllm_1p1d")
 #         PORT (8765)  TRACE (../shared/traces/conversation_trace.jsonl)
@@ -62,6 +63,7 @@ VLLM_MODEL="$PEERS_DIR/smollm2-135m-instruct-hf"
 RATES="${RATES:-0.1,0.2,0.4,0.8}"
 LIMIT="${LIMIT:-300}"
 MAX_OUTPUT="${MAX_OUTPUT:-128}"
+SLO_TBT="${SLO_TBT:-0.1}"
 SYSTEMS="${SYSTEMS:-yuebing_1p1d yuebing_coupled vllm_cpu vllm_1p1d}"
 PORT="${PORT:-8765}"
 if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then DTYPE="${DTYPE:-bfloat16}"; else DTYPE="${DTYPE:-float32}"; fi
@@ -161,7 +163,11 @@ echo "serve_vs_vllm: $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/lo
 git -C "$ROOT" rev-parse --short HEAD >> "$OUT/env.txt"
 host_speed start
 BENCH_FLAGS="${BENCH_FLAGS-}"
-echo "BENCH_FLAGS=$BENCH_FLAGS" >> "$OUT/env.txt"
+echo "BENCH_FLAGS=$BENCH_FLAGS SLO_TBT=$SLO_TBT" >> "$OUT/env.txt"
+tbt_more=""  # the other TBT thresholds reported (capacity_vs_tbt.png)
+for t in 0.05 0.1 0.15 0.2 0.25 0.3; do
+  [ "$t" = "$SLO_TBT" ] || tbt_more="$tbt_more,$t"
+done
 for s in $SYSTEMS; do
   rates_var="RATES_$s"; rates="${!rates_var:-$RATES}"
   echo "=== $s: starting $(date -u +%T)"
@@ -171,7 +177,7 @@ for s in $SYSTEMS; do
   # shellcheck disable=SC2086  # BENCH_FLAGS is a list of flags
   "$YB" bench serve "$TRACE" --endpoint "$URL" --model "$NAME" --block-tokens 64 \
     --max-input 4096 --max-output "$MAX_OUTPUT" --limit "$LIMIT" --sweep-rates "$rates" $BENCH_FLAGS \
-    --slo-ttft 10 --slo-tbt 0.1,0.05,0.15,0.2,0.25,0.3 --timeout-s 900 --no-progress \
+    --slo-ttft 10 --slo-tbt "$SLO_TBT$tbt_more" --timeout-s 900 --no-progress \
     --json --plot "$OUT/$s" --records "$OUT/$s.records.jsonl" > "$OUT/$s.json"
   echo "$s load average after: $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/env.txt"
   stop_server

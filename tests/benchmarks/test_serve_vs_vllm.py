@@ -65,7 +65,8 @@ def test_report_max_rate_ratio_and_breakdown(tmp_path: Path) -> None:
     for name, best in (("yuebing_1p1d", 0.4), ("vllm_cpu", 0.2)):
         rep = {"sweep": [{"rate": 0.2, "summary": _summary(1.0)},
                          {"rate": 0.4, "summary": _summary(0.95 if best == 0.4 else 0.5)}],
-               "max_rate": best}
+               "max_rate": best, **({"config": {"slo_tbt": [0.2, 0.1]}}
+                                    if name == "vllm_cpu" else {})}
         (tmp_path / f"{name}.json").write_text(json.dumps(rep))
     logs = tmp_path / "logs" / "yuebing_1p1d"
     logs.mkdir(parents=True)
@@ -81,6 +82,8 @@ def test_report_max_rate_ratio_and_breakdown(tmp_path: Path) -> None:
     assert out["ratio_max_rate_vs_vllm"] == 2.0
     s = out["systems"]["yuebing_1p1d"]
     assert s["capacity"] == {"100": 0.95, "50": 0.475} and s["capacity_at_rate"] == 0.4
+    assert s["slo_tbt_s"] == 0.1  # the deciding TBT SLO: the first of the run's (SLO_TBT)
+    assert out["systems"]["vllm_cpu"]["slo_tbt_s"] == 0.2
     bd = s["breakdown_ms"]
     assert bd["0.2"]["lines"] == 2 and bd["0.2"]["prefill"]["mean"] == 20.0
     assert bd["0.4"]["prompt"]["mean"] == 350.0  # the 429 line is not a served request
