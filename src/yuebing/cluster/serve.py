@@ -300,7 +300,8 @@ class ServePlan:
                     *(() if self.cfg.instance.startup_profile else ("--no-startup-profile",)),
                     *config_args(self.cfg.instance, skip=[
                         f.name for f in dataclasses.fields(self.cfg.instance)
-                        if f.name not in VLLM_PASSED]),
+                        if f.name not in VLLM_PASSED or (
+                            f.name == "lend_cores" and self.cfg.vllm_lend_cores)]),
                     *(("--lend-cores",) if self.cfg.vllm_lend_cores else ()),
                     *self._etcd(), "--log-dir", str(self.dir), "--ready-file", str(self._ready(name)))
         address = f"tcp://{local_url_host(adv)}:{self.control[name]}"
