@@ -75,9 +75,10 @@ def access_breakdown(conductor_log: Path, completed: list[int],
 
 
 def system_summary(rep: dict[str, Any]) -> dict[str, Any]:
-    """Max rate, capacity at it, and one row per swept rate of one bench report (rows by
-    rising rate whatever order the sweep ran in; ``cut_short`` where a run ended once it
-    missed the target for certain: its attainment is then the bound it could not exceed)."""
+    """Max rate, capacity at it, the TBT SLO that decided, and one row per swept rate of one
+    system's `merged_report` (rows by rising rate whatever order the sweep ran in;
+    ``cut_short`` where a run ended once it missed the target for certain: its attainment is
+    then the bound it could not exceed)."""
     sweep = sorted(rep["sweep"], key=lambda s: s["rate"])
     rows = [{"rate": s["rate"], "attainment": s["summary"]["attainment"],
              "ttft_p50_s": s["summary"]["ttft_s"].get("p50"),
@@ -93,7 +94,7 @@ def system_summary(rep: dict[str, Any]) -> dict[str, Any]:
     at = next((r for r in rows if r["rate"] == best), rows[0] if rows else None)
     return {"max_rate": best, "capacity": at["capacity"] if at else {},
             "capacity_at_rate": at["rate"] if at else None,
-            "slo_tbt_s": rep.get("config", {}).get("slo_tbt", [0.1])[0], "sweep": rows}
+            "slo_tbt_s": rep["slo_tbt_s"], "sweep": rows}
 
 
 def answered_attainment(row: dict[str, Any]) -> float:
@@ -183,7 +184,7 @@ def merged_report(name: str, dirs: list[Path]) -> tuple[dict[str, Any], dict[str
         return None
     passed = [r["rate"] for r in sweep if r["summary"]["attainment"] >= target]
     return {"sweep": sweep, "max_rate": max(passed) if passed else None,
-            "config": {"slo_tbt": [tbt]}}, breakdown
+            "slo_tbt_s": tbt}, breakdown
 
 
 def summarize(out: Path, more: list[Path] | None = None) -> dict[str, Any]:

@@ -133,13 +133,11 @@ def test_vllm_instances_lend_their_cores_only_when_asked(tmp_path, monkeypatch) 
         assert got.cpus == "1" and not got.lend_cores
     # --vllm-lend-cores turns the adapters' lending on (each still named its own CPU first)
     for lend in (True, False):
-        got = adapter(ServeConfig(prefill=1, decode=1, engine="vllm", vllm_lend_cores=True,
-                                  instance=InstanceConfig(lend_cores=lend)))
+        cfg = ServeConfig(prefill=1, decode=1, engine="vllm", vllm_lend_cores=True,
+                          instance=InstanceConfig(lend_cores=lend))
+        got = adapter(cfg)
         assert got.cpus == "1" and got.lend_cores and got.lend_cpus() == (0, 1)
-        name, role = ServeConfig(prefill=1, decode=1).instance_roles[-1]
-        argv = ServePlan(ServeConfig(prefill=1, decode=1, engine="vllm", vllm_lend_cores=True,
-                                     instance=InstanceConfig(lend_cores=lend)),
-                         tmp_path).instance(name, role)[0].argv
+        argv = ServePlan(cfg, tmp_path).instance(*cfg.instance_roles[-1])[0].argv
         assert "--no-lend-cores" not in argv and argv.count("--lend-cores") == 1
     with pytest.raises(ConfigError, match="--vllm-lend-cores is for --engine vllm"):
         ServeConfig(prefill=1, decode=1, vllm_lend_cores=True)

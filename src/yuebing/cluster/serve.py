@@ -61,10 +61,11 @@ MANAGED = {
 }
 """Fields of a role's config that the plan sets itself for each child (not offered to the user;
 the cluster token reaches every child through its environment, never its command line)."""
-VLLM_PASSED = ("engine_nice", "engine_idle", "lend_cores")
+VLLM_PASSED = ("engine_nice", "engine_idle")
 """Instance flags that ``--engine vllm`` gives each ``yuebing vllm instance`` too (besides
-``--dtype``, passed on its own: ``auto`` stays the adapter's default). ``lend_cores`` only as
-``--no-lend-cores`` (the adapter's default): vLLM lending is ``--vllm-lend-cores``."""
+``--dtype``, passed on its own: ``auto`` stays the adapter's default). ``--lend-cores`` is
+accepted with ``--engine vllm`` but lends only yuebing's own instances' cores: vLLM's lending
+is ``--vllm-lend-cores``."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,8 @@ class ServeConfig:
                 "instances' cores)")
         if self.engine == "vllm":
             given = config_args(self.instance, skip=(*MANAGED["instance"], "store_block_tokens",
-                                                     "startup_profile", "dtype", *VLLM_PASSED))
+                                                     "startup_profile", "dtype", "lend_cores",
+                                                     *VLLM_PASSED))
             require(self.store and not given,
                     "--engine vllm runs vLLM instances next to the store on this host, without "
                     "yuebing engine flags (--no-store: not built yet; docs/serving.md "
@@ -300,8 +302,7 @@ class ServePlan:
                     *(() if self.cfg.instance.startup_profile else ("--no-startup-profile",)),
                     *config_args(self.cfg.instance, skip=[
                         f.name for f in dataclasses.fields(self.cfg.instance)
-                        if f.name not in VLLM_PASSED or (
-                            f.name == "lend_cores" and self.cfg.vllm_lend_cores)]),
+                        if f.name not in VLLM_PASSED]),
                     *(("--lend-cores",) if self.cfg.vllm_lend_cores else ()),
                     *self._etcd(), "--log-dir", str(self.dir), "--ready-file", str(self._ready(name)))
         address = f"tcp://{local_url_host(adv)}:{self.control[name]}"
