@@ -104,18 +104,27 @@ def test_the_small_copy_limits_are_measured_once_per_machine_and_kept(tmp_path, 
     assert streamcopy.small_copy() == streamcopy.small_copy(read=True) == streamcopy.SMALL_DEFAULT
 
 
-def test_each_crossover_stops_at_the_first_size_where_streaming_wins():
+def test_the_limits_are_timed_at_every_candidate_and_are_candidates():
     write, read, timings = streamcopy.measure_small_copy(reps=3, arena=8 << 20)
     for limit, times in ((write, timings["write"]), (read, timings["read"])):
-        sizes = [int(k) for k in times]
-        assert sizes == list(streamcopy.SMALL_CANDIDATES[:len(sizes)])
+        assert [int(k) for k in times] == list(streamcopy.SMALL_CANDIDATES)
         assert all(len(t) == 2 and min(t) > 0 for t in times.values())
-        plain, streamed = times[str(sizes[-1])]
-        if streamed <= plain:  # won at the last size timed: the limit is the size below it
-            assert limit == (sizes[-2] if len(sizes) > 1 else sizes[0])
-        else:  # never won: only copies above the largest candidate stream
-            assert len(sizes) == len(streamcopy.SMALL_CANDIDATES)
-            assert limit == streamcopy.SMALL_CANDIDATES[-1]
+        assert limit == streamcopy.least_cost_limit(times)
+
+
+def _times(plain_over_streamed: list[float]) -> dict[str, list[float]]:
+    """Timings where the assignment costs the given multiple of streaming per candidate."""
+    return {str(n): [r * n / 1000, n / 1000]
+            for n, r in zip(streamcopy.SMALL_CANDIDATES, plain_over_streamed, strict=True)}
+
+
+def test_the_limit_is_the_least_cost_cut_not_the_first_crossing():
+    c = streamcopy.SMALL_CANDIDATES
+    # one noisy crossing at the second size must not stop the search: memcpy wins above it
+    assert streamcopy.least_cost_limit(_times([0.8, 1.1, 0.7, 0.8, 0.9, 1.2])) == c[4]
+    assert streamcopy.least_cost_limit(_times([1.5, 1.5, 1.5, 1.5, 1.5, 1.5])) == c[0]
+    assert streamcopy.least_cost_limit(_times([0.5, 0.5, 0.5, 0.5, 0.5, 0.5])) == c[-1]
+    assert streamcopy.least_cost_limit(_times([0.5, 0.9, 1.3, 1.4, 1.6, 1.6])) == c[1]
 
 
 @pytest.mark.parametrize("raw", [[0, 65536, {}], ["65536", 65536, {}], [65536, 65536, []],

@@ -62,7 +62,7 @@ SMALL_DEFAULT = 256 << 10
 """The small-copy limit without streaming stores (``numpy.copyto`` and an assignment are both
 plain memcpy; the assignment's call is cheaper)."""
 SMALL_CANDIDATES = (64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20)
-SMALL_VERSION = 2
+SMALL_VERSION = 4
 """Bump when the measurement changes: every machine measures again."""
 _small: tuple[int, int] | None = None
 
@@ -71,9 +71,9 @@ def small_copy(read: bool = False) -> int:
     """Copies of at most this many bytes are a memoryview assignment (cheapest call; holds the
     GIL), larger ones `copy`. With streaming stores it is this machine's, for writes into a
     segment (cold memory) and for ``read``s out of one into the caller's buffer (warm: reused):
-    the candidate of `SMALL_CANDIDATES` below the first at which `copy` is no slower than the
-    assignment (the first itself if it already is; streaming stores lose on copies a cache absorbs), measured once per machine and kept;
-    `SMALL_DEFAULT` otherwise. Settled at the first call in a process (`TransferEngine`)."""
+    the candidate of `SMALL_CANDIDATES` that makes the measured copies cheapest
+    (`least_cost_limit`), measured once per machine and kept; `SMALL_DEFAULT` otherwise.
+    Settled at the first call in a process (`TransferEngine`)."""
     global _small
     if not _streaming:
         return SMALL_DEFAULT
@@ -98,42 +98,59 @@ def small_choice(raw: Any) -> tuple[int, int, dict[str, dict[str, list[float]]]]
                        for k, v in timings.items()}
 
 
-def measure_small_copy(reps: int = 15, arena: int = 64 << 20
+def measure_small_copy(reps: int = 25, arena: int = 64 << 20
                        ) -> tuple[int, int, dict[str, dict[str, list[float]]]]:
-    """The write and read limits (`_crossover`): writes go from one buffer into the next place
-    of an ``arena`` of touched memory (cold, as a segment's), reads from the next place of it
-    into one reused buffer (warm, as a caller's)."""
+    """The write and read limits: writes go from one buffer into the next place of an
+    ``arena`` of touched memory (cold, as a segment's), reads from the next place of it into
+    one reused buffer (warm, as a caller's). Timings: µs per copy, [assignment, streaming]."""
     big = np.ones(arena, np.uint8)
     one = np.ones(SMALL_CANDIDATES[-1], np.uint8)
-    write, wt = _crossover(big, one, reps, into_arena=True)
-    rd, rt = _crossover(big, one, reps, into_arena=False)
-    return write, rd, {"write": wt, "read": rt}
+    wt = _timings(big, one, reps, into_arena=True)
+    rt = _timings(big, one, reps, into_arena=False)
+    return least_cost_limit(wt), least_cost_limit(rt), {"write": wt, "read": rt}
 
 
-def _crossover(big: np.ndarray, one: np.ndarray, reps: int,
-               into_arena: bool) -> tuple[int, dict[str, list[float]]]:
-    """An assignment and `copy` per candidate size, alternating, ``reps`` each, between the
-    next place of ``big`` and ``one``; the limit is the candidate below the first where
-    `copy`'s median is no slower (the largest candidate if it never is)."""
+def least_cost_limit(timings: dict[str, list[float]]) -> int:
+    """The candidate limit under which the timed copies cost least per byte, summed over every
+    candidate size: assignments up to it, streaming above. A sum over all sizes, not the
+    first size where streaming wins: one noisy crossing (a machine busy at start-up) must not
+    decide it."""
+    sizes = sorted(int(k) for k in timings)
+    per_byte = [(timings[str(n)][0] / n, timings[str(n)][1] / n) for n in sizes]
+
+    def cost(i: int) -> float:
+        return sum(p for p, _ in per_byte[:i + 1]) + sum(s for _, s in per_byte[i + 1:])
+
+    return sizes[min(range(len(sizes)), key=cost)]
+
+
+def _timings(big: np.ndarray, one: np.ndarray, reps: int,
+             into_arena: bool) -> dict[str, list[float]]:
+    """Median µs of an assignment and of `copy` per candidate size between the next place of
+    ``big`` and ``one``: ``reps`` rounds over all sizes, the two taking turns first, so a
+    drift of the machine's speed hits every size and both alike. Each timed copy follows an
+    untimed one of the same kind: a read into ``one`` finds it as its own kind leaves it
+    (streaming stores evict it, an assignment keeps it cached). Timed one after the other, the
+    assignment paid for the eviction: an AMD EPYC (Zen 3) got a 128 KiB read limit where 2 MiB
+    is right, and same-host 1 MiB gets ~10 % slower (`benchmarks/store_read_copy_ab.py`)."""
     bmv, omv = big.data, one.data
-    timings: dict[str, list[float]] = {}
+    took: dict[int, tuple[list[float], list[float]]] = {n: ([], []) for n in SMALL_CANDIDATES}
     at = 0
-    for i, size in enumerate(SMALL_CANDIDATES):
-        took: tuple[list[float], list[float]] = ([], [])
-        for r in range(2 * reps):
-            at = at + size if at + 2 * size <= big.nbytes else 0
-            t0 = time.perf_counter()
-            if r % 2 and into_arena:
-                copy(big[at:at + size], one[:size])
-            elif r % 2:
-                copy(one[:size], big[at:at + size])
-            elif into_arena:
-                bmv[at:at + size] = omv[:size]
-            else:
-                omv[:size] = bmv[at:at + size]
-            took[r % 2].append(time.perf_counter() - t0)
-        plain, streamed = (statistics.median(t) * 1e6 for t in took)
-        timings[str(size)] = [round(plain, 2), round(streamed, 2)]
-        if streamed <= plain:
-            return (SMALL_CANDIDATES[i - 1] if i else size), timings
-    return SMALL_CANDIDATES[-1], timings
+    for r in range(reps):
+        for size in SMALL_CANDIDATES:
+            for streamed in (r % 2 == 0, r % 2 == 1):
+                for timed in (False, True):
+                    at = at + size if at + 2 * size <= big.nbytes else 0
+                    t0 = time.perf_counter()
+                    if streamed and into_arena:
+                        copy(big[at:at + size], one[:size])
+                    elif streamed:
+                        copy(one[:size], big[at:at + size])
+                    elif into_arena:
+                        bmv[at:at + size] = omv[:size]
+                    else:
+                        omv[:size] = bmv[at:at + size]
+                    if timed:
+                        took[size][streamed].append(time.perf_counter() - t0)
+    return {str(n): [round(statistics.median(t) * 1e6, 2) for t in took[n]]
+            for n in SMALL_CANDIDATES}
