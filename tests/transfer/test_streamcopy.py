@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import sysconfig
+import time
 
 import numpy as np
 import pytest
@@ -125,10 +126,31 @@ def test_the_limit_is_the_least_cost_cut_not_the_first_crossing():
     assert streamcopy.least_cost_limit(_times([1.5, 1.5, 1.5, 1.5, 1.5, 1.5])) == c[0]
     assert streamcopy.least_cost_limit(_times([0.5, 0.5, 0.5, 0.5, 0.5, 0.5])) == c[-1]
     assert streamcopy.least_cost_limit(_times([0.5, 0.9, 1.3, 1.4, 1.6, 1.6])) == c[1]
+    # per byte, each size counts alike (in µs the 2 MiB copy alone would move the cut to c[5])
+    assert streamcopy.least_cost_limit(_times([0.1, 0.1, 0.1, 0.1, 1.1, 0.91])) == c[3]
 
 
 @pytest.mark.parametrize("raw", [[0, 65536, {}], ["65536", 65536, {}], [65536, 65536, []],
-                                 [65536, {}], [65536, 1 << 31, {}]])
+                                 [65536, {}], [65536, 1 << 31, {}],
+                                 [65536, 65536, {"write": 1}]])
 def test_a_malformed_kept_limit_is_refused(raw):
     with pytest.raises((TypeError, ValueError)):
         streamcopy.small_choice(raw)
+
+
+def test_the_timings_put_the_assignment_first_and_warm_each_kind_up(monkeypatch):
+    calls = []
+
+    def slow(dst, src):  # type: ignore[no-untyped-def]
+        calls.append(src.nbytes)
+        time.sleep(0.002)
+        np.copyto(dst, src)
+
+    monkeypatch.setattr(streamcopy, "copy", slow)
+    reps = 2
+    write, read, timings = streamcopy.measure_small_copy(reps=reps, arena=8 << 20)
+    n = len(streamcopy.SMALL_CANDIDATES)
+    assert len(calls) == 2 * 2 * reps * n  # writes and reads: an untimed copy before each timed
+    for times in timings.values():
+        assert all(t[1] > t[0] for t in times.values())  # [assignment, streaming]
+    assert write == read == streamcopy.SMALL_CANDIDATES[-1]

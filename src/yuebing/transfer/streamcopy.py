@@ -92,7 +92,7 @@ def small_choice(raw: Any) -> tuple[int, int, dict[str, dict[str, list[float]]]]
     """`measure_small_copy`'s (write limit, read limit, timings) from JSON."""
     write, rd, timings = raw
     if not all(isinstance(x, int) and 0 < x <= 1 << 30 for x in (write, rd)) or \
-            not isinstance(timings, dict):
+            not isinstance(timings, dict) or not all(isinstance(v, dict) for v in timings.values()):
         raise TypeError(f"not a small-copy choice: {raw!r}")
     return write, rd, {str(k): {str(n): [float(x) for x in t] for n, t in v.items()}
                        for k, v in timings.items()}
@@ -132,7 +132,7 @@ def _timings(big: np.ndarray, one: np.ndarray, reps: int,
     untimed one of the same kind: a read into ``one`` finds it as its own kind leaves it
     (streaming stores evict it, an assignment keeps it cached). Timed one after the other, the
     assignment paid for the eviction: an AMD EPYC (Zen 3) got a 128 KiB read limit where 2 MiB
-    is right, and same-host 1 MiB gets ~10 % slower (`benchmarks/store_read_copy_ab.py`)."""
+    is right, and same-host gets 4–8 % slower (`benchmarks/store_read_copy_ab.py`)."""
     bmv, omv = big.data, one.data
     took: dict[int, tuple[list[float], list[float]]] = {n: ([], []) for n in SMALL_CANDIDATES}
     at = 0
