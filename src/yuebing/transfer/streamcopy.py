@@ -133,7 +133,6 @@ def _timings(big: np.ndarray, one: np.ndarray, reps: int,
     (streaming stores evict it, an assignment keeps it cached). Timed one after the other, the
     assignment paid for the eviction: an AMD EPYC (Zen 3) got a 128 KiB read limit where 2 MiB
     is right, and same-host gets 4–8 % slower (`benchmarks/store_read_copy_ab.py`)."""
-    bmv, omv = big.data, one.data
     took: dict[int, tuple[list[float], list[float]]] = {n: ([], []) for n in SMALL_CANDIDATES}
     at = 0
     for r in range(reps):
@@ -141,15 +140,14 @@ def _timings(big: np.ndarray, one: np.ndarray, reps: int,
             for streamed in (r % 2 == 0, r % 2 == 1):
                 for timed in (False, True):
                     at = at + size if at + 2 * size <= big.nbytes else 0
+                    place, mine = big[at:at + size], one[:size]
+                    dst, src = (place, mine) if into_arena else (mine, place)
+                    dmv, smv = dst.data, src.data
                     t0 = time.perf_counter()
-                    if streamed and into_arena:
-                        copy(big[at:at + size], one[:size])
-                    elif streamed:
-                        copy(one[:size], big[at:at + size])
-                    elif into_arena:
-                        bmv[at:at + size] = omv[:size]
+                    if streamed:
+                        copy(dst, src)
                     else:
-                        omv[:size] = bmv[at:at + size]
+                        dmv[:] = smv
                     if timed:
                         took[size][streamed].append(time.perf_counter() - t0)
     return {str(n): [round(statistics.median(t) * 1e6, 2) for t in took[n]]
