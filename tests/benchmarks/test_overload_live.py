@@ -52,6 +52,13 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str], say
     assert not out.exists()  # nothing started, nothing written
 
 
+@pytest.fixture
+def trace(conversation_trace: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The released trace the benchmark replays (the test skips where ../shared has none)."""
+    monkeypatch.setattr(ol, "TRACE", conversation_trace)
+    return conversation_trace
+
+
 def _setup(tmp_path: Path) -> Any:
     return ol.Setup(tmp_path, requests=4, seed=0, max_input=512, max_output=16, ttft_slo_s=2.0,
                     tbt_slo_s=0.1, sample_s=1.0, timeout_s=30.0, port=1)
@@ -174,6 +181,7 @@ def _predictors(tmp_path: Path, prefill_s_per_token: float, decode_step_s: float
     return path
 
 
+@pytest.mark.usefixtures("trace")
 def test_simulated_run_uses_the_bench_requests_and_the_given_predictors(tmp_path: Path) -> None:
     path = _predictors(tmp_path, 1e-4, 0.01)
     setup = _setup(tmp_path)
@@ -185,6 +193,7 @@ def test_simulated_run_uses_the_bench_requests_and_the_given_predictors(tmp_path
     assert out["goodput_rps"] > 0 and out["samples"]
 
 
+@pytest.mark.usefixtures("trace")
 def test_simulated_nodes_share_the_profiled_machines_cores(tmp_path: Path) -> None:
     """The simulated cluster runs on one host of the predictors' 2 cores, one thread each:
     1P1D steps at its profile beside a prefill (and the policy's tail does not slow it), and
@@ -207,6 +216,7 @@ def test_simulated_nodes_share_the_profiled_machines_cores(tmp_path: Path) -> No
     assert factors == {"decode_factor": 3.0, "prefill_factor": 3.0}
 
 
+@pytest.mark.usefixtures("trace")
 def test_simulated_decode_steps_carry_the_given_tail_drawn_from_the_seed(tmp_path: Path) -> None:
     """``step_tail``: a tenth of the simulated decode steps take it times their profiled time
     (`SimConfig.decode_tail`), drawn from the run's seed; off (1) unless given."""
@@ -309,6 +319,7 @@ def test_each_cluster_starts_from_its_own_copy_of_the_warm_up_state(tmp_path: Pa
     assert (warm / "k.json").exists()
 
 
+@pytest.mark.usefixtures("trace")
 def test_the_simulated_forecast_assumes_the_durations_a_warm_up_realizes(tmp_path: Path) -> None:
     """``--sim-durations warm``: the simulated policy forecasts with the decode durations (first
     token to last) of a simulated ``none`` run, as the live Conductor learns them in its
@@ -352,6 +363,7 @@ def _live_result(tmp_path: Path, policies: tuple[str, ...]) -> tuple[Path, Path]
     return src, out
 
 
+@pytest.mark.usefixtures("trace")
 def test_resim_runs_the_simulator_columns_of_a_live_run_again(tmp_path: Path) -> None:
     """``--resim DIR``: each run's simulator column again on the live run's workload, with the
     tail its seed's live ``none`` run learned for the policy and the one its rate search
@@ -496,6 +508,7 @@ def test_each_seed_runs_the_policies_live_in_a_rotated_order(
     assert [r["live"]["order"] for r in runs[3:6]] == [3, 1, 2]
 
 
+@pytest.mark.usefixtures("trace")
 def test_resim_without_a_none_run_takes_the_searchs_tail(tmp_path: Path) -> None:
     """A live run whose ``--policies`` left out ``none`` is simulated again with the tail its
     rate search learned, as the live benchmark did, not a crash."""
