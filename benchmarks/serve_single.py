@@ -12,7 +12,13 @@ Checks issue 13's two targets per request:
 - TBT (the paper's: mean of the longest 10 % of the token intervals) within 15 % of the decode
   instance's step time.
 
+It also prints the Conductor's estimates against what each request took (issue 25: the
+estimated prefill of a 4,000-token prompt within ±25 % of the measured one). ``--defaults``
+starts ``yuebing serve`` with no engine flags at all (what a user gets) and an empty learned
+state (a first start), and prints the predictors' ``/health`` state.
+
     .venv/bin/python benchmarks/serve_single.py [--json] [--dtype float32] [--requests 5]
+    .venv/bin/python benchmarks/serve_single.py --defaults --prompt-tokens 4000 --max-tokens 8
 """
 
 from __future__ import annotations
@@ -77,14 +83,18 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--flags", default="", help="extra flags for `yuebing serve`")
+    ap.add_argument("--defaults", action="store_true",
+                    help="default `yuebing serve` (no --prefill/--decode/--threads/--dtype), "
+                         "learned state in a fresh directory")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     logs = Path(tempfile.mkdtemp(prefix="yb-serve-single-"))
-    cmd = [sys.executable, "-m", "yuebing.cli.main", "serve", "--prefill", "1", "--decode", "1",
-           "--threads", "1", "--dtype", ns.dtype, "--port", str(port), "--log-dir", str(logs),
-           "--restart", "never", *ns.flags.split()]
+    engine = ["--learned-dir", str(logs / "learned")] if ns.defaults else [
+        "--prefill", "1", "--decode", "1", "--threads", "1", "--dtype", ns.dtype]
+    cmd = [sys.executable, "-m", "yuebing.cli.main", "serve", *engine, "--port", str(port),
+           "--log-dir", str(logs), "--restart", "never", *ns.flags.split()]
     proc = subprocess.Popen(cmd, stdout=(logs / "serve.out").open("wb"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     rows: list[dict[str, Any]] = []
@@ -110,7 +120,10 @@ def main() -> int:
             r["ttft_vs_prefill_plus_transfer"] = r["ttft_s"] / (
                 r["prefill_s"] + r["estimate"]["transfer_s"])
             r["tbt_vs_decode_step"] = r["tbt_s"] / dec["decode_step_s"]
+            r["est_vs_prefill"] = r["estimate"]["prefill_s"] / r["prefill_s"]
+            r["est_vs_ttft"] = r["estimate"]["ttft_s"] / r["ttft_s"]
             rows.append(r)
+        predictors = get(url + "/health").get("predictors", {})
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -119,12 +132,14 @@ def main() -> int:
             os.killpg(proc.pid, signal.SIGKILL)
     med = {k: statistics.median(r[k] for r in rows) for k in (
         "ttft_s", "prefill_s", "tbt_s", "decode_step_s", "ttft_vs_prefill_plus_transfer",
-        "tbt_vs_decode_step")}
+        "tbt_vs_decode_step", "est_vs_prefill", "est_vs_ttft")}
     med["est_transfer_s"] = statistics.median(r["estimate"]["transfer_s"] for r in rows)
     result = {"setup": {"dtype": ns.dtype, "requests": ns.requests,
                         "prompt_tokens": ns.prompt_tokens, "max_tokens": ns.max_tokens,
-                        "flags": ns.flags, "loadavg": os.getloadavg()[0]},
-              "median": med, "requests": rows,
+                        "flags": ns.flags, "defaults": ns.defaults,
+                        "loadavg": os.getloadavg()[0]},
+              "median": med, "predictors": {k: predictors.get(k) for k in (
+                  "prefill_scale", "prefill_lent")}, "requests": rows,
               "ttft_within_10pct": all(abs(r["ttft_vs_prefill_plus_transfer"] - 1) <= 0.10
                                        for r in rows),
               "tbt_within_15pct": all(abs(r["tbt_vs_decode_step"] - 1) <= 0.15 for r in rows)}
@@ -136,7 +151,9 @@ def main() -> int:
                   f"est. transfer {r['estimate']['transfer_s'] * 1e3:6.1f} -> ratio "
                   f"{r['ttft_vs_prefill_plus_transfer']:.3f};  tbt {r['tbt_s'] * 1e3:6.1f} ms "
                   f"vs decode step {r['decode_step_s'] * 1e3:6.1f} ms -> "
-                  f"{r['tbt_vs_decode_step']:.3f}")
+                  f"{r['tbt_vs_decode_step']:.3f};  Conductor estimate / measured: prefill "
+                  f"{r['est_vs_prefill']:.2f}, TTFT {r['est_vs_ttft']:.2f}")
+        print(f"predictors: {result['predictors']}")
         print(f"TTFT within 10 %: {result['ttft_within_10pct']}; "
               f"TBT within 15 %: {result['tbt_within_15pct']}")
     return 0

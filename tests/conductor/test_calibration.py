@@ -154,6 +154,60 @@ def test_online_scale_settles_on_the_ratio_without_overshoot() -> None:
     assert max(scales) <= 2.0 + 1e-9 and scales[-1] == pytest.approx(2.0, rel=0.06)
 
 
+def lent_profile(conf: dict[str, str], ratio: float, lent_threads: int = 2) -> EngineProfile:
+    """`profile` with its cached-0 prompts of 512 tokens and more timed at ``ratio`` of their
+    time on ``lent_threads``."""
+    base = profile(conf)
+    lent = [(n, c, ratio * s) for n, c, s in base.prefill if c == 0 and n >= 512]
+    return EngineProfile(configuration=conf, prefill=base.prefill, decode=base.decode,
+                         lent_threads=lent_threads, prefill_lent=lent)
+
+
+def test_lent_points_give_the_prefill_speed_on_borrowed_cores() -> None:
+    cal = Calibration(linear(), "", Seen())
+    assert cal.prefill_factor(2) == 1.0  # nothing measured yet
+    assert cal.admit(hello("p0", Role.PREFILL, CONF, lent_profile(CONF, 0.55))) == ""
+    assert cal.lent == (1, 2, pytest.approx(0.55))
+    assert cal.prefill_factor(0) == cal.prefill_factor(1) == 1.0  # its own threads only
+    assert cal.prefill_factor(2) == pytest.approx(0.55)
+    assert cal.prefill_factor(8) == pytest.approx(0.55)  # never past the threads measured
+    assert cal.state()["prefill_lent"] == {"own_threads": 1, "lent_threads": 2,
+                                           "factor": pytest.approx(0.55)}
+    # between its own and the lent threads: linear in the threads borrowed
+    four = Calibration(linear(), "", Seen())
+    assert four.admit(hello("p0", Role.PREFILL, CONF, lent_profile(CONF, 0.4, 4))) == ""
+    assert four.prefill_factor(2) == pytest.approx(0.8)
+    assert four.prefill_factor(4) == pytest.approx(0.4)
+    # the learned scale's key names the lent speed: another factor is another key
+    assert cal.key() != four.key() and "lent 2 0.55" in cal.key()
+
+
+@pytest.mark.parametrize("prof", [
+    lent_profile(CONF, 1.7),  # slower on more threads: never predicted slower for them
+    lent_profile({**CONF, "threads": "2"}, 0.5),  # no more threads than its own
+    lent_profile({**CONF, "threads": "auto"}, 0.5),  # its own threads unknown
+    EngineProfile(configuration=CONF, prefill=profile(CONF).prefill, lent_threads=2),
+])
+def test_lent_points_that_say_nothing_are_not_used(prof: EngineProfile) -> None:
+    cal = Calibration(linear(), "", Seen())
+    cal.admit(hello("p0", Role.PREFILL, prof.configuration, prof))
+    assert cal.prefill_factor(2) == 1.0 and cal.state()["prefill_lent"] in (
+        None, {"own_threads": 1, "lent_threads": 2, "factor": 1.0})
+
+
+def test_online_scale_learns_against_the_lent_estimate() -> None:
+    """A prefill estimated on lent cores (factor 0.5) that took that long moves nothing; one
+    estimated on its own cores that took as long halves the scale."""
+    seen = Seen()
+    cal = Calibration(linear(prefill_s_per_token=1e-3), "", seen)
+    for _ in range(20):
+        cal.observe(1000, 0, 0.5, factor=0.5)
+    assert cal.scale == 1.0 and seen.changes == []
+    for _ in range(20):
+        cal.observe(1000, 0, 0.5)
+    assert cal.scale == pytest.approx(0.5, rel=0.06)
+
+
 def test_online_scale_off() -> None:
     seen = Seen()
     cal = Calibration(linear(), "", seen, online=False)

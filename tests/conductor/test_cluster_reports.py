@@ -8,17 +8,19 @@ import logging
 from types import SimpleNamespace
 
 from yuebing.conductor.cluster import LiveCluster, Member
+from yuebing.conductor.policy import RequestInfo
 from yuebing.protocol.instance import Hello, LoadReport, Role
 
 
-def _report(seq: int, added: list[int]) -> LoadReport:
+def _report(seq: int, added: list[int], step_threads: int = 0) -> LoadReport:
     return LoadReport(instance_id="p0", incarnation="i", report_seq=seq, time_s=0.0,
                       queued_prefill_tokens=0, queued_requests=0, running=0, waiting=0,
                       context_tokens=0, free_blocks=64, total_blocks=64, reserved_blocks=0,
-                      prefill_tokens_per_s=1000.0, decode_step_s=0.05, cache_added=added)
+                      prefill_tokens_per_s=1000.0, decode_step_s=0.05, cache_added=added,
+                      step_threads=step_threads)
 
 
-def test_a_raising_report_listener_does_not_stop_the_index_update(caplog) -> None:
+def _cluster() -> tuple[LiveCluster, Member]:
     c = LiveCluster(2.0, 1.0, 256, lambda n, k: 0.0, 1e7, 0.0)
     h = Hello(seq=0, instance_id="p0", role=Role.PREFILL, model="m", fingerprint="fp",
               host="h", control_address="tcp://p0:1", kv_segment="s", block_size=16,
@@ -27,6 +29,21 @@ def test_a_raising_report_listener_does_not_stop_the_index_update(caplog) -> Non
     m = Member("tcp://p0:1", SimpleNamespace(), h, alive=False)  # type: ignore[arg-type]
     c.members[m.id] = m
     c.by_address[m.address] = m
+    return c, m
+
+
+def test_a_prefill_instance_reporting_lent_cores_is_viewed_at_their_speed() -> None:
+    c, m = _cluster()
+    c.prefill_factor = lambda threads: {1: 1.0, 2: 0.55}.get(threads, 1.0)
+    info = RequestInfo("r", 0.0, 100, (), 10)
+    for seq, (threads, factor) in enumerate(((2, 0.55), (1, 1.0), (0, 1.0)), 1):
+        c._on_report(m.address, _report(seq, [], step_threads=threads))
+        v = c.view(info, [m], [], 0.0)
+        assert v.prefills[0].time_factor == factor
+
+
+def test_a_raising_report_listener_does_not_stop_the_index_update(caplog) -> None:
+    c, m = _cluster()
     seen: list[tuple[bool, frozenset[int]]] = []
     joins: list[bool] = []
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import pytest
 from policy_factories import PREDICTORS, config, decode, prefill, request, view
@@ -191,3 +192,31 @@ def test_twins_take_short_prompts_only_while_their_group_is_idle():
         InstanceId("g"), (prefill("gs0"), prefill("gs1")), (prefill("t0"), prefill("t1"))),))
     r = pol.decide(request(1000), cached)
     assert isinstance(r, Route) and (r.prefill_id, r.reused_blocks) == ("t0", 6)
+
+
+@pytest.mark.parametrize("selector", ["local_cache_aware", "global_cache_aware"])
+def test_an_instance_on_lent_cores_is_predicted_at_their_speed(selector):
+    """p0's idle host-mates lend it their cores (time factor 0.4): its 1.0 s prefill is
+    predicted at 0.4 s, which beats p1's 0.2 s queue + 1.0 s; the route says which factor
+    its estimate holds, and the estimate charges it."""
+    v = view((replace(prefill("p0", 0.0), time_factor=0.4), prefill("p1", 0.2)))
+    r = route(selector, v)
+    assert (r.prefill_id, r.prefill_factor) == ("p0", 0.4)
+    assert r.est_prefill_s == pytest.approx(0.4, rel=1e-12)
+    # without the lent cores p0 takes its own 1.0 s and still wins, at its own speed
+    plain = route(selector, view((prefill("p0", 0.0), prefill("p1", 0.2))))
+    assert (plain.prefill_id, plain.prefill_factor) == ("p0", 1.0)
+    assert plain.est_prefill_s == pytest.approx(1.0, rel=1e-12)
+    # a queued instance with lent cores beats an idle one without: 0.3 + 0.4 < 1.0
+    v = view((prefill("p0", 0.0), replace(prefill("p1", 0.3), time_factor=0.4)))
+    r = route(selector, v)
+    assert (r.prefill_id, r.est_ttft_s) == ("p1", pytest.approx(0.7, rel=1e-12))
+
+
+def test_a_fetched_prefix_is_prefilled_at_the_instance_speed():
+    # the best prefix (8 blocks) on a store node: 0.08 s fetch + 0.2 s prefill, at 0.5 on p0
+    v = view((replace(prefill("p0", 0.0), time_factor=0.5),),
+             best_prefix=PrefixSource("store7", 8))
+    r = route("global_cache_aware", v)
+    assert (r.fetch_blocks, r.est_prefill_s) == (8, pytest.approx(0.1, rel=1e-12))
+    assert r.est_ttft_s == pytest.approx(0.18, rel=1e-12)

@@ -61,12 +61,15 @@ def test_steps_borrow_unclaimed_cores(tmp_path: Path) -> None:
     me.cores = 4  # as on a 4-core host, whatever this one has
     a, b = Peer(path, 1), Peer(path, 2)
     try:
+        assert me.threads_now() == 4  # what a load report says a step would get now
         assert me.acquire() == 4  # both others idle: every core
         me.release(idle=False)
         assert a.say("step") == "3"  # I claim 1 (busy between steps): a takes the other 3
         assert a.say("end") == "ok"
+        assert me.threads_now() == 3  # a claims 1 (busy)
         me.release(idle=True)
         assert b.say("step") == "3"  # a still claims 1 (busy), I am idle
+        assert me.threads_now() == 1  # a claims 1 and b steps on 3: only my own
         assert b.say("end") == "ok"
         assert me.acquire(borrow=False) == 1
         me.release(idle=False)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 from engine_factories import make_engine, tiny  # noqa: E402
@@ -42,9 +43,9 @@ def test_cached_per_signature_and_role(small_grid: None, tmp_path: Path,
     calls: list[Role] = []
     real = sp.measure
 
-    def counting(e, role, signature):  # type: ignore[no-untyped-def]
+    def counting(e, role, signature, lent=0):  # type: ignore[no-untyped-def]
         calls.append(role)
-        return real(e, role, signature)
+        return real(e, role, signature, lent)
 
     monkeypatch.setattr(sp, "measure", counting)
     first = sp.startup_profile(engine, Role.PREFILL, tmp_path)
@@ -63,6 +64,39 @@ def test_cached_per_signature_and_role(small_grid: None, tmp_path: Path,
     assert sp.startup_profile(engine, Role.PREFILL, tmp_path).configuration == \
         engine.signature()
     assert len(calls) == 4
+
+
+def test_a_lending_prefill_times_its_long_prompts_again_on_the_lent_threads(
+        small_grid: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sp, "LENT_NEW", (64, 200, 999))  # 999 is not on the grid: not timed
+    torch.set_num_threads(1)
+    engine = make_engine(tiny(), num_blocks=256)
+    threads: list[tuple[int, int, int]] = []
+    real = sp.time_prefill
+
+    def noting(e, new, cached, tokens):  # type: ignore[no-untyped-def]
+        threads.append((new, cached, torch.get_num_threads()))
+        return real(e, new, cached, tokens)
+
+    monkeypatch.setattr(sp, "time_prefill", noting)
+    pre = sp.startup_profile(engine, Role.PREFILL, tmp_path, lent_threads=2)
+    assert pre.lent_threads == 2
+    assert [(n, c) for n, c, _ in pre.prefill_lent] == [(64, 0), (200, 0)]
+    assert all(s > 0 for *_, s in pre.prefill_lent)
+    assert threads[-2:] == [(64, 0, 2), (200, 0, 2)]  # timed on the lent threads ...
+    assert {t for *_, t in threads[:-2]} == {1}  # ... the grid on its own
+    assert torch.get_num_threads() == 1  # and its own threads back
+    # cached apart from the profile without lending, which times nothing twice
+    assert sp.cache_key(engine.signature(), Role.PREFILL, 2) != \
+        sp.cache_key(engine.signature(), Role.PREFILL)
+    plain = sp.startup_profile(engine, Role.PREFILL, tmp_path)
+    assert plain.lent_threads == 0 and plain.prefill_lent == []
+    assert sp.startup_profile(engine, Role.PREFILL, tmp_path, lent_threads=2) == pre
+    # a decode never prefills, and lending no more threads than its own is no lending
+    dec = sp.startup_profile(engine, Role.DECODE, tmp_path, lent_threads=2)
+    assert dec.lent_threads == 0 and dec.prefill_lent == []
+    own = sp.startup_profile(engine, Role.PREFILL, tmp_path, lent_threads=1)
+    assert own == plain
 
 
 def test_signature_names_what_changes_step_times() -> None:

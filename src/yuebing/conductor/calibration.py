@@ -2,8 +2,9 @@
 
 `Calibration.admit` (asked by `LiveCluster` per joining `Hello`): with ``--predictors FILE`` an
 instance must run the configuration the file was profiled on; without one, the first start-up
-profile of a role sets that part's predictor and later instances must match it. `observe`
-scales the prefill predictor by finished prefills' time over their estimate. Learned from
+profile of a role sets that part's predictor and later instances must match it, and its lent
+points the prefill's speed on borrowed cores (`prefill_factor`, per instance's load report).
+`observe` scales the prefill predictor by finished prefills' time over their estimate. From
 finished requests, in place of flags: `DecodeDurations` (the forecast's decode durations) and
 `TbtTail` (paper TBT per step predicted for the batch the request decoded in, from the
 `StepLedger` of the decode instances' load reports). Changes reach the policy through
@@ -48,6 +49,8 @@ ALPHA = 0.3
 RESCALE_STEP = 0.05
 """The policy takes a new scale once it moved this much (relative) from the one in force."""
 SCALE_LIMITS = (0.25, 4.0)
+LENT_LIMITS = (0.1, 1.0)
+"""A prefill on borrowed cores is predicted at most this much faster, and never slower."""
 
 
 def _parts(role: Role) -> tuple[str, ...]:
@@ -72,6 +75,21 @@ def fit_profile(profile: EngineProfile, part: str) -> PrefillPredictor | DecodeP
     return DecodePredictor.fit(profile.decode, degree=1)
 
 
+def lent_speed(profile: EngineProfile) -> tuple[int, int, float] | None:
+    """(own threads, lent threads, factor) of ``profile``: a prefill on the lent threads takes
+    ``factor`` of its time on its own, the lent points' total over the same points' own (the
+    long prompts weigh most, as in TTFT), within `LENT_LIMITS`; None without lent points or
+    an own thread count that lending adds to."""
+    own = {(n, c): s for n, c, s in profile.prefill}
+    pairs = [(s, own[n, c]) for n, c, s in profile.prefill_lent if own.get((n, c), 0) > 0]
+    threads = profile.configuration.get("threads", "")
+    if not pairs or not threads.isdigit() or not 0 < int(threads) < profile.lent_threads:
+        return None
+    lo, hi = LENT_LIMITS
+    factor = min(max(sum(s for s, _ in pairs) / sum(o for _, o in pairs), lo), hi)
+    return int(threads), profile.lent_threads, factor
+
+
 def scaled(p: PrefillPredictor, k: float) -> PrefillPredictor:
     poly = p.poly
     return p if k == 1.0 else PrefillPredictor(BivariatePolynomial(
@@ -94,6 +112,9 @@ class Calibration:
         self.scale = 1.0
         """Live prefill seconds per estimated second, as the policy uses it now."""
         self._ewma: float | None = None
+        self.lent: tuple[int, int, float] | None = None
+        """(own threads, lent threads, factor) of the prefill profile in use: a prefill on
+        ``lent`` threads takes ``factor`` of the predicted time (None: not measured)."""
         self.fixed = bool(from_file)
         """Predictors given (a file): profiles never replace them."""
         origin = f"file {from_file}" if from_file else ""
@@ -110,18 +131,32 @@ class Calibration:
     def state(self) -> dict[str, object]:
         """For ``/health``: each part's origin and the configuration it holds for, and the
         online prefill scale."""
+        lent = None if self.lent is None else dict(zip(("own_threads", "lent_threads", "factor"),
+                                                      self.lent, strict=True))
         return {**{part: {"origin": self.origin[part] or "linear defaults",
                           "configuration": dict(self.pinned[part] or {})}
-                   for part in (PREFILL, DECODE)}, "prefill_scale": round(self.scale, 4)}
+                   for part in (PREFILL, DECODE)}, "prefill_scale": round(self.scale, 4),
+                "prefill_lent": lent}
 
-    def observe(self, new_tokens: int, cached_tokens: int, prefill_s: float) -> None:
-        """A finished prefill computed ``new_tokens`` after ``cached_tokens`` in ``prefill_s``:
-        move the scale's EWMA toward ``prefill_s`` over the unscaled prediction, and hand the
-        policy a rescaled predictor when it moved enough. (Against the unscaled prediction: an
-        estimate made under an older scale would feed that scale back into the new one.)"""
-        if not self.online or new_tokens < 1 or not prefill_s > 0:
+    def prefill_factor(self, step_threads: int) -> float:
+        """The prefill time of an instance whose steps would run with ``step_threads`` now,
+        per predicted second: the lent factor at the lent threads, linear in the threads
+        between its own and those; 1 with no more than its own (or nothing measured)."""
+        if self.lent is None or step_threads <= self.lent[0]:
+            return 1.0
+        own, lent, factor = self.lent
+        return 1.0 + (factor - 1.0) * min(1.0, (step_threads - own) / (lent - own))
+
+    def observe(self, new_tokens: int, cached_tokens: int, prefill_s: float,
+                factor: float = 1.0) -> None:
+        """A finished prefill computed ``new_tokens`` after ``cached_tokens`` in ``prefill_s``,
+        estimated with the instance's `prefill_factor` ``factor``: move the scale's EWMA toward
+        ``prefill_s`` over the unscaled prediction, and hand the policy a rescaled predictor
+        when it moved enough. (Against the unscaled prediction: an estimate made under an older
+        scale would feed that scale back into the new one.)"""
+        if not self.online or new_tokens < 1 or not prefill_s > 0 or not factor > 0:
             return
-        base = self.base_prefill.predict(new_tokens, cached_tokens)
+        base = factor * self.base_prefill.predict(new_tokens, cached_tokens)
         if base * self.scale < MIN_OBSERVED_S:
             return
         lo, hi = SCALE_LIMITS  # one stalled prefill must not hold the scale at its limit
@@ -136,9 +171,10 @@ class Calibration:
     def key(self) -> str:
         """The predictors the learned scale is relative to (the unscaled prefill and the
         decode polynomials), for `learned.configuration`."""
-        return "; ".join(f"{part} {p.poly.exponents} {tuple(f'{c:.6g}' for c in p.poly.coefficients)}"
-                         for part, p in ((PREFILL, self.base_prefill),
-                                         (DECODE, self.predictors.decode)))
+        key = "; ".join(f"{part} {p.poly.exponents} {tuple(f'{c:.6g}' for c in p.poly.coefficients)}"
+                        for part, p in ((PREFILL, self.base_prefill),
+                                        (DECODE, self.predictors.decode)))
+        return key if self.lent is None else f"{key}; lent {self.lent[1]} {self.lent[2]:.6g}"
 
     def snapshot(self) -> dict[str, object] | None:
         """The learned prefill scale (`learned.LearnedState`)."""
@@ -210,6 +246,7 @@ class Calibration:
             if isinstance(fit, PrefillPredictor):  # a scale learned on the old fit is void
                 self.base_prefill, self.scale, self._ewma = fit, 1.0, None
                 p = replace(p, prefill=fit)
+                self.lent = lent_speed(profile)
             else:
                 p = replace(p, decode=fit)
         source = "; ".join(f"{part}: {self.origin[part] or 'linear defaults'}"

@@ -95,6 +95,9 @@ class LiveCluster:
         self.rpc_timeout_s = rpc_timeout_s
         self.store_block_tokens = store_block_tokens
         self.prefill_time = prefill_time
+        self.prefill_factor: Callable[[int], float] = lambda step_threads: 1.0
+        """An instance's prefill time per predicted second when its steps would run with
+        ``step_threads`` (its load report's; `Calibration.prefill_factor`)."""
         self.link_bandwidth_Bps = link_bandwidth_Bps
         self.link_latency_s = link_latency_s
         self.conductor_id = conductor_id
@@ -414,7 +417,8 @@ class LiveCluster:
         if started:
             own = sum(est for est, _ in started) - (now_s - min(t for _, t in started))
         return PrefillLoad(m.id, max(reported, own, 0.0) + sum(w.prefill_s for w in waiting),
-                           max(r.queued_requests, len(m.prefilling)), waiting=waiting)
+                           max(r.queued_requests, len(m.prefilling)), waiting=waiting,
+                           time_factor=self.prefill_factor(r.step_threads))
 
     def pool_loads(self, decode_time: Callable[[int, int], float], ttft_slo_s: float,
                    tbt_slo_s: float, now_s: float) -> dict[str, float]:

@@ -282,7 +282,7 @@ class Dispatcher:
         stats.pipelined = bool(route.stages)
         stats.est_ttft_s, stats.est_transfer_s = route.est_ttft_s, route.est_transfer_s
         stats.est_queue_s, stats.est_prefill_s = route.est_queue_s, route.est_prefill_s
-        stats.prefill_busy = route.prefill_busy
+        stats.prefill_busy, stats.prefill_factor = route.prefill_busy, route.prefill_factor
         c.routed(info, route, time.monotonic())
         m.routed_requests.labels(pre, "coupled" if coupled else "prefill").inc()
         if not coupled:

@@ -248,7 +248,7 @@ class _Routes:
                 self.c.metrics.finished(s)
             if status == 200 and s.breakdown.prefill_s > 0 and not s.pipelined:
                 self.c.calibration.observe(s.prompt_tokens - s.cached_tokens, s.cached_tokens,
-                                           s.breakdown.prefill_s)
+                                           s.breakdown.prefill_s, s.prefill_factor)
             if status == 200 and s.completion_tokens > 1:
                 self.c.durations.observe(s.e2e_s - s.ttft_s)
                 if s.prefill_busy and len(s.token_times) > 2:  # the tail applies to such

@@ -98,6 +98,7 @@ class Conductor:
         self.dispatcher = Dispatcher(self.cluster, self.policy, self.metrics,
                                      cfg.request_timeout_s, cfg.reserve_wait_s)
         self.cluster.admit_checks.append(self.calibration.admit)
+        self.cluster.prefill_factor = self.calibration.prefill_factor
         self.cluster.on_members.append(self._members_changed)
         self.cluster.on_reports.append(self._on_report)
         self.cluster.on_dead.append(lambda m: self.steps.forget(m.id))

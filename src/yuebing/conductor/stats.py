@@ -56,6 +56,8 @@ class RequestStats:
     est_prefill_s: float = 0.0
     prefill_busy: bool = False
     """Routed while a prefill instance had work (`Route.prefill_busy`)."""
+    prefill_factor: float = 1.0
+    """The prefill instance's time factor in ``est_prefill_s`` (`Route.prefill_factor`)."""
 
     def merge(self, b: Breakdown | None) -> None:
         """Fold an instance's breakdown in (each part is filled by the instance that did it)."""

@@ -42,6 +42,8 @@ class PrefillLoad:
     waiting: tuple[QueuedPrefill, ...] = ()
     """The part of ``queue_s`` not started yet, in queueing order (the queue order may put a
     new request before some of it)."""
+    time_factor: float = 1.0
+    """Its prefill time now per predicted second (`PrefillState.time_factor`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +71,7 @@ def build_view(now_s: float, prefills: Sequence[PrefillLoad], lookup: PrefixLook
         raise InputError(f"prefix lookup has {len(lookup.local_blocks)} local lengths for "
                          f"{len(prefills)} prefill instances")
     states = tuple(PrefillState(p.instance_id, max(0.0, p.queue_s), p.queued_requests, n, p.node,
-                                p.waiting)
+                                p.waiting, p.time_factor)
                    for p, n in zip(prefills, lookup.local_blocks, strict=True))
     src = (PrefixSource(lookup.holder, lookup.best_blocks)
            if lookup.best_blocks > 0 and lookup.holder is not None else None)
@@ -78,7 +80,7 @@ def build_view(now_s: float, prefills: Sequence[PrefillLoad], lookup: PrefixLook
 
     def state(p: PrefillLoad, n: int) -> PrefillState:
         return PrefillState(p.instance_id, max(0.0, p.queue_s), p.queued_requests, n, p.node,
-                            p.waiting)
+                            p.waiting, p.time_factor)
 
     pgroups = tuple(PrefillGroup(gid, tuple(state(p, n) for p, n in stages),
                                  tuple(state(t, 0) for t in (twins[g] if twins else ())))

@@ -31,10 +31,11 @@ import torch
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
 from yuebing.engine.sequence import RequestOutput
+from yuebing.instance import profile_cache
 from yuebing.instance.config import InstanceConfig
 from yuebing.instance.connector import KVConnector, KVConnectorConfig
 from yuebing.instance.control import ControlServer, Refused  # roles import Refused here
-from yuebing.instance.cores import CoreLedger
+from yuebing.instance.cores import CoreLedger, host_cores
 from yuebing.instance.driver import EngineDriver
 from yuebing.instance.reports import LocalCache, report_loop
 from yuebing.instance.startup_profile import startup_profile
@@ -203,29 +204,31 @@ class Instance:
         self.transfer = TransferEngine(tcfg)
         self.exposes_pool = role.exposes_pool
         storage = self._pool_storage if self.exposes_pool else None
-        self.engine = engine or LLMEngine(cfg.engine, kv_storage=storage)
-        self.store = self._open_store(role.uses_store)
-        self.saver = self._open_store(role.uses_store) if cfg.save_to_store else None
-        """The store client of saves (their thread's own: `StoreClient` is single-threaded)."""
-        staging = None
-        if self.store is not None or self.kind != Role.DECODE:
-            seg = self.transfer.register_segment("staging", size=cfg.staging_bytes)
-            staging = torch.frombuffer(seg.view, dtype=torch.uint8)
-        self.connector = KVConnector(self.engine, self.store, KVConnectorConfig(
-            cfg.store_block_tokens, cfg.staging_bytes, load_timeout_s=cfg.store_load_timeout_s),
-            staging, saver=self.saver)
-        if cfg.warmup:
-            self.engine.warmup()
-        self.profile = startup_profile(self.engine, self.kind) \
+        with profile_cache.starting():  # no sibling's start-up profile times this load
+            self.engine = engine or LLMEngine(cfg.engine, kv_storage=storage)
+            self.store = self._open_store(role.uses_store)
+            self.saver = self._open_store(role.uses_store) if cfg.save_to_store else None
+            """The store client of saves (their thread's own: `StoreClient` is single-threaded)."""
+            staging = None
+            if self.store is not None or self.kind != Role.DECODE:
+                seg = self.transfer.register_segment("staging", size=cfg.staging_bytes)
+                staging = torch.frombuffer(seg.view, dtype=torch.uint8)
+            self.connector = KVConnector(self.engine, self.store, KVConnectorConfig(
+                cfg.store_block_tokens, cfg.staging_bytes,
+                load_timeout_s=cfg.store_load_timeout_s), staging, saver=self.saver)
+            if cfg.warmup:
+                self.engine.warmup()
+        # a step's bits depend on its thread count: a batch-invariant engine keeps its own
+        threads = cfg.engine.threads
+        lends = cfg.lend_cores and not cfg.engine.batch_invariant and \
+            self.engine.device.type == "cpu"
+        self.profile = startup_profile(self.engine, self.kind,
+                                       lent_threads=host_cores() if lends else 0) \
             if cfg.startup_profile and not self.engine.staged else None
         """The engine's start-up profile, sent to the Conductors in `Hello` (their predictors;
         a pipeline stage has none: the Conductor predicts a group from the whole model's)."""
         name = cfg.instance_id or f"{cfg.role}-{os.getpid()}"  # the id is set once bound
         trace = Path(cfg.step_trace_dir) / f"{name}.steps.jsonl" if cfg.step_trace_dir else None
-        # a step's bits depend on its thread count: a batch-invariant engine keeps its own
-        threads = cfg.engine.threads
-        lends = cfg.lend_cores and not cfg.engine.batch_invariant and \
-            self.engine.device.type == "cpu"
         # a decode or coupled step is a token interval: prefill steps keep out of its claim
         ledger = CoreLedger(threads, critical=self.kind != Role.PREFILL) if lends else None
         self.driver = EngineDriver(self.engine, self._outputs_from_driver, threads,

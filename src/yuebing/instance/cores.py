@@ -37,6 +37,11 @@ WAIT_MAX_S = 2.0
 """The longest a step waits (a stuck peer must not stall it): then it runs anyway."""
 
 
+def host_cores() -> int:
+    """The cores the host's instances share: the calling thread's affinity."""
+    return len(os.sched_getaffinity(0))
+
+
 def ledger_path() -> Path:
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
     return base / f"yuebing-cores-v{LAYOUT}-{os.getuid()}"
@@ -92,8 +97,8 @@ class CoreLedger:
                  critical: bool = False) -> None:
         self.threads = threads
         self.critical = critical
-        self.cores = cores or len(os.sched_getaffinity(0))
-        """The host's cores the steps share (default: the calling thread's affinity)."""
+        self.cores = cores or host_cores()
+        """The host's cores the steps share (default: `host_cores`)."""
         self.path = path or ledger_path()
         self._start = _started(os.getpid())
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -178,6 +183,10 @@ class CoreLedger:
         except BaseException:
             self._write(self.threads, 0)  # no longer waiting
             raise
+
+    def threads_now(self) -> int:
+        """The threads a step begun now would run with (for load reports; no wait)."""
+        return self._threads(self.others(), True)
 
     def _threads(self, others: Others, borrow: bool) -> int:
         return max(self.threads, self.cores - others.taken) if borrow else self.threads

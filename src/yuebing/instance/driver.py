@@ -126,6 +126,10 @@ class EngineDriver:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
 
+    def step_threads(self) -> int:
+        """The threads a step begun now would run with (0: no ledger, it never borrows)."""
+        return self.ledger.threads_now() if self.ledger is not None else 0
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()

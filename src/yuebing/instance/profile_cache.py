@@ -35,26 +35,28 @@ def profile_dir() -> Path:
     return env.cache_home() / "yuebing" / "profiles"
 
 
-def cache_key(signature: dict[str, str], role: Role, grid: int) -> str:
+def cache_key(signature: dict[str, str], role: Role, grid: int, lent_threads: int = 0) -> str:
     """The file name (without ``.json``) of ``signature``'s profile for ``role`` on grid
-    version ``grid`` (a new grid makes old cached profiles stale)."""
+    version ``grid`` (a new grid makes old cached profiles stale), with prefills also timed
+    at ``lent_threads`` (0: not)."""
+    lent = {"lent_threads": lent_threads} if lent_threads else {}
     what = json.dumps({"grid": grid, "prefill": role != Role.DECODE,
-                       "decode": role != Role.PREFILL, **signature}, sort_keys=True)
+                       "decode": role != Role.PREFILL, **lent, **signature}, sort_keys=True)
     return hashlib.blake2b(what.encode(), digest_size=10).hexdigest()
 
 
 def cached_profile(signature: dict[str, str], role: Role, grid: int,
-                   measure: Callable[[], EngineProfile], cache: Path | None = None
-                   ) -> EngineProfile:
-    """The profile cached for ``signature`` and ``role`` under ``cache`` (default
-    `profile_dir`), or ``measure()``'s, then cached."""
+                   measure: Callable[[], EngineProfile], cache: Path | None = None,
+                   lent_threads: int = 0) -> EngineProfile:
+    """The profile cached for ``signature``, ``role`` and ``lent_threads`` under ``cache``
+    (default `profile_dir`), or ``measure()``'s, then cached."""
     try:
         root = cache or profile_dir()
     except RuntimeError as e:  # no home directory to find the cache in
         log.warning("start-up profile: no cache directory (%s); measuring without it", e)
         return measure()
     try:
-        path = root / f"{cache_key(signature, role, grid)}.json"
+        path = root / f"{cache_key(signature, role, grid, lent_threads)}.json"
         cached = _read(path, signature)
         if cached is not None:
             log.info("start-up profile: cached %s", path)

@@ -104,7 +104,8 @@ def measure(inst: ReportHost, engine: LLMEngine, resync: bool) -> LoadReport:
         waiting=len(sched.waiting), context_tokens=sum(s.num_tokens for s in sched.running),
         free_blocks=alloc.num_free, total_blocks=alloc.num_blocks, reserved_blocks=0,
         prefill_tokens_per_s=stats.prefill_tokens_per_s, decode_step_s=stats.decode_step_s,
-        preemptions=sched.num_preemptions, cache_added=added, cache_removed=removed,
+        preemptions=sched.num_preemptions, step_threads=inst.driver.step_threads(),
+        cache_added=added, cache_removed=removed,
         cache_full_resync=resync)
 
 

@@ -2,9 +2,11 @@
 
 `Instance` calls `startup_profile` once when it starts (``--startup-profile``, on by default):
 roles that prefill time a grid of prompts, roles that decode a grid of batches, on the engine
-they will serve with. The result is cached per engine signature (`LLMEngine.signature`: the
-configuration and the machine) by `profile_cache`, so only the first start of a configuration
-on a machine pays (seconds).
+they will serve with. A prefill that borrows idle cores (``--lend-cores``) also times the long
+prompts with the threads it then runs with (``lent_threads``): the Conductor predicts a prefill
+at that speed while the host's other instances are idle. The result is cached per engine
+signature (`LLMEngine.signature`: the configuration and the machine) and lent threads by
+`profile_cache`, so only the first start of a configuration on a machine pays (seconds).
 """
 
 from __future__ import annotations
@@ -12,33 +14,44 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import torch
+
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.profile import _Tokens, time_decode, time_prefill
 from yuebing.instance import profile_cache
 from yuebing.protocol.instance import EngineProfile, Role
 
-GRID_VERSION = 1
+GRID_VERSION = 2
 """Part of the cache key: a new grid makes old cached profiles stale."""
 PREFILL_NEW = (128, 512, 1536, 4096)
 PREFILL_CACHED = (0, 1024)
+LENT_NEW = (512, 1536, 4096)
+"""Prompts (no cached prefix) timed again at the lent threads: the long ones, whose TTFT the
+speed decides (a short prompt's fixed costs do not scale with threads)."""
 DECODE_BATCHES = (1, 8, 32)
 DECODE_CONTEXTS = (512, 4096)
 
 
-def cache_key(signature: dict[str, str], role: Role) -> str:
-    return profile_cache.cache_key(signature, role, GRID_VERSION)
+def cache_key(signature: dict[str, str], role: Role, lent_threads: int = 0) -> str:
+    return profile_cache.cache_key(signature, role, GRID_VERSION, lent_threads)
 
 
-def startup_profile(engine: LLMEngine, role: Role, cache: Path | None = None) -> EngineProfile:
+def startup_profile(engine: LLMEngine, role: Role, cache: Path | None = None,
+                    lent_threads: int = 0) -> EngineProfile:
     """The cached profile of this engine's signature for ``role``, or a fresh one (cached; an
-    unusable cache directory — read-only, no home — is logged and the profile measured anyway)."""
+    unusable cache directory — read-only, no home — is logged and the profile measured anyway).
+    ``lent_threads``: the threads a prefill step runs with on borrowed cores (0: none)."""
     signature = engine.signature()
+    lent = lent_threads if role != Role.DECODE and lent_threads > torch.get_num_threads() else 0
     return profile_cache.cached_profile(signature, role, GRID_VERSION,
-                                        lambda: measure(engine, role, signature), cache)
+                                        lambda: measure(engine, role, signature, lent), cache,
+                                        lent)
 
 
-def measure(engine: LLMEngine, role: Role, signature: dict[str, str]) -> EngineProfile:
-    """Time this role's grid on ``engine`` (points past its context or batch limits skipped)."""
+def measure(engine: LLMEngine, role: Role, signature: dict[str, str],
+            lent_threads: int = 0) -> EngineProfile:
+    """Time this role's grid on ``engine`` (points past its context or batch limits skipped);
+    with ``lent_threads``, the `LENT_NEW` prompts again with that many threads."""
     tokens = _Tokens(engine.model_config.vocab_size, seed=random.randrange(1 << 31))
     # fresh prompts on every call: another role's grid on the same engine must not hit them
     bs, limit = engine.block_size, engine.max_model_len
@@ -57,4 +70,14 @@ def measure(engine: LLMEngine, role: Role, signature: dict[str, str]) -> EngineP
                         and context // batch + 16 < limit:
                     decode.append((batch, context,
                                    time_decode(engine, batch, context, tokens).wall))
-    return EngineProfile(configuration=signature, prefill=prefill, decode=decode)
+    lent: list[tuple[int, int, float]] = []
+    if lent_threads and prefill:
+        own = torch.get_num_threads()
+        torch.set_num_threads(lent_threads)
+        try:
+            lent = [(new, 0, time_prefill(engine, new, 0, tokens).wall)
+                    for new in LENT_NEW if (new, 0) in {(n, c) for n, c, _ in prefill}]
+        finally:
+            torch.set_num_threads(own)
+    return EngineProfile(configuration=signature, prefill=prefill, decode=decode,
+                         lent_threads=lent_threads if lent else 0, prefill_lent=lent)

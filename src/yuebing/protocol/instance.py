@@ -160,6 +160,12 @@ class EngineProfile(Message, tag="inst.engine_profile"):
     """(new tokens, cached tokens, seconds to the first token)."""
     decode: list[tuple[int, int, float]] = []
     """(batch size, context tokens in all, seconds per step)."""
+    lent_threads: int = 0
+    """With ``--lend-cores``: the threads a prefill step runs with while the host's other
+    instances are idle (0: it never borrows); ``prefill_lent`` was timed with them."""
+    prefill_lent: list[tuple[int, int, float]] = []
+    """(new tokens, cached tokens, seconds) at ``lent_threads``: points of ``prefill``
+    timed again, which give the Conductor the prefill's speed on borrowed cores."""
 
 
 # --------------------------------------------------------------- Conductor -> instance
@@ -371,6 +377,9 @@ class LoadReport(Message, tag="inst.load"):
     decode_step_s: float
     preemptions: int = 0
     """Requests preempted (KV short mid-decode) and recomputed since start."""
+    step_threads: int = 0
+    """The threads a step begun now would run with: its own plus the host's idle cores
+    (``--lend-cores``; 0: it never borrows)."""
     cache_added: list[int] = []
     """Store-block keys now in this instance's local prefix cache."""
     cache_removed: list[int] = []

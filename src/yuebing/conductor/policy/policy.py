@@ -95,6 +95,12 @@ class Policy:
                              route.est_prefill_s + route.est_transfer_s,
                              request.arrival_s + self.config.ttft_slo_s)
 
+    def instance_prefill_time(self, view: ClusterView, index: int, new_tokens: int,
+                              cached_tokens: int) -> float:
+        """Seconds of a prefill on ``view.prefills[index]``: the predictor's, times the
+        instance's `PrefillState.time_factor` (cores lent to it)."""
+        return self.prefill_time(new_tokens, cached_tokens) * view.prefills[index].time_factor
+
     def prefill_estimate(self, view: ClusterView, index: int, new_tokens: int,
                          cached_tokens: int) -> tuple[float, float]:
         """(queue seconds, prefill seconds) of a prefill on ``view.prefills[index]``.
@@ -106,7 +112,7 @@ class Policy:
         whole group is free. The wait on the chosen instance follows the queue order
         (`queue_wait`); on the others it is their whole queue.
         """
-        single = self.prefill_time(new_tokens, cached_tokens)
+        single = self.instance_prefill_time(view, index, new_tokens, cached_tokens)
         cfg = self.config
         if new_tokens <= self.cpp_threshold or view.groups:  # declared groups: `group_estimate`
             return self.queue_wait(view, index, single), single
@@ -203,6 +209,7 @@ class Policy:
             est_tbt_s=dplan.tbt_s,
             est_step_s=dplan.step_s,
             prefill_busy=self.prefill_busy(view),
+            prefill_factor=1.0 if group else view.prefills[plan.index].time_factor,
             stages=tuple(st.instance_id for st in group.stages) if group else (),
         )
 

@@ -58,15 +58,14 @@ def select_load_balance(pol: Policy, req: RequestInfo, view: ClusterView) -> Pre
 @PREFILL_SELECTORS.register("local_cache_aware")
 def select_local_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) -> PrefillPlan:
     """``local_cache_aware``: minimum estimated TTFT using each instance's own prefix."""
-    n, bt, predict = req.input_tokens, pol.config.block_tokens, pol.prefill_time
-    cpp = pol.cpp_threshold
+    n, bt, cpp = req.input_tokens, pol.config.block_tokens, pol.cpp_threshold
     best, best_ttft = 0, float("inf")
     for i, p in enumerate(view.prefills):
         cached = min(p.local_prefix_blocks * bt, n - 1)
         if n - cached > cpp:
             ttft = sum(pol.prefill_estimate(view, i, n - cached, cached))
         else:
-            t = predict(n - cached, cached)
+            t = pol.instance_prefill_time(view, i, n - cached, cached)
             ttft = pol.queue_wait(view, i, t) + t
         if ttft < best_ttft:
             best, best_ttft = i, ttft
@@ -80,10 +79,10 @@ def select_global_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) 
     transfer; keep the local prefix when the fetch would not win; the minimum TTFT wins."""
     src = view.best_prefix
     best_blocks = src.blocks if src is not None else 0
-    n, bt, predict = req.input_tokens, pol.config.block_tokens, pol.prefill_time
+    n, bt = req.input_tokens, pol.config.block_tokens
     threshold, cpp = pol.config.kvcache_balancing_threshold, pol.cpp_threshold
     best_tokens = min(best_blocks * bt, n - 1)
-    remote_prefill_s = predict(n - best_tokens, best_tokens)
+    remote_prefill_s = pol.prefill_time(n - best_tokens, best_tokens)
     best: tuple[float, int, int] = (float("inf"), 0, 0)  # (ttft, index, fetch_blocks)
     for i, p in enumerate(view.prefills):
         local = p.local_prefix_blocks
@@ -91,7 +90,7 @@ def select_global_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) 
         if n - cached > cpp:
             ttft = sum(pol.prefill_estimate(view, i, n - cached, cached))
         else:
-            t = predict(n - cached, cached)
+            t = pol.instance_prefill_time(view, i, n - cached, cached)
             ttft = pol.queue_wait(view, i, t) + t
         fetch = 0
         if best_blocks > local and (local == 0 or best_blocks / local > threshold) \
@@ -102,8 +101,8 @@ def select_global_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) 
                 ttft_fetch = transfer_s + sum(pol.prefill_estimate(view, i, n - best_tokens,
                                                                    best_tokens))
             else:
-                ttft_fetch = (transfer_s + pol.queue_wait(view, i, remote_prefill_s)
-                              + remote_prefill_s)
+                fetched_s = remote_prefill_s * p.time_factor
+                ttft_fetch = transfer_s + pol.queue_wait(view, i, fetched_s) + fetched_s
             if ttft_fetch + pol.config.min_transfer_gain_s < ttft:
                 ttft, fetch = ttft_fetch, best_blocks - local
         if ttft < best[0]:

@@ -55,6 +55,9 @@ class PrefillState:
     waiting: tuple[QueuedPrefill, ...] = ()
     """The requests of ``queue_s`` not started yet, in queueing order: the queue order
     (`yuebing.conductor.policy.queue`) may serve a new request before some of them."""
+    time_factor: float = 1.0
+    """A prefill here takes this share of the predictor's time now (< 1 while it would run
+    on cores its idle host-mates lend it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +178,8 @@ class Route:
     """Predicted mean decode step on joining (before the tail)."""
     prefill_busy: bool = False
     """A prefill instance had work when it was routed: its TBT was predicted with the tail."""
+    prefill_factor: float = 1.0
+    """The prefill instance's `PrefillState.time_factor` in ``est_prefill_s`` (1 for a group)."""
     stages: tuple[InstanceId, ...] = ()
     """A route to a pipeline group (``prefill_id`` is its ``group_id``): its stages in layer
     order; empty for a single prefill instance."""
