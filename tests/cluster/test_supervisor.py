@@ -89,6 +89,39 @@ def test_role_not_ready_in_time(tmp_path: Path) -> None:
     assert not alive(s.pids()["slow"])
 
 
+def test_ready_deadlines_wait_while_a_startup_profile_measures(tmp_path: Path) -> None:
+    """A first start on a slow CPU profiles for minutes: while the profile lock is held
+    exclusively, the ready deadline does not run (then it does)."""
+    import threading
+
+    from yuebing.instance import profile_cache
+
+    cache = tmp_path / "profiles"
+    held, release = threading.Event(), threading.Event()
+
+    def profiling() -> None:
+        with profile_cache._cache_lock(cache):
+            held.set()
+            release.wait(10)
+
+    s = Supervisor(SupervisorConfig(log_dir=str(tmp_path / "logs"), ready_timeout_s=0.5),
+                   paused=lambda: profile_cache.measuring(cache))
+    t = threading.Thread(target=profiling)
+    t.start()
+    try:
+        assert held.wait(5)
+        threading.Timer(1.5, release.set).start()  # the profile ends after 1.5 s: the role's
+        # 1.2 s start, three times its 0.5 s deadline, fits in the time paused
+        info = s.start_stage([role(tmp_path, "prefill-0", "serve", "--delay", "1.2")])
+        assert info["prefill-0"]["pid"]
+        t.join()
+        with pytest.raises(RoleFailed, match="not ready within 0.5s"):  # no profile: it runs
+            s.start_stage([role(tmp_path, "slow", "never")])
+    finally:
+        release.set()
+        s.stop()
+
+
 def test_http_readiness(tmp_path: Path, sup: Supervisor) -> None:
     import socket
 

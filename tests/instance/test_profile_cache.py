@@ -68,3 +68,12 @@ def test_starting_without_a_usable_directory_does_not_block(tmp_path: Path) -> N
     blocker.write_text("")
     with profile_cache.starting(blocker / "profiles"):  # under a file: cannot be made
         pass
+
+
+def test_measuring_says_whether_a_profile_holds_the_lock(tmp_path: Path) -> None:
+    assert not profile_cache.measuring(tmp_path / "none")  # no directory: nothing measures
+    with profile_cache._cache_lock(tmp_path):
+        assert profile_cache.measuring(tmp_path)
+    assert not profile_cache.measuring(tmp_path)
+    with profile_cache.starting(tmp_path):  # a server loading holds it shared: not a profile
+        assert not profile_cache.measuring(tmp_path)

@@ -43,9 +43,9 @@ def test_cached_per_signature_and_role(small_grid: None, tmp_path: Path,
     calls: list[Role] = []
     real = sp.measure
 
-    def counting(e, role, signature, lent=0):  # type: ignore[no-untyped-def]
+    def counting(e, role, signature, lent=0, fill=0):  # type: ignore[no-untyped-def]
         calls.append(role)
-        return real(e, role, signature, lent)
+        return real(e, role, signature, lent, fill)
 
     monkeypatch.setattr(sp, "measure", counting)
     first = sp.startup_profile(engine, Role.PREFILL, tmp_path)
@@ -74,9 +74,9 @@ def test_a_lending_prefill_times_its_long_prompts_again_on_the_lent_threads(
     threads: list[tuple[int, int, int]] = []
     real = sp.time_prefill
 
-    def noting(e, new, cached, tokens):  # type: ignore[no-untyped-def]
+    def noting(e, new, cached, tokens, fill=0):  # type: ignore[no-untyped-def]
         threads.append((new, cached, torch.get_num_threads()))
-        return real(e, new, cached, tokens)
+        return real(e, new, cached, tokens, fill)
 
     monkeypatch.setattr(sp, "time_prefill", noting)
     pre = sp.startup_profile(engine, Role.PREFILL, tmp_path, lent_threads=2)
@@ -97,6 +97,36 @@ def test_a_lending_prefill_times_its_long_prompts_again_on_the_lent_threads(
     assert dec.lent_threads == 0 and dec.prefill_lent == []
     own = sp.startup_profile(engine, Role.PREFILL, tmp_path, lent_threads=1)
     assert own == plain
+
+
+def test_the_untimed_fills_run_on_the_fill_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cached prefix and a decode batch's prompts are prefilled with ``fill_threads``; the
+    timed prefill and decode steps with the engine's own threads."""
+    from yuebing.engine import profile as prof
+    torch.set_num_threads(1)
+    engine = make_engine(tiny(), num_blocks=256)
+    seen: list[tuple[str, int]] = []
+    generate, step = engine.generate, engine.step
+
+    def gen(*a, **k):  # type: ignore[no-untyped-def]
+        seen.append(("fill", torch.get_num_threads()))
+        return generate(*a, **k)
+
+    def stepping():  # type: ignore[no-untyped-def]
+        seen.append(("step", torch.get_num_threads()))
+        return step()
+
+    monkeypatch.setattr(engine, "generate", gen)
+    monkeypatch.setattr(engine, "step", stepping)
+    tokens = prof._Tokens(engine.model_config.vocab_size)
+    prof.time_prefill(engine, 32, 64, tokens, fill_threads=2)
+    fill = 1 + seen.count(("step", 2))  # the fill's own steps, then the timed prefill's
+    assert seen[0] == ("fill", 2) and set(seen[1:fill]) == {("step", 2)}
+    assert set(seen[fill:]) == {("step", 1)}
+    seen.clear()
+    prof.time_decode(engine, 2, 64, tokens, steps=4, fill_threads=2)
+    assert seen[-4:] == [("step", 1)] * 4 and ("step", 2) in seen[:-4]
+    assert torch.get_num_threads() == 1
 
 
 def test_signature_names_what_changes_step_times() -> None:

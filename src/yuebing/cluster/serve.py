@@ -46,6 +46,7 @@ from yuebing.core.config import config_args, format_size, require
 from yuebing.core.cpus import format_cpus, split_cpus, usable_cpus
 from yuebing.core.errors import ConfigError
 from yuebing.engine.config import parse_group_layers
+from yuebing.instance import profile_cache
 from yuebing.instance.config import InstanceConfig
 from yuebing.ops.ports import free_port
 
@@ -405,7 +406,7 @@ def run_serve(cfg: ServeConfig, out: TextIO = sys.stdout) -> int:
     if cfg.cpp_group:  # refuse bad layer ranges before anything starts
         cfg.stage_flags(load_model_info(cfg.conductor.model).config.num_layers)
     adopt_cluster_token(cfg.cluster_token)  # every child inherits it; readiness pings use it
-    sup = Supervisor(cfg.supervisor)
+    sup = Supervisor(cfg.supervisor, paused=profile_cache.measuring)
     sup.install_signal_handlers()
     plan = ServePlan(cfg, sup.log_dir)
     print(f"yuebing serve: starting; logs in {sup.log_dir}", file=out, flush=True)

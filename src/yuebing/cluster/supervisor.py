@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +52,8 @@ class _Role:
     proc: RoleProcess | None = None
     info: Info = field(default_factory=dict)
     ready_at: float | None = None
+    paused_mark: float = 0.0
+    """The supervisor's paused seconds when this process was spawned."""
     restart_at: float | None = None
     deaths: deque[float] = field(default_factory=deque)
 
@@ -59,8 +61,14 @@ class _Role:
 class Supervisor:
     """Runs the roles of one host; see the module docstring for the life cycle."""
 
-    def __init__(self, cfg: SupervisorConfig) -> None:
+    def __init__(self, cfg: SupervisorConfig, paused: Callable[[], bool] | None = None) -> None:
         self.cfg = cfg
+        self.paused = paused
+        """While it says True (a start-up profile measures on this host), starting roles'
+        ready deadlines wait: a first start on a slow CPU profiles for minutes."""
+        self._paused_s = 0.0
+        self._tick_at = time.monotonic()
+        self._was_paused = False
         if cfg.log_dir:
             self.log_dir = Path(cfg.log_dir)
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -107,28 +115,50 @@ class Supervisor:
             role = self._roles[spec.name] = _Role(spec, ready, stage)
             self._spawn(role)
             new.append(role)
-        deadline = time.monotonic() + self.cfg.ready_timeout_s
         while any(r.ready_at is None for r in new):
             if self._stop.is_set():
                 raise Interrupted("stopped while starting")
+            self._tick()
             for r in new:
                 if r.ready_at is None:
-                    self._check_starting(r, deadline)
+                    self._check_starting(r)
             time.sleep(POLL_S)
         return {r.spec.name: r.info for r in new}
+
+    def _tick(self) -> None:
+        """Count the time since the last tick (at most a second: ticks stop while every role
+        serves) as paused while `paused` says a start-up profile measures."""
+        now = time.monotonic()
+        paused = self.paused is not None and self.paused()
+        if paused:
+            self._paused_s += min(1.0, now - self._tick_at)
+            if not self._was_paused:
+                log.info("a start-up profile measures on this host: the roles' ready "
+                         "deadlines wait for it")
+        self._was_paused = paused
+        self._tick_at = now
+
+    def _deadline(self, role: _Role) -> float:
+        """When ``role`` must be ready: ``ready_timeout_s`` after its start, plus the time
+        paused since."""
+        assert role.proc is not None
+        return role.proc.started_at + self.cfg.ready_timeout_s + \
+            self._paused_s - role.paused_mark
 
     def _spawn(self, role: _Role) -> None:
         role.ready.reset()
         role.info = {}
         role.ready_at = None
+        role.paused_mark = self._paused_s
         try:
             role.proc = RoleProcess(role.spec, self.log_path(role.spec.name))
         except OSError as e:  # no such program, no permission, log dir unwritable
             raise RoleFailed(role.spec.name, f"could not be started ({e})",
                              self.log_path(role.spec.name), "") from e
 
-    def _check_starting(self, role: _Role, deadline: float) -> None:
-        """Poll one starting role: ready -> record; exited or late -> `RoleFailed`."""
+    def _check_starting(self, role: _Role) -> None:
+        """Poll one starting role: ready -> record; exited or late (`_deadline`) ->
+        `RoleFailed`."""
         assert role.proc is not None
         code = role.proc.poll()
         if code is not None:
@@ -139,7 +169,7 @@ class Supervisor:
             role.ready_at = time.monotonic()
             log.info("%s ready (pid %d, %.1fs)", role.spec.name, role.proc.pid,
                      role.ready_at - role.proc.started_at)
-        elif time.monotonic() > deadline:
+        elif time.monotonic() > self._deadline(role):
             raise self._failure(role, f"was not ready within {self.cfg.ready_timeout_s:g}s")
 
     def _failure(self, role: _Role, reason: str) -> RoleFailed:
@@ -169,6 +199,8 @@ class Supervisor:
     def check(self) -> str:
         """One pass over the roles: report deaths, schedule and perform restarts, follow
         restarted roles' readiness. Returns why the cluster must stop ('' = fine)."""
+        if any(r.ready_at is None and r.restart_at is None for r in self._roles.values()):
+            self._tick()
         for role in list(self._roles.values()):
             reason = self._check_running(role)
             if reason:
@@ -208,7 +240,7 @@ class Supervisor:
     def _follow_restarted(self, role: _Role, proc: RoleProcess, now: float) -> str:
         """Poll the readiness of a restarted role; one not ready in time counts as a death."""
         try:
-            self._check_starting(role, proc.started_at + self.cfg.ready_timeout_s)
+            self._check_starting(role)
         except RoleFailed as e:
             log.error("%s", e)
             proc.kill_group()

@@ -11,10 +11,11 @@ neighbour engine runs the other. Results are `ProfileSamples`, saved as JSON (fo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 import msgspec
@@ -125,14 +126,30 @@ def _since(start: tuple[float, float]) -> Timing:
     return Timing(time.perf_counter() - start[0], time.process_time() - start[1])
 
 
-def time_prefill(engine: LLMEngine, new: int, cached: int, tokens: _Tokens) -> Timing:
-    """Time to first token for ``new`` tokens on top of ``cached`` cached ones."""
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` torch threads (0: as they are), then restore them."""
+    own = torch.get_num_threads()
+    if n and n != own:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != own:
+            torch.set_num_threads(own)
+
+
+def time_prefill(engine: LLMEngine, new: int, cached: int, tokens: _Tokens,
+                 fill_threads: int = 0) -> Timing:
+    """Time to first token for ``new`` tokens on top of ``cached`` cached ones (the untimed
+    prefill of the cached ones with ``fill_threads``, 0 = the engine's own)."""
     bs = engine.block_size
     if cached % bs:
         raise InputError(f"cached tokens ({cached}) must be a multiple of the block size {bs}")
     prompt = tokens(cached + new)
     if cached:
-        engine.generate([prompt[:cached + 1]], _ONE)  # publishes the cached full blocks
+        with threads(fill_threads):
+            engine.generate([prompt[:cached + 1]], _ONE)  # publishes the cached full blocks
     t0 = _clocks()
     rid = engine.add_request(prompt, _ONE)
     hit = _until_first_token(engine, rid)
@@ -206,13 +223,15 @@ def interleaved_decode(engines: dict[str, LLMEngine], batch: int, prompt_len: in
 
 
 def time_decode(engine: LLMEngine, batch: int, context: int, tokens: _Tokens,
-                steps: int = 8) -> Timing:
-    """Median time of a decode step with ``batch`` sequences, ``context`` tokens in all."""
+                steps: int = 8, fill_threads: int = 0) -> Timing:
+    """Median time of a decode step with ``batch`` sequences, ``context`` tokens in all (the
+    untimed prefill of their prompts with ``fill_threads``, 0 = the engine's own)."""
     if batch > engine.config.max_num_seqs:
         raise InputError(f"decode batch {batch} exceeds max_num_seqs "
                          f"({engine.config.max_num_seqs}); raise --max-num-seqs")
     per_seq = max(1, context // batch - steps // 2)
-    rids = start_decoding(engine, batch, per_seq, steps + 1, tokens)
+    with threads(fill_threads):
+        rids = start_decoding(engine, batch, per_seq, steps + 1, tokens)
     times = []
     for _ in range(steps):
         t0 = _clocks()

@@ -223,7 +223,8 @@ class Instance:
         lends = cfg.lend_cores and not cfg.engine.batch_invariant and \
             self.engine.device.type == "cpu"
         self.profile = startup_profile(self.engine, self.kind,
-                                       lent_threads=host_cores() if lends else 0) \
+                                       lent_threads=host_cores() if lends else 0,
+                                       fill_threads=host_cores()) \
             if cfg.startup_profile and not self.engine.staged else None
         """The engine's start-up profile, sent to the Conductors in `Hello` (their predictors;
         a pipeline stage has none: the Conductor predicts a group from the whole model's)."""

@@ -106,6 +106,22 @@ def starting(cache: Path | None = None) -> Iterator[None]:
         yield
 
 
+def measuring(cache: Path | None = None) -> bool:
+    """Whether a start-up profile measures now (the lock is held exclusively): the
+    supervisor's ready deadlines wait meanwhile. No cache directory: False."""
+    try:
+        f = open((cache or profile_dir()) / ".lock", "rb")  # noqa: SIM115 - closed below
+    except (RuntimeError, OSError):
+        return False
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
 @contextlib.contextmanager
 def _cache_lock(root: Path, shared: bool = False) -> Iterator[None]:
     root.mkdir(parents=True, exist_ok=True)

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from yuebing.engine.engine import LLMEngine
-from yuebing.engine.profile import _Tokens, time_decode, time_prefill
+from yuebing.engine.profile import _Tokens, threads, time_decode, time_prefill
 from yuebing.instance import profile_cache
 from yuebing.protocol.instance import EngineProfile, Role
 
-GRID_VERSION = 2
+GRID_VERSION = 1
 """Part of the cache key: a new grid makes old cached profiles stale."""
 PREFILL_NEW = (128, 512, 1536, 4096)
 PREFILL_CACHED = (0, 1024)
@@ -37,21 +37,25 @@ def cache_key(signature: dict[str, str], role: Role, lent_threads: int = 0) -> s
 
 
 def startup_profile(engine: LLMEngine, role: Role, cache: Path | None = None,
-                    lent_threads: int = 0) -> EngineProfile:
+                    lent_threads: int = 0, fill_threads: int = 0) -> EngineProfile:
     """The cached profile of this engine's signature for ``role``, or a fresh one (cached; an
     unusable cache directory — read-only, no home — is logged and the profile measured anyway).
-    ``lent_threads``: the threads a prefill step runs with on borrowed cores (0: none)."""
+    ``lent_threads``: the threads a prefill step runs with on borrowed cores (0: none);
+    ``fill_threads``: the threads of the untimed prefills that set a point up (0: own)."""
     signature = engine.signature()
     lent = lent_threads if role != Role.DECODE and lent_threads > torch.get_num_threads() else 0
-    return profile_cache.cached_profile(signature, role, GRID_VERSION,
-                                        lambda: measure(engine, role, signature, lent), cache,
-                                        lent)
+    return profile_cache.cached_profile(
+        signature, role, GRID_VERSION,
+        lambda: measure(engine, role, signature, lent, fill_threads), cache, lent)
 
 
 def measure(engine: LLMEngine, role: Role, signature: dict[str, str],
-            lent_threads: int = 0) -> EngineProfile:
+            lent_threads: int = 0, fill_threads: int = 0) -> EngineProfile:
     """Time this role's grid on ``engine`` (points past its context or batch limits skipped);
-    with ``lent_threads``, the `LENT_NEW` prompts again with that many threads."""
+    with ``lent_threads``, the `LENT_NEW` prompts again with that many threads. The untimed
+    prefills that set a point up (a cached prefix, a decode batch's prompts) run with
+    ``fill_threads``: the profile holds the host (`profile_cache`), and on a slow CPU they are
+    most of its time."""
     tokens = _Tokens(engine.model_config.vocab_size, seed=random.randrange(1 << 31))
     # fresh prompts on every call: another role's grid on the same engine must not hit them
     bs, limit = engine.block_size, engine.max_model_len
@@ -61,23 +65,20 @@ def measure(engine: LLMEngine, role: Role, signature: dict[str, str],
         for cached in PREFILL_CACHED:
             for new in PREFILL_NEW:
                 if cached % bs == 0 and cached + new + 1 < limit:
-                    prefill.append((new, cached, time_prefill(engine, new, cached, tokens).wall))
+                    t = time_prefill(engine, new, cached, tokens, fill_threads)
+                    prefill.append((new, cached, t.wall))
     decode: list[tuple[int, int, float]] = []
     if role != Role.PREFILL:
         for batch in DECODE_BATCHES:
             for context in DECODE_CONTEXTS:
                 if batch <= min(context, engine.config.max_num_seqs) \
                         and context // batch + 16 < limit:
-                    decode.append((batch, context,
-                                   time_decode(engine, batch, context, tokens).wall))
+                    decode.append((batch, context, time_decode(
+                        engine, batch, context, tokens, fill_threads=fill_threads).wall))
     lent: list[tuple[int, int, float]] = []
     if lent_threads and prefill:
-        own = torch.get_num_threads()
-        torch.set_num_threads(lent_threads)
-        try:
+        with threads(lent_threads):
             lent = [(new, 0, time_prefill(engine, new, 0, tokens).wall)
                     for new in LENT_NEW if (new, 0) in {(n, c) for n, c, _ in prefill}]
-        finally:
-            torch.set_num_threads(own)
     return EngineProfile(configuration=signature, prefill=prefill, decode=decode,
                          lent_threads=lent_threads if lent else 0, prefill_lent=lent)
