@@ -135,10 +135,22 @@ def test_online_scale_follows_live_prefills_and_survives_a_new_profile() -> None
     assert cal.state()["prefill_scale"] == 1.0
     for _ in range(50):  # absurd ratios are clamped
         cal.observe(4000, 0, 1e6)
-    assert cal.scale == pytest.approx(4.0)
+    assert cal.scale == pytest.approx(4.0, rel=0.05)  # within the policy's rescale step
     for _ in range(6):  # and one outlier does not hold the scale: it comes back within a few
         cal.observe(4000, 0, base / 4)
     assert cal.scale < 1.5
+
+
+def test_online_scale_weighs_prefills_by_their_seconds() -> None:
+    """A first short prompt (fixed costs above the fit) barely moves the scale, where it once
+    set it; a long one moves it most of the way."""
+    cal = Calibration(linear(prefill_s_per_token=1e-3), "", Seen())
+    cal.observe(64, 0, 0.064 * 1.5)  # 1.5x its 64 ms estimate
+    assert cal.snapshot() == {"scale": pytest.approx((1.4 + 0.096) / (1.4 + 0.064))}
+    assert cal.scale == 1.0  # within the rescale step
+    cal.observe(4000, 0, 4.0 * 0.6)  # a 4 s prefill took 0.6x
+    assert cal.scale == pytest.approx((0.7 * 1.496 + 2.4) / (0.7 * 1.464 + 4.0))
+    assert cal.scale < 0.7
 
 
 def test_online_scale_settles_on_the_ratio_without_overshoot() -> None:

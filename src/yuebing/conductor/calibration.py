@@ -45,7 +45,10 @@ PREFILL, DECODE = "prefill", "decode"
 MIN_OBSERVED_S = 0.05
 """Prefills estimated shorter than this do not move the scale (fixed costs dominate them)."""
 ALPHA = 0.3
-"""Weight of the newest prefill in the scale's EWMA."""
+"""Decay of the scale's sums per finished prefill: the newest counts most."""
+PRIOR_S = 2.0
+"""The profile's own evidence in the scale: this many seconds of prefill at ratio 1 (a first
+short prompt, its fixed costs above the fit, moves the scale little; a long one, much)."""
 RESCALE_STEP = 0.05
 """The policy takes a new scale once it moved this much (relative) from the one in force."""
 SCALE_LIMITS = (0.25, 4.0)
@@ -111,7 +114,9 @@ class Calibration:
         """The prefill predictor before the online scale."""
         self.scale = 1.0
         """Live prefill seconds per estimated second, as the policy uses it now."""
-        self._ewma: float | None = None
+        self._sums: tuple[float, float] | None = None
+        """Decayed sums of finished prefills' seconds and of their unscaled estimates, the
+        prior included (None: nothing learned; the scale is their ratio)."""
         self.lent: tuple[int, int, float] | None = None
         """(own threads, lent threads, factor) of the prefill profile in use: a prefill on
         ``lent`` threads takes ``factor`` of the predicted time (None: not measured)."""
@@ -150,19 +155,22 @@ class Calibration:
     def observe(self, new_tokens: int, cached_tokens: int, prefill_s: float,
                 factor: float = 1.0) -> None:
         """A finished prefill computed ``new_tokens`` after ``cached_tokens`` in ``prefill_s``,
-        estimated with the instance's `prefill_factor` ``factor``: move the scale's EWMA toward
-        ``prefill_s`` over the unscaled prediction, and hand the policy a rescaled predictor
-        when it moved enough. (Against the unscaled prediction: an estimate made under an older
-        scale would feed that scale back into the new one.)"""
+        estimated with the instance's `prefill_factor` ``factor``: the scale becomes the ratio
+        of the decayed sums of measured and unscaled estimated seconds (`PRIOR_S` of the
+        profile's at ratio 1 to start), and the policy gets a rescaled predictor when it moved
+        enough. Weighted by seconds, a long prefill's ratio counts more than a short one's.
+        (Against the unscaled prediction: an estimate made under an older scale would feed
+        that scale back into the new one.)"""
         if not self.online or new_tokens < 1 or not prefill_s > 0 or not factor > 0:
             return
         base = factor * self.base_prefill.predict(new_tokens, cached_tokens)
         if base * self.scale < MIN_OBSERVED_S:
             return
         lo, hi = SCALE_LIMITS  # one stalled prefill must not hold the scale at its limit
-        target = min(max(prefill_s / base, lo), hi)
-        self._ewma = target if self._ewma is None else (1 - ALPHA) * self._ewma + ALPHA * target
-        k = self._ewma
+        measured = base * min(max(prefill_s / base, lo), hi)
+        num, den = self._sums or (PRIOR_S, PRIOR_S)
+        self._sums = num, den = (1 - ALPHA) * num + measured, (1 - ALPHA) * den + base
+        k = num / den
         if abs(k / self.scale - 1) <= RESCALE_STEP:
             return
         log.info("prefill predictor scaled by %.3f (live prefills against their estimates)", k)
@@ -178,7 +186,8 @@ class Calibration:
 
     def snapshot(self) -> dict[str, object] | None:
         """The learned prefill scale (`learned.LearnedState`)."""
-        return {"scale": self._ewma} if self.online and self._ewma is not None else None
+        return {"scale": self._sums[0] / self._sums[1]} \
+            if self.online and self._sums is not None else None
 
     def restore(self, kept: Mapping[str, object]) -> str:
         """Take a kept scale (within `SCALE_LIMITS`; ValueError, changing nothing, if not)."""
@@ -188,12 +197,12 @@ class Calibration:
             raise ValueError(f"prefill scale {k!r} is not a number in [{lo}, {hi}]")
         if not self.online:
             return "(not used: --no-predictor-online)"
-        self._ewma = float(k)
+        self._sums = (float(k) * PRIOR_S, PRIOR_S)  # the kept scale as the prior
         self._rescale(float(k))
         return f"{k:.3f}"
 
     def reset(self) -> None:
-        self._ewma = None
+        self._sums = None
         if self.scale != 1.0:
             self._rescale(1.0)
 
@@ -244,7 +253,7 @@ class Calibration:
             self.pinned[part] = dict(profile.configuration)
             self.origin[part] = f"start-up profile of {hello.instance_id}"
             if isinstance(fit, PrefillPredictor):  # a scale learned on the old fit is void
-                self.base_prefill, self.scale, self._ewma = fit, 1.0, None
+                self.base_prefill, self.scale, self._sums = fit, 1.0, None
                 p = replace(p, prefill=fit)
                 self.lent = lent_speed(profile)
             else:

@@ -52,6 +52,10 @@ def seat_of(hello: Hello) -> tuple[str, str] | None:
     return hello.group, f"{a}:{b}"
 
 
+ALL_CORES = 1 << 16
+"""`_step_threads` of a prefill whose host-mates are all idle: whatever the host has."""
+
+
 @dataclass
 class Member:
     """One instance as the Conductor knows it."""
@@ -418,7 +422,25 @@ class LiveCluster:
             own = sum(est for est, _ in started) - (now_s - min(t for _, t in started))
         return PrefillLoad(m.id, max(reported, own, 0.0) + sum(w.prefill_s for w in waiting),
                            max(r.queued_requests, len(m.prefilling)), waiting=waiting,
-                           time_factor=self.prefill_factor(r.step_threads))
+                           time_factor=self.prefill_factor(self._step_threads(m)))
+
+    def _step_threads(self, m: Member) -> int:
+        """The threads a prefill on ``m`` would run with: its report's, or every core when
+        each other instance of its host is idle by its own latest report and this
+        Conductor's accounting (a report period can lag a decode that just went idle, and
+        the next request often arrives within it)."""
+        r = m.report
+        assert r is not None
+        if not r.step_threads:  # it never borrows
+            return 0
+        mates = [o for o in self.members.values()
+                 if o is not m and o.alive and o.hello.host == m.hello.host]
+        routed = {p.decode_id for p in self.pending.values()}
+        if mates and all(o.report is not None and not (o.report.running or o.report.waiting
+                                                        or o.report.queued_requests)
+                         and not o.prefilling and o.id not in routed for o in mates):
+            return ALL_CORES
+        return r.step_threads
 
     def pool_loads(self, decode_time: Callable[[int, int], float], ttft_slo_s: float,
                    tbt_slo_s: float, now_s: float) -> dict[str, float]:

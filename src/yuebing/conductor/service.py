@@ -251,6 +251,7 @@ class Conductor:
                             "queued_prefill_tokens": m.report.queued_prefill_tokens,
                             "prefill_tokens_per_s": m.report.prefill_tokens_per_s,
                             "decode_step_s": m.report.decode_step_s,
+                            "step_threads": m.report.step_threads,
                             "cached_blocks": len(c.index.keys_of(m.id))}
                 for m in [*(m for r in Role for m in c.alive(r)), *c.stages()]
                 if m.report is not None}
