@@ -50,7 +50,11 @@ def test_a_prefill_whose_host_mates_are_idle_is_viewed_on_every_core() -> None:
     c._on_report(p.address, _report(1, [], step_threads=1))  # its report: d0 was busy
     c._on_report(d.address, _report(1, [], running=1, name="d0"))
     assert c.view(info, [p], [], 0.0).prefills[0].time_factor == 1.0
-    c._on_report(d.address, _report(2, [], running=0, name="d0"))  # d0 went idle
+    c.decode_done(d.id)  # its request ended, before its report says so
+    assert c.view(info, [p], [], 0.0).prefills[0].time_factor == 0.5
+    c._on_report(d.address, _report(2, [], running=1, name="d0"))  # then another came
+    assert c.view(info, [p], [], 0.0).prefills[0].time_factor == 1.0
+    c._on_report(d.address, _report(3, [], running=0, name="d0"))  # d0 went idle
     assert c.view(info, [p], [], 0.0).prefills[0].time_factor == 0.5
     c.pending["r0"] = PendingDecode(1.0, 10, d.id)  # a request routed to d0 is on its way
     assert c.view(info, [p], [], 0.0).prefills[0].time_factor == 1.0

@@ -71,6 +71,9 @@ class Member:
     once out of the gate, admitted at)."""
     gate: PrefillGate = field(default_factory=lambda: PrefillGate(0))
     """This Conductor's queue for the instance (prefill role; see `yuebing.conductor.gate`)."""
+    ended: int = 0
+    """This Conductor's requests that ended here since its latest report (`decode_done`):
+    not running any more, whatever that report says."""
 
     @property
     def id(self) -> InstanceId:
@@ -238,6 +241,7 @@ class LiveCluster:
             self.spawn(self._resubscribe(m))
         joined = m.report is None or not m.alive
         m.report = r
+        m.ended = 0
         m.seen_s = time.monotonic()
         if not m.alive:
             log.info("instance %s is back", m.id)
@@ -427,8 +431,8 @@ class LiveCluster:
     def _step_threads(self, m: Member) -> int:
         """The threads a prefill on ``m`` would run with: its report's, or every core when
         each other instance of its host is idle by its own latest report and this
-        Conductor's accounting (a report period can lag a decode that just went idle, and
-        the next request often arrives within it)."""
+        Conductor's accounting: its requests that ended there since (a report can lag a
+        decode that just went idle, and a client's next request often comes before it)."""
         r = m.report
         assert r is not None
         if not r.step_threads:  # it never borrows
@@ -436,8 +440,8 @@ class LiveCluster:
         mates = [o for o in self.members.values()
                  if o is not m and o.alive and o.hello.host == m.hello.host]
         routed = {p.decode_id for p in self.pending.values()}
-        if mates and all(o.report is not None and not (o.report.running or o.report.waiting
-                                                        or o.report.queued_requests)
+        if mates and all(o.report is not None and o.report.running <= o.ended
+                         and not (o.report.waiting or o.report.queued_requests)
                          and not o.prefilling and o.id not in routed for o in mates):
             return ALL_CORES
         return r.step_threads
@@ -485,6 +489,12 @@ class LiveCluster:
             p.prefilling.pop(request_id, None)
             p.gate.release(request_id)
         self.pending.pop(request_id, None)
+
+    def decode_done(self, decode_id: InstanceId) -> None:
+        """A request of this Conductor's ended on ``decode_id`` (its stream is over)."""
+        d = self.members.get(decode_id)
+        if d is not None:
+            d.ended += 1
 
     async def close(self) -> None:
         self._wanted.clear()
