@@ -210,6 +210,7 @@ def report(out: Path, rows: list[dict[str, object]]) -> None:
 
 
 def main() -> int:
+    global RATE, REQUESTS  # the workload's, for every run below
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
     ap.add_argument("--systems", default="yuebing,yuebing_coupled,vllm_cpu,vllm_cpu_bf16")
@@ -221,7 +222,6 @@ def main() -> int:
                     help="Poisson req/s (the issue's 1; lower for a slower machine)")
     ap.add_argument("--requests", type=int, default=REQUESTS)
     ns = ap.parse_args()
-    global RATE, REQUESTS
     RATE, REQUESTS = ns.rate, ns.requests
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
