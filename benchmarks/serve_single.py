@@ -134,7 +134,7 @@ def main() -> int:
         "ttft_s", "prefill_s", "tbt_s", "decode_step_s", "ttft_vs_prefill_plus_transfer",
         "tbt_vs_decode_step", "est_vs_prefill", "est_vs_ttft")}
     med["est_transfer_s"] = statistics.median(r["estimate"]["transfer_s"] for r in rows)
-    result = {"setup": {"dtype": ns.dtype, "requests": ns.requests,
+    result = {"setup": {"dtype": "(default)" if ns.defaults else ns.dtype, "requests": ns.requests,
                         "prompt_tokens": ns.prompt_tokens, "max_tokens": ns.max_tokens,
                         "flags": ns.flags, "defaults": ns.defaults,
                         "loadavg": os.getloadavg()[0]},

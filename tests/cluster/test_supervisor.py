@@ -110,8 +110,8 @@ def test_ready_deadlines_wait_while_a_startup_profile_measures(tmp_path: Path) -
     t.start()
     try:
         assert held.wait(5)
-        threading.Timer(1.5, release.set).start()  # the profile ends after 1.5 s: the role's
-        # 1.2 s start, three times its 0.5 s deadline, fits in the time paused
+        threading.Timer(3.0, release.set).start()  # the profile ends after 3 s: the role's
+        # 1.2 s start, over twice its 0.5 s deadline, fits in the time paused
         info = s.start_stage([role(tmp_path, "prefill-0", "serve", "--delay", "1.2")])
         assert info["prefill-0"]["pid"]
         t.join()

@@ -8,7 +8,7 @@ import logging
 from types import SimpleNamespace
 
 from yuebing.conductor.cluster import LiveCluster, Member
-from yuebing.conductor.policy import PendingDecode, RequestInfo
+from yuebing.conductor.policy import RequestInfo, Route
 from yuebing.protocol.instance import Hello, LoadReport, Role
 
 
@@ -38,39 +38,46 @@ def _cluster() -> tuple[LiveCluster, Member]:
     return c, _member(c)
 
 
+def _route(rid: str, pre: Member, dec: Member) -> tuple[RequestInfo, Route]:
+    return RequestInfo(rid, 0.0, 100, (), 10), Route(
+        prefill_id=pre.id, decode_id=dec.id, reused_blocks=0, fetch_from=None, fetch_blocks=0,
+        est_transfer_s=0.0, est_queue_s=0.0, est_prefill_s=1.0, est_ttft_s=1.0, est_tbt_s=0.1)
+
+
 def test_a_prefill_whose_host_mates_are_idle_is_viewed_on_every_core() -> None:
-    """Its own report may lag a decode that just went idle: the decode's report and this
-    Conductor's accounting say it is, so the prefill borrows every core."""
+    """Its own report may lag its host-mates: this Conductor's own work on a mate keeps it
+    to its own cores, and a mate idle by its report net of this Conductor's requests that
+    ended there since lends it every core."""
     c, p = _cluster()
     d = _member(c, "d0", Role.DECODE)
     far = _member(c, "d1", Role.DECODE, host="elsewhere")
     c.prefill_factor = lambda threads: 0.5 if threads >= 2 else 1.0
-    info = RequestInfo("r", 0.0, 100, (), 10)
+
+    def factor() -> float:
+        return c.view(RequestInfo("r", 0.0, 100, (), 10), [p], [], 0.0).prefills[0].time_factor
+
     c._on_report(far.address, _report(1, [], running=3, name="d1"))  # another host: no say
     c._on_report(p.address, _report(1, [], step_threads=1))  # its report: d0 was busy
-    c._on_report(d.address, _report(1, [], running=1, name="d0"))
-    assert c.view(info, [p], [], 0.0).prefills[0].time_factor == 1.0
-    c.decode_done(d.id)  # its request ended, before its report says so
-    assert c.view(info, [p], [], 0.0).prefills[0].time_factor == 0.5
-    c._on_report(d.address, _report(2, [], running=1, name="d0"))  # then another came
-    assert c.view(info, [p], [], 0.0).prefills[0].time_factor == 1.0
-    c._on_report(d.address, _report(3, [], running=0, name="d0"))  # d0 went idle
-    assert c.view(info, [p], [], 0.0).prefills[0].time_factor == 0.5
-    c.pending["r0"] = PendingDecode(1.0, 10, d.id)  # a request routed to d0 is on its way
-    assert c.view(info, [p], [], 0.0).prefills[0].time_factor == 1.0
-    del c.pending["r0"]
-    c._on_report(p.address, _report(2, [], step_threads=0))  # one that never borrows
-    assert c.view(info, [p], [], 0.0).prefills[0].time_factor == 1.0
-
-
-def test_a_prefill_instance_reporting_lent_cores_is_viewed_at_their_speed() -> None:
-    c, m = _cluster()
-    c.prefill_factor = lambda threads: {1: 1.0, 2: 0.55}.get(threads, 1.0)
-    info = RequestInfo("r", 0.0, 100, (), 10)
-    for seq, (threads, factor) in enumerate(((2, 0.55), (1, 1.0), (0, 1.0)), 1):
-        c._on_report(m.address, _report(seq, [], step_threads=threads))
-        v = c.view(info, [m], [], 0.0)
-        assert v.prefills[0].time_factor == factor
+    c._on_report(d.address, _report(1, [], running=0, name="d0"))
+    assert factor() == 0.5  # d0 idle by its own, newer report
+    c._on_report(p.address, _report(2, [], step_threads=2))
+    c.routed(*_route("r1", p, d), 0.0)  # r1 will prefill here, then decode on d0 ...
+    assert factor() == 1.0  # ... so the next prefill runs beside it, whatever p0 reported
+    c.prefill_done("r1", p.id)  # r1's first token: decoding on d0 now
+    assert factor() == 1.0
+    c._on_report(p.address, _report(3, [], step_threads=1))
+    c._on_report(d.address, _report(2, [], running=1, name="d0"))
+    c.decode_done("r1", d.id)  # r1 ended before d0's report says so
+    assert factor() == 0.5
+    c.routed(*_route("r2", p, d), 0.0)  # an attempt that failed before d0 held it
+    c.prefill_done("r2", p.id)
+    c.decode_done("r2", d.id)
+    assert factor() == 0.5  # counted nowhere: d0's report never had it
+    c._on_report(d.address, _report(3, [], running=1, name="d0"))  # another Conductor's
+    assert factor() == 1.0
+    c._on_report(d.address, _report(4, [], running=0, name="d0"))
+    c._on_report(p.address, _report(4, [], step_threads=0))  # one that never borrows
+    assert factor() == 1.0
 
 
 def test_a_raising_report_listener_does_not_stop_the_index_update(caplog) -> None:

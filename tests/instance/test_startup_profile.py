@@ -15,6 +15,14 @@ from yuebing.instance import startup_profile as sp  # noqa: E402
 from yuebing.protocol.instance import Role  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _own_threads():  # type: ignore[no-untyped-def]
+    """Tests here set torch's threads: the next test gets them back."""
+    own = torch.get_num_threads()
+    yield
+    torch.set_num_threads(own)
+
+
 @pytest.fixture
 def small_grid(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sp, "PREFILL_NEW", (16, 64, 200))

@@ -25,7 +25,7 @@ class SupervisorConfig:
     ready_timeout_s: float = field(default=300.0, metadata={
         "help": "a role not ready this long after its start fails the start (the first start "
                 "on a machine compiles the engine's kernels, ~30 s per process; the time a "
-                "start-up profile measures on this host is not counted)"})
+                "start-up profile measures on this host is not counted, up to an hour)"})
     stop_grace_s: float = field(default=10.0, metadata={
         "help": "on shutdown each role gets SIGTERM and this many seconds to exit before "
                 "SIGKILL (a second Ctrl-C kills at once)"})

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 MAX_BACKOFF_S = 30.0
+PAUSE_MAX_S = 3600.0
+"""The most the ready deadlines wait for start-up profiles in all (a hung one fails the start)."""
 
 
 class RoleFailed(YuebingError):
@@ -127,9 +129,10 @@ class Supervisor:
 
     def _tick(self) -> None:
         """Count the time since the last tick (at most a second: ticks stop while every role
-        serves) as paused while `paused` says a start-up profile measures."""
+        serves) as paused while `paused` says a start-up profile measures, up to
+        `PAUSE_MAX_S` in all (a hung profile still fails the start)."""
         now = time.monotonic()
-        paused = self.paused is not None and self.paused()
+        paused = self.paused is not None and self.paused() and self._paused_s < PAUSE_MAX_S
         if paused:
             self._paused_s += min(1.0, now - self._tick_at)
             if not self._was_paused:

@@ -3,7 +3,7 @@
 `Calibration.admit` (asked by `LiveCluster` per joining `Hello`): with ``--predictors FILE`` an
 instance must run the configuration the file was profiled on; without one, the first start-up
 profile of a role sets that part's predictor and later instances must match it, and its lent
-points the prefill's speed on borrowed cores (`prefill_factor`, per instance's load report).
+points give the prefill's speed on borrowed cores (`prefill_factor`, per instance's threads).
 `observe` scales the prefill predictor by finished prefills' time over their estimate. From
 finished requests, in place of flags: `DecodeDurations` (the forecast's decode durations) and
 `TbtTail` (paper TBT per step predicted for the batch the request decoded in, from the
@@ -81,8 +81,8 @@ def fit_profile(profile: EngineProfile, part: str) -> PrefillPredictor | DecodeP
 def lent_speed(profile: EngineProfile) -> tuple[int, int, float] | None:
     """(own threads, lent threads, factor) of ``profile``: a prefill on the lent threads takes
     ``factor`` of its time on its own, the lent points' total over the same points' own (the
-    long prompts weigh most, as in TTFT), within `LENT_LIMITS`; None without lent points or
-    an own thread count that lending adds to."""
+    long prompts weigh most, as in TTFT), within `LENT_LIMITS`; None without lent points, an
+    own thread count that lending adds to, or a gain."""
     own = {(n, c): s for n, c, s in profile.prefill}
     pairs = [(s, own[n, c]) for n, c, s in profile.prefill_lent if own.get((n, c), 0) > 0]
     threads = profile.configuration.get("threads", "")
@@ -90,7 +90,7 @@ def lent_speed(profile: EngineProfile) -> tuple[int, int, float] | None:
         return None
     lo, hi = LENT_LIMITS
     factor = min(max(sum(s for s, _ in pairs) / sum(o for _, o in pairs), lo), hi)
-    return int(threads), profile.lent_threads, factor
+    return (int(threads), profile.lent_threads, factor) if factor < hi else None
 
 
 def scaled(p: PrefillPredictor, k: float) -> PrefillPredictor:
@@ -197,7 +197,7 @@ class Calibration:
             raise ValueError(f"prefill scale {k!r} is not a number in [{lo}, {hi}]")
         if not self.online:
             return "(not used: --no-predictor-online)"
-        self._sums = (float(k) * PRIOR_S, PRIOR_S)  # the kept scale as the prior
+        self._sums = (float(k) * PRIOR_S, PRIOR_S)  # the kept scale restarts as the prior
         self._rescale(float(k))
         return f"{k:.3f}"
 

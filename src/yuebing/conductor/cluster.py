@@ -71,9 +71,13 @@ class Member:
     once out of the gate, admitted at)."""
     gate: PrefillGate = field(default_factory=lambda: PrefillGate(0))
     """This Conductor's queue for the instance (prefill role; see `yuebing.conductor.gate`)."""
+    decoding: set[str] = field(default_factory=set)
+    """This Conductor's requests routed here to decode (coupled: to run) and not ended yet."""
+    reported: set[str] = field(default_factory=set)
+    """Those of ``decoding`` when its latest report came (the report may count them)."""
     ended: int = 0
-    """This Conductor's requests that ended here since its latest report (`decode_done`):
-    not running any more, whatever that report says."""
+    """Requests of ``reported`` that ended since (`decode_done`): not running any more,
+    whatever that report says."""
 
     @property
     def id(self) -> InstanceId:
@@ -241,7 +245,7 @@ class LiveCluster:
             self.spawn(self._resubscribe(m))
         joined = m.report is None or not m.alive
         m.report = r
-        m.ended = 0
+        m.reported, m.ended = set(m.decoding), 0
         m.seen_s = time.monotonic()
         if not m.alive:
             log.info("instance %s is back", m.id)
@@ -429,20 +433,22 @@ class LiveCluster:
                            time_factor=self.prefill_factor(self._step_threads(m)))
 
     def _step_threads(self, m: Member) -> int:
-        """The threads a prefill on ``m`` would run with: its report's, or every core when
-        each other instance of its host is idle by its own latest report and this
-        Conductor's accounting: its requests that ended there since (a report can lag a
-        decode that just went idle, and a client's next request often comes before it)."""
+        """The threads a prefill on ``m`` would run with. This Conductor's own work on one of
+        its host's other instances (routed there and not ended) keeps it to its own; else
+        every core when each of them is idle by its latest report, less this Conductor's
+        requests that ended there since (a report can lag a decode that just went idle, and
+        a client's next request often comes before it); else its report's."""
         r = m.report
         assert r is not None
         if not r.step_threads:  # it never borrows
             return 0
         mates = [o for o in self.members.values()
                  if o is not m and o.alive and o.hello.host == m.hello.host]
-        routed = {p.decode_id for p in self.pending.values()}
+        if any(o.decoding or o.prefilling for o in mates):
+            return 0
         if mates and all(o.report is not None and o.report.running <= o.ended
                          and not (o.report.waiting or o.report.queued_requests)
-                         and not o.prefilling and o.id not in routed for o in mates):
+                         for o in mates):
             return ALL_CORES
         return r.step_threads
 
@@ -476,6 +482,9 @@ class LiveCluster:
         self.pending[info.request_id] = PendingDecode(
             now_s + route.est_ttft_s, info.expected_output_tokens, route.decode_id,
             info.input_tokens)
+        d = self.members.get(route.decode_id)
+        if d is not None:
+            d.decoding.add(info.request_id)
 
     def admitted(self, request_id: str, prefill_id: InstanceId, now_s: float) -> None:
         """``request_id`` left the instance's gate: its prefill starts counting down now."""
@@ -490,11 +499,15 @@ class LiveCluster:
             p.gate.release(request_id)
         self.pending.pop(request_id, None)
 
-    def decode_done(self, decode_id: InstanceId) -> None:
-        """A request of this Conductor's ended on ``decode_id`` (its stream is over)."""
+    def decode_done(self, request_id: str, decode_id: InstanceId) -> None:
+        """``request_id``, routed to decode on ``decode_id``, ended (its stream is over, or
+        the attempt failed)."""
         d = self.members.get(decode_id)
-        if d is not None:
-            d.ended += 1
+        if d is not None and request_id in d.decoding:
+            d.decoding.discard(request_id)
+            if request_id in d.reported:
+                d.reported.discard(request_id)
+                d.ended += 1
 
     async def close(self) -> None:
         self._wanted.clear()

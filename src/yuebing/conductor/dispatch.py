@@ -240,7 +240,7 @@ class Dispatcher:
         finally:
             for p in pres:
                 c.prefill_done(rid, p.id)
-            c.decode_done(dec.id)
+            c.decode_done(rid, dec.id)
             if not finished and involved:
                 c.spawn(_cancel(involved, rid))
 

@@ -127,7 +127,7 @@ def _since(start: tuple[float, float]) -> Timing:
 
 
 @contextlib.contextmanager
-def threads(n: int) -> Iterator[None]:
+def torch_threads(n: int) -> Iterator[None]:
     """Run the block with ``n`` torch threads (0: as they are), then restore them."""
     own = torch.get_num_threads()
     if n and n != own:
@@ -148,7 +148,7 @@ def time_prefill(engine: LLMEngine, new: int, cached: int, tokens: _Tokens,
         raise InputError(f"cached tokens ({cached}) must be a multiple of the block size {bs}")
     prompt = tokens(cached + new)
     if cached:
-        with threads(fill_threads):
+        with torch_threads(fill_threads):
             engine.generate([prompt[:cached + 1]], _ONE)  # publishes the cached full blocks
     t0 = _clocks()
     rid = engine.add_request(prompt, _ONE)
@@ -230,7 +230,7 @@ def time_decode(engine: LLMEngine, batch: int, context: int, tokens: _Tokens,
         raise InputError(f"decode batch {batch} exceeds max_num_seqs "
                          f"({engine.config.max_num_seqs}); raise --max-num-seqs")
     per_seq = max(1, context // batch - steps // 2)
-    with threads(fill_threads):
+    with torch_threads(fill_threads):
         rids = start_decoding(engine, batch, per_seq, steps + 1, tokens)
     times = []
     for _ in range(steps):

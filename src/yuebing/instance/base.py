@@ -204,7 +204,8 @@ class Instance:
         self.transfer = TransferEngine(tcfg)
         self.exposes_pool = role.exposes_pool
         storage = self._pool_storage if self.exposes_pool else None
-        with profile_cache.starting():  # no sibling's start-up profile times this load
+        loading = profile_cache.starting() if engine is None else contextlib.nullcontext()
+        with loading:  # no sibling's start-up profile times this load
             self.engine = engine or LLMEngine(cfg.engine, kv_storage=storage)
             self.store = self._open_store(role.uses_store)
             self.saver = self._open_store(role.uses_store) if cfg.save_to_store else None

@@ -5,9 +5,9 @@ call `cached_profile` with their configuration and a function that measures one.
 under ``$XDG_CACHE_HOME/yuebing/profiles``, one file per configuration and role; a file whose
 configuration is not this one is never used (re-measured). Profilers sharing the directory
 measure one at a time (a file lock): two side by side would each measure the other's load; a
-server that starts (`starting`: a vLLM loading) holds the lock shared, so no profile runs while
-a sibling loads. An unusable directory (read-only, no home) is logged: profiles are then measured
-without the cache, and servers start without the lock.
+server that starts (`starting`: an instance or a vLLM loading) holds the lock shared, so no
+profile runs while a sibling loads; `measuring` tells the supervisor one runs. An unusable
+directory (read-only, no home) is logged: profiles are measured without the cache.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from yuebing.engine.engine import LLMEngine
-from yuebing.engine.profile import _Tokens, threads, time_decode, time_prefill
+from yuebing.engine.profile import _Tokens, time_decode, time_prefill, torch_threads
 from yuebing.instance import profile_cache
 from yuebing.protocol.instance import EngineProfile, Role
 
@@ -76,9 +76,10 @@ def measure(engine: LLMEngine, role: Role, signature: dict[str, str],
                     decode.append((batch, context, time_decode(
                         engine, batch, context, tokens, fill_threads=fill_threads).wall))
     lent: list[tuple[int, int, float]] = []
+    timed = {new for new, cached, _ in prefill if cached == 0}
     if lent_threads and prefill:
-        with threads(lent_threads):
+        with torch_threads(lent_threads):
             lent = [(new, 0, time_prefill(engine, new, 0, tokens).wall)
-                    for new in LENT_NEW if (new, 0) in {(n, c) for n, c, _ in prefill}]
+                    for new in LENT_NEW if new in timed]
     return EngineProfile(configuration=signature, prefill=prefill, decode=decode,
                          lent_threads=lent_threads if lent else 0, prefill_lent=lent)
