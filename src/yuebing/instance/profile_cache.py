@@ -26,6 +26,7 @@ import msgspec
 
 from yuebing.core import env
 from yuebing.protocol.instance import EngineProfile, Role
+from yuebing.transfer.liveness import owner_alive
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +115,7 @@ def measuring(cache: Path | None = None) -> bool:
     except (RuntimeError, OSError):
         return False
     with f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
-        return False
+        return owner_alive(f.fileno())  # an exclusive holder, as of a segment file's owner
 
 
 @contextlib.contextmanager
