@@ -66,3 +66,19 @@ def test_a_step_trace_dir_that_cannot_be_written_is_refused_by_the_config(tmp_pa
     with pytest.raises(ConfigError, match="is not a writable directory"):
         InstanceConfig(role="decode", step_trace_dir=str(blocker / "steps"))
     assert InstanceConfig(role="decode", step_trace_dir=str(tmp_path / "new" / "dir"))
+
+
+def test_mean_threads_weighs_each_step_by_its_time() -> None:
+    """What a prefill ran with (`Breakdown.prefill_threads`): 1 s on 1 thread and 3 s on 2
+    since the mark is 1.75 threads; a mark with nothing after it is 0."""
+    engine = LLMEngine(EngineConfig(model=TINY, dtype="float32", threads=1, num_blocks=64))
+    driver = EngineDriver(engine, lambda outs: None)
+    try:
+        driver.stats.record(5.0, 10, 0, threads=4)  # before the mark: not counted
+        mark = driver.marks()
+        assert driver.mean_threads(mark) == 0.0
+        driver.stats.record(1.0, 10, 0, threads=1)
+        driver.stats.record(3.0, 10, 0, threads=2)
+        assert driver.mean_threads(mark) == 1.75
+    finally:
+        driver.close()

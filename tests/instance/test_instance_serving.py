@@ -139,6 +139,7 @@ def test_a_prompt_cached_but_its_last_token_counts_that_token_as_its_prefill(clu
             for r in (cold, warm)]
     assert [b.prefill_tokens for b in hand] == [33, 1]
     assert all(b.prefill_s > 0 for b in hand)
+    assert all(b.prefill_threads >= 1 for b in hand)  # the threads its steps ran with
 
 
 def test_bad_frames_get_precise_errors_and_the_instance_keeps_serving(cluster, run):

@@ -143,7 +143,7 @@ class Calibration:
                    for part in (PREFILL, DECODE)}, "prefill_scale": round(self.scale, 4),
                 "prefill_lent": lent}
 
-    def prefill_factor(self, step_threads: int) -> float:
+    def prefill_factor(self, step_threads: float) -> float:
         """The prefill time of an instance whose steps would run with ``step_threads`` now,
         per predicted second: the lent factor at the lent threads, linear in the threads
         between its own and those; 1 with no more than its own (or nothing measured)."""

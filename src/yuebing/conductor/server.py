@@ -247,8 +247,11 @@ class _Routes:
             if status == 200 or s.dispatched_s is not None:
                 self.c.metrics.finished(s)
             if status == 200 and s.breakdown.prefill_s > 0 and not s.pipelined:
+                threads = s.breakdown.prefill_threads  # what it ran with, else what was routed
+                factor = self.c.calibration.prefill_factor(threads) if threads > 0 \
+                    else s.prefill_factor
                 self.c.calibration.observe(s.prompt_tokens - s.cached_tokens, s.cached_tokens,
-                                           s.breakdown.prefill_s, s.prefill_factor)
+                                           s.breakdown.prefill_s, factor)
             if status == 200 and s.completion_tokens > 1:
                 self.c.durations.observe(s.e2e_s - s.ttft_s)
                 if s.prefill_busy and len(s.token_times) > 2:  # the tail applies to such

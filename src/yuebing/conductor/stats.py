@@ -74,7 +74,8 @@ class RequestStats:
             streamed_layers=max(mine.streamed_layers, b.streamed_layers),
             layers_before_prefill_end=max(mine.layers_before_prefill_end,
                                           b.layers_before_prefill_end),
-            prefill_tokens=max(mine.prefill_tokens, b.prefill_tokens))
+            prefill_tokens=max(mine.prefill_tokens, b.prefill_tokens),
+            prefill_threads=max(mine.prefill_threads, b.prefill_threads))
 
     @property
     def queue_s(self) -> float:
@@ -122,7 +123,9 @@ class RequestStats:
                 "queue_s": round(self.queue_s, 6), "prefix_load_s": round(b.prefix_load_s, 6),
                 "prefill_s": round(b.prefill_s, 6), "transfer_s": round(b.transfer_s, 6),
                 "decode_wait_s": round(b.decode_wait_s, 6),
-                "prefill_tokens": b.prefill_tokens, "streamed_layers": b.streamed_layers,
+                "prefill_tokens": b.prefill_tokens,
+                "prefill_threads": round(b.prefill_threads, 3),
+                "streamed_layers": b.streamed_layers,
                 "layers_before_prefill_end": b.layers_before_prefill_end,
                 "conductor_s": round(self.dispatch_s, 6), "prefill_instance": self.prefill_id,
                 "decode_instance": self.decode_id, "prefix_source": self.prefix_source,
@@ -130,7 +133,8 @@ class RequestStats:
                 "estimate": {"ttft_s": round(self.est_ttft_s, 6),
                              "transfer_s": round(self.est_transfer_s, 6),
                              "queue_s": round(self.est_queue_s, 6),
-                             "prefill_s": round(self.est_prefill_s, 6)}}
+                             "prefill_s": round(self.est_prefill_s, 6),
+                             "prefill_factor": round(self.prefill_factor, 4)}}
 
     def log_line(self, status: int) -> str:
         b = self.breakdown

@@ -85,6 +85,8 @@ class Task:
     """Its planned prefix is being loaded (its prompt counts as pending, not yet in the engine)."""
     started: float | None = None
     """When its first prefill chunk ran (wall clock; driver thread)."""
+    thread_mark: tuple[float, float] | None = None
+    """The driver's `EngineDriver.marks` before its first prefill chunk ran."""
     first_at: float | None = None
     """When the step that sampled its first token ended (wall clock; driver thread)."""
     # prefill

@@ -120,6 +120,7 @@ class CoupledRole(InstanceRole):
                                                          seq.num_computed))
             if task.started is None:
                 task.started = now
+                task.thread_mark = self.inst.driver.marks()
                 task.breakdown.queue_s = max(0.0, now - task.arrived -
                                              task.breakdown.prefix_load_s)
 
@@ -127,6 +128,8 @@ class CoupledRole(InstanceRole):
         if len(out.output_token_ids) != 1 or not out.new_token_ids or out.index:
             return  # only right after the prefill (once for all choices)
         task.first_at = time.time()
+        if task.thread_mark is not None:
+            task.breakdown.prefill_threads = self.inst.driver.mean_threads(task.thread_mark)
         inst = self.inst
         inst.local_cache.note(engine, task.token_ids)
         if inst.cfg.save_to_store:

@@ -45,9 +45,16 @@ class StepStats:
     last_step_end: float = 0.0
     last_step_s: float = 0.0
     alpha: float = 0.2
+    busy_s: float = 0.0
+    """Seconds of steps so far."""
+    thread_s: float = 0.0
+    """Thread-seconds of steps so far (each step's seconds times its threads)."""
 
-    def record(self, seconds: float, prefill_tokens: int, decodes: int) -> None:
+    def record(self, seconds: float, prefill_tokens: int, decodes: int,
+               threads: int = 0) -> None:
         self.steps += 1
+        self.busy_s += seconds
+        self.thread_s += seconds * threads
         self.last_step_end = time.time()
         self.last_step_s = seconds
         if prefill_tokens == 0 and decodes:
@@ -126,6 +133,17 @@ class EngineDriver:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
 
+    def marks(self) -> tuple[float, float]:
+        """(thread-seconds, seconds) of steps so far, for `mean_threads` (driver thread)."""
+        return self.stats.thread_s, self.stats.busy_s
+
+    def mean_threads(self, since: tuple[float, float]) -> float:
+        """The time-weighted mean threads of the steps since the `marks` ``since`` (driver
+        thread; 0 if none ran)."""
+        thread_s, busy_s = self.marks()
+        dt = busy_s - since[1]
+        return (thread_s - since[0]) / dt if dt > 0 else 0.0
+
     def step_threads(self) -> int:
         """The threads a step begun now would run with (0: no ledger, it never borrows)."""
         return self.ledger.threads_now() if self.ledger is not None else 0
@@ -197,7 +215,8 @@ class EngineDriver:
         dt = time.perf_counter() - t0
         plan = self.engine.last_plan
         if self.engine.num_steps != before and plan is not None:
-            self.stats.record(dt, sum(n for _, n in plan.prefills), len(plan.decodes))
+            self.stats.record(dt, sum(n for _, n in plan.prefills), len(plan.decodes),
+                              self._threads_now)
         elif not outputs:
             # nothing could be scheduled (KV held by reservations or finished requests): wait
             # for a call (release, abort, import) instead of spinning on empty plans

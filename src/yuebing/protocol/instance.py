@@ -321,6 +321,9 @@ class Breakdown(Message, tag="inst.breakdown"):
     prefill_tokens: int = 0
     """Prompt tokens the instance that prefilled computed for the request (its forward
     passes, all choices together: n choices share one prefill)."""
+    prefill_threads: float = 0.0
+    """The mean threads of the engine's steps from its first prefill chunk to its first
+    token, weighted by their time (cores lent: more than the instance's own; 0: unknown)."""
 
 
 @register_message
