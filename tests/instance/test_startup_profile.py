@@ -51,9 +51,9 @@ def test_cached_per_signature_and_role(small_grid: None, tmp_path: Path,
     calls: list[Role] = []
     real = sp.measure
 
-    def counting(e, role, signature, lent=0, fill=0):  # type: ignore[no-untyped-def]
+    def counting(e, role, signature, lent=0, fill=0, known=None):  # type: ignore[no-untyped-def]
         calls.append(role)
-        return real(e, role, signature, lent, fill)
+        return real(e, role, signature, lent, fill, known)
 
     monkeypatch.setattr(sp, "measure", counting)
     first = sp.startup_profile(engine, Role.PREFILL, tmp_path)
@@ -105,6 +105,27 @@ def test_a_lending_prefill_times_its_long_prompts_again_on_the_lent_threads(
     assert dec.lent_threads == 0 and dec.prefill_lent == []
     own = sp.startup_profile(engine, Role.PREFILL, tmp_path, lent_threads=1)
     assert own == plain
+
+
+def test_a_grid_cached_without_lending_is_reused_for_the_lent_points(
+        small_grid: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turning lending on (or an older cache) times only the lent points, not the grid again."""
+    monkeypatch.setattr(sp, "LENT_NEW", (64, 200))
+    torch.set_num_threads(1)
+    engine = make_engine(tiny(), num_blocks=256)
+    plain = sp.startup_profile(engine, Role.PREFILL, tmp_path)
+    timed: list[tuple[int, int]] = []
+    real = sp.time_prefill
+
+    def noting(e, new, cached, tokens, fill=0):  # type: ignore[no-untyped-def]
+        timed.append((new, cached))
+        return real(e, new, cached, tokens, fill)
+
+    monkeypatch.setattr(sp, "time_prefill", noting)
+    lent = sp.startup_profile(engine, Role.PREFILL, tmp_path, lent_threads=2)
+    assert timed == [(64, 0), (200, 0)]  # the lent points only
+    assert lent.prefill == plain.prefill and lent.lent_threads == 2
+    assert sp.startup_profile(engine, Role.PREFILL, tmp_path, lent_threads=2) == lent  # cached
 
 
 def test_the_untimed_fills_run_on_the_fill_threads(monkeypatch: pytest.MonkeyPatch) -> None:

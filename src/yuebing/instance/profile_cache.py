@@ -70,6 +70,17 @@ def cached_profile(signature: dict[str, str], role: Role, grid: int,
         return measure()
 
 
+def peek(signature: dict[str, str], role: Role, grid: int, cache: Path | None = None,
+         lent_threads: int = 0) -> EngineProfile | None:
+    """The profile cached for these, or None (nothing measured, no lock; an unusable cache
+    is None too)."""
+    try:
+        root = cache or profile_dir()
+        return _read(root / f"{cache_key(signature, role, grid, lent_threads)}.json", signature)
+    except (RuntimeError, OSError):
+        return None
+
+
 def _measure_and_save(measure: Callable[[], EngineProfile], path: Path) -> EngineProfile:
     t0 = time.perf_counter()
     profile = measure()

@@ -44,31 +44,35 @@ def startup_profile(engine: LLMEngine, role: Role, cache: Path | None = None,
     ``fill_threads``: the threads of the untimed prefills that set a point up (0: own)."""
     signature = engine.signature()
     lent = lent_threads if role != Role.DECODE and lent_threads > torch.get_num_threads() else 0
-    return profile_cache.cached_profile(
-        signature, role, GRID_VERSION,
-        lambda: measure(engine, role, signature, lent, fill_threads), cache, lent)
+
+    def fresh() -> EngineProfile:  # a grid cached without lending is reused: lent points only
+        known = profile_cache.peek(signature, role, GRID_VERSION, cache) if lent else None
+        return measure(engine, role, signature, lent, fill_threads, known)
+
+    return profile_cache.cached_profile(signature, role, GRID_VERSION, fresh, cache, lent)
 
 
 def measure(engine: LLMEngine, role: Role, signature: dict[str, str],
-            lent_threads: int = 0, fill_threads: int = 0) -> EngineProfile:
+            lent_threads: int = 0, fill_threads: int = 0,
+            known: EngineProfile | None = None) -> EngineProfile:
     """Time this role's grid on ``engine`` (points past its context or batch limits skipped);
     with ``lent_threads``, the `LENT_NEW` prompts again with that many threads. The untimed
     prefills that set a point up (a cached prefix, a decode batch's prompts) run with
     ``fill_threads``: the profile holds the host (`profile_cache`), and on a slow CPU they are
-    most of its time."""
+    most of its time. ``known``: this grid already measured (then only the lent points are)."""
     tokens = _Tokens(engine.model_config.vocab_size, seed=random.randrange(1 << 31))
     # fresh prompts on every call: another role's grid on the same engine must not hit them
     bs, limit = engine.block_size, engine.max_model_len
     engine.warmup()
-    prefill: list[tuple[int, int, float]] = []
-    if role != Role.DECODE:
+    prefill: list[tuple[int, int, float]] = list(known.prefill) if known else []
+    if role != Role.DECODE and known is None:
         for cached in PREFILL_CACHED:
             for new in PREFILL_NEW:
                 if cached % bs == 0 and cached + new + 1 < limit:
                     t = time_prefill(engine, new, cached, tokens, fill_threads)
                     prefill.append((new, cached, t.wall))
-    decode: list[tuple[int, int, float]] = []
-    if role != Role.PREFILL:
+    decode: list[tuple[int, int, float]] = list(known.decode) if known else []
+    if role != Role.PREFILL and known is None:
         for batch in DECODE_BATCHES:
             for context in DECODE_CONTEXTS:
                 if batch <= min(context, engine.config.max_num_seqs) \
