@@ -134,8 +134,8 @@ class Calibration:
                         from_file)
 
     def state(self) -> dict[str, object]:
-        """For ``/health``: each part's origin and the configuration it holds for, and the
-        online prefill scale."""
+        """For ``/health``: each part's origin and the configuration it holds for, the online
+        prefill scale and the prefill's speed on lent cores (`lent`)."""
         lent = None if self.lent is None else dict(zip(("own_threads", "lent_threads", "factor"),
                                                       self.lent, strict=True))
         return {**{part: {"origin": self.origin[part] or "linear defaults",
