@@ -3,7 +3,8 @@
 Two processes hold the data path, like the original's ``remote_tcp`` variant: a storage node
 (process A, started here with its master) holds the DRAM segment; this process (B) is the client.
 Path ``remote_tcp`` forces the client's transfer engine onto TCP (every byte crosses a loopback
-socket); ``same_host`` lets it use shared memory. Per value size and API pair, each run writes
+socket) and its master calls too (as from another host: no local socket); ``same_host`` lets it
+use shared memory and the master's local socket. Per value size and API pair, each run writes
 about ``--target-bytes`` of fresh keys (at least 32 calls single / 4 batched, at most 4096, capped
 at ``--time-cap`` s), reads them back (one value's content checked), then force-removes them.
 Metadata ops use 4 KiB values. A warm-up writes ``--warm-bytes`` first so first-touch page
@@ -266,7 +267,8 @@ def _client(ns: argparse.Namespace, master: str, path: str) -> Any:
                                     direct=not ns.no_direct, keep_freed=ns.keep_freed,
                                     reserve_ahead=not ns.no_reserve_ahead,
                                     commit_on_landing=not ns.no_commit_on_landing,
-                                    inline_max_bytes=0 if ns.no_inline else INLINE_MAX_BYTES),
+                                    inline_max_bytes=0 if ns.no_inline else INLINE_MAX_BYTES,
+                                    local_socket=path != "remote_tcp"),
                        engine=engine)
 
 

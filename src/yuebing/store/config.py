@@ -34,7 +34,7 @@ class MasterConfig:
     """The metadata master (one leader, any number of standbys)."""
 
     rpc_address: str = field(default="tcp://127.0.0.1:50151",
-                             metadata={"help": "ZeroMQ address the master RPC binds"})
+                             metadata={"help": "TCP address the master RPC binds"})
     cluster_token: str = field(default_factory=env_cluster_token, repr=False, metadata={
         "help": TOKEN_HELP + "; also sent when following a leader", "secret": True})
     events_address: str = field(default="", metadata={
@@ -89,6 +89,9 @@ class MasterConfig:
                 f"(default) = chosen for this machine at start-up ({MASTER_SPIN_REF_US} us "
                 "on the reference core, scaled by this core's measured speed: a client's 1 MiB "
                 "write between put_start and put_end; 0 on one CPU or where wake-ups are cheap)"})
+    local_socket: bool = field(default=True, metadata={
+        "help": "also listen on a Linux abstract Unix socket named after the RPC address, for "
+                "clients and nodes on this host (a round trip skips the TCP stack)"})
     max_request_bytes: int = field(default=8 << 20, metadata={
         "help": "largest RPC request the master takes (a batch of ~100k keys fits in 8MiB); a "
                 "longer one is refused with BAD_REQUEST (its bytes read and dropped, never "
@@ -210,6 +213,9 @@ class ClientConfig:
                 "node hands it to the master once the bytes landed and the master answers this "
                 "client, with no commit round trip of its own (blocking client; off: the "
                 "commit RPC after the write)"})
+    local_socket: bool = field(default=True, metadata={
+        "help": "reach a master on this host through its Unix socket, not TCP (off: TCP, as a "
+                "client on another host would)"})
     landing_wait_s: float = field(default=0.2, metadata={
         "help": "with --commit-on-landing, how long a put waits for the master's answer to the "
                 "commit that rode on its write before sending the commit itself (a node's "

@@ -6,7 +6,9 @@ It bounds what peers make it hold (`wire_limits.FrameLimits`: ``--max-request-by
 buffered only as they arrive, never reserved for a length a header announces, and a peer that
 does not read its replies is not read from (`_watch_out`). Each cut is logged with the peer and
 why; the others are still served. After a request it may poll briefly for the next (``spin_s``,
-`Spinner`), only while requests lately came within the window (`GapPredictor`).
+`Spinner`), only while requests lately came within the window (`GapPredictor`). Beside its TCP
+socket it listens on the abstract Unix socket of that address (`wire.local_name`) for clients
+on its own host; both kinds of connection are served alike.
 """
 
 from __future__ import annotations
@@ -16,16 +18,20 @@ import itertools
 import logging
 import select
 import socket
+import struct
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from yuebing.core.spin import GapPredictor, Spinner
-from yuebing.store.wire import HEADER, RECV, FrameTooLarge, auth_preamble, parse_address
+from yuebing.store.wire import HEADER, RECV, FrameTooLarge, auth_preamble, local_name, parse_address
 from yuebing.store.wire_limits import Conn, FrameLimits, Intake, Refused
 
 log = logging.getLogger(__name__)
 
+LOCAL = "local"
+"""What the local (Unix) listening socket serves in the poll table; the TCP one serves None."""
 Handler = Callable[[int, int, bytes], None]
 """``on_frame(conn id, request id, payload)``: a complete frame to serve."""
 IN, OUT = select.EPOLLIN, select.EPOLLOUT
@@ -38,7 +44,7 @@ class FrameServer:
 
     def __init__(self, address: str, on_frame: Handler, spin_s: float = 0.0,
                  limits: FrameLimits | None = None, on_refused: Refused | None = None,
-                 token: str = "") -> None:
+                 token: str = "", local: bool = True) -> None:
         host, port = parse_address(address)
         self.lsock = socket.create_server((host, port), backlog=512)
         self.lsock.setblocking(False)
@@ -47,6 +53,8 @@ class FrameServer:
         self._ep = select.epoll()
         self._fds: dict[int, tuple[Any, int]] = {}  # fd -> (what it serves, its events)
         self._register(self.lsock, IN, None)
+        self.usock = self._listen_local() if local else None
+        """The abstract Unix socket of this TCP address (`wire.local_name`), if it could bind."""
         self.conns: dict[int, Conn] = {}
         self.on_frame = on_frame
         self._ids = itertools.count(1)
@@ -60,6 +68,22 @@ class FrameServer:
         self.limits = limits or FrameLimits()
         self.intake = Intake(self.limits, self.close_conn, on_refused,
                              auth_preamble(token) if token else b"")
+
+    def _listen_local(self) -> socket.socket | None:
+        if not sys.platform.startswith("linux"):
+            return None
+        host, port = self.lsock.getsockname()[:2]
+        usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            usock.bind(local_name(host, port))
+            usock.listen(512)
+        except OSError as e:  # the name is held (a process keeps it): TCP only, as before
+            log.warning("no local socket for %s (%s): same-host clients use TCP", self.address, e)
+            usock.close()
+            return None
+        usock.setblocking(False)
+        self._register(usock, IN, LOCAL)
+        return usock
 
     @property
     def buffered(self) -> int:
@@ -125,7 +149,9 @@ class FrameServer:
                 continue
             data, want = got
             if data is None:
-                self._accept()
+                self._accept(self.lsock)
+            elif data is LOCAL:
+                self._accept(self.usock)  # type: ignore[arg-type]
             elif callable(data):
                 data()
             else:
@@ -140,15 +166,21 @@ class FrameServer:
                     self.close_conn(data.cid)
         self.intake.sweep()  # frames whose sender went quiet mid-way
 
-    def _accept(self) -> None:
+    def _accept(self, lsock: socket.socket) -> None:
         while True:
             try:
-                sock, peer = self.lsock.accept()
+                sock, peer = lsock.accept()
             except BlockingIOError:
                 return
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            c = Conn(sock, next(self._ids), f"{peer[0]}:{peer[1]}", self.limits.max_frame)
+            if lsock is self.lsock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                name = f"{peer[0]}:{peer[1]}"
+            else:  # a Unix peer has no address: name it by its process
+                pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          12))[0]
+                name = f"local pid {pid}"  # (the token, if any, is checked as over TCP)
+            c = Conn(sock, next(self._ids), name, self.limits.max_frame)
             self.conns[c.cid] = c
             self._register(sock, IN, c)
             self.intake.admit(c)
@@ -272,3 +304,5 @@ class FrameServer:
             self.close_conn(cid)
         self._ep.close()
         self.lsock.close()
+        if self.usock is not None:
+            self.usock.close()

@@ -91,7 +91,8 @@ class StoreClient(_Client[MasterConnection]):
                  heartbeat: bool = True) -> None:
         cfg = cfg or ClientConfig()
         super().__init__(cfg, engine, MasterConnection(
-            cfg.masters, cfg.rpc_timeout_s, cfg.failover_s, spin_s=window_s(cfg.spin_us, CLIENT_SPIN_REF_US)), "client")
+            cfg.masters, cfg.rpc_timeout_s, cfg.failover_s,
+            spin_s=window_s(cfg.spin_us, CLIENT_SPIN_REF_US), local=cfg.local_socket), "client")
         if cfg.commit_on_landing:  # the master answers landed commits on a named connection
             self.rpc.name_as = self.client_id
         self._landing = 0
@@ -99,7 +100,8 @@ class StoreClient(_Client[MasterConnection]):
         none did)."""
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
-        self._hb_conn = MasterConnection(cfg.masters, cfg.rpc_timeout_s, cfg.failover_s)
+        self._hb_conn = MasterConnection(cfg.masters, cfg.rpc_timeout_s, cfg.failover_s,
+                                         local=cfg.local_socket)
         """The heartbeat thread's own connection."""
         self.last_heartbeat: float | None = 0.0 if heartbeat else None
         """`time.monotonic` of the last heartbeat the master answered (0.0: none yet); None
@@ -328,7 +330,7 @@ class AsyncStoreClient(_Client[AsyncMasterConnection]):
                  engine: TransferEngine | None = None) -> None:
         cfg = cfg or ClientConfig()
         super().__init__(cfg, engine, AsyncMasterConnection(
-            cfg.masters, cfg.rpc_timeout_s, cfg.failover_s), "aclient")
+            cfg.masters, cfg.rpc_timeout_s, cfg.failover_s, local=cfg.local_socket), "aclient")
         self._hb: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> AsyncStoreClient:

@@ -14,6 +14,7 @@ one asyncio loop on one socket. Both open every connection with the cluster toke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import random
@@ -25,7 +26,14 @@ from yuebing.core.auth import env_cluster_token
 from yuebing.core.errors import StoreError
 from yuebing.protocol import Message, ProtocolError, decode, encode
 from yuebing.protocol import store as m
-from yuebing.store.wire import HEADER, FrameSocket, auth_preamble, parse_address
+from yuebing.store.wire import (
+    HEADER,
+    FrameSocket,
+    auth_preamble,
+    local_names,
+    parse_address,
+    trusted,
+)
 
 log = logging.getLogger(__name__)
 C = m.Code
@@ -66,10 +74,12 @@ def removed_codes(codes: list[int], resent: bool) -> list[int]:
 
 class _Base:
     def __init__(self, masters: list[str], timeout_s: float, failover_s: float,
-                 token: str | None) -> None:
+                 token: str | None, local: bool = True) -> None:
         if not masters:
             raise StoreError("no master address given")
         self.token = env_cluster_token() if token is None else token
+        self.local = local
+        """Reach a master on this host through its Unix socket (`wire.connect`)."""
         self.masters = list(masters)
         self.timeout_s = timeout_s
         self.failover_s = failover_s
@@ -151,8 +161,8 @@ class MasterConnection(_Base):
 
     def __init__(self, masters: list[str], timeout_s: float = 5.0, failover_s: float = 15.0,
                  on_push: Callable[[Message], None] | None = None, spin_s: float = 0.0,
-                 token: str | None = None, name_as: str = "") -> None:
-        super().__init__(masters, timeout_s, failover_s, token)
+                 token: str | None = None, name_as: str = "", local: bool = True) -> None:
+        super().__init__(masters, timeout_s, failover_s, token, local)
         self.on_push = on_push
         self.spin_s = spin_s
         self.sock: FrameSocket | None = None
@@ -176,7 +186,7 @@ class MasterConnection(_Base):
 
     def _connect(self, timeout_s: float) -> FrameSocket:
         self.close()
-        self.sock = FrameSocket(self.address, timeout_s, self.spin_s, self.token)
+        self.sock = FrameSocket(self.address, timeout_s, self.spin_s, self.token, self.local)
         if self.name_as:
             name = random.getrandbits(62) or 1
             payload = encode(m.ConnName(client=self.name_as, conn=name))
@@ -357,8 +367,8 @@ class AsyncMasterConnection(_Base):
     """asyncio request/reply: many concurrent calls share one connection and a reader task."""
 
     def __init__(self, masters: list[str], timeout_s: float = 5.0, failover_s: float = 15.0,
-                 token: str | None = None) -> None:
-        super().__init__(masters, timeout_s, failover_s, token)
+                 token: str | None = None, local: bool = True) -> None:
+        super().__init__(masters, timeout_s, failover_s, token, local)
         self._writer: asyncio.StreamWriter | None = None
         self._waiters: dict[int, asyncio.Future[Message]] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -373,9 +383,19 @@ class AsyncMasterConnection(_Base):
             return await self._open()
 
     async def _open(self) -> asyncio.StreamWriter:
-        host, port = parse_address(self.address)
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
+        opened = None
+        for name in local_names(self.address) if self.local else ():
+            with contextlib.suppress(OSError):  # nobody listens there: the next, then TCP
+                opened = await asyncio.wait_for(asyncio.open_unix_connection(name),
                                                 self.timeout_s)
+                if trusted(opened[1].get_extra_info("socket")):
+                    break
+                opened[1].close()
+                opened = None
+        if opened is None:
+            opened = await asyncio.wait_for(asyncio.open_connection(*parse_address(self.address)),
+                                            self.timeout_s)
+        reader, writer = opened
         if self.token:
             writer.write(auth_preamble(self.token))
         self._writer = writer

@@ -99,7 +99,8 @@ class MasterService:
         self.core.log = None
         self.server = FrameServer(cfg.rpc_address, self._on_frame,
                                   window_s(cfg.spin_us, MASTER_SPIN_REF_US), limits_of(cfg),
-                                  self._refused, token=cfg.cluster_token)
+                                  self._refused, token=cfg.cluster_token,
+                                  local=cfg.local_socket)
         self.address = self.server.address
         self.ctx: zmq.Context | None = None
         self.pub: zmq.Socket | None = None

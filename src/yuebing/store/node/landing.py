@@ -56,8 +56,10 @@ class LandingReports:
     is queued; otherwise the sender thread owns it (``_busy``), so frames never interleave."""
 
     def __init__(self, node: str, incarnation: str, master: Callable[[], str], token: str,
-                 public: Callable[[str], str]) -> None:
+                 public: Callable[[str], str], local: bool = True) -> None:
         self.node = node
+        self.local = local
+        """Reach a master on this host through its Unix socket (`wire.connect`)."""
         self.incarnation = incarnation
         self.public = public
         """A segment's name as mounted at the master, from its name in the node's engine."""
@@ -170,7 +172,7 @@ class LandingReports:
                     with self._cv:
                         self.dropped += 1
                     return
-                sock = FrameSocket(address, SEND_S, token=self.token)
+                sock = FrameSocket(address, SEND_S, token=self.token, local=self.local)
                 with self._cv:
                     if self._closed:
                         sock.close()

@@ -85,9 +85,10 @@ class StorageNode:
         self._moving: dict[BatchId, tuple[NodeTask, memoryview]] = {}
         self.conn = MasterConnection(self.ccfg.masters, self.ccfg.rpc_timeout_s,
                                      self.ccfg.failover_s, on_push=self._on_push,
-                                     token=cfg.cluster_token)
+                                     token=cfg.cluster_token, local=self.ccfg.local_socket)
         self.landings = LandingReports(self.name, self.incarnation, lambda: self.conn.address,
-                                       self.conn.token, self.engine.segment_name)
+                                       self.conn.token, self.engine.segment_name,
+                                       self.ccfg.local_socket)
         """Commits that ride on clients' write frames, handed on to the master."""
         self.engine.on_landed(self.landings.landed)
         self._stop = threading.Event()
