@@ -11,6 +11,7 @@ import threading
 
 from yuebing.cli.main import Command
 from yuebing.core.config import add_config_args, config_from_args
+from yuebing.core.errors import StoreError
 from yuebing.store.config import ClientConfig, MasterConfig, NodeConfig
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,10 @@ def _run_master(ns: argparse.Namespace) -> int:
     from yuebing.store.master.service import MasterService
 
     cfg = config_from_args(MasterConfig, ns)
-    svc = MasterService(cfg)
+    try:
+        svc = MasterService(cfg)
+    except OSError as e:  # its RPC port or local socket taken, say: one line, not a traceback
+        raise StoreError(f"cannot start the master on {cfg.rpc_address}: {e}") from e
     admin = admin_server(svc, cfg.admin_host, cfg.admin_port).start() if cfg.admin_port else None
     _on_term(svc.stop)
     _write_ready(ns.ready_file, {"address": svc.address, "events": svc.events_address,
@@ -58,7 +62,7 @@ def _run_master(ns: argparse.Namespace) -> int:
 
 
 NODE_CLIENT_FIELDS = ("master", "client_id", "rpc_timeout_s", "heartbeat_s", "failover_s",
-                      "transfer_timeout_s")
+                      "transfer_timeout_s", "local_socket")
 """The `ClientConfig` fields a storage node uses (its master connection, migration writes);
 the put/get ones (replicas, checksums, reserve-ahead, ...) are not offered as its flags."""
 

@@ -91,7 +91,8 @@ class MasterConfig:
                 "write between put_start and put_end; 0 on one CPU or where wake-ups are cheap)"})
     local_socket: bool = field(default=True, metadata={
         "help": "also listen on a Linux abstract Unix socket named after the RPC address, for "
-                "clients and nodes on this host (a round trip skips the TCP stack)"})
+                "clients and nodes that dial it on loopback (a round trip skips the TCP stack; "
+                "the name held by another socket is a start-up error)"})
     max_request_bytes: int = field(default=8 << 20, metadata={
         "help": "largest RPC request the master takes (a batch of ~100k keys fits in 8MiB); a "
                 "longer one is refused with BAD_REQUEST (its bytes read and dropped, never "
@@ -214,8 +215,8 @@ class ClientConfig:
                 "client, with no commit round trip of its own (blocking client; off: the "
                 "commit RPC after the write)"})
     local_socket: bool = field(default=True, metadata={
-        "help": "reach a master on this host through its Unix socket, not TCP (off: TCP, as a "
-                "client on another host would)"})
+        "help": "reach a master dialed on loopback through its Unix socket, not TCP (off: TCP, "
+                "as a client on another host would)"})
     landing_wait_s: float = field(default=0.2, metadata={
         "help": "with --commit-on-landing, how long a put waits for the master's answer to the "
                 "commit that rode on its write before sending the commit itself (a node's "

@@ -8,13 +8,12 @@ side (to masters; frames up to ``MAX_FRAME``; it may spin ``spin_s`` before it b
 node task, replication entries). With a cluster token (`core.auth`) a connection starts with
 `auth_preamble(token)`; the server reads nothing else until `TokenCheck` accepted it. A
 master also listens on a Linux abstract Unix socket named after its TCP address (`local_name`);
-a client that dials an address of its own host connects there instead (`connect`).
+a client that dials it on loopback connects there instead (`connect`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import hmac
 import os
@@ -92,52 +91,50 @@ LOCAL_PREFIX = "\0yuebing-store/"
 
 def local_name(host: str, port: int) -> str:
     """The abstract Unix socket name of a master listening on TCP ``host:port``. Linux keeps
-    such names per network namespace and drops one with its socket, so a name found belongs to
-    the live process that holds that TCP address in this namespace: a round trip through it
-    skips the TCP stack (~6 of ~16 us on a 2-core VM, docs/benchmarks.md)."""
+    such names per network namespace and drops one with its socket; the master will not start
+    while another socket holds its name (`wire_server.FrameServer`), so a name found is the
+    live master of that address in this namespace. A round trip through it skips the TCP stack
+    (docs/store.md, "Latency knobs and results")."""
     return f"{LOCAL_PREFIX}{host}:{port}"
 
 
-@functools.lru_cache(maxsize=64)
-def is_local(host: str) -> bool:
-    """Whether ``host`` is an address of this host's network namespace (one may bind it)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.bind((host, 0))
-    except OSError:
-        return False
-    return True
-
-
 def local_names(address: str) -> list[str]:
-    """The abstract names a master serving ``address`` listens on if it runs on this host: its
-    exact address, then the wildcard it may have bound instead ([] off Linux, or for a host
-    that is not this one)."""
+    """The abstract names a master serving ``address`` may listen on: for a loopback address
+    (``127.x.x.x``, ``localhost``: what TCP reaches only in this network namespace) its exact
+    name, then that of the wildcard ``0.0.0.0`` it may have bound instead, which TCP would
+    reach there too; [] for any other address (an address of this host may still be served by
+    another, e.g. a virtual one routed elsewhere) and off Linux."""
     host, port = parse_address(address)
-    if not sys.platform.startswith("linux") or not is_local(host):
+    if host == "localhost":
+        host = "127.0.0.1"
+    if not sys.platform.startswith("linux") or not host.startswith("127."):
         return []
-    return [local_name(host, port), local_name("::" if ":" in host else "0.0.0.0", port)]
+    try:
+        socket.inet_aton(host)
+    except OSError:
+        return []
+    return [local_name(host, port), local_name("0.0.0.0", port)]
 
 
 def peer_uid(sock: socket.socket) -> int:
-    """The user id of the process at the other end of Unix socket ``sock``."""
-    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+    """The user id of the process at the other end of Unix socket ``sock`` (``struct ucred``:
+    pid, uid, gid; -1 when it is not connected)."""
+    return struct.unpack("iIi", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
 
 
 def trusted(sock: socket.socket) -> bool:
     """Whether the listener of local socket ``sock`` may be the master: it runs as this user or
-    as root. Anyone may bind an abstract name, unlike a TCP port the master holds; a name taken
-    by another user is passed over for TCP, so no credential goes to it."""
+    as root. Anyone may bind a free abstract name; one held by another user is passed over for
+    TCP, so no credential goes to it."""
     return peer_uid(sock) in (os.getuid(), 0)
 
 
 def connect(address: str, timeout_s: float, local: bool = True) -> socket.socket:
     """A connected socket to the master at ``address``: through its abstract Unix socket when
-    ``local``, it runs on this host and as a `trusted` user, else TCP (no Nagle delay)."""
+    ``local`` and it is on loopback and `trusted` (`local_names`), else TCP (no Nagle delay)."""
     for name in local_names(address) if local else ():
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(timeout_s)  # a listener with a full backlog makes a connect wait
+        s.settimeout(timeout_s)  # a full backlog fails the connect at once (EAGAIN): TCP
         try:
             s.connect(name)
             if trusted(s):

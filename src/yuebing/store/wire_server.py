@@ -54,7 +54,8 @@ class FrameServer:
         self._fds: dict[int, tuple[Any, int]] = {}  # fd -> (what it serves, its events)
         self._register(self.lsock, IN, None)
         self.usock = self._listen_local() if local else None
-        """The abstract Unix socket of this TCP address (`wire.local_name`), if it could bind."""
+        """The abstract Unix socket of this TCP address (`wire.local_name`); None off Linux or
+        when turned off."""
         self.conns: dict[int, Conn] = {}
         self.on_frame = on_frame
         self._ids = itertools.count(1)
@@ -70,6 +71,8 @@ class FrameServer:
                              auth_preamble(token) if token else b"")
 
     def _listen_local(self) -> socket.socket | None:
+        """The abstract Unix socket of this TCP address; held by another socket, a start-up
+        error as a taken port is (clients on loopback would go to that socket instead)."""
         if not sys.platform.startswith("linux"):
             return None
         host, port = self.lsock.getsockname()[:2]
@@ -77,10 +80,13 @@ class FrameServer:
         try:
             usock.bind(local_name(host, port))
             usock.listen(512)
-        except OSError as e:  # the name is held (a process keeps it): TCP only, as before
-            log.warning("no local socket for %s (%s): same-host clients use TCP", self.address, e)
+        except OSError as e:
             usock.close()
-            return None
+            self._ep.close()
+            self.lsock.close()
+            raise OSError(e.errno, f"the local socket of {self.address} is held by another "
+                          f"process ({e.strerror}); stop it, or start the master with "
+                          "--no-local-socket") from e
         usock.setblocking(False)
         self._register(usock, IN, LOCAL)
         return usock
@@ -177,8 +183,8 @@ class FrameServer:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 name = f"{peer[0]}:{peer[1]}"
             else:  # a Unix peer has no address: name it by its process
-                pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                          12))[0]
+                pid = struct.unpack("iIi", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                           12))[0]
                 name = f"local pid {pid}"  # (the token, if any, is checked as over TCP)
             c = Conn(sock, next(self._ids), name, self.limits.max_frame)
             self.conns[c.cid] = c

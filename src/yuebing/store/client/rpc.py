@@ -14,7 +14,6 @@ one asyncio loop on one socket. Both open every connection with the cluster toke
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import random
@@ -385,13 +384,18 @@ class AsyncMasterConnection(_Base):
     async def _open(self) -> asyncio.StreamWriter:
         opened = None
         for name in local_names(self.address) if self.local else ():
-            with contextlib.suppress(OSError):  # nobody listens there: the next, then TCP
-                opened = await asyncio.wait_for(asyncio.open_unix_connection(name),
-                                                self.timeout_s)
-                if trusted(opened[1].get_extra_info("socket")):
-                    break
-                opened[1].close()
-                opened = None
+            try:  # nobody (trusted) listens there: the next name, then TCP
+                got = await asyncio.wait_for(asyncio.open_unix_connection(name), self.timeout_s)
+            except OSError:
+                continue
+            try:
+                ok = trusted(got[1].get_extra_info("socket"))
+            except OSError:
+                ok = False
+            if ok:
+                opened = got
+                break
+            got[1].close()
         if opened is None:
             opened = await asyncio.wait_for(asyncio.open_connection(*parse_address(self.address)),
                                             self.timeout_s)

@@ -310,7 +310,8 @@ class MasterService:
     def _subscribe(self, leader: str) -> None:
         self._unfollow()
         try:
-            s = FrameSocket(leader, self.cfg.repl_timeout_s, token=self.cfg.cluster_token)
+            s = FrameSocket(leader, self.cfg.repl_timeout_s, token=self.cfg.cluster_token,
+                            local=self.cfg.local_socket)
             s.send(1, encode(ReplSubscribe(standby=self.name)))
         except OSError as e:
             log.warning("cannot reach leader %s: %s", leader, e)
