@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from test_store_wire import _roundtrip
 
 from yuebing.ops.ports import free_port
 from yuebing.protocol.codec import decode, encode
@@ -36,22 +37,12 @@ def _echo(address: str = "tcp://127.0.0.1:0", local: bool = True, token: str = "
     return srv
 
 
-def _roundtrip(srv: FrameServer, sock: FrameSocket, payload: bytes) -> tuple[int, bytes] | None:
-    sock.send(7, payload)
-    for _ in range(200):
-        srv.poll(0.01)
-        got = sock.recv(0.01)
-        if got is not None:
-            return got
-    return None
-
-
 def test_a_client_on_loopback_goes_through_the_local_socket() -> None:
     srv = _echo()
     sock = FrameSocket(srv.address, 2.0)
     try:
         assert sock.local
-        assert _roundtrip(srv, sock, b"abc") == (7, b"cba")
+        assert _roundtrip(srv, sock, 7, b"abc") == (7, b"cba")
         (conn,) = srv.conns.values()
         assert conn.peer == f"local pid {os.getpid()}"  # named by its process in the logs
     finally:
@@ -65,7 +56,7 @@ def test_either_end_turned_off_means_tcp(server_local: bool, client_local: bool)
     sock = FrameSocket(srv.address, 2.0, local=client_local)
     try:
         assert not sock.local
-        assert _roundtrip(srv, sock, b"abc") == (7, b"cba")
+        assert _roundtrip(srv, sock, 7, b"abc") == (7, b"cba")
         (conn,) = srv.conns.values()
         assert conn.peer.startswith("127.0.0.1:")
     finally:
@@ -80,7 +71,7 @@ def test_loopback_finds_the_wildcard_and_localhost_names(bind: str, dial: str) -
     sock = FrameSocket(f"tcp://{dial}:{port}", 2.0)
     try:
         assert sock.local
-        assert _roundtrip(srv, sock, b"xyz") == (7, b"zyx")
+        assert _roundtrip(srv, sock, 7, b"xyz") == (7, b"zyx")
     finally:
         sock.close()
         srv.close()
@@ -107,7 +98,7 @@ def test_the_token_is_checked_on_the_local_socket_too() -> None:
     bad = FrameSocket(srv.address, 2.0, token="wrong")
     try:
         assert good.local and bad.local
-        assert _roundtrip(srv, good, b"ok") == (7, b"ko")
+        assert _roundtrip(srv, good, 7, b"ok") == (7, b"ko")
         with pytest.raises(ConnectionError):
             for _ in range(200):  # closed unanswered
                 srv.poll(0.01)
@@ -131,7 +122,7 @@ def test_a_held_name_stops_the_master_from_starting_unless_turned_off() -> None:
         sock = FrameSocket(srv.address, 2.0)
         try:
             assert not sock.local  # nobody listens on the held name: refused, then TCP
-            assert _roundtrip(srv, sock, b"abc") == (7, b"cba")
+            assert _roundtrip(srv, sock, 7, b"abc") == (7, b"cba")
         finally:
             sock.close()
             srv.close()
