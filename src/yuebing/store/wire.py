@@ -116,25 +116,28 @@ def local_names(address: str) -> list[str]:
     return [local_name(host, port), local_name("0.0.0.0", port)]
 
 
-def peer_uid(sock: socket.socket) -> int:
-    """The user id of the process at the other end of Unix socket ``sock`` (``struct ucred``:
-    pid, uid, gid; -1 when it is not connected)."""
-    return struct.unpack("iIi", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+def peer_cred(sock: socket.socket) -> tuple[int, int]:
+    """(pid, user id) of the process at the other end of Unix socket ``sock`` (``struct
+    ucred``; uid -1 when it is not connected)."""
+    pid, uid, _ = struct.unpack("iIi", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
 
 
 def trusted(sock: socket.socket) -> bool:
     """Whether the listener of local socket ``sock`` may be the master: it runs as this user or
     as root. Anyone may bind a free abstract name; one held by another user is passed over for
     TCP, so no credential goes to it."""
-    return peer_uid(sock) in (os.getuid(), 0)
+    return peer_cred(sock)[1] in (os.getuid(), 0)
 
 
-def connect(address: str, timeout_s: float, local: bool = True) -> socket.socket:
-    """A connected socket to the master at ``address``: through its abstract Unix socket when
-    ``local`` and it is on loopback and `trusted` (`local_names`), else TCP (no Nagle delay)."""
-    for name in local_names(address) if local else ():
+def connect_local(address: str, timeout_s: float) -> socket.socket | None:
+    """A socket connected to the master at ``address`` through its abstract Unix socket, if it
+    is on loopback and a `trusted` process listens there (`local_names`); else None. It never
+    waits: a name nobody listens on is refused, a full backlog fails (EAGAIN), so event loops
+    call it too (`AsyncMasterConnection`)."""
+    for name in local_names(address):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(timeout_s)  # a full backlog fails the connect at once (EAGAIN): TCP
+        s.settimeout(timeout_s)
         try:
             s.connect(name)
             if trusted(s):
@@ -142,8 +145,16 @@ def connect(address: str, timeout_s: float, local: bool = True) -> socket.socket
         except OSError:
             pass
         s.close()
-    s = socket.create_connection(parse_address(address), timeout=timeout_s)
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return None
+
+
+def connect(address: str, timeout_s: float, local: bool = True) -> socket.socket:
+    """A connected socket to the master at ``address``: through its abstract Unix socket when
+    ``local`` and `connect_local` finds it, else TCP (no Nagle delay)."""
+    s = connect_local(address, timeout_s) if local else None
+    if s is None:
+        s = socket.create_connection(parse_address(address), timeout=timeout_s)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return s
 
 

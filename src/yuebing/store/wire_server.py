@@ -18,14 +18,21 @@ import itertools
 import logging
 import select
 import socket
-import struct
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from yuebing.core.spin import GapPredictor, Spinner
-from yuebing.store.wire import HEADER, RECV, FrameTooLarge, auth_preamble, local_name, parse_address
+from yuebing.store.wire import (
+    HEADER,
+    RECV,
+    FrameTooLarge,
+    auth_preamble,
+    local_name,
+    parse_address,
+    peer_cred,
+)
 from yuebing.store.wire_limits import Conn, FrameLimits, Intake, Refused
 
 log = logging.getLogger(__name__)
@@ -183,9 +190,7 @@ class FrameServer:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 name = f"{peer[0]}:{peer[1]}"
             else:  # a Unix peer has no address: name it by its process
-                pid = struct.unpack("iIi", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                           12))[0]
-                name = f"local pid {pid}"  # (the token, if any, is checked as over TCP)
+                name = f"local pid {peer_cred(sock)[0]}"  # (its token is checked as over TCP)
             c = Conn(sock, next(self._ids), name, self.limits.max_frame)
             self.conns[c.cid] = c
             self._register(sock, IN, c)

@@ -25,14 +25,7 @@ from yuebing.core.auth import env_cluster_token
 from yuebing.core.errors import StoreError
 from yuebing.protocol import Message, ProtocolError, decode, encode
 from yuebing.protocol import store as m
-from yuebing.store.wire import (
-    HEADER,
-    FrameSocket,
-    auth_preamble,
-    local_names,
-    parse_address,
-    trusted,
-)
+from yuebing.store.wire import HEADER, FrameSocket, auth_preamble, connect_local, parse_address
 
 log = logging.getLogger(__name__)
 C = m.Code
@@ -78,7 +71,7 @@ class _Base:
             raise StoreError("no master address given")
         self.token = env_cluster_token() if token is None else token
         self.local = local
-        """Reach a master on this host through its Unix socket (`wire.connect`)."""
+        """Reach a master dialed on loopback through its Unix socket (`wire.connect_local`)."""
         self.masters = list(masters)
         self.timeout_s = timeout_s
         self.failover_s = failover_s
@@ -382,23 +375,12 @@ class AsyncMasterConnection(_Base):
             return await self._open()
 
     async def _open(self) -> asyncio.StreamWriter:
-        opened = None
-        for name in local_names(self.address) if self.local else ():
-            try:  # nobody (trusted) listens there: the next name, then TCP
-                got = await asyncio.wait_for(asyncio.open_unix_connection(name), self.timeout_s)
-            except OSError:
-                continue
-            try:
-                ok = trusted(got[1].get_extra_info("socket"))
-            except OSError:
-                ok = False
-            if ok:
-                opened = got
-                break
-            got[1].close()
-        if opened is None:
-            opened = await asyncio.wait_for(asyncio.open_connection(*parse_address(self.address)),
-                                            self.timeout_s)
+        local = connect_local(self.address, self.timeout_s) if self.local else None
+        if local is not None:  # connected already: asyncio only takes it over
+            opened = await asyncio.open_unix_connection(sock=local)
+        else:
+            opened = await asyncio.wait_for(
+                asyncio.open_connection(*parse_address(self.address)), self.timeout_s)
         reader, writer = opened
         if self.token:
             writer.write(auth_preamble(self.token))

@@ -59,7 +59,7 @@ class LandingReports:
                  public: Callable[[str], str], local: bool = True) -> None:
         self.node = node
         self.local = local
-        """Reach a master on this host through its Unix socket (`wire.connect`)."""
+        """Reach a master dialed on loopback through its Unix socket (`wire.connect_local`)."""
         self.incarnation = incarnation
         self.public = public
         """A segment's name as mounted at the master, from its name in the node's engine."""
