@@ -194,6 +194,24 @@ def test_lent_points_give_the_prefill_speed_on_borrowed_cores() -> None:
     assert cal.key() != four.key() and "lent 2 0.55" in cal.key()
 
 
+def test_each_instance_is_predicted_with_its_own_lent_speed() -> None:
+    """Hosts differ in cores: a prefill instance on a 4-core host gains more from lending than
+    the 2-core one whose profile set the predictor, and one without lent points gains what
+    the adopted profile says. A rejoining id without lent points loses its old ones."""
+    cal = Calibration(linear(), "", Seen(), check="warn")
+    assert cal.admit(hello("p0", Role.PREFILL, CONF, lent_profile(CONF, 0.55))) == ""
+    assert cal.admit(hello("p1", Role.PREFILL, CONF, lent_profile(CONF, 0.3, 4))) == ""
+    assert cal.prefill_factor(2, "p0") == pytest.approx(0.55)
+    assert cal.prefill_factor(4, "p1") == pytest.approx(0.3)
+    assert cal.prefill_factor(2, "p1") == pytest.approx(1 - 0.7 / 3)  # 1 of its 3 lent
+    assert cal.prefill_factor(2, "elsewhere") == pytest.approx(0.55)  # the adopted one's
+    assert cal.state()["prefill_lent_by_instance"]["p1"]["factor"] == pytest.approx(0.3)
+    assert cal.admit(hello("p1", Role.PREFILL, CONF, profile(CONF))) == ""  # back, no points
+    assert cal.prefill_factor(4, "p1") == 1.0
+    assert cal.admit(hello("d0", Role.DECODE, CONF, lent_profile(CONF, 0.2))) == ""
+    assert "d0" not in cal.state()["prefill_lent_by_instance"]  # a decode never lends to itself
+
+
 @pytest.mark.parametrize("prof", [
     lent_profile(CONF, 1.7),  # slower on more threads: never predicted slower for them
     lent_profile({**CONF, "threads": "2"}, 0.5),  # no more threads than its own

@@ -51,7 +51,7 @@ def test_a_prefill_whose_host_mates_are_idle_is_viewed_on_every_core() -> None:
     c, p = _cluster()
     d = _member(c, "d0", Role.DECODE)
     far = _member(c, "d1", Role.DECODE, host="elsewhere")
-    c.prefill_factor = lambda threads: 0.5 if threads >= 2 else 1.0
+    c.prefill_factor = lambda threads, _id: 0.5 if threads >= 2 else 1.0
 
     def factor() -> float:
         return c.view(RequestInfo("r", 0.0, 100, (), 10), [p], [], 0.0).prefills[0].time_factor

@@ -120,6 +120,9 @@ class Calibration:
         self.lent: tuple[int, int, float] | None = None
         """(own threads, lent threads, factor) of the prefill profile in use: a prefill on
         ``lent`` threads takes ``factor`` of the predicted time (None: not measured)."""
+        self.lent_of: dict[str, tuple[int, int, float] | None] = {}
+        """Per admitted prefill (or coupled) instance with a start-up profile, its own
+        `lent_speed`: hosts differ in cores, and so in what lending gains."""
         self.fixed = bool(from_file)
         """Predictors given (a file): profiles never replace them."""
         origin = f"file {from_file}" if from_file else ""
@@ -136,21 +139,25 @@ class Calibration:
     def state(self) -> dict[str, object]:
         """For ``/health``: each part's origin and the configuration it holds for, the online
         prefill scale and the prefill's speed on lent cores (`lent`)."""
-        lent = None if self.lent is None else dict(zip(("own_threads", "lent_threads", "factor"),
-                                                      self.lent, strict=True))
+        def shown(lent: tuple[int, int, float] | None) -> dict[str, float] | None:
+            return None if lent is None else dict(zip(("own_threads", "lent_threads", "factor"),
+                                                      lent, strict=True))
         return {**{part: {"origin": self.origin[part] or "linear defaults",
                           "configuration": dict(self.pinned[part] or {})}
                    for part in (PREFILL, DECODE)}, "prefill_scale": round(self.scale, 4),
-                "prefill_lent": lent}
+                "prefill_lent": shown(self.lent),
+                "prefill_lent_by_instance": {i: shown(v) for i, v in sorted(self.lent_of.items())}}
 
-    def prefill_factor(self, step_threads: float) -> float:
-        """The prefill time of an instance whose steps would run with ``step_threads`` now,
-        per predicted second: the lent factor at the lent threads, linear in the threads
+    def prefill_factor(self, step_threads: float, instance_id: str = "") -> float:
+        """The prefill time of instance ``instance_id`` when its steps would run with
+        ``step_threads`` now, per predicted second: its own profile's lent factor at the lent
+        threads (the adopted profile's for an instance without one), linear in the threads
         between its own and those; 1 with no more than its own (or nothing measured)."""
-        if self.lent is None or step_threads <= self.lent[0]:
+        lent = self.lent_of.get(instance_id, self.lent) if instance_id else self.lent
+        if lent is None or step_threads <= lent[0]:
             return 1.0
-        own, lent, factor = self.lent
-        return 1.0 + (factor - 1.0) * min(1.0, (step_threads - own) / (lent - own))
+        own, lent_threads, factor = lent
+        return 1.0 + (factor - 1.0) * min(1.0, (step_threads - own) / (lent_threads - own))
 
     def observe(self, new_tokens: int, cached_tokens: int, prefill_s: float,
                 factor: float = 1.0) -> None:
@@ -238,6 +245,10 @@ class Calibration:
         adopted = [p for p in _parts(hello.role) if self.pinned[p] is None]
         if adopted and hello.profile is not None and not self.fixed:
             self._adopt(hello, adopted, hello.profile)
+        if PREFILL in _parts(hello.role) and hello.profile is not None:
+            self.lent_of[hello.instance_id] = lent_speed(hello.profile)
+        else:  # a rejoining id without lent points must not keep its old ones
+            self.lent_of.pop(hello.instance_id, None)
         return ""
 
     def _adopt(self, hello: Hello, parts: list[str], profile: EngineProfile) -> None:

@@ -106,9 +106,9 @@ class LiveCluster:
         self.rpc_timeout_s = rpc_timeout_s
         self.store_block_tokens = store_block_tokens
         self.prefill_time = prefill_time
-        self.prefill_factor: Callable[[int], float] = lambda step_threads: 1.0
+        self.prefill_factor: Callable[[int, str], float] = lambda step_threads, _id: 1.0
         """An instance's prefill time per predicted second when its steps would run with
-        ``step_threads`` (its load report's; `Calibration.prefill_factor`)."""
+        ``step_threads`` (its load report's; `Calibration.prefill_factor`), by its id."""
         self.link_bandwidth_Bps = link_bandwidth_Bps
         self.link_latency_s = link_latency_s
         self.conductor_id = conductor_id
@@ -430,7 +430,7 @@ class LiveCluster:
             own = sum(est for est, _ in started) - (now_s - min(t for _, t in started))
         return PrefillLoad(m.id, max(reported, own, 0.0) + sum(w.prefill_s for w in waiting),
                            max(r.queued_requests, len(m.prefilling)), waiting=waiting,
-                           time_factor=self.prefill_factor(self._step_threads(m)))
+                           time_factor=self.prefill_factor(self._step_threads(m), m.id))
 
     def _step_threads(self, m: Member) -> int:
         """The threads a prefill on ``m`` would run with. This Conductor's own work on one of

@@ -248,7 +248,7 @@ class _Routes:
                 self.c.metrics.finished(s)
             if status == 200 and s.breakdown.prefill_s > 0 and not s.pipelined:
                 threads = s.breakdown.prefill_threads  # what it ran with, else what was routed
-                factor = self.c.calibration.prefill_factor(threads) if threads > 0 \
+                factor = self.c.calibration.prefill_factor(threads, s.prefill_id) if threads > 0 \
                     else s.prefill_factor
                 self.c.calibration.observe(s.prompt_tokens - s.cached_tokens, s.cached_tokens,
                                            s.breakdown.prefill_s, factor)
