@@ -22,14 +22,16 @@ def conversation_trace() -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def machine_choices() -> None:
-    """This machine's transfer choices (TCP lanes, small-copy limit) settled once before any
+    """This machine's transfer choices (TCP lanes, small-copy and split limits) settled once before any
     test: on a machine that has not measured them yet, the first engine a test starts (maybe
     in a child process, under a test's short timeouts) would measure them instead."""
+    from yuebing.store.client import direct
     from yuebing.transfer import TransferConfig, TransferEngine, streamcopy
     from yuebing.transfer.lanes import resolve_lanes
 
     resolve_lanes(TransferConfig(), TransferEngine)
     streamcopy.small_copy()
+    direct.split_limits(direct.default_workers())
 
 
 @pytest.fixture(scope="session", autouse=True)

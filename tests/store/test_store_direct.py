@@ -8,6 +8,7 @@ import os
 import time
 
 import numpy as np
+import pytest
 
 from yuebing.store.client.direct import _copy
 from yuebing.transfer import OpCode, streamcopy
@@ -100,11 +101,17 @@ def test_a_read_ending_past_its_deadline_is_not_trusted(tmp_path) -> None:
         os.close(fd)
 
 
-def test_a_large_single_read_is_cut_into_pieces_copied_by_several_threads(tmp_path) -> None:
-    """One read of `SPLIT_READ_MIN` bytes or more is copied by the pool's threads too, piece by
-    piece, and lands whole (odd sizes and offsets included); a smaller one stays in the caller."""
-    from yuebing.store.client.direct import SPLIT_READ_MIN, DirectSegments, _pieces
+def test_a_large_single_read_is_cut_into_pieces_copied_by_several_threads(
+        tmp_path, monkeypatch) -> None:
+    """One read of the machine's split limit or more is copied by the pool's threads too, piece
+    by piece, and lands whole (odd sizes and offsets included); a smaller one stays in the
+    caller."""
+    from yuebing.store.client import direct as direct_mod
+    from yuebing.store.client.direct import DirectSegments, _pieces
     from yuebing.transfer import TransferRequest, TransferStatus
+
+    SPLIT_READ_MIN = 1 << 20
+    monkeypatch.setattr(direct_mod, "_split", (4 << 20, SPLIT_READ_MIN))
 
     for n, k in ((SPLIT_READ_MIN + 4099, 2), (SPLIT_READ_MIN, 4), (5000, 4), (1, 3)):
         job = (OpCode.READ, memoryview(bytearray(n)), None, 7, n)
@@ -171,3 +178,27 @@ def test_a_node_dying_during_a_copy_fails_it_alone_or_in_a_batch(tmp_path) -> No
             for left in held:  # a failure before the copy ran: the lock is still ours
                 with contextlib.suppress(OSError):
                     os.close(left)
+
+
+def test_split_limits_are_measured_per_machine_and_kept(tmp_path, monkeypatch) -> None:
+    """The limits come from timing whole and split copies (each a candidate size or `NEVER`),
+    are kept for the next process under the machine's key, and a malformed kept choice is
+    refused (then measured again)."""
+    from yuebing.store.client import direct as direct_mod
+
+    batch, rd, timings = direct_mod.measure_split(2, reps=2, arena=64 << 20)
+    allowed = {*direct_mod.SPLIT_CANDIDATES, direct_mod.NEVER}
+    assert batch in allowed and rd in allowed
+    assert set(timings) == {"write", "read"}
+    assert all(len(t) == 2 and min(t) > 0 for d in timings.values() for t in d.values())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # choices kept under tmp_path
+    monkeypatch.setattr(direct_mod, "_split", None)
+    calls = []
+    monkeypatch.setattr(direct_mod, "measure_split",
+                        lambda w: calls.append(w) or (8 << 20, direct_mod.NEVER, timings))
+    assert direct_mod.split_limits(2) == (8 << 20, direct_mod.NEVER)
+    monkeypatch.setattr(direct_mod, "_split", None)  # a new process: the kept choice
+    assert direct_mod.split_limits(2) == (8 << 20, direct_mod.NEVER) and calls == [2]
+    for bad in ([0, 1, {}], ["x", 1, {}], [1, 2, []]):
+        with pytest.raises(TypeError):
+            direct_mod.split_choice(bad)

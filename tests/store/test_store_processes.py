@@ -172,7 +172,7 @@ def test_same_host_direct_path_skips_the_engine(cluster) -> None:
         assert c.batch_put(["d/s1", "d/s2"], [b"1" * 100, b"2" * 5000], strategy="preferred",
                            preferred=[seg_a]) == [0, 0]
         e.put("d/e", b"e" * 5000, strategy="preferred", preferred=[seg_a])
-        par = [np.full(3 << 20, i + 1, dtype=np.uint8) for i in range(2)]  # >= PARALLEL_MIN
+        par = [np.full(3 << 20, i + 1, dtype=np.uint8) for i in range(2)]  # split if measured so
         assert c.batch_put(["d/p1", "d/p2"], par, strategy="preferred", preferred=[seg_a]) == [0, 0]
         assert e.batch_get(["d/p1", "d/p2"]) == [p.tobytes() for p in par]
         back = [np.zeros(3 << 20, dtype=np.uint8) for _ in range(2)]

@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from yuebing.core.choices import machine_parts, shared_choice
 from yuebing.core.errors import TransferError
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import (
@@ -35,12 +37,90 @@ from yuebing.transfer.types import BatchId, RequestStatus
 
 log = logging.getLogger(__name__)
 
-PARALLEL_MIN = 4 << 20
-"""Batches of at least this many bytes are copied by several threads."""
-SPLIT_READ_MIN = PARALLEL_MIN
-"""A single read of at least this many bytes is cut into one piece per thread (quiet A/B, 2-core
-Xeon: same-host `get_into` 4 MiB 1.20×, 1 MiB 0.80× — a pool thread's wake-up costs more than
-half a 1 MiB copy saves)."""
+SPLIT_CANDIDATES = (512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20)
+"""Copy sizes the split limits are measured at (`measure_split`)."""
+SPLIT_VERSION = 1
+"""Bump when the measurement changes: every machine measures again."""
+NEVER = 1 << 62
+_split: tuple[int, int] | None = None
+
+
+def default_workers() -> int:
+    """Copy threads of a `DirectSegments` (this one included)."""
+    return min(4, os.cpu_count() or 1)
+
+
+def split_limits(workers: int) -> tuple[int, int]:
+    """(batch, read): batches of at least ``batch`` bytes are copied by ``workers`` threads,
+    and a single read of at least ``read`` bytes is cut into one piece per thread. Measured
+    once per machine and kept (`core.choices`): where a pool thread's wake-up costs more than
+    the split saves depends on the processor (2-core Xeon, quiet A/B: same-host `get_into`
+    4 MiB 1.20×, 1 MiB 0.80× split). Settled at the first copy that could be split."""
+    global _split
+    if _split is None:
+        parts = {"kind": "store.split_copy", "version": SPLIT_VERSION, **machine_parts(),
+                 "workers": workers, "candidates": SPLIT_CANDIDATES,
+                 "streaming": streamcopy.streaming()}
+        (batch, rd, timings), kept = shared_choice(parts, lambda: measure_split(workers),
+                                                   split_choice)
+        _split = (batch, rd)
+        log.info("split copies: batches from %d, single reads from %d bytes (%s); µs per "
+                 "copy, one thread / split: %s", batch, rd,
+                 "kept for this machine" if kept else "measured now", timings)
+    return _split
+
+
+def split_choice(raw: Any) -> tuple[int, int, dict[str, dict[str, list[float]]]]:
+    """`measure_split`'s (batch limit, read limit, timings) from JSON."""
+    batch, rd, timings = raw
+    if not all(isinstance(x, int) and 0 < x <= NEVER for x in (batch, rd)) or \
+            not isinstance(timings, dict) or not all(isinstance(v, dict) for v in timings.values()):
+        raise TypeError(f"not a split-copy choice: {raw!r}")
+    return batch, rd, {str(k): {str(n): [float(x) for x in t] for n, t in v.items()}
+                       for k, v in timings.items()}
+
+
+def measure_split(workers: int, reps: int = 9, arena: int = 256 << 20
+                  ) -> tuple[int, int, dict[str, dict[str, list[float]]]]:
+    """The limits from copies of each `SPLIT_CANDIDATES` size done by this thread alone and
+    cut into ``workers`` pieces, the others on a pool's threads as `DirectSegments` does:
+    writes into the next place of an ``arena`` of touched memory (cold, as a segment's; a
+    batch's copies), reads out of it into one reused buffer (a single get). Each limit is the
+    least-cost cut (`streamcopy.least_cost_limit`): whole up to it, split above; the largest
+    candidate there means never split (`NEVER`)."""
+    big = np.ones(arena, np.uint8)
+    one = np.ones(SPLIT_CANDIDATES[-1], np.uint8)
+    took: dict[str, dict[int, tuple[list[float], list[float]]]] = {
+        d: {n: ([], []) for n in SPLIT_CANDIDATES} for d in ("write", "read")}
+    with ThreadPoolExecutor(max(1, workers - 1)) as pool:
+        at = 0
+        for r in range(reps):
+            for size in SPLIT_CANDIDATES:
+                for direction in ("write", "read"):
+                    for split in (r % 2 == 0, r % 2 == 1):
+                        at = at + size if at + 2 * size <= big.nbytes else 0
+                        place, mine = big[at:at + size], one[:size]
+                        dst, src = (place, mine) if direction == "write" else (mine, place)
+                        t0 = time.perf_counter()
+                        if split:
+                            step = max(4096, size // workers // 4096 * 4096)
+                            cuts = [min(size, i * step) for i in range(workers)] + [size]
+                            futs = [pool.submit(streamcopy.copy, dst[a:b], src[a:b])
+                                    for a, b in zip(cuts[1:-1], cuts[2:], strict=True)]
+                            streamcopy.copy(dst[:cuts[1]], src[:cuts[1]])
+                            for f in futs:
+                                f.result()
+                        else:
+                            streamcopy.copy(dst, src)
+                        took[direction][size][split].append(time.perf_counter() - t0)
+    timings = {d: {str(n): [round(statistics.median(t) * 1e6, 2) for t in v[n]]
+                   for n in SPLIT_CANDIDATES} for d, v in took.items()}
+
+    def limit(d: str) -> int:
+        whole_up_to = streamcopy.least_cost_limit(timings[d])
+        bigger = [n for n in SPLIT_CANDIDATES if n > whole_up_to]
+        return bigger[0] if bigger else NEVER
+    return limit("write"), limit("read"), timings
 
 LATE_READ = "read ended past its deadline: its read lease may have ended mid-copy"
 
@@ -82,7 +162,7 @@ class DirectSegments:
     with a shared lock: got one means the node died — the map is dropped, the requests go through
     the engine (which fails them), and a copy that raced the death ends FAILED, never DONE.
     Copies above `streamcopy.small_copy` bytes use `yuebing.transfer.streamcopy.copy`;
-    batches of at least `PARALLEL_MIN` bytes, and single reads of `SPLIT_READ_MIN`, use a few
+    batches and single reads of at least this machine's `split_limits` bytes use a few
     threads. No write starts past the put's deadline and large ones
     check it between pieces (`copy_until`, TIMEOUT: revoked); a read ending past its lease's
     deadline ends TIMEOUT too (the client asks again)."""
@@ -92,7 +172,7 @@ class DirectSegments:
         self.enabled = enabled and "shm" in engine.config.transports
         self._maps: dict[str, MappedFile | None] = {}
         self._lock = threading.Lock()
-        self.workers = min(4, os.cpu_count() or 1)
+        self.workers = default_workers()
         self._pool: ThreadPoolExecutor | None = None
 
     def _target(self, segment: str) -> MappedFile | str | None:
@@ -184,13 +264,16 @@ class DirectSegments:
 
     def _run(self, jobs: list[tuple[OpCode, memoryview, MappedFile, int, int]],
              deadline: float) -> list[int]:
-        """Copy in this thread, or, for a batch of at least `PARALLEL_MIN` bytes or a read of
-        `SPLIT_READ_MIN` cut in pieces, split over `workers` threads (`streamcopy.copy`
+        """Copy in this thread, or, for a batch or a single read of at least this machine's
+        `split_limits` bytes (the read cut in pieces), split over `workers` threads (`streamcopy.copy`
         releases the GIL: copies overlap); returns the bytes each job copied."""
-        if len(jobs) == 1 and self.workers >= 2 and jobs[0][0] == OpCode.READ \
-                and jobs[0][4] >= SPLIT_READ_MIN:  # a read copies all or is not trusted
+        if self.workers < 2 or (len(jobs) == 1 and jobs[0][4] < SPLIT_CANDIDATES[0]):
+            return _copy_all(jobs, deadline, alone=len(jobs) == 1)
+        batch_min, read_min = split_limits(self.workers)
+        if len(jobs) == 1 and jobs[0][0] == OpCode.READ \
+                and jobs[0][4] >= read_min:  # a read copies all or is not trusted
             return [sum(self._parallel(_pieces(jobs[0], self.workers), deadline))]
-        if len(jobs) < 2 or self.workers < 2 or sum(j[4] for j in jobs) < PARALLEL_MIN:
+        if len(jobs) < 2 or sum(j[4] for j in jobs) < batch_min:
             return _copy_all(jobs, deadline, alone=len(jobs) == 1)
         return self._parallel(jobs, deadline)
 
