@@ -111,7 +111,8 @@ def test_a_large_single_read_is_cut_into_pieces_copied_by_several_threads(
     from yuebing.transfer import TransferRequest, TransferStatus
 
     SPLIT_READ_MIN = 1 << 20
-    monkeypatch.setattr(direct_mod, "_split", (4 << 20, SPLIT_READ_MIN))
+    monkeypatch.setattr(direct_mod, "_split", direct_mod.SplitLimits(4 << 20, SPLIT_READ_MIN,
+                                                                      SPLIT_READ_MIN))
 
     for n, k in ((SPLIT_READ_MIN + 4099, 2), (SPLIT_READ_MIN, 4), (5000, 4), (1, 3)):
         job = (OpCode.READ, memoryview(bytearray(n)), None, 7, n)
@@ -181,24 +182,61 @@ def test_a_node_dying_during_a_copy_fails_it_alone_or_in_a_batch(tmp_path) -> No
 
 
 def test_split_limits_are_measured_per_machine_and_kept(tmp_path, monkeypatch) -> None:
-    """The limits come from timing whole and split copies (each a candidate size or `NEVER`),
-    are kept for the next process under the machine's key, and a malformed kept choice is
-    refused (then measured again)."""
+    """The limits come from timing whole and split copies of each kind (each limit a
+    candidate size or `NEVER`), are kept for the next process under the machine's key, and a
+    malformed kept choice is refused."""
     from yuebing.store.client import direct as direct_mod
 
-    batch, rd, timings = direct_mod.measure_split(2, reps=2, arena=64 << 20)
+    limits, timings = direct_mod.measure_split(2, reps=2, arena=64 << 20)
     allowed = {*direct_mod.SPLIT_CANDIDATES, direct_mod.NEVER}
-    assert batch in allowed and rd in allowed
-    assert set(timings) == {"write", "read"}
+    assert set(limits) <= allowed
+    assert set(timings) == set(direct_mod.KINDS)
     assert all(len(t) == 2 and min(t) > 0 for d in timings.values() for t in d.values())
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # choices kept under tmp_path
     monkeypatch.setattr(direct_mod, "_split", None)
     calls = []
+    want = direct_mod.SplitLimits(8 << 20, direct_mod.NEVER, 1 << 20)
     monkeypatch.setattr(direct_mod, "measure_split",
-                        lambda w: calls.append(w) or (8 << 20, direct_mod.NEVER, timings))
-    assert direct_mod.split_limits(2) == (8 << 20, direct_mod.NEVER)
+                        lambda w: calls.append(w) or (want, timings))
+    assert direct_mod.split_limits(2) == want
     monkeypatch.setattr(direct_mod, "_split", None)  # a new process: the kept choice
-    assert direct_mod.split_limits(2) == (8 << 20, direct_mod.NEVER) and calls == [2]
-    for bad in ([0, 1, {}], ["x", 1, {}], [1, 2, []]):
+    assert direct_mod.split_limits(2) == want and calls == [2]
+    for bad in ([[0, 1, 1], {}], [["x", 1, 1], {}], [[1, 2], {}], [[1, 2, 3], []]):
         with pytest.raises(TypeError):
             direct_mod.split_choice(bad)
+
+
+def test_a_destination_not_faulted_in_takes_the_fresh_limit(tmp_path, monkeypatch) -> None:
+    """`resident` tells a new anonymous mapping's pages (not in memory) from touched ones, and
+    a batch read into new buffers splits from the ``fresh`` limit while the same batch into
+    touched buffers stays whole below the ``batch`` limit."""
+    import mmap
+
+    from yuebing.store.client import direct as direct_mod
+    from yuebing.store.client.direct import DirectSegments
+
+    new = mmap.mmap(-1, 1 << 20)
+    addr = np.frombuffer(new, np.uint8).ctypes.data
+    assert not direct_mod.resident(addr + (512 << 10))
+    new[512 << 10] = 1
+    assert direct_mod.resident(addr + (512 << 10))
+    monkeypatch.setattr(direct_mod, "_split", direct_mod.SplitLimits(direct_mod.NEVER,
+                                                                      direct_mod.NEVER, 1 << 20))
+    path = tmp_path / "seg"
+    path.write_bytes(bytes(range(256)) * (16 << 12))  # 4 MiB
+    mapped = direct_mod.MappedFile(str(path), 4 << 20)
+    split: list[int] = []
+    d = DirectSegments.__new__(DirectSegments)
+    d.workers, d._pool = 2, None
+    monkeypatch.setattr(DirectSegments, "_parallel",
+                        lambda self, jobs, dl: split.append(len(jobs)) or
+                        [direct_mod._copy(*j, dl) for j in jobs])
+    for fresh in (True, False):
+        bufs = [mmap.mmap(-1, 1 << 20) for _ in range(2)]
+        if not fresh:
+            for b in bufs:
+                b.write(b"\0" * (1 << 20))
+        jobs = [(OpCode.READ, memoryview(b), mapped, i << 20, 1 << 20) for i, b in enumerate(bufs)]
+        assert d._run(jobs, time.monotonic() + 10) == [1 << 20, 1 << 20]  # type: ignore[arg-type]
+        assert [bytes(b[:3]) for b in bufs] == [b"\0\1\2"] * 2
+        assert split == ([2] if fresh else [2])

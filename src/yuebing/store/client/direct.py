@@ -11,12 +11,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import os
 import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -37,12 +38,46 @@ from yuebing.transfer.types import BatchId, RequestStatus
 
 log = logging.getLogger(__name__)
 
-SPLIT_CANDIDATES = (512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20)
-"""Copy sizes the split limits are measured at (`measure_split`)."""
-SPLIT_VERSION = 1
+SPLIT_CANDIDATES = (512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20, 64 << 20)
+"""Copy sizes the split limits are measured at (`measure_split`): up to a batch of 16 × 4 MiB."""
+SPLIT_VERSION = 3
 """Bump when the measurement changes: every machine measures again."""
 NEVER = 1 << 62
-_split: tuple[int, int] | None = None
+KINDS = ("write", "read", "fresh")
+"""What `measure_split` times: writes into touched segment memory (a batch's limit), reads
+into one reused buffer (a single read's), reads into memory not yet faulted in (``fresh``: a
+get's new buffers, a segment's first writes; page faults, which threads take in parallel)."""
+
+
+class SplitLimits(NamedTuple):
+    """Bytes from which `DirectSegments` splits a copy over its threads (`NEVER`: never)."""
+
+    batch: int
+    """A batch (writes, and reads into warm buffers), split job by job."""
+    read: int
+    """One read into a warm buffer, cut in a piece per thread."""
+    fresh: int
+    """A batch or one read whose destination is not faulted in yet (`resident`)."""
+
+
+_split: SplitLimits | None = None
+_PAGE = mmap.PAGESIZE
+_mincore: Any
+try:
+    _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    _mincore = _libc.mincore
+    _mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+except (OSError, AttributeError):  # not glibc/Linux: every destination counts as warm
+    _mincore = None
+
+
+def resident(addr: int) -> bool:
+    """Whether the page holding address ``addr`` is in memory (``mincore``; True where it
+    cannot be asked): a destination that is not faults page by page as it is copied into."""
+    if _mincore is None:
+        return True
+    vec = ctypes.create_string_buffer(1)
+    return _mincore(addr - addr % _PAGE, 1, vec) != 0 or bool(vec.raw[0] & 1)
 
 
 def default_workers() -> int:
@@ -50,57 +85,61 @@ def default_workers() -> int:
     return min(4, os.cpu_count() or 1)
 
 
-def split_limits(workers: int) -> tuple[int, int]:
-    """(batch, read): batches of at least ``batch`` bytes are copied by ``workers`` threads,
-    and a single read of at least ``read`` bytes is cut into one piece per thread. Measured
-    once per machine and kept (`core.choices`): where a pool thread's wake-up costs more than
-    the split saves depends on the processor (2-core Xeon, quiet A/B: same-host `get_into`
-    4 MiB 1.20×, 1 MiB 0.80× split). Settled at the first copy that could be split."""
+def split_limits(workers: int) -> SplitLimits:
+    """This machine's `SplitLimits` for ``workers`` copy threads, measured once per machine
+    and kept (`core.choices`): where a pool thread's wake-up costs more than the split saves
+    depends on the processor (2-core Xeon, quiet A/B: same-host `get_into` 4 MiB 1.20×, 1 MiB
+    0.80× split; a 2-vCPU Zen 5 VM gains nothing on warm memory, 1.6× on a batch `get`'s new
+    buffers). Settled when a `DirectSegments` starts."""
     global _split
     if _split is None:
         parts = {"kind": "store.split_copy", "version": SPLIT_VERSION, **machine_parts(),
                  "workers": workers, "candidates": SPLIT_CANDIDATES,
                  "streaming": streamcopy.streaming()}
-        (batch, rd, timings), kept = shared_choice(parts, lambda: measure_split(workers),
-                                                   split_choice)
-        _split = (batch, rd)
-        log.info("split copies: batches from %d, single reads from %d bytes (%s); µs per "
-                 "copy, one thread / split: %s", batch, rd,
-                 "kept for this machine" if kept else "measured now", timings)
+        (limits, timings), kept = shared_choice(parts, lambda: measure_split(workers),
+                                                split_choice)
+        _split = limits
+        log.info("split copies from (bytes; %d = never): %s (%s); µs per copy, one thread / "
+                 "split: %s", NEVER, limits, "kept for this machine" if kept else
+                 "measured now", timings)
     return _split
 
 
-def split_choice(raw: Any) -> tuple[int, int, dict[str, dict[str, list[float]]]]:
-    """`measure_split`'s (batch limit, read limit, timings) from JSON."""
-    batch, rd, timings = raw
-    if not all(isinstance(x, int) and 0 < x <= NEVER for x in (batch, rd)) or \
+def split_choice(raw: Any) -> tuple[SplitLimits, dict[str, dict[str, list[float]]]]:
+    """`measure_split`'s (limits, timings) from JSON."""
+    limits, timings = raw
+    if not isinstance(limits, list) or len(limits) != len(SplitLimits._fields) or not all(
+            isinstance(x, int) and 0 < x <= NEVER for x in limits) or \
             not isinstance(timings, dict) or not all(isinstance(v, dict) for v in timings.values()):
         raise TypeError(f"not a split-copy choice: {raw!r}")
-    return batch, rd, {str(k): {str(n): [float(x) for x in t] for n, t in v.items()}
-                       for k, v in timings.items()}
+    return SplitLimits(*limits), {str(k): {str(n): [float(x) for x in t] for n, t in v.items()}
+                                  for k, v in timings.items()}
 
 
 def measure_split(workers: int, reps: int = 9, arena: int = 256 << 20
-                  ) -> tuple[int, int, dict[str, dict[str, list[float]]]]:
+                  ) -> tuple[SplitLimits, dict[str, dict[str, list[float]]]]:
     """The limits from copies of each `SPLIT_CANDIDATES` size done by this thread alone and
-    cut into ``workers`` pieces, the others on a pool's threads as `DirectSegments` does:
-    writes into the next place of an ``arena`` of touched memory (cold, as a segment's; a
-    batch's copies), reads out of it into one reused buffer (a single get). Each limit is the
-    least-cost cut (`streamcopy.least_cost_limit`): whole up to it, split above; the largest
-    candidate there means never split (`NEVER`)."""
+    cut into ``workers`` pieces, the others on a pool's threads as `DirectSegments` does, of
+    each of `KINDS`: writes into the next place of an ``arena`` of touched memory (cold in
+    the caches, as a segment's), reads out of it into one reused buffer, and reads into a new
+    anonymous mapping (``fresh``). Each limit is the least-cost cut
+    (`streamcopy.least_cost_limit`): whole up to it, split above; the largest candidate
+    there means never split (`NEVER`)."""
     big = np.ones(arena, np.uint8)
     one = np.ones(SPLIT_CANDIDATES[-1], np.uint8)
     took: dict[str, dict[int, tuple[list[float], list[float]]]] = {
-        d: {n: ([], []) for n in SPLIT_CANDIDATES} for d in ("write", "read")}
+        d: {n: ([], []) for n in SPLIT_CANDIDATES} for d in KINDS}
     with ThreadPoolExecutor(max(1, workers - 1)) as pool:
         at = 0
         for r in range(reps):
             for size in SPLIT_CANDIDATES:
-                for direction in ("write", "read"):
+                for kind in KINDS:
                     for split in (r % 2 == 0, r % 2 == 1):
                         at = at + size if at + 2 * size <= big.nbytes else 0
-                        place, mine = big[at:at + size], one[:size]
-                        dst, src = (place, mine) if direction == "write" else (mine, place)
+                        place = big[at:at + size]
+                        new = mmap.mmap(-1, size) if kind == "fresh" else None
+                        mine = one[:size] if new is None else np.frombuffer(new, np.uint8)
+                        dst, src = (place, mine) if kind == "write" else (mine, place)
                         t0 = time.perf_counter()
                         if split:
                             step = max(4096, size // workers // 4096 * 4096)
@@ -112,7 +151,10 @@ def measure_split(workers: int, reps: int = 9, arena: int = 256 << 20
                                 f.result()
                         else:
                             streamcopy.copy(dst, src)
-                        took[direction][size][split].append(time.perf_counter() - t0)
+                        took[kind][size][split].append(time.perf_counter() - t0)
+                        if new is not None:
+                            del dst, src, mine
+                            new.close()
     timings = {d: {str(n): [round(statistics.median(t) * 1e6, 2) for t in v[n]]
                    for n in SPLIT_CANDIDATES} for d, v in took.items()}
 
@@ -120,7 +162,7 @@ def measure_split(workers: int, reps: int = 9, arena: int = 256 << 20
         whole_up_to = streamcopy.least_cost_limit(timings[d])
         bigger = [n for n in SPLIT_CANDIDATES if n > whole_up_to]
         return bigger[0] if bigger else NEVER
-    return limit("write"), limit("read"), timings
+    return SplitLimits(*(limit(k) for k in KINDS)), timings
 
 LATE_READ = "read ended past its deadline: its read lease may have ended mid-copy"
 
@@ -163,7 +205,7 @@ class DirectSegments:
     the engine (which fails them), and a copy that raced the death ends FAILED, never DONE.
     Copies above `streamcopy.small_copy` bytes use `yuebing.transfer.streamcopy.copy`;
     batches and single reads of at least this machine's `split_limits` bytes use a few
-    threads. No write starts past the put's deadline and large ones
+    threads (fewer bytes where the destination is not faulted in yet). No write starts past the put's deadline and large ones
     check it between pieces (`copy_until`, TIMEOUT: revoked); a read ending past its lease's
     deadline ends TIMEOUT too (the client asks again)."""
 
@@ -174,6 +216,8 @@ class DirectSegments:
         self._lock = threading.Lock()
         self.workers = default_workers()
         self._pool: ThreadPoolExecutor | None = None
+        if self.enabled and self.workers >= 2:
+            split_limits(self.workers)  # settled now (measured once per machine: ~4 s)
 
     def _target(self, segment: str) -> MappedFile | str | None:
         """Where requests to ``segment`` go: its live mapping (copied here), None (the engine
@@ -265,16 +309,25 @@ class DirectSegments:
     def _run(self, jobs: list[tuple[OpCode, memoryview, MappedFile, int, int]],
              deadline: float) -> list[int]:
         """Copy in this thread, or, for a batch or a single read of at least this machine's
-        `split_limits` bytes (the read cut in pieces), split over `workers` threads (`streamcopy.copy`
-        releases the GIL: copies overlap); returns the bytes each job copied."""
-        if self.workers < 2 or (len(jobs) == 1 and jobs[0][4] < SPLIT_CANDIDATES[0]):
-            return _copy_all(jobs, deadline, alone=len(jobs) == 1)
-        batch_min, read_min = split_limits(self.workers)
-        if len(jobs) == 1 and jobs[0][0] == OpCode.READ \
-                and jobs[0][4] >= read_min:  # a read copies all or is not trusted
-            return [sum(self._parallel(_pieces(jobs[0], self.workers), deadline))]
-        if len(jobs) < 2 or sum(j[4] for j in jobs) < batch_min:
-            return _copy_all(jobs, deadline, alone=len(jobs) == 1)
+        `split_limits` bytes (the read cut in pieces), split over `workers` threads
+        (`streamcopy.copy` releases the GIL: copies overlap); returns the bytes each job
+        copied. A destination not yet faulted in (its first job's middle page) takes the
+        ``fresh`` limit."""
+        one = len(jobs) == 1
+        if not jobs or self.workers < 2 or (one and jobs[0][4] < SPLIT_CANDIDATES[0]):
+            return _copy_all(jobs, deadline, alone=one)
+        limits = split_limits(self.workers)
+        op, local, mapped, off, n = jobs[0]
+        mid = n // 2
+        warm = resident(mapped.arr.ctypes.data + off + mid if op == OpCode.WRITE else
+                        np.frombuffer(local, np.uint8, count=n)[mid:].ctypes.data)
+        if one:
+            if op == OpCode.READ and n >= (limits.read if warm else limits.fresh):
+                # a read copies all or is not trusted: its pieces are one job
+                return [sum(self._parallel(_pieces(jobs[0], self.workers), deadline))]
+            return _copy_all(jobs, deadline, alone=True)
+        if sum(j[4] for j in jobs) < (limits.batch if warm else limits.fresh):
+            return _copy_all(jobs, deadline)
         return self._parallel(jobs, deadline)
 
     def _parallel(self, jobs: list[tuple[OpCode, memoryview, MappedFile, int, int]],
