@@ -211,5 +211,23 @@ def test_the_check_names_an_offending_import(tmp_path, monkeypatch):
                              "(allowed: core)"]
 
 
+def test_the_cli_store_and_conductor_import_no_torch():
+    """`yuebing store master` / `store node` / the Conductor never load torch (~1 s and
+    ~300 MB per process on every host): the CLI's parser and every module of `store` and
+    `conductor` import without it (the engine's own modules import it where weights are built)."""
+    import subprocess
+
+    code = ("import importlib, pkgutil, sys\n"
+            "import yuebing.cli.main as m, yuebing.conductor as c, yuebing.store as s\n"
+            "m.build_parser()\n"
+            "assert 'torch' not in sys.modules, 'the CLI parser'\n"
+            "for pkg in (c, s):\n"
+            "    for i in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+            "        importlib.import_module(i.name)\n"
+            "        assert 'torch' not in sys.modules, i.name\n")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr[-2000:]
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))

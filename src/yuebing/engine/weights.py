@@ -17,10 +17,12 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported where weights are built: the Conductor reads configs only
+    import torch
 
 from yuebing.core.errors import ConfigError, InputError
 from yuebing.core.registry import Registry
@@ -174,6 +176,8 @@ def parse_dummy_spec(spec: str) -> ModelConfig:
 
 def dummy_weights(cfg: ModelConfig, seed: int = 0) -> LoadedWeights:
     """Random weights of any shape, deterministic in ``seed`` (scaled so logits are spread)."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     d, hd = cfg.hidden_size, cfg.head_dim
 
@@ -290,6 +294,7 @@ def _gguf_config(reader: Any, path: Path) -> ModelConfig:
 def load_gguf(path: Path) -> LoadedWeights:
     """Read and dequantize a GGUF model file (llama or qwen2 architecture)."""
     import gguf
+    import torch
 
     try:
         reader = gguf.GGUFReader(str(path))
@@ -353,6 +358,7 @@ def _hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
 
 def load_hf_dir(path: Path) -> LoadedWeights:
     """Read ``config.json`` and every ``*.safetensors`` file of a Hugging Face model directory."""
+
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

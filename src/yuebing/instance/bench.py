@@ -18,11 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from yuebing.core.config import require
 from yuebing.engine.config import EngineConfig
-from yuebing.engine.engine import LLMEngine
 from yuebing.instance.client import InstanceClient
 from yuebing.protocol.instance import (
     EventKind,
@@ -248,6 +245,9 @@ async def _decode_under_prefill(cfg: InstanceBenchConfig, p: InstanceClient,
 
 def engine_decode_step_ms(cfg: InstanceBenchConfig) -> float:
     """`yuebing bench engine`'s decode step at batch ``decode_batch`` on one thread (ms)."""
+    import torch
+
+    from yuebing.engine.engine import LLMEngine
     from yuebing.engine.profile import _Tokens, time_decode
     torch.set_num_threads(1)
     e = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, threads=1,
@@ -262,6 +262,9 @@ def measure_kv_load(cfg: InstanceBenchConfig, master: str, rounds: int = 5) -> f
     """GB/s of loading a ``cached_tokens`` prefix from the store into an engine's pool on one
     host (the connector's fetch into registered staging + install into the prefix cache),
     median over ``rounds`` fresh prefixes."""
+    import torch
+
+    from yuebing.engine.engine import LLMEngine
     from yuebing.instance.connector import KVConnector, KVConnectorConfig
     from yuebing.store.client.client import StoreClient
     from yuebing.store.config import ClientConfig

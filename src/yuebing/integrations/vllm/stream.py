@@ -16,15 +16,16 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from yuebing.integrations.vllm.layout import KvLayout
 from yuebing.protocol import encode
 from yuebing.protocol.instance import KvStreamed
 from yuebing.transfer.engine import TransferEngine
 from yuebing.transfer.types import BatchId, OpCode, TransferRequest, TransferStatus
+
+if TYPE_CHECKING:  # torch comes with vLLM's process: importing this module (the CLI) needs none
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ def runs(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, int, int
 
 def _bytes(t: torch.Tensor) -> Any:
     """A contiguous tensor's memory as a writable uint8 numpy view (no copy)."""
+    import torch
+
     return t.view(-1).view(torch.uint8).numpy()
 
 
