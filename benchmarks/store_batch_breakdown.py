@@ -59,7 +59,7 @@ def live(items: int, size: int, batches: int) -> dict[str, float]:
             finally:
                 took["direct copy"] += time.perf_counter() - t
 
-        c.rpc.call, c.direct.copy = timed_call, timed_copy  # type: ignore[method-assign]
+        c.rpc.call, c.direct.copy = timed_call, timed_copy
         per_round = max(1, (1 << 30) // (2 * items * size))  # then remove: the node keeps room
         for b in range(batches + 20):
             if b % per_round == 0:
@@ -88,21 +88,21 @@ def in_process(items: int, size: int, batches: int) -> dict[str, float]:
     core = MasterCore(MasterConfig(), VirtualClock(100.0))
     node_conn, client_conn = 3, 7
     core.handle(Mount(client="n0", segment="n0/dram", size=64 << 40, node="n0",
-                      incarnation="i0"), None, node_conn)  # type: ignore[arg-type]
-    core.handle(m.ConnName(client="c", conn=1), None, client_conn)  # type: ignore[arg-type]
+                      incarnation="i0"), None, node_conn)
+    core.handle(m.ConnName(client="c", conn=1), None, client_conn)
 
     def shape(b: int) -> list[m.PutItem]:
         return [m.PutItem(key=f"k{b}/{i}", size=size) for i in range(items)]
     got = core.handle(m.BatchPutStart(client="c", items=shape(-1), reserve_next=items),
-                      None, client_conn)  # type: ignore[arg-type]
+                      None, client_conn)
     assert isinstance(got, m.BatchPutTargets) and len(got.reservations) == items, got
-    core.handle(m.BatchPutEnd(client="c", keys=[it.key for it in shape(-1)]), None, client_conn)  # type: ignore[arg-type]
+    core.handle(m.BatchPutEnd(client="c", keys=[it.key for it in shape(-1)]), None, client_conn)
     held = [r.key for r in got.reservations]
     times = []
     for b in range(batches + 20):
         msg = m.BatchPutCommit(client="c", reservations=held, items=shape(b), reserve_next=items)
         t = time.perf_counter()
-        r = core.handle(msg, None, client_conn)  # type: ignore[arg-type]
+        r = core.handle(msg, None, client_conn)
         times.append(time.perf_counter() - t)
         assert isinstance(r, m.BatchPutCommitted) and r.codes == [0] * items, r
         held = [x.key for x in r.reservations]
