@@ -35,6 +35,7 @@ def live(items: int, size: int, batches: int) -> dict[str, float]:
     """Median µs per batch: wall, the direct copy, each RPC type; and GB/s."""
     mst = start_master()
     node = start_node(mst.info["address"], str(max(1 << 30, 4 * items * size)))
+    c: StoreClient | None = None
     took: dict[str, float] = collections.defaultdict(float)
     rows: list[tuple[float, dict[str, float]]] = []
     try:
@@ -60,9 +61,10 @@ def live(items: int, size: int, batches: int) -> dict[str, float]:
                 took["direct copy"] += time.perf_counter() - t
 
         c.rpc.call, c.direct.copy = timed_call, timed_copy
-        per_round = max(1, (1 << 30) // (2 * items * size))  # then remove: the node keeps room
+        per_round = max(2, (1 << 30) // (2 * items * size))  # then remove: the node keeps room
         for b in range(batches + 20):
-            if b % per_round == 0:
+            removed = b % per_round == 0
+            if removed:
                 c.remove_all(force=True)
             took.clear()
             t = time.perf_counter()
@@ -70,10 +72,11 @@ def live(items: int, size: int, batches: int) -> dict[str, float]:
             wall = time.perf_counter() - t
             if codes != [0] * items:
                 raise SystemExit(f"batch {b} failed: {codes}")
-            if b >= 20 and b % per_round:  # warm, and not the batch after a removal
+            if b >= 20 and not removed:  # warm, and not the batch after a removal
                 rows.append((wall, dict(took)))
-        c.close()
     finally:
+        if c is not None:
+            c.close()
         node.stop()
         mst.stop()
     out = {"wall_us": statistics.median(r[0] for r in rows) * 1e6}

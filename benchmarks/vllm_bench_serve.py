@@ -174,10 +174,12 @@ def run_our_client(workload: str, path: Path) -> dict[str, float]:
 
 def estimate_ratios(logs: Path) -> dict[str, float]:
     """Median over the run's requests of the Conductor's estimate / the measured value, for
-    TTFT and prefill time (from its access log; yuebing only)."""
+    TTFT and prefill time (from its access log; yuebing only). The last request answered, the
+    France question asked after the run, is not one of them."""
     ttft, prefill = [], []
     lines = (logs / "conductor.log").read_text(errors="replace").split("--- ")[-1]  # this run
-    for line in lines.splitlines():
+    answered = [line for line in lines.splitlines() if " status=200 " in f" {line} "]
+    for line in answered[:-1]:
         f = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
         if f.get("status") != "200" or "est_ttft" not in f:
             continue
@@ -191,6 +193,11 @@ def estimate_ratios(logs: Path) -> dict[str, float]:
             "est_prefill_ratio": statistics.median(prefill) if prefill else float("nan")}
 
 
+def answer_cell(row: dict[str, object]) -> str:
+    """The row's France answer as one Markdown table cell."""
+    return " ".join(str(row.get("answer", "–")).split()).replace("|", "\\|")
+
+
 def report(out: Path, rows: list[dict[str, object]]) -> None:
     (out / "summary.json").write_text(json.dumps(rows, indent=2))
     lines = ["| workload | client | system | req/s | TTFT mean / p99 (s) | TPOT mean (ms) | "
@@ -201,7 +208,7 @@ def report(out: Path, rows: list[dict[str, object]]) -> None:
                if "est_ttft_ratio" in r else "–")
         lines.append(f"| {r['workload']} | {r['client']} | {r['system']} | {r['req_s']:.2f} | "
                      f"{r['ttft_mean_s']:.2f} / {r['ttft_p99_s']:.2f} | "
-                     f"{1e3 * float(r['tpot_mean_s']):.0f} | {est} | {r.get('answer', '–')} |")
+                     f"{1e3 * float(r['tpot_mean_s']):.0f} | {est} | {answer_cell(r)} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib
@@ -259,9 +266,12 @@ def main() -> int:
                 try:
                     path = out / f"{system}.{workload}.{client}.json"
                     run = run_vllm_client if client == "vllm" else run_our_client
-                    answer = parity_answer()
                     rows.append({"system": system, "workload": workload, "client": client,
-                                 **run(workload, path), "answer": answer})
+                                 **run(workload, path)})
+                    try:  # after the measured run: it must not warm the server for it
+                        rows[-1]["answer"] = parity_answer()
+                    except (OSError, ValueError, KeyError, IndexError) as e:
+                        rows[-1]["answer"] = f"no answer: {e}"
                 finally:
                     stop(proc)
                 if system.startswith("yuebing"):

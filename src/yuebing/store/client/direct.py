@@ -8,6 +8,7 @@ so a multi-MiB read does not pay page faults as long as the transfer itself).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -40,13 +41,14 @@ log = logging.getLogger(__name__)
 
 SPLIT_CANDIDATES = (512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20, 64 << 20)
 """Copy sizes the split limits are measured at (`measure_split`): up to a batch of 16 × 4 MiB."""
-SPLIT_VERSION = 3
+SPLIT_VERSION = 4
 """Bump when the measurement changes: every machine measures again."""
 NEVER = 1 << 62
 KINDS = ("write", "read", "fresh")
 """What `measure_split` times: writes into touched segment memory (a batch's limit), reads
-into one reused buffer (a single read's), reads into memory not yet faulted in (``fresh``: a
-get's new buffers, a segment's first writes; page faults, which threads take in parallel)."""
+into one reused buffer (a single read's), reads into private memory not yet faulted in (``fresh``: a
+get's new buffers; page faults, which threads take in parallel). A node prefaults its segment
+(`NodeConfig.prefault`), so writes into it count as warm."""
 
 
 class SplitLimits(NamedTuple):
@@ -61,11 +63,11 @@ class SplitLimits(NamedTuple):
 
 
 _split: SplitLimits | None = None
+_split_lock = threading.Lock()
 _PAGE = mmap.PAGESIZE
 _mincore: Any
 try:
-    _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    _mincore = _libc.mincore
+    _mincore = ctypes.CDLL(None, use_errno=True).mincore  # the C library this process runs
     _mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
 except (OSError, AttributeError):  # not glibc/Linux: every destination counts as warm
     _mincore = None
@@ -92,27 +94,37 @@ def split_limits(workers: int) -> SplitLimits:
     0.80× split; a 2-vCPU Zen 5 VM gains nothing on warm memory, 1.6× on a batch `get`'s new
     buffers). Settled when a `DirectSegments` starts."""
     global _split
-    if _split is None:
-        parts = {"kind": "store.split_copy", "version": SPLIT_VERSION, **machine_parts(),
-                 "workers": workers, "candidates": SPLIT_CANDIDATES,
-                 "streaming": streamcopy.streaming()}
-        (limits, timings), kept = shared_choice(parts, lambda: measure_split(workers),
-                                                split_choice)
-        _split = limits
-        log.info("split copies from (bytes; %d = never): %s (%s); µs per copy, one thread / "
-                 "split: %s", NEVER, limits, "kept for this machine" if kept else
-                 "measured now", timings)
+    with _split_lock:  # one measurement per process, however many clients start at once
+        if _split is None:
+            _split = _settle_split(workers)
     return _split
 
 
+def _settle_split(workers: int) -> SplitLimits:
+    """`split_limits`' kept choice, or a new measurement (kept)."""
+    parts = {"kind": "store.split_copy", "version": SPLIT_VERSION, **machine_parts(),
+             "workers": workers, "candidates": SPLIT_CANDIDATES,
+             "streaming": streamcopy.streaming()}
+    (limits, timings), kept = shared_choice(parts, lambda: measure_split(workers), split_choice)
+    log.info("split copies from (bytes; %d = never): %s (%s); µs per copy, one thread / split: "
+             "%s", NEVER, limits, "kept for this machine" if kept else "measured now", timings)
+    return limits
+
+
 def split_choice(raw: Any) -> tuple[SplitLimits, dict[str, dict[str, list[float]]]]:
-    """`measure_split`'s (limits, timings) from JSON."""
+    """`measure_split`'s (limits, timings) from JSON: each limit a candidate or `NEVER`, a
+    (whole, split) pair of µs per kind and candidate."""
     limits, timings = raw
+    allowed = {*SPLIT_CANDIDATES, NEVER}
+    sizes = {str(n) for n in SPLIT_CANDIDATES}
     if not isinstance(limits, list) or len(limits) != len(SplitLimits._fields) or not all(
-            isinstance(x, int) and 0 < x <= NEVER for x in limits) or \
-            not isinstance(timings, dict) or not all(isinstance(v, dict) for v in timings.values()):
+            type(x) is int and x in allowed for x in limits) or not isinstance(timings, dict) \
+            or set(timings) != set(KINDS) or not all(
+                isinstance(v, dict) and set(v) == sizes and all(
+                    isinstance(t, list) and len(t) == 2 for t in v.values())
+                for v in timings.values()):
         raise TypeError(f"not a split-copy choice: {raw!r}")
-    return SplitLimits(*limits), {str(k): {str(n): [float(x) for x in t] for n, t in v.items()}
+    return SplitLimits(*limits), {k: {n: [float(x) for x in t] for n, t in v.items()}
                                   for k, v in timings.items()}
 
 
@@ -137,7 +149,8 @@ def measure_split(workers: int, reps: int = 9, arena: int = 256 << 20
                     for split in (r % 2 == 0, r % 2 == 1):
                         at = at + size if at + 2 * size <= big.nbytes else 0
                         place = big[at:at + size]
-                        new = mmap.mmap(-1, size) if kind == "fresh" else None
+                        new = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) \
+                            if kind == "fresh" else None  # as a get's new buffer
                         mine = one[:size] if new is None else np.frombuffer(new, np.uint8)
                         dst, src = (place, mine) if kind == "write" else (mine, place)
                         t0 = time.perf_counter()
@@ -154,7 +167,8 @@ def measure_split(workers: int, reps: int = 9, arena: int = 256 << 20
                         took[kind][size][split].append(time.perf_counter() - t0)
                         if new is not None:
                             del dst, src, mine
-                            new.close()
+                            with contextlib.suppress(BufferError):  # a worker's last view
+                                new.close()
     timings = {d: {str(n): [round(statistics.median(t) * 1e6, 2) for t in v[n]]
                    for n in SPLIT_CANDIDATES} for d, v in took.items()}
 
@@ -205,7 +219,7 @@ class DirectSegments:
     the engine (which fails them), and a copy that raced the death ends FAILED, never DONE.
     Copies above `streamcopy.small_copy` bytes use `yuebing.transfer.streamcopy.copy`;
     batches and single reads of at least this machine's `split_limits` bytes use a few
-    threads (fewer bytes where the destination is not faulted in yet). No write starts past the put's deadline and large ones
+    threads (the ``fresh`` limit where the destination is not faulted in yet). No write starts past the put's deadline and large ones
     check it between pieces (`copy_until`, TIMEOUT: revoked); a read ending past its lease's
     deadline ends TIMEOUT too (the client asks again)."""
 
@@ -318,16 +332,19 @@ class DirectSegments:
             return _copy_all(jobs, deadline, alone=one)
         limits = split_limits(self.workers)
         op, local, mapped, off, n = jobs[0]
+        if one and op == OpCode.WRITE:  # a single write is never cut (`copy_until` checks
+            return _copy_all(jobs, deadline, alone=True)  # its deadline between pieces)
+        total = n if one else sum(j[4] for j in jobs)
+        warm_min = limits.read if one else limits.batch
+        if total < min(warm_min, limits.fresh):
+            return _copy_all(jobs, deadline, alone=one)
         mid = n // 2
         warm = resident(mapped.arr.ctypes.data + off + mid if op == OpCode.WRITE else
                         np.frombuffer(local, np.uint8, count=n)[mid:].ctypes.data)
-        if one:
-            if op == OpCode.READ and n >= (limits.read if warm else limits.fresh):
-                # a read copies all or is not trusted: its pieces are one job
-                return [sum(self._parallel(_pieces(jobs[0], self.workers), deadline))]
-            return _copy_all(jobs, deadline, alone=True)
-        if sum(j[4] for j in jobs) < (limits.batch if warm else limits.fresh):
-            return _copy_all(jobs, deadline)
+        if total < (warm_min if warm else limits.fresh):
+            return _copy_all(jobs, deadline, alone=one)
+        if one:  # a read copies all or is not trusted: its pieces are one job
+            return [sum(self._parallel(_pieces(jobs[0], self.workers), deadline))]
         return self._parallel(jobs, deadline)
 
     def _parallel(self, jobs: list[tuple[OpCode, memoryview, MappedFile, int, int]],
