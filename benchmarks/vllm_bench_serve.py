@@ -178,10 +178,10 @@ def estimate_ratios(logs: Path) -> dict[str, float]:
     France question asked after the run, is not one of them."""
     ttft, prefill = [], []
     lines = (logs / "conductor.log").read_text(errors="replace").split("--- ")[-1]  # this run
-    answered = [line for line in lines.splitlines() if " status=200 " in f" {line} "]
-    for line in answered[:-1]:
-        f = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
-        if f.get("status") != "200" or "est_ttft" not in f:
+    answered = [f for f in (dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+                            for line in lines.splitlines()) if f.get("status") == "200"]
+    for f in answered[:-1]:
+        if "est_ttft" not in f:
             continue
         ms = {k: float(v.removesuffix("ms")) for k, v in f.items()
               if k in ("ttft", "est_ttft", "prefill", "est_prefill")}

@@ -22,9 +22,10 @@ def conversation_trace() -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def machine_choices() -> None:
-    """This machine's transfer choices (TCP lanes, small-copy and split limits) settled once before any
-    test: on a machine that has not measured them yet, the first engine a test starts (maybe
-    in a child process, under a test's short timeouts) would measure them instead."""
+    """This machine's transfer choices (TCP lanes, small-copy and split limits) settled once
+    before any test: on a machine that has not measured them yet, the first engine a test
+    starts (maybe in a child process, under a test's short timeouts) would measure them
+    instead."""
     from yuebing.store.client import direct
     from yuebing.transfer import TransferConfig, TransferEngine, streamcopy
     from yuebing.transfer.lanes import resolve_lanes

@@ -358,7 +358,6 @@ def _hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
 
 def load_hf_dir(path: Path) -> LoadedWeights:
     """Read ``config.json`` and every ``*.safetensors`` file of a Hugging Face model directory."""
-
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

@@ -155,8 +155,7 @@ def measure_split(workers: int, reps: int = 9, arena: int = 256 << 20
                         dst, src = (place, mine) if kind == "write" else (mine, place)
                         t0 = time.perf_counter()
                         if split:
-                            step = max(4096, size // workers // 4096 * 4096)
-                            cuts = [min(size, i * step) for i in range(workers)] + [size]
+                            cuts = _cuts(size, workers)
                             futs = [pool.submit(streamcopy.copy, dst[a:b], src[a:b])
                                     for a, b in zip(cuts[1:-1], cuts[2:], strict=True)]
                             streamcopy.copy(dst[:cuts[1]], src[:cuts[1]])
@@ -219,8 +218,8 @@ class DirectSegments:
     the engine (which fails them), and a copy that raced the death ends FAILED, never DONE.
     Copies above `streamcopy.small_copy` bytes use `yuebing.transfer.streamcopy.copy`;
     batches and single reads of at least this machine's `split_limits` bytes use a few
-    threads (the ``fresh`` limit where the destination is not faulted in yet). No write starts past the put's deadline and large ones
-    check it between pieces (`copy_until`, TIMEOUT: revoked); a read ending past its lease's
+    threads (the ``fresh`` limit where the destination is not faulted in yet). No write starts
+    past the put's deadline and large ones check it between pieces (`copy_until`, TIMEOUT: revoked); a read ending past its lease's
     deadline ends TIMEOUT too (the client asks again)."""
 
     def __init__(self, engine: TransferEngine, enabled: bool = True) -> None:
@@ -340,7 +339,7 @@ class DirectSegments:
             return _copy_all(jobs, deadline, alone=one)
         mid = n // 2
         warm = resident(mapped.arr.ctypes.data + off + mid if op == OpCode.WRITE else
-                        np.frombuffer(local, np.uint8, count=n)[mid:].ctypes.data)
+                        np.frombuffer(local, np.uint8, count=1, offset=mid).ctypes.data)
         if total < (warm_min if warm else limits.fresh):
             return _copy_all(jobs, deadline, alone=one)
         if one:  # a read copies all or is not trusted: its pieces are one job
@@ -407,10 +406,16 @@ def _pieces(job: tuple[OpCode, memoryview, MappedFile, int, int],
             k: int) -> list[tuple[OpCode, memoryview, MappedFile, int, int]]:
     """``job`` as ``k`` jobs on consecutive ranges (cut at 4 KiB: whole pages and lines)."""
     op, local, mapped, off, n = job
-    step = max(4096, n // k // 4096 * 4096)
-    cuts = [min(n, i * step) for i in range(k)] + [n]
+    cuts = _cuts(n, k)
     return [(op, local[a:b], mapped, off + a, b - a)
             for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
+
+
+def _cuts(n: int, k: int) -> list[int]:
+    """Where ``n`` bytes are cut into ``k`` consecutive pieces (at 4 KiB: whole pages and
+    lines), from 0 to ``n``; pieces may be empty."""
+    step = max(4096, n // k // 4096 * 4096)
+    return [min(n, i * step) for i in range(k)] + [n]
 
 
 def _copy_all(jobs: list[tuple[OpCode, memoryview, MappedFile, int, int]],
