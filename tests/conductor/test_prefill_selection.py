@@ -9,6 +9,7 @@ import pytest
 from policy_factories import PREDICTORS, config, decode, prefill, request, view
 
 from yuebing.conductor.policy import Policy, PrefillGroup, PrefixSource, Route
+from yuebing.core.errors import InputError
 from yuebing.core.ids import InstanceId
 
 # input 1000 tokens = 10 blocks of 100; prefill costs 1 ms per new token
@@ -220,3 +221,31 @@ def test_a_fetched_prefix_is_prefilled_at_the_instance_speed():
     r = route("global_cache_aware", v)
     assert (r.fetch_blocks, r.est_prefill_s) == (8, pytest.approx(0.1, rel=1e-12))
     assert r.est_ttft_s == pytest.approx(0.18, rel=1e-12)
+
+
+@pytest.mark.parametrize("selector", ["random", "load_balance", "local_cache_aware",
+                                      "global_cache_aware"])
+def test_engine_pages_past_the_local_blocks_count_as_cached(selector):
+    # one instance: 2 blocks (200 tokens) + 150 tokens of engine pages = 350 cached of 1000
+    v = view((replace(prefill("p0", 0.0, local=2), local_extra_tokens=150),))
+    r = route(selector, v)
+    assert r.reused_blocks == 2 and r.est_prefill_s == pytest.approx(0.65, rel=1e-12)
+    # never the last token: 9 blocks + 200 extra covers the prompt, one token is recomputed
+    v = view((replace(prefill("p0", 0.0, local=9), local_extra_tokens=200),))
+    assert route(selector, v).est_prefill_s == pytest.approx(0.001, rel=1e-12)
+
+
+def test_engine_pages_steer_cache_aware_choices_and_skip_a_fetch_they_cover():
+    # p1 holds 2 blocks and pages to token 750; p2 holds 6 blocks (600): p1 wins locally
+    v = view((replace(prefill("p1", 0.0, local=2), local_extra_tokens=550),
+              prefill("p2", 0.0, local=6)))
+    assert route("local_cache_aware", v).prefill_id == "p1"
+    # the store's 7 blocks (700 tokens) are fewer than p1's 750: no fetch, p1's own prefix
+    r = route("global_cache_aware", replace(v, best_prefix=PrefixSource("store", 7)))
+    assert (r.prefill_id, r.fetch_blocks, r.est_transfer_s) == ("p1", 0, 0.0)
+    assert r.est_prefill_s == pytest.approx(0.25, rel=1e-12)
+
+
+def test_a_negative_page_extra_is_refused():
+    with pytest.raises(InputError, match="local_extra_tokens"):
+        route("random", view((replace(prefill("p0"), local_extra_tokens=-16),)))

@@ -15,11 +15,12 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from yuebing.conductor.gate import PrefillGate
+from yuebing.conductor.pages import EnginePages
 from yuebing.conductor.policy import (
     DecodeState,
     PendingDecode,
@@ -78,6 +79,9 @@ class Member:
     ended: int = 0
     """Requests of ``reported`` that ended since (`decode_done`): not running any more,
     whatever that report says."""
+    pages: EnginePages | None = None
+    """The engine's prefix pages as this Conductor knows them (a prefill or coupled instance
+    of the whole model; `conductor.pages`)."""
 
     @property
     def id(self) -> InstanceId:
@@ -86,6 +90,14 @@ class Member:
     @property
     def role(self) -> Role:
         return self.hello.role
+
+
+def _engine_pages(hello: Hello) -> EnginePages | None:
+    """An empty `EnginePages` for a whole-model instance that prefills, sized to its pool."""
+    if hello.role == Role.DECODE or hello.layers or hello.block_size <= 0 \
+            or hello.num_blocks <= 0 or hello.store_block_tokens % hello.block_size:
+        return None
+    return EnginePages(hello.block_size, hello.num_blocks)
 
 
 class LiveCluster:
@@ -190,7 +202,8 @@ class LiveCluster:
             if old is not None:
                 old.client.fail_all(f"instance {old.id} restarted")
                 self.spawn(old.client.close())
-            m = Member(address, client, hello, seen_s=time.monotonic(), gate=self._gate(hello))
+            m = Member(address, client, hello, seen_s=time.monotonic(), gate=self._gate(hello),
+                       pages=_engine_pages(hello))
             self.members[m.id] = m
             self.by_address[address] = m
             log.info("instance %s (%s, %s) joined from %s", m.id, m.role.label, hello.model,
@@ -394,12 +407,18 @@ class LiveCluster:
         return best
 
     def view(self, info: RequestInfo, prefills: list[Member], decodes: list[Member],
-             now_s: float, groups: list[tuple[InstanceId, list[Member]]] | None = None
-             ) -> ClusterView:
+             now_s: float, groups: list[tuple[InstanceId, list[Member]]] | None = None,
+             page_keys: Callable[[int], Sequence[int]] | None = None) -> ClusterView:
         """The request's `ClusterView` over ``prefills`` (and pipeline ``groups``) ×
-        ``decodes`` at ``now_s``."""
+        ``decodes`` at ``now_s``; ``page_keys``: the prompt's `conductor.pages.page_keys` for
+        a page size (None: count the held blocks only)."""
         loads = [self._prefill_load(m, now_s) for m in prefills]
         lookup = self.index.lookup(info.block_keys, [m.id for m in prefills])
+        if page_keys is not None and any(m.pages is not None for m in prefills):
+            bt = self.store_block_tokens
+            lookup = replace(lookup, local_extra=tuple(
+                m.pages.extra(page_keys(m.pages.page_tokens), n * bt) if m.pages else 0
+                for m, n in zip(prefills, lookup.local_blocks, strict=True)))
         states = [decode_state(m.report, m.hello.block_size, m.id)
                   for m in decodes if m.report is not None]
         glo = [(gid, [(self._prefill_load(m, now_s),

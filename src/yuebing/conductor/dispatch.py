@@ -14,10 +14,11 @@ ends it at once); else one coupled ``submit``. The instances' events are relayed
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
 import msgspec
@@ -27,6 +28,7 @@ from yuebing.conductor.cluster import LiveCluster, Member
 from yuebing.conductor.delta import Delta
 from yuebing.conductor.delta import delta as make_delta
 from yuebing.conductor.metrics import ConductorMetrics
+from yuebing.conductor.pages import page_keys
 from yuebing.conductor.policy import Policy, Reject, RejectReason, RequestInfo, Route
 from yuebing.conductor.push import Pusher, token_sink
 from yuebing.conductor.stats import RequestStats
@@ -145,7 +147,8 @@ class Dispatcher:
         # n choices share the prompt's KV; each grows its own output
         info = RequestInfo(rid, now, len(req.prompt_ids), tuple(BlockHash(k) for k in keys),
                            req.sampling.max_tokens * req.sampling.n)
-        view = c.view(info, prefills, decodes, now, groups)
+        view = c.view(info, prefills, decodes, now, groups,
+                      functools.cache(lambda size: self._page_keys(req.prompt_ids, size)))
         decision = self.policy.decide(info, view)
         if coupled and isinstance(decision, Route) and decision.decode_id != decision.prefill_id:
             mine = tuple(d for d in view.decodes if d.instance_id == decision.prefill_id)
@@ -155,6 +158,9 @@ class Dispatcher:
             raise Rejected(decision.reason, decision.retry_after_s,
                            _reject_message(decision))
         return info, decision, coupled
+
+    def _page_keys(self, prompt_ids: Sequence[int], page_tokens: int) -> list[int]:
+        return page_keys(prompt_ids, page_tokens, hash(self.cluster.fingerprint))
 
     def _plan(self, route: Route, info: RequestInfo,
               recompute: bool = False) -> tuple[PrefixPlan, int]:
@@ -221,9 +227,13 @@ class Dispatcher:
                     m.dispatch_phase.labels(phase).observe(took)
             loop = asyncio.get_running_loop()
             watch = [loop.create_task(_watch_stage(s, pre, rid)) for s in pres[:-1]]
+            noted = bool(route.stages) or pre.pages is None
             try:
                 async for delta in self._relay(rid, pres, dec, coupled, stats, deadline, out,
                                                req.sampling.n):
+                    if not noted and pre.pages is not None:  # prefilled: its engine has them
+                        pre.pages.note(self._page_keys(req.prompt_ids, pre.pages.page_tokens))
+                        noted = True
                     yield delta
             finally:
                 for w in watch:

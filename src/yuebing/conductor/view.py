@@ -56,6 +56,9 @@ class PrefixLookup:
     """Longest run of leading blocks held by any holder (instances or the store)."""
     holder: InstanceId | str | None
     """Who holds ``best_blocks`` (None when ``best_blocks`` is 0)."""
+    local_extra: tuple[int, ...] = ()
+    """Tokens past its ``local_blocks`` that each prefill instance's engine holds too
+    (`PrefillState.local_extra_tokens`; empty: none known)."""
 
 
 def build_view(now_s: float, prefills: Sequence[PrefillLoad], lookup: PrefixLookup,
@@ -67,12 +70,14 @@ def build_view(now_s: float, prefills: Sequence[PrefillLoad], lookup: PrefixLook
     ``groups``: declared pipeline groups (id, per stage in layer order its load and the
     leading blocks of the request it can load: its range's store objects); ``twins``: per
     group, the loads of its whole-model twins (also among ``prefills``), or none."""
-    if len(lookup.local_blocks) != len(prefills):
-        raise InputError(f"prefix lookup has {len(lookup.local_blocks)} local lengths for "
-                         f"{len(prefills)} prefill instances")
+    if len(lookup.local_blocks) != len(prefills) \
+            or len(lookup.local_extra) not in (0, len(prefills)):
+        raise InputError(f"prefix lookup has {len(lookup.local_blocks)} local lengths and "
+                         f"{len(lookup.local_extra)} extras for {len(prefills)} prefill instances")
+    extras = lookup.local_extra or (0,) * len(prefills)
     states = tuple(PrefillState(p.instance_id, max(0.0, p.queue_s), p.queued_requests, n, p.node,
-                                p.waiting, p.time_factor)
-                   for p, n in zip(prefills, lookup.local_blocks, strict=True))
+                                p.waiting, p.time_factor, extra)
+                   for p, n, extra in zip(prefills, lookup.local_blocks, extras, strict=True))
     src = (PrefixSource(lookup.holder, lookup.best_blocks)
            if lookup.best_blocks > 0 and lookup.holder is not None else None)
     if twins and len(twins) != len(groups):

@@ -26,6 +26,7 @@ from yuebing.conductor.policy.types import (
     ClusterView,
     Decision,
     PrefillPlan,
+    PrefillState,
     QueuedPrefill,
     Reject,
     RejectReason,
@@ -77,6 +78,12 @@ class Policy:
         """Prompt tokens reused from ``blocks`` cached leading blocks: the blocks' tokens (the
         last block may be partial), but never the last prompt token, which is recomputed."""
         return min(blocks * self.config.block_tokens, input_tokens - 1)
+
+    def local_tokens(self, p: PrefillState, input_tokens: int) -> int:
+        """Prompt tokens instance ``p`` reuses from its own cache: its leading blocks' and the
+        engine's finer pages past them (`PrefillState.local_extra_tokens`), never the last."""
+        return min(p.local_prefix_blocks * self.config.block_tokens + p.local_extra_tokens,
+                   input_tokens - 1)
 
     def queue_wait(self, view: ClusterView, index: int, prefill_s: float) -> float:
         """Seconds a new request of ``prefill_s`` waits on ``view.prefills[index]``: the work
@@ -238,10 +245,11 @@ def check_inputs(req: RequestInfo, view: ClusterView, block_tokens: int) -> None
     if any(not g.stages for g in view.groups):
         raise InputError("view: every pipeline group needs at least one stage")
     for p in (*view.prefills, *(s for g in view.groups for s in g.stages)):
-        if not (0 <= p.local_prefix_blocks <= nkeys) or not p.queue_s >= 0:
+        if not (0 <= p.local_prefix_blocks <= nkeys) or not p.queue_s >= 0 \
+                or p.local_extra_tokens < 0:
             raise InputError(f"view: prefill {p.instance_id}: local_prefix_blocks must be in "
-                             f"0..{nkeys} and queue_s ≥ 0, got {p.local_prefix_blocks}, "
-                             f"{p.queue_s}")
+                             f"0..{nkeys}, queue_s and local_extra_tokens ≥ 0, got "
+                             f"{p.local_prefix_blocks}, {p.queue_s}, {p.local_extra_tokens}")
         if not all(math.isfinite(w.arrival_s + w.deadline_s) and w.prefill_s >= 0
                    and math.isfinite(w.prefill_s) for w in p.waiting):
             raise InputError(f"view: prefill {p.instance_id}: waiting requests need finite "
@@ -268,7 +276,7 @@ def offered(pol: Policy, req: RequestInfo, view: ClusterView) -> ClusterView:
     n = req.input_tokens
     keep = tuple(p for p in view.prefills if p.instance_id not in twins
                  or (twins[p.instance_id]
-                     and n - pol.prefix_tokens(p.local_prefix_blocks, n) <= pol.cpp_threshold))
+                     and n - pol.local_tokens(p, n) <= pol.cpp_threshold))
     return view if len(keep) == len(view.prefills) else replace(view, prefills=keep)
 
 

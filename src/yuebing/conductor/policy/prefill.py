@@ -32,7 +32,7 @@ def stable_index(seed: int, salt: str, request_id: str, n: int) -> int:
 
 def _local_plan(pol: Policy, req: RequestInfo, view: ClusterView, index: int) -> PrefillPlan:
     p = view.prefills[index]
-    cached = pol.prefix_tokens(p.local_prefix_blocks, req.input_tokens)
+    cached = pol.local_tokens(p, req.input_tokens)
     queue_s, prefill_s = pol.prefill_estimate(view, index, req.input_tokens - cached, cached)
     return PrefillPlan(index, p.local_prefix_blocks, 0, 0.0, queue_s, prefill_s)
 
@@ -58,10 +58,10 @@ def select_load_balance(pol: Policy, req: RequestInfo, view: ClusterView) -> Pre
 @PREFILL_SELECTORS.register("local_cache_aware")
 def select_local_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) -> PrefillPlan:
     """``local_cache_aware``: minimum estimated TTFT using each instance's own prefix."""
-    n, bt, cpp = req.input_tokens, pol.config.block_tokens, pol.cpp_threshold
+    n, cpp = req.input_tokens, pol.cpp_threshold
     best, best_ttft = 0, float("inf")
     for i, p in enumerate(view.prefills):
-        cached = min(p.local_prefix_blocks * bt, n - 1)
+        cached = pol.local_tokens(p, n)
         if n - cached > cpp:
             ttft = sum(pol.prefill_estimate(view, i, n - cached, cached))
         else:
@@ -86,14 +86,15 @@ def select_global_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) 
     best: tuple[float, int, int] = (float("inf"), 0, 0)  # (ttft, index, fetch_blocks)
     for i, p in enumerate(view.prefills):
         local = p.local_prefix_blocks
-        cached = min(local * bt, n - 1)
+        cached = pol.local_tokens(p, n)
         if n - cached > cpp:
             ttft = sum(pol.prefill_estimate(view, i, n - cached, cached))
         else:
             t = pol.instance_prefill_time(view, i, n - cached, cached)
             ttft = pol.queue_wait(view, i, t) + t
         fetch = 0
-        if best_blocks > local and (local == 0 or best_blocks / local > threshold) \
+        if best_blocks > local and best_tokens > cached \
+                and (local == 0 or best_blocks / local > threshold) \
                 and src is not None and src.holder != p.instance_id:
             transfer_s = pol.transfer_time((best_tokens - cached) * pol.config.kv_bytes_per_token,
                                            view)
@@ -112,6 +113,6 @@ def select_global_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) 
         return _local_plan(pol, req, view, index)
     p = view.prefills[index]
     transfer_s = pol.transfer_time(
-        (best_tokens - min(p.local_prefix_blocks * bt, n - 1)) * pol.config.kv_bytes_per_token, view)
+        (best_tokens - pol.local_tokens(p, n)) * pol.config.kv_bytes_per_token, view)
     queue_s, prefill_s = pol.prefill_estimate(view, index, n - best_tokens, best_tokens)
     return PrefillPlan(index, best_blocks, fetch, transfer_s, queue_s, prefill_s)

@@ -58,6 +58,10 @@ class PrefillState:
     time_factor: float = 1.0
     """A prefill here takes this share of the predictor's time now (< 1 while it would run
     on cores its idle host-mates lend it)."""
+    local_extra_tokens: int = 0
+    """Prompt tokens past ``local_prefix_blocks`` that this instance's engine holds too (its
+    prefix cache keeps pages finer than a block; the live Conductor's `conductor.pages`, 0 in
+    the simulator, whose engines cache whole blocks)."""
 
 
 @dataclass(frozen=True, slots=True)
