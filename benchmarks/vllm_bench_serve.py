@@ -36,6 +36,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 YB = ROOT / ".venv" / "bin" / "yuebing"
@@ -198,7 +199,7 @@ def answer_cell(row: dict[str, object]) -> str:
     return " ".join(str(row.get("answer", "–")).split()).replace("|", "\\|")
 
 
-def report(out: Path, rows: list[dict[str, object]]) -> None:
+def report(out: Path, rows: list[dict[str, Any]]) -> None:
     (out / "summary.json").write_text(json.dumps(rows, indent=2))
     lines = ["| workload | client | system | req/s | TTFT mean / p99 (s) | TPOT mean (ms) | "
              "estimate / measured: TTFT, prefill (median) | answer to the France question |",
