@@ -27,5 +27,5 @@ def test_n_above_one_on_a_cluster_of_only_pipeline_groups_is_a_400_not_a_retry()
     req = GenRequest(chat=False, prompt_ids=[1, 2, 3], sampling=Sampling(n=2), stream=False,
                      include_usage=False)
     with pytest.raises(Rejected) as e:
-        d._decide(req, "r1")
+        d._decide(req, "r1", lambda size: [])
     assert e.value.reason == "unservable" and e.value.retry_after_s == float("inf")

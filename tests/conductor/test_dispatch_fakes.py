@@ -163,22 +163,34 @@ def test_cache_aware_routing_and_prefix_plan(fl: FakeLoop) -> None:
 
 def test_a_prefix_shared_below_a_store_block_is_estimated_from_the_engine_pages(
         fl: FakeLoop) -> None:
-    """A 992-token system prompt holds no whole store block past 768: the second user turn
-    is routed to where the first was prefilled and estimated for its 50 new tokens (the engine
-    keeps 16-token pages), not the 274 past the last shared block nor the whole prompt."""
+    """A 992-token system prompt holds three whole store blocks (768 tokens): the second user
+    turn is routed to where the first was prefilled and estimated for its 50 new tokens (the
+    engine keeps 16-token pages), not for the 274 past the last shared block. Pages count only
+    inside the block after the held ones: before the instance reports its blocks, 240."""
     system = list(range(1, 993))
+    first_prompt = system + list(range(5000, 5050))
     c = _conductor(fl, (Role.PREFILL, "p0"), (Role.PREFILL, "p1"), (Role.DECODE, "d0"),
                    prefill_selector="global_cache_aware")
     try:
-        first = _complete(c, prompt=system + list(range(5000, 5050)), max_tokens=2)[1]
-        second = _complete(c, prompt=system + list(range(6000, 6050)), max_tokens=2)[1]
-        other = _complete(c, prompt=list(range(7000, 8042)), max_tokens=2)[1]
+        first = _complete(c, prompt=first_prompt, max_tokens=2)[1]
+        pid = first["usage"]["yuebing"]["prefill_instance"]
+        early = _complete(c, prompt=system + list(range(6000, 6050)), max_tokens=2)[1]
+        keys = store_block_keys(first_prompt, 256, FINGERPRINT)  # what it reports it holds
+        fl.call(lambda: fl.fakes[pid].cache.extend(keys))
+        end = time.monotonic() + 15
+        while len(c.conductor.cluster.index) < len(keys):
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        second = _complete(c, prompt=system + list(range(7000, 7050)), max_tokens=2)[1]
+        other = _complete(c, prompt=list(range(8000, 9042)), max_tokens=2)[1]
         p = c.conductor.policy
-        new = [u["usage"]["yuebing"]["estimate"]["prefill_s"] for u in (first, second, other)]
-        assert second["usage"]["yuebing"]["prefill_instance"] == \
-            first["usage"]["yuebing"]["prefill_instance"]
-        assert new[1] == pytest.approx(p.prefill_time(1042 - 992, 992), rel=1e-3)
-        assert new[0] == new[2] == pytest.approx(p.prefill_time(1042, 0), rel=1e-3)
+        est = [u["usage"]["yuebing"]["estimate"]["prefill_s"]
+               for u in (first, early, second, other)]
+        assert early["usage"]["yuebing"]["prefill_instance"] == pid
+        assert second["usage"]["yuebing"]["prefill_instance"] == pid
+        assert est[1] == pytest.approx(p.prefill_time(1042 - 240, 240), rel=1e-3)
+        assert est[2] == pytest.approx(p.prefill_time(1042 - 992, 992), rel=1e-3)
+        assert est[0] == est[3] == pytest.approx(p.prefill_time(1042, 0), rel=1e-3)
     finally:
         c.stop()
 

@@ -1,5 +1,7 @@
-"""`core.choices`: a choice measured on a busy host is provisional — used, then measured again
-by the first process that finds the host quiet — and `host_busy` reads the host's load."""
+"""`core.choices`: a speed-only choice measured on a busy host is provisional — used, then
+measured again under the lock by the first process that finds the host quiet —, an engine
+choice (``remeasure=False``) stays as first measured, and `host_busy` reads the load of this
+process's CPUs less its own."""
 
 from __future__ import annotations
 
@@ -17,13 +19,14 @@ from yuebing.core import choices
 PARTS = {"kind": "test.quiet", "version": 1}
 
 
-def _busy(monkeypatch: pytest.MonkeyPatch, shares: list[float]) -> None:
-    """`host_busy` answers ``shares`` in turn (the last one from then on)."""
-    def fake() -> float:
+def _busy(monkeypatch: pytest.MonkeyPatch, shares: list[float]) -> list[float]:
+    """`host_busy` answers ``shares`` in turn (the last one from then on); returns the list
+    (empty of all but its last when every sample was taken)."""
+    def fake(fresh: bool = False) -> float:
         return shares.pop(0) if len(shares) > 1 else shares[0]
     monkeypatch.setattr(choices, "host_busy", fake)
-    monkeypatch.setattr(choices, "_busy_after", fake)
     monkeypatch.delenv("YUEBING_KEEP_CHOICES", raising=False)
+    return shares
 
 
 def _quiet_flag(root: Path) -> bool:
@@ -33,15 +36,16 @@ def _quiet_flag(root: Path) -> bool:
 
 def test_a_busy_measurement_is_provisional_until_a_quiet_start(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _busy(monkeypatch, [0.6, 0.6, 0.7])  # before, after the measurement; the next start's
+    _busy(monkeypatch, [0.6, 0.6, 0.7])  # before and after the measurement; the next start's
     assert choices.shared_choice(PARTS, lambda: 1, int, tmp_path) == (1, False)
     assert _quiet_flag(tmp_path) is False
     assert choices.shared_choice(PARTS, lambda: 2, int, tmp_path) == (1, True)  # still busy
     _busy(monkeypatch, [0.05])
     assert choices.shared_choice(PARTS, lambda: 3, int, tmp_path) == (3, False)  # quiet now
     assert _quiet_flag(tmp_path) is True
-    _busy(monkeypatch, [0.9])
+    left = _busy(monkeypatch, [0.9, 0.9])
     assert choices.shared_choice(PARTS, lambda: 4, int, tmp_path) == (3, True)  # settled
+    assert left == [0.9, 0.9]  # read without sampling the host
 
 
 def test_busy_after_the_measurement_counts_too(tmp_path: Path,
@@ -60,6 +64,15 @@ def test_keep_choices_uses_a_provisional_one_as_it_is(tmp_path: Path,
     assert choices.shared_choice(PARTS, lambda: 2, int, tmp_path) == (1, True)
 
 
+def test_an_engine_choice_is_never_measured_again(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    _busy(monkeypatch, [0.9])
+    choices.shared_choice(PARTS, lambda: 1, int, tmp_path, remeasure=False)
+    assert _quiet_flag(tmp_path) is False  # recorded all the same
+    _busy(monkeypatch, [0.0])
+    assert choices.shared_choice(PARTS, lambda: 2, int, tmp_path, remeasure=False) == (1, True)
+
+
 def test_a_choice_kept_before_quietness_was_recorded_counts_as_provisional(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / f"{choices.choice_key(PARTS)}.json"
@@ -68,29 +81,54 @@ def test_a_choice_kept_before_quietness_was_recorded_counts_as_provisional(
     assert choices.shared_choice(PARTS, lambda: 2, int, tmp_path) == (2, False)
 
 
-def test_host_busy_counts_other_processes_not_this_ones_threads(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # 4 CPUs, 0.2 s: 40 of 80 jiffies busy; this process ran 0.2 s (one CPU) of them
+def test_a_failing_measurement_is_not_measured_twice(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    _busy(monkeypatch, [0.0])
+    calls: list[int] = []
+
+    def measure() -> int:
+        calls.append(1)
+        raise RuntimeError("no kernels")
+    with pytest.raises(RuntimeError, match="no kernels"):
+        choices.shared_choice(PARTS, measure, int, tmp_path)
+    assert calls == [1] and not list(tmp_path.glob("*.json"))
+
+
+def test_cpu_times_sums_the_lines_of_the_given_cpus(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  10 0 10 100 5 0 0 0 0 0\n"
+                    "cpu0 4 0 6 50 2 0 0 1 0 0\n"
+                    "cpu1 6 0 4 50 3 0 0 0 7 0\n"
+                    "intr 12345 0 0\n")
+    # busy = user + nice + system + irq + softirq + steal; idle and iowait are not; guest
+    # (field 9) is in user already
+    assert choices._cpu_times({1}, str(stat)) == (10, 63)
+    assert choices._cpu_times({0, 1}, str(stat)) == (21, 126)
+    assert choices._cpu_times({5}, str(stat)) is None
+    assert choices._cpu_times({0}, str(tmp_path / "missing")) is None
+
+
+def test_host_busy_counts_other_work_not_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 4 CPUs at 100 Hz over 0.2 s: 80 jiffies, 40 busy, 20 of them this process's own
     ticks = iter([(100, 1000), (140, 1080)])
     clock = iter([5.0, 5.2])
-    monkeypatch.setattr(choices, "_cpu_times", lambda: next(ticks))
-    monkeypatch.setattr(choices.time, "process_time", lambda: next(clock))
-    monkeypatch.setattr(choices.time, "sleep", lambda s: None)
-    monkeypatch.setattr(choices.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(choices, "_cpu_times", lambda cpus: next(ticks))
+    monkeypatch.setattr(choices, "_own_cpu_s", lambda: next(clock))
+    monkeypatch.setattr(choices, "_pause", lambda s: None)
+    monkeypatch.setattr(choices.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(choices.os, "sysconf", lambda name: 100)
     monkeypatch.setattr(choices, "_sampled", None)
-    assert choices.host_busy() == pytest.approx(0.5 - 0.25)
+    assert choices.host_busy() == pytest.approx(0.25)
     assert choices.host_busy() == pytest.approx(0.25)  # reused within a second
 
 
-def test_host_busy_sees_another_busy_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    if choices._cpu_times() is None:
+def test_host_busy_sees_another_busy_process() -> None:
+    if choices._cpu_times(os.sched_getaffinity(0)) is None:
         pytest.skip("no /proc/stat")
-    cpus = os.cpu_count() or 1
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)
-        monkeypatch.setattr(choices, "_sampled", None)
-        assert choices.host_busy() >= 0.6 / cpus  # one busy CPU of ``cpus``
+        assert choices.host_busy(fresh=True) >= 0.6 / len(os.sched_getaffinity(0))
     finally:
         spinner.kill()
         spinner.wait()

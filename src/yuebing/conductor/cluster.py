@@ -93,9 +93,12 @@ class Member:
 
 
 def _engine_pages(hello: Hello) -> EnginePages | None:
-    """An empty `EnginePages` for a whole-model instance that prefills, sized to its pool."""
-    if hello.role == Role.DECODE or hello.layers or hello.block_size <= 0 \
-            or hello.num_blocks <= 0 or hello.store_block_tokens % hello.block_size:
+    """An empty `EnginePages` for a whole-model instance that prefills and reuses cached
+    pages, sized to its pool (None for any other; a vLLM instance that says no pool size yet,
+    before its first metrics, gets none)."""
+    if hello.role == Role.DECODE or hello.layers or not hello.prefix_caching \
+            or hello.block_size <= 0 or hello.num_blocks <= 0 \
+            or hello.store_block_tokens % hello.block_size:
         return None
     return EnginePages(hello.block_size, hello.num_blocks)
 
@@ -415,9 +418,8 @@ class LiveCluster:
         loads = [self._prefill_load(m, now_s) for m in prefills]
         lookup = self.index.lookup(info.block_keys, [m.id for m in prefills])
         if page_keys is not None and any(m.pages is not None for m in prefills):
-            bt = self.store_block_tokens
             lookup = replace(lookup, local_extra=tuple(
-                m.pages.extra(page_keys(m.pages.page_tokens), n * bt) if m.pages else 0
+                self._page_extra(m.pages, page_keys, n, info.input_tokens) if m.pages else 0
                 for m, n in zip(prefills, lookup.local_blocks, strict=True)))
         states = [decode_state(m.report, m.hello.block_size, m.id)
                   for m in decodes if m.report is not None]
@@ -429,6 +431,16 @@ class LiveCluster:
         return build_view(now_s, loads, lookup, states, link_bandwidth_Bps=self.link_bandwidth_Bps,
                           link_latency_s=self.link_latency_s, pending=self.pending.values(),
                           groups=glo, twins=twins)
+
+    def _page_extra(self, pages: EnginePages, page_keys: Callable[[int], Sequence[int]],
+                    blocks: int, prompt_tokens: int) -> int:
+        """Tokens past ``blocks`` held store blocks that the engine's pages hold too, within
+        the next block (a whole one held would be in the index; one it evicted would not, and
+        the pages never learn of it) and short of the prompt's last token (the engine reuses
+        whole pages before it)."""
+        size, bt = pages.page_tokens, self.store_block_tokens
+        upto = min((blocks + 1) * bt - size, (prompt_tokens - 1) // size * size)
+        return pages.extra(page_keys(size), blocks * bt, upto)
 
     def _prefill_load(self, m: Member, now_s: float) -> PrefillLoad:
         r = m.report

@@ -18,7 +18,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 import msgspec
@@ -107,14 +107,16 @@ class Dispatcher:
         deadline = time.monotonic() + self.request_timeout_s
         stats.prompt_tokens = len(req.prompt_ids)
         recompute = False
+        pages = functools.cache(lambda size: page_keys(req.prompt_ids, size,
+                                                       hash(self.cluster.fingerprint)))
         for attempt in (0, 1):
             rid = stats.request_id if attempt == 0 else f"{stats.request_id}-r{attempt}"
             stats.started_s = time.perf_counter()
-            info, route, coupled = self._decide(req, rid)
+            info, route, coupled = self._decide(req, rid, pages)
             stats.decided_s = time.perf_counter()
             try:
                 async for delta in self._attempt(req, info, route, coupled, stats, deadline,
-                                                 out, recompute):
+                                                 out, pages, recompute):
                     yield delta
                 return
             except _Retry as e:
@@ -128,7 +130,10 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ decision
 
-    def _decide(self, req: GenRequest, rid: str) -> tuple[RequestInfo, Route, bool]:
+    def _decide(self, req: GenRequest, rid: str,
+                pages: Callable[[int], Sequence[int]]) -> tuple[RequestInfo, Route, bool]:
+        """The request's route (``pages``: its `conductor.pages.page_keys` by page size, computed
+        once per request), or `Rejected`."""
         c = self.cluster
         prefills, decodes = c.alive(Role.PREFILL), c.alive(Role.DECODE)
         groups = c.groups() if decodes and req.sampling.n == 1 else []  # groups: one choice
@@ -147,8 +152,7 @@ class Dispatcher:
         # n choices share the prompt's KV; each grows its own output
         info = RequestInfo(rid, now, len(req.prompt_ids), tuple(BlockHash(k) for k in keys),
                            req.sampling.max_tokens * req.sampling.n)
-        view = c.view(info, prefills, decodes, now, groups,
-                      functools.cache(lambda size: self._page_keys(req.prompt_ids, size)))
+        view = c.view(info, prefills, decodes, now, groups, pages)
         decision = self.policy.decide(info, view)
         if coupled and isinstance(decision, Route) and decision.decode_id != decision.prefill_id:
             mine = tuple(d for d in view.decodes if d.instance_id == decision.prefill_id)
@@ -158,9 +162,6 @@ class Dispatcher:
             raise Rejected(decision.reason, decision.retry_after_s,
                            _reject_message(decision))
         return info, decision, coupled
-
-    def _page_keys(self, prompt_ids: Sequence[int], page_tokens: int) -> list[int]:
-        return page_keys(prompt_ids, page_tokens, hash(self.cluster.fingerprint))
 
     def _plan(self, route: Route, info: RequestInfo,
               recompute: bool = False) -> tuple[PrefixPlan, int]:
@@ -202,6 +203,7 @@ class Dispatcher:
 
     async def _attempt(self, req: GenRequest, info: RequestInfo, route: Route, coupled: bool,
                        stats: RequestStats, deadline: float, out: Pusher | None,
+                       pages: Callable[[int], Sequence[int]],
                        recompute: bool = False) -> AsyncIterator[Delta]:
         c, m = self.cluster, self.metrics
         pres = [c.members[s] for s in route.stages or (route.prefill_id,)]
@@ -232,7 +234,7 @@ class Dispatcher:
                 async for delta in self._relay(rid, pres, dec, coupled, stats, deadline, out,
                                                req.sampling.n):
                     if not noted and pre.pages is not None:  # prefilled: its engine has them
-                        pre.pages.note(self._page_keys(req.prompt_ids, pre.pages.page_tokens))
+                        pre.pages.note(pages(pre.pages.page_tokens))
                         noted = True
                     yield delta
             finally:

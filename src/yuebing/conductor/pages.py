@@ -34,9 +34,10 @@ def page_keys(token_ids: Sequence[int], page_tokens: int, seed: int) -> list[int
 class EnginePages:
     """The page keys of one instance's engine prefix cache: the prompts this Conductor
     prefilled there, least recently prefilled dropped first beyond ``capacity`` pages (the
-    engine's KV pool: it cannot keep more). Approximate on purpose: the engine may evict sooner
-    under other work, and `extra` then overestimates until the next prefill there notes the
-    prompt again (the index's blocks still bound the estimate from below)."""
+    engine's KV pool: it cannot keep more). Approximate: the engine may evict sooner under
+    other work, which this never learns; so the Conductor asks only for the pages inside the
+    block after the held ones (`LiveCluster.view`): a whole block would have been reported,
+    and an evicted one costs at most a block's tokens of estimate."""
 
     __slots__ = ("capacity", "page_tokens", "_keys")
 
@@ -60,12 +61,12 @@ class EnginePages:
         while len(held) > self.capacity:
             held.popitem(last=False)
 
-    def extra(self, keys: Sequence[int], from_tokens: int) -> int:
+    def extra(self, keys: Sequence[int], from_tokens: int, upto_tokens: int) -> int:
         """Tokens past ``from_tokens`` (the held blocks' tokens, a multiple of the page size)
-        at the head of the prompt of ``keys`` that the engine holds: pages are chained, so the
-        run stops at the first missing one."""
+        and before ``upto_tokens`` at the head of the prompt of ``keys`` that the engine holds:
+        pages are chained, so the run stops at the first missing one."""
         held, j = self._keys, from_tokens // self.page_tokens
-        start = j
-        while j < len(keys) and keys[j] in held:
+        start, end = j, min(len(keys), upto_tokens // self.page_tokens)
+        while j < end and keys[j] in held:
             j += 1
         return (j - start) * self.page_tokens

@@ -12,21 +12,23 @@ measured anyway.
 A measurement is only as good as the host was quiet: on the first start of `yuebing serve` every
 process starts at once, and a copy split over two threads loses to one thread when the other
 core is busy (a 2-core Xeon measured "never split" beside a pip install, 1.2x split quiet). So a
-choice records whether other work used more than `QUIET_SHARE` of the CPUs just before or after
-it was measured (`host_busy`); a busy one is provisional: used, and measured again by the first
-process that finds the host quiet (`YUEBING_KEEP_CHOICES=1`: never, e.g. under tests).
+choice records whether other work used more than `QUIET_SHARE` of its CPUs just before or after
+it was measured (`host_busy`). A busy one of the speed-only kinds (copy limits, lanes) is
+provisional: used, and measured again by the first process that finds the host quiet
+(`YUEBING_KEEP_CHOICES=1`: never, e.g. under tests). The engine's choices stay as first measured
+(``remeasure=False``): they name its configuration, which the Conductor holds every instance of
+a cluster to.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -62,16 +64,6 @@ def choice_key(parts: dict[str, object]) -> str:
     return hashlib.blake2b(what.encode(), digest_size=10).hexdigest()
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _read(path: Path, parse: Callable[[Any], T]) -> tuple[T, bool] | None:
     """The kept choice and whether it was measured on a quiet host (False for a choice kept
     before quietness was recorded), or None."""
@@ -85,80 +77,97 @@ def _read(path: Path, parse: Callable[[Any], T]) -> tuple[T, bool] | None:
     return None
 
 
-def _cpu_times() -> tuple[int, int] | None:
-    """(busy, total) jiffies of every CPU of the host (``/proc/stat``), or None."""
+def _cpu_times(cpus: set[int], stat: str = "/proc/stat") -> tuple[int, int] | None:
+    """(busy, total) jiffies of the CPUs ``cpus`` (``/proc/stat``'s ``cpuN`` lines), or None."""
+    busy = total = 0
     try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
+        with open(stat) as f:
+            for line in f:
+                name, _, rest = line.partition(" ")
+                if not name.startswith("cpu") or not name[3:].isdigit() \
+                        or int(name[3:]) not in cpus:
+                    continue
+                fields = [int(x) for x in rest.split()[:8]]  # guest time is in user already
+                idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+                busy, total = busy + sum(fields) - idle, total + sum(fields)
+    except (OSError, ValueError, IndexError):
         return None
-    if len(fields) < 4:
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    total = sum(fields[:8])  # guest time is counted in user already
-    return total - idle, total
+    return (busy, total) if total else None
 
 
-def host_busy() -> float:
-    """The share of the host's CPUs that other work used over `SAMPLE_S` while this thread
-    slept (0 where ``/proc/stat`` cannot be read: counted as quiet); the last answer is
-    reused for a second."""
+def _own_cpu_s() -> float:
+    return time.process_time()
+
+
+def _pause(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def host_busy(fresh: bool = False) -> float:
+    """The share of the CPUs this process may run on that other work used over `SAMPLE_S`
+    while this thread slept: their busy jiffies less this process's own CPU time (0 where
+    ``/proc/stat`` cannot be read: counted as quiet). The last answer is reused for a second
+    unless ``fresh``."""
     global _sampled
-    now = time.monotonic()
-    if _sampled is not None and now - _sampled[0] < 1.0:
+    if not fresh and _sampled is not None and time.monotonic() - _sampled[0] < 1.0:
         return _sampled[1]
-    before, own = _cpu_times(), time.process_time()
-    time.sleep(SAMPLE_S)
-    after, own = _cpu_times(), time.process_time() - own
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else \
+        set(range(os.cpu_count() or 1))
+    before, own = _cpu_times(cpus), _own_cpu_s()
+    if before is None:
+        return 0.0
+    _pause(SAMPLE_S)
+    after, own = _cpu_times(cpus), _own_cpu_s() - own
     share = 0.0
-    if before is not None and after is not None and after[1] > before[1]:
-        cpus = os.cpu_count() or 1
-        busy = (after[0] - before[0]) / (after[1] - before[1])
-        share = max(0.0, busy - own / SAMPLE_S / cpus)  # less this process's other threads
+    if after is not None and after[1] > before[1]:
+        ticks = (after[1] - before[1]) / len(cpus)  # jiffies per CPU over the sample
+        ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        share = max(0.0, (after[0] - before[0] - own * ticks_per_s) / (ticks * len(cpus)))
     _sampled = (time.monotonic(), share)
     return share
 
 
-def _busy_after() -> float:
-    """`host_busy` sampled afresh (after a measurement)."""
-    global _sampled
-    _sampled = None
-    return host_busy()
-
-
 def shared_choice(parts: dict[str, object], measure: Callable[[], T],
-                  parse: Callable[[Any], T], root: Path | None = None) -> tuple[T, bool]:
+                  parse: Callable[[Any], T], root: Path | None = None, *,
+                  remeasure: bool = True) -> tuple[T, bool]:
     """The machine's choice for ``parts`` (and True), or ``measure()``'s, kept for the next
     process (and False). ``parse`` turns the kept JSON back into a choice, raising
     ValueError, KeyError, TypeError or IndexError on a malformed one (measured again).
-    Measurements of all kinds take turns (one lock): each would time the other's load; a kept
-    choice is read without the lock, so a measurement's own helper processes never wait on it.
-    A provisional choice (measured on a busy host) is measured again when the host is quiet
-    (module docstring)."""
+    Measurements of all kinds take turns (one lock): each would time the other's load. A
+    quiet choice is read without the lock, so a measurement's own helper processes never wait
+    on it (they run with `YUEBING_KEEP_CHOICES`). A provisional one (measured on a busy host)
+    is measured again under the lock when the host is quiet (module docstring), unless
+    ``remeasure`` is False: a choice that names the engine's configuration must not change
+    under a running cluster."""
     try:
         base = root or choice_dir()
         base.mkdir(parents=True, exist_ok=True)
         path = base / f"{choice_key(parts)}.json"
+        lock = open(base / ".lock", "a")  # noqa: SIM115 - held past this block
+    except (OSError, RuntimeError) as e:  # read-only cache, no home directory
+        log.warning("start-up choice: no usable cache (%s); measuring without it", e)
+        return measure(), False
+    with lock:
         found = _read(path, parse)  # kept ones are read without waiting (written atomically)
-        if found is not None and (found[1] or env.keep_choices() or host_busy() > QUIET_SHARE):
+        if found is not None and (found[1] or not remeasure or env.keep_choices()):
             return found[0], True
-        with _locked(base / ".lock"):
-            again = _read(path, parse)
-            if again is not None and (again[1] or again != found):  # measured meanwhile
-                return again[0], True
-            busy = host_busy()
-            choice = measure()
-            busy = max(busy, _busy_after())
-            quiet = busy <= QUIET_SHARE
-            if not quiet:
-                log.info("start-up choice %s measured while other work used %.0f%% of the "
-                         "CPUs: provisional, measured again on a quiet start", path.name,
-                         100 * busy)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        found = _read(path, parse)  # measured meanwhile, or still provisional
+        busy = host_busy(fresh=True)  # nobody else measures now
+        if found is not None and (found[1] or (remeasure and busy > QUIET_SHARE)):
+            return found[0], True
+        choice = measure()
+        busy = max(busy, host_busy(fresh=True))
+        quiet = busy <= QUIET_SHARE
+        if not quiet:
+            log.info("start-up choice %s measured while other work used %.0f%% of the CPUs: "
+                     "%s", path.name, 100 * busy, "provisional, measured again on a quiet "
+                     "start" if remeasure else "kept")
+        try:
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps({"value": choice, "parts": parts, "quiet": quiet},
                                       default=str, indent=1))
             os.replace(tmp, path)
-            return choice, False
-    except (OSError, RuntimeError) as e:  # read-only cache, no home directory
-        log.warning("start-up choice: no usable cache (%s); measuring without it", e)
-        return measure(), False
+        except OSError as e:
+            log.warning("start-up choice %s not kept: %s", path.name, e)
+        return choice, False

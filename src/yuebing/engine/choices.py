@@ -30,10 +30,11 @@ order reversed every other round, routes decided on paired ratios)."""
 
 def shared_choice(parts: dict[str, object], measure: Callable[[], T],
                   parse: Callable[[Any], T], root: Path | None = None) -> tuple[T, bool]:
-    """`core.choices.shared_choice` for ``parts`` on this machine, torch and thread count."""
+    """`core.choices.shared_choice` for ``parts`` on this machine, torch and thread count;
+    never measured again once kept (the engine's configuration follows from it)."""
     here = {**choices.machine_parts(), "engine_choices": VERSION, "torch": torch.__version__,
             "threads": torch.get_num_threads()}
-    return choices.shared_choice({**here, **parts}, measure, parse, root)
+    return choices.shared_choice({**here, **parts}, measure, parse, root, remeasure=False)
 
 
 def interleaved_samples(fns: dict[str, Callable[[], object]], device: torch.device,

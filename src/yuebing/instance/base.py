@@ -276,7 +276,7 @@ class Instance:
                      incarnation=self.incarnation, engine=e.signature(), profile=self.profile,
                      layers=self.cfg.engine.layers, num_layers=e.model_config.num_layers,
                      stage_segment=self.role.stage_segment, group=self.cfg.cpp_group,
-                     twin_of=self.cfg.twin_of)
+                     twin_of=self.cfg.twin_of, prefix_caching=e.config.prefix_caching)
 
     async def start(self) -> str:
         """Bind the control socket; returns its address."""

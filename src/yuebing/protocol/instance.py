@@ -274,6 +274,8 @@ class Hello(Message, tag="inst.hello"):
     twin_of: str = ""
     """A whole-model twin (``--twin-of A:B``): it shares the machine, and the Conductor's gate,
     of stage ``A:B`` of ``group``, and prefills short prompts while the group is idle."""
+    prefix_caching: bool = True
+    """Its engine reuses cached KV pages of earlier prompts (`conductor.pages` counts them)."""
 
 
 @register_message

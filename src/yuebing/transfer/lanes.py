@@ -150,8 +150,9 @@ def _round(engine: Initiator, reqs: dict[OpCode, list[TransferRequest]]) -> floa
 def start_target(segment_bytes: int, streaming: bool = True) -> tuple[subprocess.Popen[str], str]:
     """The benchmark's target process (`transfer.bench.serve`) and its P2P segment name.
     ``streaming=False`` gives it plain copies: it then never asks for the small-copy choice,
-    whose lock a lane measurement holds while it waits for this process."""
-    extra = {} if streaming else {env.STREAM_COPY: "0"}
+    whose lock a lane measurement holds while it waits for this process; and it takes kept
+    choices as they are (`core.choices`: a provisional one is measured again under that lock)."""
+    extra = {env.KEEP_CHOICES: "1", **({} if streaming else {env.STREAM_COPY: "0"})}
     try:
         proc = subprocess.Popen([sys.executable, "-m", "yuebing.transfer.bench",
                                  str(segment_bytes)], stdin=subprocess.PIPE,
