@@ -127,7 +127,7 @@ def test_host_busy_sees_another_busy_process() -> None:
         pytest.skip("no /proc/stat")
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        time.sleep(0.3)
+        time.sleep(0.3)  # the spinner gets going: host_busy samples the next 0.2 s
         assert choices.host_busy(fresh=True) >= 0.6 / len(os.sched_getaffinity(0))
     finally:
         spinner.kill()
