@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
@@ -65,11 +64,16 @@ class SplitLimits(NamedTuple):
 _split: SplitLimits | None = None
 _split_lock = threading.Lock()
 _PAGE = mmap.PAGESIZE
+_libc: Any
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)  # the C library this process runs
+except OSError:
+    _libc = None
 _mincore: Any
 try:
-    _mincore = ctypes.CDLL(None, use_errno=True).mincore  # the C library this process runs
+    _mincore = _libc.mincore
     _mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
-except (OSError, AttributeError):  # not glibc/Linux: every destination counts as warm
+except AttributeError:  # not glibc/Linux: every destination counts as warm
     _mincore = None
 
 
@@ -219,8 +223,9 @@ class DirectSegments:
     Copies above `streamcopy.small_copy` bytes use `yuebing.transfer.streamcopy.copy`;
     batches and single reads of at least this machine's `split_limits` bytes use a few
     threads (the ``fresh`` limit where the destination is not faulted in yet). No write starts
-    past the put's deadline and large ones check it between pieces (`copy_until`, TIMEOUT: revoked); a read ending past its lease's
-    deadline ends TIMEOUT too (the client asks again)."""
+    past the put's deadline and large ones check it between pieces (`copy_until`, TIMEOUT:
+    revoked); a read ending past its lease's deadline ends TIMEOUT too (the client asks
+    again)."""
 
     def __init__(self, engine: TransferEngine, enabled: bool = True) -> None:
         self.engine = engine
@@ -484,10 +489,9 @@ def keep_freed_memory(keep_bytes: int) -> bool:
     if keep_bytes <= _kept:
         return True
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = bool(libc.mallopt(M_MMAP_THRESHOLD, min(keep_bytes, MAX_MMAP_THRESHOLD))) and bool(
-            libc.mallopt(M_TRIM_THRESHOLD, keep_bytes))
-    except (OSError, AttributeError):
+        ok = bool(_libc.mallopt(M_MMAP_THRESHOLD, min(keep_bytes, MAX_MMAP_THRESHOLD))) \
+            and bool(_libc.mallopt(M_TRIM_THRESHOLD, keep_bytes))
+    except AttributeError:  # no C library, or not glibc
         ok = False
     if ok:
         _kept = keep_bytes
