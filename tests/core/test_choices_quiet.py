@@ -22,7 +22,7 @@ PARTS = {"kind": "test.quiet", "version": 1}
 def _busy(monkeypatch: pytest.MonkeyPatch, shares: list[float]) -> list[float]:
     """`host_busy` answers ``shares`` in turn (the last one from then on); returns the list
     (empty of all but its last when every sample was taken)."""
-    def fake(fresh: bool = False) -> float:
+    def fake() -> float:
         return shares.pop(0) if len(shares) > 1 else shares[0]
     monkeypatch.setattr(choices, "host_busy", fake)
     monkeypatch.delenv("YUEBING_KEEP_CHOICES", raising=False)
@@ -117,9 +117,7 @@ def test_host_busy_counts_other_work_not_this_process(monkeypatch: pytest.Monkey
     monkeypatch.setattr(choices, "_pause", lambda s: None)
     monkeypatch.setattr(choices.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.setattr(choices.os, "sysconf", lambda name: 100)
-    monkeypatch.setattr(choices, "_sampled", None)
     assert choices.host_busy() == pytest.approx(0.25)
-    assert choices.host_busy() == pytest.approx(0.25)  # reused within a second
 
 
 def test_host_busy_sees_another_busy_process() -> None:
@@ -128,7 +126,7 @@ def test_host_busy_sees_another_busy_process() -> None:
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)  # the spinner gets going: host_busy samples the next 0.2 s
-        assert choices.host_busy(fresh=True) >= 0.6 / len(os.sched_getaffinity(0))
+        assert choices.host_busy() >= 0.6 / len(os.sched_getaffinity(0))
     finally:
         spinner.kill()
         spinner.wait()

@@ -43,8 +43,6 @@ QUIET_SHARE = 0.25
 """A host is quiet while other work uses at most this share of its CPUs (`host_busy`)."""
 SAMPLE_S = 0.2
 """How long `host_busy` watches the host."""
-_sampled: tuple[float, float] | None = None
-"""This process's latest `host_busy` (monotonic time, share): reused for a second."""
 
 
 def choice_dir() -> Path:
@@ -103,14 +101,10 @@ def _pause(seconds: float) -> None:
     time.sleep(seconds)
 
 
-def host_busy(fresh: bool = False) -> float:
+def host_busy() -> float:
     """The share of the CPUs this process may run on that other work used over `SAMPLE_S`
     while this thread slept: their busy jiffies less this process's own CPU time (0 where
-    ``/proc/stat`` cannot be read: counted as quiet). The last answer is reused for a second
-    unless ``fresh``."""
-    global _sampled
-    if not fresh and _sampled is not None and time.monotonic() - _sampled[0] < 1.0:
-        return _sampled[1]
+    ``/proc/stat`` cannot be read: counted as quiet)."""
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else \
         set(range(os.cpu_count() or 1))
     before, own = _cpu_times(cpus), _own_cpu_s()
@@ -118,13 +112,10 @@ def host_busy(fresh: bool = False) -> float:
         return 0.0
     _pause(SAMPLE_S)
     after, own = _cpu_times(cpus), _own_cpu_s() - own
-    share = 0.0
-    if after is not None and after[1] > before[1]:
-        ticks = (after[1] - before[1]) / len(cpus)  # jiffies per CPU over the sample
-        ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        share = max(0.0, (after[0] - before[0] - own * ticks_per_s) / (ticks * len(cpus)))
-    _sampled = (time.monotonic(), share)
-    return share
+    if after is None or after[1] <= before[1]:
+        return 0.0
+    own_ticks = own * os.sysconf("SC_CLK_TCK")
+    return max(0.0, (after[0] - before[0] - own_ticks) / (after[1] - before[1]))
 
 
 def shared_choice(parts: dict[str, object], measure: Callable[[], T],
@@ -153,11 +144,13 @@ def shared_choice(parts: dict[str, object], measure: Callable[[], T],
             return found[0], True
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         found = _read(path, parse)  # measured meanwhile, or still provisional
-        busy = host_busy(fresh=True)  # nobody else measures now
-        if found is not None and (found[1] or (remeasure and busy > QUIET_SHARE)):
+        if found is not None and (found[1] or not remeasure):
+            return found[0], True
+        busy = host_busy()  # nobody else measures now
+        if found is not None and busy > QUIET_SHARE:
             return found[0], True
         choice = measure()
-        busy = max(busy, host_busy(fresh=True))
+        busy = max(busy, host_busy())
         quiet = busy <= QUIET_SHARE
         if not quiet:
             log.info("start-up choice %s measured while other work used %.0f%% of the CPUs: "
