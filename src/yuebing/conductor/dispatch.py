@@ -229,13 +229,13 @@ class Dispatcher:
                     m.dispatch_phase.labels(phase).observe(took)
             loop = asyncio.get_running_loop()
             watch = [loop.create_task(_watch_stage(s, pre, rid)) for s in pres[:-1]]
-            noted = bool(route.stages) or pre.pages is None
+            unnoted = None if route.stages else pre.pages
             try:
                 async for delta in self._relay(rid, pres, dec, coupled, stats, deadline, out,
                                                req.sampling.n):
-                    if not noted and pre.pages is not None:  # prefilled: its engine has them
-                        pre.pages.note(pages(pre.pages.page_tokens))
-                        noted = True
+                    if unnoted is not None:  # prefilled: its engine has the prompt's pages
+                        unnoted.note(pages(unnoted.page_tokens))
+                        unnoted = None
                     yield delta
             finally:
                 for w in watch:

@@ -288,9 +288,9 @@ def choose_group(pol: Policy, req: RequestInfo, view: ClusterView,
     the lowest estimated TTFT wins, the group's counting its slowest stage's queue and a
     hand-off per extra stage (`Policy.group_estimate`)."""
     best = single
-    n, bt = req.input_tokens, pol.config.block_tokens
+    n = req.input_tokens
     for g, group in enumerate(view.groups):
-        cached = min(group.local_prefix_blocks * bt, n - 1)
+        cached = pol.prefix_tokens(group.local_prefix_blocks, n)
         if n - cached <= pol.cpp_threshold and single is not None:
             continue
         queue_s, prefill_s = pol.group_estimate(view, g, n - cached, cached)

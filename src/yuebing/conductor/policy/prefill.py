@@ -79,9 +79,9 @@ def select_global_cache_aware(pol: Policy, req: RequestInfo, view: ClusterView) 
     transfer; keep the local prefix when the fetch would not win; the minimum TTFT wins."""
     src = view.best_prefix
     best_blocks = src.blocks if src is not None else 0
-    n, bt = req.input_tokens, pol.config.block_tokens
+    n = req.input_tokens
     threshold, cpp = pol.config.kvcache_balancing_threshold, pol.cpp_threshold
-    best_tokens = min(best_blocks * bt, n - 1)
+    best_tokens = pol.prefix_tokens(best_blocks, n)
     remote_prefill_s = pol.prefill_time(n - best_tokens, best_tokens)
     best: tuple[float, int, int] = (float("inf"), 0, 0)  # (ttft, index, fetch_blocks)
     for i, p in enumerate(view.prefills):
