@@ -34,7 +34,7 @@ def machine_choices() -> None:
 
     resolve_lanes(TransferConfig(), TransferEngine)
     streamcopy.small_copy()
-    direct.split_limits(direct.default_workers())
+    direct.split_limits(direct.default_workers(), wait=True)
     os.environ[env.KEEP_CHOICES] = "1"
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
+import threading
 import time
 
 import numpy as np
@@ -111,8 +113,8 @@ def test_a_large_single_read_is_cut_into_pieces_copied_by_several_threads(
     from yuebing.transfer import TransferRequest, TransferStatus
 
     SPLIT_READ_MIN = 1 << 20
-    monkeypatch.setattr(direct_mod, "_split", direct_mod.SplitLimits(4 << 20, SPLIT_READ_MIN,
-                                                                      SPLIT_READ_MIN))
+    monkeypatch.setattr(direct_mod, "_split", direct_mod._Split.settled(
+        direct_mod.SplitLimits(4 << 20, SPLIT_READ_MIN, SPLIT_READ_MIN)))
 
     for n, k in ((SPLIT_READ_MIN + 4099, 2), (SPLIT_READ_MIN, 4), (5000, 4), (1, 3)):
         job = (OpCode.READ, memoryview(bytearray(n)), None, 7, n)
@@ -193,13 +195,13 @@ def test_split_limits_are_measured_per_machine_and_kept(tmp_path, monkeypatch) -
     assert set(timings) == set(direct_mod.KINDS)
     assert all(len(t) == 2 and min(t) > 0 for d in timings.values() for t in d.values())
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # choices kept under tmp_path
-    monkeypatch.setattr(direct_mod, "_split", None)
+    monkeypatch.setattr(direct_mod, "_split", direct_mod._Split())
     calls = []
     want = direct_mod.SplitLimits(8 << 20, direct_mod.NEVER, 1 << 20)
     monkeypatch.setattr(direct_mod, "measure_split",
                         lambda w: calls.append(w) or (want, timings))
-    assert direct_mod.split_limits(2) == want
-    monkeypatch.setattr(direct_mod, "_split", None)  # a new process: the kept choice
+    assert direct_mod.split_limits(2, wait=True) == want
+    monkeypatch.setattr(direct_mod, "_split", direct_mod._Split())  # a new process: kept
     assert direct_mod.split_limits(2) == want and calls == [2]
     mb = 1 << 20
     assert direct_mod.split_choice([[mb, mb, mb], timings])[0] == (mb, mb, mb)
@@ -208,6 +210,59 @@ def test_split_limits_are_measured_per_machine_and_kept(tmp_path, monkeypatch) -
                 [[mb, mb, mb], {"write": timings["write"]}]):
         with pytest.raises(TypeError):
             direct_mod.split_choice(bad)
+
+
+def test_a_client_start_does_not_wait_for_the_split_measurement(tmp_path, monkeypatch) -> None:
+    """With nothing kept for this machine, `split_limits` answers `WHOLE` at once (a client's
+    start, a copy) while the limits are measured in the background, then the measured ones;
+    a measurement that fails leaves copies whole; a provisional (busy) kept choice is used
+    while it is measured again."""
+    from yuebing.core import env
+    from yuebing.store.client import direct as direct_mod
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(env.KEEP_CHOICES, raising=False)
+    monkeypatch.setattr(direct_mod, "_split", direct_mod._Split())
+    go, started = threading.Event(), threading.Event()
+    want = direct_mod.SplitLimits(4 << 20, direct_mod.NEVER, 2 << 20)
+    timings = {k: {str(n): [1.0, 2.0] for n in direct_mod.SPLIT_CANDIDATES}
+               for k in direct_mod.KINDS}
+
+    def slow(workers: int) -> tuple[direct_mod.SplitLimits, dict]:
+        started.set()
+        assert go.wait(30)
+        return want, timings
+
+    monkeypatch.setattr(direct_mod, "measure_split", slow)
+    assert direct_mod.split_limits(2) == direct_mod.WHOLE
+    assert started.wait(30)
+    assert direct_mod.split_limits(2) == direct_mod.WHOLE  # still measuring: not waited on
+    go.set()
+    assert direct_mod.split_limits(2, wait=True) == want
+    assert direct_mod.split_limits(2) == want
+
+    def broken(workers: int) -> tuple[direct_mod.SplitLimits, dict]:
+        raise MemoryError("no arena")
+
+    monkeypatch.setattr(direct_mod, "measure_split", broken)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other"))
+    monkeypatch.setattr(direct_mod, "_split", direct_mod._Split())
+    assert direct_mod.split_limits(2, wait=True) == direct_mod.WHOLE
+
+    # a choice kept from a busy host: used at once, measured again in the background
+    from yuebing.core import choices
+    monkeypatch.setattr(choices, "host_busy", lambda: 0.0)
+    path = choices.choice_dir() / f"{choices.choice_key(direct_mod._split_parts(2))}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"value": [list(want), timings], "quiet": False}))
+    monkeypatch.setattr(direct_mod, "_split", direct_mod._Split())
+    quiet = direct_mod.SplitLimits(1 << 20, 1 << 20, 1 << 20)
+    go.clear()
+    monkeypatch.setattr(direct_mod, "measure_split", lambda w: go.wait(30) and (quiet, timings))
+    assert direct_mod.split_limits(2) == want
+    go.set()
+    assert direct_mod.split_limits(2, wait=True) == quiet
+    assert json.loads(path.read_text())["quiet"] is True
 
 
 def test_a_destination_not_faulted_in_takes_the_fresh_limit(tmp_path, monkeypatch) -> None:
@@ -225,8 +280,8 @@ def test_a_destination_not_faulted_in_takes_the_fresh_limit(tmp_path, monkeypatc
         pytest.skip("this kernel reports untouched pages resident (no mincore residency)")
     new[512 << 10] = 1
     assert direct_mod.resident(addr + (512 << 10))
-    monkeypatch.setattr(direct_mod, "_split", direct_mod.SplitLimits(direct_mod.NEVER,
-                                                                      direct_mod.NEVER, 1 << 20))
+    monkeypatch.setattr(direct_mod, "_split", direct_mod._Split.settled(
+        direct_mod.SplitLimits(direct_mod.NEVER, direct_mod.NEVER, 1 << 20)))
     path = tmp_path / "seg"
     path.write_bytes(bytes(range(256)) * (16 << 12))  # 16 MiB
     mapped = direct_mod.MappedFile(str(path), 4 << 20)

@@ -118,6 +118,18 @@ def host_busy() -> float:
     return max(0.0, (after[0] - before[0] - own_ticks) / (after[1] - before[1]))
 
 
+def kept_choice(parts: dict[str, object], parse: Callable[[Any], T],
+                root: Path | None = None) -> tuple[T, bool] | None:
+    """The choice kept for ``parts`` and whether it was measured on a quiet host, read without
+    measuring or waiting (None: nothing usable kept, or no cache). For callers that must not
+    block on a measurement (`shared_choice` then runs off their path)."""
+    try:
+        path = (root or choice_dir()) / f"{choice_key(parts)}.json"
+    except (OSError, RuntimeError):
+        return None
+    return _read(path, parse)
+
+
 def shared_choice(parts: dict[str, object], measure: Callable[[], T],
                   parse: Callable[[Any], T], root: Path | None = None, *,
                   remeasure: bool = True) -> tuple[T, bool]:

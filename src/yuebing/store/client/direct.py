@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from yuebing.core.choices import machine_parts, shared_choice
+from yuebing.core import env
+from yuebing.core.choices import kept_choice, machine_parts, shared_choice
 from yuebing.core.errors import TransferError
 from yuebing.store.config import ClientConfig
 from yuebing.transfer import (
@@ -61,8 +62,6 @@ class SplitLimits(NamedTuple):
     """A batch or one read whose destination is not faulted in yet (`resident`)."""
 
 
-_split: SplitLimits | None = None
-_split_lock = threading.Lock()
 _PAGE = mmap.PAGESIZE
 _libc: Any
 try:
@@ -91,28 +90,83 @@ def default_workers() -> int:
     return min(4, os.cpu_count() or 1)
 
 
-def split_limits(workers: int) -> SplitLimits:
+WHOLE = SplitLimits(NEVER, NEVER, NEVER)
+"""The limits while this machine's are being measured: every copy whole, on its caller."""
+
+
+class _Split:
+    """This process's `SplitLimits`: the kept choice, or — while none is kept, or only one
+    measured on a busy host — a background thread settles them (`shared_choice`: measured, or
+    measured again on a quiet host; ~4 s and ~384 MiB for a while) and copies meanwhile use
+    the provisional kept limits or `WHOLE`. So a client's start (in an event loop, a vLLM
+    worker) never waits on the measurement."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.limits: SplitLimits | None = None
+        """Settled: the kept or measured limits."""
+        self.interim = WHOLE
+        """Used until `limits` is settled."""
+        self.thread: threading.Thread | None = None
+
+    @classmethod
+    def settled(cls, limits: SplitLimits) -> _Split:
+        """One that answers ``limits`` (tests)."""
+        split = cls()
+        split.limits = limits
+        return split
+
+    def get(self, workers: int, wait: bool) -> SplitLimits:
+        if self.limits is not None:  # settled: every copy's path, no lock
+            return self.limits
+        with self.lock:
+            if self.limits is None and self.thread is None:
+                parts = _split_parts(workers)
+                kept = kept_choice(parts, split_choice)
+                if kept is not None and (kept[1] or env.keep_choices()):
+                    self.limits = kept[0][0]
+                else:
+                    self.interim = kept[0][0] if kept is not None else WHOLE
+                    self.thread = threading.Thread(target=self._settle, args=(parts, workers),
+                                                   name="yuebing-split-limits", daemon=True)
+                    self.thread.start()
+            thread = self.thread
+        if wait and thread is not None:
+            thread.join()
+        return self.limits or self.interim
+
+    def _settle(self, parts: dict[str, object], workers: int) -> None:
+        try:
+            (limits, timings), kept = shared_choice(parts, lambda: measure_split(workers),
+                                                    split_choice)
+        except Exception as e:  # e.g. no memory for the arena: copies stay as they are
+            log.warning("split limits not measured (%s); copies use %s", e, self.interim)
+            self.limits = self.interim
+            return
+        log.info("split copies from (bytes; %d = never): %s (%s); µs per copy, one thread / "
+                 "split: %s", NEVER, limits, "kept for this machine" if kept else
+                 "measured now", timings)
+        self.limits = limits
+
+
+_split = _Split()
+
+
+def split_limits(workers: int, wait: bool = False) -> SplitLimits:
     """This machine's `SplitLimits` for ``workers`` copy threads, measured once per machine
     and kept (`core.choices`): where a pool thread's wake-up costs more than the split saves
     depends on the processor (2-core Xeon, quiet A/B: same-host `get_into` 4 MiB 1.20×, 1 MiB
     0.80× split; a 2-vCPU Zen 5 VM gains nothing on warm memory, 1.6× on a batch `get`'s new
-    buffers). Settled when a `DirectSegments` starts."""
-    global _split
-    with _split_lock:  # one measurement per process, however many clients start at once
-        if _split is None:
-            _split = _settle_split(workers)
-    return _split
+    buffers). The first call of a process starts settling them in the background (`_Split`);
+    until then copies are not split. ``wait``: until they are settled (benchmarks, tests)."""
+    return _split.get(workers, wait)
 
 
-def _settle_split(workers: int) -> SplitLimits:
-    """`split_limits`' kept choice, or a new measurement (kept)."""
-    parts = {"kind": "store.split_copy", "version": SPLIT_VERSION, **machine_parts(),
-             "workers": workers, "candidates": SPLIT_CANDIDATES,
-             "streaming": streamcopy.streaming()}
-    (limits, timings), kept = shared_choice(parts, lambda: measure_split(workers), split_choice)
-    log.info("split copies from (bytes; %d = never): %s (%s); µs per copy, one thread / split: "
-             "%s", NEVER, limits, "kept for this machine" if kept else "measured now", timings)
-    return limits
+def _split_parts(workers: int) -> dict[str, object]:
+    """What the kept split limits are keyed by (`core.choices`)."""
+    return {"kind": "store.split_copy", "version": SPLIT_VERSION, **machine_parts(),
+            "workers": workers, "candidates": SPLIT_CANDIDATES,
+            "streaming": streamcopy.streaming()}
 
 
 def split_choice(raw: Any) -> tuple[SplitLimits, dict[str, dict[str, list[float]]]]:
@@ -235,7 +289,7 @@ class DirectSegments:
         self.workers = default_workers()
         self._pool: ThreadPoolExecutor | None = None
         if self.enabled and self.workers >= 2:
-            split_limits(self.workers)  # settled now (measured once per machine: ~4 s)
+            split_limits(self.workers)  # settling starts (in the background if measured)
 
     def _target(self, segment: str) -> MappedFile | str | None:
         """Where requests to ``segment`` go: its live mapping (copied here), None (the engine
