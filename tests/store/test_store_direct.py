@@ -113,8 +113,7 @@ def test_a_large_single_read_is_cut_into_pieces_copied_by_several_threads(
     from yuebing.transfer import TransferRequest, TransferStatus
 
     SPLIT_READ_MIN = 1 << 20
-    monkeypatch.setattr(direct_mod, "_split", direct_mod._Split.settled(
-        direct_mod.SplitLimits(4 << 20, SPLIT_READ_MIN, SPLIT_READ_MIN)))
+    _settle(monkeypatch, direct_mod.SplitLimits(4 << 20, SPLIT_READ_MIN, SPLIT_READ_MIN))
 
     for n, k in ((SPLIT_READ_MIN + 4099, 2), (SPLIT_READ_MIN, 4), (5000, 4), (1, 3)):
         job = (OpCode.READ, memoryview(bytearray(n)), None, 7, n)
@@ -187,6 +186,7 @@ def test_split_limits_are_measured_per_machine_and_kept(tmp_path, monkeypatch) -
     """The limits come from timing whole and split copies of each kind (each limit a
     candidate size or `NEVER`), are kept for the next process under the machine's key, and a
     malformed kept choice is refused."""
+    from yuebing.core import choices
     from yuebing.store.client import direct as direct_mod
 
     limits, timings = direct_mod.measure_split(2, reps=2, arena=64 << 20)
@@ -196,6 +196,7 @@ def test_split_limits_are_measured_per_machine_and_kept(tmp_path, monkeypatch) -
     assert all(len(t) == 2 and min(t) > 0 for d in timings.values() for t in d.values())
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # choices kept under tmp_path
     monkeypatch.setattr(direct_mod, "_split", direct_mod._Split())
+    monkeypatch.setattr(choices, "host_busy", lambda: 0.0)
     calls = []
     want = direct_mod.SplitLimits(8 << 20, direct_mod.NEVER, 1 << 20)
     monkeypatch.setattr(direct_mod, "measure_split",
@@ -212,49 +213,77 @@ def test_split_limits_are_measured_per_machine_and_kept(tmp_path, monkeypatch) -
             direct_mod.split_choice(bad)
 
 
-def test_a_client_start_does_not_wait_for_the_split_measurement(tmp_path, monkeypatch) -> None:
-    """With nothing kept for this machine, `split_limits` answers `WHOLE` at once (a client's
-    start, a copy) while the limits are measured in the background, then the measured ones;
-    a measurement that fails leaves copies whole; a provisional (busy) kept choice is used
-    while it is measured again."""
-    from yuebing.core import env
+def _settle(monkeypatch: pytest.MonkeyPatch, limits: object) -> None:
+    """This process's split limits settled as ``limits`` for one test."""
+    from yuebing.store.client import direct as direct_mod
+
+    split = direct_mod._Split()
+    split.limits = limits  # type: ignore[assignment]
+    monkeypatch.setattr(direct_mod, "_split", split)
+
+
+def test_an_async_client_start_does_not_wait_for_the_split_measurement(tmp_path,
+                                                                        monkeypatch) -> None:
+    """With nothing kept for this machine, a `DirectSegments` that does not wait (an
+    `AsyncStoreClient`'s) starts at once and its copies use `WHOLE` while the limits are
+    measured in the background, then the measured ones; one that waits (a `StoreClient`'s)
+    gets them settled; a failed measurement leaves copies whole; a provisional (busy) kept
+    choice is used while it is measured again, or as it is with `YUEBING_KEEP_CHOICES`."""
+    from yuebing.core import choices, env
     from yuebing.store.client import direct as direct_mod
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(env.KEEP_CHOICES, raising=False)
+    monkeypatch.setattr(choices, "host_busy", lambda: 0.0)
     monkeypatch.setattr(direct_mod, "_split", direct_mod._Split())
     go, started = threading.Event(), threading.Event()
     want = direct_mod.SplitLimits(4 << 20, direct_mod.NEVER, 2 << 20)
     timings = {k: {str(n): [1.0, 2.0] for n in direct_mod.SPLIT_CANDIDATES}
                for k in direct_mod.KINDS}
+    calls: list[int] = []
 
     def slow(workers: int) -> tuple[direct_mod.SplitLimits, dict]:
+        calls.append(workers)
         started.set()
         assert go.wait(30)
         return want, timings
 
     monkeypatch.setattr(direct_mod, "measure_split", slow)
-    assert direct_mod.split_limits(2) == direct_mod.WHOLE
-    assert started.wait(30)
-    assert direct_mod.split_limits(2) == direct_mod.WHOLE  # still measuring: not waited on
-    go.set()
-    assert direct_mod.split_limits(2, wait=True) == want
-    assert direct_mod.split_limits(2) == want
+    monkeypatch.setattr(direct_mod, "default_workers", lambda: 2)
+    path = tmp_path / "seg"
+    path.write_bytes(bytes(1 << 20))
+    fd = hold_liveness_lock(str(path))
+    segs = direct_mod.DirectSegments(_Engine(str(path), 1 << 20), wait=False)  # type: ignore[arg-type]
+    try:
+        assert started.wait(30)
+        assert direct_mod.split_limits(2) == direct_mod.WHOLE  # measuring: not waited on
+        go.set()
+        assert direct_mod.split_limits(2, wait=True) == want and calls == [2]
+    finally:
+        go.set()
+        segs.close()
+        os.close(fd)
+
+    monkeypatch.setattr(direct_mod, "_split", direct_mod._Split())  # kept now: at once
+    assert direct_mod.split_limits(2) == want and calls == [2]
 
     def broken(workers: int) -> tuple[direct_mod.SplitLimits, dict]:
+        calls.append(-1)
         raise MemoryError("no arena")
 
     monkeypatch.setattr(direct_mod, "measure_split", broken)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other"))
     monkeypatch.setattr(direct_mod, "_split", direct_mod._Split())
-    assert direct_mod.split_limits(2, wait=True) == direct_mod.WHOLE
+    assert direct_mod.split_limits(2, wait=True) == direct_mod.WHOLE and calls == [2, -1]
 
     # a choice kept from a busy host: used at once, measured again in the background
-    from yuebing.core import choices
-    monkeypatch.setattr(choices, "host_busy", lambda: 0.0)
-    path = choices.choice_dir() / f"{choices.choice_key(direct_mod._split_parts(2))}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"value": [list(want), timings], "quiet": False}))
+    kept = choices.choice_dir() / f"{choices.choice_key(direct_mod._split_parts(2))}.json"
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_text(json.dumps({"value": [list(want), timings], "quiet": False}))
+    monkeypatch.setenv(env.KEEP_CHOICES, "1")  # ... unless kept choices are kept as they are
+    monkeypatch.setattr(direct_mod, "_split", direct_mod._Split())
+    assert direct_mod.split_limits(2) == want and direct_mod._split.thread is None
+    monkeypatch.delenv(env.KEEP_CHOICES)
     monkeypatch.setattr(direct_mod, "_split", direct_mod._Split())
     quiet = direct_mod.SplitLimits(1 << 20, 1 << 20, 1 << 20)
     go.clear()
@@ -262,7 +291,7 @@ def test_a_client_start_does_not_wait_for_the_split_measurement(tmp_path, monkey
     assert direct_mod.split_limits(2) == want
     go.set()
     assert direct_mod.split_limits(2, wait=True) == quiet
-    assert json.loads(path.read_text())["quiet"] is True
+    assert json.loads(kept.read_text())["quiet"] is True
 
 
 def test_a_destination_not_faulted_in_takes_the_fresh_limit(tmp_path, monkeypatch) -> None:
@@ -280,8 +309,7 @@ def test_a_destination_not_faulted_in_takes_the_fresh_limit(tmp_path, monkeypatc
         pytest.skip("this kernel reports untouched pages resident (no mincore residency)")
     new[512 << 10] = 1
     assert direct_mod.resident(addr + (512 << 10))
-    monkeypatch.setattr(direct_mod, "_split", direct_mod._Split.settled(
-        direct_mod.SplitLimits(direct_mod.NEVER, direct_mod.NEVER, 1 << 20)))
+    _settle(monkeypatch, direct_mod.SplitLimits(direct_mod.NEVER, direct_mod.NEVER, 1 << 20))
     path = tmp_path / "seg"
     path.write_bytes(bytes(range(256)) * (16 << 12))  # 16 MiB
     mapped = direct_mod.MappedFile(str(path), 4 << 20)

@@ -94,7 +94,9 @@ def _cpu_times(cpus: set[int], stat: str = "/proc/stat") -> tuple[int, int] | No
 
 
 def _own_cpu_s() -> float:
-    return time.process_time()
+    """This thread's CPU time: the process's other threads count as other work (a choice
+    measured on a background thread is timed beside them)."""
+    return time.thread_time()
 
 
 def _pause(seconds: float) -> None:
@@ -103,7 +105,7 @@ def _pause(seconds: float) -> None:
 
 def host_busy() -> float:
     """The share of the CPUs this process may run on that other work used over `SAMPLE_S`
-    while this thread slept: their busy jiffies less this process's own CPU time (0 where
+    while this thread slept: their busy jiffies less this thread's own CPU time (0 where
     ``/proc/stat`` cannot be read: counted as quiet)."""
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else \
         set(range(os.cpu_count() or 1))
@@ -124,10 +126,9 @@ def kept_choice(parts: dict[str, object], parse: Callable[[Any], T],
     measuring or waiting (None: nothing usable kept, or no cache). For callers that must not
     block on a measurement (`shared_choice` then runs off their path)."""
     try:
-        path = (root or choice_dir()) / f"{choice_key(parts)}.json"
-    except (OSError, RuntimeError):
+        return _read((root or choice_dir()) / f"{choice_key(parts)}.json", parse)
+    except RuntimeError:  # no home directory
         return None
-    return _read(path, parse)
 
 
 def shared_choice(parts: dict[str, object], measure: Callable[[], T],

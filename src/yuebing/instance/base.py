@@ -262,9 +262,7 @@ class Instance:
         if not self.cfg.store_master or not wanted:
             return None
         from yuebing.store.client.client import StoreClient
-        from yuebing.store.client.direct import default_workers, split_limits
         from yuebing.store.config import ClientConfig
-        split_limits(default_workers(), wait=True)  # measured (once) before profiles are timed
         return StoreClient(ClientConfig(master=self.cfg.store_master), engine=self.transfer)
 
     def hello(self, seq: int = 0) -> Hello:

@@ -258,13 +258,10 @@ class Bench:
 
 def _client(ns: argparse.Namespace, master: str, path: str) -> Any:
     from yuebing.store.client.client import StoreClient
-    from yuebing.store.client.direct import default_workers, split_limits
     from yuebing.store.config import INLINE_MAX_BYTES, ClientConfig
     from yuebing.transfer import TransferConfig, TransferEngine
 
     transports = ("tcp",) if path == "remote_tcp" else ("shm", "tcp")
-    if path != "remote_tcp" and not ns.no_direct:  # timed with this machine's split limits,
-        split_limits(default_workers(), wait=True)  # never beside their measurement
     engine = TransferEngine(TransferConfig(metadata="p2p", transports=transports))
     return StoreClient(ClientConfig(master=master, checksum=not ns.no_checksum,
                                     direct=not ns.no_direct, keep_freed=ns.keep_freed,

@@ -48,13 +48,13 @@ class _Client(Generic[R]):
     copies, reservations, the sizes the master lately refused to hold) and do without I/O."""
 
     def __init__(self, cfg: ClientConfig, engine: TransferEngine | None, rpc: R,
-                 prefix: str) -> None:
+                 prefix: str, wait_split: bool) -> None:
         self.cfg = cfg
         self.client_id = cfg.client_id or f"{prefix}-{uuid.uuid4().hex[:10]}"
         self._own_engine = engine is None
         self.engine = engine or TransferEngine(TransferConfig(metadata="p2p"))
         self.rpc: R = rpc
-        self.direct = DirectSegments(self.engine, cfg.direct)
+        self.direct = DirectSegments(self.engine, cfg.direct, wait_split)
         keep_freed_memory(cfg.keep_freed)
         self._resv = rv.HeldReservations()
         self._inline = InlineGate()
@@ -92,7 +92,8 @@ class StoreClient(_Client[MasterConnection]):
         cfg = cfg or ClientConfig()
         super().__init__(cfg, engine, MasterConnection(
             cfg.masters, cfg.rpc_timeout_s, cfg.failover_s,
-            spin_s=window_s(cfg.spin_us, CLIENT_SPIN_REF_US), local=cfg.local_socket), "client")
+            spin_s=window_s(cfg.spin_us, CLIENT_SPIN_REF_US), local=cfg.local_socket), "client",
+            wait_split=True)
         if cfg.commit_on_landing:  # the master answers landed commits on a named connection
             self.rpc.name_as = self.client_id
         self._landing = 0
@@ -330,7 +331,8 @@ class AsyncStoreClient(_Client[AsyncMasterConnection]):
                  engine: TransferEngine | None = None) -> None:
         cfg = cfg or ClientConfig()
         super().__init__(cfg, engine, AsyncMasterConnection(
-            cfg.masters, cfg.rpc_timeout_s, cfg.failover_s, local=cfg.local_socket), "aclient")
+            cfg.masters, cfg.rpc_timeout_s, cfg.failover_s, local=cfg.local_socket), "aclient",
+            wait_split=False)  # its event loop must not stall on the split measurement
         self._hb: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> AsyncStoreClient:

@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 import statistics
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -91,32 +92,27 @@ def default_workers() -> int:
 
 
 WHOLE = SplitLimits(NEVER, NEVER, NEVER)
-"""The limits while this machine's are being measured: every copy whole, on its caller."""
+"""Every copy whole, on its caller: while nothing is kept for this machine and its limits are
+measured, and for good where that measurement failed."""
 
 
 class _Split:
-    """This process's `SplitLimits`: the kept choice, or — while none is kept, or only one
-    measured on a busy host — a background thread settles them (`shared_choice`: measured, or
-    measured again on a quiet host; ~4 s and ~384 MiB for a while) and copies meanwhile use
-    the provisional kept limits or `WHOLE`. So a client's start (in an event loop, a vLLM
-    worker) never waits on the measurement."""
+    """This process's `SplitLimits`: a quiet kept choice at once; else a background thread
+    settles them (`shared_choice`: measured, or measured again on a quiet host; ~4 s and
+    ~384 MiB for a while) and copies meanwhile use the provisional kept limits or `WHOLE`,
+    unless the caller waits (`split_limits`)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.limits: SplitLimits | None = None
-        """Settled: the kept or measured limits."""
+        """Settled: the kept or measured limits (`interim` where the measurement failed)."""
         self.interim = WHOLE
-        """Used until `limits` is settled."""
+        """Used until `limits` is settled: the provisional kept limits, or `WHOLE`."""
         self.thread: threading.Thread | None = None
 
-    @classmethod
-    def settled(cls, limits: SplitLimits) -> _Split:
-        """One that answers ``limits`` (tests)."""
-        split = cls()
-        split.limits = limits
-        return split
-
     def get(self, workers: int, wait: bool) -> SplitLimits:
+        """The limits now: settled, or `interim` while the thread measures them (started by
+        the first call; ``wait``: joined instead)."""
         if self.limits is not None:  # settled: every copy's path, no lock
             return self.limits
         with self.lock:
@@ -124,25 +120,38 @@ class _Split:
                 parts = _split_parts(workers)
                 kept = kept_choice(parts, split_choice)
                 if kept is not None and (kept[1] or env.keep_choices()):
-                    self.limits = kept[0][0]
+                    self._settled(*kept[0], True)
                 else:
                     self.interim = kept[0][0] if kept is not None else WHOLE
-                    self.thread = threading.Thread(target=self._settle, args=(parts, workers),
-                                                   name="yuebing-split-limits", daemon=True)
-                    self.thread.start()
-            thread = self.thread
-        if wait and thread is not None:
-            thread.join()
+                    thread = threading.Thread(target=self._settle, args=(parts, workers),
+                                              name="yuebing-split-limits", daemon=True)
+                    try:
+                        thread.start()
+                    except RuntimeError as e:  # no threads left (or exiting): stay as is
+                        log.warning("split limits not measured (%s); copies use %s", e,
+                                    self.interim)
+                        self.limits = self.interim
+                        return self.limits
+                    self.thread = thread
+            thread_now = self.thread
+        if wait and thread_now is not None:
+            thread_now.join()
         return self.limits or self.interim
 
     def _settle(self, parts: dict[str, object], workers: int) -> None:
+        """The thread's work: settle the limits (a failure leaves `interim` for good)."""
         try:
             (limits, timings), kept = shared_choice(parts, lambda: measure_split(workers),
                                                     split_choice)
-        except Exception as e:  # e.g. no memory for the arena: copies stay as they are
-            log.warning("split limits not measured (%s); copies use %s", e, self.interim)
+        except Exception as e:  # e.g. no memory for the arena
+            if not sys.is_finalizing():  # an exit cut it short: nothing to say
+                log.warning("split limits not measured (%s); copies use %s", e, self.interim)
             self.limits = self.interim
             return
+        self._settled(limits, timings, kept)
+
+    def _settled(self, limits: SplitLimits, timings: dict[str, dict[str, list[float]]],
+                 kept: bool) -> None:
         log.info("split copies from (bytes; %d = never): %s (%s); µs per copy, one thread / "
                  "split: %s", NEVER, limits, "kept for this machine" if kept else
                  "measured now", timings)
@@ -152,13 +161,26 @@ class _Split:
 _split = _Split()
 
 
+def _after_fork() -> None:
+    """A child forked while the limits were measured has no thread measuring: it starts
+    afresh (settled limits carry over)."""
+    global _split
+    if _split.limits is None:
+        _split = _Split()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
 def split_limits(workers: int, wait: bool = False) -> SplitLimits:
     """This machine's `SplitLimits` for ``workers`` copy threads, measured once per machine
     and kept (`core.choices`): where a pool thread's wake-up costs more than the split saves
     depends on the processor (2-core Xeon, quiet A/B: same-host `get_into` 4 MiB 1.20×, 1 MiB
     0.80× split; a 2-vCPU Zen 5 VM gains nothing on warm memory, 1.6× on a batch `get`'s new
-    buffers). The first call of a process starts settling them in the background (`_Split`);
-    until then copies are not split. ``wait``: until they are settled (benchmarks, tests)."""
+    buffers). Measured on a background thread (`_Split`) unless ``wait``: a `StoreClient`
+    waits (its start is not timed beside the measurement), an `AsyncStoreClient` does not
+    (its event loop must not stall ~4 s)."""
     return _split.get(workers, wait)
 
 
@@ -281,7 +303,8 @@ class DirectSegments:
     revoked); a read ending past its lease's deadline ends TIMEOUT too (the client asks
     again)."""
 
-    def __init__(self, engine: TransferEngine, enabled: bool = True) -> None:
+    def __init__(self, engine: TransferEngine, enabled: bool = True,
+                 wait: bool = True) -> None:
         self.engine = engine
         self.enabled = enabled and "shm" in engine.config.transports
         self._maps: dict[str, MappedFile | None] = {}
@@ -289,7 +312,7 @@ class DirectSegments:
         self.workers = default_workers()
         self._pool: ThreadPoolExecutor | None = None
         if self.enabled and self.workers >= 2:
-            split_limits(self.workers)  # settling starts (in the background if measured)
+            split_limits(self.workers, wait)  # ``wait``: until settled (`split_limits`)
 
     def _target(self, segment: str) -> MappedFile | str | None:
         """Where requests to ``segment`` go: its live mapping (copied here), None (the engine
