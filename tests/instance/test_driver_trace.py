@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 from yuebing.engine.config import EngineConfig
@@ -28,6 +29,10 @@ def test_each_step_is_one_line_with_its_batch(tmp_path: Path) -> None:
     driver.call(lambda e: e.add_request(list(range(40)), SamplingParams(max_tokens=4,
                                                                          ignore_eos=True)))
     assert finished.wait(30)
+    deadline = time.monotonic() + 30  # each line is there while the driver runs (a killed
+    while len(trace.read_text().splitlines()) < 4 and time.monotonic() < deadline:  # instance
+        time.sleep(0.01)  # loses none)
+    assert len(trace.read_text().splitlines()) == 4
     driver.close()
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
     # 40 prompt tokens in one chunk (it yields the first token), then three decode steps whose

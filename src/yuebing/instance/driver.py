@@ -79,8 +79,8 @@ class EngineDriver:
     "step_s": engine.step() seconds, "out_s": seconds until the outputs were handed on,
     "decodes", "prefill_tokens", "prefill_cached_tokens", "joined", "joined_context", "threads",
     "context_tokens"}`` — which tells a live run's
-    token interval from the engine's step time (benchmarks/sim_vs_live.py reads it); buffered,
-    closed with the driver. ``ledger``: each step runs with this instance's threads plus the
+    token interval from the engine's step time (benchmarks/sim_vs_live.py reads it); written
+    line by line (a running or killed instance's steps are all there), closed with the driver. ``ledger``: each step runs with this instance's threads plus the
     host's unclaimed cores, never more threads than the host has."""
 
     def __init__(self, engine: LLMEngine,
@@ -94,7 +94,7 @@ class EngineDriver:
         self._trace: IO[str] | None = None
         if step_trace is not None:
             step_trace.parent.mkdir(parents=True, exist_ok=True)
-            self._trace = step_trace.open("a", buffering=1 << 16)
+            self._trace = step_trace.open("a", buffering=1)  # a line per step: one write
         self.on_outputs = on_outputs
         self.threads = threads
         self.stats = StepStats()
