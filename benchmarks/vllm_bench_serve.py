@@ -67,7 +67,9 @@ WORKLOADS = {
         "vllm": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1000",
                  "--prefix-repetition-suffix-len", "50", "--prefix-repetition-num-prefixes", "4",
                  "--prefix-repetition-output-len", str(OUTPUT)],
-        "ours": ["--fixed-input-tokens", "1050", "--fixed-shared-fraction", "0.95",
+        # the synth counts 512-token trace blocks and `--block-tokens 16` scales prompts by
+        # 16 / 512: 33,600 trace tokens are 1,050 prompt tokens in 16-token blocks, 976 shared
+        "ours": ["--fixed-input-tokens", str(1050 * 512 // 16), "--fixed-shared-fraction", "0.95",
                  "--fixed-prefix-groups", "4", "--block-tokens", "16"],
     },
 }
