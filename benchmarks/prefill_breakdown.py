@@ -3,7 +3,7 @@ defaults (an `LLMEngine` as `benchmarks/peers/run_ours.py` builds it).
 
 Wraps the projections (`Linear.__call__`, named qkv / o / gate_up / down / lm_head), the small ops
 of ``model.ops``, the attention and the fused LM head with wall-clock timers, runs ``--repeats``
-fresh L-token prompts (``max_tokens=1``) and reports, per op, the sum over its calls of each
+fresh L-token prompts (``max_tokens=1``; ``--cached N``: each after the same cached N-token prefix) and reports, per op, the sum over its calls of each
 call's minimum over the repeats (robust to a busy machine), the rest of the forward pass
 (embedding, Python glue) and of the step. Writes a table, optionally JSON.
 
@@ -55,14 +55,18 @@ def instrument(engine: LLMEngine, rec: Record) -> None:
 
 
 def breakdown(engine: LLMEngine, rec: Record, length: int, repeats: int,
-              rng: random.Random) -> dict[str, Any]:
-    """One length's parts (``rec``: the instrumented engine's record)."""
+              rng: random.Random, cached: int = 0) -> dict[str, Any]:
+    """One length's parts (``rec``: the instrumented engine's record); ``cached``: every
+    prompt starts with the same ``cached`` tokens, prefilled once before (a prefix hit)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prefix = [rng.randrange(100, 49000) for _ in range(cached)]
+    if prefix:
+        engine.generate([prefix + [7]], params)
     runs: list[Record] = []
     for i in range(repeats + 2):  # two warm-ups
         rec.clear()
         t0 = time.perf_counter()
-        engine.generate([[rng.randrange(100, 49000) for _ in range(length)]], params)
+        engine.generate([prefix + [rng.randrange(100, 49000) for _ in range(length)]], params)
         rec["step"].append(time.perf_counter() - t0)
         if i >= 2:
             runs.append({k: list(v) for k, v in rec.items()})
@@ -80,28 +84,32 @@ def main() -> None:
     ap.add_argument("--lens", default="512,2048", help="prompt lengths, comma-separated")
     ap.add_argument("--repeats", type=int, default=15, help="timed prompts per length (>= 1)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cached", type=int, default=0,
+                    help="a prefix of this many tokens, the same for every prompt and cached "
+                         "(prefix caching on): the lengths are the new tokens after it")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     lens = [int(v) for v in a.lens.split(",")]
-    if a.repeats < 1 or a.threads < 1 or min(lens) < 1:
-        ap.error("--repeats, --threads and every length must be >= 1")
+    if a.repeats < 1 or a.threads < 1 or min(lens) < 1 or a.cached < 0:
+        ap.error("--repeats, --threads and every length must be >= 1, --cached >= 0")
+    longest = a.cached + max(lens)
     engine = LLMEngine(EngineConfig(
         model=a.model, dtype="bfloat16", threads=a.threads, kv_cache_bytes=2 << 30,
-        max_num_seqs=8, max_batch_tokens=max(lens), max_model_len=max(4096, max(lens) + 1),
-        prefix_caching=False))
+        max_num_seqs=8, max_batch_tokens=max(lens), max_model_len=max(4096, longest + 1),
+        prefix_caching=a.cached > 0))
     print(f"prefill attention {engine.prefill_attention}, kernels {engine.kernels.name}, "
           f"threads {torch.get_num_threads()}, fused decode {engine.decode_fused}")
     rec: Record = defaultdict(list)
     instrument(engine, rec)
     results = []
     for length in lens:
-        r = breakdown(engine, rec, length, a.repeats, random.Random(length))
+        r = breakdown(engine, rec, length, a.repeats, random.Random(length), a.cached)
         results.append(r)
         parts = {**r["ops_s"], "forward glue": r["forward_glue_s"],
                  "outside forward": r["outside_forward_s"]}
         total = sum(parts.values())
-        print(f"\n{length} tokens: sum of parts {total * 1e3:.1f} ms, fastest step "
+        print(f"\n{length} tokens after {a.cached} cached: sum of parts {total * 1e3:.1f} ms, fastest step "
               f"{r['step_min_s'] * 1e3:.1f} ms")
         for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
             print(f"  {k:16s} {v * 1e3:8.2f} ms  {100 * v / total:5.1f} %")
