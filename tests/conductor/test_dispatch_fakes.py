@@ -46,9 +46,10 @@ def _conductor(fl: FakeLoop, *roles: tuple[Role, str], **kw: object) -> Conducto
     c = ConductorThread(instances=tuple(f.address for f in fakes), **kw)  # type: ignore[arg-type]
     c.wait_ready()
     end = time.monotonic() + 10
-    while True:  # every fake has joined and reported
+    while True:  # every fake has joined and reported its load (a choice by load sees it)
         h = request(c.url, "GET", "/health")[1]
-        if sum(len(v) for v in h["instances"].values()) == len(fakes):
+        if sum(len(v) for v in h["instances"].values()) == len(fakes) and \
+                len(h["load"]) == len(fakes):
             return c
         assert time.monotonic() < end, h
         time.sleep(0.05)
