@@ -127,11 +127,9 @@ class _Split:
                                               name="yuebing-split-limits", daemon=True)
                     try:
                         thread.start()
-                    except RuntimeError as e:  # no threads left (or exiting): stay as is
-                        log.warning("split limits not measured (%s); copies use %s", e,
-                                    self.interim)
-                        self.limits = self.interim
-                        return self.limits
+                    except RuntimeError as e:  # no threads left (or exiting)
+                        self._failed(e)
+                        return self.interim
                     self.thread = thread
             thread_now = self.thread
         if wait and thread_now is not None:
@@ -144,11 +142,15 @@ class _Split:
             (limits, timings), kept = shared_choice(parts, lambda: measure_split(workers),
                                                     split_choice)
         except Exception as e:  # e.g. no memory for the arena
-            if not sys.is_finalizing():  # an exit cut it short: nothing to say
-                log.warning("split limits not measured (%s); copies use %s", e, self.interim)
-            self.limits = self.interim
+            self._failed(e)
             return
         self._settled(limits, timings, kept)
+
+    def _failed(self, e: BaseException) -> None:
+        """Not measured: copies stay at `interim` for good."""
+        if not sys.is_finalizing():  # an exit cut it short: nothing to say
+            log.warning("split limits not measured (%s); copies use %s", e, self.interim)
+        self.limits = self.interim
 
     def _settled(self, limits: SplitLimits, timings: dict[str, dict[str, list[float]]],
                  kept: bool) -> None:
