@@ -3,9 +3,10 @@ defaults (an `LLMEngine` as `benchmarks/peers/run_ours.py` builds it).
 
 Wraps the projections (`Linear.__call__`, named qkv / o / gate_up / down / lm_head), the small ops
 of ``model.ops``, the attention and the fused LM head with wall-clock timers, runs ``--repeats``
-fresh L-token prompts (``max_tokens=1``; ``--cached N``: each after the same cached N-token prefix) and reports, per op, the sum over its calls of each
-call's minimum over the repeats (robust to a busy machine), the rest of the forward pass
-(embedding, Python glue) and of the step. Writes a table, optionally JSON.
+fresh L-token prompts (``max_tokens=1``; ``--cached N``: each after the same cached N-token
+prefix) and reports, per op, the sum over its calls of each call's minimum over the repeats
+(robust to a busy machine), the rest of the forward pass (embedding, Python glue) and of the
+step. Writes a table, optionally JSON.
 
     PYTHONPATH=src .venv/bin/python benchmarks/prefill_breakdown.py --lens 512,2048 --repeats 15
 """
@@ -109,8 +110,8 @@ def main() -> None:
         parts = {**r["ops_s"], "forward glue": r["forward_glue_s"],
                  "outside forward": r["outside_forward_s"]}
         total = sum(parts.values())
-        print(f"\n{length} tokens after {a.cached} cached: sum of parts {total * 1e3:.1f} ms, fastest step "
-              f"{r['step_min_s'] * 1e3:.1f} ms")
+        print(f"\n{length} tokens after {a.cached} cached: sum of parts {total * 1e3:.1f} ms, "
+              f"fastest step {r['step_min_s'] * 1e3:.1f} ms")
         for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
             print(f"  {k:16s} {v * 1e3:8.2f} ms  {100 * v / total:5.1f} %")
     if a.json:

@@ -78,10 +78,10 @@ class EngineDriver:
     ``step_trace``: a file to append one JSON line per step to — ``{"t": wall-clock start,
     "step_s": engine.step() seconds, "out_s": seconds until the outputs were handed on,
     "decodes", "prefill_tokens", "prefill_cached_tokens", "joined", "joined_context", "threads",
-    "context_tokens"}`` — which tells a live run's
-    token interval from the engine's step time (benchmarks/sim_vs_live.py reads it); written
-    line by line (a running or killed instance's steps are all there), closed with the driver. ``ledger``: each step runs with this instance's threads plus the
-    host's unclaimed cores, never more threads than the host has."""
+    "context_tokens"}`` — which tells a live run's token interval from the engine's step time
+    (benchmarks/sim_vs_live.py reads it); written line by line (a running or killed instance's
+    steps are all there), closed with the driver. ``ledger``: each step runs with this
+    instance's threads plus the host's unclaimed cores, never more threads than the host has."""
 
     def __init__(self, engine: LLMEngine,
                  on_outputs: Callable[[list[RequestOutput]], None],
