@@ -40,6 +40,12 @@ def fl() -> Iterator[FakeLoop]:
     loop.close()
 
 
+P1_QUEUE = 20_000
+"""Tokens a busier p1 reports queued: 2 s at the fakes' 10,000 tokens/s, so load balance picks
+p0 (the Conductor ages a reported queue by the time since the report: 100 tokens, 10 ms, were
+gone before a dispatch under a loaded suite, and the tie went to whichever joined first)."""
+
+
 def _conductor(fl: FakeLoop, *roles: tuple[Role, str], **kw: object) -> ConductorThread:
     fakes = [fl.add(role, name, **kw.pop(f"{name}_kw", {})) for role, name in roles]  # type: ignore[arg-type]
     kw.setdefault("heartbeat_timeout_s", 2.0)  # loaded test machines stall threads for ~1 s
@@ -307,7 +313,7 @@ def test_dead_prefill_before_first_token_is_redispatched_once(fl: FakeLoop) -> N
     # a heartbeat timeout of 4 s: a loaded machine that stalls the fakes' thread for 2 s would
     # drop p0 before the request is routed (it then goes to p1 and nothing is re-dispatched)
     c = _conductor(fl, (Role.PREFILL, "p0"), (Role.PREFILL, "p1"), (Role.DECODE, "d0"),
-                   prefill_selector="load_balance", p1_kw={"queued_prefill_tokens": 100},
+                   prefill_selector="load_balance", p1_kw={"queued_prefill_tokens": P1_QUEUE},
                    heartbeat_timeout_s=4.0)
     p0, p1, d0 = fl.fakes["p0"], fl.fakes["p1"], fl.fakes["d0"]
     p0.hang = True
@@ -574,7 +580,7 @@ def test_a_call_pending_on_an_instance_that_dies_fails_at_the_heartbeat_timeout(
     is found dead (heartbeat timeout, 2 s), not after the RPC timeout (30 s here)."""
     c = _conductor(fl, (Role.PREFILL, "p0"), (Role.PREFILL, "p1"), (Role.DECODE, "d0"),
                    prefill_selector="load_balance", rpc_timeout_s=30.0,
-                   p1_kw={"queued_prefill_tokens": 100})
+                   p1_kw={"queued_prefill_tokens": P1_QUEUE})
     try:  # p0 dies as the submit arrives: silencing it before could let the heartbeat
         # find it dead before dispatch on a stalled machine, and p1 would be picked first
         fl.call(lambda: setattr(fl.fakes["p0"], "die_on_submit", True))
