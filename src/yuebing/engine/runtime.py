@@ -6,13 +6,14 @@ float32 otherwise. ``torch.set_num_threads`` is always set explicitly (`choose_t
 CPU shared with busy processes, OpenMP's spinning threads can make two threads far slower than
 one). The KV pool gets transparent huge pages where the kernel allows (`advise_hugepages`) and
 glibc malloc keeps large freed blocks (`tune_malloc`). `machine` names this processor for the
-predictors.
+predictors. `release_openmp_pool` hands the engine's OpenMP threads to the thread that steps it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import time
 
@@ -71,6 +72,48 @@ def advise_hugepages(t: torch.Tensor) -> bool:
         return end > start and libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
     except (OSError, AttributeError):
         return False
+
+
+@functools.cache
+def _libgomp() -> ctypes.CDLL | None:
+    """The GNU OpenMP runtime torch loaded into this process, or None (another runtime)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[-1].strip() for line in f if "libgomp" in line}
+    except OSError:
+        return None
+    for path in sorted(p for p in paths if p.startswith("/")):
+        try:
+            return ctypes.CDLL(path)  # the loaded copy: dlopen returns its handle
+        except OSError:
+            continue
+    return None
+
+
+def release_openmp_pool() -> bool:
+    """Stop the calling thread's OpenMP worker threads (libgomp's ``omp_pause_resource_all``
+    frees only the caller's pool, if it has one); False where the process runs another OpenMP
+    runtime.
+
+    libgomp keeps a pool of workers per thread that has run a parallel region, and once the
+    pools together hold more threads than the process may use CPUs, every barrier waits in a
+    futex instead of spinning: a 2-thread decode step then sleeps and wakes ~200 times and
+    takes ~2x as long. An instance builds and profiles its engine on its main thread and steps
+    it on the driver thread, so the main thread releases its pool before the driver starts, and
+    its later parallel regions run on it alone (its own ``omp_set_num_threads(1)``; torch's
+    default for other threads stays); the instance's helper threads that copy tensors (store
+    loads and saves, pipeline-stage rows) call it as they start."""
+    lib = _libgomp()
+    if lib is None:
+        return False
+    pause = getattr(lib, "omp_pause_resource_all", None)
+    if pause is None:  # libgomp before GCC 9
+        return False
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    torch.get_num_threads()  # torch's first call on a thread sets it to torch's default: now
+    lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+    lib.omp_set_num_threads(1)  # this thread's own setting: torch's default stays
+    return pause(2) == 0  # omp_pause_hard
 
 
 def cpu_has_bf16() -> bool:

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from yuebing.engine import runtime
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.sampling import SamplingParams
 from yuebing.engine.sequence import RequestOutput
@@ -231,6 +232,8 @@ class Instance:
             if cfg.startup_profile and not self.engine.staged else None
         """The engine's start-up profile, sent to the Conductors in `Hello` (their predictors;
         a pipeline stage has none: the Conductor predicts a group from the whole model's)."""
+        if self.engine.device.type == "cpu":  # the driver thread alone runs OpenMP teams
+            runtime.release_openmp_pool()
         name = cfg.instance_id or f"{cfg.role}-{os.getpid()}"  # the id is set once bound
         trace = Path(cfg.step_trace_dir) / f"{name}.steps.jsonl" if cfg.step_trace_dir else None
         # a decode or coupled step is a token interval: prefill steps keep out of its claim

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 
 from yuebing.core.config import require
+from yuebing.engine import runtime
 from yuebing.engine.engine import LLMEngine
 from yuebing.engine.kv_transfer import import_prefix
 from yuebing.instance.kvkeys import store_block_keys, store_key
@@ -176,9 +177,12 @@ class KVConnector:
         self._store_failed_at: float | None = None
         """`time.monotonic` of the last failed store call while loads and saves skip the
         store (`store_retry_s`); None: they use it."""
-        self._loads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-load")
+        # their copies run on their own thread: an OpenMP pool of theirs beside the driver's
+        # would make every step's barriers sleep (`runtime.release_openmp_pool`)
+        self._loads = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kv-load", initializer=runtime.release_openmp_pool)
         self._saves = self._loads if saver is None else concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="kv-save")
+            1, thread_name_prefix="kv-save", initializer=runtime.release_openmp_pool)
         self._jobs: set[concurrent.futures.Future[Any]] = set()
         """Loads and saves submitted and not done (`close` waits for the running ones)."""
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from yuebing.engine import runtime
 from yuebing.instance.staging import Staging
 from yuebing.protocol import ProtocolError, decode, encode
 from yuebing.protocol.stage import STAGE_TOPIC, StageDone, StageRows, StageTaken
@@ -84,6 +85,7 @@ class StageLink:
         self._recvs.put(None)
 
     def _send_loop(self) -> None:
+        runtime.release_openmp_pool()  # its copies run here alone, beside the driver's pool
         while (item := self._sends.get()) is not None:
             rid = item.request_id
             try:
@@ -152,6 +154,7 @@ class StageLink:
             self._recvs.put(msg)
 
     def _recv_loop(self) -> None:
+        runtime.release_openmp_pool()
         while (msg := self._recvs.get()) is not None:
             if isinstance(msg, StageDone):
                 self.on_done(msg.request_id, msg.ok, msg.error)
