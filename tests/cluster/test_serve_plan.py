@@ -180,7 +180,8 @@ def test_serve_cli_offers_and_passes_role_flags() -> None:
 
     parser = main.build_parser()
     ns = parser.parse_args(["serve", "--model", "dummy", "--admission", "slo", "--ttft-slo",
-                            "5", "--threads", "2", "--no-warmup", "--port", "9000"])
+                            "5", "--threads", "2", "--no-warmup", "--port", "9000",
+                            "--prefill", "1", "--decode", "1"])
     cfg = serve_config_from_args(ns)
     assert cfg.port == 9000 and cfg.conductor.port == ConductorConfig().port
     assert cfg.conductor.model == cfg.instance.engine.model == "dummy"
@@ -196,6 +197,34 @@ def test_serve_cli_offers_and_passes_role_flags() -> None:
     vllm = serve_config_from_args(parser.parse_args(
         ["serve", "--engine", "vllm", "--vllm-lend-cores", "--prefill", "1", "--decode", "1"]))
     assert vllm.vllm_lend_cores and not cfg.vllm_lend_cores
+
+
+@pytest.mark.parametrize(("flags", "cores", "roles", "threads"), [
+    ([], 2, ["coupled-0"], 2),
+    ([], 3, ["coupled-0"], 3),
+    (["--threads", "1"], 2, ["coupled-0"], 1),  # the user's threads stay
+    ([], 4, None, 0),  # from 4 cores: disaggregated, as before
+    (["--prefill", "1", "--decode", "1"], 2, None, 0),
+    (["--coupled", "2"], 2, None, 0),
+    (["--prefill", "2", "--decode", "1", "--cpp-group", "2"], 2, None, 0),
+    (["--etcd", "http://127.0.0.1:2379"], 2, None, 0),  # instances on other hosts
+    (["--engine", "vllm"], 2, None, 0),
+    (["--device", "cuda"], 2, None, 0),
+])
+def test_the_default_topology_is_one_coupled_instance_on_a_small_cpu_host(
+        flags: list[str], cores: int, roles: list[str] | None, threads: int) -> None:
+    import yuebing.cli.main as main
+    from yuebing.cluster.cli import default_topology, serve_config_from_args
+
+    ns = main.build_parser().parse_args(["serve", *flags])
+    before = vars(ns).copy()
+    assert default_topology(ns, cores) == (roles is not None)
+    if roles is None:
+        assert vars(ns) == before  # the flags (or their absence) decide, as before
+        return
+    cfg = serve_config_from_args(ns)  # sees a topology now: keeps it
+    assert [n for n, _ in cfg.instance_roles] == roles
+    assert cfg.instance.engine.threads == threads
 
 def test_taken_fixed_ports_are_refused_before_anything_starts() -> None:
     import socket

@@ -92,7 +92,8 @@ def test_soak_levels_stay_flat(tmp_path: Path, conversation_trace: Path) -> None
     duration = float(os.environ.get("YUEBING_SOAK_S", "120"))
     port = free_port()
     serve = Serve(["serve", "--port", str(port), "--log-dir", str(tmp_path), "--model",
-                   "dummy:preset=tiny", "--store-dram", "64MiB", "--kv-cache-bytes", "16MiB",
+                   "dummy:preset=tiny", "--prefill", "1", "--decode", "1", "--store-dram", "64MiB",
+                   "--kv-cache-bytes", "16MiB",
                    "--staging-bytes", "16MiB", "--heartbeat-timeout-s", "10"])
     url = f"http://127.0.0.1:{port}"
     try:

@@ -16,9 +16,14 @@ from typing import cast
 from yuebing.cluster.config import SupervisorConfig
 from yuebing.cluster.serve import MANAGED, ServeConfig, run_serve
 from yuebing.core.config import add_config_args, config_flags, config_from_args
+from yuebing.core.cpus import usable_cpus
 from yuebing.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+SMALL_HOST_CORES = 4
+"""Below this many usable cores, ``yuebing serve`` with no topology flags runs one coupled
+instance on all of them (`default_topology`; docs/serving.md "Default topology")."""
 
 SERVE_FIELDS = ("prefill", "decode", "coupled", "cpp_group", "cpp_layers", "host", "port",
                 "advertise_host", "etcd", "cluster", "store", "store_dram", "store_port",
@@ -64,12 +69,34 @@ def _only(ns: argparse.Namespace, names: list[str]) -> argparse.Namespace:
     return argparse.Namespace(**{n: getattr(ns, n, None) for n in names})
 
 
+def default_topology(ns: argparse.Namespace, cores: int) -> bool:
+    """Choose the topology where no flag does: on a CPU host of fewer than `SMALL_HOST_CORES`
+    usable ``cores`` with our engine and no other hosts (no ``--etcd``), one coupled instance
+    on every core (``--coupled 1 --threads cores``) instead of 1P1D. Splitting two cores
+    leaves the prefill one: its TTFT doubles while the decode's core idles between tokens;
+    sharing them interleaves prefill chunks with decode steps, which costs TPOT and the TBT
+    tail (docs/benchmarks.md, issue 25). Sets ``ns`` and returns True when it chose coupled.
+    """
+    topology = (ns.prefill, ns.decode, ns.coupled, ns.cpp_group, ns.etcd)
+    ours_on_cpu = getattr(ns, "engine", None) in (None, "yuebing") and \
+        getattr(ns, "device", None) in (None, "cpu")
+    if any(v is not None for v in topology) or not ours_on_cpu or cores >= SMALL_HOST_CORES:
+        return False
+    ns.coupled = 1
+    if getattr(ns, "threads", None) is None:
+        ns.threads = cores
+    log.info("%d usable cores: one coupled instance on %d threads (prefill and decode share "
+             "them; --prefill 1 --decode 1 disaggregates)", cores, ns.threads)
+    return True
+
+
 def serve_config_from_args(ns: argparse.Namespace) -> ServeConfig:
     """Build the `ServeConfig` from the parsed flags of ``yuebing serve``, the Conductor's
     and the instances' configs included (a bad value fails here, before any process starts)."""
     from yuebing.conductor.cli import conductor_config
     from yuebing.instance.config import InstanceConfig
 
+    default_topology(ns, len(usable_cpus()))
     if ns.coupled and (ns.prefill is not None or ns.decode is not None):
         raise ConfigError("--coupled K replaces --prefill/--decode: give one or the other")
     role = "coupled" if ns.coupled else "prefill"

@@ -90,7 +90,9 @@ class ServeConfig:
         "help": "the stages' layer ranges, e.g. 0:10,10:30 ('' = equal shares)"})
     coupled: int = field(default=0, metadata={
         "help": "coupled instances (prefill + decode in one engine, the vLLM-like baseline); "
-                "> 0 replaces --prefill/--decode"})
+                "> 0 replaces --prefill/--decode. Given none of --prefill, --decode, --coupled, "
+                "--cpp-group, --etcd, a CPU host of fewer than 4 usable cores runs one coupled "
+                "instance on all of them (--threads: the cores), else 1P1D"})
     host: str = field(default="127.0.0.1", metadata={
         "help": "address the Conductor's HTTP API binds (0.0.0.0 exposes it)"})
     port: int = field(default=8000, metadata={"help": "the Conductor's HTTP port"})
