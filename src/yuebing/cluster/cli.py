@@ -4,7 +4,9 @@ Called by ``yuebing.cli.cmd_serve``. The all-in-one offers its own flags (`Serve
 `SupervisorConfig`), the Conductor's (`conductor.cli`) and the instances' (`InstanceConfig`),
 less those it sets itself for each child (``MANAGED``: addresses, ids, discovery, ready files,
 the token). It builds the Conductor's and the instances' configs from them, so a bad value
-fails before any process starts; `ServePlan` gives each child the flags of its config.
+fails before any process starts; `ServePlan` gives each child the flags of its config. With no
+topology flag, `default_topology` chooses one coupled instance on a CPU host of fewer than
+`SMALL_HOST_CORES` cores, else 1P1D.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ log = logging.getLogger(__name__)
 
 SMALL_HOST_CORES = 4
 """Below this many usable cores, ``yuebing serve`` with no topology flags runs one coupled
-instance on all of them (`default_topology`; docs/serving.md "Default topology")."""
+instance on all of them (`default_topology`; docs/serving.md "Defaults, and why")."""
 
 SERVE_FIELDS = ("prefill", "decode", "coupled", "cpp_group", "cpp_layers", "host", "port",
                 "advertise_host", "etcd", "cluster", "store", "store_dram", "store_port",
@@ -78,16 +80,26 @@ def default_topology(ns: argparse.Namespace, cores: int) -> bool:
     tail (docs/benchmarks.md, issue 25). Sets ``ns`` and returns True when it chose coupled.
     """
     topology = (ns.prefill, ns.decode, ns.coupled, ns.cpp_group, ns.etcd)
-    ours_on_cpu = getattr(ns, "engine", None) in (None, "yuebing") and \
-        getattr(ns, "device", None) in (None, "cpu")
-    if any(v is not None for v in topology) or not ours_on_cpu or cores >= SMALL_HOST_CORES:
+    if any(v is not None for v in topology) or cores >= SMALL_HOST_CORES or \
+            getattr(ns, "engine", None) not in (None, "yuebing") or not _cpu(ns):
         return False
     ns.coupled = 1
     if getattr(ns, "threads", None) is None:
         ns.threads = cores
-    log.info("%d usable cores: one coupled instance on %d threads (prefill and decode share "
-             "them; --prefill 1 --decode 1 disaggregates)", cores, ns.threads)
+    log.info("%d usable cores: one coupled instance on %d threads, prefill and decode sharing "
+             "them (--prefill 1 --decode 1 disaggregates)", cores, ns.threads)
     return True
+
+
+def _cpu(ns: argparse.Namespace) -> bool:
+    """Whether the instances' engines run on the CPU (``--device`` cpu, the default, or auto
+    on a host where torch sees no CUDA device)."""
+    device = getattr(ns, "device", None)
+    if device == "auto":
+        import torch
+
+        return not torch.cuda.is_available()
+    return device in (None, "cpu")
 
 
 def serve_config_from_args(ns: argparse.Namespace) -> ServeConfig:

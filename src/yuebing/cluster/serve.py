@@ -76,8 +76,11 @@ class ServeConfig:
     instances' configs (``conductor``, ``instance``: each child is started with the flags of
     its config, besides the addresses, ids and ready files the plan sets)."""
 
-    prefill: int = field(default=1, metadata={"help": "prefill instances"})
-    decode: int = field(default=1, metadata={"help": "decode instances"})
+    prefill: int = field(default=1, metadata={
+        "help": "prefill instances (with no topology flag, a CPU host of fewer than 4 cores runs "
+                "one coupled instance instead: see --coupled)"})
+    decode: int = field(default=1, metadata={
+        "help": "decode instances (see --prefill)"})
     cpp_group: int = field(default=0, metadata={
         "help": "stages per chunked pipeline parallel group: the first --prefill instances "
                 "form groups of this many stages, each running a share of the layers; the "
@@ -367,7 +370,9 @@ def banner(plan: ServePlan, sup: Supervisor, model: str) -> str:
     """What ``yuebing serve`` prints once every role is ready (a dummy model has no
     tokenizer: its curl line is a completion of token ids)."""
     cfg = plan.cfg
-    roles = (f"{cfg.coupled} coupled" if cfg.coupled
+    threads = cfg.instance.engine.threads
+    each = f" on {threads} thread{'s' * (threads > 1)}" if cfg.engine == "yuebing" else ""
+    roles = (f"{cfg.coupled} coupled{each}" if cfg.coupled
              else f"{cfg.prefill} prefill + {cfg.decode} decode")
     if plan.stage_flags:
         roles += f", pipeline groups of {cfg.cpp_group} stages: " + ", ".join(

@@ -16,6 +16,7 @@ import ctypes.util
 import functools
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -76,44 +77,46 @@ def advise_hugepages(t: torch.Tensor) -> bool:
 
 @functools.cache
 def _libgomp() -> ctypes.CDLL | None:
-    """The GNU OpenMP runtime torch loaded into this process, or None (another runtime)."""
+    """torch's OpenMP runtime, as the symbols ``libtorch_cpu`` resolves (dlsym on its handle
+    searches its own dependencies: the libgomp its parallel regions run on, whatever its file
+    is called); None where torch runs another runtime."""
     try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split(None, 5)[-1].strip() for line in f if "libgomp" in line}
-    except OSError:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        lib.omp_pause_resource_all  # noqa: B018  (libgomp of GCC 9+; AttributeError otherwise)
+        lib.omp_set_num_threads  # noqa: B018
+    except (OSError, AttributeError) as exc:
+        log.debug("libgomp's omp_pause_resource_all unavailable (%s)", exc)
         return None
-    for path in sorted(p for p in paths if p.startswith("/")):
-        try:
-            return ctypes.CDLL(path)  # the loaded copy: dlopen returns its handle
-        except OSError:
-            continue
-    return None
+    return lib
 
 
 def release_openmp_pool() -> bool:
     """Stop the calling thread's OpenMP worker threads (libgomp's ``omp_pause_resource_all``
-    frees only the caller's pool, if it has one); False where the process runs another OpenMP
-    runtime.
+    frees only the caller's pool, if it has one) and run its later torch parallel regions on
+    it alone; False where torch runs another OpenMP runtime or the call fails (never raises:
+    thread pools run it as their initializer).
 
     libgomp keeps a pool of workers per thread that has run a parallel region, and once the
     pools together hold more threads than the process may use CPUs, every barrier waits in a
-    futex instead of spinning: a 2-thread decode step then sleeps and wakes ~200 times and
-    takes ~2x as long. An instance builds and profiles its engine on its main thread and steps
-    it on the driver thread, so the main thread releases its pool before the driver starts, and
-    its later parallel regions run on it alone (its own ``omp_set_num_threads(1)``; torch's
-    default for other threads stays); the instance's helper threads that copy tensors (store
-    loads and saves, pipeline-stage rows) call it as they start."""
+    futex instead of spinning (``gomp_throttled_spin_count_var``): a 2-thread decode step then
+    sleeps and wakes ~200 times and takes ~2x as long. An instance builds and profiles its
+    engine on its main thread and steps it on the driver thread, so the main thread releases
+    its pool before the driver starts; the instance's helper threads that copy tensors (store
+    loads and saves, pipeline-stage rows) call it as they start. Only this thread's OpenMP
+    setting changes (``omp_set_num_threads(1)``): torch's default for other threads stays."""
     lib = _libgomp()
     if lib is None:
         return False
-    pause = getattr(lib, "omp_pause_resource_all", None)
-    if pause is None:  # libgomp before GCC 9
+    try:
+        torch.get_num_threads()  # torch's first call on a thread sets it to torch's default: now
+        lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+        lib.omp_set_num_threads(1)
+        pause = lib.omp_pause_resource_all
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        return pause(2) == 0  # omp_pause_hard
+    except Exception as exc:  # noqa: BLE001  (a thread pool's initializer must not raise)
+        log.warning("could not release this thread's OpenMP pool: %s", exc)
         return False
-    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-    torch.get_num_threads()  # torch's first call on a thread sets it to torch's default: now
-    lib.omp_set_num_threads.argtypes = [ctypes.c_int]
-    lib.omp_set_num_threads(1)  # this thread's own setting: torch's default stays
-    return pause(2) == 0  # omp_pause_hard
 
 
 def cpu_has_bf16() -> bool:

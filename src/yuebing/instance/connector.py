@@ -179,10 +179,11 @@ class KVConnector:
         store (`store_retry_s`); None: they use it."""
         # their copies run on their own thread: an OpenMP pool of theirs beside the driver's
         # would make every step's barriers sleep (`runtime.release_openmp_pool`)
+        alone = runtime.release_openmp_pool if engine.device.type == "cpu" else None
         self._loads = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="kv-load", initializer=runtime.release_openmp_pool)
+            1, thread_name_prefix="kv-load", initializer=alone)
         self._saves = self._loads if saver is None else concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="kv-save", initializer=runtime.release_openmp_pool)
+            1, thread_name_prefix="kv-save", initializer=alone)
         self._jobs: set[concurrent.futures.Future[Any]] = set()
         """Loads and saves submitted and not done (`close` waits for the running ones)."""
 
