@@ -21,10 +21,10 @@
 #include "common.h"
 #include "vec.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)  // DQ: VREDUCEPS
 #include <immintrin.h>
 #define YB_FLASH_AVX512 1
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512DQ__)  // DQ: VREDUCEPS
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define YB_FLASH_AMX 1
@@ -107,6 +107,26 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+constexpr float kLazyMax = 8.f;
+constexpr float kLog2e = 1.44269504088896341f;
+
+// 2^y for the softmax argument y ≤ kLazyMax: y below -126 counts as -126 (p = 2^-126, nothing
+// next to a row's sum ≥ 1; masked keys are zeroed by the caller); NaN stays NaN (VMAXPS returns
+// its second operand when one is NaN). 2^f for f = y - floor(y) in [0, 1) (one VREDUCEPS) by a
+// degree-4 polynomial fitted for relative error (< 3e-6, as the degree-5 Taylor series about 0
+// it replaced, far below the bf16 rounding of the probabilities); VSCALEFPS multiplies by
+// 2^floor(y) itself, so no separate rounding of y.
+inline __m512 exp2_softmax(__m512 y) {
+  y = _mm512_max_ps(_mm512_set1_ps(-126.f), y);
+  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(1.3534159400e-02f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.2011474967e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4144275486e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9300383329e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026226e+00f));
+  return _mm512_scalef_ps(p, y);
 }
 #endif
 
@@ -257,6 +277,54 @@ void block_softmax(const FlashShape& s, float* sc, const float* rowmax, uint16_t
   }
 }
 
+#ifdef YB_FLASH_AVX512
+// Online softmax of rows [r0, r0 + kRows) for the AVX512-BF16 kernels, lazily as the AMX
+// kernel's: scores and `rowmax` are in base-2 units (score · scale · log2 e), and a row keeps
+// its reference max m while no score exceeds it by more than kLazyMax, so p = 2^(s - m) stays
+// ≤ 2^8 and most chunks need no rescale of the row's output, no exponential of the reference's
+// change and no horizontal sum: `lsum` holds 16 partial sums per row, added up at the end.
+// Masked keys (score -inf) get p exactly 0; a NaN score makes the row NaN.
+void block_softmax_lazy(const FlashShape& s, const float* sc, const float* rowmax,
+                        const int64_t* limit, int64_t c, uint16_t* pb, RowState st, float* lsum,
+                        int64_t r0) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int r = 0; r < kRows; ++r) {
+    const float mx = rowmax[r];
+    float m = st.m[r0 + r];
+    float* ls = lsum + (r0 + r) * 16;
+    if (mx == -std::numeric_limits<float>::infinity() && mx == m) {  // nothing visible yet
+      std::fill(pb + r * kChunk, pb + (r + 1) * kChunk, 0);
+      continue;
+    }
+    if (!(mx <= m + kLazyMax)) {  // a new reference (also for NaN, either side)
+      if (m != -std::numeric_limits<float>::infinity()) {  // else the row's sums are still 0
+        const __m512 va = _mm512_set1_ps(std::exp2(m - mx));
+        float* o = st.o + (r0 + r) * s.hd;
+        for (int64_t d = 0; d < s.hd; d += 16)
+          _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), va));
+        _mm512_storeu_ps(ls, _mm512_mul_ps(_mm512_loadu_ps(ls), va));
+      }
+      st.m[r0 + r] = m = mx;
+    }
+    const __m512 vm = _mm512_set1_ps(m);
+    const bool masked = limit[r] - c * kChunk + 1 < kChunk;
+    const float* row = sc + r * kChunk;
+    __m512 sum = _mm512_loadu_ps(ls);
+    for (int64_t k = 0; k < kChunk; k += 32) {
+      const __m512 s0 = _mm512_loadu_ps(row + k), s1 = _mm512_loadu_ps(row + k + 16);
+      __m512 p0 = exp2_softmax(_mm512_sub_ps(s0, vm)), p1 = exp2_softmax(_mm512_sub_ps(s1, vm));
+      if (masked) {
+        p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, neg_inf, _CMP_NEQ_UQ), p0);
+        p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, neg_inf, _CMP_NEQ_UQ), p1);
+      }
+      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+      _mm512_storeu_si512(pb + r * kChunk + k, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    _mm512_storeu_ps(ls, sum);
+  }
+}
+#endif
+
 // Portable o[r0 + r] += P[r] · V_chunk for the kRows rows.
 void block_pv_portable(const FlashShape& s, const uint16_t* pb, const uint16_t* vpc, RowState st,
                        int64_t r0) {
@@ -319,7 +387,12 @@ void flash_task(const FlashShape& s, const uint16_t* q, const uint16_t* kp, cons
   RowState st{o.data(), m.data(), l.data()};
   const int64_t last_chunk = (offset + t1 - 1) / kChunk;
   const int64_t chunk_elems = kChunk * hd;
+#ifdef YB_FLASH_AVX512
   const bool fast = hd % 64 == 0;  // the AVX512-BF16 kernels take 64 columns at a time
+  std::vector<float> lsum(fast ? padded * 16 : 0, 0.f);
+#else
+  [[maybe_unused]] const bool fast = false;
+#endif
   for (int64_t c = 0; c <= last_chunk; ++c) {
     for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
       const uint16_t* qrow[kRows];
@@ -332,13 +405,18 @@ void flash_task(const FlashShape& s, const uint16_t* q, const uint16_t* kp, cons
       }
       if (c * kChunk > limit[0] && c * kChunk > limit[kRows - 1]) continue;  // all hidden
 #ifdef YB_FLASH_AVX512
-      if (fast)
-        block_scores(s, qrow, kp + c * chunk_elems, limit, c, scale, sc.data(), rowmax.data());
-      else
+      if (fast) {
+        block_scores(s, qrow, kp + c * chunk_elems, limit, c, scale * kLog2e, sc.data(),
+                     rowmax.data());
+        block_softmax_lazy(s, sc.data(), rowmax.data(), limit, c, pb.data(), st, lsum.data(),
+                           r0);
+      } else
 #endif
+      {
         block_scores_portable(s, qrow, kp + c * chunk_elems, limit, c, scale, sc.data(),
                               rowmax.data());
-      block_softmax(s, sc.data(), rowmax.data(), pb.data(), st, r0);
+        block_softmax(s, sc.data(), rowmax.data(), pb.data(), st, r0);
+      }
 #ifdef YB_FLASH_AVX512
       if (fast)
         block_pv(s, pb.data(), vp + c * chunk_elems, st, r0);
@@ -350,6 +428,9 @@ void flash_task(const FlashShape& s, const uint16_t* q, const uint16_t* kp, cons
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t t = t0 + row / g;
     uint16_t* dst = out + t * s.heads * hd + (h * g + row % g) * hd;
+#ifdef YB_FLASH_AVX512
+    if (fast) l[row] = _mm512_reduce_add_ps(_mm512_loadu_ps(lsum.data() + row * 16));
+#endif
     const float inv = 1.f / l[row];
     for (int64_t d = 0; d < hd; ++d) dst[d] = float_to_bf16(o[row * hd + d] * inv);
   }
@@ -530,26 +611,6 @@ void flash_task_amx(const FlashShape& s, const uint16_t* q, const uint16_t* kp, 
 // probabilities stay ≤ 2^8 (bf16 keeps its relative precision at any magnitude), and the sum
 // uses the same reference, so the normalised result is the same function. Scores and m are in
 // base-2 units (raw score · scale · log2 e, one FMA with the subtraction): p = 2^(s - m).
-constexpr float kLazyMax = 8.f;
-constexpr float kLog2e = 1.44269504088896341f;
-
-// 2^y for the softmax argument y ≤ kLazyMax: y below -126 counts as -126 (p = 2^-126, nothing
-// next to a row's sum ≥ 1; masked keys are zeroed by the caller); NaN stays NaN (VMAXPS returns
-// its second operand when one is NaN). 2^f for f = y - floor(y) in [0, 1) (one VREDUCEPS) by a
-// degree-4 polynomial fitted for relative error (< 3e-6, as the degree-5 Taylor series about 0
-// it replaced, far below the bf16 rounding of the probabilities); VSCALEFPS multiplies by
-// 2^floor(y) itself, so no separate rounding of y.
-inline __m512 exp2_softmax(__m512 y) {
-  y = _mm512_max_ps(_mm512_set1_ps(-126.f), y);
-  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 p = _mm512_set1_ps(1.3534159400e-02f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.2011474967e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4144275486e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9300383329e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026226e+00f));
-  return _mm512_scalef_ps(p, y);
-}
-
 inline const uint16_t* k_step(const uint16_t* kp, int64_t step) {  // keys step·32 .. + 31
   return kp + (step / 2) * kChunk * 64 + (step % 2) * 64;
 }
