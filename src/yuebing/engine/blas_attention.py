@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from pathlib import Path
 
 import torch
 
+from yuebing.engine import runtime
 from yuebing.engine.attention import PrefillSlice, gather_blocks, register_prefill
 
 log = logging.getLogger(__name__)
@@ -24,10 +24,8 @@ _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enum values
 
 
 def _load_gemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    lib_path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
     try:
-        lib = ctypes.CDLL(str(lib_path))
-        fn = lib.cblas_gemm_bf16bf16f32
+        fn = runtime.libtorch_cpu().cblas_gemm_bf16bf16f32
     except (OSError, AttributeError) as exc:
         log.debug("cblas_gemm_bf16bf16f32 unavailable (%s)", exc)
         return None

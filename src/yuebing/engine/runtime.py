@@ -75,15 +75,22 @@ def advise_hugepages(t: torch.Tensor) -> bool:
         return False
 
 
+def libtorch_cpu() -> ctypes.CDLL:
+    """torch's ``libtorch_cpu`` (``OSError`` where it cannot be loaded): dlsym on its handle
+    also finds what it links (MKL's CBLAS, its OpenMP runtime), whatever those files are
+    called."""
+    return ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+
+
 @functools.cache
 def _libgomp() -> ctypes.CDLL | None:
-    """torch's OpenMP runtime, as the symbols ``libtorch_cpu`` resolves (dlsym on its handle
-    searches its own dependencies: the libgomp its parallel regions run on, whatever its file
-    is called); None where torch runs another runtime."""
+    """torch's OpenMP runtime as `libtorch_cpu` resolves it (the libgomp its parallel regions
+    run on), its two calls typed; None where torch runs another runtime."""
     try:
-        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        lib.omp_pause_resource_all  # noqa: B018  (libgomp of GCC 9+; AttributeError otherwise)
-        lib.omp_set_num_threads  # noqa: B018
+        lib = libtorch_cpu()
+        lib.omp_pause_resource_all.argtypes = [ctypes.c_int]  # libgomp of GCC 9+
+        lib.omp_pause_resource_all.restype = ctypes.c_int
+        lib.omp_set_num_threads.argtypes = [ctypes.c_int]
     except (OSError, AttributeError) as exc:
         log.debug("libgomp's omp_pause_resource_all unavailable (%s)", exc)
         return None
@@ -109,11 +116,8 @@ def release_openmp_pool() -> bool:
         return False
     try:
         torch.get_num_threads()  # torch's first call on a thread sets it to torch's default: now
-        lib.omp_set_num_threads.argtypes = [ctypes.c_int]
         lib.omp_set_num_threads(1)
-        pause = lib.omp_pause_resource_all
-        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-        return pause(2) == 0  # omp_pause_hard
+        return lib.omp_pause_resource_all(2) == 0  # omp_pause_hard
     except Exception as exc:  # noqa: BLE001  (a thread pool's initializer must not raise)
         log.warning("could not release this thread's OpenMP pool: %s", exc)
         return False

@@ -8,8 +8,8 @@ KV connector, control server (`control.ControlServer`), tasks, events and load r
 
 Threads: the asyncio control loop (never blocks on a step), the engine's driver thread, the
 connector's store threads, the transfer engine's. Only the driver thread keeps an OpenMP pool
-(`runtime.release_openmp_pool`: two pools make libgomp's barriers sleep). Engine outputs reach the wire in one pass on
-the loop (`on_outputs`: one `TaskEvents` frame per connection).
+(`runtime.release_openmp_pool`: two pools make libgomp's barriers sleep). Engine outputs reach
+the wire in one pass on the loop (`on_outputs`: one `TaskEvents` frame per connection).
 """
 
 from __future__ import annotations
