@@ -11,7 +11,7 @@ import torch
 from engine_factories import TINY, make_engine, prompts, tiny
 
 from yuebing.core.errors import ConfigError
-from yuebing.engine import fused_decode
+from yuebing.engine import amx_linear, fused_decode
 from yuebing.engine.config import EngineConfig
 from yuebing.engine.sampling import SamplingParams
 from yuebing.engine.weights import dummy_weights, parse_dummy_spec
@@ -49,12 +49,46 @@ def _assert_fused_matches_ops(engine, batch: list[list[int]], steps: int) -> Non
         assert float((a - b).abs().max()) <= 0.05 * scale + 0.05
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
 def test_fused_step_matches_op_by_op(rows: int) -> None:
-    engine = _engine(fused_decode=8, prefix_caching=False)
-    assert engine.model.fused is not None and engine.decode_fused == "b<=8"
+    """Where the CPU grants AMX tiles the weights are packed for them (up to 16 rows), else
+    row-major for dot products (up to 8)."""
+    tiles = fused_decode.tiles_available()
+    if rows > 8 and not tiles:
+        pytest.skip("more than 8 rows run fused on AMX tiles only")
+    engine = _engine(fused_decode=rows if rows > 8 else 8, prefix_caching=False)
+    fused = engine.model.fused
+    assert fused is not None and engine.decode_fused == f"b<={max(rows, 8)}"
+    assert fused.tiles == tiles and fused.limit == (16 if tiles else 8)
+    assert (fused.layers[0][1].dim() == 5) == tiles  # qkv packed as amx_linear.pack does
     # the same steps (no prefix hits), each row close (prefill logits too: the fused head)
     _assert_fused_matches_ops(engine, prompts(rows, seed=rows), steps=4)
+
+
+def _unpack(packed: torch.Tensor, silu_pairs: bool = False) -> torch.Tensor:
+    """The row-major ``[out, in]`` weight of `amx_linear.pack` (or `pack_silu_pairs`)."""
+    blocks, tiles = packed.shape[0], packed.shape[1]
+    w = packed.permute(0, 3, 1, 2, 4).reshape(blocks * 16, tiles * 32)
+    if silu_pairs:  # gate block 0, up block 0, ... back to all gates, then all ups
+        w = w.reshape(blocks // 2, 2, 16, tiles * 32).transpose(0, 1).reshape(w.shape)
+    assert torch.equal((amx_linear.pack_silu_pairs if silu_pairs else amx_linear.pack)(w),
+                       packed)
+    return w.contiguous()
+
+
+def test_row_major_fused_step_matches_op_by_op_beside_tiles() -> None:
+    """The dot-product layer (the path of CPUs without AMX) where the tiles are taken too."""
+    engine = _engine(fused_decode=8, prefix_caching=False)
+    fused = engine.model.fused
+    assert fused is not None and fused.head is not None
+    if fused.tiles:
+        layers = [(ln1, _unpack(qkv), _unpack(o), ln2, _unpack(gu, True), _unpack(down))
+                  for ln1, qkv, o, ln2, gu, down in fused.layers]
+        engine.model.fused = fused_decode.FusedDecode(
+            fused.cfg, layers, fused.rope, (fused.head[0], _unpack(fused.head[1])),
+            tiles=False, max_rows=8)
+    assert not engine.model.fused.tiles and engine.model.fused.limit == 8
+    _assert_fused_matches_ops(engine, prompts(5, seed=4), steps=3)
 
 
 @pytest.mark.parametrize(("hidden", "threads"), [(64, 1), (256, 1), (256, 2)])
@@ -121,20 +155,22 @@ def test_an_adopted_request_joins_a_fused_decode_step() -> None:
     assert layers == list(range(dec.pool.num_layers))  # every layer of that step fused
 
 
-@pytest.mark.parametrize("seqs", [1, fused_decode.MAX_ROWS + 1])
-def test_prefill_logits_take_the_fused_head_up_to_its_rows(seqs: int) -> None:
+@pytest.mark.parametrize("over", [False, True])
+def test_prefill_logits_take_the_fused_head_up_to_its_rows(over: bool) -> None:
     """A prefill step's logits rows (one per finishing sequence) run the fused LM head when
-    there are at most `fused_decode.MAX_ROWS` of them, else oneDNN's; both agree."""
-    engine = _engine(fused_decode=1, prefix_caching=False, max_batch_tokens=512, num_blocks=128)
+    there are at most `FusedDecode.limit` of them (8, 16 on tiles), else oneDNN's; both agree."""
+    engine = _engine(fused_decode=1, prefix_caching=False, max_batch_tokens=512, num_blocks=128,
+                     max_num_seqs=32)
     cand = engine.model.fused
     assert cand is not None
+    seqs = cand.limit + 1 if over else 1
     calls: list[int] = []
     real = cand.logits
     cand.logits = lambda res, x: calls.append(res.shape[0]) or real(res, x)  # type: ignore
     batch = prompts(seqs, seed=7)
     _, fused = _decode_logits(engine, cand, batch, steps=1)
     _, ops = _decode_logits(engine, None, batch, steps=1)
-    assert calls == ([seqs] if seqs <= fused_decode.MAX_ROWS else [])
+    assert calls == ([] if over else [seqs])
     assert len(fused) == len(ops) == 1 and fused[0].shape[0] == seqs
     scale = float(ops[0].abs().max())
     assert float((fused[0] - ops[0]).abs().max()) <= 0.05 * scale + 0.05
@@ -164,7 +200,10 @@ def test_forced_fused_decode_where_it_cannot_run_is_refused() -> None:
         make_engine(tiny(), dtype="bfloat16", kernels="native", attention="auto",
                     batch_invariant=True, fused_decode=2)
     with pytest.raises(ConfigError, match="fused_decode must be -1"):
-        EngineConfig(fused_decode=9)
+        EngineConfig(fused_decode=17)
+    if not fused_decode.tiles_available():
+        with pytest.raises(ConfigError, match="fused_decode 9 exceeds the fused ops' 8 rows"):
+            _engine(fused_decode=9)
 
 
 def _layer_args(rows: int = 1, hd: int = 16, heads: int = 4, kvh: int = 2, hidden: int = 64,
@@ -187,9 +226,13 @@ def test_native_layer_runs_and_refuses_bad_input() -> None:
     op = torch.ops.yuebing.decode_layer
     out = op(*_layer_args())
     assert out.shape == (1, 64) and out.dtype == torch.bfloat16 and bool(out.isfinite().all())
-    too_many = _layer_args(rows=9)
-    with pytest.raises(RuntimeError, match="rows <= 8"):
+    too_many = _layer_args(rows=17)
+    with pytest.raises(RuntimeError, match="rows <= 16"):
         op(*too_many)
+    mixed = _layer_args()
+    mixed[3] = amx_linear.pack(mixed[3])  # type: ignore[arg-type]  # qkv packed, the rest not
+    with pytest.raises(RuntimeError, match="packed"):
+        op(*mixed)
     bad_slot = _layer_args()
     bad_slot[13] = torch.tensor([16])  # the pool has 4 blocks of 4 slots
     with pytest.raises(RuntimeError, match="slot 16 outside the pool of 16 slots"):
@@ -202,8 +245,8 @@ def test_native_layer_runs_and_refuses_bad_input() -> None:
     fp32[3] = fp32[3].float()  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match="wqkv must be a contiguous bfloat16"):
         op(*fp32)
-    with pytest.raises(RuntimeError, match="rows <= 8"):
-        torch.ops.yuebing.decode_logits(torch.zeros(9, 64, dtype=torch.bfloat16),
-                                        torch.zeros(9, 64, dtype=torch.bfloat16),
+    with pytest.raises(RuntimeError, match="rows <= 16"):
+        torch.ops.yuebing.decode_logits(torch.zeros(17, 64, dtype=torch.bfloat16),
+                                        torch.zeros(17, 64, dtype=torch.bfloat16),
                                         torch.ones(64, dtype=torch.bfloat16),
                                         torch.zeros(10, 64, dtype=torch.bfloat16), 1e-5)

@@ -184,7 +184,8 @@ class EngineConfig:
     fused_decode: int = field(default=-1, metadata={
         "help": "decode-only steps of at most N sequences run each layer as one native op "
                 "(bf16 with AVX512-BF16, native kernels, not batch-invariant): -1 = measured at "
-                "start-up against the op-by-op path, 0 = off, 1..8 = N"})
+                "start-up against the op-by-op path, 0 = off, 1..16 = N (above 8 only on AMX "
+                "tiles)"})
     layers: str = field(default="", metadata={
         "help": "run only layers A:B of the model (half-open, 0-based): a stage of a chunked "
                 "pipeline parallel prefill group; the first stage embeds, the last computes the "
@@ -219,8 +220,8 @@ class EngineConfig:
                 f"weights_seed must be in 0..{2**63 - 1}, got {self.weights_seed}")
         require(self.attention in ATTENTION,
                 f"attention {self.attention!r} unknown; use one of {ATTENTION}")
-        require(-1 <= self.fused_decode <= 8,
-                f"fused_decode must be -1 (measured), 0 (off) or 1..8, got {self.fused_decode}")
+        require(-1 <= self.fused_decode <= 16,
+                f"fused_decode must be -1 (measured), 0 (off) or 1..16, got {self.fused_decode}")
         require(self.kernels in KERNELS,
                 f"kernels {self.kernels!r} unknown; use one of {KERNELS}")
         require(self.prefill_attention in PREFILL_ATTENTION,

@@ -248,14 +248,17 @@ class LLMEngine:
                               "use -1 or 0")
         if cand is None:
             return
+        if rows > cand.limit:
+            raise ConfigError(f"fused_decode {rows} exceeds the fused ops' {cand.limit} rows here "
+                              f"({'AMX tiles' if cand.tiles else 'AVX512-BF16 dot products'})")
         if rows > 0:
             cand.max_rows, self.model.fused, self.decode_fused = rows, cand, f"b<={rows}"
             return
         mc = self.model.cfg
-        scratch = torch.randn(2, fused_decode.MAX_ROWS * 8, mc.num_kv_heads, 16,
+        scratch = torch.randn(2, cand.limit * 8, mc.num_kv_heads, 16,
                               mc.head_dim).to(self.dtype)
         parts: dict[str, object] = {
-            "kind": "fused_decode", "kernels": native.build_key(),
+            "kind": "fused_decode", "kernels": native.build_key(), "tiles": cand.tiles,
             "shape": [mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads,
                       mc.head_dim, mc.intermediate_size]}
         (rows, self.fused_timings), _ = shared_choice(

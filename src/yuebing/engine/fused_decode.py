@@ -1,12 +1,16 @@
 """Fused small-batch decode: each decoder layer (and the final norm with the LM head) as one
-native op (``torch.ops.yuebing.decode_layer`` / ``decode_logits``, bf16 GEMVs on AVX512-BF16).
+native op (``torch.ops.yuebing.decode_layer`` / ``decode_logits``).
 
 A b=1 step of the op-by-op path runs ~15 small ops per layer, each paying dispatch and a thread
-fork/join; the fused op pays one. `FusedDecode` holds the plain row-major weights the ops read
-(a second copy beside oneDNN's packed one). The engine builds it at start-up where the native
-kernels run bf16 with AVX512-BF16 outside batch-invariant mode, and `choose_max_rows` times it
-against the op-by-op path on this machine; `LlamaModel.forward` uses it for decode-only steps
-of at most ``max_rows`` sequences, and its LM head for any step with at most `MAX_ROWS` logits rows.
+fork/join; the fused op pays one. `FusedDecode` holds the weights the ops read, beside oneDNN's
+packed ones: where the ops run on AMX tiles (`tiles_available`: an AMX-BF16 CPU that grants the
+tiles) in `amx_linear.pack`'s tiles, up to `TILE_ROWS` rows (one tile product serves every row,
+so a batch of 8 costs little more than one); else row-major for AVX512-BF16 dot products, up
+to `MAX_ROWS`. The engine builds it at start-up where the native kernels run bf16 with
+AVX512-BF16 outside batch-invariant mode, and `choose_max_rows` times it against the op-by-op
+path on this machine; `LlamaModel.forward` uses it for decode-only steps of at most
+``max_rows`` sequences, and its LM head for any step with at most `FusedDecode.limit` logits
+rows.
 """
 
 from __future__ import annotations
@@ -19,14 +23,16 @@ from functools import partial
 
 import torch
 
-from yuebing.engine import native
+from yuebing.engine import amx_linear, native
 from yuebing.engine.attention import AttnMetadata, head_index, slot_index
 from yuebing.engine.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8
-"""The native ops' largest batch (rows per call)."""
+"""The ops' largest batch (rows per call) on AVX512-BF16 dot products."""
+TILE_ROWS = 16
+"""Their largest batch on AMX tiles (a tile's rows)."""
 
 
 def available() -> bool:
@@ -34,20 +40,50 @@ def available() -> bool:
     return native.available() and bool(torch.ops.yuebing.fused_decode_available())
 
 
+def tiles_available() -> bool:
+    """Whether the loaded fused ops run packed weights on AMX tiles here (never builds; an
+    older build without the op, as `benchmarks/decode_context.py` loads: no)."""
+    return available() and hasattr(torch.ops.yuebing, "fused_decode_tiles") \
+        and bool(torch.ops.yuebing.fused_decode_tiles())
+
+
+def _tiles_fit(layers: Sequence[tuple[torch.Tensor, ...]],
+               head: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    """Whether every matmul weight can be packed into tiles (`amx_linear.fits`)."""
+    def fits(w: torch.Tensor, silu: bool = False) -> bool:
+        return amx_linear.fits((w.shape[0], w.shape[1]), w.dtype, w.device, silu)
+    return all(fits(qkv) and fits(o) and fits(gu, True) and fits(down)
+               for _, qkv, o, _, gu, down in layers) and (head is None or fits(head[1]))
+
+
 class FusedDecode:
-    """Plain bf16 weights of one model's layers and the fused decode over them."""
+    """The weights of one model's layers as the fused ops read them, and the fused decode."""
 
     def __init__(self, cfg: ModelConfig, layers: Sequence[tuple[torch.Tensor, ...]],
                  rope: tuple[torch.Tensor, torch.Tensor],
-                 head: tuple[torch.Tensor, torch.Tensor] | None, max_rows: int = MAX_ROWS) -> None:
+                 head: tuple[torch.Tensor, torch.Tensor] | None, tiles: bool | None = None,
+                 max_rows: int | None = None) -> None:
         """``layers``: per layer (ln1, qkv, o, ln2, gate_up, down), the matmul weights row-major
         ``[out, in]``; ``rope``: the cos/sin tables; ``head``: the final norm and the LM head
-        ``[vocab, hidden]``, or None (not the last pipeline stage)."""
+        ``[vocab, hidden]``, or None (not the last pipeline stage). ``tiles``: pack the weights
+        for the AMX tiles (None: where `tiles_available` and every weight fits)."""
+        if tiles is None:
+            tiles = tiles_available() and _tiles_fit(layers, head)
         self.cfg = cfg
-        self.layers = [tuple(w.contiguous() for w in layer) for layer in layers]
+        self.tiles = tiles
+        self.layers: list[tuple[torch.Tensor, ...]]
+        if tiles:
+            pack = amx_linear.pack
+            self.layers = [(ln1, pack(qkv), pack(o), ln2, amx_linear.pack_silu_pairs(gu),
+                            pack(down)) for ln1, qkv, o, ln2, gu, down in layers]
+            head = None if head is None else (head[0], pack(head[1]))
+        else:
+            self.layers = [tuple(w.contiguous() for w in layer) for layer in layers]
         self.rope = rope
         self.head = head
-        self.max_rows = max_rows
+        self.limit = TILE_ROWS if tiles else MAX_ROWS
+        """The ops' largest batch with these weights."""
+        self.max_rows = self.limit if max_rows is None else max_rows
         """Decode-only steps of at most this many sequences run fused (0: never)."""
 
     def applies(self, rows: int, meta: AttnMetadata) -> bool:
@@ -83,11 +119,14 @@ OpsLayer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor,
 def choose_max_rows(fused: FusedDecode, ops_layer: OpsLayer,
                     kv: tuple[torch.Tensor, torch.Tensor], block_size: int,
                     context: int = 128, rounds: int = 5,
-                    rows: Sequence[int] = (1, 2, 4, MAX_ROWS)) -> tuple[int, dict[str, float]]:
-    """The largest batch of ``rows`` up to which the fused layer beats the op-by-op one here
-    (0 if it never does), and the timings (median seconds, interleaved): layer 0 of a decode
-    step at ``context`` tokens per sequence, over the scratch cache ``kv``."""
+                    rows: Sequence[int] | None = None) -> tuple[int, dict[str, float]]:
+    """The largest batch of ``rows`` (default 1, 2, 4, ... up to the ops' limit) up to which
+    the fused layer beats the op-by-op one here (0 if it never does), and the timings (median
+    seconds, interleaved): layer 0 of a decode step at ``context`` tokens per sequence, over the
+    scratch cache ``kv``."""
     cfg = fused.cfg
+    if rows is None:
+        rows = [b for b in (1, 2, 4, 8, 16) if b <= fused.limit]
     k_cache = kv[0]
     per_seq = context // block_size  # whole blocks: the torch paths need no mask
     timings: dict[str, float] = {}

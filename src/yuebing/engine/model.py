@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from yuebing.engine.attention import DECODE_IMPLS, PREFILL_IMPLS, AttnMetadata
 from yuebing.engine.config import ModelConfig, RopeScaling
-from yuebing.engine.fused_decode import MAX_ROWS, FusedDecode
+from yuebing.engine.fused_decode import FusedDecode
 from yuebing.engine.kernels import KernelOps, TorchOps
 from yuebing.engine.linear import (
     ROUTE_POINTS,
@@ -259,7 +259,7 @@ class LlamaModel:
         if self.lm_head is None or self.norm is None:
             return Boundary(residual, x)
         head = self.fused if self.fused is not None and self.token_impl is None \
-            and 0 < logits_rows.shape[0] <= MAX_ROWS else None
+            and 0 < logits_rows.shape[0] <= self.fused.limit else None
         if head is not None and head.head is not None:
             # a few rows (decode, a prefill's last token): one pass over the LM head at memory
             # speed; oneDNN's packed GEMM at so few rows reads it several times slower

@@ -97,11 +97,6 @@ inline void block_32(const uint16_t* a, int64_t lda, const uint16_t* b0, const u
   }
 }
 
-inline __m512 bf16_round(__m512 v) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v))), 16));
-}
-
 // Rows [0, rows) of c (+ bias) rounded to bf16 into out (width 16·blocks columns at stride ldo).
 inline void store_plain(const float* c, int64_t rows, int64_t blocks, const float* bias,
                         uint16_t* out, int64_t ldo) {
@@ -125,14 +120,11 @@ inline void store_silu_mul(const float* c, int64_t rows, const float* gbias, con
                            uint16_t* out, int64_t ldo) {
   const __m512 gb = gbias ? _mm512_loadu_ps(gbias) : _mm512_setzero_ps();
   const __m512 ub = ubias ? _mm512_loadu_ps(ubias) : _mm512_setzero_ps();
-  const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 g = bf16_round(_mm512_add_ps(_mm512_loadu_ps(c + r * 32), gb));
-    const __m512 u = bf16_round(_mm512_add_ps(_mm512_loadu_ps(c + r * 32 + 16), ub));
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    const __m512 act = bf16_round(_mm512_mul_ps(g, reciprocal16(_mm512_add_ps(one, e))));
+    const __m512 v = silu_mul16(_mm512_add_ps(_mm512_loadu_ps(c + r * 32), gb),
+                                _mm512_add_ps(_mm512_loadu_ps(c + r * 32 + 16), ub));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo),
-                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(act, u))));
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
   }
 }
 

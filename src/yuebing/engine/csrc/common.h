@@ -76,6 +76,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
                       const c10::optional<at::Tensor>& bias, int64_t epilogue);
 bool amx_linear_available();
 bool fused_decode_available();
+bool fused_decode_tiles();
 at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, const at::Tensor& ln1,
                         const at::Tensor& wqkv, const at::Tensor& wo, const at::Tensor& ln2,
                         const at::Tensor& wgu, const at::Tensor& wdown, const at::Tensor& cos,

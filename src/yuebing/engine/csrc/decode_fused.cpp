@@ -1,15 +1,26 @@
 // Fused decode for small batches (bfloat16, AVX512-BF16): a whole decoder layer, and the final
 // norm with the LM head, each in one OpenMP parallel region instead of ~15 torch ops with a
-// fork/join each. Matmuls are row-major bf16 GEMVs on vdpbf16ps (float32 sums, rows of the
-// weight split between the threads, each weight row read once for all batch rows); RMSNorm,
-// RoPE with the K/V cache write, paged attention and SiLU·mul are fused between them, with a
-// barrier between stages. Intermediates are rounded to bf16 where the torch path stores them.
-// Each batch row is computed the same way whatever the other rows are; the summation order
-// differs from oneDNN's, so results match the unfused path in tokens, not in bits.
+// fork/join each. Matmuls are row-major bf16 GEMVs (float32 sums, rows of the weight split
+// between the threads, each weight row read once for all batch rows): on AMX tiles where the
+// CPU has AMX-BF16 and every input width is a multiple of 32 (16 weight rows read in place as
+// an A tile, the batch rows packed once per matmul as a B tile of R columns: one tile product
+// serves all rows, so a row costs little beyond the weight's read), else on vdpbf16ps (one
+// dot product per weight row and batch row). RMSNorm, RoPE with the K/V cache write, paged
+// attention and SiLU·mul are fused between them, with a barrier between stages. Intermediates
+// are rounded to bf16 where the torch path stores them. Each batch row is computed the same way
+// whatever the other rows are; the summation order differs from oneDNN's, so results match the
+// unfused path in tokens, not in bits.
 #include <omp.h>
+
+#include <optional>
 
 #include "decode_attention.h"
 #include "vec.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    !defined(YB_DECODE_NO_AMX)
+#define YB_DECODE_AMX 1
+#endif
 
 namespace yuebing {
 
@@ -21,11 +32,22 @@ bool fused_decode_available() {
 #endif
 }
 
+// Whether the fused ops take packed weights and run their matmuls on AMX tiles here (up to 16
+// rows; 8 on vdpbf16ps).
+bool fused_decode_tiles() {
+#if defined(YB_DECODE_AMX) && defined(__AVX512BF16__)
+  return amx_available();
+#else
+  return false;
+#endif
+}
+
 #if defined(__AVX512BF16__)
 namespace {
 
 using bf16 = c10::BFloat16;
-constexpr int64_t kMaxRows = 8;
+constexpr int64_t kMaxRows = 16;    // a tile's rows (dot products take them 8 at a time)
+constexpr int64_t kMaxDotRows = 8;  // rows per vdpbf16ps pass
 
 inline __mmask32 mask32(int64_t left) {
   return left >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << left) - 1);
@@ -76,11 +98,116 @@ inline void dot_any(int64_t R, const bf16* w, const bf16* x, int64_t K, float* o
 // y[r, o] = bf16(W[o]·x[r]) for o in [o0, o1); y has row stride ldy.
 inline void gemv(const bf16* W, int64_t K, const bf16* x, int64_t R, int64_t o0, int64_t o1,
                  bf16* y, int64_t ldy) {
-  float out[kMaxRows];
-  for (int64_t o = o0; o < o1; ++o) {
-    dot_any(R, W + o * K, x, K, out);
-    for (int64_t r = 0; r < R; ++r) y[r * ldy + o] = bf16(out[r]);
+  float out[kMaxDotRows];
+  for (int64_t o = o0; o < o1; ++o)
+    for (int64_t r0 = 0; r0 < R; r0 += kMaxDotRows) {
+      const int64_t n = std::min(kMaxDotRows, R - r0);
+      dot_any(n, W + o * K, x + r0 * K, K, out);
+      for (int64_t r = 0; r < n; ++r) y[(r0 + r) * ldy + o] = bf16(out[r]);
+    }
+}
+
+#ifdef YB_DECODE_AMX
+// Tiles: tmm0 A (the R batch rows × 32 inputs, read in place), tmm2-3 B (weight tiles as
+// `amx_linear.pack` lays them out: [out/16][in/32] tiles of 16 pairs × 16 outputs, 1 KiB each),
+// tmm4-7 C (R rows × 16 outputs, float32).
+struct alignas(64) DecodeTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Configures this thread's tiles for R batch rows and releases them at the end.
+class DecodeTiles {
+ public:
+  explicit DecodeTiles(int64_t R) {
+    DecodeTileConfig cfg;
+    for (int t : {0, 4, 5, 6, 7}) {
+      cfg.colsb[t] = 64;
+      cfg.rows[t] = static_cast<uint8_t>(R);
+    }
+    for (int t : {2, 3}) {
+      cfg.colsb[t] = 64;
+      cfg.rows[t] = 16;
+    }
+    asm volatile("" : : "m"(cfg) : "memory");  // LDTILECFG reads cfg (see amx_linear.cpp)
+    _tile_loadconfig(&cfg);
   }
+  ~DecodeTiles() { _tile_release(); }
+  DecodeTiles(const DecodeTiles&) = delete;
+  DecodeTiles& operator=(const DecodeTiles&) = delete;
+};
+
+// c[r][16·i + j] (float32, row stride 64) = x row r · weight output 16·b[i] + j, for N packed
+// blocks b[i] of a weight with K inputs (K / 32 tiles per block), x [R][K] at row stride K.
+template <int N>
+inline void tile_blocks(const bf16* x, int64_t K, const bf16* packed, const int64_t* b,
+                        float* c) {
+  _tile_zero(4);
+  if (N > 1) _tile_zero(5);
+  if (N > 2) _tile_zero(6);
+  if (N > 3) _tile_zero(7);
+  const int64_t kt = K / 32;
+  const bf16* w[4] = {};
+  for (int i = 0; i < N; ++i) w[i] = packed + b[i] * kt * 512;
+  for (int64_t kb = 0; kb < kt; ++kb) {
+    _tile_loadd(0, x + kb * 32, K * 2);
+    _tile_loadd(2, w[0] + kb * 512, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    if (N > 1) {
+      _tile_loadd(3, w[1] + kb * 512, 64);
+      _tile_dpbf16ps(5, 0, 3);
+    }
+    if (N > 2) {
+      _tile_loadd(2, w[2] + kb * 512, 64);
+      _tile_dpbf16ps(6, 0, 2);
+    }
+    if (N > 3) {
+      _tile_loadd(3, w[3] + kb * 512, 64);
+      _tile_dpbf16ps(7, 0, 3);
+    }
+  }
+  _tile_stored(4, c, 256);
+  if (N > 1) _tile_stored(5, c + 16, 256);
+  if (N > 2) _tile_stored(6, c + 32, 256);
+  if (N > 3) _tile_stored(7, c + 48, 256);
+}
+
+// y[r, o] = bf16(W[o]·x[r]) for o in [o0, o1) (multiples of 16) of a packed weight, four
+// blocks at a time; c holds 64·R floats.
+inline void tile_matmul(const bf16* packed, int64_t K, const bf16* x, int64_t R, int64_t o0,
+                        int64_t o1, bf16* y, int64_t ldy, float* c) {
+  auto store = [&](int64_t o, int n) {
+    for (int64_t r = 0; r < R; ++r)
+      for (int i = 0; i < n; ++i)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + o + 16 * i),
+                            bf16_pack(_mm512_loadu_ps(c + r * 64 + 16 * i)));
+  };
+  int64_t o = o0;
+  for (; o + 64 <= o1; o += 64) {
+    const int64_t b[4] = {o / 16, o / 16 + 1, o / 16 + 2, o / 16 + 3};
+    tile_blocks<4>(x, K, packed, b, c);
+    store(o, 4);
+  }
+  for (; o < o1; o += 16) {
+    const int64_t b[1] = {o / 16};
+    tile_blocks<1>(x, K, packed, b, c);
+    store(o, 1);
+  }
+}
+#endif
+
+// The layer's weights are either all row-major [out, in] (vdpbf16ps GEMVs) or all packed as
+// `amx_linear.pack` does (the gate/up one by `pack_silu_pairs`), on tiles.
+inline void matmul(bool tiles, const bf16* W, int64_t K, const bf16* x, int64_t R, int64_t o0,
+                   int64_t o1, bf16* y, int64_t ldy, float* c) {
+#ifdef YB_DECODE_AMX
+  if (tiles) return tile_matmul(W, K, x, R, o0, o1, y, ldy, c);
+#else
+  (void)tiles;
+  (void)c;
+#endif
+  gemv(W, K, x, R, o0, o1, y, ldy);
 }
 
 // This thread's share [first, second) of n items, in multiples of 16 (cache lines of rows).
@@ -111,7 +238,7 @@ void add_norm(const bf16* x, bf16* res, const bf16* w, bf16* hidden, int64_t R, 
 struct LayerArgs {
   int64_t R, H, heads, kv_heads, hd, F, block_size, table_stride;
   float eps, scale;
-  bool first;
+  bool first, tiles;
   const bf16 *x, *ln1, *wqkv, *wo, *ln2, *wgu, *wdown, *cos, *sin;
   bf16 *res, *kc, *vc, *hidden, *qkv, *attn, *act, *out;
   const int64_t *pos, *slots;
@@ -126,29 +253,34 @@ struct LayerArgs {
 void layer(const LayerArgs& a, int nt) {
   const int64_t R = a.R, H = a.H, hd = a.hd, nq = (a.heads + 2 * a.kv_heads) * hd;
   const int64_t half = hd / 2, F = a.F;
+  const bool tiles = a.tiles;
 #pragma omp parallel num_threads(nt)
   {
     const int tid = omp_get_thread_num(), n = omp_get_num_threads();
-    std::vector<float> buf(std::max(H, hd)), acc(hd);
+    std::vector<float> buf(std::max(H, hd)), acc(hd), c(tiles ? 64 * R : 0);
+#ifdef YB_DECODE_AMX
+    std::optional<DecodeTiles> tile_cfg;
+    if (tiles) tile_cfg.emplace(R);
+#endif
 #pragma omp single
     add_norm(a.x, a.res, a.ln1, a.hidden, R, H, a.eps, !a.first, buf.data());
     auto [q0, q1] = share(nq, tid, n);
-    gemv(a.wqkv, H, a.hidden, R, q0, q1, a.qkv, nq);
+    matmul(tiles, a.wqkv, H, a.hidden, R, q0, q1, a.qkv, nq, c.data());
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < R * (a.heads + a.kv_heads); ++i) {
       const int64_t r = i / (a.heads + a.kv_heads), h = i % (a.heads + a.kv_heads);
       bf16* row = a.qkv + r * nq;
-      const bf16* c = a.cos + a.pos[r] * half;
-      const bf16* s = a.sin + a.pos[r] * half;
+      const bf16* cs = a.cos + a.pos[r] * half;
+      const bf16* sn = a.sin + a.pos[r] * half;
       if (h < a.heads) {
-        rotate<bf16>(row + h * hd, c, s, row + h * hd, half);
+        rotate<bf16>(row + h * hd, cs, sn, row + h * hd, half);
         continue;
       }
       const int64_t j = h - a.heads;
       const int64_t blk = a.slots[r] / a.block_size, off = a.slots[r] % a.block_size;
       const int64_t dst = ((blk * a.kv_heads + j) * a.block_size + off) * hd;
-      rotate<bf16>(row + h * hd, c, s, a.kc + dst, half);
+      rotate<bf16>(row + h * hd, cs, sn, a.kc + dst, half);
       const bf16* v = row + (a.heads + a.kv_heads + j) * hd;
       std::copy(v, v + hd, a.vc + dst);
     }
@@ -166,31 +298,78 @@ void layer(const LayerArgs& a, int nt) {
         decode::merge_one<bf16>(*a.shape, a.lens, *a.partials, i, acc.data(), a.attn);
     }
     auto [h0, h1] = share(H, tid, n);
-    gemv(a.wo, a.heads * hd, a.attn, R, h0, h1, a.out, H);
+    matmul(tiles, a.wo, a.heads * hd, a.attn, R, h0, h1, a.out, H, c.data());
 #pragma omp barrier
 #pragma omp single
     add_norm(a.out, a.res, a.ln2, a.hidden, R, H, a.eps, true, buf.data());
     auto [f0, f1] = share(F, tid, n);
-    float g[kMaxRows], u[kMaxRows];
-    for (int64_t j = f0; j < f1; ++j) {
-      dot_any(R, a.wgu + j * H, a.hidden, H, g);
-      dot_any(R, a.wgu + (F + j) * H, a.hidden, H, u);
-      for (int64_t r = 0; r < R; ++r) {  // as silu_and_mul on the bf16 matmul outputs
-        const float gr = round_through<bf16>(g[r]), ur = round_through<bf16>(u[r]);
-        const float act = round_through<bf16>(gr / (1.f + std::exp(-gr)));
-        a.act[r * F + j] = bf16(act * ur);
+    if (tiles) {
+#ifdef YB_DECODE_AMX
+      // gate block j / 16 is packed block 2j / 16, its up block the next (pack_silu_pairs)
+      for (int64_t j = f0; j < f1;) {
+        const int pairs = j + 32 <= f1 ? 2 : 1;
+        const int64_t g = 2 * (j / 16), b[4] = {g, g + 1, g + 2, g + 3};
+        if (pairs == 2)
+          tile_blocks<4>(a.hidden, H, a.wgu, b, c.data());
+        else
+          tile_blocks<2>(a.hidden, H, a.wgu, b, c.data());
+        for (int64_t r = 0; r < R; ++r)
+          for (int i = 0; i < pairs; ++i)
+            _mm256_storeu_si256(
+                reinterpret_cast<__m256i*>(a.act + r * F + j + 16 * i),
+                bf16_pack(silu_mul16(_mm512_loadu_ps(c.data() + r * 64 + 32 * i),
+                                     _mm512_loadu_ps(c.data() + r * 64 + 32 * i + 16))));
+        j += 16 * pairs;
       }
+#endif
+    } else {
+      float g[kMaxDotRows], u[kMaxDotRows];
+      for (int64_t j = f0; j < f1; ++j)
+        for (int64_t r0 = 0; r0 < R; r0 += kMaxDotRows) {
+          const int64_t rows = std::min(kMaxDotRows, R - r0);
+          dot_any(rows, a.wgu + j * H, a.hidden + r0 * H, H, g);
+          dot_any(rows, a.wgu + (F + j) * H, a.hidden + r0 * H, H, u);
+          for (int64_t r = 0; r < rows; ++r) {  // as silu_and_mul on the bf16 matmul outputs
+            const float gr = round_through<bf16>(g[r]), ur = round_through<bf16>(u[r]);
+            const float act = round_through<bf16>(gr / (1.f + std::exp(-gr)));
+            a.act[(r0 + r) * F + j] = bf16(act * ur);
+          }
+        }
     }
 #pragma omp barrier
-    gemv(a.wdown, F, a.act, R, h0, h1, a.out, H);
+    matmul(tiles, a.wdown, F, a.act, R, h0, h1, a.out, H, c.data());
   }
 }
 
-void check_weight(const at::Tensor& w, int64_t rows, int64_t cols, const char* name) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() &&
-              w.size(0) == rows && w.size(1) == cols, "decode_layer: ", name,
-              " must be a contiguous bfloat16 [", rows, ", ", cols, "], got ", w.sizes(), " ",
-              w.scalar_type());
+// A weight's [out, in]: row-major [out, in], or packed as `amx_linear.pack` lays it out
+// ([out/16, in/32, 16, 16, 2]); both contiguous bfloat16.
+std::pair<int64_t, int64_t> weight_shape(const at::Tensor& w) {
+  if (w.dim() == 5) return {w.size(0) * 16, w.size(1) * 32};
+  return {w.size(0), w.size(1)};
+}
+
+bool is_packed(const at::Tensor& w) { return w.dim() == 5; }
+
+void check_weight(const at::Tensor& w, int64_t rows, int64_t cols, bool packed,
+                  const char* name) {
+  const bool layout = packed ? w.dim() == 5 && w.size(2) == 16 && w.size(3) == 16 &&
+                                   w.size(4) == 2
+                             : w.dim() == 2;
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && layout && w.is_contiguous() &&
+              weight_shape(w) == std::make_pair(rows, cols), "decode_layer: ", name,
+              " must be a contiguous bfloat16 ", packed ? "packed " : "", "[", rows, ", ",
+              cols, "], got ", w.sizes(), " ", w.scalar_type(),
+              " (all weights row-major [out, in], or all packed as amx_linear.pack)");
+}
+
+// Packed weights need the tiles (checked once per call).
+void check_tiles(bool packed) {
+#ifdef YB_DECODE_AMX
+  TORCH_CHECK(!packed || amx_available(), "decode_layer: packed weights need AMX-BF16 tiles, "
+              "which this process was denied");
+#else
+  TORCH_CHECK(!packed, "decode_layer: packed weights need a build with AMX-BF16 tiles");
+#endif
 }
 
 }  // namespace
@@ -217,11 +396,13 @@ at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, const at::Ten
               k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
               k_cache.size(1) == num_kv_heads, "decode_layer: caches must be contiguous bfloat16 "
               "[blocks, ", num_kv_heads, ", block_size, head_dim]");
-  const int64_t hd = k_cache.size(3), F = wdown.size(1);
-  check_weight(wqkv, (num_heads + 2 * num_kv_heads) * hd, H, "wqkv");
-  check_weight(wo, H, num_heads * hd, "wo");
-  check_weight(wgu, 2 * F, H, "wgu");
-  check_weight(wdown, H, F, "wdown");
+  const int64_t hd = k_cache.size(3), F = weight_shape(wdown).second;
+  const bool packed = is_packed(wqkv);
+  check_tiles(packed);
+  check_weight(wqkv, (num_heads + 2 * num_kv_heads) * hd, H, packed, "wqkv");
+  check_weight(wo, H, num_heads * hd, packed, "wo");
+  check_weight(wgu, 2 * F, H, packed, "wgu");
+  check_weight(wdown, H, F, packed, "wdown");
   for (const at::Tensor* w : {&ln1, &ln2})
     TORCH_CHECK(w->scalar_type() == at::kBFloat16 && w->dim() == 1 && w->size(0) == H &&
                 w->is_contiguous(), "decode_layer: norm weights must be bfloat16 [", H, "]");
@@ -257,18 +438,19 @@ at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, const at::Ten
     }
   }
   auto opts = residual.options();
-  at::Tensor hidden = at::empty({R, H}, opts), qkv = at::empty({R, wqkv.size(0)}, opts);
+  at::Tensor hidden = at::empty({R, H}, opts);
+  at::Tensor qkv = at::empty({R, weight_shape(wqkv).first}, opts);
   at::Tensor attn = at::empty({R, num_heads * hd}, opts), act = at::empty({R, F}, opts);
   at::Tensor out = at::empty({R, H}, opts);
   int64_t max_len = 0;
   for (int64_t r = 0; r < R; ++r) max_len = std::max<int64_t>(max_len, lens[r]);
   const decode::DecodeShape shape{R, num_heads, hd, num_kv_heads, num_heads / num_kv_heads, bs,
                                   block_table.stride(0), decode::parts_of(static_cast<int32_t>(max_len)),
-                                  wqkv.size(0), hd};
+                                  weight_shape(wqkv).first, hd};
   const auto items = decode::work_items(shape, lens);
   decode::Partials partials = decode::make_partials(shape, lens);
   LayerArgs a{R, H, num_heads, num_kv_heads, hd, F, bs, block_table.stride(0),
-              static_cast<float>(eps), static_cast<float>(scale), first,
+              static_cast<float>(eps), static_cast<float>(scale), first, packed,
               x.data_ptr<bf16>(), ln1.data_ptr<bf16>(), wqkv.data_ptr<bf16>(),
               wo.data_ptr<bf16>(), ln2.data_ptr<bf16>(), wgu.data_ptr<bf16>(),
               wdown.data_ptr<bf16>(), cos.data_ptr<bf16>(), sin.data_ptr<bf16>(),
@@ -289,10 +471,12 @@ at::Tensor decode_logits(const at::Tensor& residual, const at::Tensor& x,
               "decode_logits: residual and x must be contiguous bfloat16 [rows <= ", kMaxRows,
               ", hidden], got ", residual.sizes(), " and ", x.sizes());
   const int64_t R = residual.size(0), H = residual.size(1);
-  check_weight(weight, weight.size(0), H, "weight");
+  const bool packed = is_packed(weight);
+  check_tiles(packed);
+  const int64_t V = weight_shape(weight).first;
+  check_weight(weight, V, H, packed, "weight");
   TORCH_CHECK(norm.scalar_type() == at::kBFloat16 && norm.dim() == 1 && norm.size(0) == H &&
               norm.is_contiguous(), "decode_logits: norm must be bfloat16 [", H, "]");
-  const int64_t V = weight.size(0);
   at::Tensor res = residual.clone(), hidden = at::empty({R, H}, residual.options());
   at::Tensor logits = at::empty({R, V}, residual.options().dtype(at::kFloat));
   const bf16* w = weight.data_ptr<bf16>();
@@ -308,10 +492,33 @@ at::Tensor decode_logits(const at::Tensor& residual, const at::Tensor& x,
                hidden.data_ptr<bf16>(), R, H, static_cast<float>(eps), true, buf.data());
     }
     auto [v0, v1] = share(V, tid, n);
-    float out[kMaxRows];
-    for (int64_t o = v0; o < v1; ++o) {
-      dot_any(R, w + o * H, hp, H, out);
-      for (int64_t r = 0; r < R; ++r) lp[r * V + o] = round_through<bf16>(out[r]);
+    if (packed) {
+#ifdef YB_DECODE_AMX
+      DecodeTiles tile_cfg(R);
+      std::vector<float> c(64 * R);
+      for (int64_t o = v0; o < v1;) {  // logits rounded through bf16 as the torch path stores them
+        const int blocks = o + 64 <= v1 ? 4 : 1;
+        const int64_t b[4] = {o / 16, o / 16 + 1, o / 16 + 2, o / 16 + 3};
+        if (blocks == 4)
+          tile_blocks<4>(hp, H, w, b, c.data());
+        else
+          tile_blocks<1>(hp, H, w, b, c.data());
+        for (int64_t r = 0; r < R; ++r)
+          for (int i = 0; i < blocks; ++i)
+            _mm512_storeu_ps(lp + r * V + o + 16 * i,
+                             bf16_round(_mm512_loadu_ps(c.data() + r * 64 + 16 * i)));
+        o += 16 * blocks;
+      }
+#endif
+    } else {
+      float out[kMaxDotRows];
+      for (int64_t o = v0; o < v1; ++o)
+        for (int64_t r0 = 0; r0 < R; r0 += kMaxDotRows) {
+          const int64_t rows = std::min(kMaxDotRows, R - r0);
+          dot_any(rows, w + o * H, hp + r0 * H, H, out);
+          for (int64_t r = 0; r < rows; ++r)
+            lp[(r0 + r) * V + o] = round_through<bf16>(out[r]);
+        }
     }
   }
   return logits;

@@ -18,6 +18,7 @@ TORCH_LIBRARY(yuebing, m) {
         "Tensor block_table, int context_len, float scale) -> Tensor");
   m.def("amx_available() -> bool", &yuebing::amx_available);  // no tensors: a catch-all kernel
   m.def("fused_decode_available() -> bool", &yuebing::fused_decode_available);
+  m.def("fused_decode_tiles() -> bool", &yuebing::fused_decode_tiles);
   m.def("amx_linear_available() -> bool", &yuebing::amx_linear_available);
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int epilogue) -> Tensor");
   m.def("decode_layer(Tensor x, Tensor(a!) residual, Tensor ln1, Tensor wqkv, Tensor wo, "

@@ -101,6 +101,23 @@ inline __m512 reciprocal16(__m512 x) {
   const __m512 r = _mm512_rcp14_ps(x);
   return _mm512_mul_ps(r, _mm512_fnmadd_ps(x, r, _mm512_set1_ps(2.0f)));
 }
+
+#ifdef __AVX512BF16__
+// float32 lanes rounded through bf16 (nearest even) and back.
+inline __m512 bf16_round(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v))), 16));
+}
+
+// silu(gate)·up of float32 matmul sums as `silu_and_mul` computes it on their bf16 outputs:
+// gate and up rounded to bf16, the SiLU rounded to bf16 before the product (not rounded).
+inline __m512 silu_mul16(__m512 gate, __m512 up) {
+  const __m512 g = bf16_round(gate), u = bf16_round(up);
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  const __m512 act = bf16_round(_mm512_mul_ps(g, reciprocal16(_mm512_add_ps(_mm512_set1_ps(1.f), e))));
+  return _mm512_mul_ps(act, u);
+}
+#endif
 #endif
 
 // sum_i a[i]·b[i] in float32.
