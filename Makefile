@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make run    install into .venv and serve the OpenAI-compatible API (`yuebing serve`: store,
-#               1 prefill + 1 decode instance, Conductor on 127.0.0.1:8000); Ctrl-C stops it all
+#               1 prefill + 1 decode instance, or one coupled instance on a host of < 4 cores,
+#               Conductor on 127.0.0.1:8000); Ctrl-C stops it all
 #   make test   install into .venv (plus test servers such as etcd) and run the test suite
 #   make paper  the simulator's paper report (every figure) into reports/paper
 # torch is installed first, pinned, so no dependency can pull another build.

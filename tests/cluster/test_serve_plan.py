@@ -262,6 +262,21 @@ def test_device_auto_counts_as_the_cpu_where_torch_sees_no_cuda(
     ns = main.build_parser().parse_args(["serve", "--device", "auto"])
     assert default_topology(ns, 2) == (roles == ["coupled-0"])
 
+@pytest.mark.parametrize(("flags", "mixed"), [
+    ([], 0.09), (["--tbt-slo", "0.2"], 0.18), (["--tbt-slo", "0.2", "--mixed-step-s", "0.05"], 0.05),
+    (["--mixed-step-s", "0"], 0.0)])
+def test_a_mixed_step_follows_the_tbt_slo_unless_given(flags: list[str], mixed: float) -> None:
+    """A prefill chunk beside running decodes is sized to 90 % of the TBT SLO (the engine's
+    default: of the default 100 ms); ``--mixed-step-s`` overrides it, and the instances get it."""
+    import yuebing.cli.main as main
+    from yuebing.cluster.cli import serve_config_from_args
+
+    cfg = serve_config_from_args(main.build_parser().parse_args(["serve", *flags]))
+    assert cfg.instance.engine.mixed_step_s == pytest.approx(mixed)
+    passed = config_args(cfg.instance, skip=MANAGED["instance"])
+    assert ("--mixed-step-s" in passed) == (mixed != 0.09)
+
+
 def test_taken_fixed_ports_are_refused_before_anything_starts() -> None:
     import socket
 

@@ -91,6 +91,19 @@ def default_topology(ns: argparse.Namespace, cores: int) -> bool:
     return True
 
 
+MIXED_STEP_SHARE = 0.9
+"""The share of the TBT SLO a mixed step may take (``--mixed-step-s``, where not given)."""
+
+
+def mixed_step_from_slo(ns: argparse.Namespace) -> None:
+    """A TBT SLO given (``--tbt-slo``) and no ``--mixed-step-s``: a prefill chunk beside running
+    decodes is sized to `MIXED_STEP_SHARE` of that SLO (the engine's default is 90 % of the
+    default 100 ms)."""
+    slo = getattr(ns, "tbt_slo_s", None)
+    if slo is not None and getattr(ns, "mixed_step_s", None) is None and slo > 0:
+        ns.mixed_step_s = MIXED_STEP_SHARE * slo
+
+
 def _cpu(ns: argparse.Namespace) -> bool:
     """Whether the instances' engines run on the CPU (``--device`` cpu, the default, or auto
     on a host where torch sees no CUDA device)."""
@@ -109,6 +122,7 @@ def serve_config_from_args(ns: argparse.Namespace) -> ServeConfig:
     from yuebing.instance.config import InstanceConfig
 
     default_topology(ns, len(usable_cpus()))
+    mixed_step_from_slo(ns)
     if ns.coupled and (ns.prefill is not None or ns.decode is not None):
         raise ConfigError("--coupled K replaces --prefill/--decode: give one or the other")
     role = "coupled" if ns.coupled else "prefill"

@@ -157,6 +157,11 @@ class EngineConfig:
         "help": "longest sequence (prompt + output); 0 = the model's context length"})
     mixed_batches: bool = field(default=True, metadata={
         "help": "mix prefill chunks and decode tokens in one step (coupled baseline)"})
+    mixed_step_s: float = field(default=0.09, metadata={
+        "help": "longest step a prefill chunk may make beside running decodes, in seconds: the "
+                "chunk is sized from the measured cost per token of recent prefill steps, so "
+                "the decodes' time between tokens stays inside a TBT SLO (0.09 s: inside the "
+                "default 100 ms SLO); 0 = chunks take the whole --max-batch-tokens"})
     prefix_caching: bool = field(default=True, metadata={"help": "reuse cached full KV blocks"})
     dtype: str = field(default="auto", metadata={
         "help": "auto (bf16 on CPUs with bf16 support and on CUDA), float32, bfloat16, float16"})
@@ -207,6 +212,8 @@ class EngineConfig:
                 f"{self.num_blocks}")
         require(self.kv_cache_bytes > 0, "kv_cache_bytes must be > 0")
         require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        require(self.mixed_step_s >= 0,
+                f"mixed_step_s must be >= 0 (0 = off), got {self.mixed_step_s}")
         require(self.max_batch_tokens >= 1,
                 f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
         require(self.max_batch_tokens >= self.max_num_seqs or not self.mixed_batches,

@@ -15,6 +15,7 @@ import hashlib
 import itertools
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import replace
@@ -134,7 +135,8 @@ class LLMEngine:
         self.allocator = BlockAllocator(nb, config.prefix_caching)
         self.key_extra: tuple[object, ...] = (self.fingerprint,)
         self.scheduler = Scheduler(self.allocator, bs, config.max_num_seqs,
-                                   config.max_batch_tokens, config.mixed_batches, self.key_extra)
+                                   config.max_batch_tokens, config.mixed_batches, self.key_extra,
+                                   config.mixed_step_s if self.device.type == "cpu" else 0.0)
         self.kernels = resolve_kernels(config.kernels, self.device, self.dtype)
         self.model.ops = self.kernels
         self.matmul_min_rows: int | None = 1
@@ -469,10 +471,14 @@ class LLMEngine:
         if plan.empty:
             return outputs
         self.current_plan = plan
+        started = time.perf_counter()
         try:
             logits, sampled = self.runner.run(plan)
         finally:
             self.current_plan = None
+        if plan.decodes or plan.prefills:
+            self.scheduler.budget.observe(sum(n for _, n in plan.prefills), plan.num_tokens,
+                                          time.perf_counter() - started)
         starts = [seq.num_computed for seq, _ in plan.prefills]
         self.scheduler.commit(plan)
         self.last_plan = plan

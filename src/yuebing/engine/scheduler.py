@@ -1,8 +1,9 @@
 """Continuous-batching scheduler with chunked prefill, prefix caching and preemption: `Scheduler`.
 
 The engine calls `schedule` at the start of every step. Within the token budget
-(``max_batch_tokens``) every running decoding sequence gets one token, then prefilling
-sequences get prompt chunks: those already started first, then new ones admitted from the
+(``max_batch_tokens``; beside running decodes at most what `MixedBudget` allows, so a mixed
+step stays within ``mixed_step_s``) every running decoding sequence gets one token, then
+prefilling sequences get prompt chunks: those already started first, then new ones admitted from the
 waiting queue (FIFO, up to ``max_num_seqs`` running) after a prefix-cache lookup; one admitted
 with a single token left (its KV imported) joins the decodes instead. With
 ``mixed_batches`` off a step is all prefill or all decode (prefill first). When no KV block is
@@ -44,16 +45,51 @@ class StepPlan:
         return not self.decodes and not self.prefills
 
 
+class MixedBudget:
+    """The tokens a step may hold beside running decodes so that it lasts at most ``target_s``
+    (Sarathi-style stall-free batching): ``target_s`` over the seconds per token of recent steps
+    that carried a prefill chunk (an average that follows the host's speed and the context).
+    A step's fixed part (the weights' read) counted per token overstates the cost of a longer
+    chunk, so the budget errs short. The whole ``max_tokens`` until a chunk has been timed, and
+    with ``target_s`` 0. The engine feeds it each step's time (`observe`)."""
+
+    MIN_TIMED = 32
+    """Steps with fewer prefill tokens say little about a chunk's cost: not observed."""
+    ALPHA = 0.25
+    """Weight of the newest observation."""
+
+    def __init__(self, target_s: float, max_tokens: int, floor: int) -> None:
+        self.target_s = target_s
+        self.max_tokens = max_tokens
+        self.floor = min(floor, max_tokens)
+        self.per_token_s: float | None = None
+
+    def observe(self, prefill_tokens: int, tokens: int, seconds: float) -> None:
+        if self.target_s <= 0 or prefill_tokens < self.MIN_TIMED or seconds <= 0:
+            return
+        per = seconds / tokens
+        self.per_token_s = per if self.per_token_s is None \
+            else self.per_token_s + self.ALPHA * (per - self.per_token_s)
+
+    def tokens(self) -> int:
+        """A mixed step's token budget (decode rows included), at least ``floor``."""
+        if self.target_s <= 0 or self.per_token_s is None:
+            return self.max_tokens
+        return max(self.floor, min(self.max_tokens, int(self.target_s / self.per_token_s)))
+
+
 class Scheduler:
     """Owns the waiting queue and the running batch; allocates KV blocks for each step."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
-                 max_batch_tokens: int, mixed_batches: bool, key_extra: tuple[object, ...]):
+                 max_batch_tokens: int, mixed_batches: bool, key_extra: tuple[object, ...],
+                 mixed_step_s: float = 0.0):
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.mixed_batches = mixed_batches
+        self.budget = MixedBudget(mixed_step_s, max_batch_tokens, floor=4 * block_size)
         self.key_extra = key_extra
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -90,8 +126,11 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         if self.mixed_batches:
-            budget = self.max_batch_tokens - self._schedule_decodes(plan)
-            self._schedule_prefills(plan, budget)
+            decodes = self._schedule_decodes(plan)
+            limit = self.budget.tokens() if decodes else self.max_batch_tokens
+            # many decodes still leave a chunk its floor: a prompt always advances
+            self._schedule_prefills(plan, min(self.max_batch_tokens - decodes,
+                                              max(limit - decodes, self.budget.floor)))
         else:
             self._schedule_prefills(plan, self.max_batch_tokens)
             if not plan.prefills:

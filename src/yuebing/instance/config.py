@@ -20,7 +20,7 @@ EVENT_LOOPS = ("uvloop", "asyncio")
 ENGINE_FLAGS = ("model", "num_blocks", "kv_cache_bytes", "max_num_seqs", "max_batch_tokens",
                 "max_model_len", "dtype", "device", "threads", "attention", "kernels",
                 "prefill_attention", "weights_seed", "batch_invariant", "layers", "fused_decode",
-                "amx_linear")
+                "amx_linear", "mixed_step_s")
 """The `EngineConfig` fields an instance offers as its own flags (same names)."""
 DEFAULT_ENGINE = EngineConfig(device="cpu", threads=1, kv_cache_bytes=512 << 20)
 """An instance's engine unless flags say otherwise: CPU, one thread, a 512 MiB KV pool."""
