@@ -262,6 +262,7 @@ def test_device_auto_counts_as_the_cpu_where_torch_sees_no_cuda(
     ns = main.build_parser().parse_args(["serve", "--device", "auto"])
     assert default_topology(ns, 2) == (roles == ["coupled-0"])
 
+
 @pytest.mark.parametrize(("flags", "mixed"), [
     ([], 0.09), (["--tbt-slo", "0.2"], 0.18), (["--tbt-slo", "0.2", "--mixed-step-s", "0.05"], 0.05),
     (["--mixed-step-s", "0"], 0.0)])

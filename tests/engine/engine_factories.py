@@ -20,10 +20,13 @@ def tiny() -> LoadedWeights:
 
 def make_engine(weights: LoadedWeights, **kw: object) -> LLMEngine:
     """A float32 CPU engine over ``weights`` (small pool unless told otherwise), on the
-    measured attention paths (``grouped``; batch-invariant mode off unless told otherwise)."""
+    measured attention paths (``grouped``; batch-invariant mode off unless told otherwise);
+    chunks never cut by the clock (``mixed_step_s`` 0) unless told otherwise, so two runs
+    step alike."""
     opts: dict[str, object] = dict(model=TINY, dtype="float32", device="cpu", threads=1,
                                    num_blocks=64, block_size=4, max_batch_tokens=64,
-                                   max_num_seqs=16, attention="grouped", batch_invariant=False)
+                                   max_num_seqs=16, attention="grouped", batch_invariant=False,
+                                   mixed_step_s=0.0)
     opts.update(kw)
     return LLMEngine(EngineConfig(**opts), weights=weights)  # type: ignore[arg-type]
 

@@ -56,13 +56,18 @@ def test_fused_step_matches_op_by_op(rows: int) -> None:
     tiles = fused_decode.tiles_available()
     if rows > 8 and not tiles:
         pytest.skip("more than 8 rows run fused on AMX tiles only")
-    engine = _engine(fused_decode=rows if rows > 8 else 8, prefix_caching=False)
+    engine = _engine(fused_decode=max(rows, 8), prefix_caching=False, max_batch_tokens=512,
+                     num_blocks=256)
     fused = engine.model.fused
     assert fused is not None and engine.decode_fused == f"b<={max(rows, 8)}"
     assert fused.tiles == tiles and fused.limit == (16 if tiles else 8)
     assert (fused.layers[0][1].dim() == 5) == tiles  # qkv packed as amx_linear.pack does
+    batches: list[int] = []
+    real = fused.layer
+    fused.layer = lambda i, x, *a: batches.append(x.shape[0]) or real(i, x, *a)  # type: ignore
     # the same steps (no prefix hits), each row close (prefill logits too: the fused head)
     _assert_fused_matches_ops(engine, prompts(rows, seed=rows), steps=4)
+    assert max(batches) == rows  # every row decoded in one fused step
 
 
 def _unpack(packed: torch.Tensor, silu_pairs: bool = False) -> torch.Tensor:
@@ -220,6 +225,59 @@ def _layer_args(rows: int = 1, hd: int = 16, heads: int = 4, kvh: int = 2, hidde
             r(4, kvh, 4, hd), torch.zeros(rows, dtype=torch.long),
             torch.zeros(rows, 1, dtype=torch.int32), torch.ones(rows, dtype=torch.int32),
             heads, kvh, 1e-5, hd**-0.5, False]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 9, 16])
+def test_packed_layer_and_head_match_the_row_major_ones(rows: int, threads: int) -> None:
+    """The ops on tiles (weights packed) against the dot products (row-major) on the same
+    input: a block of 64 outputs and single 16-output blocks (one thread: 8 QKV blocks, 6 of
+    gate/up; two: 4 and 3 each, an odd share of gate/up pairs), up to 16 rows."""
+    if not fused_decode.tiles_available():
+        pytest.skip("no AMX tiles here: the fused ops take row-major weights only")
+    args = _layer_args(rows=rows)
+    bf = torch.bfloat16
+    args[11] = torch.randn(rows, 2, 4, 16).to(bf)  # a block per row: no shared KV slot
+    args[12] = torch.randn(rows, 2, 4, 16).to(bf)
+    args[13] = torch.arange(rows, dtype=torch.long) * 4
+    args[14] = torch.arange(rows, dtype=torch.int32).view(rows, 1)
+    packed = list(args)
+    for i in (3, 4, 7):
+        packed[i] = amx_linear.pack(args[i])  # type: ignore[arg-type]
+    packed[6] = amx_linear.pack_silu_pairs(args[6])  # type: ignore[arg-type]
+
+    def run(a: list[object]) -> tuple[torch.Tensor, ...]:
+        a = [t.clone() if isinstance(t, torch.Tensor) else t for t in a]
+        out = torch.ops.yuebing.decode_layer(*a)
+        return out.float(), a[1].float(), a[11].float(), a[12].float()  # type: ignore[union-attr]
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for got, want in zip(run(packed), run(args), strict=True):
+            assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max()) + 0.02
+        head = torch.randn(256, 64).to(bf)
+        res, x, norm = args[1], args[0], torch.ones(64, dtype=bf)
+        a = torch.ops.yuebing.decode_logits(res, x, norm, amx_linear.pack(head), 1e-5)
+        b = torch.ops.yuebing.decode_logits(res, x, norm, head, 1e-5)
+        assert a.shape == b.shape == (rows, 256)
+        assert float((a - b).abs().max()) <= 0.02 * float(b.abs().max()) + 0.02
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_tiles_share_the_amx_linears_packed_weights() -> None:
+    """A projection the AMX linear holds packed is the fused decode's weight too (one copy)."""
+    engine = _engine(fused_decode=8)
+    fused = engine.model.fused
+    if fused is None or not fused.tiles:
+        pytest.skip("no AMX tiles here")
+    copies = [(qkv.clone(), None, gu.clone(), None) for _, qkv, _, _, gu, _ in fused.layers]
+    o_before = [layer[2] for layer in fused.layers]
+    fused.share(copies)
+    for (_, qkv, o, _, gu, _), (cq, _, cg, _), ob in zip(fused.layers, copies, o_before,
+                                                          strict=True):
+        assert qkv is cq and gu is cg and o is ob  # None: its own copy stays
 
 
 def test_native_layer_runs_and_refuses_bad_input() -> None:

@@ -16,34 +16,40 @@ from yuebing.engine.scheduler import MixedBudget
 def test_budget_follows_the_measured_cost_per_token() -> None:
     b = MixedBudget(0.09, max_tokens=512, floor=64)
     assert b.tokens() == 512  # nothing timed yet
-    b.observe(16, 17, 0.5)  # a step with too few prefill tokens says nothing
+    b.observe(16, 1, 0.5)  # a step with too few prefill tokens says nothing
+    b.observe(512, 0, 0.5)  # nor one without decodes (no fixed part shared with them)
     assert b.per_token_s is None and b.tokens() == 512
-    b.observe(512, 513, 0.171)  # 0.333 ms a token: 0.09 s holds 270
+    b.observe(512, 1, 0.171)  # 0.333 ms a token: 0.09 s holds 270
     assert 269 <= b.tokens() <= 270
     for _ in range(40):  # a slower host phase: the average follows it
-        b.observe(256, 257, 0.257)
+        b.observe(256, 1, 0.257)
     assert 89 <= b.tokens() <= 90
     for _ in range(40):  # far slower: never below the floor
-        b.observe(256, 257, 2.57)
+        b.observe(256, 1, 2.57)
     assert b.tokens() == 64
     for _ in range(40):  # far faster: never above max_tokens
-        b.observe(256, 257, 0.0001)
+        b.observe(256, 1, 0.0001)
     assert b.tokens() == 512
 
 
 def test_budget_off_takes_the_whole_step() -> None:
     b = MixedBudget(0.0, max_tokens=512, floor=64)
-    b.observe(512, 513, 10.0)
+    b.observe(512, 1, 10.0)
     assert b.per_token_s is None and b.tokens() == 512
-    assert MixedBudget(0.09, max_tokens=32, floor=64).floor == 32
+    small = MixedBudget(0.09, max_tokens=32, floor=64)
+    assert small.floor == 32
+    tiny_blocks = MixedBudget(0.09, max_tokens=512, floor=16)  # block size 4: a floor of 16
+    tiny_blocks.observe(16, 3, 0.19)  # a floor-sized chunk is timed, so the budget can recover
+    assert tiny_blocks.per_token_s == pytest.approx(0.01)
 
 
-def _decoding_engine(tiny_weights, **kw):
-    """An engine with one request decoding and a long prompt waiting."""
+def _decoding_engine(tiny_weights, decodes: int = 1, **kw):
+    """An engine with ``decodes`` requests decoding and a long prompt waiting."""
     engine = make_engine(tiny_weights, max_batch_tokens=256, num_blocks=256, **kw)
-    engine.add_request(prompts(1, seed=1)[0], SamplingParams(max_tokens=50, temperature=0,
-                                                             ignore_eos=True))
-    while not engine.scheduler.running or engine.scheduler.running[0].is_prefilling:
+    for p in prompts(decodes, seed=1):
+        engine.add_request(p, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    while len(engine.scheduler.running) < decodes or any(
+            s.is_prefilling for s in engine.scheduler.running):
         engine.step()
     engine.add_request(list(range(1, 250)), SamplingParams(max_tokens=2, temperature=0))
     return engine
@@ -72,12 +78,13 @@ def test_a_chunk_alone_or_with_the_budget_off_takes_the_whole_step(tiny_weights)
     assert alone.last_plan is not None and [n for _, n in alone.last_plan.prefills] == [249]
 
 
-def test_many_decodes_still_leave_a_chunk_its_floor(tiny_weights) -> None:
-    engine = _decoding_engine(tiny_weights, mixed_step_s=0.09)
+def test_decodes_that_fill_the_budget_still_leave_a_chunk_its_floor(tiny_weights) -> None:
+    engine = _decoding_engine(tiny_weights, decodes=3, mixed_step_s=0.09)
     engine.scheduler.budget.per_token_s = 1.0  # nothing fits the target
     engine.step()
-    assert engine.last_plan is not None
-    assert [n for _, n in engine.last_plan.prefills] == [engine.scheduler.budget.floor]
+    plan = engine.last_plan
+    assert plan is not None and len(plan.decodes) == 3
+    assert [n for _, n in plan.prefills] == [engine.scheduler.budget.floor]
 
 
 def test_a_negative_target_is_refused() -> None:

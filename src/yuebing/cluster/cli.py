@@ -17,9 +17,11 @@ from typing import cast
 
 from yuebing.cluster.config import SupervisorConfig
 from yuebing.cluster.serve import MANAGED, ServeConfig, run_serve
+from yuebing.conductor.policy import PolicyConfig
 from yuebing.core.config import add_config_args, config_flags, config_from_args
 from yuebing.core.cpus import usable_cpus
 from yuebing.core.errors import ConfigError
+from yuebing.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +93,9 @@ def default_topology(ns: argparse.Namespace, cores: int) -> bool:
     return True
 
 
-MIXED_STEP_SHARE = 0.9
-"""The share of the TBT SLO a mixed step may take (``--mixed-step-s``, where not given)."""
+MIXED_STEP_SHARE = EngineConfig().mixed_step_s / PolicyConfig().tbt_slo_s
+"""The share of the TBT SLO a mixed step may take (``--mixed-step-s``, where not given): the
+engine's default over the default SLO's (0.9)."""
 
 
 def mixed_step_from_slo(ns: argparse.Namespace) -> None:

@@ -161,7 +161,7 @@ class EngineConfig:
         "help": "longest step a prefill chunk may make beside running decodes, in seconds: the "
                 "chunk is sized from the measured cost per token of recent prefill steps, so "
                 "the decodes' time between tokens stays inside a TBT SLO (0.09 s: inside the "
-                "default 100 ms SLO); 0 = chunks take the whole --max-batch-tokens"})
+                "default 100 ms SLO; CPU engines); 0 = chunks take the whole --max-batch-tokens"})
     prefix_caching: bool = field(default=True, metadata={"help": "reuse cached full KV blocks"})
     dtype: str = field(default="auto", metadata={
         "help": "auto (bf16 on CPUs with bf16 support and on CUDA), float32, bfloat16, float16"})

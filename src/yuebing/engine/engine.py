@@ -476,9 +476,7 @@ class LLMEngine:
             logits, sampled = self.runner.run(plan)
         finally:
             self.current_plan = None
-        if plan.decodes or plan.prefills:
-            self.scheduler.budget.observe(sum(n for _, n in plan.prefills), plan.num_tokens,
-                                          time.perf_counter() - started)
+        self.scheduler.observe(plan, time.perf_counter() - started)
         starts = [seq.num_computed for seq, _ in plan.prefills]
         self.scheduler.commit(plan)
         self.last_plan = plan

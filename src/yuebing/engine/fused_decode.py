@@ -47,13 +47,16 @@ def tiles_available() -> bool:
         and bool(torch.ops.yuebing.fused_decode_tiles())
 
 
-def _tiles_fit(layers: Sequence[tuple[torch.Tensor, ...]],
-               head: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
-    """Whether every matmul weight can be packed into tiles (`amx_linear.fits`)."""
-    def fits(w: torch.Tensor, silu: bool = False) -> bool:
-        return amx_linear.fits((w.shape[0], w.shape[1]), w.dtype, w.device, silu)
-    return all(fits(qkv) and fits(o) and fits(gu, True) and fits(down)
-               for _, qkv, o, _, gu, down in layers) and (head is None or fits(head[1]))
+def _fits(w: torch.Tensor, silu: bool = False) -> bool:
+    """Whether ``w`` is packed for the tiles already or can be (`amx_linear.fits`)."""
+    return w.dim() == 5 or amx_linear.fits((w.shape[0], w.shape[1]), w.dtype, w.device, silu)
+
+
+def _packed(w: torch.Tensor, silu: bool = False) -> torch.Tensor:
+    """``w`` in the tiles' layout (as given when packed already, e.g. `Linear.amx`'s)."""
+    if w.dim() == 5:
+        return w
+    return amx_linear.pack_silu_pairs(w) if silu else amx_linear.pack(w)
 
 
 class FusedDecode:
@@ -65,18 +68,22 @@ class FusedDecode:
                  max_rows: int | None = None) -> None:
         """``layers``: per layer (ln1, qkv, o, ln2, gate_up, down), the matmul weights row-major
         ``[out, in]``; ``rope``: the cos/sin tables; ``head``: the final norm and the LM head
-        ``[vocab, hidden]``, or None (not the last pipeline stage). ``tiles``: pack the weights
-        for the AMX tiles (None: where `tiles_available` and every weight fits)."""
+        ``[vocab, hidden]``, or None (not the last pipeline stage); a matmul weight may come
+        packed already (`amx_linear.pack`'s layout, the gate/up one in SiLU pairs: a
+        `Linear.amx`, shared). ``tiles``: the layers' weights in the AMX tiles' layout (None:
+        where `tiles_available` and every one fits); the LM head takes them where it fits."""
         if tiles is None:
-            tiles = tiles_available() and _tiles_fit(layers, head)
+            tiles = tiles_available() and all(
+                _fits(qkv) and _fits(o) and _fits(gu, True) and _fits(down)
+                for _, qkv, o, _, gu, down in layers)
         self.cfg = cfg
         self.tiles = tiles
         self.layers: list[tuple[torch.Tensor, ...]]
         if tiles:
-            pack = amx_linear.pack
-            self.layers = [(ln1, pack(qkv), pack(o), ln2, amx_linear.pack_silu_pairs(gu),
-                            pack(down)) for ln1, qkv, o, ln2, gu, down in layers]
-            head = None if head is None else (head[0], pack(head[1]))
+            self.layers = [(ln1, _packed(qkv), _packed(o), ln2, _packed(gu, True), _packed(down))
+                           for ln1, qkv, o, ln2, gu, down in layers]
+            if head is not None and _fits(head[1]):
+                head = (head[0], _packed(head[1]))
         else:
             self.layers = [tuple(w.contiguous() for w in layer) for layer in layers]
         self.rope = rope
@@ -85,6 +92,16 @@ class FusedDecode:
         """The ops' largest batch with these weights."""
         self.max_rows = self.limit if max_rows is None else max_rows
         """Decode-only steps of at most this many sequences run fused (0: never)."""
+
+    def share(self, packed: Sequence[tuple[torch.Tensor | None, ...]]) -> None:
+        """Per layer (qkv, o, gate_up, down), the same weights packed elsewhere (None: not):
+        use those tensors instead of this one's copies (tiles only; the shapes must agree)."""
+        assert self.tiles
+        for i, ((ln1, qkv, o, ln2, gu, down), theirs) in enumerate(
+                zip(self.layers, packed, strict=True)):
+            w = [t if t is not None and t.shape == m.shape else m
+                 for m, t in zip((qkv, o, gu, down), theirs, strict=True)]
+            self.layers[i] = (ln1, w[0], w[1], ln2, w[2], w[3])
 
     def applies(self, rows: int, meta: AttnMetadata) -> bool:
         return 0 < rows <= self.max_rows and not meta.prefills and meta.slots is not None \

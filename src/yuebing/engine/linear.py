@@ -175,7 +175,8 @@ factor √2 of it (fewer or more rows than these cover stay packed)."""
 ROUTE_MARGIN = 0.95
 """``torch.mm`` takes a row count only where its time over the packed weight's, round by round,
 stays below this in `ROUTE_CONSISTENCY` of the rounds: a near tie or a noisy verdict keeps the
-packed weight (the decode's, and no second copy where the fused decode does not keep one)."""
+packed weight (the decode's, and no second row-major copy where the fused decode does not
+keep one: off, or packed for AMX tiles)."""
 
 
 ROUTE_CONSISTENCY = 0.75

@@ -204,9 +204,13 @@ class LlamaModel:
 
     def use_fused(self, fused: FusedDecode | None) -> None:
         """Run small decode steps through ``fused`` (None: never); drops the plain weights
-        when unused (the fused decode holds its own references)."""
+        when unused (the fused decode holds its own references). A projection the AMX linear
+        holds packed (`use_amx`) and the fused decode on tiles share that one copy."""
         self.fused = fused
         self._plain, self._plain_head = [], None
+        if fused is not None and fused.tiles:
+            fused.share([(lay.qkv.amx, lay.o.amx, lay.gate_up.amx, lay.down.amx)
+                         for lay in self.layers])
 
     def make_matmuls_invariant(self) -> int | None:
         """Pad every matmul's input to the row count from which this CPU's kernels give each

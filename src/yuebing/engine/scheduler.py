@@ -47,14 +47,15 @@ class StepPlan:
 
 class MixedBudget:
     """The tokens a step may hold beside running decodes so that it lasts at most ``target_s``
-    (Sarathi-style stall-free batching): ``target_s`` over the seconds per token of recent steps
-    that carried a prefill chunk (an average that follows the host's speed and the context).
-    A step's fixed part (the weights' read) counted per token overstates the cost of a longer
-    chunk, so the budget errs short. The whole ``max_tokens`` until a chunk has been timed, and
-    with ``target_s`` 0. The engine feeds it each step's time (`observe`)."""
+    (Sarathi-style stall-free batching): ``target_s`` over the seconds per token of recent mixed
+    steps (a prefill chunk beside decodes; an average that follows the host's speed and the
+    context). A step's fixed part (the weights' read) counted per token overstates the cost of
+    a longer chunk, so the budget errs short. The whole ``max_tokens`` until a mixed step has
+    been timed, and with ``target_s`` 0. The scheduler feeds it each step's time (`observe`)."""
 
     MIN_TIMED = 32
-    """Steps with fewer prefill tokens say little about a chunk's cost: not observed."""
+    """Steps with fewer prefill tokens (or fewer than ``floor``) say little about a chunk's
+    cost: not observed."""
     ALPHA = 0.25
     """Weight of the newest observation."""
 
@@ -62,12 +63,13 @@ class MixedBudget:
         self.target_s = target_s
         self.max_tokens = max_tokens
         self.floor = min(floor, max_tokens)
+        self.min_timed = min(self.MIN_TIMED, self.floor)
         self.per_token_s: float | None = None
 
-    def observe(self, prefill_tokens: int, tokens: int, seconds: float) -> None:
-        if self.target_s <= 0 or prefill_tokens < self.MIN_TIMED or seconds <= 0:
+    def observe(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
+        if self.target_s <= 0 or not decodes or prefill_tokens < self.min_timed or seconds <= 0:
             return
-        per = seconds / tokens
+        per = seconds / (prefill_tokens + decodes)
         self.per_token_s = per if self.per_token_s is None \
             else self.per_token_s + self.ALPHA * (per - self.per_token_s)
 
@@ -136,6 +138,10 @@ class Scheduler:
             if not plan.prefills:
                 self._schedule_decodes(plan)
         return plan
+
+    def observe(self, plan: StepPlan, seconds: float) -> None:
+        """The engine's time for ``plan``'s forward pass (a mixed step's sizes the next)."""
+        self.budget.observe(sum(n for _, n in plan.prefills), len(plan.decodes), seconds)
 
     def _schedule_decodes(self, plan: StepPlan) -> int:
         for seq in list(self.running):

@@ -1,15 +1,15 @@
 // Fused decode for small batches (bfloat16, AVX512-BF16): a whole decoder layer, and the final
 // norm with the LM head, each in one OpenMP parallel region instead of ~15 torch ops with a
-// fork/join each. Matmuls are row-major bf16 GEMVs (float32 sums, rows of the weight split
-// between the threads, each weight row read once for all batch rows): on AMX tiles where the
-// CPU has AMX-BF16 and every input width is a multiple of 32 (16 weight rows read in place as
-// an A tile, the batch rows packed once per matmul as a B tile of R columns: one tile product
-// serves all rows, so a row costs little beyond the weight's read), else on vdpbf16ps (one
-// dot product per weight row and batch row). RMSNorm, RoPE with the K/V cache write, paged
-// attention and SiLU·mul are fused between them, with a barrier between stages. Intermediates
-// are rounded to bf16 where the torch path stores them. Each batch row is computed the same way
-// whatever the other rows are; the summation order differs from oneDNN's, so results match the
-// unfused path in tokens, not in bits.
+// fork/join each. Matmuls split the weight's output rows between the threads and read each
+// once for all batch rows (float32 sums). Weights row-major [out, in]: a vdpbf16ps dot product
+// per weight row and batch row (8 rows at a time). Weights packed as `amx_linear.pack` lays them
+// out (where the CPU grants AMX-BF16 tiles): the batch rows (up to 16) read in place as the A
+// tile, 1 KiB weight tiles as B, four 16-output blocks at a time: one tile product serves every
+// row, so a row costs little beyond the weight's read. RMSNorm, RoPE with the K/V cache write,
+// paged attention and SiLU·mul are fused between them, with a barrier between stages.
+// Intermediates are rounded to bf16 where the torch path stores them. Each batch row is computed
+// the same way whatever the other rows are; the summation order differs from oneDNN's, so
+// results match the unfused path in tokens, not in bits.
 #include <omp.h>
 
 #include <optional>
@@ -32,10 +32,9 @@ bool fused_decode_available() {
 #endif
 }
 
-// Whether the fused ops take packed weights and run their matmuls on AMX tiles here (up to 16
-// rows; 8 on vdpbf16ps).
+// Whether the fused ops take packed weights and run their matmuls on AMX tiles here.
 bool fused_decode_tiles() {
-#if defined(YB_DECODE_AMX) && defined(__AVX512BF16__)
+#ifdef YB_DECODE_AMX
   return amx_available();
 #else
   return false;

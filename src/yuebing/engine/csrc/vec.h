@@ -110,7 +110,8 @@ inline __m512 bf16_round(__m512 v) {
 }
 
 // silu(gate)·up of float32 matmul sums as `silu_and_mul` computes it on their bf16 outputs:
-// gate and up rounded to bf16, the SiLU rounded to bf16 before the product (not rounded).
+// gate and up rounded to bf16, the SiLU rounded to bf16 before the product; the product is
+// returned in float32 (the caller rounds it as it stores).
 inline __m512 silu_mul16(__m512 gate, __m512 up) {
   const __m512 g = bf16_round(gate), u = bf16_round(up);
   const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
