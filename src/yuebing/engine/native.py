@@ -35,8 +35,8 @@ from yuebing.core import env
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("common.h", "vec.h", "decode_attention.h", "decode_attention.cpp", "decode_fused.cpp",
-           "flash_prefill.cpp", "layer_ops.cpp", "amx_linear.cpp", "register.cpp")
+SOURCES = ("common.h", "vec.h", "tiles.h", "decode_attention.h", "decode_attention.cpp",
+           "decode_fused.cpp", "flash_prefill.cpp", "layer_ops.cpp", "amx_linear.cpp", "register.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
 OPS = ("paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rope_write_kv",

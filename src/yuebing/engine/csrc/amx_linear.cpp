@@ -19,6 +19,7 @@
 // row's bits do not depend on the batch. Built only where -march=native has AMX-BF16 and
 // AVX512-BF16 (and refused where the process is denied the tiles: `amx_available`).
 #include "common.h"
+#include "tiles.h"
 #include "vec.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -37,25 +38,13 @@ constexpr int64_t kPanelBytes = 1 << 20;  // weight bytes a thread walks per 32-
 enum Epilogue : int64_t { kNone = 0, kSiluMul = 1 };
 
 #ifdef YB_AMX_LINEAR
-struct alignas(64) LinearTileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tmm0-1: A (16 rows × 32 bf16), tmm2-3: B (16 pairs × 16 columns), tmm4-7: C (16 × 16 float).
 class TileScope {
  public:
   TileScope() {
-    LinearTileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = 16;
-    }
-    // GCC does not treat LDTILECFG as reading cfg: without this barrier it moved the stores
-    // to cfg after the load once the constructor was inlined (a zero config, then a fault)
-    asm volatile("" : : "m"(cfg) : "memory");
-    _tile_loadconfig(&cfg);
+    TileConfig cfg;
+    set_tiles(cfg, {0, 1, 2, 3, 4, 5, 6, 7}, 16);
+    load_tile_config(cfg);
   }
   ~TileScope() { _tile_release(); }
   TileScope(const TileScope&) = delete;

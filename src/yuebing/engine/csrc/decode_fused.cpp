@@ -15,6 +15,7 @@
 #include <optional>
 
 #include "decode_attention.h"
+#include "tiles.h"
 #include "vec.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
@@ -110,27 +111,14 @@ inline void gemv(const bf16* W, int64_t K, const bf16* x, int64_t R, int64_t o0,
 // Tiles: tmm0 A (the R batch rows × 32 inputs, read in place), tmm2-3 B (weight tiles as
 // `amx_linear.pack` lays them out: [out/16][in/32] tiles of 16 pairs × 16 outputs, 1 KiB each),
 // tmm4-7 C (R rows × 16 outputs, float32).
-struct alignas(64) DecodeTileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Configures this thread's tiles for R batch rows and releases them at the end.
 class DecodeTiles {
  public:
   explicit DecodeTiles(int64_t R) {
-    DecodeTileConfig cfg;
-    for (int t : {0, 4, 5, 6, 7}) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = static_cast<uint8_t>(R);
-    }
-    for (int t : {2, 3}) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = 16;
-    }
-    asm volatile("" : : "m"(cfg) : "memory");  // LDTILECFG reads cfg (see amx_linear.cpp)
-    _tile_loadconfig(&cfg);
+    TileConfig cfg;
+    set_tiles(cfg, {0, 4, 5, 6, 7}, static_cast<int>(R));
+    set_tiles(cfg, {2, 3}, 16);
+    load_tile_config(cfg);
   }
   ~DecodeTiles() { _tile_release(); }
   DecodeTiles(const DecodeTiles&) = delete;
@@ -172,27 +160,32 @@ inline void tile_blocks(const bf16* x, int64_t K, const bf16* packed, const int6
   if (N > 3) _tile_stored(7, c + 48, 256);
 }
 
-// y[r, o] = bf16(W[o]·x[r]) for o in [o0, o1) (multiples of 16) of a packed weight, four
-// blocks at a time; c holds 64·R floats.
+// Outputs [o0, o1) (multiples of 16) of x · Wᵀ for a packed weight, four blocks at a time
+// into c (64·R floats, row stride 64); store(o, blocks) takes each pass's outputs o, o + 16·blocks.
+template <typename Store>
+inline void tile_walk(const bf16* packed, int64_t K, const bf16* x, int64_t o0, int64_t o1,
+                      float* c, const Store& store) {
+  for (int64_t o = o0; o < o1;) {
+    const int blocks = o + 64 <= o1 ? 4 : 1;
+    const int64_t b[4] = {o / 16, o / 16 + 1, o / 16 + 2, o / 16 + 3};
+    if (blocks == 4)
+      tile_blocks<4>(x, K, packed, b, c);
+    else
+      tile_blocks<1>(x, K, packed, b, c);
+    store(o, blocks);
+    o += 16 * blocks;
+  }
+}
+
+// y[r, o] = bf16(W[o]·x[r]) for o in [o0, o1) of a packed weight.
 inline void tile_matmul(const bf16* packed, int64_t K, const bf16* x, int64_t R, int64_t o0,
                         int64_t o1, bf16* y, int64_t ldy, float* c) {
-  auto store = [&](int64_t o, int n) {
+  tile_walk(packed, K, x, o0, o1, c, [&](int64_t o, int blocks) {
     for (int64_t r = 0; r < R; ++r)
-      for (int i = 0; i < n; ++i)
+      for (int i = 0; i < blocks; ++i)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + o + 16 * i),
                             bf16_pack(_mm512_loadu_ps(c + r * 64 + 16 * i)));
-  };
-  int64_t o = o0;
-  for (; o + 64 <= o1; o += 64) {
-    const int64_t b[4] = {o / 16, o / 16 + 1, o / 16 + 2, o / 16 + 3};
-    tile_blocks<4>(x, K, packed, b, c);
-    store(o, 4);
-  }
-  for (; o < o1; o += 16) {
-    const int64_t b[1] = {o / 16};
-    tile_blocks<1>(x, K, packed, b, c);
-    store(o, 1);
-  }
+  });
 }
 #endif
 
@@ -495,19 +488,13 @@ at::Tensor decode_logits(const at::Tensor& residual, const at::Tensor& x,
 #ifdef YB_DECODE_AMX
       DecodeTiles tile_cfg(R);
       std::vector<float> c(64 * R);
-      for (int64_t o = v0; o < v1;) {  // logits rounded through bf16 as the torch path stores them
-        const int blocks = o + 64 <= v1 ? 4 : 1;
-        const int64_t b[4] = {o / 16, o / 16 + 1, o / 16 + 2, o / 16 + 3};
-        if (blocks == 4)
-          tile_blocks<4>(hp, H, w, b, c.data());
-        else
-          tile_blocks<1>(hp, H, w, b, c.data());
+      // logits rounded through bf16 as the torch path stores them
+      tile_walk(w, H, hp, v0, v1, c.data(), [&](int64_t o, int blocks) {
         for (int64_t r = 0; r < R; ++r)
           for (int i = 0; i < blocks; ++i)
             _mm512_storeu_ps(lp + r * V + o + 16 * i,
                              bf16_round(_mm512_loadu_ps(c.data() + r * 64 + 16 * i)));
-        o += 16 * blocks;
-      }
+      });
 #endif
     } else {
       float out[kMaxDotRows];

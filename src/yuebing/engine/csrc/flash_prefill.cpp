@@ -19,6 +19,7 @@
 #include <memory>
 
 #include "common.h"
+#include "tiles.h"
 #include "vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)  // DQ: VREDUCEPS
@@ -442,19 +443,10 @@ void flash_task(const FlashShape& s, const uint16_t* q, const uint16_t* kp, cons
 // (64 keys of scores, or 64 output columns). TDPBF16PS sums exact bf16 products in float32.
 constexpr int64_t kAmxRows = 16;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 void amx_configure() {
   TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
+  set_tiles(cfg, {0, 1, 2, 3, 4, 5, 6, 7}, 16);
+  load_tile_config(cfg);
 }
 
 // The calling thread's tiles, configured for its scope and released on every way out of it
