@@ -528,7 +528,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-lens", type=ints, default=d.prefill_lens)
     p.add_argument("--repeats", type=int, default=d.repeats,
                    help="samples per cell, peer and round (pairs with ours)")
-    p.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float32"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="both engines' dtype; auto = what our engine's own auto picks on this "
+                        "machine (bfloat16 where the CPU has bf16 instructions, else float32)")
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--kv-gib", type=float, default=d.kv_gib, help="KV space for vLLM and ours")
     p.add_argument("--ours-model", default="smollm2", help="model argument of our engine")
@@ -566,8 +568,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ns
 
 
+def resolve_auto_dtype(name: str) -> str:
+    """``auto`` as our engine resolves it on this machine, so both engines run the dtype a
+    user of ours gets here (vLLM is told the same one)."""
+    if name != "auto":
+        return name
+    import torch
+    from yuebing.engine.runtime import resolve_dtype
+    return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+
+
 def build_workload(ns: argparse.Namespace) -> Workload:
-    common = dict(dtype=ns.dtype, threads=ns.threads, kv_gib=ns.kv_gib,
+    common = dict(dtype=resolve_auto_dtype(ns.dtype), threads=ns.threads, kv_gib=ns.kv_gib,
                   extra={"ours_attention": ns.ours_attention,
                          "ours_batch_invariant": ns.ours_batch_invariant,
                          "ours_threads": ns.threads if ns.ours_threads is None else ns.ours_threads})

@@ -29,9 +29,24 @@ needs_pack = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")
                                 reason="no oneDNN weight packing on this torch build or CPU")
 
 
-def test_can_pack_only_low_precision_cpu():
-    assert not can_pack(torch.float32, torch.device("cpu"))
+def test_can_pack_cpu_only():
+    assert can_pack(torch.float32, torch.device("cpu")) == torch.backends.mkldnn.is_available()
     assert not can_pack(torch.bfloat16, torch.device("cuda"))
+    assert not can_pack(torch.float32, torch.device("cuda"))
+
+
+def test_packed_fp32_linear_matches_f_linear():
+    """fp32 weights packed for oneDNN compute the same product as F.linear (to rounding), at
+    decode and prefill row counts."""
+    if not can_pack(torch.float32, torch.device("cpu")):
+        pytest.skip("oneDNN packing does not run here")
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    lin = Linear(w, b, pack=True)
+    assert lin.is_packed and lin.shape == (96, 64)
+    for rows in (1, 8, 300):
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 def test_unpacked_linear_is_f_linear():

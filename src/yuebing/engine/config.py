@@ -181,7 +181,8 @@ class EngineConfig:
                 "kernel; bf16 CPU) or flash_amx (its AMX-tile build; CPUs with AMX-BF16)"})
     weights_seed: int = field(default=0, metadata={"help": "seed of dummy random weights"})
     packed_weights: bool = field(default=True, metadata={
-        "help": "pack bf16/fp16 matmul weights into oneDNN's layout once at load (CPU)"})
+        "help": "pack matmul weights into oneDNN's layout once at load (CPU; prefill row "
+                "counts where torch.mm timed faster at start-up still take it)"})
     amx_linear: bool = field(default=True, metadata={
         "help": "prefill projections may run the native AMX linear where it timed faster at "
                 "start-up (bf16, native kernels, CPUs with AMX-BF16, not batch-invariant); "

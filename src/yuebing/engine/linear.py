@@ -1,8 +1,9 @@
 """Matmul weights of the model and the route each row count takes; `LlamaModel` wraps each
 projection in a `Linear` when it is built and calls it once per layer and step.
 
-On CPU in bf16/fp16 `pack_weight` packs a weight once into oneDNN's blocked layout (plain
-``F.linear`` re-packs it on every call; ``EngineConfig.packed_weights``). At start-up
+On CPU `pack_weight` packs a weight once into oneDNN's blocked layout (``EngineConfig.packed_weights``):
+in bf16/fp16 plain ``F.linear`` re-packs it on every call; in fp32 it runs MKL, which on AVX2
+AMD processors takes 1.3-3x oneDNN's time (docs/engine.md). At start-up
 (`LLMEngine`, cached per machine) `choose_routes` times the packed kernel against ``torch.mm``
 per shape and row count (`Linear.use_plain`), then `choose_amx` times the native AMX linear
 against that (`Linear.use_amx`, gate/up with SiLU·mul fused: `Linear.silu_mul`). Batch
@@ -26,12 +27,13 @@ from yuebing.engine.kernels import KernelOps
 
 log = logging.getLogger(__name__)
 
-_PACKABLE = (torch.bfloat16, torch.float16)
+_PACKABLE = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether oneDNN weight packing applies to this dtype and device — and works on this CPU
-    (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT; tried once per dtype)."""
+    (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT; tried once per dtype). Prefill row
+    counts where ``torch.mm`` runs faster still take it (`choose_routes`)."""
     return (device.type == "cpu" and dtype in _PACKABLE and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and _packs_here(dtype))
 
@@ -44,7 +46,8 @@ def _packs_here(dtype: torch.dtype) -> bool:
         torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 16, dtype=dtype), packed, None,
                                            "none", [], "")
     except (RuntimeError, NotImplementedError) as exc:
-        log.info("oneDNN weight packing does not run here (%s); bf16/fp16 use F.linear", exc)
+        log.info("oneDNN weight packing does not run here for %s (%s); F.linear instead",
+                 dtype, exc)
         return False
     return True
 
