@@ -84,6 +84,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lens", default="512,2048", help="prompt lengths, comma-separated")
     ap.add_argument("--repeats", type=int, default=15, help="timed prompts per length (>= 1)")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                    help="the engine's dtype (auto: bf16 where the CPU has bf16 instructions)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cached", type=int, default=0,
                     help="a prefix of this many tokens, the same for every prompt and cached "
@@ -96,10 +98,10 @@ def main() -> None:
         ap.error("--repeats, --threads and every length must be >= 1, --cached >= 0")
     longest = a.cached + max(lens)
     engine = LLMEngine(EngineConfig(
-        model=a.model, dtype="bfloat16", threads=a.threads, kv_cache_bytes=2 << 30,
+        model=a.model, dtype=a.dtype, threads=a.threads, kv_cache_bytes=2 << 30,
         max_num_seqs=8, max_batch_tokens=max(lens), max_model_len=max(4096, longest + 1),
         prefix_caching=a.cached > 0))
-    print(f"prefill attention {engine.prefill_attention}, kernels {engine.kernels.name}, "
+    print(f"{engine.dtype}, prefill attention {engine.prefill_attention}, kernels {engine.kernels.name}, "
           f"threads {torch.get_num_threads()}, fused decode {engine.decode_fused}")
     rec: Record = defaultdict(list)
     instrument(engine, rec)

@@ -5,6 +5,8 @@
 // rounding steps; only reduction order (RMSNorm) and exp and 1/x (SiLU) differ.
 #include <ATen/MemoryOverlap.h>
 
+#include <type_traits>
+
 #include "vec.h"
 
 namespace yuebing {
@@ -144,7 +146,19 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
         store16(dst + i, _mm512_mul_ps(act, load16(up + i, m)), m);
       }
 #else
-      for (int64_t i = 0; i < n; ++i) {
+      int64_t i = 0;
+#ifdef YB_VEC_AVX2
+      if constexpr (std::is_same_v<T, float>) {  // float32 only: no rounding through T
+        const __m256 one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= n; i += 8) {
+          const __m256 g = _mm256_loadu_ps(gate + i);
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+          const __m256 act = _mm256_div_ps(g, _mm256_add_ps(one, e));
+          _mm256_storeu_ps(dst + i, _mm256_mul_ps(act, _mm256_loadu_ps(up + i)));
+        }
+      }
+#endif
+      for (; i < n; ++i) {
         const float g = to_float(gate[i]);
         const float act = round_through<T>(g / (1.f + std::exp(-g)));
         dst[i] = from_float<T>(act * to_float(up[i]));
